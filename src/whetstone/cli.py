@@ -1,0 +1,32 @@
+"""The `whetstone` command. Each role keeps its own subcommands in `<role>/cli.py`; this file
+only assembles them and turns `WhetstoneError` into a clean message and exit code 2."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+from rich.console import Console
+
+from whetstone.errors import WhetstoneError
+
+app = typer.Typer(
+    name="whetstone",
+    help="Mid-training, asynchronous RL in sandboxes, delta weight sync and online RL for coding agents.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+# Role command groups are added here as they land (see each role's cli.py).
+
+
+def main() -> None:
+    try:
+        app()
+    except WhetstoneError as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

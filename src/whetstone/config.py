@@ -1,0 +1,115 @@
+"""Configs are pydantic models loaded from TOML, with command-line overrides of single fields.
+
+Every config class derives from `Config`: unknown keys are errors, field docstrings become the
+field descriptions (used by `docs/configuration.md`), and `load_config` turns any validation
+failure into a `ConfigError` that names the file, the dotted key and what was wrong.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from whetstone.errors import ConfigError
+
+
+class Config(BaseModel):
+    """Base of every whetstone config section."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+C = TypeVar("C", bound=Config)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """Split `a.b.c=value` into its key path and a value parsed as a TOML literal.
+
+    A value that is not valid TOML (`name=my-run`) is taken as a plain string.
+    """
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.steps=100")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw
+    return [part.strip() for part in key.split(".")], value
+
+
+def _set_nested(data: dict[str, Any], path: list[str], value: Any, source: str) -> None:
+    node = data
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{source}: {'.'.join(path)}: {part!r} is a value, not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def read_toml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    try:
+        return tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config file {path} does not exist") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+
+
+def format_validation_error(err: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for item in err.errors():
+        key = ".".join(str(part) for part in item["loc"]) or "<root>"
+        got = "" if item["type"] == "missing" else f" (got {item['input']!r})"
+        lines.append(f"  {key}: {item['msg']}{got}")
+    return "\n".join(lines)
+
+
+def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:
+    """Build `cls` from an optional TOML file plus `key.sub=value` overrides (applied last)."""
+    data = read_toml(path) if path is not None else {}
+    source = str(path) if path is not None else "defaults"
+    for text in overrides:
+        keys, value = parse_override(text)
+        _set_nested(data, keys, value, "override")
+    if overrides:
+        source += " + overrides"
+    try:
+        return cls.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, source)) from None
+
+
+def dump_toml(config: Config) -> str:
+    """Render a config as TOML (for run records and `whetstone config show`)."""
+    return _toml_table(config.model_dump(mode="json"), prefix="")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def _toml_table(data: dict[str, Any], prefix: str) -> str:
+    scalars = [(k, v) for k, v in data.items() if not isinstance(v, dict) and v is not None]
+    tables = [(k, v) for k, v in data.items() if isinstance(v, dict)]
+    out = [f"{k} = {_toml_value(v)}" for k, v in scalars]
+    for key, value in tables:
+        name = f"{prefix}{key}"
+        out.append(f"\n[{name}]")
+        out.append(_toml_table(value, prefix=f"{name}."))
+    return "\n".join(line for line in out if line != "")

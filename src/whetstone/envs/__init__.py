@@ -1,0 +1,1 @@
+"""Environments: sandboxes, coding tasks, rewards and cheat detection, the agent harness."""

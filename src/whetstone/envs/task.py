@@ -1,0 +1,89 @@
+"""The task record: a superset of the SWE-bench record (see docs/architecture.md, "Task").
+
+Everything the grader needs lives here; the parts the agent must never see (hidden tests,
+reference solution) are kept out of the rollout sandbox by the code that builds it.
+"""
+
+from __future__ import annotations
+
+from pathlib import PurePosixPath
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from whetstone.config import Config
+
+TASK_FORMAT_VERSION = 1
+
+
+def _check_relative_paths(files: dict[str, str], what: str) -> dict[str, str]:
+    for name in files:
+        path = PurePosixPath(name)
+        if path.is_absolute() or ".." in path.parts or not name:
+            raise ValueError(f"{what}: path {name!r} must be relative and stay inside the repository")
+    return files
+
+
+class Task(Config):
+    """One coding task. Files are given as {relative path: text}."""
+
+    format_version: int = TASK_FORMAT_VERSION
+    """Version of this record's layout; bumped on incompatible changes."""
+    id: str = Field(min_length=1)
+    """Unique task id, e.g. `synth/train/00017`."""
+    source: str = "custom"
+    """Which task source made it: synth, repofix, mutate, humaneval, swebench, custom."""
+    split: str = "train"
+    """Dataset split: `train` or `heldout` (evaluation only)."""
+    kind: Literal["synthesis", "bugfix"] = "synthesis"
+    """`bugfix` tasks must fail their hidden tests before the fix; `synthesis` tasks start empty."""
+    instruction: str = Field(min_length=1)
+    """The problem statement the agent sees."""
+    repo_files: dict[str, str] = {}
+    """The repository snapshot the agent starts from (visible tests included)."""
+    repo_path: str | None = None
+    """Alternatively, a local directory holding the snapshot (large repositories)."""
+    base_commit: str | None = None
+    """SWE-bench provenance; the rollout repository never carries history beyond it."""
+    setup: list[str] = []
+    """Shell commands run in the sandbox before the agent starts (no network)."""
+    visible_tests: list[str] = []
+    """Paths (inside the repository) of tests the agent may run with `run_tests`."""
+    hidden_tests: dict[str, str] = {}
+    """Test files added only at grading time, in a fresh sandbox. Never shown to the agent."""
+    solution_files: dict[str, str] = {}
+    """Reference solution as whole files to overwrite. Never shown to the agent."""
+    solution_patch: str | None = None
+    """Reference solution as a unified diff (SWE-bench `patch`), if not given as files."""
+    fail_to_pass: list[str] = []
+    """Test ids that must go from failing to passing (pytest node ids)."""
+    pass_to_pass: list[str] = []
+    """Test ids that must keep passing."""
+    test_command: str = "python -m pytest -q -p no:cacheprovider"
+    """Command that runs the tests; test ids are appended."""
+    time_limit_s: float = 600.0
+    """Wall-clock limit for a whole rollout on this task."""
+    test_time_limit_s: float = 60.0
+    """Wall-clock limit for one test run."""
+    protected_paths: list[str] = []
+    """Glob patterns the agent must not change (tests, fixtures); changes are flagged as cheating."""
+    rubric: str | None = None
+    """Optional grading rubric for an LLM judge."""
+    difficulty: int = 0
+    """Source-specific difficulty level (0 = easiest)."""
+    metadata: dict[str, str | int | float | bool] = {}
+    """Free-form provenance: mutation operator, original module, seed."""
+
+    _check_repo = field_validator("repo_files")(lambda cls, v: _check_relative_paths(v, "repo_files"))
+    _check_hidden = field_validator("hidden_tests")(lambda cls, v: _check_relative_paths(v, "hidden_tests"))
+    _check_solution = field_validator("solution_files")(
+        lambda cls, v: _check_relative_paths(v, "solution_files")
+    )
+
+    @model_validator(mode="after")
+    def _one_snapshot(self) -> "Task":
+        if self.repo_files and self.repo_path:
+            raise ValueError("give the repository as repo_files or repo_path, not both")
+        if not self.hidden_tests and not self.fail_to_pass:
+            raise ValueError("a task needs hidden_tests or fail_to_pass tests to be graded")
+        return self

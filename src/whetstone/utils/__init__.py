@@ -1,0 +1,1 @@
+"""Small helpers shared by every role: atomic writes, progress bars, metrics files."""

@@ -1,0 +1,61 @@
+import pytest
+
+from whetstone.config import Config, dump_toml, load_config, parse_override
+from whetstone.errors import ConfigError
+
+
+class Inner(Config):
+    lr: float = 1e-3
+    """Learning rate."""
+    name: str = "tiny"
+    """A name."""
+
+
+class Outer(Config):
+    steps: int = 10
+    """Steps."""
+    inner: Inner = Inner()
+    """Inner section."""
+
+
+def test_defaults_and_docstrings():
+    cfg = load_config(Outer)
+    assert cfg.steps == 10 and cfg.inner.lr == 1e-3
+    assert Outer.model_fields["steps"].description == "Steps."
+
+
+def test_toml_file_and_overrides(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("steps = 5\n[inner]\nlr = 0.5\n")
+    cfg = load_config(Outer, path, ["inner.name=big-run", "steps=7"])
+    assert (cfg.steps, cfg.inner.lr, cfg.inner.name) == (7, 0.5, "big-run")
+
+
+def test_unknown_key_is_named(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("[inner]\nlrr = 0.5\n")
+    with pytest.raises(ConfigError, match=r"inner\.lrr"):
+        load_config(Outer, path)
+
+
+def test_wrong_type_is_named():
+    with pytest.raises(ConfigError, match=r"steps: .*got 'many'"):
+        load_config(Outer, None, ["steps=many"])
+
+
+def test_bad_toml_and_missing_file(tmp_path):
+    path = tmp_path / "c.toml"
+    path.write_text("steps = = 1\n")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(Outer, path)
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(Outer, tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="KEY=VALUE"):
+        parse_override("steps")
+
+
+def test_dump_round_trip(tmp_path):
+    cfg = load_config(Outer, None, ["inner.name=x y", "steps=3"])
+    path = tmp_path / "dump.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_config(Outer, path) == cfg
