@@ -17,7 +17,11 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-# Role command groups are added here as they land (see each role's cli.py).
+from whetstone.bench.cli import app as bench_app  # noqa: E402
+from whetstone.sync.cli import app as sync_app  # noqa: E402
+
+app.add_typer(sync_app, name="sync", help="Publish, watch and inspect the versioned weight store.")
+app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:

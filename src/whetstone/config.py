@@ -113,3 +113,33 @@ def _toml_table(data: dict[str, Any], prefix: str) -> str:
         out.append(f"\n[{name}]")
         out.append(_toml_table(value, prefix=f"{name}."))
     return "\n".join(line for line in out if line != "")
+
+
+def config_reference(root: type[Config], title: str) -> str:
+    """Markdown tables of every field of `root` and of its nested sections, from the docstrings."""
+    out = [f"## {title}", ""]
+    _reference_section(root, prefix="", out=out)
+    return "\n".join(out) + "\n"
+
+
+def _reference_section(cls: type[Config], prefix: str, out: list[str]) -> None:
+    sections = []
+    rows = []
+    for name, field in cls.model_fields.items():
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, Config):
+            sections.append((name, annotation))
+            continue
+        if field.is_required():
+            shown = "(required)"
+        else:
+            default = field.get_default(call_default_factory=True)
+            shown = "(none)" if default is None else f"`{_toml_value(default)}`"
+        kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+        description = (field.description or "").replace("\n", " ").replace("|", "\\|")
+        rows.append(f"| `{prefix}{name}` | `{kind}` | {shown} | {description} |")
+    if rows:
+        out += [f"### [{prefix.rstrip('.')}]" if prefix else "### (top level)", ""]
+        out += ["| key | type | default | description |", "|---|---|---|---|", *rows, ""]
+    for name, section in sections:
+        _reference_section(section, prefix=f"{prefix}{name}.", out=out)

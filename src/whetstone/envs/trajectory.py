@@ -1,0 +1,118 @@
+"""The trajectory record: what one rollout of the harness produced (DESIGN.md, "Trajectory").
+
+A rollout is a list of segments; a new segment starts when the harness restarts its context
+from a summary. A segment is a list of model calls, each holding exactly what the inference
+server returned (token ids, behavior logprobs, routes, weight versions), never re-tokenized
+text, so the trainer sees what was sampled. The final reward is credited to every segment.
+
+Records are JSON: Python floats round-trip exactly, so behavior logprobs survive bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+from whetstone.errors import WhetstoneError
+from whetstone.utils.atomic import atomic_write_text
+
+TRAJECTORY_FORMAT_VERSION = 1
+
+
+class Record(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ModelCall(Record):
+    """One request to the inference server and its answer, in tokens."""
+
+    prompt_ids: list[int]
+    completion_ids: list[int]
+    logprobs: list[float]
+    """Behavior logprob of each completion token, as the server sampled it."""
+    versions: list[int]
+    """Weight version that produced each completion token."""
+    loss_mask: list[int]
+    """Per completion token: 1 to train on it, 0 to leave it out (e.g. a cut-off call)."""
+    routes: str | None = None
+    """Routed expert ids of every token fed through the model (prompt, then completion), in the
+    server's compact base64 form; decode with `whetstone.inference.protocol.decode_routes`."""
+    is_summary: bool = False
+    """This call wrote a summary of the work so far (the context restarts after it)."""
+    finish_reason: str = "stop"
+
+    @model_validator(mode="after")
+    def _aligned(self) -> "ModelCall":
+        n = len(self.completion_ids)
+        for name in ("logprobs", "versions", "loss_mask"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"{name} has {len(getattr(self, name))} entries for {n} completion tokens")
+        return self
+
+
+class Segment(Record):
+    """The calls made between two context restarts."""
+
+    calls: list[ModelCall] = []
+    summary: str | None = None
+    """The summary this segment ended with, carried into the next segment's context."""
+
+
+class Trajectory(Record):
+    """One rollout of one task: segments, reward and what the grader found."""
+
+    format_version: int = TRAJECTORY_FORMAT_VERSION
+    task_id: str
+    group_id: str = ""
+    """Rollouts of the same task in one RL step share a group id (for group advantages)."""
+    segments: list[Segment] = []
+    reward: float = 0.0
+    reward_breakdown: dict[str, float] = {}
+    cheat_flags: list[str] = []
+    exclude_from_gradient: bool = False
+    turns: int = 0
+    invalid_tool_calls: int = 0
+    status: str = "ok"
+    """`ok`, or `failed` when the rollout itself broke (server gone, sandbox error)."""
+    error: str | None = None
+    """Why a failed rollout failed."""
+    timings: dict[str, float] = {}
+    """Seconds spent per phase: generation, tools, grading, total."""
+
+    @property
+    def calls(self) -> list[ModelCall]:
+        return [call for segment in self.segments for call in segment.calls]
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(len(call.completion_ids) for call in self.calls)
+
+    @property
+    def oldest_version(self) -> int | None:
+        """Staleness is counted from the oldest token's weight version."""
+        versions = [v for call in self.calls for v in call.versions]
+        return min(versions) if versions else None
+
+
+def save_trajectories(path: str | Path, trajectories: list[Trajectory]) -> None:
+    """Write trajectories as JSONL, atomically."""
+    atomic_write_text(path, "".join(t.model_dump_json() + "\n" for t in trajectories))
+
+
+def load_trajectories(path: str | Path) -> list[Trajectory]:
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        raise WhetstoneError(f"trajectory file {path} does not exist") from None
+    out = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(Trajectory.model_validate(json.loads(line)))
+        except (json.JSONDecodeError, ValueError) as err:
+            raise WhetstoneError(f"{path}:{number}: not a valid trajectory record: {err}") from None
+    return out

@@ -1,0 +1,22 @@
+"""Object stores: one small interface, a local-directory backend and an S3 backend.
+
+`open_store("runs/weights")` is a local directory; `open_store("s3://bucket/prefix",
+endpoint_url=...)` is a bucket (the endpoint selects MinIO, R2, moto... instead of AWS).
+"""
+
+from __future__ import annotations
+
+from whetstone.store.base import MissingObjectError, ObjectStore
+from whetstone.store.local import LocalStore
+
+
+def open_store(url: str, endpoint_url: str | None = None) -> ObjectStore:
+    if url.startswith("s3://"):
+        from whetstone.store.s3 import S3Store
+
+        bucket, _, prefix = url.removeprefix("s3://").partition("/")
+        return S3Store(bucket, prefix, endpoint_url=endpoint_url)
+    return LocalStore(url.removeprefix("file://"))
+
+
+__all__ = ["LocalStore", "MissingObjectError", "ObjectStore", "open_store"]

@@ -1,0 +1,58 @@
+"""Object store in a local directory: one file per key, written atomically."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from whetstone.store.base import MissingObjectError, ObjectStore, check_key
+from whetstone.utils.atomic import atomic_write_bytes
+
+
+class LocalStore(ObjectStore):
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.root)!r})"
+
+    def _path(self, key: str) -> Path:
+        return self.root / check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        atomic_write_bytes(self._path(key), data)
+
+    def get(self, key: str) -> bytes:
+        try:
+            return self._path(key).read_bytes()
+        except (FileNotFoundError, IsADirectoryError):
+            raise MissingObjectError(f"no object {key!r} in {self.root}") from None
+
+    def list(self, prefix: str = "") -> list[str]:
+        # Walk only the deepest directory the prefix names, not the whole store.
+        folder = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
+        if not folder.is_dir():
+            return []
+        keys = []
+        for path in folder.rglob("*"):
+            # Temporary files of atomic writes in progress start with a dot: not objects yet.
+            if path.is_file() and not path.name.startswith("."):
+                key = path.relative_to(self.root).as_posix()
+                if key.startswith(prefix):
+                    keys.append(key)
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        path = self._path(key)
+        path.unlink(missing_ok=True)
+        # Drop directories left empty, so deleted versions leave no trace.
+        for parent in path.parents:
+            if parent == self.root or not parent.is_relative_to(self.root):
+                break
+            try:
+                parent.rmdir()
+            except OSError:
+                break
+
+    def exists(self, key: str) -> bool:
+        return self._path(key).is_file()

@@ -1,0 +1,75 @@
+"""Object store in an S3-compatible bucket (AWS, MinIO, R2, moto), via boto3.
+
+Credentials come from boto3's usual chain (environment, config files, instance roles). A PUT is
+atomic in S3: readers see the whole old object or the whole new one.
+"""
+
+from __future__ import annotations
+
+from whetstone.errors import WhetstoneError
+from whetstone.store.base import MissingObjectError, ObjectStore, check_key
+
+
+class S3Store(ObjectStore):
+    def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, region: str | None = None):
+        import boto3
+        from botocore.config import Config as BotoConfig
+
+        self.bucket = bucket
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+        self.endpoint_url = endpoint_url
+        config = BotoConfig(retries={"max_attempts": 5, "mode": "standard"}, max_pool_connections=16)
+        self._client = boto3.client("s3", endpoint_url=endpoint_url, region_name=region, config=config)
+
+    def __repr__(self) -> str:
+        return f"S3Store('s3://{self.bucket}/{self.prefix}', endpoint_url={self.endpoint_url!r})"
+
+    def _key(self, key: str) -> str:
+        return self.prefix + check_key(key)
+
+    def put(self, key: str, data: bytes) -> None:
+        self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def get(self, key: str) -> bytes:
+        from botocore.exceptions import ClientError
+
+        try:
+            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+        except ClientError as err:
+            code = err.response.get("Error", {}).get("Code")
+            if code in ("NoSuchKey", "404"):
+                raise MissingObjectError(f"no object {key!r} in s3://{self.bucket}/{self.prefix}") from None
+            if code == "NoSuchBucket":
+                raise WhetstoneError(f"bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'}") from None
+            raise
+
+    def list(self, prefix: str = "") -> list[str]:
+        paginator = self._client.get_paginator("list_objects_v2")
+        keys = []
+        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+            keys.extend(item["Key"][len(self.prefix):] for item in page.get("Contents", []))
+        return sorted(keys)
+
+    def delete(self, key: str) -> None:
+        self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+
+    def exists(self, key: str) -> bool:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            return True
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
+                return False
+            raise
+
+    def create_bucket(self) -> None:
+        """Create the bucket if it does not exist (for tests and first-time setup)."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.create_bucket(Bucket=self.bucket)
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
+                raise

@@ -1,0 +1,117 @@
+"""`whetstone sync publish|watch|inspect`: the weight store by hand."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(help="Publish, follow and inspect versioned weights (delta-compressed).", no_args_is_help=True)
+
+STORE = typer.Argument(..., help="Weight store: a directory or s3://bucket/prefix.")
+ENDPOINT = typer.Option(None, "--endpoint-url", help="S3 endpoint for non-AWS stores (MinIO, moto...).")
+
+
+def _open(store: str, endpoint_url: str | None, **overrides):
+    from whetstone.sync import SyncConfig, WeightStore
+
+    config = SyncConfig(store=store, endpoint_url=endpoint_url, **overrides)
+    return WeightStore.open(config), config
+
+
+def _load_state(path: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from whetstone.errors import WhetstoneError
+
+    if not path.is_file():
+        raise WhetstoneError(f"checkpoint {path} does not exist")
+    try:
+        return load_file(str(path))
+    except Exception as err:  # safetensors raises its own types for bad headers
+        raise WhetstoneError(f"checkpoint {path} is not a readable safetensors file: {err}") from None
+
+
+@app.command()
+def publish(
+    store: str = STORE,
+    checkpoint: Path = typer.Argument(..., help="A .safetensors state dict to publish as the next version."),
+    full: bool = typer.Option(False, "--full", help="Publish a full version (keyframe) instead of a delta."),
+    dtype: str = typer.Option("bfloat16", help="Dtype floats are published in: bfloat16, float16, float32, keep."),
+    keyframe_interval: int = typer.Option(20, help="A full version every this many versions."),
+    endpoint_url: str | None = ENDPOINT,
+) -> None:
+    """Publish a checkpoint as the next version, as a delta on the latest one when possible."""
+    from whetstone.sync import Publisher
+
+    weights, config = _open(store, endpoint_url, publish_dtype=dtype, keyframe_interval=keyframe_interval)
+    publisher = Publisher(weights, config)
+    publisher.resume()
+    manifest = publisher.publish(_load_state(checkpoint), full=full)
+    typer.echo(f"published version {manifest.version} ({manifest.kind}): {manifest.raw_bytes / 1e6:.2f} MB "
+               f"-> {manifest.encoded_bytes / 1e6:.3f} MB, {manifest.ratio:.1f}x, {manifest.changed} values changed")
+
+
+@app.command()
+def watch(
+    store: str = STORE,
+    save: Path | None = typer.Option(None, help="Write the weights to this .safetensors file after each version."),
+    until: int | None = typer.Option(None, help="Exit once this version (or newer) is held."),
+    timeout: float | None = typer.Option(None, help="Exit after this many seconds."),
+    poll_interval: float = typer.Option(0.5, help="Seconds between checks of the store."),
+    endpoint_url: str | None = ENDPOINT,
+) -> None:
+    """Follow the store like an inference server does, printing each version taken."""
+    from safetensors.torch import save_file
+
+    from whetstone.sync import Subscriber
+    from whetstone.utils.atomic import atomic_path
+
+    weights, config = _open(store, endpoint_url, poll_interval=poll_interval)
+    subscriber = Subscriber(weights, config, name="watch")
+    deadline = None if timeout is None else time.monotonic() + timeout
+    shown = set(subscriber.rejected)
+    while True:
+        before = subscriber.version
+        started = time.perf_counter()
+        subscriber.poll()
+        update = subscriber.take_update()
+        for version, reason in subscriber.rejected.items():
+            if version not in shown:
+                shown.add(version)
+                typer.echo(f"rejected version {version}: {reason}", err=True)
+        if update is not None:
+            typer.echo(f"version {before} -> {subscriber.version}: {update.values_written} values written, "
+                       f"fetched and decoded in {time.perf_counter() - started:.3f}s")
+            if save is not None:
+                with atomic_path(save) as tmp:
+                    save_file({k: v.contiguous() for k, v in subscriber.state.items()}, str(tmp))
+        if until is not None and subscriber.version is not None and subscriber.version >= until:
+            return
+        if deadline is not None and time.monotonic() >= deadline:
+            return
+        time.sleep(poll_interval)
+
+
+@app.command()
+def inspect(store: str = STORE, endpoint_url: str | None = ENDPOINT) -> None:
+    """Print the version chain: kind, base, sizes and compression ratios."""
+    from rich.console import Console
+    from rich.table import Table
+
+    weights, _ = _open(store, endpoint_url)
+    versions = weights.versions()
+    if not versions:
+        typer.echo(f"no versions in {store}")
+        return
+    table = Table("version", "kind", "base", "keyframe", "tensors", "raw MB", "stored MB", "ratio", "changed")
+    for version in versions:
+        m = weights.manifest(version)
+        table.add_row(str(m.version), m.kind, "-" if m.base is None else str(m.base), str(m.keyframe),
+                      str(len(m.tensors)), f"{m.raw_bytes / 1e6:.2f}", f"{m.encoded_bytes / 1e6:.3f}",
+                      f"{m.ratio:.1f}x", f"{m.changed / max(1, m.elements):.2%}")
+    console = Console(width=120)
+    console.print(table)
+    stored = sum(weights.manifest(v).encoded_bytes for v in versions)
+    console.print(f"latest: {weights.latest()}   versions kept: {len(versions)}   stored: {stored / 1e6:.3f} MB")

@@ -1,0 +1,32 @@
+"""Configuration of weight sync: where versions live, how they are coded, when keyframes come."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from whetstone.config import Config
+
+
+class SyncConfig(Config):
+    store: str = "runs/default/weights"
+    """Where weight versions live: a local directory, or s3://bucket/prefix."""
+    endpoint_url: str | None = None
+    """S3 endpoint for non-AWS object stores (MinIO, R2, moto); None means AWS."""
+    publish_dtype: Literal["bfloat16", "float16", "float32", "keep"] = "bfloat16"
+    """Dtype floating-point tensors are published in (trainer masters stay fp32); `keep` publishes as is."""
+    keyframe_interval: int = Field(20, ge=1)
+    """A full version every this many versions (Fireworks: every 20-30 steps)."""
+    chain_budget: float = Field(1.0, gt=0)
+    """Also publish a full version once the deltas since the last one add up to this fraction of its size."""
+    chunk_elements: int = Field(1 << 24, ge=1, lt=1 << 31)
+    """Values per chunk: bounds memory per worker, and the unit of upload, checksum and parallel work."""
+    zstd_level: int = Field(1, ge=1, le=22)
+    """zstd level of the entropy coding: 1 measured fastest, and no larger than 2 or 3, on RL deltas."""
+    workers: int = Field(1, ge=1)
+    """Threads encoding/uploading (publisher) or downloading/decoding (subscriber) chunks."""
+    keep_keyframes: int = Field(2, ge=1)
+    """Garbage collection keeps the newest this many keyframes and every version after the oldest kept."""
+    poll_interval: float = Field(0.5, gt=0)
+    """Seconds between a subscriber's checks for a new version."""

@@ -1,0 +1,95 @@
+"""The manifest of a weight version: what a subscriber needs to fetch, verify and apply it.
+
+Layout in the object store (a manifest is written after all its chunks: publishing is atomic):
+
+    versions/0000000007/manifest.json
+    versions/0000000007/chunk-00000.bin ...
+    latest.json                              {"version": 7}, written after the manifest
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from whetstone.errors import WhetstoneError
+
+MANIFEST_FORMAT = 1
+
+
+class TensorInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    name: str
+    dtype: str
+    shape: list[int]
+
+
+class ChunkInfo(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    key: str
+    size: int
+    checksum: str
+
+
+class Manifest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    format: int = MANIFEST_FORMAT
+    version: int = Field(ge=0)
+    kind: Literal["full", "delta"]
+    base: int | None
+    """The version a delta was coded against (None for a full version)."""
+    keyframe: int
+    """The newest full version at or before this one: where a subscriber catches up from."""
+    created: float
+    tensors: list[TensorInfo]
+    chunks: list[ChunkInfo]
+    raw_bytes: int
+    """Size of the version's tensors uncompressed."""
+    encoded_bytes: int
+    """Size of its chunks in the store."""
+    changed: int
+    """Values that differ from the base version (all of them for a full version)."""
+    chain_bytes: int
+    """Encoded bytes of the deltas since the keyframe, this one included (0 for a full version)."""
+
+    @property
+    def ratio(self) -> float:
+        return self.raw_bytes / max(1, self.encoded_bytes)
+
+    @property
+    def elements(self) -> int:
+        total = 0
+        for info in self.tensors:
+            count = 1
+            for dim in info.shape:
+                count *= dim
+            total += count
+        return total
+
+
+def version_prefix(version: int) -> str:
+    return f"versions/{version:010d}/"
+
+
+def manifest_key(version: int) -> str:
+    return version_prefix(version) + "manifest.json"
+
+
+def chunk_key(version: int, index: int) -> str:
+    return version_prefix(version) + f"chunk-{index:05d}.bin"
+
+
+LATEST_KEY = "latest.json"
+
+
+def parse_manifest(data: bytes, version: int) -> Manifest:
+    try:
+        manifest = Manifest.model_validate_json(data)
+    except ValidationError as err:
+        raise WhetstoneError(f"manifest of version {version} is invalid: {err.errors()[0]['msg']}") from None
+    if manifest.format != MANIFEST_FORMAT:
+        raise WhetstoneError(f"manifest of version {version} has format {manifest.format}, expected {MANIFEST_FORMAT}")
+    if manifest.version != version:
+        raise WhetstoneError(f"manifest at version {version} says it is version {manifest.version}")
+    return manifest

@@ -1,0 +1,115 @@
+"""The trainer's side of weight sync: publish a state dict as the next version.
+
+The publisher keeps a copy of what it last published (in the published dtype) to code the next
+version against. Chunks are encoded and uploaded by `workers` threads (numpy and zstd release
+the GIL), each holding one chunk at a time, then the manifest makes the version visible.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from whetstone.errors import WhetstoneError
+from whetstone.sync.bits import DTYPES, dtype_name
+from whetstone.sync.chunks import encode_chunk, plan_chunks
+from whetstone.sync.config import SyncConfig
+from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, chunk_key
+from whetstone.sync.weight_store import WeightStore
+
+log = logging.getLogger("whetstone.sync")
+
+
+def prepare_state(state: dict[str, torch.Tensor], publish_dtype: str) -> dict[str, torch.Tensor]:
+    """The tensors as published: floats in `publish_dtype`, contiguous, copied off the trainer."""
+    target = None if publish_dtype == "keep" else DTYPES[publish_dtype]
+    published = {}
+    for name, tensor in state.items():
+        if not isinstance(tensor, torch.Tensor):
+            raise WhetstoneError(f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor")
+        tensor = tensor.detach().cpu()
+        dtype = target if target is not None and tensor.is_floating_point() else tensor.dtype
+        dtype_name(dtype)  # rejects dtypes sync cannot carry, naming them
+        published[name] = tensor.to(dtype=dtype, copy=True).contiguous()
+    return published
+
+
+class Publisher:
+    def __init__(self, store: WeightStore, config: SyncConfig | None = None):
+        self.store = store
+        self.config = config or SyncConfig()
+        self._previous: dict[str, torch.Tensor] | None = None
+        self._previous_manifest: Manifest | None = None
+        self._keyframe_bytes = 0
+
+    def resume(self) -> int | None:
+        """Continue the store's chain after a restart: rebuild the latest version from the store
+        (exactly as a subscriber would) to code the next delta against. Returns its number."""
+        from whetstone.sync.subscriber import Subscriber
+
+        subscriber = Subscriber(self.store, self.config, name="publisher")
+        if subscriber.poll() is None:
+            return None
+        self._previous = subscriber.state
+        self._previous_manifest = self.store.manifest(subscriber.version)
+        self._keyframe_bytes = self.store.manifest(self._previous_manifest.keyframe).encoded_bytes
+        return subscriber.version
+
+    def prepare(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return prepare_state(state, self.config.publish_dtype)
+
+    def publish(self, state: dict[str, torch.Tensor], full: bool = False) -> Manifest:
+        """Publish `state` as the next version (a full one if `full`, or if the policy says so)."""
+        started = time.perf_counter()
+        new = self.prepare(state)
+        previous = self._previous_manifest
+        if previous is None:
+            latest = self.store.latest()
+            version = max([*self.store.versions(), -1 if latest is None else latest]) + 1
+        else:
+            version = previous.version + 1
+        keyframe = full or self._needs_keyframe(version)
+        base = None if keyframe else self._previous
+
+        plan = plan_chunks([(name, t.numel()) for name, t in new.items()], self.config.chunk_elements)
+
+        def encode_and_put(index: int) -> tuple[ChunkInfo, int]:
+            blob, changed = encode_chunk(plan[index], new, base, self.config.zstd_level)
+            return self.store.put_chunk(chunk_key(version, index), blob), changed
+
+        with ThreadPoolExecutor(self.config.workers) as pool:
+            results = list(pool.map(encode_and_put, range(len(plan))))
+        chunks = [info for info, _ in results]
+        encoded = sum(info.size for info in chunks)
+        manifest = Manifest(
+            version=version,
+            kind="full" if keyframe else "delta",
+            base=None if keyframe else previous.version,
+            keyframe=version if keyframe else previous.keyframe,
+            created=time.time(),
+            tensors=[TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in new.items()],
+            chunks=chunks,
+            raw_bytes=sum(t.numel() * t.element_size() for t in new.values()),
+            encoded_bytes=encoded,
+            changed=sum(changed for _, changed in results),
+            chain_bytes=0 if keyframe else previous.chain_bytes + encoded,
+        )
+        self.store.publish(manifest)
+        if keyframe:
+            self._keyframe_bytes = encoded
+        self._previous, self._previous_manifest = new, manifest
+        log.info("published version %d (%s, %.1fx, %d values changed) in %.2fs", version, manifest.kind,
+                 manifest.ratio, manifest.changed, time.perf_counter() - started)
+        self.store.collect_garbage(self.config.keep_keyframes)
+        return manifest
+
+    def _needs_keyframe(self, version: int) -> bool:
+        previous = self._previous_manifest
+        if previous is None or self._previous is None:
+            return True  # nothing to code against (first publish, or a restarted trainer)
+        if version - previous.keyframe >= self.config.keyframe_interval:
+            return True
+        return previous.chain_bytes >= self.config.chain_budget * self._keyframe_bytes

@@ -1,0 +1,41 @@
+import torch
+from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
+
+from whetstone.sync.cli import app
+
+from conftest import FakeTrainer, bit_identical, published
+
+runner = CliRunner()
+
+
+def test_publish_inspect_watch(tmp_path):
+    store, checkpoint, out = str(tmp_path / "weights"), tmp_path / "ckpt.safetensors", tmp_path / "out.safetensors"
+    trainer = FakeTrainer()
+    for version in range(3):
+        save_file({k: v.contiguous() for k, v in trainer.step().items()}, str(checkpoint))
+        result = runner.invoke(app, ["publish", store, str(checkpoint)])
+        assert result.exit_code == 0, result.output
+        assert f"published version {version} ({'full' if version == 0 else 'delta'})" in result.output
+
+    result = runner.invoke(app, ["inspect", store])
+    assert result.exit_code == 0, result.output
+    assert "delta" in result.output and "latest: 2" in result.output
+
+    result = runner.invoke(app, ["watch", store, "--until", "2", "--save", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "version None -> 2" in result.output
+    assert bit_identical(load_file(str(out)), published(trainer.state))
+
+
+def test_bad_checkpoint_is_a_clear_error(tmp_path):
+    (tmp_path / "bad.safetensors").write_bytes(b"not a checkpoint")
+    result = runner.invoke(app, ["publish", str(tmp_path / "w"), str(tmp_path / "bad.safetensors")])
+    assert result.exit_code != 0 and "not a readable safetensors file" in str(result.exception)
+    result = runner.invoke(app, ["publish", str(tmp_path / "w"), str(tmp_path / "missing.safetensors")])
+    assert "does not exist" in str(result.exception)
+
+
+def test_inspect_an_empty_store(tmp_path):
+    result = runner.invoke(app, ["inspect", str(tmp_path)])
+    assert result.exit_code == 0 and "no versions" in result.output

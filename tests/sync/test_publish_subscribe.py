@@ -1,0 +1,140 @@
+"""Trainer and inference servers together: every subscriber ends bit-identical to the trainer,
+through keyframes, deltas, late starts and injected faults."""
+
+import json
+import logging
+
+import pytest
+
+from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
+from whetstone.sync.manifest import manifest_key
+
+from conftest import bit_identical, published
+
+
+def test_several_subscribers_with_their_own_engines_end_bit_identical(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    subscribers = [Subscriber(weights, config, name=f"server{i}").start() for i in range(3)]
+    engines = [{} for _ in subscribers]
+    try:
+        for step in range(12):
+            manifest = publisher.publish(trainer.step())
+            for i, (subscriber, engine) in enumerate(zip(subscribers, engines)):
+                assert subscriber.wait_for(manifest.version, timeout=20)
+                if step % (i + 1) == 0:  # engines take updates at their own pace
+                    update = subscriber.take_update()
+                    if update is not None:
+                        apply_update(engine, update)
+    finally:
+        for subscriber in subscribers:
+            subscriber.stop()
+    expected = published(trainer.state)
+    for subscriber, engine in zip(subscribers, engines):
+        update = subscriber.take_update()
+        if update is not None:
+            apply_update(engine, update)
+        assert subscriber.version == 11 and not subscriber.rejected
+        assert bit_identical(subscriber.state, expected)
+        assert bit_identical(engine, expected)
+
+
+def test_a_late_subscriber_catches_up_from_the_newest_keyframe(weights, config, trainer):
+    publisher = Publisher(weights, config)  # keyframes at 0, 5
+    for _ in range(8):
+        publisher.publish(trainer.step())
+    late = Subscriber(weights, config)
+    late.poll()
+    update = late.take_update()
+    assert late.version == 7 and update.base is None  # one merged update starting from keyframe 5
+    assert all(change.indices is None for change in update.tensors.values())
+    assert bit_identical(late.state, published(trainer.state))
+
+
+def test_a_subscriber_that_falls_behind_the_chain_jumps_to_the_keyframe(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    subscriber = Subscriber(weights, config)
+    publisher.publish(trainer.step())
+    subscriber.poll()
+    for _ in range(11):  # keyframes 5 and 10 go by; GC deletes versions before 5
+        publisher.publish(trainer.step())
+    assert subscriber.poll() == 11
+    assert bit_identical(subscriber.state, published(trainer.state))
+
+
+def corrupt(weights: WeightStore, key: str, how: str) -> None:
+    data = weights.objects.get(key)
+    if how == "flip":
+        data = data[:100] + bytes([data[100] ^ 0x01]) + data[101:]
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    weights.objects.put(key, data)
+
+
+@pytest.mark.parametrize("how, reason", [("flip", "checksum"), ("truncate", "truncated")])
+def test_a_corrupt_delta_is_rejected_and_the_subscriber_recovers_at_the_next_keyframe(
+    weights, config, trainer, caplog, how, reason
+):
+    publisher = Publisher(weights, config)
+    subscriber = Subscriber(weights, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    subscriber.poll()
+    held = {k: v.clone() for k, v in subscriber.state.items()}
+    bad = publisher.publish(trainer.step())  # version 2
+    corrupt(weights, bad.chunks[0].key, how)
+    publisher.publish(trainer.step())  # version 3, a delta on the version it could not take
+    with caplog.at_level(logging.WARNING, logger="whetstone.sync"):
+        assert subscriber.poll() == 1
+    assert reason in subscriber.rejected[2] and "rejected version 2" in caplog.text
+    assert bit_identical(subscriber.state, held)  # untouched: still exactly version 1
+    for _ in range(2):
+        publisher.publish(trainer.step())  # version 5 is a keyframe
+    assert subscriber.poll() == 5
+    assert bit_identical(subscriber.state, published(trainer.state))
+
+
+def test_a_delta_on_the_wrong_base_is_rejected(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    subscriber = Subscriber(weights, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    subscriber.poll()
+    publisher.publish(trainer.step())
+    manifest = json.loads(weights.objects.get(manifest_key(2)))
+    manifest["base"] = 0  # e.g. a second trainer coding against a stale copy
+    weights.objects.put(manifest_key(2), json.dumps(manifest).encode())
+    assert subscriber.poll() == 1
+    assert "delta on version 0, but this subscriber holds 1" in subscriber.rejected[2]
+
+
+def test_a_missing_chunk_is_retried_not_blacklisted(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    subscriber = Subscriber(weights, config)
+    publisher.publish(trainer.step())
+    subscriber.poll()
+    manifest = publisher.publish(trainer.step())
+    key = manifest.chunks[-1].key
+    saved = weights.objects.get(key)
+    weights.objects.delete(key)  # a store hiccup, or a replica not yet in sync
+    assert subscriber.poll() == 0 and not subscriber.rejected
+    weights.objects.put(key, saved)
+    assert subscriber.poll() == 1
+    assert bit_identical(subscriber.state, published(trainer.state))
+
+
+def test_sync_through_s3_with_faults(s3_endpoint, trainer, tmp_path):
+    config = SyncConfig(store="s3://whetstone/e2e", endpoint_url=s3_endpoint, chunk_elements=700,
+                        keyframe_interval=4, poll_interval=0.01, workers=2)
+    weights = WeightStore.open(config)
+    publisher = Publisher(weights, config)
+    subscribers = [Subscriber(WeightStore.open(config), config, name=f"s3-{i}") for i in range(2)]
+    for step in range(9):
+        manifest = publisher.publish(trainer.step())
+        if step == 5:
+            corrupt(weights, manifest.chunks[1].key, "flip")
+        for subscriber in subscribers:
+            subscriber.poll()
+    assert all(5 in s.rejected for s in subscribers)
+    for subscriber in subscribers:
+        assert subscriber.version == 8
+        assert bit_identical(subscriber.state, published(trainer.state))

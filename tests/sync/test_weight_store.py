@@ -1,0 +1,100 @@
+"""Publishing: atomic versions, keyframes by interval and by chain size, garbage collection."""
+
+import json
+
+import pytest
+
+from whetstone.store import LocalStore
+from whetstone.sync import Publisher, SyncConfig, WeightStore
+
+from conftest import FakeTrainer
+
+
+class RecordingStore(LocalStore):
+    """A real local store that remembers the order of its writes."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.puts = []
+
+    def put(self, key, data):
+        self.puts.append(key)
+        super().put(key, data)
+
+
+def test_manifest_is_written_after_its_chunks_and_latest_after_the_manifest(tmp_path, config, trainer):
+    objects = RecordingStore(tmp_path)
+    manifest = Publisher(WeightStore(objects), config).publish(trainer.step())
+    chunk_keys = [c.key for c in manifest.chunks]
+    assert len(chunk_keys) > 1
+    assert sorted(objects.puts[:-2]) == sorted(chunk_keys)
+    assert objects.puts[-2:] == ["versions/0000000000/manifest.json", "latest.json"]
+    assert json.loads(objects.get("latest.json")) == {"version": 0}
+
+
+def test_keyframe_every_interval_and_deltas_in_between(weights, config, trainer):
+    publisher = Publisher(weights, config.model_copy(update={"keep_keyframes": 10}))
+    manifests = [publisher.publish(trainer.step()) for _ in range(12)]
+    assert [m.kind for m in manifests] == ["full"] + ["delta"] * 4 + ["full"] + ["delta"] * 4 + ["full", "delta"]
+    assert [m.keyframe for m in manifests] == [0] * 5 + [5] * 5 + [10] * 2
+    assert all(m.base == m.version - 1 for m in manifests if m.kind == "delta")
+    assert all(m.encoded_bytes < manifests[0].encoded_bytes / 2 for m in manifests if m.kind == "delta")
+    assert manifests[3].chain_bytes == sum(m.encoded_bytes for m in manifests[1:4])
+
+
+def test_keyframe_when_the_chain_outgrows_its_budget(weights):
+    trainer = FakeTrainer(lr=1e-3)
+    config = SyncConfig(keyframe_interval=100, chain_budget=0.5)
+    publisher = Publisher(weights, config)
+    kinds = [publisher.publish(trainer.step()).kind for _ in range(8)]
+    # lr 1e-3 changes most bf16 values of this small model: deltas cost ~1/3 of a keyframe.
+    assert kinds[0] == "full" and "full" in kinds[2:] and kinds.count("full") < len(kinds)
+
+
+def test_garbage_collection_keeps_the_newest_keyframes_and_what_follows(weights, config, trainer):
+    publisher = Publisher(weights, config)  # keyframe every 5, keep 2 keyframes
+    for _ in range(13):
+        publisher.publish(trainer.step())
+    assert weights.versions() == list(range(5, 13))
+    assert weights.objects.list("versions/0000000004/") == []
+
+
+def test_garbage_collection_removes_chunks_of_a_crashed_publish(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    for _ in range(3):
+        publisher.publish(trainer.step())
+    weights.objects.put("versions/0000000001/chunk-00099.bin", b"orphan")  # never listed anywhere
+    for _ in range(8):
+        publisher.publish(trainer.step())
+    assert not weights.objects.exists("versions/0000000001/chunk-00099.bin")
+
+
+def test_a_restarted_publisher_continues_the_chain(weights, config, trainer):
+    first = Publisher(weights, config)
+    for _ in range(2):
+        first.publish(trainer.step())
+    again = Publisher(weights, config)
+    assert again.resume() == 1
+    manifest = again.publish(trainer.step())
+    assert (manifest.version, manifest.kind, manifest.base) == (2, "delta", 1)
+    fresh = Publisher(weights, config).publish(trainer.step())  # no resume: starts a new keyframe
+    assert (fresh.version, fresh.kind) == (3, "full")
+
+
+def test_unsupported_dtypes_are_named(weights):
+    import torch
+
+    from whetstone.errors import WhetstoneError
+
+    with pytest.raises(WhetstoneError, match="complex64"):
+        Publisher(weights).publish({"z": torch.zeros(2, dtype=torch.complex64)})
+    with pytest.raises(WhetstoneError, match="'x' is a list"):
+        Publisher(weights).publish({"x": [1, 2]})
+
+
+def test_fake_trainer_changes_few_values_at_small_lr():
+    trainer = FakeTrainer(lr=1e-6)
+    before = {k: v.bfloat16() for k, v in trainer.state.items() if v.is_floating_point()}
+    after = {k: v.bfloat16() for k, v in trainer.step().items() if v.is_floating_point()}
+    changed = sum((before[k] != after[k]).sum().item() for k in before)
+    assert changed < 0.1 * sum(v.numel() for v in before.values())
