@@ -4,7 +4,7 @@ from typer.testing import CliRunner
 
 from whetstone.sync.cli import app
 
-from conftest import FakeTrainer, bit_identical, published
+from tests.sync.conftest import FakeTrainer, bit_identical, published
 
 runner = CliRunner()
 

@@ -9,7 +9,7 @@ import pytest
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
 from whetstone.sync.manifest import manifest_key
 
-from conftest import bit_identical, published
+from tests.sync.conftest import bit_identical, published
 
 
 def test_several_subscribers_with_their_own_engines_end_bit_identical(weights, config, trainer):

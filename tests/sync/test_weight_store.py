@@ -7,7 +7,7 @@ import pytest
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, SyncConfig, WeightStore
 
-from conftest import FakeTrainer
+from tests.sync.conftest import FakeTrainer
 
 
 class RecordingStore(LocalStore):

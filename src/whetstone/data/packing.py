@@ -1,0 +1,55 @@
+"""Packing: documents joined into one token stream, cut into fixed-length training windows.
+
+Every document is followed by `<|endoftext|>`, so the model learns where files end and a window
+may span several documents. Window `i` of length `seq_len` covers stream[i*seq_len : (i+1)*seq_len]
+as inputs and the same span shifted by one as targets; the tail shorter than a window is unused.
+A trainer that must not attend across documents gets each token's document number and its
+position counted from its document's start (both restart in every window).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import numpy as np
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The narrowest unsigned dtype holding every id (uint16 for the tiny vocabulary)."""
+    return np.dtype(np.uint16 if vocab_size <= 2**16 else np.uint32)
+
+
+def pack(documents: Iterable[list[int]], eos_id: int, dtype: np.dtype) -> np.ndarray:
+    """One stream: each document's ids followed by `eos_id`."""
+    pieces = []
+    for ids in documents:
+        pieces.append(np.asarray(ids, dtype=dtype))
+        pieces.append(np.array([eos_id], dtype=dtype))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+
+
+def window_count(stream_length: int, seq_len: int) -> int:
+    """How many full windows (seq_len inputs plus one more token for the last target) fit."""
+    return max(0, (stream_length - 1) // seq_len)
+
+
+def windows(stream: np.ndarray, indices: np.ndarray, seq_len: int) -> np.ndarray:
+    """Rows of seq_len + 1 tokens: row r is window indices[r] (inputs = row[:-1], targets = row[1:])."""
+    offsets = indices[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    return stream[offsets]
+
+
+def document_positions(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per input token: its position within its document and its document number in the row.
+
+    A document starts at the row's first token and right after every `eos_id`; the EOS itself
+    belongs to the document it ends.
+    """
+    rows, length = inputs.shape
+    starts = np.zeros((rows, length), dtype=bool)
+    starts[:, 0] = True
+    starts[:, 1:] = inputs[:, :-1] == eos_id
+    document_ids = np.cumsum(starts, axis=1) - 1
+    index = np.broadcast_to(np.arange(length), (rows, length))
+    last_start = np.maximum.accumulate(np.where(starts, index, 0), axis=1)
+    return index - last_start, document_ids

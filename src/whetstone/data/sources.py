@@ -1,0 +1,177 @@
+"""Corpus sources: list the files (cheap, for the cache key), then read them into documents.
+
+A document has a stable name: `stdlib/json/decoder.py`, `<directory as configured>/pkg/mod.py`,
+`<jsonl path as configured>:17`. The name decides its train/validation split and its place under
+the size cap, so both stay the same when unrelated files come and go or the tree moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+from whetstone.data.config import CorpusConfig
+from whetstone.errors import WhetstoneError
+from whetstone.utils.progress import progress_bar
+
+
+@dataclass(frozen=True)
+class SourceFile:
+    name: str
+    path: Path
+    size: int
+    mtime_ns: int
+    text_field: str | None = None
+    """Set for a JSONL file: the key holding each line's text."""
+
+
+@dataclass(frozen=True)
+class Document:
+    name: str
+    text: str
+
+
+def name_hash(name: str, salt: str) -> float:
+    """A stable pseudo-random number in [0, 1) for a document name (`salt` picks the sequence)."""
+    digest = hashlib.blake2b(f"{salt}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2**64
+
+
+def glob_regex(pattern: str) -> re.Pattern[str]:
+    """A glob on relative POSIX paths: `**/` is any number of directories, `*` and `?` stay in one."""
+    out, i = "", 0
+    while i < len(pattern):
+        if pattern.startswith("**/", i):
+            out, i = out + "(?:[^/]*/)*", i + 3
+        elif pattern.startswith("**", i):
+            out, i = out + ".*", i + 2
+        else:
+            out, i = out + {"*": "[^/]*", "?": "[^/]"}.get(pattern[i], re.escape(pattern[i])), i + 1
+    return re.compile(out + r"\Z")
+
+
+def _walk(root: Path, prefix: str, include: list[str], exclude: list[str]) -> list[SourceFile]:
+    includes = [glob_regex(p) for p in include]
+    excludes = [glob_regex(p) for p in exclude]
+    # `dir/**` excludes prune the walk: site-packages alone can hold a hundred thousand files.
+    pruned = [glob_regex(p[:-3]) for p in exclude if p.endswith("/**")]
+    found = []
+    for directory, subdirs, names in os.walk(root):
+        base = Path(directory).relative_to(root).as_posix()
+        base = "" if base == "." else base + "/"
+        subdirs[:] = sorted(d for d in subdirs if not any(p.match(base + d) for p in pruned))
+        for name in names:
+            relative = base + name
+            if any(p.match(relative) for p in includes) and not any(p.match(relative) for p in excludes):
+                stat = (root / relative).stat()
+                found.append(SourceFile(f"{prefix}/{relative}", root / relative, stat.st_size, stat.st_mtime_ns))
+    return found
+
+
+def list_sources(config: CorpusConfig) -> list[SourceFile]:
+    """Every file the config names, sorted by name; nothing is read yet."""
+    files: list[SourceFile] = []
+    if config.stdlib:
+        stdlib = Path(sysconfig.get_paths()["stdlib"])
+        files += _walk(stdlib, "stdlib", ["**/*.py"], config.stdlib_exclude)
+    for number, source in enumerate(config.directories):
+        root = Path(source.path).expanduser()
+        if not root.is_dir():
+            raise WhetstoneError(f"corpus: directories[{number}].path {source.path!r} is not a directory")
+        files += _walk(root, source.path.rstrip("/"), source.include, source.exclude)
+    for number, source in enumerate(config.jsonl):
+        path = Path(source.path).expanduser()
+        if not path.is_file():
+            raise WhetstoneError(f"corpus: jsonl[{number}].path {source.path!r} does not exist")
+        stat = path.stat()
+        files.append(SourceFile(source.path, path, stat.st_size, stat.st_mtime_ns, source.text_field))
+    if not files:
+        raise WhetstoneError(
+            "corpus is empty: no source files matched (set stdlib = true, or add [[directories]] or [[jsonl]])"
+        )
+    return sorted(files, key=lambda f: f.name)
+
+
+def read_documents(files: list[SourceFile], config: CorpusConfig) -> tuple[list[Document], dict[str, int]]:
+    """Read, decode and filter the documents; returns them (sorted by name) and what was skipped."""
+    stats = dict(files=len(files), undecodable=0, too_small=0, too_large=0, over_cap=0)
+    documents: list[Document] = []
+    with progress_bar(len(files), "read sources", "file") as bar:
+        for file in files:
+            if file.text_field is not None:
+                candidates = list(_read_jsonl(file))
+            elif file.size > config.max_document_bytes:
+                candidates, stats["too_large"] = [], stats["too_large"] + 1
+            else:
+                text = _decode(file.path.read_bytes())
+                stats["undecodable"] += text is None
+                candidates = [Document(file.name, text)] if text is not None else []
+            for document in candidates:
+                if len(document.text) < config.min_document_chars:
+                    stats["too_small"] += 1
+                elif len(document.text.encode()) > config.max_document_bytes:
+                    stats["too_large"] += 1
+                else:
+                    documents.append(document)
+            bar.update(1)
+    read = len(documents)
+    documents = _apply_cap(documents, config.max_total_bytes)
+    stats["over_cap"] = read - len(documents)
+    if not documents:
+        raise WhetstoneError(
+            f"corpus is empty: every document of {len(files)} files was filtered out "
+            f"({stats['too_small']} shorter than min_document_chars, {stats['too_large']} larger than "
+            f"max_document_bytes, {stats['undecodable']} not UTF-8 text)"
+        )
+    stats["documents"] = len(documents)
+    return sorted(documents, key=lambda d: d.name), stats
+
+
+def _decode(raw: bytes) -> str | None:
+    """UTF-8 text with Unix newlines, or None for binary or non-UTF-8 files."""
+    if b"\0" in raw:
+        return None
+    try:
+        return raw.decode("utf-8-sig").replace("\r\n", "\n")
+    except UnicodeDecodeError:
+        return None
+
+
+def _read_jsonl(file: SourceFile):
+    try:
+        lines = file.path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise WhetstoneError(f"corpus: cannot read JSONL file {file.path}: {err}") from None
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise WhetstoneError(f"corpus: {file.path}:{number}: not valid JSON ({err.msg})") from None
+        if not isinstance(record, dict) or file.text_field not in record:
+            raise WhetstoneError(f"corpus: {file.path}:{number}: no {file.text_field!r} field")
+        text = record[file.text_field]
+        if not isinstance(text, str):
+            raise WhetstoneError(
+                f"corpus: {file.path}:{number}: field {file.text_field!r} is {type(text).__name__}, not a string"
+            )
+        yield Document(f"{file.name}:{number}", text.replace("\r\n", "\n"))
+
+
+def _apply_cap(documents: list[Document], max_total_bytes: int) -> list[Document]:
+    """Keep documents in name-hash order until the byte budget is spent (0 = keep all)."""
+    if not max_total_bytes:
+        return documents
+    kept, total = [], 0
+    for document in sorted(documents, key=lambda d: name_hash(d.name, "cap")):
+        size = len(document.text.encode())
+        if total + size <= max_total_bytes:
+            kept.append(document)
+            total += size
+    return kept

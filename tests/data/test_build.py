@@ -1,0 +1,106 @@
+"""The whole build on a small real code tree: split, tokenizer, packing, stats, cache."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from whetstone.data import build_corpus
+from whetstone.data.build import split_documents
+from whetstone.data.sources import Document
+from whetstone.errors import WhetstoneError
+from whetstone.tokenizer import Tokenizer
+
+
+def documents_of(corpus, split):
+    """The texts packed into a split's stream, cut at the EOS separators."""
+    stream = np.asarray(corpus.train_tokens if split == "train" else corpus.val_tokens)
+    ends = np.flatnonzero(stream == corpus.eos_id)
+    starts = np.concatenate([[0], ends[:-1] + 1])
+    return [corpus.tokenizer.decode(stream[s:e].tolist()) for s, e in zip(starts, ends)]
+
+
+def test_build_splits_by_file_and_packs_every_document(config, code_dir):
+    corpus = build_corpus(config)
+    names = json.loads((corpus.path / "documents.json").read_text())
+    assert names["train"] and names["val"] and not set(names["train"]) & set(names["val"])
+    for split in ("train", "val"):
+        texts = [(code_dir / n.removeprefix(str(code_dir) + "/")).read_text() for n in names[split]]
+        assert documents_of(corpus, split) == texts
+
+    m = corpus.manifest
+    assert m["sources"]["files"] == 13 and m["split"]["train_documents"] + m["split"]["val_documents"] == 13
+    assert m["tokens"] == {"train": len(corpus.train_tokens), "val": len(corpus.val_tokens), "dtype": "uint16"}
+    assert m["tokenizer"]["vocab_size"] == corpus.tokenizer.vocab_size <= 400
+    assert 1.5 < m["bytes_per_token"] < 6.0  # BPE merged bytes
+
+
+def test_entropy_is_the_train_unigram_entropy(config):
+    corpus = build_corpus(config)
+    counts = np.bincount(np.asarray(corpus.train_tokens)).astype(float)
+    p = counts[counts > 0] / counts.sum()
+    assert corpus.unigram_entropy == pytest.approx(-(p * np.log(p)).sum())
+    assert 0 < corpus.unigram_entropy < np.log(corpus.vocab_size)
+    smoothed = np.bincount(np.asarray(corpus.train_tokens), minlength=corpus.vocab_size) + 1
+    log_p = np.log(smoothed / smoothed.sum())
+    assert corpus.manifest["val_unigram_cross_entropy"] == pytest.approx(-log_p[np.asarray(corpus.val_tokens)].mean())
+
+
+def test_tokenizer_never_sees_validation_text(config, code_dir):
+    # Put a long made-up word only into the validation files: a BPE trained on them would learn it.
+    val = json.loads((build_corpus(config).path / "documents.json").read_text())["val"]
+    for name in val:
+        path = code_dir / name.removeprefix(str(code_dir) + "/")
+        path.write_text(path.read_text() + "\n# " + "zqxvbn " * 400 + "\n")
+    corpus = build_corpus(config)
+    assert json.loads((corpus.path / "documents.json").read_text())["val"] == val
+    vocabulary = [corpus.tokenizer.id_to_token(i) for i in range(corpus.vocab_size)]
+    assert not [t for t in vocabulary if "zqx" in t]
+
+
+def test_unchanged_config_reuses_the_build_and_changes_rebuild(config, code_dir):
+    first = build_corpus(config)
+    stamp = os.stat(first.path / "manifest.json").st_mtime_ns
+    assert build_corpus(config.model_copy(update={"seq_len": 64, "demo_weight": 0.5})).path == first.path
+    assert os.stat(first.path / "manifest.json").st_mtime_ns == stamp  # not rebuilt
+    assert build_corpus(config.model_copy(update={"vocab_size": 380})).path != first.path
+    (code_dir / "pkg" / "new_module.py").write_text("def added():\n    return 'a new file changes the key'\n" * 3)
+    assert build_corpus(config).path != first.path
+    assert os.stat(build_corpus(config, rebuild=True).path / "manifest.json").st_mtime_ns != stamp
+
+
+def test_duplicates_are_counted_and_left_out(config, code_dir):
+    source = (code_dir / "pkg" / "textwrap.py").read_text()
+    (code_dir / "pkg" / "textwrap_copy.py").write_text(source)
+    (code_dir / "pkg" / "textwrap_vendored.py").write_text("# vendored\n" + source)
+    corpus = build_corpus(config)
+    assert corpus.manifest["dedup"]["exact_duplicates"] == 1
+    assert corpus.manifest["dedup"]["near_duplicates"] == 1
+    names = json.loads((corpus.path / "documents.json").read_text())
+    assert not [n for n in names["train"] + names["val"] if "textwrap_" in n]
+
+
+def test_a_given_tokenizer_is_used_as_is(config, tmp_path):
+    Tokenizer.train(["def f(x):\n    return x + 1\n" * 50], vocab_size=300).save(tmp_path / "external")
+    corpus = build_corpus(config.model_copy(update={"tokenizer": str(tmp_path / "external")}))
+    assert corpus.manifest["tokenizer"]["source"] == str(tmp_path / "external")
+    assert corpus.tokenizer.encode("return x") == Tokenizer.load(tmp_path / "external").encode("return x")
+
+
+def test_failed_build_leaves_no_cache_entry(config):
+    def broken_demos():
+        return [[{"role": "user", "content": "hi"}, {"role": "robot", "content": "?"}]]
+
+    with pytest.raises(WhetstoneError, match="demonstration 0: chat: message 1 has role 'robot'"):
+        build_corpus(config, demos=broken_demos)
+    assert os.listdir(config.cache_dir) == []  # not even a temporary folder
+
+
+def test_split_holds_out_at_least_one_document_each_side():
+    documents = [Document(f"m{i}.py", "x") for i in range(3)]
+    train, val = split_documents(documents, validation_fraction=0.01, seed=0)
+    assert len(val) == 1 and len(train) == 2
+    assert split_documents(documents, 0.01, seed=0) == (train, val)
+    with pytest.raises(WhetstoneError, match="1 document"):
+        split_documents(documents[:1], 0.5, seed=0)

@@ -1,0 +1,121 @@
+import json
+
+import pytest
+
+from whetstone.config import load_config
+from whetstone.data import CorpusConfig, DirectorySource, JsonlSource
+from whetstone.data.sources import glob_regex, list_sources, read_documents
+from whetstone.errors import ConfigError, WhetstoneError
+
+
+@pytest.mark.parametrize(
+    ("pattern", "path", "matches"),
+    [
+        ("**/*.py", "a.py", True),
+        ("**/*.py", "a/b/c.py", True),
+        ("*.py", "a/b.py", False),
+        ("**/test/**", "test/x.py", True),
+        ("**/test/**", "a/test/b/x.py", True),
+        ("**/test/**", "a/testing/x.py", False),
+        ("pkg/?.py", "pkg/a.py", True),
+    ],
+)
+def test_globs_span_directories_only_with_double_star(pattern, path, matches):
+    assert bool(glob_regex(pattern).match(path)) == matches
+
+
+def test_stdlib_listing_skips_tests_and_installed_packages():
+    names = [f.name for f in list_sources(CorpusConfig())]
+    assert "stdlib/json/decoder.py" in names and "stdlib/asyncio/events.py" in names
+    assert not [n for n in names if "/test/" in n or "/tests/" in n or "site-packages" in n]
+    assert names == sorted(names)
+
+
+def test_directory_include_and_exclude(tmp_path):
+    for name in ("a.py", "sub/b.py", "sub/c.txt", "build/d.py", "sub/build/e.py"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text("x = 1\n")
+    source = DirectorySource(path=str(tmp_path), include=["**/*.py", "**/*.txt"], exclude=["build/**", "**/c.txt"])
+    files = list_sources(CorpusConfig(stdlib=False, directories=[source]))
+    assert [f.name for f in files] == [f"{tmp_path}/a.py", f"{tmp_path}/sub/b.py", f"{tmp_path}/sub/build/e.py"]
+
+
+def test_reading_filters_small_large_and_binary_files(tmp_path):
+    files = {
+        "good.py": "def f():\n    return 1\n" * 10,
+        "tiny.py": "x = 1\n",
+        "big.py": "y = 2\n" * 1000,
+        "latin1.py": "s = 'caf\xe9'\n" * 20,
+        "windows.py": "def g():\r\n    return 2\r\n" * 10,
+    }
+    for name, text in files.items():
+        (tmp_path / name).write_bytes(text.encode("latin-1"))
+    (tmp_path / "blob.py").write_bytes(b"\x00\x01" * 100)
+    config = CorpusConfig(stdlib=False, directories=[DirectorySource(path=str(tmp_path))], max_document_bytes=4000)
+    documents, stats = read_documents(list_sources(config), config)
+    assert [d.name.rsplit("/", 1)[1] for d in documents] == ["good.py", "windows.py"]
+    assert "\r" not in documents[1].text
+    assert stats == dict(files=6, undecodable=2, too_small=1, too_large=1, over_cap=0, documents=2)
+
+
+def test_size_cap_keeps_a_stable_subset(code_dir):
+    config = CorpusConfig(stdlib=False, directories=[DirectorySource(path=str(code_dir))], max_total_bytes=60_000)
+    documents, stats = read_documents(list_sources(config), config)
+    assert sum(len(d.text.encode()) for d in documents) <= 60_000 and stats["over_cap"] > 0
+    again, _ = read_documents(list_sources(config), config)
+    assert [d.name for d in again] == [d.name for d in documents]
+
+
+def test_jsonl_documents_are_named_by_line(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    lines = [json.dumps({"code": "print('hello world')\n" * 5}), "", json.dumps({"code": "x = [1, 2, 3]\n" * 8})]
+    path.write_text("\n".join(lines) + "\n")
+    config = CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(path), text_field="code")])
+    documents, stats = read_documents(list_sources(config), config)
+    assert [d.name for d in documents] == [f"{path}:1", f"{path}:3"]
+    assert stats["documents"] == 2
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"text": "ok ok ok ok"}\n{"text": broken\n', r"docs.jsonl:2: not valid JSON"),
+        ('{"text": "ok"}\n{"body": "x"}\n', r"docs.jsonl:2: no 'text' field"),
+        ('{"text": 42}\n', r"docs.jsonl:1: field 'text' is int, not a string"),
+        ("[1, 2]\n", r"docs.jsonl:1: no 'text' field"),
+    ],
+)
+def test_bad_jsonl_names_file_line_and_field(tmp_path, content, message):
+    path = tmp_path / "docs.jsonl"
+    path.write_text(content)
+    config = CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(path))])
+    with pytest.raises(WhetstoneError, match=message):
+        read_documents(list_sources(config), config)
+
+
+def test_unreadable_or_missing_sources_are_named(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_bytes(b'{"text": "\xff\xfe"}\n')
+    config = CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(path))])
+    with pytest.raises(WhetstoneError, match="cannot read JSONL file .*docs.jsonl"):
+        read_documents(list_sources(config), config)
+    with pytest.raises(WhetstoneError, match=r"jsonl\[0\].path .*missing.jsonl' does not exist"):
+        list_sources(CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(tmp_path / "missing.jsonl"))]))
+    with pytest.raises(WhetstoneError, match=r"directories\[0\].path .* is not a directory"):
+        list_sources(CorpusConfig(stdlib=False, directories=[DirectorySource(path=str(tmp_path / "nope"))]))
+
+
+def test_empty_corpus_says_why(tmp_path):
+    with pytest.raises(WhetstoneError, match="no source files matched"):
+        list_sources(CorpusConfig(stdlib=False))
+    (tmp_path / "a.py").write_text("x = 1\n")
+    config = CorpusConfig(stdlib=False, directories=[DirectorySource(path=str(tmp_path))])
+    with pytest.raises(WhetstoneError, match="every document of 1 files was filtered out .1 shorter than min_doc"):
+        read_documents(list_sources(config), config)
+
+
+def test_config_errors_name_the_key():
+    with pytest.raises(ConfigError, match="dedup: .*bands \\(7\\) must divide num_permutations \\(128\\)"):
+        load_config(CorpusConfig, None, ["dedup.bands=7"])
+    with pytest.raises(ConfigError, match="directories.0.paht"):
+        load_config(CorpusConfig, None, ['directories=[{paht = "x"}]'])

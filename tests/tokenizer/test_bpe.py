@@ -1,0 +1,96 @@
+import inspect
+import json
+import textwrap
+
+import pytest
+from transformers import AutoTokenizer
+
+from whetstone.errors import CheckpointError, WhetstoneError
+from whetstone.tokenizer import Tokenizer, render_chat
+
+CODE = inspect.getsource(textwrap) + inspect.getsource(json.decoder)
+SAMPLE = 'def f(x):\n    """Ünïcode, digits 12345."""\n    return {"a": x}  # <|im_end|>\n'
+
+
+@pytest.fixture(scope="module")
+def trained():
+    return Tokenizer.train([CODE], vocab_size=512)
+
+
+def test_training_fills_the_vocab_and_round_trips_code(trained):
+    assert trained.vocab_size == 512
+    assert trained.decode(trained.encode(CODE)) == CODE
+    assert trained.decode(trained.encode(SAMPLE)) == SAMPLE
+    # BPE learned something: fewer tokens than bytes.
+    assert len(trained.encode(CODE)) < len(CODE.encode()) / 2
+
+
+def test_chat_tokens_are_single_ids_with_qwen3_strings(trained):
+    ids = trained.special_ids
+    assert set(ids) == {
+        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
+        "<tool_response>", "</tool_response>", "<think>", "</think>",
+    }  # fmt: skip
+    assert len(set(ids.values())) == len(ids) and max(ids.values()) < trained.vocab_size
+    assert trained.encode("<|im_start|>user\n")[0] == trained.im_start_id
+    assert trained.encode("<tool_call>") == [ids["<tool_call>"]]
+    assert (trained.endoftext_id, trained.im_end_id) == (ids["<|endoftext|>"], ids["<|im_end|>"])
+
+
+def test_plain_encoding_keeps_control_strings_as_text(trained):
+    # A source file that mentions "<|endoftext|>" must not end its document early.
+    [plain] = trained.encode_plain(["x = '<|endoftext|>'"])
+    assert trained.endoftext_id not in plain
+    assert trained.decode(plain) == "x = '<|endoftext|>'"
+    assert trained.endoftext_id in trained.encode("x = '<|endoftext|>'")
+
+
+def test_saved_tokenizer_loads_back_and_in_transformers(trained, tmp_path):
+    trained.save(tmp_path)
+    again = Tokenizer.load(tmp_path)
+    assert again.encode(SAMPLE) == trained.encode(SAMPLE) and again.special_ids == trained.special_ids
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    assert hf.encode(SAMPLE) == trained.encode(SAMPLE)
+    assert hf.decode(trained.encode(SAMPLE)) == SAMPLE
+    assert (hf.eos_token_id, hf.pad_token_id) == (trained.im_end_id, trained.endoftext_id)
+    # Its chat template renders whetstone's format, so HF tools and vLLM build the same prompts.
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == render_chat(messages, None, True)
+
+
+def test_qwen3_checkpoint_tokenizer_loads_with_qwen3_ids(qwen3_dir, qwen3_hf):
+    tokenizer = Tokenizer.load(qwen3_dir)
+    first = qwen3_hf.convert_tokens_to_ids("<|endoftext|>")  # 151643 in the real file
+    assert (tokenizer.endoftext_id, tokenizer.im_start_id, tokenizer.im_end_id) == (first, first + 1, first + 2)
+    assert tokenizer.special_ids["<tool_call>"] == first + 14  # 151657 in the real file
+    assert tokenizer.vocab_size == len(qwen3_hf)
+    for text in (CODE[:3000], SAMPLE, "<|im_start|>user\n<tool_response>\nok\n</tool_response><|im_end|>"):
+        assert tokenizer.encode(text) == qwen3_hf.encode(text)
+        assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_saving_a_loaded_checkpoint_keeps_its_config(qwen3_dir, tmp_path):
+    Tokenizer.load(qwen3_dir).save(tmp_path)
+    assert json.loads((tmp_path / "tokenizer_config.json").read_text()) == json.loads(
+        (qwen3_dir / "tokenizer_config.json").read_text()
+    )
+    assert AutoTokenizer.from_pretrained(str(tmp_path)).encode(SAMPLE) == Tokenizer.load(qwen3_dir).encode(SAMPLE)
+
+
+def test_bad_checkpoints_name_the_file(tmp_path, trained):
+    with pytest.raises(CheckpointError, match="tokenizer.json does not exist"):
+        Tokenizer.load(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    with pytest.raises(CheckpointError, match="not a valid tokenizer.json"):
+        Tokenizer.load(tmp_path)
+    # A vocabulary without ChatML tokens cannot speak the chat format.
+    layout = json.loads(trained._backend.to_str())
+    layout["added_tokens"] = [t for t in layout["added_tokens"] if t["content"] != "<|im_end|>"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(layout))
+    with pytest.raises(CheckpointError, match="lacks the ChatML tokens"):
+        Tokenizer.load(tmp_path)
+
+
+def test_vocab_too_small_for_bytes_is_refused():
+    with pytest.raises(WhetstoneError, match="vocab_size 100"):
+        Tokenizer.train([CODE], vocab_size=100)
