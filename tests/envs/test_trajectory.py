@@ -13,7 +13,7 @@ def make_call(versions, logprobs=(-0.1, -2.5e-8)):
         logprobs=list(logprobs),
         versions=list(versions),
         loss_mask=[1, 1],
-        routes="AAEC",
+        routes={"shape": [3, 1, 1], "dtype": "uint8", "data": "AAEC"},
     )
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
@@ -36,9 +37,10 @@ class ModelCall(Record):
     """Weight version that produced each completion token."""
     loss_mask: list[int]
     """Per completion token: 1 to train on it, 0 to leave it out (e.g. a cut-off call)."""
-    routes: str | None = None
+    routes: dict[str, Any] | None = None
     """Routed expert ids of every token fed through the model (prompt, then completion), in the
-    server's compact base64 form; decode with `whetstone.inference.protocol.decode_routes`."""
+    server's compact form {shape, dtype, data (base64)}; decode with
+    `whetstone.inference.protocol.decode_routes`."""
     is_summary: bool = False
     """This call wrote a summary of the work so far (the context restarts after it)."""
     finish_reason: str = "stop"
@@ -69,11 +71,16 @@ class Trajectory(Record):
     """Rollouts of the same task in one RL step share a group id (for group advantages)."""
     segments: list[Segment] = []
     reward: float = 0.0
+    solved: bool = False
+    """The grader found the task solved: every hidden / FAIL_TO_PASS / PASS_TO_PASS test passed."""
     reward_breakdown: dict[str, float] = {}
     cheat_flags: list[str] = []
     exclude_from_gradient: bool = False
     turns: int = 0
     invalid_tool_calls: int = 0
+    stop_reason: str = ""
+    """Why the agent loop ended: submitted, max_turns, max_total_tokens, wall_clock,
+    context_full, failed."""
     status: str = "ok"
     """`ok`, or `failed` when the rollout itself broke (server gone, sandbox error)."""
     error: str | None = None

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -37,7 +38,9 @@ def _fmt(value: object) -> str:
 
 @contextmanager
 def progress_bar(total: float | None, description: str, unit: str = "it") -> Iterator[ProgressBar]:
-    """A rich progress bar: `with progress_bar(steps, "midtrain", "step") as bar: bar.update()`."""
+    """A rich progress bar: `with progress_bar(steps, "midtrain", "step") as bar: bar.update()`.
+
+    Drawn on stderr, so stdout stays clean for results (`--json`)."""
     progress = Progress(
         TextColumn("[bold]{task.description}"),
         BarColumn(),
@@ -47,6 +50,7 @@ def progress_bar(total: float | None, description: str, unit: str = "it") -> Ite
         TextColumn("eta"),
         TimeRemainingColumn(),
         TextColumn("{task.fields[fields]}"),
+        console=Console(stderr=True),
     )
     with progress:
         task_id = progress.add_task(description, total=total, rate="", fields="")

@@ -1,0 +1,59 @@
+"""Configs of the inference engine and of `whetstone serve`."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from whetstone.config import Config
+from whetstone.sync.config import SyncConfig
+
+
+class EngineConfig(Config):
+    max_batch: int = Field(16, ge=1)
+    """Most sequences decoded together (KV-cache slots)."""
+    context_limit: int = Field(0, ge=0)
+    """Longest prompt + completion in tokens; 0 = the model's max_position_embeddings."""
+    batch_beside_interactive: int = Field(2, ge=0)
+    """While interactive sequences run, at most this many batch sequences decode beside them
+    (the others are preempted and resume later): on a CPU a step costs about linearly in the
+    batch, so this keeps user latency near idle. max_batch = rollouts share every step."""
+    interactive_grace_steps: int = Field(50, ge=0)
+    """Decode steps the batch class stays capped after the last interactive sequence ends
+    (users come back: the next turn, the next request), so it does not churn between full
+    and capped with every request."""
+    prefill_tokens_per_step: int = Field(512, ge=1)
+    """Prompt tokens prefilled between two decode steps (at least one sequence is admitted), so
+    new long prompts do not stall the sequences already decoding."""
+    prefill_chunk: int = Field(512, ge=1)
+    """Longest piece of a prompt fed in one forward (bounds attention memory)."""
+    swap_policy: Literal["continue", "finish"] = "continue"
+    """What a new weight version does to sequences in flight: `continue` under the new weights
+    at once (each token carries its version), or `finish` them on the old weights first (new
+    requests wait until they are done)."""
+
+
+class ServeConfig(Config):
+    model_path: str = ""
+    """Hugging Face model folder to serve (config.json, safetensors weights, tokenizer.json)."""
+    model_name: str = ""
+    """Model id clients must send; empty = the folder's name."""
+    host: str = "127.0.0.1"
+    """Interface to listen on."""
+    port: int = Field(8000, ge=1, le=65535)
+    """TCP port."""
+    auth_token: str = ""
+    """If set, /v1/* requests need `Authorization: Bearer <auth_token>`."""
+    threads: int = Field(0, ge=0)
+    """Torch threads for the engine (0 = all cores)."""
+    default_max_tokens: int = Field(256, ge=1)
+    """Completion length when a request does not say (capped by the context limit)."""
+    engine: EngineConfig = EngineConfig()
+    """Batching, context and swap policy."""
+    weight_version: int = 0
+    """Version label of the weights loaded from `model_path` (tokens are tagged with it until
+    the first hot swap)."""
+    sync: SyncConfig | None = None
+    """Follow a weight store (a `[sync]` section: `store = ...`) and hot-swap every new version;
+    absent = serve the loaded weights only."""

@@ -1,0 +1,67 @@
+"""Text of a growing token sequence, produced incrementally, with stop strings cut out.
+
+Byte-level BPE tokens can end in the middle of a UTF-8 character, so a token's text is only
+known once the next ones arrive. We decode a short window of recent tokens and release text only
+when it no longer ends in a replacement character. Text that could be the start of a stop string
+is held back until it is known not to be one, so a stream never shows part of a stop string.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+class IncrementalText:
+    def __init__(self, decode: Callable[[list[int]], str], stop: Sequence[str] = ()):
+        self._decode = decode
+        self._stop = tuple(stop)
+        self._ids: list[int] = []
+        self._prefix = 0  # window start: tokens before it are fully decoded into self.text
+        self._read = 0  # tokens before this are in self.text
+        self.text = ""
+        """All text decoded so far (never includes a stop string)."""
+        self.released = 0
+        """How many characters of `text` are safe to show (no pending stop-string prefix)."""
+        self.stopped = False
+
+    def push(self, ids: list[int]) -> None:
+        """Add generated tokens; sets `stopped` once a stop string appears (and cuts it)."""
+        if self.stopped:
+            return
+        self._ids.extend(ids)
+        before = self._decode(self._ids[self._prefix:self._read])
+        after = self._decode(self._ids[self._prefix:])
+        if len(after) <= len(before) or after.endswith("\ufffd"):
+            return  # an incomplete character: wait for more bytes
+        search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
+        self.text += after[len(before):]
+        self._prefix, self._read = self._read, len(self._ids)
+        self._cut_stop(search_from)
+        self.released = len(self.text) if self.stopped else len(self.text) - self._pending_stop_prefix()
+
+    def finish(self) -> None:
+        """No more tokens: release everything (an incomplete trailing character included)."""
+        if not self.stopped:
+            before = self._decode(self._ids[self._prefix:self._read])
+            after = self._decode(self._ids[self._prefix:])
+            if len(after) > len(before):
+                search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
+                self.text += after[len(before):]
+                self._cut_stop(search_from)
+        self.released = len(self.text)
+
+    def _cut_stop(self, search_from: int) -> None:
+        hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[:min(hits)]
+            self.stopped = True
+
+    def _pending_stop_prefix(self) -> int:
+        """Length of the longest tail of `text` that starts some stop string."""
+        longest = 0
+        for stop in self._stop:
+            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
+                if self.text.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest

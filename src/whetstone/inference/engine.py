@@ -1,0 +1,310 @@
+"""The inference engine: continuous batching over the whetstone model with a slot KV cache.
+
+Each `step()`:
+  1. takes in what other threads sent (new sequences, aborts, weight updates);
+  2. applies pending weight versions in place (the only pause a swap causes);
+  3. asks the scheduler whom to preempt and admit, and prefills the admitted sequences into
+     their slots in one batched forward (all tokens but the last; resumed sequences replay
+     their recorded routes);
+  4. runs ONE forward over the last token of every running sequence, samples, and retires the
+     sequences that stopped.
+
+So every sampled token comes out of a batched decode step, with its logprob, the weight version
+of that step, and the routes of the token fed to produce it. The engine runs in its own thread
+(`start()`); other threads only call `add`, `abort` and `update_weights`, which never block it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from whetstone.inference.config import EngineConfig
+from whetstone.inference.detokenize import IncrementalText
+from whetstone.inference.kv_cache import SlotKVCache
+from whetstone.inference.metrics import EngineStats
+from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample
+from whetstone.inference.scheduler import Scheduler
+from whetstone.inference.sequence import Priority, Sequence
+from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
+from whetstone.sync.update import WeightUpdate
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_ids: tuple[int, ...] = (),
+                 decode: Callable[[list[int]], str] | None = None, version: int = 0):
+        cfg = model.cfg
+        self.model = model.eval()
+        self.config = config
+        self.context_limit = config.context_limit or cfg.max_position_embeddings
+        self.vocab_size = cfg.vocab_size
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.decode = decode
+        self.version = version
+        dtype = next(model.parameters()).dtype
+        self.cache = SlotKVCache.for_model(cfg, config.max_batch, self.context_limit, dtype)
+        # routes of the running sequences, by slot and position (int16 holds any expert id we serve)
+        self.routes = None
+        if cfg.num_moe_layers:
+            shape = (config.max_batch, self.cache.max_len, cfg.num_moe_layers, cfg.num_experts_per_tok)
+            self.routes = torch.zeros(shape, dtype=torch.int16)
+        self.scheduler = Scheduler(config.max_batch, config.prefill_tokens_per_step, config.batch_beside_interactive,
+                                   config.interactive_grace_steps)
+        self.stats = EngineStats(weight_version=version)
+        self._tensors = serving_tensors(model)
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._updates: deque[PreparedUpdate] = deque()
+        self._wake = threading.Event()
+        self._stopping = False
+        self._thread: threading.Thread | None = None
+
+    # ---- called from any thread -------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a sequence; raises `InvalidRequest` (nothing queued) if it cannot be served."""
+        self.check_request(seq.prompt_ids, seq.params)
+        if self.decode is not None:
+            seq.text = IncrementalText(self.decode, seq.params.stop)
+        self._send("add", seq)
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        n, limit = len(prompt_ids), self.context_limit
+        if n == 0:
+            raise InvalidRequest("the prompt is empty")
+        if n >= limit:
+            raise InvalidRequest(f"the prompt has {n} tokens; the context limit is {limit} "
+                                 f"(prompt + completion), so it must be at most {limit - 1}")
+        if n + params.max_tokens > limit:
+            raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                                 f"{n + params.max_tokens} exceeds the context limit of {limit} tokens")
+        if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
+            raise InvalidRequest(f"prompt token ids must be in 0..{self.vocab_size - 1}")
+
+    def abort(self, seq: Sequence) -> None:
+        """Stop a sequence (e.g. its client went away); it finishes with reason `abort`."""
+        self._send("abort", seq)
+
+    def update_weights(self, update: WeightUpdate) -> None:
+        """Queue a new weight version (checked here, in the caller's thread; raises
+        `WeightUpdateError` if it does not fit). The engine writes it between two steps."""
+        self._send("weights", prepare(update, self._tensors))
+
+    def _send(self, kind: str, item) -> None:
+        self._inbox.put((kind, item))
+        self._wake.set()
+
+    def start(self) -> None:
+        """Run the engine in a background thread until `stop()`."""
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="whetstone-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def running(self) -> bool:
+        """Whether the background thread is serving."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while not self._stopping:
+                try:
+                    busy = self.step()
+                except Exception as err:  # a bug must not take the server down: fail what ran
+                    log.exception("engine step failed")
+                    self._fail_running(f"{type(err).__name__}: {err}")
+                    busy = True
+                if not busy:
+                    self._wake.wait()
+                    self._wake.clear()
+
+    # ---- offline use (tests, benchmarks): same path, driven from the caller's thread ---------
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+                 priority: Priority = "batch") -> list[Sequence]:
+        if self._thread is not None:
+            raise RuntimeError("generate() drives the engine itself; do not call it while start()ed")
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        seqs = [Sequence(f"offline-{i}", list(p), sp, priority) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for seq in seqs:
+            self.add(seq)
+        with torch.inference_mode():
+            while not all(seq.finished for seq in seqs):
+                self.step()
+        return seqs
+
+    # ---- the engine thread --------------------------------------------------------------------
+
+    def step(self) -> bool:
+        """One scheduling round and one decode step; returns whether there is work left."""
+        self._take_inbox()
+        self._apply_updates()
+        plan = self.scheduler.plan()
+        for seq in plan.preempt:
+            self._release(seq)
+            seq.preempt()
+            self.scheduler.requeue(seq)
+            self.stats.preemptions_total += 1
+        if plan.admit:
+            self._admit(plan.admit)
+        if self.scheduler.running:
+            self._decode()
+        stats, waiting = self.stats, self.scheduler.waiting
+        stats.running = len(self.scheduler.running)
+        stats.waiting_interactive, stats.waiting_batch = len(waiting["interactive"]), len(waiting["batch"])
+        return self.scheduler.has_work or bool(self._updates)
+
+    def _take_inbox(self) -> None:
+        while True:
+            try:
+                kind, item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self.scheduler.add(item)
+            elif kind == "weights":
+                self._updates.append(item)
+            elif kind == "abort" and not item.finished:
+                if item.slot is not None:
+                    self._finish(item, "abort")
+                elif self.scheduler.remove_waiting(item):
+                    self._finish(item, "abort")
+
+    def _apply_updates(self) -> None:
+        if not self._updates:
+            return
+        if self.config.swap_policy == "finish" and self.scheduler.in_flight():
+            self.scheduler.admit_fresh = False  # drain: in-flight sequences end on these weights
+            return
+        pause = 0.0
+        while self._updates:
+            update = self._updates.popleft()
+            pause += write(update)
+            self.version = update.version
+        self.stats.record_swap(self.version, pause)
+        self.scheduler.admit_fresh = True
+
+    def _admit(self, seqs: list[Sequence]) -> None:
+        """Give each sequence the next free slot and feed all its tokens but the last.
+
+        Fresh sequences are prefilled together, longest first (so the rows still feeding at any
+        chunk are a prefix of the group: contiguous slots); resumed ones one by one, replaying
+        exactly the experts they used before (replay covers a whole forward)."""
+        running = self.scheduler.running
+        resumed = [s for s in seqs if s.routes is not None]
+        fresh = sorted((s for s in seqs if s.routes is None), key=lambda s: -s.num_tokens)
+        for group in [[s] for s in resumed] + ([fresh] if fresh else []):
+            for seq in group:
+                seq.slot = len(running)
+                running.append(seq)
+            self._prefill(group)
+        self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
+
+    def _prefill(self, group: list[Sequence]) -> None:
+        lengths = [seq.num_tokens - 1 for seq in group]
+        tokens = [seq.tokens(0, n) for seq, n in zip(group, lengths)]
+        replay = group[0].routes if len(group) == 1 else None
+        for start in range(0, lengths[0], self.config.prefill_chunk):
+            rows = sum(1 for n in lengths if n > start)
+            end = min(start + self.config.prefill_chunk, lengths[0])
+            ids = torch.zeros(rows, end - start, dtype=torch.long)  # shorter rows: padding, never attended
+            for row in range(rows):
+                piece = tokens[row][start:end]
+                ids[row, :len(piece)] = torch.tensor(piece)
+            positions = torch.arange(start, end).expand(rows, -1)
+            chunk_routes = None if replay is None else replay[start:end].unsqueeze(0)
+            out = self.model(ids, positions=positions, cache=self.cache.rows(group[0].slot, rows),
+                             routes=chunk_routes, return_routes=self.routes is not None and replay is None)
+            if self.routes is not None:
+                used = chunk_routes if replay is not None else out.routes
+                for row, seq in enumerate(group[:rows]):
+                    real = min(end, lengths[row]) - start
+                    self.routes[seq.slot, start:start + real] = used[row, :real].to(self.routes.dtype)
+        for seq, n in zip(group, lengths):
+            seq.num_cached = n
+
+    def _decode(self) -> None:
+        running = list(self.scheduler.running)
+        ids = torch.tensor([[seq.last_token] for seq in running])
+        positions = torch.tensor([[seq.num_cached] for seq in running])
+        out = self.model(ids, positions=positions, cache=self.cache.rows(0, len(running)),
+                         return_routes=self.routes is not None)
+        if self.routes is not None:
+            self.routes[torch.arange(len(running)), positions[:, 0]] = out.routes[:, 0].to(self.routes.dtype)
+        drawn = sample(out.logits[:, -1], [s.params for s in running], [s.generator for s in running])
+        self.stats.decode_steps_total += 1
+        self.stats.record_tokens(len(running))
+        finished = []
+        for seq, token, logprob, top in zip(running, drawn.tokens, drawn.logprobs, drawn.top):
+            seq.num_cached += 1
+            seq.output_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(self.version)
+            if seq.params.top_logprobs:
+                seq.top_logprobs.append(top)
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                finished.append((seq, reason))
+            elif seq.stream:
+                seq.notify()
+        for seq, reason in finished:
+            self._finish(seq, reason)
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if token in params.stop_token_ids or (token in self.eos_token_ids and not params.ignore_eos):
+            return "stop"
+        if seq.text is not None and (seq.stream or params.stop):
+            seq.text.push([token])
+            if seq.text.stopped:
+                return "stop"
+        if len(seq.output_ids) >= params.max_tokens or seq.num_tokens >= self.context_limit:
+            return "length"
+        return None
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        if seq.slot is not None:
+            self._release(seq)
+        seq.finish_reason = reason
+        if seq.text is not None:
+            if not (seq.stream or seq.params.stop):
+                ended_on_stop_token = reason == "stop" and seq.output_ids
+                seq.text.push(seq.output_ids[:-1] if ended_on_stop_token else seq.output_ids)
+            seq.text.finish()
+        self.stats.requests_total[reason] += 1
+        seq.notify()
+
+    def _release(self, seq: Sequence) -> None:
+        """Free `seq`'s slot, keeping its routes; the last running sequence moves into the gap."""
+        slot, running = seq.slot, self.scheduler.running
+        if self.routes is not None:
+            seq.routes = self.routes[slot, :seq.num_cached].clone()
+        last = running.pop()
+        if last is not seq:
+            self.cache.move(last.slot, slot, last.num_cached)
+            if self.routes is not None:
+                self.routes[slot, :last.num_cached] = self.routes[last.slot, :last.num_cached]
+            last.slot = slot
+            running[slot] = last
+        seq.slot = None
+
+    def _fail_running(self, message: str) -> None:
+        for seq in list(self.scheduler.running):
+            seq.error = message
+            self.stats.requests_total["error"] += 1
+            self._release(seq)
+            seq.finish_reason = "abort"
+            seq.notify()

@@ -1,0 +1,46 @@
+"""Build the server `whetstone serve` runs: model and tokenizer from a Hugging Face folder, the
+engine, the weight follower (if a store is configured) and the HTTP app."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from whetstone.errors import ConfigError, WhetstoneError
+from whetstone.inference.config import ServeConfig
+
+
+def build_app(config: ServeConfig):
+    from whetstone.inference.engine import Engine
+    from whetstone.inference.server import create_app
+    from whetstone.inference.swap import WeightFollower
+    from whetstone.model.hf import load_hf
+    from whetstone.sync import Subscriber, WeightStore
+    from whetstone.tokenizer import Tokenizer
+    from whetstone.utils.runtime import set_threads
+
+    if not config.model_path:
+        raise ConfigError("model_path is not set: point it at a Hugging Face model folder "
+                          "(config.json, model.safetensors, tokenizer.json)")
+    set_threads(config.threads)
+    model = load_hf(config.model_path)
+    tokenizer = Tokenizer.load(config.model_path)
+    if tokenizer.vocab_size > model.cfg.vocab_size:
+        raise WhetstoneError(f"{config.model_path}: the tokenizer has {tokenizer.vocab_size} ids, "
+                             f"the model only {model.cfg.vocab_size}")
+    engine = Engine(model, config.engine, eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
+                    decode=tokenizer.decode, version=config.weight_version)
+    follower = None
+    if config.sync is not None:
+        subscriber = Subscriber(WeightStore.open(config.sync), config.sync, name=f"serve:{config.port}")
+        follower = WeightFollower(subscriber, engine, poll_seconds=config.sync.poll_interval)
+    name = config.model_name or Path(config.model_path).resolve().name
+    return create_app(engine, tokenizer, config, name, follower)
+
+
+def serve(config: ServeConfig) -> None:
+    """Run the server in this process until interrupted."""
+    import uvicorn
+
+    app = build_app(config)
+    print(f"whetstone serving on http://{config.host}:{config.port}/v1", flush=True)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")

@@ -1,0 +1,88 @@
+"""Engine counters, and their Prometheus text exposition for `/metrics`.
+
+The engine thread writes these; HTTP handlers only read them (plain ints and floats, so a read
+never blocks the engine and at worst sees the previous step's value).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+TOKENS_PER_S_WINDOW = 10.0
+
+
+@dataclass
+class EngineStats:
+    weight_version: int = 0
+    running: int = 0
+    waiting_interactive: int = 0
+    waiting_batch: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    decode_steps_total: int = 0
+    preemptions_total: int = 0
+    requests_total: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
+    swaps_total: int = 0
+    swap_pause_seconds_sum: float = 0.0
+    swap_pause_seconds_last: float = 0.0
+    swap_pauses: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    _recent: deque[tuple[float, int]] = field(default_factory=deque)
+
+    def record_tokens(self, count: int) -> None:
+        now = time.monotonic()
+        self.generation_tokens_total += count
+        self._recent.append((now, count))
+        while self._recent and self._recent[0][0] < now - TOKENS_PER_S_WINDOW:
+            self._recent.popleft()
+
+    def record_swap(self, version: int, seconds: float) -> None:
+        self.weight_version = version
+        self.swaps_total += 1
+        self.swap_pause_seconds_sum += seconds
+        self.swap_pause_seconds_last = seconds
+        self.swap_pauses.append(seconds)
+
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second over the last few seconds."""
+        now = time.monotonic()
+        recent = list(self._recent)
+        count = sum(n for t, n in recent if t >= now - TOKENS_PER_S_WINDOW)
+        return count / TOKENS_PER_S_WINDOW
+
+
+def render_prometheus(stats: EngineStats, model_name: str) -> str:
+    label = f'model="{model_name}"'
+    lines: list[str] = []
+
+    def metric(name: str, kind: str, help_text: str, samples: list[tuple[str, float]]) -> None:
+        lines.append(f"# HELP whetstone_{name} {help_text}")
+        lines.append(f"# TYPE whetstone_{name} {kind}")
+        for labels, value in samples:
+            lines.append(f"whetstone_{name}{{{label}{labels}}} {value}")
+
+    metric("queue_depth", "gauge", "Requests waiting for a slot, by priority.",
+           [(',priority="interactive"', stats.waiting_interactive), (',priority="batch"', stats.waiting_batch)])
+    metric("running_sequences", "gauge", "Sequences in the decode batch.", [("", stats.running)])
+    metric("tokens_per_second", "gauge", f"Generated tokens per second over the last {TOKENS_PER_S_WINDOW:g} s.",
+           [("", round(stats.tokens_per_s(), 3))])
+    metric("generation_tokens_total", "counter", "Tokens generated.", [("", stats.generation_tokens_total)])
+    metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", stats.prompt_tokens_total)])
+    metric("decode_steps_total", "counter", "Batched decode steps.", [("", stats.decode_steps_total)])
+    metric("requests_total", "counter", "Finished sequences by finish reason.",
+           [(f',reason="{reason}"', count) for reason, count in stats.requests_total.items()])
+    metric("preemptions_total", "counter", "Batch sequences preempted for interactive ones.",
+           [("", stats.preemptions_total)])
+    metric("weight_version", "gauge", "Weight version being served.", [("", stats.weight_version)])
+    pauses = sorted(stats.swap_pauses)
+    lines.append("# HELP whetstone_swap_pause_seconds Decode pause while new weights are written in place.")
+    lines.append("# TYPE whetstone_swap_pause_seconds summary")
+    for q in (0.5, 0.99):
+        value = pauses[min(len(pauses) - 1, int(q * len(pauses)))] if pauses else float("nan")
+        lines.append(f'whetstone_swap_pause_seconds{{{label},quantile="{q}"}} {value}')
+    lines.append(f"whetstone_swap_pause_seconds_sum{{{label}}} {stats.swap_pause_seconds_sum}")
+    lines.append(f"whetstone_swap_pause_seconds_count{{{label}}} {stats.swaps_total}")
+    metric("swap_pause_seconds_last", "gauge", "Decode pause of the last weight swap.",
+           [("", stats.swap_pause_seconds_last)])
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,178 @@
+"""The HTTP contract: OpenAI request bodies plus whetstone's RL extension fields.
+
+Extension fields (DESIGN.md, "HTTP extensions"), accepted by both completion endpoints:
+  `return_token_ids`       choices carry `prompt_token_ids`, `token_ids` and `weight_versions`
+                           (the weight version that produced each token)
+  `return_routed_experts`  choices carry `routed_experts`: the experts of every token fed through
+                           the model (see `encode_routes`)
+  `priority`               `interactive` (default: users) or `batch` (RL rollouts, preemptible)
+  `top_k`, `stop_token_ids`, `ignore_eos`   sampling controls as in vLLM
+Logprobs use OpenAI's own fields (`logprobs`, `top_logprobs`) and shapes.
+
+OpenAI fields whetstone does not implement are accepted only at their neutral value, so a
+request never silently means something else than what it says.
+"""
+
+from __future__ import annotations
+
+import base64
+from typing import Any, Literal
+
+import numpy as np
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from whetstone.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
+from whetstone.inference.sequence import Priority
+
+MAX_CHOICES = 64
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: str
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1)
+    """0 or -1: off."""
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: dict[str, float] | None = None
+    # RL extensions
+    return_token_ids: bool = False
+    return_routed_experts: bool = False
+    priority: Priority = "interactive"
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.presence_penalty or self.frequency_penalty:
+            raise ValueError("presence_penalty and frequency_penalty are not supported (leave them at 0)")
+        if self.logit_bias:
+            raise ValueError("logit_bias is not supported")
+        return self
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_strings(cls, value):
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > 8:
+            raise ValueError("at most 8 stop strings")
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    def sampling(self, max_tokens: int, top_logprobs: int, choice: int) -> SamplingParams:
+        """Sampling parameters of choice `choice` (each choice gets seed + its index)."""
+        stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        return SamplingParams(
+            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
+            top_k=max(self.top_k, 0), stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos, seed=None if self.seed is None else self.seed + choice,
+            top_logprobs=top_logprobs,
+        )
+
+
+class CompletionRequest(_Request):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    """Return the logprob of each token, and this many most likely alternatives."""
+    echo: bool = False
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _completion_unsupported(self):
+        if self.echo:
+            raise ValueError("echo is not supported (use return_token_ids to get the prompt's token ids)")
+        if self.best_of not in (None, self.n):
+            raise ValueError("best_of is not supported")
+        if self.suffix:
+            raise ValueError("suffix is not supported")
+        return self
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts as a list: one text or token-id list each."""
+        prompt = self.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            return [prompt]
+        if not prompt:
+            raise InvalidRequest("prompt is empty")
+        return list(prompt)
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="allow")  # e.g. `name`, `reasoning_content`: passed on as is
+
+    role: Literal["system", "user", "assistant", "tool", "developer"]
+    content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+
+    def as_chat_dict(self) -> dict[str, Any]:
+        """The message in the shape `render_chat` takes (text parts joined, developer = system)."""
+        message = self.model_dump(exclude_none=True)
+        message["role"] = "system" if self.role == "developer" else self.role
+        if isinstance(self.content, list):
+            texts = []
+            for part in self.content:
+                if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidRequest(f"only text content parts are supported, got type {part.get('type')!r}")
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        return message
+
+
+class ChatRequest(_Request):
+    messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["auto", "none"] | None = None
+    parallel_tool_calls: bool | None = None
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _chat_unsupported(self):
+        if self.response_format and self.response_format.get("type") != "text":
+            raise ValueError("response_format other than {'type': 'text'} is not supported")
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs=true")
+        for index, tool in enumerate(self.tools or []):
+            function = tool.get("function")
+            if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
+                raise ValueError(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+        return self
+
+    @property
+    def use_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def encode_routes(routes: torch.Tensor) -> dict[str, Any]:
+    """Routes [tokens, moe_layers, top_k] as JSON: shape, dtype, and the C-order little-endian
+    bytes in base64. uint8 when every expert id fits (< 256), else int16."""
+    dtype = np.uint8 if routes.numel() == 0 or int(routes.max()) < 256 else np.dtype("<i2")
+    array = np.ascontiguousarray(routes.numpy().astype(dtype))
+    return {"shape": list(array.shape), "dtype": np.dtype(dtype).name, "data": base64.b64encode(array.tobytes()).decode()}
+
+
+def decode_routes(encoded: dict[str, Any]) -> torch.Tensor:
+    """The int64 tensor [tokens, moe_layers, top_k] of `encode_routes`' output."""
+    dtype = {"uint8": np.uint8, "int16": np.dtype("<i2")}[encoded["dtype"]]
+    array = np.frombuffer(base64.b64decode(encoded["data"]), dtype=dtype).reshape(encoded["shape"])
+    return torch.from_numpy(array.astype(np.int64))

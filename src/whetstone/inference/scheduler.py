@@ -1,0 +1,107 @@
+"""Who runs next: two priority classes, with interactive requests preempting batch ones.
+
+Interactive requests (users) are admitted before batch requests (RL rollouts). When the batch
+is full and a user is waiting, the scheduler preempts a running batch sequence, which goes back
+to the front of the batch queue with everything it generated and resumes when a slot frees up.
+While users are served, the batch class is also held to a few sequences, because on a CPU a
+decode step costs about linearly in the batch size. So rollouts soak up whatever capacity the
+users leave, and users see a near-idle server.
+
+Running sequences are kept in slot order (`running[i].slot == i`); the engine does the moving.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from whetstone.inference.sequence import Sequence
+
+
+@dataclass
+class Plan:
+    preempt: list[Sequence] = field(default_factory=list)
+    admit: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, max_batch: int, prefill_tokens_per_step: int, batch_beside_interactive: int | None = None,
+                 interactive_grace_steps: int = 0):
+        self.max_batch = max_batch
+        self.prefill_tokens_per_step = prefill_tokens_per_step
+        self.batch_beside_interactive = max_batch if batch_beside_interactive is None else batch_beside_interactive
+        self.interactive_grace_steps = interactive_grace_steps
+        self._steps_without_users = interactive_grace_steps + 1
+        self.waiting: dict[str, deque[Sequence]] = {"interactive": deque(), "batch": deque()}
+        self.running: list[Sequence] = []
+        self.admit_fresh = True
+        """False while draining before a swap that must not touch in-flight sequences: only
+        sequences that already have tokens (preempted ones) may start."""
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting[seq.priority].append(seq)
+
+    def requeue(self, seq: Sequence) -> None:
+        """A preempted sequence goes first in its class: it has waited longest."""
+        self.waiting[seq.priority].appendleft(seq)
+
+    def remove_waiting(self, seq: Sequence) -> bool:
+        try:
+            self.waiting[seq.priority].remove(seq)
+            return True
+        except ValueError:
+            return False
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting["interactive"] or self.waiting["batch"])
+
+    def in_flight(self) -> bool:
+        """Any sequence that has generated tokens and has not finished (running or preempted)."""
+        return bool(self.running) or any(s.output_ids for q in self.waiting.values() for s in q)
+
+    def plan(self) -> Plan:
+        """Sequences to preempt and to admit before this step's decode.
+
+        Users first: a waiting interactive request takes a free slot or preempts the batch
+        sequence cheapest to recompute. While any user is being served, and for
+        `interactive_grace_steps` steps after, at most `batch_beside_interactive` batch
+        sequences decode (a smaller batch is a faster step); the rest wait, keeping their
+        tokens. Prefill work per step is capped (`prefill_tokens_per_step`, at least one
+        sequence) so a burst of long prompts cannot stall the sequences already decoding.
+        """
+        plan = Plan()
+        self._budget = self.prefill_tokens_per_step
+        batch = sorted((s for s in self.running if s.priority == "batch"), key=lambda s: s.num_tokens)
+        free = self.max_batch - len(self.running)
+        queue = self.waiting["interactive"]
+        while queue and (free > 0 or batch) and self._fits(queue[0], plan):
+            if free == 0:
+                plan.preempt.append(batch.pop(0))
+                free += 1
+            plan.admit.append(queue.popleft())
+            free -= 1
+        users = plan.admit or any(s.priority == "interactive" for s in self.running)
+        self._steps_without_users = 0 if users else self._steps_without_users + 1
+        # users tend to come back (the next turn, the next request): stay small a little longer
+        capped = self._steps_without_users <= self.interactive_grace_steps
+        limit = min(self.batch_beside_interactive, self.max_batch) if capped else self.max_batch
+        while len(batch) > limit:
+            plan.preempt.append(batch.pop(0))
+            free += 1
+        queue = self.waiting["batch"]
+        while queue and free > 0 and len(batch) < limit and self._fits(queue[0], plan):
+            batch.append(queue.popleft())
+            plan.admit.append(batch[-1])
+            free -= 1
+        return plan
+
+    def _fits(self, seq: Sequence, plan: Plan) -> bool:
+        """May `seq` start now? Charges its prefill to this step's budget if so."""
+        if not self.admit_fresh and not seq.output_ids:
+            return False
+        cost = seq.num_tokens - 1  # tokens to prefill (the last one is fed by decode)
+        if plan.admit and cost > self._budget:
+            return False
+        self._budget -= cost
+        return True

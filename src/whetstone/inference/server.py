@@ -1,0 +1,183 @@
+"""The OpenAI-compatible HTTP server around a running engine.
+
+Routes: POST /v1/completions, POST /v1/chat/completions (tools, streaming over SSE),
+GET /v1/models, GET /health, GET /metrics (Prometheus text). Handlers tokenize, hand sequences
+to the engine thread and await their events; they never run the model. Every bad request gets
+a 4xx with OpenAI's error body naming what is wrong, and nothing else is affected by it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import secrets
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from whetstone.errors import WhetstoneError
+from whetstone.inference.config import ServeConfig
+from whetstone.inference.engine import Engine
+from whetstone.inference.metrics import render_prometheus
+from whetstone.inference.protocol import ChatRequest, CompletionRequest
+from whetstone.inference.responses import chat_choice, completion_choice, header, usage
+from whetstone.inference.sampling import InvalidRequest
+from whetstone.inference.stream import chat_stream, completion_stream
+from whetstone.inference.submission import ClientGone, Submission
+from whetstone.tokenizer import Tokenizer, render_chat
+
+log = logging.getLogger(__name__)
+
+
+class UnknownModel(Exception):
+    """A request for a model this server does not serve (404, as OpenAI answers)."""
+
+
+def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    if status == 401:
+        kind = "authentication_error"
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+
+
+def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_name: str, follower=None) -> FastAPI:
+    """The app; its lifespan starts and stops the engine thread (and the weight follower)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        if follower is not None:
+            follower.start()
+        try:
+            yield
+        finally:
+            if follower is not None:
+                follower.stop()
+            engine.stop()
+
+    app = FastAPI(title="whetstone", lifespan=lifespan)
+    decode = tokenizer.decode
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, err: RequestValidationError) -> JSONResponse:
+        problems, params = [], []
+        for item in err.errors():
+            where = ".".join(str(p) for p in item["loc"] if p != "body")
+            if item["type"] == "json_invalid":
+                problems.append(f"malformed JSON: {item.get('ctx', {}).get('error', item['msg'])}")
+            elif item["type"] in ("model_attributes_type", "dict_type", "model_type") and not where:
+                problems.append("the request body must be a JSON object (Content-Type: application/json)")
+            elif not where:  # a check across fields
+                problems.append(item["msg"].removeprefix("Value error, "))
+            else:
+                problems.append(f"{where}: {item['msg']}")
+                params.append(where)
+        return error_body(400, "; ".join(problems), param=params[0] if params else None)
+
+    @app.exception_handler(InvalidRequest)
+    async def _rejected(request: Request, err: InvalidRequest) -> JSONResponse:
+        return error_body(400, str(err))
+
+    @app.exception_handler(UnknownModel)
+    async def _unknown_model(request: Request, err: UnknownModel) -> JSONResponse:
+        return error_body(404, str(err), code="model_not_found", param="model")
+
+    @app.exception_handler(HTTPException)
+    async def _http(request: Request, err: HTTPException) -> JSONResponse:
+        return error_body(err.status_code, str(err.detail))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, err: Exception) -> JSONResponse:
+        log.exception("unhandled error in %s", request.url.path)
+        return error_body(500, f"internal error: {type(err).__name__}: {err}")
+
+    async def authorize(request: Request) -> None:
+        if not config.auth_token:
+            return
+        given = request.headers.get("authorization", "")
+        if not secrets.compare_digest(given.encode(), f"Bearer {config.auth_token}".encode()):
+            raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
+
+    def check_model(name: str) -> None:
+        if name != model_name:
+            raise UnknownModel(f"The model {name!r} does not exist; this server serves {model_name!r}")
+
+    def max_tokens(requested: int | None, prompt_length: int) -> int:
+        room = engine.context_limit - prompt_length
+        return requested if requested is not None else max(1, min(config.default_max_tokens, room))
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        alive = engine.running
+        body = {"status": "ok" if alive else "engine stopped", "model": model_name, "weight_version": engine.version}
+        return JSONResponse(body, 200 if alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(render_prometheus(engine.stats, model_name), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=[Depends(authorize)])
+    async def models() -> dict:
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "whetstone",
+                "max_model_len": engine.context_limit}
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions", dependencies=[Depends(authorize)])
+    async def completions(body: CompletionRequest, request: Request):
+        check_model(body.model)
+        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        top = body.logprobs or 0
+        params = [[body.sampling(max_tokens(body.max_tokens, len(p)), top, c) for c in range(body.n)] for p in prompts]
+        response_id = f"cmpl-{uuid.uuid4().hex}"
+        submission = Submission(engine, response_id, prompts, params, body.priority, body.stream)
+        if body.stream:
+            return sse(completion_stream(submission, body, response_id, model_name, decode, request))
+        await finish(submission, request)
+        choices = [completion_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
+        return header(response_id, "text_completion", model_name) | {
+            "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}
+
+    @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
+    async def chat_completions(body: ChatRequest, request: Request):
+        check_model(body.model)
+        messages = [m.as_chat_dict() for m in body.messages]
+        try:
+            text = render_chat(messages, body.tools if body.use_tools else None, add_generation_prompt=True)
+        except WhetstoneError as err:
+            raise InvalidRequest(str(err)) from None
+        prompt = tokenizer.encode(text)
+        top = body.top_logprobs or 0
+        limit = body.max_completion_tokens or body.max_tokens
+        params = [[body.sampling(max_tokens(limit, len(prompt)), top, c) for c in range(body.n)]]
+        response_id = f"chatcmpl-{uuid.uuid4().hex}"
+        submission = Submission(engine, response_id, [prompt], params, body.priority, body.stream)
+        if body.stream:
+            return sse(chat_stream(submission, body, response_id, model_name, decode, request))
+        await finish(submission, request)
+        choices = [chat_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
+        return header(response_id, "chat.completion", model_name) | {
+            "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}
+
+    async def finish(submission: Submission, request: Request) -> None:
+        try:
+            await submission.wait(request.is_disconnected)
+        except ClientGone:
+            raise HTTPException(499, "client closed the request") from None
+        errors = [seq.error for seq in submission.seqs if seq.error]
+        if errors:
+            raise RuntimeError(errors[0])
+
+    return app
+
+
+def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+    async def lines():
+        async for event in events:
+            yield f"data: {json.dumps(event)}\n\n"
+        yield "data: [DONE]\n\n"
+    return StreamingResponse(lines(), media_type="text/event-stream")

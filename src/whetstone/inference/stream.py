@@ -1,0 +1,113 @@
+"""Streamed responses: OpenAI's chunk objects, one per engine event, for SSE.
+
+Chat streams with tools show content as it comes, but hold back anything that may turn out to
+be the start of a `<tool_call>`; the calls themselves are parsed from the finished text and sent
+whole (name and arguments) in the last chunk of their choice, as OpenAI clients accumulate them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from fastapi import Request
+
+from whetstone.inference.protocol import ChatRequest, CompletionRequest
+from whetstone.inference.responses import (
+    assistant_message, chat_logprobs, completion_logprobs, header, rl_fields, usage,
+)
+from whetstone.inference.submission import ClientGone, Submission
+from whetstone.tokenizer.chat import TOOL_CALL_OPEN
+
+Decode = Callable[[list[int]], str]
+
+
+async def completion_stream(sub: Submission, body: CompletionRequest, response_id: str, model: str,
+                            decode: Decode, request: Request) -> AsyncIterator[dict[str, Any]]:
+    top = header(response_id, "text_completion", model)
+    sent_tokens = [0] * len(sub.seqs)
+    sent_text = [0] * len(sub.seqs)
+    index = {id(seq): i for i, seq in enumerate(sub.seqs)}
+    try:
+        async for events in sub.events(request.is_disconnected):
+            for event in events:
+                seq, i = event.seq, index[id(event.seq)]
+                if seq.error:
+                    yield {"error": {"message": seq.error, "type": "server_error", "param": None, "code": None}}
+                    return
+                start, end = sent_tokens[i], event.num_output
+                text = seq.text.text[sent_text[i]:event.text_released]
+                if start == end and not text and not event.finished:
+                    continue
+                choice = {"index": i, "text": text, "logprobs": None,
+                          "finish_reason": seq.finish_reason if event.finished else None}
+                if body.logprobs is not None:
+                    choice["logprobs"] = completion_logprobs(seq, start, end, decode, sent_text[i])
+                yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
+                sent_tokens[i], sent_text[i] = end, max(sent_text[i], event.text_released)
+        if body.stream_options and body.stream_options.include_usage:
+            yield top | {"choices": [], "usage": usage(sub.prompt_lengths, sub.seqs)}
+    except ClientGone:
+        return
+    finally:
+        sub.abort()  # no-op when all finished; stops generation if the client went away
+
+
+def visible_content(text: str, released: int, use_tools: bool) -> str:
+    """The part of the text that is surely content (not the start of a tool call)."""
+    visible = text[:released]
+    if not use_tools:
+        return visible
+    cut = visible.find(TOOL_CALL_OPEN)
+    if cut >= 0:
+        return visible[:cut].rstrip("\n")
+    for size in range(min(len(TOOL_CALL_OPEN) - 1, len(visible)), 0, -1):
+        if visible.endswith(TOOL_CALL_OPEN[:size]):
+            visible = visible[:-size]
+            break
+    return visible.rstrip("\n")  # the newline before a call is not content
+
+
+async def chat_stream(sub: Submission, body: ChatRequest, response_id: str, model: str,
+                      decode: Decode, request: Request) -> AsyncIterator[dict[str, Any]]:
+    top = header(response_id, "chat.completion.chunk", model)
+    count = len(sub.seqs)
+    sent_tokens, sent_content, started = [0] * count, [""] * count, [False] * count
+    index = {id(seq): i for i, seq in enumerate(sub.seqs)}
+    try:
+        async for events in sub.events(request.is_disconnected):
+            for event in events:
+                seq, i = event.seq, index[id(event.seq)]
+                if seq.error:
+                    yield {"error": {"message": seq.error, "type": "server_error", "param": None, "code": None}}
+                    return
+                delta: dict[str, Any] = {}
+                if not started[i]:
+                    delta["role"] = "assistant"
+                    started[i] = True
+                finish = None
+                if event.finished:
+                    message, calls_tools = assistant_message(seq.text.text, body.use_tools)
+                    content = message["content"] or ""
+                    finish = "tool_calls" if calls_tools and seq.finish_reason == "stop" else seq.finish_reason
+                    if message.get("tool_calls"):
+                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+                else:
+                    content = visible_content(seq.text.text, event.text_released, body.use_tools)
+                if content.startswith(sent_content[i]) and len(content) > len(sent_content[i]):
+                    delta["content"] = content[len(sent_content[i]):]
+                    sent_content[i] = content
+                start, end = sent_tokens[i], event.num_output
+                if not delta and start == end and not event.finished:
+                    continue
+                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+                if body.logprobs:
+                    choice["logprobs"] = chat_logprobs(seq, start, end, decode)
+                yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
+                sent_tokens[i] = end
+        if body.stream_options and body.stream_options.include_usage:
+            yield top | {"choices": [], "usage": usage(sub.prompt_lengths, sub.seqs)}
+    except ClientGone:
+        return
+    finally:
+        sub.abort()

@@ -1,0 +1,126 @@
+"""Hot weight swap: new weight versions written in place into the serving model.
+
+Updates are the weight-sync subscriber's `WeightUpdate`s (whole tensors or sparse overwrites:
+flat indices + values). Everything slow happens outside the decode loop: the subscriber fetches
+and decodes in its own thread, `WeightFollower` hands each update to the engine, and the engine
+checks and casts it in the caller's thread (`prepare`). The decode loop pauses only for
+`write`, the in-place overwrite between two decode steps (values are overwritten, never added,
+so there is no floating-point drift).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+
+from whetstone.errors import WhetstoneError
+from whetstone.sync.update import TensorUpdate, WeightUpdate
+
+log = logging.getLogger(__name__)
+
+
+class WeightUpdateError(WhetstoneError):
+    """An update that does not fit the served model; nothing was written."""
+
+
+def serving_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter and persistent buffer by state-dict name, sharing the model's storage."""
+    return dict(model.state_dict())
+
+
+def full_update(state: Mapping[str, torch.Tensor], version: int) -> WeightUpdate:
+    """A whole state dict as an update (for weights that do not come through the weight store)."""
+    tensors = {name: TensorUpdate(t.detach().reshape(-1), None, tuple(t.shape)) for name, t in state.items()}
+    return WeightUpdate(version, None, tensors)
+
+
+@dataclass
+class PreparedUpdate:
+    """An update checked against the served tensors, reduced to the writes the pause performs."""
+
+    version: int
+    writes: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
+    """(served tensor, flat indices or None for the whole tensor, values in the served dtype)."""
+
+
+def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> PreparedUpdate:
+    """Check `update` against the served tensors and cast its values; raises before anything is
+    written if it does not fit. Runs in the caller's thread, off the decode loop."""
+    where = f"weight version {update.version}"
+    writes = []
+    for name, change in update.tensors.items():
+        target = tensors.get(name)
+        if target is None:
+            raise WeightUpdateError(f"{where}: the served model has no tensor {name!r}")
+        if tuple(change.shape) != tuple(target.shape):
+            raise WeightUpdateError(f"{where}: {name} has shape {tuple(change.shape)}, "
+                                    f"the served model has {tuple(target.shape)}")
+        values = change.values.reshape(-1)
+        if change.indices is None:
+            if values.numel() != target.numel():
+                raise WeightUpdateError(f"{where}: {name} carries {values.numel()} values, needs {target.numel()}")
+            writes.append((target, None, values.to(target.dtype).view(target.shape)))
+            continue
+        indices = change.indices.reshape(-1).long()
+        if indices.numel() != values.numel():
+            raise WeightUpdateError(f"{where}: {name} has {indices.numel()} indices but {values.numel()} values")
+        if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= target.numel()):
+            raise WeightUpdateError(f"{where}: {name} has an index outside 0..{target.numel() - 1}")
+        writes.append((target, indices, values.to(target.dtype)))
+    served = [name for name in update.removed if name in tensors]
+    if served:
+        raise WeightUpdateError(f"{where} removes tensors the served model needs: {served[:5]}")
+    return PreparedUpdate(update.version, writes)
+
+
+@torch.no_grad()
+def write(update: PreparedUpdate) -> float:
+    """Overwrite the served tensors in place; returns the seconds taken (the decode pause).
+
+    Sparse values go in with `scatter_`, about 10x faster than `index_put_` on CPU for the few
+    percent of values an RL step changes."""
+    start = time.perf_counter()
+    for target, indices, values in update.writes:
+        if indices is None:
+            target.copy_(values)
+        else:
+            target.view(-1).scatter_(0, indices, values)
+    return time.perf_counter() - start
+
+
+class WeightFollower:
+    """Feeds the engine every version a weight-sync `Subscriber` decodes, from its own thread."""
+
+    def __init__(self, subscriber, engine, poll_seconds: float = 0.2):
+        self.subscriber, self.engine, self.poll_seconds = subscriber, engine, poll_seconds
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "WeightFollower":
+        self.subscriber.start()
+        self._thread = threading.Thread(target=self._run, name="whetstone-weights", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.subscriber.stop()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            held = self.subscriber.version
+            self.subscriber.wait_for(0 if held is None else held + 1, timeout=self.poll_seconds)
+            update = self.subscriber.take_update()
+            if update is None:
+                continue
+            try:
+                self.engine.update_weights(update)
+            except Exception as err:  # e.g. a store that holds another model: keep serving
+                log.error("not applying weight version %d: %s", update.version, err)

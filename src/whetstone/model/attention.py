@@ -1,0 +1,40 @@
+"""Grouped-query self-attention with per-head q/k RMSNorm (Qwen3) and RoPE."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from whetstone.model import ops
+from whetstone.model.config import ModelConfig
+from whetstone.model.layers import Linear, RMSNorm
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index  # the cache keeps one K/V buffer per layer
+        self.head_dim = cfg.head_dim
+        self.heads = (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.num_key_value_heads)
+        self.q_proj = Linear(cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim)
+        self.k_proj = Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim)
+        self.v_proj = Linear(cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim)
+        self.o_proj = Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
+        batch, length, _ = x.shape
+        # One matmul for q, k and v (the weights stay separate tensors, as in HF checkpoints).
+        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+        qkv = ops.linear(x, weight).view(batch, length, -1, self.head_dim)
+        q, k, v = qkv.split(self.heads, dim=2)
+        # Norm each head before RoPE, then go to [B, heads, T, D].
+        q = ops.apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
+        k = ops.apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)
+        v = v.transpose(1, 2)
+        mask = None
+        if cache is not None:
+            k, v, mask = cache.update(self.layer_index, k, v)
+        out = ops.attention(q, k, v, mask)
+        return self.o_proj(out.transpose(1, 2).reshape(batch, length, -1))

@@ -1,0 +1,59 @@
+"""Log-probabilities of given target tokens straight from the final hidden states.
+
+What training needs (next-token loss, RL importance ratios) is log p(target), not the full
+logits. Computing it here, with its own backward, saves the separate log_softmax and nll passes
+over the [N, vocab] logits: the softmax is formed chunk by chunk while a chunk is still in cache,
+and the backward is one fused `probs * -grad` plus the two matmuls.
+"""
+
+from __future__ import annotations
+
+import torch
+
+CHUNK_BYTES = 1 << 20  # rows per chunk so that one chunk of fp32 logits stays in L2
+
+
+class _TargetLogprobs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        ignored = targets < 0
+        targets = targets.masked_fill(ignored, 0)
+        logits = torch.mm(hidden, weight.t())  # [N, V], softmax in fp32 (or better)
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        rows = max(1, CHUNK_BYTES // (4 * logits.shape[1]))
+        logprobs = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+        for chunk, lp in zip(logits.split(rows), logprobs.split(rows)):
+            lse = torch.logsumexp(chunk, dim=1)
+            lp.sub_(lse)
+            chunk.sub_(lse.unsqueeze(1)).exp_()  # now softmax probabilities, in place
+        ctx.save_for_backward(hidden, weight, targets, ignored, logits)
+        return logprobs.masked_fill_(ignored, 0.0)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_logprobs):
+        hidden, weight, targets, ignored, probs = ctx.saved_tensors
+        grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0)
+        # d logp(target) / d logits = onehot(target) - probs
+        grad_logits = probs * -grad_logprobs.unsqueeze(1)
+        grad_logits.scatter_add_(1, targets.unsqueeze(1), grad_logprobs.unsqueeze(1))
+        grad_logits = grad_logits.to(hidden.dtype)
+        grad_hidden = torch.mm(grad_logits, weight) if ctx.needs_input_grad[0] else None
+        grad_weight = torch.mm(grad_logits.t(), hidden) if ctx.needs_input_grad[1] else None
+        return grad_hidden, grad_weight, None
+
+
+def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(hidden @ weight.T)[targets], fp32, without keeping log-softmax tensors.
+
+    hidden [..., H], weight [V, H], targets [...] int64 -> [...]. Negative targets (-100, the
+    usual ignore index) give 0 and no gradient. Under CPU autocast the matmuls run in the
+    autocast dtype; the softmax is always fp32.
+    """
+    shape = targets.shape
+    hidden = hidden.reshape(-1, hidden.shape[-1])
+    if torch.is_autocast_enabled("cpu"):
+        dtype = torch.get_autocast_dtype("cpu")
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        return _TargetLogprobs.apply(hidden, weight, targets.reshape(-1)).view(shape)

@@ -1,0 +1,102 @@
+"""Sparse mixture-of-experts layer (Qwen3-MoE, plus Qwen2-MoE's optional shared expert).
+
+A softmax router picks the top-k experts per token; each expert is a SwiGLU MLP. The router can
+also be told which experts to use (route replay): the experts are then exactly the given ones
+and the gate weights are gathered from the current router's full softmax, so gradients still
+reach the router.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from whetstone.errors import WhetstoneError
+from whetstone.model import ops
+from whetstone.model.config import ModelConfig
+from whetstone.model.experts import expert_mlp
+from whetstone.model.layers import MLP, Linear
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(cfg.num_experts, cfg.hidden_size))
+
+    def forward(self, x: torch.Tensor, routes: torch.Tensor | None = None):
+        """x [N, H] -> (expert ids [N, k] in selection order, gates [N, k] fp32, probs [N, E] fp32)."""
+        probs = torch.softmax(ops.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        if routes is None:
+            gates, ids = probs.topk(self.top_k, dim=-1)
+        else:
+            ids = routes
+            gates = probs.gather(-1, ids)
+        if self.norm_topk_prob:
+            gates = gates / gates.sum(dim=-1, keepdim=True)
+        return ids, gates, probs
+
+
+class Experts(nn.Module):
+    """All experts of one layer as stacked weights: gate and up fused (as in HF's in-memory
+    layout), so one matmul per expert computes both."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        experts, hidden, inner = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x [N, H], ids [N, k] -> each slot's expert output [N, k, H] (not yet gate-weighted)."""
+        return expert_mlp(x, ids, self.gate_up_proj, self.down_proj)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.router = Router(cfg)
+        self.experts = Experts(cfg)
+        self.shared_expert = None
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = MLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = Linear(cfg.hidden_size, 1)
+
+    def forward(self, x: torch.Tensor, routes: torch.Tensor | None = None):
+        """x [B, T, H], routes [B, T, k] or None -> (output [B, T, H], ids [B*T, k], probs [B*T, E])."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        ids, gates, probs = self.router(flat, None if routes is None else routes.reshape(-1, routes.shape[-1]))
+        out = ops.moe_combine(self.experts(flat, ids), gates)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+        return out.view(shape), ids, probs
+
+
+def load_balancing_loss(ids: list[torch.Tensor], probs: list[torch.Tensor], num_experts: int) -> torch.Tensor:
+    """Switch-style auxiliary loss over all MoE layers, as Qwen3-MoE computes it:
+    num_experts * sum_e(fraction of token-slots sent to e * mean router probability of e),
+    both averaged over every (layer, token) row. Equals top_k when routing is uniform.
+
+    `ids` are the experts actually used (the replayed ones under route replay).
+    """
+    rows = sum(p.shape[0] for p in probs)
+    counts = sum(torch.bincount(i.reshape(-1), minlength=num_experts) for i in ids).float()
+    prob_sum = sum(p.sum(dim=0) for p in probs)
+    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+def check_routes(routes: torch.Tensor, expected_shape: tuple[int, ...], num_experts: int) -> None:
+    """Reject routes that do not fit the model, naming the problem (they come from other processes)."""
+    if tuple(routes.shape) != expected_shape:
+        raise WhetstoneError(
+            f"routes have shape {tuple(routes.shape)}, expected {expected_shape} [B, T, moe_layers, top_k]"
+        )
+    if routes.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
+        raise WhetstoneError(f"routes must be an integer tensor, got {routes.dtype}")
+    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= num_experts):
+        raise WhetstoneError(
+            f"routes hold expert ids in [{int(routes.min())}, {int(routes.max())}], expected 0..{num_experts - 1}"
+        )
+

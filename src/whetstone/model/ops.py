@@ -1,0 +1,89 @@
+"""The numerics every layer goes through, as small plain functions.
+
+Each function is one decision about how a number is computed (matmul, norm, attention, the MoE
+combine). Keeping them here, and only here, lets a later batch-invariant mode swap them for
+kernels whose reduction order does not depend on the batch, without touching the model code.
+The layers look these functions up at call time (`ops.linear(...)`), so replacing the module
+attribute is enough.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x @ weight.T (no bias anywhere in this model)."""
+    return F.linear(x, weight)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2) + eps)), normalised in fp32 and cast back to x's dtype
+    before the weight, exactly as Qwen3 does; the backward is written out (a handful of passes
+    instead of autograd's twenty-odd small ops)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        x32 = x.to(torch.promote_types(x.dtype, torch.float32))
+        rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(eps))
+        ctx.save_for_backward(x, weight, rstd)
+        return weight * (x32 * rstd).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight, rstd = ctx.saved_tensors
+        normed = x.to(rstd.dtype) * rstd
+        grad32 = grad.to(rstd.dtype)
+        grad_weight = None
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad32 * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
+        grad_normed = grad32 * weight.to(rstd.dtype)
+        grad_x = (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(rstd)
+        return grad_x.to(x.dtype), grad_weight, None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension (see _RMSNorm)."""
+    return _RMSNorm.apply(x, weight, eps)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads.
+
+    q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask [B, 1, T, S] boolean (True = may attend), or None
+    for plain causal attention over the same T tokens. Returns [B, Hq, T, D].
+    """
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's expert outputs, accumulated in fp32 in top-k order.
+
+    expert_out [N, k, H] (slot j holds the j-th selected expert's output), gates [N, k].
+    """
+    weighted = expert_out.float() * gates.float().unsqueeze(-1)
+    return weighted.sum(dim=1).to(expert_out.dtype)
+
+
+def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
+    """cos and sin [B, T, head_dim] for absolute positions [B, T] (half-split layout, as HF)."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    freqs = positions.unsqueeze(-1).float() * inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by the tables [B, T, D]: pairs are (i, i + D/2)."""
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat((-second, first), dim=-1)
+    return x * cos + rotated * sin

@@ -1,0 +1,64 @@
+"""Group filtering: which rollouts and groups reach the trainer, and how many were dropped why.
+
+A rollout is dropped when it failed (server gone, sandbox error) or the grader excluded it from
+the gradient (cheat-flagged, by default: see `RewardConfig.exclude_flagged_from_gradient`).
+Then a group is dropped when too few rollouts are left or their rewards do not vary: every
+advantage would be zero. Rollouts group by `group_id` (by `task_id` when it is empty).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from whetstone.envs.trajectory import Trajectory
+from whetstone.rl.advantages import AdvantageConfig, advantage_fn
+
+
+@dataclass
+class GroupReport:
+    groups: int = 0
+    kept_groups: int = 0
+    rollouts: int = 0
+    kept_rollouts: int = 0
+    dropped: Counter = field(default_factory=Counter)
+    """Dropped rollouts by reason: failed, cheat_flagged, excluded, small_group, no_variance."""
+
+    def metrics(self) -> dict[str, int]:
+        out = {"groups": self.groups, "kept_groups": self.kept_groups,
+               "rollouts": self.rollouts, "kept_rollouts": self.kept_rollouts}  # fmt: skip
+        out.update({f"dropped_{reason}": count for reason, count in sorted(self.dropped.items())})
+        return out
+
+
+def score_groups(trajectories: list[Trajectory], config: AdvantageConfig
+                 ) -> tuple[list[tuple[Trajectory, float]], GroupReport]:  # fmt: skip
+    """(trajectory, advantage) for every kept rollout, in input order, and what was dropped."""
+    compute = advantage_fn(config)
+    groups: dict[str, list[Trajectory]] = {}
+    for trajectory in trajectories:
+        groups.setdefault(trajectory.group_id or trajectory.task_id, []).append(trajectory)
+    report = GroupReport(groups=len(groups), rollouts=len(trajectories))
+    advantages: dict[int, float] = {}
+    for members in groups.values():
+        usable = [t for t in members if _drop_reason(t) is None]
+        report.dropped.update(_drop_reason(t) for t in members if _drop_reason(t) is not None)
+        rewards = [t.reward for t in usable]
+        if len(usable) < config.min_group_size:
+            report.dropped["small_group"] += len(usable)
+        elif max(rewards) - min(rewards) <= config.min_reward_spread:
+            report.dropped["no_variance"] += len(usable)
+        else:
+            report.kept_groups += 1
+            report.kept_rollouts += len(usable)
+            advantages.update({id(t): a for t, a in zip(usable, compute(rewards))})
+    kept = [(t, advantages[id(t)]) for t in trajectories if id(t) in advantages]
+    return kept, report
+
+
+def _drop_reason(trajectory: Trajectory) -> str | None:
+    if trajectory.status != "ok":
+        return "failed"
+    if trajectory.exclude_from_gradient:
+        return "cheat_flagged" if trajectory.cheat_flags else "excluded"
+    return None

@@ -1,0 +1,158 @@
+"""A training batch: samples collated into right-padded tensors, and its lossless file form.
+
+Row b, position t feeds `input_ids[b, t]` and predicts `target_ids[b, t]`. Padding is on the
+right, so causal attention never lets a real position see it; padded positions have
+`loss_mask` False, `target_ids` -1 (the model returns logprob 0 there), `versions` -1 and
+routes 0 (a valid expert id, replayed only at positions nothing reads).
+
+On disk (and in an object store) a batch is one safetensors blob: the tensors, plus the per-row
+and batch metadata as JSON in the safetensors header. One blob means one atomic write or `put`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from whetstone.errors import WhetstoneError
+from whetstone.rl.samples import NOT_GENERATED, Sample
+from whetstone.utils.atomic import atomic_write_bytes
+
+BATCH_FORMAT_VERSION = 1
+IGNORED_TARGET = -1
+TENSOR_FIELDS = ("input_ids", "target_ids", "loss_mask", "behavior_logprobs", "versions", "advantages")
+
+
+@dataclass
+class Batch:
+    input_ids: torch.Tensor
+    """[B, T] int64 tokens fed to the model."""
+    target_ids: torch.Tensor
+    """[B, T] int64 token each position predicts; -1 on padding."""
+    loss_mask: torch.Tensor
+    """[B, T] bool: train on this position."""
+    behavior_logprobs: torch.Tensor
+    """[B, T] float32 sampler logprob of the target (0 where not generated)."""
+    versions: torch.Tensor
+    """[B, T] int64 weight version that sampled the target, -1 where none did."""
+    advantages: torch.Tensor
+    """[B, T] float32 advantage of each position (the sample's advantage on every position)."""
+    routes: torch.Tensor | None = None
+    """[B, T, moe_layers, top_k] int64 experts to replay, or None (dense model, no capture)."""
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    """Per row: task_id, group_id, reward, advantage, oldest_version, num_positions."""
+    meta: dict[str, Any] = field(default_factory=dict)
+    """Whatever the producer wants the trainer to log (step, dropped counts, ...); JSON values."""
+
+    def __len__(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_loss_tokens(self) -> int:
+        return int(self.loss_mask.sum())
+
+    def select(self, rows: list[int] | range) -> "Batch":
+        """The given rows (a micro-batch, a rank's shard), cut to their longest row's length."""
+        rows = list(rows)
+        if not rows:
+            raise WhetstoneError("cannot select zero rows of a batch")
+        length = max(self.rows[r]["num_positions"] for r in rows) if self.rows else self.input_ids.shape[1]
+        index = torch.tensor(rows, dtype=torch.int64)
+        parts = {name: getattr(self, name)[index, :length] for name in TENSOR_FIELDS}
+        routes = None if self.routes is None else self.routes[index, :length]
+        return Batch(**parts, routes=routes, rows=[self.rows[r] for r in rows] if self.rows else [], meta=self.meta)
+
+
+def collate(samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None = None) -> Batch:
+    """Right-pad samples into one batch (all with routes, or all without)."""
+    if not samples:
+        raise WhetstoneError("cannot collate an empty list of samples")
+    with_routes = [s.routes is not None for s in samples]
+    if any(with_routes) and not all(with_routes):
+        raise WhetstoneError(
+            f"{with_routes.count(False)} of {len(samples)} samples have no routes: replay needs all or none"
+        )
+    rows, length = len(samples), max(s.num_positions for s in samples)
+    batch = Batch(
+        input_ids=torch.full((rows, length), pad_id, dtype=torch.int64),
+        target_ids=torch.full((rows, length), IGNORED_TARGET, dtype=torch.int64),
+        loss_mask=torch.zeros(rows, length, dtype=torch.bool),
+        behavior_logprobs=torch.zeros(rows, length, dtype=torch.float32),
+        versions=torch.full((rows, length), NOT_GENERATED, dtype=torch.int64),
+        advantages=torch.zeros(rows, length, dtype=torch.float32),
+        meta=dict(meta or {}),
+    )
+    if all(with_routes):
+        layers_and_k = samples[0].routes.shape[1:]
+        if any(s.routes.shape[1:] != layers_and_k for s in samples):
+            raise WhetstoneError("samples have routes of different [moe_layers, top_k]: not the same model")
+        batch.routes = torch.zeros(rows, length, *layers_and_k, dtype=torch.int64)
+    for row, sample in enumerate(samples):
+        n = sample.num_positions
+        batch.input_ids[row, :n] = torch.tensor(sample.input_ids[:-1], dtype=torch.int64)
+        batch.target_ids[row, :n] = torch.tensor(sample.input_ids[1:], dtype=torch.int64)
+        batch.loss_mask[row, :n] = torch.tensor(sample.loss_mask, dtype=torch.bool)
+        batch.behavior_logprobs[row, :n] = torch.tensor(sample.behavior_logprobs, dtype=torch.float32)
+        batch.versions[row, :n] = torch.tensor(sample.versions, dtype=torch.int64)
+        batch.advantages[row, :n] = sample.advantage
+        if batch.routes is not None:
+            batch.routes[row, :n] = sample.routes
+        batch.rows.append({
+            "task_id": sample.task_id, "group_id": sample.group_id, "reward": sample.reward,
+            "advantage": sample.advantage, "oldest_version": sample.oldest_version, "num_positions": n,
+        })  # fmt: skip
+    return batch
+
+
+def batch_to_bytes(batch: Batch) -> bytes:
+    tensors = {name: getattr(batch, name).contiguous() for name in TENSOR_FIELDS}
+    if batch.routes is not None:
+        tensors["routes"] = batch.routes.contiguous()
+    header = {"format_version": BATCH_FORMAT_VERSION, "rows": batch.rows, "meta": batch.meta}
+    return safetensors_save(tensors, metadata={"whetstone_batch": json.dumps(header)})
+
+
+def batch_from_bytes(data: bytes, source: str = "batch") -> Batch:
+    """Inverse of `batch_to_bytes`; `source` names the file or key in errors."""
+    try:
+        tensors = safetensors_load(data)
+        header = _header(data)
+    except (SafetensorError, ValueError, KeyError, UnicodeDecodeError) as err:
+        raise WhetstoneError(f"{source} is not a whetstone batch: {err}") from None
+    if header.get("format_version") != BATCH_FORMAT_VERSION:
+        raise WhetstoneError(
+            f"{source} has batch format {header.get('format_version')!r}, this build reads {BATCH_FORMAT_VERSION}"
+        )
+    missing = [name for name in TENSOR_FIELDS if name not in tensors]
+    if missing:
+        raise WhetstoneError(f"{source} lacks tensors {missing}")
+    return Batch(**{name: tensors[name] for name in TENSOR_FIELDS}, routes=tensors.get("routes"),
+                 rows=header["rows"], meta=header["meta"])  # fmt: skip
+
+
+def _header(data: bytes) -> dict[str, Any]:
+    # safetensors layout: 8-byte little-endian header size, then the JSON header.
+    size = int.from_bytes(data[:8], "little")
+    metadata = json.loads(data[8 : 8 + size]).get("__metadata__") or {}
+    return json.loads(metadata["whetstone_batch"])
+
+
+def save_batch(path: str | Path, batch: Batch) -> None:
+    """Write atomically: a reader sees the whole batch or no file."""
+    atomic_write_bytes(path, batch_to_bytes(batch))
+
+
+def load_batch(path: str | Path) -> Batch:
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise WhetstoneError(f"batch file {path} does not exist") from None
+    return batch_from_bytes(data, source=f"batch file {path}")

@@ -1,0 +1,150 @@
+"""The policy-gradient loss, with off-policy correction against the sampler's logprobs.
+
+Per trained token, with r = π_θ / π_behavior = exp(logπ_θ − logπ_behavior) and advantage A:
+
+    surrogate = clip(r, 1 − ε_low, 1 + ε_high) · A     where PPO's min picks the clipped side
+                                                       (A > 0, r > 1 + ε_high or A < 0, r < 1 − ε_low:
+                                                       no gradient, counted as clipped)
+              = min(r, is_cap) · A                     elsewhere: truncated importance sampling,
+                                                       value and gradient scaled by min(r, cap) / r
+    loss      = −Σ surrogate / num_tokens  +  β · Σ k3(π_θ, π_ref) / num_tokens
+
+Tokens whose r leaves [mask_low, mask_high] can be masked out entirely (IcePop-style), when
+`mask_ratio` is on. `num_tokens` is the trained-token count of the whole optimizer step, so
+micro-batches and ranks add up to the same gradient as one big batch (token-level mean).
+
+The loss sees only logprobs, advantages and masks: it does not know how advantages were made.
+Metrics compare the trainer with the sampler: k3 KL = mean(exp(Δ) − Δ − 1), Δ = logπ_θ − logπ_behavior
+(an estimate of KL(behavior ‖ trainer) from the sampler's tokens) and mean / p99 / max |Δ|.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from pydantic import Field, model_validator
+
+from whetstone.config import Config
+
+
+class LossConfig(Config):
+    """The clipped, importance-corrected policy-gradient loss."""
+
+    clip_low: float = Field(0.2, ge=0.0, lt=1.0)
+    """ε_low: no gradient for negative-advantage tokens once r < 1 − ε_low."""
+    clip_high: float = Field(0.2, ge=0.0)
+    """ε_high: no gradient for positive-advantage tokens once r > 1 + ε_high."""
+    is_cap: float = Field(2.0, ge=1.0)
+    """Truncated importance sampling: each token's weight is min(r, is_cap)."""
+    mask_ratio: bool = False
+    """Drop tokens whose r leaves [mask_low, mask_high] from the loss entirely."""
+    mask_low: float = Field(0.5, gt=0.0)
+    """Lower bound of the kept ratio range when `mask_ratio` is on."""
+    mask_high: float = Field(2.0, gt=0.0)
+    """Upper bound of the kept ratio range when `mask_ratio` is on."""
+    kl_coef: float = Field(0.0, ge=0.0)
+    """β of the k3 KL penalty to a reference policy (0 = no reference model needed)."""
+
+    @model_validator(mode="after")
+    def _ranges(self) -> "LossConfig":
+        if self.mask_low >= self.mask_high:
+            raise ValueError(f"mask_low ({self.mask_low}) must be below mask_high ({self.mask_high})")
+        if self.is_cap < 1.0 + self.clip_high:
+            raise ValueError(f"is_cap ({self.is_cap}) must be at least 1 + clip_high ({1.0 + self.clip_high})")
+        return self
+
+
+@dataclass
+class LossStats:
+    """Sums over one micro-batch; `merge` several (micro-batches, ranks) before `metrics()`."""
+
+    tokens: int = 0
+    clipped: int = 0
+    masked: int = 0
+    truncated: int = 0
+    mismatch_k3: float = 0.0
+    ref_k3: float = 0.0
+    abs_diff: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
+    """|logπ_θ − logπ_behavior| of every trained token (for p99 and max)."""
+
+    @staticmethod
+    def merge(parts: list["LossStats"]) -> "LossStats":
+        return LossStats(
+            tokens=sum(p.tokens for p in parts), clipped=sum(p.clipped for p in parts),
+            masked=sum(p.masked for p in parts), truncated=sum(p.truncated for p in parts),
+            mismatch_k3=sum(p.mismatch_k3 for p in parts), ref_k3=sum(p.ref_k3 for p in parts),
+            abs_diff=torch.cat([p.abs_diff for p in parts]) if parts else torch.zeros(0),
+        )  # fmt: skip
+
+    def metrics(self) -> dict[str, float]:
+        n, diff = max(self.tokens, 1), self.abs_diff.double()
+        return {
+            "tokens": self.tokens,
+            "clip_fraction": self.clipped / n,
+            "mask_fraction": self.masked / n,
+            "truncated_fraction": self.truncated / n,
+            "mismatch_kl_k3": self.mismatch_k3 / n,
+            "ref_kl_k3": self.ref_k3 / n,
+            "logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
+            "logprob_diff_p99": float(torch.quantile(diff, 0.99)) if diff.numel() else 0.0,
+            "logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
+            "logprob_diff_over_ln2": float((diff > math.log(2)).double().mean()) if diff.numel() else 0.0,
+        }
+
+
+def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(p ‖ q) from samples of p: exp(Δ) − Δ − 1, Δ = log q − log p."""
+    delta = log_q - log_p
+    return torch.exp(delta) - delta - 1.0
+
+
+def policy_loss(
+    logprobs: torch.Tensor,
+    behavior_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    loss_mask: torch.Tensor,
+    config: LossConfig,
+    ref_logprobs: torch.Tensor | None = None,
+    num_tokens: int | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """(loss, stats) for one micro-batch; all inputs [B, T], `logprobs` carrying the gradient.
+
+    `num_tokens`: trained tokens of the whole optimizer step (default: this micro-batch's).
+    """
+    if config.kl_coef > 0 and ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+    trained = loss_mask.bool()
+    logprobs32, behavior = logprobs.float(), behavior_logprobs.float()
+    advantages = advantages.float()
+    log_ratio = logprobs32 - behavior
+    detached = torch.exp(log_ratio.detach())
+    clipped = trained & torch.where(advantages >= 0, detached > 1 + config.clip_high, detached < 1 - config.clip_low)
+    masked = torch.zeros_like(trained)
+    if config.mask_ratio:
+        masked = trained & ((detached < config.mask_low) | (detached > config.mask_high))
+    truncated = trained & ~clipped & (detached > config.is_cap)
+
+    # Values come from the detached ratio and the gradient from logπ_θ alone, so an overflowing
+    # exp(Δ) on an extreme token can neither produce inf nor leak NaN into the backward pass.
+    weight = torch.where(clipped, torch.zeros_like(detached), torch.clamp(detached, max=config.is_cap))
+    value = torch.where(clipped, torch.clamp(detached, 1 - config.clip_low, 1 + config.clip_high), weight)
+    surrogate = (value + weight * (logprobs32 - logprobs32.detach())) * advantages
+    per_token = -surrogate
+    if config.kl_coef > 0:
+        per_token = per_token + config.kl_coef * k3(logprobs32, ref_logprobs.float())
+    kept = trained & ~masked
+    denominator = max(int(trained.sum()) if num_tokens is None else num_tokens, 1)
+    loss = torch.where(kept, per_token, torch.zeros_like(per_token)).sum() / denominator
+
+    with torch.no_grad():
+        diff = log_ratio.detach()[trained]
+        stats = LossStats(
+            tokens=int(trained.sum()), clipped=int(clipped.sum()), masked=int(masked.sum()),
+            truncated=int(truncated.sum()), abs_diff=diff.abs().cpu(),
+            mismatch_k3=float(k3(behavior[trained], logprobs32.detach()[trained]).sum()),
+        )  # fmt: skip
+        if ref_logprobs is not None:
+            stats.ref_k3 = float(k3(logprobs32.detach()[trained], ref_logprobs.float()[trained]).sum())
+    return loss, stats

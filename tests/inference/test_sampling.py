@@ -1,0 +1,80 @@
+import math
+
+import pytest
+import torch
+
+from whetstone.inference.sampling import InvalidRequest, SamplingParams, make_generator, sample
+
+
+def draw(logits, params, seeds):
+    return sample(logits, params, [make_generator(s) for s in seeds])
+
+
+def test_greedy_takes_the_argmax_and_reports_the_model_logprob():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 0.0]])
+    out = draw(logits, [SamplingParams(temperature=0.0)] * 2, [0, 0])
+    assert out.tokens == [1, 0]
+    expected = torch.log_softmax(logits, -1)
+    assert out.logprobs == pytest.approx([expected[0, 1].item(), expected[1, 0].item()])
+
+
+def test_logprob_is_that_of_the_distribution_sampled_from():
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]])
+    params = SamplingParams(temperature=0.7, top_k=3, top_p=0.9)
+    # by hand: scale, keep the 3 best, then the smallest prefix holding 0.9 of their mass
+    probs = torch.softmax(logits[0, :3] / 0.7, -1)
+    kept = 3 if probs[:2].sum() < 0.9 else 2
+    renormalised = probs[:kept] / probs[:kept].sum()
+    for seed in range(20):
+        out = draw(logits, [params], [seed])
+        assert out.tokens[0] < kept
+        assert out.logprobs[0] == pytest.approx(math.log(renormalised[out.tokens[0]].item()), abs=1e-5)
+
+
+def test_top_k_one_and_tiny_top_p_are_greedy():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    best = logits.argmax(-1).tolist()
+    assert draw(logits, [SamplingParams(top_k=1)] * 4, range(4)).tokens == best
+    out = draw(logits, [SamplingParams(top_p=1e-6)] * 4, range(4))
+    assert out.tokens == best and out.logprobs == [0.0] * 4
+
+
+def test_sampling_follows_the_distribution():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.2]])).repeat(4000, 1)
+    out = draw(logits, [SamplingParams()] * 4000, range(4000))
+    counts = torch.bincount(torch.tensor(out.tokens), minlength=3).float() / 4000
+    assert torch.allclose(counts, torch.tensor([0.5, 0.3, 0.2]), atol=0.03)
+
+
+def test_same_seed_same_token_whatever_else_is_in_the_batch():
+    logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(1))
+    params = [SamplingParams(), SamplingParams(top_p=0.8), SamplingParams(temperature=0.0),
+              SamplingParams(top_k=5), SamplingParams(temperature=2.0), SamplingParams()]
+    together = draw(logits, params, range(6))
+    for row in range(6):
+        alone = draw(logits[row:row + 1], [params[row]], [row])
+        assert (alone.tokens[0], alone.logprobs[0]) == (together.tokens[row], together.logprobs[row])
+
+
+def test_generator_state_carries_over_between_steps():
+    logits = torch.zeros(1, 1000)
+    generator = make_generator(7)
+    first = sample(logits, [SamplingParams()], [generator]).tokens
+    second = sample(logits, [SamplingParams()], [generator]).tokens
+    assert first != second  # the stream advanced
+    assert draw(logits, [SamplingParams()], [7]).tokens == first
+
+
+def test_top_logprobs_are_the_most_likely_of_the_used_distribution():
+    logits = torch.tensor([[0.0, 4.0, 3.0, 2.0, 1.0]])
+    out = draw(logits, [SamplingParams(top_k=2, top_logprobs=3)], [0])
+    ids = [token for token, _ in out.top[0]]
+    assert ids == [1, 2]  # only two tokens survive top-k: no -inf alternatives
+    assert sum(math.exp(lp) for _, lp in out.top[0]) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
+                                         ("top_k", -2), ("top_logprobs", 21), ("stop", ("",))])
+def test_bad_parameters_are_named(field, value):
+    with pytest.raises(InvalidRequest, match=field.split("_")[0]):
+        SamplingParams(**{field: value})

@@ -1,0 +1,93 @@
+from whetstone.inference.sampling import SamplingParams
+from whetstone.inference.scheduler import Scheduler
+from whetstone.inference.sequence import Sequence
+
+
+def seq(name, priority, length=4, generated=0):
+    s = Sequence(name, list(range(length)), SamplingParams(), priority)
+    s.output_ids = [0] * generated
+    return s
+
+
+def run(scheduler, plan):
+    """Apply a plan the way the engine does (slots are positions in `running`)."""
+    for victim in plan.preempt:
+        scheduler.running.remove(victim)
+        victim.preempt()
+        scheduler.requeue(victim)
+    scheduler.running += plan.admit
+    return [s.request_id for s in plan.admit], [s.request_id for s in plan.preempt]
+
+
+def test_interactive_requests_are_admitted_first():
+    scheduler = Scheduler(max_batch=2, prefill_tokens_per_step=100)
+    for s in (seq("b1", "batch"), seq("i1", "interactive"), seq("b2", "batch")):
+        scheduler.add(s)
+    assert run(scheduler, scheduler.plan()) == (["i1", "b1"], [])
+
+
+def test_a_waiting_user_preempts_the_cheapest_batch_sequence_which_resumes_first():
+    scheduler = Scheduler(max_batch=2, prefill_tokens_per_step=100)
+    scheduler.add(seq("long", "batch", generated=50))
+    scheduler.add(seq("short", "batch", generated=5))
+    run(scheduler, scheduler.plan())
+    scheduler.add(seq("user", "interactive"))
+    scheduler.add(seq("later", "batch"))
+    assert run(scheduler, scheduler.plan()) == (["user"], ["short"])
+    short = scheduler.waiting["batch"][0]
+    assert short.request_id == "short" and len(short.output_ids) == 5 and short.preemptions == 1
+    scheduler.running.remove(scheduler.running[0])  # "long" finishes
+    assert run(scheduler, scheduler.plan()) == (["short"], [])
+
+
+def test_users_never_preempt_users():
+    scheduler = Scheduler(max_batch=1, prefill_tokens_per_step=100)
+    scheduler.add(seq("u1", "interactive"))
+    run(scheduler, scheduler.plan())
+    scheduler.add(seq("u2", "interactive"))
+    assert run(scheduler, scheduler.plan()) == ([], [])
+
+
+def test_prefill_budget_caps_admissions_but_always_admits_one():
+    scheduler = Scheduler(max_batch=8, prefill_tokens_per_step=10)
+    for name in ("a", "b", "c"):
+        scheduler.add(seq(name, "batch", length=7))  # 6 tokens to prefill each
+    assert run(scheduler, scheduler.plan())[0] == ["a"]
+    scheduler.add(seq("huge", "interactive", length=50))
+    assert run(scheduler, scheduler.plan())[0] == ["huge"]
+
+
+def test_draining_admits_only_sequences_already_in_flight():
+    scheduler = Scheduler(max_batch=4, prefill_tokens_per_step=100)
+    scheduler.add(seq("fresh", "interactive"))
+    scheduler.add(seq("resumed", "batch", generated=3))
+    scheduler.admit_fresh = False
+    assert scheduler.in_flight()
+    assert run(scheduler, scheduler.plan()) == (["resumed"], [])
+
+
+def test_while_users_are_served_the_batch_class_shrinks_then_grows_back():
+    scheduler = Scheduler(max_batch=8, prefill_tokens_per_step=1000, batch_beside_interactive=2)
+    for i in range(6):
+        scheduler.add(seq(f"b{i}", "batch", generated=i + 1))
+    run(scheduler, scheduler.plan())
+    assert len(scheduler.running) == 6
+    user = seq("user", "interactive")
+    scheduler.add(user)
+    admitted, preempted = run(scheduler, scheduler.plan())
+    assert admitted == ["user"] and preempted == ["b0", "b1", "b2", "b3"]  # cheapest to recompute first
+    assert run(scheduler, scheduler.plan()) == ([], [])  # no batch admissions beyond the cap
+    scheduler.running.remove(user)  # the user is done
+    assert sorted(run(scheduler, scheduler.plan())[0]) == ["b0", "b1", "b2", "b3"]
+
+
+def test_the_cap_outlasts_the_last_user_by_the_grace_steps():
+    scheduler = Scheduler(max_batch=4, prefill_tokens_per_step=1000, batch_beside_interactive=1,
+                          interactive_grace_steps=2)
+    user = seq("user", "interactive")
+    scheduler.add(user)
+    run(scheduler, scheduler.plan())
+    scheduler.running.remove(user)
+    for name in ("b0", "b1", "b2"):
+        scheduler.add(seq(name, "batch"))
+    assert [len(run(scheduler, scheduler.plan())[0]) for _ in range(4)] == [1, 0, 2, 0]

@@ -1,0 +1,119 @@
+"""The HTTP layer in-process (FastAPI's TestClient runs the app's lifespan, so the engine thread
+is real): response shapes, SSE framing, extension fields and error bodies in detail."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+
+from tests.inference.inference_fixtures import GREETING, GREETING_REPLY, WEATHER_QUESTION, WEATHER_TOOL
+from whetstone.inference.config import EngineConfig, ServeConfig
+from whetstone.inference.launch import build_app
+from whetstone.inference.protocol import decode_routes
+
+
+@pytest.fixture(scope="module")
+def http(served_model_dir):
+    config = ServeConfig(model_path=str(served_model_dir), threads=1, default_max_tokens=16,
+                         engine=EngineConfig(max_batch=4, context_limit=512))
+    with TestClient(build_app(config)) as client:
+        yield client
+
+
+def post(http, path, **body):
+    return http.post(path, json={"model": "tiny-chat"} | body)
+
+
+def sse_events(response):
+    assert response.headers["content-type"].startswith("text/event-stream")
+    lines = [line for line in response.text.split("\n\n") if line]
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+
+
+def test_n_choices_and_several_prompts(http):
+    body = post(http, "/v1/completions", prompt=["a = 1", "b = 2"], n=2, max_tokens=8, seed=0, ignore_eos=True,
+                temperature=5.0, return_token_ids=True).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    assert body["usage"]["completion_tokens"] == 32
+    tokens = [c["token_ids"] for c in body["choices"]]
+    assert tokens[0] != tokens[1] and tokens[2] != tokens[3]  # choice i samples with seed + i
+
+
+def test_token_id_prompts_and_per_token_fields(http):
+    body = post(http, "/v1/completions", prompt=[11, 12, 13], max_tokens=4, seed=1, ignore_eos=True,
+                return_token_ids=True, return_routed_experts=True, logprobs=0).json()
+    choice = body["choices"][0]
+    assert choice["prompt_token_ids"] == [11, 12, 13] and len(choice["token_ids"]) == 4
+    assert choice["weight_versions"] == [0, 0, 0, 0]
+    assert choice["logprobs"]["top_logprobs"] is None and len(choice["logprobs"]["token_logprobs"]) == 4
+    assert decode_routes(choice["routed_experts"]).shape == (6, 1, 2)
+
+
+def test_chat_logprobs_and_usage_chunk_in_a_stream(http):
+    response = post(http, "/v1/chat/completions", messages=GREETING, temperature=0, max_tokens=20, stream=True,
+                    logprobs=True, top_logprobs=2, return_token_ids=True, stream_options={"include_usage": True})
+    events = sse_events(response)
+    assert events[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == GREETING_REPLY
+    tokens = [t for e in events[:-1] for t in e["choices"][0]["token_ids"]]
+    logprobs = [item for e in events[:-1] for item in e["choices"][0]["logprobs"]["content"]]
+    assert len(logprobs) == len(tokens) == events[-1]["usage"]["completion_tokens"]
+    assert all(len(item["top_logprobs"]) == 2 for item in logprobs)
+    assert events[-1]["choices"] == []
+    assert events[0]["choices"][0]["prompt_token_ids"]  # the prompt's ids come once, first
+
+
+def test_tool_choice_none_leaves_the_text_alone(http):
+    body = post(http, "/v1/chat/completions", messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice="none",
+                temperature=0, max_tokens=10).json()
+    assert "tool_calls" not in body["choices"][0]["message"]
+
+
+def test_content_parts_and_developer_role_are_accepted(http):
+    messages = [{"role": "developer", "content": "Be brief."},
+                {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}]
+    assert post(http, "/v1/chat/completions", messages=messages, max_tokens=2).status_code == 200
+    image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
+    response = post(http, "/v1/chat/completions", messages=image, max_tokens=2)
+    assert response.status_code == 400 and "only text content parts" in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"prompt": "x", "n": 0}, "n: Input should be greater than or equal to 1"),
+    ({"prompt": "x", "top_p": 1.5}, "top_p"),
+    ({"prompt": "x", "stop": [""]}, "stop strings must not be empty"),
+    ({"prompt": "x", "frequency_penalty": 0.5}, "not supported"),
+    ({"prompt": "x", "echo": True}, "echo is not supported"),
+    ({"prompt": "x", "priority": "urgent"}, "priority"),
+    ({"prompt": "x", "temprature": 0.5}, "temprature: Extra inputs are not permitted"),
+    ({"prompt": []}, "prompt is empty"),
+    ({"prompt": [5000]}, "token ids must be in"),
+])
+def test_bad_parameters_are_named(http, body, message):
+    response = post(http, "/v1/completions", **body)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_a_body_that_is_not_an_object_is_named(http):
+    response = http.post("/v1/completions", json=[1, 2])
+    assert response.status_code == 400 and "must be a JSON object" in response.json()["error"]["message"]
+
+
+def test_chat_needs_messages_and_tools_need_a_name(http):
+    assert "messages" in post(http, "/v1/chat/completions", messages=[]).json()["error"]["message"]
+    response = post(http, "/v1/chat/completions", messages=GREETING, tools=[{"type": "function", "function": {}}])
+    assert response.status_code == 400 and "tools[0]" in response.json()["error"]["message"]
+
+
+def test_unknown_model_is_a_404_with_openai_code(http):
+    response = http.post("/v1/chat/completions", json={"model": "other", "messages": GREETING})
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_health_reports_the_weight_version(http):
+    assert http.get("/health").json() == {"status": "ok", "model": "tiny-chat", "weight_version": 0}

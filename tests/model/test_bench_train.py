@@ -1,0 +1,28 @@
+"""The training benchmark compares like with like (its timings are not tested here)."""
+
+import pytest
+
+from whetstone.errors import WhetstoneError
+
+pytest.importorskip("transformers")
+
+
+def test_both_start_from_the_same_weights_and_batches(make_config):
+    from whetstone.bench.train import run
+
+    result = run(steps=2, rounds=2, warmup=1, batch_size=2, seq_len=8, threads=1, config=make_config())
+    # Same initial weights and batches: the same loss, step after step.
+    assert result["first_loss"]["whetstone"] == pytest.approx(result["first_loss"]["hf"], abs=1e-4)
+    assert result["last_loss"]["whetstone"] == pytest.approx(result["last_loss"]["hf"], abs=1e-3)
+    assert result["hf_experts_implementation"] == "grouped_mm"
+    for key in ("whetstone_tokens_per_s", "hf_tokens_per_s", "speedup_vs_hf", "speedup_cpu_time"):
+        assert result[key] > 0
+
+
+def test_bad_arguments_are_named():
+    from whetstone.bench.train import run
+
+    with pytest.raises(WhetstoneError, match="dtype 'float16'"):
+        run(dtype="float16")
+    with pytest.raises(WhetstoneError, match="rounds"):
+        run(steps=2, rounds=3)

@@ -1,0 +1,55 @@
+"""Target log-probabilities straight from hidden states (the training path)."""
+
+import pytest
+import torch
+
+from whetstone.errors import WhetstoneError
+from whetstone.model import Transformer
+from whetstone.model.head import target_logprobs
+
+
+def test_equals_log_softmax_and_its_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    targets[1, 3] = -100  # ignored: logprob 0, no gradient
+    probe = torch.randn(2, 5, dtype=torch.float64)
+
+    got = target_logprobs(hidden, weight, targets)
+    reference = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    reference = reference.masked_fill(targets < 0, 0.0)
+    torch.testing.assert_close(got, reference)
+    grads = torch.autograd.grad((got * probe).sum(), (hidden, weight))
+    expected = torch.autograd.grad((reference * probe).sum(), (hidden, weight))
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e)
+    assert grads[0][1, 3].abs().sum() == 0
+
+
+def test_model_targets_give_logprobs_instead_of_logits(make_config):
+    cfg = make_config()
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    targets = torch.roll(ids, -1, dims=1)
+    out = model(ids, targets=targets)
+    assert out.logits is None and out.logprobs.shape == (2, 7) and out.logprobs.dtype == torch.float32
+    expected = torch.log_softmax(model(ids).logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(out.logprobs, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_autocast_keeps_the_softmax_in_fp32(make_config):
+    cfg = make_config()
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(ids, targets=ids)
+    assert out.logprobs.dtype == torch.float32
+    out.logprobs.sum().backward()
+    assert model.embed_tokens.weight.grad.dtype == torch.float32
+
+
+def test_targets_of_the_wrong_shape_are_rejected(make_config):
+    cfg = make_config()
+    with pytest.raises(WhetstoneError, match="targets have shape"):
+        Transformer(cfg)(torch.zeros(2, 4, dtype=torch.long), targets=torch.zeros(2, 3, dtype=torch.long))

@@ -1,0 +1,35 @@
+"""The hand-written norms against the formula they implement."""
+
+import torch
+
+from whetstone.model import ops
+
+
+def reference_rms_norm(x, weight, eps=1e-6):
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def test_rms_norm_matches_qwen3_bit_for_bit_and_has_exact_gradients():
+    x = torch.randn(4, 3, 16, requires_grad=True)
+    weight = torch.randn(16, requires_grad=True)
+    assert torch.equal(ops.rms_norm(x, weight, 1e-6), reference_rms_norm(x, weight))
+    x64, w64 = x.detach().double().requires_grad_(), weight.detach().double().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: ops.rms_norm(a, b, 1e-6), (x64, w64))
+
+
+def test_rms_norm_under_autocast_normalises_in_fp32():
+    x = torch.randn(8, 16)
+    weight = torch.randn(16, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = torch.nn.functional.linear(x, torch.eye(16))
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(ops.rms_norm(y, weight, 1e-6), reference_rms_norm(y, weight))
+
+
+def test_rope_rotates_pairs_and_keeps_norms():
+    x = torch.randn(1, 5, 2, 8)
+    cos, sin = ops.rope_tables(torch.arange(5)[None], head_dim=8, theta=10000.0, dtype=torch.float32)
+    rotated = ops.apply_rope(x, cos, sin)
+    torch.testing.assert_close(rotated[:, 0], x[:, 0])  # position 0: no rotation
+    torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))

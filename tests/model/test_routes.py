@@ -1,0 +1,74 @@
+"""Router capture and replay (docs/model.md, "Routes")."""
+
+import pytest
+import torch
+
+from whetstone.errors import WhetstoneError
+from whetstone.model import Transformer, ops
+
+
+@pytest.mark.parametrize("norm_topk_prob", [True, False])
+def test_replaying_captured_routes_reproduces_logits_bit_for_bit(norm_topk_prob, make_config):
+    cfg = make_config(norm_topk_prob=norm_topk_prob, shared_expert_intermediate_size=8)
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (3, 11))
+    captured = model(ids, return_routes=True)
+    replayed = model(ids, routes=captured.routes, return_routes=True)
+    assert torch.equal(captured.logits, replayed.logits)
+    assert torch.equal(captured.routes, replayed.routes)
+
+
+def test_routes_are_in_top_k_selection_order(make_config):
+    cfg = make_config(mlp_only_layers=[])
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (1, 6))
+    out = model(ids, return_routes=True)
+    # The first choice of layer 0 is the argmax of its router over the embedded, normed tokens.
+    block = model.layers[0]
+    with torch.no_grad():
+        x = model.embed_tokens(ids)
+        cos, sin = ops.rope_tables(torch.arange(6).expand(1, 6), cfg.head_dim, cfg.rope_theta, x.dtype)
+        x = x + block.self_attn(block.input_layernorm(x), cos, sin)
+        logits = ops.linear(block.post_attention_layernorm(x), block.mlp.router.weight)
+    assert torch.equal(out.routes[0, :, 0, 0], logits[0].argmax(-1))
+    assert torch.equal(out.routes[0, :, 0], logits[0].topk(cfg.num_experts_per_tok).indices)
+
+
+def test_foreign_routes_change_the_output_and_still_train_the_router(make_config):
+    cfg = make_config()
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    own = model(ids, return_routes=True)
+    # Shift every choice to the next expert: a valid but different routing.
+    foreign = (own.routes + 1) % cfg.num_experts
+    replayed = model(ids, routes=foreign)
+    assert not torch.allclose(own.logits, replayed.logits)
+    replayed.logits.square().mean().backward()
+    for index in cfg.moe_layers:
+        grad = model.layers[index].mlp.router.weight.grad
+        assert grad is not None and grad.abs().sum() > 0
+
+
+def test_replay_gates_come_from_the_full_softmax(make_config):
+    cfg = make_config(norm_topk_prob=False)
+    router = Transformer(cfg).layers[1].mlp.router
+    x = torch.randn(5, cfg.hidden_size)
+    routes = torch.tensor([[3, 0]] * 5)
+    ids, gates, probs = router(x, routes)
+    assert torch.equal(ids, routes)
+    torch.testing.assert_close(gates, torch.softmax(x @ router.weight.T, -1)[:, [3, 0]])
+
+
+@pytest.mark.parametrize(
+    "routes, message",
+    [
+        (torch.zeros(2, 8, 1, 2, dtype=torch.long), "shape"),
+        (torch.full((2, 8, 2, 2), 4), "expert ids"),
+        (torch.zeros(2, 8, 2, 2), "integer"),
+    ],
+)
+def test_bad_routes_are_rejected_with_a_clear_error(routes, message, make_config):
+    cfg = make_config()
+    model = Transformer(cfg)
+    with pytest.raises(WhetstoneError, match=message):
+        model(torch.randint(0, cfg.vocab_size, (2, 8)), routes=routes)

@@ -1,0 +1,62 @@
+"""Group advantages, and which rollouts and groups are dropped (and counted)."""
+
+from __future__ import annotations
+
+import pytest
+
+from whetstone.config import load_config
+from whetstone.errors import ConfigError
+from whetstone.rl.advantages import AdvantageConfig, advantage_fn, grpo, rloo
+from whetstone.rl.advantages.groups import score_groups
+from tests.rl.conftest import trajectory
+
+
+def test_grpo_divides_the_centred_rewards_by_the_population_std():
+    # rewards 1, 0, 0, 0: mean 0.25, std sqrt(3)/4
+    third = 1 / 3**0.5
+    assert grpo.compute([1.0, 0.0, 0.0, 0.0]) == pytest.approx([3 * third, -third, -third, -third], rel=1e-5)
+
+
+def test_grpo_without_std_normalisation_stays_in_reward_units():
+    assert grpo.compute([1.0, 0.0, 0.0, 0.0], normalize_std=False) == [0.75, -0.25, -0.25, -0.25]
+
+
+def test_rloo_subtracts_the_mean_of_the_others():
+    assert rloo.compute([1.0, 0.0, 0.0, 0.0]) == pytest.approx([1.0, -1 / 3, -1 / 3, -1 / 3])
+    assert rloo.compute([2.0, 4.0]) == [-2.0, 2.0]
+
+
+def test_the_config_picks_the_estimator():
+    assert advantage_fn(AdvantageConfig(estimator="rloo"))([2.0, 4.0]) == [-2.0, 2.0]
+    assert advantage_fn(AdvantageConfig(normalize_std=False))([2.0, 4.0]) == [-1.0, 1.0]
+    with pytest.raises(ConfigError, match="estimator"):
+        load_config(AdvantageConfig, overrides=["estimator=ppo"])
+
+
+def test_groups_without_variance_and_excluded_rollouts_are_dropped_and_counted():
+    rollouts = [
+        trajectory(group_id="a", reward=1.0), trajectory(group_id="a", reward=0.0),
+        trajectory(group_id="a", reward=1.0, cheat_flags=["exit_before_tests"], exclude_from_gradient=True),
+        trajectory(group_id="b", reward=1.0), trajectory(group_id="b", reward=1.0),  # all solved: nothing to learn
+        trajectory(group_id="c", reward=1.0), trajectory(group_id="c", status="failed", exclude_from_gradient=True),
+    ]  # fmt: skip
+    kept, report = score_groups(rollouts, AdvantageConfig(normalize_std=False))
+    assert [(t.group_id, t.reward, a) for t, a in kept] == [("a", 1.0, 0.5), ("a", 0.0, -0.5)]
+    assert report.metrics() == {
+        "groups": 3, "kept_groups": 1, "rollouts": 7, "kept_rollouts": 2,
+        "dropped_cheat_flagged": 1, "dropped_failed": 1, "dropped_no_variance": 2, "dropped_small_group": 1,
+    }  # fmt: skip
+
+
+def test_a_flagged_rollout_the_grader_kept_is_a_negative_example():
+    # With RewardConfig.exclude_flagged_from_gradient off, a cheat scores 0 and stays in its group.
+    rollouts = [trajectory(reward=1.0), trajectory(reward=0.0, cheat_flags=["edited_tests"])]
+    kept, report = score_groups(rollouts, AdvantageConfig(normalize_std=False))
+    assert [a for _, a in kept] == [0.5, -0.5] and report.dropped == {}
+
+
+def test_rollouts_without_a_group_id_group_by_task():
+    rollouts = [trajectory(group_id="", task_id="x", reward=r) for r in (0.0, 1.0)]
+    rollouts += [trajectory(group_id="", task_id="y", reward=1.0)]
+    kept, report = score_groups(rollouts, AdvantageConfig())
+    assert report.kept_groups == 1 and [t.task_id for t, _ in kept] == ["x", "x"]

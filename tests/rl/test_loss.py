@@ -1,0 +1,118 @@
+"""The policy loss, checked against values worked out by hand.
+
+Four trained tokens, ε = 0.2, truncation cap 2, and one padded (untrained) position:
+  token 0: A = +1, r = 1.1  inside the clip range       → surrogate 1.1·1,  gradient weight 1.1
+  token 1: A = +1, r = 1.5  above 1 + ε, clipped         → surrogate 1.2·1,  no gradient
+  token 2: A = −1, r = 3    truncated to the cap 2       → surrogate 2·(−1), gradient weight 2
+  token 3: A = −1, r = 0.6  below 1 − ε, clipped         → surrogate 0.8·(−1), no gradient
+  loss = −(1.1 + 1.2 − 2 − 0.8) / 4 = 0.125
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from whetstone.config import load_config
+from whetstone.errors import ConfigError
+from whetstone.rl.loss import LossConfig, LossStats, k3, policy_loss
+
+RATIOS = [1.1, 1.5, 3.0, 0.6, 1.0]
+ADVANTAGES = [1.0, 1.0, -1.0, -1.0, 0.0]
+MASK = [1, 1, 1, 1, 0]
+
+
+def inputs():
+    behavior = torch.tensor([[-1.0, -2.0, -3.0, -0.5, 0.0]])
+    logprobs = (behavior + torch.tensor([RATIOS]).log()).requires_grad_()
+    return logprobs, behavior, torch.tensor([ADVANTAGES]), torch.tensor([MASK], dtype=torch.bool)
+
+
+def test_clipped_truncated_loss_and_its_gradient():
+    logprobs, behavior, advantages, mask = inputs()
+    loss, stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig())
+    assert loss.item() == pytest.approx(0.125, rel=1e-6)
+    loss.backward()
+    # d loss / d logπ = −A · min(r, cap) / 4 where not clipped, 0 where clipped or untrained.
+    assert logprobs.grad.tolist()[0] == pytest.approx([-1.1 / 4, 0.0, 2.0 / 4, 0.0, 0.0], rel=1e-6)
+    metrics = stats.metrics()
+    fractions = [metrics[name] for name in ("clip_fraction", "truncated_fraction", "mask_fraction")]
+    assert metrics["tokens"] == 4 and fractions == [0.5, 0.25, 0.0]
+
+
+def test_mismatch_metrics_between_trainer_and_sampler():
+    logprobs, behavior, advantages, mask = inputs()
+    _, stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig())
+    deltas = [math.log(r) for r in RATIOS[:4]]
+    metrics = stats.metrics()
+    assert metrics["mismatch_kl_k3"] == pytest.approx(sum(r - 1 - d for r, d in zip(RATIOS, deltas)) / 4, rel=1e-5)
+    assert metrics["logprob_diff_mean"] == pytest.approx(sum(abs(d) for d in deltas) / 4, rel=1e-5)
+    assert metrics["logprob_diff_max"] == pytest.approx(math.log(3.0), rel=1e-5)
+    assert metrics["logprob_diff_over_ln2"] == 0.25  # only r = 3 is beyond a factor of 2
+
+
+def test_ratio_masking_drops_tokens_outside_the_range():
+    logprobs, behavior, advantages, mask = inputs()
+    loss, stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig(mask_ratio=True))
+    assert loss.item() == pytest.approx(-(1.1 + 1.2 - 0.8) / 4, rel=1e-6)  # token 2 (r = 3) is gone
+    loss.backward()
+    assert logprobs.grad[0, 2] == 0.0
+    assert stats.metrics()["mask_fraction"] == 0.25
+
+
+def test_kl_to_a_reference_adds_beta_times_k3():
+    # One token, A = 0, ref = logπ − ln 2: k3 = 1/2 + ln 2 − 1, d k3 / d logπ = 1 − 1/2.
+    logprobs = torch.tensor([[-1.0]], requires_grad=True)
+    ref = logprobs.detach() - math.log(2)
+    loss, stats = policy_loss(logprobs, logprobs.detach(), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool),
+                              LossConfig(kl_coef=0.1), ref_logprobs=ref)  # fmt: skip
+    assert loss.item() == pytest.approx(0.1 * (math.log(2) - 0.5), rel=1e-6)
+    loss.backward()
+    assert logprobs.grad.item() == pytest.approx(0.05, rel=1e-6)
+    assert stats.metrics()["ref_kl_k3"] == pytest.approx(math.log(2) - 0.5, rel=1e-6)
+
+
+def test_k3_is_zero_for_equal_policies_and_positive_otherwise():
+    p = torch.tensor([-1.0, -2.0])
+    assert k3(p, p).tolist() == [0.0, 0.0]
+    assert (k3(p, p + 0.3) > 0).all() and (k3(p, p - 0.3) > 0).all()
+
+
+def test_micro_batches_with_the_step_token_count_add_up_to_the_whole_batch():
+    torch.manual_seed(0)
+    behavior = -torch.rand(4, 6) * 3
+    logprobs = (behavior + torch.randn(4, 6) * 0.3).requires_grad_()
+    advantages = torch.randn(4, 1).expand(4, 6)
+    mask = torch.rand(4, 6) > 0.3
+    whole, _ = policy_loss(logprobs, behavior, advantages, mask, LossConfig())
+    (whole_grad,) = torch.autograd.grad(whole, logprobs)
+    total, parts = 0.0, []
+    for rows in (slice(0, 1), slice(1, 4)):
+        part, stats = policy_loss(logprobs[rows], behavior[rows], advantages[rows], mask[rows], LossConfig(),
+                                  num_tokens=int(mask.sum()))  # fmt: skip
+        total, parts = total + part, parts + [stats]
+    (split_grad,) = torch.autograd.grad(total, logprobs)
+    assert torch.allclose(total, whole, rtol=1e-6) and torch.allclose(split_grad, whole_grad, rtol=1e-6)
+    merged = LossStats.merge(parts).metrics()
+    _, whole_stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig())
+    assert merged == pytest.approx(whole_stats.metrics(), rel=1e-6)
+
+
+def test_extreme_ratios_stay_finite():
+    logprobs = torch.tensor([[0.0, -300.0]], requires_grad=True)  # r = e^300 and e^-300
+    behavior = torch.tensor([[-300.0, 0.0]])
+    loss, _ = policy_loss(logprobs, behavior, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2, dtype=torch.bool),
+                          LossConfig())  # fmt: skip
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+
+
+def test_bad_configs_name_the_field():
+    with pytest.raises(ConfigError, match="mask_low"):
+        load_config(LossConfig, overrides=["mask_low=3.0"])
+    with pytest.raises(ConfigError, match="is_cap"):
+        load_config(LossConfig, overrides=["is_cap=1.1"])
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), LossConfig(kl_coef=0.1))

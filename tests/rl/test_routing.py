@@ -1,0 +1,52 @@
+"""Routing disagreement: replaying the model's own routes agrees everywhere; changed routes do not."""
+
+from __future__ import annotations
+
+import torch
+
+from whetstone.model import ModelConfig, Transformer
+from whetstone.rl.routing import RoutingStats, track_routing
+
+CONFIG = ModelConfig(vocab_size=61, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                     head_dim=8, intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
+                     mlp_only_layers=[0], max_position_embeddings=64)  # fmt: skip
+
+
+def model_and_routes():
+    torch.manual_seed(0)
+    model = Transformer(CONFIG)
+    ids = torch.randint(0, CONFIG.vocab_size, (2, 6))
+    return model, ids, model(ids, return_routes=True).routes  # [2, 6, 2 MoE layers, 2]
+
+
+def test_replaying_the_models_own_routes_never_disagrees():
+    model, ids, routes = model_and_routes()
+    with track_routing(model, torch.ones(2, 6, dtype=torch.bool)) as routing:
+        model(ids, routes=routes)
+    assert (routing.choices, routing.disagreed, routing.tokens) == (2 * 6 * 2, 0, 12)
+
+
+def test_a_changed_expert_set_counts_once_and_an_order_swap_not_at_all():
+    model, ids, routes = model_and_routes()
+    changed = routes.clone()
+    changed[0, 1, 1] = changed[0, 1, 1].flip(0)  # same set, other order: agrees
+    unused = [e for e in range(4) if e not in routes[1, 2, 0].tolist()]
+    changed[1, 2, 0] = torch.tensor(unused)  # a different pair of experts: disagrees
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    with track_routing(model, mask) as routing:
+        model(ids, routes=changed)
+    assert routing.metrics() == {"routing_disagreement": 1 / 24, "routing_disagreement_tokens": 1 / 12}
+    mask[1, 2] = False  # positions outside the mask are not counted
+    with track_routing(model, mask) as routing:
+        model(ids, routes=changed)
+    assert routing.disagreed == 0 and routing.choices == 22
+
+
+def test_hooks_are_removed_and_stats_merge():
+    model, ids, routes = model_and_routes()
+    with track_routing(model, torch.ones(2, 6, dtype=torch.bool)) as first:
+        model(ids, routes=routes)
+    model(ids)  # outside the block: not counted
+    assert first.choices == 24
+    merged = RoutingStats.merge([first, RoutingStats(choices=8, disagreed=2, tokens=4, tokens_disagreed=1)])
+    assert merged.metrics() == {"routing_disagreement": 2 / 32, "routing_disagreement_tokens": 1 / 16}
