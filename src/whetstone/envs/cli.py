@@ -1,0 +1,133 @@
+"""`whetstone tasks validate|list|show|export`: look at, check and save task sets.
+
+SOURCE is a source name (synth, repofix, mutate, humaneval, swebench; configured with `--set
+key=value` and `--config file.toml`) or a JSONL file / task folder. Mount as `tasks`:
+`app.add_typer(whetstone.envs.cli.app, name="tasks")`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, help="Coding tasks: validate, list, show, export.")
+
+SOURCE = typer.Argument(..., help="synth | repofix | mutate | humaneval | swebench, or a JSONL file / task folder.")
+OVERRIDES = typer.Option([], "--set", "-s", help="Override a field of the source's config: KEY=VALUE, e.g. count=20.")
+CONFIG = typer.Option(None, "--config", "-c", help="TOML file with the source's config fields.")
+
+
+@app.command()
+def validate(
+    source: str = SOURCE,
+    overrides: list[str] = OVERRIDES,
+    config: Path | None = CONFIG,
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object: total, valid, invalid [{id, reason}]."),
+    workers: int = typer.Option(2, min=1, help="Tasks validated at once (each in its own sandboxes)."),
+    cache: Path | None = typer.Option(None, help="JSON file remembering results by task content hash."),
+) -> None:
+    """Run every task's reference solution (must pass) and its starting repository (must fail) in sandboxes."""
+    from whetstone.envs.tasks.registry import source_records
+    from whetstone.envs.tasks.validate import validate_records
+
+    report = validate_records(source_records(source, overrides, config), workers=workers, cache_path=cache)
+    if as_json:
+        typer.echo(json.dumps(report.to_json()))
+        return
+    typer.echo(f"{len(report.valid)} of {report.total} tasks valid")
+    for item in report.invalid:
+        typer.echo(f"  invalid {item['id']}: {item['reason']}")
+
+
+@app.command("list")
+def list_tasks(
+    source: str = SOURCE,
+    overrides: list[str] = OVERRIDES,
+    config: Path | None = CONFIG,
+    as_json: bool = typer.Option(False, "--json", help="One JSON object per task (no files)."),
+) -> None:
+    """One line per task: id, split, kind, difficulty and the start of the instruction."""
+    from whetstone.envs.tasks.registry import load_source
+
+    for task in load_source(source, overrides, config):
+        if as_json:
+            summary = task.model_dump(include={"id", "source", "split", "kind", "difficulty", "instruction"})
+            typer.echo(json.dumps(summary))
+        else:
+            instruction = task.instruction.replace("\n", " ")
+            typer.echo(f"{task.id}\t{task.split}\t{task.kind}\t{task.difficulty}\t{instruction[:80]}")
+
+
+@app.command()
+def show(
+    source: str = SOURCE,
+    task_id: str = typer.Argument(..., help="The task's id (see `whetstone tasks list`)."),
+    overrides: list[str] = OVERRIDES,
+    config: Path | None = CONFIG,
+    reveal: bool = typer.Option(False, help="Also print the hidden tests and the reference solution."),
+    as_json: bool = typer.Option(False, "--json", help="Print the whole task record as JSON."),
+) -> None:
+    """Print one task: its fields, the files the agent starts with, and (with --reveal) what grades it."""
+    from whetstone.envs.tasks.registry import load_source
+    from whetstone.errors import WhetstoneError
+
+    tasks = {task.id: task for task in load_source(source, overrides, config)}
+    if task_id not in tasks:
+        raise WhetstoneError(f"no task {task_id!r} in {source} ({len(tasks)} tasks; see `whetstone tasks list`)")
+    task = tasks[task_id]
+    if as_json:
+        typer.echo(task.model_dump_json(indent=2))
+        return
+    shown = {"repo_files": task.repo_files}
+    if reveal:
+        shown |= {"hidden_tests": task.hidden_tests, "solution_files": task.solution_files}
+    fields = task.model_dump(exclude={"repo_files", "hidden_tests", "solution_files", "solution_patch"}, exclude_defaults=True)
+    for key, value in fields.items():
+        typer.echo(f"{key}: {value}")
+    if reveal and task.solution_patch:
+        typer.echo(f"\n=== solution_patch ===\n{task.solution_patch}")
+    for group, files in shown.items():
+        for path, text in sorted(files.items()):
+            typer.echo(f"\n=== {group}: {path} ===\n{text}")
+
+
+@app.command()
+def export(
+    source: str = SOURCE,
+    output: Path = typer.Argument(..., help="A .jsonl file, or a directory for a folder per task."),
+    overrides: list[str] = OVERRIDES,
+    config: Path | None = CONFIG,
+    layout: str | None = typer.Option(None, help="jsonl or folders (default: by the output's suffix)."),
+    valid_only: bool = typer.Option(False, help="Validate first and write only the tasks that pass."),
+    workers: int = typer.Option(2, min=1, help="Tasks validated at once, with --valid-only."),
+) -> None:
+    """Write a source's tasks to a JSONL file or a folder per task (atomically)."""
+    from whetstone.envs.tasks.io import write_tasks
+    from whetstone.envs.tasks.registry import load_source, source_records
+    from whetstone.envs.tasks.validate import validate_records
+
+    if valid_only:
+        report = validate_records(source_records(source, overrides, config), workers=workers)
+        for item in report.invalid:
+            typer.echo(f"skipping invalid {item['id']}: {item['reason']}", err=True)
+        tasks = report.valid
+    else:
+        tasks = load_source(source, overrides, config)
+    write_tasks(tasks, output, layout)
+    typer.echo(f"wrote {len(tasks)} tasks to {output}")
+
+
+if __name__ == "__main__":  # `python -m whetstone.envs.cli ...`, with `whetstone`'s error handling
+    import sys
+
+    from rich.console import Console
+
+    from whetstone.errors import WhetstoneError
+
+    try:
+        app()
+    except WhetstoneError as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        sys.exit(2)

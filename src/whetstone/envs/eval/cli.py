@@ -1,0 +1,66 @@
+"""`whetstone eval [CONFIG]`: pass@k of a served model over a task set (see docs/harness.md).
+
+Mount without a name so the command is `whetstone eval`: `app.add_typer(whetstone.envs.eval.cli.app)`.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, help="Evaluate a served model.")
+
+
+@app.callback()
+def _group() -> None:
+    """Evaluation: run an endpoint over a task set through the agent harness."""
+
+
+@app.command("eval")
+def eval_command(
+    config: Path | None = typer.Argument(None, help="TOML file of EvalConfig fields (see docs/harness.md)."),
+    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. samples=8."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object on stdout."),
+) -> None:
+    """Run every task `samples` times against the endpoint; report pass@k, rewards, cheat flags, turns and tokens."""
+    from whetstone.config import load_config
+    from whetstone.envs.eval.config import EvalConfig
+    from whetstone.envs.eval.report import solved
+    from whetstone.envs.eval.run import evaluate, load_eval_tasks
+    from whetstone.utils.progress import progress_bar
+
+    settings = load_config(EvalConfig, config, overrides)
+    tasks = load_eval_tasks(settings)
+    counts = {"solved": 0, "failed": 0}
+    with progress_bar(len(tasks) * settings.samples, "eval", "rollout") as bar:  # on stderr
+
+        def done(trajectory) -> None:
+            counts["solved"] += solved(trajectory)
+            counts["failed"] += trajectory.status != "ok"
+            bar.update(1, **counts)
+
+        report = evaluate(settings, tasks, done)
+    if as_json:
+        typer.echo(json.dumps(report, sort_keys=True))
+        return
+    scores = "  ".join(f"pass@{k} {value:.3f}" for k, value in report["pass_at_k"].items())
+    failed = f"{report['failed_rollouts']}/{report['rollouts']}"
+    typer.echo(f"{report['model']}: {scores}  reward {report['reward']['mean']:.3f}  "
+               f"turns {report['turns']['mean']:.1f}  failed {failed}")  # fmt: skip
+    typer.echo(f"report: {Path(settings.output_dir) / 'report.md'}")
+
+
+if __name__ == "__main__":  # `python -m whetstone.envs.eval.cli eval ...`, with `whetstone`'s error handling
+    import sys
+
+    from rich.console import Console
+
+    from whetstone.errors import WhetstoneError
+
+    try:
+        app()
+    except WhetstoneError as err:
+        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        sys.exit(2)

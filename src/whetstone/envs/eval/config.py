@@ -1,0 +1,41 @@
+"""The config of `whetstone eval`: which endpoint, which tasks, how many samples, where the report goes."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from whetstone.config import Config
+from whetstone.envs.harness.config import EndpointConfig, HarnessConfig, RolloutConfig
+from whetstone.envs.tasks.registry import TasksConfig
+from whetstone.envs.tasks.synth import SynthConfig
+
+
+class EvalConfig(Config):
+    """Evaluate a served model on a task set."""
+
+    endpoint: EndpointConfig = EndpointConfig()
+    """The OpenAI-compatible server to evaluate."""
+    harness: HarnessConfig = HarnessConfig()
+    """The agent loop (set `tokenizer_path` to the served model's folder)."""
+    rollout: RolloutConfig = RolloutConfig()
+    """Concurrency, sandboxes and grading."""
+    tasks: TasksConfig = TasksConfig(synth=SynthConfig(split="heldout", count=50))
+    """The task set (default: 50 held-out synth tasks)."""
+    validate_tasks: bool = True
+    """Use only tasks whose reference passes and whose starting repository fails (two graded runs
+    each, cached by `tasks.validation_cache`)."""
+    samples: int = Field(4, ge=1)
+    """Rollouts per task."""
+    k: list[int] = [1, 4]
+    """The k of each pass@k reported (each at most `samples`)."""
+    output_dir: str = "runs/eval"
+    """Where report.json, report.md and trajectories.jsonl are written."""
+    save_trajectories: bool = True
+    """Write every rollout's trajectory (tokens, logprobs, routes) to trajectories.jsonl."""
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvalConfig:
+        bad = [k for k in self.k if not 1 <= k <= self.samples]
+        if bad or not self.k:
+            raise ValueError(f"k={self.k}: each k must be between 1 and samples={self.samples}")
+        return self

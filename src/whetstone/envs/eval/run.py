@@ -1,0 +1,60 @@
+"""Run an evaluation: every task `samples` times through the harness against an endpoint, then
+write report.json, report.md and (optionally) trajectories.jsonl into `output_dir`, atomically."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from whetstone.envs.eval.config import EvalConfig
+from whetstone.envs.eval.report import build_report, render_markdown
+from whetstone.envs.harness import AgentHarness, HttpPolicy, run_rollouts
+from whetstone.envs.task import Task
+from whetstone.envs.trajectory import Trajectory, save_trajectories
+from whetstone.errors import WhetstoneError
+from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+
+
+def load_eval_tasks(config: EvalConfig) -> list[Task]:
+    from whetstone.envs.tasks import load_tasks, load_valid_tasks
+
+    tasks = load_valid_tasks(config.tasks) if config.validate_tasks else load_tasks(config.tasks)
+    if not tasks:
+        raise WhetstoneError(f"no tasks to evaluate from source {config.tasks.source!r}")
+    return tasks
+
+
+def evaluate(config: EvalConfig, tasks: list[Task],
+             on_done: Callable[[Trajectory], None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Evaluate, write the report files, and return the report."""
+    harness = AgentHarness.from_config(config.harness)
+    started, clock = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
+    trajectories, model = asyncio.run(_rollouts(config, tasks, harness, on_done))
+    run = {"model": model, "endpoint": config.endpoint.base_url, "started": started, "samples_per_task": config.samples,
+           "wall_clock_s": time.monotonic() - clock, "config": config.model_dump(mode="json")}  # fmt: skip
+    report = build_report(trajectories, config.k, run)
+    out = Path(config.output_dir)
+    if config.save_trajectories:
+        save_trajectories(out / "trajectories.jsonl", trajectories)
+    atomic_write_json(out / "report.json", report)
+    atomic_write_text(out / "report.md", render_markdown(report))
+    return report
+
+
+async def _rollouts(config: EvalConfig, tasks: list[Task], harness: AgentHarness,
+                    on_done: Callable[[Trajectory], None] | None) -> tuple[list[Trajectory], str]:  # fmt: skip
+    concurrency = config.rollout.concurrency
+    # Tools and grading block in worker threads: enough of them that no rollout waits for one.
+    asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(concurrency + 2, thread_name_prefix="rollout"))
+    policy = await HttpPolicy.connect(config.endpoint, max_connections=concurrency)
+    try:
+        trajectories = await run_rollouts(tasks, policy, harness, config.rollout, samples=config.samples,
+                                          on_done=on_done)  # fmt: skip
+    finally:
+        await policy.close()
+    return trajectories, policy.model

@@ -1,0 +1,183 @@
+"""The model behind the harness: token ids in, sampled token ids (with logprobs, routes and
+weight versions) out.
+
+`HttpPolicy` calls an OpenAI-compatible `/v1/completions` with the prompt as token ids and
+`return_token_ids`, so the harness records exactly the tokens that were sampled and never
+re-tokenizes model output. vLLM and SGLang take token-id prompts too; whetstone's extension
+fields (logprob per token, weight versions, routed experts, priority) are asked for and used
+when the server has them. Tests can put a scripted policy behind the same interface.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from whetstone.envs.harness.config import EndpointConfig, SamplingConfig
+from whetstone.errors import WhetstoneError
+
+RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+class PolicyError(WhetstoneError):
+    """The model could not be asked or answered something unusable; the rollout fails with this reason."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    priority: str = "batch"
+
+    @classmethod
+    def of(cls, config: SamplingConfig, max_tokens: int) -> Sampling:
+        return cls(max_tokens, config.temperature, config.top_p, config.top_k, config.priority)
+
+
+@dataclass
+class Completion:
+    """What the model sampled for one prompt."""
+
+    ids: list[int]
+    logprobs: list[float]
+    versions: list[int]
+    routes: dict[str, Any] | None
+    """Routed experts of every token fed (JSON of the server's compact form), or None."""
+    finish_reason: str
+    text: str
+    """The server's decoding, for people; the harness parses its own decoding of `ids`."""
+
+
+class Policy(ABC):
+    """The seam between the harness and a model."""
+
+    context_limit: int | None = None
+    """Longest prompt + completion the model accepts, if known."""
+
+    @abstractmethod
+    async def complete(self, prompt_ids: list[int], sampling: Sampling) -> Completion: ...
+
+    async def close(self) -> None:
+        """Release connections (the default holds none)."""
+
+
+class HttpPolicy(Policy):
+    """A policy served over HTTP. `await HttpPolicy.connect(config)` finds the model and its context."""
+
+    def __init__(self, config: EndpointConfig, model: str, context_limit: int | None, client: httpx.AsyncClient):
+        self.config = config
+        self.model = model
+        self.context_limit = context_limit
+        self._client = client
+
+    @classmethod
+    async def connect(cls, config: EndpointConfig, max_connections: int = 64) -> HttpPolicy:
+        headers = {}
+        if config.api_key_env:
+            key = os.environ.get(config.api_key_env)
+            if not key:
+                raise PolicyError(f"endpoint.api_key_env: environment variable {config.api_key_env} is not set")
+            headers["Authorization"] = f"Bearer {key}"
+        limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
+        client = httpx.AsyncClient(base_url=config.base_url.rstrip("/") + "/", headers=headers,
+                                   timeout=config.timeout_s, limits=limits)  # fmt: skip
+        try:
+            card = await _find_model(client, config)
+        except BaseException:
+            await client.aclose()
+            raise
+        return cls(config, card["id"], card.get("max_model_len"), client)
+
+    async def complete(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        body = {
+            "model": self.model, "prompt": prompt_ids, "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 0,
+            "return_token_ids": True,
+        }  # fmt: skip
+        if sampling.priority != "none":
+            body["priority"] = sampling.priority
+        if sampling.top_k:
+            body["top_k"] = sampling.top_k
+        if self.config.return_routed_experts:
+            body["return_routed_experts"] = True
+        answer = await _request(self._client, "POST", "completions", body, self.config.retries)
+        return self._parse(answer, prompt_ids)
+
+    def _parse(self, answer: dict, prompt_ids: list[int]) -> Completion:
+        try:
+            choice = answer["choices"][0]
+        except (KeyError, IndexError, TypeError):
+            raise PolicyError(f"completion answer has no choices: {str(answer)[:200]}") from None
+        ids = choice.get("token_ids")
+        if ids is None:
+            raise PolicyError("the server returned no token ids: it must support `return_token_ids` "
+                              "(whetstone serve, vLLM >= 0.10.2, SGLang)")  # fmt: skip
+        echoed = choice.get("prompt_token_ids")
+        if echoed is not None and list(echoed) != prompt_ids:
+            raise PolicyError("the server did not use the prompt's token ids as sent")
+        logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+        if logprobs is None or len(logprobs) != len(ids):
+            raise PolicyError(f"the server returned {'no' if logprobs is None else len(logprobs)} logprobs "
+                              f"for {len(ids)} tokens")  # fmt: skip
+        versions = choice.get("weight_versions") or [self.config.weight_version] * len(ids)
+        routes = choice.get("routed_experts")
+        return Completion(
+            ids=list(ids), logprobs=[float(x) for x in logprobs], versions=list(versions),
+            routes=routes,
+            finish_reason=choice.get("finish_reason") or "stop", text=choice.get("text") or "",
+        )  # fmt: skip
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+async def _find_model(client: httpx.AsyncClient, config: EndpointConfig) -> dict:
+    """The model card (id, max_model_len) of `config.model`, or of the first model served."""
+    answer = await _request(client, "GET", "models", None, config.retries)
+    try:
+        cards = {card["id"]: card for card in answer["data"]}
+    except (KeyError, TypeError):
+        raise PolicyError(f"{config.base_url}/models: not an OpenAI model list: {str(answer)[:200]}") from None
+    if not cards:
+        raise PolicyError(f"{config.base_url} serves no model")
+    if not config.model:
+        return next(iter(cards.values()))
+    if config.model not in cards:
+        raise PolicyError(f"{config.base_url} does not serve model {config.model!r}; it serves {list(cards)}")
+    return cards[config.model]
+
+
+async def _request(client: httpx.AsyncClient, method: str, path: str, body: dict | None, retries: int) -> dict:
+    """One JSON request; connection failures and overload answers are retried with backoff."""
+    for attempt in range(retries + 1):
+        last = attempt == retries
+        try:
+            response = await client.request(method, path, json=body)
+        except httpx.TransportError as err:
+            if last:
+                raise PolicyError(f"{client.base_url}{path}: {type(err).__name__}: {err}") from None
+        else:
+            if response.status_code < 400:
+                try:
+                    return response.json()
+                except ValueError:
+                    text = response.text[:200]
+                    raise PolicyError(f"{client.base_url}{path}: the answer is not JSON: {text!r}") from None
+            if last or response.status_code not in RETRY_STATUS:
+                raise PolicyError(f"{client.base_url}{path}: HTTP {response.status_code}: {_error_message(response)}")
+        await asyncio.sleep(0.5 * 2**attempt)
+    raise AssertionError("unreachable")
+
+
+def _error_message(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["error"]["message"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:300]

@@ -1,0 +1,113 @@
+"""Rollouts: a harness on a task in a fresh sandbox, graded afterwards; many at once.
+
+    trajectories = await run_rollouts(tasks, policy, harness, RolloutConfig(concurrency=8), samples=4)
+
+One rollout opens a sandbox over the task's snapshot, runs the task's setup, lets the harness
+work (cancelled if it overruns the task's `time_limit_s` by more than `OVERRUN_GRACE_S`), takes
+the workspace's changes and grades them with `grade()` in a fresh sandbox: reward, breakdown,
+cheat flags and timings land in the trajectory. Sandbox work runs in worker threads, so the
+sandboxes, tools and HTTP calls of concurrent rollouts overlap (size the event loop's default
+executor to at least `concurrency`). A rollout that breaks is recorded as `failed` with the
+reason and left out of the gradient; it is never lost and never stops the others.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from whetstone.envs.grading import grade, workspace_changes
+from whetstone.envs.harness.base import Harness
+from whetstone.envs.harness.config import RolloutConfig
+from whetstone.envs.harness.policy import Policy
+from whetstone.envs.harness.workspace import head_tail
+from whetstone.envs.reward import Effort
+from whetstone.envs.sandbox import Sandbox, open_sandbox
+from whetstone.envs.task import Task
+from whetstone.envs.trajectory import Trajectory
+from whetstone.errors import WhetstoneError
+
+OVERRUN_GRACE_S = 30.0
+
+
+async def rollout(task: Task, policy: Policy, harness: Harness, config: RolloutConfig,
+                  group_id: str = "") -> Trajectory:  # fmt: skip
+    """One graded rollout. Never raises (except on cancellation): failures are recorded."""
+    started = time.monotonic()
+    timings: dict[str, float] = {}
+    try:
+        trajectory = await _graded_rollout(task, policy, harness, config, timings)
+    except Exception as err:
+        trajectory = Trajectory(task_id=task.id, status="failed", error=f"{type(err).__name__}: {err}")
+    trajectory.task_id, trajectory.group_id = task.id, group_id
+    if trajectory.status != "ok":
+        trajectory.exclude_from_gradient = True
+    trajectory.timings.update(timings, total=time.monotonic() - started)
+    return trajectory
+
+
+async def _graded_rollout(task: Task, policy: Policy, harness: Harness, config: RolloutConfig,
+                          timings: dict[str, float]) -> Trajectory:  # fmt: skip
+    clock = time.monotonic()
+    snapshot = Path(task.repo_path) if task.repo_path else dict(task.repo_files)
+    sandbox = await asyncio.to_thread(open_sandbox, snapshot, config.sandbox)
+    try:
+        await asyncio.to_thread(_setup, sandbox, task)
+        timings["setup"] = time.monotonic() - clock
+        try:
+            trajectory = await asyncio.wait_for(harness.run(task, policy, sandbox), task.time_limit_s + OVERRUN_GRACE_S)
+        except TimeoutError:
+            raise WhetstoneError(f"the harness overran the task's time limit of {task.time_limit_s:g} s") from None
+        changes = await asyncio.to_thread(workspace_changes, task, sandbox.workspace)
+    finally:
+        await asyncio.to_thread(sandbox.close)
+    if trajectory.status != "ok":
+        return trajectory
+    clock = time.monotonic()
+    effort = Effort(turns=trajectory.turns, tokens=trajectory.completion_tokens,
+                    invalid_tool_calls=trajectory.invalid_tool_calls)  # fmt: skip
+    try:
+        graded = await asyncio.to_thread(grade, task, changes, config.reward, effort)
+    except Exception as err:  # keep what the harness sampled, with the reason
+        trajectory.status, trajectory.error = "failed", f"grading failed: {type(err).__name__}: {err}"
+        return trajectory
+    timings["grading"] = time.monotonic() - clock
+    trajectory.reward, trajectory.reward_breakdown = graded.reward, graded.breakdown
+    trajectory.solved = graded.passed
+    trajectory.cheat_flags, trajectory.exclude_from_gradient = graded.cheat_flags, graded.exclude_from_gradient
+    return trajectory
+
+
+def _setup(sandbox: Sandbox, task: Task) -> None:
+    for command in task.setup:
+        result = sandbox.run(command, timeout_s=task.test_time_limit_s)
+        if result.exit_code != 0 or result.timed_out:
+            output = head_tail(result.stdout + result.stderr, 2000)
+            raise WhetstoneError(f"setup command {command!r} failed (exit code {result.exit_code}): {output}")
+
+
+async def run_rollouts(
+    tasks: Sequence[Task],
+    policy: Policy,
+    harness: Harness,
+    config: RolloutConfig,
+    *,
+    samples: int = 1,
+    group_prefix: str = "",
+    on_done: Callable[[Trajectory], None] | None = None,
+) -> list[Trajectory]:
+    """Each task `samples` times, `config.concurrency` at once. Results come in input order (the
+    samples of a task together, sharing the group id `group_prefix + task.id`); `on_done` sees
+    each as it finishes."""
+    gate = asyncio.Semaphore(config.concurrency)
+
+    async def one(task: Task) -> Trajectory:
+        async with gate:
+            trajectory = await rollout(task, policy, harness, config, group_id=group_prefix + task.id)
+        if on_done is not None:
+            on_done(trajectory)
+        return trajectory
+
+    return await asyncio.gather(*(one(task) for task in tasks for _ in range(samples)))

@@ -1,0 +1,62 @@
+"""Self-summarization: when the next turn would not fit the context, the model summarizes its
+work, and a new segment starts from the system prompt, the task and that summary.
+
+The budget keeps room for a summary at all times: a normal call is made only if its prompt,
+its whole completion budget, the largest tool-result turn and then a summary request with the
+whole summary budget would all still fit the window. So whatever the call and its tools
+produce, the summary can always be asked for. The summary call is trained like any other
+(the final reward credits every segment, summaries included).
+"""
+
+from __future__ import annotations
+
+from whetstone.envs import prompts
+from whetstone.envs.harness.config import HarnessConfig
+from whetstone.envs.harness.context import Message, SegmentContext
+from whetstone.envs.task import Task
+from whetstone.tokenizer import parse_assistant
+
+SUMMARY_REQUEST = (
+    "Your context is full and will be reset. Write a summary of your work for yourself: what you "
+    "changed, what you found, what is left to do. Be brief. Do not call tools."
+)
+SUMMARY_INTRO = "Your context was reset. Your summary of the work so far:\n"
+SLACK_TOKENS = 8  # a cut-off call's closing `<|im_end|>`, and margin
+
+
+def summary_request() -> Message:
+    return {"role": "user", "content": SUMMARY_REQUEST}
+
+
+def segment_messages(task: Task, summary: str | None) -> list[Message]:
+    """The opening of a segment: system prompt and task, then the summary (after a restart)."""
+    messages = [{"role": "system", "content": prompts.SYSTEM_PROMPT},
+                {"role": "user", "content": prompts.first_user_message(task)}]  # fmt: skip
+    if summary is not None:
+        messages.append({"role": "user", "content": SUMMARY_INTRO + summary})
+    return messages
+
+
+def summary_text(completion_text: str) -> str:
+    """The summary in a completion: its text without tool calls or a thinking block."""
+    content, _, _ = parse_assistant(completion_text)
+    return (content or completion_text.removesuffix("<|im_end|>")).strip()
+
+
+class Budget:
+    """Token room in one segment's window."""
+
+    def __init__(self, config: HarnessConfig, window: int, context: SegmentContext):
+        self.config = config
+        self.window = window
+        request = len(context.turn_ids([summary_request()])) - len(context.turn_ids([]))
+        self.summary_reserve = request + config.summary_tokens + SLACK_TOKENS
+        """Tokens a summary request and its answer may add to any context."""
+        intro = context.tokenizer.encode(f"<|im_start|>user\n{SUMMARY_INTRO}<|im_end|>\n")
+        self.restart_growth = len(intro) + config.summary_tokens + SLACK_TOKENS if config.summarize else 0
+        """How much longer a segment's opening gets when it carries a summary."""
+
+    def fits_turn(self, prompt_length: int) -> bool:
+        """A call on this prompt, then its tool results, then a summary, all fit the window."""
+        turn = prompt_length + self.config.max_turn_tokens + self.config.max_tool_tokens
+        return turn + self.summary_reserve <= self.window

@@ -1,0 +1,124 @@
+"""The agent's tools over a sandbox: exactly the names, arguments and result texts of
+`envs/prompts.py`, which the mid-training demonstrations also use.
+
+A call the harness cannot run (unknown tool, missing or unexpected arguments) raises
+`ToolCallError` and counts as an invalid tool call; a call that runs but fails (no such file,
+an edit whose text is not unique) answers with an error text like any other result.
+`submit` is handled by the agent loop: it ends the rollout.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import PurePosixPath
+from typing import Any
+
+from whetstone.envs import prompts
+from whetstone.envs.harness.workspace import ToolError, Workspace, head_tail
+from whetstone.envs.sandbox import RunResult, Sandbox
+from whetstone.envs.task import Task
+
+PARAMETERS = {tool["function"]["name"]: list(tool["function"]["parameters"]["properties"]) for tool in prompts.TOOLS}
+SUMMARY_HEADER = re.compile(r"^=+ short test summary info =+$", re.MULTILINE)
+SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)|^(SKIPPED) \[\d+\] ([^\s:]+:\d+)")
+
+
+class ToolCallError(Exception):
+    """A call that cannot be run as written; counts against the rollout."""
+
+
+def check_call(name: str, arguments: Any) -> dict[str, str]:
+    """The call's arguments, if `name` is a tool and they are exactly its (string) parameters."""
+    if name not in PARAMETERS:
+        raise ToolCallError(f"unknown tool {name!r}; the tools are {', '.join(PARAMETERS)}")
+    if not isinstance(arguments, dict):
+        raise ToolCallError(f"{name}: arguments must be an object")
+    expected = PARAMETERS[name]
+    missing = [key for key in expected if key not in arguments]
+    unexpected = [key for key in arguments if key not in expected]
+    if missing or unexpected:
+        problems = ([f"missing {', '.join(missing)}"] if missing else []) + (
+            [f"unexpected {', '.join(unexpected)}"] if unexpected else [])  # fmt: skip
+        raise ToolCallError(f"{name}({', '.join(expected)}): {'; '.join(problems)}")
+    for key, value in arguments.items():
+        if not isinstance(value, str):
+            raise ToolCallError(f"{name}: argument {key} must be a string, got {type(value).__name__}")
+    return arguments
+
+
+class Tools:
+    """The tools of one rollout. Blocking: the agent loop runs them in a worker thread."""
+
+    def __init__(self, sandbox: Sandbox, task: Task, max_chars: int, run_timeout_s: float):
+        self.sandbox = sandbox
+        self.task = task
+        self.files = Workspace(sandbox.workspace, sandbox.workdir, max_chars)
+        self.max_chars = max_chars
+        self.run_timeout_s = run_timeout_s
+
+    def call(self, name: str, arguments: dict[str, str], time_left_s: float) -> str:
+        """The result text of a checked call (see `check_call`); tool failures are results too."""
+        try:
+            if name == "run":
+                return self.run(arguments["command"], min(self.run_timeout_s, time_left_s))
+            if name == "run_tests":
+                return self.run_tests(min(self.task.test_time_limit_s, time_left_s))
+            return getattr(self.files, name)(**arguments)
+        except ToolError as err:
+            return f"error: {err}"
+        except OSError as err:  # e.g. writing under a path that is a file
+            return f"error: {err.strerror or type(err).__name__}: {arguments.get('path', '')}"
+
+    def run(self, command: str, timeout_s: float) -> str:
+        result = self.sandbox.run(command, timeout_s=max(timeout_s, 0.1))
+        return head_tail(result.stdout + result.stderr, self.max_chars) + _status(result, timeout_s)
+
+    def run_tests(self, timeout_s: float) -> str:
+        task = self.task
+        if not task.visible_tests:
+            return "error: this repository has no visible tests"
+        pytest = _is_pytest(task.test_command)
+        command = f"{task.test_command}{' -rA' if pytest else ''} {shlex.join(task.visible_tests)}"
+        result = self.sandbox.run(command, timeout_s=max(timeout_s, 0.1))
+        output = result.stdout + result.stderr
+        outcomes = _pytest_outcomes(output) if pytest else {}
+        if not outcomes:  # a custom command, or pytest stopped before reporting any test
+            return head_tail(output, self.max_chars) + _status(result, timeout_s)
+        failed = result.exit_code != 0 or any(outcome != "passed" for outcome in outcomes.values())
+        details = head_tail(_failure_details(output), self.max_chars) + _status(result, timeout_s) if failed else ""
+        return prompts.run_tests_result(outcomes, details.strip())
+
+
+def _status(result: RunResult, timeout_s: float) -> str:
+    if result.timed_out:
+        return f"\n[timed out after {timeout_s:g} s]"
+    limits = f", limits hit: {', '.join(result.limits_hit)}" if result.limits_hit else ""
+    return f"\n[exit code {result.exit_code}{limits}]"
+
+
+def _is_pytest(command: str) -> bool:
+    argv = shlex.split(command)
+    python_m = len(argv) >= 3 and PurePosixPath(argv[0]).name.startswith("python") and argv[1:3] == ["-m", "pytest"]
+    return python_m or (bool(argv) and argv[0] in ("pytest", "py.test"))
+
+
+def _pytest_outcomes(output: str) -> dict[str, str]:
+    """Test id -> outcome from pytest's `-rA` short summary."""
+    header = SUMMARY_HEADER.search(output)
+    if header is None:
+        return {}
+    outcomes = {}
+    for line in output[header.end():].splitlines():
+        match = SUMMARY_LINE.match(line)
+        if match:
+            kind, test_id = (match[1], match[2]) if match[1] else (match[3], match[4])
+            outcomes[test_id] = {"XFAIL": "xfailed", "XPASS": "xpassed"}.get(kind, kind.lower())
+    return outcomes
+
+
+def _failure_details(output: str) -> str:
+    """pytest's tracebacks: the output before its summary, without the (empty) PASSES section."""
+    header = SUMMARY_HEADER.search(output)
+    before = output[: header.start()] if header else output
+    return re.sub(r"^=+ PASSES =+$\n?", "", before, flags=re.MULTILINE)

@@ -1,0 +1,133 @@
+"""The file tools: read, list, search, write and edit files of the sandbox's workspace.
+
+They work on the workspace directly from the host (no process start per call), so every path
+is resolved and must stay inside the workspace: `..`, absolute paths elsewhere and symlinks
+that point out (say, one the agent made with `ln -s /etc/passwd`) are refused. Paths may be
+given relative to the workspace or as absolute paths under its in-sandbox location
+(`/workspace/...`). No race is possible: the agent's commands have all ended when a tool runs.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path, PurePosixPath
+
+from whetstone.envs import prompts
+
+MAX_GREP_MATCHES = 200
+MAX_LISTED = 500
+
+
+class ToolError(Exception):
+    """A tool ran but could not do what was asked (no such file, no unique match); the message goes to the model."""
+
+
+def head_tail(text: str, limit: int) -> str:
+    """`text` cut to about `limit` characters, keeping its head and tail (where errors and summaries are)."""
+    if len(text) <= limit:
+        return text
+    keep = max(0, limit - 60) // 2
+    cut = len(text) - 2 * keep
+    return f"{text[:keep]}\n[... {cut} characters cut ...]\n{text[len(text) - keep:] if keep else ''}"
+
+
+class Workspace:
+    def __init__(self, root: Path, workdir: str, max_chars: int):
+        self.root = root.resolve()
+        self.workdir = workdir
+        """Where the workspace appears inside the sandbox, so `/workspace/x.py` means `x.py`."""
+        self.max_chars = max_chars
+
+    def path(self, name: str) -> Path:
+        """The host path of `name`, refused if it leaves the workspace."""
+        name = name.strip() or "."
+        posix = PurePosixPath(name)
+        if posix.is_absolute():
+            try:
+                posix = posix.relative_to(self.workdir)
+            except ValueError:
+                raise ToolError(f"{name}: outside the repository (it is at {self.workdir})") from None
+        try:
+            resolved = (self.root / posix).resolve()
+        except (ValueError, OSError, RuntimeError) as err:  # a NUL byte; a symlink loop (RuntimeError before 3.13)
+            raise ToolError(f"{name!r}: not a usable path ({err})") from None
+        if not resolved.is_relative_to(self.root):
+            raise ToolError(f"{name}: outside the repository")
+        return resolved
+
+    def _shown(self, path: Path) -> str:
+        return path.relative_to(self.root).as_posix() or "."
+
+    def read_file(self, path: str) -> str:
+        target = self.path(path)
+        if target.is_dir():
+            raise ToolError(f"{path} is a directory (use list_dir)")
+        try:
+            data = target.read_bytes()
+        except FileNotFoundError:
+            raise ToolError(f"{path} does not exist") from None
+        if b"\0" in data[:8192]:
+            raise ToolError(f"{path} is a binary file ({len(data)} bytes)")
+        return head_tail(data.decode("utf-8", "replace"), self.max_chars)
+
+    def list_dir(self, path: str) -> str:
+        target = self.path(path)
+        if not target.is_dir():
+            raise ToolError(f"{path} is not a directory" if target.exists() else f"{path} does not exist")
+        entries = sorted(e.name + ("/" if e.is_dir() else "") for e in os.scandir(target) if e.name != "__pycache__")
+        if len(entries) > MAX_LISTED:
+            entries = entries[:MAX_LISTED] + [f"[... {len(entries) - MAX_LISTED} more]"]
+        return "\n".join(entries) or "(empty directory)"
+
+    def grep(self, pattern: str, path: str) -> str:
+        try:
+            regex = re.compile(pattern)
+        except re.error as err:
+            raise ToolError(f"invalid regex {pattern!r}: {err}") from None
+        target = self.path(path)
+        if not target.exists():
+            raise ToolError(f"{path} does not exist")
+        matches: list[str] = []
+        for file in self._files(target):
+            try:
+                lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
+            except OSError:
+                continue
+            shown = self._shown(file)
+            matches += [f"{shown}:{n}:{line[:300]}" for n, line in enumerate(lines, 1) if regex.search(line)]
+            if len(matches) > MAX_GREP_MATCHES:
+                return "\n".join(matches[:MAX_GREP_MATCHES] + [f"[... more than {MAX_GREP_MATCHES} matches]"])
+        return head_tail("\n".join(matches), self.max_chars) or "no matches"
+
+    def _files(self, target: Path) -> list[Path]:
+        if target.is_file():
+            return [target]
+        found = []
+        for directory, subdirs, files in os.walk(target):  # does not follow symlinked directories
+            subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d != "__pycache__")
+            found += [Path(directory, f) for f in files if not Path(directory, f).is_symlink()]
+        return sorted(found)
+
+    def write_file(self, path: str, content: str) -> str:
+        target = self.path(path)
+        if target.is_dir():
+            raise ToolError(f"{path} is a directory")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(content, encoding="utf-8")
+        return prompts.write_result(self._shown(target), content)
+
+    def edit(self, path: str, old: str, new: str) -> str:
+        target = self.path(path)
+        try:
+            text = target.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ToolError(f"{path} does not exist") from None
+        except (IsADirectoryError, UnicodeDecodeError) as err:
+            raise ToolError(f"{path} cannot be edited: {err}") from None
+        count = text.count(old) if old else 0
+        if count != 1:
+            found = "old text not found" if count == 0 else f"old text occurs {count} times"
+            raise ToolError(f"{path}: {'old is empty' if not old else found}; give text that occurs exactly once")
+        target.write_text(text.replace(old, new, 1), encoding="utf-8")
+        return prompts.edit_result(self._shown(target))

@@ -1,0 +1,167 @@
+"""Per-sandbox cgroups: the limits that bind a whole process tree, even for root.
+
+RLIMIT_NPROC does not bind root (and counts every process of a user, not of a sandbox), and
+RLIMIT_AS bounds one process, not a tree. Where a cgroup hierarchy is writable (root in a
+container or VM, or a delegated subtree) each sandbox gets its own group with `pids.max` and a
+memory limit; a fork bomb then stops at the limit and a memory bomb meets the OOM killer inside
+the group. cgroup v1 (separate `pids` and `memory` hierarchies) and v2 (one unified tree) are
+supported; when neither is writable, `find_cgroup_root` returns None and rlimits are all we have.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+MOUNTS = Path("/sys/fs/cgroup")
+_counter = itertools.count()
+
+
+@dataclass(frozen=True)
+class CgroupRoot:
+    """Where this process may create sandbox groups: one directory per controller."""
+
+    version: int
+    pids_dir: Path
+    memory_dir: Path
+
+
+def _own_path(controller: str) -> str | None:
+    """This process's group in the hierarchy holding `controller` ("" selects cgroup v2)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(",") or (controller == "" and controllers == ""):
+            return path
+    return None
+
+
+def _writable_parent(hierarchy: Path, own: str) -> Path | None:
+    parent = hierarchy / own.lstrip("/") / "whetstone"
+    try:
+        parent.mkdir(exist_ok=True)
+    except OSError:
+        return None
+    return parent if os.access(parent, os.W_OK) else None
+
+
+def find_cgroup_root() -> CgroupRoot | None:
+    """The writable cgroup directories for pids and memory, or None when there are none."""
+    try:
+        pids_own, memory_own = _own_path("pids"), _own_path("memory")
+        if pids_own is not None and memory_own is not None:
+            pids = _writable_parent(MOUNTS / "pids", pids_own)
+            memory = _writable_parent(MOUNTS / "memory", memory_own)
+            if pids and memory:
+                return CgroupRoot(1, pids, memory)
+        unified_own = _own_path("")
+        unified = MOUNTS / "unified" if (MOUNTS / "unified").is_dir() else MOUNTS
+        parent = _writable_parent(unified, unified_own) if unified_own is not None else None
+        # v2: our group must hand pids and memory down (a delegated subtree), and ours pass them on.
+        if parent is not None and {"pids", "memory"} <= set((parent / "cgroup.controllers").read_text().split()):
+            (parent / "cgroup.subtree_control").write_text("+pids +memory")
+            return CgroupRoot(2, parent, parent)
+    except OSError:
+        return None
+    return None
+
+
+class Cgroup:
+    """One sandbox's group: created with its limits, emptied and removed by `close`."""
+
+    def __init__(self, root: CgroupRoot, max_processes: int, memory_bytes: int):
+        self.root = root
+        name = f"{os.getpid()}-{next(_counter)}"
+        self.dirs = list(dict.fromkeys([root.pids_dir / name, root.memory_dir / name]))
+        for directory in self.dirs:
+            directory.mkdir()
+        pids_dir, memory_dir = root.pids_dir / name, root.memory_dir / name
+        (pids_dir / "pids.max").write_text(str(max_processes))
+        # Memory plus swap is capped too where swap is accounted, so a bomb cannot swap instead.
+        if root.version == 1:
+            (memory_dir / "memory.limit_in_bytes").write_text(str(memory_bytes))
+            _write_if_present(memory_dir / "memory.memsw.limit_in_bytes", str(memory_bytes))
+            self._memory_events = memory_dir / "memory.oom_control"
+        else:
+            (memory_dir / "memory.max").write_text(str(memory_bytes))
+            _write_if_present(memory_dir / "memory.swap.max", "0")
+            self._memory_events = memory_dir / "memory.events"
+        self._pids_events = pids_dir / "pids.events"
+
+    @property
+    def procs_files(self) -> list[Path]:
+        """Write a pid here to put the process (and its future children) in the group."""
+        return [directory / "cgroup.procs" for directory in self.dirs]
+
+    def counters(self) -> dict[str, int]:
+        """How often the group hit its process limit and how many OOM kills it saw so far."""
+        return {"processes": _read_key(self._pids_events, "max"), "memory": _read_key(self._memory_events, "oom_kill")}
+
+    def kill_all(self) -> None:
+        """SIGKILL every process still in the group (escaped sessions and daemons included)."""
+        for _ in range(100):  # a fork bomb may add processes while we kill: repeat until empty
+            pids = {int(p) for f in self.procs_files if f.exists() for p in f.read_text().split()}
+            if not pids:
+                return
+            for pid in pids:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self.kill_all()
+        for directory in self.dirs:
+            try:
+                directory.rmdir()
+            except FileNotFoundError:
+                pass
+            except OSError:  # the kernel releases a group shortly after its last process is reaped
+                _reaper.submit(_remove_when_released, directory)
+
+
+_reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whetstone-cgroup-reaper")
+
+
+def _remove_when_released(directory: Path) -> None:
+    for _ in range(400):
+        try:
+            directory.rmdir()
+            return
+        except FileNotFoundError:
+            return
+        except OSError:
+            time.sleep(0.005)
+
+
+def _write_if_present(path: Path, value: str) -> None:
+    if path.exists():
+        path.write_text(value)
+
+
+def _read_key(path: Path, key: str) -> int:
+    try:
+        for line in path.read_text().splitlines():
+            name, _, value = line.partition(" ")
+            if name == key:
+                return int(value)
+    except (OSError, ValueError):
+        pass
+    return 0
+
+
+def remove_stale_groups(root: CgroupRoot) -> None:
+    """Remove empty groups left by whetstone processes that died without cleaning up."""
+    for parent in {root.pids_dir, root.memory_dir}:
+        for directory in parent.iterdir():
+            owner = directory.name.split("-")[0]
+            if directory.is_dir() and owner.isdigit() and not Path(f"/proc/{owner}").exists():
+                try:
+                    directory.rmdir()
+                except OSError:
+                    pass

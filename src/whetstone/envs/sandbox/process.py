@@ -1,0 +1,199 @@
+"""Start one limited process, feed its stdin, keep a bounded amount of its output, stop it on time.
+
+Limits are applied by an exec wrapper rather than a `preexec_fn`: `sh` moves itself into the
+sandbox's cgroup, sets the rlimits with `ulimit`, then execs the command (or bwrap). The wrapper
+costs about a millisecond, keeps the fast vfork path of `subprocess`, and is safe in a
+multi-threaded parent, which a Python `preexec_fn` is not.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import selectors
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHUNK = 65536
+EXIT_POLL_S = 0.05  # without pidfds (Linux < 5.3): how often to check whether the main process is gone
+DRAIN_AFTER_KILL_S = 2.0
+
+
+@dataclass
+class RunResult:
+    """What one command did."""
+
+    exit_code: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    duration_s: float
+    truncated: bool
+    limits_hit: list[str] = field(default_factory=list)
+    """Limits it ran into: wall_clock, cpu, memory (OOM kill), processes, output."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    cpu_s: int
+    memory_bytes: int
+    file_bytes: int
+    nproc: int | None  # RLIMIT_NPROC, only when no cgroup bounds the processes
+
+
+def limit_prefix(limits: Limits, cgroup_procs: list[Path]) -> list[str]:
+    """An `sh` that joins the sandbox's cgroup, sets the rlimits and execs the command: one exec."""
+    steps = ['while [ "$1" != -- ]; do echo $$ > "$1" || exit 125; shift; done; shift']  # join the cgroup
+    steps += [
+        f"ulimit -S -t {limits.cpu_s}",  # SIGXCPU at the soft limit, SIGKILL a second later
+        f"ulimit -H -t {limits.cpu_s + 1}",
+        f"ulimit -v {limits.memory_bytes >> 10}",  # KiB
+        f"ulimit -f {limits.file_bytes >> 9}",  # 512-byte blocks (POSIX sh)
+        "ulimit -c 0",
+    ]
+    if limits.nproc is not None:
+        steps.append(f"ulimit {_nproc_flag()} {limits.nproc}")
+    script = " && ".join(steps) + ' && exec "$@"'
+    return ["/bin/sh", "-c", script, "sh", *map(str, cgroup_procs), "--"]
+
+
+@functools.cache
+def _nproc_flag() -> str:
+    """The process-count option of this system's `sh`: `-u` in bash, `-p` in dash."""
+    probe = subprocess.run(["/bin/sh", "-c", "ulimit -u"], capture_output=True)
+    return "-u" if probe.returncode == 0 else "-p"
+
+
+class _Capture:
+    """Keeps the first `limit` bytes of a stream and counts the rest."""
+
+    def __init__(self, limit: int):
+        self.limit, self.data, self.dropped = limit, bytearray(), 0
+
+    def add(self, chunk: bytes) -> None:
+        room = self.limit - len(self.data)
+        self.data += chunk[:room]
+        self.dropped += max(0, len(chunk) - room)
+
+    def text(self) -> str:
+        text = self.data.decode("utf-8", errors="replace")
+        return text + (f"\n[output truncated: {self.dropped} more bytes]" if self.dropped else "")
+
+
+def run_process(
+    argv: list[str],
+    *,
+    env: dict[str, str],
+    cwd: Path,
+    stdin: str | None,
+    timeout_s: float,
+    max_output_bytes: int,
+    kill_tree: Callable[[subprocess.Popen], None],
+) -> RunResult:
+    """Run `argv` to completion or to its deadline; `kill_tree` must stop the process and all it started."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE if stdin is not None else subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+        cwd=cwd,
+        start_new_session=True,  # its own process group, so the whole group can be signalled
+    )
+    out, err = _Capture(max_output_bytes), _Capture(max_output_bytes)
+    selector = selectors.DefaultSelector()
+    selector.register(proc.stdout, selectors.EVENT_READ, out)
+    selector.register(proc.stderr, selectors.EVENT_READ, err)
+    pending = (stdin or "").encode()
+    if proc.stdin is not None:
+        os.set_blocking(proc.stdin.fileno(), False)
+        selector.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+    pidfd = _pidfd(proc.pid)  # readable when the main process exits: no polling needed
+    if pidfd is not None:
+        selector.register(pidfd, selectors.EVENT_READ, "exit")
+    deadline, timed_out, stopped = start + timeout_s, False, False
+    try:
+        while selector.get_map():
+            now = time.perf_counter()
+            main_exited = False
+            if now >= deadline:
+                if stopped:
+                    break  # something outside our reach holds the pipes open: give up on them
+                timed_out = stopped = True
+                kill_tree(proc)
+                deadline = now + DRAIN_AFTER_KILL_S  # output already written is still collected
+                continue
+            wait = deadline - now if pidfd is not None else min(deadline - now, EXIT_POLL_S)
+            for key, _ in selector.select(wait):
+                if key.data == "exit":
+                    selector.unregister(key.fileobj)
+                    main_exited = True
+                elif key.data == "stdin":
+                    pending = _feed(selector, key.fileobj, pending)
+                elif chunk := os.read(key.fileobj.fileno(), CHUNK):
+                    key.data.add(chunk)
+                else:
+                    selector.unregister(key.fileobj)
+            if not stopped and (main_exited or (pidfd is None and proc.poll() is not None)):
+                stopped = True  # the command is done: stragglers that keep our pipes open are stopped
+                kill_tree(proc)
+                deadline = min(deadline, time.perf_counter() + DRAIN_AFTER_KILL_S)
+    finally:
+        selector.close()
+        for pipe in (proc.stdin, proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+        if pidfd is not None:
+            os.close(pidfd)
+        if proc.poll() is None:
+            kill_tree(proc)
+        proc.wait()
+    exit_code = proc.returncode
+    limits_hit = ["wall_clock"] if timed_out else []
+    if exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+        limits_hit.append("cpu")
+    if out.dropped or err.dropped:
+        limits_hit.append("output")
+    return RunResult(
+        exit_code=exit_code,
+        stdout=out.text(),
+        stderr=err.text(),
+        timed_out=timed_out,
+        duration_s=time.perf_counter() - start,
+        truncated=bool(out.dropped or err.dropped),
+        limits_hit=limits_hit,
+    )
+
+
+def _pidfd(pid: int) -> int | None:
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
+def _feed(selector: selectors.BaseSelector, pipe, pending: bytes) -> bytes:
+    """Write what the pipe takes now; close it when everything is written or the reader is gone."""
+    try:
+        pending = pending[os.write(pipe.fileno(), pending[:CHUNK]) :]
+    except BlockingIOError:
+        return pending
+    except BrokenPipeError:
+        pending = b""
+    if not pending:
+        selector.unregister(pipe)
+        pipe.close()
+    return pending
+
+
+def kill_process_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the process group started for `proc` (it may already be gone)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass

@@ -1,0 +1,206 @@
+"""A sandbox: a private workspace plus a way to run limited, isolated commands in it.
+
+Each `run` is its own bubblewrap invocation over the same workspace, like commands typed into
+one terminal: files persist between runs, processes and /tmp do not (the pid namespace ends with
+the command). Opening a sandbox takes a prepared copy of the task's files from the pool.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from whetstone.envs.sandbox.bwrap import Mount, bwrap_argv, check_bwrap
+from whetstone.envs.sandbox.cgroups import Cgroup, CgroupRoot, find_cgroup_root, remove_stale_groups
+from whetstone.envs.sandbox.config import SandboxConfig
+from whetstone.envs.sandbox.interpreter import SandboxPython, make_sandbox_python
+from whetstone.envs.sandbox.process import Limits, RunResult, kill_process_group, limit_prefix, run_process
+from whetstone.envs.sandbox.templates import WorkspacePool
+from whetstone.errors import WhetstoneError
+
+log = logging.getLogger(__name__)
+
+SHELL = "/bin/bash" if Path("/bin/bash").exists() else "/bin/sh"
+VENV_IN_SANDBOX = "/opt/venv"  # where the sandbox's Python environment appears inside
+
+
+class Sandbox:
+    """A workspace directory and the limits and mounts its commands run under. A context manager."""
+
+    def __init__(self, workspace: Path, config: SandboxConfig, runtime: _Runtime, mounts: list[Mount]):
+        for path in config.ro_paths:
+            if not Path(path).exists():
+                raise WhetstoneError(f"sandbox.ro_paths: {path} does not exist on this machine")
+        self.workspace = workspace
+        """The workspace on the host (the agent's tools may read and write it directly)."""
+        self.config = config
+        self.workdir = str(workspace) if config.unsandboxed else config.workdir
+        """The workspace's path as commands see it."""
+        self._runtime = runtime
+        self._home = workspace.with_name(workspace.name + "-home")  # HOME and TMPDIR when unsandboxed
+        self._cgroup = (
+            Cgroup(runtime.cgroup_root, config.max_processes, config.memory_mb << 20) if runtime.cgroup_root else None
+        )
+        python = runtime.python
+        self._mounts = [Mount(path, path) for path in [*python.host_paths, *config.ro_paths]]
+        self._mounts += [Mount(str(python.prefix), VENV_IN_SANDBOX), *mounts]
+        self._bin_dir = str(python.bin_dir) if config.unsandboxed else f"{VENV_IN_SANDBOX}/bin"
+        self._limits = Limits(
+            cpu_s=config.cpu_s,
+            memory_bytes=config.memory_mb << 20,
+            file_bytes=config.max_file_mb << 20,
+            nproc=None if self._cgroup else _nproc_limit(config.max_processes),
+        )
+        if config.unsandboxed:
+            self._home.mkdir()
+
+    def run(self, command: str | list[str], timeout_s: float | None = None, stdin: str | None = None) -> RunResult:
+        """Run a shell command line (str) or an argv (list) in the workspace, within the limits."""
+        argv = [SHELL, "-c", command] if isinstance(command, str) else list(command)
+        if not self.config.unsandboxed:
+            argv = bwrap_argv(self.workspace, self.workdir, self.config.tmp_size_mb << 20, self._mounts, argv)
+        argv = limit_prefix(self._limits, self._cgroup.procs_files if self._cgroup else []) + argv
+        before = self._cgroup.counters() if self._cgroup else {}
+        result = run_process(
+            argv,
+            env=self._env(),
+            cwd=self.workspace,
+            stdin=stdin,
+            timeout_s=timeout_s if timeout_s is not None else self.config.wall_clock_s,
+            max_output_bytes=self.config.max_output_bytes,
+            kill_tree=self._kill_tree,
+        )
+        if self._cgroup:
+            after = self._cgroup.counters()
+            result.limits_hit += [name for name in after if after[name] > before[name]]
+        return result
+
+    def _env(self) -> dict[str, str]:
+        home = str(self._home) if self.config.unsandboxed else "/tmp"
+        return {
+            "PATH": f"{self._bin_dir}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "HOME": home,
+            "TMPDIR": home,
+            "LANG": "C.UTF-8",
+            "TERM": "dumb",
+            **self.config.env,
+        }
+
+    def _kill_tree(self, proc: subprocess.Popen) -> None:
+        # Sandboxed, killing bwrap ends the pid namespace; the cgroup also catches escaped sessions.
+        kill_process_group(proc)
+        if self._cgroup:
+            self._cgroup.kill_all()
+
+    def close(self) -> None:
+        """Stop anything left running and delete the workspace."""
+        if self._cgroup:
+            self._cgroup.close()
+        shutil.rmtree(self.workspace, ignore_errors=True)
+        shutil.rmtree(self._home, ignore_errors=True)
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def open_sandbox(
+    files: dict[str, str] | Path, config: SandboxConfig | None = None, *, mounts: list[Mount] | None = None
+) -> Sandbox:
+    """A sandbox over a private copy of `files` ({relative path: text} or a snapshot directory).
+
+    A snapshot directory must not change while sandboxes use it: spare copies are made ahead of
+    time. Its `.git`, if any, is not copied. `mounts` adds host paths (the grader's runner, its
+    result directory). Raises `SandboxUnavailableError` when namespaces are unavailable and
+    `unsandboxed` is not set.
+    """
+    config = config or SandboxConfig()
+    if not config.unsandboxed:
+        check_bwrap()
+    runtime = _runtime(config)
+    workspace = runtime.pool.checkout(files)
+    try:
+        return Sandbox(workspace, config, runtime, list(mounts or []))
+    except BaseException:
+        shutil.rmtree(workspace, ignore_errors=True)
+        raise
+
+
+@dataclass
+class _Runtime:
+    """What all sandboxes of one process share: the pool, the sandbox Python, the cgroup parent."""
+
+    root: Path
+    pool: WorkspacePool
+    python: SandboxPython
+    cgroup_root: CgroupRoot | None
+
+    def close(self) -> None:
+        self.pool.close()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+_runtimes: dict[tuple, _Runtime] = {}
+_runtimes_lock = threading.Lock()
+
+
+def _runtime(config: SandboxConfig) -> _Runtime:
+    key = (config.root_dir, config.pool_size, config.max_templates, config.cgroups)
+    with _runtimes_lock:
+        if key not in _runtimes:
+            parent = Path(config.root_dir or tempfile.gettempdir())
+            parent.mkdir(parents=True, exist_ok=True)
+            _remove_stale_roots(parent)
+            root = Path(tempfile.mkdtemp(prefix=f"whetstone-sandbox-{os.getpid()}-", dir=parent))
+            cgroup_root = find_cgroup_root() if config.cgroups else None
+            if cgroup_root:
+                remove_stale_groups(cgroup_root)
+            runtime = _Runtime(
+                root=root,
+                pool=WorkspacePool(root, config.pool_size, config.max_templates),
+                python=make_sandbox_python(root / "python"),
+                cgroup_root=cgroup_root,
+            )
+            atexit.register(runtime.close)
+            _runtimes[key] = runtime
+        return _runtimes[key]
+
+
+def _remove_stale_roots(parent: Path) -> None:
+    """Delete the templates and workspaces of whetstone processes that died without cleaning up."""
+    for root in parent.glob("whetstone-sandbox-*-*"):
+        owner = root.name.split("-")[2]
+        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
+            shutil.rmtree(root, ignore_errors=True)
+
+
+def _nproc_limit(max_processes: int) -> int | None:
+    """RLIMIT_NPROC counts every process of the user, so allow what they already run plus the budget."""
+    uid = os.getuid()
+    if uid == 0:
+        _warn_once("no writable cgroup: the sandbox process limit is not enforced for root")
+        return None
+    running = sum(1 for p in Path("/proc").iterdir() if p.name.isdigit() and _owner(p) == uid)
+    return running + max_processes
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    log.warning(message)
+
+
+def _owner(path: Path) -> int | None:
+    try:
+        return path.stat().st_uid
+    except OSError:
+        return None

@@ -1,0 +1,144 @@
+"""`swebench`: SWE-bench-format JSONL over local repositories (no network).
+
+Each record names a repository and a base commit; the repository must already be cloned under
+`repos_dir` (as `owner__name`, `owner/name` or `name`). The task's snapshot is the tree at the
+base commit, exported without history (`git archive`), so the rollout cannot read the fix from
+git. `test_patch` is applied to make the hidden tests, `patch` to make the reference solution.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import tarfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from whetstone.config import Config
+from whetstone.envs.task import Task
+from whetstone.envs.tasks.patches import apply_patch, patched_paths
+from whetstone.errors import WhetstoneError
+
+REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch", "FAIL_TO_PASS",
+            "PASS_TO_PASS")
+
+
+class SwebenchConfig(Config):
+    """Which SWE-bench-format file to read and where its repositories are."""
+
+    path: str = "swebench.jsonl"
+    """The SWE-bench-format JSONL file."""
+    repos_dir: str = "repos"
+    """Directory holding a git clone of each repository (`owner__name`, `owner/name` or `name`)."""
+    snapshot_dir: str | None = None
+    """If set, snapshots are written here and tasks point at them (`repo_path`), for large or
+    binary-holding repositories; otherwise the files are put inline in the task (text only)."""
+    test_command: str = "python -m pytest -q -p no:cacheprovider"
+    """Command that runs a repository's tests; FAIL_TO_PASS / PASS_TO_PASS ids are appended."""
+    split: Literal["train", "heldout"] = "heldout"
+    """Split recorded on the tasks."""
+    limit: int | None = Field(None, ge=1)
+    """Use only the first `limit` records."""
+
+
+def _test_ids(value: object, where: str, field: str) -> list[str]:
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError:
+            raise WhetstoneError(f"{where}: field {field!r} is not a JSON list of test ids") from None
+    if not isinstance(value, list) or not all(isinstance(item, str) for item in value):
+        raise WhetstoneError(f"{where}: field {field!r} must be a list of test ids (or a JSON string of one)")
+    return value
+
+
+def find_repo(repos_dir: Path, repo: str) -> Path:
+    for candidate in (repos_dir / repo.replace("/", "__"), repos_dir / repo, repos_dir / repo.split("/")[-1]):
+        if (candidate / ".git").exists():
+            return candidate
+    raise WhetstoneError(f"repository {repo!r} is not cloned under {repos_dir} (as owner__name, owner/name or name)")
+
+
+def snapshot(repo_dir: Path, commit: str) -> tarfile.TarFile:
+    """The tree at `commit`, without history, as an in-memory tar archive."""
+    result = subprocess.run(["git", "-C", str(repo_dir), "archive", "--format=tar", commit], capture_output=True)
+    if result.returncode != 0:
+        raise WhetstoneError(f"{repo_dir}: cannot export commit {commit}: {result.stderr.decode().strip()}")
+    return tarfile.open(fileobj=io.BytesIO(result.stdout))
+
+
+def inline_files(archive: tarfile.TarFile, where: str) -> dict[str, str]:
+    files = {}
+    for member in archive.getmembers():
+        if not member.isfile():
+            continue
+        data = archive.extractfile(member).read()  # type: ignore[union-attr]
+        try:
+            files[member.name] = data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise WhetstoneError(f"{where}: {member.name} is binary; set snapshot_dir to keep snapshots on disk") from None
+    return files
+
+
+def to_task(record: dict, where: str, config: SwebenchConfig) -> Task:
+    missing = [field for field in REQUIRED if field not in record]
+    if missing:
+        raise WhetstoneError(f"{where}: missing fields {missing}")
+    name = record["instance_id"]
+    archive = snapshot(find_repo(Path(config.repos_dir), record["repo"]), record["base_commit"])
+    if config.snapshot_dir:
+        target = Path(config.snapshot_dir) / name
+        if not target.exists():
+            archive.extractall(target, filter="data")
+        base: dict[str, str] | Path = target
+        repo = {"repo_path": str(target.resolve())}
+    else:
+        base = inline_files(archive, where)
+        repo = {"repo_files": base}
+    hidden = apply_patch(base, record["test_patch"], what=f"{where}: test_patch")
+    deleted = [path for path, text in hidden.items() if text is None]
+    if deleted:
+        raise WhetstoneError(f"{where}: test_patch deletes {deleted}; hidden tests can only add or replace files")
+    solution = apply_patch(base, record["patch"], what=f"{where}: patch")
+    return Task(
+        id=f"swebench/{name}",
+        source="swebench",
+        split=config.split,
+        kind="bugfix",
+        instruction=record["problem_statement"],
+        **repo,
+        base_commit=record["base_commit"],
+        hidden_tests={path: text for path, text in hidden.items() if text is not None},
+        # Deletions cannot be written as files: such a solution stays a patch, applied when graded.
+        solution_files={} if None in solution.values() else {p: t for p, t in solution.items() if t is not None},
+        solution_patch=record["patch"],
+        fail_to_pass=_test_ids(record["FAIL_TO_PASS"], where, "FAIL_TO_PASS"),
+        pass_to_pass=_test_ids(record["PASS_TO_PASS"], where, "PASS_TO_PASS"),
+        test_command=config.test_command,
+        protected_paths=patched_paths(record["test_patch"]),
+        metadata={"repo": record["repo"], "instance_id": name},
+    )
+
+
+def generate(config: SwebenchConfig = SwebenchConfig()) -> list[Task]:
+    path = Path(config.path)
+    if not path.is_file():
+        raise WhetstoneError(f"SWE-bench file {path} does not exist")
+    tasks = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise WhetstoneError(f"{where}: not valid JSON: {err}") from None
+        if not isinstance(record, dict):
+            raise WhetstoneError(f"{where}: expected a JSON object")
+        tasks.append(to_task(record, where, config))
+        if config.limit is not None and len(tasks) >= config.limit:
+            break
+    return tasks

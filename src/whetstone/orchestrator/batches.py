@@ -1,0 +1,92 @@
+"""Batches for the trainer: the store keys, what goes in a batch, and its meta.
+
+Batch n is `batches/<n:010d>.batch` in the batch store (one `put` of `batch_to_bytes`, so a
+reader sees all of it or nothing); the trainer's optimizer step n consumes it under weight
+version n. Its meta carries what the trainer logs: the drop counts of the groups scored since
+the previous batch, their mean reward, and the staleness histogram of what is in it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from whetstone.envs.trajectory import Trajectory
+from whetstone.rl.batch import Batch, collate
+from whetstone.rl.samples import Sample
+from whetstone.rl.staleness import StalenessConfig, StalenessHistogram, filter_stale
+from whetstone.store import ObjectStore
+
+BATCH_PREFIX = "batches/"
+
+
+def batch_key(index: int) -> str:
+    return f"{BATCH_PREFIX}{index:010d}.batch"
+
+
+def next_batch_index(store: ObjectStore) -> int:
+    """One past the newest batch in the store: a restarted orchestrator continues the sequence."""
+    indices = [int(key.removeprefix(BATCH_PREFIX).removesuffix(".batch")) for key in store.list(BATCH_PREFIX)
+               if key.endswith(".batch")]  # fmt: skip
+    return max(indices, default=-1) + 1
+
+
+@dataclass
+class Group:
+    """The samples of one kept group, and how many rollouts made them."""
+
+    samples: list[Sample]
+    rollouts: int
+
+
+@dataclass
+class Window:
+    """What happened since the last batch was put: the counts that go in the next one's meta."""
+
+    groups: Counter = field(default_factory=Counter)
+    rewards: list[float] = field(default_factory=list)
+    dropped_stale: int = 0
+
+    def add(self, trajectories: list[Trajectory], report_metrics: dict[str, int]) -> None:
+        self.groups.update(report_metrics)
+        self.rewards += [t.reward for t in trajectories if t.status == "ok"]
+
+
+def drop_stale(groups: list[Group], index: int, config: StalenessConfig, window: Window) -> list[Group]:
+    """The groups with their samples still fresh enough for batch `index`; the others counted in `window`."""
+    fresh = []
+    for group in groups:
+        histogram = StalenessHistogram()
+        group.samples = filter_stale(group.samples, index, config, histogram)
+        window.dropped_stale += histogram.dropped
+        if group.samples:
+            fresh.append(group)
+    return fresh
+
+
+def build_batch(index: int, groups: list[Group], window: Window, config: StalenessConfig,
+                weight_version: int | None) -> Batch:  # fmt: skip
+    samples = [sample for group in groups for sample in group.samples]
+    histogram = StalenessHistogram(dropped=window.dropped_stale)
+    filter_stale(samples, index, config, histogram)  # all fresh by now: this counts them per staleness
+    meta = {
+        "index": index, "trainer_step": index, "weight_version": weight_version, "created": time.time(),
+        "staleness_histogram": histogram.metrics(), "groups": dict(window.groups),
+        "reward_mean": sum(window.rewards) / len(window.rewards) if window.rewards else None,
+        "samples": len(samples), "rollouts": sum(group.rollouts for group in groups),
+    }  # fmt: skip
+    batch = collate(samples, meta=meta)
+    batch.meta["loss_tokens"] = batch.num_loss_tokens
+    return batch
+
+
+def flat_metrics(meta: dict) -> dict:
+    """A batch's meta as one flat metrics record (`groups.<count>`, `staleness_<k>`)."""
+    out = {}
+    for key, value in meta.items():
+        if isinstance(value, dict):
+            out.update({f"{key}.{k}" if key == "groups" else k: v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out

@@ -1,0 +1,62 @@
+"""Config of the orchestrator: which servers, which tasks, how big the groups and batches are,
+how advantages are made, how stale a sample may be, and where batches and weights live."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+
+from whetstone.config import Config
+from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
+from whetstone.envs.tasks import TasksConfig
+from whetstone.rl.advantages import AdvantageConfig
+from whetstone.rl.staleness import StalenessConfig
+
+
+class OrchestratorConfig(Config):
+    servers: list[str] = ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"]
+    """API roots of the inference servers (`whetstone serve`, vLLM, SGLang), on any machine."""
+    endpoint: EndpointConfig = EndpointConfig()
+    """Request settings shared by every server (model, key, timeout, retries); its `base_url` is
+    not used: the addresses are `servers`."""
+    harness: HarnessConfig = HarnessConfig()
+    """The agent loop each rollout runs (budgets, tokenizer)."""
+    rollout: RolloutConfig = RolloutConfig(concurrency=16)
+    """Sandbox and grading of each rollout; `concurrency` is the most rollouts in flight over all servers."""
+    tasks: TasksConfig = TasksConfig()
+    """Where the training tasks come from (default: the synth train split)."""
+    validate_tasks: bool = True
+    """Run each task's tests in a sandbox first and skip tasks that do not validate."""
+    group_size: int = Field(8, ge=2)
+    """Rollouts per task in one group (the baseline of the group advantage)."""
+    groups_per_batch: int = Field(4, ge=1)
+    """Kept groups (after dropping, see `advantages`) in one batch."""
+    advantages: AdvantageConfig = AdvantageConfig()
+    """Estimator and group filtering."""
+    staleness: StalenessConfig = StalenessConfig()
+    """How far behind the trainer a sample may be; also how many batches the orchestrator may run ahead."""
+    batch_store: str = "runs/default/batches"
+    """Where batches go: a local directory or s3://bucket/prefix."""
+    weight_store: str = "runs/default/weights"
+    """The trainer's weight store (read only: its latest version is the trainer's progress)."""
+    store_endpoint_url: str | None = None
+    """S3 endpoint of both stores for non-AWS object stores (MinIO, R2, moto); None = AWS."""
+    seed: int = 0
+    """Seed of the task order (tasks are shuffled once per pass over the set)."""
+    max_batches: int = Field(0, ge=0)
+    """Stop after putting this many batches in this run (0 = run until stopped)."""
+    poll_interval_s: float = Field(0.5, gt=0)
+    """Seconds between checks of the weight store while waiting for the trainer."""
+    health_interval_s: float = Field(2.0, gt=0)
+    """Seconds between health checks of servers that are out of the pool."""
+    no_server_timeout_s: float = Field(600.0, gt=0)
+    """Give up when no server has been healthy for this long."""
+    metrics_path: str | None = None
+    """JSONL file getting one record per batch put (counts, reward, staleness, server health)."""
+
+    @model_validator(mode="after")
+    def _servers_given(self) -> OrchestratorConfig:
+        if not self.servers:
+            raise ValueError("servers is empty: give at least one inference server address")
+        if len(set(self.servers)) != len(self.servers):
+            raise ValueError(f"servers lists an address twice: {self.servers}")
+        return self

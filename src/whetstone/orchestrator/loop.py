@@ -1,0 +1,211 @@
+"""The orchestrator's loop: rollouts in, batches out.
+
+    put = asyncio.run(Orchestrator(config).run())      # indices of the batches it put
+
+Rollout side: groups of `group_size` rollouts of one task are started while fewer than
+`rollout.concurrency` rollouts are unfinished, so every server stays busy; each rollout runs on
+the least-loaded live server (`servers.py`). A finished group is scored (`score_groups`: failed,
+cheat-flagged and no-variance ones dropped and counted), turned into samples and buffered.
+
+Batch side: batch n is what the trainer's optimizer step n consumes, under weight version n.
+It is put only once the trainer has published version n - max_off_policy_steps (never further
+ahead), from buffered samples whose staleness n - oldest_version is within the bound (older
+ones are dropped and counted), as `batches/<n:010d>.batch` in the batch store. While the next
+batch's groups wait for the trainer, no new groups start (they would only grow stale).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from whetstone.envs.harness import AgentHarness, rollout
+from whetstone.envs.task import Task
+from whetstone.envs.trajectory import Trajectory
+from whetstone.errors import WhetstoneError
+from whetstone.orchestrator.batches import (
+    Group, Window, batch_key, build_batch, drop_stale, flat_metrics, next_batch_index,
+)
+from whetstone.orchestrator.config import OrchestratorConfig
+from whetstone.orchestrator.servers import ServerPool
+from whetstone.rl.advantages.groups import score_groups
+from whetstone.rl.batch import batch_to_bytes
+from whetstone.rl.samples import trajectory_samples
+from whetstone.store import open_store
+from whetstone.sync import WeightStore
+from whetstone.utils.metrics import MetricsWriter
+
+log = logging.getLogger("whetstone.orchestrator")
+
+
+class Orchestrator:
+    def __init__(self, config: OrchestratorConfig, tasks: list[Task] | None = None):
+        """`tasks`: use these instead of loading (and validating) `config.tasks`."""
+        self.config = config
+        self.tasks = tasks
+        self.batches = open_store(config.batch_store, endpoint_url=config.store_endpoint_url)
+        self.weights = WeightStore(open_store(config.weight_store, endpoint_url=config.store_endpoint_url))
+        self.latest_version: int | None = None
+        self.put: list[int] = []
+        self.pool: ServerPool | None = None
+        self._buffer: list[Group] = []
+        self._window = Window()
+        self._unfinished = 0
+        self._changed = asyncio.Condition()
+        self._gate = asyncio.Semaphore(config.rollout.concurrency)
+        self._running: set[asyncio.Task] = set()
+        self._failure: BaseException | None = None
+
+    async def run(self, on_batch: Callable[[dict], None] | None = None) -> list[int]:
+        """Run until `max_batches` are put (or forever); returns the indices put. `on_batch` sees
+        each batch's meta as it is put."""
+        config = self.config
+        asyncio.get_running_loop().set_default_executor(
+            ThreadPoolExecutor(config.rollout.concurrency + 4, thread_name_prefix="rollout"))  # fmt: skip
+        tasks = self.tasks if self.tasks is not None else await asyncio.to_thread(self._load_tasks)
+        if not tasks:
+            raise WhetstoneError(f"no usable task in tasks.source = {config.tasks.source!r}")
+        harness = AgentHarness.from_config(config.harness)
+        await self._wait_for_trainer(0)
+        self.pool = pool = await ServerPool.connect(
+            config.servers, config.endpoint, health_interval_s=config.health_interval_s,
+            no_server_timeout_s=config.no_server_timeout_s, min_version=self._oldest_useful_version,
+        )  # fmt: skip
+        metrics = MetricsWriter(config.metrics_path) if config.metrics_path else None
+        producer = asyncio.create_task(self._produce(tasks, harness, pool), name="producer")
+        try:
+            index = next_batch_index(self.batches)
+            while not config.max_batches or len(self.put) < config.max_batches:
+                meta = await self._put_batch(index)
+                if metrics is not None:
+                    metrics.write({**flat_metrics(meta), **pool.stats()})
+                if on_batch is not None:
+                    on_batch(meta)
+                index += 1
+        finally:
+            for task in [producer, *self._running]:
+                task.cancel()
+            await asyncio.gather(producer, *self._running, return_exceptions=True)
+            await pool.close()
+            if metrics is not None:
+                metrics.close()
+        return self.put
+
+    @property
+    def buffered_groups(self) -> int:
+        """Kept groups waiting for a batch."""
+        return len(self._buffer)
+
+    def _load_tasks(self) -> list[Task]:
+        from whetstone.envs.tasks import load_tasks, load_valid_tasks
+
+        return load_valid_tasks(self.config.tasks) if self.config.validate_tasks else load_tasks(self.config.tasks)
+
+    def _oldest_useful_version(self) -> int | None:
+        """A server further behind than this makes only samples too stale to train on."""
+        if self.latest_version is None:
+            return None
+        return self.latest_version - self.config.staleness.max_off_policy_steps
+
+    # -- rollouts ---------------------------------------------------------------------------------
+
+    def _task_stream(self, tasks: list[Task]) -> Iterator[Task]:
+        """Every task once per pass, in a new seeded order each pass."""
+        for epoch in range(1 << 62):
+            order = list(tasks)
+            random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
+            yield from order
+
+    def _has_room(self) -> bool:
+        return self._unfinished < self.config.rollout.concurrency and len(self._buffer) < self.config.groups_per_batch
+
+    async def _produce(self, tasks: list[Task], harness: AgentHarness, pool: ServerPool) -> None:
+        for number, task in enumerate(self._task_stream(tasks)):
+            async with self._changed:
+                await self._changed.wait_for(self._has_room)
+                self._unfinished += self.config.group_size
+            group = asyncio.create_task(self._run_group(f"{number}/{task.id}", task, harness, pool))
+            self._running.add(group)
+            group.add_done_callback(self._group_done)
+
+    def _group_done(self, group: asyncio.Task) -> None:
+        self._running.discard(group)
+        if not group.cancelled() and group.exception() is not None:
+            self._failure = group.exception()  # e.g. no server left: the batch side raises it
+            asyncio.get_running_loop().create_task(self._notify())
+
+    async def _notify(self) -> None:
+        async with self._changed:
+            self._changed.notify_all()
+
+    async def _run_group(self, group_id: str, task: Task, harness: AgentHarness, pool: ServerPool) -> None:
+        async def one() -> Trajectory:
+            try:
+                async with self._gate, pool.lease() as policy:
+                    return await rollout(task, policy, harness, self.config.rollout, group_id=group_id)
+            finally:
+                async with self._changed:
+                    self._unfinished -= 1
+                    self._changed.notify_all()
+
+        trajectories = await asyncio.gather(*(one() for _ in range(self.config.group_size)))
+        kept, report = score_groups(trajectories, self.config.advantages)
+        try:
+            samples = [sample for trajectory, advantage in kept for sample in trajectory_samples(trajectory, advantage)]
+        except WhetstoneError as err:  # e.g. routes of the wrong shape: the group cannot be trained on
+            log.error("dropping group %s: %s", group_id, err)
+            report.dropped["invalid"] += report.kept_rollouts
+            report.kept_groups, report.kept_rollouts, samples = 0, 0, []
+        async with self._changed:
+            self._window.add(trajectories, report.metrics())
+            if samples:
+                self._buffer.append(Group(samples, report.kept_rollouts))
+            self._changed.notify_all()
+
+    # -- batches ----------------------------------------------------------------------------------
+
+    async def _wait_for_trainer(self, index: int) -> None:
+        """Until the trainer has published version index - max_off_policy_steps (and some version)."""
+        ahead = self.config.staleness.max_off_policy_steps
+        logged = False
+        while True:
+            self.latest_version = await asyncio.to_thread(self.weights.latest)
+            if self.latest_version is not None and self.latest_version >= index - ahead:
+                return
+            if self._failure is not None:
+                raise self._failure
+            if not logged:
+                log.info("batch %d waits for the trainer to publish weight version %d", index, max(0, index - ahead))
+                logged = True
+            await asyncio.sleep(self.config.poll_interval_s)
+
+    async def _put_batch(self, index: int) -> dict:
+        await self._wait_for_trainer(index)
+        groups, window = await self._take_groups(index)
+        batch = build_batch(index, groups, window, self.config.staleness, self.latest_version)
+        await asyncio.to_thread(self.batches.put, batch_key(index), batch_to_bytes(batch))
+        self.put.append(index)
+        meta = batch.meta
+        log.info("put batch %d: %d samples from %d rollouts, reward %.3f", index, meta["samples"], meta["rollouts"],
+                 meta["reward_mean"] or 0.0)  # fmt: skip
+        return meta
+
+    async def _take_groups(self, index: int) -> tuple[list[Group], Window]:
+        """The first `groups_per_batch` buffered groups fresh enough for batch `index`, and the
+        window's counts (stale samples dropped on the way)."""
+        async with self._changed:
+            while True:
+                if self._failure is not None:
+                    raise self._failure
+                self._buffer = drop_stale(self._buffer, index, self.config.staleness, self._window)
+                if len(self._buffer) >= self.config.groups_per_batch:
+                    break
+                await self._changed.wait()
+            groups = self._buffer[: self.config.groups_per_batch]
+            del self._buffer[: self.config.groups_per_batch]
+            window, self._window = self._window, Window()
+            self._changed.notify_all()  # room for new groups
+        return groups, window

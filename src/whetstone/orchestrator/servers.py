@@ -1,0 +1,206 @@
+"""A pool of inference servers behind one `Policy` per rollout: least-loaded dispatch, a dead
+server taken out (the call it lost re-run on another), a restarted one taken back when healthy.
+
+    pool = await ServerPool.connect(config.servers, config.endpoint)
+    async with pool.lease() as policy:                 # the least-loaded live server
+        trajectory = await rollout(task, policy, harness, rollout_config)
+    await pool.close()
+
+A rollout sticks to its server (its context stays in that server's cache), and moves only when
+the server dies. The harness keeps the context as token ids, so any server can continue it:
+the lost call is sent again elsewhere, the tokens sampled before stay with their versions, and
+no rollout is lost to a server failure. A call that fails while its server is healthy (a bad
+request) is the rollout's own failure and is not retried.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import httpx
+
+from whetstone.envs.harness import Completion, EndpointConfig, HttpPolicy, Policy, PolicyError, Sampling
+from whetstone.errors import WhetstoneError
+
+log = logging.getLogger("whetstone.orchestrator")
+HEALTH_TIMEOUT_S = 5.0
+
+
+@dataclass
+class Server:
+    url: str
+    policy: HttpPolicy | None = None
+    """The client while the server is in the pool; None while it is out."""
+    leases: int = 0
+    """Rollouts currently on this server (the load that dispatch balances)."""
+    calls: int = 0
+    active_calls: int = 0
+    """Requests on their way (a server with none is idle)."""
+    failures: int = 0
+    """Times the server was found dead and taken out."""
+
+    @property
+    def alive(self) -> bool:
+        return self.policy is not None
+
+    @property
+    def health_url(self) -> str:
+        return self.url.rstrip("/").removesuffix("/v1") + "/health"
+
+
+class ServerPool:
+    def __init__(self, urls: list[str], endpoint: EndpointConfig, health_interval_s: float = 2.0,
+                 no_server_timeout_s: float = 600.0, min_version: Callable[[], int | None] = lambda: None):  # fmt: skip
+        self.servers = [Server(url) for url in urls]
+        self.endpoint = endpoint
+        self.health_interval_s = health_interval_s
+        self.no_server_timeout_s = no_server_timeout_s
+        self.min_version = min_version
+        """Weight version a server must hold to be taken back (older ones would make only stale samples)."""
+        self.context_limit: int | None = None
+        self._changed = asyncio.Event()
+        self._probe = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
+        self._watcher: asyncio.Task | None = None
+        self._retired: list[HttpPolicy] = []
+        """Clients of servers taken out: closed only at the end, since other rollouts' calls may
+        still be unwinding on them."""
+        self.calls_rerun = 0
+
+    @classmethod
+    async def connect(cls, urls: list[str], endpoint: EndpointConfig, **options) -> ServerPool:
+        """Connect to every server that answers; the others join when they become healthy."""
+        pool = cls(urls, endpoint, **options)
+        await asyncio.gather(*(pool._join(server) for server in pool.servers))
+        pool._watcher = asyncio.create_task(pool._watch(), name="server-health")
+        return pool
+
+    async def close(self) -> None:
+        if self._watcher is not None:
+            self._watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._watcher
+        for server in self.servers:
+            self._take_out(server, failed=False)
+        for policy in self._retired:
+            await policy.close()
+        await self._probe.aclose()
+
+    @contextlib.asynccontextmanager
+    async def lease(self) -> AsyncIterator[PooledPolicy]:
+        """A policy on the least-loaded live server for one rollout (waits while none is alive)."""
+        policy = PooledPolicy(self, await self.pick())
+        try:
+            yield policy
+        finally:
+            policy.server.leases -= 1
+
+    async def pick(self) -> Server:
+        """The live server with the fewest rollouts, its lease counted."""
+        waited_since = time.monotonic()
+        while True:
+            alive = [server for server in self.servers if server.alive]
+            if alive:
+                server = min(alive, key=lambda s: s.leases)
+                server.leases += 1
+                return server
+            if time.monotonic() - waited_since > self.no_server_timeout_s:
+                raise WhetstoneError(f"no inference server has been healthy for {self.no_server_timeout_s:g} s: "
+                                     f"{', '.join(s.url for s in self.servers)}")  # fmt: skip
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.health_interval_s)
+
+    async def is_down(self, server: Server) -> bool:
+        return await self._health(server) is None
+
+    def take_out(self, server: Server) -> None:
+        """Take a dead server out of the pool (idempotent); the watcher takes it back when healthy."""
+        if server.alive:
+            log.warning("inference server %s is down: taken out of the pool", server.url)
+            self._take_out(server, failed=True)
+
+    def stats(self) -> dict[str, int]:
+        out = {"servers_alive": sum(s.alive for s in self.servers), "calls_rerun": self.calls_rerun}
+        for index, server in enumerate(self.servers):
+            out[f"server{index}_calls"] = server.calls
+            out[f"server{index}_failures"] = server.failures
+        return out
+
+    def _take_out(self, server: Server, failed: bool) -> None:
+        policy, server.policy = server.policy, None
+        if policy is not None:
+            server.failures += failed
+            self._retired.append(policy)
+
+    async def _health(self, server: Server) -> dict | None:
+        """The health answer ({} when it is not JSON, as vLLM's), or None if the server is down."""
+        try:
+            response = await self._probe.get(server.health_url)
+        except httpx.HTTPError:
+            return None
+        if response.status_code != 200:
+            return None
+        try:
+            body = response.json()
+        except ValueError:
+            return {}
+        return body if isinstance(body, dict) else {}
+
+    async def _join(self, server: Server) -> None:
+        health = await self._health(server)
+        if health is None:
+            return
+        floor, version = self.min_version(), health.get("weight_version")
+        if floor is not None and isinstance(version, int) and version < floor:
+            return  # still catching up through the weight store
+        try:
+            policy = await HttpPolicy.connect(self.endpoint.model_copy(update={"base_url": server.url}))
+        except PolicyError as err:
+            log.warning("inference server %s is not usable yet: %s", server.url, err)
+            return
+        server.policy = policy
+        if policy.context_limit is not None:
+            self.context_limit = min(self.context_limit or policy.context_limit, policy.context_limit)
+        log.info("inference server %s is in the pool", server.url)
+        self._changed.set()
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            await asyncio.gather(*(self._join(s) for s in self.servers if not s.alive))
+
+
+class PooledPolicy(Policy):
+    """One rollout's policy: its server's, moved to another server when that one dies."""
+
+    def __init__(self, pool: ServerPool, server: Server):
+        self.pool, self.server = pool, server
+        self.context_limit = pool.context_limit
+
+    async def complete(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        while True:
+            server = self.server
+            if server.policy is None:  # taken out since the last call
+                await self._move()
+                continue
+            server.calls += 1
+            server.active_calls += 1
+            try:
+                return await server.policy.complete(prompt_ids, sampling)
+            except PolicyError:
+                if not await self.pool.is_down(server):
+                    raise  # the server is fine: the request itself was refused
+                self.pool.take_out(server)
+                self.pool.calls_rerun += 1
+            finally:
+                server.active_calls -= 1
+
+    async def _move(self) -> None:
+        new = await self.pool.pick()  # if none comes back this raises, and the lease still counts here
+        self.server.leases -= 1
+        self.server = new

@@ -1,0 +1,186 @@
+"""The sandbox: isolation, every limit for real, workspaces, and the unsandboxed opt-in."""
+
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from whetstone.envs.sandbox import SandboxConfig, SandboxUnavailableError, open_sandbox
+from whetstone.envs.sandbox.bwrap import bwrap_binary
+from whetstone.envs.sandbox.sandbox import _runtime
+from whetstone.errors import WhetstoneError
+
+FILES = {"app/main.py": "print('hello from', __name__)\n", "README.md": "a repo\n"}
+
+
+def processes_with(marker: str) -> list[int]:
+    """Host processes whose command line contains `marker` (to prove nothing outlived its sandbox)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker.encode() in (entry / "cmdline").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                pass
+    return found
+
+
+def cgroups_available() -> bool:
+    return _runtime(SandboxConfig()).cgroup_root is not None
+
+
+def test_runs_in_the_workspace_with_the_task_files():
+    with open_sandbox(FILES) as sandbox:
+        result = sandbox.run("pwd && python app/main.py && ls")
+    assert result.exit_code == 0 and not result.timed_out and not result.truncated
+    assert result.stdout.split("\n")[:2] == ["/workspace", "hello from __main__"]
+    assert "README.md" in result.stdout
+
+
+def test_argv_commands_stdin_and_exit_codes():
+    with open_sandbox({}) as sandbox:
+        echoed = sandbox.run(["python", "-c", "import sys; sys.stdout.write(sys.stdin.read().upper())"], stdin="abc")
+        big = sandbox.run("wc -c", stdin="x" * 1_000_000)  # larger than a pipe buffer
+        failed = sandbox.run("echo oops >&2; exit 3")
+    assert echoed.stdout == "ABC"
+    assert big.stdout.strip() == "1000000"
+    assert (failed.exit_code, failed.stderr) == (3, "oops\n")
+
+
+def test_files_persist_between_runs_but_tmp_and_processes_do_not():
+    with open_sandbox({}) as sandbox:
+        sandbox.run("echo kept > notes.txt && echo gone > /tmp/scratch")
+        assert (sandbox.workspace / "notes.txt").read_text() == "kept\n"
+        second = sandbox.run("cat notes.txt; ls /tmp")
+    assert second.stdout == "kept\n"
+
+
+def test_no_network():
+    code = "import socket; socket.create_connection(('1.1.1.1', 53), timeout=3)"
+    with open_sandbox({}) as sandbox:
+        result = sandbox.run(["python", "-c", code])
+        interfaces = sandbox.run("cat /proc/net/dev")
+    assert result.exit_code != 0 and "Network is unreachable" in result.stderr
+    assert "eth" not in interfaces.stdout  # only the loopback device exists
+
+
+def test_system_read_only_and_host_files_absent():
+    project_file = Path(__file__).resolve()
+    with open_sandbox({}) as sandbox:
+        system = sandbox.run("touch /usr/x /etc/x /x 2>&1; echo done")
+        host = sandbox.run(f"cat {project_file} /root/.bashrc 2>&1; ls {Path.home()}")
+    assert system.stdout.count("Read-only file system") == 3
+    assert "done" in system.stdout and not Path("/usr/x").exists() and not Path("/etc/x").exists()
+    assert "No such file or directory" in host.stdout
+    assert "def test_system_read_only_and_host_files_absent" not in host.stdout
+
+
+def test_wall_clock_kills_the_whole_tree_even_escaped_sessions():
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    command = f"setsid sleep 1{marker} & (nohup sleep 2{marker} &) ; sleep 3{marker}"
+    with open_sandbox({}) as sandbox:
+        result = sandbox.run(command, timeout_s=1.0)
+    assert result.timed_out and "wall_clock" in result.limits_hit
+    assert result.duration_s < 5
+    assert processes_with(marker) == []
+
+
+def test_background_processes_end_with_their_command():
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    with open_sandbox({}) as sandbox:
+        result = sandbox.run(f"sleep 1{marker} & echo started")
+    assert result.stdout == "started\n" and not result.timed_out and result.duration_s < 5
+    assert processes_with(marker) == []
+
+
+def test_cpu_limit():
+    with open_sandbox({}, SandboxConfig(cpu_s=1)) as sandbox:
+        result = sandbox.run(["python", "-c", "while True: pass"], timeout_s=20)
+    assert not result.timed_out and "cpu" in result.limits_hit
+    assert result.duration_s < 10
+
+
+def test_memory_limit_per_process():
+    with open_sandbox({}, SandboxConfig(memory_mb=200)) as sandbox:
+        result = sandbox.run(["python", "-c", "x = bytearray(400 << 20)"])
+    assert result.exit_code != 0 and "MemoryError" in result.stderr
+
+
+@pytest.mark.skipif(not cgroups_available(), reason="no writable cgroup hierarchy on this machine")
+def test_memory_limit_for_the_whole_tree():
+    # Each process stays under the per-process limit; together they exceed the sandbox's memory.
+    hog = "import time; x = bytearray(120 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(2)"
+    command = " & ".join([f"python -c \"{hog}\""] * 4) + " & wait"
+    with open_sandbox({}, SandboxConfig(memory_mb=256)) as sandbox:
+        result = sandbox.run(command, timeout_s=20)
+    assert "memory" in result.limits_hit
+
+
+@pytest.mark.skipif(not cgroups_available(), reason="no writable cgroup hierarchy on this machine")
+def test_fork_bomb_is_contained():
+    marker = f"{uuid.uuid4().int % 10**6}"
+    bomb = f"bomb() {{ bomb | bomb & }}; bomb; sleep 1{marker}"
+    with open_sandbox({}, SandboxConfig(max_processes=32)) as sandbox:
+        result = sandbox.run(bomb, timeout_s=3)
+        after = sandbox.run("echo still usable")
+    assert "processes" in result.limits_hit
+    assert after.stdout == "still usable\n"
+    assert processes_with(marker) == []
+
+
+def test_output_is_truncated_not_buffered():
+    with open_sandbox({}, SandboxConfig(max_output_bytes=1000)) as sandbox:
+        result = sandbox.run("head -c 5000000 /dev/zero | tr '\\0' x; echo tail >&2")
+    assert result.truncated and "output" in result.limits_hit
+    assert result.stdout.startswith("x" * 1000) and "4999000 more bytes" in result.stdout
+    assert result.stderr == "tail\n"
+
+
+def test_file_size_limit():
+    with open_sandbox({}, SandboxConfig(max_file_mb=1)) as sandbox:
+        sandbox.run("head -c 5000000 /dev/zero > big")
+        assert (sandbox.workspace / "big").stat().st_size == 1 << 20
+
+
+def test_sandboxes_over_one_template_are_private():
+    with open_sandbox(FILES) as first, open_sandbox(FILES) as second:
+        first.run("echo changed > README.md && rm app/main.py")
+        assert (second.workspace / "README.md").read_text() == "a repo\n"
+        assert (second.workspace / "app/main.py").exists()
+    with open_sandbox(FILES) as third:  # the template itself was never touched
+        assert (third.workspace / "README.md").read_text() == "a repo\n"
+
+
+def test_snapshot_directory_without_git_history(tmp_path):
+    (tmp_path / "lib.py").write_text("X = 1\n")
+    (tmp_path / ".git").mkdir()
+    (tmp_path / ".git" / "HEAD").write_text("ref: refs/heads/main\n")
+    with open_sandbox(tmp_path) as sandbox:
+        result = sandbox.run("ls -A; git log 2>&1 | head -1")
+    assert result.stdout.split("\n")[0] == "lib.py"
+    assert ".git" not in result.stdout.split("\n")[:2]
+
+
+def test_unsandboxed_mode_is_explicit_and_still_limited():
+    with open_sandbox(FILES, SandboxConfig(unsandboxed=True)) as sandbox:
+        where = sandbox.run("pwd")
+        slow = sandbox.run("sleep 30", timeout_s=0.5)
+    assert sandbox.workdir == str(sandbox.workspace) and where.stdout.strip() == str(sandbox.workspace)
+    assert slow.timed_out and slow.duration_s < 5
+
+
+def test_clear_error_without_user_namespaces():
+    # A sandbox whose user namespaces are disabled is a real machine where bwrap cannot work.
+    bwrap = bwrap_binary()
+    probe = "from whetstone.envs.sandbox import open_sandbox\nopen_sandbox({})"
+    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
+            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+            sys.executable, "-c", probe]  # fmt: skip
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+    assert result.returncode != 0
+    assert "SandboxUnavailableError" in result.stderr and "sandbox.unsandboxed=true" in result.stderr
+    assert issubclass(SandboxUnavailableError, WhetstoneError)  # so the CLI prints it cleanly

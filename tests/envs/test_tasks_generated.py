@@ -1,0 +1,72 @@
+"""Generated bug-fix sources end to end: bugs injected, tests run in sandboxes, tasks that validate."""
+
+import pytest
+
+from whetstone.envs.tasks.mutate import MutateConfig, mutate_project, stdlib_project
+from whetstone.envs.tasks.repofix import RepofixConfig
+from whetstone.envs.tasks.repofix import generate as repofix_tasks
+from whetstone.envs.tasks.validate import check_task, validate_tasks
+from whetstone.errors import WhetstoneError
+
+PROJECT = {
+    "calc.py": "def double(x):\n    return x * 2\n",
+    "names.py": "def greet(name):\n    return 'hi ' + name\n",
+    "tests/test_calc.py": "from calc import double\nfrom names import greet\n\n\n"
+    "def test_double():\n    assert double(5) == 10\n\n\ndef test_greet():\n    assert greet('ada') == 'hi ada'\n",
+}
+
+
+def test_mutate_keeps_a_mutant_that_breaks_a_passing_test_and_it_validates():
+    config = MutateConfig(sources=["calc.py"], count=1, max_tries=2)  # calc.py:double is in the train split
+    [task] = mutate_project(PROJECT, "calc", config)
+    assert task.id == "mutate/calc/train/s0-0000" and task.kind == "bugfix" and task.split == "train"
+    assert task.fail_to_pass == ["tests/test_calc.py::test_double"]
+    assert task.pass_to_pass == ["tests/test_calc.py::test_greet"]
+    assert task.repo_files["calc.py"] != PROJECT["calc.py"] and task.solution_files == {"calc.py": PROJECT["calc.py"]}
+    assert task.hidden_tests == {"tests/test_calc.py": PROJECT["tests/test_calc.py"]}
+    assert task.protected_paths == ["tests/test_calc.py"] and task.visible_tests == ["tests/test_calc.py"]
+    assert task.instruction.startswith("These tests fail: tests/test_calc.py::test_double (test_double: `assert ")
+    assert check_task(task) is None
+
+
+def test_mutate_needs_source_and_tests():
+    with pytest.raises(WhetstoneError, match="found 1 source and 0 test files"):
+        mutate_project({"calc.py": PROJECT["calc.py"]}, "calc", MutateConfig())
+
+
+@pytest.mark.slow
+def test_mutate_standard_library_with_cpython_tests():
+    """heapq.py with CPython's own Lib/test/test_heapq.py (skipped where the test package is absent)."""
+    try:
+        files = stdlib_project("heapq")
+    except Exception as err:
+        pytest.skip(str(err))
+    tasks = mutate_project(files, "heapq", MutateConfig(count=2, max_tries=10))
+    assert len(tasks) == 2
+    for task in tasks:
+        assert task.fail_to_pass and all(t.startswith("test_heapq.py::") for t in task.fail_to_pass + task.pass_to_pass)
+    report = validate_tasks(tasks)
+    assert report.invalid == []
+
+
+@pytest.mark.slow
+def test_repofix_tasks_validate():
+    tasks = repofix_tasks(RepofixConfig(count=3))
+    assert {t.metadata["template"] for t in tasks} <= {"shop", "textkit", "life"}
+    for task in tasks:
+        assert task.kind == "bugfix" and task.instruction.startswith("Bug in the `")
+        assert len(task.repo_files) >= 4 and task.fail_to_pass
+    assert validate_tasks(tasks).invalid == []
+
+
+@pytest.mark.slow
+def test_mutants_that_hang_are_dropped():
+    """`n -= 1` -> `n += 1` never ends; such a mutant would cost every grading its whole time limit."""
+    project = {
+        "count.py": "def countdown(n):\n    while n > 0:\n        n -= 1\n    return n\n",
+        "test_count.py": "from count import countdown\n\n\ndef test_countdown():\n    assert countdown(5) == 0\n",
+    }
+    config = MutateConfig(count=20, max_tries=20, split="heldout")  # count.py:countdown is held out
+    kept = {task.metadata["mutation"] for task in mutate_project(project, "count", config)}
+    hanging = {"binop at line 3: ' -= ' -> ' += '", "off_by_one at line 3: '1' -> '0'"}
+    assert len(kept) == 5 and kept.isdisjoint(hanging)

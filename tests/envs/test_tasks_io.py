@@ -1,0 +1,100 @@
+"""Task sets on disk: JSONL or a folder per task, read back exactly, with errors that say where."""
+
+import json
+
+import pytest
+
+from whetstone.envs.task import Task
+from whetstone.envs.tasks.io import read_records, read_tasks, write_tasks
+from whetstone.errors import WhetstoneError
+
+
+def _task(task_id: str = "custom/0001") -> Task:
+    return Task(
+        id=task_id,
+        instruction="Fix add() in calc/ops.py.",
+        kind="bugfix",
+        repo_files={"calc/ops.py": "def add(a, b):\n    return a - b\n", "tests/test_ops.py": "from calc.ops import add\n"},
+        hidden_tests={"tests/test_ops.py": "from calc.ops import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"},
+        solution_files={"calc/ops.py": "def add(a, b):\n    return a + b\n"},
+        fail_to_pass=["tests/test_ops.py::test_add"],
+        metadata={"seed": 3},
+    )
+
+
+@pytest.mark.parametrize("name", ["tasks.jsonl", "tasks"])
+def test_round_trip(tmp_path, name):
+    tasks = [_task("custom/0001"), _task("custom/0002")]
+    write_tasks(tasks, tmp_path / name)
+    assert read_tasks(tmp_path / name) == tasks
+
+
+def test_folder_layout_is_plain_files(tmp_path):
+    write_tasks([_task()], tmp_path / "out")
+    folder = tmp_path / "out" / "custom__0001"
+    assert (folder / "repo" / "calc" / "ops.py").read_text() == "def add(a, b):\n    return a - b\n"
+    assert (folder / "hidden_tests" / "tests" / "test_ops.py").is_file()
+    assert (folder / "solution" / "calc" / "ops.py").is_file()
+    record = json.loads((folder / "task.json").read_text())
+    assert record["id"] == "custom/0001" and "repo_files" not in record
+    assert read_tasks(folder) == [_task()]  # a single task folder reads too
+
+
+def test_jsonl_errors_name_file_line_and_field(tmp_path):
+    good = _task().model_dump_json()
+    bad_field = json.dumps({**json.loads(good), "id": "custom/0002", "kind": "refactor"})
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(good + "\n\n{not json\n" + bad_field + "\n" + good + "\n")
+    records = list(read_records(path))
+    assert [r.where for r in records] == [f"{path}:1", f"{path}:3", f"{path}:4", f"{path}:5"]
+    assert records[0].task is not None
+    assert "not valid JSON" in records[1].problem
+    assert "field 'kind'" in records[2].problem
+    assert "duplicate task id 'custom/0001'" in records[3].problem and f"{path}:1" in records[3].problem
+    with pytest.raises(WhetstoneError, match=rf"{path}:3: not valid JSON"):
+        read_tasks(path)
+
+
+def test_missing_required_field_is_named(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps({"id": "x", "hidden_tests": {"test_a.py": ""}}) + "\n")
+    with pytest.raises(WhetstoneError, match=r"tasks.jsonl:1: field 'instruction': Field required"):
+        read_tasks(path)
+
+
+def test_unsafe_paths_are_rejected(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    record = {**json.loads(_task().model_dump_json()), "solution_files": {"../escape.py": ""}}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(WhetstoneError, match="solution_files: path '../escape.py' must be relative"):
+        read_tasks(path)
+
+
+def test_folder_field_given_twice_is_an_error(tmp_path):
+    write_tasks([_task()], tmp_path / "out")
+    task_json = tmp_path / "out" / "custom__0001" / "task.json"
+    task_json.write_text(json.dumps({**json.loads(task_json.read_text()), "repo_files": {}}))
+    with pytest.raises(WhetstoneError, match="'repo_files' given both in task.json and as repo/"):
+        read_tasks(tmp_path / "out")
+
+
+def test_missing_source_and_empty_folder(tmp_path):
+    with pytest.raises(WhetstoneError, match="does not exist"):
+        read_tasks(tmp_path / "nope.jsonl")
+    with pytest.raises(WhetstoneError, match="no task folders"):
+        read_tasks(tmp_path)
+
+
+def test_failed_write_leaves_the_old_file(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    write_tasks([_task()], path)
+    before = path.read_text()
+
+    def tasks_then_crash():
+        yield _task("custom/0002")
+        raise RuntimeError("generator died")
+
+    with pytest.raises(RuntimeError):
+        write_tasks(tasks_then_crash(), path)
+    assert path.read_text() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["tasks.jsonl"]  # no temporary left behind

@@ -1,0 +1,133 @@
+"""Loaders that need no sandbox: humaneval, swebench over a local git repository, the registry."""
+
+import json
+import subprocess
+
+import pytest
+
+from whetstone.config import load_config
+from whetstone.envs.tasks.humaneval import HumanEvalConfig
+from whetstone.envs.tasks.humaneval import generate as humaneval_tasks
+from whetstone.envs.tasks.patches import apply_patch, patched_paths
+from whetstone.envs.tasks.registry import SOURCES, TasksConfig, load_source, load_tasks
+from whetstone.envs.tasks.swebench import SwebenchConfig
+from whetstone.envs.tasks.swebench import generate as swebench_tasks
+from whetstone.errors import WhetstoneError
+
+BUGGY = "def mean(values):\n    return sum(values) / (len(values) + 1)\n"
+FIXED = "def mean(values):\n    return sum(values) / len(values)\n"
+OLD_TEST = "from calc import mean\n\n\ndef test_one():\n    assert mean([0]) == 0\n"
+NEW_TEST = OLD_TEST + "\n\ndef test_two():\n    assert mean([2, 4]) == 3\n"
+
+
+def test_humaneval_has_164_problems_with_hidden_checks():
+    tasks = humaneval_tasks()
+    assert len(tasks) == 164 and len({t.id for t in tasks}) == 164
+    task = next(t for t in tasks if t.id == "humaneval/0")
+    assert task.split == "heldout" and task.kind == "synthesis"
+    assert "def has_close_elements" in task.repo_files["solution.py"]
+    assert task.solution_files["solution.py"].startswith(task.repo_files["solution.py"])
+    [(path, test)] = task.hidden_tests.items()
+    assert path == "test_humaneval.py" and "def check(candidate)" in test
+    assert task.fail_to_pass == ["test_humaneval.py::test_has_close_elements"]
+    assert "check(has_close_elements)" in test
+
+
+def test_humaneval_limit_and_bad_file(tmp_path):
+    assert len(humaneval_tasks(HumanEvalConfig(limit=3))) == 3
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"task_id": "x/1"}\n')
+    with pytest.raises(WhetstoneError, match=r"x/1: missing fields"):
+        humaneval_tasks(HumanEvalConfig(path=str(bad)))
+
+
+def _git(repo, *args):
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=repo,
+                          check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture
+def swebench_source(tmp_path):
+    """A local clone with a bug at the base commit (the fix is committed after it) and its record."""
+    repo = tmp_path / "repos" / "acme__calc"
+    (repo / "tests").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / "calc.py").write_text(BUGGY)
+    (repo / "tests" / "test_calc.py").write_text(OLD_TEST)
+    _git(repo, "add", ".")
+    _git(repo, "commit", "-qm", "base")
+    base = _git(repo, "rev-parse", "HEAD").strip()
+    (repo / "calc.py").write_text(FIXED)
+    patch = _git(repo, "diff")
+    (repo / "tests" / "test_calc.py").write_text(NEW_TEST)
+    test_patch = _git(repo, "diff", "--", "tests")
+    _git(repo, "commit", "-qam", "the fix, later in history")
+    record = {"instance_id": "acme__calc-1", "repo": "acme/calc", "base_commit": base,
+              "problem_statement": "mean() divides by one too many.", "patch": patch, "test_patch": test_patch,
+              "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_two"]), "PASS_TO_PASS": ["tests/test_calc.py::test_one"],
+              "version": "0.1"}
+    path = tmp_path / "swebench.jsonl"
+    path.write_text(json.dumps(record) + "\n")
+    return SwebenchConfig(path=str(path), repos_dir=str(tmp_path / "repos"))
+
+
+def test_swebench_record_becomes_a_task_at_its_base_commit(swebench_source):
+    [task] = swebench_tasks(swebench_source)
+    assert task.id == "swebench/acme__calc-1" and task.kind == "bugfix" and task.split == "heldout"
+    assert task.repo_files == {"calc.py": BUGGY, "tests/test_calc.py": OLD_TEST}  # no .git, no fix
+    assert task.hidden_tests == {"tests/test_calc.py": NEW_TEST}
+    assert task.solution_files == {"calc.py": FIXED}
+    assert task.fail_to_pass == ["tests/test_calc.py::test_two"] and task.pass_to_pass == ["tests/test_calc.py::test_one"]
+    assert task.protected_paths == ["tests/test_calc.py"]
+    assert task.instruction == "mean() divides by one too many."
+
+
+def test_swebench_snapshot_dir_keeps_the_tree_on_disk(swebench_source, tmp_path):
+    config = swebench_source.model_copy(update={"snapshot_dir": str(tmp_path / "snapshots")})
+    [task] = swebench_tasks(config)
+    assert task.repo_files == {} and (tmp_path / "snapshots" / "acme__calc-1" / "calc.py").read_text() == BUGGY
+    assert not (tmp_path / "snapshots" / "acme__calc-1" / ".git").exists()
+
+
+def test_swebench_errors_name_the_record(swebench_source, tmp_path):
+    path = tmp_path / "bad.jsonl"
+    record = json.loads(open(swebench_source.path).read())
+    path.write_text(json.dumps({**record, "repo": "acme/missing"}) + "\n")
+    with pytest.raises(WhetstoneError, match="'acme/missing' is not cloned"):
+        swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
+    path.write_text(json.dumps({**record, "patch": record["patch"].replace("len(values) + 1", "len(other) + 1")}) + "\n")
+    with pytest.raises(WhetstoneError, match=r"bad.jsonl:1: patch does not apply"):
+        swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
+    path.write_text(json.dumps({k: v for k, v in record.items() if k != "test_patch"}) + "\n")
+    with pytest.raises(WhetstoneError, match=r"bad.jsonl:1: missing fields \['test_patch'\]"):
+        swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
+
+
+def test_patches_report_deleted_files():
+    patch = "diff --git a/old.py b/old.py\ndeleted file mode 100644\n--- a/old.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-x = 1\n"
+    assert patched_paths(patch) == ["old.py"]
+    assert apply_patch({"old.py": "x = 1\n", "keep.py": ""}, patch) == {"old.py": None}
+    with pytest.raises(WhetstoneError, match="not a unified diff"):
+        apply_patch({}, "just words")
+
+
+def test_registry_loads_names_and_files(tmp_path):
+    tasks = load_source("synth", ["count=3", "split=heldout"])
+    assert [t.id for t in tasks] == [f"synth/heldout/s0-{i:05d}" for i in range(3)]
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(t.model_dump_json() + "\n" for t in tasks))
+    assert load_source(str(path)) == tasks
+    with pytest.raises(WhetstoneError, match="unknown task source 'nonsense'"):
+        load_source("nonsense")
+    with pytest.raises(WhetstoneError, match=r"count"):
+        load_source("synth", ["count=-1"])
+    with pytest.raises(WhetstoneError, match="overrides apply to generated sources"):
+        load_source(str(path), ["count=3"])
+
+
+def test_tasks_config_section(tmp_path):
+    config_file = tmp_path / "tasks.toml"
+    config_file.write_text('source = "synth"\n[synth]\ncount = 4\ndifficulty = 3\n')
+    config = load_config(TasksConfig, config_file)
+    assert len(load_tasks(config)) == 4
+    assert set(SOURCES) == {"synth", "repofix", "mutate", "humaneval", "swebench"}

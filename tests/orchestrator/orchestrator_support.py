@@ -1,0 +1,169 @@
+"""Shared pieces of the orchestrator tests (no tests here): a tiny served model, a weight store
+the test publishes into (standing in for the trainer's publishing, nothing else), real inference
+servers following it, and synth tasks.
+
+With random weights the model never solves a task, so every reward is 0 and every group is
+dropped for lack of variance. `coin_tasks` are synth tasks with the reference solution already in
+the repository plus one more required hidden test that passes with probability 1/2: rollouts are
+graded for real, and half the groups of two get rewards that differ (about 0.95 against 0), so
+batches fill without a trained model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import torch
+
+from tests.envs.test_harness_support import free_port, save_tiny_model
+from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
+from whetstone.envs.task import Task
+from whetstone.envs.tasks import load_source
+from whetstone.orchestrator import OrchestratorConfig
+from whetstone.store import LocalStore
+from whetstone.sync import Publisher, SyncConfig, WeightStore
+
+torch.set_num_threads(1)
+POLL_S = 0.1
+
+
+def sync_config(weights: Path) -> SyncConfig:
+    return SyncConfig(store=str(weights), publish_dtype="keep", poll_interval=POLL_S)
+
+
+class Trainer:
+    """Publishes weight versions the way the trainer does (version n + 1 after step n)."""
+
+    def __init__(self, model_dir: str, weights: Path):
+        from whetstone.model.hf import load_hf
+
+        self.state = load_hf(model_dir).state_dict()
+        self.publisher = Publisher(WeightStore(LocalStore(weights)), sync_config(weights))
+
+    def publish(self) -> int:
+        """The next version: the weights nudged a little, as an optimizer step would."""
+        if self.publisher.store.latest() is not None:
+            self.state = {name: t + 1e-3 * torch.randn_like(t) if t.is_floating_point() else t
+                          for name, t in self.state.items()}  # fmt: skip
+        return self.publisher.publish(self.state).version
+
+
+COIN_TEST = "import random\n\n\ndef test_coin():\n    assert random.random() < 0.5\n"
+
+
+def synth_tasks(count: int = 2) -> list[Task]:
+    return load_source("synth", [f"count={count}", "seed=5"])
+
+
+def coin_tasks(count: int = 2) -> list[Task]:
+    return [task.model_copy(update={
+        "id": task.id + "-coin",
+        "repo_files": {**task.repo_files, **task.solution_files},
+        "hidden_tests": {**task.hidden_tests, "test_coin.py": COIN_TEST},
+        "fail_to_pass": [*task.fail_to_pass, "test_coin.py::test_coin"],
+    }) for task in synth_tasks(count)]  # fmt: skip
+
+
+def orchestrator_config(tmp_path: Path, model_dir: str, servers: list[str], **changes) -> OrchestratorConfig:
+    """Tiny budgets: two short turns per rollout (trained even when cut off: random weights rarely
+    end a turn), groups of 2, one group per batch, two batches."""
+    harness = HarnessConfig(tokenizer_path=model_dir, max_turns=2, max_turn_tokens=12, max_tool_tokens=128,
+                            max_calls_per_turn=2, summary_tokens=16, train_cut_off_calls=True)  # fmt: skip
+    fields = dict(
+        servers=servers, endpoint=EndpointConfig(retries=0, timeout_s=60), harness=harness,
+        rollout=RolloutConfig(concurrency=4), validate_tasks=False, group_size=2, groups_per_batch=1,
+        batch_store=str(tmp_path / "batches"), weight_store=str(tmp_path / "weights"),
+        poll_interval_s=POLL_S, health_interval_s=0.2, no_server_timeout_s=60, max_batches=2,
+    )  # fmt: skip
+    return OrchestratorConfig(**{**fields, **changes})
+
+
+def model_folder(tmp_path: Path) -> str:
+    return save_tiny_model(tmp_path)
+
+
+class ThreadServer:
+    """The real inference server (engine, HTTP app, weight follower) in a thread of this process,
+    on a fixed port so that it can be stopped and started again at the same address."""
+
+    def __init__(self, model_dir: str, weights: Path, port: int | None = None):
+        self.model_dir, self.weights, self.port = model_dir, weights, port or free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self._server = self._thread = None
+
+    def start(self) -> ThreadServer:
+        import uvicorn
+
+        from whetstone.inference.config import EngineConfig, ServeConfig
+        from whetstone.inference.launch import build_app
+
+        config = ServeConfig(model_path=self.model_dir, port=self.port, threads=1, engine=EngineConfig(max_batch=8),
+                             sync=sync_config(self.weights))  # fmt: skip
+        self._server = uvicorn.Server(uvicorn.Config(build_app(config), host="127.0.0.1", port=self.port,
+                                                     log_level="warning"))  # fmt: skip
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 60
+        while not self._server.started:
+            assert time.monotonic() < deadline and self._thread.is_alive(), "the server did not start"
+            time.sleep(0.05)
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=30)
+            self._server = None
+
+
+@contextlib.contextmanager
+def thread_servers(model_dir: str, weights: Path, count: int = 2) -> Iterator[list[ThreadServer]]:
+    servers = [ThreadServer(model_dir, weights).start() for _ in range(count)]
+    try:
+        yield servers
+    finally:
+        for server in servers:
+            server.stop()
+
+
+class ProcessServer:
+    """`whetstone serve` as its own process (what `whetstone run` starts), killable with SIGKILL."""
+
+    def __init__(self, model_dir: str, weights: Path, folder: Path):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}/v1"
+        self.config = folder / f"serve-{self.port}.toml"
+        self.config.write_text(f'model_path = "{model_dir}"\nport = {self.port}\nthreads = 1\n[engine]\nmax_batch = 8\n'
+                               f'[sync]\nstore = "{weights}"\npublish_dtype = "keep"\npoll_interval = {POLL_S}\n')  # fmt: skip
+        self.log = folder / f"serve-{self.port}.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> ProcessServer:
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        with self.log.open("a") as log:  # a file, not a pipe: a pipe nobody reads blocks the server once full
+            self.process = subprocess.Popen([sys.executable, "-m", "whetstone.inference.cli", "serve", str(self.config)],
+                                            env=env, stdout=log, stderr=log)  # fmt: skip
+        return self
+
+    def wait_healthy(self, timeout_s: float = 90) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text()[-2000:]
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise AssertionError(f"{self.url} did not become healthy")
+
+    def kill(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.kill()
+            self.process.wait()

@@ -1,0 +1,46 @@
+"""What goes into batch n: fresh samples only, and the meta of the contract."""
+
+from whetstone.orchestrator.batches import (
+    Group, Window, batch_key, build_batch, drop_stale, flat_metrics, next_batch_index,
+)
+from whetstone.rl.samples import NOT_GENERATED, Sample
+from whetstone.rl.staleness import StalenessConfig
+from whetstone.store import LocalStore
+
+
+def sample(version: int, advantage: float = 1.0) -> Sample:
+    """Three tokens: a prompt token, then two sampled under `version`."""
+    return Sample(input_ids=[5, 6, 7], loss_mask=[1, 1], behavior_logprobs=[-0.5, -0.25], versions=[version, version],
+                  routes=None, reward=advantage, task_id="t", group_id=f"g{version}", advantage=advantage)  # fmt: skip
+
+
+def test_batch_keys_and_the_next_index_after_a_restart(tmp_path):
+    store = LocalStore(tmp_path)
+    assert batch_key(7) == "batches/0000000007.batch" and next_batch_index(store) == 0
+    store.put(batch_key(0), b"x"), store.put(batch_key(1), b"x"), store.put("batches/notes.txt", b"x")
+    assert next_batch_index(store) == 2
+
+
+def test_samples_older_than_the_bound_are_dropped_and_counted():
+    window = Window()
+    old, mixed, fresh = Group([sample(1), sample(1)], 2), Group([sample(2), sample(4)], 2), Group([sample(4)], 1)
+    kept = drop_stale([old, mixed, fresh], index=4, config=StalenessConfig(max_off_policy_steps=2), window=window)
+    assert kept == [mixed, fresh] and [s.versions[0] for s in mixed.samples] == [2, 4]
+    assert window.dropped_stale == 2  # the two samples of version 1: 4 - 1 = 3 steps behind
+
+
+def test_a_batch_carries_the_contract_meta():
+    window = Window(dropped_stale=3)
+    window.add([], {"groups": 3, "kept_groups": 2, "rollouts": 6, "kept_rollouts": 4, "dropped_no_variance": 2})
+    window.rewards = [1.0, 0.0, 0.5]
+    groups = [Group([sample(5, 1.0), sample(4, -1.0)], 2), Group([sample(5, 0.5), sample(5, -0.5)], 2)]
+    batch = build_batch(5, groups, window, StalenessConfig(), weight_version=4)
+    meta = batch.meta
+    assert meta["index"] == meta["trainer_step"] == 5 and meta["weight_version"] == 4
+    assert meta["staleness_histogram"] == {"staleness_0": 3, "staleness_1": 1, "dropped_stale": 3}
+    assert meta["groups"]["dropped_no_variance"] == 2 and meta["reward_mean"] == 0.5
+    assert meta["samples"] == 4 and meta["rollouts"] == 4 and meta["loss_tokens"] == 8
+    assert batch.advantages[:, 0].tolist() == [1.0, -1.0, 0.5, -0.5]
+    assert NOT_GENERATED not in batch.versions[batch.loss_mask].tolist()
+    flat = flat_metrics(meta)
+    assert flat["groups.kept_groups"] == 2 and flat["staleness_1"] == 1 and flat["index"] == 5

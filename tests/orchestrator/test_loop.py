@@ -1,0 +1,98 @@
+"""The orchestrator end to end at tiny scale: real inference servers following a real weight store,
+real synth tasks in real sandboxes, graded; batches into a LocalStore. The test publishes the
+weight versions a trainer would."""
+
+import asyncio
+import time
+
+import pytest
+
+from tests.orchestrator.orchestrator_support import (
+    Trainer, coin_tasks, model_folder, orchestrator_config, synth_tasks, thread_servers,
+)
+from whetstone.orchestrator import Orchestrator, batch_key
+from whetstone.rl.batch import batch_from_bytes
+from whetstone.store import LocalStore
+
+META_KEYS = {"index", "trainer_step", "staleness_histogram", "groups", "reward_mean", "samples", "rollouts"}
+
+
+@pytest.fixture
+def world(tmp_path):
+    model_dir = model_folder(tmp_path)
+    trainer = Trainer(model_dir, tmp_path / "weights")
+    trainer.publish()  # version 0: the initial weights
+    return tmp_path, model_dir, trainer
+
+
+def read_batch(store, index):
+    return batch_from_bytes(store.get(batch_key(index)), batch_key(index))
+
+
+def test_batches_zero_and_one_carry_the_contract(world):
+    tmp_path, model_dir, _ = world
+    with thread_servers(model_dir, tmp_path / "weights") as servers:
+        config = orchestrator_config(tmp_path, model_dir, [s.url for s in servers])
+        orchestrator = Orchestrator(config, coin_tasks(1) + synth_tasks(1))
+        assert asyncio.run(orchestrator.run()) == [0, 1]
+        used = [server.calls for server in orchestrator.pool.servers]
+
+    store = LocalStore(tmp_path / "batches")
+    assert store.list("batches/") == [batch_key(0), batch_key(1)]
+    for index in (0, 1):
+        batch = read_batch(store, index)
+        meta = batch.meta
+        assert META_KEYS <= set(meta) and meta["index"] == meta["trainer_step"] == index
+        assert meta["samples"] == len(batch) == 2 and meta["rollouts"] == 2  # one kept group of two
+        groups = meta["groups"]
+        dropped = sum(count for key, count in groups.items() if key.startswith("dropped_"))
+        assert groups["rollouts"] == 2 * groups["groups"] and groups["kept_rollouts"] + dropped == groups["rollouts"]
+        assert "dropped_failed" not in groups  # every rollout ran and was graded
+        assert meta["staleness_histogram"] == {f"staleness_{index}": 2, "dropped_stale": 0}  # sampled at v0
+
+        # One group: a solved rollout (reward ~0.95) against an unsolved one (0), GRPO advantages +-1.
+        assert {row["group_id"] for row in batch.rows} == {batch.rows[0]["group_id"]}
+        assert sorted(row["reward"] > 0.5 for row in batch.rows) == [False, True]
+        assert sorted(round(row["advantage"], 3) for row in batch.rows) == [-1.0, 1.0]
+        trained = batch.loss_mask
+        assert trained.any() and (batch.versions[trained] == 0).all() and (batch.behavior_logprobs[trained] < 0).all()
+        assert batch.routes is not None and batch.routes.shape[:2] == batch.input_ids.shape
+        assert batch.num_loss_tokens == meta["loss_tokens"]
+    assert all(calls > 0 for calls in used)  # both servers were kept busy
+
+
+@pytest.mark.slow
+def test_waits_for_the_trainer_and_trains_only_on_fresh_samples(world):
+    """With max_off_policy_steps = 0, batch 1 needs version 1: the orchestrator waits for it, and
+    the groups sampled meanwhile under version 0 are dropped as stale, counted."""
+    tmp_path, model_dir, trainer = world
+    store = LocalStore(tmp_path / "batches")
+
+    async def scenario(urls):
+        config = orchestrator_config(tmp_path, model_dir, urls, staleness={"max_off_policy_steps": 0})
+        orchestrator = Orchestrator(config, coin_tasks(2))
+        run = asyncio.create_task(orchestrator.run())
+        while not (store.exists(batch_key(0)) and orchestrator.buffered_groups):  # a v0 group is waiting
+            assert not run.done(), run
+            await asyncio.sleep(0.1)
+        await asyncio.sleep(1.0)
+        assert not store.exists(batch_key(1))  # it waits for the trainer instead of running ahead
+        await asyncio.to_thread(trainer.publish)  # version 1
+        assert await asyncio.wait_for(run, 120) == [0, 1]
+
+    with thread_servers(model_dir, tmp_path / "weights") as servers:
+        asyncio.run(scenario([s.url for s in servers]))
+    batch = read_batch(store, 1)
+    assert batch.meta["weight_version"] == 1 and batch.meta["staleness_histogram"]["staleness_0"] == 2
+    assert batch.meta["staleness_histogram"]["dropped_stale"] >= 2  # the waiting v0 group, at least
+    assert (batch.versions[batch.loss_mask] == 1).all()
+
+
+@pytest.mark.slow
+def test_a_restarted_orchestrator_continues_the_batch_sequence(world):
+    tmp_path, model_dir, _ = world
+    with thread_servers(model_dir, tmp_path / "weights") as servers:
+        config = orchestrator_config(tmp_path, model_dir, [s.url for s in servers], max_batches=1)
+        assert asyncio.run(Orchestrator(config, coin_tasks(1)).run()) == [0]
+        assert asyncio.run(Orchestrator(config, coin_tasks(1)).run()) == [1]
+    assert read_batch(LocalStore(tmp_path / "batches"), 1).meta["index"] == 1
