@@ -50,3 +50,11 @@ def test_autocast_runs_the_matmuls_in_bf16_and_grads_reach_fp32_weights():
     assert out.dtype == torch.bfloat16 and out.shape == (6, 2, 4)
     out.float().sum().backward()
     assert gate_up.grad.dtype == torch.float32 and gate_up.grad.abs().sum() > 0
+
+
+def test_inference_path_gives_the_same_bits_as_the_differentiable_one():
+    x, ids, gate_up, down = _inputs(torch.float32)
+    differentiable = expert_mlp(x, ids, gate_up, down)
+    assert differentiable.requires_grad
+    with torch.no_grad():
+        assert torch.equal(expert_mlp(x, ids, gate_up, down), differentiable.detach())

@@ -33,3 +33,11 @@ def test_rope_rotates_pairs_and_keeps_norms():
     rotated = ops.apply_rope(x, cos, sin)
     torch.testing.assert_close(rotated[:, 0], x[:, 0])  # position 0: no rotation
     torch.testing.assert_close(rotated.norm(dim=-1), x.norm(dim=-1))
+
+
+def test_rms_norm_without_autograd_is_the_same_arithmetic():
+    # Decoding skips the autograd.Function; the numbers must not change by a single bit.
+    x, weight = torch.randn(4, 3, 16), torch.randn(16)
+    with_graph = ops.rms_norm(x.requires_grad_(), weight, 1e-6)
+    with torch.inference_mode():
+        assert torch.equal(ops.rms_norm(x.detach(), weight, 1e-6), with_graph.detach())

@@ -1,5 +1,7 @@
+import pytest
 import torch
 
+from whetstone.errors import WhetstoneError
 from whetstone.model import ModelOutput, Transformer
 from whetstone.model.moe import load_balancing_loss
 
@@ -79,3 +81,16 @@ def test_runs_under_bf16_autocast_and_trains(make_config):
         optimizer.step()
         losses.append(ce.item())
     assert losses[-1] < losses[0]
+
+
+def test_logits_to_keep_computes_only_the_last_positions(make_config):
+    cfg = make_config()
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 7))
+    full = model(ids, return_routes=True)
+    last_two = model(ids, return_routes=True, logits_to_keep=2)
+    torch.testing.assert_close(last_two.logits, full.logits[:, -2:])  # fewer rows: same values
+    assert torch.equal(last_two.routes, full.routes)  # routing still covers every position
+    assert model(ids, logits_to_keep=0).logits is None
+    with pytest.raises(WhetstoneError, match="logits_to_keep"):
+        model(ids, logits_to_keep=8)

@@ -227,7 +227,8 @@ class Engine:
             positions = torch.arange(start, end).expand(rows, -1)
             chunk_routes = None if replay is None else replay[start:end].unsqueeze(0)
             out = self.model(ids, positions=positions, cache=self.cache.rows(group[0].slot, rows),
-                             routes=chunk_routes, return_routes=self.routes is not None and replay is None)
+                             routes=chunk_routes, return_routes=self.routes is not None and replay is None,
+                             logits_to_keep=0)  # prefill only fills the cache; decode samples
             if self.routes is not None:
                 used = chunk_routes if replay is not None else out.routes
                 for row, seq in enumerate(group[:rows]):

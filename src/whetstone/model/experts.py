@@ -20,6 +20,23 @@ def _spans(counts: list[int]):
         start += count
 
 
+def _grouped_forward(x, gate_up, down, order, unsort, counts, top_k):
+    """The forward of _GroupedSwiGLU: (output [N, k, H], the tensors its backward needs)."""
+    inner = down.shape[-1]
+    sorted_x = x.index_select(0, order // top_k)  # [S, H], slots grouped by expert
+    hidden = x.new_empty(sorted_x.shape[0], 2 * inner)
+    for expert, start, end in _spans(counts):
+        torch.mm(sorted_x[start:end], gate_up[expert].t(), out=hidden[start:end])
+    gate, up = hidden[:, :inner], hidden[:, inner:]
+    silu_gate = F.silu(gate)
+    act = silu_gate * up
+    out = x.new_empty(sorted_x.shape)
+    for expert, start, end in _spans(counts):
+        torch.mm(act[start:end], down[expert].t(), out=out[start:end])
+    saved = (sorted_x, gate, up, silu_gate, act, gate_up, down, order, unsort)
+    return out.index_select(0, unsort).view(x.shape[0], top_k, -1), saved
+
+
 class _GroupedSwiGLU(torch.autograd.Function):
     """y[t, j] = down[e] @ swiglu(gate_up[e] @ x[t]) for e = ids[t, j]; see expert_mlp.
 
@@ -29,20 +46,10 @@ class _GroupedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up, down, order, unsort, counts, top_k):
-        inner = down.shape[-1]
-        sorted_x = x.index_select(0, order // top_k)  # [S, H], slots grouped by expert
-        hidden = x.new_empty(sorted_x.shape[0], 2 * inner)
-        for expert, start, end in _spans(counts):
-            torch.mm(sorted_x[start:end], gate_up[expert].t(), out=hidden[start:end])
-        gate, up = hidden[:, :inner], hidden[:, inner:]
-        silu_gate = F.silu(gate)
-        act = silu_gate * up
-        out = x.new_empty(sorted_x.shape)
-        for expert, start, end in _spans(counts):
-            torch.mm(act[start:end], down[expert].t(), out=out[start:end])
-        ctx.save_for_backward(sorted_x, gate, up, silu_gate, act, gate_up, down, order, unsort)
+        out, saved = _grouped_forward(x, gate_up, down, order, unsort, counts, top_k)
+        ctx.save_for_backward(*saved)
         ctx.counts, ctx.top_k = counts, top_k
-        return out.index_select(0, unsort).view(x.shape[0], top_k, -1)
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -87,5 +94,9 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.bincount(slot_expert, minlength=gate_up.shape[0]).tolist()
+    args = (x, gate_up, down, order, unsort, counts, ids.shape[1])
+    differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
     with torch.autocast("cpu", enabled=False):
-        return _GroupedSwiGLU.apply(x, gate_up, down, order, unsort, counts, ids.shape[1])
+        if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping
+            return _grouped_forward(*args)[0]
+        return _GroupedSwiGLU.apply(*args)

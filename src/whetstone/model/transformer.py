@@ -84,10 +84,13 @@ class Transformer(nn.Module):
         routes: torch.Tensor | None = None,
         return_routes: bool = False,
         targets: torch.Tensor | None = None,
+        logits_to_keep: int | None = None,
     ) -> ModelOutput:
         """See the module docstring and docs/model.md. With `targets` [B, T] (token ids, e.g. the
         inputs shifted by one), the output holds `logprobs` of those tokens instead of `logits`:
-        the full [B, T, vocab] logits are never kept, and training is faster."""
+        the full [B, T, vocab] logits are never kept, and training is faster. `logits_to_keep`
+        = n computes logits for the last n positions only ([B, n, vocab]; 0: none, `logits` is
+        None), e.g. a prefill that only fills the KV cache skips the output head."""
         cfg = self.cfg
         batch, length = input_ids.shape
         if positions is None:
@@ -97,6 +100,8 @@ class Transformer(nn.Module):
         if routes is not None:
             check_routes(routes, (batch, length, cfg.num_moe_layers, cfg.num_experts_per_tok), cfg.num_experts)
             routes = routes.long()
+        if logits_to_keep is not None and not 0 <= logits_to_keep <= length:
+            raise WhetstoneError(f"logits_to_keep is {logits_to_keep}, expected 0..{length}")
         if cache is not None:
             cache.begin(positions)
 
@@ -111,8 +116,10 @@ class Transformer(nn.Module):
                 probs.append(routing[1])
         hidden = self.norm(x)
         logits, logprobs = None, None
-        if targets is None:
+        if targets is None and logits_to_keep is None:
             logits = self.lm_head(hidden)
+        elif targets is None:
+            logits = self.lm_head(hidden[:, length - logits_to_keep:]) if logits_to_keep else None
         else:
             if targets.shape != input_ids.shape:
                 raise WhetstoneError(f"targets have shape {tuple(targets.shape)}, expected {(batch, length)}")
