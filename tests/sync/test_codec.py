@@ -1,59 +1,83 @@
-"""The codec is lossless for every dtype and every bit pattern, and picks the cheaper coding."""
+"""The codec is lossless for every dtype and every bit pattern, and small where RL deltas are."""
+
+from unittest.mock import patch
 
 import numpy as np
 import pytest
 import torch
+import zstandard
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from whetstone.sync.bits import int_view, numpy_int_type, ordered, unzigzag, zigzag
-from whetstone.sync.codec import FULL, SPARSE, XOR, CorruptDataError, decode_segment, encode_segment
+from whetstone.sync import chunks, codec
+from whetstone.sync.bits import int_view, numpy_int_type, ordered, to_planes, unzigzag, zigzag
+from whetstone.sync.chunks import decode_chunk, encode_chunk, plan_chunks
+from whetstone.sync.codec import (
+    CorruptDataError, apply_steps, decode_sparse, encode_sparse, find_changes, step_codes,
+)
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2, torch.int64]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
+          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
 
 
-def roundtrip(new: torch.Tensor, old: torch.Tensor | None, level: int = 3) -> tuple[str, torch.Tensor]:
-    new_bits = int_view(new)
-    old_bits = None if old is None else int_view(old)
-    coded = encode_segment(new_bits, old_bits, new.dtype.is_floating_point, level)
-    decoded = decode_segment(coded.encoding, coded.count, coded.payload, coded.fields, old_bits, new_bits.size,
-                             numpy_int_type(new.dtype), new.dtype.is_floating_point)
-    if decoded.indices is None:
-        bits = decoded.values
-    else:
-        bits = old_bits.copy()
-        bits[decoded.indices] = decoded.values
-    return coded.encoding, torch.from_numpy(bits).view(new.dtype)
+def roundtrip(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None, chunk_elements: int = 1 << 20):
+    """Encode `new` against `old` chunk by chunk, decode, and rebuild the tensors from the pieces."""
+    def start_from(name, tensor):
+        base = (old or {}).get(name)
+        same = base is not None and base.shape == tensor.shape and base.dtype == tensor.dtype
+        return base.clone() if same else torch.zeros_like(tensor)
+
+    rebuilt = {name: start_from(name, tensor) for name, tensor in new.items()}
+    dtypes = {name: t.dtype for name, t in new.items()}
+    for segments in plan_chunks([(name, t.numel()) for name, t in new.items()], chunk_elements):
+        blob, _ = encode_chunk(segments, new, old, level=1)
+        for segment, decoded in decode_chunk(blob, old, dtypes):
+            bits = int_view(rebuilt[segment.tensor])
+            if decoded.indices is None:
+                bits[segment.start : segment.stop] = decoded.values
+            else:
+                assert ((decoded.indices >= segment.start) & (decoded.indices < segment.stop)).all()
+                bits[decoded.indices] = decoded.values
+    return rebuilt
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return np.array_equal(int_view(a), int_view(b))
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(int_view(a), int_view(b))
 
 
 @st.composite
-def tensor_pairs(draw):
-    """Old and new tensors of one dtype from arbitrary bit patterns (NaN payloads, infinities,
-    -0.0, subnormals all included), with an arbitrary subset of positions changed."""
-    dtype = draw(st.sampled_from(DTYPES))
+def tensor_pair(draw, dtype):
+    """Old and new tensors from arbitrary bit patterns (NaN payloads, infinities, -0.0, subnormals
+    all included), with an arbitrary subset of positions changed."""
     size = draw(st.integers(0, 300))
-    width = dtype.itemsize
-    old_bytes = draw(st.binary(min_size=size * width, max_size=size * width))
-    new_bytes = draw(st.binary(min_size=size * width, max_size=size * width))
-    changed = draw(st.lists(st.booleans(), min_size=size, max_size=size))
     int_type = numpy_int_type(dtype)
-    old = np.frombuffer(old_bytes, dtype=int_type).copy()
-    new = old.copy()
-    mask = np.array(changed, dtype=bool)
-    new[mask] = np.frombuffer(new_bytes, dtype=int_type)[mask]
-    return torch.from_numpy(new).view(dtype), torch.from_numpy(old).view(dtype)
+    nbytes = size * dtype.itemsize
+    old = np.frombuffer(draw(st.binary(min_size=nbytes, max_size=nbytes)), int_type)
+    changes = np.frombuffer(draw(st.binary(min_size=nbytes, max_size=nbytes)), int_type)
+    mask = np.array(draw(st.lists(st.booleans(), min_size=size, max_size=size)), dtype=bool)
+    new = np.where(mask, changes, old)
+    return torch.from_numpy(new.copy()).view(dtype), torch.from_numpy(old.copy()).view(dtype)
 
 
-@settings(max_examples=150, deadline=None)
-@given(tensor_pairs())
-def test_decode_of_encode_is_the_new_tensor_bit_for_bit(pair):
-    new, old = pair
-    assert same_bits(roundtrip(new, old)[1], new)
-    assert same_bits(roundtrip(new, None)[1], new)
+@st.composite
+def states(draw):
+    """A few tensors of mixed dtypes and sizes, and a base that lacks one of them."""
+    names = [f"t{i}" for i in range(draw(st.integers(1, 4)))]
+    pairs = {name: draw(tensor_pair(draw(st.sampled_from(DTYPES)))) for name in names}
+    new = {name: pair[0] for name, pair in pairs.items()}
+    old = {name: pair[1] for name, pair in pairs.items() if name != names[-1] or draw(st.booleans())}
+    return new, old
+
+
+@settings(max_examples=60, deadline=None)
+@given(states(), st.integers(20, 400), st.integers(1, 200))
+def test_decode_of_encode_is_the_new_state_bit_for_bit(state, chunk_elements, share_below):
+    new, old = state
+    # Small constants so that tiny tensors cross scan blocks, share runs or go alone, and span chunks.
+    with patch.object(codec, "_SCAN_BLOCK", 64), patch.object(chunks, "_SHARE_BELOW", share_below):
+        for base in (old, None):
+            rebuilt = roundtrip(new, base, chunk_elements)
+            assert all(same_bits(rebuilt[name], new[name]) for name in new)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
@@ -63,12 +87,27 @@ def test_special_values_survive(dtype):
         specials += [torch.finfo(dtype).tiny / 4, -torch.finfo(dtype).tiny / 4]  # subnormals
     old = torch.tensor(specials, dtype=torch.float32).to(dtype)
     new = torch.tensor(specials[::-1], dtype=torch.float32).to(dtype)
-    assert same_bits(roundtrip(new, old)[1], new)
+    assert same_bits(roundtrip({"w": new}, {"w": old})["w"], new)
     # A NaN with a different payload is a different value and must come back exactly.
     nan_bits = int_view(new).copy()
     nan_bits[new.float().isnan().numpy()] ^= 1
     odd_nan = torch.from_numpy(nan_bits).view(dtype)
-    assert same_bits(roundtrip(odd_nan, new)[1], odd_nan)
+    assert same_bits(roundtrip({"w": odd_nan}, {"w": new})["w"], odd_nan)
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.002, 0.02, 0.3, 1.0])
+@pytest.mark.parametrize("size", [1, 7, 8, 63, 64, 65, 1000])
+def test_find_changes_agrees_with_a_plain_comparison(fraction, size):
+    """Across scan blocks, word padding, and both the sparse and the dense search."""
+    rng = np.random.default_rng(size)
+    old = rng.integers(-(2**15), 2**15, size, dtype=np.int16)
+    new = old.copy()
+    new[rng.random(size) < fraction] ^= 1
+    with patch.object(codec, "_SCAN_BLOCK", 64):
+        positions, new_values, old_values = find_changes(new, old)
+    expected = np.flatnonzero(new != old)
+    assert positions.dtype == np.int64 and np.array_equal(positions, expected)
+    assert np.array_equal(new_values, new[expected]) and np.array_equal(old_values, old[expected])
 
 
 def test_ordered_bits_follow_float_order_and_steps_count_representable_values():
@@ -77,6 +116,7 @@ def test_ordered_bits_follow_float_order_and_steps_count_representable_values():
     assert (np.diff(keys.astype(np.int64)) > 0).all()
     bits = int_view(torch.tensor([1.0, 1.0078125], dtype=torch.bfloat16))  # 1 + 2**-7: one bf16 step
     assert int(ordered(bits, True)[1]) - int(ordered(bits, True)[0]) == 1
+    assert np.array_equal(ordered(keys, True), int_view(values))  # its own inverse
 
 
 def test_zigzag_roundtrip_including_extremes():
@@ -85,32 +125,48 @@ def test_zigzag_roundtrip_including_extremes():
     assert np.array_equal(unzigzag(zigzag(steps)), steps)
 
 
+def test_steps_are_applied_by_integer_arithmetic_exactly():
+    old = int_view(torch.tensor([1.0, -1.0, 0.0, -0.0, float("inf")], dtype=torch.bfloat16)).copy()
+    new = int_view(torch.tensor([1.0078125, -1.0078125, -0.0, 1e-40, float("nan")], dtype=torch.bfloat16)).copy()
+    codes = step_codes(new.copy(), old.copy(), is_float=True)
+    assert codes[:2].tolist() == [2, 1]  # one representable value up (+1 -> 2), one down (-1 -> 1)
+    assert np.array_equal(apply_steps(old.copy(), codes, is_float=True), new)
+
+
 def test_few_changes_code_sparse_and_small():
     torch.manual_seed(0)
     old = torch.randn(100_000).bfloat16()
     new = old.clone()
     new[::50] = (old[::50].float() * 1.01).bfloat16()
-    coded = encode_segment(int_view(new), int_view(old), True, 3)
-    assert coded.encoding == SPARSE and coded.changed == 2000
+    positions, new_values, old_values = find_changes(int_view(new), int_view(old))
+    coded = encode_sparse(positions, step_codes(new_values, old_values, True), level=1)
+    assert coded.count == 2000
     assert len(coded.payload) < 2 * old.numel() / 40  # vs 2 bytes per raw bf16 value
 
 
-def test_mostly_changed_falls_back_to_xor_when_smaller():
+def test_even_when_every_value_changes_the_steps_beat_xor():
+    """Why there is no xor coding: weights moved by an optimizer step, even all of them, code
+    smaller as steps than as old XOR new."""
     torch.manual_seed(0)
-    old = torch.randn(50_000).bfloat16()
-    new = torch.randn(50_000).bfloat16()
-    encoding, decoded = roundtrip(new, old)
-    assert encoding == XOR and same_bits(decoded, new)
-    assert roundtrip(new, None)[0] == FULL
+    old = torch.randn(100_000).bfloat16()
+    new = (old.float() * (1 + 0.01 * torch.randn(100_000))).bfloat16()
+    positions, new_values, old_values = find_changes(int_view(new), int_view(old))
+    sparse = encode_sparse(positions, step_codes(new_values, old_values, True), level=1)
+    xor = zstandard.ZstdCompressor(level=1).compress(to_planes(int_view(new) ^ int_view(old)))
+    assert positions.size > 0.7 * old.numel() and len(sparse.payload) < len(xor)
 
 
 def test_a_corrupt_payload_is_rejected_not_misdecoded():
-    old = torch.randn(10_000).bfloat16()
-    new = old.clone()
-    new[::10] = 0
-    coded = encode_segment(int_view(new), int_view(old), True, 3)
-    broken = bytearray(coded.payload)
-    broken[len(broken) // 3] ^= 0xFF
-    with pytest.raises(CorruptDataError):
-        decode_segment(SPARSE, coded.count, bytes(broken[: len(broken) // 2]), coded.fields,
-                       int_view(old), old.numel(), np.int16, True)
+    positions = np.array([3, 10, 11, 40], dtype=np.int64)
+    coded = encode_sparse(positions, np.array([2, 1, 2, 4], dtype=np.uint16), level=1)
+    u16 = np.dtype(np.uint16)
+    assert decode_sparse(coded.count, coded.payload, coded.fields, 41, u16)[0].tolist() == positions.tolist()
+    with pytest.raises(CorruptDataError, match="not increasing"):  # the last change beyond the block
+        decode_sparse(coded.count, coded.payload, coded.fields, 40, u16)
+    with pytest.raises(CorruptDataError):  # a truncated frame
+        decode_sparse(coded.count, coded.payload[: len(coded.payload) // 2], coded.fields, 41, u16)
+    with pytest.raises(CorruptDataError, match="out of range"):
+        decode_sparse(coded.count, coded.payload, {**coded.fields, "step_bytes": 3}, 41, u16)
+    repeated = encode_sparse(np.array([3, 3], dtype=np.int64), np.array([2, 2], dtype=np.uint16), level=1)
+    with pytest.raises(CorruptDataError, match="not increasing"):  # the same position twice
+        decode_sparse(repeated.count, repeated.payload, repeated.fields, 41, u16)

@@ -9,7 +9,9 @@ Cases (all published as bf16 from fp32 masters, coded by the same code the publi
 Side by side in the same run: XOR + zstd on the same delta (Fireworks' open codec), zstd on the
 whole new snapshot, and the empirical entropy bound of the change (per tensor: the changed/
 unchanged mask as i.i.d. bits, plus the steps' zeroth-order entropy). Speeds are model bytes per
-CPU-second of one thread (best of `repeats`), so other load on the machine disturbs them less.
+CPU-second of one thread (best of `repeats`), so other load on the machine disturbs them less;
+encode includes the chunks' CRC-32 (the publisher's work), decode its verification (the
+subscriber's).
 `fanout` times publish -> 4 subscriber processes holding the version, on a local directory and
 on S3 (a moto server on 127.0.0.1).
 
@@ -30,7 +32,7 @@ import zstandard
 
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
 from whetstone.sync.bits import dtype_name, int_view, ordered
-from whetstone.sync.chunks import decode_chunk, encode_chunk, plan_chunks
+from whetstone.sync.chunks import checksum, decode_chunk, encode_chunk, plan_chunks
 from whetstone.sync.manifest import Manifest, TensorInfo
 from whetstone.sync.publisher import prepare_state
 from whetstone.sync.update import build_update
@@ -106,14 +108,20 @@ def delta_case(name: str, old_masters: dict, new_masters: dict, config: SyncConf
     raw = sum(t.numel() * t.element_size() for t in new.values())
     plan = plan_chunks([(k, t.numel()) for k, t in new.items()], config.chunk_elements)
 
-    encode_s, encoded = _cpu_seconds(lambda: [encode_chunk(c, new, old, config.zstd_level) for c in plan], repeats)
+    def encode():  # what the publisher does per chunk: code it, checksum it for the manifest
+        coded = [encode_chunk(c, new, old, config.zstd_level) for c in plan]
+        return coded, [checksum(blob) for blob, _ in coded]
+
+    encode_s, (encoded, checksums) = _cpu_seconds(encode, repeats)
     blobs = [blob for blob, _ in encoded]
     manifest = Manifest(version=1, kind="delta", base=0, keyframe=0, created=0.0, chunks=[], raw_bytes=raw,
                         encoded_bytes=sum(map(len, blobs)), changed=sum(c for _, c in encoded), chain_bytes=0,
                         tensors=[TensorInfo(name=k, dtype=dtype_name(t.dtype), shape=list(t.shape)) for k, t in new.items()])
     dtypes = {k: t.dtype for k, t in new.items()}
 
-    def decode():
+    def decode():  # what a subscriber's thread does: verify each chunk, decode it, build the update
+        if [checksum(blob) for blob in blobs] != checksums:
+            raise AssertionError(f"{name}: chunk checksums differ")
         return build_update(manifest, [p for blob in blobs for p in decode_chunk(blob, old, dtypes)], old)
 
     decode_s, update = _cpu_seconds(decode, repeats)

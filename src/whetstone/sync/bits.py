@@ -47,9 +47,13 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def int_view(tensor: torch.Tensor) -> np.ndarray:
-    """The tensor's bits as a flat signed-integer numpy array (no copy if contiguous)."""
-    torch_int, _ = _INT_VIEW[tensor.element_size()]
-    return tensor.detach().contiguous().view(-1).view(torch_int).numpy()
+    """The tensor's bits as a flat signed-integer numpy array (no copy if contiguous).
+    One torch view only: each torch view costs microseconds, and models have many tensors."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if not tensor.is_contiguous():
+        tensor = tensor.contiguous()
+    return tensor.view(_INT_VIEW[tensor.element_size()][0]).numpy().reshape(-1)
 
 
 def from_int_view(bits: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
@@ -61,7 +65,7 @@ def numpy_int_type(dtype: torch.dtype) -> type[np.signedinteger]:
     return _INT_VIEW[dtype.itemsize][1]
 
 
-def ordered(bits: np.ndarray, is_float: bool) -> np.ndarray:
+def ordered(bits: np.ndarray, is_float: bool, in_place: bool = False) -> np.ndarray:
     """Map float bits (sign-magnitude) to integers in the floats' order; its own inverse.
 
     Negative floats get every bit but the sign flipped, so larger magnitudes sort lower.
@@ -70,20 +74,25 @@ def ordered(bits: np.ndarray, is_float: bool) -> np.ndarray:
     if not is_float:
         return bits
     width = bits.dtype.itemsize * 8
-    magnitude_mask = bits.dtype.type((1 << (width - 1)) - 1)
-    return bits ^ ((bits >> (width - 1)) & magnitude_mask)
+    flip = bits >> (width - 1)  # all ones for negative floats
+    flip &= bits.dtype.type((1 << (width - 1)) - 1)
+    return np.bitwise_xor(bits, flip, out=bits if in_place else None)
 
 
-def zigzag(steps: np.ndarray) -> np.ndarray:
+def zigzag(steps: np.ndarray, in_place: bool = False) -> np.ndarray:
     """Signed steps to unsigned codes, small magnitudes first: 0, -1, 1, -2, 2 -> 0, 1, 2, 3, 4."""
-    width = steps.dtype.itemsize * 8
-    unsigned = np.dtype(f"u{steps.dtype.itemsize}")
-    return ((steps << 1) ^ (steps >> (width - 1))).view(unsigned)
+    sign = steps >> (steps.dtype.itemsize * 8 - 1)  # all ones for negative steps
+    codes = np.left_shift(steps, 1, out=steps if in_place else None)
+    codes ^= sign
+    return codes.view(f"u{steps.dtype.itemsize}")
 
 
-def unzigzag(codes: np.ndarray) -> np.ndarray:
-    signed = np.dtype(f"i{codes.dtype.itemsize}")
-    return ((codes >> 1) ^ (0 - (codes & 1))).view(signed)
+def unzigzag(codes: np.ndarray, in_place: bool = False) -> np.ndarray:
+    negative = codes & 1
+    np.negative(negative, out=negative)  # all ones for odd codes (unsigned wrap-around)
+    steps = np.right_shift(codes, 1, out=codes if in_place else None)
+    steps ^= negative
+    return steps.view(f"i{codes.dtype.itemsize}")
 
 
 def to_planes(values: np.ndarray, nbytes: int | None = None) -> np.ndarray:

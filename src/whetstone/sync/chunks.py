@@ -2,9 +2,16 @@
 
 A version's tensors are laid end to end and cut into chunks of at most `chunk_elements` values,
 so memory stays bounded by (workers x chunk) however large the model, and chunks encode, upload,
-download and decode independently. A chunk object is
+download and decode independently. Inside a chunk, segments are coded in blocks:
 
-    MAGIC | u32 header length | header (JSON: one entry per segment) | segment payloads
+- one `sparse` block per dtype holds every segment coded as a delta, their values laid end to
+  end: one pair of zstd frames and one set of numpy passes per chunk, not per tensor (a model
+  has as many biases and norms as matrices);
+- segments without a base are `full`: a large one alone, the small ones of a dtype together.
+
+A chunk object is
+
+    MAGIC | u32 header length | header (JSON: one entry per block) | block payloads
 
 and its CRC-32 and size are recorded in the version's manifest, checked before anything decodes.
 """
@@ -16,12 +23,19 @@ import struct
 import zlib
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from whetstone.sync.bits import int_view, numpy_int_type
-from whetstone.sync.codec import FULL, CorruptDataError, Decoded, decode_segment, encode_segment
+from whetstone.sync.codec import (
+    FULL, SPARSE, CorruptDataError, Decoded, Encoded, apply_steps, decode_full, decode_sparse, encode_full,
+    encode_sparse, find_changes, step_codes,
+)
 
-MAGIC = b"WSYNC1\n"
+MAGIC = b"WSYNC2\n"
+# Segments shorter than this are scanned (or coded whole) together with the chunk's other short
+# segments of their dtype: a fixed cost per numpy call dwarfs the work on a 384-value bias.
+_SHARE_BELOW = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -31,6 +45,10 @@ class Segment:
     tensor: str
     start: int
     stop: int
+
+    @property
+    def size(self) -> int:
+        return self.stop - self.start
 
 
 def plan_chunks(sizes: list[tuple[str, int]], chunk_elements: int) -> list[list[Segment]]:
@@ -61,65 +79,147 @@ def encode_chunk(
 ) -> tuple[bytes, int]:
     """Code the segments of `new` against `old` (tensors absent from `old`, or of another dtype or
     shape, are coded whole). Returns the chunk object and the number of changed values."""
-    header, payloads, changed = [], [], 0
+    deltas, wholes = _group(segments, new, old)
+    blocks = [(run, encode_full(_bits_of(run, new), level)) for runs in wholes for run in runs]
+    changed = sum(seg.size for run, _ in blocks for seg in run)
+    for runs in deltas:
+        block = _encode_delta(runs, new, old, level)
+        blocks.append(block)
+        changed += block[1].count
+    header = [{"segments": [[s.tensor, s.start, s.stop] for s in segs], "encoding": coded.encoding,
+               "count": coded.count, "length": len(coded.payload), **coded.fields} for segs, coded in blocks]
+    head = json.dumps({"blocks": header}, separators=(",", ":")).encode()
+    return MAGIC + struct.pack("<I", len(head)) + head + b"".join(coded.payload for _, coded in blocks), changed
+
+
+Runs = list[list[Segment]]
+
+
+def _group(segments, new, old) -> tuple[list[Runs], list[Runs]]:
+    """Per dtype, the runs of segments coded as a delta and those coded whole. A run is one large
+    segment, or all the small ones together (one scan, one copy of a few thousand values)."""
+    deltas: dict[torch.dtype, Runs] = {}
+    wholes: dict[torch.dtype, Runs] = {}
     for seg in segments:
-        tensor = new[seg.tensor]
-        is_float = tensor.is_floating_point()
-        new_bits = int_view(tensor)[seg.start : seg.stop]
-        base = old.get(seg.tensor) if old is not None else None
-        same_layout = base is not None and base.dtype == tensor.dtype and base.shape == tensor.shape
-        old_bits = int_view(base)[seg.start : seg.stop] if same_layout else None
-        coded = encode_segment(new_bits, old_bits, is_float, level)
-        changed += coded.changed
-        header.append({"tensor": seg.tensor, "start": seg.start, "stop": seg.stop, "encoding": coded.encoding,
-                       "count": coded.count, "length": len(coded.payload), **coded.fields})
-        payloads.append(coded.payload)
-    head = json.dumps({"segments": header}, separators=(",", ":")).encode()
-    return MAGIC + struct.pack("<I", len(head)) + head + b"".join(payloads), changed
+        tensor, base = new[seg.tensor], None if old is None else old.get(seg.tensor)
+        with_base = base is not None and base.dtype == tensor.dtype and base.shape == tensor.shape
+        runs = (deltas if with_base else wholes).setdefault(tensor.dtype, [[]])
+        if seg.size < _SHARE_BELOW:
+            runs[0].append(seg)
+        else:
+            runs.append([seg])
+    return _without_empty_runs(deltas), _without_empty_runs(wholes)
+
+
+def _without_empty_runs(groups: dict[torch.dtype, Runs]) -> list[Runs]:
+    return [[run for run in runs if run] for runs in groups.values()]
+
+
+def _encode_delta(runs: Runs, new, old, level: int) -> tuple[list[Segment], Encoded]:
+    """One sparse block for all the delta runs of a dtype: positions count in the block, where
+    the runs are laid end to end."""
+    positions, new_values, old_values, first = [], [], [], 0
+    for run in runs:
+        found, new_found, old_found = find_changes(_bits_of(run, new), _bits_of(run, old))
+        if first:
+            found += first
+        first += sum(seg.size for seg in run)
+        positions.append(found)
+        new_values.append(new_found)
+        old_values.append(old_found)
+    is_float = new[runs[0][0].tensor].is_floating_point()
+    codes = step_codes(_laid_end_to_end(new_values), _laid_end_to_end(old_values), is_float)
+    return [seg for run in runs for seg in run], encode_sparse(_laid_end_to_end(positions), codes, level)
+
+
+def _bits_of(run: list[Segment], tensors: dict[str, torch.Tensor]) -> np.ndarray:
+    return _laid_end_to_end([int_view(tensors[seg.tensor])[seg.start : seg.stop] for seg in run])
+
+
+def _laid_end_to_end(parts: list[np.ndarray]) -> np.ndarray:
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def read_header(blob: bytes) -> tuple[list[dict], int]:
-    """The segment entries of a chunk object and the offset of its first payload."""
+    """The block entries of a chunk object and the offset of its first payload."""
     if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 4:
-        raise CorruptDataError("chunk does not start with the weight-sync magic bytes")
+        raise CorruptDataError("chunk does not start with the weight-sync magic bytes (or is of another format)")
     (head_length,) = struct.unpack_from("<I", blob, len(MAGIC))
     start = len(MAGIC) + 4
     try:
-        segments = json.loads(blob[start : start + head_length])["segments"]
+        blocks = json.loads(blob[start : start + head_length])["blocks"]
     except (ValueError, KeyError, TypeError):
         raise CorruptDataError("chunk header is not valid JSON") from None
-    return segments, start + head_length
+    return blocks, start + head_length
 
 
 def decode_chunk(
     blob: bytes, base: dict[str, torch.Tensor] | None, dtypes: dict[str, torch.dtype]
 ) -> list[tuple[Segment, Decoded]]:
-    """Decode every segment, in chunk order.
+    """Decode every segment of a chunk. A `Decoded`'s indices are flat indices into its tensor
+    (int64), or None when it carries all the segment's values.
 
     `base` holds the tensors the deltas were coded against; `dtypes` the new version's dtypes.
     """
-    segments, offset = read_header(blob)
+    blocks, offset = read_header(blob)
+    view = memoryview(blob)
     decoded = []
-    for entry in segments:
+    for entry in blocks:
         try:
-            name, start, stop, length = entry["tensor"], entry["start"], entry["stop"], entry["length"]
-            encoding, count = entry["encoding"], entry["count"]
-            fields = {k: entry[k] for k in ("gap_bytes", "step_bytes", "gap_length") if k in entry}
-        except (KeyError, TypeError):
-            raise CorruptDataError(f"chunk header entry {entry!r} is missing fields") from None
-        if name not in dtypes:
-            raise CorruptDataError(f"chunk codes tensor {name!r}, which the manifest does not list")
-        payload = blob[offset : offset + length]
+            segments = [Segment(str(name), int(start), int(stop)) for name, start, stop in entry["segments"]]
+            encoding, count, length = entry["encoding"], int(entry["count"]), int(entry["length"])
+        except (KeyError, TypeError, ValueError):
+            raise CorruptDataError(f"chunk header entry {str(entry)[:200]} is malformed") from None
+        dtype = _block_dtype(segments, dtypes)
+        payload = view[offset : offset + length]
         if len(payload) != length:
-            raise CorruptDataError(f"chunk is truncated inside tensor {name!r}")
+            raise CorruptDataError(f"chunk is truncated inside the block of tensor {segments[0].tensor!r}")
         offset += length
-        dtype = dtypes[name]
-        old = None
-        if encoding != FULL:
-            if base is None or name not in base or base[name].dtype != dtype or base[name].numel() < stop:
-                raise CorruptDataError(f"delta for tensor {name!r} has no matching tensor in the base")
-            old = int_view(base[name])[start:stop]
-        is_float = dtype.is_floating_point
-        values = decode_segment(encoding, count, payload, fields, old, stop - start, numpy_int_type(dtype), is_float)
-        decoded.append((Segment(name, start, stop), values))
+        size = sum(seg.size for seg in segments)
+        if encoding == SPARSE:
+            old = [_base_bits(base, seg, dtype) for seg in segments]
+            positions, codes = decode_sparse(count, payload, entry, size, np.dtype(f"u{dtype.itemsize}"))
+            decoded.extend(_sparse_pieces(segments, old, positions, codes, dtype.is_floating_point))
+        elif encoding == FULL:
+            values = decode_full(payload, size, numpy_int_type(dtype))
+            firsts = np.cumsum([0] + [seg.size for seg in segments]).tolist()
+            decoded.extend((seg, Decoded(None, values[lo:hi])) for seg, lo, hi in zip(segments, firsts, firsts[1:]))
+        else:
+            raise CorruptDataError(f"unknown block encoding {encoding!r}")
     return decoded
+
+
+def _block_dtype(segments: list[Segment], dtypes: dict[str, torch.dtype]) -> torch.dtype:
+    if not segments:
+        raise CorruptDataError("chunk header has a block without segments")
+    for seg in segments:
+        if seg.tensor not in dtypes:
+            raise CorruptDataError(f"chunk codes tensor {seg.tensor!r}, which the manifest does not list")
+        if not 0 <= seg.start <= seg.stop:
+            raise CorruptDataError(f"chunk codes values [{seg.start}, {seg.stop}) of tensor {seg.tensor!r}")
+        if dtypes[seg.tensor] != dtypes[segments[0].tensor]:
+            raise CorruptDataError(f"chunk codes tensors of different dtypes in one block: {seg.tensor!r}")
+    return dtypes[segments[0].tensor]
+
+
+def _base_bits(base: dict[str, torch.Tensor] | None, seg: Segment, dtype: torch.dtype) -> np.ndarray:
+    """All the bits of the base tensor a segment's delta was coded against."""
+    tensor = None if base is None else base.get(seg.tensor)
+    if tensor is None or tensor.dtype != dtype or tensor.numel() < seg.stop:
+        raise CorruptDataError(f"delta for tensor {seg.tensor!r} has no matching tensor in the base")
+    return int_view(tensor)
+
+
+def _sparse_pieces(segments, old: list[np.ndarray], positions, codes, is_float) -> list[tuple[Segment, Decoded]]:
+    """Per segment: its changes' tensor indices, and the old values there gathered into one
+    array for the whole block, which is then stepped at once."""
+    firsts = np.cumsum([0] + [seg.size for seg in segments]).tolist()  # each segment's place in the block
+    cuts = np.searchsorted(positions, firsts).tolist()
+    old_values = np.empty(positions.size, dtype=old[0].dtype)
+    indices = []
+    for seg, old_bits, first, lo, hi in zip(segments, old, firsts, cuts, cuts[1:]):
+        index = positions[lo:hi] + (seg.start - first) if seg.start != first else positions[lo:hi]
+        np.take(old_bits, index, out=old_values[lo:hi])
+        indices.append(index)
+    values = apply_steps(old_values, codes, is_float)
+    return [(seg, Decoded(index, values[lo:hi])) for seg, index, lo, hi in zip(segments, indices, cuts, cuts[1:])]

@@ -7,6 +7,7 @@ calls `apply_update` between decode steps, which overwrites values (`index_put_`
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -105,15 +106,18 @@ def _merge_sparse(earlier: TensorUpdate, later: TensorUpdate) -> TensorUpdate:
 def build_update(
     manifest: Manifest, pieces: list[tuple[Segment, Decoded]], base: dict[str, torch.Tensor] | None
 ) -> WeightUpdate:
-    """Turn a version's decoded segments into an update, checking they cover every tensor once."""
+    """Turn a version's decoded segments into an update, checking they cover every tensor once.
+    A tensor decoded in one piece (most of them) is handed over without a copy."""
     by_tensor: dict[str, list[tuple[Segment, Decoded]]] = {}
     for segment, decoded in pieces:
         by_tensor.setdefault(segment.tensor, []).append((segment, decoded))
     update = WeightUpdate(manifest.version, manifest.base)
     for info in manifest.tensors:
         dtype, shape = dtype_from_name(info.dtype), tuple(info.shape)
-        numel = int(np.prod(shape, dtype=np.int64))
-        parts = sorted(by_tensor.pop(info.name, []), key=lambda p: p[0].start)
+        numel = math.prod(shape)
+        parts = by_tensor.pop(info.name, [])
+        if len(parts) > 1:
+            parts.sort(key=lambda part: part[0].start)
         covered = 0
         for segment, _ in parts:
             if segment.start != covered:
@@ -121,14 +125,16 @@ def build_update(
             covered = segment.stop
         if covered != numel:
             raise CorruptDataError(f"tensor {info.name!r}: chunks carry {covered} of its {numel} values")
-        whole = [p[1].indices is None for p in parts]
-        if all(whole) and parts:
-            values = np.concatenate([p[1].values for p in parts])
+        if not parts:
+            continue  # an empty tensor that no chunk carries: nothing to write
+        whole = [decoded.indices is None for _, decoded in parts]
+        if all(whole):
+            values = _joined([decoded.values for _, decoded in parts])
             update.tensors[info.name] = TensorUpdate(from_int_view(values, dtype), None, shape)
         elif not any(whole):
-            indices = np.concatenate([p[1].indices + p[0].start for p in parts]) if parts else np.zeros(0, np.int64)
+            indices = _joined([decoded.indices for _, decoded in parts])
             if indices.size:
-                values = np.concatenate([p[1].values for p in parts])
+                values = _joined([decoded.values for _, decoded in parts])
                 update.tensors[info.name] = TensorUpdate(from_int_view(values, dtype), torch.from_numpy(indices), shape)
         else:
             raise CorruptDataError(f"tensor {info.name!r} is coded partly whole and partly as a delta")
@@ -138,3 +144,7 @@ def build_update(
         listed = {info.name for info in manifest.tensors}
         update.removed = [name for name in base if name not in listed]
     return update
+
+
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
