@@ -18,8 +18,24 @@ app = typer.Typer(
 )
 
 from whetstone.bench.cli import app as bench_app  # noqa: E402
+from whetstone.data.cli import app as corpus_app  # noqa: E402
+from whetstone.envs.cli import app as tasks_app  # noqa: E402
+from whetstone.envs.eval.cli import eval_command  # noqa: E402
+from whetstone.inference.cli import serve  # noqa: E402
+from whetstone.midtrain.cli import midtrain  # noqa: E402
+from whetstone.orchestrator.cli import orchestrator  # noqa: E402
+from whetstone.run.cli import run  # noqa: E402
+from whetstone.trainer.cli import trainer  # noqa: E402
 from whetstone.sync.cli import app as sync_app  # noqa: E402
 
+app.add_typer(corpus_app, name="corpus", help="Build and inspect the code corpus.")
+app.command("run")(run)
+app.command("midtrain")(midtrain)
+app.command("serve")(serve)
+app.command("trainer")(trainer)
+app.command("orchestrator")(orchestrator)
+app.command("eval")(eval_command)
+app.add_typer(tasks_app, name="tasks", help="Validate, list, show and export coding tasks.")
 app.add_typer(sync_app, name="sync", help="Publish, watch and inspect the versioned weight store.")
 app.add_typer(bench_app, name="bench")
 

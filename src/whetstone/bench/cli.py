@@ -46,3 +46,24 @@ def sandbox(
 ) -> None:
     """Sandbox start-to-exit latency and throughput vs an unsandboxed process."""
     _emit(_bench("sandbox").run(samples=samples, duration_s=duration_s), as_json, "sandbox")
+
+
+@app.command()
+def train(
+    as_json: bool = JSON,
+    steps: int = typer.Option(24, help="Timed optimizer steps per implementation."),
+    threads: int = typer.Option(2, help="torch threads for both implementations."),
+    dtype: str = typer.Option("float32", help="Compute dtype: float32 or bfloat16."),
+) -> None:
+    """Training tokens/s of the tiny MoE: whetstone vs transformers' Qwen3-MoE, same batches."""
+    _emit(_bench("train").run(steps=steps, threads=threads, dtype=dtype), as_json, "training throughput")
+
+
+@app.command()
+def inference(
+    as_json: bool = JSON,
+    threads: int = typer.Option(1, help="torch threads for both engines."),
+    new_tokens: int = typer.Option(128, help="Tokens generated per request."),
+) -> None:
+    """Generation tokens/s vs transformers' generate, interactive latency under load, swap pause."""
+    _emit(_bench("inference").run(threads=threads, new_tokens=new_tokens), as_json, "inference")

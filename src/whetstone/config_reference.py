@@ -1,0 +1,40 @@
+"""docs/configuration.md, generated from the config classes' field docstrings.
+
+`python -m whetstone.config_reference > docs/configuration.md`; a test keeps the file current.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from whetstone.config import config_reference
+
+# (title, module, class): the config each command loads from its TOML file.
+COMMANDS = [
+    ("whetstone run", "whetstone.run.config", "PipelineConfig"),
+    ("whetstone midtrain", "whetstone.midtrain.config", "MidtrainConfig"),
+    ("whetstone serve", "whetstone.inference.config", "ServeConfig"),
+    ("whetstone trainer", "whetstone.trainer.config", "TrainerConfig"),
+    ("whetstone orchestrator", "whetstone.orchestrator.config", "OrchestratorConfig"),
+    ("whetstone eval", "whetstone.envs.eval.config", "EvalConfig"),
+    ("whetstone tasks (task sources)", "whetstone.envs.tasks.registry", "TasksConfig"),
+    ("weight sync (the [sync] sections)", "whetstone.sync.config", "SyncConfig"),
+]
+
+HEADER = """# Configuration reference
+
+Every command takes an optional TOML file and `--set key.sub=value` overrides; unknown keys and
+wrong types are refused with the key named. Every field has a default that serves the embedded
+default run. Generated from the code: `python -m whetstone.config_reference > docs/configuration.md`.
+"""
+
+
+def render() -> str:
+    parts = [HEADER]
+    for title, module, name in COMMANDS:
+        parts.append(config_reference(getattr(importlib.import_module(module), name), title))
+    return "\n".join(parts)
+
+
+if __name__ == "__main__":
+    print(render(), end="")

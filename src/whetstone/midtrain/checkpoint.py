@@ -1,0 +1,235 @@
+"""Training checkpoints: everything a run needs to continue bit for bit, written atomically.
+
+Layout of `<run>/checkpoints/step_<NNNNNNNN>/` (the directory appears whole or not at all):
+
+    model.safetensors      fp32 master weights (tied tensors stored once)
+    optimizer.safetensors  AdamW moments and step counts, keyed `<param name>.<state key>`
+    state.json             step, tokens, data-loader position, RNG states, optimizer hyper-
+                           parameters, the run's config, and a sha256 of each tensor file
+
+The learning-rate schedule is a pure function of the step, so the step is its whole state.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import random
+import re
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file, save_model
+
+from whetstone.errors import CheckpointError
+from whetstone.utils.atomic import atomic_directory
+
+FORMAT_VERSION = 1
+MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+
+
+@dataclass
+class TrainState:
+    """The loop's own counters and the data loader's position."""
+
+    step: int = 0
+    tokens: int = 0
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+def checkpoint_dir(root: Path, step: int) -> Path:
+    return root / f"step_{step:08d}"
+
+
+def list_checkpoints(root: Path) -> list[Path]:
+    """Complete checkpoints under `root`, oldest first (temporary `.step_*` dirs are skipped)."""
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(root: Path) -> Path | None:
+    found = list_checkpoints(root)
+    return found[-1] if found else None
+
+
+def save_checkpoint(
+    root: Path,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: TrainState,
+    config: dict[str, Any],
+    keep: int,
+) -> Path:
+    """Write `root/step_<step>` atomically, then drop all but the newest `keep` (>= 1) checkpoints."""
+    path = checkpoint_dir(root, state.step)
+    with atomic_directory(path) as tmp:
+        save_model(model, str(tmp / MODEL_FILE))
+        tensors, groups = _optimizer_tensors(model, optimizer)
+        save_file(tensors, str(tmp / OPTIMIZER_FILE))
+        record = {
+            "format_version": FORMAT_VERSION,
+            "step": state.step,
+            "tokens": state.tokens,
+            "data": state.data,
+            "rng": _rng_state(),
+            "optimizer_param_groups": groups,
+            "config": config,
+            "sha256": {name: _sha256(tmp / name) for name in (MODEL_FILE, OPTIMIZER_FILE)},
+        }
+        (tmp / STATE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
+    for old in list_checkpoints(root)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> TrainState:
+    """Restore model, optimizer and RNG states from `path` in place; return the loop's state.
+
+    Every check runs before anything is modified, so a bad checkpoint leaves the run untouched.
+    """
+    record = read_state(path)
+    for name, digest in record["sha256"].items():
+        if _sha256(path / name) != digest:
+            raise CheckpointError(f"checkpoint file {path / name} is corrupt (sha256 mismatch)")
+    weights = _load_tensors(path / MODEL_FILE)
+    _check_model_tensors(path / MODEL_FILE, model, weights)
+    moments = _load_tensors(path / OPTIMIZER_FILE)
+    optimizer_state = _optimizer_state_dict(path / OPTIMIZER_FILE, model, optimizer, moments, record)
+    rng = _decode_rng(path / STATE_FILE, record["rng"])
+
+    model.load_state_dict(weights, strict=False)  # tied aliases are absent from the file; checked above
+    optimizer.load_state_dict(optimizer_state)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    return TrainState(step=record["step"], tokens=record["tokens"], data=record["data"])
+
+
+def read_state(path: Path) -> dict[str, Any]:
+    """The parsed `state.json` of a checkpoint, or a `CheckpointError` naming what is wrong."""
+    file = path / STATE_FILE
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    try:
+        record = json.loads(file.read_text())
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {file} is missing") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"checkpoint file {file} is corrupt: {err}") from None
+    if not isinstance(record, dict) or record.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint file {file}: unsupported format (expected version {FORMAT_VERSION})")
+    missing = {"step", "tokens", "data", "rng", "optimizer_param_groups", "sha256"} - record.keys()
+    if missing:
+        raise CheckpointError(f"checkpoint file {file} is corrupt: missing {sorted(missing)}")
+    return record
+
+
+def _load_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(file))
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {file} is missing") from None
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"checkpoint file {file} is corrupt: {err}") from None
+
+
+def _check_model_tensors(file: Path, model: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    expected = model.state_dict()
+    for name, tensor in weights.items():
+        if name not in expected:
+            raise CheckpointError(f"{file}: tensor {name!r} is not in the model built from the config")
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has shape {list(tensor.shape)}, "
+                f"the config's model expects {list(expected[name].shape)}"
+            )
+    # Names absent from the file are fine only if they alias a stored tensor (tied weights).
+    stored = {expected[name].data_ptr() for name in weights}
+    for name, tensor in expected.items():
+        if name not in weights and tensor.data_ptr() not in stored:
+            raise CheckpointError(f"{file}: tensor {name!r} is missing")
+
+
+def _param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """Names of the optimizer's parameters in its own index order."""
+    by_id = {id(p): name for name, p in model.named_parameters()}
+    return [by_id[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+def _optimizer_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list]:
+    state_dict = optimizer.state_dict()
+    names = _param_names(model, optimizer)
+    tensors = {
+        f"{names[index]}.{key}": value.contiguous()
+        for index, per_param in state_dict["state"].items()
+        for key, value in per_param.items()
+    }
+    groups = [{k: v for k, v in group.items() if k != "params"} for group in state_dict["param_groups"]]
+    return tensors, groups
+
+
+def _optimizer_state_dict(file: Path, model, optimizer, moments: dict[str, torch.Tensor], record: dict) -> dict:
+    """Rebuild an optimizer state dict from `<param name>.<state key>` tensors, checking shapes."""
+    index_of = {name: index for index, name in enumerate(_param_names(model, optimizer))}
+    params = dict(model.named_parameters())
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for stored_name, tensor in moments.items():
+        name, _, key = stored_name.rpartition(".")  # parameter names have dots, state keys do not
+        if name not in index_of:
+            raise CheckpointError(f"{file}: tensor {stored_name!r} does not belong to any model parameter")
+        if tensor.dim() > 0 and tensor.shape != params[name].shape:
+            raise CheckpointError(
+                f"{file}: tensor {stored_name!r} has shape {list(tensor.shape)}, "
+                f"the config's model expects {list(params[name].shape)}"
+            )
+        state.setdefault(index_of[name], {})[key] = tensor
+    current = optimizer.state_dict()["param_groups"]
+    saved = record["optimizer_param_groups"]
+    if len(saved) != len(current):
+        raise CheckpointError(f"{file}: {len(saved)} parameter groups, the optimizer has {len(current)}")
+    groups = [{**s, "betas": tuple(s["betas"]), "params": c["params"]} for s, c in zip(saved, current)]
+    return {"state": state, "param_groups": groups}
+
+
+def _rng_state() -> dict[str, Any]:
+    numpy_state = np.random.get_state()
+    return {
+        "torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode(),
+        "python": [random.getstate()[0], list(random.getstate()[1]), random.getstate()[2]],
+        "numpy": [numpy_state[0], numpy_state[1].tolist(), *numpy_state[2:]],
+    }
+
+
+def _decode_rng(file: Path, rng: dict[str, Any]) -> dict[str, Any]:
+    """The stored RNG states in the form each library's `set_state` takes."""
+    try:
+        torch_state = np.frombuffer(base64.b64decode(rng["torch"]), dtype=np.uint8).copy()
+        version, internal, gauss = rng["python"]
+        kind, keys, *rest = rng["numpy"]
+        return {
+            "torch": torch.from_numpy(torch_state),
+            "python": (version, tuple(internal), gauss),
+            "numpy": (kind, np.array(keys, dtype=np.uint32), *rest),
+        }
+    except (KeyError, TypeError, ValueError) as err:
+        raise CheckpointError(f"checkpoint file {file} is corrupt: bad RNG state ({err!r})") from None
+
+
+def _sha256(file: Path) -> str:
+    digest = hashlib.sha256()
+    try:
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint file {file} is missing") from None
+    return digest.hexdigest()

@@ -1,0 +1,121 @@
+"""The mid-training run: the step loop, evaluation, checkpoints, export and the summary.
+
+Everything a run writes lives in `<run.output_dir>/<run.name>/`:
+
+    config.toml        the config as last run
+    metrics.jsonl      one record per step (loss, lr, grad norm, tokens/s) and per evaluation
+    checkpoints/       step_<N>/ folders (see checkpoint.py); the newest is resumed
+    model/             the trained model as a Hugging Face folder, tokenizer included
+    summary.json       the summary `train` returns
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from whetstone.config import dump_toml
+from whetstone.data import DemoSource
+from whetstone.midtrain.checkpoint import save_checkpoint
+from whetstone.midtrain.config import MidtrainConfig
+from whetstone.midtrain.schedule import lr_at
+from whetstone.midtrain.setup import Session, open_session
+from whetstone.midtrain.step import train_step, validation_loss
+from whetstone.model.hf import save_hf
+from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.progress import progress_bar
+
+
+def train(config: MidtrainConfig, *, demos: DemoSource | None = None, stop_at_step: int | None = None) -> dict[str, Any]:
+    """Run (or continue) mid-training and return its summary (see `summarize`).
+
+    The run ends after `run.steps`, or earlier when `run.max_wall_time` (counted from this call,
+    corpus build included) runs out; either way it checkpoints, measures the validation loss and
+    exports the model. `stop_at_step` only
+    checkpoints and returns after that step, keeping the whole run's schedule: the next call
+    continues exactly where this one stopped (the bit-exact resume test uses it).
+    """
+    opened = time.perf_counter()  # the wall-time limit counts the corpus build too
+    session = open_session(config, demos)
+    config, run, state = session.config, config.run, session.state
+    atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
+    val_batches = list(_first(session.corpus.val_batches(run.batch_size, config.data.seq_len), run.eval_batches))
+    last_step = min(run.steps, stop_at_step or run.steps)
+    step_tokens = run.batch_size * run.grad_accum * config.data.seq_len
+    start_step, started = state.step, time.perf_counter()
+    val_loss, out_of_time = None, False
+
+    with MetricsWriter(session.run_dir / "metrics.jsonl") as metrics:
+        with progress_bar((last_step - start_step) * step_tokens, f"midtrain {run.name}", "tok") as bar:
+            while state.step < last_step and not out_of_time:
+                record = _step(session)
+                elapsed = time.perf_counter() - started
+                metrics.write({**record, "tokens_per_s": (state.step - start_step) * step_tokens / elapsed})
+                bar.update(step_tokens, step=state.step, loss=record["loss"])
+                out_of_time = 0 < run.max_wall_time <= time.perf_counter() - opened
+                ending = state.step == last_step or out_of_time
+                if state.step % run.eval_interval == 0 or ending:
+                    val_loss = validation_loss(session.model, val_batches, run.dtype)
+                    metrics.write({"step": state.step, "tokens": state.tokens, "val_loss": val_loss})
+                if state.step % run.checkpoint_interval == 0 or ending:
+                    save_checkpoint(session.checkpoints, session.model, session.optimizer, state,
+                                    config.model_dump(mode="json"), run.keep_checkpoints)
+
+    if val_loss is None:  # nothing left to train (a finished run, resumed): measure it anyway
+        val_loss = validation_loss(session.model, val_batches, run.dtype)
+    stopped_early = out_of_time and state.step < run.steps
+    model_dir = None
+    if state.step == run.steps or stopped_early:
+        model_dir = save_hf(session.model, session.run_dir / "model", tokenizer_dir=session.corpus.path / "tokenizer")
+    seconds = time.perf_counter() - started
+    summary = summarize(session, val_loss, stopped_early, model_dir, seconds, (state.step - start_step) * step_tokens)
+    atomic_write_json(session.run_dir / "summary.json", summary)
+    return summary
+
+
+def _step(session: Session) -> dict[str, Any]:
+    """One optimizer step at the schedule's learning rate; advances the state; returns its metrics."""
+    config, state = session.config, session.state
+    run, opt = config.run, config.optimizer
+    first = state.data["next_batch"]
+    micro_batches = [session.loader.batch_at(first + i) for i in range(run.grad_accum)]
+    lr = lr_at(state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps, total_steps=run.steps,
+               min_lr_ratio=opt.min_lr_ratio)
+    stats = train_step(session.model, session.optimizer, micro_batches, lr=lr, dtype=run.dtype,
+                       grad_clip=opt.grad_clip, step=state.step)
+    state.step += 1
+    state.tokens += stats.tokens
+    state.data["next_batch"] = first + run.grad_accum
+    record = {"step": state.step, "tokens": state.tokens, "loss": stats.loss, "aux_loss": stats.aux_loss,
+              "lr": lr, "grad_norm": stats.grad_norm}
+    if stats.demo_loss is not None:
+        record["demo_loss"] = stats.demo_loss
+    return record
+
+
+def summarize(session: Session, val_loss: float, stopped_early: bool, model_dir, seconds: float, tokens: int) -> dict[str, Any]:
+    """What `train` returns and writes to summary.json."""
+    config, state, corpus = session.config, session.state, session.corpus
+    return {
+        "run_dir": str(session.run_dir),
+        "step": state.step,
+        "steps": config.run.steps,
+        "finished": state.step == config.run.steps,
+        "stopped_early": stopped_early,
+        "tokens": state.tokens,
+        "train_seconds": round(seconds, 2),
+        "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        "val_loss": val_loss,
+        "unigram_entropy": corpus.unigram_entropy,
+        "val_unigram_cross_entropy": corpus.manifest["val_unigram_cross_entropy"],
+        "parameters": session.model.num_parameters(),
+        "active_parameters": session.model.num_parameters(active=True),
+        "model_dir": str(model_dir) if model_dir else None,
+        "resumed_from": str(session.resumed_from) if session.resumed_from else None,
+    }
+
+
+def _first(items, count: int):
+    """The first `count` items (the same validation batches at every evaluation)."""
+    return (item for _, item in zip(range(count), items))

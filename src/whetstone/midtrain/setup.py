@@ -1,0 +1,94 @@
+"""Everything a run needs before its first step: corpus, model, optimizer, and the resumed state.
+
+The model comes from the `model` section (fresh init) or from `run.init_from`, a Hugging Face
+folder (continued pre-training of a real checkpoint with its own tokenizer). Either way, the
+newest checkpoint of the run, if any, then replaces weights, optimizer and counters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from whetstone.data import Corpus, CorpusConfig, DemoSource, TrainLoader, build_corpus
+from whetstone.errors import ConfigError
+from whetstone.midtrain.checkpoint import TrainState, latest_checkpoint, load_checkpoint
+from whetstone.midtrain.config import MidtrainConfig
+from whetstone.midtrain.optim import build_optimizer
+from whetstone.model import ModelConfig, Transformer
+from whetstone.model.hf import load_hf, read_hf_config
+from whetstone.utils.runtime import set_threads
+
+
+@dataclass
+class Session:
+    config: MidtrainConfig
+    run_dir: Path
+    corpus: Corpus
+    loader: TrainLoader
+    model: Transformer
+    optimizer: torch.optim.AdamW
+    state: TrainState
+    resumed_from: Path | None
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Session:
+    """Build (or fetch from cache) the corpus, build the model and optimizer, resume if asked."""
+    run, opt = config.run, config.optimizer
+    set_threads(run.threads)
+    run_dir = Path(run.output_dir).expanduser() / run.name
+    model_config = resolve_model_config(config)  # before the corpus build: fail fast on a bad checkpoint
+    corpus = build_corpus(corpus_config(config), demos)
+    resume_from = latest_checkpoint(run_dir / "checkpoints") if run.resume else None
+    model = _build_model(config, model_config, corpus, resuming=resume_from is not None)
+    optimizer = build_optimizer(model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    state = TrainState(data={"next_batch": 0})
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, model, optimizer)
+    loader = corpus.train_loader(run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight)
+    # The config as run: with init_from, the model section is the checkpoint's.
+    config = config.model_copy(update={"model": model.cfg})
+    return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from)
+
+
+def corpus_config(config: MidtrainConfig) -> CorpusConfig:
+    """A run that starts from a Hugging Face checkpoint tokenizes with that checkpoint's tokenizer."""
+    if config.run.init_from and not config.data.tokenizer:
+        return config.data.model_copy(update={"tokenizer": config.run.init_from})
+    return config.data
+
+
+def resolve_model_config(config: MidtrainConfig) -> ModelConfig:
+    """The `model` section, or `run.init_from`'s config.json; a field set in both must agree."""
+    init_from = config.run.init_from
+    if not init_from:
+        return config.model
+    from_checkpoint = read_hf_config(init_from)
+    # Only what the user wrote in a model section counts, not the embedded default's sizes.
+    user_fields = config.model.model_fields_set if "model" in config.model_fields_set else set()
+    for field in sorted(user_fields):
+        if getattr(config.model, field) != getattr(from_checkpoint, field):
+            raise ConfigError(
+                f"model.{field} = {getattr(config.model, field)!r}, but run.init_from ({init_from}) has "
+                f"{getattr(from_checkpoint, field)!r}; drop it from the model section"
+            )
+    return from_checkpoint
+
+
+def _build_model(config: MidtrainConfig, model_config: ModelConfig, corpus: Corpus, resuming: bool) -> Transformer:
+    """A fresh init, or `run.init_from`'s weights (not when resuming: the checkpoint's replace them)."""
+    if model_config.vocab_size < corpus.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size ({model_config.vocab_size}) is smaller than the corpus tokenizer's "
+            f"vocabulary ({corpus.vocab_size}; see data.vocab_size, data.tokenizer)"
+        )
+    torch.manual_seed(config.run.seed)
+    if config.run.init_from and not resuming:
+        return load_hf(config.run.init_from)
+    return Transformer(model_config)

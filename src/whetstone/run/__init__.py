@@ -1,0 +1,1 @@
+"""`whetstone run`: the whole pipeline on one machine (see docs/architecture.md)."""

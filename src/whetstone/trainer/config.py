@@ -1,0 +1,66 @@
+"""The trainer's config. Defaults serve the embedded default run: the mid-trained tiny MoE, batches
+and weights in local directories under `runs/default/`, router replay on, a checkpoint every 10 steps.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from whetstone.config import Config
+from whetstone.midtrain.config import OptimizerConfig
+from whetstone.rl.loss import LossConfig
+from whetstone.sync.config import SyncConfig
+
+
+class TrainerConfig(Config):
+    """`whetstone trainer`: consume batch n, take optimizer step n, publish weight version n + 1."""
+
+    model_path: str = "runs/default/midtrain/model"
+    """Hugging Face folder of the initial policy (what mid-training exported); also the KL reference."""
+    batch_store: str = "runs/default/batches"
+    """Where the orchestrator puts batches (`batches/<n:010d>.batch`): a directory or s3://bucket/prefix."""
+    batch_store_endpoint_url: str | None = None
+    """S3 endpoint of the batch store for non-AWS object stores (MinIO, R2, moto)."""
+    output_dir: str = "runs/default/trainer"
+    """The trainer's own folder: config.toml, metrics.jsonl, checkpoints/."""
+    sync: SyncConfig = SyncConfig()
+    """The weight store every step is published to (the inference servers follow the same one)."""
+    loss: LossConfig = LossConfig()
+    """Clipping, truncated importance sampling, ratio masking, KL to the reference."""
+    optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0)
+    """AdamW and gradient clipping. RL runs have no natural end, so the default learning rate is
+    constant (min_lr_ratio 1); `warmup_steps` ramps it up linearly."""
+    router_replay: bool = True
+    """Replay the rollout's routes in the forward and backward passes (MoE models with routes in
+    the batch); off = the trainer routes on its own, and the disagreement with the rollout is logged."""
+    micro_batch_size: int = Field(8, ge=1)
+    """Rows per forward/backward; the step's gradient is the same for any value (token-level mean)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype (bf16 under autocast); master weights and optimizer state are always fp32.
+    fp32 keeps the trainer's logprobs closest to an fp32 inference engine's."""
+    threads: int = Field(1, ge=0)
+    """Torch intra-op threads of this process (0 = all cores)."""
+    max_steps: int = Field(0, ge=0)
+    """Stop after this many optimizer steps in total (batches 0 .. max_steps-1); 0 = run until stopped."""
+    idle_timeout: float = Field(0.0, ge=0)
+    """Stop (after a checkpoint) when no new batch arrived for this many seconds; 0 = wait forever."""
+    poll_interval: float = Field(0.2, gt=0)
+    """Seconds between checks of the batch store while waiting for the next batch."""
+    checkpoint_interval: int = Field(10, ge=1)
+    """Checkpoint every this many steps (and when stopping). Steps after the last checkpoint are
+    replayed from the batch store on restart, so the store must keep batches since then."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """How many of the newest checkpoints to keep."""
+
+    @model_validator(mode="after")
+    def _schedule_has_a_length(self) -> "TrainerConfig":
+        if self.optimizer.min_lr_ratio < 1 and self.max_steps == 0:
+            raise ValueError("optimizer.min_lr_ratio < 1 decays the learning rate over max_steps: set max_steps")
+        return self
+
+
+def batch_key(index: int) -> str:
+    """The batch store key of batch `index` (the orchestrator-trainer contract)."""
+    return f"batches/{index:010d}.batch"

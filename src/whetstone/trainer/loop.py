@@ -1,0 +1,153 @@
+"""The trainer process: wait for batch n, take optimizer step n, publish weight version n + 1.
+
+    <output_dir>/config.toml      the config as last run
+    <output_dir>/metrics.jsonl    one record per step (loss metrics, routing, timings, batch meta)
+    <output_dir>/checkpoints/     step_<N>/ (midtrain's checkpoint format; N = next batch index)
+
+The loop polls the batch store for `batches/<n:010d>.batch` (written whole by one atomic put),
+so it never sees half a batch and never needs to know who wrote it or how advantages were made.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+
+from whetstone.config import dump_toml
+from whetstone.errors import WhetstoneError
+from whetstone.midtrain.checkpoint import save_checkpoint
+from whetstone.midtrain.schedule import lr_at
+from whetstone.rl.batch import Batch, batch_from_bytes
+from whetstone.store import MissingObjectError
+from whetstone.sync import Subscriber
+from whetstone.trainer.config import TrainerConfig, batch_key
+from whetstone.trainer.setup import TrainerSession, open_trainer
+from whetstone.trainer.step import train_step
+from whetstone.utils.atomic import atomic_write_text
+from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.progress import progress_bar
+
+log = logging.getLogger("whetstone.trainer")
+BATCH_META_SCALARS = ("reward_mean", "samples", "rollouts")
+
+
+@contextmanager
+def stop_on_signals() -> Iterator[threading.Event]:
+    """An event set by SIGTERM / SIGINT: the loop then finishes its step, checkpoints and returns
+    (so a clean shutdown needs no replay). Only the main thread can take signals."""
+    stop = threading.Event()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def wait_for_batch(session: TrainerSession, index: int, stop: threading.Event) -> Batch | None:
+    """Batch `index` once it is in the store; None if `stop` is set or none came within `idle_timeout`."""
+    config, key = session.config, batch_key(index)
+    deadline = time.monotonic() + config.idle_timeout if config.idle_timeout else None
+    while True:
+        try:
+            batch = batch_from_bytes(session.batches.get(key), source=f"{key} in {session.batches!r}")
+            break
+        except MissingObjectError:
+            if stop.wait(config.poll_interval) or (deadline is not None and time.monotonic() >= deadline):
+                return None
+    if batch.meta.get("index", index) != index:
+        raise WhetstoneError(f"{key} says it is batch {batch.meta['index']}, expected {index}")
+    return batch
+
+
+def replay_matches_store(session: TrainerSession) -> bool:
+    """After replaying, do the trainer's weights (as published) equal the store's latest version?"""
+    subscriber = Subscriber(session.weights, session.config.sync, name="trainer-check")
+    subscriber.poll()
+    mine = session.publisher.prepare(session.model.state_dict())
+    return mine.keys() == subscriber.state.keys() and all(torch.equal(mine[k], subscriber.state[k]) for k in mine)
+
+
+def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
+    """Train on `batch` (the next one), publish unless replaying; advance the state; return metrics."""
+    config, state = session.config, session.state
+    opt, replaying = config.optimizer, state.step < session.replay_until
+    lr = lr_at(state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps,
+               total_steps=config.max_steps or 1, min_lr_ratio=opt.min_lr_ratio)
+    started = time.perf_counter()
+    metrics = train_step(session.model, session.optimizer, batch, loss_config=config.loss, lr=lr,
+                         grad_clip=opt.grad_clip, micro_batch_size=config.micro_batch_size,
+                         replay=config.router_replay, dtype=config.dtype, reference=session.reference)
+    record: dict[str, Any] = {"step": state.step, "replayed": replaying, **metrics,
+                              "train_s": time.perf_counter() - started}
+    state.step += 1
+    state.tokens += batch.num_loss_tokens
+    state.data["next_batch"] = state.step
+    if not replaying:
+        started = time.perf_counter()
+        manifest = session.publisher.publish(session.model.state_dict())
+        if manifest.version != state.step:
+            raise WhetstoneError(f"published version {manifest.version} after step {state.step - 1}: "
+                                 f"another trainer writes to {config.sync.store}?")
+        record.update(version=manifest.version, publish_s=time.perf_counter() - started,
+                      delta_bytes=manifest.encoded_bytes, delta_kind=manifest.kind, delta_ratio=manifest.ratio)
+    elif state.step == session.replay_until:
+        record["replay_matches_store"] = replay_matches_store(session)
+        if not record["replay_matches_store"]:
+            log.warning("replayed weights differ from the store's version %d (non-deterministic kernels or "
+                        "another thread count?); the next delta carries the difference", state.step)
+    staleness = [state.step - 1 - row["oldest_version"] for row in batch.rows if row["oldest_version"] >= 0]
+    record.update({key: batch.meta[key] for key in BATCH_META_SCALARS if key in batch.meta},
+                  staleness_max=max(staleness, default=0),
+                  staleness_histogram=batch.meta.get("staleness_histogram", {}), groups=batch.meta.get("groups", {}),
+                  rows=len(batch))
+    return record
+
+
+def run_trainer(config: TrainerConfig) -> dict[str, Any]:
+    """Train until `max_steps`, until `idle_timeout` passes without a batch, or until SIGTERM /
+    SIGINT; checkpoint, and return a summary."""
+    session = open_trainer(config)
+    state = session.state
+    session.run_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
+    first_step, checkpointed = state.step, state.step
+
+    def checkpoint() -> None:
+        nonlocal checkpointed
+        save_checkpoint(session.checkpoints, session.model, session.optimizer, state,
+                        config.model_dump(mode="json"), config.keep_checkpoints)
+        checkpointed = state.step
+
+    total = config.max_steps - first_step if config.max_steps else None
+    with (MetricsWriter(session.run_dir / "metrics.jsonl") as metrics, progress_bar(total, "trainer", "step") as bar,
+          stop_on_signals() as stop):
+        while (not config.max_steps or state.step < config.max_steps) and not stop.is_set():
+            waited = time.perf_counter()
+            batch = wait_for_batch(session, state.step, stop)
+            if batch is None:
+                log.info("stopping while waiting for batch %d (signal or idle_timeout)", state.step)
+                break
+            record = step_once(session, batch)
+            record["wait_s"] = time.perf_counter() - waited - record["train_s"] - record.get("publish_s", 0.0)
+            busy = record["train_s"] + record.get("publish_s", 0.0)
+            record["busy"] = busy / max(busy + record["wait_s"], 1e-9)
+            metrics.write(record)
+            bar.update(1, step=state.step, loss=record["loss"], kl=record["mismatch_kl_k3"])
+            if state.step % config.checkpoint_interval == 0:
+                checkpoint()
+        if state.step != checkpointed:
+            checkpoint()
+    return {"output_dir": str(session.run_dir), "step": state.step, "version": session.weights.latest(),
+            "steps_this_run": state.step - first_step, "replayed": max(0, session.replay_until - first_step),
+            "resumed_from": str(session.resumed_from) if session.resumed_from else None}

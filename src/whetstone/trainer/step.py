@@ -1,0 +1,103 @@
+"""One optimizer step of the policy over one batch.
+
+The batch is cut into micro-batches; each runs a forward (replaying the rollout's routes for an
+MoE model unless replay is off), gets the logprobs of its targets, and backpropagates its share
+of `policy_loss`. The loss is normalised by `num_tokens`, the trained-token count of the whole
+step, so micro-batches (and, under FSDP, ranks) add up to the gradient of one big batch.
+
+Routing disagreement is measured alongside: with replay, how often the trainer's own router
+would have picked other experts (forward hooks, `rl.routing`); without replay, how often the
+trainer's choice differs from the rollout's recorded routes.
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+
+from whetstone.errors import WhetstoneError
+from whetstone.midtrain.step import autocast
+from whetstone.model import Transformer
+from whetstone.rl.batch import Batch
+from whetstone.rl.loss import LossConfig, LossStats, policy_loss
+from whetstone.rl.routing import RoutingStats, track_routing
+
+
+def micro_batches(batch: Batch, size: int) -> list[Batch]:
+    return [batch.select(range(i, min(i + size, len(batch)))) for i in range(0, len(batch), size)]
+
+
+def _unreplayed_disagreement(own: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> RoutingStats:
+    """Trainer's own routes vs the rollout's, as expert sets, at the positions of `mask`."""
+    differs = (own.sort(dim=-1).values != rollout.sort(dim=-1).values).any(dim=-1)[mask]  # [N, layers]
+    return RoutingStats(choices=differs.numel(), disagreed=int(differs.sum()),
+                        tokens=differs.shape[0], tokens_disagreed=int(differs.any(dim=-1).sum()))
+
+
+def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str) -> tuple[torch.Tensor, RoutingStats]:
+    """Logprobs of the micro-batch's targets [B, T], and the routing disagreement at its trained positions."""
+    has_routes = micro.routes is not None and model.cfg.num_moe_layers > 0
+    replayed = replay and has_routes
+    tracking = track_routing(model, micro.loss_mask) if replayed else nullcontext(RoutingStats())
+    with tracking as routing, autocast(dtype):
+        out = model(micro.input_ids, routes=micro.routes if replayed else None,
+                    return_routes=has_routes and not replayed, targets=micro.target_ids)
+    if has_routes and not replayed:
+        routing = _unreplayed_disagreement(out.routes, micro.routes, micro.loss_mask)
+    return out.logprobs, routing
+
+
+def train_step(
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    batch: Batch,
+    *,
+    loss_config: LossConfig,
+    lr: float,
+    grad_clip: float,
+    micro_batch_size: int,
+    replay: bool = True,
+    dtype: str = "float32",
+    num_tokens: int | None = None,
+    reference: Transformer | None = None,
+) -> dict[str, Any]:
+    """Forward/backward every micro-batch of `batch`, clip, take one optimizer step at `lr`.
+
+    `num_tokens`: trained tokens of the whole step across ranks (default: this batch's).
+    `reference`: the frozen model for the KL term (needed when `loss_config.kl_coef` > 0).
+    Returns the step's metrics; raises before touching the weights if the loss is not finite.
+    """
+    num_tokens = batch.num_loss_tokens if num_tokens is None else num_tokens
+    if num_tokens == 0:
+        raise WhetstoneError(f"batch {batch.meta.get('index', '?')} has no trained tokens (every loss_mask is 0)")
+    if loss_config.kl_coef > 0 and reference is None:
+        raise WhetstoneError("loss.kl_coef > 0 needs a reference model")
+    model.train()
+    loss_total, loss_parts, routing_parts = 0.0, [], []
+    for micro in micro_batches(batch, micro_batch_size):
+        logprobs, routing = forward_logprobs(model, micro, replay, dtype)
+        ref_logprobs = None
+        if reference is not None and loss_config.kl_coef > 0:
+            with torch.no_grad():
+                ref_logprobs, _ = forward_logprobs(reference, micro, replay, dtype)
+        loss, stats = policy_loss(logprobs, micro.behavior_logprobs, micro.advantages, micro.loss_mask,
+                                  loss_config, ref_logprobs=ref_logprobs, num_tokens=num_tokens)
+        loss.backward()
+        loss_total += loss.item()
+        loss_parts.append(stats)
+        routing_parts.append(routing)
+    if not math.isfinite(loss_total):
+        optimizer.zero_grad(set_to_none=True)
+        raise WhetstoneError(f"batch {batch.meta.get('index', '?')}: the loss is {loss_total}; weights left unchanged")
+    params = [p for p in model.parameters() if p.grad is not None]
+    # max_norm=inf measures the norm without clipping.
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_total, "grad_norm": float(grad_norm), "lr": lr,
+            **LossStats.merge(loss_parts).metrics(), **RoutingStats.merge(routing_parts).metrics()}

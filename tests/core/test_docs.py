@@ -1,0 +1,15 @@
+from pathlib import Path
+
+from whetstone.config_reference import render
+
+DOCS = Path(__file__).resolve().parents[2] / "docs"
+
+
+def test_configuration_reference_is_current():
+    # Regenerate with: python -m whetstone.config_reference > docs/configuration.md
+    assert (DOCS / "configuration.md").read_text() == render()
+
+
+def test_every_config_field_has_a_description():
+    missing = [line.split("|")[1].strip() for line in render().splitlines() if line.startswith("| `") and line.rstrip().endswith("|  |")]
+    assert not missing, f"fields without a docstring: {missing}"

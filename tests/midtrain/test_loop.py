@@ -1,0 +1,121 @@
+"""The whole run at tiny scale: real corpus, real model, checkpoints, resume, export."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
+from whetstone.midtrain.loop import train
+from whetstone.model.hf import load_hf
+from whetstone.utils.metrics import read_metrics
+
+
+def final_weights(summary) -> dict[str, torch.Tensor]:
+    return load_file(f"{summary['run_dir']}/checkpoints/step_{summary['step']:08d}/model.safetensors")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resumed_run_is_bit_identical_to_a_straight_run(make_config, dtype):
+    straight = train(make_config(f"run.dtype={dtype}", "run.name=straight", "run.grad_accum=2"))
+    halves = make_config(f"run.dtype={dtype}", "run.name=halves", "run.grad_accum=2")
+    first = train(halves, stop_at_step=4)
+    assert (first["step"], first["finished"], first["model_dir"]) == (4, False, None)
+    second = train(halves)
+    assert second["resumed_from"].endswith("step_00000004")
+
+    a, b = final_weights(straight), final_weights(second)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+    assert second["val_loss"] == straight["val_loss"]
+    assert second["tokens"] == straight["tokens"] == 8 * 2 * 4 * 32
+
+
+def test_metrics_summary_and_hf_export(make_config, tmp_path):
+    summary = train(make_config())
+    run_dir = tmp_path / "runs" / "midtrain"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r for r in records if "loss" in r]
+    evals = [r for r in records if "val_loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 9))
+    assert {"tokens", "lr", "grad_norm", "aux_loss", "tokens_per_s"} <= steps[0].keys()
+    assert [r["step"] for r in evals] == [4, 8] and evals[-1]["val_loss"] == summary["val_loss"]
+    assert steps[-1]["loss"] < steps[0]["loss"]
+    assert summary["finished"] and json.loads((run_dir / "summary.json").read_text()) == summary
+    assert summary["unigram_entropy"] > 0 and summary["val_unigram_cross_entropy"] > 0
+    assert (run_dir / "config.toml").exists()
+
+    exported = load_hf(summary["model_dir"])
+    weights = final_weights(summary)
+    for name, tensor in exported.state_dict().items():
+        if name in weights:
+            assert torch.equal(tensor, weights[name]), name
+    assert (run_dir / "model" / "tokenizer.json").exists()
+
+
+def test_a_finished_run_resumes_to_the_same_summary_without_training(make_config):
+    config = make_config("run.steps=4", "run.eval_interval=2")
+    first = train(config)
+    again = train(config)
+    assert again["resumed_from"].endswith("step_00000004")
+    assert again["val_loss"] == first["val_loss"] and again["tokens"] == first["tokens"]
+
+
+def test_wall_time_limit_checkpoints_exports_and_stops_early(make_config):
+    config = make_config("run.max_wall_time=1e-9")
+    summary = train(config)
+    assert (summary["step"], summary["stopped_early"], summary["finished"]) == (1, True, False)
+    assert summary["model_dir"] and summary["val_loss"] is not None
+    assert train(config.model_copy(update={"run": config.run.model_copy(update={"max_wall_time": 0})}))["finished"]
+
+
+def from_checkpoint(config, folder, **data):
+    """`config` set to start from the HF folder `folder` (no model section of its own)."""
+    run = config.run.model_copy(update={"init_from": str(folder)})
+    return config.model_copy(update={"model": type(config.model)(), "run": run, "data": config.data.model_copy(update=data)})
+
+
+def test_continue_training_from_an_exported_hf_folder(make_config):
+    base = train(make_config("run.name=base", "run.steps=4", "run.eval_interval=2"))
+    continued = train(from_checkpoint(make_config("run.name=continued"), base["model_dir"]))
+    assert continued["finished"] and continued["val_loss"] < base["val_loss"]
+    assert continued["parameters"] == base["parameters"]
+
+
+def test_a_model_section_that_disagrees_with_init_from_is_named(make_config):
+    base = train(make_config("run.name=base", "run.steps=4", "run.eval_interval=2"))
+    agreeing = make_config("run.name=agreeing", "run.steps=4", "run.eval_interval=2", f"run.init_from={base['model_dir']}")
+    assert train(agreeing)["finished"]  # the tiny model section matches the exported config.json
+    with pytest.raises(ConfigError, match=r"model.hidden_size = 48, but run.init_from .* has 32"):
+        train(make_config("model.hidden_size=48", f"run.init_from={base['model_dir']}"))
+
+
+def test_init_from_an_unsupported_architecture_is_named(make_config, tmp_path):
+    base = train(make_config("run.name=base", "run.steps=4", "run.eval_interval=2"))
+    folder = tmp_path / "gelu-model"
+    folder.mkdir()
+    hf_config = json.loads((tmp_path / "runs" / "base" / "model" / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**hf_config, "hidden_act": "gelu"}))
+    with pytest.raises(CheckpointError, match=r"gelu-model/config.json.*hidden_act"):
+        train(from_checkpoint(make_config("run.name=other"), folder, tokenizer=base["model_dir"]))
+
+
+def test_a_model_vocabulary_smaller_than_the_tokenizer_is_named(make_config):
+    with pytest.raises(ConfigError, match=r"model.vocab_size \(100\) is smaller"):
+        train(make_config("model.vocab_size=100"))
+
+
+def test_a_checkpoint_that_does_not_fit_the_config_is_named(make_config):
+    train(make_config("run.steps=4", "run.eval_interval=2"))
+    with pytest.raises(CheckpointError, match=r"step_00000004/model.safetensors: tensor '.*' has shape"):
+        train(make_config("run.steps=8", "model.hidden_size=48"))
+
+
+def test_an_empty_corpus_is_named(make_config, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(WhetstoneError, match="corpus is empty"):
+        train(make_config(f'data.directories=[{{path="{empty}"}}]'))
+    assert not (tmp_path / "runs").exists()

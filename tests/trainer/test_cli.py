@@ -1,0 +1,33 @@
+"""`whetstone trainer CONFIG [--set ...]`."""
+
+from __future__ import annotations
+
+import json
+
+from typer.testing import CliRunner
+
+from whetstone.config import dump_toml
+from whetstone.errors import ConfigError
+from whetstone.trainer.cli import app
+
+from tests.trainer.trainer_fixtures import put_batches, trainer_config
+
+
+def test_the_command_trains_the_batches_there_and_prints_a_summary(tmp_path, tiny_moe, batches):
+    put_batches(tmp_path / "batches", batches[:2])
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe)))
+    result = CliRunner().invoke(app, ["trainer", str(config_file), "--set", "max_steps=1", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["step"] == 1 and summary["version"] == 1 and summary["resumed_from"] is None
+
+
+def test_a_bad_key_is_named(tmp_path):
+    result = CliRunner().invoke(app, ["trainer", "--set", "loss.is_capp=3"])
+    assert isinstance(result.exception, ConfigError) and "is_capp" in str(result.exception)
+
+
+def test_a_decaying_learning_rate_needs_a_run_length():
+    result = CliRunner().invoke(app, ["trainer", "--set", "optimizer.min_lr_ratio=0.1"])
+    assert isinstance(result.exception, ConfigError) and "max_steps" in str(result.exception)

@@ -1,0 +1,170 @@
+"""The trainer process: batches 0..N from a store in, weight versions 1..N+1 out, checkpoints,
+and a kill -9 followed by a restart that neither loses nor repeats a batch."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from whetstone.config import dump_toml
+from whetstone.errors import CheckpointError
+from whetstone.midtrain.checkpoint import latest_checkpoint
+from whetstone.model.hf import load_hf
+from whetstone.sync import Subscriber, SyncConfig, WeightStore
+from whetstone.trainer.loop import run_trainer
+from whetstone.utils.metrics import read_metrics
+
+from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
+
+
+
+def checkpoint_weights(root) -> dict[str, torch.Tensor]:
+    return load_file(str(latest_checkpoint(root / "trainer" / "checkpoints") / "model.safetensors"))
+
+
+def subscribe(root) -> Subscriber:
+    subscriber = Subscriber(WeightStore.open(SyncConfig(store=str(root / "weights"))), SyncConfig())
+    subscriber.poll()
+    return subscriber
+
+
+def test_the_loop_trains_on_each_batch_in_order_and_publishes_every_step(tmp_path, tiny_moe, batches):
+    # No batch yet: the trainer publishes the initial weights as version 0 and, idle, stops.
+    assert run_trainer(trainer_config(tmp_path, tiny_moe))["version"] == 0
+    initial, version0 = load_hf(tiny_moe).state_dict(), subscribe(tmp_path)
+    assert version0.version == 0 and all(torch.equal(initial[name], version0.state[name]) for name in initial)
+
+    put_batches(tmp_path / "batches", batches[:3])
+    summary = run_trainer(trainer_config(tmp_path, tiny_moe))  # stops when no batch 3 comes (idle_timeout)
+    assert summary["step"] == 3 and summary["version"] == 3
+
+    store = WeightStore.open(SyncConfig(store=str(tmp_path / "weights")))
+    assert store.versions() == [0, 1, 2, 3] and store.manifest(0).kind == "full"
+    # (fp32 at lr 1e-2 changes every value: the publisher may well choose full versions; either way)
+    assert all(m.kind == "full" or m.base == m.version - 1 for m in map(store.manifest, (1, 2, 3)))
+    # A server following the store holds, bit for bit, what the trainer checkpointed at the end.
+    latest, trained = subscribe(tmp_path), checkpoint_weights(tmp_path)
+    assert latest.version == 3 and all(torch.equal(trained[name], latest.state[name]) for name in trained)
+
+    records = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
+    assert [(r["step"], r["version"], r["replayed"]) for r in records] == [(0, 1, False), (1, 2, False), (2, 3, False)]
+    assert records[0]["reward_mean"] == batches[0].meta["reward_mean"] and records[0]["mismatch_kl_k3"] < 1e-9
+    assert all(r["delta_bytes"] > 0 and 0 <= r["busy"] <= 1 for r in records)
+    assert latest_checkpoint(tmp_path / "trainer" / "checkpoints").name == "step_00000003"
+
+
+TRAINER_PROCESS = "from whetstone.trainer.cli import app; app(['trainer', {path!r}])"
+
+
+def wait_until(condition, process, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert process.poll() is None, f"the trainer exited early: {process.stderr.read().decode()[-2000:]}"
+        assert time.monotonic() < deadline, "timed out waiting for the trainer"
+        time.sleep(0.05)
+
+
+def test_a_killed_trainer_resumes_without_losing_or_repeating_a_batch(tmp_path, tiny_moe, batches):
+    # The uninterrupted run: 7 batches, 7 steps.
+    put_batches(tmp_path / "straight" / "batches", batches)
+    run_trainer(trainer_config(tmp_path / "straight", tiny_moe, max_steps=7))
+
+    # The interrupted one, in its own process: 5 batches are there; it checkpoints after step 3,
+    # publishes versions up to 5, then waits for batch 5 and is killed (-9) while it waits.
+    root = tmp_path / "killed"
+    put_batches(root / "batches", batches[:5])
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(root, tiny_moe, max_steps=7, idle_timeout=0)))
+    process = subprocess.Popen([sys.executable, "-c", TRAINER_PROCESS.format(path=str(config_file))],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        metrics = root / "trainer" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) == 5, process)
+        process.send_signal(signal.SIGKILL)
+        process.wait(timeout=10)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+    assert latest_checkpoint(root / "trainer" / "checkpoints").name == "step_00000003"
+
+    # The restart: back to step 3, replays batches 3 and 4 (already published), then trains 5 and 6.
+    put_batches(root / "batches", batches[5:], first=5)
+    summary = run_trainer(trainer_config(root, tiny_moe, max_steps=7))
+    assert summary["replayed"] == 2 and summary["step"] == 7 and summary["version"] == 7
+
+    records = read_metrics(root / "trainer" / "metrics.jsonl")
+    trained = [r["step"] for r in records if not r["replayed"]]
+    published = [r["version"] for r in records if not r["replayed"]]
+    assert trained == list(range(7)) and published == list(range(1, 8))
+    assert [r["step"] for r in records if r["replayed"]] == [3, 4]
+    assert records[-3]["replay_matches_store"] is True  # the replay rebuilt exactly what servers hold
+
+    # Same weights as the uninterrupted run, in the checkpoint and in the store.
+    straight, resumed = checkpoint_weights(tmp_path / "straight"), checkpoint_weights(root)
+    assert all(torch.equal(straight[name], resumed[name]) for name in straight)
+    followed = subscribe(root)
+    assert followed.version == 7 and all(torch.equal(resumed[name], followed.state[name]) for name in resumed)
+
+
+def test_a_checkpoint_is_not_resumed_against_an_empty_weight_store(tmp_path, tiny_moe, batches):
+    put_batches(tmp_path / "batches", batches[:1])
+    run_trainer(trainer_config(tmp_path, tiny_moe))
+    with pytest.raises(CheckpointError, match="weight store .* is empty"):
+        run_trainer(trainer_config(tmp_path, tiny_moe, sync={"store": str(tmp_path / "other")}))
+
+
+def test_batches_and_weights_can_live_in_an_s3_bucket(tmp_path, tiny_moe, batches):
+    from whetstone.store.moto import local_s3
+    from whetstone.store.s3 import S3Store
+
+    with local_s3("rl-test") as endpoint:
+        put_batches(S3Store("rl-test", "run/batches", endpoint_url=endpoint), batches[:2])
+        sync = {"store": "s3://rl-test/run/weights", "endpoint_url": endpoint, "publish_dtype": "float32"}
+        config = trainer_config(tmp_path, tiny_moe, batch_store="s3://rl-test/run/batches",
+                                batch_store_endpoint_url=endpoint, sync=sync)
+        assert run_trainer(config)["version"] == 2
+        followed = Subscriber(WeightStore.open(config.sync), config.sync)
+        followed.poll()
+        trained = checkpoint_weights(tmp_path)
+        assert followed.version == 2 and all(torch.equal(trained[name], followed.state[name]) for name in trained)
+
+
+def test_a_dense_model_trains_without_routes(tmp_path):
+    dense = save_tiny_moe(tmp_path / "dense", num_experts=0)
+    put_batches(tmp_path / "batches", make_batches(dense, 1))
+    summary = run_trainer(trainer_config(tmp_path, dense))
+    record = read_metrics(tmp_path / "trainer" / "metrics.jsonl")[0]
+    assert summary["version"] == 1 and record["routing_disagreement"] == 0.0 and record["mismatch_kl_k3"] < 1e-9
+
+
+@pytest.mark.slow  # a second trainer process: ~5 s idle, far more on a loaded machine
+def test_sigterm_stops_the_trainer_cleanly_with_a_checkpoint(tmp_path, tiny_moe, batches):
+    put_batches(tmp_path / "batches", batches[:2])
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, idle_timeout=0, checkpoint_interval=10)))
+    process = subprocess.Popen([sys.executable, "-c", TRAINER_PROCESS.format(path=str(config_file))],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        metrics = tmp_path / "trainer" / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) == 2, process)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+        process.stderr.close()
+    # It checkpointed on the way out, so a restart has nothing to replay.
+    assert latest_checkpoint(tmp_path / "trainer" / "checkpoints").name == "step_00000002"
+    put_batches(tmp_path / "batches", batches[2:3], first=2)
+    summary = run_trainer(trainer_config(tmp_path, tiny_moe))
+    assert summary["replayed"] == 0 and summary["step"] == 3 and summary["version"] == 3

@@ -1,0 +1,96 @@
+"""One optimizer step over a batch sampled by the real engine from a real tiny MoE."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from whetstone.errors import WhetstoneError
+from whetstone.midtrain.optim import build_optimizer
+from whetstone.model.hf import load_hf
+from whetstone.rl.loss import LossConfig
+from whetstone.trainer.step import forward_logprobs, train_step
+
+
+def model_and_optimizer(folder):
+    model = load_hf(folder)
+    return model, build_optimizer(model, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+
+
+def step(model, optimizer, batch, lr=1e-2, **options):
+    options = {"loss_config": LossConfig(), "grad_clip": 1.0, "micro_batch_size": 3} | options
+    return train_step(model, optimizer, batch, lr=lr, **options)
+
+
+@torch.no_grad()
+def logprobs(model, batch):
+    return forward_logprobs(model, batch, replay=True, dtype="float32")[0]
+
+
+def test_with_replay_the_trainer_reproduces_the_sampler_and_moves_toward_the_reward(tiny_moe, batches):
+    model, optimizer = model_and_optimizer(tiny_moe)
+    batch = batches[0]
+    before = logprobs(model, batch)
+    first = step(model, optimizer, batch)
+    # Same weights, same routes: the trainer sees exactly what the engine sampled with.
+    assert first["logprob_diff_max"] < 1e-5 and first["mismatch_kl_k3"] < 1e-9
+    assert first["routing_disagreement"] == 0.0 and first["tokens"] == batch.num_loss_tokens
+
+    after = logprobs(model, batch)
+    change = ((after - before) * batch.loss_mask).sum(dim=1)
+    advantages = batch.advantages[:, 0]
+    assert (change[advantages > 0] > 0).all() and (change[advantages < 0] < 0).all()
+
+    second = step(model, optimizer, batch)
+    assert second["loss"] < first["loss"]  # the surrogate improves on the batch it was trained on
+    assert second["mismatch_kl_k3"] > 0 and second["clip_fraction"] > 0  # now off-policy: measured, clipped
+
+
+def test_micro_batch_size_does_not_change_the_step(tiny_moe, batches):
+    # Plain SGD, so the weights show the gradient itself (Adam's first step is ~lr * sign(g),
+    # which would blow float noise on near-zero gradients up to lr).
+    one_by_one, all_at_once = load_hf(tiny_moe), load_hf(tiny_moe)
+    a = step(one_by_one, torch.optim.SGD(one_by_one.parameters()), batches[1], lr=1.0, micro_batch_size=1)
+    b = step(all_at_once, torch.optim.SGD(all_at_once.parameters()), batches[1], lr=1.0,
+             micro_batch_size=len(batches[1]))
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
+    for (name, x), y in zip(one_by_one.state_dict().items(), all_at_once.state_dict().values()):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_replay_keeps_the_rollouts_experts_when_the_trainers_router_drifted(tiny_moe, batches):
+    """A router that drifted since the rollout picks other experts; replay routes through the
+    rollout's experts anyway, so the trainer's logprobs stay closer to the sampler's."""
+    results = {}
+    for replay in (True, False):
+        model, optimizer = model_and_optimizer(tiny_moe)
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("router.weight"):
+                    param.add_(torch.randn_like(param))
+        results[replay] = step(model, optimizer, batches[2], lr=0.0, replay=replay)
+    assert results[True]["routing_disagreement"] > 0.1  # its own top-k differs from the replayed one
+    assert results[False]["routing_disagreement"] > 0.1  # its own routes differ from the rollout's
+    assert results[True]["mismatch_kl_k3"] < results[False]["mismatch_kl_k3"]
+
+
+def test_kl_to_the_reference_is_zero_at_the_start_and_grows(tiny_moe, batches):
+    model, optimizer = model_and_optimizer(tiny_moe)
+    reference = load_hf(tiny_moe).requires_grad_(False)
+    config = LossConfig(kl_coef=0.1)
+    first = step(model, optimizer, batches[3], loss_config=config, reference=reference)
+    second = step(model, optimizer, batches[3], loss_config=config, reference=reference)
+    assert first["ref_kl_k3"] == 0.0 and second["ref_kl_k3"] > 0
+    with pytest.raises(WhetstoneError, match="reference"):
+        step(model, optimizer, batches[3], loss_config=config)
+
+
+def test_a_batch_without_trained_tokens_is_refused_and_leaves_the_weights(tiny_moe, batches):
+    model, optimizer = model_and_optimizer(tiny_moe)
+    batch = batches[0].select(range(len(batches[0])))
+    batch.loss_mask = torch.zeros_like(batch.loss_mask)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(WhetstoneError, match="no trained tokens"):
+        step(model, optimizer, batch)
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
