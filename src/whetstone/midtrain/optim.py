@@ -19,3 +19,18 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, fl
         {"params": no_decay, "weight_decay": 0.0},
     ]
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps)
+
+
+def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float, grad_clip: float) -> float:
+    """Clip the global gradient norm (0 = measure only), set `lr`, step, clear the gradients.
+
+    Returns the gradient norm before clipping. Shared by mid-training and the RL trainer.
+    """
+    params = [p for p in model.parameters() if p.grad is not None]
+    # max_norm=inf measures the norm without clipping.
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(grad_norm)

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.errors import WhetstoneError
+from whetstone.midtrain.optim import clip_and_step
 from whetstone.model import Transformer
 
 
@@ -80,16 +81,10 @@ def train_step(
             f"step {step}: the loss is {loss_mean} (training diverged); lower optimizer.lr or resume "
             "from the last checkpoint with a different config"
         )
-    params = [p for p in model.parameters() if p.grad is not None]
-    # max_norm=inf measures the norm without clipping.
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    grad_norm = clip_and_step(model, optimizer, lr, grad_clip)
     tokens = sum(b.input_ids.numel() for b in micro_batches)
     demo_loss = demo_total / demo_targets if demo_targets else None
-    return StepStats(loss_mean, demo_loss, aux_total / len(micro_batches), float(grad_norm), tokens)
+    return StepStats(loss_mean, demo_loss, aux_total / len(micro_batches), grad_norm, tokens)
 
 
 @torch.no_grad()

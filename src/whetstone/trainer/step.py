@@ -20,6 +20,7 @@ import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.midtrain.step import autocast
+from whetstone.midtrain.optim import clip_and_step
 from whetstone.model import Transformer
 from whetstone.rl.batch import Batch
 from whetstone.rl.loss import LossConfig, LossStats, policy_loss
@@ -92,12 +93,6 @@ def train_step(
     if not math.isfinite(loss_total):
         optimizer.zero_grad(set_to_none=True)
         raise WhetstoneError(f"batch {batch.meta.get('index', '?')}: the loss is {loss_total}; weights left unchanged")
-    params = [p for p in model.parameters() if p.grad is not None]
-    # max_norm=inf measures the norm without clipping.
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-    for group in optimizer.param_groups:
-        group["lr"] = lr
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_total, "grad_norm": float(grad_norm), "lr": lr,
+    grad_norm = clip_and_step(model, optimizer, lr, grad_clip)
+    return {"loss": loss_total, "grad_norm": grad_norm, "lr": lr,
             **LossStats.merge(loss_parts).metrics(), **RoutingStats.merge(routing_parts).metrics()}
