@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+import whetstone
 from whetstone.envs.sandbox import SandboxConfig, SandboxUnavailableError, open_sandbox
 from whetstone.envs.sandbox.bwrap import bwrap_binary
 from whetstone.envs.sandbox.sandbox import _runtime
@@ -177,10 +178,13 @@ def test_clear_error_without_user_namespaces():
     # A sandbox whose user namespaces are disabled is a real machine where bwrap cannot work.
     bwrap = bwrap_binary()
     probe = "from whetstone.envs.sandbox import open_sandbox\nopen_sandbox({})"
+    # The checkout may itself live under /tmp (CI clones): keep it visible over the fresh /tmp.
+    source = str(Path(whetstone.__file__).resolve().parents[1])
     argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
             "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            sys.executable, "-c", probe]  # fmt: skip
-    result = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+            "--ro-bind", source, source, sys.executable, "-c", probe]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": source}
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode != 0
     assert "SandboxUnavailableError" in result.stderr and "sandbox.unsandboxed=true" in result.stderr
     assert issubclass(SandboxUnavailableError, WhetstoneError)  # so the CLI prints it cleanly

@@ -20,7 +20,7 @@ class OptimizerConfig(Config):
     """Peak learning rate, reached at the end of warmup."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
     """The cosine ends at `lr * min_lr_ratio` on the last step."""
-    warmup_steps: int = Field(50, ge=0)
+    warmup_steps: int = Field(40, ge=0)
     """Optimizer steps of linear warmup from lr/warmup_steps to lr."""
     betas: tuple[float, float] = (0.9, 0.95)
     """AdamW beta1, beta2."""
@@ -50,21 +50,21 @@ class RunConfig(Config):
     """Compute dtype: `bfloat16` under autocast, or `float32`. Master weights and optimizer state
     are fp32 either way. The default is fp32 because CPUs without AVX512-BF16 (this machine's)
     run bf16 matmuls ~25x slower; use bfloat16 on GPUs and recent server CPUs."""
-    steps: int = Field(1000, ge=1)
+    steps: int = Field(700, ge=1)
     """Optimizer steps of the whole run (the schedule's length)."""
     batch_size: int = Field(4, ge=1)
     """Sequences per micro-batch."""
     grad_accum: int = Field(1, ge=1)
     """Micro-batches per optimizer step (tokens per step = batch_size * grad_accum * seq_len)."""
-    eval_interval: int = Field(200, ge=1)
+    eval_interval: int = Field(100, ge=1)
     """Compute the validation loss every this many steps (and after the last step)."""
     eval_batches: int = Field(16, ge=1)
     """Validation micro-batches per evaluation (always the same ones)."""
-    checkpoint_interval: int = Field(500, ge=1)
+    checkpoint_interval: int = Field(350, ge=1)
     """Write a checkpoint every this many steps (and after the last step)."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many of the newest checkpoints to keep."""
-    max_wall_time: float = Field(260, ge=0)
+    max_wall_time: float = Field(240, ge=0)
     """Seconds (from the start of the command, corpus build included) after which the run
     checkpoints, evaluates, exports and stops early; running it again continues. 0 = no limit."""
     resume: bool = True
