@@ -32,9 +32,9 @@ def train(config: MidtrainConfig, *, demos: DemoSource | None = None, stop_at_st
 
     The run ends after `run.steps`, or earlier when `run.max_wall_time` (counted from this call,
     corpus build included) runs out; either way it checkpoints, measures the validation loss and
-    exports the model. `stop_at_step` only
-    checkpoints and returns after that step, keeping the whole run's schedule: the next call
-    continues exactly where this one stopped (the bit-exact resume test uses it).
+    exports the model. `stop_at_step` checkpoints and returns after that step without exporting,
+    keeping the whole run's schedule: the next call continues exactly where this one stopped
+    (the bit-exact resume test uses it).
     """
     opened = time.perf_counter()  # the wall-time limit counts the corpus build too
     session = open_session(config, demos)
