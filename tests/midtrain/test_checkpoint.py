@@ -145,6 +145,16 @@ def test_tensor_names_that_do_not_fit_the_config_are_named(tmp_path):
         load_checkpoint(path, *make(dense))
 
 
+def test_tying_that_does_not_fit_the_config_is_named(tmp_path):
+    untied = TINY.model_copy(update={"tie_word_embeddings": False})
+    path = save(tmp_path / "untied", *make(untied))
+    with pytest.raises(CheckpointError, match=r"'embed_tokens.weight' and 'lm_head.weight' are stored apart"):
+        load_checkpoint(path, *make())
+    path = save(tmp_path / "tied", *make())
+    with pytest.raises(CheckpointError, match=r"tensor 'lm_head.weight' is missing"):
+        load_checkpoint(path, *make(untied))
+
+
 def test_optimizer_moments_that_do_not_fit_are_named(tmp_path):
     path = save(tmp_path, *trained())
     moments = load_file(str(path / "optimizer.safetensors"))

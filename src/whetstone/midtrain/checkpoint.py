@@ -152,8 +152,16 @@ def _check_model_tensors(file: Path, model: torch.nn.Module, weights: dict[str, 
                 f"{file}: tensor {name!r} has shape {list(tensor.shape)}, "
                 f"the config's model expects {list(expected[name].shape)}"
             )
-    # Names absent from the file are fine only if they alias a stored tensor (tied weights).
-    stored = {expected[name].data_ptr() for name in weights}
+    # Tied weights: the model shares one tensor under two names and the file holds one of them.
+    owner: dict[int, str] = {}
+    for name in weights:
+        first = owner.setdefault(expected[name].data_ptr(), name)
+        if first != name:
+            raise CheckpointError(
+                f"{file}: tensors {first!r} and {name!r} are stored apart, but the config's model ties "
+                "them (tie_word_embeddings)"
+            )
+    stored = set(owner)
     for name, tensor in expected.items():
         if name not in weights and tensor.data_ptr() not in stored:
             raise CheckpointError(f"{file}: tensor {name!r} is missing")
