@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from whetstone.errors import ConfigError
 
@@ -22,8 +22,30 @@ class Config(BaseModel):
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _partial_sections_keep_their_defaults(cls, data: Any) -> Any:
+        """A section given as a table changes only the keys it names: the rest keeps the section's
+        default here (`eval = EvalConfig(samples=2)` stays at 2 samples when a TOML file sets only
+        `[eval] output_dir`), not the section class's own default."""
+        if not isinstance(data, dict):
+            return data
+        merged = dict(data)
+        for name, field in cls.model_fields.items():
+            if isinstance(field.default, Config) and isinstance(data.get(name), dict):
+                merged[name] = _merge(field.default.model_dump(exclude_unset=True), data[name])
+        return merged
+
 
 C = TypeVar("C", bound=Config)
+
+
+def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    """`base` with `changes` applied key by key, recursing into tables present in both."""
+    out = dict(base)
+    for key, value in changes.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:

@@ -59,3 +59,21 @@ def test_dump_round_trip(tmp_path):
     path = tmp_path / "dump.toml"
     path.write_text(dump_toml(cfg))
     assert load_config(Outer, path) == cfg
+
+
+def test_a_partial_section_keeps_the_defaults_of_its_parent():
+    from whetstone.config import Config, load_config
+
+    class Inner(Config):
+        a: int = 1
+        """A."""
+        b: int = 2
+        """B."""
+
+    class Outer(Config):
+        inner: Inner = Inner(a=10)
+        """A section whose default differs from Inner()."""
+
+    assert load_config(Outer, None, ["inner.b=5"]).inner == Inner(a=10, b=5)  # not Inner(a=1, b=5)
+    assert load_config(Outer, None, ["inner.a=3"]).inner == Inner(a=3, b=2)
+    assert Outer.model_validate({"inner": Inner(a=7)}).inner.a == 7  # an instance is taken as is

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from whetstone.data import IGNORE_INDEX, Corpus, build_corpus
-from whetstone.data.packing import window_count
+from whetstone.data.packing import document_starts, window_count
 from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import chat_segments
 
@@ -98,7 +98,9 @@ def test_demonstrations_are_mixed_in_by_weight(mixed):
     batches = [loader.batch_at(step) for step in range(10)]
     assert sum(int(b.is_demo.sum()) for b in batches) == 20  # exactly a quarter of 80 rows
     stream = np.asarray(mixed.demo_tokens)
-    demo_windows = {tuple(stream[i * SEQ : (i + 1) * SEQ].tolist()) for i in range(window_count(len(stream), SEQ))}
+    starts = document_starts(stream, mixed.tokenizer.endoftext_id, SEQ)
+    demo_windows = {tuple(stream[i : i + SEQ].tolist()) for i in starts}  # each from a transcript's start
+    assert len(starts) == 6 and starts[0] == 0
     for batch in batches:
         assert all(tuple(row.tolist()) in demo_windows for row in batch.input_ids[batch.is_demo])
         assert (batch.targets[~batch.is_demo] != IGNORE_INDEX).all()  # code rows train on everything
@@ -114,7 +116,8 @@ def test_demonstration_targets_are_only_what_the_assistant_wrote(mixed):
     assert trained == "".join(s.text for s in chat_segments(solved_task_transcript(0)) if s.assistant)
     assert "wrote solution.py" not in trained and "Task 0" not in trained
 
-    batch = mixed.train_loader(batch_size=4, seq_len=SEQ, demo_weight=1.0).batch_at(0)
+    # A row starts where a transcript starts, so it needs room for the prompt and a first answer.
+    batch = mixed.train_loader(batch_size=4, seq_len=first_end, demo_weight=1.0).batch_at(0)
     assert batch.is_demo.all()
     kept = batch.targets[:, :-1] != IGNORE_INDEX
     assert 0 < kept.sum() < kept.numel()

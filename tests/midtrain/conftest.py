@@ -3,47 +3,14 @@ trains on it in a second or two. The corpus cache is shared by the whole session
 
 from __future__ import annotations
 
-import bisect
-import fnmatch
-import heapq
-import inspect
-import json.decoder
-import shlex
-import string
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.midtrain.midtrain_support import TINY, write_corpus
 from whetstone.config import load_config
 from whetstone.midtrain.config import MidtrainConfig
-
-MODULES = [bisect, fnmatch, heapq, json.decoder, shlex, string, textwrap]
-
-TINY = [
-    "data.stdlib=false",
-    "data.vocab_size=320",
-    "data.validation_fraction=0.3",
-    "data.seq_len=32",
-    "model.vocab_size=320",
-    "model.hidden_size=32",
-    "model.num_hidden_layers=2",
-    "model.num_attention_heads=2",
-    "model.num_key_value_heads=1",
-    "model.head_dim=16",
-    "model.num_experts=4",
-    "model.num_experts_per_tok=2",
-    "model.moe_intermediate_size=32",
-    "run.threads=1",
-    "run.steps=8",
-    "run.batch_size=4",
-    "run.eval_interval=4",
-    "run.eval_batches=2",
-    "run.checkpoint_interval=4",
-    "optimizer.warmup_steps=2",
-    "optimizer.lr=0.01",
-]
 
 
 @pytest.fixture(autouse=True)
@@ -55,11 +22,7 @@ def _one_thread():
 def corpus_dirs(tmp_path_factory) -> tuple[Path, Path]:
     """(code folder, corpus cache folder), made once per session."""
     root = tmp_path_factory.mktemp("midtrain-corpus")
-    for module in MODULES:
-        path = root / "code" / (module.__name__.replace(".", "_") + ".py")
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(inspect.getsource(module))
-    return root / "code", root / "cache"
+    return write_corpus(root), root / "cache"
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from whetstone.data.mix import as_fraction, demo_rows_before
-from whetstone.data.packing import document_positions, window_count, windows
+from whetstone.data.packing import document_positions, document_starts, window_count, windows
 from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import Tokenizer
 
@@ -113,7 +113,9 @@ class TrainLoader:
         if self.code_windows == 0:
             raise WhetstoneError(f"{corpus.path}: train split has {_too_few(corpus.train_tokens, seq_len)}")
         has_demos = corpus.demo_tokens is not None
-        self.demo_windows = window_count(len(corpus.demo_tokens), seq_len) if has_demos else 0
+        # Demonstration rows start where a transcript starts (and run on into the next ones).
+        self.demo_starts = document_starts(np.asarray(corpus.demo_tokens), corpus.eos_id, seq_len) if has_demos else None
+        self.demo_windows = 0 if self.demo_starts is None else len(self.demo_starts)
         if has_demos and demo_weight > 0 and self.demo_windows == 0:
             raise WhetstoneError(f"{corpus.path}: demonstrations have {_too_few(corpus.demo_tokens, seq_len)}")
         self.demo_weight = as_fraction(demo_weight if has_demos else 0.0)
@@ -132,8 +134,8 @@ class TrainLoader:
         trained = np.ones_like(rows, dtype=bool)
         if demo_rows:
             index = np.array(demo_rows, dtype=np.int64)
-            rows = np.concatenate([rows, windows(self.corpus.demo_tokens, index, self.seq_len)])
-            trained = np.concatenate([trained, windows(self.corpus.demo_mask, index, self.seq_len)])
+            rows = np.concatenate([rows, windows(self.corpus.demo_tokens, index, self.seq_len, self.demo_starts)])
+            trained = np.concatenate([trained, windows(self.corpus.demo_mask, index, self.seq_len, self.demo_starts)])
         return make_batch(rows, trained, self.corpus.eos_id, demo_rows=len(demo_rows))
 
     def batches(self, start_step: int = 0) -> Iterator[Batch]:

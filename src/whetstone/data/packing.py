@@ -33,10 +33,18 @@ def window_count(stream_length: int, seq_len: int) -> int:
     return max(0, (stream_length - 1) // seq_len)
 
 
-def windows(stream: np.ndarray, indices: np.ndarray, seq_len: int) -> np.ndarray:
-    """Rows of seq_len + 1 tokens: row r is window indices[r] (inputs = row[:-1], targets = row[1:])."""
-    offsets = indices[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
-    return stream[offsets]
+def windows(stream: np.ndarray, indices: np.ndarray, seq_len: int, starts: np.ndarray | None = None) -> np.ndarray:
+    """Rows of seq_len + 1 tokens: row r is window indices[r] (inputs = row[:-1], targets = row[1:]).
+    Window i starts at token i * seq_len, or at `starts[i]` when given."""
+    first = indices * seq_len if starts is None else starts[indices]
+    return stream[first[:, None] + np.arange(seq_len + 1)[None, :]]
+
+
+def document_starts(stream: np.ndarray, eos_id: int, seq_len: int) -> np.ndarray:
+    """Offsets of the documents (each ended by `eos_id`) a full window of seq_len + 1 tokens can
+    start at. A window starting mid-transcript would train an answer without its question."""
+    starts = np.concatenate([[0], np.flatnonzero(stream[:-1] == eos_id) + 1])
+    return starts[starts + seq_len + 1 <= len(stream)].astype(np.int64)
 
 
 def document_positions(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:

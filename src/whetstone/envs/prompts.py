@@ -43,8 +43,10 @@ TOOL_NAMES = [tool["function"]["name"] for tool in TOOLS]
 
 
 def _signature(tool: dict[str, Any]) -> str:
+    """`name(param, ...)`: the names say enough, and every token of the system prompt is paid for
+    in every model call of every rollout (the descriptions stay in the JSON schemas)."""
     function = tool["function"]
-    return f"{function['name']}({', '.join(function['parameters']['properties'])}): {function['description']}"
+    return f"{function['name']}({', '.join(function['parameters']['properties'])})"
 
 
 SYSTEM_PROMPT = (

@@ -7,6 +7,5 @@ trainer batches through the batch store, with bounded staleness. See docs/orches
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.orchestrator.batches import batch_key
 from whetstone.orchestrator.loop import Orchestrator
-from whetstone.orchestrator.servers import ServerPool
 
-__all__ = ["Orchestrator", "OrchestratorConfig", "ServerPool", "batch_key"]
+__all__ = ["Orchestrator", "OrchestratorConfig", "batch_key"]

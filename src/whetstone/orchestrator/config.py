@@ -26,6 +26,9 @@ class OrchestratorConfig(Config):
     """Where the training tasks come from (default: the synth train split)."""
     validate_tasks: bool = True
     """Run each task's tests in a sandbox first and skip tasks that do not validate."""
+    validate_lazily: bool = True
+    """Validate each task just before its first group instead of all of them at start, so a
+    large task set costs only the tasks used (invalid ones are skipped, logged and counted)."""
     group_size: int = Field(8, ge=2)
     """Rollouts per task in one group (the baseline of the group advantage)."""
     groups_per_batch: int = Field(4, ge=1)

@@ -22,7 +22,7 @@ import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-from whetstone.envs.harness import AgentHarness, rollout
+from whetstone.envs.harness import AgentHarness, ServerPool, rollout
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory
 from whetstone.errors import WhetstoneError
@@ -30,7 +30,6 @@ from whetstone.orchestrator.batches import (
     Group, Window, batch_key, build_batch, drop_stale, flat_metrics, next_batch_index,
 )
 from whetstone.orchestrator.config import OrchestratorConfig
-from whetstone.orchestrator.servers import ServerPool
 from whetstone.rl.advantages.groups import score_groups
 from whetstone.rl.batch import batch_to_bytes
 from whetstone.rl.samples import trajectory_samples
@@ -58,6 +57,8 @@ class Orchestrator:
         self._gate = asyncio.Semaphore(config.rollout.concurrency)
         self._running: set[asyncio.Task] = set()
         self._failure: BaseException | None = None
+        self._validity: dict[str, str | None] = {}
+        """Task id -> None if it validated, else why not (lazy validation)."""
 
     async def run(self, on_batch: Callable[[dict], None] | None = None) -> list[int]:
         """Run until `max_batches` are put (or forever); returns the indices put. `on_batch` sees
@@ -81,7 +82,7 @@ class Orchestrator:
             while not config.max_batches or len(self.put) < config.max_batches:
                 meta = await self._put_batch(index)
                 if metrics is not None:
-                    metrics.write({**flat_metrics(meta), **pool.stats()})
+                    metrics.write({**flat_metrics(meta), **pool.stats(), "invalid_tasks": self.invalid_tasks})
                 if on_batch is not None:
                     on_batch(meta)
                 index += 1
@@ -102,7 +103,24 @@ class Orchestrator:
     def _load_tasks(self) -> list[Task]:
         from whetstone.envs.tasks import load_tasks, load_valid_tasks
 
-        return load_valid_tasks(self.config.tasks) if self.config.validate_tasks else load_tasks(self.config.tasks)
+        upfront = self.config.validate_tasks and not self.config.validate_lazily
+        return load_valid_tasks(self.config.tasks) if upfront else load_tasks(self.config.tasks)
+
+    async def _is_valid(self, task: Task) -> bool:
+        """Lazy validation: the task's reference passes and its starting repository fails (once per task)."""
+        if not (self.config.validate_tasks and self.config.validate_lazily):
+            return True
+        if task.id not in self._validity:
+            from whetstone.envs.tasks.validate import check_task
+
+            self._validity[task.id] = reason = await asyncio.to_thread(check_task, task, self.config.rollout.reward)
+            if reason is not None:
+                log.warning("skipping invalid task %s: %s", task.id, reason)
+        return self._validity[task.id] is None
+
+    @property
+    def invalid_tasks(self) -> int:
+        return sum(reason is not None for reason in self._validity.values())
 
     def _oldest_useful_version(self) -> int | None:
         """A server further behind than this makes only samples too stale to train on."""
@@ -124,6 +142,13 @@ class Orchestrator:
 
     async def _produce(self, tasks: list[Task], harness: AgentHarness, pool: ServerPool) -> None:
         for number, task in enumerate(self._task_stream(tasks)):
+            if self._validity.get(task.id) is not None:  # known invalid
+                if self.invalid_tasks == len(tasks):
+                    self._failure = WhetstoneError(f"none of the {len(tasks)} tasks of {self.config.tasks.source!r} "
+                                                   f"validates (e.g. {task.id}: {self._validity[task.id]})")
+                    await self._notify()
+                    return
+                continue
             async with self._changed:
                 await self._changed.wait_for(self._has_room)
                 self._unfinished += self.config.group_size
@@ -151,6 +176,11 @@ class Orchestrator:
                     self._unfinished -= 1
                     self._changed.notify_all()
 
+        if not await self._is_valid(task):
+            async with self._changed:
+                self._unfinished -= self.config.group_size
+                self._changed.notify_all()
+            return
         trajectories = await asyncio.gather(*(one() for _ in range(self.config.group_size)))
         kept, report = score_groups(trajectories, self.config.advantages)
         try:

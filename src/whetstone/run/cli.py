@@ -13,7 +13,8 @@ def run(
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. midtrain.run.steps=50."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:
-    """Run every stage (now: mid-training on code + synth demonstrations) into runs/<name>/."""
+    """Mid-train, then asynchronous RL (servers, trainer, orchestrator as processes) with held-out
+    evaluations before and after, into runs/<name>/ (summary.json, report.html)."""
     from whetstone.config import load_config
     from whetstone.run.config import PipelineConfig
     from whetstone.run.pipeline import run_pipeline
@@ -29,3 +30,8 @@ def run(
                    f"unigram entropy {midtrain['unigram_entropy']:.3f} nats/token")  # fmt: skip
     if midtrain["model_dir"]:
         typer.echo(f"model            {midtrain['model_dir']}")
+    before, after = summary["heldout_pass1_before"], summary["heldout_pass1_after"]
+    if before is not None and after is not None:
+        typer.echo(f"held-out pass@1  {before:.3f} -> {after:.3f}  ({100 * (after - before):+.1f} points)")
+    if summary.get("report"):
+        typer.echo(f"report           {summary['report']}")

@@ -1,12 +1,53 @@
-"""The `whetstone run` config: its defaults are the embedded default of DESIGN.md."""
+"""The `whetstone run` config: its defaults are the embedded default of DESIGN.md.
+
+The role sections (`servers.serve`, `rl.trainer`, `rl.orchestrator`, `eval`) are the roles' own
+configs. Every path and address that ties the roles together (model folder, weight and batch
+stores, server URLs, output folders, tokenizer) is filled in by the pipeline from the run folder,
+so those fields are ignored here; everything else is used as written.
+"""
 
 from __future__ import annotations
 
 from pydantic import Field
 
 from whetstone.config import Config
+from whetstone.envs.eval.config import EvalConfig
+from whetstone.envs.harness import HarnessConfig, RolloutConfig
+from whetstone.envs.tasks import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
+from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.midtrain.config import MidtrainConfig
+from whetstone.orchestrator.config import OrchestratorConfig
+from whetstone.trainer.config import TrainerConfig
+
+
+class ServersConfig(Config):
+    """The inference servers the pipeline starts on this machine."""
+
+    count: int = Field(2, ge=1)
+    """Number of `whetstone serve` processes."""
+    base_port: int = Field(0, ge=0, le=65535)
+    """Server i listens on base_port + i; 0 = free ports picked at start."""
+    serve: ServeConfig = ServeConfig(threads=1, engine=EngineConfig(max_batch=16))
+    """Settings of every server (model_path, port and sync are set by the pipeline)."""
+    start_timeout_s: float = Field(180.0, gt=0)
+    """Give up when a server is not healthy this long after its start."""
+
+
+class RLConfig(Config):
+    """Stage 2: asynchronous RL with the trainer, the servers and the orchestrator as processes."""
+
+    steps: int = Field(12, ge=1)
+    """Optimizer steps (= batches) of the RL stage."""
+    trainer: TrainerConfig = TrainerConfig(checkpoint_interval=4)
+    """The trainer (its paths are set by the pipeline; `max_steps` = `steps`)."""
+    orchestrator: OrchestratorConfig = OrchestratorConfig(
+        tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1)),
+        rollout=RolloutConfig(concurrency=12), group_size=8, groups_per_batch=4,
+    )  # fmt: skip
+    """The orchestrator (its servers, stores and metrics path are set by the pipeline)."""
+    sync_timeout_s: float = Field(120.0, gt=0)
+    """After the last step, how long the servers may take to load the final version."""
 
 
 class PipelineConfig(Config):
@@ -16,7 +57,21 @@ class PipelineConfig(Config):
     """Run name: outputs go to `<output_dir>/<name>/`."""
     output_dir: str = "runs"
     """Parent directory of run folders."""
-    demos: SynthConfig = SynthConfig(count=2000, split="train")
+    demos: SynthConfig = SynthConfig(count=4000, split="train")
     """Synth train tasks whose solved transcripts are mixed into mid-training (train split only)."""
     midtrain: MidtrainConfig = MidtrainConfig()
     """Stage 1: mid-training on the code corpus plus the demonstrations."""
+    harness: HarnessConfig = HarnessConfig(max_turns=6, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64)
+    """The agent loop of every rollout, in RL and in both evaluations (the same on purpose)."""
+    servers: ServersConfig = ServersConfig()
+    """The inference servers (shared by both evaluations and RL)."""
+    rl: RLConfig = RLConfig()
+    """Stage 2: asynchronous RL."""
+    eval: EvalConfig = EvalConfig(
+        tasks=TasksConfig(synth=SynthConfig(split="heldout", count=60, seed=0)), samples=2, k=[1, 2],
+        rollout=RolloutConfig(concurrency=12),
+    )  # fmt: skip
+    """Held-out evaluation before and after RL (endpoint, harness and output folder are set by
+    the pipeline)."""
+    rl_enabled: bool = True
+    """Run stage 2 (RL, with both evaluations); off = mid-training only."""

@@ -1,7 +1,15 @@
-"""The stages of `whetstone run`, one after the other, each resumable on its own.
+"""The stages of `whetstone run`, one after the other, on this machine:
 
-Stage 1 (mid-training) is in place; the RL stages (servers, trainer, orchestrator, evaluation
-before and after, report) join it as they land (issue: asynchronous RL).
+    1. midtrain      the tiny MoE on code + synth demonstrations        -> midtrain/model
+    2. servers       `whetstone serve` x N, following the weight store  -> servers/, logs/
+    3. eval before   held-out pass@1 of the mid-trained model           -> eval/before/
+    4. rl            `whetstone trainer` + `whetstone orchestrator`      -> trainer/, orchestrator/,
+                     as processes, until the trainer's last step           batches/, weights/
+    5. eval after    once every server holds the final version          -> eval/after/
+    6. report        summary.json and report.html
+
+Each stage resumes: mid-training from its checkpoint, the trainer from its own, the orchestrator
+from the next batch index, and an evaluation whose report exists is not run again.
 """
 
 from __future__ import annotations
@@ -10,10 +18,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 from whetstone.config import dump_toml
-from whetstone.errors import ConfigError
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
+from whetstone.run.monitor import ServerSampler, last_record
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.metrics import read_metrics
+from whetstone.utils.processes import RoleProcess
+from whetstone.utils.progress import progress_bar
 
 
 def demo_source(config: PipelineConfig):
@@ -30,17 +44,188 @@ def demo_source(config: PipelineConfig):
     return transcripts if config.demos.count else None
 
 
-def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
-    from whetstone.midtrain.cli import run_midtrain
+def free_ports(count: int) -> list[int]:
+    import socket
 
-    run_dir = Path(config.output_dir) / config.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(run_dir / "config.toml", dump_toml(config))
-    started = time.time()
-    midtrain = config.midtrain.model_copy(deep=True)
-    midtrain.run.output_dir, midtrain.run.name = str(run_dir), "midtrain"
-    stages = {"midtrain": run_midtrain(midtrain, demos=demo_source(config))}
-    summary = {"run_dir": str(run_dir), "wall_s": time.time() - started, "stages": stages,
-               "config": config.model_dump(mode="json")}  # fmt: skip
-    atomic_write_json(run_dir / "summary.json", summary)
-    return summary
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+class Pipeline:
+    def __init__(self, config: PipelineConfig):
+        self.config = config
+        self.run_dir = Path(config.output_dir) / config.name
+        self.model_dir = self.run_dir / "midtrain" / "model"
+        self.weights = self.run_dir / "weights"
+        self.batches = self.run_dir / "batches"
+        self.roles: list[RoleProcess] = []
+        self.urls: list[str] = []
+
+    # -- role configs: the config's sections with every path and address filled in ------------
+
+    def sync_config(self):
+        return self.config.rl.trainer.sync.model_copy(update={"store": str(self.weights)})
+
+    def trainer_config(self):
+        return self.config.rl.trainer.model_copy(update={
+            "model_path": str(self.model_dir), "batch_store": str(self.batches), "output_dir": str(self.run_dir / "trainer"),
+            "sync": self.sync_config(), "max_steps": self.config.rl.steps, "idle_timeout": 0.0,
+        })  # fmt: skip
+
+    def harness_config(self):
+        return self.config.harness.model_copy(update={"tokenizer_path": str(self.model_dir)})
+
+    def orchestrator_config(self):
+        return self.config.rl.orchestrator.model_copy(update={
+            "servers": self.urls, "batch_store": str(self.batches), "weight_store": str(self.weights),
+            "harness": self.harness_config(), "max_batches": self.config.rl.steps,
+            "metrics_path": str(self.run_dir / "orchestrator" / "metrics.jsonl"),
+        })  # fmt: skip
+
+    def eval_config(self, when: str):
+        return self.config.eval.model_copy(update={
+            "servers": self.urls, "harness": self.harness_config(), "output_dir": str(self.run_dir / "eval" / when),
+        })  # fmt: skip
+
+    def serve_config(self, port: int):
+        return self.config.servers.serve.model_copy(update={
+            "model_path": str(self.model_dir), "port": port, "sync": self.sync_config(), "weight_version": 0,
+        })  # fmt: skip
+
+    def write_role_config(self, name: str, config) -> Path:
+        path = self.run_dir / "roles" / f"{name}.toml"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, dump_toml(config) + "\n")
+        return path
+
+    def start(self, name: str, command: str, config, *, threads: int, health_url: str | None = None) -> RoleProcess:
+        path = self.write_role_config(name, config)
+        role = RoleProcess(name, [command, str(path)], self.run_dir / "logs" / f"{name}.log",
+                           health_url=health_url, threads=threads).start()  # fmt: skip
+        self.roles.append(role)
+        return role
+
+    # -- stages -------------------------------------------------------------------------------
+
+    def midtrain(self) -> dict[str, Any]:
+        from whetstone.midtrain.cli import run_midtrain
+
+        midtrain = self.config.midtrain.model_copy(deep=True)
+        midtrain.run.output_dir, midtrain.run.name = str(self.run_dir), "midtrain"
+        return run_midtrain(midtrain, demos=demo_source(self.config))
+
+    def start_servers(self) -> None:
+        servers = self.config.servers
+        ports = ([servers.base_port + i for i in range(servers.count)] if servers.base_port
+                 else free_ports(servers.count))  # fmt: skip
+        self.urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+        started = [
+            self.start(f"serve-{i}", "serve", self.serve_config(port), threads=servers.serve.threads or 1,
+                       health_url=f"http://127.0.0.1:{port}/health")
+            for i, port in enumerate(ports)
+        ]  # fmt: skip
+        for role in started:
+            role.wait_healthy(servers.start_timeout_s)
+
+    def evaluate(self, when: str) -> dict[str, Any]:
+        from whetstone.envs.eval.report import solved
+        from whetstone.envs.eval.run import evaluate, load_eval_tasks
+
+        report_path = self.run_dir / "eval" / when / "report.json"
+        if report_path.exists():
+            import json
+
+            return json.loads(report_path.read_text())
+        config = self.eval_config(when)
+        tasks = load_eval_tasks(config.model_copy(update={"tasks": config.tasks.model_copy(
+            update={"validation_cache": str(self.run_dir / "eval" / "validation.json")})}))  # fmt: skip
+        counts = {"solved": 0}
+        with progress_bar(len(tasks) * config.samples, f"held-out eval ({when})", "rollout") as bar:
+
+            def done(trajectory) -> None:
+                counts["solved"] += solved(trajectory)
+                bar.update(1, **counts)
+
+            return evaluate(config, tasks, done)
+
+    def rl(self) -> dict[str, Any]:
+        steps = self.config.rl.steps
+        trainer_config = self.trainer_config()
+        trainer = self.start("trainer", "trainer", trainer_config, threads=trainer_config.threads or 1)
+        orchestrator = self.start("orchestrator", "orchestrator", self.orchestrator_config(), threads=1)
+        trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
+        batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
+        done = 0
+        with progress_bar(steps, "rl", "step") as bar:
+            while trainer.running:
+                time.sleep(1.0)
+                orchestrator.check()  # an orchestrator that failed stops the run with its log
+                step = last_record(trainer_metrics)
+                batch = last_record(batch_metrics)
+                versions = ",".join(str(int(s.get("weight_version", -1))) for s in self.sampler.latest.values())
+                finished = step.get("step", -1) + 1
+                bar.update(max(0, finished - done), batch=batch.get("index", "-"), reward=batch.get("reward_mean", 0.0),
+                           kl=step.get("mismatch_kl_k3", 0.0), servers=versions)  # fmt: skip
+                done = max(done, finished)
+        trainer.check()
+        orchestrator.stop()
+        self.wait_for_version(steps)
+        records = read_metrics(trainer_metrics) if trainer_metrics.exists() else []
+        return {"steps": steps, "trainer_steps_logged": len(records),
+                "reward_first": records[0].get("reward_mean") if records else None,
+                "reward_last": records[-1].get("reward_mean") if records else None}  # fmt: skip
+
+    def wait_for_version(self, version: int) -> None:
+        """Until every server reports `version` (they follow the store on their own)."""
+        deadline = time.monotonic() + self.config.rl.sync_timeout_s
+        while time.monotonic() < deadline:
+            versions = []
+            for url in self.urls:
+                try:
+                    versions.append(httpx.get(url.removesuffix("/v1") + "/health", timeout=2).json().get("weight_version"))
+                except (httpx.HTTPError, ValueError):
+                    versions.append(None)
+            if all(v == version for v in versions):
+                return
+            time.sleep(0.5)
+        raise WhetstoneError(f"servers did not reach weight version {version} within "
+                             f"{self.config.rl.sync_timeout_s:g} s (they report {versions})")  # fmt: skip
+
+    def stop_roles(self) -> None:
+        for role in reversed(self.roles):
+            role.stop()
+
+    def run(self) -> dict[str, Any]:
+        config = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "config.toml", dump_toml(config))
+        started = time.time()
+        stages: dict[str, Any] = {"midtrain": self.midtrain()}
+        summary: dict[str, Any] = {"run_dir": str(self.run_dir), "heldout_pass1_before": None, "heldout_pass1_after": None}
+        if config.rl_enabled:
+            try:
+                self.start_servers()
+                with ServerSampler(self.urls, self.run_dir / "servers.jsonl") as self.sampler:
+                    before = self.evaluate("before")
+                    summary["heldout_pass1_before"] = before["pass_at_k"]["1"]
+                    stages["rl"] = self.rl()
+                    after = self.evaluate("after")
+                    summary["heldout_pass1_after"] = after["pass_at_k"]["1"]
+            finally:
+                self.stop_roles()
+        summary.update(wall_s=time.time() - started, stages=stages, config=config.model_dump(mode="json"))
+        atomic_write_json(self.run_dir / "summary.json", summary)
+        from whetstone.run.report import write_report
+
+        summary["report"] = str(write_report(self.run_dir))
+        return summary
+
+
+def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
+    return Pipeline(config).run()

@@ -14,7 +14,10 @@ class EvalConfig(Config):
     """Evaluate a served model on a task set."""
 
     endpoint: EndpointConfig = EndpointConfig()
-    """The OpenAI-compatible server to evaluate."""
+    """The OpenAI-compatible server to evaluate (with `servers`: the request settings they share)."""
+    servers: list[str] = []
+    """API roots of several servers of the same model to spread the rollouts over (least-loaded
+    first; one that dies is taken out and its calls re-run elsewhere); empty = `endpoint.base_url`."""
     harness: HarnessConfig = HarnessConfig()
     """The agent loop (set `tokenizer_path` to the served model's folder)."""
     rollout: RolloutConfig = RolloutConfig()

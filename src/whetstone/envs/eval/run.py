@@ -13,7 +13,7 @@ from typing import Any
 
 from whetstone.envs.eval.config import EvalConfig
 from whetstone.envs.eval.report import build_report, render_markdown
-from whetstone.envs.harness import AgentHarness, HttpPolicy, run_rollouts
+from whetstone.envs.harness import AgentHarness, ServerPool, run_rollouts
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory, save_trajectories
 from whetstone.errors import WhetstoneError
@@ -35,7 +35,7 @@ def evaluate(config: EvalConfig, tasks: list[Task],
     harness = AgentHarness.from_config(config.harness)
     started, clock = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
     trajectories, model = asyncio.run(_rollouts(config, tasks, harness, on_done))
-    run = {"model": model, "endpoint": config.endpoint.base_url, "started": started, "samples_per_task": config.samples,
+    run = {"model": model, "endpoint": ", ".join(config.servers or [config.endpoint.base_url]), "started": started, "samples_per_task": config.samples,
            "wall_clock_s": time.monotonic() - clock, "config": config.model_dump(mode="json")}  # fmt: skip
     report = build_report(trajectories, config.k, run)
     out = Path(config.output_dir)
@@ -51,10 +51,12 @@ async def _rollouts(config: EvalConfig, tasks: list[Task], harness: AgentHarness
     concurrency = config.rollout.concurrency
     # Tools and grading block in worker threads: enough of them that no rollout waits for one.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(concurrency + 2, thread_name_prefix="rollout"))
-    policy = await HttpPolicy.connect(config.endpoint, max_connections=concurrency)
+    pool = await ServerPool.connect(config.servers or [config.endpoint.base_url], config.endpoint)
     try:
-        trajectories = await run_rollouts(tasks, policy, harness, config.rollout, samples=config.samples,
+        pool.require_one()
+        model = pool.model
+        trajectories = await run_rollouts(tasks, pool, harness, config.rollout, samples=config.samples,
                                           on_done=on_done)  # fmt: skip
     finally:
-        await policy.close()
-    return trajectories, policy.model
+        await pool.close()
+    return trajectories, model

@@ -11,6 +11,7 @@ from whetstone.envs.harness.base import Harness
 from whetstone.envs.harness.config import EndpointConfig, HarnessConfig, RolloutConfig, SamplingConfig
 from whetstone.envs.harness.loop import AgentHarness
 from whetstone.envs.harness.policy import Completion, HttpPolicy, Policy, PolicyError, Sampling
+from whetstone.envs.harness.pool import PooledPolicy, ServerPool
 from whetstone.envs.harness.rollout import rollout, run_rollouts
 
 __all__ = [
@@ -22,9 +23,11 @@ __all__ = [
     "HttpPolicy",
     "Policy",
     "PolicyError",
+    "PooledPolicy",
     "RolloutConfig",
     "Sampling",
     "SamplingConfig",
+    "ServerPool",
     "rollout",
     "run_rollouts",
 ]

@@ -1,6 +1,7 @@
 """Rollouts: a harness on a task in a fresh sandbox, graded afterwards; many at once.
 
     trajectories = await run_rollouts(tasks, policy, harness, RolloutConfig(concurrency=8), samples=4)
+    trajectories = await run_rollouts(tasks, pool, harness, config)   # spread over a ServerPool
 
 One rollout opens a sandbox over the task's snapshot, runs the task's setup, lets the harness
 work (cancelled if it overruns the task's `time_limit_s` by more than `OVERRUN_GRACE_S`), takes
@@ -22,6 +23,7 @@ from whetstone.envs.grading import grade, workspace_changes
 from whetstone.envs.harness.base import Harness
 from whetstone.envs.harness.config import RolloutConfig
 from whetstone.envs.harness.policy import Policy
+from whetstone.envs.harness.pool import ServerPool
 from whetstone.envs.harness.workspace import head_tail
 from whetstone.envs.reward import Effort
 from whetstone.envs.sandbox import Sandbox, open_sandbox
@@ -90,7 +92,7 @@ def _setup(sandbox: Sandbox, task: Task) -> None:
 
 async def run_rollouts(
     tasks: Sequence[Task],
-    policy: Policy,
+    policy: Policy | ServerPool,
     harness: Harness,
     config: RolloutConfig,
     *,
@@ -100,12 +102,16 @@ async def run_rollouts(
 ) -> list[Trajectory]:
     """Each task `samples` times, `config.concurrency` at once. Results come in input order (the
     samples of a task together, sharing the group id `group_prefix + task.id`); `on_done` sees
-    each as it finishes."""
+    each as it finishes. With a `ServerPool`, each rollout leases the least-loaded live server."""
     gate = asyncio.Semaphore(config.concurrency)
 
     async def one(task: Task) -> Trajectory:
         async with gate:
-            trajectory = await rollout(task, policy, harness, config, group_id=group_prefix + task.id)
+            if isinstance(policy, ServerPool):
+                async with policy.lease() as leased:
+                    trajectory = await rollout(task, leased, harness, config, group_id=group_prefix + task.id)
+            else:
+                trajectory = await rollout(task, policy, harness, config, group_id=group_prefix + task.id)
         if on_done is not None:
             on_done(trajectory)
         return trajectory

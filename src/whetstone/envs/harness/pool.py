@@ -24,10 +24,11 @@ from dataclasses import dataclass
 
 import httpx
 
-from whetstone.envs.harness import Completion, EndpointConfig, HttpPolicy, Policy, PolicyError, Sampling
+from whetstone.envs.harness.config import EndpointConfig
+from whetstone.envs.harness.policy import Completion, HttpPolicy, Policy, PolicyError, Sampling
 from whetstone.errors import WhetstoneError
 
-log = logging.getLogger("whetstone.orchestrator")
+log = logging.getLogger("whetstone.pool")
 HEALTH_TIMEOUT_S = 5.0
 
 
@@ -43,6 +44,8 @@ class Server:
     """Requests on their way (a server with none is idle)."""
     failures: int = 0
     """Times the server was found dead and taken out."""
+    problem: str = "not checked yet"
+    """Why the server is out of the pool (empty while it is in)."""
 
     @property
     def alive(self) -> bool:
@@ -78,6 +81,17 @@ class ServerPool:
         await asyncio.gather(*(pool._join(server) for server in pool.servers))
         pool._watcher = asyncio.create_task(pool._watch(), name="server-health")
         return pool
+
+    @property
+    def model(self) -> str:
+        """The model id served (by the first live server)."""
+        return next((s.policy.model for s in self.servers if s.policy is not None), "")
+
+    def require_one(self) -> None:
+        """Raise, naming every server and what is wrong with it, unless one is in the pool."""
+        if not any(server.alive for server in self.servers):
+            problems = "; ".join(f"{s.url}: {s.problem}" for s in self.servers)
+            raise PolicyError(f"no inference server is usable: {problems}")
 
     async def close(self) -> None:
         if self._watcher is not None:
@@ -154,16 +168,19 @@ class ServerPool:
     async def _join(self, server: Server) -> None:
         health = await self._health(server)
         if health is None:
+            server.problem = f"no answer from {server.health_url}"
             return
         floor, version = self.min_version(), health.get("weight_version")
         if floor is not None and isinstance(version, int) and version < floor:
-            return  # still catching up through the weight store
+            server.problem = f"weight version {version} is older than {floor} (still catching up)"
+            return
         try:
             policy = await HttpPolicy.connect(self.endpoint.model_copy(update={"base_url": server.url}))
         except PolicyError as err:
             log.warning("inference server %s is not usable yet: %s", server.url, err)
+            server.problem = str(err)
             return
-        server.policy = policy
+        server.policy, server.problem = policy, ""
         if policy.context_limit is not None:
             self.context_limit = min(self.context_limit or policy.context_limit, policy.context_limit)
         log.info("inference server %s is in the pool", server.url)

@@ -8,7 +8,7 @@ import pytest
 from tests.orchestrator.orchestrator_support import ThreadServer, Trainer, model_folder, thread_servers
 from whetstone.envs.harness import EndpointConfig, PolicyError, Sampling
 from whetstone.errors import WhetstoneError
-from whetstone.orchestrator import ServerPool
+from whetstone.envs.harness import ServerPool
 
 ENDPOINT = EndpointConfig(retries=0, timeout_s=30)
 SHORT = Sampling(max_tokens=4)

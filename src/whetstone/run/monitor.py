@@ -1,0 +1,77 @@
+"""What the pipeline watches while the roles run: samples of every inference server's /metrics
+(to `servers.jsonl`, for the report's version, swap-pause and busy plots) and the trainer's and
+orchestrator's metrics files (for the live progress line)."""
+
+from __future__ import annotations
+
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from whetstone.utils.metrics import MetricsWriter, read_metrics
+
+SAMPLED = {
+    "whetstone_weight_version": "weight_version",
+    "whetstone_running_sequences": "running_sequences",
+    "whetstone_tokens_per_second": "tokens_per_second",
+    "whetstone_swap_pause_seconds_last": "swap_pause_last_s",
+    "whetstone_swap_pause_seconds_count": "swap_pause_count",
+}
+_LINE = re.compile(r"^(\w+)(?:\{[^}]*\})?\s+(\S+)$")
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """The sampled gauges of one Prometheus text page (unlabelled by quantile)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        match = _LINE.match(line)
+        if match and match.group(1) in SAMPLED and "quantile" not in line:
+            out[SAMPLED[match.group(1)]] = float(match.group(2))
+    return out
+
+
+class ServerSampler:
+    """A thread sampling each server's /metrics every `interval_s` into a JSONL file; the newest
+    sample of each server is in `latest`. A server that does not answer is recorded as down."""
+
+    def __init__(self, api_roots: list[str], path: str | Path, interval_s: float = 2.0):
+        self.urls = [root.rstrip("/").removesuffix("/v1") + "/metrics" for root in api_roots]
+        self.writer = MetricsWriter(path)
+        self.interval_s = interval_s
+        self.latest: dict[int, dict[str, Any]] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="server-sampler", daemon=True)
+
+    def __enter__(self) -> ServerSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.writer.close()
+
+    def sample(self, client: httpx.Client) -> None:
+        for index, url in enumerate(self.urls):
+            try:
+                record: dict[str, Any] = {"server": index, "up": True, **parse_metrics(client.get(url).text)}
+            except httpx.HTTPError:
+                record = {"server": index, "up": False}
+            self.latest[index] = record
+            self.writer.write(record)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.is_set():
+                self.sample(client)
+                self._stop.wait(self.interval_s)
+
+
+def last_record(path: str | Path) -> dict[str, Any]:
+    """The newest record of a metrics file ({} while there is none)."""
+    path = Path(path)
+    records = read_metrics(path) if path.exists() else []
+    return records[-1] if records else {}

@@ -1,0 +1,293 @@
+"""`runs/<name>/report.html`: one self-contained page (inline PNGs, inline CSS) of what a run did.
+
+It reads whatever the run left behind and never fails on a missing, partial or torn file, so a
+run killed midway still gets its report; a section without data says "not recorded".
+
+    summary.json                  wall time, held-out pass@1 before/after, config
+    trainer/metrics.jsonl         one record per optimizer step
+    orchestrator/metrics.jsonl    one record per batch put
+    servers.jsonl                 samples of each inference server, about every 2 s
+    eval/{before,after}/report.json   the held-out evaluations (pass@k)
+"""
+
+from __future__ import annotations
+
+import datetime
+import html
+import json
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from whetstone.errors import WhetstoneError
+from whetstone.run import plots
+from whetstone.run.plots import number, staleness_counts
+from whetstone.utils.atomic import atomic_write_text
+from whetstone.utils.metrics import read_metrics
+
+NOT_RECORDED = "not recorded"
+
+
+@dataclass
+class RunRecords:
+    """What a run folder holds; a part missing or unreadable is empty ({}, [] or None)."""
+
+    name: str
+    summary: dict
+    summary_mtime: float | None
+    config_toml: str | None
+    trainer: list[dict]
+    orchestrator: list[dict]
+    servers: list[dict]
+    before: dict
+    after: dict
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text(errors="replace")
+    except OSError:
+        return None
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        value = json.loads(_read_text(path) or "null")
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    try:
+        return [r for r in read_metrics(path) if isinstance(r, dict)]
+    except (OSError, UnicodeDecodeError):
+        return []
+
+
+def load_run(run_dir: Path) -> RunRecords:
+    summary_path, config_path = run_dir / "summary.json", run_dir / "config.toml"
+    return RunRecords(
+        name=run_dir.resolve().name, summary=_read_json(summary_path),
+        summary_mtime=summary_path.stat().st_mtime if summary_path.is_file() else None,
+        config_toml=_read_text(config_path),
+        trainer=_read_jsonl(run_dir / "trainer" / "metrics.jsonl"),
+        orchestrator=_read_jsonl(run_dir / "orchestrator" / "metrics.jsonl"),
+        servers=_read_jsonl(run_dir / "servers.jsonl"),
+        before=_read_json(run_dir / "eval" / "before" / "report.json"),
+        after=_read_json(run_dir / "eval" / "after" / "report.json"),
+    )  # fmt: skip
+
+
+def pass_at_k(report: dict) -> dict[int, float]:
+    """An evaluation report's pass@k as {k: score}, scores that are not numbers left out."""
+    values = report.get("pass_at_k")
+    scores = {int(k): number(v) for k, v in values.items() if str(k).isdigit()} if isinstance(values, dict) else {}
+    return {k: score for k, score in scores.items() if score is not None}
+
+
+def heldout_pass1(run: RunRecords, when: str) -> float | None:
+    """pass@1 `when` ("before"/"after") RL: the summary's figure, else the evaluation report's."""
+    value = number(run.summary.get(f"heldout_pass1_{when}"))
+    return value if value is not None else pass_at_k(getattr(run, when)).get(1)
+
+
+def swap_pauses(servers: list[dict]) -> dict[int, list[tuple[float | None, float]]]:
+    """Each server's swaps as (weight version swapped to, pause seconds), from the rises of its
+    swap count between samples. Samples are ~2 s apart, so several swaps between two samples
+    show as one (the last pause)."""
+    counts: dict[int, float] = {}
+    pauses: dict[int, list[tuple[float | None, float]]] = {}
+    for sample in sorted(servers, key=lambda s: number(s.get("time")) or 0.0):
+        server, count = number(sample.get("server")), number(sample.get("swap_pause_count"))
+        if server is None or count is None:
+            continue
+        server, previous = int(server), counts.get(int(server), 0.0)
+        counts[server] = count
+        if count < previous:  # the server restarted: its count began again at 0
+            previous = 0.0
+        pause, swaps = number(sample.get("swap_pause_last_s")), pauses.setdefault(server, [])
+        if count > previous and pause is not None:
+            swaps.append((number(sample.get("weight_version")), pause))
+    return pauses
+
+
+def _step_time(record: dict) -> tuple[float, float] | None:
+    """(working, waiting) seconds of one trainer step: train_s + publish_s, wait_s."""
+    train, wait = number(record.get("train_s")), number(record.get("wait_s"))
+    if train is None or wait is None:
+        return None
+    return train + (number(record.get("publish_s")) or 0.0), max(wait, 0.0)
+
+
+def trainer_busy_per_step(trainer: list[dict]) -> tuple[list[float], list[float]]:
+    """Each step's busy fraction from its timings, else the `busy` it logged."""
+    steps, fractions = [], []
+    for record in trainer:
+        step, timing = number(record.get("step")), _step_time(record)
+        fraction = timing[0] / sum(timing) if timing and sum(timing) > 0 else number(record.get("busy"))
+        if step is not None and fraction is not None:
+            steps.append(step), fractions.append(fraction)
+    return steps, fractions
+
+
+def busy_fractions(trainer: list[dict], servers: list[dict]) -> dict[str, float]:
+    """Share of wall time each role was working: the trainer Σ(train + publish) / Σ(train +
+    publish + wait) over its steps, each server the share of its samples with a running sequence
+    (a sample of a server that was down counts as idle)."""
+    busy: dict[str, float] = {}
+    timings = [t for t in map(_step_time, trainer) if t is not None]
+    total = sum(work + wait for work, wait in timings)
+    if total > 0:
+        busy["trainer"] = sum(work for work, _ in timings) / total
+    running: dict[int, list[bool]] = {}
+    for sample in servers:
+        server, sequences = number(sample.get("server")), number(sample.get("running_sequences"))
+        if server is not None and (sequences is not None or sample.get("up") is False):
+            running.setdefault(int(server), []).append(sequences is not None and sequences > 0)
+    busy.update({f"server {s}": sum(flags) / len(flags) for s, flags in sorted(running.items())})
+    return busy
+
+
+def _mean(values: list[float]) -> float | None:
+    return statistics.fmean(values) if values else None
+
+
+def _last(values: list[float]) -> float | None:
+    return values[-1] if values else None
+
+
+def _fmt(value: float | None, style: str = "{:.4g}") -> str:
+    return NOT_RECORDED if value is None else style.format(value)
+
+
+def _bytes(value: float | None) -> str:
+    if value is None:
+        return NOT_RECORDED
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def _column(records: list[dict], key: str) -> list[float]:
+    return [v for v in (number(r.get(key)) for r in records) if v is not None]
+
+
+def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[tuple[str, str]]:
+    """The numbers behind the plots, as (what, value) rows."""
+    trainer = run.trainer
+    deltas = [r for r in trainer if r.get("delta_kind") == "delta"]
+    full = [r for r in trainer if r.get("delta_kind") == "full"]
+    rewards = _column(trainer, "reward_mean") or _column(run.orchestrator, "reward_mean")
+    kl, versions = _column(trainer, "mismatch_kl_k3"), _column(trainer, "version")
+    disagreement = _column(trainer, "routing_disagreement")
+    pause_ms = sorted(p * 1e3 for points in pauses.values() for _, p in points)
+    pause_spread = f"{statistics.median(pause_ms):.3g} / {pause_ms[-1]:.3g} ms" if pause_ms else NOT_RECORDED
+    steps = f"{len(trainer)} ({sum(r.get('replayed') is True for r in trainer)})" if trainer else NOT_RECORDED
+    dropped = sum(staleness_counts(r.get("staleness_histogram"))[1] for r in trainer)
+    rows = [
+        ("held-out pass@1 before RL", _fmt(heldout_pass1(run, "before"), "{:.3f}")),
+        ("held-out pass@1 after RL", _fmt(heldout_pass1(run, "after"), "{:.3f}")),
+        ("trainer steps (replayed after a restart)", steps),
+        ("batches put by the orchestrator", str(len(run.orchestrator)) if run.orchestrator else NOT_RECORDED),
+        ("final reward (mean over the last batch)", _fmt(_last(rewards), "{:.3f}")),
+        ("mean reward over the run", _fmt(_mean(rewards), "{:.3f}")),
+        ("mean k3 KL, trainer vs rollout", _fmt(_mean(kl), "{:.3g}")),
+        ("max k3 KL", _fmt(max(kl, default=None), "{:.3g}")),
+        ("mean routing disagreement (router choices)", _fmt(_mean(disagreement), "{:.2%}")),
+        ("max |logprob difference|", _fmt(max(_column(trainer, "logprob_diff_max"), default=None), "{:.3g}")),
+        ("mean clip fraction", _fmt(_mean(_column(trainer, "clip_fraction")), "{:.2%}")),
+        ("mean mask fraction", _fmt(_mean(_column(trainer, "mask_fraction")), "{:.2%}")),
+        ("samples dropped as too stale", f"{dropped:.0f}" if trainer else NOT_RECORDED),
+        ("versions published (full)", f"{len(versions)} ({len(full)})" if versions else NOT_RECORDED),
+        ("mean delta size (delta versions)", _bytes(_mean(_column(deltas, "delta_bytes")))),
+        ("mean delta ratio (delta versions)", _fmt(_mean(_column(deltas, "delta_ratio")), "{:.1f}x")),
+        ("mean full version size", _bytes(_mean(_column(full, "delta_bytes")))),
+        ("swap pauses seen", str(len(pause_ms)) if pauses else NOT_RECORDED),
+        ("swap pause p50 / max", pause_spread),
+    ]  # fmt: skip
+    busy_rows = [(f"{role} busy", f"{fraction:.1%}") for role, fraction in busy.items()]
+    return rows + (busy_rows or [("busy fractions", NOT_RECORDED)])
+
+
+STYLE = """
+body { font: 14px/1.45 system-ui, sans-serif; max-width: 920px; margin: 2em auto; padding: 0 1em; color: #222; }
+h1 { margin-bottom: .2em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+.meta { color: #666; } .headline { font-size: 1.6em; font-weight: 600; margin: .6em 0; }
+.missing { color: #a33; font-style: italic; } .reads { color: #777; font-size: .85em; }
+table { border-collapse: collapse; } td { padding: .2em .8em; border-bottom: 1px solid #eee; }
+td:last-child { text-align: right; font-variant-numeric: tabular-nums; }
+pre { background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 12px; }
+"""
+
+
+def _header(run: RunRecords) -> str:
+    before, after = heldout_pass1(run, "before"), heldout_pass1(run, "after")
+    delta = f" ({(after - before) * 100:+.1f} points)" if before is not None and after is not None else ""
+    headline = f"held-out pass@1: {_fmt(before, '{:.1%}')} → {_fmt(after, '{:.1%}')}{delta}"
+    if run.summary_mtime is not None:
+        date = f"finished {datetime.datetime.fromtimestamp(run.summary_mtime):%Y-%m-%d %H:%M}"
+    else:
+        date = f"did not finish (no summary.json); report written {datetime.datetime.now():%Y-%m-%d %H:%M}"
+    wall = number(run.summary.get("wall_s"))
+    wall_text = NOT_RECORDED if wall is None else f"{wall:.0f} s ({wall / 60:.1f} min)"
+    return (f"<h1>whetstone run: {html.escape(run.name)}</h1>\n<p class='meta'>{date} · wall time {wall_text}</p>\n"
+            f"<p class='headline'>{headline}</p>")  # fmt: skip
+
+
+def _section(title: str, image: str | None, reads: str) -> str:
+    body = (f"<img alt='{html.escape(title)}' src='data:image/png;base64,{image}'>" if image
+            else f"<p class='missing'>{NOT_RECORDED}</p>")  # fmt: skip
+    return f"<h2>{html.escape(title)}</h2>\n{body}\n<p class='reads'>{html.escape(reads)}</p>"
+
+
+def _config(run: RunRecords) -> str:
+    if isinstance(run.summary.get("config"), dict):
+        text = json.dumps(run.summary["config"], indent=2, sort_keys=True)
+    elif run.config_toml is not None:
+        text = run.config_toml  # the run stopped before its summary; the config it started with
+    else:
+        return f"<h2>Config</h2>\n<p class='missing'>{NOT_RECORDED}</p>"
+    return f"<h2>Config</h2>\n<details><summary>the run's config</summary><pre>{html.escape(text)}</pre></details>"
+
+
+def render_report(run: RunRecords) -> str:
+    pauses, busy = swap_pauses(run.servers), busy_fractions(run.trainer, run.servers)
+    sections = [
+        _section("Reward", plots.reward_plot(run.trainer, run.orchestrator),
+                 "trainer/metrics.jsonl reward_mean per step; orchestrator/metrics.jsonl reward_mean per batch"),
+        _section("Held-out pass@k", plots.passk_plot(pass_at_k(run.before) or _summary_pass1(run, "before"),
+                                                     pass_at_k(run.after) or _summary_pass1(run, "after")),
+                 "eval/before/report.json and eval/after/report.json pass_at_k (else summary.json pass@1)"),
+        _section("Staleness", plots.staleness_plot(run.trainer),
+                 "trainer/metrics.jsonl staleness_histogram: samples per step by how many versions behind"),
+        _section("Weight sync", plots.weight_sync_plot(run.trainer, pauses),
+                 "trainer/metrics.jsonl version, delta_bytes, delta_kind; servers.jsonl rises of swap_pause_count "
+                 "(pause = swap_pause_last_s)"),
+        _section("Trainer–rollout mismatch", plots.mismatch_plot(run.trainer),
+                 "trainer/metrics.jsonl mismatch_kl_k3, routing_disagreement, routing_disagreement_tokens"),
+        _section("Busy fraction", plots.busy_plot(busy, trainer_busy_per_step(run.trainer)),
+                 "trainer: (train_s + publish_s) / (train_s + publish_s + wait_s); "
+                 "server: share of servers.jsonl samples with running_sequences > 0"),
+    ]  # fmt: skip
+    table = "\n".join(f"<tr><td>{html.escape(what)}</td><td>{html.escape(value)}</td></tr>"
+                      for what, value in key_figures(run, pauses, busy))  # fmt: skip
+    return (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>whetstone run {html.escape(run.name)}</title>"
+            f"<style>{STYLE}</style></head><body>\n{_header(run)}\n" + "\n".join(sections)
+            + f"\n<h2>Key figures</h2>\n<table>{table}</table>\n{_config(run)}\n</body></html>\n")  # fmt: skip
+
+
+def _summary_pass1(run: RunRecords, when: str) -> dict[int, float]:
+    value = number(run.summary.get(f"heldout_pass1_{when}"))
+    return {} if value is None else {1: value}
+
+
+def write_report(run_dir: str | Path) -> Path:
+    """Write `run_dir/report.html` (atomically) from whatever the run wrote; return its path."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise WhetstoneError(f"no run folder at {run_dir}")
+    path = run_dir / "report.html"
+    atomic_write_text(path, render_report(load_run(run_dir)))
+    return path

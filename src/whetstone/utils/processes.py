@@ -1,0 +1,106 @@
+"""Roles as child processes: start one with its output in a log file, wait until it is healthy,
+stop it (SIGTERM, then SIGKILL after a grace period) or kill it.
+
+    server = RoleProcess("serve-0", ["serve", "serve-0.toml"], logs / "serve-0.log",
+                         health_url="http://127.0.0.1:8000/health").start()
+    server.wait_healthy(timeout_s=90)
+    ...
+    server.stop()
+
+A role runs as `python -m whetstone.cli ROLE ...` with this interpreter, so the child gets the
+same installation and `whetstone`'s error handling (a clear message and exit code 2 on bad
+input). Its output goes to a file, not a pipe: a pipe nobody reads blocks the child once full.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from whetstone.errors import WhetstoneError
+
+
+class RoleProcess:
+    def __init__(self, name: str, args: list[str], log_path: str | Path, *, health_url: str | None = None,
+                 threads: int | None = None, env: dict[str, str] | None = None):  # fmt: skip
+        """`args`: the `whetstone` command line after the program name. `threads`: OMP/MKL
+        threads of the child (its torch intra-op pool), so roles sharing cores do not oversubscribe."""
+        self.name = name
+        self.argv = [sys.executable, "-m", "whetstone.cli", *args]
+        self.log_path = Path(log_path)
+        self.health_url = health_url
+        self.env = {"COLUMNS": "200", **os.environ, **(env or {})}  # rich wraps log lines at 80 otherwise
+        if threads is not None:
+            self.env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> RoleProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+                                            stdin=subprocess.DEVNULL)  # fmt: skip
+        return self
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def check(self) -> None:
+        """Raise with the end of its log if the role exited with an error."""
+        code = self.returncode
+        if code not in (None, 0):
+            raise WhetstoneError(f"{self.name} exited with code {code}; end of {self.log_path}:\n{self.log_tail()}")
+
+    def wait_healthy(self, timeout_s: float = 120.0) -> None:
+        """Until `health_url` answers 200; raises if the process dies or the time runs out."""
+        if self.health_url is None:
+            raise WhetstoneError(f"{self.name} has no health URL to wait on")
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if not self.running:
+                raise WhetstoneError(f"{self.name} exited (code {self.returncode}) before it became healthy; "
+                                     f"end of {self.log_path}:\n{self.log_tail()}")  # fmt: skip
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.health_url, timeout=2).status_code == 200:
+                    return
+            time.sleep(0.2)
+        raise WhetstoneError(f"{self.name} did not become healthy at {self.health_url} within {timeout_s:g} s")
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """Its exit code, waiting at most `timeout_s` (raises subprocess.TimeoutExpired after)."""
+        if self.process is None:
+            raise WhetstoneError(f"{self.name} was never started")
+        return self.process.wait(timeout_s)
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        """SIGTERM (roles checkpoint and exit cleanly on it), then SIGKILL after `grace_s`."""
+        if not self.running:
+            return self.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            return self.kill()
+
+    def kill(self) -> int | None:
+        """SIGKILL, as a crash would."""
+        if self.running:
+            self.process.kill()
+        return None if self.process is None else self.process.wait()

@@ -1,0 +1,37 @@
+"""Roles as child processes: started with the same interpreter, logged to a file, stopped cleanly."""
+
+import sys
+
+import pytest
+
+from whetstone.errors import WhetstoneError
+from whetstone.utils.processes import RoleProcess
+
+
+def test_a_role_runs_the_whetstone_command_and_logs_to_a_file(tmp_path):
+    role = RoleProcess("help", ["--help"], tmp_path / "logs" / "help.log").start()
+    assert role.wait(60) == 0
+    assert "Usage" in role.log_path.read_text() and role.argv[:3] == [sys.executable, "-m", "whetstone.cli"]
+    role.check()  # exit 0 is fine
+
+
+def test_a_failing_role_raises_with_its_log(tmp_path):
+    role = RoleProcess("bad", ["trainer", str(tmp_path / "missing.toml")], tmp_path / "bad.log").start()
+    assert role.wait(60) == 2
+    with pytest.raises(WhetstoneError, match="(?s)bad exited with code 2.*missing.toml does not exist"):
+        role.check()
+
+
+def test_waiting_on_health_fails_fast_when_the_role_dies(tmp_path):
+    role = RoleProcess("serve", ["serve", "--set", "model_path="], tmp_path / "serve.log",
+                       health_url="http://127.0.0.1:9/health").start()
+    with pytest.raises(WhetstoneError, match="(?s)exited .* before it became healthy.*model_path is not set"):
+        role.wait_healthy(60)
+
+
+def test_stop_sends_sigterm_and_returns_the_exit_code(tmp_path):
+    role = RoleProcess("sleeper", ["--help"], tmp_path / "s.log")
+    role.argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+    role.start()
+    assert role.running
+    assert role.stop(grace_s=10) == -15 and not role.running

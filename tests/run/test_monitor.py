@@ -1,0 +1,31 @@
+"""The pipeline's view of running servers: their /metrics sampled into servers.jsonl."""
+
+from whetstone.run.monitor import ServerSampler, last_record, parse_metrics
+from whetstone.utils.metrics import read_metrics
+
+PAGE = """# HELP whetstone_weight_version Version of the weights.
+whetstone_weight_version{model="m"} 3
+whetstone_running_sequences{model="m"} 5
+whetstone_tokens_per_second{model="m"} 412.5
+whetstone_swap_pause_seconds{model="m",quantile="0.5"} 0.004
+whetstone_swap_pause_seconds_count{model="m"} 3
+whetstone_swap_pause_seconds_last{model="m"} 0.0061
+whetstone_prompt_tokens_total{model="m"} 999
+"""
+
+
+def test_the_sampled_gauges_are_read_from_a_prometheus_page():
+    assert parse_metrics(PAGE) == {"weight_version": 3, "running_sequences": 5, "tokens_per_second": 412.5,
+                                   "swap_pause_count": 3, "swap_pause_last_s": 0.0061}
+
+
+def test_a_server_that_does_not_answer_is_recorded_as_down(tmp_path):
+    import httpx
+
+    sampler = ServerSampler(["http://127.0.0.1:9/v1"], tmp_path / "servers.jsonl")
+    with httpx.Client(timeout=1) as client:
+        sampler.sample(client)
+    sampler.writer.close()
+    assert read_metrics(tmp_path / "servers.jsonl")[0] | {"time": 0} == {"server": 0, "up": False, "time": 0}
+    assert last_record(tmp_path / "servers.jsonl")["up"] is False
+    assert last_record(tmp_path / "nothing.jsonl") == {}

@@ -1,0 +1,58 @@
+"""`whetstone run` end to end at tiny scale: mid-training, two real `whetstone serve` processes,
+the trainer and the orchestrator as processes, held-out evaluations before and after, the report.
+
+The tiny model never solves a task, so the tasks are coin tasks (tests/orchestrator): synth tasks
+whose repository already holds the solution, plus a hidden test that passes half the time, so
+groups get rewards that differ and batches fill.
+"""
+
+import json
+
+import pytest
+
+from tests.midtrain.midtrain_support import TINY, write_corpus
+from tests.orchestrator.orchestrator_support import coin_tasks
+from whetstone.config import load_config
+from whetstone.envs.tasks import write_tasks
+from whetstone.run.config import PipelineConfig
+from whetstone.run.pipeline import run_pipeline
+from whetstone.utils.metrics import read_metrics
+
+
+def tiny_run(tmp_path, *overrides: str) -> PipelineConfig:
+    code = write_corpus(tmp_path)
+    tasks = tmp_path / "coin.jsonl"
+    write_tasks(coin_tasks(4), tasks)
+    settings = [
+        *(f"midtrain.{line}" for line in TINY),
+        f'midtrain.data.directories=[{{path="{code}"}}]', f'midtrain.data.cache_dir="{tmp_path / "cache"}"',
+        "demos.count=20", f'output_dir="{tmp_path / "runs"}"', 'name="tiny"',
+        "harness.max_turns=2", "harness.max_turn_tokens=12", "harness.max_tool_tokens=128",
+        "harness.max_calls_per_turn=2", "harness.summary_tokens=16", "harness.train_cut_off_calls=true",
+        "servers.serve.engine.max_batch=8",
+        "rl.steps=2", "rl.trainer.sync.poll_interval=0.1", "rl.trainer.poll_interval=0.1",
+        f'rl.orchestrator.tasks.source="{tasks}"', "rl.orchestrator.validate_tasks=false",
+        "rl.orchestrator.group_size=2", "rl.orchestrator.groups_per_batch=1", "rl.orchestrator.rollout.concurrency=4",
+        "rl.orchestrator.poll_interval_s=0.1", "rl.orchestrator.health_interval_s=0.2",
+        f'eval.tasks.source="{tasks}"', "eval.validate_tasks=false", "eval.samples=2",
+        *overrides,
+    ]
+    return load_config(PipelineConfig, None, settings)
+
+
+@pytest.mark.timeout(300)
+def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
+    summary = run_pipeline(tiny_run(tmp_path))
+    run = tmp_path / "runs" / "tiny"
+    assert json.loads((run / "summary.json").read_text())["heldout_pass1_after"] == summary["heldout_pass1_after"]
+    assert 0.0 <= summary["heldout_pass1_before"] <= 1.0 and 0.0 <= summary["heldout_pass1_after"] <= 1.0
+    assert summary["wall_s"] > 0 and summary["config"]["rl"]["steps"] == 2
+    steps = read_metrics(run / "trainer" / "metrics.jsonl")
+    assert [s["step"] for s in steps] == [0, 1] and steps[-1]["version"] == 2  # published every step
+    assert len(read_metrics(run / "orchestrator" / "metrics.jsonl")) == 2
+    assert {r["server"] for r in read_metrics(run / "servers.jsonl")} == {0, 1}
+    assert json.loads((run / "eval" / "after" / "report.json").read_text())["rollouts"] == 8
+    html = (run / "report.html").read_text()
+    assert "held-out pass@1" in html and html.count("<img") >= 4
+    for role in ("serve-0", "serve-1", "trainer", "orchestrator"):
+        assert (run / "roles" / f"{role}.toml").exists() and (run / "logs" / f"{role}.log").exists()

@@ -1,0 +1,180 @@
+"""The run report: one self-contained HTML page, whatever the run managed to write."""
+
+import json
+import re
+
+from collections import Counter
+
+import pytest
+
+from whetstone.errors import WhetstoneError
+from whetstone.rl.staleness import StalenessHistogram
+from whetstone.run.plots import _binned
+from whetstone.run.report import busy_fractions, swap_pauses, trainer_busy_per_step, write_report
+from whetstone.utils.metrics import MetricsWriter
+
+PLOT_SECTIONS = ["Reward", "Held-out pass@k", "Staleness", "Weight sync", "Trainer–rollout mismatch", "Busy fraction"]
+
+
+def write_jsonl(path, records, torn_tail=True):
+    with MetricsWriter(path) as metrics:
+        for record in records:
+            metrics.write(record)
+    if torn_tail:  # a process killed mid-write leaves half a line
+        with path.open("a") as handle:
+            handle.write('{"time": 1.0, "step": 99, "rew')
+
+
+def trainer_step(step: int) -> dict:
+    record = {
+        "time": 1000.0 + step, "step": step, "replayed": False, "loss": 0.5 - 0.01 * step,
+        "reward_mean": 0.2 + 0.1 * step, "mismatch_kl_k3": 1e-4 * (step + 1), "routing_disagreement": 0.02,
+        "routing_disagreement_tokens": 0.3, "logprob_diff_mean": 0.01, "logprob_diff_p99": 0.1,
+        "logprob_diff_max": 0.4, "clip_fraction": 0.01, "mask_fraction": 0.005, "tokens": 512,
+        "staleness_histogram": StalenessHistogram(Counter({0: 6, 1: 2}), dropped=step % 2).metrics(),
+        "version": step + 1, "delta_kind": "full" if step == 0 else "delta",
+        "delta_bytes": 4_000_000 if step == 0 else 80_000, "delta_ratio": 1.0 if step == 0 else 50.0,
+        "publish_s": 0.1, "train_s": 0.6, "wait_s": 0.3,
+    }  # fmt: skip
+    record["busy"] = 0.7
+    return record
+
+
+def server_samples() -> list[dict]:
+    """Two servers sampled every 2 s; server 0 swaps at t=2 and t=6, server 1 at t=4; server 1 idles half the time."""
+    samples = []
+    for tick, t in enumerate([0.0, 2.0, 4.0, 6.0]):
+        samples.append({"time": t, "server": 0, "weight_version": [0, 1, 1, 2][tick], "running_sequences": 4,
+                        "swap_pause_last_s": [0.0, 0.002, 0.002, 0.004][tick], "swap_pause_count": [0, 1, 1, 2][tick],
+                        "tokens_per_second": 300.0})  # fmt: skip
+        samples.append({"time": t, "server": 1, "weight_version": [0, 0, 2, 2][tick], "running_sequences": tick % 2,
+                        "swap_pause_last_s": [0.0, 0.0, 0.003, 0.003][tick], "swap_pause_count": [0, 0, 1, 1][tick],
+                        "tokens_per_second": 250.0})  # fmt: skip
+    return samples
+
+
+def eval_report(pass1: float, pass4: float) -> dict:
+    return {"tasks": 8, "rollouts": 32, "pass_at_k": {"1": pass1, "4": pass4}, "reward": {"mean": pass1}}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("runs") / "demo"
+    (run_dir / "eval" / "before").mkdir(parents=True)
+    (run_dir / "eval" / "after").mkdir(parents=True)
+    summary = {"run_dir": str(run_dir), "wall_s": 312.0, "heldout_pass1_before": 0.125, "heldout_pass1_after": 0.375,
+               "stages": {"midtrain": {"val_loss": 1.2}}, "config": {"name": "demo", "rl": {"lr": 1e-6}}}  # fmt: skip
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    (run_dir / "eval" / "before" / "report.json").write_text(json.dumps(eval_report(0.125, 0.3)))
+    (run_dir / "eval" / "after" / "report.json").write_text(json.dumps(eval_report(0.375, 0.6)))
+    write_jsonl(run_dir / "trainer" / "metrics.jsonl", [trainer_step(step) for step in range(4)])
+    batches = [{"index": i, "samples": 8, "rollouts": 8, "reward_mean": 0.2 + 0.1 * i, "staleness_0": 6,
+                "groups.dropped_no_variance": 1, "servers_alive": 2, "calls_rerun": 0} for i in range(4)]  # fmt: skip
+    write_jsonl(run_dir / "orchestrator" / "metrics.jsonl", batches)
+    write_jsonl(run_dir / "servers.jsonl", server_samples())
+    path = write_report(run_dir)
+    return run_dir, path, path.read_text()
+
+
+def test_a_full_run_gets_every_section_with_one_inline_plot_each(full_run):
+    run_dir, path, page = full_run
+    assert path == run_dir / "report.html"
+    positions = [page.index(f"<h2>{title}</h2>") for title in [*PLOT_SECTIONS, "Key figures", "Config"]]
+    assert positions == sorted(positions)  # in the documented order
+    assert page.count("<img ") == len(PLOT_SECTIONS) == page.count("src='data:image/png;base64,")
+    assert "not recorded" not in page
+    assert not re.search(r"(src|href)=['\"]https?:", page)  # self-contained: nothing fetched
+
+
+def test_the_headline_shows_pass1_before_and_after_and_the_gain(full_run):
+    _, _, page = full_run
+    assert "held-out pass@1: 12.5% → 37.5% (+25.0 points)" in page
+    assert "<h1>whetstone run: demo</h1>" in page and "312 s" in page
+
+
+def test_key_figures_hold_the_numbers_behind_the_plots(full_run):
+    _, _, page = full_run
+    row = lambda what, value: f"<tr><td>{what}</td><td>{value}</td></tr>"  # noqa: E731
+    assert row("final reward (mean over the last batch)", "0.500") in page
+    assert row("versions published (full)", "4 (1)") in page
+    assert row("mean delta size (delta versions)", "78.1 KiB") in page
+    assert row("mean delta ratio (delta versions)", "50.0x") in page
+    assert row("swap pauses seen", "3") in page and row("swap pause p50 / max", "3 / 4 ms") in page
+    assert row("trainer busy", "70.0%") in page and row("server 0 busy", "100.0%") in page
+    assert row("server 1 busy", "50.0%") in page
+    assert row("samples dropped as too stale", "2") in page
+    assert "<details>" in page and "&quot;lr&quot;: 1e-06" in page
+
+
+def test_the_report_replaces_an_old_one_atomically(full_run):
+    run_dir, path, page = full_run
+    assert [p.name for p in run_dir.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
+
+
+def test_a_run_with_only_a_summary_says_what_was_not_recorded(tmp_path):
+    (tmp_path / "summary.json").write_text(json.dumps({"wall_s": 5.0, "heldout_pass1_before": 0.5,
+                                                       "heldout_pass1_after": None, "config": {}}))  # fmt: skip
+    page = write_report(tmp_path).read_text()
+    assert "held-out pass@1: 50.0% → not recorded" in page
+    assert page.count("<img ") == 1  # pass@1 before, from the summary
+    for title in ["Reward", "Staleness", "Weight sync", "Trainer–rollout mismatch", "Busy fraction"]:
+        section = page.split(f"<h2>{title}</h2>")[1].split("<h2>")[0]
+        assert "<p class='missing'>not recorded</p>" in section
+
+
+def test_a_run_killed_before_its_summary_still_gets_a_report(tmp_path):
+    (tmp_path / "config.toml").write_text('name = "killed"\n')
+    write_jsonl(tmp_path / "trainer" / "metrics.jsonl", [{"step": 0, "reward_mean": 0.25, "loss": 0.7}])
+    page = write_report(tmp_path).read_text()
+    assert "did not finish (no summary.json)" in page and "wall time not recorded" in page
+    assert "name = &quot;killed&quot;" in page  # the config it started with
+    assert "<h2>Reward</h2>\n<img " in page
+
+
+def test_nan_null_and_garbage_values_are_skipped_not_fatal(tmp_path):
+    bad = [{"step": 0, "reward_mean": float("nan"), "mismatch_kl_k3": None, "routing_disagreement": "x",
+            "staleness_histogram": "oops", "version": 1, "delta_bytes": float("inf"), "train_s": None},
+           {"step": 1, "reward_mean": 0.5, "mismatch_kl_k3": float("nan"), "staleness_histogram": {"0": 3, "1": None},
+            "train_s": 1.0, "wait_s": float("nan"), "busy": 0.9},
+           [1, 2, 3], "a string record"]  # fmt: skip
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in bad) + "\n")
+    (tmp_path / "summary.json").write_text('["not", "an", "object"]')
+    (tmp_path / "servers.jsonl").write_bytes(b"\xff\xfe not text")
+    (tmp_path / "eval" / "after").mkdir(parents=True)
+    (tmp_path / "eval" / "after" / "report.json").write_text('{"pass_at_k": {"1": NaN, "k": 0.5, "2": 0.25}}')
+    page = write_report(tmp_path).read_text()
+    assert "<h2>Reward</h2>\n<img " in page and "<h2>Staleness</h2>\n<img " in page
+    assert "<h2>Trainer–rollout mismatch</h2>\n<p class='missing'>" in page
+    assert "held-out pass@1: not recorded → not recorded" in page  # NaN is not a score
+    assert "<h2>Held-out pass@k</h2>\n<img " in page  # pass@2 after is still shown
+
+
+def test_a_missing_run_folder_is_an_error_naming_it(tmp_path):
+    with pytest.raises(WhetstoneError, match="no run folder at .*nowhere"):
+        write_report(tmp_path / "nowhere")
+
+
+def test_swap_pauses_come_from_rises_of_the_swap_count():
+    pauses = swap_pauses(server_samples())
+    assert pauses == {0: [(1, 0.002), (2, 0.004)], 1: [(2, 0.003)]}
+    restarted = [{"time": 0, "server": 0, "swap_pause_count": 5, "swap_pause_last_s": 0.1, "weight_version": 5},
+                 {"time": 2, "server": 0, "swap_pause_count": 1, "swap_pause_last_s": 0.2, "weight_version": 6}]
+    assert swap_pauses(restarted) == {0: [(5, 0.1), (6, 0.2)]}  # a count that falls: the server restarted
+
+
+def test_busy_fractions_of_trainer_and_servers():
+    trainer = [{"step": 0, "train_s": 1.0, "publish_s": 0.0, "wait_s": 3.0},
+               {"step": 1, "train_s": 2.0, "publish_s": 1.0, "wait_s": 1.0}]  # fmt: skip
+    busy = busy_fractions(trainer, server_samples())
+    assert busy == {"trainer": 4.0 / 8.0, "server 0": 1.0, "server 1": 0.5}
+    down = {"time": 8.0, "server": 0, "up": False}  # what the sampler writes when a server does not answer
+    assert busy_fractions([], [*server_samples(), down])["server 0"] == 4 / 5
+    assert trainer_busy_per_step(trainer) == ([0, 1], [0.25, 0.75])
+    assert trainer_busy_per_step([{"step": 3, "busy": 0.9}]) == ([3], [0.9])  # logged figure when times are absent
+    assert busy_fractions([], []) == {}  # nothing recorded: no bar rather than a made-up 0%
+
+
+def test_long_runs_average_staleness_over_consecutive_steps():
+    rows = [(0, {0: 4.0}, 0.0), (1, {0: 2.0, 1: 2.0}, 2.0), (2, {1: 6.0}, 1.0)]
+    assert _binned(rows, 2) == [(0.5, {0: 3.0, 1: 1.0}, 1.0), (2.0, {1: 6.0}, 1.0)]
