@@ -30,6 +30,8 @@ def trainer(
     from whetstone.trainer.loop import run_trainer
 
     summary = run_trainer(load_config(TrainerConfig, config, overrides))
+    if summary["rank"] != 0:
+        return  # under torchrun, rank 0 speaks for the job
     if as_json:
         typer.echo(json.dumps(summary))
         return

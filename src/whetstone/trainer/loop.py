@@ -15,7 +15,8 @@ import signal
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from functools import partial
 from typing import Any
 
 import torch
@@ -28,7 +29,15 @@ from whetstone.rl.batch import Batch, batch_from_bytes
 from whetstone.store import MissingObjectError
 from whetstone.sync import Subscriber
 from whetstone.trainer.config import TrainerConfig, batch_key
-from whetstone.trainer.setup import TrainerSession, open_trainer
+from whetstone.trainer.distributed import (
+    broadcast,
+    full_state_dict,
+    global_token_count,
+    rank_rows,
+    save_sharded_checkpoint,
+    torchrun_group,
+)
+from whetstone.trainer.setup import TrainerSession, new_optimizer, open_trainer
 from whetstone.trainer.step import train_step
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
@@ -54,55 +63,88 @@ def stop_on_signals() -> Iterator[threading.Event]:
             signal.signal(sig, handler)
 
 
-def wait_for_batch(session: TrainerSession, index: int, stop: threading.Event) -> Batch | None:
-    """Batch `index` once it is in the store; None if `stop` is set or none came within `idle_timeout`."""
-    config, key = session.config, batch_key(index)
-    deadline = time.monotonic() + config.idle_timeout if config.idle_timeout else None
-    while True:
-        try:
-            batch = batch_from_bytes(session.batches.get(key), source=f"{key} in {session.batches!r}")
-            break
-        except MissingObjectError:
-            if stop.wait(config.poll_interval) or (deadline is not None and time.monotonic() >= deadline):
-                return None
+def read_batch(session: TrainerSession, index: int) -> Batch | None:
+    """Batch `index` from the store, or None if it is not there yet."""
+    key = batch_key(index)
+    try:
+        batch = batch_from_bytes(session.batches.get(key), source=f"{key} in {session.batches!r}")
+    except MissingObjectError:
+        return None
     if batch.meta.get("index", index) != index:
         raise WhetstoneError(f"{key} says it is batch {batch.meta['index']}, expected {index}")
     return batch
 
 
-def replay_matches_store(session: TrainerSession) -> bool:
+def wait_for_batch(session: TrainerSession, index: int, stop: threading.Event) -> Batch | None:
+    """Batch `index` once it is in the store; None if `stop` is set or none came within `idle_timeout`.
+
+    Under torchrun rank 0 polls and decides, and tells the other ranks after every poll (they
+    then read the batch themselves): all ranks stop together, and none sits in one collective
+    for longer than a poll interval, however long the orchestrator takes.
+    """
+    config = session.config
+    deadline = time.monotonic() + config.idle_timeout if config.idle_timeout else None
+    while True:
+        batch = decision = None
+        if session.rank == 0:
+            batch = None if stop.is_set() else read_batch(session, index)
+            timed_out = deadline is not None and time.monotonic() >= deadline
+            decision = "train" if batch is not None else "stop" if stop.is_set() or timed_out else "wait"
+        decision = broadcast(decision)  # rank 0's, on every rank
+        if decision == "stop":
+            return None
+        if decision == "train":
+            batch = batch if batch is not None else read_batch(session, index)
+            if batch is None:
+                raise WhetstoneError(f"rank {session.rank} cannot read {batch_key(index)} from {session.batches!r}, "
+                                     "which rank 0 read: every rank needs the same batch_store (object storage "
+                                     "or a shared filesystem)")
+            return batch
+        if session.rank == 0:
+            stop.wait(config.poll_interval)
+
+
+def replay_matches_store(session: TrainerSession, weights: dict[str, torch.Tensor]) -> bool:
     """After replaying, do the trainer's weights (as published) equal the store's latest version?"""
     subscriber = Subscriber(session.weights, session.config.sync, name="trainer-check")
     subscriber.poll()
-    mine = session.publisher.prepare(session.model.state_dict())
+    mine = session.publisher.prepare(weights)
     return mine.keys() == subscriber.state.keys() and all(torch.equal(mine[k], subscriber.state[k]) for k in mine)
 
 
 def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
-    """Train on `batch` (the next one), publish unless replaying; advance the state; return metrics."""
+    """Train on `batch` (the next one), publish unless replaying; advance the state; return metrics.
+    Under torchrun every rank trains on its rows of the batch, and the metrics are the whole step's."""
     config, state = session.config, session.state
     opt, replaying = config.optimizer, state.step < session.replay_until
     lr = lr_at(state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps,
                total_steps=config.max_steps or 1, min_lr_ratio=opt.min_lr_ratio)
     started = time.perf_counter()
-    metrics = train_step(session.model, session.optimizer, batch, loss_config=config.loss, lr=lr,
+    rows, num_tokens = batch, None
+    if session.world_size > 1:
+        rows = rank_rows(batch, session.rank, session.world_size)
+        num_tokens = global_token_count(rows)
+    metrics = train_step(session.model, session.optimizer, rows, loss_config=config.loss, lr=lr,
                          grad_clip=opt.grad_clip, micro_batch_size=config.micro_batch_size,
-                         replay=config.router_replay, dtype=config.dtype, reference=session.reference)
+                         replay=config.router_replay, dtype=config.dtype, num_tokens=num_tokens,
+                         reference=session.reference)
     record: dict[str, Any] = {"step": state.step, "replayed": replaying, **metrics,
                               "train_s": time.perf_counter() - started}
     state.step += 1
     state.tokens += batch.num_loss_tokens
     state.data["next_batch"] = state.step
-    if not replaying:
-        started = time.perf_counter()
-        manifest = session.publisher.publish(session.model.state_dict())
+    started = time.perf_counter()
+    if not replaying or state.step == session.replay_until:
+        weights = full_state_dict(session.model)  # every rank takes part; rank 0 gets the tensors
+    if not replaying and session.publisher is not None:
+        manifest = session.publisher.publish(weights)
         if manifest.version != state.step:
             raise WhetstoneError(f"published version {manifest.version} after step {state.step - 1}: "
                                  f"another trainer writes to {config.sync.store}?")
         record.update(version=manifest.version, publish_s=time.perf_counter() - started,
                       delta_bytes=manifest.encoded_bytes, delta_kind=manifest.kind, delta_ratio=manifest.ratio)
-    elif state.step == session.replay_until:
-        record["replay_matches_store"] = replay_matches_store(session)
+    elif state.step == session.replay_until and session.publisher is not None:
+        record["replay_matches_store"] = replay_matches_store(session, weights)
         if not record["replay_matches_store"]:
             log.warning("replayed weights differ from the store's version %d (non-deterministic kernels or "
                         "another thread count?); the next delta carries the difference", state.step)
@@ -116,38 +158,52 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
 
 def run_trainer(config: TrainerConfig) -> dict[str, Any]:
     """Train until `max_steps`, until `idle_timeout` passes without a batch, or until SIGTERM /
-    SIGINT; checkpoint, and return a summary."""
-    session = open_trainer(config)
-    state = session.state
-    session.run_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
+    SIGINT; checkpoint, and return a summary. Under torchrun, on every rank (trainer.distributed)."""
+    with torchrun_group():
+        return _run(open_trainer(config))
+
+
+def _run(session: TrainerSession) -> dict[str, Any]:
+    config, state = session.config, session.state
+    lead = session.rank == 0  # the one rank that writes files (and publishes, in step_once)
+    if lead:
+        session.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
     first_step, checkpointed = state.step, state.step
 
     def checkpoint() -> None:
         nonlocal checkpointed
-        save_checkpoint(session.checkpoints, session.model, session.optimizer, state,
-                        config.model_dump(mode="json"), config.keep_checkpoints)
+        if session.world_size == 1:
+            save_checkpoint(session.checkpoints, session.model, session.optimizer, state,
+                            config.model_dump(mode="json"), config.keep_checkpoints)
+        else:
+            save_sharded_checkpoint(session.checkpoints, session.model, session.optimizer,
+                                    partial(new_optimizer, config), state, config.model_dump(mode="json"),
+                                    config.keep_checkpoints)
         checkpointed = state.step
 
     total = config.max_steps - first_step if config.max_steps else None
-    with (MetricsWriter(session.run_dir / "metrics.jsonl") as metrics, progress_bar(total, "trainer", "step") as bar,
-          stop_on_signals() as stop):
-        while (not config.max_steps or state.step < config.max_steps) and not stop.is_set():
+    with ((MetricsWriter(session.run_dir / "metrics.jsonl") if lead else nullcontext()) as metrics,
+          (progress_bar(total, "trainer", "step") if lead else nullcontext()) as bar, stop_on_signals() as stop):
+        while not config.max_steps or state.step < config.max_steps:
             waited = time.perf_counter()
             batch = wait_for_batch(session, state.step, stop)
             if batch is None:
-                log.info("stopping while waiting for batch %d (signal or idle_timeout)", state.step)
+                log.info("stopping at batch %d (signal or idle_timeout)", state.step)
                 break
             record = step_once(session, batch)
             record["wait_s"] = time.perf_counter() - waited - record["train_s"] - record.get("publish_s", 0.0)
             busy = record["train_s"] + record.get("publish_s", 0.0)
             record["busy"] = busy / max(busy + record["wait_s"], 1e-9)
-            metrics.write(record)
-            bar.update(1, step=state.step, loss=record["loss"], kl=record["mismatch_kl_k3"])
+            if lead:
+                metrics.write(record)
+                bar.update(1, step=state.step, loss=record["loss"], kl=record["mismatch_kl_k3"])
             if state.step % config.checkpoint_interval == 0:
                 checkpoint()
         if state.step != checkpointed:
             checkpoint()
-    return {"output_dir": str(session.run_dir), "step": state.step, "version": session.weights.latest(),
+    return {"output_dir": str(session.run_dir), "step": state.step,
+            "version": session.weights.latest() if session.weights is not None else None,
             "steps_this_run": state.step - first_step, "replayed": max(0, session.replay_until - first_step),
-            "resumed_from": str(session.resumed_from) if session.resumed_from else None}
+            "resumed_from": str(session.resumed_from) if session.resumed_from else None,
+            "rank": session.rank, "world_size": session.world_size}

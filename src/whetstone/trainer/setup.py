@@ -10,6 +10,7 @@ thus shapes the weights exactly once, and every version is published exactly onc
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -22,6 +23,7 @@ from whetstone.model.hf import load_hf
 from whetstone.store import ObjectStore, open_store
 from whetstone.sync import Publisher, WeightStore
 from whetstone.trainer.config import TrainerConfig
+from whetstone.trainer.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.utils.runtime import set_threads
 
 
@@ -29,17 +31,21 @@ from whetstone.utils.runtime import set_threads
 class TrainerSession:
     config: TrainerConfig
     model: Transformer
+    """The policy; under torchrun, this rank's FSDP2 shards of it (`trainer.distributed`)."""
     optimizer: torch.optim.AdamW
     reference: Transformer | None
     """Frozen initial policy for the KL term (only when loss.kl_coef > 0)."""
     batches: ObjectStore
-    weights: WeightStore
-    publisher: Publisher
+    weights: WeightStore | None
+    """The weight store (rank 0 only: the one rank that publishes)."""
+    publisher: Publisher | None
     state: TrainState
     """`state.step` = optimizer steps taken = index of the next batch = the version the weights are."""
     replay_until: int
     """Steps below this were already published (by an earlier process): replay them silently."""
     resumed_from: Path | None
+    rank: int = 0
+    world_size: int = 1
 
     @property
     def run_dir(self) -> Path:
@@ -50,39 +56,51 @@ class TrainerSession:
         return self.run_dir / "checkpoints"
 
 
-def open_trainer(config: TrainerConfig) -> TrainerSession:
-    set_threads(config.threads)
-    model = load_hf(config.model_path)
+def new_optimizer(config: TrainerConfig, model: torch.nn.Module) -> torch.optim.AdamW:
+    """The configured AdamW over `model` (sharded or plain)."""
     opt = config.optimizer
-    optimizer = build_optimizer(model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    return build_optimizer(model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+
+
+def open_trainer(config: TrainerConfig) -> TrainerSession:
+    """Under torchrun (a process group is up), every rank calls this: the model is sharded, rank
+    0 reads the checkpoint and owns the weight store, and every rank learns what rank 0 decided."""
+    set_threads(config.threads)
+    rank, world_size = world()
+    model = shard_model(load_hf(config.model_path))
+    optimizer = new_optimizer(config, model)
     reference = None
     if config.loss.kl_coef > 0:
-        reference = load_hf(config.model_path).eval().requires_grad_(False)
+        reference = shard_model(load_hf(config.model_path).eval().requires_grad_(False))
 
     run_dir = Path(config.output_dir).expanduser()
-    resumed_from = latest_checkpoint(run_dir / "checkpoints")
+    resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view
     state = TrainState(step=0, data={"next_batch": 0})
-    if resumed_from is not None:
+    if resumed_from is not None and world_size == 1:
         state = load_checkpoint(resumed_from, model, optimizer)
+    elif resumed_from is not None:
+        state = load_sharded_checkpoint(resumed_from, model, optimizer, partial(new_optimizer, config))
 
-    weights = WeightStore.open(config.sync)
-    publisher = Publisher(weights, config.sync)
-    latest = weights.latest()
-    if latest is None:
-        if state.step > 0:
+    weights = WeightStore.open(config.sync) if rank == 0 else None
+    latest = broadcast(weights.latest() if weights is not None else None)
+    initial = full_state_dict(model) if latest is None else None  # gathered by every rank
+    publisher = None
+    if weights is not None:
+        publisher = Publisher(weights, config.sync)
+        if latest is None:
+            if state.step > 0:
+                raise CheckpointError(
+                    f"checkpoint {resumed_from} is at step {state.step}, but the weight store {config.sync.store} "
+                    "is empty: point sync.store at the run's store, or start a new output_dir"
+                )
+            publisher.publish(initial, full=True)  # version 0: the initial weights
+        elif latest < state.step:
             raise CheckpointError(
                 f"checkpoint {resumed_from} is at step {state.step}, but the weight store {config.sync.store} "
-                "is empty: point sync.store at the run's store, or start a new output_dir"
+                f"only reaches version {latest}: not this run's store"
             )
-        publisher.publish(model.state_dict(), full=True)  # version 0: the initial weights
-        latest = 0
-    elif latest < state.step:
-        raise CheckpointError(
-            f"checkpoint {resumed_from} is at step {state.step}, but the weight store {config.sync.store} "
-            f"only reaches version {latest}: not this run's store"
-        )
-    else:
-        publisher.resume()  # continue the delta chain from what the servers hold
+        else:
+            publisher.resume()  # continue the delta chain from what the servers hold
     batches = open_store(config.batch_store, endpoint_url=config.batch_store_endpoint_url)
     return TrainerSession(config, model, optimizer, reference, batches, weights, publisher, state,
-                          replay_until=latest, resumed_from=resumed_from)
+                          replay_until=latest or 0, resumed_from=resumed_from, rank=rank, world_size=world_size)

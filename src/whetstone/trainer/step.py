@@ -25,6 +25,7 @@ from whetstone.model import Transformer
 from whetstone.rl.batch import Batch
 from whetstone.rl.loss import LossConfig, LossStats, policy_loss
 from whetstone.rl.routing import RoutingStats, track_routing
+from whetstone.trainer.distributed import reduce_step_stats
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -90,9 +91,11 @@ def train_step(
         loss_total += loss.item()
         loss_parts.append(stats)
         routing_parts.append(routing)
+    # Under torchrun: the whole step's loss and stats on every rank, so all ranks agree on a bad loss.
+    loss_total, stats, routing = reduce_step_stats(loss_total, LossStats.merge(loss_parts),
+                                                   RoutingStats.merge(routing_parts))
     if not math.isfinite(loss_total):
         optimizer.zero_grad(set_to_none=True)
         raise WhetstoneError(f"batch {batch.meta.get('index', '?')}: the loss is {loss_total}; weights left unchanged")
     grad_norm = clip_and_step(model, optimizer, lr, grad_clip)
-    return {"loss": loss_total, "grad_norm": grad_norm, "lr": lr,
-            **LossStats.merge(loss_parts).metrics(), **RoutingStats.merge(routing_parts).metrics()}
+    return {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, **stats.metrics(), **routing.metrics()}

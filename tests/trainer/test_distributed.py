@@ -1,0 +1,136 @@
+"""The trainer under `torchrun` with FSDP2 (gloo on CPU): 2 ranks train, publish and checkpoint
+what 1 rank does, and a run moves between 1 and 2 ranks through its checkpoints."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from whetstone.config import dump_toml
+from whetstone.midtrain.checkpoint import latest_checkpoint
+from whetstone.sync import Subscriber, SyncConfig, WeightStore
+from whetstone.trainer.distributed import global_token_count, rank_rows
+from whetstone.trainer.loop import run_trainer
+from whetstone.utils.metrics import read_metrics
+
+from tests.trainer.trainer_fixtures import put_batches, trainer_config
+
+
+def test_each_rank_takes_every_world_th_row_padded_with_untrained_rows(batches):
+    batch = batches[0]
+    world = 3
+    shards = [rank_rows(batch, rank, world) for rank in range(world)]
+    # Same number of rows on every rank, so every rank runs the same micro-batches (FSDP's
+    # collectives pair up one for one); together the shards train exactly the batch's tokens.
+    assert {len(shard) for shard in shards} == {-(-len(batch) // world)}
+    assert sum(shard.num_loss_tokens for shard in shards) == batch.num_loss_tokens
+    for rank, shard in enumerate(shards):
+        own = list(range(rank, len(batch), world))
+        for i, row in enumerate(own):
+            n = batch.rows[row]["num_positions"]
+            assert torch.equal(shard.input_ids[i, :n], batch.input_ids[row, :n])
+            assert torch.equal(shard.routes[i, :n], batch.routes[row, :n])  # routes travel with their row
+            assert torch.equal(shard.loss_mask[i, :n], batch.loss_mask[row, :n])
+        assert not shard.loss_mask[len(own):].any()  # padding rows train nothing
+    assert not batch.loss_mask.logical_not().all()  # the batch itself is untouched
+
+
+def test_one_rank_takes_the_whole_batch_and_counts_its_own_tokens(batches):
+    whole = rank_rows(batches[0], 0, 1)
+    assert torch.equal(whole.input_ids, batches[0].input_ids) and torch.equal(whole.loss_mask, batches[0].loss_mask)
+    assert global_token_count(whole) == batches[0].num_loss_tokens
+
+
+def without_baseline(batch):
+    """The batch with each row's reward as its advantage. GRPO's mean-zero advantages make the
+    loss a cancellation (~1e-4 here) whose float32 rounding (~1e-8) is the same however the
+    batch is split, so a *relative* comparison of it would test nothing; same-signed terms do."""
+    rewards = torch.tensor([row["reward"] for row in batch.rows]).unsqueeze(1)
+    batch.advantages = torch.where(batch.loss_mask, rewards, torch.zeros_like(batch.advantages))
+    return batch
+
+
+def torchrun(config_file, nproc=2):
+    """The documented command line, as a real job: `torchrun --standalone --nproc_per_node 2
+    -m whetstone.cli trainer CONFIG` (gloo on CPU; --standalone picks a free port)."""
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", "whetstone.cli", "trainer", str(config_file)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-4000:]
+
+
+def latest_weights(root) -> dict[str, torch.Tensor]:
+    subscriber = Subscriber(WeightStore.open(SyncConfig(store=str(root / "weights"))), SyncConfig())
+    subscriber.poll()
+    return subscriber.state
+
+
+def assert_weights_close(expected, actual):
+    assert expected.keys() == actual.keys()
+    for name in expected:
+        relative = float((actual[name] - expected[name]).norm() / expected[name].norm())
+        assert relative < 1e-5, f"{name}: relative difference {relative:.2e}"
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.slow  # a real 2-process torchrun job: ~20 s on 2 shared cores, most of it importing torch
+def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tiny_moe, batches):
+    # lr 1e-5, an RL-sized step: at 1e-2 Adam turns float noise on near-zero gradients into
+    # updates of ~lr (its first step is ~lr * sign(g)), which no split of the batch can match.
+    # Clipping (at 0.5) and the KL term (a sharded reference model) are on.
+    data = [without_baseline(batch.select(range(len(batch)))) for batch in batches[:4]]
+    settings = dict(optimizer={"lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.1,
+                               "grad_clip": 0.5}, loss={"kl_coef": 0.1})
+
+    # One rank, straight through batches 0..3.
+    put_batches(tmp_path / "straight" / "batches", data)
+    run_trainer(trainer_config(tmp_path / "straight", tiny_moe, max_steps=4, **settings))
+    straight = {r["step"]: r for r in read_metrics(tmp_path / "straight" / "trainer" / "metrics.jsonl")}
+
+    # The same run handed from 1 rank to 2 and back. One rank trains batches 0 and 1 and
+    # "crashes" after publishing version 2 with only its step-1 checkpoint on disk ...
+    root = tmp_path / "moved"
+    put_batches(root / "batches", data)
+    run_trainer(trainer_config(root, tiny_moe, max_steps=2, checkpoint_interval=1, **settings))
+    shutil.rmtree(latest_checkpoint(root / "trainer" / "checkpoints"))
+    # ... two ranks resume from that 1-rank checkpoint, replay batch 1 (already published),
+    # train batch 2 and publish version 3 ...
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(root, tiny_moe, max_steps=3, checkpoint_interval=1, **settings)))
+    torchrun(config_file)
+    assert latest_checkpoint(root / "trainer" / "checkpoints").name == "step_00000003"
+    # ... and one rank resumes from the 2-rank checkpoint for batch 3.
+    summary = run_trainer(trainer_config(root, tiny_moe, max_steps=4, **settings))
+    assert summary["replayed"] == 0 and summary["version"] == 4
+
+    records = read_metrics(root / "trainer" / "metrics.jsonl")
+    assert [(r["step"], r["replayed"], r.get("version")) for r in records] == [
+        (0, False, 1), (1, False, 2), (1, True, None), (2, False, 3), (3, False, 4)]
+    assert "replay_matches_store" in records[2]  # rank 0 compared its replayed weights with the store
+    assert all(record["grad_norm"] > 0.5 for record in records)  # every step was clipped, by the global norm
+    assert records[-1]["ref_kl_k3"] > 0
+    for record in records:
+        expected = straight[record["step"]]
+        assert record["tokens"] == expected["tokens"]  # the ranks' token counts add up to the batch's
+        assert record["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert record["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)  # summed, not averaged
+        assert record["routing_disagreement"] == pytest.approx(expected["routing_disagreement"], abs=1e-9)
+        assert record["clip_fraction"] == expected["clip_fraction"]
+        # ~1e-8 after steps of 1e-5, at float32's floor for k3 (exp(Δ) − Δ − 1 cancels): compare absolutely.
+        assert record["ref_kl_k3"] == pytest.approx(expected["ref_kl_k3"], abs=1e-7)
+
+    # The published weights, and the final checkpoint's AdamW moments, match the straight run's.
+    assert_weights_close(latest_weights(tmp_path / "straight"), latest_weights(root))
+    for name in ("model.safetensors", "optimizer.safetensors"):
+        expected = load_file(str(latest_checkpoint(tmp_path / "straight" / "trainer" / "checkpoints") / name))
+        actual = load_file(str(latest_checkpoint(root / "trainer" / "checkpoints") / name))
+        assert all(torch.equal(expected[k], actual[k]) for k in expected if k.endswith(".step"))  # AdamW's counts
+        assert_weights_close({k: v for k, v in expected.items() if not k.endswith(".step")},
+                             {k: v for k, v in actual.items() if not k.endswith(".step")})
