@@ -50,11 +50,13 @@ def test_hidden_inputs_differ_from_visible_ones():
 
 
 def test_every_step_is_checked_by_the_tests():
-    """Dropping any one line of the solution fails at least one test (the steps cannot be skipped)."""
+    """Dropping any one step of the solution fails at least one test (the steps cannot be skipped)."""
     for task in generate(SynthConfig(count=40, difficulty=3)):
         source = task.solution_files["solution.py"].splitlines()
         cases = _cases(task.repo_files["test_solution.py"]) + _cases(task.hidden_tests["test_hidden.py"])
         for i in range(1, len(source) - 1):
+            if source[i].lstrip().startswith("#"):
+                continue  # a step's comment: dropping it changes nothing
             without = "\n".join(source[:i] + source[i + 1 :])
             try:
                 outputs = run_source(without, [v for v, _ in cases])
@@ -100,7 +102,7 @@ def test_split_is_a_fixed_function_of_content():
 
 def test_instruction_and_solution_are_short():
     for task in generate(SynthConfig(count=50, difficulty=3)):
-        assert len(task.instruction) < 220 and len(task.solution_files["solution.py"]) < 160
+        assert len(task.instruction) < 220 and len(task.solution_files["solution.py"]) < 260
 
 
 def test_config_rejects_inverted_difficulty_range():

@@ -12,7 +12,6 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.errors import WhetstoneError
@@ -43,11 +42,9 @@ def autocast(dtype: str):
 
 def token_losses(model: Transformer, batch: Batch, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy of every target [B, T], 0 where ignored; the model's aux loss)."""
-    with autocast(dtype):
-        out = model(batch.input_ids)
-    logits = out.logits.float().flatten(0, 1)  # the softmax in fp32 even under bf16 compute
-    losses = F.cross_entropy(logits, batch.targets.flatten(), ignore_index=IGNORE_INDEX, reduction="none")
-    return losses.view(batch.targets.shape), out.aux_loss
+    with autocast(dtype):  # the fused head: fp32 softmax, no [B, T, vocab] logits kept, ignored targets skipped
+        out = model(batch.input_ids, targets=batch.targets)
+    return -out.logprobs, out.aux_loss
 
 
 def train_step(

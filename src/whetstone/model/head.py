@@ -51,9 +51,16 @@ def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     autocast dtype; the softmax is always fp32.
     """
     shape = targets.shape
-    hidden = hidden.reshape(-1, hidden.shape[-1])
+    hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
     if torch.is_autocast_enabled("cpu"):
         dtype = torch.get_autocast_dtype("cpu")
         hidden, weight = hidden.to(dtype), weight.to(dtype)
+    kept = targets >= 0
     with torch.autocast("cpu", enabled=False):
-        return _TargetLogprobs.apply(hidden, weight, targets.reshape(-1)).view(shape)
+        if bool(kept.all()):
+            return _TargetLogprobs.apply(hidden, weight, targets).view(shape)
+        # Only the trained rows go through the head (prompts and tool results in chat data are
+        # most of the tokens, and the head is most of a small model's compute).
+        rows = kept.nonzero().squeeze(1)
+        logprobs = _TargetLogprobs.apply(hidden[rows], weight, targets[rows])
+        return logprobs.new_zeros(targets.shape).index_put((rows,), logprobs).view(shape)

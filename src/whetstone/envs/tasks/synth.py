@@ -6,7 +6,9 @@ A task composes 1..difficulty primitive steps (see synth_ops.py) into `solve(x)`
     sum, and return the result.
 
     def solve(x):
+        # add 3 to each element
         x = [v + 3 for v in x]
+        # take the sum
         x = sum(x)
         return x
 
@@ -85,7 +87,11 @@ class Program:
         return "heldout" if bucket == 0 else "train"
 
     def source(self, skip: int | None = None) -> str:
-        lines = [f"    x = {op.code.format(**params)}" for i, (op, params) in enumerate(self.steps) if i != skip]
+        """The reference solution: each step's line under a comment naming the step. The comment
+        is the plan written out: a model that copies the next phrase of the instruction then has
+        the phrase right above the line it must write (demonstrations teach exactly this)."""
+        lines = [f"    # {op.phrase.format(**params)}\n    x = {op.code.format(**params)}"
+                 for i, (op, params) in enumerate(self.steps) if i != skip]  # fmt: skip
         return "def solve(x):\n" + "\n".join(lines) + "\n    return x\n"
 
     def instruction(self) -> str:
