@@ -12,6 +12,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import chat_segments
 
 SEQ = 32
+DEMO_SEQ = 96  # demonstration rows start at a transcript: room for its prompt and first answer
 
 
 def solved_task_transcript(number: int) -> list[dict]:
@@ -94,12 +95,12 @@ def test_validation_batches_cover_the_split_in_order(corpus):
 
 
 def test_demonstrations_are_mixed_in_by_weight(mixed):
-    loader = mixed.train_loader(batch_size=8, seq_len=SEQ, seed=0, demo_weight=0.25)
+    loader = mixed.train_loader(batch_size=8, seq_len=DEMO_SEQ, seed=0, demo_weight=0.25)
     batches = [loader.batch_at(step) for step in range(10)]
     assert sum(int(b.is_demo.sum()) for b in batches) == 20  # exactly a quarter of 80 rows
     stream = np.asarray(mixed.demo_tokens)
-    starts = document_starts(stream, mixed.tokenizer.endoftext_id, SEQ)
-    demo_windows = {tuple(stream[i : i + SEQ].tolist()) for i in starts}  # each from a transcript's start
+    starts = document_starts(stream, mixed.tokenizer.endoftext_id, DEMO_SEQ)
+    demo_windows = {tuple(stream[i : i + DEMO_SEQ].tolist()) for i in starts}  # each from a transcript's start
     assert len(starts) == 6 and starts[0] == 0
     for batch in batches:
         assert all(tuple(row.tolist()) in demo_windows for row in batch.input_ids[batch.is_demo])
@@ -139,3 +140,8 @@ def test_too_long_sequences_are_refused(corpus):
 def test_opening_something_else_is_refused(tmp_path):
     with pytest.raises(WhetstoneError, match="not a built corpus"):
         Corpus.open(tmp_path)
+
+
+def test_rows_too_short_for_a_prompt_are_refused(mixed):
+    with pytest.raises(WhetstoneError, match="holds no assistant token.*raise data.seq_len"):
+        mixed.train_loader(batch_size=4, seq_len=8, demo_weight=0.5)

@@ -24,6 +24,7 @@ import httpx
 import torch
 
 from tests.envs.test_harness_support import free_port, save_tiny_model
+from whetstone.bench.pipeline import coin_tasks as bench_coin_tasks
 from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.task import Task
 from whetstone.envs.tasks import load_source
@@ -56,20 +57,12 @@ class Trainer:
         return self.publisher.publish(self.state).version
 
 
-COIN_TEST = "import random\n\n\ndef test_coin():\n    assert random.random() < 0.5\n"
-
-
 def synth_tasks(count: int = 2) -> list[Task]:
     return load_source("synth", [f"count={count}", "seed=5"])
 
 
 def coin_tasks(count: int = 2) -> list[Task]:
-    return [task.model_copy(update={
-        "id": task.id + "-coin",
-        "repo_files": {**task.repo_files, **task.solution_files},
-        "hidden_tests": {**task.hidden_tests, "test_coin.py": COIN_TEST},
-        "fail_to_pass": [*task.fail_to_pass, "test_coin.py::test_coin"],
-    }) for task in synth_tasks(count)]  # fmt: skip
+    return bench_coin_tasks(count, seed=5)
 
 
 def orchestrator_config(tmp_path: Path, model_dir: str, servers: list[str], **changes) -> OrchestratorConfig:

@@ -13,6 +13,7 @@ def test_defaults_serve_the_embedded_run():
     assert len(config.servers) == 2 and config.group_size == 8
     assert config.staleness.max_off_policy_steps == 2 and config.advantages.estimator == "grpo"
     assert config.tasks.source == "synth" and config.tasks.synth.split == "train"
+    assert not config.synchronous  # asynchronous RL unless asked
 
 
 def test_a_server_list_must_name_servers_once():

@@ -96,3 +96,32 @@ def test_a_restarted_orchestrator_continues_the_batch_sequence(world):
         assert asyncio.run(Orchestrator(config, coin_tasks(1)).run()) == [0]
         assert asyncio.run(Orchestrator(config, coin_tasks(1)).run()) == [1]
     assert read_batch(LocalStore(tmp_path / "batches"), 1).meta["index"] == 1
+
+
+def test_synchronous_mode_alternates_with_the_trainer(world):
+    """`synchronous = true`: batch 1's groups start only once version 1 is published and served,
+    though the staleness bound (2) would let them run ahead, and no group is generated beyond
+    what each batch needs: every sample is on-policy and none is dropped as stale."""
+    tmp_path, model_dir, trainer = world
+    store = LocalStore(tmp_path / "batches")
+
+    async def scenario(urls):
+        orchestrator = Orchestrator(orchestrator_config(tmp_path, model_dir, urls, synchronous=True), coin_tasks(2))
+        run = asyncio.create_task(orchestrator.run())
+        while not store.exists(batch_key(0)):
+            assert not run.done(), run
+            await asyncio.sleep(0.05)
+        calls = sum(server.calls for server in orchestrator.pool.servers)
+        await asyncio.sleep(1.0)
+        assert sum(server.calls for server in orchestrator.pool.servers) == calls  # idle while the trainer trains
+        assert orchestrator.buffered_groups == 0 and not store.exists(batch_key(1))
+        await asyncio.to_thread(trainer.publish)  # version 1
+        assert await asyncio.wait_for(run, 120) == [0, 1]
+
+    with thread_servers(model_dir, tmp_path / "weights") as servers:
+        asyncio.run(scenario([s.url for s in servers]))
+    for index in (0, 1):
+        batch = read_batch(store, index)
+        assert batch.meta["weight_version"] == index and batch.meta["groups"]["kept_groups"] == 1
+        assert batch.meta["staleness_histogram"] == {"staleness_0": 2, "dropped_stale": 0}
+        assert (batch.versions[batch.loss_mask] == index).all()

@@ -3,7 +3,8 @@ the trainer and the orchestrator as processes, held-out evaluations before and a
 
 The tiny model never solves a task, so the tasks are coin tasks (tests/orchestrator): synth tasks
 whose repository already holds the solution, plus a hidden test that passes half the time, so
-groups get rewards that differ and batches fill.
+groups get rewards that differ and batches fill. No demonstrations: the tiny config's rows are
+shorter than a transcript's prompt (mid-training with demonstrations is tested in tests/midtrain).
 """
 
 import json
@@ -26,7 +27,7 @@ def tiny_run(tmp_path, *overrides: str) -> PipelineConfig:
     settings = [
         *(f"midtrain.{line}" for line in TINY),
         f'midtrain.data.directories=[{{path="{code}"}}]', f'midtrain.data.cache_dir="{tmp_path / "cache"}"',
-        "demos.count=20", f'output_dir="{tmp_path / "runs"}"', 'name="tiny"',
+        "demos.count=0", f'output_dir="{tmp_path / "runs"}"', 'name="tiny"',
         "harness.max_turns=2", "harness.max_turn_tokens=12", "harness.max_tool_tokens=128",
         "harness.max_calls_per_turn=2", "harness.summary_tokens=16", "harness.train_cut_off_calls=true",
         "servers.serve.engine.max_batch=8",

@@ -67,3 +67,22 @@ def inference(
 ) -> None:
     """Generation tokens/s vs transformers' generate, interactive latency under load, swap pause."""
     _emit(_bench("inference").run(threads=threads, new_tokens=new_tokens), as_json, "inference")
+
+
+@app.command()
+def pipeline(
+    as_json: bool = JSON,
+    steps: int = typer.Option(8, help="Trainer steps per side (step 0 fills the pipeline)."),
+    group_size: int = typer.Option(4, help="Rollouts per task (TRL's num_generations)."),
+    groups_per_batch: int = typer.Option(2, help="Groups per step: samples per step = group size x groups."),
+    max_tokens: int = typer.Option(64, help="Completion tokens of a rollout (one turn)."),
+    tasks: int = typer.Option(16, help="Coin tasks (synth train tasks that give reward variance)."),
+    model: str = typer.Option("", "--model", help="A mid-trained HF folder; default: the tiny MoE, random weights."),
+    trl: bool = typer.Option(True, "--trl/--no-trl", help="Also run TRL's GRPOTrainer."),
+    output_dir: str = typer.Option("", help="Keep the roles' configs, logs and metrics here (default: a temp folder)."),
+) -> None:
+    """Samples/s of asynchronous RL vs the synchronous baseline and TRL's GRPOTrainer; busy fractions."""
+    result = _bench("pipeline").run(steps=steps, group_size=group_size, groups_per_batch=groups_per_batch,
+                                    max_tokens=max_tokens, tasks=tasks, model=model or None, trl=trl,
+                                    output_dir=output_dir or None)  # fmt: skip
+    _emit(result, as_json, "RL pipeline")

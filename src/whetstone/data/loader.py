@@ -116,6 +116,11 @@ class TrainLoader:
         # Demonstration rows start where a transcript starts (and run on into the next ones).
         self.demo_starts = document_starts(np.asarray(corpus.demo_tokens), corpus.eos_id, seq_len) if has_demos else None
         self.demo_windows = 0 if self.demo_starts is None else len(self.demo_starts)
+        if self.demo_windows and demo_weight > 0:
+            first_trained = int(np.argmax(np.asarray(corpus.demo_mask[: seq_len + 1])))
+            if not corpus.demo_mask[first_trained]:
+                raise WhetstoneError(f"{corpus.path}: a demonstration row of seq_len={seq_len} holds no assistant "
+                                     f"token (the prompt is longer): raise data.seq_len or set demo_weight = 0")
         if has_demos and demo_weight > 0 and self.demo_windows == 0:
             raise WhetstoneError(f"{corpus.path}: demonstrations have {_too_few(corpus.demo_tokens, seq_len)}")
         self.demo_weight = as_fraction(demo_weight if has_demos else 0.0)

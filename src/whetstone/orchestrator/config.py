@@ -45,6 +45,11 @@ class OrchestratorConfig(Config):
     """S3 endpoint of both stores for non-AWS object stores (MinIO, R2, moto); None = AWS."""
     seed: int = 0
     """Seed of the task order (tasks are shuffled once per pass over the set)."""
+    synchronous: bool = False
+    """Alternate strictly with the trainer (the synchronous baseline of `whetstone bench pipeline`):
+    the groups of batch n start only once the trainer has published version n and every server
+    holds it, and only as many as batch n still needs, so every sample is on-policy. Off = run up
+    to `staleness.max_off_policy_steps` batches ahead (asynchronous RL)."""
     max_batches: int = Field(0, ge=0)
     """Stop after putting this many batches in this run (0 = run until stopped)."""
     poll_interval_s: float = Field(0.5, gt=0)

@@ -12,6 +12,11 @@ It is put only once the trainer has published version n - max_off_policy_steps (
 ahead), from buffered samples whose staleness n - oldest_version is within the bound (older
 ones are dropped and counted), as `batches/<n:010d>.batch` in the batch store. While the next
 batch's groups wait for the trainer, no new groups start (they would only grow stale).
+
+Synchronous mode (`synchronous = true`, the baseline of `whetstone bench pipeline`): batch n is
+"open" only once the trainer has published version n and every server holds it; only then do
+its groups start, and only as many as it still needs (a dropped group is replaced). So
+generation and training strictly alternate and every token of batch n is sampled by version n.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -53,6 +59,11 @@ class Orchestrator:
         self._buffer: list[Group] = []
         self._window = Window()
         self._unfinished = 0
+        self._groups_running = 0
+        """Groups started and not scored yet."""
+        self._open: int | None = None
+        """Synchronous mode: the batch whose groups may start now (None until the trainer and the
+        servers hold its version)."""
         self._changed = asyncio.Condition()
         self._gate = asyncio.Semaphore(config.rollout.concurrency)
         self._running: set[asyncio.Task] = set()
@@ -138,7 +149,12 @@ class Orchestrator:
             yield from order
 
     def _has_room(self) -> bool:
-        return self._unfinished < self.config.rollout.concurrency and len(self._buffer) < self.config.groups_per_batch
+        config = self.config
+        if self._unfinished >= config.rollout.concurrency or len(self._buffer) >= config.groups_per_batch:
+            return False
+        if config.synchronous:  # only the groups the open batch still needs
+            return self._open is not None and self._groups_running + len(self._buffer) < config.groups_per_batch
+        return True
 
     async def _produce(self, tasks: list[Task], harness: AgentHarness, pool: ServerPool) -> None:
         for number, task in enumerate(self._task_stream(tasks)):
@@ -152,6 +168,7 @@ class Orchestrator:
             async with self._changed:
                 await self._changed.wait_for(self._has_room)
                 self._unfinished += self.config.group_size
+                self._groups_running += 1
             group = asyncio.create_task(self._run_group(f"{number}/{task.id}", task, harness, pool))
             self._running.add(group)
             group.add_done_callback(self._group_done)
@@ -167,6 +184,14 @@ class Orchestrator:
             self._changed.notify_all()
 
     async def _run_group(self, group_id: str, task: Task, harness: AgentHarness, pool: ServerPool) -> None:
+        try:
+            await self._score_group(group_id, task, harness, pool)
+        finally:  # after the group is buffered, so running + buffered never undercounts
+            async with self._changed:
+                self._groups_running -= 1
+                self._changed.notify_all()
+
+    async def _score_group(self, group_id: str, task: Task, harness: AgentHarness, pool: ServerPool) -> None:
         async def one() -> Trajectory:
             try:
                 async with self._gate, pool.lease() as policy:
@@ -198,8 +223,9 @@ class Orchestrator:
     # -- batches ----------------------------------------------------------------------------------
 
     async def _wait_for_trainer(self, index: int) -> None:
-        """Until the trainer has published version index - max_off_policy_steps (and some version)."""
-        ahead = self.config.staleness.max_off_policy_steps
+        """Until the trainer has published version index - max_off_policy_steps (and some version);
+        version index itself in synchronous mode."""
+        ahead = 0 if self.config.synchronous else self.config.staleness.max_off_policy_steps
         logged = False
         while True:
             self.latest_version = await asyncio.to_thread(self.weights.latest)
@@ -212,8 +238,30 @@ class Orchestrator:
                 logged = True
             await asyncio.sleep(self.config.poll_interval_s)
 
+    async def _wait_for_servers(self, version: int) -> None:
+        """Until every server in the pool reports `version` or newer (each loads it on its own);
+        servers that report no version are taken as they are."""
+        deadline = time.monotonic() + self.config.no_server_timeout_s
+        while True:
+            live = [server for server in self.pool.servers if server.alive]
+            healths = await asyncio.gather(*(self.pool.health(server) for server in live))
+            behind = [f"{server.url} ({health.get('weight_version')})" for server, health in zip(live, healths)
+                      if health is not None and isinstance(health.get("weight_version"), int)
+                      and health["weight_version"] < version]  # fmt: skip
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise WhetstoneError(f"servers still behind weight version {version} after "
+                                     f"{self.config.no_server_timeout_s:g} s: {', '.join(behind)}")
+            await asyncio.sleep(self.config.poll_interval_s)
+
     async def _put_batch(self, index: int) -> dict:
         await self._wait_for_trainer(index)
+        if self.config.synchronous:
+            await self._wait_for_servers(index)
+            async with self._changed:
+                self._open = index
+                self._changed.notify_all()
         groups, window = await self._take_groups(index)
         batch = build_batch(index, groups, window, self.config.staleness, self.latest_version)
         await asyncio.to_thread(self.batches.put, batch_key(index), batch_to_bytes(batch))
@@ -234,6 +282,7 @@ class Orchestrator:
                 if len(self._buffer) >= self.config.groups_per_batch:
                     break
                 await self._changed.wait()
+            self._open = None  # synchronous mode: nothing starts before the next version
             groups = self._buffer[: self.config.groups_per_batch]
             del self._buffer[: self.config.groups_per_batch]
             window, self._window = self._window, Window()

@@ -11,12 +11,13 @@ from __future__ import annotations
 from pydantic import Field
 
 from whetstone.config import Config
+from whetstone.data import CorpusConfig
 from whetstone.envs.eval.config import EvalConfig
 from whetstone.envs.harness import HarnessConfig, RolloutConfig
 from whetstone.envs.tasks import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
 from whetstone.inference.config import EngineConfig, ServeConfig
-from whetstone.midtrain.config import MidtrainConfig
+from whetstone.midtrain.config import MidtrainConfig, OptimizerConfig, RunConfig
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.trainer.config import TrainerConfig
 
@@ -39,8 +40,11 @@ class RLConfig(Config):
 
     steps: int = Field(12, ge=1)
     """Optimizer steps (= batches) of the RL stage."""
-    trainer: TrainerConfig = TrainerConfig(checkpoint_interval=4)
-    """The trainer (its paths are set by the pipeline; `max_steps` = `steps`)."""
+    trainer: TrainerConfig = TrainerConfig(
+        checkpoint_interval=4, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
+    )  # fmt: skip
+    """The trainer (its paths are set by the pipeline; `max_steps` = `steps`). The tiny default
+    model takes a larger RL learning rate than `TrainerConfig`'s own default."""
     orchestrator: OrchestratorConfig = OrchestratorConfig(
         tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1)),
         rollout=RolloutConfig(concurrency=12), group_size=8, groups_per_batch=4,
@@ -59,9 +63,14 @@ class PipelineConfig(Config):
     """Parent directory of run folders."""
     demos: SynthConfig = SynthConfig(count=4000, split="train")
     """Synth train tasks whose solved transcripts are mixed into mid-training (train split only)."""
-    midtrain: MidtrainConfig = MidtrainConfig()
-    """Stage 1: mid-training on the code corpus plus the demonstrations."""
-    harness: HarnessConfig = HarnessConfig(max_turns=6, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64)
+    midtrain: MidtrainConfig = MidtrainConfig(
+        data=CorpusConfig(demo_weight=0.8, seq_len=384), optimizer=OptimizerConfig(lr=6e-3),
+        run=RunConfig(steps=2000, max_wall_time=0),
+    )  # fmt: skip
+    """Stage 1: mid-training on the code corpus plus the demonstrations (most rows are
+    demonstrations, each row long enough for one whole transcript). Measured: held-out pass@1
+    ~2% after 700 steps, ~48% after 2000 (the model learns to read the instruction late)."""
+    harness: HarnessConfig = HarnessConfig(max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64)
     """The agent loop of every rollout, in RL and in both evaluations (the same on purpose)."""
     servers: ServersConfig = ServersConfig()
     """The inference servers (shared by both evaluations and RL)."""

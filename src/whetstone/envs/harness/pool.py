@@ -130,7 +130,7 @@ class ServerPool:
                 await asyncio.wait_for(self._changed.wait(), self.health_interval_s)
 
     async def is_down(self, server: Server) -> bool:
-        return await self._health(server) is None
+        return await self.health(server) is None
 
     def take_out(self, server: Server) -> None:
         """Take a dead server out of the pool (idempotent); the watcher takes it back when healthy."""
@@ -151,7 +151,7 @@ class ServerPool:
             server.failures += failed
             self._retired.append(policy)
 
-    async def _health(self, server: Server) -> dict | None:
+    async def health(self, server: Server) -> dict | None:
         """The health answer ({} when it is not JSON, as vLLM's), or None if the server is down."""
         try:
             response = await self._probe.get(server.health_url)
@@ -166,7 +166,7 @@ class ServerPool:
         return body if isinstance(body, dict) else {}
 
     async def _join(self, server: Server) -> None:
-        health = await self._health(server)
+        health = await self.health(server)
         if health is None:
             server.problem = f"no answer from {server.health_url}"
             return
