@@ -32,6 +32,7 @@ def orchestrator(
 
     settings = load_config(OrchestratorConfig, config, overrides)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the orchestrator's own log
     with progress_bar(settings.max_batches or None, "orchestrator", "batch") as bar:  # on stderr
 
         def done(meta: dict) -> None:
