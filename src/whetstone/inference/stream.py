@@ -8,6 +8,7 @@ whole (name and arguments) in the last chunk of their choice, as OpenAI clients 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing
 from typing import Any
 
 from fastapi import Request
@@ -22,35 +23,46 @@ from whetstone.tokenizer.chat import TOOL_CALL_OPEN
 Decode = Callable[[list[int]], str]
 
 
+async def choice_events(sub: Submission, request: Request) -> AsyncIterator[tuple[int, Any, Any]]:
+    """(choice index, sequence, event) for every engine event of the submission, until all are
+    finished or the client goes away; whatever is still generating is aborted either way."""
+    index = {id(seq): i for i, seq in enumerate(sub.seqs)}
+    try:
+        async for events in sub.events(request.is_disconnected):
+            for event in events:
+                yield index[id(event.seq)], event.seq, event
+    except ClientGone:
+        return
+    finally:
+        sub.abort()  # no-op when all finished; stops generation if the client went away
+
+
+def error_chunk(message: str) -> dict[str, Any]:
+    return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
+
+
 async def completion_stream(sub: Submission, body: CompletionRequest, response_id: str, model: str,
                             decode: Decode, request: Request) -> AsyncIterator[dict[str, Any]]:
     top = header(response_id, "text_completion", model)
     sent_tokens = [0] * len(sub.seqs)
     sent_text = [0] * len(sub.seqs)
-    index = {id(seq): i for i, seq in enumerate(sub.seqs)}
-    try:
-        async for events in sub.events(request.is_disconnected):
-            for event in events:
-                seq, i = event.seq, index[id(event.seq)]
-                if seq.error:
-                    yield {"error": {"message": seq.error, "type": "server_error", "param": None, "code": None}}
-                    return
-                start, end = sent_tokens[i], event.num_output
-                text = seq.text.text[sent_text[i]:event.text_released]
-                if start == end and not text and not event.finished:
-                    continue
-                choice = {"index": i, "text": text, "logprobs": None,
-                          "finish_reason": seq.finish_reason if event.finished else None}
-                if body.logprobs is not None:
-                    choice["logprobs"] = completion_logprobs(seq, start, end, decode, sent_text[i])
-                yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
-                sent_tokens[i], sent_text[i] = end, max(sent_text[i], event.text_released)
-        if body.stream_options and body.stream_options.include_usage:
-            yield top | {"choices": [], "usage": usage(sub.prompt_lengths, sub.seqs)}
-    except ClientGone:
-        return
-    finally:
-        sub.abort()  # no-op when all finished; stops generation if the client went away
+    async with aclosing(choice_events(sub, request)) as events:
+        async for i, seq, event in events:
+            if seq.error:
+                yield error_chunk(seq.error)
+                return
+            start, end = sent_tokens[i], event.num_output
+            text = seq.text.text[sent_text[i]:event.text_released]
+            if start == end and not text and not event.finished:
+                continue
+            choice = {"index": i, "text": text, "logprobs": None,
+                      "finish_reason": seq.finish_reason if event.finished else None}
+            if body.logprobs is not None:
+                choice["logprobs"] = completion_logprobs(seq, start, end, decode, sent_text[i])
+            yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
+            sent_tokens[i], sent_text[i] = end, max(sent_text[i], event.text_released)
+    if body.stream_options and body.stream_options.include_usage:  # a gone client reads nothing more
+        yield top | {"choices": [], "usage": usage(sub.prompt_lengths, sub.seqs)}
 
 
 def visible_content(text: str, released: int, use_tools: bool) -> str:
@@ -73,41 +85,34 @@ async def chat_stream(sub: Submission, body: ChatRequest, response_id: str, mode
     top = header(response_id, "chat.completion.chunk", model)
     count = len(sub.seqs)
     sent_tokens, sent_content, started = [0] * count, [""] * count, [False] * count
-    index = {id(seq): i for i, seq in enumerate(sub.seqs)}
-    try:
-        async for events in sub.events(request.is_disconnected):
-            for event in events:
-                seq, i = event.seq, index[id(event.seq)]
-                if seq.error:
-                    yield {"error": {"message": seq.error, "type": "server_error", "param": None, "code": None}}
-                    return
-                delta: dict[str, Any] = {}
-                if not started[i]:
-                    delta["role"] = "assistant"
-                    started[i] = True
-                finish = None
-                if event.finished:
-                    message, calls_tools = assistant_message(seq.text.text, body.use_tools)
-                    content = message["content"] or ""
-                    finish = "tool_calls" if calls_tools and seq.finish_reason == "stop" else seq.finish_reason
-                    if message.get("tool_calls"):
-                        delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
-                else:
-                    content = visible_content(seq.text.text, event.text_released, body.use_tools)
-                if content.startswith(sent_content[i]) and len(content) > len(sent_content[i]):
-                    delta["content"] = content[len(sent_content[i]):]
-                    sent_content[i] = content
-                start, end = sent_tokens[i], event.num_output
-                if not delta and start == end and not event.finished:
-                    continue
-                choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
-                if body.logprobs:
-                    choice["logprobs"] = chat_logprobs(seq, start, end, decode)
-                yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
-                sent_tokens[i] = end
-        if body.stream_options and body.stream_options.include_usage:
-            yield top | {"choices": [], "usage": usage(sub.prompt_lengths, sub.seqs)}
-    except ClientGone:
-        return
-    finally:
-        sub.abort()
+    async with aclosing(choice_events(sub, request)) as events:
+        async for i, seq, event in events:
+            if seq.error:
+                yield error_chunk(seq.error)
+                return
+            delta: dict[str, Any] = {}
+            if not started[i]:
+                delta["role"] = "assistant"
+                started[i] = True
+            finish = None
+            if event.finished:
+                message, calls_tools = assistant_message(seq.text.text, body.use_tools)
+                content = message["content"] or ""
+                finish = "tool_calls" if calls_tools and seq.finish_reason == "stop" else seq.finish_reason
+                if message.get("tool_calls"):
+                    delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+            else:
+                content = visible_content(seq.text.text, event.text_released, body.use_tools)
+            if content.startswith(sent_content[i]) and len(content) > len(sent_content[i]):
+                delta["content"] = content[len(sent_content[i]):]
+                sent_content[i] = content
+            start, end = sent_tokens[i], event.num_output
+            if not delta and start == end and not event.finished:
+                continue
+            choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
+            if body.logprobs:
+                choice["logprobs"] = chat_logprobs(seq, start, end, decode)
+            yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
+            sent_tokens[i] = end
+    if body.stream_options and body.stream_options.include_usage:  # a gone client reads nothing more
+        yield top | {"choices": [], "usage": usage(sub.prompt_lengths, sub.seqs)}
