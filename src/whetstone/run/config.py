@@ -41,7 +41,7 @@ class RLConfig(Config):
     steps: int = Field(12, ge=1)
     """Optimizer steps (= batches) of the RL stage."""
     trainer: TrainerConfig = TrainerConfig(
-        checkpoint_interval=4, optimizer=OptimizerConfig(lr=1e-3, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
+        checkpoint_interval=4, optimizer=OptimizerConfig(lr=3e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
     )  # fmt: skip
     """The trainer (its paths are set by the pipeline; `max_steps` = `steps`). The tiny default
     model takes a larger RL learning rate than `TrainerConfig`'s own default."""
@@ -70,8 +70,12 @@ class PipelineConfig(Config):
     """Stage 1: mid-training on the code corpus plus the demonstrations (most rows are
     demonstrations, each row long enough for one whole transcript). Measured: held-out pass@1
     ~2% after 700 steps, ~48% after 2000 (the model learns to read the instruction late)."""
-    harness: HarnessConfig = HarnessConfig(max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64)
-    """The agent loop of every rollout, in RL and in both evaluations (the same on purpose)."""
+    harness: HarnessConfig = HarnessConfig(
+        max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64, train_cut_off_calls=True,
+    )  # fmt: skip
+    """The agent loop of every rollout, in RL and in both evaluations (the same on purpose). Calls
+    cut off by the token budget are trained: masked, their rambling was never penalised and RL
+    collapsed into it (measured: held-out pass@1 0.425 -> 0.017)."""
     servers: ServersConfig = ServersConfig()
     """The inference servers (shared by both evaluations and RL)."""
     rl: RLConfig = RLConfig()
