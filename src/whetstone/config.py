@@ -138,24 +138,30 @@ def _toml_table(data: dict[str, Any], prefix: str) -> str:
 
 
 def config_reference(root: type[Config], title: str) -> str:
-    """Markdown tables of every field of `root` and of its nested sections, from the docstrings."""
+    """Markdown tables of every field of `root` and of its nested sections, from the docstrings.
+    Defaults are the effective ones: a section's default instance overrides its class's defaults."""
     out = [f"## {title}", ""]
-    _reference_section(root, prefix="", out=out)
+    try:
+        instance = root()
+    except ValidationError:
+        instance = None  # a root with required fields: class defaults only
+    _reference_section(root, prefix="", out=out, instance=instance)
     return "\n".join(out) + "\n"
 
 
-def _reference_section(cls: type[Config], prefix: str, out: list[str]) -> None:
+def _reference_section(cls: type[Config], prefix: str, out: list[str], instance: Config | None) -> None:
     sections = []
     rows = []
     for name, field in cls.model_fields.items():
         annotation = field.annotation
+        value = getattr(instance, name) if instance is not None else None
         if isinstance(annotation, type) and issubclass(annotation, Config):
-            sections.append((name, annotation))
+            sections.append((name, annotation, value if instance is not None else field.default))
             continue
-        if field.is_required():
+        if field.is_required() and instance is None:
             shown = "(required)"
         else:
-            default = field.get_default(call_default_factory=True)
+            default = value if instance is not None else field.get_default(call_default_factory=True)
             shown = "(none)" if default is None else f"`{_toml_value(default)}`"
         kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
         description = (field.description or "").replace("\n", " ").replace("|", "\\|")
@@ -163,5 +169,6 @@ def _reference_section(cls: type[Config], prefix: str, out: list[str]) -> None:
     if rows:
         out += [f"### [{prefix.rstrip('.')}]" if prefix else "### (top level)", ""]
         out += ["| key | type | default | description |", "|---|---|---|---|", *rows, ""]
-    for name, section in sections:
-        _reference_section(section, prefix=f"{prefix}{name}.", out=out)
+    for name, section, default in sections:
+        _reference_section(section, prefix=f"{prefix}{name}.", out=out,
+                           instance=default if isinstance(default, Config) else None)
