@@ -29,3 +29,9 @@ def test_a_server_that_does_not_answer_is_recorded_as_down(tmp_path):
     assert read_metrics(tmp_path / "servers.jsonl")[0] | {"time": 0} == {"server": 0, "up": False, "time": 0}
     assert last_record(tmp_path / "servers.jsonl")["up"] is False
     assert last_record(tmp_path / "nothing.jsonl") == {}
+
+
+def test_the_last_complete_record_is_read_from_the_tail(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(f'{{"step": {i}, "pad": "{"x" * 100}"}}\n' for i in range(2000)) + '{"step": 20')
+    assert last_record(path, tail_bytes=4096)["step"] == 1999  # the torn last line is skipped

@@ -4,6 +4,7 @@ orchestrator's metrics files (for the live progress line)."""
 
 from __future__ import annotations
 
+import json
 import re
 import threading
 from pathlib import Path
@@ -11,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from whetstone.utils.metrics import MetricsWriter, read_metrics
+from whetstone.utils.metrics import MetricsWriter
 
 SAMPLED = {
     "whetstone_weight_version": "weight_version",
@@ -70,8 +71,21 @@ class ServerSampler:
                 self._stop.wait(self.interval_s)
 
 
-def last_record(path: str | Path) -> dict[str, Any]:
-    """The newest record of a metrics file ({} while there is none)."""
-    path = Path(path)
-    records = read_metrics(path) if path.exists() else []
-    return records[-1] if records else {}
+def last_record(path: str | Path, tail_bytes: int = 1 << 16) -> dict[str, Any]:
+    """The newest complete record of a metrics file ({} while there is none). Reads only the
+    file's tail: the live display asks every second, and the file grows all run long."""
+    try:
+        with Path(path).open("rb") as handle:
+            size = handle.seek(0, 2)
+            handle.seek(max(0, size - tail_bytes))
+            lines = handle.read().decode(errors="replace").splitlines()
+    except FileNotFoundError:
+        return {}
+    for line in reversed(lines):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line, or the cut first line of the tail
+        if isinstance(record, dict):
+            return record
+    return {}

@@ -14,11 +14,10 @@ from the next batch index, and an evaluation whose report exists is not run agai
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 from typing import Any
-
-import httpx
 
 from whetstone.config import dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
@@ -66,6 +65,8 @@ class Pipeline:
         self.batches = self.run_dir / "batches"
         self.roles: list[RoleProcess] = []
         self.urls: list[str] = []
+        self.sampler: ServerSampler | None = None
+        """Samples the servers' /metrics while they run (versions, swap pauses, busy)."""
 
     # -- role configs: the config's sections with every path and address filled in ------------
 
@@ -89,8 +90,10 @@ class Pipeline:
         })  # fmt: skip
 
     def eval_config(self, when: str):
+        tasks = self.config.eval.tasks.model_copy(update={"validation_cache": str(self.run_dir / "eval" / "validation.json")})
         return self.config.eval.model_copy(update={
             "servers": self.urls, "harness": self.harness_config(), "output_dir": str(self.run_dir / "eval" / when),
+            "tasks": tasks,
         })  # fmt: skip
 
     def serve_config(self, port: int):
@@ -134,25 +137,13 @@ class Pipeline:
             role.wait_healthy(servers.start_timeout_s)
 
     def evaluate(self, when: str) -> dict[str, Any]:
-        from whetstone.envs.eval.report import solved
-        from whetstone.envs.eval.run import evaluate, load_eval_tasks
+        from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks
 
         report_path = self.run_dir / "eval" / when / "report.json"
-        if report_path.exists():
-            import json
-
+        if report_path.exists():  # this stage already ran: resume past it
             return json.loads(report_path.read_text())
         config = self.eval_config(when)
-        tasks = load_eval_tasks(config.model_copy(update={"tasks": config.tasks.model_copy(
-            update={"validation_cache": str(self.run_dir / "eval" / "validation.json")})}))  # fmt: skip
-        counts = {"solved": 0}
-        with progress_bar(len(tasks) * config.samples, f"held-out eval ({when})", "rollout") as bar:
-
-            def done(trajectory) -> None:
-                counts["solved"] += solved(trajectory)
-                bar.update(1, **counts)
-
-            return evaluate(config, tasks, done)
+        return evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
 
     def rl(self) -> dict[str, Any]:
         steps = self.config.rl.steps
@@ -182,20 +173,16 @@ class Pipeline:
                 "reward_last": records[-1].get("reward_mean") if records else None}  # fmt: skip
 
     def wait_for_version(self, version: int) -> None:
-        """Until every server reports `version` (they follow the store on their own)."""
+        """Until every server reports `version` (they follow the store on their own), as sampled."""
         deadline = time.monotonic() + self.config.rl.sync_timeout_s
-        while time.monotonic() < deadline:
-            versions = []
-            for url in self.urls:
-                try:
-                    versions.append(httpx.get(url.removesuffix("/v1") + "/health", timeout=2).json().get("weight_version"))
-                except (httpx.HTTPError, ValueError):
-                    versions.append(None)
-            if all(v == version for v in versions):
+        while True:
+            versions = [sample.get("weight_version") for sample in self.sampler.latest.values()]
+            if len(versions) == len(self.urls) and all(v == version for v in versions):
                 return
+            if time.monotonic() > deadline:
+                raise WhetstoneError(f"servers did not reach weight version {version} within "
+                                     f"{self.config.rl.sync_timeout_s:g} s (they report {versions})")  # fmt: skip
             time.sleep(0.5)
-        raise WhetstoneError(f"servers did not reach weight version {version} within "
-                             f"{self.config.rl.sync_timeout_s:g} s (they report {versions})")  # fmt: skip
 
     def stop_roles(self) -> None:
         for role in reversed(self.roles):

@@ -27,21 +27,10 @@ def eval_command(
     """Run every task `samples` times against the endpoint; report pass@k, rewards, cheat flags, turns and tokens."""
     from whetstone.config import load_config
     from whetstone.envs.eval.config import EvalConfig
-    from whetstone.envs.eval.report import solved
-    from whetstone.envs.eval.run import evaluate, load_eval_tasks
-    from whetstone.utils.progress import progress_bar
+    from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks
 
     settings = load_config(EvalConfig, config, overrides)
-    tasks = load_eval_tasks(settings)
-    counts = {"solved": 0, "failed": 0}
-    with progress_bar(len(tasks) * settings.samples, "eval", "rollout") as bar:  # on stderr
-
-        def done(trajectory) -> None:
-            counts["solved"] += solved(trajectory)
-            counts["failed"] += trajectory.status != "ok"
-            bar.update(1, **counts)
-
-        report = evaluate(settings, tasks, done)
+    report = evaluate_with_progress(settings, load_eval_tasks(settings))  # progress on stderr
     if as_json:
         typer.echo(json.dumps(report, sort_keys=True))
         return

@@ -46,6 +46,22 @@ def evaluate(config: EvalConfig, tasks: list[Task],
     return report
 
 
+def evaluate_with_progress(config: EvalConfig, tasks: list[Task], description: str = "eval") -> dict[str, Any]:
+    """`evaluate` with a progress bar on stderr counting solved and failed rollouts."""
+    from whetstone.envs.eval.report import solved
+    from whetstone.utils.progress import progress_bar
+
+    counts = {"solved": 0, "failed": 0}
+    with progress_bar(len(tasks) * config.samples, description, "rollout") as bar:
+
+        def done(trajectory: Trajectory) -> None:
+            counts["solved"] += solved(trajectory)
+            counts["failed"] += trajectory.status != "ok"
+            bar.update(1, **counts)
+
+        return evaluate(config, tasks, done)
+
+
 async def _rollouts(config: EvalConfig, tasks: list[Task], harness: AgentHarness,
                     on_done: Callable[[Trajectory], None] | None) -> tuple[list[Trajectory], str]:  # fmt: skip
     concurrency = config.rollout.concurrency
