@@ -12,15 +12,11 @@ batches fill without a trained model.
 from __future__ import annotations
 
 import contextlib
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import torch
 
 from tests.envs.test_harness_support import free_port, save_tiny_model
@@ -31,6 +27,7 @@ from whetstone.envs.tasks import load_source
 from whetstone.orchestrator import OrchestratorConfig
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, SyncConfig, WeightStore
+from whetstone.utils.processes import RoleProcess
 
 torch.set_num_threads(1)
 POLL_S = 0.1
@@ -128,35 +125,24 @@ def thread_servers(model_dir: str, weights: Path, count: int = 2) -> Iterator[li
 
 
 class ProcessServer:
-    """`whetstone serve` as its own process (what `whetstone run` starts), killable with SIGKILL."""
+    """`whetstone serve` as its own process (what `whetstone run` starts), killable with SIGKILL
+    and restartable at the same address."""
 
     def __init__(self, model_dir: str, weights: Path, folder: Path):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
-        self.config = folder / f"serve-{self.port}.toml"
-        self.config.write_text(f'model_path = "{model_dir}"\nport = {self.port}\nthreads = 1\n[engine]\nmax_batch = 8\n'
-                               f'[sync]\nstore = "{weights}"\npublish_dtype = "keep"\npoll_interval = {POLL_S}\n')  # fmt: skip
-        self.log = folder / f"serve-{self.port}.log"
-        self.process: subprocess.Popen | None = None
+        config = folder / f"serve-{self.port}.toml"
+        config.write_text(f'model_path = "{model_dir}"\nport = {self.port}\nthreads = 1\n[engine]\nmax_batch = 8\n'
+                          f'[sync]\nstore = "{weights}"\npublish_dtype = "keep"\npoll_interval = {POLL_S}\n')  # fmt: skip
+        self.role = RoleProcess(f"serve-{self.port}", ["serve", str(config)], folder / f"serve-{self.port}.log",
+                                health_url=f"http://127.0.0.1:{self.port}/health", threads=1)  # fmt: skip
 
     def start(self) -> ProcessServer:
-        env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        with self.log.open("a") as log:  # a file, not a pipe: a pipe nobody reads blocks the server once full
-            self.process = subprocess.Popen([sys.executable, "-m", "whetstone.inference.cli", "serve", str(self.config)],
-                                            env=env, stdout=log, stderr=log)  # fmt: skip
+        self.role.start()
         return self
 
     def wait_healthy(self, timeout_s: float = 90) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log.read_text()[-2000:]
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url.removesuffix("/v1") + "/health", timeout=2).status_code == 200:
-                    return
-            time.sleep(0.2)
-        raise AssertionError(f"{self.url} did not become healthy")
+        self.role.wait_healthy(timeout_s)
 
     def kill(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.kill()
-            self.process.wait()
+        self.role.kill()
