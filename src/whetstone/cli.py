@@ -23,6 +23,7 @@ from whetstone.envs.cli import app as tasks_app  # noqa: E402
 from whetstone.envs.eval.cli import eval_command  # noqa: E402
 from whetstone.inference.cli import serve  # noqa: E402
 from whetstone.midtrain.cli import midtrain  # noqa: E402
+from whetstone.online.cli import app as online_app  # noqa: E402
 from whetstone.orchestrator.cli import orchestrator  # noqa: E402
 from whetstone.run.cli import run  # noqa: E402
 from whetstone.trainer.cli import trainer  # noqa: E402
@@ -37,6 +38,8 @@ app.command("orchestrator")(orchestrator)
 app.command("eval")(eval_command)
 app.add_typer(tasks_app, name="tasks", help="Validate, list, show and export coding tasks.")
 app.add_typer(sync_app, name="sync", help="Publish, watch and inspect the versioned weight store.")
+app.add_typer(online_app, name="online",
+              help="Online RL from users' feedback: `online [CONFIG]` runs the gated update loop; `online rollback VERSION`.")
 app.add_typer(bench_app, name="bench")
 
 

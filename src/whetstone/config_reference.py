@@ -17,6 +17,7 @@ COMMANDS = [
     ("whetstone trainer", "whetstone.trainer.config", "TrainerConfig"),
     ("whetstone orchestrator", "whetstone.orchestrator.config", "OrchestratorConfig"),
     ("whetstone eval", "whetstone.envs.eval.config", "EvalConfig"),
+    ("whetstone online", "whetstone.online.config", "OnlineConfig"),
     ("whetstone tasks (task sources)", "whetstone.envs.tasks.registry", "TasksConfig"),
     ("weight sync (the [sync] sections)", "whetstone.sync.config", "SyncConfig"),
 ]

@@ -3,15 +3,11 @@ first: the deployment shape. Slow (a second Python with torch starts and loads t
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import time
-
-import httpx
 import pytest
 
 from tests.envs.test_eval_cli import check_eval
-from tests.envs.test_harness_support import free_port, save_tiny_model
+from tests.envs.test_harness_support import save_tiny_model
+from whetstone.utils.processes import serving
 
 pytestmark = pytest.mark.slow
 
@@ -23,29 +19,10 @@ def model_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
-    port = free_port()
     config = tmp_path_factory.mktemp("serve") / "serve.toml"
-    config.write_text(f'model_path = "{model_dir}"\nport = {port}\nthreads = 1\n[engine]\nmax_batch = 8\n')
-    process = subprocess.Popen([sys.executable, "-m", "whetstone.inference.cli", "serve", str(config)],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
-    try:
-        deadline = time.monotonic() + 120  # torch import and model load on a busy machine
-        while True:
-            assert process.poll() is None, f"whetstone serve exited:\n{process.stdout.read()}"
-            assert time.monotonic() < deadline, "whetstone serve did not come up"
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                time.sleep(0.2)
-        yield f"http://127.0.0.1:{port}/v1"
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+    config.write_text(f'model_path = "{model_dir}"\nthreads = 1\n[engine]\nmax_batch = 8\n')
+    with serving([str(config)], config.with_name("serve.log")) as url:
+        yield f"{url}/v1"
 
 
 def test_eval_against_a_whetstone_serve_process(server, model_dir, tmp_path):

@@ -9,11 +9,12 @@ import asyncio
 import pytest
 import torch
 
-from tests.envs.test_harness_support import (assert_one_growing_sequence, call, free_port, save_tiny_model,
+from tests.envs.test_harness_support import (assert_one_growing_sequence, call, save_tiny_model,
                                              serve_in_thread, synth_task, tokenizer)  # fmt: skip
 from whetstone.envs.harness import (AgentHarness, EndpointConfig, HarnessConfig, HttpPolicy, PolicyError,
                                     RolloutConfig, Sampling, rollout)  # fmt: skip
 from whetstone.inference.protocol import decode_routes
+from whetstone.utils.processes import free_port
 
 torch.set_num_threads(1)
 

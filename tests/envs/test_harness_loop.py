@@ -51,6 +51,16 @@ def test_replies_that_cannot_be_acted_on_are_answered_and_counted():
     assert "error: read_file(path): missing path" in answers[3]
 
 
+def test_replies_that_cannot_be_acted_on_end_the_rollout_only_when_that_many_come_in_a_row():
+    replies = ["no call", call("list_dir", path="."), "still no call", call("fly"), call("read_file"), call("submit")]
+    def reply(prompt):
+        return replies[prompt.count("<|im_start|>assistant") - 1]
+
+    trajectory = run_agent(synth_task(), ScriptedPolicy(reply), max_invalid_replies=3)
+    assert trajectory.stop_reason == "invalid_replies" and trajectory.turns == 5  # replies 3-5 in a row
+    assert run_agent(synth_task(), ScriptedPolicy(reply), max_invalid_replies=4).stop_reason == "submitted"
+
+
 def test_too_many_calls_in_one_reply_run_up_to_the_limit():
     reply = "\n".join(call("write_file", path=f"f{i}.py", content="") for i in range(5))
     policy = ScriptedPolicy(lambda prompt: reply if turn_number(prompt) == 0 else call("submit"))

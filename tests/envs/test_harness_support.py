@@ -10,7 +10,6 @@ import contextlib
 import functools
 import inspect
 import json
-import socket
 import textwrap
 import threading
 import time
@@ -21,6 +20,7 @@ from whetstone.envs.harness import Completion, Policy, Sampling
 from whetstone.envs.task import Task
 from whetstone.envs.tasks import load_source
 from whetstone.tokenizer import Tokenizer, render_chat
+from whetstone.utils.processes import free_port
 
 
 @functools.cache
@@ -98,12 +98,6 @@ def save_tiny_model(folder) -> str:
     tokenizer_dir = folder / "tokenizer"
     tokenizer().save(tokenizer_dir)
     return str(save_hf(Transformer(config).eval(), folder / "tiny-agent", tokenizer_dir=tokenizer_dir))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @contextlib.contextmanager

@@ -7,10 +7,6 @@ The served model is the tiny one from conftest that learned to greet and to call
 from __future__ import annotations
 
 import json
-import socket
-import subprocess
-import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -19,50 +15,19 @@ import pytest
 
 from tests.inference.inference_fixtures import GREETING, GREETING_REPLY, WEATHER_QUESTION, WEATHER_TOOL
 from whetstone.inference.protocol import decode_routes
+from whetstone.utils.processes import serving
 
 TOKEN = "test-token"
 MODEL = "tiny-chat"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def healthy(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def server(served_model_dir, tmp_path_factory):
-    port = free_port()
     config = tmp_path_factory.mktemp("serve") / "serve.toml"
-    config.write_text(f'model_path = "{served_model_dir}"\nport = {port}\nauth_token = "{TOKEN}"\nthreads = 1\n'
+    config.write_text(f'model_path = "{served_model_dir}"\nauth_token = "{TOKEN}"\nthreads = 1\n'
                       "[engine]\nmax_batch = 4\ncontext_limit = 512\n")
-    log = config.with_name("server.log").open("w+")  # a file, not a pipe that could fill up
-    process = subprocess.Popen([sys.executable, "-m", "whetstone.inference.cli", "serve", str(config)],
-                               stdout=log, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300  # torch import + model load; generous on a busy machine
-        while not healthy(url):
-            if process.poll() is not None or time.monotonic() > deadline:
-                log.seek(0)
-                pytest.fail(f"the server did not come up:\n{log.read()}")
-            time.sleep(0.1)
+    with serving([str(config)], config.with_name("server.log")) as url:
         yield url
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
-        log.close()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from tests.envs.test_harness_support import free_port, save_tiny_model
+from tests.envs.test_harness_support import save_tiny_model
 from whetstone.bench.pipeline import coin_tasks as bench_coin_tasks
 from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.task import Task
@@ -27,7 +27,7 @@ from whetstone.envs.tasks import load_source
 from whetstone.orchestrator import OrchestratorConfig
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, SyncConfig, WeightStore
-from whetstone.utils.processes import RoleProcess
+from whetstone.utils.processes import RoleProcess, free_port
 
 torch.set_num_threads(1)
 POLL_S = 0.1

@@ -17,7 +17,7 @@ import torch
 
 from whetstone.config import load_config
 from whetstone.errors import ConfigError
-from whetstone.rl.loss import LossConfig, LossStats, k3, policy_loss
+from whetstone.rl.loss import LossConfig, LossStats, k3, policy_loss, step_normalizer
 
 RATIOS = [1.1, 1.5, 3.0, 0.6, 1.0]
 ADVANTAGES = [1.0, 1.0, -1.0, -1.0, 0.0]
@@ -80,24 +80,41 @@ def test_k3_is_zero_for_equal_policies_and_positive_otherwise():
     assert (k3(p, p + 0.3) > 0).all() and (k3(p, p - 0.3) > 0).all()
 
 
-def test_micro_batches_with_the_step_token_count_add_up_to_the_whole_batch():
+@pytest.mark.parametrize("aggregation", ["token", "sequence"])
+def test_micro_batches_with_the_step_normalizer_add_up_to_the_whole_batch(aggregation):
     torch.manual_seed(0)
+    config = LossConfig(aggregation=aggregation)
     behavior = -torch.rand(4, 6) * 3
     logprobs = (behavior + torch.randn(4, 6) * 0.3).requires_grad_()
     advantages = torch.randn(4, 1).expand(4, 6)
     mask = torch.rand(4, 6) > 0.3
-    whole, _ = policy_loss(logprobs, behavior, advantages, mask, LossConfig())
+    whole, _ = policy_loss(logprobs, behavior, advantages, mask, config)
     (whole_grad,) = torch.autograd.grad(whole, logprobs)
     total, parts = 0.0, []
     for rows in (slice(0, 1), slice(1, 4)):
-        part, stats = policy_loss(logprobs[rows], behavior[rows], advantages[rows], mask[rows], LossConfig(),
-                                  num_tokens=int(mask.sum()))  # fmt: skip
+        part, stats = policy_loss(logprobs[rows], behavior[rows], advantages[rows], mask[rows], config,
+                                  normalizer=step_normalizer(mask, aggregation))  # fmt: skip
         total, parts = total + part, parts + [stats]
     (split_grad,) = torch.autograd.grad(total, logprobs)
     assert torch.allclose(total, whole, rtol=1e-6) and torch.allclose(split_grad, whole_grad, rtol=1e-6)
     merged = LossStats.merge(parts).metrics()
-    _, whole_stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig())
+    _, whole_stats = policy_loss(logprobs, behavior, advantages, mask, config)
     assert merged == pytest.approx(whole_stats.metrics(), rel=1e-6)
+
+
+def test_sequence_aggregation_weighs_every_sample_the_same_whatever_its_length():
+    # A short solved sample (A = +1, 2 tokens) and a long failed one (A = -1, 8 tokens), on-policy.
+    behavior = torch.full((2, 8), -1.0)
+    logprobs = behavior.clone().requires_grad_()
+    advantages = torch.tensor([[1.0], [-1.0]]).expand(2, 8)
+    mask = torch.zeros(2, 8, dtype=torch.bool)
+    mask[0, :2], mask[1, :] = True, True
+    for aggregation, short_share in (("token", 2 / 10), ("sequence", 1 / 2)):
+        loss, _ = policy_loss(logprobs, behavior, advantages, mask, LossConfig(aggregation=aggregation))
+        (grad,) = torch.autograd.grad(loss, logprobs)
+        short, long = grad[0].abs().sum(), grad[1].abs().sum()
+        assert float(short / (short + long)) == pytest.approx(short_share)
+    assert step_normalizer(mask, "token") == 10 and step_normalizer(mask, "sequence") == 2
 
 
 def test_extreme_ratios_stay_finite():

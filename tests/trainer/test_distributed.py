@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from whetstone.config import dump_toml
 from whetstone.midtrain.checkpoint import latest_checkpoint
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
-from whetstone.trainer.distributed import global_token_count, rank_rows
+from whetstone.trainer.distributed import global_normalizer, rank_rows
 from whetstone.trainer.loop import run_trainer
 from whetstone.utils.metrics import read_metrics
 
@@ -44,7 +44,8 @@ def test_each_rank_takes_every_world_th_row_padded_with_untrained_rows(batches):
 def test_one_rank_takes_the_whole_batch_and_counts_its_own_tokens(batches):
     whole = rank_rows(batches[0], 0, 1)
     assert torch.equal(whole.input_ids, batches[0].input_ids) and torch.equal(whole.loss_mask, batches[0].loss_mask)
-    assert global_token_count(whole) == batches[0].num_loss_tokens
+    assert global_normalizer(whole, "token") == batches[0].num_loss_tokens
+    assert global_normalizer(whole, "sequence") == len(batches[0])
 
 
 def without_baseline(batch):

@@ -86,3 +86,37 @@ def pipeline(
                                     max_tokens=max_tokens, tasks=tasks, model=model or None, trl=trl,
                                     output_dir=output_dir or None)  # fmt: skip
     _emit(result, as_json, "RL pipeline")
+
+
+@app.command()
+def online(
+    as_json: bool = JSON,
+    model: str = typer.Option("runs/default/midtrain/model", "--model", help="The served HF folder (mid-trained)."),
+    servers: int = typer.Option(2, help="`whetstone serve` processes."),
+    updates: int = typer.Option(4, help="Online updates (published or discarded) before the loop stops."),
+    every_events: int = typer.Option(16, help="Feedback events per update."),
+    users: int = typer.Option(2, help="Concurrent simulated users."),
+    heldout: int = typer.Option(24, help="Held-out prompts of the preference rate."),
+    samples: int = typer.Option(2, help="Replies per held-out prompt."),
+    gate_tasks: int = typer.Option(24, help="Held-out tasks of the deploy gate."),
+    lr: float = typer.Option(3e-4, help="Learning rate of the online updates."),
+    preference: str = typer.Option("passes_tests", help="Users' hidden taste: passes_tests, or a regex replies match."),
+    max_tokens: int = typer.Option(160, help="Completion budget of every reply (users' and the gate's)."),
+    output_dir: str = typer.Option("", help="Keep configs, logs and metrics here (default: a temp folder)."),
+) -> None:
+    """Feedback -> deployed seconds, held-out preference before/after, interactive p99 during the loop."""
+    result = _bench("online").run(model=model, servers=servers, updates=updates, every_events=every_events,
+                                  users=users, heldout=heldout, samples=samples, gate_tasks=gate_tasks, lr=lr,
+                                  preference=preference, max_tokens=max_tokens, output_dir=output_dir or None)  # fmt: skip
+    _emit(result, as_json, "online RL")
+
+
+@app.command()
+def consistency(
+    as_json: bool = JSON,
+    threads: int = typer.Option(1, help="torch threads for the engine and the trainer (each role's own core)."),
+    dtype: str = typer.Option("float32", help="Compute dtype of both sides: float32 or bfloat16."),
+    rounds: int = typer.Option(5, help="Interleaved timing rounds per mode."),
+) -> None:
+    """Engine vs trainer logprob and routing mismatch, fast vs batch-invariant numerics, and their cost."""
+    _emit(_bench("consistency").run(threads=threads, dtype=dtype, rounds=rounds), as_json, "numerics consistency")

@@ -22,8 +22,6 @@ the same torch thread count for every side.
 from __future__ import annotations
 
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,6 +36,7 @@ from whetstone.inference.engine import Engine
 from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
 from whetstone.model import ModelConfig, Transformer
+from whetstone.utils.processes import serving
 from whetstone.utils.runtime import set_threads
 
 
@@ -77,36 +76,10 @@ def throughput(model: Transformer, hf_dir: Path, batch: int, prompt_tokens: int,
 @contextmanager
 def served(model_dir: Path, threads: int, max_batch: int):
     """A `whetstone serve` process on a free port; yields its base URL."""
-    import socket
-
-    import httpx
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    overrides = [f"model_path={model_dir}", f"port={port}", f"threads={threads}", f"engine.max_batch={max_batch}"]
-    command = [sys.executable, "-m", "whetstone.inference.cli", "serve"] + [a for o in overrides for a in ("--set", o)]
-    log = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the server
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, text=True)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                raise RuntimeError(f"whetstone serve exited: {log.read()}")
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                if time.monotonic() > deadline:
-                    raise
-            time.sleep(0.2)
+    overrides = [f"model_path={model_dir}", f"threads={threads}", f"engine.max_batch={max_batch}"]
+    with tempfile.TemporaryDirectory() as logs, serving([a for o in overrides for a in ("--set", o)],
+                                                        Path(logs) / "serve.log", threads=threads) as url:
         yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        log.close()
 
 
 def latency(model_dir: Path, threads: int, vocab: int, requests: int, prompt_tokens: int) -> dict:

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from whetstone.config import Config
+from whetstone.online.feedback import FeedbackConfig
 from whetstone.sync.config import SyncConfig
 
 
@@ -32,6 +33,13 @@ class EngineConfig(Config):
     """What a new weight version does to sequences in flight: `continue` under the new weights
     at once (each token carries its version), or `finish` them on the old weights first (new
     requests wait until they are done)."""
+    numerics: Literal["fast", "invariant"] = "fast"
+    """`invariant`: batch-invariant kernels, so a token's logprob and routes do not depend on
+    what else is batched, on prefill chunking or on the KV cache, and equal bit for bit what a
+    trainer with the same `numerics` and `dtype` computes (docs/consistency.md, with its cost)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype: `bfloat16` runs the forward under bf16 autocast over the fp32 weights,
+    exactly as the trainer's `dtype = "bfloat16"` does."""
 
 
 class ServeConfig(Config):
@@ -57,3 +65,5 @@ class ServeConfig(Config):
     sync: SyncConfig | None = None
     """Follow a weight store (a `[sync]` section: `store = ...`) and hot-swap every new version;
     absent = serve the loaded weights only."""
+    feedback: FeedbackConfig = FeedbackConfig()
+    """Keep users' responses for online RL and take their feedback (POST /v1/feedback)."""

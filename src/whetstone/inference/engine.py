@@ -10,7 +10,9 @@ Each `step()`:
      sequences that stopped.
 
 So every sampled token comes out of a batched decode step, with its logprob, the weight version
-of that step, and the routes of the token fed to produce it. The engine runs in its own thread
+of that step, and the routes of the token fed to produce it. Forwards run with the configured
+`numerics` and `dtype`; with `invariant` numerics those logprobs and routes are what the trainer
+computes for the same tokens, bit for bit (docs/consistency.md). The engine runs in its own thread
 (`start()`); other threads only call `add`, `abort` and `update_weights`, which never block it.
 """
 
@@ -26,12 +28,14 @@ import torch
 
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.detokenize import IncrementalText
-from whetstone.inference.kv_cache import SlotKVCache
+from whetstone.inference.kv_cache import ATTENTION_BLOCK, SlotKVCache
 from whetstone.inference.metrics import EngineStats
 from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample
 from whetstone.inference.scheduler import Scheduler
 from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
+from whetstone.midtrain.step import autocast
+from whetstone.model import invariant, numerics
 from whetstone.sync.update import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -49,7 +53,8 @@ class Engine:
         self.decode = decode
         self.version = version
         dtype = next(model.parameters()).dtype
-        self.cache = SlotKVCache.for_model(cfg, config.max_batch, self.context_limit, dtype)
+        block = invariant.KEY_CHUNK if config.numerics == "invariant" else ATTENTION_BLOCK
+        self.cache = SlotKVCache.for_model(cfg, config.max_batch, self.context_limit, dtype, block)
         # routes of the running sequences, by slot and position (int16 holds any expert id we serve)
         self.routes = None
         if cfg.num_moe_layers:
@@ -226,9 +231,9 @@ class Engine:
                 ids[row, :len(piece)] = torch.tensor(piece)
             positions = torch.arange(start, end).expand(rows, -1)
             chunk_routes = None if replay is None else replay[start:end].unsqueeze(0)
-            out = self.model(ids, positions=positions, cache=self.cache.rows(group[0].slot, rows),
-                             routes=chunk_routes, return_routes=self.routes is not None and replay is None,
-                             logits_to_keep=0)  # prefill only fills the cache; decode samples
+            out = self._forward(ids, positions, self.cache.rows(group[0].slot, rows), routes=chunk_routes,
+                                return_routes=self.routes is not None and replay is None,
+                                logits_to_keep=0)  # prefill only fills the cache; decode samples
             if self.routes is not None:
                 used = chunk_routes if replay is not None else out.routes
                 for row, seq in enumerate(group[:rows]):
@@ -237,12 +242,16 @@ class Engine:
         for seq, n in zip(group, lengths):
             seq.num_cached = n
 
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, **kwargs):
+        """The model's forward with the configured numerics and compute dtype (the trainer's own)."""
+        with numerics(self.config.numerics), autocast(self.config.dtype):
+            return self.model(ids, positions=positions, cache=cache, **kwargs)
+
     def _decode(self) -> None:
         running = list(self.scheduler.running)
         ids = torch.tensor([[seq.last_token] for seq in running])
         positions = torch.tensor([[seq.num_cached] for seq in running])
-        out = self.model(ids, positions=positions, cache=self.cache.rows(0, len(running)),
-                         return_routes=self.routes is not None)
+        out = self._forward(ids, positions, self.cache.rows(0, len(running)), return_routes=self.routes is not None)
         if self.routes is not None:
             self.routes[torch.arange(len(running)), positions[:, 0]] = out.routes[:, 0].to(self.routes.dtype)
         drawn = sample(out.logits[:, -1], [s.params for s in running], [s.generator for s in running])

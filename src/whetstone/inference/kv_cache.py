@@ -8,10 +8,12 @@ It speaks the model's cache protocol (`whetstone/model/cache.py`): `begin(positi
 forward, then `update(layer, k, v)` per attention layer, which writes the new keys/values at
 their positions first and returns everything to attend to plus the causal mask.
 
-The attended length is rounded up to a multiple of `ATTENTION_BLOCK` positions: CPU attention
-kernels sum in an order that depends on the key length, so a sequence would otherwise get
-slightly different logits depending on the longest sequence sharing its batch. Masked keys add
-exact zeros, so rounding changes nothing else.
+The attended length is rounded up to a multiple of `block` positions (`ATTENTION_BLOCK` by
+default): CPU attention kernels sum in an order that depends on the key length, so a sequence
+would otherwise get slightly different logits depending on the longest sequence sharing its
+batch. Masked keys add exact zeros, so rounding changes nothing else. Invariant numerics attend
+in chunks of `invariant.KEY_CHUNK` keys; the engine then rounds to that, so no chunk is padded
+by a copy.
 """
 
 from __future__ import annotations
@@ -23,17 +25,17 @@ ATTENTION_BLOCK = 32
 
 class SlotKVCache:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, max_len: int,
-                 dtype: torch.dtype = torch.float32):
-        max_len = -(-max_len // ATTENTION_BLOCK) * ATTENTION_BLOCK
+                 dtype: torch.dtype = torch.float32, block: int = ATTENTION_BLOCK):
+        max_len = -(-max_len // block) * block
         shape = (num_layers, slots, num_kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
         self.values = torch.zeros(shape, dtype=dtype)
-        self.slots, self.max_len = slots, max_len
+        self.slots, self.max_len, self.block = slots, max_len, block
 
     @classmethod
-    def for_model(cls, cfg, slots: int, max_len: int, dtype: torch.dtype) -> "SlotKVCache":
+    def for_model(cls, cfg, slots: int, max_len: int, dtype: torch.dtype, block: int = ATTENTION_BLOCK) -> "SlotKVCache":
         """A cache shaped for a `whetstone.model.ModelConfig`."""
-        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots, max_len, dtype)
+        return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots, max_len, dtype, block)
 
     def rows(self, first: int, count: int) -> "SlotRows":
         """The cache as seen by a forward over slots first..first+count-1 (one batch row each)."""
@@ -60,7 +62,8 @@ class SlotRows:
         end = int(positions.max()) + 1
         if end > self.cache.max_len:
             raise IndexError(f"position {end - 1} beyond the cache length {self.cache.max_len}")
-        length = -(-end // ATTENTION_BLOCK) * ATTENTION_BLOCK
+        block = self.cache.block
+        length = -(-end // block) * block
         self._positions = positions
         self._rows = torch.arange(self.count).unsqueeze(1)  # [B, 1], broadcasts against [B, T]
         self._length = length

@@ -9,6 +9,9 @@ Extension fields (DESIGN.md, "HTTP extensions"), accepted by both completion end
   `top_k`, `stop_token_ids`, `ignore_eos`   sampling controls as in vLLM
 Logprobs use OpenAI's own fields (`logprobs`, `top_logprobs`) and shapes.
 
+Feedback (online RL): POST /v1/feedback with `FeedbackRequest` rates one choice of a response by
+its `id`, when the server keeps responses (`feedback.store`).
+
 OpenAI fields whetstone does not implement are accepted only at their neutral value, so a
 request never silently means something else than what it says.
 """
@@ -24,6 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from whetstone.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
 from whetstone.inference.sequence import Priority
+from whetstone.online.feedback import Rating
 
 MAX_CHOICES = 64
 
@@ -161,6 +165,26 @@ class ChatRequest(_Request):
     @property
     def use_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+
+class FeedbackRequest(BaseModel):
+    """POST /v1/feedback: a user's rating of one choice of a response this server family gave."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    id: str = Field(min_length=1, max_length=100)
+    """The response's `id` (`chatcmpl-...` or `cmpl-...`)."""
+    choice: int = Field(0, ge=0)
+    """Which choice of the response is rated (its `index`)."""
+    rating: Rating
+    score: float | None = Field(None, ge=0.0, le=1.0)
+    """Only with rating `score`: how good, from 0 to 1."""
+
+    @model_validator(mode="after")
+    def _score_with_score_rating(self):
+        if (self.rating == "score") != (self.score is not None):
+            raise ValueError("give `score` (0 to 1) with rating 'score', and only then")
+        return self
 
 
 def encode_routes(routes: torch.Tensor) -> dict[str, Any]:

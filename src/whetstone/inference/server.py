@@ -1,9 +1,11 @@
 """The OpenAI-compatible HTTP server around a running engine.
 
 Routes: POST /v1/completions, POST /v1/chat/completions (tools, streaming over SSE),
-GET /v1/models, GET /health, GET /metrics (Prometheus text). Handlers tokenize, hand sequences
-to the engine thread and await their events; they never run the model. Every bad request gets
-a 4xx with OpenAI's error body naming what is wrong, and nothing else is affected by it.
+GET /v1/models, GET /health, GET /metrics (Prometheus text), and POST /v1/feedback when the
+server keeps its users' responses for online RL (`feedback.store`; docs/online.md). Handlers
+tokenize, hand sequences to the engine thread and await their events; they never run the model.
+Every bad request gets a 4xx with OpenAI's error body naming what is wrong, and nothing else is
+affected by it.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -20,15 +22,17 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from whetstone.errors import WhetstoneError
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.metrics import render_prometheus
-from whetstone.inference.protocol import ChatRequest, CompletionRequest
+from whetstone.inference.protocol import ChatRequest, CompletionRequest, FeedbackRequest
 from whetstone.inference.responses import chat_choice, completion_choice, header, usage
 from whetstone.inference.sampling import InvalidRequest
 from whetstone.inference.stream import chat_stream, completion_stream
 from whetstone.inference.submission import ClientGone, Submission
+from whetstone.online.capture import Capture
+from whetstone.online.store import DuplicateFeedback, UnknownResponse
 from whetstone.tokenizer import Tokenizer, render_chat
 
 log = logging.getLogger(__name__)
@@ -47,6 +51,12 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_name: str, follower=None) -> FastAPI:
     """The app; its lifespan starts and stops the engine thread (and the weight follower)."""
+    capture = None
+    if config.feedback.store:
+        if not config.auth_token:
+            raise ConfigError("feedback.store is set but auth_token is empty: feedback must come from "
+                              "authenticated clients, so set auth_token")
+        capture = Capture(config.feedback, model_name)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,6 +69,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             if follower is not None:
                 follower.stop()
             engine.stop()
+            if capture is not None:
+                capture.close()
 
     app = FastAPI(title="whetstone", lifespan=lifespan)
     decode = tokenizer.decode
@@ -136,8 +148,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         response_id = f"cmpl-{uuid.uuid4().hex}"
         submission = Submission(engine, response_id, prompts, params, body.priority, body.stream)
         if body.stream:
-            return sse(completion_stream(submission, body, response_id, model_name, decode, request))
+            return sse(completion_stream(submission, body, response_id, model_name, decode, request),
+                       keep(response_id, submission, body.priority))
         await finish(submission, request)
+        await keep(response_id, submission, body.priority)()
         choices = [completion_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
         return header(response_id, "text_completion", model_name) | {
             "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}
@@ -157,11 +171,33 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         submission = Submission(engine, response_id, [prompt], params, body.priority, body.stream)
         if body.stream:
-            return sse(chat_stream(submission, body, response_id, model_name, decode, request))
+            return sse(chat_stream(submission, body, response_id, model_name, decode, request),
+                       keep(response_id, submission, body.priority))
         await finish(submission, request)
+        await keep(response_id, submission, body.priority)()
         choices = [chat_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
         return header(response_id, "chat.completion", model_name) | {
             "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}
+
+    @app.post("/v1/feedback", dependencies=[Depends(authorize)])
+    async def feedback(body: FeedbackRequest) -> JSONResponse:
+        if capture is None:
+            raise HTTPException(404, "this server does not take feedback (feedback.store is not set)")
+        try:
+            seq = await capture.rate(body.id, body.choice, body.rating, body.score)
+        except UnknownResponse as err:
+            return error_body(404, str(err), code="response_not_found", param="id")
+        except DuplicateFeedback as err:
+            return error_body(409, str(err), code="duplicate_feedback", param="id")
+        return JSONResponse({"object": "feedback", "id": body.id, "choice": body.choice, "rating": body.rating,
+                             "score": body.score, "seq": seq})
+
+    def keep(response_id: str, submission: Submission, priority: str) -> Callable[[], Awaitable[None]]:
+        """What to do once a response is complete: keep it for feedback (when capturing)."""
+        async def kept() -> None:
+            if capture is not None:
+                await capture.keep(response_id, submission.seqs, priority)
+        return kept
 
     async def finish(submission: Submission, request: Request) -> None:
         try:
@@ -175,9 +211,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     return app
 
 
-def sse(events: AsyncIterator[dict]) -> StreamingResponse:
+def sse(events: AsyncIterator[dict], complete: Callable[[], Awaitable[None]]) -> StreamingResponse:
+    """The events as Server-Sent Events; `complete` runs before the final `[DONE]`."""
     async def lines():
         async for event in events:
             yield f"data: {json.dumps(event)}\n\n"
+        await complete()
         yield "data: [DONE]\n\n"
     return StreamingResponse(lines(), media_type="text/event-stream")

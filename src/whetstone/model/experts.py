@@ -5,12 +5,18 @@ contiguous slice, writing straight into a preallocated output; the results go ba
 (token, top-k) order with one gather. The backward mirrors it by hand. Compared with letting
 autograd differentiate a Python loop over `weight[e]` slices, this avoids one full-size zero
 gradient per expert slice, the scatter-adds of indexing backward, and a graph node per op.
+
+Under invariant numerics each expert's slice is padded to a multiple of `invariant.ROW_TILE`
+rows (dummy slots that read a zero row and whose outputs nobody gathers), so every expert
+matmul has a row count at which a row's result does not depend on how many tokens chose it.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from whetstone.model import invariant, ops
 
 
 def _spans(counts: list[int]):
@@ -20,15 +26,38 @@ def _spans(counts: list[int]):
         start += count
 
 
-def _grouped_forward(x, gate_up, down, order, unsort, counts, top_k):
+def _padded_groups(slot_expert: torch.Tensor, unsort: torch.Tensor, counts: list[int]):
+    """The sorted layout with each expert's group padded to a multiple of ROW_TILE rows.
+
+    Padding positions hold the dummy slot id S = number of slots (it reads a zero row of x, and
+    a zero row of the output gradient); `unsort` points each real slot at its padded position."""
+    padded = [count + (-count % invariant.ROW_TILE) for count in counts]
+    shift, start, padded_start = [], 0, 0
+    for count, padded_count in zip(counts, padded):
+        shift.append(padded_start - start)
+        start, padded_start = start + count, padded_start + padded_count
+    slots = slot_expert.numel()
+    unsort = unsort + torch.tensor(shift).index_select(0, slot_expert)
+    order = torch.full((padded_start,), slots, dtype=unsort.dtype)
+    order[unsort] = torch.arange(slots)
+    return order, unsort, padded
+
+
+def _zero_row_for_dummies(rows: torch.Tensor, order: torch.Tensor, slots: int) -> torch.Tensor:
+    """`rows` plus a zero row (what dummy slots read) when the layout has dummy slots."""
+    return F.pad(rows, (0, 0, 0, 1)) if order.numel() != slots else rows
+
+
+def _grouped_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invariant):
     """The forward of _GroupedSwiGLU: (output [N, k, H], the tensors its backward needs)."""
     inner = down.shape[-1]
-    sorted_x = x.index_select(0, order // top_k)  # [S, H], slots grouped by expert
+    source = _zero_row_for_dummies(x, order, x.shape[0] * top_k)
+    sorted_x = source.index_select(0, order // top_k)  # [S, H], slots grouped by expert
     hidden = x.new_empty(sorted_x.shape[0], 2 * inner)
     for expert, start, end in _spans(counts):
         torch.mm(sorted_x[start:end], gate_up[expert].t(), out=hidden[start:end])
     gate, up = hidden[:, :inner], hidden[:, inner:]
-    silu_gate = F.silu(gate)
+    silu_gate = invariant.silu(gate) if batch_invariant else F.silu(gate)
     act = silu_gate * up
     out = x.new_empty(sorted_x.shape)
     for expert, start, end in _spans(counts):
@@ -45,8 +74,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, order, unsort, counts, top_k):
-        out, saved = _grouped_forward(x, gate_up, down, order, unsort, counts, top_k)
+    def forward(ctx, x, gate_up, down, order, unsort, counts, top_k, batch_invariant):
+        out, saved = _grouped_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invariant)
         ctx.save_for_backward(*saved)
         ctx.counts, ctx.top_k = counts, top_k
         return out
@@ -61,7 +90,8 @@ class _GroupedSwiGLU(torch.autograd.Function):
         sorted_x, gate, up, silu_gate, act, gate_up, down, order, unsort = ctx.saved_tensors
         counts, top_k = ctx.counts, ctx.top_k
         inner = down.shape[-1]
-        grad_sorted = grad_out.reshape(-1, grad_out.shape[-1]).index_select(0, order)
+        grad_flat = grad_out.reshape(-1, grad_out.shape[-1])
+        grad_sorted = _zero_row_for_dummies(grad_flat, order, grad_flat.shape[0]).index_select(0, order)
         grad_down = torch.empty_like(down)
         grad_act = torch.empty_like(act)
         for expert, start, end in _spans(counts):
@@ -77,7 +107,7 @@ class _GroupedSwiGLU(torch.autograd.Function):
             torch.mm(grad_hidden[start:end], gate_up[expert], out=grad_sorted_x[start:end])
         # Each token appears top_k times: un-sort, then sum its slots.
         grad_x = grad_sorted_x.index_select(0, unsort).view(-1, top_k, grad_sorted_x.shape[-1]).sum(dim=1)
-        return grad_x, grad_gate_up, grad_down, None, None, None, None
+        return grad_x, grad_gate_up, grad_down, None, None, None, None, None
 
 
 def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -94,7 +124,10 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
     counts = torch.bincount(slot_expert, minlength=gate_up.shape[0]).tolist()
-    args = (x, gate_up, down, order, unsort, counts, ids.shape[1])
+    batch_invariant = ops.is_invariant()
+    if batch_invariant:
+        order, unsort, counts = _padded_groups(slot_expert, unsort, counts)
+    args = (x, gate_up, down, order, unsort, counts, ids.shape[1], batch_invariant)
     differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
     with torch.autocast("cpu", enabled=False):
         if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping

@@ -4,28 +4,44 @@ What training needs (next-token loss, RL importance ratios) is log p(target), no
 logits. Computing it here, with its own backward, saves the separate log_softmax and nll passes
 over the [N, vocab] logits: the softmax is formed chunk by chunk while a chunk is still in cache,
 and the backward is one fused `probs * -grad` plus the two matmuls.
+
+Under invariant numerics (`ops.numerics`) the logits come from the engine's own `lm_head`
+matmul and the log-probabilities from the sampler's `log_softmax`, row by row, so the trainer
+gets the engine's logprobs bit for bit (docs/consistency.md).
 """
 
 from __future__ import annotations
 
 import torch
 
+from whetstone.model import invariant, ops
+
 CHUNK_BYTES = 1 << 20  # rows per chunk so that one chunk of fp32 logits stays in L2
 
 
 class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets):
+    def forward(ctx, hidden, weight, targets, batch_invariant):
         ignored = targets < 0
         targets = targets.masked_fill(ignored, 0)
-        logits = torch.mm(hidden, weight.t())  # [N, V], softmax in fp32 (or better)
+        if batch_invariant:  # the engine's lm_head and sampler: the same matmul, log_softmax per row
+            logits = invariant.linear(hidden, weight)
+        else:
+            logits = torch.mm(hidden, weight.t())  # [N, V], softmax in fp32 (or better)
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         rows = max(1, CHUNK_BYTES // (4 * logits.shape[1]))
-        logprobs = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
-        for chunk, lp in zip(logits.split(rows), logprobs.split(rows)):
-            lse = torch.logsumexp(chunk, dim=1)
-            lp.sub_(lse)
-            chunk.sub_(lse.unsqueeze(1)).exp_()  # now softmax probabilities, in place
+        if batch_invariant:
+            logprobs = torch.empty(logits.shape[0], dtype=logits.dtype)
+            for chunk, lp, target in zip(logits.split(rows), logprobs.split(rows), targets.split(rows)):
+                chunk.copy_(torch.log_softmax(chunk, dim=1))
+                lp.copy_(chunk.gather(1, target.unsqueeze(1)).squeeze(1))
+                chunk.exp_()  # now softmax probabilities, in place
+        else:
+            logprobs = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+            for chunk, lp in zip(logits.split(rows), logprobs.split(rows)):
+                lse = torch.logsumexp(chunk, dim=1)
+                lp.sub_(lse)
+                chunk.sub_(lse.unsqueeze(1)).exp_()  # now softmax probabilities, in place
         ctx.save_for_backward(hidden, weight, targets, ignored, logits)
         return logprobs.masked_fill_(ignored, 0.0)
 
@@ -40,7 +56,7 @@ class _TargetLogprobs(torch.autograd.Function):
         grad_logits = grad_logits.to(hidden.dtype)
         grad_hidden = torch.mm(grad_logits, weight) if ctx.needs_input_grad[0] else None
         grad_weight = torch.mm(grad_logits.t(), hidden) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None
+        return grad_hidden, grad_weight, None, None
 
 
 def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -56,11 +72,12 @@ def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         dtype = torch.get_autocast_dtype("cpu")
         hidden, weight = hidden.to(dtype), weight.to(dtype)
     kept = targets >= 0
+    batch_invariant = ops.is_invariant()
     with torch.autocast("cpu", enabled=False):
         if bool(kept.all()):
-            return _TargetLogprobs.apply(hidden, weight, targets).view(shape)
+            return _TargetLogprobs.apply(hidden, weight, targets, batch_invariant).view(shape)
         # Only the trained rows go through the head (prompts and tool results in chat data are
         # most of the tokens, and the head is most of a small model's compute).
         rows = kept.nonzero().squeeze(1)
-        logprobs = _TargetLogprobs.apply(hidden[rows], weight, targets[rows])
+        logprobs = _TargetLogprobs.apply(hidden[rows], weight, targets[rows], batch_invariant)
         return logprobs.new_zeros(targets.shape).index_put((rows,), logprobs).view(shape)

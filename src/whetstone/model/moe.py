@@ -70,7 +70,7 @@ class MoE(nn.Module):
         ids, gates, probs = self.router(flat, None if routes is None else routes.reshape(-1, routes.shape[-1]))
         out = ops.moe_combine(self.experts(flat, ids), gates)
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
+            out = out + ops.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
         return out.view(shape), ids, probs
 
 

@@ -1,26 +1,63 @@
 """The numerics every layer goes through, as small plain functions.
 
 Each function is one decision about how a number is computed (matmul, norm, attention, the MoE
-combine). Keeping them here, and only here, lets a later batch-invariant mode swap them for
-kernels whose reduction order does not depend on the batch, without touching the model code.
-The layers look these functions up at call time (`ops.linear(...)`), so replacing the module
-attribute is enough.
+combine). Two modes, chosen per forward like autocast, by whoever calls the model:
+
+    with ops.numerics("invariant"):   # the engine and the trainer, when numerics = "invariant"
+        out = model(input_ids)
+
+`fast` uses torch's own kernels. `invariant` uses `whetstone.model.invariant`: every row's
+result is independent of the batch, the padding, prefill chunking and the KV cache, so the
+inference engine and the trainer compute the same bits (docs/consistency.md). The mode lives in a
+context variable: each thread (the engine's, the trainer's) sees only its own.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Literal, get_args
+
 import torch
 import torch.nn.functional as F
+
+from whetstone.errors import WhetstoneError
+from whetstone.model import invariant
+
+Numerics = Literal["fast", "invariant"]
+_INVARIANT: ContextVar[bool] = ContextVar("whetstone_invariant_numerics", default=False)
+
+
+@contextmanager
+def numerics(mode: Numerics) -> Iterator[None]:
+    """Run the forwards inside the block with `mode` numerics (`fast` outside any block)."""
+    if mode not in get_args(Numerics):
+        raise WhetstoneError(f"numerics must be one of {get_args(Numerics)}, got {mode!r}")
+    token = _INVARIANT.set(mode == "invariant")
+    try:
+        yield
+    finally:
+        _INVARIANT.reset(token)
+
+
+def is_invariant() -> bool:
+    """Whether the current forward runs with invariant numerics."""
+    return _INVARIANT.get()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T (no bias anywhere in this model)."""
+    if _INVARIANT.get():
+        return invariant.linear(x, weight)
     return F.linear(x, weight)
 
 
-def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float):
+def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, row_local: bool = False):
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
-    rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True).add_(eps))
+    square = x32.square()
+    mean_square = invariant.mean_last(square) if row_local else square.mean(-1, keepdim=True)
+    rstd = torch.rsqrt(mean_square.add_(eps))
     return weight * (x32 * rstd).to(x.dtype), rstd
 
 
@@ -30,8 +67,8 @@ class _RMSNorm(torch.autograd.Function):
     instead of autograd's twenty-odd small ops)."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps):
-        out, rstd = _rms_norm_forward(x, weight, eps)
+    def forward(ctx, x, weight, eps, row_local):
+        out, rstd = _rms_norm_forward(x, weight, eps, row_local)
         ctx.save_for_backward(x, weight, rstd)
         return out
 
@@ -45,15 +82,16 @@ class _RMSNorm(torch.autograd.Function):
             grad_weight = (grad32 * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
         grad_normed = grad32 * weight.to(rstd.dtype)
         grad_x = (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(rstd)
-        return grad_x.to(x.dtype), grad_weight, None
+        return grad_x.to(x.dtype), grad_weight, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dimension (see _RMSNorm)."""
+    row_local = _INVARIANT.get()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
-        return _RMSNorm.apply(x, weight, eps)
+        return _RMSNorm.apply(x, weight, eps, row_local)
     # Same arithmetic without the autograd.Function: half the per-call cost when decoding.
-    return _rms_norm_forward(x, weight, eps)[0]
+    return _rms_norm_forward(x, weight, eps, row_local)[0]
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -62,13 +100,23 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask [B, 1, T, S] boolean (True = may attend), or None
     for plain causal attention over the same T tokens. Returns [B, Hq, T, D].
     """
+    if _INVARIANT.get():
+        return invariant.attention(q, k, v, mask)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def silu(x: torch.Tensor) -> torch.Tensor:
+    return invariant.silu(x) if _INVARIANT.get() else F.silu(x)
+
+
+def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    return invariant.sigmoid(x) if _INVARIANT.get() else torch.sigmoid(x)
+
+
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+    return silu(gate) * up
 
 
 def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -76,6 +124,8 @@ def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
 
     expert_out [N, k, H] (slot j holds the j-th selected expert's output), gates [N, k].
     """
+    if _INVARIANT.get():
+        return invariant.moe_combine(expert_out, gates)
     weighted = expert_out.float() * gates.float().unsqueeze(-1)
     return weighted.sum(dim=1).to(expert_out.dtype)
 

@@ -70,6 +70,14 @@ class Batch:
         return Batch(**parts, routes=routes, rows=[self.rows[r] for r in rows] if self.rows else [], meta=self.meta)
 
 
+def shuffled_parts(batch: Batch, parts: int, seed: int) -> list[Batch]:
+    """The rows of `batch` in a seeded random order, cut into `parts` near-equal mini-batches
+    (fewer when the batch has fewer rows), so that each mini-batch mixes the batch's groups."""
+    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed)).tolist()
+    parts = min(parts, len(batch))
+    return [batch.select(order[i::parts]) for i in range(parts)]
+
+
 def collate(samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None = None) -> Batch:
     """Right-pad samples into one batch (all with routes, or all without)."""
     if not samples:

@@ -7,11 +7,14 @@ Per trained token, with r = π_θ / π_behavior = exp(logπ_θ − logπ_behavio
                                                        no gradient, counted as clipped)
               = min(r, is_cap) · A                     elsewhere: truncated importance sampling,
                                                        value and gradient scaled by min(r, cap) / r
-    loss      = −Σ surrogate / num_tokens  +  β · Σ k3(π_θ, π_ref) / num_tokens
+    loss      = −Σ surrogate / N  +  β · Σ k3(π_θ, π_ref) / N
 
 Tokens whose r leaves [mask_low, mask_high] can be masked out entirely (IcePop-style), when
-`mask_ratio` is on. `num_tokens` is the trained-token count of the whole optimizer step, so
-micro-batches and ranks add up to the same gradient as one big batch (token-level mean).
+`mask_ratio` is on. `aggregation` chooses N: `token` (the trained-token count of the whole
+optimizer step: a token-level mean, DAPO-style) or `sequence` (each row's tokens weighted
+1 / its trained length, N = the step's trained rows: every sample counts the same, GRPO-style).
+N is the whole step's (`step_normalizer`), so micro-batches and ranks add up to the same
+gradient as one big batch.
 
 The loss sees only logprobs, advantages and masks: it does not know how advantages were made.
 Metrics compare the trainer with the sampler: k3 KL = mean(exp(Δ) − Δ − 1), Δ = logπ_θ − logπ_behavior
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 from pydantic import Field, model_validator
@@ -46,6 +50,10 @@ class LossConfig(Config):
     """Upper bound of the kept ratio range when `mask_ratio` is on."""
     kl_coef: float = Field(0.0, ge=0.0)
     """β of the k3 KL penalty to a reference policy (0 = no reference model needed)."""
+    aggregation: Literal["token", "sequence"] = "token"
+    """`token`: mean over the step's trained tokens (long samples weigh more). `sequence`: mean
+    over samples of each sample's token mean, so that a long failed rollout does not outweigh
+    a short solved one."""
 
     @model_validator(mode="after")
     def _ranges(self) -> "LossConfig":
@@ -100,6 +108,13 @@ def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
+def step_normalizer(loss_mask: torch.Tensor, aggregation: str) -> int:
+    """N of the loss over these rows: trained tokens, or rows with any trained token."""
+    if aggregation == "sequence":
+        return int(loss_mask.bool().any(dim=-1).sum())
+    return int(loss_mask.sum())
+
+
 def policy_loss(
     logprobs: torch.Tensor,
     behavior_logprobs: torch.Tensor,
@@ -107,11 +122,11 @@ def policy_loss(
     loss_mask: torch.Tensor,
     config: LossConfig,
     ref_logprobs: torch.Tensor | None = None,
-    num_tokens: int | None = None,
+    normalizer: int | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
     """(loss, stats) for one micro-batch; all inputs [B, T], `logprobs` carrying the gradient.
 
-    `num_tokens`: trained tokens of the whole optimizer step (default: this micro-batch's).
+    `normalizer`: N of the whole optimizer step (default: this micro-batch's `step_normalizer`).
     """
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
@@ -135,7 +150,9 @@ def policy_loss(
     if config.kl_coef > 0:
         per_token = per_token + config.kl_coef * k3(logprobs32, ref_logprobs.float())
     kept = trained & ~masked
-    denominator = max(int(trained.sum()) if num_tokens is None else num_tokens, 1)
+    if config.aggregation == "sequence":
+        per_token = per_token / trained.sum(dim=-1, keepdim=True).clamp(min=1)
+    denominator = max(step_normalizer(loss_mask, config.aggregation) if normalizer is None else normalizer, 1)
     loss = torch.where(kept, per_token, torch.zeros_like(per_token)).sum() / denominator
 
     with torch.no_grad():

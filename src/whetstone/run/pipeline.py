@@ -25,7 +25,7 @@ from whetstone.run.config import PipelineConfig
 from whetstone.run.monitor import ServerSampler, last_record
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import read_metrics
-from whetstone.utils.processes import RoleProcess
+from whetstone.utils.processes import RoleProcess, free_ports
 from whetstone.utils.progress import progress_bar
 
 
@@ -41,19 +41,6 @@ def demo_source(config: PipelineConfig):
         return demonstrations(generate(config.demos))
 
     return transcripts if config.demos.count else None
-
-
-def free_ports(count: int) -> list[int]:
-    import socket
-
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
 
 
 class Pipeline:

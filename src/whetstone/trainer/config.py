@@ -40,6 +40,14 @@ class TrainerConfig(Config):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype (bf16 under autocast); master weights and optimizer state are always fp32.
     fp32 keeps the trainer's logprobs closest to an fp32 inference engine's."""
+    numerics: Literal["fast", "invariant"] = "fast"
+    """`invariant`: batch-invariant kernels in the forward; with inference servers on the same
+    `numerics` and `dtype`, the trainer's logprobs and router choices equal the rollout's bit for
+    bit (importance ratio exactly 1 at staleness 0; docs/consistency.md, with its cost)."""
+    optimizer_steps_per_batch: int = Field(1, ge=1)
+    """PPO-style mini-batches: each batch's rows are shuffled and split into this many parts, one
+    optimizer step each, then one weight version is published. Later parts train a policy that
+    has moved since sampling; the clip and the importance ratio bound how far."""
     threads: int = Field(1, ge=0)
     """Torch intra-op threads of this process (0 = all cores)."""
     max_steps: int = Field(0, ge=0)

@@ -3,7 +3,7 @@
     torchrun --standalone --nproc_per_node 2 -m whetstone.cli trainer CONFIG
 
 Every rank reads the whole batch and trains on its rows (`rank_rows`); each rank's loss is its
-share of the whole step's token mean (`global_token_count`), so the gradients are *summed*
+share of the whole step's loss mean (`global_normalizer`), so the gradients are *summed*
 across ranks, never averaged. FSDP2 shards parameters, gradients and AdamW moments: one group
 per transformer block, and the root (embeddings, tied head, final norm). Rank 0 alone publishes,
 writes metrics and checkpoints; for that it gathers the whole state (`full_state_dict`,
@@ -36,7 +36,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from whetstone.midtrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from whetstone.model import Transformer
 from whetstone.rl.batch import TENSOR_FIELDS, Batch
-from whetstone.rl.loss import LossStats
+from whetstone.rl.loss import LossStats, step_normalizer
 from whetstone.rl.routing import RoutingStats
 
 T = TypeVar("T")
@@ -115,9 +115,9 @@ def rank_rows(batch: Batch, rank: int, world: int) -> Batch:
     return shard
 
 
-def global_token_count(shard: Batch) -> int:
-    """Trained tokens of the whole step: the sum of every rank's shard."""
-    count = torch.tensor(shard.num_loss_tokens, dtype=torch.int64, device=device())
+def global_normalizer(shard: Batch, aggregation: str) -> int:
+    """N of the whole step's loss: the sum of every rank's shard (padding rows add nothing)."""
+    count = torch.tensor(step_normalizer(shard.loss_mask, aggregation), dtype=torch.int64, device=device())
     if world()[1] > 1:
         dist.all_reduce(count)
     return int(count)

@@ -25,14 +25,14 @@ from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
 from whetstone.midtrain.checkpoint import save_checkpoint
 from whetstone.midtrain.schedule import lr_at
-from whetstone.rl.batch import Batch, batch_from_bytes
+from whetstone.rl.batch import Batch, batch_from_bytes, shuffled_parts
 from whetstone.store import MissingObjectError
 from whetstone.sync import Subscriber
 from whetstone.trainer.config import TrainerConfig, batch_key
 from whetstone.trainer.distributed import (
     broadcast,
     full_state_dict,
-    global_token_count,
+    global_normalizer,
     rank_rows,
     save_sharded_checkpoint,
     torchrun_group,
@@ -112,6 +112,27 @@ def replay_matches_store(session: TrainerSession, weights: dict[str, torch.Tenso
     return mine.keys() == subscriber.state.keys() and all(torch.equal(mine[k], subscriber.state[k]) for k in mine)
 
 
+MISMATCH_METRICS = ("mismatch_kl_k3", "logprob_diff_mean", "logprob_diff_p99", "logprob_diff_max",
+                    "logprob_diff_over_ln2", "routing_")
+
+
+def merge_part_metrics(parts: list[dict[str, Any]]) -> dict[str, Any]:
+    """One record for a step of several mini-batches: trainer-vs-sampler mismatch as the first
+    mini-batch measured it (before this batch moved the weights: pure engine/trainer mismatch),
+    tokens summed, everything else averaged over the mini-batches."""
+    if len(parts) == 1:
+        return parts[0]
+    merged: dict[str, Any] = {"optimizer_steps": len(parts)}
+    for key, value in parts[0].items():
+        if key.startswith(MISMATCH_METRICS) or not isinstance(value, (int, float)):
+            merged[key] = value
+        elif key == "tokens":
+            merged[key] = sum(part[key] for part in parts)
+        else:
+            merged[key] = sum(part[key] for part in parts) / len(parts)
+    return merged
+
+
 def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     """Train on `batch` (the next one), publish unless replaying; advance the state; return metrics.
     Under torchrun every rank trains on its rows of the batch, and the metrics are the whole step's."""
@@ -120,15 +141,17 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     lr = lr_at(state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps,
                total_steps=config.max_steps or 1, min_lr_ratio=opt.min_lr_ratio)
     started = time.perf_counter()
-    rows, num_tokens = batch, None
-    if session.world_size > 1:
-        rows = rank_rows(batch, session.rank, session.world_size)
-        num_tokens = global_token_count(rows)
-    metrics = train_step(session.model, session.optimizer, rows, loss_config=config.loss, lr=lr,
-                         grad_clip=opt.grad_clip, micro_batch_size=config.micro_batch_size,
-                         replay=config.router_replay, dtype=config.dtype, num_tokens=num_tokens,
-                         reference=session.reference)
-    record: dict[str, Any] = {"step": state.step, "replayed": replaying, **metrics,
+    parts = []
+    for part in shuffled_parts(batch, config.optimizer_steps_per_batch, seed=state.step):
+        rows, normalizer = part, None
+        if session.world_size > 1:
+            rows = rank_rows(part, session.rank, session.world_size)
+            normalizer = global_normalizer(rows, config.loss.aggregation)
+        parts.append(train_step(session.model, session.optimizer, rows, loss_config=config.loss, lr=lr,
+                                grad_clip=opt.grad_clip, micro_batch_size=config.micro_batch_size,
+                                replay=config.router_replay, dtype=config.dtype, normalizer=normalizer,
+                                reference=session.reference))  # fmt: skip
+    record: dict[str, Any] = {"step": state.step, "replayed": replaying, **merge_part_metrics(parts),
                               "train_s": time.perf_counter() - started}
     state.step += 1
     state.tokens += batch.num_loss_tokens

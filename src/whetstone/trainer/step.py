@@ -2,8 +2,12 @@
 
 The batch is cut into micro-batches; each runs a forward (replaying the rollout's routes for an
 MoE model unless replay is off), gets the logprobs of its targets, and backpropagates its share
-of `policy_loss`. The loss is normalised by `num_tokens`, the trained-token count of the whole
-step, so micro-batches (and, under FSDP, ranks) add up to the gradient of one big batch.
+of `policy_loss`. The loss is normalised by the whole step's N (trained tokens or rows,
+`rl.loss.step_normalizer`), so micro-batches (and, under FSDP, ranks) add up to the gradient of one big batch.
+
+With `numerics="invariant"` (and the engine's dtype) the forward is batch-invariant: the
+logprobs and routes equal the inference engine's bit for bit, so at staleness 0 every
+importance ratio is exactly 1 (docs/consistency.md).
 
 Routing disagreement is measured alongside: with replay, how often the trainer's own router
 would have picked other experts (forward hooks, `rl.routing`); without replay, how often the
@@ -21,9 +25,9 @@ import torch
 from whetstone.errors import WhetstoneError
 from whetstone.midtrain.step import autocast
 from whetstone.midtrain.optim import clip_and_step
-from whetstone.model import Transformer
+from whetstone.model import Numerics, Transformer, ops
 from whetstone.rl.batch import Batch
-from whetstone.rl.loss import LossConfig, LossStats, policy_loss
+from whetstone.rl.loss import LossConfig, LossStats, policy_loss, step_normalizer
 from whetstone.rl.routing import RoutingStats, track_routing
 from whetstone.trainer.distributed import reduce_step_stats
 
@@ -39,12 +43,16 @@ def _unreplayed_disagreement(own: torch.Tensor, rollout: torch.Tensor, mask: tor
                         tokens=differs.shape[0], tokens_disagreed=int(differs.any(dim=-1).sum()))
 
 
-def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str) -> tuple[torch.Tensor, RoutingStats]:
-    """Logprobs of the micro-batch's targets [B, T], and the routing disagreement at its trained positions."""
+def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
+                     numerics: Numerics = "fast") -> tuple[torch.Tensor, RoutingStats]:
+    """Logprobs of the micro-batch's targets [B, T], and the routing disagreement at its trained positions.
+
+    With `numerics="invariant"` and the engine's dtype, these are the engine's own logprobs
+    and routes, bit for bit (docs/consistency.md)."""
     has_routes = micro.routes is not None and model.cfg.num_moe_layers > 0
     replayed = replay and has_routes
     tracking = track_routing(model, micro.loss_mask) if replayed else nullcontext(RoutingStats())
-    with tracking as routing, autocast(dtype):
+    with tracking as routing, autocast(dtype), ops.numerics(numerics):
         out = model(micro.input_ids, routes=micro.routes if replayed else None,
                     return_routes=has_routes and not replayed, targets=micro.target_ids)
     if has_routes and not replayed:
@@ -63,30 +71,32 @@ def train_step(
     micro_batch_size: int,
     replay: bool = True,
     dtype: str = "float32",
-    num_tokens: int | None = None,
+    numerics: Numerics = "fast",
+    normalizer: int | None = None,
     reference: Transformer | None = None,
 ) -> dict[str, Any]:
     """Forward/backward every micro-batch of `batch`, clip, take one optimizer step at `lr`.
 
-    `num_tokens`: trained tokens of the whole step across ranks (default: this batch's).
+    `normalizer`: N of the loss for the whole step across ranks (default: this batch's `step_normalizer`).
     `reference`: the frozen model for the KL term (needed when `loss_config.kl_coef` > 0).
     Returns the step's metrics; raises before touching the weights if the loss is not finite.
     """
-    num_tokens = batch.num_loss_tokens if num_tokens is None else num_tokens
-    if num_tokens == 0:
+    if batch.num_loss_tokens == 0:
         raise WhetstoneError(f"batch {batch.meta.get('index', '?')} has no trained tokens (every loss_mask is 0)")
+    if normalizer is None:
+        normalizer = step_normalizer(batch.loss_mask, loss_config.aggregation)
     if loss_config.kl_coef > 0 and reference is None:
         raise WhetstoneError("loss.kl_coef > 0 needs a reference model")
     model.train()
     loss_total, loss_parts, routing_parts = 0.0, [], []
     for micro in micro_batches(batch, micro_batch_size):
-        logprobs, routing = forward_logprobs(model, micro, replay, dtype)
+        logprobs, routing = forward_logprobs(model, micro, replay, dtype, numerics)
         ref_logprobs = None
         if reference is not None and loss_config.kl_coef > 0:
             with torch.no_grad():
-                ref_logprobs, _ = forward_logprobs(reference, micro, replay, dtype)
+                ref_logprobs, _ = forward_logprobs(reference, micro, replay, dtype, numerics)
         loss, stats = policy_loss(logprobs, micro.behavior_logprobs, micro.advantages, micro.loss_mask,
-                                  loss_config, ref_logprobs=ref_logprobs, num_tokens=num_tokens)
+                                  loss_config, ref_logprobs=ref_logprobs, normalizer=normalizer)
         loss.backward()
         loss_total += loss.item()
         loss_parts.append(stats)

@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -104,3 +106,34 @@ class RoleProcess:
         if self.running:
             self.process.kill()
         return None if self.process is None else self.process.wait()
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now (all held open while picking)."""
+    sockets = [socket.socket() for _ in range(count)]
+    try:
+        for sock in sockets:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in sockets]
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def free_port() -> int:
+    return free_ports(1)[0]
+
+
+@contextlib.contextmanager
+def serving(args: list[str], log_path: str | Path, *, threads: int = 1, timeout_s: float = 300.0) -> Iterator[str]:
+    """`whetstone serve ARGS --set port=<free port>` as a child process, healthy; yields its
+    root URL (`http://127.0.0.1:<port>`) and stops it on exit."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    role = RoleProcess("serve", ["serve", *args, "--set", f"port={port}"], log_path,
+                       health_url=f"{url}/health", threads=threads).start()  # fmt: skip
+    try:
+        role.wait_healthy(timeout_s)
+        yield url
+    finally:
+        role.stop()

@@ -59,6 +59,10 @@ class HarnessConfig(Config):
     """Most tokens the tool results of one turn may take; longer outputs keep their head and tail."""
     max_calls_per_turn: int = Field(8, ge=1)
     """Tool calls run per model reply; more are refused and count as invalid."""
+    max_invalid_replies: int = Field(0, ge=0)
+    """End the rollout (stop reason `invalid_replies`, still graded) after this many replies in a
+    row with no call that could run; 0 = never. A model that has lost the format rarely finds
+    it again, and its rambling costs generation time and fills the batch with noise."""
     max_total_tokens: int = Field(100_000, ge=1)
     """Completion tokens over the whole rollout; the rollout stops (and is graded) once they are spent."""
     summarize: bool = True

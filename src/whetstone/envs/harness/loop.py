@@ -5,7 +5,7 @@ Each call's prompt is the segment's token ids so far (context.py), so the trajec
 exactly what was sampled. Tool calls are parsed from the decoded completion ids with the shared
 `parse_assistant`. A reply that cannot be acted on (malformed call, unknown tool, wrong
 arguments, no tool call at all) gets an error message back and counts as an invalid tool call;
-it never ends the loop. Running out of turns, tokens or time ends the rollout normally (the
+only `max_invalid_replies` of them in a row end the loop. Running out of turns, tokens or time ends the rollout normally (the
 workspace is still graded); a policy or sandbox failure ends it as `failed`, keeping what was
 sampled before.
 """
@@ -69,7 +69,10 @@ class _Episode:
         self.trajectory = Trajectory(task_id=task.id)
         self.timings = {"generation": 0.0, "tools": 0.0}
         self.stop_reason = ""
-        """Why the loop ended: submitted, max_turns, max_total_tokens, wall_clock, context_full, failed."""
+        """Why the loop ended: submitted, max_turns, max_total_tokens, wall_clock, context_full,
+        invalid_replies, failed."""
+        self.invalid_in_a_row = 0
+        """Replies in a row with no call that ran (for `max_invalid_replies`)."""
 
     async def run(self) -> Trajectory:
         try:
@@ -107,9 +110,12 @@ class _Episode:
             if completion is None:
                 return "wall_clock"
             context.add(prompt, completion.ids)
-            pending, submitted = await self._act(self.tokenizer.decode(completion.ids))
+            pending, submitted, acted = await self._act(self.tokenizer.decode(completion.ids))
             if submitted:
                 return "submitted"
+            self.invalid_in_a_row = 0 if acted else self.invalid_in_a_row + 1
+            if self.config.max_invalid_replies and self.invalid_in_a_row >= self.config.max_invalid_replies:
+                return "invalid_replies"
             pending = context.fit_turn(pending, self.config.max_tool_tokens)
         return reason
 
@@ -179,12 +185,12 @@ class _Episode:
         self.trajectory.turns += 1
         return completion
 
-    async def _act(self, text: str) -> tuple[list[Message], bool]:
-        """Run the reply's tool calls: (result messages, whether it submitted)."""
+    async def _act(self, text: str) -> tuple[list[Message], bool, bool]:
+        """Run the reply's tool calls: (result messages, whether it submitted, whether any call ran)."""
         _, calls, errors = parse_assistant(text)
         if not calls and not errors:
             self.trajectory.invalid_tool_calls += 1
-            return [{"role": "user", "content": NO_TOOL_CALL}], False
+            return [{"role": "user", "content": NO_TOOL_CALL}], False, False
         limit = self.config.max_calls_per_turn
         results: list[Message] = []
         submitted = False
@@ -211,4 +217,5 @@ class _Episode:
             errors.append(f"{extra} more tool calls were not run: at most {limit} run per reply")
         if errors:  # one message for all of them, so that a flood of bad calls cannot flood the context
             results.append(tool_message("invalid", "\n".join(f"error: {error}" for error in errors)))
-        return results, submitted
+        ran = len(results) - bool(errors)  # one result per call that ran, plus one message for all errors
+        return results, submitted, ran > 0

@@ -1,0 +1,180 @@
+"""The online loop: fresh feedback on the deployed model -> one policy-gradient step -> held-out
+gate -> publish, or discard and say why. Servers pick new versions up through the weight store.
+
+    <output_dir>/config.toml     the config as last run
+    <output_dir>/metrics.jsonl   one record per update: decision, reason, counts, loss, scores, timings
+    <output_dir>/state.json      the feedback cursor (newest event read) and the update count
+
+The weight store is the loop's checkpoint: on start, and whenever the store's newest version is
+not the one the loop published last (a rollback, another publisher), the loop adopts that
+version's weights with a fresh optimizer. Feedback is read at most once: the cursor is saved
+before training, so a crash loses that update's events rather than training on them twice.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from whetstone.config import dump_toml
+from whetstone.errors import WhetstoneError
+from whetstone.midtrain.optim import build_optimizer
+from whetstone.model.hf import load_hf
+from whetstone.online.config import OnlineConfig
+from whetstone.online.gate import Gate, Verdict
+from whetstone.online.samples import feedback_batch
+from whetstone.online.store import FeedbackStore
+from whetstone.online.weights import load_version
+from whetstone.rl.batch import Batch
+from whetstone.sync import Publisher, WeightStore
+from whetstone.tokenizer import Tokenizer
+from whetstone.trainer.step import train_step
+from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.runtime import set_threads
+
+log = logging.getLogger("whetstone.online")
+
+
+class OnlineLoop:
+    def __init__(self, config: OnlineConfig):
+        set_threads(config.threads)
+        self.config = config
+        self.run_dir = Path(config.output_dir).expanduser()
+        self.model = load_hf(config.model_path)
+        self.gate = Gate(config.gate, load_hf(config.model_path), Tokenizer.load(config.model_path))
+        self.weights = WeightStore.open(config.sync)
+        self.feedback = FeedbackStore.open(config.feedback_store)
+        state_path = self.run_dir / "state.json"
+        self.state = json.loads(state_path.read_text()) if state_path.exists() else {"cursor": 0, "updates": 0}
+        self.version: int | None = None
+        """The deployed version: the store's newest, which the policy's weights are."""
+        self.scores: dict[int, float] = {}
+        """Gate score of each version scored so far."""
+        self.start_score = 0.0
+        """Gate score of the version the loop started from or last adopted."""
+        self.last_update = time.monotonic()
+        self.follow_store()
+
+    def follow_store(self) -> int | None:
+        """Make the policy the store's newest version (publishing the model's weights as version 0
+        into an empty store). Returns the version adopted, or None if the policy already was it."""
+        latest = self.weights.latest()
+        if latest is not None and latest == self.version:
+            return None
+        self.publisher = Publisher(self.weights, self.config.sync)
+        if latest is None:
+            latest = self.publisher.publish(self.model.state_dict(), full=True).version
+        else:
+            try:
+                self.model.load_state_dict(load_version(self.weights, self.config.sync, latest))
+            except RuntimeError as err:  # missing or extra tensors, other shapes
+                raise WhetstoneError(f"version {latest} in {self.weights!r} is not a version of the model in "
+                                     f"{self.config.model_path}: {err}") from None
+            self.publisher.resume()  # the next version is a delta on this one
+        opt = self.config.optimizer
+        self.optimizer = build_optimizer(self.model, lr=opt.lr, betas=opt.betas, eps=opt.eps,
+                                         weight_decay=opt.weight_decay)  # fmt: skip
+        self.reference = None
+        if self.config.loss.kl_coef > 0:  # KL to the weights the loop started from
+            self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+        self.version = latest
+        if latest not in self.scores:
+            self.scores[latest] = self.gate.score(self.deployed_weights(), latest)
+        self.start_score = self.scores[latest]
+        return latest
+
+    def due(self) -> bool:
+        trigger = self.config.trigger
+        pending = self.feedback.count_after(self.state["cursor"])
+        if pending >= trigger.every_events:
+            return True
+        return pending >= trigger.min_events and time.monotonic() - self.last_update >= trigger.every_seconds
+
+    def deployed_weights(self):
+        """The policy's weights as published (between updates they are the deployed version's)."""
+        return self.publisher.prepare(self.model.state_dict())
+
+    def update(self) -> dict[str, Any]:
+        """One update: read the new feedback, train, gate, then publish or discard. Returns its
+        metrics record (`decision`: published, discarded or skipped, and the `reason`)."""
+        record: dict[str, Any] = {"update": self.state["updates"]}
+        adopted = self.follow_store()
+        if adopted is not None:
+            record["adopted"] = adopted
+            log.warning("the weight store moved to version %d (a rollback?): adopted it", adopted)
+        rated = self.feedback.rated_after(self.state["cursor"], self.config.trigger.max_events)
+        if rated:
+            self.state["cursor"] = rated[-1].seq
+        self.state["updates"] += 1
+        atomic_write_json(self.run_dir / "state.json", self.state)
+        self.last_update = time.monotonic()
+
+        built = feedback_batch(rated, self.config, self.version, meta={"index": record["update"]})
+        record.update(built.counts, version_before=self.version, reward_mean=built.reward_mean,
+                      first_rated_at=min((r.rated_at for r in rated), default=None),
+                      last_rated_at=max((r.rated_at for r in rated), default=None))  # fmt: skip
+        if built.batch is None:
+            return record | {"decision": "skipped", "reason": built.skip_reason, "version": self.version}
+        record |= self.train_and_gate(built.batch)
+        log.log(logging.INFO if record["decision"] == "published" else logging.WARNING, "update %d %s (version %d): %s",
+                record["update"], record["decision"], self.version, record["reason"])  # fmt: skip
+        return record
+
+    def train_and_gate(self, batch: Batch) -> dict[str, Any]:
+        """Step on `batch`; publish the candidate if the gate passes it, else restore the policy
+        and the optimizer to before the step."""
+        config = self.config
+        saved = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                 copy.deepcopy(self.optimizer.state_dict()))
+        started = time.perf_counter()
+        record = train_step(self.model, self.optimizer, batch, loss_config=config.loss, lr=config.optimizer.lr,
+                            grad_clip=config.optimizer.grad_clip, micro_batch_size=config.micro_batch_size,
+                            replay=config.router_replay, dtype=config.dtype, reference=self.reference)  # fmt: skip
+        record["train_s"] = time.perf_counter() - started
+
+        started = time.perf_counter()
+        candidate, deployed = self.deployed_weights(), self.scores[self.version]
+        score = self.gate.score(candidate, self.version + 1)
+        verdict = self.gate.verdict(score, deployed, self.start_score)
+        record.update(gate_score=score, deployed_score=deployed, start_score=self.start_score,
+                      eval_s=time.perf_counter() - started)  # fmt: skip
+        if verdict.publish and self.weights.latest() != self.version:
+            verdict = Verdict(False, "the weight store moved during the update (a rollback?)")
+        if not verdict.publish:
+            self.model.load_state_dict(saved[0])
+            self.optimizer.load_state_dict(saved[1])
+            return record | {"decision": "discarded", "reason": verdict.reason, "version": self.version}
+
+        started = time.perf_counter()
+        manifest = self.publisher.publish(candidate)
+        self.version = manifest.version
+        self.scores[self.version] = score
+        return record | {"decision": "published", "reason": verdict.reason, "version": self.version,
+                         "publish_s": time.perf_counter() - started, "published_at": time.time(),
+                         "delta_kind": manifest.kind, "delta_bytes": manifest.encoded_bytes}  # fmt: skip
+
+    def run(self) -> dict[str, Any]:
+        """Update whenever the trigger says so, until `max_updates` or SIGTERM / SIGINT."""
+        from whetstone.trainer.loop import stop_on_signals
+        from whetstone.utils.progress import progress_bar
+
+        config = self.config
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(self.run_dir / "config.toml", dump_toml(config) + "\n")
+        counts = {"published": 0, "discarded": 0, "skipped": 0}
+        with (MetricsWriter(self.run_dir / "metrics.jsonl") as metrics, stop_on_signals() as stop,
+              progress_bar(config.max_updates or None, "online", "update") as bar):
+            while not (config.max_updates and self.state["updates"] >= config.max_updates) and not stop.is_set():
+                if not self.due():
+                    stop.wait(config.poll_interval)
+                    continue
+                record = self.update()
+                metrics.write(record)
+                counts[record["decision"]] += 1
+                bar.update(1, version=self.version, last=record["decision"], **counts)
+        return {"output_dir": str(self.run_dir), "version": self.version, "updates": self.state["updates"], **counts}

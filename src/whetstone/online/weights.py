@@ -1,0 +1,49 @@
+"""Weight versions for online RL: rebuild any stored version, and roll back to one.
+
+Rollback republishes an earlier version's weights as a new full version, the newest: servers
+follow the store as always (no restart, no special case) and the online loop adopts it at its
+next update. Versions are never rewritten, so the history stays what was actually served.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from whetstone.errors import WhetstoneError
+from whetstone.sync import Manifest, Publisher, Subscriber, SyncConfig, WeightStore
+
+
+class _StoreAsOf(WeightStore):
+    """The store as it was when `version` was its newest (a subscriber then stops there)."""
+
+    def __init__(self, store: WeightStore, version: int):
+        super().__init__(store.objects)
+        self.version = version
+
+    def latest(self) -> int | None:
+        return self.version
+
+
+def load_version(store: WeightStore, config: SyncConfig, version: int) -> dict[str, torch.Tensor]:
+    """The weights of `version`, rebuilt from its keyframe and deltas, every chunk verified."""
+    stored = store.versions()
+    if version not in stored:
+        shown = f"{stored[0]}..{stored[-1]}" if stored else "none"
+        raise WhetstoneError(f"version {version} is not in the weight store {store!r} (stored versions: {shown}; "
+                             "older ones were garbage-collected, see sync.keep_keyframes)")
+    subscriber = Subscriber(_StoreAsOf(store, version), config, name=f"load-{version}")
+    if subscriber.poll() != version:
+        problems = "; ".join(f"{v}: {why}" for v, why in subscriber.rejected.items()) or "a chunk is missing"
+        raise WhetstoneError(f"version {version} cannot be rebuilt from {store!r}: {problems}")
+    return subscriber.state
+
+
+def rollback(config: SyncConfig, version: int) -> Manifest:
+    """Publish `version`'s weights again as the newest version (a full one); returns its manifest."""
+    store = WeightStore.open(config)
+    latest = store.latest()
+    if latest is None:
+        raise WhetstoneError(f"the weight store {store!r} is empty: nothing to roll back")
+    if version == latest:
+        raise WhetstoneError(f"version {version} is already the newest in {store!r}")
+    return Publisher(store, config).publish(load_version(store, config, version), full=True)

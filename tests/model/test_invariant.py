@@ -1,0 +1,157 @@
+"""The batch-invariant kernels, one by one: a row's result is the same bits whatever else is in
+the batch (row count, position in the batch, threads), and the same function as the formula it
+implements. The `fast` kernels are shown to differ on the same checks where torch's do, so
+these tests can fail."""
+
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from whetstone.errors import WhetstoneError
+from whetstone.model import invariant, ops
+
+
+@pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
+def threads(request):
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(1)
+
+
+def rows_alone(fn, x: torch.Tensor, counts=range(1, 24)) -> list[int]:
+    """Row counts m for which fn(x[3:3+m]) is not bit for bit fn(x)[3:3+m]."""
+    full = fn(x)
+    return [m for m in counts if not torch.equal(fn(x[3:3 + m]), full[3:3 + m])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_do_not_depend_on_the_row_count(threads, dtype):
+    x, weight = torch.randn(64, 96).to(dtype), torch.randn(80, 96).to(dtype)
+    assert rows_alone(lambda t: invariant.linear(t, weight), x) == []
+
+
+def test_torch_linear_does_depend_on_the_row_count_in_fp32():
+    # What invariant.linear fixes: MKL sums another way for fewer than 4 rows.
+    x, weight = torch.randn(64, 96), torch.randn(80, 96)
+    assert rows_alone(lambda t: F.linear(t, weight), x, counts=[1, 2, 3]) != []
+
+
+def test_linear_keeps_the_shape_and_the_value():
+    x, weight = torch.randn(2, 3, 16), torch.randn(8, 16)
+    out = invariant.linear(x, weight)
+    assert out.shape == (2, 3, 8)
+    torch.testing.assert_close(out, x @ weight.T)
+
+
+def test_silu_and_sigmoid_do_not_depend_on_where_an_element_sits():
+    x = torch.randn(4099) * 4  # odd length: a scalar tail and a vectorised body
+    for fn in (invariant.silu, invariant.sigmoid):
+        one_by_one = torch.cat([fn(x[i:i + 1]) for i in range(x.numel())])
+        assert torch.equal(fn(x), one_by_one)
+    torch.testing.assert_close(invariant.silu(x), F.silu(x))
+    torch.testing.assert_close(invariant.sigmoid(x), torch.sigmoid(x))
+
+
+def test_torch_silu_does_depend_on_where_an_element_sits():
+    x = torch.randn(4099) * 4
+    assert not torch.equal(F.silu(x), torch.cat([F.silu(x[i:i + 1]) for i in range(x.numel())]))
+
+
+def test_a_lone_wide_row_is_reduced_like_a_row_among_others(threads):
+    x = torch.randn(3, 70000)  # wider than torch's grain size: a lone row would be split across threads
+    assert torch.equal(invariant.mean_last(x[:1]), invariant.mean_last(x)[:1])
+    assert torch.equal(invariant.mean_last(x), x.mean(-1, keepdim=True))
+
+
+def test_moe_combine_adds_slots_in_top_k_order_in_fp32():
+    expert_out, gates = torch.randn(5, 3, 8).bfloat16(), torch.rand(5, 3)
+    expected = ((expert_out[:, 0].float() * gates[:, :1]) + expert_out[:, 1].float() * gates[:, 1:2]
+                + expert_out[:, 2].float() * gates[:, 2:])
+    assert torch.equal(invariant.moe_combine(expert_out, gates), expected.bfloat16())
+
+
+def causal_reference(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_is_causal_attention(dtype):
+    q, k, v = torch.randn(2, 4, 300, 16), torch.randn(2, 2, 300, 16), torch.randn(2, 2, 300, 16)
+    out = invariant.attention(q.to(dtype), k.to(dtype), v.to(dtype), None)
+    assert out.dtype == dtype
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), causal_reference(q, k, v), atol=tolerance, rtol=tolerance)
+
+
+def test_attention_of_a_query_does_not_depend_on_the_keys_after_it_or_the_batch(threads):
+    # The engine decodes position p over a cache of any length (stale keys past p, other rows);
+    # the trainer attends over the whole sequence at once: the same bits.
+    q, k, v = torch.randn(3, 4, 300, 16), torch.randn(3, 2, 300, 16), torch.randn(3, 2, 300, 16)
+    full = invariant.attention(q, k, v, None)
+    for p in (0, 127, 128, 200, 299):  # chunks of KEY_CHUNK = 128 keys
+        cache = 384 + p % 7  # longer than the sequence, filled with junk after p
+        keys = torch.randn(3, 2, cache, 16)
+        values = torch.randn(3, 2, cache, 16)
+        keys[:, :, :p + 1], values[:, :, :p + 1] = k[:, :, :p + 1], v[:, :, :p + 1]
+        mask = (torch.arange(cache) <= p).view(1, 1, 1, cache).expand(3, 1, 1, cache)
+        one = invariant.attention(q[:, :, p:p + 1], keys, values, mask)
+        assert torch.equal(one, full[:, :, p:p + 1])
+        alone = invariant.attention(q[1:2, :, p:p + 1], keys[1:2], values[1:2], mask[1:2])
+        assert torch.equal(alone, full[1:2, :, p:p + 1])
+
+
+def test_attention_in_prefill_chunks_equals_one_pass():
+    q, k, v = torch.randn(1, 4, 300, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
+    full = invariant.attention(q, k, v, None)
+    positions = torch.arange(300)
+    for start in range(0, 300, 100):
+        end = start + 100
+        mask = (positions[:end] <= positions[start:end, None]).view(1, 1, end - start, end)
+        assert torch.equal(invariant.attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask),
+                           full[:, :, start:end])
+
+
+def test_torch_attention_of_one_query_differs_from_the_same_query_in_a_full_forward():
+    # What invariant.attention fixes: SDPA's decode (one query over a cache) and its causal
+    # forward over the sequence sum in different orders.
+    q, k, v = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    mask = (torch.arange(64) <= 30).view(1, 1, 1, 64)
+    one = F.scaled_dot_product_attention(q[:, :, 30:31], k, v, attn_mask=mask, enable_gqa=True)
+    full = causal_reference(q, k[:, :, :40], v[:, :, :40])
+    assert not torch.equal(one, full[:, :, 30:31])
+    assert torch.equal(invariant.attention(q[:, :, 30:31], k, v, mask),
+                       invariant.attention(q, k[:, :, :40], v[:, :, :40], None)[:, :, 30:31])
+
+
+def test_attention_gradients_match_torch_attention():
+    q = torch.randn(1, 4, 150, 8, requires_grad=True)
+    k, v = torch.randn(1, 2, 150, 8, requires_grad=True), torch.randn(1, 2, 150, 8, requires_grad=True)
+    weights = torch.randn(1, 4, 150, 8)
+    ours = torch.autograd.grad((invariant.attention(q, k, v, None) * weights).sum(), (q, k, v))
+    theirs = torch.autograd.grad((causal_reference(q, k, v) * weights).sum(), (q, k, v))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_the_mode_is_a_context_like_autocast():
+    assert not ops.is_invariant()
+    with ops.numerics("invariant"):
+        assert ops.is_invariant()
+        with ops.numerics("fast"):
+            assert not ops.is_invariant()
+        assert ops.is_invariant()
+    assert not ops.is_invariant()
+    with pytest.raises(WhetstoneError, match="numerics must be one of"):
+        with ops.numerics("exact"):
+            pass
+
+
+def test_the_mode_belongs_to_the_thread_that_set_it():
+    seen = []
+    with ops.numerics("invariant"):
+        worker = threading.Thread(target=lambda: seen.append(ops.is_invariant()))
+        worker.start()
+        worker.join()
+    assert seen == [False]

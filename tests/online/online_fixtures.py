@@ -1,0 +1,119 @@
+"""Helpers shared by the online tests (a plain module: `conftest` names clash across folders):
+a tiny MoE with a tokenizer trained on the synth tasks' text, and a real server on a real port."""
+
+from __future__ import annotations
+
+import threading
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import torch
+import uvicorn
+
+from whetstone.envs.prompts import SYSTEM_PROMPT, first_user_message
+from whetstone.envs.tasks.synth import SynthConfig, generate
+from whetstone.model import ModelConfig, Transformer
+from whetstone.model.hf import load_hf, save_hf
+from whetstone.online.config import OnlineConfig
+from whetstone.online.preferences import task_messages
+from whetstone.tokenizer import Tokenizer, render_chat
+from whetstone.utils.processes import free_port
+
+torch.set_num_threads(1)
+
+API_KEY = "test-key"
+USER_TASKS = SynthConfig(count=24, split="train", seed=3)
+HELDOUT_TASKS = SynthConfig(count=12, split="heldout", seed=4)
+
+
+def tiny_chat_model(folder: Path, seed: int = 0) -> Path:
+    """An HF folder: a tiny MoE with random weights, and a BPE trained on the tasks' prompts."""
+    tasks = generate(USER_TASKS) + generate(HELDOUT_TASKS)
+    texts = [SYSTEM_PROMPT, *(first_user_message(t) for t in tasks), *(s for t in tasks for s in t.solution_files.values())]
+    tokenizer = Tokenizer.train(texts * 4, vocab_size=600)
+    tokenizer.save(folder / "tokenizer")
+    torch.manual_seed(seed)
+    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                         moe_intermediate_size=64, max_position_embeddings=512)
+    return Path(save_hf(Transformer(config).eval(), folder / "model", tokenizer_dir=folder / "tokenizer"))
+
+
+@contextmanager
+def running_server(app):
+    """`app` under uvicorn on a free port in a thread (real sockets, real HTTP); yields the API root."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+CODE_REPLY = "def solve(x):\n    return x\n"
+PROSE_REPLY = "I would rather explain it first."
+PREFERS_CODE = r"^def "
+"""The simulated users' hidden taste in the tests: replies that start with code."""
+
+
+def two_style_model(folder: Path, code_share: float = 0.5, prompts: int = 4, steps: int = 40) -> Path:
+    """`tiny_chat_model`, taught to answer a task with CODE_REPLY (share `code_share` of its
+    first-token probability) or PROSE_REPLY (the rest): a style the loop can move, measurably.
+    A few prompts suffice: the style does not depend on the task, so held-out prompts get it too."""
+    model_dir = tiny_chat_model(folder)
+    tokenizer = Tokenizer.load(model_dir)
+    model = load_hf(model_dir).train()
+    rows, weights = [], []
+    for task in generate(USER_TASKS)[:prompts]:
+        prompt = tokenizer.encode(render_chat(task_messages(task), add_generation_prompt=True))
+        for reply, weight in ((CODE_REPLY, code_share), (PROSE_REPLY, 1 - code_share)):
+            rows.append((prompt, tokenizer.encode(reply) + [tokenizer.im_end_id]))
+            weights.append(weight)
+    length = max(len(p) + len(c) for p, c in rows) - 1
+    inputs = torch.zeros(len(rows), length, dtype=torch.long)
+    targets = torch.full((len(rows), length), -100)  # right padding, never a target
+    for row, (prompt, completion) in enumerate(rows):
+        ids = prompt + completion
+        inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
+        targets[row, len(prompt) - 1:len(ids) - 1] = torch.tensor(completion)
+    row_weights = torch.tensor(weights).unsqueeze(1).expand(-1, length)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
+    for _ in range(steps):
+        logits = model(inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+        loss = (loss * row_weights.flatten()).sum() / (targets != -100).sum()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    return Path(save_hf(model.eval(), folder / "two-style", tokenizer_dir=folder / "tokenizer"))
+
+
+def online_config(work: Path, model_dir: Path, **changes) -> OnlineConfig:
+    """The loop's config for the tests: stores under `work`, the two-style gate, quick polling."""
+    fields = {
+        "model_path": str(model_dir), "feedback_store": str(work / "feedback.db"), "output_dir": str(work / "online"),
+        "sync": {"store": str(work / "weights"), "poll_interval": 0.05, "publish_dtype": "float32"},
+        "trigger": {"every_events": 16, "min_events": 4, "max_events": 64},
+        "optimizer": {"lr": 3e-3, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+        "gate": {"tasks": {"synth": HELDOUT_TASKS.model_dump()}, "max_tokens": 12,
+                 "metric": {"kind": "regex", "pattern": PREFERS_CODE}},
+        "poll_interval": 0.05,
+    }  # fmt: skip
+    return OnlineConfig.model_validate(fields | changes)
+
+
+def wait_for_version(url: str, version: int, timeout: float = 30.0) -> None:
+    """Until the server at API root `url` reports `version` on /health."""
+    deadline = time.monotonic() + timeout
+    while httpx.get(url.removesuffix("/v1") + "/health").json()["weight_version"] != version:
+        assert time.monotonic() < deadline, f"the server did not reach version {version}"
+        time.sleep(0.05)

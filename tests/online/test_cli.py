@@ -1,0 +1,83 @@
+"""`whetstone online [CONFIG]` and `whetstone online rollback VERSION`, and the configs they read."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.online.online_fixtures import API_KEY, USER_TASKS, online_config, running_server
+from whetstone.config import dump_toml
+from whetstone.envs.tasks.synth import generate
+from whetstone.errors import ConfigError, WhetstoneError
+from whetstone.inference.config import EngineConfig, ServeConfig
+from whetstone.inference.launch import build_app
+from whetstone.online.cli import app
+from whetstone.online.config import OnlineConfig
+from whetstone.online.preferences import MatchesPattern
+from whetstone.online.simulator import UserSimulator
+from whetstone.online.weights import load_version
+from whetstone.sync import Publisher, SyncConfig, WeightStore
+
+
+def weights_with_versions(tmp_path, count: int) -> SyncConfig:
+    sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="float32")
+    publisher = Publisher(WeightStore.open(sync), sync)
+    for version in range(count):
+        publisher.publish({"w": torch.full((4, 4), float(version)), "b": torch.arange(3)})
+    return sync
+
+
+def test_rollback_republishes_an_earlier_version_as_the_newest(tmp_path):
+    sync = weights_with_versions(tmp_path, 3)
+    result = CliRunner().invoke(app, ["rollback", "1", "--set", f"sync.store={sync.store}"])
+    assert result.exit_code == 0, result.output
+    assert "version 1 republished as version 3" in result.stdout
+    store = WeightStore.open(sync)
+    assert store.latest() == 3 and store.manifest(3).kind == "full"
+    assert torch.equal(load_version(store, sync, 3)["w"], torch.full((4, 4), 1.0))
+
+
+def test_rollback_refuses_what_it_cannot_do(tmp_path):
+    sync = weights_with_versions(tmp_path, 2)
+    missing = CliRunner().invoke(app, ["rollback", "7", "--set", f"sync.store={sync.store}"])
+    assert isinstance(missing.exception, WhetstoneError) and "version 7 is not in the weight store" in str(missing.exception)
+    newest = CliRunner().invoke(app, ["rollback", "1", "--set", f"sync.store={sync.store}"])
+    assert "already the newest" in str(newest.exception)
+    empty = CliRunner().invoke(app, ["rollback", "0", "--set", f"sync.store={tmp_path / 'none'}"])
+    assert "is empty" in str(empty.exception)
+
+
+def test_the_loop_runs_without_a_subcommand(tmp_path, two_style_dir):
+    config = online_config(tmp_path, two_style_dir)
+    config_file = tmp_path / "online.toml"
+    config_file.write_text(dump_toml(config))
+    serve = ServeConfig(model_path=str(two_style_dir), threads=1, default_max_tokens=8, auth_token=API_KEY,
+                        feedback={"store": config.feedback_store}, engine=EngineConfig(max_batch=4, context_limit=512))
+    with running_server(build_app(serve)) as url:
+        users = UserSimulator([url], "two-style", API_KEY, MatchesPattern("^def"), max_tokens=8, seed=0)
+        users.run(generate(USER_TASKS), requests=16)
+    result = CliRunner().invoke(app, [str(config_file), "--set", "max_updates=1", "--set", "nice=0", "--json"])
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    assert summary["updates"] == 1 and summary["published"] + summary["discarded"] == 1
+
+
+@pytest.mark.parametrize("override, named", [
+    ("trigger.every_events=0", "every_events"),
+    ("trigger.min_events=64", "min_events"),
+    ("gate.metric.kind=regex", "needs a pattern"),
+    ("gate.metric.pattern=(", "not a regular expression"),
+    ("baseline=median", "baseline"),
+])  # fmt: skip
+def test_bad_config_values_are_named(override, named):
+    result = CliRunner().invoke(app, ["--set", override] + (["--set", "gate.metric.kind=regex"] if "pattern" in override else []))
+    assert isinstance(result.exception, ConfigError) and named in str(result.exception)
+
+
+def test_defaults_are_the_embedded_default_run():
+    config = OnlineConfig()
+    assert config.sync.store == "runs/default/weights" and config.feedback_store == "runs/default/feedback.db"
+    assert config.gate.tasks.synth.split == "heldout"

@@ -1,0 +1,63 @@
+"""Rated responses -> the RL trainer's batch: reward mapping, what is dropped and why, advantages."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from whetstone.inference.protocol import encode_routes
+from whetstone.online.config import OnlineConfig, RewardMapping
+from whetstone.online.samples import feedback_batch
+from whetstone.online.store import RatedResponse, ResponseRecord
+
+
+def rated(seq: int, rating: str = "thumbs_up", score: float | None = None, versions=(5, 5), **changes) -> RatedResponse:
+    prompt, completion = [1, 2, 3], [4, 5]
+    fields = dict(response_id=f"chatcmpl-{seq}", choice=0, model="m", priority="interactive", temperature=1.0,
+                  top_p=1.0, top_k=0, finish_reason="stop", prompt_ids=prompt, completion_ids=completion,
+                  logprobs=[-0.5, -1.5], versions=list(versions),
+                  routes=encode_routes(torch.arange(16).reshape(4, 2, 2) % 4))
+    return RatedResponse(seq, rating, score, 100.0 + seq, ResponseRecord(**(fields | changes)))
+
+
+def test_ratings_map_to_bounded_rewards():
+    rewards = RewardMapping()
+    assert rewards.reward("thumbs_up", None) == 0.75 and rewards.reward("edit_reverted", None) == -0.25
+    assert rewards.reward("score", 0.0) == -0.25 and rewards.reward("score", 1.0) == 0.75
+    assert rewards.reward("score", 0.5) == pytest.approx(0.25)
+
+
+def test_a_rated_response_becomes_one_trained_row():
+    built = feedback_batch([rated(1), rated(2, "thumbs_down")], OnlineConfig(), version=5, meta={"index": 3})
+    batch = built.batch
+    assert built.counts["kept"] == 2 and built.reward_mean == pytest.approx(0.25)
+    assert batch.input_ids[0].tolist() == [1, 2, 3, 4] and batch.target_ids[0].tolist() == [2, 3, 4, 5]
+    assert batch.loss_mask[0].tolist() == [False, False, True, True]  # the completion tokens only
+    assert batch.behavior_logprobs[0, 2:].tolist() == [-0.5, -1.5]
+    assert batch.versions[0].tolist() == [-1, -1, 5, 5] and batch.routes.shape == (2, 4, 2, 2)
+    assert batch.advantages[:, 2].tolist() == pytest.approx([0.5, -0.5])  # reward minus the batch mean
+    assert batch.meta == {"index": 3}
+
+
+def test_without_a_baseline_the_reward_is_the_advantage():
+    built = feedback_batch([rated(1), rated(2, "thumbs_down")], OnlineConfig(baseline="none"), version=5)
+    assert built.batch.advantages[:, 2].tolist() == pytest.approx([0.75, -0.25])
+
+
+def test_tempered_stale_and_empty_responses_are_dropped_and_counted():
+    config = OnlineConfig()  # max_off_policy_steps = 1
+    events = [rated(1), rated(2, "thumbs_down"), rated(3, temperature=0.7), rated(4, top_p=0.9), rated(5, top_k=40),
+              rated(6, versions=(3, 5)), rated(7, completion_ids=[], logprobs=[], versions=[]), rated(8, versions=(4, 4)),
+              rated(9, routes=encode_routes(torch.zeros(9, 2, 2, dtype=torch.int64)))]
+    built = feedback_batch(events, config, version=5)
+    assert built.counts == {"events": 9, "dropped_tempered": 3, "dropped_empty": 1, "dropped_malformed": 1,
+                            "dropped_stale": 1, "staleness_0": 2, "staleness_1": 1, "kept": 3}
+    assert len(built.batch) == 3
+
+
+def test_no_variance_or_nothing_usable_is_a_reason_not_a_batch():
+    same = feedback_batch([rated(1), rated(2)], OnlineConfig(), version=5)
+    assert same.batch is None and "no reward variance" in same.skip_reason
+    stale = feedback_batch([rated(1, versions=(0, 0))], OnlineConfig(), version=5)
+    assert stale.batch is None and "no usable feedback" in stale.skip_reason
+    assert feedback_batch([], OnlineConfig(), version=0).skip_reason

@@ -1,0 +1,46 @@
+"""PPO-style mini-batches: one batch, several optimizer steps, one published version."""
+
+from __future__ import annotations
+
+from whetstone.rl.batch import shuffled_parts
+from whetstone.trainer.loop import merge_part_metrics, run_trainer
+from whetstone.utils.metrics import read_metrics
+
+from tests.trainer.test_loop import subscribe
+from tests.trainer.trainer_fixtures import put_batches, trainer_config
+
+
+def test_parts_cover_every_row_once_in_a_seeded_order(batches):
+    batch = batches[0]
+    parts = shuffled_parts(batch, 3, seed=5)
+    def rows(b):
+        return sorted(tuple(ids[ids != 0].tolist()) for ids in b.input_ids)
+    assert rows(batch) == sorted(r for part in parts for r in rows(part))
+    assert [len(part) for part in parts] == [3, 3, 2]
+    assert sum(part.num_loss_tokens for part in parts) == batch.num_loss_tokens
+    again = shuffled_parts(batch, 3, seed=5)
+    assert all(a.input_ids.equal(b.input_ids) for a, b in zip(parts, again, strict=True))
+    assert any(rows(a) != rows(b) for a, b in zip(parts, shuffled_parts(batch, 3, seed=6), strict=True))
+    assert len(shuffled_parts(batch, 100, seed=0)) == len(batch)  # never an empty part
+
+
+def test_mismatch_comes_from_the_first_part_and_the_rest_is_averaged():
+    first = {"loss": 1.0, "tokens": 10, "mismatch_kl_k3": 0.0, "routing_disagreement": 0.0, "clip_fraction": 0.0}
+    second = {"loss": 3.0, "tokens": 30, "mismatch_kl_k3": 0.5, "routing_disagreement": 0.2, "clip_fraction": 0.4}
+    merged = merge_part_metrics([first, second])
+    assert merged == {"optimizer_steps": 2, "loss": 2.0, "tokens": 40, "mismatch_kl_k3": 0.0,
+                      "routing_disagreement": 0.0, "clip_fraction": 0.2}  # fmt: skip
+    assert merge_part_metrics([first]) is first
+
+
+def test_each_batch_takes_several_optimizer_steps_and_publishes_one_version(tmp_path, tiny_moe, batches):
+    weights = {}
+    for steps in (1, 2):
+        root = tmp_path / f"steps{steps}"
+        put_batches(root / "batches", batches[:2])
+        assert run_trainer(trainer_config(root, tiny_moe, optimizer_steps_per_batch=steps))["version"] == 2
+        records = read_metrics(root / "trainer" / "metrics.jsonl")
+        assert sum(r["tokens"] for r in records) == sum(b.num_loss_tokens for b in batches[:2])
+        weights[steps] = subscribe(root).state
+    assert [r["optimizer_steps"] for r in records] == [2, 2]  # one version per batch, two Adam steps each
+    assert any(not weights[1][name].equal(weights[2][name]) for name in weights[1])
