@@ -13,6 +13,11 @@ from whetstone.errors import WhetstoneError
 from whetstone.model import invariant, ops
 
 
+@pytest.fixture(autouse=True)
+def _seeded():
+    torch.manual_seed(0)  # the `torch ... differs` checks compare rounding: fixed inputs, fixed answers
+
+
 @pytest.fixture(params=[1, 2], ids=["1-thread", "2-threads"])
 def threads(request):
     torch.set_num_threads(request.param)
@@ -38,6 +43,14 @@ def test_torch_linear_does_depend_on_the_row_count_in_fp32():
     assert rows_alone(lambda t: F.linear(t, weight), x, counts=[1, 2, 3]) != []
 
 
+def test_torch_matmul_sums_a_longer_k_in_another_order():
+    # Why attention adds keys up in fixed chunks: MKL splits K into blocks that depend on K, so
+    # trailing zero terms (masked keys) still change the sum.
+    a, b = torch.randn(8, 256), torch.randn(256, 64)
+    padded = torch.cat([a, torch.zeros(8, 32)], 1) @ torch.cat([b, torch.randn(32, 64)])
+    assert not torch.equal(padded, a @ b)
+
+
 def test_linear_keeps_the_shape_and_the_value():
     x, weight = torch.randn(2, 3, 16), torch.randn(8, 16)
     out = invariant.linear(x, weight)
@@ -60,9 +73,12 @@ def test_torch_silu_does_depend_on_where_an_element_sits():
 
 
 def test_a_lone_wide_row_is_reduced_like_a_row_among_others(threads):
-    x = torch.randn(3, 70000)  # wider than torch's grain size: a lone row would be split across threads
+    x = torch.randn(3, 70000)  # wider than torch's grain size: torch splits a lone row across threads
     assert torch.equal(invariant.mean_last(x[:1]), invariant.mean_last(x)[:1])
     assert torch.equal(invariant.mean_last(x), x.mean(-1, keepdim=True))
+    if threads == 2:
+        together = x.mean(-1, keepdim=True)
+        assert any(not torch.equal(x[i:i + 1].mean(-1, keepdim=True), together[i:i + 1]) for i in range(3))
 
 
 def test_moe_combine_adds_slots_in_top_k_order_in_fp32():

@@ -1,4 +1,5 @@
-"""PPO-style mini-batches: one batch, several optimizer steps, one published version."""
+"""The trainer loop's step options: PPO-style mini-batches (one batch, several optimizer steps,
+one published version) and invariant numerics."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from whetstone.trainer.loop import merge_part_metrics, run_trainer
 from whetstone.utils.metrics import read_metrics
 
 from tests.trainer.test_loop import subscribe
-from tests.trainer.trainer_fixtures import put_batches, trainer_config
+from tests.trainer.trainer_fixtures import make_batches, put_batches, trainer_config
 
 
 def test_parts_cover_every_row_once_in_a_seeded_order(batches):
@@ -44,3 +45,12 @@ def test_each_batch_takes_several_optimizer_steps_and_publishes_one_version(tmp_
         weights[steps] = subscribe(root).state
     assert [r["optimizer_steps"] for r in records] == [2, 2]  # one version per batch, two Adam steps each
     assert any(not weights[1][name].equal(weights[2][name]) for name in weights[1])
+
+
+def test_an_invariant_trainer_sees_exactly_the_engines_logprobs(tmp_path, tiny_moe):
+    # Batches sampled by an invariant engine; the trainer process on the same numerics: its first
+    # step (weights still the sampler's) measures no mismatch at all, so every ratio is exactly 1.
+    put_batches(tmp_path / "batches", make_batches(tiny_moe, 1, numerics="invariant"))
+    run_trainer(trainer_config(tmp_path, tiny_moe, numerics="invariant"))
+    (record,) = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
+    assert record["logprob_diff_max"] == 0.0 and record["mismatch_kl_k3"] == 0.0

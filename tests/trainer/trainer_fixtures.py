@@ -42,9 +42,9 @@ def low_token_reward(completion: list[int]) -> float:
     return sum(token < TINY_MOE.vocab_size // 2 for token in completion) / len(completion)
 
 
-def make_batches(model_dir: Path, count: int, seed: int = 0) -> list[Batch]:
+def make_batches(model_dir: Path, count: int, seed: int = 0, numerics: str = "fast") -> list[Batch]:
     """`count` batches, each of len(PROMPTS) groups of GROUP_SIZE rollouts sampled by the engine."""
-    engine = Engine(load_hf(model_dir), EngineConfig(max_batch=8, context_limit=32))
+    engine = Engine(load_hf(model_dir), EngineConfig(max_batch=8, context_limit=32, numerics=numerics))
     batches = []
     for index in range(count):
         prompts = [prompt for prompt in PROMPTS for _ in range(GROUP_SIZE)]

@@ -141,6 +141,10 @@ class OnlineConfig(Config):
     """Rows per forward/backward."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Training compute dtype (masters stay fp32)."""
+    numerics: Literal["fast", "invariant"] = "fast"
+    """`invariant`: batch-invariant kernels in the training forward; with the servers on the same
+    `engine.numerics` and dtype, the trainer's logprobs equal the served ones bit for bit
+    (docs/consistency.md)."""
     gate: GateConfig = GateConfig()
     """Held-out evaluation of every candidate."""
     threads: int = Field(1, ge=0)

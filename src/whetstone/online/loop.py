@@ -134,7 +134,8 @@ class OnlineLoop:
         started = time.perf_counter()
         record = train_step(self.model, self.optimizer, batch, loss_config=config.loss, lr=config.optimizer.lr,
                             grad_clip=config.optimizer.grad_clip, micro_batch_size=config.micro_batch_size,
-                            replay=config.router_replay, dtype=config.dtype, reference=self.reference)  # fmt: skip
+                            replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
+                            reference=self.reference)  # fmt: skip
         record["train_s"] = time.perf_counter() - started
 
         started = time.perf_counter()

@@ -149,7 +149,8 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
             normalizer = global_normalizer(rows, config.loss.aggregation)
         parts.append(train_step(session.model, session.optimizer, rows, loss_config=config.loss, lr=lr,
                                 grad_clip=opt.grad_clip, micro_batch_size=config.micro_batch_size,
-                                replay=config.router_replay, dtype=config.dtype, normalizer=normalizer,
+                                replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
+                                normalizer=normalizer,
                                 reference=session.reference))  # fmt: skip
     record: dict[str, Any] = {"step": state.step, "replayed": replaying, **merge_part_metrics(parts),
                               "train_s": time.perf_counter() - started}
