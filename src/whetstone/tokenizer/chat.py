@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from whetstone.errors import WhetstoneError
+from whetstone.tokenizer.bpe import CHAT_SPECIAL_TOKENS, MARKUP_TOKENS
 from whetstone.tokenizer.template import TOOLS_FOOTER, TOOLS_HEADER
 
 if TYPE_CHECKING:
@@ -138,6 +139,20 @@ class ChatTokens:
     ids: list[int]
     assistant_mask: list[bool]
     """Per token: True where the assistant wrote it (train on these), False for prompt and tool output."""
+
+
+ZERO_WIDTH_SPACE = "\u200b"
+
+
+def defuse_markup(text: str) -> str:
+    """`text` with every control or markup token string (`<|im_end|>`, `<tool_call>`, ...) broken
+    by a zero-width space after its first character, so that untrusted text (a tool's output, a
+    file the agent reads) can never encode to the chat's control tokens and fake a turn or a call.
+    The model still reads the text; only the token ids differ."""
+    for token in (*CHAT_SPECIAL_TOKENS, *MARKUP_TOKENS):
+        if token in text:
+            text = text.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])
+    return text
 
 
 def encode_chat(

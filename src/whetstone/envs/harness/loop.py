@@ -30,7 +30,7 @@ from whetstone.envs.sandbox import Sandbox
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import ConfigError, WhetstoneError
-from whetstone.tokenizer import Tokenizer, parse_assistant
+from whetstone.tokenizer import Tokenizer, defuse_markup, parse_assistant
 
 log = logging.getLogger(__name__)
 NO_TOOL_CALL = "No tool call found in your reply. Call one of the tools, or submit when you are done."
@@ -210,12 +210,12 @@ class _Episode:
             started = time.monotonic()
             result = await asyncio.to_thread(self.tools.call, name, arguments, left)
             self.timings["tools"] += time.monotonic() - started
-            results.append(tool_message(call["id"], result))
+            results.append(tool_message(call["id"], defuse_markup(result)))  # untrusted output: no fake turns  # untrusted output: no fake turns
         extra = 0 if submitted else max(0, len(calls) - limit)
         self.trajectory.invalid_tool_calls += len(errors) + extra
         if extra:
             errors.append(f"{extra} more tool calls were not run: at most {limit} run per reply")
         if errors:  # one message for all of them, so that a flood of bad calls cannot flood the context
-            results.append(tool_message("invalid", "\n".join(f"error: {error}" for error in errors)))
+            results.append(tool_message("invalid", defuse_markup("\n".join(f"error: {error}" for error in errors))))
         ran = len(results) - bool(errors)  # one result per call that ran, plus one message for all errors
         return results, submitted, ran > 0
