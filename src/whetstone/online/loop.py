@@ -45,6 +45,7 @@ class OnlineLoop:
         set_threads(config.threads)
         self.config = config
         self.run_dir = Path(config.output_dir).expanduser()
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # update() saves its cursor here, run() or not
         self.model = load_hf(config.model_path)
         self.gate = Gate(config.gate, load_hf(config.model_path), Tokenizer.load(config.model_path))
         self.weights = WeightStore.open(config.sync)
@@ -165,7 +166,6 @@ class OnlineLoop:
         from whetstone.utils.progress import progress_bar
 
         config = self.config
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "config.toml", dump_toml(config) + "\n")
         counts = {"published": 0, "discarded": 0, "skipped": 0}
         with (MetricsWriter(self.run_dir / "metrics.jsonl") as metrics, stop_on_signals() as stop,
