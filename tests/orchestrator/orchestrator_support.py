@@ -5,8 +5,10 @@ servers following it, and synth tasks.
 With random weights the model never solves a task, so every reward is 0 and every group is
 dropped for lack of variance. `coin_tasks` are synth tasks with the reference solution already in
 the repository plus one more required hidden test that passes with probability 1/2: rollouts are
-graded for real, and half the groups of two get rewards that differ (about 0.95 against 0), so
-batches fill without a trained model.
+graded for real, and half the groups of two get rewards that differ (1 against 0), so
+batches fill without a trained model. The effort and invalid-call penalties are off: a random
+model's replies differ in how many invalid calls they make, and with penalties two solved
+rollouts would differ by a few hundredths and count as a group with variance.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 from tests.envs.test_harness_support import save_tiny_model
 from whetstone.bench.pipeline import coin_tasks as bench_coin_tasks
 from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
+from whetstone.envs.reward import RewardConfig
 from whetstone.envs.task import Task
 from whetstone.envs.tasks import load_source
 from whetstone.orchestrator import OrchestratorConfig
@@ -69,7 +72,8 @@ def orchestrator_config(tmp_path: Path, model_dir: str, servers: list[str], **ch
                             max_calls_per_turn=2, summary_tokens=16, train_cut_off_calls=True)  # fmt: skip
     fields = dict(
         servers=servers, endpoint=EndpointConfig(retries=0, timeout_s=60), harness=harness,
-        rollout=RolloutConfig(concurrency=4), validate_tasks=False, group_size=2, groups_per_batch=1,
+        rollout=RolloutConfig(concurrency=4, reward=RewardConfig(effort_penalty_max=0.0, invalid_call_penalty=0.0)),
+        validate_tasks=False, group_size=2, groups_per_batch=1,
         batch_store=str(tmp_path / "batches"), weight_store=str(tmp_path / "weights"),
         poll_interval_s=POLL_S, health_interval_s=0.2, no_server_timeout_s=60, max_batches=2,
     )  # fmt: skip

@@ -50,7 +50,7 @@ def test_batches_zero_and_one_carry_the_contract(world):
         assert "dropped_failed" not in groups  # every rollout ran and was graded
         assert meta["staleness_histogram"] == {f"staleness_{index}": 2, "dropped_stale": 0}  # sampled at v0
 
-        # One group: a solved rollout (reward ~0.95) against an unsolved one (0), GRPO advantages +-1.
+        # One group: a solved rollout (reward 1) against an unsolved one (0), GRPO advantages +-1.
         assert {row["group_id"] for row in batch.rows} == {batch.rows[0]["group_id"]}
         assert sorted(row["reward"] > 0.5 for row in batch.rows) == [False, True]
         assert sorted(round(row["advantage"], 3) for row in batch.rows) == [-1.0, 1.0]
