@@ -12,7 +12,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import chat_segments
 
 SEQ = 32
-DEMO_SEQ = 96  # demonstration rows start at a transcript: room for its prompt and first answer
+DEMO_SEQ = 128  # demonstration rows start at a transcript: room for its prompt (~96 tokens) and first answer
 
 
 def solved_task_transcript(number: int) -> list[dict]:
