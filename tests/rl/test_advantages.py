@@ -60,3 +60,13 @@ def test_rollouts_without_a_group_id_group_by_task():
     rollouts += [trajectory(group_id="", task_id="y", reward=1.0)]
     kept, report = score_groups(rollouts, AdvantageConfig())
     assert report.kept_groups == 1 and [t.task_id for t, _ in kept] == ["x", "x"]
+
+
+def test_negative_weight_scales_negative_advantages_and_zero_drops_them():
+    rollouts = [trajectory(group_id="a", reward=r) for r in (1.0, 0.0, 0.0, 1.0)]
+    kept, _ = score_groups(rollouts, AdvantageConfig(normalize_std=False, negative_weight=0.5))
+    assert [a for _, a in kept] == [0.5, -0.25, -0.25, 0.5]
+    kept, report = score_groups(rollouts, AdvantageConfig(normalize_std=False, negative_weight=0.0))
+    assert [(t.reward, a) for t, a in kept] == [(1.0, 0.5), (1.0, 0.5)]
+    assert report.metrics() == {"groups": 1, "kept_groups": 1, "rollouts": 4, "kept_rollouts": 2,
+                                "dropped_zero_advantage": 2}  # fmt: skip

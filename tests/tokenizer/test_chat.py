@@ -168,6 +168,19 @@ def test_encode_chat_masks_exactly_what_the_assistant_wrote(tokenizer):
     assert bodies.count("<|im_end|>") == 3 and "<tool_response>" not in bodies and "Make the tests" not in bodies
 
 
+def test_an_assistant_turn_with_weight_0_is_rendered_but_not_trained(tokenizer):
+    first = next(i for i, m in enumerate(AGENT) if m["role"] == "assistant")
+    unweighted = [dict(m, weight=0) if i == first else m for i, m in enumerate(AGENT)]
+    assert render_chat(unweighted, TOOLS) == render_chat(AGENT, TOOLS)
+    full, masked = encode_chat(tokenizer, AGENT, TOOLS), encode_chat(tokenizer, unweighted, TOOLS)
+    assert masked.ids == full.ids
+    bodies = [s.text for s in chat_segments(AGENT, TOOLS) if s.assistant]
+    written = [i for i, m in zip(masked.ids, masked.assistant_mask) if m]
+    assert tokenizer.decode(written) == "".join(bodies[1:])
+    with pytest.raises(WhetstoneError, match="message 2 weight must be 0 or 1"):
+        render_chat([dict(m, weight=0.5) if i == 2 else m for i, m in enumerate(AGENT)], TOOLS)
+
+
 def test_prompt_tokens_match_what_inference_encodes(tokenizer):
     # The mask's prompt part is the tokens of the rendered generation prompt, byte for byte.
     encoded = encode_chat(tokenizer, AGENT[:3], TOOLS)

@@ -2,8 +2,9 @@
 
 Messages are plain dicts in OpenAI's shape: `{"role": "system"|"user"|"assistant"|"tool",
 "content": str | None}`, assistant messages may carry `tool_calls` (`[{"id", "type": "function",
-"function": {"name", "arguments"}}]`, arguments a JSON string or a dict), tool messages carry
-`tool_call_id`. Tools are OpenAI function schemas (`{"type": "function", "function": {...}}`).
+"function": {"name", "arguments"}}]`, arguments a JSON string or a dict) and, as in OpenAI's
+fine-tuning format, `"weight": 0` (rendered, but not trained on: a demonstrated mistake), tool
+messages carry `tool_call_id`. Tools are OpenAI function schemas (`{"type": "function", "function": {...}}`).
 
 `render_chat` is a Python transcription of Qwen3's chat template (tests check it against
 transformers' `apply_chat_template` running the real template). Thinking:
@@ -40,7 +41,8 @@ TOOL_CALL_OPEN, TOOL_CALL_CLOSE = "<tool_call>", "</tool_call>"
 class Segment:
     text: str
     assistant: bool
-    """True for what the model writes itself: an assistant turn's body through its `<|im_end|>`."""
+    """True for what the model writes itself and is trained on: an assistant turn's body through
+    its `<|im_end|>`, unless the message has `"weight": 0`."""
 
 
 def render_chat(
@@ -86,7 +88,8 @@ def chat_segments(
         elif role == "assistant":
             emit("<|im_start|>assistant\n")
             show_thinking = thinking is not None and index > last_query
-            emit(_assistant_body(message, content, thinking is not None, show_thinking, is_last), True)
+            trained = message.get("weight", 1) == 1
+            emit(_assistant_body(message, content, thinking is not None, show_thinking, is_last), trained)
             emit("\n")
         elif role == "tool":
             if index == 0 or messages[index - 1]["role"] != "tool":
@@ -248,6 +251,8 @@ def _check_messages(messages: list[Message]) -> None:
             raise WhetstoneError(f"chat: message {index} has role {got!r}; expected one of {ROLES}")
         if message.get("content") is not None and not isinstance(message["content"], str):
             raise WhetstoneError(f"chat: message {index} content must be a string or None")
+        if message.get("weight", 1) not in (0, 1) or isinstance(message.get("weight"), bool):
+            raise WhetstoneError(f"chat: message {index} weight must be 0 or 1, got {message['weight']!r}")
         calls = message.get("tool_calls") or []
         if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
             raise WhetstoneError(f"chat: message {index} tool_calls must be a list of objects")

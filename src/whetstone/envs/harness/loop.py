@@ -210,7 +210,7 @@ class _Episode:
             started = time.monotonic()
             result = await asyncio.to_thread(self.tools.call, name, arguments, left)
             self.timings["tools"] += time.monotonic() - started
-            results.append(tool_message(call["id"], defuse_markup(result)))  # untrusted output: no fake turns  # untrusted output: no fake turns
+            results.append(tool_message(call["id"], defuse_markup(result)))  # untrusted output: no fake turns
         extra = 0 if submitted else max(0, len(calls) - limit)
         self.trajectory.invalid_tool_calls += len(errors) + extra
         if extra:

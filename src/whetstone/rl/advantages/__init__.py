@@ -27,8 +27,17 @@ class AdvantageConfig(Config):
     """GRPO only: divide by the group's reward std (false = Dr. GRPO / Cursor's variant)."""
     min_group_size: int = Field(2, ge=2)
     """Groups left with fewer usable rollouts than this (after dropping excluded ones) are dropped."""
-    min_reward_spread: float = Field(1e-6, ge=0.0)
-    """A group whose max - min reward is at most this has no variance: dropped (it teaches nothing)."""
+    min_reward_spread: float = Field(0.01, ge=0.0)
+    """A group whose max - min reward is at most this has no variance: dropped (it teaches nothing).
+    Not 0: the effort penalty makes every rollout's reward a little different (solved ones score
+    0.985-0.987 on synth), and std normalisation would blow those thousandths up into unit-scale
+    advantages, pushing correct solutions down for a few extra tokens. 0.01 keeps differences
+    of one invalid tool call (`RewardConfig.invalid_call_penalty` 0.02)."""
+    negative_weight: float = Field(1.0, ge=0.0, le=1.0)
+    """Scale of negative advantages: 1 = the estimator as is; 0 = positive-sample reinforcement
+    (only rollouts better than their group's baseline are reinforced, the others are dropped
+    before the trainer as `zero_advantage`). Pushing down sampled tokens spreads probability
+    over the rest (entropy rises, pass@k is kept); pushing up the good ones sharpens (pass@1)."""
 
 
 def advantage_fn(config: AdvantageConfig) -> AdvantageFn:

@@ -3,7 +3,9 @@
 A rollout is dropped when it failed (server gone, sandbox error) or the grader excluded it from
 the gradient (cheat-flagged, by default: see `RewardConfig.exclude_flagged_from_gradient`).
 Then a group is dropped when too few rollouts are left or their rewards do not vary: every
-advantage would be zero. Rollouts group by `group_id` (by `task_id` when it is empty).
+advantage would be zero. Rollouts whose advantage is exactly zero (with `negative_weight = 0`,
+every one at or below the baseline) are dropped too: they would cost a forward and backward
+pass and move nothing. Rollouts group by `group_id` (by `task_id` when it is empty).
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ class GroupReport:
     rollouts: int = 0
     kept_rollouts: int = 0
     dropped: Counter = field(default_factory=Counter)
-    """Dropped rollouts by reason: failed, cheat_flagged, excluded, small_group, no_variance."""
+    """Dropped rollouts by reason: failed, cheat_flagged, excluded, small_group, no_variance,
+    zero_advantage."""
 
     def metrics(self) -> dict[str, int]:
         out = {"groups": self.groups, "kept_groups": self.kept_groups,
@@ -49,9 +52,13 @@ def score_groups(trajectories: list[Trajectory], config: AdvantageConfig
         elif max(rewards) - min(rewards) <= config.min_reward_spread:
             report.dropped["no_variance"] += len(usable)
         else:
+            scored = [(t, a * config.negative_weight if a < 0 else a) for t, a in zip(usable, compute(rewards))]
+            useful = {id(t): a for t, a in scored if a != 0.0}
+            if len(useful) < len(usable):
+                report.dropped["zero_advantage"] += len(usable) - len(useful)
             report.kept_groups += 1
-            report.kept_rollouts += len(usable)
-            advantages.update({id(t): a for t, a in zip(usable, compute(rewards))})
+            report.kept_rollouts += len(useful)
+            advantages.update(useful)
     kept = [(t, advantages[id(t)]) for t in trajectories if id(t) in advantages]
     return kept, report
 
