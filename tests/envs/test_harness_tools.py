@@ -85,6 +85,15 @@ def test_run_tests_reports_each_failing_test_then_counts(tools):
     assert lines[:4] == ["FAILED test_solution.py::test_1", "FAILED test_solution.py::test_2",
                          "FAILED test_solution.py::test_3", "3 failed"]  # fmt: skip
     assert "assert None ==" in result and "[exit code 1]" in result
+    # Only the first failure's short traceback: its test line and assertion, not the others'.
+    assert lines[4] == "test_solution.py:5: in test_1" and "in test_2" not in result
+
+
+def test_run_tests_shows_a_syntax_error_without_pytest_internals(tools):
+    tools.call("write_file", {"path": "solution.py", "content": "def solve(x):\n    return x +\n"}, 10)
+    result = tools.call("run_tests", {}, 30)
+    assert result.startswith("ERROR test_solution.py\n1 error\ntest_solution.py:1: in <module>")
+    assert "SyntaxError: invalid syntax" in result and "_pytest" not in result and "<frozen" not in result
 
 
 def test_run_tests_when_passing_is_exactly_the_demonstration_text(tools, task):

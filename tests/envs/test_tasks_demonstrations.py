@@ -6,9 +6,12 @@ import pytest
 
 from whetstone.envs import prompts
 from whetstone.envs.task import Task
-from whetstone.envs.tasks.demonstrations import demonstration, demonstrations
+from whetstone.envs.tasks.demonstrations import demonstration, demonstrations, failed_attempt
 from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.errors import WhetstoneError
+from whetstone.tokenizer import encode_chat
+
+from .test_harness_support import tokenizer
 
 
 def _calls(messages):
@@ -91,3 +94,28 @@ def test_easy_demonstrations_fit_in_512_tokens():
     tokenizer = Tokenizer.train([path.read_text(errors="ignore") for path in library], vocab_size=4096)
     easy = generate(SynthConfig(count=40, difficulty=2))
     assert max(len(encode_chat(tokenizer, messages).ids) for messages in demonstrations(easy)) <= 512
+
+
+def test_a_recovery_demonstration_shows_a_masked_slip_its_real_test_output_then_the_fix():
+    task = next(t for t in generate(SynthConfig(count=50, seed=2)) if "x = x + " in t.solution_files["solution.py"])
+    attempt = failed_attempt(task, max_chars=2048)  # e.g. x + 3 -> x + 4 or x - 3
+    reference = task.solution_files["solution.py"]
+    assert attempt.content != reference and attempt.path == "solution.py"
+    assert attempt.test_output.startswith("FAILED test_solution.py::") and "[exit code 1]" in attempt.test_output
+    messages = demonstration(task, attempt)
+    assert _calls(messages) == [("write_file", {"path": "solution.py", "content": attempt.content}), ("run_tests", {}),
+                                ("write_file", {"path": "solution.py", "content": reference}), ("run_tests", {}),
+                                ("submit", {})]  # fmt: skip
+    assert [m.get("weight", 1) for m in messages if m["role"] == "assistant"] == [0, 1, 1, 1, 1]
+    assert messages[5]["content"] == attempt.test_output and messages[-2]["content"] == "3 passed"
+    assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == ["call_1", "call_2", "call_3", "call_4"]
+    encoded = encode_chat(tokenizer(), messages)
+    trained = tokenizer().decode([i for i, m in zip(encoded.ids, encoded.assistant_mask) if m])
+    assert json.dumps(reference)[1:-1] in trained and json.dumps(attempt.content)[1:-1] not in trained
+
+
+def test_recovery_demonstrations_are_a_stable_share_of_tasks():
+    tasks = generate(SynthConfig(count=12, seed=4))
+    assert all(len(m) == 7 for m in demonstrations(tasks))  # none: no sandbox is started
+    first, again = demonstrations(tasks, recovery_fraction=0.5), demonstrations(tasks, recovery_fraction=0.5)
+    assert first == again and 0 < sum(len(m) > 7 for m in first) < len(tasks)

@@ -68,6 +68,10 @@ class PipelineConfig(Config):
     """Parent directory of run folders."""
     demos: SynthConfig = SynthConfig(count=4000, split="train")
     """Synth train tasks whose solved transcripts are mixed into mid-training (train split only)."""
+    demo_recovery: float = Field(0.0, ge=0.0, le=1.0)
+    """Share of those transcripts that open with a failed attempt (a one-token slip, masked from
+    the loss) and its real test output, then the fix: without them the model had never seen a
+    failing test and, after its own wrong first attempt, wrote garbage until `max_turns`."""
     midtrain: MidtrainConfig = MidtrainConfig(
         data=CorpusConfig(demo_weight=0.8, seq_len=384), optimizer=OptimizerConfig(lr=6e-3),
         run=RunConfig(steps=2000, max_wall_time=0),

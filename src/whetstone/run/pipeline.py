@@ -35,10 +35,12 @@ def demo_source(config: PipelineConfig):
         raise ConfigError("demos.split must be 'train': held-out tasks never enter mid-training")
 
     def transcripts():
+        from whetstone.envs.harness.loop import CHARS_PER_TOKEN
         from whetstone.envs.tasks.demonstrations import demonstrations
         from whetstone.envs.tasks.synth import generate
 
-        return demonstrations(generate(config.demos))
+        tool_chars = config.harness.max_tool_tokens * CHARS_PER_TOKEN  # the harness's cut of tool outputs
+        return demonstrations(generate(config.demos), config.demo_recovery, tool_chars, seed=config.demos.seed)
 
     return transcripts if config.demos.count else None
 

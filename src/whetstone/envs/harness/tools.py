@@ -21,6 +21,10 @@ from whetstone.envs.task import Task
 
 PARAMETERS = {tool["function"]["name"]: list(tool["function"]["parameters"]["properties"]) for tool in prompts.TOOLS}
 SUMMARY_HEADER = re.compile(r"^=+ short test summary info =+$", re.MULTILINE)
+FRAME_LINE = re.compile(r"^(\S[^:]*):\d+: in ")
+"""A traceback frame of `--tb=short`: `path:line: in function`, its source lines indented below."""
+FAILURE_HEADER = re.compile(r"^_{3,} .+ _{3,}$\n?", re.MULTILINE)
+"""The line opening each failure's (or collection error's) traceback."""
 SUMMARY_LINE = re.compile(r"^(PASSED|FAILED|ERROR|XFAIL|XPASS) (\S+)|^(SKIPPED) \[\d+\] ([^\s:]+:\d+)")
 
 
@@ -79,14 +83,14 @@ class Tools:
         if not task.visible_tests:
             return "error: this repository has no visible tests"
         pytest = _is_pytest(task.test_command)
-        command = f"{task.test_command}{' -rA' if pytest else ''} {shlex.join(task.visible_tests)}"
+        command = f"{task.test_command}{' -rA --tb=short' if pytest else ''} {shlex.join(task.visible_tests)}"
         result = self.sandbox.run(command, timeout_s=max(timeout_s, 0.1))
         output = result.stdout + result.stderr
         outcomes = _pytest_outcomes(output) if pytest else {}
         if not outcomes:  # a custom command, or pytest stopped before reporting any test
             return head_tail(output, self.max_chars) + _status(result, timeout_s)
         failed = result.exit_code != 0 or any(outcome != "passed" for outcome in outcomes.values())
-        details = head_tail(_failure_details(output), self.max_chars) + _status(result, timeout_s) if failed else ""
+        details = head_tail(_failure_details(output, self.sandbox.workdir), self.max_chars) + _status(result, timeout_s) if failed else ""
         return prompts.run_tests_result(outcomes, details.strip())
 
 
@@ -117,8 +121,31 @@ def _pytest_outcomes(output: str) -> dict[str, str]:
     return outcomes
 
 
-def _failure_details(output: str) -> str:
-    """pytest's tracebacks: the output before its summary, without the (empty) PASSES section."""
+def _failure_details(output: str, workdir: str) -> str:
+    """The first failure's short traceback (`--tb=short`: the failing line and the assertion), or
+    the output before the summary when there is none. One failure is what an agent acts on next;
+    the list above it names the others, and `run` shows everything."""
     header = SUMMARY_HEADER.search(output)
     before = output[: header.start()] if header else output
+    sections = FAILURE_HEADER.split(before)
+    if len(sections) > 1:
+        return _without_foreign_frames(sections[1], workdir).strip("\n")
     return re.sub(r"^=+ PASSES =+$\n?", "", before, flags=re.MULTILINE)
+
+
+def _without_foreign_frames(traceback: str, workdir: str) -> str:
+    """The traceback without frames outside the repository (pytest's importer, the standard
+    library: an absolute path or `<frozen ...>` not under the workspace) and without `^^^` lines."""
+    kept, keep = [], True
+    for line in traceback.splitlines():
+        frame = FRAME_LINE.match(line)
+        if frame:
+            path = frame[1]
+            keep = not (path.startswith("<") or (path.startswith("/") and not path.startswith(workdir.rstrip("/") + "/")))
+        elif not line.startswith(" "):
+            keep = True  # an `E ...` line or a message: always shown
+        elif not line.strip(" ^~"):
+            continue  # Python's position markers under a source line: tokens that say little
+        if keep:
+            kept.append(line)
+    return "\n".join(kept)

@@ -11,6 +11,12 @@ system prompt, tool schema and tool-result texts (envs/prompts.py):
     tool       3 passed
     assistant  submit()
 
+A recovery demonstration starts with a failed attempt: a one-token slip in the reference solution
+(`mutations.py`: an off-by-one constant, a swapped operator), and the real output of run_tests on
+it from a sandbox, the text the harness would show; then the fix, run_tests and submit. The slip
+carries `"weight": 0` (rendered, not trained on): the model learns to read a failure and repair
+it, not to make the mistake.
+
 The reference solution is what the agent writes, so build these only from validated tasks (whose
 reference passes every test, as the run_tests turn says). Held-out tasks are refused: showing
 them to the model in mid-training would leak the evaluation.
@@ -19,12 +25,18 @@ them to the model in mid-training would leak the evaluation.
 from __future__ import annotations
 
 import difflib
+import hashlib
+import random
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 from whetstone.envs import prompts
 from whetstone.envs.task import Task
+from whetstone.envs.tasks.mutations import mutation_sites
 from whetstone.errors import WhetstoneError
+from whetstone.utils.progress import progress_bar
 
 Message = dict[str, Any]
 
@@ -67,7 +79,16 @@ def _solve_calls(task: Task) -> list[tuple[str, dict[str, str], str]]:
     return calls
 
 
-def demonstration(task: Task) -> list[Message]:
+@dataclass(frozen=True)
+class FailedAttempt:
+    path: str
+    content: str
+    """The slipped solution the agent first writes."""
+    test_output: str
+    """run_tests on it, exactly as the harness's tool answers."""
+
+
+def demonstration(task: Task, attempt: FailedAttempt | None = None) -> list[Message]:
     if task.split != "train":
         raise WhetstoneError(f"task {task.id}: demonstrations are made from the train split only (split={task.split!r})")
     if not task.solution_files:
@@ -76,18 +97,75 @@ def demonstration(task: Task) -> list[Message]:
         {"role": "system", "content": prompts.SYSTEM_PROMPT},
         {"role": "user", "content": prompts.first_user_message(task)},
     ]
+    if attempt is not None:
+        calls = [("write_file", {"path": attempt.path, "content": attempt.content},
+                  prompts.write_result(attempt.path, attempt.content)),
+                 ("run_tests", {}, attempt.test_output)]  # fmt: skip
+        messages += _transcribe(calls, first_number=1)
+        messages[2]["weight"] = 0  # the slip itself is not trained on
+        number = len(calls) + 1
+    else:
+        number = 1
     calls = _solve_calls(task)
     if task.visible_tests:
         passed = {test_id: "passed" for test_id in visible_test_ids(task)}
         calls.append(("run_tests", {}, prompts.run_tests_result(passed)))
-    for number, (name, arguments, result) in enumerate(calls, 1):
-        call_id = f"call_{number}"
-        messages.append(prompts.tool_call(call_id, name, **arguments))
-        messages.append(prompts.tool_message(call_id, result))
-    messages.append(prompts.tool_call(f"call_{len(calls) + 1}", "submit"))
+    messages += _transcribe(calls, first_number=number)
+    messages.append(prompts.tool_call(f"call_{number + len(calls)}", "submit"))
     return messages
 
 
-def demonstrations(tasks: Iterable[Task]) -> list[list[Message]]:
-    """One transcript per task (train split only; see the module docstring)."""
-    return [demonstration(task) for task in tasks]
+def _transcribe(calls: list[tuple[str, dict[str, str], str]], first_number: int) -> list[Message]:
+    messages = []
+    for number, (name, arguments, result) in enumerate(calls, first_number):
+        call_id = f"call_{number}"
+        messages.append(prompts.tool_call(call_id, name, **arguments))
+        messages.append(prompts.tool_message(call_id, result))
+    return messages
+
+
+def failed_attempt(task: Task, max_chars: int, seed: int = 0) -> FailedAttempt | None:
+    """A slip in the task's (one-file) reference solution that fails a visible test, with the
+    real run_tests output from a sandbox; None when no slip of the file fails one."""
+    from whetstone.envs.harness.tools import Tools  # the harness's own tool: the text it shows
+    from whetstone.envs.sandbox import open_sandbox
+
+    if len(task.solution_files) != 1 or not task.visible_tests:
+        return None
+    (path, content), = task.solution_files.items()
+    slips = [m for m in mutation_sites(content) if m.operator != "return_none"]  # not a plausible slip
+    random.Random(f"{seed}:{task.id}").shuffle(slips)
+    for slip in slips[:3]:
+        files = {**task.repo_files, path: slip.apply(content)}
+        sandbox = open_sandbox(files)
+        try:
+            output = Tools(sandbox, task, max_chars, task.test_time_limit_s).run_tests(task.test_time_limit_s)
+        finally:
+            sandbox.close()
+        if output.startswith(("FAILED", "ERROR")):
+            return FailedAttempt(path, files[path], output)
+    return None
+
+
+def demonstrations(tasks: Iterable[Task], recovery_fraction: float = 0.0, max_chars: int = 2048,
+                   seed: int = 0, workers: int = 2) -> list[list[Message]]:  # fmt: skip
+    """One transcript per task (train split only; see the module docstring). A `recovery_fraction`
+    of them, picked by a hash of the task id, open with a failed attempt (its tests run in
+    sandboxes, `workers` at a time; `max_chars` bounds the test output as the harness's tool does)."""
+    tasks = list(tasks)
+    for task in tasks:
+        if task.split != "train":  # before any sandbox work
+            raise WhetstoneError(f"task {task.id}: demonstrations are made from the train split only (split={task.split!r})")
+    picked = [t for t in tasks if _share(f"{seed}:{t.id}") < recovery_fraction]
+    attempts: dict[str, FailedAttempt | None] = {}
+    if picked:
+        with ThreadPoolExecutor(workers) as pool, progress_bar(len(picked), "failed attempts", "task") as bar:
+            for task, attempt in zip(picked, pool.map(lambda t: failed_attempt(t, max_chars, seed), picked)):
+                attempts[task.id] = attempt
+                bar.update(1)
+    return [demonstration(task, attempts.get(task.id)) for task in tasks]
+
+
+def _share(key: str) -> float:
+    """A stable number in [0, 1) for `key`."""
+    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2**64
