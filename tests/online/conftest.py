@@ -1,4 +1,5 @@
-"""Fixtures: the two-style tiny model (session), and a real PostgreSQL server started here."""
+"""Fixtures: the two-style tiny model (session), a world of server, loop and users, and a real
+PostgreSQL server started here."""
 
 from __future__ import annotations
 
@@ -6,11 +7,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 
-from tests.online.online_fixtures import two_style_model
+from tests.online.online_fixtures import API_KEY, PREFERS_CODE, World, online_config, running_server, two_style_model
 from whetstone.utils.processes import free_port
 
 PG_BINS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
@@ -20,6 +22,29 @@ PG_BIN = PG_BINS[-1] if PG_BINS else Path("/usr/lib/postgresql/15/bin")  # Debia
 @pytest.fixture(scope="session")
 def two_style_dir(tmp_path_factory) -> Path:
     return two_style_model(tmp_path_factory.mktemp("two-style"))
+
+
+@pytest.fixture
+def world(tmp_path, two_style_dir, request):
+    """A server (real HTTP) following the loop's weight store and keeping feedback, with the
+    loop's numerics and dtype (as docs/online.md asks), the loop, and seeded simulated users who
+    like replies that start with code. Parametrize indirectly with changes of the loop's config."""
+    from whetstone.inference.config import EngineConfig, ServeConfig
+    from whetstone.inference.launch import build_app
+    from whetstone.online.loop import OnlineLoop
+    from whetstone.online.preferences import MatchesPattern
+    from whetstone.online.simulator import UserSimulator
+
+    config = online_config(tmp_path, two_style_dir, **getattr(request, "param", {}))
+    engine = EngineConfig(max_batch=8, context_limit=512, numerics=config.numerics, dtype=config.dtype)
+    serve = ServeConfig(model_path=str(two_style_dir), threads=1, default_max_tokens=12, auth_token=API_KEY,
+                        sync=config.sync, feedback={"store": config.feedback_store}, engine=engine)  # fmt: skip
+    loop = OnlineLoop(config)  # publishes version 0 into the empty store
+    with ExitStack() as stack:
+        url = stack.enter_context(running_server(build_app(serve)))
+        users = UserSimulator([url], "two-style", API_KEY, MatchesPattern(PREFERS_CODE), max_tokens=12, seed=0)
+        stack.callback(users.close)
+        yield World(config, url, loop, users)
 
 
 def _as_postgres_user(argv: list[str]) -> list[str]:

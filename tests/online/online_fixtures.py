@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -17,7 +18,9 @@ from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, save_hf
 from whetstone.online.config import OnlineConfig
+from whetstone.online.loop import OnlineLoop
 from whetstone.online.preferences import task_messages
+from whetstone.online.simulator import UserSimulator
 from whetstone.tokenizer import Tokenizer, render_chat
 from whetstone.utils.processes import free_port
 
@@ -97,8 +100,15 @@ def two_style_model(folder: Path, code_share: float = 0.5, prompts: int = 4, ste
     return Path(save_hf(model.eval(), folder / "two-style", tokenizer_dir=folder / "tokenizer"))
 
 
+def merged(base: dict, changes: dict) -> dict:
+    """`base` with `changes` applied, nested sections merged key by key."""
+    return base | {key: merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict)
+                   else value for key, value in changes.items()}  # fmt: skip
+
+
 def online_config(work: Path, model_dir: Path, **changes) -> OnlineConfig:
-    """The loop's config for the tests: stores under `work`, the two-style gate, quick polling."""
+    """The loop's config for the tests: stores under `work`, the two-style gate, quick polling;
+    `changes` merged in (a nested section key by key)."""
     fields = {
         "model_path": str(model_dir), "feedback_store": str(work / "feedback.db"), "output_dir": str(work / "online"),
         "sync": {"store": str(work / "weights"), "poll_interval": 0.05, "publish_dtype": "float32"},
@@ -108,7 +118,30 @@ def online_config(work: Path, model_dir: Path, **changes) -> OnlineConfig:
                  "metric": {"kind": "regex", "pattern": PREFERS_CODE}},
         "poll_interval": 0.05,
     }  # fmt: skip
-    return OnlineConfig.model_validate(fields | changes)
+    return OnlineConfig.model_validate(merged(fields, changes))
+
+
+NO_GATE = {"gate": {"max_regression": 1.0, "max_total_regression": 1.0}}
+"""Changes that let every candidate through the gate."""
+
+
+@dataclass
+class World:
+    """One server following the weight store and keeping feedback, the loop, and its users."""
+
+    config: OnlineConfig
+    url: str
+    loop: OnlineLoop
+    users: UserSimulator
+
+    def feedback(self, requests: int = 16, **ask) -> None:
+        self.users.run(generate(USER_TASKS), users=2, requests=requests, **ask)
+
+    def greedy(self) -> dict:
+        body = {"model": "two-style", "messages": task_messages(generate(USER_TASKS)[0]), "max_tokens": 12,
+                "temperature": 0, "return_token_ids": True}
+        answer = self.users.client.post(f"{self.url}/chat/completions", json=body).json()
+        return answer["choices"][0]
 
 
 def wait_for_version(url: str, version: int, timeout: float = 30.0) -> None:

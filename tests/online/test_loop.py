@@ -5,66 +5,21 @@ and forgotten; rollback serves an earlier version again and the loop adopts it."
 from __future__ import annotations
 
 import json
-from contextlib import ExitStack
-from dataclasses import dataclass
+import time
 from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
-from tests.online.online_fixtures import (
-    API_KEY, HELDOUT_TASKS, PREFERS_CODE, USER_TASKS, online_config, running_server, wait_for_version,
-)
+from tests.online.online_fixtures import NO_GATE, wait_for_version
 from whetstone.envs.tasks.synth import SynthConfig, generate
-from whetstone.inference.config import EngineConfig, ServeConfig
-from whetstone.inference.launch import build_app
-from whetstone.online.config import OnlineConfig
 from whetstone.online.loop import OnlineLoop
-from whetstone.online.preferences import MatchesPattern, task_messages
-from whetstone.online.simulator import UserSimulator
+from whetstone.online.preferences import MatchesPattern
 from whetstone.online.store import FeedbackStore
 from whetstone.online.weights import load_version, rollback
 from whetstone.sync import WeightStore
 from whetstone.utils.metrics import read_metrics
-
-
-@dataclass
-class World:
-    """One server following the weight store and keeping feedback, the loop, and its users."""
-
-    config: OnlineConfig
-    url: str
-    loop: OnlineLoop
-    users: UserSimulator
-
-    def feedback(self, requests: int = 16, **ask) -> None:
-        self.users.run(generate(USER_TASKS), users=2, requests=requests, **ask)
-
-    def greedy(self) -> list[str]:
-        body = {"model": "two-style", "messages": task_messages(generate(USER_TASKS)[0]), "max_tokens": 12,
-                "temperature": 0, "return_token_ids": True}
-        answer = self.users.client.post(f"{self.url}/chat/completions", json=body).json()
-        return answer["choices"][0]
-
-
-@pytest.fixture
-def world(tmp_path, two_style_dir, request):
-    changes = getattr(request, "param", {})
-    config = online_config(tmp_path, two_style_dir, **changes)
-    serve = ServeConfig(model_path=str(two_style_dir), threads=1, default_max_tokens=12, auth_token=API_KEY,
-                        sync=config.sync, feedback={"store": config.feedback_store},
-                        engine=EngineConfig(max_batch=8, context_limit=512))  # fmt: skip
-    loop = OnlineLoop(config)  # publishes version 0 into the empty store
-    with ExitStack() as stack:
-        url = stack.enter_context(running_server(build_app(serve)))
-        users = UserSimulator([url], "two-style", API_KEY, MatchesPattern(PREFERS_CODE), max_tokens=12, seed=0)
-        stack.callback(users.close)
-        yield World(config, url, loop, users)
-
-
-NO_GATE = {"gate": {"tasks": {"synth": HELDOUT_TASKS.model_dump()}, "max_tokens": 12, "max_regression": 1.0,
-                    "max_total_regression": 1.0, "metric": {"kind": "regex", "pattern": PREFERS_CODE}}}
 
 
 @pytest.mark.parametrize("world", [NO_GATE], indirect=True)
@@ -98,10 +53,10 @@ def test_a_regressing_candidate_is_discarded_and_forgotten(world):
 
 
 def test_nothing_to_learn_is_skipped_with_the_reason(world):
-    world.users.temperature = 0.7  # behavior logprobs of a tempered distribution: not trainable
+    world.users.temperature = 0.0  # greedy replies: a point mass, no policy to take a gradient of
     world.feedback(16)
     record = world.loop.update()
-    assert record["decision"] == "skipped" and record["dropped_tempered"] == 16
+    assert record["decision"] == "skipped" and record["dropped_truncated"] == 16
     assert "no usable feedback" in record["reason"]
     world.users.temperature = 1.0
     world.users.preference = MatchesPattern(".")  # every reply liked: no reward variance
@@ -127,6 +82,62 @@ def test_rollback_serves_an_earlier_version_and_the_loop_adopts_it(world):
     record = world.loop.update()
     assert record["adopted"] == 2 and record["version_before"] == 2
     assert record["dropped_stale"] == 0  # this feedback was given on version 2
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+def test_a_rollback_that_lands_during_an_update_wins_the_version(world, monkeypatch):
+    world.feedback(16)
+    assert world.loop.update()["version"] == 1
+    score = world.loop.gate.score
+
+    def score_during_a_rollback(weights, version):  # the operator rolls back while the gate runs
+        result = score(weights, version)
+        if version == 2:
+            rollback(world.config.sync, 0)
+        return result
+
+    monkeypatch.setattr(world.loop.gate, "score", score_during_a_rollback)
+    before = {name: tensor.clone() for name, tensor in world.loop.model.state_dict().items()}
+    world.feedback(16)
+    record = world.loop.update()
+    assert record["decision"] == "discarded" and "version 2 was published by someone else" in record["reason"]
+    weights = WeightStore.open(world.config.sync)
+    assert weights.latest() == 2 and weights.manifest(2).kind == "full"  # the rollback's version 2
+    assert all(torch.equal(tensor, before[name]) for name, tensor in world.loop.model.state_dict().items())
+    world.feedback(16)
+    assert world.loop.update()["adopted"] == 2
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+def test_feedback_on_replies_sampled_at_temperature_0_7_is_trained_at_that_temperature(world):
+    world.users.temperature = 0.7
+    world.feedback(16)
+    record = world.loop.update()
+    assert record["kept"] == 16 and record["dropped_truncated"] == 0 and record["decision"] == "published"
+    # The trainer's logprobs are of logits / 0.7, as the server's were (same weights, fast numerics).
+    assert record["logprob_diff_max"] < 1e-4 and record["clip_fraction"] == 0.0
+
+
+@pytest.mark.parametrize("world", [NO_GATE | {"numerics": "invariant"}], indirect=True)
+def test_the_gate_and_the_train_step_use_the_configured_numerics(world):
+    assert world.loop.gate.engine.config.numerics == "invariant"
+    world.feedback(16)
+    record = world.loop.update()
+    # A server on invariant numerics too: the train step's logprobs are the served ones, bit for bit.
+    assert record["kept"] == 16 and record["logprob_diff_max"] == 0.0 and record["mismatch_kl_k3"] == 0.0
+
+
+@pytest.mark.parametrize("world", [NO_GATE | {"retention_days": 1e-6}], indirect=True)  # 0.0864 s
+def test_responses_the_loop_has_read_are_pruned_once_old(world):
+    world.feedback(16)
+    time.sleep(0.1)
+    record = world.loop.update()
+    assert record["kept"] == 16  # read before pruning
+    assert record["pruned_responses"] == record["pruned_feedback"] == 15  # the newest event stays
+    store = FeedbackStore.open(world.config.feedback_store)
+    assert store.count_after(0) == 1
+    world.feedback(16)  # new events are numbered after the cursor, and the loop reads all of them
+    assert world.loop.due() and world.loop.update()["events"] == 16
 
 
 @pytest.mark.parametrize("world", [NO_GATE], indirect=True)

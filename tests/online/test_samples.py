@@ -44,15 +44,22 @@ def test_without_a_baseline_the_reward_is_the_advantage():
     assert built.batch.advantages[:, 2].tolist() == pytest.approx([0.75, -0.25])
 
 
-def test_tempered_stale_and_empty_responses_are_dropped_and_counted():
+def test_truncated_stale_and_empty_responses_are_dropped_and_counted():
     config = OnlineConfig()  # max_off_policy_steps = 1
-    events = [rated(1), rated(2, "thumbs_down"), rated(3, temperature=0.7), rated(4, top_p=0.9), rated(5, top_k=40),
+    events = [rated(1), rated(2, "thumbs_down"), rated(3, temperature=0.0), rated(4, top_p=0.9), rated(5, top_k=40),
               rated(6, versions=(3, 5)), rated(7, completion_ids=[], logprobs=[], versions=[]), rated(8, versions=(4, 4)),
               rated(9, routes=encode_routes(torch.zeros(9, 2, 2, dtype=torch.int64)))]
     built = feedback_batch(events, config, version=5)
-    assert built.counts == {"events": 9, "dropped_tempered": 3, "dropped_empty": 1, "dropped_malformed": 1,
+    assert built.counts == {"events": 9, "dropped_truncated": 3, "dropped_empty": 1, "dropped_malformed": 1,
                             "dropped_stale": 1, "staleness_0": 2, "staleness_1": 1, "kept": 3}
     assert len(built.batch) == 3
+
+
+def test_each_row_keeps_the_temperature_it_was_sampled_at():
+    events = [rated(1, temperature=0.7), rated(2, "thumbs_down"), rated(3, versions=(0, 0)), rated(4, temperature=1.3)]
+    built = feedback_batch(events, OnlineConfig(), version=5)  # event 3 is stale
+    assert built.counts["kept"] == 3
+    assert built.batch.temperatures.tolist() == pytest.approx([0.7, 1.0, 1.3])
 
 
 def test_no_variance_or_nothing_usable_is_a_reason_not_a_batch():

@@ -97,6 +97,37 @@ def test_the_cursor_reads_oldest_first_in_pages(store_url):
     store.close()
 
 
+def test_old_responses_go_once_their_feedback_is_read(store_url):
+    store = FeedbackStore.open(store_url)
+    old, new = 1000.0, 2000.0
+    store.record([record(f"old-{i}", created=old) for i in range(4)] + [record("new-0", created=new)])
+    read = [store.add_feedback(f"old-{i}", 0, "thumbs_up") for i in range(2)]  # the loop reads these two
+    unread = store.add_feedback("old-2", 0, "thumbs_down")
+    store.add_feedback("new-0", 0, "thumbs_up")
+    # old-0, old-1: read, so deleted with their feedback; old-3: never rated, deleted; old-2: its
+    # feedback is not read yet, kept; new-0: recent, kept.
+    assert store.prune(before=1500.0, consumed=read[-1]) == (3, 2)
+    assert [r.seq for r in store.rated_after(0, 10)] == [unread, unread + 1]
+    assert store.response("old-2") is not None and store.response("old-3") is None
+    with pytest.raises(UnknownResponse, match="pruned as too old"):
+        store.add_feedback("old-3", 0, "thumbs_up")
+    assert store.prune(before=1500.0, consumed=read[-1]) == (0, 0)  # nothing more to do
+    store.close()
+
+
+def test_pruning_never_lets_a_new_event_take_an_old_number(store_url):
+    store = FeedbackStore.open(store_url)
+    store.record([record(f"r-{i}", created=1000.0) for i in range(3)] + [record("r-3", created=2000.0)])
+    seqs = [store.add_feedback(f"r-{i}", 0, "thumbs_up") for i in range(3)]
+    cursor = seqs[-1]  # the loop read everything
+    assert store.prune(before=1500.0, consumed=cursor) == (2, 2)  # the newest event (and response) stay
+    # SQLite numbers a row max(seq) + 1: had the newest event gone, this one would reuse its seq,
+    # below the cursor, and the loop would never read it.
+    assert store.add_feedback("r-3", 0, "thumbs_down") > cursor
+    assert [r.response.response_id for r in store.rated_after(cursor, 10)] == ["r-3"]
+    store.close()
+
+
 def test_store_names_become_urls(tmp_path):
     assert database_url(str(tmp_path / "a" / "f.db")) == f"sqlite:///{tmp_path}/a/f.db"
     assert (tmp_path / "a").is_dir()

@@ -21,6 +21,10 @@ class RecordingStore(LocalStore):
         self.puts.append(key)
         super().put(key, data)
 
+    def put_if_absent(self, key, data):
+        self.puts.append(key)
+        super().put_if_absent(key, data)
+
 
 def test_manifest_is_written_after_its_chunks_and_latest_after_the_manifest(tmp_path, config, trainer):
     objects = RecordingStore(tmp_path)

@@ -140,11 +140,12 @@ class OnlineConfig(Config):
     micro_batch_size: int = Field(8, ge=1)
     """Rows per forward/backward."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Training compute dtype (masters stay fp32)."""
+    """Compute dtype of the training forward and of the gate's engine (masters stay fp32): set it
+    to the servers' `engine.dtype`."""
     numerics: Literal["fast", "invariant"] = "fast"
-    """`invariant`: batch-invariant kernels in the training forward; with the servers on the same
-    `engine.numerics` and dtype, the trainer's logprobs equal the served ones bit for bit
-    (docs/consistency.md)."""
+    """Kernels of the training forward and of the gate's engine: set it to the servers'
+    `engine.numerics`. `invariant`: batch-invariant kernels; with the servers on them too (and
+    the same dtype), the trainer's logprobs equal the served ones bit for bit (docs/consistency.md)."""
     gate: GateConfig = GateConfig()
     """Held-out evaluation of every candidate."""
     threads: int = Field(1, ge=0)
@@ -154,5 +155,9 @@ class OnlineConfig(Config):
     cores, the servers answering users come first."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between checks of the feedback store."""
+    retention_days: float = Field(7.0, ge=0)
+    """Each update deletes responses older than this from the feedback store, once the loop has
+    read their feedback (or they got none), with that feedback; 0 = keep everything. Feedback
+    on a deleted response is refused as unknown (it would be long past the staleness bound)."""
     max_updates: int = Field(0, ge=0)
     """Stop after this many updates (published or discarded); 0 = run until stopped."""

@@ -3,9 +3,9 @@ regress beyond a threshold (Composer: every model is gated by an offline benchma
 
 The candidate answers through an inference `Engine` of its own in this process, with the weights
 exactly as the servers would receive them (the published dtype, written by the same hot-swap
-path), so what is scored is what would be deployed. Each (task, sample) has a fixed seed: two
-versions are compared on the same random numbers, and greedy decoding (the default) makes a
-version's score a function of its weights alone.
+path) and with the loop's numerics and compute dtype (the servers' own, docs/online.md), so
+what is scored is what would be deployed. Each (task, sample) has a fixed seed: two versions are
+compared on the same random numbers.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.swap import full_update
-from whetstone.model import Transformer
+from whetstone.model import Numerics, Transformer
 from whetstone.online.config import GateConfig
 from whetstone.online.preferences import make_preference, task_messages
 from whetstone.tokenizer import Tokenizer, render_chat
@@ -36,9 +36,10 @@ class Verdict:
 
 
 class Gate:
-    def __init__(self, config: GateConfig, model: Transformer, tokenizer: Tokenizer):
+    def __init__(self, config: GateConfig, model: Transformer, tokenizer: Tokenizer, numerics: Numerics = "fast",
+                 dtype: str = "float32"):  # fmt: skip
         """`model`: a model of the served architecture for the evaluation engine (its weights are
-        overwritten before every score)."""
+        overwritten before every score). `numerics`, `dtype`: the engine's, as the servers run."""
         self.config = config
         self.tasks = load_tasks(config.tasks)
         if not self.tasks:
@@ -46,7 +47,8 @@ class Gate:
         self.preference = make_preference(config.metric)
         self.prompts = [tokenizer.encode(render_chat(task_messages(t), add_generation_prompt=True)) for t in self.tasks]
         batch = min(MAX_EVAL_BATCH, len(self.prompts) * config.samples)
-        self.engine = Engine(model, EngineConfig(max_batch=batch), eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
+        engine = EngineConfig(max_batch=batch, numerics=numerics, dtype=dtype)
+        self.engine = Engine(model, engine, eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
                              decode=tokenizer.decode)  # fmt: skip
         for task, prompt in zip(self.tasks, self.prompts):
             try:

@@ -4,11 +4,17 @@ gate -> publish, or discard and say why. Servers pick new versions up through th
     <output_dir>/config.toml     the config as last run
     <output_dir>/metrics.jsonl   one record per update: decision, reason, counts, loss, scores, timings
     <output_dir>/state.json      the feedback cursor (newest event read) and the update count
+    <output_dir>/checkpoints/step_<version>/   fp32 masters and AdamW moments of a version the
+                                 loop published (the newest two; midtrain.checkpoint's format)
 
-The weight store is the loop's checkpoint: on start, and whenever the store's newest version is
-not the one the loop published last (a rollback, another publisher), the loop adopts that
-version's weights with a fresh optimizer. Feedback is read at most once: the cursor is saved
-before training, so a crash loses that update's events rather than training on them twice.
+The weight store says which version the loop continues from: on start, and whenever the store's
+newest version is not the one the loop published last (a rollback, another publisher), the loop
+adopts that version. If it saved a checkpoint of that version (a restart), it resumes its masters
+and moments, after checking they publish to exactly the store's weights; otherwise it takes the
+store's weights with a fresh optimizer, and logs why. Feedback is read at most once: the cursor
+is saved before training, so a crash loses that update's events rather than training on them
+twice. Any cursor goes with any checkpoint: what must match is moments and weights, and the
+checkpoint holds both, written as one directory.
 """
 
 from __future__ import annotations
@@ -20,8 +26,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from whetstone.config import dump_toml
-from whetstone.errors import WhetstoneError
+from whetstone.errors import CheckpointError, WhetstoneError
+from whetstone.midtrain.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
 from whetstone.midtrain.optim import build_optimizer
 from whetstone.model.hf import load_hf
 from whetstone.online.config import OnlineConfig
@@ -31,6 +40,7 @@ from whetstone.online.store import FeedbackStore
 from whetstone.online.weights import load_version
 from whetstone.rl.batch import Batch
 from whetstone.sync import Publisher, WeightStore
+from whetstone.sync.weight_store import VersionExistsError
 from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.step import train_step
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
@@ -39,6 +49,8 @@ from whetstone.utils.runtime import set_threads
 
 log = logging.getLogger("whetstone.online")
 
+KEEP_CHECKPOINTS = 2
+
 
 class OnlineLoop:
     def __init__(self, config: OnlineConfig):
@@ -46,8 +58,10 @@ class OnlineLoop:
         self.config = config
         self.run_dir = Path(config.output_dir).expanduser()
         self.run_dir.mkdir(parents=True, exist_ok=True)  # update() saves its cursor here, run() or not
+        self.checkpoints = self.run_dir / "checkpoints"
         self.model = load_hf(config.model_path)
-        self.gate = Gate(config.gate, load_hf(config.model_path), Tokenizer.load(config.model_path))
+        self.gate = Gate(config.gate, load_hf(config.model_path), Tokenizer.load(config.model_path),
+                         numerics=config.numerics, dtype=config.dtype)  # the servers' (docs/online.md)
         self.weights = WeightStore.open(config.sync)
         self.feedback = FeedbackStore.open(config.feedback_store)
         state_path = self.run_dir / "state.json"
@@ -68,18 +82,22 @@ class OnlineLoop:
         if latest is not None and latest == self.version:
             return None
         self.publisher = Publisher(self.weights, self.config.sync)
+        self.optimizer = self.new_optimizer()
         if latest is None:
             latest = self.publisher.publish(self.model.state_dict(), full=True).version
         else:
+            served = load_version(self.weights, self.config.sync, latest)
             try:
-                self.model.load_state_dict(load_version(self.weights, self.config.sync, latest))
+                self.model.load_state_dict(served)
             except RuntimeError as err:  # missing or extra tensors, other shapes
                 raise WhetstoneError(f"version {latest} in {self.weights!r} is not a version of the model in "
                                      f"{self.config.model_path}: {err}") from None
             self.publisher.resume()  # the next version is a delta on this one
-        opt = self.config.optimizer
-        self.optimizer = build_optimizer(self.model, lr=opt.lr, betas=opt.betas, eps=opt.eps,
-                                         weight_decay=opt.weight_decay)  # fmt: skip
+            why_not = self.resume_checkpoint(latest, served)
+            if why_not:
+                self.model.load_state_dict(served)
+                self.optimizer = self.new_optimizer()
+                log.info("version %d: a fresh optimizer (%s)", latest, why_not)
         self.reference = None
         if self.config.loss.kl_coef > 0:  # KL to the weights the loop started from
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -88,6 +106,27 @@ class OnlineLoop:
             self.scores[latest] = self.gate.score(self.deployed_weights(), latest)
         self.start_score = self.scores[latest]
         return latest
+
+    def new_optimizer(self) -> torch.optim.Optimizer:
+        opt = self.config.optimizer
+        return build_optimizer(self.model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+
+    def resume_checkpoint(self, version: int, served: dict[str, torch.Tensor]) -> str:
+        """Load the masters and moments the loop saved when it published `version`, if they
+        publish to exactly `served` (the store's weights of it); returns why not, or "" if loaded."""
+        path = checkpoint_dir(self.checkpoints, version)
+        if not path.is_dir():
+            return f"no optimizer state saved for it in {self.checkpoints}"
+        try:
+            load_checkpoint(path, self.model, self.optimizer)
+        except CheckpointError as err:
+            return str(err)
+        published = self.publisher.prepare(self.model.state_dict())
+        differs = next((name for name, tensor in published.items() if not torch.equal(tensor, served[name])), None)
+        if differs is not None:
+            return f"{path} is not of the store's version {version} ({differs} differs; another store?)"
+        log.info("version %d: resumed its fp32 masters and optimizer moments from %s", version, path)
+        return ""
 
     def due(self) -> bool:
         trigger = self.config.trigger
@@ -114,6 +153,7 @@ class OnlineLoop:
         self.state["updates"] += 1
         atomic_write_json(self.run_dir / "state.json", self.state)
         self.last_update = time.monotonic()
+        record |= self.prune()
 
         built = feedback_batch(rated, self.config, self.version, meta={"index": record["update"]})
         record.update(built.counts, version_before=self.version, reward_mean=built.reward_mean,
@@ -126,17 +166,21 @@ class OnlineLoop:
                 record["update"], record["decision"], self.version, record["reason"])  # fmt: skip
         return record
 
+    def step(self, batch: Batch) -> dict[str, Any]:
+        """One policy-gradient step of the policy on `batch` (the RL trainer's); its metrics."""
+        config = self.config
+        return train_step(self.model, self.optimizer, batch, loss_config=config.loss, lr=config.optimizer.lr,
+                          grad_clip=config.optimizer.grad_clip, micro_batch_size=config.micro_batch_size,
+                          replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
+                          reference=self.reference)  # fmt: skip
+
     def train_and_gate(self, batch: Batch) -> dict[str, Any]:
         """Step on `batch`; publish the candidate if the gate passes it, else restore the policy
         and the optimizer to before the step."""
-        config = self.config
         saved = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
                  copy.deepcopy(self.optimizer.state_dict()))
         started = time.perf_counter()
-        record = train_step(self.model, self.optimizer, batch, loss_config=config.loss, lr=config.optimizer.lr,
-                            grad_clip=config.optimizer.grad_clip, micro_batch_size=config.micro_batch_size,
-                            replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
-                            reference=self.reference)  # fmt: skip
+        record = self.step(batch)
         record["train_s"] = time.perf_counter() - started
 
         started = time.perf_counter()
@@ -145,20 +189,41 @@ class OnlineLoop:
         verdict = self.gate.verdict(score, deployed, self.start_score)
         record.update(gate_score=score, deployed_score=deployed, start_score=self.start_score,
                       eval_s=time.perf_counter() - started)  # fmt: skip
-        if verdict.publish and self.weights.latest() != self.version:
-            verdict = Verdict(False, "the weight store moved during the update (a rollback?)")
+        started = time.perf_counter()
+        if verdict.publish:
+            try:
+                manifest = self.publisher.publish(candidate)
+            except VersionExistsError:  # created exclusively: a rollback landed during this update
+                verdict = Verdict(False, f"the weight store moved during the update: version {self.version + 1} "
+                                         "was published by someone else (a rollback?); adopting it next update")
         if not verdict.publish:
             self.model.load_state_dict(saved[0])
             self.optimizer.load_state_dict(saved[1])
             return record | {"decision": "discarded", "reason": verdict.reason, "version": self.version}
 
-        started = time.perf_counter()
-        manifest = self.publisher.publish(candidate)
         self.version = manifest.version
         self.scores[self.version] = score
-        return record | {"decision": "published", "reason": verdict.reason, "version": self.version,
-                         "publish_s": time.perf_counter() - started, "published_at": time.time(),
-                         "delta_kind": manifest.kind, "delta_bytes": manifest.encoded_bytes}  # fmt: skip
+        record |= {"decision": "published", "reason": verdict.reason, "version": self.version,
+                   "publish_s": time.perf_counter() - started, "published_at": time.time(),
+                   "delta_kind": manifest.kind, "delta_bytes": manifest.encoded_bytes}  # fmt: skip
+        started = time.perf_counter()
+        save_checkpoint(self.checkpoints, self.model, self.optimizer, TrainState(step=self.version),
+                        config=self.config.model_dump(mode="json"), keep=KEEP_CHECKPOINTS)  # fmt: skip
+        return record | {"checkpoint_s": time.perf_counter() - started}
+
+    def prune(self) -> dict[str, Any]:
+        """Delete responses older than `retention_days` whose feedback the loop has read (or that
+        got none): one transaction. A failure (e.g. a feedback event racing it) is logged and the
+        next update tries again."""
+        days = self.config.retention_days
+        if days <= 0:
+            return {}
+        try:
+            responses, events = self.feedback.prune(time.time() - days * 86400.0, consumed=self.state["cursor"])
+        except WhetstoneError as err:
+            log.warning("pruning the feedback store failed (retried next update): %s", err)
+            return {"pruned_error": str(err)}
+        return {"pruned_responses": responses, "pruned_feedback": events}
 
     def run(self) -> dict[str, Any]:
         """Update whenever the trigger says so, until `max_updates` or SIGTERM / SIGINT."""

@@ -2,10 +2,10 @@
 
 Each rated response becomes a one-call trajectory (prompt ids, completion ids, behavior logprobs,
 weight versions, routes, all completion tokens trained) and goes through the same
-`trajectory_samples` and `collate` as asynchronous RL, so the trainer cannot tell the two apart.
-Only responses sampled from the untempered distribution (temperature 1, no top-p / top-k) are
-kept: the importance ratio compares the trainer's plain softmax with the behavior logprobs, which
-would otherwise be of another distribution. Then the staleness bound, then advantages.
+`trajectory_samples` and `collate` as asynchronous RL, so the trainer cannot tell the two apart;
+each row also carries its sampling temperature, so the trainer's logprobs are of the same
+tempered distribution as the behavior logprobs. Responses sampled from a truncated distribution
+are dropped (`truncated`), then the staleness bound applies, then advantages.
 """
 
 from __future__ import annotations
@@ -31,13 +31,18 @@ class FeedbackBatch:
 
     batch: Batch | None
     counts: dict[str, int] = field(default_factory=dict)
-    """events, kept, dropped_tempered, dropped_empty, dropped_malformed, dropped_stale, staleness_<n>."""
+    """events, kept, dropped_truncated, dropped_empty, dropped_malformed, dropped_stale, staleness_<n>."""
     reward_mean: float = 0.0
     skip_reason: str = ""
 
 
-def untempered(response: ResponseRecord) -> bool:
-    return response.temperature == 1.0 and response.top_p == 1.0 and response.top_k <= 0
+def truncated(response: ResponseRecord) -> bool:
+    """Sampled with top-p, top-k or greedily (temperature 0: top-k 1). The behavior logprobs are
+    then of softmax(logits / T) renormalised over a cut set of tokens that depends on the logits
+    themselves: the trainer's full softmax is another distribution (the ratio is off by the cut
+    mass), and tokens outside the cut were never sampleable, so no importance weight corrects
+    for them. Temperature alone is fine: the trainer divides the logits by it."""
+    return response.temperature <= 0.0 or response.top_p < 1.0 or response.top_k > 0
 
 
 def rated_sample(item: RatedResponse, reward: float) -> list[Sample]:
@@ -55,26 +60,30 @@ def rated_sample(item: RatedResponse, reward: float) -> list[Sample]:
 def feedback_batch(rated: list[RatedResponse], config: OnlineConfig, version: int,
                    meta: dict[str, Any] | None = None) -> FeedbackBatch:  # fmt: skip
     """The batch of `rated` for an update of the deployed `version`."""
-    counts = {"events": len(rated), "dropped_tempered": 0, "dropped_empty": 0, "dropped_malformed": 0}
+    counts = {"events": len(rated), "dropped_truncated": 0, "dropped_empty": 0, "dropped_malformed": 0}
     samples: list[Sample] = []
+    temperature: dict[str, float] = {}  # per sample (task_id = response/choice)
     for item in rated:
-        if not untempered(item.response):
-            counts["dropped_tempered"] += 1
+        if truncated(item.response):
+            counts["dropped_truncated"] += 1
             continue
         if not item.response.completion_ids:
             counts["dropped_empty"] += 1
             continue
         try:
-            samples += rated_sample(item, config.rewards.reward(item.rating, item.score))
+            new = rated_sample(item, config.rewards.reward(item.rating, item.score))
         except WhetstoneError as err:  # a record that does not add up (e.g. routes of another shape)
             counts["dropped_malformed"] += 1
             log.warning("feedback event %d dropped: %s", item.seq, err)
+            continue
+        samples += new
+        temperature.update((sample.task_id, item.response.temperature) for sample in new)
     histogram = StalenessHistogram()
     samples = filter_stale(samples, version, config.staleness, histogram)
     counts.update(histogram.metrics(), kept=len(samples))
     if not samples:
-        return FeedbackBatch(None, counts, skip_reason="no usable feedback (every event was stale, tempered, empty "
-                                                       "or malformed)")
+        return FeedbackBatch(None, counts, skip_reason="no usable feedback (every event was stale, truncated, "
+                                                       "empty or malformed)")
     rewards = [s.reward for s in samples]
     mean = sum(rewards) / len(rewards)
     baseline = mean if config.baseline == "batch_mean" else 0.0
@@ -84,5 +93,5 @@ def feedback_batch(rated: list[RatedResponse], config: OnlineConfig, version: in
     if all(abs(s.advantage) < 1e-9 for s in samples):
         result.skip_reason = "no reward variance: every kept event has the same reward, nothing to learn"
         return result
-    result.batch = collate(samples, meta=meta)
+    result.batch = collate(samples, meta=meta, temperatures=[temperature[s.task_id] for s in samples])
     return result

@@ -10,6 +10,7 @@ write. Two tables:
 
 Uniqueness is the database's own constraint, so two servers accepting the same feedback at once
 cannot both succeed. A write returns only once committed: accepted feedback survives restarts.
+Old responses are deleted by the online loop once it has read their feedback (`prune`).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ responses = sa.Table(
     "whetstone_responses", metadata,
     sa.Column("response_id", sa.String(100), primary_key=True),
     sa.Column("choice", sa.Integer, primary_key=True),
-    sa.Column("created", sa.Float, nullable=False),
+    sa.Column("created", sa.Float, nullable=False, index=True),
     sa.Column("model", sa.String(200), nullable=False),
     sa.Column("priority", sa.String(16), nullable=False),
     sa.Column("temperature", sa.Float, nullable=False),
@@ -146,18 +147,21 @@ class FeedbackStore:
 
     def add_feedback(self, response_id: str, choice: int, rating: str, score: float | None = None) -> int:
         """Record one rating; returns its sequence number. Raises UnknownResponse or DuplicateFeedback."""
-        with self.engine.begin() as db:
-            choices = db.execute(sa.select(responses.c.choice).where(responses.c.response_id == response_id)).scalars().all()
-            if not choices:
-                raise UnknownResponse(f"no response {response_id!r} was recorded for feedback (unknown id, or a "
-                                      "request that is not kept: see feedback.record)")
-            if choice not in choices:
-                raise UnknownResponse(f"response {response_id!r} has choices {sorted(choices)}, not {choice}")
-            try:
+        try:
+            with self.engine.begin() as db:
+                choices = db.execute(sa.select(responses.c.choice)
+                                     .where(responses.c.response_id == response_id)).scalars().all()  # fmt: skip
+                if not choices:
+                    raise UnknownResponse(f"no response {response_id!r} was recorded for feedback (unknown id, a "
+                                          "request that is not kept: see feedback.record, or pruned as too old)")
+                if choice not in choices:
+                    raise UnknownResponse(f"response {response_id!r} has choices {sorted(choices)}, not {choice}")
                 result = db.execute(feedback.insert().values(response_id=response_id, choice=choice, rating=rating,
                                                              score=score, created=time.time()))
-            except IntegrityError:
-                raise DuplicateFeedback(f"choice {choice} of response {response_id!r} already has feedback") from None
+        except IntegrityError:
+            if self.response(response_id, choice) is None:  # the foreign key: pruned meanwhile
+                raise UnknownResponse(f"response {response_id!r} was pruned as too old") from None
+            raise DuplicateFeedback(f"choice {choice} of response {response_id!r} already has feedback") from None
         return int(result.inserted_primary_key[0])
 
     def count_after(self, seq: int) -> int:
@@ -177,6 +181,27 @@ class FeedbackStore:
         fields = [c.name for c in responses.c]
         return [RatedResponse(row["seq"], row["rating"], row["score"], row["rated_at"],
                               ResponseRecord(**{name: row[name] for name in fields})) for row in rows]  # fmt: skip
+
+    def prune(self, before: float, consumed: int) -> tuple[int, int]:
+        """Delete the responses created before `before` (a time.time()) whose feedback, if any,
+        is at or before seq `consumed` (read by the online loop), with that feedback, in one
+        transaction. Returns (responses, feedback events) deleted.
+
+        The newest feedback event stays, however old: SQLite numbers a new row max(seq) + 1, so
+        deleting the newest would hand its seq out again, below the loop's cursor, and the loop
+        would never read that event."""
+        same_choice = sa.and_(feedback.c.response_id == responses.c.response_id, feedback.c.choice == responses.c.choice)
+        try:
+            with self.engine.begin() as db:
+                newest = db.execute(sa.select(sa.func.max(feedback.c.seq))).scalar() or 0
+                read = feedback.c.seq <= min(consumed, newest - 1)
+                events = db.execute(feedback.delete().where(read, sa.exists().where(same_choice,
+                                                                                    responses.c.created < before)))
+                rows = db.execute(responses.delete().where(responses.c.created < before,
+                                                           ~sa.exists().where(same_choice)))  # fmt: skip
+        except sa.exc.SQLAlchemyError as err:
+            raise WhetstoneError(f"pruning {self!r} failed: {err}") from None
+        return rows.rowcount, events.rowcount
 
     def response(self, response_id: str, choice: int = 0) -> ResponseRecord | None:
         with self.engine.connect() as db:

@@ -2,7 +2,9 @@
 
 Rollback republishes an earlier version's weights as a new full version, the newest: servers
 follow the store as always (no restart, no special case) and the online loop adopts it at its
-next update. Versions are never rewritten, so the history stays what was actually served.
+next update. Versions are created once (the store's exclusive create), so the history stays what
+was actually served, and a rollback racing the loop's publish cannot be lost: whichever takes the
+version number first wins, the other is told so.
 """
 
 from __future__ import annotations
@@ -39,7 +41,9 @@ def load_version(store: WeightStore, config: SyncConfig, version: int) -> dict[s
 
 
 def rollback(config: SyncConfig, version: int) -> Manifest:
-    """Publish `version`'s weights again as the newest version (a full one); returns its manifest."""
+    """Publish `version`'s weights again as the newest version (a full one); returns its manifest.
+    `VersionExistsError` if another publisher took that version number first: nothing was
+    published, run it again."""
     store = WeightStore.open(config)
     latest = store.latest()
     if latest is None:

@@ -3,7 +3,9 @@
 Row b, position t feeds `input_ids[b, t]` and predicts `target_ids[b, t]`. Padding is on the
 right, so causal attention never lets a real position see it; padded positions have
 `loss_mask` False, `target_ids` -1 (the model returns logprob 0 there), `versions` -1 and
-routes 0 (a valid expert id, replayed only at positions nothing reads).
+routes 0 (a valid expert id, replayed only at positions nothing reads). A row sampled at a
+temperature other than 1 (users' feedback, `online`) carries it in `temperatures`: its behavior
+logprobs are of logits / T, and so must the trainer's be.
 
 On disk (and in an object store) a batch is one safetensors blob: the tensors, plus the per-row
 and batch metadata as JSON in the safetensors header. One blob means one atomic write or `put`.
@@ -28,6 +30,8 @@ from whetstone.utils.atomic import atomic_write_bytes
 BATCH_FORMAT_VERSION = 1
 IGNORED_TARGET = -1
 TENSOR_FIELDS = ("input_ids", "target_ids", "loss_mask", "behavior_logprobs", "versions", "advantages")
+OPTIONAL_FIELDS = ("routes", "temperatures")
+"""Tensors a batch may lack (None): absent from the blob, and from batches written before them."""
 
 
 @dataclass
@@ -46,6 +50,8 @@ class Batch:
     """[B, T] float32 advantage of each position (the sample's advantage on every position)."""
     routes: torch.Tensor | None = None
     """[B, T, moe_layers, top_k] int64 experts to replay, or None (dense model, no capture)."""
+    temperatures: torch.Tensor | None = None
+    """[B] float32 sampling temperature of each row (> 0), or None: every row at 1."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     """Per row: task_id, group_id, reward, advantage, oldest_version, num_positions."""
     meta: dict[str, Any] = field(default_factory=dict)
@@ -67,7 +73,9 @@ class Batch:
         index = torch.tensor(rows, dtype=torch.int64)
         parts = {name: getattr(self, name)[index, :length] for name in TENSOR_FIELDS}
         routes = None if self.routes is None else self.routes[index, :length]
-        return Batch(**parts, routes=routes, rows=[self.rows[r] for r in rows] if self.rows else [], meta=self.meta)
+        temperatures = None if self.temperatures is None else self.temperatures[index]
+        return Batch(**parts, routes=routes, temperatures=temperatures,
+                     rows=[self.rows[r] for r in rows] if self.rows else [], meta=self.meta)  # fmt: skip
 
 
 def shuffled_parts(batch: Batch, parts: int, seed: int) -> list[Batch]:
@@ -78,10 +86,15 @@ def shuffled_parts(batch: Batch, parts: int, seed: int) -> list[Batch]:
     return [batch.select(order[i::parts]) for i in range(parts)]
 
 
-def collate(samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None = None) -> Batch:
-    """Right-pad samples into one batch (all with routes, or all without)."""
+def collate(samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None = None,
+            temperatures: list[float] | None = None) -> Batch:  # fmt: skip
+    """Right-pad samples into one batch (all with routes, or all without). `temperatures`: each
+    sample's sampling temperature (default: 1 for every row, as rollouts are sampled)."""
     if not samples:
         raise WhetstoneError("cannot collate an empty list of samples")
+    if temperatures is not None and (len(temperatures) != len(samples) or not all(t > 0 for t in temperatures)):
+        raise WhetstoneError(f"need one temperature > 0 per sample: got {len(temperatures)} for {len(samples)} "
+                             f"samples, smallest {min(temperatures, default=None)}")
     with_routes = [s.routes is not None for s in samples]
     if any(with_routes) and not all(with_routes):
         raise WhetstoneError(
@@ -95,6 +108,7 @@ def collate(samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None 
         behavior_logprobs=torch.zeros(rows, length, dtype=torch.float32),
         versions=torch.full((rows, length), NOT_GENERATED, dtype=torch.int64),
         advantages=torch.zeros(rows, length, dtype=torch.float32),
+        temperatures=None if temperatures is None else torch.tensor(temperatures, dtype=torch.float32),
         meta=dict(meta or {}),
     )
     if all(with_routes):
@@ -121,8 +135,9 @@ def collate(samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None 
 
 def batch_to_bytes(batch: Batch) -> bytes:
     tensors = {name: getattr(batch, name).contiguous() for name in TENSOR_FIELDS}
-    if batch.routes is not None:
-        tensors["routes"] = batch.routes.contiguous()
+    for name in OPTIONAL_FIELDS:
+        if getattr(batch, name) is not None:
+            tensors[name] = getattr(batch, name).contiguous()
     header = {"format_version": BATCH_FORMAT_VERSION, "rows": batch.rows, "meta": batch.meta}
     return safetensors_save(tensors, metadata={"whetstone_batch": json.dumps(header)})
 
@@ -141,8 +156,9 @@ def batch_from_bytes(data: bytes, source: str = "batch") -> Batch:
     missing = [name for name in TENSOR_FIELDS if name not in tensors]
     if missing:
         raise WhetstoneError(f"{source} lacks tensors {missing}")
-    return Batch(**{name: tensors[name] for name in TENSOR_FIELDS}, routes=tensors.get("routes"),
-                 rows=header["rows"], meta=header["meta"])  # fmt: skip
+    optional = {name: tensors.get(name) for name in OPTIONAL_FIELDS}
+    return Batch(**{name: tensors[name] for name in TENSOR_FIELDS}, **optional, rows=header["rows"],
+                 meta=header["meta"])  # fmt: skip
 
 
 def _header(data: bytes) -> dict[str, Any]:

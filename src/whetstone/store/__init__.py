@@ -6,7 +6,7 @@ endpoint_url=...)` is a bucket (the endpoint selects MinIO, R2, moto... instead 
 
 from __future__ import annotations
 
-from whetstone.store.base import MissingObjectError, ObjectStore
+from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore
 from whetstone.store.local import LocalStore
 
 
@@ -19,4 +19,4 @@ def open_store(url: str, endpoint_url: str | None = None) -> ObjectStore:
     return LocalStore(url.removeprefix("file://"))
 
 
-__all__ = ["LocalStore", "MissingObjectError", "ObjectStore", "open_store"]
+__all__ = ["LocalStore", "MissingObjectError", "ObjectExistsError", "ObjectStore", "open_store"]

@@ -2,7 +2,9 @@
 
 Weights and batches live in object stores so that nothing assumes a shared filesystem. Keys are
 `/`-separated relative paths (`versions/0000000003/manifest.json`). A `put` is atomic: readers
-see the old object or the new one, never part of one.
+see the old object or the new one, never part of one. `put_if_absent` is atomic and exclusive
+as well: of writers racing to create one key, exactly one succeeds (how a weight version is
+created only once).
 """
 
 from __future__ import annotations
@@ -19,9 +21,19 @@ class MissingObjectError(WhetstoneError, KeyError):
         return str(self.args[0])
 
 
+class ObjectExistsError(WhetstoneError):
+    """`put_if_absent` found the key already there (another writer created it first)."""
+
+
 class ObjectStore(ABC):
     @abstractmethod
     def put(self, key: str, data: bytes) -> None: ...
+
+    @abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        """Create the object only if the key does not exist yet, atomically (no other writer can
+        slip in between the check and the write); `ObjectExistsError` if it holds other bytes.
+        If it holds exactly `data`, this is a retry of a write that landed: not an error."""
 
     @abstractmethod
     def get(self, key: str) -> bytes:

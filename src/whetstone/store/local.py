@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
-from whetstone.store.base import MissingObjectError, ObjectStore, check_key
+from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key
 from whetstone.utils.atomic import atomic_write_bytes
 
 
@@ -21,6 +23,32 @@ class LocalStore(ObjectStore):
 
     def put(self, key: str, data: bytes) -> None:
         atomic_write_bytes(self._path(key), data)
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        # The whole file is written under a temporary name, then hard-linked to the key: link()
+        # fails if the name exists (unlike rename), so exactly one racing writer creates it, and
+        # a reader never sees part of it. The temporary name is removed either way.
+        path = self._path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        try:
+            with os.fdopen(fd, "wb") as handle:
+                handle.write(data)
+                handle.flush()
+                os.fsync(handle.fileno())
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                if path.read_bytes() == data:
+                    return  # a retry of a write that landed
+                raise ObjectExistsError(f"object {key!r} already exists in {self.root}") from None
+            directory = os.open(path.parent, os.O_RDONLY)
+            try:
+                os.fsync(directory)  # the new name is on disk
+            finally:
+                os.close(directory)
+        finally:
+            os.unlink(tmp)
 
     def get(self, key: str) -> bytes:
         try:

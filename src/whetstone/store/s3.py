@@ -1,13 +1,14 @@
 """Object store in an S3-compatible bucket (AWS, MinIO, R2, moto), via boto3.
 
 Credentials come from boto3's usual chain (environment, config files, instance roles). A PUT is
-atomic in S3: readers see the whole old object or the whole new one.
+atomic in S3: readers see the whole old object or the whole new one. `put_if_absent` is S3's
+conditional write (`If-None-Match: *`, AWS since 2024; MinIO, R2 and moto support it too).
 """
 
 from __future__ import annotations
 
 from whetstone.errors import WhetstoneError
-from whetstone.store.base import MissingObjectError, ObjectStore, check_key
+from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key
 
 
 class S3Store(ObjectStore):
@@ -29,6 +30,20 @@ class S3Store(ObjectStore):
 
     def put(self, key: str, data: bytes) -> None:
         self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        from botocore.exceptions import ClientError
+
+        try:
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+        except ClientError as err:
+            code = err.response.get("Error", {}).get("Code")
+            # 412: the key exists; 409: another conditional write of it is in flight right now.
+            if code not in ("PreconditionFailed", "ConditionalRequestConflict"):
+                raise
+            if code == "PreconditionFailed" and self.get(key) == data:
+                return  # our own first attempt landed and its response was lost: boto3 retried it
+            raise ObjectExistsError(f"object {key!r} already exists in s3://{self.bucket}/{self.prefix}") from None
 
     def get(self, key: str) -> bytes:
         from botocore.exceptions import ClientError

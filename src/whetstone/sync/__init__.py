@@ -14,9 +14,9 @@ from whetstone.sync.manifest import Manifest
 from whetstone.sync.publisher import Publisher
 from whetstone.sync.subscriber import RejectedVersion, Subscriber
 from whetstone.sync.update import TensorUpdate, WeightUpdate, apply_update, merge_updates
-from whetstone.sync.weight_store import WeightStore
+from whetstone.sync.weight_store import VersionExistsError, WeightStore
 
 __all__ = [
-    "Manifest", "Publisher", "RejectedVersion", "Subscriber", "SyncConfig", "TensorUpdate", "WeightStore",
-    "WeightUpdate", "apply_update", "merge_updates",
+    "Manifest", "Publisher", "RejectedVersion", "Subscriber", "SyncConfig", "TensorUpdate", "VersionExistsError",
+    "WeightStore", "WeightUpdate", "apply_update", "merge_updates",
 ]

@@ -2,9 +2,10 @@
 
 Layout in the object store (a manifest is written after all its chunks: publishing is atomic):
 
-    versions/0000000007/manifest.json
-    versions/0000000007/chunk-00000.bin ...
-    latest.json                              {"version": 7}, written after the manifest
+    versions/0000000007/manifest.json                created only if absent: one publisher per version
+    versions/0000000007/<attempt>/chunk-00000.bin ... each publish attempt's own chunks, so two
+                                                     racing publishers never overwrite each other's
+    latest.json                                      {"version": 7}, written after the manifest
 """
 
 from __future__ import annotations
@@ -76,8 +77,8 @@ def manifest_key(version: int) -> str:
     return version_prefix(version) + "manifest.json"
 
 
-def chunk_key(version: int, index: int) -> str:
-    return version_prefix(version) + f"chunk-{index:05d}.bin"
+def chunk_key(version: int, attempt: str, index: int) -> str:
+    return f"{version_prefix(version)}{attempt}/chunk-{index:05d}.bin"
 
 
 LATEST_KEY = "latest.json"

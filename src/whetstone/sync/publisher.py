@@ -3,12 +3,17 @@
 The publisher keeps a copy of what it last published (in the published dtype) to code the next
 version against. Chunks are encoded and uploaded by `workers` threads (numpy and zstd release
 the GIL), each holding one chunk at a time, then the manifest makes the version visible.
+
+Chunk keys carry a random name of the publish attempt (`versions/<n>/<attempt>/chunk-<i>.bin`),
+so two publishers racing for one version never overwrite each other's chunks: the manifest,
+created only once (`WeightStore.publish`), names the winner's, and the loser deletes its own.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -18,7 +23,7 @@ from whetstone.sync.bits import DTYPES, dtype_name
 from whetstone.sync.chunks import encode_chunk, plan_chunks
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, chunk_key
-from whetstone.sync.weight_store import WeightStore
+from whetstone.sync.weight_store import VersionExistsError, WeightStore
 
 log = logging.getLogger("whetstone.sync")
 
@@ -62,7 +67,9 @@ class Publisher:
         return prepare_state(state, self.config.publish_dtype)
 
     def publish(self, state: dict[str, torch.Tensor], full: bool = False) -> Manifest:
-        """Publish `state` as the next version (a full one if `full`, or if the policy says so)."""
+        """Publish `state` as the next version (a full one if `full`, or if the policy says so).
+        `VersionExistsError` if another publisher created that version first: nothing of this
+        attempt stays in the store, and the publisher is as before the call."""
         started = time.perf_counter()
         new = self.prepare(state)
         previous = self._previous_manifest
@@ -75,10 +82,11 @@ class Publisher:
         base = None if keyframe else self._previous
 
         plan = plan_chunks([(name, t.numel()) for name, t in new.items()], self.config.chunk_elements)
+        attempt = uuid.uuid4().hex[:12]
 
         def encode_and_put(index: int) -> tuple[ChunkInfo, int]:
             blob, changed = encode_chunk(plan[index], new, base, self.config.zstd_level)
-            return self.store.put_chunk(chunk_key(version, index), blob), changed
+            return self.store.put_chunk(chunk_key(version, attempt, index), blob), changed
 
         with ThreadPoolExecutor(self.config.workers) as pool:
             results = list(pool.map(encode_and_put, range(len(plan))))
@@ -97,7 +105,12 @@ class Publisher:
             changed=sum(changed for _, changed in results),
             chain_bytes=0 if keyframe else previous.chain_bytes + encoded,
         )
-        self.store.publish(manifest)
+        try:
+            self.store.publish(manifest)
+        except VersionExistsError:
+            for info in chunks:  # the winner's chunks have other keys
+                self.store.objects.delete(info.key)
+            raise
         if keyframe:
             self._keyframe_bytes = encoded
         self._previous, self._previous_manifest = new, manifest

@@ -1,8 +1,11 @@
 """The versioned weight store on top of an object store: manifests, chunks, latest pointer, GC.
 
 Publishing is atomic: chunks first, then the manifest, then `latest.json`. A reader that finds a
-manifest finds all its chunks; a reader that follows `latest.json` finds the manifest. Garbage
-collection deletes manifests first, so a version disappears before its chunks do.
+manifest finds all its chunks; a reader that follows `latest.json` finds the manifest. A version
+is created once: its manifest is written with the store's exclusive create (`put_if_absent`),
+so of two publishers racing for one version number (a rollback and the online loop, two
+trainers) exactly one publishes it and the other gets `VersionExistsError`. Garbage collection
+deletes manifests first, so a version disappears before its chunks do.
 """
 
 from __future__ import annotations
@@ -11,13 +14,17 @@ import json
 import logging
 
 from whetstone.errors import WhetstoneError
-from whetstone.store import MissingObjectError, ObjectStore, open_store
+from whetstone.store import MissingObjectError, ObjectExistsError, ObjectStore, open_store
 from whetstone.sync.chunks import checksum
 from whetstone.sync.codec import CorruptDataError
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import LATEST_KEY, ChunkInfo, Manifest, manifest_key, parse_manifest, version_prefix
 
 log = logging.getLogger("whetstone.sync")
+
+
+class VersionExistsError(WhetstoneError):
+    """Another publisher created this version number first; this one was not published."""
 
 
 class WeightStore:
@@ -64,8 +71,14 @@ class WeightStore:
         return blob
 
     def publish(self, manifest: Manifest) -> None:
-        """Make a version visible: its manifest, then the latest pointer. Its chunks must be in."""
-        self.objects.put(manifest_key(manifest.version), manifest.model_dump_json(indent=1).encode())
+        """Make a version visible: its manifest, then the latest pointer. Its chunks must be in.
+        Raises `VersionExistsError` (and changes nothing) if the version exists already."""
+        try:
+            self.objects.put_if_absent(manifest_key(manifest.version), manifest.model_dump_json(indent=1).encode())
+        except ObjectExistsError:
+            raise VersionExistsError(f"version {manifest.version} already exists in {self.objects!r}: another "
+                                     "publisher created it first (a rollback, a second trainer or online loop?); "
+                                     "this one was not published") from None
         self.objects.put(LATEST_KEY, json.dumps({"version": manifest.version}).encode())
 
     def delete_version(self, version: int) -> None:

@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from whetstone.midtrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from whetstone.model import Transformer
-from whetstone.rl.batch import TENSOR_FIELDS, Batch
+from whetstone.rl.batch import OPTIONAL_FIELDS, TENSOR_FIELDS, Batch
 from whetstone.rl.loss import LossStats, step_normalizer
 from whetstone.rl.routing import RoutingStats
 
@@ -109,7 +109,7 @@ def rank_rows(batch: Batch, rank: int, world: int) -> Batch:
     shard = batch.select(own + [0] * (per_rank - len(own)))
     shard.loss_mask[len(own):] = False
     here = device()
-    for name in (*TENSOR_FIELDS, "routes") if here.type != "cpu" else ():
+    for name in (*TENSOR_FIELDS, *OPTIONAL_FIELDS) if here.type != "cpu" else ():
         if getattr(shard, name) is not None:
             setattr(shard, name, getattr(shard, name).to(here))
     return shard

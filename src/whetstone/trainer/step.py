@@ -7,7 +7,8 @@ of `policy_loss`. The loss is normalised by the whole step's N (trained tokens o
 
 With `numerics="invariant"` (and the engine's dtype) the forward is batch-invariant: the
 logprobs and routes equal the inference engine's bit for bit, so at staleness 0 every
-importance ratio is exactly 1 (docs/consistency.md).
+importance ratio is exactly 1 (docs/consistency.md). Rows sampled at a temperature T other than
+1 (`Batch.temperatures`) get the logprobs of logits / T, the distribution they were drawn from.
 
 Routing disagreement is measured alongside: with replay, how often the trainer's own router
 would have picked other experts (forward hooks, `rl.routing`); without replay, how often the
@@ -17,7 +18,8 @@ trainer's choice differs from the rollout's recorded routes.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -43,16 +45,34 @@ def _unreplayed_disagreement(own: torch.Tensor, rollout: torch.Tensor, mask: tor
                         tokens=differs.shape[0], tokens_disagreed=int(differs.any(dim=-1).sum()))
 
 
+@contextmanager
+def sampling_temperature(model: Transformer, temperatures: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, row b's logits are divided by temperatures[b]. The output head is
+    linear and bias-free, so this divides the final hidden state instead: the fused logprob
+    head (`whetstone.model.head`) stays as it is, and the gradient flows through the division."""
+    if temperatures is None or bool((temperatures == 1.0).all()):
+        yield
+        return
+    scale = temperatures.reciprocal().view(-1, 1, 1)
+    handle = model.norm.register_forward_hook(lambda _module, _inputs, hidden: hidden * scale.to(hidden))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
                      numerics: Numerics = "fast") -> tuple[torch.Tensor, RoutingStats]:
-    """Logprobs of the micro-batch's targets [B, T], and the routing disagreement at its trained positions.
+    """Logprobs of the micro-batch's targets [B, T] (of logits / T for rows with a temperature
+    T), and the routing disagreement at its trained positions.
 
     With `numerics="invariant"` and the engine's dtype, these are the engine's own logprobs
-    and routes, bit for bit (docs/consistency.md)."""
+    and routes, bit for bit (docs/consistency.md), for rows at temperature 1."""
     has_routes = micro.routes is not None and model.cfg.num_moe_layers > 0
     replayed = replay and has_routes
     tracking = track_routing(model, micro.loss_mask) if replayed else nullcontext(RoutingStats())
-    with tracking as routing, autocast(dtype), ops.numerics(numerics):
+    with (tracking as routing, autocast(dtype), ops.numerics(numerics),
+          sampling_temperature(model, micro.temperatures)):  # fmt: skip
         out = model(micro.input_ids, routes=micro.routes if replayed else None,
                     return_routes=has_routes and not replayed, targets=micro.target_ids)
     if has_routes and not replayed:

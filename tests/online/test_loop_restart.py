@@ -1,0 +1,79 @@
+"""A restarted loop continues where it stopped: its cursor, and the fp32 masters and AdamW moments
+of the version it last published, so its next update is the one an uninterrupted loop would take.
+Masters and moments of another version (or store) are never mixed with the store's weights."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.online.online_fixtures import NO_GATE
+from whetstone.online.loop import OnlineLoop
+from whetstone.online.samples import feedback_batch
+from whetstone.online.store import FeedbackStore
+from whetstone.online.weights import rollback
+
+BF16_STORE = NO_GATE | {"sync": {"publish_dtype": "bfloat16"}}
+"""Published weights are bf16 copies of the masters: a restart from them alone would lose bits."""
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[name], b[name]) for name in a)
+
+
+def moments(loop: OnlineLoop) -> dict[str, torch.Tensor]:
+    """The optimizer's state tensors, named by parameter and key."""
+    names = {id(p): name for name, p in loop.model.named_parameters()}
+    return {f"{names[id(p)]}.{key}": value for p, state in loop.optimizer.state.items() for key, value in state.items()}
+
+
+def next_batch(world):
+    """The batch of the feedback the loop has not read yet."""
+    rated = FeedbackStore.open(world.config.feedback_store).rated_after(world.loop.state["cursor"], 64)
+    return feedback_batch(rated, world.config, world.loop.version).batch
+
+
+@pytest.mark.parametrize("world", [BF16_STORE], indirect=True)
+def test_a_restarted_loop_takes_the_same_next_update_as_an_uninterrupted_one(world):
+    world.feedback(16)
+    assert world.loop.update()["decision"] == "published"  # version 1, with Adam moments
+    world.feedback(16)
+    batch = next_batch(world)
+
+    restarted = OnlineLoop(world.config)
+    assert restarted.version == 1 and restarted.state == world.loop.state
+    assert same_tensors(moments(restarted), moments(world.loop)) and moments(restarted)
+    assert same_tensors(restarted.model.state_dict(), world.loop.model.state_dict())  # fp32, not the bf16 copy
+
+    shutil.rmtree(Path(world.config.output_dir) / "checkpoints")
+    fresh = OnlineLoop(world.config)  # what a restart did before: the store's bf16 weights, no moments
+    assert moments(fresh) == {}
+
+    for loop in (world.loop, restarted, fresh):
+        loop.step(batch)
+    assert same_tensors(restarted.model.state_dict(), world.loop.model.state_dict())
+    assert not same_tensors(fresh.model.state_dict(), world.loop.model.state_dict())
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+def test_masters_and_moments_of_other_weights_are_not_resumed(world, caplog):
+    world.feedback(16)
+    world.loop.update()  # checkpoint of version 1
+    rollback(world.config.sync, 0)  # version 2 = version 0's weights
+    checkpoints = Path(world.config.output_dir) / "checkpoints"
+    (checkpoints / "step_00000001").rename(checkpoints / "step_00000002")  # e.g. another store's version 2
+
+    with caplog.at_level(logging.INFO, logger="whetstone.online"):
+        restarted = OnlineLoop(world.config)
+    assert restarted.version == 2 and moments(restarted) == {}
+    assert "a fresh optimizer" in caplog.text and "is not of the store's version 2" in caplog.text
+
+    (checkpoints / "step_00000002" / "optimizer.safetensors").write_bytes(b"torn")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="whetstone.online"):
+        assert moments(OnlineLoop(world.config)) == {}
+    assert "is corrupt" in caplog.text

@@ -1,0 +1,50 @@
+"""`put_if_absent`: an object is created once, on a local directory and on S3 (moto) alike. Of
+writers racing to create one key, exactly one succeeds and readers only ever see its bytes.
+
+The concurrent race runs on the local store only: moto honours `If-None-Match: *` but checks
+and writes without a lock, so two requests at the same instant can both pass its check (real S3
+makes the conditional write atomic). Sequential conflicts are tested on both."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from whetstone.store import LocalStore, ObjectExistsError
+
+
+def test_a_key_is_created_once(store):
+    store.put_if_absent("versions/1/manifest.json", b"first")
+    with pytest.raises(ObjectExistsError, match="'versions/1/manifest.json' already exists"):
+        store.put_if_absent("versions/1/manifest.json", b"second")
+    assert store.get("versions/1/manifest.json") == b"first"
+    assert store.list() == ["versions/1/manifest.json"]  # nothing of the refused write is left
+
+
+def test_writing_the_same_bytes_again_is_a_retry_not_a_conflict(store):
+    store.put_if_absent("k", b"same")
+    store.put_if_absent("k", b"same")  # e.g. a request that landed but whose answer was lost
+    assert store.get("k") == b"same"
+
+
+def test_of_racing_writers_exactly_one_wins(tmp_path):
+    store = LocalStore(tmp_path)
+
+    def create(writer: int) -> int | None:
+        try:
+            store.put_if_absent("race/manifest.json", f"writer {writer}".encode())
+            return writer
+        except ObjectExistsError:
+            return None
+
+    with ThreadPoolExecutor(8) as pool:
+        winners = [w for w in pool.map(create, range(8)) if w is not None]
+    assert len(winners) == 1
+    assert store.get("race/manifest.json") == f"writer {winners[0]}".encode()
+
+
+def test_a_local_create_leaves_no_temporary_file(tmp_path):
+    store = LocalStore(tmp_path)
+    store.put_if_absent("a/b.json", b"x")
+    with pytest.raises(ObjectExistsError):
+        store.put_if_absent("a/b.json", b"y")
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.json"]
