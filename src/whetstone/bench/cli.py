@@ -33,9 +33,16 @@ def _bench(name: str):
 
 
 @app.command()
-def sync(as_json: bool = JSON, repeats: int = typer.Option(5, help="Timing repeats per case (best is kept).")) -> None:
-    """Delta codec size and speed on real RL-like steps vs XOR+zstd, and publish->subscriber fan-out."""
-    _emit(_bench("sync").run(repeats=repeats), as_json, "weight sync")
+def sync(
+    as_json: bool = JSON,
+    repeats: int = typer.Option(5, help="Timing repeats per case (best is kept)."),
+    rl_store: list[str] = typer.Option(
+        ["runs/default/weights"], "--rl-store",
+        help="An RL weight-store directory (`whetstone run` writes runs/<name>/weights); repeatable."),
+    rl_pairs: int = typer.Option(5, min=1, help="Newest pairs of consecutive versions measured per store (medians)."),
+) -> None:
+    """Delta codec size and speed on real RL-like steps and RL runs vs XOR+zstd, and publish->subscriber fan-out."""
+    _emit(_bench("sync").run(repeats=repeats, rl_stores=rl_store, rl_pairs=rl_pairs), as_json, "weight sync")
 
 
 @app.command()

