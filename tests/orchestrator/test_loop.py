@@ -3,7 +3,6 @@ real synth tasks in real sandboxes, graded; batches into a LocalStore. The test 
 weight versions a trainer would."""
 
 import asyncio
-import time
 
 import pytest
 

@@ -42,7 +42,9 @@ def test_a_chunk_codes_one_delta_block_per_dtype_and_new_tensors_whole():
            "b.bias": torch.randn(4).bfloat16(), "step": torch.tensor([7])}
     new = {k: v + 1 for k, v in old.items()} | {"fresh": torch.ones(5), "fresh2": torch.zeros(2)}
     segments = plan_chunks([(k, v.numel()) for k, v in new.items()], chunk_elements=10_000)[0]
-    with patch.object(chunks, "_SHARE_BELOW", 100):
+    # Every value changes here, and on runs this small xor's one frame beats sparse's two: xor
+    # off, or each run would get an xor block of its own.
+    with patch.object(chunks, "_SHARE_BELOW", 100), patch.dict(chunks._TRY_XOR_ABOVE, dict.fromkeys((1, 2, 4, 8), 1.0)):
         blob, changed = encode_chunk(segments, new, old, level=1)
     blocks = {(b["encoding"], tuple(name for name, _, _ in b["segments"])) for b in read_header(blob)[0]}
     assert blocks == {("full", ("fresh", "fresh2")), ("sparse", ("a.bias", "b.bias", "a", "b")), ("sparse", ("step",))}
@@ -59,6 +61,18 @@ def test_truncated_or_foreign_chunks_are_rejected():
         decode_chunk(b"PK\x03\x04" + blob, None, {"w": torch.bfloat16})
     with pytest.raises(CorruptDataError, match="does not list"):
         decode_chunk(blob, None, {"other": torch.bfloat16})
+
+
+def test_chunks_of_the_previous_format_are_still_read():
+    """WSYNC2 chunks are WSYNC3 chunks that never hold an xor block."""
+    old = {"w": torch.zeros(10).bfloat16()}
+    new = {"w": torch.ones(10).bfloat16()}
+    blob, _ = encode_chunk(plan_chunks([("w", 10)], 100)[0], new, old, level=1)
+    assert blob.startswith(b"WSYNC3\n")
+    previous = b"WSYNC2\n" + blob[len(chunks.MAGIC) :]
+    assert decode_chunk(previous, old, {"w": torch.bfloat16})[0][1].indices.tolist() == list(range(10))
+    with pytest.raises(CorruptDataError, match="magic"):
+        decode_chunk(b"WSYNC1\n" + blob[len(chunks.MAGIC) :], old, {"w": torch.bfloat16})
 
 
 def test_a_delta_needs_its_tensors_in_the_base():

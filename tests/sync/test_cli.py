@@ -1,4 +1,3 @@
-import torch
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 

@@ -1,5 +1,7 @@
 """The codec is lossless for every dtype and every bit pattern, and small where RL deltas are."""
 
+import json
+import struct
 from unittest.mock import patch
 
 import numpy as np
@@ -11,9 +13,9 @@ from hypothesis import strategies as st
 
 from whetstone.sync import chunks, codec
 from whetstone.sync.bits import int_view, numpy_int_type, ordered, to_planes, unzigzag, zigzag
-from whetstone.sync.chunks import decode_chunk, encode_chunk, plan_chunks
+from whetstone.sync.chunks import decode_chunk, encode_chunk, plan_chunks, read_header
 from whetstone.sync.codec import (
-    CorruptDataError, apply_steps, decode_sparse, encode_sparse, find_changes, step_codes,
+    CorruptDataError, apply_steps, decode_sparse, encode_sparse, encode_xor, find_changes, step_codes,
 )
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
@@ -70,11 +72,15 @@ def states(draw):
 
 
 @settings(max_examples=60, deadline=None)
-@given(states(), st.integers(20, 400), st.integers(1, 200))
-def test_decode_of_encode_is_the_new_state_bit_for_bit(state, chunk_elements, share_below):
+@given(states(), st.integers(20, 400), st.integers(1, 200), st.sampled_from([0.0, None, 1.0]))
+def test_decode_of_encode_is_the_new_state_bit_for_bit(state, chunk_elements, share_below, try_xor_above):
     new, old = state
-    # Small constants so that tiny tensors cross scan blocks, share runs or go alone, and span chunks.
-    with patch.object(codec, "_SCAN_BLOCK", 64), patch.object(chunks, "_SHARE_BELOW", share_below):
+    # Small constants so that tiny tensors cross scan blocks, share runs or go alone, and span
+    # chunks; xor tried on every run that changed (0.0: it wins on many of these small random
+    # ones), at the shipped thresholds, or never.
+    thresholds = {} if try_xor_above is None else dict.fromkeys((1, 2, 4, 8), try_xor_above)
+    with patch.object(codec, "_SCAN_BLOCK", 64), patch.object(chunks, "_SHARE_BELOW", share_below), \
+            patch.dict(chunks._TRY_XOR_ABOVE, thresholds):
         for base in (old, None):
             rebuilt = roundtrip(new, base, chunk_elements)
             assert all(same_bits(rebuilt[name], new[name]) for name in new)
@@ -145,7 +151,7 @@ def test_few_changes_code_sparse_and_small():
 
 
 def test_even_when_every_value_changes_the_steps_beat_xor():
-    """Why there is no xor coding: weights moved by an optimizer step, even all of them, code
+    """Why xor is only a fallback: weights moved by an optimizer step, even all of them, code
     smaller as steps than as old XOR new."""
     torch.manual_seed(0)
     old = torch.randn(100_000).bfloat16()
@@ -154,6 +160,64 @@ def test_even_when_every_value_changes_the_steps_beat_xor():
     sparse = encode_sparse(positions, step_codes(new_values, old_values, True), level=1)
     xor = zstandard.ZstdCompressor(level=1).compress(to_planes(int_view(new) ^ int_view(old)))
     assert positions.size > 0.7 * old.numel() and len(sparse.payload) < len(xor)
+
+
+def block_encodings(new, old, share_below=None) -> list[str]:
+    segments = plan_chunks([(name, t.numel()) for name, t in new.items()], 1 << 20)[0]
+    with patch.object(chunks, "_SHARE_BELOW", share_below or chunks._SHARE_BELOW):
+        blob, _ = encode_chunk(segments, new, old, level=1)
+    return [block["encoding"] for block in read_header(blob)[0]]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
+def test_xor_blocks_are_lossless_for_special_values(dtype):
+    """Every value's low bits replaced by random ones (sign and exponent kept, as when weights are
+    re-initialised at the same scale): xor wins. Flipping low bits of specials makes NaNs with
+    other payloads, NaNs from infinities, subnormals from +-0.0, all of which must come back."""
+    rng = np.random.default_rng(0)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1e-40, -1e-40]).to(dtype)
+    old_bits = np.concatenate([int_view(specials), int_view((torch.randn(5000) * 0.05).to(dtype))])
+    low_bits = (1 << 3 if dtype.itemsize == 1 else 1 << 7) - 1
+    new_bits = old_bits ^ rng.integers(1, low_bits + 1, old_bits.size).astype(old_bits.dtype)
+    old, new = {"w": torch.from_numpy(old_bits).view(dtype)}, {"w": torch.from_numpy(new_bits).view(dtype)}
+    assert block_encodings(new, old, share_below=100) == ["xor"]
+    assert same_bits(roundtrip(new, old)["w"], new["w"])
+
+
+def test_the_smaller_coding_is_chosen_per_run():
+    """Unrelated replacement values code as xor, no larger than sparse would; a small optimizer
+    step (2% changed, not even tried) and a dense one (all changed, steps win) code as sparse."""
+    torch.manual_seed(0)
+    old = (torch.randn(100_000) * 0.05).bfloat16()
+    replaced = (torch.randn(100_000) * 0.05).bfloat16()
+    small_step = old.clone()
+    small_step[::50] = (old[::50].float() * 1.01).bfloat16()
+    dense_step = (old.float() * (1 + 0.01 * torch.randn(100_000))).bfloat16()
+    assert block_encodings({"w": replaced}, {"w": old}) == ["xor"]
+    assert block_encodings({"w": small_step}, {"w": old}) == ["sparse"]
+    assert block_encodings({"w": dense_step}, {"w": old}) == ["sparse"]
+    positions, new_values, old_values = find_changes(int_view(replaced), int_view(old))
+    sparse = encode_sparse(positions, step_codes(new_values, old_values, True), level=1)
+    xor = encode_xor(int_view(replaced), int_view(old), positions.size, level=1)
+    assert len(xor.payload) <= len(sparse.payload)
+    # Small tensors share one choice: a replaced bias and a barely moved one code as one block.
+    tensors, base = {"a": replaced[:1000], "b": small_step[:200]}, {"a": old[:1000], "b": old[:200]}
+    assert block_encodings(tensors, base) == ["xor"]
+    rebuilt = roundtrip(tensors, base)
+    assert same_bits(rebuilt["a"], tensors["a"]) and same_bits(rebuilt["b"], tensors["b"])
+
+
+def test_an_xor_block_whose_changes_disagree_with_its_header_is_rejected():
+    old = {"w": torch.zeros(100).bfloat16()}
+    new = {"w": torch.randn(100).bfloat16()}
+    blob, _ = encode_chunk(plan_chunks([("w", 100)], 1000)[0], new, old, level=1)
+    blocks, offset = read_header(blob)
+    assert blocks[0]["encoding"] == "xor"
+    blocks[0]["count"] -= 1
+    head = json.dumps({"blocks": blocks}).encode()
+    forged = chunks.MAGIC + struct.pack("<I", len(head)) + head + blob[offset:]
+    with pytest.raises(CorruptDataError, match="header says"):
+        decode_chunk(forged, old, {"w": torch.bfloat16})
 
 
 def test_a_corrupt_payload_is_rejected_not_misdecoded():

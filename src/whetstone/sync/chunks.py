@@ -7,6 +7,11 @@ download and decode independently. Inside a chunk, segments are coded in blocks:
 - one `sparse` block per dtype holds every segment coded as a delta, their values laid end to
   end: one pair of zstd frames and one set of numpy passes per chunk, not per tensor (a model
   has as many biases and norms as matrices);
+- except a dense delta run (more than `_TRY_XOR_ABOVE` of its values changed: 35% of 1-byte
+  values, 60% of wider ones; a run is one large segment, or the chunk's small segments of a
+  dtype together) that codes smaller as `xor` than as `sparse` on its own: it gets an `xor`
+  block of its own. The choice is per run, not per tensor: a tensor spanning chunks is chosen
+  for chunk by chunk, and small tensors share one choice;
 - segments without a base are `full`: a large one alone, the small ones of a dtype together.
 
 A chunk object is
@@ -28,14 +33,24 @@ import torch
 
 from whetstone.sync.bits import int_view, numpy_int_type
 from whetstone.sync.codec import (
-    FULL, SPARSE, CorruptDataError, Decoded, Encoded, apply_steps, decode_full, decode_sparse, encode_full,
-    encode_sparse, find_changes, step_codes,
+    FULL, SPARSE, XOR, CorruptDataError, Decoded, Encoded, apply_steps, decode_full, decode_sparse, decode_xor,
+    encode_full, encode_sparse, encode_xor, find_changes, step_codes,
 )
 
-MAGIC = b"WSYNC2\n"
+MAGIC = b"WSYNC3\n"
+# WSYNC2 chunks are WSYNC3 chunks without `xor` blocks: still read. (WSYNC2 readers reject
+# WSYNC3 chunks by their magic rather than failing on an unknown block.)
+_READABLE = (MAGIC, b"WSYNC2\n")
 # Segments shorter than this are scanned (or coded whole) together with the chunk's other short
 # segments of their dtype: a fixed cost per numpy call dwarfs the work on a 384-value bias.
 _SHARE_BELOW = 1 << 16
+# A delta run is also tried as `xor` when more than this fraction of its values changed, by
+# value width in bytes. Measured (values re-initialised at the same scale, where xor does best;
+# on optimizer steps it never won): xor wins from ~43% changed in fp8, ~65-70% in bf16/fp16,
+# over 75% in fp32. So neither lr 1e-6 RL steps (~2% changed) nor lr 3e-4 ones (47-57% of a
+# bf16 matrix) pay for trying it.
+_TRY_XOR_ABOVE = {1: 0.35, 2: 0.6, 4: 0.6, 8: 0.6}
+_XOR_SAMPLE = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -83,9 +98,9 @@ def encode_chunk(
     blocks = [(run, encode_full(_bits_of(run, new), level)) for runs in wholes for run in runs]
     changed = sum(seg.size for run, _ in blocks for seg in run)
     for runs in deltas:
-        block = _encode_delta(runs, new, old, level)
-        blocks.append(block)
-        changed += block[1].count
+        for block in _encode_deltas(runs, new, old, level):
+            blocks.append(block)
+            changed += block[1].count
     header = [{"segments": [[s.tensor, s.start, s.stop] for s in segs], "encoding": coded.encoding,
                "count": coded.count, "length": len(coded.payload), **coded.fields} for segs, coded in blocks]
     head = json.dumps({"blocks": header}, separators=(",", ":")).encode()
@@ -115,21 +130,44 @@ def _without_empty_runs(groups: dict[torch.dtype, Runs]) -> list[Runs]:
     return [[run for run in runs if run] for runs in groups.values()]
 
 
-def _encode_delta(runs: Runs, new, old, level: int) -> tuple[list[Segment], Encoded]:
-    """One sparse block for all the delta runs of a dtype: positions count in the block, where
-    the runs are laid end to end."""
-    positions, new_values, old_values, first = [], [], [], 0
+def _encode_deltas(runs: Runs, new, old, level: int) -> list[tuple[list[Segment], Encoded]]:
+    """The delta blocks of a dtype: one sparse block for the runs laid end to end (positions
+    count in the block), and a block of its own for each dense run that codes smaller as xor.
+    A dense run that does not stays in the shared block: one frame codes better than several."""
+    is_float = new[runs[0][0].tensor].is_floating_point()
+    blocks, shared, positions, codes, first = [], [], [], [], 0
     for run in runs:
-        found, new_found, old_found = find_changes(_bits_of(run, new), _bits_of(run, old))
+        new_bits, old_bits = _bits_of(run, new), _bits_of(run, old)
+        found, new_found, old_found = find_changes(new_bits, old_bits)
+        steps = step_codes(new_found, old_found, is_float)
+        if found.size > _TRY_XOR_ABOVE[new_bits.itemsize] * new_bits.size:
+            xor = _xor_if_smaller(new_bits, old_bits, found, steps, level)
+            if xor is not None:
+                blocks.append((run, xor))
+                continue
         if first:
             found += first
-        first += sum(seg.size for seg in run)
+        first += new_bits.size
+        shared.extend(run)
         positions.append(found)
-        new_values.append(new_found)
-        old_values.append(old_found)
-    is_float = new[runs[0][0].tensor].is_floating_point()
-    codes = step_codes(_laid_end_to_end(new_values), _laid_end_to_end(old_values), is_float)
-    return [seg for run in runs for seg in run], encode_sparse(_laid_end_to_end(positions), codes, level)
+        codes.append(steps)
+    if shared:
+        blocks.append((shared, encode_sparse(_laid_end_to_end(positions), _laid_end_to_end(codes), level)))
+    return blocks
+
+
+def _xor_if_smaller(new_bits, old_bits, found, steps, level: int) -> Encoded | None:
+    """The run's xor coding if it is smaller than its sparse one. The run's first 1/16 (at least
+    `_XOR_SAMPLE` values) is coded both ways first, and the rest only if xor wins there: where
+    sparse wins (optimizer steps, however dense) trying costs 1/16 of coding the run twice."""
+    sample = max(_XOR_SAMPLE, new_bits.size // 16)
+    if sample < new_bits.size:
+        in_sample = int(np.searchsorted(found, sample))
+        xor = encode_xor(new_bits[:sample], old_bits[:sample], in_sample, level)
+        if len(xor.payload) >= len(encode_sparse(found[:in_sample], steps[:in_sample], level).payload):
+            return None
+    xor = encode_xor(new_bits, old_bits, found.size, level)
+    return xor if len(xor.payload) < len(encode_sparse(found, steps, level).payload) else None
 
 
 def _bits_of(run: list[Segment], tensors: dict[str, torch.Tensor]) -> np.ndarray:
@@ -142,7 +180,7 @@ def _laid_end_to_end(parts: list[np.ndarray]) -> np.ndarray:
 
 def read_header(blob: bytes) -> tuple[list[dict], int]:
     """The block entries of a chunk object and the offset of its first payload."""
-    if not blob.startswith(MAGIC) or len(blob) < len(MAGIC) + 4:
+    if not blob.startswith(_READABLE) or len(blob) < len(MAGIC) + 4:
         raise CorruptDataError("chunk does not start with the weight-sync magic bytes (or is of another format)")
     (head_length,) = struct.unpack_from("<I", blob, len(MAGIC))
     start = len(MAGIC) + 4
@@ -180,6 +218,10 @@ def decode_chunk(
             old = [_base_bits(base, seg, dtype) for seg in segments]
             positions, codes = decode_sparse(count, payload, entry, size, np.dtype(f"u{dtype.itemsize}"))
             decoded.extend(_sparse_pieces(segments, old, positions, codes, dtype.is_floating_point))
+        elif encoding == XOR:
+            old = [_base_bits(base, seg, dtype) for seg in segments]
+            flips = decode_xor(payload, size, numpy_int_type(dtype))
+            decoded.extend(_xor_pieces(segments, old, flips, count))
         elif encoding == FULL:
             values = decode_full(payload, size, numpy_int_type(dtype))
             firsts = np.cumsum([0] + [seg.size for seg in segments]).tolist()
@@ -213,6 +255,25 @@ def _base_bits(base: dict[str, torch.Tensor] | None, seg: Segment, dtype: torch.
 def _sparse_pieces(segments, old: list[np.ndarray], positions, codes, is_float) -> list[tuple[Segment, Decoded]]:
     """Per segment: its changes' tensor indices, and the old values there gathered into one
     array for the whole block, which is then stepped at once."""
+    indices, cuts, old_values = _gather_old(segments, old, positions)
+    values = apply_steps(old_values, codes, is_float)
+    return [(seg, Decoded(index, values[lo:hi])) for seg, index, lo, hi in zip(segments, indices, cuts, cuts[1:])]
+
+
+def _xor_pieces(segments, old: list[np.ndarray], flips: np.ndarray, count: int) -> list[tuple[Segment, Decoded]]:
+    """As `_sparse_pieces`, the changed values of an xor block: where its bits flip."""
+    positions = np.flatnonzero(flips)
+    if positions.size != count:
+        raise CorruptDataError(f"xor block of tensor {segments[0].tensor!r} changes {positions.size} values, "
+                               f"its header says {count}")
+    indices, cuts, values = _gather_old(segments, old, positions)
+    values ^= flips.take(positions)
+    return [(seg, Decoded(index, values[lo:hi])) for seg, index, lo, hi in zip(segments, indices, cuts, cuts[1:])]
+
+
+def _gather_old(segments, old: list[np.ndarray], positions) -> tuple[list[np.ndarray], list[int], np.ndarray]:
+    """Block positions to each segment's tensor indices, where the block's positions of each
+    segment start (`cuts`), and the old values at all the positions in one array."""
     firsts = np.cumsum([0] + [seg.size for seg in segments]).tolist()  # each segment's place in the block
     cuts = np.searchsorted(positions, firsts).tolist()
     old_values = np.empty(positions.size, dtype=old[0].dtype)
@@ -221,5 +282,4 @@ def _sparse_pieces(segments, old: list[np.ndarray], positions, codes, is_float) 
         index = positions[lo:hi] + (seg.start - first) if seg.start != first else positions[lo:hi]
         np.take(old_bits, index, out=old_values[lo:hi])
         indices.append(index)
-    values = apply_steps(old_values, codes, is_float)
-    return [(seg, Decoded(index, values[lo:hi])) for seg, index, lo, hi in zip(segments, indices, cuts, cuts[1:])]
+    return indices, cuts, old_values

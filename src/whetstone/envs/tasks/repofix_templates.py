@@ -283,7 +283,7 @@ def population(board, generations):
         _test("neighbours", "neighbours counts the eight surrounding cells.",
               f"assert {board}.neighbours({x}, {y}) == {neighbours(cells, x, y)}"),
         _test("blinker", "a blinker flips between a row and a column.",
-              f"board = step(Board(5, 5, [(1, 2), (2, 2), (3, 2)]))\nassert board.alive == {{(2, 1), (2, 2), (2, 3)}}"),
+              "board = step(Board(5, 5, [(1, 2), (2, 2), (3, 2)]))\nassert board.alive == {(2, 1), (2, 2), (2, 3)}"),
         _test("step", "step applies B3/S23 to every cell.", f"assert step({board}).alive == set({sorted(gen1)!r})"),
         _test("population", f"population counts live cells after {generations} steps.",
               f"assert population({board}, {generations}) == {len(later)}"),
