@@ -89,8 +89,7 @@ class FailedAttempt:
 
 
 def demonstration(task: Task, attempt: FailedAttempt | None = None) -> list[Message]:
-    if task.split != "train":
-        raise WhetstoneError(f"task {task.id}: demonstrations are made from the train split only (split={task.split!r})")
+    _check_train(task)
     if not task.solution_files:
         raise WhetstoneError(f"task {task.id}: no reference solution files to demonstrate")
     messages: list[Message] = [
@@ -101,8 +100,9 @@ def demonstration(task: Task, attempt: FailedAttempt | None = None) -> list[Mess
         calls = [("write_file", {"path": attempt.path, "content": attempt.content},
                   prompts.write_result(attempt.path, attempt.content)),
                  ("run_tests", {}, attempt.test_output)]  # fmt: skip
-        messages += _transcribe(calls, first_number=1)
-        messages[2]["weight"] = 0  # the slip itself is not trained on
+        slip = _transcribe(calls, first_number=1)
+        slip[0]["weight"] = 0  # the wrong write_file itself is not trained on
+        messages += slip
         number = len(calls) + 1
     else:
         number = 1
@@ -113,6 +113,11 @@ def demonstration(task: Task, attempt: FailedAttempt | None = None) -> list[Mess
     messages += _transcribe(calls, first_number=number)
     messages.append(prompts.tool_call(f"call_{number + len(calls)}", "submit"))
     return messages
+
+
+def _check_train(task: Task) -> None:
+    if task.split != "train":
+        raise WhetstoneError(f"task {task.id}: demonstrations are made from the train split only (split={task.split!r})")
 
 
 def _transcribe(calls: list[tuple[str, dict[str, str], str]], first_number: int) -> list[Message]:
@@ -130,8 +135,8 @@ def failed_attempt(task: Task, max_chars: int, seed: int = 0) -> FailedAttempt |
     from whetstone.envs.harness.tools import Tools  # the harness's own tool: the text it shows
     from whetstone.envs.sandbox import open_sandbox
 
-    if len(task.solution_files) != 1 or not task.visible_tests:
-        return None
+    if len(task.solution_files) != 1 or not task.visible_tests or task.setup:
+        return None  # one file to slip in, tests to show it, and no setup commands to replay
     (path, content), = task.solution_files.items()
     slips = [m for m in mutation_sites(content) if m.operator != "return_none"]  # not a plausible slip
     random.Random(f"{seed}:{task.id}").shuffle(slips)
@@ -154,8 +159,7 @@ def demonstrations(tasks: Iterable[Task], recovery_fraction: float = 0.0, max_ch
     sandboxes, `workers` at a time; `max_chars` bounds the test output as the harness's tool does)."""
     tasks = list(tasks)
     for task in tasks:
-        if task.split != "train":  # before any sandbox work
-            raise WhetstoneError(f"task {task.id}: demonstrations are made from the train split only (split={task.split!r})")
+        _check_train(task)  # before any sandbox work
     picked = [t for t in tasks if _share(f"{seed}:{t.id}") < recovery_fraction]
     attempts: dict[str, FailedAttempt | None] = {}
     if picked:
