@@ -1,8 +1,9 @@
 """Runs the hidden tests inside the grading sandbox and reports each result to the grader.
 
-This file is mounted read-only outside the workspace and run as a script (`python
-grade_runner.py PYTEST_ARGS...`); it imports nothing from whetstone. It differs from `python -m
-pytest` in four ways that the graded code cannot undo:
+This file is mounted read-only outside the workspace, beside `plain_tests.py`, and run as a script
+(`python grade_runner.py PYTEST_ARGS...`); it imports nothing from whetstone. Tests that
+`plain_tests.plan` accepts run without pytest (same outcomes, ~0.35 s less CPU), the others under
+pytest. It differs from `python -m pytest` in four ways that the graded code cannot undo:
 
 - pytest is imported before the workspace goes on `sys.path`, so a planted `pytest.py` or
   `_pytest/` is never the test runner;
@@ -30,8 +31,10 @@ def _main() -> int:
     guarded = {os.path.realpath(p) for p in json.loads(os.environ.pop("WHETSTONE_GUARDED"))}
     test_code = {os.path.realpath(p) for p in json.loads(os.environ.pop("WHETSTONE_TEST_CODE"))} | guarded
 
+    dumps, write = json.dumps, os.write  # bound now: graded code may replace the modules' attributes
+
     def emit(record: dict) -> None:
-        os.write(results_fd, (json.dumps({**record, "token": token}) + "\n").encode())
+        write(results_fd, (dumps({**record, "token": token}) + "\n").encode())
 
     def solution_frame() -> str | None:
         """The innermost frame running workspace code that is not test code, if any."""
@@ -71,6 +74,14 @@ def _main() -> int:
             busy = False
 
     sys.addaudithook(audit)
+    import plain_tests  # beside this file; like pytest below, imported before the workspace is importable
+
+    targets = plain_tests.plan(sys.argv[1:], workspace)
+    if targets is not None:  # tests pytest would run the same way: no pytest start-up
+        sys.path[0] = workspace
+        exit_code = plain_tests.run(targets, lambda test_id, outcome: emit({"test": test_id, "outcome": outcome}))
+        emit({"finished": exit_code})
+        return exit_code
     import pytest  # before the workspace is importable: the runner cannot be replaced
 
     sys.path[0] = workspace  # what `python -m pytest` does; the runner's own directory leaves the path

@@ -31,6 +31,7 @@ from whetstone.errors import WhetstoneError
 # nor carried into grading, where the pristine setup makes them again.
 GENERATED = {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
 RUNNER = Path(__file__).with_name("grade_runner.py")
+PLAIN_TESTS = Path(__file__).with_name("plain_tests.py")
 RUNNER_DIR_IN_SANDBOX = "/opt/whetstone"
 MAX_LOG_CHARS = 20_000
 
@@ -117,9 +118,10 @@ def grade(
     required = task.fail_to_pass + task.pass_to_pass
     with tempfile.TemporaryDirectory(prefix="whetstone-grade-") as results_dir:
         runner = Mount(str(RUNNER), f"{RUNNER_DIR_IN_SANDBOX}/grade_runner.py")
+        plain_tests = Mount(str(PLAIN_TESTS), f"{RUNNER_DIR_IN_SANDBOX}/plain_tests.py")
         results = Mount(results_dir, f"{RUNNER_DIR_IN_SANDBOX}/results", writable=True)
         snapshot = Path(task.repo_path) if task.repo_path else dict(task.repo_files)
-        with open_sandbox(snapshot, config.sandbox, mounts=[runner, results]) as sandbox:
+        with open_sandbox(snapshot, config.sandbox, mounts=[runner, plain_tests, results]) as sandbox:
             _apply(sandbox.workspace, applied)
             _apply(sandbox.workspace, dict(task.hidden_tests))
             log, setup_ok = _run_setup(sandbox, task)
@@ -151,16 +153,6 @@ def _run_setup(sandbox: Sandbox, task: Task) -> tuple[str, bool]:
     return log, True
 
 
-def _pytest_args(test_command: str) -> list[str] | None:
-    """The arguments of a pytest invocation, or None when the command is not pytest."""
-    argv = shlex.split(test_command)
-    if len(argv) >= 3 and PurePosixPath(argv[0]).name.startswith("python") and argv[1:3] == ["-m", "pytest"]:
-        return argv[3:]
-    if argv and argv[0] in ("pytest", "py.test"):
-        return argv[1:]
-    return None
-
-
 def _test_code(task: Task, pristine: dict[str, str], applied: dict[str, str | None]) -> list[str]:
     """Files whose code may read hidden tests: those tests, and test files of the repository that
     the agent left alone (a `test_*.py` the agent wrote or edited is solution code like any other)."""
@@ -179,7 +171,7 @@ def _run_tests(
 ) -> tuple[dict[str, str], list[str], RunResult]:
     """(outcome per test id, runtime cheat flags, the run) for one test run."""
     targets = required or sorted(task.hidden_tests)
-    pytest_args = _pytest_args(task.test_command)
+    pytest_args = task.pytest_args
     if pytest_args is None:  # a custom command: one verdict from its exit code, no per-test detail
         run = sandbox.run(f"{task.test_command} {shlex.join(targets)}", timeout_s=task.test_time_limit_s)
         verdict = "passed" if run.exit_code == 0 and not run.timed_out else "failed"

@@ -6,6 +6,7 @@ reference solution) are kept out of the rollout sandbox by the code that builds 
 
 from __future__ import annotations
 
+import shlex
 from pathlib import PurePosixPath
 from typing import Literal
 
@@ -79,6 +80,17 @@ class Task(Config):
     _check_solution = field_validator("solution_files")(
         lambda cls, v: _check_relative_paths(v, "solution_files")
     )
+
+    @property
+    def pytest_args(self) -> list[str] | None:
+        """The arguments of `test_command` when it runs pytest (`python -m pytest ...`,
+        `pytest ...`), else None: a custom command gives one verdict, no per-test outcomes."""
+        argv = shlex.split(self.test_command)
+        if len(argv) >= 3 and PurePosixPath(argv[0]).name.startswith("python") and argv[1:3] == ["-m", "pytest"]:
+            return argv[3:]
+        if argv and argv[0] in ("pytest", "py.test"):
+            return argv[1:]
+        return None
 
     @model_validator(mode="after")
     def _one_snapshot(self) -> "Task":

@@ -1,0 +1,236 @@
+"""Runs plain pytest test modules without pytest: the same tests, the same outcome for each.
+
+Starting pytest costs ~0.35 s of CPU per run, ~9x the whole run of a few plain test functions
+(measured in a sandbox: 402 ms against 45 ms), and every rollout runs its tests at least twice
+(`run_tests`, then grading). This runner takes only command lines it can run exactly as pytest
+would; for anything else `plan` answers None and the caller runs pytest.
+
+A run is plain when the arguments are test files at the repository root plus flags that change
+only pytest's report (`-q`, `-rA`, `--tb=...`, `-p no:cacheprovider`, `--rootdir=...`), nothing
+configures pytest (no `conftest.py`, ini/`setup.cfg`/`pyproject.toml`, root `__init__.py`), and
+each file, read before any code runs, is top-level `def test*():` functions without parameters
+or decorators plus code that does not name pytest, unittest, xunit set-up functions, classes, or
+the module's own namespace (`globals`, `exec`, `global`, ...). It then does what pytest does with
+them: imports every file first (any import error: no test runs, exit 2, like pytest's
+"errors during collection"), collects the module's `test*` functions in definition order
+(imported ones too), calls each, and counts `Exception` and `SystemExit` as failures,
+`KeyboardInterrupt` as the end of the run. Output of the code under test is discarded.
+
+Known difference: its call stack under a test is ~40 frames shallower than pytest's, so code
+recursing within ~40 frames of the recursion limit can pass here and fail under pytest.
+
+This file imports nothing from whetstone: `grade_runner.py` imports it from the directory both are
+mounted in, and `run_tests` runs it as a script (`python plain_tests.py ARGS...`: exit 0 and
+pytest's `-rA` summary lines when every test passed; any other exit, with nothing on stdout,
+means "run pytest").
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import sys
+from collections.abc import Callable
+from inspect import isclass, isfunction
+
+REPORT_FLAGS = {"-q", "-rA", "-p no:cacheprovider"}
+REPORT_PREFIXES = ("--tb=", "--rootdir=")
+CONFIG_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "__init__.py")
+FORBIDDEN_NAMES = {
+    "pytest", "_pytest", "unittest", "pytestmark", "__test__", "globals", "locals", "vars", "exec", "eval",
+    "setattr", "delattr", "__dict__", "modules", "setup", "teardown", "setup_module", "teardown_module",
+    "setup_function", "teardown_function", "setUpModule", "tearDownModule", "pytest_plugins",
+}  # fmt: skip
+"""Names whose mention means pytest, or code that could change what a module holds at run time."""
+
+# pytest's exit codes
+OK, TESTS_FAILED, INTERRUPTED, USAGE_ERROR, NO_TESTS_COLLECTED = 0, 1, 2, 4, 5
+
+
+def plan(args: list[str], root: str = ".") -> list[str] | None:
+    """The targets (files or `file::test` ids) of a pytest command line if the run is plain (see
+    the module docstring), else None."""
+    targets: list[str] = []
+    flags = iter(args)
+    for arg in flags:
+        if arg == "-p":
+            arg = f"-p {next(flags, '')}"
+        if arg in REPORT_FLAGS or arg.startswith(REPORT_PREFIXES):
+            continue
+        name, _, test = arg.partition("::")
+        if arg.startswith("-") or "/" in name or not name.endswith(".py") or "::" in test or arg in targets:
+            return None
+        targets.append(arg)
+    if not targets or any(os.path.lexists(os.path.join(root, name)) for name in CONFIG_FILES):
+        return None
+    for name in dict.fromkeys(target.partition("::")[0] for target in targets):
+        path = os.path.join(root, name)
+        if os.path.islink(path) or not os.path.isfile(path) or not _plain_source(path):
+            return None
+    return targets
+
+
+def _plain_source(path: str) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            tree = ast.parse(handle.read(), path)
+    except (OSError, SyntaxError, ValueError):
+        return False  # pytest reports these its own way
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.Global, ast.Nonlocal)):
+            return False
+        if isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
+            return False
+        if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_NAMES:
+            return False
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            module = getattr(node, "module", None) or ""
+            names = [alias.name for alias in node.names] + [alias.asname or "" for alias in node.names]
+            if any(n.split(".")[0] in FORBIDDEN_NAMES or n == "*" for n in [module, *names]):
+                return False
+    for node in _module_level(tree):
+        if isinstance(node, ast.AsyncFunctionDef) and node.name.lower().startswith("test"):
+            return False
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test") and not _plain_test(node):
+            return False
+        bound = _bound_names(node)
+        if any(name in FORBIDDEN_NAMES for name in bound):
+            return False  # e.g. `def setup_module():`, which pytest would call
+        if any(name.lower().startswith("test") for name in bound) and not (
+                isinstance(node, ast.FunctionDef) and node in tree.body):
+            return False  # a test bound any other way than a top-level def
+    return True
+
+
+def _module_level(tree: ast.Module):
+    """Every node that runs in the module's own namespace (not inside a function body)."""
+    stack = list(tree.body)
+    while stack:
+        node = stack.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+            stack.extend(ast.iter_child_nodes(node))
+
+
+def _bound_names(node: ast.AST) -> list[str]:
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return [node.name]
+    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+        return [node.id]
+    if isinstance(node, (ast.Import, ast.ImportFrom)):
+        return [(alias.asname or alias.name).split(".")[0] for alias in node.names]
+    if isinstance(node, ast.MatchAs | ast.MatchStar) and node.name:
+        return [node.name]
+    return []
+
+
+def _plain_test(node: ast.FunctionDef) -> bool:
+    arguments = node.args
+    if node.decorator_list or arguments.args or arguments.posonlyargs or arguments.kwonlyargs:
+        return False
+    if arguments.vararg or arguments.kwarg:
+        return False
+    own_body = [n for n in ast.walk(node) if isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await))]
+    return not own_body  # a generator is not a test function to pytest
+
+
+def run(targets: list[str], report: Callable[[str, str], None]) -> int:
+    """Import every file (paths relative to the working directory, which must be first on
+    `sys.path`), then run the targeted tests; `report(test_id, outcome)` for each. Returns pytest's
+    exit code. Call `plan` first: this trusts that the targets are plain."""
+    modules = {}
+    with _output_discarded():
+        for name in dict.fromkeys(target.partition("::")[0] for target in targets):
+            try:
+                modules[name] = _collect(_import(name))
+            except KeyboardInterrupt:
+                return INTERRUPTED
+            except BaseException:  # noqa: BLE001 - whatever pytest's collection would report
+                report(name, "error")
+        if len(modules) < len(dict.fromkeys(t.partition("::")[0] for t in targets)):
+            return INTERRUPTED
+        tests: dict[str, Callable[[], object]] = {}
+        for target in targets:
+            name, _, selected = target.partition("::")
+            found = {f"{name}::{test}": function for test, function in modules[name] if selected in ("", test)}
+            if not found:
+                return USAGE_ERROR if selected else NO_TESTS_COLLECTED  # pytest: "not found", nothing runs
+            tests.update(found)
+        failed = 0
+        for test_id, function in tests.items():
+            try:
+                function()
+                outcome = "passed"
+            except KeyboardInterrupt:
+                return INTERRUPTED
+            except (Exception, SystemExit):
+                outcome = "failed"
+            failed += outcome != "passed"
+            report(test_id, outcome)
+    return TESTS_FAILED if failed else OK
+
+
+def _import(name: str):
+    import importlib
+
+    module_name = name[: -len(".py")]
+    sys.modules.pop(module_name, None)
+    module = importlib.import_module(module_name)
+    if os.path.realpath(getattr(module, "__file__", None) or "") != os.path.realpath(name):
+        raise ImportError(f"{module_name} is not {name}")  # pytest: import file mismatch
+    return module
+
+
+def _collect(module) -> list[tuple[str, Callable[[], object]]]:
+    """pytest's collection of a plain module: functions named `test*` in its namespace, in order."""
+    collected = []
+    for name, value in list(module.__dict__.items()):
+        if name.startswith("test") and isfunction(value):
+            collected.append((name, value))
+        elif name.startswith("Test") and isclass(value):
+            raise RuntimeError(f"{module.__name__}.{name}: a class appeared at import time")
+    return collected
+
+
+class _output_discarded:
+    """File descriptors 1 and 2 point at /dev/null while tests run (pytest captures them)."""
+
+    def __enter__(self):
+        sys.stdout.flush(), sys.stderr.flush()
+        self.saved = [os.dup(1), os.dup(2)]
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 1), os.dup2(null, 2)
+        os.close(null)
+
+    def __exit__(self, *exc):
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        for fd, saved in zip((1, 2), self.saved):
+            os.dup2(saved, fd)
+            os.close(saved)
+
+
+def _main() -> int:
+    """`run_tests`' fast path: exit 0 with `-rA` summary lines only when every test passed."""
+    args = sys.argv[1:]
+    sys.path[0] = os.getcwd()  # what `python -m pytest` puts first; this script's directory leaves
+    targets = plan(args)
+    if targets is None:
+        return 3
+    outcomes: list[tuple[str, str]] = []
+    try:
+        code = run(targets, lambda test_id, outcome: outcomes.append((test_id, outcome)))
+    except BaseException:  # noqa: BLE001 - whatever went wrong, pytest will say it properly
+        return 3
+    if code != OK or any(outcome != "passed" for _, outcome in outcomes):
+        return code or TESTS_FAILED
+    summary = "\n".join(f"PASSED {test_id}" for test_id, _ in outcomes)
+    print(f"=== short test summary info ===\n{summary}\n{len(outcomes)} passed", flush=True)
+    return OK
+
+
+if __name__ == "__main__":
+    sys.exit(_main())
