@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from whetstone.errors import WhetstoneError
+from whetstone.utils.processes import stop_with_parent
 
 app = typer.Typer(
     name="whetstone",
@@ -44,6 +45,7 @@ app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:
+    stop_with_parent()
     try:
         app()
     except WhetstoneError as err:

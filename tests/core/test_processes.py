@@ -1,6 +1,10 @@
 """Roles as child processes: started with the same interpreter, logged to a file, stopped cleanly."""
 
+import os
+import signal
+import subprocess
 import sys
+import time
 
 import pytest
 
@@ -35,3 +39,29 @@ def test_stop_sends_sigterm_and_returns_the_exit_code(tmp_path):
     role.start()
     assert role.running
     assert role.stop(grace_s=10) == -15 and not role.running
+
+
+def test_a_role_stops_when_the_process_that_started_it_is_killed(tmp_path):
+    # `whetstone run` killed with SIGKILL runs no clean-up: its roles must not outlive it
+    parent = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\nfrom whetstone.utils.processes import RoleProcess\n"
+        f"role = RoleProcess('sleeper', [], {str(tmp_path / 'r.log')!r})\n"
+        "role.argv = [sys.executable, '-c', 'from whetstone.utils.processes import stop_with_parent; stop_with_parent(); "
+        "import time; time.sleep(120)']\n"
+        "print(role.start().process.pid, flush=True)\ntime.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    child = int(parent.stdout.readline())
+    os.kill(parent.pid, signal.SIGKILL)
+    parent.wait()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and alive(child):
+        time.sleep(0.1)
+    assert not alive(child)
+
+
+def alive(pid: int) -> bool:
+    """Running (not a zombie awaiting its reaper)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,24 @@ from pathlib import Path
 import httpx
 
 from whetstone.errors import WhetstoneError
+
+
+PARENT_ENV = "WHETSTONE_PARENT_PID"
+"""Set in every role's environment: the role stops when this process ends (`stop_with_parent`)."""
+
+
+def stop_with_parent() -> None:
+    """In a role started by `RoleProcess`: get SIGTERM when the starting process ends, however it
+    ends (a SIGKILL of `whetstone run` runs none of its clean-up), so no role outlives its run."""
+    parent = os.environ.pop(PARENT_ENV, None)
+    if parent is None or not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGTERM)
+    if os.getppid() != int(parent):  # it ended before the request took effect
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 class RoleProcess:
@@ -45,8 +64,11 @@ class RoleProcess:
 
     def start(self) -> RoleProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        env = dict(self.env)
+        if threading.current_thread() is threading.main_thread():  # the kernel ties it to the starting thread
+            env[PARENT_ENV] = str(os.getpid())
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT,
+            self.process = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                             stdin=subprocess.DEVNULL)  # fmt: skip
         return self
 
