@@ -9,7 +9,7 @@ import typer
 from rich.console import Console
 
 from whetstone.errors import WhetstoneError
-from whetstone.utils.processes import stop_with_parent
+from whetstone.utils.processes import apply_role_environment
 
 app = typer.Typer(
     name="whetstone",
@@ -45,7 +45,7 @@ app.add_typer(bench_app, name="bench")
 
 
 def main() -> None:
-    stop_with_parent()
+    apply_role_environment()
     try:
         app()
     except WhetstoneError as err:

@@ -4,11 +4,13 @@ is the slow test at the end. (The orchestrator's synchronous mode, the baseline,
 tests/orchestrator/test_loop.py.)"""
 
 import json
+import os
 
 import pytest
 import torch
 
-from whetstone.bench.pipeline import GradingReward, coin_tasks, measure, random_model, run, written_files
+from whetstone.bench.pipeline import (GradingReward, coin_tasks, measure, placement_config, random_model, run,
+                                      written_files)
 from whetstone.envs.harness import HarnessConfig
 from whetstone.envs.harness.summarize import segment_messages
 from whetstone.envs.reward import RewardConfig
@@ -101,6 +103,17 @@ def test_bad_settings_are_named_before_anything_starts(tmp_path):
         run(steps=1)
     with pytest.raises(WhetstoneError, match="config.json does not exist"):
         run(model=str(tmp_path), output_dir=str(tmp_path / "out"))  # not an HF folder
+    with pytest.raises(WhetstoneError, match="placement must be split or shared, got 'spread'"):
+        run(placement="spread")
+    with pytest.raises(WhetstoneError, match="model_size must be one of tiny, default, got 'huge'"):
+        run(model_size="huge", output_dir=str(tmp_path / "out2"))
+
+
+def test_the_split_placement_puts_the_trainer_apart_from_the_rollout_side():
+    placement = placement_config("split")
+    cores = sorted(os.sched_getaffinity(0))
+    assert placement.trainer == cores[:1] and placement.servers == placement.orchestrator == cores[1:]
+    assert placement_config("shared").trainer == []
 
 
 def test_the_cli_passes_its_options_to_the_benchmark():
@@ -121,6 +134,7 @@ def test_a_tiny_benchmark_reports_every_side(tmp_path):
     for key in ("trainer_busy", "inference_busy"):
         assert 0.0 <= result[key] <= 1.0
     assert result["samples_per_step"] == 2 and result["model_parameters"] > 1_000_000
+    assert result["placement"]["split"]["trainer"] == sorted(os.sched_getaffinity(0))[:1]
     timings = result["timings"]
     assert timings["async"]["samples"] == timings["sync"]["samples"] == timings["trl"]["samples"] == 4
     assert timings["sync"]["staleness_max"] == 0 and timings["async"]["staleness_max"] <= 2

@@ -65,3 +65,18 @@ def alive(pid: int) -> bool:
             return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_role_runs_on_its_cores_and_so_does_everything_it_starts(tmp_path):
+    core = sorted(os.sched_getaffinity(0))[-1]
+    role = RoleProcess("pinned", [], tmp_path / "p.log", cpus=[core])
+    role.argv = [sys.executable, "-c", "from whetstone.utils.processes import apply_role_environment; "
+                 "apply_role_environment(); import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
+                 "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"]
+    assert role.start().wait(60) == 0
+    assert role.log_path.read_text().split() == [f"[{core}]", f"[{core}]"]
+
+
+def test_cores_that_do_not_exist_are_named(tmp_path):
+    with pytest.raises(WhetstoneError, match=r"trainer: cores \[4096\] are not available here"):
+        RoleProcess("trainer", [], tmp_path / "t.log", cpus=[4096])

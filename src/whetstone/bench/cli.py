@@ -85,13 +85,17 @@ def pipeline(
     max_tokens: int = typer.Option(64, help="Completion tokens of a rollout (one turn)."),
     tasks: int = typer.Option(16, help="Coin tasks (synth train tasks that give reward variance)."),
     model: str = typer.Option("", "--model", help="A mid-trained HF folder; default: the tiny MoE, random weights."),
+    model_size: str = typer.Option("tiny", help="Random model when no --model: tiny (1.9M, the default run's) "
+                                                "or default (8.1M, ModelConfig())."),
     trl: bool = typer.Option(True, "--trl/--no-trl", help="Also run TRL's GRPOTrainer."),
+    placement: str = typer.Option("split", help="split: the trainer on core 0, the rollout side on the others "
+                                                 "(roles on separate hardware); shared: every role on every core."),
     output_dir: str = typer.Option("", help="Keep the roles' configs, logs and metrics here (default: a temp folder)."),
 ) -> None:
     """Samples/s of asynchronous RL vs the synchronous baseline and TRL's GRPOTrainer; busy fractions."""
     result = _bench("pipeline").run(steps=steps, group_size=group_size, groups_per_batch=groups_per_batch,
-                                    max_tokens=max_tokens, tasks=tasks, model=model or None, trl=trl,
-                                    output_dir=output_dir or None)  # fmt: skip
+                                    max_tokens=max_tokens, tasks=tasks, model=model or None, model_size=model_size,
+                                    trl=trl, placement=placement, output_dir=output_dir or None)  # fmt: skip
     _emit(result, as_json, "RL pipeline")
 
 

@@ -59,8 +59,12 @@ def coin_tasks(count: int, seed: int = 0) -> list[Task]:
     }) for task in generate(SynthConfig(count=count, split="train", seed=seed))]  # fmt: skip
 
 
-def random_model(folder: Path, tasks: list[Task], seed: int = 0) -> Path:
-    """The embedded default's tiny MoE with random weights, and a BPE trained on the tasks' text
+RANDOM_MODELS = {"tiny": "MidtrainModelConfig", "default": "ModelConfig"}
+"""`tiny`: the embedded default run's 1.9M MoE; `default`: `ModelConfig()`, the 8.1M MoE."""
+
+
+def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "tiny") -> Path:
+    """A MoE of `RANDOM_MODELS[size]` with random weights, and a BPE trained on the tasks' text
     and some standard-library source, as one HF folder."""
     import importlib
 
@@ -68,6 +72,7 @@ def random_model(folder: Path, tasks: list[Task], seed: int = 0) -> Path:
 
     from whetstone.envs.prompts import SYSTEM_PROMPT, first_user_message
     from whetstone.midtrain.config import MidtrainModelConfig
+    from whetstone.model import ModelConfig
     from whetstone.model import Transformer
     from whetstone.model.hf import save_hf
     from whetstone.tokenizer import Tokenizer
@@ -77,15 +82,32 @@ def random_model(folder: Path, tasks: list[Task], seed: int = 0) -> Path:
     tokenizer = Tokenizer.train(texts, vocab_size=MidtrainModelConfig().vocab_size)
     tokenizer.save(folder / "tokenizer")
     torch.manual_seed(seed)
-    model = Transformer(MidtrainModelConfig(vocab_size=tokenizer.vocab_size)).eval()
+    config_class = {"tiny": MidtrainModelConfig, "default": ModelConfig}[size]
+    model = Transformer(config_class(vocab_size=tokenizer.vocab_size)).eval()
     return Path(save_hf(model, folder / "model", tokenizer_dir=folder / "tokenizer"))
 
 
 # -- whetstone: the RL stage of `whetstone run`, asynchronous or synchronous ------------------------
 
 
+def placement_config(placement: str):
+    """`split`: the trainer on the first usable core, servers, orchestrator and sandboxes on the
+    others, as on separate hardware (a synchronous step then leaves one side idle while the other
+    works, as it leaves trainer or inference GPUs idle); `shared`: every role on every core."""
+    from whetstone.run.config import PlacementConfig
+
+    cores = sorted(os.sched_getaffinity(0))
+    if placement == "shared":
+        return PlacementConfig()
+    if placement != "split":
+        raise WhetstoneError(f"placement must be split or shared, got {placement!r}")
+    if len(cores) < 2:
+        raise WhetstoneError(f"placement split needs 2 usable cores, this process has {len(cores)}")
+    return PlacementConfig(trainer=cores[:1], servers=cores[1:], orchestrator=cores[1:])
+
+
 def pipeline_config(work: Path, name: str, tasks_file: Path, *, steps: int, group_size: int, groups_per_batch: int,
-                    max_tokens: int, synchronous: bool):  # fmt: skip
+                    max_tokens: int, synchronous: bool, placement: str = "shared"):  # fmt: skip
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
     from whetstone.orchestrator import OrchestratorConfig
@@ -102,7 +124,7 @@ def pipeline_config(work: Path, name: str, tasks_file: Path, *, steps: int, grou
         poll_interval_s=POLL_S, health_interval_s=0.5,
     )  # fmt: skip
     trainer = TrainerConfig(checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S))
-    return PipelineConfig(name=name, output_dir=str(work), harness=harness,
+    return PipelineConfig(name=name, output_dir=str(work), harness=harness, placement=placement_config(placement),
                           rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator))  # fmt: skip
 
 
@@ -298,15 +320,19 @@ def run(
     max_tokens: int = 64,
     tasks: int = 16,
     model: str | None = None,
+    model_size: str = "tiny",
     trl: bool = True,
     trl_threads: int = 0,
+    placement: str = "split",
     output_dir: str | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Async, sync and TRL for `steps` steps of `group_size * groups_per_batch` samples each.
 
-    `model`: a mid-trained HF folder (default: the tiny MoE with random weights). `trl_threads`:
-    torch threads of the TRL process (0 = every core: it runs alone). `output_dir` keeps every
+    `model`: a mid-trained HF folder (default: a MoE of `RANDOM_MODELS[model_size]` with random
+    weights). `trl_threads`:
+    torch threads of the TRL process (0 = every core: it runs alone). `placement`: the cores of
+    the whetstone roles (`placement_config`). `output_dir` keeps every
     role's config, logs and metrics (default: a temporary folder, removed after).
     """
     for name, value, least in (("steps", steps, 2), ("group_size", group_size, 2),
@@ -314,24 +340,29 @@ def run(
                                ("tasks", tasks, 1)):  # fmt: skip
         if value < least:
             raise WhetstoneError(f"{name} must be >= {least}, got {value}")
+    placement_config(placement)
+    if model_size not in RANDOM_MODELS:
+        raise WhetstoneError(f"model_size must be one of {', '.join(RANDOM_MODELS)}, got {model_size!r}")
     with contextlib.ExitStack() as stack:
         work = Path(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
-        return _run(work, steps, group_size, groups_per_batch, max_tokens, tasks, model, trl, trl_threads, seed)
+        return _run(work, steps, group_size, groups_per_batch, max_tokens, tasks, model, model_size, trl, trl_threads,
+                    placement, seed)  # fmt: skip
 
 
 def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tokens: int, task_count: int,
-         model: str | None, trl: bool, trl_threads: int, seed: int) -> dict[str, Any]:  # fmt: skip
+         model: str | None, model_size: str, trl: bool, trl_threads: int, placement: str,
+         seed: int) -> dict[str, Any]:  # fmt: skip
     from whetstone.envs.tasks import write_tasks
     from whetstone.model.hf import read_hf_config
 
     tasks = coin_tasks(task_count, seed)
     tasks_file = work / "coin-tasks.jsonl"
     write_tasks(tasks, tasks_file)
-    model_dir = Path(model) if model else random_model(work / "bench-model", tasks, seed)
+    model_dir = Path(model) if model else random_model(work / "bench-model", tasks, seed, model_size)
     model_config = read_hf_config(model_dir)  # a bad --model fails here, naming the file
     settings = dict(steps=steps, group_size=group_size, groups_per_batch=groups_per_batch, max_tokens=max_tokens)
-    configs = {name: pipeline_config(work, name, tasks_file, synchronous=name == "sync", **settings)
+    configs = {name: pipeline_config(work, name, tasks_file, synchronous=name == "sync", placement=placement, **settings)
                for name in ("async", "sync")}  # fmt: skip
     load: dict[str, list[float]] = {"start": list(os.getloadavg())}
     timings: dict[str, dict[str, Any]] = {}
@@ -362,9 +393,10 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
         "vs_trl": _round(async_rate / trl_rate if trl_rate else None),
         **settings,
         "samples_per_step": group_size * groups_per_batch,
+        "placement": {placement: configs["async"].placement.model_dump()},
         "tasks": task_count,
         "rollout": "single-turn (harness max_turns = 1), coin tasks",
-        "model": str(model) if model else "random-init MidtrainModelConfig",
+        "model": str(model) if model else f"random-init {RANDOM_MODELS[model_size]}",
         "model_parameters": parameters,
         "model_config": model_config.model_dump(),
         "timings": {side: {k: _round(v) for k, v in values.items()} for side, values in timings.items()},

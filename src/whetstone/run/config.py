@@ -59,6 +59,19 @@ class RLConfig(Config):
     """After the last step, how long the servers may take to load the final version."""
 
 
+class PlacementConfig(Config):
+    """The CPU cores each role may run on (empty = any core). On one machine, disjoint cores stand
+    in for roles on separate hardware (trainer GPUs, inference GPUs), as the pipeline benchmark
+    places them; sharing every core is what serves one small machine best."""
+
+    trainer: list[int] = []
+    """Cores of the trainer process."""
+    servers: list[int] = []
+    """Cores of every inference server."""
+    orchestrator: list[int] = []
+    """Cores of the orchestrator and the sandboxes its rollouts run."""
+
+
 class PipelineConfig(Config):
     """`whetstone run`: every stage of a run, written under `<output_dir>/<name>/`."""
 
@@ -95,5 +108,7 @@ class PipelineConfig(Config):
     )  # fmt: skip
     """Held-out evaluation before and after RL (endpoint, harness and output folder are set by
     the pipeline)."""
+    placement: PlacementConfig = PlacementConfig()
+    """CPU cores of the roles the pipeline starts (evaluations run in the pipeline's own process)."""
     rl_enabled: bool = True
     """Run stage 2 (RL, with both evaluations); off = mid-training only."""

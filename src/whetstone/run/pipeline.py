@@ -96,10 +96,11 @@ class Pipeline:
         atomic_write_text(path, dump_toml(config) + "\n")
         return path
 
-    def start(self, name: str, command: str, config, *, threads: int, health_url: str | None = None) -> RoleProcess:
+    def start(self, name: str, command: str, config, *, threads: int, cpus: list[int],
+              health_url: str | None = None) -> RoleProcess:  # fmt: skip
         path = self.write_role_config(name, config)
         role = RoleProcess(name, [command, str(path)], self.run_dir / "logs" / f"{name}.log",
-                           health_url=health_url, threads=threads).start()  # fmt: skip
+                           health_url=health_url, threads=threads, cpus=cpus).start()  # fmt: skip
         self.roles.append(role)
         return role
 
@@ -119,7 +120,7 @@ class Pipeline:
         self.urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
         started = [
             self.start(f"serve-{i}", "serve", self.serve_config(port), threads=servers.serve.threads or 1,
-                       health_url=f"http://127.0.0.1:{port}/health")
+                       cpus=self.config.placement.servers, health_url=f"http://127.0.0.1:{port}/health")
             for i, port in enumerate(ports)
         ]  # fmt: skip
         for role in started:
@@ -137,8 +138,11 @@ class Pipeline:
     def rl(self) -> dict[str, Any]:
         steps = self.config.rl.steps
         trainer_config = self.trainer_config()
-        trainer = self.start("trainer", "trainer", trainer_config, threads=trainer_config.threads or 1)
-        orchestrator = self.start("orchestrator", "orchestrator", self.orchestrator_config(), threads=1)
+        placement = self.config.placement
+        trainer = self.start("trainer", "trainer", trainer_config, threads=trainer_config.threads or 1,
+                             cpus=placement.trainer)  # fmt: skip
+        orchestrator = self.start("orchestrator", "orchestrator", self.orchestrator_config(), threads=1,
+                                  cpus=placement.orchestrator)  # fmt: skip
         trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
         batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
         done = 0

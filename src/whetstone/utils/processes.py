@@ -30,8 +30,30 @@ import httpx
 from whetstone.errors import WhetstoneError
 
 
+CPUS_ENV = "WHETSTONE_CPUS"
+"""Set by `RoleProcess(cpus=...)`: the cores the role (and every process it starts) may run on."""
 PARENT_ENV = "WHETSTONE_PARENT_PID"
 """Set in every role's environment: the role stops when this process ends (`stop_with_parent`)."""
+
+
+def apply_role_environment() -> None:
+    """At the start of a role started by `RoleProcess`: its CPU placement, and its end with its parent."""
+    cpus = os.environ.pop(CPUS_ENV, None)
+    if cpus:
+        # every thread started so far (imports may have started some); later threads and child
+        # processes (sandboxes) inherit the mask
+        mask = {int(cpu) for cpu in cpus.split(",")}
+        for thread_id in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread_id), mask)
+    stop_with_parent()
+
+
+def check_cpus(cpus: list[int], what: str) -> None:
+    """Raise naming `what` if a core in `cpus` is not one this process may use."""
+    usable = os.sched_getaffinity(0)
+    missing = sorted(set(cpus) - usable)
+    if missing:
+        raise WhetstoneError(f"{what}: cores {missing} are not available here (usable: {sorted(usable)})")
 
 
 def stop_with_parent() -> None:
@@ -50,9 +72,10 @@ def stop_with_parent() -> None:
 
 class RoleProcess:
     def __init__(self, name: str, args: list[str], log_path: str | Path, *, health_url: str | None = None,
-                 threads: int | None = None, env: dict[str, str] | None = None):  # fmt: skip
+                 threads: int | None = None, env: dict[str, str] | None = None, cpus: list[int] | None = None):  # fmt: skip
         """`args`: the `whetstone` command line after the program name. `threads`: OMP/MKL
-        threads of the child (its torch intra-op pool), so roles sharing cores do not oversubscribe."""
+        threads of the child (its torch intra-op pool), so roles sharing cores do not oversubscribe.
+        `cpus`: the cores it may run on (None: any)."""
         self.name = name
         self.argv = [sys.executable, "-m", "whetstone.cli", *args]
         self.log_path = Path(log_path)
@@ -60,6 +83,9 @@ class RoleProcess:
         self.env = {"COLUMNS": "200", **os.environ, **(env or {})}  # rich wraps log lines at 80 otherwise
         if threads is not None:
             self.env.update(OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads))
+        if cpus:
+            check_cpus(cpus, name)
+            self.env[CPUS_ENV] = ",".join(map(str, cpus))
         self.process: subprocess.Popen | None = None
 
     def start(self) -> RoleProcess:
