@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from whetstone.bench.pipeline import (GradingReward, coin_tasks, measure, placement_config, random_model, run,
-                                      written_files)
+from whetstone.bench.pipeline import (GradingReward, coin_tasks, measure, overlap_bound, placement_config, random_model,
+                                      run, written_files)
 from whetstone.envs.harness import HarnessConfig
 from whetstone.envs.harness.summarize import segment_messages
 from whetstone.envs.reward import RewardConfig
@@ -109,6 +109,11 @@ def test_bad_settings_are_named_before_anything_starts(tmp_path):
         run(model_size="huge", output_dir=str(tmp_path / "out2"))
 
 
+def test_the_overlap_bound_is_the_synchronous_step_over_its_longer_side():
+    assert overlap_bound({"wait_s_mean": 2.0, "train_s_mean": 1.5, "publish_s_mean": 0.5}) == 2.0
+    assert overlap_bound({"wait_s_mean": 2.0, "train_s_mean": 0.15, "publish_s_mean": 0.05}) == pytest.approx(1.1)
+
+
 def test_the_split_placement_puts_the_trainer_apart_from_the_rollout_side():
     placement = placement_config("split")
     cores = sorted(os.sched_getaffinity(0))
@@ -135,6 +140,8 @@ def test_a_tiny_benchmark_reports_every_side(tmp_path):
         assert 0.0 <= result[key] <= 1.0
     assert result["samples_per_step"] == 2 and result["model_parameters"] > 1_000_000
     assert result["placement"]["split"]["trainer"] == sorted(os.sched_getaffinity(0))[:1]
+    assert result["vs_trl_side"] == "async_shared" and result["timings"]["async_shared"]["samples"] == 4
+    assert 1.0 <= result["async_vs_sync_bound"] <= 2.0 and result["overlap_efficiency"] > 0
     timings = result["timings"]
     assert timings["async"]["samples"] == timings["sync"]["samples"] == timings["trl"]["samples"] == 4
     assert timings["sync"]["staleness_max"] == 0 and timings["async"]["staleness_max"] <= 2

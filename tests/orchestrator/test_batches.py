@@ -1,5 +1,7 @@
 """What goes into batch n: fresh samples only, and the meta of the contract."""
 
+import pytest
+
 from whetstone.orchestrator.batches import (
     Group, Window, batch_key, build_batch, drop_stale, flat_metrics, next_batch_index,
 )
@@ -44,3 +46,11 @@ def test_a_batch_carries_the_contract_meta():
     assert NOT_GENERATED not in batch.versions[batch.loss_mask].tolist()
     flat = flat_metrics(meta)
     assert flat["groups.kept_groups"] == 2 and flat["staleness_1"] == 1 and flat["index"] == 5
+    assert batch.temperatures is None  # temperature 1: the trainer's logits as they are
+
+
+def test_a_batch_sampled_at_another_temperature_carries_it_for_every_row():
+    groups = [Group([sample(5, 1.0), sample(4, -1.0)], 2)]
+    batch = build_batch(5, groups, Window(), StalenessConfig(), weight_version=4, temperature=0.7)
+    assert batch.temperatures.tolist() == pytest.approx([0.7, 0.7])
+

@@ -36,3 +36,9 @@ def test_toml_and_overrides_are_checked_and_named(tmp_path):
 def test_cli_reports_a_bad_config_by_name():
     result = CliRunner().invoke(app, ["orchestrator", "--set", "groups_per_batch=0"])
     assert isinstance(result.exception, ConfigError) and "groups_per_batch" in str(result.exception)
+
+
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"top_p": 0.9}, {"top_k": 20}])
+def test_rl_refuses_sampling_the_trainer_cannot_reproduce(sampling):
+    with pytest.raises(ValidationError, match="RL trains on the sampled distribution"):
+        OrchestratorConfig(harness={"sampling": sampling})

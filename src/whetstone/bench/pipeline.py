@@ -199,6 +199,14 @@ def measure(steps: list[dict], server_samples: list[dict]) -> dict[str, Any]:
     }
 
 
+def overlap_bound(sync: dict[str, Any]) -> float:
+    """The most any overlap of generation and training can gain over the synchronous run: its step
+    time (the trainer's wait for a batch, i.e. generation, plus train and publish) over the longer
+    of the two. Balanced sides give 2; training that takes a tenth of generation gives 1.1."""
+    generation, training = sync["wait_s_mean"], sync["train_s_mean"] + sync["publish_s_mean"]
+    return (generation + training) / max(generation, training, 1e-9)
+
+
 def _mean(values: list[float]) -> float | None:
     return sum(values) / len(values) if values else None
 
@@ -364,6 +372,9 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
     settings = dict(steps=steps, group_size=group_size, groups_per_batch=groups_per_batch, max_tokens=max_tokens)
     configs = {name: pipeline_config(work, name, tasks_file, synchronous=name == "sync", placement=placement, **settings)
                for name in ("async", "sync")}  # fmt: skip
+    if trl and placement == "split":  # TRL uses every core: so does the whetstone side it is compared with
+        configs["async_shared"] = pipeline_config(work, "async_shared", tasks_file, synchronous=False,
+                                                  placement="shared", **settings)  # fmt: skip
     load: dict[str, list[float]] = {"start": list(os.getloadavg())}
     timings: dict[str, dict[str, Any]] = {}
     for name, config in configs.items():
@@ -375,6 +386,8 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
         load["after_trl"] = list(os.getloadavg())
     async_rate, sync_rate = timings["async"]["samples_per_s"], timings["sync"]["samples_per_s"]
     trl_rate = timings["trl"]["samples_per_s"] if trl else None
+    versus_trl = "async_shared" if "async_shared" in timings else "async"
+    bound = overlap_bound(timings["sync"])
     import torch
     import transformers
 
@@ -389,8 +402,11 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
         "async_vs_sync": round(async_rate / sync_rate, 3),
         "trainer_busy": _round(timings["async"]["trainer_busy"]),
         "inference_busy": _round(timings["async"]["inference_busy"]),
+        "async_vs_sync_bound": _round(bound),
+        "overlap_efficiency": _round(async_rate / sync_rate / bound),
         "trl_samples_per_s": _round(trl_rate),
-        "vs_trl": _round(async_rate / trl_rate if trl_rate else None),
+        "vs_trl": _round(timings[versus_trl]["samples_per_s"] / trl_rate if trl_rate else None),
+        "vs_trl_side": versus_trl if trl else None,
         **settings,
         "samples_per_step": group_size * groups_per_batch,
         "placement": {placement: configs["async"].placement.model_dump()},

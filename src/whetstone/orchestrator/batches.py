@@ -66,7 +66,9 @@ def drop_stale(groups: list[Group], index: int, config: StalenessConfig, window:
 
 
 def build_batch(index: int, groups: list[Group], window: Window, config: StalenessConfig,
-                weight_version: int | None) -> Batch:  # fmt: skip
+                weight_version: int | None, temperature: float = 1.0) -> Batch:  # fmt: skip
+    """`temperature`: the rollouts' sampling temperature; other than 1 it goes with every row, so
+    the trainer's logprobs are those of the distribution the tokens were drawn from."""
     samples = [sample for group in groups for sample in group.samples]
     histogram = StalenessHistogram(dropped=window.dropped_stale)
     filter_stale(samples, index, config, histogram)  # all fresh by now: this counts them per staleness
@@ -76,7 +78,7 @@ def build_batch(index: int, groups: list[Group], window: Window, config: Stalene
         "reward_mean": sum(window.rewards) / len(window.rewards) if window.rewards else None,
         "samples": len(samples), "rollouts": sum(group.rollouts for group in groups),
     }  # fmt: skip
-    batch = collate(samples, meta=meta)
+    batch = collate(samples, meta=meta, temperatures=None if temperature == 1.0 else [temperature] * len(samples))
     batch.meta["loss_tokens"] = batch.num_loss_tokens
     return batch
 

@@ -263,7 +263,8 @@ class Orchestrator:
                 self._open = index
                 self._changed.notify_all()
         groups, window = await self._take_groups(index)
-        batch = build_batch(index, groups, window, self.config.staleness, self.latest_version)
+        batch = build_batch(index, groups, window, self.config.staleness, self.latest_version,
+                            self.config.harness.sampling.temperature)  # fmt: skip
         await asyncio.to_thread(self.batches.put, batch_key(index), batch_to_bytes(batch))
         self.put.append(index)
         meta = batch.meta

@@ -15,7 +15,8 @@ class SamplingConfig(Config):
     """How each model call samples."""
 
     temperature: float = Field(1.0, ge=0.0)
-    """Sampling temperature (RL needs 1.0: the behavior logprobs must be the policy's own)."""
+    """Sampling temperature. In RL the batches carry it and the trainer divides its logits by it,
+    so its logprobs are those of the distribution sampled (0 = greedy cannot be trained on)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass (1.0 = off)."""
     top_k: int = Field(0, ge=0)
