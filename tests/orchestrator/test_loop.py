@@ -124,3 +124,22 @@ def test_synchronous_mode_alternates_with_the_trainer(world):
         assert batch.meta["weight_version"] == index and batch.meta["groups"]["kept_groups"] == 1
         assert batch.meta["staleness_histogram"] == {"staleness_0": 2, "dropped_stale": 0}
         assert (batch.versions[batch.loss_mask] == index).all()
+
+
+def test_says_why_it_waits_when_no_group_gives_anything_to_train_on(world, caplog):
+    """A random model never solves a synth task: every group is dropped for no reward variance,
+    and the orchestrator says so instead of waiting in silence."""
+    tmp_path, model_dir, _ = world
+
+    async def scenario(urls):
+        orchestrator = Orchestrator(orchestrator_config(tmp_path, model_dir, urls), synth_tasks(2))
+        run = asyncio.create_task(orchestrator.run())
+        while "gave nothing to train on" not in caplog.text:
+            assert not run.done(), run
+            await asyncio.sleep(0.1)
+        run.cancel()
+        await asyncio.gather(run, return_exceptions=True)
+
+    with caplog.at_level("WARNING", logger="whetstone.orchestrator"), thread_servers(model_dir, tmp_path / "weights") as servers:
+        asyncio.run(asyncio.wait_for(scenario([s.url for s in servers]), 180))
+    assert "the last 4 groups gave nothing to train on (rollouts dropped: no_variance 8)" in caplog.text

@@ -25,6 +25,7 @@ import asyncio
 import logging
 import random
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -44,6 +45,8 @@ from whetstone.sync import WeightStore
 from whetstone.utils.metrics import MetricsWriter
 
 log = logging.getLogger("whetstone.orchestrator")
+FRUITLESS_WARNING_GROUPS = 4
+"""Warn after this many batches' worth of groups in a row gave nothing to train on."""
 
 
 class Orchestrator:
@@ -70,6 +73,8 @@ class Orchestrator:
         self._failure: BaseException | None = None
         self._validity: dict[str, str | None] = {}
         """Task id -> None if it validated, else why not (lazy validation)."""
+        self._fruitless: Counter[str] = Counter()
+        """Why the groups scored since the last kept one were dropped (to say why a batch waits)."""
 
     async def run(self, on_batch: Callable[[dict], None] | None = None) -> list[int]:
         """Run until `max_batches` are put (or forever); returns the indices put. `on_batch` sees
@@ -218,7 +223,22 @@ class Orchestrator:
             self._window.add(trajectories, report.metrics())
             if samples:
                 self._buffer.append(Group(samples, report.kept_rollouts))
+                self._fruitless.clear()
+            else:
+                self._note_fruitless(report.dropped)
             self._changed.notify_all()
+
+    def _note_fruitless(self, dropped: Counter[str]) -> None:
+        """Say so when groups keep giving nothing to train on: otherwise the run just stops moving
+        (e.g. a few tasks the policy now always solves, or never does)."""
+        self._fruitless.update({reason: count for reason, count in dropped.items() if count})
+        self._fruitless["groups"] += 1
+        every = FRUITLESS_WARNING_GROUPS * self.config.groups_per_batch
+        if self._fruitless["groups"] % every == 0:
+            reasons = ", ".join(f"{reason} {count}" for reason, count in self._fruitless.items() if reason != "groups")
+            log.warning("the last %d groups gave nothing to train on (rollouts dropped: %s); the next batch waits for "
+                        "groups with reward variance: are the tasks all too easy or too hard for the policy?",
+                        self._fruitless["groups"], reasons or "none")  # fmt: skip
 
     # -- batches ----------------------------------------------------------------------------------
 
