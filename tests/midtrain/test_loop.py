@@ -61,6 +61,9 @@ def test_a_finished_run_resumes_to_the_same_summary_without_training(make_config
     again = train(config)
     assert again["resumed_from"].endswith("step_00000004")
     assert again["val_loss"] == first["val_loss"] and again["tokens"] == first["tokens"]
+    fewer = make_config("run.steps=3", "run.eval_interval=2")  # the same run, now asked for fewer steps
+    with pytest.raises(ConfigError, match="step_00000004 is past run.steps = 3: resuming would use its later weights"):
+        train(fewer)
 
 
 def test_wall_time_limit_checkpoints_exports_and_stops_early(make_config):

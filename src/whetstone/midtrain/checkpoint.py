@@ -52,8 +52,16 @@ def list_checkpoints(root: Path) -> list[Path]:
     """Complete checkpoints under `root`, oldest first (temporary `.step_*` dirs are skipped)."""
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.match(p.name)) and p.is_dir()]
-    return [p for _, p in sorted(found)]
+    found = [p for p in root.iterdir() if _STEP_DIR.match(p.name) and p.is_dir()]
+    return sorted(found, key=checkpoint_step)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step a checkpoint folder (`step_<N>`) holds."""
+    match = _STEP_DIR.match(path.name)
+    if match is None:
+        raise ValueError(f"{path} is not a checkpoint folder (step_<N>)")
+    return int(match.group(1))
 
 
 def latest_checkpoint(root: Path) -> Path | None:

@@ -14,7 +14,7 @@ import torch
 
 from whetstone.data import Corpus, CorpusConfig, DemoSource, TrainLoader, build_corpus
 from whetstone.errors import ConfigError
-from whetstone.midtrain.checkpoint import TrainState, latest_checkpoint, load_checkpoint
+from whetstone.midtrain.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint
 from whetstone.midtrain.config import MidtrainConfig
 from whetstone.midtrain.optim import build_optimizer
 from whetstone.model import ModelConfig, Transformer
@@ -46,6 +46,9 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     model_config = resolve_model_config(config)  # before the corpus build: fail fast on a bad checkpoint
     corpus = build_corpus(corpus_config(config), demos)
     resume_from = latest_checkpoint(run_dir / "checkpoints") if run.resume else None
+    if resume_from is not None and checkpoint_step(resume_from) > run.steps:
+        raise ConfigError(f"{resume_from} is past run.steps = {run.steps}: resuming would use its later weights. "
+                          f"Raise run.steps to at least {checkpoint_step(resume_from)}, or use a new run name")
     model = _build_model(config, model_config, corpus, resuming=resume_from is not None)
     optimizer = build_optimizer(model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
     state = TrainState(data={"next_batch": 0})
