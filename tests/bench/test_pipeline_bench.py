@@ -94,6 +94,11 @@ def test_measure_reads_rates_and_busy_fractions_from_the_records():
     assert result["staleness_max"] == 1 and result["reward_mean"] == pytest.approx(0.6)
     with pytest.raises(WhetstoneError, match="no rollout"):
         measure(steps, servers[:1])
+    # turns shorter than the sampling interval: no running sequence seen, but tokens were made
+    quick = [{"time": 2.0, "server": 0, "running_sequences": 0, "generation_tokens": 0},
+             {"time": 2.5, "server": 0, "running_sequences": 0, "generation_tokens": 0},
+             {"time": 3.0, "server": 0, "running_sequences": 0, "generation_tokens": 16}]  # fmt: skip
+    assert measure(steps, quick)["wall_s"] == 14.0 - 2.5
 
 
 def test_bad_settings_are_named_before_anything_starts(tmp_path):

@@ -158,17 +158,18 @@ def measure(steps: list[dict], server_samples: list[dict]) -> dict[str, Any]:
     """Throughput and busy fractions of one run from the trainer's step records and the servers'
     /metrics samples (each with its wall-clock `time`).
 
-    The window runs from the first sample where a server has a running sequence (the first
-    rollout's first call) to the trainer's last step. `trainer_busy` is train + publish time over
+    The window runs from the first rollout's first call to the trainer's last step: the first
+    sample where a server has a running sequence, or, if generation began and ended between two
+    samples (short turns), the sample before its token count first grew. `trainer_busy` is train + publish time over
     the step wall time of steps 1.. (step 0 waits while the first batch is generated: a fill
     that every design pays once); `trainer_busy_all_steps` includes it.
     """
     if not steps:
         raise WhetstoneError("the trainer logged no step")
-    busy_samples = [s["time"] for s in server_samples if s.get("running_sequences", 0) > 0]
-    if not busy_samples:
-        raise WhetstoneError("no server sample showed a running sequence: no rollout was seen")
-    start, end = min(busy_samples), steps[-1]["time"]
+    starts = first_generation(server_samples)
+    if not starts:
+        raise WhetstoneError("no server sample showed a running sequence or a generated token: no rollout was seen")
+    start, end = min(starts), steps[-1]["time"]
     window = [s for s in server_samples if start <= s["time"] <= end]
     servers = sorted({s["server"] for s in window})
     inference_busy = sum(
@@ -197,6 +198,21 @@ def measure(steps: list[dict], server_samples: list[dict]) -> dict[str, Any]:
         "staleness_max": max(r.get("staleness_max", 0) for r in steps),
         "reward_mean": _mean([r["reward_mean"] for r in steps if r.get("reward_mean") is not None]),
     }
+
+
+def first_generation(server_samples: list[dict]) -> list[float]:
+    """Per server that generated anything: the earliest time it may have started, from its samples."""
+    starts = []
+    for server in sorted({s["server"] for s in server_samples}):
+        own = sorted((s for s in server_samples if s["server"] == server and s.get("up", True)), key=lambda s: s["time"])
+        for before, sample in zip([None, *own], own):
+            if sample.get("running_sequences", 0) > 0:
+                starts.append(sample["time"])
+                break
+            if before is not None and sample.get("generation_tokens", 0) > before.get("generation_tokens", 0):
+                starts.append(before["time"])
+                break
+    return starts
 
 
 def overlap_bound(sync: dict[str, Any]) -> float:

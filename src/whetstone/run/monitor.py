@@ -18,6 +18,7 @@ SAMPLED = {
     "whetstone_weight_version": "weight_version",
     "whetstone_running_sequences": "running_sequences",
     "whetstone_tokens_per_second": "tokens_per_second",
+    "whetstone_generation_tokens_total": "generation_tokens",
     "whetstone_swap_pause_seconds_last": "swap_pause_last_s",
     "whetstone_swap_pause_seconds_count": "swap_pause_count",
 }
