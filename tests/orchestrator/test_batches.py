@@ -1,5 +1,7 @@
 """What goes into batch n: fresh samples only, and the meta of the contract."""
 
+import asyncio
+
 import pytest
 
 from whetstone.orchestrator.batches import (
@@ -54,3 +56,31 @@ def test_a_batch_sampled_at_another_temperature_carries_it_for_every_row():
     batch = build_batch(5, groups, Window(), StalenessConfig(), weight_version=4, temperature=0.7)
     assert batch.temperatures.tolist() == pytest.approx([0.7, 0.7])
 
+
+
+def test_dropping_stale_groups_wakes_the_producer_waiting_for_room(tmp_path):
+    """The buffer was full of groups that the new version made stale: dropping them makes room,
+    and the producer, waiting for room, must hear of it (it waited forever before)."""
+    from whetstone.orchestrator import Orchestrator, OrchestratorConfig
+
+    config = OrchestratorConfig(batch_store=str(tmp_path / "batches"), weight_store=str(tmp_path / "weights"),
+                                groups_per_batch=1, staleness=StalenessConfig(max_off_policy_steps=0))  # fmt: skip
+    orchestrator = Orchestrator(config, tasks=[])
+    orchestrator._buffer = [Group([sample(0), sample(0)], 2)]  # sampled by version 0
+
+    async def scenario() -> bool:
+        async def producer() -> None:
+            async with orchestrator._changed:
+                await orchestrator._changed.wait_for(orchestrator._has_room)
+
+        waiting = asyncio.create_task(producer())
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # no room: one group is buffered
+        batch = asyncio.create_task(orchestrator._take_groups(1))  # batch 1 needs version 1
+        try:
+            await asyncio.wait_for(waiting, 5)
+            return orchestrator.buffered_groups == 0
+        finally:
+            batch.cancel()
+
+    assert asyncio.run(scenario())

@@ -82,8 +82,11 @@ def test_waits_for_the_trainer_and_trains_only_on_fresh_samples(world):
     with thread_servers(model_dir, tmp_path / "weights") as servers:
         asyncio.run(scenario([s.url for s in servers]))
     batch = read_batch(store, 1)
-    assert batch.meta["weight_version"] == 1 and batch.meta["staleness_histogram"]["staleness_0"] == 2
-    assert batch.meta["staleness_histogram"]["dropped_stale"] >= 2  # the waiting v0 group, at least
+    # Every sample is fresh. A server may still sample a rollout with version 0 just after the
+    # publish (it polls the store), and that rollout is dropped too: the group may be left with one.
+    histogram = batch.meta["staleness_histogram"]
+    assert batch.meta["weight_version"] == 1 and histogram["staleness_0"] == batch.meta["samples"] >= 1
+    assert histogram["dropped_stale"] >= 2  # the waiting v0 group, at least
     assert (batch.versions[batch.loss_mask] == 1).all()
 
 

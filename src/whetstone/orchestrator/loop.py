@@ -299,9 +299,12 @@ class Orchestrator:
             while True:
                 if self._failure is not None:
                     raise self._failure
+                buffered = len(self._buffer)
                 self._buffer = drop_stale(self._buffer, index, self.config.staleness, self._window)
                 if len(self._buffer) >= self.config.groups_per_batch:
                     break
+                if len(self._buffer) < buffered:  # room for new groups: the producer may be waiting for it
+                    self._changed.notify_all()
                 await self._changed.wait()
             self._open = None  # synchronous mode: nothing starts before the next version
             groups = self._buffer[: self.config.groups_per_batch]
