@@ -82,4 +82,6 @@ def test_a_killed_server_loses_no_rollout_and_rejoins_after_a_restart(tmp_path):
     for key in store.list("batches/"):
         meta = batch_from_bytes(store.get(key), key).meta
         assert "dropped_failed" not in meta["groups"], meta  # no rollout was lost to the dead server
-        assert meta["samples"] >= 2
+        # both rollouts of the group came back (the lost call re-ran); a sample may still be dropped
+        # as stale when the test's fast publishing outran it
+        assert meta["rollouts"] >= 2 and meta["samples"] + meta["staleness_histogram"]["dropped_stale"] >= 2, meta
