@@ -137,6 +137,14 @@ def test_run_tests_answers_from_plain_tests_only_when_every_test_passed(solution
         # and what the agent reads is pytest's answer either way
         expected = "2 passed" if passed else "FAILED test_a.py::test_1"
         assert tools.call("run_tests", {}, 30).startswith(expected)
+        # a run that is not plain is seen so on the host: no sandbox run for the fast path
+        (sandbox.workspace / "conftest.py").write_text("")
+        assert tools._plain_tests_passed(30) is None
+        runs = []
+        sandbox.run = lambda *args, **kwargs: runs.append(args)
+        assert tools._plain_tests_passed(30) is None and runs == []
+        del sandbox.run
+        (sandbox.workspace / "conftest.py").unlink()
         # the fast path runs from `python -c`: nothing of it is in the sandbox
         assert "plain_tests" not in tools.call("run", {"command": "ls -a; ls /opt 2>&1"}, 10)
     assert "def plan(" in PLAIN_TESTS_SOURCE

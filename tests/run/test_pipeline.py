@@ -15,6 +15,7 @@ from tests.midtrain.midtrain_support import TINY, write_corpus
 from tests.orchestrator.orchestrator_support import coin_tasks
 from whetstone.config import load_config
 from whetstone.envs.tasks import write_tasks
+from whetstone.errors import WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.pipeline import run_pipeline
 from whetstone.utils.metrics import read_metrics
@@ -57,3 +58,10 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
     assert "held-out pass@1" in html and html.count("<img") >= 4
     for role in ("serve-0", "serve-1", "trainer", "orchestrator"):
         assert (run / "roles" / f"{role}.toml").exists() and (run / "logs" / f"{role}.log").exists()
+
+
+def test_a_placement_on_missing_cores_is_refused_before_mid_training(tmp_path):
+    config = tiny_run(tmp_path, "placement.trainer=[4096]")
+    with pytest.raises(WhetstoneError, match=r"placement.trainer: cores \[4096\] are not available here"):
+        run_pipeline(config)
+    assert not (tmp_path / "runs" / "tiny" / "midtrain").exists()

@@ -59,20 +59,27 @@ def coin_tasks(count: int, seed: int = 0) -> list[Task]:
     }) for task in generate(SynthConfig(count=count, split="train", seed=seed))]  # fmt: skip
 
 
-RANDOM_MODELS = {"tiny": "MidtrainModelConfig", "default": "ModelConfig"}
-"""`tiny`: the embedded default run's 1.9M MoE; `default`: `ModelConfig()`, the 8.1M MoE."""
+def random_model_config(size: str):
+    """The config class of the random model: `tiny`, the embedded default run's 1.9M MoE
+    (`MidtrainModelConfig`), or `default`, `ModelConfig()`'s 8.1M MoE."""
+    from whetstone.midtrain.config import MidtrainModelConfig
+    from whetstone.model import ModelConfig
+
+    sizes = {"tiny": MidtrainModelConfig, "default": ModelConfig}
+    if size not in sizes:
+        raise WhetstoneError(f"model_size must be one of {', '.join(sizes)}, got {size!r}")
+    return sizes[size]
 
 
 def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "tiny") -> Path:
-    """A MoE of `RANDOM_MODELS[size]` with random weights, and a BPE trained on the tasks' text
-    and some standard-library source, as one HF folder."""
+    """A MoE of `random_model_config(size)` with random weights, and a BPE trained on the tasks'
+    text and some standard-library source, as one HF folder."""
     import importlib
 
     import torch
 
     from whetstone.envs.prompts import SYSTEM_PROMPT, first_user_message
     from whetstone.midtrain.config import MidtrainModelConfig
-    from whetstone.model import ModelConfig
     from whetstone.model import Transformer
     from whetstone.model.hf import save_hf
     from whetstone.tokenizer import Tokenizer
@@ -82,8 +89,7 @@ def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "ti
     tokenizer = Tokenizer.train(texts, vocab_size=MidtrainModelConfig().vocab_size)
     tokenizer.save(folder / "tokenizer")
     torch.manual_seed(seed)
-    config_class = {"tiny": MidtrainModelConfig, "default": ModelConfig}[size]
-    model = Transformer(config_class(vocab_size=tokenizer.vocab_size)).eval()
+    model = Transformer(random_model_config(size)(vocab_size=tokenizer.vocab_size)).eval()
     return Path(save_hf(model, folder / "model", tokenizer_dir=folder / "tokenizer"))
 
 
@@ -160,9 +166,9 @@ def measure(steps: list[dict], server_samples: list[dict]) -> dict[str, Any]:
 
     The window runs from the first rollout's first call to the trainer's last step: the first
     sample where a server has a running sequence, or, if generation began and ended between two
-    samples (short turns), the sample before its token count first grew. `trainer_busy` is train + publish time over
-    the step wall time of steps 1.. (step 0 waits while the first batch is generated: a fill
-    that every design pays once); `trainer_busy_all_steps` includes it.
+    samples (short turns), the sample before its token count first grew. `trainer_busy` is
+    train + publish time over the step wall time of steps 1.. (step 0 waits while the first batch
+    is generated: a fill that every design pays once); `trainer_busy_all_steps` includes it.
     """
     if not steps:
         raise WhetstoneError("the trainer logged no step")
@@ -353,11 +359,10 @@ def run(
 ) -> dict[str, Any]:
     """Async, sync and TRL for `steps` steps of `group_size * groups_per_batch` samples each.
 
-    `model`: a mid-trained HF folder (default: a MoE of `RANDOM_MODELS[model_size]` with random
-    weights). `trl_threads`:
-    torch threads of the TRL process (0 = every core: it runs alone). `placement`: the cores of
-    the whetstone roles (`placement_config`). `output_dir` keeps every
-    role's config, logs and metrics (default: a temporary folder, removed after).
+    `model`: a mid-trained HF folder (default: a MoE of `random_model_config(model_size)` with
+    random weights). `trl_threads`: torch threads of the TRL process (0 = every core: it runs
+    alone). `placement`: the cores of the whetstone roles (`placement_config`). `output_dir` keeps
+    every role's config, logs and metrics (default: a temporary folder, removed after).
     """
     for name, value, least in (("steps", steps, 2), ("group_size", group_size, 2),
                                ("groups_per_batch", groups_per_batch, 1), ("max_tokens", max_tokens, 1),
@@ -365,8 +370,7 @@ def run(
         if value < least:
             raise WhetstoneError(f"{name} must be >= {least}, got {value}")
     placement_config(placement)
-    if model_size not in RANDOM_MODELS:
-        raise WhetstoneError(f"model_size must be one of {', '.join(RANDOM_MODELS)}, got {model_size!r}")
+    random_model_config(model_size)
     with contextlib.ExitStack() as stack:
         work = Path(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
@@ -428,7 +432,7 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
         "placement": {placement: configs["async"].placement.model_dump()},
         "tasks": task_count,
         "rollout": "single-turn (harness max_turns = 1), coin tasks",
-        "model": str(model) if model else f"random-init {RANDOM_MODELS[model_size]}",
+        "model": str(model) if model else f"random-init {random_model_config(model_size).__name__}",
         "model_parameters": parameters,
         "model_config": model_config.model_dump(),
         "timings": {side: {k: _round(v) for k, v in values.items()} for side, values in timings.items()},

@@ -43,8 +43,12 @@ FORBIDDEN_NAMES = {
 }  # fmt: skip
 """Names whose mention means pytest, or code that could change what a module holds at run time."""
 
+MAX_SOURCE_BYTES = 1 << 20
+"""Test files larger than this are left to pytest (the plan parses them, also on the host)."""
 # pytest's exit codes
 OK, TESTS_FAILED, INTERRUPTED, USAGE_ERROR, NO_TESTS_COLLECTED = 0, 1, 2, 4, 5
+NOT_PLAIN = 3
+"""The script's exit code when it did not take the run (not plain, or it broke): run pytest."""
 
 
 def plan(args: list[str], root: str = ".") -> list[str] | None:
@@ -63,11 +67,18 @@ def plan(args: list[str], root: str = ".") -> list[str] | None:
         targets.append(arg)
     if not targets or any(os.path.lexists(os.path.join(root, name)) for name in CONFIG_FILES):
         return None
-    for name in dict.fromkeys(target.partition("::")[0] for target in targets):
+    for name in _files(targets):
         path = os.path.join(root, name)
-        if os.path.islink(path) or not os.path.isfile(path) or not _plain_source(path):
+        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > MAX_SOURCE_BYTES:
+            return None
+        if not _plain_source(path):
             return None
     return targets
+
+
+def _files(targets: list[str]) -> list[str]:
+    """The files of `targets`, each once, in order."""
+    return list(dict.fromkeys(target.partition("::")[0] for target in targets))
 
 
 def _plain_source(path: str) -> bool:
@@ -130,8 +141,8 @@ def _plain_test(node: ast.FunctionDef) -> bool:
         return False
     if arguments.vararg or arguments.kwarg:
         return False
-    own_body = [n for n in ast.walk(node) if isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await))]
-    return not own_body  # a generator is not a test function to pytest
+    yields = [n for n in ast.walk(node) if isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await))]
+    return not yields  # a generator is not a test function to pytest
 
 
 def run(targets: list[str], report: Callable[[str, str], None]) -> int:
@@ -140,14 +151,15 @@ def run(targets: list[str], report: Callable[[str, str], None]) -> int:
     exit code. Call `plan` first: this trusts that the targets are plain."""
     modules = {}
     with _output_discarded():
-        for name in dict.fromkeys(target.partition("::")[0] for target in targets):
+        files = _files(targets)
+        for name in files:
             try:
                 modules[name] = _collect(_import(name))
             except KeyboardInterrupt:
                 return INTERRUPTED
             except BaseException:  # noqa: BLE001 - whatever pytest's collection would report
                 report(name, "error")
-        if len(modules) < len(dict.fromkeys(t.partition("::")[0] for t in targets)):
+        if len(modules) < len(files):  # pytest runs nothing after a collection error
             return INTERRUPTED
         tests: dict[str, Callable[[], object]] = {}
         for target in targets:
@@ -219,12 +231,12 @@ def _main() -> int:
     sys.path[0] = os.getcwd()  # what `python -m pytest` puts first; this script's directory leaves
     targets = plan(args)
     if targets is None:
-        return 3
+        return NOT_PLAIN
     outcomes: list[tuple[str, str]] = []
     try:
         code = run(targets, lambda test_id, outcome: outcomes.append((test_id, outcome)))
     except BaseException:  # noqa: BLE001 - whatever went wrong, pytest will say it properly
-        return 3
+        return NOT_PLAIN
     if code != OK or any(outcome != "passed" for _, outcome in outcomes):
         return code or TESTS_FAILED
     summary = "\n".join(f"PASSED {test_id}" for test_id, _ in outcomes)

@@ -73,8 +73,10 @@ class Orchestrator:
         self._failure: BaseException | None = None
         self._validity: dict[str, str | None] = {}
         """Task id -> None if it validated, else why not (lazy validation)."""
-        self._fruitless: Counter[str] = Counter()
-        """Why the groups scored since the last kept one were dropped (to say why a batch waits)."""
+        self._fruitless_groups = 0
+        """Groups scored in a row that gave nothing to train on (to say why a batch waits)."""
+        self._fruitless_drops: Counter[str] = Counter()
+        """Their rollouts dropped, by reason."""
 
     async def run(self, on_batch: Callable[[dict], None] | None = None) -> list[int]:
         """Run until `max_batches` are put (or forever); returns the indices put. `on_batch` sees
@@ -223,7 +225,8 @@ class Orchestrator:
             self._window.add(trajectories, report.metrics())
             if samples:
                 self._buffer.append(Group(samples, report.kept_rollouts))
-                self._fruitless.clear()
+                self._fruitless_groups = 0
+                self._fruitless_drops.clear()
             else:
                 self._note_fruitless(report.dropped)
             self._changed.notify_all()
@@ -231,14 +234,13 @@ class Orchestrator:
     def _note_fruitless(self, dropped: Counter[str]) -> None:
         """Say so when groups keep giving nothing to train on: otherwise the run just stops moving
         (e.g. a few tasks the policy now always solves, or never does)."""
-        self._fruitless.update({reason: count for reason, count in dropped.items() if count})
-        self._fruitless["groups"] += 1
-        every = FRUITLESS_WARNING_GROUPS * self.config.groups_per_batch
-        if self._fruitless["groups"] % every == 0:
-            reasons = ", ".join(f"{reason} {count}" for reason, count in self._fruitless.items() if reason != "groups")
+        self._fruitless_drops.update(dropped)
+        self._fruitless_groups += 1
+        if self._fruitless_groups % (FRUITLESS_WARNING_GROUPS * self.config.groups_per_batch) == 0:
+            reasons = ", ".join(f"{reason} {count}" for reason, count in self._fruitless_drops.items() if count)
             log.warning("the last %d groups gave nothing to train on (rollouts dropped: %s); the next batch waits for "
                         "groups with reward variance: are the tasks all too easy or too hard for the policy?",
-                        self._fruitless["groups"], reasons or "none")  # fmt: skip
+                        self._fruitless_groups, reasons or "none")  # fmt: skip
 
     # -- batches ----------------------------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from whetstone.run.config import PipelineConfig
 from whetstone.run.monitor import ServerSampler, last_record
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import read_metrics
-from whetstone.utils.processes import RoleProcess, free_ports
+from whetstone.utils.processes import RoleProcess, check_cpus, free_ports
 from whetstone.utils.progress import progress_bar
 
 
@@ -183,6 +183,8 @@ class Pipeline:
 
     def run(self) -> dict[str, Any]:
         config = self.config
+        for role, cpus in config.placement.model_dump().items():  # before mid-training, not after it
+            check_cpus(cpus, f"placement.{role}")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "config.toml", dump_toml(config))
         started = time.time()

@@ -14,13 +14,13 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from whetstone.envs import prompts
+from whetstone.envs import plain_tests, prompts
 from whetstone.envs.harness.workspace import ToolError, Workspace, head_tail
 from whetstone.envs.sandbox import RunResult, Sandbox
 from whetstone.envs.task import Task
 
 PARAMETERS = {tool["function"]["name"]: list(tool["function"]["parameters"]["properties"]) for tool in prompts.TOOLS}
-PLAIN_TESTS_SOURCE = (Path(__file__).parent.parent / "plain_tests.py").read_text()
+PLAIN_TESTS_SOURCE = Path(plain_tests.__file__).read_text()
 """Run with `python -c`, so no file of it sits in (or is mounted into) the rollout's sandbox."""
 SUMMARY_HEADER = re.compile(r"^=+ short test summary info =+$", re.MULTILINE)
 FRAME_LINE = re.compile(r"^(\S[^:]*):\d+: in ")
@@ -97,11 +97,12 @@ class Tools:
         details = head_tail(_failure_details(output, self.sandbox.workdir), self.max_chars) + _status(result, timeout_s) if failed else ""
         return prompts.run_tests_result(outcomes, details.strip())
 
-
     def _plain_tests_passed(self, timeout_s: float) -> dict[str, str] | None:
         """The outcomes when `plain_tests.py` could run the visible tests and every one passed;
         otherwise (not plain, a failure, anything unexpected) None, and pytest runs."""
         args = [*self.task.pytest_args, *self.task.visible_tests]
+        if plain_tests.plan(args, str(self.sandbox.workspace)) is None:  # read here: no sandbox started for it
+            return None
         result = self.sandbox.run(["python", "-c", PLAIN_TESTS_SOURCE, *args], timeout_s=max(timeout_s, 0.1))
         outcomes = _pytest_outcomes(result.stdout) if result.exit_code == 0 and not result.timed_out else {}
         return outcomes if outcomes and all(outcome == "passed" for outcome in outcomes.values()) else None
