@@ -7,6 +7,8 @@ failure into a `ConfigError` that names the file, the dotted key and what was wr
 
 from __future__ import annotations
 
+import re
+
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -112,6 +114,11 @@ def dump_toml(config: Config) -> str:
     return _toml_table(config.model_dump(mode="json"), prefix="")
 
 
+def _toml_key(key: str) -> str:
+    """A bare key when TOML allows one, else a quoted one (`"norm.weight"` is one key, not two)."""
+    return key if key and re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
@@ -122,16 +129,16 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
 
 
 def _toml_table(data: dict[str, Any], prefix: str) -> str:
     scalars = [(k, v) for k, v in data.items() if not isinstance(v, dict) and v is not None]
     tables = [(k, v) for k, v in data.items() if isinstance(v, dict)]
-    out = [f"{k} = {_toml_value(v)}" for k, v in scalars]
+    out = [f"{_toml_key(k)} = {_toml_value(v)}" for k, v in scalars]
     for key, value in tables:
-        name = f"{prefix}{key}"
+        name = f"{prefix}{_toml_key(key)}"
         out.append(f"\n[{name}]")
         out.append(_toml_table(value, prefix=f"{name}."))
     return "\n".join(line for line in out if line != "")

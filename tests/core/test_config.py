@@ -77,3 +77,12 @@ def test_a_partial_section_keeps_the_defaults_of_its_parent():
     assert load_config(Outer, None, ["inner.b=5"]).inner == Inner(a=10, b=5)  # not Inner(a=1, b=5)
     assert load_config(Outer, None, ["inner.a=3"]).inner == Inner(a=3, b=2)
     assert Outer.model_validate({"inner": Inner(a=7)}).inner.a == 7  # an instance is taken as is
+
+
+def test_dict_keys_that_are_not_bare_toml_keys_survive_the_round_trip(tmp_path):
+    from whetstone.midtrain.config import OptimizerConfig
+
+    cfg = OptimizerConfig(lr_multipliers={"norm.weight": 30.0, "layers.*.mlp gate": 2.0})
+    path = tmp_path / "opt.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_config(OptimizerConfig, path) == cfg

@@ -65,7 +65,7 @@ def rollouts(model, mode: str, dtype: str, threads: int = 1) -> list[Sequence]:
 def trainer_logprobs(model, batch: Batch, mode: str, dtype: str, micro_batch_size: int = 3) -> torch.Tensor:
     """What the trainer computes, micro-batch by micro-batch, with gradients on and no replay."""
     model.train()
-    parts = [forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=mode)[0].detach()
+    parts = [forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=mode).logprobs.detach()
              for micro in micro_batches(batch, micro_batch_size)]
     length = batch.input_ids.shape[1]
     return torch.cat([torch.nn.functional.pad(p, (0, length - p.shape[1])) for p in parts])

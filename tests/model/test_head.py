@@ -16,7 +16,8 @@ def test_equals_log_softmax_and_its_gradients():
     targets[1, 3] = -100  # ignored: logprob 0, no gradient
     probe = torch.randn(2, 5, dtype=torch.float64)
 
-    got = target_logprobs(hidden, weight, targets)
+    got, entropy = target_logprobs(hidden, weight, targets)
+    assert entropy is None
     reference = torch.log_softmax(hidden @ weight.T, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
     reference = reference.masked_fill(targets < 0, 0.0)
     torch.testing.assert_close(got, reference)
@@ -25,6 +26,26 @@ def test_equals_log_softmax_and_its_gradients():
     for g, e in zip(grads, expected):
         torch.testing.assert_close(g, e)
     assert grads[0][1, 3].abs().sum() == 0
+
+
+def test_entropy_and_its_gradients_equal_the_full_softmax():
+    torch.manual_seed(1)
+    hidden = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    targets = torch.randint(0, 11, (2, 5))
+    targets[0, 2] = -100
+    probe_lp, probe_h = torch.randn(2, 5, dtype=torch.float64), torch.randn(2, 5, dtype=torch.float64)
+
+    logprobs, entropy = target_logprobs(hidden, weight, targets, with_entropy=True)
+    log_p = torch.log_softmax(hidden @ weight.T, -1)
+    reference_lp = log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1).masked_fill(targets < 0, 0.0)
+    reference_h = -(log_p.exp() * log_p).sum(-1).masked_fill(targets < 0, 0.0)
+    torch.testing.assert_close(entropy, reference_h)
+    assert entropy[0, 2] == 0 and bool((entropy[targets >= 0] > 0).all())
+    got = torch.autograd.grad((logprobs * probe_lp + entropy * probe_h).sum(), (hidden, weight))
+    expected = torch.autograd.grad((reference_lp * probe_lp + reference_h * probe_h).sum(), (hidden, weight))
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
 
 
 def test_model_targets_give_logprobs_instead_of_logits(make_config):

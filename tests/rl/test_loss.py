@@ -133,3 +133,20 @@ def test_bad_configs_name_the_field():
         load_config(LossConfig, overrides=["is_cap=1.1"])
     with pytest.raises(ValueError, match="ref_logprobs"):
         policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), LossConfig(kl_coef=0.1))
+
+
+def test_entropy_term_adds_its_coefficient_times_the_mean_entropy_and_is_logged():
+    behavior = torch.full((2, 3), -1.0)
+    advantages = torch.tensor([[1.0], [-1.0]]).expand(2, 3)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    entropy = torch.tensor([[0.5, 1.5, 9.0], [1.0, 2.0, 3.0]], requires_grad=True)
+    plain, _ = policy_loss(behavior.clone(), behavior, advantages, mask, LossConfig())
+    for coef in (0.1, -0.3):
+        loss, stats = policy_loss(behavior.clone(), behavior, advantages, mask, LossConfig(entropy_coef=coef),
+                                  entropy=entropy)  # fmt: skip
+        assert loss.item() == pytest.approx(plain.item() - coef * 8.0 / 5)  # untrained 9.0 left out
+        (grad,) = torch.autograd.grad(loss, entropy)
+        assert grad[0, 2] == 0 and float(grad[1, 0]) == pytest.approx(-coef / 5)
+        assert stats.metrics()["entropy"] == pytest.approx(8.0 / 5)
+    with pytest.raises(ValueError, match="entropies"):
+        policy_loss(behavior, behavior, advantages, mask, LossConfig(entropy_coef=-0.1))

@@ -30,7 +30,7 @@ def trainer_step(step: int) -> dict:
         "time": 1000.0 + step, "step": step, "replayed": False, "loss": 0.5 - 0.01 * step,
         "reward_mean": 0.2 + 0.1 * step, "mismatch_kl_k3": 1e-4 * (step + 1), "routing_disagreement": 0.02,
         "routing_disagreement_tokens": 0.3, "logprob_diff_mean": 0.01, "logprob_diff_p99": 0.1,
-        "logprob_diff_max": 0.4, "clip_fraction": 0.01, "mask_fraction": 0.005, "tokens": 512,
+        "logprob_diff_max": 0.4, "clip_fraction": 0.01, "mask_fraction": 0.005, "tokens": 512, "entropy": 0.8 - 0.1 * step,
         "staleness_histogram": StalenessHistogram(Counter({0: 6, 1: 2}), dropped=step % 2).metrics(),
         "version": step + 1, "delta_kind": "full" if step == 0 else "delta",
         "delta_bytes": 4_000_000 if step == 0 else 80_000, "delta_ratio": 1.0 if step == 0 else 50.0,
@@ -103,6 +103,7 @@ def test_key_figures_hold_the_numbers_behind_the_plots(full_run):
     assert row("trainer busy", "70.0%") in page and row("server 0 busy", "100.0%") in page
     assert row("server 1 busy", "50.0%") in page
     assert row("samples dropped as too stale", "2") in page
+    assert row("policy entropy, first / last step (nats per trained token)", "0.8 / 0.5") in page
     assert "<details>" in page and "&quot;lr&quot;: 1e-06" in page
 
 

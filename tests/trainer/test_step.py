@@ -24,7 +24,7 @@ def step(model, optimizer, batch, lr=1e-2, **options):
 
 @torch.no_grad()
 def logprobs(model, batch):
-    return forward_logprobs(model, batch, replay=True, dtype="float32")[0]
+    return forward_logprobs(model, batch, replay=True, dtype="float32").logprobs
 
 
 def test_with_replay_the_trainer_reproduces_the_sampler_and_moves_toward_the_reward(tiny_moe, batches):
@@ -94,3 +94,13 @@ def test_a_batch_without_trained_tokens_is_refused_and_leaves_the_weights(tiny_m
     with pytest.raises(WhetstoneError, match="no trained tokens"):
         step(model, optimizer, batch)
     assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_negative_entropy_coefficient_sharpens_the_policy_and_every_step_logs_entropy(tiny_moe, batches):
+    runs = {}
+    for coef in (0.0, -1.0):
+        model, optimizer = model_and_optimizer(tiny_moe)
+        runs[coef] = [step(model, optimizer, batches[0], lr=3e-2, loss_config=LossConfig(entropy_coef=coef))["entropy"]
+                      for _ in range(4)]  # fmt: skip
+    assert runs[0.0][0] == pytest.approx(runs[-1.0][0]) and runs[0.0][0] > 0  # same weights at the first step
+    assert runs[-1.0][-1] < runs[0.0][-1] - 0.05, runs

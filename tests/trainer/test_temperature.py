@@ -38,7 +38,7 @@ def sampled_batch(model_dir, temperatures: list[float], tell_trainer: bool = Tru
 @torch.no_grad()
 def mismatch(model, batch) -> torch.Tensor:
     """|trainer logprob - behavior logprob| per row, over the trained positions (max)."""
-    logprobs, _ = forward_logprobs(model, batch, replay=True, dtype="float32")
+    logprobs = forward_logprobs(model, batch, replay=True, dtype="float32").logprobs
     return ((logprobs - batch.behavior_logprobs).abs() * batch.loss_mask).amax(dim=1)
 
 

@@ -70,14 +70,14 @@ def rollout_batch(seqs: list[Sequence], order: list[int] | None = None) -> Batch
 def mismatch(model: Transformer, batch: Batch, dtype: str, numerics: str) -> dict:
     """The trainer's forward on `batch` (no replay) against the rollout's logprobs and routes."""
     model.train()
-    logprobs, _ = forward_logprobs(model, batch, replay=False, dtype=dtype, numerics=numerics)
+    logprobs = forward_logprobs(model, batch, replay=False, dtype=dtype, numerics=numerics).logprobs
     trained = batch.loss_mask
     ours, theirs = logprobs.detach()[trained], batch.behavior_logprobs[trained]
     # Router choices of every token fed (prompt and completion): the same forward, counted at
     # every real position instead of the trained ones.
     every_token = dataclasses.replace(batch, loss_mask=batch.target_ids >= 0)
     with torch.no_grad():
-        _, routing = forward_logprobs(model, every_token, replay=False, dtype=dtype, numerics=numerics)
+        routing = forward_logprobs(model, every_token, replay=False, dtype=dtype, numerics=numerics).routing
     return {
         "max_abs_logprob_diff": float((ours - theirs).abs().max()),
         "k3_kl": float(k3(theirs.double(), ours.double()).mean()),  # fp32 would round it to 0

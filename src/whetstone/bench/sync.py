@@ -69,13 +69,13 @@ def tiny_model_steps(lr: float, steps: int, seed: int) -> tuple[dict, dict]:
     """fp32 states of whetstone's default model after `steps - 1` and `steps` AdamW steps on
     random tokens (next-token loss, grad clipping and parameter groups as in mid-training)."""
     from whetstone.midtrain.config import OptimizerConfig
-    from whetstone.midtrain.optim import build_optimizer
+    from whetstone.midtrain.optim import optimizer_for
     from whetstone.model import ModelConfig, Transformer
 
     torch.manual_seed(seed)
     cfg, opt = ModelConfig(), OptimizerConfig()
     model = Transformer(cfg)
-    optimizer = build_optimizer(model, lr=lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    optimizer = optimizer_for(model, opt, lr)
     before = None
     for _ in range(steps):
         before = {k: v.detach().clone() for k, v in model.state_dict().items()}

@@ -212,7 +212,9 @@ def _optimizer_state_dict(file: Path, model, optimizer, moments: dict[str, torch
     saved = record["optimizer_param_groups"]
     if len(saved) != len(current):
         raise CheckpointError(f"{file}: {len(saved)} parameter groups, the optimizer has {len(current)}")
-    groups = [{**s, "betas": tuple(s["betas"]), "params": c["params"]} for s, c in zip(saved, current)]
+    # The config's learning-rate multipliers apply from now on (the moments are per parameter).
+    groups = [{**s, "betas": tuple(s["betas"]), "params": c["params"], "lr_multiplier": c.get("lr_multiplier", 1.0)}
+              for s, c in zip(saved, current)]
     return {"state": state, "param_groups": groups}
 
 

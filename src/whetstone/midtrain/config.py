@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PositiveFloat, field_validator, model_validator
 
 from whetstone.config import Config
 from whetstone.data import CorpusConfig
@@ -30,6 +30,10 @@ class OptimizerConfig(Config):
     """Decoupled weight decay, applied to matrices only (not to norms or biases)."""
     grad_clip: float = Field(1.0, ge=0)
     """Clip the global gradient norm to this value before each step; 0 turns clipping off."""
+    lr_multipliers: dict[str, PositiveFloat] = {}
+    """Parameter-name pattern (fnmatch, e.g. `norm.weight` for the final norm) -> factor on the
+    learning rate of the parameters it matches; first match wins; a pattern matching nothing is
+    refused."""
 
 
 class RunConfig(Config):

@@ -16,7 +16,7 @@ from whetstone.data import Corpus, CorpusConfig, DemoSource, TrainLoader, build_
 from whetstone.errors import ConfigError
 from whetstone.midtrain.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint
 from whetstone.midtrain.config import MidtrainConfig
-from whetstone.midtrain.optim import build_optimizer
+from whetstone.midtrain.optim import optimizer_for
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
 from whetstone.utils.runtime import set_threads
@@ -50,7 +50,7 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         raise ConfigError(f"{resume_from} is past run.steps = {run.steps}: resuming would use its later weights. "
                           f"Raise run.steps to at least {checkpoint_step(resume_from)}, or use a new run name")
     model = _build_model(config, model_config, corpus, resuming=resume_from is not None)
-    optimizer = build_optimizer(model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    optimizer = optimizer_for(model, opt)
     state = TrainState(data={"next_batch": 0})
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer)

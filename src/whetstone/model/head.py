@@ -3,7 +3,8 @@
 What training needs (next-token loss, RL importance ratios) is log p(target), not the full
 logits. Computing it here, with its own backward, saves the separate log_softmax and nll passes
 over the [N, vocab] logits: the softmax is formed chunk by chunk while a chunk is still in cache,
-and the backward is one fused `probs * -grad` plus the two matmuls.
+and the backward is one fused `probs * -grad` plus the two matmuls. On request it also gives
+each row's entropy, with its gradient (RL's entropy term), from the same probabilities.
 
 Under invariant numerics (`ops.numerics`) the logits come from the engine's own `lm_head`
 matmul and the log-probabilities from the sampler's `log_softmax`, row by row, so the trainer
@@ -21,7 +22,7 @@ CHUNK_BYTES = 1 << 20  # rows per chunk so that one chunk of fp32 logits stays i
 
 class _TargetLogprobs(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, targets, batch_invariant):
+    def forward(ctx, hidden, weight, targets, batch_invariant, with_entropy):
         ignored = targets < 0
         targets = targets.masked_fill(ignored, 0)
         if batch_invariant:  # the engine's lm_head and sampler: the same matmul, log_softmax per row
@@ -42,28 +43,44 @@ class _TargetLogprobs(torch.autograd.Function):
                 lse = torch.logsumexp(chunk, dim=1)
                 lp.sub_(lse)
                 chunk.sub_(lse.unsqueeze(1)).exp_()  # now softmax probabilities, in place
-        ctx.save_for_backward(hidden, weight, targets, ignored, logits)
-        return logprobs.masked_fill_(ignored, 0.0)
+        entropy = logits.new_zeros(logits.shape[0])
+        if with_entropy:
+            for chunk, h in zip(logits.split(rows), entropy.split(rows)):
+                torch.sum(torch.special.entr(chunk), dim=1, out=h)
+            entropy.masked_fill_(ignored, 0.0)
+        ctx.save_for_backward(hidden, weight, targets, ignored, logits, entropy)
+        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
+        ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no wasted pass
+        return logprobs.masked_fill_(ignored, 0.0), entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_logprobs):
-        hidden, weight, targets, ignored, probs = ctx.saved_tensors
-        grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0)
-        # d logp(target) / d logits = onehot(target) - probs
-        grad_logits = probs * -grad_logprobs.unsqueeze(1)
-        grad_logits.scatter_add_(1, targets.unsqueeze(1), grad_logprobs.unsqueeze(1))
+    def backward(ctx, grad_logprobs, grad_entropy):
+        hidden, weight, targets, ignored, probs, entropy = ctx.saved_tensors
+        if grad_logprobs is not None:
+            grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0)
+            # d logp(target) / d logits = onehot(target) - probs
+            grad_logits = probs * -grad_logprobs.unsqueeze(1)
+            grad_logits.scatter_add_(1, targets.unsqueeze(1), grad_logprobs.unsqueeze(1))
+        else:
+            grad_logits = torch.zeros_like(probs)
+        if grad_entropy is not None:
+            # dH / d logits_j = -p_j (log p_j + H) = entr(p_j) - p_j H
+            grad_entropy = grad_entropy.masked_fill(ignored, 0.0).unsqueeze(1)
+            grad_logits += (torch.special.entr(probs) - probs * entropy.unsqueeze(1)) * grad_entropy
         grad_logits = grad_logits.to(hidden.dtype)
         grad_hidden = torch.mm(grad_logits, weight) if ctx.needs_input_grad[0] else None
         grad_weight = torch.mm(grad_logits.t(), hidden) if ctx.needs_input_grad[1] else None
-        return grad_hidden, grad_weight, None, None
+        return grad_hidden, grad_weight, None, None, None
 
 
-def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """log_softmax(hidden @ weight.T)[targets], fp32, without keeping log-softmax tensors.
+def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
+                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log_softmax(hidden @ weight.T)[targets], entropy of each row's softmax or None), fp32,
+    without keeping log-softmax tensors.
 
-    hidden [..., H], weight [V, H], targets [...] int64 -> [...]. Negative targets (-100, the
-    usual ignore index) give 0 and no gradient. Under CPU autocast the matmuls run in the
+    hidden [..., H], weight [V, H], targets [...] int64 -> two [...]. Negative targets (-100,
+    the usual ignore index) give 0 and no gradient. Under CPU autocast the matmuls run in the
     autocast dtype; the softmax is always fp32.
     """
     shape = targets.shape
@@ -75,9 +92,13 @@ def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
     batch_invariant = ops.is_invariant()
     with torch.autocast("cpu", enabled=False):
         if bool(kept.all()):
-            return _TargetLogprobs.apply(hidden, weight, targets, batch_invariant).view(shape)
+            logprobs, entropy = _TargetLogprobs.apply(hidden, weight, targets, batch_invariant, with_entropy)
+            return logprobs.view(shape), entropy.view(shape) if with_entropy else None
         # Only the trained rows go through the head (prompts and tool results in chat data are
         # most of the tokens, and the head is most of a small model's compute).
         rows = kept.nonzero().squeeze(1)
-        logprobs = _TargetLogprobs.apply(hidden[rows], weight, targets[rows], batch_invariant)
-        return logprobs.new_zeros(targets.shape).index_put((rows,), logprobs).view(shape)
+        logprobs, entropy = _TargetLogprobs.apply(hidden[rows], weight, targets[rows], batch_invariant, with_entropy)
+        logprobs = logprobs.new_zeros(targets.shape).index_put((rows,), logprobs).view(shape)
+        if not with_entropy:
+            return logprobs, None
+        return logprobs, entropy.new_zeros(targets.shape).index_put((rows,), entropy).view(shape)

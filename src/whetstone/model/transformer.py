@@ -34,6 +34,9 @@ class ModelOutput:
     """Scalar load-balancing loss, unweighted (0 for a dense model)."""
     logprobs: torch.Tensor | None = None
     """[B, T] fp32 log-probability of each target token, when `targets` were given."""
+    entropy: torch.Tensor | None = None
+    """[B, T] fp32 entropy of the next-token distribution at each position whose target is kept
+    (0 elsewhere), when `targets` were given with `return_entropy`; differentiable."""
 
 
 class Block(nn.Module):
@@ -85,10 +88,12 @@ class Transformer(nn.Module):
         return_routes: bool = False,
         targets: torch.Tensor | None = None,
         logits_to_keep: int | None = None,
+        return_entropy: bool = False,
     ) -> ModelOutput:
         """See the module docstring and docs/model.md. With `targets` [B, T] (token ids, e.g. the
         inputs shifted by one), the output holds `logprobs` of those tokens instead of `logits`:
-        the full [B, T, vocab] logits are never kept, and training is faster. `logits_to_keep`
+        the full [B, T, vocab] logits are never kept, and training is faster (`return_entropy`
+        adds each position's entropy, with its gradient). `logits_to_keep`
         = n computes logits for the last n positions only ([B, n, vocab]; 0: none, `logits` is
         None), e.g. a prefill that only fills the KV cache skips the output head."""
         cfg = self.cfg
@@ -115,7 +120,7 @@ class Transformer(nn.Module):
                 chosen.append(routing[0])
                 probs.append(routing[1])
         hidden = self.norm(x)
-        logits, logprobs = None, None
+        logits, logprobs, entropy = None, None, None
         if targets is None and logits_to_keep is None:
             logits = self.lm_head(hidden)
         elif targets is None:
@@ -123,7 +128,7 @@ class Transformer(nn.Module):
         else:
             if targets.shape != input_ids.shape:
                 raise WhetstoneError(f"targets have shape {tuple(targets.shape)}, expected {(batch, length)}")
-            logprobs = target_logprobs(hidden, self.lm_head.weight, targets)
+            logprobs, entropy = target_logprobs(hidden, self.lm_head.weight, targets, return_entropy)
 
         if chosen:
             aux_loss = load_balancing_loss(chosen, probs, cfg.num_experts)
@@ -132,7 +137,7 @@ class Transformer(nn.Module):
         out_routes = None
         if return_routes and chosen:
             out_routes = torch.stack(chosen, dim=1).view(batch, length, len(chosen), -1)
-        return ModelOutput(logits=logits, routes=out_routes, aux_loss=aux_loss, logprobs=logprobs)
+        return ModelOutput(logits=logits, routes=out_routes, aux_loss=aux_loss, logprobs=logprobs, entropy=entropy)
 
     def num_parameters(self, active: bool = False) -> int:
         """Parameter count (shared tensors once); with active=True, only top_k experts count."""

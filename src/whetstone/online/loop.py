@@ -31,7 +31,7 @@ import torch
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.midtrain.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
-from whetstone.midtrain.optim import build_optimizer
+from whetstone.midtrain.optim import optimizer_for
 from whetstone.model.hf import load_hf
 from whetstone.online.config import OnlineConfig
 from whetstone.online.gate import Gate, Verdict
@@ -109,7 +109,7 @@ class OnlineLoop:
 
     def new_optimizer(self) -> torch.optim.Optimizer:
         opt = self.config.optimizer
-        return build_optimizer(self.model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+        return optimizer_for(self.model, opt)
 
     def resume_checkpoint(self, version: int, served: dict[str, torch.Tensor]) -> str:
         """Load the masters and moments the loop saved when it published `version`, if they

@@ -7,7 +7,12 @@ Per trained token, with r = π_θ / π_behavior = exp(logπ_θ − logπ_behavio
                                                        no gradient, counted as clipped)
               = min(r, is_cap) · A                     elsewhere: truncated importance sampling,
                                                        value and gradient scaled by min(r, cap) / r
-    loss      = −Σ surrogate / N  +  β · Σ k3(π_θ, π_ref) / N
+    loss      = −Σ surrogate / N  +  β · Σ k3(π_θ, π_ref) / N  −  c_H · Σ H(π_θ) / N
+
+H(π_θ) is the entropy of the whole next-token distribution at each trained token. A positive
+c_H (`entropy_coef`) rewards exploration (verl's `entropy_coeff`); a negative one sharpens the
+policy everywhere at once (entropy minimisation), where the reward's per-sample pushes do not
+add up to a global sharpening quickly enough (docs/run.md).
 
 Tokens whose r leaves [mask_low, mask_high] can be masked out entirely (IcePop-style), when
 `mask_ratio` is on. `aggregation` chooses N: `token` (the trained-token count of the whole
@@ -50,6 +55,9 @@ class LossConfig(Config):
     """Upper bound of the kept ratio range when `mask_ratio` is on."""
     kl_coef: float = Field(0.0, ge=0.0)
     """β of the k3 KL penalty to a reference policy (0 = no reference model needed)."""
+    entropy_coef: float = 0.0
+    """c_H: the loss adds −c_H × the mean entropy of the trained tokens' next-token distributions.
+    Positive rewards exploration; negative minimises entropy (sharpens the policy)."""
     aggregation: Literal["token", "sequence"] = "token"
     """`token`: mean over the step's trained tokens (long samples weigh more). `sequence`: mean
     over samples of each sample's token mean, so that a long failed rollout does not outweigh
@@ -74,6 +82,8 @@ class LossStats:
     truncated: int = 0
     mismatch_k3: float = 0.0
     ref_k3: float = 0.0
+    entropy: float = 0.0
+    """Σ of the trained tokens' entropies (nats), when the trainer computed them."""
     abs_diff: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """|logπ_θ − logπ_behavior| of every trained token (for p99 and max)."""
 
@@ -83,6 +93,7 @@ class LossStats:
             tokens=sum(p.tokens for p in parts), clipped=sum(p.clipped for p in parts),
             masked=sum(p.masked for p in parts), truncated=sum(p.truncated for p in parts),
             mismatch_k3=sum(p.mismatch_k3 for p in parts), ref_k3=sum(p.ref_k3 for p in parts),
+            entropy=sum(p.entropy for p in parts),
             abs_diff=torch.cat([p.abs_diff for p in parts]) if parts else torch.zeros(0),
         )  # fmt: skip
 
@@ -95,6 +106,7 @@ class LossStats:
             "truncated_fraction": self.truncated / n,
             "mismatch_kl_k3": self.mismatch_k3 / n,
             "ref_kl_k3": self.ref_k3 / n,
+            "entropy": self.entropy / n,
             "logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
             "logprob_diff_p99": float(torch.quantile(diff, 0.99)) if diff.numel() else 0.0,
             "logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
@@ -123,13 +135,17 @@ def policy_loss(
     config: LossConfig,
     ref_logprobs: torch.Tensor | None = None,
     normalizer: int | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """(loss, stats) for one micro-batch; all inputs [B, T], `logprobs` carrying the gradient.
+    """(loss, stats) for one micro-batch; all inputs [B, T], `logprobs` (and `entropy`, the
+    next-token entropies) carrying the gradient.
 
     `normalizer`: N of the whole optimizer step (default: this micro-batch's `step_normalizer`).
     """
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
+    if config.entropy_coef != 0 and entropy is None:
+        raise ValueError("entropy_coef != 0 needs the entropies")
     trained = loss_mask.bool()
     logprobs32, behavior = logprobs.float(), behavior_logprobs.float()
     advantages = advantages.float()
@@ -149,6 +165,8 @@ def policy_loss(
     per_token = -surrogate
     if config.kl_coef > 0:
         per_token = per_token + config.kl_coef * k3(logprobs32, ref_logprobs.float())
+    if config.entropy_coef != 0:
+        per_token = per_token - config.entropy_coef * entropy.float()
     kept = trained & ~masked
     if config.aggregation == "sequence":
         per_token = per_token / trained.sum(dim=-1, keepdim=True).clamp(min=1)
@@ -162,6 +180,8 @@ def policy_loss(
             truncated=int(truncated.sum()), abs_diff=diff.abs().cpu(),
             mismatch_k3=float(k3(behavior[trained], logprobs32.detach()[trained]).sum()),
         )  # fmt: skip
+        if entropy is not None:
+            stats.entropy = float(entropy.detach().float()[trained].sum())
         if ref_logprobs is not None:
             stats.ref_k3 = float(k3(logprobs32.detach()[trained], ref_logprobs.float()[trained]).sum())
     return loss, stats

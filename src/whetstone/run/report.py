@@ -174,6 +174,12 @@ def _column(records: list[dict], key: str) -> list[float]:
     return [v for v in (number(r.get(key)) for r in records) if v is not None]
 
 
+def _entropy_span(trainer: list[dict]) -> str:
+    """RL sharpens the policy: how far the entropy of its next-token distributions fell."""
+    entropy = _column(trainer, "entropy")
+    return f"{entropy[0]:.3g} / {entropy[-1]:.3g}" if entropy else NOT_RECORDED
+
+
 def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[tuple[str, str]]:
     """The numbers behind the plots, as (what, value) rows."""
     trainer = run.trainer
@@ -197,6 +203,7 @@ def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[t
         ("max k3 KL", _fmt(max(kl, default=None), "{:.3g}")),
         ("mean routing disagreement (router choices)", _fmt(_mean(disagreement), "{:.2%}")),
         ("max |logprob difference|", _fmt(max(_column(trainer, "logprob_diff_max"), default=None), "{:.3g}")),
+        ("policy entropy, first / last step (nats per trained token)", _entropy_span(trainer)),
         ("mean clip fraction", _fmt(_mean(_column(trainer, "clip_fraction")), "{:.2%}")),
         ("mean mask fraction", _fmt(_mean(_column(trainer, "mask_fraction")), "{:.2%}")),
         ("samples dropped as too stale", f"{dropped:.0f}" if trainer else NOT_RECORDED),

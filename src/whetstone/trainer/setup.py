@@ -17,7 +17,7 @@ import torch
 
 from whetstone.errors import CheckpointError
 from whetstone.midtrain.checkpoint import TrainState, latest_checkpoint, load_checkpoint
-from whetstone.midtrain.optim import build_optimizer
+from whetstone.midtrain.optim import optimizer_for
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf
 from whetstone.store import ObjectStore, open_store
@@ -59,7 +59,7 @@ class TrainerSession:
 def new_optimizer(config: TrainerConfig, model: torch.nn.Module) -> torch.optim.AdamW:
     """The configured AdamW over `model` (sharded or plain)."""
     opt = config.optimizer
-    return build_optimizer(model, lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay)
+    return optimizer_for(model, opt)
 
 
 def open_trainer(config: TrainerConfig) -> TrainerSession:

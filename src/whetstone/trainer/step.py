@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -61,10 +62,20 @@ def sampling_temperature(model: Transformer, temperatures: torch.Tensor | None) 
         handle.remove()
 
 
+@dataclass
+class PolicyOutput:
+    logprobs: torch.Tensor
+    """[B, T] logprobs of the targets (of logits / T for rows with a temperature T)."""
+    routing: RoutingStats
+    """Routing disagreement at the trained positions."""
+    entropy: torch.Tensor | None = None
+    """[B, T] entropies of the same next-token distributions, when asked for."""
+
+
 def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
-                     numerics: Numerics = "fast") -> tuple[torch.Tensor, RoutingStats]:
-    """Logprobs of the micro-batch's targets [B, T] (of logits / T for rows with a temperature
-    T), and the routing disagreement at its trained positions.
+                     numerics: Numerics = "fast", entropy: bool = False) -> PolicyOutput:
+    """Logprobs of the micro-batch's targets (and their distributions' entropies), and the
+    routing disagreement at its trained positions.
 
     With `numerics="invariant"` and the engine's dtype, these are the engine's own logprobs
     and routes, bit for bit (docs/consistency.md), for rows at temperature 1."""
@@ -74,10 +85,10 @@ def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
     with (tracking as routing, autocast(dtype), ops.numerics(numerics),
           sampling_temperature(model, micro.temperatures)):  # fmt: skip
         out = model(micro.input_ids, routes=micro.routes if replayed else None,
-                    return_routes=has_routes and not replayed, targets=micro.target_ids)
+                    return_routes=has_routes and not replayed, targets=micro.target_ids, return_entropy=entropy)
     if has_routes and not replayed:
         routing = _unreplayed_disagreement(out.routes, micro.routes, micro.loss_mask)
-    return out.logprobs, routing
+    return PolicyOutput(out.logprobs, routing, out.entropy)
 
 
 def train_step(
@@ -110,17 +121,18 @@ def train_step(
     model.train()
     loss_total, loss_parts, routing_parts = 0.0, [], []
     for micro in micro_batches(batch, micro_batch_size):
-        logprobs, routing = forward_logprobs(model, micro, replay, dtype, numerics)
+        policy = forward_logprobs(model, micro, replay, dtype, numerics, entropy=True)
         ref_logprobs = None
         if reference is not None and loss_config.kl_coef > 0:
             with torch.no_grad():
-                ref_logprobs, _ = forward_logprobs(reference, micro, replay, dtype, numerics)
-        loss, stats = policy_loss(logprobs, micro.behavior_logprobs, micro.advantages, micro.loss_mask,
-                                  loss_config, ref_logprobs=ref_logprobs, normalizer=normalizer)
+                ref_logprobs = forward_logprobs(reference, micro, replay, dtype, numerics).logprobs
+        loss, stats = policy_loss(policy.logprobs, micro.behavior_logprobs, micro.advantages, micro.loss_mask,
+                                  loss_config, ref_logprobs=ref_logprobs, normalizer=normalizer,
+                                  entropy=policy.entropy)  # fmt: skip
         loss.backward()
         loss_total += loss.item()
         loss_parts.append(stats)
-        routing_parts.append(routing)
+        routing_parts.append(policy.routing)
     # Under torchrun: the whole step's loss and stats on every rank, so all ranks agree on a bad loss.
     loss_total, stats, routing = reduce_step_stats(loss_total, LossStats.merge(loss_parts),
                                                    RoutingStats.merge(routing_parts))
