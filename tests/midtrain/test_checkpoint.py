@@ -165,3 +165,13 @@ def test_optimizer_moments_that_do_not_fit_are_named(tmp_path):
     (path / "state.json").write_text(json.dumps(record))
     with pytest.raises(CheckpointError, match=r"'norm\.weight\.exp_avg' has shape \[3\]"):
         load_checkpoint(path, *make())
+
+
+def test_changed_lr_multipliers_are_named_instead_of_mixing_up_the_groups(tmp_path):
+    path = save(tmp_path, *trained())
+    torch.manual_seed(0)
+    model = Transformer(TINY)
+    optimizer = build_optimizer(model, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                                lr_multipliers={"norm.weight": 10.0})  # fmt: skip
+    with pytest.raises(CheckpointError, match=r"learning-rate factors \[1\.0, 1\.0\].*\[1\.0, 1\.0, 10\.0\].*lr_multipliers"):
+        load_checkpoint(path, model, optimizer)

@@ -210,11 +210,12 @@ def _optimizer_state_dict(file: Path, model, optimizer, moments: dict[str, torch
         state.setdefault(index_of[name], {})[key] = tensor
     current = optimizer.state_dict()["param_groups"]
     saved = record["optimizer_param_groups"]
-    if len(saved) != len(current):
-        raise CheckpointError(f"{file}: {len(saved)} parameter groups, the optimizer has {len(current)}")
-    # The config's learning-rate multipliers apply from now on (the moments are per parameter).
-    groups = [{**s, "betas": tuple(s["betas"]), "params": c["params"], "lr_multiplier": c.get("lr_multiplier", 1.0)}
-              for s, c in zip(saved, current)]
+    saved_factors = [group.get("lr_multiplier", 1.0) for group in saved]
+    factors = [group.get("lr_multiplier", 1.0) for group in current]
+    if saved_factors != factors:  # the groups would not line up: a group's settings would go to another's parameters
+        raise CheckpointError(f"{file}: {len(saved)} parameter groups with learning-rate factors {saved_factors}, the "
+                              f"optimizer has {len(current)} with {factors} (optimizer.lr_multipliers changed?)")
+    groups = [{**s, "betas": tuple(s["betas"]), "params": c["params"]} for s, c in zip(saved, current)]
     return {"state": state, "param_groups": groups}
 
 

@@ -49,7 +49,8 @@ class _TargetLogprobs(torch.autograd.Function):
                 torch.sum(torch.special.entr(chunk), dim=1, out=h)
             entropy.masked_fill_(ignored, 0.0)
         ctx.save_for_backward(hidden, weight, targets, ignored, logits, entropy)
-        ctx.mark_non_differentiable(*(() if with_entropy else (entropy,)))
+        if not with_entropy:
+            ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no wasted pass
         return logprobs.masked_fill_(ignored, 0.0), entropy
 
