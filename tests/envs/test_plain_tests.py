@@ -4,6 +4,7 @@ run exactly as pytest would. Each case runs both for real, in subprocesses, on t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,10 +54,12 @@ def pytest_outcomes(root: Path, targets: list[str]) -> tuple[dict[str, str], int
     return _pytest_outcomes(run.stdout), run.returncode
 
 
-def plain_outcomes(root: Path, targets: list[str]) -> tuple[dict[str, str], int]:
-    # as grade_runner.py runs it: from the repository, imported before the repository is on the path
+def plain_outcomes(root: Path, targets: list[str], explained: bool = False) -> tuple[dict[str, str], int]:
+    # as grade_runner.py runs it: from the repository, imported before the repository is on the path;
+    # `explained`: as run_tests runs it, asserts rewritten and failures explained
+    explain = ", explain=lambda t, text: None" if explained else ""
     script = ("import json, os, sys\nsys.path[0] = sys.argv[1]\nimport plain_tests\nsys.path[0] = os.getcwd()\n"
-              "seen = {}\ncode = plain_tests.run(sys.argv[2:], lambda t, o: seen.__setitem__(t, o))\n"
+              f"seen = {{}}\ncode = plain_tests.run(sys.argv[2:], lambda t, o: seen.__setitem__(t, o){explain})\n"
               "print(json.dumps([seen, code]))\n")
     run = subprocess.run([sys.executable, "-c", script, str(Path(plain_tests.__file__).parent), *targets], cwd=root,
                          capture_output=True, text=True, stdin=subprocess.DEVNULL)
@@ -76,9 +79,40 @@ def test_same_outcomes_and_exit_code_as_pytest(case, tmp_path):
     write(tmp_path, {"solution.py": solution, **tests})
     assert plain_tests.plan(["-q", "-p", "no:cacheprovider", "-rA", "--tb=short", *targets], str(tmp_path)) == targets
     expected, expected_code = pytest_outcomes(tmp_path, targets)
-    seen, code = plain_outcomes(tmp_path, targets)
     # pytest's -rA summary names a collection error by its file, as plain_tests reports it
-    assert seen == expected and code == expected_code
+    for explained in (False, True):
+        seen, code = plain_outcomes(tmp_path, targets, explained)
+        assert seen == expected and code == expected_code, explained
+
+
+def test_rewritten_asserts_evaluate_each_operand_once_in_order_and_name_the_values(tmp_path):
+    tests = (
+        "calls = []\n\ndef f(x):\n    calls.append(x)\n    return x\n\n"
+        "def test_compare():\n    assert f(1) + 1 == f(3)\n\n"
+        "def test_truth():\n    assert f([])\n\n"
+        "def test_message():\n    assert f(0), 'mine'\n\n"
+        "def test_chain():\n    assert 1 < f(0) < 2\n\n"
+        "def test_passes():\n    assert f(5) in [5]\n\n"
+        "def test_calls():\n    assert calls == [1, 3, [], 0, 0, 5]\n"
+    )
+    write(tmp_path, {"test_r.py": tests})
+    explained = {}
+    sys.path.insert(0, str(tmp_path))
+    try:
+        os.chdir(tmp_path)
+        outcomes = {}
+        plain_tests.run(["test_r.py"], outcomes.__setitem__, explain=explained.__setitem__)
+    finally:
+        os.chdir(Path(__file__).parent)
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("test_r", None)
+    assert outcomes == {"test_r.py::test_compare": "failed", "test_r.py::test_truth": "failed",
+                        "test_r.py::test_message": "failed", "test_r.py::test_chain": "failed",
+                        "test_r.py::test_passes": "passed", "test_r.py::test_calls": "passed"}  # fmt: skip
+    assert explained["test_r.py::test_compare"].endswith("    assert f(1) + 1 == f(3)\nE   assert 2 == 3")
+    assert explained["test_r.py::test_truth"].endswith("E   assert []")
+    assert explained["test_r.py::test_message"].endswith("E   AssertionError: mine")
+    assert explained["test_r.py::test_chain"].endswith("E   assert False")  # only its result
 
 
 @pytest.mark.parametrize("source", [
@@ -127,22 +161,52 @@ def synth_like_task(solution: str) -> Task:
                 protected_paths=["test_*.py"])
 
 
-@pytest.mark.parametrize("solution,passed", [(SOLVE, True), ("def solve(x):\n    return x\n", False)])
-def test_run_tests_answers_from_plain_tests_only_when_every_test_passed(solution, passed):
-    task = synth_like_task(solution)
+BROKEN = {
+    "all pass": SOLVE,
+    "a failed comparison, with output": "def solve(x):\n    print('solving', x)\n    return x\n",
+    "an exception in the solution": "def solve(x):\n    return x + None\n",
+    "a syntax error": "def solve(x)\n    return x\n",
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_run_tests_reads_like_pytest_without_starting_it(case):
+    task = synth_like_task(BROKEN[case])
     with open_sandbox(task.repo_files) as sandbox:
         tools = Tools(sandbox, task, max_chars=2000, run_timeout_s=5.0)
-        fast = tools._plain_tests_passed(30)
-        assert fast == ({"test_a.py::test_1": "passed", "test_a.py::test_2": "passed"} if passed else None)
-        # and what the agent reads is pytest's answer either way
-        expected = "2 passed" if passed else "FAILED test_a.py::test_1"
-        assert tools.call("run_tests", {}, 30).startswith(expected)
-        # a run that is not plain is seen so on the host: no sandbox run for the fast path
+        runs = []
+        real_run = sandbox.run
+        sandbox.run = lambda command, **kwargs: runs.append(command) or real_run(command, **kwargs)
+        fast = tools.call("run_tests", {}, 30)
+        assert len(runs) == 1 and runs[0][:2] == ["python", "-c"]  # one sandbox run, no pytest
+        # what pytest says, with a conftest.py that makes the run not plain (and changes nothing else)
         (sandbox.workspace / "conftest.py").write_text("")
-        assert tools._plain_tests_passed(30) is None
+        slow = tools.call("run_tests", {}, 30)
+        assert len(runs) == 2 and "pytest" in runs[1]
+        del sandbox.run
+    if case == "all pass":
+        assert fast == slow == "2 passed"
+        return
+    # The same verdict, the same failure lines; pytest adds its own explanations (`+  where ...`)
+    # and position markers, and calls the captured output "stdout call".
+    assert fast.splitlines()[:2] == slow.splitlines()[:2]
+    pytest_lines = slow.replace("Captured stdout call", "Captured output").splitlines()
+    assert [line for line in fast.splitlines() if line not in pytest_lines and not line.startswith("-")] == []
+    assert fast.rstrip().endswith("[exit code 1]" if "syntax" not in case else "[exit code 2]")
+    expected = {"a failed comparison, with output": ["E   assert 1 == 2", "solving 1"],
+                "an exception in the solution": ["solution.py:2: in solve", "E   TypeError: unsupported operand"],
+                "a syntax error": ["ERROR test_a.py", "E   SyntaxError: expected ':'"]}[case]
+    assert all(text in fast for text in expected), fast
+
+
+def test_run_tests_falls_back_to_pytest_where_the_run_is_not_plain():
+    task = synth_like_task(SOLVE)
+    with open_sandbox(task.repo_files) as sandbox:
+        tools = Tools(sandbox, task, max_chars=2000, run_timeout_s=5.0)
+        (sandbox.workspace / "conftest.py").write_text("")
         runs = []
         sandbox.run = lambda *args, **kwargs: runs.append(args)
-        assert tools._plain_tests_passed(30) is None and runs == []
+        assert tools._plain_run(30) is None and runs == []  # seen on the host: no sandbox run for it
         del sandbox.run
         (sandbox.workspace / "conftest.py").unlink()
         # the fast path runs from `python -c`: nothing of it is in the sandbox

@@ -150,3 +150,17 @@ def test_entropy_term_adds_its_coefficient_times_the_mean_entropy_and_is_logged(
         assert stats.metrics()["entropy"] == pytest.approx(8.0 / 5)
     with pytest.raises(ValueError, match="entropies"):
         policy_loss(behavior, behavior, advantages, mask, LossConfig(entropy_coef=-0.1))
+
+
+def test_forking_fraction_keeps_the_policy_gradient_on_the_highest_entropy_tokens_only():
+    logprobs, behavior, advantages, mask = inputs()
+    entropy = torch.tensor([[0.1, 3.0, 2.0, 0.2, 9.0]])  # the padded position's 9 must not count
+    loss, stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig(forking_fraction=0.5), entropy=entropy)
+    loss.backward()
+    # Tokens 1 and 2 are the upper half of the trained tokens' entropies: token 1 is clipped
+    # (value only), token 2 keeps its weight 2; tokens 0 and 3 leave the surrogate, the normaliser stays 4.
+    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, 0.0, 2.0 / 4, 0.0, 0.0], rel=1e-6)
+    assert loss.item() == pytest.approx(-(1.2 - 2.0) / 4, rel=1e-6)
+    assert stats.metrics()["forking_dropped_fraction"] == 0.5
+    with pytest.raises(ValueError, match="forking_fraction"):
+        policy_loss(logprobs, behavior, advantages, mask, LossConfig(forking_fraction=0.5))

@@ -14,15 +14,16 @@ the module's own namespace (`globals`, `exec`, `global`, ...). It then does what
 them: imports every file first (any import error: no test runs, exit 2, like pytest's
 "errors during collection"), collects the module's `test*` functions in definition order
 (imported ones too), calls each, and counts `Exception` and `SystemExit` as failures,
-`KeyboardInterrupt` as the end of the run. Output of the code under test is discarded.
+`KeyboardInterrupt` as the end of the run. Output of the code under test is captured (shown under a failure) or discarded.
 
 Known difference: its call stack under a test is ~40 frames shallower than pytest's, so code
 recursing within ~40 frames of the recursion limit can pass here and fail under pytest.
 
 This file imports nothing from whetstone: `grade_runner.py` imports it from the directory both are
-mounted in, and `run_tests` runs it as a script (`python plain_tests.py ARGS...`: exit 0 and
-pytest's `-rA` summary lines when every test passed; any other exit, with nothing on stdout,
-means "run pytest").
+mounted in, and `run_tests` runs it as a script (`python plain_tests.py ARGS...`): pytest's
+exit code and a report in the shape of pytest's `-rA --tb=short` (failures with their
+repository frames and the compared values, then the summary lines), or exit 3 (NOT_PLAIN) with
+nothing on stdout, meaning "run pytest".
 """
 
 from __future__ import annotations
@@ -145,20 +146,27 @@ def _plain_test(node: ast.FunctionDef) -> bool:
     return not yields  # a generator is not a test function to pytest
 
 
-def run(targets: list[str], report: Callable[[str, str], None]) -> int:
+def run(targets: list[str], report: Callable[[str, str], None],
+        explain: Callable[[str, str], None] | None = None) -> int:
     """Import every file (paths relative to the working directory, which must be first on
     `sys.path`), then run the targeted tests; `report(test_id, outcome)` for each. Returns pytest's
-    exit code. Call `plan` first: this trusts that the targets are plain."""
+    exit code. Call `plan` first: this trusts that the targets are plain.
+
+    With `explain`, each failure and collection error also gets `explain(test_id or file, text)`:
+    a `--tb=short`-like traceback (`_explanation`); test modules are then loaded with their plain
+    asserts rewritten to name the values compared (`_AssertExplainer`), as pytest does."""
     modules = {}
-    with _output_discarded():
+    with _OutputCapture(explain is not None) as captured:
         files = _files(targets)
         for name in files:
             try:
-                modules[name] = _collect(_import(name))
+                modules[name] = _collect(_import(name, explained=explain is not None))
             except KeyboardInterrupt:
                 return INTERRUPTED
-            except BaseException:  # noqa: BLE001 - whatever pytest's collection would report
+            except BaseException as error:  # noqa: BLE001 - whatever pytest's collection would report
                 report(name, "error")
+                if explain is not None:
+                    explain(name, _explanation(error, captured.take()))
         if len(modules) < len(files):  # pytest runs nothing after a collection error
             return INTERRUPTED
         tests: dict[str, Callable[[], object]] = {}
@@ -170,27 +178,108 @@ def run(targets: list[str], report: Callable[[str, str], None]) -> int:
             tests.update(found)
         failed = 0
         for test_id, function in tests.items():
+            captured.take()
             try:
                 function()
                 outcome = "passed"
             except KeyboardInterrupt:
                 return INTERRUPTED
-            except (Exception, SystemExit):
+            except (Exception, SystemExit) as error:
                 outcome = "failed"
+                if explain is not None:
+                    explain(test_id, _explanation(error, captured.take()))
             failed += outcome != "passed"
             report(test_id, outcome)
     return TESTS_FAILED if failed else OK
 
 
-def _import(name: str):
-    import importlib
+def _import(name: str, explained: bool = False):
+    import importlib.util
 
     module_name = name[: -len(".py")]
     sys.modules.pop(module_name, None)
-    module = importlib.import_module(module_name)
+    if not explained:
+        module = importlib.import_module(module_name)
+    else:  # what the import system does, with the asserts rewritten on the way
+        spec = importlib.util.find_spec(module_name)
+        if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
+            raise ImportError(f"{module_name} is not {name}")
+        module = importlib.util.module_from_spec(spec)
+        with open(spec.origin, "rb") as handle:
+            tree = _AssertExplainer().visit(ast.parse(handle.read(), spec.origin))
+        code = compile(ast.fix_missing_locations(tree), spec.origin, "exec", dont_inherit=True)
+        sys.modules[module_name] = module
+        try:
+            exec(code, module.__dict__)
+        except BaseException:
+            sys.modules.pop(module_name, None)
+            raise
     if os.path.realpath(getattr(module, "__file__", None) or "") != os.path.realpath(name):
         raise ImportError(f"{module_name} is not {name}")  # pytest: import file mismatch
     return module
+
+
+class _AssertExplainer(ast.NodeTransformer):
+    """`assert a == b` becomes: evaluate a, then b (once each, in Python's order), and if the
+    comparison fails raise `AssertionError("assert <repr a> == <repr b>")`; `assert x` likewise
+    names x's value (a chained comparison: its result). Asserts with a message are left as they are."""
+
+    OPERATORS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
+                 ast.Is: "is", ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}  # fmt: skip
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def _name(self, ctx) -> ast.Name:
+        return ast.Name(f"_plain_tests_value_{self.count}", ctx)
+
+    def visit_Assert(self, node: ast.Assert):
+        if node.msg is not None:
+            return node
+        test = node.test
+        self.count += 1
+        if isinstance(test, ast.Compare) and len(test.ops) == 1:
+            left, right = self._name(ast.Store()), ast.Name(f"_plain_tests_value_{self.count}r", ast.Store())
+            assigns = [ast.Assign([left], test.left), ast.Assign([right], test.comparators[0])]
+            condition = ast.Compare(ast.Name(left.id, ast.Load()), test.ops, [ast.Name(right.id, ast.Load())])
+            parts = [ast.Name(left.id, ast.Load()), ast.Constant(f" {self.OPERATORS[type(test.ops[0])]} "),
+                     ast.Name(right.id, ast.Load())]
+        else:
+            value = self._name(ast.Store())
+            assigns, condition, parts = [ast.Assign([value], test)], ast.Name(value.id, ast.Load()), [
+                ast.Name(value.id, ast.Load())]
+        message = ast.JoinedStr([ast.Constant("assert "), *(
+            ast.FormattedValue(part, ord("r"), None) if isinstance(part, ast.Name) else part for part in parts)])
+        raise_ = ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [message], []), None)
+        statements = [*assigns, ast.If(ast.UnaryOp(ast.Not(), condition), [raise_], [])]
+        return [ast.copy_location(statement, node) for statement in statements]
+
+
+def _explanation(error: BaseException, output: str) -> str:
+    """pytest's `--tb=short` shape: `file:line: in function` and the source line for each frame
+    in the working directory, then `E   ` and the exception; the test's output below."""
+    import traceback
+
+    root = os.getcwd().rstrip("/") + "/"
+    lines = []
+    for frame in traceback.extract_tb(error.__traceback__):
+        if frame.filename.startswith(root):
+            lines.append(f"{frame.filename[len(root):]}:{frame.lineno}: in {frame.name}")
+            if frame.line:
+                lines.append(f"    {frame.line}")
+    if isinstance(error, AssertionError) and str(error).startswith("assert "):
+        message = [str(error)]  # pytest's way of showing a failed comparison
+    else:
+        message = traceback.format_exception_only(type(error), error)
+    lines += [f"E   {line}" for chunk in message for line in chunk.rstrip("\n").splitlines()]
+    if output.strip():
+        lines += ["----------------------------- Captured output -----------------------------",
+                  _head(output.rstrip("\n"), 2000)]
+    return "\n".join(lines)
+
+
+def _head(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit] + f"\n[... {len(text) - limit} more characters]"
 
 
 def _collect(module) -> list[tuple[str, Callable[[], object]]]:
@@ -204,44 +293,89 @@ def _collect(module) -> list[tuple[str, Callable[[], object]]]:
     return collected
 
 
-class _output_discarded:
-    """File descriptors 1 and 2 point at /dev/null while tests run (pytest captures them)."""
+class _OutputCapture:
+    """File descriptors 1 and 2 point away from the terminal while tests run (pytest captures them):
+    to /dev/null, or, when `keep`, to a temporary file whose text `take()` returns and clears."""
 
-    def __enter__(self):
+    def __init__(self, keep: bool) -> None:
+        self.keep = keep
+
+    def __enter__(self) -> "_OutputCapture":
         sys.stdout.flush(), sys.stderr.flush()
         self.saved = [os.dup(1), os.dup(2)]
-        null = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(null, 1), os.dup2(null, 2)
-        os.close(null)
+        if self.keep:
+            import tempfile
 
-    def __exit__(self, *exc):
+            self.file = tempfile.TemporaryFile()
+            target = self.file.fileno()
+        else:
+            target = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(target, 1), os.dup2(target, 2)
+        if not self.keep:
+            os.close(target)
+        return self
+
+    def take(self) -> str:
+        """What the tests wrote since the last call (empty when not kept)."""
+        if not self.keep:
+            return ""
+        self._flush()
+        self.file.seek(0)
+        text = self.file.read(1 << 16).decode(errors="replace")
+        self.file.seek(0)
+        self.file.truncate()
+        return text
+
+    @staticmethod
+    def _flush() -> None:
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
             except (OSError, ValueError):
                 pass
+
+    def __exit__(self, *exc):
+        self._flush()
         for fd, saved in zip((1, 2), self.saved):
             os.dup2(saved, fd)
             os.close(saved)
+        if self.keep:
+            self.file.close()
 
 
 def _main() -> int:
-    """`run_tests`' fast path: exit 0 with `-rA` summary lines only when every test passed."""
+    """`run_tests`' fast path: pytest's `-rA --tb=short` report shape (the first failure's
+    traceback under a `___ name ___` line, then the summary lines), and pytest's exit code; exit
+    NOT_PLAIN, with nothing on stdout, for a run it does not take (then pytest runs)."""
     args = sys.argv[1:]
     sys.path[0] = os.getcwd()  # what `python -m pytest` puts first; this script's directory leaves
     targets = plan(args)
     if targets is None:
         return NOT_PLAIN
-    outcomes: list[tuple[str, str]] = []
+    outcomes: dict[str, str] = {}
+    details: dict[str, str] = {}
     try:
-        code = run(targets, lambda test_id, outcome: outcomes.append((test_id, outcome)))
+        code = run(targets, outcomes.__setitem__, explain=details.__setitem__)
     except BaseException:  # noqa: BLE001 - whatever went wrong, pytest will say it properly
         return NOT_PLAIN
-    if code != OK or any(outcome != "passed" for _, outcome in outcomes):
-        return code or TESTS_FAILED
-    summary = "\n".join(f"PASSED {test_id}" for test_id, _ in outcomes)
-    print(f"=== short test summary info ===\n{summary}\n{len(outcomes)} passed", flush=True)
-    return OK
+    if code not in (OK, TESTS_FAILED, INTERRUPTED) or not outcomes:
+        return NOT_PLAIN  # nothing ran (a missing test id, no tests): pytest's own words
+    report = []
+    if details:
+        title = "FAILURES" if "failed" in outcomes.values() else "ERRORS"
+        report.append(f"=== {title} ===")
+        for test_id, text in details.items():
+            heading = test_id.partition("::")[2] or f"ERROR collecting {test_id}"
+            report += [f"___ {heading} ___", text]
+    report.append("=== short test summary info ===")
+    order = {"passed": 0, "failed": 1, "error": 2}
+    for test_id, outcome in sorted(outcomes.items(), key=lambda item: order[item[1]]):
+        last = next((line[4:] for line in reversed(details.get(test_id, "").splitlines()) if line.startswith("E   ")), "")
+        report.append(f"{outcome.upper()} {test_id}" + (f" - {last}" if last else ""))
+    counts = {outcome: list(outcomes.values()).count(outcome) for outcome in ("failed", "passed", "error")}
+    report.append(", ".join(f"{n} {'errors' if o == 'error' and n > 1 else o}" for o, n in counts.items() if n))
+    print("\n".join(report), flush=True)
+    return code
 
 
 if __name__ == "__main__":

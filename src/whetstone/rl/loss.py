@@ -58,6 +58,10 @@ class LossConfig(Config):
     entropy_coef: float = 0.0
     """c_H: the loss adds −c_H × the mean entropy of the trained tokens' next-token distributions.
     Positive rewards exploration; negative minimises entropy (sharpens the policy)."""
+    forking_fraction: float = Field(1.0, gt=0.0, le=1.0)
+    """Train only on this fraction of each micro-batch's trained tokens, those with the highest
+    next-token entropy ("forking" tokens, Wang et al. 2025, "Beyond the 80/20 rule": 0.2).
+    The rest are left out of the policy-gradient term and counted as `forking_dropped`. 1 = all."""
     aggregation: Literal["token", "sequence"] = "token"
     """`token`: mean over the step's trained tokens (long samples weigh more). `sequence`: mean
     over samples of each sample's token mean, so that a long failed rollout does not outweigh
@@ -80,6 +84,8 @@ class LossStats:
     clipped: int = 0
     masked: int = 0
     truncated: int = 0
+    forking_dropped: int = 0
+    """Trained tokens left out of the policy-gradient term by `forking_fraction`."""
     mismatch_k3: float = 0.0
     ref_k3: float = 0.0
     entropy: float = 0.0
@@ -92,6 +98,7 @@ class LossStats:
         return LossStats(
             tokens=sum(p.tokens for p in parts), clipped=sum(p.clipped for p in parts),
             masked=sum(p.masked for p in parts), truncated=sum(p.truncated for p in parts),
+            forking_dropped=sum(p.forking_dropped for p in parts),
             mismatch_k3=sum(p.mismatch_k3 for p in parts), ref_k3=sum(p.ref_k3 for p in parts),
             entropy=sum(p.entropy for p in parts),
             abs_diff=torch.cat([p.abs_diff for p in parts]) if parts else torch.zeros(0),
@@ -104,6 +111,7 @@ class LossStats:
             "clip_fraction": self.clipped / n,
             "mask_fraction": self.masked / n,
             "truncated_fraction": self.truncated / n,
+            "forking_dropped_fraction": self.forking_dropped / n,
             "mismatch_kl_k3": self.mismatch_k3 / n,
             "ref_kl_k3": self.ref_k3 / n,
             "entropy": self.entropy / n,
@@ -144,8 +152,8 @@ def policy_loss(
     """
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
-    if config.entropy_coef != 0 and entropy is None:
-        raise ValueError("entropy_coef != 0 needs the entropies")
+    if (config.entropy_coef != 0 or config.forking_fraction < 1) and entropy is None:
+        raise ValueError("entropy_coef != 0 and forking_fraction < 1 need the entropies")
     trained = loss_mask.bool()
     logprobs32, behavior = logprobs.float(), behavior_logprobs.float()
     advantages = advantages.float()
@@ -162,6 +170,12 @@ def policy_loss(
     weight = torch.where(clipped, torch.zeros_like(detached), torch.clamp(detached, max=config.is_cap))
     value = torch.where(clipped, torch.clamp(detached, 1 - config.clip_low, 1 + config.clip_high), weight)
     surrogate = (value + weight * (logprobs32 - logprobs32.detach())) * advantages
+    forking_dropped = torch.zeros_like(trained)
+    if config.forking_fraction < 1 and bool(trained.any()):
+        detached_entropy = entropy.detach().float()
+        threshold = torch.quantile(detached_entropy[trained], 1.0 - config.forking_fraction)
+        forking_dropped = trained & (detached_entropy < threshold)
+        surrogate = torch.where(forking_dropped, torch.zeros_like(surrogate), surrogate)
     per_token = -surrogate
     if config.kl_coef > 0:
         per_token = per_token + config.kl_coef * k3(logprobs32, ref_logprobs.float())
@@ -177,7 +191,7 @@ def policy_loss(
         diff = log_ratio.detach()[trained]
         stats = LossStats(
             tokens=int(trained.sum()), clipped=int(clipped.sum()), masked=int(masked.sum()),
-            truncated=int(truncated.sum()), abs_diff=diff.abs().cpu(),
+            truncated=int(truncated.sum()), forking_dropped=int(forking_dropped.sum()), abs_diff=diff.abs().cpu(),
             mismatch_k3=float(k3(behavior[trained], logprobs32.detach()[trained]).sum()),
         )  # fmt: skip
         if entropy is not None:

@@ -180,6 +180,14 @@ def _entropy_span(trainer: list[dict]) -> str:
     return f"{entropy[0]:.3g} / {entropy[-1]:.3g}" if entropy else NOT_RECORDED
 
 
+def _logit_scale(trainer: list[dict]) -> str:
+    """How much RL sharpened the policy as a whole (`TrainerConfig.logit_scale_lr`)."""
+    scales = _column(trainer, "logit_scale")
+    if not trainer:
+        return NOT_RECORDED
+    return f"{scales[-1]:.3f}" if scales else "off (logit_scale_lr 0)"
+
+
 def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[tuple[str, str]]:
     """The numbers behind the plots, as (what, value) rows."""
     trainer = run.trainer
@@ -204,6 +212,7 @@ def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[t
         ("mean routing disagreement (router choices)", _fmt(_mean(disagreement), "{:.2%}")),
         ("max |logprob difference|", _fmt(max(_column(trainer, "logprob_diff_max"), default=None), "{:.3g}")),
         ("policy entropy, first / last step (nats per trained token)", _entropy_span(trainer)),
+        ("learned logit scale after the last step", _logit_scale(trainer)),
         ("mean clip fraction", _fmt(_mean(_column(trainer, "clip_fraction")), "{:.2%}")),
         ("mean mask fraction", _fmt(_mean(_column(trainer, "mask_fraction")), "{:.2%}")),
         ("samples dropped as too stale", f"{dropped:.0f}" if trainer else NOT_RECORDED),

@@ -32,11 +32,16 @@ class TrainerConfig(Config):
     optimizer: OptimizerConfig = OptimizerConfig(lr=2e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0)
     """AdamW and gradient clipping. RL runs have no natural end, so the default learning rate is
     constant (min_lr_ratio 1); `warmup_steps` ramps it up linearly."""
+    logit_scale_lr: float = Field(0.0, ge=0.0)
+    """Learning rate of a learned global sharpness: Adam on the log-scale of the logits, folded
+    into the final norm's gains after every optimizer step (`rl.logit_scale`); 0 = off. RL at small
+    scale mostly has to sharpen the policy, which the per-token pushes do slowly (docs/run.md)."""
     router_replay: bool = True
     """Replay the rollout's routes in the forward and backward passes (MoE models with routes in
     the batch); off = the trainer routes on its own, and the disagreement with the rollout is logged."""
-    micro_batch_size: int = Field(8, ge=1)
-    """Rows per forward/backward; the step's gradient is the same for any value (token-level mean)."""
+    micro_batch_size: int = Field(4, ge=1)
+    """Rows per forward/backward, taken in order of length (less padding); the step's gradient is
+    the same for any value (the loss is normalised over the whole step)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype (bf16 under autocast); master weights and optimizer state are always fp32.
     fp32 keeps the trainer's logprobs closest to an fp32 inference engine's."""

@@ -126,6 +126,8 @@ def merge_part_metrics(parts: list[dict[str, Any]]) -> dict[str, Any]:
     for key, value in parts[0].items():
         if key.startswith(MISMATCH_METRICS) or not isinstance(value, (int, float)):
             merged[key] = value
+        elif key == "logit_scale":  # where the step left it
+            merged[key] = parts[-1][key]
         elif key == "tokens":
             merged[key] = sum(part[key] for part in parts)
         else:
@@ -150,13 +152,15 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
         parts.append(train_step(session.model, session.optimizer, rows, loss_config=config.loss, lr=lr,
                                 grad_clip=opt.grad_clip, micro_batch_size=config.micro_batch_size,
                                 replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
-                                normalizer=normalizer,
-                                reference=session.reference))  # fmt: skip
+                                normalizer=normalizer, reference=session.reference,
+                                logit_scale=session.logit_scale))  # fmt: skip
     record: dict[str, Any] = {"step": state.step, "replayed": replaying, **merge_part_metrics(parts),
                               "train_s": time.perf_counter() - started}
     state.step += 1
     state.tokens += batch.num_loss_tokens
     state.data["next_batch"] = state.step
+    if session.logit_scale is not None:
+        state.data["logit_scale"] = session.logit_scale.state()
     started = time.perf_counter()
     if not replaying or state.step == session.replay_until:
         weights = full_state_dict(session.model)  # every rank takes part; rank 0 gets the tensors

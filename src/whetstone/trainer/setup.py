@@ -20,6 +20,7 @@ from whetstone.midtrain.checkpoint import TrainState, latest_checkpoint, load_ch
 from whetstone.midtrain.optim import optimizer_for
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf
+from whetstone.rl.logit_scale import LogitScale
 from whetstone.store import ObjectStore, open_store
 from whetstone.sync import Publisher, WeightStore
 from whetstone.trainer.config import TrainerConfig
@@ -44,6 +45,8 @@ class TrainerSession:
     replay_until: int
     """Steps below this were already published (by an earlier process): replay them silently."""
     resumed_from: Path | None
+    logit_scale: LogitScale | None = None
+    """The learned sharpness (`config.logit_scale_lr` > 0); its state rides in `state.data`."""
     rank: int = 0
     world_size: int = 1
 
@@ -81,6 +84,16 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     elif resumed_from is not None:
         state = load_sharded_checkpoint(resumed_from, model, optimizer, partial(new_optimizer, config))
 
+    logit_scale = None
+    if config.logit_scale_lr > 0:
+        opt = config.optimizer
+        logit_scale = LogitScale(config.logit_scale_lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps)
+        if "logit_scale" in state.data:
+            logit_scale.load_state(state.data["logit_scale"])
+    elif state.data.get("logit_scale"):
+        raise CheckpointError(f"checkpoint {resumed_from} was trained with a learned logit scale "
+                              "(logit_scale_lr > 0); resume it with logit_scale_lr set")
+
     weights = WeightStore.open(config.sync) if rank == 0 else None
     latest = broadcast(weights.latest() if weights is not None else None)
     initial = full_state_dict(model) if latest is None else None  # gathered by every rank
@@ -103,4 +116,5 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
             publisher.resume()  # continue the delta chain from what the servers hold
     batches = open_store(config.batch_store, endpoint_url=config.batch_store_endpoint_url)
     return TrainerSession(config, model, optimizer, reference, batches, weights, publisher, state,
-                          replay_until=latest or 0, resumed_from=resumed_from, rank=rank, world_size=world_size)
+                          replay_until=latest or 0, resumed_from=resumed_from,
+                          logit_scale=logit_scale, rank=rank, world_size=world_size)

@@ -85,10 +85,10 @@ class Tools:
         if not task.visible_tests:
             return "error: this repository has no visible tests"
         pytest = task.pytest_args is not None
-        if pytest and (passed := self._plain_tests_passed(timeout_s)):
-            return prompts.run_tests_result(passed)  # exactly pytest's answer, without starting pytest
-        command = f"{task.test_command}{' -rA --tb=short' if pytest else ''} {shlex.join(task.visible_tests)}"
-        result = self.sandbox.run(command, timeout_s=max(timeout_s, 0.1))
+        result = self._plain_run(timeout_s) if pytest else None
+        if result is None:  # not plain (or a custom test command): pytest or the command itself
+            command = f"{task.test_command}{' -rA --tb=short' if pytest else ''} {shlex.join(task.visible_tests)}"
+            result = self.sandbox.run(command, timeout_s=max(timeout_s, 0.1))
         output = result.stdout + result.stderr
         outcomes = _pytest_outcomes(output) if pytest else {}
         if not outcomes:  # a custom command, or pytest stopped before reporting any test
@@ -97,15 +97,16 @@ class Tools:
         details = head_tail(_failure_details(output, self.sandbox.workdir), self.max_chars) + _status(result, timeout_s) if failed else ""
         return prompts.run_tests_result(outcomes, details.strip())
 
-    def _plain_tests_passed(self, timeout_s: float) -> dict[str, str] | None:
-        """The outcomes when `plain_tests.py` could run the visible tests and every one passed;
-        otherwise (not plain, a failure, anything unexpected) None, and pytest runs."""
+    def _plain_run(self, timeout_s: float) -> RunResult | None:
+        """The visible tests run by `plain_tests.py` (pytest's report shape, without starting
+        pytest), or None when the run is not plain and pytest must run it."""
         args = [*self.task.pytest_args, *self.task.visible_tests]
         if plain_tests.plan(args, str(self.sandbox.workspace)) is None:  # read here: no sandbox started for it
             return None
         result = self.sandbox.run(["python", "-c", PLAIN_TESTS_SOURCE, *args], timeout_s=max(timeout_s, 0.1))
-        outcomes = _pytest_outcomes(result.stdout) if result.exit_code == 0 and not result.timed_out else {}
-        return outcomes if outcomes and all(outcome == "passed" for outcome in outcomes.values()) else None
+        if result.exit_code == plain_tests.NOT_PLAIN and not result.timed_out:
+            return None
+        return result  # a time-out too: pytest would run the same code into the same limit
 
 
 def _status(result: RunResult, timeout_s: float) -> str:
