@@ -43,14 +43,14 @@ class RLConfig(Config):
     """Optimizer steps (= batches) of the RL stage."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4, optimizer=OptimizerConfig(lr=3e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
-        optimizer_steps_per_batch=4, loss=LossConfig(aggregation="sequence"), logit_scale_lr=0.05,
+        optimizer_steps_per_batch=4, loss=LossConfig(aggregation="sequence"),
     )  # fmt: skip
     """The trainer (its paths are set by the pipeline; `max_steps` = `steps`). The tiny default
     model takes a larger RL learning rate than `TrainerConfig`'s own default, four optimizer
-    steps per batch, a per-sample loss mean (failed rollouts ramble; under a token mean they
-    outweighed the solved ones), and a learned logit scale (`logit_scale_lr`): RL's gain here is
-    mostly a global sharpening. Measured from the same base on 400 held-out rollouts
-    (docs/run.md, session 7): 0.410 before; 0.415 after RL without the scale; 0.465-0.515 with it."""
+    steps per batch, and a per-sample loss mean (failed rollouts ramble; under a token mean they
+    outweighed the solved ones). Not on by default: the learned logit scale (`logit_scale_lr`);
+    its held-out gain is less than sampling the base at the same sharpness gives (docs/run.md,
+    session 7)."""
     orchestrator: OrchestratorConfig = OrchestratorConfig(
         tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1)),
         rollout=RolloutConfig(concurrency=12), group_size=8, groups_per_batch=4,
@@ -94,7 +94,8 @@ class PipelineConfig(Config):
     demonstrations, each row long enough for one whole transcript). Measured: held-out pass@1
     ~2% after 700 steps, ~48% after 2000 (the model learns to read the instruction late); 1500
     steps (403 s) give 0.383 on the run's 60 x 2 held-out set against 0.425 for 2000 (598 s), and
-    keep a cold `whetstone run` within 15 minutes (825 s measured)."""
+    keep a cold `whetstone run` within 15 minutes (825 s measured in session 5; 672 s in
+    session 7, after faster test reports)."""
     harness: HarnessConfig = HarnessConfig(
         max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64, train_cut_off_calls=True,
     )  # fmt: skip
