@@ -3,8 +3,10 @@ one published version) and invariant numerics."""
 
 from __future__ import annotations
 
-from whetstone.rl.batch import shuffled_parts
+from whetstone.rl.batch import collate, shuffled_parts
+from whetstone.rl.samples import Sample
 from whetstone.trainer.loop import merge_part_metrics, run_trainer
+from whetstone.trainer.step import micro_batches
 from whetstone.utils.metrics import read_metrics
 
 from tests.trainer.test_loop import subscribe
@@ -54,3 +56,15 @@ def test_an_invariant_trainer_sees_exactly_the_engines_logprobs(tmp_path, tiny_m
     run_trainer(trainer_config(tmp_path, tiny_moe, numerics="invariant"))
     (record,) = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
     assert record["logprob_diff_max"] == 0.0 and record["mismatch_kl_k3"] == 0.0
+
+
+def test_micro_batches_take_rows_in_order_of_length_so_each_is_cut_short():
+    def sample(positions: int) -> Sample:
+        return Sample(input_ids=list(range(1, positions + 2)), loss_mask=[1] * positions,
+                      behavior_logprobs=[-1.0] * positions, versions=[0] * positions, routes=None,
+                      reward=1.0, advantage=1.0)  # fmt: skip
+
+    batch = collate([sample(n) for n in (9, 2, 8, 3, 7, 1)])
+    micro = micro_batches(batch, 2)
+    assert [m.input_ids.shape[1] for m in micro] == [2, 7, 9]  # shortest pairs first, each cut to its longest
+    assert [int(m.loss_mask.sum()) for m in micro] == [3, 10, 17]
