@@ -147,20 +147,25 @@ def _plain_test(node: ast.FunctionDef) -> bool:
 
 
 def run(targets: list[str], report: Callable[[str, str], None],
-        explain: Callable[[str, str], None] | None = None) -> int:
+        explain: Callable[[str, str], None] | None = None, trusted: "Trusted | None" = None) -> int:
     """Import every file (paths relative to the working directory, which must be first on
     `sys.path`), then run the targeted tests; `report(test_id, outcome)` for each. Returns pytest's
     exit code. Call `plan` first: this trusts that the targets are plain.
 
     With `explain`, each failure and collection error also gets `explain(test_id or file, text)`:
     a `--tb=short`-like traceback (`_explanation`); test modules are then loaded with their plain
-    asserts rewritten to name the values compared (`_AssertExplainer`), as pytest does."""
+    asserts rewritten to name the values compared (`_AssertExplainer`), as pytest does.
+
+    With `trusted` (grading), the test files run as the code compiled before any graded code
+    ran, and each test defined in them is called from that code, whatever the module holds by
+    then; a test function that was replaced meanwhile is reported to `trusted.replaced`."""
     modules = {}
     with _OutputCapture(explain is not None) as captured:
         files = _files(targets)
         for name in files:
             try:
-                modules[name] = _collect(_import(name, explained=explain is not None))
+                code = trusted.code[name] if trusted is not None else None
+                modules[name] = _collect(_import(name, explained=explain is not None, code=code))
             except KeyboardInterrupt:
                 return INTERRUPTED
             except BaseException as error:  # noqa: BLE001 - whatever pytest's collection would report
@@ -173,6 +178,8 @@ def run(targets: list[str], report: Callable[[str, str], None],
         for target in targets:
             name, _, selected = target.partition("::")
             found = {f"{name}::{test}": function for test, function in modules[name] if selected in ("", test)}
+            if trusted is not None:
+                found = {test_id: trusted.callable(test_id, function) for test_id, function in found.items()}
             if not found:
                 return USAGE_ERROR if selected else NO_TESTS_COLLECTED  # pytest: "not found", nothing runs
             tests.update(found)
@@ -193,21 +200,24 @@ def run(targets: list[str], report: Callable[[str, str], None],
     return TESTS_FAILED if failed else OK
 
 
-def _import(name: str, explained: bool = False):
+def _import(name: str, explained: bool = False, code=None):
+    """Import test file `name` as pytest would; with `explained`, its asserts rewritten; with
+    `code`, that module code (compiled from the file earlier) instead of the file's text now."""
     import importlib.util
 
     module_name = name[: -len(".py")]
     sys.modules.pop(module_name, None)
-    if not explained:
+    if not explained and code is None:
         module = importlib.import_module(module_name)
-    else:  # what the import system does, with the asserts rewritten on the way
+    else:  # what the import system does, with our own code object
         spec = importlib.util.find_spec(module_name)
         if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
             raise ImportError(f"{module_name} is not {name}")
         module = importlib.util.module_from_spec(spec)
-        with open(spec.origin, "rb") as handle:
-            tree = _AssertExplainer().visit(ast.parse(handle.read(), spec.origin))
-        code = compile(ast.fix_missing_locations(tree), spec.origin, "exec", dont_inherit=True)
+        if code is None:
+            with open(spec.origin, "rb") as handle:
+                tree = _AssertExplainer().visit(ast.parse(handle.read(), spec.origin))
+            code = compile(ast.fix_missing_locations(tree), spec.origin, "exec", dont_inherit=True)
         sys.modules[module_name] = module
         try:
             exec(code, module.__dict__)
@@ -217,6 +227,48 @@ def _import(name: str, explained: bool = False):
     if os.path.realpath(getattr(module, "__file__", None) or "") != os.path.realpath(name):
         raise ImportError(f"{module_name} is not {name}")  # pytest: import file mismatch
     return module
+
+
+class Trusted:
+    """The test files' code, compiled before any graded code runs (`Trusted.compile(targets)`).
+
+    Graded code shares the process with the tests, so by the time a test is called it may have
+    replaced the test function, or its `__code__`, in the module (from a thread, an import hook,
+    a callback). The runner therefore calls each test defined in a file as a new function made
+    from that file's own code object, in the module's namespace, and reports a module whose
+    function no longer runs that code. Tests a file imports from elsewhere run as found."""
+
+    def __init__(self, code: dict, replaced: Callable[[str, str], None]):
+        self.code = code
+        self.replaced = replaced
+
+    @classmethod
+    def compile(cls, targets: list[str], replaced: Callable[[str, str], None]) -> "Trusted":
+        code = {}
+        for name in _files(targets):
+            with open(name, "rb") as handle:
+                code[name] = compile(handle.read(), os.path.abspath(name), "exec", dont_inherit=True)
+        return cls(code, replaced)
+
+    def callable(self, test_id: str, function: Callable[[], object]) -> Callable[[], object]:
+        """What to call for the collected `function`: its file's own code, checked at call time."""
+        import types
+
+        name, _, test = test_id.partition("::")
+        defined = [c for c in self.code[name].co_consts if isinstance(c, types.CodeType) and c.co_name == test]
+        if not defined:
+            return function  # imported into the file: not its code to vouch for
+        code, module = defined[-1], sys.modules.get(name[: -len(".py")])
+
+        def call() -> object:
+            current = module.__dict__.get(test) if module is not None else None
+            if current is not function or function.__code__ is not code:
+                replaced = current if current is not None else function
+                where = getattr(getattr(replaced, "__code__", None), "co_filename", type(replaced).__name__)
+                self.replaced(test_id, where)
+            return types.FunctionType(code, module.__dict__ if module is not None else function.__globals__, test)()
+
+        return call
 
 
 class _AssertExplainer(ast.NodeTransformer):
