@@ -24,7 +24,7 @@ from whetstone.midtrain.step import autocast
 from whetstone.model import numerics
 from whetstone.rl.batch import Batch
 from whetstone.rl.loss import LossConfig
-from whetstone.trainer.step import forward_logprobs, micro_batches, train_step
+from whetstone.trainer.step import forward_logprobs, train_step
 
 MODELS = {"dense": dict(num_experts=0), "moe": dict()}
 PROMPT_LENGTHS = (3, 141, 9, 17, 120, 5, 12)  # two cross the attention's 128-key chunks
@@ -63,10 +63,13 @@ def rollouts(model, mode: str, dtype: str, threads: int = 1) -> list[Sequence]:
 
 
 def trainer_logprobs(model, batch: Batch, mode: str, dtype: str, micro_batch_size: int = 3) -> torch.Tensor:
-    """What the trainer computes, micro-batch by micro-batch, with gradients on and no replay."""
+    """What the trainer computes, micro-batch by micro-batch, with gradients on and no replay
+    (micro-batches of consecutive rows, so the result lines up with the batch's rows; the
+    trainer's own `micro_batches` groups rows by length, other neighbours again)."""
     model.train()
+    chunks = [batch.select(range(i, min(i + micro_batch_size, len(batch)))) for i in range(0, len(batch), micro_batch_size)]
     parts = [forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=mode).logprobs.detach()
-             for micro in micro_batches(batch, micro_batch_size)]
+             for micro in chunks]
     length = batch.input_ids.shape[1]
     return torch.cat([torch.nn.functional.pad(p, (0, length - p.shape[1])) for p in parts])
 
