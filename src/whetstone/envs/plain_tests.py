@@ -282,8 +282,8 @@ class _AssertExplainer(ast.NodeTransformer):
     def __init__(self) -> None:
         self.count = 0
 
-    def _name(self, ctx) -> ast.Name:
-        return ast.Name(f"_plain_tests_value_{self.count}", ctx)
+    def _name(self, suffix: str, ctx) -> ast.Name:
+        return ast.Name(f"_plain_tests_value_{self.count}{suffix}", ctx)
 
     def visit_Assert(self, node: ast.Assert):
         if node.msg is not None:
@@ -291,15 +291,15 @@ class _AssertExplainer(ast.NodeTransformer):
         test = node.test
         self.count += 1
         if isinstance(test, ast.Compare) and len(test.ops) == 1:
-            left, right = self._name(ast.Store()), ast.Name(f"_plain_tests_value_{self.count}r", ast.Store())
-            assigns = [ast.Assign([left], test.left), ast.Assign([right], test.comparators[0])]
-            condition = ast.Compare(ast.Name(left.id, ast.Load()), test.ops, [ast.Name(right.id, ast.Load())])
-            parts = [ast.Name(left.id, ast.Load()), ast.Constant(f" {self.OPERATORS[type(test.ops[0])]} "),
-                     ast.Name(right.id, ast.Load())]
+            operands = [test.left, test.comparators[0]]
+            assigns = [ast.Assign([self._name(side, ast.Store())], value) for side, value in zip("lr", operands)]
+            left, right = self._name("l", ast.Load()), self._name("r", ast.Load())
+            condition = ast.Compare(left, test.ops, [right])
+            parts = [left, ast.Constant(f" {self.OPERATORS[type(test.ops[0])]} "), right]
         else:
-            value = self._name(ast.Store())
-            assigns, condition, parts = [ast.Assign([value], test)], ast.Name(value.id, ast.Load()), [
-                ast.Name(value.id, ast.Load())]
+            assigns = [ast.Assign([self._name("", ast.Store())], test)]
+            condition = self._name("", ast.Load())
+            parts = [condition]
         message = ast.JoinedStr([ast.Constant("assert "), *(
             ast.FormattedValue(part, ord("r"), None) if isinstance(part, ast.Name) else part for part in parts)])
         raise_ = ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [message], []), None)

@@ -48,14 +48,15 @@ class LogitScale:
             return 0.0
         return _scalar((gains.detach() * gains.grad).sum())
 
-    def step(self, model: torch.nn.Module, grad: float, lr_factor: float = 1.0) -> float:
-        """One Adam step on s for gradient `grad`, folded into the gains; returns the step."""
+    def step(self, model: torch.nn.Module, grad: float) -> float:
+        """One Adam step on s for gradient `grad` (at the constant `lr`: the optimizer's warmup
+        and decay do not apply), folded into the gains; returns the step."""
         self.steps += 1
         self.exp_avg = self.beta1 * self.exp_avg + (1 - self.beta1) * grad
         self.exp_avg_sq = self.beta2 * self.exp_avg_sq + (1 - self.beta2) * grad * grad
         corrected = self.exp_avg / (1 - self.beta1**self.steps)
         scale = math.sqrt(self.exp_avg_sq / (1 - self.beta2**self.steps)) + self.eps
-        delta = -self.lr * lr_factor * corrected / scale
+        delta = -self.lr * corrected / scale
         with torch.no_grad():
             model.norm.weight.mul_(math.exp(delta))
         self.log_scale += delta

@@ -61,7 +61,9 @@ class LossConfig(Config):
     forking_fraction: float = Field(1.0, gt=0.0, le=1.0)
     """Train only on this fraction of each micro-batch's trained tokens, those with the highest
     next-token entropy ("forking" tokens, Wang et al. 2025, "Beyond the 80/20 rule": 0.2).
-    The rest are left out of the policy-gradient term and counted as `forking_dropped`. 1 = all."""
+    The rest are left out of the policy-gradient term and counted as `forking_dropped`. 1 = all.
+    The threshold is each micro-batch's quantile (the trainer's micro-batches group rows of similar
+    length), so with this on, the step depends on `micro_batch_size`."""
     aggregation: Literal["token", "sequence"] = "token"
     """`token`: mean over the step's trained tokens (long samples weigh more). `sequence`: mean
     over samples of each sample's token mean, so that a long failed rollout does not outweigh

@@ -41,7 +41,8 @@ class TrainerConfig(Config):
     the batch); off = the trainer routes on its own, and the disagreement with the rollout is logged."""
     micro_batch_size: int = Field(4, ge=1)
     """Rows per forward/backward, taken in order of length (less padding); the step's gradient is
-    the same for any value (the loss is normalised over the whole step)."""
+    the same for any value (the loss is normalised over the whole step), except with
+    `loss.forking_fraction` < 1, whose entropy threshold is taken per micro-batch."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype (bf16 under autocast); master weights and optimizer state are always fp32.
     fp32 keeps the trainer's logprobs closest to an fp32 inference engine's."""
