@@ -9,8 +9,8 @@ import os
 import pytest
 import torch
 
-from whetstone.bench.pipeline import (GradingReward, coin_tasks, measure, overlap_bound, placement_config, random_model,
-                                      run, written_files)
+from whetstone.bench.pipeline import (GradingReward, coin_tasks, cpu_by_side, measure, overlap_bound, placement_config,
+                                      random_model, run, trainer_cpu_share, written_files)
 from whetstone.envs.harness import HarnessConfig
 from whetstone.envs.harness.summarize import segment_messages
 from whetstone.envs.reward import RewardConfig
@@ -108,7 +108,7 @@ def test_bad_settings_are_named_before_anything_starts(tmp_path):
         run(steps=1)
     with pytest.raises(WhetstoneError, match="config.json does not exist"):
         run(model=str(tmp_path), output_dir=str(tmp_path / "out"))  # not an HF folder
-    with pytest.raises(WhetstoneError, match="placement must be split or shared, got 'spread'"):
+    with pytest.raises(WhetstoneError, match="placement must be one of balanced, split, shared, got 'spread'"):
         run(placement="spread")
     with pytest.raises(WhetstoneError, match="model_size must be one of tiny, default, got 'huge'"):
         run(model_size="huge", output_dir=str(tmp_path / "out2"))
@@ -124,6 +124,30 @@ def test_the_split_placement_puts_the_trainer_apart_from_the_rollout_side():
     cores = sorted(os.sched_getaffinity(0))
     assert placement.trainer == cores[:1] and placement.servers == placement.orchestrator == cores[1:]
     assert placement_config("shared").trainer == []
+
+
+def test_the_balanced_placement_gives_each_side_its_share_of_the_cores():
+    cores = len(os.sched_getaffinity(0))
+    placement = placement_config("balanced", 0.2)
+    assert placement.trainer_cores == pytest.approx(min(1.0, 0.2 * cores), abs=1e-3)
+    assert placement.trainer_cores + placement.rollout_cores == pytest.approx(cores, abs=1e-3)
+    assert placement.trainer == placement.servers == []  # every core, under quotas
+    with pytest.raises(WhetstoneError, match=r"share must be in \(0, 1\), got 1.5"):
+        placement_config("balanced", 1.5)
+
+
+def test_the_trainer_share_comes_from_each_roles_cpu_over_the_window():
+    samples = [{"time": 1.0, "cpu_s": {"trainer": 5.0, "rollout": 3.0}},
+               {"time": 2.0, "cpu_s": {"trainer": 6.0, "rollout": 4.0}},
+               {"time": 12.0, "cpu_s": {"trainer": 8.0, "rollout": 13.0}},
+               {"time": 13.0, "cpu_s": {"trainer": 9.0, "rollout": 14.0}}]  # fmt: skip
+    used = cpu_by_side(samples, 1.5, 12.5)  # startup before the window is left out
+    assert used == {"trainer": 2.0, "rollout": 9.0}
+    assert trainer_cpu_share(used) == pytest.approx(2 / 11)
+    with pytest.raises(WhetstoneError, match="fewer than 2 CPU samples"):
+        cpu_by_side(samples, 1.5, 2.5)
+    with pytest.raises(WhetstoneError, match="no CPU time measured"):
+        trainer_cpu_share({"rollout": 1.0})
 
 
 def test_the_cli_passes_its_options_to_the_benchmark():
@@ -151,6 +175,7 @@ def test_a_tiny_benchmark_reports_every_side(tmp_path):
     assert timings["async"]["samples"] == timings["sync"]["samples"] == timings["trl"]["samples"] == 4
     assert timings["sync"]["staleness_max"] == 0 and timings["async"]["staleness_max"] <= 2
     assert timings["async"]["cpu_s"] > 0 and timings["sync"]["cpu_s"] > 0
+    assert set(timings["async"]["cpu_s_by_side"]) == {"trainer", "rollout"}
     ratio = result["async_samples_per_s"] / result["sync_samples_per_s"]
     assert result["async_vs_sync"] == pytest.approx(ratio, rel=1e-2)
     for side in ("async", "sync"):

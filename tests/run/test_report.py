@@ -10,7 +10,7 @@ import pytest
 from whetstone.errors import WhetstoneError
 from whetstone.rl.staleness import StalenessHistogram
 from whetstone.run.plots import _binned
-from whetstone.run.report import busy_fractions, swap_pauses, trainer_busy_per_step, write_report
+from whetstone.run.report import busy_fractions, cores_used, swap_pauses, trainer_busy_per_step, write_report
 from whetstone.utils.metrics import MetricsWriter
 
 PLOT_SECTIONS = ["Reward", "Held-out pass@k", "Staleness", "Weight sync", "Trainer–rollout mismatch", "Busy fraction"]
@@ -72,6 +72,8 @@ def full_run(tmp_path_factory):
                 "groups.dropped_no_variance": 1, "servers_alive": 2, "calls_rerun": 0} for i in range(4)]  # fmt: skip
     write_jsonl(run_dir / "orchestrator" / "metrics.jsonl", batches)
     write_jsonl(run_dir / "servers.jsonl", server_samples())
+    write_jsonl(run_dir / "cpu.jsonl", [{"time": 100.0, "cpu_s": {"trainer": 1.0, "rollout": 2.0}},
+                                        {"time": 110.0, "cpu_s": {"trainer": 3.5, "rollout": 17.0}}])  # fmt: skip
     path = write_report(run_dir)
     return run_dir, path, path.read_text()
 
@@ -103,6 +105,7 @@ def test_key_figures_hold_the_numbers_behind_the_plots(full_run):
     assert row("trainer busy", "70.0%") in page and row("server 0 busy", "100.0%") in page
     assert row("server 1 busy", "50.0%") in page
     assert row("samples dropped as too stale", "2") in page
+    assert row("CPU used while the roles ran, trainer / rollout side (cores)", "0.25 / 1.50") in page
     assert row("policy entropy, first / last step (nats per trained token)", "0.8 / 0.5") in page
     assert "<details>" in page and "&quot;lr&quot;: 1e-06" in page
 
@@ -174,6 +177,13 @@ def test_busy_fractions_of_trainer_and_servers():
     assert trainer_busy_per_step(trainer) == ([0, 1], [0.25, 0.75])
     assert trainer_busy_per_step([{"step": 3, "busy": 0.9}]) == ([3], [0.9])  # logged figure when times are absent
     assert busy_fractions([], []) == {}  # nothing recorded: no bar rather than a made-up 0%
+
+
+def test_cores_used_per_side_from_the_cpu_samples():
+    samples = [{"time": 0.0, "cpu_s": {"trainer": 0.0, "rollout": 1.0}}, {"time": 4.0, "cpu_s": {"trainer": 1.0}},
+               {"time": 8.0, "cpu_s": {"trainer": 2.0, "rollout": 13.0}}]  # fmt: skip
+    assert cores_used(samples) == {"trainer": 0.25, "rollout": 1.5}
+    assert cores_used(samples[:1]) == {} and cores_used([]) == {}  # one sample: no rate
 
 
 def test_long_runs_average_staleness_over_consecutive_steps():

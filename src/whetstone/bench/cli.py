@@ -88,8 +88,9 @@ def pipeline(
     model_size: str = typer.Option("tiny", help="Random model when no --model: tiny (1.9M, the default run's) "
                                                 "or default (8.1M, ModelConfig())."),
     trl: bool = typer.Option(True, "--trl/--no-trl", help="Also run TRL's GRPOTrainer."),
-    placement: str = typer.Option("split", help="split: the trainer on core 0, the rollout side on the others "
-                                                 "(roles on separate hardware); shared: every role on every core."),
+    placement: str = typer.Option("split", help="balanced: CPU quotas sized by each side's measured share of the "
+                                                 "work; split: the trainer on core 0, the rollout side on the others "
+                                                 "(both: roles on separate hardware); shared: every role on every core."),
     output_dir: str = typer.Option("", help="Keep the roles' configs, logs and metrics here (default: a temp folder)."),
 ) -> None:
     """Samples/s of asynchronous RL vs the synchronous baseline and TRL's GRPOTrainer; busy fractions."""

@@ -96,24 +96,60 @@ def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "ti
 # -- whetstone: the RL stage of `whetstone run`, asynchronous or synchronous ------------------------
 
 
-def placement_config(placement: str):
-    """`split`: the trainer on the first usable core, servers, orchestrator and sandboxes on the
-    others, as on separate hardware (a synchronous step then leaves one side idle while the other
-    works, as it leaves trainer or inference GPUs idle); `shared`: every role on every core."""
+PLACEMENTS = ("balanced", "split", "shared")
+
+
+def placement_config(placement: str, trainer_share: float | None = None):
+    """Where the roles run. `shared`: every role on every core. `split`: the trainer on the first
+    usable core, servers, orchestrator and sandboxes on the others. `balanced`: every core, with
+    CPU quotas (cgroups) that give the trainer `trainer_share` of the machine's CPU time and the
+    rollout side the rest, as hardware is sized to each side's work. Split and balanced stand in
+    for roles on separate hardware: a synchronous step leaves one side idle while the other works,
+    as it leaves trainer or inference GPUs idle."""
     from whetstone.run.config import PlacementConfig
 
     cores = sorted(os.sched_getaffinity(0))
     if placement == "shared":
         return PlacementConfig()
+    if placement == "balanced":
+        if trainer_share is None:  # a placeholder until the calibration run has measured it
+            trainer_share = 0.5
+        if not 0 < trainer_share < 1:
+            raise WhetstoneError(f"placement balanced: the trainer's share must be in (0, 1), got {trainer_share}")
+        trainer = round(min(1.0, trainer_share * len(cores)), 3)  # the trainer is one torch thread
+        return PlacementConfig(trainer_cores=trainer, rollout_cores=round(len(cores) - trainer, 3))
     if placement != "split":
-        raise WhetstoneError(f"placement must be split or shared, got {placement!r}")
+        raise WhetstoneError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
     if len(cores) < 2:
         raise WhetstoneError(f"placement split needs 2 usable cores, this process has {len(cores)}")
     return PlacementConfig(trainer=cores[:1], servers=cores[1:], orchestrator=cores[1:])
 
 
+def trainer_cpu_share(cpu_by_side: dict[str, float] | None) -> float:
+    """The trainer's share of the CPU time both sides used."""
+    total = sum((cpu_by_side or {}).values())
+    if not cpu_by_side or "trainer" not in cpu_by_side or total <= 0:
+        raise WhetstoneError(f"no CPU time measured for the trainer and the rollout side: {cpu_by_side}")
+    return cpu_by_side["trainer"] / total
+
+
+def cpu_by_side(samples: list[dict], start: float, end: float) -> dict[str, float]:
+    """CPU seconds each side used between `start` and `end`, from the pipeline's `cpu.jsonl`: per
+    side, its last sample in the window minus its first."""
+    inside = [s for s in samples if start <= s["time"] <= end]
+    if len(inside) < 2:
+        raise WhetstoneError(f"fewer than 2 CPU samples between {start:.1f} and {end:.1f}: the run was too short")
+    first: dict[str, float] = {}
+    last: dict[str, float] = {}
+    for sample in inside:
+        for role, seconds in sample["cpu_s"].items():
+            first.setdefault(role, seconds)
+            last[role] = seconds
+    return {role: last[role] - first[role] for role in last}
+
+
 def pipeline_config(work: Path, name: str, tasks_file: Path, *, steps: int, group_size: int, groups_per_batch: int,
-                    max_tokens: int, synchronous: bool, placement: str = "shared"):  # fmt: skip
+                    max_tokens: int, synchronous: bool, placement: str = "shared", trainer_share: float | None = None):  # fmt: skip
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
     from whetstone.orchestrator import OrchestratorConfig
@@ -130,33 +166,33 @@ def pipeline_config(work: Path, name: str, tasks_file: Path, *, steps: int, grou
         poll_interval_s=POLL_S, health_interval_s=0.5,
     )  # fmt: skip
     trainer = TrainerConfig(checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S))
-    return PipelineConfig(name=name, output_dir=str(work), harness=harness, placement=placement_config(placement),
+    return PipelineConfig(name=name, output_dir=str(work), harness=harness, placement=placement_config(placement, trainer_share),
                           rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator))  # fmt: skip
 
 
 def whetstone_side(config, model_dir: Path) -> dict[str, Any]:
-    """Run the RL stage as processes on `model_dir`; the measurements of `measure`, plus `cpu_s`:
-    the CPU time of every role and its sandboxes over the whole side, process starts included."""
-    import resource
-
-    from whetstone.run.monitor import ServerSampler
+    """Run the RL stage as processes on `model_dir`; the measurements of `measure`, plus the CPU
+    time of each side (`trainer`; `rollout`: servers, orchestrator and sandboxes) in the window
+    (`cpu_s_by_side`) and over the whole side, process starts included (`cpu_s`)."""
     from whetstone.run.pipeline import Pipeline
     from whetstone.utils.metrics import read_metrics
 
     pipeline = Pipeline(config)
     pipeline.model_dir = model_dir  # the benchmark's model instead of a mid-training stage
     pipeline.run_dir.mkdir(parents=True, exist_ok=True)
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     try:
+        pipeline.open_cpu_groups()
         pipeline.start_servers()
-        with ServerSampler(pipeline.urls, pipeline.run_dir / "servers.jsonl", SAMPLE_INTERVAL_S) as pipeline.sampler:
+        with pipeline.server_sampler(SAMPLE_INTERVAL_S) as pipeline.sampler:
             pipeline.rl()
+            cpu_total = {side: group.usage_seconds() for side, group in pipeline.cpu_groups.items()}
     finally:
-        pipeline.stop_roles()  # and waited for: their CPU time is in RUSAGE_CHILDREN now
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        pipeline.stop_roles()
     steps = read_metrics(pipeline.run_dir / "trainer" / "metrics.jsonl")
-    return {**measure(steps, read_metrics(pipeline.run_dir / "servers.jsonl")), "cpu_s": cpu_s,
+    measured = measure(steps, read_metrics(pipeline.run_dir / "servers.jsonl"))
+    cpu_samples = read_metrics(pipeline.run_dir / "cpu.jsonl") if cpu_total else []
+    sides = cpu_by_side(cpu_samples, *measured["window"]) if cpu_total else None
+    return {**measured, "cpu_s": sum(cpu_total.values()) if cpu_total else None, "cpu_s_by_side": sides,
             "run_dir": str(pipeline.run_dir)}  # fmt: skip
 
 
@@ -192,6 +228,7 @@ def measure(steps: list[dict], server_samples: list[dict]) -> dict[str, Any]:
     steady = steps[1:]
     return {
         "samples": samples,
+        "window": [start, end],
         "wall_s": end - start,
         "samples_per_s": samples / (end - start),
         "steady_samples_per_s": sum(r["rows"] for r in steady) / (end - steps[0]["time"]) if steady else None,
@@ -361,7 +398,8 @@ def run(
 
     `model`: a mid-trained HF folder (default: a MoE of `random_model_config(model_size)` with
     random weights). `trl_threads`: torch threads of the TRL process (0 = every core: it runs
-    alone). `placement`: the cores of the whetstone roles (`placement_config`). `output_dir` keeps
+    alone). `placement`: where the whetstone roles run (`placement_config`); `balanced` first runs
+    async on every core (`async_shared`) to measure the trainer's share of the CPU time. `output_dir` keeps
     every role's config, logs and metrics (default: a temporary folder, removed after).
     """
     for name, value, least in (("steps", steps, 2), ("group_size", group_size, 2),
@@ -370,6 +408,10 @@ def run(
         if value < least:
             raise WhetstoneError(f"{name} must be >= {least}, got {value}")
     placement_config(placement)
+    if placement == "balanced":  # fail now, not after the calibration run, where quotas cannot be set
+        from whetstone.utils.cgroups import CpuGroup
+
+        CpuGroup("probe", 1.0).remove()
     random_model_config(model_size)
     with contextlib.ExitStack() as stack:
         work = Path(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
@@ -390,16 +432,23 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
     model_dir = Path(model) if model else random_model(work / "bench-model", tasks, seed, model_size)
     model_config = read_hf_config(model_dir)  # a bad --model fails here, naming the file
     settings = dict(steps=steps, group_size=group_size, groups_per_batch=groups_per_batch, max_tokens=max_tokens)
-    configs = {name: pipeline_config(work, name, tasks_file, synchronous=name == "sync", placement=placement, **settings)
-               for name in ("async", "sync")}  # fmt: skip
-    if trl and placement == "split":  # TRL uses every core: so does the whetstone side it is compared with
-        configs["async_shared"] = pipeline_config(work, "async_shared", tasks_file, synchronous=False,
-                                                  placement="shared", **settings)  # fmt: skip
     load: dict[str, list[float]] = {"start": list(os.getloadavg())}
     timings: dict[str, dict[str, Any]] = {}
-    for name, config in configs.items():
+    configs: dict[str, Any] = {}
+
+    def side(name: str, placement: str, share: float | None = None) -> None:
+        configs[name] = config = pipeline_config(work, name, tasks_file, synchronous=name == "sync",
+                                                 placement=placement, trainer_share=share, **settings)  # fmt: skip
         timings[name] = whetstone_side(config, model_dir)
         load[f"after_{name}"] = list(os.getloadavg())
+
+    share = None
+    if placement == "balanced" or (trl and placement == "split"):  # TRL uses every core: so does its rival
+        side("async_shared", "shared")  # balanced: also the calibration of each side's share of the work
+        if placement == "balanced":
+            share = trainer_cpu_share(timings["async_shared"]["cpu_s_by_side"])
+    for name in ("async", "sync"):
+        side(name, placement, share)
     if trl:  # the same harness budgets, group size, batch, optimizer and reward settings
         threads = trl_threads or os.cpu_count() or 1
         timings["trl"] = trl_side(model_dir, tasks, configs["async"], work, threads=threads, seed=seed)
@@ -430,6 +479,7 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
         **settings,
         "samples_per_step": group_size * groups_per_batch,
         "placement": {placement: configs["async"].placement.model_dump()},
+        "trainer_cpu_share": _round(share),
         "tasks": task_count,
         "rollout": "single-turn (harness max_turns = 1), coin tasks",
         "model": str(model) if model else f"random-init {random_model_config(model_size).__name__}",

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
 from whetstone.envs.sandbox.sandbox import _runtime
+from whetstone.utils.cgroups import own_cgroup_path
 
 TASK_FILES = {
     "calc/__init__.py": "from calc.ops import add\n",
@@ -41,8 +42,7 @@ CPUACCT = Path("/sys/fs/cgroup/cpuacct")
 @contextmanager
 def _cpu_meter() -> Iterator[Callable[[], float] | None]:
     """A clock of CPU seconds used by this process and all it starts (None where cpuacct is not writable)."""
-    own = next((line.split(":", 2)[2] for line in Path("/proc/self/cgroup").read_text().splitlines()
-                if "cpuacct" in line.split(":")[1].split(",")), None)  # fmt: skip
+    own = own_cgroup_path("cpuacct")
     home = CPUACCT / (own or "/").lstrip("/")
     group = home / f"whetstone-bench-{os.getpid()}"
     try:

@@ -4,6 +4,7 @@ orchestrator's metrics files (for the live progress line)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 import threading
@@ -13,6 +14,7 @@ from typing import Any
 import httpx
 
 from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.cgroups import CpuGroup
 
 SAMPLED = {
     "whetstone_weight_version": "weight_version",
@@ -37,11 +39,16 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 class ServerSampler:
     """A thread sampling each server's /metrics every `interval_s` into a JSONL file; the newest
-    sample of each server is in `latest`. A server that does not answer is recorded as down."""
+    sample of each server is in `latest`. A server that does not answer is recorded as down.
+    With `cpu_groups` (a dict that may grow) and `cpu_path`, each round also records the CPU
+    seconds each group has used so far."""
 
-    def __init__(self, api_roots: list[str], path: str | Path, interval_s: float = 2.0):
+    def __init__(self, api_roots: list[str], path: str | Path, interval_s: float = 2.0, *,
+                 cpu_groups: dict[str, CpuGroup] | None = None, cpu_path: str | Path | None = None):  # fmt: skip
         self.urls = [root.rstrip("/").removesuffix("/v1") + "/metrics" for root in api_roots]
         self.writer = MetricsWriter(path)
+        self.cpu_groups = cpu_groups
+        self.cpu_writer = MetricsWriter(cpu_path) if cpu_path is not None and cpu_groups is not None else None
         self.interval_s = interval_s
         self.latest: dict[int, dict[str, Any]] = {}
         self._stop = threading.Event()
@@ -55,6 +62,8 @@ class ServerSampler:
         self._stop.set()
         self._thread.join()
         self.writer.close()
+        if self.cpu_writer is not None:
+            self.cpu_writer.close()
 
     def sample(self, client: httpx.Client) -> None:
         for index, url in enumerate(self.urls):
@@ -64,6 +73,12 @@ class ServerSampler:
                 record = {"server": index, "up": False}
             self.latest[index] = record
             self.writer.write(record)
+        if self.cpu_writer is not None and self.cpu_groups:
+            used = {}
+            for side, group in list(self.cpu_groups.items()):
+                with contextlib.suppress(OSError):  # removed at the end of the run
+                    used[side] = group.usage_seconds()
+            self.cpu_writer.write({"cpu_s": used})
 
     def _run(self) -> None:
         with httpx.Client(timeout=2.0) as client:

@@ -15,6 +15,7 @@ from the next batch index, and an evaluation whose report exists is not run agai
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -24,9 +25,12 @@ from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.monitor import ServerSampler, last_record
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.cgroups import CpuGroup
 from whetstone.utils.metrics import read_metrics
 from whetstone.utils.processes import RoleProcess, check_cpus, free_ports
 from whetstone.utils.progress import progress_bar
+
+log = logging.getLogger("whetstone.run")
 
 
 def demo_source(config: PipelineConfig):
@@ -56,6 +60,9 @@ class Pipeline:
         self.urls: list[str] = []
         self.sampler: ServerSampler | None = None
         """Samples the servers' /metrics while they run (versions, swap pauses, busy)."""
+        self.cpu_groups: dict[str, CpuGroup] = {}
+        """CPU groups by side (`trainer`, `rollout`: servers, orchestrator, sandboxes): their CPU
+        time, sampled into `cpu.jsonl`, and the quotas of `placement`'s cores fields."""
 
     # -- role configs: the config's sections with every path and address filled in ------------
 
@@ -96,11 +103,27 @@ class Pipeline:
         atomic_write_text(path, dump_toml(config) + "\n")
         return path
 
-    def start(self, name: str, command: str, config, *, threads: int, cpus: list[int],
+    def open_cpu_groups(self) -> None:
+        """Create each side's CPU group (once). A quota `placement` asks for that cannot be set is
+        an error, raised early; without quotas the groups only count CPU time, where cgroups allow."""
+        placement = self.config.placement
+        for side, cores in (("trainer", placement.trainer_cores), ("rollout", placement.rollout_cores)):
+            if side in self.cpu_groups:
+                continue
+            try:
+                self.cpu_groups[side] = CpuGroup(side, cores)
+            except WhetstoneError:
+                if cores > 0:
+                    raise
+                log.debug("no CPU accounting for the %s side: cgroups are not writable here", side)
+
+    def start(self, name: str, command: str, config, *, threads: int, cpus: list[int], side: str,
               health_url: str | None = None) -> RoleProcess:  # fmt: skip
+        """Start role `name`; `side` (`trainer` or `rollout`) picks its CPU group."""
+        self.open_cpu_groups()
         path = self.write_role_config(name, config)
-        role = RoleProcess(name, [command, str(path)], self.run_dir / "logs" / f"{name}.log",
-                           health_url=health_url, threads=threads, cpus=cpus).start()  # fmt: skip
+        role = RoleProcess(name, [command, str(path)], self.run_dir / "logs" / f"{name}.log", health_url=health_url,
+                           threads=threads, cpus=cpus, cpu_group=self.cpu_groups.get(side)).start()  # fmt: skip
         self.roles.append(role)
         return role
 
@@ -120,7 +143,7 @@ class Pipeline:
         self.urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
         started = [
             self.start(f"serve-{i}", "serve", self.serve_config(port), threads=servers.serve.threads or 1,
-                       cpus=self.config.placement.servers, health_url=f"http://127.0.0.1:{port}/health")
+                       cpus=self.config.placement.servers, side="rollout", health_url=f"http://127.0.0.1:{port}/health")
             for i, port in enumerate(ports)
         ]  # fmt: skip
         for role in started:
@@ -140,9 +163,9 @@ class Pipeline:
         trainer_config = self.trainer_config()
         placement = self.config.placement
         trainer = self.start("trainer", "trainer", trainer_config, threads=trainer_config.threads or 1,
-                             cpus=placement.trainer)  # fmt: skip
+                             cpus=placement.trainer, side="trainer")  # fmt: skip
         orchestrator = self.start("orchestrator", "orchestrator", self.orchestrator_config(), threads=1,
-                                  cpus=placement.orchestrator)  # fmt: skip
+                                  cpus=placement.orchestrator, side="rollout")  # fmt: skip
         trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
         batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
         done = 0
@@ -177,30 +200,40 @@ class Pipeline:
                                      f"{self.config.rl.sync_timeout_s:g} s (they report {versions})")  # fmt: skip
             time.sleep(0.5)
 
+    def server_sampler(self, interval_s: float = 2.0) -> ServerSampler:
+        """Samples of the servers' /metrics (`servers.jsonl`) and each side's CPU time (`cpu.jsonl`)."""
+        return ServerSampler(self.urls, self.run_dir / "servers.jsonl", interval_s, cpu_groups=self.cpu_groups,
+                             cpu_path=self.run_dir / "cpu.jsonl")  # fmt: skip
+
     def stop_roles(self) -> None:
         for role in reversed(self.roles):
             role.stop()
+        for group in self.cpu_groups.values():
+            group.remove()
+        self.cpu_groups.clear()
 
     def run(self) -> dict[str, Any]:
         config = self.config
-        for role, cpus in config.placement.model_dump().items():  # before mid-training, not after it
-            check_cpus(cpus, f"placement.{role}")
+        placement = config.placement  # checked before mid-training, not after it
+        for role in ("trainer", "servers", "orchestrator"):
+            check_cpus(getattr(placement, role), f"placement.{role}")
+        self.open_cpu_groups()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.run_dir / "config.toml", dump_toml(config))
         started = time.time()
-        stages: dict[str, Any] = {"midtrain": self.midtrain()}
         summary: dict[str, Any] = {"run_dir": str(self.run_dir), "heldout_pass1_before": None, "heldout_pass1_after": None}
-        if config.rl_enabled:
-            try:
+        try:
+            stages: dict[str, Any] = {"midtrain": self.midtrain()}
+            if config.rl_enabled:
                 self.start_servers()
-                with ServerSampler(self.urls, self.run_dir / "servers.jsonl") as self.sampler:
+                with self.server_sampler() as self.sampler:
                     before = self.evaluate("before")
                     summary["heldout_pass1_before"] = before["pass_at_k"]["1"]
                     stages["rl"] = self.rl()
                     after = self.evaluate("after")
                     summary["heldout_pass1_after"] = after["pass_at_k"]["1"]
-            finally:
-                self.stop_roles()
+        finally:
+            self.stop_roles()  # and the CPU groups
         summary.update(wall_s=time.time() - started, stages=stages, config=config.model_dump(mode="json"))
         atomic_write_json(self.run_dir / "summary.json", summary)
         from whetstone.run.report import write_report

@@ -39,6 +39,7 @@ class RunRecords:
     trainer: list[dict]
     orchestrator: list[dict]
     servers: list[dict]
+    cpu: list[dict]
     before: dict
     after: dict
 
@@ -74,6 +75,7 @@ def load_run(run_dir: Path) -> RunRecords:
         trainer=_read_jsonl(run_dir / "trainer" / "metrics.jsonl"),
         orchestrator=_read_jsonl(run_dir / "orchestrator" / "metrics.jsonl"),
         servers=_read_jsonl(run_dir / "servers.jsonl"),
+        cpu=_read_jsonl(run_dir / "cpu.jsonl"),
         before=_read_json(run_dir / "eval" / "before" / "report.json"),
         after=_read_json(run_dir / "eval" / "after" / "report.json"),
     )  # fmt: skip
@@ -147,6 +149,17 @@ def busy_fractions(trainer: list[dict], servers: list[dict]) -> dict[str, float]
             running.setdefault(int(server), []).append(sequences is not None and sequences > 0)
     busy.update({f"server {s}": sum(flags) / len(flags) for s, flags in sorted(running.items())})
     return busy
+
+
+def cores_used(cpu: list[dict]) -> dict[str, float]:
+    """Average cores each side (trainer; rollout: servers, orchestrator, sandboxes) used while the
+    roles ran: its CPU seconds over the wall time between the first and last sample of `cpu.jsonl`."""
+    timed = [r for r in cpu if number(r.get("time")) is not None and isinstance(r.get("cpu_s"), dict)]
+    if len(timed) < 2 or timed[-1]["time"] <= timed[0]["time"]:
+        return {}
+    wall, first, last = timed[-1]["time"] - timed[0]["time"], timed[0]["cpu_s"], timed[-1]["cpu_s"]
+    return {side: (last[side] - first[side]) / wall for side in last
+            if number(last[side]) is not None and number(first.get(side)) is not None}  # fmt: skip
 
 
 def _mean(values: list[float]) -> float | None:
@@ -224,7 +237,10 @@ def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[t
         ("swap pause p50 / max", pause_spread),
     ]  # fmt: skip
     busy_rows = [(f"{role} busy", f"{fraction:.1%}") for role, fraction in busy.items()]
-    return rows + (busy_rows or [("busy fractions", NOT_RECORDED)])
+    cores = cores_used(run.cpu)
+    cpu_row = ("CPU used while the roles ran, trainer / rollout side (cores)",
+               " / ".join(f"{cores[side]:.2f}" for side in ("trainer", "rollout") if side in cores) or NOT_RECORDED)
+    return rows + (busy_rows or [("busy fractions", NOT_RECORDED)]) + [cpu_row]
 
 
 STYLE = """

@@ -142,7 +142,7 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     opt, replaying = config.optimizer, state.step < session.replay_until
     lr = lr_at(state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps,
                total_steps=config.max_steps or 1, min_lr_ratio=opt.min_lr_ratio)
-    started = time.perf_counter()
+    started, started_cpu = time.perf_counter(), time.process_time()
     parts = []
     for part in shuffled_parts(batch, config.optimizer_steps_per_batch, seed=state.step):
         rows, normalizer = part, None
@@ -176,6 +176,7 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
         if not record["replay_matches_store"]:
             log.warning("replayed weights differ from the store's version %d (non-deterministic kernels or "
                         "another thread count?); the next delta carries the difference", state.step)
+    record["cpu_s"] = time.process_time() - started_cpu  # train + publish, every thread of this process
     staleness = [state.step - 1 - row["oldest_version"] for row in batch.rows if row["oldest_version"] >= 0]
     record.update({key: batch.meta[key] for key in BATCH_META_SCALARS if key in batch.meta},
                   staleness_max=max(staleness, default=0),

@@ -28,16 +28,24 @@ from pathlib import Path
 import httpx
 
 from whetstone.errors import WhetstoneError
+from whetstone.utils.cgroups import CpuGroup, add_to_cgroups
 
 
 CPUS_ENV = "WHETSTONE_CPUS"
 """Set by `RoleProcess(cpus=...)`: the cores the role (and every process it starts) may run on."""
+CPU_GROUP_ENV = "WHETSTONE_CPU_GROUP"
+"""Set by `RoleProcess(cpu_group=...)`: the cgroup folders (os.pathsep-separated) of the CPU group
+the role and its children run in."""
 PARENT_ENV = "WHETSTONE_PARENT_PID"
 """Set in every role's environment: the role stops when this process ends (`stop_with_parent`)."""
 
 
 def apply_role_environment() -> None:
-    """At the start of a role started by `RoleProcess`: its CPU placement, and its end with its parent."""
+    """At the start of a role started by `RoleProcess`: its CPU placement and quota, and its end
+    with its parent."""
+    group = os.environ.pop(CPU_GROUP_ENV, None)
+    if group:
+        add_to_cgroups(group.split(os.pathsep), os.getpid())
     cpus = os.environ.pop(CPUS_ENV, None)
     if cpus:
         # every thread started so far (imports may have started some); later threads and child
@@ -72,10 +80,12 @@ def stop_with_parent() -> None:
 
 class RoleProcess:
     def __init__(self, name: str, args: list[str], log_path: str | Path, *, health_url: str | None = None,
-                 threads: int | None = None, env: dict[str, str] | None = None, cpus: list[int] | None = None):  # fmt: skip
+                 threads: int | None = None, env: dict[str, str] | None = None, cpus: list[int] | None = None,
+                 cpu_group: CpuGroup | None = None):  # fmt: skip
         """`args`: the `whetstone` command line after the program name. `threads`: OMP/MKL
         threads of the child (its torch intra-op pool), so roles sharing cores do not oversubscribe.
-        `cpus`: the cores it may run on (None: any)."""
+        `cpus`: the cores it may run on (None: any). `cpu_group`: the CPU group
+        (`utils.cgroups.CpuGroup`: accounting, maybe a quota) it runs in with everything it starts."""
         self.name = name
         self.argv = [sys.executable, "-m", "whetstone.cli", *args]
         self.log_path = Path(log_path)
@@ -86,6 +96,8 @@ class RoleProcess:
         if cpus:
             check_cpus(cpus, name)
             self.env[CPUS_ENV] = ",".join(map(str, cpus))
+        if cpu_group is not None:
+            self.env[CPU_GROUP_ENV] = os.pathsep.join(map(str, cpu_group.paths))
         self.process: subprocess.Popen | None = None
 
     def start(self) -> RoleProcess:

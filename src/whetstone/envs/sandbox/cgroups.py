@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
+from whetstone.utils.cgroups import own_cgroup_path
+
 MOUNTS = Path("/sys/fs/cgroup")
 _counter = itertools.count()
 
@@ -29,15 +31,6 @@ class CgroupRoot:
     version: int
     pids_dir: Path
     memory_dir: Path
-
-
-def _own_path(controller: str) -> str | None:
-    """This process's group in the hierarchy holding `controller` ("" selects cgroup v2)."""
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if controller in controllers.split(",") or (controller == "" and controllers == ""):
-            return path
-    return None
 
 
 def _writable_parent(hierarchy: Path, own: str) -> Path | None:
@@ -52,13 +45,13 @@ def _writable_parent(hierarchy: Path, own: str) -> Path | None:
 def find_cgroup_root() -> CgroupRoot | None:
     """The writable cgroup directories for pids and memory, or None when there are none."""
     try:
-        pids_own, memory_own = _own_path("pids"), _own_path("memory")
+        pids_own, memory_own = own_cgroup_path("pids"), own_cgroup_path("memory")
         if pids_own is not None and memory_own is not None:
             pids = _writable_parent(MOUNTS / "pids", pids_own)
             memory = _writable_parent(MOUNTS / "memory", memory_own)
             if pids and memory:
                 return CgroupRoot(1, pids, memory)
-        unified_own = _own_path("")
+        unified_own = own_cgroup_path("")
         unified = MOUNTS / "unified" if (MOUNTS / "unified").is_dir() else MOUNTS
         parent = _writable_parent(unified, unified_own) if unified_own is not None else None
         # v2: our group must hand pids and memory down (a delegated subtree), and ours pass them on.

@@ -1,0 +1,141 @@
+"""Linux cgroups shared by the roles: where this process sits in a hierarchy, and CPU groups:
+processes whose CPU time is counted together (sandboxes included, which per-process accounting
+misses: they are not reaped by the role that starts them) and, optionally, capped by a quota.
+
+A quota of 0.25 cores lets the group's processes together run 25 ms in every 100 ms period,
+however many cores they spread over. On one machine this stands in for sizing hardware per role
+(trainer GPUs against inference GPUs): the pipeline benchmark gives the trainer and the rollout
+side the shares of the machine their work needs (bench/pipeline.py).
+
+    with CpuGroup("trainer", cores=0.5) as group:     # new cgroups under this process's own
+        RoleProcess(..., cpu_group=group)             # the role moves itself in at its start
+        group.usage_seconds()                         # CPU time of everything in it so far
+
+cgroup v1 (the `cpu` hierarchy for the quota, `cpuacct` for the usage) and v2 (`cpu.max`,
+`cpu.stat`; the cpu controller must be enabled for this process's cgroup's children). Where
+neither is writable, an error says what is missing; nothing falls back silently to no quota.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import uuid
+from pathlib import Path
+
+from whetstone.errors import WhetstoneError
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+PERIOD_US = 100_000
+"""The enforcement period: a group may run `cores` x this in each period."""
+
+
+def own_cgroup_path(controller: str) -> str | None:
+    """This process's group in the hierarchy holding `controller` ("" selects cgroup v2)."""
+    for line in Path("/proc/self/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if controller in controllers.split(",") or (controller == "" and controllers == ""):
+            return path
+    return None
+
+
+def _v1_mount(root: Path, controller: str, probe: str) -> Path | None:
+    """The v1 hierarchy holding `controller` (mounted alone or co-mounted with its partner)."""
+    names = [controller, "cpu,cpuacct", "cpuacct,cpu"]
+    return next((root / name for name in names if (root / name / probe).exists()), None)
+
+
+def cpu_group_parents(root: Path = CGROUP_ROOT) -> tuple[str, dict[str, Path]]:
+    """("v1" or "v2", {"cpu": folder for quotas, "cpuacct": folder for usage}): this process's
+    own groups, under which new CPU groups are made."""
+    try:
+        v1, v2 = own_cgroup_path("cpu"), own_cgroup_path("")
+        acct = own_cgroup_path("cpuacct")
+    except OSError as error:
+        raise WhetstoneError(f"CPU groups need Linux cgroups: cannot read /proc/self/cgroup ({error})") from None
+    if v1 is not None and acct is not None:
+        cpu_mount, acct_mount = _v1_mount(root, "cpu", "cpu.cfs_quota_us"), _v1_mount(root, "cpuacct", "cpuacct.usage")
+        if cpu_mount is None or acct_mount is None:
+            raise WhetstoneError(f"CPU groups: this process is in v1 cpu/cpuacct cgroups but no hierarchy with "
+                                 f"cpu.cfs_quota_us and cpuacct.usage is mounted under {root}")  # fmt: skip
+        return "v1", {"cpu": cpu_mount / v1.lstrip("/"), "cpuacct": acct_mount / acct.lstrip("/")}
+    if v2 is not None:
+        own = root / v2.lstrip("/")
+        return "v2", {"cpu": own, "cpuacct": own}
+    raise WhetstoneError("CPU groups: /proc/self/cgroup names neither v1 cpu/cpuacct cgroups nor a v2 cgroup")
+
+
+class CpuGroup:
+    """New cgroups (children of this process's own) counting the CPU time of the processes put in
+    them, and capping it at `cores` CPUs in all when `cores` > 0."""
+
+    def __init__(self, name: str, cores: float = 0.0, root: Path = CGROUP_ROOT):
+        if cores < 0:
+            raise WhetstoneError(f"CPU group {name}: cores must be >= 0 (0 = no quota), got {cores}")
+        self.name, self.cores = name, cores
+        self.version, parents = cpu_group_parents(root)
+        leaf = f"whetstone-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
+        self.dirs = {kind: parent / leaf for kind, parent in parents.items()}
+        self.paths = list(dict.fromkeys(self.dirs.values()))  # v2: one folder does both
+        try:
+            for path in self.paths:
+                path.mkdir()
+        except OSError as error:
+            self.remove()
+            raise WhetstoneError(f"CPU group {name}: cannot create a cgroup in {path.parent} ({error}); CPU groups "
+                                 f"need a writable cgroup cpu controller (root, or a delegated cgroup)") from None  # fmt: skip
+        if cores > 0:
+            self._set_quota(max(1000, round(cores * PERIOD_US)))  # the kernel's least quota is 1 ms
+
+    def _set_quota(self, quota_us: int) -> None:
+        try:
+            if self.version == "v1":
+                (self.dirs["cpu"] / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (self.dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(quota_us))
+            else:
+                (self.dirs["cpu"] / "cpu.max").write_text(f"{quota_us} {PERIOD_US}")
+        except OSError as error:
+            self.remove()
+            hint = " (is the cpu controller in the parent's cgroup.subtree_control?)" if self.version == "v2" else ""
+            raise WhetstoneError(f"CPU group {self.name}: cannot set its quota in {self.dirs['cpu']} ({error}){hint}") from None
+
+    def __enter__(self) -> CpuGroup:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+    def add(self, pid: int) -> None:
+        """Move process `pid` (every thread of it) into the group; its later children follow."""
+        add_to_cgroups(self.paths, pid)
+
+    def usage_seconds(self) -> float:
+        """CPU seconds used by every process that has been in the group, since it was made."""
+        if self.version == "v1":
+            return int((self.dirs["cpuacct"] / "cpuacct.usage").read_text()) / 1e9
+        for line in (self.dirs["cpuacct"] / "cpu.stat").read_text().splitlines():
+            key, _, value = line.partition(" ")
+            if key == "usage_usec":
+                return int(value) / 1e6
+        raise WhetstoneError(f"CPU group {self.name}: no usage_usec in {self.dirs['cpuacct'] / 'cpu.stat'}")
+
+    def remove(self, timeout_s: float = 5.0) -> None:
+        """Delete the group once its processes are gone (exited processes leave it a moment late)."""
+        deadline = time.monotonic() + timeout_s
+        for path in self.paths:
+            while path.exists():
+                try:
+                    path.rmdir()
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise WhetstoneError(f"CPU group {self.name}: {path} still holds processes") from None
+                    time.sleep(0.05)
+
+
+def add_to_cgroups(paths: list[str] | list[Path], pid: int) -> None:
+    """Move `pid` into each cgroup folder of `paths` (`cgroup.procs` moves the whole process)."""
+    for path in paths:
+        try:
+            (Path(path) / "cgroup.procs").write_text(str(pid))
+        except OSError as error:
+            raise WhetstoneError(f"cannot move process {pid} into the cgroup {path}: {error}") from None

@@ -1,0 +1,113 @@
+"""CPU groups through cgroups (utils/cgroups.py): usage, quotas, and roles started inside them."""
+
+import sys
+import time
+
+import pytest
+
+from whetstone.errors import WhetstoneError
+from whetstone.utils.cgroups import CpuGroup, cpu_group_parents
+from whetstone.utils.processes import RoleProcess
+
+BUSY = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
+
+
+def groups_available() -> bool:
+    try:
+        CpuGroup("probe", 1.0).remove()
+    except WhetstoneError:
+        return False
+    return True
+
+
+needs_groups = pytest.mark.skipif(not groups_available(), reason="no writable cgroup cpu controller here")
+
+
+def busy_role(tmp_path, group: CpuGroup, seconds: float) -> RoleProcess:
+    """A role that starts a busy child (which it never waits for) and is busy itself."""
+    role = RoleProcess("busy", [], tmp_path / "busy.log", cpu_group=group)
+    child = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {BUSY.format(seconds=seconds)!r}])"
+    role.argv = [sys.executable, "-c", "from whetstone.utils.processes import apply_role_environment\n"
+                 f"apply_role_environment()\n{child}\n{BUSY.format(seconds=seconds)}"]  # fmt: skip
+    return role.start()
+
+
+def members(group: CpuGroup) -> list[int]:
+    return [int(pid) for pid in (group.paths[0] / "cgroup.procs").read_text().split()]
+
+
+def wait_for_members(group: CpuGroup, count: int) -> None:
+    deadline = time.monotonic() + 20
+    while len(members(group)) < count and time.monotonic() < deadline:  # moved in, then spawned
+        time.sleep(0.05)
+
+
+@needs_groups
+def test_a_quota_caps_a_role_and_everything_it_starts(tmp_path):
+    """The role and its child, both busy, share a quarter of a core: unthrottled they would use up
+    to 2 CPU seconds per second here."""
+    with CpuGroup("test", 0.25) as group:
+        role = busy_role(tmp_path, group, seconds=3)
+        wait_for_members(group, 2)
+        assert role.process.pid in members(group) and len(members(group)) == 2  # the child joined on its own
+        first, first_at = group.usage_seconds(), time.monotonic()
+        time.sleep(1.0)
+        cpu, wall = group.usage_seconds() - first, time.monotonic() - first_at
+        assert 0.05 <= cpu <= 0.25 * wall + 0.1
+        role.wait(60)
+    assert not any(path.exists() for path in group.paths)  # removed once its last process ended
+
+
+@needs_groups
+def test_without_a_quota_a_group_counts_the_cpu_of_children_nobody_waits_for(tmp_path):
+    loop = "x = 0\nfor i in range(2 * 10**6): x += i\n"  # a fixed amount of work, whatever the load
+    with CpuGroup("count") as group:
+        role = RoleProcess("loops", [], tmp_path / "loops.log", cpu_group=group)
+        role.argv = [sys.executable, "-c", "from whetstone.utils.processes import apply_role_environment\n"
+                     "apply_role_environment()\nimport subprocess, sys\n"
+                     f"subprocess.Popen([sys.executable, '-c', {loop!r}])\n{loop}"]  # fmt: skip
+        role.start().wait(60)
+        deadline = time.monotonic() + 30
+        while members(group) and time.monotonic() < deadline:  # the child may outlive the role
+            time.sleep(0.05)
+        used = group.usage_seconds()
+    started = time.process_time()
+    exec(loop, {})
+    assert used >= 2 * 0.8 * (time.process_time() - started)  # both loops, the unwaited child's too
+
+
+@needs_groups
+def test_sandboxes_of_a_grouped_process_are_counted():
+    """The reason for groups: a sandbox's CPU never reaches its starter's rusage."""
+    import subprocess
+
+    code = ("from whetstone.utils.cgroups import add_to_cgroups; import os, sys; "
+            "add_to_cgroups(sys.argv[1:], os.getpid()); "
+            "from whetstone.envs.sandbox import SandboxConfig, open_sandbox\n"
+            "with open_sandbox({'a.py': 'x = 0\\nfor i in range(3 * 10**6): x += i\\n'}, SandboxConfig()) as box:\n"
+            "    assert box.run(['python', 'a.py']).exit_code == 0")  # fmt: skip
+    with CpuGroup("sandboxes") as group:
+        subprocess.run([sys.executable, "-c", code, *map(str, group.paths)], check=True, timeout=120)
+        inside = group.usage_seconds()
+    started = time.process_time()
+    x = 0
+    for i in range(3 * 10**6):
+        x += i
+    loop = time.process_time() - started
+    assert inside >= loop  # the sandboxed loop, plus the starter's own imports
+
+
+def test_a_negative_quota_is_refused():
+    with pytest.raises(WhetstoneError, match=r"cores must be >= 0 \(0 = no quota\), got -1"):
+        CpuGroup("trainer", -1)
+
+
+def test_without_cpu_hierarchies_the_error_says_what_is_missing(tmp_path):
+    with open("/proc/self/cgroup") as own:
+        v1 = any("cpu" in line.split(":")[1].split(",") for line in own)
+    match = "no hierarchy with cpu.cfs_quota_us and cpuacct.usage" if v1 else "cannot create a cgroup"
+    with pytest.raises(WhetstoneError, match=match):
+        CpuGroup("trainer", 0.5, root=tmp_path)
+    if v1:
+        with pytest.raises(WhetstoneError, match="mounted under"):
+            cpu_group_parents(tmp_path)
