@@ -245,3 +245,58 @@ def test_grading_runs_the_test_files_own_code_and_flags_replaced_tests(solution,
     assert not result.passed and result.reward == 0.0
     assert any(flag.startswith("test_replaced: test_h.py::test_") for flag in result.cheat_flags), result.cheat_flags
     assert all(outcome == "failed" for outcome in result.tests.values()), result.tests
+
+
+PYTEST_HIDDEN = (  # a class and a fixture: not a plain run, so grading runs under pytest
+    "import pytest\n\n\nclass TestSolve:\n    def test_1(self):\n        assert solve(1) == 2\n\n\n"
+    "@pytest.mark.parametrize('x', [2])\ndef test_2(x, tmp_path):\n    assert solve(x) == 3\n\n\n"
+    "from solution import solve  # noqa: E402\n"
+)
+SWAP_IN_PYTEST_AT_IMPORT = (  # imported after the tests: replace them in the namespace of whoever imports it
+    "import sys\n\n\ndef _pass(self):\n    pass\n\n\ndef _two(x, tmp_path):\n    pass\n\n\nframe = sys._getframe(1)\n"
+    "while frame is not None and 'TestSolve' not in frame.f_globals:\n    frame = frame.f_back\n"
+    "if frame is not None:\n    names = frame.f_globals\n    names['TestSolve'].test_1 = _pass\n"
+    "    _two.pytestmark = names['test_2'].pytestmark  # keep the parametrization\n    names['test_2'] = _two\n\n\n"
+    "def solve(x):\n    return x\n"
+)
+SWAP_CODE_IN_PYTEST = (  # swap the test functions' code once they exist, from a thread
+    "import sys, threading, time\n\n\ndef _swap():\n    for _ in range(2000):\n        module = sys.modules.get('test_h')\n"
+    "        if module is not None and hasattr(module, 'test_2'):\n"
+    "            module.TestSolve.test_1.__code__ = (lambda self: None).__code__\n"
+    "            module.test_2.__code__ = (lambda x, tmp_path: None).__code__\n            return\n"
+    "        time.sleep(0.001)\n\n\nthreading.Thread(target=_swap, daemon=True).start()\n\n\n"
+    "def solve(x):\n    time.sleep(0.05)\n    return x\n"
+)
+
+
+@pytest.mark.parametrize("solution", [SWAP_IN_PYTEST_AT_IMPORT, SWAP_CODE_IN_PYTEST], ids=["at import", "from a thread"])
+def test_grading_under_pytest_runs_the_files_own_tests_and_flags_replaced_ones(solution):
+    from whetstone.envs.grading import grade
+
+    task = Task(id="pytest/swap", source="test", kind="synthesis", instruction="write solve", split="train",
+                repo_files={"solution.py": "def solve(x):\n    raise NotImplementedError\n"},
+                hidden_tests={"test_h.py": PYTEST_HIDDEN}, solution_files={"solution.py": SOLVE},
+                fail_to_pass=["test_h.py::TestSolve::test_1", "test_h.py::test_2[2]"], protected_paths=["test_*.py"])
+    honest = grade(task, {"solution.py": SOLVE})
+    assert honest.passed and honest.cheat_flags == [], (honest.tests, honest.cheat_flags)
+    result = grade(task, {"solution.py": solution})
+    assert not result.passed and result.reward == 0.0
+    assert any(flag.startswith("test_replaced: test_h.py::") for flag in result.cheat_flags), result.cheat_flags
+    assert all(outcome == "failed" for outcome in result.tests.values()), result.tests
+
+
+def test_under_pytest_decorated_tests_run_as_found_and_failures_keep_their_assert_report():
+    from whetstone.envs.grading import grade
+
+    hidden = ("import functools\nimport pytest\nfrom solution import solve\n\n\ndef checked(f):\n"
+              "    @functools.wraps(f)\n    def wrapper(*args, **kwargs):\n        return f(*args, **kwargs)\n"
+              "    return wrapper\n\n\n@checked\ndef test_1():\n    assert solve(1) == 2\n\n\n"
+              "class TestMore:\n    @pytest.mark.slow\n    def test_2(self):\n        assert solve(2) == 4\n")  # fmt: skip
+    task = Task(id="pytest/decorated", source="test", kind="synthesis", instruction="write solve", split="train",
+                repo_files={"solution.py": "def solve(x):\n    raise NotImplementedError\n"},
+                hidden_tests={"test_h.py": hidden}, solution_files={"solution.py": SOLVE},
+                fail_to_pass=["test_h.py::test_1", "test_h.py::TestMore::test_2"], protected_paths=["test_*.py"])
+    result = grade(task, {"solution.py": SOLVE})
+    assert result.cheat_flags == []  # the wrapper is not the file's code, and is not taken for a replacement
+    assert result.tests == {"test_h.py::test_1": "passed", "test_h.py::TestMore::test_2": "failed"}
+    assert "assert 3 == 4" in result.log  # the file's own code ran with pytest's assertion rewriting

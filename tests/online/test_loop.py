@@ -36,7 +36,7 @@ def test_feedback_becomes_a_version_the_server_swaps_in(world):
     assert not world.loop.due()  # that feedback is consumed
 
 
-@pytest.mark.parametrize("world", [{"rewards": {"thumbs_up": -1.0, "thumbs_down": 1.0},
+@pytest.mark.parametrize("world", [{"rewards": {"thumbs_up": -1.0, "thumbs_down": 1.0}, "logit_scale_lr": 0.05,
                                     "optimizer": {"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0,
                                                   "weight_decay": 0.0}}], indirect=True)  # fmt: skip
 def test_a_regressing_candidate_is_discarded_and_forgotten(world):
@@ -50,6 +50,7 @@ def test_a_regressing_candidate_is_discarded_and_forgotten(world):
     policy = world.loop.model.state_dict()
     assert all(torch.equal(policy[name], deployed[name]) for name in deployed)  # back to the deployed weights
     assert world.loop.optimizer.state_dict()["state"] == {}  # and to the optimizer before the step
+    assert world.loop.logit_scale.steps == 0 and world.loop.logit_scale.log_scale == 0.0  # and its scale
 
 
 def test_nothing_to_learn_is_skipped_with_the_reason(world):

@@ -37,7 +37,7 @@ def next_batch(world):
     return feedback_batch(rated, world.config, world.loop.version).batch
 
 
-@pytest.mark.parametrize("world", [BF16_STORE], indirect=True)
+@pytest.mark.parametrize("world", [BF16_STORE, BF16_STORE | {"logit_scale_lr": 0.05}], indirect=True)
 def test_a_restarted_loop_takes_the_same_next_update_as_an_uninterrupted_one(world):
     world.feedback(16)
     assert world.loop.update()["decision"] == "published"  # version 1, with Adam moments
@@ -48,6 +48,8 @@ def test_a_restarted_loop_takes_the_same_next_update_as_an_uninterrupted_one(wor
     assert restarted.version == 1 and restarted.state == world.loop.state
     assert same_tensors(moments(restarted), moments(world.loop)) and moments(restarted)
     assert same_tensors(restarted.model.state_dict(), world.loop.model.state_dict())  # fp32, not the bf16 copy
+    if world.config.logit_scale_lr:  # the learned scale's moments come back too
+        assert restarted.logit_scale.state() == world.loop.logit_scale.state() and world.loop.logit_scale.steps == 1
 
     shutil.rmtree(Path(world.config.output_dir) / "checkpoints")
     fresh = OnlineLoop(world.config)  # what a restart did before: the store's bf16 weights, no moments

@@ -88,7 +88,7 @@ def pipeline(
     model_size: str = typer.Option("tiny", help="Random model when no --model: tiny (1.9M, the default run's) "
                                                 "or default (8.1M, ModelConfig())."),
     trl: bool = typer.Option(True, "--trl/--no-trl", help="Also run TRL's GRPOTrainer."),
-    placement: str = typer.Option("split", help="balanced: CPU quotas sized by each side's measured share of the "
+    placement: str = typer.Option("balanced", help="balanced: CPU quotas sized by each side's measured share of the "
                                                  "work; split: the trainer on core 0, the rollout side on the others "
                                                  "(both: roles on separate hardware); shared: every role on every core."),
     output_dir: str = typer.Option("", help="Keep the roles' configs, logs and metrics here (default: a temp folder)."),
@@ -112,6 +112,7 @@ def online(
     samples: int = typer.Option(2, help="Replies per held-out prompt."),
     gate_tasks: int = typer.Option(24, help="Held-out tasks of the deploy gate."),
     lr: float = typer.Option(3e-4, help="Learning rate of the online updates."),
+    logit_scale_lr: float = typer.Option(0.0, help="Learning rate of the loop's learned logit scale (0 = off)."),
     preference: str = typer.Option("passes_tests", help="Users' hidden taste: passes_tests, or a regex replies match."),
     max_tokens: int = typer.Option(160, help="Completion budget of every reply (users' and the gate's)."),
     output_dir: str = typer.Option("", help="Keep configs, logs and metrics here (default: a temp folder)."),
@@ -119,7 +120,7 @@ def online(
     """Feedback -> deployed seconds, held-out preference before/after, interactive p99 during the loop."""
     result = _bench("online").run(model=model, servers=servers, updates=updates, every_events=every_events,
                                   users=users, heldout=heldout, samples=samples, gate_tasks=gate_tasks, lr=lr,
-                                  preference=preference, max_tokens=max_tokens, output_dir=output_dir or None)  # fmt: skip
+                                  logit_scale_lr=logit_scale_lr, preference=preference, max_tokens=max_tokens, output_dir=output_dir or None)  # fmt: skip
     _emit(result, as_json, "online RL")
 
 

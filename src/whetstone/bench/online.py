@@ -59,8 +59,10 @@ def deployed_at(samples: list[dict], servers: int) -> dict[int, float]:
 
 def run(model: str = "runs/default/midtrain/model", servers: int = 2, updates: int = 4, every_events: int = 16,
         users: int = 2, heldout: int = 24, samples: int = 2, gate_tasks: int = 24, lr: float = 3e-4,
-        max_tokens: int = 160, preference: str = "passes_tests", output_dir: str | None = None) -> dict[str, Any]:  # fmt: skip
-    """`preference`: `passes_tests`, or a regular expression the users like replies to match."""
+        max_tokens: int = 160, preference: str = "passes_tests", output_dir: str | None = None,
+        logit_scale_lr: float = 0.0) -> dict[str, Any]:  # fmt: skip
+    """`preference`: `passes_tests`, or a regular expression the users like replies to match.
+    `logit_scale_lr`: the loop's learned global sharpness (`OnlineConfig.logit_scale_lr`)."""
     if not (Path(model) / "config.json").exists():
         raise WhetstoneError(f"{model} is not a Hugging Face model folder: run `whetstone run` first (it writes "
                              "runs/default/midtrain/model) or pass --model")
@@ -68,7 +70,7 @@ def run(model: str = "runs/default/midtrain/model", servers: int = 2, updates: i
     work.mkdir(parents=True, exist_ok=True)
     return _Bench(Path(model), work, servers, preference, max_tokens).run(
         updates=updates, every_events=every_events, users=users, heldout=heldout, samples=samples,
-        gate_tasks=gate_tasks, lr=lr)  # fmt: skip
+        gate_tasks=gate_tasks, lr=lr, logit_scale_lr=logit_scale_lr)  # fmt: skip
 
 
 class _Bench:
@@ -109,7 +111,7 @@ class _Bench:
             role.wait_healthy(180)
         return [f"http://127.0.0.1:{port}/v1" for port in ports]
 
-    def start_loop(self, updates: int, every_events: int, gate_tasks: int, lr: float):
+    def start_loop(self, updates: int, every_events: int, gate_tasks: int, lr: float, logit_scale_lr: float):
         from whetstone.envs.tasks.registry import TasksConfig
         from whetstone.envs.tasks.synth import SynthConfig
         from whetstone.online.config import OnlineConfig
@@ -119,6 +121,7 @@ class _Bench:
             "output_dir": str(self.work / "online"), "max_updates": updates, "poll_interval": 0.1,
             "trigger": {"every_events": every_events, "min_events": every_events, "max_events": every_events},
             "optimizer": {"lr": lr, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+            "logit_scale_lr": logit_scale_lr,
             "gate": {"tasks": TasksConfig(synth=SynthConfig(split="heldout", count=gate_tasks, seed=101)).model_dump(),
                      "metric": self.preference.model_dump(), "max_tokens": self.max_tokens},
         })  # fmt: skip
@@ -153,7 +156,7 @@ class _Bench:
             time.sleep(0.2)
 
     def run(self, *, updates: int, every_events: int, users: int, heldout: int, samples: int, gate_tasks: int,
-            lr: float) -> dict[str, Any]:  # fmt: skip
+            lr: float, logit_scale_lr: float) -> dict[str, Any]:  # fmt: skip
         from whetstone.envs.tasks.synth import SynthConfig, generate
         from whetstone.online.preferences import make_preference
         from whetstone.online.simulator import UserSimulator
@@ -172,7 +175,7 @@ class _Bench:
                                       max_tokens=self.max_tokens)  # fmt: skip
             idle = simulator.run(user_tasks[:20], users=1, requests=20, give_feedback=False)
             before = self.measure(urls, heldout_tasks, samples, users)
-            loop = self.start_loop(updates, every_events, gate_tasks, lr)
+            loop = self.start_loop(updates, every_events, gate_tasks, lr, logit_scale_lr)
             with ServerSampler(urls, self.work / "servers.jsonl", interval_s=0.1):
                 started = time.time()
                 during = simulator.run(user_tasks, users=users, until=lambda: not loop.running)
@@ -188,6 +191,7 @@ class _Bench:
                          before, after) | {
             "model": str(self.model), "servers": self.servers, "users": users, "every_events": every_events,
             "heldout_prompts": heldout, "samples_per_prompt": samples, "gate_tasks": gate_tasks, "lr": lr,
+            "logit_scale_lr": logit_scale_lr,
             "preference": self.preference.kind if self.preference.kind != "regex" else self.preference.pattern,
             "loop_wall_s": time.time() - started, "output_dir": str(self.work),
         }  # fmt: skip

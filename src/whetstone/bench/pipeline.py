@@ -19,6 +19,11 @@ side by side in one run, on the same model, tasks, group size, number of samples
   completion's `write_file` calls with whetstone's grader, with the harness's penalties.
 - Every side is single-turn (harness `max_turns = 1`: one completion per rollout, graded), as
   TRL's GRPOTrainer samples one completion per prompt.
+- Placement (`placement_config`), by default `balanced`: async first runs on every core
+  (`async_shared`, also TRL's rival), which measures the trainer's share of the CPU time both
+  sides use (cgroup accounting: sandboxes included); then async and sync run with cgroup CPU
+  quotas of that share of the machine for the trainer and the rest for the rollout side, as
+  trainer and inference hardware would be sized to their work.
 
 samples/s = trained samples / wall time: for whetstone from the first rollout (the first server
 sample with a running sequence) to the trainer's last step; for TRL `trainer.train()`.
@@ -390,7 +395,7 @@ def run(
     model_size: str = "tiny",
     trl: bool = True,
     trl_threads: int = 0,
-    placement: str = "split",
+    placement: str = "balanced",
     output_dir: str | None = None,
     seed: int = 0,
 ) -> dict[str, Any]:
@@ -411,7 +416,11 @@ def run(
     if placement == "balanced":  # fail now, not after the calibration run, where quotas cannot be set
         from whetstone.utils.cgroups import CpuGroup
 
-        CpuGroup("probe", 1.0).remove()
+        try:
+            CpuGroup("probe", 1.0).remove()
+        except WhetstoneError as err:
+            raise WhetstoneError(f"placement balanced needs CPU quotas: {err}. Use --placement split (cores "
+                                 "instead of quotas) or shared") from None
     random_model_config(model_size)
     with contextlib.ExitStack() as stack:
         work = Path(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))

@@ -3,7 +3,7 @@
 This file is mounted read-only outside the workspace, beside `plain_tests.py`, and run as a script
 (`python grade_runner.py PYTEST_ARGS...`); it imports nothing from whetstone. Tests that
 `plain_tests.plan` accepts run without pytest (same outcomes, ~0.35 s less CPU), the others under
-pytest. It differs from `python -m pytest` in four ways that the graded code cannot undo:
+pytest. It differs from `python -m pytest` in five ways that the graded code cannot undo:
 
 - pytest is imported before the workspace goes on `sys.path`, so a planted `pytest.py` or
   `_pytest/` is never the test runner;
@@ -12,7 +12,10 @@ pytest. It differs from `python -m pytest` in four ways that the graded code can
 - an audit hook, installed before any graded code is imported, records when code of the
   solution (not test code) opens a hidden test file, mentions one in a command, or sends a
   signal (to the runner or anyone else);
-- a `finished` line is written last, so a process that exits early is seen as such.
+- a `finished` line is written last, so a process that exits early is seen as such;
+- every test function a test file defines plainly runs from that file's code as compiled before
+  any graded code ran (`plain_tests.Trusted`; `PytestGuard` under pytest), and a replaced one is
+  flagged (`test_replaced`).
 
 Environment (removed before any graded code runs): WHETSTONE_RESULTS (path), WHETSTONE_TOKEN,
 WHETSTONE_GUARDED (JSON list of hidden test paths), WHETSTONE_TEST_CODE (JSON list of the files
@@ -87,6 +90,9 @@ def _main() -> int:
         return exit_code
     import pytest  # before the workspace is importable: the runner cannot be replaced
 
+    PytestGuard.pytest_pyfunc_call = pytest.hookimpl(tryfirst=True)(PytestGuard.pytest_pyfunc_call)
+    guard = PytestGuard.compile(sorted(test_code), lambda test_id, where: emit(
+        {"flag": f"test_replaced: {test_id} was replaced by code from {where}; the file's own test ran"}))
     sys.path[0] = workspace  # what `python -m pytest` does; the runner's own directory leaves the path
 
     class Recorder:
@@ -114,9 +120,103 @@ def _main() -> int:
         def pytest_runtest_logfinish(self, nodeid, location) -> None:
             emit({"test": nodeid, "outcome": self.outcomes.get(nodeid, "error")})
 
-    exit_code = int(pytest.main(sys.argv[1:], plugins=[Recorder()]))
+    exit_code = int(pytest.main(sys.argv[1:], plugins=[Recorder(), guard]))
     emit({"finished": exit_code})
     return exit_code
+
+
+class PytestGuard:
+    """pytest's side of `plain_tests.Trusted`: each test function a test file defines plainly (no
+    decorator but `pytest.mark.*`) is called from that file's code as compiled before any graded
+    code ran, and a collected function whose code is not that is reported as replaced. Both
+    compilations are kept, with pytest's assertion rewriting and without, so a run that turns the
+    rewriting off is not mistaken for a replacement. Tests defined otherwise run as found."""
+
+    def __init__(self, code: dict, replaced) -> None:
+        self.code = code
+        """{(real path, qualified name): [code objects that count as the file's own]}"""
+        self.replaced = replaced
+
+    @classmethod
+    def compile(cls, paths: list[str], replaced) -> "PytestGuard":
+        import ast
+
+        from _pytest.assertion.rewrite import rewrite_asserts
+
+        code: dict = {}
+        for path in paths:
+            try:
+                with open(path, "rb") as handle:
+                    source = handle.read()
+                plain = compile(source, path, "exec", dont_inherit=True)
+                tree = ast.parse(source, path)
+                rewrite_asserts(tree, source, path)
+                rewritten = compile(tree, path, "exec", dont_inherit=True)
+            except (OSError, SyntaxError, ValueError):
+                continue  # pytest reports a file it cannot read or parse its own way
+            for name in _plainly_defined(ast.parse(source, path)):
+                code[(path, name)] = [c for module in (rewritten, plain) if (c := _nested(module, name)) is not None]
+        return cls(code, replaced)
+
+    def pytest_pyfunc_call(self, pyfuncitem):
+        import inspect
+        import types
+
+        name = f"{pyfuncitem.cls.__name__}.{pyfuncitem.originalname}" if pyfuncitem.cls else pyfuncitem.originalname
+        own = self.code.get((os.path.realpath(str(pyfuncitem.path)), name))
+        found = getattr(pyfuncitem.obj, "__func__", pyfuncitem.obj)
+        if not own or inspect.iscoroutinefunction(found):
+            return None  # not a test this file defines plainly: pytest calls it as found
+        code = next((c for c in own if getattr(found, "__code__", None) == c), None)
+        if code is None:
+            where = getattr(getattr(found, "__code__", None), "co_filename", type(found).__name__)
+            self.replaced(pyfuncitem.nodeid, where)
+        defaults = getattr(found, "__defaults__", None) if code is not None else None
+        function = types.FunctionType(code or own[0], pyfuncitem.module.__dict__, pyfuncitem.originalname, defaults)
+        if pyfuncitem.cls is not None:
+            function = types.MethodType(function, pyfuncitem.instance)
+        function(**{arg: pyfuncitem.funcargs[arg] for arg in pyfuncitem._fixtureinfo.argnames})
+        return True
+
+
+def _plainly_defined(tree) -> list[str]:
+    """Qualified names of the functions at module level and in module-level classes whose only
+    decorators are `pytest.mark.*` (or `mark.*`): code a test file defines and pytest calls as is."""
+    import ast
+
+    def dotted(node) -> str:
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
+
+    def plain(node) -> bool:
+        return all(dotted(d.func if isinstance(d, ast.Call) else d).startswith(("pytest.mark.", "mark."))
+                   for d in node.decorator_list)  # fmt: skip
+
+    names = []
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and plain(node):
+            names.append(node.name)
+        elif isinstance(node, ast.ClassDef) and not node.decorator_list:
+            names += [f"{node.name}.{item.name}" for item in node.body if isinstance(item, ast.FunctionDef) and plain(item)]
+    return names
+
+
+def _nested(code, qualname: str):
+    """The code object named `qualname` among those `code` defines (classes' bodies included)."""
+    import types
+
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            if const.co_qualname == qualname:
+                return const
+            if qualname.startswith(const.co_qualname + "."):
+                found = _nested(const, qualname)
+                if found is not None:
+                    return found
+    return None
 
 
 if __name__ == "__main__":

@@ -31,6 +31,7 @@ import torch
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.midtrain.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
+from whetstone.rl.logit_scale import LogitScale
 from whetstone.midtrain.optim import optimizer_for
 from whetstone.model.hf import load_hf
 from whetstone.online.config import OnlineConfig
@@ -108,7 +109,10 @@ class OnlineLoop:
         return latest
 
     def new_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW for the weights, and a fresh learned logit scale (`logit_scale_lr` > 0) beside it."""
         opt = self.config.optimizer
+        self.logit_scale = (LogitScale(self.config.logit_scale_lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps)
+                            if self.config.logit_scale_lr > 0 else None)  # fmt: skip
         return optimizer_for(self.model, opt)
 
     def resume_checkpoint(self, version: int, served: dict[str, torch.Tensor]) -> str:
@@ -118,7 +122,9 @@ class OnlineLoop:
         if not path.is_dir():
             return f"no optimizer state saved for it in {self.checkpoints}"
         try:
-            load_checkpoint(path, self.model, self.optimizer)
+            state = load_checkpoint(path, self.model, self.optimizer)
+            if self.logit_scale is not None and "logit_scale" in state.data:
+                self.logit_scale.load_state(state.data["logit_scale"])
         except CheckpointError as err:
             return str(err)
         published = self.publisher.prepare(self.model.state_dict())
@@ -172,13 +178,14 @@ class OnlineLoop:
         return train_step(self.model, self.optimizer, batch, loss_config=config.loss, lr=config.optimizer.lr,
                           grad_clip=config.optimizer.grad_clip, micro_batch_size=config.micro_batch_size,
                           replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
-                          reference=self.reference)  # fmt: skip
+                          reference=self.reference, logit_scale=self.logit_scale)  # fmt: skip
 
     def train_and_gate(self, batch: Batch) -> dict[str, Any]:
         """Step on `batch`; publish the candidate if the gate passes it, else restore the policy
         and the optimizer to before the step."""
         saved = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                 copy.deepcopy(self.optimizer.state_dict()))
+                 copy.deepcopy(self.optimizer.state_dict()),
+                 self.logit_scale.state() if self.logit_scale is not None else None)  # fmt: skip
         started = time.perf_counter()
         record = self.step(batch)
         record["train_s"] = time.perf_counter() - started
@@ -199,6 +206,8 @@ class OnlineLoop:
         if not verdict.publish:
             self.model.load_state_dict(saved[0])
             self.optimizer.load_state_dict(saved[1])
+            if saved[2] is not None:
+                self.logit_scale.load_state(saved[2])
             return record | {"decision": "discarded", "reason": verdict.reason, "version": self.version}
 
         self.version = manifest.version
@@ -207,7 +216,8 @@ class OnlineLoop:
                    "publish_s": time.perf_counter() - started, "published_at": time.time(),
                    "delta_kind": manifest.kind, "delta_bytes": manifest.encoded_bytes}  # fmt: skip
         started = time.perf_counter()
-        save_checkpoint(self.checkpoints, self.model, self.optimizer, TrainState(step=self.version),
+        data = {"logit_scale": self.logit_scale.state()} if self.logit_scale is not None else {}
+        save_checkpoint(self.checkpoints, self.model, self.optimizer, TrainState(step=self.version, data=data),
                         config=self.config.model_dump(mode="json"), keep=KEEP_CHECKPOINTS)  # fmt: skip
         return record | {"checkpoint_s": time.perf_counter() - started}
 
