@@ -90,3 +90,46 @@ def test_eval_json_prints_the_report(server, model_dir, tmp_path):
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == json.loads((out / "report.json").read_text())  # the bar is on stderr
     assert not (out / "trajectories.jsonl").exists()
+
+
+def completions(out) -> list[list[list[int]]]:
+    return [[call.completion_ids for call in t.calls] for t in load_trajectories(out / "trajectories.jsonl")]
+
+
+def test_seeded_evaluations_draw_the_same_random_numbers_and_unseeded_ones_do_not(server, model_dir, tmp_path):
+    """Paired evaluation: two runs with the same seed sample the same tokens from the same weights
+    (so before/after RL differ only where the policy did); a task's samples still differ."""
+    runs = {}
+    for name, seed in (("a", 0), ("b", 0), ("c", 5), ("d", -1), ("e", -1)):
+        out = tmp_path / name
+        config = write_config(tmp_path / f"{name}.toml", server, model_dir, out)
+        result = CliRunner().invoke(app, ["eval", str(config), "-s", "validate_tasks=false",
+                                          "-s", f"seed={seed}"])  # fmt: skip
+        assert result.exit_code == 0, result.output
+        runs[name] = completions(out)
+    assert runs["a"] == runs["b"]  # same seed, same weights: the same tokens, call for call
+    assert runs["a"] != runs["c"] and runs["d"] != runs["e"]  # another seed, or none (-1): other draws
+    assert runs["a"][0] != runs["a"][1]  # the two samples of a task use different seeds
+
+
+def test_a_seeded_policy_gives_each_call_of_a_rollout_its_own_seed():
+    import asyncio
+
+    from tests.envs.test_harness_support import ScriptedPolicy
+    from whetstone.envs.harness.policy import Sampling, SeededPolicy
+    from whetstone.envs.harness.rollout import rollout_seed
+
+    seen = []
+
+    class Recording(ScriptedPolicy):
+        async def complete(self, prompt_ids, sampling):
+            seen.append(sampling.seed)
+            return await super().complete(prompt_ids, sampling)
+
+    policy = SeededPolicy(Recording(lambda prompt: "hi"), rollout_seed(0, "task/1", 0))
+    for _ in range(3):
+        asyncio.run(policy.complete([1, 2], Sampling(max_tokens=4)))
+    first = rollout_seed(0, "task/1", 0)
+    assert seen == [first, first + 1, first + 2] and 0 <= first < 2**62
+    assert len({rollout_seed(0, "task/1", 0), rollout_seed(0, "task/1", 1), rollout_seed(0, "task/2", 0),
+                rollout_seed(1, "task/1", 0)}) == 4  # fmt: skip

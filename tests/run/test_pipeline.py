@@ -8,6 +8,7 @@ shorter than a transcript's prompt (mid-training with demonstrations is tested i
 """
 
 import json
+import os
 
 import pytest
 
@@ -42,9 +43,21 @@ def tiny_run(tmp_path, *overrides: str) -> PipelineConfig:
     return load_config(PipelineConfig, None, settings)
 
 
+def cpu_groups_available() -> bool:
+    from whetstone.utils.cgroups import CpuGroup
+
+    try:
+        CpuGroup("probe", 1.0).remove()
+    except WhetstoneError:
+        return False
+    return True
+
+
 @pytest.mark.timeout(300)
 def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
-    summary = run_pipeline(tiny_run(tmp_path))
+    quotas = cpu_groups_available()  # then each side also runs under a CPU quota, and its CPU is counted
+    summary = run_pipeline(tiny_run(tmp_path, *(["placement.trainer_cores=1.0", "placement.rollout_cores=2.0"]
+                                                 if quotas else [])))  # fmt: skip
     run = tmp_path / "runs" / "tiny"
     assert json.loads((run / "summary.json").read_text())["heldout_pass1_after"] == summary["heldout_pass1_after"]
     assert 0.0 <= summary["heldout_pass1_before"] <= 1.0 and 0.0 <= summary["heldout_pass1_after"] <= 1.0
@@ -58,6 +71,14 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
     assert "held-out pass@1" in html and html.count("<img") >= 4
     for role in ("serve-0", "serve-1", "trainer", "orchestrator"):
         assert (run / "roles" / f"{role}.toml").exists() and (run / "logs" / f"{role}.log").exists()
+    if quotas:
+        cpu = read_metrics(run / "cpu.jsonl")
+        assert set(cpu[-1]["cpu_s"]) == {"trainer", "rollout"} and cpu[-1]["cpu_s"]["rollout"] > 0
+        assert "CPU used while the roles ran, trainer / rollout side (cores)</td><td>0." in html
+        from whetstone.utils.cgroups import cpu_group_parents
+
+        parents = cpu_group_parents()[1].values()
+        assert not [g for parent in parents for g in parent.glob(f"whetstone-*-{os.getpid()}-*")]  # groups removed
 
 
 def test_a_placement_on_missing_cores_is_refused_before_mid_training(tmp_path):

@@ -31,6 +31,10 @@ class EvalConfig(Config):
     """Rollouts per task."""
     k: list[int] = [1, 4]
     """The k of each pass@k reported (each at most `samples`)."""
+    seed: int = Field(0, ge=-1)
+    """Sampling seeds: rollout j of a task samples from seeds derived from (seed, task id, j), the
+    same under any weights, so evaluations of two versions (before and after RL) are paired on
+    common random numbers and their difference is far less noisy; -1 = unseeded."""
     output_dir: str = "runs/eval"
     """Where report.json, report.md and trajectories.jsonl are written."""
     save_trajectories: bool = True

@@ -72,7 +72,7 @@ async def _rollouts(config: EvalConfig, tasks: list[Task], harness: AgentHarness
         pool.require_one()
         model = pool.model
         trajectories = await run_rollouts(tasks, pool, harness, config.rollout, samples=config.samples,
-                                          on_done=on_done)  # fmt: skip
+                                          on_done=on_done, seed=None if config.seed < 0 else config.seed)  # fmt: skip
     finally:
         await pool.close()
     return trajectories, model

@@ -11,6 +11,7 @@ when the server has them. Tests can put a scripted policy behind the same interf
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -35,6 +36,8 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     priority: str = "batch"
+    seed: int | None = None
+    """The server's sampling seed (same seed, prompt and weights: same tokens); None = unseeded."""
 
     @classmethod
     def of(cls, config: SamplingConfig, max_tokens: int) -> Sampling:
@@ -66,6 +69,20 @@ class Policy(ABC):
 
     async def close(self) -> None:
         """Release connections (the default holds none)."""
+
+
+class SeededPolicy(Policy):
+    """Another policy whose k-th call samples with seed `seed + k`: a rollout seeded this way draws
+    the same random numbers under any weights, so two evaluations of different weights on the same
+    seeds are a paired comparison (common random numbers) rather than two independent draws."""
+
+    def __init__(self, policy: Policy, seed: int):
+        self.policy, self.seed, self.calls = policy, seed, 0
+        self.context_limit = policy.context_limit
+
+    async def complete(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
+        seed, self.calls = self.seed + self.calls, self.calls + 1
+        return await self.policy.complete(prompt_ids, dataclasses.replace(sampling, seed=seed))
 
 
 class HttpPolicy(Policy):
@@ -105,6 +122,8 @@ class HttpPolicy(Policy):
             body["priority"] = sampling.priority
         if sampling.top_k:
             body["top_k"] = sampling.top_k
+        if sampling.seed is not None:
+            body["seed"] = sampling.seed
         if self.config.return_routed_experts:
             body["return_routed_experts"] = True
         answer = await _request(self._client, "POST", "completions", body, self.config.retries)

@@ -15,6 +15,7 @@ reason and left out of the gradient; it is never lost and never stops the others
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -22,7 +23,7 @@ from pathlib import Path
 from whetstone.envs.grading import grade, workspace_changes
 from whetstone.envs.harness.base import Harness
 from whetstone.envs.harness.config import RolloutConfig
-from whetstone.envs.harness.policy import Policy
+from whetstone.envs.harness.policy import Policy, SeededPolicy
 from whetstone.envs.harness.pool import ServerPool
 from whetstone.envs.harness.workspace import head_tail
 from whetstone.envs.reward import Effort
@@ -99,21 +100,36 @@ async def run_rollouts(
     samples: int = 1,
     group_prefix: str = "",
     on_done: Callable[[Trajectory], None] | None = None,
+    seed: int | None = None,
 ) -> list[Trajectory]:
     """Each task `samples` times, `config.concurrency` at once. Results come in input order (the
     samples of a task together, sharing the group id `group_prefix + task.id`); `on_done` sees
-    each as it finishes. With a `ServerPool`, each rollout leases the least-loaded live server."""
+    each as it finishes. With a `ServerPool`, each rollout leases the least-loaded live server.
+    `seed`: sample j of a task samples from seeds derived from (seed, task id, j) (`SeededPolicy`),
+    the same under any weights; None = unseeded (RL groups must be: their samples must differ)."""
     gate = asyncio.Semaphore(config.concurrency)
 
-    async def one(task: Task) -> Trajectory:
+    def seeded(task: Task, sample: int, leased: Policy) -> Policy:
+        return leased if seed is None else SeededPolicy(leased, rollout_seed(seed, task.id, sample))
+
+    async def one(task: Task, sample: int) -> Trajectory:
         async with gate:
             if isinstance(policy, ServerPool):
                 async with policy.lease() as leased:
-                    trajectory = await rollout(task, leased, harness, config, group_id=group_prefix + task.id)
+                    trajectory = await rollout(task, seeded(task, sample, leased), harness, config,
+                                               group_id=group_prefix + task.id)  # fmt: skip
             else:
-                trajectory = await rollout(task, policy, harness, config, group_id=group_prefix + task.id)
+                trajectory = await rollout(task, seeded(task, sample, policy), harness, config,
+                                           group_id=group_prefix + task.id)  # fmt: skip
         if on_done is not None:
             on_done(trajectory)
         return trajectory
 
-    return await asyncio.gather(*(one(task) for task in tasks for _ in range(samples)))
+    return await asyncio.gather(*(one(task, sample) for task in tasks for sample in range(samples)))
+
+
+def rollout_seed(seed: int, task_id: str, sample: int) -> int:
+    """A seed for sample `sample` of task `task_id`, stable across runs and processes (not `hash`),
+    below 2**62, so a rollout's consecutive calls (seed + k) stay within the servers' 64 bits."""
+    digest = hashlib.sha256(f"{seed}/{task_id}/{sample}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 2
