@@ -6,21 +6,13 @@ import time
 import pytest
 
 from whetstone.errors import WhetstoneError
-from whetstone.utils.cgroups import CpuGroup, cpu_group_parents
+from whetstone.utils.cgroups import CpuGroup, cpu_group_parents, cpu_groups_available
 from whetstone.utils.processes import RoleProcess
 
 BUSY = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
 
 
-def groups_available() -> bool:
-    try:
-        CpuGroup("probe", 1.0).remove()
-    except WhetstoneError:
-        return False
-    return True
-
-
-needs_groups = pytest.mark.skipif(not groups_available(), reason="no writable cgroup cpu controller here")
+needs_groups = pytest.mark.skipif(not cpu_groups_available(), reason="no writable cgroup cpu controller here")
 
 
 def busy_role(tmp_path, group: CpuGroup, seconds: float) -> RoleProcess:

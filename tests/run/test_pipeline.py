@@ -19,6 +19,7 @@ from whetstone.envs.tasks import write_tasks
 from whetstone.errors import WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.pipeline import run_pipeline
+from whetstone.utils.cgroups import cpu_groups_available
 from whetstone.utils.metrics import read_metrics
 
 
@@ -41,16 +42,6 @@ def tiny_run(tmp_path, *overrides: str) -> PipelineConfig:
         *overrides,
     ]
     return load_config(PipelineConfig, None, settings)
-
-
-def cpu_groups_available() -> bool:
-    from whetstone.utils.cgroups import CpuGroup
-
-    try:
-        CpuGroup("probe", 1.0).remove()
-    except WhetstoneError:
-        return False
-    return True
 
 
 @pytest.mark.timeout(300)

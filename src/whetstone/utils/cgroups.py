@@ -139,3 +139,12 @@ def add_to_cgroups(paths: list[str] | list[Path], pid: int) -> None:
             (Path(path) / "cgroup.procs").write_text(str(pid))
         except OSError as error:
             raise WhetstoneError(f"cannot move process {pid} into the cgroup {path}: {error}") from None
+
+
+def cpu_groups_available() -> bool:
+    """Whether this process can make CPU groups with quotas (cgroups writable here)."""
+    try:
+        CpuGroup("probe", 1.0).remove()
+    except WhetstoneError:
+        return False
+    return True
