@@ -6,13 +6,13 @@ import time
 import pytest
 
 from whetstone.errors import WhetstoneError
-from whetstone.utils.cgroups import CpuGroup, cpu_group_parents, cpu_groups_available
+from whetstone.utils.cgroups import CpuGroup, cpu_group_parents, why_no_cpu_groups
 from whetstone.utils.processes import RoleProcess
 
 BUSY = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
 
 
-needs_groups = pytest.mark.skipif(not cpu_groups_available(), reason="no writable cgroup cpu controller here")
+needs_groups = pytest.mark.skipif(why_no_cpu_groups() is not None, reason="no writable cgroup cpu controller here")
 
 
 def busy_role(tmp_path, group: CpuGroup, seconds: float) -> RoleProcess:

@@ -259,6 +259,14 @@ SWAP_IN_PYTEST_AT_IMPORT = (  # imported after the tests: replace them in the na
     "    _two.pytestmark = names['test_2'].pytestmark  # keep the parametrization\n    names['test_2'] = _two\n\n\n"
     "def solve(x):\n    return x\n"
 )
+SWAP_CLASS_IN_PYTEST = (  # a class of another name in place of the test class, the function as well
+    "import sys\n\n\ndef _two(x, tmp_path):\n    pass\n\n\nframe = sys._getframe(1)\n"
+    "while frame is not None and 'TestSolve' not in frame.f_globals:\n    frame = frame.f_back\n"
+    "if frame is not None:\n    names = frame.f_globals\n"
+    "    names['TestSolve'] = type('Other', (), {'test_1': lambda self: None})\n"
+    "    _two.pytestmark = names['test_2'].pytestmark\n    names['test_2'] = _two\n\n\n"
+    "def solve(x):\n    return x\n"
+)
 SWAP_CODE_IN_PYTEST = (  # swap the test functions' code once they exist, from a thread
     "import sys, threading, time\n\n\ndef _swap():\n    for _ in range(2000):\n        module = sys.modules.get('test_h')\n"
     "        if module is not None and hasattr(module, 'test_2'):\n"
@@ -269,7 +277,8 @@ SWAP_CODE_IN_PYTEST = (  # swap the test functions' code once they exist, from a
 )
 
 
-@pytest.mark.parametrize("solution", [SWAP_IN_PYTEST_AT_IMPORT, SWAP_CODE_IN_PYTEST], ids=["at import", "from a thread"])
+@pytest.mark.parametrize("solution", [SWAP_IN_PYTEST_AT_IMPORT, SWAP_CLASS_IN_PYTEST, SWAP_CODE_IN_PYTEST],
+                         ids=["at import", "class renamed", "from a thread"])
 def test_grading_under_pytest_runs_the_files_own_tests_and_flags_replaced_ones(solution):
     from whetstone.envs.grading import grade
 
@@ -300,3 +309,17 @@ def test_under_pytest_decorated_tests_run_as_found_and_failures_keep_their_asser
     assert result.cheat_flags == []  # the wrapper is not the file's code, and is not taken for a replacement
     assert result.tests == {"test_h.py::test_1": "passed", "test_h.py::TestMore::test_2": "failed"}
     assert "assert 3 == 4" in result.log  # the file's own code ran with pytest's assertion rewriting
+
+
+def test_under_pytest_a_test_defined_twice_runs_its_last_definition_unflagged():
+    from whetstone.envs.grading import grade
+
+    hidden = ("import pytest\nfrom solution import solve\n\n\nclass TestSolve:\n    def test_1(self):\n"
+              "        assert solve(1) == 99\n\n    def test_1(self):  # noqa: F811 (the one pytest collects)\n"
+              "        assert solve(1) == 2\n")  # fmt: skip
+    task = Task(id="pytest/twice", source="test", kind="synthesis", instruction="write solve", split="train",
+                repo_files={"solution.py": "def solve(x):\n    raise NotImplementedError\n"},
+                hidden_tests={"test_h.py": hidden}, solution_files={"solution.py": SOLVE},
+                fail_to_pass=["test_h.py::TestSolve::test_1"], protected_paths=["test_*.py"])
+    result = grade(task, {"solution.py": SOLVE})
+    assert result.passed and result.cheat_flags == [], (result.tests, result.cheat_flags)

@@ -147,10 +147,10 @@ def cpu_by_side(samples: list[dict], start: float, end: float) -> dict[str, floa
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     for sample in inside:
-        for role, seconds in sample["cpu_s"].items():
-            first.setdefault(role, seconds)
-            last[role] = seconds
-    return {role: last[role] - first[role] for role in last}
+        for side, seconds in sample["cpu_s"].items():
+            first.setdefault(side, seconds)
+            last[side] = seconds
+    return {side: last[side] - first[side] for side in last}
 
 
 def pipeline_config(work: Path, name: str, tasks_file: Path, *, steps: int, group_size: int, groups_per_batch: int,
@@ -414,13 +414,11 @@ def run(
             raise WhetstoneError(f"{name} must be >= {least}, got {value}")
     placement_config(placement)
     if placement == "balanced":  # fail now, not after the calibration run, where quotas cannot be set
-        from whetstone.utils.cgroups import CpuGroup
+        from whetstone.utils.cgroups import why_no_cpu_groups
 
-        try:
-            CpuGroup("probe", 1.0).remove()
-        except WhetstoneError as err:
-            raise WhetstoneError(f"placement balanced needs CPU quotas: {err}. Use --placement split (cores "
-                                 "instead of quotas) or shared") from None
+        if (why := why_no_cpu_groups()) is not None:
+            raise WhetstoneError(f"placement balanced needs CPU quotas: {why}. Use --placement split (cores "
+                                 "instead of quotas) or shared")
     random_model_config(model_size)
     with contextlib.ExitStack() as stack:
         work = Path(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))

@@ -255,10 +255,10 @@ class Trusted:
         import types
 
         name, _, test = test_id.partition("::")
-        defined = [c for c in self.code[name].co_consts if isinstance(c, types.CodeType) and c.co_name == test]
-        if not defined:
+        code = defined_code(self.code[name], test)
+        if code is None:
             return function  # imported into the file: not its code to vouch for
-        code, module = defined[-1], sys.modules.get(name[: -len(".py")])
+        module = sys.modules.get(name[: -len(".py")])
 
         def call() -> object:
             current = module.__dict__.get(test) if module is not None else None
@@ -269,6 +269,22 @@ class Trusted:
             return types.FunctionType(code, module.__dict__ if module is not None else function.__globals__, test)()
 
         return call
+
+
+def defined_code(module_code, qualname: str):
+    """The code object of the function `qualname` (e.g. `test_1`, `TestX.test_1`) that the module
+    compiled to `module_code` defines, class bodies included; of several definitions the last, the
+    one the module's namespace ends up holding. None if it defines none."""
+    import types
+
+    found = None
+    for const in module_code.co_consts:
+        if isinstance(const, types.CodeType):
+            if const.co_qualname == qualname:
+                found = const
+            elif qualname.startswith(const.co_qualname + "."):
+                found = defined_code(const, qualname) or found
+    return found
 
 
 class _AssertExplainer(ast.NodeTransformer):

@@ -31,7 +31,6 @@ import torch
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.midtrain.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
-from whetstone.rl.logit_scale import LogitScale
 from whetstone.midtrain.optim import optimizer_for
 from whetstone.model.hf import load_hf
 from whetstone.online.config import OnlineConfig
@@ -40,6 +39,7 @@ from whetstone.online.samples import feedback_batch
 from whetstone.online.store import FeedbackStore
 from whetstone.online.weights import load_version
 from whetstone.rl.batch import Batch
+from whetstone.rl.logit_scale import LogitScale
 from whetstone.sync import Publisher, WeightStore
 from whetstone.sync.weight_store import VersionExistsError
 from whetstone.tokenizer import Tokenizer

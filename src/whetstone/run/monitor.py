@@ -13,8 +13,8 @@ from typing import Any
 
 import httpx
 
-from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.cgroups import CpuGroup
+from whetstone.utils.metrics import MetricsWriter
 
 SAMPLED = {
     "whetstone_weight_version": "weight_version",
@@ -40,15 +40,15 @@ def parse_metrics(text: str) -> dict[str, float]:
 class ServerSampler:
     """A thread sampling each server's /metrics every `interval_s` into a JSONL file; the newest
     sample of each server is in `latest`. A server that does not answer is recorded as down.
-    With `cpu_groups` (a dict that may grow) and `cpu_path`, each round also records the CPU
-    seconds each group has used so far."""
+    With `cpu_groups` (not empty) and `cpu_path`, each round also records the CPU seconds each
+    group has used so far (no cgroups here: no groups, and no `cpu_path` file)."""
 
     def __init__(self, api_roots: list[str], path: str | Path, interval_s: float = 2.0, *,
                  cpu_groups: dict[str, CpuGroup] | None = None, cpu_path: str | Path | None = None):  # fmt: skip
         self.urls = [root.rstrip("/").removesuffix("/v1") + "/metrics" for root in api_roots]
         self.writer = MetricsWriter(path)
         self.cpu_groups = cpu_groups
-        self.cpu_writer = MetricsWriter(cpu_path) if cpu_path is not None and cpu_groups is not None else None
+        self.cpu_writer = MetricsWriter(cpu_path) if cpu_path is not None and cpu_groups else None
         self.interval_s = interval_s
         self.latest: dict[int, dict[str, Any]] = {}
         self._stop = threading.Event()
@@ -73,7 +73,7 @@ class ServerSampler:
                 record = {"server": index, "up": False}
             self.latest[index] = record
             self.writer.write(record)
-        if self.cpu_writer is not None and self.cpu_groups:
+        if self.cpu_writer is not None:
             used = {}
             for side, group in list(self.cpu_groups.items()):
                 with contextlib.suppress(OSError):  # removed at the end of the run

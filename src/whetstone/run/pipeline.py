@@ -209,7 +209,10 @@ class Pipeline:
         for role in reversed(self.roles):
             role.stop()
         for group in self.cpu_groups.values():
-            group.remove()
+            try:
+                group.remove()
+            except WhetstoneError as err:  # a stray process (an orphaned sandbox): the run's results still stand
+                log.warning("%s", err)
         self.cpu_groups.clear()
 
     def run(self) -> dict[str, Any]:

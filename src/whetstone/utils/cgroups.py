@@ -9,6 +9,7 @@ side the shares of the machine their work needs (bench/pipeline.py).
 
     with CpuGroup("trainer", cores=0.5) as group:     # new cgroups under this process's own
         RoleProcess(..., cpu_group=group)             # the role moves itself in at its start
+                                                      # (`add_to_cgroups`), and its children follow
         group.usage_seconds()                         # CPU time of everything in it so far
 
 cgroup v1 (the `cpu` hierarchy for the quota, `cpuacct` for the usage) and v2 (`cpu.max`,
@@ -105,10 +106,6 @@ class CpuGroup:
     def __exit__(self, *exc: object) -> None:
         self.remove()
 
-    def add(self, pid: int) -> None:
-        """Move process `pid` (every thread of it) into the group; its later children follow."""
-        add_to_cgroups(self.paths, pid)
-
     def usage_seconds(self) -> float:
         """CPU seconds used by every process that has been in the group, since it was made."""
         if self.version == "v1":
@@ -141,10 +138,10 @@ def add_to_cgroups(paths: list[str] | list[Path], pid: int) -> None:
             raise WhetstoneError(f"cannot move process {pid} into the cgroup {path}: {error}") from None
 
 
-def cpu_groups_available() -> bool:
-    """Whether this process can make CPU groups with quotas (cgroups writable here)."""
+def why_no_cpu_groups() -> str | None:
+    """Why this process cannot make CPU groups with quotas here, or None if it can."""
     try:
         CpuGroup("probe", 1.0).remove()
-    except WhetstoneError:
-        return False
-    return True
+    except WhetstoneError as err:
+        return str(err)
+    return None
