@@ -94,3 +94,38 @@ def test_logits_to_keep_computes_only_the_last_positions(make_config):
     assert model(ids, logits_to_keep=0).logits is None
     with pytest.raises(WhetstoneError, match="logits_to_keep"):
         model(ids, logits_to_keep=8)
+
+
+def test_inference_mode_keeps_the_fused_qkv_weight_until_a_weight_changes(make_config):
+    model = Transformer(make_config()).eval()
+    attn = model.layers[0].self_attn
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 5))
+    with torch.inference_mode():
+        first = model(ids).logits
+        kept = attn.qkv_weight()
+        model(ids)
+        assert attn.qkv_weight() is kept  # not concatenated again per forward
+    # A hot swap writes in place, through a view: the version counter moves, the matrix is remade.
+    with torch.no_grad():
+        attn.k_proj.weight.view(-1).scatter_(0, torch.tensor([0, 7]), torch.tensor([0.5, -0.5]))
+    with torch.inference_mode():
+        swapped = model(ids).logits
+        assert attn.qkv_weight() is not kept
+    assert not torch.equal(swapped, first)
+    assert torch.equal(swapped, model(ids).logits)  # the same as a forward that concatenates afresh
+    # A replaced tensor (new storage) is noticed too.
+    attn.v_proj.weight = torch.nn.Parameter(attn.v_proj.weight.detach() * 2)
+    with torch.inference_mode():
+        replaced = model(ids).logits
+    assert not torch.equal(replaced, swapped) and torch.equal(replaced, model(ids).logits)
+
+
+def test_inference_mode_skips_the_aux_loss_nobody_trains_on(make_config):
+    model = Transformer(make_config())
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 5))
+    assert model(ids).aux_loss is not None
+    with torch.no_grad():
+        assert model(ids).aux_loss is not None  # e.g. a validation loss
+    with torch.inference_mode():
+        out = model(ids)
+    assert out.aux_loss is None and out.logits is not None

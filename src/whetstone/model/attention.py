@@ -22,12 +22,26 @@ class Attention(nn.Module):
         self.o_proj = Linear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self._qkv: tuple[tuple, torch.Tensor] | None = None
+
+    def qkv_weight(self) -> torch.Tensor:
+        """q, k and v's weights as one matrix, so one matmul computes all three (the weights stay
+        separate tensors, as in HF checkpoints). Under inference mode (the engine) the matrix is
+        kept, and made again only when a weight is written to in place (its version counter
+        moves, as on a hot swap) or replaced; elsewhere (training, FSDP's gathered weights) it is
+        concatenated per call."""
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        if not torch.is_inference_mode_enabled():
+            self._qkv = None
+            return torch.cat(weights)
+        key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
+        if self._qkv is None or self._qkv[0] != key:
+            self._qkv = (key, torch.cat(weights))
+        return self._qkv[1]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         batch, length, _ = x.shape
-        # One matmul for q, k and v (the weights stay separate tensors, as in HF checkpoints).
-        weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-        qkv = ops.linear(x, weight).view(batch, length, -1, self.head_dim)
+        qkv = ops.linear(x, self.qkv_weight()).view(batch, length, -1, self.head_dim)
         q, k, v = qkv.split(self.heads, dim=2)
         # Norm each head before RoPE, then go to [B, heads, T, D].
         q = ops.apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)

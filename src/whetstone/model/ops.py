@@ -14,6 +14,7 @@ context variable: each thread (the engine's, the trainer's) sees only its own.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -54,6 +55,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, row_local: bool = False):
+    if not row_local and x.dtype == weight.dtype == torch.float32:
+        # torch's fused kernel: the same arithmetic bit for bit (tested), in one pass instead of six.
+        return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     square = x32.square()
     mean_square = invariant.mean_last(square) if row_local else square.mean(-1, keepdim=True)
@@ -130,11 +134,16 @@ def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     return weighted.sum(dim=1).to(expert_out.dtype)
 
 
+@functools.cache
+def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor, usable by forwards in and out of inference mode
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+        return 1.0 / (theta**exponents)
+
+
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
     """cos and sin [B, T, head_dim] for absolute positions [B, T] (half-split layout, as HF)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim
-    inv_freq = 1.0 / (theta**exponents)
-    freqs = positions.unsqueeze(-1).float() * inv_freq
+    freqs = positions.unsqueeze(-1).float() * _inverse_frequencies(head_dim, theta, positions.device)
     angles = torch.cat((freqs, freqs), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
 

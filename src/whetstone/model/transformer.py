@@ -31,7 +31,7 @@ class ModelOutput:
     routes: torch.Tensor | None = None
     """[B, T, num_moe_layers, top_k] int64 expert ids in top-k order (if asked for; None when dense)."""
     aux_loss: torch.Tensor | None = None
-    """Scalar load-balancing loss, unweighted (0 for a dense model)."""
+    """Scalar load-balancing loss, unweighted (0 for a dense model; None under inference mode)."""
     logprobs: torch.Tensor | None = None
     """[B, T] fp32 log-probability of each target token, when `targets` were given."""
     entropy: torch.Tensor | None = None
@@ -130,9 +130,10 @@ class Transformer(nn.Module):
                 raise WhetstoneError(f"targets have shape {tuple(targets.shape)}, expected {(batch, length)}")
             logprobs, entropy = target_logprobs(hidden, self.lm_head.weight, targets, return_entropy)
 
-        if chosen:
+        aux_loss = None  # nobody trains on an inference-mode forward (the engine's): skip it
+        if chosen and not torch.is_inference_mode_enabled():
             aux_loss = load_balancing_loss(chosen, probs, cfg.num_experts)
-        else:
+        elif not chosen:
             aux_loss = torch.zeros((), device=x.device)
         out_routes = None
         if return_routes and chosen:
