@@ -111,8 +111,9 @@ def online(
     heldout: int = typer.Option(24, help="Held-out prompts of the preference rate."),
     samples: int = typer.Option(2, help="Replies per held-out prompt."),
     gate_tasks: int = typer.Option(24, help="Held-out tasks of the deploy gate."),
-    lr: float = typer.Option(1e-4, help="Learning rate of the online updates."),
-    logit_scale_lr: float = typer.Option(0.1, help="Learning rate of the loop's learned logit scale (0 = off)."),
+    lr: float = typer.Option(None, help="Learning rate of the online updates (default: `whetstone online`'s)."),
+    logit_scale_lr: float = typer.Option(None, help="Learning rate of the loop's learned logit scale, 0 = off "
+                                                    "(default: `whetstone online`'s)."),
     preference: str = typer.Option("passes_tests", help="Users' hidden taste: passes_tests, or a regex replies match."),
     max_tokens: int = typer.Option(160, help="Completion budget of every reply (users' and the gate's)."),
     output_dir: str = typer.Option("", help="Keep configs, logs and metrics here (default: a temp folder)."),

@@ -58,11 +58,17 @@ def deployed_at(samples: list[dict], servers: int) -> dict[int, float]:
 
 
 def run(model: str = "runs/default/midtrain/model", servers: int = 2, updates: int = 4, every_events: int = 16,
-        users: int = 2, heldout: int = 24, samples: int = 2, gate_tasks: int = 24, lr: float = 1e-4,
+        users: int = 2, heldout: int = 24, samples: int = 2, gate_tasks: int = 24, lr: float | None = None,
         max_tokens: int = 160, preference: str = "passes_tests", output_dir: str | None = None,
-        logit_scale_lr: float = 0.1) -> dict[str, Any]:  # fmt: skip
+        logit_scale_lr: float | None = None) -> dict[str, Any]:  # fmt: skip
     """`preference`: `passes_tests`, or a regular expression the users like replies to match.
-    `logit_scale_lr`: the loop's learned global sharpness (`OnlineConfig.logit_scale_lr`)."""
+    `lr`, `logit_scale_lr`: the loop's learning rate and learned global sharpness (None: the
+    `OnlineConfig` defaults, what `whetstone online` runs with)."""
+    from whetstone.online.config import OnlineConfig
+
+    defaults = OnlineConfig()
+    lr = defaults.optimizer.lr if lr is None else lr
+    logit_scale_lr = defaults.logit_scale_lr if logit_scale_lr is None else logit_scale_lr
     if not (Path(model) / "config.json").exists():
         raise WhetstoneError(f"{model} is not a Hugging Face model folder: run `whetstone run` first (it writes "
                              "runs/default/midtrain/model) or pass --model")

@@ -135,9 +135,11 @@ class OnlineConfig(Config):
     """The RL trainer's loss: clipping, truncated importance sampling, KL to the starting weights."""
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0)
     """AdamW at a constant learning rate (online RL has no end)."""
-    logit_scale_lr: float = Field(0.0, ge=0.0)
+    logit_scale_lr: float = Field(0.1, ge=0.0)
     """Learning rate of the learned global sharpness (`rl.logit_scale`, as the RL trainer's
-    `logit_scale_lr`): one Adam step on the log-scale of the logits per update; 0 = off."""
+    `logit_scale_lr`): one Adam step on the log-scale of the logits per update; 0 = off. 0.1 as
+    in the embedded RL default: with it, `whetstone bench online` moved the mid-trained model
+    toward the users' taste, without it not (docs/online.md)."""
     router_replay: bool = True
     """Replay the served routes in the trainer's forward (MoE models)."""
     micro_batch_size: int = Field(8, ge=1)
