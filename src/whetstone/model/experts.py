@@ -19,14 +19,10 @@ import torch.nn.functional as F
 from whetstone.model import invariant, ops
 
 
-def _spans(counts: list[int], skip_empty: bool = False):
-    """(expert, start, end) of each expert's slice of the sorted slots; `skip_empty` leaves out
-    experts no slot chose (the forward's matmuls on 0 rows cost a call each; the backward needs
-    them, to write the zero weight gradient)."""
+def _spans(counts: list[int]):
     start = 0
     for expert, count in enumerate(counts):
-        if count or not skip_empty:
-            yield expert, start, start + count
+        yield expert, start, start + count
         start += count
 
 
@@ -58,14 +54,19 @@ def _grouped_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invar
     source = _zero_row_for_dummies(x, order, x.shape[0] * top_k)
     sorted_x = source.index_select(0, order // top_k)  # [S, H], slots grouped by expert
     hidden = x.new_empty(sorted_x.shape[0], 2 * inner)
-    for expert, start, end in _spans(counts, skip_empty=True):
-        torch.mm(sorted_x[start:end], gate_up[expert].t(), out=hidden[start:end])
+    # Each expert's rows, transposed weight and output rows as views made in one call per tensor:
+    # decoding runs this every step on a handful of rows, where indexing expert by expert would
+    # cost more calls than the matmuls. An expert no slot chose gets no call.
+    for rows, weight, into in zip(sorted_x.split(counts), gate_up.transpose(1, 2).unbind(), hidden.split(counts)):
+        if rows.shape[0]:
+            torch.mm(rows, weight, out=into)
     gate, up = hidden[:, :inner], hidden[:, inner:]
     silu_gate = invariant.silu(gate) if batch_invariant else F.silu(gate)
     act = silu_gate * up
     out = x.new_empty(sorted_x.shape)
-    for expert, start, end in _spans(counts, skip_empty=True):
-        torch.mm(act[start:end], down[expert].t(), out=out[start:end])
+    for rows, weight, into in zip(act.split(counts), down.transpose(1, 2).unbind(), out.split(counts)):
+        if rows.shape[0]:
+            torch.mm(rows, weight, out=into)
     saved = (sorted_x, gate, up, silu_gate, act, gate_up, down, order, unsort)
     return out.index_select(0, unsort).view(x.shape[0], top_k, -1), saved
 
