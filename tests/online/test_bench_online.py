@@ -9,7 +9,28 @@ import sys
 
 import pytest
 
+from whetstone.bench.online import paired_change
+from whetstone.online.simulator import Exchange
+
 from tests.online.online_fixtures import PREFERS_CODE
+
+
+def exchanges(liked: str, seeds=None) -> list[Exchange]:
+    """One exchange per character: task i, seed i (or seeds[i]), liked where the character is '1'."""
+    return [Exchange(f"t{i}", f"r{i}", flag == "1", 0.1, seed=i if seeds is None else seeds[i])
+            for i, flag in enumerate(liked)]
+
+
+def test_the_paired_change_counts_each_request_against_itself():
+    before, after = exchanges("1100110000"), exchanges("1011111110")
+    change = paired_change(before, after)
+    assert change == {"pairs": 10, "both": 3, "neither": 1, "gained": 5, "lost": 1,
+                      "sign_test_p": pytest.approx(2 * (6 + 1) / 64)}  # P(>= 5 of 6) both ways
+    # requests pair by (task, seed), whatever order the users' threads finished in
+    assert paired_change(before[::-1], after) == change
+    assert paired_change(before, exchanges("1011111110", seeds=list(range(10, 20))))["pairs"] == 0
+    unchanged = paired_change(before, before)
+    assert unchanged["gained"] == unchanged["lost"] == 0 and unchanged["sign_test_p"] == 1.0
 
 
 @pytest.mark.slow  # about a minute: three processes start and the loop updates twice
@@ -24,4 +45,7 @@ def test_the_benchmark_reports_its_figures(two_style_dir, tmp_path):
     assert len(result["feedback_to_deployed_s_each"]) == result["published"]
     assert all(0 < seconds < 120 for seconds in result["feedback_to_deployed_s_each"])
     assert 0 <= result["preference_rate_before"] <= 1 and 0 <= result["preference_rate_after"] <= 1
+    change = result["preference_change"]
+    assert change["pairs"] == 8  # every held-out request was asked before and after with one seed
+    assert change["both"] + change["gained"] == round(result["preference_rate_after"] * 8)
     assert result["interactive_p99_ms"] > 0 and result["interactive_p99_idle_ms"] > 0

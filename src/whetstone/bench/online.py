@@ -22,6 +22,7 @@ the preference rate is measured on other held-out tasks, never rated.
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -140,15 +141,15 @@ class _Bench:
             time.sleep(0.2)
         return role
 
-    def measure(self, urls: list[str], tasks: list, samples: int, users: int) -> float:
-        """Held-out preference rate; before and after use the same seeds (paired comparison)."""
+    def measure(self, urls: list[str], tasks: list, samples: int, users: int) -> list:
+        """Held-out replies, judged; before and after use the same seeds (paired comparison)."""
         from whetstone.online.preferences import make_preference
         from whetstone.online.simulator import UserSimulator
 
         simulator = UserSimulator(urls, self.model.name, API_KEY, make_preference(self.preference),
                                   max_tokens=self.max_tokens, seed=MEASURE_SEED)  # fmt: skip
         try:
-            return simulator.preference_rate(tasks, samples, users)
+            return simulator.judge(tasks, samples, users)
         finally:
             simulator.close()
 
@@ -203,8 +204,23 @@ class _Bench:
         }  # fmt: skip
 
 
+def paired_change(before: list, after: list) -> dict[str, Any]:
+    """How the same held-out requests (task, seed) fared before and after: counts of replies
+    liked by both, by neither, newly liked (`gained`) and no longer liked (`lost`), and the exact
+    two-sided sign test on gained against lost (the chance of a split at least this uneven if
+    the updates changed nothing)."""
+    liked_before = {(e.task_id, e.seed): e.liked for e in before}
+    pairs = [(liked_before[(e.task_id, e.seed)], e.liked) for e in after if (e.task_id, e.seed) in liked_before]
+    gained = sum(not b and a for b, a in pairs)
+    lost = sum(b and not a for b, a in pairs)
+    changed = gained + lost
+    tail = sum(math.comb(changed, k) for k in range(max(gained, lost), changed + 1)) / 2**changed if changed else 1.0
+    return {"pairs": len(pairs), "both": sum(b and a for b, a in pairs), "neither": sum(not (b or a) for b, a in pairs),
+            "gained": gained, "lost": lost, "sign_test_p": min(1.0, 2 * tail)}  # fmt: skip
+
+
 def summarize(records: list[dict], server_samples: list[dict], servers: int, idle: list, during: list,
-              before: float, after: float) -> dict[str, Any]:  # fmt: skip
+              before: list, after: list) -> dict[str, Any]:  # fmt: skip
     """The benchmark's figures from the loop's metrics, the servers' samples and the users' exchanges."""
     reached = deployed_at(server_samples, servers)
     published = [r for r in records if r["decision"] == "published"]
@@ -217,8 +233,9 @@ def summarize(records: list[dict], server_samples: list[dict], servers: int, idl
         "goal_s": 60,
         "speedup_vs_cursor_tab": CURSOR_TAB_S / median if median else None,
         "speedup_vs_composer": COMPOSER_S / median if median else None,
-        "preference_rate_before": before,
-        "preference_rate_after": after,
+        "preference_rate_before": sum(e.liked for e in before) / max(1, len(before)),
+        "preference_rate_after": sum(e.liked for e in after) / max(1, len(after)),
+        "preference_change": paired_change(before, after),
         "interactive_p99_ms": busy_p99,
         "interactive_p99_idle_ms": idle_p99,
         "interactive_p99_ratio": busy_p99 / idle_p99,

@@ -33,6 +33,8 @@ class Exchange:
     """Wall time of the chat request, as the user saw it."""
     rated_at: float | None = None
     """When the feedback was accepted (time.time()), or None if none was given."""
+    seed: int | None = None
+    """The request's sampling seed (None: the server's own randomness)."""
 
 
 class UserSimulator:
@@ -71,7 +73,7 @@ class UserSimulator:
         answer = self._post(url, "/chat/completions", request)
         latency = time.perf_counter() - started
         liked = self.preference.likes(task, answer["choices"][0]["message"]["content"] or "")
-        exchange = Exchange(task.id, answer["id"], liked, latency)
+        exchange = Exchange(task.id, answer["id"], liked, latency, seed=seed)
         if give_feedback:
             self._post(url, "/feedback", {"id": answer["id"], "rating": "thumbs_up" if liked else "thumbs_down"})
             exchange.rated_at = time.time()
@@ -105,5 +107,9 @@ class UserSimulator:
 
     def preference_rate(self, tasks: list[Task], samples: int = 1, users: int = 2) -> float:
         """Fraction of replies the hidden preference likes, `samples` per task, no feedback given."""
-        exchanges = self.run(tasks, users=users, requests=len(tasks) * samples, give_feedback=False)
+        exchanges = self.judge(tasks, samples, users)
         return sum(e.liked for e in exchanges) / len(exchanges)
+
+    def judge(self, tasks: list[Task], samples: int = 1, users: int = 2) -> list[Exchange]:
+        """`samples` replies per task, each judged by the hidden preference, no feedback given."""
+        return self.run(tasks, users=users, requests=len(tasks) * samples, give_feedback=False)
