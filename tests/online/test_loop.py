@@ -53,6 +53,22 @@ def test_a_regressing_candidate_is_discarded_and_forgotten(world):
     assert world.loop.logit_scale.steps == 0 and world.loop.logit_scale.log_scale == 0.0  # and its scale
 
 
+@pytest.mark.parametrize("world", [NO_GATE | {"trigger": {"every_events": 8, "min_events": 8, "max_events": 8}}],
+                         indirect=True)  # fmt: skip
+def test_a_backlog_of_feedback_gone_stale_is_read_past_to_the_fresh_events(world):
+    # Users rate faster than updates land: 24 events on version 0, 8 per update.
+    world.feedback(24)
+    assert world.loop.update()["version"] == 1  # events 0-7
+    second = world.loop.update()  # events 8-15: one version behind, within the bound (1)
+    assert second["version"] == 2 and second["staleness_1"] == 8 and second["passed_stale"] == 0
+    wait_for_version(world.url, 2)
+    world.feedback(8)  # on version 2, behind events 16-23 (version 0: two behind, never trainable)
+    third = world.loop.update()
+    assert third["passed_stale"] == 8 and third["dropped_stale"] == 0
+    assert third["decision"] == "published" and third["events"] == third["staleness_0"] == 8  # the fresh ones
+    assert not world.loop.due() and world.loop.read_feedback() == ([], 0)  # every event read exactly once
+
+
 def test_nothing_to_learn_is_skipped_with_the_reason(world):
     world.users.temperature = 0.0  # greedy replies: a point mass, no policy to take a gradient of
     world.feedback(16)

@@ -40,6 +40,7 @@ from whetstone.online.store import FeedbackStore
 from whetstone.online.weights import load_version
 from whetstone.rl.batch import Batch
 from whetstone.rl.logit_scale import LogitScale
+from whetstone.rl.staleness import staleness
 from whetstone.sync import Publisher, WeightStore
 from whetstone.sync.weight_store import VersionExistsError
 from whetstone.tokenizer import Tokenizer
@@ -153,9 +154,8 @@ class OnlineLoop:
         if adopted is not None:
             record["adopted"] = adopted
             log.warning("the weight store moved to version %d (a rollback?): adopted it", adopted)
-        rated = self.feedback.rated_after(self.state["cursor"], self.config.trigger.max_events)
-        if rated:
-            self.state["cursor"] = rated[-1].seq
+        rated, passed = self.read_feedback()
+        record["passed_stale"] = passed
         self.state["updates"] += 1
         atomic_write_json(self.run_dir / "state.json", self.state)
         self.last_update = time.monotonic()
@@ -171,6 +171,26 @@ class OnlineLoop:
         log.log(logging.INFO if record["decision"] == "published" else logging.WARNING, "update %d %s (version %d): %s",
                 record["update"], record["decision"], self.version, record["reason"])  # fmt: skip
         return record
+
+    def read_feedback(self) -> tuple[list, int]:
+        """The oldest `trigger.max_events` unread events whose responses are within the staleness
+        bound of the deployed version, and how many beyond it were read past on the way. Those
+        can never be trained on; taken first, a backlog (users rating faster than updates land)
+        would fill every update with them and leave the fresh events waiting until they, too,
+        went stale. The cursor moves past everything read."""
+        limit, bound = self.config.trigger.max_events, self.config.staleness.max_off_policy_steps
+        fresh, passed = [], 0
+        while len(fresh) < limit:
+            page = self.feedback.rated_after(self.state["cursor"], limit - len(fresh))
+            if not page:
+                break
+            self.state["cursor"] = page[-1].seq
+            for item in page:
+                if staleness(self.version, min(item.response.versions, default=None)) > bound:
+                    passed += 1
+                else:
+                    fresh.append(item)
+        return fresh, passed
 
     def step(self, batch: Batch) -> dict[str, Any]:
         """One policy-gradient step of the policy on `batch` (the RL trainer's); its metrics."""
