@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from whetstone.bench.pipeline import (GradingReward, coin_tasks, cpu_by_side, measure, overlap_bound, placement_config,
+from whetstone.bench.pipeline import (ROLLOUT_HEADROOM, GradingReward, coin_tasks, cpu_by_side, measure, overlap_bound, placement_config,
                                       random_model, run, trainer_cpu_share, written_files)
 from whetstone.envs.harness import HarnessConfig
 from whetstone.envs.harness.summarize import segment_messages
@@ -129,8 +129,10 @@ def test_the_split_placement_puts_the_trainer_apart_from_the_rollout_side():
 def test_the_balanced_placement_gives_each_side_its_share_of_the_cores():
     cores = len(os.sched_getaffinity(0))
     placement = placement_config("balanced", 0.2)
-    assert placement.trainer_cores == pytest.approx(min(1.0, 0.2 * cores), abs=1e-3)
+    # The rollout side gets its measured share with the headroom: 0.8 x 1.1 against the trainer's 0.2.
+    assert placement.trainer_cores == pytest.approx(min(1.0, 0.2 / (0.2 + 0.8 * ROLLOUT_HEADROOM) * cores), abs=1e-3)
     assert placement.trainer_cores + placement.rollout_cores == pytest.approx(cores, abs=1e-3)
+    assert placement.rollout_cores / placement.trainer_cores == pytest.approx(4 * ROLLOUT_HEADROOM, rel=1e-2)
     assert placement.trainer == placement.servers == []  # every core, under quotas
     with pytest.raises(WhetstoneError, match=r"share must be in \(0, 1\), got 1.5"):
         placement_config("balanced", 1.5)

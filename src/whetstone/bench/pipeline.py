@@ -102,13 +102,19 @@ def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "ti
 
 
 PLACEMENTS = ("balanced", "split", "shared")
+ROLLOUT_HEADROOM = 1.1
+"""Balanced placement sizes the rollout side to 1.1x the CPU its share of the work measured, as
+inference is provisioned with a margin over the trainer it feeds: rollouts vary (a slow sandbox,
+a long completion), and without a margin every late batch idles the trainer, the side a real
+deployment can least afford to idle."""
 
 
 def placement_config(placement: str, trainer_share: float | None = None):
     """Where the roles run. `shared`: every role on every core. `split`: the trainer on the first
     usable core, servers, orchestrator and sandboxes on the others. `balanced`: every core, with
     CPU quotas (cgroups) that give the trainer `trainer_share` of the machine's CPU time and the
-    rollout side the rest, as hardware is sized to each side's work. Split and balanced stand in
+    rollout side the rest, as hardware is sized to each side's work (the rollout side with
+    `ROLLOUT_HEADROOM` over its measured share). Split and balanced stand in
     for roles on separate hardware: a synchronous step leaves one side idle while the other works,
     as it leaves trainer or inference GPUs idle."""
     from whetstone.run.config import PlacementConfig
@@ -121,7 +127,8 @@ def placement_config(placement: str, trainer_share: float | None = None):
             trainer_share = 0.5
         if not 0 < trainer_share < 1:
             raise WhetstoneError(f"placement balanced: the trainer's share must be in (0, 1), got {trainer_share}")
-        trainer = round(min(1.0, trainer_share * len(cores)), 3)  # the trainer is one torch thread
+        share = trainer_share / (trainer_share + (1 - trainer_share) * ROLLOUT_HEADROOM)
+        trainer = round(min(1.0, share * len(cores)), 3)  # the trainer is one torch thread
         return PlacementConfig(trainer_cores=trainer, rollout_cores=round(len(cores) - trainer, 3))
     if placement != "split":
         raise WhetstoneError(f"placement must be one of {', '.join(PLACEMENTS)}, got {placement!r}")
