@@ -222,6 +222,8 @@ def paired_change(before: list, after: list) -> dict[str, Any]:
 def summarize(records: list[dict], server_samples: list[dict], servers: int, idle: list, during: list,
               before: list, after: list) -> dict[str, Any]:  # fmt: skip
     """The benchmark's figures from the loop's metrics, the servers' samples and the users' exchanges."""
+    from whetstone.online.simulator import liked_share
+
     reached = deployed_at(server_samples, servers)
     published = [r for r in records if r["decision"] == "published"]
     latencies = [reached[r["version"]] - r["last_rated_at"] for r in published if r["version"] in reached]
@@ -233,8 +235,8 @@ def summarize(records: list[dict], server_samples: list[dict], servers: int, idl
         "goal_s": 60,
         "speedup_vs_cursor_tab": CURSOR_TAB_S / median if median else None,
         "speedup_vs_composer": COMPOSER_S / median if median else None,
-        "preference_rate_before": sum(e.liked for e in before) / max(1, len(before)),
-        "preference_rate_after": sum(e.liked for e in after) / max(1, len(after)),
+        "preference_rate_before": liked_share(before),
+        "preference_rate_after": liked_share(after),
         "preference_change": paired_change(before, after),
         "interactive_p99_ms": busy_p99,
         "interactive_p99_idle_ms": idle_p99,

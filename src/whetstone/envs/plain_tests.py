@@ -31,8 +31,8 @@ from __future__ import annotations
 import ast
 import os
 import sys
+import types  # not inspect: its import is ~15 ms of CPU in every grading sandbox
 from collections.abc import Callable
-from types import FunctionType  # not inspect: its import is ~15 ms of CPU in every grading sandbox
 
 REPORT_FLAGS = {"-q", "-rA", "-p no:cacheprovider"}
 REPORT_PREFIXES = ("--tb=", "--rootdir=")
@@ -252,8 +252,6 @@ class Trusted:
 
     def callable(self, test_id: str, function: Callable[[], object]) -> Callable[[], object]:
         """What to call for the collected `function`: its file's own code, checked at call time."""
-        import types
-
         name, _, test = test_id.partition("::")
         code = defined_code(self.code[name], test)
         if code is None:
@@ -275,8 +273,6 @@ def defined_code(module_code, qualname: str):
     """The code object of the function `qualname` (e.g. `test_1`, `TestX.test_1`) that the module
     compiled to `module_code` defines, class bodies included; of several definitions the last, the
     one the module's namespace ends up holding. None if it defines none."""
-    import types
-
     found = None
     for const in module_code.co_consts:
         if isinstance(const, types.CodeType):
@@ -354,7 +350,7 @@ def _collect(module) -> list[tuple[str, Callable[[], object]]]:
     """pytest's collection of a plain module: functions named `test*` in its namespace, in order."""
     collected = []
     for name, value in list(module.__dict__.items()):
-        if name.startswith("test") and isinstance(value, FunctionType):
+        if name.startswith("test") and isinstance(value, types.FunctionType):
             collected.append((name, value))
         elif name.startswith("Test") and isinstance(value, type):
             raise RuntimeError(f"{module.__name__}.{name}: a class appeared at import time")

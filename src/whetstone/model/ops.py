@@ -54,9 +54,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
+def _fused_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor, row_local: bool) -> bool:
+    """torch's fused RMSNorm computes the same bits as the formula below (tested) for fp32 rows;
+    not under invariant numerics, whose mean has its own summation order."""
+    return not row_local and x.dtype == weight.dtype == torch.float32
+
+
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, row_local: bool = False):
-    if not row_local and x.dtype == weight.dtype == torch.float32:
-        # torch's fused kernel: the same arithmetic bit for bit (tested), in one pass instead of six.
+    if _fused_rms_norm_applies(x, weight, row_local):  # one call instead of six
         return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     square = x32.square()
@@ -96,7 +101,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return _RMSNorm.apply(x, weight, eps, row_local)
     # Same arithmetic without the autograd.Function (decoding): torch.rms_norm is the fused
     # kernel's cheapest entry point (15 against 22 µs a call for a decode step's row).
-    if not row_local and x.dtype == weight.dtype == torch.float32:
+    if _fused_rms_norm_applies(x, weight, row_local):
         return torch.rms_norm(x, [x.shape[-1]], weight, eps)
     return _rms_norm_forward(x, weight, eps, row_local)[0]
 

@@ -130,11 +130,12 @@ class Transformer(nn.Module):
                 raise WhetstoneError(f"targets have shape {tuple(targets.shape)}, expected {(batch, length)}")
             logprobs, entropy = target_logprobs(hidden, self.lm_head.weight, targets, return_entropy)
 
-        aux_loss = None  # nobody trains on an inference-mode forward (the engine's): skip it
-        if chosen and not torch.is_inference_mode_enabled():
-            aux_loss = load_balancing_loss(chosen, probs, cfg.num_experts)
-        elif not chosen:
+        if not chosen:
             aux_loss = torch.zeros((), device=x.device)
+        elif torch.is_inference_mode_enabled():
+            aux_loss = None  # nobody trains on an inference-mode forward (the engine's): skip it
+        else:
+            aux_loss = load_balancing_loss(chosen, probs, cfg.num_experts)
         out_routes = None
         if return_routes and chosen:
             out_routes = torch.stack(chosen, dim=1).view(batch, length, len(chosen), -1)

@@ -107,9 +107,13 @@ class UserSimulator:
 
     def preference_rate(self, tasks: list[Task], samples: int = 1, users: int = 2) -> float:
         """Fraction of replies the hidden preference likes, `samples` per task, no feedback given."""
-        exchanges = self.judge(tasks, samples, users)
-        return sum(e.liked for e in exchanges) / len(exchanges)
+        return liked_share(self.judge(tasks, samples, users))
 
     def judge(self, tasks: list[Task], samples: int = 1, users: int = 2) -> list[Exchange]:
         """`samples` replies per task, each judged by the hidden preference, no feedback given."""
         return self.run(tasks, users=users, requests=len(tasks) * samples, give_feedback=False)
+
+
+def liked_share(exchanges: list[Exchange]) -> float:
+    """Fraction of `exchanges` whose reply the user liked (0 for none)."""
+    return sum(e.liked for e in exchanges) / max(1, len(exchanges))
