@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from whetstone.bench.pipeline import (ROLLOUT_HEADROOM, GradingReward, coin_tasks, cpu_by_side, measure, overlap_bound, placement_config,
+from whetstone.bench.pipeline import (ROLLOUT_HEADROOM, GradingReward, coin_tasks, cpu_by_side, measure, overlap_bound, pipeline_config, placement_config,
                                       random_model, run, trainer_cpu_share, written_files)
 from whetstone.envs.harness import HarnessConfig
 from whetstone.envs.harness.summarize import segment_messages
@@ -112,6 +112,16 @@ def test_bad_settings_are_named_before_anything_starts(tmp_path):
         run(placement="spread")
     with pytest.raises(WhetstoneError, match="model_size must be one of tiny, default, got 'huge'"):
         run(model_size="huge", output_dir=str(tmp_path / "out2"))
+    with pytest.raises(WhetstoneError, match="servers must be >= 1"):
+        run(servers=0)
+
+
+def test_every_whetstone_side_runs_the_asked_number_of_servers(tmp_path):
+    for servers in (1, 2):
+        config = pipeline_config(tmp_path, "async", tmp_path / "tasks.jsonl", steps=2, group_size=2, groups_per_batch=1,
+                                 max_tokens=8, synchronous=False, servers=servers)  # fmt: skip
+        assert config.servers.count == servers
+        assert config.servers.serve.threads == 1  # the rest of the servers' settings stay the run's
 
 
 def test_the_overlap_bound_is_the_synchronous_step_over_its_longer_side():
@@ -170,6 +180,7 @@ def test_a_tiny_benchmark_reports_every_side(tmp_path):
     for key in ("trainer_busy", "inference_busy"):
         assert 0.0 <= result[key] <= 1.0
     assert result["samples_per_step"] == 2 and result["model_parameters"] > 1_000_000
+    assert result["servers"] == 1  # the default: one server per machine
     placement, cores = result["placement"]["balanced"], len(os.sched_getaffinity(0))  # the default
     assert 0 < result["trainer_cpu_share"] < 1
     assert placement["trainer_cores"] + placement["rollout_cores"] == pytest.approx(cores, abs=1e-2)

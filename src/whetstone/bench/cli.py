@@ -91,12 +91,13 @@ def pipeline(
     placement: str = typer.Option("balanced", help="balanced: CPU quotas sized by each side's measured share of the "
                                                  "work; split: the trainer on core 0, the rollout side on the others "
                                                  "(both: roles on separate hardware); shared: every role on every core."),
+    servers: int = typer.Option(1, help="`whetstone serve` processes of every whetstone side."),
     output_dir: str = typer.Option("", help="Keep the roles' configs, logs and metrics here (default: a temp folder)."),
 ) -> None:
     """Samples/s of asynchronous RL vs the synchronous baseline and TRL's GRPOTrainer; busy fractions."""
     result = _bench("pipeline").run(steps=steps, group_size=group_size, groups_per_batch=groups_per_batch,
                                     max_tokens=max_tokens, tasks=tasks, model=model or None, model_size=model_size,
-                                    trl=trl, placement=placement, output_dir=output_dir or None)  # fmt: skip
+                                    trl=trl, placement=placement, servers=servers, output_dir=output_dir or None)  # fmt: skip
     _emit(result, as_json, "RL pipeline")
 
 

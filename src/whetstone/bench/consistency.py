@@ -42,7 +42,7 @@ from whetstone.rl.batch import Batch, collate
 from whetstone.rl.loss import LossConfig, k3
 from whetstone.rl.samples import trajectory_samples
 from whetstone.trainer.step import forward_logprobs, train_step
-from whetstone.utils.runtime import set_threads
+from whetstone.utils.runtime import configure_process
 
 MODES = ("fast", "invariant")
 BENCH_MODEL = ModelConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
@@ -117,7 +117,7 @@ def run(
         raise WhetstoneError(f"dtype {dtype!r} is not float32 or bfloat16")
     if rounds < 1 or train_steps < 1 or requests < 1:
         raise WhetstoneError("rounds, train_steps and requests must be at least 1")
-    set_threads(threads)
+    configure_process(threads)
     cfg = config or BENCH_MODEL
     torch.manual_seed(seed)
     model = Transformer(cfg)

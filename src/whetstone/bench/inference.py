@@ -37,7 +37,7 @@ from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
 from whetstone.model import ModelConfig, Transformer
 from whetstone.utils.processes import serving
-from whetstone.utils.runtime import set_threads
+from whetstone.utils.runtime import configure_process
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> torch.Tensor:
@@ -126,7 +126,7 @@ def _trainer(store_dir: str, swaps: int, seed: int) -> None:
     from whetstone.bench.sync import adamw_step
     from whetstone.sync import Publisher, SyncConfig, WeightStore
 
-    set_threads(1)
+    configure_process(1)
     torch.manual_seed(seed)
     masters = {k: v.detach().clone() for k, v in Transformer(ModelConfig()).state_dict().items()}
     config = SyncConfig(store=store_dir)
@@ -192,7 +192,7 @@ def run(threads: int = 1, prompt_tokens: int = 64, new_tokens: int = 128, repeat
     from whetstone.model.hf import save_hf
     from whetstone.tokenizer import Tokenizer
 
-    set_threads(threads)
+    configure_process(threads)
     torch.manual_seed(seed)
     model = Transformer(ModelConfig()).eval()
     with tempfile.TemporaryDirectory() as tmp:

@@ -24,7 +24,7 @@ import torch
 from whetstone.errors import WhetstoneError
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import save_hf
-from whetstone.utils.runtime import set_threads
+from whetstone.utils.runtime import configure_process
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -81,7 +81,7 @@ def run(
         raise WhetstoneError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
     if steps < rounds or rounds < 1:
         raise WhetstoneError(f"steps ({steps}) must be >= rounds ({rounds}) >= 1")
-    set_threads(threads)
+    configure_process(threads)
     cfg = config or ModelConfig()
     if not cfg.num_experts:
         raise WhetstoneError("the train benchmark compares MoE models: config.num_experts must be > 0")

@@ -16,12 +16,12 @@ def build_app(config: ServeConfig):
     from whetstone.model.hf import load_hf
     from whetstone.sync import Subscriber, WeightStore
     from whetstone.tokenizer import Tokenizer
-    from whetstone.utils.runtime import set_threads
+    from whetstone.utils.runtime import configure_process
 
     if not config.model_path:
         raise ConfigError("model_path is not set: point it at a Hugging Face model folder "
                           "(config.json, model.safetensors, tokenizer.json)")
-    set_threads(config.threads)
+    configure_process(config.threads)
     model = load_hf(config.model_path)
     tokenizer = Tokenizer.load(config.model_path)
     if tokenizer.vocab_size > model.cfg.vocab_size:

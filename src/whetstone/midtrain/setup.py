@@ -19,7 +19,7 @@ from whetstone.midtrain.config import MidtrainConfig
 from whetstone.midtrain.optim import optimizer_for
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
-from whetstone.utils.runtime import set_threads
+from whetstone.utils.runtime import configure_process
 
 
 @dataclass
@@ -41,7 +41,7 @@ class Session:
 def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Session:
     """Build (or fetch from cache) the corpus, build the model and optimizer, resume if asked."""
     run, opt = config.run, config.optimizer
-    set_threads(run.threads)
+    configure_process(run.threads)
     run_dir = Path(run.output_dir).expanduser() / run.name
     model_config = resolve_model_config(config)  # before the corpus build: fail fast on a bad checkpoint
     corpus = build_corpus(corpus_config(config), demos)

@@ -58,17 +58,21 @@ class _TargetLogprobs(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_logprobs, grad_entropy):
         hidden, weight, targets, ignored, probs, entropy = ctx.saved_tensors
-        if grad_logprobs is not None:
-            grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0)
-            # d logp(target) / d logits = onehot(target) - probs
-            grad_logits = probs * -grad_logprobs.unsqueeze(1)
-            grad_logits.scatter_add_(1, targets.unsqueeze(1), grad_logprobs.unsqueeze(1))
-        else:
-            grad_logits = torch.zeros_like(probs)
+        entropy_term = None
         if grad_entropy is not None:
             # dH / d logits_j = -p_j (log p_j + H) = entr(p_j) - p_j H
             grad_entropy = grad_entropy.masked_fill(ignored, 0.0).unsqueeze(1)
-            grad_logits += (torch.special.entr(probs) - probs * entropy.unsqueeze(1)) * grad_entropy
+            entropy_term = (torch.special.entr(probs) - probs * entropy.unsqueeze(1)) * grad_entropy
+        # The probabilities are needed no more: their [N, V] buffer becomes the logits' gradient.
+        if grad_logprobs is not None:
+            grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0)
+            # d logp(target) / d logits = onehot(target) - probs
+            grad_logits = probs.mul_(-grad_logprobs.unsqueeze(1))
+            grad_logits.scatter_add_(1, targets.unsqueeze(1), grad_logprobs.unsqueeze(1))
+        else:
+            grad_logits = probs.zero_()
+        if entropy_term is not None:
+            grad_logits += entropy_term
         grad_logits = grad_logits.to(hidden.dtype)
         grad_hidden = torch.mm(grad_logits, weight) if ctx.needs_input_grad[0] else None
         grad_weight = torch.mm(grad_logits.t(), hidden) if ctx.needs_input_grad[1] else None

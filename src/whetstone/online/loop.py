@@ -47,7 +47,7 @@ from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.step import train_step
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
-from whetstone.utils.runtime import set_threads
+from whetstone.utils.runtime import configure_process
 
 log = logging.getLogger("whetstone.online")
 
@@ -56,7 +56,7 @@ KEEP_CHECKPOINTS = 2
 
 class OnlineLoop:
     def __init__(self, config: OnlineConfig):
-        set_threads(config.threads)
+        configure_process(config.threads)
         self.config = config
         self.run_dir = Path(config.output_dir).expanduser()
         self.run_dir.mkdir(parents=True, exist_ok=True)  # update() saves its cursor here, run() or not

@@ -25,7 +25,7 @@ from whetstone.store import ObjectStore, open_store
 from whetstone.sync import Publisher, WeightStore
 from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
-from whetstone.utils.runtime import set_threads
+from whetstone.utils.runtime import configure_process
 
 
 @dataclass
@@ -68,7 +68,7 @@ def new_optimizer(config: TrainerConfig, model: torch.nn.Module) -> torch.optim.
 def open_trainer(config: TrainerConfig) -> TrainerSession:
     """Under torchrun (a process group is up), every rank calls this: the model is sharded, rank
     0 reads the checkpoint and owns the weight store, and every rank learns what rank 0 decided."""
-    set_threads(config.threads)
+    configure_process(config.threads)
     rank, world_size = world()
     model = shard_model(load_hf(config.model_path))
     optimizer = new_optimizer(config, model)

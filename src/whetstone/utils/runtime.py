@@ -1,16 +1,35 @@
-"""Per-process runtime settings: each role owns its cores."""
+"""Per-process runtime settings: each role owns its cores and keeps its freed memory."""
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import os
+import platform
+
+# glibc mallopt(3) parameters.
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_MAX = -4
 
 
-def set_threads(threads: int) -> None:
-    """Pin torch (and the BLAS under it) to `threads` intra-op threads in this process.
-
-    0 means all cores. Called once at the start of each role's process.
-    """
+def configure_process(threads: int) -> None:
+    """Called once at the start of each role's process: `threads` intra-op threads for torch
+    (and the BLAS under it), 0 meaning all cores; and freed memory kept for reuse."""
     import torch
 
     threads = threads or os.cpu_count() or 1
     torch.set_num_threads(threads)
+    keep_freed_memory()
+
+
+def keep_freed_memory() -> bool:
+    """Serve large allocations from the heap and keep what is freed, instead of glibc's default
+    of a fresh mmap for every block over 32 MB (the logits of a training batch, their softmax and
+    gradient) and returning it at free. A fresh mapping costs a page fault per 4 KiB on first
+    write: ~11 ms per 32 MB tensor here, 15-20% of a training step of the default model. This
+    is what PyTorch's CPU tuning guide gets from jemalloc/tcmalloc, without a preload.
+    Returns whether it applied (glibc only; elsewhere the allocator is left alone)."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    return bool(libc.mallopt(_M_MMAP_MAX, 0)) and bool(libc.mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
