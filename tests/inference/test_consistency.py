@@ -40,7 +40,7 @@ def rollouts(model, mode: str, dtype: str, threads: int = 1) -> list[Sequence]:
     and preempt rollouts (which later resume by replaying their routes)."""
     torch.set_num_threads(threads)
     engine = Engine(model, EngineConfig(max_batch=3, context_limit=192, prefill_chunk=32, batch_beside_interactive=1,
-                                        interactive_grace_steps=0, numerics=mode, dtype=dtype))
+                                        interactive_grace_s=0, numerics=mode, dtype=dtype))
     g = torch.Generator().manual_seed(7)
     seqs = [Sequence(f"r{i}", torch.randint(0, 128, (n,), generator=g).tolist(),
                      SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True, seed=i),

@@ -81,13 +81,27 @@ def test_while_users_are_served_the_batch_class_shrinks_then_grows_back():
     assert sorted(run(scheduler, scheduler.plan())[0]) == ["b0", "b1", "b2", "b3"]
 
 
-def test_the_cap_outlasts_the_last_user_by_the_grace_steps():
+def test_the_cap_outlasts_the_last_user_by_the_grace_seconds():
+    now = [0.0]
     scheduler = Scheduler(max_batch=4, prefill_tokens_per_step=1000, batch_beside_interactive=1,
-                          interactive_grace_steps=2)
+                          interactive_grace_s=0.5, clock=lambda: now[0])
     user = seq("user", "interactive")
     scheduler.add(user)
     run(scheduler, scheduler.plan())
     scheduler.running.remove(user)
     for name in ("b0", "b1", "b2"):
         scheduler.add(seq(name, "batch"))
-    assert [len(run(scheduler, scheduler.plan())[0]) for _ in range(4)] == [1, 0, 2, 0]
+    # Steps that decode nothing take no time: the cap holds however many of them run.
+    assert [len(run(scheduler, scheduler.plan())[0]) for _ in range(5)] == [1, 0, 0, 0, 0]
+    now[0] = 0.6  # the grace is over
+    assert len(run(scheduler, scheduler.plan())[0]) == 2
+
+
+def test_no_batch_sequence_starts_while_a_user_is_served():
+    scheduler = Scheduler(max_batch=8, prefill_tokens_per_step=1000, batch_beside_interactive=2)
+    scheduler.add(seq("user", "interactive"))
+    scheduler.add(seq("b0", "batch"))
+    assert run(scheduler, scheduler.plan()) == (["user"], [])  # b0's prefill would delay the user's steps
+    assert run(scheduler, scheduler.plan()) == ([], [])
+    scheduler.running.clear()  # the user is done
+    assert run(scheduler, scheduler.plan()) == (["b0"], [])

@@ -61,7 +61,7 @@ class Engine:
             shape = (config.max_batch, self.cache.max_len, cfg.num_moe_layers, cfg.num_experts_per_tok)
             self.routes = torch.zeros(shape, dtype=torch.int16)
         self.scheduler = Scheduler(config.max_batch, config.prefill_tokens_per_step, config.batch_beside_interactive,
-                                   config.interactive_grace_steps)
+                                   config.interactive_grace_s)
         self.stats = EngineStats(weight_version=version)
         self._tensors = serving_tensors(model)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

@@ -4,15 +4,18 @@ Interactive requests (users) are admitted before batch requests (RL rollouts). W
 is full and a user is waiting, the scheduler preempts a running batch sequence, which goes back
 to the front of the batch queue with everything it generated and resumes when a slot frees up.
 While users are served, the batch class is also held to a few sequences, because on a CPU a
-decode step costs about linearly in the batch size. So rollouts soak up whatever capacity the
-users leave, and users see a near-idle server.
+decode step costs about linearly in the batch size, and no batch sequence starts (its prefill
+would be a forward inside the user's decode). So rollouts soak up whatever capacity the users
+leave, and users see a near-idle server.
 
 Running sequences are kept in slot order (`running[i].slot == i`); the engine does the moving.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from whetstone.inference.sequence import Sequence
@@ -26,12 +29,14 @@ class Plan:
 
 class Scheduler:
     def __init__(self, max_batch: int, prefill_tokens_per_step: int, batch_beside_interactive: int | None = None,
-                 interactive_grace_steps: int = 0):
+                 interactive_grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
         self.max_batch = max_batch
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.batch_beside_interactive = max_batch if batch_beside_interactive is None else batch_beside_interactive
-        self.interactive_grace_steps = interactive_grace_steps
-        self._steps_without_users = interactive_grace_steps + 1
+        self.interactive_grace_s = interactive_grace_s
+        self._clock = clock
+        self._last_user: float | None = None
+        """When a user was last seen running or admitted (None: never)."""
         self.waiting: dict[str, deque[Sequence]] = {"interactive": deque(), "batch": deque()}
         self.running: list[Sequence] = []
         self.admit_fresh = True
@@ -65,10 +70,13 @@ class Scheduler:
 
         Users first: a waiting interactive request takes a free slot or preempts the batch
         sequence cheapest to recompute. While any user is being served, and for
-        `interactive_grace_steps` steps after, at most `batch_beside_interactive` batch
+        `interactive_grace_s` seconds after, at most `batch_beside_interactive` batch
         sequences decode (a smaller batch is a faster step); the rest wait, keeping their
-        tokens. Prefill work per step is capped (`prefill_tokens_per_step`, at least one
-        sequence) so a burst of long prompts cannot stall the sequences already decoding.
+        tokens, and (unless the cap is `max_batch`) none starts. Seconds, not steps: with
+        every batch sequence capped out a step decodes nothing and takes no time, so a count of
+        steps would run out between one request of a user and the next. Prefill work per step is
+        capped (`prefill_tokens_per_step`, at least one sequence) so a burst of long prompts
+        cannot stall the sequences already decoding.
         """
         plan = Plan()
         self._budget = self.prefill_tokens_per_step
@@ -81,16 +89,19 @@ class Scheduler:
                 free += 1
             plan.admit.append(queue.popleft())
             free -= 1
-        users = plan.admit or any(s.priority == "interactive" for s in self.running)
-        self._steps_without_users = 0 if users else self._steps_without_users + 1
+        users = bool(plan.admit) or any(s.priority == "interactive" for s in self.running)
+        now = self._clock()
+        if users:
+            self._last_user = now
         # users tend to come back (the next turn, the next request): stay small a little longer
-        capped = self._steps_without_users <= self.interactive_grace_steps
+        capped = users or (self._last_user is not None and now - self._last_user < self.interactive_grace_s)
         limit = min(self.batch_beside_interactive, self.max_batch) if capped else self.max_batch
         while len(batch) > limit:
             plan.preempt.append(batch.pop(0))
             free += 1
         queue = self.waiting["batch"]
-        while queue and free > 0 and len(batch) < limit and self._fits(queue[0], plan):
+        starts = not users or limit >= self.max_batch  # capped: no batch prefill inside a user's decode
+        while queue and free > 0 and len(batch) < limit and starts and self._fits(queue[0], plan):
             batch.append(queue.popleft())
             plan.admit.append(batch[-1])
             free -= 1

@@ -103,14 +103,17 @@ class PipelineConfig(Config):
     failing test and, after its own wrong first attempt, wrote garbage until `max_turns`."""
     midtrain: MidtrainConfig = MidtrainConfig(
         data=CorpusConfig(demo_weight=0.8, seq_len=384), optimizer=OptimizerConfig(lr=6e-3),
-        run=RunConfig(steps=1500, max_wall_time=0),
+        run=RunConfig(steps=2000, max_wall_time=0),
     )  # fmt: skip
     """Stage 1: mid-training on the code corpus plus the demonstrations (most rows are
     demonstrations, each row long enough for one whole transcript). Measured: held-out pass@1
-    ~2% after 700 steps, ~48% after 2000 (the model learns to read the instruction late); 1500
-    steps (403 s) give 0.383 on the run's 60 x 2 held-out set against 0.425 for 2000 (598 s), and
-    keep a cold `whetstone run` within 15 minutes (825 s measured in session 5; 672 s in
-    session 7, after faster test reports)."""
+    ~2% after 700 steps, ~48% after 2000 (the model learns to read the instruction late). 1500
+    steps sit on that transition: their base scored 0.317-0.383 on the run's 60 x 2 held-out set
+    on one machine and 0.067 on another (different kernels, different rounding, a different
+    trajectory), where 2000 steps give 0.308 (0.425 on the first). 2000 steps take ~240 s at
+    12,800 tokens/s (session 10's machine: a cold `whetstone run` ~460 s) and, estimated, ~450 s
+    on the older machine (5,700 tokens/s, ~20% more with session 10's allocator setting), within
+    the 15 minutes."""
     harness: HarnessConfig = HarnessConfig(
         max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64, train_cut_off_calls=True,
     )  # fmt: skip
