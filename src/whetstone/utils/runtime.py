@@ -27,7 +27,10 @@ def keep_freed_memory() -> bool:
     of a fresh mmap for every block over 32 MB (the logits of a training batch, their softmax and
     gradient) and returning it at free. A fresh mapping costs a page fault per 4 KiB on first
     write: ~11 ms per 32 MB tensor here, 15-20% of a training step of the default model. This
-    is what PyTorch's CPU tuning guide gets from jemalloc/tcmalloc, without a preload.
+    is what PyTorch's CPU tuning guide gets from jemalloc/tcmalloc, without a preload. The cost:
+    the heap keeps what it grew to (60-160 MB more resident in a training loop of the default
+    model), and it is not a guarantee: small objects may settle in a freed block, so the next
+    large one grows the heap instead (tests/core/test_runtime.py measures the usual pattern).
     Returns whether it applied (glibc only; elsewhere the allocator is left alone)."""
     if platform.libc_ver()[0] != "glibc":
         return False
