@@ -1,10 +1,11 @@
 """Grading: changes, fresh-sandbox test runs with per-test results, and the reward arithmetic."""
 
+import importlib.util
 import tempfile
 
 import pytest
 
-from whetstone.envs.grading import changes_diff, grade, workspace_changes
+from whetstone.envs.grading import changes_diff, compiled_runner, grade, workspace_changes
 from whetstone.envs.reward import Effort, RewardConfig, combine, effort_penalty
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
 from whetstone.envs.task import Task
@@ -148,3 +149,11 @@ def test_grading_also_works_unsandboxed_for_trusted_code():
     config = RewardConfig(sandbox=SandboxConfig(unsandboxed=True))
     assert grade(task, task.solution_files, config).reward == 1.0
     assert not grade(task, {}, config).passed
+
+
+def test_the_runner_runs_as_bytecode_compiled_once_per_process():
+    directory = compiled_runner()
+    assert compiled_runner() is directory  # once per process
+    for name in ("grade_runner.pyc", "plain_tests.pyc"):
+        assert (directory / name).read_bytes()[:4] == importlib.util.MAGIC_NUMBER  # this interpreter's
+    assert sorted(p.name for p in directory.iterdir()) == ["grade_runner.pyc", "plain_tests.pyc"]  # no source

@@ -119,3 +119,18 @@ def test_recovery_demonstrations_are_a_stable_share_of_tasks():
     assert all(len(m) == 7 for m in demonstrations(tasks))  # none: no sandbox is started
     first, again = demonstrations(tasks, recovery_fraction=0.5), demonstrations(tasks, recovery_fraction=0.5)
     assert first == again and 0 < sum(len(m) > 7 for m in first) < len(tasks)
+
+
+def test_a_misread_attempt_is_another_tasks_solution_for_the_same_input_type_that_fails():
+    tasks = generate(SynthConfig(count=30, seed=3))
+    task = tasks[0]
+    attempt = failed_attempt(task, max_chars=2048, kind="misread", peers=tasks)
+    peers_solutions = {t.solution_files["solution.py"] for t in tasks[1:]
+                       if t.metadata["input_type"] == task.metadata["input_type"]}  # fmt: skip
+    assert attempt.content in peers_solutions and attempt.content != task.solution_files["solution.py"]
+    assert attempt.test_output.startswith(("FAILED", "ERROR")) and "[exit code" in attempt.test_output
+    assert failed_attempt(task, max_chars=2048, kind="misread", peers=[task]) is None  # no other task to misread
+    transcripts = demonstrations(tasks[:8], recovery_fraction=1.0, attempt="misread")
+    solutions = {t.solution_files["solution.py"] for t in tasks[:8]}
+    opened = [(_calls(m)[0][1]["content"], t.solution_files["solution.py"]) for t, m in zip(tasks, transcripts) if len(m) > 7]
+    assert len(opened) >= 4 and all(wrong in solutions and wrong != right for wrong, right in opened)

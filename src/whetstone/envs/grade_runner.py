@@ -18,23 +18,26 @@ pytest. It differs from `python -m pytest` in five ways that the graded code can
   flagged (`test_replaced`).
 
 Environment (removed before any graded code runs): WHETSTONE_RESULTS (path), WHETSTONE_TOKEN,
-WHETSTONE_GUARDED (JSON list of hidden test paths), WHETSTONE_TEST_CODE (JSON list of the files
-that are test code: hidden tests and the repository's own test files the agent did not change).
+WHETSTONE_GUARDED (a Python literal: list of hidden test paths), WHETSTONE_TEST_CODE (the same:
+the files that are test code, hidden tests and the repository's own test files the agent did not
+change). Result lines are Python literals too: `json` would import `re` and cost ~4 ms of CPU in
+every grading sandbox. The grader runs this file and `plain_tests` as bytecode compiled once
+(grading.compiled_runner): the read-only mount cannot hold a bytecode cache.
 """
 
-import json
 import os
 import sys
+from ast import literal_eval
 
 
 def _main() -> int:
     results_fd = os.open(os.environ.pop("WHETSTONE_RESULTS"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     token = os.environ.pop("WHETSTONE_TOKEN")
     workspace = os.getcwd()
-    guarded = {os.path.realpath(p) for p in json.loads(os.environ.pop("WHETSTONE_GUARDED"))}
-    test_code = {os.path.realpath(p) for p in json.loads(os.environ.pop("WHETSTONE_TEST_CODE"))} | guarded
+    guarded = {os.path.realpath(p) for p in literal_eval(os.environ.pop("WHETSTONE_GUARDED"))}
+    test_code = {os.path.realpath(p) for p in literal_eval(os.environ.pop("WHETSTONE_TEST_CODE"))} | guarded
 
-    dumps, write = json.dumps, os.write  # bound now: graded code may replace the modules' attributes
+    dumps, write = repr, os.write  # bound now: graded code may replace the modules' attributes
 
     def emit(record: dict) -> None:
         write(results_fd, (dumps({**record, "token": token}) + "\n").encode())

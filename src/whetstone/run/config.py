@@ -8,6 +8,8 @@ so those fields are ignored here; everything else is used as written.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field
 
 from whetstone.config import Config
@@ -101,6 +103,10 @@ class PipelineConfig(Config):
     """Share of those transcripts that open with a failed attempt (a one-token slip, masked from
     the loss) and its real test output, then the fix: without them the model had never seen a
     failing test and, after its own wrong first attempt, wrote garbage until `max_turns`."""
+    demo_recovery_attempt: Literal["slip", "misread"] = "slip"
+    """The failed attempt a recovery transcript opens with: `slip`, one token of the reference
+    changed, or `misread`, another task's solution (the instruction read wrong; envs/tasks/
+    demonstrations.py)."""
     midtrain: MidtrainConfig = MidtrainConfig(
         data=CorpusConfig(demo_weight=0.8, seq_len=384), optimizer=OptimizerConfig(lr=6e-3),
         run=RunConfig(steps=2000, max_wall_time=0),

@@ -44,7 +44,8 @@ def demo_source(config: PipelineConfig):
         from whetstone.envs.tasks.synth import generate
 
         tool_chars = config.harness.max_tool_tokens * CHARS_PER_TOKEN  # the harness's cut of tool outputs
-        return demonstrations(generate(config.demos), config.demo_recovery, tool_chars, seed=config.demos.seed)
+        return demonstrations(generate(config.demos), config.demo_recovery, tool_chars, seed=config.demos.seed,
+                              attempt=config.demo_recovery_attempt)
 
     return transcripts if config.demos.count else None
 

@@ -11,11 +11,13 @@ system prompt, tool schema and tool-result texts (envs/prompts.py):
     tool       3 passed
     assistant  submit()
 
-A recovery demonstration starts with a failed attempt: a one-token slip in the reference solution
-(`mutations.py`: an off-by-one constant, a swapped operator), and the real output of run_tests on
-it from a sandbox, the text the harness would show; then the fix, run_tests and submit. The slip
-carries `"weight": 0` (rendered, not trained on): the model learns to read a failure and repair
-it, not to make the mistake.
+A recovery demonstration starts with a failed attempt and the real output of run_tests on it from
+a sandbox, the text the harness would show; then the fix, run_tests and submit. The attempt is
+either a *slip*, one token changed in the reference solution (`mutations.py`: an off-by-one
+constant, a swapped operator), or a *misread*, the reference solution of another task with the
+same input type: the instruction read wrong, the failure a small model's own first attempts
+mostly show. The attempt carries `"weight": 0` (rendered, not trained on): the model learns to
+read a failure and write what the instruction asks, not to make the mistake.
 
 The reference solution is what the agent writes, so build these only from validated tasks (whose
 reference passes every test, as the run_tests turn says). Held-out tasks are refused: showing
@@ -30,7 +32,7 @@ import random
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from whetstone.envs import prompts
 from whetstone.envs.task import Task
@@ -129,43 +131,59 @@ def _transcribe(calls: list[tuple[str, dict[str, str], str]], first_number: int)
     return messages
 
 
-def failed_attempt(task: Task, max_chars: int, seed: int = 0) -> FailedAttempt | None:
-    """A slip in the task's (one-file) reference solution that fails a visible test, with the
-    real run_tests output from a sandbox; None when no slip of the file fails one."""
+AttemptKind = Literal["slip", "misread"]
+
+
+def failed_attempt(task: Task, max_chars: int, seed: int = 0, kind: AttemptKind = "slip",
+                   peers: Iterable[Task] = ()) -> FailedAttempt | None:  # fmt: skip
+    """A wrong version of the task's (one-file) reference solution that fails a visible test, with
+    the real run_tests output from a sandbox; None when no candidate fails one. `kind` picks the
+    candidates (module docstring): slips of the file, or the solutions of `peers` whose
+    `metadata["input_type"]` is the task's."""
     from whetstone.envs.harness.tools import Tools  # the harness's own tool: the text it shows
     from whetstone.envs.sandbox import open_sandbox
 
     if len(task.solution_files) != 1 or not task.visible_tests or task.setup:
-        return None  # one file to slip in, tests to show it, and no setup commands to replay
+        return None  # one file to get wrong, tests to show it, and no setup commands to replay
     (path, content), = task.solution_files.items()
-    slips = [m for m in mutation_sites(content) if m.operator != "return_none"]  # not a plausible slip
-    random.Random(f"{seed}:{task.id}").shuffle(slips)
-    for slip in slips[:3]:
-        files = {**task.repo_files, path: slip.apply(content)}
+    if kind == "slip":
+        slips = [m for m in mutation_sites(content) if m.operator != "return_none"]  # not a plausible slip
+        candidates = [slip.apply(content) for slip in slips]
+    else:
+        input_type = task.metadata.get("input_type")
+        candidates = [p.solution_files[path] for p in peers if input_type is not None and p.id != task.id
+                      and p.metadata.get("input_type") == input_type and p.solution_files.get(path, content) != content]  # fmt: skip
+    random.Random(f"{seed}:{task.id}").shuffle(candidates)
+    for candidate in candidates[:3]:
+        files = {**task.repo_files, path: candidate}
         sandbox = open_sandbox(files)
         try:
             output = Tools(sandbox, task, max_chars, task.test_time_limit_s).run_tests(task.test_time_limit_s)
         finally:
             sandbox.close()
         if output.startswith(("FAILED", "ERROR")):
-            return FailedAttempt(path, files[path], output)
+            return FailedAttempt(path, candidate, output)
     return None
 
 
 def demonstrations(tasks: Iterable[Task], recovery_fraction: float = 0.0, max_chars: int = 2048,
-                   seed: int = 0, workers: int = 2) -> list[list[Message]]:  # fmt: skip
+                   seed: int = 0, workers: int = 2, attempt: AttemptKind = "slip") -> list[list[Message]]:  # fmt: skip
     """One transcript per task (train split only; see the module docstring). A `recovery_fraction`
-    of them, picked by a hash of the task id, open with a failed attempt (its tests run in
-    sandboxes, `workers` at a time; `max_chars` bounds the test output as the harness's tool does)."""
+    of them, picked by a hash of the task id, open with a failed attempt of kind `attempt` (its
+    tests run in sandboxes, `workers` at a time; `max_chars` bounds the test output as the harness's
+    tool does; a misread takes another of `tasks`' solutions)."""
     tasks = list(tasks)
     for task in tasks:
         _check_train(task)  # before any sandbox work
     picked = [t for t in tasks if _share(f"{seed}:{t.id}") < recovery_fraction]
     attempts: dict[str, FailedAttempt | None] = {}
     if picked:
+        def make(task: Task) -> FailedAttempt | None:
+            return failed_attempt(task, max_chars, seed, attempt, tasks)
+
         with ThreadPoolExecutor(workers) as pool, progress_bar(len(picked), "failed attempts", "task") as bar:
-            for task, attempt in zip(picked, pool.map(lambda t: failed_attempt(t, max_chars, seed), picked)):
-                attempts[task.id] = attempt
+            for task, attempt_made in zip(picked, pool.map(make, picked)):
+                attempts[task.id] = attempt_made
                 bar.update(1)
     return [demonstration(task, attempts.get(task.id)) for task in tasks]
 
