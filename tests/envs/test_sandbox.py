@@ -52,6 +52,13 @@ def test_argv_commands_stdin_and_exit_codes():
     assert (failed.exit_code, failed.stderr) == (3, "oops\n")
 
 
+def test_extra_environment_variables_reach_one_command_only():
+    with open_sandbox({}) as sandbox:
+        given = sandbox.run("echo $WHETSTONE_X:$HOME", env={"WHETSTONE_X": "42"})
+        later = sandbox.run("echo ${WHETSTONE_X:-unset}")
+    assert given.stdout.strip() == "42:/tmp" and later.stdout.strip() == "unset"
+
+
 def test_files_persist_between_runs_but_tmp_and_processes_do_not():
     with open_sandbox({}) as sandbox:
         sandbox.run("echo kept > notes.txt && echo gone > /tmp/scratch")

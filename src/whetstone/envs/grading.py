@@ -193,9 +193,9 @@ def _run_tests(
         # register through package metadata, and no second of hypothesis start-up per grade.
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
-    argv = ["env", *(f"{k}={v}" for k, v in env.items()), "python", _seen_from(sandbox, runner)]
-    argv += [*pytest_args, "-p", "no:cacheprovider", f"--rootdir={sandbox.workdir}", *targets]
-    run = sandbox.run(argv, timeout_s=task.test_time_limit_s)
+    argv = ["python", _seen_from(sandbox, runner), *pytest_args, "-p", "no:cacheprovider",
+            f"--rootdir={sandbox.workdir}", *targets]  # fmt: skip
+    run = sandbox.run(argv, timeout_s=task.test_time_limit_s, env=env)
     outcomes, flags, finished = _read_results(Path(results.source) / "results.txt", token)
     # An exit before pytest finished, with no limit and no crash (signal) to blame, was asked for.
     if finished is None and not run.limits_hit and 0 <= run.exit_code < 128:

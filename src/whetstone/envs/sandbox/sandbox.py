@@ -62,8 +62,10 @@ class Sandbox:
         if config.unsandboxed:
             self._home.mkdir()
 
-    def run(self, command: str | list[str], timeout_s: float | None = None, stdin: str | None = None) -> RunResult:
-        """Run a shell command line (str) or an argv (list) in the workspace, within the limits."""
+    def run(self, command: str | list[str], timeout_s: float | None = None, stdin: str | None = None,
+            env: dict[str, str] | None = None) -> RunResult:  # fmt: skip
+        """Run a shell command line (str) or an argv (list) in the workspace, within the limits;
+        `env` adds variables to the sandbox's environment for this command."""
         argv = [SHELL, "-c", command] if isinstance(command, str) else list(command)
         if not self.config.unsandboxed:
             argv = bwrap_argv(self.workspace, self.workdir, self.config.tmp_size_mb << 20, self._mounts, argv)
@@ -71,7 +73,7 @@ class Sandbox:
         before = self._cgroup.counters() if self._cgroup else {}
         result = run_process(
             argv,
-            env=self._env(),
+            env={**self._env(), **(env or {})},
             cwd=self.workspace,
             stdin=stdin,
             timeout_s=timeout_s if timeout_s is not None else self.config.wall_clock_s,
