@@ -97,21 +97,29 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
 
     if greedy:
         idx = torch.tensor(greedy)
-        row_logprobs = torch.log_softmax(logits[idx], dim=-1)
+        row_logprobs = torch.log_softmax(_rows(logits, greedy), dim=-1)
         chosen = row_logprobs.argmax(dim=-1)
         _scatter(idx, chosen, row_logprobs, None, tokens, logprobs, top, params)
     if plain:
         idx = torch.tensor(plain)
-        temps = torch.tensor([params[i].temperature for i in plain]).unsqueeze(1)
-        row_logprobs = torch.log_softmax(logits[idx] / temps, dim=-1)
+        temps = [params[i].temperature for i in plain]
+        scaled = _rows(logits, plain)
+        if any(t != 1.0 for t in temps):  # dividing by 1 changes no bit: skip the pass over [B, vocab]
+            scaled = scaled / torch.tensor(temps).unsqueeze(1)
+        row_logprobs = torch.log_softmax(scaled, dim=-1)
         chosen = _inverse_cdf(row_logprobs, [generators[i] for i in plain])
         _scatter(idx, chosen, row_logprobs, None, tokens, logprobs, top, params)
     if filtered:
         idx = torch.tensor(filtered)
-        row_logprobs, order = _filter_sorted(logits[idx], [params[i] for i in filtered])
+        row_logprobs, order = _filter_sorted(_rows(logits, filtered), [params[i] for i in filtered])
         position = _inverse_cdf(row_logprobs, [generators[i] for i in filtered])
         _scatter(idx, position, row_logprobs, order, tokens, logprobs, top, params)
     return SampleOutput(tokens.tolist(), logprobs.tolist(), top)
+
+
+def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """logits[rows], without the copy when `rows` is every row in order (the usual decode step)."""
+    return logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows)]
 
 
 def _filter_sorted(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
