@@ -109,17 +109,17 @@ class PipelineConfig(Config):
     demonstrations.py)."""
     midtrain: MidtrainConfig = MidtrainConfig(
         data=CorpusConfig(demo_weight=0.8, seq_len=384), optimizer=OptimizerConfig(lr=6e-3),
-        run=RunConfig(steps=2000, max_wall_time=0),
+        run=RunConfig(steps=3000, max_wall_time=0),
     )  # fmt: skip
     """Stage 1: mid-training on the code corpus plus the demonstrations (most rows are
     demonstrations, each row long enough for one whole transcript). Measured: held-out pass@1
-    ~2% after 700 steps, ~48% after 2000 (the model learns to read the instruction late). 1500
-    steps sit on that transition: their base scored 0.317-0.383 on the run's 60 x 2 held-out set
-    on one machine and 0.067 on another (different kernels, different rounding, a different
-    trajectory), where 2000 steps give 0.308 (0.425 on the first). 2000 steps take ~240 s at
-    12,800 tokens/s (session 10's machine: a cold `whetstone run` ~460 s) and, estimated, ~450 s
-    on the older machine (5,700 tokens/s, ~20% more with session 10's allocator setting), within
-    the 15 minutes."""
+    ~2% after 700 steps, ~48% after 2000 on one machine (the model learns to read the
+    instruction late); where a machine's rounding lands the transition moves the base a lot
+    (1500 steps: 0.317-0.383 on the run's 60 x 2 on one machine, 0.067 on another). On session
+    11's machine (AVX-512, ~11,300-12,800 tokens/s) 2000 steps gave a base of 0.320 on 400
+    held-out rollouts that RL lifted by 6 points, 3000 steps 0.642 lifted by 12 (docs/run.md,
+    session 11); 3000 steps take ~400 s there (a cold run ~11 min). On the older machine
+    (5,700 tokens/s) they would take ~15 minutes alone: lower `steps` there."""
     harness: HarnessConfig = HarnessConfig(
         max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64, train_cut_off_calls=True,
     )  # fmt: skip
