@@ -100,9 +100,11 @@ class PipelineConfig(Config):
     demos: SynthConfig = SynthConfig(count=4000, split="train")
     """Synth train tasks whose solved transcripts are mixed into mid-training (train split only)."""
     demo_recovery: float = Field(0.0, ge=0.0, le=1.0)
-    """Share of those transcripts that open with a failed attempt (a one-token slip, masked from
-    the loss) and its real test output, then the fix: without them the model had never seen a
-    failing test and, after its own wrong first attempt, wrote garbage until `max_turns`."""
+    """Share of those transcripts that open with a failed attempt (of `demo_recovery_attempt`'s
+    kind, masked from the loss) and its real test output, then the fix: without them the model
+    had never seen a failing test and, after its own wrong first attempt, wrote garbage until
+    `max_turns`. With them it rewrites the file, but no retry passed in the runs measured
+    (docs/run.md, sessions 4 and 11), hence off."""
     demo_recovery_attempt: Literal["slip", "misread"] = "slip"
     """The failed attempt a recovery transcript opens with: `slip`, one token of the reference
     changed, or `misread`, another task's solution (the instruction read wrong; envs/tasks/

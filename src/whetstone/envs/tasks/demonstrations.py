@@ -149,10 +149,10 @@ def failed_attempt(task: Task, max_chars: int, seed: int = 0, kind: AttemptKind 
     if kind == "slip":
         slips = [m for m in mutation_sites(content) if m.operator != "return_none"]  # not a plausible slip
         candidates = [slip.apply(content) for slip in slips]
-    else:
+    else:  # a peer's own solution of this file, where it differs (the task itself never does)
         input_type = task.metadata.get("input_type")
-        candidates = [p.solution_files[path] for p in peers if input_type is not None and p.id != task.id
-                      and p.metadata.get("input_type") == input_type and p.solution_files.get(path, content) != content]  # fmt: skip
+        same_type = [p for p in peers if input_type is not None and p.metadata.get("input_type") == input_type]
+        candidates = [p.solution_files[path] for p in same_type if p.solution_files.get(path, content) != content]
     random.Random(f"{seed}:{task.id}").shuffle(candidates)
     for candidate in candidates[:3]:
         files = {**task.repo_files, path: candidate}
@@ -178,8 +178,12 @@ def demonstrations(tasks: Iterable[Task], recovery_fraction: float = 0.0, max_ch
     picked = [t for t in tasks if _share(f"{seed}:{t.id}") < recovery_fraction]
     attempts: dict[str, FailedAttempt | None] = {}
     if picked:
+        by_type: dict[object, list[Task]] = {}  # a misread's peers: one pass, not one per picked task
+        for task in tasks:
+            by_type.setdefault(task.metadata.get("input_type"), []).append(task)
+
         def make(task: Task) -> FailedAttempt | None:
-            return failed_attempt(task, max_chars, seed, attempt, tasks)
+            return failed_attempt(task, max_chars, seed, attempt, by_type[task.metadata.get("input_type")])
 
         with ThreadPoolExecutor(workers) as pool, progress_bar(len(picked), "failed attempts", "task") as bar:
             for task, attempt_made in zip(picked, pool.map(make, picked)):
