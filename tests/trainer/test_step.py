@@ -46,6 +46,16 @@ def test_with_replay_the_trainer_reproduces_the_sampler_and_moves_toward_the_rew
     assert second["mismatch_kl_k3"] > 0 and second["clip_fraction"] > 0  # now off-policy: measured, clipped
 
 
+def test_only_trained_positions_go_through_the_head(tiny_moe, batches):
+    model, batch = load_hf(tiny_moe), batches[0]
+    assert (~batch.loss_mask & (batch.target_ids >= 0)).any()  # prompt positions with targets
+    ours = logprobs(model, batch)
+    with torch.no_grad():  # the model's own logprobs of every target, prompt included
+        full = model(batch.input_ids, routes=batch.routes, targets=batch.target_ids).logprobs
+    assert (ours[~batch.loss_mask] == 0).all() and (full[~batch.loss_mask & (batch.target_ids >= 0)] != 0).all()
+    torch.testing.assert_close(ours[batch.loss_mask], full[batch.loss_mask], rtol=0, atol=1e-6)
+
+
 def test_micro_batch_size_does_not_change_the_step(tiny_moe, batches):
     # Plain SGD, so the weights show the gradient itself (Adam's first step is ~lr * sign(g),
     # which would blow float noise on near-zero gradients up to lr).

@@ -29,7 +29,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.midtrain.step import autocast
 from whetstone.midtrain.optim import clip_and_step
 from whetstone.model import Numerics, Transformer, ops
-from whetstone.rl.batch import Batch
+from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, LossStats, policy_loss, step_normalizer
 from whetstone.rl.routing import RoutingStats, track_routing
@@ -80,18 +80,21 @@ class PolicyOutput:
 
 def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
                      numerics: Numerics = "fast", entropy: bool = False) -> PolicyOutput:
-    """Logprobs of the micro-batch's targets (and their distributions' entropies), and the
-    routing disagreement at its trained positions.
+    """Logprobs of the micro-batch's targets (and their distributions' entropies) at its trained
+    positions (0 elsewhere), and the routing disagreement there.
 
     With `numerics="invariant"` and the engine's dtype, these are the engine's own logprobs
     and routes, bit for bit (docs/consistency.md), for rows at temperature 1."""
     has_routes = micro.routes is not None and model.cfg.num_moe_layers > 0
     replayed = replay and has_routes
     tracking = track_routing(model, micro.loss_mask) if replayed else nullcontext(RoutingStats())
+    # Only trained positions go through the head: nothing reads a prompt's or a tool result's
+    # logprobs, and the head is most of a small model's compute (its rows are chosen by target >= 0).
+    targets = micro.target_ids.masked_fill(~micro.loss_mask, IGNORED_TARGET)
     with (tracking as routing, autocast(dtype), ops.numerics(numerics),
           sampling_temperature(model, micro.temperatures)):  # fmt: skip
         out = model(micro.input_ids, routes=micro.routes if replayed else None,
-                    return_routes=has_routes and not replayed, targets=micro.target_ids, return_entropy=entropy)
+                    return_routes=has_routes and not replayed, targets=targets, return_entropy=entropy)
     if has_routes and not replayed:
         routing = _unreplayed_disagreement(out.routes, micro.routes, micro.loss_mask)
     return PolicyOutput(out.logprobs, routing, out.entropy)
