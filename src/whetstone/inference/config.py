@@ -29,6 +29,11 @@ class EngineConfig(Config):
     prefill_tokens_per_step: int = Field(512, ge=1)
     """Prompt tokens prefilled between two decode steps (at least one sequence is admitted), so
     new long prompts do not stall the sequences already decoding."""
+    share_prefixes: bool = True
+    """A new sequence whose tokens start like those of one already running (the G rollouts of a
+    task, n > 1, a shared system prompt) copies that prefix's keys, values and routes from it
+    instead of computing them again, if they were computed under the current weights. Off:
+    every prompt is prefilled in full."""
     prefill_chunk: int = Field(512, ge=1)
     """Longest piece of a prompt fed in one forward (bounds attention memory)."""
     swap_policy: Literal["continue", "finish"] = "continue"

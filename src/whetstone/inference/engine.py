@@ -61,7 +61,9 @@ class Engine:
             shape = (config.max_batch, self.cache.max_len, cfg.num_moe_layers, cfg.num_experts_per_tok)
             self.routes = torch.zeros(shape, dtype=torch.int16)
         self.scheduler = Scheduler(config.max_batch, config.prefill_tokens_per_step, config.batch_beside_interactive,
-                                   config.interactive_grace_s)
+                                   config.interactive_grace_s, prefill_cost=self._prefill_cost)
+        self._weights_epoch = 0
+        """Bumped by every weight write: caches filled before it hold other weights' keys."""
         self.stats = EngineStats(weight_version=version)
         self._tensors = serving_tensors(model)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -199,30 +201,83 @@ class Engine:
             update = self._updates.popleft()
             pause += write(update)
             self.version = update.version
+            self._weights_epoch += 1
         self.stats.record_swap(self.version, pause)
         self.scheduler.admit_fresh = True
 
     def _admit(self, seqs: list[Sequence]) -> None:
         """Give each sequence the next free slot and feed all its tokens but the last.
 
-        Fresh sequences are prefilled together, longest first (so the rows still feeding at any
-        chunk are a prefix of the group: contiguous slots); resumed ones one by one, replaying
-        exactly the experts they used before (replay covers a whole forward)."""
+        Resumed sequences go one by one, replaying exactly the experts they used before (replay
+        covers a whole forward). Fresh ones that can copy a prefix from a running sequence, or
+        from one prefilled just before them (`share_prefixes`), copy it and prefill the rest;
+        the others are prefilled together, longest first (so the rows still feeding at any
+        chunk are a prefix of the group: contiguous slots)."""
         running = self.scheduler.running
         resumed = [s for s in seqs if s.routes is not None]
         fresh = sorted((s for s in seqs if s.routes is None), key=lambda s: -s.num_tokens)
-        for group in [[s] for s in resumed] + ([fresh] if fresh else []):
-            for seq in group:
-                seq.slot = len(running)
-                running.append(seq)
-            self._prefill(group)
+        leaders: list[Sequence] = []
+        followers: list[Sequence] = []
+        for seq in fresh:
+            (followers if self._copyable(seq, running, leaders)[0] is not None else leaders).append(seq)
+        for seq in resumed:
+            self._start([seq])
+        if leaders:
+            self._start(leaders)
+        for seq in followers:
+            self._start([seq], *self._copyable(seq, running))  # its donor runs by now
         self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
+
+    def _start(self, group: list[Sequence], donor: Sequence | None = None, shared: int = 0) -> None:
+        """Slots for `group`, then its prefill (one sequence: after `shared` positions copied from `donor`)."""
+        running = self.scheduler.running
+        for seq in group:
+            seq.slot = len(running)
+            running.append(seq)
+        if donor is not None:
+            self._copy_prefix(donor, group[0], shared)
+        self._prefill(group)
+        for seq in group:  # a resumed sequence replayed old routes: nobody copies from it
+            seq.weights_epoch = self._weights_epoch if seq.routes is None else None
+
+    def _copyable(self, seq: Sequence, running: list[Sequence],
+                  planned: list[Sequence] = ()) -> tuple[Sequence | None, int]:  # fmt: skip
+        """The sequence whose cache holds the longest prefix of fresh `seq`'s prompt (all but its
+        last token at most), and that prefix's length: among `running` ones whose caches were
+        filled under the current weights, and fresh ones `planned` to be prefilled first."""
+        if not self.config.share_prefixes or seq.routes is not None:
+            return None, 0
+        best, best_length, want = None, 0, len(seq.prompt_ids) - 1
+        for other in running:
+            if other.weights_epoch == self._weights_epoch:
+                cached = other.prompt_ids if other.num_cached <= len(other.prompt_ids) else other.tokens(0, other.num_cached)
+                length = common_prefix_length(cached, seq.prompt_ids, min(want, other.num_cached))
+                if length > best_length:
+                    best, best_length = other, length
+        for other in planned:  # its whole prompt but the last token will be cached
+            length = common_prefix_length(other.prompt_ids, seq.prompt_ids, min(want, len(other.prompt_ids) - 1))
+            if length > best_length:
+                best, best_length = other, length
+        return best, best_length
+
+    def _prefill_cost(self, seq: Sequence, admitted: list[Sequence]) -> int:
+        """Tokens `seq` would prefill if admitted after `admitted` (the scheduler's budget)."""
+        return seq.num_tokens - 1 - self._copyable(seq, self.scheduler.running, admitted)[1]
+
+    def _copy_prefix(self, donor: Sequence, seq: Sequence, length: int) -> None:
+        """Start `seq`'s cache and routes with the first `length` positions of `donor`'s."""
+        self.cache.move(donor.slot, seq.slot, length)
+        if self.routes is not None:
+            self.routes[seq.slot, :length] = self.routes[donor.slot, :length]
+        seq.num_cached = length
+        self.stats.prompt_tokens_shared_total += length
 
     def _prefill(self, group: list[Sequence]) -> None:
         lengths = [seq.num_tokens - 1 for seq in group]
         tokens = [seq.tokens(0, n) for seq, n in zip(group, lengths)]
         replay = group[0].routes if len(group) == 1 else None
-        for start in range(0, lengths[0], self.config.prefill_chunk):
+        # from the first position not cached yet: 0, or after a copied prefix (one sequence)
+        for start in range(group[0].num_cached, lengths[0], self.config.prefill_chunk):
             rows = sum(1 for n in lengths if n > start)
             end = min(start + self.config.prefill_chunk, lengths[0])
             ids = torch.zeros(rows, end - start, dtype=torch.long)  # shorter rows: padding, never attended
@@ -318,3 +373,21 @@ class Engine:
             self._release(seq)
             seq.finish_reason = "abort"
             seq.notify()
+
+
+def common_prefix_length(a: list[int], b: list[int], limit: int) -> int:
+    """Length of the longest common prefix of `a` and `b`, at most `limit` (a bisection over
+    slice comparisons, which run in C)."""
+    n = min(len(a), len(b), limit)
+    if n <= 0 or a[0] != b[0]:
+        return 0
+    if a[:n] == b[:n]:
+        return n
+    equal, different = 1, n
+    while different - equal > 1:
+        middle = (equal + different) // 2
+        if a[:middle] == b[:middle]:
+            equal = middle
+        else:
+            different = middle
+    return equal

@@ -44,7 +44,8 @@ class SlotKVCache:
         return SlotRows(self, first, count)
 
     def move(self, src: int, dst: int, length: int) -> None:
-        """Copy the first `length` positions of slot `src` into slot `dst` (to keep slots packed)."""
+        """Copy the first `length` positions of slot `src` into slot `dst` (to keep slots packed,
+        or to start a sequence with another's prefix)."""
         self.keys[:, dst, :, :length] = self.keys[:, src, :, :length]
         self.values[:, dst, :, :length] = self.values[:, src, :, :length]
 

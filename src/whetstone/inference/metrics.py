@@ -20,6 +20,7 @@ class EngineStats:
     waiting_interactive: int = 0
     waiting_batch: int = 0
     prompt_tokens_total: int = 0
+    prompt_tokens_shared_total: int = 0
     generation_tokens_total: int = 0
     decode_steps_total: int = 0
     preemptions_total: int = 0
@@ -69,6 +70,9 @@ def render_prometheus(stats: EngineStats, model_name: str) -> str:
            [("", round(stats.tokens_per_s(), 3))])
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", stats.generation_tokens_total)])
     metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", stats.prompt_tokens_total)])
+    metric("prompt_tokens_shared_total", "counter",
+           "Prompt tokens whose keys and values were copied from a running sequence instead of prefilled.",
+           [("", stats.prompt_tokens_shared_total)])
     metric("decode_steps_total", "counter", "Batched decode steps.", [("", stats.decode_steps_total)])
     metric("requests_total", "counter", "Finished sequences by finish reason.",
            [(f',reason="{reason}"', count) for reason, count in stats.requests_total.items()])

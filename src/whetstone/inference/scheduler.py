@@ -29,8 +29,12 @@ class Plan:
 
 class Scheduler:
     def __init__(self, max_batch: int, prefill_tokens_per_step: int, batch_beside_interactive: int | None = None,
-                 interactive_grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic):
+                 interactive_grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
+                 prefill_cost: Callable[[Sequence, list[Sequence]], int] | None = None):
         self.max_batch = max_batch
+        self._prefill_cost = prefill_cost or (lambda seq, admitted: seq.num_tokens - 1)
+        """Tokens `seq` would prefill if admitted after `admitted` (the engine's knows about
+        prefixes it can copy); by default all but the last (which decode feeds)."""
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.batch_beside_interactive = max_batch if batch_beside_interactive is None else batch_beside_interactive
         self.interactive_grace_s = interactive_grace_s
@@ -111,7 +115,7 @@ class Scheduler:
         """May `seq` start now? Charges its prefill to this step's budget if so."""
         if not self.admit_fresh and not seq.output_ids:
             return False
-        cost = seq.num_tokens - 1  # tokens to prefill (the last one is fed by decode)
+        cost = self._prefill_cost(seq, plan.admit)
         if plan.admit and cost > self._budget:
             return False
         self._budget -= cost

@@ -1,0 +1,94 @@
+"""A sequence whose prompt starts like a running one's copies that prefix's cache and routes
+(`EngineConfig.share_prefixes`): the G rollouts of a task are prefilled once."""
+
+import torch
+
+from tests.inference.inference_fixtures import make_engine, tiny_model
+from whetstone.inference.engine import common_prefix_length
+from whetstone.inference.sampling import SamplingParams
+from whetstone.inference.sequence import Sequence
+from whetstone.inference.swap import full_update
+
+
+def prompt(length, seed=0):
+    return torch.randint(0, 512, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def group_and_neighbour():
+    """Four copies of one prompt (a rollout group) and a prompt sharing its first 20 tokens."""
+    base = prompt(40)
+    return [base] * 4 + [base[:20] + prompt(15, seed=1)]
+
+
+def generate(model, prompts, **config):
+    engine = make_engine(model, max_batch=8, **config)
+    seqs = engine.generate(prompts, [SamplingParams(max_tokens=10, seed=i) for i in range(len(prompts))])
+    return engine, seqs
+
+
+def test_shared_prefixes_change_no_token_logprob_or_route():
+    # Invariant numerics: a prefix computed once and copied is bit for bit the prefix computed again.
+    model = tiny_model()
+    shared_engine, shared = generate(model, group_and_neighbour(), numerics="invariant")
+    alone_engine, alone = generate(model, group_and_neighbour(), numerics="invariant", share_prefixes=False)
+    for a, b in zip(shared, alone):
+        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+        assert torch.equal(a.routes, b.routes)  # the prompt's routes came along with its cache
+    assert shared_engine.stats.prompt_tokens_shared_total == 3 * 39 + 20
+    assert alone_engine.stats.prompt_tokens_shared_total == 0
+    assert len({tuple(s.output_ids) for s in shared[:4]}) > 1  # same prompt, own seeds: own samples
+
+
+def test_fast_numerics_share_to_float_noise():
+    model = tiny_model()
+    _, shared = generate(model, group_and_neighbour())
+    _, alone = generate(model, group_and_neighbour(), share_prefixes=False)
+    for a, b in zip(shared, alone):
+        assert a.output_ids == b.output_ids and torch.equal(a.routes, b.routes)
+        torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-5)
+
+
+def test_copies_fit_the_prefill_budget_and_a_later_arrival_copies_from_a_running_sequence():
+    model = tiny_model()
+    engine = make_engine(model, max_batch=8, prefill_tokens_per_step=50)
+    first = [Sequence(f"r{i}", prompt(40), SamplingParams(max_tokens=12, seed=i)) for i in range(4)]
+    for seq in first:
+        engine.add(seq)
+    with torch.inference_mode():
+        engine.step()  # one 39-token prefill: the other three copy it, so all four start at once
+        assert len(engine.scheduler.running) == 4
+        late = Sequence("late", prompt(40), SamplingParams(max_tokens=4, seed=9))
+        engine.add(late)
+        engine.step()
+        assert late.slot is not None and engine.stats.prompt_tokens_shared_total == 4 * 39
+        while not late.finished:
+            engine.step()
+    [reference] = make_engine(model, share_prefixes=False).generate([prompt(40)], SamplingParams(max_tokens=4, seed=9))
+    assert late.output_ids == reference.output_ids
+
+
+def test_nothing_is_copied_from_a_cache_filled_under_older_weights():
+    model, new_weights = tiny_model(), tiny_model(seed=9).state_dict()
+    engine = make_engine(model, max_batch=8)
+    old = Sequence("old", prompt(40), SamplingParams(max_tokens=20, seed=0))
+    engine.add(old)
+    with torch.inference_mode():
+        engine.step()
+        engine.update_weights(full_update(new_weights, version=1))
+        engine.step()  # the swap lands; `old` keeps decoding (continue policy)
+        new = Sequence("new", prompt(40), SamplingParams(max_tokens=5, seed=3))
+        engine.add(new)
+        while not new.finished:
+            engine.step()
+    assert engine.stats.prompt_tokens_shared_total == 0 and new.versions == [1] * 5
+    [reference] = make_engine(tiny_model(seed=9)).generate([prompt(40)], SamplingParams(max_tokens=5, seed=3))
+    assert new.output_ids == reference.output_ids
+
+
+def test_common_prefix_length():
+    assert common_prefix_length([1, 2, 3, 4], [1, 2, 9, 4], 10) == 2
+    assert common_prefix_length([1, 2, 3], [1, 2, 3, 4], 10) == 3
+    assert common_prefix_length([1, 2, 3], [1, 2, 3], 2) == 2
+    assert common_prefix_length([5], [1], 3) == 0 and common_prefix_length([], [1], 3) == 0
+    long = list(range(1000))
+    assert common_prefix_length(long, long[:777] + [-1] + long[778:], 1000) == 777
