@@ -3,10 +3,13 @@ engine, the weight follower (if a store is configured) and the HTTP app."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.inference.config import ServeConfig
+
+GIL_SWITCH_INTERVAL_S = 0.0005  # bench pipeline, alternating runs: +4.5% samples/s against 0.005
 
 
 def build_app(config: ServeConfig):
@@ -42,5 +45,8 @@ def serve(config: ServeConfig) -> None:
     import uvicorn
 
     app = build_app(config)
+    # The engine thread takes the GIL back after every torch op; with Python's default 5 ms
+    # interval the HTTP thread can hold it off that long whenever it is busy.
+    sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     print(f"whetstone serving on http://{config.host}:{config.port}/v1", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning")
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)

@@ -153,8 +153,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         await finish(submission, request)
         await keep(response_id, submission, body.priority)()
         choices = [completion_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
-        return header(response_id, "text_completion", model_name) | {
-            "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}
+        return JSONResponse(header(response_id, "text_completion", model_name) | {
+            "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(body: ChatRequest, request: Request):
@@ -176,8 +176,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         await finish(submission, request)
         await keep(response_id, submission, body.priority)()
         choices = [chat_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
-        return header(response_id, "chat.completion", model_name) | {
-            "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}
+        return JSONResponse(header(response_id, "chat.completion", model_name) | {
+            "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)})
 
     @app.post("/v1/feedback", dependencies=[Depends(authorize)])
     async def feedback(body: FeedbackRequest) -> JSONResponse:
