@@ -92,3 +92,43 @@ def test_common_prefix_length():
     assert common_prefix_length([5], [1], 3) == 0 and common_prefix_length([], [1], 3) == 0
     long = list(range(1000))
     assert common_prefix_length(long, long[:777] + [-1] + long[778:], 1000) == 777
+
+
+def continue_turn(engine, first_prompt, seed=0):
+    """A first turn, then a second whose prompt is the first's tokens and a tool result."""
+    [first] = engine.generate([first_prompt], SamplingParams(max_tokens=10, seed=seed))
+    second_prompt = first.prompt_ids + first.output_ids + prompt(6, seed=seed + 50)
+    [second] = engine.generate([second_prompt], SamplingParams(max_tokens=8, seed=seed + 1))
+    return first, second
+
+
+def test_a_next_turn_copies_the_finished_turns_cache():
+    model = tiny_model()
+    kept_engine = make_engine(model, numerics="invariant")
+    first, second = continue_turn(kept_engine, prompt(30))
+    # everything the first turn fed: its prompt and all its tokens but the last sampled one
+    assert kept_engine.stats.prompt_tokens_shared_total == 30 + 10 - 1
+    _, alone = continue_turn(make_engine(model, numerics="invariant", share_prefixes=False), prompt(30))
+    assert second.output_ids == alone.output_ids and second.logprobs == alone.logprobs
+    assert torch.equal(second.routes, alone.routes)
+
+
+def test_kept_caches_are_evicted_least_recently_used_and_dropped_at_a_swap():
+    model, params = tiny_model(), SamplingParams(max_tokens=2, seed=0)
+    engine = make_engine(model, keep_finished=2)
+    [a] = engine.generate([prompt(30, seed=2)], SamplingParams(max_tokens=4, seed=0))
+    [b] = engine.generate([prompt(30, seed=3)], SamplingParams(max_tokens=4, seed=0))
+    engine.generate([a.prompt_ids + a.output_ids], params)  # uses a's; when it ends, b's is evicted
+    assert engine.stats.prompt_tokens_shared_total == 30 + 4 - 1
+    engine.generate([b.prompt_ids + b.output_ids], params)
+    assert engine.stats.prompt_tokens_shared_total == 30 + 4 - 1
+
+    engine = make_engine(model)
+    [c] = engine.generate([prompt(30, seed=4)], SamplingParams(max_tokens=4, seed=0))
+    engine.update_weights(full_update(tiny_model(seed=9).state_dict(), version=1))
+    engine.generate([c.prompt_ids + c.output_ids], params)  # the swap lands first: c's cache is stale
+    assert engine.stats.prompt_tokens_shared_total == 0
+
+    engine = make_engine(model, keep_finished=0)
+    continue_turn(engine, prompt(30))
+    assert engine.stats.prompt_tokens_shared_total == 0

@@ -34,6 +34,11 @@ class EngineConfig(Config):
     task, n > 1, a shared system prompt) copies that prefix's keys, values and routes from it
     instead of computing them again, if they were computed under the current weights. Off:
     every prompt is prefilled in full."""
+    keep_finished: int = Field(16, ge=0)
+    """KV-cache slots, besides `max_batch`, that keep the caches of the most recently finished
+    sequences (under the current weights), so a request that continues one (an agent's next
+    turn: the history, then the tool results) copies that prefix instead of prefilling it again
+    (with `share_prefixes`). Each slot holds `context_limit` positions of keys and values."""
     prefill_chunk: int = Field(512, ge=1)
     """Longest piece of a prompt fed in one forward (bounds attention memory)."""
     swap_policy: Literal["continue", "finish"] = "continue"

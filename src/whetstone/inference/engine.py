@@ -21,8 +21,9 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -54,11 +55,15 @@ class Engine:
         self.version = version
         dtype = next(model.parameters()).dtype
         block = invariant.KEY_CHUNK if config.numerics == "invariant" else ATTENTION_BLOCK
-        self.cache = SlotKVCache.for_model(cfg, config.max_batch, self.context_limit, dtype, block)
-        # routes of the running sequences, by slot and position (int16 holds any expert id we serve)
+        # slots 0..max_batch-1 for running sequences, the rest keep finished ones (`keep_finished`)
+        slots = config.max_batch + (config.keep_finished if config.share_prefixes else 0)
+        self.cache = SlotKVCache.for_model(cfg, slots, self.context_limit, dtype, block)
+        self._kept: OrderedDict[int, Kept] = OrderedDict()
+        """Finished sequences' caches by slot, least recently used first."""
+        # routes by slot and position (int16 holds any expert id we serve)
         self.routes = None
         if cfg.num_moe_layers:
-            shape = (config.max_batch, self.cache.max_len, cfg.num_moe_layers, cfg.num_experts_per_tok)
+            shape = (slots, self.cache.max_len, cfg.num_moe_layers, cfg.num_experts_per_tok)
             self.routes = torch.zeros(shape, dtype=torch.int16)
         self.scheduler = Scheduler(config.max_batch, config.prefill_tokens_per_step, config.batch_beside_interactive,
                                    config.interactive_grace_s, prefill_cost=self._prefill_cost)
@@ -202,6 +207,7 @@ class Engine:
             pause += write(update)
             self.version = update.version
             self._weights_epoch += 1
+            self._kept.clear()  # their keys and values are the old weights'
         self.stats.record_swap(self.version, pause)
         self.scheduler.admit_fresh = True
 
@@ -228,7 +234,7 @@ class Engine:
             self._start([seq], *self._copyable(seq, running))  # its donor runs by now
         self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
 
-    def _start(self, group: list[Sequence], donor: Sequence | None = None, shared: int = 0) -> None:
+    def _start(self, group: list[Sequence], donor: Sequence | Kept | None = None, shared: int = 0) -> None:
         """Slots for `group`, then its prefill (one sequence: after `shared` positions copied from `donor`)."""
         running = self.scheduler.running
         for seq in group:
@@ -241,10 +247,10 @@ class Engine:
             seq.weights_epoch = self._weights_epoch if seq.routes is None else None
 
     def _copyable(self, seq: Sequence, running: list[Sequence],
-                  planned: list[Sequence] = ()) -> tuple[Sequence | None, int]:  # fmt: skip
-        """The sequence whose cache holds the longest prefix of fresh `seq`'s prompt (all but its
-        last token at most), and that prefix's length: among `running` ones whose caches were
-        filled under the current weights, and fresh ones `planned` to be prefilled first."""
+                  planned: list[Sequence] = ()) -> tuple[Sequence | Kept | None, int]:  # fmt: skip
+        """The cache holding the longest prefix of fresh `seq`'s prompt (all but its last token at
+        most), and that prefix's length: among `running` sequences whose caches were filled under
+        the current weights, kept ones, and fresh ones `planned` to be prefilled first."""
         if not self.config.share_prefixes or seq.routes is not None:
             return None, 0
         best, best_length, want = None, 0, len(seq.prompt_ids) - 1
@@ -254,6 +260,10 @@ class Engine:
                 length = common_prefix_length(cached, seq.prompt_ids, min(want, other.num_cached))
                 if length > best_length:
                     best, best_length = other, length
+        for kept in self._kept.values():
+            length = common_prefix_length(kept.tokens, seq.prompt_ids, want)
+            if length > best_length:
+                best, best_length = kept, length
         for other in planned:  # its whole prompt but the last token will be cached
             length = common_prefix_length(other.prompt_ids, seq.prompt_ids, min(want, len(other.prompt_ids) - 1))
             if length > best_length:
@@ -264,8 +274,10 @@ class Engine:
         """Tokens `seq` would prefill if admitted after `admitted` (the scheduler's budget)."""
         return seq.num_tokens - 1 - self._copyable(seq, self.scheduler.running, admitted)[1]
 
-    def _copy_prefix(self, donor: Sequence, seq: Sequence, length: int) -> None:
+    def _copy_prefix(self, donor: Sequence | Kept, seq: Sequence, length: int) -> None:
         """Start `seq`'s cache and routes with the first `length` positions of `donor`'s."""
+        if isinstance(donor, Kept):
+            self._kept.move_to_end(donor.slot)
         self.cache.move(donor.slot, seq.slot, length)
         if self.routes is not None:
             self.routes[seq.slot, :length] = self.routes[donor.slot, :length]
@@ -342,6 +354,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str) -> None:
         if seq.slot is not None:
+            self._keep(seq)
             self._release(seq)
         seq.finish_reason = reason
         if seq.text is not None:
@@ -351,6 +364,20 @@ class Engine:
             seq.text.finish()
         self.stats.requests_total[reason] += 1
         seq.notify()
+
+    def _keep(self, seq: Sequence) -> None:
+        """Copy a finishing sequence's cache into a spare slot (the least recently used one if
+        all are taken), for a request that continues it."""
+        spare = range(self.config.max_batch, self.cache.slots)
+        if not spare or seq.weights_epoch != self._weights_epoch or seq.num_cached == 0:
+            return
+        slot = next((s for s in spare if s not in self._kept), None)
+        if slot is None:
+            slot, _ = self._kept.popitem(last=False)
+        self.cache.move(seq.slot, slot, seq.num_cached)
+        if self.routes is not None:
+            self.routes[slot, :seq.num_cached] = self.routes[seq.slot, :seq.num_cached]
+        self._kept[slot] = Kept(slot, seq.tokens(0, seq.num_cached))
 
     def _release(self, seq: Sequence) -> None:
         """Free `seq`'s slot, keeping its routes; the last running sequence moves into the gap."""
@@ -373,6 +400,14 @@ class Engine:
             self._release(seq)
             seq.finish_reason = "abort"
             seq.notify()
+
+
+@dataclass
+class Kept:
+    """A finished sequence's cache, kept in a spare slot: its first `len(tokens)` positions."""
+
+    slot: int
+    tokens: list[int]
 
 
 def common_prefix_length(a: list[int], b: list[int], limit: int) -> int:
