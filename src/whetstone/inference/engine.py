@@ -247,7 +247,7 @@ class Engine:
             seq.weights_epoch = self._weights_epoch if seq.routes is None else None
 
     def _copyable(self, seq: Sequence, running: list[Sequence],
-                  planned: list[Sequence] = ()) -> tuple[Sequence | Kept | None, int]:  # fmt: skip
+                  planned: list[Sequence] | None = None) -> tuple[Sequence | Kept | None, int]:  # fmt: skip
         """The cache holding the longest prefix of fresh `seq`'s prompt (all but its last token at
         most), and that prefix's length: among `running` sequences whose caches were filled under
         the current weights, kept ones, and fresh ones `planned` to be prefilled first."""
@@ -264,7 +264,7 @@ class Engine:
             length = common_prefix_length(kept.tokens, seq.prompt_ids, want)
             if length > best_length:
                 best, best_length = kept, length
-        for other in planned:  # its whole prompt but the last token will be cached
+        for other in planned or ():  # its whole prompt but the last token will be cached
             length = common_prefix_length(other.prompt_ids, seq.prompt_ids, min(want, len(other.prompt_ids) - 1))
             if length > best_length:
                 best, best_length = other, length
