@@ -31,9 +31,9 @@ class EngineConfig(Config):
     new long prompts do not stall the sequences already decoding."""
     share_prefixes: bool = True
     """A new sequence whose tokens start like those of one already running (the G rollouts of a
-    task, n > 1, a shared system prompt) copies that prefix's keys, values and routes from it
-    instead of computing them again, if they were computed under the current weights. Off:
-    every prompt is prefilled in full."""
+    task, n > 1, a shared system prompt) or recently finished (`keep_finished`) copies that
+    prefix's keys, values and routes instead of computing them again, if they were computed
+    under the current weights. Off: every prompt is prefilled in full."""
     keep_finished: int = Field(16, ge=0)
     """KV-cache slots, besides `max_batch`, that keep the caches of the most recently finished
     sequences (under the current weights), so a request that continues one (an agent's next

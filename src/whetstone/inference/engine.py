@@ -253,21 +253,17 @@ class Engine:
         the current weights, kept ones, and fresh ones `planned` to be prefilled first."""
         if not self.config.share_prefixes or seq.routes is not None:
             return None, 0
+        # (source, its tokens, how many of them are (or will be) cached)
+        candidates = [(other, other.prompt_ids if other.num_cached <= len(other.prompt_ids)
+                       else other.tokens(0, other.num_cached), other.num_cached)
+                      for other in running if other.weights_epoch == self._weights_epoch]
+        candidates += [(kept, kept.tokens, len(kept.tokens)) for kept in self._kept.values()]
+        candidates += [(other, other.prompt_ids, len(other.prompt_ids) - 1) for other in planned or ()]
         best, best_length, want = None, 0, len(seq.prompt_ids) - 1
-        for other in running:
-            if other.weights_epoch == self._weights_epoch:
-                cached = other.prompt_ids if other.num_cached <= len(other.prompt_ids) else other.tokens(0, other.num_cached)
-                length = common_prefix_length(cached, seq.prompt_ids, min(want, other.num_cached))
-                if length > best_length:
-                    best, best_length = other, length
-        for kept in self._kept.values():
-            length = common_prefix_length(kept.tokens, seq.prompt_ids, want)
+        for source, tokens, cached in candidates:
+            length = common_prefix_length(tokens, seq.prompt_ids, min(want, cached))
             if length > best_length:
-                best, best_length = kept, length
-        for other in planned or ():  # its whole prompt but the last token will be cached
-            length = common_prefix_length(other.prompt_ids, seq.prompt_ids, min(want, len(other.prompt_ids) - 1))
-            if length > best_length:
-                best, best_length = other, length
+                best, best_length = source, length
         return best, best_length
 
     def _prefill_cost(self, seq: Sequence, admitted: list[Sequence]) -> int:
@@ -391,7 +387,7 @@ class Engine:
                 self.routes[slot, :last.num_cached] = self.routes[last.slot, :last.num_cached]
             last.slot = slot
             running[slot] = last
-        seq.slot = None
+        seq.slot = seq.weights_epoch = None
 
     def _fail_running(self, message: str) -> None:
         for seq in list(self.scheduler.running):

@@ -71,7 +71,7 @@ def render_prometheus(stats: EngineStats, model_name: str) -> str:
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", stats.generation_tokens_total)])
     metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", stats.prompt_tokens_total)])
     metric("prompt_tokens_shared_total", "counter",
-           "Prompt tokens whose keys and values were copied from a running sequence instead of prefilled.",
+           "Prompt tokens whose keys and values were copied from a running or recently finished sequence instead of prefilled.",
            [("", stats.prompt_tokens_shared_total)])
     metric("decode_steps_total", "counter", "Batched decode steps.", [("", stats.decode_steps_total)])
     metric("requests_total", "counter", "Finished sequences by finish reason.",

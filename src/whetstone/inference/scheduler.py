@@ -33,7 +33,7 @@ class Scheduler:
                  prefill_cost: Callable[[Sequence, list[Sequence]], int] | None = None):
         self.max_batch = max_batch
         self._prefill_cost = prefill_cost or (lambda seq, admitted: seq.num_tokens - 1)
-        """Tokens `seq` would prefill if admitted after `admitted` (the engine's knows about
+        """Tokens `seq` would prefill if admitted after `admitted` (the engine knows which
         prefixes it can copy); by default all but the last (which decode feeds)."""
         self.prefill_tokens_per_step = prefill_tokens_per_step
         self.batch_beside_interactive = max_batch if batch_beside_interactive is None else batch_beside_interactive

@@ -48,9 +48,10 @@ class Sequence:
     num_cached: int = 0
     slot: int | None = None
     weights_epoch: int | None = None
-    """The engine's weight epoch when this sequence's cache was filled from scratch (a fresh
-    prefill); None for a resumed one (its prefill replays old routes). Another sequence may
-    copy a prefix of its cache only within the same epoch (`EngineConfig.share_prefixes`)."""
+    """The engine's weight epoch when this sequence's cache was filled under the current
+    weights' own routes; None while it has no slot, and for a resumed MoE sequence (its prefill
+    replays old routes). Another sequence may copy a prefix of its cache only within the same
+    epoch (`EngineConfig.share_prefixes`)."""
     finish_reason: FinishReason | None = None
     error: str | None = None
     """Set when the engine failed while running this sequence (the server answers 500)."""
@@ -86,7 +87,6 @@ class Sequence:
         """Give up the KV cache (the engine has saved `routes`); keep tokens and the generator."""
         self.slot = None
         self.num_cached = 0
-        self.weights_epoch = None
         self.preemptions += 1
 
 
