@@ -37,6 +37,7 @@ from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
 from whetstone.midtrain.step import autocast
 from whetstone.model import invariant, numerics
+from whetstone.model.layout import to_column_major
 from whetstone.sync.update import WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -46,7 +47,7 @@ class Engine:
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None, version: int = 0):
         cfg = model.cfg
-        self.model = model.eval()
+        self.model = to_column_major(model.eval())  # the serving layout: faster decode, same values
         self.config = config
         self.context_limit = config.context_limit or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size

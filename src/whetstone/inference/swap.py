@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from whetstone.errors import WhetstoneError
+from whetstone.model.layout import flat_storage, in_storage_order, storage_indices
 from whetstone.sync.update import TensorUpdate, WeightUpdate
 
 log = logging.getLogger(__name__)
@@ -45,7 +46,8 @@ class PreparedUpdate:
 
     version: int
     writes: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
-    """(served tensor, flat indices or None for the whole tensor, values in the served dtype)."""
+    """(flat view of a served tensor's memory, positions in it or None for the whole tensor,
+    values in the served dtype and in storage order), so the pause never reorders anything."""
 
 
 def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> PreparedUpdate:
@@ -64,14 +66,14 @@ def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> Prepar
         if change.indices is None:
             if values.numel() != target.numel():
                 raise WeightUpdateError(f"{where}: {name} carries {values.numel()} values, needs {target.numel()}")
-            writes.append((target, None, values.to(target.dtype).view(target.shape)))
+            writes.append((flat_storage(target), None, in_storage_order(target, values.to(target.dtype))))
             continue
         indices = change.indices.reshape(-1).long()
         if indices.numel() != values.numel():
             raise WeightUpdateError(f"{where}: {name} has {indices.numel()} indices but {values.numel()} values")
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= target.numel()):
             raise WeightUpdateError(f"{where}: {name} has an index outside 0..{target.numel() - 1}")
-        writes.append((target, indices, values.to(target.dtype)))
+        writes.append((flat_storage(target), storage_indices(target, indices), values.to(target.dtype)))
     served = [name for name in update.removed if name in tensors]
     if served:
         raise WeightUpdateError(f"{where} removes tensors the served model needs: {served[:5]}")
@@ -89,7 +91,7 @@ def write(update: PreparedUpdate) -> float:
         if indices is None:
             target.copy_(values)
         else:
-            target.view(-1).scatter_(0, indices, values)
+            target.scatter_(0, indices, values)
     return time.perf_counter() - start
 
 

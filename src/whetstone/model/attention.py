@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from whetstone.model import ops
+from whetstone.model.layout import column_major_like
 from whetstone.model.config import ModelConfig
 from whetstone.model.layers import Linear, RMSNorm
 
@@ -29,14 +30,14 @@ class Attention(nn.Module):
         separate tensors, as in HF checkpoints). Under inference mode (the engine) the matrix is
         kept, and made again only when a weight is written to in place (its version counter
         moves, as on a hot swap) or replaced; elsewhere (training, FSDP's gathered weights) it is
-        concatenated per call."""
+        concatenated per call. The kept matrix has the weights' layout (the engine's is column-major)."""
         weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         if not torch.is_inference_mode_enabled():
             self._qkv = None
             return torch.cat(weights)
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
         if self._qkv is None or self._qkv[0] != key:
-            self._qkv = (key, torch.cat(weights))
+            self._qkv = (key, column_major_like(torch.cat(weights), weights[0]))
         return self._qkv[1]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:

@@ -81,9 +81,10 @@ def _query_rows(group: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows (g, t) of a kv head, padded to a multiple of ROW_TILE with copies of row 0
     (any real row works: their results are dropped): (row index, position t of each row)."""
     rows = group * length
-    index = torch.arange(rows + -rows % ROW_TILE)
-    index[rows:] = 0
-    return index, index % length
+    with torch.inference_mode(False):  # cached: normal tensors, which the trainer's backward may save
+        index = torch.arange(rows + -rows % ROW_TILE)
+        index[rows:] = 0
+        return index, index % length
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

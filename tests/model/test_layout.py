@@ -1,0 +1,65 @@
+"""The serving layout: column-major matmul weights change strides only, never values or bits."""
+
+import copy
+
+import torch
+
+from whetstone.model import ModelConfig, Transformer, numerics
+from whetstone.model.layout import MIN_OUTPUTS, flat_storage, in_storage_order, is_column_major, storage_indices, \
+    to_column_major  # fmt: skip
+
+CFG = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  head_dim=16, intermediate_size=96, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
+
+
+def test_matmul_weights_become_column_major_with_the_same_values():
+    model = Transformer(CFG)
+    before = {name: t.clone() for name, t in model.state_dict().items()}
+    to_column_major(model)
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    assert all(torch.equal(before[name], after[name]) for name in before)
+    expected = {"layers.0.self_attn.q_proj.weight", "layers.0.mlp.experts.gate_up_proj",
+                "layers.0.mlp.experts.down_proj", "embed_tokens.weight"}  # tied: the head reads it every step
+    assert all(is_column_major(after[name]) for name in expected)
+    assert after["layers.0.mlp.router.weight"].shape[0] < MIN_OUTPUTS
+    assert after["layers.0.mlp.router.weight"].is_contiguous()
+    assert not any(is_column_major(t) for t in after.values() if t.dim() < 2)
+    to_column_major(model)  # idempotent
+    assert all(torch.equal(before[name], t) for name, t in model.state_dict().items())
+
+
+def test_an_untied_input_embedding_keeps_its_rows_contiguous():
+    model = to_column_major(Transformer(CFG.model_copy(update={"tie_word_embeddings": False})))
+    assert model.embed_tokens.weight.is_contiguous()
+    assert is_column_major(model.lm_head.weight)
+
+
+def test_invariant_logits_are_the_same_bits_in_either_layout():
+    model = Transformer(CFG).eval()
+    served = to_column_major(copy.deepcopy(model))
+    ids = torch.randint(0, CFG.vocab_size, (3, 21), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), numerics("invariant"):
+        assert torch.equal(model(ids).logits, served(ids).logits)
+
+
+def test_the_converted_model_still_trains():
+    model = to_column_major(Transformer(CFG))
+    ids = torch.randint(0, CFG.vocab_size, (2, 9))
+    model(ids).logits.sum().backward()
+    assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+def test_writes_in_storage_order_land_at_their_logical_positions():
+    generator = torch.Generator().manual_seed(1)
+    for shape in [(6, 5), (3, 4, 7)]:
+        logical = torch.randn(shape, generator=generator)
+        stored = logical.transpose(-1, -2).contiguous().transpose(-1, -2)
+        indices = torch.randperm(logical.numel(), generator=generator)[:9]
+        values = torch.randn(9, generator=generator)
+        logical.view(-1)[indices] = values
+        flat_storage(stored).scatter_(0, storage_indices(stored, indices), values)
+        assert torch.equal(stored, logical)
+        whole = torch.randn(shape, generator=generator)
+        flat_storage(stored).copy_(in_storage_order(stored, whole))
+        assert torch.equal(stored, whole)
