@@ -5,8 +5,8 @@ import copy
 import torch
 
 from whetstone.model import ModelConfig, Transformer, numerics
-from whetstone.model.layout import MIN_OUTPUTS, flat_storage, in_storage_order, is_column_major, storage_indices, \
-    to_column_major  # fmt: skip
+from whetstone.model.layout import (MIN_OUTPUTS, cat_rows, flat_storage, in_storage_order, is_column_major,
+                                    storage_indices, to_column_major)
 
 CFG = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   head_dim=16, intermediate_size=96, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
@@ -48,6 +48,13 @@ def test_the_converted_model_still_trains():
     ids = torch.randint(0, CFG.vocab_size, (2, 9))
     model(ids).logits.sum().backward()
     assert all(p.grad is not None and p.grad.shape == p.shape for p in model.parameters())
+
+
+def test_fused_rows_keep_the_weights_layout():
+    rows = [torch.randn(n, 8) for n in (6, 3, 3)]
+    served = [r.mT.contiguous().mT for r in rows]
+    assert torch.equal(cat_rows(served), torch.cat(rows)) and is_column_major(cat_rows(served))
+    assert cat_rows(rows).is_contiguous()
 
 
 def test_writes_in_storage_order_land_at_their_logical_positions():

@@ -6,9 +6,9 @@ import torch
 from torch import nn
 
 from whetstone.model import ops
-from whetstone.model.layout import column_major_like
 from whetstone.model.config import ModelConfig
 from whetstone.model.layers import Linear, RMSNorm
+from whetstone.model.layout import cat_rows
 
 
 class Attention(nn.Module):
@@ -37,7 +37,7 @@ class Attention(nn.Module):
             return torch.cat(weights)
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
         if self._qkv is None or self._qkv[0] != key:
-            self._qkv = (key, column_major_like(torch.cat(weights), weights[0]))
+            self._qkv = (key, cat_rows(weights))
         return self._qkv[1]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:

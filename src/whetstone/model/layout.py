@@ -53,12 +53,12 @@ def to_column_major(model: nn.Module) -> nn.Module:
     return model
 
 
-def column_major_like(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """`t` in the layout of `like` (a copy only when they differ): for weights derived from
-    served ones, e.g. attention's fused q/k/v matrix."""
-    if is_column_major(like) and not is_column_major(t):
-        return t.transpose(-1, -2).contiguous().transpose(-1, -2)
-    return t
+def cat_rows(weights: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
+    """`torch.cat(weights)` (along the output rows) in the weights' own layout, in one copy: for
+    weights derived from served ones, e.g. attention's fused q/k/v matrix."""
+    if all(is_column_major(w) for w in weights):
+        return torch.cat([w.mT for w in weights], dim=-1).mT
+    return torch.cat(weights)
 
 
 def _storage_permutation(t: torch.Tensor) -> list[int]:
