@@ -42,14 +42,12 @@ class ServersConfig(Config):
 class RLConfig(Config):
     """Stage 2: asynchronous RL with the trainer, the servers and the orchestrator as processes."""
 
-    steps: int = Field(14, ge=1)
-    """Optimizer steps (= batches) of the RL stage. 14 since session 13: at 12, seven cold runs
-    from the 3000-step base gained +14.2 to +20.0 held-out points (one under the goal of 15), and
-    the learned logit scale was still rising at the last step in most; three runs of 16 steps
-    gained +18.3, +21.7 and +23.3, but the sharper the policy, the more groups come back all
-    solved and are dropped, and the last steps of a cold run waited up to 65 s for a batch: that
-    run took 807 s of the 900 allowed. 14 keeps two of the extra steps and ~100 s of margin
-    (docs/run.md)."""
+    steps: int = Field(12, ge=1)
+    """Optimizer steps (= batches) of the RL stage. From the 3000-step base, cold runs gained
+    +14.2 to +20.0 held-out points at 12 steps (seven runs), +18.3 to +23.3 at 16 (three; one took
+    807 s of the 900 allowed, as all-solved groups were dropped) and +9.2 at 14 (one). What
+    decides a run is whether the learned logit scale rises (to 1.3-1.9 in the good runs, 1.11-1.23
+    in the two under the goal), not the step count (docs/run.md, session 13)."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4, optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
         optimizer_steps_per_batch=4, loss=LossConfig(aggregation="sequence"), logit_scale_lr=0.1,
