@@ -43,8 +43,8 @@ class RLConfig(Config):
     """Stage 2: asynchronous RL with the trainer, the servers and the orchestrator as processes."""
 
     steps: int = Field(12, ge=1)
-    """Optimizer steps (= batches) of the RL stage. From the 3000-step base, cold runs gained
-    +14.2 to +20.0 held-out points at 12 steps (seven runs), +18.3 to +23.3 at 16 (three; one took
+    """Optimizer steps (= batches) of the RL stage. From the 3000-step base, runs gained +14.2 to
+    +21.7 held-out points at 12 steps (eight runs), +18.3 to +23.3 at 16 (three; one took
     807 s of the 900 allowed, as all-solved groups were dropped) and +9.2 at 14 (one). What
     decides a run is whether the learned logit scale rises (to 1.3-1.9 in the good runs, 1.11-1.23
     in the two under the goal), not the step count (docs/run.md, session 13)."""
