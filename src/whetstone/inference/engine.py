@@ -14,7 +14,7 @@ of that step, and the routes of the token fed to produce it. Forwards run with t
 `numerics` and `dtype`; with `invariant` numerics those logprobs and routes are what the trainer
 computes for the same tokens, bit for bit (docs/consistency.md). The engine runs in its own thread
 (`start()`); other threads only call `add`, `abort` and `update_weights`, which never block it.
-The engine stores the model it is given in the serving layout, in place (`model.layout`:
+The engine stores the model it is given in the serving layout, in place (`whetstone.model.layout`:
 column-major matmul weights, same values, faster decoding).
 """
 

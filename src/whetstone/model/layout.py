@@ -9,8 +9,9 @@ another path either way; invariant numerics pads every matmul to 4 rows). Only s
 so every reader of the model (state_dict, checkpoints, indexing) sees the same tensors.
 
 The engine lays its model out this way; training keeps the row-major layout its gradients have.
-Writing into such a tensor goes through `flat_storage` / `storage_indices`, which put values in
-storage order (hot weight swap, `inference/swap.py`).
+Writing into such a tensor goes through `flat_storage` with `storage_indices` (sparse writes) or
+`in_storage_order` (whole tensors), which put values in storage order (hot weight swap,
+`inference/swap.py`).
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ def _matmul_weights(model: nn.Module) -> list[nn.Parameter]:
     head = getattr(model, "lm_head", None)
     if head is not None:
         lookup_only.discard(id(head.weight))  # tied: the head's matmul is read every step
-    unique = {id(p): p for p in model.parameters()}
-    return [p for key, p in unique.items() if p.dim() >= 2 and p.shape[-2] >= MIN_OUTPUTS and key not in lookup_only]
+    # parameters() yields a tied weight once
+    return [p for p in model.parameters() if p.dim() >= 2 and p.shape[-2] >= MIN_OUTPUTS and id(p) not in lookup_only]
 
 
 def to_column_major(model: nn.Module) -> nn.Module:
