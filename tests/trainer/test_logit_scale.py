@@ -1,7 +1,8 @@
-"""The learned logit scale: its gradient, its fold into the final norm, and its checkpointed state."""
+"""The learned logit scale: its (unclipped) gradient, its fold into the final norm, and its checkpointed state."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
@@ -20,30 +21,54 @@ from whetstone.utils.metrics import read_metrics
 from tests.trainer.trainer_fixtures import put_batches, trainer_config
 
 
-def loss(model, batch) -> torch.Tensor:
-    out = forward_logprobs(model, batch, replay=True, dtype="float32")
-    return policy_loss(out.logprobs, batch.behavior_logprobs, batch.advantages, batch.loss_mask, LossConfig())[0]
+NEVER_CLIPS = LossConfig(clip_low=0.999, clip_high=1e6, is_cap=2e6)  # the surrogate r · A everywhere
+
+
+def loss(model, batch, config: LossConfig = NEVER_CLIPS):
+    """(loss, stats) of the policy loss under `config`."""
+    out = forward_logprobs(model, batch, replay=True, dtype="float32", entropy=True)
+    return policy_loss(out.logprobs, batch.behavior_logprobs, batch.advantages, batch.loss_mask, config,
+                       entropy=out.entropy)  # fmt: skip
 
 
 @torch.no_grad()
-def loss_at_scale(model, batch, log_scale: float) -> float:
+def loss_at_scale(model, batch, log_scale: float, config: LossConfig = NEVER_CLIPS) -> float:
     """The policy loss with every logit multiplied by e^log_scale (through the final norm's gains)."""
     original = model.norm.weight.clone()
     model.norm.weight.mul_(math.exp(log_scale))
     try:
-        return loss(model, batch).item()
+        return loss(model, batch, config)[0].item()
     finally:
         model.norm.weight.copy_(original)
 
 
-def test_the_gradient_is_the_derivative_of_the_loss_along_the_logit_scale(tiny_moe, batches):
+def along_scale(model, batch, config: LossConfig) -> float:
+    """The loss's derivative along the logit scale, by central differences."""
+    h = 1e-3  # the loss is summed in float32: a smaller step measures rounding
+    return (loss_at_scale(model, batch, h, config) - loss_at_scale(model, batch, -h, config)) / (2 * h)
+
+
+def test_the_gradient_is_the_derivative_of_the_unclipped_surrogate_along_the_logit_scale(tiny_moe, batches):
+    model = load_hf(tiny_moe).double()
+    for aggregation in ("token", "sequence"):
+        config = NEVER_CLIPS.model_copy(update={"aggregation": aggregation})
+        analytic = loss(model, batches[0], config)[1].scale_gradient
+        assert analytic == pytest.approx(along_scale(model, batches[0], config), rel=1e-3) and analytic != 0
+
+
+def test_the_clip_does_not_act_on_the_scale(tiny_moe, batches):
+    """Behavior logprobs 0.5 below the trainer's: every ratio is e^0.5 = 1.65, outside the default
+    clip (so positive-advantage tokens give the weights no gradient) and under the IS cap of 2."""
     model = load_hf(tiny_moe).double()
     batch = batches[0]
-    loss(model, batch).backward()
-    analytic = LogitScale(lr=0.1).gradient(model)
-    h = 1e-3  # the loss is summed in float32: a smaller step measures rounding
-    numeric = (loss_at_scale(model, batch, h) - loss_at_scale(model, batch, -h)) / (2 * h)
-    assert analytic == pytest.approx(numeric, rel=1e-3) and analytic != 0
+    with torch.no_grad():
+        own = forward_logprobs(model, batch, replay=True, dtype="float32").logprobs.float()
+    shifted = dataclasses.replace(batch, behavior_logprobs=torch.where(batch.loss_mask, own - 0.5, own))
+    clipped_loss, stats = loss(model, shifted, LossConfig())
+    assert stats.clipped > 0 and stats.truncated == 0
+    assert stats.scale_gradient == pytest.approx(loss(model, shifted)[1].scale_gradient, rel=1e-9)
+    assert stats.scale_gradient == pytest.approx(along_scale(model, shifted, NEVER_CLIPS), rel=1e-3)
+    assert along_scale(model, shifted, LossConfig()) != pytest.approx(stats.scale_gradient, rel=0.05)
 
 
 def test_a_step_scales_every_logit_and_a_negative_gradient_sharpens(tiny_moe, batches):

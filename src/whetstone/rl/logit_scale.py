@@ -3,12 +3,13 @@
 RL at this scale mostly sharpens (docs/run.md): sampling the mid-trained base at temperature 0.7
 scores 18 points more held-out pass@1 than at 1, while per-token policy-gradient pushes add up to
 that global sharpening only slowly, because on a failed rollout most pushed tokens are ordinary
-ones. The output head is linear and bias-free, so scaling the final norm's gains w by e^s
-scales every logit by e^s, and the reward's gradient with respect to s (at s = 0) is
-Σ_i w_i ∂L/∂w_i, which the step's backward pass has already computed. `LogitScale` takes its own
-Adam step on s from that and folds e^s into the gains: no new tensor, so checkpoints, published
-weights and Hugging Face exports stay a plain model. Whether it sharpens or flattens is the
-reward's call, step by step; its state (moments, total) lives in the trainer's checkpoint.
+ones. The output head is linear and bias-free, so scaling the final norm's gains by e^s scales
+every logit by e^s. `LogitScale` takes its own Adam step on s and folds e^s into the gains: no
+new tensor, so checkpoints, published weights and Hugging Face exports stay a plain model.
+Whether it sharpens or flattens is the reward's call, step by step: its gradient is the
+policy-gradient term's derivative along s (`LossStats.scale_gradient`, from the logprobs and
+entropies the loss already has), unclipped, since PPO's clip would pull the scale back to the
+rollouts' own after each step. Its state (moments, total) lives in the trainer's checkpoint.
 """
 
 from __future__ import annotations
@@ -20,11 +21,6 @@ from typing import Any
 import torch
 
 from whetstone.errors import CheckpointError
-
-
-def _scalar(value: torch.Tensor) -> float:
-    """A 0-d result as a float; a sharded (FSDP2 DTensor) sum is gathered over ranks first."""
-    return float(value.full_tensor() if hasattr(value, "full_tensor") else value)
 
 
 @dataclass
@@ -40,13 +36,6 @@ class LogitScale:
     steps: int = 0
     log_scale: float = 0.0
     """Σ of the steps taken: the logits are e^log_scale times what they were at the start."""
-
-    def gradient(self, model: torch.nn.Module) -> float:
-        """dL/ds at s = 0 from the gains' gradient of the backward just done (0 without one)."""
-        gains = model.norm.weight
-        if gains.grad is None:
-            return 0.0
-        return _scalar((gains.detach() * gains.grad).sum())
 
     def step(self, model: torch.nn.Module, grad: float) -> float:
         """One Adam step on s for gradient `grad` (at the constant `lr`: the optimizer's warmup

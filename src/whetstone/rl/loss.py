@@ -92,6 +92,9 @@ class LossStats:
     ref_k3: float = 0.0
     entropy: float = 0.0
     """Σ of the trained tokens' entropies (nats), when the trainer computed them."""
+    scale_gradient: float = 0.0
+    """d(policy-gradient term)/ds for logits scaled by e^s, without the clip (`rl.logit_scale`);
+    needs the entropies."""
     abs_diff: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
     """|logπ_θ − logπ_behavior| of every trained token (for p99 and max)."""
 
@@ -102,7 +105,7 @@ class LossStats:
             masked=sum(p.masked for p in parts), truncated=sum(p.truncated for p in parts),
             forking_dropped=sum(p.forking_dropped for p in parts),
             mismatch_k3=sum(p.mismatch_k3 for p in parts), ref_k3=sum(p.ref_k3 for p in parts),
-            entropy=sum(p.entropy for p in parts),
+            entropy=sum(p.entropy for p in parts), scale_gradient=sum(p.scale_gradient for p in parts),
             abs_diff=torch.cat([p.abs_diff for p in parts]) if parts else torch.zeros(0),
         )  # fmt: skip
 
@@ -198,6 +201,26 @@ def policy_loss(
         )  # fmt: skip
         if entropy is not None:
             stats.entropy = float(entropy.detach().float()[trained].sum())
+            stats.scale_gradient = _scale_gradient(logprobs32.detach(), entropy.detach().float(), detached, advantages,
+                                                   trained, kept & ~forking_dropped, config, denominator)  # fmt: skip
         if ref_logprobs is not None:
             stats.ref_k3 = float(k3(logprobs32.detach()[trained], ref_logprobs.float()[trained]).sum())
     return loss, stats
+
+
+def _scale_gradient(logprobs: torch.Tensor, entropy: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
+                    trained: torch.Tensor, kept: torch.Tensor, config: LossConfig, denominator: int) -> float:
+    """The policy-gradient term's derivative along the logits' log-scale s, at the current s.
+
+    With logits v scaled by e^s, d logπ(a)/ds = v_a − E_π[v] = logπ(a) + H(π): no backward needed.
+    Weighted like the surrogate's gradient (truncated importance weight × advantage, same
+    aggregation), but never clipped: the clip is a trust region for the weights, and on the scale
+    it pulls back. After a step that sharpened, confident tokens leave [1 − ε, 1 + ε] first, so
+    what is left unclipped are the tokens that want the scale lower, and the next optimizer step
+    on the same batch undoes the sharpening. The scale's own step size (Adam at a fixed lr) is
+    its trust region.
+    """
+    per_token = -torch.clamp(ratio, max=config.is_cap) * advantages * (logprobs + entropy)
+    if config.aggregation == "sequence":
+        per_token = per_token / trained.sum(dim=-1, keepdim=True).clamp(min=1)
+    return float(torch.where(kept, per_token, torch.zeros_like(per_token)).double().sum() / denominator)

@@ -43,34 +43,38 @@ class RLConfig(Config):
     """Stage 2: asynchronous RL with the trainer, the servers and the orchestrator as processes."""
 
     steps: int = Field(12, ge=1)
-    """Optimizer steps (= batches) of the RL stage. From the 3000-step base, runs gained +14.2 to
-    +21.7 held-out points at 12 steps (eight runs), +18.3 to +23.3 at 16 (three; one took
-    807 s of the 900 allowed, as all-solved groups were dropped) and +9.2 at 14 (one). What
-    decides a run is whether the learned logit scale rises (to 1.3-1.9 in the good runs, 1.11-1.23
-    in the two under the goal), not the step count (docs/run.md, session 13)."""
+    """Optimizer steps (= batches) of the RL stage. From the 3000-step base, on the 200 x 2
+    held-out evaluation, 12 steps of the recipes near this default gained +11.8 to +14.2 points
+    (session 14, six runs) and 20 steps +13.0: more steps do not add here, they only wait longer
+    for groups that are not all solved (docs/run.md)."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4, optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
-        optimizer_steps_per_batch=4, loss=LossConfig(aggregation="sequence"), logit_scale_lr=0.1,
+        optimizer_steps_per_batch=4, loss=LossConfig(aggregation="sequence"), logit_scale_lr=0.03,
     )  # fmt: skip
     """The trainer (its paths are set by the pipeline; `max_steps` = `steps`): four optimizer
     steps per batch, a per-sample loss mean (failed rollouts ramble; under a token mean they
     outweighed the solved ones), and the learned logit scale (`logit_scale_lr`, rl/logit_scale.py):
     RL at this scale mostly has to sharpen the policy, and one scalar the reward's gradient moves
     does that where ~400 rollouts of per-token pushes do not. The weights learn at 1e-4: at 3e-4
-    their updates cost 7.5 held-out points against the sharpening alone. From the cold run's base
-    (0.287 on 400 held-out rollouts) 12 steps reach 0.477 with a scale lr of 0.05 and 0.510 with
-    0.1 (docs/run.md, session 8)."""
+    their updates cost 7.5 held-out points against the sharpening alone (session 8), at 2e-4
+    they gained +5.5 where 1e-4 gained +13 (session 14). The scale learns at 0.03: its gradient
+    is unclipped (session 14), so it rises steadily (to ~1.7 in 12 steps); at 0.05 it reached 2.5
+    and each batch then waited for 5-20 groups to find 4 not all solved (RL 420 s against 172 s),
+    at 0.1 it overshot to 2.5 and fell back to 1.1 (+8.0 held-out points)."""
     orchestrator: OrchestratorConfig = OrchestratorConfig(
-        tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1)),
+        tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1, min_difficulty=2)),
         rollout=RolloutConfig(concurrency=12), group_size=8, groups_per_batch=4,
         advantages=AdvantageConfig(negative_weight=0.2),
     )  # fmt: skip
-    """The orchestrator (its servers, stores and metrics path are set by the pipeline). Negative
-    advantages count a fifth (`advantages.negative_weight`): pushing down the sampled tokens of
-    failed rollouts spreads probability over the rest, and at ~400 rollouts that flattening
-    outweighed what RL taught. Measured from the same base on 400 held-out rollouts (docs/run.md,
-    session 7): 0.410 before; after RL 0.415 with full negatives (one run), 0.460 without any,
-    0.495 and 0.435 at 0.2: a few points, about the spread between repeated runs."""
+    """The orchestrator (its servers, stores and metrics path are set by the pipeline). RL trains on
+    two-step train tasks only: the mid-trained model solves nearly every one-step train task (their
+    groups are all solved and dropped), so with them each batch waited for more groups (RL 244 s
+    against 172 s at the same recipe, session 14). Negative advantages count a fifth
+    (`advantages.negative_weight`): pushing down the sampled tokens of failed rollouts spreads
+    probability over the rest, and at ~400 rollouts that flattening outweighed what RL taught.
+    Measured from the same base on 400 held-out rollouts (docs/run.md, session 7): 0.410 before;
+    after RL 0.415 with full negatives (one run), 0.460 without any, 0.495 and 0.435 at 0.2: a few
+    points, about the spread between repeated runs."""
     sync_timeout_s: float = Field(120.0, gt=0)
     """After the last step, how long the servers may take to load the final version."""
 
@@ -137,11 +141,13 @@ class PipelineConfig(Config):
     rl: RLConfig = RLConfig()
     """Stage 2: asynchronous RL."""
     eval: EvalConfig = EvalConfig(
-        tasks=TasksConfig(synth=SynthConfig(split="heldout", count=60, seed=0)), samples=2, k=[1, 2],
+        tasks=TasksConfig(synth=SynthConfig(split="heldout", count=200, seed=0)), samples=2, k=[1, 2],
         rollout=RolloutConfig(concurrency=12),
     )  # fmt: skip
     """Held-out evaluation before and after RL (endpoint, harness and output folder are set by
-    the pipeline)."""
+    the pipeline): 200 tasks x 2 rollouts, ~40 s each on 2 cores. Until session 13 it was the
+    first 60 of these tasks, on which RL gained 5-14 points more than on the other 140 in every
+    run of session 14 (docs/run.md): a lucky draw of tasks, not a property of the recipe."""
     placement: PlacementConfig = PlacementConfig()
     """CPU cores of the roles the pipeline starts (evaluations run in the pipeline's own process)."""
     rl_enabled: bool = True

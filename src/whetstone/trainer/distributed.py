@@ -129,15 +129,18 @@ def reduce_step_stats(loss: float, stats: LossStats, routing: RoutingStats) -> t
     if world()[1] == 1:
         return loss, stats, routing
     # float64 adds counts up to 2^53 exactly.
-    sums = torch.tensor([loss, stats.tokens, stats.clipped, stats.masked, stats.truncated, stats.mismatch_k3,
-                         stats.ref_k3, routing.choices, routing.disagreed, routing.tokens, routing.tokens_disagreed],
+    sums = torch.tensor([loss, stats.tokens, stats.clipped, stats.masked, stats.truncated, stats.forking_dropped,
+                         stats.mismatch_k3, stats.ref_k3, stats.entropy, stats.scale_gradient, routing.choices,
+                         routing.disagreed, routing.tokens, routing.tokens_disagreed],
                         dtype=torch.float64, device=device())  # fmt: skip
     dist.all_reduce(sums)
     diffs: list[Any] = [None] * world()[1]
     dist.all_gather_object(diffs, stats.abs_diff)
-    (loss, tokens, clipped, masked, truncated, mismatch_k3, ref_k3, *route_counts) = sums.tolist()
+    (loss, tokens, clipped, masked, truncated, forking_dropped, mismatch_k3, ref_k3, entropy, scale_gradient,
+     *route_counts) = sums.tolist()  # fmt: skip
     stats = LossStats(tokens=int(tokens), clipped=int(clipped), masked=int(masked), truncated=int(truncated),
-                      mismatch_k3=mismatch_k3, ref_k3=ref_k3, abs_diff=torch.cat(diffs))  # fmt: skip
+                      forking_dropped=int(forking_dropped), mismatch_k3=mismatch_k3, ref_k3=ref_k3, entropy=entropy,
+                      scale_gradient=scale_gradient, abs_diff=torch.cat(diffs))  # fmt: skip
     return loss, stats, RoutingStats(*(int(count) for count in route_counts))
 
 

@@ -150,10 +150,9 @@ def train_step(
     if not math.isfinite(loss_total):
         optimizer.zero_grad(set_to_none=True)
         raise WhetstoneError(f"batch {batch.meta.get('index', '?')}: the loss is {loss_total}; weights left unchanged")
-    scale_grad = logit_scale.gradient(model) if logit_scale is not None else 0.0
     grad_norm = clip_and_step(model, optimizer, lr, grad_clip)
     metrics = {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, **stats.metrics(), **routing.metrics()}
     if logit_scale is not None:
-        logit_scale.step(model, scale_grad)
-        metrics.update(logit_scale=math.exp(logit_scale.log_scale), logit_scale_grad=scale_grad)
+        logit_scale.step(model, stats.scale_gradient)
+        metrics.update(logit_scale=math.exp(logit_scale.log_scale), logit_scale_grad=stats.scale_gradient)
     return metrics
