@@ -137,9 +137,10 @@ class OnlineConfig(Config):
     """AdamW at a constant learning rate (online RL has no end)."""
     logit_scale_lr: float = Field(0.1, ge=0.0)
     """Learning rate of the learned global sharpness (`rl.logit_scale`, as the RL trainer's
-    `logit_scale_lr`): one Adam step on the log-scale of the logits per update; 0 = off. 0.1 as
-    in the embedded RL default: with it, `whetstone bench online` moved the mid-trained model
-    toward the users' taste, without it not (docs/online.md)."""
+    `logit_scale_lr`): one Adam step on the log-scale of the logits per update; 0 = off. With 0.1,
+    `whetstone bench online` moved the mid-trained model toward the users' taste, without it
+    not (docs/online.md). One step per update, against the embedded RL run's four per batch
+    (where 0.03 keeps its unclipped gradient from overshooting)."""
     router_replay: bool = True
     """Replay the served routes in the trainer's forward (MoE models)."""
     micro_batch_size: int = Field(8, ge=1)
