@@ -216,8 +216,8 @@ def _scale_gradient(logprobs: torch.Tensor, entropy: torch.Tensor, ratio: torch.
     Weighted like the surrogate's gradient (truncated importance weight × advantage, same
     aggregation), but never clipped: the clip is a trust region for the weights, and on the scale
     it pulls back. After a step that sharpened, confident tokens leave [1 − ε, 1 + ε] first, so
-    what is left unclipped are the tokens that want the scale lower, and the next optimizer step
-    on the same batch undoes the sharpening. The scale's own step size (Adam at a fixed lr) is
+    what is left unclipped are the tokens that want the scale lower, and the next optimizer steps
+    on the same batch pull it back. The scale's own step size (Adam at a fixed lr) is
     its trust region.
     """
     per_token = -torch.clamp(ratio, max=config.is_cap) * advantages * (logprobs + entropy)
