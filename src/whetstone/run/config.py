@@ -45,7 +45,7 @@ class RLConfig(Config):
     steps: int = Field(16, ge=1)
     """Optimizer steps (= batches) of the RL stage. From the 3000-step base, on the 200 x 2
     held-out evaluation, this recipe gained +15.0 to +16.0 points in 16 steps (three runs, RL 249-284
-    s; two cold README runs +18.8 and +12.5: one run of five under 15) and +14.2 in 12 (two runs,
+    s; three cold README runs +18.8, +12.5 and +15.3: one run of six under 15) and +14.2 in 12 (two runs,
     170 s); recipes that kept one-step tasks gained no more at 20 steps
     (+13.0) than at 12, and waited longer for groups not all solved (docs/run.md, session 14)."""
     trainer: TrainerConfig = TrainerConfig(
