@@ -187,8 +187,9 @@ def policy_loss(
     if config.entropy_coef != 0:
         per_token = per_token - config.entropy_coef * entropy.float()
     kept = trained & ~masked
+    lengths = trained.sum(dim=-1, keepdim=True).clamp(min=1)  # each row's trained tokens
     if config.aggregation == "sequence":
-        per_token = per_token / trained.sum(dim=-1, keepdim=True).clamp(min=1)
+        per_token = per_token / lengths
     denominator = max(step_normalizer(loss_mask, config.aggregation) if normalizer is None else normalizer, 1)
     loss = torch.where(kept, per_token, torch.zeros_like(per_token)).sum() / denominator
 
@@ -202,14 +203,14 @@ def policy_loss(
         if entropy is not None:
             stats.entropy = float(entropy.detach().float()[trained].sum())
             stats.scale_gradient = _scale_gradient(logprobs32.detach(), entropy.detach().float(), detached, advantages,
-                                                   trained, kept & ~forking_dropped, config, denominator)  # fmt: skip
+                                                   lengths, kept & ~forking_dropped, config, denominator)  # fmt: skip
         if ref_logprobs is not None:
             stats.ref_k3 = float(k3(logprobs32.detach()[trained], ref_logprobs.float()[trained]).sum())
     return loss, stats
 
 
 def _scale_gradient(logprobs: torch.Tensor, entropy: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
-                    trained: torch.Tensor, kept: torch.Tensor, config: LossConfig, denominator: int) -> float:
+                    lengths: torch.Tensor, kept: torch.Tensor, config: LossConfig, denominator: int) -> float:
     """The policy-gradient term's derivative along the logits' log-scale s, at the current s.
 
     With logits v scaled by e^s, d logπ(a)/ds = v_a − E_π[v] = logπ(a) + H(π): no backward needed.
@@ -222,5 +223,5 @@ def _scale_gradient(logprobs: torch.Tensor, entropy: torch.Tensor, ratio: torch.
     """
     per_token = -torch.clamp(ratio, max=config.is_cap) * advantages * (logprobs + entropy)
     if config.aggregation == "sequence":
-        per_token = per_token / trained.sum(dim=-1, keepdim=True).clamp(min=1)
+        per_token = per_token / lengths
     return float(torch.where(kept, per_token, torch.zeros_like(per_token)).double().sum() / denominator)

@@ -44,9 +44,9 @@ class RLConfig(Config):
 
     steps: int = Field(16, ge=1)
     """Optimizer steps (= batches) of the RL stage. From the 3000-step base, on the 200 x 2
-    held-out evaluation, this recipe gained +15.0 to +16.0 points in 16 steps (three runs, RL 249-284
-    s; three cold README runs +18.8, +12.5 and +15.3: one run of six under 15) and +14.2 in 12 (two runs,
-    170 s); recipes that kept one-step tasks gained no more at 20 steps
+    held-out evaluation, this recipe gained +15.0 to +16.0 points in 16 steps (three RL-only runs,
+    RL 249-284 s; three cold README runs +18.8, +12.5 and +15.3: one run of six under 15) and
+    +14.2 in 12 (two runs, 170 s). Recipes that kept one-step tasks gained no more at 20 steps
     (+13.0) than at 12, and waited longer for groups not all solved (docs/run.md, session 14)."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4, optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
@@ -60,7 +60,7 @@ class RLConfig(Config):
     their updates cost 7.5 held-out points against the sharpening alone (session 8), at 2e-4
     they gained +5.5 where 1e-4 gained +13 (session 14). The scale learns at 0.03: its gradient
     is unclipped (session 14), so it rises steadily (to ~1.7 in 12 steps); at 0.05 it reached 2.5
-    and each batch then waited for 5-20 groups to find 4 not all solved (RL 420 s against 172 s),
+    and late batches waited for up to 96 groups to find 4 not all solved (RL 420 s against 172 s),
     at 0.1 it overshot to 2.5 and fell back to 1.1 (+8.0 held-out points)."""
     orchestrator: OrchestratorConfig = OrchestratorConfig(
         tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1, min_difficulty=2)),
@@ -68,9 +68,9 @@ class RLConfig(Config):
         advantages=AdvantageConfig(negative_weight=0.2),
     )  # fmt: skip
     """The orchestrator (its servers, stores and metrics path are set by the pipeline). RL trains on
-    two-step train tasks only: the mid-trained model solves nearly every one-step train task (their
-    groups are all solved and dropped), so with them each batch waited for more groups (RL 244 s
-    against 172 s at the same recipe, session 14). Negative advantages count a fifth
+    two-step train tasks only: with one-step tasks in the mix, more groups came back all solved
+    and were dropped, and the batches waited longer (2,184 rollouts and 244 s of RL against 1,440
+    and 172 s at the same recipe, session 14). Negative advantages count a fifth
     (`advantages.negative_weight`): pushing down the sampled tokens of failed rollouts spreads
     probability over the rest, and at ~400 rollouts that flattening outweighed what RL taught.
     Measured from the same base on 400 held-out rollouts (docs/run.md, session 7): 0.410 before;
