@@ -5,7 +5,8 @@ import tempfile
 
 import pytest
 
-from whetstone.envs.grading import changes_diff, compiled_runner, grade, workspace_changes
+from whetstone.envs import grade_runner
+from whetstone.envs.grading import changes_diff, compiled_runner, encode_paths, grade, workspace_changes
 from whetstone.envs.reward import Effort, RewardConfig, combine, effort_penalty
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
 from whetstone.envs.task import Task
@@ -157,3 +158,26 @@ def test_the_runner_runs_as_bytecode_compiled_once_per_process():
     for name in ("grade_runner.pyc", "plain_tests.pyc"):
         assert (directory / name).read_bytes()[:4] == importlib.util.MAGIC_NUMBER  # this interpreter's
     assert sorted(p.name for p in directory.iterdir()) == ["grade_runner.pyc", "plain_tests.pyc"]  # no source
+
+
+LEAN_TEST = (  # getattr: a test file that names `modules` is left to pytest, which imports them all
+    "import sys\n\n\ndef test_runner_loaded_no_parser_or_collections():\n"
+    "    assert not {'ast', 'importlib.util', 'collections', 'json', 're'} & set(getattr(sys, 'modules'))\n"
+)
+
+
+@pytest.mark.parametrize("sandboxed", [True, False])
+def test_the_grading_process_imports_no_module_it_does_not_need(sandboxed):
+    # Each of these costs 2-8 ms of CPU in every grading sandbox (docs/sandbox.md). The hidden test
+    # runs in the runner's process, so it sees what the runner and plain_tests imported.
+    task = bugfix_task(hidden_tests={"test_lean.py": LEAN_TEST}, fail_to_pass=[], pass_to_pass=[])
+    config = RewardConfig(sandbox=SandboxConfig(unsandboxed=not sandboxed))
+    result = grade(task, task.solution_files, config)
+    assert result.tests == {"test_lean.py::test_runner_loaded_no_parser_or_collections": "passed"}
+
+
+def test_path_lists_reach_the_runner_intact(monkeypatch):
+    paths = ["test_a.py", "dir with space/test b.py", "new\nline.py", "caf\u00e9.py", "bad\udcff.py"]
+    monkeypatch.setenv("WHETSTONE_GUARDED", encode_paths(paths))
+    assert grade_runner._paths("WHETSTONE_GUARDED") == paths
+    assert "WHETSTONE_GUARDED" not in __import__("os").environ  # removed before graded code runs

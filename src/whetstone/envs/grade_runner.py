@@ -18,24 +18,29 @@ pytest. It differs from `python -m pytest` in five ways that the graded code can
   flagged (`test_replaced`).
 
 Environment (removed before any graded code runs): WHETSTONE_RESULTS (path), WHETSTONE_TOKEN,
-WHETSTONE_GUARDED (a Python literal: list of hidden test paths), WHETSTONE_TEST_CODE (the same:
-the files that are test code, hidden tests and the repository's own test files the agent did not
-change). Result lines are Python literals too: `json` would import `re` and cost ~4 ms of CPU in
-every grading sandbox. The grader runs this file and `plain_tests` as bytecode compiled once
+WHETSTONE_GUARDED (the hidden test paths), WHETSTONE_TEST_CODE (the files that are test code:
+hidden tests and the repository's own test files the agent did not change); each list is one
+path per line, hex-encoded (`grading.encode_paths`), which any path survives and no parser
+module is needed to read. Result lines are Python literals (`repr`): `json` would import `re`
+and `ast` its own imports, ~4-7 ms of CPU in every grading sandbox. The grader runs this file and `plain_tests` as bytecode compiled once
 (grading.compiled_runner): the read-only mount cannot hold a bytecode cache.
 """
 
 import os
 import sys
-from ast import literal_eval
+
+
+def _paths(variable: str) -> list[str]:
+    """A path list from the environment (`grading.encode_paths`), removing the variable."""
+    return [bytes.fromhex(line).decode("utf-8", "surrogateescape") for line in os.environ.pop(variable).split()]
 
 
 def _main() -> int:
     results_fd = os.open(os.environ.pop("WHETSTONE_RESULTS"), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
     token = os.environ.pop("WHETSTONE_TOKEN")
     workspace = os.getcwd()
-    guarded = {os.path.realpath(p) for p in literal_eval(os.environ.pop("WHETSTONE_GUARDED"))}
-    test_code = {os.path.realpath(p) for p in literal_eval(os.environ.pop("WHETSTONE_TEST_CODE"))} | guarded
+    guarded = {os.path.realpath(p) for p in _paths("WHETSTONE_GUARDED")}
+    test_code = {os.path.realpath(p) for p in _paths("WHETSTONE_TEST_CODE")} | guarded
 
     dumps, write = repr, os.write  # bound now: graded code may replace the modules' attributes
 

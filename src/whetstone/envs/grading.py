@@ -187,8 +187,8 @@ def _run_tests(
     env = {
         "WHETSTONE_RESULTS": f"{_seen_from(sandbox, results)}/results.txt",
         "WHETSTONE_TOKEN": token,
-        "WHETSTONE_GUARDED": repr(sorted(task.hidden_tests)),
-        "WHETSTONE_TEST_CODE": repr(test_code),
+        "WHETSTONE_GUARDED": encode_paths(sorted(task.hidden_tests)),
+        "WHETSTONE_TEST_CODE": encode_paths(test_code),
         # Only plugins named on the command line (`-p module`) load: nothing the workspace could
         # register through package metadata, and no second of hypothesis start-up per grade.
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
@@ -201,6 +201,12 @@ def _run_tests(
     if finished is None and not run.limits_hit and 0 <= run.exit_code < 128:
         flags.append(f"early_exit: the test process exited (code {run.exit_code}) before pytest finished")
     return outcomes, flags, run
+
+
+def encode_paths(paths: list[str]) -> str:
+    """A path list for the runner's environment: one hex-encoded path per line (any path, even one
+    with a newline, and read without a parser module in the sandbox)."""
+    return "\n".join(path.encode("utf-8", "surrogateescape").hex() for path in paths)
 
 
 @functools.cache

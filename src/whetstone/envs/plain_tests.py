@@ -28,11 +28,14 @@ nothing on stdout, meaning "run pytest".
 
 from __future__ import annotations
 
-import ast
+import _ast  # the node classes and the parser flag without `ast`'s imports (~7 ms of CPU per sandbox)
 import os
 import sys
 import types  # not inspect: its import is ~15 ms of CPU in every grading sandbox
-from collections.abc import Callable
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:  # `collections.abc` pulls in `collections`: ~2 ms of CPU per sandbox, for annotations only
+    from collections.abc import Callable
 
 REPORT_FLAGS = {"-q", "-rA", "-p no:cacheprovider"}
 REPORT_PREFIXES = ("--tb=", "--rootdir=")
@@ -85,64 +88,82 @@ def _files(targets: list[str]) -> list[str]:
 def _plain_source(path: str) -> bool:
     try:
         with open(path, "rb") as handle:
-            tree = ast.parse(handle.read(), path)
+            tree = compile(handle.read(), path, "exec", _ast.PyCF_ONLY_AST, dont_inherit=True)
     except (OSError, SyntaxError, ValueError):
         return False  # pytest reports these its own way
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.ClassDef, ast.Global, ast.Nonlocal)):
+    for node in _nodes(tree):
+        if isinstance(node, (_ast.ClassDef, _ast.Global, _ast.Nonlocal)):
             return False
-        if isinstance(node, ast.Name) and node.id in FORBIDDEN_NAMES:
+        if isinstance(node, _ast.Name) and node.id in FORBIDDEN_NAMES:
             return False
-        if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_NAMES:
+        if isinstance(node, _ast.Attribute) and node.attr in FORBIDDEN_NAMES:
             return False
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
+        if isinstance(node, (_ast.Import, _ast.ImportFrom)):
             module = getattr(node, "module", None) or ""
             names = [alias.name for alias in node.names] + [alias.asname or "" for alias in node.names]
             if any(n.split(".")[0] in FORBIDDEN_NAMES or n == "*" for n in [module, *names]):
                 return False
     for node in _module_level(tree):
-        if isinstance(node, ast.AsyncFunctionDef) and node.name.lower().startswith("test"):
+        if isinstance(node, _ast.AsyncFunctionDef) and node.name.lower().startswith("test"):
             return False
-        if isinstance(node, ast.FunctionDef) and node.name.startswith("test") and not _plain_test(node):
+        if isinstance(node, _ast.FunctionDef) and node.name.startswith("test") and not _plain_test(node):
             return False
         bound = _bound_names(node)
         if any(name in FORBIDDEN_NAMES for name in bound):
             return False  # e.g. `def setup_module():`, which pytest would call
         if any(name.lower().startswith("test") for name in bound) and not (
-                isinstance(node, ast.FunctionDef) and node in tree.body):
+                isinstance(node, _ast.FunctionDef) and node in tree.body):
             return False  # a test bound any other way than a top-level def
     return True
 
 
-def _module_level(tree: ast.Module):
+def _children(node: _ast.AST) -> list[_ast.AST]:
+    """The direct child nodes of `node` (`ast.iter_child_nodes`)."""
+    children = []
+    for field in node._fields:
+        value = getattr(node, field, None)
+        children += [item for item in (value if isinstance(value, list) else [value]) if isinstance(item, _ast.AST)]
+    return children
+
+
+def _nodes(tree: _ast.AST):
+    """Every node of `tree`, itself included, in no particular order (`ast.walk`)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        stack.extend(_children(node))
+
+
+def _module_level(tree: _ast.Module):
     """Every node that runs in the module's own namespace (not inside a function body)."""
     stack = list(tree.body)
     while stack:
         node = stack.pop()
         yield node
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
-            stack.extend(ast.iter_child_nodes(node))
+        if not isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.Lambda)):
+            stack.extend(_children(node))
 
 
-def _bound_names(node: ast.AST) -> list[str]:
-    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+def _bound_names(node: _ast.AST) -> list[str]:
+    if isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef)):
         return [node.name]
-    if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+    if isinstance(node, _ast.Name) and isinstance(node.ctx, _ast.Store):
         return [node.id]
-    if isinstance(node, (ast.Import, ast.ImportFrom)):
+    if isinstance(node, (_ast.Import, _ast.ImportFrom)):
         return [(alias.asname or alias.name).split(".")[0] for alias in node.names]
-    if isinstance(node, ast.MatchAs | ast.MatchStar) and node.name:
+    if isinstance(node, _ast.MatchAs | _ast.MatchStar) and node.name:
         return [node.name]
     return []
 
 
-def _plain_test(node: ast.FunctionDef) -> bool:
+def _plain_test(node: _ast.FunctionDef) -> bool:
     arguments = node.args
     if node.decorator_list or arguments.args or arguments.posonlyargs or arguments.kwonlyargs:
         return False
     if arguments.vararg or arguments.kwarg:
         return False
-    yields = [n for n in ast.walk(node) if isinstance(n, (ast.Yield, ast.YieldFrom, ast.Await))]
+    yields = [n for n in _nodes(node) if isinstance(n, (_ast.Yield, _ast.YieldFrom, _ast.Await))]
     return not yields  # a generator is not a test function to pytest
 
 
@@ -154,7 +175,7 @@ def run(targets: list[str], report: Callable[[str, str], None],
 
     With `explain`, each failure and collection error also gets `explain(test_id or file, text)`:
     a `--tb=short`-like traceback (`_explanation`); test modules are then loaded with their plain
-    asserts rewritten to name the values compared (`_AssertExplainer`), as pytest does.
+    asserts rewritten to name the values compared (`_explained_code`), as pytest does.
 
     With `trusted` (grading), the test files run as the code compiled before any graded code
     ran, and each test defined in them is called from that code, whatever the module holds by
@@ -203,21 +224,22 @@ def run(targets: list[str], report: Callable[[str, str], None],
 def _import(name: str, explained: bool = False, code=None):
     """Import test file `name` as pytest would; with `explained`, its asserts rewritten; with
     `code`, that module code (compiled from the file earlier) instead of the file's text now."""
-    import importlib.util
+    import importlib
+    import importlib.machinery
+    from importlib._bootstrap import module_from_spec  # importlib.util's, without util's ~4 ms of imports
 
     module_name = name[: -len(".py")]
     sys.modules.pop(module_name, None)
     if not explained and code is None:
         module = importlib.import_module(module_name)
     else:  # what the import system does, with our own code object
-        spec = importlib.util.find_spec(module_name)
+        spec = importlib.machinery.PathFinder.find_spec(module_name)  # sys.path, like the import below
         if spec is None or spec.origin is None or not spec.origin.endswith(".py"):
             raise ImportError(f"{module_name} is not {name}")
-        module = importlib.util.module_from_spec(spec)
+        module = module_from_spec(spec)
         if code is None:
             with open(spec.origin, "rb") as handle:
-                tree = _AssertExplainer().visit(ast.parse(handle.read(), spec.origin))
-            code = compile(ast.fix_missing_locations(tree), spec.origin, "exec", dont_inherit=True)
+                code = _explained_code(handle.read(), spec.origin)
         sys.modules[module_name] = module
         try:
             exec(code, module.__dict__)
@@ -283,40 +305,48 @@ def defined_code(module_code, qualname: str):
     return found
 
 
-class _AssertExplainer(ast.NodeTransformer):
-    """`assert a == b` becomes: evaluate a, then b (once each, in Python's order), and if the
-    comparison fails raise `AssertionError("assert <repr a> == <repr b>")`; `assert x` likewise
-    names x's value (a chained comparison: its result). Asserts with a message are left as they are."""
+def _explained_code(source: bytes, path: str):
+    """The module compiled with its plain asserts rewritten to name the values they compare, as
+    pytest does. `ast` is imported only here: grading never explains, and the import costs ~7 ms."""
+    import ast
 
-    OPERATORS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
-                 ast.Is: "is", ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}  # fmt: skip
+    class AssertExplainer(ast.NodeTransformer):
+        """`assert a == b` becomes: evaluate a, then b (once each, in Python's order), and if the
+        comparison fails raise `AssertionError("assert <repr a> == <repr b>")`; `assert x` likewise
+        names x's value (a chained comparison: its result). Asserts with a message are left as they are."""
 
-    def __init__(self) -> None:
-        self.count = 0
+        OPERATORS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
+                     ast.Is: "is", ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}  # fmt: skip
 
-    def _name(self, suffix: str, ctx) -> ast.Name:
-        return ast.Name(f"_plain_tests_value_{self.count}{suffix}", ctx)
+        def __init__(self) -> None:
+            self.count = 0
 
-    def visit_Assert(self, node: ast.Assert):
-        if node.msg is not None:
-            return node
-        test = node.test
-        self.count += 1
-        if isinstance(test, ast.Compare) and len(test.ops) == 1:
-            operands = [test.left, test.comparators[0]]
-            assigns = [ast.Assign([self._name(side, ast.Store())], value) for side, value in zip("lr", operands)]
-            left, right = self._name("l", ast.Load()), self._name("r", ast.Load())
-            condition = ast.Compare(left, test.ops, [right])
-            parts = [left, ast.Constant(f" {self.OPERATORS[type(test.ops[0])]} "), right]
-        else:
-            assigns = [ast.Assign([self._name("", ast.Store())], test)]
-            condition = self._name("", ast.Load())
-            parts = [condition]
-        message = ast.JoinedStr([ast.Constant("assert "), *(
-            ast.FormattedValue(part, ord("r"), None) if isinstance(part, ast.Name) else part for part in parts)])
-        raise_ = ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [message], []), None)
-        statements = [*assigns, ast.If(ast.UnaryOp(ast.Not(), condition), [raise_], [])]
-        return [ast.copy_location(statement, node) for statement in statements]
+        def _name(self, suffix: str, ctx) -> ast.Name:
+            return ast.Name(f"_plain_tests_value_{self.count}{suffix}", ctx)
+
+        def visit_Assert(self, node: ast.Assert):
+            if node.msg is not None:
+                return node
+            test = node.test
+            self.count += 1
+            if isinstance(test, ast.Compare) and len(test.ops) == 1:
+                operands = [test.left, test.comparators[0]]
+                assigns = [ast.Assign([self._name(side, ast.Store())], value) for side, value in zip("lr", operands)]
+                left, right = self._name("l", ast.Load()), self._name("r", ast.Load())
+                condition = ast.Compare(left, test.ops, [right])
+                parts = [left, ast.Constant(f" {self.OPERATORS[type(test.ops[0])]} "), right]
+            else:
+                assigns = [ast.Assign([self._name("", ast.Store())], test)]
+                condition = self._name("", ast.Load())
+                parts = [condition]
+            message = ast.JoinedStr([ast.Constant("assert "), *(
+                ast.FormattedValue(part, ord("r"), None) if isinstance(part, ast.Name) else part for part in parts)])
+            raise_ = ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [message], []), None)
+            statements = [*assigns, ast.If(ast.UnaryOp(ast.Not(), condition), [raise_], [])]
+            return [ast.copy_location(statement, node) for statement in statements]
+
+    tree = AssertExplainer().visit(ast.parse(source, path))
+    return compile(ast.fix_missing_locations(tree), path, "exec", dont_inherit=True)
 
 
 def _explanation(error: BaseException, output: str) -> str:
