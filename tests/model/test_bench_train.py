@@ -15,8 +15,22 @@ def test_both_start_from_the_same_weights_and_batches(make_config):
     assert result["first_loss"]["whetstone"] == pytest.approx(result["first_loss"]["hf"], abs=1e-4)
     assert result["last_loss"]["whetstone"] == pytest.approx(result["last_loss"]["hf"], abs=1e-3)
     assert result["hf_experts_implementation"] == "grouped_mm"
-    for key in ("whetstone_tokens_per_s", "hf_tokens_per_s", "speedup_vs_hf", "speedup_cpu_time"):
+    for key in ("whetstone_tokens_per_s", "hf_tokens_per_s", "speedup_vs_hf", "speedup_cpu_time", "speedup_ceiling"):
         assert result[key] > 0
+    assert 0 < result["dense_kernel_share"] < 1
+
+
+def test_dense_kernel_time_counts_matmuls_and_attention_only():
+    import torch
+
+    from whetstone.bench.kernels import dense_kernel_seconds
+
+    a = torch.randn(256, 256)
+    assert dense_kernel_seconds(lambda: (a * 2).exp().sum(), calls=3) == 0.0  # elementwise only
+    assert dense_kernel_seconds(lambda: a @ a) > 0
+    q = torch.randn(1, 2, 64, 32, requires_grad=True)
+    attention = dense_kernel_seconds(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q).sum().backward())
+    assert attention > 0
 
 
 def test_bad_arguments_are_named():

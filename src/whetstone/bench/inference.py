@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from whetstone.bench.kernels import dense_kernel_seconds
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.sampling import SamplingParams
@@ -70,7 +71,9 @@ def throughput(model: Transformer, hf_dir: Path, batch: int, prompt_tokens: int,
             if round_:
                 best[name] = min(best[name], time.perf_counter() - started)
     agree = sum(a == b for x, y in zip(tokens["ours"], tokens["hf"]) for a, b in zip(x, y)) / (batch * new_tokens)
-    return {"whetstone": batch * new_tokens / best["ours"], "hf": batch * new_tokens / best["hf"], "agree": agree}
+    dense = dense_kernel_seconds(ours)
+    return {"whetstone": batch * new_tokens / best["ours"], "hf": batch * new_tokens / best["hf"], "agree": agree,
+            "dense_share": dense / best["ours"], "ceiling": best["hf"] / dense}
 
 
 @contextmanager
@@ -211,6 +214,10 @@ def run(threads: int = 1, prompt_tokens: int = 64, new_tokens: int = 128, repeat
         "hf_tokens_per_s": {"batch_1": round(speed[1]["hf"], 1), "batch_16": round(speed[16]["hf"], 1)},
         "speedup_vs_hf": round(speed[16]["whetstone"] / speed[16]["hf"], 2),
         "speedup_vs_hf_batch_1": round(speed[1]["whetstone"] / speed[1]["hf"], 2),
+        # Share of whetstone's batch-16 generation spent in matmuls and fused attention, and the
+        # speedup if all else took no time (bench/kernels.py): transformers runs the same products.
+        "dense_kernel_share_batch_16": round(speed[16]["dense_share"], 3),
+        "speedup_ceiling": round(speed[16]["ceiling"], 2),
         "tokens_match_hf": round(min(speed[1]["agree"], speed[16]["agree"]), 4),
         "interactive_p99_ms_idle": round(users["idle"], 1),
         "interactive_p99_ms_loaded": round(users["loaded"], 1),

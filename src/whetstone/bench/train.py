@@ -6,7 +6,9 @@ and optimizer (AdamW, forward + backward + step). Each does what its library doe
 transformers with its standard loss (`labels=`, router aux loss included) and its default
 experts and attention implementations; whetstone with its target-logprob head and aux loss.
 Rounds interleave the two (alternating who goes first) so that load from other processes on
-shared cores hits both alike; warm-up steps are excluded.
+shared cores hits both alike; warm-up steps are excluded. `speedup_ceiling` is transformers'
+step time over the time whetstone's step spends in matmuls and fused attention (`kernels.py`):
+both run the same products, so no change to whetstone's other code could reach past it.
 
     whetstone bench train --json
 """
@@ -21,6 +23,7 @@ from pathlib import Path
 
 import torch
 
+from whetstone.bench.kernels import dense_kernel_seconds
 from whetstone.errors import WhetstoneError
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import save_hf
@@ -120,6 +123,11 @@ def run(
             cpu[name].append(cpu_seconds)
         done += count
 
+    def whetstone_step() -> None:
+        with autocast:
+            _whetstone_step(ours, optimizers["whetstone"], *batches[0])
+
+    dense_s = dense_kernel_seconds(whetstone_step, calls=2)
     tokens = batch_size * seq_len
     rate = {name: tokens * steps / sum(wall[name]) for name in contenders}
     round_ratios = [h / w for w, h in zip(wall["whetstone"], wall["hf"])]
@@ -136,6 +144,10 @@ def run(
         "whetstone_cpu_s_per_step": round(sum(cpu["whetstone"]) / steps, 4),
         "hf_cpu_s_per_step": round(sum(cpu["hf"]) / steps, 4),
         "speedup_cpu_time": round(sum(cpu["hf"]) / sum(cpu["whetstone"]), 3),
+        # Matmuls and fused attention of one whetstone step, and the speedup if all else were free.
+        "whetstone_dense_kernel_s_per_step": round(dense_s, 4),
+        "dense_kernel_share": round(dense_s * rate["whetstone"] / tokens, 3),
+        "speedup_ceiling": round(tokens / rate["hf"] / dense_s, 3),
         "first_loss": {name: round(values[0], 5) for name, values in losses.items()},
         "last_loss": {name: round(values[-1], 5) for name, values in losses.items()},
         "steps": steps,
