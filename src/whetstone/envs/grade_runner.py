@@ -20,10 +20,11 @@ pytest. It differs from `python -m pytest` in five ways that the graded code can
 Environment (removed before any graded code runs): WHETSTONE_RESULTS (path), WHETSTONE_TOKEN,
 WHETSTONE_GUARDED (the hidden test paths), WHETSTONE_TEST_CODE (the files that are test code:
 hidden tests and the repository's own test files the agent did not change); each list is one
-path per line, hex-encoded (`grading.encode_paths`), which any path survives and no parser
-module is needed to read. Result lines are Python literals (`repr`): `json` would import `re`
-and `ast` its own imports, ~4-7 ms of CPU in every grading sandbox. The grader runs this file and `plain_tests` as bytecode compiled once
-(grading.compiled_runner): the read-only mount cannot hold a bytecode cache.
+path per line, hex-encoded (`grading.encode_paths`): any path survives it, and reading it needs
+no parser module (`ast` costs ~7 ms of CPU in every grading sandbox). Result lines are Python
+literals (`repr`, read on the host): `json` would import `re`, ~4 ms more. The grader runs this
+file and `plain_tests` as bytecode compiled once (grading.compiled_runner): the read-only mount
+cannot hold a bytecode cache.
 """
 
 import os
