@@ -5,7 +5,9 @@ Two implementations of one model compute the same matrix products (same shapes, 
 the same attention, with the same BLAS. What one can do better than the other is everything
 else: dispatch, elementwise work, memory traffic, Python. So `baseline_seconds /
 dense_kernel_seconds(ours)` bounds the speedup any change to our non-dense code could reach: the
-ratio if all of it took no time. The benchmarks report it beside the speedup they measure.
+ratio if all of it took no time. The benchmarks report it beside the speedup they measure. The
+profiler adds a microsecond or two to each op it records, so on small matmuls the sum runs a
+few percent high and the ceiling a few percent low.
 """
 
 from __future__ import annotations
