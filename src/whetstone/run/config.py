@@ -44,10 +44,11 @@ class RLConfig(Config):
 
     steps: int = Field(16, ge=1)
     """Optimizer steps (= batches) of the RL stage. From the 3000-step base, on the 200 x 2
-    held-out evaluation, this recipe gained +15.0 to +16.0 points in 16 steps (three RL-only runs,
-    RL 249-284 s; three cold README runs +18.8, +12.5 and +15.3: one run of six under 15) and
-    +14.2 in 12 (two runs, 170 s). Recipes that kept one-step tasks gained no more at 20 steps
-    (+13.0) than at 12, and waited longer for groups not all solved (docs/run.md, session 14)."""
+    held-out evaluation, this recipe gained +8.3 to +18.8 points in 16 steps, +14.2 on average
+    over nine runs (five RL-only, four cold README runs; five of nine reached +15; RL 227-288 s),
+    and +14.2 in 12 (two runs, 170 s). 20 steps gained +13.5 and +12.3 (session 15); recipes that
+    kept one-step tasks gained no more at 20 steps (+13.0) than at 12, and waited longer for
+    groups not all solved (docs/run.md, sessions 14 and 15)."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4, optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
         optimizer_steps_per_batch=4, loss=LossConfig(aggregation="sequence"), logit_scale_lr=0.03,
