@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.midtrain.optim import build_optimizer
 from whetstone.model.hf import load_hf
+from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig
 from whetstone.trainer.step import forward_logprobs, train_step
 
@@ -94,6 +97,22 @@ def test_kl_to_the_reference_is_zero_at_the_start_and_grows(tiny_moe, batches):
     assert first["ref_kl_k3"] == 0.0 and second["ref_kl_k3"] > 0
     with pytest.raises(WhetstoneError, match="reference"):
         step(model, optimizer, batches[3], loss_config=config)
+
+
+def test_with_a_learned_logit_scale_the_kl_reference_is_taken_at_that_scale(tiny_moe, batches):
+    # A policy that differs from the reference only by the learned scale has drifted nowhere: its
+    # KL must be ~0, or the KL term would make the weights undo the sharpening.
+    config = LossConfig(kl_coef=0.1)
+    reference = load_hf(tiny_moe).requires_grad_(False)
+    kl = {}
+    for learned in (True, False):
+        model, optimizer = model_and_optimizer(tiny_moe)
+        with torch.no_grad():
+            model.norm.weight.mul_(math.exp(0.3))  # what LogitScale's steps to log-scale 0.3 did
+        scale = LogitScale(lr=0.0, log_scale=0.3) if learned else None
+        kl[learned] = step(model, optimizer, batches[3], lr=0.0, loss_config=config, reference=reference,
+                           logit_scale=scale)["ref_kl_k3"]
+    assert kl[True] < 1e-9 and kl[False] > 1e-4  # a random tiny model: near-uniform logits, a small KL
 
 
 def test_a_batch_without_trained_tokens_is_refused_and_leaves_the_weights(tiny_moe, batches):

@@ -54,7 +54,9 @@ class LossConfig(Config):
     mask_high: float = Field(2.0, gt=0.0)
     """Upper bound of the kept ratio range when `mask_ratio` is on."""
     kl_coef: float = Field(0.0, ge=0.0)
-    """β of the k3 KL penalty to a reference policy (0 = no reference model needed)."""
+    """β of the k3 KL penalty to a reference policy (0 = no reference model needed). With a
+    learned logit scale the reference is taken at that scale, so the term restrains the weights'
+    drift, not the sharpening."""
     entropy_coef: float = 0.0
     """c_H: the loss adds −c_H × the mean entropy of the trained tokens' next-token distributions.
     Positive rewards exploration; negative minimises entropy (sharpens the policy)."""

@@ -100,6 +100,16 @@ def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
     return PolicyOutput(out.logprobs, routing, out.entropy)
 
 
+def _reference_logprobs(reference: Transformer, micro: Batch, replay: bool, dtype: str, numerics: Numerics,
+                        logit_scale: LogitScale | None) -> torch.Tensor:
+    """The reference's logprobs for the KL term, at the policy's learned logit scale: the term then
+    holds the weights near the reference without pulling the scale back to 1, which would make the
+    weights undo the sharpening the reward asked the scale for (rl/logit_scale.py)."""
+    factor = None if logit_scale is None else torch.tensor([math.exp(-logit_scale.log_scale)])
+    with torch.no_grad(), sampling_temperature(reference, factor):  # a temperature e^-s: logits times e^s
+        return forward_logprobs(reference, micro, replay, dtype, numerics).logprobs
+
+
 def train_step(
     model: Transformer,
     optimizer: torch.optim.Optimizer,
@@ -135,8 +145,7 @@ def train_step(
         policy = forward_logprobs(model, micro, replay, dtype, numerics, entropy=True)
         ref_logprobs = None
         if reference is not None and loss_config.kl_coef > 0:
-            with torch.no_grad():
-                ref_logprobs = forward_logprobs(reference, micro, replay, dtype, numerics).logprobs
+            ref_logprobs = _reference_logprobs(reference, micro, replay, dtype, numerics, logit_scale)
         loss, stats = policy_loss(policy.logprobs, micro.behavior_logprobs, micro.advantages, micro.loss_mask,
                                   loss_config, ref_logprobs=ref_logprobs, normalizer=normalizer,
                                   entropy=policy.entropy)  # fmt: skip
