@@ -103,7 +103,7 @@ def _plain_source(path: str) -> bool:
             names = [alias.name for alias in node.names] + [alias.asname or "" for alias in node.names]
             if any(n.split(".")[0] in FORBIDDEN_NAMES or n == "*" for n in [module, *names]):
                 return False
-    for node in _module_level(tree):
+    for node in _nodes(tree, module_level=True):
         if isinstance(node, _ast.AsyncFunctionDef) and node.name.lower().startswith("test"):
             return False
         if isinstance(node, _ast.FunctionDef) and node.name.startswith("test") and not _plain_test(node):
@@ -126,22 +126,15 @@ def _children(node: _ast.AST) -> list[_ast.AST]:
     return children
 
 
-def _nodes(tree: _ast.AST):
-    """Every node of `tree`, itself included, in no particular order (`ast.walk`)."""
+def _nodes(tree: _ast.AST, module_level: bool = False):
+    """Every node of `tree`, itself included, in no particular order (`ast.walk`); with
+    `module_level`, only those that run in the module's own namespace (function definitions, but
+    not their bodies)."""
     stack = [tree]
     while stack:
         node = stack.pop()
         yield node
-        stack.extend(_children(node))
-
-
-def _module_level(tree: _ast.Module):
-    """Every node that runs in the module's own namespace (not inside a function body)."""
-    stack = list(tree.body)
-    while stack:
-        node = stack.pop()
-        yield node
-        if not isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.Lambda)):
+        if not (module_level and isinstance(node, (_ast.FunctionDef, _ast.AsyncFunctionDef, _ast.Lambda))):
             stack.extend(_children(node))
 
 

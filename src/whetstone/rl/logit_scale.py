@@ -3,9 +3,10 @@
 RL at this scale mostly sharpens (docs/run.md): sampling the default run's mid-trained base at
 temperature 0.4 scores 13 points more held-out pass@1 than at 1 (session 14), while per-token
 policy-gradient pushes add up to that global sharpening only slowly, because on a failed
-rollout most pushed tokens are ordinary ones. The output head is linear and bias-free, so scaling the final norm's gains by e^s scales
-every logit by e^s. `LogitScale` takes its own Adam step on s and folds e^s into the gains: no
-new tensor, so checkpoints, published weights and Hugging Face exports stay a plain model.
+rollout most pushed tokens are ordinary ones. The output head is linear and bias-free, so
+scaling the final norm's gains by e^s scales every logit by e^s. `LogitScale` takes its own
+Adam step on s and folds e^s into the gains: no new tensor, so checkpoints, published weights
+and Hugging Face exports stay a plain model.
 Whether it sharpens or flattens is the reward's call, step by step: its gradient is the
 policy-gradient term's derivative along s (`LossStats.scale_gradient`, from the logprobs and
 entropies the loss already has), unclipped, since PPO's clip would pull the scale back to the

@@ -190,10 +190,8 @@ def policy_loss(
         per_token = per_token - config.entropy_coef * entropy.float()
     kept = trained & ~masked
     lengths = trained.sum(dim=-1, keepdim=True).clamp(min=1)  # each row's trained tokens
-    if config.aggregation == "sequence":
-        per_token = per_token / lengths
     denominator = max(step_normalizer(loss_mask, config.aggregation) if normalizer is None else normalizer, 1)
-    loss = torch.where(kept, per_token, torch.zeros_like(per_token)).sum() / denominator
+    loss = _aggregate(per_token, kept, lengths, config, denominator)
 
     with torch.no_grad():
         diff = log_ratio.detach()[trained]
@@ -224,6 +222,13 @@ def _scale_gradient(logprobs: torch.Tensor, entropy: torch.Tensor, ratio: torch.
     its trust region.
     """
     per_token = -torch.clamp(ratio, max=config.is_cap) * advantages * (logprobs + entropy)
+    return float(_aggregate(per_token.double(), kept, lengths, config, denominator))
+
+
+def _aggregate(per_token: torch.Tensor, kept: torch.Tensor, lengths: torch.Tensor, config: LossConfig,
+               denominator: int) -> torch.Tensor:
+    """Σ over the kept tokens of `per_token` (divided by its row's trained length under sequence
+    aggregation), over the step's `denominator`: how the loss and the scale's gradient add up."""
     if config.aggregation == "sequence":
         per_token = per_token / lengths
-    return float(torch.where(kept, per_token, torch.zeros_like(per_token)).double().sum() / denominator)
+    return torch.where(kept, per_token, torch.zeros_like(per_token)).sum() / denominator
