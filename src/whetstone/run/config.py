@@ -44,8 +44,8 @@ class RLConfig(Config):
 
     steps: int = Field(16, ge=1)
     """Optimizer steps (= batches) of the RL stage. From the 3000-step base, on the 200 x 2
-    held-out evaluation, this recipe gained +8.3 to +18.8 points in 16 steps, +14.2 on average
-    over ten runs (five RL-only, five cold README runs; five of ten reached +15; RL 227-288 s),
+    held-out evaluation, this recipe gained +8.3 to +18.8 points in 16 steps, +14.3 on average
+    over eleven runs (five RL-only, six cold README runs; six reached +15; RL 227-327 s),
     and +14.2 in 12 (two runs, 170 s). 20 steps gained +13.5 and +12.3 (session 15); recipes that
     kept one-step tasks gained no more at 20 steps (+13.0) than at 12, and waited longer for
     groups not all solved (docs/run.md, sessions 14 and 15)."""
