@@ -3,8 +3,9 @@ the trainer and the orchestrator as processes, held-out evaluations before and a
 
 The tiny model never solves a task, so the tasks are coin tasks (tests/orchestrator): synth tasks
 whose repository already holds the solution, plus a hidden test that passes half the time, so
-groups get rewards that differ and batches fill. No demonstrations: the tiny config's rows are
-shorter than a transcript's prompt (mid-training with demonstrations is tested in tests/midtrain).
+groups get rewards that differ and batches fill. No synth demonstrations: the tiny config's rows
+are shorter than a transcript's prompt (mid-training with demonstrations is tested in
+tests/midtrain); the trainer's anchor gets a file of one short transcript instead.
 """
 
 import json
@@ -17,8 +18,9 @@ from tests.orchestrator.orchestrator_support import coin_tasks
 from whetstone.config import load_config
 from whetstone.envs.tasks import write_tasks
 from whetstone.errors import WhetstoneError
+from whetstone.rl.demos import write_demos
 from whetstone.run.config import PipelineConfig
-from whetstone.run.pipeline import run_pipeline
+from whetstone.run.pipeline import Pipeline, run_pipeline
 from whetstone.utils.cgroups import why_no_cpu_groups
 from whetstone.utils.metrics import read_metrics
 
@@ -27,6 +29,8 @@ def tiny_run(tmp_path, *overrides: str) -> PipelineConfig:
     code = write_corpus(tmp_path)
     tasks = tmp_path / "coin.jsonl"
     write_tasks(coin_tasks(4), tasks)
+    demos = tmp_path / "demos.jsonl"
+    write_demos(demos, [[{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "done"}]])
     settings = [
         *(f"midtrain.{line}" for line in TINY),
         f'midtrain.data.directories=[{{path="{code}"}}]', f'midtrain.data.cache_dir="{tmp_path / "cache"}"',
@@ -35,6 +39,7 @@ def tiny_run(tmp_path, *overrides: str) -> PipelineConfig:
         "harness.max_calls_per_turn=2", "harness.summary_tokens=16", "harness.train_cut_off_calls=true",
         "servers.serve.engine.max_batch=8",
         "rl.steps=2", "rl.trainer.sync.poll_interval=0.1", "rl.trainer.poll_interval=0.1",
+        f'rl.trainer.demos_path="{demos}"', "rl.trainer.demo_coef=1.0", "rl.trainer.demo_rows=1",
         f'rl.orchestrator.tasks.source="{tasks}"', "rl.orchestrator.validate_tasks=false",
         "rl.orchestrator.group_size=2", "rl.orchestrator.groups_per_batch=1", "rl.orchestrator.rollout.concurrency=4",
         "rl.orchestrator.poll_interval_s=0.1", "rl.orchestrator.health_interval_s=0.2",
@@ -55,6 +60,7 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
     assert summary["wall_s"] > 0 and summary["config"]["rl"]["steps"] == 2
     steps = read_metrics(run / "trainer" / "metrics.jsonl")
     assert [s["step"] for s in steps] == [0, 1] and steps[-1]["version"] == 2  # published every step
+    assert all(s["demo_nll"] > 0 for s in steps)  # the anchor read the run's demonstrations file
     assert len(read_metrics(run / "orchestrator" / "metrics.jsonl")) == 2
     assert {r["server"] for r in read_metrics(run / "servers.jsonl")} == {0, 1}
     assert json.loads((run / "eval" / "after" / "report.json").read_text())["rollouts"] == 8
@@ -77,3 +83,24 @@ def test_a_placement_on_missing_cores_is_refused_before_mid_training(tmp_path):
     with pytest.raises(WhetstoneError, match=r"placement.trainer: cores \[4096\] are not available here"):
         run_pipeline(config)
     assert not (tmp_path / "runs" / "tiny" / "midtrain").exists()
+
+
+def test_the_trainers_anchor_gets_the_mid_training_demonstrations(tmp_path):
+    pipeline = Pipeline(tiny_run(tmp_path, "demos.count=3", 'rl.trainer.demos_path=""', "rl.trainer.demo_coef=0.5"))
+    pipeline.write_demos()
+    trainer = pipeline.trainer_config()
+    assert trainer.demo_coef == 0.5 and trainer.demos_path == str(tmp_path / "runs" / "tiny" / "demos.jsonl")
+    transcripts = [json.loads(line)["messages"] for line in open(trainer.demos_path)]
+    assert len(transcripts) == 3 and all(t[-1]["role"] == "assistant" for t in transcripts)
+    own = Pipeline(tiny_run(tmp_path, "demos.count=3", "name=own"))  # tiny_run's own file is kept
+    own.write_demos()
+    assert own.trainer_config().demos_path == str(tmp_path / "demos.jsonl")
+    assert not (tmp_path / "runs" / "own" / "demos.jsonl").exists()
+    off = Pipeline(tiny_run(tmp_path, "demos.count=3", 'rl.trainer.demos_path=""', "rl.trainer.demo_coef=0", "name=off"))
+    off.write_demos()
+    assert off.trainer_config().demos_path == "" and not (tmp_path / "runs" / "off" / "demos.jsonl").exists()
+
+
+def test_an_anchor_without_demonstrations_is_refused_with_the_fields_to_set(tmp_path):
+    with pytest.raises(WhetstoneError, match=r"demos.count is 0: set demos.count or rl.trainer.demos_path"):
+        tiny_run(tmp_path, 'rl.trainer.demos_path=""')

@@ -14,12 +14,13 @@ from safetensors.torch import load_file
 
 from whetstone.config import dump_toml
 from whetstone.midtrain.checkpoint import latest_checkpoint
+from whetstone.rl.demos import write_demos
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
 from whetstone.trainer.distributed import global_normalizer, rank_rows
 from whetstone.trainer.loop import run_trainer
 from whetstone.utils.metrics import read_metrics
 
-from tests.trainer.trainer_fixtures import put_batches, trainer_config
+from tests.trainer.trainer_fixtures import TRANSCRIPTS, put_batches, trainer_config
 
 
 def test_each_rank_takes_every_world_th_row_padded_with_untrained_rows(batches):
@@ -141,3 +142,27 @@ def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tin
         assert all(torch.equal(expected[k], actual[k]) for k in expected if k.endswith(".step"))  # AdamW's counts
         assert_weights_close({k: v for k, v in expected.items() if not k.endswith(".step")},
                              {k: v for k, v in actual.items() if not k.endswith(".step")})
+
+
+@pytest.mark.slow  # another real 2-process torchrun job, ~20 s
+def test_two_ranks_anchor_to_the_demonstrations_as_one_rank_does(tmp_path, chat_moe, batches):
+    # Three demonstrations a step: rank 1 gets a padding row, and the anchor's mean is over
+    # both ranks' tokens.
+    demos = tmp_path / "demos.jsonl"
+    write_demos(demos, TRANSCRIPTS * 3)
+    settings = dict(optimizer={"lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+                    demo_coef=0.5, demos_path=str(demos), demo_rows=3, max_steps=2)
+    data = [without_baseline(batch.select(range(len(batch)))) for batch in batches[:2]]
+    for run in ("one", "two"):
+        put_batches(tmp_path / run / "batches", data)
+    run_trainer(trainer_config(tmp_path / "one", chat_moe, **settings))
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path / "two", chat_moe, **settings)))
+    torchrun(config_file)
+    one, two = (read_metrics(tmp_path / run / "trainer" / "metrics.jsonl") for run in ("one", "two"))
+    assert len(one) == len(two) == 2
+    for expected, record in zip(one, two):
+        assert record["demo_nll"] == pytest.approx(expected["demo_nll"], rel=1e-5) and record["demo_nll"] > 0
+        assert record["loss"] == pytest.approx(expected["loss"], rel=1e-5)
+        assert record["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
+    assert_weights_close(latest_weights(tmp_path / "one"), latest_weights(tmp_path / "two"))

@@ -22,6 +22,7 @@ from whetstone.rl.advantages.groups import score_groups
 from whetstone.rl.batch import Batch, batch_to_bytes, collate
 from whetstone.rl.samples import trajectory_samples
 from whetstone.store import LocalStore, ObjectStore
+from whetstone.tokenizer import Tokenizer, render_chat
 from whetstone.trainer.config import TrainerConfig, batch_key
 
 TINY_MOE = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -29,12 +30,28 @@ TINY_MOE = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_a
                        max_position_embeddings=64)  # fmt: skip
 PROMPTS = ([1, 2, 3, 4], [5, 6, 7])
 GROUP_SIZE, COMPLETION_TOKENS = 4, 6
+TRANSCRIPTS = [
+    [{"role": "user", "content": "add one"}, {"role": "assistant", "content": "return x + 1"}],
+    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "double it"},
+     {"role": "assistant", "content": "return x * 2"}, {"role": "user", "content": "thanks"},
+     {"role": "assistant", "content": "done"}],
+    [{"role": "user", "content": "negate"}, {"role": "assistant", "content": "return -x"}],
+]
+"""Demonstrations for the behaviour-cloning anchor (`rl.demos`)."""
 
 
-def save_tiny_moe(folder: Path, seed: int = 0, **changes) -> Path:
+def save_tiny_moe(folder: Path, seed: int = 0, tokenizer_dir: Path | None = None, **changes) -> Path:
     """`changes` of the config, e.g. num_experts=0 for a dense model."""
     torch.manual_seed(seed)
-    return save_hf(Transformer(TINY_MOE.model_copy(update=changes)), folder)
+    return save_hf(Transformer(TINY_MOE.model_copy(update=changes)), folder, tokenizer_dir=tokenizer_dir)
+
+
+def save_chat_moe(folder: Path, tokenizer_dir: Path) -> Path:
+    """The tiny MoE with a real chat tokenizer in its folder (the trainer reads demonstrations
+    with the policy's tokenizer): TINY_MOE at the tokenizer's vocabulary size."""
+    tokenizer = Tokenizer.train([render_chat(t) for t in TRANSCRIPTS] * 20, vocab_size=512)
+    tokenizer.save(tokenizer_dir)
+    return save_tiny_moe(folder, tokenizer_dir=tokenizer_dir, vocab_size=tokenizer.vocab_size)
 
 
 def low_token_reward(completion: list[int]) -> float:

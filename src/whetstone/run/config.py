@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from whetstone.config import Config
 from whetstone.data import CorpusConfig
@@ -154,3 +154,11 @@ class PipelineConfig(Config):
     """CPU cores of the roles the pipeline starts (evaluations run in the pipeline's own process)."""
     rl_enabled: bool = True
     """Run stage 2 (RL, with both evaluations); off = mid-training only."""
+
+    @model_validator(mode="after")
+    def _anchor_has_demos(self) -> "PipelineConfig":
+        trainer = self.rl.trainer
+        if self.rl_enabled and trainer.demo_coef > 0 and not trainer.demos_path and not self.demos.count:
+            raise ValueError("rl.trainer.demo_coef > 0 anchors RL to the mid-training demonstrations, but demos.count "
+                             "is 0: set demos.count or rl.trainer.demos_path")
+        return self

@@ -71,10 +71,27 @@ class Pipeline:
         return self.config.rl.trainer.sync.model_copy(update={"store": str(self.weights)})
 
     def trainer_config(self):
-        return self.config.rl.trainer.model_copy(update={
+        trainer = self.config.rl.trainer
+        return trainer.model_copy(update={
             "model_path": str(self.model_dir), "batch_store": str(self.batches), "output_dir": str(self.run_dir / "trainer"),
             "sync": self.sync_config(), "max_steps": self.config.rl.steps, "idle_timeout": 0.0,
+            "demos_path": trainer.demos_path or (str(self.demos_path) if trainer.demo_coef > 0 else ""),
         })  # fmt: skip
+
+    @property
+    def demos_path(self) -> Path:
+        """The mid-training demonstrations, for the trainer's anchor (`rl.trainer.demo_coef`)."""
+        return self.run_dir / "demos.jsonl"
+
+    def write_demos(self) -> None:
+        """Write the mid-training demonstrations for the trainer's anchor, unless it has its own
+        file or no anchor; they are generated again (seconds: no sandbox work without recovery)."""
+        from whetstone.rl.demos import write_demos
+
+        trainer = self.config.rl.trainer
+        if trainer.demo_coef == 0 or trainer.demos_path or self.demos_path.exists():
+            return
+        write_demos(self.demos_path, demo_source(self.config)())  # demos.count > 0 (PipelineConfig checks)
 
     def harness_config(self):
         return self.config.harness.model_copy(update={"tokenizer_path": str(self.model_dir)})
@@ -161,6 +178,7 @@ class Pipeline:
 
     def rl(self) -> dict[str, Any]:
         steps = self.config.rl.steps
+        self.write_demos()
         trainer_config = self.trainer_config()
         placement = self.config.placement
         trainer = self.start("trainer", "trainer", trainer_config, threads=trainer_config.threads or 1,

@@ -36,6 +36,18 @@ class TrainerConfig(Config):
     """Learning rate of a learned global sharpness: Adam on the log-scale of the logits, folded
     into the final norm's gains after every optimizer step (`rl.logit_scale`); 0 = off. RL at small
     scale mostly has to sharpen the policy, which the per-token pushes do slowly (docs/run.md)."""
+    demos_path: str = ""
+    """JSONL of demonstration transcripts (`{"messages": [...]}` per line, `rl.demos`) for the
+    behaviour-cloning anchor; needed when `demo_coef` > 0. `whetstone run` fills it with its
+    mid-training demonstrations."""
+    demo_coef: float = Field(0.0, ge=0.0)
+    """Weight of the anchor: every optimizer step adds this times the mean next-token loss of
+    `demo_rows` demonstrations (on the assistant's tokens, at the logits before the learned
+    scale) to the policy loss, so RL does not unlearn what it never samples; 0 = off."""
+    demo_rows: int = Field(8, ge=1)
+    """Demonstrations per optimizer step, drawn anew each step."""
+    demo_max_positions: int = Field(1024, ge=0)
+    """Skip demonstrations longer than this many positions (0 = keep all)."""
     router_replay: bool = True
     """Replay the rollout's routes in the forward and backward passes (MoE models with routes in
     the batch); off = the trainer routes on its own, and the disagreement with the rollout is logged."""

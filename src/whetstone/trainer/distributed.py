@@ -117,10 +117,17 @@ def rank_rows(batch: Batch, rank: int, world: int) -> Batch:
 
 def global_normalizer(shard: Batch, aggregation: str) -> int:
     """N of the whole step's loss: the sum of every rank's shard (padding rows add nothing)."""
-    count = torch.tensor(step_normalizer(shard.loss_mask, aggregation), dtype=torch.int64, device=device())
-    if world()[1] > 1:
-        dist.all_reduce(count)
+    (count,) = sum_over_ranks([step_normalizer(shard.loss_mask, aggregation)])
     return int(count)
+
+
+def sum_over_ranks(values: list[float]) -> list[float]:
+    """Each value summed over all ranks (float64, so counts up to 2^53 stay exact); as is on one rank."""
+    if world()[1] == 1:
+        return list(values)
+    sums = torch.tensor(values, dtype=torch.float64, device=device())
+    dist.all_reduce(sums)
+    return sums.tolist()
 
 
 def reduce_step_stats(loss: float, stats: LossStats, routing: RoutingStats) -> tuple[float, LossStats, RoutingStats]:
@@ -128,16 +135,13 @@ def reduce_step_stats(loss: float, stats: LossStats, routing: RoutingStats) -> t
     summed, and every rank's |Δ| gathered (p99 and max need them all). Unchanged on one rank."""
     if world()[1] == 1:
         return loss, stats, routing
-    # float64 adds counts up to 2^53 exactly.
-    sums = torch.tensor([loss, stats.tokens, stats.clipped, stats.masked, stats.truncated, stats.forking_dropped,
-                         stats.mismatch_k3, stats.ref_k3, stats.entropy, stats.scale_gradient, routing.choices,
-                         routing.disagreed, routing.tokens, routing.tokens_disagreed],
-                        dtype=torch.float64, device=device())  # fmt: skip
-    dist.all_reduce(sums)
+    sums = sum_over_ranks([loss, stats.tokens, stats.clipped, stats.masked, stats.truncated, stats.forking_dropped,
+                           stats.mismatch_k3, stats.ref_k3, stats.entropy, stats.scale_gradient, routing.choices,
+                           routing.disagreed, routing.tokens, routing.tokens_disagreed])  # fmt: skip
     diffs: list[Any] = [None] * world()[1]
     dist.all_gather_object(diffs, stats.abs_diff)
     (loss, tokens, clipped, masked, truncated, forking_dropped, mismatch_k3, ref_k3, entropy, scale_gradient,
-     *route_counts) = sums.tolist()  # fmt: skip
+     *route_counts) = sums  # fmt: skip
     stats = LossStats(tokens=int(tokens), clipped=int(clipped), masked=int(masked), truncated=int(truncated),
                       forking_dropped=int(forking_dropped), mismatch_k3=mismatch_k3, ref_k3=ref_k3, entropy=entropy,
                       scale_gradient=scale_gradient, abs_diff=torch.cat(diffs))  # fmt: skip

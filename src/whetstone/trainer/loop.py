@@ -26,6 +26,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.midtrain.checkpoint import save_checkpoint
 from whetstone.midtrain.schedule import lr_at
 from whetstone.rl.batch import Batch, batch_from_bytes, shuffled_parts
+from whetstone.rl.demos import demo_rows
 from whetstone.store import MissingObjectError
 from whetstone.sync import Subscriber
 from whetstone.trainer.config import TrainerConfig, batch_key
@@ -144,16 +145,22 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
                total_steps=config.max_steps or 1, min_lr_ratio=opt.min_lr_ratio)
     started, started_cpu = time.perf_counter(), time.process_time()
     parts = []
-    for part in shuffled_parts(batch, config.optimizer_steps_per_batch, seed=state.step):
-        rows, normalizer = part, None
+    for number, part in enumerate(shuffled_parts(batch, config.optimizer_steps_per_batch, seed=state.step)):
+        rows, normalizer, demos, demo_normalizer = part, None, None, None
+        if session.demos is not None:  # seeded by (step, part): a replayed step draws the same rows
+            demos = demo_rows(session.demos, config.demo_rows, seed=state.step * 1_000 + number)
         if session.world_size > 1:
             rows = rank_rows(part, session.rank, session.world_size)
             normalizer = global_normalizer(rows, config.loss.aggregation)
+            if demos is not None:
+                demos = rank_rows(demos, session.rank, session.world_size)
+                demo_normalizer = global_normalizer(demos, "token")
         parts.append(train_step(session.model, session.optimizer, rows, loss_config=config.loss, lr=lr,
                                 grad_clip=opt.grad_clip, micro_batch_size=config.micro_batch_size,
                                 replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
                                 normalizer=normalizer, reference=session.reference,
-                                logit_scale=session.logit_scale))  # fmt: skip
+                                logit_scale=session.logit_scale, demos=demos, demo_coef=config.demo_coef,
+                                demo_normalizer=demo_normalizer))  # fmt: skip
     record: dict[str, Any] = {"step": state.step, "replayed": replaying, **merge_part_metrics(parts),
                               "train_s": time.perf_counter() - started}
     state.step += 1

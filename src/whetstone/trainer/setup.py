@@ -15,14 +15,17 @@ from pathlib import Path
 
 import torch
 
-from whetstone.errors import CheckpointError
+from whetstone.errors import CheckpointError, ConfigError
 from whetstone.midtrain.checkpoint import TrainState, latest_checkpoint, load_checkpoint
 from whetstone.midtrain.optim import optimizer_for
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf
+from whetstone.rl.demos import load_demos
 from whetstone.rl.logit_scale import LogitScale
+from whetstone.rl.samples import Sample
 from whetstone.store import ObjectStore, open_store
 from whetstone.sync import Publisher, WeightStore
+from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.utils.runtime import configure_process
@@ -47,6 +50,8 @@ class TrainerSession:
     resumed_from: Path | None
     logit_scale: LogitScale | None = None
     """The learned sharpness (`config.logit_scale_lr` > 0); its state rides in `state.data`."""
+    demos: list[Sample] | None = None
+    """Demonstrations of the behaviour-cloning anchor (`config.demo_coef` > 0)."""
     rank: int = 0
     world_size: int = 1
 
@@ -70,6 +75,11 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     0 reads the checkpoint and owns the weight store, and every rank learns what rank 0 decided."""
     configure_process(config.threads)
     rank, world_size = world()
+    demos = None
+    if config.demo_coef > 0:  # read first: a bad file fails before any model work
+        if not config.demos_path:
+            raise ConfigError("demo_coef > 0 needs demos_path (a JSONL file of demonstration transcripts)")
+        demos = load_demos(config.demos_path, Tokenizer.load(config.model_path), config.demo_max_positions)
     model = shard_model(load_hf(config.model_path))
     optimizer = new_optimizer(config, model)
     reference = None
@@ -117,4 +127,4 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     batches = open_store(config.batch_store, endpoint_url=config.batch_store_endpoint_url)
     return TrainerSession(config, model, optimizer, reference, batches, weights, publisher, state,
                           replay_until=latest or 0, resumed_from=resumed_from,
-                          logit_scale=logit_scale, rank=rank, world_size=world_size)
+                          logit_scale=logit_scale, demos=demos, rank=rank, world_size=world_size)

@@ -33,7 +33,7 @@ from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, LossStats, policy_loss, step_normalizer
 from whetstone.rl.routing import RoutingStats, track_routing
-from whetstone.trainer.distributed import reduce_step_stats
+from whetstone.trainer.distributed import reduce_step_stats, sum_over_ranks
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -110,6 +110,23 @@ def _reference_logprobs(reference: Transformer, micro: Batch, replay: bool, dtyp
         return forward_logprobs(reference, micro, replay, dtype, numerics).logprobs
 
 
+def _demo_loss(model: Transformer, demos: Batch, *, coef: float, normalizer: int, micro_batch_size: int,
+               dtype: str, numerics: Numerics, logit_scale: LogitScale | None) -> float:
+    """Backpropagate `coef` x the mean next-token loss of the demonstrations' assistant tokens
+    (`rl.demos`); return that mean (this rank's share). It is taken at the policy's logits
+    divided by the learned scale e^s, so, like the KL term's reference above, the anchor holds
+    the weights to the demonstrations without pulling the sharpening back out."""
+    if logit_scale is not None:
+        demos.temperatures = torch.full((len(demos),), math.exp(logit_scale.log_scale))
+    total = 0.0
+    for micro in micro_batches(demos, micro_batch_size):
+        logprobs = forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=numerics).logprobs
+        nll = -(logprobs * micro.loss_mask).sum() / max(normalizer, 1)
+        (coef * nll).backward()
+        total += nll.item()
+    return total
+
+
 def train_step(
     model: Transformer,
     optimizer: torch.optim.Optimizer,
@@ -125,12 +142,17 @@ def train_step(
     normalizer: int | None = None,
     reference: Transformer | None = None,
     logit_scale: LogitScale | None = None,
+    demos: Batch | None = None,
+    demo_coef: float = 0.0,
+    demo_normalizer: int | None = None,
 ) -> dict[str, Any]:
     """Forward/backward every micro-batch of `batch`, clip, take one optimizer step at `lr`.
 
     `normalizer`: N of the loss for the whole step across ranks (default: this batch's `step_normalizer`).
     `reference`: the frozen model for the KL term (needed when `loss_config.kl_coef` > 0).
     `logit_scale`: also take its step on the logits' scale (`rl.logit_scale`) after the optimizer's.
+    `demos`: demonstration rows whose mean next-token loss, times `demo_coef`, joins the step's
+    loss (`rl.demos`); `demo_normalizer` is their trained-token count across ranks (default: these rows').
     Returns the step's metrics; raises before touching the weights if the loss is not finite.
     """
     if batch.num_loss_tokens == 0:
@@ -153,14 +175,24 @@ def train_step(
         loss_total += loss.item()
         loss_parts.append(stats)
         routing_parts.append(policy.routing)
+    demo_nll = 0.0
+    if demos is not None and demo_coef > 0:
+        demo_nll = _demo_loss(model, demos, coef=demo_coef, micro_batch_size=micro_batch_size, dtype=dtype,
+                              numerics=numerics, logit_scale=logit_scale,
+                              normalizer=demos.num_loss_tokens if demo_normalizer is None else demo_normalizer)
+        loss_total += demo_coef * demo_nll
     # Under torchrun: the whole step's loss and stats on every rank, so all ranks agree on a bad loss.
     loss_total, stats, routing = reduce_step_stats(loss_total, LossStats.merge(loss_parts),
                                                    RoutingStats.merge(routing_parts))
+    if demos is not None and demo_coef > 0:
+        (demo_nll,) = sum_over_ranks([demo_nll])
     if not math.isfinite(loss_total):
         optimizer.zero_grad(set_to_none=True)
         raise WhetstoneError(f"batch {batch.meta.get('index', '?')}: the loss is {loss_total}; weights left unchanged")
     grad_norm = clip_and_step(model, optimizer, lr, grad_clip)
     metrics = {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, **stats.metrics(), **routing.metrics()}
+    if demos is not None and demo_coef > 0:
+        metrics["demo_nll"] = demo_nll
     if logit_scale is not None:
         logit_scale.step(model, stats.scale_gradient)
         metrics.update(logit_scale=math.exp(logit_scale.log_scale), logit_scale_grad=stats.scale_gradient)
