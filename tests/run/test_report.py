@@ -31,6 +31,7 @@ def trainer_step(step: int) -> dict:
         "reward_mean": 0.2 + 0.1 * step, "mismatch_kl_k3": 1e-4 * (step + 1), "routing_disagreement": 0.02,
         "routing_disagreement_tokens": 0.3, "logprob_diff_mean": 0.01, "logprob_diff_p99": 0.1,
         "logprob_diff_max": 0.4, "clip_fraction": 0.01, "mask_fraction": 0.005, "tokens": 512, "entropy": 0.8 - 0.1 * step,
+        "demo_nll": 0.01 + 0.001 * step,
         "staleness_histogram": StalenessHistogram(Counter({0: 6, 1: 2}), dropped=step % 2).metrics(),
         "version": step + 1, "delta_kind": "full" if step == 0 else "delta",
         "delta_bytes": 4_000_000 if step == 0 else 80_000, "delta_ratio": 1.0 if step == 0 else 50.0,
@@ -107,6 +108,7 @@ def test_key_figures_hold_the_numbers_behind_the_plots(full_run):
     assert row("samples dropped as too stale", "2") in page
     assert row("CPU used while the roles ran, trainer / rollout side (cores)", "0.25 / 1.50") in page
     assert row("policy entropy, first / last step (nats per trained token)", "0.8 / 0.5") in page
+    assert row("demonstration loss, first / last step (anchor; nats per trained token)", "0.01 / 0.013") in page
     assert "<details>" in page and "&quot;lr&quot;: 1e-06" in page
 
 

@@ -201,6 +201,14 @@ def _logit_scale(trainer: list[dict]) -> str:
     return f"{scales[-1]:.3f}" if scales else "off (logit_scale_lr 0)"
 
 
+def _anchor_span(trainer: list[dict]) -> str:
+    """How well the policy still fits the mid-training demonstrations (`TrainerConfig.demo_coef`)."""
+    nll = _column(trainer, "demo_nll")
+    if not trainer:
+        return NOT_RECORDED
+    return f"{nll[0]:.3g} / {nll[-1]:.3g}" if nll else "off (demo_coef 0)"
+
+
 def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[tuple[str, str]]:
     """The numbers behind the plots, as (what, value) rows."""
     trainer = run.trainer
@@ -226,6 +234,7 @@ def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[t
         ("max |logprob difference|", _fmt(max(_column(trainer, "logprob_diff_max"), default=None), "{:.3g}")),
         ("policy entropy, first / last step (nats per trained token)", _entropy_span(trainer)),
         ("learned logit scale after the last step", _logit_scale(trainer)),
+        ("demonstration loss, first / last step (anchor; nats per trained token)", _anchor_span(trainer)),
         ("mean clip fraction", _fmt(_mean(_column(trainer, "clip_fraction")), "{:.2%}")),
         ("mean mask fraction", _fmt(_mean(_column(trainer, "mask_fraction")), "{:.2%}")),
         ("samples dropped as too stale", f"{dropped:.0f}" if trainer else NOT_RECORDED),
