@@ -64,10 +64,10 @@ class RLConfig(Config):
     and late batches waited for up to 96 groups to find 4 not all solved (RL 420 s against 172 s),
     at 0.1 it overshot to 2.5 and fell back to 1.1 (+8.0 held-out points). Every optimizer step
     also fits 8 mid-training demonstrations (`demo_coef` 4, `rl.demos`): RL on two-step tasks
-    alone had broken held-out one-step tasks; with the anchor eleven runs gained +14.0 to +19.1
-    (coefficients 1, 4 and 8; +16.4 on average, nine of eleven +15 or more) where eleven without
-    it gained +8.3 to +18.8 (+14.3 on average, six of eleven), for ~1 s more trainer CPU a step
-    (session 16, docs/run.md)."""
+    alone had broken held-out one-step tasks; with the anchor fifteen runs gained +14.0 to +19.1
+    (coefficients 1, 4 and 8; +16.4 on average, thirteen of fifteen +15 or more) where eleven
+    without it gained +8.3 to +18.8 (+14.3 on average, six of eleven), for ~1 s more trainer CPU
+    a step (session 16, docs/run.md)."""
     orchestrator: OrchestratorConfig = OrchestratorConfig(
         tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1, min_difficulty=2)),
         rollout=RolloutConfig(concurrency=12), group_size=8, groups_per_batch=4,
