@@ -116,14 +116,14 @@ def _demo_loss(model: Transformer, demos: Batch, *, coef: float, normalizer: int
     (`rl.demos`); return that mean (this rank's share). It is taken at the policy's logits
     divided by the learned scale e^s, so, like the KL term's reference above, the anchor holds
     the weights to the demonstrations without pulling the sharpening back out."""
-    if logit_scale is not None:
-        demos.temperatures = torch.full((len(demos),), math.exp(logit_scale.log_scale))
+    unscale = None if logit_scale is None else torch.tensor([math.exp(logit_scale.log_scale)])
     total = 0.0
-    for micro in micro_batches(demos, micro_batch_size):
-        logprobs = forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=numerics).logprobs
-        nll = -(logprobs * micro.loss_mask).sum() / max(normalizer, 1)
-        (coef * nll).backward()
-        total += nll.item()
+    with sampling_temperature(model, unscale):  # a temperature e^s: logits divided by e^s
+        for micro in micro_batches(demos, micro_batch_size):
+            logprobs = forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=numerics).logprobs
+            nll = -(logprobs * micro.loss_mask).sum() / max(normalizer, 1)
+            (coef * nll).backward()
+            total += nll.item()
     return total
 
 
@@ -175,8 +175,8 @@ def train_step(
         loss_total += loss.item()
         loss_parts.append(stats)
         routing_parts.append(policy.routing)
-    demo_nll = 0.0
-    if demos is not None and demo_coef > 0:
+    anchored, demo_nll = demos is not None and demo_coef > 0, 0.0
+    if anchored:
         demo_nll = _demo_loss(model, demos, coef=demo_coef, micro_batch_size=micro_batch_size, dtype=dtype,
                               numerics=numerics, logit_scale=logit_scale,
                               normalizer=demos.num_loss_tokens if demo_normalizer is None else demo_normalizer)
@@ -184,14 +184,14 @@ def train_step(
     # Under torchrun: the whole step's loss and stats on every rank, so all ranks agree on a bad loss.
     loss_total, stats, routing = reduce_step_stats(loss_total, LossStats.merge(loss_parts),
                                                    RoutingStats.merge(routing_parts))
-    if demos is not None and demo_coef > 0:
+    if anchored:
         (demo_nll,) = sum_over_ranks([demo_nll])
     if not math.isfinite(loss_total):
         optimizer.zero_grad(set_to_none=True)
         raise WhetstoneError(f"batch {batch.meta.get('index', '?')}: the loss is {loss_total}; weights left unchanged")
     grad_norm = clip_and_step(model, optimizer, lr, grad_clip)
     metrics = {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, **stats.metrics(), **routing.metrics()}
-    if demos is not None and demo_coef > 0:
+    if anchored:
         metrics["demo_nll"] = demo_nll
     if logit_scale is not None:
         logit_scale.step(model, stats.scale_gradient)
