@@ -40,3 +40,26 @@ def test_bad_arguments_are_named():
         run(dtype="float16")
     with pytest.raises(WhetstoneError, match="rounds"):
         run(steps=2, rounds=3)
+
+
+def test_bf16_steps_train_on_fresh_weight_copies(make_config):
+    # autocast keeps its bf16 copies of the weights until its block exits: each step must run in
+    # its own block, or later steps compute with the first step's weights.
+    import torch
+
+    from whetstone.bench.train import _whetstone_step, run
+    from whetstone.model import Transformer
+
+    config = make_config()
+    result = run(steps=2, rounds=1, warmup=1, batch_size=2, seq_len=8, threads=1, dtype="bfloat16", config=config)
+    torch.manual_seed(0)
+    model = Transformer(config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    generator = torch.Generator().manual_seed(0)
+    tokens = [torch.randint(0, config.vocab_size, (2, 9), generator=generator) for _ in range(3)]
+    losses = []
+    for batch in tokens:  # warm-up step, then the two measured ones
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            losses.append(_whetstone_step(model, optimizer, batch[:, :-1].contiguous(), batch[:, 1:].contiguous()))
+    assert result["first_loss"]["whetstone"] == pytest.approx(losses[0], abs=1e-5)
+    assert result["last_loss"]["whetstone"] == pytest.approx(losses[-1], abs=1e-5)

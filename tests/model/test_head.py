@@ -70,6 +70,33 @@ def test_bf16_autocast_keeps_the_softmax_in_fp32(make_config):
     assert model.embed_tokens.weight.grad.dtype == torch.float32
 
 
+def test_bf16_logprobs_come_from_bf16_logits_normalised_in_fp32(monkeypatch):
+    # Under bf16 the head keeps bf16 probabilities, made chunk by chunk (3 rows per chunk here):
+    # the logprobs are the fp32 log_softmax of the bf16 logits, the gradients those of that formula
+    # to bf16 rounding.
+    import whetstone.model.head as head
+
+    monkeypatch.setattr(head, "REDUCED_CHUNK_BYTES", 3 * 4 * 37)
+    torch.manual_seed(2)
+    hidden = torch.randn(2, 5, 16).bfloat16().requires_grad_()
+    weight = torch.randn(37, 16).bfloat16().requires_grad_()
+    targets = torch.randint(0, 37, (2, 5))
+    targets[0, 4] = -100
+    probe = torch.randn(2, 5)
+    got, _ = target_logprobs(hidden, weight, targets)
+    logits = (hidden @ weight.T).float()
+    reference = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    reference = reference.masked_fill(targets < 0, 0.0)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, reference, rtol=0, atol=1e-6)
+    grads = torch.autograd.grad((got * probe).sum(), (hidden, weight))
+    expected = torch.autograd.grad((reference * probe).sum(), (hidden, weight))
+    for g, e in zip(grads, expected):
+        assert g.dtype == torch.bfloat16
+        torch.testing.assert_close(g.float(), e.float(), rtol=0.02, atol=0.02)
+    assert grads[0][0, 4].abs().sum() == 0
+
+
 def test_targets_of_the_wrong_shape_are_rejected(make_config):
     cfg = make_config()
     with pytest.raises(WhetstoneError, match="targets have shape"):

@@ -25,7 +25,7 @@ import torch
 
 from whetstone.bench.kernels import dense_kernel_seconds
 from whetstone.errors import WhetstoneError
-from whetstone.model import ModelConfig, Transformer
+from whetstone.model import ModelConfig, Transformer, ops
 from whetstone.model.hf import save_hf
 from whetstone.utils.runtime import configure_process
 
@@ -33,7 +33,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _whetstone_step(model: Transformer, optimizer, inputs: torch.Tensor, targets: torch.Tensor) -> float:
-    out = model(inputs, targets=targets)
+    with ops.training_kernels():  # as mid-training runs
+        out = model(inputs, targets=targets)
     loss = -out.logprobs.mean() + model.cfg.router_aux_loss_coef * out.aux_loss
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
@@ -97,7 +98,11 @@ def run(
 
     contenders: dict[str, tuple[Callable, torch.nn.Module]] = {"whetstone": (_whetstone_step, ours), "hf": (_hf_step, theirs)}
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=lr, fused=True) for name, (_, m) in contenders.items()}
-    autocast = torch.autocast("cpu", dtype=DTYPES[dtype], enabled=dtype != "float32")
+
+    def autocast():  # entered once per step: autocast keeps its bf16 copies of the weights until
+        # its block exits, so a block around several steps would train on stale copies
+        return torch.autocast("cpu", dtype=DTYPES[dtype], enabled=dtype != "float32")
+
     losses: dict[str, list[float]] = {name: [] for name in contenders}
     wall: dict[str, list[float]] = {name: [] for name in contenders}
     cpu: dict[str, list[float]] = {name: [] for name in contenders}
@@ -105,9 +110,9 @@ def run(
     def train(name: str, count: int, offset: int) -> tuple[float, float]:
         step, model = contenders[name]
         start, start_cpu = time.perf_counter(), time.process_time()
-        with autocast:
-            for i in range(count):
-                inputs, targets = batches[(offset + i) % len(batches)]
+        for i in range(count):
+            inputs, targets = batches[(offset + i) % len(batches)]
+            with autocast():
                 losses[name].append(step(model, optimizers[name], inputs, targets))
         return time.perf_counter() - start, time.process_time() - start_cpu
 
@@ -124,7 +129,7 @@ def run(
         done += count
 
     def whetstone_step() -> None:
-        with autocast:
+        with autocast():
             _whetstone_step(ours, optimizers["whetstone"], *batches[0])
 
     dense_s = dense_kernel_seconds(whetstone_step, calls=2)

@@ -18,6 +18,44 @@ import torch
 from whetstone.model import invariant, ops
 
 CHUNK_BYTES = 1 << 20  # rows per chunk so that one chunk of fp32 logits stays in L2
+REDUCED_CHUNK_BYTES = 4 << 20  # bf16 compute: rows per chunk's matmul (fewer, larger matmuls)
+REDUCED = (torch.bfloat16, torch.float16)
+
+
+def _probabilities(hidden, weight, targets, batch_invariant):
+    """(softmax probabilities [N, V] in fp32 or better, log p(target) [N])."""
+    if batch_invariant:  # the engine's lm_head and sampler: the same matmul, log_softmax per row
+        logits = invariant.linear(hidden, weight)
+    else:
+        logits = torch.mm(hidden, weight.t())  # [N, V], softmax in fp32 (or better)
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    rows = max(1, CHUNK_BYTES // (4 * logits.shape[1]))
+    if batch_invariant:
+        logprobs = torch.empty(logits.shape[0], dtype=logits.dtype)
+        for chunk, lp, target in zip(logits.split(rows), logprobs.split(rows), targets.split(rows)):
+            chunk.copy_(torch.log_softmax(chunk, dim=1))
+            lp.copy_(chunk.gather(1, target.unsqueeze(1)).squeeze(1))
+            chunk.exp_()  # now softmax probabilities, in place
+    else:
+        logprobs = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
+        for chunk, lp in zip(logits.split(rows), logprobs.split(rows)):
+            lse = torch.logsumexp(chunk, dim=1)
+            lp.sub_(lse)
+            chunk.sub_(lse.unsqueeze(1)).exp_()  # now softmax probabilities, in place
+    return logits, logprobs
+
+
+def _reduced_probabilities(hidden, weight, targets):
+    """The same under bf16 compute, probabilities in bf16: each chunk's logits are made and
+    normalised in fp32 while in cache, with no fp32 [N, V] matrix written, read back and cast."""
+    probs = hidden.new_empty(hidden.shape[0], weight.shape[0])
+    logprobs = torch.empty(targets.shape[0], dtype=torch.float32)
+    rows = max(1, REDUCED_CHUNK_BYTES // (4 * probs.shape[1]))
+    for part, chunk_probs, lp, target in zip(hidden.split(rows), probs.split(rows), logprobs.split(rows), targets.split(rows)):
+        chunk = torch.log_softmax(torch.mm(part, weight.t()).float(), dim=1)
+        lp.copy_(chunk.gather(1, target.unsqueeze(1)).squeeze(1))
+        chunk_probs.copy_(chunk.exp_())
+    return probs, logprobs
 
 
 class _TargetLogprobs(torch.autograd.Function):
@@ -25,25 +63,12 @@ class _TargetLogprobs(torch.autograd.Function):
     def forward(ctx, hidden, weight, targets, batch_invariant, with_entropy):
         ignored = targets < 0
         targets = targets.masked_fill(ignored, 0)
-        if batch_invariant:  # the engine's lm_head and sampler: the same matmul, log_softmax per row
-            logits = invariant.linear(hidden, weight)
-        else:
-            logits = torch.mm(hidden, weight.t())  # [N, V], softmax in fp32 (or better)
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        if hidden.dtype in REDUCED and not (batch_invariant or with_entropy):
+            logits, logprobs = _reduced_probabilities(hidden, weight, targets)
+        else:  # (the entropy wants fp32 probabilities)
+            logits, logprobs = _probabilities(hidden, weight, targets, batch_invariant)
         rows = max(1, CHUNK_BYTES // (4 * logits.shape[1]))
-        if batch_invariant:
-            logprobs = torch.empty(logits.shape[0], dtype=logits.dtype)
-            for chunk, lp, target in zip(logits.split(rows), logprobs.split(rows), targets.split(rows)):
-                chunk.copy_(torch.log_softmax(chunk, dim=1))
-                lp.copy_(chunk.gather(1, target.unsqueeze(1)).squeeze(1))
-                chunk.exp_()  # now softmax probabilities, in place
-        else:
-            logprobs = logits.gather(1, targets.unsqueeze(1)).squeeze(1)
-            for chunk, lp in zip(logits.split(rows), logprobs.split(rows)):
-                lse = torch.logsumexp(chunk, dim=1)
-                lp.sub_(lse)
-                chunk.sub_(lse.unsqueeze(1)).exp_()  # now softmax probabilities, in place
-        entropy = logits.new_zeros(logits.shape[0])
+        entropy = logprobs.new_zeros(logits.shape[0])
         if with_entropy:
             for chunk, h in zip(logits.split(rows), entropy.split(rows)):
                 torch.sum(torch.special.entr(chunk), dim=1, out=h)
@@ -68,7 +93,7 @@ class _TargetLogprobs(torch.autograd.Function):
             grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0)
             # d logp(target) / d logits = onehot(target) - probs
             grad_logits = probs.mul_(-grad_logprobs.unsqueeze(1))
-            grad_logits.scatter_add_(1, targets.unsqueeze(1), grad_logprobs.unsqueeze(1))
+            grad_logits.scatter_add_(1, targets.unsqueeze(1), grad_logprobs.unsqueeze(1).to(probs.dtype))
         else:
             grad_logits = probs.zero_()
         if entropy_term is not None:

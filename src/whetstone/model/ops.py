@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from whetstone.errors import WhetstoneError
-from whetstone.model import invariant
+from whetstone.model import causal_attention, invariant
 
 Numerics = Literal["fast", "invariant"]
 _INVARIANT: ContextVar[bool] = ContextVar("whetstone_invariant_numerics", default=False)
+_TRAINING_KERNELS: ContextVar[bool] = ContextVar("whetstone_training_kernels", default=False)
 
 
 @contextmanager
@@ -40,6 +41,18 @@ def numerics(mode: Numerics) -> Iterator[None]:
         yield
     finally:
         _INVARIANT.reset(token)
+
+
+@contextmanager
+def training_kernels() -> Iterator[None]:
+    """Let the forwards inside the block use kernels that are faster for plain training but
+    round differently from the inference engine's (`causal_attention` in bf16). Mid-training
+    uses them; the RL trainer does not, as its logprobs should match the engine's."""
+    token = _TRAINING_KERNELS.set(True)
+    try:
+        yield
+    finally:
+        _TRAINING_KERNELS.reset(token)
 
 
 def is_invariant() -> bool:
@@ -115,6 +128,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if _INVARIANT.get():
         return invariant.attention(q, k, v, mask)
     if mask is None:
+        if _TRAINING_KERNELS.get() and causal_attention.applies(q, k):  # faster than torch's CPU flash in bf16
+            return causal_attention.attention(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
