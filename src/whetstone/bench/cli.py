@@ -79,7 +79,7 @@ def inference(
 @app.command()
 def pipeline(
     as_json: bool = JSON,
-    steps: int = typer.Option(8, help="Trainer steps per side (step 0 fills the pipeline)."),
+    steps: int = typer.Option(24, help="Trainer steps per side (step 0 fills the pipeline: fewer steps weigh it more)."),
     group_size: int = typer.Option(4, help="Rollouts per task (TRL's num_generations)."),
     groups_per_batch: int = typer.Option(2, help="Groups per step: samples per step = group size x groups."),
     max_tokens: int = typer.Option(64, help="Completion tokens of a rollout (one turn)."),
