@@ -32,6 +32,7 @@ BLOCK = 128
 """Query positions per block (see `_blocks`)."""
 
 REDUCED = (torch.bfloat16, torch.float16)
+"""The reduced-precision compute dtypes (also the head's, `model/head.py`)."""
 
 
 def compute_dtype(q: torch.Tensor) -> torch.dtype:
@@ -50,9 +51,10 @@ def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 def _causal_bias(start: int, end: int, group: int, dtype: torch.dtype) -> torch.Tensor:
     """[(end - start) * group, end]: 0 where a row (position in [start, end), head within the
     group) may attend, -inf after it."""
-    position = torch.arange(start, end).repeat_interleave(group)
-    allowed = torch.arange(end)[None, :] <= position[:, None]
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    with torch.inference_mode(False):  # a normal tensor, usable by forwards in and out of inference mode
+        position = torch.arange(start, end).repeat_interleave(group)
+        allowed = torch.arange(end)[None, :] <= position[:, None]
+        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
 
 def _blocks(length: int) -> list[tuple[int, int]]:

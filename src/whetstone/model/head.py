@@ -16,10 +16,10 @@ from __future__ import annotations
 import torch
 
 from whetstone.model import invariant, ops
+from whetstone.model.causal_attention import REDUCED
 
 CHUNK_BYTES = 1 << 20  # rows per chunk so that one chunk of fp32 logits stays in L2
 REDUCED_CHUNK_BYTES = 4 << 20  # bf16 compute: rows per chunk's matmul (fewer, larger matmuls)
-REDUCED = (torch.bfloat16, torch.float16)
 
 
 def _probabilities(hidden, weight, targets, batch_invariant):
