@@ -61,8 +61,9 @@ def test_applies_only_to_short_reduced_precision_causal_attention():
 
 def test_bf16_training_kernels_take_it_and_match_torchs_attention(monkeypatch):
     torch.manual_seed(0)
-    model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                    num_key_value_heads=2, head_dim=8, num_experts=4, moe_intermediate_size=16))  # fmt: skip
+    config = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=8, num_experts=4, moe_intermediate_size=16)  # fmt: skip
+    model = Transformer(config)
     ids = torch.randint(0, 64, (2, 24))
     taken = []
     original = causal_attention._CausalAttention.apply
@@ -83,8 +84,9 @@ def test_mid_training_takes_it_in_bf16_only(monkeypatch):
     from whetstone.data.loader import Batch
     from whetstone.midtrain.step import token_losses
 
-    model = Transformer(ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                                    num_key_value_heads=1, head_dim=8, num_experts=0, intermediate_size=32))  # fmt: skip
+    config = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                         num_key_value_heads=1, head_dim=8, num_experts=0, intermediate_size=32)  # fmt: skip
+    model = Transformer(config)
     ids = torch.randint(0, 64, (2, 12))
     zeros = torch.zeros_like(ids)
     batch = Batch(ids, ids.roll(-1, 1), zeros, zeros, torch.zeros(2, dtype=torch.bool))

@@ -42,7 +42,8 @@ def autocast(dtype: str):
 
 def token_losses(model: Transformer, batch: Batch, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy of every target [B, T], 0 where ignored; the model's aux loss)."""
-    with autocast(dtype), ops.training_kernels():  # the fused head: fp32 softmax, no [B, T, vocab] logits kept, ignored targets skipped
+    # The fused head: fp32 softmax, no [B, T, vocab] logits kept, ignored targets skipped.
+    with autocast(dtype), ops.training_kernels():
         out = model(batch.input_ids, targets=batch.targets)
     return -out.logprobs, out.aux_loss
 

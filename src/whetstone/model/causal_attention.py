@@ -69,7 +69,8 @@ def _grouped(x: torch.Tensor, kv_heads: int) -> torch.Tensor:
     positions is a block of rows."""
     batch, heads, length, dim = x.shape
     group = heads // kv_heads
-    return x.transpose(1, 2).reshape(batch, length, kv_heads, group, dim).transpose(1, 2).reshape(-1, length * group, dim)
+    by_head = x.transpose(1, 2).reshape(batch, length, kv_heads, group, dim)  # [B, T, Hkv, group, D]
+    return by_head.transpose(1, 2).reshape(-1, length * group, dim)
 
 
 def _ungrouped(x: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
@@ -77,7 +78,8 @@ def _ungrouped(x: torch.Tensor, batch: int, heads: int) -> torch.Tensor:
     kv_heads = x.shape[0] // batch
     group = heads // kv_heads
     length, dim = x.shape[1] // group, x.shape[2]
-    return x.view(batch, kv_heads, length, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, length, heads, dim).transpose(1, 2)
+    by_position = x.view(batch, kv_heads, length, group, dim).permute(0, 2, 1, 3, 4)  # [B, T, Hkv, group, D]
+    return by_position.reshape(batch, length, heads, dim).transpose(1, 2)
 
 
 class _CausalAttention(torch.autograd.Function):

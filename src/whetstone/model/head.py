@@ -51,7 +51,8 @@ def _reduced_probabilities(hidden, weight, targets):
     probs = hidden.new_empty(hidden.shape[0], weight.shape[0])
     logprobs = torch.empty(targets.shape[0], dtype=torch.float32)
     rows = max(1, REDUCED_CHUNK_BYTES // (4 * probs.shape[1]))
-    for part, chunk_probs, lp, target in zip(hidden.split(rows), probs.split(rows), logprobs.split(rows), targets.split(rows)):
+    chunks = zip(hidden.split(rows), probs.split(rows), logprobs.split(rows), targets.split(rows))
+    for part, chunk_probs, lp, target in chunks:
         chunk = torch.log_softmax(torch.mm(part, weight.t()).float(), dim=1)
         lp.copy_(chunk.gather(1, target.unsqueeze(1)).squeeze(1))
         chunk_probs.copy_(chunk.exp_())
