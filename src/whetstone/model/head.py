@@ -91,10 +91,14 @@ class _TargetLogprobs(torch.autograd.Function):
             entropy_term = (torch.special.entr(probs) - probs * entropy.unsqueeze(1)) * grad_entropy
         # The probabilities are needed no more: their [N, V] buffer becomes the logits' gradient.
         if grad_logprobs is not None:
-            grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0)
+            # In the probabilities' dtype: bf16 times an fp32 column takes a slow mixed-dtype path.
+            grad_logprobs = grad_logprobs.masked_fill(ignored, 0.0).to(probs.dtype)
             # d logp(target) / d logits = onehot(target) - probs
             grad_logits = probs.mul_(-grad_logprobs.unsqueeze(1))
-            grad_logits.scatter_add_(1, targets.unsqueeze(1), grad_logprobs.unsqueeze(1).to(probs.dtype))
+            # + the row's gradient at its target, as index_add_ on the flat view: the same additions
+            # as scatter_add_, which is ~1000x slower on bf16 CPU tensors.
+            at_target = torch.arange(targets.shape[0]) * grad_logits.shape[1] + targets
+            grad_logits.view(-1).index_add_(0, at_target, grad_logprobs)
         else:
             grad_logits = probs.zero_()
         if entropy_term is not None:
