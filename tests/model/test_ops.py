@@ -47,3 +47,15 @@ def test_rms_norm_without_autograd_is_the_same_arithmetic():
     with_graph = ops.rms_norm(x.requires_grad_(), weight, 1e-6)
     with torch.inference_mode():
         assert torch.equal(ops.rms_norm(x.detach(), weight, 1e-6), with_graph.detach())
+
+
+def test_mixed_dtype_ops_are_cast_first_with_the_same_bits():
+    # bf16 layer outputs meet the fp32 residual stream and fp32 norm weights under autocast:
+    # casting first gives the mixed-dtype op's bits on a fast same-dtype kernel.
+    x, update = torch.randn(4, 8, 32), torch.randn(4, 8, 32).bfloat16()
+    assert torch.equal(ops.residual(x, update), x + update) and ops.residual(x, update).dtype == torch.float32
+    assert torch.equal(ops.residual(update, x), update + x)
+    assert ops.residual(x, x.clone()).data_ptr() != x.data_ptr()  # a new tensor, x untouched
+    heads, weight = torch.randn(4, 8, 2, 16).bfloat16(), torch.randn(16)
+    normed = ops.rms_norm(heads, weight, 1e-6)
+    assert normed.dtype == torch.float32 and torch.equal(normed, reference_rms_norm(heads, weight))

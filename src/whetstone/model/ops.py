@@ -80,7 +80,8 @@ def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, row_loc
     square = x32.square()
     mean_square = invariant.mean_last(square) if row_local else square.mean(-1, keepdim=True)
     rstd = torch.rsqrt(mean_square.add_(eps))
-    return weight * (x32 * rstd).to(x.dtype), rstd
+    normed = (x32 * rstd).to(x.dtype)  # Qwen3 rounds to x's dtype before the weight
+    return same_dtype(normed, weight) * weight, rstd
 
 
 class _RMSNorm(torch.autograd.Function):
@@ -117,6 +118,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _fused_rms_norm_applies(x, weight, row_local):
         return torch.rms_norm(x, [x.shape[-1]], weight, eps)
     return _rms_norm_forward(x, weight, eps, row_local)[0]
+
+
+def same_dtype(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """x cast to the dtype torch would promote `x op other` to. The same bits as the mixed-dtype
+    op, whose CPU kernel is ~20x slower than a cast and a same-dtype op (bf16 next to fp32 under
+    autocast: residual adds, norm weights)."""
+    return x.to(torch.promote_types(x.dtype, other.dtype))
+
+
+def residual(x: torch.Tensor, update: torch.Tensor) -> torch.Tensor:
+    """x + update, in the promoted dtype (the fp32 residual stream plus a bf16 layer output)."""
+    return same_dtype(x, update) + same_dtype(update, x)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

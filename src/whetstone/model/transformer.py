@@ -50,12 +50,12 @@ class Block(nn.Module):
 
     def forward(self, x, cos, sin, cache=None, routes=None):
         """Returns (x, (ids, probs)) for a MoE block, (x, None) for a dense one."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache)
+        x = ops.residual(x, self.self_attn(self.input_layernorm(x), cos, sin, cache))
         h = self.post_attention_layernorm(x)
         if not self.is_moe:
-            return x + self.mlp(h), None
+            return ops.residual(x, self.mlp(h)), None
         out, ids, probs = self.mlp(h, routes)
-        return x + out, (ids, probs)
+        return ops.residual(x, out), (ids, probs)
 
 
 class Transformer(nn.Module):
