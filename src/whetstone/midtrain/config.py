@@ -53,8 +53,8 @@ class RunConfig(Config):
     dtype: Literal["bfloat16", "float32"] = "float32"
     """Compute dtype: `bfloat16` under autocast, or `float32`. Master weights and optimizer state
     are fp32 either way. The default is fp32 because CPUs without AVX512-BF16 or AMX run bf16
-    matmuls ~25x slower; on GPUs and CPUs with them, bfloat16 trains faster (10-20% for the small
-    default models on an AVX512-BF16 CPU, docs/model.md)."""
+    matmuls ~25x slower; on GPUs and CPUs with them, bfloat16 trains faster (~18% for the embedded
+    run's model on an AVX512-BF16 CPU, docs/model.md)."""
     steps: int = Field(700, ge=1)
     """Optimizer steps of the whole run (the schedule's length)."""
     batch_size: int = Field(4, ge=1)
