@@ -99,13 +99,13 @@ class _CausalAttention(torch.autograd.Function):
             probs.append(torch.softmax(scores, dim=-1))
             torch.bmm(probs[-1], values[:, :end], out=out[:, rows])
         ctx.save_for_backward(queries, keys, values, *probs)
-        ctx.shape = (batch, heads, scale)
+        ctx.layout = (batch, heads, scale)
         return _ungrouped(out, batch, heads)
 
     @staticmethod
     def backward(ctx, grad_out):
         queries, keys, values, *probs = ctx.saved_tensors
-        batch, heads, scale = ctx.shape
+        batch, heads, scale = ctx.layout
         grad = _grouped(grad_out.to(queries.dtype), keys.shape[0] // batch)
         group = queries.shape[1] // keys.shape[1]
         grad_queries = torch.empty_like(queries)

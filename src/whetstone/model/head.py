@@ -65,16 +65,16 @@ class _TargetLogprobs(torch.autograd.Function):
         ignored = targets < 0
         targets = targets.masked_fill(ignored, 0)
         if hidden.dtype in REDUCED and not (batch_invariant or with_entropy):
-            logits, logprobs = _reduced_probabilities(hidden, weight, targets)
+            probs, logprobs = _reduced_probabilities(hidden, weight, targets)
         else:  # (the entropy wants fp32 probabilities)
-            logits, logprobs = _probabilities(hidden, weight, targets, batch_invariant)
-        rows = max(1, CHUNK_BYTES // (4 * logits.shape[1]))
-        entropy = logprobs.new_zeros(logits.shape[0])
+            probs, logprobs = _probabilities(hidden, weight, targets, batch_invariant)
+        entropy = logprobs.new_zeros(probs.shape[0])
         if with_entropy:
-            for chunk, h in zip(logits.split(rows), entropy.split(rows)):
+            rows = max(1, CHUNK_BYTES // (4 * probs.shape[1]))
+            for chunk, h in zip(probs.split(rows), entropy.split(rows)):
                 torch.sum(torch.special.entr(chunk), dim=1, out=h)
             entropy.masked_fill_(ignored, 0.0)
-        ctx.save_for_backward(hidden, weight, targets, ignored, logits, entropy)
+        ctx.save_for_backward(hidden, weight, targets, ignored, probs, entropy)
         if not with_entropy:
             ctx.mark_non_differentiable(entropy)
         ctx.set_materialize_grads(False)  # an unused output's gradient stays None: no wasted pass
