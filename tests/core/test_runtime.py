@@ -47,3 +47,16 @@ def test_configure_process_sets_the_thread_count():
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(threads)
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):
+    from whetstone.utils import runtime
+
+    assert runtime.resolve_dtype("float32") == "float32" and runtime.resolve_dtype("bfloat16") == "bfloat16"
+    assert runtime.resolve_dtype("auto") == ("bfloat16" if runtime.native_bf16() else "float32")
+    # A CPU without AVX512-BF16 or AMX, or a torch without the probes: float32.
+    for probe in ("_is_avx512_bf16_supported", "_is_amx_tile_supported"):
+        monkeypatch.delattr(torch.cpu, probe, raising=False)
+    assert not runtime.native_bf16() and runtime.resolve_dtype("auto") == "float32"
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
+    assert runtime.native_bf16() and runtime.resolve_dtype("auto") == "bfloat16"

@@ -33,6 +33,15 @@ def test_resumed_run_is_bit_identical_to_a_straight_run(make_config, dtype):
     assert second["tokens"] == straight["tokens"] == 8 * 2 * 4 * 32
 
 
+def test_auto_dtype_is_resolved_and_recorded(make_config, tmp_path, monkeypatch):
+    from whetstone.utils import runtime
+
+    monkeypatch.setattr(runtime, "native_bf16", lambda: False)
+    summary = train(make_config("run.dtype=auto", "run.steps=3"))
+    assert summary["dtype"] == "float32"
+    assert 'dtype = "float32"' in (tmp_path / "runs" / "midtrain" / "config.toml").read_text()
+
+
 def test_metrics_summary_and_hf_export(make_config, tmp_path):
     summary = train(make_config())
     run_dir = tmp_path / "runs" / "midtrain"

@@ -2,7 +2,9 @@
 
 import torch
 
+from whetstone.model import experts, ops
 from whetstone.model.experts import expert_mlp
+from whetstone.model.ops import shape_tile
 
 
 def naive_expert_mlp(x, ids, gate_up, down):
@@ -58,3 +60,36 @@ def test_inference_path_gives_the_same_bits_as_the_differentiable_one():
     assert differentiable.requires_grad
     with torch.no_grad():
         assert torch.equal(expert_mlp(x, ids, gate_up, down), differentiable.detach())
+
+
+def test_shape_tile_rounds_up_by_at_most_an_eighth_to_few_sizes():
+    padded = [count + (-count % shape_tile(count)) for count in range(1, 4097)]
+    assert all(count <= size <= count * 9 / 8 for count, size in zip(range(1, 4097), padded))
+    assert len(set(padded)) <= 16 + 8 * 8  # 1..16 exact, then eight sizes per power of two
+    assert shape_tile(0) == 1
+
+
+def test_bf16_training_pads_expert_groups_and_keeps_the_results(monkeypatch):
+    torch.manual_seed(0)
+    x = torch.randn(40, 8, requires_grad=True)
+    gate_up = torch.randn(4, 12, 8, requires_grad=True)
+    down = torch.randn(4, 8, 6, requires_grad=True)
+    ids = torch.stack([torch.randperm(4)[:2] for _ in range(40)])
+    probe = torch.randn(40, 2, 8)
+
+    def run():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = expert_mlp(x, ids, gate_up, down)
+        return [out.float(), *torch.autograd.grad((out.float() * probe).sum(), (x, gate_up, down))]
+
+    plain = run()
+    sizes = []
+    original = experts._padded_groups
+    monkeypatch.setattr(experts, "_padded_groups",
+                        lambda *args: sizes.append(original(*args)[2]) or original(*args))  # fmt: skip
+    with ops.training_kernels():
+        padded = run()
+    assert sizes and all(size % shape_tile(size) == 0 for size in sizes[0])
+    assert sum(sizes[0]) > ids.numel()  # 80 slots over 4 experts: some group needed padding
+    for got, expected in zip(padded, plain):
+        torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.model import Transformer
+from whetstone.model import Transformer, ops
 from whetstone.model.head import target_logprobs
 
 
@@ -95,6 +95,30 @@ def test_bf16_logprobs_come_from_bf16_logits_normalised_in_fp32(monkeypatch):
         assert g.dtype == torch.bfloat16
         torch.testing.assert_close(g.float(), e.float(), rtol=0.02, atol=0.02)
     assert grads[0][0, 4].abs().sum() == 0
+
+
+def test_bf16_training_pads_the_trained_rows_and_keeps_the_results(monkeypatch):
+    # Under training_kernels the rows through the head are padded to an ops.shape_tile size with
+    # ignored dummies: the logprobs and gradients are those of the trained rows alone.
+    import whetstone.model.head as head
+
+    torch.manual_seed(3)
+    hidden = torch.randn(3, 20, 16).bfloat16().requires_grad_()
+    weight = torch.randn(37, 16).bfloat16().requires_grad_()
+    targets = torch.randint(0, 37, (3, 20))
+    targets[:, :3] = -100  # 51 trained rows: padded to 52
+    probe = torch.randn(3, 20)
+    plain, _ = target_logprobs(hidden, weight, targets)
+    expected = torch.autograd.grad((plain * probe).sum(), (hidden, weight))
+    rows_in = []
+    apply = head._TargetLogprobs.apply
+    monkeypatch.setattr(head._TargetLogprobs, "apply", lambda h, *args: rows_in.append(h.shape[0]) or apply(h, *args))
+    with ops.training_kernels():
+        padded, _ = target_logprobs(hidden, weight, targets)
+    assert rows_in == [52]
+    torch.testing.assert_close(padded, plain, rtol=0, atol=1e-6)
+    for got, want in zip(torch.autograd.grad((padded * probe).sum(), (hidden, weight)), expected):
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)
 
 
 def test_targets_of_the_wrong_shape_are_rejected(make_config):

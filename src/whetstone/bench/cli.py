@@ -60,7 +60,7 @@ def train(
     as_json: bool = JSON,
     steps: int = typer.Option(24, help="Timed optimizer steps per implementation."),
     threads: int = typer.Option(2, help="torch threads for both implementations."),
-    dtype: str = typer.Option("float32", help="Compute dtype: float32 or bfloat16."),
+    dtype: str = typer.Option("auto", help="Compute dtype: float32, bfloat16, or auto (mid-training's default: bfloat16 where the CPU multiplies it natively)."),
 ) -> None:
     """Training tokens/s of the tiny MoE: whetstone vs transformers' Qwen3-MoE, same batches."""
     _emit(_bench("train").run(steps=steps, threads=threads, dtype=dtype), as_json, "training throughput")

@@ -27,7 +27,7 @@ from whetstone.bench.kernels import dense_kernel_seconds
 from whetstone.errors import WhetstoneError
 from whetstone.model import ModelConfig, Transformer, ops
 from whetstone.model.hf import save_hf
-from whetstone.utils.runtime import configure_process
+from whetstone.utils.runtime import configure_process, resolve_dtype
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -67,7 +67,7 @@ def run(
     batch_size: int = 8,
     seq_len: int = 256,
     threads: int = 2,
-    dtype: str = "float32",
+    dtype: str = "auto",
     warmup: int = 2,
     rounds: int = 6,
     lr: float = 1e-3,
@@ -79,10 +79,12 @@ def run(
 
     `hf_experts_implementation` picks transformers' MoE kernel (None = its default, which on
     this version is "grouped_mm"; "eager" is the per-expert mask loop of older releases).
-    `config` replaces the embedded default model (tests use a smaller one).
+    `config` replaces the embedded default model (tests use a smaller one). `dtype` "auto" is
+    mid-training's default: bfloat16 where the CPU multiplies it natively, else float32.
     """
+    dtype = resolve_dtype(dtype)
     if dtype not in DTYPES:
-        raise WhetstoneError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        raise WhetstoneError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if steps < rounds or rounds < 1:
         raise WhetstoneError(f"steps ({steps}) must be >= rounds ({rounds}) >= 1")
     configure_process(threads)

@@ -11,6 +11,7 @@ from pydantic import Field, PositiveFloat, field_validator, model_validator
 from whetstone.config import Config
 from whetstone.data import CorpusConfig
 from whetstone.model import ModelConfig
+from whetstone.utils.runtime import resolve_dtype
 
 
 class OptimizerConfig(Config):
@@ -50,11 +51,12 @@ class RunConfig(Config):
     """Seed for model initialisation and data order."""
     threads: int = Field(2, ge=0)
     """Torch intra-op threads for this process (0 = all cores)."""
-    dtype: Literal["bfloat16", "float32"] = "float32"
-    """Compute dtype: `bfloat16` under autocast, or `float32`. Master weights and optimizer state
-    are fp32 either way. The default is fp32 because CPUs without AVX512-BF16 or AMX run bf16
-    matmuls ~25x slower; on GPUs and CPUs with them, bfloat16 trains faster (~18% for the embedded
-    run's model on an AVX512-BF16 CPU, docs/model.md)."""
+    dtype: Literal["auto", "bfloat16", "float32"] = "auto"
+    """Compute dtype: `bfloat16` under autocast, or `float32`; `auto` = bfloat16 on a CPU that
+    multiplies bf16 natively (AVX512-BF16 or AMX), float32 elsewhere (there bf16 matmuls run ~25x
+    slower). Master weights and optimizer state are fp32 either way. On an AVX512-BF16 CPU the
+    embedded run's model trains ~1.6x as fast in bf16 (docs/midtrain.md)."""
+
     steps: int = Field(700, ge=1)
     """Optimizer steps of the whole run (the schedule's length)."""
     batch_size: int = Field(4, ge=1)
@@ -74,6 +76,10 @@ class RunConfig(Config):
     checkpoints, evaluates, exports and stops early; running it again continues. 0 = no limit."""
     resume: bool = True
     """Continue from the newest checkpoint in the run folder if there is one."""
+
+    def compute_dtype(self) -> Literal["bfloat16", "float32"]:
+        """`dtype` with `auto` resolved for this machine."""
+        return resolve_dtype(self.dtype)
 
 
 class MidtrainModelConfig(ModelConfig):

@@ -38,7 +38,8 @@ def train(config: MidtrainConfig, *, demos: DemoSource | None = None, stop_at_st
     """
     opened = time.perf_counter()  # the wall-time limit counts the corpus build too
     session = open_session(config, demos)
-    config, run, state = session.config, config.run, session.state
+    config, state = session.config, session.state
+    run = config.run
     atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
     val_batches = list(_first(session.corpus.val_batches(run.batch_size, config.data.seq_len), run.eval_batches))
     last_step = min(run.steps, stop_at_step or run.steps)
@@ -106,6 +107,7 @@ def summarize(session: Session, val_loss: float, stopped_early: bool, model_dir,
         "tokens": state.tokens,
         "train_seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
+        "dtype": config.run.dtype,
         "val_loss": val_loss,
         "unigram_entropy": corpus.unigram_entropy,
         "val_unigram_cross_entropy": corpus.manifest["val_unigram_cross_entropy"],

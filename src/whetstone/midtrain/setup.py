@@ -55,8 +55,8 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer)
     loader = corpus.train_loader(run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight)
-    # The config as run: with init_from, the model section is the checkpoint's.
-    config = config.model_copy(update={"model": model.cfg})
+    # The config as run: with init_from, the model section is the checkpoint's; `auto` resolved.
+    config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": run.compute_dtype()})})
     return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from)
 
 

@@ -9,6 +9,8 @@ gradient per expert slice, the scatter-adds of indexing backward, and a graph no
 Under invariant numerics each expert's slice is padded to a multiple of `invariant.ROW_TILE`
 rows (dummy slots that read a zero row and whose outputs nobody gathers), so every expert
 matmul has a row count at which a row's result does not depend on how many tokens chose it.
+Reduced-precision training (`ops.training_kernels()`) pads the same way to a few sizes per power
+of two (`ops.shape_tile`), so the matmuls reuse the kernels oneDNN built for earlier steps.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ def _spans(counts: list[int]):
         start += count
 
 
-def _padded_groups(slot_expert: torch.Tensor, unsort: torch.Tensor, counts: list[int]):
-    """The sorted layout with each expert's group padded to a multiple of ROW_TILE rows.
+def _padded_groups(slot_expert: torch.Tensor, unsort: torch.Tensor, counts: list[int], tile):
+    """The sorted layout with each expert's group padded to a multiple of `tile(count)` rows.
 
     Padding positions hold the dummy slot id S = number of slots (it reads a zero row of x, and
     a zero row of the output gradient); `unsort` points each real slot at its padded position."""
-    padded = [count + (-count % invariant.ROW_TILE) for count in counts]
+    padded = [count + (-count % tile(count)) for count in counts]
     shift, start, padded_start = [], 0, 0
     for count, padded_count in zip(counts, padded):
         shift.append(padded_start - start)
@@ -131,7 +133,9 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     counts = torch.bincount(slot_expert, minlength=gate_up.shape[0]).tolist()
     batch_invariant = ops.is_invariant()
     if batch_invariant:
-        order, unsort, counts = _padded_groups(slot_expert, unsort, counts)
+        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, lambda count: invariant.ROW_TILE)
+    elif ops.pads_shapes(x):
+        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, ops.shape_tile)
     args = (x, gate_up, down, order, unsort, counts, ids.shape[1], batch_invariant)
     differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
     with torch.autocast("cpu", enabled=False):

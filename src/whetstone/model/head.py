@@ -14,6 +14,7 @@ gets the engine's logprobs bit for bit (docs/consistency.md).
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from whetstone.model import invariant, ops
 from whetstone.model.causal_attention import REDUCED
@@ -132,8 +133,13 @@ def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.T
         # Only the trained rows go through the head (prompts and tool results in chat data are
         # most of the tokens, and the head is most of a small model's compute).
         rows = kept.nonzero().squeeze(1)
-        logprobs, entropy = _TargetLogprobs.apply(hidden[rows], weight, targets[rows], batch_invariant, with_entropy)
-        logprobs = logprobs.new_zeros(targets.shape).index_put((rows,), logprobs).view(shape)
+        trained, picked = rows.numel(), targets[rows]
+        if ops.pads_shapes(hidden):  # dummy rows (row 0 with an ignored target) up to a size with a built kernel
+            extra = -trained % ops.shape_tile(trained)
+            rows, picked = F.pad(rows, (0, extra)), F.pad(picked, (0, extra), value=-1)
+        logprobs, entropy = _TargetLogprobs.apply(hidden[rows], weight, picked, batch_invariant, with_entropy)
+        rows = rows[:trained]
+        logprobs = logprobs.new_zeros(targets.shape).index_put((rows,), logprobs[:trained]).view(shape)
         if not with_entropy:
             return logprobs, None
-        return logprobs, entropy.new_zeros(targets.shape).index_put((rows,), entropy).view(shape)
+        return logprobs, entropy.new_zeros(targets.shape).index_put((rows,), entropy[:trained]).view(shape)

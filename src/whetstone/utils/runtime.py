@@ -22,6 +22,23 @@ def configure_process(threads: int) -> None:
     keep_freed_memory()
 
 
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 natively (AVX512-BF16 or AMX). There bf16 matmuls run
+    2-3x as fast as fp32 ones; elsewhere torch falls back to a path ~25x slower than fp32."""
+    import torch
+
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")  # private, hence looked up with a default
+    return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
+
+
+def resolve_dtype(dtype: str) -> str:
+    """A training compute dtype with `auto` resolved: bfloat16 where the CPU multiplies bf16
+    natively, float32 elsewhere. Mid-training and `whetstone bench train` share it."""
+    if dtype != "auto":
+        return dtype
+    return "bfloat16" if native_bf16() else "float32"
+
+
 def keep_freed_memory() -> bool:
     """Serve large allocations from the heap and keep what is freed, instead of glibc's default
     of a fresh mmap for every block over 32 MB (the logits of a training batch, their softmax and
