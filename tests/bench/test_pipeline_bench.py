@@ -156,8 +156,11 @@ def test_the_trainer_share_comes_from_each_roles_cpu_over_the_window():
     used = cpu_by_side(samples, 1.5, 12.5)  # startup before the window is left out
     assert used == {"trainer": 2.0, "rollout": 9.0}
     assert trainer_cpu_share(used) == pytest.approx(2 / 11)
+    # A window with under two samples in it (a tiny run) is measured over the samples around it.
+    assert cpu_by_side(samples, 2.5, 3.5) == {"trainer": 2.0, "rollout": 9.0}
+    assert cpu_by_side(samples, 1.5, 2.5) == {"trainer": 3.0, "rollout": 10.0}
     with pytest.raises(WhetstoneError, match="fewer than 2 CPU samples"):
-        cpu_by_side(samples, 1.5, 2.5)
+        cpu_by_side(samples, 13.5, 14.0)
     with pytest.raises(WhetstoneError, match="no CPU time measured"):
         trainer_cpu_share({"rollout": 1.0})
 

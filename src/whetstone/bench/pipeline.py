@@ -148,10 +148,15 @@ def trainer_cpu_share(cpu_by_side: dict[str, float] | None) -> float:
 
 def cpu_by_side(samples: list[dict], start: float, end: float) -> dict[str, float]:
     """CPU seconds each side used between `start` and `end`, from the pipeline's `cpu.jsonl`: per
-    side, its last sample in the window minus its first."""
+    side, its last sample in the window minus its first. A window shorter than the sampling
+    interval (a tiny run) is measured from the last sample before it to the first after it."""
     inside = [s for s in samples if start <= s["time"] <= end]
     if len(inside) < 2:
-        raise WhetstoneError(f"fewer than 2 CPU samples between {start:.1f} and {end:.1f}: the run was too short")
+        before = [s for s in samples if s["time"] < start][-1:]
+        after = [s for s in samples if s["time"] > end][:1]
+        inside = before + inside + after
+    if len(inside) < 2:
+        raise WhetstoneError(f"fewer than 2 CPU samples around {start:.1f}-{end:.1f}: the run was too short")
     first: dict[str, float] = {}
     last: dict[str, float] = {}
     for sample in inside:

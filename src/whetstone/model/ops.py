@@ -46,9 +46,9 @@ def numerics(mode: Numerics) -> Iterator[None]:
 @contextmanager
 def training_kernels() -> Iterator[None]:
     """Let the forwards inside the block use kernels that are faster for plain training but
-    round differently from the inference engine's (`causal_attention` in bf16, expert groups
-    padded to a few sizes, `shape_tile`). Mid-training uses them; the RL trainer does
-    not, as its logprobs should match the engine's."""
+    round differently from the inference engine's (`causal_attention` in bf16), and pad row
+    counts to a few sizes (`shape_tile`: expert groups, the head's trained rows). Mid-training
+    uses them; the RL trainer does not, as its logprobs should match the engine's."""
     token = _TRAINING_KERNELS.set(True)
     try:
         yield
