@@ -45,7 +45,7 @@ class RLConfig(Config):
     steps: int = Field(16, ge=1)
     """Optimizer steps (= batches) of the RL stage. From the bf16 base of an AVX512-BF16 machine
     (0.537, session 18) the current recipe gained +25.0 to +31.8 in 16 steps, +28.8 on average
-    over seven runs; from the fp32 base (0.642) +16.3 on average over 23 runs (docs/run.md). Before
+    over eight runs; from the fp32 base (0.642) +16.3 on average over 23 runs (docs/run.md). Before
     the behaviour-cloning anchor, from the 3000-step fp32 base, on the 200 x 2
     held-out evaluation, this recipe gained +8.3 to +18.8 points in 16 steps, +14.3 on average
     over eleven runs (five RL-only, six cold README runs; six reached +15; RL 227-327 s),
@@ -140,7 +140,7 @@ class PipelineConfig(Config):
     held-out rollouts that RL lifted by 6 points, 3000 steps 0.642 lifted by 12 (docs/run.md,
     session 11); 3000 steps take ~400 s there in fp32 (a cold run ~11 min). On the older machine
     (5,700 tokens/s) they would take ~15 minutes alone: lower `steps` there. Where the CPU
-    multiplies bf16 natively, `run.dtype = "auto"` trains in bf16: 230-259 s for the 3000 steps, a
+    multiplies bf16 natively, `run.dtype = "auto"` trains in bf16: 216-259 s for the 3000 steps, a
     base of 0.537 (session 18, docs/run.md)."""
     harness: HarnessConfig = HarnessConfig(
         max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64, train_cut_off_calls=True,
