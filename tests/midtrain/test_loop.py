@@ -42,6 +42,18 @@ def test_auto_dtype_is_resolved_and_recorded(make_config, tmp_path, monkeypatch)
     assert 'dtype = "float32"' in (tmp_path / "runs" / "midtrain" / "config.toml").read_text()
 
 
+def test_auto_resumes_in_the_dtype_the_checkpoint_was_trained_in(make_config, monkeypatch):
+    from whetstone.utils import runtime
+
+    straight = train(make_config("run.dtype=float32", "run.name=straight"))
+    train(make_config("run.dtype=float32", "run.name=halves"), stop_at_step=4)
+    monkeypatch.setattr(runtime, "native_bf16", lambda: True)  # `auto` alone would now pick bf16
+    second = train(make_config("run.dtype=auto", "run.name=halves"))
+    assert second["dtype"] == "float32"
+    a, b = final_weights(straight), final_weights(second)
+    assert all(torch.equal(a[name], b[name]) for name in a)
+
+
 def test_metrics_summary_and_hf_export(make_config, tmp_path):
     summary = train(make_config())
     run_dir = tmp_path / "runs" / "midtrain"

@@ -11,7 +11,6 @@ from pydantic import Field, PositiveFloat, field_validator, model_validator
 from whetstone.config import Config
 from whetstone.data import CorpusConfig
 from whetstone.model import ModelConfig
-from whetstone.utils.runtime import resolve_dtype
 
 
 class OptimizerConfig(Config):
@@ -76,10 +75,6 @@ class RunConfig(Config):
     checkpoints, evaluates, exports and stops early; running it again continues. 0 = no limit."""
     resume: bool = True
     """Continue from the newest checkpoint in the run folder if there is one."""
-
-    def compute_dtype(self) -> Literal["bfloat16", "float32"]:
-        """`dtype` with `auto` resolved for this machine."""
-        return resolve_dtype(self.dtype)
 
 
 class MidtrainModelConfig(ModelConfig):

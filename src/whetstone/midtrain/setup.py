@@ -14,12 +14,12 @@ import torch
 
 from whetstone.data import Corpus, CorpusConfig, DemoSource, TrainLoader, build_corpus
 from whetstone.errors import ConfigError
-from whetstone.midtrain.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint
+from whetstone.midtrain.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint, read_state
 from whetstone.midtrain.config import MidtrainConfig
 from whetstone.midtrain.optim import optimizer_for
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
-from whetstone.utils.runtime import configure_process
+from whetstone.utils.runtime import configure_process, resolve_dtype
 
 
 @dataclass
@@ -56,8 +56,17 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         state = load_checkpoint(resume_from, model, optimizer)
     loader = corpus.train_loader(run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight)
     # The config as run: with init_from, the model section is the checkpoint's; `auto` resolved.
-    config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": run.compute_dtype()})})
+    dtype = _resumed_dtype(resume_from) if run.dtype == "auto" and resume_from is not None else resolve_dtype(run.dtype)
+    config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": dtype})})
     return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from)
+
+
+def _resumed_dtype(checkpoint: Path) -> str:
+    """`auto` on resume: the dtype the checkpoint was trained in, so a run keeps its arithmetic
+    (bit-exact continuation) even where `auto` would now pick another (older runs defaulted to
+    float32)."""
+    recorded = read_state(checkpoint).get("config", {}).get("run", {}).get("dtype")
+    return recorded if recorded in ("bfloat16", "float32") else resolve_dtype("auto")
 
 
 def corpus_config(config: MidtrainConfig) -> CorpusConfig:
