@@ -9,6 +9,7 @@ import pytest
 from tests.orchestrator.orchestrator_support import (
     Trainer, coin_tasks, model_folder, orchestrator_config, synth_tasks, thread_servers,
 )
+from whetstone.envs.harness import RolloutConfig
 from whetstone.orchestrator import Orchestrator, batch_key
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.store import LocalStore
@@ -98,6 +99,51 @@ def test_a_restarted_orchestrator_continues_the_batch_sequence(world):
         assert asyncio.run(Orchestrator(config, coin_tasks(1)).run()) == [0]
         assert asyncio.run(Orchestrator(config, coin_tasks(1)).run()) == [1]
     assert read_batch(LocalStore(tmp_path / "batches"), 1).meta["index"] == 1
+
+
+def test_starts_no_group_that_would_be_too_stale_to_train_on(world):
+    """A trainer stuck at version 0 (bound 2; the servers hold version 0): groups start for batches
+    0-2 only, whose samples will be within the bound; batch 3's start only once the trainer moves
+    on. Nothing is generated to be dropped."""
+    tmp_path, model_dir, trainer = world
+    store = LocalStore(tmp_path / "batches")
+
+    async def scenario(urls):
+        orchestrator = Orchestrator(orchestrator_config(tmp_path, model_dir, urls, max_batches=4), coin_tasks(2))
+        run = asyncio.create_task(orchestrator.run())
+        while not store.exists(batch_key(2)):
+            assert not run.done(), run
+            await asyncio.sleep(0.05)
+        calls = sum(server.calls for server in orchestrator.pool.servers)
+        await asyncio.sleep(1.0)
+        assert sum(server.calls for server in orchestrator.pool.servers) == calls  # nothing that would go stale
+        assert orchestrator.buffered_groups == 0 and not store.exists(batch_key(3))
+        await asyncio.to_thread(trainer.publish)  # version 1: the trainer is on batch 1
+        assert await asyncio.wait_for(run, 120) == [0, 1, 2, 3]
+
+    with thread_servers(model_dir, tmp_path / "weights") as servers:
+        asyncio.run(scenario([s.url for s in servers]))
+    for index in range(4):
+        assert read_batch(store, index).meta["staleness_histogram"]["dropped_stale"] == 0
+
+
+@pytest.mark.parametrize(("served", "ahead_allowed"), [(5, 4), (4, 2), (3, 2), (None, 2)])
+def test_groups_run_ahead_only_as_far_as_the_servers_version_allows(tmp_path, served, ahead_allowed):
+    """Trainer on batch 5 (bound 2, 2 groups per batch): servers holding version 5 may start groups
+    for batches 6 and 7; one version behind (or not saying), for batch 6 only; never none at all."""
+    config = orchestrator_config(tmp_path, "unused", ["http://127.0.0.1:1"], groups_per_batch=2,
+                                 rollout=RolloutConfig(concurrency=64))  # fmt: skip
+    orchestrator = Orchestrator(config, coin_tasks(1))
+    orchestrator.latest_version, orchestrator._served_version, orchestrator._last_put = 5, served, 5
+    allowed = 0
+    while orchestrator._has_room():
+        orchestrator._groups_running += 1
+        orchestrator._unfinished += 2
+        allowed += 1
+    assert allowed == ahead_allowed
+    orchestrator._groups_running = orchestrator._unfinished = 0
+    orchestrator._last_put = 6  # batch 6 already put: room for batch 7's groups only
+    assert orchestrator._has_room() == (ahead_allowed == 4)
 
 
 def test_synchronous_mode_alternates_with_the_trainer(world):

@@ -3,8 +3,9 @@
     put = asyncio.run(Orchestrator(config).run())      # indices of the batches it put
 
 Rollout side: groups of `group_size` rollouts of one task are started while fewer than
-`rollout.concurrency` rollouts are unfinished, so every server stays busy; each rollout runs on
-the least-loaded live server (`servers.py`). A finished group is scored (`score_groups`: failed,
+`rollout.concurrency` rollouts are unfinished, so every server stays busy, and while the groups
+queued ahead of the trainer's batch still fit the staleness bound (`SERVER_LAG`); each rollout
+runs on the least-loaded live server (`pool.py`). A finished group is scored (`score_groups`: failed,
 cheat-flagged and no-variance ones dropped and counted), turned into samples and buffered.
 
 Batch side: batch n is what the trainer's optimizer step n consumes, under weight version n.
@@ -45,6 +46,9 @@ from whetstone.sync import WeightStore
 from whetstone.utils.metrics import MetricsWriter
 
 log = logging.getLogger("whetstone.orchestrator")
+UNKNOWN_SERVER_LAG = 1
+"""Versions a server is taken to be behind the trainer's latest when no live server reports its
+version (vLLM and SGLang do not): each loads a version as it is published, so one at most."""
 FRUITLESS_WARNING_GROUPS = 4
 """Warn after this many batches' worth of groups in a row gave nothing to train on."""
 
@@ -64,6 +68,11 @@ class Orchestrator:
         self._unfinished = 0
         self._groups_running = 0
         """Groups started and not scored yet."""
+        self._served_version: int | None = None
+        """The oldest weight version the live servers reported (None: none reports one)."""
+        self._last_put = -1
+        """Index of the newest batch in the batch store or being written there (by this run or an
+        earlier one)."""
         self._open: int | None = None
         """Synchronous mode: the batch whose groups may start now (None until the trainer and the
         servers hold its version)."""
@@ -94,9 +103,12 @@ class Orchestrator:
             no_server_timeout_s=config.no_server_timeout_s, min_version=self._oldest_useful_version,
         )  # fmt: skip
         metrics = MetricsWriter(config.metrics_path) if config.metrics_path else None
+        index = next_batch_index(self.batches)
+        self._last_put = index - 1
         producer = asyncio.create_task(self._produce(tasks, harness, pool), name="producer")
+        follower = asyncio.create_task(self._follow_trainer(pool) if not config.synchronous else asyncio.sleep(0),
+                                       name="follower")  # fmt: skip
         try:
-            index = next_batch_index(self.batches)
             while not config.max_batches or len(self.put) < config.max_batches:
                 meta = await self._put_batch(index)
                 if metrics is not None:
@@ -105,9 +117,9 @@ class Orchestrator:
                     on_batch(meta)
                 index += 1
         finally:
-            for task in [producer, *self._running]:
+            for task in [producer, follower, *self._running]:
                 task.cancel()
-            await asyncio.gather(producer, *self._running, return_exceptions=True)
+            await asyncio.gather(producer, follower, *self._running, return_exceptions=True)
             await pool.close()
             if metrics is not None:
                 metrics.close()
@@ -155,13 +167,48 @@ class Orchestrator:
             random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
             yield from order
 
+    def _groups_ahead(self) -> int:
+        """Groups queued for batches after the one the trainer is on: in the batch store, buffered
+        and running. Each batch's worth of them is one more step of staleness for a group started now."""
+        trainer_on = -1 if self.latest_version is None else self.latest_version  # batch n trains under version n
+        put_ahead = max(0, self._last_put - trainer_on)
+        return put_ahead * self.config.groups_per_batch + len(self._buffer) + self._groups_running
+
     def _has_room(self) -> bool:
         config = self.config
         if self._unfinished >= config.rollout.concurrency or len(self._buffer) >= config.groups_per_batch:
             return False
         if config.synchronous:  # only the groups the open batch still needs
             return self._open is not None and self._groups_running + len(self._buffer) < config.groups_per_batch
-        return True
+        # A group started now lands in batch (trainer's) + 1 + ahead // groups_per_batch, sampled by
+        # servers `lag` versions behind the trainer: past the staleness bound it would only be dropped.
+        # Started once the servers hold the latest version, groups may run the whole bound ahead.
+        return self._groups_ahead() < max(1, config.staleness.max_off_policy_steps - self._server_lag()) \
+            * config.groups_per_batch
+
+    def _server_lag(self) -> int:
+        if self._served_version is None or self.latest_version is None:
+            return UNKNOWN_SERVER_LAG
+        return max(0, self.latest_version - self._served_version)
+
+    async def _follow_trainer(self, pool: ServerPool) -> None:
+        """Keep `latest_version` and, while they are behind it, the servers' version current, waking
+        the producer when either moves (asynchronous mode's gate on starting groups)."""
+        while True:
+            latest = await asyncio.to_thread(self.weights.latest)
+            if latest is not None and self.latest_version is not None:
+                latest = max(latest, self.latest_version)  # the put loop may have read a newer one
+            served = self._served_version
+            if latest is not None and (served is None or served < latest):
+                healths = await asyncio.gather(*(pool.health(server) for server in pool.servers if server.alive))
+                versions = [h["weight_version"] for h in healths if h and isinstance(h.get("weight_version"), int)]
+                served = min(versions) if versions else None
+            if (latest, served) != (self.latest_version, self._served_version):
+                async with self._changed:
+                    self.latest_version = latest
+                    self._served_version = served
+                    self._changed.notify_all()
+            await asyncio.sleep(self.config.poll_interval_s)
 
     async def _produce(self, tasks: list[Task], harness: AgentHarness, pool: ServerPool) -> None:
         for number, task in enumerate(self._task_stream(tasks)):
@@ -311,6 +358,7 @@ class Orchestrator:
             self._open = None  # synchronous mode: nothing starts before the next version
             groups = self._buffer[: self.config.groups_per_batch]
             del self._buffer[: self.config.groups_per_batch]
+            self._last_put = index  # counted as put from here: its groups left the buffer
             window, self._window = self._window, Window()
             self._changed.notify_all()  # room for new groups
         return groups, window
