@@ -29,6 +29,21 @@ def read_batch(store, index):
     return batch_from_bytes(store.get(batch_key(index)), batch_key(index))
 
 
+async def idle_until_published(orchestrator: Orchestrator, store: LocalStore, trainer: Trainer, last: int) -> list[int]:
+    """Run `orchestrator` until batch `last` is put; then it must start nothing (no server call, no
+    group buffered, no next batch) until the trainer publishes the next version."""
+    run = asyncio.create_task(orchestrator.run())
+    while not store.exists(batch_key(last)):
+        assert not run.done(), run
+        await asyncio.sleep(0.05)
+    calls = sum(server.calls for server in orchestrator.pool.servers)
+    await asyncio.sleep(1.0)
+    assert sum(server.calls for server in orchestrator.pool.servers) == calls
+    assert orchestrator.buffered_groups == 0 and not store.exists(batch_key(last + 1))
+    await asyncio.to_thread(trainer.publish)
+    return await asyncio.wait_for(run, 120)
+
+
 def test_batches_zero_and_one_carry_the_contract(world):
     tmp_path, model_dir, _ = world
     with thread_servers(model_dir, tmp_path / "weights") as servers:
@@ -110,16 +125,7 @@ def test_starts_no_group_that_would_be_too_stale_to_train_on(world):
 
     async def scenario(urls):
         orchestrator = Orchestrator(orchestrator_config(tmp_path, model_dir, urls, max_batches=4), coin_tasks(2))
-        run = asyncio.create_task(orchestrator.run())
-        while not store.exists(batch_key(2)):
-            assert not run.done(), run
-            await asyncio.sleep(0.05)
-        calls = sum(server.calls for server in orchestrator.pool.servers)
-        await asyncio.sleep(1.0)
-        assert sum(server.calls for server in orchestrator.pool.servers) == calls  # nothing that would go stale
-        assert orchestrator.buffered_groups == 0 and not store.exists(batch_key(3))
-        await asyncio.to_thread(trainer.publish)  # version 1: the trainer is on batch 1
-        assert await asyncio.wait_for(run, 120) == [0, 1, 2, 3]
+        assert await idle_until_published(orchestrator, store, trainer, last=2) == [0, 1, 2, 3]
 
     with thread_servers(model_dir, tmp_path / "weights") as servers:
         asyncio.run(scenario([s.url for s in servers]))
@@ -153,18 +159,9 @@ def test_synchronous_mode_alternates_with_the_trainer(world):
     tmp_path, model_dir, trainer = world
     store = LocalStore(tmp_path / "batches")
 
-    async def scenario(urls):
+    async def scenario(urls):  # idle while the trainer trains
         orchestrator = Orchestrator(orchestrator_config(tmp_path, model_dir, urls, synchronous=True), coin_tasks(2))
-        run = asyncio.create_task(orchestrator.run())
-        while not store.exists(batch_key(0)):
-            assert not run.done(), run
-            await asyncio.sleep(0.05)
-        calls = sum(server.calls for server in orchestrator.pool.servers)
-        await asyncio.sleep(1.0)
-        assert sum(server.calls for server in orchestrator.pool.servers) == calls  # idle while the trainer trains
-        assert orchestrator.buffered_groups == 0 and not store.exists(batch_key(1))
-        await asyncio.to_thread(trainer.publish)  # version 1
-        assert await asyncio.wait_for(run, 120) == [0, 1]
+        assert await idle_until_published(orchestrator, store, trainer, last=0) == [0, 1]
 
     with thread_servers(model_dir, tmp_path / "weights") as servers:
         asyncio.run(scenario([s.url for s in servers]))
