@@ -59,7 +59,9 @@ def test_a_killed_server_loses_no_rollout_and_rejoins_after_a_restart(tmp_path):
             victim = orchestrator.pool.servers[1]
             await until(lambda: victim.active_calls > 0, run, "a call on server 1")
             servers[1].kill()  # mid-answer
-            await until(lambda: store.exists(batch_key(2)), run, "batch 2")  # carried on with the other server
+            await until(lambda: victim.failures == 1, run, "the call on server 1 to fail")
+            after = len(store.list("batches/"))  # batches already complete may still be put before it fails
+            await until(lambda: store.exists(batch_key(after + 1)), run, "two more batches")  # with the other server
             assert victim.failures == 1 and orchestrator.pool.calls_rerun >= 1 and not victim.alive
             await until(lambda: trainer.publisher.store.latest() >= 2, run, "version 2")
             published_while_down = trainer.publisher.store.latest()

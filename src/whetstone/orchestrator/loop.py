@@ -105,9 +105,9 @@ class Orchestrator:
         metrics = MetricsWriter(config.metrics_path) if config.metrics_path else None
         index = next_batch_index(self.batches)
         self._last_put = index - 1
-        producer = asyncio.create_task(self._produce(tasks, harness, pool), name="producer")
-        follower = asyncio.create_task(self._follow_trainer(pool) if not config.synchronous else asyncio.sleep(0),
-                                       name="follower")  # fmt: skip
+        background = [asyncio.create_task(self._produce(tasks, harness, pool), name="producer")]
+        if not config.synchronous:  # the synchronous gate is `_put_batch` itself
+            background.append(asyncio.create_task(self._follow_trainer(pool), name="follower"))
         try:
             while not config.max_batches or len(self.put) < config.max_batches:
                 meta = await self._put_batch(index)
@@ -117,9 +117,9 @@ class Orchestrator:
                     on_batch(meta)
                 index += 1
         finally:
-            for task in [producer, follower, *self._running]:
+            for task in [*background, *self._running]:
                 task.cancel()
-            await asyncio.gather(producer, follower, *self._running, return_exceptions=True)
+            await asyncio.gather(*background, *self._running, return_exceptions=True)
             await pool.close()
             if metrics is not None:
                 metrics.close()
