@@ -5,12 +5,14 @@ tests/orchestrator/test_loop.py.)"""
 
 import json
 import os
+import time
 
 import pytest
 import torch
 
-from whetstone.bench.pipeline import (ROLLOUT_HEADROOM, GradingReward, coin_tasks, cpu_by_side, measure, overlap_bound, pipeline_config, placement_config,
-                                      random_model, run, trainer_cpu_share, written_files)
+from whetstone.bench.pipeline import (ROLLOUT_HEADROOM, GradingReward, coin_tasks, cpu_by_side, machine_busy_cpu_s, measure,
+                                      overlap_bound, pipeline_config, placement_config, random_model, run,
+                                      trainer_cpu_share, written_files)
 from whetstone.envs.harness import HarnessConfig
 from whetstone.envs.harness.summarize import segment_messages
 from whetstone.envs.reward import RewardConfig
@@ -47,6 +49,13 @@ def test_the_model_folder_gives_trl_the_prompt_the_harness_sends(model_dir):
     text = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     assert text == render_chat(messages, add_generation_prompt=True)
     assert hf(text, add_special_tokens=False)["input_ids"] == ours.encode(text)
+
+
+def test_machine_busy_cpu_counts_work_done_anywhere_on_it():
+    before, spent = machine_busy_cpu_s(), time.process_time()
+    while time.process_time() - spent < 0.3:
+        pass
+    assert machine_busy_cpu_s() - before >= 0.25
 
 
 def test_written_files_counts_calls_as_the_harness_does():
@@ -192,7 +201,8 @@ def test_a_tiny_benchmark_reports_every_side(tmp_path):
     timings = result["timings"]
     assert timings["async"]["samples"] == timings["sync"]["samples"] == timings["trl"]["samples"] == 4
     assert timings["sync"]["staleness_max"] == 0 and timings["async"]["staleness_max"] <= 2
-    assert timings["async"]["cpu_s"] > 0 and timings["sync"]["cpu_s"] > 0
+    assert timings["async"]["cpu_s"] > 0 and timings["sync"]["cpu_s"] > 0 and timings["trl"]["cpu_s"] > 0
+    assert set(result["cpu_s_per_sample"]) == {"async_shared", "trl"} and min(result["cpu_s_per_sample"].values()) > 0
     assert set(timings["async"]["cpu_s_by_side"]) == {"trainer", "rollout"}
     ratio = result["async_samples_per_s"] / result["sync_samples_per_s"]
     assert result["async_vs_sync"] == pytest.approx(ratio, rel=1e-2)

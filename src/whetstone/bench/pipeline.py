@@ -387,13 +387,21 @@ def trl_side(model_dir: Path, tasks: list[Task], config, work: Path, *, threads:
     trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=dataset,
                           processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[clock])  # fmt: skip
     with contextlib.redirect_stdout(sys.stderr):  # transformers prints its logs; stdout is for the JSON
-        started = time.perf_counter()
+        started, busy = time.perf_counter(), machine_busy_cpu_s()
         trainer.train()
-        wall = time.perf_counter() - started
+        wall, cpu = time.perf_counter() - started, machine_busy_cpu_s() - busy
     samples = rl.steps * args.per_device_train_batch_size
     steady = (samples - args.per_device_train_batch_size) / (clock.ends[-1] - clock.ends[0]) if rl.steps > 1 else None
     return {"samples": samples, "wall_s": wall, "samples_per_s": samples / wall, "steady_samples_per_s": steady,
-            "reward_mean": _mean(reward.rewards), "threads": threads}  # fmt: skip
+            "reward_mean": _mean(reward.rewards), "threads": threads, "cpu_s": cpu}  # fmt: skip
+
+
+def machine_busy_cpu_s() -> float:
+    """CPU seconds the whole machine has been busy (Linux `/proc/stat`: all but idle and iowait).
+    TRL runs alone, and its sandboxes are not all reaped by this process, so per-process
+    accounting would miss their time."""
+    fields = [int(value) for value in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return (sum(fields) - fields[3] - fields[4]) / os.sysconf("SC_CLK_TCK")
 
 
 # -- the benchmark ----------------------------------------------------------------------------------
@@ -503,6 +511,11 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
         "trl_samples_per_s": _round(trl_rate),
         "vs_trl": _round(timings[versus_trl]["samples_per_s"] / trl_rate if trl_rate else None),
         "vs_trl_side": versus_trl if trl else None,
+        # CPU seconds per trained sample: whetstone's roles and sandboxes in the measured window,
+        # TRL's whole machine during train(); how much of the gap is work and how much idle cores.
+        "cpu_s_per_sample": {
+            versus_trl: _per_sample(timings[versus_trl]), **({"trl": _per_sample(timings["trl"])} if trl else {}),
+        },
         **settings,
         "samples_per_step": group_size * groups_per_batch,
         "placement": {placement: configs["async"].placement.model_dump()},
@@ -518,6 +531,14 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
         "transformers_version": transformers.__version__,
         "trl_version": _trl_version() if trl else None,
     }
+
+
+def _per_sample(side: dict[str, Any]) -> float | None:
+    if "cpu_s_by_side" in side:  # a whetstone side: its measured window, where cgroups count it
+        cpu = sum(side["cpu_s_by_side"].values()) if side["cpu_s_by_side"] else None
+    else:  # TRL: the machine during train()
+        cpu = side["cpu_s"]
+    return None if cpu is None else round(cpu / side["samples"], 4)
 
 
 def _round(value: Any) -> Any:
