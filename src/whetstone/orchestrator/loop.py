@@ -108,6 +108,8 @@ class Orchestrator:
         background = [asyncio.create_task(self._produce(tasks, harness, pool), name="producer")]
         if not config.synchronous:  # the synchronous gate is `_put_batch` itself
             background.append(asyncio.create_task(self._follow_trainer(pool), name="follower"))
+        for task in background:
+            task.add_done_callback(self._note_failure)
         try:
             while not config.max_batches or len(self.put) < config.max_batches:
                 meta = await self._put_batch(index)
@@ -229,8 +231,13 @@ class Orchestrator:
 
     def _group_done(self, group: asyncio.Task) -> None:
         self._running.discard(group)
-        if not group.cancelled() and group.exception() is not None:
-            self._failure = group.exception()  # e.g. no server left: the batch side raises it
+        self._note_failure(group)
+
+    def _note_failure(self, task: asyncio.Task) -> None:
+        """A group, the producer or the follower raised (e.g. no server left, an unreadable weight
+        store): the batch side raises it."""
+        if not task.cancelled() and task.exception() is not None:
+            self._failure = task.exception()
             asyncio.get_running_loop().create_task(self._notify())
 
     async def _notify(self) -> None:
