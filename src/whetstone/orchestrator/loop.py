@@ -3,9 +3,10 @@
     put = asyncio.run(Orchestrator(config).run())      # indices of the batches it put
 
 Rollout side: groups of `group_size` rollouts of one task are started while fewer than
-`rollout.concurrency` rollouts are unfinished, so every server stays busy, and while the groups
-queued ahead of the trainer's batch still fit the staleness bound (`SERVER_LAG`); each rollout
-runs on the least-loaded live server (`pool.py`). A finished group is scored (`score_groups`: failed,
+`rollout.concurrency` rollouts are unfinished, so every server stays busy, and (asynchronous
+mode) while a group started now would still be within the staleness bound when trained, given the
+version the servers hold (`_has_room`); each rollout runs on the least-loaded live server
+(`pool.py`). A finished group is scored (`score_groups`: failed,
 cheat-flagged and no-variance ones dropped and counted), turned into samples and buffered.
 
 Batch side: batch n is what the trainer's optimizer step n consumes, under weight version n.
@@ -185,10 +186,11 @@ class Orchestrator:
         # A group started now lands in batch (trainer's) + 1 + ahead // groups_per_batch, sampled by
         # servers `lag` versions behind the trainer: past the staleness bound it would only be dropped.
         # Started once the servers hold the latest version, groups may run the whole bound ahead.
-        return self._groups_ahead() < max(1, config.staleness.max_off_policy_steps - self._server_lag()) \
-            * config.groups_per_batch
+        batches = max(1, config.staleness.max_off_policy_steps - self._server_lag())
+        return self._groups_ahead() < batches * config.groups_per_batch
 
     def _server_lag(self) -> int:
+        """Versions the slowest live server is behind the trainer's latest."""
         if self._served_version is None or self.latest_version is None:
             return UNKNOWN_SERVER_LAG
         return max(0, self.latest_version - self._served_version)

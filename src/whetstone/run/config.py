@@ -44,8 +44,8 @@ class RLConfig(Config):
 
     steps: int = Field(16, ge=1)
     """Optimizer steps (= batches) of the RL stage. From the bf16 base of an AVX512-BF16 machine
-    (0.537, session 18) the current recipe gained +25.0 to +31.8 in 16 steps, +28.6 on average
-    over nine runs; from the fp32 base (0.642) +16.3 on average over 23 runs (docs/run.md). Before
+    (0.537, sessions 18-19) the current recipe gained +25.0 to +31.8 in 16 steps, +28.4 on average
+    over fifteen runs; from the fp32 base (0.642) +16.3 on average over 23 runs (docs/run.md). Before
     the behaviour-cloning anchor, from the 3000-step fp32 base, on the 200 x 2
     held-out evaluation, this recipe gained +8.3 to +18.8 points in 16 steps, +14.3 on average
     over eleven runs (five RL-only, six cold README runs; six reached +15; RL 227-327 s),
