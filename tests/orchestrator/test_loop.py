@@ -3,6 +3,7 @@ real synth tasks in real sandboxes, graded; batches into a LocalStore. The test 
 weight versions a trainer would."""
 
 import asyncio
+import threading
 
 import pytest
 
@@ -10,6 +11,7 @@ from tests.orchestrator.orchestrator_support import (
     Trainer, coin_tasks, model_folder, orchestrator_config, synth_tasks, thread_servers,
 )
 from whetstone.envs.harness import RolloutConfig
+from whetstone.envs.harness.pool import ServerPool
 from whetstone.orchestrator import Orchestrator, batch_key
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.store import LocalStore
@@ -189,3 +191,50 @@ def test_says_why_it_waits_when_no_group_gives_anything_to_train_on(world, caplo
     with caplog.at_level("WARNING", logger="whetstone.orchestrator"), thread_servers(model_dir, tmp_path / "weights") as servers:
         asyncio.run(asyncio.wait_for(scenario([s.url for s in servers]), 180))
     assert "the last 4 groups gave nothing to train on (rollouts dropped: no_variance 8)" in caplog.text
+
+
+def test_the_follower_asks_a_server_that_reports_no_version_once(world):
+    """A server whose /health carries no weight version (vLLM's answers a bare 200) counts as one
+    version behind, and is not asked again every poll for the rest of the run; the put loop then
+    takes the trainer's version from the follower instead of reading the store itself."""
+    import http.server
+    import json
+
+    tmp_path, model_dir, trainer = world
+    health_hits = []
+
+    class VllmLike(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 (the stdlib's name)
+            if self.path == "/health":
+                health_hits.append(1)
+                body = b""
+            else:
+                body = json.dumps({"object": "list", "data": [{"id": "model", "max_model_len": 512}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), VllmLike)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+
+    async def scenario():
+        config = orchestrator_config(tmp_path, model_dir, [f"http://127.0.0.1:{httpd.server_port}/v1"])
+        orchestrator = Orchestrator(config, coin_tasks(1))
+        orchestrator.pool = pool = await ServerPool.connect(config.servers, config.endpoint)
+        follower = asyncio.create_task(orchestrator._follow_trainer(pool))
+        await asyncio.sleep(20 * config.poll_interval_s)
+        assert orchestrator._served_version is None and orchestrator._server_lag() == 1
+        trainer.publish()  # version 1: a put loop waiting for it hears it from the follower
+        await asyncio.wait_for(orchestrator._wait_for_trainer(3), 10 * config.poll_interval_s + 5)
+        follower.cancel()
+        await pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        httpd.shutdown()
+    assert len(health_hits) == 2  # one when the pool took the server in, one from the follower

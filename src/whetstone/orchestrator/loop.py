@@ -71,6 +71,10 @@ class Orchestrator:
         """Groups started and not scored yet."""
         self._served_version: int | None = None
         """The oldest weight version the live servers reported (None: none reports one)."""
+        self._unversioned: set[str] = set()
+        """Servers whose health answer carries no weight version (vLLM, SGLang): not asked again."""
+        self._following = False
+        """The follower task keeps `latest_version` current (asynchronous mode, once running)."""
         self._last_put = -1
         """Index of the newest batch in the batch store or being written there (by this run or an
         earlier one)."""
@@ -203,12 +207,21 @@ class Orchestrator:
             if latest is not None and self.latest_version is not None:
                 latest = max(latest, self.latest_version)  # the put loop may have read a newer one
             served = self._served_version
-            if latest is not None and (served is None or served < latest):
-                healths = await asyncio.gather(*(pool.health(server) for server in pool.servers if server.alive))
-                versions = [h["weight_version"] for h in healths if h and isinstance(h.get("weight_version"), int)]
+            asked = [server for server in pool.servers if server.alive and server.url not in self._unversioned]
+            if not asked:
+                served = None
+            elif latest is not None and (served is None or served < latest):
+                healths = await asyncio.gather(*(pool.health(server) for server in asked))
+                versions = []
+                for server, health in zip(asked, healths):
+                    if health is not None and isinstance(health.get("weight_version"), int):
+                        versions.append(health["weight_version"])
+                    elif health is not None:
+                        self._unversioned.add(server.url)
                 served = min(versions) if versions else None
-            if (latest, served) != (self.latest_version, self._served_version):
-                async with self._changed:
+            async with self._changed:
+                self._following = True
+                if (latest, served) != (self.latest_version, self._served_version):
                     self.latest_version = latest
                     self._served_version = served
                     self._changed.notify_all()
@@ -304,6 +317,18 @@ class Orchestrator:
         """Until the trainer has published version index - max_off_policy_steps (and some version);
         version index itself in synchronous mode."""
         ahead = 0 if self.config.synchronous else self.config.staleness.max_off_policy_steps
+        if self._following:  # the follower reads the weight store already: wait for it to say
+            def published() -> bool:
+                latest = self.latest_version
+                return self._failure is not None or (latest is not None and latest >= index - ahead)
+
+            async with self._changed:
+                if not published():
+                    log.info("batch %d waits for the trainer to publish weight version %d", index, max(0, index - ahead))
+                    await self._changed.wait_for(published)
+            if self._failure is not None:
+                raise self._failure
+            return
         logged = False
         while True:
             self.latest_version = await asyncio.to_thread(self.weights.latest)
