@@ -34,11 +34,20 @@ def wait_for_members(group: CpuGroup, count: int) -> None:
         time.sleep(0.05)
 
 
+def enforced_period_us(group: CpuGroup) -> int:
+    folder = group.dirs["cpu"]
+    if group.version == "v1":
+        return int((folder / "cpu.cfs_period_us").read_text())
+    return int((folder / "cpu.max").read_text().split()[1])
+
+
 @needs_groups
-def test_a_quota_caps_a_role_and_everything_it_starts(tmp_path):
+@pytest.mark.parametrize("period_us", [100_000, 10_000])
+def test_a_quota_caps_a_role_and_everything_it_starts(tmp_path, period_us):
     """The role and its child, both busy, share a quarter of a core: unthrottled they would use up
     to 2 CPU seconds per second here."""
-    with CpuGroup("test", 0.25) as group:
+    with CpuGroup("test", 0.25, period_us=period_us) as group:
+        assert enforced_period_us(group) == period_us
         role = busy_role(tmp_path, group, seconds=3)
         wait_for_members(group, 2)
         assert role.process.pid in members(group) and len(members(group)) == 2  # the child joined on its own
@@ -92,6 +101,8 @@ def test_sandboxes_of_a_grouped_process_are_counted():
 def test_a_negative_quota_is_refused():
     with pytest.raises(WhetstoneError, match=r"cores must be >= 0 \(0 = no quota\), got -1"):
         CpuGroup("trainer", -1)
+    with pytest.raises(WhetstoneError, match=r"period_us must be in 1000..1000000 \(the kernel's range\), got 500"):
+        CpuGroup("trainer", 0.5, period_us=500)
 
 
 def test_without_cpu_hierarchies_the_error_says_what_is_missing(tmp_path):

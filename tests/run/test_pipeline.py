@@ -104,3 +104,21 @@ def test_the_trainers_anchor_gets_the_mid_training_demonstrations(tmp_path):
 def test_an_anchor_without_demonstrations_is_refused_with_the_fields_to_set(tmp_path):
     with pytest.raises(WhetstoneError, match=r"demos.count is 0: set demos.count or rl.trainer.demos_path"):
         tiny_run(tmp_path, 'rl.trainer.demos_path=""')
+
+
+@pytest.mark.skipif(why_no_cpu_groups() is not None, reason="cgroups are not writable here")
+def test_the_trainers_quota_is_enforced_in_short_periods(tmp_path):
+    """A trainer idling between steps would otherwise start each step with a whole 100 ms
+    period's quota unspent and run above its share (TRAINER_QUOTA_PERIOD_US)."""
+    from whetstone.run.pipeline import TRAINER_QUOTA_PERIOD_US
+    from whetstone.utils.cgroups import PERIOD_US
+
+    pipeline = Pipeline(tiny_run(tmp_path, "placement.trainer_cores=0.3", "placement.rollout_cores=1.7"))
+    pipeline.open_cpu_groups()
+    try:
+        groups = pipeline.cpu_groups
+        assert (groups["trainer"].period_us, groups["rollout"].period_us) == (TRAINER_QUOTA_PERIOD_US, PERIOD_US)
+        assert TRAINER_QUOTA_PERIOD_US < PERIOD_US
+    finally:
+        for group in pipeline.cpu_groups.values():
+            group.remove()

@@ -28,7 +28,7 @@ from whetstone.errors import WhetstoneError
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 PERIOD_US = 100_000
-"""The enforcement period: a group may run `cores` x this in each period."""
+"""The enforcement period (the kernel's default): a group may run `cores` x this in each period."""
 
 
 def own_cgroup_path(controller: str) -> str | None:
@@ -68,12 +68,15 @@ def cpu_group_parents(root: Path = CGROUP_ROOT) -> tuple[str, dict[str, Path]]:
 
 class CpuGroup:
     """New cgroups (children of this process's own) counting the CPU time of the processes put in
-    them, and capping it at `cores` CPUs in all when `cores` > 0."""
+    them, and capping it at `cores` CPUs in all when `cores` > 0, enforced every `period_us`."""
 
-    def __init__(self, name: str, cores: float = 0.0, root: Path = CGROUP_ROOT):
+    def __init__(self, name: str, cores: float = 0.0, root: Path = CGROUP_ROOT, period_us: int = PERIOD_US):
         if cores < 0:
             raise WhetstoneError(f"CPU group {name}: cores must be >= 0 (0 = no quota), got {cores}")
-        self.name, self.cores = name, cores
+        if not 1000 <= period_us <= 1_000_000:
+            raise WhetstoneError(f"CPU group {name}: period_us must be in 1000..1000000 (the kernel's range), "
+                                 f"got {period_us}")
+        self.name, self.cores, self.period_us = name, cores, period_us
         self.version, parents = cpu_group_parents(root)
         leaf = f"whetstone-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.dirs = {kind: parent / leaf for kind, parent in parents.items()}
@@ -86,15 +89,15 @@ class CpuGroup:
             raise WhetstoneError(f"CPU group {name}: cannot create a cgroup in {path.parent} ({error}); CPU groups "
                                  f"need a writable cgroup cpu controller (root, or a delegated cgroup)") from None  # fmt: skip
         if cores > 0:
-            self._set_quota(max(1000, round(cores * PERIOD_US)))  # the kernel's least quota is 1 ms
+            self._set_quota(max(1000, round(cores * period_us)))  # the kernel's least quota is 1 ms
 
     def _set_quota(self, quota_us: int) -> None:
         try:
             if self.version == "v1":
-                (self.dirs["cpu"] / "cpu.cfs_period_us").write_text(str(PERIOD_US))
+                (self.dirs["cpu"] / "cpu.cfs_period_us").write_text(str(self.period_us))
                 (self.dirs["cpu"] / "cpu.cfs_quota_us").write_text(str(quota_us))
             else:
-                (self.dirs["cpu"] / "cpu.max").write_text(f"{quota_us} {PERIOD_US}")
+                (self.dirs["cpu"] / "cpu.max").write_text(f"{quota_us} {self.period_us}")
         except OSError as error:
             self.remove()
             hint = " (is the cpu controller in the parent's cgroup.subtree_control?)" if self.version == "v2" else ""
