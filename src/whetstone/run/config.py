@@ -101,8 +101,9 @@ class PlacementConfig(Config):
     orchestrator: list[int] = []
     """Cores of the orchestrator and the sandboxes its rollouts run."""
     trainer_cores: float = Field(0.0, ge=0.0)
-    """CPU time the trainer may use, in cores (a cgroup CPU quota, `utils.cgroups`; 0 = no
-    quota). Quotas size each side by its share of the work, as hardware would be sized."""
+    """CPU time the trainer may use, in cores (a cgroup CPU quota, `utils.cgroups`, enforced
+    every 10 ms; 0 = no quota). Quotas size each side by its share of the work, as hardware would
+    be sized."""
     rollout_cores: float = Field(0.0, ge=0.0)
     """CPU time the servers, the orchestrator and its sandboxes may use together, in cores
     (a cgroup CPU quota; 0 = no quota)."""
