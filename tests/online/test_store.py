@@ -138,3 +138,31 @@ def test_store_names_become_urls(tmp_path):
 def test_an_unreachable_database_is_named_without_its_password():
     with pytest.raises(WhetstoneError, match=r"cannot open the feedback store postgresql://u:\*\*\*@127.0.0.1:9/db"):
         FeedbackStore.open("postgresql://u:secret@127.0.0.1:9/db")
+
+
+def test_servers_opening_a_new_store_at_once_all_get_it(store_url):
+    """Servers sharing a store start together: each checks which tables are missing, then creates
+    them, and another may create one in between (seen: a server of `whetstone bench online` died
+    with "table whetstone_responses already exists")."""
+    from whetstone.online.store import metadata
+
+    for round_ in range(6):
+        start, stores, errors = threading.Barrier(4), [], []
+
+        def open_store():
+            start.wait()
+            try:
+                stores.append(FeedbackStore.open(store_url))
+            except WhetstoneError as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=open_store) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, str(errors[0])
+        stores[0].record([record(f"chatcmpl-{round_}")])  # the tables are there and work
+        metadata.drop_all(stores[0].engine)  # the next round starts on an empty database again
+        for store in stores:
+            store.close()

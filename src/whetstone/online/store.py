@@ -110,6 +110,25 @@ def database_url(store: str) -> str:
     return store
 
 
+def _create_tables(engine: sa.Engine) -> None:
+    """Create the tables and indexes that are missing. Servers sharing a store start together, so
+    the check and the create must be one step (`IF NOT EXISTS`): `create_all` checks first and
+    creates after, and another server creating a table in between made this one fail with "table
+    already exists". PostgreSQL's `IF NOT EXISTS` can still collide in its catalog when two
+    sessions create the same table at once; the loser tries again and finds it there."""
+    for attempt in range(5):
+        try:
+            with engine.begin() as db:
+                for table in metadata.sorted_tables:
+                    db.execute(sa.schema.CreateTable(table, if_not_exists=True))
+                    for index in sorted(table.indexes, key=lambda index: index.name):
+                        db.execute(sa.schema.CreateIndex(index, if_not_exists=True))
+            return
+        except sa.exc.DatabaseError:
+            if attempt == 4:
+                raise
+
+
 class FeedbackStore:
     def __init__(self, engine: sa.Engine):
         self.engine = engine
@@ -125,7 +144,7 @@ class FeedbackStore:
             engine = sa.create_engine(url, **options)
             if url.startswith("sqlite"):
                 sa.event.listen(engine, "connect", _sqlite_pragmas)
-            metadata.create_all(engine)
+            _create_tables(engine)
         except (sa.exc.SQLAlchemyError, ImportError) as err:
             raise WhetstoneError(f"cannot open the feedback store {_redacted(store)}: {err}") from None
         return cls(engine)
