@@ -98,6 +98,17 @@ def test_sandboxes_of_a_grouped_process_are_counted():
     assert inside >= loop  # the sandboxed loop, plus the starter's own imports
 
 
+@needs_groups
+def test_a_share_below_the_least_quota_gets_a_longer_period_not_more_cpu():
+    """The kernel's least quota is 1 ms: 0.05 cores in 10 ms periods would be 0.5 ms."""
+    with CpuGroup("small", 0.05, period_us=10_000) as group:
+        assert enforced_period_us(group) == group.period_us == 20_000
+        folder = group.dirs["cpu"]
+        quota = (int((folder / "cpu.cfs_quota_us").read_text()) if group.version == "v1"
+                 else int((folder / "cpu.max").read_text().split()[0]))  # fmt: skip
+        assert quota == 1000
+
+
 def test_a_negative_quota_is_refused():
     with pytest.raises(WhetstoneError, match=r"cores must be >= 0 \(0 = no quota\), got -1"):
         CpuGroup("trainer", -1)

@@ -19,6 +19,7 @@ neither is writable, an error says what is missing; nothing falls back silently 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 import uuid
@@ -68,7 +69,8 @@ def cpu_group_parents(root: Path = CGROUP_ROOT) -> tuple[str, dict[str, Path]]:
 
 class CpuGroup:
     """New cgroups (children of this process's own) counting the CPU time of the processes put in
-    them, and capping it at `cores` CPUs in all when `cores` > 0, enforced every `period_us`."""
+    them, and capping it at `cores` CPUs in all when `cores` > 0, enforced every `period_us` (or
+    the shortest period whose quota is the kernel's least, 1 ms, for a smaller share)."""
 
     def __init__(self, name: str, cores: float = 0.0, root: Path = CGROUP_ROOT, period_us: int = PERIOD_US):
         if cores < 0:
@@ -89,7 +91,9 @@ class CpuGroup:
             raise WhetstoneError(f"CPU group {name}: cannot create a cgroup in {path.parent} ({error}); CPU groups "
                                  f"need a writable cgroup cpu controller (root, or a delegated cgroup)") from None  # fmt: skip
         if cores > 0:
-            self._set_quota(max(1000, round(cores * period_us)))  # the kernel's least quota is 1 ms
+            # The kernel's least quota is 1 ms: a smaller share gets a longer period, not more CPU.
+            self.period_us = min(1_000_000, max(period_us, math.ceil(1000 / cores)))
+            self._set_quota(max(1000, round(cores * self.period_us)))
 
     def _set_quota(self, quota_us: int) -> None:
         try:
