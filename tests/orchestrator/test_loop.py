@@ -228,7 +228,7 @@ def test_the_follower_asks_a_server_that_reports_no_version_once(world):
         follower = asyncio.create_task(orchestrator._follow_trainer(pool))
         await asyncio.sleep(20 * config.poll_interval_s)
         assert orchestrator._served_version is None and orchestrator._server_lag() == 1
-        trainer.publish()  # version 1: a put loop waiting for it hears it from the follower
+        await asyncio.to_thread(trainer.publish)  # version 1: a put loop waiting for it hears it from the follower
         await asyncio.wait_for(orchestrator._wait_for_trainer(3), 10 * config.poll_interval_s + 5)
         follower.cancel()
         await pool.close()

@@ -74,7 +74,7 @@ class Orchestrator:
         self._unversioned: set[str] = set()
         """Servers whose health answer carries no weight version (vLLM, SGLang): not asked again."""
         self._following = False
-        """The follower task keeps `latest_version` current (asynchronous mode, once running)."""
+        """The follower task keeps `latest_version` current (asynchronous mode, once started)."""
         self._last_put = -1
         """Index of the newest batch in the batch store or being written there (by this run or an
         earlier one)."""
@@ -201,11 +201,13 @@ class Orchestrator:
 
     async def _follow_trainer(self, pool: ServerPool) -> None:
         """Keep `latest_version` and, while they are behind it, the servers' version current, waking
-        the producer when either moves (asynchronous mode's gate on starting groups)."""
+        the producer when either moves (asynchronous mode's gate on starting groups). The put loop
+        then waits on it instead of reading the weight store too."""
+        self._following = True
         while True:
             latest = await asyncio.to_thread(self.weights.latest)
             if latest is not None and self.latest_version is not None:
-                latest = max(latest, self.latest_version)  # the put loop may have read a newer one
+                latest = max(latest, self.latest_version)  # never back below what the put loop read at start
             served = self._served_version
             asked = [server for server in pool.servers if server.alive and server.url not in self._unversioned]
             if not asked:
@@ -219,9 +221,8 @@ class Orchestrator:
                     elif health is not None:
                         self._unversioned.add(server.url)
                 served = min(versions) if versions else None
-            async with self._changed:
-                self._following = True
-                if (latest, served) != (self.latest_version, self._served_version):
+            if (latest, served) != (self.latest_version, self._served_version):
+                async with self._changed:
                     self.latest_version = latest
                     self._served_version = served
                     self._changed.notify_all()
