@@ -1,7 +1,7 @@
 """The batch-invariant kernels, one by one: a row's result is the same bits whatever else is in
 the batch (row count, position in the batch, threads), and the same function as the formula it
-implements. The `fast` kernels are shown to differ on the same checks where torch's do, so
-these tests can fail."""
+implements. These are properties of whetstone's kernels on whatever CPU and library path runs
+them (test_invariant_dispatch.py runs them under each path MKL and oneDNN can be forced to)."""
 
 import threading
 
@@ -31,24 +31,52 @@ def rows_alone(fn, x: torch.Tensor, counts=range(1, 24)) -> list[int]:
     return [m for m in counts if not torch.equal(fn(x[3:3 + m]), full[3:3 + m])]
 
 
+SHAPES = [(96, 80), (512, 8), (64, 1), (256, 768)]
+"""(K, N) of the weights checked: odd sizes, a router (thin and long), a one-column gate, an MLP."""
+SHAPE_IDS = [f"{k}x{n}" for k, n in SHAPES]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_linear_rows_do_not_depend_on_the_row_count(threads, dtype):
-    x, weight = torch.randn(64, 96).to(dtype), torch.randn(80, 96).to(dtype)
-    assert rows_alone(lambda t: invariant.linear(t, weight), x) == []
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_linear_rows_do_not_depend_on_the_row_count(threads, dtype, shape):
+    x, weight = torch.randn(64, shape[0]).to(dtype), torch.randn(shape[1], shape[0]).to(dtype)
+    assert rows_alone(lambda t: invariant.linear(t, weight), x, counts=range(1, 41)) == []
 
 
-def test_torch_linear_does_depend_on_the_row_count_in_fp32():
-    # What invariant.linear fixes: MKL sums another way for fewer than 4 rows.
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_linear_rows_do_not_depend_on_their_place_in_the_batch(threads, dtype, shape):
+    x, weight = torch.randn(40, shape[0]).to(dtype), torch.randn(shape[1], shape[0]).to(dtype)
+    full = invariant.linear(x, weight)
+    for shift in range(1, invariant.ROW_TILE + 3):
+        assert torch.equal(invariant.linear(torch.roll(x, shift, 0), weight), torch.roll(full, shift, 0))
+
+
+def test_linear_rows_do_not_depend_on_the_thread_count():
+    x, weight = torch.randn(50, 512), torch.randn(8, 512)  # thin: a library may split K across threads
+    torch.set_num_threads(2)
+    two = invariant.linear(x, weight)
+    torch.set_num_threads(1)
+    assert torch.equal(invariant.linear(x[:1], weight), two[:1])
+
+
+def test_the_row_check_catches_a_sum_that_depends_on_the_row_count():
+    # What the checks above would see if the kernel summed K in another order for larger batches.
     x, weight = torch.randn(64, 96), torch.randn(80, 96)
-    assert rows_alone(lambda t: F.linear(t, weight), x, counts=[1, 2, 3]) != []
+
+    def split_k_when_many(t):
+        if t.shape[0] < 8:
+            return invariant.linear(t, weight)
+        return invariant.linear(t[:, :48], weight[:, :48]) + invariant.linear(t[:, 48:], weight[:, 48:])
+
+    assert rows_alone(split_k_when_many, x) == list(range(1, 8))
 
 
-def test_torch_matmul_sums_a_longer_k_in_another_order():
-    # Why attention adds keys up in fixed chunks: MKL splits K into blocks that depend on K, so
-    # trailing zero terms (masked keys) still change the sum.
-    a, b = torch.randn(8, 256), torch.randn(256, 64)
-    padded = torch.cat([a, torch.zeros(8, 32)], 1) @ torch.cat([b, torch.randn(32, 64)])
-    assert not torch.equal(padded, a @ b)
+def test_one_thread_restores_the_thread_count():
+    torch.set_num_threads(2)
+    with invariant.one_thread():
+        assert torch.get_num_threads() == 1
+    assert torch.get_num_threads() == 2
 
 
 def test_linear_keeps_the_shape_and_the_value():
@@ -129,14 +157,9 @@ def test_attention_in_prefill_chunks_equals_one_pass():
                            full[:, :, start:end])
 
 
-def test_torch_attention_of_one_query_differs_from_the_same_query_in_a_full_forward():
-    # What invariant.attention fixes: SDPA's decode (one query over a cache) and its causal
-    # forward over the sequence sum in different orders.
+def test_attention_of_one_query_over_a_cache_is_the_query_in_a_full_forward():
     q, k, v = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
     mask = (torch.arange(64) <= 30).view(1, 1, 1, 64)
-    one = F.scaled_dot_product_attention(q[:, :, 30:31], k, v, attn_mask=mask, enable_gqa=True)
-    full = causal_reference(q, k[:, :, :40], v[:, :, :40])
-    assert not torch.equal(one, full[:, :, 30:31])
     assert torch.equal(invariant.attention(q[:, :, 30:31], k, v, mask),
                        invariant.attention(q, k[:, :, :40], v[:, :, :40], None)[:, :, 30:31])
 

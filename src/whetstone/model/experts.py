@@ -7,8 +7,9 @@ autograd differentiate a Python loop over `weight[e]` slices, this avoids one fu
 gradient per expert slice, the scatter-adds of indexing backward, and a graph node per op.
 
 Under invariant numerics each expert's slice is padded to a multiple of `invariant.ROW_TILE`
-rows (dummy slots that read a zero row and whose outputs nobody gathers), so every expert
-matmul has a row count at which a row's result does not depend on how many tokens chose it.
+rows (dummy slots that read a zero row and whose outputs nobody gathers) and multiplied by
+`invariant.tiled_mm`, in tiles of one shape, so a row's result does not depend on how many
+tokens chose its expert.
 Reduced-precision training (`ops.training_kernels()`) pads the same way to a few sizes per power
 of two (`ops.shape_tile`), so the matmuls reuse the kernels oneDNN built for earlier steps.
 """
@@ -59,16 +60,17 @@ def _grouped_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invar
     # Each expert's rows, transposed weight and output rows as views made in one call per tensor:
     # decoding runs this every step on a handful of rows, where indexing expert by expert would
     # cost more calls than the matmuls. An expert no slot chose gets no call.
+    matmul = invariant.tiled_mm if batch_invariant else torch.mm
     for rows, weight, into in zip(sorted_x.split(counts), gate_up.transpose(1, 2).unbind(), hidden.split(counts)):
         if rows.shape[0]:
-            torch.mm(rows, weight, out=into)
+            matmul(rows, weight, out=into)
     gate, up = hidden[:, :inner], hidden[:, inner:]
     silu_gate = invariant.silu(gate) if batch_invariant else F.silu(gate)
     act = silu_gate * up
     out = x.new_empty(sorted_x.shape)
     for rows, weight, into in zip(act.split(counts), down.transpose(1, 2).unbind(), out.split(counts)):
         if rows.shape[0]:
-            torch.mm(rows, weight, out=into)
+            matmul(rows, weight, out=into)
     saved = (sorted_x, gate, up, silu_gate, act, gate_up, down, order, unsort)
     return out.index_select(0, unsort).view(x.shape[0], top_k, -1), saved
 

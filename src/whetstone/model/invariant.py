@@ -1,40 +1,63 @@
 """Batch-invariant kernels: a row's result does not depend on the other rows of the batch.
 
-What varies with the batch on this CPU (measured; see docs/consistency.md) and what we do:
+A row's bits must not depend on which code path the BLAS library picks, and libraries pick by
+shape and thread count: MKL's fp32 GEMM sums in another order for fewer than 4 rows on its AVX2
+path, for 4 rows against 8 on its SSE path (`MKL_CBWR=COMPATIBLE`), for other row counts on
+AVX-512; with 2 threads it splits the K of a thin GEMM across them. So every matmul here is made
+of tiles of one fixed shape, whatever the batch:
 
-- MKL's fp32 GEMM takes another code path (another summation order) for fewer than 4 rows, and
-  with 2 threads for 5..11 rows; from 4 rows up in multiples of 4 a row's result is the same
-  for any row count, column count or thread count. So every matmul pads its rows up to a
-  multiple of ROW_TILE with zeros (a copy only when the count is not already one; the MoE
-  experts pad each expert's group of tokens the same way, `experts.py`).
-- GEMM also splits the reduced dimension (K) into blocks whose size depends on K, so a sum over
-  keys of a longer sequence is ordered differently. Attention therefore reduces over keys in
-  fixed chunks of KEY_CHUNK absolute positions (the matmul's K is always KEY_CHUNK) and adds
-  the chunks up one after the other, in order. Masked keys contribute exact zeros, so the
-  chunks after a query's own position change nothing: a one-token decode over a long KV cache
-  and a full forward over the sequence give the same bits.
+- a tile has exactly ROW_TILE rows (rows are padded with zeros, or copies of a real row, to a
+  multiple of it), the full K of the weight, and the weight's N; in attention, K is the head
+  dim or KEY_CHUNK and N is KEY_CHUNK or the head dim;
+- the tiles go through one `torch.bmm` call, single-threaded (`one_thread`), so each tile is one
+  call of one shape on one thread: the same instructions in the same order for a given row
+  whether it came alone or among thousands. No row count, thread count or tile position enters
+  the arithmetic. The tests check it under each CPU dispatch path MKL and oneDNN can be forced
+  to (tests/model/test_invariant_dispatch.py);
+- attention reduces over keys in fixed chunks of KEY_CHUNK absolute positions and adds the
+  chunks up one after the other, in order. Masked keys contribute exact zeros, so the chunks
+  after a query's own position change nothing: a one-token decode over a long KV cache and a
+  full forward over the sequence give the same bits.
 - F.silu and torch.sigmoid take a vectorised path and a scalar path (tails of a row, thread
   boundaries) that differ in the last bit; torch.exp does not. SiLU and sigmoid are written
   with exp, so each element's value no longer depends on where it sits in the tensor.
 - A reduction over a single row wider than torch's grain size (32768) is split across threads;
   a lone row is reduced beside a copy of itself.
 
-Norms, softmaxes and log-softmaxes are already computed one row at a time by torch's CPU kernels
-(measured: any row count, 1 or 2 threads), in fp32.
+Norms, softmaxes, log-softmaxes and the per-chunk sums of attention are torch's own row
+reductions (one row per worker, an order set by the row's length), in fp32.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 import torch.nn.functional as F
 
-ROW_TILE = 4
-"""Matmul row counts are padded to a multiple of this."""
+ROW_TILE = 16
+"""Rows per matmul tile. Smaller tiles waste less on padding when decoding a few rows (an
+expert with one token computes ROW_TILE rows); larger ones cost the trainer less per row."""
+MIN_COLUMNS = ROW_TILE
+"""Weights with fewer output rows are padded to this many (tiles at least ROW_TILE square)."""
 KEY_CHUNK = 128
-"""Attention adds keys up in chunks of this many absolute positions. Any fixed size is exact
-(every chunk's matmul has this K); of 32, 64 and 128, 128 was the fastest here."""
+"""Attention adds keys up in chunks of this many absolute positions (the K of every P·V tile)."""
+
+
+@contextmanager
+def one_thread() -> Iterator[None]:
+    """Run the block's torch ops on one intra-op thread (the calling thread's setting, restored)."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _pad_rows(x: torch.Tensor) -> torch.Tensor:
@@ -42,11 +65,55 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(missing, x.shape[1])]) if missing else x
 
 
+def tiled_mm(rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows @ weight_t as ROW_TILE-row tiles of one shape, on one thread: [M, K] @ [K, N].
+
+    `rows` must already have a multiple of ROW_TILE rows; `out` ([M, N]) is written if given."""
+    tiles = rows.view(-1, ROW_TILE, rows.shape[1])
+    weights = weight_t.expand(tiles.shape[0], *weight_t.shape)
+    with one_thread():
+        if out is None:
+            return torch.bmm(tiles, weights).view(rows.shape[0], -1)
+        torch.bmm(tiles, weights, out=out.view(tiles.shape[0], ROW_TILE, -1))
+        return out
+
+
+class _TiledLinear(torch.autograd.Function):
+    """x @ weight.T by tiles; the backward is the plain one (only the forward must be invariant)."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return tiled_mm(_pad_rows(x), weight.t())[: x.shape[0]]
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T with the rows of x padded to a multiple of ROW_TILE (autocast applies as usual)."""
+    """x @ weight.T by ROW_TILE-row tiles. Under autocast both operands are cast first, as
+    nn.Linear's would be (casting the expanded weight would copy it once per tile).
+
+    A weight of fewer than MIN_COLUMNS output rows is padded with zero rows: with one output
+    column the library takes a matrix-vector path, whose sum for a row depends on where the row
+    sits in the tile (MKL, AVX2)."""
+    device, columns = x.device.type, weight.shape[0]
+    if torch.is_autocast_enabled(device):
+        dtype = torch.get_autocast_dtype(device)
+        x, weight = x.to(dtype), weight.to(dtype)
+    if columns < MIN_COLUMNS:
+        weight = F.pad(weight, (0, 0, 0, MIN_COLUMNS - columns))
     rows = x.reshape(-1, x.shape[-1])
-    out = F.linear(_pad_rows(rows), weight)
-    return out[: rows.shape[0]].view(*x.shape[:-1], weight.shape[0])
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+            out = _TiledLinear.apply(rows, weight)
+        else:  # decoding: skip the autograd.Function's bookkeeping
+            out = tiled_mm(_pad_rows(rows), weight.t())[: rows.shape[0]]
+    return out[:, :columns].reshape(*x.shape[:-1], columns)
 
 
 def mean_last(x: torch.Tensor) -> torch.Tensor:
@@ -77,32 +144,34 @@ def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _query_rows(group: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _query_rows(group: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """Query rows (g, t) of a kv head, padded to a multiple of ROW_TILE with copies of row 0
     (any real row works: their results are dropped): (row index, position t of each row)."""
     rows = group * length
     with torch.inference_mode(False):  # cached: normal tensors, which the trainer's backward may save
-        index = torch.arange(rows + -rows % ROW_TILE)
+        index = torch.arange(rows + -rows % ROW_TILE, device=device)
         index[rows:] = 0
         return index, index % length
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """Grouped-query attention in fp32, reduced over keys in fixed chunks of absolute positions.
+    """Grouped-query attention in fp32, by fixed tiles, reduced over keys in fixed chunks.
 
     q [B, Hq, T, D]; k, v [B, Hkv, S, D] where key j sits at absolute position j (the caches and
     a full forward both index keys that way); mask [B, 1, T, S] (True = may attend), or None for
     causal attention over the same T tokens. Returns [B, Hq, T, D] in q's dtype.
 
-    The scores of one query row come from a matmul whose rows are padded (ROW_TILE) and whose K
-    is the head dim: the same bits for any batch. The softmax subtracts the row's max (exact in
-    any order), the probabilities of each KEY_CHUNK keys are summed and multiplied with their
-    values as fixed-size pieces, and the pieces are added in key order.
+    The query rows of a kv head ((g, t) pairs, padded to a multiple of ROW_TILE) are taken
+    ROW_TILE at a time. Each block's scores against each chunk of KEY_CHUNK keys is one
+    [ROW_TILE, D] x [D, KEY_CHUNK] tile; the softmax subtracts the row's max (exact in any
+    order); each chunk's probabilities are summed (a row reduction of KEY_CHUNK) and multiplied
+    with its values as one [ROW_TILE, KEY_CHUNK] x [KEY_CHUNK, D] tile; the chunks are added in
+    key order at the end.
     """
     batch, q_heads, length, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast(q.device.type, enabled=False):
         if mask is None:
             mask = torch.ones(length, keys, dtype=torch.bool, device=q.device).tril().expand(batch, 1, length, keys)
         missing = -keys % KEY_CHUNK
@@ -110,23 +179,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             k, v = F.pad(k, (0, 0, 0, missing)), F.pad(v, (0, 0, 0, missing))
             mask = F.pad(mask, (0, missing), value=False)
         chunks = (keys + missing) // KEY_CHUNK
-        # Rows are (query head within the group, position), padded: [B, Hkv, rows, D].
         rows = group * length
-        index, positions = _query_rows(group, length)
+        index, positions = _query_rows(group, length, q.device)
         queries = (q.float() * dim**-0.5).reshape(batch, kv_heads, rows, dim)
         if index.numel() > rows:
             queries = queries.index_select(2, index)
-        visible = mask.index_select(2, positions)  # [B, 1, rows, S]
-        scores = torch.where(visible, torch.matmul(queries, k.float().transpose(-1, -2)), float("-inf"))
-        peak = scores.amax(dim=-1, keepdim=True).detach()  # the result does not depend on it
-        probs = torch.exp(scores - peak)
-        # Per chunk: [B, Hkv, chunks, rows, KEY_CHUNK] probabilities against [.., KEY_CHUNK, D] values.
-        probs = probs.view(batch, kv_heads, -1, chunks, KEY_CHUNK).transpose(2, 3)
-        values = v.float().view(batch, kv_heads, chunks, KEY_CHUNK, dim)
-        weight_parts = probs.sum(dim=-1, keepdim=True)
-        out_parts = torch.matmul(probs, values)
+        # Tiles of keys and values: [B * Hkv * chunks, KEY_CHUNK, D].
+        key_tiles = k.float().reshape(-1, KEY_CHUNK, dim).transpose(1, 2)
+        value_tiles = v.float().reshape(-1, KEY_CHUNK, dim)
+        tiles = key_tiles.shape[0]
+        weight_parts, out_parts = [], []
+        for start in range(0, index.numel(), ROW_TILE):
+            block = queries[:, :, start:start + ROW_TILE].unsqueeze(2).expand(-1, -1, chunks, -1, -1)
+            with one_thread():
+                scores = torch.bmm(block.reshape(tiles, ROW_TILE, dim), key_tiles)
+            # [B, Hkv, chunks, ROW_TILE, KEY_CHUNK], and the mask of these rows in that layout.
+            scores = scores.view(batch, kv_heads, chunks, ROW_TILE, KEY_CHUNK)
+            visible = mask.index_select(2, positions[start:start + ROW_TILE])
+            visible = visible.view(batch, 1, ROW_TILE, chunks, KEY_CHUNK).transpose(2, 3)
+            scores = torch.where(visible, scores, float("-inf"))
+            peak = scores.amax(dim=(2, 4), keepdim=True).detach()  # the result does not depend on it
+            probs = torch.exp(scores - peak)
+            weight_parts.append(probs.sum(dim=-1, keepdim=True))
+            with one_thread():
+                out_parts.append(torch.bmm(probs.reshape(tiles, ROW_TILE, KEY_CHUNK), value_tiles))
+        # [B, Hkv, chunks, rows, 1] and [B, Hkv, chunks, rows, D], then added in key order.
+        weight_parts = torch.cat(weight_parts, dim=3)
+        out_parts = torch.cat([part.view(batch, kv_heads, chunks, ROW_TILE, dim) for part in out_parts], dim=3)
         total, out = weight_parts[:, :, 0], out_parts[:, :, 0]
-        for chunk in range(1, chunks):  # in key order
+        for chunk in range(1, chunks):
             total = total + weight_parts[:, :, chunk]
             out = out + out_parts[:, :, chunk]
         out = (out / total)[:, :, :rows]
