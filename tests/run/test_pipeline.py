@@ -5,18 +5,22 @@ The tiny config and its tasks: tests/run/run_support.py.
 
 import json
 import os
+import tomllib
 
 import pytest
 
 from tests.run.run_support import tiny_run
 from whetstone.errors import WhetstoneError
+from whetstone.model.hf import load_hf
 from whetstone.run.pipeline import Pipeline, run_pipeline
 from whetstone.utils.cgroups import why_no_cpu_groups
 from whetstone.utils.metrics import read_metrics
 
 
 @pytest.mark.timeout(300)
-def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
+def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monkeypatch):
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # stderr is a file here, as in `> log 2>&1`
+        monkeypatch.delenv(name, raising=False)
     quotas = why_no_cpu_groups() is None  # then each side also runs under a CPU quota, and its CPU is counted
     summary = run_pipeline(tiny_run(tmp_path, *(["placement.trainer_cores=1.0", "placement.rollout_cores=2.0"]
                                                  if quotas else [])))  # fmt: skip
@@ -34,6 +38,17 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
     assert "held-out pass@1" in html and html.count("<img") >= 4
     for role in ("serve-0", "serve-1", "trainer", "orchestrator"):
         assert (run / "roles" / f"{role}.toml").exists() and (run / "logs" / f"{role}.log").exists()
+    assert summary["final_logit_scale"] == pytest.approx(steps[-1]["logit_scale"])  # the trainer's last step's
+    assert summary["model"] == str(run / "model") and load_hf(run / "model").cfg.num_experts == 4
+    written = tomllib.loads((run / "config.toml").read_text())  # as it ran: the servers' addresses too
+    used = tomllib.loads((run / "roles" / "orchestrator.toml").read_text())
+    assert written["rl"]["orchestrator"] == used and written["eval"]["servers"] == used["servers"]
+    assert written["eval"]["harness"]["max_turns"] == written["rl"]["orchestrator"]["harness"]["max_turns"] == 2
+    err = capfd.readouterr().err.splitlines()  # every stage's progress, as plain lines
+    for stage in ("midtrain midtrain: 1,024/1,024 tok (100%)", "held-out eval (before): 8/8 rollout (100%)",
+                  "rl: 2/2 step (100%)", "held-out eval (after): 8/8 rollout (100%)"):
+        assert any(line.startswith(stage) for line in err), stage
+    assert any(line.startswith("trainer: 2/2 step (100%)") for line in (run / "logs" / "trainer.log").read_text().splitlines())
     if quotas:
         cpu = read_metrics(run / "cpu.jsonl")
         assert set(cpu[-1]["cpu_s"]) == {"trainer", "rollout"} and cpu[-1]["cpu_s"]["rollout"] > 0
