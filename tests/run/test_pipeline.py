@@ -1,56 +1,26 @@
 """`whetstone run` end to end at tiny scale: mid-training, two real `whetstone serve` processes,
 the trainer and the orchestrator as processes, held-out evaluations before and after, the report.
-
-The tiny model never solves a task, so the tasks are coin tasks (tests/orchestrator): synth tasks
-whose repository already holds the solution, plus a hidden test that passes half the time, so
-groups get rewards that differ and batches fill. No synth demonstrations: the tiny config's rows
-are shorter than a transcript's prompt (mid-training with demonstrations is tested in
-tests/midtrain); the trainer's anchor gets a file of one short transcript instead.
+The tiny config and its tasks: tests/run/run_support.py.
 """
 
 import json
 import os
+import tomllib
 
 import pytest
 
-from tests.midtrain.midtrain_support import TINY, write_corpus
-from tests.orchestrator.orchestrator_support import coin_tasks
-from whetstone.config import load_config
-from whetstone.envs.tasks import write_tasks
+from tests.run.run_support import tiny_run
 from whetstone.errors import WhetstoneError
-from whetstone.rl.demos import write_demos
-from whetstone.run.config import PipelineConfig
+from whetstone.model.hf import load_hf
 from whetstone.run.pipeline import Pipeline, run_pipeline
 from whetstone.utils.cgroups import why_no_cpu_groups
 from whetstone.utils.metrics import read_metrics
 
 
-def tiny_run(tmp_path, *overrides: str) -> PipelineConfig:
-    code = write_corpus(tmp_path)
-    tasks = tmp_path / "coin.jsonl"
-    write_tasks(coin_tasks(4), tasks)
-    demos = tmp_path / "demos.jsonl"
-    write_demos(demos, [[{"role": "user", "content": "fix it"}, {"role": "assistant", "content": "done"}]])
-    settings = [
-        *(f"midtrain.{line}" for line in TINY),
-        f'midtrain.data.directories=[{{path="{code}"}}]', f'midtrain.data.cache_dir="{tmp_path / "cache"}"',
-        "demos.count=0", f'output_dir="{tmp_path / "runs"}"', 'name="tiny"',
-        "harness.max_turns=2", "harness.max_turn_tokens=12", "harness.max_tool_tokens=128",
-        "harness.max_calls_per_turn=2", "harness.summary_tokens=16", "harness.train_cut_off_calls=true",
-        "servers.serve.engine.max_batch=8",
-        "rl.steps=2", "rl.trainer.sync.poll_interval=0.1", "rl.trainer.poll_interval=0.1",
-        f'rl.trainer.demos_path="{demos}"', "rl.trainer.demo_coef=1.0", "rl.trainer.demo_rows=1",
-        f'rl.orchestrator.tasks.source="{tasks}"', "rl.orchestrator.validate_tasks=false",
-        "rl.orchestrator.group_size=2", "rl.orchestrator.groups_per_batch=1", "rl.orchestrator.rollout.concurrency=4",
-        "rl.orchestrator.poll_interval_s=0.1", "rl.orchestrator.health_interval_s=0.2",
-        f'eval.tasks.source="{tasks}"', "eval.validate_tasks=false", "eval.samples=2",
-        *overrides,
-    ]
-    return load_config(PipelineConfig, None, settings)
-
-
 @pytest.mark.timeout(300)
-def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
+def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monkeypatch):
+    for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # stderr is a file here, as in `> log 2>&1`
+        monkeypatch.delenv(name, raising=False)
     quotas = why_no_cpu_groups() is None  # then each side also runs under a CPU quota, and its CPU is counted
     summary = run_pipeline(tiny_run(tmp_path, *(["placement.trainer_cores=1.0", "placement.rollout_cores=2.0"]
                                                  if quotas else [])))  # fmt: skip
@@ -68,6 +38,17 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path):
     assert "held-out pass@1" in html and html.count("<img") >= 4
     for role in ("serve-0", "serve-1", "trainer", "orchestrator"):
         assert (run / "roles" / f"{role}.toml").exists() and (run / "logs" / f"{role}.log").exists()
+    assert summary["final_logit_scale"] == pytest.approx(steps[-1]["logit_scale"])  # the trainer's last step's
+    assert summary["model"] == str(run / "model") and load_hf(run / "model").cfg.num_experts == 4
+    written = tomllib.loads((run / "config.toml").read_text())  # as it ran: the servers' addresses too
+    used = tomllib.loads((run / "roles" / "orchestrator.toml").read_text())
+    assert written["rl"]["orchestrator"] == used and written["eval"]["servers"] == used["servers"]
+    assert written["eval"]["harness"]["max_turns"] == written["rl"]["orchestrator"]["harness"]["max_turns"] == 2
+    err = capfd.readouterr().err.splitlines()  # every stage's progress, as plain lines
+    for stage in ("midtrain midtrain: 1,024/1,024 tok (100%)", "held-out eval (before): 8/8 rollout (100%)",
+                  "rl: 2/2 step (100%)", "held-out eval (after): 8/8 rollout (100%)"):
+        assert any(line.startswith(stage) for line in err), stage
+    assert any(line.startswith("trainer: 2/2 step (100%)") for line in (run / "logs" / "trainer.log").read_text().splitlines())
     if quotas:
         cpu = read_metrics(run / "cpu.jsonl")
         assert set(cpu[-1]["cpu_s"]) == {"trainer", "rollout"} and cpu[-1]["cpu_s"]["rollout"] > 0

@@ -197,8 +197,10 @@ def whetstone_side(config, model_dir: Path) -> dict[str, Any]:
     from whetstone.utils.metrics import read_metrics
 
     pipeline = Pipeline(config)
-    pipeline.model_dir = model_dir  # the benchmark's model instead of a mid-training stage
-    pipeline.run_dir.mkdir(parents=True, exist_ok=True)
+    link = pipeline.model_dir  # where the RL stage finds the mid-trained model: the benchmark's instead
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.unlink(missing_ok=True)
+    link.symlink_to(model_dir.resolve(), target_is_directory=True)
     try:
         pipeline.open_cpu_groups()
         pipeline.start_servers()

@@ -122,6 +122,20 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     return TrainState(step=record["step"], tokens=record["tokens"], data=record["data"])
 
 
+def load_weights(path: Path, model: torch.nn.Module) -> dict[str, Any]:
+    """Only the model weights of checkpoint `path`, into `model` in place (checked as
+    `load_checkpoint` checks them: digest, names, shapes); returns the checkpoint's `state.json`.
+    For exporting a checkpoint's policy without its optimizer."""
+    record = read_state(path)
+    digest = record["sha256"].get(MODEL_FILE)
+    if digest is None or _sha256(path / MODEL_FILE) != digest:
+        raise CheckpointError(f"checkpoint file {path / MODEL_FILE} is corrupt (sha256 mismatch)")
+    weights = _load_tensors(path / MODEL_FILE)
+    _check_model_tensors(path / MODEL_FILE, model, weights)
+    model.load_state_dict(weights, strict=False)  # tied aliases are absent from the file; checked above
+    return record
+
+
 def read_state(path: Path) -> dict[str, Any]:
     """The parsed `state.json` of a checkpoint, or a `CheckpointError` naming what is wrong."""
     file = path / STATE_FILE

@@ -12,14 +12,23 @@ def run(
     config: Path | None = typer.Argument(None, help="TOML file of run fields (default: the embedded default)."),
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. midtrain.run.steps=50."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Check the config (paths, task sources, cores, run folder) "
+                                 "and print it as the stages would run it, as TOML; run nothing."),
 ) -> None:
     """Mid-train, then asynchronous RL (servers, trainer, orchestrator as processes) with held-out
-    evaluations before and after, into runs/<name>/ (summary.json, report.html)."""
-    from whetstone.config import load_config
+    evaluations before and after, into runs/<name>/ (summary.json, report.html, model/)."""
+    from whetstone.config import dump_toml, load_config
     from whetstone.run.config import PipelineConfig
     from whetstone.run.pipeline import run_pipeline
+    from whetstone.run.preflight import check_run_config
 
-    summary = run_pipeline(load_config(PipelineConfig, config, overrides))
+    loaded = load_config(PipelineConfig, config, overrides)
+    if dry_run:
+        resolved = loaded.resolved()
+        check_run_config(resolved)
+        typer.echo(dump_toml(resolved))
+        return
+    summary = run_pipeline(loaded)
     if as_json:
         typer.echo(json.dumps(summary))
         return
@@ -28,10 +37,11 @@ def run(
     if midtrain["val_loss"] is not None:
         typer.echo(f"validation loss  {midtrain['val_loss']:.3f} nats/token   "
                    f"unigram entropy {midtrain['unigram_entropy']:.3f} nats/token")  # fmt: skip
-    if midtrain["model_dir"]:
-        typer.echo(f"model            {midtrain['model_dir']}")
     before, after = summary["heldout_pass1_before"], summary["heldout_pass1_after"]
     if before is not None and after is not None:
         typer.echo(f"held-out pass@1  {before:.3f} -> {after:.3f}  ({100 * (after - before):+.1f} points)")
+    if summary["final_logit_scale"] is not None:
+        typer.echo(f"logit scale      {summary['final_logit_scale']:.3f} (learned by RL)")
+    typer.echo(f"model            {summary['model']}  (Hugging Face folder, tokenizer included)")
     if summary.get("report"):
         typer.echo(f"report           {summary['report']}")

@@ -1,18 +1,21 @@
 """The `whetstone run` config: its defaults are the embedded default of DESIGN.md.
 
 The role sections (`servers.serve`, `rl.trainer`, `rl.orchestrator`, `eval`) are the roles' own
-configs. Every path and address that ties the roles together (model folder, weight and batch
-stores, server URLs, output folders, tokenizer) is filled in by the pipeline from the run folder,
-so those fields are ignored here; everything else is used as written.
+configs. `PipelineConfig.resolved` ties them together: the top-level `harness` replaces theirs,
+`rl.steps` and the trainer's weight sync are passed on, and every path and address (model folder,
+weight and batch stores, server URLs, output folders, tokenizer) is filled in from the run folder,
+so what those fields held is ignored; everything else is used as written.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, model_validator
 
-from whetstone.config import Config
+from whetstone.config import Config, format_validation_error
+from whetstone.errors import ConfigError
 from whetstone.data import CorpusConfig
 from whetstone.envs.eval.config import EvalConfig
 from whetstone.envs.harness import HarnessConfig, RolloutConfig
@@ -173,3 +176,39 @@ class PipelineConfig(Config):
             raise ValueError("rl.trainer.demo_coef > 0 anchors RL to the mid-training demonstrations, but demos.count "
                              "is 0: set demos.count or rl.trainer.demos_path")
         return self
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder, `<output_dir>/<name>`."""
+        return Path(self.output_dir) / self.name
+
+    def resolved(self, servers: list[str] | None = None) -> PipelineConfig:
+        """The config as the stages run it; the pipeline runs this one and writes it to
+        `config.toml`, and resolving it again changes nothing. The top-level `harness` (with the
+        mid-trained model's tokenizer) is the harness of RL and of both evaluations; `rl.steps` is
+        the trainer's `max_steps` and the orchestrator's `max_batches`; the trainer's weight sync
+        is every server's; every path is under the run folder (the evaluations write to
+        `eval.output_dir`/before and /after). `servers`: the API roots of the started servers,
+        for the orchestrator and the evaluations. A section that does not validate once they are
+        applied (e.g. a top-level harness sampling at temperature 0, which RL refuses) raises a
+        `ConfigError` naming it."""
+        run_dir = self.run_dir
+        model = str(run_dir / "midtrain" / "model")
+        data = self.model_dump(mode="json")
+        data["harness"]["tokenizer_path"] = model
+        sync = {**data["rl"]["trainer"]["sync"], "store": str(run_dir / "weights")}
+        data["midtrain"]["run"].update(output_dir=str(run_dir), name="midtrain")
+        data["servers"]["serve"].update(model_path=model, sync=sync, weight_version=0)
+        data["rl"]["trainer"].update(model_path=model, batch_store=str(run_dir / "batches"), sync=sync,
+                                     output_dir=str(run_dir / "trainer"), max_steps=self.rl.steps, idle_timeout=0.0)  # fmt: skip
+        data["rl"]["orchestrator"].update(harness=data["harness"], batch_store=str(run_dir / "batches"),
+                                          weight_store=str(run_dir / "weights"), max_batches=self.rl.steps,
+                                          metrics_path=str(run_dir / "orchestrator" / "metrics.jsonl"))  # fmt: skip
+        data["eval"].update(harness=data["harness"], output_dir=str(run_dir / "eval"))
+        data["eval"]["tasks"]["validation_cache"] = str(run_dir / "eval" / "validation.json")
+        if servers is not None:
+            data["rl"]["orchestrator"]["servers"] = data["eval"]["servers"] = list(servers)
+        try:
+            return type(self).model_validate(data)
+        except ValidationError as err:
+            raise ConfigError(format_validation_error(err, "the run config with its top-level sections applied")) from None

@@ -6,7 +6,8 @@
     4. rl            `whetstone trainer` + `whetstone orchestrator`      -> trainer/, orchestrator/,
                      as processes, until the trainer's last step           batches/, weights/
     5. eval after    once every server holds the final version          -> eval/after/
-    6. report        summary.json and report.html
+    6. report        the final policy as an HF folder, summary.json,     -> model/
+                     report.html
 
 Each stage resumes: mid-training from its checkpoint, the trainer from its own, the orchestrator
 from the next batch index, and an evaluation whose report exists is not run again.
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import shutil
 import time
 from pathlib import Path
 from typing import Any
@@ -24,10 +27,10 @@ from whetstone.config import dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.monitor import ServerSampler, last_record
-from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.atomic import atomic_directory, atomic_write_json, atomic_write_text
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
 from whetstone.utils.metrics import read_metrics
-from whetstone.utils.processes import RoleProcess, check_cpus, free_ports
+from whetstone.utils.processes import RoleProcess, free_ports
 from whetstone.utils.progress import progress_bar
 
 log = logging.getLogger("whetstone.run")
@@ -58,11 +61,12 @@ def demo_source(config: PipelineConfig):
 
 class Pipeline:
     def __init__(self, config: PipelineConfig):
-        self.config = config
-        self.run_dir = Path(config.output_dir) / config.name
-        self.model_dir = self.run_dir / "midtrain" / "model"
-        self.weights = self.run_dir / "weights"
-        self.batches = self.run_dir / "batches"
+        self.config = config.resolved()
+        """The config as the stages run it (`PipelineConfig.resolved`); once the servers are up,
+        with their addresses."""
+        self.run_dir = self.config.run_dir
+        self.model_dir = Path(self.config.rl.trainer.model_path)
+        """The mid-trained model: RL's initial policy and every server's first weights."""
         self.roles: list[RoleProcess] = []
         self.urls: list[str] = []
         self.sampler: ServerSampler | None = None
@@ -71,18 +75,13 @@ class Pipeline:
         """CPU groups by side (`trainer`, `rollout`: servers, orchestrator, sandboxes): their CPU
         time, sampled into `cpu.jsonl`, and the quotas of `placement`'s cores fields."""
 
-    # -- role configs: the config's sections with every path and address filled in ------------
-
-    def sync_config(self):
-        return self.config.rl.trainer.sync.model_copy(update={"store": str(self.weights)})
+    # -- role configs: the resolved config's sections, with what only the run knows ----------
 
     def trainer_config(self):
         trainer = self.config.rl.trainer
-        return trainer.model_copy(update={
-            "model_path": str(self.model_dir), "batch_store": str(self.batches), "output_dir": str(self.run_dir / "trainer"),
-            "sync": self.sync_config(), "max_steps": self.config.rl.steps, "idle_timeout": 0.0,
-            "demos_path": trainer.demos_path or (str(self.demos_path) if trainer.demo_coef > 0 else ""),
-        })  # fmt: skip
+        if trainer.demo_coef > 0 and not trainer.demos_path:
+            return trainer.model_copy(update={"demos_path": str(self.demos_path)})
+        return trainer
 
     @property
     def demos_path(self) -> Path:
@@ -99,27 +98,18 @@ class Pipeline:
             return
         write_demos(self.demos_path, demo_source(self.config)())  # demos.count > 0 (PipelineConfig checks)
 
-    def harness_config(self):
-        return self.config.harness.model_copy(update={"tokenizer_path": str(self.model_dir)})
-
     def orchestrator_config(self):
-        return self.config.rl.orchestrator.model_copy(update={
-            "servers": self.urls, "batch_store": str(self.batches), "weight_store": str(self.weights),
-            "harness": self.harness_config(), "max_batches": self.config.rl.steps,
-            "metrics_path": str(self.run_dir / "orchestrator" / "metrics.jsonl"),
-        })  # fmt: skip
+        return self.config.rl.orchestrator
 
     def eval_config(self, when: str):
-        tasks = self.config.eval.tasks.model_copy(update={"validation_cache": str(self.run_dir / "eval" / "validation.json")})
-        return self.config.eval.model_copy(update={
-            "servers": self.urls, "harness": self.harness_config(), "output_dir": str(self.run_dir / "eval" / when),
-            "tasks": tasks,
-        })  # fmt: skip
+        return self.config.eval.model_copy(update={"output_dir": str(Path(self.config.eval.output_dir) / when)})
 
     def serve_config(self, port: int):
-        return self.config.servers.serve.model_copy(update={
-            "model_path": str(self.model_dir), "port": port, "sync": self.sync_config(), "weight_version": 0,
-        })  # fmt: skip
+        return self.config.servers.serve.model_copy(update={"port": port})
+
+    def write_config(self) -> None:
+        """`config.toml`: the config as the stages run it (again once the servers' addresses are known)."""
+        atomic_write_text(self.run_dir / "config.toml", dump_toml(self.config) + "\n")
 
     def write_role_config(self, name: str, config) -> Path:
         path = self.run_dir / "roles" / f"{name}.toml"
@@ -157,15 +147,15 @@ class Pipeline:
     def midtrain(self) -> dict[str, Any]:
         from whetstone.midtrain.cli import run_midtrain
 
-        midtrain = self.config.midtrain.model_copy(deep=True)
-        midtrain.run.output_dir, midtrain.run.name = str(self.run_dir), "midtrain"
-        return run_midtrain(midtrain, demos=demo_source(self.config))
+        return run_midtrain(self.config.midtrain, demos=demo_source(self.config))
 
     def start_servers(self) -> None:
         servers = self.config.servers
         ports = ([servers.base_port + i for i in range(servers.count)] if servers.base_port
                  else free_ports(servers.count))  # fmt: skip
         self.urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
+        self.config = self.config.resolved(self.urls)
+        self.write_config()
         started = [
             self.start(f"serve-{i}", "serve", self.serve_config(port), threads=servers.serve.threads or 1,
                        cpus=self.config.placement.servers, side="rollout", health_url=f"http://127.0.0.1:{port}/health")
@@ -241,14 +231,36 @@ class Pipeline:
                 log.warning("%s", err)
         self.cpu_groups.clear()
 
+    def export_policy(self) -> tuple[Path, float | None]:
+        """The run's final policy as a Hugging Face folder, `model/` (tokenizer included), and the
+        logit scale RL learned (None when it learns none). After RL the policy is the trainer's
+        last checkpoint, whose weights are the final version the servers were evaluated with (the
+        scale folded into the final norm); without RL it is the mid-trained model."""
+        from whetstone.midtrain.checkpoint import checkpoint_step, latest_checkpoint, load_weights
+        from whetstone.model.hf import load_hf, save_hf
+
+        target = self.run_dir / "model"
+        if not self.config.rl_enabled:
+            with atomic_directory(target) as tmp:
+                shutil.copytree(self.model_dir, tmp, dirs_exist_ok=True)
+            return target, None
+        checkpoint = latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
+        if checkpoint is None or checkpoint_step(checkpoint) != self.config.rl.steps:
+            raise WhetstoneError(f"no trainer checkpoint of step {self.config.rl.steps} to export (newest: {checkpoint})")
+        model = load_hf(self.model_dir)  # the architecture; every weight is replaced below
+        state = load_weights(checkpoint, model)
+        save_hf(model, target, tokenizer_dir=self.model_dir)
+        scale = state["data"].get("logit_scale")
+        return target, math.exp(scale["log_scale"]) if scale else None
+
     def run(self) -> dict[str, Any]:
+        from whetstone.run.preflight import check_run_config
+
         config = self.config
-        placement = config.placement  # checked before mid-training, not after it
-        for role in ("trainer", "servers", "orchestrator"):
-            check_cpus(getattr(placement, role), f"placement.{role}")
+        check_run_config(config)  # every path, task source and core, before mid-training
         self.open_cpu_groups()
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.run_dir / "config.toml", dump_toml(config))
+        self.write_config()
         started = time.time()
         summary: dict[str, Any] = {"run_dir": str(self.run_dir), "heldout_pass1_before": None, "heldout_pass1_after": None}
         try:
@@ -263,7 +275,9 @@ class Pipeline:
                     summary["heldout_pass1_after"] = after["pass_at_k"]["1"]
         finally:
             self.stop_roles()  # and the CPU groups
-        summary.update(wall_s=time.time() - started, stages=stages, config=config.model_dump(mode="json"))
+        model, summary["final_logit_scale"] = self.export_policy()
+        summary.update(model=str(model), wall_s=time.time() - started, stages=stages,
+                       config=self.config.model_dump(mode="json"))  # fmt: skip
         atomic_write_json(self.run_dir / "summary.json", summary)
         from whetstone.run.report import write_report
 

@@ -69,9 +69,15 @@ def source_records(source: str, overrides: Sequence[str] = (), config_path: str 
         return
     if overrides or config_path:
         raise WhetstoneError(f"config overrides apply to generated sources ({', '.join(SOURCES)}), not to the file {source}")
-    if not Path(source).exists():
-        raise WhetstoneError(f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}")
+    check_source(source)
     yield from read_records(source)
+
+
+def check_source(source: str) -> None:
+    """Raise unless `source` names a generator or an existing task file or folder (what loading
+    it would find first; `whetstone run` asks before its first stage)."""
+    if source not in SOURCES and not Path(source).exists():
+        raise WhetstoneError(f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}")
 
 
 def load_source(source: str, overrides: Sequence[str] = (), config_path: str | Path | None = None) -> list[Task]:

