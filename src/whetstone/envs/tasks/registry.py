@@ -10,6 +10,7 @@ to use, and the config of each generator.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -67,11 +68,18 @@ def source_records(source: str, overrides: Sequence[str] = (), config_path: str 
         for task in generator(source)(config):
             yield Record(task.id, task=task)
         return
+    if not Path(source).exists():
+        if looks_like_path(source):
+            raise WhetstoneError(f"no such file: {source}")
+        raise WhetstoneError(f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}")
     if overrides or config_path:
         raise WhetstoneError(f"config overrides apply to generated sources ({', '.join(SOURCES)}), not to the file {source}")
-    if not Path(source).exists():
-        raise WhetstoneError(f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}")
     yield from read_records(source)
+
+
+def looks_like_path(source: str) -> bool:
+    """A source meant as a file or folder (a path separator or a suffix such as `.jsonl`), not a name."""
+    return "/" in source or os.sep in source or bool(Path(source).suffix)
 
 
 def load_source(source: str, overrides: Sequence[str] = (), config_path: str | Path | None = None) -> list[Task]:
