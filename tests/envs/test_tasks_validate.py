@@ -67,7 +67,7 @@ def test_a_failing_setup_command_is_named_with_its_exit_code_and_output():
     task = _bugfix("def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n")
     broken = task.model_copy(update={"setup": ["echo 'no module named numpy' >&2; exit 3"]})
     reason = check_task(broken)
-    assert reason.startswith("the setup failed: setup command ") and "failed with exit code 3" in reason
+    assert reason.startswith("the setup failed: setup command failed with exit code 3: \"echo ")
     assert "no module named numpy" in reason
 
 

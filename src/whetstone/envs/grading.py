@@ -166,13 +166,14 @@ def _run_setup(sandbox: Sandbox, task: Task) -> tuple[str, str | None]:
         result = sandbox.run(command, timeout_s=task.test_time_limit_s)
         log += f"$ {command}\n{_run_log(result)}"
         if result.timed_out:
-            failure = f"setup command {command!r} timed out after {task.test_time_limit_s:g} s (test_time_limit_s)"
+            failure = f"setup command timed out after {task.test_time_limit_s:g} s (test_time_limit_s)"
         elif result.exit_code != 0:
-            failure = f"setup command {command!r} failed with exit code {result.exit_code}"
+            failure = f"setup command failed with exit code {result.exit_code}"
         else:
             continue
         output = (result.stdout + result.stderr).strip()
-        return log + failure + "\n", failure + (f"; output ends: {output[-SETUP_OUTPUT_CHARS:]!r}" if output else "")
+        tail = f"; output ends: {output[-SETUP_OUTPUT_CHARS:]!r}" if output else ""
+        return log + failure + "\n", f"{failure}: {command!r}{tail}"
     return log, None
 
 
