@@ -88,13 +88,15 @@ def test_a_visible_test_missing_from_a_repo_path_snapshot_is_named(tmp_path):
 
 def test_field_errors_are_refused_when_a_task_is_read(tmp_path):
     good = json.loads(_bugfix("def add(a, b):\n    return a - b\n", "x = 1\n").model_dump_json())
-    bad = {"time_limit_s": -5, "test_time_limit_s": 0, "split": "test", "visible_tests": ["test_missing.py"]}
+    bad = {"time_limit_s": -5, "test_time_limit_s": 0, "split": "test", "visible_tests": ["test_missing.py"],
+           "difficulty": -1}
     path = tmp_path / "tasks.jsonl"
     path.write_text("".join(json.dumps({**good, "id": f"t{i}", key: value}) + "\n" for i, (key, value) in enumerate(bad.items())))
     report = validate_records(read_records(path))
-    assert report.valid == [] and [item["id"] for item in report.invalid] == [f"{path}:{n}" for n in range(1, 5)]
+    assert report.valid == [] and [item["id"] for item in report.invalid] == [f"{path}:{n}" for n in range(1, 6)]
     reasons = [item["reason"] for item in report.invalid]
     assert reasons[0] == "field 'time_limit_s': Input should be greater than 0"
     assert reasons[1] == "field 'test_time_limit_s': Input should be greater than 0"
     assert reasons[2] == "field 'split': Input should be 'train' or 'heldout'"
     assert reasons[3] == "field 'visible_tests': Value error, 'test_missing.py': no such file in repo_files"
+    assert reasons[4] == "field 'difficulty': Input should be greater than or equal to 0"

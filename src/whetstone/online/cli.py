@@ -1,5 +1,5 @@
-"""`whetstone online [CONFIG]`: the online RL loop; `whetstone online rollback VERSION [CONFIG]`:
-serve an earlier version again. See docs/online.md."""
+"""`whetstone online [CONFIG]`: the online RL loop; `whetstone online rollback VERSION`: serve an
+earlier version again. See docs/online.md."""
 
 from __future__ import annotations
 

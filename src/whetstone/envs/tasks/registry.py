@@ -69,7 +69,7 @@ def source_records(source: str, overrides: Sequence[str] = (), config_path: str 
             yield Record(task.id, task=task)
         return
     if not Path(source).exists():
-        if looks_like_path(source):
+        if _looks_like_path(source):
             raise WhetstoneError(f"no such file: {source}")
         raise WhetstoneError(f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}")
     if overrides or config_path:
@@ -77,7 +77,7 @@ def source_records(source: str, overrides: Sequence[str] = (), config_path: str 
     yield from read_records(source)
 
 
-def looks_like_path(source: str) -> bool:
+def _looks_like_path(source: str) -> bool:
     """A source meant as a file or folder (a path separator or a suffix such as `.jsonl`), not a name."""
     return "/" in source or os.sep in source or bool(Path(source).suffix)
 
