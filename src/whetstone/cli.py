@@ -4,6 +4,7 @@ only assembles them and turns `WhetstoneError` into a clean message and exit cod
 from __future__ import annotations
 
 import sys
+from importlib import metadata
 
 import typer
 from rich.console import Console
@@ -40,8 +41,32 @@ app.command("eval")(eval_command)
 app.add_typer(tasks_app, name="tasks", help="Validate, list, show and export coding tasks.")
 app.add_typer(sync_app, name="sync", help="Publish, watch and inspect the versioned weight store.")
 app.add_typer(online_app, name="online",
-              help="Online RL from users' feedback: `online [CONFIG]` runs the gated update loop; `online rollback VERSION`.")
+              help="Online RL from users' feedback: `online [CONFIG]` runs the gated update loop; `online rollback VERSION [CONFIG]`.")
 app.add_typer(bench_app, name="bench")
+
+
+def _print_version(asked: bool) -> None:
+    if asked:
+        typer.echo(f"whetstone {package_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(
+    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                 help="Print the installed version and exit."),
+) -> None:
+    """Options of `whetstone` itself, given before the command."""
+
+
+def package_version() -> str:
+    """The installed package's version (its metadata); the source tree's when run uninstalled."""
+    try:
+        return metadata.version("whetstone")
+    except metadata.PackageNotFoundError:
+        from whetstone import __version__
+
+        return __version__
 
 
 def main() -> None:

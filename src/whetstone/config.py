@@ -50,19 +50,38 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def parse_override(text: str) -> tuple[list[str], Any]:
+def parse_override(text: str, cls: type[Config] | None = None) -> tuple[list[str], Any]:
     """Split `a.b.c=value` into its key path and a value parsed as a TOML literal.
 
-    A value that is not valid TOML (`name=my-run`) is taken as a plain string.
+    A value that is not valid TOML (`name=my-run`) is taken as a plain string. A malformed
+    override's error shows a real key of `cls`, when given.
     """
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
-        raise ConfigError(f"override {text!r}: expected KEY=VALUE, e.g. train.steps=100")
+        example = example_override(cls) if cls is not None else None
+        raise ConfigError(f"override {text!r}: expected KEY=VALUE" + (f", e.g. {example}" if example else ""))
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
     return [part.strip() for part in key.split(".")], value
+
+
+def example_override(cls: type[Config]) -> str | None:
+    """`key=value` of a real field of `cls` at its default, for messages: the first number
+    (sections searched in order; numbers need no shell quoting), else the first plain field."""
+    return _first_field(cls, None, (int, float)) or _first_field(cls, None, (bool, int, float, str))
+
+
+def _first_field(cls: type[Config], instance: Config | None, kinds: tuple[type, ...]) -> str | None:
+    for name, field in cls.model_fields.items():
+        default = getattr(instance, name) if instance is not None else field.get_default(call_default_factory=True)
+        if isinstance(default, Config):
+            if (inner := _first_field(type(default), default, kinds)) is not None:
+                return f"{name}.{inner}"
+        elif isinstance(default, kinds) and not (isinstance(default, bool) and bool not in kinds):  # bool is an int
+            return f"{name}={_toml_value(default)}"
+    return None
 
 
 def _set_nested(data: dict[str, Any], path: list[str], value: Any, source: str) -> None:
@@ -99,7 +118,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
     data = read_toml(path) if path is not None else {}
     source = str(path) if path is not None else "defaults"
     for text in overrides:
-        keys, value = parse_override(text)
+        keys, value = parse_override(text, cls)
         _set_nested(data, keys, value, "override")
     if overrides:
         source += " + overrides"
@@ -171,6 +190,7 @@ def _reference_section(cls: type[Config], prefix: str, out: list[str], instance:
             default = value if instance is not None else field.get_default(call_default_factory=True)
             shown = "(none)" if default is None else f"`{_toml_value(default)}`"
         kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+        kind = kind.replace("|", "\\|")  # a bare `|` ends a table cell, even inside backticks
         description = (field.description or "").replace("\n", " ").replace("|", "\\|")
         rows.append(f"| `{prefix}{name}` | `{kind}` | {shown} | {description} |")
     if rows:

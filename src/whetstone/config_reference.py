@@ -1,11 +1,13 @@
 """docs/configuration.md, generated from the config classes' field docstrings.
 
 `python -m whetstone.config_reference > docs/configuration.md`; a test keeps the file current.
+`python -m whetstone.config_reference task` prints the task record's field table of docs/tasks.md.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 
 from whetstone.config import config_reference
 
@@ -37,5 +39,13 @@ def render() -> str:
     return "\n".join(parts)
 
 
+def render_task_record() -> str:
+    """The field table of docs/tasks.md: `python -m whetstone.config_reference task`."""
+    from whetstone.envs.task import Task
+
+    reference = config_reference(Task, "The task record")
+    return reference[reference.index("| key |"):]  # the table alone: the page has its own heading
+
+
 if __name__ == "__main__":
-    print(render(), end="")
+    print(render_task_record() if sys.argv[1:] == ["task"] else render(), end="")

@@ -16,7 +16,7 @@ def test_validate_json_reports_valid_and_invalid(tmp_path):
     path = tmp_path / "tasks.jsonl"
     path.write_text(good.model_dump_json() + "\n" + '{"id": "broken"}\n')
     result = runner.invoke(app, ["validate", str(path), "--json"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == 1, result.output  # an invalid task fails the command
     report = json.loads(result.stdout)  # stdout holds the JSON alone; the progress bar is on stderr
     assert report["total"] == 2 and report["valid"] == 1
     [invalid] = report["invalid"]
@@ -46,3 +46,57 @@ def test_export_writes_what_list_shows(tmp_path):
     assert read_tasks(tmp_path / "out") == generate(SynthConfig(count=4, split="heldout"))
     result = runner.invoke(app, ["export", "synth", str(tmp_path / "t.jsonl"), "-s", "count=2"])
     assert len(read_tasks(tmp_path / "t.jsonl")) == 2
+
+
+def test_validate_exits_nonzero_naming_the_invalid_task_and_zero_when_all_are_valid(tmp_path):
+    good, other = generate(SynthConfig(count=2))
+    wrong = other.model_copy(update={"solution_files": {"solution.py": "def solve(x):\n    return x\n"}})
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(good.model_dump_json() + "\n" + wrong.model_dump_json() + "\n")
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 1, result.output
+    assert "1 of 2 tasks valid" in result.stdout
+    assert f"invalid {wrong.id}: the reference solution does not pass (tests not passing: " in result.stdout
+    path.write_text(good.model_dump_json() + "\n")
+    assert runner.invoke(app, ["validate", str(path)]).exit_code == 0
+
+
+def test_a_missing_file_and_an_unknown_name_are_told_apart(tmp_path):
+    missing = runner.invoke(app, ["list", str(tmp_path / "tasks.jsnol")])
+    assert missing.exit_code != 0 and str(missing.exception) == f"no such file: {tmp_path / 'tasks.jsnol'}"
+    bare = runner.invoke(app, ["list", "synth5.jsonl"])
+    assert str(bare.exception) == "no such file: synth5.jsonl"
+    unknown = runner.invoke(app, ["list", "synht"])
+    assert "unknown task source 'synht'" in str(unknown.exception)
+    assert "synth, repofix, mutate, humaneval, swebench" in str(unknown.exception)
+
+
+def test_the_config_file_is_a_positional_argument(tmp_path):
+    config = tmp_path / "synth.toml"
+    config.write_text("count = 2\nsplit = \"heldout\"\n")
+    result = runner.invoke(app, ["list", "synth", str(config), "--json"])
+    assert result.exit_code == 0, result.output
+    assert [json.loads(line)["id"] for line in result.stdout.splitlines()] == ["synth/heldout/s0-00000", "synth/heldout/s0-00001"]
+    shown = runner.invoke(app, ["show", "synth", "synth/heldout/s0-00001", str(config)])
+    assert shown.exit_code == 0 and "split: heldout" in shown.stdout
+    exported = runner.invoke(app, ["export", "synth", str(tmp_path / "out.jsonl"), str(config), "-s", "count=3"])
+    assert exported.exit_code == 0 and len(read_tasks(tmp_path / "out.jsonl")) == 3
+
+
+def test_export_refuses_a_path_it_would_have_to_guess_about(tmp_path):
+    result = runner.invoke(app, ["export", "synth", str(tmp_path / "synth5.txt"), "-s", "count=2"])
+    assert result.exit_code != 0 and not (tmp_path / "synth5.txt").exists()
+    assert "not to a .txt file" in str(result.exception) and "OUT.jsonl" in str(result.exception)
+    chosen = runner.invoke(app, ["export", "synth", str(tmp_path / "synth5.txt"), "-s", "count=2", "--layout", "jsonl"])
+    assert chosen.exit_code == 0 and len(read_tasks(tmp_path / "synth5.txt")) == 2
+
+
+def test_export_does_not_replace_a_directory_of_other_files(tmp_path):
+    (tmp_path / "project").mkdir()
+    (tmp_path / "project" / "notes.md").write_text("mine")
+    result = runner.invoke(app, ["export", "synth", str(tmp_path / "project"), "-s", "count=2"])
+    assert result.exit_code != 0 and "notes.md, not task folders" in str(result.exception)
+    assert (tmp_path / "project" / "notes.md").read_text() == "mine"
+    runner.invoke(app, ["export", "synth", str(tmp_path / "tasks"), "-s", "count=2"])
+    again = runner.invoke(app, ["export", "synth", str(tmp_path / "tasks"), "-s", "count=3"])  # a task set is replaced
+    assert again.exit_code == 0 and len(read_tasks(tmp_path / "tasks")) == 3

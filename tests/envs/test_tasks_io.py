@@ -79,7 +79,7 @@ def test_folder_field_given_twice_is_an_error(tmp_path):
 
 
 def test_missing_source_and_empty_folder(tmp_path):
-    with pytest.raises(WhetstoneError, match="does not exist"):
+    with pytest.raises(WhetstoneError, match=f"no such file: {tmp_path / 'nope.jsonl'}"):
         read_tasks(tmp_path / "nope.jsonl")
     with pytest.raises(WhetstoneError, match="no task folders"):
         read_tasks(tmp_path)

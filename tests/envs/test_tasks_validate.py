@@ -3,7 +3,7 @@
 import json
 
 from whetstone.envs.task import Task
-from whetstone.envs.tasks.io import Record
+from whetstone.envs.tasks.io import Record, read_records
 from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.envs.tasks.validate import check_task, task_hash, validate_records
 
@@ -61,3 +61,42 @@ def test_report_lists_bad_records_and_remembers_results(tmp_path):
         "invalid": [{"id": "tasks.jsonl:2", "reason": "not valid JSON: ..."},
                     {"id": stale.id, "reason": "remembered reason"}],
     }
+
+
+def test_a_failing_setup_command_is_named_with_its_exit_code_and_output():
+    task = _bugfix("def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n")
+    broken = task.model_copy(update={"setup": ["echo 'no module named numpy' >&2; exit 3"]})
+    reason = check_task(broken)
+    assert reason.startswith("the setup failed: setup command failed with exit code 3: \"echo ")
+    assert "no module named numpy" in reason
+
+
+def test_tests_that_time_out_are_named():
+    hangs = "import time\n\n\ndef test_add():\n    time.sleep(600)\n"
+    task = _bugfix("def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n")
+    slow = task.model_copy(update={"hidden_tests": {"test_calc.py": hangs}, "test_time_limit_s": 2.0})
+    assert check_task(slow) == "the tests timed out after 2 s (test_time_limit_s) with the reference solution"
+
+
+def test_a_visible_test_missing_from_a_repo_path_snapshot_is_named(tmp_path):
+    (tmp_path / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    task = Task(id="custom/add", kind="bugfix", instruction="add() is wrong.", repo_path=str(tmp_path),
+                visible_tests=["test_calc.py"], hidden_tests={"test_calc.py": TEST_ADD},
+                solution_files={"calc.py": "def add(a, b):\n    return a + b\n"}, fail_to_pass=["test_calc.py::test_add"])
+    assert check_task(task) == f"visible_tests: 'test_calc.py': no such file in repo_path {tmp_path}"
+
+
+def test_field_errors_are_refused_when_a_task_is_read(tmp_path):
+    good = json.loads(_bugfix("def add(a, b):\n    return a - b\n", "x = 1\n").model_dump_json())
+    bad = {"time_limit_s": -5, "test_time_limit_s": 0, "split": "test", "visible_tests": ["test_missing.py"],
+           "difficulty": -1}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("".join(json.dumps({**good, "id": f"t{i}", key: value}) + "\n" for i, (key, value) in enumerate(bad.items())))
+    report = validate_records(read_records(path))
+    assert report.valid == [] and [item["id"] for item in report.invalid] == [f"{path}:{n}" for n in range(1, 6)]
+    reasons = [item["reason"] for item in report.invalid]
+    assert reasons[0] == "field 'time_limit_s': Input should be greater than 0"
+    assert reasons[1] == "field 'test_time_limit_s': Input should be greater than 0"
+    assert reasons[2] == "field 'split': Input should be 'train' or 'heldout'"
+    assert reasons[3] == "field 'visible_tests': Value error, 'test_missing.py': no such file in repo_files"
+    assert reasons[4] == "field 'difficulty': Input should be greater than or equal to 0"

@@ -1,7 +1,7 @@
 """`whetstone tasks validate|list|show|export`: look at, check and save task sets.
 
-SOURCE is a source name (synth, repofix, mutate, humaneval, swebench; configured with `--set
-key=value` and `--config file.toml`) or a JSONL file / task folder. Mount as `tasks`:
+SOURCE is a source name (synth, repofix, mutate, humaneval, swebench; configured by an optional
+CONFIG file, the last argument, and `--set key=value`) or a JSONL file / task folder. Mount as `tasks`:
 `app.add_typer(whetstone.envs.cli.app, name="tasks")`.
 """
 
@@ -16,7 +16,7 @@ app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, help="Co
 
 SOURCE = typer.Argument(..., help="synth | repofix | mutate | humaneval | swebench, or a JSONL file / task folder.")
 OVERRIDES = typer.Option([], "--set", "-s", help="Override a field of the source's config: KEY=VALUE, e.g. count=20.")
-CONFIG = typer.Option(None, "--config", "-c", help="TOML file with the source's config fields.")
+CONFIG = typer.Argument(None, help="TOML file of the generator's config fields (count, split, seed, ...); generated sources only.")
 
 
 @app.command()
@@ -28,17 +28,20 @@ def validate(
     workers: int = typer.Option(2, min=1, help="Tasks validated at once (each in its own sandboxes)."),
     cache: Path | None = typer.Option(None, help="JSON file remembering results by task content hash."),
 ) -> None:
-    """Run every task's reference solution (must pass) and its starting repository (must fail) in sandboxes."""
+    """Run every task's reference solution (must pass) and its starting repository (must fail) in sandboxes.
+    Exits 1 if any task is invalid (each is listed with the reason), 2 on bad input."""
     from whetstone.envs.tasks.registry import source_records
     from whetstone.envs.tasks.validate import validate_records
 
     report = validate_records(source_records(source, overrides, config), workers=workers, cache_path=cache)
     if as_json:
         typer.echo(json.dumps(report.to_json()))
-        return
-    typer.echo(f"{len(report.valid)} of {report.total} tasks valid")
-    for item in report.invalid:
-        typer.echo(f"  invalid {item['id']}: {item['reason']}")
+    else:
+        typer.echo(f"{len(report.valid)} of {report.total} tasks valid")
+        for item in report.invalid:
+            typer.echo(f"  invalid {item['id']}: {item['reason']}")
+    if report.invalid:
+        raise typer.Exit(1)
 
 
 @app.command("list")
@@ -96,18 +99,19 @@ def show(
 @app.command()
 def export(
     source: str = SOURCE,
-    output: Path = typer.Argument(..., help="A .jsonl file, or a directory for a folder per task."),
+    output: Path = typer.Argument(..., help="OUT.jsonl (one task per line), or a directory (a folder per task; a name without a suffix)."),
     overrides: list[str] = OVERRIDES,
     config: Path | None = CONFIG,
-    layout: str | None = typer.Option(None, help="jsonl or folders (default: by the output's suffix)."),
+    layout: str | None = typer.Option(None, help="jsonl or folders (default: jsonl for *.jsonl, folders for a name without a suffix; other suffixes are refused)."),
     valid_only: bool = typer.Option(False, help="Validate first and write only the tasks that pass."),
     workers: int = typer.Option(2, min=1, help="Tasks validated at once, with --valid-only."),
 ) -> None:
     """Write a source's tasks to a JSONL file or a folder per task (atomically)."""
-    from whetstone.envs.tasks.io import write_tasks
+    from whetstone.envs.tasks.io import output_layout, write_tasks
     from whetstone.envs.tasks.registry import load_source, source_records
     from whetstone.envs.tasks.validate import validate_records
 
+    layout = output_layout(output, layout)  # refuse a bad output before generating (minutes, for mutate)
     if valid_only:
         report = validate_records(source_records(source, overrides, config), workers=workers)
         for item in report.invalid:

@@ -21,7 +21,7 @@ import secrets
 import shlex
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from whetstone.envs.cheats import is_protected, scan_changes
@@ -40,6 +40,8 @@ MAX_RESULT_LINE_CHARS = 100_000
 """A longer line in the results file is not the runner's (its records are one test id or flag)."""
 RUNNER_DIR_IN_SANDBOX = "/opt/whetstone"
 MAX_LOG_CHARS = 20_000
+SETUP_OUTPUT_CHARS = 300
+"""How much of a failed setup command's output its failure reason quotes."""
 
 
 @dataclass
@@ -55,6 +57,10 @@ class GradeResult:
     cheat_flags: list[str]
     exclude_from_gradient: bool
     log: str
+    setup_failure: str | None = None
+    """Why a setup command failed (the command, its exit code or time-out); the tests did not run."""
+    test_limits_hit: list[str] = field(default_factory=list)
+    """Limits the test run ran into: wall_clock (the tests timed out), cpu, memory, processes, output."""
 
 
 def read_tree(directory: Path) -> dict[str, bytes]:
@@ -131,12 +137,14 @@ def grade(
         with open_sandbox(snapshot, config.sandbox, mounts=[runner, plain_tests, results]) as sandbox:
             _apply(sandbox.workspace, applied)
             _apply(sandbox.workspace, dict(task.hidden_tests))
-            log, setup_ok = _run_setup(sandbox, task)
-            if setup_ok:
+            log, setup_failure = _run_setup(sandbox, task)
+            limits_hit: list[str] = []
+            if setup_failure is None:
                 test_code = _test_code(task, pristine, applied)
                 outcomes, runtime_flags, run = _run_tests(sandbox, task, required, test_code, runner, results)
                 flags += runtime_flags
                 log += _run_log(run)
+                limits_hit = run.limits_hit
             else:
                 outcomes = {}
     if not required:  # no FAIL_TO_PASS list: every test in the hidden files must pass
@@ -147,17 +155,26 @@ def grade(
     solved = bool(tests) and passed_count == len(tests)
     judge, judge_log = _judge(task, pristine, applied, tests, config) if not flags else (None, "")
     reward, breakdown, exclude = combine(solved, passed_count / max(1, len(tests)), judge, effort, flags, config)
-    return GradeResult(reward, solved, tests, breakdown, flags, exclude, (log + judge_log)[-MAX_LOG_CHARS:])
+    return GradeResult(reward, solved, tests, breakdown, flags, exclude, (log + judge_log)[-MAX_LOG_CHARS:],
+                       setup_failure, limits_hit)
 
 
-def _run_setup(sandbox: Sandbox, task: Task) -> tuple[str, bool]:
+def _run_setup(sandbox: Sandbox, task: Task) -> tuple[str, str | None]:
+    """The setup commands' log, and why one failed (None if all succeeded)."""
     log = ""
     for command in task.setup:
         result = sandbox.run(command, timeout_s=task.test_time_limit_s)
         log += f"$ {command}\n{_run_log(result)}"
-        if result.exit_code != 0:
-            return log + f"setup command failed with exit code {result.exit_code}\n", False
-    return log, True
+        if result.timed_out:
+            failure = f"setup command timed out after {task.test_time_limit_s:g} s (test_time_limit_s)"
+        elif result.exit_code != 0:
+            failure = f"setup command failed with exit code {result.exit_code}"
+        else:
+            continue
+        output = (result.stdout + result.stderr).strip()
+        tail = f"; output ends: {output[-SETUP_OUTPUT_CHARS:]!r}" if output else ""
+        return log + failure + "\n", f"{failure}: {command!r}{tail}"
+    return log, None
 
 
 def _test_code(task: Task, pristine: dict[str, str], applied: dict[str, str | None]) -> list[str]:

@@ -10,11 +10,13 @@ import shlex
 from pathlib import PurePosixPath
 from typing import Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from whetstone.config import Config
 
 TASK_FORMAT_VERSION = 1
+Split = Literal["train", "heldout"]
+"""Dataset splits: `train` tasks are trained on, `heldout` tasks only evaluate."""
 
 
 def _check_relative_paths(files: dict[str, str], what: str) -> dict[str, str]:
@@ -31,10 +33,10 @@ class Task(Config):
     format_version: int = TASK_FORMAT_VERSION
     """Version of this record's layout; bumped on incompatible changes."""
     id: str = Field(min_length=1)
-    """Unique task id, e.g. `synth/train/00017`."""
+    """Unique task id, e.g. `synth/train/s0-00017`."""
     source: str = "custom"
     """Which task source made it: synth, repofix, mutate, humaneval, swebench, custom."""
-    split: str = "train"
+    split: Split = "train"
     """Dataset split: `train` or `heldout` (evaluation only)."""
     kind: Literal["synthesis", "bugfix"] = "synthesis"
     """`bugfix` tasks must fail their hidden tests before the fix; `synthesis` tasks start empty."""
@@ -49,28 +51,32 @@ class Task(Config):
     setup: list[str] = []
     """Shell commands run in the sandbox before the agent starts (no network)."""
     visible_tests: list[str] = []
-    """Paths (inside the repository) of tests the agent may run with `run_tests`."""
+    """Paths (inside the repository: files, or directories holding files) of tests the agent may
+    run with `run_tests`."""
     hidden_tests: dict[str, str] = {}
-    """Test files added only at grading time, in a fresh sandbox. Never shown to the agent."""
+    """Test files added only at grading time, in a fresh sandbox; this or `fail_to_pass` is
+    required. Never shown to the agent."""
     solution_files: dict[str, str] = {}
-    """Reference solution as whole files to overwrite. Never shown to the agent."""
+    """Reference solution as whole files to overwrite; this or `solution_patch` is needed to
+    validate the task. Never shown to the agent."""
     solution_patch: str | None = None
     """Reference solution as a unified diff (SWE-bench `patch`), if not given as files."""
     fail_to_pass: list[str] = []
-    """Test ids that must go from failing to passing (pytest node ids)."""
+    """Test ids that must go from failing to passing (pytest node ids); if empty, every test in
+    `hidden_tests` must pass."""
     pass_to_pass: list[str] = []
     """Test ids that must keep passing."""
     test_command: str = "python -m pytest -q -p no:cacheprovider"
     """Command that runs the tests; test ids are appended."""
-    time_limit_s: float = 600.0
-    """Wall-clock limit for a whole rollout on this task."""
-    test_time_limit_s: float = 60.0
-    """Wall-clock limit for one test run."""
+    time_limit_s: float = Field(600.0, gt=0)
+    """Wall-clock limit for a whole rollout on this task, in seconds."""
+    test_time_limit_s: float = Field(60.0, gt=0)
+    """Wall-clock limit for one test run (and for each setup command), in seconds."""
     protected_paths: list[str] = []
     """Glob patterns the agent must not change (tests, fixtures); changes are flagged as cheating."""
     rubric: str | None = None
     """Optional grading rubric for an LLM judge."""
-    difficulty: int = 0
+    difficulty: int = Field(0, ge=0)
     """Source-specific difficulty level (0 = easiest)."""
     metadata: dict[str, str | int | float | bool] = {}
     """Free-form provenance: mutation operator, original module, seed."""
@@ -99,3 +105,21 @@ class Task(Config):
         if not self.hidden_tests and not self.fail_to_pass:
             raise ValueError("a task needs hidden_tests or fail_to_pass tests to be graded")
         return self
+
+    @field_validator("visible_tests")
+    @classmethod
+    def _visible_tests_exist(cls, tests: list[str], info: ValidationInfo) -> list[str]:
+        """Checked against `repo_files` here; a `repo_path` snapshot is read only at validation."""
+        if info.data.get("repo_path") is None and (missing := missing_visible_tests(tests, info.data.get("repo_files", {}))):
+            raise ValueError(f"{', '.join(map(repr, missing))}: no such file in repo_files")
+        return tests
+
+
+def missing_visible_tests(visible_tests: list[str], files: dict[str, str]) -> list[str]:
+    """The visible tests that name neither a file of the repository nor a directory holding one
+    (a pytest node id, `path::test`, is checked by its path)."""
+    def present(test: str) -> bool:
+        path = test.split("::")[0].rstrip("/")
+        return path in files or any(name.startswith(path + "/") for name in files)
+
+    return [test for test in visible_tests if not present(test)]

@@ -50,7 +50,7 @@ def run(config: Path | None = CONFIG, overrides: list[str] = OVERRIDES,
 @app.command()
 def rollback(
     version: int = typer.Argument(..., help="The earlier weight version to serve again."),
-    config: Path | None = typer.Option(None, "--config", "-c", help="The loop's TOML config (for its weight store)."),
+    config: Path | None = typer.Argument(None, help="The loop's TOML file of OnlineConfig fields (for its weight store)."),
     overrides: list[str] = OVERRIDES,
 ) -> None:
     """Republish VERSION's weights as the newest version: servers switch to it without restarting,

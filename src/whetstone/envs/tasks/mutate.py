@@ -15,12 +15,11 @@ import importlib.util
 import random
 import sys
 from pathlib import Path, PurePosixPath
-from typing import Literal
 
 from pydantic import Field
 
 from whetstone.config import Config
-from whetstone.envs.task import Task
+from whetstone.envs.task import Split, Task
 from whetstone.envs.tasks.bugs import bug_task, failure_line, find_bugs, listed
 from whetstone.errors import WhetstoneError
 
@@ -45,7 +44,7 @@ class MutateConfig(Config):
     """Mutants to test per project before giving up on reaching `count`."""
     seed: int = 0
     """Which mutants are tried, and in which order."""
-    split: Literal["train", "heldout"] = "train"
+    split: Split = "train"
     """Only mutants in functions of this split (a fixed hash of file and function name)."""
     test_command: str = "python -m pytest -q -p no:cacheprovider"
     """Command that runs the project's tests."""

@@ -10,6 +10,7 @@ to use, and the config of each generator.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -76,8 +77,16 @@ def source_records(source: str, overrides: Sequence[str] = (), config_path: str 
 def check_source(source: str) -> None:
     """Raise unless `source` names a generator or an existing task file or folder (what loading
     it would find first; `whetstone run` asks before its first stage)."""
-    if source not in SOURCES and not Path(source).exists():
-        raise WhetstoneError(f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}")
+    if source in SOURCES or Path(source).exists():
+        return
+    if _looks_like_path(source):
+        raise WhetstoneError(f"no such file: {source}")
+    raise WhetstoneError(f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}")
+
+
+def _looks_like_path(source: str) -> bool:
+    """A source meant as a file or folder (a path separator or a suffix such as `.jsonl`), not a name."""
+    return "/" in source or os.sep in source or bool(Path(source).suffix)
 
 
 def load_source(source: str, overrides: Sequence[str] = (), config_path: str | Path | None = None) -> list[Task]:

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import ast
 import random
-from typing import Literal
 
 from pydantic import Field
 
 from whetstone.config import Config
-from whetstone.envs.task import Task
+from whetstone.envs.task import Split, Task
 from whetstone.envs.tasks.bugs import Bug, bug_task, failure_line, find_bugs
 from whetstone.envs.tasks.repofix_templates import TEMPLATES, Repo
 from whetstone.errors import WhetstoneError
@@ -33,7 +32,7 @@ class RepofixConfig(Config):
     """Repository templates to draw from."""
     seed: int = 0
     """Generation seed; the same config always gives the same tasks."""
-    split: Literal["train", "heldout"] = "train"
+    split: Split = "train"
     """Bugs in functions of this split only (a fixed hash of module and function name)."""
     tries_per_task: int = Field(8, ge=1)
     """Mutants tried per generated repository before drawing a new one."""

@@ -13,12 +13,11 @@ import json
 import subprocess
 import tarfile
 from pathlib import Path
-from typing import Literal
 
 from pydantic import Field
 
 from whetstone.config import Config
-from whetstone.envs.task import Task
+from whetstone.envs.task import Split, Task
 from whetstone.envs.tasks.patches import apply_patch, patched_paths
 from whetstone.errors import WhetstoneError
 
@@ -38,7 +37,7 @@ class SwebenchConfig(Config):
     binary-holding repositories; otherwise the files are put inline in the task (text only)."""
     test_command: str = "python -m pytest -q -p no:cacheprovider"
     """Command that runs a repository's tests; FAIL_TO_PASS / PASS_TO_PASS ids are appended."""
-    split: Literal["train", "heldout"] = "heldout"
+    split: Split = "heldout"
     """Split recorded on the tasks."""
     limit: int | None = Field(None, ge=1)
     """Use only the first `limit` records."""

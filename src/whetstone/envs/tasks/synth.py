@@ -29,12 +29,11 @@ import copy
 import hashlib
 import random
 from dataclasses import dataclass
-from typing import Literal
 
 from pydantic import Field, model_validator
 
 from whetstone.config import Config
-from whetstone.envs.task import Task
+from whetstone.envs.task import Split, Task
 from whetstone.envs.tasks.synth_ops import OPS_BY_TYPE, TYPE_NAMES, Op, random_input
 from whetstone.errors import WhetstoneError
 
@@ -55,7 +54,7 @@ class SynthConfig(Config):
     """Fewest composed steps in a task."""
     seed: int = 0
     """Generation seed; the same config always gives the same tasks."""
-    split: Literal["train", "heldout"] = "train"
+    split: Split = "train"
     """`train` (RL and demonstrations) or `heldout` (unseen compositions, evaluation only)."""
     visible_cases: int = Field(3, ge=1)
     """Test cases in the repository's test_solution.py, which the agent can run."""

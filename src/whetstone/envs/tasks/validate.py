@@ -2,7 +2,8 @@
 
 Each check really runs in sandboxes, through the same `grade()` that scores rollouts:
 
-1. the reference solution passes every graded test and raises no cheat flag;
+1. the reference solution passes every graded test and raises no cheat flag (a failing setup
+   command, tests that time out or hit another sandbox limit are reported as such);
 2. the starting repository does not: for `bugfix` tasks at least one FAIL_TO_PASS test fails
    (the injected bug is real); for `synthesis` tasks the ungraded repository fails the tests.
 
@@ -20,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from whetstone.envs.grading import grade
+from whetstone.envs.grading import grade, pristine_files
 from whetstone.envs.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxUnavailableError
-from whetstone.envs.task import Task
+from whetstone.envs.task import Task, missing_visible_tests
 from whetstone.envs.tasks.bugs import listed
 from whetstone.envs.tasks.io import Record
 from whetstone.envs.tasks.patches import apply_patch_to_task
@@ -60,7 +61,15 @@ def check_task(task: Task, reward_config: RewardConfig | None = None) -> str | N
     changes = reference_changes(task)
     if not changes:
         return "no reference solution (solution_files or solution_patch)"
+    if task.repo_path is not None and (missing := missing_visible_tests(task.visible_tests, pristine_files(task))):
+        return f"visible_tests: {', '.join(map(repr, missing))}: no such file in repo_path {task.repo_path}"
     solved = grade(task, changes, config)
+    if solved.setup_failure:
+        return f"the setup failed: {solved.setup_failure}"
+    if "wall_clock" in solved.test_limits_hit:
+        return f"the tests timed out after {task.test_time_limit_s:g} s (test_time_limit_s) with the reference solution"
+    if solved.test_limits_hit:
+        return f"the tests ran into the sandbox's {', '.join(solved.test_limits_hit)} limit with the reference solution"
     if solved.cheat_flags:
         return f"the reference solution is flagged as cheating: {', '.join(solved.cheat_flags)}"
     graded = task.fail_to_pass + task.pass_to_pass or list(solved.tests)
