@@ -123,6 +123,11 @@ class WeightStore:
         else:
             self.objects.put(LATEST_KEY, json.dumps({"version": version, "manifest": digest}).encode())
 
+    def _point_below(self, first: int) -> None:
+        """Point `latest.json` at the newest version before `first` (none left: remove it)."""
+        kept = [v for v in self.versions() if v < first]
+        self._point_at(kept[-1] if kept else None, self.manifest_digest(kept[-1]) if kept else None)
+
     def withdraw(self, first: int) -> list[int]:
         """Withdraw every version from `first` on (a repair of a corrupt version and the deltas
         built on it); returns them. The latest pointer moves back to the newest version kept
@@ -135,8 +140,7 @@ class WeightStore:
             doomed = sorted((v for v in self.versions() if v >= first), reverse=True)
             if not doomed:
                 break
-            kept = [v for v in self.versions() if v < first]
-            self._point_at(kept[-1] if kept else None, self.manifest_digest(kept[-1]) if kept else None)
+            self._point_below(first)
             for version in doomed:
                 self.objects.delete(manifest_key(version))
             for version in doomed:
@@ -144,10 +148,9 @@ class WeightStore:
             withdrawn.update(doomed)
         head = self.head()
         if head is not None and head.version >= first:  # a publisher moved it after the loop's move
-            kept = self.versions()
-            self._point_at(kept[-1] if kept else None, self.manifest_digest(kept[-1]) if kept else None)
+            self._point_below(first)
         if withdrawn:
-            log.warning("withdrew versions %s from %r", _span(sorted(withdrawn)), self.objects)
+            log.info("withdrew versions %s from %r", _span(sorted(withdrawn)), self.objects)
         return sorted(withdrawn)
 
     def verify(self) -> dict[int, str]:
