@@ -3,6 +3,7 @@ publishing a keyframe in its place; subscribers that rejected it take the new on
 held a withdrawn version re-sync, all ending bit-identical to the repaired store."""
 
 import json
+import uuid
 
 import pytest
 from safetensors.torch import save_file
@@ -85,7 +86,18 @@ def test_withdraw_then_a_keyframe_repairs_the_store_and_every_subscriber_converg
     assert behind.poll() == 4 and bit_identical(behind.state, published(trainer.state))
 
 
-def test_a_subscriber_holding_a_version_published_again_does_not_apply_the_new_chain_on_it(weights, config, trainer):
+@pytest.fixture(params=["local", "s3"])
+def any_weights(request, weights, config) -> WeightStore:
+    """The tests' weight store, or one on S3 (moto)."""
+    if request.param == "local":
+        return weights
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return WeightStore.open(config.model_copy(update={"store": f"s3://whetstone/{uuid.uuid4().hex}",
+                                                      "endpoint_url": endpoint}))
+
+
+def test_a_subscriber_holding_a_version_published_again_does_not_apply_the_new_chain_on_it(any_weights, config, trainer):
+    weights = any_weights
     publisher = Publisher(weights, config)
     for _ in range(3):
         publisher.publish(trainer.step())

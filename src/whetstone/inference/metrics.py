@@ -108,7 +108,8 @@ def render_prometheus(stats: EngineStats, model_name: str, weights: WeightsRepor
                    [("", weights.latest_version)])
         metric("weights_stale", "gauge", "1 while the server cannot take the newest weight version.",
                [("", int(weights.problem is not None))])
-        metric("weight_versions_rejected_total", "counter", "Weight versions rejected (corrupt, wrong base) or refused.",
+        metric("weight_versions_rejected_total", "counter", "Weight versions rejected (corrupt, wrong base) or "
+               "refused by the engine.",
                [("", weights.rejections_total)])
         metric("weight_version_rejected", "gauge", "Rejected weight versions newer than the one served.",
                [(f',version="{version}"', 1) for version in sorted(weights.rejected)])

@@ -64,9 +64,9 @@ class Publisher:
         held, latest = subscriber.poll(), self.store.latest()
         if held is None or held != latest:
             if latest is not None:  # a publish on `held` would take a number that exists
-                why = "; ".join(f"version {v}: {reason}" for v, reason in subscriber.rejected.items()) or "a chunk is missing"
+                why = "; ".join(f"version {v}: {reason}" for v, reason in subscriber.rejected.items())
                 log.warning("cannot continue the chain of %r at version %d (%s): the next publish is a keyframe",
-                            self.store, latest, why)
+                            self.store, latest, why or "a chunk is missing")
             return None
         self._previous = subscriber.state
         self._previous_manifest = self.store.manifest(subscriber.version)
