@@ -46,8 +46,17 @@ def test_rollback_refuses_what_it_cannot_do(tmp_path):
     assert isinstance(missing.exception, WhetstoneError) and "version 7 is not in the weight store" in str(missing.exception)
     newest = CliRunner().invoke(app, ["rollback", "1", "--set", f"sync.store={sync.store}"])
     assert "already the newest" in str(newest.exception)
-    empty = CliRunner().invoke(app, ["rollback", "0", "--set", f"sync.store={tmp_path / 'none'}"])
+    (tmp_path / "empty").mkdir()
+    empty = CliRunner().invoke(app, ["rollback", "0", "--set", f"sync.store={tmp_path / 'empty'}"])
     assert "is empty" in str(empty.exception)
+
+
+def test_rollback_refuses_a_store_that_does_not_exist(tmp_path):
+    missing = tmp_path / "wieghts"
+    result = CliRunner().invoke(app, ["rollback", "0", "--set", f"sync.store={missing}"])
+    assert isinstance(result.exception, WhetstoneError)
+    assert f"no store at {missing}: the directory does not exist" in str(result.exception)
+    assert not missing.exists()
 
 
 def test_the_loop_runs_without_a_subcommand(tmp_path, two_style_dir):

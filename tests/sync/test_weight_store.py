@@ -33,7 +33,7 @@ def test_manifest_is_written_after_its_chunks_and_latest_after_the_manifest(tmp_
     assert len(chunk_keys) > 1
     assert sorted(objects.puts[:-2]) == sorted(chunk_keys)
     assert objects.puts[-2:] == ["versions/0000000000/manifest.json", "latest.json"]
-    assert json.loads(objects.get("latest.json")) == {"version": 0}
+    assert json.loads(objects.get("latest.json")) == {"version": 0, "manifest": manifest.digest}
 
 
 def test_keyframe_every_interval_and_deltas_in_between(weights, config, trainer):

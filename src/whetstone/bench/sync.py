@@ -38,6 +38,7 @@ import zstandard
 from whetstone.errors import WhetstoneError
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
+from whetstone.sync.weight_store import Head
 from whetstone.sync.bits import dtype_name, int_view, ordered
 from whetstone.sync.chunks import checksum, decode_chunk, encode_chunk, plan_chunks
 from whetstone.sync.manifest import Manifest, TensorInfo
@@ -172,8 +173,8 @@ class _StoreAt(WeightStore):
         super().__init__(store.objects)
         self.at: int | None = None
 
-    def latest(self) -> int | None:
-        return self.at
+    def head(self) -> Head | None:
+        return None if self.at is None else Head(self.at, None)
 
 
 def consecutive_pairs(store: WeightStore, count: int) -> list[tuple[int, int]]:

@@ -34,7 +34,7 @@ def build_app(config: ServeConfig):
                     decode=tokenizer.decode, version=config.weight_version)
     follower = None
     if config.sync is not None:
-        subscriber = Subscriber(WeightStore.open(config.sync), config.sync, name=f"serve:{config.port}")
+        subscriber = Subscriber(WeightStore.open(config.sync, create=False), config.sync, name=f"serve:{config.port}")
         follower = WeightFollower(subscriber, engine, poll_seconds=config.sync.poll_interval)
     name = config.model_name or Path(config.model_path).resolve().name
     return create_app(engine, tokenizer, config, name, follower)

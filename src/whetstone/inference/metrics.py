@@ -14,6 +14,19 @@ TOKENS_PER_S_WINDOW = 10.0
 
 
 @dataclass
+class WeightsReport:
+    """Where a server following a weight store stands (`WeightFollower.report`)."""
+
+    latest_version: int | None
+    """The store's newest version at the subscriber's last poll."""
+    rejected: dict[int, str]
+    """Versions newer than the one served that were rejected or refused, with the reason."""
+    rejections_total: int
+    problem: str | None
+    """Why the server cannot take the store's newest version (None: it holds it or is on its way)."""
+
+
+@dataclass
 class EngineStats:
     weight_version: int = 0
     running: int = 0
@@ -53,7 +66,7 @@ class EngineStats:
         return count / TOKENS_PER_S_WINDOW
 
 
-def render_prometheus(stats: EngineStats, model_name: str) -> str:
+def render_prometheus(stats: EngineStats, model_name: str, weights: WeightsReport | None = None) -> str:
     label = f'model="{model_name}"'
     lines: list[str] = []
 
@@ -89,4 +102,15 @@ def render_prometheus(stats: EngineStats, model_name: str) -> str:
     lines.append(f"whetstone_swap_pause_seconds_count{{{label}}} {stats.swaps_total}")
     metric("swap_pause_seconds_last", "gauge", "Decode pause of the last weight swap.",
            [("", stats.swap_pause_seconds_last)])
+    if weights is not None:
+        if weights.latest_version is not None:
+            metric("weight_version_latest", "gauge", "Newest weight version in the store.",
+                   [("", weights.latest_version)])
+        metric("weights_stale", "gauge", "1 while the server cannot take the newest weight version.",
+               [("", int(weights.problem is not None))])
+        metric("weight_versions_rejected_total", "counter", "Weight versions rejected (corrupt, wrong base) or "
+               "refused by the engine.",
+               [("", weights.rejections_total)])
+        metric("weight_version_rejected", "gauge", "Rejected weight versions newer than the one served.",
+               [(f',version="{version}"', 1) for version in sorted(weights.rejected)])
     return "\n".join(lines) + "\n"

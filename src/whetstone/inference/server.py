@@ -127,11 +127,21 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     async def health() -> JSONResponse:
         alive = engine.running
         body = {"status": "ok" if alive else "engine stopped", "model": model_name, "weight_version": engine.version}
-        return JSONResponse(body, 200 if alive else 503)
+        weights = follower.report() if follower is not None else None
+        if weights is not None:  # 503 too while the served weights cannot reach the store's newest
+            body["latest_weight_version"] = weights.latest_version
+            if weights.problem is not None:
+                body["weights_problem"] = weights.problem
+                body["rejected_versions"] = {str(v): why for v, why in sorted(weights.rejected.items())}
+                if alive:
+                    body["status"] = "weights stale"
+        return JSONResponse(body, 200 if body["status"] == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(render_prometheus(engine.stats, model_name), media_type="text/plain; version=0.0.4")
+        weights = follower.report() if follower is not None else None
+        return PlainTextResponse(render_prometheus(engine.stats, model_name, weights),
+                                 media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from whetstone.errors import WhetstoneError
+from whetstone.inference.metrics import WeightsReport
 from whetstone.model.layout import flat_storage, in_storage_order, storage_indices
 from whetstone.sync.update import TensorUpdate, WeightUpdate
 
@@ -96,12 +97,39 @@ def write(update: PreparedUpdate) -> float:
 
 
 class WeightFollower:
-    """Feeds the engine every version a weight-sync `Subscriber` decodes, from its own thread."""
+    """Feeds the engine every version a weight-sync `Subscriber` decodes, from its own thread, and
+    reports (`report`, logged as it changes) when the server cannot take the store's newest
+    version: one was rejected (corrupt, wrong base) or the engine refused it."""
 
     def __init__(self, subscriber, engine, poll_seconds: float = 0.2):
         self.subscriber, self.engine, self.poll_seconds = subscriber, engine, poll_seconds
+        self.refused: dict[int, str] = {}
+        """Versions the engine refused (they do not fit the served model), until one fits."""
+        self.refusals = 0
+        self._problem: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+
+    def report(self) -> WeightsReport:
+        subscriber, refused = self.subscriber, dict(self.refused)
+        served = self.engine.version
+        rejected = {v: why for v, why in dict(subscriber.rejected).items() if v > served} | refused
+        problem = None
+        if refused:
+            newest = max(refused)
+            problem = f"the engine refused weight version {newest}: {refused[newest]}"
+        else:
+            problem = subscriber.blocked()
+        return WeightsReport(subscriber.latest, rejected, subscriber.rejections + self.refusals, problem)
+
+    def _log_problem(self) -> None:
+        problem = self.report().problem
+        if problem != self._problem:
+            if problem is not None:
+                log.error("serving weight version %s: %s", self.engine.version, problem)
+            else:
+                log.info("weights caught up: serving version %s", self.engine.version)
+            self._problem = problem
 
     def start(self) -> "WeightFollower":
         self.subscriber.start()
@@ -120,9 +148,12 @@ class WeightFollower:
             held = self.subscriber.version
             self.subscriber.wait_for(0 if held is None else held + 1, timeout=self.poll_seconds)
             update = self.subscriber.take_update()
-            if update is None:
-                continue
-            try:
-                self.engine.update_weights(update)
-            except Exception as err:  # e.g. a store that holds another model: keep serving
-                log.error("not applying weight version %d: %s", update.version, err)
+            if update is not None:
+                try:
+                    self.engine.update_weights(update)
+                    self.refused.clear()
+                except Exception as err:  # e.g. a store that holds another model: keep serving
+                    log.error("not applying weight version %d: %s", update.version, err)
+                    self.refused[update.version] = str(err)
+                    self.refusals += 1
+            self._log_problem()

@@ -13,6 +13,7 @@ import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.sync import Manifest, Publisher, Subscriber, SyncConfig, WeightStore
+from whetstone.sync.weight_store import Head
 
 
 class _StoreAsOf(WeightStore):
@@ -22,8 +23,8 @@ class _StoreAsOf(WeightStore):
         super().__init__(store.objects)
         self.version = version
 
-    def latest(self) -> int | None:
-        return self.version
+    def head(self) -> Head | None:
+        return Head(self.version, None)
 
 
 def load_version(store: WeightStore, config: SyncConfig, version: int) -> dict[str, torch.Tensor]:
@@ -44,7 +45,7 @@ def rollback(config: SyncConfig, version: int) -> Manifest:
     """Publish `version`'s weights again as the newest version (a full one); returns its manifest.
     `VersionExistsError` if another publisher took that version number first: nothing was
     published, run it again."""
-    store = WeightStore.open(config)
+    store = WeightStore.open(config, create=False)
     latest = store.latest()
     if latest is None:
         raise WhetstoneError(f"the weight store {store!r} is empty: nothing to roll back")

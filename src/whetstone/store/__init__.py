@@ -10,13 +10,15 @@ from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectSt
 from whetstone.store.local import LocalStore
 
 
-def open_store(url: str, endpoint_url: str | None = None) -> ObjectStore:
+def open_store(url: str, endpoint_url: str | None = None, create: bool = True) -> ObjectStore:
+    """`create=False`: a local directory that does not exist is an error instead of a new, empty
+    store (S3 prefixes need no creating; a missing bucket fails on first access)."""
     if url.startswith("s3://"):
         from whetstone.store.s3 import S3Store
 
         bucket, _, prefix = url.removeprefix("s3://").partition("/")
         return S3Store(bucket, prefix, endpoint_url=endpoint_url)
-    return LocalStore(url.removeprefix("file://"))
+    return LocalStore(url.removeprefix("file://"), create=create)
 
 
 __all__ = ["LocalStore", "MissingObjectError", "ObjectExistsError", "ObjectStore", "open_store"]

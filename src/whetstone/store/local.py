@@ -6,14 +6,22 @@ import os
 import tempfile
 from pathlib import Path
 
+from whetstone.errors import WhetstoneError
 from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key
 from whetstone.utils.atomic import atomic_write_bytes
 
 
 class LocalStore(ObjectStore):
-    def __init__(self, root: str | Path):
+    def __init__(self, root: str | Path, create: bool = True):
+        """`create`: make the directory if it does not exist (writers); otherwise a missing
+        directory is an error naming it (readers: a mistyped path must not become an empty store)."""
         self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        if create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        elif not self.root.is_dir():
+            what = "is not a directory" if self.root.exists() else "does not exist"
+            raise WhetstoneError(f"no store at {self.root}: the directory {what} (a mistyped path? "
+                                 "only commands that publish create a store)")
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"

@@ -1,4 +1,7 @@
-"""`whetstone sync publish|watch|inspect`: the weight store by hand."""
+"""`whetstone sync publish|watch|inspect|withdraw`: the weight store by hand.
+
+Only `publish` creates a store; the others read one, and a local store that does not exist is
+an error naming it (a mistyped path), not a new empty directory."""
 
 from __future__ import annotations
 
@@ -13,11 +16,11 @@ STORE = typer.Argument(..., help="Weight store: a directory or s3://bucket/prefi
 ENDPOINT = typer.Option(None, "--endpoint-url", help="S3 endpoint for non-AWS stores (MinIO, moto...).")
 
 
-def _open(store: str, endpoint_url: str | None, **overrides):
+def _open(store: str, endpoint_url: str | None, create: bool = False, **overrides):
     from whetstone.sync import SyncConfig, WeightStore
 
     config = SyncConfig(store=store, endpoint_url=endpoint_url, **overrides)
-    return WeightStore.open(config), config
+    return WeightStore.open(config, create=create), config
 
 
 def _load_state(path: Path) -> dict:
@@ -45,9 +48,11 @@ def publish(
     """Publish a checkpoint as the next version, as a delta on the latest one when possible."""
     from whetstone.sync import Publisher
 
-    weights, config = _open(store, endpoint_url, publish_dtype=dtype, keyframe_interval=keyframe_interval)
+    weights, config = _open(store, endpoint_url, create=True, publish_dtype=dtype, keyframe_interval=keyframe_interval)
     publisher = Publisher(weights, config)
-    publisher.resume()
+    if publisher.resume() is None and weights.latest() is not None:
+        typer.echo(f"version {weights.latest()} cannot be rebuilt (see the warning; `whetstone sync inspect "
+                   f"{store} --verify`): publishing a keyframe after it", err=True)
     manifest = publisher.publish(_load_state(checkpoint), full=full)
     typer.echo(f"published version {manifest.version} ({manifest.kind}): {manifest.raw_bytes / 1e6:.2f} MB "
                f"-> {manifest.encoded_bytes / 1e6:.3f} MB, {manifest.ratio:.1f}x, {manifest.changed} values changed")
@@ -65,6 +70,7 @@ def watch(
     """Follow the store like an inference server does, printing each version taken."""
     from safetensors.torch import save_file
 
+    from whetstone.errors import WhetstoneError
     from whetstone.sync import Subscriber
     from whetstone.utils.atomic import atomic_path
 
@@ -90,28 +96,85 @@ def watch(
         if until is not None and subscriber.version is not None and subscriber.version >= until:
             return
         if deadline is not None and time.monotonic() >= deadline:
+            if until is not None:
+                blocked = subscriber.blocked()
+                raise WhetstoneError(f"version {until} not reached within {timeout:g} s: holding {subscriber.version}, "
+                                     f"the store's latest is {subscriber.latest}" + (f"; {blocked}" if blocked else ""))
             return
         time.sleep(poll_interval)
 
 
 @app.command()
-def inspect(store: str = STORE, endpoint_url: str | None = ENDPOINT) -> None:
-    """Print the version chain: kind, base, sizes and compression ratios."""
+def inspect(
+    store: str = STORE,
+    verify: bool = typer.Option(False, "--verify", help="Read every chunk of every version and check it (size, "
+                                "checksum, header) and each delta's base; exit non-zero naming what fails."),
+    endpoint_url: str | None = ENDPOINT,
+) -> None:
+    """Print the version chain: kind, base, sizes and compression ratios (and with --verify, whether
+    each version can be taken)."""
     from rich.console import Console
     from rich.table import Table
+
+    from whetstone.errors import WhetstoneError
 
     weights, _ = _open(store, endpoint_url)
     versions = weights.versions()
     if not versions:
         typer.echo(f"no versions in {store}")
         return
-    table = Table("version", "kind", "base", "keyframe", "tensors", "raw MB", "stored MB", "ratio", "changed")
+    problems = weights.verify() if verify else {}
+    columns = ["version", "kind", "base", "keyframe", "tensors", "raw MB", "stored MB", "ratio", "changed"]
+    table = Table(*columns, *(["check"] if verify else []))
+    manifests = {}
     for version in versions:
-        m = weights.manifest(version)
+        try:
+            m = manifests[version] = weights.manifest(version)
+        except WhetstoneError:  # unreadable: --verify names it
+            table.add_row(str(version), *["?"] * (len(columns) - 1), *(["BAD"] if verify else []))
+            continue
+        check = ["ok" if version not in problems else "BAD"] if verify else []
         table.add_row(str(m.version), m.kind, "-" if m.base is None else str(m.base), str(m.keyframe),
                       str(len(m.tensors)), f"{m.raw_bytes / 1e6:.2f}", f"{m.encoded_bytes / 1e6:.3f}",
-                      f"{m.ratio:.1f}x", f"{m.changed / max(1, m.elements):.2%}")
-    console = Console(width=120)
+                      f"{m.ratio:.1f}x", f"{m.changed / max(1, m.elements):.2%}", *check)
+    console = Console(width=140)
     console.print(table)
-    stored = sum(weights.manifest(v).encoded_bytes for v in versions)
+    stored = sum(m.encoded_bytes for m in manifests.values())
     console.print(f"latest: {weights.latest()}   versions kept: {len(versions)}   stored: {stored / 1e6:.3f} MB")
+    if problems:
+        for version, problem in problems.items():
+            console.print(f"version {version}: {problem}", highlight=False, soft_wrap=True)
+        first = min(problems)
+        after = max((v for v in versions if v < first), default=-1) + 1
+        raise WhetstoneError(f"{len(problems)} of {len(versions)} versions in {store} cannot be taken "
+                             f"({_listed(sorted(problems))}); repair: `whetstone sync withdraw {store} --from {first}`, "
+                             f"then `whetstone sync publish {store} CHECKPOINT --full` (it takes version {after})")
+    if verify:
+        console.print(f"verified: every chunk of the {len(versions)} versions reads back intact")
+
+
+@app.command()
+def withdraw(
+    store: str = STORE,
+    first: int = typer.Option(..., "--from", help="Withdraw this version and every newer one."),
+    endpoint_url: str | None = ENDPOINT,
+) -> None:
+    """Withdraw versions FROM.. newest (e.g. a corrupt one and the deltas built on it). The latest
+    pointer moves back first; servers holding a withdrawn version re-sync from the newest keyframe.
+    Then publish a keyframe: `whetstone sync publish STORE CHECKPOINT --full` takes version FROM."""
+    from whetstone.errors import WhetstoneError
+
+    weights, _ = _open(store, endpoint_url)
+    stored = weights.versions()
+    if not any(v >= first for v in stored):
+        shown = f"{stored[0]}..{stored[-1]}" if stored else "none"
+        raise WhetstoneError(f"no version {first} or newer in {store} to withdraw (stored versions: {shown})")
+    withdrawn = weights.withdraw(first)
+    latest = weights.latest()
+    typer.echo(f"withdrew versions {_listed(withdrawn)}; latest is now {latest if latest is not None else 'none'}. "
+               f"Publish a keyframe next: `whetstone sync publish {store} CHECKPOINT --full` "
+               f"(version {0 if latest is None else latest + 1})")
+
+
+def _listed(versions: list[int]) -> str:
+    return ", ".join(map(str, versions)) if len(versions) <= 6 else f"{versions[0]}..{versions[-1]} ({len(versions)})"

@@ -5,14 +5,18 @@ Layout in the object store (a manifest is written after all its chunks: publishi
     versions/0000000007/manifest.json                created only if absent: one publisher per version
     versions/0000000007/<attempt>/chunk-00000.bin ... each publish attempt's own chunks, so two
                                                      racing publishers never overwrite each other's
-    latest.json                                      {"version": 7}, written after the manifest
+    latest.json                                      {"version": 7, "manifest": <its digest>}, written after it
+
+A manifest is known by its digest (a hash of its stored bytes): a version withdrawn and published
+again under the same number (a repair) has another digest, which is how subscribers notice.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from whetstone.errors import WhetstoneError
 
@@ -53,6 +57,21 @@ class Manifest(BaseModel):
     """Values that differ from the base version (all of them for a full version)."""
     chain_bytes: int
     """Encoded bytes of the deltas since the keyframe, this one included (0 for a full version)."""
+    base_manifest: str | None = None
+    """Digest of the base version's manifest: a delta continues exactly that publish of its base
+    (None for a full version, and in manifests written before digests)."""
+    _digest: str | None = PrivateAttr(None)
+
+    @property
+    def digest(self) -> str | None:
+        """Digest of this manifest as stored (None until it is published or read)."""
+        return self._digest
+
+    def stored_bytes(self) -> bytes:
+        """The bytes the store holds for this manifest; remembers their digest."""
+        data = self.model_dump_json(indent=1).encode()
+        self._digest = manifest_digest(data)
+        return data
 
     @property
     def ratio(self) -> float:
@@ -84,6 +103,11 @@ def chunk_key(version: int, attempt: str, index: int) -> str:
 LATEST_KEY = "latest.json"
 
 
+def manifest_digest(data: bytes) -> str:
+    """What tells two publishes of a version apart: a hash of the manifest's stored bytes."""
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
 def parse_manifest(data: bytes, version: int) -> Manifest:
     try:
         manifest = Manifest.model_validate_json(data)
@@ -93,4 +117,5 @@ def parse_manifest(data: bytes, version: int) -> Manifest:
         raise WhetstoneError(f"manifest of version {version} has format {manifest.format}, expected {MANIFEST_FORMAT}")
     if manifest.version != version:
         raise WhetstoneError(f"manifest at version {version} says it is version {manifest.version}")
+    manifest._digest = manifest_digest(data)
     return manifest

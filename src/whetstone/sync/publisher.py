@@ -7,6 +7,10 @@ the GIL), each holding one chunk at a time, then the manifest makes the version 
 Chunk keys carry a random name of the publish attempt (`versions/<n>/<attempt>/chunk-<i>.bin`),
 so two publishers racing for one version never overwrite each other's chunks: the manifest,
 created only once (`WeightStore.publish`), names the winner's, and the loser deletes its own.
+
+Before each publish the publisher checks that the version it published last is still in the
+store as it published it: if a repair withdrew it, there is no chain left to extend, and the
+publish is a keyframe at the next free version number instead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from whetstone.sync.bits import DTYPES, dtype_name
 from whetstone.sync.chunks import encode_chunk, plan_chunks
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, chunk_key
+from whetstone.store import MissingObjectError
 from whetstone.sync.weight_store import VersionExistsError, WeightStore
 
 log = logging.getLogger("whetstone.sync")
@@ -56,7 +61,12 @@ class Publisher:
         from whetstone.sync.subscriber import Subscriber
 
         subscriber = Subscriber(self.store, self.config, name="publisher")
-        if subscriber.poll() is None:
+        held, latest = subscriber.poll(), self.store.latest()
+        if held is None or held != latest:
+            if latest is not None:  # a publish on `held` would take a number that exists
+                why = "; ".join(f"version {v}: {reason}" for v, reason in subscriber.rejected.items())
+                log.warning("cannot continue the chain of %r at version %d (%s): the next publish is a keyframe",
+                            self.store, latest, why or "a chunk is missing")
             return None
         self._previous = subscriber.state
         self._previous_manifest = self.store.manifest(subscriber.version)
@@ -72,6 +82,10 @@ class Publisher:
         attempt stays in the store, and the publisher is as before the call."""
         started = time.perf_counter()
         new = self.prepare(state)
+        if self._previous_manifest is not None and not self._still_published(self._previous_manifest):
+            log.warning("version %d, published last by this publisher, was withdrawn from %r: publishing a "
+                        "keyframe at the next free version", self._previous_manifest.version, self.store)
+            self._previous, self._previous_manifest = None, None
         previous = self._previous_manifest
         if previous is None:
             latest = self.store.latest()
@@ -104,6 +118,7 @@ class Publisher:
             encoded_bytes=encoded,
             changed=sum(changed for _, changed in results),
             chain_bytes=0 if keyframe else previous.chain_bytes + encoded,
+            base_manifest=None if keyframe else previous.digest,
         )
         try:
             self.store.publish(manifest)
@@ -118,6 +133,12 @@ class Publisher:
                  manifest.ratio, manifest.changed, time.perf_counter() - started)
         self.store.collect_garbage(self.config.keep_keyframes)
         return manifest
+
+    def _still_published(self, manifest: Manifest) -> bool:
+        try:
+            return self.store.manifest_digest(manifest.version) == manifest.digest
+        except MissingObjectError:
+            return False
 
     def _needs_keyframe(self, version: int) -> bool:
         previous = self._previous_manifest

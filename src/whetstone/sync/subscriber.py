@@ -6,7 +6,13 @@ of the weights (`state`), and queues the update; the engine takes it with `take_
 writes it in place with `apply_update` between decode steps. A subscriber that starts empty or
 falls behind the current chain catches up from the newest keyframe. A version that fails
 verification is rejected and logged: the subscriber stays where it is, and recovers at the next
-keyframe (a later delta cannot apply on top of a version it never held).
+keyframe (a later delta cannot apply on top of a version it never held), or as soon as the
+rejected version is published again under another manifest (a repair).
+
+The subscriber remembers the digest of the manifest it applied last. If that version is withdrawn
+from the store (a repair: its manifest is gone or is another one now), or a delta continues
+another publish of it, the chain it holds no longer exists: it forgets its version and re-syncs
+from the newest keyframe, which rewrites every tensor.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from whetstone.sync.chunks import decode_chunk
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import Manifest
 from whetstone.sync.update import WeightUpdate, apply_update, build_update, merge_updates
-from whetstone.sync.weight_store import WeightStore
+from whetstone.sync.weight_store import Head, WeightStore
 from whetstone.store import MissingObjectError
 
 log = logging.getLogger("whetstone.sync")
@@ -31,6 +37,10 @@ log = logging.getLogger("whetstone.sync")
 
 class RejectedVersion(WhetstoneError):
     """A version that can never be applied: corrupt, truncated, or coded against another base."""
+
+
+class ChainWithdrawn(WhetstoneError):
+    """The version this subscriber holds is no longer in the store as it was applied."""
 
 
 class Subscriber:
@@ -43,6 +53,14 @@ class Subscriber:
         self.state = {k: v.detach().clone() for k, v in (state or {}).items()}
         self.version = version if state is not None else None
         self.rejected: dict[int, str] = {}
+        """Versions that failed verification, with the reason; one is tried again once its
+        manifest changes (it was published again)."""
+        self.rejections = 0
+        """Rejections so far (a version rejected again after a change counts again)."""
+        self.latest: int | None = None
+        """The store's newest version at the last poll."""
+        self._held_digest: str | None = None
+        self._rejected_digests: dict[int, str | None] = {}
         self._pending: list[WeightUpdate] = []
         self._changed = threading.Condition()
         self._stop = threading.Event()
@@ -60,6 +78,17 @@ class Subscriber:
         """Block until the subscriber holds `version` or newer; False on timeout."""
         with self._changed:
             return self._changed.wait_for(lambda: self.version is not None and self.version >= version, timeout)
+
+    def blocked(self) -> str | None:
+        """Why this subscriber cannot take the store's newest version (a rejected version in the
+        way), or None if it holds it or is only on its way."""
+        latest, held, rejected = self.latest, self.version, dict(self.rejected)
+        if latest is None or (held is not None and held >= latest):
+            return None
+        ahead = sorted(v for v in rejected if (held is None or v > held) and v <= latest)
+        if not ahead:
+            return None
+        return f"cannot take weight version {latest}: version {ahead[0]} was rejected ({rejected[ahead[0]]})"
 
     # The background thread.
 
@@ -90,15 +119,63 @@ class Subscriber:
 
     def poll(self) -> int | None:
         """Catch up with the newest version as far as possible; returns the version held."""
-        latest = self.store.latest()
-        if latest is None or (self.version is not None and latest <= self.version):
+        head = self.store.head()
+        self.latest = None if head is None else head.version
+        if self.version is not None and self._held_withdrawn(head):
+            self._forget(f"version {self.version} was withdrawn from the store")
+        if head is None or (self.version is not None and head.version <= self.version):
             return self.version
+        try:
+            self._catch_up(head.version)
+        except ChainWithdrawn as err:
+            self._forget(str(err))
+            self._catch_up(head.version)
+        return self.version
+
+    def _catch_up(self, latest: int) -> None:
         keyframe = self.store.manifest(latest).keyframe
         start = self.version + 1 if self.version is not None and self.version >= keyframe else keyframe
         for version in range(start, latest + 1):
-            if version in self.rejected or not self._advance(version):
+            if version in self.rejected and not self._changed_since_rejected(version):
                 break
-        return self.version
+            if not self._advance(version):
+                break
+
+    def _held_withdrawn(self, head: Head | None) -> bool:
+        """Whether the version held is gone from the store, or is another publish of it now."""
+        if self._held_digest is None:  # started from a given state: take the store's word for it
+            try:
+                self._held_digest = self.store.manifest_digest(self.version)
+            except MissingObjectError:
+                return head is not None  # nothing to compare with while the store is empty
+            return False
+        if head is not None and (head.version > self.version or
+                                 (head.version == self.version and head.digest in (None, self._held_digest))):
+            return False  # newer versions check their base as they are taken
+        try:
+            return self.store.manifest_digest(self.version) != self._held_digest
+        except MissingObjectError:
+            return True
+
+    def _forget(self, why: str) -> None:
+        """Drop the version held (its chain is gone); the weights stay until a keyframe rewrites them."""
+        log.warning("%s: %s; re-syncing from the newest keyframe", self.name, why)
+        with self._changed:
+            self.version, self._held_digest = None, None
+
+    def _changed_since_rejected(self, version: int) -> bool:
+        """A rejected version is tried again once its manifest is another one (published again)."""
+        if self._current_digest(version) == self._rejected_digests.get(version):
+            return False
+        log.info("%s: version %d was published again since it was rejected: trying it", self.name, version)
+        del self.rejected[version]
+        return True
+
+    def _current_digest(self, version: int) -> str | None:
+        try:
+            return self.store.manifest_digest(version)
+        except MissingObjectError:
+            return None
 
     def _advance(self, version: int) -> bool:
         """Fetch, verify, decode and take `version`; False (staying put) if that fails."""
@@ -107,17 +184,24 @@ class Subscriber:
             if manifest.kind == "delta" and manifest.base != self.version:
                 raise RejectedVersion(f"version {version} is a delta on version {manifest.base}, "
                                       f"but this subscriber holds {self.version}")
+            if manifest.kind == "delta" and manifest.base_manifest not in (None, self._held_digest):
+                raise ChainWithdrawn(f"version {version} continues another publish of version {manifest.base} "
+                                     "than the one held (it was withdrawn and published again)")
             update = self._decode(manifest)
         except MissingObjectError as err:  # collected under our feet, or a store hiccup: retry later
             log.warning("%s: version %d unavailable: %s", self.name, version, err)
             return False
-        except WhetstoneError as err:  # corrupt, truncated, wrong base, undecodable: never retried
+        except ChainWithdrawn:
+            raise
+        except WhetstoneError as err:  # corrupt, truncated, wrong base, undecodable: retried only once changed
             self.rejected[version] = str(err)
+            self._rejected_digests[version] = self._current_digest(version)
+            self.rejections += 1
             log.warning("%s: rejected version %d, staying on %s: %s", self.name, version, self.version, err)
             return False
         apply_update(self.state, update)
         with self._changed:
-            self.version = version
+            self.version, self._held_digest = version, manifest.digest
             self._pending.append(update)
             self._changed.notify_all()
         log.info("%s: now on version %d (%d values written)", self.name, version, update.values_written)
@@ -132,4 +216,4 @@ class Subscriber:
 
         with ThreadPoolExecutor(self.config.workers) as pool:
             pieces = [piece for chunk in pool.map(fetch_and_decode, manifest.chunks) for piece in chunk]
-        return build_update(manifest, pieces, self.state if self.version is not None else None)
+        return build_update(manifest, pieces, self.state)

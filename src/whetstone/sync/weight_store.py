@@ -6,19 +6,27 @@ is created once: its manifest is written with the store's exclusive create (`put
 so of two publishers racing for one version number (a rollback and the online loop, two
 trainers) exactly one publishes it and the other gets `VersionExistsError`. Garbage collection
 deletes manifests first, so a version disappears before its chunks do.
+
+A repair withdraws versions (`withdraw`): the latest pointer moves back first, then manifests go
+newest first, then chunks, so readers always see a chain that ends at the pointer or beyond it,
+never a hole in the middle. The next publish can take the withdrawn numbers again, under a new
+manifest digest.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from typing import NamedTuple
 
 from whetstone.errors import WhetstoneError
 from whetstone.store import MissingObjectError, ObjectExistsError, ObjectStore, open_store
-from whetstone.sync.chunks import checksum
+from whetstone.sync.chunks import checksum, read_header
 from whetstone.sync.codec import CorruptDataError
 from whetstone.sync.config import SyncConfig
-from whetstone.sync.manifest import LATEST_KEY, ChunkInfo, Manifest, manifest_key, parse_manifest, version_prefix
+from whetstone.sync.manifest import (
+    LATEST_KEY, ChunkInfo, Manifest, manifest_digest, manifest_key, parse_manifest, version_prefix,
+)
 
 log = logging.getLogger("whetstone.sync")
 
@@ -27,27 +35,43 @@ class VersionExistsError(WhetstoneError):
     """Another publisher created this version number first; this one was not published."""
 
 
+class Head(NamedTuple):
+    """The latest pointer: the newest version and its manifest's digest (None in pointers written
+    before digests)."""
+
+    version: int
+    digest: str | None
+
+
 class WeightStore:
     def __init__(self, objects: ObjectStore):
         self.objects = objects
 
     @classmethod
-    def open(cls, config: SyncConfig) -> "WeightStore":
-        return cls(open_store(config.store, endpoint_url=config.endpoint_url))
+    def open(cls, config: SyncConfig, create: bool = True) -> "WeightStore":
+        """`create=False` for readers: a local store that does not exist is an error naming it
+        (a mistyped path), not a new empty directory to wait on. Publishers create it."""
+        return cls(open_store(config.store, endpoint_url=config.endpoint_url, create=create))
 
     def __repr__(self) -> str:
         return f"WeightStore({self.objects!r})"
 
-    def latest(self) -> int | None:
-        """The newest published version, or None if nothing was published yet."""
+    def head(self) -> Head | None:
+        """The latest pointer, or None if nothing was published yet."""
         try:
             data = self.objects.get(LATEST_KEY)
         except MissingObjectError:
             return None
         try:
-            return int(json.loads(data)["version"])
-        except (ValueError, KeyError, TypeError):
+            pointer = json.loads(data)
+            return Head(int(pointer["version"]), pointer.get("manifest"))
+        except (ValueError, KeyError, TypeError, AttributeError):
             raise WhetstoneError(f"{LATEST_KEY} in {self.objects!r} is not {{'version': N}}: {data[:100]!r}") from None
+
+    def latest(self) -> int | None:
+        """The newest published version, or None if nothing was published yet."""
+        head = self.head()
+        return None if head is None else head.version
 
     def versions(self) -> list[int]:
         """Every version with a manifest, oldest first."""
@@ -56,6 +80,10 @@ class WeightStore:
 
     def manifest(self, version: int) -> Manifest:
         return parse_manifest(self.objects.get(manifest_key(version)), version)
+
+    def manifest_digest(self, version: int) -> str:
+        """The digest of `version`'s manifest as stored now; `MissingObjectError` if there is none."""
+        return manifest_digest(self.objects.get(manifest_key(version)))
 
     def put_chunk(self, key: str, blob: bytes) -> ChunkInfo:
         self.objects.put(key, blob)
@@ -70,16 +98,86 @@ class WeightStore:
             raise CorruptDataError(f"chunk {info.key} fails its checksum ({checksum(blob)} != {info.checksum})")
         return blob
 
+    def check_chunk(self, info: ChunkInfo) -> None:
+        """Fetch and verify a chunk (size, checksum) and read its header; raises naming it."""
+        blob = self.fetch_chunk(info)
+        try:
+            read_header(blob)
+        except CorruptDataError as err:
+            raise CorruptDataError(f"chunk {info.key}: {err}") from None
+
     def publish(self, manifest: Manifest) -> None:
         """Make a version visible: its manifest, then the latest pointer. Its chunks must be in.
         Raises `VersionExistsError` (and changes nothing) if the version exists already."""
         try:
-            self.objects.put_if_absent(manifest_key(manifest.version), manifest.model_dump_json(indent=1).encode())
+            self.objects.put_if_absent(manifest_key(manifest.version), manifest.stored_bytes())
         except ObjectExistsError:
             raise VersionExistsError(f"version {manifest.version} already exists in {self.objects!r}: another "
                                      "publisher created it first (a rollback, a second trainer or online loop?); "
                                      "this one was not published") from None
-        self.objects.put(LATEST_KEY, json.dumps({"version": manifest.version}).encode())
+        self._point_at(manifest.version, manifest.digest)
+
+    def _point_at(self, version: int | None, digest: str | None) -> None:
+        if version is None:
+            self.objects.delete(LATEST_KEY)
+        else:
+            self.objects.put(LATEST_KEY, json.dumps({"version": version, "manifest": digest}).encode())
+
+    def _point_below(self, first: int) -> None:
+        """Point `latest.json` at the newest version before `first` (none left: remove it)."""
+        kept = [v for v in self.versions() if v < first]
+        self._point_at(kept[-1] if kept else None, self.manifest_digest(kept[-1]) if kept else None)
+
+    def withdraw(self, first: int) -> list[int]:
+        """Withdraw every version from `first` on (a repair of a corrupt version and the deltas
+        built on it); returns them. The latest pointer moves back to the newest version kept
+        first, then manifests go, newest first, then their chunks: a reader never finds a hole
+        in a chain, and one holding a withdrawn version notices (its manifest is gone or another)
+        and re-syncs. A version a publisher creates meanwhile at `first` or later is withdrawn
+        too; the next publish takes `first` again (under a new manifest digest)."""
+        withdrawn: set[int] = set()
+        while True:
+            doomed = sorted((v for v in self.versions() if v >= first), reverse=True)
+            if not doomed:
+                break
+            self._point_below(first)
+            for version in doomed:
+                self.objects.delete(manifest_key(version))
+            for version in doomed:
+                self.delete_version(version)
+            withdrawn.update(doomed)
+        head = self.head()
+        if head is not None and head.version >= first:  # a publisher moved it after the loop's move
+            self._point_below(first)
+        if withdrawn:
+            log.info("withdrew versions %s from %r", _span(sorted(withdrawn)), self.objects)
+        return sorted(withdrawn)
+
+    def verify(self) -> dict[int, str]:
+        """Read every chunk of every version (size, checksum, header) and check each delta's base:
+        {version: what is wrong} for each version a subscriber could not take, by itself or
+        because its chain goes through such a version."""
+        problems: dict[int, str] = {}
+        stored = self.versions()
+        digests: dict[int, str | None] = {}
+        for version in stored:
+            try:
+                manifest = self.manifest(version)
+                digests[version] = manifest.digest
+                for chunk in manifest.chunks:
+                    self.check_chunk(chunk)
+            except WhetstoneError as err:  # unreadable manifest, missing or corrupt chunk
+                problems[version] = str(err)
+                continue
+            if manifest.kind == "full":
+                continue
+            if manifest.base in problems:
+                problems[version] = f"a delta on version {manifest.base}, which cannot be taken"
+            elif manifest.base not in digests:
+                problems[version] = f"a delta on version {manifest.base}, which is not in the store"
+            elif manifest.base_manifest not in (None, digests[manifest.base]):
+                problems[version] = f"a delta on a withdrawn publish of version {manifest.base}"
+        return problems
 
     def delete_version(self, version: int) -> None:
         self.objects.delete(manifest_key(version))
@@ -108,3 +206,7 @@ class WeightStore:
         if doomed:
             log.info("garbage collection deleted versions %s..%s", doomed[0], doomed[-1])
         return doomed
+
+
+def _span(versions: list[int]) -> str:
+    return str(versions[0]) if len(versions) == 1 else f"{versions[0]}..{versions[-1]}"

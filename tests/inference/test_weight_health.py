@@ -1,0 +1,87 @@
+"""A server following a weight store says when it cannot take the newest version (/health 503,
+/metrics, a log line), and takes the version once the store is repaired. The real app with its
+real subscriber thread, in-process (FastAPI's TestClient runs the lifespan)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from tests.inference.inference_fixtures import make_engine, tiny_model, wait_until
+from tests.sync.test_publish_subscribe import corrupt
+from whetstone.errors import WhetstoneError
+from whetstone.inference.config import EngineConfig, ServeConfig
+from whetstone.inference.launch import build_app
+from whetstone.inference.swap import WeightFollower
+from whetstone.model.hf import load_hf
+from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore
+
+TIMEOUT_S = 120  # the machine is shared: generous, the conditions are awaited, not slept on
+
+
+def nudged(state: dict[str, torch.Tensor], amount: float) -> dict[str, torch.Tensor]:
+    return {k: v + amount if v.is_floating_point() else v.clone() for k, v in state.items()}
+
+
+def test_a_server_that_rejects_a_version_says_so_and_takes_it_once_repaired(served_model_dir, tmp_path, caplog):
+    sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
+    store = WeightStore.open(sync)
+    publisher = Publisher(store, sync)
+    served = load_hf(served_model_dir).state_dict()
+    publisher.publish(served)  # version 0: what the server loads anyway
+    bad = publisher.publish(nudged(served, 1e-3))  # version 1, a delta
+    corrupt(store, bad.chunks[0].key, "flip")
+    config = ServeConfig(model_path=str(served_model_dir), threads=1, sync=sync,
+                         engine=EngineConfig(max_batch=2, context_limit=256))
+    with caplog.at_level(logging.INFO), TestClient(build_app(config)) as http:
+        wait_until(lambda: http.get("/health").status_code == 503, TIMEOUT_S)
+        body = http.get("/health").json()
+        assert body["status"] == "weights stale" and body["weight_version"] == 0 and body["latest_weight_version"] == 1
+        assert "cannot take weight version 1: version 1 was rejected" in body["weights_problem"]
+        assert "fails its checksum" in body["rejected_versions"]["1"]
+        metrics = http.get("/metrics").text
+        assert 'whetstone_weights_stale{model="tiny-chat"} 1' in metrics
+        assert 'whetstone_weight_version_rejected{model="tiny-chat",version="1"} 1' in metrics
+        assert 'whetstone_weight_versions_rejected_total{model="tiny-chat"} 1' in metrics
+        assert 'whetstone_weight_version_latest{model="tiny-chat"} 1' in metrics
+        assert "rejected version 1, staying on 0" in caplog.text
+        wait_until(lambda: "serving weight version 0: cannot take weight version 1" in caplog.text, TIMEOUT_S)
+
+        store.withdraw(1)
+        repaired = publisher.publish(nudged(served, 2e-3))  # its chain is gone: a keyframe, as version 1
+        assert (repaired.version, repaired.kind) == (1, "full")
+        wait_until(lambda: http.get("/health").json()["weight_version"] == 1, TIMEOUT_S)
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok" and "weights_problem" not in health.json()
+        metrics = http.get("/metrics").text
+        assert 'whetstone_weights_stale{model="tiny-chat"} 0' in metrics and 'version="1"' not in metrics
+        wait_until(lambda: "weights caught up: serving version" in caplog.text, TIMEOUT_S)  # after the withdraw
+
+
+def test_serve_refuses_a_weight_store_that_does_not_exist(served_model_dir, tmp_path):
+    missing = tmp_path / "wieghts"
+    config = ServeConfig(model_path=str(served_model_dir), threads=1, sync=SyncConfig(store=str(missing)))
+    with pytest.raises(WhetstoneError, match=f"no store at {missing}: the directory does not exist"):
+        build_app(config)
+    assert not missing.exists()
+
+
+def test_a_version_the_engine_refuses_is_reported(model, tmp_path):
+    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
+    store = WeightStore.open(config)
+    other = tiny_model(seed=9).state_dict() | {"extra.weight": torch.ones(3)}  # not this model's tensors
+    Publisher(store, config).publish(other)
+    engine = make_engine(model)
+    engine.start()
+    follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
+    try:
+        wait_until(lambda: follower.report().problem is not None, TIMEOUT_S)
+    finally:
+        follower.stop()
+        engine.stop()
+    report = follower.report()
+    assert "the engine refused weight version 0" in report.problem and "no tensor 'extra.weight'" in report.problem
+    assert report.rejections_total == 1 and 0 in report.rejected and engine.version == 0

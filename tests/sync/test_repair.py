@@ -1,0 +1,199 @@
+"""A store with a corrupt version: found by `inspect --verify`, repaired by withdrawing it and
+publishing a keyframe in its place; subscribers that rejected it take the new one, and those that
+held a withdrawn version re-sync, all ending bit-identical to the repaired store."""
+
+import json
+import uuid
+
+import pytest
+from safetensors.torch import save_file
+from typer.testing import CliRunner
+
+from whetstone.errors import WhetstoneError
+from whetstone.sync import Publisher, Subscriber, WeightStore
+from whetstone.sync.cli import app
+
+from tests.sync.conftest import FakeTrainer, bit_identical, published
+from tests.sync.test_publish_subscribe import corrupt
+
+runner = CliRunner()
+
+
+def checkpoint(path, state) -> str:
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return str(path)
+
+
+def test_inspect_verify_names_the_corrupt_version_and_chunk(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    manifests = [publisher.publish(trainer.step()) for _ in range(4)]
+    store = str(weights.objects.root)
+    result = runner.invoke(app, ["inspect", store, "--verify"])
+    assert result.exit_code == 0, result.output
+    assert "every chunk of the 4 versions reads back intact" in result.output
+
+    bad = manifests[2].chunks[1].key
+    corrupt(weights, bad, "flip")
+    assert runner.invoke(app, ["inspect", store]).exit_code == 0  # without --verify no chunk is read
+    result = runner.invoke(app, ["inspect", store, "--verify"])
+    assert result.exit_code != 0
+    assert f"version 2: chunk {bad} fails its checksum" in result.output
+    assert "version 3: a delta on version 2, which cannot be taken" in result.output
+    message = str(result.exception)
+    assert isinstance(result.exception, WhetstoneError) and "2 of 4 versions" in message
+    assert f"whetstone sync withdraw {store} --from 2" in message
+
+
+def test_withdraw_then_a_keyframe_repairs_the_store_and_every_subscriber_converges(weights, config, trainer, tmp_path):
+    store = str(weights.objects.root)
+    publisher = Publisher(weights, config)  # keyframe every 5: versions 1..4 are deltas
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    behind = Subscriber(weights, config, name="behind")  # will reject version 2
+    behind.poll()
+    publisher.publish(trainer.step())
+    stale_2 = Subscriber(weights, config, name="stale-2")  # holds version 2 as first published
+    stale_2.poll()
+    publisher.publish(trainer.step())
+    ahead = Subscriber(weights, config, name="ahead")  # holds version 3, built on it
+    ahead.poll()
+    corrupt(weights, weights.manifest(2).chunks[0].key, "flip")
+    assert behind.poll() == 1 and "checksum" in behind.rejected[2]
+
+    result = runner.invoke(app, ["withdraw", store, "--from", "2"])
+    assert result.exit_code == 0, result.output
+    assert "withdrew versions 2, 3; latest is now 1" in result.output
+    assert weights.versions() == [0, 1] and weights.latest() == 1
+    assert ahead.poll() == 1  # its version 3 is gone: back to the store's latest through the keyframe
+    assert bit_identical(ahead.state, behind.state)
+
+    repaired = FakeTrainer(seed=7)
+    result = runner.invoke(app, ["publish", store, checkpoint(tmp_path / "fix.safetensors", repaired.step()), "--full"])
+    assert result.exit_code == 0, result.output
+    assert "published version 2 (full)" in result.output
+    result = runner.invoke(app, ["publish", store, checkpoint(tmp_path / "next.safetensors", repaired.step())])
+    assert "published version 3 (delta)" in result.output
+    assert weights.manifest(3).base_manifest == weights.manifest(2).digest
+
+    for subscriber in (behind, stale_2, ahead):
+        assert subscriber.poll() == 3, subscriber.name
+        assert bit_identical(subscriber.state, published(repaired.state)), subscriber.name
+    assert 2 not in behind.rejected  # tried again once published again, and taken
+
+    # The trainer that published the withdrawn chain notices and starts a keyframe after the repair.
+    manifest = publisher.publish(trainer.step())
+    assert (manifest.version, manifest.kind) == (4, "full")
+    assert behind.poll() == 4 and bit_identical(behind.state, published(trainer.state))
+
+
+@pytest.fixture(params=["local", "s3"])
+def any_weights(request, weights, config) -> WeightStore:
+    """The tests' weight store, or one on S3 (moto)."""
+    if request.param == "local":
+        return weights
+    endpoint = request.getfixturevalue("s3_endpoint")
+    return WeightStore.open(config.model_copy(update={"store": f"s3://whetstone/{uuid.uuid4().hex}",
+                                                      "endpoint_url": endpoint}))
+
+
+def test_a_subscriber_holding_a_version_published_again_does_not_apply_the_new_chain_on_it(any_weights, config, trainer):
+    weights = any_weights
+    publisher = Publisher(weights, config)
+    for _ in range(3):
+        publisher.publish(trainer.step())
+    holder = Subscriber(weights, config)
+    assert holder.poll() == 2
+    weights.withdraw(2)
+    other = FakeTrainer(seed=3)
+    again = Publisher(weights, config)
+    assert again.resume() == 1
+    again.publish(other.step())  # version 2 again, a delta on 1 this time
+    again.publish(other.step())  # version 3, a delta on the new version 2
+    assert weights.manifest(2).digest != holder._held_digest
+    assert holder.poll() == 3 and not holder.rejected
+    assert bit_identical(holder.state, published(other.state))
+
+
+def test_publish_on_a_store_whose_latest_cannot_be_read_publishes_a_keyframe_after_it(weights, config, trainer, tmp_path):
+    store = str(weights.objects.root)
+    publisher = Publisher(weights, config)
+    for _ in range(3):
+        publisher.publish(trainer.step())
+    corrupt(weights, weights.manifest(2).chunks[0].key, "truncate")
+    result = runner.invoke(app, ["publish", store, checkpoint(tmp_path / "c.safetensors", trainer.step()), "--full"])
+    assert result.exit_code == 0, result.output
+    assert "published version 3 (full)" in result.output and "version 2 cannot be rebuilt" in result.output
+
+
+def test_withdraw_moves_the_pointer_first_then_manifests_newest_first_then_chunks(tmp_path, config, trainer):
+    from whetstone.store import LocalStore
+
+    class Recording(LocalStore):
+        def __init__(self, root):
+            super().__init__(root)
+            self.log = []
+
+        def put(self, key, data):
+            self.log.append(("put", key))
+            super().put(key, data)
+
+        def delete(self, key):
+            self.log.append(("delete", key))
+            super().delete(key)
+
+    objects = Recording(tmp_path / "weights")
+    weights = WeightStore(objects)
+    publisher = Publisher(weights, config)
+    for _ in range(4):
+        publisher.publish(trainer.step())
+    objects.log.clear()
+    assert weights.withdraw(2) == [2, 3]
+    assert objects.log[0] == ("put", "latest.json")
+    assert json.loads(objects.get("latest.json")) == {"version": 1, "manifest": weights.manifest(1).digest}
+    assert objects.log[1:3] == [("delete", "versions/0000000003/manifest.json"),
+                                ("delete", "versions/0000000002/manifest.json")]
+    assert all(key.endswith(".bin") or key.endswith("manifest.json") for _, key in objects.log[3:])
+    assert objects.list("versions/0000000002/") == objects.list("versions/0000000003/") == []
+
+
+def test_withdrawing_everything_empties_the_store_and_numbering_starts_again(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    holder = Subscriber(weights, config)
+    holder.poll()
+    assert weights.withdraw(0) == [0, 1] and weights.latest() is None
+    assert holder.poll() is None  # nothing to re-sync to: it forgets its version, keeps its weights
+    manifest = publisher.publish(trainer.step())
+    assert (manifest.version, manifest.kind) == (0, "full")
+    assert holder.poll() == 0 and bit_identical(holder.state, published(trainer.state))
+
+
+def test_withdraw_names_what_it_cannot_do(weights, config, trainer):
+    Publisher(weights, config).publish(trainer.step())
+    result = runner.invoke(app, ["withdraw", str(weights.objects.root), "--from", "5"])
+    assert result.exit_code != 0 and "no version 5 or newer" in str(result.exception)
+
+
+@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--verify"], ["watch", "--timeout", "0"],
+                                     ["withdraw", "--from", "0"]])
+def test_commands_that_read_refuse_a_store_that_does_not_exist(tmp_path, command):
+    missing = tmp_path / "wieghts"
+    result = runner.invoke(app, [command[0], str(missing), *command[1:]])
+    assert result.exit_code != 0 and isinstance(result.exception, WhetstoneError)
+    assert f"no store at {missing}: the directory does not exist" in str(result.exception)
+    assert not missing.exists()
+
+
+def test_watch_until_a_version_that_does_not_come_fails_after_the_timeout(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    result = runner.invoke(app, ["watch", str(weights.objects.root), "--until", "5", "--timeout", "0.2",
+                                 "--poll-interval", "0.05"])
+    assert result.exit_code != 0
+    assert "version 5 not reached within 0.2 s: holding 1, the store's latest is 1" in str(result.exception)
+    corrupt(weights, publisher.publish(trainer.step()).chunks[0].key, "flip")
+    result = runner.invoke(app, ["watch", str(weights.objects.root), "--until", "2", "--timeout", "0.2",
+                                 "--poll-interval", "0.05"])
+    assert "cannot take weight version 2: version 2 was rejected" in str(result.exception)
