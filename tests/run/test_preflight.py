@@ -76,7 +76,7 @@ def test_dry_run_reports_what_would_stop_the_run(tmp_path):
     result = CliRunner().invoke(app, ["run", "--dry-run",
                                       *(f"--set={s}" for s in tiny_settings(tmp_path, f'eval.tasks.source="{MISSING}"'))])
     assert result.exit_code == 1 and isinstance(result.exception, ConfigError)
-    assert f"eval.tasks.source: unknown task source '{MISSING}'" in str(result.exception)
+    assert f"eval.tasks.source: no such file: {MISSING}" in str(result.exception)
 
 
 def test_the_written_config_is_the_one_the_roles_run(tmp_path):
