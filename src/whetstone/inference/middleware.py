@@ -44,7 +44,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > self.max_bytes:
-                    raise self.too_large(f"passed {self.max_bytes} bytes")
+                    raise self.too_large(f"reached {received} bytes before its end")
             return message
 
         await self.app(scope, limited, send)

@@ -137,6 +137,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
                                  f"limit is {limit} tokens (prompt + completion), so it cannot fit")
         return tokenizer.encode(text)
 
+    def completion_prompts(body: CompletionRequest) -> list[list[int]]:
+        return [tokenize(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+
     def chat_prompt(body: ChatRequest) -> list[int]:
         messages = [m.as_chat_dict() for m in body.messages]
         try:
@@ -169,8 +172,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     async def completions(request: Request):
         body = await read(request, CompletionRequest)
         check_model(body.model)
-        prompts = await run_in_threadpool(
-            lambda: [tokenize(p) if isinstance(p, str) else list(p) for p in body.prompts()])
+        prompts = await run_in_threadpool(completion_prompts, body)
         top = body.logprobs or 0
         params = [[body.sampling(max_tokens(body.max_tokens, len(p)), top, c) for c in range(body.n)] for p in prompts]
         response_id = f"cmpl-{uuid.uuid4().hex}"
