@@ -1,12 +1,16 @@
 import inspect
 import json
 import textwrap
+import threading
+import unicodedata
 
 import pytest
+from tokenizers import Tokenizer as Backend
 from transformers import AutoTokenizer
 
 from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.tokenizer import Tokenizer, render_chat
+from whetstone.tokenizer.bpe import NORMALIZER_SHRINK
 
 CODE = inspect.getsource(textwrap) + inspect.getsource(json.decoder)
 SAMPLE = 'def f(x):\n    """Ünïcode, digits 12345."""\n    return {"a": x}  # <|im_end|>\n'
@@ -94,3 +98,50 @@ def test_bad_checkpoints_name_the_file(tmp_path, trained):
 def test_vocab_too_small_for_bytes_is_refused():
     with pytest.raises(WhetstoneError, match="vocab_size 100"):
         Tokenizer.train([CODE], vocab_size=100)
+
+
+def test_encoding_a_long_text_lets_other_threads_run(trained):
+    """A server tokenizes in a worker thread; that keeps its event loop free only if encoding
+    releases the GIL. This thread counts its turns while the other one is inside `encode`:
+    holding the GIL, encode would leave it one or two."""
+    text = CODE * 30
+    inside, done = threading.Event(), threading.Event()
+
+    def work():
+        inside.set()
+        trained.encode(text)
+        done.set()
+
+    thread = threading.Thread(target=work)
+    thread.start()
+    inside.wait()
+    turns = 0
+    while not done.wait(0.001):
+        turns += 1
+    thread.join()
+    assert turns >= 20
+
+
+def test_min_tokens_bounds_the_count_without_encoding(trained, qwen3_dir):
+    for tokenizer in (trained, Tokenizer.load(qwen3_dir)):
+        longest = max(tokenizer._backend.get_vocab(with_added_tokens=True), key=len)
+        repeated = tokenizer.decode([tokenizer.token_to_id(longest)]) * 50
+        composed = unicodedata.normalize("NFD", "\u1f82") * 300  # 4 code points NFC makes one
+        for text in (CODE, SAMPLE, repeated, composed, "<|im_start|>" * 40, "", "x"):
+            assert tokenizer.min_tokens(text) <= len(tokenizer.encode(text)), text[:40]
+        assert tokenizer.min_tokens(CODE) > len(tokenizer.encode(CODE)) / 20  # a bound that refuses something
+
+
+def test_min_tokens_knows_nothing_of_a_pipeline_that_drops_text(trained):
+    layout = json.loads(trained._backend.to_str())
+    layout["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Strip", "strip_left": True,
+                                                                                    "strip_right": True}]}
+    stripping = Tokenizer(Backend.from_str(json.dumps(layout)), trained.config)
+    assert stripping.min_tokens(" " * 10_000 + "x") == 0
+    assert len(stripping.encode(" " * 10_000 + "x")) == 1
+
+
+def test_normalization_merges_at_most_four_characters_into_one():
+    longest = max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000)
+                  if unicodedata.normalize("NFC", chr(c)) == chr(c))
+    assert longest == NORMALIZER_SHRINK["NFC"] == NORMALIZER_SHRINK["NFKC"]

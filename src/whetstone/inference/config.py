@@ -69,6 +69,12 @@ class ServeConfig(Config):
     """Torch threads for the engine (0 = all cores)."""
     default_max_tokens: int = Field(256, ge=1)
     """Completion length when a request does not say (capped by the context limit)."""
+    max_request_bytes: int = Field(8 * 2**20, ge=1)
+    """Largest request body taken, in bytes: a larger one gets 413 before it is read (a 40960-token
+    prompt of ordinary text is under 1 MiB, even with every character JSON-escaped)."""
+    log_requests: bool = True
+    """One INFO line per request on the `whetstone.requests` logger: response id, route, status,
+    prompt/completion tokens, milliseconds."""
     engine: EngineConfig = EngineConfig()
     """Batching, context and swap policy."""
     weight_version: int = 0

@@ -1,8 +1,12 @@
 """Build the server `whetstone serve` runs: model and tokenizer from a Hugging Face folder, the
-engine, the weight follower (if a store is configured) and the HTTP app."""
+engine, the weight follower (if a store is configured) and the HTTP app; and run it on a socket
+bound first, so a busy port is reported before anything is loaded or announced."""
 
 from __future__ import annotations
 
+import errno
+import logging
+import socket
 import sys
 from pathlib import Path
 
@@ -21,9 +25,7 @@ def build_app(config: ServeConfig):
     from whetstone.tokenizer import Tokenizer
     from whetstone.utils.runtime import configure_process
 
-    if not config.model_path:
-        raise ConfigError("model_path is not set: point it at a Hugging Face model folder "
-                          "(config.json, model.safetensors, tokenizer.json)")
+    require_model_path(config)
     configure_process(config.threads)
     model = load_hf(config.model_path)
     tokenizer = Tokenizer.load(config.model_path)
@@ -40,13 +42,39 @@ def build_app(config: ServeConfig):
     return create_app(engine, tokenizer, config, name, follower)
 
 
+def require_model_path(config: ServeConfig) -> None:
+    if not config.model_path:
+        raise ConfigError("model_path is not set: point it at a Hugging Face model folder "
+                          "(config.json, model.safetensors, tokenizer.json)")
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port (uvicorn listens on it once the app is built; until then a
+    client is refused, not kept waiting); raises naming the port when it is taken."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart need not wait out TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as err:
+        sock.close()
+        if err.errno == errno.EADDRINUSE:
+            raise WhetstoneError(f"port {port} is in use on {host}: stop what listens there or choose another "
+                                 "port (--set port=N)") from None
+        raise WhetstoneError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
+    return sock
+
+
 def serve(config: ServeConfig) -> None:
     """Run the server in this process until interrupted."""
     import uvicorn
 
+    require_model_path(config)
+    sock = bind(config.host, config.port)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = build_app(config)
     # The engine thread takes the GIL back after every torch op; with Python's default 5 ms
     # interval the HTTP thread can hold it off that long whenever it is busy.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
     print(f"whetstone serving on http://{config.host}:{config.port}/v1", flush=True)
-    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False))
+    server.run(sockets=[sock])

@@ -37,7 +37,7 @@ class StreamOptions(BaseModel):
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN passes no range check
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -170,7 +170,7 @@ class ChatRequest(_Request):
 class FeedbackRequest(BaseModel):
     """POST /v1/feedback: a user's rating of one choice of a response this server family gave."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     id: str = Field(min_length=1, max_length=100)
     """The response's `id` (`chatcmpl-...` or `cmpl-...`)."""

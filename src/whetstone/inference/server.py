@@ -3,9 +3,11 @@
 Routes: POST /v1/completions, POST /v1/chat/completions (tools, streaming over SSE),
 GET /v1/models, GET /health, GET /metrics (Prometheus text), and POST /v1/feedback when the
 server keeps its users' responses for online RL (`feedback.store`; docs/online.md). Handlers
-tokenize, hand sequences to the engine thread and await their events; they never run the model.
-Every bad request gets a 4xx with OpenAI's error body naming what is wrong, and nothing else is
-affected by it.
+parse, validate and tokenize in worker threads (a big body takes a while, and the event loop
+must keep answering everyone else), hand sequences to the engine thread and await their events;
+they never run the model. Bodies are bounded (`max_request_bytes`, 413) and a text that cannot
+fit the context is refused before it is tokenized. Every bad request gets a 4xx with OpenAI's
+error body naming what is wrong, and nothing else is affected by it.
 """
 
 from __future__ import annotations
@@ -16,16 +18,20 @@ import secrets
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import TypeVar
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.metrics import render_prometheus
+from whetstone.inference.middleware import BodyLimit, RequestLog
 from whetstone.inference.protocol import ChatRequest, CompletionRequest, FeedbackRequest
 from whetstone.inference.responses import chat_choice, completion_choice, header, usage
 from whetstone.inference.sampling import InvalidRequest
@@ -36,6 +42,7 @@ from whetstone.online.store import DuplicateFeedback, UnknownResponse
 from whetstone.tokenizer import Tokenizer, render_chat
 
 log = logging.getLogger(__name__)
+Body = TypeVar("Body", bound=BaseModel)
 
 
 class UnknownModel(Exception):
@@ -73,6 +80,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
                 capture.close()
 
     app = FastAPI(title="whetstone", lifespan=lifespan)
+    app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    if config.log_requests:
+        app.add_middleware(RequestLog)  # outermost: it times the whole request
     decode = tokenizer.decode
 
     @app.exception_handler(RequestValidationError)
@@ -119,6 +129,25 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         if name != model_name:
             raise UnknownModel(f"The model {name!r} does not exist; this server serves {model_name!r}")
 
+    def tokenize(text: str) -> list[int]:
+        """The ids of a prompt's text; one that cannot fit the context is refused unencoded."""
+        least, limit = tokenizer.min_tokens(text), engine.context_limit
+        if least >= limit:
+            raise InvalidRequest(f"the prompt has {len(text)} characters, so at least {least} tokens; the context "
+                                 f"limit is {limit} tokens (prompt + completion), so it cannot fit")
+        return tokenizer.encode(text)
+
+    def completion_prompts(body: CompletionRequest) -> list[list[int]]:
+        return [tokenize(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+
+    def chat_prompt(body: ChatRequest) -> list[int]:
+        messages = [m.as_chat_dict() for m in body.messages]
+        try:
+            text = render_chat(messages, body.tools if body.use_tools else None, add_generation_prompt=True)
+        except WhetstoneError as err:
+            raise InvalidRequest(str(err)) from None
+        return tokenize(text)
+
     def max_tokens(requested: int | None, prompt_length: int) -> int:
         room = engine.context_limit - prompt_length
         return requested if requested is not None else max(1, min(config.default_max_tokens, room))
@@ -150,13 +179,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
-    async def completions(body: CompletionRequest, request: Request):
+    async def completions(request: Request):
+        body = await read(request, CompletionRequest)
         check_model(body.model)
-        prompts = [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+        prompts = await run_in_threadpool(completion_prompts, body)
         top = body.logprobs or 0
         params = [[body.sampling(max_tokens(body.max_tokens, len(p)), top, c) for c in range(body.n)] for p in prompts]
         response_id = f"cmpl-{uuid.uuid4().hex}"
         submission = Submission(engine, response_id, prompts, params, body.priority, body.stream)
+        track(request, response_id, submission)
         if body.stream:
             return sse(completion_stream(submission, body, response_id, model_name, decode, request),
                        keep(response_id, submission, body.priority))
@@ -167,19 +198,16 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)})
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
-    async def chat_completions(body: ChatRequest, request: Request):
+    async def chat_completions(request: Request):
+        body = await read(request, ChatRequest)
         check_model(body.model)
-        messages = [m.as_chat_dict() for m in body.messages]
-        try:
-            text = render_chat(messages, body.tools if body.use_tools else None, add_generation_prompt=True)
-        except WhetstoneError as err:
-            raise InvalidRequest(str(err)) from None
-        prompt = tokenizer.encode(text)
+        prompt = await run_in_threadpool(chat_prompt, body)
         top = body.top_logprobs or 0
         limit = body.max_completion_tokens or body.max_tokens
         params = [[body.sampling(max_tokens(limit, len(prompt)), top, c) for c in range(body.n)]]
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         submission = Submission(engine, response_id, [prompt], params, body.priority, body.stream)
+        track(request, response_id, submission)
         if body.stream:
             return sse(chat_stream(submission, body, response_id, model_name, decode, request),
                        keep(response_id, submission, body.priority))
@@ -190,7 +218,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)})
 
     @app.post("/v1/feedback", dependencies=[Depends(authorize)])
-    async def feedback(body: FeedbackRequest) -> JSONResponse:
+    async def feedback(request: Request) -> JSONResponse:
+        body = await read(request, FeedbackRequest)
         if capture is None:
             raise HTTPException(404, "this server does not take feedback (feedback.store is not set)")
         try:
@@ -219,6 +248,25 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             raise RuntimeError(errors[0])
 
     return app
+
+
+async def read(request: Request, model: type[Body]) -> Body:
+    """The request's JSON body as `model`, parsed and validated in a worker thread."""
+    return await run_in_threadpool(parse, model, await request.body())
+
+
+def parse(model: type[Body], raw: bytes) -> Body:
+    """`raw` JSON as `model`; errors as FastAPI reports them, for the app's 400 handler."""
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as err:
+        raise RequestValidationError(err.errors(include_url=False)) from None
+
+
+def track(request: Request, response_id: str, submission: Submission) -> None:
+    """What the request log reports of a completion: its id and token counts."""
+    request.state.response_id = response_id
+    request.state.submission = submission
 
 
 def sse(events: AsyncIterator[dict], complete: Callable[[], Awaitable[None]]) -> StreamingResponse:

@@ -9,7 +9,9 @@ checkpoint's own file.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterable, Sequence
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,11 @@ CHAT_SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
 """Control tokens: Qwen3 marks them special (skipped by `decode(skip_special_tokens=True)`)."""
 MARKUP_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>", "<think>", "</think>")
 """Single tokens that are not special in Qwen3 (they survive decoding as text)."""
+NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 4, "NFD": 1, "NFKD": 1, "Lowercase": 1, "Prepend": 1}
+"""Most characters of a text a normalizer turns into one (composition merges a character's full
+canonical decomposition, at most 4 code points: U+1F82); a normalizer not listed may delete text."""
+KEEPING_PRE_TOKENIZERS = {"ByteLevel", "Split", "Digits", "Metaspace", "Punctuation", "UnicodeScripts"}
+"""Pre-tokenizers that split text without dropping any of it (unless told to remove: `Removed`)."""
 
 
 def qwen3_backend(vocab_size: int) -> tuple[Backend, trainers.BpeTrainer]:
@@ -56,6 +63,23 @@ def qwen3_backend(vocab_size: int) -> tuple[Backend, trainers.BpeTrainer]:
         show_progress=False,
     )
     return backend, trainer
+
+
+def normalizer_shrink(normalizer: dict[str, Any] | None) -> int:
+    """Most characters `normalizer` (tokenizer.json's entry) turns into one; 0: no bound."""
+    steps = [] if normalizer is None else normalizer.get("normalizers", [normalizer])
+    return math.prod(NORMALIZER_SHRINK.get(step["type"], 0) for step in steps)
+
+
+def keeps_every_character(layout: dict[str, Any]) -> bool:
+    """Whether every character of a text ends up in some token (tokenizer.json's `layout`): a BPE
+    that does not fuse unknowns, pre-tokenizers that drop nothing, added tokens that do not
+    swallow the whitespace around them."""
+    model, pre = layout["model"], layout["pre_tokenizer"]
+    steps = [] if pre is None else pre.get("pretokenizers", [pre])
+    return (model["type"] == "BPE" and not (model.get("unk_token") and model.get("fuse_unk"))
+            and all(step["type"] in KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed" for step in steps)
+            and not any(token["lstrip"] or token["rstrip"] for token in layout["added_tokens"]))
 
 
 def default_tokenizer_config() -> dict[str, Any]:
@@ -150,12 +174,34 @@ class Tokenizer:
         return self._backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Ids of `text`; chat control strings in it become their control tokens."""
-        return self._backend.encode(text, add_special_tokens=False).ids
+        """Ids of `text`; chat control strings in it become their control tokens. Other threads
+        run meanwhile (the batch call releases the GIL, the single one does not), so a long text
+        does not stall a server's event loop."""
+        return self._backend.encode_batch([text], add_special_tokens=False)[0].ids
 
     def encode_plain(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids of many documents at once (parallel); control strings in them stay plain text."""
         return [item.ids for item in self._plain.encode_batch_fast(list(texts), add_special_tokens=False)]
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))`, from the length of `text` alone (no encoding):
+        a token stands for at most `_chars_per_token` characters. 0 when the pipeline may drop
+        text, so nothing is known."""
+        per_token = self._chars_per_token[text.isascii()]
+        return math.ceil(len(text) / per_token) if per_token else 0
+
+    @cached_property
+    def _chars_per_token(self) -> dict[bool, int]:
+        """Most characters one token can stand for, for non-ASCII (False) and ASCII (True) text:
+        its longest vocabulary entry (byte-level entries have one character per byte), times
+        how many characters normalization may merge into one (none in ASCII text). 0 for a
+        pipeline that may drop text (a whitespace-removing split, fused unknowns)."""
+        layout = json.loads(self._backend.to_str())
+        shrink = normalizer_shrink(layout["normalizer"])
+        if shrink == 0 or not keeps_every_character(layout):
+            return {False: 0, True: 0}
+        longest = max(len(token) for token in self._backend.get_vocab(with_added_tokens=True))
+        return {False: longest * shrink, True: longest}
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, control tokens included, so `decode(encode(t)) == t` for NFC text."""

@@ -1,0 +1,96 @@
+"""ASGI middleware of the server: the request-body limit and the one-line request log.
+
+Both are plain ASGI (no buffering of bodies or responses), so a streamed response streams
+through them unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+request_log = logging.getLogger("whetstone.requests")
+"""One INFO line per request: id, route, status, prompt/completion tokens, milliseconds."""
+
+
+class BodyLimit:
+    """Refuses a request body over `max_bytes` with 413 before reading it: at once when its
+    Content-Length says so, else as soon as the bytes streamed in (chunked) pass the limit.
+
+    The refusal is an `HTTPException` raised where the handler reads the body, so the app's own
+    error handler writes it (OpenAI's error body); a route that never reads its body is not
+    refused."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int):
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        received = 0
+
+        async def limited() -> Message:
+            nonlocal received
+            if declared.isdigit() and int(declared) > self.max_bytes:
+                raise self.too_large(f"is {int(declared)} bytes (Content-Length)")
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                if received > self.max_bytes:
+                    raise self.too_large(f"reached {received} bytes before its end")
+            return message
+
+        await self.app(scope, limited, send)
+
+    def too_large(self, size: str) -> HTTPException:
+        return HTTPException(413, f"the request body {size}; this server takes at most {self.max_bytes} bytes "
+                                  "(max_request_bytes)")
+
+
+class RequestLog:
+    """Logs every HTTP request on `request_log` as its answer ends (a stream: its last chunk), so
+    the line is written before the client has the whole answer.
+
+    Handlers add what they know to the request's state: `response_id`, and `submission` (its
+    prompt lengths and sequences give the token counts)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not request_log.isEnabledFor(logging.INFO):
+            await self.app(scope, receive, send)
+            return
+        start, status, logged = time.perf_counter(), 500, False  # 500: what an unhandled error becomes
+        state = scope.setdefault("state", {})  # the dict `request.state` writes to
+
+        def log() -> None:
+            nonlocal logged
+            logged = True
+            submission = state.get("submission")
+            tokens = "-/-"
+            if submission is not None:
+                tokens = f"{sum(submission.prompt_lengths)}/{sum(len(s.output_ids) for s in submission.seqs)}"
+            request_log.info("%s %s %s %d tokens=%s %.0fms", state.get("response_id", "-"), scope["method"],
+                             scope["path"], status, tokens, (time.perf_counter() - start) * 1000)
+
+        async def recorded(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                log()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recorded)
+        finally:
+            if not logged:
+                log()
