@@ -161,8 +161,15 @@ def test_the_request_log_can_be_turned_off(served_model_dir, caplog):
     caplog.set_level(logging.INFO, logger="whetstone.requests")
     tokenizer = Tokenizer.load(served_model_dir)
     with TestClient(app_for(served_model_dir, tokenizer, log_requests=False)) as client:
-        assert client.get("/health").status_code == 200
+        assert client.post("/v1/completions", json={"model": "tiny-chat", "prompt": "x", "max_tokens": 1}).status_code == 200
     assert not [r for r in caplog.records if r.name == "whetstone.requests"]
+
+
+def test_good_answers_to_monitoring_polls_are_logged_at_debug_only(url, caplog):
+    caplog.set_level(logging.DEBUG, logger="whetstone.requests")
+    assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+    levels = {r.getMessage().split()[2]: r.levelno for r in caplog.records if r.name == "whetstone.requests"}
+    assert levels == {"/health": logging.DEBUG, "/metrics": logging.DEBUG}
 
 
 @pytest.mark.parametrize("field,raw", [("temperature", "NaN"), ("temperature", '"nan"'), ("top_p", "Infinity")])

@@ -15,6 +15,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 request_log = logging.getLogger("whetstone.requests")
 """One INFO line per request: id, route, status, prompt/completion tokens, milliseconds."""
+POLLS = frozenset({"/health", "/metrics"})
+"""Routes that monitors poll every few seconds: a good answer there is logged at DEBUG only."""
 
 
 class BodyLimit:
@@ -78,8 +80,9 @@ class RequestLog:
             tokens = "-/-"
             if submission is not None:
                 tokens = f"{sum(submission.prompt_lengths)}/{sum(len(s.output_ids) for s in submission.seqs)}"
-            request_log.info("%s %s %s %d tokens=%s %.0fms", state.get("response_id", "-"), scope["method"],
-                             scope["path"], status, tokens, (time.perf_counter() - start) * 1000)
+            level = logging.DEBUG if scope["path"] in POLLS and status == 200 else logging.INFO
+            request_log.log(level, "%s %s %s %d tokens=%s %.0fms", state.get("response_id", "-"), scope["method"],
+                            scope["path"], status, tokens, (time.perf_counter() - start) * 1000)
 
         async def recorded(message: Message) -> None:
             nonlocal status
