@@ -149,3 +149,15 @@ def test_engine_thread_serves_sequences_added_from_other_threads(model):
         engine.stop()
     assert all(s.finished and len(s.output_ids) == 4 for s in seqs)
     assert [event.num_output for event in finished] == [4, 4, 4]
+
+
+def test_a_fast_engine_serves_column_major_weights_and_an_invariant_one_the_trainers_layout():
+    # Invariant numerics rest on the engine's matmuls seeing the trainer's operands, strides included.
+    import copy
+
+    from whetstone.model.layout import is_column_major
+
+    fast = make_engine(copy.deepcopy(tiny_model()))
+    invariant = make_engine(copy.deepcopy(tiny_model()), numerics="invariant")
+    assert is_column_major(fast.model.layers[0].self_attn.o_proj.weight)
+    assert all(p.is_contiguous() for p in invariant.model.parameters())

@@ -15,7 +15,8 @@ of that step, and the routes of the token fed to produce it. Forwards run with t
 computes for the same tokens, bit for bit (docs/consistency.md). The engine runs in its own thread
 (`start()`); other threads only call `add`, `abort` and `update_weights`, which never block it.
 The engine stores the model it is given in the serving layout, in place (`whetstone.model.layout`:
-column-major matmul weights, same values, faster decoding).
+column-major matmul weights, same values, faster decoding), except under invariant numerics: there
+its matmuls must see the operands the trainer's see, layout included, for one library path.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class Engine:
     def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_ids: tuple[int, ...] = (),
                  decode: Callable[[list[int]], str] | None = None, version: int = 0):
         cfg = model.cfg
-        self.model = to_column_major(model.eval())  # the serving layout: faster decode, same values
+        model = model.eval()
+        # the serving layout (faster decode, same values); invariant numerics keep the trainer's
+        self.model = model if config.numerics == "invariant" else to_column_major(model)
         self.config = config
         self.context_limit = config.context_limit or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
