@@ -107,3 +107,41 @@ def test_a_server_too_far_behind_the_trainer_is_not_used(world):
 
     with thread_servers(*world, count=1) as servers:
         asyncio.run(scenario([s.url for s in servers]))
+
+
+def test_a_server_stuck_on_old_weights_is_up_and_behind_while_a_stopped_one_is_down():
+    import json
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    answers = {"/stale/health": {"status": "weights stale", "weight_version": 14, "latest_weight_version": 15},
+               "/stopped/health": {"status": "engine stopped", "weight_version": 14}}
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(answers[self.path]).encode()
+            self.send_response(503)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    base = f"http://127.0.0.1:{server.server_address[1]}"
+
+    async def scenario():
+        pool = ServerPool([f"{base}/stale/v1", f"{base}/stopped/v1"], ENDPOINT)
+        try:
+            stale, stopped = [await pool.health(s) for s in pool.servers]
+            assert stale["weight_version"] == 14 and stopped is None
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        server.shutdown()

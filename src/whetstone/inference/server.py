@@ -162,7 +162,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             if weights.problem is not None:
                 body["weights_problem"] = weights.problem
                 body["rejected_versions"] = {str(v): why for v, why in sorted(weights.rejected.items())}
-                if alive:
+                if alive:  # what the orchestrator's server pool reads as "up, behind" (STALE_WEIGHTS)
                     body["status"] = "weights stale"
         return JSONResponse(body, 200 if body["status"] == "ok" else 503)
 

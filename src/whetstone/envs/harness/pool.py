@@ -30,6 +30,9 @@ from whetstone.errors import WhetstoneError
 
 log = logging.getLogger("whetstone.pool")
 HEALTH_TIMEOUT_S = 5.0
+STALE_WEIGHTS = "weights stale"
+"""The /health status (with a 503) of a whetstone server that is up but cannot take the weight
+store's newest version (`inference/server.py`)."""
 
 
 @dataclass
@@ -152,18 +155,24 @@ class ServerPool:
             self._retired.append(policy)
 
     async def health(self, server: Server) -> dict | None:
-        """The health answer ({} when it is not JSON, as vLLM's), or None if the server is down."""
+        """The health answer ({} when it is not JSON, as vLLM's), or None if the server is down.
+
+        A whetstone server stuck on an old weight version answers 503 "weights stale" with the
+        version it serves: it is up and behind, and the staleness gate keeps it waiting."""
         try:
             response = await self._probe.get(server.health_url)
         except httpx.HTTPError:
             return None
-        if response.status_code != 200:
-            return None
         try:
             body = response.json()
         except ValueError:
-            return {}
-        return body if isinstance(body, dict) else {}
+            body = {}
+        body = body if isinstance(body, dict) else {}
+        if response.status_code == 200:
+            return body
+        if response.status_code == 503 and body.get("status") == STALE_WEIGHTS:
+            return body
+        return None
 
     async def _join(self, server: Server) -> None:
         health = await self.health(server)
