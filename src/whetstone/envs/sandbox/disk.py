@@ -1,0 +1,223 @@
+"""The disk budget of a sandbox: its workspace, its /tmp and /dev together, enforced while commands run.
+
+The workspace is a host directory (the harness and grading read it directly), so no
+filesystem limit applies to it without root (a loop mount, a tmpfs or a quota per sandbox all
+need privileges). Instead the budget is measured: the workspace (and any writable mount) is
+walked before a command, every `POLL_S` while it runs and once after; /tmp and /dev, tmpfs
+mounts inside the sandbox, are read with one `statvfs` each through the sandbox's root
+(`/proc/<pid>/root`). A command that goes over the budget is killed, and what it added to the
+directories is taken back: files and directories it created are deleted, files it grew are cut
+back to their earlier size. RLIMIT_FSIZE, lowered to what is left of the budget, keeps any one
+file from running past it between two polls.
+
+Usage is what the files occupy (`st_blocks`, so sparse files cost what they store and
+preallocated ones what they hold), each inode once, and at least one block per entry: an
+inode and its directory entry cost space too, and that bounds how many entries a walk visits.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+BLOCK = 4096
+"""The least an entry is charged."""
+POLL_S = 0.05
+"""Shortest time between two measurements while a command runs."""
+POLL_COST_SHARE = 0.2
+"""Polls are spaced so that measuring takes at most this share of the time (large workspaces)."""
+
+
+@dataclass
+class Scan:
+    """What the directories hold: every entry by its path (relative to its directory), and the bytes charged."""
+
+    entries: dict[tuple[int, str], tuple[int, int, int, int]] = field(default_factory=dict)
+    """(index of the directory, relative path) -> (inode, size, blocks, mode)."""
+    used: int = 0
+    complete: bool = True
+    """False when the walk stopped early, because the total had passed its bound."""
+
+
+def scan(directories: list[Path], stop_above: int | None = None) -> Scan:
+    """Walk `directories` without following symlinks; stop once more than `stop_above` bytes are counted."""
+    result, hard_links = Scan(), set()
+    for index, directory in enumerate(directories):
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue
+        try:
+            if not _walk(fd, "", index, result, hard_links, stop_above):
+                result.complete = False
+                return result
+        finally:
+            os.close(fd)
+    return result
+
+
+def _walk(fd: int, prefix: str, index: int, result: Scan, hard_links: set, stop_above: int | None) -> bool:
+    # Kept lean: about 5 us an entry, so a repository of 5,000 files is measured in ~25 ms.
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            try:
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            path = prefix + entry.name
+            is_dir = stat.S_ISDIR(st.st_mode)
+            result.entries[index, path] = (st.st_ino, st.st_size, st.st_blocks, st.st_mode)
+            if st.st_nlink > 1 and not is_dir:  # a hard link: its inode is charged once
+                if (st.st_dev, st.st_ino) in hard_links:
+                    continue
+                hard_links.add((st.st_dev, st.st_ino))
+            result.used += max(st.st_blocks * 512, BLOCK)
+            if stop_above is not None and result.used > stop_above:
+                return False
+            if is_dir:
+                try:
+                    child = _open_dir(fd, entry.name)
+                except FileNotFoundError:
+                    continue
+                try:
+                    if not _walk(child, path + "/", index, result, hard_links, stop_above):
+                        return False
+                finally:
+                    os.close(child)
+    return True
+
+
+def tmpfs_used(pid: int, mounts: dict[str, int]) -> int:
+    """Bytes used in the sandbox's tmpfs mounts ({path inside: size, or 0 if unbounded}), seen
+    through the root of bwrap's child (pid 1 of the sandbox). 0 until that root is in place."""
+    try:
+        child = int(Path(f"/proc/{pid}/task/{pid}/children").read_text().split()[0])
+    except (OSError, IndexError, ValueError):
+        return 0
+    used = 0
+    for path, size in mounts.items():  # /tmp (of a known size) first: it proves the root is the sandbox's
+        try:
+            fs = os.statvfs(f"/proc/{child}/root{path}")
+        except OSError:
+            return 0
+        if size and fs.f_blocks * fs.f_frsize != size:
+            return 0  # not our tmpfs yet: bwrap is still building the sandbox's root
+        used += (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+    return used
+
+
+class DiskWatch:
+    """One command's disk budget: measured before it starts (`start`), now and then while it runs
+    (`check`, from `run_process`) and after it ends (`ran_into`)."""
+
+    def __init__(self, directories: list[Path], tmpfs: dict[str, int], limit: int, start: Scan):
+        self.directories, self.tmpfs, self.limit, self.start = directories, tmpfs, limit, start
+        self.due = time.perf_counter() + POLL_S
+        """When the next check is due (`time.perf_counter`)."""
+
+    @property
+    def left(self) -> int:
+        """Bytes the command may add."""
+        return self.limit - self.start.used
+
+    def check(self, pid: int) -> str | None:
+        began = time.perf_counter()
+        in_tmpfs = tmpfs_used(pid, self.tmpfs) if self.tmpfs else 0
+        over = in_tmpfs > self.limit or scan(self.directories, self.limit - in_tmpfs).used > self.limit - in_tmpfs
+        now = time.perf_counter()
+        self.due = now + max(POLL_S, (now - began) / POLL_COST_SHARE)
+        return "disk" if over else None
+
+    def ran_into(self) -> bool:
+        """After the command: it left the directories over the budget, or grew them until not one
+        more block fits (a write cut short by RLIMIT_FSIZE, set to what was left)."""
+        used = scan(self.directories, self.limit).used
+        return used > self.limit or (used + BLOCK > self.limit and used > self.start.used)
+
+    def undo(self) -> Undone:
+        """Take back what the command added to the directories (see `undo_growth`)."""
+        return undo_growth(self.directories, self.start)
+
+
+@dataclass
+class Undone:
+    removed: int = 0
+    cut_back: int = 0
+
+
+def undo_growth(directories: list[Path], before: Scan) -> Undone:
+    """Delete what was created since `before` and cut files that grew back to their earlier size."""
+    undone = Undone()
+    for index, directory in enumerate(directories):
+        try:
+            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+        except FileNotFoundError:
+            continue
+        try:
+            _undo(fd, "", index, before, undone)
+        finally:
+            os.close(fd)
+    return undone
+
+
+def _undo(fd: int, prefix: str, index: int, before: Scan, undone: Undone) -> None:
+    with os.scandir(fd) as listing:
+        entries = list(listing)
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except FileNotFoundError:
+            continue
+        old = before.entries.get((index, prefix + entry.name))
+        new = old is None or old[0] != st.st_ino or stat.S_IFMT(old[3]) != stat.S_IFMT(st.st_mode)
+        if stat.S_ISDIR(st.st_mode):
+            child = _open_dir(fd, entry.name)
+            try:
+                _undo(child, prefix + entry.name + "/", index, before, undone)
+            finally:
+                os.close(child)
+            if new:
+                _remove(fd, entry.name, os.rmdir)
+                undone.removed += 1
+        elif new:
+            _remove(fd, entry.name, os.unlink)
+            undone.removed += 1
+        elif st.st_size > old[1] or st.st_blocks > old[2]:
+            _cut_back(fd, entry.name, old[1])
+            undone.cut_back += 1
+
+
+def _open_dir(fd: int, name: str) -> int:
+    """A subdirectory's fd, never through a symlink. One the owner made unreadable (mode 000)
+    is opened up for its owner first: content the walk cannot see would escape the budget."""
+    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    try:
+        return os.open(name, flags, dir_fd=fd)
+    except PermissionError:
+        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
+        os.chmod(name, stat.S_IMODE(mode) | 0o700, dir_fd=fd)
+        return os.open(name, flags, dir_fd=fd)
+
+
+def _remove(fd: int, name: str, remove) -> None:
+    """`remove` (unlink or rmdir) `name` in directory `fd`, making the directory writable if need be."""
+    try:
+        remove(name, dir_fd=fd)
+    except PermissionError:
+        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | 0o700)
+        remove(name, dir_fd=fd)
+
+
+def _cut_back(fd: int, name: str, size: int) -> None:
+    try:
+        file = os.open(name, os.O_WRONLY | os.O_NOFOLLOW, dir_fd=fd)
+    except PermissionError:  # made read-only: deleting it is what is left
+        _remove(fd, name, os.unlink)
+        return
+    try:
+        os.ftruncate(file, size)
+    finally:
+        os.close(file)
