@@ -117,11 +117,14 @@ class DiskWatch:
         self.directories, self.tmpfs, self.limit, self.start = directories, tmpfs, limit, start
         self.due = time.perf_counter() + POLL_S
         """When the next check is due (`time.perf_counter`)."""
+        self._file_cap: int | None = None
 
-    @property
-    def left(self) -> int:
-        """Bytes the command may add."""
-        return self.limit - self.start.used
+    def file_limit(self, max_file_bytes: int) -> int:
+        """RLIMIT_FSIZE for the command: `max_file_bytes`, or less when less of the budget is left."""
+        left = (self.limit - self.start.used) >> 9 << 9  # RLIMIT_FSIZE is set in 512-byte blocks
+        if left < max_file_bytes:
+            self._file_cap = left
+        return min(left, max_file_bytes)
 
     def check(self, pid: int) -> str | None:
         began = time.perf_counter()
@@ -132,10 +135,16 @@ class DiskWatch:
         return "disk" if over else None
 
     def ran_into(self) -> bool:
-        """After the command: it left the directories over the budget, or grew them until not one
-        more block fits (a write cut short by RLIMIT_FSIZE, set to what was left)."""
-        used = scan(self.directories, self.limit).used
-        return used > self.limit or (used + BLOCK > self.limit and used > self.start.used)
+        """After the command: it left the directories over the budget, or wrote a file up to the
+        size cap that what was left of the budget set (a write cut short by RLIMIT_FSIZE)."""
+        after = scan(self.directories, self.limit)
+        if after.used > self.limit:
+            return True
+        cap, before = self._file_cap, self.start.entries
+        return cap is not None and any(
+            size >= cap and stat.S_ISREG(mode) and before.get(key, (None, -1))[:2] != (ino, size)
+            for key, (ino, size, _, mode) in after.entries.items()
+        )
 
     def undo(self) -> Undone:
         """Take back what the command added to the directories (see `undo_growth`)."""

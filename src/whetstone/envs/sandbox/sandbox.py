@@ -77,7 +77,7 @@ class Sandbox:
         if not self.config.unsandboxed:
             argv = bwrap_argv(self.workspace, self.workdir, self.config.tmp_size_mb << 20, self._mounts, argv)
         disk = DiskWatch(self._disk_dirs, self._tmpfs, self._disk_limit, self._disk_scan())
-        limits = replace(self._limits, file_bytes=min(self._limits.file_bytes, disk.left))
+        limits = replace(self._limits, file_bytes=disk.file_limit(self._limits.file_bytes))
         argv = limit_prefix(limits, self._cgroup.procs_files if self._cgroup else []) + argv
         before = self._cgroup.counters() if self._cgroup else {}
         result = run_process(
