@@ -201,7 +201,7 @@ def test_work_under_the_disk_budget_is_unaffected():
 
 def test_a_workspace_already_over_its_disk_budget_is_a_clear_error():
     with open_sandbox({"big.txt": "x" * (2 << 20)}, SandboxConfig(disk_mb=1)) as sandbox:
-        with pytest.raises(WhetstoneError, match=r"over its disk budget of 1 MB \(sandbox.disk_mb\)"):
+        with pytest.raises(WhetstoneError, match=r"already uses over 1 MB, its disk budget \(sandbox.disk_mb\)"):
             sandbox.run("true")
 
 

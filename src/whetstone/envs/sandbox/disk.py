@@ -3,12 +3,13 @@
 The workspace is a host directory (the harness and grading read it directly), so no
 filesystem limit applies to it without root (a loop mount, a tmpfs or a quota per sandbox all
 need privileges). Instead the budget is measured: the workspace (and any writable mount) is
-walked before a command, every `POLL_S` while it runs and once after; /tmp and /dev, tmpfs
-mounts inside the sandbox, are read with one `statvfs` each through the sandbox's root
-(`/proc/<pid>/root`). A command that goes over the budget is killed, and what it added to the
-directories is taken back: files and directories it created are deleted, files it grew are cut
-back to their earlier size. RLIMIT_FSIZE, lowered to what is left of the budget, keeps any one
-file from running past it between two polls.
+walked before a command and once after it; every `POLL_S` while it runs, /tmp and /dev (tmpfs
+mounts inside the sandbox) are read with one `statvfs` each through the sandbox's root
+(`/proc/<pid>/root`), and the workspace is walked again when its filesystem has grown enough
+to have used up the budget, and at least every `WALK_EVERY_S`. A command that goes over the
+budget is killed, and what it added to the directories is taken back: files and directories
+it created are deleted, files it grew are cut back to their earlier size. RLIMIT_FSIZE,
+lowered to what is left of the budget, keeps any one file from running past it between checks.
 
 Usage is what the files occupy (`st_blocks`, so sparse files cost what they store and
 preallocated ones what they hold), each inode once, and at least one block per entry: an
@@ -26,9 +27,11 @@ from pathlib import Path
 BLOCK = 4096
 """The least an entry is charged."""
 POLL_S = 0.05
-"""Shortest time between two measurements while a command runs."""
+"""Time between two checks while a command runs (each a few `statvfs` calls)."""
+WALK_EVERY_S = 1.0
+"""Longest time between two walks of the directories while a command runs."""
 POLL_COST_SHARE = 0.2
-"""Polls are spaced so that measuring takes at most this share of the time (large workspaces)."""
+"""Walks are spaced so that they take at most this share of the time (large workspaces)."""
 
 
 @dataclass
@@ -109,12 +112,32 @@ def tmpfs_used(pid: int, mounts: dict[str, int]) -> int:
     return used
 
 
+def filesystems_used(directories: list[Path]) -> int:
+    """Bytes in use on the filesystems that hold `directories` (each filesystem once)."""
+    devices, used = set(), 0
+    for directory in directories:
+        try:
+            device, fs = os.stat(directory).st_dev, os.statvfs(directory)
+        except OSError:
+            continue
+        if device not in devices:
+            devices.add(device)
+            used += (fs.f_blocks - fs.f_bfree) * fs.f_frsize
+    return used
+
+
 class DiskWatch:
     """One command's disk budget: measured before it starts (`start`), now and then while it runs
     (`check`, from `run_process`) and after it ends (`ran_into`)."""
 
-    def __init__(self, directories: list[Path], tmpfs: dict[str, int], limit: int, start: Scan):
-        self.directories, self.tmpfs, self.limit, self.start = directories, tmpfs, limit, start
+    def __init__(self, directories: list[Path], tmpfs: dict[str, int], limit: int):
+        self.directories, self.tmpfs, self.limit = directories, tmpfs, limit
+        began = time.perf_counter()
+        self._disk_at_walk = filesystems_used(directories)
+        self.start = scan(directories, limit)
+        """What the directories held before the command (`complete` is False when that is over the limit)."""
+        self._walked = self.start.used
+        self._schedule_walks(began)
         self.due = time.perf_counter() + POLL_S
         """When the next check is due (`time.perf_counter`)."""
         self._file_cap: int | None = None
@@ -127,12 +150,26 @@ class DiskWatch:
         return min(left, max_file_bytes)
 
     def check(self, pid: int) -> str | None:
-        began = time.perf_counter()
-        in_tmpfs = tmpfs_used(pid, self.tmpfs) if self.tmpfs else 0
-        over = in_tmpfs > self.limit or scan(self.directories, self.limit - in_tmpfs).used > self.limit - in_tmpfs
+        """A walk costs ~5 us an entry; most checks need none. The filesystems' own usage can only
+        have grown by at least what the directories grew by since the last walk, so a walk is
+        due only when that growth could have used up the budget, or `WALK_EVERY_S` after the
+        last one (others freeing space at the same time could hide the growth)."""
         now = time.perf_counter()
-        self.due = now + max(POLL_S, (now - began) / POLL_COST_SHARE)
-        return "disk" if over else None
+        in_tmpfs = tmpfs_used(pid, self.tmpfs) if self.tmpfs else 0
+        on_disk = filesystems_used(self.directories)
+        could_be_over = in_tmpfs + self._walked + max(0, on_disk - self._disk_at_walk) > self.limit
+        if (could_be_over and now >= self._walk_allowed) or now >= self._walk_due:
+            self._disk_at_walk = on_disk
+            self._walked = scan(self.directories, self.limit - in_tmpfs).used
+            self._schedule_walks(now)
+        self.due = time.perf_counter() + POLL_S
+        return "disk" if in_tmpfs + self._walked > self.limit else None
+
+    def _schedule_walks(self, began: float) -> None:
+        """After a walk that began at `began`: when the next may start, and when it must."""
+        done = time.perf_counter()
+        self._walk_allowed = began + (done - began) / POLL_COST_SHARE
+        self._walk_due = max(done + WALK_EVERY_S, self._walk_allowed)
 
     def ran_into(self) -> bool:
         """After the command: it left the directories over the budget, or wrote a file up to the

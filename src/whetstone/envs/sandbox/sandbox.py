@@ -21,7 +21,7 @@ from pathlib import Path
 from whetstone.envs.sandbox.bwrap import Mount, bwrap_argv, check_bwrap
 from whetstone.envs.sandbox.cgroups import Cgroup, CgroupRoot, find_cgroup_root, remove_stale_groups
 from whetstone.envs.sandbox.config import SandboxConfig
-from whetstone.envs.sandbox.disk import DiskWatch, Scan, scan
+from whetstone.envs.sandbox.disk import DiskWatch, scan
 from whetstone.envs.sandbox.interpreter import SandboxPython, make_sandbox_python
 from whetstone.envs.sandbox.process import Limits, RunResult, kill_process_group, limit_prefix, run_process
 from whetstone.envs.sandbox.templates import WorkspacePool
@@ -76,7 +76,12 @@ class Sandbox:
         argv = [SHELL, "-c", command] if isinstance(command, str) else list(command)
         if not self.config.unsandboxed:
             argv = bwrap_argv(self.workspace, self.workdir, self.config.tmp_size_mb << 20, self._mounts, argv)
-        disk = DiskWatch(self._disk_dirs, self._tmpfs, self._disk_limit, self._disk_scan())
+        disk = DiskWatch(self._disk_dirs, self._tmpfs, self._disk_limit)
+        if not disk.start.complete:
+            raise WhetstoneError(
+                f"the sandbox's workspace already uses over {self.config.disk_mb} MB, its disk budget "
+                f"(sandbox.disk_mb): raise the budget for this task"
+            )
         limits = replace(self._limits, file_bytes=disk.file_limit(self._limits.file_bytes))
         argv = limit_prefix(limits, self._cgroup.procs_files if self._cgroup else []) + argv
         before = self._cgroup.counters() if self._cgroup else {}
@@ -107,16 +112,6 @@ class Sandbox:
     def disk_left(self) -> int:
         """Bytes the workspace may still grow by before it reaches its disk budget."""
         return self._disk_limit - scan(self._disk_dirs, self._disk_limit).used
-
-    def _disk_scan(self) -> Scan:
-        """What the workspace holds before a command: the budget left for it, and what to take back."""
-        start = scan(self._disk_dirs, self._disk_limit)
-        if not start.complete:
-            raise WhetstoneError(
-                f"the sandbox's workspace already uses {start.used / 2**20:.0f} MB, over its disk budget of "
-                f"{self.config.disk_mb} MB (sandbox.disk_mb): raise the budget for this task"
-            )
-        return start
 
     def _env(self) -> dict[str, str]:
         home = str(self._home) if self.config.unsandboxed else "/tmp"
