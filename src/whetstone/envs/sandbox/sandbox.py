@@ -72,16 +72,12 @@ class Sandbox:
     def run(self, command: str | list[str], timeout_s: float | None = None, stdin: str | None = None,
             env: dict[str, str] | None = None) -> RunResult:  # fmt: skip
         """Run a shell command line (str) or an argv (list) in the workspace, within the limits;
-        `env` adds variables to the sandbox's environment for this command."""
+        `env` adds variables to the sandbox's environment for this command. A command that takes
+        the sandbox over its disk budget is stopped and what it added is taken back."""
         argv = [SHELL, "-c", command] if isinstance(command, str) else list(command)
         if not self.config.unsandboxed:
             argv = bwrap_argv(self.workspace, self.workdir, self.config.tmp_size_mb << 20, self._mounts, argv)
-        disk = DiskWatch(self._disk_dirs, self._tmpfs, self._disk_limit)
-        if not disk.start.complete:
-            raise WhetstoneError(
-                f"the sandbox's workspace already uses over {self.config.disk_mb} MB, its disk budget "
-                f"(sandbox.disk_mb): raise the budget for this task"
-            )
+        disk = self._disk_watch()
         limits = replace(self._limits, file_bytes=disk.file_limit(self._limits.file_bytes))
         argv = limit_prefix(limits, self._cgroup.procs_files if self._cgroup else []) + argv
         before = self._cgroup.counters() if self._cgroup else {}
@@ -101,13 +97,27 @@ class Sandbox:
         if "disk" not in result.limits_hit and disk.ran_into():
             result.limits_hit.append("disk")
         if "disk" in result.limits_hit:
-            undone = disk.undo()
-            result.stderr += (
-                f"\n[disk budget of {self.config.disk_mb} MB (workspace, /tmp and /dev together) reached: what the "
-                f"command added was taken back ({undone.removed} files and directories deleted, "
-                f"{undone.cut_back} files cut back to their earlier size)]"
-            )
+            self._take_back(disk, result)
         return result
+
+    def _disk_watch(self) -> DiskWatch:
+        """The disk budget of the next command, measured before it starts."""
+        disk = DiskWatch(self._disk_dirs, self._tmpfs, self._disk_limit)
+        if not disk.start.complete:
+            raise WhetstoneError(
+                f"the sandbox's workspace already uses over {self.config.disk_mb} MB, its disk budget "
+                f"(sandbox.disk_mb): raise the budget for this task"
+            )
+        return disk
+
+    def _take_back(self, disk: DiskWatch, result: RunResult) -> None:
+        """Undo what a command over the disk budget added, and say so after its output."""
+        undone = disk.undo()
+        result.stderr += (
+            f"\n[disk budget of {self.config.disk_mb} MB (workspace, /tmp and /dev together) reached: what the "
+            f"command added was taken back ({undone.removed} files and directories deleted, "
+            f"{undone.cut_back} files cut back to their earlier size)]"
+        )
 
     def disk_left(self) -> int:
         """Bytes the workspace may still grow by before it reaches its disk budget."""
