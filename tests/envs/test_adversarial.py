@@ -16,6 +16,7 @@ import pytest
 from whetstone.envs.grading import grade, workspace_changes
 from whetstone.envs.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
+from whetstone.envs.sandbox.sandbox import _runtime
 from whetstone.envs.task import Task
 
 BUGGY = '''"""Prices of shopping carts."""
@@ -66,7 +67,7 @@ TASK = Task(
     test_time_limit_s=20,
 )
 # Small limits so bombs hit them quickly; the honest solution passes under them too.
-CONFIG = RewardConfig(sandbox=SandboxConfig(memory_mb=512, max_processes=48, cpu_s=10))
+CONFIG = RewardConfig(sandbox=SandboxConfig(memory_mb=512, max_processes=48, cpu_s=10, disk_mb=64))
 
 
 def with_fix(prefix: str = "", suffix: str = "") -> dict[str, str]:
@@ -203,6 +204,22 @@ def test_attack_on_the_machine_is_contained(attack, changes):
     assert set(result.tests.values()) <= {"error", "failed"}
 
 
+# 30 files of 4 MB from the code under test, against the budget of 64 MB.
+DISK_FILL = code("""
+    for _i in range(30):
+        with open(f"fill{_i}.bin", "wb") as _file:
+            _file.write(bytes(4_000_000))
+""")
+
+
+def test_filling_the_disk_is_stopped_and_taken_back():
+    result = grade(TASK, with_fix(DISK_FILL), CONFIG)
+    assert result.reward == 0.0 and not result.passed and result.cheat_flags == []
+    assert "limits hit: disk" in result.log and "disk budget of 64 MB" in result.log
+    sandboxes = _runtime(CONFIG.sandbox).root  # every template and workspace of this process
+    assert sum(path.lstat().st_blocks * 512 for path in sandboxes.rglob("*")) < 16 << 20
+
+
 def test_writing_outside_the_workspace_is_contained(tmp_path):
     runner = Path(__file__).parents[2] / "src/whetstone/envs/grade_runner.py"
     runner_before = runner.read_bytes()
@@ -280,6 +297,7 @@ HONEST = [
     ("a fix with a correct __eq__ on a new class", {"shop/pricing.py": FIXED + "\n\n" + PROPER_EQ}),
     ("a fix plus a command-line entry point", {"shop/pricing.py": FIXED + MAIN_BLOCK}),
     ("a rewrite across two modules", TWO_MODULES),
+    ("a fix that writes a cache of 16 MB", with_fix(suffix="\nopen('prices.cache', 'wb').write(bytes(16_000_000))\n")),
 ]
 
 

@@ -9,7 +9,7 @@ from tests.envs.test_harness_support import synth_task
 from whetstone.envs import prompts
 from whetstone.envs.harness.tools import ToolCallError, Tools, check_call
 from whetstone.envs.harness.workspace import head_tail
-from whetstone.envs.sandbox import open_sandbox
+from whetstone.envs.sandbox import SandboxConfig, open_sandbox
 
 
 @pytest.fixture
@@ -21,6 +21,13 @@ def task():
 def tools(task):
     with open_sandbox(task.repo_files) as sandbox:
         yield Tools(sandbox, task, max_chars=2000, run_timeout_s=5.0)
+
+
+@pytest.fixture
+def budgeted(task):
+    """Tools over a sandbox with a disk budget of 64 MB."""
+    with open_sandbox(task.repo_files, SandboxConfig(disk_mb=64)) as sandbox:
+        yield Tools(sandbox, task, max_chars=2000, run_timeout_s=60.0)
 
 
 def test_file_tools_speak_the_demonstrations_texts(tools):
@@ -118,6 +125,26 @@ def test_run_tests_reports_a_collection_error(tools):
 def test_calls_that_cannot_run_are_invalid(name, arguments, message):
     with pytest.raises(ToolCallError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_call(name, arguments)
+
+
+def test_run_calls_share_the_workspace_disk_budget(budgeted):
+    workspace = budgeted.sandbox.workspace
+    first = budgeted.call("run", {"command": "head -c 40000000 /dev/zero > a.bin"}, 60)
+    second = budgeted.call("run", {"command": "head -c 40000000 /dev/zero > b.bin; sleep 20"}, 60)
+    assert first.endswith("[exit code 0]")
+    assert second.endswith("limits hit: disk]") and "disk budget of 64 MB" in second  # the total counts
+    assert (workspace / "a.bin").stat().st_size == 40_000_000 and not (workspace / "b.bin").exists()
+
+
+def test_file_tools_refuse_writes_over_the_disk_budget(budgeted):
+    workspace = budgeted.sandbox.workspace
+    budgeted.call("run", {"command": "head -c 60000000 /dev/zero > a.bin"}, 60)
+    refused = budgeted.call("write_file", {"path": "big.py", "content": "x" * 8_000_000}, 10)
+    budgeted.call("write_file", {"path": "small.py", "content": "X = 1\n"}, 10)
+    grown = budgeted.call("edit", {"path": "small.py", "old": "X = 1", "new": "X = '" + "x" * 8_000_000 + "'"}, 10)
+    assert refused.startswith("error: big.py: writing 8000000 more bytes") and "disk budget" in refused
+    assert grown.startswith("error: small.py: writing") and "disk budget" in grown
+    assert not (workspace / "big.py").exists() and (workspace / "small.py").read_text() == "X = 1\n"
 
 
 def test_head_tail():

@@ -1,6 +1,7 @@
 """The sandbox: isolation, every limit for real, workspaces, and the unsandboxed opt-in."""
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -15,6 +16,13 @@ from whetstone.envs.sandbox.sandbox import _runtime
 from whetstone.errors import WhetstoneError
 
 FILES = {"app/main.py": "print('hello from', __name__)\n", "README.md": "a repo\n"}
+DISK = SandboxConfig(disk_mb=64)
+# 30 files of 4 MB against a budget of 64 MB, then a wait the budget must cut short.
+FILL = "for i in $(seq 30); do head -c 4000000 /dev/zero > fill$i.bin || exit 1; done; sleep 20"
+
+
+def listing(directory: Path) -> list[str]:
+    return sorted(path.relative_to(directory).as_posix() for path in directory.rglob("*"))
 
 
 def processes_with(marker: str) -> list[int]:
@@ -154,6 +162,49 @@ def test_file_size_limit():
         assert (sandbox.workspace / "big").stat().st_size == 1 << 20
 
 
+def test_disk_budget_stops_a_command_filling_the_workspace_and_takes_its_files_back():
+    with open_sandbox(FILES, DISK) as sandbox:
+        result = sandbox.run(FILL, timeout_s=60)
+        left = listing(sandbox.workspace)
+        after = sandbox.run("echo notes > notes.txt && cat README.md")
+    assert result.exit_code == -signal.SIGKILL and "disk" in result.limits_hit and not result.timed_out
+    assert "disk budget of 64 MB" in result.stderr and "files and directories deleted" in result.stderr
+    assert left == ["README.md", "app", "app/main.py"]
+    assert after.exit_code == 0 and after.limits_hit == [] and after.stdout == "a repo\n"
+
+
+def test_disk_budget_counts_tmp_and_dev_with_the_workspace():
+    # Each part is under the budget; together they are over it.
+    command = "; ".join(f"head -c 24000000 /dev/zero > {path}" for path in ["/tmp/a", "/dev/shm/b", "c"]) + "; sleep 20"
+    with open_sandbox({}, DISK) as sandbox:
+        result = sandbox.run(command, timeout_s=60)
+        left = listing(sandbox.workspace)
+    assert result.exit_code == -signal.SIGKILL and "disk" in result.limits_hit
+    assert left == []
+
+
+def test_disk_budget_cuts_a_grown_file_back():
+    with open_sandbox({"log.txt": "start\n"}, DISK) as sandbox:
+        result = sandbox.run("for i in $(seq 30); do head -c 4000000 /dev/zero >> log.txt || exit 1; done")
+        text = (sandbox.workspace / "log.txt").read_text()
+    assert "disk" in result.limits_hit and "1 files cut back" in result.stderr
+    assert text == "start\n"
+
+
+def test_work_under_the_disk_budget_is_unaffected():
+    with open_sandbox(FILES, DISK) as sandbox:
+        result = sandbox.run("head -c 40000000 /dev/zero > data && head -c 16000000 /dev/zero > /tmp/x && echo ok")
+        size = (sandbox.workspace / "data").stat().st_size
+    assert (result.exit_code, result.stdout, result.limits_hit) == (0, "ok\n", [])
+    assert size == 40_000_000
+
+
+def test_a_workspace_already_over_its_disk_budget_is_a_clear_error():
+    with open_sandbox({"big.txt": "x" * (2 << 20)}, SandboxConfig(disk_mb=1)) as sandbox:
+        with pytest.raises(WhetstoneError, match=r"already uses over 1 MB, its disk budget \(sandbox.disk_mb\)"):
+            sandbox.run("true")
+
+
 def test_sandboxes_over_one_template_are_private():
     with open_sandbox(FILES) as first, open_sandbox(FILES) as second:
         first.run("echo changed > README.md && rm app/main.py")
@@ -179,6 +230,14 @@ def test_unsandboxed_mode_is_explicit_and_still_limited():
         slow = sandbox.run("sleep 30", timeout_s=0.5)
     assert sandbox.workdir == str(sandbox.workspace) and where.stdout.strip() == str(sandbox.workspace)
     assert slow.timed_out and slow.duration_s < 5
+
+
+def test_disk_budget_binds_unsandboxed_commands_and_their_home():
+    with open_sandbox({}, SandboxConfig(unsandboxed=True, disk_mb=64)) as sandbox:
+        result = sandbox.run(f"head -c 30000000 /dev/zero > $HOME/scratch; {FILL}", timeout_s=60)
+        left = listing(sandbox.workspace) + listing(sandbox._home)
+    assert result.exit_code == -signal.SIGKILL and "disk" in result.limits_hit
+    assert left == []
 
 
 def test_clear_error_without_user_namespaces():

@@ -59,7 +59,7 @@ class Tools:
     def __init__(self, sandbox: Sandbox, task: Task, max_chars: int, run_timeout_s: float):
         self.sandbox = sandbox
         self.task = task
-        self.files = Workspace(sandbox.workspace, sandbox.workdir, max_chars)
+        self.files = Workspace(sandbox.workspace, sandbox.workdir, max_chars, sandbox.disk_left)
         self.max_chars = max_chars
         self.run_timeout_s = run_timeout_s
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
 from whetstone.envs import prompts
@@ -33,11 +34,13 @@ def head_tail(text: str, limit: int) -> str:
 
 
 class Workspace:
-    def __init__(self, root: Path, workdir: str, max_chars: int):
+    def __init__(self, root: Path, workdir: str, max_chars: int, disk_left: Callable[[], int]):
         self.root = root.resolve()
         self.workdir = workdir
         """Where the workspace appears inside the sandbox, so `/workspace/x.py` means `x.py`."""
         self.max_chars = max_chars
+        self.disk_left = disk_left
+        """Bytes the workspace may still grow by (the sandbox's disk budget, which writes count against)."""
 
     def path(self, name: str) -> Path:
         """The host path of `name`, refused if it leaves the workspace."""
@@ -113,6 +116,7 @@ class Workspace:
         target = self.path(path)
         if target.is_dir():
             raise ToolError(f"{path} is a directory")
+        self._check_room(target, content)
         target.parent.mkdir(parents=True, exist_ok=True)
         target.write_text(content, encoding="utf-8")
         return prompts.write_result(self._shown(target), content)
@@ -129,5 +133,17 @@ class Workspace:
         if count != 1:
             found = "old text not found" if count == 0 else f"old text occurs {count} times"
             raise ToolError(f"{path}: {'old is empty' if not old else found}; give text that occurs exactly once")
-        target.write_text(text.replace(old, new, 1), encoding="utf-8")
+        text = text.replace(old, new, 1)
+        self._check_room(target, text)
+        target.write_text(text, encoding="utf-8")
         return prompts.edit_result(self._shown(target))
+
+    def _check_room(self, target: Path, content: str) -> None:
+        """Refuse a write that would take the workspace over its disk budget."""
+        growth = len(content.encode("utf-8")) - (target.stat().st_size if target.is_file() else 0)
+        left = self.disk_left()
+        if growth > 0 and growth > left:
+            raise ToolError(
+                f"{self._shown(target)}: writing {growth} more bytes would take the workspace over its disk budget "
+                f"({max(left, 0)} bytes left); delete files first"
+            )

@@ -24,6 +24,8 @@ class SandboxConfig(Config):
     """Largest file a process may write (RLIMIT_FSIZE)."""
     tmp_size_mb: int = Field(64, gt=0)
     """Size of the private /tmp (a tmpfs, fresh for every `run`)."""
+    disk_mb: int = Field(1024, gt=0)
+    """Disk budget of the workspace (task files included), /tmp and /dev together: a command over it is stopped."""
     workdir: str = "/workspace"
     """Where the workspace appears inside the sandbox (commands start there)."""
     env: dict[str, str] = {"PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 CHUNK = 65536
 EXIT_POLL_S = 0.05  # without pidfds (Linux < 5.3): how often to check whether the main process is gone
@@ -34,7 +35,7 @@ class RunResult:
     duration_s: float
     truncated: bool
     limits_hit: list[str] = field(default_factory=list)
-    """Limits it ran into: wall_clock, cpu, memory (OOM kill), processes, output."""
+    """Limits it ran into: wall_clock, cpu, memory (OOM kill), processes, output, disk."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,16 @@ class Limits:
     memory_bytes: int
     file_bytes: int
     nproc: int | None  # RLIMIT_NPROC, only when no cgroup bounds the processes
+
+
+class Watch(Protocol):
+    """A limit measured while the command runs (the disk budget): checked when `due`."""
+
+    due: float
+    """When the next check is due (`time.perf_counter`); `check` moves it on."""
+
+    def check(self, pid: int) -> str | None:
+        """The name of the limit the command (main process `pid`) is over, if any."""
 
 
 def limit_prefix(limits: Limits, cgroup_procs: list[Path]) -> list[str]:
@@ -93,8 +104,10 @@ def run_process(
     timeout_s: float,
     max_output_bytes: int,
     kill_tree: Callable[[subprocess.Popen], None],
+    watch: Watch | None = None,
 ) -> RunResult:
-    """Run `argv` to completion or to its deadline; `kill_tree` must stop the process and all it started."""
+    """Run `argv` to completion, to its deadline or until `watch` finds it over a limit; `kill_tree`
+    must stop the process and all it started."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         argv,
@@ -116,7 +129,7 @@ def run_process(
     pidfd = _pidfd(proc.pid)  # readable when the main process exits: no polling needed
     if pidfd is not None:
         selector.register(pidfd, selectors.EVENT_READ, "exit")
-    deadline, timed_out, stopped = start + timeout_s, False, False
+    deadline, timed_out, stopped, watched_hit = start + timeout_s, False, False, None
     try:
         while selector.get_map():
             now = time.perf_counter()
@@ -129,6 +142,8 @@ def run_process(
                 deadline = now + DRAIN_AFTER_KILL_S  # output already written is still collected
                 continue
             wait = deadline - now if pidfd is not None else min(deadline - now, EXIT_POLL_S)
+            if watch is not None and not stopped:
+                wait = max(0.0, min(wait, watch.due - now))
             for key, _ in selector.select(wait):
                 if key.data == "exit":
                     selector.unregister(key.fileobj)
@@ -139,6 +154,12 @@ def run_process(
                     key.data.add(chunk)
                 else:
                     selector.unregister(key.fileobj)
+            if watch is not None and not stopped and time.perf_counter() >= watch.due:
+                watched_hit = watch.check(proc.pid)
+                if watched_hit:
+                    stopped = True
+                    kill_tree(proc)
+                    deadline = min(deadline, time.perf_counter() + DRAIN_AFTER_KILL_S)
             if not stopped and (main_exited or (pidfd is None and proc.poll() is not None)):
                 stopped = True  # the command is done: stragglers that keep our pipes open are stopped
                 kill_tree(proc)
@@ -159,6 +180,8 @@ def run_process(
         limits_hit.append("cpu")
     if out.dropped or err.dropped:
         limits_hit.append("output")
+    if watched_hit:
+        limits_hit.append(watched_hit)
     return RunResult(
         exit_code=exit_code,
         stdout=out.text(),

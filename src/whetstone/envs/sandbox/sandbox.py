@@ -15,12 +15,13 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from whetstone.envs.sandbox.bwrap import Mount, bwrap_argv, check_bwrap
 from whetstone.envs.sandbox.cgroups import Cgroup, CgroupRoot, find_cgroup_root, remove_stale_groups
 from whetstone.envs.sandbox.config import SandboxConfig
+from whetstone.envs.sandbox.disk import DiskWatch, scan
 from whetstone.envs.sandbox.interpreter import SandboxPython, make_sandbox_python
 from whetstone.envs.sandbox.process import Limits, RunResult, kill_process_group, limit_prefix, run_process
 from whetstone.envs.sandbox.templates import WorkspacePool
@@ -59,17 +60,26 @@ class Sandbox:
             file_bytes=config.max_file_mb << 20,
             nproc=None if self._cgroup else _nproc_limit(config.max_processes),
         )
+        self._disk_limit = config.disk_mb << 20
+        # Everything a command can write that outlives it or sits on the host's disk counts.
+        self._disk_dirs = [workspace] + [Path(m.source) for m in mounts if m.writable]
+        self._tmpfs = {"/tmp": config.tmp_size_mb << 20, "/dev": 0}
         if config.unsandboxed:
             self._home.mkdir()
+            self._disk_dirs.append(self._home)
+            self._tmpfs = {}
 
     def run(self, command: str | list[str], timeout_s: float | None = None, stdin: str | None = None,
             env: dict[str, str] | None = None) -> RunResult:  # fmt: skip
         """Run a shell command line (str) or an argv (list) in the workspace, within the limits;
-        `env` adds variables to the sandbox's environment for this command."""
+        `env` adds variables to the sandbox's environment for this command. A command that takes
+        the sandbox over its disk budget is stopped and what it added is taken back."""
         argv = [SHELL, "-c", command] if isinstance(command, str) else list(command)
         if not self.config.unsandboxed:
             argv = bwrap_argv(self.workspace, self.workdir, self.config.tmp_size_mb << 20, self._mounts, argv)
-        argv = limit_prefix(self._limits, self._cgroup.procs_files if self._cgroup else []) + argv
+        disk = self._disk_watch()
+        limits = replace(self._limits, file_bytes=disk.file_limit(self._limits.file_bytes))
+        argv = limit_prefix(limits, self._cgroup.procs_files if self._cgroup else []) + argv
         before = self._cgroup.counters() if self._cgroup else {}
         result = run_process(
             argv,
@@ -79,11 +89,39 @@ class Sandbox:
             timeout_s=timeout_s if timeout_s is not None else self.config.wall_clock_s,
             max_output_bytes=self.config.max_output_bytes,
             kill_tree=self._kill_tree,
+            watch=disk,
         )
         if self._cgroup:
             after = self._cgroup.counters()
             result.limits_hit += [name for name in after if after[name] > before[name]]
+        if "disk" not in result.limits_hit and disk.ran_into():
+            result.limits_hit.append("disk")
+        if "disk" in result.limits_hit:
+            self._take_back(disk, result)
         return result
+
+    def _disk_watch(self) -> DiskWatch:
+        """The disk budget of the next command, measured before it starts."""
+        disk = DiskWatch(self._disk_dirs, self._tmpfs, self._disk_limit)
+        if not disk.start.complete:
+            raise WhetstoneError(
+                f"the sandbox's workspace already uses over {self.config.disk_mb} MB, its disk budget "
+                f"(sandbox.disk_mb): raise the budget for this task"
+            )
+        return disk
+
+    def _take_back(self, disk: DiskWatch, result: RunResult) -> None:
+        """Undo what a command over the disk budget added, and say so after its output."""
+        undone = disk.undo()
+        result.stderr += (
+            f"\n[disk budget of {self.config.disk_mb} MB (workspace, /tmp and /dev together) reached: what the "
+            f"command added was taken back ({undone.removed} files and directories deleted, "
+            f"{undone.cut_back} files cut back to their earlier size)]"
+        )
+
+    def disk_left(self) -> int:
+        """Bytes the workspace may still grow by before it reaches its disk budget."""
+        return self._disk_limit - scan(self._disk_dirs, self._disk_limit).used
 
     def _env(self) -> dict[str, str]:
         home = str(self._home) if self.config.unsandboxed else "/tmp"
