@@ -6,9 +6,9 @@ contiguous slice, writing straight into a preallocated output; the results go ba
 autograd differentiate a Python loop over `weight[e]` slices, this avoids one full-size zero
 gradient per expert slice, the scatter-adds of indexing backward, and a graph node per op.
 
-Under invariant numerics each expert's slice is padded to a multiple of `invariant.ROW_TILE`
-rows (dummy slots that read a zero row and whose outputs nobody gathers) and multiplied by
-`invariant.tiled_mm`, in tiles of one shape, so a row's result does not depend on how many
+Under invariant numerics each expert's slice is padded to a multiple of
+`invariant.EXPERT_ROW_TILE` rows (dummy slots that read a zero row and whose outputs nobody
+gathers) and multiplied by `invariant.expert_mm`, in tiles of one shape, so a row's result does not depend on how many
 tokens chose its expert.
 Reduced-precision training (`ops.training_kernels()`) pads the same way to a few sizes per power
 of two (`ops.shape_tile`), so the matmuls reuse the kernels oneDNN built for earlier steps.
@@ -60,7 +60,7 @@ def _grouped_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invar
     # Each expert's rows, transposed weight and output rows as views made in one call per tensor:
     # decoding runs this every step on a handful of rows, where indexing expert by expert would
     # cost more calls than the matmuls. An expert no slot chose gets no call.
-    matmul = invariant.tiled_mm if batch_invariant else torch.mm
+    matmul = invariant.expert_mm if batch_invariant else torch.mm
     for rows, weight, into in zip(sorted_x.split(counts), gate_up.transpose(1, 2).unbind(), hidden.split(counts)):
         if rows.shape[0]:
             matmul(rows, weight, out=into)
@@ -135,7 +135,7 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     counts = torch.bincount(slot_expert, minlength=gate_up.shape[0]).tolist()
     batch_invariant = ops.is_invariant()
     if batch_invariant:
-        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, lambda count: invariant.ROW_TILE)
+        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, lambda count: invariant.EXPERT_ROW_TILE)
     elif ops.pads_shapes(x):
         order, unsort, counts = _padded_groups(slot_expert, unsort, counts, ops.shape_tile)
     args = (x, gate_up, down, order, unsort, counts, ids.shape[1], batch_invariant)
