@@ -151,7 +151,8 @@ class Pipeline:
 
     def start_servers(self) -> None:
         servers = self.config.servers
-        self.weights.mkdir(parents=True, exist_ok=True)  # servers follow the store before the trainer's first publish
+        # servers follow the weight store before the trainer's first publish, and a missing store is an error
+        Path(self.config.rl.orchestrator.weight_store).mkdir(parents=True, exist_ok=True)
         ports = ([servers.base_port + i for i in range(servers.count)] if servers.base_port
                  else free_ports(servers.count))  # fmt: skip
         self.urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
