@@ -44,8 +44,9 @@ EXPERT_ROW_TILE = 8
 """Rows per tile of the MoE experts' matmuls. Decoding gives an expert one or two tokens, which
 its tile pads to this many rows: 8 costs a decode step of the benchmark model 20% less than 16,
 and the trainer's expert matmuls (hundreds of rows each) ~25% more."""
-COLUMN_BLOCK = 512
-"""Output columns per tile: a [K, 512] fp32 block of a K = 512 weight is 1 MB, an L2's worth."""
+BLOCK_BYTES = 1 << 20
+"""A tile's block of the weight is at most this big (an L2's worth; at least 64 columns): 512
+output columns of a K = 512 fp32 weight, 1024 in bf16."""
 MIN_COLUMNS = ROW_TILE
 """Weights with fewer output rows are padded to this many (tiles at least ROW_TILE square)."""
 KEY_CHUNK = 128
@@ -75,24 +76,26 @@ def tiled_mm(rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | Non
              tile: int = ROW_TILE) -> torch.Tensor:
     """rows @ weight_t as tiles of one shape per column block, on one thread: [M, K] @ [K, N].
 
-    Tiles are [tile, K] x [K, COLUMN_BLOCK] (the last block of a weight may be narrower, the
-    same for every call on it). Going block by block keeps a block of a large weight (an output
+    Tiles are [tile, K] x [K, C], C set by K and the dtype (`BLOCK_BYTES`; the last block of a
+    weight may be narrower, the same for every call on it). Going block by block keeps a block of a large weight (an output
     head) in cache while every row tile passes; tile by tile, the whole weight would stream from
     memory once per tile of rows. `rows` must have a multiple of `tile` rows; `out` ([M, N]) is
     written if given."""
-    columns = weight_t.shape[1]
-    tiles = rows.view(-1, tile, rows.shape[1])
+    depth, columns = weight_t.shape
+    block_columns = max(64, BLOCK_BYTES // (depth * weight_t.element_size()) // 64 * 64)
+    tiles = rows.view(-1, tile, depth)
     if out is None:
         out = rows.new_empty(rows.shape[0], columns)
     out_tiles = out.view(tiles.shape[0], tile, columns)
     with one_thread():
-        for start in range(0, columns, COLUMN_BLOCK):
-            block = weight_t[:, start:start + COLUMN_BLOCK]
-            weights = block.expand(tiles.shape[0], *block.shape)
-            if block.shape[1] == columns:
-                torch.bmm(tiles, weights, out=out_tiles)
-            else:
-                out_tiles[:, :, start:start + COLUMN_BLOCK] = torch.bmm(tiles, weights)
+        for start in range(0, columns, block_columns):
+            block = weight_t[:, start:start + block_columns]
+            into = out_tiles if block.shape[1] == columns else out_tiles[:, :, start:start + block_columns]
+            if rows.dtype == torch.float32:  # MKL's batched GEMM: one call for all tiles
+                torch.bmm(tiles, block.expand(tiles.shape[0], *block.shape), out=into)
+            else:  # oneDNN is ~10x slower on a batch whose weight repeats (stride 0): one call per tile
+                for tile_rows, tile_out in zip(tiles, into):
+                    torch.mm(tile_rows, block, out=tile_out)
     return out
 
 
