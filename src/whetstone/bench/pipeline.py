@@ -106,8 +106,8 @@ ROLLOUT_HEADROOM = 1.25
 """Balanced placement sizes the rollout side to 1.25x the CPU its share of the work measured, as
 inference is provisioned with a margin over the trainer it feeds: rollouts vary (a slow sandbox,
 a long completion), and without a margin every late batch idles the trainer, the side a real
-deployment can least afford to idle. At 1.1 (sessions 9-11) the trainer waited for 7-18% of its
-steps; 1.25 gave the same async throughput with it busy 0.91-0.96 (session 12, alternating runs)."""
+deployment can least afford to idle. At 1.1 the trainer waited for 7-18% of its steps; 1.25
+gave the same async throughput with it busy 0.91-0.96 (docs/benchmarks.md)."""
 
 
 def placement_config(placement: str, trainer_share: float | None = None):

@@ -1,4 +1,4 @@
-"""The trajectory record: what one rollout of the harness produced (DESIGN.md, "Trajectory").
+"""The trajectory record: what one rollout of the harness produced (docs/architecture.md, "Contracts").
 
 A rollout is a list of segments; a new segment starts when the harness restarts its context
 from a summary. A segment is a list of model calls, each holding exactly what the inference

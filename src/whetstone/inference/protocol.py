@@ -1,6 +1,6 @@
 """The HTTP contract: OpenAI request bodies plus whetstone's RL extension fields.
 
-Extension fields (DESIGN.md, "HTTP extensions"), accepted by both completion endpoints:
+Extension fields (docs/inference.md, "RL extension fields"), accepted by both completion endpoints:
   `return_token_ids`       choices carry `prompt_token_ids`, `token_ids` and `weight_versions`
                            (the weight version that produced each token)
   `return_routed_experts`  choices carry `routed_experts`: the experts of every token fed through

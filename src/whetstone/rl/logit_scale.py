@@ -1,7 +1,7 @@
 """A learned global sharpness of the policy: Adam on one scalar, the log-scale s of the logits.
 
 RL at this scale mostly sharpens (docs/run.md): sampling the default run's mid-trained base at
-temperature 0.4 scores 13 points more held-out pass@1 than at 1 (session 14), while per-token
+temperature 0.4 scores 13 points more held-out pass@1 than at 1, while per-token
 policy-gradient pushes add up to that global sharpening only slowly, because on a failed
 rollout most pushed tokens are ordinary ones. The output head is linear and bias-free, so
 scaling the final norm's gains by e^s scales every logit by e^s. `LogitScale` takes its own

@@ -1,4 +1,4 @@
-"""Trajectories → training samples (DESIGN.md, "Trajectory → sample").
+"""Trajectories → training samples (docs/rl.md, "Samples: the alignment contract").
 
 A sample is one sequence of N tokens as the trainer feeds it: position t holds token t and
 predicts token t+1, so every per-position list (`loss_mask`, `behavior_logprobs`, `versions`,

@@ -1,4 +1,4 @@
-"""The `whetstone run` config: its defaults are the embedded default of DESIGN.md.
+"""The `whetstone run` config: its defaults are the default run (docs/run.md).
 
 The role sections (`servers.serve`, `rl.trainer`, `rl.orchestrator`, `eval`) are the roles' own
 configs. `PipelineConfig.resolved` ties them together: the top-level `harness` replaces theirs,
@@ -46,48 +46,29 @@ class RLConfig(Config):
     """Stage 2: asynchronous RL with the trainer, the servers and the orchestrator as processes."""
 
     steps: int = Field(16, ge=1)
-    """Optimizer steps (= batches) of the RL stage. From the bf16 base of an AVX512-BF16 machine
-    (0.537, sessions 18-19) the current recipe gained +25.0 to +31.8 in 16 steps, +28.4 on average
-    over fifteen runs; from the fp32 base (0.642) +16.3 on average over 23 runs (docs/run.md). Before
-    the behaviour-cloning anchor, from the 3000-step fp32 base, on the 200 x 2
-    held-out evaluation, this recipe gained +8.3 to +18.8 points in 16 steps, +14.3 on average
-    over eleven runs (five RL-only, six cold README runs; six reached +15; RL 227-327 s),
-    and +14.2 in 12 (two runs, 170 s). 20 steps gained +13.5 and +12.3 (session 15); recipes that
-    kept one-step tasks gained no more at 20 steps (+13.0) than at 12, and waited longer for
-    groups not all solved (docs/run.md, sessions 14 and 15)."""
+    """Optimizer steps (= batches) of the RL stage. 16: more steps gained no more held-out pass@1
+    and waited longer for groups not all solved (figures: docs/run.md)."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4, optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
         optimizer_steps_per_batch=4, loss=LossConfig(aggregation="sequence"), logit_scale_lr=0.03, demo_coef=4.0,
     )  # fmt: skip
     """The trainer (its paths are set by the pipeline; `max_steps` = `steps`): four optimizer
-    steps per batch, a per-sample loss mean (failed rollouts ramble; under a token mean they
-    outweighed the solved ones), and the learned logit scale (`logit_scale_lr`, rl/logit_scale.py):
-    RL at this scale mostly has to sharpen the policy, and one scalar the reward's gradient moves
-    does that where ~400 rollouts of per-token pushes do not. The weights learn at 1e-4: at 3e-4
-    their updates cost 7.5 held-out points against the sharpening alone (session 8), at 2e-4
-    they gained +5.5 where 1e-4 gained +13 (session 14). The scale learns at 0.03: its gradient
-    is unclipped (session 14), so it rises steadily (to ~1.7 in 12 steps); at 0.05 it reached 2.5
-    and late batches waited for up to 96 groups to find 4 not all solved (RL 420 s against 172 s),
-    at 0.1 it overshot to 2.5 and fell back to 1.1 (+8.0 held-out points). Every optimizer step
-    also fits 8 mid-training demonstrations (`demo_coef` 4, `rl.demos`): RL on two-step tasks
-    alone had broken held-out one-step tasks; with the anchor fifteen runs gained +14.0 to +19.1
-    (coefficients 1, 4 and 8; +16.4 on average, thirteen of fifteen +15 or more) where eleven
-    without it gained +8.3 to +18.8 (+14.3 on average, six of eleven), for ~1 s more trainer CPU
-    a step (session 16, docs/run.md)."""
+    steps per batch; a per-sample loss mean, since failed rollouts ramble and under a token mean
+    outweigh the solved ones; the learned logit scale (`logit_scale_lr`, rl/logit_scale.py), since
+    RL at this scale mostly has to sharpen the policy; weights at 1e-4, where larger rates cost
+    held-out points; and 8 mid-training demonstrations fitted at every optimizer step
+    (`demo_coef` 4, `rl.demos`), which keeps RL on two-step tasks from breaking one-step ones.
+    Figures behind each value: docs/experiments.md."""
     orchestrator: OrchestratorConfig = OrchestratorConfig(
         tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1, min_difficulty=2)),
         rollout=RolloutConfig(concurrency=12), group_size=8, groups_per_batch=4,
         advantages=AdvantageConfig(negative_weight=0.2),
     )  # fmt: skip
     """The orchestrator (its servers, stores and metrics path are set by the pipeline). RL trains on
-    two-step train tasks only: with one-step tasks in the mix, more groups came back all solved
-    and were dropped, and the batches waited longer (2,184 rollouts and 244 s of RL against 1,440
-    and 172 s at the same recipe, session 14). Negative advantages count a fifth
-    (`advantages.negative_weight`): pushing down the sampled tokens of failed rollouts spreads
-    probability over the rest, and at ~400 rollouts that flattening outweighed what RL taught.
-    Measured from the same base on 400 held-out rollouts (docs/run.md, session 7): 0.410 before;
-    after RL 0.415 with full negatives (one run), 0.460 without any, 0.495 and 0.435 at 0.2: a few
-    points, about the spread between repeated runs."""
+    two-step train tasks only: one-step tasks came back all solved and dropped more often, so
+    batches waited longer. Negative advantages count a fifth (`advantages.negative_weight`):
+    pushing down the sampled tokens of failed rollouts spreads probability over the rest, which
+    at ~400 rollouts outweighs what RL teaches (docs/experiments.md)."""
     sync_timeout_s: float = Field(120.0, gt=0)
     """After the last step, how long the servers may take to load the final version."""
 
@@ -126,7 +107,7 @@ class PipelineConfig(Config):
     kind, masked from the loss) and its real test output, then the fix: without them the model
     had never seen a failing test and, after its own wrong first attempt, wrote garbage until
     `max_turns`. With them it rewrites the file, but no retry passed in the runs measured
-    (docs/run.md, sessions 4 and 11), hence off."""
+    (docs/experiments.md), hence off."""
     demo_recovery_attempt: Literal["slip", "misread"] = "slip"
     """The failed attempt a recovery transcript opens with: `slip`, one token of the reference
     changed, or `misread`, another task's solution (the instruction read wrong; envs/tasks/
@@ -136,16 +117,10 @@ class PipelineConfig(Config):
         run=RunConfig(steps=3000, max_wall_time=0),
     )  # fmt: skip
     """Stage 1: mid-training on the code corpus plus the demonstrations (most rows are
-    demonstrations, each row long enough for one whole transcript). Measured: held-out pass@1
-    ~2% after 700 steps, ~48% after 2000 on one machine (the model learns to read the
-    instruction late); where a machine's rounding lands the transition moves the base a lot
-    (1500 steps: 0.317-0.383 on the run's 60 x 2 on one machine, 0.067 on another). On session
-    11's machine (AVX-512, ~11,300-12,800 tokens/s) 2000 steps gave a base of 0.320 on 400
-    held-out rollouts that RL lifted by 6 points, 3000 steps 0.642 lifted by 12 (docs/run.md,
-    session 11); 3000 steps take ~400 s there in fp32 (a cold run ~11 min). On the older machine
-    (5,700 tokens/s) they would take ~15 minutes alone: lower `steps` there. Where the CPU
-    multiplies bf16 natively, `run.dtype = "auto"` trains in bf16: 216-259 s for the 3000 steps, a
-    base of 0.537 (session 18, docs/run.md)."""
+    demonstrations, each row long enough for one whole transcript). 3000 steps: the model learns
+    to read the instruction late (~2% held-out pass@1 at 700 steps, ~48% at 2000), and fewer steps
+    leave the base at the mercy of the machine's rounding. On a slow CPU lower `run.steps`
+    (timings: docs/run.md)."""
     harness: HarnessConfig = HarnessConfig(
         max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64, train_cut_off_calls=True,
     )  # fmt: skip
@@ -161,9 +136,8 @@ class PipelineConfig(Config):
         rollout=RolloutConfig(concurrency=12),
     )  # fmt: skip
     """Held-out evaluation before and after RL (endpoint, harness and output folder are set by
-    the pipeline): 200 tasks x 2 rollouts, ~40 s each on 2 cores. Until session 13 it was the
-    first 60 of these tasks, on which RL gained 5-14 points more than on the other 140 in every
-    run of session 14 (docs/run.md): a lucky draw of tasks, not a property of the recipe."""
+    the pipeline): 200 tasks x 2 rollouts, ~40 s each on 2 cores; a smaller set flattered or
+    hid RL's gain by several points, depending on the draw of tasks."""
     placement: PlacementConfig = PlacementConfig()
     """CPU cores of the roles the pipeline starts (evaluations run in the pipeline's own process)."""
     rl_enabled: bool = True

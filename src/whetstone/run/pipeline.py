@@ -37,7 +37,7 @@ log = logging.getLogger("whetstone.run")
 TRAINER_QUOTA_PERIOD_US = 10_000
 """The trainer's CPU quota is enforced every 10 ms, not the kernel's 100: a trainer that idles
 between steps (synchronous RL) starts each step with a whole period's quota unspent, and with
-100 ms periods it ran at 1.23x its quota (`whetstone bench pipeline`, session 20), as if on
+100 ms periods it ran at 1.23x its quota (`whetstone bench pipeline`), as if on
 bigger hardware than the quota sizes; at 10 ms, 1.05x. The rollout side keeps 100 ms: its many
 processes' bursts would be throttled more often, and it is not bound by its quota."""
 
