@@ -15,10 +15,10 @@ from pydantic import Field, model_validator
 from whetstone.config import Config
 from whetstone.envs.tasks.registry import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
-from whetstone.midtrain.config import OptimizerConfig
 from whetstone.rl.loss import LossConfig
 from whetstone.rl.staleness import StalenessConfig
 from whetstone.sync.config import SyncConfig
+from whetstone.training.config import OptimizerConfig
 
 
 class RewardMapping(Config):

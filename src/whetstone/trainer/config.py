@@ -9,9 +9,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from whetstone.config import Config
-from whetstone.midtrain.config import OptimizerConfig
 from whetstone.rl.loss import LossConfig
 from whetstone.sync.config import SyncConfig
+from whetstone.training.config import OptimizerConfig
 
 
 class TrainerConfig(Config):

@@ -23,8 +23,8 @@ import torch
 
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
-from whetstone.midtrain.checkpoint import save_checkpoint
-from whetstone.midtrain.schedule import lr_at
+from whetstone.training.checkpoint import save_checkpoint
+from whetstone.training.schedule import lr_at
 from whetstone.rl.batch import Batch, batch_from_bytes, shuffled_parts
 from whetstone.rl.demos import demo_rows
 from whetstone.store import MissingObjectError

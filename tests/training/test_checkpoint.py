@@ -8,9 +8,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from whetstone.errors import CheckpointError
-from whetstone.midtrain import checkpoint as ckpt
-from whetstone.midtrain.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from whetstone.midtrain.optim import build_optimizer
+from whetstone.training import checkpoint as ckpt
+from whetstone.training.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from whetstone.training.optim import build_optimizer
 from whetstone.model import ModelConfig, Transformer
 
 TINY = ModelConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,

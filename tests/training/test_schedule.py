@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from whetstone.midtrain.schedule import lr_at
+from whetstone.training.schedule import lr_at
 
 SCHEDULE = dict(peak_lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
 

@@ -11,7 +11,7 @@ import torch
 from whetstone.errors import ConfigError
 
 if TYPE_CHECKING:
-    from whetstone.midtrain.config import OptimizerConfig
+    from whetstone.training.config import OptimizerConfig
 
 
 def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
