@@ -1,4 +1,4 @@
-"""The config of `whetstone online` (the servers' `[feedback]` section is in `online.feedback`).
+"""The config of `whetstone online` (the servers' `[feedback]` section is in `inference.feedback`).
 
 Defaults serve the embedded default: after `whetstone run`, servers that follow the run's weight
 store and keep their users' responses in `runs/default/feedback.db` (SQLite), and an online loop

@@ -36,7 +36,7 @@ from whetstone.model.hf import load_hf
 from whetstone.online.config import OnlineConfig
 from whetstone.online.gate import Gate, Verdict
 from whetstone.online.samples import feedback_batch
-from whetstone.online.store import FeedbackStore
+from whetstone.store.feedback import FeedbackStore
 from whetstone.online.weights import load_version
 from whetstone.rl.batch import Batch
 from whetstone.rl.logit_scale import LogitScale

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from whetstone.errors import WhetstoneError
-from whetstone.online.store import DuplicateFeedback, FeedbackStore, ResponseRecord, UnknownResponse, database_url
+from whetstone.store.feedback import DuplicateFeedback, FeedbackStore, ResponseRecord, UnknownResponse, database_url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -144,7 +144,7 @@ def test_servers_opening_a_new_store_at_once_all_get_it(store_url):
     """Servers sharing a store start together: each checks which tables are missing, then creates
     them, and another may create one in between (seen: a server of `whetstone bench online` died
     with "table whetstone_responses already exists")."""
-    from whetstone.online.store import metadata
+    from whetstone.store.feedback import metadata
 
     for round_ in range(6):
         start, stores, errors = threading.Barrier(4), [], []

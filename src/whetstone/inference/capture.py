@@ -13,8 +13,8 @@ import logging
 
 from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sequence import Sequence
-from whetstone.online.feedback import FeedbackConfig
-from whetstone.online.store import FeedbackStore, ResponseRecord
+from whetstone.inference.feedback import FeedbackConfig
+from whetstone.store.feedback import FeedbackStore, ResponseRecord
 
 log = logging.getLogger("whetstone.online")
 
