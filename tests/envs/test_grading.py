@@ -5,9 +5,9 @@ import tempfile
 
 import pytest
 
-from whetstone.envs import grade_runner
-from whetstone.envs.grading import changes_diff, compiled_runner, encode_paths, grade, workspace_changes
-from whetstone.envs.reward import Effort, RewardConfig, combine, effort_penalty
+from whetstone.envs.grading.in_sandbox import grade_runner
+from whetstone.envs.grading.grade import changes_diff, compiled_runner, encode_paths, grade, workspace_changes
+from whetstone.envs.grading.reward import Effort, RewardConfig, combine, effort_penalty
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
 from whetstone.envs.task import Task
 

@@ -1,6 +1,6 @@
 """Static cheat checks, one rule at a time (no sandbox needed)."""
 
-from whetstone.envs.cheats import scan_changes
+from whetstone.envs.grading.cheats import scan_changes
 from whetstone.envs.task import Task
 
 TASK = Task(

@@ -6,9 +6,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from whetstone.envs.grading import grade
-from whetstone.envs.judge import JudgeConfig, JudgeError, judge_score, parse_score
-from whetstone.envs.reward import RewardConfig
+from whetstone.envs.grading.grade import grade
+from whetstone.envs.grading.judge import JudgeConfig, JudgeError, judge_score, parse_score
+from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.task import Task
 
 

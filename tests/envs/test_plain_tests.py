@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from whetstone.envs import plain_tests
+from whetstone.envs.grading.in_sandbox import plain_tests
 from whetstone.envs.harness.tools import PLAIN_TESTS_SOURCE, Tools, _pytest_outcomes
 from whetstone.envs.sandbox import open_sandbox
 from whetstone.envs.task import Task
@@ -230,7 +230,7 @@ SWAP_FROM_A_THREAD = (  # works whatever the import order: swap the test functio
 @pytest.mark.parametrize("solution,late_import", [(SWAP_AT_IMPORT, True), (SWAP_FROM_A_THREAD, False)],
                          ids=["at import", "from a thread"])
 def test_grading_runs_the_test_files_own_code_and_flags_replaced_tests(solution, late_import):
-    from whetstone.envs.grading import grade
+    from whetstone.envs.grading.grade import grade
 
     hidden = TESTS.replace("4", "3")
     if late_import:
@@ -280,7 +280,7 @@ SWAP_CODE_IN_PYTEST = (  # swap the test functions' code once they exist, from a
 @pytest.mark.parametrize("solution", [SWAP_IN_PYTEST_AT_IMPORT, SWAP_CLASS_IN_PYTEST, SWAP_CODE_IN_PYTEST],
                          ids=["at import", "class renamed", "from a thread"])
 def test_grading_under_pytest_runs_the_files_own_tests_and_flags_replaced_ones(solution):
-    from whetstone.envs.grading import grade
+    from whetstone.envs.grading.grade import grade
 
     task = Task(id="pytest/swap", source="test", kind="synthesis", instruction="write solve", split="train",
                 repo_files={"solution.py": "def solve(x):\n    raise NotImplementedError\n"},
@@ -295,7 +295,7 @@ def test_grading_under_pytest_runs_the_files_own_tests_and_flags_replaced_ones(s
 
 
 def test_under_pytest_decorated_tests_run_as_found_and_failures_keep_their_assert_report():
-    from whetstone.envs.grading import grade
+    from whetstone.envs.grading.grade import grade
 
     hidden = ("import functools\nimport pytest\nfrom solution import solve\n\n\ndef checked(f):\n"
               "    @functools.wraps(f)\n    def wrapper(*args, **kwargs):\n        return f(*args, **kwargs)\n"
@@ -312,7 +312,7 @@ def test_under_pytest_decorated_tests_run_as_found_and_failures_keep_their_asser
 
 
 def test_under_pytest_a_test_defined_twice_runs_its_last_definition_unflagged():
-    from whetstone.envs.grading import grade
+    from whetstone.envs.grading.grade import grade
 
     hidden = ("import pytest\nfrom solution import solve\n\n\nclass TestSolve:\n    def test_1(self):\n"
               "        assert solve(1) == 99\n\n    def test_1(self):  # noqa: F811 (the one pytest collects)\n"

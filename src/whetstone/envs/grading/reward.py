@@ -16,7 +16,7 @@ import math
 from pydantic import Field, model_validator
 
 from whetstone.config import Config
-from whetstone.envs.judge import JudgeConfig
+from whetstone.envs.grading.judge import JudgeConfig
 from whetstone.envs.sandbox import SandboxConfig
 
 

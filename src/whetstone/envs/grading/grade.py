@@ -24,9 +24,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from whetstone.envs.cheats import is_protected, scan_changes
-from whetstone.envs.judge import JudgeError, judge_score
-from whetstone.envs.reward import Effort, RewardConfig, combine
+from whetstone.envs.grading.cheats import is_protected, scan_changes
+from whetstone.envs.grading.judge import JudgeError, judge_score
+from whetstone.envs.grading.reward import Effort, RewardConfig, combine
 from whetstone.envs.sandbox import Mount, RunResult, Sandbox, open_sandbox
 from whetstone.envs.task import Task
 from whetstone.errors import WhetstoneError
@@ -34,8 +34,8 @@ from whetstone.errors import WhetstoneError
 # Produced by running code (or by `pip install -e`), not written by the agent: neither reported
 # nor carried into grading, where the pristine setup makes them again.
 GENERATED = {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
-RUNNER = Path(__file__).with_name("grade_runner.py")
-PLAIN_TESTS = Path(__file__).with_name("plain_tests.py")
+RUNNER = Path(__file__).parent / "in_sandbox" / "grade_runner.py"
+PLAIN_TESTS = Path(__file__).parent / "in_sandbox" / "plain_tests.py"
 MAX_RESULT_LINE_CHARS = 100_000
 """A longer line in the results file is not the runner's (its records are one test id or flag)."""
 RUNNER_DIR_IN_SANDBOX = "/opt/whetstone"
