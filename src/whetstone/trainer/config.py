@@ -85,8 +85,3 @@ class TrainerConfig(Config):
         if self.optimizer.min_lr_ratio < 1 and self.max_steps == 0:
             raise ValueError("optimizer.min_lr_ratio < 1 decays the learning rate over max_steps: set max_steps")
         return self
-
-
-def batch_key(index: int) -> str:
-    """The batch store key of batch `index` (the orchestrator-trainer contract)."""
-    return f"batches/{index:010d}.batch"
