@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from tests.envs.test_harness_support import save_tiny_model
+from tests.envs.harness.harness_support import save_tiny_model
 from whetstone.bench.pipeline import coin_tasks as bench_coin_tasks
 from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.grading.reward import RewardConfig

@@ -10,7 +10,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from tests.envs.test_harness_support import save_tiny_model, serve_in_thread
+from tests.envs.harness.harness_support import save_tiny_model, serve_in_thread
 from whetstone.envs.eval import mean_pass_at_k, solved
 from whetstone.envs.eval.cli import app
 from whetstone.envs.trajectory import load_trajectories
@@ -115,7 +115,7 @@ def test_seeded_evaluations_draw_the_same_random_numbers_and_unseeded_ones_do_no
 def test_a_seeded_policy_gives_each_call_of_a_rollout_its_own_seed():
     import asyncio
 
-    from tests.envs.test_harness_support import ScriptedPolicy
+    from tests.envs.harness.harness_support import ScriptedPolicy
     from whetstone.envs.harness.policy import Sampling, SeededPolicy
     from whetstone.envs.harness.rollout import rollout_seed
 

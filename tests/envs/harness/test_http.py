@@ -9,7 +9,7 @@ import asyncio
 import pytest
 import torch
 
-from tests.envs.test_harness_support import (assert_one_growing_sequence, call, save_tiny_model,
+from tests.envs.harness.harness_support import (assert_one_growing_sequence, call, save_tiny_model,
                                              serve_in_thread, synth_task, tokenizer)  # fmt: skip
 from whetstone.envs.harness import (AgentHarness, EndpointConfig, HarnessConfig, HttpPolicy, PolicyError,
                                     RolloutConfig, Sampling, rollout)  # fmt: skip

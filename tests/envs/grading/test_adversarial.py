@@ -221,7 +221,7 @@ def test_filling_the_disk_is_stopped_and_taken_back():
 
 
 def test_writing_outside_the_workspace_is_contained(tmp_path):
-    runner = Path(__file__).parents[2] / "src/whetstone/envs/grading/in_sandbox/grade_runner.py"
+    runner = Path(__file__).parents[3] / "src/whetstone/envs/grading/in_sandbox/grade_runner.py"
     runner_before = runner.read_bytes()
     targets = ["/etc/pwned", "/usr/pwned", str(tmp_path / "pwned"), "/opt/whetstone/grade_runner.py", "/root/pwned"]
     attack = code(f"""

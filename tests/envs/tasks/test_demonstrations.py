@@ -4,14 +4,13 @@ import json
 
 import pytest
 
+from tests.envs.harness.harness_support import tokenizer
 from whetstone.envs import prompts
 from whetstone.envs.task import Task
 from whetstone.envs.tasks.demonstrations import demonstration, demonstrations, failed_attempt
 from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import encode_chat
-
-from .test_harness_support import tokenizer
 
 
 def _calls(messages):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.envs.test_harness_support import synth_task
+from tests.envs.harness.harness_support import synth_task
 from whetstone.envs import prompts
 from whetstone.envs.harness.tools import ToolCallError, Tools, check_call
 from whetstone.envs.harness.workspace import head_tail

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import re
 
-from tests.envs.test_harness_support import ScriptedPolicy, assert_one_growing_sequence, call, synth_task, tokenizer
+from tests.envs.harness.harness_support import ScriptedPolicy, assert_one_growing_sequence, call, synth_task, tokenizer
 from whetstone.envs.harness import AgentHarness, HarnessConfig, RolloutConfig, rollout
 from whetstone.envs.harness.summarize import SUMMARY_INTRO, SUMMARY_REQUEST
 from whetstone.envs.trajectory import load_trajectories, save_trajectories

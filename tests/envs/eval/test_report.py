@@ -65,7 +65,7 @@ def test_bad_config_and_unreachable_endpoint_are_named(tmp_path):
     result = runner.invoke(app, base)
     assert isinstance(result.exception, ConfigError) and "harness.tokenizer_path is not set" in str(result.exception)
     (tmp_path / "tok").mkdir()
-    from tests.envs.test_harness_support import tokenizer
+    from tests.envs.harness.harness_support import tokenizer
 
     tokenizer().save(tmp_path / "tok")
     result = runner.invoke(app, [*base, "-s", f"harness.tokenizer_path={tmp_path / 'tok'}", "-s",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.envs.test_harness_support import (ScriptedPolicy, assert_one_growing_sequence, call, solver, synth_task,
+from tests.envs.harness.harness_support import (ScriptedPolicy, assert_one_growing_sequence, call, solver, synth_task,
                                              tokenizer, turn_number)  # fmt: skip
 from whetstone.envs.harness import AgentHarness, HarnessConfig, PolicyError, RolloutConfig, rollout
 from whetstone.envs.sandbox import open_sandbox

@@ -4,7 +4,7 @@ context is `encode_chat` of the conversation."""
 
 from __future__ import annotations
 
-from tests.envs.test_harness_support import call, tokenizer
+from tests.envs.harness.harness_support import call, tokenizer
 from whetstone.envs import prompts
 from whetstone.envs.harness.context import SegmentContext, between_turns
 from whetstone.tokenizer import encode_chat

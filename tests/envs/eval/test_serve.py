@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.envs.test_eval_cli import check_eval
-from tests.envs.test_harness_support import save_tiny_model
+from tests.envs.eval.test_cli import check_eval
+from tests.envs.harness.harness_support import save_tiny_model
 from whetstone.utils.processes import serving
 
 pytestmark = pytest.mark.slow

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 
-from tests.envs.test_harness_support import ScriptedPolicy, call, synth_task, tokenizer, turn_number
+from tests.envs.harness.harness_support import ScriptedPolicy, call, synth_task, tokenizer, turn_number
 from whetstone.envs.harness import AgentHarness, Harness, HarnessConfig, RolloutConfig, run_rollouts
 from whetstone.envs.trajectory import Trajectory
 
