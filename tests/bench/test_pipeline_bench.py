@@ -15,7 +15,7 @@ from whetstone.bench.pipeline import (ROLLOUT_HEADROOM, GradingReward, coin_task
                                       trainer_cpu_share, written_files)
 from whetstone.envs.harness import HarnessConfig
 from whetstone.envs.harness.summarize import segment_messages
-from whetstone.envs.reward import RewardConfig
+from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import Tokenizer, render_chat

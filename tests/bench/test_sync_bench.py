@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from whetstone.bench.sync import consecutive_pairs, read_versions, rl_store_case
-from whetstone.midtrain.checkpoint import latest_checkpoint
+from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.model.hf import load_hf
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, SyncConfig, WeightStore, apply_update

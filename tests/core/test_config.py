@@ -80,7 +80,7 @@ def test_a_partial_section_keeps_the_defaults_of_its_parent():
 
 
 def test_dict_keys_that_are_not_bare_toml_keys_survive_the_round_trip(tmp_path):
-    from whetstone.midtrain.config import OptimizerConfig
+    from whetstone.training.config import OptimizerConfig
 
     cfg = OptimizerConfig(lr_multipliers={"norm.weight": 30.0, "layers.*.mlp gate": 2.0})
     path = tmp_path / "opt.toml"

@@ -20,8 +20,8 @@ from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
-from whetstone.midtrain.step import autocast
 from whetstone.model import numerics
+from whetstone.model.ops import autocast
 from whetstone.rl.batch import Batch
 from whetstone.rl.loss import LossConfig
 from whetstone.trainer.step import forward_logprobs, train_step

@@ -8,7 +8,7 @@ import torch
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.data.loader import make_batch
 from whetstone.errors import WhetstoneError
-from whetstone.midtrain.optim import build_optimizer
+from whetstone.training.optim import build_optimizer
 from whetstone.midtrain.step import train_step, validation_loss
 from whetstone.model import ModelConfig, Transformer
 
@@ -115,23 +115,3 @@ def test_validation_loss_is_the_token_mean_cross_entropy():
         logits = model(rows[:, :-1]).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
     assert validation_loss(model, [batch(rows[:2]), batch(rows[2:])], "float32") == pytest.approx(expected, rel=1e-5)
-
-
-def test_lr_multipliers_scale_the_step_of_the_parameters_they_name():
-    from whetstone.errors import ConfigError
-    from whetstone.midtrain.optim import clip_and_step
-
-    torch.manual_seed(0)
-    model = Transformer(TINY)
-    optimizer = build_optimizer(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                                lr_multipliers={"norm.weight": 10.0})  # fmt: skip
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    for p in model.parameters():
-        p.grad = torch.ones_like(p)  # Adam's first step is lr * sign(g) for every value
-    clip_and_step(model, optimizer, 1e-3, grad_clip=0.0)
-    moved = {name: float((p.detach() - before[name]).abs().max()) for name, p in model.named_parameters()}
-    assert moved["norm.weight"] == pytest.approx(1e-2, rel=1e-3)
-    assert moved["layers.0.input_layernorm.weight"] == pytest.approx(1e-3, rel=1e-3)
-    with pytest.raises(ConfigError, match="final_norm.weight"):
-        build_optimizer(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0,
-                        lr_multipliers={"final_norm.weight": 2.0})  # fmt: skip

@@ -13,7 +13,7 @@ from tests.online.online_fixtures import API_KEY
 from whetstone.errors import ConfigError
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.inference.launch import build_app
-from whetstone.online.store import FeedbackStore
+from whetstone.store.feedback import FeedbackStore
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HELLO = [{"role": "user", "content": "Write solve(x)."}]

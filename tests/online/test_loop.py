@@ -16,7 +16,7 @@ from tests.online.online_fixtures import NO_GATE, wait_for_version
 from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.online.loop import OnlineLoop
 from whetstone.online.preferences import MatchesPattern
-from whetstone.online.store import FeedbackStore
+from whetstone.store.feedback import FeedbackStore
 from whetstone.online.weights import load_version, rollback
 from whetstone.sync import WeightStore
 from whetstone.utils.metrics import read_metrics

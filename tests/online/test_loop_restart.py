@@ -14,7 +14,7 @@ import torch
 from tests.online.online_fixtures import NO_GATE
 from whetstone.online.loop import OnlineLoop
 from whetstone.online.samples import feedback_batch
-from whetstone.online.store import FeedbackStore
+from whetstone.store.feedback import FeedbackStore
 from whetstone.online.weights import rollback
 
 BF16_STORE = NO_GATE | {"sync": {"publish_dtype": "bfloat16"}}

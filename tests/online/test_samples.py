@@ -8,7 +8,7 @@ import torch
 from whetstone.inference.protocol import encode_routes
 from whetstone.online.config import OnlineConfig, RewardMapping
 from whetstone.online.samples import feedback_batch
-from whetstone.online.store import RatedResponse, ResponseRecord
+from whetstone.store.feedback import RatedResponse, ResponseRecord
 
 
 def rated(seq: int, rating: str = "thumbs_up", score: float | None = None, versions=(5, 5), **changes) -> RatedResponse:

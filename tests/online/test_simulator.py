@@ -11,7 +11,7 @@ from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.inference.launch import build_app
 from whetstone.online.preferences import MatchesPattern
 from whetstone.online.simulator import UserSimulator
-from whetstone.online.store import FeedbackStore
+from whetstone.store.feedback import FeedbackStore
 
 
 @pytest.fixture

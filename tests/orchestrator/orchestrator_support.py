@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from tests.envs.test_harness_support import save_tiny_model
+from tests.envs.harness.harness_support import save_tiny_model
 from whetstone.bench.pipeline import coin_tasks as bench_coin_tasks
 from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
-from whetstone.envs.reward import RewardConfig
+from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.task import Task
 from whetstone.envs.tasks import load_source
 from whetstone.orchestrator import OrchestratorConfig

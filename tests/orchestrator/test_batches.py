@@ -4,25 +4,15 @@ import asyncio
 
 import pytest
 
-from whetstone.orchestrator.batches import (
-    Group, Window, batch_key, build_batch, drop_stale, flat_metrics, next_batch_index,
-)
+from whetstone.orchestrator.batches import Group, Window, build_batch, drop_stale, flat_metrics
 from whetstone.rl.samples import NOT_GENERATED, Sample
 from whetstone.rl.staleness import StalenessConfig
-from whetstone.store import LocalStore
 
 
 def sample(version: int, advantage: float = 1.0) -> Sample:
     """Three tokens: a prompt token, then two sampled under `version`."""
     return Sample(input_ids=[5, 6, 7], loss_mask=[1, 1], behavior_logprobs=[-0.5, -0.25], versions=[version, version],
                   routes=None, reward=advantage, task_id="t", group_id=f"g{version}", advantage=advantage)  # fmt: skip
-
-
-def test_batch_keys_and_the_next_index_after_a_restart(tmp_path):
-    store = LocalStore(tmp_path)
-    assert batch_key(7) == "batches/0000000007.batch" and next_batch_index(store) == 0
-    store.put(batch_key(0), b"x"), store.put(batch_key(1), b"x"), store.put("batches/notes.txt", b"x")
-    assert next_batch_index(store) == 2
 
 
 def test_samples_older_than_the_bound_are_dropped_and_counted():

@@ -10,7 +10,8 @@ import pytest
 from tests.orchestrator.orchestrator_support import (
     ProcessServer, Trainer, coin_tasks, model_folder, orchestrator_config,
 )
-from whetstone.orchestrator import Orchestrator, batch_key
+from whetstone.orchestrator import Orchestrator
+from whetstone.rl.batch_store import batch_key
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.store import LocalStore
 

@@ -12,7 +12,8 @@ from tests.orchestrator.orchestrator_support import (
 )
 from whetstone.envs.harness import RolloutConfig
 from whetstone.envs.harness.pool import ServerPool
-from whetstone.orchestrator import Orchestrator, batch_key
+from whetstone.orchestrator import Orchestrator
+from whetstone.rl.batch_store import batch_key
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.store import LocalStore
 

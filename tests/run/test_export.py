@@ -14,7 +14,7 @@ from tests.run.run_support import tiny_run
 from whetstone.errors import WhetstoneError
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.launch import build_app
-from whetstone.midtrain.checkpoint import TrainState, save_checkpoint
+from whetstone.training.checkpoint import TrainState, save_checkpoint
 from whetstone.model.hf import load_hf
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.run.pipeline import Pipeline

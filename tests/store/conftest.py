@@ -2,6 +2,7 @@ import uuid
 
 import pytest
 
+from tests.store.postgres_fixtures import fresh_postgres, postgres_url  # noqa: F401 (fixtures)
 from whetstone.store import LocalStore
 from whetstone.store.moto import local_s3
 

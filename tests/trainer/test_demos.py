@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from tests.trainer.trainer_fixtures import TINY_MOE, TRANSCRIPTS, put_batches, trainer_config
 from whetstone.errors import ConfigError, WhetstoneError
-from whetstone.midtrain.checkpoint import latest_checkpoint
+from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.model.hf import load_hf
 from whetstone.rl.batch import collate
 from whetstone.rl.demos import demo_rows, load_demos, write_demos

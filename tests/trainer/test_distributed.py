@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from whetstone.config import dump_toml
-from whetstone.midtrain.checkpoint import latest_checkpoint
+from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.rl.demos import write_demos
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
 from whetstone.trainer.distributed import global_normalizer, rank_rows

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from whetstone.errors import CheckpointError
-from whetstone.midtrain.checkpoint import latest_checkpoint, list_checkpoints
+from whetstone.training.checkpoint import latest_checkpoint, list_checkpoints
 from whetstone.model.hf import load_hf
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, policy_loss

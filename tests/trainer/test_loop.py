@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError
-from whetstone.midtrain.checkpoint import latest_checkpoint
+from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.model.hf import load_hf
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
 from whetstone.trainer.loop import run_trainer

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.midtrain.optim import build_optimizer
+from whetstone.training.optim import build_optimizer
 from whetstone.model.hf import load_hf
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig

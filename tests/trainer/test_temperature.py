@@ -13,7 +13,7 @@ from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sampling import SamplingParams
-from whetstone.midtrain.optim import build_optimizer
+from whetstone.training.optim import build_optimizer
 from whetstone.model.hf import load_hf
 from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, collate
 from whetstone.rl.loss import LossConfig

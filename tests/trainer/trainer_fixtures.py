@@ -19,11 +19,12 @@ from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, save_hf
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.advantages.groups import score_groups
-from whetstone.rl.batch import Batch, batch_to_bytes, collate
+from whetstone.rl.batch import Batch, collate
+from whetstone.rl.batch_store import put_batch
 from whetstone.rl.samples import trajectory_samples
 from whetstone.store import LocalStore, ObjectStore
 from whetstone.tokenizer import Tokenizer, render_chat
-from whetstone.trainer.config import TrainerConfig, batch_key
+from whetstone.trainer.config import TrainerConfig
 
 TINY_MOE = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                        head_dim=8, intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
@@ -88,7 +89,7 @@ def make_batches(model_dir: Path, count: int, seed: int = 0, numerics: str = "fa
 def put_batches(store: Path | ObjectStore, batches: list[Batch], first: int = 0) -> None:
     store = store if isinstance(store, ObjectStore) else LocalStore(store)
     for offset, batch in enumerate(batches):
-        store.put(batch_key(first + offset), batch_to_bytes(batch))
+        put_batch(store, first + offset, batch)
 
 
 def trainer_config(root: Path, model_dir: Path, **changes) -> TrainerConfig:

@@ -336,8 +336,8 @@ class GradingReward:
         self.rewards: list[float] = []
 
     def grade(self, task_id: str, completion_ids: list[int]) -> float:
-        from whetstone.envs.grading import grade
-        from whetstone.envs.reward import Effort
+        from whetstone.envs.grading.grade import grade
+        from whetstone.envs.grading.reward import Effort
 
         changes, invalid = written_files(self.tokenizer.decode(completion_ids), self.max_calls)
         effort = Effort(turns=1, tokens=len(completion_ids), invalid_tool_calls=invalid)

@@ -69,8 +69,8 @@ def adamw_step(masters: dict[str, torch.Tensor], lr: float, seed: int) -> dict[s
 def tiny_model_steps(lr: float, steps: int, seed: int) -> tuple[dict, dict]:
     """fp32 states of whetstone's default model after `steps - 1` and `steps` AdamW steps on
     random tokens (next-token loss, grad clipping and parameter groups as in mid-training)."""
-    from whetstone.midtrain.config import OptimizerConfig
-    from whetstone.midtrain.optim import optimizer_for
+    from whetstone.training.config import OptimizerConfig
+    from whetstone.training.optim import optimizer_for
     from whetstone.model import ModelConfig, Transformer
 
     torch.manual_seed(seed)
@@ -281,7 +281,7 @@ def run(repeats: int = 5, with_fanout: bool = True, seed: int = 0, rl_stores: li
     masters = minilm_masters()
     cases = [delta_case(f"minilm-adamw-lr{lr:g}", masters, adamw_step(masters, lr, seed), config, repeats)
              for lr in (1e-6, 1e-5)]
-    from whetstone.midtrain.config import OptimizerConfig
+    from whetstone.training.config import OptimizerConfig
 
     for label, lr in [("midtrain", OptimizerConfig().lr), ("rl", 1e-6)]:
         before, after = tiny_model_steps(lr, steps=4, seed=seed)

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from whetstone.config import Config
-from whetstone.online.feedback import FeedbackConfig
+from whetstone.inference.feedback import FeedbackConfig
 from whetstone.sync.config import SyncConfig
 
 

@@ -38,9 +38,9 @@ from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample
 from whetstone.inference.scheduler import Scheduler
 from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
-from whetstone.midtrain.step import autocast
 from whetstone.model import invariant, numerics
 from whetstone.model.layout import to_column_major
+from whetstone.model.ops import autocast
 from whetstone.sync.update import WeightUpdate
 
 log = logging.getLogger(__name__)

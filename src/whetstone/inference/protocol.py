@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from whetstone.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
 from whetstone.inference.sequence import Priority
-from whetstone.online.feedback import Rating
+from whetstone.inference.feedback import Rating
 
 MAX_CHOICES = 64
 

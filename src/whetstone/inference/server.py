@@ -37,8 +37,8 @@ from whetstone.inference.responses import chat_choice, completion_choice, header
 from whetstone.inference.sampling import InvalidRequest
 from whetstone.inference.stream import chat_stream, completion_stream
 from whetstone.inference.submission import ClientGone, Submission
-from whetstone.online.capture import Capture
-from whetstone.online.store import DuplicateFeedback, UnknownResponse
+from whetstone.inference.capture import Capture
+from whetstone.store.feedback import DuplicateFeedback, UnknownResponse
 from whetstone.tokenizer import Tokenizer, render_chat
 
 log = logging.getLogger(__name__)

@@ -6,34 +6,12 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, PositiveFloat, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from whetstone.config import Config
 from whetstone.data import CorpusConfig
 from whetstone.model import ModelConfig
-
-
-class OptimizerConfig(Config):
-    """AdamW on fp32 master weights, linear warmup then cosine decay, gradient clipping."""
-
-    lr: float = Field(3e-3, gt=0)
-    """Peak learning rate, reached at the end of warmup."""
-    min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    """The cosine ends at `lr * min_lr_ratio` on the last step."""
-    warmup_steps: int = Field(40, ge=0)
-    """Optimizer steps of linear warmup from lr/warmup_steps to lr."""
-    betas: tuple[float, float] = (0.9, 0.95)
-    """AdamW beta1, beta2."""
-    eps: float = Field(1e-8, gt=0)
-    """AdamW epsilon."""
-    weight_decay: float = Field(0.1, ge=0)
-    """Decoupled weight decay, applied to matrices only (not to norms or biases)."""
-    grad_clip: float = Field(1.0, ge=0)
-    """Clip the global gradient norm to this value before each step; 0 turns clipping off."""
-    lr_multipliers: dict[str, PositiveFloat] = {}
-    """Parameter-name pattern (fnmatch, e.g. `norm.weight` for the final norm) -> factor on the
-    learning rate of the parameters it matches; first match wins; a pattern matching nothing is
-    refused."""
+from whetstone.training.config import OptimizerConfig
 
 
 class RunConfig(Config):

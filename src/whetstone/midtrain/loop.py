@@ -16,9 +16,9 @@ from typing import Any
 
 from whetstone.config import dump_toml
 from whetstone.data import DemoSource
-from whetstone.midtrain.checkpoint import save_checkpoint
+from whetstone.training.checkpoint import save_checkpoint
 from whetstone.midtrain.config import MidtrainConfig
-from whetstone.midtrain.schedule import lr_at
+from whetstone.training.schedule import lr_at
 from whetstone.midtrain.setup import Session, open_session
 from whetstone.midtrain.step import train_step, validation_loss
 from whetstone.model.hf import save_hf

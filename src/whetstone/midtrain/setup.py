@@ -14,9 +14,9 @@ import torch
 
 from whetstone.data import Corpus, CorpusConfig, DemoSource, TrainLoader, build_corpus
 from whetstone.errors import ConfigError
-from whetstone.midtrain.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint, read_state
+from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint, read_state
 from whetstone.midtrain.config import MidtrainConfig
-from whetstone.midtrain.optim import optimizer_for
+from whetstone.training.optim import optimizer_for
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
 from whetstone.utils.runtime import configure_process, resolve_dtype

@@ -8,15 +8,15 @@ of one big batch, whatever the share of ignored targets in each micro-batch.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.errors import WhetstoneError
-from whetstone.midtrain.optim import clip_and_step
 from whetstone.model import Transformer, ops
+from whetstone.model.ops import autocast
+from whetstone.training.optim import clip_and_step
 
 
 @dataclass
@@ -31,13 +31,6 @@ class StepStats:
     """Global gradient norm before clipping."""
     tokens: int
     """Input tokens processed."""
-
-
-def autocast(dtype: str):
-    """bf16 compute under autocast (weights stay fp32), or plain fp32."""
-    if dtype == "bfloat16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return nullcontext()
 
 
 def token_losses(model: Transformer, batch: Batch, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""The config of `whetstone online` (the servers' `[feedback]` section is in `online.feedback`).
+"""The config of `whetstone online` (the servers' `[feedback]` section is in `inference.feedback`).
 
 Defaults serve the embedded default: after `whetstone run`, servers that follow the run's weight
 store and keep their users' responses in `runs/default/feedback.db` (SQLite), and an online loop
@@ -15,10 +15,10 @@ from pydantic import Field, model_validator
 from whetstone.config import Config
 from whetstone.envs.tasks.registry import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
-from whetstone.midtrain.config import OptimizerConfig
 from whetstone.rl.loss import LossConfig
 from whetstone.rl.staleness import StalenessConfig
 from whetstone.sync.config import SyncConfig
+from whetstone.training.config import OptimizerConfig
 
 
 class RewardMapping(Config):

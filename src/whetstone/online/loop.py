@@ -5,7 +5,7 @@ gate -> publish, or discard and say why. Servers pick new versions up through th
     <output_dir>/metrics.jsonl   one record per update: decision, reason, counts, loss, scores, timings
     <output_dir>/state.json      the feedback cursor (newest event read) and the update count
     <output_dir>/checkpoints/step_<version>/   fp32 masters and AdamW moments of a version the
-                                 loop published (the newest two; midtrain.checkpoint's format)
+                                 loop published (the newest two; training.checkpoint's format)
 
 The weight store says which version the loop continues from: on start, and whenever the store's
 newest version is not the one the loop published last (a rollback, another publisher), the loop
@@ -30,13 +30,13 @@ import torch
 
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError, WhetstoneError
-from whetstone.midtrain.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
-from whetstone.midtrain.optim import optimizer_for
+from whetstone.training.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
+from whetstone.training.optim import optimizer_for
 from whetstone.model.hf import load_hf
 from whetstone.online.config import OnlineConfig
 from whetstone.online.gate import Gate, Verdict
 from whetstone.online.samples import feedback_batch
-from whetstone.online.store import FeedbackStore
+from whetstone.store.feedback import FeedbackStore
 from whetstone.online.weights import load_version
 from whetstone.rl.batch import Batch
 from whetstone.rl.logit_scale import LogitScale

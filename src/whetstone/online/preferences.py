@@ -47,7 +47,7 @@ class PassesTests(Preference):
     """The files the reply writes make the task's hidden tests pass (the real grader, in a sandbox)."""
 
     def likes(self, task: Task, reply: str) -> bool:
-        from whetstone.envs.grading import grade
+        from whetstone.envs.grading.grade import grade
 
         files = written_files(reply)
         return bool(files) and grade(task, files).passed

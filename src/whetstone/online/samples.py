@@ -17,7 +17,7 @@ from typing import Any
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.online.config import OnlineConfig
-from whetstone.online.store import RatedResponse, ResponseRecord
+from whetstone.store.feedback import RatedResponse, ResponseRecord
 from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import Sample, trajectory_samples
 from whetstone.rl.staleness import StalenessHistogram, filter_stale

@@ -5,7 +5,6 @@ trainer batches through the batch store, with bounded staleness. See docs/orches
 """
 
 from whetstone.orchestrator.config import OrchestratorConfig
-from whetstone.orchestrator.batches import batch_key
 from whetstone.orchestrator.loop import Orchestrator
 
-__all__ = ["Orchestrator", "OrchestratorConfig", "batch_key"]
+__all__ = ["Orchestrator", "OrchestratorConfig"]

@@ -1,8 +1,7 @@
-"""Batches for the trainer: the store keys, what goes in a batch, and its meta.
+"""Batches for the trainer: what goes in a batch, and its meta.
 
-Batch n is `batches/<n:010d>.batch` in the batch store (one `put` of `batch_to_bytes`, so a
-reader sees all of it or nothing); the trainer's optimizer step n consumes it under weight
-version n. Its meta carries what the trainer logs: the drop counts of the groups scored since
+Batch n goes into the batch store (`rl.batch_store`); the trainer's optimizer step n consumes it
+under weight version n. Its meta carries what the trainer logs: the drop counts of the groups scored since
 the previous batch, their mean reward, and the staleness histogram of what is in it.
 """
 
@@ -16,20 +15,6 @@ from whetstone.envs.trajectory import Trajectory
 from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import Sample
 from whetstone.rl.staleness import StalenessConfig, StalenessHistogram, filter_stale
-from whetstone.store import ObjectStore
-
-BATCH_PREFIX = "batches/"
-
-
-def batch_key(index: int) -> str:
-    return f"{BATCH_PREFIX}{index:010d}.batch"
-
-
-def next_batch_index(store: ObjectStore) -> int:
-    """One past the newest batch in the store: a restarted orchestrator continues the sequence."""
-    indices = [int(key.removeprefix(BATCH_PREFIX).removesuffix(".batch")) for key in store.list(BATCH_PREFIX)
-               if key.endswith(".batch")]  # fmt: skip
-    return max(indices, default=-1) + 1
 
 
 @dataclass

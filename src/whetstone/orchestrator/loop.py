@@ -35,12 +35,11 @@ from whetstone.envs.harness import AgentHarness, ServerPool, rollout
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory
 from whetstone.errors import WhetstoneError
-from whetstone.orchestrator.batches import (
-    Group, Window, batch_key, build_batch, drop_stale, flat_metrics, next_batch_index,
-)
+from whetstone.orchestrator.batches import Group, Window, build_batch, drop_stale, flat_metrics
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.rl.advantages.groups import score_groups
 from whetstone.rl.batch import batch_to_bytes
+from whetstone.rl.batch_store import batch_key, next_batch_index
 from whetstone.rl.samples import trajectory_samples
 from whetstone.store import open_store
 from whetstone.sync import WeightStore

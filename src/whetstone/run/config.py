@@ -22,11 +22,12 @@ from whetstone.envs.harness import HarnessConfig, RolloutConfig
 from whetstone.envs.tasks import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
 from whetstone.inference.config import EngineConfig, ServeConfig
-from whetstone.midtrain.config import MidtrainConfig, OptimizerConfig, RunConfig
+from whetstone.midtrain.config import MidtrainConfig, RunConfig
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.loss import LossConfig
 from whetstone.trainer.config import TrainerConfig
+from whetstone.training.config import OptimizerConfig
 
 
 class ServersConfig(Config):

@@ -238,7 +238,7 @@ class Pipeline:
         logit scale RL learned (None when it learns none). After RL the policy is the trainer's
         last checkpoint, whose weights are the final version the servers were evaluated with (the
         scale folded into the final norm); without RL it is the mid-trained model."""
-        from whetstone.midtrain.checkpoint import checkpoint_step, latest_checkpoint, load_weights
+        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint, load_weights
         from whetstone.model.hf import load_hf, save_hf
 
         target = self.run_dir / "model"

@@ -9,9 +9,9 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from whetstone.config import Config
-from whetstone.midtrain.config import OptimizerConfig
 from whetstone.rl.loss import LossConfig
 from whetstone.sync.config import SyncConfig
+from whetstone.training.config import OptimizerConfig
 
 
 class TrainerConfig(Config):
@@ -85,8 +85,3 @@ class TrainerConfig(Config):
         if self.optimizer.min_lr_ratio < 1 and self.max_steps == 0:
             raise ValueError("optimizer.min_lr_ratio < 1 decays the learning rate over max_steps: set max_steps")
         return self
-
-
-def batch_key(index: int) -> str:
-    """The batch store key of batch `index` (the orchestrator-trainer contract)."""
-    return f"batches/{index:010d}.batch"

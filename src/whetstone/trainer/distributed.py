@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from whetstone.midtrain.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from whetstone.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from whetstone.model import Transformer
 from whetstone.rl.batch import OPTIONAL_FIELDS, TENSOR_FIELDS, Batch
 from whetstone.rl.loss import LossStats, step_normalizer

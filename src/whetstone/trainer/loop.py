@@ -23,13 +23,13 @@ import torch
 
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
-from whetstone.midtrain.checkpoint import save_checkpoint
-from whetstone.midtrain.schedule import lr_at
-from whetstone.rl.batch import Batch, batch_from_bytes, shuffled_parts
+from whetstone.training.checkpoint import save_checkpoint
+from whetstone.training.schedule import lr_at
+from whetstone.rl.batch import Batch, shuffled_parts
+from whetstone.rl.batch_store import batch_key, get_batch
 from whetstone.rl.demos import demo_rows
-from whetstone.store import MissingObjectError
 from whetstone.sync import Subscriber
-from whetstone.trainer.config import TrainerConfig, batch_key
+from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import (
     broadcast,
     full_state_dict,
@@ -66,13 +66,11 @@ def stop_on_signals() -> Iterator[threading.Event]:
 
 def read_batch(session: TrainerSession, index: int) -> Batch | None:
     """Batch `index` from the store, or None if it is not there yet."""
-    key = batch_key(index)
-    try:
-        batch = batch_from_bytes(session.batches.get(key), source=f"{key} in {session.batches!r}")
-    except MissingObjectError:
+    batch = get_batch(session.batches, index)
+    if batch is None:
         return None
     if batch.meta.get("index", index) != index:
-        raise WhetstoneError(f"{key} says it is batch {batch.meta['index']}, expected {index}")
+        raise WhetstoneError(f"{batch_key(index)} says it is batch {batch.meta['index']}, expected {index}")
     return batch
 
 

@@ -16,8 +16,8 @@ from pathlib import Path
 import torch
 
 from whetstone.errors import CheckpointError, ConfigError
-from whetstone.midtrain.checkpoint import TrainState, latest_checkpoint, load_checkpoint
-from whetstone.midtrain.optim import optimizer_for
+from whetstone.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint
+from whetstone.training.optim import optimizer_for
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf
 from whetstone.rl.demos import load_demos

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.midtrain.step import autocast
-from whetstone.midtrain.optim import clip_and_step
+from whetstone.model.ops import autocast
+from whetstone.training.optim import clip_and_step
 from whetstone.model import Numerics, Transformer, ops
 from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale

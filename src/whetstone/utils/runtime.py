@@ -47,7 +47,7 @@ def keep_freed_memory() -> bool:
     is what PyTorch's CPU tuning guide gets from jemalloc/tcmalloc, without a preload. The cost:
     the heap keeps what it grew to (60-160 MB more resident in a training loop of the default
     model), and it is not a guarantee: small objects may settle in a freed block, so the next
-    large one grows the heap instead (tests/core/test_runtime.py measures the usual pattern).
+    large one grows the heap instead (tests/utils/test_runtime.py measures the usual pattern).
     Returns whether it applied (glibc only; elsewhere the allocator is left alone)."""
     if platform.libc_ver()[0] != "glibc":
         return False

@@ -7,7 +7,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from whetstone.config import Config
-from whetstone.envs.reward import RewardConfig
+from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxConfig
 
 

@@ -20,13 +20,13 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from whetstone.envs.grading import grade, workspace_changes
+from whetstone.envs.grading.grade import grade, workspace_changes
 from whetstone.envs.harness.base import Harness
 from whetstone.envs.harness.config import RolloutConfig
 from whetstone.envs.harness.policy import Policy, SeededPolicy
 from whetstone.envs.harness.pool import ServerPool
 from whetstone.envs.harness.workspace import head_tail
-from whetstone.envs.reward import Effort
+from whetstone.envs.grading.reward import Effort
 from whetstone.envs.sandbox import Sandbox, open_sandbox
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory

@@ -14,7 +14,8 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-from whetstone.envs import plain_tests, prompts
+from whetstone.envs import prompts
+from whetstone.envs.grading.in_sandbox import plain_tests
 from whetstone.envs.harness.workspace import ToolError, Workspace, head_tail
 from whetstone.envs.sandbox import RunResult, Sandbox
 from whetstone.envs.task import Task

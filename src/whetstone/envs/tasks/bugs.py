@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import PurePosixPath
 
-from whetstone.envs.grading import grade
-from whetstone.envs.reward import RewardConfig
+from whetstone.envs.grading.grade import grade
+from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.task import Task
 from whetstone.envs.tasks.mutations import Mutation, mutation_sites
 from whetstone.errors import WhetstoneError

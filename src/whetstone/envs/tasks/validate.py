@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from whetstone.envs.grading import grade, pristine_files
-from whetstone.envs.reward import RewardConfig
+from whetstone.envs.grading.grade import grade, pristine_files
+from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxUnavailableError
 from whetstone.envs.task import Task, missing_visible_tests
 from whetstone.envs.tasks.bugs import listed

@@ -1,0 +1,297 @@
+"""Grade a rollout: its changes, on the pristine repository in a fresh sandbox, against tests it never saw.
+
+1. `workspace_changes` diffs the rollout's workspace against the task's snapshot.
+2. `grade` scans the changes for hacks (`cheats.py`), then opens a fresh sandbox over the
+   pristine files, applies only the changes outside tests and protected paths (never `.git`),
+   and only then adds the hidden tests.
+3. The tests run under `grade_runner.py`, which reports each test and what the solution code
+   did at run time to a file outside the workspace; a report the code writes is never read.
+4. `reward.combine` turns tests, an optional judge score and effort into the reward.
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import difflib
+import functools
+import os
+import py_compile
+import secrets
+import shlex
+import shutil
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from whetstone.envs.grading.cheats import is_protected, scan_changes
+from whetstone.envs.grading.judge import JudgeError, judge_score
+from whetstone.envs.grading.reward import Effort, RewardConfig, combine
+from whetstone.envs.sandbox import Mount, RunResult, Sandbox, open_sandbox
+from whetstone.envs.task import Task
+from whetstone.errors import WhetstoneError
+
+# Produced by running code (or by `pip install -e`), not written by the agent: neither reported
+# nor carried into grading, where the pristine setup makes them again.
+GENERATED = {"__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache"}
+RUNNER = Path(__file__).parent / "in_sandbox" / "grade_runner.py"
+PLAIN_TESTS = Path(__file__).parent / "in_sandbox" / "plain_tests.py"
+MAX_RESULT_LINE_CHARS = 100_000
+"""A longer line in the results file is not the runner's (its records are one test id or flag)."""
+RUNNER_DIR_IN_SANDBOX = "/opt/whetstone"
+MAX_LOG_CHARS = 20_000
+SETUP_OUTPUT_CHARS = 300
+"""How much of a failed setup command's output its failure reason quotes."""
+
+
+@dataclass
+class GradeResult:
+    """The grade of one rollout."""
+
+    reward: float
+    passed: bool
+    """Solved: every required test passed (and at least one ran)."""
+    tests: dict[str, str]
+    """Test id -> passed | failed | error | skipped (a test that never reported is an error)."""
+    breakdown: dict[str, float]
+    cheat_flags: list[str]
+    exclude_from_gradient: bool
+    log: str
+    setup_failure: str | None = None
+    """Why a setup command failed (the command, its exit code or time-out); the tests did not run."""
+    test_limits_hit: list[str] = field(default_factory=list)
+    """Limits the test run ran into: wall_clock (the tests timed out), cpu, memory, processes, output."""
+
+
+def read_tree(directory: Path) -> dict[str, bytes]:
+    """Regular files under `directory` by relative path; symlinks and special files are not followed."""
+    files: dict[str, bytes] = {}
+    stack = [directory]
+    while stack:
+        with os.scandir(stack.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    if entry.name not in GENERATED and not entry.name.endswith(".egg-info"):
+                        stack.append(Path(entry.path))
+                elif entry.is_file(follow_symlinks=False):
+                    files[Path(entry.path).relative_to(directory).as_posix()] = Path(entry.path).read_bytes()
+    return files
+
+
+def pristine_files(task: Task) -> dict[str, str]:
+    """The task's repository snapshot as {path: text} (read from `repo_path` when given that way)."""
+    if task.repo_path is None:
+        return dict(task.repo_files)
+    snapshot = Path(task.repo_path)
+    if not snapshot.is_dir():
+        raise WhetstoneError(f"task {task.id}: repo_path {snapshot} is not a directory")
+    tree = read_tree(snapshot)
+    tree = {path: data for path, data in tree.items() if not path.startswith(".git/")}
+    return {path: data.decode("utf-8", "surrogateescape") for path, data in tree.items()}
+
+
+def workspace_changes(task: Task, workspace: Path) -> dict[str, str | None]:
+    """The agent's changes against the pristine snapshot: {path: new text, or None if deleted}."""
+    pristine = {path: text.encode("utf-8", "surrogateescape") for path, text in pristine_files(task).items()}
+    current = read_tree(workspace)
+    changes: dict[str, str | None] = {p: None for p in pristine if p not in current}
+    for path, data in current.items():
+        if pristine.get(path) != data:
+            changes[path] = data.decode("utf-8", "surrogateescape")
+    return dict(sorted(changes.items()))
+
+
+def _applicable(path: str, task: Task) -> bool:
+    parts = PurePosixPath(path).parts
+    return ".git" not in parts and not is_protected(path, task)
+
+
+def _apply(workspace: Path, changes: dict[str, str | None]) -> None:
+    for name, text in changes.items():
+        path = PurePosixPath(name)
+        if path.is_absolute() or ".." in path.parts or not name:
+            raise WhetstoneError(f"change to {name!r}: paths must be relative and stay inside the repository")
+        target = workspace / name
+        if text is None:
+            target.unlink(missing_ok=True)
+        else:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(text.encode("utf-8", "surrogateescape"))
+
+
+def grade(
+    task: Task, changes: dict[str, str | None], config: RewardConfig | None = None, effort: Effort | None = None
+) -> GradeResult:
+    """Run the hidden tests on the pristine repository plus `changes`, detect cheating, and score."""
+    config = config or RewardConfig()
+    pristine = pristine_files(task)
+    flags = scan_changes(task, pristine, changes)
+    applied = {path: text for path, text in changes.items() if _applicable(path, task)}
+    required = task.fail_to_pass + task.pass_to_pass
+    with tempfile.TemporaryDirectory(prefix="whetstone-grade-") as results_dir:
+        compiled = compiled_runner()
+        runner = Mount(str(compiled / "grade_runner.pyc"), f"{RUNNER_DIR_IN_SANDBOX}/grade_runner.pyc")
+        plain_tests = Mount(str(compiled / "plain_tests.pyc"), f"{RUNNER_DIR_IN_SANDBOX}/plain_tests.pyc")
+        results = Mount(results_dir, f"{RUNNER_DIR_IN_SANDBOX}/results", writable=True)
+        snapshot = Path(task.repo_path) if task.repo_path else dict(task.repo_files)
+        with open_sandbox(snapshot, config.sandbox, mounts=[runner, plain_tests, results]) as sandbox:
+            _apply(sandbox.workspace, applied)
+            _apply(sandbox.workspace, dict(task.hidden_tests))
+            log, setup_failure = _run_setup(sandbox, task)
+            limits_hit: list[str] = []
+            if setup_failure is None:
+                test_code = _test_code(task, pristine, applied)
+                outcomes, runtime_flags, run = _run_tests(sandbox, task, required, test_code, runner, results)
+                flags += runtime_flags
+                log += _run_log(run)
+                limits_hit = run.limits_hit
+            else:
+                outcomes = {}
+    if not required:  # no FAIL_TO_PASS list: every test in the hidden files must pass
+        in_hidden_files = [t for t in outcomes if "::" in t and t.split("::")[0] in task.hidden_tests]
+        required = in_hidden_files or list(task.hidden_tests)
+    tests = {test_id: outcomes.get(test_id, "error") for test_id in required}
+    passed_count = sum(outcome == "passed" for outcome in tests.values())
+    solved = bool(tests) and passed_count == len(tests)
+    judge, judge_log = _judge(task, pristine, applied, tests, config) if not flags else (None, "")
+    reward, breakdown, exclude = combine(solved, passed_count / max(1, len(tests)), judge, effort, flags, config)
+    return GradeResult(reward, solved, tests, breakdown, flags, exclude, (log + judge_log)[-MAX_LOG_CHARS:],
+                       setup_failure, limits_hit)
+
+
+def _run_setup(sandbox: Sandbox, task: Task) -> tuple[str, str | None]:
+    """The setup commands' log, and why one failed (None if all succeeded)."""
+    log = ""
+    for command in task.setup:
+        result = sandbox.run(command, timeout_s=task.test_time_limit_s)
+        log += f"$ {command}\n{_run_log(result)}"
+        if result.timed_out:
+            failure = f"setup command timed out after {task.test_time_limit_s:g} s (test_time_limit_s)"
+        elif result.exit_code != 0:
+            failure = f"setup command failed with exit code {result.exit_code}"
+        else:
+            continue
+        output = (result.stdout + result.stderr).strip()
+        tail = f"; output ends: {output[-SETUP_OUTPUT_CHARS:]!r}" if output else ""
+        return log + failure + "\n", f"{failure}: {command!r}{tail}"
+    return log, None
+
+
+def _test_code(task: Task, pristine: dict[str, str], applied: dict[str, str | None]) -> list[str]:
+    """Files whose code may read hidden tests: those tests, and test files of the repository that
+    the agent left alone (a `test_*.py` the agent wrote or edited is solution code like any other)."""
+    unchanged = [path for path in pristine if path not in applied and path.endswith(".py")]
+    tests = [path for path in unchanged if is_protected(path, task) or _looks_like_test(path)]
+    return sorted({*task.hidden_tests, *tests})
+
+
+def _looks_like_test(path: str) -> bool:
+    name = PurePosixPath(path).name
+    return name == "conftest.py" or name.startswith("test_") or name.endswith("_test.py")
+
+
+def _run_tests(
+    sandbox: Sandbox, task: Task, required: list[str], test_code: list[str], runner: Mount, results: Mount
+) -> tuple[dict[str, str], list[str], RunResult]:
+    """(outcome per test id, runtime cheat flags, the run) for one test run."""
+    targets = required or sorted(task.hidden_tests)
+    pytest_args = task.pytest_args
+    if pytest_args is None:  # a custom command: one verdict from its exit code, no per-test detail
+        run = sandbox.run(f"{task.test_command} {shlex.join(targets)}", timeout_s=task.test_time_limit_s)
+        verdict = "passed" if run.exit_code == 0 and not run.timed_out else "failed"
+        return {test_id: verdict for test_id in targets}, [], run
+    token = secrets.token_hex(16)
+    env = {
+        "WHETSTONE_RESULTS": f"{_seen_from(sandbox, results)}/results.txt",
+        "WHETSTONE_TOKEN": token,
+        "WHETSTONE_GUARDED": encode_paths(sorted(task.hidden_tests)),
+        "WHETSTONE_TEST_CODE": encode_paths(test_code),
+        # Only plugins named on the command line (`-p module`) load: nothing the workspace could
+        # register through package metadata, and no second of hypothesis start-up per grade.
+        "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
+    }
+    argv = ["python", _seen_from(sandbox, runner), *pytest_args, "-p", "no:cacheprovider",
+            f"--rootdir={sandbox.workdir}", *targets]  # fmt: skip
+    run = sandbox.run(argv, timeout_s=task.test_time_limit_s, env=env)
+    outcomes, flags, finished = _read_results(Path(results.source) / "results.txt", token)
+    # An exit before pytest finished, with no limit and no crash (signal) to blame, was asked for.
+    if finished is None and not run.limits_hit and 0 <= run.exit_code < 128:
+        flags.append(f"early_exit: the test process exited (code {run.exit_code}) before pytest finished")
+    return outcomes, flags, run
+
+
+def encode_paths(paths: list[str]) -> str:
+    """A path list for the runner's environment: one hex-encoded path per line (any path, even one
+    with a newline, and read without a parser module in the sandbox)."""
+    return "\n".join(path.encode("utf-8", "surrogateescape").hex() for path in paths)
+
+
+@functools.cache
+def compiled_runner() -> Path:
+    """A directory with grade_runner.pyc and plain_tests.pyc, compiled once per process: run from
+    their sources, both were compiled again in every grading sandbox (~5 ms of its CPU)."""
+    directory = Path(tempfile.mkdtemp(prefix="whetstone-runner-"))
+    atexit.register(shutil.rmtree, directory, True)
+    for source in (RUNNER, PLAIN_TESTS):
+        py_compile.compile(str(source), cfile=str(directory / f"{source.stem}.pyc"), doraise=True)
+    return directory
+
+
+def _seen_from(sandbox: Sandbox, mount: Mount) -> str:
+    """Where a mounted path appears to commands (unsandboxed, nothing is mounted: the host path)."""
+    return mount.source if sandbox.config.unsandboxed else mount.target
+
+
+def _read_results(path: Path, token: str) -> tuple[dict[str, str], list[str], int | None]:
+    outcomes: dict[str, str] = {}
+    flags: list[str] = []
+    finished = None
+    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
+    for line in lines:
+        try:
+            record = ast.literal_eval(line) if len(line) <= MAX_RESULT_LINE_CHARS else None
+            valid = isinstance(record, dict) and record.get("token") == token
+        except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+            valid = False
+        if not valid:
+            flags.append(f"result_tampering: a line in the results file was not written by the runner: {line[:120]!r}")
+        elif "test" in record:
+            outcomes[record["test"]] = record["outcome"]
+        elif "flag" in record:
+            flags.append(record["flag"])
+        elif "finished" in record:
+            finished = record["finished"]
+    return outcomes, list(dict.fromkeys(flags)), finished
+
+
+def _run_log(run: RunResult) -> str:
+    limits = f" (limits hit: {', '.join(run.limits_hit)})" if run.limits_hit else ""
+    return f"{run.stdout}{run.stderr}[exit code {run.exit_code}{limits}, {run.duration_s:.2f} s]\n"
+
+
+def changes_diff(pristine: dict[str, str], changes: dict[str, str | None]) -> str:
+    """A unified diff of `changes` against `pristine` (for the judge and for people)."""
+    chunks = []
+    for path, new in changes.items():
+        old = pristine.get(path)
+        chunks += difflib.unified_diff(
+            (old or "").splitlines(keepends=True),
+            (new or "").splitlines(keepends=True),
+            fromfile=f"a/{path}" if old is not None else "/dev/null",
+            tofile=f"b/{path}" if new is not None else "/dev/null",
+        )
+    return "".join(chunks)
+
+
+def _judge(
+    task: Task, pristine: dict[str, str], applied: dict[str, str | None], tests: dict[str, str], config: RewardConfig
+) -> tuple[float | None, str]:
+    if not (task.rubric and config.judge.base_url and config.judge_weight > 0):
+        return None, ""
+    summary = "\n".join(f"{test_id}: {outcome}" for test_id, outcome in tests.items())
+    try:
+        diff = changes_diff(pristine, applied)
+        score, answer = judge_score(task.instruction, task.rubric, diff, summary, config.judge)
+    except JudgeError as err:
+        return None, f"\n[judge] not scored: {err}\n"
+    return score, f"\n[judge] score {score:.2f}\n{answer}\n"

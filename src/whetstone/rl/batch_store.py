@@ -1,0 +1,35 @@
+"""The batch store, the orchestrator-trainer contract: batch n is `batches/<n:010d>.batch`, one
+`put` of `batch_to_bytes` (a reader sees all of it or nothing). The orchestrator puts batch n, the
+trainer's optimizer step n consumes it."""
+
+from __future__ import annotations
+
+from whetstone.rl.batch import Batch, batch_from_bytes, batch_to_bytes
+from whetstone.store import MissingObjectError, ObjectStore
+
+BATCH_PREFIX = "batches/"
+
+
+def batch_key(index: int) -> str:
+    """The batch store key of batch `index`."""
+    return f"{BATCH_PREFIX}{index:010d}.batch"
+
+
+def next_batch_index(store: ObjectStore) -> int:
+    """One past the newest batch in the store: a restarted orchestrator continues the sequence."""
+    indices = [int(key.removeprefix(BATCH_PREFIX).removesuffix(".batch")) for key in store.list(BATCH_PREFIX)
+               if key.endswith(".batch")]  # fmt: skip
+    return max(indices, default=-1) + 1
+
+
+def put_batch(store: ObjectStore, index: int, batch: Batch) -> None:
+    store.put(batch_key(index), batch_to_bytes(batch))
+
+
+def get_batch(store: ObjectStore, index: int) -> Batch | None:
+    """Batch `index`, or None if it is not in the store yet."""
+    key = batch_key(index)
+    try:
+        return batch_from_bytes(store.get(key), source=f"{key} in {store!r}")
+    except MissingObjectError:
+        return None

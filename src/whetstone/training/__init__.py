@@ -1,0 +1,10 @@
+"""What every trainer shares: the optimizer and its config, the learning-rate schedule, and
+checkpoints. Used by mid-training, the RL trainer, the online loop and the benchmarks.
+
+    from whetstone.training.config import OptimizerConfig
+    from whetstone.training.optim import optimizer_for, clip_and_step
+    from whetstone.training.schedule import lr_at
+    from whetstone.training.checkpoint import save_checkpoint, load_checkpoint, latest_checkpoint
+
+Kept import-free so `whetstone --help` does not load torch.
+"""

@@ -1,0 +1,93 @@
+"""Concurrent rollouts: bounded by config, sandbox work overlapping model calls, and every
+rollout accounted for even when some break."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+
+from tests.envs.harness.harness_support import ScriptedPolicy, call, synth_task, tokenizer, turn_number
+from whetstone.envs.harness import AgentHarness, Harness, HarnessConfig, RolloutConfig, run_rollouts
+from whetstone.envs.trajectory import Trajectory
+
+rollout_module = importlib.import_module("whetstone.envs.harness.rollout")  # the package's `rollout` is the function
+HARNESS = AgentHarness(HarnessConfig(context_tokens=2048), tokenizer())
+
+
+def named(name: str, **changes):
+    return synth_task(id=f"t/{name}", instruction=f"Task {name}: write solve(x).", **changes)
+
+
+def task_name(prompt: str) -> str:
+    return prompt.split("Task ")[1].split(":")[0]
+
+
+class Recording(ScriptedPolicy):
+    """Logs (task, turn) of each call as it starts, and how many calls were in flight at once."""
+
+    def __init__(self, reply):
+        super().__init__(reply)
+        self.log: list[tuple[str, int]] = []
+        self.in_flight = self.most_in_flight = 0
+
+    async def complete(self, prompt_ids, sampling):
+        prompt = tokenizer().decode(prompt_ids)
+        self.log.append((task_name(prompt), turn_number(prompt)))
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await asyncio.sleep(0.05)  # a server takes a while to answer
+            return await super().complete(prompt_ids, sampling)
+        finally:
+            self.in_flight -= 1
+
+
+def test_concurrency_is_bounded_and_results_keep_their_order():
+    policy = Recording(lambda prompt: call("list_dir", path=".") if turn_number(prompt) < 2 else call("submit"))
+    tasks = [named(str(i)) for i in range(2)]
+    finished = []
+    trajectories = asyncio.run(run_rollouts(tasks, policy, HARNESS, RolloutConfig(concurrency=2), samples=2,
+                                            group_prefix="step3/", on_done=finished.append))  # fmt: skip
+    assert [t.task_id for t in trajectories] == ["t/0", "t/0", "t/1", "t/1"]
+    assert [t.group_id for t in trajectories] == [f"step3/t/{i}" for i in (0, 0, 1, 1)]
+    assert sorted(map(id, finished)) == sorted(map(id, trajectories))
+    assert all(t.status == "ok" and t.turns == 3 for t in trajectories)
+    assert policy.most_in_flight == 2
+
+
+def test_model_calls_go_on_while_another_rollout_runs_a_command():
+    def reply(prompt):
+        if task_name(prompt) == "slow":
+            return call("run", command="sleep 1.5") if turn_number(prompt) == 0 else call("submit")
+        return call("list_dir", path=".") if turn_number(prompt) < 4 else call("submit")
+
+    policy = Recording(reply)
+    asyncio.run(run_rollouts([named("slow"), named("quick")], policy, HARNESS, RolloutConfig(concurrency=2)))
+    slow_calls = [i for i, (name, _) in enumerate(policy.log) if name == "slow"]
+    during_the_command = [name for name, _ in policy.log[slow_calls[0] + 1 : slow_calls[1]]]
+    assert during_the_command.count("quick") >= 3
+
+
+def test_broken_rollouts_are_recorded_with_their_reason_and_the_others_finish(monkeypatch):
+    class Selective(Harness):
+        async def run(self, task, policy, sandbox):
+            if task.id == "t/raises":
+                raise RuntimeError("harness bug")
+            if task.id == "t/hangs":
+                await asyncio.sleep(60)
+            return await HARNESS.run(task, policy, sandbox)
+
+    monkeypatch.setattr(rollout_module, "OVERRUN_GRACE_S", 0.1)
+    tasks = [named("ok"), named("setup", setup=["echo no database >&2; exit 3"]), named("raises"),
+             named("hangs", time_limit_s=0.2), named("fine")]  # fmt: skip
+    policy = ScriptedPolicy(lambda prompt: call("submit"))
+    trajectories = asyncio.run(run_rollouts(tasks, policy, Selective(), RolloutConfig(concurrency=5)))
+    by_id: dict[str, Trajectory] = {t.task_id: t for t in trajectories}
+    assert len(trajectories) == 5 and [t.task_id for t in trajectories] == [t.id for t in tasks]
+    assert by_id["t/ok"].status == by_id["t/fine"].status == "ok"
+    assert "setup command 'echo no database >&2; exit 3' failed (exit code 3): no database" in by_id["t/setup"].error
+    assert by_id["t/raises"].error == "RuntimeError: harness bug"
+    assert "overran the task's time limit of 0.2 s" in by_id["t/hangs"].error
+    for name in ("setup", "raises", "hangs"):
+        failed = by_id[f"t/{name}"]
+        assert failed.status == "failed" and failed.exclude_from_gradient and failed.reward == 0.0

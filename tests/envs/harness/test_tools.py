@@ -1,0 +1,153 @@
+"""The agent's tools over a real sandbox: what each returns, what counts as an invalid call, and
+that no path leads out of the workspace."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.envs.harness.harness_support import synth_task
+from whetstone.envs import prompts
+from whetstone.envs.harness.tools import ToolCallError, Tools, check_call
+from whetstone.envs.harness.workspace import head_tail
+from whetstone.envs.sandbox import SandboxConfig, open_sandbox
+
+
+@pytest.fixture
+def task():
+    return synth_task(repo_files={**synth_task().repo_files, "pkg/util.py": "def helper():\n    return 41  # TODO\n"})
+
+
+@pytest.fixture
+def tools(task):
+    with open_sandbox(task.repo_files) as sandbox:
+        yield Tools(sandbox, task, max_chars=2000, run_timeout_s=5.0)
+
+
+@pytest.fixture
+def budgeted(task):
+    """Tools over a sandbox with a disk budget of 64 MB."""
+    with open_sandbox(task.repo_files, SandboxConfig(disk_mb=64)) as sandbox:
+        yield Tools(sandbox, task, max_chars=2000, run_timeout_s=60.0)
+
+
+def test_file_tools_speak_the_demonstrations_texts(tools):
+    assert tools.call("write_file", {"path": "solution.py", "content": "def solve(x):\n    return x\n"}, 10) == (
+        prompts.write_result("solution.py", "def solve(x):\n    return x\n"))
+    assert tools.call("edit", {"path": "solution.py", "old": "return x", "new": "return x + 1"}, 10) == (
+        prompts.edit_result("solution.py"))
+    assert tools.call("read_file", {"path": "solution.py"}, 10) == "def solve(x):\n    return x + 1\n"
+    assert tools.call("list_dir", {"path": "."}, 10) == "pkg/\nsolution.py\ntest_solution.py"
+    assert tools.call("grep", {"pattern": r"TODO|return x", "path": "."}, 10) == (
+        "pkg/util.py:2:    return 41  # TODO\nsolution.py:2:    return x + 1")
+
+
+def test_tool_failures_are_results_not_invalid_calls(tools):
+    assert tools.call("read_file", {"path": "missing.py"}, 10) == "error: missing.py does not exist"
+    tools.call("write_file", {"path": "twice.py", "content": "a = 1\na = 1\n"}, 10)
+    assert "occurs 2 times" in tools.call("edit", {"path": "twice.py", "old": "a = 1", "new": "b"}, 10)
+    assert "not found" in tools.call("edit", {"path": "twice.py", "old": "zzz", "new": "b"}, 10)
+    assert "invalid regex" in tools.call("grep", {"pattern": "(", "path": "."}, 10)
+
+
+@pytest.mark.parametrize("path", ["../outside.py", "/etc/passwd", "pkg/../../x"])
+def test_paths_outside_the_workspace_are_refused(tools, path):
+    assert "outside the repository" in tools.call("read_file", {"path": path}, 10)
+    assert "outside the repository" in tools.call("write_file", {"path": path, "content": "x"}, 10)
+
+
+def test_a_symlink_planted_by_a_command_does_not_lead_out(tools):
+    tools.call("run", {"command": "ln -s /etc/passwd leak && ln -s /etc etcdir"}, 10)
+    assert "outside the repository" in tools.call("read_file", {"path": "leak"}, 10)
+    assert "outside the repository" in tools.call("list_dir", {"path": "etcdir"}, 10)
+    assert "root:" not in tools.call("grep", {"pattern": "root", "path": "."}, 10)
+
+
+def test_unusable_paths_are_tool_errors_not_crashes(tools):
+    tools.call("run", {"command": "ln -s loop loop"}, 10)
+    assert "not a usable path" in tools.call("read_file", {"path": "loop"}, 10)
+    assert "not a usable path" in tools.call("read_file", {"path": "a\0b"}, 10)
+    assert tools.call("write_file", {"path": "test_solution.py/x.py", "content": ""}, 10) == (
+        "error: File exists: test_solution.py/x.py")
+
+
+def test_absolute_paths_inside_the_sandbox_workdir_are_the_workspace(tools):
+    assert tools.call("read_file", {"path": "/workspace/pkg/util.py"}, 10).startswith("def helper")
+
+
+def test_run_reports_output_exit_code_and_timeouts(tools):
+    assert tools.call("run", {"command": "echo out; echo err >&2; exit 3"}, 10) == "out\nerr\n\n[exit code 3]"
+    assert tools.call("run", {"command": "sleep 5"}, 0.5).endswith("[timed out after 0.5 s]")
+
+
+def test_long_output_keeps_head_and_tail(tools):
+    result = tools.call("run", {"command": "seq 1 100000"}, 10)
+    assert result.startswith("1\n2\n") and "100000\n\n[exit code 0]" in result and "characters cut" in result
+    assert len(result) < 2100
+
+
+def test_run_tests_reports_each_failing_test_then_counts(tools):
+    tools.call("write_file", {"path": "solution.py", "content": "def solve(x):\n    return None\n"}, 10)
+    result = tools.call("run_tests", {}, 30)
+    lines = result.splitlines()
+    assert lines[:4] == ["FAILED test_solution.py::test_1", "FAILED test_solution.py::test_2",
+                         "FAILED test_solution.py::test_3", "3 failed"]  # fmt: skip
+    assert "assert None ==" in result and "[exit code 1]" in result
+    # Only the first failure's short traceback: its test line and assertion, not the others'.
+    assert lines[4] == "test_solution.py:5: in test_1" and "in test_2" not in result
+
+
+def test_run_tests_shows_a_syntax_error_without_pytest_internals(tools):
+    tools.call("write_file", {"path": "solution.py", "content": "def solve(x):\n    return x +\n"}, 10)
+    result = tools.call("run_tests", {}, 30)
+    assert result.startswith("ERROR test_solution.py\n1 error\ntest_solution.py:1: in <module>")
+    assert "SyntaxError: invalid syntax" in result and "_pytest" not in result and "<frozen" not in result
+
+
+def test_run_tests_when_passing_is_exactly_the_demonstration_text(tools, task):
+    path, content = next(iter(task.solution_files.items()))
+    tools.call("write_file", {"path": path, "content": content}, 10)
+    passed = {f"test_solution.py::test_{i}": "passed" for i in (1, 2, 3)}
+    assert tools.call("run_tests", {}, 30) == prompts.run_tests_result(passed) == "3 passed"
+
+
+def test_run_tests_reports_a_collection_error(tools):
+    result = tools.call("run_tests", {}, 30)  # solution.py does not exist yet
+    assert result.startswith("ERROR test_solution.py\n1 error") and "ModuleNotFoundError" in result
+
+
+@pytest.mark.parametrize("name,arguments,message", [
+    ("fly", {}, "unknown tool 'fly'"),
+    ("read_file", {}, "read_file(path): missing path"),
+    ("run_tests", {"verbose": "yes"}, "unexpected verbose"),
+    ("write_file", {"path": "a.py", "content": 3}, "argument content must be a string"),
+    ("run", ["ls"], "arguments must be an object"),
+])
+def test_calls_that_cannot_run_are_invalid(name, arguments, message):
+    with pytest.raises(ToolCallError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        check_call(name, arguments)
+
+
+def test_run_calls_share_the_workspace_disk_budget(budgeted):
+    workspace = budgeted.sandbox.workspace
+    first = budgeted.call("run", {"command": "head -c 40000000 /dev/zero > a.bin"}, 60)
+    second = budgeted.call("run", {"command": "head -c 40000000 /dev/zero > b.bin; sleep 20"}, 60)
+    assert first.endswith("[exit code 0]")
+    assert second.endswith("limits hit: disk]") and "disk budget of 64 MB" in second  # the total counts
+    assert (workspace / "a.bin").stat().st_size == 40_000_000 and not (workspace / "b.bin").exists()
+
+
+def test_file_tools_refuse_writes_over_the_disk_budget(budgeted):
+    workspace = budgeted.sandbox.workspace
+    budgeted.call("run", {"command": "head -c 60000000 /dev/zero > a.bin"}, 60)
+    refused = budgeted.call("write_file", {"path": "big.py", "content": "x" * 8_000_000}, 10)
+    budgeted.call("write_file", {"path": "small.py", "content": "X = 1\n"}, 10)
+    grown = budgeted.call("edit", {"path": "small.py", "old": "X = 1", "new": "X = '" + "x" * 8_000_000 + "'"}, 10)
+    assert refused.startswith("error: big.py: writing 8000000 more bytes") and "disk budget" in refused
+    assert grown.startswith("error: small.py: writing") and "disk budget" in grown
+    assert not (workspace / "big.py").exists() and (workspace / "small.py").read_text() == "X = 1\n"
+
+
+def test_head_tail():
+    assert head_tail("short", 100) == "short"
+    cut = head_tail("a" * 500 + "b" * 500, 200)
+    assert cut.startswith("a" * 70) and cut.endswith("b" * 70) and "860 characters cut" in cut

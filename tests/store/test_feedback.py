@@ -1,0 +1,168 @@
+"""The feedback store's contract, on a SQLite file and on a real PostgreSQL server alike."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from whetstone.errors import WhetstoneError
+from whetstone.store.feedback import DuplicateFeedback, FeedbackStore, ResponseRecord, UnknownResponse, database_url
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    if request.param == "sqlite":
+        return str(tmp_path / "feedback.db")
+    return request.getfixturevalue("fresh_postgres")
+
+
+def record(response_id: str, choice: int = 0, **changes) -> ResponseRecord:
+    fields = dict(response_id=response_id, choice=choice, model="tiny", priority="interactive", temperature=1.0,
+                  top_p=1.0, top_k=0, finish_reason="stop", prompt_ids=[5, 6, 7], completion_ids=[8, 9],
+                  logprobs=[-0.12345678901234567, -3.0000000000000004e-05], versions=[3, 4],
+                  routes={"shape": [4, 1, 2], "dtype": "uint8", "data": "AAECAwABAgM="})
+    return ResponseRecord(**(fields | changes))
+
+
+def test_a_rated_response_comes_back_exactly_as_recorded(store_url):
+    store = FeedbackStore.open(store_url)
+    store.record([record("chatcmpl-a"), record("chatcmpl-a", 1, completion_ids=[1], logprobs=[-1.5], versions=[4])])
+    seq = store.add_feedback("chatcmpl-a", 1, "score", 0.25)
+    [rated] = store.rated_after(0, limit=10)
+    assert rated.seq == seq and rated.rating == "score" and rated.score == 0.25
+    assert rated.response.completion_ids == [1] and rated.response.logprobs == [-1.5]
+    assert store.response("chatcmpl-a").logprobs == [-0.12345678901234567, -3.0000000000000004e-05]  # bit for bit
+    assert store.response("chatcmpl-a").routes == record("x").routes
+    store.close()
+
+
+def test_duplicate_and_unknown_feedback_are_refused(store_url):
+    store = FeedbackStore.open(store_url)
+    store.record([record("chatcmpl-a")])
+    store.add_feedback("chatcmpl-a", 0, "thumbs_up")
+    with pytest.raises(DuplicateFeedback, match="already has feedback"):
+        store.add_feedback("chatcmpl-a", 0, "thumbs_down")
+    with pytest.raises(UnknownResponse, match="no response 'chatcmpl-b'"):
+        store.add_feedback("chatcmpl-b", 0, "thumbs_up")
+    with pytest.raises(UnknownResponse, match=r"has choices \[0\], not 3"):
+        store.add_feedback("chatcmpl-a", 3, "thumbs_up")
+    assert store.count_after(0) == 1
+    store.close()
+
+
+def test_accepted_feedback_survives_a_restart(store_url):
+    first = FeedbackStore.open(store_url)
+    first.record([record("chatcmpl-a"), record("chatcmpl-b")])
+    first.add_feedback("chatcmpl-a", 0, "edit_kept")
+    first.close()  # the server process goes away
+    again = FeedbackStore.open(store_url)
+    assert [r.rating for r in again.rated_after(0, 10)] == ["edit_kept"]
+    with pytest.raises(DuplicateFeedback):
+        again.add_feedback("chatcmpl-a", 0, "edit_reverted")
+    again.add_feedback("chatcmpl-b", 0, "edit_reverted")
+    assert [r.response.response_id for r in again.rated_after(0, 10)] == ["chatcmpl-a", "chatcmpl-b"]
+    again.close()
+
+
+def test_of_concurrent_duplicates_exactly_one_wins(store_url):
+    stores = [FeedbackStore.open(store_url) for _ in range(4)]  # four servers on one database
+    stores[0].record([record("chatcmpl-a")])
+    outcomes = []
+
+    def rate(store):
+        try:
+            outcomes.append(store.add_feedback("chatcmpl-a", 0, "thumbs_up"))
+        except DuplicateFeedback:
+            outcomes.append("duplicate")
+
+    threads = [threading.Thread(target=rate, args=(store,)) for store in stores]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(outcomes, key=str).count("duplicate") == 3
+    for store in stores:
+        store.close()
+
+
+def test_the_cursor_reads_oldest_first_in_pages(store_url):
+    store = FeedbackStore.open(store_url)
+    store.record([record(f"chatcmpl-{i}") for i in range(5)])
+    seqs = [store.add_feedback(f"chatcmpl-{i}", 0, "thumbs_up") for i in range(5)]
+    page = store.rated_after(0, limit=2)
+    assert [r.seq for r in page] == seqs[:2]
+    assert [r.seq for r in store.rated_after(page[-1].seq, limit=10)] == seqs[2:]
+    assert store.count_after(seqs[2]) == 2
+    store.close()
+
+
+def test_old_responses_go_once_their_feedback_is_read(store_url):
+    store = FeedbackStore.open(store_url)
+    old, new = 1000.0, 2000.0
+    store.record([record(f"old-{i}", created=old) for i in range(4)] + [record("new-0", created=new)])
+    read = [store.add_feedback(f"old-{i}", 0, "thumbs_up") for i in range(2)]  # the loop reads these two
+    unread = store.add_feedback("old-2", 0, "thumbs_down")
+    store.add_feedback("new-0", 0, "thumbs_up")
+    # old-0, old-1: read, so deleted with their feedback; old-3: never rated, deleted; old-2: its
+    # feedback is not read yet, kept; new-0: recent, kept.
+    assert store.prune(before=1500.0, consumed=read[-1]) == (3, 2)
+    assert [r.seq for r in store.rated_after(0, 10)] == [unread, unread + 1]
+    assert store.response("old-2") is not None and store.response("old-3") is None
+    with pytest.raises(UnknownResponse, match="pruned as too old"):
+        store.add_feedback("old-3", 0, "thumbs_up")
+    assert store.prune(before=1500.0, consumed=read[-1]) == (0, 0)  # nothing more to do
+    store.close()
+
+
+def test_pruning_never_lets_a_new_event_take_an_old_number(store_url):
+    store = FeedbackStore.open(store_url)
+    store.record([record(f"r-{i}", created=1000.0) for i in range(3)] + [record("r-3", created=2000.0)])
+    seqs = [store.add_feedback(f"r-{i}", 0, "thumbs_up") for i in range(3)]
+    cursor = seqs[-1]  # the loop read everything
+    assert store.prune(before=1500.0, consumed=cursor) == (2, 2)  # the newest event (and response) stay
+    # SQLite numbers a row max(seq) + 1: had the newest event gone, this one would reuse its seq,
+    # below the cursor, and the loop would never read it.
+    assert store.add_feedback("r-3", 0, "thumbs_down") > cursor
+    assert [r.response.response_id for r in store.rated_after(cursor, 10)] == ["r-3"]
+    store.close()
+
+
+def test_store_names_become_urls(tmp_path):
+    assert database_url(str(tmp_path / "a" / "f.db")) == f"sqlite:///{tmp_path}/a/f.db"
+    assert (tmp_path / "a").is_dir()
+    assert database_url("postgresql://u@h:5432/db") == "postgresql+psycopg://u@h:5432/db"
+    assert database_url("sqlite:////x/y.db") == "sqlite:////x/y.db"
+
+
+def test_an_unreachable_database_is_named_without_its_password():
+    with pytest.raises(WhetstoneError, match=r"cannot open the feedback store postgresql://u:\*\*\*@127.0.0.1:9/db"):
+        FeedbackStore.open("postgresql://u:secret@127.0.0.1:9/db")
+
+
+def test_servers_opening_a_new_store_at_once_all_get_it(store_url):
+    """Servers sharing a store start together: each checks which tables are missing, then creates
+    them, and another may create one in between (seen: a server of `whetstone bench online` died
+    with "table whetstone_responses already exists")."""
+    from whetstone.store.feedback import metadata
+
+    for round_ in range(6):
+        start, stores, errors = threading.Barrier(4), [], []
+
+        def open_store():
+            start.wait()
+            try:
+                stores.append(FeedbackStore.open(store_url))
+            except WhetstoneError as err:
+                errors.append(err)
+
+        threads = [threading.Thread(target=open_store) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, str(errors[0])
+        stores[0].record([record(f"chatcmpl-{round_}")])  # the tables are there and work
+        metadata.drop_all(stores[0].engine)  # the next round starts on an empty database again
+        for store in stores:
+            store.close()
