@@ -128,7 +128,7 @@ class StepSettings:
                    replay=config.router_replay, dtype=config.dtype, numerics=config.numerics)  # fmt: skip
 
 
-@dataclass
+@dataclass(frozen=True)
 class Learner:
     """What a step moves: the policy and its optimizer, and what trains alongside them."""
 
