@@ -10,8 +10,10 @@ import torch
 from whetstone.errors import WhetstoneError
 from whetstone.midtrain.optim import build_optimizer
 from whetstone.model.hf import load_hf
+from whetstone.online.config import OnlineConfig
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig
+from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
 
 
@@ -133,3 +135,12 @@ def test_a_negative_entropy_coefficient_sharpens_the_policy_and_every_step_logs_
                       for _ in range(4)]  # fmt: skip
     assert runs[0.0][0] == pytest.approx(runs[-1.0][0]) and runs[0.0][0] > 0  # same weights at the first step
     assert runs[-1.0][-1] < runs[0.0][-1] - 0.05, runs
+
+
+@pytest.mark.parametrize("config_type", [TrainerConfig, OnlineConfig])
+def test_the_step_settings_of_a_config_are_its_own(config_type):
+    config = config_type(loss={"clip_high": 0.3}, optimizer={"grad_clip": 0.5}, micro_batch_size=7,
+                         router_replay=False, dtype="bfloat16", numerics="invariant")  # fmt: skip
+    settings = StepSettings.of(config)
+    assert settings == StepSettings(loss=LossConfig(clip_high=0.3), grad_clip=0.5, micro_batch_size=7, replay=False,
+                                    dtype="bfloat16", numerics="invariant")  # fmt: skip
