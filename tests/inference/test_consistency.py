@@ -23,8 +23,7 @@ from whetstone.inference.sequence import Sequence
 from whetstone.model import numerics
 from whetstone.model.ops import autocast
 from whetstone.rl.batch import Batch
-from whetstone.rl.loss import LossConfig
-from whetstone.trainer.step import forward_logprobs, train_step
+from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
 
 MODELS = {"dense": dict(num_experts=0), "moe": dict()}
 PROMPT_LENGTHS = (3, 141, 9, 17, 120, 5, 12)  # two cross the attention's 128-key chunks
@@ -108,8 +107,8 @@ def test_importance_ratio_is_exactly_one_at_staleness_zero():
     assert (torch.exp(logprobs - batch.behavior_logprobs)[trained] == 1.0).all()
     # The RL step itself sees it: no mismatch, nothing clipped, its router agrees with the replay.
     policy = copy.deepcopy(model)
-    metrics = train_step(policy, torch.optim.AdamW(policy.parameters()), batch, loss_config=LossConfig(), lr=1e-3,
-                         grad_clip=1.0, micro_batch_size=2, numerics="invariant")
+    metrics = train_step(Learner(policy, torch.optim.AdamW(policy.parameters())), batch,
+                         StepSettings(grad_clip=1.0, micro_batch_size=2, numerics="invariant"), lr=1e-3)
     assert metrics["logprob_diff_max"] == 0.0 and metrics["mismatch_kl_k3"] == 0.0
     assert metrics["clip_fraction"] == 0.0 and metrics["routing_disagreement"] == 0.0
 

@@ -11,7 +11,7 @@ from whetstone.model import ModelConfig, Transformer
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.advantages.groups import score_groups
 from whetstone.rl.batch import collate, load_batch, save_batch
-from whetstone.rl.loss import LossConfig, policy_loss
+from whetstone.rl.loss import LossConfig, LossInputs, policy_loss
 from whetstone.rl.samples import trajectory_samples
 
 CONFIG = ModelConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -56,7 +56,8 @@ def test_sample_batch_replay_and_loss_end_to_end(tmp_path):
 
     # Replaying the rollout's routes, the trainer reproduces the sampler's logprobs.
     logprobs = trained_logprobs(model, batch)
-    loss, stats = policy_loss(logprobs, batch.behavior_logprobs, batch.advantages, batch.loss_mask, LossConfig())
+    inputs = LossInputs(logprobs, batch.behavior_logprobs, batch.advantages, batch.loss_mask)
+    loss, stats = policy_loss(inputs, LossConfig())
     metrics = stats.metrics()
     assert metrics["logprob_diff_max"] < 1e-4 and metrics["mismatch_kl_k3"] < 1e-8
     assert metrics["clip_fraction"] == 0.0

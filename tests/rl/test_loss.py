@@ -17,34 +17,34 @@ import torch
 
 from whetstone.config import load_config
 from whetstone.errors import ConfigError
-from whetstone.rl.loss import LossConfig, LossStats, k3, policy_loss, step_normalizer
+from whetstone.rl.loss import LossConfig, LossInputs, LossStats, k3, policy_loss, step_normalizer
 
 RATIOS = [1.1, 1.5, 3.0, 0.6, 1.0]
 ADVANTAGES = [1.0, 1.0, -1.0, -1.0, 0.0]
 MASK = [1, 1, 1, 1, 0]
 
 
-def inputs():
+def inputs(entropy: torch.Tensor | None = None) -> LossInputs:
     behavior = torch.tensor([[-1.0, -2.0, -3.0, -0.5, 0.0]])
     logprobs = (behavior + torch.tensor([RATIOS]).log()).requires_grad_()
-    return logprobs, behavior, torch.tensor([ADVANTAGES]), torch.tensor([MASK], dtype=torch.bool)
+    return LossInputs(logprobs, behavior, torch.tensor([ADVANTAGES]), torch.tensor([MASK], dtype=torch.bool),
+                      entropy=entropy)
 
 
 def test_clipped_truncated_loss_and_its_gradient():
-    logprobs, behavior, advantages, mask = inputs()
-    loss, stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig())
+    example = inputs()
+    loss, stats = policy_loss(example, LossConfig())
     assert loss.item() == pytest.approx(0.125, rel=1e-6)
     loss.backward()
     # d loss / d logπ = −A · min(r, cap) / 4 where not clipped, 0 where clipped or untrained.
-    assert logprobs.grad.tolist()[0] == pytest.approx([-1.1 / 4, 0.0, 2.0 / 4, 0.0, 0.0], rel=1e-6)
+    assert example.logprobs.grad.tolist()[0] == pytest.approx([-1.1 / 4, 0.0, 2.0 / 4, 0.0, 0.0], rel=1e-6)
     metrics = stats.metrics()
     fractions = [metrics[name] for name in ("clip_fraction", "truncated_fraction", "mask_fraction")]
     assert metrics["tokens"] == 4 and fractions == [0.5, 0.25, 0.0]
 
 
 def test_mismatch_metrics_between_trainer_and_sampler():
-    logprobs, behavior, advantages, mask = inputs()
-    _, stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig())
+    _, stats = policy_loss(inputs(), LossConfig())
     deltas = [math.log(r) for r in RATIOS[:4]]
     metrics = stats.metrics()
     assert metrics["mismatch_kl_k3"] == pytest.approx(sum(r - 1 - d for r, d in zip(RATIOS, deltas)) / 4, rel=1e-5)
@@ -54,11 +54,11 @@ def test_mismatch_metrics_between_trainer_and_sampler():
 
 
 def test_ratio_masking_drops_tokens_outside_the_range():
-    logprobs, behavior, advantages, mask = inputs()
-    loss, stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig(mask_ratio=True))
+    example = inputs()
+    loss, stats = policy_loss(example, LossConfig(mask_ratio=True))
     assert loss.item() == pytest.approx(-(1.1 + 1.2 - 0.8) / 4, rel=1e-6)  # token 2 (r = 3) is gone
     loss.backward()
-    assert logprobs.grad[0, 2] == 0.0
+    assert example.logprobs.grad[0, 2] == 0.0
     assert stats.metrics()["mask_fraction"] == 0.25
 
 
@@ -66,8 +66,9 @@ def test_kl_to_a_reference_adds_beta_times_k3():
     # One token, A = 0, ref = logπ − ln 2: k3 = 1/2 + ln 2 − 1, d k3 / d logπ = 1 − 1/2.
     logprobs = torch.tensor([[-1.0]], requires_grad=True)
     ref = logprobs.detach() - math.log(2)
-    loss, stats = policy_loss(logprobs, logprobs.detach(), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool),
-                              LossConfig(kl_coef=0.1), ref_logprobs=ref)  # fmt: skip
+    one = LossInputs(logprobs, logprobs.detach(), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool),
+                     ref_logprobs=ref)
+    loss, stats = policy_loss(one, LossConfig(kl_coef=0.1))
     assert loss.item() == pytest.approx(0.1 * (math.log(2) - 0.5), rel=1e-6)
     loss.backward()
     assert logprobs.grad.item() == pytest.approx(0.05, rel=1e-6)
@@ -88,17 +89,17 @@ def test_micro_batches_with_the_step_normalizer_add_up_to_the_whole_batch(aggreg
     logprobs = (behavior + torch.randn(4, 6) * 0.3).requires_grad_()
     advantages = torch.randn(4, 1).expand(4, 6)
     mask = torch.rand(4, 6) > 0.3
-    whole, _ = policy_loss(logprobs, behavior, advantages, mask, config)
+    whole, _ = policy_loss(LossInputs(logprobs, behavior, advantages, mask), config)
     (whole_grad,) = torch.autograd.grad(whole, logprobs)
     total, parts = 0.0, []
     for rows in (slice(0, 1), slice(1, 4)):
-        part, stats = policy_loss(logprobs[rows], behavior[rows], advantages[rows], mask[rows], config,
+        part, stats = policy_loss(LossInputs(logprobs[rows], behavior[rows], advantages[rows], mask[rows]), config,
                                   normalizer=step_normalizer(mask, aggregation))  # fmt: skip
         total, parts = total + part, parts + [stats]
     (split_grad,) = torch.autograd.grad(total, logprobs)
     assert torch.allclose(total, whole, rtol=1e-6) and torch.allclose(split_grad, whole_grad, rtol=1e-6)
     merged = LossStats.merge(parts).metrics()
-    _, whole_stats = policy_loss(logprobs, behavior, advantages, mask, config)
+    _, whole_stats = policy_loss(LossInputs(logprobs, behavior, advantages, mask), config)
     assert merged == pytest.approx(whole_stats.metrics(), rel=1e-6)
 
 
@@ -110,7 +111,7 @@ def test_sequence_aggregation_weighs_every_sample_the_same_whatever_its_length()
     mask = torch.zeros(2, 8, dtype=torch.bool)
     mask[0, :2], mask[1, :] = True, True
     for aggregation, short_share in (("token", 2 / 10), ("sequence", 1 / 2)):
-        loss, _ = policy_loss(logprobs, behavior, advantages, mask, LossConfig(aggregation=aggregation))
+        loss, _ = policy_loss(LossInputs(logprobs, behavior, advantages, mask), LossConfig(aggregation=aggregation))
         (grad,) = torch.autograd.grad(loss, logprobs)
         short, long = grad[0].abs().sum(), grad[1].abs().sum()
         assert float(short / (short + long)) == pytest.approx(short_share)
@@ -120,8 +121,8 @@ def test_sequence_aggregation_weighs_every_sample_the_same_whatever_its_length()
 def test_extreme_ratios_stay_finite():
     logprobs = torch.tensor([[0.0, -300.0]], requires_grad=True)  # r = e^300 and e^-300
     behavior = torch.tensor([[-300.0, 0.0]])
-    loss, _ = policy_loss(logprobs, behavior, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2, dtype=torch.bool),
-                          LossConfig())  # fmt: skip
+    extreme = LossInputs(logprobs, behavior, torch.tensor([[-1.0, 1.0]]), torch.ones(1, 2, dtype=torch.bool))
+    loss, _ = policy_loss(extreme, LossConfig())
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
 
@@ -132,7 +133,7 @@ def test_bad_configs_name_the_field():
     with pytest.raises(ConfigError, match="is_cap"):
         load_config(LossConfig, overrides=["is_cap=1.1"])
     with pytest.raises(ValueError, match="ref_logprobs"):
-        policy_loss(torch.zeros(1, 1), torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1), LossConfig(kl_coef=0.1))
+        policy_loss(LossInputs(*[torch.zeros(1, 1)] * 3, torch.ones(1, 1)), LossConfig(kl_coef=0.1))
 
 
 def test_entropy_term_adds_its_coefficient_times_the_mean_entropy_and_is_logged():
@@ -140,27 +141,26 @@ def test_entropy_term_adds_its_coefficient_times_the_mean_entropy_and_is_logged(
     advantages = torch.tensor([[1.0], [-1.0]]).expand(2, 3)
     mask = torch.tensor([[True, True, False], [True, True, True]])
     entropy = torch.tensor([[0.5, 1.5, 9.0], [1.0, 2.0, 3.0]], requires_grad=True)
-    plain, _ = policy_loss(behavior.clone(), behavior, advantages, mask, LossConfig())
+    plain, _ = policy_loss(LossInputs(behavior.clone(), behavior, advantages, mask), LossConfig())
     for coef in (0.1, -0.3):
-        loss, stats = policy_loss(behavior.clone(), behavior, advantages, mask, LossConfig(entropy_coef=coef),
-                                  entropy=entropy)  # fmt: skip
+        with_entropy = LossInputs(behavior.clone(), behavior, advantages, mask, entropy=entropy)
+        loss, stats = policy_loss(with_entropy, LossConfig(entropy_coef=coef))
         assert loss.item() == pytest.approx(plain.item() - coef * 8.0 / 5)  # untrained 9.0 left out
         (grad,) = torch.autograd.grad(loss, entropy)
         assert grad[0, 2] == 0 and float(grad[1, 0]) == pytest.approx(-coef / 5)
         assert stats.metrics()["entropy"] == pytest.approx(8.0 / 5)
     with pytest.raises(ValueError, match="entropies"):
-        policy_loss(behavior, behavior, advantages, mask, LossConfig(entropy_coef=-0.1))
+        policy_loss(LossInputs(behavior, behavior, advantages, mask), LossConfig(entropy_coef=-0.1))
 
 
 def test_forking_fraction_keeps_the_policy_gradient_on_the_highest_entropy_tokens_only():
-    logprobs, behavior, advantages, mask = inputs()
-    entropy = torch.tensor([[0.1, 3.0, 2.0, 0.2, 9.0]])  # the padded position's 9 must not count
-    loss, stats = policy_loss(logprobs, behavior, advantages, mask, LossConfig(forking_fraction=0.5), entropy=entropy)
+    example = inputs(entropy=torch.tensor([[0.1, 3.0, 2.0, 0.2, 9.0]]))  # the padded position's 9 must not count
+    loss, stats = policy_loss(example, LossConfig(forking_fraction=0.5))
     loss.backward()
     # Tokens 1 and 2 are the upper half of the trained tokens' entropies: token 1 is clipped
     # (value only), token 2 keeps its weight 2; tokens 0 and 3 leave the surrogate, the normaliser stays 4.
-    assert logprobs.grad.tolist()[0] == pytest.approx([0.0, 0.0, 2.0 / 4, 0.0, 0.0], rel=1e-6)
+    assert example.logprobs.grad.tolist()[0] == pytest.approx([0.0, 0.0, 2.0 / 4, 0.0, 0.0], rel=1e-6)
     assert loss.item() == pytest.approx(-(1.2 - 2.0) / 4, rel=1e-6)
     assert stats.metrics()["forking_dropped_fraction"] == 0.5
     with pytest.raises(ValueError, match="forking_fraction"):
-        policy_loss(logprobs, behavior, advantages, mask, LossConfig(forking_fraction=0.5))
+        policy_loss(inputs(), LossConfig(forking_fraction=0.5))

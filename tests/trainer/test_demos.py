@@ -16,11 +16,10 @@ from whetstone.model.hf import load_hf
 from whetstone.rl.batch import collate
 from whetstone.rl.demos import demo_rows, load_demos, write_demos
 from whetstone.rl.logit_scale import LogitScale
-from whetstone.rl.loss import LossConfig
 from whetstone.rl.samples import NOT_GENERATED, Sample
 from whetstone.tokenizer import Tokenizer, render_chat
 from whetstone.trainer.loop import run_trainer
-from whetstone.trainer.step import forward_logprobs, train_step
+from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, forward_logprobs, train_step
 from whetstone.utils.metrics import read_metrics
 
 
@@ -85,9 +84,9 @@ def mean_nll(model, demos_batch) -> torch.Tensor:
     return -(logprobs * demos_batch.loss_mask).sum() / demos_batch.num_loss_tokens
 
 
-def sgd_step(model, batch, **options):
-    options = {"loss_config": LossConfig(), "grad_clip": 1e9, "micro_batch_size": 3, "lr": 1.0} | options
-    return train_step(model, torch.optim.SGD(model.parameters()), batch, **options)
+def sgd_step(model, batch, lr=1.0, anchor=None, logit_scale=None):
+    learner = Learner(model, torch.optim.SGD(model.parameters()), logit_scale=logit_scale)
+    return train_step(learner, batch, StepSettings(grad_clip=1e9, micro_batch_size=3), lr, anchor=anchor)
 
 
 def test_the_anchor_adds_its_coefficient_times_the_demonstrations_mean_loss(tiny_moe, batches):
@@ -96,13 +95,13 @@ def test_the_anchor_adds_its_coefficient_times_the_demonstrations_mean_loss(tiny
     expected = mean_nll(probe, demos)
     expected.backward()
     sgd_step(plain, batches[2])
-    metrics = sgd_step(anchored, batches[2], demos=demos, demo_coef=0.5)
+    metrics = sgd_step(anchored, batches[2], anchor=DemoAnchor(demos, coef=0.5))
     assert metrics["demo_nll"] == pytest.approx(expected.item(), rel=1e-6)
     # Plain SGD at lr 1: the two steps differ by exactly the anchor's gradient.
     for (name, a), p, q in zip(anchored.named_parameters(), plain.parameters(), probe.parameters()):
         gradient = torch.zeros_like(q) if q.grad is None else q.grad
         torch.testing.assert_close(p - a, 0.5 * gradient, rtol=1e-4, atol=1e-6, msg=name)
-    assert "demo_nll" not in sgd_step(load_hf(tiny_moe), batches[2], demos=demos, demo_coef=0.0)
+    assert "demo_nll" not in sgd_step(load_hf(tiny_moe), batches[2], anchor=DemoAnchor(demos, coef=0.0))
 
 
 def test_the_anchor_is_taken_before_the_learned_logit_scale(tiny_moe, batches):
@@ -114,7 +113,7 @@ def test_the_anchor_is_taken_before_the_learned_logit_scale(tiny_moe, batches):
     with torch.no_grad():
         sharpened.norm.weight.mul_(math.exp(1.5))
     assert abs(mean_nll(sharpened, demos).item() - base) > 0.01  # near-uniform logits: a small change
-    metrics = sgd_step(sharpened, batches[2], lr=0.0, demos=demos, demo_coef=1.0,
+    metrics = sgd_step(sharpened, batches[2], lr=0.0, anchor=DemoAnchor(demos, coef=1.0),
                        logit_scale=LogitScale(lr=0.0, log_scale=1.5))
     assert metrics["demo_nll"] == pytest.approx(base, rel=1e-5)
 

@@ -13,7 +13,7 @@ from whetstone.errors import CheckpointError
 from whetstone.training.checkpoint import latest_checkpoint, list_checkpoints
 from whetstone.model.hf import load_hf
 from whetstone.rl.logit_scale import LogitScale
-from whetstone.rl.loss import LossConfig, policy_loss
+from whetstone.rl.loss import LossConfig, LossInputs, policy_loss
 from whetstone.trainer.loop import run_trainer
 from whetstone.trainer.step import forward_logprobs
 from whetstone.utils.metrics import read_metrics
@@ -27,8 +27,8 @@ NEVER_CLIPS = LossConfig(clip_low=0.999, clip_high=1e6, is_cap=2e6)  # the surro
 def loss(model, batch, config: LossConfig = NEVER_CLIPS):
     """(loss, stats) of the policy loss under `config`."""
     out = forward_logprobs(model, batch, replay=True, dtype="float32", entropy=True)
-    return policy_loss(out.logprobs, batch.behavior_logprobs, batch.advantages, batch.loss_mask, config,
-                       entropy=out.entropy)  # fmt: skip
+    inputs = LossInputs(out.logprobs, batch.behavior_logprobs, batch.advantages, batch.loss_mask, entropy=out.entropy)
+    return policy_loss(inputs, config)
 
 
 @torch.no_grad()

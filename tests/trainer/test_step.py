@@ -10,9 +10,11 @@ import torch
 from whetstone.errors import WhetstoneError
 from whetstone.training.optim import build_optimizer
 from whetstone.model.hf import load_hf
+from whetstone.online.config import OnlineConfig
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig
-from whetstone.trainer.step import forward_logprobs, train_step
+from whetstone.trainer.config import TrainerConfig
+from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
 
 
 def model_and_optimizer(folder):
@@ -20,9 +22,9 @@ def model_and_optimizer(folder):
     return model, build_optimizer(model, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
 
 
-def step(model, optimizer, batch, lr=1e-2, **options):
-    options = {"loss_config": LossConfig(), "grad_clip": 1.0, "micro_batch_size": 3} | options
-    return train_step(model, optimizer, batch, lr=lr, **options)
+def step(model, optimizer, batch, lr=1e-2, reference=None, logit_scale=None, **settings):
+    settings = {"grad_clip": 1.0, "micro_batch_size": 3} | settings
+    return train_step(Learner(model, optimizer, reference, logit_scale), batch, StepSettings(**settings), lr)
 
 
 @torch.no_grad()
@@ -92,11 +94,11 @@ def test_kl_to_the_reference_is_zero_at_the_start_and_grows(tiny_moe, batches):
     model, optimizer = model_and_optimizer(tiny_moe)
     reference = load_hf(tiny_moe).requires_grad_(False)
     config = LossConfig(kl_coef=0.1)
-    first = step(model, optimizer, batches[3], loss_config=config, reference=reference)
-    second = step(model, optimizer, batches[3], loss_config=config, reference=reference)
+    first = step(model, optimizer, batches[3], loss=config, reference=reference)
+    second = step(model, optimizer, batches[3], loss=config, reference=reference)
     assert first["ref_kl_k3"] == 0.0 and second["ref_kl_k3"] > 0
     with pytest.raises(WhetstoneError, match="reference"):
-        step(model, optimizer, batches[3], loss_config=config)
+        step(model, optimizer, batches[3], loss=config)
 
 
 def test_with_a_learned_logit_scale_the_kl_reference_is_taken_at_that_scale(tiny_moe, batches):
@@ -110,7 +112,7 @@ def test_with_a_learned_logit_scale_the_kl_reference_is_taken_at_that_scale(tiny
         with torch.no_grad():
             model.norm.weight.mul_(math.exp(0.3))  # what LogitScale's steps to log-scale 0.3 did
         scale = LogitScale(lr=0.0, log_scale=0.3) if learned else None
-        kl[learned] = step(model, optimizer, batches[3], lr=0.0, loss_config=config, reference=reference,
+        kl[learned] = step(model, optimizer, batches[3], lr=0.0, loss=config, reference=reference,
                            logit_scale=scale)["ref_kl_k3"]
     assert kl[True] < 1e-9 and kl[False] > 1e-4  # a random tiny model: near-uniform logits, a small KL
 
@@ -129,7 +131,16 @@ def test_a_negative_entropy_coefficient_sharpens_the_policy_and_every_step_logs_
     runs = {}
     for coef in (0.0, -1.0):
         model, optimizer = model_and_optimizer(tiny_moe)
-        runs[coef] = [step(model, optimizer, batches[0], lr=3e-2, loss_config=LossConfig(entropy_coef=coef))["entropy"]
+        runs[coef] = [step(model, optimizer, batches[0], lr=3e-2, loss=LossConfig(entropy_coef=coef))["entropy"]
                       for _ in range(4)]  # fmt: skip
     assert runs[0.0][0] == pytest.approx(runs[-1.0][0]) and runs[0.0][0] > 0  # same weights at the first step
     assert runs[-1.0][-1] < runs[0.0][-1] - 0.05, runs
+
+
+@pytest.mark.parametrize("config_type", [TrainerConfig, OnlineConfig])
+def test_the_step_settings_of_a_config_are_its_own(config_type):
+    config = config_type(loss={"clip_high": 0.3}, optimizer={"grad_clip": 0.5}, micro_batch_size=7,
+                         router_replay=False, dtype="bfloat16", numerics="invariant")  # fmt: skip
+    settings = StepSettings.of(config)
+    assert settings == StepSettings(loss=LossConfig(clip_high=0.3), grad_clip=0.5, micro_batch_size=7, replay=False,
+                                    dtype="bfloat16", numerics="invariant")  # fmt: skip

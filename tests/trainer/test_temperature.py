@@ -16,9 +16,8 @@ from whetstone.inference.sampling import SamplingParams
 from whetstone.training.optim import build_optimizer
 from whetstone.model.hf import load_hf
 from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, collate
-from whetstone.rl.loss import LossConfig
 from whetstone.rl.samples import trajectory_samples
-from whetstone.trainer.step import forward_logprobs, train_step
+from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
 
 
 def sampled_batch(model_dir, temperatures: list[float], tell_trainer: bool = True):
@@ -57,7 +56,7 @@ def test_a_step_on_tempered_rows_is_on_policy(tiny_moe):
     model = load_hf(tiny_moe)
     optimizer = build_optimizer(model, lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
     batch = sampled_batch(tiny_moe, [0.7] * 4)
-    record = train_step(model, optimizer, batch, loss_config=LossConfig(), lr=1e-2, grad_clip=1.0, micro_batch_size=3)
+    record = train_step(Learner(model, optimizer), batch, StepSettings(grad_clip=1.0, micro_batch_size=3), lr=1e-2)
     assert record["mismatch_kl_k3"] < 1e-9 and record["clip_fraction"] == 0.0 and record["grad_norm"] > 0
     assert mismatch(model, batch).max() > 1e-4  # the step moved the tempered policy
 

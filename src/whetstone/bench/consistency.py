@@ -39,9 +39,9 @@ from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
 from whetstone.model import ModelConfig, Transformer
 from whetstone.rl.batch import Batch, collate
-from whetstone.rl.loss import LossConfig, k3
+from whetstone.rl.loss import k3
 from whetstone.rl.samples import trajectory_samples
-from whetstone.trainer.step import forward_logprobs, train_step
+from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
 from whetstone.utils.runtime import configure_process
 
 MODES = ("fast", "invariant")
@@ -137,8 +137,8 @@ def run(
     def train(mode: str, batch: Batch) -> float:
         start = time.perf_counter()
         for _ in range(train_steps):
-            train_step(trainers[mode], optimizers[mode], batch, loss_config=LossConfig(), lr=1e-6, grad_clip=1.0,
-                       micro_batch_size=8, dtype=dtype, numerics=mode)
+            train_step(Learner(trainers[mode], optimizers[mode]), batch,
+                       StepSettings(grad_clip=1.0, micro_batch_size=8, dtype=dtype, numerics=mode), lr=1e-6)
         return time.perf_counter() - start
 
     results, batches = {}, {}

@@ -44,7 +44,7 @@ from whetstone.rl.staleness import staleness
 from whetstone.sync import Publisher, WeightStore
 from whetstone.sync.weight_store import VersionExistsError
 from whetstone.tokenizer import Tokenizer
-from whetstone.trainer.step import train_step
+from whetstone.trainer.step import Learner, StepSettings, train_step
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.runtime import configure_process
@@ -194,11 +194,8 @@ class OnlineLoop:
 
     def step(self, batch: Batch) -> dict[str, Any]:
         """One policy-gradient step of the policy on `batch` (the RL trainer's); its metrics."""
-        config = self.config
-        return train_step(self.model, self.optimizer, batch, loss_config=config.loss, lr=config.optimizer.lr,
-                          grad_clip=config.optimizer.grad_clip, micro_batch_size=config.micro_batch_size,
-                          replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
-                          reference=self.reference, logit_scale=self.logit_scale)  # fmt: skip
+        learner = Learner(self.model, self.optimizer, self.reference, self.logit_scale)
+        return train_step(learner, batch, StepSettings.of(self.config), self.config.optimizer.lr)
 
     def train_and_gate(self, batch: Batch) -> dict[str, Any]:
         """Step on `batch`; publish the candidate if the gate passes it, else restore the policy

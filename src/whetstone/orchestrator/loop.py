@@ -19,6 +19,10 @@ Synchronous mode (`synchronous = true`, the baseline of `whetstone bench pipelin
 "open" only once the trainer has published version n and every server holds it; only then do
 its groups start, and only as many as it still needs (a dropped group is replaced). So
 generation and training strictly alternate and every token of batch n is sampled by version n.
+
+The two modes differ only in their gate (`AsynchronousGate`, `SynchronousGate`), chosen once:
+how far ahead of the trainer a batch may be put, when a group may start, what opens and closes
+a batch, and whether a follower task tracks the trainer's and the servers' versions.
 """
 
 from __future__ import annotations
@@ -38,8 +42,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.orchestrator.batches import Group, Window, build_batch, drop_stale, flat_metrics
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.rl.advantages.groups import score_groups
-from whetstone.rl.batch import batch_to_bytes
-from whetstone.rl.batch_store import batch_key, next_batch_index
+from whetstone.rl.batch_store import next_batch_index, put_batch
 from whetstone.rl.samples import trajectory_samples
 from whetstone.store import open_store
 from whetstone.sync import WeightStore
@@ -77,9 +80,9 @@ class Orchestrator:
         self._last_put = -1
         """Index of the newest batch in the batch store or being written there (by this run or an
         earlier one)."""
-        self._open: int | None = None
-        """Synchronous mode: the batch whose groups may start now (None until the trainer and the
-        servers hold its version)."""
+        self._mode: AsynchronousGate | SynchronousGate = (SynchronousGate(self) if config.synchronous
+                                                          else AsynchronousGate(self))  # fmt: skip
+        """What the mode decides: how far batches run ahead, when groups start, what opens a batch."""
         self._changed = asyncio.Condition()
         self._gate = asyncio.Semaphore(config.rollout.concurrency)
         self._running: set[asyncio.Task] = set()
@@ -109,9 +112,8 @@ class Orchestrator:
         metrics = MetricsWriter(config.metrics_path) if config.metrics_path else None
         index = next_batch_index(self.batches)
         self._last_put = index - 1
-        background = [asyncio.create_task(self._produce(tasks, harness, pool), name="producer")]
-        if not config.synchronous:  # the synchronous gate is `_put_batch` itself
-            background.append(asyncio.create_task(self._follow_trainer(pool), name="follower"))
+        background = [asyncio.create_task(self._produce(tasks, harness, pool), name="producer"),
+                      *self._mode.background(pool)]
         for task in background:
             task.add_done_callback(self._note_failure)
         try:
@@ -184,13 +186,7 @@ class Orchestrator:
         config = self.config
         if self._unfinished >= config.rollout.concurrency or len(self._buffer) >= config.groups_per_batch:
             return False
-        if config.synchronous:  # only the groups the open batch still needs
-            return self._open is not None and self._groups_running + len(self._buffer) < config.groups_per_batch
-        # A group started now lands in batch (trainer's) + 1 + ahead // groups_per_batch, sampled by
-        # servers `lag` versions behind the trainer: past the staleness bound it would only be dropped.
-        # Started once the servers hold the latest version, groups may run the whole bound ahead.
-        batches = max(1, config.staleness.max_off_policy_steps - self._server_lag())
-        return self._groups_ahead() < batches * config.groups_per_batch
+        return self._mode.has_room()
 
     def _server_lag(self) -> int:
         """Versions the slowest live server is behind the trainer's latest."""
@@ -314,9 +310,9 @@ class Orchestrator:
     # -- batches ----------------------------------------------------------------------------------
 
     async def _wait_for_trainer(self, index: int) -> None:
-        """Until the trainer has published version index - max_off_policy_steps (and some version);
-        version index itself in synchronous mode."""
-        ahead = 0 if self.config.synchronous else self.config.staleness.max_off_policy_steps
+        """Until the trainer has published version index - the mode's `trainer_lead` (and some
+        version): index - max_off_policy_steps, or index itself in synchronous mode."""
+        ahead = self._mode.trainer_lead
         if self._following:  # the follower reads the weight store already: wait for it to say
             def published() -> bool:
                 latest = self.latest_version
@@ -341,34 +337,13 @@ class Orchestrator:
                 logged = True
             await asyncio.sleep(self.config.poll_interval_s)
 
-    async def _wait_for_servers(self, version: int) -> None:
-        """Until every server in the pool reports `version` or newer (each loads it on its own);
-        servers that report no version are taken as they are."""
-        deadline = time.monotonic() + self.config.no_server_timeout_s
-        while True:
-            live = [server for server in self.pool.servers if server.alive]
-            healths = await asyncio.gather(*(self.pool.health(server) for server in live))
-            behind = [f"{server.url} ({health.get('weight_version')})" for server, health in zip(live, healths)
-                      if health is not None and isinstance(health.get("weight_version"), int)
-                      and health["weight_version"] < version]  # fmt: skip
-            if not behind:
-                return
-            if time.monotonic() > deadline:
-                raise WhetstoneError(f"servers still behind weight version {version} after "
-                                     f"{self.config.no_server_timeout_s:g} s: {', '.join(behind)}")
-            await asyncio.sleep(self.config.poll_interval_s)
-
     async def _put_batch(self, index: int) -> dict:
         await self._wait_for_trainer(index)
-        if self.config.synchronous:
-            await self._wait_for_servers(index)
-            async with self._changed:
-                self._open = index
-                self._changed.notify_all()
+        await self._mode.open_batch(index)
         groups, window = await self._take_groups(index)
         batch = build_batch(index, groups, window, self.config.staleness, self.latest_version,
                             self.config.harness.sampling.temperature)  # fmt: skip
-        await asyncio.to_thread(self.batches.put, batch_key(index), batch_to_bytes(batch))
+        await asyncio.to_thread(put_batch, self.batches, index, batch)
         self.put.append(index)
         meta = batch.meta
         log.info("put batch %d: %d samples from %d rollouts, reward %.3f", index, meta["samples"], meta["rollouts"],
@@ -389,10 +364,92 @@ class Orchestrator:
                 if len(self._buffer) < buffered:  # room for new groups: the producer may be waiting for it
                     self._changed.notify_all()
                 await self._changed.wait()
-            self._open = None  # synchronous mode: nothing starts before the next version
+            self._mode.close_batch()
             groups = self._buffer[: self.config.groups_per_batch]
             del self._buffer[: self.config.groups_per_batch]
             self._last_put = index  # counted as put from here: its groups left the buffer
             window, self._window = self._window, Window()
             self._changed.notify_all()  # room for new groups
         return groups, window
+
+
+class AsynchronousGate:
+    """Asynchronous RL: batch n is put once the trainer has published version
+    n - max_off_policy_steps, and a group starts while it would still be within that bound when
+    trained; a follower task keeps the trainer's and the servers' versions current."""
+
+    def __init__(self, orchestrator: Orchestrator):
+        self._orchestrator = orchestrator
+        self.trainer_lead = orchestrator.config.staleness.max_off_policy_steps
+        """Versions batch n may be put ahead of the trainer's latest."""
+
+    def background(self, pool: ServerPool) -> list[asyncio.Task]:
+        """The follower (`Orchestrator._follow_trainer`), which wakes the producer as versions move."""
+        return [asyncio.create_task(self._orchestrator._follow_trainer(pool), name="follower")]
+
+    def has_room(self) -> bool:
+        """A group started now lands in batch (trainer's) + 1 + ahead // groups_per_batch, sampled by
+        servers `lag` versions behind the trainer: past the staleness bound it would only be dropped.
+        Started once the servers hold the latest version, groups may run the whole bound ahead."""
+        orchestrator, config = self._orchestrator, self._orchestrator.config
+        batches = max(1, config.staleness.max_off_policy_steps - orchestrator._server_lag())
+        return orchestrator._groups_ahead() < batches * config.groups_per_batch
+
+    async def open_batch(self, index: int) -> None:
+        """Nothing to wait for: groups start whenever `has_room` says so."""
+
+    def close_batch(self) -> None:
+        """Nothing to close."""
+
+
+class SynchronousGate:
+    """Synchronous RL: batch n opens once the trainer has published version n and every server
+    holds it; only then do its groups start, only as many as it still needs, and it closes once
+    they are taken. No follower: opening the batch reads the versions."""
+
+    trainer_lead = 0
+    """Batch n waits for version n itself."""
+
+    def __init__(self, orchestrator: Orchestrator):
+        self._orchestrator = orchestrator
+        self._open: int | None = None
+        """The batch whose groups may start now (None until the trainer and the servers hold its version)."""
+
+    def background(self, pool: ServerPool) -> list[asyncio.Task]:
+        """None: `open_batch` is the gate."""
+        return []
+
+    def has_room(self) -> bool:
+        """Only the groups the open batch still needs."""
+        orchestrator = self._orchestrator
+        started = orchestrator._groups_running + len(orchestrator._buffer)
+        return self._open is not None and started < orchestrator.config.groups_per_batch
+
+    async def open_batch(self, index: int) -> None:
+        """Once every server holds version `index`, let the batch's groups start."""
+        await self._wait_for_servers(index)
+        async with self._orchestrator._changed:
+            self._open = index
+            self._orchestrator._changed.notify_all()
+
+    def close_batch(self) -> None:
+        """The batch's groups were taken: nothing starts before the next version."""
+        self._open = None
+
+    async def _wait_for_servers(self, version: int) -> None:
+        """Until every server in the pool reports `version` or newer (each loads it on its own);
+        servers that report no version are taken as they are."""
+        pool, config = self._orchestrator.pool, self._orchestrator.config
+        deadline = time.monotonic() + config.no_server_timeout_s
+        while True:
+            live = [server for server in pool.servers if server.alive]
+            healths = await asyncio.gather(*(pool.health(server) for server in live))
+            behind = [f"{server.url} ({health.get('weight_version')})" for server, health in zip(live, healths)
+                      if health is not None and isinstance(health.get("weight_version"), int)
+                      and health["weight_version"] < version]  # fmt: skip
+            if not behind:
+                return
+            if time.monotonic() > deadline:
+                raise WhetstoneError(f"servers still behind weight version {version} after "
+                                     f"{config.no_server_timeout_s:g} s: {', '.join(behind)}")
+            await asyncio.sleep(config.poll_interval_s)

@@ -142,28 +142,38 @@ def step_normalizer(loss_mask: torch.Tensor, aggregation: str) -> int:
     return int(loss_mask.sum())
 
 
-def policy_loss(
-    logprobs: torch.Tensor,
-    behavior_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    loss_mask: torch.Tensor,
-    config: LossConfig,
-    ref_logprobs: torch.Tensor | None = None,
-    normalizer: int | None = None,
-    entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, LossStats]:
-    """(loss, stats) for one micro-batch; all inputs [B, T], `logprobs` (and `entropy`, the
-    next-token entropies) carrying the gradient.
+@dataclass(frozen=True)
+class LossInputs:
+    """One micro-batch's per-token tensors, all [B, T]; `logprobs` (and `entropy`) carry the gradient."""
+
+    logprobs: torch.Tensor
+    """The policy's logprobs of the sampled tokens."""
+    behavior_logprobs: torch.Tensor
+    """The sampler's logprobs of the same tokens (the importance ratio's denominator)."""
+    advantages: torch.Tensor
+    """Each token's advantage (its sample's)."""
+    loss_mask: torch.Tensor
+    """Which tokens are trained."""
+    ref_logprobs: torch.Tensor | None = None
+    """The reference's logprobs, for the KL term (needed when `kl_coef` > 0)."""
+    entropy: torch.Tensor | None = None
+    """The policy's next-token entropies (needed when `entropy_coef` ≠ 0 or `forking_fraction` < 1)."""
+
+
+def policy_loss(inputs: LossInputs, config: LossConfig,
+                normalizer: int | None = None) -> tuple[torch.Tensor, LossStats]:
+    """(loss, stats) for one micro-batch.
 
     `normalizer`: N of the whole optimizer step (default: this micro-batch's `step_normalizer`).
     """
+    logprobs, loss_mask, ref_logprobs, entropy = inputs.logprobs, inputs.loss_mask, inputs.ref_logprobs, inputs.entropy
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     if (config.entropy_coef != 0 or config.forking_fraction < 1) and entropy is None:
         raise ValueError("entropy_coef != 0 and forking_fraction < 1 need the entropies")
     trained = loss_mask.bool()
-    logprobs32, behavior = logprobs.float(), behavior_logprobs.float()
-    advantages = advantages.float()
+    logprobs32, behavior = logprobs.float(), inputs.behavior_logprobs.float()
+    advantages = inputs.advantages.float()
     log_ratio = logprobs32 - behavior
     detached = torch.exp(log_ratio.detach())
     clipped = trained & torch.where(advantages >= 0, detached > 1 + config.clip_high, detached < 1 - config.clip_low)

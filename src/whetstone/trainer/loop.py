@@ -39,7 +39,7 @@ from whetstone.trainer.distributed import (
     torchrun_group,
 )
 from whetstone.trainer.setup import TrainerSession, new_optimizer, open_trainer
-from whetstone.trainer.step import train_step
+from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, train_step
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.progress import progress_bar
@@ -141,6 +141,8 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     opt, replaying = config.optimizer, state.step < session.replay_until
     lr = lr_at(state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps,
                total_steps=config.max_steps or 1, min_lr_ratio=opt.min_lr_ratio)
+    learner = Learner(session.model, session.optimizer, session.reference, session.logit_scale)
+    settings = StepSettings.of(config)
     started, started_cpu = time.perf_counter(), time.process_time()
     parts = []
     for number, part in enumerate(shuffled_parts(batch, config.optimizer_steps_per_batch, seed=state.step)):
@@ -153,12 +155,8 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
             if demos is not None:
                 demos = rank_rows(demos, session.rank, session.world_size)
                 demo_normalizer = global_normalizer(demos, "token")
-        parts.append(train_step(session.model, session.optimizer, rows, loss_config=config.loss, lr=lr,
-                                grad_clip=opt.grad_clip, micro_batch_size=config.micro_batch_size,
-                                replay=config.router_replay, dtype=config.dtype, numerics=config.numerics,
-                                normalizer=normalizer, reference=session.reference,
-                                logit_scale=session.logit_scale, demos=demos, demo_coef=config.demo_coef,
-                                demo_normalizer=demo_normalizer))  # fmt: skip
+        anchor = None if demos is None else DemoAnchor(demos, config.demo_coef, demo_normalizer)
+        parts.append(train_step(learner, rows, settings, lr, normalizer=normalizer, anchor=anchor))
     record: dict[str, Any] = {"step": state.step, "replayed": replaying, **merge_part_metrics(parts),
                               "train_s": time.perf_counter() - started}
     state.step += 1

@@ -20,8 +20,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -31,9 +31,13 @@ from whetstone.training.optim import clip_and_step
 from whetstone.model import Numerics, Transformer, ops
 from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale
-from whetstone.rl.loss import LossConfig, LossStats, policy_loss, step_normalizer
+from whetstone.rl.loss import LossConfig, LossInputs, LossStats, policy_loss, step_normalizer
 from whetstone.rl.routing import RoutingStats, track_routing
 from whetstone.trainer.distributed import reduce_step_stats, sum_over_ranks
+
+if TYPE_CHECKING:
+    from whetstone.online.config import OnlineConfig
+    from whetstone.trainer.config import TrainerConfig
 
 
 def micro_batches(batch: Batch, size: int) -> list[Batch]:
@@ -100,61 +104,93 @@ def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
     return PolicyOutput(out.logprobs, routing, out.entropy)
 
 
-def _reference_logprobs(reference: Transformer, micro: Batch, replay: bool, dtype: str, numerics: Numerics,
+@dataclass(frozen=True)
+class StepSettings:
+    """How every step of a run trains: the loss and the forward's numerics (fixed for the run)."""
+
+    loss: LossConfig = field(default_factory=LossConfig)
+    """The policy-gradient loss."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this before the optimizer step; 0 = off."""
+    micro_batch_size: int = 4
+    """Rows per forward/backward."""
+    replay: bool = True
+    """Replay the rollout's routes (MoE models with routes in the batch)."""
+    dtype: str = "float32"
+    """Compute dtype of the forward (autocast)."""
+    numerics: Numerics = "fast"
+    """`invariant`: the engine's batch-invariant kernels in the forward."""
+
+    @classmethod
+    def of(cls, config: TrainerConfig | OnlineConfig) -> StepSettings:
+        """The settings of a trainer's config (the RL trainer's or the online loop's: same fields)."""
+        return cls(loss=config.loss, grad_clip=config.optimizer.grad_clip, micro_batch_size=config.micro_batch_size,
+                   replay=config.router_replay, dtype=config.dtype, numerics=config.numerics)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Learner:
+    """What a step moves: the policy and its optimizer, and what trains alongside them."""
+
+    model: Transformer
+    """The policy."""
+    optimizer: torch.optim.Optimizer
+    """The policy's optimizer."""
+    reference: Transformer | None = None
+    """The frozen model of the KL term (needed when `loss.kl_coef` > 0)."""
+    logit_scale: LogitScale | None = None
+    """The learned scale of the logits (`rl.logit_scale`): steps after the optimizer."""
+
+
+@dataclass(frozen=True)
+class DemoAnchor:
+    """Demonstration rows whose mean next-token loss, times `coef`, joins a step's loss (`rl.demos`)."""
+
+    rows: Batch
+    """The demonstrations (assistant tokens trained)."""
+    coef: float
+    """Weight of their mean next-token loss; 0 = no anchor."""
+    normalizer: int | None = None
+    """Their trained-token count across ranks (default: these rows')."""
+
+
+def _reference_logprobs(reference: Transformer, micro: Batch, settings: StepSettings,
                         logit_scale: LogitScale | None) -> torch.Tensor:
     """The reference's logprobs for the KL term, at the policy's learned logit scale: the term then
     holds the weights near the reference without pulling the scale back to 1, which would make the
     weights undo the sharpening the reward asked the scale for (rl/logit_scale.py)."""
     factor = None if logit_scale is None else torch.tensor([math.exp(-logit_scale.log_scale)])
     with torch.no_grad(), sampling_temperature(reference, factor):  # a temperature e^-s: logits times e^s
-        return forward_logprobs(reference, micro, replay, dtype, numerics).logprobs
+        return forward_logprobs(reference, micro, settings.replay, settings.dtype, settings.numerics).logprobs
 
 
-def _demo_loss(model: Transformer, demos: Batch, *, coef: float, normalizer: int, micro_batch_size: int,
-               dtype: str, numerics: Numerics, logit_scale: LogitScale | None) -> float:
-    """Backpropagate `coef` x the mean next-token loss of the demonstrations' assistant tokens
+def _demo_loss(model: Transformer, anchor: DemoAnchor, settings: StepSettings, logit_scale: LogitScale | None) -> float:
+    """Backpropagate `anchor.coef` x the mean next-token loss of the demonstrations' assistant tokens
     (`rl.demos`); return that mean (this rank's share). It is taken at the policy's logits
     divided by the learned scale e^s, so, like the KL term's reference above, the anchor holds
     the weights to the demonstrations without pulling the sharpening back out."""
+    normalizer = anchor.rows.num_loss_tokens if anchor.normalizer is None else anchor.normalizer
     unscale = None if logit_scale is None else torch.tensor([math.exp(logit_scale.log_scale)])
     total = 0.0
     with sampling_temperature(model, unscale):  # a temperature e^s: logits divided by e^s
-        for micro in micro_batches(demos, micro_batch_size):
-            logprobs = forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=numerics).logprobs
+        for micro in micro_batches(anchor.rows, settings.micro_batch_size):
+            logprobs = forward_logprobs(model, micro, replay=False, dtype=settings.dtype,
+                                        numerics=settings.numerics).logprobs  # fmt: skip
             nll = -(logprobs * micro.loss_mask).sum() / max(normalizer, 1)
-            (coef * nll).backward()
+            (anchor.coef * nll).backward()
             total += nll.item()
     return total
 
 
-def train_step(
-    model: Transformer,
-    optimizer: torch.optim.Optimizer,
-    batch: Batch,
-    *,
-    loss_config: LossConfig,
-    lr: float,
-    grad_clip: float,
-    micro_batch_size: int,
-    replay: bool = True,
-    dtype: str = "float32",
-    numerics: Numerics = "fast",
-    normalizer: int | None = None,
-    reference: Transformer | None = None,
-    logit_scale: LogitScale | None = None,
-    demos: Batch | None = None,
-    demo_coef: float = 0.0,
-    demo_normalizer: int | None = None,
-) -> dict[str, Any]:
+def train_step(learner: Learner, batch: Batch, settings: StepSettings, lr: float, *,
+               normalizer: int | None = None, anchor: DemoAnchor | None = None) -> dict[str, Any]:
     """Forward/backward every micro-batch of `batch`, clip, take one optimizer step at `lr`.
 
     `normalizer`: N of the loss for the whole step across ranks (default: this batch's `step_normalizer`).
-    `reference`: the frozen model for the KL term (needed when `loss_config.kl_coef` > 0).
-    `logit_scale`: also take its step on the logits' scale (`rl.logit_scale`) after the optimizer's.
-    `demos`: demonstration rows whose mean next-token loss, times `demo_coef`, joins the step's
-    loss (`rl.demos`); `demo_normalizer` is their trained-token count across ranks (default: these rows').
+    `anchor`: demonstrations whose next-token loss joins the step's (`rl.demos`).
     Returns the step's metrics; raises before touching the weights if the loss is not finite.
     """
+    model, reference, logit_scale, loss_config = learner.model, learner.reference, learner.logit_scale, settings.loss
     if batch.num_loss_tokens == 0:
         raise WhetstoneError(f"batch {batch.meta.get('index', '?')} has no trained tokens (every loss_mask is 0)")
     if normalizer is None:
@@ -163,33 +199,31 @@ def train_step(
         raise WhetstoneError("loss.kl_coef > 0 needs a reference model")
     model.train()
     loss_total, loss_parts, routing_parts = 0.0, [], []
-    for micro in micro_batches(batch, micro_batch_size):
-        policy = forward_logprobs(model, micro, replay, dtype, numerics, entropy=True)
+    for micro in micro_batches(batch, settings.micro_batch_size):
+        policy = forward_logprobs(model, micro, settings.replay, settings.dtype, settings.numerics, entropy=True)
         ref_logprobs = None
         if reference is not None and loss_config.kl_coef > 0:
-            ref_logprobs = _reference_logprobs(reference, micro, replay, dtype, numerics, logit_scale)
-        loss, stats = policy_loss(policy.logprobs, micro.behavior_logprobs, micro.advantages, micro.loss_mask,
-                                  loss_config, ref_logprobs=ref_logprobs, normalizer=normalizer,
-                                  entropy=policy.entropy)  # fmt: skip
+            ref_logprobs = _reference_logprobs(reference, micro, settings, logit_scale)
+        inputs = LossInputs(policy.logprobs, micro.behavior_logprobs, micro.advantages, micro.loss_mask,
+                            ref_logprobs=ref_logprobs, entropy=policy.entropy)  # fmt: skip
+        loss, stats = policy_loss(inputs, loss_config, normalizer=normalizer)
         loss.backward()
         loss_total += loss.item()
         loss_parts.append(stats)
         routing_parts.append(policy.routing)
-    anchored, demo_nll = demos is not None and demo_coef > 0, 0.0
+    anchored, demo_nll = anchor is not None and anchor.coef > 0, 0.0
     if anchored:
-        demo_nll = _demo_loss(model, demos, coef=demo_coef, micro_batch_size=micro_batch_size, dtype=dtype,
-                              numerics=numerics, logit_scale=logit_scale,
-                              normalizer=demos.num_loss_tokens if demo_normalizer is None else demo_normalizer)
-        loss_total += demo_coef * demo_nll
+        demo_nll = _demo_loss(model, anchor, settings, logit_scale)
+        loss_total += anchor.coef * demo_nll
     # Under torchrun: the whole step's loss and stats on every rank, so all ranks agree on a bad loss.
     loss_total, stats, routing = reduce_step_stats(loss_total, LossStats.merge(loss_parts),
                                                    RoutingStats.merge(routing_parts))
     if anchored:
         (demo_nll,) = sum_over_ranks([demo_nll])
     if not math.isfinite(loss_total):
-        optimizer.zero_grad(set_to_none=True)
+        learner.optimizer.zero_grad(set_to_none=True)
         raise WhetstoneError(f"batch {batch.meta.get('index', '?')}: the loss is {loss_total}; weights left unchanged")
-    grad_norm = clip_and_step(model, optimizer, lr, grad_clip)
+    grad_norm = clip_and_step(model, learner.optimizer, lr, settings.grad_clip)
     metrics = {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, **stats.metrics(), **routing.metrics()}
     if anchored:
         metrics["demo_nll"] = demo_nll
