@@ -9,7 +9,18 @@ from importlib import metadata
 import typer
 from rich.console import Console
 
+from whetstone.bench.cli import app as bench_app
+from whetstone.data.cli import app as corpus_app
+from whetstone.envs.cli import app as tasks_app
+from whetstone.envs.eval.cli import eval_command
 from whetstone.errors import WhetstoneError
+from whetstone.inference.cli import serve
+from whetstone.midtrain.cli import midtrain
+from whetstone.online.cli import app as online_app
+from whetstone.orchestrator.cli import orchestrator
+from whetstone.run.cli import run
+from whetstone.sync.cli import app as sync_app
+from whetstone.trainer.cli import trainer
 from whetstone.utils.processes import apply_role_environment
 
 app = typer.Typer(
@@ -18,18 +29,6 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
-
-from whetstone.bench.cli import app as bench_app  # noqa: E402
-from whetstone.data.cli import app as corpus_app  # noqa: E402
-from whetstone.envs.cli import app as tasks_app  # noqa: E402
-from whetstone.envs.eval.cli import eval_command  # noqa: E402
-from whetstone.inference.cli import serve  # noqa: E402
-from whetstone.midtrain.cli import midtrain  # noqa: E402
-from whetstone.online.cli import app as online_app  # noqa: E402
-from whetstone.orchestrator.cli import orchestrator  # noqa: E402
-from whetstone.run.cli import run  # noqa: E402
-from whetstone.trainer.cli import trainer  # noqa: E402
-from whetstone.sync.cli import app as sync_app  # noqa: E402
 
 app.add_typer(corpus_app, name="corpus", help="Build and inspect the code corpus.")
 app.command("run")(run)
@@ -40,8 +39,12 @@ app.command("orchestrator")(orchestrator)
 app.command("eval")(eval_command)
 app.add_typer(tasks_app, name="tasks", help="Validate, list, show and export coding tasks.")
 app.add_typer(sync_app, name="sync", help="Publish, watch and inspect the versioned weight store.")
-app.add_typer(online_app, name="online",
-              help="Online RL from users' feedback: `online [CONFIG]` runs the gated update loop; `online rollback VERSION [CONFIG]`.")
+app.add_typer(
+    online_app,
+    name="online",
+    help="Online RL from users' feedback: `online [CONFIG]` runs the gated update loop; "
+    "`online rollback VERSION [CONFIG]`.",
+)
 app.add_typer(bench_app, name="bench")
 
 
@@ -53,8 +56,9 @@ def _print_version(asked: bool) -> None:
 
 @app.callback()
 def _options(
-    version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
-                                 help="Print the installed version and exit."),
+    version: bool = typer.Option(
+        False, "--version", callback=_print_version, is_eager=True, help="Print the installed version and exit."
+    ),
 ) -> None:
     """Options of `whetstone` itself, given before the command."""
 

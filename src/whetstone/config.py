@@ -8,7 +8,6 @@ failure into a `ConfigError` that names the file, the dotted key and what was wr
 from __future__ import annotations
 
 import re
-
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
@@ -197,5 +196,6 @@ def _reference_section(cls: type[Config], prefix: str, out: list[str], instance:
         out += [f"### [{prefix.rstrip('.')}]" if prefix else "### (top level)", ""]
         out += ["| key | type | default | description |", "|---|---|---|---|", *rows, ""]
     for name, section, default in sections:
-        _reference_section(section, prefix=f"{prefix}{name}.", out=out,
-                           instance=default if isinstance(default, Config) else None)
+        _reference_section(
+            section, prefix=f"{prefix}{name}.", out=out, instance=default if isinstance(default, Config) else None
+        )

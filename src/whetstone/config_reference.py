@@ -44,7 +44,7 @@ def render_task_record() -> str:
     from whetstone.envs.task import Task
 
     reference = config_reference(Task, "The task record")
-    return reference[reference.index("| key |"):]  # the table alone: the page has its own heading
+    return reference[reference.index("| key |") :]  # the table alone: the page has its own heading
 
 
 if __name__ == "__main__":

@@ -10,12 +10,24 @@ import time
 import pytest
 import torch
 
-from whetstone.bench.pipeline import (ROLLOUT_HEADROOM, GradingReward, coin_tasks, cpu_by_side, machine_busy_cpu_s, measure,
-                                      overlap_bound, pipeline_config, placement_config, random_model, run,
-                                      trainer_cpu_share, written_files)
+from whetstone.bench.pipeline import (
+    ROLLOUT_HEADROOM,
+    GradingReward,
+    coin_tasks,
+    cpu_by_side,
+    machine_busy_cpu_s,
+    measure,
+    overlap_bound,
+    pipeline_config,
+    placement_config,
+    random_model,
+    run,
+    trainer_cpu_share,
+    written_files,
+)
+from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.harness import HarnessConfig
 from whetstone.envs.harness.summarize import segment_messages
-from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import Tokenizer, render_chat
@@ -71,7 +83,7 @@ def test_written_files_counts_calls_as_the_harness_does():
 
 def test_the_trl_reward_is_whetstones_grade_with_the_harness_penalties(tmp_path, model_dir):
     task = generate(SynthConfig(count=1, split="train", seed=3))[0]  # a plain synth task: no coin
-    (path, solution), = task.solution_files.items()
+    ((path, solution),) = task.solution_files.items()
     reward = GradingReward([task], model_dir, HarnessConfig(), RewardConfig())
     tokenizer = Tokenizer.load(model_dir)
     solved = tokenizer.encode(call("write_file", path=path, content=solution) + "<|im_end|>")
@@ -89,11 +101,15 @@ def test_measure_reads_rates_and_busy_fractions_from_the_records():
         {**step, "time": 14.0, "wait_s": 0.0, "staleness_max": 1, "reward_mean": 0.7, "train_s": 1.5},
     ]
     servers = [
-        {"time": 3.0, "server": 0, "running_sequences": 0}, {"time": 4.0, "server": 0, "running_sequences": 2},
-        {"time": 4.0, "server": 1, "running_sequences": 0}, {"time": 8.0, "server": 0, "running_sequences": 0},
-        {"time": 8.0, "server": 1, "up": False}, {"time": 12.0, "server": 0, "running_sequences": 1},
-        {"time": 12.0, "server": 1, "running_sequences": 3}, {"time": 15.0, "server": 1, "running_sequences": 1},
-    ]  # fmt: skip
+        {"time": 3.0, "server": 0, "running_sequences": 0},
+        {"time": 4.0, "server": 0, "running_sequences": 2},
+        {"time": 4.0, "server": 1, "running_sequences": 0},
+        {"time": 8.0, "server": 0, "running_sequences": 0},
+        {"time": 8.0, "server": 1, "up": False},
+        {"time": 12.0, "server": 0, "running_sequences": 1},
+        {"time": 12.0, "server": 1, "running_sequences": 3},
+        {"time": 15.0, "server": 1, "running_sequences": 1},
+    ]
     result = measure(steps, servers)
     assert result["wall_s"] == 10.0 and result["samples"] == 12 and result["samples_per_s"] == 1.2  # from 4.0 to 14.0
     assert result["steady_samples_per_s"] == 2.0  # 8 samples after step 0's end
@@ -104,9 +120,11 @@ def test_measure_reads_rates_and_busy_fractions_from_the_records():
     with pytest.raises(WhetstoneError, match="no rollout"):
         measure(steps, servers[:1])
     # turns shorter than the sampling interval: no running sequence seen, but tokens were made
-    quick = [{"time": 2.0, "server": 0, "running_sequences": 0, "generation_tokens": 0},
-             {"time": 2.5, "server": 0, "running_sequences": 0, "generation_tokens": 0},
-             {"time": 3.0, "server": 0, "running_sequences": 0, "generation_tokens": 16}]  # fmt: skip
+    quick = [
+        {"time": 2.0, "server": 0, "running_sequences": 0, "generation_tokens": 0},
+        {"time": 2.5, "server": 0, "running_sequences": 0, "generation_tokens": 0},
+        {"time": 3.0, "server": 0, "running_sequences": 0, "generation_tokens": 16},
+    ]
     assert measure(steps, quick)["wall_s"] == 14.0 - 2.5
 
 
@@ -127,8 +145,17 @@ def test_bad_settings_are_named_before_anything_starts(tmp_path):
 
 def test_every_whetstone_side_runs_the_asked_number_of_servers(tmp_path):
     for servers in (1, 2):
-        config = pipeline_config(tmp_path, "async", tmp_path / "tasks.jsonl", steps=2, group_size=2, groups_per_batch=1,
-                                 max_tokens=8, synchronous=False, servers=servers)  # fmt: skip
+        config = pipeline_config(
+            tmp_path,
+            "async",
+            tmp_path / "tasks.jsonl",
+            steps=2,
+            group_size=2,
+            groups_per_batch=1,
+            max_tokens=8,
+            synchronous=False,
+            servers=servers,
+        )
         assert config.servers.count == servers
         assert config.servers.serve.threads == 1  # the rest of the servers' settings stay the run's
 
@@ -158,10 +185,12 @@ def test_the_balanced_placement_gives_each_side_its_share_of_the_cores():
 
 
 def test_the_trainer_share_comes_from_each_roles_cpu_over_the_window():
-    samples = [{"time": 1.0, "cpu_s": {"trainer": 5.0, "rollout": 3.0}},
-               {"time": 2.0, "cpu_s": {"trainer": 6.0, "rollout": 4.0}},
-               {"time": 12.0, "cpu_s": {"trainer": 8.0, "rollout": 13.0}},
-               {"time": 13.0, "cpu_s": {"trainer": 9.0, "rollout": 14.0}}]  # fmt: skip
+    samples = [
+        {"time": 1.0, "cpu_s": {"trainer": 5.0, "rollout": 3.0}},
+        {"time": 2.0, "cpu_s": {"trainer": 6.0, "rollout": 4.0}},
+        {"time": 12.0, "cpu_s": {"trainer": 8.0, "rollout": 13.0}},
+        {"time": 13.0, "cpu_s": {"trainer": 9.0, "rollout": 14.0}},
+    ]
     used = cpu_by_side(samples, 1.5, 12.5)  # startup before the window is left out
     assert used == {"trainer": 2.0, "rollout": 9.0}
     assert trainer_cpu_share(used) == pytest.approx(2 / 11)

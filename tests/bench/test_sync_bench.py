@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
 from whetstone.bench.sync import consecutive_pairs, read_versions, rl_store_case
-from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.model.hf import load_hf
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, SyncConfig, WeightStore, apply_update
@@ -19,12 +19,18 @@ from whetstone.sync.chunks import decode_chunk, encode_chunk, plan_chunks
 from whetstone.sync.manifest import Manifest, TensorInfo
 from whetstone.sync.update import build_update
 from whetstone.trainer.loop import run_trainer
-
-from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
+from whetstone.training.checkpoint import latest_checkpoint
 
 # What the issue asks of every case.
-FIGURES = ["changed_fraction", "ratio", "xor_zstd_ratio", "full_zstd_ratio", "entropy_bound_ratio",
-           "encode_gb_s_per_core", "decode_gb_s_per_core"]
+FIGURES = [
+    "changed_fraction",
+    "ratio",
+    "xor_zstd_ratio",
+    "full_zstd_ratio",
+    "entropy_bound_ratio",
+    "encode_gb_s_per_core",
+    "decode_gb_s_per_core",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -39,15 +45,20 @@ def rl_run(tmp_path_factory):
     root = tmp_path_factory.mktemp("rl-run")
     model = save_tiny_moe(root / "model")
     put_batches(root / "batches", make_batches(model, 3))
-    config = trainer_config(root, model, sync={"store": str(root / "weights"), "publish_dtype": "bfloat16"},
-                            optimizer={"lr": 3e-4, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0})
+    config = trainer_config(
+        root,
+        model,
+        sync={"store": str(root / "weights"), "publish_dtype": "bfloat16"},
+        optimizer={"lr": 3e-4, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+    )
     assert run_trainer(config)["version"] == 3
     return root
 
 
 def bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
     return a.keys() == b.keys() and all(
-        a[k].dtype == b[k].dtype and (int_view(a[k]) == int_view(b[k])).all() for k in a)
+        a[k].dtype == b[k].dtype and (int_view(a[k]) == int_view(b[k])).all() for k in a
+    )
 
 
 def test_versions_read_back_are_what_the_trainer_published(rl_run):
@@ -55,7 +66,10 @@ def test_versions_read_back_are_what_the_trainer_published(rl_run):
     assert consecutive_pairs(store, 5) == [(0, 1), (1, 2), (2, 3)]
     assert consecutive_pairs(store, 2) == [(1, 2), (2, 3)]
     versions = dict(read_versions(store, [0, 1, 2, 3]))
-    bf16 = lambda state: {k: v.bfloat16() if v.is_floating_point() else v for k, v in state.items()}  # noqa: E731
+
+    def bf16(state):
+        return {k: v.bfloat16() if v.is_floating_point() else v for k, v in state.items()}
+
     # Version 0 is the initial model; version 3 the masters the trainer checkpointed after step 3.
     assert bit_identical(versions[0], bf16(load_hf(rl_run / "model").state_dict()))
     masters = load_file(str(latest_checkpoint(rl_run / "trainer" / "checkpoints") / "model.safetensors"))
@@ -70,8 +84,19 @@ def test_a_pair_round_trips_bit_for_bit_through_the_codec(rl_run):
     plan = plan_chunks([(k, t.numel()) for k, t in new.items()], config.chunk_elements)
     blobs = [encode_chunk(chunk, new, old, config.zstd_level)[0] for chunk in plan]
     tensors = [TensorInfo(name=k, dtype=dtype_name(t.dtype), shape=list(t.shape)) for k, t in new.items()]
-    manifest = Manifest(version=3, kind="delta", base=2, keyframe=0, created=0.0, tensors=tensors, chunks=[],
-                        raw_bytes=0, encoded_bytes=0, changed=0, chain_bytes=0)
+    manifest = Manifest(
+        version=3,
+        kind="delta",
+        base=2,
+        keyframe=0,
+        created=0.0,
+        tensors=tensors,
+        chunks=[],
+        raw_bytes=0,
+        encoded_bytes=0,
+        changed=0,
+        chain_bytes=0,
+    )
     dtypes = {k: t.dtype for k, t in new.items()}
     update = build_update(manifest, [p for blob in blobs for p in decode_chunk(blob, old, dtypes)], old)
     live = {k: v.clone() for k, v in old.items()}
@@ -120,8 +145,21 @@ def test_the_command_reports_a_case_per_store(rl_run, tmp_path):
     from whetstone.bench.cli import app
 
     missing = str(tmp_path / "nothing" / "weights")
-    result = CliRunner().invoke(app, ["sync", "--json", "--repeats", "1", "--rl-store", str(rl_run / "weights"),
-                                      "--rl-store", missing, "--rl-pairs", "2"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "sync",
+            "--json",
+            "--repeats",
+            "1",
+            "--rl-store",
+            str(rl_run / "weights"),
+            "--rl-store",
+            missing,
+            "--rl-pairs",
+            "2",
+        ],
+    )
     assert result.exit_code == 0, result.output
     cases = {case["name"]: case for case in json.loads(result.stdout)["cases"]}
     assert [p["versions"] for p in cases[f"whetstone-rl-{rl_run.name}"]["pairs"]] == [[1, 2], [2, 3]]

@@ -11,7 +11,11 @@ def test_configuration_reference_is_current():
 
 
 def test_every_config_field_has_a_description():
-    missing = [line.split("|")[1].strip() for line in render().splitlines() if line.startswith("| `") and line.rstrip().endswith("|  |")]
+    missing = [
+        line.split("|")[1].strip()
+        for line in render().splitlines()
+        if line.startswith("| `") and line.rstrip().endswith("|  |")
+    ]
     assert not missing, f"fields without a docstring: {missing}"
 
 
@@ -31,10 +35,15 @@ def test_readme_overrides_are_real_keys():
     from whetstone.config import load_config
     from whetstone.config_reference import COMMANDS
 
-    configs = {title.split()[1]: (module, name) for title, module, name in COMMANDS if re.fullmatch(r"whetstone \w+", title)}
+    configs = {
+        title.split()[1]: (module, name) for title, module, name in COMMANDS if re.fullmatch(r"whetstone \w+", title)
+    }
     readme = (DOCS.parent / "README.md").read_text()
-    shown = [(match[1], override) for match in re.finditer(r"whetstone (\w+)((?: [^`\s]+)*)", readme)
-             for override in re.findall(r"--set (\S+)", match[2])]
+    shown = [
+        (match[1], override)
+        for match in re.finditer(r"whetstone (\w+)((?: [^`\s]+)*)", readme)
+        for override in re.findall(r"--set (\S+)", match[2])
+    ]
     assert len(shown) >= 3, shown
     for command, override in shown:
         module, name = configs[command]

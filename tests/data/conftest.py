@@ -23,7 +23,19 @@ import pytest
 from whetstone.data import CorpusConfig, DirectorySource
 
 MODULES = [
-    bisect, colorsys, fnmatch, glob, heapq, json.decoder, json.encoder, numbers, queue, sched, shlex, string, textwrap
+    bisect,
+    colorsys,
+    fnmatch,
+    glob,
+    heapq,
+    json.decoder,
+    json.encoder,
+    numbers,
+    queue,
+    sched,
+    shlex,
+    string,
+    textwrap,
 ]
 
 

@@ -21,16 +21,30 @@ def solved_task_transcript(number: int) -> list[dict]:
     return [
         {"role": "system", "content": "You are a coding agent. Tools: write_file, run_tests, submit."},
         {"role": "user", "content": f"Task {number}: write add(a, b) in solution.py."},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_1", "type": "function",
-             "function": {"name": "write_file", "arguments": json.dumps(arguments)}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "write_file", "arguments": json.dumps(arguments)},
+                }
+            ],
+        },
         {"role": "tool", "tool_call_id": "call_1", "content": "wrote solution.py (2 lines)"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_2", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_2", "type": "function", "function": {"name": "run_tests", "arguments": "{}"}}],
+        },
         {"role": "tool", "tool_call_id": "call_2", "content": "test_solution.py::test_add passed"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "call_3", "type": "function", "function": {"name": "submit", "arguments": "{}"}}]},
-    ]  # fmt: skip
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_3", "type": "function", "function": {"name": "submit", "arguments": "{}"}}],
+        },
+    ]
 
 
 def demos():

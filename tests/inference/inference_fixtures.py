@@ -28,9 +28,18 @@ WEATHER_CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pari
 
 
 def tiny_config(**changes) -> ModelConfig:
-    fields = dict(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
-                  max_position_embeddings=512)
+    fields = dict(
+        vocab_size=512,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        max_position_embeddings=512,
+    )
     return ModelConfig(**(fields | changes))
 
 
@@ -42,8 +51,9 @@ def tiny_model(seed: int = 0, **changes) -> Transformer:
 def make_engine(model, tokenizer=None, **config) -> Engine:
     eos = () if tokenizer is None else (tokenizer.im_end_id, tokenizer.endoftext_id)
     config = {"max_batch": 4, "context_limit": 256} | config
-    return Engine(model, EngineConfig(**config), eos_token_ids=eos,
-                  decode=None if tokenizer is None else tokenizer.decode)
+    return Engine(
+        model, EngineConfig(**config), eos_token_ids=eos, decode=None if tokenizer is None else tokenizer.decode
+    )
 
 
 def wait_until(condition, timeout: float = 30.0) -> None:
@@ -62,7 +72,7 @@ def learn_by_heart(model: Transformer, examples: list[tuple[list[int], list[int]
         loss = 0.0
         for prompt, completion in examples:
             ids = torch.tensor([prompt + completion])
-            logits = model(ids[:, :-1]).logits[0, len(prompt) - 1:]
+            logits = model(ids[:, :-1]).logits[0, len(prompt) - 1 :]
             loss = loss + torch.nn.functional.cross_entropy(logits, torch.tensor(completion))
         optimizer.zero_grad()
         loss.backward()
@@ -70,7 +80,5 @@ def learn_by_heart(model: Transformer, examples: list[tuple[list[int], list[int]
     model.eval()
     with torch.no_grad():
         for prompt, completion in examples:
-            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1:-1]
+            logits = model(torch.tensor([prompt + completion])).logits[0, len(prompt) - 1 : -1]
             assert logits.argmax(-1).tolist() == completion, "the fixture model did not learn its answers"
-
-

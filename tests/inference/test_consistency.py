@@ -38,13 +38,28 @@ def rollouts(model, mode: str, dtype: str, threads: int = 1) -> list[Sequence]:
     """Batch requests sharing 3 slots, prefilled 32 tokens at a time; two users arrive midway
     and preempt rollouts (which later resume by replaying their routes)."""
     torch.set_num_threads(threads)
-    engine = Engine(model, EngineConfig(max_batch=3, context_limit=192, prefill_chunk=32, batch_beside_interactive=1,
-                                        interactive_grace_s=0, numerics=mode, dtype=dtype))
+    engine = Engine(
+        model,
+        EngineConfig(
+            max_batch=3,
+            context_limit=192,
+            prefill_chunk=32,
+            batch_beside_interactive=1,
+            interactive_grace_s=0,
+            numerics=mode,
+            dtype=dtype,
+        ),
+    )
     g = torch.Generator().manual_seed(7)
-    seqs = [Sequence(f"r{i}", torch.randint(0, 128, (n,), generator=g).tolist(),
-                     SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True, seed=i),
-                     priority="interactive" if i in (3, 5) else "batch")
-            for i, (n, m) in enumerate(zip(PROMPT_LENGTHS, COMPLETIONS))]
+    seqs = [
+        Sequence(
+            f"r{i}",
+            torch.randint(0, 128, (n,), generator=g).tolist(),
+            SamplingParams(max_tokens=m, temperature=1.0, ignore_eos=True, seed=i),
+            priority="interactive" if i in (3, 5) else "batch",
+        )
+        for i, (n, m) in enumerate(zip(PROMPT_LENGTHS, COMPLETIONS))
+    ]
     with torch.inference_mode():
         for seq in seqs:
             if seq.priority == "batch":
@@ -66,9 +81,12 @@ def trainer_logprobs(model, batch: Batch, mode: str, dtype: str, micro_batch_siz
     (micro-batches of consecutive rows, so the result lines up with the batch's rows; the
     trainer's own `micro_batches` groups rows by length, other neighbours again)."""
     model.train()
-    chunks = [batch.select(range(i, min(i + micro_batch_size, len(batch)))) for i in range(0, len(batch), micro_batch_size)]
-    parts = [forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=mode).logprobs.detach()
-             for micro in chunks]
+    chunks = [
+        batch.select(range(i, min(i + micro_batch_size, len(batch)))) for i in range(0, len(batch), micro_batch_size)
+    ]
+    parts = [
+        forward_logprobs(model, micro, replay=False, dtype=dtype, numerics=mode).logprobs.detach() for micro in chunks
+    ]
     length = batch.input_ids.shape[1]
     return torch.cat([torch.nn.functional.pad(p, (0, length - p.shape[1])) for p in parts])
 
@@ -107,8 +125,12 @@ def test_importance_ratio_is_exactly_one_at_staleness_zero():
     assert (torch.exp(logprobs - batch.behavior_logprobs)[trained] == 1.0).all()
     # The RL step itself sees it: no mismatch, nothing clipped, its router agrees with the replay.
     policy = copy.deepcopy(model)
-    metrics = train_step(Learner(policy, torch.optim.AdamW(policy.parameters())), batch,
-                         StepSettings(grad_clip=1.0, micro_batch_size=2, numerics="invariant"), lr=1e-3)
+    metrics = train_step(
+        Learner(policy, torch.optim.AdamW(policy.parameters())),
+        batch,
+        StepSettings(grad_clip=1.0, micro_batch_size=2, numerics="invariant"),
+        lr=1e-3,
+    )
     assert metrics["logprob_diff_max"] == 0.0 and metrics["mismatch_kl_k3"] == 0.0
     assert metrics["clip_fraction"] == 0.0 and metrics["routing_disagreement"] == 0.0
 

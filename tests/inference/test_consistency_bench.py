@@ -11,16 +11,33 @@ from whetstone.bench.cli import app
 from whetstone.errors import WhetstoneError
 from whetstone.model import ModelConfig
 
-TINY = ModelConfig(vocab_size=97, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                   head_dim=8, intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                   max_position_embeddings=256)  # fmt: skip
-FIGURES = {"max_abs_logprob_diff", "k3_kl", "bitwise_equal_fraction", "routing_disagreement", "overhead_engine",
-           "overhead_trainer"}
+TINY = ModelConfig(
+    vocab_size=97,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    max_position_embeddings=256,
+)
+FIGURES = {
+    "max_abs_logprob_diff",
+    "k3_kl",
+    "bitwise_equal_fraction",
+    "routing_disagreement",
+    "overhead_engine",
+    "overhead_trainer",
+}
 
 
 def tiny_run(**changes) -> dict:
-    arguments = dict(threads=1, requests=5, max_batch=2, prompt_tokens=40, new_tokens=12, train_steps=1, rounds=1,
-                     config=TINY)
+    arguments = dict(
+        threads=1, requests=5, max_batch=2, prompt_tokens=40, new_tokens=12, train_steps=1, rounds=1, config=TINY
+    )
     return consistency.run(**(arguments | changes))
 
 
@@ -48,9 +65,13 @@ def test_bad_arguments_are_refused():
 def test_cli_prints_one_json_object(monkeypatch):
     real_run = consistency.run
     # The command's own options pass through; the workload is shrunk to the tiny model's.
-    monkeypatch.setattr(consistency, "run", lambda **options: real_run(**options, requests=3, max_batch=2,
-                                                                        prompt_tokens=16, new_tokens=6,
-                                                                        train_steps=1, config=TINY))
+    monkeypatch.setattr(
+        consistency,
+        "run",
+        lambda **options: real_run(
+            **options, requests=3, max_batch=2, prompt_tokens=16, new_tokens=6, train_steps=1, config=TINY
+        ),
+    )
     result = CliRunner().invoke(app, ["consistency", "--json", "--rounds", "1"])
     assert result.exit_code == 0, result.output
     figures = json.loads(result.output)

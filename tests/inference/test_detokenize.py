@@ -8,7 +8,7 @@ def stream(tokenizer, text, stop=()):
     for token in tokenizer.encode(text):
         before = inc.released
         inc.push([token])
-        shown.append(inc.text[before:inc.released])
+        shown.append(inc.text[before : inc.released])
         if inc.stopped:
             break
     inc.finish()

@@ -22,7 +22,7 @@ def test_logprobs_routes_and_versions_are_those_of_the_model(model):
         tokens = seq.prompt_ids + seq.output_ids
         with torch.no_grad():
             full = model(torch.tensor([tokens[:-1]]), return_routes=True)
-        logprobs = torch.log_softmax(full.logits[0, len(seq.prompt_ids) - 1:] / 0.8, -1)
+        logprobs = torch.log_softmax(full.logits[0, len(seq.prompt_ids) - 1 :] / 0.8, -1)
         expected = logprobs.gather(1, torch.tensor(seq.output_ids)[:, None])[:, 0]
         assert torch.allclose(torch.tensor(seq.logprobs), expected, atol=1e-4)
         assert torch.equal(seq.routes.long(), full.routes[0])  # [tokens fed, moe_layers, top_k]
@@ -37,9 +37,11 @@ def test_same_seed_same_tokens_alone_or_joined_by_others_midway(model):
     engine = make_engine(model)
     target = Sequence("target", prompts(9)[0], params)
     engine.add(target)
-    others = [Sequence(f"o{i}", p, SamplingParams(max_tokens=5 + i, seed=i)) for i, p in enumerate(prompts(4, 30, 12, seed=1))]
+    others = [
+        Sequence(f"o{i}", p, SamplingParams(max_tokens=5 + i, seed=i)) for i, p in enumerate(prompts(4, 30, 12, seed=1))
+    ]
     with torch.inference_mode():
-        for step, other in enumerate(others):
+        for other in others:
             engine.add(other)  # joins between decode steps; leaves after 5 + i tokens
             engine.step()
         while not target.finished:
@@ -87,7 +89,7 @@ def test_stop_tokens_stop_strings_and_eos(model, tokenizer):
     stop_token = free.output_ids[5]
     first = free.output_ids.index(stop_token)
     [by_token] = engine.generate([prompt], SamplingParams(max_tokens=30, seed=1, stop_token_ids=(stop_token,)))
-    assert by_token.output_ids == free.output_ids[:first + 1] and by_token.finish_reason == "stop"
+    assert by_token.output_ids == free.output_ids[: first + 1] and by_token.finish_reason == "stop"
     assert by_token.text.text == tokenizer.decode(free.output_ids[:first])  # the stop token is not text
 
     stop = free.text.text[10:13]
@@ -140,8 +142,10 @@ def test_engine_thread_serves_sequences_added_from_other_threads(model):
 
     engine.start()
     try:
-        seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=4, seed=i), on_event=on_event)
-                for i, p in enumerate(prompts(3, 5, 7))]
+        seqs = [
+            Sequence(f"s{i}", p, SamplingParams(max_tokens=4, seed=i), on_event=on_event)
+            for i, p in enumerate(prompts(3, 5, 7))
+        ]
         for seq in seqs:
             engine.add(seq)
         assert all_done.wait(timeout=30)

@@ -11,8 +11,11 @@ def test_ragged_rows_decode_like_a_full_forward(model):
     with torch.no_grad():
         for slot, seq in enumerate(seqs):
             model(torch.tensor([seq[:-1]]), cache=cache.rows(slot, 1))
-        step = model(torch.tensor([[s[-1]] for s in seqs]), positions=torch.tensor([[len(s) - 1] for s in seqs]),
-                     cache=cache.rows(0, 3))
+        step = model(
+            torch.tensor([[s[-1]] for s in seqs]),
+            positions=torch.tensor([[len(s) - 1] for s in seqs]),
+            cache=cache.rows(0, 3),
+        )
         for row, seq in enumerate(seqs):
             full = model(torch.tensor([seq])).logits[0, -1]
             assert torch.allclose(step.logits[row, 0], full, atol=1e-5)

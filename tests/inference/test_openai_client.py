@@ -24,8 +24,10 @@ MODEL = "tiny-chat"
 @pytest.fixture(scope="module")
 def server(served_model_dir, tmp_path_factory):
     config = tmp_path_factory.mktemp("serve") / "serve.toml"
-    config.write_text(f'model_path = "{served_model_dir}"\nauth_token = "{TOKEN}"\nthreads = 1\n'
-                      "[engine]\nmax_batch = 4\ncontext_limit = 512\n")
+    config.write_text(
+        f'model_path = "{served_model_dir}"\nauth_token = "{TOKEN}"\nthreads = 1\n'
+        "[engine]\nmax_batch = 4\ncontext_limit = 512\n"
+    )
     with serving([str(config)], config.with_name("server.log")) as url:
         yield url
 
@@ -47,8 +49,9 @@ def test_chat_reply(client):
 
 
 def test_chat_tool_call(client):
-    reply = client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL],
-                                           temperature=0, max_tokens=40)
+    reply = client.chat.completions.create(
+        model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], temperature=0, max_tokens=40
+    )
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls" and not choice.message.content
     [call] = choice.message.tool_calls
@@ -56,13 +59,17 @@ def test_chat_tool_call(client):
 
 
 def test_chat_streaming_with_and_without_tools(client):
-    chunks = list(client.chat.completions.create(model=MODEL, messages=GREETING, temperature=0, max_tokens=20,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=GREETING, temperature=0, max_tokens=20, stream=True)
+    )
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == GREETING_REPLY
     assert chunks[-1].choices[0].finish_reason == "stop"
 
-    chunks = list(client.chat.completions.create(model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL],
-                                                 temperature=0, max_tokens=40, stream=True))
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], temperature=0, max_tokens=40, stream=True
+        )
+    )
     calls = [call for c in chunks for call in (c.choices[0].delta.tool_calls or [])]
     assert [c.function.name for c in calls] == ["get_weather"]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ""  # the call is not content
@@ -71,7 +78,11 @@ def test_chat_streaming_with_and_without_tools(client):
 
 def test_completion_with_rl_extensions(client):
     reply = client.completions.create(
-        model=MODEL, prompt="def main():", max_tokens=6, seed=3, logprobs=2,
+        model=MODEL,
+        prompt="def main():",
+        max_tokens=6,
+        seed=3,
+        logprobs=2,
         extra_body={"return_token_ids": True, "return_routed_experts": True, "priority": "batch", "ignore_eos": True},
     )
     choice = reply.choices[0]
@@ -81,15 +92,25 @@ def test_completion_with_rl_extensions(client):
     assert all(len(top) <= 2 for top in choice.logprobs.top_logprobs)
     routes = decode_routes(extra["routed_experts"])
     assert routes.shape == (len(extra["prompt_token_ids"]) + 6 - 1, 1, 2)  # every token fed; 1 MoE layer, top-2
-    again = client.completions.create(model=MODEL, prompt="def main():", max_tokens=6, seed=3,
-                                      extra_body={"return_token_ids": True, "ignore_eos": True})
+    again = client.completions.create(
+        model=MODEL,
+        prompt="def main():",
+        max_tokens=6,
+        seed=3,
+        extra_body={"return_token_ids": True, "ignore_eos": True},
+    )
     assert again.choices[0].model_extra["token_ids"] == extra["token_ids"]  # same seed, same tokens
 
 
 def test_completion_streaming(client):
-    full = client.completions.create(model=MODEL, prompt="import os", max_tokens=8, seed=1, extra_body={"ignore_eos": True})
-    chunks = list(client.completions.create(model=MODEL, prompt="import os", max_tokens=8, seed=1, stream=True,
-                                            extra_body={"ignore_eos": True}))
+    full = client.completions.create(
+        model=MODEL, prompt="import os", max_tokens=8, seed=1, extra_body={"ignore_eos": True}
+    )
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt="import os", max_tokens=8, seed=1, stream=True, extra_body={"ignore_eos": True}
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == full.choices[0].text
     assert chunks[-1].choices[0].finish_reason == "length"
 
@@ -97,8 +118,10 @@ def test_completion_streaming(client):
 def test_concurrent_users_and_rollouts(client):
     def ask(i):
         priority = "batch" if i % 2 else "interactive"
-        return client.completions.create(model=MODEL, prompt=f"x = {i}", max_tokens=5, seed=i,
-                                          extra_body={"priority": priority, "ignore_eos": True})
+        return client.completions.create(
+            model=MODEL, prompt=f"x = {i}", max_tokens=5, seed=i, extra_body={"priority": priority, "ignore_eos": True}
+        )
+
     with ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(ask, range(8)))
     assert all(r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 5 for r in replies)
@@ -115,8 +138,11 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(client, serve
         client.completions.create(model=MODEL, prompt="hi", max_tokens=5000)
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "wizard", "content": "hi"}])
-    raw = httpx.post(f"{server}/v1/chat/completions", content=b'{"model": "tiny-chat", "messages": [',
-                     headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    raw = httpx.post(
+        f"{server}/v1/chat/completions",
+        content=b'{"model": "tiny-chat", "messages": [',
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
     assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
@@ -131,7 +157,12 @@ def test_bearer_token_is_required(server):
 def test_metrics_are_prometheus_text(client, server):
     client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     text = httpx.get(f"{server}/metrics").text
-    for name in ("whetstone_queue_depth", "whetstone_tokens_per_second", "whetstone_weight_version",
-                 "whetstone_swap_pause_seconds_count", "whetstone_preemptions_total"):
+    for name in (
+        "whetstone_queue_depth",
+        "whetstone_tokens_per_second",
+        "whetstone_weight_version",
+        "whetstone_swap_pause_seconds_count",
+        "whetstone_preemptions_total",
+    ):
         assert f"\n{name}{{" in text
     assert 'whetstone_requests_total{model="tiny-chat",reason="length"}' in text

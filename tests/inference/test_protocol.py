@@ -28,6 +28,10 @@ def test_each_choice_samples_with_its_own_seed():
 def test_chat_requests_validate_their_tools_and_logprobs():
     with pytest.raises(ValidationError, match="top_logprobs needs logprobs=true"):
         ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], top_logprobs=2)
-    request = ChatRequest(model="m", messages=[{"role": "user", "content": "x"}], tools=[{"type": "function",
-                          "function": {"name": "f"}}], tool_choice="none")
+    request = ChatRequest(
+        model="m",
+        messages=[{"role": "user", "content": "x"}],
+        tools=[{"type": "function", "function": {"name": "f"}}],
+        tool_choice="none",
+    )
     assert not request.use_tools

@@ -48,11 +48,17 @@ def test_sampling_follows_the_distribution():
 
 def test_same_seed_same_token_whatever_else_is_in_the_batch():
     logits = torch.randn(6, 100, generator=torch.Generator().manual_seed(1))
-    params = [SamplingParams(), SamplingParams(top_p=0.8), SamplingParams(temperature=0.0),
-              SamplingParams(top_k=5), SamplingParams(temperature=2.0), SamplingParams()]
+    params = [
+        SamplingParams(),
+        SamplingParams(top_p=0.8),
+        SamplingParams(temperature=0.0),
+        SamplingParams(top_k=5),
+        SamplingParams(temperature=2.0),
+        SamplingParams(),
+    ]
     together = draw(logits, params, range(6))
     for row in range(6):
-        alone = draw(logits[row:row + 1], [params[row]], [row])
+        alone = draw(logits[row : row + 1], [params[row]], [row])
         assert (alone.tokens[0], alone.logprobs[0]) == (together.tokens[row], together.logprobs[row])
 
 
@@ -73,8 +79,10 @@ def test_top_logprobs_are_the_most_likely_of_the_used_distribution():
     assert sum(math.exp(lp) for _, lp in out.top[0]) == pytest.approx(1.0)
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0),
-                                         ("top_k", -2), ("top_logprobs", 21), ("stop", ("",))])
+@pytest.mark.parametrize(
+    "field,value",
+    [("max_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_k", -2), ("top_logprobs", 21), ("stop", ("",))],
+)
 def test_bad_parameters_are_named(field, value):
     with pytest.raises(InvalidRequest, match=field.split("_")[0]):
         SamplingParams(**{field: value})

@@ -83,8 +83,13 @@ def test_while_users_are_served_the_batch_class_shrinks_then_grows_back():
 
 def test_the_cap_outlasts_the_last_user_by_the_grace_seconds():
     now = [0.0]
-    scheduler = Scheduler(max_batch=4, prefill_tokens_per_step=1000, batch_beside_interactive=1,
-                          interactive_grace_s=0.5, clock=lambda: now[0])
+    scheduler = Scheduler(
+        max_batch=4,
+        prefill_tokens_per_step=1000,
+        batch_beside_interactive=1,
+        interactive_grace_s=0.5,
+        clock=lambda: now[0],
+    )
     user = seq("user", "interactive")
     scheduler.add(user)
     run(scheduler, scheduler.plan())

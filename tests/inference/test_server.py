@@ -16,8 +16,12 @@ from whetstone.inference.protocol import decode_routes
 
 @pytest.fixture(scope="module")
 def http(served_model_dir):
-    config = ServeConfig(model_path=str(served_model_dir), threads=1, default_max_tokens=16,
-                         engine=EngineConfig(max_batch=4, context_limit=512))
+    config = ServeConfig(
+        model_path=str(served_model_dir),
+        threads=1,
+        default_max_tokens=16,
+        engine=EngineConfig(max_batch=4, context_limit=512),
+    )
     with TestClient(build_app(config)) as client:
         yield client
 
@@ -34,8 +38,17 @@ def sse_events(response):
 
 
 def test_n_choices_and_several_prompts(http):
-    body = post(http, "/v1/completions", prompt=["a = 1", "b = 2"], n=2, max_tokens=8, seed=0, ignore_eos=True,
-                temperature=5.0, return_token_ids=True).json()
+    body = post(
+        http,
+        "/v1/completions",
+        prompt=["a = 1", "b = 2"],
+        n=2,
+        max_tokens=8,
+        seed=0,
+        ignore_eos=True,
+        temperature=5.0,
+        return_token_ids=True,
+    ).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
     assert body["usage"]["completion_tokens"] == 32
     tokens = [c["token_ids"] for c in body["choices"]]
@@ -43,8 +56,17 @@ def test_n_choices_and_several_prompts(http):
 
 
 def test_token_id_prompts_and_per_token_fields(http):
-    body = post(http, "/v1/completions", prompt=[11, 12, 13], max_tokens=4, seed=1, ignore_eos=True,
-                return_token_ids=True, return_routed_experts=True, logprobs=0).json()
+    body = post(
+        http,
+        "/v1/completions",
+        prompt=[11, 12, 13],
+        max_tokens=4,
+        seed=1,
+        ignore_eos=True,
+        return_token_ids=True,
+        return_routed_experts=True,
+        logprobs=0,
+    ).json()
     choice = body["choices"][0]
     assert choice["prompt_token_ids"] == [11, 12, 13] and len(choice["token_ids"]) == 4
     assert choice["weight_versions"] == [0, 0, 0, 0]
@@ -53,8 +75,18 @@ def test_token_id_prompts_and_per_token_fields(http):
 
 
 def test_chat_logprobs_and_usage_chunk_in_a_stream(http):
-    response = post(http, "/v1/chat/completions", messages=GREETING, temperature=0, max_tokens=20, stream=True,
-                    logprobs=True, top_logprobs=2, return_token_ids=True, stream_options={"include_usage": True})
+    response = post(
+        http,
+        "/v1/chat/completions",
+        messages=GREETING,
+        temperature=0,
+        max_tokens=20,
+        stream=True,
+        logprobs=True,
+        top_logprobs=2,
+        return_token_ids=True,
+        stream_options={"include_usage": True},
+    )
     events = sse_events(response)
     assert events[0]["choices"][0]["delta"]["role"] == "assistant"
     assert "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1]) == GREETING_REPLY
@@ -67,31 +99,43 @@ def test_chat_logprobs_and_usage_chunk_in_a_stream(http):
 
 
 def test_tool_choice_none_leaves_the_text_alone(http):
-    body = post(http, "/v1/chat/completions", messages=WEATHER_QUESTION, tools=[WEATHER_TOOL], tool_choice="none",
-                temperature=0, max_tokens=10).json()
+    body = post(
+        http,
+        "/v1/chat/completions",
+        messages=WEATHER_QUESTION,
+        tools=[WEATHER_TOOL],
+        tool_choice="none",
+        temperature=0,
+        max_tokens=10,
+    ).json()
     assert "tool_calls" not in body["choices"][0]["message"]
 
 
 def test_content_parts_and_developer_role_are_accepted(http):
-    messages = [{"role": "developer", "content": "Be brief."},
-                {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]}]
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "hello."}]},
+    ]
     assert post(http, "/v1/chat/completions", messages=messages, max_tokens=2).status_code == 200
     image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]
     response = post(http, "/v1/chat/completions", messages=image, max_tokens=2)
     assert response.status_code == 400 and "only text content parts" in response.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body,message", [
-    ({"prompt": "x", "n": 0}, "n: Input should be greater than or equal to 1"),
-    ({"prompt": "x", "top_p": 1.5}, "top_p"),
-    ({"prompt": "x", "stop": [""]}, "stop strings must not be empty"),
-    ({"prompt": "x", "frequency_penalty": 0.5}, "not supported"),
-    ({"prompt": "x", "echo": True}, "echo is not supported"),
-    ({"prompt": "x", "priority": "urgent"}, "priority"),
-    ({"prompt": "x", "temprature": 0.5}, "temprature: Extra inputs are not permitted"),
-    ({"prompt": []}, "prompt is empty"),
-    ({"prompt": [5000]}, "token ids must be in"),
-])
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ({"prompt": "x", "n": 0}, "n: Input should be greater than or equal to 1"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p"),
+        ({"prompt": "x", "stop": [""]}, "stop strings must not be empty"),
+        ({"prompt": "x", "frequency_penalty": 0.5}, "not supported"),
+        ({"prompt": "x", "echo": True}, "echo is not supported"),
+        ({"prompt": "x", "priority": "urgent"}, "priority"),
+        ({"prompt": "x", "temprature": 0.5}, "temprature: Extra inputs are not permitted"),
+        ({"prompt": []}, "prompt is empty"),
+        ({"prompt": [5000]}, "token ids must be in"),
+    ],
+)
 def test_bad_parameters_are_named(http, body, message):
     response = post(http, "/v1/completions", **body)
     assert response.status_code == 400

@@ -54,8 +54,12 @@ class HeldTokenizer:
 
 def app_for(folder, tokenizer, **config):
     engine_config = EngineConfig(max_batch=4, context_limit=512)
-    engine = Engine(load_hf(folder), engine_config, eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
-                    decode=tokenizer.decode)
+    engine = Engine(
+        load_hf(folder),
+        engine_config,
+        eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
+        decode=tokenizer.decode,
+    )
     serve_config = ServeConfig(model_path=str(folder), threads=1, default_max_tokens=8, engine=engine_config, **config)
     return create_app(engine, tokenizer, serve_config, "tiny-chat")
 
@@ -122,10 +126,13 @@ def test_a_text_that_cannot_fit_is_refused_without_tokenizing(url, held):
     assert ids.status_code == 400 and "the prompt has 5000 tokens" in ids.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("route,body", [
-    ("/v1/completions", {"prompt": HOLD + "Say hello."}),
-    ("/v1/chat/completions", {"messages": [{"role": "user", "content": HOLD + "Say hello."}]}),
-])
+@pytest.mark.parametrize(
+    "route,body",
+    [
+        ("/v1/completions", {"prompt": HOLD + "Say hello."}),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": HOLD + "Say hello."}]}),
+    ],
+)
 def test_health_answers_while_a_prompt_is_tokenized(url, held, route, body):
     held.holding.clear()
     held.release.clear()
@@ -161,7 +168,10 @@ def test_the_request_log_can_be_turned_off(served_model_dir, caplog):
     caplog.set_level(logging.INFO, logger="whetstone.requests")
     tokenizer = Tokenizer.load(served_model_dir)
     with TestClient(app_for(served_model_dir, tokenizer, log_requests=False)) as client:
-        assert client.post("/v1/completions", json={"model": "tiny-chat", "prompt": "x", "max_tokens": 1}).status_code == 200
+        assert (
+            client.post("/v1/completions", json={"model": "tiny-chat", "prompt": "x", "max_tokens": 1}).status_code
+            == 200
+        )
     assert not [r for r in caplog.records if r.name == "whetstone.requests"]
 
 
@@ -185,8 +195,9 @@ def test_serve_on_a_busy_port_says_so_and_announces_nothing(served_model_dir, tm
         port = taken.getsockname()[1]
         config = tmp_path / "serve.toml"
         config.write_text(f'model_path = "{served_model_dir}"\nport = {port}\nthreads = 1\n')
-        result = subprocess.run([sys.executable, "-m", "whetstone.cli", "serve", str(config)],
-                                capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "whetstone.cli", "serve", str(config)], capture_output=True, text=True, timeout=300
+        )
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"port {port} is in use on 127.0.0.1" in result.stderr
     assert "serving on" not in result.stdout + result.stderr
@@ -200,6 +211,9 @@ def test_serve_logs_its_requests(served_model_dir, tmp_path):
     config.write_text(f'model_path = "{served_model_dir}"\nthreads = 1\n')
     log = tmp_path / "server.log"
     with serving([str(config)], log) as root:
-        reply = httpx.post(f"{root}/v1/chat/completions", json={"model": "tiny-chat", "messages": GREETING,
-                                                                "max_tokens": 2}, timeout=60).json()
+        reply = httpx.post(
+            f"{root}/v1/chat/completions",
+            json={"model": "tiny-chat", "messages": GREETING, "max_tokens": 2},
+            timeout=60,
+        ).json()
     assert f"whetstone.requests INFO {reply['id']} POST /v1/chat/completions 200 tokens=" in log.read_text()

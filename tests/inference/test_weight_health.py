@@ -34,8 +34,9 @@ def test_a_server_that_rejects_a_version_says_so_and_takes_it_once_repaired(serv
     publisher.publish(served)  # version 0: what the server loads anyway
     bad = publisher.publish(nudged(served, 1e-3))  # version 1, a delta
     corrupt(store, bad.chunks[0].key, "flip")
-    config = ServeConfig(model_path=str(served_model_dir), threads=1, sync=sync,
-                         engine=EngineConfig(max_batch=2, context_limit=256))
+    config = ServeConfig(
+        model_path=str(served_model_dir), threads=1, sync=sync, engine=EngineConfig(max_batch=2, context_limit=256)
+    )
     with caplog.at_level(logging.INFO), TestClient(build_app(config)) as http:
         wait_until(lambda: http.get("/health").status_code == 503, TIMEOUT_S)
         body = http.get("/health").json()

@@ -17,17 +17,25 @@ from whetstone.utils.metrics import read_metrics
 @pytest.mark.timeout(900)
 def test_embedded_default_finishes_in_five_minutes_far_below_the_unigram_entropy(tmp_path):
     started = time.perf_counter()
-    result = CliRunner().invoke(app, [
-        "midtrain", "--json",
-        "--set", f'data.cache_dir="{tmp_path / "cache"}"',
-        "--set", f'run.output_dir="{tmp_path / "runs"}"',
-    ])
+    result = CliRunner().invoke(
+        app,
+        [
+            "midtrain",
+            "--json",
+            "--set",
+            f'data.cache_dir="{tmp_path / "cache"}"',
+            "--set",
+            f'run.output_dir="{tmp_path / "runs"}"',
+        ],
+    )
     elapsed = time.perf_counter() - started
     assert result.exit_code == 0, result.output
     summary = json.loads(result.output.strip().splitlines()[-1])
-    print(f"whole command {elapsed:.0f} s, step {summary['step']} of {summary['steps']}, val loss "
-          f"{summary['val_loss']:.3f}, unigram entropy {summary['unigram_entropy']:.3f}, "
-          f"{summary['tokens_per_s']:.0f} tokens/s")
+    print(
+        f"whole command {elapsed:.0f} s, step {summary['step']} of {summary['steps']}, val loss "
+        f"{summary['val_loss']:.3f}, unigram entropy {summary['unigram_entropy']:.3f}, "
+        f"{summary['tokens_per_s']:.0f} tokens/s"
+    )
     # On a busy machine run.max_wall_time ends training early (stopped_early): still in time.
     assert summary["finished"] or summary["stopped_early"]
     assert elapsed < 300

@@ -98,7 +98,9 @@ def test_wall_time_limit_checkpoints_exports_and_stops_early(make_config):
 def from_checkpoint(config, folder, **data):
     """`config` set to start from the HF folder `folder` (no model section of its own)."""
     run = config.run.model_copy(update={"init_from": str(folder)})
-    return config.model_copy(update={"model": type(config.model)(), "run": run, "data": config.data.model_copy(update=data)})
+    return config.model_copy(
+        update={"model": type(config.model)(), "run": run, "data": config.data.model_copy(update=data)}
+    )
 
 
 def test_continue_training_from_an_exported_hf_folder(make_config):
@@ -110,7 +112,9 @@ def test_continue_training_from_an_exported_hf_folder(make_config):
 
 def test_a_model_section_that_disagrees_with_init_from_is_named(make_config):
     base = train(make_config("run.name=base", "run.steps=4", "run.eval_interval=2"))
-    agreeing = make_config("run.name=agreeing", "run.steps=4", "run.eval_interval=2", f"run.init_from={base['model_dir']}")
+    agreeing = make_config(
+        "run.name=agreeing", "run.steps=4", "run.eval_interval=2", f"run.init_from={base['model_dir']}"
+    )
     assert train(agreeing)["finished"]  # the tiny model section matches the exported config.json
     with pytest.raises(ConfigError, match=r"model.hidden_size = 48, but run.init_from .* has 32"):
         train(make_config("model.hidden_size=48", f"run.init_from={base['model_dir']}"))

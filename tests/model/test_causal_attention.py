@@ -10,8 +10,10 @@ from whetstone.model import ModelConfig, Transformer, causal_attention, ops
 def heads(batch=2, q_heads=4, kv_heads=2, length=13, dim=8, dtype=torch.float64, seed=0):
     """q, k, v laid out as the model makes them: [B, T, H, D] transposed to [B, H, T, D]."""
     generator = torch.Generator().manual_seed(seed)
-    return [torch.randn(batch, length, h, dim, generator=generator, dtype=dtype).transpose(1, 2).requires_grad_()
-            for h in (q_heads, kv_heads, kv_heads)]  # fmt: skip
+    return [
+        torch.randn(batch, length, h, dim, generator=generator, dtype=dtype).transpose(1, 2).requires_grad_()
+        for h in (q_heads, kv_heads, kv_heads)
+    ]
 
 
 def reference(q, k, v):
@@ -61,8 +63,16 @@ def test_applies_only_to_short_reduced_precision_causal_attention():
 
 def test_bf16_training_kernels_take_it_and_match_torchs_attention(monkeypatch):
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, num_experts=4, moe_intermediate_size=16)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        moe_intermediate_size=16,
+    )
     model = Transformer(config)
     ids = torch.randint(0, 64, (2, 24))
     taken = []
@@ -84,8 +94,16 @@ def test_mid_training_takes_it_in_bf16_only(monkeypatch):
     from whetstone.data.loader import Batch
     from whetstone.midtrain.step import token_losses
 
-    config = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, head_dim=8, num_experts=0, intermediate_size=32)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        num_experts=0,
+        intermediate_size=32,
+    )
     model = Transformer(config)
     ids = torch.randint(0, 64, (2, 12))
     zeros = torch.zeros_like(ids)

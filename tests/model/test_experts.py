@@ -85,8 +85,7 @@ def test_bf16_training_pads_expert_groups_and_keeps_the_results(monkeypatch):
     plain = run()
     sizes = []
     original = experts._padded_groups
-    monkeypatch.setattr(experts, "_padded_groups",
-                        lambda *args: sizes.append(original(*args)[2]) or original(*args))  # fmt: skip
+    monkeypatch.setattr(experts, "_padded_groups", lambda *args: sizes.append(original(*args)[2]) or original(*args))
     with ops.training_kernels():
         padded = run()
     assert sizes and all(size % shape_tile(size) == 0 for size in sizes[0])

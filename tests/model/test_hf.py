@@ -93,7 +93,10 @@ def test_fused_expert_tensors_are_read_too(tmp_path):
     for layer in range(3):
         prefix = f"model.layers.{layer}.mlp.experts"
         fused[f"{prefix}.gate_up_proj"] = torch.stack(
-            [torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]]) for e in range(4)]
+            [
+                torch.cat([tensors[f"{prefix}.{e}.gate_proj.weight"], tensors[f"{prefix}.{e}.up_proj.weight"]])
+                for e in range(4)
+            ]
         )
         fused[f"{prefix}.down_proj"] = torch.stack([tensors[f"{prefix}.{e}.down_proj.weight"] for e in range(4)])
     reference = load_hf(tmp_path)

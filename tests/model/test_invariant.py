@@ -28,7 +28,7 @@ def threads(request):
 def rows_alone(fn, x: torch.Tensor, counts=range(1, 24)) -> list[int]:
     """Row counts m for which fn(x[3:3+m]) is not bit for bit fn(x)[3:3+m]."""
     full = fn(x)
-    return [m for m in counts if not torch.equal(fn(x[3:3 + m]), full[3:3 + m])]
+    return [m for m in counts if not torch.equal(fn(x[3 : 3 + m]), full[3 : 3 + m])]
 
 
 SHAPES = [(96, 80), (512, 8), (64, 1), (256, 768)]
@@ -89,7 +89,7 @@ def test_linear_keeps_the_shape_and_the_value():
 def test_silu_and_sigmoid_do_not_depend_on_where_an_element_sits():
     x = torch.randn(4099) * 4  # odd length: a scalar tail and a vectorised body
     for fn in (invariant.silu, invariant.sigmoid):
-        one_by_one = torch.cat([fn(x[i:i + 1]) for i in range(x.numel())])
+        one_by_one = torch.cat([fn(x[i : i + 1]) for i in range(x.numel())])
         assert torch.equal(fn(x), one_by_one)
     torch.testing.assert_close(invariant.silu(x), F.silu(x))
     torch.testing.assert_close(invariant.sigmoid(x), torch.sigmoid(x))
@@ -97,7 +97,7 @@ def test_silu_and_sigmoid_do_not_depend_on_where_an_element_sits():
 
 def test_torch_silu_does_depend_on_where_an_element_sits():
     x = torch.randn(4099) * 4
-    assert not torch.equal(F.silu(x), torch.cat([F.silu(x[i:i + 1]) for i in range(x.numel())]))
+    assert not torch.equal(F.silu(x), torch.cat([F.silu(x[i : i + 1]) for i in range(x.numel())]))
 
 
 def test_a_lone_wide_row_is_reduced_like_a_row_among_others(threads):
@@ -106,13 +106,16 @@ def test_a_lone_wide_row_is_reduced_like_a_row_among_others(threads):
     assert torch.equal(invariant.mean_last(x), x.mean(-1, keepdim=True))
     if threads == 2:
         together = x.mean(-1, keepdim=True)
-        assert any(not torch.equal(x[i:i + 1].mean(-1, keepdim=True), together[i:i + 1]) for i in range(3))
+        assert any(not torch.equal(x[i : i + 1].mean(-1, keepdim=True), together[i : i + 1]) for i in range(3))
 
 
 def test_moe_combine_adds_slots_in_top_k_order_in_fp32():
     expert_out, gates = torch.randn(5, 3, 8).bfloat16(), torch.rand(5, 3)
-    expected = ((expert_out[:, 0].float() * gates[:, :1]) + expert_out[:, 1].float() * gates[:, 1:2]
-                + expert_out[:, 2].float() * gates[:, 2:])
+    expected = (
+        (expert_out[:, 0].float() * gates[:, :1])
+        + expert_out[:, 1].float() * gates[:, 1:2]
+        + expert_out[:, 2].float() * gates[:, 2:]
+    )
     assert torch.equal(invariant.moe_combine(expert_out, gates), expected.bfloat16())
 
 
@@ -138,12 +141,12 @@ def test_attention_of_a_query_does_not_depend_on_the_keys_after_it_or_the_batch(
         cache = 384 + p % 7  # longer than the sequence, filled with junk after p
         keys = torch.randn(3, 2, cache, 16)
         values = torch.randn(3, 2, cache, 16)
-        keys[:, :, :p + 1], values[:, :, :p + 1] = k[:, :, :p + 1], v[:, :, :p + 1]
+        keys[:, :, : p + 1], values[:, :, : p + 1] = k[:, :, : p + 1], v[:, :, : p + 1]
         mask = (torch.arange(cache) <= p).view(1, 1, 1, cache).expand(3, 1, 1, cache)
-        one = invariant.attention(q[:, :, p:p + 1], keys, values, mask)
-        assert torch.equal(one, full[:, :, p:p + 1])
-        alone = invariant.attention(q[1:2, :, p:p + 1], keys[1:2], values[1:2], mask[1:2])
-        assert torch.equal(alone, full[1:2, :, p:p + 1])
+        one = invariant.attention(q[:, :, p : p + 1], keys, values, mask)
+        assert torch.equal(one, full[:, :, p : p + 1])
+        alone = invariant.attention(q[1:2, :, p : p + 1], keys[1:2], values[1:2], mask[1:2])
+        assert torch.equal(alone, full[1:2, :, p : p + 1])
 
 
 def test_attention_in_prefill_chunks_equals_one_pass():
@@ -153,15 +156,18 @@ def test_attention_in_prefill_chunks_equals_one_pass():
     for start in range(0, 300, 100):
         end = start + 100
         mask = (positions[:end] <= positions[start:end, None]).view(1, 1, end - start, end)
-        assert torch.equal(invariant.attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask),
-                           full[:, :, start:end])
+        assert torch.equal(
+            invariant.attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], mask), full[:, :, start:end]
+        )
 
 
 def test_attention_of_one_query_over_a_cache_is_the_query_in_a_full_forward():
     q, k, v = torch.randn(1, 4, 40, 16), torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
     mask = (torch.arange(64) <= 30).view(1, 1, 1, 64)
-    assert torch.equal(invariant.attention(q[:, :, 30:31], k, v, mask),
-                       invariant.attention(q, k[:, :, :40], v[:, :, :40], None)[:, :, 30:31])
+    assert torch.equal(
+        invariant.attention(q[:, :, 30:31], k, v, mask),
+        invariant.attention(q, k[:, :, :40], v[:, :, :40], None)[:, :, 30:31],
+    )
 
 
 def test_attention_gradients_match_torch_attention():

@@ -66,8 +66,9 @@ invariant.linear(x.bfloat16(), w.bfloat16())
 def _run(env: dict, *args: str) -> subprocess.CompletedProcess:
     # The parent's own dispatch settings must not leak into a path's run.
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MKL_", "ONEDNN_", "DNNL_"))}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env={**base, **env}, capture_output=True,
-                          text=True, timeout=600)
+    return subprocess.run(
+        [sys.executable, *args], cwd=ROOT, env={**base, **env}, capture_output=True, text=True, timeout=600
+    )
 
 
 @pytest.mark.parametrize("path", [pytest.param(name, marks=MARKS.get(name, ())) for name in PATHS])
@@ -77,7 +78,7 @@ def test_invariance_holds_on_each_library_path(path):
         probe = _run({**env, "ONEDNN_VERBOSE": "1"}, "-c", PROBE)
         assert probe.returncode == 0, probe.stderr[-2000:]
         kernels = [line for line in probe.stdout.splitlines() if ",exec,cpu,matmul," in line]
-        above = ISAS[ISAS.index(cap) + 1:]
+        above = ISAS[ISAS.index(cap) + 1 :]
         assert not any(f":{isa}," in line for line in kernels for isa in above), kernels
         if cap in ("avx512_core_bf16", "avx512_core_amx"):
             assert kernels and all(f":{cap}," in line for line in kernels), kernels

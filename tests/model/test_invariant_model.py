@@ -1,8 +1,8 @@
 """The whole model under `numerics("invariant")`: a sequence's logits and routes are the same
 bits alone or in a batch (any padding), in one forward or decoded token by token through the KV
 cache after a chunked prefill (across the attention's key chunks); in fp32 and under bf16
-autocast; dense, MoE and MoE with a shared expert. The same checks fail in `fast` mode. The backward still trains: its gradients are
-deterministic and agree with fast mode's."""
+autocast; dense, MoE and MoE with a shared expert. The same checks fail in `fast` mode. The
+backward still trains: its gradients are deterministic and agree with fast mode's."""
 
 import pytest
 import torch
@@ -31,10 +31,14 @@ def token_ids(rows: int, length: int, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, 97, (rows, length), generator=torch.Generator().manual_seed(seed))
 
 
-def decoded(model: Transformer, row: torch.Tensor, prefill: int, chunk: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def decoded(
+    model: Transformer, row: torch.Tensor, prefill: int, chunk: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Logits and routes of one sequence: prefill in chunks of `chunk`, then one token at a time."""
     cache = KVCache(model.cfg, 1, model.cfg.max_position_embeddings)
-    pieces = [(s, min(s + chunk, prefill)) for s in range(0, prefill, chunk)] + [(t, t + 1) for t in range(prefill, row.numel())]
+    pieces = [(s, min(s + chunk, prefill)) for s in range(0, prefill, chunk)] + [
+        (t, t + 1) for t in range(prefill, row.numel())
+    ]
     logits, routes = [], []
     for start, end in pieces:
         out = model(row[None, start:end], positions=torch.arange(start, end)[None], cache=cache, return_routes=True)
@@ -61,8 +65,11 @@ def mismatches(model: Transformer, mode: str, dtype) -> list[str]:
     if not torch.equal(cached_logits, alone.logits[0:1]):
         failures.append("kv-cache")
     if alone.routes is not None:
-        if not (torch.equal(batch.routes[2:3], alone.routes) and torch.equal(cached_routes, alone.routes)
-                and torch.equal(padded.routes[3:, :170], alone.routes)):
+        if not (
+            torch.equal(batch.routes[2:3], alone.routes)
+            and torch.equal(cached_routes, alone.routes)
+            and torch.equal(padded.routes[3:, :170], alone.routes)
+        ):
             failures.append("routes")
     return failures
 

@@ -3,11 +3,28 @@
 import torch
 
 from whetstone.model import ModelConfig, Transformer
-from whetstone.model.layout import (MIN_OUTPUTS, cat_rows, flat_storage, in_storage_order, is_column_major,
-                                    storage_indices, to_column_major)
+from whetstone.model.layout import (
+    MIN_OUTPUTS,
+    cat_rows,
+    flat_storage,
+    in_storage_order,
+    is_column_major,
+    storage_indices,
+    to_column_major,
+)
 
-CFG = ModelConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                  head_dim=16, intermediate_size=96, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64)  # fmt: skip
+CFG = ModelConfig(
+    vocab_size=256,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    intermediate_size=96,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+)
 
 
 def test_matmul_weights_become_column_major_with_the_same_values():
@@ -17,8 +34,12 @@ def test_matmul_weights_become_column_major_with_the_same_values():
     after = model.state_dict()
     assert before.keys() == after.keys()
     assert all(torch.equal(before[name], after[name]) for name in before)
-    expected = {"layers.0.self_attn.q_proj.weight", "layers.0.mlp.experts.gate_up_proj",
-                "layers.0.mlp.experts.down_proj", "embed_tokens.weight"}  # tied: the head reads it every step
+    expected = {
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.experts.gate_up_proj",
+        "layers.0.mlp.experts.down_proj",
+        "embed_tokens.weight",
+    }  # tied: the head reads it every step
     assert all(is_column_major(after[name]) for name in expected)
     assert after["layers.0.mlp.router.weight"].shape[0] < MIN_OUTPUTS
     assert after["layers.0.mlp.router.weight"].is_contiguous()

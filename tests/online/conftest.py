@@ -30,8 +30,15 @@ def world(tmp_path, two_style_dir, request):
 
     config = online_config(tmp_path, two_style_dir, **getattr(request, "param", {}))
     engine = EngineConfig(max_batch=8, context_limit=512, numerics=config.numerics, dtype=config.dtype)
-    serve = ServeConfig(model_path=str(two_style_dir), threads=1, default_max_tokens=12, auth_token=API_KEY,
-                        sync=config.sync, feedback={"store": config.feedback_store}, engine=engine)  # fmt: skip
+    serve = ServeConfig(
+        model_path=str(two_style_dir),
+        threads=1,
+        default_max_tokens=12,
+        auth_token=API_KEY,
+        sync=config.sync,
+        feedback={"store": config.feedback_store},
+        engine=engine,
+    )
     loop = OnlineLoop(config)  # publishes version 0 into the empty store
     with ExitStack() as stack:
         url = stack.enter_context(running_server(build_app(serve)))

@@ -34,13 +34,26 @@ HELDOUT_TASKS = SynthConfig(count=12, split="heldout", seed=4)
 def tiny_chat_model(folder: Path, seed: int = 0) -> Path:
     """An HF folder: a tiny MoE with random weights, and a BPE trained on the tasks' prompts."""
     tasks = generate(USER_TASKS) + generate(HELDOUT_TASKS)
-    texts = [SYSTEM_PROMPT, *(first_user_message(t) for t in tasks), *(s for t in tasks for s in t.solution_files.values())]
+    texts = [
+        SYSTEM_PROMPT,
+        *(first_user_message(t) for t in tasks),
+        *(s for t in tasks for s in t.solution_files.values()),
+    ]
     tokenizer = Tokenizer.train(texts * 4, vocab_size=600)
     tokenizer.save(folder / "tokenizer")
     torch.manual_seed(seed)
-    config = ModelConfig(vocab_size=tokenizer.vocab_size, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=64, max_position_embeddings=512)
+    config = ModelConfig(
+        vocab_size=tokenizer.vocab_size,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        max_position_embeddings=512,
+    )
     return Path(save_hf(Transformer(config).eval(), folder / "model", tokenizer_dir=folder / "tokenizer"))
 
 
@@ -86,8 +99,8 @@ def two_style_model(folder: Path, code_share: float = 0.5, prompts: int = 4, ste
     targets = torch.full((len(rows), length), -100)  # right padding, never a target
     for row, (prompt, completion) in enumerate(rows):
         ids = prompt + completion
-        inputs[row, :len(ids) - 1] = torch.tensor(ids[:-1])
-        targets[row, len(prompt) - 1:len(ids) - 1] = torch.tensor(completion)
+        inputs[row, : len(ids) - 1] = torch.tensor(ids[:-1])
+        targets[row, len(prompt) - 1 : len(ids) - 1] = torch.tensor(completion)
     row_weights = torch.tensor(weights).unsqueeze(1).expand(-1, length)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     for _ in range(steps):
@@ -102,22 +115,29 @@ def two_style_model(folder: Path, code_share: float = 0.5, prompts: int = 4, ste
 
 def merged(base: dict, changes: dict) -> dict:
     """`base` with `changes` applied, nested sections merged key by key."""
-    return base | {key: merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict)
-                   else value for key, value in changes.items()}  # fmt: skip
+    return base | {
+        key: merged(base[key], value) if isinstance(value, dict) and isinstance(base.get(key), dict) else value
+        for key, value in changes.items()
+    }
 
 
 def online_config(work: Path, model_dir: Path, **changes) -> OnlineConfig:
     """The loop's config for the tests: stores under `work`, the two-style gate, quick polling;
     `changes` merged in (a nested section key by key)."""
     fields = {
-        "model_path": str(model_dir), "feedback_store": str(work / "feedback.db"), "output_dir": str(work / "online"),
+        "model_path": str(model_dir),
+        "feedback_store": str(work / "feedback.db"),
+        "output_dir": str(work / "online"),
         "sync": {"store": str(work / "weights"), "poll_interval": 0.05, "publish_dtype": "float32"},
         "trigger": {"every_events": 16, "min_events": 4, "max_events": 64},
         "optimizer": {"lr": 3e-3, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
-        "gate": {"tasks": {"synth": HELDOUT_TASKS.model_dump()}, "max_tokens": 12,
-                 "metric": {"kind": "regex", "pattern": PREFERS_CODE}},
+        "gate": {
+            "tasks": {"synth": HELDOUT_TASKS.model_dump()},
+            "max_tokens": 12,
+            "metric": {"kind": "regex", "pattern": PREFERS_CODE},
+        },
         "poll_interval": 0.05,
-    }  # fmt: skip
+    }
     return OnlineConfig.model_validate(merged(fields, changes))
 
 
@@ -138,8 +158,13 @@ class World:
         self.users.run(generate(USER_TASKS), users=2, requests=requests, **ask)
 
     def greedy(self) -> dict:
-        body = {"model": "two-style", "messages": task_messages(generate(USER_TASKS)[0]), "max_tokens": 12,
-                "temperature": 0, "return_token_ids": True}
+        body = {
+            "model": "two-style",
+            "messages": task_messages(generate(USER_TASKS)[0]),
+            "max_tokens": 12,
+            "temperature": 0,
+            "return_token_ids": True,
+        }
         answer = self.users.client.post(f"{self.url}/chat/completions", json=body).json()
         return answer["choices"][0]
 

@@ -9,23 +9,30 @@ import sys
 
 import pytest
 
+from tests.online.online_fixtures import PREFERS_CODE
 from whetstone.bench.online import paired_change
 from whetstone.online.simulator import Exchange
-
-from tests.online.online_fixtures import PREFERS_CODE
 
 
 def exchanges(liked: str, seeds=None) -> list[Exchange]:
     """One exchange per character: task i, seed i (or seeds[i]), liked where the character is '1'."""
-    return [Exchange(f"t{i}", f"r{i}", flag == "1", 0.1, seed=i if seeds is None else seeds[i])
-            for i, flag in enumerate(liked)]
+    return [
+        Exchange(f"t{i}", f"r{i}", flag == "1", 0.1, seed=i if seeds is None else seeds[i])
+        for i, flag in enumerate(liked)
+    ]
 
 
 def test_the_paired_change_counts_each_request_against_itself():
     before, after = exchanges("1100110000"), exchanges("1011111110")
     change = paired_change(before, after)
-    assert change == {"pairs": 10, "both": 3, "neither": 1, "gained": 5, "lost": 1,
-                      "sign_test_p": pytest.approx(2 * (6 + 1) / 64)}  # P(>= 5 of 6) both ways
+    assert change == {
+        "pairs": 10,
+        "both": 3,
+        "neither": 1,
+        "gained": 5,
+        "lost": 1,
+        "sign_test_p": pytest.approx(2 * (6 + 1) / 64),
+    }  # P(>= 5 of 6) both ways
     # requests pair by (task, seed), whatever order the users' threads finished in
     assert paired_change(before[::-1], after) == change
     assert paired_change(before, exchanges("1011111110", seeds=list(range(10, 20))))["pairs"] == 0
@@ -35,9 +42,34 @@ def test_the_paired_change_counts_each_request_against_itself():
 
 @pytest.mark.slow  # about a minute: three processes start and the loop updates twice
 def test_the_benchmark_reports_its_figures(two_style_dir, tmp_path):
-    command = [sys.executable, "-m", "whetstone.cli", "bench", "online", "--json", "--model", str(two_style_dir),
-               "--preference", PREFERS_CODE, "--max-tokens", "12", "--updates", "2", "--every-events", "8",
-               "--heldout", "8", "--samples", "1", "--gate-tasks", "8", "--lr", "3e-3", "--output-dir", str(tmp_path)]
+    command = [
+        sys.executable,
+        "-m",
+        "whetstone.cli",
+        "bench",
+        "online",
+        "--json",
+        "--model",
+        str(two_style_dir),
+        "--preference",
+        PREFERS_CODE,
+        "--max-tokens",
+        "12",
+        "--updates",
+        "2",
+        "--every-events",
+        "8",
+        "--heldout",
+        "8",
+        "--samples",
+        "1",
+        "--gate-tasks",
+        "8",
+        "--lr",
+        "3e-3",
+        "--output-dir",
+        str(tmp_path),
+    ]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout)

@@ -43,7 +43,9 @@ def test_rollback_republishes_an_earlier_version_as_the_newest(tmp_path):
 def test_rollback_refuses_what_it_cannot_do(tmp_path):
     sync = weights_with_versions(tmp_path, 2)
     missing = CliRunner().invoke(app, ["rollback", "7", "--set", f"sync.store={sync.store}"])
-    assert isinstance(missing.exception, WhetstoneError) and "version 7 is not in the weight store" in str(missing.exception)
+    assert isinstance(missing.exception, WhetstoneError) and "version 7 is not in the weight store" in str(
+        missing.exception
+    )
     newest = CliRunner().invoke(app, ["rollback", "1", "--set", f"sync.store={sync.store}"])
     assert "already the newest" in str(newest.exception)
     (tmp_path / "empty").mkdir()
@@ -63,8 +65,14 @@ def test_the_loop_runs_without_a_subcommand(tmp_path, two_style_dir):
     config = online_config(tmp_path, two_style_dir)
     config_file = tmp_path / "online.toml"
     config_file.write_text(dump_toml(config))
-    serve = ServeConfig(model_path=str(two_style_dir), threads=1, default_max_tokens=8, auth_token=API_KEY,
-                        feedback={"store": config.feedback_store}, engine=EngineConfig(max_batch=4, context_limit=512))
+    serve = ServeConfig(
+        model_path=str(two_style_dir),
+        threads=1,
+        default_max_tokens=8,
+        auth_token=API_KEY,
+        feedback={"store": config.feedback_store},
+        engine=EngineConfig(max_batch=4, context_limit=512),
+    )
     with running_server(build_app(serve)) as url:
         users = UserSimulator([url], "two-style", API_KEY, MatchesPattern("^def"), max_tokens=8, seed=0)
         users.run(generate(USER_TASKS), requests=16)
@@ -74,15 +82,20 @@ def test_the_loop_runs_without_a_subcommand(tmp_path, two_style_dir):
     assert summary["updates"] == 1 and summary["published"] + summary["discarded"] == 1
 
 
-@pytest.mark.parametrize("override, named", [
-    ("trigger.every_events=0", "every_events"),
-    ("trigger.min_events=64", "min_events"),
-    ("gate.metric.kind=regex", "needs a pattern"),
-    ("gate.metric.pattern=(", "not a regular expression"),
-    ("baseline=median", "baseline"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("trigger.every_events=0", "every_events"),
+        ("trigger.min_events=64", "min_events"),
+        ("gate.metric.kind=regex", "needs a pattern"),
+        ("gate.metric.pattern=(", "not a regular expression"),
+        ("baseline=median", "baseline"),
+    ],
+)
 def test_bad_config_values_are_named(override, named):
-    result = CliRunner().invoke(app, ["--set", override] + (["--set", "gate.metric.kind=regex"] if "pattern" in override else []))
+    result = CliRunner().invoke(
+        app, ["--set", override] + (["--set", "gate.metric.kind=regex"] if "pattern" in override else [])
+    )
     assert isinstance(result.exception, ConfigError) and named in str(result.exception)
 
 

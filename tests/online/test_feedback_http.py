@@ -20,8 +20,14 @@ HELLO = [{"role": "user", "content": "Write solve(x)."}]
 
 
 def serve_config(model_dir, store, **changes) -> ServeConfig:
-    fields = dict(model_path=str(model_dir), threads=1, default_max_tokens=8, auth_token=API_KEY,
-                  feedback={"store": str(store)}, engine=EngineConfig(max_batch=4, context_limit=512))
+    fields = dict(
+        model_path=str(model_dir),
+        threads=1,
+        default_max_tokens=8,
+        auth_token=API_KEY,
+        feedback={"store": str(store)},
+        engine=EngineConfig(max_batch=4, context_limit=512),
+    )
     return ServeConfig(**(fields | changes))
 
 
@@ -58,13 +64,20 @@ def test_a_response_is_kept_with_what_the_trainer_needs(http, db):
 
     accepted = feedback(http, id=answer["id"], rating="thumbs_up")
     assert accepted.status_code == 200
-    assert accepted.json() | {"seq": 0} == {"object": "feedback", "id": answer["id"], "choice": 0,
-                                            "rating": "thumbs_up", "score": None, "seq": 0}
+    assert accepted.json() | {"seq": 0} == {
+        "object": "feedback",
+        "id": answer["id"],
+        "choice": 0,
+        "rating": "thumbs_up",
+        "score": None,
+        "seq": 0,
+    }
 
 
 def test_a_streamed_response_is_kept_before_its_last_event(http):
-    with http.stream("POST", "/v1/chat/completions", headers=AUTH,
-                     json={"model": "two-style", "messages": HELLO, "stream": True}) as response:
+    with http.stream(
+        "POST", "/v1/chat/completions", headers=AUTH, json={"model": "two-style", "messages": HELLO, "stream": True}
+    ) as response:
         lines = [line for line in response.iter_lines() if line]
         # the client may rate as soon as it reads [DONE]: the response is already stored
         assert lines[-1] == "data: [DONE]"
@@ -82,15 +95,18 @@ def test_each_choice_of_a_completion_is_rated_once(http):
     assert missing.status_code == 404 and "has choices [0, 1], not 2" in missing.json()["error"]["message"]
 
 
-@pytest.mark.parametrize("body, problem", [
-    ({"id": "x", "rating": "love_it"}, "rating"),
-    ({"id": "x", "rating": "score"}, "give `score` (0 to 1) with rating 'score'"),
-    ({"id": "x", "rating": "thumbs_up", "score": 1.0}, "give `score` (0 to 1) with rating 'score'"),
-    ({"id": "x", "rating": "score", "score": 1.5}, "score"),
-    ({"id": "x", "rating": "thumbs_up", "reward": 9}, "reward"),
-    ({"rating": "thumbs_up"}, "id"),
-    ({"id": "x", "choice": -1, "rating": "thumbs_up"}, "choice"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body, problem",
+    [
+        ({"id": "x", "rating": "love_it"}, "rating"),
+        ({"id": "x", "rating": "score"}, "give `score` (0 to 1) with rating 'score'"),
+        ({"id": "x", "rating": "thumbs_up", "score": 1.0}, "give `score` (0 to 1) with rating 'score'"),
+        ({"id": "x", "rating": "score", "score": 1.5}, "score"),
+        ({"id": "x", "rating": "thumbs_up", "reward": 9}, "reward"),
+        ({"rating": "thumbs_up"}, "id"),
+        ({"id": "x", "choice": -1, "rating": "thumbs_up"}, "choice"),
+    ],
+)
 def test_malformed_feedback_is_refused_naming_the_problem(http, body, problem):
     response = feedback(http, **body)
     assert response.status_code == 400 and problem in response.json()["error"]["message"]
@@ -111,7 +127,9 @@ def test_unknown_unauthenticated_and_non_json_feedback_are_refused(http):
 def test_rollout_requests_are_not_kept_unless_asked(two_style_dir, tmp_path, http):
     batch = chat(http, priority="batch")
     assert feedback(http, id=batch["id"], rating="thumbs_up").status_code == 404
-    config = serve_config(two_style_dir, tmp_path / "all.db", feedback={"store": str(tmp_path / "all.db"), "record": "all"})
+    config = serve_config(
+        two_style_dir, tmp_path / "all.db", feedback={"store": str(tmp_path / "all.db"), "record": "all"}
+    )
     with TestClient(build_app(config)) as everything:
         batch = chat(everything, priority="batch")
         assert feedback(everything, id=batch["id"], rating="thumbs_up").status_code == 200
@@ -141,8 +159,10 @@ def test_capture_needs_authenticated_clients(two_style_dir, db):
 
 
 def test_many_servers_share_one_postgresql_database(two_style_dir, fresh_postgres):
-    with (TestClient(build_app(serve_config(two_style_dir, fresh_postgres))) as one,
-          TestClient(build_app(serve_config(two_style_dir, fresh_postgres))) as two):
+    with (
+        TestClient(build_app(serve_config(two_style_dir, fresh_postgres))) as one,
+        TestClient(build_app(serve_config(two_style_dir, fresh_postgres))) as two,
+    ):
         answer = chat(one)
         assert feedback(two, id=answer["id"], rating="thumbs_up").status_code == 200  # rated via another server
         assert feedback(one, id=answer["id"], rating="thumbs_up").status_code == 409

@@ -16,8 +16,8 @@ from tests.online.online_fixtures import NO_GATE, wait_for_version
 from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.online.loop import OnlineLoop
 from whetstone.online.preferences import MatchesPattern
-from whetstone.store.feedback import FeedbackStore
 from whetstone.online.weights import load_version, rollback
+from whetstone.store.feedback import FeedbackStore
 from whetstone.sync import WeightStore
 from whetstone.utils.metrics import read_metrics
 
@@ -36,9 +36,17 @@ def test_feedback_becomes_a_version_the_server_swaps_in(world):
     assert not world.loop.due()  # that feedback is consumed
 
 
-@pytest.mark.parametrize("world", [{"rewards": {"thumbs_up": -1.0, "thumbs_down": 1.0}, "logit_scale_lr": 0.05,
-                                    "optimizer": {"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0,
-                                                  "weight_decay": 0.0}}], indirect=True)  # fmt: skip
+@pytest.mark.parametrize(
+    "world",
+    [
+        {
+            "rewards": {"thumbs_up": -1.0, "thumbs_down": 1.0},
+            "logit_scale_lr": 0.05,
+            "optimizer": {"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+        }
+    ],
+    indirect=True,
+)
 def test_a_regressing_candidate_is_discarded_and_forgotten(world):
     # A mis-specified reward (thumbs up punished) pushes away from what the held-out metric likes.
     world.feedback(32)
@@ -53,8 +61,9 @@ def test_a_regressing_candidate_is_discarded_and_forgotten(world):
     assert world.loop.logit_scale.steps == 0 and world.loop.logit_scale.log_scale == 0.0  # and its scale
 
 
-@pytest.mark.parametrize("world", [NO_GATE | {"trigger": {"every_events": 8, "min_events": 8, "max_events": 8}}],
-                         indirect=True)  # fmt: skip
+@pytest.mark.parametrize(
+    "world", [NO_GATE | {"trigger": {"every_events": 8, "min_events": 8, "max_events": 8}}], indirect=True
+)
 def test_a_backlog_of_feedback_gone_stale_is_read_past_to_the_fresh_events(world):
     # Users rate faster than updates land: 24 events on version 0, 8 per update.
     world.feedback(24)

@@ -14,8 +14,8 @@ import torch
 from tests.online.online_fixtures import NO_GATE
 from whetstone.online.loop import OnlineLoop
 from whetstone.online.samples import feedback_batch
-from whetstone.store.feedback import FeedbackStore
 from whetstone.online.weights import rollback
+from whetstone.store.feedback import FeedbackStore
 
 BF16_STORE = NO_GATE | {"sync": {"publish_dtype": "bfloat16"}}
 """Published weights are bf16 copies of the masters: a restart from them alone would lose bits."""

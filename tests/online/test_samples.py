@@ -13,10 +13,21 @@ from whetstone.store.feedback import RatedResponse, ResponseRecord
 
 def rated(seq: int, rating: str = "thumbs_up", score: float | None = None, versions=(5, 5), **changes) -> RatedResponse:
     prompt, completion = [1, 2, 3], [4, 5]
-    fields = dict(response_id=f"chatcmpl-{seq}", choice=0, model="m", priority="interactive", temperature=1.0,
-                  top_p=1.0, top_k=0, finish_reason="stop", prompt_ids=prompt, completion_ids=completion,
-                  logprobs=[-0.5, -1.5], versions=list(versions),
-                  routes=encode_routes(torch.arange(16).reshape(4, 2, 2) % 4))
+    fields = dict(
+        response_id=f"chatcmpl-{seq}",
+        choice=0,
+        model="m",
+        priority="interactive",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        finish_reason="stop",
+        prompt_ids=prompt,
+        completion_ids=completion,
+        logprobs=[-0.5, -1.5],
+        versions=list(versions),
+        routes=encode_routes(torch.arange(16).reshape(4, 2, 2) % 4),
+    )
     return RatedResponse(seq, rating, score, 100.0 + seq, ResponseRecord(**(fields | changes)))
 
 
@@ -46,12 +57,28 @@ def test_without_a_baseline_the_reward_is_the_advantage():
 
 def test_truncated_stale_and_empty_responses_are_dropped_and_counted():
     config = OnlineConfig()  # max_off_policy_steps = 1
-    events = [rated(1), rated(2, "thumbs_down"), rated(3, temperature=0.0), rated(4, top_p=0.9), rated(5, top_k=40),
-              rated(6, versions=(3, 5)), rated(7, completion_ids=[], logprobs=[], versions=[]), rated(8, versions=(4, 4)),
-              rated(9, routes=encode_routes(torch.zeros(9, 2, 2, dtype=torch.int64)))]
+    events = [
+        rated(1),
+        rated(2, "thumbs_down"),
+        rated(3, temperature=0.0),
+        rated(4, top_p=0.9),
+        rated(5, top_k=40),
+        rated(6, versions=(3, 5)),
+        rated(7, completion_ids=[], logprobs=[], versions=[]),
+        rated(8, versions=(4, 4)),
+        rated(9, routes=encode_routes(torch.zeros(9, 2, 2, dtype=torch.int64))),
+    ]
     built = feedback_batch(events, config, version=5)
-    assert built.counts == {"events": 9, "dropped_truncated": 3, "dropped_empty": 1, "dropped_malformed": 1,
-                            "dropped_stale": 1, "staleness_0": 2, "staleness_1": 1, "kept": 3}
+    assert built.counts == {
+        "events": 9,
+        "dropped_truncated": 3,
+        "dropped_empty": 1,
+        "dropped_malformed": 1,
+        "dropped_stale": 1,
+        "staleness_0": 2,
+        "staleness_1": 1,
+        "kept": 3,
+    }
     assert len(built.batch) == 3
 
 

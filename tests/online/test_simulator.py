@@ -16,9 +16,14 @@ from whetstone.store.feedback import FeedbackStore
 
 @pytest.fixture
 def users(two_style_dir, tmp_path):
-    serve = ServeConfig(model_path=str(two_style_dir), threads=1, default_max_tokens=12, auth_token=API_KEY,
-                        feedback={"store": str(tmp_path / "feedback.db")},
-                        engine=EngineConfig(max_batch=4, context_limit=512))  # fmt: skip
+    serve = ServeConfig(
+        model_path=str(two_style_dir),
+        threads=1,
+        default_max_tokens=12,
+        auth_token=API_KEY,
+        feedback={"store": str(tmp_path / "feedback.db")},
+        engine=EngineConfig(max_batch=4, context_limit=512),
+    )
     with running_server(build_app(serve)) as url:
         simulator = UserSimulator([url], "two-style", API_KEY, MatchesPattern(PREFERS_CODE), max_tokens=12, seed=0)
         yield simulator
@@ -29,7 +34,9 @@ def test_users_rate_each_reply_by_their_hidden_taste(users, tmp_path):
     exchanges = users.run(generate(USER_TASKS), users=2, requests=12)
     assert len(exchanges) == 12 and all(e.latency_s > 0 and e.rated_at for e in exchanges)
     assert 0 < sum(e.liked for e in exchanges) < 12  # the model still answers both ways
-    ratings = {r.response.response_id: r.rating for r in FeedbackStore.open(str(tmp_path / "feedback.db")).rated_after(0, 99)}
+    ratings = {
+        r.response.response_id: r.rating for r in FeedbackStore.open(str(tmp_path / "feedback.db")).rated_after(0, 99)
+    }
     assert ratings == {e.response_id: "thumbs_up" if e.liked else "thumbs_down" for e in exchanges}
 
 

@@ -23,8 +23,8 @@ import torch
 
 from tests.envs.harness.harness_support import save_tiny_model
 from whetstone.bench.pipeline import coin_tasks as bench_coin_tasks
-from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.grading.reward import RewardConfig
+from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.task import Task
 from whetstone.envs.tasks import load_source
 from whetstone.orchestrator import OrchestratorConfig
@@ -52,8 +52,9 @@ class Trainer:
     def publish(self) -> int:
         """The next version: the weights nudged a little, as an optimizer step would."""
         if self.publisher.store.latest() is not None:
-            self.state = {name: t + 1e-3 * torch.randn_like(t) if t.is_floating_point() else t
-                          for name, t in self.state.items()}  # fmt: skip
+            self.state = {
+                name: t + 1e-3 * torch.randn_like(t) if t.is_floating_point() else t for name, t in self.state.items()
+            }
         return self.publisher.publish(self.state).version
 
 
@@ -68,15 +69,30 @@ def coin_tasks(count: int = 2) -> list[Task]:
 def orchestrator_config(tmp_path: Path, model_dir: str, servers: list[str], **changes) -> OrchestratorConfig:
     """Tiny budgets: two short turns per rollout (trained even when cut off: random weights rarely
     end a turn), groups of 2, one group per batch, two batches."""
-    harness = HarnessConfig(tokenizer_path=model_dir, max_turns=2, max_turn_tokens=12, max_tool_tokens=128,
-                            max_calls_per_turn=2, summary_tokens=16, train_cut_off_calls=True)  # fmt: skip
+    harness = HarnessConfig(
+        tokenizer_path=model_dir,
+        max_turns=2,
+        max_turn_tokens=12,
+        max_tool_tokens=128,
+        max_calls_per_turn=2,
+        summary_tokens=16,
+        train_cut_off_calls=True,
+    )
     fields = dict(
-        servers=servers, endpoint=EndpointConfig(retries=0, timeout_s=60), harness=harness,
+        servers=servers,
+        endpoint=EndpointConfig(retries=0, timeout_s=60),
+        harness=harness,
         rollout=RolloutConfig(concurrency=4, reward=RewardConfig(effort_penalty_max=0.0, invalid_call_penalty=0.0)),
-        validate_tasks=False, group_size=2, groups_per_batch=1,
-        batch_store=str(tmp_path / "batches"), weight_store=str(tmp_path / "weights"),
-        poll_interval_s=POLL_S, health_interval_s=0.2, no_server_timeout_s=60, max_batches=2,
-    )  # fmt: skip
+        validate_tasks=False,
+        group_size=2,
+        groups_per_batch=1,
+        batch_store=str(tmp_path / "batches"),
+        weight_store=str(tmp_path / "weights"),
+        poll_interval_s=POLL_S,
+        health_interval_s=0.2,
+        no_server_timeout_s=60,
+        max_batches=2,
+    )
     return OrchestratorConfig(**{**fields, **changes})
 
 
@@ -99,10 +115,16 @@ class ThreadServer:
         from whetstone.inference.config import EngineConfig, ServeConfig
         from whetstone.inference.launch import build_app
 
-        config = ServeConfig(model_path=self.model_dir, port=self.port, threads=1, engine=EngineConfig(max_batch=8),
-                             sync=sync_config(self.weights))  # fmt: skip
-        self._server = uvicorn.Server(uvicorn.Config(build_app(config), host="127.0.0.1", port=self.port,
-                                                     log_level="warning"))  # fmt: skip
+        config = ServeConfig(
+            model_path=self.model_dir,
+            port=self.port,
+            threads=1,
+            engine=EngineConfig(max_batch=8),
+            sync=sync_config(self.weights),
+        )
+        self._server = uvicorn.Server(
+            uvicorn.Config(build_app(config), host="127.0.0.1", port=self.port, log_level="warning")
+        )
         self._thread = threading.Thread(target=self._server.run, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + 60
@@ -136,10 +158,17 @@ class ProcessServer:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}/v1"
         config = folder / f"serve-{self.port}.toml"
-        config.write_text(f'model_path = "{model_dir}"\nport = {self.port}\nthreads = 1\n[engine]\nmax_batch = 8\n'
-                          f'[sync]\nstore = "{weights}"\npublish_dtype = "keep"\npoll_interval = {POLL_S}\n')  # fmt: skip
-        self.role = RoleProcess(f"serve-{self.port}", ["serve", str(config)], folder / f"serve-{self.port}.log",
-                                health_url=f"http://127.0.0.1:{self.port}/health", threads=1)  # fmt: skip
+        config.write_text(
+            f'model_path = "{model_dir}"\nport = {self.port}\nthreads = 1\n[engine]\nmax_batch = 8\n'
+            f'[sync]\nstore = "{weights}"\npublish_dtype = "keep"\npoll_interval = {POLL_S}\n'
+        )
+        self.role = RoleProcess(
+            f"serve-{self.port}",
+            ["serve", str(config)],
+            folder / f"serve-{self.port}.log",
+            health_url=f"http://127.0.0.1:{self.port}/health",
+            threads=1,
+        )
 
     def start(self) -> ProcessServer:
         self.role.start()

@@ -11,8 +11,17 @@ from whetstone.rl.staleness import StalenessConfig
 
 def sample(version: int, advantage: float = 1.0) -> Sample:
     """Three tokens: a prompt token, then two sampled under `version`."""
-    return Sample(input_ids=[5, 6, 7], loss_mask=[1, 1], behavior_logprobs=[-0.5, -0.25], versions=[version, version],
-                  routes=None, reward=advantage, task_id="t", group_id=f"g{version}", advantage=advantage)  # fmt: skip
+    return Sample(
+        input_ids=[5, 6, 7],
+        loss_mask=[1, 1],
+        behavior_logprobs=[-0.5, -0.25],
+        versions=[version, version],
+        routes=None,
+        reward=advantage,
+        task_id="t",
+        group_id=f"g{version}",
+        advantage=advantage,
+    )
 
 
 def test_samples_older_than_the_bound_are_dropped_and_counted():
@@ -47,14 +56,17 @@ def test_a_batch_sampled_at_another_temperature_carries_it_for_every_row():
     assert batch.temperatures.tolist() == pytest.approx([0.7, 0.7])
 
 
-
 def test_dropping_stale_groups_wakes_the_producer_waiting_for_room(tmp_path):
     """The buffer was full of groups that the new version made stale: dropping them makes room,
     and the producer, waiting for room, must hear of it (it waited forever before)."""
     from whetstone.orchestrator import Orchestrator, OrchestratorConfig
 
-    config = OrchestratorConfig(batch_store=str(tmp_path / "batches"), weight_store=str(tmp_path / "weights"),
-                                groups_per_batch=1, staleness=StalenessConfig(max_off_policy_steps=0))  # fmt: skip
+    config = OrchestratorConfig(
+        batch_store=str(tmp_path / "batches"),
+        weight_store=str(tmp_path / "weights"),
+        groups_per_batch=1,
+        staleness=StalenessConfig(max_off_policy_steps=0),
+    )
     orchestrator = Orchestrator(config, tasks=[])
     orchestrator._buffer = [Group([sample(0), sample(0)], 2)]  # sampled by version 0
 

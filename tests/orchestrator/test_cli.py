@@ -24,12 +24,12 @@ group_size = 2
 groups_per_batch = 1
 max_batches = 1
 validate_tasks = false
-batch_store = "{tmp_path / 'batches'}"
-weight_store = "{tmp_path / 'weights'}"
-metrics_path = "{tmp_path / 'metrics.jsonl'}"
+batch_store = "{tmp_path / "batches"}"
+weight_store = "{tmp_path / "weights"}"
+metrics_path = "{tmp_path / "metrics.jsonl"}"
 poll_interval_s = 0.1
 [tasks]
-source = "{tmp_path / 'tasks.jsonl'}"
+source = "{tmp_path / "tasks.jsonl"}"
 [rollout]
 concurrency = 4
 [harness]

@@ -8,11 +8,15 @@ import httpx
 import pytest
 
 from tests.orchestrator.orchestrator_support import (
-    ProcessServer, Trainer, coin_tasks, model_folder, orchestrator_config,
+    ProcessServer,
+    Trainer,
+    coin_tasks,
+    model_folder,
+    orchestrator_config,
 )
 from whetstone.orchestrator import Orchestrator
-from whetstone.rl.batch_store import batch_key
 from whetstone.rl.batch import batch_from_bytes
+from whetstone.rl.batch_store import batch_key
 from whetstone.store import LocalStore
 
 pytestmark = pytest.mark.slow
@@ -41,8 +45,15 @@ def test_a_killed_server_loses_no_rollout_and_rejoins_after_a_restart(tmp_path):
     try:
         for server in servers:
             server.wait_healthy()
-        harness = {"tokenizer_path": model_dir, "max_turns": 2, "max_turn_tokens": 48, "max_tool_tokens": 128,
-                   "max_calls_per_turn": 2, "summary_tokens": 16, "train_cut_off_calls": True}  # fmt: skip
+        harness = {
+            "tokenizer_path": model_dir,
+            "max_turns": 2,
+            "max_turn_tokens": 48,
+            "max_tool_tokens": 128,
+            "max_calls_per_turn": 2,
+            "summary_tokens": 16,
+            "train_cut_off_calls": True,
+        }
         config = orchestrator_config(tmp_path, model_dir, [s.url for s in servers], max_batches=0, harness=harness)
         orchestrator = Orchestrator(config, coin_tasks(2))
 
@@ -71,7 +82,10 @@ def test_a_killed_server_loses_no_rollout_and_rejoins_after_a_restart(tmp_path):
             await until(lambda: victim.alive, run, "server 1 back in the pool")
             calls = victim.calls
             await until(lambda: victim.calls > calls, run, "rollouts on server 1")
-            caught_up = lambda: weight_version(victim.health_url) >= published_while_down  # noqa: E731
+
+            def caught_up():
+                return weight_version(victim.health_url) >= published_while_down
+
             await until(caught_up, run, "server 1 to catch up through the weight store")
             for task in (run, publishing):
                 task.cancel()

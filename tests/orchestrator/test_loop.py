@@ -8,13 +8,18 @@ import threading
 import pytest
 
 from tests.orchestrator.orchestrator_support import (
-    Trainer, coin_tasks, model_folder, orchestrator_config, synth_tasks, thread_servers,
+    Trainer,
+    coin_tasks,
+    model_folder,
+    orchestrator_config,
+    synth_tasks,
+    thread_servers,
 )
 from whetstone.envs.harness import RolloutConfig
 from whetstone.envs.harness.pool import ServerPool
 from whetstone.orchestrator import Orchestrator
-from whetstone.rl.batch_store import batch_key
 from whetstone.rl.batch import batch_from_bytes
+from whetstone.rl.batch_store import batch_key
 from whetstone.store import LocalStore
 
 META_KEYS = {"index", "trainer_step", "staleness_histogram", "groups", "reward_mean", "samples", "rollouts"}
@@ -140,8 +145,9 @@ def test_starts_no_group_that_would_be_too_stale_to_train_on(world):
 def test_groups_run_ahead_only_as_far_as_the_servers_version_allows(tmp_path, served, ahead_allowed):
     """Trainer on batch 5 (bound 2, 2 groups per batch): servers holding version 5 may start groups
     for batches 6 and 7; one version behind (or not saying), for batch 6 only; never none at all."""
-    config = orchestrator_config(tmp_path, "unused", ["http://127.0.0.1:1"], groups_per_batch=2,
-                                 rollout=RolloutConfig(concurrency=64))  # fmt: skip
+    config = orchestrator_config(
+        tmp_path, "unused", ["http://127.0.0.1:1"], groups_per_batch=2, rollout=RolloutConfig(concurrency=64)
+    )
     orchestrator = Orchestrator(config, coin_tasks(1))
     orchestrator.latest_version, orchestrator._served_version, orchestrator._last_put = 5, served, 5
     allowed = 0
@@ -189,7 +195,10 @@ def test_says_why_it_waits_when_no_group_gives_anything_to_train_on(world, caplo
         run.cancel()
         await asyncio.gather(run, return_exceptions=True)
 
-    with caplog.at_level("WARNING", logger="whetstone.orchestrator"), thread_servers(model_dir, tmp_path / "weights") as servers:
+    with (
+        caplog.at_level("WARNING", logger="whetstone.orchestrator"),
+        thread_servers(model_dir, tmp_path / "weights") as servers,
+    ):
         asyncio.run(asyncio.wait_for(scenario([s.url for s in servers]), 180))
     assert "the last 4 groups gave nothing to train on (rollouts dropped: no_variance 8)" in caplog.text
 
@@ -205,7 +214,7 @@ def test_the_follower_asks_a_server_that_reports_no_version_once(world):
     health_hits = []
 
     class VllmLike(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):  # noqa: N802 (the stdlib's name)
+        def do_GET(self):
             if self.path == "/health":
                 health_hits.append(1)
                 body = b""

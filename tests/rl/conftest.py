@@ -18,17 +18,24 @@ def call(prompt, completion, logprobs=None, versions=None, mask=None, routes=Non
     """A model call; logprobs default to -0.1, -0.2, ..., versions to 0, mask to all ones."""
     n = len(completion)
     return ModelCall(
-        prompt_ids=list(prompt), completion_ids=list(completion),
+        prompt_ids=list(prompt),
+        completion_ids=list(completion),
         logprobs=logprobs if logprobs is not None else [-0.1 * (i + 1) for i in range(n)],
         versions=versions if versions is not None else [0] * n,
         loss_mask=mask if mask is not None else [1] * n,
-        routes=None if routes is None else encode_routes(routes), **extra,
-    )  # fmt: skip
+        routes=None if routes is None else encode_routes(routes),
+        **extra,
+    )
 
 
 def trajectory(*segments: list[ModelCall], reward=1.0, task_id="t", group_id="g", **extra) -> Trajectory:
-    return Trajectory(task_id=task_id, group_id=group_id, reward=reward,
-                      segments=[Segment(calls=calls) for calls in segments], **extra)  # fmt: skip
+    return Trajectory(
+        task_id=task_id,
+        group_id=group_id,
+        reward=reward,
+        segments=[Segment(calls=calls) for calls in segments],
+        **extra,
+    )
 
 
 def fake_routes(tokens: int, layers: int = 2, top_k: int = 2, offset: int = 0) -> torch.Tensor:

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.rl.conftest import trajectory
 from whetstone.config import load_config
 from whetstone.errors import ConfigError
 from whetstone.rl.advantages import AdvantageConfig, advantage_fn, grpo, rloo
 from whetstone.rl.advantages.groups import score_groups
-from tests.rl.conftest import trajectory
 
 
 def test_grpo_divides_the_centred_rewards_by_the_population_std():
@@ -35,17 +35,26 @@ def test_the_config_picks_the_estimator():
 
 def test_groups_without_variance_and_excluded_rollouts_are_dropped_and_counted():
     rollouts = [
-        trajectory(group_id="a", reward=1.0), trajectory(group_id="a", reward=0.0),
+        trajectory(group_id="a", reward=1.0),
+        trajectory(group_id="a", reward=0.0),
         trajectory(group_id="a", reward=1.0, cheat_flags=["exit_before_tests"], exclude_from_gradient=True),
-        trajectory(group_id="b", reward=1.0), trajectory(group_id="b", reward=1.0),  # all solved: nothing to learn
-        trajectory(group_id="c", reward=1.0), trajectory(group_id="c", status="failed", exclude_from_gradient=True),
-    ]  # fmt: skip
+        trajectory(group_id="b", reward=1.0),
+        trajectory(group_id="b", reward=1.0),  # all solved: nothing to learn
+        trajectory(group_id="c", reward=1.0),
+        trajectory(group_id="c", status="failed", exclude_from_gradient=True),
+    ]
     kept, report = score_groups(rollouts, AdvantageConfig(normalize_std=False))
     assert [(t.group_id, t.reward, a) for t, a in kept] == [("a", 1.0, 0.5), ("a", 0.0, -0.5)]
     assert report.metrics() == {
-        "groups": 3, "kept_groups": 1, "rollouts": 7, "kept_rollouts": 2,
-        "dropped_cheat_flagged": 1, "dropped_failed": 1, "dropped_no_variance": 2, "dropped_small_group": 1,
-    }  # fmt: skip
+        "groups": 3,
+        "kept_groups": 1,
+        "rollouts": 7,
+        "kept_rollouts": 2,
+        "dropped_cheat_flagged": 1,
+        "dropped_failed": 1,
+        "dropped_no_variance": 2,
+        "dropped_small_group": 1,
+    }
 
 
 def test_a_flagged_rollout_the_grader_kept_is_a_negative_example():
@@ -68,5 +77,10 @@ def test_negative_weight_scales_negative_advantages_and_zero_drops_them():
     assert [a for _, a in kept] == [0.5, -0.25, -0.25, 0.5]
     kept, report = score_groups(rollouts, AdvantageConfig(normalize_std=False, negative_weight=0.0))
     assert [(t.reward, a) for t, a in kept] == [(1.0, 0.5), (1.0, 0.5)]
-    assert report.metrics() == {"groups": 1, "kept_groups": 1, "rollouts": 4, "kept_rollouts": 2,
-                                "dropped_zero_advantage": 2}  # fmt: skip
+    assert report.metrics() == {
+        "groups": 1,
+        "kept_groups": 1,
+        "rollouts": 4,
+        "kept_rollouts": 2,
+        "dropped_zero_advantage": 2,
+    }

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 
+from tests.rl.conftest import call, fake_routes, trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, collate, load_batch, save_batch
 from whetstone.rl.samples import trajectory_samples
 from whetstone.store.local import LocalStore
-from tests.rl.conftest import call, fake_routes, trajectory
 
 
 def two_samples(with_routes=True):
@@ -33,8 +33,14 @@ def test_collate_right_pads_with_masks_off():
     assert torch.equal(batch.routes[0], fake_routes(4))
     assert torch.equal(batch.routes[1, :1], fake_routes(1, offset=5)) and not batch.routes[1, 1:].any()
     assert batch.num_loss_tokens == 3 and len(batch) == 2
-    assert batch.rows[1] == {"task_id": "b", "group_id": "g", "reward": 0.0, "advantage": -0.5,
-                             "oldest_version": 0, "num_positions": 1}  # fmt: skip
+    assert batch.rows[1] == {
+        "task_id": "b",
+        "group_id": "g",
+        "reward": 0.0,
+        "advantage": -0.5,
+        "oldest_version": 0,
+        "num_positions": 1,
+    }
 
 
 def test_select_takes_rows_and_trims_the_padding():

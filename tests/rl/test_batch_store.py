@@ -19,8 +19,10 @@ def test_batch_keys_and_the_next_index_after_a_restart(tmp_path):
 
 def test_a_put_batch_comes_back_whole_and_a_missing_one_is_none(tmp_path):
     store = LocalStore(tmp_path)
-    batch = collate(trajectory_samples(trajectory([call([1, 2], [3, 4])], task_id="a", reward=1.0), advantage=0.5),
-                    meta={"index": 3})
+    batch = collate(
+        trajectory_samples(trajectory([call([1, 2], [3, 4])], task_id="a", reward=1.0), advantage=0.5),
+        meta={"index": 3},
+    )
     assert get_batch(store, 3) is None
     put_batch(store, 3, batch)
     assert store.list("batches/") == [batch_key(3)] and next_batch_index(store) == 4

@@ -14,9 +14,19 @@ from whetstone.rl.batch import collate, load_batch, save_batch
 from whetstone.rl.loss import LossConfig, LossInputs, policy_loss
 from whetstone.rl.samples import trajectory_samples
 
-CONFIG = ModelConfig(vocab_size=61, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                     head_dim=8, intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                     max_position_embeddings=64)  # fmt: skip
+CONFIG = ModelConfig(
+    vocab_size=61,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    max_position_embeddings=64,
+)
 
 
 @torch.no_grad()
@@ -29,8 +39,14 @@ def sample_call(model: Transformer, prompt: list[int], steps: int, generator: to
         logprobs.append(float(torch.log_softmax(logits, -1)[token]))
         tokens.append(token)
     routes = model(torch.tensor([tokens[:-1]]), return_routes=True).routes[0]
-    return ModelCall(prompt_ids=prompt, completion_ids=tokens[len(prompt):], logprobs=logprobs,
-                     versions=[0] * steps, loss_mask=[1] * steps, routes=encode_routes(routes))  # fmt: skip
+    return ModelCall(
+        prompt_ids=prompt,
+        completion_ids=tokens[len(prompt) :],
+        logprobs=logprobs,
+        versions=[0] * steps,
+        loss_mask=[1] * steps,
+        routes=encode_routes(routes),
+    )
 
 
 def rollout(model, generator, reward) -> Trajectory:

@@ -27,8 +27,9 @@ MASK = [1, 1, 1, 1, 0]
 def inputs(entropy: torch.Tensor | None = None) -> LossInputs:
     behavior = torch.tensor([[-1.0, -2.0, -3.0, -0.5, 0.0]])
     logprobs = (behavior + torch.tensor([RATIOS]).log()).requires_grad_()
-    return LossInputs(logprobs, behavior, torch.tensor([ADVANTAGES]), torch.tensor([MASK], dtype=torch.bool),
-                      entropy=entropy)
+    return LossInputs(
+        logprobs, behavior, torch.tensor([ADVANTAGES]), torch.tensor([MASK], dtype=torch.bool), entropy=entropy
+    )
 
 
 def test_clipped_truncated_loss_and_its_gradient():
@@ -66,8 +67,9 @@ def test_kl_to_a_reference_adds_beta_times_k3():
     # One token, A = 0, ref = logπ − ln 2: k3 = 1/2 + ln 2 − 1, d k3 / d logπ = 1 − 1/2.
     logprobs = torch.tensor([[-1.0]], requires_grad=True)
     ref = logprobs.detach() - math.log(2)
-    one = LossInputs(logprobs, logprobs.detach(), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool),
-                     ref_logprobs=ref)
+    one = LossInputs(
+        logprobs, logprobs.detach(), torch.zeros(1, 1), torch.ones(1, 1, dtype=torch.bool), ref_logprobs=ref
+    )
     loss, stats = policy_loss(one, LossConfig(kl_coef=0.1))
     assert loss.item() == pytest.approx(0.1 * (math.log(2) - 0.5), rel=1e-6)
     loss.backward()
@@ -93,8 +95,11 @@ def test_micro_batches_with_the_step_normalizer_add_up_to_the_whole_batch(aggreg
     (whole_grad,) = torch.autograd.grad(whole, logprobs)
     total, parts = 0.0, []
     for rows in (slice(0, 1), slice(1, 4)):
-        part, stats = policy_loss(LossInputs(logprobs[rows], behavior[rows], advantages[rows], mask[rows]), config,
-                                  normalizer=step_normalizer(mask, aggregation))  # fmt: skip
+        part, stats = policy_loss(
+            LossInputs(logprobs[rows], behavior[rows], advantages[rows], mask[rows]),
+            config,
+            normalizer=step_normalizer(mask, aggregation),
+        )
         total, parts = total + part, parts + [stats]
     (split_grad,) = torch.autograd.grad(total, logprobs)
     assert torch.allclose(total, whole, rtol=1e-6) and torch.allclose(split_grad, whole_grad, rtol=1e-6)

@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.rl.conftest import call, fake_routes, trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.rl.samples import NOT_GENERATED, is_prefix_consistent, trajectory_samples
-from tests.rl.conftest import call, fake_routes, trajectory
 
 # A two-call segment: prompt [1 2 3], completion [4 5]; then a tool result [6] and completion [7 8 9].
 FIRST = call([1, 2, 3], [4, 5], logprobs=[-0.5, -0.6], versions=[3, 3])
-SECOND = call([1, 2, 3, 4, 5, 6], [7, 8, 9], logprobs=[-0.7, -0.8, -0.9], versions=[4, 4, 5],
-              routes=fake_routes(8))  # fmt: skip
+SECOND = call([1, 2, 3, 4, 5, 6], [7, 8, 9], logprobs=[-0.7, -0.8, -0.9], versions=[4, 4, 5], routes=fake_routes(8))
 
 
 def test_prefix_consistent_segment_merges_into_one_sequence():

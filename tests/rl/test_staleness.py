@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from tests.rl.conftest import call, trajectory
 from whetstone.config import load_config
 from whetstone.errors import ConfigError
 from whetstone.rl.samples import trajectory_samples
 from whetstone.rl.staleness import StalenessConfig, StalenessHistogram, filter_stale, staleness
-from tests.rl.conftest import call, trajectory
 
 
 def sample_with_versions(*versions):

@@ -14,11 +14,11 @@ from tests.run.run_support import tiny_run
 from whetstone.errors import WhetstoneError
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.launch import build_app
-from whetstone.training.checkpoint import TrainState, save_checkpoint
 from whetstone.model.hf import load_hf
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.run.pipeline import Pipeline
 from whetstone.trainer.setup import new_optimizer
+from whetstone.training.checkpoint import TrainState, save_checkpoint
 
 IDS = torch.tensor([[5, 17, 42, 99, 7, 3]])
 
@@ -37,8 +37,14 @@ def trainer_checkpoint(pipeline: Pipeline, step: int) -> tuple[torch.nn.Module, 
     scale.step(policy, grad=-1.0)
     trainer = pipeline.config.rl.trainer
     state = TrainState(step=step, data={"next_batch": step, "logit_scale": scale.state()})
-    save_checkpoint(pipeline.run_dir / "trainer" / "checkpoints", policy, new_optimizer(trainer, policy), state,
-                    trainer.model_dump(mode="json"), keep=2)  # fmt: skip
+    save_checkpoint(
+        pipeline.run_dir / "trainer" / "checkpoints",
+        policy,
+        new_optimizer(trainer, policy),
+        state,
+        trainer.model_dump(mode="json"),
+        keep=2,
+    )
     return policy, scale
 
 
@@ -55,8 +61,9 @@ def test_the_final_policy_is_written_as_a_model_folder_that_loads_everywhere(mid
     torch.testing.assert_close(theirs(IDS).logits, policy.eval()(IDS).logits, atol=1e-5, rtol=1e-5)
     serve = ServeConfig(model_path=str(folder), threads=1, default_max_tokens=4)
     with TestClient(build_app(serve)) as http:  # what `whetstone serve runs/<name>/model` runs
-        body = http.post("/v1/completions", json={"model": "model", "prompt": "def f(", "max_tokens": 4,
-                                                  "ignore_eos": True}).json()  # fmt: skip
+        body = http.post(
+            "/v1/completions", json={"model": "model", "prompt": "def f(", "max_tokens": 4, "ignore_eos": True}
+        ).json()
     assert body["usage"]["completion_tokens"] == 4
 
 

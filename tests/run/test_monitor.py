@@ -15,8 +15,13 @@ whetstone_prompt_tokens_total{model="m"} 999
 
 
 def test_the_sampled_gauges_are_read_from_a_prometheus_page():
-    assert parse_metrics(PAGE) == {"weight_version": 3, "running_sequences": 5, "tokens_per_second": 412.5,
-                                   "swap_pause_count": 3, "swap_pause_last_s": 0.0061}
+    assert parse_metrics(PAGE) == {
+        "weight_version": 3,
+        "running_sequences": 5,
+        "tokens_per_second": 412.5,
+        "swap_pause_count": 3,
+        "swap_pause_last_s": 0.0061,
+    }
 
 
 def test_a_server_that_does_not_answer_is_recorded_as_down(tmp_path):

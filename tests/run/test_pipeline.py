@@ -22,8 +22,9 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # stderr is a file here, as in `> log 2>&1`
         monkeypatch.delenv(name, raising=False)
     quotas = why_no_cpu_groups() is None  # then each side also runs under a CPU quota, and its CPU is counted
-    summary = run_pipeline(tiny_run(tmp_path, *(["placement.trainer_cores=1.0", "placement.rollout_cores=2.0"]
-                                                 if quotas else [])))  # fmt: skip
+    summary = run_pipeline(
+        tiny_run(tmp_path, *(["placement.trainer_cores=1.0", "placement.rollout_cores=2.0"] if quotas else []))
+    )
     run = tmp_path / "runs" / "tiny"
     assert json.loads((run / "summary.json").read_text())["heldout_pass1_after"] == summary["heldout_pass1_after"]
     assert 0.0 <= summary["heldout_pass1_before"] <= 1.0 and 0.0 <= summary["heldout_pass1_after"] <= 1.0
@@ -45,10 +46,16 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     assert written["rl"]["orchestrator"] == used and written["eval"]["servers"] == used["servers"]
     assert written["eval"]["harness"]["max_turns"] == written["rl"]["orchestrator"]["harness"]["max_turns"] == 2
     err = capfd.readouterr().err.splitlines()  # every stage's progress, as plain lines
-    for stage in ("midtrain midtrain: 1,024/1,024 tok (100%)", "held-out eval (before): 8/8 rollout (100%)",
-                  "rl: 2/2 step (100%)", "held-out eval (after): 8/8 rollout (100%)"):
+    for stage in (
+        "midtrain midtrain: 1,024/1,024 tok (100%)",
+        "held-out eval (before): 8/8 rollout (100%)",
+        "rl: 2/2 step (100%)",
+        "held-out eval (after): 8/8 rollout (100%)",
+    ):
         assert any(line.startswith(stage) for line in err), stage
-    assert any(line.startswith("trainer: 2/2 step (100%)") for line in (run / "logs" / "trainer.log").read_text().splitlines())
+    assert any(
+        line.startswith("trainer: 2/2 step (100%)") for line in (run / "logs" / "trainer.log").read_text().splitlines()
+    )
     if quotas:
         cpu = read_metrics(run / "cpu.jsonl")
         assert set(cpu[-1]["cpu_s"]) == {"trainer", "rollout"} and cpu[-1]["cpu_s"]["rollout"] > 0
@@ -77,7 +84,9 @@ def test_the_trainers_anchor_gets_the_mid_training_demonstrations(tmp_path):
     own.write_demos()
     assert own.trainer_config().demos_path == str(tmp_path / "demos.jsonl")
     assert not (tmp_path / "runs" / "own" / "demos.jsonl").exists()
-    off = Pipeline(tiny_run(tmp_path, "demos.count=3", 'rl.trainer.demos_path=""', "rl.trainer.demo_coef=0", "name=off"))
+    off = Pipeline(
+        tiny_run(tmp_path, "demos.count=3", 'rl.trainer.demos_path=""', "rl.trainer.demo_coef=0", "name=off")
+    )
     off.write_demos()
     assert off.trainer_config().demos_path == "" and not (tmp_path / "runs" / "off" / "demos.jsonl").exists()
 

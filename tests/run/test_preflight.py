@@ -31,9 +31,13 @@ def test_every_problem_is_named_by_its_key_at_once(tmp_path):
     bad_tasks = tmp_path / "bad.jsonl"
     bad_tasks.write_text('{"id": "a"}\n')
     config = tiny_run(
-        tmp_path, f'eval.tasks.source="{bad_tasks}"', f'rl.trainer.demos_path="{tmp_path}/no-demos.jsonl"',
-        f'midtrain.data.directories=[{{path="{tmp_path}/no-code"}}]', 'rl.orchestrator.tasks.source="mutate"',
-        f'rl.orchestrator.tasks.mutate.project="{tmp_path}/no-project"', f'midtrain.run.init_from="{tmp_path}/no-base"',
+        tmp_path,
+        f'eval.tasks.source="{bad_tasks}"',
+        f'rl.trainer.demos_path="{tmp_path}/no-demos.jsonl"',
+        f'midtrain.data.directories=[{{path="{tmp_path}/no-code"}}]',
+        'rl.orchestrator.tasks.source="mutate"',
+        f'rl.orchestrator.tasks.mutate.project="{tmp_path}/no-project"',
+        f'midtrain.run.init_from="{tmp_path}/no-base"',
     )
     with pytest.raises(ConfigError) as refused:
         run_pipeline(config)
@@ -48,7 +52,9 @@ def test_every_problem_is_named_by_its_key_at_once(tmp_path):
 
 def test_a_run_folder_that_cannot_be_created_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
-    with pytest.raises(ConfigError, match=r"output_dir, name: '.*/file' is a file, so '.*/file/tiny' cannot be created"):
+    with pytest.raises(
+        ConfigError, match=r"output_dir, name: '.*/file' is a file, so '.*/file/tiny' cannot be created"
+    ):
         run_pipeline(tiny_run(tmp_path, f'output_dir="{tmp_path}/file"'))
 
 
@@ -67,14 +73,19 @@ def test_dry_run_prints_the_config_as_it_would_run_and_runs_nothing(tmp_path):
         assert (section["max_turns"], section["max_turn_tokens"]) == (2, 12)  # the top-level [harness], not 50 / 512
         assert section["tokenizer_path"] == f"{run_dir}/midtrain/model"
     assert printed["rl"]["trainer"]["max_steps"] == printed["rl"]["orchestrator"]["max_batches"] == 2
-    assert printed["servers"]["serve"]["sync"]["store"] == printed["rl"]["orchestrator"]["weight_store"] == f"{run_dir}/weights"
+    assert (
+        printed["servers"]["serve"]["sync"]["store"]
+        == printed["rl"]["orchestrator"]["weight_store"]
+        == f"{run_dir}/weights"
+    )
     assert PipelineConfig.model_validate(printed) == PipelineConfig.model_validate(printed).resolved()
     assert not (tmp_path / "runs").exists()
 
 
 def test_dry_run_reports_what_would_stop_the_run(tmp_path):
-    result = CliRunner().invoke(app, ["run", "--dry-run",
-                                      *(f"--set={s}" for s in tiny_settings(tmp_path, f'eval.tasks.source="{MISSING}"'))])
+    result = CliRunner().invoke(
+        app, ["run", "--dry-run", *(f"--set={s}" for s in tiny_settings(tmp_path, f'eval.tasks.source="{MISSING}"'))]
+    )
     assert result.exit_code == 1 and isinstance(result.exception, ConfigError)
     assert f"eval.tasks.source: no such file: {MISSING}" in str(result.exception)
 

@@ -20,12 +20,16 @@ def not_a_terminal(monkeypatch, capfd):
 
 
 def test_mid_training_prints_plain_lines_while_it_runs(tmp_path, monkeypatch, not_a_terminal):
-    monkeypatch.setattr(progress, "PLAIN_INTERVAL_S", 0.001, raising=False)  # many lines within the few seconds it trains
+    monkeypatch.setattr(
+        progress, "PLAIN_INTERVAL_S", 0.001, raising=False
+    )  # many lines within the few seconds it trains
     Pipeline(tiny_run(tmp_path)).midtrain()
     err = not_a_terminal.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("midtrain midtrain: ")]
     assert lines[0].startswith("midtrain midtrain: 0/1,024 tok (0%)")  # when the stage starts
-    assert re.match(r"midtrain midtrain: 1,024/1,024 tok \(100%\)  [\d,.]+ tok/s  elapsed 0:\d\d  step=8  loss=", lines[-1])
+    assert re.match(
+        r"midtrain midtrain: 1,024/1,024 tok \(100%\)  [\d,.]+ tok/s  elapsed 0:\d\d  step=8  loss=", lines[-1]
+    )
     assert len(lines) >= 3  # and in between, from the printing thread
     assert "\x1b[" not in err  # no terminal control codes in a log
 
@@ -35,7 +39,9 @@ def test_a_plain_line_shows_the_rate_the_eta_and_the_live_fields(not_a_terminal)
         bar.update(4, reward=0.25, servers="3,4")
     first, *_, last = not_a_terminal.readouterr().err.splitlines()
     assert first == "rl: 0/16 step (0%)  elapsed 0:00"
-    assert re.fullmatch(r"rl: 4/16 step \(25%\)  [\d,.]+ step/s  elapsed 0:\d\d  eta \d+:\d\d  reward=0\.25  servers=3,4", last)
+    assert re.fullmatch(
+        r"rl: 4/16 step \(25%\)  [\d,.]+ step/s  elapsed 0:\d\d  eta \d+:\d\d  reward=0\.25  servers=3,4", last
+    )
     with progress.progress_bar(None, "train tokenizer", "run") as bar:  # no total: a count and the time
         bar.update(1)
     assert not_a_terminal.readouterr().err.splitlines()[-1].startswith("train tokenizer: 1 run  ")

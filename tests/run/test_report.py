@@ -2,7 +2,6 @@
 
 import json
 import re
-
 from collections import Counter
 
 import pytest
@@ -27,16 +26,31 @@ def write_jsonl(path, records, torn_tail=True):
 
 def trainer_step(step: int) -> dict:
     record = {
-        "time": 1000.0 + step, "step": step, "replayed": False, "loss": 0.5 - 0.01 * step,
-        "reward_mean": 0.2 + 0.1 * step, "mismatch_kl_k3": 1e-4 * (step + 1), "routing_disagreement": 0.02,
-        "routing_disagreement_tokens": 0.3, "logprob_diff_mean": 0.01, "logprob_diff_p99": 0.1,
-        "logprob_diff_max": 0.4, "clip_fraction": 0.01, "mask_fraction": 0.005, "tokens": 512, "entropy": 0.8 - 0.1 * step,
+        "time": 1000.0 + step,
+        "step": step,
+        "replayed": False,
+        "loss": 0.5 - 0.01 * step,
+        "reward_mean": 0.2 + 0.1 * step,
+        "mismatch_kl_k3": 1e-4 * (step + 1),
+        "routing_disagreement": 0.02,
+        "routing_disagreement_tokens": 0.3,
+        "logprob_diff_mean": 0.01,
+        "logprob_diff_p99": 0.1,
+        "logprob_diff_max": 0.4,
+        "clip_fraction": 0.01,
+        "mask_fraction": 0.005,
+        "tokens": 512,
+        "entropy": 0.8 - 0.1 * step,
         "demo_nll": 0.01 + 0.001 * step,
         "staleness_histogram": StalenessHistogram(Counter({0: 6, 1: 2}), dropped=step % 2).metrics(),
-        "version": step + 1, "delta_kind": "full" if step == 0 else "delta",
-        "delta_bytes": 4_000_000 if step == 0 else 80_000, "delta_ratio": 1.0 if step == 0 else 50.0,
-        "publish_s": 0.1, "train_s": 0.6, "wait_s": 0.3,
-    }  # fmt: skip
+        "version": step + 1,
+        "delta_kind": "full" if step == 0 else "delta",
+        "delta_bytes": 4_000_000 if step == 0 else 80_000,
+        "delta_ratio": 1.0 if step == 0 else 50.0,
+        "publish_s": 0.1,
+        "train_s": 0.6,
+        "wait_s": 0.3,
+    }
     record["busy"] = 0.7
     return record
 
@@ -45,12 +59,28 @@ def server_samples() -> list[dict]:
     """Two servers sampled every 2 s; server 0 swaps at t=2 and t=6, server 1 at t=4; server 1 idles half the time."""
     samples = []
     for tick, t in enumerate([0.0, 2.0, 4.0, 6.0]):
-        samples.append({"time": t, "server": 0, "weight_version": [0, 1, 1, 2][tick], "running_sequences": 4,
-                        "swap_pause_last_s": [0.0, 0.002, 0.002, 0.004][tick], "swap_pause_count": [0, 1, 1, 2][tick],
-                        "tokens_per_second": 300.0})  # fmt: skip
-        samples.append({"time": t, "server": 1, "weight_version": [0, 0, 2, 2][tick], "running_sequences": tick % 2,
-                        "swap_pause_last_s": [0.0, 0.0, 0.003, 0.003][tick], "swap_pause_count": [0, 0, 1, 1][tick],
-                        "tokens_per_second": 250.0})  # fmt: skip
+        samples.append(
+            {
+                "time": t,
+                "server": 0,
+                "weight_version": [0, 1, 1, 2][tick],
+                "running_sequences": 4,
+                "swap_pause_last_s": [0.0, 0.002, 0.002, 0.004][tick],
+                "swap_pause_count": [0, 1, 1, 2][tick],
+                "tokens_per_second": 300.0,
+            }
+        )
+        samples.append(
+            {
+                "time": t,
+                "server": 1,
+                "weight_version": [0, 0, 2, 2][tick],
+                "running_sequences": tick % 2,
+                "swap_pause_last_s": [0.0, 0.0, 0.003, 0.003][tick],
+                "swap_pause_count": [0, 0, 1, 1][tick],
+                "tokens_per_second": 250.0,
+            }
+        )
     return samples
 
 
@@ -63,18 +93,40 @@ def full_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "demo"
     (run_dir / "eval" / "before").mkdir(parents=True)
     (run_dir / "eval" / "after").mkdir(parents=True)
-    summary = {"run_dir": str(run_dir), "wall_s": 312.0, "heldout_pass1_before": 0.125, "heldout_pass1_after": 0.375,
-               "stages": {"midtrain": {"val_loss": 1.2}}, "config": {"name": "demo", "rl": {"lr": 1e-6}}}  # fmt: skip
+    summary = {
+        "run_dir": str(run_dir),
+        "wall_s": 312.0,
+        "heldout_pass1_before": 0.125,
+        "heldout_pass1_after": 0.375,
+        "stages": {"midtrain": {"val_loss": 1.2}},
+        "config": {"name": "demo", "rl": {"lr": 1e-6}},
+    }
     (run_dir / "summary.json").write_text(json.dumps(summary))
     (run_dir / "eval" / "before" / "report.json").write_text(json.dumps(eval_report(0.125, 0.3)))
     (run_dir / "eval" / "after" / "report.json").write_text(json.dumps(eval_report(0.375, 0.6)))
     write_jsonl(run_dir / "trainer" / "metrics.jsonl", [trainer_step(step) for step in range(4)])
-    batches = [{"index": i, "samples": 8, "rollouts": 8, "reward_mean": 0.2 + 0.1 * i, "staleness_0": 6,
-                "groups.dropped_no_variance": 1, "servers_alive": 2, "calls_rerun": 0} for i in range(4)]  # fmt: skip
+    batches = [
+        {
+            "index": i,
+            "samples": 8,
+            "rollouts": 8,
+            "reward_mean": 0.2 + 0.1 * i,
+            "staleness_0": 6,
+            "groups.dropped_no_variance": 1,
+            "servers_alive": 2,
+            "calls_rerun": 0,
+        }
+        for i in range(4)
+    ]
     write_jsonl(run_dir / "orchestrator" / "metrics.jsonl", batches)
     write_jsonl(run_dir / "servers.jsonl", server_samples())
-    write_jsonl(run_dir / "cpu.jsonl", [{"time": 100.0, "cpu_s": {"trainer": 1.0, "rollout": 2.0}},
-                                        {"time": 110.0, "cpu_s": {"trainer": 3.5, "rollout": 17.0}}])  # fmt: skip
+    write_jsonl(
+        run_dir / "cpu.jsonl",
+        [
+            {"time": 100.0, "cpu_s": {"trainer": 1.0, "rollout": 2.0}},
+            {"time": 110.0, "cpu_s": {"trainer": 3.5, "rollout": 17.0}},
+        ],
+    )
     path = write_report(run_dir)
     return run_dir, path, path.read_text()
 
@@ -97,7 +149,10 @@ def test_the_headline_shows_pass1_before_and_after_and_the_gain(full_run):
 
 def test_key_figures_hold_the_numbers_behind_the_plots(full_run):
     _, _, page = full_run
-    row = lambda what, value: f"<tr><td>{what}</td><td>{value}</td></tr>"  # noqa: E731
+
+    def row(what, value):
+        return f"<tr><td>{what}</td><td>{value}</td></tr>"
+
     assert row("final reward (mean over the last batch)", "0.500") in page
     assert row("versions published (full)", "4 (1)") in page
     assert row("mean delta size (delta versions)", "78.1 KiB") in page
@@ -118,8 +173,9 @@ def test_the_report_replaces_an_old_one_atomically(full_run):
 
 
 def test_a_run_with_only_a_summary_says_what_was_not_recorded(tmp_path):
-    (tmp_path / "summary.json").write_text(json.dumps({"wall_s": 5.0, "heldout_pass1_before": 0.5,
-                                                       "heldout_pass1_after": None, "config": {}}))  # fmt: skip
+    (tmp_path / "summary.json").write_text(
+        json.dumps({"wall_s": 5.0, "heldout_pass1_before": 0.5, "heldout_pass1_after": None, "config": {}})
+    )
     page = write_report(tmp_path).read_text()
     assert "held-out pass@1: 50.0% → not recorded" in page
     assert page.count("<img ") == 1  # pass@1 before, from the summary
@@ -138,11 +194,29 @@ def test_a_run_killed_before_its_summary_still_gets_a_report(tmp_path):
 
 
 def test_nan_null_and_garbage_values_are_skipped_not_fatal(tmp_path):
-    bad = [{"step": 0, "reward_mean": float("nan"), "mismatch_kl_k3": None, "routing_disagreement": "x",
-            "staleness_histogram": "oops", "version": 1, "delta_bytes": float("inf"), "train_s": None},
-           {"step": 1, "reward_mean": 0.5, "mismatch_kl_k3": float("nan"), "staleness_histogram": {"0": 3, "1": None},
-            "train_s": 1.0, "wait_s": float("nan"), "busy": 0.9},
-           [1, 2, 3], "a string record"]  # fmt: skip
+    bad = [
+        {
+            "step": 0,
+            "reward_mean": float("nan"),
+            "mismatch_kl_k3": None,
+            "routing_disagreement": "x",
+            "staleness_histogram": "oops",
+            "version": 1,
+            "delta_bytes": float("inf"),
+            "train_s": None,
+        },
+        {
+            "step": 1,
+            "reward_mean": 0.5,
+            "mismatch_kl_k3": float("nan"),
+            "staleness_histogram": {"0": 3, "1": None},
+            "train_s": 1.0,
+            "wait_s": float("nan"),
+            "busy": 0.9,
+        },
+        [1, 2, 3],
+        "a string record",
+    ]
     (tmp_path / "trainer").mkdir()
     (tmp_path / "trainer" / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in bad) + "\n")
     (tmp_path / "summary.json").write_text('["not", "an", "object"]')
@@ -164,14 +238,18 @@ def test_a_missing_run_folder_is_an_error_naming_it(tmp_path):
 def test_swap_pauses_come_from_rises_of_the_swap_count():
     pauses = swap_pauses(server_samples())
     assert pauses == {0: [(1, 0.002), (2, 0.004)], 1: [(2, 0.003)]}
-    restarted = [{"time": 0, "server": 0, "swap_pause_count": 5, "swap_pause_last_s": 0.1, "weight_version": 5},
-                 {"time": 2, "server": 0, "swap_pause_count": 1, "swap_pause_last_s": 0.2, "weight_version": 6}]
+    restarted = [
+        {"time": 0, "server": 0, "swap_pause_count": 5, "swap_pause_last_s": 0.1, "weight_version": 5},
+        {"time": 2, "server": 0, "swap_pause_count": 1, "swap_pause_last_s": 0.2, "weight_version": 6},
+    ]
     assert swap_pauses(restarted) == {0: [(5, 0.1), (6, 0.2)]}  # a count that falls: the server restarted
 
 
 def test_busy_fractions_of_trainer_and_servers():
-    trainer = [{"step": 0, "train_s": 1.0, "publish_s": 0.0, "wait_s": 3.0},
-               {"step": 1, "train_s": 2.0, "publish_s": 1.0, "wait_s": 1.0}]  # fmt: skip
+    trainer = [
+        {"step": 0, "train_s": 1.0, "publish_s": 0.0, "wait_s": 3.0},
+        {"step": 1, "train_s": 2.0, "publish_s": 1.0, "wait_s": 1.0},
+    ]
     busy = busy_fractions(trainer, server_samples())
     assert busy == {"trainer": 4.0 / 8.0, "server 0": 1.0, "server 1": 0.5}
     down = {"time": 8.0, "server": 0, "up": False}  # what the sampler writes when a server does not answer
@@ -182,8 +260,11 @@ def test_busy_fractions_of_trainer_and_servers():
 
 
 def test_cores_used_per_side_from_the_cpu_samples():
-    samples = [{"time": 0.0, "cpu_s": {"trainer": 0.0, "rollout": 1.0}}, {"time": 4.0, "cpu_s": {"trainer": 1.0}},
-               {"time": 8.0, "cpu_s": {"trainer": 2.0, "rollout": 13.0}}]  # fmt: skip
+    samples = [
+        {"time": 0.0, "cpu_s": {"trainer": 0.0, "rollout": 1.0}},
+        {"time": 4.0, "cpu_s": {"trainer": 1.0}},
+        {"time": 8.0, "cpu_s": {"trainer": 2.0, "rollout": 13.0}},
+    ]
     assert cores_used(samples) == {"trainer": 0.25, "rollout": 1.5}
     assert cores_used(samples[:1]) == {} and cores_used([]) == {}  # one sample: no rate
 

@@ -12,7 +12,9 @@ import pytest
 
 from whetstone.utils.processes import free_port
 
-PG_BINS = sorted(Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0)
+PG_BINS = sorted(
+    Path("/usr/lib/postgresql").glob("*/bin"), key=lambda p: int(p.parent.name) if p.parent.name.isdigit() else 0
+)
 PG_BIN = PG_BINS[-1] if PG_BINS else Path("/usr/lib/postgresql/15/bin")  # Debian's layout; the newest installed
 
 
@@ -33,16 +35,27 @@ def postgres_url():
         shutil.chown(home, "postgres")
     data, port = home / "data", free_port()
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.PIPE, "check": True}
-    subprocess.run(_as_postgres_user([str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres",
-                                      "--no-sync", "-E", "UTF8"]), **quiet)  # fmt: skip
+    subprocess.run(
+        _as_postgres_user(
+            [str(PG_BIN / "initdb"), "-D", str(data), "-A", "trust", "-U", "postgres", "--no-sync", "-E", "UTF8"]
+        ),
+        **quiet,
+    )
     options = f"-p {port} -k {home} -c listen_addresses=127.0.0.1"
-    subprocess.run(_as_postgres_user([str(PG_BIN / "pg_ctl"), "-D", str(data), "-o", options, "-l",
-                                      str(home / "log"), "-w", "start"]), **quiet)  # fmt: skip
+    subprocess.run(
+        _as_postgres_user(
+            [str(PG_BIN / "pg_ctl"), "-D", str(data), "-o", options, "-l", str(home / "log"), "-w", "start"]
+        ),
+        **quiet,
+    )
     try:
         yield f"postgresql://postgres@127.0.0.1:{port}/postgres"
     finally:
-        subprocess.run(_as_postgres_user([str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
-                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        subprocess.run(
+            _as_postgres_user([str(PG_BIN / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop"]),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         shutil.rmtree(home, ignore_errors=True)
 
 

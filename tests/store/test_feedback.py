@@ -18,10 +18,21 @@ def store_url(request, tmp_path):
 
 
 def record(response_id: str, choice: int = 0, **changes) -> ResponseRecord:
-    fields = dict(response_id=response_id, choice=choice, model="tiny", priority="interactive", temperature=1.0,
-                  top_p=1.0, top_k=0, finish_reason="stop", prompt_ids=[5, 6, 7], completion_ids=[8, 9],
-                  logprobs=[-0.12345678901234567, -3.0000000000000004e-05], versions=[3, 4],
-                  routes={"shape": [4, 1, 2], "dtype": "uint8", "data": "AAECAwABAgM="})
+    fields = dict(
+        response_id=response_id,
+        choice=choice,
+        model="tiny",
+        priority="interactive",
+        temperature=1.0,
+        top_p=1.0,
+        top_k=0,
+        finish_reason="stop",
+        prompt_ids=[5, 6, 7],
+        completion_ids=[8, 9],
+        logprobs=[-0.12345678901234567, -3.0000000000000004e-05],
+        versions=[3, 4],
+        routes={"shape": [4, 1, 2], "dtype": "uint8", "data": "AAECAwABAgM="},
+    )
     return ResponseRecord(**(fields | changes))
 
 
@@ -149,7 +160,7 @@ def test_servers_opening_a_new_store_at_once_all_get_it(store_url):
     for round_ in range(6):
         start, stores, errors = threading.Barrier(4), [], []
 
-        def open_store():
+        def open_store(start=start, stores=stores, errors=errors):
             start.wait()
             try:
                 stores.append(FeedbackStore.open(store_url))

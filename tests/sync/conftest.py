@@ -19,8 +19,9 @@ def weights(tmp_path) -> WeightStore:
 def config() -> SyncConfig:
     # Small chunks so that tensors span chunks and chunks hold several tensors; keyframes by
     # interval only (the chain budget has its own test).
-    return SyncConfig(chunk_elements=700, keyframe_interval=5, chain_budget=100.0, keep_keyframes=2,
-                      poll_interval=0.01, workers=2)
+    return SyncConfig(
+        chunk_elements=700, keyframe_interval=5, chain_budget=100.0, keep_keyframes=2, poll_interval=0.01, workers=2
+    )
 
 
 class FakeTrainer:
@@ -38,7 +39,7 @@ class FakeTrainer:
         }
 
     def step(self) -> dict[str, torch.Tensor]:
-        for name, tensor in self.state.items():
+        for tensor in self.state.values():
             if tensor.is_floating_point():
                 tensor -= self.lr * torch.randn(tensor.shape, generator=self.generator).sign()
         self.state["step"] += 1

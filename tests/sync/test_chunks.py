@@ -38,8 +38,13 @@ def test_a_chunk_codes_one_delta_block_per_dtype_and_new_tensors_whole():
     """Per-stream costs are paid per chunk, not per tensor: every bf16 delta (large matrices and
     small biases alike) shares one sparse block; small new tensors share one full block."""
     torch.manual_seed(0)
-    old = {"a": torch.randn(300).bfloat16(), "a.bias": torch.randn(4).bfloat16(), "b": torch.randn(200).bfloat16(),
-           "b.bias": torch.randn(4).bfloat16(), "step": torch.tensor([7])}
+    old = {
+        "a": torch.randn(300).bfloat16(),
+        "a.bias": torch.randn(4).bfloat16(),
+        "b": torch.randn(200).bfloat16(),
+        "b.bias": torch.randn(4).bfloat16(),
+        "step": torch.tensor([7]),
+    }
     new = {k: v + 1 for k, v in old.items()} | {"fresh": torch.ones(5), "fresh2": torch.zeros(2)}
     segments = plan_chunks([(k, v.numel()) for k, v in new.items()], chunk_elements=10_000)[0]
     # Every value changes here, and on runs this small xor's one frame beats sparse's two: xor

@@ -1,9 +1,8 @@
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
-from whetstone.sync.cli import app
-
 from tests.sync.conftest import FakeTrainer, bit_identical, published
+from whetstone.sync.cli import app
 
 runner = CliRunner()
 

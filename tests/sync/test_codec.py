@@ -15,15 +15,33 @@ from whetstone.sync import chunks, codec
 from whetstone.sync.bits import int_view, numpy_int_type, ordered, to_planes, unzigzag, zigzag
 from whetstone.sync.chunks import decode_chunk, encode_chunk, plan_chunks, read_header
 from whetstone.sync.codec import (
-    CorruptDataError, apply_steps, decode_sparse, encode_sparse, encode_xor, find_changes, step_codes,
+    CorruptDataError,
+    apply_steps,
+    decode_sparse,
+    encode_sparse,
+    encode_xor,
+    find_changes,
+    step_codes,
 )
 
-DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.float8_e4m3fn, torch.float8_e5m2,
-          torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64]
+DTYPES = [
+    torch.bfloat16,
+    torch.float16,
+    torch.float32,
+    torch.float64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+    torch.int8,
+    torch.uint8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+]
 
 
 def roundtrip(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor] | None, chunk_elements: int = 1 << 20):
     """Encode `new` against `old` chunk by chunk, decode, and rebuild the tensors from the pieces."""
+
     def start_from(name, tensor):
         base = (old or {}).get(name)
         same = base is not None and base.shape == tensor.shape and base.dtype == tensor.dtype
@@ -79,14 +97,19 @@ def test_decode_of_encode_is_the_new_state_bit_for_bit(state, chunk_elements, sh
     # chunks; xor tried on every run that changed (0.0: it wins on many of these small random
     # ones), at the shipped thresholds, or never.
     thresholds = {} if try_xor_above is None else dict.fromkeys((1, 2, 4, 8), try_xor_above)
-    with patch.object(codec, "_SCAN_BLOCK", 64), patch.object(chunks, "_SHARE_BELOW", share_below), \
-            patch.dict(chunks._TRY_XOR_ABOVE, thresholds):
+    with (
+        patch.object(codec, "_SCAN_BLOCK", 64),
+        patch.object(chunks, "_SHARE_BELOW", share_below),
+        patch.dict(chunks._TRY_XOR_ABOVE, thresholds),
+    ):
         for base in (old, None):
             rebuilt = roundtrip(new, base, chunk_elements)
             assert all(same_bits(rebuilt[name], new[name]) for name in new)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 def test_special_values_survive(dtype):
     specials = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.0]
     if dtype != torch.float8_e4m3fn:
@@ -169,7 +192,9 @@ def block_encodings(new, old, share_below=None) -> list[str]:
     return [block["encoding"] for block in read_header(blob)[0]]
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize(
+    "dtype", [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+)
 def test_xor_blocks_are_lossless_for_special_values(dtype):
     """Every value's low bits replaced by random ones (sign and exponent kept, as when weights are
     re-initialised at the same scale): xor wins. Flipping low bits of specials makes NaNs with

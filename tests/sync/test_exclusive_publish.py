@@ -10,10 +10,9 @@ import uuid
 
 import pytest
 
+from tests.sync.conftest import FakeTrainer, bit_identical, published
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore
 from whetstone.sync.weight_store import VersionExistsError
-
-from tests.sync.conftest import FakeTrainer, bit_identical, published
 
 
 @pytest.fixture(params=["local", "s3"])
@@ -41,7 +40,8 @@ def test_the_second_publisher_of_a_version_is_refused_and_leaves_nothing(store_c
         second.publish(loser.step(), full=True)
     assert weights.latest() == 1 and weights.versions() == [0, 1]
     assert weights.objects.list("versions/0000000001/") == sorted(
-        [c.key for c in manifest.chunks] + ["versions/0000000001/manifest.json"])  # the loser's chunks are gone
+        [c.key for c in manifest.chunks] + ["versions/0000000001/manifest.json"]
+    )  # the loser's chunks are gone
     reader = Subscriber(WeightStore.open(store_config), store_config)
     assert reader.poll() == 1 and bit_identical(reader.state, published(winner.state))
 

@@ -6,10 +6,9 @@ import logging
 
 import pytest
 
+from tests.sync.conftest import bit_identical, published
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
 from whetstone.sync.manifest import manifest_key
-
-from tests.sync.conftest import bit_identical, published
 
 
 def test_several_subscribers_with_their_own_engines_end_bit_identical(weights, config, trainer):
@@ -123,8 +122,14 @@ def test_a_missing_chunk_is_retried_not_blacklisted(weights, config, trainer):
 
 
 def test_sync_through_s3_with_faults(s3_endpoint, trainer, tmp_path):
-    config = SyncConfig(store="s3://whetstone/e2e", endpoint_url=s3_endpoint, chunk_elements=700,
-                        keyframe_interval=4, poll_interval=0.01, workers=2)
+    config = SyncConfig(
+        store="s3://whetstone/e2e",
+        endpoint_url=s3_endpoint,
+        chunk_elements=700,
+        keyframe_interval=4,
+        poll_interval=0.01,
+        workers=2,
+    )
     weights = WeightStore.open(config)
     publisher = Publisher(weights, config)
     subscribers = [Subscriber(WeightStore.open(config), config, name=f"s3-{i}") for i in range(2)]

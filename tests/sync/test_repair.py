@@ -9,12 +9,11 @@ import pytest
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from tests.sync.conftest import FakeTrainer, bit_identical, published
+from tests.sync.test_publish_subscribe import corrupt
 from whetstone.errors import WhetstoneError
 from whetstone.sync import Publisher, Subscriber, WeightStore
 from whetstone.sync.cli import app
-
-from tests.sync.conftest import FakeTrainer, bit_identical, published
-from tests.sync.test_publish_subscribe import corrupt
 
 runner = CliRunner()
 
@@ -92,11 +91,14 @@ def any_weights(request, weights, config) -> WeightStore:
     if request.param == "local":
         return weights
     endpoint = request.getfixturevalue("s3_endpoint")
-    return WeightStore.open(config.model_copy(update={"store": f"s3://whetstone/{uuid.uuid4().hex}",
-                                                      "endpoint_url": endpoint}))
+    return WeightStore.open(
+        config.model_copy(update={"store": f"s3://whetstone/{uuid.uuid4().hex}", "endpoint_url": endpoint})
+    )
 
 
-def test_a_subscriber_holding_a_version_published_again_does_not_apply_the_new_chain_on_it(any_weights, config, trainer):
+def test_a_subscriber_holding_a_version_published_again_does_not_apply_the_new_chain_on_it(
+    any_weights, config, trainer
+):
     weights = any_weights
     publisher = Publisher(weights, config)
     for _ in range(3):
@@ -114,7 +116,9 @@ def test_a_subscriber_holding_a_version_published_again_does_not_apply_the_new_c
     assert bit_identical(holder.state, published(other.state))
 
 
-def test_publish_on_a_store_whose_latest_cannot_be_read_publishes_a_keyframe_after_it(weights, config, trainer, tmp_path):
+def test_publish_on_a_store_whose_latest_cannot_be_read_publishes_a_keyframe_after_it(
+    weights, config, trainer, tmp_path
+):
     store = str(weights.objects.root)
     publisher = Publisher(weights, config)
     for _ in range(3):
@@ -150,8 +154,10 @@ def test_withdraw_moves_the_pointer_first_then_manifests_newest_first_then_chunk
     assert weights.withdraw(2) == [2, 3]
     assert objects.log[0] == ("put", "latest.json")
     assert json.loads(objects.get("latest.json")) == {"version": 1, "manifest": weights.manifest(1).digest}
-    assert objects.log[1:3] == [("delete", "versions/0000000003/manifest.json"),
-                                ("delete", "versions/0000000002/manifest.json")]
+    assert objects.log[1:3] == [
+        ("delete", "versions/0000000003/manifest.json"),
+        ("delete", "versions/0000000002/manifest.json"),
+    ]
     assert all(key.endswith(".bin") or key.endswith("manifest.json") for _, key in objects.log[3:])
     assert objects.list("versions/0000000002/") == objects.list("versions/0000000003/") == []
 
@@ -175,8 +181,9 @@ def test_withdraw_names_what_it_cannot_do(weights, config, trainer):
     assert result.exit_code != 0 and "no version 5 or newer" in str(result.exception)
 
 
-@pytest.mark.parametrize("command", [["inspect"], ["inspect", "--verify"], ["watch", "--timeout", "0"],
-                                     ["withdraw", "--from", "0"]])
+@pytest.mark.parametrize(
+    "command", [["inspect"], ["inspect", "--verify"], ["watch", "--timeout", "0"], ["withdraw", "--from", "0"]]
+)
 def test_commands_that_read_refuse_a_store_that_does_not_exist(tmp_path, command):
     missing = tmp_path / "wieghts"
     result = runner.invoke(app, [command[0], str(missing), *command[1:]])
@@ -189,11 +196,13 @@ def test_watch_until_a_version_that_does_not_come_fails_after_the_timeout(weight
     publisher = Publisher(weights, config)
     for _ in range(2):
         publisher.publish(trainer.step())
-    result = runner.invoke(app, ["watch", str(weights.objects.root), "--until", "5", "--timeout", "0.2",
-                                 "--poll-interval", "0.05"])
+    result = runner.invoke(
+        app, ["watch", str(weights.objects.root), "--until", "5", "--timeout", "0.2", "--poll-interval", "0.05"]
+    )
     assert result.exit_code != 0
     assert "version 5 not reached within 0.2 s: holding 1, the store's latest is 1" in str(result.exception)
     corrupt(weights, publisher.publish(trainer.step()).chunks[0].key, "flip")
-    result = runner.invoke(app, ["watch", str(weights.objects.root), "--until", "2", "--timeout", "0.2",
-                                 "--poll-interval", "0.05"])
+    result = runner.invoke(
+        app, ["watch", str(weights.objects.root), "--until", "2", "--timeout", "0.2", "--poll-interval", "0.05"]
+    )
     assert "cannot take weight version 2: version 2 was rejected" in str(result.exception)

@@ -25,11 +25,16 @@ def test_apply_converts_to_the_engine_dtype_exactly():
 def test_apply_whole_tensors_new_tensors_and_removals():
     transposed = torch.zeros(2, 2).t()  # flat indices are in logical (row-major) order
     state = {"w": torch.zeros(2), "gone": torch.ones(1), "t": transposed}
-    update = WeightUpdate(3, None, {
-        "w": TensorUpdate(torch.tensor([7.0, 8.0]), None, (2,)),
-        "new": TensorUpdate(torch.tensor([1.0, 2.0, 3.0]), None, (3,)),
-        "t": sparse([1], [5.0], (2, 2), torch.float32),  # a non-contiguous target
-    }, removed=["gone"])
+    update = WeightUpdate(
+        3,
+        None,
+        {
+            "w": TensorUpdate(torch.tensor([7.0, 8.0]), None, (2,)),
+            "new": TensorUpdate(torch.tensor([1.0, 2.0, 3.0]), None, (3,)),
+            "t": sparse([1], [5.0], (2, 2), torch.float32),  # a non-contiguous target
+        },
+        removed=["gone"],
+    )
     apply_update(state, update)
     assert state["w"].tolist() == [7.0, 8.0] and state["new"].tolist() == [1.0, 2.0, 3.0]
     assert "gone" not in state
@@ -42,7 +47,9 @@ def test_merged_updates_equal_updates_applied_in_order():
     updates = [WeightUpdate(0, None, {"w": TensorUpdate(torch.randn(50), None, shape)})]
     for version in range(1, 6):
         indices = torch.randint(0, 50, (10,)).unique()
-        updates.append(WeightUpdate(version, version - 1, {"w": TensorUpdate(torch.randn(len(indices)), indices, shape)}))
+        updates.append(
+            WeightUpdate(version, version - 1, {"w": TensorUpdate(torch.randn(len(indices)), indices, shape)})
+        )
     one_by_one = {}
     for update in updates:
         apply_update(one_by_one, update)

@@ -4,10 +4,9 @@ import json
 
 import pytest
 
+from tests.sync.conftest import FakeTrainer
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, SyncConfig, WeightStore
-
-from tests.sync.conftest import FakeTrainer
 
 
 class RecordingStore(LocalStore):

@@ -23,15 +23,33 @@ QWEN3_SPLIT = (
 )
 # (content, special) in Qwen3's id order, starting right after the BPE vocabulary (151643 there).
 QWEN3_ADDED = [
-    ("<|endoftext|>", True), ("<|im_start|>", True), ("<|im_end|>", True),
-    ("<|object_ref_start|>", True), ("<|object_ref_end|>", True), ("<|box_start|>", True),
-    ("<|box_end|>", True), ("<|quad_start|>", True), ("<|quad_end|>", True),
-    ("<|vision_start|>", True), ("<|vision_end|>", True), ("<|vision_pad|>", True),
-    ("<|image_pad|>", True), ("<|video_pad|>", True), ("<tool_call>", False), ("</tool_call>", False),
-    ("<|fim_prefix|>", False), ("<|fim_middle|>", False), ("<|fim_suffix|>", False),
-    ("<|fim_pad|>", False), ("<|repo_name|>", False), ("<|file_sep|>", False),
-    ("<tool_response>", False), ("</tool_response>", False), ("<think>", False), ("</think>", False),
-]  # fmt: skip
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+]
 BYTE_LEVEL = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False}
 
 
@@ -51,10 +69,17 @@ def write_qwen3_checkpoint(directory: Path) -> Path:
     vocab, merges = _vocab_and_merges()
     first = len(vocab)
     added = [
-        {"id": first + i, "content": content, "single_word": False, "lstrip": False, "rstrip": False,
-         "normalized": False, "special": special}
+        {
+            "id": first + i,
+            "content": content,
+            "single_word": False,
+            "lstrip": False,
+            "rstrip": False,
+            "normalized": False,
+            "special": special,
+        }
         for i, (content, special) in enumerate(QWEN3_ADDED)
-    ]  # fmt: skip
+    ]
     tokenizer_json = {
         "version": "1.0",
         "truncation": None,
@@ -71,11 +96,18 @@ def write_qwen3_checkpoint(directory: Path) -> Path:
         "post_processor": BYTE_LEVEL,
         "decoder": BYTE_LEVEL,
         "model": {
-            "type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": "",
-            "end_of_word_suffix": "", "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
-            "vocab": vocab, "merges": merges,
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": "",
+            "end_of_word_suffix": "",
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "ignore_merges": False,
+            "vocab": vocab,
+            "merges": merges,
         },
-    }  # fmt: skip
+    }
     tokenizer_config = {
         "add_bos_token": False,
         "add_prefix_space": False,

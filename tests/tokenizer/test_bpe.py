@@ -32,9 +32,16 @@ def test_training_fills_the_vocab_and_round_trips_code(trained):
 def test_chat_tokens_are_single_ids_with_qwen3_strings(trained):
     ids = trained.special_ids
     assert set(ids) == {
-        "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>",
-        "<tool_response>", "</tool_response>", "<think>", "</think>",
-    }  # fmt: skip
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<tool_call>",
+        "</tool_call>",
+        "<tool_response>",
+        "</tool_response>",
+        "<think>",
+        "</think>",
+    }
     assert len(set(ids.values())) == len(ids) and max(ids.values()) < trained.vocab_size
     assert trained.encode("<|im_start|>user\n")[0] == trained.im_start_id
     assert trained.encode("<tool_call>") == [ids["<tool_call>"]]
@@ -59,7 +66,9 @@ def test_saved_tokenizer_loads_back_and_in_transformers(trained, tmp_path):
     assert (hf.eos_token_id, hf.pad_token_id) == (trained.im_end_id, trained.endoftext_id)
     # Its chat template renders whetstone's format, so HF tools and vLLM build the same prompts.
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]
-    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == render_chat(messages, None, True)
+    assert hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) == render_chat(
+        messages, None, True
+    )
 
 
 def test_qwen3_checkpoint_tokenizer_loads_with_qwen3_ids(qwen3_dir, qwen3_hf):
@@ -134,14 +143,19 @@ def test_min_tokens_bounds_the_count_without_encoding(trained, qwen3_dir):
 
 def test_min_tokens_knows_nothing_of_a_pipeline_that_drops_text(trained):
     layout = json.loads(trained._backend.to_str())
-    layout["normalizer"] = {"type": "Sequence", "normalizers": [{"type": "NFC"}, {"type": "Strip", "strip_left": True,
-                                                                                    "strip_right": True}]}
+    layout["normalizer"] = {
+        "type": "Sequence",
+        "normalizers": [{"type": "NFC"}, {"type": "Strip", "strip_left": True, "strip_right": True}],
+    }
     stripping = Tokenizer(Backend.from_str(json.dumps(layout)), trained.config)
     assert stripping.min_tokens(" " * 10_000 + "x") == 0
     assert len(stripping.encode(" " * 10_000 + "x")) == 1
 
 
 def test_normalization_merges_at_most_four_characters_into_one():
-    longest = max(len(unicodedata.normalize("NFD", chr(c))) for c in range(0x110000)
-                  if unicodedata.normalize("NFC", chr(c)) == chr(c))
+    longest = max(
+        len(unicodedata.normalize("NFD", chr(c)))
+        for c in range(0x110000)
+        if unicodedata.normalize("NFC", chr(c)) == chr(c)
+    )
     assert longest == NORMALIZER_SHRINK["NFC"] == NORMALIZER_SHRINK["NFKC"]

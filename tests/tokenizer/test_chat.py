@@ -32,12 +32,15 @@ AGENT = [
     {"role": "user", "content": "Make the tests pass."},
     {"role": "assistant", "content": "", "tool_calls": [call("run", {"command": "ls -la"})]},
     {"role": "tool", "tool_call_id": "call_0", "content": "solution.py\ntest_solution.py"},
-    {"role": "assistant", "content": "Running both.",
-     "tool_calls": [call("run_tests", {}), call("run", {"command": "pytest -x"}, 1, as_string=False)]},
+    {
+        "role": "assistant",
+        "content": "Running both.",
+        "tool_calls": [call("run_tests", {}), call("run", {"command": "pytest -x"}, 1, as_string=False)],
+    },
     {"role": "tool", "tool_call_id": "call_0", "content": "1 failed"},
     {"role": "tool", "tool_call_id": "call_1", "content": "E   assert 2 == 3"},
     {"role": "assistant", "content": "Fixed it.\n"},
-]  # fmt: skip
+]
 CONVERSATIONS = {
     "plain": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
     "system": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
@@ -50,7 +53,7 @@ CONVERSATIONS = {
         {"role": "user", "content": "and 3+3?"},
         {"role": "assistant", "content": "6", "reasoning_content": "add again"},
     ],
-}  # fmt: skip
+}
 
 
 def tools_for(name):

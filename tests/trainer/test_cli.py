@@ -6,11 +6,10 @@ import json
 
 from typer.testing import CliRunner
 
+from tests.trainer.trainer_fixtures import put_batches, trainer_config
 from whetstone.config import dump_toml
 from whetstone.errors import ConfigError
 from whetstone.trainer.cli import app
-
-from tests.trainer.trainer_fixtures import put_batches, trainer_config
 
 
 def test_the_command_trains_the_batches_there_and_prints_a_summary(tmp_path, tiny_moe, batches):

@@ -11,7 +11,6 @@ from safetensors.torch import load_file
 
 from tests.trainer.trainer_fixtures import TINY_MOE, TRANSCRIPTS, put_batches, trainer_config
 from whetstone.errors import ConfigError, WhetstoneError
-from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.model.hf import load_hf
 from whetstone.rl.batch import collate
 from whetstone.rl.demos import demo_rows, load_demos, write_demos
@@ -20,6 +19,7 @@ from whetstone.rl.samples import NOT_GENERATED, Sample
 from whetstone.tokenizer import Tokenizer, render_chat
 from whetstone.trainer.loop import run_trainer
 from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, forward_logprobs, train_step
+from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.utils.metrics import read_metrics
 
 
@@ -41,13 +41,16 @@ def test_demonstrations_round_trip_and_train_only_the_assistants_tokens(tmp_path
     assert len(load_demos(path, tokenizer, max_positions=len(demos[0].input_ids) - 1)) == 2  # the long one skipped
 
 
-@pytest.mark.parametrize(("content", "error"), [
-    ('{"messages": [{"role": "assistant", "content": "hi"}]}\nnot json\n', r"line 2: not a demonstration"),
-    ('{"turns": []}\n', r"line 1: not a demonstration .*'messages'"),
-    ('{"messages": "hi"}\n', r"line 1: not a demonstration .*not a list"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"line 1: the transcript has no assistant tokens"),
-    ("\n", r"has no transcript to train on"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("content", "error"),
+    [
+        ('{"messages": [{"role": "assistant", "content": "hi"}]}\nnot json\n', r"line 2: not a demonstration"),
+        ('{"turns": []}\n', r"line 1: not a demonstration .*'messages'"),
+        ('{"messages": "hi"}\n', r"line 1: not a demonstration .*not a list"),
+        ('{"messages": [{"role": "user", "content": "hi"}]}\n', r"line 1: the transcript has no assistant tokens"),
+        ("\n", r"has no transcript to train on"),
+    ],
+)
 def test_a_bad_demonstrations_file_is_refused_naming_the_line(tmp_path, tokenizer, content, error):
     path = tmp_path / "demos.jsonl"
     path.write_text(content)
@@ -61,8 +64,10 @@ def test_a_missing_demonstrations_file_is_named(tmp_path, tokenizer):
 
 
 def test_each_step_draws_its_rows_by_its_seed():
-    demos = [Sample([i, i + 1, i + 2], [1, 1], [0.0] * 2, [NOT_GENERATED] * 2, None, 0.0, task_id=f"demo:{i}")
-             for i in range(10)]  # fmt: skip
+    demos = [
+        Sample([i, i + 1, i + 2], [1, 1], [0.0] * 2, [NOT_GENERATED] * 2, None, 0.0, task_id=f"demo:{i}")
+        for i in range(10)
+    ]
     ids = [[row["task_id"] for row in demo_rows(demos, 4, seed).rows] for seed in (0, 0, 1)]
     assert ids[0] == ids[1] and ids[0] != ids[2] and len(set(ids[0])) == 4
     assert len(demo_rows(demos, 50, seed=0)) == 10  # never more rows than demonstrations
@@ -113,8 +118,9 @@ def test_the_anchor_is_taken_before_the_learned_logit_scale(tiny_moe, batches):
     with torch.no_grad():
         sharpened.norm.weight.mul_(math.exp(1.5))
     assert abs(mean_nll(sharpened, demos).item() - base) > 0.01  # near-uniform logits: a small change
-    metrics = sgd_step(sharpened, batches[2], lr=0.0, anchor=DemoAnchor(demos, coef=1.0),
-                       logit_scale=LogitScale(lr=0.0, log_scale=1.5))
+    metrics = sgd_step(
+        sharpened, batches[2], lr=0.0, anchor=DemoAnchor(demos, coef=1.0), logit_scale=LogitScale(lr=0.0, log_scale=1.5)
+    )
     assert metrics["demo_nll"] == pytest.approx(base, rel=1e-5)
 
 
@@ -131,8 +137,10 @@ def test_the_trainer_anchors_every_step_and_resumes_onto_the_same_rows(tmp_path,
     resumed = read_metrics(tmp_path / "resumed" / "trainer" / "metrics.jsonl")
     assert all(r["demo_nll"] > 0 for r in straight) and len(resumed) == 4
     assert [r["demo_nll"] for r in straight] == [r["demo_nll"] for r in resumed]
-    straight, resumed = (load_file(str(latest_checkpoint(tmp_path / run / "trainer" / "checkpoints") / "model.safetensors"))
-                         for run in ("straight", "resumed"))  # fmt: skip
+    straight, resumed = (
+        load_file(str(latest_checkpoint(tmp_path / run / "trainer" / "checkpoints") / "model.safetensors"))
+        for run in ("straight", "resumed")
+    )
     assert straight.keys() == resumed.keys() and all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 

@@ -12,15 +12,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.trainer.trainer_fixtures import TRANSCRIPTS, put_batches, trainer_config
 from whetstone.config import dump_toml
-from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.rl.demos import write_demos
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
 from whetstone.trainer.distributed import global_normalizer, rank_rows
 from whetstone.trainer.loop import run_trainer
+from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.utils.metrics import read_metrics
-
-from tests.trainer.trainer_fixtures import TRANSCRIPTS, put_batches, trainer_config
 
 
 def test_each_rank_takes_every_world_th_row_padded_with_untrained_rows(batches):
@@ -38,7 +37,7 @@ def test_each_rank_takes_every_world_th_row_padded_with_untrained_rows(batches):
             assert torch.equal(shard.input_ids[i, :n], batch.input_ids[row, :n])
             assert torch.equal(shard.routes[i, :n], batch.routes[row, :n])  # routes travel with their row
             assert torch.equal(shard.loss_mask[i, :n], batch.loss_mask[row, :n])
-        assert not shard.loss_mask[len(own):].any()  # padding rows train nothing
+        assert not shard.loss_mask[len(own) :].any()  # padding rows train nothing
     assert not batch.loss_mask.logical_not().all()  # the batch itself is untouched
 
 
@@ -61,10 +60,20 @@ def without_baseline(batch):
 def torchrun(config_file, nproc=2):
     """The documented command line, as a real job: `torchrun --standalone --nproc_per_node 2
     -m whetstone.cli trainer CONFIG` (gloo on CPU; --standalone picks a free port)."""
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "whetstone.cli", "trainer", str(config_file)]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "whetstone.cli",
+        "trainer",
+        str(config_file),
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert done.returncode == 0, done.stderr[-4000:]
 
 
@@ -89,8 +98,11 @@ def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tin
     # Clipping (at 0.5), the KL term (a sharded reference model) and the learned logit scale
     # (its gradient summed over the ranks' rows; its state in the checkpoints) are on.
     data = [without_baseline(batch.select(range(len(batch)))) for batch in batches[:4]]
-    settings = dict(optimizer={"lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.1,
-                               "grad_clip": 0.5}, loss={"kl_coef": 0.1}, logit_scale_lr=0.01)
+    settings = dict(
+        optimizer={"lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.1, "grad_clip": 0.5},
+        loss={"kl_coef": 0.1},
+        logit_scale_lr=0.01,
+    )
 
     # One rank, straight through batches 0..3.
     put_batches(tmp_path / "straight" / "batches", data)
@@ -115,7 +127,12 @@ def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tin
 
     records = read_metrics(root / "trainer" / "metrics.jsonl")
     assert [(r["step"], r["replayed"], r.get("version")) for r in records] == [
-        (0, False, 1), (1, False, 2), (1, True, None), (2, False, 3), (3, False, 4)]
+        (0, False, 1),
+        (1, False, 2),
+        (1, True, None),
+        (2, False, 3),
+        (3, False, 4),
+    ]
     assert "replay_matches_store" in records[2]  # rank 0 compared its replayed weights with the store
     assert all(record["grad_norm"] > 0.5 for record in records)  # every step was clipped, by the global norm
     assert records[-1]["ref_kl_k3"] > 0
@@ -140,8 +157,10 @@ def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tin
         expected = load_file(str(latest_checkpoint(tmp_path / "straight" / "trainer" / "checkpoints") / name))
         actual = load_file(str(latest_checkpoint(root / "trainer" / "checkpoints") / name))
         assert all(torch.equal(expected[k], actual[k]) for k in expected if k.endswith(".step"))  # AdamW's counts
-        assert_weights_close({k: v for k, v in expected.items() if not k.endswith(".step")},
-                             {k: v for k, v in actual.items() if not k.endswith(".step")})
+        assert_weights_close(
+            {k: v for k, v in expected.items() if not k.endswith(".step")},
+            {k: v for k, v in actual.items() if not k.endswith(".step")},
+        )
 
 
 @pytest.mark.slow  # another real 2-process torchrun job, ~20 s
@@ -150,8 +169,13 @@ def test_two_ranks_anchor_to_the_demonstrations_as_one_rank_does(tmp_path, chat_
     # both ranks' tokens.
     demos = tmp_path / "demos.jsonl"
     write_demos(demos, TRANSCRIPTS * 3)
-    settings = dict(optimizer={"lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
-                    demo_coef=0.5, demos_path=str(demos), demo_rows=3, max_steps=2)
+    settings = dict(
+        optimizer={"lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+        demo_coef=0.5,
+        demos_path=str(demos),
+        demo_rows=3,
+        max_steps=2,
+    )
     data = [without_baseline(batch.select(range(len(batch)))) for batch in batches[:2]]
     for run in ("one", "two"):
         put_batches(tmp_path / run / "batches", data)

@@ -9,17 +9,15 @@ import shutil
 import pytest
 import torch
 
+from tests.trainer.trainer_fixtures import put_batches, trainer_config
 from whetstone.errors import CheckpointError
-from whetstone.training.checkpoint import latest_checkpoint, list_checkpoints
 from whetstone.model.hf import load_hf
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, LossInputs, policy_loss
 from whetstone.trainer.loop import run_trainer
 from whetstone.trainer.step import forward_logprobs
+from whetstone.training.checkpoint import latest_checkpoint, list_checkpoints
 from whetstone.utils.metrics import read_metrics
-
-from tests.trainer.trainer_fixtures import put_batches, trainer_config
-
 
 NEVER_CLIPS = LossConfig(clip_low=0.999, clip_high=1e6, is_cap=2e6)  # the surrogate r · A everywhere
 

@@ -13,16 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError
-from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.model.hf import load_hf
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
 from whetstone.trainer.loop import run_trainer
+from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.utils.metrics import read_metrics
-
-from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
-
 
 
 def checkpoint_weights(root) -> dict[str, torch.Tensor]:
@@ -82,8 +80,12 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_a_batch(tmp_path, 
     put_batches(root / "batches", batches[:5])
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(trainer_config(root, tiny_moe, max_steps=7, idle_timeout=0)))
-    process = subprocess.Popen([sys.executable, "-c", TRAINER_PROCESS.format(path=str(config_file))],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = subprocess.Popen(
+        [sys.executable, "-c", TRAINER_PROCESS.format(path=str(config_file))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         metrics = root / "trainer" / "metrics.jsonl"
         wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) == 5, process)
@@ -129,8 +131,9 @@ def test_batches_and_weights_can_live_in_an_s3_bucket(tmp_path, tiny_moe, batche
     with local_s3("rl-test") as endpoint:
         put_batches(S3Store("rl-test", "run/batches", endpoint_url=endpoint), batches[:2])
         sync = {"store": "s3://rl-test/run/weights", "endpoint_url": endpoint, "publish_dtype": "float32"}
-        config = trainer_config(tmp_path, tiny_moe, batch_store="s3://rl-test/run/batches",
-                                batch_store_endpoint_url=endpoint, sync=sync)
+        config = trainer_config(
+            tmp_path, tiny_moe, batch_store="s3://rl-test/run/batches", batch_store_endpoint_url=endpoint, sync=sync
+        )
         assert run_trainer(config)["version"] == 2
         followed = Subscriber(WeightStore.open(config.sync), config.sync)
         followed.poll()
@@ -151,8 +154,12 @@ def test_sigterm_stops_the_trainer_cleanly_with_a_checkpoint(tmp_path, tiny_moe,
     put_batches(tmp_path / "batches", batches[:2])
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, idle_timeout=0, checkpoint_interval=10)))
-    process = subprocess.Popen([sys.executable, "-c", TRAINER_PROCESS.format(path=str(config_file))],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    process = subprocess.Popen(
+        [sys.executable, "-c", TRAINER_PROCESS.format(path=str(config_file))],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     try:
         metrics = tmp_path / "trainer" / "metrics.jsonl"
         wait_until(lambda: metrics.exists() and len(read_metrics(metrics)) == 2, process)

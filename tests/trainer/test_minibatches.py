@@ -3,21 +3,22 @@ one published version) and invariant numerics."""
 
 from __future__ import annotations
 
+from tests.trainer.test_loop import subscribe
+from tests.trainer.trainer_fixtures import make_batches, put_batches, trainer_config
 from whetstone.rl.batch import collate, shuffled_parts
 from whetstone.rl.samples import Sample
 from whetstone.trainer.loop import merge_part_metrics, run_trainer
 from whetstone.trainer.step import micro_batches
 from whetstone.utils.metrics import read_metrics
 
-from tests.trainer.test_loop import subscribe
-from tests.trainer.trainer_fixtures import make_batches, put_batches, trainer_config
-
 
 def test_parts_cover_every_row_once_in_a_seeded_order(batches):
     batch = batches[0]
     parts = shuffled_parts(batch, 3, seed=5)
+
     def rows(b):
         return sorted(tuple(ids[ids != 0].tolist()) for ids in b.input_ids)
+
     assert rows(batch) == sorted(r for part in parts for r in rows(part))
     assert [len(part) for part in parts] == [3, 3, 2]
     assert sum(part.num_loss_tokens for part in parts) == batch.num_loss_tokens
@@ -31,8 +32,14 @@ def test_mismatch_comes_from_the_first_part_and_the_rest_is_averaged():
     first = {"loss": 1.0, "tokens": 10, "mismatch_kl_k3": 0.0, "routing_disagreement": 0.0, "clip_fraction": 0.0}
     second = {"loss": 3.0, "tokens": 30, "mismatch_kl_k3": 0.5, "routing_disagreement": 0.2, "clip_fraction": 0.4}
     merged = merge_part_metrics([first, second])
-    assert merged == {"optimizer_steps": 2, "loss": 2.0, "tokens": 40, "mismatch_kl_k3": 0.0,
-                      "routing_disagreement": 0.0, "clip_fraction": 0.2}  # fmt: skip
+    assert merged == {
+        "optimizer_steps": 2,
+        "loss": 2.0,
+        "tokens": 40,
+        "mismatch_kl_k3": 0.0,
+        "routing_disagreement": 0.0,
+        "clip_fraction": 0.2,
+    }
     assert merge_part_metrics([first]) is first
 
 
@@ -60,9 +67,15 @@ def test_an_invariant_trainer_sees_exactly_the_engines_logprobs(tmp_path, tiny_m
 
 def test_micro_batches_take_rows_in_order_of_length_so_each_is_cut_short():
     def sample(positions: int) -> Sample:
-        return Sample(input_ids=list(range(1, positions + 2)), loss_mask=[1] * positions,
-                      behavior_logprobs=[-1.0] * positions, versions=[0] * positions, routes=None,
-                      reward=1.0, advantage=1.0)  # fmt: skip
+        return Sample(
+            input_ids=list(range(1, positions + 2)),
+            loss_mask=[1] * positions,
+            behavior_logprobs=[-1.0] * positions,
+            versions=[0] * positions,
+            routes=None,
+            reward=1.0,
+            advantage=1.0,
+        )
 
     batch = collate([sample(n) for n in (9, 2, 8, 3, 7, 1)])
     micro = micro_batches(batch, 2)

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.training.optim import build_optimizer
 from whetstone.model.hf import load_hf
 from whetstone.online.config import OnlineConfig
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig
 from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
+from whetstone.training.optim import build_optimizer
 
 
 def model_and_optimizer(folder):
@@ -66,8 +66,9 @@ def test_micro_batch_size_does_not_change_the_step(tiny_moe, batches):
     # which would blow float noise on near-zero gradients up to lr).
     one_by_one, all_at_once = load_hf(tiny_moe), load_hf(tiny_moe)
     a = step(one_by_one, torch.optim.SGD(one_by_one.parameters()), batches[1], lr=1.0, micro_batch_size=1)
-    b = step(all_at_once, torch.optim.SGD(all_at_once.parameters()), batches[1], lr=1.0,
-             micro_batch_size=len(batches[1]))
+    b = step(
+        all_at_once, torch.optim.SGD(all_at_once.parameters()), batches[1], lr=1.0, micro_batch_size=len(batches[1])
+    )
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"], rel=1e-5)
     for (name, x), y in zip(one_by_one.state_dict().items(), all_at_once.state_dict().values()):
         torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6, msg=name)
@@ -112,8 +113,9 @@ def test_with_a_learned_logit_scale_the_kl_reference_is_taken_at_that_scale(tiny
         with torch.no_grad():
             model.norm.weight.mul_(math.exp(0.3))  # what LogitScale's steps to log-scale 0.3 did
         scale = LogitScale(lr=0.0, log_scale=0.3) if learned else None
-        kl[learned] = step(model, optimizer, batches[3], lr=0.0, loss=config, reference=reference,
-                           logit_scale=scale)["ref_kl_k3"]
+        kl[learned] = step(model, optimizer, batches[3], lr=0.0, loss=config, reference=reference, logit_scale=scale)[
+            "ref_kl_k3"
+        ]
     assert kl[True] < 1e-9 and kl[False] > 1e-4  # a random tiny model: near-uniform logits, a small KL
 
 
@@ -131,16 +133,29 @@ def test_a_negative_entropy_coefficient_sharpens_the_policy_and_every_step_logs_
     runs = {}
     for coef in (0.0, -1.0):
         model, optimizer = model_and_optimizer(tiny_moe)
-        runs[coef] = [step(model, optimizer, batches[0], lr=3e-2, loss=LossConfig(entropy_coef=coef))["entropy"]
-                      for _ in range(4)]  # fmt: skip
+        runs[coef] = [
+            step(model, optimizer, batches[0], lr=3e-2, loss=LossConfig(entropy_coef=coef))["entropy"] for _ in range(4)
+        ]
     assert runs[0.0][0] == pytest.approx(runs[-1.0][0]) and runs[0.0][0] > 0  # same weights at the first step
     assert runs[-1.0][-1] < runs[0.0][-1] - 0.05, runs
 
 
 @pytest.mark.parametrize("config_type", [TrainerConfig, OnlineConfig])
 def test_the_step_settings_of_a_config_are_its_own(config_type):
-    config = config_type(loss={"clip_high": 0.3}, optimizer={"grad_clip": 0.5}, micro_batch_size=7,
-                         router_replay=False, dtype="bfloat16", numerics="invariant")  # fmt: skip
+    config = config_type(
+        loss={"clip_high": 0.3},
+        optimizer={"grad_clip": 0.5},
+        micro_batch_size=7,
+        router_replay=False,
+        dtype="bfloat16",
+        numerics="invariant",
+    )
     settings = StepSettings.of(config)
-    assert settings == StepSettings(loss=LossConfig(clip_high=0.3), grad_clip=0.5, micro_batch_size=7, replay=False,
-                                    dtype="bfloat16", numerics="invariant")  # fmt: skip
+    assert settings == StepSettings(
+        loss=LossConfig(clip_high=0.3),
+        grad_clip=0.5,
+        micro_batch_size=7,
+        replay=False,
+        dtype="bfloat16",
+        numerics="invariant",
+    )

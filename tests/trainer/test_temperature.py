@@ -13,11 +13,11 @@ from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sampling import SamplingParams
-from whetstone.training.optim import build_optimizer
 from whetstone.model.hf import load_hf
 from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, collate
 from whetstone.rl.samples import trajectory_samples
 from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
+from whetstone.training.optim import build_optimizer
 
 
 def sampled_batch(model_dir, temperatures: list[float], tell_trainer: bool = True):
@@ -27,10 +27,18 @@ def sampled_batch(model_dir, temperatures: list[float], tell_trainer: bool = Tru
     params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=t, seed=i) for i, t in enumerate(temperatures)]
     samples = []
     for i, seq in enumerate(engine.generate(prompts, params)):
-        call = ModelCall(prompt_ids=seq.prompt_ids, completion_ids=seq.output_ids, logprobs=seq.logprobs,
-                         versions=seq.versions, loss_mask=[1] * len(seq.output_ids), routes=encode_routes(seq.routes))
-        samples += trajectory_samples(Trajectory(task_id=f"r{i}", segments=[Segment(calls=[call])], reward=float(i % 2)),
-                                      advantage=float(i % 2) - 0.5)  # fmt: skip
+        call = ModelCall(
+            prompt_ids=seq.prompt_ids,
+            completion_ids=seq.output_ids,
+            logprobs=seq.logprobs,
+            versions=seq.versions,
+            loss_mask=[1] * len(seq.output_ids),
+            routes=encode_routes(seq.routes),
+        )
+        samples += trajectory_samples(
+            Trajectory(task_id=f"r{i}", segments=[Segment(calls=[call])], reward=float(i % 2)),
+            advantage=float(i % 2) - 0.5,
+        )
     return collate(samples, temperatures=temperatures if tell_trainer else None)
 
 
@@ -71,8 +79,19 @@ def test_temperatures_survive_select_and_the_file_form(tiny_moe):
 
 
 def test_temperatures_must_be_one_positive_value_per_row():
-    samples = trajectory_samples(Trajectory(task_id="t", reward=0.0, segments=[Segment(calls=[ModelCall(
-        prompt_ids=[1, 2], completion_ids=[3], logprobs=[-1.0], versions=[0], loss_mask=[1])])]))  # fmt: skip
+    samples = trajectory_samples(
+        Trajectory(
+            task_id="t",
+            reward=0.0,
+            segments=[
+                Segment(
+                    calls=[
+                        ModelCall(prompt_ids=[1, 2], completion_ids=[3], logprobs=[-1.0], versions=[0], loss_mask=[1])
+                    ]
+                )
+            ],
+        )
+    )
     with pytest.raises(WhetstoneError, match="one temperature > 0 per sample"):
         collate(samples, temperatures=[0.0])
     with pytest.raises(WhetstoneError, match="got 2 for 1 samples"):

@@ -26,16 +26,30 @@ from whetstone.store import LocalStore, ObjectStore
 from whetstone.tokenizer import Tokenizer, render_chat
 from whetstone.trainer.config import TrainerConfig
 
-TINY_MOE = ModelConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=8, intermediate_size=48, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16,
-                       max_position_embeddings=64)  # fmt: skip
+TINY_MOE = ModelConfig(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=48,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    max_position_embeddings=64,
+)
 PROMPTS = ([1, 2, 3, 4], [5, 6, 7])
 GROUP_SIZE, COMPLETION_TOKENS = 4, 6
 TRANSCRIPTS = [
     [{"role": "user", "content": "add one"}, {"role": "assistant", "content": "return x + 1"}],
-    [{"role": "system", "content": "be brief"}, {"role": "user", "content": "double it"},
-     {"role": "assistant", "content": "return x * 2"}, {"role": "user", "content": "thanks"},
-     {"role": "assistant", "content": "done"}],
+    [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "double it"},
+        {"role": "assistant", "content": "return x * 2"},
+        {"role": "user", "content": "thanks"},
+        {"role": "assistant", "content": "done"},
+    ],
     [{"role": "user", "content": "negate"}, {"role": "assistant", "content": "return -x"}],
 ]
 """Demonstrations for the behaviour-cloning anchor (`rl.demos`)."""
@@ -66,22 +80,41 @@ def make_batches(model_dir: Path, count: int, seed: int = 0, numerics: str = "fa
     batches = []
     for index in range(count):
         prompts = [prompt for prompt in PROMPTS for _ in range(GROUP_SIZE)]
-        params = [SamplingParams(max_tokens=COMPLETION_TOKENS, ignore_eos=True, seed=seed * 1000 + index * 100 + i)
-                  for i in range(len(prompts))]
+        params = [
+            SamplingParams(max_tokens=COMPLETION_TOKENS, ignore_eos=True, seed=seed * 1000 + index * 100 + i)
+            for i in range(len(prompts))
+        ]
         trajectories = []
         for i, seq in enumerate(engine.generate(prompts, params)):
             n = len(seq.output_ids)
-            call = ModelCall(prompt_ids=seq.prompt_ids, completion_ids=seq.output_ids, logprobs=seq.logprobs,
-                             versions=seq.versions, loss_mask=[1] * n,
-                             routes=None if seq.routes is None else encode_routes(seq.routes))
-            trajectories.append(Trajectory(task_id=f"p{i // GROUP_SIZE}", group_id=f"b{index}g{i // GROUP_SIZE}",
-                                           reward=low_token_reward(seq.output_ids), segments=[Segment(calls=[call])]))
+            call = ModelCall(
+                prompt_ids=seq.prompt_ids,
+                completion_ids=seq.output_ids,
+                logprobs=seq.logprobs,
+                versions=seq.versions,
+                loss_mask=[1] * n,
+                routes=None if seq.routes is None else encode_routes(seq.routes),
+            )
+            trajectories.append(
+                Trajectory(
+                    task_id=f"p{i // GROUP_SIZE}",
+                    group_id=f"b{index}g{i // GROUP_SIZE}",
+                    reward=low_token_reward(seq.output_ids),
+                    segments=[Segment(calls=[call])],
+                )
+            )
         kept, report = score_groups(trajectories, AdvantageConfig())
         samples = [s for trajectory, advantage in kept for s in trajectory_samples(trajectory, advantage)]
         rewards = [t.reward for t in trajectories]
-        meta = {"index": index, "trainer_step": index, "staleness_histogram": {"0": len(samples)},
-                "groups": report.metrics(), "reward_mean": sum(rewards) / len(rewards),
-                "samples": len(samples), "rollouts": len(trajectories)}
+        meta = {
+            "index": index,
+            "trainer_step": index,
+            "staleness_histogram": {"0": len(samples)},
+            "groups": report.metrics(),
+            "reward_mean": sum(rewards) / len(rewards),
+            "samples": len(samples),
+            "rollouts": len(trajectories),
+        }
         batches.append(collate(samples, meta=meta))
     return batches
 
@@ -94,8 +127,15 @@ def put_batches(store: Path | ObjectStore, batches: list[Batch], first: int = 0)
 
 def trainer_config(root: Path, model_dir: Path, **changes) -> TrainerConfig:
     """A trainer over `root/batches`, publishing fp32 to `root/weights`, writing `root/trainer`."""
-    fields = dict(model_path=str(model_dir), batch_store=str(root / "batches"), output_dir=str(root / "trainer"),
-                  sync={"store": str(root / "weights"), "publish_dtype": "float32"}, micro_batch_size=3,
-                  optimizer={"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
-                  poll_interval=0.02, idle_timeout=0.3, checkpoint_interval=3)
+    fields = dict(
+        model_path=str(model_dir),
+        batch_store=str(root / "batches"),
+        output_dir=str(root / "trainer"),
+        sync={"store": str(root / "weights"), "publish_dtype": "float32"},
+        micro_batch_size=3,
+        optimizer={"lr": 1e-2, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+        poll_interval=0.02,
+        idle_timeout=0.3,
+        checkpoint_interval=3,
+    )
     return TrainerConfig(**(fields | changes))

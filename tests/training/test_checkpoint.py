@@ -8,13 +8,27 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from whetstone.errors import CheckpointError
-from whetstone.training import checkpoint as ckpt
-from whetstone.training.checkpoint import TrainState, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from whetstone.training.optim import build_optimizer
 from whetstone.model import ModelConfig, Transformer
+from whetstone.training import checkpoint as ckpt
+from whetstone.training.checkpoint import (
+    TrainState,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+)
+from whetstone.training.optim import build_optimizer
 
-TINY = ModelConfig(vocab_size=50, hidden_size=16, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                   head_dim=8, num_experts=4, moe_intermediate_size=8)
+TINY = ModelConfig(
+    vocab_size=50,
+    hidden_size=16,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=8,
+    num_experts=4,
+    moe_intermediate_size=8,
+)
 
 
 def make(config: ModelConfig = TINY, seed: int = 0):
@@ -131,7 +145,9 @@ def test_corrupt_state_json_is_named(tmp_path):
 def test_shapes_that_do_not_fit_the_config_name_the_tensor(tmp_path):
     path = save(tmp_path, *trained())
     wider = TINY.model_copy(update={"moe_intermediate_size": 12})
-    with pytest.raises(CheckpointError, match=r"'layers\.0\.mlp\.experts\.down_proj' has shape \[4, 16, 8\].*expects \[4, 16, 12\]"):
+    with pytest.raises(
+        CheckpointError, match=r"'layers\.0\.mlp\.experts\.down_proj' has shape \[4, 16, 8\].*expects \[4, 16, 12\]"
+    ):
         load_checkpoint(path, *make(wider))
 
 
@@ -171,7 +187,10 @@ def test_changed_lr_multipliers_are_named_instead_of_mixing_up_the_groups(tmp_pa
     path = save(tmp_path, *trained())
     torch.manual_seed(0)
     model = Transformer(TINY)
-    optimizer = build_optimizer(model, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                                lr_multipliers={"norm.weight": 10.0})  # fmt: skip
-    with pytest.raises(CheckpointError, match=r"learning-rate factors \[1\.0, 1\.0\].*\[1\.0, 1\.0, 10\.0\].*lr_multipliers"):
+    optimizer = build_optimizer(
+        model, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, lr_multipliers={"norm.weight": 10.0}
+    )
+    with pytest.raises(
+        CheckpointError, match=r"learning-rate factors \[1\.0, 1\.0\].*\[1\.0, 1\.0, 10\.0\].*lr_multipliers"
+    ):
         load_checkpoint(path, model, optimizer)

@@ -19,8 +19,12 @@ def busy_role(tmp_path, group: CpuGroup, seconds: float) -> RoleProcess:
     """A role that starts a busy child (which it never waits for) and is busy itself."""
     role = RoleProcess("busy", [], tmp_path / "busy.log", cpu_group=group)
     child = f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {BUSY.format(seconds=seconds)!r}])"
-    role.argv = [sys.executable, "-c", "from whetstone.utils.processes import apply_role_environment\n"
-                 f"apply_role_environment()\n{child}\n{BUSY.format(seconds=seconds)}"]  # fmt: skip
+    role.argv = [
+        sys.executable,
+        "-c",
+        "from whetstone.utils.processes import apply_role_environment\n"
+        f"apply_role_environment()\n{child}\n{BUSY.format(seconds=seconds)}",
+    ]
     return role.start()
 
 
@@ -63,15 +67,21 @@ def test_a_quota_caps_a_role_and_everything_it_starts(tmp_path, period_us):
 def test_without_a_quota_a_group_counts_the_cpu_of_children_nobody_waits_for(tmp_path):
     # Each process reports the CPU time it used inside the group, so the check holds under any load.
     def loop(report):
-        return ("import time\nstart = time.process_time()\nx = 0\nfor i in range(2 * 10**6): x += i\n"
-                f"open({str(report)!r}, 'w').write(str(time.process_time() - start))\n")
+        return (
+            "import time\nstart = time.process_time()\nx = 0\nfor i in range(2 * 10**6): x += i\n"
+            f"open({str(report)!r}, 'w').write(str(time.process_time() - start))\n"
+        )
 
     child, parent = tmp_path / "child.cpu", tmp_path / "parent.cpu"
     with CpuGroup("count") as group:
         role = RoleProcess("loops", [], tmp_path / "loops.log", cpu_group=group)
-        role.argv = [sys.executable, "-c", "from whetstone.utils.processes import apply_role_environment\n"
-                     "apply_role_environment()\nimport subprocess, sys\n"
-                     f"subprocess.Popen([sys.executable, '-c', {loop(child)!r}])\n{loop(parent)}"]  # fmt: skip
+        role.argv = [
+            sys.executable,
+            "-c",
+            "from whetstone.utils.processes import apply_role_environment\n"
+            "apply_role_environment()\nimport subprocess, sys\n"
+            f"subprocess.Popen([sys.executable, '-c', {loop(child)!r}])\n{loop(parent)}",
+        ]
         role.start().wait(60)
         deadline = time.monotonic() + 60
         while members(group) and time.monotonic() < deadline:  # the child may outlive the role
@@ -85,11 +95,13 @@ def test_sandboxes_of_a_grouped_process_are_counted():
     """The reason for groups: a sandbox's CPU never reaches its starter's rusage."""
     import subprocess
 
-    code = ("from whetstone.utils.cgroups import add_to_cgroups; import os, sys; "
-            "add_to_cgroups(sys.argv[1:], os.getpid()); "
-            "from whetstone.envs.sandbox import SandboxConfig, open_sandbox\n"
-            "with open_sandbox({'a.py': 'x = 0\\nfor i in range(3 * 10**6): x += i\\n'}, SandboxConfig()) as box:\n"
-            "    assert box.run(['python', 'a.py']).exit_code == 0")  # fmt: skip
+    code = (
+        "from whetstone.utils.cgroups import add_to_cgroups; import os, sys; "
+        "add_to_cgroups(sys.argv[1:], os.getpid()); "
+        "from whetstone.envs.sandbox import SandboxConfig, open_sandbox\n"
+        "with open_sandbox({'a.py': 'x = 0\\nfor i in range(3 * 10**6): x += i\\n'}, SandboxConfig()) as box:\n"
+        "    assert box.run(['python', 'a.py']).exit_code == 0"
+    )
     with CpuGroup("sandboxes") as group:
         subprocess.run([sys.executable, "-c", code, *map(str, group.paths)], check=True, timeout=120)
         inside = group.usage_seconds()
@@ -107,8 +119,11 @@ def test_a_share_below_the_least_quota_gets_a_longer_period_not_more_cpu():
     with CpuGroup("small", 0.05, period_us=10_000) as group:
         assert enforced_period_us(group) == group.period_us == 20_000
         folder = group.dirs["cpu"]
-        quota = (int((folder / "cpu.cfs_quota_us").read_text()) if group.version == "v1"
-                 else int((folder / "cpu.max").read_text().split()[0]))  # fmt: skip
+        quota = (
+            int((folder / "cpu.cfs_quota_us").read_text())
+            if group.version == "v1"
+            else int((folder / "cpu.max").read_text().split()[0])
+        )
         assert quota == 1000
 
 

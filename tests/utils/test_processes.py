@@ -27,8 +27,9 @@ def test_a_failing_role_raises_with_its_log(tmp_path):
 
 
 def test_waiting_on_health_fails_fast_when_the_role_dies(tmp_path):
-    role = RoleProcess("serve", ["serve", "--set", "model_path="], tmp_path / "serve.log",
-                       health_url="http://127.0.0.1:9/health").start()
+    role = RoleProcess(
+        "serve", ["serve", "--set", "model_path="], tmp_path / "serve.log", health_url="http://127.0.0.1:9/health"
+    ).start()
     with pytest.raises(WhetstoneError, match="(?s)exited .* before it became healthy.*model_path is not set"):
         role.wait_healthy(60)
 
@@ -43,12 +44,22 @@ def test_stop_sends_sigterm_and_returns_the_exit_code(tmp_path):
 
 def test_a_role_stops_when_the_process_that_started_it_is_killed(tmp_path):
     # `whetstone run` killed with SIGKILL runs no clean-up: its roles must not outlive it
-    parent = subprocess.Popen([sys.executable, "-c", (
-        "import sys, time\nfrom whetstone.utils.processes import RoleProcess\n"
-        f"role = RoleProcess('sleeper', [], {str(tmp_path / 'r.log')!r})\n"
-        "role.argv = [sys.executable, '-c', 'from whetstone.utils.processes import stop_with_parent; stop_with_parent(); "
-        "import time; time.sleep(120)']\n"
-        "print(role.start().process.pid, flush=True)\ntime.sleep(120)\n")], stdout=subprocess.PIPE, text=True)
+    parent = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            (
+                "import sys, time\nfrom whetstone.utils.processes import RoleProcess\n"
+                f"role = RoleProcess('sleeper', [], {str(tmp_path / 'r.log')!r})\n"
+                "role.argv = [sys.executable, '-c', "
+                "'from whetstone.utils.processes import stop_with_parent; stop_with_parent(); "
+                "import time; time.sleep(120)']\n"
+                "print(role.start().process.pid, flush=True)\ntime.sleep(120)\n"
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     child = int(parent.stdout.readline())
     os.kill(parent.pid, signal.SIGKILL)
     parent.wait()
@@ -70,9 +81,13 @@ def alive(pid: int) -> bool:
 def test_a_role_runs_on_its_cores_and_so_does_everything_it_starts(tmp_path):
     core = sorted(os.sched_getaffinity(0))[-1]
     role = RoleProcess("pinned", [], tmp_path / "p.log", cpus=[core])
-    role.argv = [sys.executable, "-c", "from whetstone.utils.processes import apply_role_environment; "
-                 "apply_role_environment(); import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
-                 "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])"]
+    role.argv = [
+        sys.executable,
+        "-c",
+        "from whetstone.utils.processes import apply_role_environment; "
+        "apply_role_environment(); import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
+        "subprocess.run([sys.executable, '-c', 'import os; print(sorted(os.sched_getaffinity(0)))'])",
+    ]
     assert role.start().wait(60) == 0
     assert role.log_path.read_text().split() == [f"[{core}]", f"[{core}]"]
 

@@ -27,7 +27,9 @@ print(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 
 
 def _training_loop_faults(mode: str) -> int:
-    out = subprocess.run([sys.executable, "-c", _TRAINING_LOOP_FAULTS, mode], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _TRAINING_LOOP_FAULTS, mode], capture_output=True, text=True, check=True
+    )
     return int(out.stdout.split()[-1])
 
 

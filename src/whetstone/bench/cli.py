@@ -23,7 +23,11 @@ def _emit(result: dict, as_json: bool, title: str) -> None:
     table.add_column("metric")
     table.add_column("value")
     for key, value in result.items():
-        shown = json.dumps(value) if isinstance(value, (list, dict)) else (f"{value:.4g}" if isinstance(value, float) else str(value))
+        shown = (
+            json.dumps(value)
+            if isinstance(value, (list, dict))
+            else (f"{value:.4g}" if isinstance(value, float) else str(value))
+        )
         table.add_row(key, shown)
     Console().print(table)
 
@@ -37,8 +41,10 @@ def sync(
     as_json: bool = JSON,
     repeats: int = typer.Option(5, help="Timing repeats per case (best is kept)."),
     rl_store: list[str] = typer.Option(
-        ["runs/default/weights"], "--rl-store",
-        help="An RL weight-store directory (`whetstone run` writes runs/<name>/weights); repeatable."),
+        ["runs/default/weights"],
+        "--rl-store",
+        help="An RL weight-store directory (`whetstone run` writes runs/<name>/weights); repeatable.",
+    ),
     rl_pairs: int = typer.Option(5, min=1, help="Newest pairs of consecutive versions measured per store (medians)."),
 ) -> None:
     """Delta codec size and speed on real RL-like steps and RL runs vs XOR+zstd, and publish->subscriber fan-out."""
@@ -60,7 +66,11 @@ def train(
     as_json: bool = JSON,
     steps: int = typer.Option(24, help="Timed optimizer steps per implementation."),
     threads: int = typer.Option(2, help="torch threads for both implementations."),
-    dtype: str = typer.Option("auto", help="Compute dtype: float32, bfloat16, or auto (mid-training's default: bfloat16 where the CPU multiplies it natively)."),
+    dtype: str = typer.Option(
+        "auto",
+        help="Compute dtype: float32, bfloat16, or auto (mid-training's default: bfloat16 where the CPU "
+        "multiplies it natively).",
+    ),
 ) -> None:
     """Training tokens/s of the tiny MoE: whetstone vs transformers' Qwen3-MoE, same batches."""
     _emit(_bench("train").run(steps=steps, threads=threads, dtype=dtype), as_json, "training throughput")
@@ -79,25 +89,41 @@ def inference(
 @app.command()
 def pipeline(
     as_json: bool = JSON,
-    steps: int = typer.Option(24, help="Trainer steps per side (step 0 fills the pipeline: fewer steps weigh it more)."),
+    steps: int = typer.Option(
+        24, help="Trainer steps per side (step 0 fills the pipeline: fewer steps weigh it more)."
+    ),
     group_size: int = typer.Option(4, help="Rollouts per task (TRL's num_generations)."),
     groups_per_batch: int = typer.Option(2, help="Groups per step: samples per step = group size x groups."),
     max_tokens: int = typer.Option(64, help="Completion tokens of a rollout (one turn)."),
     tasks: int = typer.Option(16, help="Coin tasks (synth train tasks that give reward variance)."),
     model: str = typer.Option("", "--model", help="A mid-trained HF folder; default: the tiny MoE, random weights."),
-    model_size: str = typer.Option("tiny", help="Random model when no --model: tiny (1.9M, the default run's) "
-                                                "or default (8.1M, ModelConfig())."),
+    model_size: str = typer.Option(
+        "tiny", help="Random model when no --model: tiny (1.9M, the default run's) or default (8.1M, ModelConfig())."
+    ),
     trl: bool = typer.Option(True, "--trl/--no-trl", help="Also run TRL's GRPOTrainer."),
-    placement: str = typer.Option("balanced", help="balanced: CPU quotas sized by each side's measured share of the "
-                                                 "work; split: the trainer on core 0, the rollout side on the others "
-                                                 "(both: roles on separate hardware); shared: every role on every core."),
+    placement: str = typer.Option(
+        "balanced",
+        help="balanced: CPU quotas sized by each side's measured share of the "
+        "work; split: the trainer on core 0, the rollout side on the others "
+        "(both: roles on separate hardware); shared: every role on every core.",
+    ),
     servers: int = typer.Option(1, help="`whetstone serve` processes of every whetstone side."),
     output_dir: str = typer.Option("", help="Keep the roles' configs, logs and metrics here (default: a temp folder)."),
 ) -> None:
     """Samples/s of asynchronous RL vs the synchronous baseline and TRL's GRPOTrainer; busy fractions."""
-    result = _bench("pipeline").run(steps=steps, group_size=group_size, groups_per_batch=groups_per_batch,
-                                    max_tokens=max_tokens, tasks=tasks, model=model or None, model_size=model_size,
-                                    trl=trl, placement=placement, servers=servers, output_dir=output_dir or None)  # fmt: skip
+    result = _bench("pipeline").run(
+        steps=steps,
+        group_size=group_size,
+        groups_per_batch=groups_per_batch,
+        max_tokens=max_tokens,
+        tasks=tasks,
+        model=model or None,
+        model_size=model_size,
+        trl=trl,
+        placement=placement,
+        servers=servers,
+        output_dir=output_dir or None,
+    )
     _emit(result, as_json, "RL pipeline")
 
 
@@ -113,16 +139,29 @@ def online(
     samples: int = typer.Option(2, help="Replies per held-out prompt."),
     gate_tasks: int = typer.Option(24, help="Held-out tasks of the deploy gate."),
     lr: float = typer.Option(None, help="Learning rate of the online updates (default: `whetstone online`'s)."),
-    logit_scale_lr: float = typer.Option(None, help="Learning rate of the loop's learned logit scale, 0 = off "
-                                                    "(default: `whetstone online`'s)."),
+    logit_scale_lr: float = typer.Option(
+        None, help="Learning rate of the loop's learned logit scale, 0 = off (default: `whetstone online`'s)."
+    ),
     preference: str = typer.Option("passes_tests", help="Users' hidden taste: passes_tests, or a regex replies match."),
     max_tokens: int = typer.Option(160, help="Completion budget of every reply (users' and the gate's)."),
     output_dir: str = typer.Option("", help="Keep configs, logs and metrics here (default: a temp folder)."),
 ) -> None:
     """Feedback -> deployed seconds, held-out preference before/after, interactive p99 during the loop."""
-    result = _bench("online").run(model=model, servers=servers, updates=updates, every_events=every_events,
-                                  users=users, heldout=heldout, samples=samples, gate_tasks=gate_tasks, lr=lr,
-                                  logit_scale_lr=logit_scale_lr, preference=preference, max_tokens=max_tokens, output_dir=output_dir or None)  # fmt: skip
+    result = _bench("online").run(
+        model=model,
+        servers=servers,
+        updates=updates,
+        every_events=every_events,
+        users=users,
+        heldout=heldout,
+        samples=samples,
+        gate_tasks=gate_tasks,
+        lr=lr,
+        logit_scale_lr=logit_scale_lr,
+        preference=preference,
+        max_tokens=max_tokens,
+        output_dir=output_dir or None,
+    )
     _emit(result, as_json, "online RL")
 
 

@@ -45,9 +45,18 @@ from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, trai
 from whetstone.utils.runtime import configure_process
 
 MODES = ("fast", "invariant")
-BENCH_MODEL = ModelConfig(vocab_size=8192, hidden_size=512, num_hidden_layers=4, num_attention_heads=8,
-                          num_key_value_heads=4, head_dim=64, num_experts=8, num_experts_per_tok=2,
-                          moe_intermediate_size=512, max_position_embeddings=512)  # fmt: skip
+BENCH_MODEL = ModelConfig(
+    vocab_size=8192,
+    hidden_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=64,
+    num_experts=8,
+    num_experts_per_tok=2,
+    moe_intermediate_size=512,
+    max_position_embeddings=512,
+)
 """46.7M parameters, 18.4M active: the matmuls dominate a step, as in a real model."""
 
 
@@ -58,11 +67,17 @@ def rollout_batch(seqs: list[Sequence], order: list[int] | None = None) -> Batch
     for index in order if order is not None else range(len(seqs)):
         seq = seqs[index]
         n = len(seq.output_ids)
-        call = ModelCall(prompt_ids=seq.prompt_ids, completion_ids=seq.output_ids, logprobs=seq.logprobs,
-                         versions=seq.versions, loss_mask=[1] * n,
-                         routes=None if seq.routes is None else encode_routes(seq.routes))
-        trajectory = Trajectory(task_id=seq.request_id, group_id=seq.request_id, reward=0.0,
-                                segments=[Segment(calls=[call])])
+        call = ModelCall(
+            prompt_ids=seq.prompt_ids,
+            completion_ids=seq.output_ids,
+            logprobs=seq.logprobs,
+            versions=seq.versions,
+            loss_mask=[1] * n,
+            routes=None if seq.routes is None else encode_routes(seq.routes),
+        )
+        trajectory = Trajectory(
+            task_id=seq.request_id, group_id=seq.request_id, reward=0.0, segments=[Segment(calls=[call])]
+        )
         samples.extend(trajectory_samples(trajectory))
     return collate(samples)
 
@@ -124,8 +139,13 @@ def run(
     trainers = {mode: copy.deepcopy(model) for mode in MODES}  # these take optimizer steps
     optimizers = {mode: torch.optim.AdamW(trainers[mode].parameters(), lr=1e-6) for mode in MODES}
     context = 2 * prompt_tokens + 2 * new_tokens
-    engines = {mode: Engine(model, EngineConfig(max_batch=max_batch, context_limit=context, prefill_chunk=32,
-                                                numerics=mode, dtype=dtype)) for mode in MODES}  # fmt: skip
+    engines = {
+        mode: Engine(
+            model,
+            EngineConfig(max_batch=max_batch, context_limit=context, prefill_chunk=32, numerics=mode, dtype=dtype),
+        )
+        for mode in MODES
+    }
     prompts, params = _requests(requests, cfg.vocab_size, prompt_tokens, new_tokens, seed)
     order = list(range(requests))[::-1]  # the trainer's batch is not the engine's
 
@@ -137,8 +157,12 @@ def run(
     def train(mode: str, batch: Batch) -> float:
         start = time.perf_counter()
         for _ in range(train_steps):
-            train_step(Learner(trainers[mode], optimizers[mode]), batch,
-                       StepSettings(grad_clip=1.0, micro_batch_size=8, dtype=dtype, numerics=mode), lr=1e-6)
+            train_step(
+                Learner(trainers[mode], optimizers[mode]),
+                batch,
+                StepSettings(grad_clip=1.0, micro_batch_size=8, dtype=dtype, numerics=mode),
+                lr=1e-6,
+            )
         return time.perf_counter() - start
 
     results, batches = {}, {}

@@ -45,8 +45,7 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (count, length), generator=torch.Generator().manual_seed(seed))
 
 
-def throughput(model: Transformer, hf_dir: Path, batch: int, prompt_tokens: int, new_tokens: int,
-               repeats: int) -> dict:
+def throughput(model: Transformer, hf_dir: Path, batch: int, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
     hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
@@ -59,8 +58,14 @@ def throughput(model: Transformer, hf_dir: Path, batch: int, prompt_tokens: int,
 
     def theirs():
         with torch.inference_mode():
-            out = hf.generate(prompts, attention_mask=torch.ones_like(prompts), do_sample=False,
-                              max_new_tokens=new_tokens, min_new_tokens=new_tokens, pad_token_id=0)
+            out = hf.generate(
+                prompts,
+                attention_mask=torch.ones_like(prompts),
+                do_sample=False,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                pad_token_id=0,
+            )
         return out[:, prompt_tokens:].tolist()
 
     best, tokens = {"ours": float("inf"), "hf": float("inf")}, {}
@@ -72,16 +77,23 @@ def throughput(model: Transformer, hf_dir: Path, batch: int, prompt_tokens: int,
                 best[name] = min(best[name], time.perf_counter() - started)
     agree = sum(a == b for x, y in zip(tokens["ours"], tokens["hf"]) for a, b in zip(x, y)) / (batch * new_tokens)
     dense = dense_kernel_seconds(ours)
-    return {"whetstone": batch * new_tokens / best["ours"], "hf": batch * new_tokens / best["hf"], "agree": agree,
-            "dense_share": dense / best["ours"], "ceiling": best["hf"] / dense}
+    return {
+        "whetstone": batch * new_tokens / best["ours"],
+        "hf": batch * new_tokens / best["hf"],
+        "agree": agree,
+        "dense_share": dense / best["ours"],
+        "ceiling": best["hf"] / dense,
+    }
 
 
 @contextmanager
 def served(model_dir: Path, threads: int, max_batch: int):
     """A `whetstone serve` process on a free port; yields its base URL."""
     overrides = [f"model_path={model_dir}", f"threads={threads}", f"engine.max_batch={max_batch}"]
-    with tempfile.TemporaryDirectory() as logs, serving([a for o in overrides for a in ("--set", o)],
-                                                        Path(logs) / "serve.log", threads=threads) as url:
+    with (
+        tempfile.TemporaryDirectory() as logs,
+        serving([a for o in overrides for a in ("--set", o)], Path(logs) / "serve.log", threads=threads) as url,
+    ):
         yield url
 
 
@@ -90,8 +102,14 @@ def latency(model_dir: Path, threads: int, vocab: int, requests: int, prompt_tok
     import httpx
 
     def complete(client, prompt, max_tokens, priority):
-        body = {"model": "model", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                "temperature": 1.0, "priority": priority}
+        body = {
+            "model": "model",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "temperature": 1.0,
+            "priority": priority,
+        }
         started = time.perf_counter()
         client.post("/v1/completions", json=body, timeout=600).raise_for_status()
         return (time.perf_counter() - started) * 1000
@@ -120,8 +138,13 @@ def latency(model_dir: Path, threads: int, vocab: int, requests: int, prompt_tok
         for thread in loaders:
             thread.join()
     preemptions = _metric(metrics, "whetstone_preemptions_total")
-    return {"idle": float(np.percentile(idle, 99)), "loaded": float(np.percentile(loaded, 99)),
-            "idle_p50": statistics.median(idle), "loaded_p50": statistics.median(loaded), "preemptions": preemptions}
+    return {
+        "idle": float(np.percentile(idle, 99)),
+        "loaded": float(np.percentile(loaded, 99)),
+        "idle_p50": statistics.median(idle),
+        "loaded_p50": statistics.median(loaded),
+        "preemptions": preemptions,
+    }
 
 
 def _trainer(store_dir: str, swaps: int, seed: int) -> None:
@@ -151,7 +174,9 @@ def swap_pauses(model: Transformer, swaps: int, prompt_tokens: int, seed: int) -
 
     engine = Engine(model, EngineConfig(max_batch=16, context_limit=2048))
     for i, prompt in enumerate(_prompts(16, prompt_tokens, model.cfg.vocab_size, seed=3).tolist()):
-        engine.add(Sequence(f"load{i}", prompt, SamplingParams(max_tokens=2048 - prompt_tokens, ignore_eos=True), "batch"))
+        engine.add(
+            Sequence(f"load{i}", prompt, SamplingParams(max_tokens=2048 - prompt_tokens, ignore_eos=True), "batch")
+        )
     with tempfile.TemporaryDirectory() as store_dir:
         config = SyncConfig(store=store_dir, poll_interval=0.05)
         trainer = multiprocessing.get_context("spawn").Process(target=_trainer, args=(store_dir, swaps, seed))
@@ -167,14 +192,18 @@ def swap_pauses(model: Transformer, swaps: int, prompt_tokens: int, seed: int) -
             state = {k: v.clone() for k, v in model.state_dict().items()}
             for version in range(swaps + 1, swaps + 4):
                 engine.update_weights(full_update(state, version))
-                _wait(lambda: engine.version == version)
+                _wait(lambda version=version: engine.version == version)
             full_pauses = list(engine.stats.swap_pauses)[-3:]
         finally:
             follower.stop()
             engine.stop()
             trainer.join()
-    return {"delta_ms": statistics.median(delta_pauses) * 1000, "full_ms": statistics.median(full_pauses) * 1000,
-            "decode_step_ms": step_ms, "deltas": len(delta_pauses)}
+    return {
+        "delta_ms": statistics.median(delta_pauses) * 1000,
+        "full_ms": statistics.median(full_pauses) * 1000,
+        "decode_step_ms": step_ms,
+        "deltas": len(delta_pauses),
+    }
 
 
 def _metric(text: str, name: str) -> float:
@@ -190,8 +219,15 @@ def _wait(condition, timeout: float = 300.0, interval: float = 0.01) -> None:
         time.sleep(interval)
 
 
-def run(threads: int = 1, prompt_tokens: int = 64, new_tokens: int = 128, repeats: int = 2,
-        latency_requests: int = 30, swaps: int = 8, seed: int = 0) -> dict:
+def run(
+    threads: int = 1,
+    prompt_tokens: int = 64,
+    new_tokens: int = 128,
+    repeats: int = 2,
+    latency_requests: int = 30,
+    swaps: int = 8,
+    seed: int = 0,
+) -> dict:
     from whetstone.model.hf import save_hf
     from whetstone.tokenizer import Tokenizer
 
@@ -210,7 +246,10 @@ def run(threads: int = 1, prompt_tokens: int = 64, new_tokens: int = 128, repeat
         "threads": threads,
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
-        "whetstone_tokens_per_s": {"batch_1": round(speed[1]["whetstone"], 1), "batch_16": round(speed[16]["whetstone"], 1)},
+        "whetstone_tokens_per_s": {
+            "batch_1": round(speed[1]["whetstone"], 1),
+            "batch_16": round(speed[16]["whetstone"], 1),
+        },
         "hf_tokens_per_s": {"batch_1": round(speed[1]["hf"], 1), "batch_16": round(speed[16]["hf"], 1)},
         "speedup_vs_hf": round(speed[16]["whetstone"] / speed[16]["hf"], 2),
         "speedup_vs_hf_batch_1": round(speed[1]["whetstone"] / speed[1]["hf"], 2),

@@ -16,11 +16,16 @@ from collections.abc import Callable
 
 import torch
 
-DENSE_KERNELS = frozenset({
-    "aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm",
-    "aten::_scaled_dot_product_flash_attention_for_cpu",
-    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
-})  # fmt: skip
+DENSE_KERNELS = frozenset(
+    {
+        "aten::mm",
+        "aten::addmm",
+        "aten::bmm",
+        "aten::baddbmm",
+        "aten::_scaled_dot_product_flash_attention_for_cpu",
+        "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    }
+)
 """Matrix products and fused attention (forward and backward), as torch's profiler names them."""
 
 

@@ -58,10 +58,21 @@ def deployed_at(samples: list[dict], servers: int) -> dict[int, float]:
     return reached
 
 
-def run(model: str = "runs/default/midtrain/model", servers: int = 2, updates: int = 4, every_events: int = 16,
-        users: int = 2, heldout: int = 24, samples: int = 2, gate_tasks: int = 24, lr: float | None = None,
-        max_tokens: int = 160, preference: str = "passes_tests", output_dir: str | None = None,
-        logit_scale_lr: float | None = None) -> dict[str, Any]:  # fmt: skip
+def run(
+    model: str = "runs/default/midtrain/model",
+    servers: int = 2,
+    updates: int = 4,
+    every_events: int = 16,
+    users: int = 2,
+    heldout: int = 24,
+    samples: int = 2,
+    gate_tasks: int = 24,
+    lr: float | None = None,
+    max_tokens: int = 160,
+    preference: str = "passes_tests",
+    output_dir: str | None = None,
+    logit_scale_lr: float | None = None,
+) -> dict[str, Any]:
     """`preference`: `passes_tests`, or a regular expression the users like replies to match.
     `lr`, `logit_scale_lr`: the loop's learning rate and learned global sharpness (None: the
     `OnlineConfig` defaults, what `whetstone online` runs with)."""
@@ -71,13 +82,22 @@ def run(model: str = "runs/default/midtrain/model", servers: int = 2, updates: i
     lr = defaults.optimizer.lr if lr is None else lr
     logit_scale_lr = defaults.logit_scale_lr if logit_scale_lr is None else logit_scale_lr
     if not (Path(model) / "config.json").exists():
-        raise WhetstoneError(f"{model} is not a Hugging Face model folder: run `whetstone run` first (it writes "
-                             "runs/default/midtrain/model) or pass --model")
+        raise WhetstoneError(
+            f"{model} is not a Hugging Face model folder: run `whetstone run` first (it writes "
+            "runs/default/midtrain/model) or pass --model"
+        )
     work = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="whetstone-bench-online-"))
     work.mkdir(parents=True, exist_ok=True)
     return _Bench(Path(model), work, servers, preference, max_tokens).run(
-        updates=updates, every_events=every_events, users=users, heldout=heldout, samples=samples,
-        gate_tasks=gate_tasks, lr=lr, logit_scale_lr=logit_scale_lr)  # fmt: skip
+        updates=updates,
+        every_events=every_events,
+        users=users,
+        heldout=heldout,
+        samples=samples,
+        gate_tasks=gate_tasks,
+        lr=lr,
+        logit_scale_lr=logit_scale_lr,
+    )
 
 
 class _Bench:
@@ -86,8 +106,9 @@ class _Bench:
         from whetstone.sync import SyncConfig
 
         self.model, self.work, self.servers, self.max_tokens = model, work, servers, max_tokens
-        self.preference = (PreferenceConfig() if preference == "passes_tests"
-                           else PreferenceConfig(kind="regex", pattern=preference))  # fmt: skip
+        self.preference = (
+            PreferenceConfig() if preference == "passes_tests" else PreferenceConfig(kind="regex", pattern=preference)
+        )
         self.sync = SyncConfig(store=str(work / "weights"), poll_interval=0.2)
         self.feedback_db = str(work / "feedback.db")
         self.roles = []
@@ -99,8 +120,9 @@ class _Bench:
         path = self.work / "roles" / f"{name}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(dump_toml(config))
-        role = RoleProcess(name, [command, str(path)], self.work / "logs" / f"{name}.log", health_url=health_url,
-                           threads=1).start()  # fmt: skip
+        role = RoleProcess(
+            name, [command, str(path)], self.work / "logs" / f"{name}.log", health_url=health_url, threads=1
+        ).start()
         self.roles.append(role)
         return role
 
@@ -111,8 +133,15 @@ class _Bench:
         ports = free_ports(self.servers)
         started = []
         for index, port in enumerate(ports):
-            config = ServeConfig(model_path=str(self.model), port=port, threads=1, auth_token=API_KEY, sync=self.sync,
-                                 feedback={"store": self.feedback_db}, engine=EngineConfig(max_batch=8))  # fmt: skip
+            config = ServeConfig(
+                model_path=str(self.model),
+                port=port,
+                threads=1,
+                auth_token=API_KEY,
+                sync=self.sync,
+                feedback={"store": self.feedback_db},
+                engine=EngineConfig(max_batch=8),
+            )
             started.append(self.start(f"serve-{index}", "serve", config, f"http://127.0.0.1:{port}/health"))
         for role in started:
             role.wait_healthy(180)
@@ -123,15 +152,24 @@ class _Bench:
         from whetstone.envs.tasks.synth import SynthConfig
         from whetstone.online.config import OnlineConfig
 
-        config = OnlineConfig.model_validate({
-            "model_path": str(self.model), "feedback_store": self.feedback_db, "sync": self.sync.model_dump(),
-            "output_dir": str(self.work / "online"), "max_updates": updates, "poll_interval": 0.1,
-            "trigger": {"every_events": every_events, "min_events": every_events, "max_events": every_events},
-            "optimizer": {"lr": lr, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
-            "logit_scale_lr": logit_scale_lr,
-            "gate": {"tasks": TasksConfig(synth=SynthConfig(split="heldout", count=gate_tasks, seed=101)).model_dump(),
-                     "metric": self.preference.model_dump(), "max_tokens": self.max_tokens},
-        })  # fmt: skip
+        config = OnlineConfig.model_validate(
+            {
+                "model_path": str(self.model),
+                "feedback_store": self.feedback_db,
+                "sync": self.sync.model_dump(),
+                "output_dir": str(self.work / "online"),
+                "max_updates": updates,
+                "poll_interval": 0.1,
+                "trigger": {"every_events": every_events, "min_events": every_events, "max_events": every_events},
+                "optimizer": {"lr": lr, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.0},
+                "logit_scale_lr": logit_scale_lr,
+                "gate": {
+                    "tasks": TasksConfig(synth=SynthConfig(split="heldout", count=gate_tasks, seed=101)).model_dump(),
+                    "metric": self.preference.model_dump(),
+                    "max_tokens": self.max_tokens,
+                },
+            }
+        )
         role = self.start("online", "online", config)
         ready = self.work / "online" / "config.toml"  # written once the loop has scored the deployed version
         while not ready.exists():
@@ -146,8 +184,14 @@ class _Bench:
         from whetstone.online.preferences import make_preference
         from whetstone.online.simulator import UserSimulator
 
-        simulator = UserSimulator(urls, self.model.name, API_KEY, make_preference(self.preference),
-                                  max_tokens=self.max_tokens, seed=MEASURE_SEED)  # fmt: skip
+        simulator = UserSimulator(
+            urls,
+            self.model.name,
+            API_KEY,
+            make_preference(self.preference),
+            max_tokens=self.max_tokens,
+            seed=MEASURE_SEED,
+        )
         try:
             return simulator.judge(tasks, samples, users)
         finally:
@@ -162,8 +206,18 @@ class _Bench:
                 raise WhetstoneError(f"the servers did not all reach version {version} within {timeout_s:g} s")
             time.sleep(0.2)
 
-    def run(self, *, updates: int, every_events: int, users: int, heldout: int, samples: int, gate_tasks: int,
-            lr: float, logit_scale_lr: float) -> dict[str, Any]:  # fmt: skip
+    def run(
+        self,
+        *,
+        updates: int,
+        every_events: int,
+        users: int,
+        heldout: int,
+        samples: int,
+        gate_tasks: int,
+        lr: float,
+        logit_scale_lr: float,
+    ) -> dict[str, Any]:
         from whetstone.envs.tasks.synth import SynthConfig, generate
         from whetstone.online.preferences import make_preference
         from whetstone.online.simulator import UserSimulator
@@ -178,8 +232,9 @@ class _Bench:
             # The users' own work (their sandboxed grading) stands for other machines: it must not
             # take the servers' cores. The loop (started after) inherits this and adds its own nice.
             os.nice(USERS_NICE)
-            simulator = UserSimulator(urls, self.model.name, API_KEY, make_preference(self.preference),
-                                      max_tokens=self.max_tokens)  # fmt: skip
+            simulator = UserSimulator(
+                urls, self.model.name, API_KEY, make_preference(self.preference), max_tokens=self.max_tokens
+            )
             idle = simulator.run(user_tasks[:20], users=1, requests=20, give_feedback=False)
             before = self.measure(urls, heldout_tasks, samples, users)
             loop = self.start_loop(updates, every_events, gate_tasks, lr, logit_scale_lr)
@@ -194,14 +249,22 @@ class _Bench:
         finally:
             for role in reversed(self.roles):
                 role.stop()
-        return summarize(records, read_metrics(self.work / "servers.jsonl"), self.servers, idle, during,
-                         before, after) | {
-            "model": str(self.model), "servers": self.servers, "users": users, "every_events": every_events,
-            "heldout_prompts": heldout, "samples_per_prompt": samples, "gate_tasks": gate_tasks, "lr": lr,
+        return summarize(
+            records, read_metrics(self.work / "servers.jsonl"), self.servers, idle, during, before, after
+        ) | {
+            "model": str(self.model),
+            "servers": self.servers,
+            "users": users,
+            "every_events": every_events,
+            "heldout_prompts": heldout,
+            "samples_per_prompt": samples,
+            "gate_tasks": gate_tasks,
+            "lr": lr,
             "logit_scale_lr": logit_scale_lr,
             "preference": self.preference.kind if self.preference.kind != "regex" else self.preference.pattern,
-            "loop_wall_s": time.time() - started, "output_dir": str(self.work),
-        }  # fmt: skip
+            "loop_wall_s": time.time() - started,
+            "output_dir": str(self.work),
+        }
 
 
 def paired_change(before: list, after: list) -> dict[str, Any]:
@@ -215,12 +278,19 @@ def paired_change(before: list, after: list) -> dict[str, Any]:
     lost = sum(b and not a for b, a in pairs)
     changed = gained + lost
     tail = sum(math.comb(changed, k) for k in range(max(gained, lost), changed + 1)) / 2**changed if changed else 1.0
-    return {"pairs": len(pairs), "both": sum(b and a for b, a in pairs), "neither": sum(not (b or a) for b, a in pairs),
-            "gained": gained, "lost": lost, "sign_test_p": min(1.0, 2 * tail)}  # fmt: skip
+    return {
+        "pairs": len(pairs),
+        "both": sum(b and a for b, a in pairs),
+        "neither": sum(not (b or a) for b, a in pairs),
+        "gained": gained,
+        "lost": lost,
+        "sign_test_p": min(1.0, 2 * tail),
+    }
 
 
-def summarize(records: list[dict], server_samples: list[dict], servers: int, idle: list, during: list,
-              before: list, after: list) -> dict[str, Any]:  # fmt: skip
+def summarize(
+    records: list[dict], server_samples: list[dict], servers: int, idle: list, during: list, before: list, after: list
+) -> dict[str, Any]:
     """The benchmark's figures from the loop's metrics, the servers' samples and the users' exchanges."""
     from whetstone.online.simulator import liked_share
 

@@ -56,12 +56,17 @@ def coin_tasks(count: int, seed: int = 0) -> list[Task]:
     """Synth train tasks that give any model reward variance (see the module docstring)."""
     from whetstone.envs.tasks.synth import SynthConfig, generate
 
-    return [task.model_copy(update={
-        "id": task.id + "-coin",
-        "repo_files": {**task.repo_files, **task.solution_files},
-        "hidden_tests": {**task.hidden_tests, "test_coin.py": COIN_TEST},
-        "fail_to_pass": [*task.fail_to_pass, "test_coin.py::test_coin"],
-    }) for task in generate(SynthConfig(count=count, split="train", seed=seed))]  # fmt: skip
+    return [
+        task.model_copy(
+            update={
+                "id": task.id + "-coin",
+                "repo_files": {**task.repo_files, **task.solution_files},
+                "hidden_tests": {**task.hidden_tests, "test_coin.py": COIN_TEST},
+                "fail_to_pass": [*task.fail_to_pass, "test_coin.py::test_coin"],
+            }
+        )
+        for task in generate(SynthConfig(count=count, split="train", seed=seed))
+    ]
 
 
 def random_model_config(size: str):
@@ -166,9 +171,20 @@ def cpu_by_side(samples: list[dict], start: float, end: float) -> dict[str, floa
     return {side: last[side] - first[side] for side in last}
 
 
-def pipeline_config(work: Path, name: str, tasks_file: Path, *, steps: int, group_size: int, groups_per_batch: int,
-                    max_tokens: int, synchronous: bool, placement: str = "shared", trainer_share: float | None = None,
-                    servers: int = 1):  # fmt: skip
+def pipeline_config(
+    work: Path,
+    name: str,
+    tasks_file: Path,
+    *,
+    steps: int,
+    group_size: int,
+    groups_per_batch: int,
+    max_tokens: int,
+    synchronous: bool,
+    placement: str = "shared",
+    trainer_share: float | None = None,
+    servers: int = 1,
+):
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
     from whetstone.orchestrator import OrchestratorConfig
@@ -176,17 +192,28 @@ def pipeline_config(work: Path, name: str, tasks_file: Path, *, steps: int, grou
     from whetstone.sync import SyncConfig
     from whetstone.trainer.config import TrainerConfig
 
-    harness = HarnessConfig(max_turns=1, max_turn_tokens=max_tokens, max_tool_tokens=256, summary_tokens=64,
-                            train_cut_off_calls=True)  # a random model rarely ends its turn: train it anyway
+    harness = HarnessConfig(
+        max_turns=1, max_turn_tokens=max_tokens, max_tool_tokens=256, summary_tokens=64, train_cut_off_calls=True
+    )  # a random model rarely ends its turn: train it anyway
     orchestrator = OrchestratorConfig(
-        tasks=TasksConfig(source=str(tasks_file)), validate_tasks=False,  # coin repositories already pass
-        group_size=group_size, groups_per_batch=groups_per_batch,
-        rollout=RolloutConfig(concurrency=group_size * groups_per_batch), synchronous=synchronous,
-        poll_interval_s=POLL_S, health_interval_s=0.5,
-    )  # fmt: skip
+        tasks=TasksConfig(source=str(tasks_file)),
+        validate_tasks=False,  # coin repositories already pass
+        group_size=group_size,
+        groups_per_batch=groups_per_batch,
+        rollout=RolloutConfig(concurrency=group_size * groups_per_batch),
+        synchronous=synchronous,
+        poll_interval_s=POLL_S,
+        health_interval_s=0.5,
+    )
     trainer = TrainerConfig(checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S))
-    return PipelineConfig(name=name, output_dir=str(work), harness=harness, placement=placement_config(placement, trainer_share),
-                          servers=ServersConfig(count=servers), rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator))  # fmt: skip
+    return PipelineConfig(
+        name=name,
+        output_dir=str(work),
+        harness=harness,
+        placement=placement_config(placement, trainer_share),
+        servers=ServersConfig(count=servers),
+        rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator),
+    )
 
 
 def whetstone_side(config, model_dir: Path) -> dict[str, Any]:
@@ -213,8 +240,12 @@ def whetstone_side(config, model_dir: Path) -> dict[str, Any]:
     measured = measure(steps, read_metrics(pipeline.run_dir / "servers.jsonl"))
     cpu_samples = read_metrics(pipeline.run_dir / "cpu.jsonl") if cpu_total else []
     sides = cpu_by_side(cpu_samples, *measured["window"]) if cpu_total else None
-    return {**measured, "cpu_s": sum(cpu_total.values()) if cpu_total else None, "cpu_s_by_side": sides,
-            "run_dir": str(pipeline.run_dir)}  # fmt: skip
+    return {
+        **measured,
+        "cpu_s": sum(cpu_total.values()) if cpu_total else None,
+        "cpu_s_by_side": sides,
+        "run_dir": str(pipeline.run_dir),
+    }
 
 
 def measure(steps: list[dict], server_samples: list[dict]) -> dict[str, Any]:
@@ -239,7 +270,7 @@ def measure(steps: list[dict], server_samples: list[dict]) -> dict[str, Any]:
         sum(s.get("running_sequences", 0) > 0 for s in window if s["server"] == server)
         / max(1, sum(s["server"] == server for s in window))
         for server in servers
-    ) / max(1, len(servers))  # fmt: skip
+    ) / max(1, len(servers))
 
     def busy(records: list[dict]) -> float | None:
         work = sum(r["train_s"] + r.get("publish_s", 0.0) for r in records)
@@ -268,7 +299,9 @@ def first_generation(server_samples: list[dict]) -> list[float]:
     """Per server that generated anything: the earliest time it may have started, from its samples."""
     starts = []
     for server in sorted({s["server"] for s in server_samples}):
-        own = sorted((s for s in server_samples if s["server"] == server and s.get("up", True)), key=lambda s: s["time"])
+        own = sorted(
+            (s for s in server_samples if s["server"] == server and s.get("up", True)), key=lambda s: s["time"]
+        )
         for before, sample in zip([None, *own], own):
             if sample.get("running_sequences", 0) > 0:
                 starts.append(sample["time"])
@@ -373,29 +406,57 @@ def trl_side(model_dir: Path, tasks: list[Task], config, work: Path, *, threads:
             self.ends.append(time.perf_counter())
 
     args = GRPOConfig(
-        output_dir=str(work / "trl"), max_steps=rl.steps, num_generations=orchestrator.group_size,
+        output_dir=str(work / "trl"),
+        max_steps=rl.steps,
+        num_generations=orchestrator.group_size,
         per_device_train_batch_size=orchestrator.group_size * orchestrator.groups_per_batch,
-        gradient_accumulation_steps=1, max_completion_length=config.harness.max_turn_tokens,
-        temperature=config.harness.sampling.temperature, top_p=config.harness.sampling.top_p,
-        learning_rate=optimizer.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=optimizer.weight_decay,
-        adam_beta1=optimizer.betas[0], adam_beta2=optimizer.betas[1], max_grad_norm=optimizer.grad_clip,
-        use_cpu=True, bf16=False, report_to="none", save_strategy="no", logging_steps=1, seed=seed,
-        disable_tqdm=True, model_init_kwargs={"dtype": torch.float32},
+        gradient_accumulation_steps=1,
+        max_completion_length=config.harness.max_turn_tokens,
+        temperature=config.harness.sampling.temperature,
+        top_p=config.harness.sampling.top_p,
+        learning_rate=optimizer.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=optimizer.weight_decay,
+        adam_beta1=optimizer.betas[0],
+        adam_beta2=optimizer.betas[1],
+        max_grad_norm=optimizer.grad_clip,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=1,
+        seed=seed,
+        disable_tqdm=True,
+        model_init_kwargs={"dtype": torch.float32},
         gradient_checkpointing=False,  # TRL's default saves memory at a recompute; whetstone's trainer does not
-    )  # fmt: skip
+    )
     reward = GradingReward(tasks, model_dir, config.harness, orchestrator.rollout.reward)
     dataset = Dataset.from_list([{"prompt": segment_messages(task, None), "task_id": task.id} for task in tasks])
     clock = StepClock()
-    trainer = GRPOTrainer(model=str(model_dir), reward_funcs=reward, args=args, train_dataset=dataset,
-                          processing_class=AutoTokenizer.from_pretrained(model_dir), callbacks=[clock])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=str(model_dir),
+        reward_funcs=reward,
+        args=args,
+        train_dataset=dataset,
+        processing_class=AutoTokenizer.from_pretrained(model_dir),
+        callbacks=[clock],
+    )
     with contextlib.redirect_stdout(sys.stderr):  # transformers prints its logs; stdout is for the JSON
         started, busy = time.perf_counter(), machine_busy_cpu_s()
         trainer.train()
         wall, cpu = time.perf_counter() - started, machine_busy_cpu_s() - busy
     samples = rl.steps * args.per_device_train_batch_size
     steady = (samples - args.per_device_train_batch_size) / (clock.ends[-1] - clock.ends[0]) if rl.steps > 1 else None
-    return {"samples": samples, "wall_s": wall, "samples_per_s": samples / wall, "steady_samples_per_s": steady,
-            "reward_mean": _mean(reward.rewards), "threads": threads, "cpu_s": cpu}  # fmt: skip
+    return {
+        "samples": samples,
+        "wall_s": wall,
+        "samples_per_s": samples / wall,
+        "steady_samples_per_s": steady,
+        "reward_mean": _mean(reward.rewards),
+        "threads": threads,
+        "cpu_s": cpu,
+    }
 
 
 def machine_busy_cpu_s() -> float:
@@ -436,9 +497,14 @@ def run(
     rows). `output_dir` keeps
     every role's config, logs and metrics (default: a temporary folder, removed after).
     """
-    for name, value, least in (("steps", steps, 2), ("group_size", group_size, 2),
-                               ("groups_per_batch", groups_per_batch, 1), ("max_tokens", max_tokens, 1),
-                               ("tasks", tasks, 1), ("servers", servers, 1)):  # fmt: skip
+    for name, value, least in (
+        ("steps", steps, 2),
+        ("group_size", group_size, 2),
+        ("groups_per_batch", groups_per_batch, 1),
+        ("max_tokens", max_tokens, 1),
+        ("tasks", tasks, 1),
+        ("servers", servers, 1),
+    ):
         if value < least:
             raise WhetstoneError(f"{name} must be >= {least}, got {value}")
     placement_config(placement)
@@ -446,19 +512,45 @@ def run(
         from whetstone.utils.cgroups import why_no_cpu_groups
 
         if (why := why_no_cpu_groups()) is not None:
-            raise WhetstoneError(f"placement balanced needs CPU quotas: {why}. Use --placement split (cores "
-                                 "instead of quotas) or shared")
+            raise WhetstoneError(
+                f"placement balanced needs CPU quotas: {why}. Use --placement split (cores instead of quotas) or shared"
+            )
     random_model_config(model_size)
     with contextlib.ExitStack() as stack:
         work = Path(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         work.mkdir(parents=True, exist_ok=True)
-        return _run(work, steps, group_size, groups_per_batch, max_tokens, tasks, model, model_size, trl, trl_threads,
-                    placement, servers, seed)  # fmt: skip
+        return _run(
+            work,
+            steps,
+            group_size,
+            groups_per_batch,
+            max_tokens,
+            tasks,
+            model,
+            model_size,
+            trl,
+            trl_threads,
+            placement,
+            servers,
+            seed,
+        )
 
 
-def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tokens: int, task_count: int,
-         model: str | None, model_size: str, trl: bool, trl_threads: int, placement: str, servers: int,
-         seed: int) -> dict[str, Any]:  # fmt: skip
+def _run(
+    work: Path,
+    steps: int,
+    group_size: int,
+    groups_per_batch: int,
+    max_tokens: int,
+    task_count: int,
+    model: str | None,
+    model_size: str,
+    trl: bool,
+    trl_threads: int,
+    placement: str,
+    servers: int,
+    seed: int,
+) -> dict[str, Any]:
     from whetstone.envs.tasks import write_tasks
     from whetstone.model.hf import read_hf_config
 
@@ -467,15 +559,17 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
     write_tasks(tasks, tasks_file)
     model_dir = Path(model) if model else random_model(work / "bench-model", tasks, seed, model_size)
     model_config = read_hf_config(model_dir)  # a bad --model fails here, naming the file
-    settings = dict(steps=steps, group_size=group_size, groups_per_batch=groups_per_batch, max_tokens=max_tokens,
-                    servers=servers)
+    settings = dict(
+        steps=steps, group_size=group_size, groups_per_batch=groups_per_batch, max_tokens=max_tokens, servers=servers
+    )
     load: dict[str, list[float]] = {"start": list(os.getloadavg())}
     timings: dict[str, dict[str, Any]] = {}
     configs: dict[str, Any] = {}
 
     def side(name: str, placement: str, share: float | None = None) -> None:
-        configs[name] = config = pipeline_config(work, name, tasks_file, synchronous=name == "sync",
-                                                 placement=placement, trainer_share=share, **settings)  # fmt: skip
+        configs[name] = config = pipeline_config(
+            work, name, tasks_file, synchronous=name == "sync", placement=placement, trainer_share=share, **settings
+        )
         timings[name] = whetstone_side(config, model_dir)
         load[f"after_{name}"] = list(os.getloadavg())
 
@@ -516,7 +610,8 @@ def _run(work: Path, steps: int, group_size: int, groups_per_batch: int, max_tok
         # CPU seconds per trained sample: whetstone's roles and sandboxes in the measured window,
         # TRL's whole machine during train(); how much of the gap is work and how much idle cores.
         "cpu_s_per_sample": {
-            versus_trl: _per_sample(timings[versus_trl]), **({"trl": _per_sample(timings["trl"])} if trl else {}),
+            versus_trl: _per_sample(timings[versus_trl]),
+            **({"trl": _per_sample(timings["trl"])} if trl else {}),
         },
         **settings,
         "samples_per_step": group_size * groups_per_batch,

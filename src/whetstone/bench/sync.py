@@ -38,12 +38,12 @@ import zstandard
 from whetstone.errors import WhetstoneError
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
-from whetstone.sync.weight_store import Head
 from whetstone.sync.bits import dtype_name, int_view, ordered
 from whetstone.sync.chunks import checksum, decode_chunk, encode_chunk, plan_chunks
 from whetstone.sync.manifest import Manifest, TensorInfo
 from whetstone.sync.publisher import prepare_state
 from whetstone.sync.update import build_update
+from whetstone.sync.weight_store import Head
 
 
 def minilm_masters() -> dict[str, torch.Tensor]:
@@ -69,9 +69,9 @@ def adamw_step(masters: dict[str, torch.Tensor], lr: float, seed: int) -> dict[s
 def tiny_model_steps(lr: float, steps: int, seed: int) -> tuple[dict, dict]:
     """fp32 states of whetstone's default model after `steps - 1` and `steps` AdamW steps on
     random tokens (next-token loss, grad clipping and parameter groups as in mid-training)."""
+    from whetstone.model import ModelConfig, Transformer
     from whetstone.training.config import OptimizerConfig
     from whetstone.training.optim import optimizer_for
-    from whetstone.model import ModelConfig, Transformer
 
     torch.manual_seed(seed)
     cfg, opt = ModelConfig(), OptimizerConfig()
@@ -122,9 +122,19 @@ def delta_case(name: str, old_masters: dict, new_masters: dict, config: SyncConf
 
     encode_s, (encoded, checksums) = _cpu_seconds(encode, repeats)
     blobs = [blob for blob, _ in encoded]
-    manifest = Manifest(version=1, kind="delta", base=0, keyframe=0, created=0.0, chunks=[], raw_bytes=raw,
-                        encoded_bytes=sum(map(len, blobs)), changed=sum(c for _, c in encoded), chain_bytes=0,
-                        tensors=[TensorInfo(name=k, dtype=dtype_name(t.dtype), shape=list(t.shape)) for k, t in new.items()])
+    manifest = Manifest(
+        version=1,
+        kind="delta",
+        base=0,
+        keyframe=0,
+        created=0.0,
+        chunks=[],
+        raw_bytes=raw,
+        encoded_bytes=sum(map(len, blobs)),
+        changed=sum(c for _, c in encoded),
+        chain_bytes=0,
+        tensors=[TensorInfo(name=k, dtype=dtype_name(t.dtype), shape=list(t.shape)) for k, t in new.items()],
+    )
     dtypes = {k: t.dtype for k, t in new.items()}
 
     def decode():  # what a subscriber's thread does: verify each chunk, decode it, build the update
@@ -194,8 +204,10 @@ def read_versions(store: WeightStore, versions: list[int]):
         subscriber.take_update()  # the engine's queue: nothing to hand over here
         if subscriber.version != version:
             reasons = "; ".join(f"version {v}: {why}" for v, why in subscriber.rejected.items())
-            raise WhetstoneError(f"{store!r}: a subscriber could not reach version {version} "
-                                 f"(it holds {subscriber.version}): {reasons or 'a chunk or manifest is missing'}")
+            raise WhetstoneError(
+                f"{store!r}: a subscriber could not reach version {version} "
+                f"(it holds {subscriber.version}): {reasons or 'a chunk or manifest is missing'}"
+            )
         yield version, {k: v.clone() for k, v in subscriber.state.items()}
 
 
@@ -205,13 +217,20 @@ def rl_store_case(path: str, config: SyncConfig, repeats: int, pairs: int = 5) -
     folder = Path(path)
     name = f"whetstone-rl-{folder.parent.name if folder.name == 'weights' else folder.name}"
     if not folder.is_dir():
-        return {"name": name, "store": path, "skipped": f"no weight store at {path}: `whetstone run` writes one "
-                "(runs/<name>/weights, a version per RL step); or pass --rl-store DIR"}
+        return {
+            "name": name,
+            "store": path,
+            "skipped": f"no weight store at {path}: `whetstone run` writes one "
+            "(runs/<name>/weights, a version per RL step); or pass --rl-store DIR",
+        }
     store = WeightStore(LocalStore(folder))
     chosen = consecutive_pairs(store, pairs)
     if not chosen:
-        return {"name": name, "store": path,
-                "skipped": f"{path} holds versions {store.versions()}: no two consecutive ones to compare"}
+        return {
+            "name": name,
+            "store": path,
+            "skipped": f"{path} holds versions {store.versions()}: no two consecutive ones to compare",
+        }
     as_published = config.model_copy(update={"publish_dtype": "keep"})
     measured, previous = [], None
     for version, weights in read_versions(store, sorted({v for pair in chosen for v in pair})):
@@ -220,9 +239,13 @@ def rl_store_case(path: str, config: SyncConfig, repeats: int, pairs: int = 5) -
             measured.append({"versions": [version - 1, version], "stored_as": store.manifest(version).kind, **case})
         previous = (version, weights)
     figures = [key for key, value in measured[0].items() if isinstance(value, float)]
-    return {"name": name, "store": path, **{key: statistics.median(m[key] for m in measured) for key in figures},
-            "dtypes": sorted({dtype_name(t.dtype) for t in previous[1].values()}),
-            "pairs": [{key: m[key] for key in ("versions", "stored_as", *figures)} for m in measured]}
+    return {
+        "name": name,
+        "store": path,
+        **{key: statistics.median(m[key] for m in measured) for key in figures},
+        "dtypes": sorted({dtype_name(t.dtype) for t in previous[1].values()}),
+        "pairs": [{key: m[key] for key in ("versions", "stored_as", *figures)} for m in measured],
+    }
 
 
 def _subscriber_process(config: SyncConfig, index: int, reports, stop) -> None:
@@ -241,8 +264,10 @@ def fanout(config: SyncConfig, base: dict, new: dict, subscribers: int = 4, time
     """Seconds from the start of `publish(new)` until `subscribers` processes hold it."""
     ctx = multiprocessing.get_context("spawn")
     reports, stop = ctx.Queue(), ctx.Event()
-    processes = [ctx.Process(target=_subscriber_process, args=(config, i, reports, stop), daemon=True)
-                 for i in range(subscribers)]
+    processes = [
+        ctx.Process(target=_subscriber_process, args=(config, i, reports, stop), daemon=True)
+        for i in range(subscribers)
+    ]
     for process in processes:
         process.start()
     try:
@@ -253,8 +278,13 @@ def fanout(config: SyncConfig, base: dict, new: dict, subscribers: int = 4, time
         manifest = publisher.publish(new)
         published = time.time()
         done = _wait_for(reports, manifest.version, subscribers, timeout)
-        return {"subscribers": subscribers, "seconds": max(done) - started, "publish_seconds": published - started,
-                "delta_mb": manifest.encoded_bytes / 1e6, "poll_interval": config.poll_interval}
+        return {
+            "subscribers": subscribers,
+            "seconds": max(done) - started,
+            "publish_seconds": published - started,
+            "delta_mb": manifest.encoded_bytes / 1e6,
+            "poll_interval": config.poll_interval,
+        }
     finally:
         stop.set()
         for process in processes:
@@ -273,22 +303,29 @@ def _wait_for(reports, version: int, count: int, timeout: float) -> list[float]:
     return list(times.values())
 
 
-def run(repeats: int = 5, with_fanout: bool = True, seed: int = 0, rl_stores: list[str] | None = None,
-        rl_pairs: int = 5) -> dict:
+def run(
+    repeats: int = 5, with_fanout: bool = True, seed: int = 0, rl_stores: list[str] | None = None, rl_pairs: int = 5
+) -> dict:
     """`rl_stores`: RL weight-store directories, one case each (default: runs/default/weights)."""
     torch.set_num_threads(1)
     config = SyncConfig()
     masters = minilm_masters()
-    cases = [delta_case(f"minilm-adamw-lr{lr:g}", masters, adamw_step(masters, lr, seed), config, repeats)
-             for lr in (1e-6, 1e-5)]
+    cases = [
+        delta_case(f"minilm-adamw-lr{lr:g}", masters, adamw_step(masters, lr, seed), config, repeats)
+        for lr in (1e-6, 1e-5)
+    ]
     from whetstone.training.config import OptimizerConfig
 
     for label, lr in [("midtrain", OptimizerConfig().lr), ("rl", 1e-6)]:
         before, after = tiny_model_steps(lr, steps=4, seed=seed)
         cases.append(delta_case(f"whetstone-tiny-{label}-lr{lr:g}", before, after, config, repeats))
     cases += [rl_store_case(path, config, repeats, rl_pairs) for path in rl_stores or ["runs/default/weights"]]
-    result = {"benchmark": "sync", "cases": cases, "zstd_level": config.zstd_level,
-              "chunk_elements": config.chunk_elements}
+    result = {
+        "benchmark": "sync",
+        "cases": cases,
+        "zstd_level": config.zstd_level,
+        "chunk_elements": config.chunk_elements,
+    }
     if with_fanout:
         base, new = masters, adamw_step(masters, 1e-6, seed)
         fast = {"poll_interval": 0.02, "keyframe_interval": 1000}

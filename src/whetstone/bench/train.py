@@ -98,7 +98,10 @@ def run(
     tokens = [torch.randint(0, cfg.vocab_size, (batch_size, seq_len + 1), generator=generator) for _ in range(8)]
     batches = [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
-    contenders: dict[str, tuple[Callable, torch.nn.Module]] = {"whetstone": (_whetstone_step, ours), "hf": (_hf_step, theirs)}
+    contenders: dict[str, tuple[Callable, torch.nn.Module]] = {
+        "whetstone": (_whetstone_step, ours),
+        "hf": (_hf_step, theirs),
+    }
     optimizers = {name: torch.optim.AdamW(m.parameters(), lr=lr, fused=True) for name, (_, m) in contenders.items()}
 
     def autocast():  # entered once per step: autocast keeps its bf16 copies of the weights until

@@ -1,8 +1,8 @@
 """The code corpus: sources, deduplication, split, tokenization, packing, and training batches.
 
-    corpus = build_corpus(CorpusConfig(), demos=None)        # cached by config
-    loader = corpus.train_loader(batch_size=16, seq_len=256, seed=0, demo_weight=0.1)
-    batch = loader.batch_at(step)                            # input_ids, targets: [B, T] int64
+corpus = build_corpus(CorpusConfig(), demos=None)        # cached by config
+loader = corpus.train_loader(batch_size=16, seq_len=256, seed=0, demo_weight=0.1)
+batch = loader.batch_at(step)                            # input_ids, targets: [B, T] int64
 """
 
 from whetstone.data.build import build_corpus

@@ -86,9 +86,7 @@ class Corpus:
         """Nats/token of the train split's unigram distribution (compare with the validation loss)."""
         return self.manifest["unigram_entropy"]
 
-    def train_loader(
-        self, batch_size: int, seq_len: int, seed: int = 0, demo_weight: float = 0.0
-    ) -> "TrainLoader":
+    def train_loader(self, batch_size: int, seq_len: int, seed: int = 0, demo_weight: float = 0.0) -> "TrainLoader":
         """Training batches; `demo_weight` is the share of rows from demonstrations (if built with any)."""
         return TrainLoader(self, batch_size, seq_len, seed, demo_weight)
 
@@ -114,13 +112,17 @@ class TrainLoader:
             raise WhetstoneError(f"{corpus.path}: train split has {_too_few(corpus.train_tokens, seq_len)}")
         has_demos = corpus.demo_tokens is not None
         # Demonstration rows start where a transcript starts (and run on into the next ones).
-        self.demo_starts = document_starts(np.asarray(corpus.demo_tokens), corpus.eos_id, seq_len) if has_demos else None
+        self.demo_starts = (
+            document_starts(np.asarray(corpus.demo_tokens), corpus.eos_id, seq_len) if has_demos else None
+        )
         self.demo_windows = 0 if self.demo_starts is None else len(self.demo_starts)
         if self.demo_windows and demo_weight > 0:
             first_trained = int(np.argmax(np.asarray(corpus.demo_mask[: seq_len + 1])))
             if not corpus.demo_mask[first_trained]:
-                raise WhetstoneError(f"{corpus.path}: a demonstration row of seq_len={seq_len} holds no assistant "
-                                     f"token (the prompt is longer): raise data.seq_len or set demo_weight = 0")
+                raise WhetstoneError(
+                    f"{corpus.path}: a demonstration row of seq_len={seq_len} holds no assistant "
+                    f"token (the prompt is longer): raise data.seq_len or set demo_weight = 0"
+                )
         if has_demos and demo_weight > 0 and self.demo_windows == 0:
             raise WhetstoneError(f"{corpus.path}: demonstrations have {_too_few(corpus.demo_tokens, seq_len)}")
         self.demo_weight = as_fraction(demo_weight if has_demos else 0.0)

@@ -12,11 +12,15 @@ from pathlib import Path
 
 import typer
 
-app = typer.Typer(no_args_is_help=True, pretty_exceptions_enable=False, help="Coding tasks: validate, list, show, export.")
+app = typer.Typer(
+    no_args_is_help=True, pretty_exceptions_enable=False, help="Coding tasks: validate, list, show, export."
+)
 
 SOURCE = typer.Argument(..., help="synth | repofix | mutate | humaneval | swebench, or a JSONL file / task folder.")
 OVERRIDES = typer.Option([], "--set", "-s", help="Override a field of the source's config: KEY=VALUE, e.g. count=20.")
-CONFIG = typer.Argument(None, help="TOML file of the generator's config fields (count, split, seed, ...); generated sources only.")
+CONFIG = typer.Argument(
+    None, help="TOML file of the generator's config fields (count, split, seed, ...); generated sources only."
+)
 
 
 @app.command()
@@ -86,7 +90,9 @@ def show(
     shown = {"repo_files": task.repo_files}
     if reveal:
         shown |= {"hidden_tests": task.hidden_tests, "solution_files": task.solution_files}
-    fields = task.model_dump(exclude={"repo_files", "hidden_tests", "solution_files", "solution_patch"}, exclude_defaults=True)
+    fields = task.model_dump(
+        exclude={"repo_files", "hidden_tests", "solution_files", "solution_patch"}, exclude_defaults=True
+    )
     for key, value in fields.items():
         typer.echo(f"{key}: {value}")
     if reveal and task.solution_patch:
@@ -99,10 +105,16 @@ def show(
 @app.command()
 def export(
     source: str = SOURCE,
-    output: Path = typer.Argument(..., help="OUT.jsonl (one task per line), or a directory (a folder per task; a name without a suffix)."),
+    output: Path = typer.Argument(
+        ..., help="OUT.jsonl (one task per line), or a directory (a folder per task; a name without a suffix)."
+    ),
     overrides: list[str] = OVERRIDES,
     config: Path | None = CONFIG,
-    layout: str | None = typer.Option(None, help="jsonl or folders (default: jsonl for *.jsonl, folders for a name without a suffix; other suffixes are refused)."),
+    layout: str | None = typer.Option(
+        None,
+        help="jsonl or folders (default: jsonl for *.jsonl, folders for a name without a suffix; "
+        "other suffixes are refused).",
+    ),
     valid_only: bool = typer.Option(False, help="Validate first and write only the tasks that pass."),
     workers: int = typer.Option(2, min=1, help="Tasks validated at once, with --valid-only."),
 ) -> None:

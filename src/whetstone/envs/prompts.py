@@ -49,9 +49,8 @@ def _signature(tool: dict[str, Any]) -> str:
     return f"{function['name']}({', '.join(function['parameters']['properties'])})"
 
 
-SYSTEM_PROMPT = (
-    "You are a coding agent in a repository. Use the tools, then submit.\nTools:\n"
-    + "\n".join(_signature(tool) for tool in TOOLS)
+SYSTEM_PROMPT = "You are a coding agent in a repository. Use the tools, then submit.\nTools:\n" + "\n".join(
+    _signature(tool) for tool in TOOLS
 )
 
 
@@ -63,6 +62,7 @@ def first_user_message(task: Task) -> str:
 
 
 # Tool-result texts. The harness's tools return these, so demonstrations can show them verbatim.
+
 
 def write_result(path: str, content: str) -> str:
     return f"wrote {path} ({len(content.splitlines())} lines)"

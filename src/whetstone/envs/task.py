@@ -83,9 +83,7 @@ class Task(Config):
 
     _check_repo = field_validator("repo_files")(lambda cls, v: _check_relative_paths(v, "repo_files"))
     _check_hidden = field_validator("hidden_tests")(lambda cls, v: _check_relative_paths(v, "hidden_tests"))
-    _check_solution = field_validator("solution_files")(
-        lambda cls, v: _check_relative_paths(v, "solution_files")
-    )
+    _check_solution = field_validator("solution_files")(lambda cls, v: _check_relative_paths(v, "solution_files"))
 
     @property
     def pytest_args(self) -> list[str] | None:
@@ -110,7 +108,9 @@ class Task(Config):
     @classmethod
     def _visible_tests_exist(cls, tests: list[str], info: ValidationInfo) -> list[str]:
         """Checked against `repo_files` here; a `repo_path` snapshot is read only at validation."""
-        if info.data.get("repo_path") is None and (missing := missing_visible_tests(tests, info.data.get("repo_files", {}))):
+        if info.data.get("repo_path") is None and (
+            missing := missing_visible_tests(tests, info.data.get("repo_files", {}))
+        ):
             raise ValueError(f"{', '.join(map(repr, missing))}: no such file in repo_files")
         return tests
 
@@ -118,6 +118,7 @@ class Task(Config):
 def missing_visible_tests(visible_tests: list[str], files: dict[str, str]) -> list[str]:
     """The visible tests that name neither a file of the repository nor a directory holding one
     (a pytest node id, `path::test`, is checked by its path)."""
+
     def present(test: str) -> bool:
         path = test.split("::")[0].rstrip("/")
         return path in files or any(name.startswith(path + "/") for name in files)

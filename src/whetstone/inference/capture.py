@@ -11,9 +11,9 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from whetstone.inference.feedback import FeedbackConfig
 from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sequence import Sequence
-from whetstone.inference.feedback import FeedbackConfig
 from whetstone.store.feedback import FeedbackStore, ResponseRecord
 
 log = logging.getLogger("whetstone.online")
@@ -26,12 +26,20 @@ def response_records(response_id: str, seqs: list[Sequence], model: str) -> list
         return []
     return [
         ResponseRecord(
-            response_id=response_id, choice=index, model=model, priority=seq.priority,
-            temperature=seq.params.temperature, top_p=seq.params.top_p, top_k=seq.params.top_k,
-            finish_reason=seq.finish_reason, prompt_ids=list(seq.prompt_ids), completion_ids=list(seq.output_ids),
-            logprobs=list(seq.logprobs), versions=list(seq.versions),
+            response_id=response_id,
+            choice=index,
+            model=model,
+            priority=seq.priority,
+            temperature=seq.params.temperature,
+            top_p=seq.params.top_p,
+            top_k=seq.params.top_k,
+            finish_reason=seq.finish_reason,
+            prompt_ids=list(seq.prompt_ids),
+            completion_ids=list(seq.output_ids),
+            logprobs=list(seq.logprobs),
+            versions=list(seq.versions),
             routes=None if seq.routes is None else encode_routes(seq.routes),
-        )  # fmt: skip
+        )
         for index, seq in enumerate(seqs)
     ]
 
@@ -55,7 +63,7 @@ class Capture:
         records = response_records(response_id, seqs, self.model)
         try:
             await asyncio.to_thread(self.store.record, records)
-        except Exception as err:  # noqa: BLE001 - any database error: serve the user anyway
+        except Exception as err:
             self.failures += 1
             log.error("could not keep response %s for feedback: %s", response_id, err)
 

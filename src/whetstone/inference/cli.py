@@ -16,8 +16,12 @@ def _group() -> None:
 
 @app.command()
 def serve(
-    config: Path | None = typer.Argument(None, help="TOML file of ServeConfig fields (optional: fields it leaves out keep their defaults)."),
-    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. engine.max_batch=8."),
+    config: Path | None = typer.Argument(
+        None, help="TOML file of ServeConfig fields (optional: fields it leaves out keep their defaults)."
+    ),
+    overrides: list[str] = typer.Option(
+        [], "--set", "-s", help="Override a field: KEY=VALUE, e.g. engine.max_batch=8."
+    ),
 ) -> None:
     """Serve a model over HTTP: /v1/completions, /v1/chat/completions, /v1/models, /health, /metrics."""
     from whetstone.config import load_config

@@ -29,12 +29,12 @@ class IncrementalText:
         if self.stopped:
             return
         self._ids.extend(ids)
-        before = self._decode(self._ids[self._prefix:self._read])
-        after = self._decode(self._ids[self._prefix:])
+        before = self._decode(self._ids[self._prefix : self._read])
+        after = self._decode(self._ids[self._prefix :])
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return  # an incomplete character: wait for more bytes
         search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
-        self.text += after[len(before):]
+        self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
         self._cut_stop(search_from)
         self.released = len(self.text) if self.stopped else len(self.text) - self._pending_stop_prefix()
@@ -42,18 +42,18 @@ class IncrementalText:
     def finish(self) -> None:
         """No more tokens: release everything (an incomplete trailing character included)."""
         if not self.stopped:
-            before = self._decode(self._ids[self._prefix:self._read])
-            after = self._decode(self._ids[self._prefix:])
+            before = self._decode(self._ids[self._prefix : self._read])
+            after = self._decode(self._ids[self._prefix :])
             if len(after) > len(before):
                 search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
-                self.text += after[len(before):]
+                self.text += after[len(before) :]
                 self._cut_stop(search_from)
         self.released = len(self.text)
 
     def _cut_stop(self, search_from: int) -> None:
         hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]
         if hits:
-            self.text = self.text[:min(hits)]
+            self.text = self.text[: min(hits)]
             self.stopped = True
 
     def _pending_stop_prefix(self) -> int:

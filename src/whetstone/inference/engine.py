@@ -47,8 +47,15 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    def __init__(self, model, config: EngineConfig = EngineConfig(), *, eos_token_ids: tuple[int, ...] = (),
-                 decode: Callable[[list[int]], str] | None = None, version: int = 0):
+    def __init__(
+        self,
+        model,
+        config: EngineConfig = EngineConfig(),
+        *,
+        eos_token_ids: tuple[int, ...] = (),
+        decode: Callable[[list[int]], str] | None = None,
+        version: int = 0,
+    ):
         cfg = model.cfg
         model = model.eval()
         # the serving layout (faster decode, same values); invariant numerics keep the trainer's
@@ -71,8 +78,13 @@ class Engine:
         if cfg.num_moe_layers:
             shape = (slots, self.cache.max_len, cfg.num_moe_layers, cfg.num_experts_per_tok)
             self.routes = torch.zeros(shape, dtype=torch.int16)
-        self.scheduler = Scheduler(config.max_batch, config.prefill_tokens_per_step, config.batch_beside_interactive,
-                                   config.interactive_grace_s, prefill_cost=self._prefill_cost)
+        self.scheduler = Scheduler(
+            config.max_batch,
+            config.prefill_tokens_per_step,
+            config.batch_beside_interactive,
+            config.interactive_grace_s,
+            prefill_cost=self._prefill_cost,
+        )
         self._weights_epoch = 0
         """Bumped by every weight write: caches filled before it hold other weights' keys."""
         self.stats = EngineStats(weight_version=version)
@@ -97,11 +109,15 @@ class Engine:
         if n == 0:
             raise InvalidRequest("the prompt is empty")
         if n >= limit:
-            raise InvalidRequest(f"the prompt has {n} tokens; the context limit is {limit} "
-                                 f"(prompt + completion), so it must be at most {limit - 1}")
+            raise InvalidRequest(
+                f"the prompt has {n} tokens; the context limit is {limit} "
+                f"(prompt + completion), so it must be at most {limit - 1}"
+            )
         if n + params.max_tokens > limit:
-            raise InvalidRequest(f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
-                                 f"{n + params.max_tokens} exceeds the context limit of {limit} tokens")
+            raise InvalidRequest(
+                f"prompt ({n} tokens) + max_tokens ({params.max_tokens}) = "
+                f"{n + params.max_tokens} exceeds the context limit of {limit} tokens"
+            )
         if min(prompt_ids) < 0 or max(prompt_ids) >= self.vocab_size:
             raise InvalidRequest(f"prompt token ids must be in 0..{self.vocab_size - 1}")
 
@@ -151,8 +167,9 @@ class Engine:
 
     # ---- offline use (tests, benchmarks): same path, driven from the caller's thread ---------
 
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
-                 priority: Priority = "batch") -> list[Sequence]:
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], priority: Priority = "batch"
+    ) -> list[Sequence]:
         if self._thread is not None:
             raise RuntimeError("generate() drives the engine itself; do not call it while start()ed")
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -252,17 +269,24 @@ class Engine:
         for seq in group:  # a resumed sequence replayed old routes: nobody copies from it
             seq.weights_epoch = self._weights_epoch if seq.routes is None else None
 
-    def _copyable(self, seq: Sequence, running: list[Sequence],
-                  planned: list[Sequence] | None = None) -> tuple[Sequence | Kept | None, int]:  # fmt: skip
+    def _copyable(
+        self, seq: Sequence, running: list[Sequence], planned: list[Sequence] | None = None
+    ) -> tuple[Sequence | Kept | None, int]:
         """The cache holding the longest prefix of fresh `seq`'s prompt (all but its last token at
         most), and that prefix's length: among `running` sequences whose caches were filled under
         the current weights, kept ones, and fresh ones `planned` to be prefilled first."""
         if not self.config.share_prefixes or seq.routes is not None:
             return None, 0
         # (source, its tokens, how many of them are (or will be) cached)
-        candidates = [(other, other.prompt_ids if other.num_cached <= len(other.prompt_ids)
-                       else other.tokens(0, other.num_cached), other.num_cached)
-                      for other in running if other.weights_epoch == self._weights_epoch]
+        candidates = [
+            (
+                other,
+                other.prompt_ids if other.num_cached <= len(other.prompt_ids) else other.tokens(0, other.num_cached),
+                other.num_cached,
+            )
+            for other in running
+            if other.weights_epoch == self._weights_epoch
+        ]
         candidates += [(kept, kept.tokens, len(kept.tokens)) for kept in self._kept.values()]
         candidates += [(other, other.prompt_ids, len(other.prompt_ids) - 1) for other in planned or ()]
         best, best_length, want = None, 0, len(seq.prompt_ids) - 1
@@ -297,17 +321,22 @@ class Engine:
             ids = torch.zeros(rows, end - start, dtype=torch.long)  # shorter rows: padding, never attended
             for row in range(rows):
                 piece = tokens[row][start:end]
-                ids[row, :len(piece)] = torch.tensor(piece)
+                ids[row, : len(piece)] = torch.tensor(piece)
             positions = torch.arange(start, end).expand(rows, -1)
             chunk_routes = None if replay is None else replay[start:end].unsqueeze(0)
-            out = self._forward(ids, positions, self.cache.rows(group[0].slot, rows), routes=chunk_routes,
-                                return_routes=self.routes is not None and replay is None,
-                                logits_to_keep=0)  # prefill only fills the cache; decode samples
+            out = self._forward(
+                ids,
+                positions,
+                self.cache.rows(group[0].slot, rows),
+                routes=chunk_routes,
+                return_routes=self.routes is not None and replay is None,
+                logits_to_keep=0,
+            )  # prefill only fills the cache; decode samples
             if self.routes is not None:
                 used = chunk_routes if replay is not None else out.routes
                 for row, seq in enumerate(group[:rows]):
                     real = min(end, lengths[row]) - start
-                    self.routes[seq.slot, start:start + real] = used[row, :real].to(self.routes.dtype)
+                    self.routes[seq.slot, start : start + real] = used[row, :real].to(self.routes.dtype)
         for seq, n in zip(group, lengths):
             seq.num_cached = n
 
@@ -378,19 +407,19 @@ class Engine:
             slot, _ = self._kept.popitem(last=False)
         self.cache.move(seq.slot, slot, seq.num_cached)
         if self.routes is not None:
-            self.routes[slot, :seq.num_cached] = self.routes[seq.slot, :seq.num_cached]
+            self.routes[slot, : seq.num_cached] = self.routes[seq.slot, : seq.num_cached]
         self._kept[slot] = Kept(slot, seq.tokens(0, seq.num_cached))
 
     def _release(self, seq: Sequence) -> None:
         """Free `seq`'s slot, keeping its routes; the last running sequence moves into the gap."""
         slot, running = seq.slot, self.scheduler.running
         if self.routes is not None:
-            seq.routes = self.routes[slot, :seq.num_cached].clone()
+            seq.routes = self.routes[slot, : seq.num_cached].clone()
         last = running.pop()
         if last is not seq:
             self.cache.move(last.slot, slot, last.num_cached)
             if self.routes is not None:
-                self.routes[slot, :last.num_cached] = self.routes[last.slot, :last.num_cached]
+                self.routes[slot, : last.num_cached] = self.routes[last.slot, : last.num_cached]
             last.slot = slot
             running[slot] = last
         seq.slot = seq.weights_epoch = None

@@ -24,8 +24,16 @@ ATTENTION_BLOCK = 32
 
 
 class SlotKVCache:
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, slots: int, max_len: int,
-                 dtype: torch.dtype = torch.float32, block: int = ATTENTION_BLOCK):
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        slots: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        block: int = ATTENTION_BLOCK,
+    ):
         max_len = -(-max_len // block) * block
         shape = (num_layers, slots, num_kv_heads, max_len, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype)
@@ -33,7 +41,9 @@ class SlotKVCache:
         self.slots, self.max_len, self.block = slots, max_len, block
 
     @classmethod
-    def for_model(cls, cfg, slots: int, max_len: int, dtype: torch.dtype, block: int = ATTENTION_BLOCK) -> "SlotKVCache":
+    def for_model(
+        cls, cfg, slots: int, max_len: int, dtype: torch.dtype, block: int = ATTENTION_BLOCK
+    ) -> "SlotKVCache":
         """A cache shaped for a `whetstone.model.ModelConfig`."""
         return cls(cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, slots, max_len, dtype, block)
 
@@ -74,9 +84,9 @@ class SlotRows:
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         assert self._positions is not None, "begin(positions) must be called before update()"
         end = self.first + self.count
-        keys = self.cache.keys[layer, self.first:end]
-        values = self.cache.values[layer, self.first:end]
+        keys = self.cache.keys[layer, self.first : end]
+        values = self.cache.values[layer, self.first : end]
         # advanced indices [B, T] around a slice put the new axes first: [B, T, heads, dim]
         keys[self._rows, :, self._positions] = k.transpose(1, 2).to(keys.dtype)
         values[self._rows, :, self._positions] = v.transpose(1, 2).to(values.dtype)
-        return keys[:, :, :self._length], values[:, :, :self._length], self._mask
+        return keys[:, :, : self._length], values[:, :, : self._length], self._mask

@@ -30,10 +30,16 @@ def build_app(config: ServeConfig):
     model = load_hf(config.model_path)
     tokenizer = Tokenizer.load(config.model_path)
     if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise WhetstoneError(f"{config.model_path}: the tokenizer has {tokenizer.vocab_size} ids, "
-                             f"the model only {model.cfg.vocab_size}")
-    engine = Engine(model, config.engine, eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
-                    decode=tokenizer.decode, version=config.weight_version)
+        raise WhetstoneError(
+            f"{config.model_path}: the tokenizer has {tokenizer.vocab_size} ids, the model only {model.cfg.vocab_size}"
+        )
+    engine = Engine(
+        model,
+        config.engine,
+        eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
+        decode=tokenizer.decode,
+        version=config.weight_version,
+    )
     follower = None
     if config.sync is not None:
         subscriber = Subscriber(WeightStore.open(config.sync, create=False), config.sync, name=f"serve:{config.port}")
@@ -44,8 +50,10 @@ def build_app(config: ServeConfig):
 
 def require_model_path(config: ServeConfig) -> None:
     if not config.model_path:
-        raise ConfigError("model_path is not set: point it at a Hugging Face model folder "
-                          "(config.json, model.safetensors, tokenizer.json)")
+        raise ConfigError(
+            "model_path is not set: point it at a Hugging Face model folder "
+            "(config.json, model.safetensors, tokenizer.json)"
+        )
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -58,8 +66,9 @@ def bind(host: str, port: int) -> socket.socket:
     except OSError as err:
         sock.close()
         if err.errno == errno.EADDRINUSE:
-            raise WhetstoneError(f"port {port} is in use on {host}: stop what listens there or choose another "
-                                 "port (--set port=N)") from None
+            raise WhetstoneError(
+                f"port {port} is in use on {host}: stop what listens there or choose another port (--set port=N)"
+            ) from None
         raise WhetstoneError(f"cannot listen on {host}:{port}: {err.strerror or err}") from None
     return sock
 

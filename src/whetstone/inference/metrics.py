@@ -76,21 +76,41 @@ def render_prometheus(stats: EngineStats, model_name: str, weights: WeightsRepor
         for labels, value in samples:
             lines.append(f"whetstone_{name}{{{label}{labels}}} {value}")
 
-    metric("queue_depth", "gauge", "Requests waiting for a slot, by priority.",
-           [(',priority="interactive"', stats.waiting_interactive), (',priority="batch"', stats.waiting_batch)])
+    metric(
+        "queue_depth",
+        "gauge",
+        "Requests waiting for a slot, by priority.",
+        [(',priority="interactive"', stats.waiting_interactive), (',priority="batch"', stats.waiting_batch)],
+    )
     metric("running_sequences", "gauge", "Sequences in the decode batch.", [("", stats.running)])
-    metric("tokens_per_second", "gauge", f"Generated tokens per second over the last {TOKENS_PER_S_WINDOW:g} s.",
-           [("", round(stats.tokens_per_s(), 3))])
+    metric(
+        "tokens_per_second",
+        "gauge",
+        f"Generated tokens per second over the last {TOKENS_PER_S_WINDOW:g} s.",
+        [("", round(stats.tokens_per_s(), 3))],
+    )
     metric("generation_tokens_total", "counter", "Tokens generated.", [("", stats.generation_tokens_total)])
     metric("prompt_tokens_total", "counter", "Prompt tokens prefilled.", [("", stats.prompt_tokens_total)])
-    metric("prompt_tokens_shared_total", "counter",
-           "Prompt tokens whose keys and values were copied from a running or recently finished sequence instead of prefilled.",
-           [("", stats.prompt_tokens_shared_total)])
+    metric(
+        "prompt_tokens_shared_total",
+        "counter",
+        "Prompt tokens whose keys and values were copied from a running or recently finished sequence "
+        "instead of prefilled.",
+        [("", stats.prompt_tokens_shared_total)],
+    )
     metric("decode_steps_total", "counter", "Batched decode steps.", [("", stats.decode_steps_total)])
-    metric("requests_total", "counter", "Finished sequences by finish reason.",
-           [(f',reason="{reason}"', count) for reason, count in stats.requests_total.items()])
-    metric("preemptions_total", "counter", "Batch sequences preempted for interactive ones.",
-           [("", stats.preemptions_total)])
+    metric(
+        "requests_total",
+        "counter",
+        "Finished sequences by finish reason.",
+        [(f',reason="{reason}"', count) for reason, count in stats.requests_total.items()],
+    )
+    metric(
+        "preemptions_total",
+        "counter",
+        "Batch sequences preempted for interactive ones.",
+        [("", stats.preemptions_total)],
+    )
     metric("weight_version", "gauge", "Weight version being served.", [("", stats.weight_version)])
     pauses = sorted(stats.swap_pauses)
     lines.append("# HELP whetstone_swap_pause_seconds Decode pause while new weights are written in place.")
@@ -100,17 +120,33 @@ def render_prometheus(stats: EngineStats, model_name: str, weights: WeightsRepor
         lines.append(f'whetstone_swap_pause_seconds{{{label},quantile="{q}"}} {value}')
     lines.append(f"whetstone_swap_pause_seconds_sum{{{label}}} {stats.swap_pause_seconds_sum}")
     lines.append(f"whetstone_swap_pause_seconds_count{{{label}}} {stats.swaps_total}")
-    metric("swap_pause_seconds_last", "gauge", "Decode pause of the last weight swap.",
-           [("", stats.swap_pause_seconds_last)])
+    metric(
+        "swap_pause_seconds_last",
+        "gauge",
+        "Decode pause of the last weight swap.",
+        [("", stats.swap_pause_seconds_last)],
+    )
     if weights is not None:
         if weights.latest_version is not None:
-            metric("weight_version_latest", "gauge", "Newest weight version in the store.",
-                   [("", weights.latest_version)])
-        metric("weights_stale", "gauge", "1 while the server cannot take the newest weight version.",
-               [("", int(weights.problem is not None))])
-        metric("weight_versions_rejected_total", "counter", "Weight versions rejected (corrupt, wrong base) or "
-               "refused by the engine.",
-               [("", weights.rejections_total)])
-        metric("weight_version_rejected", "gauge", "Rejected weight versions newer than the one served.",
-               [(f',version="{version}"', 1) for version in sorted(weights.rejected)])
+            metric(
+                "weight_version_latest", "gauge", "Newest weight version in the store.", [("", weights.latest_version)]
+            )
+        metric(
+            "weights_stale",
+            "gauge",
+            "1 while the server cannot take the newest weight version.",
+            [("", int(weights.problem is not None))],
+        )
+        metric(
+            "weight_versions_rejected_total",
+            "counter",
+            "Weight versions rejected (corrupt, wrong base) or refused by the engine.",
+            [("", weights.rejections_total)],
+        )
+        metric(
+            "weight_version_rejected",
+            "gauge",
+            "Rejected weight versions newer than the one served.",
+            [(f',version="{version}"', 1) for version in sorted(weights.rejected)],
+        )
     return "\n".join(lines) + "\n"

@@ -52,8 +52,9 @@ class BodyLimit:
         await self.app(scope, limited, send)
 
     def too_large(self, size: str) -> HTTPException:
-        return HTTPException(413, f"the request body {size}; this server takes at most {self.max_bytes} bytes "
-                                  "(max_request_bytes)")
+        return HTTPException(
+            413, f"the request body {size}; this server takes at most {self.max_bytes} bytes (max_request_bytes)"
+        )
 
 
 class RequestLog:
@@ -81,8 +82,16 @@ class RequestLog:
             if submission is not None:
                 tokens = f"{sum(submission.prompt_lengths)}/{sum(len(s.output_ids) for s in submission.seqs)}"
             level = logging.DEBUG if scope["path"] in POLLS and status == 200 else logging.INFO
-            request_log.log(level, "%s %s %s %d tokens=%s %.0fms", state.get("response_id", "-"), scope["method"],
-                            scope["path"], status, tokens, (time.perf_counter() - start) * 1000)
+            request_log.log(
+                level,
+                "%s %s %s %d tokens=%s %.0fms",
+                state.get("response_id", "-"),
+                scope["method"],
+                scope["path"],
+                status,
+                tokens,
+                (time.perf_counter() - start) * 1000,
+            )
 
         async def recorded(message: Message) -> None:
             nonlocal status

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from whetstone.inference.feedback import Rating
 from whetstone.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
 from whetstone.inference.sequence import Priority
-from whetstone.inference.feedback import Rating
 
 MAX_CHOICES = 64
 
@@ -83,9 +83,14 @@ class _Request(BaseModel):
         """Sampling parameters of choice `choice` (each choice gets seed + its index)."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            max_tokens=max_tokens, temperature=self.temperature, top_p=self.top_p,
-            top_k=max(self.top_k, 0), stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, seed=None if self.seed is None else self.seed + choice,
+            max_tokens=max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=max(self.top_k, 0),
+            stop=tuple(stop),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            ignore_eos=self.ignore_eos,
+            seed=None if self.seed is None else self.seed + choice,
             top_logprobs=top_logprobs,
         )
 
@@ -192,7 +197,11 @@ def encode_routes(routes: torch.Tensor) -> dict[str, Any]:
     bytes in base64. uint8 when every expert id fits (< 256), else int16."""
     dtype = np.uint8 if routes.numel() == 0 or int(routes.max()) < 256 else np.dtype("<i2")
     array = np.ascontiguousarray(routes.numpy().astype(dtype))
-    return {"shape": list(array.shape), "dtype": np.dtype(dtype).name, "data": base64.b64encode(array.tobytes()).decode()}
+    return {
+        "shape": list(array.shape),
+        "dtype": np.dtype(dtype).name,
+        "data": base64.b64encode(array.tobytes()).decode(),
+    }
 
 
 def decode_routes(encoded: dict[str, Any]) -> torch.Tensor:

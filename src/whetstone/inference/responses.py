@@ -27,8 +27,9 @@ def usage(prompt_lengths: list[int], seqs: list[Sequence]) -> dict[str, int]:
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
 
-def rl_fields(seq: Sequence, request: CompletionRequest | ChatRequest, start: int, end: int,
-              final: bool) -> dict[str, Any]:
+def rl_fields(
+    seq: Sequence, request: CompletionRequest | ChatRequest, start: int, end: int, final: bool
+) -> dict[str, Any]:
     """The extension fields a request asked for, for output tokens start..end. A stream carries
     the prompt's ids in its first chunk and the routes in its last."""
     fields: dict[str, Any] = {}
@@ -57,6 +58,7 @@ def completion_logprobs(seq: Sequence, start: int, end: int, decode: Decode, off
 
 def chat_logprobs(seq: Sequence, start: int, end: int, decode: Decode) -> dict[str, Any]:
     """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
         text = decode([token_id])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}

@@ -146,8 +146,16 @@ def _inverse_cdf(row_logprobs: torch.Tensor, generators: list[torch.Generator]) 
     return chosen.clamp_(max=cdf.shape[-1] - 1).squeeze(1)
 
 
-def _scatter(idx: torch.Tensor, chosen: torch.Tensor, row_logprobs: torch.Tensor, order: torch.Tensor | None,
-             tokens: torch.Tensor, logprobs: torch.Tensor, top: list, params: list[SamplingParams]) -> None:
+def _scatter(
+    idx: torch.Tensor,
+    chosen: torch.Tensor,
+    row_logprobs: torch.Tensor,
+    order: torch.Tensor | None,
+    tokens: torch.Tensor,
+    logprobs: torch.Tensor,
+    top: list,
+    params: list[SamplingParams],
+) -> None:
     """Write a group's results back to its batch rows (`order` maps sorted positions to ids)."""
     token_ids = chosen if order is None else order.gather(1, chosen.unsqueeze(1)).squeeze(1)
     tokens[idx] = token_ids

@@ -28,9 +28,15 @@ class Plan:
 
 
 class Scheduler:
-    def __init__(self, max_batch: int, prefill_tokens_per_step: int, batch_beside_interactive: int | None = None,
-                 interactive_grace_s: float = 0.0, clock: Callable[[], float] = time.monotonic,
-                 prefill_cost: Callable[[Sequence, list[Sequence]], int] | None = None):
+    def __init__(
+        self,
+        max_batch: int,
+        prefill_tokens_per_step: int,
+        batch_beside_interactive: int | None = None,
+        interactive_grace_s: float = 0.0,
+        clock: Callable[[], float] = time.monotonic,
+        prefill_cost: Callable[[Sequence, list[Sequence]], int] | None = None,
+    ):
         self.max_batch = max_batch
         self._prefill_cost = prefill_cost or (lambda seq, admitted: seq.num_tokens - 1)
         """Tokens `seq` would prefill if admitted after `admitted` (the engine knows which

@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from whetstone.errors import ConfigError, WhetstoneError
+from whetstone.inference.capture import Capture
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.metrics import render_prometheus
@@ -37,7 +38,6 @@ from whetstone.inference.responses import chat_choice, completion_choice, header
 from whetstone.inference.sampling import InvalidRequest
 from whetstone.inference.stream import chat_stream, completion_stream
 from whetstone.inference.submission import ClientGone, Submission
-from whetstone.inference.capture import Capture
 from whetstone.store.feedback import DuplicateFeedback, UnknownResponse
 from whetstone.tokenizer import Tokenizer, render_chat
 
@@ -61,8 +61,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     capture = None
     if config.feedback.store:
         if not config.auth_token:
-            raise ConfigError("feedback.store is set but auth_token is empty: feedback must come from "
-                              "authenticated clients, so set auth_token")
+            raise ConfigError(
+                "feedback.store is set but auth_token is empty: feedback must come from "
+                "authenticated clients, so set auth_token"
+            )
         capture = Capture(config.feedback, model_name)
 
     @asynccontextmanager
@@ -133,8 +135,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         """The ids of a prompt's text; one that cannot fit the context is refused unencoded."""
         least, limit = tokenizer.min_tokens(text), engine.context_limit
         if least >= limit:
-            raise InvalidRequest(f"the prompt has {len(text)} characters, so at least {least} tokens; the context "
-                                 f"limit is {limit} tokens (prompt + completion), so it cannot fit")
+            raise InvalidRequest(
+                f"the prompt has {len(text)} characters, so at least {least} tokens; the context "
+                f"limit is {limit} tokens (prompt + completion), so it cannot fit"
+            )
         return tokenizer.encode(text)
 
     def completion_prompts(body: CompletionRequest) -> list[list[int]]:
@@ -169,13 +173,19 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         weights = follower.report() if follower is not None else None
-        return PlainTextResponse(render_prometheus(engine.stats, model_name, weights),
-                                 media_type="text/plain; version=0.0.4")
+        return PlainTextResponse(
+            render_prometheus(engine.stats, model_name, weights), media_type="text/plain; version=0.0.4"
+        )
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
-        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "whetstone",
-                "max_model_len": engine.context_limit}
+        card = {
+            "id": model_name,
+            "object": "model",
+            "created": 0,
+            "owned_by": "whetstone",
+            "max_model_len": engine.context_limit,
+        }
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions", dependencies=[Depends(authorize)])
@@ -189,13 +199,17 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         submission = Submission(engine, response_id, prompts, params, body.priority, body.stream)
         track(request, response_id, submission)
         if body.stream:
-            return sse(completion_stream(submission, body, response_id, model_name, decode, request),
-                       keep(response_id, submission, body.priority))
+            return sse(
+                completion_stream(submission, body, response_id, model_name, decode, request),
+                keep(response_id, submission, body.priority),
+            )
         await finish(submission, request)
         await keep(response_id, submission, body.priority)()
         choices = [completion_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
-        return JSONResponse(header(response_id, "text_completion", model_name) | {
-            "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)})
+        return JSONResponse(
+            header(response_id, "text_completion", model_name)
+            | {"choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}
+        )
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorize)])
     async def chat_completions(request: Request):
@@ -209,13 +223,17 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         submission = Submission(engine, response_id, [prompt], params, body.priority, body.stream)
         track(request, response_id, submission)
         if body.stream:
-            return sse(chat_stream(submission, body, response_id, model_name, decode, request),
-                       keep(response_id, submission, body.priority))
+            return sse(
+                chat_stream(submission, body, response_id, model_name, decode, request),
+                keep(response_id, submission, body.priority),
+            )
         await finish(submission, request)
         await keep(response_id, submission, body.priority)()
         choices = [chat_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
-        return JSONResponse(header(response_id, "chat.completion", model_name) | {
-            "choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)})
+        return JSONResponse(
+            header(response_id, "chat.completion", model_name)
+            | {"choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}
+        )
 
     @app.post("/v1/feedback", dependencies=[Depends(authorize)])
     async def feedback(request: Request) -> JSONResponse:
@@ -228,14 +246,24 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             return error_body(404, str(err), code="response_not_found", param="id")
         except DuplicateFeedback as err:
             return error_body(409, str(err), code="duplicate_feedback", param="id")
-        return JSONResponse({"object": "feedback", "id": body.id, "choice": body.choice, "rating": body.rating,
-                             "score": body.score, "seq": seq})
+        return JSONResponse(
+            {
+                "object": "feedback",
+                "id": body.id,
+                "choice": body.choice,
+                "rating": body.rating,
+                "score": body.score,
+                "seq": seq,
+            }
+        )
 
     def keep(response_id: str, submission: Submission, priority: str) -> Callable[[], Awaitable[None]]:
         """What to do once a response is complete: keep it for feedback (when capturing)."""
+
         async def kept() -> None:
             if capture is not None:
                 await capture.keep(response_id, submission.seqs, priority)
+
         return kept
 
     async def finish(submission: Submission, request: Request) -> None:
@@ -271,9 +299,11 @@ def track(request: Request, response_id: str, submission: Submission) -> None:
 
 def sse(events: AsyncIterator[dict], complete: Callable[[], Awaitable[None]]) -> StreamingResponse:
     """The events as Server-Sent Events; `complete` runs before the final `[DONE]`."""
+
     async def lines():
         async for event in events:
             yield f"data: {json.dumps(event)}\n\n"
         await complete()
         yield "data: [DONE]\n\n"
+
     return StreamingResponse(lines(), media_type="text/event-stream")

@@ -15,7 +15,12 @@ from fastapi import Request
 
 from whetstone.inference.protocol import ChatRequest, CompletionRequest
 from whetstone.inference.responses import (
-    assistant_message, chat_logprobs, completion_logprobs, header, rl_fields, usage,
+    assistant_message,
+    chat_logprobs,
+    completion_logprobs,
+    header,
+    rl_fields,
+    usage,
 )
 from whetstone.inference.submission import ClientGone, Submission
 from whetstone.tokenizer.chat import TOOL_CALL_OPEN
@@ -41,8 +46,9 @@ def error_chunk(message: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "server_error", "param": None, "code": None}}
 
 
-async def completion_stream(sub: Submission, body: CompletionRequest, response_id: str, model: str,
-                            decode: Decode, request: Request) -> AsyncIterator[dict[str, Any]]:
+async def completion_stream(
+    sub: Submission, body: CompletionRequest, response_id: str, model: str, decode: Decode, request: Request
+) -> AsyncIterator[dict[str, Any]]:
     top = header(response_id, "text_completion", model)
     sent_tokens = [0] * len(sub.seqs)
     sent_text = [0] * len(sub.seqs)
@@ -52,11 +58,15 @@ async def completion_stream(sub: Submission, body: CompletionRequest, response_i
                 yield error_chunk(seq.error)
                 return
             start, end = sent_tokens[i], event.num_output
-            text = seq.text.text[sent_text[i]:event.text_released]
+            text = seq.text.text[sent_text[i] : event.text_released]
             if start == end and not text and not event.finished:
                 continue
-            choice = {"index": i, "text": text, "logprobs": None,
-                      "finish_reason": seq.finish_reason if event.finished else None}
+            choice = {
+                "index": i,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": seq.finish_reason if event.finished else None,
+            }
             if body.logprobs is not None:
                 choice["logprobs"] = completion_logprobs(seq, start, end, decode, sent_text[i])
             yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
@@ -80,8 +90,9 @@ def visible_content(text: str, released: int, use_tools: bool) -> str:
     return visible.rstrip("\n")  # the newline before a call is not content
 
 
-async def chat_stream(sub: Submission, body: ChatRequest, response_id: str, model: str,
-                      decode: Decode, request: Request) -> AsyncIterator[dict[str, Any]]:
+async def chat_stream(
+    sub: Submission, body: ChatRequest, response_id: str, model: str, decode: Decode, request: Request
+) -> AsyncIterator[dict[str, Any]]:
     top = header(response_id, "chat.completion.chunk", model)
     count = len(sub.seqs)
     sent_tokens, sent_content, started = [0] * count, [""] * count, [False] * count
@@ -104,7 +115,7 @@ async def chat_stream(sub: Submission, body: ChatRequest, response_id: str, mode
             else:
                 content = visible_content(seq.text.text, event.text_released, body.use_tools)
             if content.startswith(sent_content[i]) and len(content) > len(sent_content[i]):
-                delta["content"] = content[len(sent_content[i]):]
+                delta["content"] = content[len(sent_content[i]) :]
                 sent_content[i] = content
             start, end = sent_tokens[i], event.num_output
             if not delta and start == end and not event.finished:

@@ -22,8 +22,15 @@ class ClientGone(Exception):
 
 
 class Submission:
-    def __init__(self, engine: Engine, request_id: str, prompts: list[list[int]], params: list[list[SamplingParams]],
-                 priority: Priority, stream: bool):
+    def __init__(
+        self,
+        engine: Engine,
+        request_id: str,
+        prompts: list[list[int]],
+        params: list[list[SamplingParams]],
+        priority: Priority,
+        stream: bool,
+    ):
         """One sequence per (prompt, choice); `params[p][c]` are choice c of prompt p's parameters.
         Raises `InvalidRequest` (nothing queued) if any of them cannot be served."""
         for prompt, choices in zip(prompts, params):
@@ -34,8 +41,14 @@ class Submission:
         self.queue: asyncio.Queue[Progress] = asyncio.Queue()
         self.prompt_lengths = [len(p) for p in prompts]
         self.seqs = [
-            Sequence(f"{request_id}-{len(choices) * p + c}", list(prompt), sampling, priority,
-                     on_event=self._on_event, stream=stream)
+            Sequence(
+                f"{request_id}-{len(choices) * p + c}",
+                list(prompt),
+                sampling,
+                priority,
+                on_event=self._on_event,
+                stream=stream,
+            )
             for p, (prompt, choices) in enumerate(zip(prompts, params))
             for c, sampling in enumerate(choices)
         ]

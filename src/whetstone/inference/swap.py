@@ -61,8 +61,9 @@ def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> Prepar
         if target is None:
             raise WeightUpdateError(f"{where}: the served model has no tensor {name!r}")
         if tuple(change.shape) != tuple(target.shape):
-            raise WeightUpdateError(f"{where}: {name} has shape {tuple(change.shape)}, "
-                                    f"the served model has {tuple(target.shape)}")
+            raise WeightUpdateError(
+                f"{where}: {name} has shape {tuple(change.shape)}, the served model has {tuple(target.shape)}"
+            )
         values = change.values.reshape(-1)
         if change.indices is None:
             if values.numel() != target.numel():

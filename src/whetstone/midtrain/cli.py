@@ -36,7 +36,9 @@ def run_midtrain(config: "MidtrainConfig", demos: "DemoSource | None" = None) ->
 
 @app.command()
 def midtrain(
-    config: Path | None = typer.Argument(None, help="TOML file of MidtrainConfig fields (default: the embedded default run)."),
+    config: Path | None = typer.Argument(
+        None, help="TOML file of MidtrainConfig fields (default: the embedded default run)."
+    ),
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. run.steps=50."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:

@@ -16,18 +16,20 @@ from typing import Any
 
 from whetstone.config import dump_toml
 from whetstone.data import DemoSource
-from whetstone.training.checkpoint import save_checkpoint
 from whetstone.midtrain.config import MidtrainConfig
-from whetstone.training.schedule import lr_at
 from whetstone.midtrain.setup import Session, open_session
 from whetstone.midtrain.step import train_step, validation_loss
 from whetstone.model.hf import save_hf
+from whetstone.training.checkpoint import save_checkpoint
+from whetstone.training.schedule import lr_at
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.progress import progress_bar
 
 
-def train(config: MidtrainConfig, *, demos: DemoSource | None = None, stop_at_step: int | None = None) -> dict[str, Any]:
+def train(
+    config: MidtrainConfig, *, demos: DemoSource | None = None, stop_at_step: int | None = None
+) -> dict[str, Any]:
     """Run (or continue) mid-training and return its summary (see `summarize`).
 
     The run ends after `run.steps`, or earlier when `run.max_wall_time` (counted from this call,
@@ -60,8 +62,14 @@ def train(config: MidtrainConfig, *, demos: DemoSource | None = None, stop_at_st
                     val_loss = validation_loss(session.model, val_batches, run.dtype)
                     metrics.write({"step": state.step, "tokens": state.tokens, "val_loss": val_loss})
                 if state.step % run.checkpoint_interval == 0 or ending:
-                    save_checkpoint(session.checkpoints, session.model, session.optimizer, state,
-                                    config.model_dump(mode="json"), run.keep_checkpoints)
+                    save_checkpoint(
+                        session.checkpoints,
+                        session.model,
+                        session.optimizer,
+                        state,
+                        config.model_dump(mode="json"),
+                        run.keep_checkpoints,
+                    )
 
     if val_loss is None:  # nothing left to train (a finished run, resumed): measure it anyway
         val_loss = validation_loss(session.model, val_batches, run.dtype)
@@ -81,21 +89,37 @@ def _step(session: Session) -> dict[str, Any]:
     run, opt = config.run, config.optimizer
     first = state.data["next_batch"]
     micro_batches = [session.loader.batch_at(first + i) for i in range(run.grad_accum)]
-    lr = lr_at(state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps, total_steps=run.steps,
-               min_lr_ratio=opt.min_lr_ratio)
-    stats = train_step(session.model, session.optimizer, micro_batches, lr=lr, dtype=run.dtype,
-                       grad_clip=opt.grad_clip, step=state.step)
+    lr = lr_at(
+        state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps, total_steps=run.steps, min_lr_ratio=opt.min_lr_ratio
+    )
+    stats = train_step(
+        session.model,
+        session.optimizer,
+        micro_batches,
+        lr=lr,
+        dtype=run.dtype,
+        grad_clip=opt.grad_clip,
+        step=state.step,
+    )
     state.step += 1
     state.tokens += stats.tokens
     state.data["next_batch"] = first + run.grad_accum
-    record = {"step": state.step, "tokens": state.tokens, "loss": stats.loss, "aux_loss": stats.aux_loss,
-              "lr": lr, "grad_norm": stats.grad_norm}
+    record = {
+        "step": state.step,
+        "tokens": state.tokens,
+        "loss": stats.loss,
+        "aux_loss": stats.aux_loss,
+        "lr": lr,
+        "grad_norm": stats.grad_norm,
+    }
     if stats.demo_loss is not None:
         record["demo_loss"] = stats.demo_loss
     return record
 
 
-def summarize(session: Session, val_loss: float, stopped_early: bool, model_dir, seconds: float, tokens: int) -> dict[str, Any]:
+def summarize(
+    session: Session, val_loss: float, stopped_early: bool, model_dir, seconds: float, tokens: int
+) -> dict[str, Any]:
     """What `train` returns and writes to summary.json."""
     config, state, corpus = session.config, session.state, session.corpus
     return {

@@ -14,11 +14,11 @@ import torch
 
 from whetstone.data import Corpus, CorpusConfig, DemoSource, TrainLoader, build_corpus
 from whetstone.errors import ConfigError
-from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint, read_state
 from whetstone.midtrain.config import MidtrainConfig
-from whetstone.training.optim import optimizer_for
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
+from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint, read_state
+from whetstone.training.optim import optimizer_for
 from whetstone.utils.runtime import configure_process, resolve_dtype
 
 
@@ -47,14 +47,18 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     corpus = build_corpus(corpus_config(config), demos)
     resume_from = latest_checkpoint(run_dir / "checkpoints") if run.resume else None
     if resume_from is not None and checkpoint_step(resume_from) > run.steps:
-        raise ConfigError(f"{resume_from} is past run.steps = {run.steps}: resuming would use its later weights. "
-                          f"Raise run.steps to at least {checkpoint_step(resume_from)}, or use a new run name")
+        raise ConfigError(
+            f"{resume_from} is past run.steps = {run.steps}: resuming would use its later weights. "
+            f"Raise run.steps to at least {checkpoint_step(resume_from)}, or use a new run name"
+        )
     model = _build_model(config, model_config, corpus, resuming=resume_from is not None)
     optimizer = optimizer_for(model, opt)
     state = TrainState(data={"next_batch": 0})
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer)
-    loader = corpus.train_loader(run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight)
+    loader = corpus.train_loader(
+        run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight
+    )
     # The config as run: with init_from, the model section is the checkpoint's; `auto` resolved.
     dtype = _resumed_dtype(resume_from) if run.dtype == "auto" and resume_from is not None else resolve_dtype(run.dtype)
     config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": dtype})})

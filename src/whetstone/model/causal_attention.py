@@ -43,8 +43,7 @@ def compute_dtype(q: torch.Tensor) -> torch.dtype:
 def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     """Whether `attention` is the faster path for causal attention of q [B, Hq, T, D] over k."""
     length = q.shape[2]
-    return (q.device.type == "cpu" and length == k.shape[2] and length <= MAX_LENGTH
-            and compute_dtype(q) in REDUCED)  # fmt: skip
+    return q.device.type == "cpu" and length == k.shape[2] and length <= MAX_LENGTH and compute_dtype(q) in REDUCED
 
 
 @functools.cache
@@ -94,8 +93,9 @@ class _CausalAttention(torch.autograd.Function):
         probs = []
         for start, end in _blocks(length):
             rows = slice(start * group, end * group)
-            scores = torch.baddbmm(_causal_bias(start, end, group, q.dtype), queries[:, rows],
-                                   keys[:, :end].transpose(1, 2), alpha=scale)  # fmt: skip
+            scores = torch.baddbmm(
+                _causal_bias(start, end, group, q.dtype), queries[:, rows], keys[:, :end].transpose(1, 2), alpha=scale
+            )
             probs.append(torch.softmax(scores, dim=-1))
             torch.bmm(probs[-1], values[:, :end], out=out[:, rows])
         ctx.save_for_backward(queries, keys, values, *probs)

@@ -79,9 +79,7 @@ class ModelConfig(Config):
     def is_moe_layer(self, layer: int) -> bool:
         """Qwen3-MoE's rule for which layers are sparse."""
         return (
-            self.num_experts > 0
-            and layer not in self.mlp_only_layers
-            and (layer + 1) % self.decoder_sparse_step == 0
+            self.num_experts > 0 and layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
         )
 
     @property

@@ -110,8 +110,9 @@ class _TargetLogprobs(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None
 
 
-def target_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor,
-                    with_entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+def target_logprobs(
+    hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, with_entropy: bool = False
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log_softmax(hidden @ weight.T)[targets], entropy of each row's softmax or None), fp32,
     without keeping log-softmax tensors.
 

@@ -97,9 +97,7 @@ class _TensorFiles:
         except Exception as err:
             raise CheckpointError(f"{file}: cannot read tensor {name}: {err}") from None
         if tuple(tensor.shape) != shape:
-            raise CheckpointError(
-                f"{file}: tensor {name} has shape {tuple(tensor.shape)}, the config expects {shape}"
-            )
+            raise CheckpointError(f"{file}: tensor {name} has shape {tuple(tensor.shape)}, the config expects {shape}")
         self.unused.discard(name)
         return tensor.to(dtype)
 

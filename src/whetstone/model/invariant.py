@@ -72,15 +72,16 @@ def _pad_rows(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([x, x.new_zeros(missing, x.shape[1])]) if missing else x
 
 
-def tiled_mm(rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | None = None,
-             tile: int = ROW_TILE) -> torch.Tensor:
+def tiled_mm(
+    rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | None = None, tile: int = ROW_TILE
+) -> torch.Tensor:
     """rows @ weight_t as tiles of one shape per column block, on one thread: [M, K] @ [K, N].
 
     Tiles are [tile, K] x [K, C], C set by K and the dtype (`BLOCK_BYTES`; the last block of a
-    weight may be narrower, the same for every call on it). Going block by block keeps a block of a large weight (an output
-    head) in cache while every row tile passes; tile by tile, the whole weight would stream from
-    memory once per tile of rows. `rows` must have a multiple of `tile` rows; `out` ([M, N]) is
-    written if given."""
+    weight may be narrower, the same for every call on it). Going block by block keeps a block
+    of a large weight (an output head) in cache while every row tile passes; tile by tile, the
+    whole weight would stream from memory once per tile of rows. `rows` must have a multiple of
+    `tile` rows; `out` ([M, N]) is written if given."""
     depth, columns = weight_t.shape
     block_columns = max(64, BLOCK_BYTES // (depth * weight_t.element_size()) // 64 * 64)
     tiles = rows.view(-1, tile, depth)
@@ -89,8 +90,8 @@ def tiled_mm(rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | Non
     out_tiles = out.view(tiles.shape[0], tile, columns)
     with one_thread():
         for start in range(0, columns, block_columns):
-            block = weight_t[:, start:start + block_columns]
-            into = out_tiles if block.shape[1] == columns else out_tiles[:, :, start:start + block_columns]
+            block = weight_t[:, start : start + block_columns]
+            into = out_tiles if block.shape[1] == columns else out_tiles[:, :, start : start + block_columns]
             if rows.dtype == torch.float32:  # MKL's batched GEMM: one call for all tiles
                 torch.bmm(tiles, block.expand(tiles.shape[0], *block.shape), out=into)
             else:  # oneDNN is ~10x slower on a batch whose weight repeats (stride 0): one call per tile
@@ -216,12 +217,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         tiles = key_tiles.shape[0]
         weight_parts, out_parts = [], []
         for start in range(0, index.numel(), ROW_TILE):
-            block = queries[:, :, start:start + ROW_TILE].unsqueeze(2).expand(-1, -1, chunks, -1, -1)
+            block = queries[:, :, start : start + ROW_TILE].unsqueeze(2).expand(-1, -1, chunks, -1, -1)
             with one_thread():
                 scores = torch.bmm(block.reshape(tiles, ROW_TILE, dim), key_tiles)
             # [B, Hkv, chunks, ROW_TILE, KEY_CHUNK], and the mask of these rows in that layout.
             scores = scores.view(batch, kv_heads, chunks, ROW_TILE, KEY_CHUNK)
-            visible = mask.index_select(2, positions[start:start + ROW_TILE])
+            visible = mask.index_select(2, positions[start : start + ROW_TILE])
             visible = visible.view(batch, 1, ROW_TILE, chunks, KEY_CHUNK).transpose(2, 3)
             scores = torch.where(visible, scores, float("-inf"))
             peak = scores.amax(dim=(2, 4), keepdim=True).detach()  # the result does not depend on it

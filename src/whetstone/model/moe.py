@@ -99,4 +99,3 @@ def check_routes(routes: torch.Tensor, expected_shape: tuple[int, ...], num_expe
         raise WhetstoneError(
             f"routes hold expert ids in [{int(routes.min())}, {int(routes.max())}], expected 0..{num_experts - 1}"
         )
-

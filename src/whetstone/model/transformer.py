@@ -124,7 +124,7 @@ class Transformer(nn.Module):
         if targets is None and logits_to_keep is None:
             logits = self.lm_head(hidden)
         elif targets is None:
-            logits = self.lm_head(hidden[:, length - logits_to_keep:]) if logits_to_keep else None
+            logits = self.lm_head(hidden[:, length - logits_to_keep :]) if logits_to_keep else None
         else:
             if targets.shape != input_ids.shape:
                 raise WhetstoneError(f"targets have shape {tuple(targets.shape)}, expected {(batch, length)}")

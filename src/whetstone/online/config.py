@@ -58,8 +58,10 @@ class TriggerConfig(Config):
     @model_validator(mode="after")
     def _ordered(self) -> "TriggerConfig":
         if not self.min_events <= self.every_events <= self.max_events:
-            raise ValueError(f"need min_events ({self.min_events}) <= every_events ({self.every_events}) "
-                             f"<= max_events ({self.max_events})")
+            raise ValueError(
+                f"need min_events ({self.min_events}) <= every_events ({self.every_events}) "
+                f"<= max_events ({self.max_events})"
+            )
         return self
 
 

@@ -36,8 +36,14 @@ class Verdict:
 
 
 class Gate:
-    def __init__(self, config: GateConfig, model: Transformer, tokenizer: Tokenizer, numerics: Numerics = "fast",
-                 dtype: str = "float32"):  # fmt: skip
+    def __init__(
+        self,
+        config: GateConfig,
+        model: Transformer,
+        tokenizer: Tokenizer,
+        numerics: Numerics = "fast",
+        dtype: str = "float32",
+    ):
         """`model`: a model of the served architecture for the evaluation engine (its weights are
         overwritten before every score). `numerics`, `dtype`: the engine's, as the servers run."""
         self.config = config
@@ -48,8 +54,9 @@ class Gate:
         self.prompts = [tokenizer.encode(render_chat(task_messages(t), add_generation_prompt=True)) for t in self.tasks]
         batch = min(MAX_EVAL_BATCH, len(self.prompts) * config.samples)
         engine = EngineConfig(max_batch=batch, numerics=numerics, dtype=dtype)
-        self.engine = Engine(model, engine, eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
-                             decode=tokenizer.decode)  # fmt: skip
+        self.engine = Engine(
+            model, engine, eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id), decode=tokenizer.decode
+        )
         for task, prompt in zip(self.tasks, self.prompts):
             try:
                 self.engine.check_request(prompt, self._params(0))
@@ -77,10 +84,15 @@ class Gate:
     def verdict(self, candidate: float, deployed: float, start: float) -> Verdict:
         config = self.config
         if candidate < deployed - config.max_regression:
-            return Verdict(False, f"held-out score {candidate:.3f} is below the deployed version's {deployed:.3f} "
-                                  f"by more than gate.max_regression = {config.max_regression}")
+            return Verdict(
+                False,
+                f"held-out score {candidate:.3f} is below the deployed version's {deployed:.3f} "
+                f"by more than gate.max_regression = {config.max_regression}",
+            )
         if candidate < start - config.max_total_regression:
-            return Verdict(False, f"held-out score {candidate:.3f} is below the starting version's {start:.3f} "
-                                  f"by more than gate.max_total_regression = {config.max_total_regression}")
+            return Verdict(
+                False,
+                f"held-out score {candidate:.3f} is below the starting version's {start:.3f} "
+                f"by more than gate.max_total_regression = {config.max_total_regression}",
+            )
         return Verdict(True, f"held-out score {candidate:.3f} (deployed {deployed:.3f}, start {start:.3f})")
-

@@ -30,21 +30,21 @@ import torch
 
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError, WhetstoneError
-from whetstone.training.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
-from whetstone.training.optim import optimizer_for
 from whetstone.model.hf import load_hf
 from whetstone.online.config import OnlineConfig
 from whetstone.online.gate import Gate, Verdict
 from whetstone.online.samples import feedback_batch
-from whetstone.store.feedback import FeedbackStore
 from whetstone.online.weights import load_version
 from whetstone.rl.batch import Batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.staleness import staleness
+from whetstone.store.feedback import FeedbackStore
 from whetstone.sync import Publisher, WeightStore
 from whetstone.sync.weight_store import VersionExistsError
 from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.step import Learner, StepSettings, train_step
+from whetstone.training.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
+from whetstone.training.optim import optimizer_for
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.runtime import configure_process
@@ -62,8 +62,13 @@ class OnlineLoop:
         self.run_dir.mkdir(parents=True, exist_ok=True)  # update() saves its cursor here, run() or not
         self.checkpoints = self.run_dir / "checkpoints"
         self.model = load_hf(config.model_path)
-        self.gate = Gate(config.gate, load_hf(config.model_path), Tokenizer.load(config.model_path),
-                         numerics=config.numerics, dtype=config.dtype)  # the servers' (docs/online.md)
+        self.gate = Gate(
+            config.gate,
+            load_hf(config.model_path),
+            Tokenizer.load(config.model_path),
+            numerics=config.numerics,
+            dtype=config.dtype,
+        )  # the servers' (docs/online.md)
         self.weights = WeightStore.open(config.sync)
         self.feedback = FeedbackStore.open(config.feedback_store)
         state_path = self.run_dir / "state.json"
@@ -92,8 +97,10 @@ class OnlineLoop:
             try:
                 self.model.load_state_dict(served)
             except RuntimeError as err:  # missing or extra tensors, other shapes
-                raise WhetstoneError(f"version {latest} in {self.weights!r} is not a version of the model in "
-                                     f"{self.config.model_path}: {err}") from None
+                raise WhetstoneError(
+                    f"version {latest} in {self.weights!r} is not a version of the model in "
+                    f"{self.config.model_path}: {err}"
+                ) from None
             self.publisher.resume()  # the next version is a delta on this one
             why_not = self.resume_checkpoint(latest, served)
             if why_not:
@@ -112,8 +119,11 @@ class OnlineLoop:
     def new_optimizer(self) -> torch.optim.Optimizer:
         """AdamW for the weights, and a fresh learned logit scale (`logit_scale_lr` > 0) beside it."""
         opt = self.config.optimizer
-        self.logit_scale = (LogitScale(self.config.logit_scale_lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps)
-                            if self.config.logit_scale_lr > 0 else None)  # fmt: skip
+        self.logit_scale = (
+            LogitScale(self.config.logit_scale_lr, beta1=opt.betas[0], beta2=opt.betas[1], eps=opt.eps)
+            if self.config.logit_scale_lr > 0
+            else None
+        )
         return optimizer_for(self.model, opt)
 
     def resume_checkpoint(self, version: int, served: dict[str, torch.Tensor]) -> str:
@@ -162,14 +172,24 @@ class OnlineLoop:
         record |= self.prune()
 
         built = feedback_batch(rated, self.config, self.version, meta={"index": record["update"]})
-        record.update(built.counts, version_before=self.version, reward_mean=built.reward_mean,
-                      first_rated_at=min((r.rated_at for r in rated), default=None),
-                      last_rated_at=max((r.rated_at for r in rated), default=None))  # fmt: skip
+        record.update(
+            built.counts,
+            version_before=self.version,
+            reward_mean=built.reward_mean,
+            first_rated_at=min((r.rated_at for r in rated), default=None),
+            last_rated_at=max((r.rated_at for r in rated), default=None),
+        )
         if built.batch is None:
             return record | {"decision": "skipped", "reason": built.skip_reason, "version": self.version}
         record |= self.train_and_gate(built.batch)
-        log.log(logging.INFO if record["decision"] == "published" else logging.WARNING, "update %d %s (version %d): %s",
-                record["update"], record["decision"], self.version, record["reason"])  # fmt: skip
+        log.log(
+            logging.INFO if record["decision"] == "published" else logging.WARNING,
+            "update %d %s (version %d): %s",
+            record["update"],
+            record["decision"],
+            self.version,
+            record["reason"],
+        )
         return record
 
     def read_feedback(self) -> tuple[list, int]:
@@ -200,9 +220,11 @@ class OnlineLoop:
     def train_and_gate(self, batch: Batch) -> dict[str, Any]:
         """Step on `batch`; publish the candidate if the gate passes it, else restore the policy
         and the optimizer to before the step."""
-        saved = ({k: v.detach().clone() for k, v in self.model.state_dict().items()},
-                 copy.deepcopy(self.optimizer.state_dict()),
-                 self.logit_scale.state() if self.logit_scale is not None else None)  # fmt: skip
+        saved = (
+            {k: v.detach().clone() for k, v in self.model.state_dict().items()},
+            copy.deepcopy(self.optimizer.state_dict()),
+            self.logit_scale.state() if self.logit_scale is not None else None,
+        )
         started = time.perf_counter()
         record = self.step(batch)
         record["train_s"] = time.perf_counter() - started
@@ -211,15 +233,22 @@ class OnlineLoop:
         candidate, deployed = self.deployed_weights(), self.scores[self.version]
         score = self.gate.score(candidate, self.version + 1)
         verdict = self.gate.verdict(score, deployed, self.start_score)
-        record.update(gate_score=score, deployed_score=deployed, start_score=self.start_score,
-                      eval_s=time.perf_counter() - started)  # fmt: skip
+        record.update(
+            gate_score=score,
+            deployed_score=deployed,
+            start_score=self.start_score,
+            eval_s=time.perf_counter() - started,
+        )
         started = time.perf_counter()
         if verdict.publish:
             try:
                 manifest = self.publisher.publish(candidate)
             except VersionExistsError:  # created exclusively: a rollback landed during this update
-                verdict = Verdict(False, f"the weight store moved during the update: version {self.version + 1} "
-                                         "was published by someone else (a rollback?); adopting it next update")
+                verdict = Verdict(
+                    False,
+                    f"the weight store moved during the update: version {self.version + 1} "
+                    "was published by someone else (a rollback?); adopting it next update",
+                )
         if not verdict.publish:
             self.model.load_state_dict(saved[0])
             self.optimizer.load_state_dict(saved[1])
@@ -229,13 +258,25 @@ class OnlineLoop:
 
         self.version = manifest.version
         self.scores[self.version] = score
-        record |= {"decision": "published", "reason": verdict.reason, "version": self.version,
-                   "publish_s": time.perf_counter() - started, "published_at": time.time(),
-                   "delta_kind": manifest.kind, "delta_bytes": manifest.encoded_bytes}  # fmt: skip
+        record |= {
+            "decision": "published",
+            "reason": verdict.reason,
+            "version": self.version,
+            "publish_s": time.perf_counter() - started,
+            "published_at": time.time(),
+            "delta_kind": manifest.kind,
+            "delta_bytes": manifest.encoded_bytes,
+        }
         started = time.perf_counter()
         data = {"logit_scale": self.logit_scale.state()} if self.logit_scale is not None else {}
-        save_checkpoint(self.checkpoints, self.model, self.optimizer, TrainState(step=self.version, data=data),
-                        config=self.config.model_dump(mode="json"), keep=KEEP_CHECKPOINTS)  # fmt: skip
+        save_checkpoint(
+            self.checkpoints,
+            self.model,
+            self.optimizer,
+            TrainState(step=self.version, data=data),
+            config=self.config.model_dump(mode="json"),
+            keep=KEEP_CHECKPOINTS,
+        )
         return record | {"checkpoint_s": time.perf_counter() - started}
 
     def prune(self) -> dict[str, Any]:
@@ -260,8 +301,11 @@ class OnlineLoop:
         config = self.config
         atomic_write_text(self.run_dir / "config.toml", dump_toml(config) + "\n")
         counts = {"published": 0, "discarded": 0, "skipped": 0}
-        with (MetricsWriter(self.run_dir / "metrics.jsonl") as metrics, stop_on_signals() as stop,
-              progress_bar(config.max_updates or None, "online", "update") as bar):
+        with (
+            MetricsWriter(self.run_dir / "metrics.jsonl") as metrics,
+            stop_on_signals() as stop,
+            progress_bar(config.max_updates or None, "online", "update") as bar,
+        ):
             while not (config.max_updates and self.state["updates"] >= config.max_updates) and not stop.is_set():
                 if not self.due():
                     stop.wait(config.poll_interval)

@@ -17,10 +17,10 @@ from typing import Any
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.online.config import OnlineConfig
-from whetstone.store.feedback import RatedResponse, ResponseRecord
 from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import Sample, trajectory_samples
 from whetstone.rl.staleness import StalenessHistogram, filter_stale
+from whetstone.store.feedback import RatedResponse, ResponseRecord
 
 log = logging.getLogger("whetstone.online")
 
@@ -48,17 +48,24 @@ def truncated(response: ResponseRecord) -> bool:
 def rated_sample(item: RatedResponse, reward: float) -> list[Sample]:
     """The sample of one rated response; raises WhetstoneError if its record does not add up."""
     response = item.response
-    call = ModelCall(prompt_ids=response.prompt_ids, completion_ids=response.completion_ids,
-                     logprobs=response.logprobs, versions=response.versions,
-                     loss_mask=[1] * len(response.completion_ids), routes=response.routes,
-                     finish_reason=response.finish_reason)  # fmt: skip
-    trajectory = Trajectory(task_id=f"{response.response_id}/{response.choice}", segments=[Segment(calls=[call])],
-                            reward=reward)  # fmt: skip
+    call = ModelCall(
+        prompt_ids=response.prompt_ids,
+        completion_ids=response.completion_ids,
+        logprobs=response.logprobs,
+        versions=response.versions,
+        loss_mask=[1] * len(response.completion_ids),
+        routes=response.routes,
+        finish_reason=response.finish_reason,
+    )
+    trajectory = Trajectory(
+        task_id=f"{response.response_id}/{response.choice}", segments=[Segment(calls=[call])], reward=reward
+    )
     return trajectory_samples(trajectory)
 
 
-def feedback_batch(rated: list[RatedResponse], config: OnlineConfig, version: int,
-                   meta: dict[str, Any] | None = None) -> FeedbackBatch:  # fmt: skip
+def feedback_batch(
+    rated: list[RatedResponse], config: OnlineConfig, version: int, meta: dict[str, Any] | None = None
+) -> FeedbackBatch:
     """The batch of `rated` for an update of the deployed `version`."""
     counts = {"events": len(rated), "dropped_truncated": 0, "dropped_empty": 0, "dropped_malformed": 0}
     samples: list[Sample] = []
@@ -82,8 +89,9 @@ def feedback_batch(rated: list[RatedResponse], config: OnlineConfig, version: in
     samples = filter_stale(samples, version, config.staleness, histogram)
     counts.update(histogram.metrics(), kept=len(samples))
     if not samples:
-        return FeedbackBatch(None, counts, skip_reason="no usable feedback (every event was stale, truncated, "
-                                                       "empty or malformed)")
+        return FeedbackBatch(
+            None, counts, skip_reason="no usable feedback (every event was stale, truncated, empty or malformed)"
+        )
     rewards = [s.reward for s in samples]
     mean = sum(rewards) / len(rewards)
     baseline = mean if config.baseline == "batch_mean" else 0.0

@@ -38,8 +38,18 @@ class Exchange:
 
 
 class UserSimulator:
-    def __init__(self, urls: list[str], model: str, api_key: str, preference: Preference, *, max_tokens: int = 160,
-                 temperature: float = 1.0, seed: int | None = None, timeout_s: float = 300.0):  # fmt: skip
+    def __init__(
+        self,
+        urls: list[str],
+        model: str,
+        api_key: str,
+        preference: Preference,
+        *,
+        max_tokens: int = 160,
+        temperature: float = 1.0,
+        seed: int | None = None,
+        timeout_s: float = 300.0,
+    ):
         """`urls`: API roots (`http://host:port/v1`), used in turn. `seed`: request i samples with
         seed + i (reproducible runs); None = the server's own randomness, as real users."""
         if not urls:
@@ -67,8 +77,13 @@ class UserSimulator:
             url = next(self._next_url)
             if seed is None and self._seeds is not None:
                 seed = next(self._seeds)
-        request = {"model": self.model, "messages": task_messages(task), "max_tokens": self.max_tokens,
-                   "temperature": self.temperature, "seed": seed}
+        request = {
+            "model": self.model,
+            "messages": task_messages(task),
+            "max_tokens": self.max_tokens,
+            "temperature": self.temperature,
+            "seed": seed,
+        }
         started = time.perf_counter()
         answer = self._post(url, "/chat/completions", request)
         latency = time.perf_counter() - started
@@ -79,8 +94,15 @@ class UserSimulator:
             exchange.rated_at = time.time()
         return exchange
 
-    def run(self, tasks: list[Task], *, users: int = 2, requests: int | None = None,
-            until: Callable[[], bool] | None = None, give_feedback: bool = True) -> list[Exchange]:  # fmt: skip
+    def run(
+        self,
+        tasks: list[Task],
+        *,
+        users: int = 2,
+        requests: int | None = None,
+        until: Callable[[], bool] | None = None,
+        give_feedback: bool = True,
+    ) -> list[Exchange]:
         """`users` concurrent users asking about `tasks` in turn, for `requests` requests in all or
         until `until()` holds (checked before each request)."""
         if requests is None and until is None:

@@ -32,8 +32,10 @@ def load_version(store: WeightStore, config: SyncConfig, version: int) -> dict[s
     stored = store.versions()
     if version not in stored:
         shown = f"{stored[0]}..{stored[-1]}" if stored else "none"
-        raise WhetstoneError(f"version {version} is not in the weight store {store!r} (stored versions: {shown}; "
-                             "older ones were garbage-collected, see sync.keep_keyframes)")
+        raise WhetstoneError(
+            f"version {version} is not in the weight store {store!r} (stored versions: {shown}; "
+            "older ones were garbage-collected, see sync.keep_keyframes)"
+        )
     subscriber = Subscriber(_StoreAsOf(store, version), config, name=f"load-{version}")
     if subscriber.poll() != version:
         problems = "; ".join(f"{v}: {why}" for v, why in subscriber.rejected.items()) or "a chunk is missing"

@@ -50,19 +50,30 @@ def drop_stale(groups: list[Group], index: int, config: StalenessConfig, window:
     return fresh
 
 
-def build_batch(index: int, groups: list[Group], window: Window, config: StalenessConfig,
-                weight_version: int | None, temperature: float = 1.0) -> Batch:  # fmt: skip
+def build_batch(
+    index: int,
+    groups: list[Group],
+    window: Window,
+    config: StalenessConfig,
+    weight_version: int | None,
+    temperature: float = 1.0,
+) -> Batch:
     """`temperature`: the rollouts' sampling temperature; other than 1 it goes with every row, so
     the trainer's logprobs are those of the distribution the tokens were drawn from."""
     samples = [sample for group in groups for sample in group.samples]
     histogram = StalenessHistogram(dropped=window.dropped_stale)
     filter_stale(samples, index, config, histogram)  # all fresh by now: this counts them per staleness
     meta = {
-        "index": index, "trainer_step": index, "weight_version": weight_version, "created": time.time(),
-        "staleness_histogram": histogram.metrics(), "groups": dict(window.groups),
+        "index": index,
+        "trainer_step": index,
+        "weight_version": weight_version,
+        "created": time.time(),
+        "staleness_histogram": histogram.metrics(),
+        "groups": dict(window.groups),
         "reward_mean": sum(window.rewards) / len(window.rewards) if window.rewards else None,
-        "samples": len(samples), "rollouts": sum(group.rollouts for group in groups),
-    }  # fmt: skip
+        "samples": len(samples),
+        "rollouts": sum(group.rollouts for group in groups),
+    }
     batch = collate(samples, meta=meta, temperatures=None if temperature == 1.0 else [temperature] * len(samples))
     batch.meta["loss_tokens"] = batch.num_loss_tokens
     return batch

@@ -17,7 +17,9 @@ def _group() -> None:
 
 @app.command()
 def orchestrator(
-    config: Path | None = typer.Argument(None, help="TOML file of OrchestratorConfig fields (optional: fields it leaves out keep their defaults)."),
+    config: Path | None = typer.Argument(
+        None, help="TOML file of OrchestratorConfig fields (optional: fields it leaves out keep their defaults)."
+    ),
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. group_size=4."),
 ) -> None:
     """Run rollouts of the task set on the servers and put batches in the batch store, never more

@@ -70,7 +70,9 @@ class OrchestratorConfig(Config):
         sampling = self.harness.sampling
         if sampling.temperature == 0 or sampling.top_p < 1 or sampling.top_k:
             # the trainer reproduces logits / T, not a distribution cut down to its top tokens
-            raise ValueError(f"harness.sampling: RL trains on the sampled distribution, so it needs temperature > 0 "
-                             f"and no truncation (top_p = 1, top_k = 0); got temperature {sampling.temperature}, "
-                             f"top_p {sampling.top_p}, top_k {sampling.top_k}")
+            raise ValueError(
+                f"harness.sampling: RL trains on the sampled distribution, so it needs temperature > 0 "
+                f"and no truncation (top_p = 1, top_k = 0); got temperature {sampling.temperature}, "
+                f"top_p {sampling.top_p}, top_k {sampling.top_k}"
+            )
         return self

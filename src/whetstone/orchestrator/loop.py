@@ -80,8 +80,9 @@ class Orchestrator:
         self._last_put = -1
         """Index of the newest batch in the batch store or being written there (by this run or an
         earlier one)."""
-        self._mode: AsynchronousGate | SynchronousGate = (SynchronousGate(self) if config.synchronous
-                                                          else AsynchronousGate(self))  # fmt: skip
+        self._mode: AsynchronousGate | SynchronousGate = (
+            SynchronousGate(self) if config.synchronous else AsynchronousGate(self)
+        )
         """What the mode decides: how far batches run ahead, when groups start, what opens a batch."""
         self._changed = asyncio.Condition()
         self._gate = asyncio.Semaphore(config.rollout.concurrency)
@@ -99,21 +100,27 @@ class Orchestrator:
         each batch's meta as it is put."""
         config = self.config
         asyncio.get_running_loop().set_default_executor(
-            ThreadPoolExecutor(config.rollout.concurrency + 4, thread_name_prefix="rollout"))  # fmt: skip
+            ThreadPoolExecutor(config.rollout.concurrency + 4, thread_name_prefix="rollout")
+        )
         tasks = self.tasks if self.tasks is not None else await asyncio.to_thread(self._load_tasks)
         if not tasks:
             raise WhetstoneError(f"no usable task in tasks.source = {config.tasks.source!r}")
         harness = AgentHarness.from_config(config.harness)
         await self._wait_for_trainer(0)
         self.pool = pool = await ServerPool.connect(
-            config.servers, config.endpoint, health_interval_s=config.health_interval_s,
-            no_server_timeout_s=config.no_server_timeout_s, min_version=self._oldest_useful_version,
-        )  # fmt: skip
+            config.servers,
+            config.endpoint,
+            health_interval_s=config.health_interval_s,
+            no_server_timeout_s=config.no_server_timeout_s,
+            min_version=self._oldest_useful_version,
+        )
         metrics = MetricsWriter(config.metrics_path) if config.metrics_path else None
         index = next_batch_index(self.batches)
         self._last_put = index - 1
-        background = [asyncio.create_task(self._produce(tasks, harness, pool), name="producer"),
-                      *self._mode.background(pool)]
+        background = [
+            asyncio.create_task(self._produce(tasks, harness, pool), name="producer"),
+            *self._mode.background(pool),
+        ]
         for task in background:
             task.add_done_callback(self._note_failure)
         try:
@@ -227,8 +234,10 @@ class Orchestrator:
         for number, task in enumerate(self._task_stream(tasks)):
             if self._validity.get(task.id) is not None:  # known invalid
                 if self.invalid_tasks == len(tasks):
-                    self._failure = WhetstoneError(f"none of the {len(tasks)} tasks of {self.config.tasks.source!r} "
-                                                   f"validates (e.g. {task.id}: {self._validity[task.id]})")
+                    self._failure = WhetstoneError(
+                        f"none of the {len(tasks)} tasks of {self.config.tasks.source!r} "
+                        f"validates (e.g. {task.id}: {self._validity[task.id]})"
+                    )
                     await self._notify()
                     return
                 continue
@@ -303,9 +312,12 @@ class Orchestrator:
         self._fruitless_groups += 1
         if self._fruitless_groups % (FRUITLESS_WARNING_GROUPS * self.config.groups_per_batch) == 0:
             reasons = ", ".join(f"{reason} {count}" for reason, count in self._fruitless_drops.items() if count)
-            log.warning("the last %d groups gave nothing to train on (rollouts dropped: %s); the next batch waits for "
-                        "groups with reward variance: are the tasks all too easy or too hard for the policy?",
-                        self._fruitless_groups, reasons or "none")  # fmt: skip
+            log.warning(
+                "the last %d groups gave nothing to train on (rollouts dropped: %s); the next batch waits for "
+                "groups with reward variance: are the tasks all too easy or too hard for the policy?",
+                self._fruitless_groups,
+                reasons or "none",
+            )
 
     # -- batches ----------------------------------------------------------------------------------
 
@@ -314,13 +326,16 @@ class Orchestrator:
         version): index - max_off_policy_steps, or index itself in synchronous mode."""
         ahead = self._mode.trainer_lead
         if self._following:  # the follower reads the weight store already: wait for it to say
+
             def published() -> bool:
                 latest = self.latest_version
                 return self._failure is not None or (latest is not None and latest >= index - ahead)
 
             async with self._changed:
                 if not published():
-                    log.info("batch %d waits for the trainer to publish weight version %d", index, max(0, index - ahead))
+                    log.info(
+                        "batch %d waits for the trainer to publish weight version %d", index, max(0, index - ahead)
+                    )
                     await self._changed.wait_for(published)
             if self._failure is not None:
                 raise self._failure
@@ -341,13 +356,19 @@ class Orchestrator:
         await self._wait_for_trainer(index)
         await self._mode.open_batch(index)
         groups, window = await self._take_groups(index)
-        batch = build_batch(index, groups, window, self.config.staleness, self.latest_version,
-                            self.config.harness.sampling.temperature)  # fmt: skip
+        batch = build_batch(
+            index, groups, window, self.config.staleness, self.latest_version, self.config.harness.sampling.temperature
+        )
         await asyncio.to_thread(put_batch, self.batches, index, batch)
         self.put.append(index)
         meta = batch.meta
-        log.info("put batch %d: %d samples from %d rollouts, reward %.3f", index, meta["samples"], meta["rollouts"],
-                 meta["reward_mean"] or 0.0)  # fmt: skip
+        log.info(
+            "put batch %d: %d samples from %d rollouts, reward %.3f",
+            index,
+            meta["samples"],
+            meta["rollouts"],
+            meta["reward_mean"] or 0.0,
+        )
         return meta
 
     async def _take_groups(self, index: int) -> tuple[list[Group], Window]:
@@ -444,12 +465,18 @@ class SynchronousGate:
         while True:
             live = [server for server in pool.servers if server.alive]
             healths = await asyncio.gather(*(pool.health(server) for server in live))
-            behind = [f"{server.url} ({health.get('weight_version')})" for server, health in zip(live, healths)
-                      if health is not None and isinstance(health.get("weight_version"), int)
-                      and health["weight_version"] < version]  # fmt: skip
+            behind = [
+                f"{server.url} ({health.get('weight_version')})"
+                for server, health in zip(live, healths)
+                if health is not None
+                and isinstance(health.get("weight_version"), int)
+                and health["weight_version"] < version
+            ]
             if not behind:
                 return
             if time.monotonic() > deadline:
-                raise WhetstoneError(f"servers still behind weight version {version} after "
-                                     f"{config.no_server_timeout_s:g} s: {', '.join(behind)}")
+                raise WhetstoneError(
+                    f"servers still behind weight version {version} after "
+                    f"{config.no_server_timeout_s:g} s: {', '.join(behind)}"
+                )
             await asyncio.sleep(config.poll_interval_s)

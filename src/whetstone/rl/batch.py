@@ -74,8 +74,13 @@ class Batch:
         parts = {name: getattr(self, name)[index, :length] for name in TENSOR_FIELDS}
         routes = None if self.routes is None else self.routes[index, :length]
         temperatures = None if self.temperatures is None else self.temperatures[index]
-        return Batch(**parts, routes=routes, temperatures=temperatures,
-                     rows=[self.rows[r] for r in rows] if self.rows else [], meta=self.meta)  # fmt: skip
+        return Batch(
+            **parts,
+            routes=routes,
+            temperatures=temperatures,
+            rows=[self.rows[r] for r in rows] if self.rows else [],
+            meta=self.meta,
+        )
 
 
 def shuffled_parts(batch: Batch, parts: int, seed: int) -> list[Batch]:
@@ -86,15 +91,18 @@ def shuffled_parts(batch: Batch, parts: int, seed: int) -> list[Batch]:
     return [batch.select(order[i::parts]) for i in range(parts)]
 
 
-def collate(samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None = None,
-            temperatures: list[float] | None = None) -> Batch:  # fmt: skip
+def collate(
+    samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None = None, temperatures: list[float] | None = None
+) -> Batch:
     """Right-pad samples into one batch (all with routes, or all without). `temperatures`: each
     sample's sampling temperature (default: 1 for every row, as rollouts are sampled)."""
     if not samples:
         raise WhetstoneError("cannot collate an empty list of samples")
     if temperatures is not None and (len(temperatures) != len(samples) or not all(t > 0 for t in temperatures)):
-        raise WhetstoneError(f"need one temperature > 0 per sample: got {len(temperatures)} for {len(samples)} "
-                             f"samples, smallest {min(temperatures, default=None)}")
+        raise WhetstoneError(
+            f"need one temperature > 0 per sample: got {len(temperatures)} for {len(samples)} "
+            f"samples, smallest {min(temperatures, default=None)}"
+        )
     with_routes = [s.routes is not None for s in samples]
     if any(with_routes) and not all(with_routes):
         raise WhetstoneError(
@@ -126,10 +134,16 @@ def collate(samples: list[Sample], pad_id: int = 0, meta: dict[str, Any] | None 
         batch.advantages[row, :n] = sample.advantage
         if batch.routes is not None:
             batch.routes[row, :n] = sample.routes
-        batch.rows.append({
-            "task_id": sample.task_id, "group_id": sample.group_id, "reward": sample.reward,
-            "advantage": sample.advantage, "oldest_version": sample.oldest_version, "num_positions": n,
-        })  # fmt: skip
+        batch.rows.append(
+            {
+                "task_id": sample.task_id,
+                "group_id": sample.group_id,
+                "reward": sample.reward,
+                "advantage": sample.advantage,
+                "oldest_version": sample.oldest_version,
+                "num_positions": n,
+            }
+        )
     return batch
 
 
@@ -157,8 +171,9 @@ def batch_from_bytes(data: bytes, source: str = "batch") -> Batch:
     if missing:
         raise WhetstoneError(f"{source} lacks tensors {missing}")
     optional = {name: tensors.get(name) for name in OPTIONAL_FIELDS}
-    return Batch(**{name: tensors[name] for name in TENSOR_FIELDS}, **optional, rows=header["rows"],
-                 meta=header["meta"])  # fmt: skip
+    return Batch(
+        **{name: tensors[name] for name in TENSOR_FIELDS}, **optional, rows=header["rows"], meta=header["meta"]
+    )
 
 
 def _header(data: bytes) -> dict[str, Any]:

@@ -17,8 +17,11 @@ def batch_key(index: int) -> str:
 
 def next_batch_index(store: ObjectStore) -> int:
     """One past the newest batch in the store: a restarted orchestrator continues the sequence."""
-    indices = [int(key.removeprefix(BATCH_PREFIX).removesuffix(".batch")) for key in store.list(BATCH_PREFIX)
-               if key.endswith(".batch")]  # fmt: skip
+    indices = [
+        int(key.removeprefix(BATCH_PREFIX).removesuffix(".batch"))
+        for key in store.list(BATCH_PREFIX)
+        if key.endswith(".batch")
+    ]
     return max(indices, default=-1) + 1
 
 

@@ -51,17 +51,28 @@ def load_demos(path: str | Path, tokenizer: Tokenizer, max_positions: int = 0) -
                 raise TypeError("'messages' is not a list of objects")
             encoded = encode_chat(tokenizer, messages)
         except (json.JSONDecodeError, KeyError, TypeError, WhetstoneError) as err:
-            raise WhetstoneError(f"{where}: not a demonstration ({{\"messages\": [...]}}): {err}") from None
+            raise WhetstoneError(f'{where}: not a demonstration ({{"messages": [...]}}): {err}') from None
         positions = len(encoded.ids) - 1
         if not any(encoded.assistant_mask[1:]):
             raise WhetstoneError(f"{where}: the transcript has no assistant tokens to train on")
         if max_positions and positions > max_positions:
             continue
-        demos.append(Sample(encoded.ids, [int(m) for m in encoded.assistant_mask[1:]], [0.0] * positions,
-                            [NOT_GENERATED] * positions, routes=None, reward=0.0, task_id=f"demo:{number}"))
+        demos.append(
+            Sample(
+                encoded.ids,
+                [int(m) for m in encoded.assistant_mask[1:]],
+                [0.0] * positions,
+                [NOT_GENERATED] * positions,
+                routes=None,
+                reward=0.0,
+                task_id=f"demo:{number}",
+            )
+        )
     if not demos:
-        raise WhetstoneError(f"demonstrations file {path} has no transcript to train on"
-                             + (f" of at most {max_positions} positions" if max_positions else ""))
+        raise WhetstoneError(
+            f"demonstrations file {path} has no transcript to train on"
+            + (f" of at most {max_positions} positions" if max_positions else "")
+        )
     return demos
 
 

@@ -103,13 +103,17 @@ class LossStats:
     @staticmethod
     def merge(parts: list["LossStats"]) -> "LossStats":
         return LossStats(
-            tokens=sum(p.tokens for p in parts), clipped=sum(p.clipped for p in parts),
-            masked=sum(p.masked for p in parts), truncated=sum(p.truncated for p in parts),
+            tokens=sum(p.tokens for p in parts),
+            clipped=sum(p.clipped for p in parts),
+            masked=sum(p.masked for p in parts),
+            truncated=sum(p.truncated for p in parts),
             forking_dropped=sum(p.forking_dropped for p in parts),
-            mismatch_k3=sum(p.mismatch_k3 for p in parts), ref_k3=sum(p.ref_k3 for p in parts),
-            entropy=sum(p.entropy for p in parts), scale_gradient=sum(p.scale_gradient for p in parts),
+            mismatch_k3=sum(p.mismatch_k3 for p in parts),
+            ref_k3=sum(p.ref_k3 for p in parts),
+            entropy=sum(p.entropy for p in parts),
+            scale_gradient=sum(p.scale_gradient for p in parts),
             abs_diff=torch.cat([p.abs_diff for p in parts]) if parts else torch.zeros(0),
-        )  # fmt: skip
+        )
 
     def metrics(self) -> dict[str, float]:
         n, diff = max(self.tokens, 1), self.abs_diff.double()
@@ -160,8 +164,9 @@ class LossInputs:
     """The policy's next-token entropies (needed when `entropy_coef` ≠ 0 or `forking_fraction` < 1)."""
 
 
-def policy_loss(inputs: LossInputs, config: LossConfig,
-                normalizer: int | None = None) -> tuple[torch.Tensor, LossStats]:
+def policy_loss(
+    inputs: LossInputs, config: LossConfig, normalizer: int | None = None
+) -> tuple[torch.Tensor, LossStats]:
     """(loss, stats) for one micro-batch.
 
     `normalizer`: N of the whole optimizer step (default: this micro-batch's `step_normalizer`).
@@ -206,21 +211,41 @@ def policy_loss(inputs: LossInputs, config: LossConfig,
     with torch.no_grad():
         diff = log_ratio.detach()[trained]
         stats = LossStats(
-            tokens=int(trained.sum()), clipped=int(clipped.sum()), masked=int(masked.sum()),
-            truncated=int(truncated.sum()), forking_dropped=int(forking_dropped.sum()), abs_diff=diff.abs().cpu(),
+            tokens=int(trained.sum()),
+            clipped=int(clipped.sum()),
+            masked=int(masked.sum()),
+            truncated=int(truncated.sum()),
+            forking_dropped=int(forking_dropped.sum()),
+            abs_diff=diff.abs().cpu(),
             mismatch_k3=float(k3(behavior[trained], logprobs32.detach()[trained]).sum()),
-        )  # fmt: skip
+        )
         if entropy is not None:
             stats.entropy = float(entropy.detach().float()[trained].sum())
-            stats.scale_gradient = _scale_gradient(logprobs32.detach(), entropy.detach().float(), detached, advantages,
-                                                   lengths, kept & ~forking_dropped, config, denominator)  # fmt: skip
+            stats.scale_gradient = _scale_gradient(
+                logprobs32.detach(),
+                entropy.detach().float(),
+                detached,
+                advantages,
+                lengths,
+                kept & ~forking_dropped,
+                config,
+                denominator,
+            )
         if ref_logprobs is not None:
             stats.ref_k3 = float(k3(logprobs32.detach()[trained], ref_logprobs.float()[trained]).sum())
     return loss, stats
 
 
-def _scale_gradient(logprobs: torch.Tensor, entropy: torch.Tensor, ratio: torch.Tensor, advantages: torch.Tensor,
-                    lengths: torch.Tensor, kept: torch.Tensor, config: LossConfig, denominator: int) -> float:
+def _scale_gradient(
+    logprobs: torch.Tensor,
+    entropy: torch.Tensor,
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    lengths: torch.Tensor,
+    kept: torch.Tensor,
+    config: LossConfig,
+    denominator: int,
+) -> float:
     """The policy-gradient term's derivative along the logits' log-scale s, at the current s.
 
     With logits v scaled by e^s, d logπ(a)/ds = v_a − E_π[v] = logπ(a) + H(π): no backward needed.
@@ -235,8 +260,9 @@ def _scale_gradient(logprobs: torch.Tensor, entropy: torch.Tensor, ratio: torch.
     return float(_aggregate(per_token.double(), kept, lengths, config, denominator))
 
 
-def _aggregate(per_token: torch.Tensor, kept: torch.Tensor, lengths: torch.Tensor, config: LossConfig,
-               denominator: int) -> torch.Tensor:
+def _aggregate(
+    per_token: torch.Tensor, kept: torch.Tensor, lengths: torch.Tensor, config: LossConfig, denominator: int
+) -> torch.Tensor:
     """Σ over the kept tokens of `per_token` (divided by its row's trained length under sequence
     aggregation), over the step's `denominator`: how the loss and the scale's gradient add up."""
     if config.aggregation == "sequence":

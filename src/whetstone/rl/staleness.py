@@ -41,8 +41,9 @@ class StalenessHistogram:
         return out
 
 
-def filter_stale(samples: list[Sample], trainer_version: int, config: StalenessConfig,
-                 histogram: StalenessHistogram | None = None) -> list[Sample]:  # fmt: skip
+def filter_stale(
+    samples: list[Sample], trainer_version: int, config: StalenessConfig, histogram: StalenessHistogram | None = None
+) -> list[Sample]:
     """The samples within the bound, in order; counts kept and dropped ones into `histogram`."""
     histogram = histogram if histogram is not None else StalenessHistogram()
     fresh = []

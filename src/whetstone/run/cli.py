@@ -10,10 +10,16 @@ import typer
 
 def run(
     config: Path | None = typer.Argument(None, help="TOML file of run fields (default: the embedded default)."),
-    overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. midtrain.run.steps=50."),
+    overrides: list[str] = typer.Option(
+        [], "--set", "-s", help="Override a field: KEY=VALUE, e.g. midtrain.run.steps=50."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
-    dry_run: bool = typer.Option(False, "--dry-run", help="Check the config (paths, task sources, cores, run folder) "
-                                 "and print it as the stages would run it, as TOML; run nothing."),
+    dry_run: bool = typer.Option(
+        False,
+        "--dry-run",
+        help="Check the config (paths, task sources, cores, run folder) "
+        "and print it as the stages would run it, as TOML; run nothing.",
+    ),
 ) -> None:
     """Mid-train, then asynchronous RL (servers, trainer, orchestrator as processes) with held-out
     evaluations before and after, into runs/<name>/ (summary.json, report.html, model/)."""
@@ -35,8 +41,10 @@ def run(
     midtrain = summary["stages"]["midtrain"]
     typer.echo(f"run folder       {summary['run_dir']}   ({summary['wall_s']:.0f} s)")
     if midtrain["val_loss"] is not None:
-        typer.echo(f"validation loss  {midtrain['val_loss']:.3f} nats/token   "
-                   f"unigram entropy {midtrain['unigram_entropy']:.3f} nats/token")  # fmt: skip
+        typer.echo(
+            f"validation loss  {midtrain['val_loss']:.3f} nats/token   "
+            f"unigram entropy {midtrain['unigram_entropy']:.3f} nats/token"
+        )
     before, after = summary["heldout_pass1_before"], summary["heldout_pass1_after"]
     if before is not None and after is not None:
         typer.echo(f"held-out pass@1  {before:.3f} -> {after:.3f}  ({100 * (after - before):+.1f} points)")

@@ -15,12 +15,12 @@ from typing import Literal
 from pydantic import Field, ValidationError, model_validator
 
 from whetstone.config import Config, format_validation_error
-from whetstone.errors import ConfigError
 from whetstone.data import CorpusConfig
 from whetstone.envs.eval.config import EvalConfig
 from whetstone.envs.harness import HarnessConfig, RolloutConfig
 from whetstone.envs.tasks import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
+from whetstone.errors import ConfigError
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.midtrain.config import MidtrainConfig, RunConfig
 from whetstone.orchestrator.config import OrchestratorConfig
@@ -50,9 +50,13 @@ class RLConfig(Config):
     """Optimizer steps (= batches) of the RL stage. 16: more steps gained no more held-out pass@1
     and waited longer for groups not all solved (figures: docs/run.md)."""
     trainer: TrainerConfig = TrainerConfig(
-        checkpoint_interval=4, optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
-        optimizer_steps_per_batch=4, loss=LossConfig(aggregation="sequence"), logit_scale_lr=0.03, demo_coef=4.0,
-    )  # fmt: skip
+        checkpoint_interval=4,
+        optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
+        optimizer_steps_per_batch=4,
+        loss=LossConfig(aggregation="sequence"),
+        logit_scale_lr=0.03,
+        demo_coef=4.0,
+    )
     """The trainer (its paths are set by the pipeline; `max_steps` = `steps`): four optimizer
     steps per batch; a per-sample loss mean, since failed rollouts ramble and under a token mean
     outweigh the solved ones; the learned logit scale (`logit_scale_lr`, rl/logit_scale.py), since
@@ -62,9 +66,11 @@ class RLConfig(Config):
     Figures behind each value: docs/experiments.md."""
     orchestrator: OrchestratorConfig = OrchestratorConfig(
         tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1, min_difficulty=2)),
-        rollout=RolloutConfig(concurrency=12), group_size=8, groups_per_batch=4,
+        rollout=RolloutConfig(concurrency=12),
+        group_size=8,
+        groups_per_batch=4,
         advantages=AdvantageConfig(negative_weight=0.2),
-    )  # fmt: skip
+    )
     """The orchestrator (its servers, stores and metrics path are set by the pipeline). RL trains on
     two-step train tasks only: one-step tasks came back all solved and dropped more often, so
     batches waited longer. Negative advantages count a fifth (`advantages.negative_weight`):
@@ -114,17 +120,22 @@ class PipelineConfig(Config):
     changed, or `misread`, another task's solution (the instruction read wrong; envs/tasks/
     demonstrations.py)."""
     midtrain: MidtrainConfig = MidtrainConfig(
-        data=CorpusConfig(demo_weight=0.8, seq_len=384), optimizer=OptimizerConfig(lr=6e-3),
+        data=CorpusConfig(demo_weight=0.8, seq_len=384),
+        optimizer=OptimizerConfig(lr=6e-3),
         run=RunConfig(steps=3000, max_wall_time=0),
-    )  # fmt: skip
+    )
     """Stage 1: mid-training on the code corpus plus the demonstrations (most rows are
     demonstrations, each row long enough for one whole transcript). 3000 steps: the model learns
     to read the instruction late (~2% held-out pass@1 at 700 steps, ~48% at 2000), and fewer steps
     leave the base at the mercy of the machine's rounding. On a slow CPU lower `run.steps`
     (timings: docs/run.md)."""
     harness: HarnessConfig = HarnessConfig(
-        max_turns=4, max_turn_tokens=160, max_tool_tokens=256, summary_tokens=64, train_cut_off_calls=True,
-    )  # fmt: skip
+        max_turns=4,
+        max_turn_tokens=160,
+        max_tool_tokens=256,
+        summary_tokens=64,
+        train_cut_off_calls=True,
+    )
     """The agent loop of every rollout, in RL and in both evaluations (the same on purpose). Calls
     cut off by the token budget are trained: masked, their rambling was never penalised and RL
     collapsed into it (measured: held-out pass@1 0.425 -> 0.017)."""
@@ -133,9 +144,11 @@ class PipelineConfig(Config):
     rl: RLConfig = RLConfig()
     """Stage 2: asynchronous RL."""
     eval: EvalConfig = EvalConfig(
-        tasks=TasksConfig(synth=SynthConfig(split="heldout", count=200, seed=0)), samples=2, k=[1, 2],
+        tasks=TasksConfig(synth=SynthConfig(split="heldout", count=200, seed=0)),
+        samples=2,
+        k=[1, 2],
         rollout=RolloutConfig(concurrency=12),
-    )  # fmt: skip
+    )
     """Held-out evaluation before and after RL (endpoint, harness and output folder are set by
     the pipeline): 200 tasks x 2 rollouts, ~40 s each on 2 cores; a smaller set flattered or
     hid RL's gain by several points, depending on the draw of tasks."""
@@ -148,8 +161,10 @@ class PipelineConfig(Config):
     def _anchor_has_demos(self) -> "PipelineConfig":
         trainer = self.rl.trainer
         if self.rl_enabled and trainer.demo_coef > 0 and not trainer.demos_path and not self.demos.count:
-            raise ValueError("rl.trainer.demo_coef > 0 anchors RL to the mid-training demonstrations, but demos.count "
-                             "is 0: set demos.count or rl.trainer.demos_path")
+            raise ValueError(
+                "rl.trainer.demo_coef > 0 anchors RL to the mid-training demonstrations, but demos.count "
+                "is 0: set demos.count or rl.trainer.demos_path"
+            )
         return self
 
     @property
@@ -174,11 +189,21 @@ class PipelineConfig(Config):
         sync = {**data["rl"]["trainer"]["sync"], "store": str(run_dir / "weights")}
         data["midtrain"]["run"].update(output_dir=str(run_dir), name="midtrain")
         data["servers"]["serve"].update(model_path=model, sync=sync, weight_version=0)
-        data["rl"]["trainer"].update(model_path=model, batch_store=str(run_dir / "batches"), sync=sync,
-                                     output_dir=str(run_dir / "trainer"), max_steps=self.rl.steps, idle_timeout=0.0)  # fmt: skip
-        data["rl"]["orchestrator"].update(harness=data["harness"], batch_store=str(run_dir / "batches"),
-                                          weight_store=str(run_dir / "weights"), max_batches=self.rl.steps,
-                                          metrics_path=str(run_dir / "orchestrator" / "metrics.jsonl"))  # fmt: skip
+        data["rl"]["trainer"].update(
+            model_path=model,
+            batch_store=str(run_dir / "batches"),
+            sync=sync,
+            output_dir=str(run_dir / "trainer"),
+            max_steps=self.rl.steps,
+            idle_timeout=0.0,
+        )
+        data["rl"]["orchestrator"].update(
+            harness=data["harness"],
+            batch_store=str(run_dir / "batches"),
+            weight_store=str(run_dir / "weights"),
+            max_batches=self.rl.steps,
+            metrics_path=str(run_dir / "orchestrator" / "metrics.jsonl"),
+        )
         data["eval"].update(harness=data["harness"], output_dir=str(run_dir / "eval"))
         data["eval"]["tasks"]["validation_cache"] = str(run_dir / "eval" / "validation.json")
         if servers is not None:
@@ -186,4 +211,6 @@ class PipelineConfig(Config):
         try:
             return type(self).model_validate(data)
         except ValidationError as err:
-            raise ConfigError(format_validation_error(err, "the run config with its top-level sections applied")) from None
+            raise ConfigError(
+                format_validation_error(err, "the run config with its top-level sections applied")
+            ) from None

@@ -43,8 +43,15 @@ class ServerSampler:
     With `cpu_groups` (not empty) and `cpu_path`, each round also records the CPU seconds each
     group has used so far (no cgroups here: no groups, and no `cpu_path` file)."""
 
-    def __init__(self, api_roots: list[str], path: str | Path, interval_s: float = 2.0, *,
-                 cpu_groups: dict[str, CpuGroup] | None = None, cpu_path: str | Path | None = None):  # fmt: skip
+    def __init__(
+        self,
+        api_roots: list[str],
+        path: str | Path,
+        interval_s: float = 2.0,
+        *,
+        cpu_groups: dict[str, CpuGroup] | None = None,
+        cpu_path: str | Path | None = None,
+    ):
         self.urls = [root.rstrip("/").removesuffix("/v1") + "/metrics" for root in api_roots]
         self.writer = MetricsWriter(path)
         self.cpu_groups = cpu_groups

@@ -53,8 +53,13 @@ def demo_source(config: PipelineConfig):
         from whetstone.envs.tasks.synth import generate
 
         tool_chars = config.harness.max_tool_tokens * CHARS_PER_TOKEN  # the harness's cut of tool outputs
-        return demonstrations(generate(config.demos), config.demo_recovery, tool_chars, seed=config.demos.seed,
-                              attempt=config.demo_recovery_attempt)
+        return demonstrations(
+            generate(config.demos),
+            config.demo_recovery,
+            tool_chars,
+            seed=config.demos.seed,
+            attempt=config.demo_recovery_attempt,
+        )
 
     return transcripts if config.demos.count else None
 
@@ -132,13 +137,29 @@ class Pipeline:
                     raise
                 log.debug("no CPU accounting for the %s side: cgroups are not writable here", side)
 
-    def start(self, name: str, command: str, config, *, threads: int, cpus: list[int], side: str,
-              health_url: str | None = None) -> RoleProcess:  # fmt: skip
+    def start(
+        self,
+        name: str,
+        command: str,
+        config,
+        *,
+        threads: int,
+        cpus: list[int],
+        side: str,
+        health_url: str | None = None,
+    ) -> RoleProcess:
         """Start role `name`; `side` (`trainer` or `rollout`) picks its CPU group."""
         self.open_cpu_groups()
         path = self.write_role_config(name, config)
-        role = RoleProcess(name, [command, str(path)], self.run_dir / "logs" / f"{name}.log", health_url=health_url,
-                           threads=threads, cpus=cpus, cpu_group=self.cpu_groups.get(side)).start()  # fmt: skip
+        role = RoleProcess(
+            name,
+            [command, str(path)],
+            self.run_dir / "logs" / f"{name}.log",
+            health_url=health_url,
+            threads=threads,
+            cpus=cpus,
+            cpu_group=self.cpu_groups.get(side),
+        ).start()
         self.roles.append(role)
         return role
 
@@ -153,16 +174,24 @@ class Pipeline:
         servers = self.config.servers
         # servers follow the weight store before the trainer's first publish, and a missing store is an error
         Path(self.config.rl.orchestrator.weight_store).mkdir(parents=True, exist_ok=True)
-        ports = ([servers.base_port + i for i in range(servers.count)] if servers.base_port
-                 else free_ports(servers.count))  # fmt: skip
+        ports = (
+            [servers.base_port + i for i in range(servers.count)] if servers.base_port else free_ports(servers.count)
+        )
         self.urls = [f"http://127.0.0.1:{port}/v1" for port in ports]
         self.config = self.config.resolved(self.urls)
         self.write_config()
         started = [
-            self.start(f"serve-{i}", "serve", self.serve_config(port), threads=servers.serve.threads or 1,
-                       cpus=self.config.placement.servers, side="rollout", health_url=f"http://127.0.0.1:{port}/health")
+            self.start(
+                f"serve-{i}",
+                "serve",
+                self.serve_config(port),
+                threads=servers.serve.threads or 1,
+                cpus=self.config.placement.servers,
+                side="rollout",
+                health_url=f"http://127.0.0.1:{port}/health",
+            )
             for i, port in enumerate(ports)
-        ]  # fmt: skip
+        ]
         for role in started:
             role.wait_healthy(servers.start_timeout_s)
 
@@ -180,10 +209,22 @@ class Pipeline:
         self.write_demos()
         trainer_config = self.trainer_config()
         placement = self.config.placement
-        trainer = self.start("trainer", "trainer", trainer_config, threads=trainer_config.threads or 1,
-                             cpus=placement.trainer, side="trainer")  # fmt: skip
-        orchestrator = self.start("orchestrator", "orchestrator", self.orchestrator_config(), threads=1,
-                                  cpus=placement.orchestrator, side="rollout")  # fmt: skip
+        trainer = self.start(
+            "trainer",
+            "trainer",
+            trainer_config,
+            threads=trainer_config.threads or 1,
+            cpus=placement.trainer,
+            side="trainer",
+        )
+        orchestrator = self.start(
+            "orchestrator",
+            "orchestrator",
+            self.orchestrator_config(),
+            threads=1,
+            cpus=placement.orchestrator,
+            side="rollout",
+        )
         trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
         batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
         done = 0
@@ -195,16 +236,24 @@ class Pipeline:
                 batch = last_record(batch_metrics)
                 versions = ",".join(str(int(s.get("weight_version", -1))) for s in self.sampler.latest.values())
                 finished = step.get("step", -1) + 1
-                bar.update(max(0, finished - done), batch=batch.get("index", "-"), reward=batch.get("reward_mean", 0.0),
-                           kl=step.get("mismatch_kl_k3", 0.0), servers=versions)  # fmt: skip
+                bar.update(
+                    max(0, finished - done),
+                    batch=batch.get("index", "-"),
+                    reward=batch.get("reward_mean", 0.0),
+                    kl=step.get("mismatch_kl_k3", 0.0),
+                    servers=versions,
+                )
                 done = max(done, finished)
         trainer.check()
         orchestrator.stop()
         self.wait_for_version(steps)
         records = read_metrics(trainer_metrics) if trainer_metrics.exists() else []
-        return {"steps": steps, "trainer_steps_logged": len(records),
-                "reward_first": records[0].get("reward_mean") if records else None,
-                "reward_last": records[-1].get("reward_mean") if records else None}  # fmt: skip
+        return {
+            "steps": steps,
+            "trainer_steps_logged": len(records),
+            "reward_first": records[0].get("reward_mean") if records else None,
+            "reward_last": records[-1].get("reward_mean") if records else None,
+        }
 
     def wait_for_version(self, version: int) -> None:
         """Until every server reports `version` (they follow the store on their own), as sampled."""
@@ -214,14 +263,21 @@ class Pipeline:
             if len(versions) == len(self.urls) and all(v == version for v in versions):
                 return
             if time.monotonic() > deadline:
-                raise WhetstoneError(f"servers did not reach weight version {version} within "
-                                     f"{self.config.rl.sync_timeout_s:g} s (they report {versions})")  # fmt: skip
+                raise WhetstoneError(
+                    f"servers did not reach weight version {version} within "
+                    f"{self.config.rl.sync_timeout_s:g} s (they report {versions})"
+                )
             time.sleep(0.5)
 
     def server_sampler(self, interval_s: float = 2.0) -> ServerSampler:
         """Samples of the servers' /metrics (`servers.jsonl`) and each side's CPU time (`cpu.jsonl`)."""
-        return ServerSampler(self.urls, self.run_dir / "servers.jsonl", interval_s, cpu_groups=self.cpu_groups,
-                             cpu_path=self.run_dir / "cpu.jsonl")  # fmt: skip
+        return ServerSampler(
+            self.urls,
+            self.run_dir / "servers.jsonl",
+            interval_s,
+            cpu_groups=self.cpu_groups,
+            cpu_path=self.run_dir / "cpu.jsonl",
+        )
 
     def stop_roles(self) -> None:
         for role in reversed(self.roles):
@@ -238,8 +294,8 @@ class Pipeline:
         logit scale RL learned (None when it learns none). After RL the policy is the trainer's
         last checkpoint, whose weights are the final version the servers were evaluated with (the
         scale folded into the final norm); without RL it is the mid-trained model."""
-        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint, load_weights
         from whetstone.model.hf import load_hf, save_hf
+        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint, load_weights
 
         target = self.run_dir / "model"
         if not self.config.rl_enabled:
@@ -248,7 +304,9 @@ class Pipeline:
             return target, None
         checkpoint = latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
         if checkpoint is None or checkpoint_step(checkpoint) != self.config.rl.steps:
-            raise WhetstoneError(f"no trainer checkpoint of step {self.config.rl.steps} to export (newest: {checkpoint})")
+            raise WhetstoneError(
+                f"no trainer checkpoint of step {self.config.rl.steps} to export (newest: {checkpoint})"
+            )
         model = load_hf(self.model_dir)  # the architecture; every weight is replaced below
         state = load_weights(checkpoint, model)
         save_hf(model, target, tokenizer_dir=self.model_dir)
@@ -264,7 +322,11 @@ class Pipeline:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.write_config()
         started = time.time()
-        summary: dict[str, Any] = {"run_dir": str(self.run_dir), "heldout_pass1_before": None, "heldout_pass1_after": None}
+        summary: dict[str, Any] = {
+            "run_dir": str(self.run_dir),
+            "heldout_pass1_before": None,
+            "heldout_pass1_after": None,
+        }
         try:
             stages: dict[str, Any] = {"midtrain": self.midtrain()}
             if config.rl_enabled:
@@ -278,8 +340,9 @@ class Pipeline:
         finally:
             self.stop_roles()  # and the CPU groups
         model, summary["final_logit_scale"] = self.export_policy()
-        summary.update(model=str(model), wall_s=time.time() - started, stages=stages,
-                       config=self.config.model_dump(mode="json"))  # fmt: skip
+        summary.update(
+            model=str(model), wall_s=time.time() - started, stages=stages, config=self.config.model_dump(mode="json")
+        )
         atomic_write_json(self.run_dir / "summary.json", summary)
         from whetstone.run.report import write_report
 

@@ -138,13 +138,18 @@ def staleness_plot(trainer: list[dict]) -> str | None:
     colors = matplotlib.colormaps["viridis"]
     for i, level in enumerate(levels):
         heights = [kept.get(level, 0.0) for _, kept, _ in rows]
-        axes.bar(steps, heights, width, bottom=bottom, color=colors(i / max(len(levels) - 1, 1)),
-                 label=f"{level} step{'s' if level != 1 else ''} stale")  # fmt: skip
+        axes.bar(
+            steps,
+            heights,
+            width,
+            bottom=bottom,
+            color=colors(i / max(len(levels) - 1, 1)),
+            label=f"{level} step{'s' if level != 1 else ''} stale",
+        )
         bottom = [b + h for b, h in zip(bottom, heights)]
     dropped = [d for _, _, d in rows]
     if any(dropped):
-        axes.bar(steps, dropped, width, bottom=bottom, color="none", edgecolor="grey", hatch="//",
-                 label="dropped")  # fmt: skip
+        axes.bar(steps, dropped, width, bottom=bottom, color="none", edgecolor="grey", hatch="//", label="dropped")
     axes.set_ylim(0, max(b + d for b, d in zip(bottom, dropped)) * 1.4)  # headroom: the legend sits above the bars
     _style(axes, "trainer step", "samples" if size == 1 else f"samples (mean of {size} steps)", legend=False)
     axes.legend(fontsize=7, ncol=min(len(levels) + 1, 5), loc="upper left")
@@ -171,8 +176,14 @@ def weight_sync_plot(trainer: list[dict], pauses: dict[int, list[tuple[float | N
         _not_recorded(sizes)
     if any(swaps.values()):
         for server, points in sorted(swaps.items()):
-            pause_axes.plot([v for v, _ in points], [p * 1e3 for _, p in points], ls="none", marker="o",
-                            markersize=4, label=f"server {server}")  # fmt: skip
+            pause_axes.plot(
+                [v for v, _ in points],
+                [p * 1e3 for _, p in points],
+                ls="none",
+                marker="o",
+                markersize=4,
+                label=f"server {server}",
+            )
         _style(pause_axes, "weight version swapped to", "swap pause (ms)")
     else:
         _not_recorded(pause_axes)

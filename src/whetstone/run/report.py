@@ -69,7 +69,8 @@ def _read_jsonl(path: Path) -> list[dict]:
 def load_run(run_dir: Path) -> RunRecords:
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.toml"
     return RunRecords(
-        name=run_dir.resolve().name, summary=_read_json(summary_path),
+        name=run_dir.resolve().name,
+        summary=_read_json(summary_path),
         summary_mtime=summary_path.stat().st_mtime if summary_path.is_file() else None,
         config_toml=_read_text(config_path),
         trainer=_read_jsonl(run_dir / "trainer" / "metrics.jsonl"),
@@ -78,7 +79,7 @@ def load_run(run_dir: Path) -> RunRecords:
         cpu=_read_jsonl(run_dir / "cpu.jsonl"),
         before=_read_json(run_dir / "eval" / "before" / "report.json"),
         after=_read_json(run_dir / "eval" / "after" / "report.json"),
-    )  # fmt: skip
+    )
 
 
 def pass_at_k(report: dict) -> dict[int, float]:
@@ -158,8 +159,11 @@ def cores_used(cpu: list[dict]) -> dict[str, float]:
     if len(timed) < 2 or timed[-1]["time"] <= timed[0]["time"]:
         return {}
     wall, first, last = timed[-1]["time"] - timed[0]["time"], timed[0]["cpu_s"], timed[-1]["cpu_s"]
-    return {side: (last[side] - first[side]) / wall for side in last
-            if number(last[side]) is not None and number(first.get(side)) is not None}  # fmt: skip
+    return {
+        side: (last[side] - first[side]) / wall
+        for side in last
+        if number(last[side]) is not None and number(first.get(side)) is not None
+    }
 
 
 def _mean(values: list[float]) -> float | None:
@@ -244,11 +248,13 @@ def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[t
         ("mean full version size", _bytes(_mean(_column(full, "delta_bytes")))),
         ("swap pauses seen", str(len(pause_ms)) if pauses else NOT_RECORDED),
         ("swap pause p50 / max", pause_spread),
-    ]  # fmt: skip
+    ]
     busy_rows = [(f"{role} busy", f"{fraction:.1%}") for role, fraction in busy.items()]
     cores = cores_used(run.cpu)
-    cpu_row = ("CPU used while the roles ran, trainer / rollout side (cores)",
-               " / ".join(f"{cores[side]:.2f}" for side in ("trainer", "rollout") if side in cores) or NOT_RECORDED)
+    cpu_row = (
+        "CPU used while the roles ran, trainer / rollout side (cores)",
+        " / ".join(f"{cores[side]:.2f}" for side in ("trainer", "rollout") if side in cores) or NOT_RECORDED,
+    )
     return rows + (busy_rows or [("busy fractions", NOT_RECORDED)]) + [cpu_row]
 
 
@@ -273,13 +279,18 @@ def _header(run: RunRecords) -> str:
         date = f"did not finish (no summary.json); report written {datetime.datetime.now():%Y-%m-%d %H:%M}"
     wall = number(run.summary.get("wall_s"))
     wall_text = NOT_RECORDED if wall is None else f"{wall:.0f} s ({wall / 60:.1f} min)"
-    return (f"<h1>whetstone run: {html.escape(run.name)}</h1>\n<p class='meta'>{date} · wall time {wall_text}</p>\n"
-            f"<p class='headline'>{headline}</p>")  # fmt: skip
+    return (
+        f"<h1>whetstone run: {html.escape(run.name)}</h1>\n<p class='meta'>{date} · wall time {wall_text}</p>\n"
+        f"<p class='headline'>{headline}</p>"
+    )
 
 
 def _section(title: str, image: str | None, reads: str) -> str:
-    body = (f"<img alt='{html.escape(title)}' src='data:image/png;base64,{image}'>" if image
-            else f"<p class='missing'>{NOT_RECORDED}</p>")  # fmt: skip
+    body = (
+        f"<img alt='{html.escape(title)}' src='data:image/png;base64,{image}'>"
+        if image
+        else f"<p class='missing'>{NOT_RECORDED}</p>"
+    )
     return f"<h2>{html.escape(title)}</h2>\n{body}\n<p class='reads'>{html.escape(reads)}</p>"
 
 
@@ -296,27 +307,52 @@ def _config(run: RunRecords) -> str:
 def render_report(run: RunRecords) -> str:
     pauses, busy = swap_pauses(run.servers), busy_fractions(run.trainer, run.servers)
     sections = [
-        _section("Reward", plots.reward_plot(run.trainer, run.orchestrator),
-                 "trainer/metrics.jsonl reward_mean per step; orchestrator/metrics.jsonl reward_mean per batch"),
-        _section("Held-out pass@k", plots.passk_plot(pass_at_k(run.before) or _summary_pass1(run, "before"),
-                                                     pass_at_k(run.after) or _summary_pass1(run, "after")),
-                 "eval/before/report.json and eval/after/report.json pass_at_k (else summary.json pass@1)"),
-        _section("Staleness", plots.staleness_plot(run.trainer),
-                 "trainer/metrics.jsonl staleness_histogram: samples per step by how many versions behind"),
-        _section("Weight sync", plots.weight_sync_plot(run.trainer, pauses),
-                 "trainer/metrics.jsonl version, delta_bytes, delta_kind; servers.jsonl rises of swap_pause_count "
-                 "(pause = swap_pause_last_s)"),
-        _section("Trainer–rollout mismatch", plots.mismatch_plot(run.trainer),
-                 "trainer/metrics.jsonl mismatch_kl_k3, routing_disagreement, routing_disagreement_tokens"),
-        _section("Busy fraction", plots.busy_plot(busy, trainer_busy_per_step(run.trainer)),
-                 "trainer: (train_s + publish_s) / (train_s + publish_s + wait_s); "
-                 "server: share of servers.jsonl samples with running_sequences > 0"),
-    ]  # fmt: skip
-    table = "\n".join(f"<tr><td>{html.escape(what)}</td><td>{html.escape(value)}</td></tr>"
-                      for what, value in key_figures(run, pauses, busy))  # fmt: skip
-    return (f"<!doctype html>\n<html><head><meta charset='utf-8'><title>whetstone run {html.escape(run.name)}</title>"
-            f"<style>{STYLE}</style></head><body>\n{_header(run)}\n" + "\n".join(sections)
-            + f"\n<h2>Key figures</h2>\n<table>{table}</table>\n{_config(run)}\n</body></html>\n")  # fmt: skip
+        _section(
+            "Reward",
+            plots.reward_plot(run.trainer, run.orchestrator),
+            "trainer/metrics.jsonl reward_mean per step; orchestrator/metrics.jsonl reward_mean per batch",
+        ),
+        _section(
+            "Held-out pass@k",
+            plots.passk_plot(
+                pass_at_k(run.before) or _summary_pass1(run, "before"),
+                pass_at_k(run.after) or _summary_pass1(run, "after"),
+            ),
+            "eval/before/report.json and eval/after/report.json pass_at_k (else summary.json pass@1)",
+        ),
+        _section(
+            "Staleness",
+            plots.staleness_plot(run.trainer),
+            "trainer/metrics.jsonl staleness_histogram: samples per step by how many versions behind",
+        ),
+        _section(
+            "Weight sync",
+            plots.weight_sync_plot(run.trainer, pauses),
+            "trainer/metrics.jsonl version, delta_bytes, delta_kind; servers.jsonl rises of swap_pause_count "
+            "(pause = swap_pause_last_s)",
+        ),
+        _section(
+            "Trainer–rollout mismatch",
+            plots.mismatch_plot(run.trainer),
+            "trainer/metrics.jsonl mismatch_kl_k3, routing_disagreement, routing_disagreement_tokens",
+        ),
+        _section(
+            "Busy fraction",
+            plots.busy_plot(busy, trainer_busy_per_step(run.trainer)),
+            "trainer: (train_s + publish_s) / (train_s + publish_s + wait_s); "
+            "server: share of servers.jsonl samples with running_sequences > 0",
+        ),
+    ]
+    table = "\n".join(
+        f"<tr><td>{html.escape(what)}</td><td>{html.escape(value)}</td></tr>"
+        for what, value in key_figures(run, pauses, busy)
+    )
+    return (
+        f"<!doctype html>\n<html><head><meta charset='utf-8'><title>whetstone run {html.escape(run.name)}</title>"
+        f"<style>{STYLE}</style></head><body>\n{_header(run)}\n"
+        + "\n".join(sections)
+        + f"\n<h2>Key figures</h2>\n<table>{table}</table>\n{_config(run)}\n</body></html>\n"
+    )
 
 
 def _summary_pass1(run: RunRecords, when: str) -> dict[int, float]:

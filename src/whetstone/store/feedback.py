@@ -28,7 +28,8 @@ from whetstone.errors import WhetstoneError
 metadata = sa.MetaData()
 
 responses = sa.Table(
-    "whetstone_responses", metadata,
+    "whetstone_responses",
+    metadata,
     sa.Column("response_id", sa.String(100), primary_key=True),
     sa.Column("choice", sa.Integer, primary_key=True),
     sa.Column("created", sa.Float, nullable=False, index=True),
@@ -43,19 +44,22 @@ responses = sa.Table(
     sa.Column("logprobs", sa.JSON, nullable=False),
     sa.Column("versions", sa.JSON, nullable=False),
     sa.Column("routes", sa.JSON, nullable=True),
-)  # fmt: skip
+)
 
 feedback = sa.Table(
-    "whetstone_feedback", metadata,
+    "whetstone_feedback",
+    metadata,
     sa.Column("seq", sa.Integer, primary_key=True, autoincrement=True),
     sa.Column("response_id", sa.String(100), nullable=False),
     sa.Column("choice", sa.Integer, nullable=False),
     sa.Column("rating", sa.String(20), nullable=False),
     sa.Column("score", sa.Float, nullable=True),
     sa.Column("created", sa.Float, nullable=False),
-    sa.ForeignKeyConstraint(["response_id", "choice"], ["whetstone_responses.response_id", "whetstone_responses.choice"]),
+    sa.ForeignKeyConstraint(
+        ["response_id", "choice"], ["whetstone_responses.response_id", "whetstone_responses.choice"]
+    ),
     sa.UniqueConstraint("response_id", "choice", name="one_feedback_per_choice"),
-)  # fmt: skip
+)
 
 
 class UnknownResponse(WhetstoneError):
@@ -168,15 +172,23 @@ class FeedbackStore:
         """Record one rating; returns its sequence number. Raises UnknownResponse or DuplicateFeedback."""
         try:
             with self.engine.begin() as db:
-                choices = db.execute(sa.select(responses.c.choice)
-                                     .where(responses.c.response_id == response_id)).scalars().all()  # fmt: skip
+                choices = (
+                    db.execute(sa.select(responses.c.choice).where(responses.c.response_id == response_id))
+                    .scalars()
+                    .all()
+                )
                 if not choices:
-                    raise UnknownResponse(f"no response {response_id!r} was recorded for feedback (unknown id, a "
-                                          "request that is not kept: see feedback.record, or pruned as too old)")
+                    raise UnknownResponse(
+                        f"no response {response_id!r} was recorded for feedback (unknown id, a "
+                        "request that is not kept: see feedback.record, or pruned as too old)"
+                    )
                 if choice not in choices:
                     raise UnknownResponse(f"response {response_id!r} has choices {sorted(choices)}, not {choice}")
-                result = db.execute(feedback.insert().values(response_id=response_id, choice=choice, rating=rating,
-                                                             score=score, created=time.time()))
+                result = db.execute(
+                    feedback.insert().values(
+                        response_id=response_id, choice=choice, rating=rating, score=score, created=time.time()
+                    )
+                )
         except IntegrityError:
             if self.response(response_id, choice) is None:  # the foreign key: pruned meanwhile
                 raise UnknownResponse(f"response {response_id!r} was pruned as too old") from None
@@ -186,20 +198,38 @@ class FeedbackStore:
     def count_after(self, seq: int) -> int:
         """Feedback events newer than `seq`."""
         with self.engine.connect() as db:
-            return int(db.execute(sa.select(sa.func.count()).select_from(feedback).where(feedback.c.seq > seq)).scalar())
+            return int(
+                db.execute(sa.select(sa.func.count()).select_from(feedback).where(feedback.c.seq > seq)).scalar()
+            )
 
     def rated_after(self, seq: int, limit: int) -> list[RatedResponse]:
         """The oldest `limit` feedback events newer than `seq`, each with its response."""
-        joined = feedback.join(responses, sa.and_(feedback.c.response_id == responses.c.response_id,
-                                                  feedback.c.choice == responses.c.choice))
-        query = (sa.select(feedback.c.seq, feedback.c.rating, feedback.c.score, feedback.c.created.label("rated_at"),
-                           *responses.c).select_from(joined).where(feedback.c.seq > seq)
-                 .order_by(feedback.c.seq).limit(limit))  # fmt: skip
+        joined = feedback.join(
+            responses,
+            sa.and_(feedback.c.response_id == responses.c.response_id, feedback.c.choice == responses.c.choice),
+        )
+        query = (
+            sa.select(
+                feedback.c.seq, feedback.c.rating, feedback.c.score, feedback.c.created.label("rated_at"), *responses.c
+            )
+            .select_from(joined)
+            .where(feedback.c.seq > seq)
+            .order_by(feedback.c.seq)
+            .limit(limit)
+        )
         with self.engine.connect() as db:
             rows = db.execute(query).mappings().all()
         fields = [c.name for c in responses.c]
-        return [RatedResponse(row["seq"], row["rating"], row["score"], row["rated_at"],
-                              ResponseRecord(**{name: row[name] for name in fields})) for row in rows]  # fmt: skip
+        return [
+            RatedResponse(
+                row["seq"],
+                row["rating"],
+                row["score"],
+                row["rated_at"],
+                ResponseRecord(**{name: row[name] for name in fields}),
+            )
+            for row in rows
+        ]
 
     def prune(self, before: float, consumed: int) -> tuple[int, int]:
         """Delete the responses created before `before` (a time.time()) whose feedback, if any,
@@ -209,23 +239,32 @@ class FeedbackStore:
         The newest feedback event stays, however old: SQLite numbers a new row max(seq) + 1, so
         deleting the newest would hand its seq out again, below the loop's cursor, and the loop
         would never read that event."""
-        same_choice = sa.and_(feedback.c.response_id == responses.c.response_id, feedback.c.choice == responses.c.choice)
+        same_choice = sa.and_(
+            feedback.c.response_id == responses.c.response_id, feedback.c.choice == responses.c.choice
+        )
         try:
             with self.engine.begin() as db:
                 newest = db.execute(sa.select(sa.func.max(feedback.c.seq))).scalar() or 0
                 read = feedback.c.seq <= min(consumed, newest - 1)
-                events = db.execute(feedback.delete().where(read, sa.exists().where(same_choice,
-                                                                                    responses.c.created < before)))
-                rows = db.execute(responses.delete().where(responses.c.created < before,
-                                                           ~sa.exists().where(same_choice)))  # fmt: skip
+                events = db.execute(
+                    feedback.delete().where(read, sa.exists().where(same_choice, responses.c.created < before))
+                )
+                rows = db.execute(
+                    responses.delete().where(responses.c.created < before, ~sa.exists().where(same_choice))
+                )
         except sa.exc.SQLAlchemyError as err:
             raise WhetstoneError(f"pruning {self!r} failed: {err}") from None
         return rows.rowcount, events.rowcount
 
     def response(self, response_id: str, choice: int = 0) -> ResponseRecord | None:
         with self.engine.connect() as db:
-            row = db.execute(sa.select(responses).where(responses.c.response_id == response_id,
-                                                        responses.c.choice == choice)).mappings().first()
+            row = (
+                db.execute(
+                    sa.select(responses).where(responses.c.response_id == response_id, responses.c.choice == choice)
+                )
+                .mappings()
+                .first()
+            )
         return None if row is None else ResponseRecord(**row)
 
 

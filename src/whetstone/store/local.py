@@ -20,8 +20,10 @@ class LocalStore(ObjectStore):
             self.root.mkdir(parents=True, exist_ok=True)
         elif not self.root.is_dir():
             what = "is not a directory" if self.root.exists() else "does not exist"
-            raise WhetstoneError(f"no store at {self.root}: the directory {what} (a mistyped path? "
-                                 "only commands that publish create a store)")
+            raise WhetstoneError(
+                f"no store at {self.root}: the directory {what} (a mistyped path? "
+                "only commands that publish create a store)"
+            )
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.root)!r})"

@@ -25,10 +25,13 @@ def local_s3(bucket: str = "whetstone", own_process: bool = False) -> Iterator[s
     """Run a moto server with `bucket` created; yields its endpoint URL."""
     from whetstone.store.s3 import S3Store
 
-    for name, value in [("AWS_ACCESS_KEY_ID", "local"), ("AWS_SECRET_ACCESS_KEY", "local"),
-                        ("AWS_DEFAULT_REGION", "us-east-1")]:
+    for name, value in [
+        ("AWS_ACCESS_KEY_ID", "local"),
+        ("AWS_SECRET_ACCESS_KEY", "local"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ]:
         os.environ.setdefault(name, value)
-    with (_moto_process() if own_process else _moto_thread()) as endpoint:
+    with _moto_process() if own_process else _moto_thread() as endpoint:
         S3Store(bucket, endpoint_url=endpoint).create_bucket()
         yield endpoint
 
@@ -52,8 +55,11 @@ def _moto_process(timeout: float = 60) -> Iterator[str]:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + timeout
         while True:

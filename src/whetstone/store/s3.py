@@ -62,7 +62,7 @@ class S3Store(ObjectStore):
         paginator = self._client.get_paginator("list_objects_v2")
         keys = []
         for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
-            keys.extend(item["Key"][len(self.prefix):] for item in page.get("Contents", []))
+            keys.extend(item["Key"][len(self.prefix) :] for item in page.get("Contents", []))
         return sorted(keys)
 
     def delete(self, key: str) -> None:

@@ -17,6 +17,15 @@ from whetstone.sync.update import TensorUpdate, WeightUpdate, apply_update, merg
 from whetstone.sync.weight_store import VersionExistsError, WeightStore
 
 __all__ = [
-    "Manifest", "Publisher", "RejectedVersion", "Subscriber", "SyncConfig", "TensorUpdate", "VersionExistsError",
-    "WeightStore", "WeightUpdate", "apply_update", "merge_updates",
+    "Manifest",
+    "Publisher",
+    "RejectedVersion",
+    "Subscriber",
+    "SyncConfig",
+    "TensorUpdate",
+    "VersionExistsError",
+    "WeightStore",
+    "WeightUpdate",
+    "apply_update",
+    "merge_updates",
 ]

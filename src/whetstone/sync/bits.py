@@ -14,7 +14,12 @@ import torch
 
 from whetstone.errors import WhetstoneError
 
-_INT_VIEW = {1: (torch.int8, np.int8), 2: (torch.int16, np.int16), 4: (torch.int32, np.int32), 8: (torch.int64, np.int64)}
+_INT_VIEW = {
+    1: (torch.int8, np.int8),
+    2: (torch.int16, np.int16),
+    4: (torch.int32, np.int32),
+    8: (torch.int64, np.int64),
+}
 
 # Dtypes sync can carry, by the name written in manifests.
 DTYPES: dict[str, torch.dtype] = {

@@ -33,8 +33,21 @@ import torch
 
 from whetstone.sync.bits import int_view, numpy_int_type
 from whetstone.sync.codec import (
-    FULL, SPARSE, XOR, CorruptDataError, Decoded, Encoded, apply_steps, decode_full, decode_sparse, decode_xor,
-    encode_full, encode_sparse, encode_xor, find_changes, step_codes,
+    FULL,
+    SPARSE,
+    XOR,
+    CorruptDataError,
+    Decoded,
+    Encoded,
+    apply_steps,
+    decode_full,
+    decode_sparse,
+    decode_xor,
+    encode_full,
+    encode_sparse,
+    encode_xor,
+    find_changes,
+    step_codes,
 )
 
 MAGIC = b"WSYNC3\n"
@@ -101,8 +114,16 @@ def encode_chunk(
         for block in _encode_deltas(runs, new, old, level):
             blocks.append(block)
             changed += block[1].count
-    header = [{"segments": [[s.tensor, s.start, s.stop] for s in segs], "encoding": coded.encoding,
-               "count": coded.count, "length": len(coded.payload), **coded.fields} for segs, coded in blocks]
+    header = [
+        {
+            "segments": [[s.tensor, s.start, s.stop] for s in segs],
+            "encoding": coded.encoding,
+            "count": coded.count,
+            "length": len(coded.payload),
+            **coded.fields,
+        }
+        for segs, coded in blocks
+    ]
     head = json.dumps({"blocks": header}, separators=(",", ":")).encode()
     return MAGIC + struct.pack("<I", len(head)) + head + b"".join(coded.payload for _, coded in blocks), changed
 
@@ -264,8 +285,9 @@ def _xor_pieces(segments, old: list[np.ndarray], flips: np.ndarray, count: int) 
     """As `_sparse_pieces`, the changed values of an xor block: where its bits flip."""
     positions = np.flatnonzero(flips)
     if positions.size != count:
-        raise CorruptDataError(f"xor block of tensor {segments[0].tensor!r} changes {positions.size} values, "
-                               f"its header says {count}")
+        raise CorruptDataError(
+            f"xor block of tensor {segments[0].tensor!r} changes {positions.size} values, its header says {count}"
+        )
     indices, cuts, values = _gather_old(segments, old, positions)
     values ^= flips.take(positions)
     return [(seg, Decoded(index, values[lo:hi])) for seg, index, lo, hi in zip(segments, indices, cuts, cuts[1:])]

@@ -51,11 +51,16 @@ def publish(
     weights, config = _open(store, endpoint_url, create=True, publish_dtype=dtype, keyframe_interval=keyframe_interval)
     publisher = Publisher(weights, config)
     if publisher.resume() is None and weights.latest() is not None:
-        typer.echo(f"version {weights.latest()} cannot be rebuilt (see the warning; `whetstone sync inspect "
-                   f"{store} --verify`): publishing a keyframe after it", err=True)
+        typer.echo(
+            f"version {weights.latest()} cannot be rebuilt (see the warning; `whetstone sync inspect "
+            f"{store} --verify`): publishing a keyframe after it",
+            err=True,
+        )
     manifest = publisher.publish(_load_state(checkpoint), full=full)
-    typer.echo(f"published version {manifest.version} ({manifest.kind}): {manifest.raw_bytes / 1e6:.2f} MB "
-               f"-> {manifest.encoded_bytes / 1e6:.3f} MB, {manifest.ratio:.1f}x, {manifest.changed} values changed")
+    typer.echo(
+        f"published version {manifest.version} ({manifest.kind}): {manifest.raw_bytes / 1e6:.2f} MB "
+        f"-> {manifest.encoded_bytes / 1e6:.3f} MB, {manifest.ratio:.1f}x, {manifest.changed} values changed"
+    )
 
 
 @app.command()
@@ -88,8 +93,10 @@ def watch(
                 shown.add(version)
                 typer.echo(f"rejected version {version}: {reason}", err=True)
         if update is not None:
-            typer.echo(f"version {before} -> {subscriber.version}: {update.values_written} values written, "
-                       f"fetched and decoded in {time.perf_counter() - started:.3f}s")
+            typer.echo(
+                f"version {before} -> {subscriber.version}: {update.values_written} values written, "
+                f"fetched and decoded in {time.perf_counter() - started:.3f}s"
+            )
             if save is not None:
                 with atomic_path(save) as tmp:
                     save_file({k: v.contiguous() for k, v in subscriber.state.items()}, str(tmp))
@@ -98,8 +105,10 @@ def watch(
         if deadline is not None and time.monotonic() >= deadline:
             if until is not None:
                 blocked = subscriber.blocked()
-                raise WhetstoneError(f"version {until} not reached within {timeout:g} s: holding {subscriber.version}, "
-                                     f"the store's latest is {subscriber.latest}" + (f"; {blocked}" if blocked else ""))
+                raise WhetstoneError(
+                    f"version {until} not reached within {timeout:g} s: holding {subscriber.version}, "
+                    f"the store's latest is {subscriber.latest}" + (f"; {blocked}" if blocked else "")
+                )
             return
         time.sleep(poll_interval)
 
@@ -107,8 +116,12 @@ def watch(
 @app.command()
 def inspect(
     store: str = STORE,
-    verify: bool = typer.Option(False, "--verify", help="Read every chunk of every version and check it (size, "
-                                "checksum, header) and each delta's base; exit non-zero naming what fails."),
+    verify: bool = typer.Option(
+        False,
+        "--verify",
+        help="Read every chunk of every version and check it (size, "
+        "checksum, header) and each delta's base; exit non-zero naming what fails.",
+    ),
     endpoint_url: str | None = ENDPOINT,
 ) -> None:
     """Print the version chain: kind, base, sizes and compression ratios (and with --verify, whether
@@ -134,9 +147,18 @@ def inspect(
             table.add_row(str(version), *["?"] * (len(columns) - 1), *(["BAD"] if verify else []))
             continue
         check = ["ok" if version not in problems else "BAD"] if verify else []
-        table.add_row(str(m.version), m.kind, "-" if m.base is None else str(m.base), str(m.keyframe),
-                      str(len(m.tensors)), f"{m.raw_bytes / 1e6:.2f}", f"{m.encoded_bytes / 1e6:.3f}",
-                      f"{m.ratio:.1f}x", f"{m.changed / max(1, m.elements):.2%}", *check)
+        table.add_row(
+            str(m.version),
+            m.kind,
+            "-" if m.base is None else str(m.base),
+            str(m.keyframe),
+            str(len(m.tensors)),
+            f"{m.raw_bytes / 1e6:.2f}",
+            f"{m.encoded_bytes / 1e6:.3f}",
+            f"{m.ratio:.1f}x",
+            f"{m.changed / max(1, m.elements):.2%}",
+            *check,
+        )
     console = Console(width=140)
     console.print(table)
     stored = sum(m.encoded_bytes for m in manifests.values())
@@ -146,9 +168,11 @@ def inspect(
             console.print(f"version {version}: {problem}", highlight=False, soft_wrap=True)
         first = min(problems)
         after = max((v for v in versions if v < first), default=-1) + 1
-        raise WhetstoneError(f"{len(problems)} of {len(versions)} versions in {store} cannot be taken "
-                             f"({_listed(sorted(problems))}); repair: `whetstone sync withdraw {store} --from {first}`, "
-                             f"then `whetstone sync publish {store} CHECKPOINT --full` (it takes version {after})")
+        raise WhetstoneError(
+            f"{len(problems)} of {len(versions)} versions in {store} cannot be taken "
+            f"({_listed(sorted(problems))}); repair: `whetstone sync withdraw {store} --from {first}`, "
+            f"then `whetstone sync publish {store} CHECKPOINT --full` (it takes version {after})"
+        )
     if verify:
         console.print(f"verified: every chunk of the {len(versions)} versions reads back intact")
 
@@ -171,9 +195,11 @@ def withdraw(
         raise WhetstoneError(f"no version {first} or newer in {store} to withdraw (stored versions: {shown})")
     withdrawn = weights.withdraw(first)
     latest = weights.latest()
-    typer.echo(f"withdrew versions {_listed(withdrawn)}; latest is now {latest if latest is not None else 'none'}. "
-               f"Publish a keyframe next: `whetstone sync publish {store} CHECKPOINT --full` "
-               f"(version {0 if latest is None else latest + 1})")
+    typer.echo(
+        f"withdrew versions {_listed(withdrawn)}; latest is now {latest if latest is not None else 'none'}. "
+        f"Publish a keyframe next: `whetstone sync publish {store} CHECKPOINT --full` "
+        f"(version {0 if latest is None else latest + 1})"
+    )
 
 
 def _listed(versions: list[int]) -> str:

@@ -158,8 +158,10 @@ def decode_sparse(
     except KeyError as missing:
         raise CorruptDataError(f"sparse block header lacks {missing}") from None
     if not (1 <= distance_bytes <= 4 and 1 <= step_bytes <= code_type.itemsize and 0 < count <= size):
-        raise CorruptDataError(f"sparse block header out of range: count={count} distance_bytes={distance_bytes} "
-                               f"step_bytes={step_bytes} (values of {code_type.itemsize} bytes, block of {size})")
+        raise CorruptDataError(
+            f"sparse block header out of range: count={count} distance_bytes={distance_bytes} "
+            f"step_bytes={step_bytes} (values of {code_type.itemsize} bytes, block of {size})"
+        )
     distance_type = np.uint16 if distance_bytes <= 2 else np.uint32
     distances = from_planes(_unzstd(payload[:split], count * distance_bytes), count, distance_type, distance_bytes)
     positions = np.cumsum(distances, dtype=np.int64)

@@ -23,11 +23,11 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from whetstone.errors import WhetstoneError
+from whetstone.store import MissingObjectError
 from whetstone.sync.bits import DTYPES, dtype_name
 from whetstone.sync.chunks import encode_chunk, plan_chunks
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, chunk_key
-from whetstone.store import MissingObjectError
 from whetstone.sync.weight_store import VersionExistsError, WeightStore
 
 log = logging.getLogger("whetstone.sync")
@@ -65,8 +65,12 @@ class Publisher:
         if held is None or held != latest:
             if latest is not None:  # a publish on `held` would take a number that exists
                 why = "; ".join(f"version {v}: {reason}" for v, reason in subscriber.rejected.items())
-                log.warning("cannot continue the chain of %r at version %d (%s): the next publish is a keyframe",
-                            self.store, latest, why or "a chunk is missing")
+                log.warning(
+                    "cannot continue the chain of %r at version %d (%s): the next publish is a keyframe",
+                    self.store,
+                    latest,
+                    why or "a chunk is missing",
+                )
             return None
         self._previous = subscriber.state
         self._previous_manifest = self.store.manifest(subscriber.version)
@@ -83,8 +87,12 @@ class Publisher:
         started = time.perf_counter()
         new = self.prepare(state)
         if self._previous_manifest is not None and not self._still_published(self._previous_manifest):
-            log.warning("version %d, published last by this publisher, was withdrawn from %r: publishing a "
-                        "keyframe at the next free version", self._previous_manifest.version, self.store)
+            log.warning(
+                "version %d, published last by this publisher, was withdrawn from %r: publishing a "
+                "keyframe at the next free version",
+                self._previous_manifest.version,
+                self.store,
+            )
             self._previous, self._previous_manifest = None, None
         previous = self._previous_manifest
         if previous is None:
@@ -129,8 +137,14 @@ class Publisher:
         if keyframe:
             self._keyframe_bytes = encoded
         self._previous, self._previous_manifest = new, manifest
-        log.info("published version %d (%s, %.1fx, %d values changed) in %.2fs", version, manifest.kind,
-                 manifest.ratio, manifest.changed, time.perf_counter() - started)
+        log.info(
+            "published version %d (%s, %.1fx, %d values changed) in %.2fs",
+            version,
+            manifest.kind,
+            manifest.ratio,
+            manifest.changed,
+            time.perf_counter() - started,
+        )
         self.store.collect_garbage(self.config.keep_keyframes)
         return manifest
 

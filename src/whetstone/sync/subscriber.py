@@ -24,13 +24,13 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from whetstone.errors import WhetstoneError
+from whetstone.store import MissingObjectError
 from whetstone.sync.bits import dtype_from_name
 from whetstone.sync.chunks import decode_chunk
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import Manifest
 from whetstone.sync.update import WeightUpdate, apply_update, build_update, merge_updates
 from whetstone.sync.weight_store import Head, WeightStore
-from whetstone.store import MissingObjectError
 
 log = logging.getLogger("whetstone.sync")
 
@@ -44,8 +44,14 @@ class ChainWithdrawn(WhetstoneError):
 
 
 class Subscriber:
-    def __init__(self, store: WeightStore, config: SyncConfig | None = None, name: str = "subscriber",
-                 state: dict[str, torch.Tensor] | None = None, version: int | None = None):
+    def __init__(
+        self,
+        store: WeightStore,
+        config: SyncConfig | None = None,
+        name: str = "subscriber",
+        state: dict[str, torch.Tensor] | None = None,
+        version: int | None = None,
+    ):
         """Start empty, or from `state` known to be published `version` (copied)."""
         self.store = store
         self.config = config or SyncConfig()
@@ -149,8 +155,9 @@ class Subscriber:
             except MissingObjectError:
                 return head is not None  # nothing to compare with while the store is empty
             return False
-        if head is not None and (head.version > self.version or
-                                 (head.version == self.version and head.digest in (None, self._held_digest))):
+        if head is not None and (
+            head.version > self.version or (head.version == self.version and head.digest in (None, self._held_digest))
+        ):
             return False  # newer versions check their base as they are taken
         try:
             return self.store.manifest_digest(self.version) != self._held_digest
@@ -182,11 +189,14 @@ class Subscriber:
         try:
             manifest = self.store.manifest(version)
             if manifest.kind == "delta" and manifest.base != self.version:
-                raise RejectedVersion(f"version {version} is a delta on version {manifest.base}, "
-                                      f"but this subscriber holds {self.version}")
+                raise RejectedVersion(
+                    f"version {version} is a delta on version {manifest.base}, but this subscriber holds {self.version}"
+                )
             if manifest.kind == "delta" and manifest.base_manifest not in (None, self._held_digest):
-                raise ChainWithdrawn(f"version {version} continues another publish of version {manifest.base} "
-                                     "than the one held (it was withdrawn and published again)")
+                raise ChainWithdrawn(
+                    f"version {version} continues another publish of version {manifest.base} "
+                    "than the one held (it was withdrawn and published again)"
+                )
             update = self._decode(manifest)
         except MissingObjectError as err:  # collected under our feet, or a store hiccup: retry later
             log.warning("%s: version %d unavailable: %s", self.name, version, err)

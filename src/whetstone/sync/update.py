@@ -58,8 +58,10 @@ def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate) -> None:
                 target.copy_(change.values.view(change.shape))
             continue
         if target is None or tuple(target.shape) != change.shape:
-            raise WhetstoneError(f"update {update.version} changes tensor {name!r} of shape {change.shape}, "
-                                 f"but the weights hold {None if target is None else tuple(target.shape)}")
+            raise WhetstoneError(
+                f"update {update.version} changes tensor {name!r} of shape {change.shape}, "
+                f"but the weights hold {None if target is None else tuple(target.shape)}"
+            )
         values = change.values.to(target.dtype)
         if target.is_contiguous():
             target.view(-1).index_put_((change.indices,), values)

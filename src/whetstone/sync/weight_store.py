@@ -25,7 +25,13 @@ from whetstone.sync.chunks import checksum, read_header
 from whetstone.sync.codec import CorruptDataError
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import (
-    LATEST_KEY, ChunkInfo, Manifest, manifest_digest, manifest_key, parse_manifest, version_prefix,
+    LATEST_KEY,
+    ChunkInfo,
+    Manifest,
+    manifest_digest,
+    manifest_key,
+    parse_manifest,
+    version_prefix,
 )
 
 log = logging.getLogger("whetstone.sync")
@@ -93,7 +99,9 @@ class WeightStore:
         """The chunk's bytes, verified against the manifest's size and checksum."""
         blob = self.objects.get(info.key)
         if len(blob) != info.size:
-            raise CorruptDataError(f"chunk {info.key} has {len(blob)} bytes, the manifest says {info.size} (truncated?)")
+            raise CorruptDataError(
+                f"chunk {info.key} has {len(blob)} bytes, the manifest says {info.size} (truncated?)"
+            )
         if checksum(blob) != info.checksum:
             raise CorruptDataError(f"chunk {info.key} fails its checksum ({checksum(blob)} != {info.checksum})")
         return blob
@@ -112,9 +120,11 @@ class WeightStore:
         try:
             self.objects.put_if_absent(manifest_key(manifest.version), manifest.stored_bytes())
         except ObjectExistsError:
-            raise VersionExistsError(f"version {manifest.version} already exists in {self.objects!r}: another "
-                                     "publisher created it first (a rollback, a second trainer or online loop?); "
-                                     "this one was not published") from None
+            raise VersionExistsError(
+                f"version {manifest.version} already exists in {self.objects!r}: another "
+                "publisher created it first (a rollback, a second trainer or online loop?); "
+                "this one was not published"
+            ) from None
         self._point_at(manifest.version, manifest.digest)
 
     def _point_at(self, version: int | None, digest: str | None) -> None:

@@ -77,9 +77,12 @@ def keeps_every_character(layout: dict[str, Any]) -> bool:
     swallow the whitespace around them."""
     model, pre = layout["model"], layout["pre_tokenizer"]
     steps = [] if pre is None else pre.get("pretokenizers", [pre])
-    return (model["type"] == "BPE" and not (model.get("unk_token") and model.get("fuse_unk"))
-            and all(step["type"] in KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed" for step in steps)
-            and not any(token["lstrip"] or token["rstrip"] for token in layout["added_tokens"]))
+    return (
+        model["type"] == "BPE"
+        and not (model.get("unk_token") and model.get("fuse_unk"))
+        and all(step["type"] in KEEPING_PRE_TOKENIZERS and step.get("behavior") != "Removed" for step in steps)
+        and not any(token["lstrip"] or token["rstrip"] for token in layout["added_tokens"])
+    )
 
 
 def default_tokenizer_config() -> dict[str, Any]:

@@ -229,7 +229,7 @@ def _parse_tool_call(body: str, number: int) -> tuple[dict[str, Any], str | None
     except json.JSONDecodeError as err:
         return {}, f"tool call {number}: invalid JSON ({err.msg} at char {err.pos})"
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
-        return {}, f"tool call {number}: expected an object with a string \"name\""
+        return {}, f'tool call {number}: expected an object with a string "name"'
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):  # some models emit the OpenAI wire form, a JSON string
         try:
@@ -237,7 +237,7 @@ def _parse_tool_call(body: str, number: int) -> tuple[dict[str, Any], str | None
         except json.JSONDecodeError:
             pass
     if not isinstance(arguments, dict):
-        return {}, f"tool call {number} ({value['name']}): \"arguments\" must be an object"
+        return {}, f'tool call {number} ({value["name"]}): "arguments" must be an object'
     function = {"name": value["name"], "arguments": _tojson(arguments)}
     return {"id": f"call_{number}", "type": "function", "function": function}, None
 

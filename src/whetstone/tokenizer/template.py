@@ -35,7 +35,7 @@ CHAT_TEMPLATE = (
     "{%- for tool_call in message.tool_calls or [] %}\n"
     "{%- if content or not loop.first %}{{- '\\n' }}{%- endif %}\n"
     "{%- set call = tool_call.function if tool_call.function else tool_call %}\n"
-    "{{- '<tool_call>\\n{\"name\": \"' + call.name + '\", \"arguments\": ' }}\n"
+    '{{- \'<tool_call>\\n{"name": "\' + call.name + \'", "arguments": \' }}\n'
     "{%- if call.arguments is string %}{{- call.arguments }}{%- else %}{{- call.arguments | tojson }}{%- endif %}\n"
     "{{- '}\\n</tool_call>' }}\n"
     "{%- endfor %}\n"

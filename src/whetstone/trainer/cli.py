@@ -20,7 +20,9 @@ def _group() -> None:
 
 @app.command()
 def trainer(
-    config: Path | None = typer.Argument(None, help="TOML file of TrainerConfig fields (default: the embedded default run)."),
+    config: Path | None = typer.Argument(
+        None, help="TOML file of TrainerConfig fields (default: the embedded default run)."
+    ),
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. max_steps=20."),
     as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
 ) -> None:
@@ -36,6 +38,8 @@ def trainer(
         typer.echo(json.dumps(summary))
         return
     typer.echo(f"trainer folder  {summary['output_dir']}")
-    typer.echo(f"steps           {summary['step']} (this run {summary['steps_this_run']}, "
-               f"{summary['replayed']} replayed after a restart)")
+    typer.echo(
+        f"steps           {summary['step']} (this run {summary['steps_this_run']}, "
+        f"{summary['replayed']} replayed after a restart)"
+    )
     typer.echo(f"weight version  {summary['version']}")

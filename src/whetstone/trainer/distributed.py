@@ -33,11 +33,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from whetstone.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from whetstone.model import Transformer
 from whetstone.rl.batch import OPTIONAL_FIELDS, TENSOR_FIELDS, Batch
 from whetstone.rl.loss import LossStats, step_normalizer
 from whetstone.rl.routing import RoutingStats
+from whetstone.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 
 T = TypeVar("T")
 NewOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -107,7 +107,7 @@ def rank_rows(batch: Batch, rank: int, world: int) -> Batch:
     own = list(range(rank, len(batch), world))
     per_rank = -(-len(batch) // world)
     shard = batch.select(own + [0] * (per_rank - len(own)))
-    shard.loss_mask[len(own):] = False
+    shard.loss_mask[len(own) :] = False
     here = device()
     for name in (*TENSOR_FIELDS, *OPTIONAL_FIELDS) if here.type != "cpu" else ():
         if getattr(shard, name) is not None:
@@ -135,16 +135,51 @@ def reduce_step_stats(loss: float, stats: LossStats, routing: RoutingStats) -> t
     summed, and every rank's |Δ| gathered (p99 and max need them all). Unchanged on one rank."""
     if world()[1] == 1:
         return loss, stats, routing
-    sums = sum_over_ranks([loss, stats.tokens, stats.clipped, stats.masked, stats.truncated, stats.forking_dropped,
-                           stats.mismatch_k3, stats.ref_k3, stats.entropy, stats.scale_gradient, routing.choices,
-                           routing.disagreed, routing.tokens, routing.tokens_disagreed])  # fmt: skip
+    sums = sum_over_ranks(
+        [
+            loss,
+            stats.tokens,
+            stats.clipped,
+            stats.masked,
+            stats.truncated,
+            stats.forking_dropped,
+            stats.mismatch_k3,
+            stats.ref_k3,
+            stats.entropy,
+            stats.scale_gradient,
+            routing.choices,
+            routing.disagreed,
+            routing.tokens,
+            routing.tokens_disagreed,
+        ]
+    )
     diffs: list[Any] = [None] * world()[1]
     dist.all_gather_object(diffs, stats.abs_diff)
-    (loss, tokens, clipped, masked, truncated, forking_dropped, mismatch_k3, ref_k3, entropy, scale_gradient,
-     *route_counts) = sums  # fmt: skip
-    stats = LossStats(tokens=int(tokens), clipped=int(clipped), masked=int(masked), truncated=int(truncated),
-                      forking_dropped=int(forking_dropped), mismatch_k3=mismatch_k3, ref_k3=ref_k3, entropy=entropy,
-                      scale_gradient=scale_gradient, abs_diff=torch.cat(diffs))  # fmt: skip
+    (
+        loss,
+        tokens,
+        clipped,
+        masked,
+        truncated,
+        forking_dropped,
+        mismatch_k3,
+        ref_k3,
+        entropy,
+        scale_gradient,
+        *route_counts,
+    ) = sums
+    stats = LossStats(
+        tokens=int(tokens),
+        clipped=int(clipped),
+        masked=int(masked),
+        truncated=int(truncated),
+        forking_dropped=int(forking_dropped),
+        mismatch_k3=mismatch_k3,
+        ref_k3=ref_k3,
+        entropy=entropy,
+        scale_gradient=scale_gradient,
+        abs_diff=torch.cat(diffs),
+    )
     return loss, stats, RoutingStats(*(int(count) for count in route_counts))
 
 
@@ -166,8 +201,15 @@ def full_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor] | None:
     return state if world()[0] == 0 else None
 
 
-def save_sharded_checkpoint(root: Path, model: Transformer, optimizer: torch.optim.Optimizer,
-                            new_optimizer: NewOptimizer, state: TrainState, config: dict, keep: int) -> None:
+def save_sharded_checkpoint(
+    root: Path,
+    model: Transformer,
+    optimizer: torch.optim.Optimizer,
+    new_optimizer: NewOptimizer,
+    state: TrainState,
+    config: dict,
+    keep: int,
+) -> None:
     """midtrain's `save_checkpoint`, from shards: every rank gathers, rank 0 writes.
 
     Rank 0 fills a plain (unsharded) copy of the model and optimizer and saves that, so the
@@ -183,8 +225,9 @@ def save_sharded_checkpoint(root: Path, model: Transformer, optimizer: torch.opt
     save_checkpoint(root, plain, plain_optimizer, state, config, keep)
 
 
-def load_sharded_checkpoint(path: Path | None, model: Transformer, optimizer: torch.optim.Optimizer,
-                            new_optimizer: NewOptimizer) -> TrainState:
+def load_sharded_checkpoint(
+    path: Path | None, model: Transformer, optimizer: torch.optim.Optimizer, new_optimizer: NewOptimizer
+) -> TrainState:
     """midtrain's `load_checkpoint` into shards: rank 0 reads `path` (given on rank 0 only) into a
     plain copy and every rank takes its shard of it. Returns the loop's state on every rank."""
     weights: dict[str, Any] = {}
@@ -211,9 +254,12 @@ def _indexed(named: dict[str, Any]) -> dict[str, Any]:
     """A name-keyed optimizer state dict (torch.distributed.checkpoint's form) in torch's own
     index-keyed form: parameters numbered in group order."""
     index = {name: i for i, name in enumerate(name for group in named["param_groups"] for name in group["params"])}
-    return {"state": {index[name]: value for name, value in named["state"].items()},
-            "param_groups": [{**group, "params": [index[name] for name in group["params"]]}
-                             for group in named["param_groups"]]}  # fmt: skip
+    return {
+        "state": {index[name]: value for name, value in named["state"].items()},
+        "param_groups": [
+            {**group, "params": [index[name] for name in group["params"]]} for group in named["param_groups"]
+        ],
+    }
 
 
 def _named(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
@@ -221,6 +267,7 @@ def _named(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str
     name_of = {id(param): name for name, param in model.named_parameters()}
     names = [name_of[id(param)] for group in optimizer.param_groups for param in group["params"]]
     indexed = optimizer.state_dict()
-    return {"state": {names[i]: value for i, value in indexed["state"].items()},
-            "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
-                             for group in indexed["param_groups"]]}  # fmt: skip
+    return {
+        "state": {names[i]: value for i, value in indexed["state"].items()},
+        "param_groups": [{**group, "params": [names[i] for i in group["params"]]} for group in indexed["param_groups"]],
+    }

@@ -23,8 +23,6 @@ import torch
 
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
-from whetstone.training.checkpoint import save_checkpoint
-from whetstone.training.schedule import lr_at
 from whetstone.rl.batch import Batch, shuffled_parts
 from whetstone.rl.batch_store import batch_key, get_batch
 from whetstone.rl.demos import demo_rows
@@ -40,6 +38,8 @@ from whetstone.trainer.distributed import (
 )
 from whetstone.trainer.setup import TrainerSession, new_optimizer, open_trainer
 from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, train_step
+from whetstone.training.checkpoint import save_checkpoint
+from whetstone.training.schedule import lr_at
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.progress import progress_bar
@@ -95,9 +95,11 @@ def wait_for_batch(session: TrainerSession, index: int, stop: threading.Event) -
         if decision == "train":
             batch = batch if batch is not None else read_batch(session, index)
             if batch is None:
-                raise WhetstoneError(f"rank {session.rank} cannot read {batch_key(index)} from {session.batches!r}, "
-                                     "which rank 0 read: every rank needs the same batch_store (object storage "
-                                     "or a shared filesystem)")
+                raise WhetstoneError(
+                    f"rank {session.rank} cannot read {batch_key(index)} from {session.batches!r}, "
+                    "which rank 0 read: every rank needs the same batch_store (object storage "
+                    "or a shared filesystem)"
+                )
             return batch
         if session.rank == 0:
             stop.wait(config.poll_interval)
@@ -111,8 +113,14 @@ def replay_matches_store(session: TrainerSession, weights: dict[str, torch.Tenso
     return mine.keys() == subscriber.state.keys() and all(torch.equal(mine[k], subscriber.state[k]) for k in mine)
 
 
-MISMATCH_METRICS = ("mismatch_kl_k3", "logprob_diff_mean", "logprob_diff_p99", "logprob_diff_max",
-                    "logprob_diff_over_ln2", "routing_")
+MISMATCH_METRICS = (
+    "mismatch_kl_k3",
+    "logprob_diff_mean",
+    "logprob_diff_p99",
+    "logprob_diff_max",
+    "logprob_diff_over_ln2",
+    "routing_",
+)
 
 
 def merge_part_metrics(parts: list[dict[str, Any]]) -> dict[str, Any]:
@@ -139,8 +147,13 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     Under torchrun every rank trains on its rows of the batch, and the metrics are the whole step's."""
     config, state = session.config, session.state
     opt, replaying = config.optimizer, state.step < session.replay_until
-    lr = lr_at(state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps,
-               total_steps=config.max_steps or 1, min_lr_ratio=opt.min_lr_ratio)
+    lr = lr_at(
+        state.step,
+        peak_lr=opt.lr,
+        warmup_steps=opt.warmup_steps,
+        total_steps=config.max_steps or 1,
+        min_lr_ratio=opt.min_lr_ratio,
+    )
     learner = Learner(session.model, session.optimizer, session.reference, session.logit_scale)
     settings = StepSettings.of(config)
     started, started_cpu = time.perf_counter(), time.process_time()
@@ -157,8 +170,12 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
                 demo_normalizer = global_normalizer(demos, "token")
         anchor = None if demos is None else DemoAnchor(demos, config.demo_coef, demo_normalizer)
         parts.append(train_step(learner, rows, settings, lr, normalizer=normalizer, anchor=anchor))
-    record: dict[str, Any] = {"step": state.step, "replayed": replaying, **merge_part_metrics(parts),
-                              "train_s": time.perf_counter() - started}
+    record: dict[str, Any] = {
+        "step": state.step,
+        "replayed": replaying,
+        **merge_part_metrics(parts),
+        "train_s": time.perf_counter() - started,
+    }
     state.step += 1
     state.tokens += batch.num_loss_tokens
     state.data["next_batch"] = state.step
@@ -170,21 +187,34 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     if not replaying and session.publisher is not None:
         manifest = session.publisher.publish(weights)
         if manifest.version != state.step:
-            raise WhetstoneError(f"published version {manifest.version} after step {state.step - 1}: "
-                                 f"another trainer writes to {config.sync.store}?")
-        record.update(version=manifest.version, publish_s=time.perf_counter() - started,
-                      delta_bytes=manifest.encoded_bytes, delta_kind=manifest.kind, delta_ratio=manifest.ratio)
+            raise WhetstoneError(
+                f"published version {manifest.version} after step {state.step - 1}: "
+                f"another trainer writes to {config.sync.store}?"
+            )
+        record.update(
+            version=manifest.version,
+            publish_s=time.perf_counter() - started,
+            delta_bytes=manifest.encoded_bytes,
+            delta_kind=manifest.kind,
+            delta_ratio=manifest.ratio,
+        )
     elif state.step == session.replay_until and session.publisher is not None:
         record["replay_matches_store"] = replay_matches_store(session, weights)
         if not record["replay_matches_store"]:
-            log.warning("replayed weights differ from the store's version %d (non-deterministic kernels or "
-                        "another thread count?); the next delta carries the difference", state.step)
+            log.warning(
+                "replayed weights differ from the store's version %d (non-deterministic kernels or "
+                "another thread count?); the next delta carries the difference",
+                state.step,
+            )
     record["cpu_s"] = time.process_time() - started_cpu  # train + publish, every thread of this process
     staleness = [state.step - 1 - row["oldest_version"] for row in batch.rows if row["oldest_version"] >= 0]
-    record.update({key: batch.meta[key] for key in BATCH_META_SCALARS if key in batch.meta},
-                  staleness_max=max(staleness, default=0),
-                  staleness_histogram=batch.meta.get("staleness_histogram", {}), groups=batch.meta.get("groups", {}),
-                  rows=len(batch))
+    record.update(
+        {key: batch.meta[key] for key in BATCH_META_SCALARS if key in batch.meta},
+        staleness_max=max(staleness, default=0),
+        staleness_histogram=batch.meta.get("staleness_histogram", {}),
+        groups=batch.meta.get("groups", {}),
+        rows=len(batch),
+    )
     return record
 
 
@@ -206,17 +236,32 @@ def _run(session: TrainerSession) -> dict[str, Any]:
     def checkpoint() -> None:
         nonlocal checkpointed
         if session.world_size == 1:
-            save_checkpoint(session.checkpoints, session.model, session.optimizer, state,
-                            config.model_dump(mode="json"), config.keep_checkpoints)
+            save_checkpoint(
+                session.checkpoints,
+                session.model,
+                session.optimizer,
+                state,
+                config.model_dump(mode="json"),
+                config.keep_checkpoints,
+            )
         else:
-            save_sharded_checkpoint(session.checkpoints, session.model, session.optimizer,
-                                    partial(new_optimizer, config), state, config.model_dump(mode="json"),
-                                    config.keep_checkpoints)
+            save_sharded_checkpoint(
+                session.checkpoints,
+                session.model,
+                session.optimizer,
+                partial(new_optimizer, config),
+                state,
+                config.model_dump(mode="json"),
+                config.keep_checkpoints,
+            )
         checkpointed = state.step
 
     total = config.max_steps - first_step if config.max_steps else None
-    with ((MetricsWriter(session.run_dir / "metrics.jsonl") if lead else nullcontext()) as metrics,
-          (progress_bar(total, "trainer", "step") if lead else nullcontext()) as bar, stop_on_signals() as stop):
+    with (
+        MetricsWriter(session.run_dir / "metrics.jsonl") if lead else nullcontext() as metrics,
+        progress_bar(total, "trainer", "step") if lead else nullcontext() as bar,
+        stop_on_signals() as stop,
+    ):
         while not config.max_steps or state.step < config.max_steps:
             waited = time.perf_counter()
             batch = wait_for_batch(session, state.step, stop)
@@ -234,8 +279,13 @@ def _run(session: TrainerSession) -> dict[str, Any]:
                 checkpoint()
         if state.step != checkpointed:
             checkpoint()
-    return {"output_dir": str(session.run_dir), "step": state.step,
-            "version": session.weights.latest() if session.weights is not None else None,
-            "steps_this_run": state.step - first_step, "replayed": max(0, session.replay_until - first_step),
-            "resumed_from": str(session.resumed_from) if session.resumed_from else None,
-            "rank": session.rank, "world_size": session.world_size}
+    return {
+        "output_dir": str(session.run_dir),
+        "step": state.step,
+        "version": session.weights.latest() if session.weights is not None else None,
+        "steps_this_run": state.step - first_step,
+        "replayed": max(0, session.replay_until - first_step),
+        "resumed_from": str(session.resumed_from) if session.resumed_from else None,
+        "rank": session.rank,
+        "world_size": session.world_size,
+    }

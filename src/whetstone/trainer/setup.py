@@ -16,8 +16,6 @@ from pathlib import Path
 import torch
 
 from whetstone.errors import CheckpointError, ConfigError
-from whetstone.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint
-from whetstone.training.optim import optimizer_for
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf
 from whetstone.rl.demos import load_demos
@@ -28,6 +26,8 @@ from whetstone.sync import Publisher, WeightStore
 from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
+from whetstone.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint
+from whetstone.training.optim import optimizer_for
 from whetstone.utils.runtime import configure_process
 
 
@@ -101,8 +101,10 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
         if "logit_scale" in state.data:
             logit_scale.load_state(state.data["logit_scale"])
     elif state.data.get("logit_scale"):
-        raise CheckpointError(f"checkpoint {resumed_from} was trained with a learned logit scale "
-                              "(logit_scale_lr > 0); resume it with logit_scale_lr set")
+        raise CheckpointError(
+            f"checkpoint {resumed_from} was trained with a learned logit scale "
+            "(logit_scale_lr > 0); resume it with logit_scale_lr set"
+        )
 
     weights = WeightStore.open(config.sync) if rank == 0 else None
     latest = broadcast(weights.latest() if weights is not None else None)
@@ -125,6 +127,19 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
         else:
             publisher.resume()  # continue the delta chain from what the servers hold
     batches = open_store(config.batch_store, endpoint_url=config.batch_store_endpoint_url)
-    return TrainerSession(config, model, optimizer, reference, batches, weights, publisher, state,
-                          replay_until=latest or 0, resumed_from=resumed_from,
-                          logit_scale=logit_scale, demos=demos, rank=rank, world_size=world_size)
+    return TrainerSession(
+        config,
+        model,
+        optimizer,
+        reference,
+        batches,
+        weights,
+        publisher,
+        state,
+        replay_until=latest or 0,
+        resumed_from=resumed_from,
+        logit_scale=logit_scale,
+        demos=demos,
+        rank=rank,
+        world_size=world_size,
+    )

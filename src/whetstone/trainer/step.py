@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.model.ops import autocast
-from whetstone.training.optim import clip_and_step
 from whetstone.model import Numerics, Transformer, ops
+from whetstone.model.ops import autocast
 from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, LossInputs, LossStats, policy_loss, step_normalizer
 from whetstone.rl.routing import RoutingStats, track_routing
 from whetstone.trainer.distributed import reduce_step_stats, sum_over_ranks
+from whetstone.training.optim import clip_and_step
 
 if TYPE_CHECKING:
     from whetstone.online.config import OnlineConfig
@@ -46,14 +46,18 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     whose rollouts range from ~150 to ~800 positions). The step's gradient is the same."""
     lengths = [row["num_positions"] for row in batch.rows] if batch.rows else [batch.input_ids.shape[1]] * len(batch)
     order = sorted(range(len(batch)), key=lambda r: (lengths[r], r))
-    return [batch.select(order[i:i + size]) for i in range(0, len(batch), size)]
+    return [batch.select(order[i : i + size]) for i in range(0, len(batch), size)]
 
 
 def _unreplayed_disagreement(own: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> RoutingStats:
     """Trainer's own routes vs the rollout's, as expert sets, at the positions of `mask`."""
     differs = (own.sort(dim=-1).values != rollout.sort(dim=-1).values).any(dim=-1)[mask]  # [N, layers]
-    return RoutingStats(choices=differs.numel(), disagreed=int(differs.sum()),
-                        tokens=differs.shape[0], tokens_disagreed=int(differs.any(dim=-1).sum()))
+    return RoutingStats(
+        choices=differs.numel(),
+        disagreed=int(differs.sum()),
+        tokens=differs.shape[0],
+        tokens_disagreed=int(differs.any(dim=-1).sum()),
+    )
 
 
 @contextmanager
@@ -82,8 +86,9 @@ class PolicyOutput:
     """[B, T] entropies of the same next-token distributions, when asked for."""
 
 
-def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
-                     numerics: Numerics = "fast", entropy: bool = False) -> PolicyOutput:
+def forward_logprobs(
+    model: Transformer, micro: Batch, replay: bool, dtype: str, numerics: Numerics = "fast", entropy: bool = False
+) -> PolicyOutput:
     """Logprobs of the micro-batch's targets (and their distributions' entropies) at its trained
     positions (0 elsewhere), and the routing disagreement there.
 
@@ -95,10 +100,14 @@ def forward_logprobs(model: Transformer, micro: Batch, replay: bool, dtype: str,
     # Only trained positions go through the head: nothing reads a prompt's or a tool result's
     # logprobs, and the head is most of a small model's compute (its rows are chosen by target >= 0).
     targets = micro.target_ids.masked_fill(~micro.loss_mask, IGNORED_TARGET)
-    with (tracking as routing, autocast(dtype), ops.numerics(numerics),
-          sampling_temperature(model, micro.temperatures)):  # fmt: skip
-        out = model(micro.input_ids, routes=micro.routes if replayed else None,
-                    return_routes=has_routes and not replayed, targets=targets, return_entropy=entropy)
+    with tracking as routing, autocast(dtype), ops.numerics(numerics), sampling_temperature(model, micro.temperatures):
+        out = model(
+            micro.input_ids,
+            routes=micro.routes if replayed else None,
+            return_routes=has_routes and not replayed,
+            targets=targets,
+            return_entropy=entropy,
+        )
     if has_routes and not replayed:
         routing = _unreplayed_disagreement(out.routes, micro.routes, micro.loss_mask)
     return PolicyOutput(out.logprobs, routing, out.entropy)
@@ -124,8 +133,14 @@ class StepSettings:
     @classmethod
     def of(cls, config: TrainerConfig | OnlineConfig) -> StepSettings:
         """The settings of a trainer's config (the RL trainer's or the online loop's: same fields)."""
-        return cls(loss=config.loss, grad_clip=config.optimizer.grad_clip, micro_batch_size=config.micro_batch_size,
-                   replay=config.router_replay, dtype=config.dtype, numerics=config.numerics)  # fmt: skip
+        return cls(
+            loss=config.loss,
+            grad_clip=config.optimizer.grad_clip,
+            micro_batch_size=config.micro_batch_size,
+            replay=config.router_replay,
+            dtype=config.dtype,
+            numerics=config.numerics,
+        )
 
 
 @dataclass(frozen=True)
@@ -154,8 +169,9 @@ class DemoAnchor:
     """Their trained-token count across ranks (default: these rows')."""
 
 
-def _reference_logprobs(reference: Transformer, micro: Batch, settings: StepSettings,
-                        logit_scale: LogitScale | None) -> torch.Tensor:
+def _reference_logprobs(
+    reference: Transformer, micro: Batch, settings: StepSettings, logit_scale: LogitScale | None
+) -> torch.Tensor:
     """The reference's logprobs for the KL term, at the policy's learned logit scale: the term then
     holds the weights near the reference without pulling the scale back to 1, which would make the
     weights undo the sharpening the reward asked the scale for (rl/logit_scale.py)."""
@@ -174,16 +190,24 @@ def _demo_loss(model: Transformer, anchor: DemoAnchor, settings: StepSettings, l
     total = 0.0
     with sampling_temperature(model, unscale):  # a temperature e^s: logits divided by e^s
         for micro in micro_batches(anchor.rows, settings.micro_batch_size):
-            logprobs = forward_logprobs(model, micro, replay=False, dtype=settings.dtype,
-                                        numerics=settings.numerics).logprobs  # fmt: skip
+            logprobs = forward_logprobs(
+                model, micro, replay=False, dtype=settings.dtype, numerics=settings.numerics
+            ).logprobs
             nll = -(logprobs * micro.loss_mask).sum() / max(normalizer, 1)
             (anchor.coef * nll).backward()
             total += nll.item()
     return total
 
 
-def train_step(learner: Learner, batch: Batch, settings: StepSettings, lr: float, *,
-               normalizer: int | None = None, anchor: DemoAnchor | None = None) -> dict[str, Any]:
+def train_step(
+    learner: Learner,
+    batch: Batch,
+    settings: StepSettings,
+    lr: float,
+    *,
+    normalizer: int | None = None,
+    anchor: DemoAnchor | None = None,
+) -> dict[str, Any]:
     """Forward/backward every micro-batch of `batch`, clip, take one optimizer step at `lr`.
 
     `normalizer`: N of the loss for the whole step across ranks (default: this batch's `step_normalizer`).
@@ -204,8 +228,14 @@ def train_step(learner: Learner, batch: Batch, settings: StepSettings, lr: float
         ref_logprobs = None
         if reference is not None and loss_config.kl_coef > 0:
             ref_logprobs = _reference_logprobs(reference, micro, settings, logit_scale)
-        inputs = LossInputs(policy.logprobs, micro.behavior_logprobs, micro.advantages, micro.loss_mask,
-                            ref_logprobs=ref_logprobs, entropy=policy.entropy)  # fmt: skip
+        inputs = LossInputs(
+            policy.logprobs,
+            micro.behavior_logprobs,
+            micro.advantages,
+            micro.loss_mask,
+            ref_logprobs=ref_logprobs,
+            entropy=policy.entropy,
+        )
         loss, stats = policy_loss(inputs, loss_config, normalizer=normalizer)
         loss.backward()
         loss_total += loss.item()
@@ -216,8 +246,9 @@ def train_step(learner: Learner, batch: Batch, settings: StepSettings, lr: float
         demo_nll = _demo_loss(model, anchor, settings, logit_scale)
         loss_total += anchor.coef * demo_nll
     # Under torchrun: the whole step's loss and stats on every rank, so all ranks agree on a bad loss.
-    loss_total, stats, routing = reduce_step_stats(loss_total, LossStats.merge(loss_parts),
-                                                   RoutingStats.merge(routing_parts))
+    loss_total, stats, routing = reduce_step_stats(
+        loss_total, LossStats.merge(loss_parts), RoutingStats.merge(routing_parts)
+    )
     if anchored:
         (demo_nll,) = sum_over_ranks([demo_nll])
     if not math.isfinite(loss_total):

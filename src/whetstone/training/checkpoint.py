@@ -227,8 +227,10 @@ def _optimizer_state_dict(file: Path, model, optimizer, moments: dict[str, torch
     saved_factors = [group.get("lr_multiplier", 1.0) for group in saved]
     factors = [group.get("lr_multiplier", 1.0) for group in current]
     if saved_factors != factors:  # the groups would not line up: a group's settings would go to another's parameters
-        raise CheckpointError(f"{file}: {len(saved)} parameter groups with learning-rate factors {saved_factors}, the "
-                              f"optimizer has {len(current)} with {factors} (optimizer.lr_multipliers changed?)")
+        raise CheckpointError(
+            f"{file}: {len(saved)} parameter groups with learning-rate factors {saved_factors}, the "
+            f"optimizer has {len(current)} with {factors} (optimizer.lr_multipliers changed?)"
+        )
     groups = [{**s, "betas": tuple(s["betas"]), "params": c["params"]} for s, c in zip(saved, current)]
     return {"state": state, "param_groups": groups}
 

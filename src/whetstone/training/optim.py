@@ -14,8 +14,15 @@ if TYPE_CHECKING:
     from whetstone.training.config import OptimizerConfig
 
 
-def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, float], eps: float,
-                    weight_decay: float, lr_multipliers: dict[str, float] | None = None) -> torch.optim.AdamW:
+def build_optimizer(
+    model: torch.nn.Module,
+    *,
+    lr: float,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    lr_multipliers: dict[str, float] | None = None,
+) -> torch.optim.AdamW:
     """Parameter groups: matrices (decayed) and vectors/scalars (not decayed), each split further
     by learning-rate multiplier.
 
@@ -28,23 +35,35 @@ def build_optimizer(model: torch.nn.Module, *, lr: float, betas: tuple[float, fl
     named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
     unused = [pattern for pattern in lr_multipliers if not any(fnmatchcase(name, pattern) for name, _ in named)]
     if unused:
-        raise ConfigError(f"optimizer.lr_multipliers: {unused} match no parameter of the model "
-                          f"(names look like {[name for name, _ in named[:3]]})")
+        raise ConfigError(
+            f"optimizer.lr_multipliers: {unused} match no parameter of the model "
+            f"(names look like {[name for name, _ in named[:3]]})"
+        )
     groups: dict[tuple[bool, float], list[torch.nn.Parameter]] = {}
     for name, p in named:
         factor = next((f for pattern, f in lr_multipliers.items() if fnmatchcase(name, pattern)), 1.0)
         groups.setdefault((p.dim() >= 2, factor), []).append(p)
     return torch.optim.AdamW(
-        [{"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr_multiplier": factor}
-         for (decayed, factor), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))],
-        lr=lr, betas=betas, eps=eps,
-    )  # fmt: skip
+        [
+            {"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr_multiplier": factor}
+            for (decayed, factor), params in sorted(groups.items(), key=lambda item: (not item[0][0], item[0][1]))
+        ],
+        lr=lr,
+        betas=betas,
+        eps=eps,
+    )
 
 
 def optimizer_for(model: torch.nn.Module, config: "OptimizerConfig", lr: float | None = None) -> torch.optim.AdamW:
     """`build_optimizer` with the settings of an `[optimizer]` section (`lr` overrides its peak)."""
-    return build_optimizer(model, lr=config.lr if lr is None else lr, betas=config.betas, eps=config.eps,
-                           weight_decay=config.weight_decay, lr_multipliers=config.lr_multipliers)
+    return build_optimizer(
+        model,
+        lr=config.lr if lr is None else lr,
+        betas=config.betas,
+        eps=config.eps,
+        weight_decay=config.weight_decay,
+        lr_multipliers=config.lr_multipliers,
+    )
 
 
 def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float, grad_clip: float) -> float:

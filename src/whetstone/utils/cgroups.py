@@ -58,8 +58,10 @@ def cpu_group_parents(root: Path = CGROUP_ROOT) -> tuple[str, dict[str, Path]]:
     if v1 is not None and acct is not None:
         cpu_mount, acct_mount = _v1_mount(root, "cpu", "cpu.cfs_quota_us"), _v1_mount(root, "cpuacct", "cpuacct.usage")
         if cpu_mount is None or acct_mount is None:
-            raise WhetstoneError(f"CPU groups: this process is in v1 cpu/cpuacct cgroups but no hierarchy with "
-                                 f"cpu.cfs_quota_us and cpuacct.usage is mounted under {root}")  # fmt: skip
+            raise WhetstoneError(
+                f"CPU groups: this process is in v1 cpu/cpuacct cgroups but no hierarchy with "
+                f"cpu.cfs_quota_us and cpuacct.usage is mounted under {root}"
+            )
         return "v1", {"cpu": cpu_mount / v1.lstrip("/"), "cpuacct": acct_mount / acct.lstrip("/")}
     if v2 is not None:
         own = root / v2.lstrip("/")
@@ -76,8 +78,9 @@ class CpuGroup:
         if cores < 0:
             raise WhetstoneError(f"CPU group {name}: cores must be >= 0 (0 = no quota), got {cores}")
         if not 1000 <= period_us <= 1_000_000:
-            raise WhetstoneError(f"CPU group {name}: period_us must be in 1000..1000000 (the kernel's range), "
-                                 f"got {period_us}")
+            raise WhetstoneError(
+                f"CPU group {name}: period_us must be in 1000..1000000 (the kernel's range), got {period_us}"
+            )
         self.name, self.cores, self.period_us = name, cores, period_us
         self.version, parents = cpu_group_parents(root)
         leaf = f"whetstone-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
@@ -88,8 +91,10 @@ class CpuGroup:
                 path.mkdir()
         except OSError as error:
             self.remove()
-            raise WhetstoneError(f"CPU group {name}: cannot create a cgroup in {path.parent} ({error}); CPU groups "
-                                 f"need a writable cgroup cpu controller (root, or a delegated cgroup)") from None  # fmt: skip
+            raise WhetstoneError(
+                f"CPU group {name}: cannot create a cgroup in {path.parent} ({error}); CPU groups "
+                f"need a writable cgroup cpu controller (root, or a delegated cgroup)"
+            ) from None
         if cores > 0:
             # The kernel's least quota is 1 ms: a smaller share gets a longer period, not more CPU.
             self.period_us = min(1_000_000, max(period_us, math.ceil(1000 / cores)))
@@ -105,7 +110,9 @@ class CpuGroup:
         except OSError as error:
             self.remove()
             hint = " (is the cpu controller in the parent's cgroup.subtree_control?)" if self.version == "v2" else ""
-            raise WhetstoneError(f"CPU group {self.name}: cannot set its quota in {self.dirs['cpu']} ({error}){hint}") from None
+            raise WhetstoneError(
+                f"CPU group {self.name}: cannot set its quota in {self.dirs['cpu']} ({error}){hint}"
+            ) from None
 
     def __enter__(self) -> CpuGroup:
         return self

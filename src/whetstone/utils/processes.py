@@ -30,7 +30,6 @@ import httpx
 from whetstone.errors import WhetstoneError
 from whetstone.utils.cgroups import CpuGroup, add_to_cgroups
 
-
 CPUS_ENV = "WHETSTONE_CPUS"
 """Set by `RoleProcess(cpus=...)`: the cores the role (and every process it starts) may run on."""
 CPU_GROUP_ENV = "WHETSTONE_CPU_GROUP"
@@ -79,9 +78,18 @@ def stop_with_parent() -> None:
 
 
 class RoleProcess:
-    def __init__(self, name: str, args: list[str], log_path: str | Path, *, health_url: str | None = None,
-                 threads: int | None = None, env: dict[str, str] | None = None, cpus: list[int] | None = None,
-                 cpu_group: CpuGroup | None = None):  # fmt: skip
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        log_path: str | Path,
+        *,
+        health_url: str | None = None,
+        threads: int | None = None,
+        env: dict[str, str] | None = None,
+        cpus: list[int] | None = None,
+        cpu_group: CpuGroup | None = None,
+    ):
         """`args`: the `whetstone` command line after the program name. `threads`: OMP/MKL
         threads of the child (its torch intra-op pool), so roles sharing cores do not oversubscribe.
         `cpus`: the cores it may run on (None: any). `cpu_group`: the CPU group
@@ -106,8 +114,9 @@ class RoleProcess:
         if threading.current_thread() is threading.main_thread():  # the kernel ties it to the starting thread
             env[PARENT_ENV] = str(os.getpid())
         with self.log_path.open("ab") as log:
-            self.process = subprocess.Popen(self.argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                            stdin=subprocess.DEVNULL)  # fmt: skip
+            self.process = subprocess.Popen(
+                self.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         return self
 
     @property
@@ -137,8 +146,10 @@ class RoleProcess:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if not self.running:
-                raise WhetstoneError(f"{self.name} exited (code {self.returncode}) before it became healthy; "
-                                     f"end of {self.log_path}:\n{self.log_tail()}")  # fmt: skip
+                raise WhetstoneError(
+                    f"{self.name} exited (code {self.returncode}) before it became healthy; "
+                    f"end of {self.log_path}:\n{self.log_tail()}"
+                )
             with contextlib.suppress(httpx.HTTPError):
                 if httpx.get(self.health_url, timeout=2).status_code == 200:
                     return
@@ -190,8 +201,9 @@ def serving(args: list[str], log_path: str | Path, *, threads: int = 1, timeout_
     root URL (`http://127.0.0.1:<port>`) and stops it on exit."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    role = RoleProcess("serve", ["serve", *args, "--set", f"port={port}"], log_path,
-                       health_url=f"{url}/health", threads=threads).start()  # fmt: skip
+    role = RoleProcess(
+        "serve", ["serve", *args, "--set", f"port={port}"], log_path, health_url=f"{url}/health", threads=threads
+    ).start()
     try:
         role.wait_healthy(timeout_s)
         yield url

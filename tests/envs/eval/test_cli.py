@@ -85,8 +85,9 @@ def test_eval_writes_an_honest_report(server, model_dir, tmp_path):
 def test_eval_json_prints_the_report(server, model_dir, tmp_path):
     out = tmp_path / "eval"
     config = write_config(tmp_path / "eval.toml", server, model_dir, out, samples=1, k=[1], save_trajectories=False)
-    result = CliRunner().invoke(app, ["eval", str(config), "--json", "-s", "validate_tasks=false",
-                                      "-s", "tasks.synth.count=1"])  # fmt: skip
+    result = CliRunner().invoke(
+        app, ["eval", str(config), "--json", "-s", "validate_tasks=false", "-s", "tasks.synth.count=1"]
+    )
     assert result.exit_code == 0, result.output
     assert json.loads(result.stdout) == json.loads((out / "report.json").read_text())  # the bar is on stderr
     assert not (out / "trajectories.jsonl").exists()
@@ -103,8 +104,7 @@ def test_seeded_evaluations_draw_the_same_random_numbers_and_unseeded_ones_do_no
     for name, seed in (("a", 0), ("b", 0), ("c", 5), ("d", -1), ("e", -1)):
         out = tmp_path / name
         config = write_config(tmp_path / f"{name}.toml", server, model_dir, out)
-        result = CliRunner().invoke(app, ["eval", str(config), "-s", "validate_tasks=false",
-                                          "-s", f"seed={seed}"])  # fmt: skip
+        result = CliRunner().invoke(app, ["eval", str(config), "-s", "validate_tasks=false", "-s", f"seed={seed}"])
         assert result.exit_code == 0, result.output
         runs[name] = completions(out)
     assert runs["a"] == runs["b"]  # same seed, same weights: the same tokens, call for call
@@ -131,5 +131,14 @@ def test_a_seeded_policy_gives_each_call_of_a_rollout_its_own_seed():
         asyncio.run(policy.complete([1, 2], Sampling(max_tokens=4)))
     first = rollout_seed(0, "task/1", 0)
     assert seen == [first, first + 1, first + 2] and 0 <= first < 2**62
-    assert len({rollout_seed(0, "task/1", 0), rollout_seed(0, "task/1", 1), rollout_seed(0, "task/2", 0),
-                rollout_seed(1, "task/1", 0)}) == 4  # fmt: skip
+    assert (
+        len(
+            {
+                rollout_seed(0, "task/1", 0),
+                rollout_seed(0, "task/1", 1),
+                rollout_seed(0, "task/2", 0),
+                rollout_seed(1, "task/1", 0),
+            }
+        )
+        == 4
+    )

@@ -13,21 +13,36 @@ from whetstone.errors import ConfigError
 
 
 def rollout(task_id, reward=0.0, tests=0.0, flags=(), status="ok", turns=2, tokens=10):
-    call = ModelCall(prompt_ids=[1], completion_ids=[2] * tokens, logprobs=[-1.0] * tokens, versions=[0] * tokens,
-                     loss_mask=[1] * tokens)  # fmt: skip
+    call = ModelCall(
+        prompt_ids=[1],
+        completion_ids=[2] * tokens,
+        logprobs=[-1.0] * tokens,
+        versions=[0] * tokens,
+        loss_mask=[1] * tokens,
+    )
     return Trajectory(
-        task_id=task_id, segments=[Segment(calls=[call])], reward=reward, turns=turns, cheat_flags=list(flags),
+        task_id=task_id,
+        segments=[Segment(calls=[call])],
+        reward=reward,
+        turns=turns,
+        cheat_flags=list(flags),
         solved=tests == 1.0 and status == "ok",
-        reward_breakdown={"tests": tests, "effort_penalty": -0.02} if status == "ok" else {}, status=status,
-        error=None if status == "ok" else "PolicyError: HTTP 503", timings={"total": 2.0},
-    )  # fmt: skip
+        reward_breakdown={"tests": tests, "effort_penalty": -0.02} if status == "ok" else {},
+        status=status,
+        error=None if status == "ok" else "PolicyError: HTTP 503",
+        timings={"total": 2.0},
+    )
 
 
 RUN = {"model": "m", "endpoint": "http://x/v1", "wall_clock_s": 1.0}
 TRAJECTORIES = [
-    rollout("a", reward=0.98, tests=1.0), rollout("a", reward=0.98, tests=1.0), rollout("a"),
-    rollout("b", reward=0.98, tests=1.0), rollout("b", flags=["conftest: conftest.py"]), rollout("b", status="failed"),
-]  # fmt: skip
+    rollout("a", reward=0.98, tests=1.0),
+    rollout("a", reward=0.98, tests=1.0),
+    rollout("a"),
+    rollout("b", reward=0.98, tests=1.0),
+    rollout("b", flags=["conftest: conftest.py"]),
+    rollout("b", status="failed"),
+]
 
 
 def test_solved_means_ran_unflagged_and_every_required_test_passed():
@@ -40,8 +55,12 @@ def test_report_numbers():
     assert (report["tasks"], report["rollouts"], report["solved_rollouts"], report["failed_rollouts"]) == (2, 6, 3, 1)
     assert report["pass_at_k"] == {"1": pytest.approx((2 / 3 + 1 / 3) / 2), "3": 1.0}
     assert report["per_task"][0] == {
-        "task_id": "a", "samples": 3, "solved": 2, "mean_reward": pytest.approx(0.98 * 2 / 3),
-        "pass_at_k": {"1": pytest.approx(2 / 3), "3": 1.0}}  # fmt: skip
+        "task_id": "a",
+        "samples": 3,
+        "solved": 2,
+        "mean_reward": pytest.approx(0.98 * 2 / 3),
+        "pass_at_k": {"1": pytest.approx(2 / 3), "3": 1.0},
+    }
     assert report["cheat_flags"] == {"conftest": 1} and report["flagged_rollouts"] == 1
     assert report["failures"] == [{"task_id": "b", "error": "PolicyError: HTTP 503"}]
     assert report["turns"] == {"mean": 2.0, "p50": 2.0, "max": 2}  # over the rollouts that ran
@@ -68,7 +87,17 @@ def test_bad_config_and_unreachable_endpoint_are_named(tmp_path):
     from tests.envs.harness.harness_support import tokenizer
 
     tokenizer().save(tmp_path / "tok")
-    result = runner.invoke(app, [*base, "-s", f"harness.tokenizer_path={tmp_path / 'tok'}", "-s",
-                                 "endpoint.base_url=http://127.0.0.1:9/v1", "-s", "endpoint.retries=0"])  # fmt: skip
+    result = runner.invoke(
+        app,
+        [
+            *base,
+            "-s",
+            f"harness.tokenizer_path={tmp_path / 'tok'}",
+            "-s",
+            "endpoint.base_url=http://127.0.0.1:9/v1",
+            "-s",
+            "endpoint.retries=0",
+        ],
+    )
     assert isinstance(result.exception, PolicyError) and "127.0.0.1:9" in str(result.exception)
     assert not (tmp_path / "report.json").exists()

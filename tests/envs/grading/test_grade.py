@@ -5,8 +5,8 @@ import tempfile
 
 import pytest
 
-from whetstone.envs.grading.in_sandbox import grade_runner
 from whetstone.envs.grading.grade import changes_diff, compiled_runner, encode_paths, grade, workspace_changes
+from whetstone.envs.grading.in_sandbox import grade_runner
 from whetstone.envs.grading.reward import Effort, RewardConfig, combine, effort_penalty
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
 from whetstone.envs.task import Task
@@ -32,7 +32,9 @@ def bugfix_task(**overrides) -> Task:
         solution_files={"stats.py": FIXED},
         fail_to_pass=["test_stats_hidden.py::test_pair", "test_stats_hidden.py::test_triple"],
         pass_to_pass=[
-            "test_stats.py::test_single", "test_stats_hidden.py::test_still_zero", "test_stats_hidden.py::test_empty"
+            "test_stats.py::test_single",
+            "test_stats_hidden.py::test_still_zero",
+            "test_stats_hidden.py::test_empty",
         ],
         protected_paths=["test_*.py"],
         test_time_limit_s=30,
@@ -64,8 +66,11 @@ def test_hidden_files_define_the_tests_when_no_ids_are_given():
     task = bugfix_task(fail_to_pass=[], pass_to_pass=[])
     result = grade(task, task.solution_files)
     assert result.passed and sorted(result.tests) == [
-        "test_stats_hidden.py::test_empty", "test_stats_hidden.py::test_pair", "test_stats_hidden.py::test_still_zero",
-        "test_stats_hidden.py::test_triple"]  # fmt: skip
+        "test_stats_hidden.py::test_empty",
+        "test_stats_hidden.py::test_pair",
+        "test_stats_hidden.py::test_still_zero",
+        "test_stats_hidden.py::test_triple",
+    ]
 
 
 def test_partial_credit_is_configurable_and_below_solving():

@@ -92,9 +92,18 @@ def save_tiny_model(folder) -> str:
     from whetstone.model.hf import save_hf
 
     torch.manual_seed(0)
-    config = ModelConfig(vocab_size=tokenizer().vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, num_experts=4, num_experts_per_tok=2,
-                         moe_intermediate_size=32, max_position_embeddings=1024)  # fmt: skip
+    config = ModelConfig(
+        vocab_size=tokenizer().vocab_size,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        max_position_embeddings=1024,
+    )
     tokenizer_dir = folder / "tokenizer"
     tokenizer().save(tokenizer_dir)
     return str(save_hf(Transformer(config).eval(), folder / "tiny-agent", tokenizer_dir=tokenizer_dir))

@@ -17,8 +17,11 @@ def test_context_is_encode_chat_of_the_conversation_token_for_token():
     context = SegmentContext(tok, OPENING)
     messages = list(OPENING)
     pending: list[dict] = []
-    steps = [("read_file", {"path": "a.py"}, "x = 1\n"), ("run_tests", {}, "FAILED t.py::test_a\n1 failed"),
-             ("submit", {}, None)]  # fmt: skip
+    steps = [
+        ("read_file", {"path": "a.py"}, "x = 1\n"),
+        ("run_tests", {}, "FAILED t.py::test_a\n1 failed"),
+        ("submit", {}, None),
+    ]
     for number, (name, arguments, result) in enumerate(steps):
         prompt = context.prompt(pending)
         assert prompt[: len(context.ids)] == context.ids  # each prompt extends the last prompt + completion
@@ -41,13 +44,15 @@ def test_a_cut_off_completion_is_closed_before_the_next_turn():
     context.add(prompt, cut)
     assert context.ids == prompt + cut + [tok.im_end_id]
     next_prompt = context.prompt([prompts.tool_message("x", "error: ...")])
-    assert tok.decode(next_prompt[len(context.ids):]).startswith("\n<|im_start|>user\n<tool_response>\nerror: ...")
+    assert tok.decode(next_prompt[len(context.ids) :]).startswith("\n<|im_start|>user\n<tool_response>\nerror: ...")
 
 
 def test_tool_results_of_one_reply_share_one_user_turn():
     text = between_turns([prompts.tool_message("a", "one"), prompts.tool_message("b", "two")])
-    assert text == ("\n<|im_start|>user\n<tool_response>\none\n</tool_response>\n<tool_response>\ntwo\n"
-                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    assert text == (
+        "\n<|im_start|>user\n<tool_response>\none\n</tool_response>\n<tool_response>\ntwo\n"
+        "</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    )
 
 
 def test_long_tool_results_are_cut_to_the_token_limit_keeping_head_and_tail():

@@ -9,10 +9,24 @@ import asyncio
 import pytest
 import torch
 
-from tests.envs.harness.harness_support import (assert_one_growing_sequence, call, save_tiny_model,
-                                             serve_in_thread, synth_task, tokenizer)  # fmt: skip
-from whetstone.envs.harness import (AgentHarness, EndpointConfig, HarnessConfig, HttpPolicy, PolicyError,
-                                    RolloutConfig, Sampling, rollout)  # fmt: skip
+from tests.envs.harness.harness_support import (
+    assert_one_growing_sequence,
+    call,
+    save_tiny_model,
+    serve_in_thread,
+    synth_task,
+    tokenizer,
+)
+from whetstone.envs.harness import (
+    AgentHarness,
+    EndpointConfig,
+    HarnessConfig,
+    HttpPolicy,
+    PolicyError,
+    RolloutConfig,
+    Sampling,
+    rollout,
+)
 from whetstone.inference.protocol import decode_routes
 from whetstone.utils.processes import free_port
 
@@ -100,11 +114,24 @@ def test_a_rollout_over_http_records_one_growing_sequence(server):
 
 def test_answers_of_other_servers_are_read_or_refused_by_name():
     policy = HttpPolicy(EndpointConfig(weight_version=3), "m", None, client=None)
-    vllm_like = {"choices": [{"text": "hi", "finish_reason": "length", "token_ids": [5, 6], "prompt_token_ids": [1],
-                              "logprobs": {"token_logprobs": [-0.5, -1.5]}}]}  # fmt: skip
+    vllm_like = {
+        "choices": [
+            {
+                "text": "hi",
+                "finish_reason": "length",
+                "token_ids": [5, 6],
+                "prompt_token_ids": [1],
+                "logprobs": {"token_logprobs": [-0.5, -1.5]},
+            }
+        ]
+    }
     completion = policy._parse(vllm_like, [1])
     assert (completion.ids, completion.versions, completion.routes, completion.finish_reason) == (
-        [5, 6], [3, 3], None, "length")  # fmt: skip
+        [5, 6],
+        [3, 3],
+        None,
+        "length",
+    )
     with pytest.raises(PolicyError, match="did not use the prompt's token ids"):
         policy._parse(vllm_like, [2])
     with pytest.raises(PolicyError, match="must support `return_token_ids`"):

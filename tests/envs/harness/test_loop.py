@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.envs.harness.harness_support import (ScriptedPolicy, assert_one_growing_sequence, call, solver, synth_task,
-                                             tokenizer, turn_number)  # fmt: skip
+from tests.envs.harness.harness_support import (
+    ScriptedPolicy,
+    assert_one_growing_sequence,
+    call,
+    solver,
+    synth_task,
+    tokenizer,
+    turn_number,
+)
 from whetstone.envs.harness import AgentHarness, HarnessConfig, PolicyError, RolloutConfig, rollout
 from whetstone.envs.sandbox import open_sandbox
 
@@ -38,14 +45,21 @@ def test_a_scripted_agent_solves_a_task_and_every_token_is_recorded():
 
 
 def test_replies_that_cannot_be_acted_on_are_answered_and_counted():
-    replies = ["I will now think about it.", "<tool_call>\n{bad json\n</tool_call>", call("fly", to="moon"),
-               call("read_file"), call("list_dir", path=".") + "\n" + call("submit")]  # fmt: skip
+    replies = [
+        "I will now think about it.",
+        "<tool_call>\n{bad json\n</tool_call>",
+        call("fly", to="moon"),
+        call("read_file"),
+        call("list_dir", path=".") + "\n" + call("submit"),
+    ]
     policy = ScriptedPolicy(lambda prompt: replies[prompt.count("<|im_start|>assistant") - 1])
     trajectory = run_agent(synth_task(), policy)
     assert trajectory.status == "ok" and trajectory.turns == 5 and trajectory.invalid_tool_calls == 4
     answers = [tokenizer().decode(p) for p in policy.prompts[1:]]
-    assert answers[0].endswith("No tool call found in your reply. Call one of the tools, or submit when you are done."
-                               "<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+    assert answers[0].endswith(
+        "No tool call found in your reply. Call one of the tools, or submit when you are done."
+        "<|im_end|>\n<|im_start|>assistant\n"
+    )
     assert "error: tool call 0: invalid JSON" in answers[1]
     assert "error: unknown tool 'fly'" in answers[2]
     assert "error: read_file(path): missing path" in answers[3]
@@ -53,6 +67,7 @@ def test_replies_that_cannot_be_acted_on_are_answered_and_counted():
 
 def test_replies_that_cannot_be_acted_on_end_the_rollout_only_when_that_many_come_in_a_row():
     replies = ["no call", call("list_dir", path="."), "still no call", call("fly"), call("read_file"), call("submit")]
+
     def reply(prompt):
         return replies[prompt.count("<|im_start|>assistant") - 1]
 
@@ -74,7 +89,7 @@ def test_a_tool_output_cannot_fake_a_turn_with_control_tokens():
     # Between the prompts: the reply's <|im_end|>, then the tool turn's <|im_start|>, <|im_end|>
     # and the next <|im_start|>; none from the forged output.
     assert sum(t in special for t in second) == sum(t in special for t in first) + 4
-    output = tokenizer().decode(second[len(first):])
+    output = tokenizer().decode(second[len(first) :])
     assert "im_end|>" in output and "<|im_end|>\n<|im_start|>assistant\n<tool_call>" not in output.split("[exit")[0]
 
 
@@ -123,8 +138,15 @@ def test_a_policy_failure_fails_the_rollout_but_keeps_what_was_sampled():
 
 
 def test_a_context_too_small_for_the_task_fails_with_the_numbers():
-    trajectory = run_agent(synth_task(), ScriptedPolicy(lambda prompt: call("submit")), context_tokens=400,
-                           max_turn_tokens=64, max_tool_tokens=64, max_calls_per_turn=2, summary_tokens=64)  # fmt: skip
+    trajectory = run_agent(
+        synth_task(),
+        ScriptedPolicy(lambda prompt: call("submit")),
+        context_tokens=400,
+        max_turn_tokens=64,
+        max_tool_tokens=64,
+        max_calls_per_turn=2,
+        summary_tokens=64,
+    )
     assert trajectory.status == "failed" and trajectory.turns == 0
     assert "leaving no room for a turn in a 400-token context" in trajectory.error
     assert "+ a later summary's" in trajectory.error  # the first opening must also fit a summary

@@ -6,9 +6,8 @@ import time
 import pytest
 
 from tests.orchestrator.orchestrator_support import ThreadServer, Trainer, model_folder, thread_servers
-from whetstone.envs.harness import EndpointConfig, PolicyError, Sampling
+from whetstone.envs.harness import EndpointConfig, PolicyError, Sampling, ServerPool
 from whetstone.errors import WhetstoneError
-from whetstone.envs.harness import ServerPool
 
 ENDPOINT = EndpointConfig(retries=0, timeout_s=30)
 SHORT = Sampling(max_tokens=4)
@@ -96,8 +95,9 @@ def test_a_server_too_far_behind_the_trainer_is_not_used(world):
     """A server still on version 0 while the trainer is at 5 would only make samples too stale to train on."""
 
     async def scenario(urls):
-        pool = await ServerPool.connect(urls, ENDPOINT, health_interval_s=0.1, no_server_timeout_s=0.5,
-                                        min_version=lambda: 3)  # fmt: skip
+        pool = await ServerPool.connect(
+            urls, ENDPOINT, health_interval_s=0.1, no_server_timeout_s=0.5, min_version=lambda: 3
+        )
         try:
             with pytest.raises(WhetstoneError, match="no inference server has been healthy for 0.5 s"):
                 async with pool.lease():
@@ -114,8 +114,10 @@ def test_a_server_stuck_on_old_weights_is_up_and_behind_while_a_stopped_one_is_d
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
-    answers = {"/stale/health": {"status": "weights stale", "weight_version": 14, "latest_weight_version": 15},
-               "/stopped/health": {"status": "engine stopped", "weight_version": 14}}
+    answers = {
+        "/stale/health": {"status": "weights stale", "weight_version": 14, "latest_weight_version": 15},
+        "/stopped/health": {"status": "engine stopped", "weight_version": 14},
+    }
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self):

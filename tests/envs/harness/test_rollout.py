@@ -46,8 +46,17 @@ def test_concurrency_is_bounded_and_results_keep_their_order():
     policy = Recording(lambda prompt: call("list_dir", path=".") if turn_number(prompt) < 2 else call("submit"))
     tasks = [named(str(i)) for i in range(2)]
     finished = []
-    trajectories = asyncio.run(run_rollouts(tasks, policy, HARNESS, RolloutConfig(concurrency=2), samples=2,
-                                            group_prefix="step3/", on_done=finished.append))  # fmt: skip
+    trajectories = asyncio.run(
+        run_rollouts(
+            tasks,
+            policy,
+            HARNESS,
+            RolloutConfig(concurrency=2),
+            samples=2,
+            group_prefix="step3/",
+            on_done=finished.append,
+        )
+    )
     assert [t.task_id for t in trajectories] == ["t/0", "t/0", "t/1", "t/1"]
     assert [t.group_id for t in trajectories] == [f"step3/t/{i}" for i in (0, 0, 1, 1)]
     assert sorted(map(id, finished)) == sorted(map(id, trajectories))
@@ -78,8 +87,13 @@ def test_broken_rollouts_are_recorded_with_their_reason_and_the_others_finish(mo
             return await HARNESS.run(task, policy, sandbox)
 
     monkeypatch.setattr(rollout_module, "OVERRUN_GRACE_S", 0.1)
-    tasks = [named("ok"), named("setup", setup=["echo no database >&2; exit 3"]), named("raises"),
-             named("hangs", time_limit_s=0.2), named("fine")]  # fmt: skip
+    tasks = [
+        named("ok"),
+        named("setup", setup=["echo no database >&2; exit 3"]),
+        named("raises"),
+        named("hangs", time_limit_s=0.2),
+        named("fine"),
+    ]
     policy = ScriptedPolicy(lambda prompt: call("submit"))
     trajectories = asyncio.run(run_rollouts(tasks, policy, Selective(), RolloutConfig(concurrency=5)))
     by_id: dict[str, Trajectory] = {t.task_id: t for t in trajectories}

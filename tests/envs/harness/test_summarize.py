@@ -47,8 +47,14 @@ def reader(task):
 
 def test_a_rollout_ten_times_longer_than_its_context_completes_through_summaries(tmp_path):
     task = long_task()
-    config = HarnessConfig(context_tokens=WINDOW, max_turns=200, max_turn_tokens=128, max_tool_tokens=128,
-                           max_calls_per_turn=4, summary_tokens=48)  # fmt: skip
+    config = HarnessConfig(
+        context_tokens=WINDOW,
+        max_turns=200,
+        max_turn_tokens=128,
+        max_tool_tokens=128,
+        max_calls_per_turn=4,
+        summary_tokens=48,
+    )
     harness = AgentHarness(config, tokenizer())
     trajectory = asyncio.run(rollout(task, ScriptedPolicy(reader(task)), harness, RolloutConfig()))
     tok = tokenizer()
@@ -60,7 +66,8 @@ def test_a_rollout_ten_times_longer_than_its_context_completes_through_summaries
     # the whole transcript (the opening once, plus what each segment added) is over 10x the window
     segments = trajectory.segments
     transcript = len(segments[0].calls[0].prompt_ids) + sum(
-        len(s.calls[-1].prompt_ids) + len(s.calls[-1].completion_ids) - len(s.calls[0].prompt_ids) for s in segments)
+        len(s.calls[-1].prompt_ids) + len(s.calls[-1].completion_ids) - len(s.calls[0].prompt_ids) for s in segments
+    )
     assert transcript >= 10 * WINDOW and len(segments) >= 10
 
     # every segment but the last ends with a summary call, recorded and trained like any other
@@ -86,8 +93,9 @@ def test_a_rollout_ten_times_longer_than_its_context_completes_through_summaries
 
     # each part was read exactly once: the summaries carried the progress, nothing was redone
     reads = [tok.decode(c.completion_ids) for c in trajectory.calls if not c.is_summary]
-    assert sorted(r for r in reads if "notes/part_" in r) == [call("read_file", path=f"notes/part_{i:02d}.txt")
-                                                             + "<|im_end|>" for i in range(PARTS)]  # fmt: skip
+    assert sorted(r for r in reads if "notes/part_" in r) == [
+        call("read_file", path=f"notes/part_{i:02d}.txt") + "<|im_end|>" for i in range(PARTS)
+    ]
     assert trajectory.turns == len(trajectory.calls) == PARTS + 3 + len(segments) - 1
 
     # and the record survives a round trip to disk exactly

@@ -32,13 +32,16 @@ def budgeted(task):
 
 def test_file_tools_speak_the_demonstrations_texts(tools):
     assert tools.call("write_file", {"path": "solution.py", "content": "def solve(x):\n    return x\n"}, 10) == (
-        prompts.write_result("solution.py", "def solve(x):\n    return x\n"))
+        prompts.write_result("solution.py", "def solve(x):\n    return x\n")
+    )
     assert tools.call("edit", {"path": "solution.py", "old": "return x", "new": "return x + 1"}, 10) == (
-        prompts.edit_result("solution.py"))
+        prompts.edit_result("solution.py")
+    )
     assert tools.call("read_file", {"path": "solution.py"}, 10) == "def solve(x):\n    return x + 1\n"
     assert tools.call("list_dir", {"path": "."}, 10) == "pkg/\nsolution.py\ntest_solution.py"
     assert tools.call("grep", {"pattern": r"TODO|return x", "path": "."}, 10) == (
-        "pkg/util.py:2:    return 41  # TODO\nsolution.py:2:    return x + 1")
+        "pkg/util.py:2:    return 41  # TODO\nsolution.py:2:    return x + 1"
+    )
 
 
 def test_tool_failures_are_results_not_invalid_calls(tools):
@@ -67,7 +70,8 @@ def test_unusable_paths_are_tool_errors_not_crashes(tools):
     assert "not a usable path" in tools.call("read_file", {"path": "loop"}, 10)
     assert "not a usable path" in tools.call("read_file", {"path": "a\0b"}, 10)
     assert tools.call("write_file", {"path": "test_solution.py/x.py", "content": ""}, 10) == (
-        "error: File exists: test_solution.py/x.py")
+        "error: File exists: test_solution.py/x.py"
+    )
 
 
 def test_absolute_paths_inside_the_sandbox_workdir_are_the_workspace(tools):
@@ -89,8 +93,12 @@ def test_run_tests_reports_each_failing_test_then_counts(tools):
     tools.call("write_file", {"path": "solution.py", "content": "def solve(x):\n    return None\n"}, 10)
     result = tools.call("run_tests", {}, 30)
     lines = result.splitlines()
-    assert lines[:4] == ["FAILED test_solution.py::test_1", "FAILED test_solution.py::test_2",
-                         "FAILED test_solution.py::test_3", "3 failed"]  # fmt: skip
+    assert lines[:4] == [
+        "FAILED test_solution.py::test_1",
+        "FAILED test_solution.py::test_2",
+        "FAILED test_solution.py::test_3",
+        "3 failed",
+    ]
     assert "assert None ==" in result and "[exit code 1]" in result
     # Only the first failure's short traceback: its test line and assertion, not the others'.
     assert lines[4] == "test_solution.py:5: in test_1" and "in test_2" not in result
@@ -115,13 +123,16 @@ def test_run_tests_reports_a_collection_error(tools):
     assert result.startswith("ERROR test_solution.py\n1 error") and "ModuleNotFoundError" in result
 
 
-@pytest.mark.parametrize("name,arguments,message", [
-    ("fly", {}, "unknown tool 'fly'"),
-    ("read_file", {}, "read_file(path): missing path"),
-    ("run_tests", {"verbose": "yes"}, "unexpected verbose"),
-    ("write_file", {"path": "a.py", "content": 3}, "argument content must be a string"),
-    ("run", ["ls"], "arguments must be an object"),
-])
+@pytest.mark.parametrize(
+    "name,arguments,message",
+    [
+        ("fly", {}, "unknown tool 'fly'"),
+        ("read_file", {}, "read_file(path): missing path"),
+        ("run_tests", {"verbose": "yes"}, "unexpected verbose"),
+        ("write_file", {"path": "a.py", "content": 3}, "argument content must be a string"),
+        ("run", ["ls"], "arguments must be an object"),
+    ],
+)
 def test_calls_that_cannot_run_are_invalid(name, arguments, message):
     with pytest.raises(ToolCallError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_call(name, arguments)

@@ -130,7 +130,7 @@ def test_memory_limit_per_process():
 def test_memory_limit_for_the_whole_tree():
     # Each process stays under the per-process limit; together they exceed the sandbox's memory.
     hog = "import time; x = bytearray(120 << 20); x[::4096] = b'1' * len(x[::4096]); time.sleep(2)"
-    command = " & ".join([f"python -c \"{hog}\""] * 4) + " & wait"
+    command = " & ".join([f'python -c "{hog}"'] * 4) + " & wait"
     with open_sandbox({}, SandboxConfig(memory_mb=256)) as sandbox:
         result = sandbox.run(command, timeout_s=20)
     assert "memory" in result.limits_hit
@@ -246,9 +246,28 @@ def test_clear_error_without_user_namespaces():
     probe = "from whetstone.envs.sandbox import open_sandbox\nopen_sandbox({})"
     # The checkout may itself live under /tmp (CI clones): keep it visible over the fresh /tmp.
     source = str(Path(whetstone.__file__).resolve().parents[1])
-    argv = [bwrap, "--unshare-all", "--unshare-user", "--disable-userns", "--die-with-parent",
-            "--ro-bind", "/", "/", "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
-            "--ro-bind", source, source, sys.executable, "-c", probe]  # fmt: skip
+    argv = [
+        bwrap,
+        "--unshare-all",
+        "--unshare-user",
+        "--disable-userns",
+        "--die-with-parent",
+        "--ro-bind",
+        "/",
+        "/",
+        "--proc",
+        "/proc",
+        "--dev",
+        "/dev",
+        "--tmpfs",
+        "/tmp",
+        "--ro-bind",
+        source,
+        source,
+        sys.executable,
+        "-c",
+        probe,
+    ]
     env = {**os.environ, "PYTHONPATH": source}
     result = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env)
     assert result.returncode != 0

@@ -73,10 +73,13 @@ def test_a_missing_file_and_an_unknown_name_are_told_apart(tmp_path):
 
 def test_the_config_file_is_a_positional_argument(tmp_path):
     config = tmp_path / "synth.toml"
-    config.write_text("count = 2\nsplit = \"heldout\"\n")
+    config.write_text('count = 2\nsplit = "heldout"\n')
     result = runner.invoke(app, ["list", "synth", str(config), "--json"])
     assert result.exit_code == 0, result.output
-    assert [json.loads(line)["id"] for line in result.stdout.splitlines()] == ["synth/heldout/s0-00000", "synth/heldout/s0-00001"]
+    assert [json.loads(line)["id"] for line in result.stdout.splitlines()] == [
+        "synth/heldout/s0-00000",
+        "synth/heldout/s0-00001",
+    ]
     shown = runner.invoke(app, ["show", "synth", "synth/heldout/s0-00001", str(config)])
     assert shown.exit_code == 0 and "split: heldout" in shown.stdout
     exported = runner.invoke(app, ["export", "synth", str(tmp_path / "out.jsonl"), str(config), "-s", "count=3"])

@@ -14,8 +14,11 @@ from whetstone.tokenizer import encode_chat
 
 
 def _calls(messages):
-    return [(m["tool_calls"][0]["function"]["name"], json.loads(m["tool_calls"][0]["function"]["arguments"]))
-            for m in messages if m["role"] == "assistant"]
+    return [
+        (m["tool_calls"][0]["function"]["name"], json.loads(m["tool_calls"][0]["function"]["arguments"]))
+        for m in messages
+        if m["role"] == "assistant"
+    ]
 
 
 def test_synth_demonstration_writes_tests_and_submits():
@@ -44,9 +47,17 @@ def test_every_call_uses_a_declared_tool_with_its_parameters():
 def test_bugfix_demonstration_reads_then_edits_uniquely():
     original = "def f(x):\n    return x\n\n\ndef g(x):\n    return x - 1\n"
     fixed = "def f(x):\n    return x\n\n\ndef g(x):\n    return x + 1\n"
-    task = Task(id="t", kind="bugfix", instruction="g(1) should be 2.", repo_files={"m.py": original, "test_m.py": ""},
-                visible_tests=["test_m.py"], hidden_tests={"test_m.py": ""}, solution_files={"m.py": fixed},
-                fail_to_pass=["test_m.py::test_g"], pass_to_pass=["test_m.py::test_f"])
+    task = Task(
+        id="t",
+        kind="bugfix",
+        instruction="g(1) should be 2.",
+        repo_files={"m.py": original, "test_m.py": ""},
+        visible_tests=["test_m.py"],
+        hidden_tests={"test_m.py": ""},
+        solution_files={"m.py": fixed},
+        fail_to_pass=["test_m.py::test_g"],
+        pass_to_pass=["test_m.py::test_f"],
+    )
     messages = demonstration(task)
     (read, read_args), (edit, edit_args), (run, _), (submit, _) = _calls(messages)
     assert (read, edit, run, submit) == ("read_file", "edit", "run_tests", "submit")
@@ -59,8 +70,15 @@ def test_bugfix_demonstration_reads_then_edits_uniquely():
 def test_ambiguous_line_gets_context_until_unique():
     original = "a = 1\nb = 0\na = 1\nc = 0\n"
     fixed = "a = 1\nb = 0\na = 2\nc = 0\n"
-    task = Task(id="t", kind="bugfix", instruction="x", repo_files={"m.py": original},
-                hidden_tests={"test_m.py": ""}, solution_files={"m.py": fixed}, fail_to_pass=["test_m.py::t"])
+    task = Task(
+        id="t",
+        kind="bugfix",
+        instruction="x",
+        repo_files={"m.py": original},
+        hidden_tests={"test_m.py": ""},
+        solution_files={"m.py": fixed},
+        fail_to_pass=["test_m.py::t"],
+    )
     edit_args = _calls(demonstration(task))[1][1]
     assert original.count(edit_args["old"]) == 1 and original.replace(edit_args["old"], edit_args["new"]) == fixed
 
@@ -102,9 +120,13 @@ def test_a_recovery_demonstration_shows_a_masked_slip_its_real_test_output_then_
     assert attempt.content != reference and attempt.path == "solution.py"
     assert attempt.test_output.startswith("FAILED test_solution.py::") and "[exit code 1]" in attempt.test_output
     messages = demonstration(task, attempt)
-    assert _calls(messages) == [("write_file", {"path": "solution.py", "content": attempt.content}), ("run_tests", {}),
-                                ("write_file", {"path": "solution.py", "content": reference}), ("run_tests", {}),
-                                ("submit", {})]  # fmt: skip
+    assert _calls(messages) == [
+        ("write_file", {"path": "solution.py", "content": attempt.content}),
+        ("run_tests", {}),
+        ("write_file", {"path": "solution.py", "content": reference}),
+        ("run_tests", {}),
+        ("submit", {}),
+    ]
     assert [m.get("weight", 1) for m in messages if m["role"] == "assistant"] == [0, 1, 1, 1, 1]
     assert messages[5]["content"] == attempt.test_output and messages[-2]["content"] == "3 passed"
     assert [m["tool_call_id"] for m in messages if m["role"] == "tool"] == ["call_1", "call_2", "call_3", "call_4"]
@@ -124,12 +146,15 @@ def test_a_misread_attempt_is_another_tasks_solution_for_the_same_input_type_tha
     tasks = generate(SynthConfig(count=30, seed=3))
     task = tasks[0]
     attempt = failed_attempt(task, max_chars=2048, kind="misread", peers=tasks)
-    peers_solutions = {t.solution_files["solution.py"] for t in tasks[1:]
-                       if t.metadata["input_type"] == task.metadata["input_type"]}  # fmt: skip
+    peers_solutions = {
+        t.solution_files["solution.py"] for t in tasks[1:] if t.metadata["input_type"] == task.metadata["input_type"]
+    }
     assert attempt.content in peers_solutions and attempt.content != task.solution_files["solution.py"]
     assert attempt.test_output.startswith(("FAILED", "ERROR")) and "[exit code" in attempt.test_output
     assert failed_attempt(task, max_chars=2048, kind="misread", peers=[task]) is None  # no other task to misread
     transcripts = demonstrations(tasks[:8], recovery_fraction=1.0, attempt="misread")
     solutions = {t.solution_files["solution.py"] for t in tasks[:8]}
-    opened = [(_calls(m)[0][1]["content"], t.solution_files["solution.py"]) for t, m in zip(tasks, transcripts) if len(m) > 7]
+    opened = [
+        (_calls(m)[0][1]["content"], t.solution_files["solution.py"]) for t, m in zip(tasks, transcripts) if len(m) > 7
+    ]
     assert len(opened) >= 4 and all(wrong in solutions and wrong != right for wrong, right in opened)

@@ -14,7 +14,10 @@ def _task(task_id: str = "custom/0001") -> Task:
         id=task_id,
         instruction="Fix add() in calc/ops.py.",
         kind="bugfix",
-        repo_files={"calc/ops.py": "def add(a, b):\n    return a - b\n", "tests/test_ops.py": "from calc.ops import add\n"},
+        repo_files={
+            "calc/ops.py": "def add(a, b):\n    return a - b\n",
+            "tests/test_ops.py": "from calc.ops import add\n",
+        },
         hidden_tests={"tests/test_ops.py": "from calc.ops import add\n\ndef test_add():\n    assert add(1, 2) == 3\n"},
         solution_files={"calc/ops.py": "def add(a, b):\n    return a + b\n"},
         fail_to_pass=["tests/test_ops.py::test_add"],

@@ -42,8 +42,13 @@ def test_humaneval_limit_and_bad_file(tmp_path):
 
 
 def _git(repo, *args):
-    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args], cwd=repo,
-                          check=True, capture_output=True, text=True).stdout
+    return subprocess.run(
+        ["git", "-c", "user.name=t", "-c", "user.email=t@example.com", *args],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
 
 
 @pytest.fixture
@@ -62,10 +67,17 @@ def swebench_source(tmp_path):
     (repo / "tests" / "test_calc.py").write_text(NEW_TEST)
     test_patch = _git(repo, "diff", "--", "tests")
     _git(repo, "commit", "-qam", "the fix, later in history")
-    record = {"instance_id": "acme__calc-1", "repo": "acme/calc", "base_commit": base,
-              "problem_statement": "mean() divides by one too many.", "patch": patch, "test_patch": test_patch,
-              "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_two"]), "PASS_TO_PASS": ["tests/test_calc.py::test_one"],
-              "version": "0.1"}
+    record = {
+        "instance_id": "acme__calc-1",
+        "repo": "acme/calc",
+        "base_commit": base,
+        "problem_statement": "mean() divides by one too many.",
+        "patch": patch,
+        "test_patch": test_patch,
+        "FAIL_TO_PASS": json.dumps(["tests/test_calc.py::test_two"]),
+        "PASS_TO_PASS": ["tests/test_calc.py::test_one"],
+        "version": "0.1",
+    }
     path = tmp_path / "swebench.jsonl"
     path.write_text(json.dumps(record) + "\n")
     return SwebenchConfig(path=str(path), repos_dir=str(tmp_path / "repos"))
@@ -77,7 +89,9 @@ def test_swebench_record_becomes_a_task_at_its_base_commit(swebench_source):
     assert task.repo_files == {"calc.py": BUGGY, "tests/test_calc.py": OLD_TEST}  # no .git, no fix
     assert task.hidden_tests == {"tests/test_calc.py": NEW_TEST}
     assert task.solution_files == {"calc.py": FIXED}
-    assert task.fail_to_pass == ["tests/test_calc.py::test_two"] and task.pass_to_pass == ["tests/test_calc.py::test_one"]
+    assert task.fail_to_pass == ["tests/test_calc.py::test_two"] and task.pass_to_pass == [
+        "tests/test_calc.py::test_one"
+    ]
     assert task.protected_paths == ["tests/test_calc.py"]
     assert task.instruction == "mean() divides by one too many."
 
@@ -95,7 +109,9 @@ def test_swebench_errors_name_the_record(swebench_source, tmp_path):
     path.write_text(json.dumps({**record, "repo": "acme/missing"}) + "\n")
     with pytest.raises(WhetstoneError, match="'acme/missing' is not cloned"):
         swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
-    path.write_text(json.dumps({**record, "patch": record["patch"].replace("len(values) + 1", "len(other) + 1")}) + "\n")
+    path.write_text(
+        json.dumps({**record, "patch": record["patch"].replace("len(values) + 1", "len(other) + 1")}) + "\n"
+    )
     with pytest.raises(WhetstoneError, match=r"bad.jsonl:1: patch does not apply"):
         swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
     path.write_text(json.dumps({k: v for k, v in record.items() if k != "test_patch"}) + "\n")
@@ -104,7 +120,9 @@ def test_swebench_errors_name_the_record(swebench_source, tmp_path):
 
 
 def test_patches_report_deleted_files():
-    patch = "diff --git a/old.py b/old.py\ndeleted file mode 100644\n--- a/old.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-x = 1\n"
+    patch = (
+        "diff --git a/old.py b/old.py\ndeleted file mode 100644\n--- a/old.py\n+++ /dev/null\n@@ -1 +0,0 @@\n-x = 1\n"
+    )
     assert patched_paths(patch) == ["old.py"]
     assert apply_patch({"old.py": "x = 1\n", "keep.py": ""}, patch) == {"old.py": None}
     with pytest.raises(WhetstoneError, match="not a unified diff"):

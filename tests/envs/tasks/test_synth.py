@@ -95,7 +95,9 @@ def test_heldout_compositions_never_appear_in_train():
 
 def test_split_is_a_fixed_function_of_content():
     by_name = {op.name: op for op in OPS}
-    assert Program("int", [(by_name["mul"], {"k": 3})]).split() == Program("str", [(by_name["repeat"], {"k": 3})]).split()
+    assert (
+        Program("int", [(by_name["mul"], {"k": 3})]).split() == Program("str", [(by_name["repeat"], {"k": 3})]).split()
+    )
     splits = {Program(op.src, [(op, {"k": k})]).split() for op in OPS if "k" in op.params for k in op.params["k"]}
     assert splits == {"train", "heldout"}  # one-step tasks are split by constant as well
 

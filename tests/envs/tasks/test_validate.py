@@ -11,9 +11,15 @@ TEST_ADD = "from calc import add\n\n\ndef test_add():\n    assert add(2, 2) == 4
 
 
 def _bugfix(buggy: str, fixed: str) -> Task:
-    return Task(id="custom/add", kind="bugfix", instruction="add() is wrong.", repo_files={"calc.py": buggy},
-                hidden_tests={"test_calc.py": TEST_ADD}, solution_files={"calc.py": fixed},
-                fail_to_pass=["test_calc.py::test_add"])
+    return Task(
+        id="custom/add",
+        kind="bugfix",
+        instruction="add() is wrong.",
+        repo_files={"calc.py": buggy},
+        hidden_tests={"test_calc.py": TEST_ADD},
+        solution_files={"calc.py": fixed},
+        fail_to_pass=["test_calc.py::test_add"],
+    )
 
 
 def test_a_generated_task_is_valid():
@@ -51,15 +57,20 @@ def test_report_lists_bad_records_and_remembers_results(tmp_path):
     valid, stale = generate(SynthConfig(count=2))
     cache = tmp_path / "cache.json"
     cache.write_text(json.dumps({task_hash(valid): None, task_hash(stale): "remembered reason"}))
-    records = [Record("tasks.jsonl:1", task=valid), Record("tasks.jsonl:2", problem="not valid JSON: ..."),
-               Record("tasks.jsonl:3", task=stale)]
+    records = [
+        Record("tasks.jsonl:1", task=valid),
+        Record("tasks.jsonl:2", problem="not valid JSON: ..."),
+        Record("tasks.jsonl:3", task=stale),
+    ]
     report = validate_records(records, cache_path=cache)
     assert report.valid == [valid]
     assert report.to_json() == {
         "total": 3,
         "valid": 1,
-        "invalid": [{"id": "tasks.jsonl:2", "reason": "not valid JSON: ..."},
-                    {"id": stale.id, "reason": "remembered reason"}],
+        "invalid": [
+            {"id": "tasks.jsonl:2", "reason": "not valid JSON: ..."},
+            {"id": stale.id, "reason": "remembered reason"},
+        ],
     }
 
 
@@ -67,7 +78,7 @@ def test_a_failing_setup_command_is_named_with_its_exit_code_and_output():
     task = _bugfix("def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n")
     broken = task.model_copy(update={"setup": ["echo 'no module named numpy' >&2; exit 3"]})
     reason = check_task(broken)
-    assert reason.startswith("the setup failed: setup command failed with exit code 3: \"echo ")
+    assert reason.startswith('the setup failed: setup command failed with exit code 3: "echo ')
     assert "no module named numpy" in reason
 
 
@@ -80,18 +91,32 @@ def test_tests_that_time_out_are_named():
 
 def test_a_visible_test_missing_from_a_repo_path_snapshot_is_named(tmp_path):
     (tmp_path / "calc.py").write_text("def add(a, b):\n    return a - b\n")
-    task = Task(id="custom/add", kind="bugfix", instruction="add() is wrong.", repo_path=str(tmp_path),
-                visible_tests=["test_calc.py"], hidden_tests={"test_calc.py": TEST_ADD},
-                solution_files={"calc.py": "def add(a, b):\n    return a + b\n"}, fail_to_pass=["test_calc.py::test_add"])
+    task = Task(
+        id="custom/add",
+        kind="bugfix",
+        instruction="add() is wrong.",
+        repo_path=str(tmp_path),
+        visible_tests=["test_calc.py"],
+        hidden_tests={"test_calc.py": TEST_ADD},
+        solution_files={"calc.py": "def add(a, b):\n    return a + b\n"},
+        fail_to_pass=["test_calc.py::test_add"],
+    )
     assert check_task(task) == f"visible_tests: 'test_calc.py': no such file in repo_path {tmp_path}"
 
 
 def test_field_errors_are_refused_when_a_task_is_read(tmp_path):
     good = json.loads(_bugfix("def add(a, b):\n    return a - b\n", "x = 1\n").model_dump_json())
-    bad = {"time_limit_s": -5, "test_time_limit_s": 0, "split": "test", "visible_tests": ["test_missing.py"],
-           "difficulty": -1}
+    bad = {
+        "time_limit_s": -5,
+        "test_time_limit_s": 0,
+        "split": "test",
+        "visible_tests": ["test_missing.py"],
+        "difficulty": -1,
+    }
     path = tmp_path / "tasks.jsonl"
-    path.write_text("".join(json.dumps({**good, "id": f"t{i}", key: value}) + "\n" for i, (key, value) in enumerate(bad.items())))
+    path.write_text(
+        "".join(json.dumps({**good, "id": f"t{i}", key: value}) + "\n" for i, (key, value) in enumerate(bad.items()))
+    )
     report = validate_records(read_records(path))
     assert report.valid == [] and [item["id"] for item in report.invalid] == [f"{path}:{n}" for n in range(1, 6)]
     reasons = [item["reason"] for item in report.invalid]

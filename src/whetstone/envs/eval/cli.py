@@ -20,7 +20,9 @@ def _group() -> None:
 
 @app.command("eval")
 def eval_command(
-    config: Path | None = typer.Argument(None, help="TOML file of EvalConfig fields (optional: fields it leaves out keep their defaults)."),
+    config: Path | None = typer.Argument(
+        None, help="TOML file of EvalConfig fields (optional: fields it leaves out keep their defaults)."
+    ),
     overrides: list[str] = typer.Option([], "--set", "-s", help="Override a field: KEY=VALUE, e.g. samples=8."),
     as_json: bool = typer.Option(False, "--json", help="Print the report as one JSON object on stdout."),
 ) -> None:
@@ -36,8 +38,10 @@ def eval_command(
         return
     scores = "  ".join(f"pass@{k} {value:.3f}" for k, value in report["pass_at_k"].items())
     failed = f"{report['failed_rollouts']}/{report['rollouts']}"
-    typer.echo(f"{report['model']}: {scores}  reward {report['reward']['mean']:.3f}  "
-               f"turns {report['turns']['mean']:.1f}  failed {failed}")  # fmt: skip
+    typer.echo(
+        f"{report['model']}: {scores}  reward {report['reward']['mean']:.3f}  "
+        f"turns {report['turns']['mean']:.1f}  failed {failed}"
+    )
     typer.echo(f"report: {Path(settings.output_dir) / 'report.md'}")
 
 

@@ -42,10 +42,15 @@ def build_report(trajectories: list[Trajectory], ks: list[int], run: dict[str, A
     ran = [t for t in trajectories if t.status == "ok"]
     flags = Counter(flag.split(":")[0] for t in trajectories for flag in t.cheat_flags)
     per_task = [
-        {"task_id": task_id, "samples": n, "solved": c, "pass_at_k": {str(k): pass_at_k(n, c, k) for k in ks},
-         "mean_reward": statistics.fmean(t.reward for t in by_task[task_id])}
+        {
+            "task_id": task_id,
+            "samples": n,
+            "solved": c,
+            "pass_at_k": {str(k): pass_at_k(n, c, k) for k in ks},
+            "mean_reward": statistics.fmean(t.reward for t in by_task[task_id]),
+        }
         for task_id, (n, c) in counts.items()
-    ]  # fmt: skip
+    ]
     failures = [{"task_id": t.task_id, "error": t.error} for t in trajectories if t.status != "ok"]
     return {
         **run,
@@ -73,9 +78,12 @@ def _number(value: Any) -> str:
 
 def render_markdown(report: dict[str, Any]) -> str:
     lines = [f"# Evaluation of `{report.get('model', '?')}`", ""]
-    lines += [f"{report['tasks']} tasks, {report['rollouts']} rollouts ({report['solved_rollouts']} solved, "
-              f"{report['failed_rollouts']} failed) in {report.get('wall_clock_s', 0):.1f} s against "
-              f"{report.get('endpoint', '?')}.", ""]  # fmt: skip
+    lines += [
+        f"{report['tasks']} tasks, {report['rollouts']} rollouts ({report['solved_rollouts']} solved, "
+        f"{report['failed_rollouts']} failed) in {report.get('wall_clock_s', 0):.1f} s against "
+        f"{report.get('endpoint', '?')}.",
+        "",
+    ]
     lines += ["| metric | value |", "|---|---|"]
     lines += [f"| pass@{k} | {value:.3f} |" for k, value in report["pass_at_k"].items()]
     for name in ("reward", "turns", "completion_tokens", "segments", "invalid_tool_calls"):
@@ -94,8 +102,13 @@ def render_markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Failed rollouts", ""]
         lines += [f"- `{f['task_id']}`: {f['error']}" for f in report["failures"]]
     ks = list(report["pass_at_k"])
-    lines += ["", "## Per task", "", "| task | solved | mean reward | " + " | ".join(f"pass@{k}" for k in ks) + " |",
-              "|---|---|---|" + "---|" * len(ks)]  # fmt: skip
+    lines += [
+        "",
+        "## Per task",
+        "",
+        "| task | solved | mean reward | " + " | ".join(f"pass@{k}" for k in ks) + " |",
+        "|---|---|---|" + "---|" * len(ks),
+    ]
     for row in report["per_task"]:
         cells = " | ".join(f"{row['pass_at_k'][k]:.3f}" for k in ks)
         lines.append(f"| `{row['task_id']}` | {row['solved']}/{row['samples']} | {row['mean_reward']:.3f} | {cells} |")

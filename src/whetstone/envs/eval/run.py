@@ -29,14 +29,21 @@ def load_eval_tasks(config: EvalConfig) -> list[Task]:
     return tasks
 
 
-def evaluate(config: EvalConfig, tasks: list[Task],
-             on_done: Callable[[Trajectory], None] | None = None) -> dict[str, Any]:  # fmt: skip
+def evaluate(
+    config: EvalConfig, tasks: list[Task], on_done: Callable[[Trajectory], None] | None = None
+) -> dict[str, Any]:
     """Evaluate, write the report files, and return the report."""
     harness = AgentHarness.from_config(config.harness)
     started, clock = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
     trajectories, model = asyncio.run(_rollouts(config, tasks, harness, on_done))
-    run = {"model": model, "endpoint": ", ".join(config.servers or [config.endpoint.base_url]), "started": started, "samples_per_task": config.samples,
-           "wall_clock_s": time.monotonic() - clock, "config": config.model_dump(mode="json")}  # fmt: skip
+    run = {
+        "model": model,
+        "endpoint": ", ".join(config.servers or [config.endpoint.base_url]),
+        "started": started,
+        "samples_per_task": config.samples,
+        "wall_clock_s": time.monotonic() - clock,
+        "config": config.model_dump(mode="json"),
+    }
     report = build_report(trajectories, config.k, run)
     out = Path(config.output_dir)
     if config.save_trajectories:
@@ -62,8 +69,9 @@ def evaluate_with_progress(config: EvalConfig, tasks: list[Task], description: s
         return evaluate(config, tasks, done)
 
 
-async def _rollouts(config: EvalConfig, tasks: list[Task], harness: AgentHarness,
-                    on_done: Callable[[Trajectory], None] | None) -> tuple[list[Trajectory], str]:  # fmt: skip
+async def _rollouts(
+    config: EvalConfig, tasks: list[Task], harness: AgentHarness, on_done: Callable[[Trajectory], None] | None
+) -> tuple[list[Trajectory], str]:
     concurrency = config.rollout.concurrency
     # Tools and grading block in worker threads: enough of them that no rollout waits for one.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(concurrency + 2, thread_name_prefix="rollout"))
@@ -71,8 +79,15 @@ async def _rollouts(config: EvalConfig, tasks: list[Task], harness: AgentHarness
     try:
         pool.require_one()
         model = pool.model
-        trajectories = await run_rollouts(tasks, pool, harness, config.rollout, samples=config.samples,
-                                          on_done=on_done, seed=None if config.seed < 0 else config.seed)  # fmt: skip
+        trajectories = await run_rollouts(
+            tasks,
+            pool,
+            harness,
+            config.rollout,
+            samples=config.samples,
+            on_done=on_done,
+            seed=None if config.seed < 0 else config.seed,
+        )
     finally:
         await pool.close()
     return trajectories, model

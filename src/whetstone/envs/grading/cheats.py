@@ -21,20 +21,26 @@ from pathlib import PurePosixPath
 
 from whetstone.envs.task import Task
 
-EXIT_CALLS = set("""
+EXIT_CALLS = set(
+    """
     sys.exit exit quit os._exit os.abort os.kill os.killpg signal.raise_signal SystemExit
     pytest.exit _pytest.outcomes.exit
-""".split())
-SKIP_CALLS = set("""
+""".split()
+)
+SKIP_CALLS = set(
+    """
     pytest.skip pytest.xfail pytest.importorskip pytest.mark.skip pytest.mark.skipif pytest.mark.xfail
     unittest.SkipTest unittest.case.SkipTest unittest.skip unittest.skipIf unittest.skipUnless
     unittest.expectedFailure _pytest.outcomes.skip
-""".split())
+""".split()
+)
 # Reaching into the caller's frames (the test's expected values) or the runner's objects and memory.
-INTROSPECTION = set("""
+INTROSPECTION = set(
+    """
     sys._getframe inspect.currentframe inspect.stack inspect.getouterframes inspect.trace
     traceback.extract_stack traceback.walk_stack gc.get_objects gc.get_referrers gc.get_referents ctypes
-""".split())
+""".split()
+)
 FRAME_ATTRIBUTES = {"f_back", "f_locals", "f_globals", "f_code", "tb_frame", "gi_frame", "cr_frame", "__closure__"}
 # Files that change how tests are collected or run, or replace the runner's own modules.
 RUNNER_FILES = {"pytest.py", "_pytest", "py.py", "sitecustomize.py", "usercustomize.py"}

@@ -155,8 +155,9 @@ def grade(
     solved = bool(tests) and passed_count == len(tests)
     judge, judge_log = _judge(task, pristine, applied, tests, config) if not flags else (None, "")
     reward, breakdown, exclude = combine(solved, passed_count / max(1, len(tests)), judge, effort, flags, config)
-    return GradeResult(reward, solved, tests, breakdown, flags, exclude, (log + judge_log)[-MAX_LOG_CHARS:],
-                       setup_failure, limits_hit)
+    return GradeResult(
+        reward, solved, tests, breakdown, flags, exclude, (log + judge_log)[-MAX_LOG_CHARS:], setup_failure, limits_hit
+    )
 
 
 def _run_setup(sandbox: Sandbox, task: Task) -> tuple[str, str | None]:
@@ -210,8 +211,15 @@ def _run_tests(
         # register through package metadata, and no second of hypothesis start-up per grade.
         "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1",
     }
-    argv = ["python", _seen_from(sandbox, runner), *pytest_args, "-p", "no:cacheprovider",
-            f"--rootdir={sandbox.workdir}", *targets]  # fmt: skip
+    argv = [
+        "python",
+        _seen_from(sandbox, runner),
+        *pytest_args,
+        "-p",
+        "no:cacheprovider",
+        f"--rootdir={sandbox.workdir}",
+        *targets,
+    ]
     run = sandbox.run(argv, timeout_s=task.test_time_limit_s, env=env)
     outcomes, flags, finished = _read_results(Path(results.source) / "results.txt", token)
     # An exit before pytest finished, with no limit and no crash (signal) to blame, was asked for.

@@ -88,8 +88,10 @@ class HarnessConfig(Config):
                 f"max_tool_tokens + summary_tokens = {needed} tokens besides the prompt"
             )
         if self.max_tool_tokens < 32 * self.max_calls_per_turn:
-            raise ValueError(f"max_tool_tokens={self.max_tool_tokens} is too small for max_calls_per_turn="
-                             f"{self.max_calls_per_turn} results (at least 32 tokens each)")
+            raise ValueError(
+                f"max_tool_tokens={self.max_tool_tokens} is too small for max_calls_per_turn="
+                f"{self.max_calls_per_turn} results (at least 32 tokens each)"
+            )
         return self
 
 

@@ -5,9 +5,9 @@ Each call's prompt is the segment's token ids so far (context.py), so the trajec
 exactly what was sampled. Tool calls are parsed from the decoded completion ids with the shared
 `parse_assistant`. A reply that cannot be acted on (malformed call, unknown tool, wrong
 arguments, no tool call at all) gets an error message back and counts as an invalid tool call;
-only `max_invalid_replies` of them in a row end the loop. Running out of turns, tokens or time ends the rollout normally (the
-workspace is still graded); a policy or sandbox failure ends it as `failed`, keeping what was
-sampled before.
+only `max_invalid_replies` of them in a row end the loop. Running out of turns, tokens or time
+ends the rollout normally (the workspace is still graded); a policy or sandbox failure ends it
+as `failed`, keeping what was sampled before.
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ class AgentHarness(Harness):
     def from_config(cls, config: HarnessConfig) -> AgentHarness:
         """Load the tokenizer from `config.tokenizer_path` (the served model's folder)."""
         if not config.tokenizer_path:
-            raise ConfigError("harness.tokenizer_path is not set: point it at the served model's folder "
-                              "(the one holding tokenizer.json)")
+            raise ConfigError(
+                "harness.tokenizer_path is not set: point it at the served model's folder "
+                "(the one holding tokenizer.json)"
+            )
         return cls(config, Tokenizer.load(config.tokenizer_path))
 
     async def run(self, task: Task, policy: Policy, sandbox: Sandbox) -> Trajectory:
@@ -145,8 +147,9 @@ class _Episode:
                 f"{budget.summary_reserve})"
             )
 
-    async def _summarize(self, context: SegmentContext, pending: list[Message],
-                         budget: Budget) -> SegmentContext | None:  # fmt: skip
+    async def _summarize(
+        self, context: SegmentContext, pending: list[Message], budget: Budget
+    ) -> SegmentContext | None:
         prompt = context.prompt([*pending, summary_request()])
         completion = await self._call(prompt, self.config.summary_tokens, is_summary=True)
         if completion is None:
@@ -175,10 +178,15 @@ class _Episode:
         trained = completion.finish_reason == "stop" or self.config.train_cut_off_calls
         try:
             call = ModelCall(
-                prompt_ids=prompt, completion_ids=completion.ids, logprobs=completion.logprobs,
-                versions=completion.versions, loss_mask=[int(trained)] * len(completion.ids), routes=completion.routes,
-                is_summary=is_summary, finish_reason=completion.finish_reason,
-            )  # fmt: skip
+                prompt_ids=prompt,
+                completion_ids=completion.ids,
+                logprobs=completion.logprobs,
+                versions=completion.versions,
+                loss_mask=[int(trained)] * len(completion.ids),
+                routes=completion.routes,
+                is_summary=is_summary,
+                finish_reason=completion.finish_reason,
+            )
         except ValidationError as err:
             raise PolicyError(f"the policy's completion is inconsistent: {err.errors()[0]['msg']}") from None
         self.trajectory.segments[-1].calls.append(call)

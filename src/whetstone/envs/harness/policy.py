@@ -103,8 +103,9 @@ class HttpPolicy(Policy):
                 raise PolicyError(f"endpoint.api_key_env: environment variable {config.api_key_env} is not set")
             headers["Authorization"] = f"Bearer {key}"
         limits = httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections)
-        client = httpx.AsyncClient(base_url=config.base_url.rstrip("/") + "/", headers=headers,
-                                   timeout=config.timeout_s, limits=limits)  # fmt: skip
+        client = httpx.AsyncClient(
+            base_url=config.base_url.rstrip("/") + "/", headers=headers, timeout=config.timeout_s, limits=limits
+        )
         try:
             card = await _find_model(client, config)
         except BaseException:
@@ -114,10 +115,14 @@ class HttpPolicy(Policy):
 
     async def complete(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
         body = {
-            "model": self.model, "prompt": prompt_ids, "max_tokens": sampling.max_tokens,
-            "temperature": sampling.temperature, "top_p": sampling.top_p, "logprobs": 0,
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": sampling.max_tokens,
+            "temperature": sampling.temperature,
+            "top_p": sampling.top_p,
+            "logprobs": 0,
             "return_token_ids": True,
-        }  # fmt: skip
+        }
         if sampling.priority != "none":
             body["priority"] = sampling.priority
         if sampling.top_k:
@@ -136,22 +141,28 @@ class HttpPolicy(Policy):
             raise PolicyError(f"completion answer has no choices: {str(answer)[:200]}") from None
         ids = choice.get("token_ids")
         if ids is None:
-            raise PolicyError("the server returned no token ids: it must support `return_token_ids` "
-                              "(whetstone serve, vLLM >= 0.10.2, SGLang)")  # fmt: skip
+            raise PolicyError(
+                "the server returned no token ids: it must support `return_token_ids` "
+                "(whetstone serve, vLLM >= 0.10.2, SGLang)"
+            )
         echoed = choice.get("prompt_token_ids")
         if echoed is not None and list(echoed) != prompt_ids:
             raise PolicyError("the server did not use the prompt's token ids as sent")
         logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
         if logprobs is None or len(logprobs) != len(ids):
-            raise PolicyError(f"the server returned {'no' if logprobs is None else len(logprobs)} logprobs "
-                              f"for {len(ids)} tokens")  # fmt: skip
+            raise PolicyError(
+                f"the server returned {'no' if logprobs is None else len(logprobs)} logprobs for {len(ids)} tokens"
+            )
         versions = choice.get("weight_versions") or [self.config.weight_version] * len(ids)
         routes = choice.get("routed_experts")
         return Completion(
-            ids=list(ids), logprobs=[float(x) for x in logprobs], versions=list(versions),
+            ids=list(ids),
+            logprobs=[float(x) for x in logprobs],
+            versions=list(versions),
             routes=routes,
-            finish_reason=choice.get("finish_reason") or "stop", text=choice.get("text") or "",
-        )  # fmt: skip
+            finish_reason=choice.get("finish_reason") or "stop",
+            text=choice.get("text") or "",
+        )
 
     async def close(self) -> None:
         await self._client.aclose()

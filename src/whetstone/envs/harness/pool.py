@@ -60,8 +60,14 @@ class Server:
 
 
 class ServerPool:
-    def __init__(self, urls: list[str], endpoint: EndpointConfig, health_interval_s: float = 2.0,
-                 no_server_timeout_s: float = 600.0, min_version: Callable[[], int | None] = lambda: None):  # fmt: skip
+    def __init__(
+        self,
+        urls: list[str],
+        endpoint: EndpointConfig,
+        health_interval_s: float = 2.0,
+        no_server_timeout_s: float = 600.0,
+        min_version: Callable[[], int | None] = lambda: None,
+    ):
         self.servers = [Server(url) for url in urls]
         self.endpoint = endpoint
         self.health_interval_s = health_interval_s
@@ -126,8 +132,10 @@ class ServerPool:
                 server.leases += 1
                 return server
             if time.monotonic() - waited_since > self.no_server_timeout_s:
-                raise WhetstoneError(f"no inference server has been healthy for {self.no_server_timeout_s:g} s: "
-                                     f"{', '.join(s.url for s in self.servers)}")  # fmt: skip
+                raise WhetstoneError(
+                    f"no inference server has been healthy for {self.no_server_timeout_s:g} s: "
+                    f"{', '.join(s.url for s in self.servers)}"
+                )
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.health_interval_s)

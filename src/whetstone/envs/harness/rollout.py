@@ -21,12 +21,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from whetstone.envs.grading.grade import grade, workspace_changes
+from whetstone.envs.grading.reward import Effort
 from whetstone.envs.harness.base import Harness
 from whetstone.envs.harness.config import RolloutConfig
 from whetstone.envs.harness.policy import Policy, SeededPolicy
 from whetstone.envs.harness.pool import ServerPool
 from whetstone.envs.harness.workspace import head_tail
-from whetstone.envs.grading.reward import Effort
 from whetstone.envs.sandbox import Sandbox, open_sandbox
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory
@@ -35,8 +35,9 @@ from whetstone.errors import WhetstoneError
 OVERRUN_GRACE_S = 30.0
 
 
-async def rollout(task: Task, policy: Policy, harness: Harness, config: RolloutConfig,
-                  group_id: str = "") -> Trajectory:  # fmt: skip
+async def rollout(
+    task: Task, policy: Policy, harness: Harness, config: RolloutConfig, group_id: str = ""
+) -> Trajectory:
     """One graded rollout. Never raises (except on cancellation): failures are recorded."""
     started = time.monotonic()
     timings: dict[str, float] = {}
@@ -51,8 +52,9 @@ async def rollout(task: Task, policy: Policy, harness: Harness, config: RolloutC
     return trajectory
 
 
-async def _graded_rollout(task: Task, policy: Policy, harness: Harness, config: RolloutConfig,
-                          timings: dict[str, float]) -> Trajectory:  # fmt: skip
+async def _graded_rollout(
+    task: Task, policy: Policy, harness: Harness, config: RolloutConfig, timings: dict[str, float]
+) -> Trajectory:
     clock = time.monotonic()
     snapshot = Path(task.repo_path) if task.repo_path else dict(task.repo_files)
     sandbox = await asyncio.to_thread(open_sandbox, snapshot, config.sandbox)
@@ -69,8 +71,9 @@ async def _graded_rollout(task: Task, policy: Policy, harness: Harness, config: 
     if trajectory.status != "ok":
         return trajectory
     clock = time.monotonic()
-    effort = Effort(turns=trajectory.turns, tokens=trajectory.completion_tokens,
-                    invalid_tool_calls=trajectory.invalid_tool_calls)  # fmt: skip
+    effort = Effort(
+        turns=trajectory.turns, tokens=trajectory.completion_tokens, invalid_tool_calls=trajectory.invalid_tool_calls
+    )
     try:
         graded = await asyncio.to_thread(grade, task, changes, config.reward, effort)
     except Exception as err:  # keep what the harness sampled, with the reason
@@ -116,11 +119,13 @@ async def run_rollouts(
         async with gate:
             if isinstance(policy, ServerPool):
                 async with policy.lease() as leased:
-                    trajectory = await rollout(task, seeded(task, sample, leased), harness, config,
-                                               group_id=group_prefix + task.id)  # fmt: skip
+                    trajectory = await rollout(
+                        task, seeded(task, sample, leased), harness, config, group_id=group_prefix + task.id
+                    )
             else:
-                trajectory = await rollout(task, seeded(task, sample, policy), harness, config,
-                                           group_id=group_prefix + task.id)  # fmt: skip
+                trajectory = await rollout(
+                    task, seeded(task, sample, policy), harness, config, group_id=group_prefix + task.id
+                )
         if on_done is not None:
             on_done(trajectory)
         return trajectory

@@ -30,8 +30,10 @@ def summary_request() -> Message:
 
 def segment_messages(task: Task, summary: str | None) -> list[Message]:
     """The opening of a segment: system prompt and task, then the summary (after a restart)."""
-    messages = [{"role": "system", "content": prompts.SYSTEM_PROMPT},
-                {"role": "user", "content": prompts.first_user_message(task)}]  # fmt: skip
+    messages = [
+        {"role": "system", "content": prompts.SYSTEM_PROMPT},
+        {"role": "user", "content": prompts.first_user_message(task)},
+    ]
     if summary is not None:
         messages.append({"role": "user", "content": SUMMARY_INTRO + summary})
     return messages

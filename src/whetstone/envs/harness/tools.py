@@ -46,7 +46,8 @@ def check_call(name: str, arguments: Any) -> dict[str, str]:
     unexpected = [key for key in arguments if key not in expected]
     if missing or unexpected:
         problems = ([f"missing {', '.join(missing)}"] if missing else []) + (
-            [f"unexpected {', '.join(unexpected)}"] if unexpected else [])  # fmt: skip
+            [f"unexpected {', '.join(unexpected)}"] if unexpected else []
+        )
         raise ToolCallError(f"{name}({', '.join(expected)}): {'; '.join(problems)}")
     for key, value in arguments.items():
         if not isinstance(value, str):
@@ -95,7 +96,11 @@ class Tools:
         if not outcomes:  # a custom command, or pytest stopped before reporting any test
             return head_tail(output, self.max_chars) + _status(result, timeout_s)
         failed = result.exit_code != 0 or any(outcome != "passed" for outcome in outcomes.values())
-        details = head_tail(_failure_details(output, self.sandbox.workdir), self.max_chars) + _status(result, timeout_s) if failed else ""
+        details = (
+            head_tail(_failure_details(output, self.sandbox.workdir), self.max_chars) + _status(result, timeout_s)
+            if failed
+            else ""
+        )
         return prompts.run_tests_result(outcomes, details.strip())
 
     def _plain_run(self, timeout_s: float) -> RunResult | None:
@@ -123,7 +128,7 @@ def _pytest_outcomes(output: str) -> dict[str, str]:
     if header is None:
         return {}
     outcomes = {}
-    for line in output[header.end():].splitlines():
+    for line in output[header.end() :].splitlines():
         match = SUMMARY_LINE.match(line)
         if match:
             kind, test_id = (match[1], match[2]) if match[1] else (match[3], match[4])
@@ -151,7 +156,9 @@ def _without_foreign_frames(traceback: str, workdir: str) -> str:
         frame = FRAME_LINE.match(line)
         if frame:
             path = frame[1]
-            keep = not (path.startswith("<") or (path.startswith("/") and not path.startswith(workdir.rstrip("/") + "/")))
+            keep = not (
+                path.startswith("<") or (path.startswith("/") and not path.startswith(workdir.rstrip("/") + "/"))
+            )
         elif not line.startswith(" "):
             keep = True  # an `E ...` line or a message: always shown
         elif not line.strip(" ^~"):

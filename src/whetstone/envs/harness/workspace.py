@@ -30,7 +30,7 @@ def head_tail(text: str, limit: int) -> str:
         return text
     keep = max(0, limit - 60) // 2
     cut = len(text) - 2 * keep
-    return f"{text[:keep]}\n[... {cut} characters cut ...]\n{text[len(text) - keep:] if keep else ''}"
+    return f"{text[:keep]}\n[... {cut} characters cut ...]\n{text[len(text) - keep :] if keep else ''}"
 
 
 class Workspace:

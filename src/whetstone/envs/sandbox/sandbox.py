@@ -69,8 +69,13 @@ class Sandbox:
             self._disk_dirs.append(self._home)
             self._tmpfs = {}
 
-    def run(self, command: str | list[str], timeout_s: float | None = None, stdin: str | None = None,
-            env: dict[str, str] | None = None) -> RunResult:  # fmt: skip
+    def run(
+        self,
+        command: str | list[str],
+        timeout_s: float | None = None,
+        stdin: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> RunResult:
         """Run a shell command line (str) or an argv (list) in the workspace, within the limits;
         `env` adds variables to the sandbox's environment for this command. A command that takes
         the sandbox over its disk budget is stopped and what it added is taken back."""

@@ -96,9 +96,20 @@ def run_tests(probe: Task, changes: dict[str, str | None], reward_config: Reward
     return ProjectRun(result.tests, result.log, time.perf_counter() - start)
 
 
-def find_bugs(files: dict[str, str], sources: list[str], tests: list[str], *, rng: random.Random, want: int,
-              max_tries: int, test_command: str, test_time_limit_s: float = 60.0, split: str | None = None,
-              workers: int = 2, reward_config: RewardConfig | None = None) -> list[Bug]:
+def find_bugs(
+    files: dict[str, str],
+    sources: list[str],
+    tests: list[str],
+    *,
+    rng: random.Random,
+    want: int,
+    max_tries: int,
+    test_command: str,
+    test_time_limit_s: float = 60.0,
+    split: str | None = None,
+    workers: int = 2,
+    reward_config: RewardConfig | None = None,
+) -> list[Bug]:
     """Up to `want` mutants (of `split`, if given) that break tests, trying at most `max_tries`."""
     probe = probe_task(files, tests, test_command, test_time_limit_s)
     baseline = run_tests(probe, {}, reward_config)
@@ -154,8 +165,18 @@ def failure_line(log: str, test_id: str) -> str | None:
     return None
 
 
-def bug_task(bug: Bug, files: dict[str, str], tests: list[str], *, task_id: str, source: str, instruction: str,
-             test_command: str, test_time_limit_s: float = 60.0, metadata: dict | None = None) -> Task:
+def bug_task(
+    bug: Bug,
+    files: dict[str, str],
+    tests: list[str],
+    *,
+    task_id: str,
+    source: str,
+    instruction: str,
+    test_command: str,
+    test_time_limit_s: float = 60.0,
+    metadata: dict | None = None,
+) -> Task:
     """The bug-fix task for `bug`: the mutant repository, its tests visible, pristine tests hidden."""
     return Task(
         id=task_id,
@@ -173,8 +194,12 @@ def bug_task(bug: Bug, files: dict[str, str], tests: list[str], *, task_id: str,
         test_command=test_command,
         test_time_limit_s=test_time_limit_s,
         protected_paths=list(tests),
-        metadata={"mutation": bug.mutation.describe(), "operator": bug.mutation.operator, "function": bug.function,
-                  **(metadata or {})},
+        metadata={
+            "mutation": bug.mutation.describe(),
+            "operator": bug.mutation.operator,
+            "function": bug.function,
+            **(metadata or {}),
+        },
     )
 
 

@@ -99,9 +99,14 @@ def demonstration(task: Task, attempt: FailedAttempt | None = None) -> list[Mess
         {"role": "user", "content": prompts.first_user_message(task)},
     ]
     if attempt is not None:
-        calls = [("write_file", {"path": attempt.path, "content": attempt.content},
-                  prompts.write_result(attempt.path, attempt.content)),
-                 ("run_tests", {}, attempt.test_output)]  # fmt: skip
+        calls = [
+            (
+                "write_file",
+                {"path": attempt.path, "content": attempt.content},
+                prompts.write_result(attempt.path, attempt.content),
+            ),
+            ("run_tests", {}, attempt.test_output),
+        ]
         slip = _transcribe(calls, first_number=1)
         slip[0]["weight"] = 0  # the wrong write_file itself is not trained on
         messages += slip
@@ -119,7 +124,9 @@ def demonstration(task: Task, attempt: FailedAttempt | None = None) -> list[Mess
 
 def _check_train(task: Task) -> None:
     if task.split != "train":
-        raise WhetstoneError(f"task {task.id}: demonstrations are made from the train split only (split={task.split!r})")
+        raise WhetstoneError(
+            f"task {task.id}: demonstrations are made from the train split only (split={task.split!r})"
+        )
 
 
 def _transcribe(calls: list[tuple[str, dict[str, str], str]], first_number: int) -> list[Message]:
@@ -134,8 +141,9 @@ def _transcribe(calls: list[tuple[str, dict[str, str], str]], first_number: int)
 AttemptKind = Literal["slip", "misread"]
 
 
-def failed_attempt(task: Task, max_chars: int, seed: int = 0, kind: AttemptKind = "slip",
-                   peers: Iterable[Task] = ()) -> FailedAttempt | None:  # fmt: skip
+def failed_attempt(
+    task: Task, max_chars: int, seed: int = 0, kind: AttemptKind = "slip", peers: Iterable[Task] = ()
+) -> FailedAttempt | None:
     """A wrong version of the task's (one-file) reference solution that fails a visible test, with
     the real run_tests output from a sandbox; None when no candidate fails one. `kind` picks the
     candidates (module docstring): slips of the file, or the solutions of `peers` whose
@@ -145,7 +153,7 @@ def failed_attempt(task: Task, max_chars: int, seed: int = 0, kind: AttemptKind 
 
     if len(task.solution_files) != 1 or not task.visible_tests or task.setup:
         return None  # one file to get wrong, tests to show it, and no setup commands to replay
-    (path, content), = task.solution_files.items()
+    ((path, content),) = task.solution_files.items()
     if kind == "slip":
         slips = [m for m in mutation_sites(content) if m.operator != "return_none"]  # not a plausible slip
         candidates = [slip.apply(content) for slip in slips]
@@ -166,8 +174,14 @@ def failed_attempt(task: Task, max_chars: int, seed: int = 0, kind: AttemptKind 
     return None
 
 
-def demonstrations(tasks: Iterable[Task], recovery_fraction: float = 0.0, max_chars: int = 2048,
-                   seed: int = 0, workers: int = 2, attempt: AttemptKind = "slip") -> list[list[Message]]:  # fmt: skip
+def demonstrations(
+    tasks: Iterable[Task],
+    recovery_fraction: float = 0.0,
+    max_chars: int = 2048,
+    seed: int = 0,
+    workers: int = 2,
+    attempt: AttemptKind = "slip",
+) -> list[list[Message]]:
     """One transcript per task (train split only; see the module docstring). A `recovery_fraction`
     of them, picked by a hash of the task id, open with a failed attempt of kind `attempt` (its
     tests run in sandboxes, `workers` at a time; `max_chars` bounds the test output as the harness's

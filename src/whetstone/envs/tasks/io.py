@@ -113,7 +113,10 @@ def read_records(path: str | Path) -> Iterator[Record]:
     for record in records:
         if record.task is not None:
             if record.task.id in first_seen:
-                record = Record(record.where, problem=f"duplicate task id {record.task.id!r} (first at {first_seen[record.task.id]})")
+                record = Record(
+                    record.where,
+                    problem=f"duplicate task id {record.task.id!r} (first at {first_seen[record.task.id]})",
+                )
             else:
                 first_seen[record.task.id] = record.where
         yield record
@@ -166,9 +169,11 @@ def _layout_of(path: Path) -> str:
         return "jsonl"
     if path.is_dir() or not path.suffix:
         return "folders"
-    raise WhetstoneError(f"{path}: tasks are written to a .jsonl file or to a directory (a folder per task), "
-                         f"not to a {path.suffix} file; name the output OUT.jsonl or DIR, or choose the layout "
-                         f"(--layout jsonl|folders)")
+    raise WhetstoneError(
+        f"{path}: tasks are written to a .jsonl file or to a directory (a folder per task), "
+        f"not to a {path.suffix} file; name the output OUT.jsonl or DIR, or choose the layout "
+        f"(--layout jsonl|folders)"
+    )
 
 
 def _check_replaceable(path: Path) -> None:
@@ -177,8 +182,10 @@ def _check_replaceable(path: Path) -> None:
     if path.is_dir():
         strays = [child.name for child in path.iterdir() if not (child / TASK_FILE).is_file()]
         if strays:
-            raise WhetstoneError(f"{path} holds {', '.join(sorted(strays)[:3])}, not task folders: writing a task "
-                                 f"set replaces the whole directory, so give a new or task-only directory")
+            raise WhetstoneError(
+                f"{path} holds {', '.join(sorted(strays)[:3])}, not task folders: writing a task "
+                f"set replaces the whole directory, so give a new or task-only directory"
+            )
 
 
 def _write_folder(task: Task, folder: Path) -> None:

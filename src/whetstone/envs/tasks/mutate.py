@@ -78,11 +78,19 @@ def _matches(path: str, patterns: list[str]) -> bool:
 
 def split_project(files: dict[str, str], config: MutateConfig) -> tuple[list[str], list[str]]:
     tests = sorted(path for path in files if path.endswith(".py") and _matches(path, config.tests))
-    sources = sorted(path for path in files if path.endswith(".py") and path not in tests
-                     and PurePosixPath(path).name != "conftest.py" and _matches(path, config.sources))
+    sources = sorted(
+        path
+        for path in files
+        if path.endswith(".py")
+        and path not in tests
+        and PurePosixPath(path).name != "conftest.py"
+        and _matches(path, config.sources)
+    )
     if not tests or not sources:
-        raise WhetstoneError(f"mutate: found {len(sources)} source and {len(tests)} test files; need both "
-                             f"(patterns sources={config.sources}, tests={config.tests})")
+        raise WhetstoneError(
+            f"mutate: found {len(sources)} source and {len(tests)} test files; need both "
+            f"(patterns sources={config.sources}, tests={config.tests})"
+        )
     return sources, tests
 
 
@@ -96,8 +104,10 @@ def stdlib_project(name: str) -> dict[str, str]:
     except ModuleNotFoundError:
         test = None
     if test is None or not (test.origin or "").endswith(".py") or test.submodule_search_locations:
-        raise WhetstoneError(f"mutate: CPython's test file test/test_{name}.py is not installed here (the "
-                             "interpreter ships without its `test` package); set mutate.project to a local project")
+        raise WhetstoneError(
+            f"mutate: CPython's test file test/test_{name}.py is not installed here (the "
+            "interpreter ships without its `test` package); set mutate.project to a local project"
+        )
     return {f"{name}.py": Path(module.origin).read_text(), f"test_{name}.py": Path(test.origin).read_text()}
 
 
@@ -107,20 +117,39 @@ def instruction(failing: list[str], log: str) -> str:
     errors = ((test_id, failure_line(log, test_id)) for test_id in failing)
     shown = next(((test_id, error) for test_id, error in errors if error), None)
     symptom = f" ({shown[0].split('::')[-1]}: `{shown[1]}`)" if shown else ""
-    return (f"These tests fail: {listed(failing)}{symptom}. Find the bug in the source code and fix it; "
-            "do not change the tests.")
+    return (
+        f"These tests fail: {listed(failing)}{symptom}. Find the bug in the source code and fix it; "
+        "do not change the tests."
+    )
 
 
 def mutate_project(files: dict[str, str], name: str, config: MutateConfig) -> list[Task]:
     sources, tests = split_project(files, config)
     rng = random.Random(f"mutate/{config.seed}/{name}")
-    bugs = find_bugs(files, sources, tests, rng=rng, want=config.count, max_tries=config.max_tries,
-                     test_command=config.test_command, test_time_limit_s=config.test_time_limit_s,
-                     split=config.split, workers=config.workers)
+    bugs = find_bugs(
+        files,
+        sources,
+        tests,
+        rng=rng,
+        want=config.count,
+        max_tries=config.max_tries,
+        test_command=config.test_command,
+        test_time_limit_s=config.test_time_limit_s,
+        split=config.split,
+        workers=config.workers,
+    )
     return [
-        bug_task(bug, files, tests, task_id=f"mutate/{name}/{config.split}/s{config.seed}-{n:04d}", source="mutate",
-                 instruction=instruction(bug.fail_to_pass, bug.log), test_command=config.test_command,
-                 test_time_limit_s=config.test_time_limit_s, metadata={"project": name})
+        bug_task(
+            bug,
+            files,
+            tests,
+            task_id=f"mutate/{name}/{config.split}/s{config.seed}-{n:04d}",
+            source="mutate",
+            instruction=instruction(bug.fail_to_pass, bug.log),
+            test_command=config.test_command,
+            test_time_limit_s=config.test_time_limit_s,
+            metadata={"project": name},
+        )
         for n, bug in enumerate(bugs)
     ]
 

@@ -19,13 +19,44 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
-BINOP_SWAPS = {"+": "-", "-": "+", "*": "+", "/": "*", "//": "*", "%": "//", "**": "*", "&": "|", "|": "&",
-               "<<": ">>", ">>": "<<"}
-BINOP_SYMBOLS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%",
-                 ast.Pow: "**", ast.BitAnd: "&", ast.BitOr: "|", ast.LShift: "<<", ast.RShift: ">>"}
-COMPARE_SWAPS = {ast.Lt: ("<", "<="), ast.LtE: ("<=", "<"), ast.Gt: (">", ">="), ast.GtE: (">=", ">"),
-                 ast.Eq: ("==", "!="), ast.NotEq: ("!=", "=="), ast.In: ("in", "not in"),
-                 ast.NotIn: ("not in", "in"), ast.Is: ("is", "is not"), ast.IsNot: ("is not", "is")}
+BINOP_SWAPS = {
+    "+": "-",
+    "-": "+",
+    "*": "+",
+    "/": "*",
+    "//": "*",
+    "%": "//",
+    "**": "*",
+    "&": "|",
+    "|": "&",
+    "<<": ">>",
+    ">>": "<<",
+}
+BINOP_SYMBOLS = {
+    ast.Add: "+",
+    ast.Sub: "-",
+    ast.Mult: "*",
+    ast.Div: "/",
+    ast.FloorDiv: "//",
+    ast.Mod: "%",
+    ast.Pow: "**",
+    ast.BitAnd: "&",
+    ast.BitOr: "|",
+    ast.LShift: "<<",
+    ast.RShift: ">>",
+}
+COMPARE_SWAPS = {
+    ast.Lt: ("<", "<="),
+    ast.LtE: ("<=", "<"),
+    ast.Gt: (">", ">="),
+    ast.GtE: (">=", ">"),
+    ast.Eq: ("==", "!="),
+    ast.NotEq: ("!=", "=="),
+    ast.In: ("in", "not in"),
+    ast.NotIn: ("not in", "in"),
+    ast.Is: ("is", "is not"),
+    ast.IsNot: ("is not", "is"),
+}
 
 
 @dataclass(frozen=True)

@@ -49,8 +49,9 @@ def apply_patch(base: dict[str, str] | Path, patch: str, what: str = "patch") ->
             _write(work, base)
         # A repository of its own, so git never resolves paths against an enclosing one.
         subprocess.run(["git", "init", "-q"], cwd=work, check=True, capture_output=True)
-        result = subprocess.run(["git", "apply", "--whitespace=nowarn", "-"], cwd=work, input=patch,
-                                capture_output=True, text=True)
+        result = subprocess.run(
+            ["git", "apply", "--whitespace=nowarn", "-"], cwd=work, input=patch, capture_output=True, text=True
+        )
         if result.returncode != 0:
             raise WhetstoneError(f"{what} does not apply: {result.stderr.strip()}")
         changed: dict[str, str | None] = {}

@@ -61,7 +61,9 @@ def generator(name: str) -> Callable[[Config], list[Task]]:
     return importlib.import_module(SOURCES[name][1]).generate
 
 
-def source_records(source: str, overrides: Sequence[str] = (), config_path: str | Path | None = None) -> Iterator[Record]:
+def source_records(
+    source: str, overrides: Sequence[str] = (), config_path: str | Path | None = None
+) -> Iterator[Record]:
     """Records of a named source (built from its config file and overrides) or of a task file."""
     if source in SOURCES:
         config = load_config(SOURCES[source][0], config_path, overrides)
@@ -69,7 +71,9 @@ def source_records(source: str, overrides: Sequence[str] = (), config_path: str 
             yield Record(task.id, task=task)
         return
     if overrides or config_path:
-        raise WhetstoneError(f"config overrides apply to generated sources ({', '.join(SOURCES)}), not to the file {source}")
+        raise WhetstoneError(
+            f"config overrides apply to generated sources ({', '.join(SOURCES)}), not to the file {source}"
+        )
     check_source(source)
     yield from read_records(source)
 
@@ -81,7 +85,9 @@ def check_source(source: str) -> None:
         return
     if _looks_like_path(source):
         raise WhetstoneError(f"no such file: {source}")
-    raise WhetstoneError(f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}")
+    raise WhetstoneError(
+        f"unknown task source {source!r}: give a JSONL file, a task folder, or one of {', '.join(SOURCES)}"
+    )
 
 
 def _looks_like_path(source: str) -> bool:

@@ -56,8 +56,10 @@ def bug_report(repo: Repo, bug: Bug) -> str:
     expected = "; ".join(docs.get(test_id, test_id).rstrip(".") for test_id in bug.fail_to_pass[:2])
     error = failure_line(bug.log, bug.fail_to_pass[0])
     actual = f"`{error}`" if error else "it does not"
-    return (f"Bug in the `{package}` package. Expected: {expected}. Actual: {actual}. "
-            "Fix the package code; the tests in tests/ must pass.")
+    return (
+        f"Bug in the `{package}` package. Expected: {expected}. Actual: {actual}. "
+        "Fix the package code; the tests in tests/ must pass."
+    )
 
 
 def make_task(config: RepofixConfig, index: int) -> Task:
@@ -67,12 +69,30 @@ def make_task(config: RepofixConfig, index: int) -> Task:
     rng = random.Random(f"repofix/{config.seed}/{config.split}/{index}")
     for _ in range(20):
         repo = TEMPLATES[rng.choice(config.templates)](rng)
-        bugs = find_bugs(repo.files, repo.sources, repo.tests, rng=rng, want=1, max_tries=config.tries_per_task,
-                         test_command=TEST_COMMAND, test_time_limit_s=30.0, split=config.split, workers=config.workers)
+        bugs = find_bugs(
+            repo.files,
+            repo.sources,
+            repo.tests,
+            rng=rng,
+            want=1,
+            max_tries=config.tries_per_task,
+            test_command=TEST_COMMAND,
+            test_time_limit_s=30.0,
+            split=config.split,
+            workers=config.workers,
+        )
         if bugs:
-            return bug_task(bugs[0], repo.files, repo.tests, task_id=f"repofix/{config.split}/s{config.seed}-{index:05d}",
-                            source="repofix", instruction=bug_report(repo, bugs[0]), test_command=TEST_COMMAND,
-                            test_time_limit_s=30.0, metadata={"template": repo.template, "seed": config.seed})
+            return bug_task(
+                bugs[0],
+                repo.files,
+                repo.tests,
+                task_id=f"repofix/{config.split}/s{config.seed}-{index:05d}",
+                source="repofix",
+                instruction=bug_report(repo, bugs[0]),
+                test_command=TEST_COMMAND,
+                test_time_limit_s=30.0,
+                metadata={"template": repo.template, "seed": config.seed},
+            )
     raise WhetstoneError(f"repofix: no mutant broke a test in 20 repositories for task {index}")
 
 

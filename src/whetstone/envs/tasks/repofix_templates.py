@@ -96,37 +96,75 @@ class Cart:
     subtotal = sum(line(p, q) for p, q in lines)
     adds = "\n".join(f"cart.add({p}, {q})" for p, q in lines)
     pricing_tests = [
-        _test("discount", f"apply_discount takes {coupon} percent off, rounding down.",
-              f"assert apply_discount({amount + 7}, {coupon}) == {discount(amount + 7, coupon)}"),
-        _test("tax", f"add_tax adds {tax} percent, rounding down.",
-              f"assert add_tax({amount + 3}) == {amount + 3 + (amount + 3) * tax // 100}"),
-        _test("small_line", "line_total charges full price below the bulk quantity.",
-              f"assert line_total({price}, {bulk_qty - 1}) == {price * (bulk_qty - 1)}"),
-        _test("bulk_line", "line_total discounts a line of exactly BULK_QUANTITY units.",
-              f"assert line_total({price}, {bulk_qty}) == {line(price, bulk_qty)}"),
+        _test(
+            "discount",
+            f"apply_discount takes {coupon} percent off, rounding down.",
+            f"assert apply_discount({amount + 7}, {coupon}) == {discount(amount + 7, coupon)}",
+        ),
+        _test(
+            "tax",
+            f"add_tax adds {tax} percent, rounding down.",
+            f"assert add_tax({amount + 3}) == {amount + 3 + (amount + 3) * tax // 100}",
+        ),
+        _test(
+            "small_line",
+            "line_total charges full price below the bulk quantity.",
+            f"assert line_total({price}, {bulk_qty - 1}) == {price * (bulk_qty - 1)}",
+        ),
+        _test(
+            "bulk_line",
+            "line_total discounts a line of exactly BULK_QUANTITY units.",
+            f"assert line_total({price}, {bulk_qty}) == {line(price, bulk_qty)}",
+        ),
     ]
     cart_tests = [
-        _test("count", "count adds up the quantities.", f"cart = Cart()\n{adds}\nassert cart.count() == {sum(q for _, q in lines)}"),
-        _test("total", "total is the subtotal plus tax.",
-              f"cart = Cart()\n{adds}\nassert cart.total() == {subtotal + subtotal * tax // 100}"),
-        _test("coupon", f"a {coupon} percent coupon applies before tax.",
-              f"cart = Cart()\n{adds}\nexpected = {discount(subtotal, coupon)}\n"
-              f"assert cart.total({coupon}) == expected + expected * {tax} // 100"),
-        _test("bad_quantity", "adding zero units is an error.",
-              "with pytest.raises(ValueError):\n    Cart().add(100, 0)"),
+        _test(
+            "count",
+            "count adds up the quantities.",
+            f"cart = Cart()\n{adds}\nassert cart.count() == {sum(q for _, q in lines)}",
+        ),
+        _test(
+            "total",
+            "total is the subtotal plus tax.",
+            f"cart = Cart()\n{adds}\nassert cart.total() == {subtotal + subtotal * tax // 100}",
+        ),
+        _test(
+            "coupon",
+            f"a {coupon} percent coupon applies before tax.",
+            f"cart = Cart()\n{adds}\nexpected = {discount(subtotal, coupon)}\n"
+            f"assert cart.total({coupon}) == expected + expected * {tax} // 100",
+        ),
+        _test(
+            "bad_quantity", "adding zero units is an error.", "with pytest.raises(ValueError):\n    Cart().add(100, 0)"
+        ),
         _test("empty", "an empty cart costs nothing.", "assert Cart().total() == 0"),
     ]
     files = {
         f"{pkg}/__init__.py": "",
         f"{pkg}/pricing.py": pricing,
         f"{pkg}/cart.py": cart,
-        "tests/test_pricing.py": _test_file(f"from {pkg}.pricing import add_tax, apply_discount, line_total", pricing_tests),
+        "tests/test_pricing.py": _test_file(
+            f"from {pkg}.pricing import add_tax, apply_discount, line_total", pricing_tests
+        ),
         "tests/test_cart.py": _test_file(f"import pytest\n\nfrom {pkg}.cart import Cart", cart_tests),
     }
     return Repo("shop", files, [f"{pkg}/pricing.py", f"{pkg}/cart.py"], ["tests/test_pricing.py", "tests/test_cart.py"])
 
 
-VOCABULARY = ["river", "stone", "light", "cloud", "maple", "ember", "field", "north", "quiet", "amber", "cedar", "frost"]
+VOCABULARY = [
+    "river",
+    "stone",
+    "light",
+    "cloud",
+    "maple",
+    "ember",
+    "field",
+    "north",
+    "quiet",
+    "amber",
+    "cedar",
+    "frost",
+]
 STOPWORDS = ["the", "a", "of", "and", "to", "in"]
 
 
@@ -194,14 +232,25 @@ def average_length(text):
     short = rng.choice([w for w in ["cat", "sun", "sea", "owl", "elm"] if len(w) < min_length] or ["ox"])
     tests = [
         _test("words", "words lowercases and strips punctuation.", f"assert words({text!r}) == {plain!r}"),
-        _test("content", "content_words drops stopwords and short words.",
-              f"assert content_words({text!r}) == {content!r}"),
-        _test("short_word", f"a word shorter than {min_length} letters is not a content word.",
-              f"assert content_words({short!r}) == []"),
+        _test(
+            "content",
+            "content_words drops stopwords and short words.",
+            f"assert content_words({text!r}) == {content!r}",
+        ),
+        _test(
+            "short_word",
+            f"a word shorter than {min_length} letters is not a content word.",
+            f"assert content_words({short!r}) == []",
+        ),
         _test("counts", "word_counts counts each content word.", f"assert word_counts({text!r}) == {counts!r}"),
-        _test("top", "top_words ranks by count, then alphabetically.", f"assert top_words({text!r}, 3) == {ranked[:3]!r}"),
-        _test("average", "average_length is the mean word length.",
-              f"assert abs(average_length({text!r}) - {average!r}) < 1e-9"),
+        _test(
+            "top", "top_words ranks by count, then alphabetically.", f"assert top_words({text!r}, 3) == {ranked[:3]!r}"
+        ),
+        _test(
+            "average",
+            "average_length is the mean word length.",
+            f"assert abs(average_length({text!r}) - {average!r}) < 1e-9",
+        ),
         _test("empty", "an empty text has average length 0.", 'assert average_length("") == 0.0'),
     ]
     files = {
@@ -209,8 +258,10 @@ def average_length(text):
         f"{pkg}/words.py": words_py,
         f"{pkg}/stats.py": stats_py,
         "tests/test_text.py": _test_file(
-            f"from {pkg}.stats import average_length, top_words, word_counts\nfrom {pkg}.words import content_words, words",
-            tests),
+            f"from {pkg}.stats import average_length, top_words, word_counts\n"
+            f"from {pkg}.words import content_words, words",
+            tests,
+        ),
     }
     return Repo("textkit", files, [f"{pkg}/words.py", f"{pkg}/stats.py"], ["tests/test_text.py"])
 
@@ -266,8 +317,12 @@ def population(board, generations):
         return sum((x + dx, y + dy) in alive for dx in (-1, 0, 1) for dy in (-1, 0, 1) if dx or dy)
 
     def next_gen(alive: set) -> set:
-        return {(x, y) for x in range(width) for y in range(height)
-                if neighbours(alive, x, y) == 3 or (neighbours(alive, x, y) == 2 and (x, y) in alive)}
+        return {
+            (x, y)
+            for x in range(width)
+            for y in range(height)
+            if neighbours(alive, x, y) == 3 or (neighbours(alive, x, y) == 2 and (x, y) in alive)
+        }
 
     cells = {(rng.randrange(width), rng.randrange(height)) for _ in range(width * height // 3)}
     gen1, generations = next_gen(cells), rng.randint(2, 4)
@@ -277,23 +332,37 @@ def population(board, generations):
     x, y = rng.randrange(width), rng.randrange(height)
     board = f"Board({width}, {height}, {sorted(cells)!r})"
     tests = [
-        _test("inside", "cells on the far edge are outside the board.",
-              f"board = Board({width}, {height})\nassert board.inside({width - 1}, {height - 1})\n"
-              f"assert not board.inside({width}, 0) and not board.inside(0, {height})"),
-        _test("neighbours", "neighbours counts the eight surrounding cells.",
-              f"assert {board}.neighbours({x}, {y}) == {neighbours(cells, x, y)}"),
-        _test("blinker", "a blinker flips between a row and a column.",
-              "board = step(Board(5, 5, [(1, 2), (2, 2), (3, 2)]))\nassert board.alive == {(2, 1), (2, 2), (2, 3)}"),
+        _test(
+            "inside",
+            "cells on the far edge are outside the board.",
+            f"board = Board({width}, {height})\nassert board.inside({width - 1}, {height - 1})\n"
+            f"assert not board.inside({width}, 0) and not board.inside(0, {height})",
+        ),
+        _test(
+            "neighbours",
+            "neighbours counts the eight surrounding cells.",
+            f"assert {board}.neighbours({x}, {y}) == {neighbours(cells, x, y)}",
+        ),
+        _test(
+            "blinker",
+            "a blinker flips between a row and a column.",
+            "board = step(Board(5, 5, [(1, 2), (2, 2), (3, 2)]))\nassert board.alive == {(2, 1), (2, 2), (2, 3)}",
+        ),
         _test("step", "step applies B3/S23 to every cell.", f"assert step({board}).alive == set({sorted(gen1)!r})"),
-        _test("population", f"population counts live cells after {generations} steps.",
-              f"assert population({board}, {generations}) == {len(later)}"),
+        _test(
+            "population",
+            f"population counts live cells after {generations} steps.",
+            f"assert population({board}, {generations}) == {len(later)}",
+        ),
         _test("corner", "a lone corner cell dies.", "assert population(Board(3, 3, [(0, 0)]), 1) == 0"),
     ]
     files = {
         f"{pkg}/__init__.py": "",
         f"{pkg}/board.py": board_py,
         f"{pkg}/rules.py": rules_py,
-        "tests/test_life.py": _test_file(f"from {pkg}.board import Board\nfrom {pkg}.rules import population, step", tests),
+        "tests/test_life.py": _test_file(
+            f"from {pkg}.board import Board\nfrom {pkg}.rules import population, step", tests
+        ),
     }
     return Repo("life", files, [f"{pkg}/board.py", f"{pkg}/rules.py"], ["tests/test_life.py"])
 

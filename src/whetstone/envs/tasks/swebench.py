@@ -21,8 +21,16 @@ from whetstone.envs.task import Split, Task
 from whetstone.envs.tasks.patches import apply_patch, patched_paths
 from whetstone.errors import WhetstoneError
 
-REQUIRED = ("instance_id", "repo", "base_commit", "problem_statement", "patch", "test_patch", "FAIL_TO_PASS",
-            "PASS_TO_PASS")
+REQUIRED = (
+    "instance_id",
+    "repo",
+    "base_commit",
+    "problem_statement",
+    "patch",
+    "test_patch",
+    "FAIL_TO_PASS",
+    "PASS_TO_PASS",
+)
 
 
 class SwebenchConfig(Config):
@@ -78,7 +86,9 @@ def inline_files(archive: tarfile.TarFile, where: str) -> dict[str, str]:
         try:
             files[member.name] = data.decode("utf-8")
         except UnicodeDecodeError:
-            raise WhetstoneError(f"{where}: {member.name} is binary; set snapshot_dir to keep snapshots on disk") from None
+            raise WhetstoneError(
+                f"{where}: {member.name} is binary; set snapshot_dir to keep snapshots on disk"
+            ) from None
     return files
 
 

@@ -19,8 +19,8 @@ reference solution, and a task is only kept if every step changes the result on 
 
 The held-out split differs in content, not only in seed: multi-step tasks are split by their
 sequence of primitive code templates (held-out tasks are unseen compositions of seen primitives),
-one-step tasks by their code line (primitive and constant). The split is a fixed hash, so train and held-out never overlap
-whatever the seeds or counts.
+one-step tasks by their code line (primitive and constant). The split is a fixed hash, so train
+and held-out never overlap whatever the seeds or counts.
 """
 
 from __future__ import annotations
@@ -89,8 +89,11 @@ class Program:
         """The reference solution: each step's line under a comment naming the step. The comment
         is the plan written out: a model that copies the next phrase of the instruction then has
         the phrase right above the line it must write (demonstrations teach exactly this)."""
-        lines = [f"    # {op.phrase.format(**params)}\n    x = {op.code.format(**params)}"
-                 for i, (op, params) in enumerate(self.steps) if i != skip]  # fmt: skip
+        lines = [
+            f"    # {op.phrase.format(**params)}\n    x = {op.code.format(**params)}"
+            for i, (op, params) in enumerate(self.steps)
+            if i != skip
+        ]
         return "def solve(x):\n" + "\n".join(lines) + "\n    return x\n"
 
     def instruction(self) -> str:
@@ -180,8 +183,11 @@ def make_task(config: SynthConfig, index: int) -> Task:
             test_time_limit_s=20.0,
             protected_paths=["test_*.py"],
             difficulty=len(program.steps),
-            metadata={"ops": "|".join(op.name for op, _ in program.steps), "input_type": program.input_type,
-                      "seed": config.seed},
+            metadata={
+                "ops": "|".join(op.name for op, _ in program.steps),
+                "input_type": program.input_type,
+                "seed": config.seed,
+            },
         )
     raise WhetstoneError(f"synth: no acceptable task found for index {index} (config {config})")
 

@@ -31,6 +31,7 @@ from whetstone.envs.tasks.patches import apply_patch_to_task
 from whetstone.utils.atomic import atomic_write_json
 from whetstone.utils.progress import progress_bar
 
+
 @dataclass
 class ValidationReport:
     total: int = 0
@@ -75,7 +76,11 @@ def check_task(task: Task, reward_config: RewardConfig | None = None) -> str | N
     graded = task.fail_to_pass + task.pass_to_pass or list(solved.tests)
     failing = _not_passed(solved.tests, graded)
     if not solved.passed or failing or not solved.tests:
-        detail = f"tests not passing: {listed(failing, limit=5)}" if failing else f"reward {solved.reward}, log: {solved.log[-300:]!r}"
+        detail = (
+            f"tests not passing: {listed(failing, limit=5)}"
+            if failing
+            else f"reward {solved.reward}, log: {solved.log[-300:]!r}"
+        )
         return f"the reference solution does not pass ({detail})"
     unsolved = grade(task, {}, config)
     if task.kind == "bugfix":
@@ -99,8 +104,12 @@ def _load_cache(path: Path | None) -> dict[str, str | None]:
         return {}  # a damaged cache only costs a re-validation
 
 
-def validate_records(records: Iterable[Record], workers: int = 2, reward_config: RewardConfig | None = None,
-                     cache_path: str | Path | None = None) -> ValidationReport:
+def validate_records(
+    records: Iterable[Record],
+    workers: int = 2,
+    reward_config: RewardConfig | None = None,
+    cache_path: str | Path | None = None,
+) -> ValidationReport:
     """Validate every record (bad records are reported as invalid), `workers` tasks at a time,
     with a progress bar on stderr."""
     records = list(records)
@@ -151,4 +160,3 @@ def valid_tasks(tasks: Iterable[Task], **kwargs) -> list[Task]:
     for item in report.invalid:
         print(f"skipping invalid task {item['id']}: {item['reason']}", file=sys.stderr)
     return report.valid
-

@@ -28,14 +28,19 @@ class GroupReport:
     zero_advantage."""
 
     def metrics(self) -> dict[str, int]:
-        out = {"groups": self.groups, "kept_groups": self.kept_groups,
-               "rollouts": self.rollouts, "kept_rollouts": self.kept_rollouts}  # fmt: skip
+        out = {
+            "groups": self.groups,
+            "kept_groups": self.kept_groups,
+            "rollouts": self.rollouts,
+            "kept_rollouts": self.kept_rollouts,
+        }
         out.update({f"dropped_{reason}": count for reason, count in sorted(self.dropped.items())})
         return out
 
 
-def score_groups(trajectories: list[Trajectory], config: AdvantageConfig
-                 ) -> tuple[list[tuple[Trajectory, float]], GroupReport]:  # fmt: skip
+def score_groups(
+    trajectories: list[Trajectory], config: AdvantageConfig
+) -> tuple[list[tuple[Trajectory, float]], GroupReport]:
     """(trajectory, advantage) for every kept rollout, in input order, and what was dropped."""
     compute = advantage_fn(config)
     groups: dict[str, list[Trajectory]] = {}

@@ -90,19 +90,28 @@ def _main() -> int:
 
     targets = plain_tests.plan(sys.argv[1:], workspace)
     if targets is not None:  # tests pytest would run the same way: no pytest start-up
-        trusted = plain_tests.Trusted.compile(targets, lambda test_id, where: emit(
-            {"flag": f"test_replaced: {test_id} was replaced by code from {where}; the file's own test ran"}))
+        trusted = plain_tests.Trusted.compile(
+            targets,
+            lambda test_id, where: emit(
+                {"flag": f"test_replaced: {test_id} was replaced by code from {where}; the file's own test ran"}
+            ),
+        )
         sys.path[0] = workspace
-        exit_code = plain_tests.run(targets, lambda test_id, outcome: emit({"test": test_id, "outcome": outcome}),
-                                    trusted=trusted)
+        exit_code = plain_tests.run(
+            targets, lambda test_id, outcome: emit({"test": test_id, "outcome": outcome}), trusted=trusted
+        )
         emit({"finished": exit_code})
         return exit_code
     import pytest  # before the workspace is importable: the runner cannot be replaced
 
     # marked here: this file imports pytest only now, before the workspace is importable
     PytestGuard.pytest_pyfunc_call = pytest.hookimpl(tryfirst=True)(PytestGuard.pytest_pyfunc_call)
-    guard = PytestGuard.compile(sorted(test_code), lambda test_id, where: emit(
-        {"flag": f"test_replaced: {test_id} was replaced by code from {where}; the file's own test ran"}))
+    guard = PytestGuard.compile(
+        sorted(test_code),
+        lambda test_id, where: emit(
+            {"flag": f"test_replaced: {test_id} was replaced by code from {where}; the file's own test ran"}
+        ),
+    )
     sys.path[0] = workspace  # what `python -m pytest` does; the runner's own directory leaves the path
 
     class Recorder:
@@ -167,8 +176,9 @@ class PytestGuard:
             except (OSError, SyntaxError, ValueError):
                 continue  # pytest reports a file it cannot read or parse its own way
             for name in names:
-                code[(path, name)] = [c for module in (rewritten, plain)
-                                      if (c := plain_tests.defined_code(module, name)) is not None]  # fmt: skip
+                code[(path, name)] = [
+                    c for module in (rewritten, plain) if (c := plain_tests.defined_code(module, name)) is not None
+                ]
         return cls(code, replaced)
 
     def pytest_pyfunc_call(self, pyfuncitem):
@@ -206,15 +216,19 @@ def _plainly_defined(tree) -> list[str]:
         return ".".join([node.id, *reversed(parts)]) if isinstance(node, ast.Name) else ""
 
     def plain(node) -> bool:
-        return all(dotted(d.func if isinstance(d, ast.Call) else d).startswith(("pytest.mark.", "mark."))
-                   for d in node.decorator_list)  # fmt: skip
+        return all(
+            dotted(d.func if isinstance(d, ast.Call) else d).startswith(("pytest.mark.", "mark."))
+            for d in node.decorator_list
+        )
 
     names = []
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and plain(node):
             names.append(node.name)
         elif isinstance(node, ast.ClassDef) and not node.decorator_list:
-            names += [f"{node.name}.{item.name}" for item in node.body if isinstance(item, ast.FunctionDef) and plain(item)]
+            names += [
+                f"{node.name}.{item.name}" for item in node.body if isinstance(item, ast.FunctionDef) and plain(item)
+            ]
     return names
 
 

@@ -14,7 +14,8 @@ the module's own namespace (`globals`, `exec`, `global`, ...). It then does what
 them: imports every file first (any import error: no test runs, exit 2, like pytest's
 "errors during collection"), collects the module's `test*` functions in definition order
 (imported ones too), calls each, and counts `Exception` and `SystemExit` as failures,
-`KeyboardInterrupt` as the end of the run. Output of the code under test is captured (shown under a failure) or discarded.
+`KeyboardInterrupt` as the end of the run. Output of the code under test is captured (shown
+under a failure) or discarded.
 
 Known difference: its call stack under a test is ~40 frames shallower than pytest's, so code
 recursing within ~40 frames of the recursion limit can pass here and fail under pytest.
@@ -41,10 +42,30 @@ REPORT_FLAGS = {"-q", "-rA", "-p no:cacheprovider"}
 REPORT_PREFIXES = ("--tb=", "--rootdir=")
 CONFIG_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "tox.ini", "setup.cfg", "pyproject.toml", "__init__.py")
 FORBIDDEN_NAMES = {
-    "pytest", "_pytest", "unittest", "pytestmark", "__test__", "globals", "locals", "vars", "exec", "eval",
-    "setattr", "delattr", "__dict__", "modules", "setup", "teardown", "setup_module", "teardown_module",
-    "setup_function", "teardown_function", "setUpModule", "tearDownModule", "pytest_plugins",
-}  # fmt: skip
+    "pytest",
+    "_pytest",
+    "unittest",
+    "pytestmark",
+    "__test__",
+    "globals",
+    "locals",
+    "vars",
+    "exec",
+    "eval",
+    "setattr",
+    "delattr",
+    "__dict__",
+    "modules",
+    "setup",
+    "teardown",
+    "setup_module",
+    "teardown_module",
+    "setup_function",
+    "teardown_function",
+    "setUpModule",
+    "tearDownModule",
+    "pytest_plugins",
+}
 """Names whose mention means pytest, or code that could change what a module holds at run time."""
 
 MAX_SOURCE_BYTES = 1 << 20
@@ -112,7 +133,8 @@ def _plain_source(path: str) -> bool:
         if any(name in FORBIDDEN_NAMES for name in bound):
             return False  # e.g. `def setup_module():`, which pytest would call
         if any(name.lower().startswith("test") for name in bound) and not (
-                isinstance(node, _ast.FunctionDef) and node in tree.body):
+            isinstance(node, _ast.FunctionDef) and node in tree.body
+        ):
             return False  # a test bound any other way than a top-level def
     return True
 
@@ -160,8 +182,12 @@ def _plain_test(node: _ast.FunctionDef) -> bool:
     return not yields  # a generator is not a test function to pytest
 
 
-def run(targets: list[str], report: Callable[[str, str], None],
-        explain: Callable[[str, str], None] | None = None, trusted: "Trusted | None" = None) -> int:
+def run(
+    targets: list[str],
+    report: Callable[[str, str], None],
+    explain: Callable[[str, str], None] | None = None,
+    trusted: "Trusted | None" = None,
+) -> int:
     """Import every file (paths relative to the working directory, which must be first on
     `sys.path`), then run the targeted tests; `report(test_id, outcome)` for each. Returns pytest's
     exit code. Call `plan` first: this trusts that the targets are plain.
@@ -182,7 +208,7 @@ def run(targets: list[str], report: Callable[[str, str], None],
                 modules[name] = _collect(_import(name, explained=explain is not None, code=code))
             except KeyboardInterrupt:
                 return INTERRUPTED
-            except BaseException as error:  # noqa: BLE001 - whatever pytest's collection would report
+            except BaseException as error:
                 report(name, "error")
                 if explain is not None:
                     explain(name, _explanation(error, captured.take()))
@@ -308,8 +334,18 @@ def _explained_code(source: bytes, path: str):
         comparison fails raise `AssertionError("assert <repr a> == <repr b>")`; `assert x` likewise
         names x's value (a chained comparison: its result). Asserts with a message are left as they are."""
 
-        OPERATORS = {ast.Eq: "==", ast.NotEq: "!=", ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">=",
-                     ast.Is: "is", ast.IsNot: "is not", ast.In: "in", ast.NotIn: "not in"}  # fmt: skip
+        OPERATORS = {
+            ast.Eq: "==",
+            ast.NotEq: "!=",
+            ast.Lt: "<",
+            ast.LtE: "<=",
+            ast.Gt: ">",
+            ast.GtE: ">=",
+            ast.Is: "is",
+            ast.IsNot: "is not",
+            ast.In: "in",
+            ast.NotIn: "not in",
+        }
 
         def __init__(self) -> None:
             self.count = 0
@@ -332,8 +368,15 @@ def _explained_code(source: bytes, path: str):
                 assigns = [ast.Assign([self._name("", ast.Store())], test)]
                 condition = self._name("", ast.Load())
                 parts = [condition]
-            message = ast.JoinedStr([ast.Constant("assert "), *(
-                ast.FormattedValue(part, ord("r"), None) if isinstance(part, ast.Name) else part for part in parts)])
+            message = ast.JoinedStr(
+                [
+                    ast.Constant("assert "),
+                    *(
+                        ast.FormattedValue(part, ord("r"), None) if isinstance(part, ast.Name) else part
+                        for part in parts
+                    ),
+                ]
+            )
             raise_ = ast.Raise(ast.Call(ast.Name("AssertionError", ast.Load()), [message], []), None)
             statements = [*assigns, ast.If(ast.UnaryOp(ast.Not(), condition), [raise_], [])]
             return [ast.copy_location(statement, node) for statement in statements]
@@ -351,7 +394,7 @@ def _explanation(error: BaseException, output: str) -> str:
     lines = []
     for frame in traceback.extract_tb(error.__traceback__):
         if frame.filename.startswith(root):
-            lines.append(f"{frame.filename[len(root):]}:{frame.lineno}: in {frame.name}")
+            lines.append(f"{frame.filename[len(root) :]}:{frame.lineno}: in {frame.name}")
             if frame.line:
                 lines.append(f"    {frame.line}")
     if isinstance(error, AssertionError) and str(error).startswith("assert "):
@@ -360,8 +403,10 @@ def _explanation(error: BaseException, output: str) -> str:
         message = traceback.format_exception_only(type(error), error)
     lines += [f"E   {line}" for chunk in message for line in chunk.rstrip("\n").splitlines()]
     if output.strip():
-        lines += ["----------------------------- Captured output -----------------------------",
-                  _head(output.rstrip("\n"), 2000)]
+        lines += [
+            "----------------------------- Captured output -----------------------------",
+            _head(output.rstrip("\n"), 2000),
+        ]
     return "\n".join(lines)
 
 
@@ -443,7 +488,7 @@ def _main() -> int:
     details: dict[str, str] = {}
     try:
         code = run(targets, outcomes.__setitem__, explain=details.__setitem__)
-    except BaseException:  # noqa: BLE001 - whatever went wrong, pytest will say it properly
+    except BaseException:
         return NOT_PLAIN
     if code not in (OK, TESTS_FAILED, INTERRUPTED) or not outcomes:
         return NOT_PLAIN  # nothing ran (a missing test id, no tests): pytest's own words
@@ -457,7 +502,9 @@ def _main() -> int:
     report.append("=== short test summary info ===")
     order = {"passed": 0, "failed": 1, "error": 2}
     for test_id, outcome in sorted(outcomes.items(), key=lambda item: order[item[1]]):
-        last = next((line[4:] for line in reversed(details.get(test_id, "").splitlines()) if line.startswith("E   ")), "")
+        last = next(
+            (line[4:] for line in reversed(details.get(test_id, "").splitlines()) if line.startswith("E   ")), ""
+        )
         report.append(f"{outcome.upper()} {test_id}" + (f" - {last}" if last else ""))
     counts = {outcome: list(outcomes.values()).count(outcome) for outcome in ("failed", "passed", "error")}
     report.append(", ".join(f"{n} {'errors' if o == 'error' and n > 1 else o}" for o, n in counts.items() if n))
