@@ -6,24 +6,12 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from tests.model.conftest import tiny_config
 from whetstone.bench import consistency
 from whetstone.bench.cli import app
 from whetstone.errors import WhetstoneError
-from whetstone.model import ModelConfig
 
-TINY = ModelConfig(
-    vocab_size=97,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    max_position_embeddings=256,
-)
+TINY = tiny_config(num_hidden_layers=2, mlp_only_layers=[], max_position_embeddings=256)
 FIGURES = {
     "max_abs_logprob_diff",
     "k3_kl",

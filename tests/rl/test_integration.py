@@ -5,28 +5,17 @@ from __future__ import annotations
 
 import torch
 
+from tests.model.conftest import tiny_config
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.inference.protocol import encode_routes
-from whetstone.model import ModelConfig, Transformer
+from whetstone.model import Transformer
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.advantages.groups import score_groups
 from whetstone.rl.batch import collate, load_batch, save_batch
 from whetstone.rl.loss import LossConfig, LossInputs, policy_loss
 from whetstone.rl.samples import trajectory_samples
 
-CONFIG = ModelConfig(
-    vocab_size=61,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    max_position_embeddings=64,
-)
+CONFIG = tiny_config(vocab_size=61, num_hidden_layers=2, mlp_only_layers=[])
 
 
 @torch.no_grad()

@@ -4,23 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from whetstone.model import ModelConfig, Transformer
+from tests.model.conftest import tiny_config
+from whetstone.model import Transformer
 from whetstone.rl.routing import RoutingStats, track_routing
 
-CONFIG = ModelConfig(
-    vocab_size=61,
-    hidden_size=32,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    mlp_only_layers=[0],
-    max_position_embeddings=64,
-)
+CONFIG = tiny_config(vocab_size=61)
 
 
 def model_and_routes():

@@ -10,12 +10,13 @@ from pathlib import Path
 
 import torch
 
+from tests.model.conftest import tiny_config
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sampling import SamplingParams
-from whetstone.model import ModelConfig, Transformer
+from whetstone.model import Transformer
 from whetstone.model.hf import load_hf, save_hf
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.advantages.groups import score_groups
@@ -26,19 +27,7 @@ from whetstone.store import LocalStore, ObjectStore
 from whetstone.tokenizer import Tokenizer, render_chat
 from whetstone.trainer.config import TrainerConfig
 
-TINY_MOE = ModelConfig(
-    vocab_size=64,
-    hidden_size=32,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-    intermediate_size=48,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    max_position_embeddings=64,
-)
+TINY_MOE = tiny_config(vocab_size=64, num_hidden_layers=2, mlp_only_layers=[])
 PROMPTS = ([1, 2, 3, 4], [5, 6, 7])
 GROUP_SIZE, COMPLETION_TOKENS = 4, 6
 TRANSCRIPTS = [
