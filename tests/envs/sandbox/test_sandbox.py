@@ -273,3 +273,17 @@ def test_clear_error_without_user_namespaces():
     assert result.returncode != 0
     assert "SandboxUnavailableError" in result.stderr and "sandbox.unsandboxed=true" in result.stderr
     assert issubclass(SandboxUnavailableError, WhetstoneError)  # so the CLI prints it cleanly
+
+
+def test_a_host_path_below_tmp_stays_visible(tmp_path):
+    # A virtual environment or data set made under /tmp is mounted over the sandbox's own /tmp.
+    data = Path("/tmp") / f"whetstone-ro-{uuid.uuid4().hex}"
+    data.mkdir()
+    try:
+        (data / "x.txt").write_text("seen\n")
+        with open_sandbox(FILES, SandboxConfig(ro_paths=[str(data)])) as sandbox:
+            result = sandbox.run(f"cat {data}/x.txt && echo scratch > /tmp/y && cat /tmp/y")
+        assert (result.exit_code, result.stdout) == (0, "seen\nscratch\n")
+    finally:
+        (data / "x.txt").unlink()
+        data.rmdir()

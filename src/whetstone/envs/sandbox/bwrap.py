@@ -61,10 +61,12 @@ def bwrap_argv(workspace: Path, workdir: str, tmp_bytes: int, mounts: list[Mount
     """The full argv that runs `command` in a sandbox over `workspace`."""
     argv = [bwrap_binary(), "--unshare-all", "--die-with-parent", "--new-session", "--cap-drop", "ALL"]
     argv += system_mounts()
+    # The sandbox's own /proc, /dev and /tmp first, so that a host path below /tmp (a virtual
+    # environment made there, a checkout) mounted after them is not hidden by the empty /tmp.
+    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     for mount in mounts:
         if mount.writable or mount.source != mount.target or not _inside_system_dirs(mount.source):
             argv += ["--bind" if mount.writable else "--ro-bind", mount.source, mount.target]
-    argv += ["--proc", "/proc", "--dev", "/dev", "--size", str(tmp_bytes), "--tmpfs", "/tmp"]
     argv += ["--bind", str(workspace), workdir, "--remount-ro", "/", "--chdir", workdir, "--"]
     return argv + command
 
