@@ -71,8 +71,8 @@ def test_files_persist_between_runs_but_tmp_and_processes_do_not():
     with open_sandbox({}) as sandbox:
         sandbox.run("echo kept > notes.txt && echo gone > /tmp/scratch")
         assert (sandbox.workspace / "notes.txt").read_text() == "kept\n"
-        second = sandbox.run("cat notes.txt; ls /tmp")
-    assert second.stdout == "kept\n"
+        second = sandbox.run("cat notes.txt; ls /tmp/scratch")
+    assert second.stdout == "kept\n" and "No such file" in second.stderr
 
 
 def test_no_network():
@@ -244,8 +244,10 @@ def test_clear_error_without_user_namespaces():
     # A sandbox whose user namespaces are disabled is a real machine where bwrap cannot work.
     bwrap = bwrap_binary()
     probe = "from whetstone.envs.sandbox import open_sandbox\nopen_sandbox({})"
-    # The checkout may itself live under /tmp (CI clones): keep it visible over the fresh /tmp.
+    # The checkout and the Python environment may themselves live under /tmp (CI clones, a
+    # virtual environment made there): keep them visible over the fresh /tmp.
     source = str(Path(whetstone.__file__).resolve().parents[1])
+    environment = [arg for path in {sys.prefix, sys.base_prefix} for arg in ("--ro-bind", path, path)]
     argv = [
         bwrap,
         "--unshare-all",
@@ -264,6 +266,7 @@ def test_clear_error_without_user_namespaces():
         "--ro-bind",
         source,
         source,
+        *environment,
         sys.executable,
         "-c",
         probe,
