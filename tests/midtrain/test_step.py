@@ -5,23 +5,13 @@ import numpy as np
 import pytest
 import torch
 
+from tests.training.conftest import TINY
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.data.loader import make_batch
 from whetstone.errors import WhetstoneError
 from whetstone.midtrain.step import train_step, validation_loss
-from whetstone.model import ModelConfig, Transformer
+from whetstone.model import Transformer
 from whetstone.training.optim import build_optimizer
-
-TINY = ModelConfig(
-    vocab_size=50,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    num_experts=4,
-    moe_intermediate_size=8,
-)
 
 
 def batch(rows: torch.Tensor, ignore_from: int | None = None, demo_rows: int = 0) -> Batch:

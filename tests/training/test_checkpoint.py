@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tests.training.conftest import TINY
 from whetstone.errors import CheckpointError
 from whetstone.model import ModelConfig, Transformer
 from whetstone.training import checkpoint as ckpt
@@ -18,17 +19,6 @@ from whetstone.training.checkpoint import (
     save_checkpoint,
 )
 from whetstone.training.optim import build_optimizer
-
-TINY = ModelConfig(
-    vocab_size=50,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    num_experts=4,
-    moe_intermediate_size=8,
-)
 
 
 def make(config: ModelConfig = TINY, seed: int = 0):

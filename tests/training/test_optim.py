@@ -3,19 +3,9 @@
 import pytest
 import torch
 
-from whetstone.model import ModelConfig, Transformer
+from tests.training.conftest import TINY
+from whetstone.model import Transformer
 from whetstone.training.optim import build_optimizer
-
-TINY = ModelConfig(
-    vocab_size=50,
-    hidden_size=16,
-    num_hidden_layers=2,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=8,
-    num_experts=4,
-    moe_intermediate_size=8,
-)
 
 
 def test_lr_multipliers_scale_the_step_of_the_parameters_they_name():
