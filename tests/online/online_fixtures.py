@@ -13,9 +13,10 @@ import httpx
 import torch
 import uvicorn
 
+from tests.inference.inference_fixtures import tiny_config
 from whetstone.envs.prompts import SYSTEM_PROMPT, first_user_message
 from whetstone.envs.tasks.synth import SynthConfig, generate
-from whetstone.model import ModelConfig, Transformer
+from whetstone.model import Transformer
 from whetstone.model.hf import load_hf, save_hf
 from whetstone.online.config import OnlineConfig
 from whetstone.online.loop import OnlineLoop
@@ -42,18 +43,7 @@ def tiny_chat_model(folder: Path, seed: int = 0) -> Path:
     tokenizer = Tokenizer.train(texts * 4, vocab_size=600)
     tokenizer.save(folder / "tokenizer")
     torch.manual_seed(seed)
-    config = ModelConfig(
-        vocab_size=tokenizer.vocab_size,
-        hidden_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-        max_position_embeddings=512,
-    )
+    config = tiny_config(vocab_size=tokenizer.vocab_size)
     return Path(save_hf(Transformer(config).eval(), folder / "model", tokenizer_dir=folder / "tokenizer"))
 
 

@@ -6,12 +6,14 @@ path, for 4 rows against 8 on its SSE path (`MKL_CBWR=COMPATIBLE`), for other ro
 AVX-512; with 2 threads it splits the K of a thin GEMM across them. So every matmul here is made
 of tiles of one fixed shape, whatever the batch:
 
-- a tile has exactly ROW_TILE rows (rows are padded with zeros, or copies of a real row, to a
-  multiple of it), the full K of the weight, and the weight's N; in attention, K is the head
-  dim or KEY_CHUNK and N is KEY_CHUNK or the head dim;
-- the tiles go through one `torch.bmm` call, single-threaded (`one_thread`), so each tile is one
-  call of one shape on one thread: the same instructions in the same order for a given row
-  whether it came alone or among thousands. No row count, thread count or tile position enters
+- a tile has exactly ROW_TILE rows (EXPERT_ROW_TILE for the MoE experts; rows are padded with
+  zeros, or copies of a real row, to a multiple of it), the full K of the weight, and a fixed
+  block of at least MIN_COLUMNS of its columns; in attention, K is the head dim or KEY_CHUNK
+  and N is KEY_CHUNK or the head dim;
+- each tile is one library call of one shape on one thread (`one_thread`): fp32 tiles go
+  through one `torch.bmm` (MKL's batched GEMM), bf16 tiles through one `torch.mm` each. The
+  same instructions in the same order for a given row, whether it came alone or among
+  thousands. No row count, thread count or tile position enters
   the arithmetic. The tests check it under each CPU dispatch path MKL and oneDNN can be forced
   to (tests/model/test_invariant_dispatch.py);
 - attention reduces over keys in fixed chunks of KEY_CHUNK absolute positions and adds the
@@ -48,7 +50,9 @@ BLOCK_BYTES = 1 << 20
 """A tile's block of the weight is at most this big (an L2's worth; at least 64 columns): 512
 output columns of a K = 512 fp32 weight, 1024 in bf16."""
 MIN_COLUMNS = ROW_TILE
-"""Weights with fewer output rows are padded to this many (tiles at least ROW_TILE square)."""
+"""Weights with fewer output columns are padded to this many: with one output column the library
+takes a matrix-vector path, whose sum for a row depends on where the row sits in the tile (MKL,
+AVX2)."""
 KEY_CHUNK = 128
 """Attention adds keys up in chunks of this many absolute positions (the K of every P·V tile)."""
 
@@ -80,9 +84,13 @@ def tiled_mm(
     Tiles are [tile, K] x [K, C], C set by K and the dtype (`BLOCK_BYTES`; the last block of a
     weight may be narrower, the same for every call on it). Going block by block keeps a block
     of a large weight (an output head) in cache while every row tile passes; tile by tile, the
-    whole weight would stream from memory once per tile of rows. `rows` must have a multiple of
-    `tile` rows; `out` ([M, N]) is written if given."""
+    whole weight would stream from memory once per tile of rows. A weight of fewer than
+    MIN_COLUMNS columns is padded with zero columns. `rows` must have a multiple of `tile` rows;
+    `out` ([M, N]) is written if given."""
     depth, columns = weight_t.shape
+    if columns < MIN_COLUMNS:
+        result = tiled_mm(rows, F.pad(weight_t, (0, MIN_COLUMNS - columns)), tile=tile)[:, :columns]
+        return result if out is None else out.copy_(result)
     block_columns = max(64, BLOCK_BYTES // (depth * weight_t.element_size()) // 64 * 64)
     tiles = rows.view(-1, tile, depth)
     if out is None:
@@ -123,24 +131,18 @@ class _TiledLinear(torch.autograd.Function):
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T by ROW_TILE-row tiles. Under autocast both operands are cast first, as
-    nn.Linear's would be (casting the expanded weight would copy it once per tile).
-
-    A weight of fewer than MIN_COLUMNS output rows is padded with zero rows: with one output
-    column the library takes a matrix-vector path, whose sum for a row depends on where the row
-    sits in the tile (MKL, AVX2)."""
-    device, columns = x.device.type, weight.shape[0]
+    nn.Linear's would be (casting the expanded weight would copy it once per tile)."""
+    device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
-    if columns < MIN_COLUMNS:
-        weight = F.pad(weight, (0, 0, 0, MIN_COLUMNS - columns))
     rows = x.reshape(-1, x.shape[-1])
     with torch.autocast(device, enabled=False):
         if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
             out = _TiledLinear.apply(rows, weight)
         else:  # decoding: skip the autograd.Function's bookkeeping
             out = tiled_mm(_pad_rows(rows), weight.t())[: rows.shape[0]]
-    return out[:, :columns].reshape(*x.shape[:-1], columns)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 def mean_last(x: torch.Tensor) -> torch.Tensor:
