@@ -4,11 +4,11 @@ A decode step multiplies a handful of rows by every weight, so its time is mostl
 weights in from memory. With a weight's transpose contiguous (`x @ W.T` then reads `W.T` as a
 plain row-major matrix) the same fp32 GEMM runs 25-40% faster on weights that are not in cache
 (measured on this CPU, 1-16 rows: a [16, 256] x [256, 512] product 124 -> 91 us, the batch-1
-output head 540 -> 212 us), and from 4 rows up computes the same bits (below 4 rows MKL takes
-another path either way; invariant numerics pads every matmul to 4 rows). Only strides change,
-so every reader of the model (state_dict, checkpoints, indexing) sees the same tensors.
+output head 540 -> 212 us). Only strides change, so every reader of the model (state_dict,
+checkpoints, indexing) sees the same tensors.
 
-The engine lays its model out this way; training keeps the row-major layout its gradients have.
+A fast engine lays its model out this way; training keeps the row-major layout its gradients
+have, and so does an engine with invariant numerics, whose matmuls must be the trainer's calls.
 Writing into such a tensor goes through `flat_storage` with `storage_indices` (sparse writes) or
 `in_storage_order` (whole tensors), which put values in storage order (hot weight swap,
 `inference/swap.py`).
