@@ -21,9 +21,9 @@ from whetstone.inference.engine import Engine
 from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
 from whetstone.model import numerics
-from whetstone.model.ops import autocast
 from whetstone.rl.batch import Batch
 from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
+from whetstone.utils.device import autocast
 
 MODELS = {"dense": dict(num_experts=0), "moe": dict()}
 PROMPT_LENGTHS = (3, 141, 9, 17, 120, 5, 12)  # two cross the attention's 128-key chunks

@@ -40,8 +40,8 @@ from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
 from whetstone.model import invariant, numerics
 from whetstone.model.layout import to_column_major
-from whetstone.model.ops import autocast
 from whetstone.sync.update import WeightUpdate
+from whetstone.utils.device import autocast
 
 log = logging.getLogger(__name__)
 

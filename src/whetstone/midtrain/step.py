@@ -15,8 +15,8 @@ import torch
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.errors import WhetstoneError
 from whetstone.model import Transformer, ops
-from whetstone.model.ops import autocast
 from whetstone.training.optim import clip_and_step
+from whetstone.utils.device import autocast
 
 
 @dataclass

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Literal, get_args
 
@@ -41,13 +41,6 @@ def numerics(mode: Numerics) -> Iterator[None]:
         yield
     finally:
         _INVARIANT.reset(token)
-
-
-def autocast(dtype: str):
-    """bf16 compute under autocast (weights stay fp32), or plain fp32."""
-    if dtype == "bfloat16":
-        return torch.autocast("cpu", dtype=torch.bfloat16)
-    return nullcontext()
 
 
 @contextmanager

@@ -27,13 +27,13 @@ import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.model import Numerics, Transformer, ops
-from whetstone.model.ops import autocast
 from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, LossInputs, LossStats, policy_loss, step_normalizer
 from whetstone.rl.routing import RoutingStats, track_routing
 from whetstone.trainer.distributed import reduce_step_stats, sum_over_ranks
 from whetstone.training.optim import clip_and_step
+from whetstone.utils.device import autocast
 
 if TYPE_CHECKING:
     from whetstone.online.config import OnlineConfig
