@@ -21,16 +21,25 @@ from whetstone.model.config import ModelConfig
 
 
 class KVCache:
-    """Preallocated keys/values for `batch_size` rows of up to `max_len` positions each."""
+    """Preallocated keys/values for `batch_size` rows of up to `max_len` positions each, on
+    `device` (the model's: positions given to a forward must be there too)."""
 
-    def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, dtype: torch.dtype = torch.float32):
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        batch_size: int,
+        max_len: int,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
         shape = (cfg.num_hidden_layers, batch_size, cfg.num_key_value_heads, max_len, cfg.head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype)
-        self.values = torch.zeros(shape, dtype=dtype)
-        self.written = torch.zeros(batch_size, max_len, dtype=torch.bool)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.written = torch.zeros(batch_size, max_len, dtype=torch.bool, device=device)
         self.max_len = max_len
         self._positions: torch.Tensor | None = None
-        self._span = 0
+        self._rows: torch.Tensor | None = None
+        self._mask: torch.Tensor | None = None
 
     def reset(self, rows: list[int] | None = None) -> None:
         """Forget what `rows` (default: all) hold, so they can start new sequences."""
@@ -40,23 +49,24 @@ class KVCache:
         batch = self.written.shape[0]
         if positions.shape[0] != batch:
             raise WhetstoneError(f"cache holds {batch} rows, forward has {positions.shape[0]}")
-        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.max_len):
-            raise WhetstoneError(
-                f"positions span [{int(positions.min())}, {int(positions.max())}], cache holds 0..{self.max_len - 1}"
-            )
+        # The positions' range, read back once per forward: it is checked, and it sets how many
+        # key positions attention spans (only the prefix that can be in use, not the buffer).
+        low, high = torch.stack(torch.aminmax(positions)).tolist() if positions.numel() else (0, -1)
+        if low < 0 or high >= self.max_len:
+            raise WhetstoneError(f"positions span [{low}, {high}], cache holds 0..{self.max_len - 1}")
         self._positions = positions
+        self._rows = torch.arange(batch, device=positions.device).unsqueeze(1)
         self.written.scatter_(1, positions, True)
-        # Attend only over the prefix that can be in use, not the whole buffer.
-        self._span = int(positions.max()) + 1 if positions.numel() else 0
+        # What every layer attends to in this forward: written keys at or before each query.
+        key_positions = torch.arange(high + 1, device=positions.device)
+        self._mask = ((key_positions <= positions.unsqueeze(-1)) & self.written[:, None, : high + 1]).unsqueeze(1)
 
     def update(self, layer_index: int, k: torch.Tensor, v: torch.Tensor):
-        positions, span = self._positions, self._span
-        rows = torch.arange(positions.shape[0]).unsqueeze(1)
+        positions, rows, mask = self._positions, self._rows, self._mask
+        span = mask.shape[-1]
         # Advanced indices (rows, positions) around a slice put their dims first: [B, T, Hkv, D].
         self.keys[layer_index][rows, :, positions] = k.transpose(1, 2).to(self.keys.dtype)
         self.values[layer_index][rows, :, positions] = v.transpose(1, 2).to(self.values.dtype)
-        key_positions = torch.arange(span)
-        mask = (key_positions <= positions.unsqueeze(-1)) & self.written[:, None, :span]
         keys = self.keys[layer_index, :, :, :span].to(k.dtype)
         values = self.values[layer_index, :, :, :span].to(v.dtype)
-        return keys, values, mask.unsqueeze(1)
+        return keys, values, mask

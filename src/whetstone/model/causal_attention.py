@@ -24,6 +24,8 @@ import functools
 
 import torch
 
+from whetstone.utils.device import autocast_dtype
+
 MAX_LENGTH = 1024
 """Longest sequence this path takes: beyond it the kept probabilities (T^2 per head) outgrow
 what flash attention's O(T) memory saves in time."""
@@ -36,8 +38,8 @@ REDUCED = (torch.bfloat16, torch.float16)
 
 
 def compute_dtype(q: torch.Tensor) -> torch.dtype:
-    """The dtype attention computes in: the CPU autocast dtype inside autocast, else q's."""
-    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else q.dtype
+    """The dtype attention computes in: the autocast dtype of q's device inside autocast, else q's."""
+    return autocast_dtype(q) or q.dtype
 
 
 def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
@@ -47,13 +49,13 @@ def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
 
 
 @functools.cache
-def _causal_bias(start: int, end: int, group: int, dtype: torch.dtype) -> torch.Tensor:
+def _causal_bias(start: int, end: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[(end - start) * group, end]: 0 where a row (position in [start, end), head within the
     group) may attend, -inf after it."""
     with torch.inference_mode(False):  # a normal tensor, usable by forwards in and out of inference mode
-        position = torch.arange(start, end).repeat_interleave(group)
-        allowed = torch.arange(end)[None, :] <= position[:, None]
-        return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+        position = torch.arange(start, end, device=device).repeat_interleave(group)
+        allowed = torch.arange(end, device=device)[None, :] <= position[:, None]
+        return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
 
 
 def _blocks(length: int) -> list[tuple[int, int]]:
@@ -94,7 +96,10 @@ class _CausalAttention(torch.autograd.Function):
         for start, end in _blocks(length):
             rows = slice(start * group, end * group)
             scores = torch.baddbmm(
-                _causal_bias(start, end, group, q.dtype), queries[:, rows], keys[:, :end].transpose(1, 2), alpha=scale
+                _causal_bias(start, end, group, q.dtype, q.device),
+                queries[:, rows],
+                keys[:, :end].transpose(1, 2),
+                alpha=scale,
             )
             probs.append(torch.softmax(scores, dim=-1))
             torch.bmm(probs[-1], values[:, :end], out=out[:, rows])
@@ -125,5 +130,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     """Causal grouped-query attention: q [B, Hq, T, D], k and v [B, Hkv, T, D] -> [B, Hq, T, D],
     in `compute_dtype(q)` (check `applies` first)."""
     dtype = compute_dtype(q)
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast(q.device.type, enabled=False):
         return _CausalAttention.apply(q.to(dtype), k.to(dtype), v.to(dtype))

@@ -1,10 +1,20 @@
-"""MoE expert dispatch on CPU: where training time goes, so it gets its own forward and backward.
+"""MoE expert dispatch: where training time goes, so it gets its own forward and backward.
 
-Token-slots (token, j-th choice) are sorted by expert; each expert runs one matmul on its
-contiguous slice, writing straight into a preallocated output; the results go back to
-(token, top-k) order with one gather. The backward mirrors it by hand. Compared with letting
-autograd differentiate a Python loop over `weight[e]` slices, this avoids one full-size zero
-gradient per expert slice, the scatter-adds of indexing backward, and a graph node per op.
+Token-slots (token, j-th choice) are sorted by expert, so each expert's rows are one contiguous
+slice; the results go back to (token, top-k) order with one gather. Two ways to multiply the
+slices, both with the backward written out:
+
+- per expert (the CPU, and invariant numerics everywhere): one matmul per expert on its slice,
+  writing straight into a preallocated output. Compared with letting autograd differentiate a
+  Python loop over `weight[e]` slices, this avoids one full-size zero gradient per expert slice,
+  the scatter-adds of indexing backward, and a graph node per op. The slice sizes are read back
+  to the host (one `.tolist()` per layer).
+- grouped (`fast` numerics on CUDA, `uses_grouped_mm`): each projection of all experts is one
+  `torch._grouped_mm` call, the slices delimited by offsets computed on the device. Nothing is
+  read back, so a forward queues without waiting for the GPU and a decode step can be captured
+  in a CUDA graph. In bf16 on Hopper and later it is one CUTLASS kernel per projection; other
+  dtypes go through torch's own per-group loop. `grouped_mm_on_cpu()` runs it on the CPU too,
+  where tests check it against the per-expert path.
 
 Under invariant numerics each expert's slice is padded to a multiple of
 `invariant.EXPERT_ROW_TILE` rows (dummy slots that read a zero row and whose outputs nobody
@@ -16,10 +26,48 @@ of two (`ops.shape_tile`), so the matmuls reuse the kernels oneDNN built for ear
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
 import torch
 import torch.nn.functional as F
 
 from whetstone.model import invariant, ops
+from whetstone.utils.device import autocast_dtype
+
+_GROUPED_ON_CPU: ContextVar[bool] = ContextVar("whetstone_grouped_mm_on_cpu", default=False)
+
+
+@contextmanager
+def grouped_mm_on_cpu() -> Iterator[None]:
+    """Dispatch the experts of CPU tensors as those of CUDA tensors inside the block (the grouped
+    path of `uses_grouped_mm`, counts by `expert_counts`' scatter-add): the CUDA path, checked on a
+    machine without a GPU. On the CPU it is slower than the per-expert path."""
+    token = _GROUPED_ON_CPU.set(True)
+    try:
+        yield
+    finally:
+        _GROUPED_ON_CPU.reset(token)
+
+
+def uses_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+    """Whether expert_mlp multiplies (x, in its compute dtype) by the experts with torch._grouped_mm:
+    fast numerics on CUDA (or under `grouped_mm_on_cpu`), and rows whose byte strides the grouped
+    kernels accept (multiples of 16)."""
+    if not (x.device.type == "cuda" or _GROUPED_ON_CPU.get()) or ops.is_invariant():
+        return False
+    return all(size * x.element_size() % 16 == 0 for size in (gate_up.shape[-1], down.shape[-1]))
+
+
+def expert_counts(slot_expert: torch.Tensor, experts: int) -> torch.Tensor:
+    """Slots per expert, on the slots' device. torch.bincount is the fastest count on the CPU,
+    but on CUDA it reads the largest id back to the host to size its output: a scatter-add there
+    (and under `grouped_mm_on_cpu`)."""
+    if slot_expert.device.type == "cpu" and not _GROUPED_ON_CPU.get():
+        return torch.bincount(slot_expert, minlength=experts)
+    counts = torch.zeros(experts, dtype=torch.int32, device=slot_expert.device)
+    return counts.scatter_add_(0, slot_expert, torch.ones_like(slot_expert, dtype=torch.int32))
 
 
 def _spans(counts: list[int]):
@@ -39,10 +87,10 @@ def _padded_groups(slot_expert: torch.Tensor, unsort: torch.Tensor, counts: list
     for count, padded_count in zip(counts, padded):
         shift.append(padded_start - start)
         start, padded_start = start + count, padded_start + padded_count
-    slots = slot_expert.numel()
-    unsort = unsort + torch.tensor(shift).index_select(0, slot_expert)
-    order = torch.full((padded_start,), slots, dtype=unsort.dtype)
-    order[unsort] = torch.arange(slots)
+    slots, device = slot_expert.numel(), slot_expert.device
+    unsort = unsort + torch.tensor(shift, device=device).index_select(0, slot_expert)
+    order = torch.full((padded_start,), slots, dtype=unsort.dtype, device=device)
+    order[unsort] = torch.arange(slots, device=device)
     return order, unsort, padded
 
 
@@ -51,8 +99,8 @@ def _zero_row_for_dummies(rows: torch.Tensor, order: torch.Tensor, slots: int) -
     return F.pad(rows, (0, 0, 0, 1)) if order.numel() != slots else rows
 
 
-def _grouped_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invariant):
-    """The forward of _GroupedSwiGLU: (output [N, k, H], the tensors its backward needs)."""
+def _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invariant):
+    """The forward of _PerExpertSwiGLU: (output [N, k, H], the tensors its backward needs)."""
     inner = down.shape[-1]
     source = _zero_row_for_dummies(x, order, x.shape[0] * top_k)
     sorted_x = source.index_select(0, order // top_k)  # [S, H], slots grouped by expert
@@ -75,8 +123,9 @@ def _grouped_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invar
     return out.index_select(0, unsort).view(x.shape[0], top_k, -1), saved
 
 
-class _GroupedSwiGLU(torch.autograd.Function):
-    """y[t, j] = down[e] @ swiglu(gate_up[e] @ x[t]) for e = ids[t, j]; see expert_mlp.
+class _PerExpertSwiGLU(torch.autograd.Function):
+    """y[t, j] = down[e] @ swiglu(gate_up[e] @ x[t]) for e = ids[t, j], one matmul per expert;
+    see expert_mlp.
 
     Row gathers use index_select (several times faster than x[idx] on CPU) and every
     intermediate is written into a preallocated buffer, slice by slice.
@@ -84,15 +133,15 @@ class _GroupedSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, gate_up, down, order, unsort, counts, top_k, batch_invariant):
-        out, saved = _grouped_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invariant)
+        out, saved = _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invariant)
         ctx.save_for_backward(*saved)
         ctx.counts, ctx.top_k = counts, top_k
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        with torch.autocast("cpu", enabled=False):  # dtypes are fixed by the forward
-            return _GroupedSwiGLU._backward(ctx, grad_out)
+        with torch.autocast(grad_out.device.type, enabled=False):  # dtypes are fixed by the forward
+            return _PerExpertSwiGLU._backward(ctx, grad_out)
 
     @staticmethod
     def _backward(ctx, grad_out):
@@ -119,28 +168,94 @@ class _GroupedSwiGLU(torch.autograd.Function):
         return grad_x, grad_gate_up, grad_down, None, None, None, None, None
 
 
+def _grouped_mm_forward(x, gate_up, down, order, unsort, offsets, top_k):
+    """The forward of _GroupedMMSwiGLU: (output [N, k, H], the [S, 2I] gate/up projections).
+
+    `torch._grouped_mm(a, b, offs=offsets)` multiplies rows offsets[e-1]:offsets[e] of a (from
+    row 0 for e = 0) by b[e]; an expert with no rows gets none."""
+    hidden = torch._grouped_mm(x.index_select(0, order // top_k), gate_up.transpose(1, 2), offs=offsets)
+    inner = down.shape[-1]
+    act = F.silu(hidden[:, :inner]) * hidden[:, inner:]
+    out = torch._grouped_mm(act, down.transpose(1, 2), offs=offsets)
+    return out.index_select(0, unsort).view(x.shape[0], top_k, -1), hidden
+
+
+class _GroupedMMSwiGLU(torch.autograd.Function):
+    """What _PerExpertSwiGLU computes, each projection of all experts one grouped matmul.
+
+    The backward recomputes the sorted rows and the SwiGLU from the saved input and gate/up
+    projections (a gather and two elementwise ops), so a layer keeps [S, 2I] for its backward
+    rather than four [S, ...] tensors: on a GPU, memory is what bounds the batch."""
+
+    @staticmethod
+    def forward(ctx, x, gate_up, down, order, unsort, offsets, top_k):
+        out, hidden = _grouped_mm_forward(x, gate_up, down, order, unsort, offsets, top_k)
+        ctx.save_for_backward(x, hidden, gate_up, down, order, unsort, offsets)
+        ctx.top_k = top_k
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        with torch.autocast(grad_out.device.type, enabled=False):  # dtypes are fixed by the forward
+            return _GroupedMMSwiGLU._backward(ctx, grad_out)
+
+    @staticmethod
+    def _backward(ctx, grad_out):
+        x, hidden, gate_up, down, order, unsort, offsets = ctx.saved_tensors
+        top_k, inner = ctx.top_k, down.shape[-1]
+        grad_sorted = grad_out.reshape(-1, grad_out.shape[-1]).index_select(0, order)
+        sorted_x = x.index_select(0, order // top_k)
+        gate, up = hidden[:, :inner], hidden[:, inner:]
+        silu_gate = F.silu(gate)
+        grad_act = torch._grouped_mm(grad_sorted, down, offs=offsets)
+        grad_hidden = torch.empty_like(hidden)
+        torch.ops.aten.silu_backward(grad_act * up, gate, grad_input=grad_hidden[:, :inner])
+        torch.mul(grad_act, silu_gate, out=grad_hidden[:, inner:])
+        # Weight gradients: [features, S] x [S, features] per group; an expert no slot chose gets
+        # zeros (set explicitly: a kernel need not write an empty group's output).
+        unused = (offsets.diff(prepend=offsets.new_zeros(1)) == 0).view(-1, 1, 1)
+        grad_down = torch._grouped_mm(grad_sorted.t(), silu_gate * up, offs=offsets).masked_fill_(unused, 0)
+        grad_gate_up = torch._grouped_mm(grad_hidden.t(), sorted_x, offs=offsets).masked_fill_(unused, 0)
+        grad_sorted_x = torch._grouped_mm(grad_hidden, gate_up, offs=offsets)
+        # Each token appears top_k times: un-sort, then sum its slots.
+        grad_x = grad_sorted_x.index_select(0, unsort).view(-1, top_k, grad_sorted_x.shape[-1]).sum(dim=1)
+        return grad_x, grad_gate_up, grad_down, None, None, None, None
+
+
+def _sort_slots(slot_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(order: the slots grouped by expert, in slot order within each; unsort: its inverse)."""
+    order = slot_expert.argsort(stable=True)
+    unsort = torch.empty_like(order)
+    unsort[order] = torch.arange(order.numel(), device=order.device)
+    return order, unsort
+
+
 def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
     """Each token-slot's SwiGLU expert output, [N, k, H], not yet gate-weighted.
 
     x [N, H]; ids [N, k] expert per slot; gate_up [E, 2I, H] (gate rows first); down [E, H, I].
-    Under CPU autocast the matmuls run in the autocast dtype, like nn.Linear would.
+    Under autocast the matmuls run in the autocast dtype, like nn.Linear would.
     """
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
+    if dtype := autocast_dtype(x):
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     slot_expert = ids.reshape(-1)
-    order = slot_expert.argsort(stable=True)
-    unsort = torch.empty_like(order)
-    unsort[order] = torch.arange(order.numel(), device=order.device)
-    counts = torch.bincount(slot_expert, minlength=gate_up.shape[0]).tolist()
+    order, unsort = _sort_slots(slot_expert)
+    counts = expert_counts(slot_expert, gate_up.shape[0])
+    differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
+    if uses_grouped_mm(x, gate_up, down):
+        args = (x, gate_up, down, order, unsort, counts.cumsum(0, dtype=torch.int32), ids.shape[1])
+        with torch.autocast(x.device.type, enabled=False):
+            if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping
+                return _grouped_mm_forward(*args)[0]
+            return _GroupedMMSwiGLU.apply(*args)
+    counts = counts.tolist()  # the slice sizes, on the host: the one read-back of this path
     batch_invariant = ops.is_invariant()
     if batch_invariant:
         order, unsort, counts = _padded_groups(slot_expert, unsort, counts, lambda count: invariant.EXPERT_ROW_TILE)
     elif ops.pads_shapes(x):
         order, unsort, counts = _padded_groups(slot_expert, unsort, counts, ops.shape_tile)
     args = (x, gate_up, down, order, unsort, counts, ids.shape[1], batch_invariant)
-    differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
-    with torch.autocast("cpu", enabled=False):
+    with torch.autocast(x.device.type, enabled=False):
         if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping
-            return _grouped_forward(*args)[0]
-        return _GroupedSwiGLU.apply(*args)
+            return _per_expert_forward(*args)[0]
+        return _PerExpertSwiGLU.apply(*args)

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from whetstone.model import invariant, ops
 from whetstone.model.causal_attention import REDUCED
+from whetstone.utils.device import autocast_dtype
 
 CHUNK_BYTES = 1 << 20  # rows per chunk so that one chunk of fp32 logits stays in L2
 REDUCED_CHUNK_BYTES = 4 << 20  # bf16 compute: rows per chunk's matmul (fewer, larger matmuls)
@@ -32,7 +33,7 @@ def _probabilities(hidden, weight, targets, batch_invariant):
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     rows = max(1, CHUNK_BYTES // (4 * logits.shape[1]))
     if batch_invariant:
-        logprobs = torch.empty(logits.shape[0], dtype=logits.dtype)
+        logprobs = logits.new_empty(logits.shape[0])
         for chunk, lp, target in zip(logits.split(rows), logprobs.split(rows), targets.split(rows)):
             chunk.copy_(torch.log_softmax(chunk, dim=1))
             lp.copy_(chunk.gather(1, target.unsqueeze(1)).squeeze(1))
@@ -50,7 +51,7 @@ def _reduced_probabilities(hidden, weight, targets):
     """The same under bf16 compute, probabilities in bf16: each chunk's logits are made and
     normalised in fp32 while in cache, with no fp32 [N, V] matrix written, read back and cast."""
     probs = hidden.new_empty(hidden.shape[0], weight.shape[0])
-    logprobs = torch.empty(targets.shape[0], dtype=torch.float32)
+    logprobs = hidden.new_empty(targets.shape[0], dtype=torch.float32)
     rows = max(1, REDUCED_CHUNK_BYTES // (4 * probs.shape[1]))
     chunks = zip(hidden.split(rows), probs.split(rows), logprobs.split(rows), targets.split(rows))
     for part, chunk_probs, lp, target in chunks:
@@ -98,7 +99,7 @@ class _TargetLogprobs(torch.autograd.Function):
             grad_logits = probs.mul_(-grad_logprobs.unsqueeze(1))
             # + the row's gradient at its target, as index_add_ on the flat view: the same additions
             # as scatter_add_, which is ~1000x slower on bf16 CPU tensors.
-            at_target = torch.arange(targets.shape[0]) * grad_logits.shape[1] + targets
+            at_target = torch.arange(targets.shape[0], device=targets.device) * grad_logits.shape[1] + targets
             grad_logits.view(-1).index_add_(0, at_target, grad_logprobs)
         else:
             grad_logits = probs.zero_()
@@ -117,23 +118,22 @@ def target_logprobs(
     without keeping log-softmax tensors.
 
     hidden [..., H], weight [V, H], targets [...] int64 -> two [...]. Negative targets (-100,
-    the usual ignore index) give 0 and no gradient. Under CPU autocast the matmuls run in the
+    the usual ignore index) give 0 and no gradient. Under autocast the matmuls run in the
     autocast dtype; the softmax is always fp32.
     """
     shape = targets.shape
     hidden, targets = hidden.reshape(-1, hidden.shape[-1]), targets.reshape(-1)
-    if torch.is_autocast_enabled("cpu"):
-        dtype = torch.get_autocast_dtype("cpu")
+    if dtype := autocast_dtype(hidden):
         hidden, weight = hidden.to(dtype), weight.to(dtype)
-    kept = targets >= 0
     batch_invariant = ops.is_invariant()
-    with torch.autocast("cpu", enabled=False):
-        if bool(kept.all()):
+    # Only the trained rows go through the head (prompts and tool results in chat data are most
+    # of the tokens, and the head is most of a small model's compute). Their number sets the
+    # head's shapes, so it is read back: one sync per forward, after the whole forward is queued.
+    rows = (targets >= 0).nonzero().squeeze(1)
+    with torch.autocast(hidden.device.type, enabled=False):
+        if rows.numel() == targets.numel():
             logprobs, entropy = _TargetLogprobs.apply(hidden, weight, targets, batch_invariant, with_entropy)
             return logprobs.view(shape), entropy.view(shape) if with_entropy else None
-        # Only the trained rows go through the head (prompts and tool results in chat data are
-        # most of the tokens, and the head is most of a small model's compute).
-        rows = kept.nonzero().squeeze(1)
         trained, picked = rows.numel(), targets[rows]
         if ops.pads_shapes(hidden):  # dummy rows (row 0 with an ignored target) up to a size with a built kernel
             extra = -trained % ops.shape_tile(trained)

@@ -14,7 +14,7 @@ from torch import nn
 from whetstone.errors import WhetstoneError
 from whetstone.model import ops
 from whetstone.model.config import ModelConfig
-from whetstone.model.experts import expert_mlp
+from whetstone.model.experts import expert_counts, expert_mlp
 from whetstone.model.layers import MLP, Linear
 
 
@@ -82,7 +82,7 @@ def load_balancing_loss(ids: list[torch.Tensor], probs: list[torch.Tensor], num_
     `ids` are the experts actually used (the replayed ones under route replay).
     """
     rows = sum(p.shape[0] for p in probs)
-    counts = sum(torch.bincount(i.reshape(-1), minlength=num_experts) for i in ids).float()
+    counts = sum(expert_counts(i.reshape(-1), num_experts) for i in ids).float()
     prob_sum = sum(p.sum(dim=0) for p in probs)
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
@@ -95,7 +95,9 @@ def check_routes(routes: torch.Tensor, expected_shape: tuple[int, ...], num_expe
         )
     if routes.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise WhetstoneError(f"routes must be an integer tensor, got {routes.dtype}")
-    if routes.numel() and (int(routes.min()) < 0 or int(routes.max()) >= num_experts):
-        raise WhetstoneError(
-            f"routes hold expert ids in [{int(routes.min())}, {int(routes.max())}], expected 0..{num_experts - 1}"
-        )
+    if routes.numel():
+        # A read-back (one per forward, before any of its work is queued): an id outside the
+        # experts would fail later as an out-of-bounds index inside a kernel.
+        low, high = torch.stack(torch.aminmax(routes)).tolist()
+        if low < 0 or high >= num_experts:
+            raise WhetstoneError(f"routes hold expert ids in [{low}, {high}], expected 0..{num_experts - 1}")

@@ -163,7 +163,25 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         if _TRAINING_KERNELS.get() and causal_attention.applies(q, k):  # faster than torch's CPU flash in bf16
             return causal_attention.attention(q, k, v)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    if q.device.type == "cuda":
+        return grouped_rows_attention(q, k, v, mask)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def grouped_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Masked grouped-query attention with each kv head's query heads folded into its query rows:
+    q [B, Hkv * g, T, D] as [B, Hkv, g * T, D], the mask repeated once per head of the group.
+
+    The same result as SDPA's `enable_gqa`, with as many query heads as kv heads: a masked
+    attention CUDA's memory-efficient kernel takes (for a mask over grouped heads SDPA may fall
+    back to its math path, which copies the keys and values once per query head)."""
+    batch, heads, length, dim = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    rows = q.reshape(batch, kv_heads, group * length, dim)
+    mask = mask.expand(batch, 1, length, k.shape[2]).repeat(1, 1, group, 1)  # row (g, t) takes t's mask
+    out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
+    return out.view(batch, heads, length, dim)
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
