@@ -4,7 +4,7 @@ computes what the per-expert path (the CPU's) does. CPU tests check the device-a
 with `watch_host_work`; the `gpu` tests run the same on CUDA."""
 
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import pytest
 import torch
@@ -91,13 +91,15 @@ def _expert_case():
     return x, ids, gate_up, down, torch.randn(24, 2, 32, generator=generator)
 
 
-def _run_experts(dtype, device="cpu"):
-    """The experts' output and the gradients of x, gate_up and down, all fp32."""
+def _run_experts(dtype, device="cpu", watch=nullcontext):
+    """The experts' output and the gradients of x, gate_up and down, all fp32; `watch` is entered
+    around the dispatch only (the inputs are on the device by then)."""
     x, ids, gate_up, down, probe = (t.to(device) for t in _expert_case())
     x, gate_up, down = (t.requires_grad_() for t in (x, gate_up, down))
-    with _autocast(dtype, device):
+    with watch(), _autocast(dtype, device):
         out = expert_mlp(x, ids, gate_up, down)
-    return [out.float(), *torch.autograd.grad((out.float() * probe).sum(), (x, gate_up, down))]
+        grads = torch.autograd.grad((out.float() * probe).sum(), (x, gate_up, down))
+    return [out.float(), *grads]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -244,18 +246,24 @@ def test_cuda_decoding_through_the_kv_cache_matches_the_cpu(numerics, dtype, mak
     _assert_near(torch.cat(steps, dim=1), expected.logits, TOLERANCE[dtype], "decoding")
 
 
+@contextmanager
+def _no_read_backs():
+    """Any wait for the GPU inside the block raises (torch's sync debug mode)."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 @pytest.mark.gpu
 @cuda
 def test_cuda_takes_the_grouped_path_and_it_never_waits_for_the_gpu():
     x, _, gate_up, down, _ = (t.cuda() for t in _expert_case())
     assert uses_grouped_mm(x.bfloat16(), gate_up, down)
     expected = _run_experts("bfloat16")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")  # any read-back in the dispatch raises
-    try:
-        got = _run_experts("bfloat16", "cuda")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    got = _run_experts("bfloat16", "cuda", watch=_no_read_backs)
     for name, tensor, want in zip(("output", "x", "gate_up", "down"), got, expected):
         _assert_near(tensor, want, TOLERANCE["bfloat16"], name)
     assert got[2][4:].abs().sum() == 0 and got[3][4:].abs().sum() == 0
