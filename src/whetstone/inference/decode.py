@@ -108,7 +108,12 @@ class StaticDecode:
     def _replay(self, batch: int, length: int):
         captured = self._captured.get((batch, length))
         if captured is None:
-            captured = self._capture(batch, length)
+            try:
+                captured = self._capture(batch, length)
+            except RuntimeError as err:  # e.g. a forward that reads a value back: serve without graphs
+                log.warning("decoding without CUDA graphs: capturing the decode forward failed: %s", err)
+                self.graphs = False
+                return self._run(batch, length)
         graph, outputs = captured
         graph.replay()
         return outputs
