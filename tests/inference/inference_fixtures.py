@@ -48,12 +48,12 @@ def tiny_model(seed: int = 0, **changes) -> Transformer:
     return Transformer(tiny_config(**changes)).eval()
 
 
-def make_engine(model, tokenizer=None, **config) -> Engine:
+def make_engine(model, tokenizer=None, static_shapes: bool | None = None, **config) -> Engine:
     eos = () if tokenizer is None else (tokenizer.im_end_id, tokenizer.endoftext_id)
-    config = {"max_batch": 4, "context_limit": 256} | config
-    return Engine(
-        model, EngineConfig(**config), eos_token_ids=eos, decode=None if tokenizer is None else tokenizer.decode
-    )
+    # the CPU unless a test asks for a device: tests compare with forwards of the model on the CPU
+    config = {"max_batch": 4, "context_limit": 256, "device": "cpu"} | config
+    decode = None if tokenizer is None else tokenizer.decode
+    return Engine(model, EngineConfig(**config), eos_token_ids=eos, decode=decode, static_shapes=static_shapes)
 
 
 def wait_until(condition, timeout: float = 30.0) -> None:

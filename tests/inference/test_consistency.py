@@ -48,6 +48,7 @@ def rollouts(model, mode: str, dtype: str, threads: int = 1) -> list[Sequence]:
             interactive_grace_s=0,
             numerics=mode,
             dtype=dtype,
+            device="cpu",  # the CPU's invariance, against a trainer on the CPU
         ),
     )
     g = torch.Generator().manual_seed(7)

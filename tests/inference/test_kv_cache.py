@@ -10,11 +10,11 @@ def test_ragged_rows_decode_like_a_full_forward(model):
     seqs = [torch.randint(0, model.cfg.vocab_size, (n,), generator=g).tolist() for n in (5, 12, 8)]
     with torch.no_grad():
         for slot, seq in enumerate(seqs):
-            model(torch.tensor([seq[:-1]]), cache=cache.rows(slot, 1))
+            model(torch.tensor([seq[:-1]]), cache=cache.rows(slot, 1, len(seq) - 1))
         step = model(
             torch.tensor([[s[-1]] for s in seqs]),
             positions=torch.tensor([[len(s) - 1] for s in seqs]),
-            cache=cache.rows(0, 3),
+            cache=cache.rows(0, 3, max(len(s) for s in seqs)),
         )
         for row, seq in enumerate(seqs):
             full = model(torch.tensor([seq])).logits[0, -1]
@@ -25,16 +25,18 @@ def test_move_keeps_a_sequence_decodable_from_its_new_slot(model):
     cache = SlotKVCache.for_model(model.cfg, slots=3, max_len=32, dtype=torch.float32)
     seq = list(range(1, 10))
     with torch.no_grad():
-        model(torch.tensor([seq[:-1]]), cache=cache.rows(2, 1))
+        model(torch.tensor([seq[:-1]]), cache=cache.rows(2, 1, len(seq) - 1))
         cache.move(2, 0, len(seq) - 1)
-        step = model(torch.tensor([[seq[-1]]]), positions=torch.tensor([[len(seq) - 1]]), cache=cache.rows(0, 1))
+        step = model(
+            torch.tensor([[seq[-1]]]), positions=torch.tensor([[len(seq) - 1]]), cache=cache.rows(0, 1, len(seq))
+        )
         assert torch.allclose(step.logits[0, 0], model(torch.tensor([seq])).logits[0, -1], atol=1e-5)
 
 
 def test_attended_length_is_whole_blocks_and_mask_is_causal():
     cache = SlotKVCache(num_layers=1, num_kv_heads=1, head_dim=2, slots=2, max_len=40)
     assert cache.max_len % ATTENTION_BLOCK == 0
-    rows = cache.rows(0, 2)
+    rows = cache.rows(0, 2, 6)
     rows.begin(torch.tensor([[3], [5]]))
     keys, values, mask = rows.update(0, torch.ones(2, 1, 1, 2), torch.ones(2, 1, 1, 2))
     assert keys.shape[2] == ATTENTION_BLOCK and mask.shape == (2, 1, 1, ATTENTION_BLOCK)

@@ -3,11 +3,12 @@ import math
 import pytest
 import torch
 
-from whetstone.inference.sampling import InvalidRequest, SamplingParams, make_generator, sample
+from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample, uniforms
 
 
-def draw(logits, params, seeds):
-    return sample(logits, params, [make_generator(s) for s in seeds])
+def draw(logits, params, seeds, counter=0):
+    seeds = list(seeds)
+    return sample(logits, params, seeds, [counter] * len(seeds)).to_host(params)
 
 
 def test_greedy_takes_the_argmax_and_reports_the_model_logprob():
@@ -62,13 +63,27 @@ def test_same_seed_same_token_whatever_else_is_in_the_batch():
         assert (alone.tokens[0], alone.logprobs[0]) == (together.tokens[row], together.logprobs[row])
 
 
-def test_generator_state_carries_over_between_steps():
+def test_each_token_of_a_sequence_draws_its_own_uniform():
     logits = torch.zeros(1, 1000)
-    generator = make_generator(7)
-    first = sample(logits, [SamplingParams()], [generator]).tokens
-    second = sample(logits, [SamplingParams()], [generator]).tokens
+    first = draw(logits, [SamplingParams()], [7], counter=0).tokens
+    second = draw(logits, [SamplingParams()], [7], counter=1).tokens
     assert first != second  # the stream advanced
-    assert draw(logits, [SamplingParams()], [7]).tokens == first
+    assert draw(logits, [SamplingParams()], [7], counter=0).tokens == first
+
+
+def test_uniforms_are_uniform_and_depend_on_seed_and_counter_alone():
+    device = torch.device("cpu")
+    by_counter = uniforms([3] * 20000, list(range(20000)), device)
+    by_seed = uniforms(list(range(20000)), [5] * 20000, device)
+    for u in (by_counter, by_seed):
+        assert 0.0 <= u.min() and u.max() < 1.0
+        assert u.mean().item() == pytest.approx(0.5, abs=0.01)
+        histogram = torch.histc(u, bins=10, min=0.0, max=1.0) / u.numel()
+        assert torch.allclose(histogram, torch.full((10,), 0.1), atol=0.01)
+    assert len(set(by_counter.tolist())) > 19900
+    # any int is a seed (mod 2^64); a row's uniform ignores the rest of the batch
+    assert uniforms([-1, 2**64 - 1], [4, 4], device).unique().numel() == 1
+    assert uniforms([9], [2], device).item() == uniforms([1, 9, 4], [0, 2, 1], device)[1].item()
 
 
 def test_top_logprobs_are_the_most_likely_of_the_used_distribution():

@@ -9,9 +9,16 @@ from pydantic import Field
 from whetstone.config import Config
 from whetstone.inference.feedback import FeedbackConfig
 from whetstone.sync.config import SyncConfig
+from whetstone.utils.device import DeviceName
 
 
 class EngineConfig(Config):
+    device: DeviceName = "auto"
+    """Where the model, KV cache and sampling live: `auto` (CUDA when present, else the CPU),
+    `cpu`, `cuda` or `cuda:N`."""
+    cuda_graphs: bool = True
+    """On CUDA, capture each decode batch size's forward once in a CUDA graph and replay it, so a
+    step is one launch instead of hundreds of Python-issued kernels (ignored on the CPU)."""
     max_batch: int = Field(16, ge=1)
     """Most sequences decoded together (KV-cache slots)."""
     context_limit: int = Field(0, ge=0)

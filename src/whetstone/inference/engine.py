@@ -14,9 +14,18 @@ of that step, and the routes of the token fed to produce it. Forwards run with t
 `numerics` and `dtype`; with `invariant` numerics those logprobs and routes are what the trainer
 computes for the same tokens, bit for bit (docs/consistency.md). The engine runs in its own thread
 (`start()`); other threads only call `add`, `abort` and `update_weights`, which never block it.
-The engine stores the model it is given in the serving layout, in place (`whetstone.model.layout`:
-column-major matmul weights, same values, faster decoding), except under invariant numerics: there
-its matmuls must see the operands the trainer's see, layout included, for one library path.
+
+The engine moves the model it is given to its device (`EngineConfig.device`), where the KV cache,
+the decode inputs and sampling live too. On the CPU it stores the model in the serving layout, in
+place (`whetstone.model.layout`: column-major matmul weights, same values, faster decoding),
+except under invariant numerics: there its matmuls must see the operands the trainer's see, layout
+included, for one library path. On CUDA the decode forward runs in CUDA graphs
+(`inference/decode.py`, `EngineConfig.cuda_graphs`).
+
+A decode step reads back from the device once: the sampled tokens with their logprobs (and top
+logprobs) in one tensor. The routes of the tokens fed travel to a host buffer by asynchronous
+copies queued before that read-back, so they are there once it returns; the engine applies them
+to the buffer then (`_apply_routes`).
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from whetstone.inference.config import EngineConfig
+from whetstone.inference.decode import DynamicDecode, StaticDecode
 from whetstone.inference.detokenize import IncrementalText
 from whetstone.inference.kv_cache import ATTENTION_BLOCK, SlotKVCache
 from whetstone.inference.metrics import EngineStats
@@ -38,10 +48,11 @@ from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample
 from whetstone.inference.scheduler import Scheduler
 from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
+from whetstone.inference.transfer import to_device
 from whetstone.model import invariant, numerics
 from whetstone.model.layout import to_column_major
 from whetstone.sync.update import WeightUpdate
-from whetstone.utils.device import autocast
+from whetstone.utils.device import autocast, resolve_device, synchronize
 
 log = logging.getLogger(__name__)
 
@@ -55,11 +66,16 @@ class Engine:
         eos_token_ids: tuple[int, ...] = (),
         decode: Callable[[list[int]], str] | None = None,
         version: int = 0,
+        static_shapes: bool | None = None,
     ):
+        """`static_shapes`: decode with `StaticDecode` (True: also on the CPU, without graphs;
+        False: never); None: on CUDA when `config.cuda_graphs`."""
         cfg = model.cfg
-        model = model.eval()
-        # the serving layout (faster decode, same values); invariant numerics keep the trainer's
-        self.model = model if config.numerics == "invariant" else to_column_major(model)
+        self.device = resolve_device(config.device)
+        model = model.eval().to(self.device)
+        # the serving layout (faster CPU decode, same values); invariant numerics keep the trainer's
+        serving_layout = config.numerics == "fast" and self.device.type == "cpu"
+        self.model = to_column_major(model) if serving_layout else model
         self.config = config
         self.context_limit = config.context_limit or cfg.max_position_embeddings
         self.vocab_size = cfg.vocab_size
@@ -70,14 +86,19 @@ class Engine:
         block = invariant.KEY_CHUNK if config.numerics == "invariant" else ATTENTION_BLOCK
         # slots 0..max_batch-1 for running sequences, the rest keep finished ones (`keep_finished`)
         slots = config.max_batch + (config.keep_finished if config.share_prefixes else 0)
-        self.cache = SlotKVCache.for_model(cfg, slots, self.context_limit, dtype, block)
+        self.cache = SlotKVCache.for_model(cfg, slots, self.context_limit, dtype, block, self.device)
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         """Finished sequences' caches by slot, least recently used first."""
-        # routes by slot and position (int16 holds any expert id we serve)
+        # routes by slot and position (int16 holds any expert id we serve), on the host, where
+        # finished sequences take them; pinned on CUDA, so copies into it do not wait
         self.routes = None
         if cfg.num_moe_layers:
             shape = (slots, self.cache.max_len, cfg.num_moe_layers, cfg.num_experts_per_tok)
-            self.routes = torch.zeros(shape, dtype=torch.int16)
+            self.routes = torch.zeros(shape, dtype=torch.int16, device="cpu", pin_memory=self.device.type == "cuda")
+        self._routes_pending: list[tuple[int, int, torch.Tensor]] = []
+        """Writes into `routes` (slot, first position, values) waiting for the step's read-back:
+        values copied from the device without waiting, or rows of another slot that such a copy
+        is filling."""
         self.scheduler = Scheduler(
             config.max_batch,
             config.prefill_tokens_per_step,
@@ -88,6 +109,15 @@ class Engine:
         self._weights_epoch = 0
         """Bumped by every weight write: caches filled before it hold other weights' keys."""
         self.stats = EngineStats(weight_version=version)
+        if static_shapes is None:
+            static_shapes = config.cuda_graphs and self.device.type == "cuda"
+        if static_shapes:
+            graphs = config.cuda_graphs and self.device.type == "cuda"
+            self.decoder = StaticDecode(
+                self._forward, self.cache, config.max_batch, bool(cfg.num_moe_layers), graphs, self.stats, self._derived
+            )
+        else:
+            self.decoder = DynamicDecode(self._forward, self.cache, bool(cfg.num_moe_layers))
         self._tensors = serving_tensors(model)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._updates: deque[PreparedUpdate] = deque()
@@ -126,8 +156,9 @@ class Engine:
         self._send("abort", seq)
 
     def update_weights(self, update: WeightUpdate) -> None:
-        """Queue a new weight version (checked here, in the caller's thread; raises
-        `WeightUpdateError` if it does not fit). The engine writes it between two steps."""
+        """Queue a new weight version (checked and copied to the device here, in the caller's
+        thread; raises `WeightUpdateError` if it does not fit). The engine writes it between two
+        steps."""
         self._send("weights", prepare(update, self._tensors))
 
     def _send(self, kind: str, item) -> None:
@@ -197,6 +228,9 @@ class Engine:
             self._admit(plan.admit)
         if self.scheduler.running:
             self._decode()
+        if self._routes_pending:  # nothing decoded after an admission: wait for the copies here
+            synchronize(self.device)
+            self._apply_routes()
         stats, waiting = self.stats, self.scheduler.waiting
         stats.running = len(self.scheduler.running)
         stats.waiting_interactive, stats.waiting_batch = len(waiting["interactive"]), len(waiting["batch"])
@@ -231,6 +265,7 @@ class Engine:
             self.version = update.version
             self._weights_epoch += 1
             self._kept.clear()  # their keys and values are the old weights'
+        self.decoder.weights_changed()
         self.stats.record_swap(self.version, pause)
         self.scheduler.admit_fresh = True
 
@@ -305,8 +340,8 @@ class Engine:
         if isinstance(donor, Kept):
             self._kept.move_to_end(donor.slot)
         self.cache.move(donor.slot, seq.slot, length)
-        if self.routes is not None:
-            self.routes[seq.slot, :length] = self.routes[donor.slot, :length]
+        if self.routes is not None:  # the donor's routes may still be on their way from the device
+            self._routes_pending.append((seq.slot, 0, self.routes[donor.slot, :length]))
         seq.num_cached = length
         self.stats.prompt_tokens_shared_total += length
 
@@ -318,45 +353,57 @@ class Engine:
         for start in range(group[0].num_cached, lengths[0], self.config.prefill_chunk):
             rows = sum(1 for n in lengths if n > start)
             end = min(start + self.config.prefill_chunk, lengths[0])
-            ids = torch.zeros(rows, end - start, dtype=torch.long)  # shorter rows: padding, never attended
-            for row in range(rows):
-                piece = tokens[row][start:end]
-                ids[row, : len(piece)] = torch.tensor(piece)
-            positions = torch.arange(start, end).expand(rows, -1)
-            chunk_routes = None if replay is None else replay[start:end].unsqueeze(0)
+            # shorter rows are padded with 0s, never attended
+            ids = to_device([pad(tokens[row][start:end], end - start) for row in range(rows)], torch.int64, self.device)
+            positions = torch.arange(start, end, device=self.device).expand(rows, -1)
+            chunk_routes = None if replay is None else replay[start:end].unsqueeze(0).to(self.device, non_blocking=True)
             out = self._forward(
                 ids,
                 positions,
-                self.cache.rows(group[0].slot, rows),
+                self.cache.rows(group[0].slot, rows, end),
                 routes=chunk_routes,
                 return_routes=self.routes is not None and replay is None,
                 logits_to_keep=0,
             )  # prefill only fills the cache; decode samples
-            if self.routes is not None:
-                used = chunk_routes if replay is not None else out.routes
-                for row, seq in enumerate(group[:rows]):
-                    real = min(end, lengths[row]) - start
-                    self.routes[seq.slot, start : start + real] = used[row, :real].to(self.routes.dtype)
+            if self.routes is None:
+                continue
+            if replay is not None:
+                self.routes[group[0].slot, start:end] = replay[start:end]
+                continue
+            used = out.routes.to(torch.int16).to("cpu", non_blocking=True)
+            for row, seq in enumerate(group[:rows]):
+                self._routes_pending.append((seq.slot, start, used[row, : min(end, lengths[row]) - start]))
         for seq, n in zip(group, lengths):
             seq.num_cached = n
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, **kwargs):
         """The model's forward with the configured numerics and compute dtype (the trainer's own)."""
-        with numerics(self.config.numerics), autocast(self.config.dtype):
+        with numerics(self.config.numerics), autocast(self.config.dtype, self.device):
             return self.model(ids, positions=positions, cache=cache, **kwargs)
+
+    def _derived(self) -> list[torch.Tensor]:
+        """The weights the model derives from its parameters and keeps between forwards (attention's
+        fused q/k/v matrix), made or refreshed for the current parameters."""
+        with torch.inference_mode():  # where the model keeps them
+            return [module.qkv_weight() for module in self.model.modules() if hasattr(module, "qkv_weight")]
 
     def _decode(self) -> None:
         running = list(self.scheduler.running)
-        ids = torch.tensor([[seq.last_token] for seq in running])
-        positions = torch.tensor([[seq.num_cached] for seq in running])
-        out = self._forward(ids, positions, self.cache.rows(0, len(running)), return_routes=self.routes is not None)
-        if self.routes is not None:
-            self.routes[torch.arange(len(running)), positions[:, 0]] = out.routes[:, 0].to(self.routes.dtype)
-        drawn = sample(out.logits[:, -1], [s.params for s in running], [s.generator for s in running])
+        span = max(seq.num_cached for seq in running) + 1
+        logits, routes = self.decoder([(seq.last_token, seq.num_cached) for seq in running], span)
+        fed = None if routes is None else routes.to(torch.int16).to("cpu", non_blocking=True)
+        params = [s.params for s in running]
+        drawn = sample(logits, params, [s.seed for s in running], [len(s.output_ids) for s in running])
+        # the step's one read-back; the copies queued before it (routes) are done once it returns
+        result = drawn.to_host(params)
+        self._apply_routes()
+        if fed is not None:
+            positions = torch.tensor([seq.num_cached for seq in running], device="cpu")
+            self.routes[torch.arange(len(running), device="cpu"), positions] = fed
         self.stats.decode_steps_total += 1
         self.stats.record_tokens(len(running))
         finished = []
-        for seq, token, logprob, top in zip(running, drawn.tokens, drawn.logprobs, drawn.top):
+        for seq, token, logprob, top in zip(running, result.tokens, result.logprobs, result.top):
             seq.num_cached += 1
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
@@ -370,6 +417,13 @@ class Engine:
                 seq.notify()
         for seq, reason in finished:
             self._finish(seq, reason)
+
+    def _apply_routes(self) -> None:
+        """Write the routes that were on their way into `routes`, in the order they were issued
+        (call once the device's queued work is done)."""
+        for slot, start, values in self._routes_pending:
+            self.routes[slot, start : start + values.shape[0]] = values
+        self._routes_pending.clear()
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         params = seq.params
@@ -425,6 +479,7 @@ class Engine:
         seq.slot = seq.weights_epoch = None
 
     def _fail_running(self, message: str) -> None:
+        self._routes_pending.clear()  # the failed step's: the sequences they were for end here
         for seq in list(self.scheduler.running):
             seq.error = message
             self.stats.requests_total["error"] += 1
@@ -439,6 +494,11 @@ class Kept:
 
     slot: int
     tokens: list[int]
+
+
+def pad(tokens: list[int], length: int) -> list[int]:
+    """`tokens` followed by 0s up to `length`."""
+    return tokens + [0] * (length - len(tokens))
 
 
 def common_prefix_length(a: list[int], b: list[int], limit: int) -> int:

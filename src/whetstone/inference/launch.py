@@ -25,7 +25,7 @@ def build_app(config: ServeConfig):
     from whetstone.tokenizer import Tokenizer
     from whetstone.utils.runtime import configure_process
 
-    require_model_path(config)
+    check_startup(config)
     configure_process(config.threads)
     model = load_hf(config.model_path)
     tokenizer = Tokenizer.load(config.model_path)
@@ -48,12 +48,16 @@ def build_app(config: ServeConfig):
     return create_app(engine, tokenizer, config, name, follower)
 
 
-def require_model_path(config: ServeConfig) -> None:
+def check_startup(config: ServeConfig) -> None:
+    """What can be wrong before anything is loaded: no model folder, a device this machine lacks."""
+    from whetstone.utils.device import resolve_device
+
     if not config.model_path:
         raise ConfigError(
             "model_path is not set: point it at a Hugging Face model folder "
             "(config.json, model.safetensors, tokenizer.json)"
         )
+    resolve_device(config.engine.device)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -77,7 +81,7 @@ def serve(config: ServeConfig) -> None:
     """Run the server in this process until interrupted."""
     import uvicorn
 
-    require_model_path(config)
+    check_startup(config)
     sock = bind(config.host, config.port)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     app = build_app(config)

@@ -42,6 +42,10 @@ class EngineStats:
     swap_pause_seconds_sum: float = 0.0
     swap_pause_seconds_last: float = 0.0
     swap_pauses: deque[float] = field(default_factory=lambda: deque(maxlen=1000))
+    graph_captures_total: int = 0
+    """CUDA graphs captured for decode (one per batch bucket and attended length in use)."""
+    graph_capture_seconds_sum: float = 0.0
+    """Seconds spent capturing them (warm-up run included), paused in the steps that did."""
     _recent: deque[tuple[float, int]] = field(default_factory=deque)
 
     def record_tokens(self, count: int) -> None:
@@ -57,6 +61,10 @@ class EngineStats:
         self.swap_pause_seconds_sum += seconds
         self.swap_pause_seconds_last = seconds
         self.swap_pauses.append(seconds)
+
+    def record_capture(self, seconds: float) -> None:
+        self.graph_captures_total += 1
+        self.graph_capture_seconds_sum += seconds
 
     def tokens_per_s(self) -> float:
         """Generated tokens per second over the last few seconds."""
@@ -125,6 +133,13 @@ def render_prometheus(stats: EngineStats, model_name: str, weights: WeightsRepor
         "gauge",
         "Decode pause of the last weight swap.",
         [("", stats.swap_pause_seconds_last)],
+    )
+    metric("graph_captures_total", "counter", "CUDA graphs captured for decode.", [("", stats.graph_captures_total)])
+    metric(
+        "graph_capture_seconds_sum",
+        "counter",
+        "Seconds spent capturing decode CUDA graphs.",
+        [("", round(stats.graph_capture_seconds_sum, 6))],
     )
     if weights is not None:
         if weights.latest_version is not None:

@@ -1,8 +1,8 @@
-"""Batched sampling with a private random stream per request.
+"""Batched sampling on the logits' device, with a private random stream per request.
 
-Each row of the batch has its own `SamplingParams` and its own `torch.Generator`, and every
-operation below works row by row, so a request's tokens depend only on its own seed, prompt and
-the weights, never on what else is in the batch.
+Each row of the batch has its own `SamplingParams` and its own seed, and every operation below
+works row by row, so a request's tokens depend only on its own seed, prompt and the weights,
+never on what else is in the batch.
 
 The logprob returned for a sampled token is the log-probability under the distribution it was
 actually drawn from: logits / temperature, then top-k, then top-p, renormalised. That is the
@@ -10,18 +10,25 @@ behaviour policy the trainer's importance ratios need. One exception: temperatur
 whose distribution is a point mass (logprob 0 for every token), so there we report the plain
 log-softmax of the raw logits, which is what a user asking for greedy logprobs wants.
 
-Sampling is by inverse CDF with a single uniform per row (one call to the row's generator), over
-the vocabulary order for unfiltered rows and over the sorted order for top-k/top-p rows. Which
-path a row takes depends only on its own parameters.
+Sampling is by inverse CDF with a single uniform per row, over the vocabulary order for
+unfiltered rows and over the sorted order for top-k/top-p rows. Which path a row takes depends
+only on its own parameters. The uniform is a hash of (seed, index of the token in the
+completion): counter-based, so there is no generator object per row to keep on the device, the
+batch's uniforms reach it in one copy, and a sequence that is preempted and resumed draws
+exactly the uniforms it would have drawn.
+
+Everything stays on the device until `Drawn.to_host`, the step's one read-back.
 """
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 
 import torch
 
 from whetstone.errors import WhetstoneError
+from whetstone.inference.transfer import to_device
 
 MAX_TOP_LOGPROBS = 20
 
@@ -66,13 +73,35 @@ class SamplingParams:
         return self.top_k > 0 or self.top_p < 1.0
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    generator = torch.Generator()
-    if seed is None:
-        generator.seed()  # fresh entropy from the OS
-    else:
-        generator.manual_seed(seed)
-    return generator
+def random_seed() -> int:
+    """A seed for a request that gave none (fresh entropy from the OS)."""
+    return secrets.randbits(64)
+
+
+_LOW32 = 0xFFFFFFFF
+
+
+def _mix(x: int) -> int:
+    """A 32-bit integer hash (Wellons' lowbias32)."""
+    x ^= x >> 16
+    x = (x * 0x21F0AAAD) & _LOW32
+    x ^= x >> 15
+    x = (x * 0x735A2D97) & _LOW32
+    return x ^ (x >> 15)
+
+
+def uniform(seed: int, counter: int) -> float:
+    """A uniform in [0, 1) with 24 random bits (as `torch.rand`'s float32), a function of `seed`
+    (any int, taken mod 2^64) and `counter` (the token's index) alone. Computed on the host: a
+    few integer operations per row cost less there than a dozen tensor operations on the batch."""
+    seed %= 2**64
+    mixed = _mix(_mix(_mix((seed & _LOW32) ^ 0x9E3779B9) ^ (seed >> 32)) ^ (counter & _LOW32))
+    return (mixed >> 8) * 2.0**-24
+
+
+def uniforms(seeds: list[int], counters: list[int], device: torch.device) -> torch.Tensor:
+    """Each row's `uniform`, as a float32 tensor on `device`."""
+    return to_device([uniform(s, c) for s, c in zip(seeds, counters)], torch.float32, device)
 
 
 @dataclass
@@ -83,89 +112,120 @@ class SampleOutput:
     """Per row: the `top_logprobs` most likely (token, logprob) of the distribution used."""
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator]) -> SampleOutput:
-    """Draw one token per row of `logits` [B, vocab]."""
+@dataclass
+class Drawn:
+    """One step's draws, still on the device."""
+
+    tokens: torch.Tensor
+    """[B] int64."""
+    logprobs: torch.Tensor
+    """[B] float32: each token's logprob under the distribution it was drawn from."""
+    top_logprobs: torch.Tensor | None
+    """[B, n] float32, most likely first (-inf where cut), n = the batch's largest `top_logprobs`;
+    None when no row asked."""
+    top_ids: torch.Tensor | None
+    """[B, n] int64 token ids of `top_logprobs`."""
+
+    def to_host(self, params: list[SamplingParams]) -> SampleOutput:
+        """Everything in one read-back: one float64 tensor (exact for token ids and float32
+        logprobs), one `tolist()`."""
+        parts = [self.tokens.unsqueeze(1), self.logprobs.unsqueeze(1)]
+        if self.top_ids is not None:
+            parts += [self.top_logprobs, self.top_ids]
+        rows = torch.cat([part.double() for part in parts], dim=1).tolist()
+        want = 0 if self.top_ids is None else self.top_ids.shape[1]
+        top: list[list[tuple[int, float]]] = []
+        for row, p in zip(rows, params):
+            n = min(p.top_logprobs, want)
+            values, ids = row[2 : 2 + n], row[2 + want : 2 + want + n]
+            top.append([(int(t), v) for t, v in zip(ids, values) if v != float("-inf")])
+        return SampleOutput([int(row[0]) for row in rows], [row[1] for row in rows], top)
+
+
+def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int], counters: list[int]) -> Drawn:
+    """Draw one token per row of `logits` [B, vocab]; row i's randomness is (seeds[i], counters[i])."""
     logits = logits.float()
-    rows = len(params)
-    tokens = torch.zeros(rows, dtype=torch.long)
-    logprobs = torch.zeros(rows)
-    top: list[list[tuple[int, float]]] = [[] for _ in range(rows)]
+    rows, vocab = logits.shape
+    want = min(max(p.top_logprobs for p in params), vocab)
+    groups = {
+        "greedy": [i for i, p in enumerate(params) if p.temperature == 0.0],
+        "plain": [i for i, p in enumerate(params) if p.temperature > 0.0 and not p.filtered],
+        "filtered": [i for i, p in enumerate(params) if p.temperature > 0.0 and p.filtered],
+    }
+    results = []
+    for kind, members in groups.items():
+        if not members:
+            continue
+        every = len(members) == rows  # the usual decode step: no gather, no scatter
+        idx = None if every else to_device(members, torch.int64, logits.device)
+        group_logits = logits if every else logits.index_select(0, idx)
+        group_params = [params[i] for i in members]
+        draw = [seeds[i] for i in members], [counters[i] for i in members]
+        results.append((idx, _draw(kind, group_logits, group_params, *draw, want)))
+    if len(results) == 1:
+        return Drawn(*results[0][1])
+    tokens = logits.new_zeros(rows, dtype=torch.int64)
+    logprobs = logits.new_zeros(rows)
+    top_logprobs = logits.new_zeros(rows, want) if want else None
+    top_ids = logits.new_zeros(rows, want, dtype=torch.int64) if want else None
+    for idx, group in results:
+        for into, values in zip((tokens, logprobs, top_logprobs, top_ids), group):
+            if into is not None:
+                into.index_copy_(0, idx, values)
+    return Drawn(tokens, logprobs, top_logprobs, top_ids)
 
-    greedy = [i for i, p in enumerate(params) if p.temperature == 0.0]
-    plain = [i for i, p in enumerate(params) if p.temperature > 0.0 and not p.filtered]
-    filtered = [i for i, p in enumerate(params) if p.temperature > 0.0 and p.filtered]
 
-    if greedy:
-        idx = torch.tensor(greedy)
-        row_logprobs = torch.log_softmax(_rows(logits, greedy), dim=-1)
+def _draw(kind: str, logits: torch.Tensor, params: list[SamplingParams], seeds, counters, want: int):
+    """(tokens, logprobs, top logprobs, top ids) of one group of rows sampled the same way."""
+    order = None
+    if kind == "greedy":
+        row_logprobs = torch.log_softmax(logits, dim=-1)
         chosen = row_logprobs.argmax(dim=-1)
-        _scatter(idx, chosen, row_logprobs, None, tokens, logprobs, top, params)
-    if plain:
-        idx = torch.tensor(plain)
-        temps = [params[i].temperature for i in plain]
-        scaled = _rows(logits, plain)
+    elif kind == "plain":
+        scaled = logits
+        temps = [p.temperature for p in params]
         if any(t != 1.0 for t in temps):  # dividing by 1 changes no bit: skip the pass over [B, vocab]
-            scaled = scaled / torch.tensor(temps).unsqueeze(1)
+            scaled = scaled / _per_row(temps, logits)
         row_logprobs = torch.log_softmax(scaled, dim=-1)
-        chosen = _inverse_cdf(row_logprobs, [generators[i] for i in plain])
-        _scatter(idx, chosen, row_logprobs, None, tokens, logprobs, top, params)
-    if filtered:
-        idx = torch.tensor(filtered)
-        row_logprobs, order = _filter_sorted(_rows(logits, filtered), [params[i] for i in filtered])
-        position = _inverse_cdf(row_logprobs, [generators[i] for i in filtered])
-        _scatter(idx, position, row_logprobs, order, tokens, logprobs, top, params)
-    return SampleOutput(tokens.tolist(), logprobs.tolist(), top)
+        chosen = _inverse_cdf(row_logprobs, uniforms(seeds, counters, logits.device))
+    else:
+        row_logprobs, order = _filter_sorted(logits, params)
+        chosen = _inverse_cdf(row_logprobs, uniforms(seeds, counters, logits.device))
+    tokens = chosen if order is None else order.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    logprobs = row_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
+    if not want:
+        return tokens, logprobs, None, None
+    values, positions = row_logprobs.topk(want, dim=-1)
+    return tokens, logprobs, values, positions if order is None else order.gather(1, positions)
 
 
-def _rows(logits: torch.Tensor, rows: list[int]) -> torch.Tensor:
-    """logits[rows], without the copy when `rows` is every row in order (the usual decode step)."""
-    return logits if rows == list(range(logits.shape[0])) else logits[torch.tensor(rows)]
+def _per_row(values: list, like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A per-row parameter as a column [rows, 1] on `like`'s device, in `dtype` (default: like's);
+    filled on the device, without a copy, when every row has the same."""
+    dtype = dtype or like.dtype
+    if all(v == values[0] for v in values):
+        return like.new_full((len(values), 1), values[0], dtype=dtype)
+    return to_device(values, dtype, like.device).unsqueeze(1)
 
 
 def _filter_sorted(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[torch.Tensor, torch.Tensor]:
     """Log-probs in descending order after temperature, top-k and top-p (-inf where cut)."""
-    temps = torch.tensor([p.temperature for p in params]).unsqueeze(1)
+    temps = _per_row([p.temperature for p in params], logits)
     scaled, order = torch.sort(logits / temps, dim=-1, descending=True, stable=True)
     vocab = logits.shape[-1]
-    rank = torch.arange(vocab).unsqueeze(0)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params]).unsqueeze(1)
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    top_k = _per_row([p.top_k if p.top_k > 0 else vocab for p in params], logits, torch.int64)
     scaled = scaled.masked_fill(rank >= top_k, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs
-    top_p = torch.tensor([p.top_p for p in params]).unsqueeze(1)
+    top_p = _per_row([p.top_p for p in params], logits)
     # keep the smallest prefix whose mass reaches top_p (the first token is always kept)
     scaled = scaled.masked_fill((mass_before >= top_p) & (rank > 0), float("-inf"))
     return torch.log_softmax(scaled, dim=-1), order
 
 
-def _inverse_cdf(row_logprobs: torch.Tensor, generators: list[torch.Generator]) -> torch.Tensor:
-    uniforms = torch.stack([torch.rand((), generator=g) for g in generators]).unsqueeze(1)
+def _inverse_cdf(row_logprobs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     cdf = torch.cumsum(row_logprobs.exp(), dim=-1)
     # first index whose cdf exceeds u * total: always a token with positive probability
-    chosen = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True)
+    chosen = torch.searchsorted(cdf, uniforms.unsqueeze(1) * cdf[:, -1:], right=True)
     return chosen.clamp_(max=cdf.shape[-1] - 1).squeeze(1)
-
-
-def _scatter(
-    idx: torch.Tensor,
-    chosen: torch.Tensor,
-    row_logprobs: torch.Tensor,
-    order: torch.Tensor | None,
-    tokens: torch.Tensor,
-    logprobs: torch.Tensor,
-    top: list,
-    params: list[SamplingParams],
-) -> None:
-    """Write a group's results back to its batch rows (`order` maps sorted positions to ids)."""
-    token_ids = chosen if order is None else order.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    tokens[idx] = token_ids
-    logprobs[idx] = row_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
-    rows = idx.tolist()
-    want = max(params[i].top_logprobs for i in rows)
-    if want == 0:
-        return
-    values, positions = row_logprobs.topk(want, dim=-1)
-    ids = positions if order is None else order.gather(1, positions)
-    for i, vals, toks in zip(rows, values.tolist(), ids.tolist()):
-        n = params[i].top_logprobs
-        top[i] = [(t, v) for t, v in zip(toks[:n], vals[:n]) if v != float("-inf")]

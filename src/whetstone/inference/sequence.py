@@ -2,9 +2,10 @@
 
 A sequence's tokens are `prompt_ids + output_ids`; the first `num_cached` of them have their
 keys/values in the KV cache. Each decode step feeds the one token after them. A preempted
-sequence drops its cache (`num_cached = 0`) but keeps everything it generated, its routes and
-its random generator, so on resume it refills the cache by replaying its recorded routes and
-then carries on exactly where it stopped: nothing is lost and nothing is sampled twice.
+sequence drops its cache (`num_cached = 0`) but keeps everything it generated and its routes, so
+on resume it refills the cache by replaying its recorded routes and then carries on exactly where
+it stopped (its random draws are a function of its seed and token index): nothing is lost and
+nothing is sampled twice.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Literal
 import torch
 
 from whetstone.inference.detokenize import IncrementalText
-from whetstone.inference.sampling import SamplingParams, make_generator
+from whetstone.inference.sampling import SamplingParams, random_seed
 
 Priority = Literal["interactive", "batch"]
 FinishReason = Literal["stop", "length", "abort"]
@@ -42,9 +43,9 @@ class Sequence:
     versions: list[int] = field(default_factory=list)
     """Weight version that produced each output token."""
     routes: torch.Tensor | None = None
-    """[tokens fed, moe_layers, top_k] once the sequence has left its slot (finished or
-    preempted); while it runs they live in the engine's per-slot route buffer. Every token is
-    fed except the last generated one, so a finished sequence has `num_tokens - 1` rows."""
+    """[tokens fed, moe_layers, top_k] int16, on the host, once the sequence has left its slot
+    (finished or preempted); while it runs they live in the engine's per-slot route buffer. Every
+    token is fed except the last generated one, so a finished sequence has `num_tokens - 1` rows."""
     num_cached: int = 0
     slot: int | None = None
     weights_epoch: int | None = None
@@ -58,10 +59,11 @@ class Sequence:
     preemptions: int = 0
     arrival: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
-    generator: torch.Generator = field(init=False)
+    seed: int = field(init=False)
+    """The request's seed, or a random one: token i is drawn with the uniform of (seed, i)."""
 
     def __post_init__(self) -> None:
-        self.generator = make_generator(self.params.seed)
+        self.seed = random_seed() if self.params.seed is None else self.params.seed
 
     @property
     def num_tokens(self) -> int:
@@ -84,7 +86,7 @@ class Sequence:
             self.on_event(Progress(self, len(self.output_ids), released, self.finished))
 
     def preempt(self) -> None:
-        """Give up the KV cache (the engine has saved `routes`); keep tokens and the generator."""
+        """Give up the KV cache (the engine has saved `routes`); keep the tokens."""
         self.slot = None
         self.num_cached = 0
         self.preemptions += 1

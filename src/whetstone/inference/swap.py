@@ -2,10 +2,12 @@
 
 Updates are the weight-sync subscriber's `WeightUpdate`s (whole tensors or sparse overwrites:
 flat indices + values). Everything slow happens outside the decode loop: the subscriber fetches
-and decodes in its own thread, `WeightFollower` hands each update to the engine, and the engine
-checks and casts it in the caller's thread (`prepare`). The decode loop pauses only for
-`write`, the in-place overwrite between two decode steps (values are overwritten, never added,
-so there is no floating-point drift).
+and decodes in its own thread (on the CPU), `WeightFollower` hands each update to the engine, and
+the engine checks and casts it in the caller's thread and, when it serves on CUDA, copies it to
+the device there, on a stream of its own, so the copy overlaps decoding (`prepare`). The decode
+loop pauses only for `write`, the in-place overwrite between two decode steps (values are
+overwritten, never added, so there is no floating-point drift). Writing in place keeps every
+parameter's storage, so the engine's CUDA graphs stay valid.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.inference.metrics import WeightsReport
 from whetstone.model.layout import flat_storage, in_storage_order, storage_indices
 from whetstone.sync.update import TensorUpdate, WeightUpdate
+from whetstone.utils.device import synchronize
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +51,10 @@ class PreparedUpdate:
     version: int
     writes: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]]
     """(flat view of a served tensor's memory, positions in it or None for the whole tensor,
-    values in the served dtype and in storage order), so the pause never reorders anything."""
+    values in the served dtype and in storage order), so the pause never reorders anything.
+    Positions and values are on the served tensor's device."""
+    ready: torch.cuda.Event | None = None
+    """On CUDA: recorded on the upload's stream once the copies are queued; `write` waits for it."""
 
 
 def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> PreparedUpdate:
@@ -79,7 +85,29 @@ def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> Prepar
     served = [name for name in update.removed if name in tensors]
     if served:
         raise WeightUpdateError(f"{where} removes tensors the served model needs: {served[:5]}")
-    return PreparedUpdate(update.version, writes)
+    return _upload(PreparedUpdate(update.version, writes))
+
+
+def _upload(update: PreparedUpdate) -> PreparedUpdate:
+    """The update with its positions and values on the served tensors' device: on CUDA copied
+    through pinned memory on a side stream, without waiting for the copies."""
+    if not update.writes:
+        return update
+    device = update.writes[0][0].device
+    if device.type != "cuda":
+        writes = [(t, None if i is None else i.to(device), v.to(device)) for t, i, v in update.writes]
+        return PreparedUpdate(update.version, writes)
+    stream = torch.cuda.Stream(device)
+    with torch.cuda.stream(stream):
+        writes = [(t, None if i is None else _copy_to(i, device), _copy_to(v, device)) for t, i, v in update.writes]
+    return PreparedUpdate(update.version, writes, stream.record_event())
+
+
+def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on CUDA `device`, from host memory through a pinned copy (so the copy does not wait)."""
+    if t.device.type == "cpu":
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 @torch.no_grad()
@@ -87,13 +115,18 @@ def write(update: PreparedUpdate) -> float:
     """Overwrite the served tensors in place; returns the seconds taken (the decode pause).
 
     Sparse values go in with `scatter_`, about 10x faster than `index_put_` on CPU for the few
-    percent of values an RL step changes."""
+    percent of values an RL step changes. On CUDA the pause lasts until the device has written
+    them (and received them, if the upload is still under way)."""
     start = time.perf_counter()
+    if update.ready is not None:
+        torch.cuda.current_stream(update.writes[0][0].device).wait_event(update.ready)
     for target, indices, values in update.writes:
         if indices is None:
             target.copy_(values)
         else:
             target.scatter_(0, indices, values)
+    if update.writes:
+        synchronize(update.writes[0][0].device)  # and the uploaded tensors may be freed after
     return time.perf_counter() - start
 
 
