@@ -110,7 +110,8 @@ def test_inference_mode_keeps_the_fused_qkv_weight_until_a_weight_changes(make_c
         attn.k_proj.weight.view(-1).scatter_(0, torch.tensor([0, 7]), torch.tensor([0.5, -0.5]))
     with torch.inference_mode():
         swapped = model(ids).logits
-        assert attn.qkv_weight() is not kept
+        assert attn.qkv_weight() is kept  # refreshed in place: the same storage, new values
+        assert torch.equal(kept, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
     assert not torch.equal(swapped, first)
     assert torch.equal(swapped, model(ids).logits)  # the same as a forward that concatenates afresh
     # A replaced tensor (new storage) is noticed too.

@@ -30,14 +30,25 @@ class Attention(nn.Module):
         separate tensors, as in HF checkpoints). Under inference mode (the engine) the matrix is
         kept, and made again only when a weight is written to in place (its version counter
         moves, as on a hot swap) or replaced; elsewhere (training, FSDP's gathered weights) it is
-        concatenated per call. The kept matrix has the weights' layout (the engine's is column-major)."""
+        concatenated per call. The kept matrix has the weights' layout (the engine's is
+        column-major) and, once made, keeps its storage: a swap refreshes it in place, so the
+        engine's captured decode graphs stay valid."""
         weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
         if not torch.is_inference_mode_enabled():
             self._qkv = None
             return torch.cat(weights)
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)
         if self._qkv is None or self._qkv[0] != key:
-            self._qkv = (key, cat_rows(weights))
+            fresh = cat_rows(weights)
+            kept = None if self._qkv is None else self._qkv[1]
+            if kept is not None and (kept.shape, kept.stride(), kept.dtype, kept.device) == (
+                fresh.shape,
+                fresh.stride(),
+                fresh.dtype,
+                fresh.device,
+            ):
+                fresh = kept.copy_(fresh)  # refreshed in place: a captured CUDA graph reads this storage
+            self._qkv = (key, fresh)
         return self._qkv[1]
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
