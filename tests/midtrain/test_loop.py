@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.utils.tracking_support import as_event_value, event_scalars
 from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.midtrain.loop import train
 from whetstone.model.hf import load_hf
@@ -74,6 +75,16 @@ def test_metrics_summary_and_hf_export(make_config, tmp_path):
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
     assert (run_dir / "model" / "tokenizer.json").exists()
+
+
+def test_the_metrics_also_go_to_tensorboard_at_the_steps_of_the_jsonl(make_config, tmp_path):
+    train(make_config("run.steps=4", "run.eval_interval=2"))
+    run_dir = tmp_path / "runs" / "midtrain"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    events = event_scalars(run_dir / "tensorboard" / "midtrain")
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "val_loss"):
+        expected = {r["step"]: (as_event_value(r[key]), r["time"]) for r in records if key in r}
+        assert expected and events[key] == expected, key
 
 
 def test_a_finished_run_resumes_to_the_same_summary_without_training(make_config):

@@ -1,0 +1,58 @@
+"""Read back what the tracking sinks wrote, with the tools users have: TensorBoard's own event
+reader and W&B's `wandb leet inspect` (which reads an offline run's .wandb file)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
+
+
+def event_scalars(log_dir: Path) -> dict[str, dict[int, tuple[float, float]]]:
+    """Every scalar of a TensorBoard log folder: {tag: {step: (value, wall time)}}."""
+    events = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
+    events.Reload()
+    return {
+        tag: {event.step: (event.value, event.wall_time) for event in events.Scalars(tag)}
+        for tag in events.Tags()["scalars"]
+    }
+
+
+def as_event_value(value: float) -> float:
+    """A number as an event file holds it: TensorBoard keeps scalars as 32-bit floats."""
+    return float(np.float32(value))
+
+
+def wandb_records(folder: Path) -> list[dict]:
+    """Every record of the one offline W&B run under `folder/wandb/`, as `wandb leet inspect --json` prints them."""
+    (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
+    out = subprocess.run(
+        [sys.executable, "-m", "wandb", "leet", "inspect", "--json", str(path)],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    ).stdout
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def wandb_history(folder: Path) -> dict[int, dict]:
+    """The offline run's history rows by step, W&B's own fields (`_step`, `_runtime`, ...) left out."""
+    rows = [r["history"] for r in wandb_records(folder) if r.get("type") == "history"]
+    return {
+        int(row.get("step", {}).get("num", 0)): {k: v for k, v in row["item"].items() if not k.startswith("_")}
+        for row in rows
+    }
+
+
+def assert_tracked(log_dir: Path, records: list[dict], step_key: str = "step") -> None:
+    """Every top-level number of every metrics record is in the event files, at its step and time."""
+    events = event_scalars(log_dir)
+    for record in records:
+        for key, value in record.items():
+            if key not in (step_key, "time") and isinstance(value, bool | int | float):
+                assert events[key][record[step_key]] == (as_event_value(value), record["time"]), key
