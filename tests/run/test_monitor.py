@@ -77,4 +77,4 @@ def test_each_server_s_samples_go_to_tensorboard_under_its_own_tags(tmp_path):
     assert set(events) == {f"server0/{key}" for key in ["up", *parse_metrics(PAGE)]} | {"server1/up"}
     for server, key in [(0, "weight_version"), (0, "swap_pause_last_s"), (0, "up"), (1, "up")]:
         mine = [s for s in samples if s["server"] == server]  # the n-th round at step n
-        assert events[f"server{server}/{key}"] == {n: (as_event_value(s[key]), s["time"]) for n, s in enumerate(mine)}
+        assert events[f"server{server}/{key}"] == [(n, as_event_value(s[key]), s["time"]) for n, s in enumerate(mine)]

@@ -57,7 +57,7 @@ def test_event_files_hold_every_number_of_the_jsonl_at_its_step_and_time(tmp_pat
     events = event_scalars(tmp_path / "trainer" / "tensorboard" / "trainer")
     assert set(events) == set(SCALAR_TAGS)  # text, lists, nulls, the step and the time are not plotted
     for tag, value_of in SCALAR_TAGS.items():
-        assert events[tag] == {r["step"]: (as_event_value(value_of(r)), r["time"]) for r in written}, tag
+        assert events[tag] == [(r["step"], as_event_value(value_of(r)), r["time"]) for r in written], tag
 
 
 def test_tracking_dir_and_switch(tmp_path):
@@ -76,9 +76,9 @@ def test_series_in_one_file_get_their_own_tags_and_steps(tmp_path):
     assert set(events) == {"server0/up", "server0/weight_version", "server1/up", "server1/weight_version"}
     for server in range(2):  # each server's n-th sample is at step n
         mine = [r for r in written if r["server"] == server]
-        assert events[f"server{server}/weight_version"] == {
-            n: (float(r["weight_version"]), r["time"]) for n, r in enumerate(mine)
-        }
+        assert events[f"server{server}/weight_version"] == [
+            (n, float(r["weight_version"]), r["time"]) for n, r in enumerate(mine)
+        ]
 
 
 def test_a_role_that_fails_keeps_its_jsonl_and_its_events(tmp_path):
@@ -87,7 +87,7 @@ def test_a_role_that_fails_keeps_its_jsonl_and_its_events(tmp_path):
         metrics.write(RECORDS[0])
         raise RuntimeError("the step failed")
     assert read_metrics(path)[0]["loss"] == RECORDS[0]["loss"]
-    assert event_scalars(tmp_path / "tensorboard" / "trainer")["loss"][0][0] == as_event_value(RECORDS[0]["loss"])
+    assert event_scalars(tmp_path / "tensorboard" / "trainer")["loss"][0][1] == as_event_value(RECORDS[0]["loss"])
 
 
 def test_an_offline_wandb_run_gets_the_same_scalars(tmp_path, offline_wandb):

@@ -12,14 +12,20 @@ import numpy as np
 from tensorboard.backend.event_processing.event_accumulator import SCALARS, EventAccumulator
 
 
-def event_scalars(log_dir: Path) -> dict[str, dict[int, tuple[float, float]]]:
-    """Every scalar of a TensorBoard log folder: {tag: {step: (value, wall time)}}."""
+def event_scalars(log_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
+    """Every scalar of a TensorBoard log folder: {tag: [(step, value, wall time), ...]} in the
+    order written."""
     events = EventAccumulator(str(log_dir), size_guidance={SCALARS: 0})
     events.Reload()
     return {
-        tag: {event.step: (event.value, event.wall_time) for event in events.Scalars(tag)}
+        tag: [(event.step, event.value, event.wall_time) for event in events.Scalars(tag)]
         for tag in events.Tags()["scalars"]
     }
+
+
+def jsonl_scalars(records: list[dict], key: str, step_key: str = "step") -> list[tuple[int, float, float]]:
+    """What the event files should hold for `key`: (step, value, time) of every record that has it."""
+    return [(r[step_key], as_event_value(r[key]), r["time"]) for r in records if key in r]
 
 
 def as_event_value(value: float) -> float:
@@ -52,7 +58,8 @@ def wandb_history(folder: Path) -> dict[int, dict]:
 def assert_tracked(log_dir: Path, records: list[dict], step_key: str = "step") -> None:
     """Every top-level number of every metrics record is in the event files, at its step and time."""
     events = event_scalars(log_dir)
-    for record in records:
-        for key, value in record.items():
-            if key not in (step_key, "time") and isinstance(value, bool | int | float):
-                assert events[key][record[step_key]] == (as_event_value(value), record["time"]), key
+    keys = {
+        k for r in records for k, v in r.items() if k not in (step_key, "time") and isinstance(v, bool | int | float)
+    }
+    for key in keys:
+        assert events[key] == jsonl_scalars(records, key, step_key), key
