@@ -3,13 +3,16 @@ for, Weights & Biases runs. `MetricsWriter` (utils/metrics.py) hands every recor
 the sinks opened here; metrics.jsonl stays the record the report reads.
 
 Both sinks write in the background: TensorBoard's event writer queues each record for its own
-thread (one event per record) and W&B's `run.log` hands it to W&B's service process, so the
-training loop does not wait on either.
+thread (one event per record), and W&B's sink queues it for a thread that calls `run.log` (about
+a millisecond per record, W&B's encoding and hand-off to its service process), so the training
+loop waits on neither.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import queue
+import threading
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal, Protocol
@@ -91,7 +94,8 @@ class TensorBoardSink:
 
 
 class WandbSink:
-    """One W&B run per role; several may be open in one process (the pipeline's samplers)."""
+    """One W&B run per role, logged to from a thread of its own; several may be open in one
+    process (the pipeline's samplers)."""
 
     def __init__(self, tracking: TrackingConfig, role: str, folder: Path, config: dict[str, Any] | None):
         import wandb
@@ -110,11 +114,20 @@ class WandbSink:
             reinit="create_new",
             settings=wandb.Settings(console="off"),  # the roles' output has its own logs
         )
+        self._queue: queue.SimpleQueue[tuple[dict[str, float], int] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._drain, name=f"wandb-{role}", daemon=True)
+        self._thread.start()
 
     def log(self, values: dict[str, float], step: int, walltime: float) -> None:
-        self._run.log(values, step=step)
+        self._queue.put((values, step))
+
+    def _drain(self) -> None:
+        while (item := self._queue.get()) is not None:
+            self._run.log(item[0], step=item[1])
 
     def close(self, failed: bool) -> None:
+        self._queue.put(None)
+        self._thread.join()
         self._run.finish(exit_code=1 if failed else 0)
 
 
