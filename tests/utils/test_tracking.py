@@ -7,7 +7,13 @@ import sys
 
 import pytest
 
-from tests.utils.tracking_support import as_event_value, event_scalars, wandb_history, wandb_records
+from tests.utils.tracking_support import (
+    as_event_value,
+    event_scalars,
+    use_offline_wandb,
+    wandb_history,
+    wandb_records,
+)
 from whetstone.config import load_config
 from whetstone.errors import ConfigError
 from whetstone.trainer.config import TrainerConfig
@@ -34,15 +40,6 @@ SCALAR_TAGS = {
     "staleness_histogram/0": lambda r: r["staleness_histogram"]["0"],
     "staleness_histogram/1": lambda r: r["staleness_histogram"]["1"],
 }
-
-
-@pytest.fixture
-def offline_wandb(tmp_path, monkeypatch):
-    """W&B without network or a home folder: everything it writes stays under tmp_path."""
-    for name, sub in (("WANDB_DIR", "wandb-dir"), ("WANDB_CONFIG_DIR", "wandb-config"), ("WANDB_CACHE_DIR", "cache")):
-        monkeypatch.setenv(name, str(tmp_path / sub))
-    monkeypatch.setenv("WANDB_MODE", "offline")
-    monkeypatch.setenv("WANDB_SILENT", "true")
 
 
 def write_all(path, tracking, records=RECORDS, **kwargs) -> list[dict]:
@@ -90,7 +87,8 @@ def test_a_role_that_fails_keeps_its_jsonl_and_its_events(tmp_path):
     assert event_scalars(tmp_path / "tensorboard" / "trainer")["loss"][0][1] == as_event_value(RECORDS[0]["loss"])
 
 
-def test_an_offline_wandb_run_gets_the_same_scalars(tmp_path, offline_wandb):
+def test_an_offline_wandb_run_gets_the_same_scalars(tmp_path, monkeypatch):
+    use_offline_wandb(monkeypatch, tmp_path)
     tracking = TrackingConfig(wandb=True, wandb_mode="offline", wandb_group="run1", tensorboard=False)
     config = TrainerConfig(tracking=tracking)
     written = write_all(tmp_path / "trainer" / "metrics.jsonl", tracking, run_config=config)

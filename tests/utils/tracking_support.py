@@ -33,6 +33,14 @@ def as_event_value(value: float) -> float:
     return float(np.float32(value))
 
 
+def use_offline_wandb(monkeypatch, folder: Path) -> None:
+    """W&B without network or a home folder: whatever it writes of its own stays under `folder`."""
+    for name, sub in (("WANDB_DIR", "wandb-dir"), ("WANDB_CONFIG_DIR", "wandb-config"), ("WANDB_CACHE_DIR", "cache")):
+        monkeypatch.setenv(name, str(folder / sub))
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+
+
 def wandb_records(folder: Path) -> list[dict]:
     """Every record of the one offline W&B run under `folder/wandb/`, as `wandb leet inspect --json` prints them."""
     (path,) = folder.glob("wandb/offline-run-*/run-*.wandb")
