@@ -58,6 +58,8 @@ class TrackingConfig(Config):
 
 
 class Sink(Protocol):
+    """Where a metrics record's numbers go besides the JSONL: `log` must not block the caller."""
+
     def log(self, values: dict[str, float], step: int, walltime: float) -> None: ...
 
     def close(self, failed: bool) -> None: ...
