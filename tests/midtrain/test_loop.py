@@ -6,6 +6,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.utils.tracking_support import event_scalars, jsonl_scalars, use_offline_wandb, wandb_history
 from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.midtrain.loop import train
 from whetstone.model.hf import load_hf
@@ -74,6 +75,25 @@ def test_metrics_summary_and_hf_export(make_config, tmp_path):
         if name in weights:
             assert torch.equal(tensor, weights[name]), name
     assert (run_dir / "model" / "tokenizer.json").exists()
+
+
+def test_the_metrics_also_go_to_tensorboard_at_the_steps_of_the_jsonl(make_config, tmp_path):
+    train(make_config("run.steps=4", "run.eval_interval=2"))
+    run_dir = tmp_path / "runs" / "midtrain"
+    records = read_metrics(run_dir / "metrics.jsonl")
+    events = event_scalars(run_dir / "tensorboard" / "midtrain")
+    for key in ("loss", "lr", "grad_norm", "tokens", "tokens_per_s", "val_loss"):  # tokens: train and eval records
+        assert events[key] == jsonl_scalars(records, key) != [], key
+
+
+def test_an_offline_wandb_run_gets_the_metrics_at_the_steps_of_the_jsonl(make_config, tmp_path, monkeypatch):
+    use_offline_wandb(monkeypatch, tmp_path)
+    train(make_config("run.steps=4", "run.eval_interval=2", "tracking.wandb=true", "tracking.wandb_mode=offline"))
+    run_dir = tmp_path / "runs" / "midtrain"
+    rows: dict[int, dict] = {}  # a step's training and evaluation records are one W&B row
+    for record in read_metrics(run_dir / "metrics.jsonl"):
+        rows.setdefault(record["step"], {}).update({k: v for k, v in record.items() if k not in ("step", "time")})
+    assert wandb_history(run_dir) == rows and set(rows) == {1, 2, 3, 4}
 
 
 def test_a_finished_run_resumes_to_the_same_summary_without_training(make_config):

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tests.online.online_fixtures import NO_GATE, wait_for_version
+from tests.utils.tracking_support import assert_tracked
 from whetstone.envs.tasks.synth import SynthConfig, generate
 from whetstone.online.loop import OnlineLoop
 from whetstone.online.preferences import MatchesPattern
@@ -201,4 +202,5 @@ def test_run_writes_a_metrics_record_per_update(world):
     assert summary["updates"] == 1
     [record] = read_metrics(Path(world.config.output_dir) / "metrics.jsonl")
     assert record["decision"] in ("published", "discarded") and record["reason"]
+    assert_tracked(Path(world.config.output_dir) / "tensorboard" / "online", [record], step_key="update")
     assert httpx.get(world.url.removesuffix("/v1") + "/health").status_code == 200

@@ -6,6 +6,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.orchestrator.orchestrator_support import Trainer, coin_tasks, model_folder, thread_servers
+from tests.utils.tracking_support import assert_tracked
 from whetstone.envs.tasks.io import write_tasks
 from whetstone.orchestrator.cli import app
 from whetstone.store import LocalStore
@@ -48,3 +49,4 @@ train_cut_off_calls = true
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["index"] == 0 and record["samples"] == 2 and record["servers_alive"] == 2
     assert record["groups.kept_groups"] == 1 and "staleness_0" in record
+    assert_tracked(tmp_path / "tensorboard" / "orchestrator", [record], step_key="index")

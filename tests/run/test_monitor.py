@@ -1,7 +1,15 @@
-"""The pipeline's view of running servers: their /metrics sampled into servers.jsonl."""
+"""The pipeline's view of running servers: their /metrics sampled into servers.jsonl (and, as
+role `servers`, into TensorBoard)."""
 
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import httpx
+
+from tests.utils.tracking_support import as_event_value, event_scalars
 from whetstone.run.monitor import ServerSampler, last_record, parse_metrics
 from whetstone.utils.metrics import read_metrics
+from whetstone.utils.tracking import TrackingConfig
 
 PAGE = """# HELP whetstone_weight_version Version of the weights.
 whetstone_weight_version{model="m"} 3
@@ -25,8 +33,6 @@ def test_the_sampled_gauges_are_read_from_a_prometheus_page():
 
 
 def test_a_server_that_does_not_answer_is_recorded_as_down(tmp_path):
-    import httpx
-
     sampler = ServerSampler(["http://127.0.0.1:9/v1"], tmp_path / "servers.jsonl")
     with httpx.Client(timeout=1) as client:
         sampler.sample(client)
@@ -40,3 +46,35 @@ def test_the_last_complete_record_is_read_from_the_tail(tmp_path):
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(f'{{"step": {i}, "pad": "{"x" * 100}"}}\n' for i in range(2000)) + '{"step": 20')
     assert last_record(path, tail_bytes=4096)["step"] == 1999  # the torn last line is skipped
+
+
+class MetricsPage(BaseHTTPRequestHandler):
+    """A server's /metrics page: PAGE."""
+
+    def do_GET(self):
+        body = PAGE.encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args):
+        pass
+
+
+def test_each_server_s_samples_go_to_tensorboard_under_its_own_tags(tmp_path):
+    with ThreadingHTTPServer(("127.0.0.1", 0), MetricsPage) as page:
+        threading.Thread(target=page.serve_forever, daemon=True).start()
+        roots = [f"http://127.0.0.1:{page.server_address[1]}/v1", "http://127.0.0.1:9/v1"]
+        sampler = ServerSampler(roots, tmp_path / "servers.jsonl", tracking=TrackingConfig())
+        with httpx.Client(timeout=1) as client:
+            for _ in range(2):
+                sampler.sample(client)
+        sampler.writer.close()
+        page.shutdown()
+    samples = read_metrics(tmp_path / "servers.jsonl")
+    events = event_scalars(tmp_path / "tensorboard" / "servers")
+    assert set(events) == {f"server0/{key}" for key in ["up", *parse_metrics(PAGE)]} | {"server1/up"}
+    for server, key in [(0, "weight_version"), (0, "swap_pause_last_s"), (0, "up"), (1, "up")]:
+        mine = [s for s in samples if s["server"] == server]  # the n-th round at step n
+        assert events[f"server{server}/{key}"] == [(n, as_event_value(s[key]), s["time"]) for n, s in enumerate(mine)]

@@ -10,6 +10,7 @@ import tomllib
 import pytest
 
 from tests.run.run_support import tiny_run
+from tests.utils.tracking_support import assert_tracked
 from whetstone.errors import WhetstoneError
 from whetstone.model.hf import load_hf
 from whetstone.run.pipeline import Pipeline, run_pipeline
@@ -35,6 +36,13 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     assert len(read_metrics(run / "orchestrator" / "metrics.jsonl")) == 2
     assert {r["server"] for r in read_metrics(run / "servers.jsonl")} == {0, 1}
     assert json.loads((run / "eval" / "after" / "report.json").read_text())["rollouts"] == 8
+    board = run / "tensorboard"  # every role's numbers, at the steps of its metrics.jsonl
+    assert {p.name for p in board.iterdir()} == {"midtrain", "trainer", "orchestrator", "servers"} | (
+        {"cpu"} if quotas else set()
+    )
+    assert_tracked(board / "midtrain", read_metrics(run / "midtrain" / "metrics.jsonl"))
+    assert_tracked(board / "trainer", steps)
+    assert_tracked(board / "orchestrator", read_metrics(run / "orchestrator" / "metrics.jsonl"), step_key="index")
     html = (run / "report.html").read_text()
     assert "held-out pass@1" in html and html.count("<img") >= 4
     for role in ("serve-0", "serve-1", "trainer", "orchestrator"):

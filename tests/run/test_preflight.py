@@ -64,6 +64,14 @@ def test_a_top_level_harness_rl_cannot_train_on_is_refused_when_applied(tmp_path
         tiny_run(tmp_path, "harness.sampling.temperature=0").resolved()
 
 
+def test_the_top_level_tracking_is_every_role_s_with_the_run_folder_and_name(tmp_path):
+    config = tiny_run(tmp_path, "tracking.tensorboard=false", 'tracking.wandb_project="mine"').resolved()
+    tracking = config.tracking
+    assert (tracking.dir, tracking.wandb_group) == (str(tmp_path / "runs" / "tiny"), "tiny")
+    assert not tracking.tensorboard and tracking.wandb_project == "mine"
+    assert config.midtrain.tracking == config.rl.trainer.tracking == config.rl.orchestrator.tracking == tracking
+
+
 def test_dry_run_prints_the_config_as_it_would_run_and_runs_nothing(tmp_path):
     result = CliRunner().invoke(app, ["run", "--dry-run", *(f"--set={s}" for s in tiny_settings(tmp_path))])
     assert result.exit_code == 0, result.output

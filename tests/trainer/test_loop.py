@@ -14,6 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
+from tests.utils.tracking_support import event_scalars, jsonl_scalars
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError
 from whetstone.model.hf import load_hf
@@ -56,6 +57,24 @@ def test_the_loop_trains_on_each_batch_in_order_and_publishes_every_step(tmp_pat
     assert records[0]["reward_mean"] == batches[0].meta["reward_mean"] and records[0]["mismatch_kl_k3"] < 1e-9
     assert all(r["delta_bytes"] > 0 and 0 <= r["busy"] <= 1 for r in records)
     assert latest_checkpoint(tmp_path / "trainer" / "checkpoints").name == "step_00000003"
+
+
+REPORTED = ["reward_mean", "mismatch_kl_k3", "routing_disagreement", "logprob_diff_max", "version", "delta_bytes"]
+"""Trainer metrics the report plots or tabulates (run/report.py)."""
+
+
+def test_the_report_and_tensorboard_show_the_same_trainer_metrics(tmp_path, tiny_moe, batches):
+    from whetstone.run.report import load_run
+
+    put_batches(tmp_path / "batches", batches[:2])
+    run_trainer(trainer_config(tmp_path, tiny_moe))
+    reported = load_run(tmp_path).trainer  # what the report reads: trainer/metrics.jsonl
+    events = event_scalars(tmp_path / "trainer" / "tensorboard" / "trainer")
+    assert [r["step"] for r in reported] == [0, 1]
+    for key in REPORTED:
+        assert events[key] == jsonl_scalars(reported, key), key
+    for bucket, count in reported[0]["staleness_histogram"].items():
+        assert events[f"staleness_histogram/{bucket}"][0][:2] == (0, count)
 
 
 TRAINER_PROCESS = "from whetstone.trainer.cli import app; app(['trainer', {path!r}])"

@@ -12,6 +12,7 @@ from whetstone.config import Config
 from whetstone.data import CorpusConfig
 from whetstone.model import ModelConfig
 from whetstone.training.config import OptimizerConfig
+from whetstone.utils.tracking import TrackingConfig
 
 
 class RunConfig(Config):
@@ -89,6 +90,8 @@ class MidtrainConfig(Config):
     """AdamW, learning-rate schedule, gradient clipping."""
     run: RunConfig = RunConfig()
     """Output, length, batch and machine settings."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Where the metrics go besides metrics.jsonl: TensorBoard (on), Weights & Biases (off)."""
 
     @field_validator("model", mode="before")
     @classmethod

@@ -49,7 +49,9 @@ def train(
     start_step, started = state.step, time.perf_counter()
     val_loss, out_of_time = None, False
 
-    with MetricsWriter(session.run_dir / "metrics.jsonl") as metrics:
+    with MetricsWriter(
+        session.run_dir / "metrics.jsonl", config.tracking, role="midtrain", run_config=config
+    ) as metrics:
         with progress_bar((last_step - start_step) * step_tokens, f"midtrain {run.name}", "tok") as bar:
             while state.step < last_step and not out_of_time:
                 record = _step(session)

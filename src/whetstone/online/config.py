@@ -19,6 +19,7 @@ from whetstone.rl.loss import LossConfig
 from whetstone.rl.staleness import StalenessConfig
 from whetstone.sync.config import SyncConfig
 from whetstone.training.config import OptimizerConfig
+from whetstone.utils.tracking import TrackingConfig
 
 
 class RewardMapping(Config):
@@ -169,3 +170,5 @@ class OnlineConfig(Config):
     on a deleted response is refused as unknown (it would be long past the staleness bound)."""
     max_updates: int = Field(0, ge=0)
     """Stop after this many updates (published or discarded); 0 = run until stopped."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Where the metrics go besides metrics.jsonl: TensorBoard (on), Weights & Biases (off)."""

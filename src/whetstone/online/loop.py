@@ -302,7 +302,9 @@ class OnlineLoop:
         atomic_write_text(self.run_dir / "config.toml", dump_toml(config) + "\n")
         counts = {"published": 0, "discarded": 0, "skipped": 0}
         with (
-            MetricsWriter(self.run_dir / "metrics.jsonl") as metrics,
+            MetricsWriter(
+                self.run_dir / "metrics.jsonl", config.tracking, role="online", step_key="update", run_config=config
+            ) as metrics,
             stop_on_signals() as stop,
             progress_bar(config.max_updates or None, "online", "update") as bar,
         ):

@@ -10,6 +10,7 @@ from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.tasks import TasksConfig
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.staleness import StalenessConfig
+from whetstone.utils.tracking import TrackingConfig
 
 
 class OrchestratorConfig(Config):
@@ -60,6 +61,8 @@ class OrchestratorConfig(Config):
     """Give up when no server has been healthy for this long."""
     metrics_path: str | None = None
     """JSONL file getting one record per batch put (counts, reward, staleness, server health)."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Where the metrics go besides `metrics_path` (used only with it): TensorBoard (on), Weights & Biases (off)."""
 
     @model_validator(mode="after")
     def _servers_given(self) -> OrchestratorConfig:

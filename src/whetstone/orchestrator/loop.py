@@ -114,7 +114,13 @@ class Orchestrator:
             no_server_timeout_s=config.no_server_timeout_s,
             min_version=self._oldest_useful_version,
         )
-        metrics = MetricsWriter(config.metrics_path) if config.metrics_path else None
+        metrics = (
+            MetricsWriter(
+                config.metrics_path, config.tracking, role="orchestrator", step_key="index", run_config=config
+            )
+            if config.metrics_path
+            else None
+        )
         index = next_batch_index(self.batches)
         self._last_put = index - 1
         background = [

@@ -1,7 +1,7 @@
 """The `whetstone run` config: its defaults are the default run (docs/run.md).
 
 The role sections (`servers.serve`, `rl.trainer`, `rl.orchestrator`, `eval`) are the roles' own
-configs. `PipelineConfig.resolved` ties them together: the top-level `harness` replaces theirs,
+configs. `PipelineConfig.resolved` ties them together: the top-level `harness` and `tracking` replace theirs,
 `rl.steps` and the trainer's weight sync are passed on, and every path and address (model folder,
 weight and batch stores, server URLs, output folders, tokenizer) is filled in from the run folder,
 so what those fields held is ignored; everything else is used as written.
@@ -28,6 +28,7 @@ from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.loss import LossConfig
 from whetstone.trainer.config import TrainerConfig
 from whetstone.training.config import OptimizerConfig
+from whetstone.utils.tracking import TrackingConfig
 
 
 class ServersConfig(Config):
@@ -156,6 +157,10 @@ class PipelineConfig(Config):
     """CPU cores of the roles the pipeline starts (evaluations run in the pipeline's own process)."""
     rl_enabled: bool = True
     """Run stage 2 (RL, with both evaluations); off = mid-training only."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Where every role's metrics go besides its metrics.jsonl: TensorBoard (on), Weights & Biases
+    (off). It replaces the roles' own sections, with `dir` = the run folder and `wandb_group` =
+    `name`: event files in `tensorboard/<role>/`, one W&B run per role, grouped."""
 
     @model_validator(mode="after")
     def _anchor_has_demos(self) -> "PipelineConfig":
@@ -204,6 +209,9 @@ class PipelineConfig(Config):
             max_batches=self.rl.steps,
             metrics_path=str(run_dir / "orchestrator" / "metrics.jsonl"),
         )
+        data["tracking"].update(dir=str(run_dir), wandb_group=self.name)
+        for role in (data["midtrain"], data["rl"]["trainer"], data["rl"]["orchestrator"]):
+            role["tracking"] = data["tracking"]
         data["eval"].update(harness=data["harness"], output_dir=str(run_dir / "eval"))
         data["eval"]["tasks"]["validation_cache"] = str(run_dir / "eval" / "validation.json")
         if servers is not None:

@@ -15,6 +15,7 @@ import httpx
 
 from whetstone.utils.cgroups import CpuGroup
 from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.tracking import TrackingConfig
 
 SAMPLED = {
     "whetstone_weight_version": "weight_version",
@@ -41,7 +42,8 @@ class ServerSampler:
     """A thread sampling each server's /metrics every `interval_s` into a JSONL file; the newest
     sample of each server is in `latest`. A server that does not answer is recorded as down.
     With `cpu_groups` (not empty) and `cpu_path`, each round also records the CPU seconds each
-    group has used so far (no cgroups here: no groups, and no `cpu_path` file)."""
+    group has used so far (no cgroups here: no groups, and no `cpu_path` file). With `tracking`,
+    both also go to TensorBoard / W&B as roles `servers` (tags `server<i>/...`) and `cpu`."""
 
     def __init__(
         self,
@@ -51,11 +53,12 @@ class ServerSampler:
         *,
         cpu_groups: dict[str, CpuGroup] | None = None,
         cpu_path: str | Path | None = None,
+        tracking: TrackingConfig | None = None,
     ):
         self.urls = [root.rstrip("/").removesuffix("/v1") + "/metrics" for root in api_roots]
-        self.writer = MetricsWriter(path)
+        self.writer = MetricsWriter(path, tracking, role="servers", series_key="server")
         self.cpu_groups = cpu_groups
-        self.cpu_writer = MetricsWriter(cpu_path) if cpu_path is not None and cpu_groups else None
+        self.cpu_writer = MetricsWriter(cpu_path, tracking, role="cpu") if cpu_path is not None and cpu_groups else None
         self.interval_s = interval_s
         self.latest: dict[int, dict[str, Any]] = {}
         self._stop = threading.Event()

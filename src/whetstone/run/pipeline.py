@@ -277,6 +277,7 @@ class Pipeline:
             interval_s,
             cpu_groups=self.cpu_groups,
             cpu_path=self.run_dir / "cpu.jsonl",
+            tracking=self.config.tracking,
         )
 
     def stop_roles(self) -> None:

@@ -12,6 +12,7 @@ from whetstone.config import Config
 from whetstone.rl.loss import LossConfig
 from whetstone.sync.config import SyncConfig
 from whetstone.training.config import OptimizerConfig
+from whetstone.utils.tracking import TrackingConfig
 
 
 class TrainerConfig(Config):
@@ -79,6 +80,8 @@ class TrainerConfig(Config):
     replayed from the batch store on restart, so the store must keep batches since then."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many of the newest checkpoints to keep."""
+    tracking: TrackingConfig = TrackingConfig()
+    """Where the metrics go besides metrics.jsonl: TensorBoard (on), Weights & Biases (off)."""
 
     @model_validator(mode="after")
     def _schedule_has_a_length(self) -> "TrainerConfig":

@@ -258,7 +258,9 @@ def _run(session: TrainerSession) -> dict[str, Any]:
 
     total = config.max_steps - first_step if config.max_steps else None
     with (
-        MetricsWriter(session.run_dir / "metrics.jsonl") if lead else nullcontext() as metrics,
+        MetricsWriter(session.run_dir / "metrics.jsonl", config.tracking, role="trainer", run_config=config)
+        if lead
+        else nullcontext() as metrics,
         progress_bar(total, "trainer", "step") if lead else nullcontext() as bar,
         stop_on_signals() as stop,
     ):

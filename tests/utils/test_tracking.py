@@ -1,0 +1,107 @@
+"""Every metrics record's numbers also go to TensorBoard event files and, when asked for, to an
+offline W&B run, at the step and wall time of metrics.jsonl; the JSONL stays the record."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from tests.utils.tracking_support import (
+    as_event_value,
+    event_scalars,
+    use_offline_wandb,
+    wandb_history,
+    wandb_records,
+)
+from whetstone.config import load_config
+from whetstone.errors import ConfigError
+from whetstone.trainer.config import TrainerConfig
+from whetstone.utils.metrics import MetricsWriter, read_metrics
+from whetstone.utils.tracking import TrackingConfig
+
+RECORDS = [
+    {
+        "step": step,
+        "loss": 1.0 / (step + 1),
+        "version": step + 1,
+        "replayed": step == 0,
+        "delta_kind": "full" if step == 0 else "delta",  # text: not a scalar
+        "staleness_histogram": {"0": 6 - step, "1": step},
+        "rows": [1, 2],  # a list: not a scalar
+        "demo_nll": None,
+    }
+    for step in range(3)
+]
+SCALAR_TAGS = {
+    "loss": lambda r: r["loss"],
+    "version": lambda r: r["version"],
+    "replayed": lambda r: float(r["replayed"]),
+    "staleness_histogram/0": lambda r: r["staleness_histogram"]["0"],
+    "staleness_histogram/1": lambda r: r["staleness_histogram"]["1"],
+}
+
+
+def write_all(path, tracking, records=RECORDS, **kwargs) -> list[dict]:
+    with MetricsWriter(path, tracking, role="trainer", **kwargs) as metrics:
+        for record in records:
+            metrics.write(record)
+    return read_metrics(path)
+
+
+def test_event_files_hold_every_number_of_the_jsonl_at_its_step_and_time(tmp_path):
+    written = write_all(tmp_path / "trainer" / "metrics.jsonl", TrackingConfig())
+    events = event_scalars(tmp_path / "trainer" / "tensorboard" / "trainer")
+    assert set(events) == set(SCALAR_TAGS)  # text, lists, nulls, the step and the time are not plotted
+    for tag, value_of in SCALAR_TAGS.items():
+        assert events[tag] == [(r["step"], as_event_value(value_of(r)), r["time"]) for r in written], tag
+
+
+def test_tracking_dir_and_switch(tmp_path):
+    write_all(tmp_path / "a" / "metrics.jsonl", TrackingConfig(dir=str(tmp_path / "run")))
+    assert set(event_scalars(tmp_path / "run" / "tensorboard" / "trainer")) == set(SCALAR_TAGS)
+    assert not (tmp_path / "a" / "tensorboard").exists()
+
+    written = write_all(tmp_path / "off" / "metrics.jsonl", TrackingConfig(tensorboard=False))
+    assert [p.name for p in (tmp_path / "off").iterdir()] == ["metrics.jsonl"] and len(written) == len(RECORDS)
+
+
+def test_series_in_one_file_get_their_own_tags_and_steps(tmp_path):
+    samples = [{"server": s, "up": True, "weight_version": v} for v in range(2) for s in range(2)]
+    written = write_all(tmp_path / "servers.jsonl", TrackingConfig(), samples, series_key="server")
+    events = event_scalars(tmp_path / "tensorboard" / "trainer")
+    assert set(events) == {"server0/up", "server0/weight_version", "server1/up", "server1/weight_version"}
+    for server in range(2):  # each server's n-th sample is at step n
+        mine = [r for r in written if r["server"] == server]
+        assert events[f"server{server}/weight_version"] == [
+            (n, float(r["weight_version"]), r["time"]) for n, r in enumerate(mine)
+        ]
+
+
+def test_a_role_that_fails_keeps_its_jsonl_and_its_events(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    with pytest.raises(RuntimeError), MetricsWriter(path, TrackingConfig(), role="trainer") as metrics:
+        metrics.write(RECORDS[0])
+        raise RuntimeError("the step failed")
+    assert read_metrics(path)[0]["loss"] == RECORDS[0]["loss"]
+    assert event_scalars(tmp_path / "tensorboard" / "trainer")["loss"][0][1] == as_event_value(RECORDS[0]["loss"])
+
+
+def test_an_offline_wandb_run_gets_the_same_scalars(tmp_path, monkeypatch):
+    use_offline_wandb(monkeypatch, tmp_path)
+    tracking = TrackingConfig(wandb=True, wandb_mode="offline", wandb_group="run1", tensorboard=False)
+    config = TrainerConfig(tracking=tracking)
+    written = write_all(tmp_path / "trainer" / "metrics.jsonl", tracking, run_config=config)
+
+    history = wandb_history(tmp_path / "trainer")
+    assert history == {r["step"]: {tag: value_of(r) for tag, value_of in SCALAR_TAGS.items()} for r in written}
+    (run,) = [r["run"] for r in wandb_records(tmp_path / "trainer") if r.get("type") == "run"]
+    assert (run["display_name"], run["run_group"]) == ("run1/trainer", "run1")
+    assert not (tmp_path / "trainer" / "tensorboard").exists()
+
+
+def test_asking_for_wandb_without_it_names_the_extra_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "wandb", None)  # as if not installed
+    with pytest.raises(ConfigError, match=r"tracking\.wandb.*pip install 'whetstone\[wandb\]'"):
+        load_config(TrainerConfig, None, ["tracking.wandb=true"])
+    assert not load_config(TrainerConfig, None, []).tracking.wandb  # off by default: no need for it
