@@ -9,6 +9,7 @@ from pydantic import Field
 from whetstone.config import Config
 from whetstone.inference.feedback import FeedbackConfig
 from whetstone.sync.config import SyncConfig
+from whetstone.utils.device import DeviceName
 
 
 class EngineConfig(Config):
@@ -52,6 +53,9 @@ class EngineConfig(Config):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: `bfloat16` runs the forward under bf16 autocast over the fp32 weights,
     exactly as the trainer's `dtype = "bfloat16"` does."""
+    device: DeviceName = "auto"
+    """Where the model, the KV cache and sampling run: `auto` (CUDA when present, else the CPU),
+    `cpu`, `cuda` or `cuda:N`."""
 
 
 class ServeConfig(Config):
