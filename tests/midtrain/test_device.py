@@ -14,6 +14,7 @@ from tests.midtrain.test_step import batch, model_and_optimizer, step
 from whetstone.errors import ConfigError
 from whetstone.midtrain.loop import train
 from whetstone.midtrain.step import validation_loss
+from whetstone.model.moe import Router
 from whetstone.utils.device import resolve_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -49,9 +50,13 @@ def test_activation_checkpointing_gives_the_same_loss_gradients_and_weights(dtyp
     for checkpointing in (False, True):
         model, optimizer = model_and_optimizer()
         model.activation_checkpointing = checkpointing
+        calls = []
+        for router in (m for m in model.modules() if isinstance(m, Router)):
+            router.register_forward_hook(lambda *_, calls=calls: calls.append(1))
         stats = step(model, optimizer, [batch(rows)], dtype=dtype, grad_clip=1.0)
-        results.append((stats, model.state_dict()))
-    (plain, plain_weights), (checkpointed, weights) = results
+        results.append((stats, model.state_dict(), len(calls)))
+    (plain, plain_weights, plain_calls), (checkpointed, weights, recomputed_calls) = results
+    assert recomputed_calls == 2 * plain_calls  # every block ran again in the backward pass
     assert checkpointed == plain  # loss, aux loss, gradient norm, demo loss, tokens
     assert all(torch.equal(plain_weights[name], weights[name]) for name in weights)
 

@@ -143,18 +143,22 @@ def sum_over_ranks(values: list[float | torch.Tensor]) -> list[float]:
     return sums.tolist()
 
 
-def reduce_step_stats(totals: dict[str, Any], abs_diff: torch.Tensor) -> dict[str, float]:
-    """A step's figures (losses, counts and the |Δ| summary: `LossStats.totals`, `RoutingStats.totals`),
-    read back to the host with one transfer. Under torchrun, the whole step's on every rank: the
-    ranks' losses (shares of one mean) and counts summed, and the |Δ| summary taken over every
-    rank's |Δ| (`abs_diff`: p99 and max need them all)."""
+def reduce_step_stats(
+    totals: dict[str, Any], abs_diff: torch.Tensor, whole: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """A step's figures read back to the host with one transfer: `totals`, this rank's shares
+    (losses, counts and the |Δ| summary: `LossStats.totals`, `RoutingStats.totals`), and `whole`,
+    figures every rank already holds whole (the gradient norm). Under torchrun, the whole step's
+    on every rank: the ranks' shares summed (losses are shares of one mean), and the |Δ| summary
+    taken over every rank's |Δ| (`abs_diff`: p99 and max need them all)."""
+    whole = whole or {}
     if world()[1] == 1:
-        return read_back(totals)
+        return read_back({**totals, **whole})
     summed = [name for name in totals if name not in DIFF_SUMMARY]
     sums = dict(zip(summed, sum_over_ranks([totals[name] for name in summed])))
     diffs: list[Any] = [None] * world()[1]
     dist.all_gather_object(diffs, abs_diff.cpu())
-    return {**sums, **read_back(diff_summary(torch.cat(diffs)))}
+    return {**sums, **read_back({**diff_summary(torch.cat(diffs)), **whole})}
 
 
 def broadcast(value: T) -> T:

@@ -271,8 +271,9 @@ def train_step(
     # One read-back; under torchrun, the whole step's loss and stats on every rank, so all ranks
     # agree on a bad loss.
     totals = reduce_step_stats(
-        {"loss": loss_total, "demo_nll": demo_nll, "grad_norm": grad_norm, **stats.totals(), **routing.totals()},
+        {"loss": loss_total, "demo_nll": demo_nll, **stats.totals(), **routing.totals()},
         stats.abs_diff,
+        whole={"grad_norm": grad_norm},
     )
     if totals["tokens"] == 0 or not math.isfinite(totals["loss"]):
         learner.optimizer.zero_grad(set_to_none=True)
