@@ -130,3 +130,8 @@ def test_a_role_is_held_to_its_share_of_the_gpu(tmp_path):
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True)
     assert done.stdout.strip() == "held"
+
+
+def test_a_server_device_that_means_nothing_is_refused_by_its_field():
+    with pytest.raises(ConfigError, match=r"placement.server_devices: .*device must be .* got 'gpu'"):
+        load_config(PipelineConfig, overrides=['placement.server_devices=["cpu", "gpu"]'])

@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from whetstone.config import Config, format_validation_error
 from whetstone.data import CorpusConfig
@@ -30,6 +30,9 @@ from whetstone.rl.loss import LossConfig
 from whetstone.trainer.config import TrainerConfig
 from whetstone.training.config import OptimizerConfig
 from whetstone.utils.device import DeviceName
+
+DEVICE_NAME = TypeAdapter(DeviceName)
+"""Checks one device name as a `DeviceName` field does (for a list of them)."""
 
 
 class ServersConfig(Config):
@@ -93,13 +96,23 @@ class PlacementConfig(Config):
     trainer_device: DeviceName = "auto"
     """Device of the RL trainer (`rl.trainer.device`): `auto` (CUDA when present, else the CPU),
     `cpu`, `cuda` or `cuda:N`."""
-    server_devices: list[DeviceName] = Field(["auto"], min_length=1)
+    server_devices: list[str] = Field(["auto"], min_length=1)
     """Device of each inference server (its `engine.device`): server i takes entry i modulo the
     list's length, so one entry places every server, and `["cuda:1", "cuda:2"]` puts two servers
     on GPUs of their own."""
     trainer_memory_fraction: float = Field(0.5, gt=0.0, lt=1.0)
     """Share of a GPU's memory the trainer may allocate when it shares that GPU with servers; the
     servers on it split the rest equally. Roles alone on a GPU may use all of it."""
+
+    @field_validator("server_devices")
+    @classmethod
+    def _device_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            try:
+                DEVICE_NAME.validate_python(name)
+            except ValidationError as err:
+                raise ValueError(str(err.errors()[0]["ctx"]["error"])) from None
+        return names
 
     trainer: list[int] = []
     """Cores of the trainer process."""
