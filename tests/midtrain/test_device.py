@@ -15,6 +15,7 @@ from whetstone.errors import ConfigError
 from whetstone.midtrain.loop import train
 from whetstone.midtrain.step import validation_loss
 from whetstone.model.moe import Router
+from whetstone.training.optim import build_optimizer
 from whetstone.utils.device import resolve_device
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -85,9 +86,9 @@ def test_a_bf16_step_on_cuda_is_finite_and_close_to_the_cpus():
     rows = torch.randint(0, 50, (4, 9))
     results = {}
     for device in ("cpu", "cuda"):
-        model, optimizer = model_and_optimizer()
+        model, _ = model_and_optimizer()
         model.to(device)
-        optimizer = type(optimizer)(model.parameters())  # built after the move: fused on CUDA
+        optimizer = build_optimizer(model, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)  # fused on CUDA
         results[device] = step(model, optimizer, [batch(rows)], dtype="bfloat16", grad_clip=1.0)
     cpu, cuda = results["cpu"], results["cuda"]
     assert math.isfinite(cuda.loss) and math.isfinite(cuda.grad_norm)
