@@ -6,6 +6,7 @@ import torch
 
 from tests.model.conftest import tiny_config
 from whetstone.model import Transformer
+from whetstone.model.moe import Router
 from whetstone.rl.routing import RoutingStats, track_routing
 
 CONFIG = tiny_config(vocab_size=61)
@@ -49,3 +50,18 @@ def test_hooks_are_removed_and_stats_merge():
     assert first.choices == 24
     merged = RoutingStats.merge([first, RoutingStats(choices=8, disagreed=2, tokens=4, tokens_disagreed=1)])
     assert merged.metrics() == {"routing_disagreement": 2 / 32, "routing_disagreement_tokens": 1 / 16}
+
+
+def test_under_activation_checkpointing_the_recomputed_forward_is_not_counted_again():
+    model, ids, routes = model_and_routes()
+    changed = routes.clone()
+    unused = [e for e in range(4) if e not in routes[1, 2, 0].tolist()]
+    changed[1, 2, 0] = torch.tensor(unused)
+    model.activation_checkpointing = True
+    calls = []
+    next(m for m in model.modules() if isinstance(m, Router)).register_forward_hook(lambda *_: calls.append(1))
+    with track_routing(model, torch.ones(2, 6, dtype=torch.bool)) as routing:
+        out = model(ids, routes=changed, targets=ids)
+        out.logprobs.sum().backward()  # runs each block's forward again
+    assert len(calls) == 2  # the forward and its recompute
+    assert (routing.choices, routing.disagreed, routing.tokens, routing.tokens_disagreed) == (24, 1, 12, 1)

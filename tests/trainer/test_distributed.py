@@ -92,7 +92,8 @@ def assert_weights_close(expected, actual):
 
 
 @pytest.mark.slow  # a real 2-process torchrun job: ~20 s on 2 shared cores, most of it importing torch
-def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tiny_moe, batches):
+@pytest.mark.parametrize("checkpointing", [False, True])  # the 2 ranks with activation checkpointing, or not
+def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tiny_moe, batches, checkpointing):
     # lr 1e-5, an RL-sized step: at 1e-2 Adam turns float noise on near-zero gradients into
     # updates of ~lr (its first step is ~lr * sign(g)), which no split of the batch can match.
     # Clipping (at 0.5), the KL term (a sharded reference model) and the learned logit scale
@@ -118,7 +119,10 @@ def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tin
     # ... two ranks resume from that 1-rank checkpoint, replay batch 1 (already published),
     # train batch 2 and publish version 3 ...
     config_file = tmp_path / "trainer.toml"
-    config_file.write_text(dump_toml(trainer_config(root, tiny_moe, max_steps=3, checkpoint_interval=1, **settings)))
+    two_ranks = trainer_config(
+        root, tiny_moe, max_steps=3, checkpoint_interval=1, activation_checkpointing=checkpointing, **settings
+    )
+    config_file.write_text(dump_toml(two_ranks))
     torchrun(config_file)
     assert latest_checkpoint(root / "trainer" / "checkpoints").name == "step_00000003"
     # ... and one rank resumes from the 2-rank checkpoint for batch 3.

@@ -12,6 +12,7 @@ from whetstone.config import Config
 from whetstone.data import CorpusConfig
 from whetstone.model import ModelConfig
 from whetstone.training.config import OptimizerConfig
+from whetstone.utils.device import DeviceName
 from whetstone.utils.tracking import TrackingConfig
 
 
@@ -29,11 +30,18 @@ class RunConfig(Config):
     """Seed for model initialisation and data order."""
     threads: int = Field(2, ge=0)
     """Torch intra-op threads for this process (0 = all cores)."""
+    device: DeviceName = "auto"
+    """Where the model, its optimizer state and the batches are: `auto` (CUDA when present, else
+    the CPU), `cpu`, `cuda` or `cuda:N`."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
-    """Compute dtype: `bfloat16` under autocast, or `float32`; `auto` = bfloat16 on a CPU that
-    multiplies bf16 natively (AVX512-BF16 or AMX), float32 elsewhere (there bf16 matmuls run ~25x
-    slower). Master weights and optimizer state are fp32 either way. On an AVX512-BF16 CPU a step
-    of the embedded run's model takes 58-62 ms in bf16 against 81-92 in fp32 (docs/midtrain.md)."""
+    """Compute dtype: `bfloat16` under autocast, or `float32`; `auto` = bfloat16 on a GPU that has
+    it and on a CPU that multiplies bf16 natively (AVX512-BF16 or AMX), float32 elsewhere (there
+    bf16 matmuls run ~25x slower). Master weights and optimizer state are fp32 either way. On an
+    AVX512-BF16 CPU a step of the embedded run's model takes 58-62 ms in bf16 against 81-92 in
+    fp32 (docs/midtrain.md)."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping
+    them: less memory for longer rows or bigger batches, at about one more forward per step."""
 
     steps: int = Field(700, ge=1)
     """Optimizer steps of the whole run (the schedule's length)."""

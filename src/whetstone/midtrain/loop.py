@@ -134,6 +134,7 @@ def summarize(
         "train_seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / max(seconds, 1e-9), 1),
         "dtype": config.run.dtype,
+        "device": str(session.device),
         "val_loss": val_loss,
         "unigram_entropy": corpus.unigram_entropy,
         "val_unigram_cross_entropy": corpus.manifest["val_unigram_cross_entropy"],

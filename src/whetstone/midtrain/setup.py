@@ -19,6 +19,7 @@ from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
 from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint, read_state
 from whetstone.training.optim import optimizer_for
+from whetstone.utils.device import resolve_device
 from whetstone.utils.runtime import configure_process, resolve_dtype
 
 
@@ -32,6 +33,8 @@ class Session:
     optimizer: torch.optim.AdamW
     state: TrainState
     resumed_from: Path | None
+    device: torch.device = torch.device("cpu")
+    """Where the model, its optimizer state and the batches are (`run.device` resolved)."""
 
     @property
     def checkpoints(self) -> Path:
@@ -42,6 +45,7 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     """Build (or fetch from cache) the corpus, build the model and optimizer, resume if asked."""
     run, opt = config.run, config.optimizer
     configure_process(run.threads)
+    device = resolve_device(run.device)  # before any work: `cuda` on a machine without one fails here
     run_dir = Path(run.output_dir).expanduser() / run.name
     model_config = resolve_model_config(config)  # before the corpus build: fail fast on a bad checkpoint
     corpus = build_corpus(corpus_config(config), demos)
@@ -51,8 +55,9 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
             f"{resume_from} is past run.steps = {run.steps}: resuming would use its later weights. "
             f"Raise run.steps to at least {checkpoint_step(resume_from)}, or use a new run name"
         )
-    model = _build_model(config, model_config, corpus, resuming=resume_from is not None)
-    optimizer = optimizer_for(model, opt)
+    model = _build_model(config, model_config, corpus, resuming=resume_from is not None).to(device)
+    model.activation_checkpointing = run.activation_checkpointing
+    optimizer = optimizer_for(model, opt)  # after the move: fused AdamW on CUDA
     state = TrainState(data={"next_batch": 0})
     if resume_from is not None:
         state = load_checkpoint(resume_from, model, optimizer)
@@ -60,17 +65,20 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight
     )
     # The config as run: with init_from, the model section is the checkpoint's; `auto` resolved.
-    dtype = _resumed_dtype(resume_from) if run.dtype == "auto" and resume_from is not None else resolve_dtype(run.dtype)
+    if run.dtype == "auto" and resume_from is not None:
+        dtype = _resumed_dtype(resume_from, device)
+    else:
+        dtype = resolve_dtype(run.dtype, device)
     config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": dtype})})
-    return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from)
+    return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from, device)
 
 
-def _resumed_dtype(checkpoint: Path) -> str:
+def _resumed_dtype(checkpoint: Path, device: torch.device) -> str:
     """`auto` on resume: the dtype the checkpoint was trained in, so a run keeps its arithmetic
     (bit-exact continuation) even where `auto` would now pick another (older runs defaulted to
     float32)."""
     recorded = read_state(checkpoint).get("config", {}).get("run", {}).get("dtype")
-    return recorded if recorded in ("bfloat16", "float32") else resolve_dtype("auto")
+    return recorded if recorded in ("bfloat16", "float32") else resolve_dtype("auto", device)
 
 
 def corpus_config(config: MidtrainConfig) -> CorpusConfig:

@@ -7,15 +7,17 @@ of one big batch, whatever the share of ignored targets in each micro-batch.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.errors import WhetstoneError
 from whetstone.model import Transformer, ops
-from whetstone.training.optim import clip_and_step
+from whetstone.training.optim import clip_gradients, optimizer_step
+from whetstone.training.readback import read_back
 from whetstone.utils.device import autocast
 
 
@@ -33,10 +35,17 @@ class StepStats:
     """Input tokens processed."""
 
 
+def on_device(batch: Batch, device: torch.device) -> Batch:
+    """The batch with its tensors on `device` (itself when they are there already)."""
+    if batch.input_ids.device == device:
+        return batch
+    return Batch(**{f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)})
+
+
 def token_losses(model: Transformer, batch: Batch, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy of every target [B, T], 0 where ignored; the model's aux loss)."""
     # The fused head: fp32 softmax, no [B, T, vocab] logits kept, ignored targets skipped.
-    with autocast(dtype), ops.training_kernels():
+    with autocast(dtype, batch.input_ids.device), ops.training_kernels():
         out = model(batch.input_ids, targets=batch.targets)
     return -out.logprobs, out.aux_loss
 
@@ -51,39 +60,60 @@ def train_step(
     grad_clip: float,
     step: int,
 ) -> StepStats:
-    """Forward/backward every micro-batch, clip, and take one AdamW step at `lr`."""
-    targets = sum(int((b.targets != IGNORE_INDEX).sum()) for b in micro_batches)
-    if targets == 0:
-        raise WhetstoneError(f"step {step}: the batch has no trained tokens (every target is ignored)")
+    """Forward/backward every micro-batch (moved to the model's device), clip, and take one AdamW
+    step at `lr`. The step's figures stay on the device until one read-back before the optimizer
+    step, so on a GPU the loop queues work without waiting for it."""
+    device = next(model.parameters()).device
+    micro_batches = [on_device(batch, device) for batch in micro_batches]
+    targets = sum((batch.targets != IGNORE_INDEX).sum() for batch in micro_batches)
     aux_weight = model.cfg.router_aux_loss_coef
-    loss_total, aux_total, demo_total, demo_targets = 0.0, 0.0, 0.0, 0
+    loss_total, aux_total, demo_total, demo_targets = (torch.zeros((), device=device) for _ in range(4))
     for batch in micro_batches:
         losses, aux = token_losses(model, batch, dtype)
         loss_sum = losses.sum()
-        loss = loss_sum / targets + aux_weight * aux / len(micro_batches)
+        loss = loss_sum / targets.clamp(min=1) + aux_weight * aux / len(micro_batches)
         loss.backward()
-        loss_total += loss_sum.item()
-        aux_total += aux.item()
-        demo_total += losses[batch.is_demo].sum().item()
-        demo_targets += int((batch.targets[batch.is_demo] != IGNORE_INDEX).sum())
-    loss_mean = loss_total / targets
-    if not torch.isfinite(torch.tensor(loss_mean)):
+        demo_rows = batch.is_demo.unsqueeze(-1)
+        loss_total += loss_sum.detach()
+        aux_total += aux.detach()
+        demo_total += (losses.detach() * demo_rows).sum()
+        demo_targets += ((batch.targets != IGNORE_INDEX) & demo_rows).sum()
+    grad_norm = clip_gradients(model, grad_clip)
+    figures = read_back(
+        {
+            "loss": loss_total,
+            "aux": aux_total,
+            "demo": demo_total,
+            "demo_targets": demo_targets,
+            "targets": targets,
+            "grad_norm": grad_norm,
+        }
+    )
+    if figures["targets"] == 0:
+        optimizer.zero_grad(set_to_none=True)
+        raise WhetstoneError(f"step {step}: the batch has no trained tokens (every target is ignored)")
+    loss_mean = figures["loss"] / figures["targets"]
+    if not math.isfinite(loss_mean):
+        optimizer.zero_grad(set_to_none=True)
         raise WhetstoneError(
             f"step {step}: the loss is {loss_mean} (training diverged); lower optimizer.lr or resume "
             "from the last checkpoint with a different config"
         )
-    grad_norm = clip_and_step(model, optimizer, lr, grad_clip)
+    optimizer_step(optimizer, lr)
     tokens = sum(b.input_ids.numel() for b in micro_batches)
-    demo_loss = demo_total / demo_targets if demo_targets else None
-    return StepStats(loss_mean, demo_loss, aux_total / len(micro_batches), grad_norm, tokens)
+    demo_loss = figures["demo"] / figures["demo_targets"] if figures["demo_targets"] else None
+    return StepStats(loss_mean, demo_loss, figures["aux"] / len(micro_batches), figures["grad_norm"], tokens)
 
 
 @torch.no_grad()
 def validation_loss(model: Transformer, batches: Iterable[Batch], dtype: str) -> float:
-    """Mean cross-entropy (nats/token) over every target of `batches`."""
-    total, count = 0.0, 0
+    """Mean cross-entropy (nats/token) over every target of `batches`, read back once."""
+    device = next(model.parameters()).device
+    total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in batches:
+        batch = on_device(batch, device)
         losses, _ = token_losses(model, batch, dtype)
-        total += losses.sum().item()
-        count += int((batch.targets != IGNORE_INDEX).sum())
-    return total / max(count, 1)
+        total += losses.sum()
+        count += (batch.targets != IGNORE_INDEX).sum()
+    figures = read_back({"total": total, "count": count})
+    return figures["total"] / max(figures["count"], 1)

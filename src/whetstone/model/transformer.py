@@ -10,10 +10,13 @@ MoE), a final norm and the output head. Architecturally Qwen3 / Qwen3-MoE.
 
 from __future__ import annotations
 
+import contextvars
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from whetstone.errors import WhetstoneError
 from whetstone.model import ops
@@ -59,6 +62,33 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in the backward pass instead of keeping them, in
+    forwards that will be backpropagated (training mode, gradients on, no KV cache). The
+    trainers set it from their config."""
+    recomputing: bool = False
+    """True while a checkpointed block runs again in the backward pass: forward hooks that count
+    (`rl.routing`) skip that run."""
+
+    def _recompute_context(self):
+        """`checkpoint`'s context_fn: the forward runs as is; the recompute sees the context
+        variables the forward saw (`ops.numerics`, `ops.training_kernels`: the backward runs
+        outside their blocks) and `recomputing` set."""
+        forward_context = contextvars.copy_context()
+
+        @contextmanager
+        def recompute():
+            tokens = [(var, var.set(value)) for var, value in forward_context.items()]
+            self.recomputing = True
+            try:
+                yield
+            finally:
+                self.recomputing = False
+                for var, token in reversed(tokens):
+                    var.reset(token)
+
+        return nullcontext(), recompute()
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
@@ -113,9 +143,15 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         cos, sin = ops.rope_tables(positions, cfg.head_dim, cfg.rope_theta, x.dtype)
         chosen, probs = [], []
+        checkpointed = self.activation_checkpointing and self.training and torch.is_grad_enabled() and cache is None
         for block in self.layers:
             layer_routes = None if routes is None or not block.is_moe else routes[:, :, len(chosen)]
-            x, routing = block(x, cos, sin, cache, layer_routes)
+            if checkpointed:
+                x, routing = checkpoint(
+                    block, x, cos, sin, None, layer_routes, use_reentrant=False, context_fn=self._recompute_context
+                )
+            else:
+                x, routing = block(x, cos, sin, cache, layer_routes)
             if routing is not None:
                 chosen.append(routing[0])
                 probs.append(routing[1])

@@ -70,7 +70,7 @@ class Batch:
         if not rows:
             raise WhetstoneError("cannot select zero rows of a batch")
         length = max(self.rows[r]["num_positions"] for r in rows) if self.rows else self.input_ids.shape[1]
-        index = torch.tensor(rows, dtype=torch.int64)
+        index = torch.tensor(rows, dtype=torch.int64, device=self.input_ids.device)
         parts = {name: getattr(self, name)[index, :length] for name in TENSOR_FIELDS}
         routes = None if self.routes is None else self.routes[index, :length]
         temperatures = None if self.temperatures is None else self.temperatures[index]
@@ -81,6 +81,16 @@ class Batch:
             rows=[self.rows[r] for r in rows] if self.rows else [],
             meta=self.meta,
         )
+
+    def to(self, device: torch.device) -> "Batch":
+        """The batch with its tensors on `device` (itself when they are there already)."""
+        if self.input_ids.device == device:
+            return self
+        moved = {
+            name: None if getattr(self, name) is None else getattr(self, name).to(device, non_blocking=True)
+            for name in (*TENSOR_FIELDS, *OPTIONAL_FIELDS)
+        }
+        return Batch(**moved, rows=self.rows, meta=self.meta)
 
 
 def shuffled_parts(batch: Batch, parts: int, seed: int) -> list[Batch]:

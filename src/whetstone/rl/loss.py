@@ -80,57 +80,93 @@ class LossConfig(Config):
         return self
 
 
+Count = int | float | torch.Tensor
+"""A sum in `LossStats`: a 0-d tensor on the step's device until read back, then a number."""
+
+
 @dataclass
 class LossStats:
-    """Sums over one micro-batch; `merge` several (micro-batches, ranks) before `metrics()`."""
+    """Sums over one micro-batch; `merge` several (micro-batches, ranks) before `metrics()`.
 
-    tokens: int = 0
-    clipped: int = 0
-    masked: int = 0
-    truncated: int = 0
-    forking_dropped: int = 0
+    The sums stay 0-d tensors on the step's device, so a step reads all of them back at once
+    (`totals()` with `whetstone.training.readback`) instead of waiting on the device for each."""
+
+    tokens: Count = 0
+    clipped: Count = 0
+    masked: Count = 0
+    truncated: Count = 0
+    forking_dropped: Count = 0
     """Trained tokens left out of the policy-gradient term by `forking_fraction`."""
-    mismatch_k3: float = 0.0
-    ref_k3: float = 0.0
-    entropy: float = 0.0
+    mismatch_k3: Count = 0.0
+    ref_k3: Count = 0.0
+    entropy: Count = 0.0
     """Σ of the trained tokens' entropies (nats), when the trainer computed them."""
-    scale_gradient: float = 0.0
+    scale_gradient: Count = 0.0
     """d(policy-gradient term)/ds for logits scaled by e^s, without the clip (`rl.logit_scale`);
     needs the entropies."""
     abs_diff: torch.Tensor = field(default_factory=lambda: torch.zeros(0))
-    """|logπ_θ − logπ_behavior| of every trained token (for p99 and max)."""
+    """|logπ_θ − logπ_behavior| of every position, NaN where not trained (for p99 and max)."""
+
+    SUMS = (
+        "tokens",
+        "clipped",
+        "masked",
+        "truncated",
+        "forking_dropped",
+        "mismatch_k3",
+        "ref_k3",
+        "entropy",
+        "scale_gradient",
+    )
 
     @staticmethod
     def merge(parts: list["LossStats"]) -> "LossStats":
         return LossStats(
-            tokens=sum(p.tokens for p in parts),
-            clipped=sum(p.clipped for p in parts),
-            masked=sum(p.masked for p in parts),
-            truncated=sum(p.truncated for p in parts),
-            forking_dropped=sum(p.forking_dropped for p in parts),
-            mismatch_k3=sum(p.mismatch_k3 for p in parts),
-            ref_k3=sum(p.ref_k3 for p in parts),
-            entropy=sum(p.entropy for p in parts),
-            scale_gradient=sum(p.scale_gradient for p in parts),
+            **{name: sum(getattr(p, name) for p in parts) for name in LossStats.SUMS},
             abs_diff=torch.cat([p.abs_diff for p in parts]) if parts else torch.zeros(0),
         )
 
-    def metrics(self) -> dict[str, float]:
-        n, diff = max(self.tokens, 1), self.abs_diff.double()
+    def totals(self) -> dict[str, Count]:
+        """The sums, and the |Δ| summary (`diff_mean`, `diff_p99`, `diff_max`, `diff_over_ln2`)
+        computed where the |Δ| are, all still unread; `metrics` takes them read back."""
+        return {**{name: getattr(self, name) for name in self.SUMS}, **diff_summary(self.abs_diff)}
+
+    def metrics(self, totals: dict[str, float] | None = None) -> dict[str, float]:
+        """The step's metrics from `totals()` read back (read back here when not given)."""
+        if totals is None:
+            from whetstone.training.readback import read_back
+
+            totals = read_back(self.totals())
+        n = max(totals["tokens"], 1)
         return {
-            "tokens": self.tokens,
-            "clip_fraction": self.clipped / n,
-            "mask_fraction": self.masked / n,
-            "truncated_fraction": self.truncated / n,
-            "forking_dropped_fraction": self.forking_dropped / n,
-            "mismatch_kl_k3": self.mismatch_k3 / n,
-            "ref_kl_k3": self.ref_k3 / n,
-            "entropy": self.entropy / n,
-            "logprob_diff_mean": float(diff.mean()) if diff.numel() else 0.0,
-            "logprob_diff_p99": float(torch.quantile(diff, 0.99)) if diff.numel() else 0.0,
-            "logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
-            "logprob_diff_over_ln2": float((diff > math.log(2)).double().mean()) if diff.numel() else 0.0,
+            "tokens": int(totals["tokens"]),
+            "clip_fraction": totals["clipped"] / n,
+            "mask_fraction": totals["masked"] / n,
+            "truncated_fraction": totals["truncated"] / n,
+            "forking_dropped_fraction": totals["forking_dropped"] / n,
+            "mismatch_kl_k3": totals["mismatch_k3"] / n,
+            "ref_kl_k3": totals["ref_k3"] / n,
+            "entropy": totals["entropy"] / n,
+            "logprob_diff_mean": totals["diff_mean"],
+            "logprob_diff_p99": totals["diff_p99"],
+            "logprob_diff_max": totals["diff_max"],
+            "logprob_diff_over_ln2": totals["diff_over_ln2"] / n,
         }
+
+
+DIFF_SUMMARY = ("diff_mean", "diff_p99", "diff_max", "diff_over_ln2")
+"""The keys of `diff_summary`."""
+
+
+def diff_summary(abs_diff: torch.Tensor) -> dict[str, Count]:
+    """Mean, p99 and max of the trained positions' |Δ| (NaN elsewhere), and how many exceed ln 2,
+    as unread tensors where the |Δ| are (0 for no trained position)."""
+    diff = abs_diff.double()
+    if not diff.numel():
+        return dict.fromkeys(DIFF_SUMMARY, 0.0)
+    p99, largest = torch.nanquantile(diff, diff.new_tensor([0.99, 1.0])).nan_to_num(0.0).unbind()
+    over = (diff > math.log(2)).sum()
+    return dict(zip(DIFF_SUMMARY, (diff.nanmean().nan_to_num(0.0), p99, largest, over)))
 
 
 def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -139,11 +175,12 @@ def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def step_normalizer(loss_mask: torch.Tensor, aggregation: str) -> int:
-    """N of the loss over these rows: trained tokens, or rows with any trained token."""
+def step_normalizer(loss_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """N of the loss over these rows: trained tokens, or rows with any trained token (a 0-d
+    tensor on the mask's device: the step divides by it without reading it back)."""
     if aggregation == "sequence":
-        return int(loss_mask.bool().any(dim=-1).sum())
-    return int(loss_mask.sum())
+        return loss_mask.bool().any(dim=-1).sum()
+    return loss_mask.sum()
 
 
 @dataclass(frozen=True)
@@ -165,7 +202,7 @@ class LossInputs:
 
 
 def policy_loss(
-    inputs: LossInputs, config: LossConfig, normalizer: int | None = None
+    inputs: LossInputs, config: LossConfig, normalizer: int | torch.Tensor | None = None
 ) -> tuple[torch.Tensor, LossStats]:
     """(loss, stats) for one micro-batch.
 
@@ -193,9 +230,10 @@ def policy_loss(
     value = torch.where(clipped, torch.clamp(detached, 1 - config.clip_low, 1 + config.clip_high), weight)
     surrogate = (value + weight * (logprobs32 - logprobs32.detach())) * advantages
     forking_dropped = torch.zeros_like(trained)
-    if config.forking_fraction < 1 and bool(trained.any()):
+    if config.forking_fraction < 1:  # no trained token: the threshold is NaN and drops nothing
         detached_entropy = entropy.detach().float()
-        threshold = torch.quantile(detached_entropy[trained], 1.0 - config.forking_fraction)
+        trained_entropy = torch.where(trained, detached_entropy, torch.full_like(detached_entropy, math.nan))
+        threshold = torch.nanquantile(trained_entropy.flatten(), 1.0 - config.forking_fraction)
         forking_dropped = trained & (detached_entropy < threshold)
         surrogate = torch.where(forking_dropped, torch.zeros_like(surrogate), surrogate)
     per_token = -surrogate
@@ -205,22 +243,23 @@ def policy_loss(
         per_token = per_token - config.entropy_coef * entropy.float()
     kept = trained & ~masked
     lengths = trained.sum(dim=-1, keepdim=True).clamp(min=1)  # each row's trained tokens
-    denominator = max(step_normalizer(loss_mask, config.aggregation) if normalizer is None else normalizer, 1)
+    denominator = step_normalizer(loss_mask, config.aggregation) if normalizer is None else normalizer
+    denominator = denominator.clamp(min=1) if isinstance(denominator, torch.Tensor) else max(denominator, 1)
     loss = _aggregate(per_token, kept, lengths, config, denominator)
 
     with torch.no_grad():
-        diff = log_ratio.detach()[trained]
+        zero = torch.zeros_like(logprobs32)
         stats = LossStats(
-            tokens=int(trained.sum()),
-            clipped=int(clipped.sum()),
-            masked=int(masked.sum()),
-            truncated=int(truncated.sum()),
-            forking_dropped=int(forking_dropped.sum()),
-            abs_diff=diff.abs().cpu(),
-            mismatch_k3=float(k3(behavior[trained], logprobs32.detach()[trained]).sum()),
+            tokens=trained.sum(),
+            clipped=clipped.sum(),
+            masked=masked.sum(),
+            truncated=truncated.sum(),
+            forking_dropped=forking_dropped.sum(),
+            abs_diff=torch.where(trained, log_ratio.detach().abs(), math.nan).flatten(),
+            mismatch_k3=torch.where(trained, k3(behavior, logprobs32.detach()), zero).sum(),
         )
         if entropy is not None:
-            stats.entropy = float(entropy.detach().float()[trained].sum())
+            stats.entropy = torch.where(trained, entropy.detach().float(), zero).sum()
             stats.scale_gradient = _scale_gradient(
                 logprobs32.detach(),
                 entropy.detach().float(),
@@ -232,7 +271,7 @@ def policy_loss(
                 denominator,
             )
         if ref_logprobs is not None:
-            stats.ref_k3 = float(k3(logprobs32.detach()[trained], ref_logprobs.float()[trained]).sum())
+            stats.ref_k3 = torch.where(trained, k3(logprobs32.detach(), ref_logprobs.float()), zero).sum()
     return loss, stats
 
 
@@ -244,8 +283,8 @@ def _scale_gradient(
     lengths: torch.Tensor,
     kept: torch.Tensor,
     config: LossConfig,
-    denominator: int,
-) -> float:
+    denominator: int | torch.Tensor,
+) -> torch.Tensor:
     """The policy-gradient term's derivative along the logits' log-scale s, at the current s.
 
     With logits v scaled by e^s, d logπ(a)/ds = v_a − E_π[v] = logπ(a) + H(π): no backward needed.
@@ -257,11 +296,15 @@ def _scale_gradient(
     its trust region.
     """
     per_token = -torch.clamp(ratio, max=config.is_cap) * advantages * (logprobs + entropy)
-    return float(_aggregate(per_token.double(), kept, lengths, config, denominator))
+    return _aggregate(per_token.double(), kept, lengths, config, denominator)
 
 
 def _aggregate(
-    per_token: torch.Tensor, kept: torch.Tensor, lengths: torch.Tensor, config: LossConfig, denominator: int
+    per_token: torch.Tensor,
+    kept: torch.Tensor,
+    lengths: torch.Tensor,
+    config: LossConfig,
+    denominator: int | torch.Tensor,
 ) -> torch.Tensor:
     """Σ over the kept tokens of `per_token` (divided by its row's trained length under sequence
     aggregation), over the step's `denominator`: how the loss and the scale's gradient add up."""

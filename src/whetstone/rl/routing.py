@@ -8,6 +8,10 @@ A choice is one (token, MoE layer); it disagrees when the expert *sets* differ (
     with track_routing(model, mask) as routing:
         out = model(input_ids, routes=routes, targets=targets)
     routing.metrics()   # routing_disagreement, routing_disagreement_tokens
+
+The counts stay 0-d tensors on the model's device until read back (`totals()`, `metrics()`), so
+counting costs the step no wait on the device. Under activation checkpointing a block's forward
+runs again in the backward pass (`Transformer.recomputing`); the hooks count the first run only.
 """
 
 from __future__ import annotations
@@ -21,25 +25,38 @@ from torch import nn
 
 from whetstone.model.moe import Router
 
+Count = int | torch.Tensor
+"""A count in `RoutingStats`: a 0-d tensor on the model's device until read back, then an int."""
+
 
 @dataclass
 class RoutingStats:
-    choices: int = 0
+    choices: Count = 0
     """(token, MoE layer) pairs counted."""
-    disagreed: int = 0
-    tokens: int = 0
-    tokens_disagreed: int = 0
+    disagreed: Count = 0
+    tokens: Count = 0
+    tokens_disagreed: Count = 0
     """Tokens where at least one layer disagreed."""
+
+    FIELDS = ("choices", "disagreed", "tokens", "tokens_disagreed")
 
     @staticmethod
     def merge(parts: list["RoutingStats"]) -> "RoutingStats":
-        fields = ("choices", "disagreed", "tokens", "tokens_disagreed")
-        return RoutingStats(*(sum(getattr(p, name) for p in parts) for name in fields))
+        return RoutingStats(*(sum(getattr(p, name) for p in parts) for name in RoutingStats.FIELDS))
 
-    def metrics(self) -> dict[str, float]:
+    def totals(self) -> dict[str, Count]:
+        """The counts, unread, keyed `routing_<field>` (to read back with a step's other figures)."""
+        return {f"routing_{name}": getattr(self, name) for name in self.FIELDS}
+
+    def metrics(self, totals: dict[str, float] | None = None) -> dict[str, float]:
+        """The rates from `totals()` read back (read back here when not given)."""
+        if totals is None:
+            from whetstone.training.readback import read_back
+
+            totals = read_back(self.totals())
         return {
-            "routing_disagreement": self.disagreed / max(self.choices, 1),
-            "routing_disagreement_tokens": self.tokens_disagreed / max(self.tokens, 1),
+            "routing_disagreement": totals["routing_disagreed"] / max(totals["routing_choices"], 1),
+            "routing_disagreement_tokens": totals["routing_tokens_disagreed"] / max(totals["routing_tokens"], 1),
         }
 
 
@@ -52,13 +69,15 @@ def track_routing(model: nn.Module, mask: torch.Tensor) -> Iterator[RoutingStats
     any_layer = torch.zeros_like(flat_mask)
 
     def hook(router: Router, inputs, output) -> None:
+        if getattr(model, "recomputing", False):  # a checkpointed block's second run: counted already
+            return
         ids, _, probs = output
         with torch.no_grad():
             own = probs.topk(router.top_k, dim=-1).indices
-            differs = (own.sort(dim=-1).values != ids.sort(dim=-1).values).any(dim=-1)[flat_mask]
-        stats.choices += differs.numel()
-        stats.disagreed += int(differs.sum())
-        any_layer[flat_mask] |= differs
+            differs = (own.sort(dim=-1).values != ids.sort(dim=-1).values).any(dim=-1) & flat_mask
+            stats.choices += flat_mask.sum()
+            stats.disagreed += differs.sum()
+            any_layer.logical_or_(differs)
 
     handles = [module.register_forward_hook(hook) for module in model.modules() if isinstance(module, Router)]
     try:
@@ -66,5 +85,5 @@ def track_routing(model: nn.Module, mask: torch.Tensor) -> Iterator[RoutingStats
     finally:
         for handle in handles:
             handle.remove()
-        stats.tokens = int(flat_mask.sum())
-        stats.tokens_disagreed = int(any_layer.sum())
+        stats.tokens = flat_mask.sum()
+        stats.tokens_disagreed = any_layer.sum()

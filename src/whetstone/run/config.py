@@ -1,10 +1,11 @@
 """The `whetstone run` config: its defaults are the default run (docs/run.md).
 
 The role sections (`servers.serve`, `rl.trainer`, `rl.orchestrator`, `eval`) are the roles' own
-configs. `PipelineConfig.resolved` ties them together: the top-level `harness` and `tracking` replace theirs,
-`rl.steps` and the trainer's weight sync are passed on, and every path and address (model folder,
-weight and batch stores, server URLs, output folders, tokenizer) is filled in from the run folder,
-so what those fields held is ignored; everything else is used as written.
+configs. `PipelineConfig.resolved` ties them together: the top-level `harness` and `tracking`
+replace theirs, `rl.steps`, the trainer's weight sync and the roles' devices (`placement`) are
+passed on, and every path and address (model folder, weight and batch stores, server URLs, output
+folders, tokenizer) is filled in from the run folder, so what those fields held is ignored;
+everything else is used as written.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
 from whetstone.config import Config, format_validation_error
 from whetstone.data import CorpusConfig
@@ -28,7 +29,11 @@ from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.loss import LossConfig
 from whetstone.trainer.config import TrainerConfig
 from whetstone.training.config import OptimizerConfig
+from whetstone.utils.device import DeviceName
 from whetstone.utils.tracking import TrackingConfig
+
+DEVICE_NAME = TypeAdapter(DeviceName)
+"""Checks one device name as a `DeviceName` field does (for a list of them)."""
 
 
 class ServersConfig(Config):
@@ -39,7 +44,8 @@ class ServersConfig(Config):
     base_port: int = Field(0, ge=0, le=65535)
     """Server i listens on base_port + i; 0 = free ports picked at start."""
     serve: ServeConfig = ServeConfig(threads=1, engine=EngineConfig(max_batch=16))
-    """Settings of every server (model_path, port and sync are set by the pipeline)."""
+    """Settings of every server (model_path, port, sync and `engine.device` are set by the
+    pipeline; the device from `placement.server_devices`)."""
     start_timeout_s: float = Field(180.0, gt=0)
     """Give up when a server is not healthy this long after its start."""
 
@@ -82,9 +88,32 @@ class RLConfig(Config):
 
 
 class PlacementConfig(Config):
-    """The CPU cores each role may run on (empty = any core). On one machine, disjoint cores stand
-    in for roles on separate hardware (trainer GPUs, inference GPUs), as the pipeline benchmark
-    places them; sharing every core is what serves one small machine best."""
+    """Where each role runs: its device (a GPU, or the CPU) and the CPU cores it may use (empty =
+    any core). On one machine, disjoint cores stand in for roles on separate hardware (trainer
+    GPUs, inference GPUs), as the pipeline benchmark places them; sharing every core is what
+    serves one small machine best. On one GPU the trainer and the servers share it, each held to
+    its share of the GPU's memory (`trainer_memory_fraction`)."""
+
+    trainer_device: DeviceName = "auto"
+    """Device of the RL trainer (`rl.trainer.device`): `auto` (CUDA when present, else the CPU),
+    `cpu`, `cuda` or `cuda:N`."""
+    server_devices: list[str] = Field(["auto"], min_length=1)
+    """Device of each inference server (its `engine.device`): server i takes entry i modulo the
+    list's length, so one entry places every server, and `["cuda:1", "cuda:2"]` puts two servers
+    on GPUs of their own."""
+    trainer_memory_fraction: float = Field(0.5, gt=0.0, lt=1.0)
+    """Share of a GPU's memory the trainer may allocate when it shares that GPU with servers; the
+    servers on it split the rest equally. Roles alone on a GPU may use all of it."""
+
+    @field_validator("server_devices")
+    @classmethod
+    def _device_names(cls, names: list[str]) -> list[str]:
+        for name in names:
+            try:
+                DEVICE_NAME.validate_python(name)
+            except ValidationError as err:
+                raise ValueError(str(err.errors()[0]["ctx"]["error"])) from None
+        return names
 
     trainer: list[int] = []
     """Cores of the trainer process."""
@@ -154,7 +183,8 @@ class PipelineConfig(Config):
     the pipeline): 200 tasks x 2 rollouts, ~40 s each on 2 cores; a smaller set flattered or
     hid RL's gain by several points, depending on the draw of tasks."""
     placement: PlacementConfig = PlacementConfig()
-    """CPU cores of the roles the pipeline starts (evaluations run in the pipeline's own process)."""
+    """Devices, GPU memory shares and CPU cores of the roles the pipeline starts (evaluations run
+    in the pipeline's own process; mid-training too, on `midtrain.run.device`)."""
     rl_enabled: bool = True
     """Run stage 2 (RL, with both evaluations); off = mid-training only."""
     tracking: TrackingConfig = TrackingConfig()
@@ -201,6 +231,7 @@ class PipelineConfig(Config):
             output_dir=str(run_dir / "trainer"),
             max_steps=self.rl.steps,
             idle_timeout=0.0,
+            device=self.placement.trainer_device,
         )
         data["rl"]["orchestrator"].update(
             harness=data["harness"],

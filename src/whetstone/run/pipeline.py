@@ -15,6 +15,7 @@ from the next batch index, and an evaluation whose report exists is not run agai
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import math
@@ -27,10 +28,11 @@ from whetstone.config import dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.monitor import ServerSampler, last_record
+from whetstone.run.placement import gpu_memory_shares, server_device
 from whetstone.utils.atomic import atomic_directory, atomic_write_json, atomic_write_text
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
 from whetstone.utils.metrics import read_metrics
-from whetstone.utils.processes import RoleProcess, free_ports
+from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_ports
 from whetstone.utils.progress import progress_bar
 
 log = logging.getLogger("whetstone.run")
@@ -40,6 +42,16 @@ between steps (synchronous RL) starts each step with a whole period's quota unsp
 100 ms periods it ran at 1.23x its quota (`whetstone bench pipeline`), as if on
 bigger hardware than the quota sizes; at 10 ms, 1.05x. The rollout side keeps 100 ms: its many
 processes' bursts would be throttled more often, and it is not bound by its quota."""
+
+
+def release_gpu_memory() -> None:
+    """Give back the GPU memory this process's caching allocator still holds (nothing to do
+    where CUDA was never used)."""
+    import torch
+
+    if torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()
 
 
 def demo_source(config: PipelineConfig):
@@ -109,8 +121,19 @@ class Pipeline:
     def eval_config(self, when: str):
         return self.config.eval.model_copy(update={"output_dir": str(Path(self.config.eval.output_dir) / when)})
 
-    def serve_config(self, port: int):
-        return self.config.servers.serve.model_copy(update={"port": port})
+    def serve_config(self, port: int, index: int = 0):
+        """Server `index`'s config: its port, and its device from `placement.server_devices`."""
+        serve = self.config.servers.serve
+        engine = serve.engine.model_copy(update={"device": server_device(self.config.placement, index)})
+        return serve.model_copy(update={"port": port, "engine": engine})
+
+    def role_environment(self, name: str) -> dict[str, str]:
+        """Extra environment of role `name`: its share of the GPU it shares with other roles."""
+        shares = gpu_memory_shares(self.config.placement, self.config.servers.count)
+        if name not in shares:
+            return {}
+        device, fraction = shares[name]
+        return {GPU_MEMORY_ENV: f"{device}={fraction:.6g}"}
 
     def write_config(self) -> None:
         """`config.toml`: the config as the stages run it (again once the servers' addresses are known)."""
@@ -157,6 +180,7 @@ class Pipeline:
             self.run_dir / "logs" / f"{name}.log",
             health_url=health_url,
             threads=threads,
+            env=self.role_environment(name),
             cpus=cpus,
             cpu_group=self.cpu_groups.get(side),
         ).start()
@@ -168,7 +192,9 @@ class Pipeline:
     def midtrain(self) -> dict[str, Any]:
         from whetstone.midtrain.cli import run_midtrain
 
-        return run_midtrain(self.config.midtrain, demos=demo_source(self.config))
+        summary = run_midtrain(self.config.midtrain, demos=demo_source(self.config))
+        release_gpu_memory()  # mid-training ran in this process: its GPU memory goes to the roles
+        return summary
 
     def start_servers(self) -> None:
         servers = self.config.servers
@@ -184,7 +210,7 @@ class Pipeline:
             self.start(
                 f"serve-{i}",
                 "serve",
-                self.serve_config(port),
+                self.serve_config(port, i),
                 threads=servers.serve.threads or 1,
                 cpus=self.config.placement.servers,
                 side="rollout",

@@ -1,7 +1,7 @@
 """What `whetstone run` checks before its first stage, so that a config that cannot run fails in
 a second instead of after minutes of mid-training: every file and folder the stages will read,
 every task source (resolved as the task registry resolves it, and every record of a task file
-read), the CPU cores of `placement`, and that the run folder and the corpus cache can be
+read), the devices and CPU cores of `placement`, and that the run folder and the corpus cache can be
 written. Every problem is reported at once, each with its config key and path."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from whetstone.envs.tasks.io import read_records
 from whetstone.envs.tasks.registry import SOURCES, TasksConfig, check_source
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
+from whetstone.utils.device import resolve_device
 from whetstone.utils.processes import check_cpus
 
 GENERATOR_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
@@ -50,6 +51,7 @@ def _problems(config: PipelineConfig) -> Iterator[str]:
             check_cpus(getattr(config.placement, role), f"placement.{role}")
         except WhetstoneError as err:
             yield str(err)
+    yield from _devices(config)
     if not config.rl_enabled:
         return
     trainer = config.rl.trainer
@@ -57,6 +59,21 @@ def _problems(config: PipelineConfig) -> Iterator[str]:
         yield from _exists("rl.trainer.demos_path", trainer.demos_path, "file")
     yield from _tasks("rl.orchestrator.tasks", config.rl.orchestrator.tasks)
     yield from _tasks("eval.tasks", config.eval.tasks)
+
+
+def _devices(config: PipelineConfig) -> Iterator[str]:
+    """A device asked for that this machine does not have (`cuda` without a GPU, `cuda:N` past
+    its GPUs), by config key."""
+    placement = config.placement
+    keys = [("midtrain.run.device", config.midtrain.run.device)]
+    if config.rl_enabled:
+        keys.append(("placement.trainer_device", placement.trainer_device))
+        keys += [(f"placement.server_devices[{i}]", name) for i, name in enumerate(placement.server_devices)]
+    for key, name in keys:
+        try:
+            resolve_device(name)
+        except WhetstoneError as err:
+            yield f"{key}: {err}"
 
 
 def _tasks(key: str, tasks: TasksConfig) -> Iterator[str]:

@@ -12,6 +12,7 @@ from whetstone.config import Config
 from whetstone.rl.loss import LossConfig
 from whetstone.sync.config import SyncConfig
 from whetstone.training.config import OptimizerConfig
+from whetstone.utils.device import DeviceName
 from whetstone.utils.tracking import TrackingConfig
 
 
@@ -56,6 +57,13 @@ class TrainerConfig(Config):
     """Rows per forward/backward, taken in order of length (less padding); the step's gradient is
     the same for any value (the loss is normalised over the whole step), except with
     `loss.forking_fraction` < 1, whose entropy threshold is taken per micro-batch."""
+    device: DeviceName = "auto"
+    """Where the policy, its optimizer state, the reference and the batches are: `auto` (CUDA when
+    present, else the CPU), `cpu`, `cuda` or `cuda:N`; under torchrun each rank takes the GPU of
+    its LOCAL_RANK."""
+    activation_checkpointing: bool = False
+    """Recompute each transformer block's activations in the backward pass instead of keeping
+    them: less memory for longer rows or bigger micro-batches, at about one more forward per step."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype (bf16 under autocast); master weights and optimizer state are always fp32.
     fp32 keeps the trainer's logprobs closest to an fp32 inference engine's."""

@@ -1,4 +1,5 @@
-"""Scale-out of the trainer: `torchrun` ranks, FSDP2 sharding (gloo on CPU, NCCL on GPU).
+"""Scale-out of the trainer: `torchrun` ranks, FSDP2 sharding (gloo on CPU, NCCL on GPU: each
+rank on the GPU of its LOCAL_RANK).
 
     torchrun --standalone --nproc_per_node 2 -m whetstone.cli trainer CONFIG
 
@@ -31,13 +32,16 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from whetstone.errors import ConfigError
 from whetstone.model import Transformer
-from whetstone.rl.batch import OPTIONAL_FIELDS, TENSOR_FIELDS, Batch
-from whetstone.rl.loss import LossStats, step_normalizer
-from whetstone.rl.routing import RoutingStats
+from whetstone.rl.batch import Batch
+from whetstone.rl.loss import DIFF_SUMMARY, diff_summary, step_normalizer
 from whetstone.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from whetstone.training.readback import read_back
+from whetstone.utils.device import resolve_device
 
 T = TypeVar("T")
 NewOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -53,38 +57,49 @@ def world() -> tuple[int, int]:
 
 
 def device() -> torch.device:
-    """Where this rank computes: its own GPU under NCCL, else the CPU."""
+    """Where this rank's collectives run: its own GPU under NCCL, else the CPU."""
     if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
 
 @contextmanager
-def torchrun_group() -> Iterator[tuple[int, int]]:
+def torchrun_group(device: str = "auto") -> Iterator[tuple[int, int]]:
     """Join the job torchrun describes in the environment (WORLD_SIZE, RANK, LOCAL_RANK,
     MASTER_ADDR/PORT) for the duration of the block; yields (rank, world size). Without torchrun,
-    with one rank, or inside a group someone else made, it only reports where it is."""
+    with one rank, or inside a group someone else made, it only reports where it is.
+
+    `device` is the trainer's config value: on CUDA (`auto` with a GPU, or `cuda`) each rank
+    takes the GPU of its LOCAL_RANK and the group runs over NCCL; on the CPU, over gloo."""
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1 or dist.is_initialized():
         yield world()
         return
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if backend == "nccl":
+    if device.startswith("cuda:"):
+        raise ConfigError(
+            f"device = {device!r} under torchrun: every rank takes the GPU of its LOCAL_RANK; "
+            "set device to 'cuda' or 'auto'"
+        )
+    on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    if on_cuda:
+        resolve_device("cuda")  # a clear error on a machine without CUDA
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
+    dist.init_process_group("nccl" if on_cuda else "gloo")
     try:
         yield world()
     finally:
         dist.destroy_process_group()
 
 
-def shard_model(model: Transformer) -> Transformer:
-    """FSDP2 over all ranks (in place): each block one group, then the root. A no-op on one rank."""
+def shard_model(model: Transformer, device: torch.device) -> Transformer:
+    """The model on `device`; under torchrun, FSDP2 over all ranks (in place) on a mesh of that
+    device type: each block one group, then the root."""
+    model.to(device)
     if world()[1] == 1:
         return model
-    model.to(device())
+    mesh = init_device_mesh(device.type, (world()[1],))
     for block in model.layers:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum the ranks' gradients: each rank's loss is already divided by the whole step's
@@ -102,16 +117,12 @@ def rank_rows(batch: Batch, rank: int, world: int) -> Batch:
 
     Every rank thus runs the same number of micro-batches (FSDP's collectives must pair up one
     for one), and a padding row (a copy of row 0 with its loss mask off) adds nothing to the
-    loss, the gradient or the metrics. The rows' tensors are on this rank's device.
+    loss, the gradient or the metrics. The step moves them to the model's device.
     """
     own = list(range(rank, len(batch), world))
     per_rank = -(-len(batch) // world)
     shard = batch.select(own + [0] * (per_rank - len(own)))
     shard.loss_mask[len(own) :] = False
-    here = device()
-    for name in (*TENSOR_FIELDS, *OPTIONAL_FIELDS) if here.type != "cpu" else ():
-        if getattr(shard, name) is not None:
-            setattr(shard, name, getattr(shard, name).to(here))
     return shard
 
 
@@ -121,66 +132,33 @@ def global_normalizer(shard: Batch, aggregation: str) -> int:
     return int(count)
 
 
-def sum_over_ranks(values: list[float]) -> list[float]:
-    """Each value summed over all ranks (float64, so counts up to 2^53 stay exact); as is on one rank."""
+def sum_over_ranks(values: list[float | torch.Tensor]) -> list[float]:
+    """Each value (a number or a 0-d tensor) summed over all ranks, read back as floats (float64,
+    so counts up to 2^53 stay exact); as is on one rank."""
     if world()[1] == 1:
-        return list(values)
-    sums = torch.tensor(values, dtype=torch.float64, device=device())
+        return list(read_back({str(i): value for i, value in enumerate(values)}).values())
+    here = device()
+    sums = torch.stack([torch.as_tensor(value, dtype=torch.float64, device=here).reshape(()) for value in values])
     dist.all_reduce(sums)
     return sums.tolist()
 
 
-def reduce_step_stats(loss: float, stats: LossStats, routing: RoutingStats) -> tuple[float, LossStats, RoutingStats]:
-    """The whole step's figures on every rank: the ranks' losses (shares of one mean) and counts
-    summed, and every rank's |Δ| gathered (p99 and max need them all). Unchanged on one rank."""
+def reduce_step_stats(
+    totals: dict[str, Any], abs_diff: torch.Tensor, whole: dict[str, Any] | None = None
+) -> dict[str, float]:
+    """A step's figures read back to the host with one transfer: `totals`, this rank's shares
+    (losses, counts and the |Δ| summary: `LossStats.totals`, `RoutingStats.totals`), and `whole`,
+    figures every rank already holds whole (the gradient norm). Under torchrun, the whole step's
+    on every rank: the ranks' shares summed (losses are shares of one mean), and the |Δ| summary
+    taken over every rank's |Δ| (`abs_diff`: p99 and max need them all)."""
+    whole = whole or {}
     if world()[1] == 1:
-        return loss, stats, routing
-    sums = sum_over_ranks(
-        [
-            loss,
-            stats.tokens,
-            stats.clipped,
-            stats.masked,
-            stats.truncated,
-            stats.forking_dropped,
-            stats.mismatch_k3,
-            stats.ref_k3,
-            stats.entropy,
-            stats.scale_gradient,
-            routing.choices,
-            routing.disagreed,
-            routing.tokens,
-            routing.tokens_disagreed,
-        ]
-    )
+        return read_back({**totals, **whole})
+    summed = [name for name in totals if name not in DIFF_SUMMARY]
+    sums = dict(zip(summed, sum_over_ranks([totals[name] for name in summed])))
     diffs: list[Any] = [None] * world()[1]
-    dist.all_gather_object(diffs, stats.abs_diff)
-    (
-        loss,
-        tokens,
-        clipped,
-        masked,
-        truncated,
-        forking_dropped,
-        mismatch_k3,
-        ref_k3,
-        entropy,
-        scale_gradient,
-        *route_counts,
-    ) = sums
-    stats = LossStats(
-        tokens=int(tokens),
-        clipped=int(clipped),
-        masked=int(masked),
-        truncated=int(truncated),
-        forking_dropped=int(forking_dropped),
-        mismatch_k3=mismatch_k3,
-        ref_k3=ref_k3,
-        entropy=entropy,
-        scale_gradient=scale_gradient,
-        abs_diff=torch.cat(diffs),
-    )
-    return loss, stats, RoutingStats(*(int(count) for count in route_counts))
+    dist.all_gather_object(diffs, abs_diff.cpu())
+    return {**sums, **read_back({**diff_summary(torch.cat(diffs)), **whole})}
 
 
 def broadcast(value: T) -> T:

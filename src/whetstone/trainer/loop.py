@@ -221,7 +221,7 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
 def run_trainer(config: TrainerConfig) -> dict[str, Any]:
     """Train until `max_steps`, until `idle_timeout` passes without a batch, or until SIGTERM /
     SIGINT; checkpoint, and return a summary. Under torchrun, on every rank (trainer.distributed)."""
-    with torchrun_group():
+    with torchrun_group(config.device):
         return _run(open_trainer(config))
 
 
@@ -290,4 +290,5 @@ def _run(session: TrainerSession) -> dict[str, Any]:
         "resumed_from": str(session.resumed_from) if session.resumed_from else None,
         "rank": session.rank,
         "world_size": session.world_size,
+        "device": str(session.device),
     }

@@ -28,6 +28,7 @@ from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint
 from whetstone.training.optim import optimizer_for
+from whetstone.utils.device import resolve_device
 from whetstone.utils.runtime import configure_process
 
 
@@ -54,6 +55,8 @@ class TrainerSession:
     """Demonstrations of the behaviour-cloning anchor (`config.demo_coef` > 0)."""
     rank: int = 0
     world_size: int = 1
+    device: torch.device = torch.device("cpu")
+    """Where the model, its optimizer state and the batches are (`config.device` resolved)."""
 
     @property
     def run_dir(self) -> Path:
@@ -74,17 +77,19 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     """Under torchrun (a process group is up), every rank calls this: the model is sharded, rank
     0 reads the checkpoint and owns the weight store, and every rank learns what rank 0 decided."""
     configure_process(config.threads)
+    device = resolve_device(config.device)  # under torchrun: the GPU of this rank's LOCAL_RANK
     rank, world_size = world()
     demos = None
     if config.demo_coef > 0:  # read first: a bad file fails before any model work
         if not config.demos_path:
             raise ConfigError("demo_coef > 0 needs demos_path (a JSONL file of demonstration transcripts)")
         demos = load_demos(config.demos_path, Tokenizer.load(config.model_path), config.demo_max_positions)
-    model = shard_model(load_hf(config.model_path))
-    optimizer = new_optimizer(config, model)
+    model = shard_model(load_hf(config.model_path), device)
+    model.activation_checkpointing = config.activation_checkpointing
+    optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
     reference = None
     if config.loss.kl_coef > 0:
-        reference = shard_model(load_hf(config.model_path).eval().requires_grad_(False))
+        reference = shard_model(load_hf(config.model_path).eval().requires_grad_(False), device)
 
     run_dir = Path(config.output_dir).expanduser()
     resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view
@@ -142,4 +147,5 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
         demos=demos,
         rank=rank,
         world_size=world_size,
+        device=device,
     )

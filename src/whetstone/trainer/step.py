@@ -13,6 +13,10 @@ importance ratio is exactly 1 (docs/consistency.md). Rows sampled at a temperatu
 Routing disagreement is measured alongside: with replay, how often the trainer's own router
 would have picked other experts (forward hooks, `rl.routing`); without replay, how often the
 trainer's choice differs from the rollout's recorded routes.
+
+The step runs where the model is (`Transformer` on any device): the batch goes there once, and
+every figure (losses, counts, the gradient norm) stays on the device until one read-back at the
+end of the step (`training.readback`), so on a GPU the step never waits on it before then.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, LossInputs, LossStats, policy_loss, step_normalizer
 from whetstone.rl.routing import RoutingStats, track_routing
-from whetstone.trainer.distributed import reduce_step_stats, sum_over_ranks
-from whetstone.training.optim import clip_and_step
+from whetstone.trainer.distributed import reduce_step_stats
+from whetstone.training.optim import clip_gradients, optimizer_step
 from whetstone.utils.device import autocast
 
 if TYPE_CHECKING:
@@ -51,12 +55,14 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
 
 def _unreplayed_disagreement(own: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> RoutingStats:
     """Trainer's own routes vs the rollout's, as expert sets, at the positions of `mask`."""
-    differs = (own.sort(dim=-1).values != rollout.sort(dim=-1).values).any(dim=-1)[mask]  # [N, layers]
+    differs = (own.sort(dim=-1).values != rollout.sort(dim=-1).values).any(dim=-1)  # [B, T, layers]
+    differs = differs & mask.unsqueeze(-1)
+    tokens = mask.sum()
     return RoutingStats(
-        choices=differs.numel(),
-        disagreed=int(differs.sum()),
-        tokens=differs.shape[0],
-        tokens_disagreed=int(differs.any(dim=-1).sum()),
+        choices=tokens * differs.shape[-1],
+        disagreed=differs.sum(),
+        tokens=tokens,
+        tokens_disagreed=differs.any(dim=-1).sum(),
     )
 
 
@@ -64,8 +70,9 @@ def _unreplayed_disagreement(own: torch.Tensor, rollout: torch.Tensor, mask: tor
 def sampling_temperature(model: Transformer, temperatures: torch.Tensor | None) -> Iterator[None]:
     """Within the block, row b's logits are divided by temperatures[b]. The output head is
     linear and bias-free, so this divides the final hidden state instead: the fused logprob
-    head (`whetstone.model.head`) stays as it is, and the gradient flows through the division."""
-    if temperatures is None or bool((temperatures == 1.0).all()):
+    head (`whetstone.model.head`) stays as it is, and the gradient flows through the division
+    (by exactly 1 for rows at temperature 1: a product by 1 changes no bit)."""
+    if temperatures is None:
         yield
         return
     scale = temperatures.reciprocal().view(-1, 1, 1)
@@ -100,7 +107,9 @@ def forward_logprobs(
     # Only trained positions go through the head: nothing reads a prompt's or a tool result's
     # logprobs, and the head is most of a small model's compute (its rows are chosen by target >= 0).
     targets = micro.target_ids.masked_fill(~micro.loss_mask, IGNORED_TARGET)
-    with tracking as routing, autocast(dtype), ops.numerics(numerics), sampling_temperature(model, micro.temperatures):
+    device = micro.input_ids.device
+    temperature = sampling_temperature(model, micro.temperatures)
+    with tracking as routing, autocast(dtype, device), ops.numerics(numerics), temperature:
         out = model(
             micro.input_ids,
             routes=micro.routes if replayed else None,
@@ -175,28 +184,39 @@ def _reference_logprobs(
     """The reference's logprobs for the KL term, at the policy's learned logit scale: the term then
     holds the weights near the reference without pulling the scale back to 1, which would make the
     weights undo the sharpening the reward asked the scale for (rl/logit_scale.py)."""
-    factor = None if logit_scale is None else torch.tensor([math.exp(-logit_scale.log_scale)])
+    device = micro.input_ids.device
+    factor = None if logit_scale is None else torch.tensor([math.exp(-logit_scale.log_scale)], device=device)
     with torch.no_grad(), sampling_temperature(reference, factor):  # a temperature e^-s: logits times e^s
         return forward_logprobs(reference, micro, settings.replay, settings.dtype, settings.numerics).logprobs
 
 
-def _demo_loss(model: Transformer, anchor: DemoAnchor, settings: StepSettings, logit_scale: LogitScale | None) -> float:
+def _demo_loss(
+    model: Transformer, anchor: DemoAnchor, settings: StepSettings, logit_scale: LogitScale | None
+) -> torch.Tensor:
     """Backpropagate `anchor.coef` x the mean next-token loss of the demonstrations' assistant tokens
-    (`rl.demos`); return that mean (this rank's share). It is taken at the policy's logits
-    divided by the learned scale e^s, so, like the KL term's reference above, the anchor holds
-    the weights to the demonstrations without pulling the sharpening back out."""
-    normalizer = anchor.rows.num_loss_tokens if anchor.normalizer is None else anchor.normalizer
-    unscale = None if logit_scale is None else torch.tensor([math.exp(logit_scale.log_scale)])
-    total = 0.0
+    (`rl.demos`); return that mean (this rank's share, on the device). It is taken at the policy's
+    logits divided by the learned scale e^s, so, like the KL term's reference above, the anchor
+    holds the weights to the demonstrations without pulling the sharpening back out."""
+    device = _device_of(model)
+    rows = anchor.rows.to(device)
+    normalizer = rows.loss_mask.sum() if anchor.normalizer is None else anchor.normalizer
+    normalizer = torch.as_tensor(normalizer, device=device).clamp(min=1)
+    unscale = None if logit_scale is None else torch.tensor([math.exp(logit_scale.log_scale)], device=device)
+    total = torch.zeros((), device=device)
     with sampling_temperature(model, unscale):  # a temperature e^s: logits divided by e^s
-        for micro in micro_batches(anchor.rows, settings.micro_batch_size):
+        for micro in micro_batches(rows, settings.micro_batch_size):
             logprobs = forward_logprobs(
                 model, micro, replay=False, dtype=settings.dtype, numerics=settings.numerics
             ).logprobs
-            nll = -(logprobs * micro.loss_mask).sum() / max(normalizer, 1)
+            nll = -(logprobs * micro.loss_mask).sum() / normalizer
             (anchor.coef * nll).backward()
-            total += nll.item()
+            total += nll.detach()
     return total
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    """Where the model's weights are (the step moves its batches there)."""
+    return next(model.parameters()).device
 
 
 def train_step(
@@ -205,7 +225,7 @@ def train_step(
     settings: StepSettings,
     lr: float,
     *,
-    normalizer: int | None = None,
+    normalizer: int | torch.Tensor | None = None,
     anchor: DemoAnchor | None = None,
 ) -> dict[str, Any]:
     """Forward/backward every micro-batch of `batch`, clip, take one optimizer step at `lr`.
@@ -213,16 +233,17 @@ def train_step(
     `normalizer`: N of the loss for the whole step across ranks (default: this batch's `step_normalizer`).
     `anchor`: demonstrations whose next-token loss joins the step's (`rl.demos`).
     Returns the step's metrics; raises before touching the weights if the loss is not finite.
+    Its figures are read back from the device once, before the optimizer step.
     """
     model, reference, logit_scale, loss_config = learner.model, learner.reference, learner.logit_scale, settings.loss
-    if batch.num_loss_tokens == 0:
-        raise WhetstoneError(f"batch {batch.meta.get('index', '?')} has no trained tokens (every loss_mask is 0)")
-    if normalizer is None:
-        normalizer = step_normalizer(batch.loss_mask, loss_config.aggregation)
     if loss_config.kl_coef > 0 and reference is None:
         raise WhetstoneError("loss.kl_coef > 0 needs a reference model")
+    batch = batch.to(_device_of(model))
+    if normalizer is None:
+        normalizer = step_normalizer(batch.loss_mask, loss_config.aggregation)
     model.train()
-    loss_total, loss_parts, routing_parts = 0.0, [], []
+    loss_total = torch.zeros((), device=batch.input_ids.device)
+    loss_parts, routing_parts = [], []
     for micro in micro_batches(batch, settings.micro_batch_size):
         policy = forward_logprobs(model, micro, settings.replay, settings.dtype, settings.numerics, entropy=True)
         ref_logprobs = None
@@ -238,27 +259,39 @@ def train_step(
         )
         loss, stats = policy_loss(inputs, loss_config, normalizer=normalizer)
         loss.backward()
-        loss_total += loss.item()
+        loss_total += loss.detach()
         loss_parts.append(stats)
         routing_parts.append(policy.routing)
     anchored, demo_nll = anchor is not None and anchor.coef > 0, 0.0
     if anchored:
         demo_nll = _demo_loss(model, anchor, settings, logit_scale)
         loss_total += anchor.coef * demo_nll
-    # Under torchrun: the whole step's loss and stats on every rank, so all ranks agree on a bad loss.
-    loss_total, stats, routing = reduce_step_stats(
-        loss_total, LossStats.merge(loss_parts), RoutingStats.merge(routing_parts)
+    grad_norm = clip_gradients(model, settings.grad_clip)
+    stats, routing = LossStats.merge(loss_parts), RoutingStats.merge(routing_parts)
+    # One read-back; under torchrun, the whole step's loss and stats on every rank, so all ranks
+    # agree on a bad loss.
+    totals = reduce_step_stats(
+        {"loss": loss_total, "demo_nll": demo_nll, **stats.totals(), **routing.totals()},
+        stats.abs_diff,
+        whole={"grad_norm": grad_norm},
     )
-    if anchored:
-        (demo_nll,) = sum_over_ranks([demo_nll])
-    if not math.isfinite(loss_total):
+    if totals["tokens"] == 0 or not math.isfinite(totals["loss"]):
         learner.optimizer.zero_grad(set_to_none=True)
-        raise WhetstoneError(f"batch {batch.meta.get('index', '?')}: the loss is {loss_total}; weights left unchanged")
-    grad_norm = clip_and_step(model, learner.optimizer, lr, settings.grad_clip)
-    metrics = {"loss": loss_total, "grad_norm": grad_norm, "lr": lr, **stats.metrics(), **routing.metrics()}
+        index = batch.meta.get("index", "?")
+        if totals["tokens"] == 0:
+            raise WhetstoneError(f"batch {index} has no trained tokens (every loss_mask is 0)")
+        raise WhetstoneError(f"batch {index}: the loss is {totals['loss']}; weights left unchanged")
+    optimizer_step(learner.optimizer, lr)
+    metrics = {
+        "loss": totals["loss"],
+        "grad_norm": totals["grad_norm"],
+        "lr": lr,
+        **stats.metrics(totals),
+        **routing.metrics(totals),
+    }
     if anchored:
-        metrics["demo_nll"] = demo_nll
+        metrics["demo_nll"] = totals["demo_nll"]
     if logit_scale is not None:
-        logit_scale.step(model, stats.scale_gradient)
-        metrics.update(logit_scale=math.exp(logit_scale.log_scale), logit_scale_grad=stats.scale_gradient)
+        logit_scale.step(model, totals["scale_gradient"])
+        metrics.update(logit_scale=math.exp(logit_scale.log_scale), logit_scale_grad=totals["scale_gradient"])
     return metrics

@@ -2,7 +2,8 @@
 checkpoints. Used by mid-training, the RL trainer, the online loop and the benchmarks.
 
     from whetstone.training.config import OptimizerConfig
-    from whetstone.training.optim import optimizer_for, clip_and_step
+    from whetstone.training.optim import optimizer_for, clip_gradients, optimizer_step
+    from whetstone.training.readback import read_back
     from whetstone.training.schedule import lr_at
     from whetstone.training.checkpoint import save_checkpoint, load_checkpoint, latest_checkpoint
 

@@ -1,5 +1,6 @@
 """AdamW over the fp32 master weights, with weight decay on matrices only (not norms or biases),
-and optional per-parameter learning-rate multipliers."""
+and optional per-parameter learning-rate multipliers. On CUDA it is torch's fused AdamW (one
+kernel for every parameter's update instead of several per parameter)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def build_optimizer(
     for name, p in named:
         factor = next((f for pattern, f in lr_multipliers.items() if fnmatchcase(name, pattern)), 1.0)
         groups.setdefault((p.dim() >= 2, factor), []).append(p)
+    on_cuda = bool(named) and all(p.device.type == "cuda" for _, p in named)
     return torch.optim.AdamW(
         [
             {"params": params, "weight_decay": weight_decay if decayed else 0.0, "lr_multiplier": factor}
@@ -51,6 +53,7 @@ def build_optimizer(
         lr=lr,
         betas=betas,
         eps=eps,
+        fused=True if on_cuda else None,
     )
 
 
@@ -66,16 +69,23 @@ def optimizer_for(model: torch.nn.Module, config: "OptimizerConfig", lr: float |
     )
 
 
-def clip_and_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, lr: float, grad_clip: float) -> float:
-    """Clip the global gradient norm (0 = measure only), set `lr`, step, clear the gradients.
+def clip_gradients(model: torch.nn.Module, grad_clip: float) -> torch.Tensor:
+    """Clip the global gradient norm to `grad_clip` (0 = measure only); return the norm before
+    clipping as a 0-d tensor on the gradients' device, not read back (the step reads it back with
+    its other figures). Under FSDP the norm is the whole model's, not this rank's shards'."""
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):  # a DTensor of this rank's share: the whole norm, on every rank
+        norm = norm.full_tensor()
+    if grad_clip > 0:
+        torch.nn.utils.clip_grads_with_norm_([p for p in model.parameters() if p.grad is not None], grad_clip, norm)
+    return norm
 
-    Returns the gradient norm before clipping. Shared by mid-training and the RL trainer.
-    """
-    params = [p for p in model.parameters() if p.grad is not None]
-    # max_norm=inf measures the norm without clipping.
-    grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
+
+def optimizer_step(optimizer: torch.optim.Optimizer, lr: float) -> None:
+    """Set `lr` (times each group's `lr_multiplier`), step, clear the gradients. Shared by
+    mid-training and the RL trainer, after `clip_gradients`."""
     for group in optimizer.param_groups:
         group["lr"] = lr * group.get("lr_multiplier", 1.0)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return float(grad_norm)

@@ -35,6 +35,9 @@ CPUS_ENV = "WHETSTONE_CPUS"
 CPU_GROUP_ENV = "WHETSTONE_CPU_GROUP"
 """Set by `RoleProcess(cpu_group=...)`: the cgroup folders (os.pathsep-separated) of the CPU group
 the role and its children run in."""
+GPU_MEMORY_ENV = "WHETSTONE_GPU_MEMORY"
+"""Set for a role that shares a GPU (`whetstone run`'s placement): `<device>=<fraction>`, the
+share of that GPU's memory its process may allocate (`torch.cuda.set_per_process_memory_fraction`)."""
 PARENT_ENV = "WHETSTONE_PARENT_PID"
 """Set in every role's environment: the role stops when this process ends (`stop_with_parent`)."""
 
@@ -52,7 +55,20 @@ def apply_role_environment() -> None:
         mask = {int(cpu) for cpu in cpus.split(",")}
         for thread_id in os.listdir("/proc/self/task"):
             os.sched_setaffinity(int(thread_id), mask)
+    limit_gpu_memory(os.environ.pop(GPU_MEMORY_ENV, ""))
     stop_with_parent()
+
+
+def limit_gpu_memory(share: str) -> None:
+    """Hold this process to a share of a GPU's memory, `<device>=<fraction>` (`GPU_MEMORY_ENV`;
+    empty: no limit): its allocations beyond it fail with an out-of-memory error instead of taking
+    what the roles beside it on the GPU need."""
+    if not share:
+        return
+    import torch
+
+    device, _, fraction = share.rpartition("=")
+    torch.cuda.set_per_process_memory_fraction(float(fraction), torch.device(device))
 
 
 def check_cpus(cpus: list[int], what: str) -> None:

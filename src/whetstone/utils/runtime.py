@@ -31,11 +31,16 @@ def native_bf16() -> bool:
     return any(getattr(torch.cpu, probe, lambda: False)() for probe in probes)
 
 
-def resolve_dtype(dtype: str) -> str:
-    """A training compute dtype with `auto` resolved: bfloat16 where the CPU multiplies bf16
-    natively, float32 elsewhere. Mid-training and `whetstone bench train` share it."""
+def resolve_dtype(dtype: str, device=None) -> str:
+    """A training compute dtype with `auto` resolved for `device` (a torch.device; None = the
+    CPU): bfloat16 on a GPU that computes in it (every one since Ampere) and where the CPU
+    multiplies bf16 natively, float32 elsewhere. Mid-training and `whetstone bench train` share it."""
     if dtype != "auto":
         return dtype
+    if device is not None and device.type == "cuda":
+        import torch
+
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
     return "bfloat16" if native_bf16() else "float32"
 
 
