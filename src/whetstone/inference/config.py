@@ -59,9 +59,6 @@ class EngineConfig(Config):
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: `bfloat16` runs the forward under bf16 autocast over the fp32 weights,
     exactly as the trainer's `dtype = "bfloat16"` does."""
-    device: DeviceName = "auto"
-    """Where the model, the KV cache and sampling run: `auto` (CUDA when present, else the CPU),
-    `cpu`, `cuda` or `cuda:N`."""
 
 
 class ServeConfig(Config):
