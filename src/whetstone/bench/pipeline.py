@@ -81,9 +81,10 @@ def random_model_config(size: str):
     return sizes[size]
 
 
-def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "tiny") -> Path:
-    """A MoE of `random_model_config(size)` with random weights, and a BPE trained on the tasks'
-    text and some standard-library source, as one HF folder."""
+def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "tiny", config=None) -> Path:
+    """A MoE of `random_model_config(size)` (or of `config`, a `ModelConfig`) with random weights,
+    and a BPE trained on the tasks' text and some standard-library source, as one HF folder. The
+    vocabulary is the BPE's."""
     import importlib
 
     import torch
@@ -99,7 +100,11 @@ def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "ti
     tokenizer = Tokenizer.train(texts, vocab_size=MidtrainModelConfig().vocab_size)
     tokenizer.save(folder / "tokenizer")
     torch.manual_seed(seed)
-    model = Transformer(random_model_config(size)(vocab_size=tokenizer.vocab_size)).eval()
+    architecture = config if config is not None else random_model_config(size)()
+    model = Transformer(
+        type(architecture).model_validate({**architecture.model_dump(), "vocab_size": tokenizer.vocab_size})
+    )
+    model = model.eval()
     return Path(save_hf(model, folder / "model", tokenizer_dir=folder / "tokenizer"))
 
 
@@ -184,9 +189,14 @@ def pipeline_config(
     placement: str = "shared",
     trainer_share: float | None = None,
     servers: int = 1,
+    dtype: str = "float32",
+    device: str = "auto",
 ):
+    """The RL stage's config for one side; `dtype` and `device` are the trainer's and the
+    servers' engines' (the rest of the servers' settings stay the run's)."""
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
+    from whetstone.inference.config import EngineConfig
     from whetstone.orchestrator import OrchestratorConfig
     from whetstone.run.config import PipelineConfig, RLConfig, ServersConfig
     from whetstone.sync import SyncConfig
@@ -205,15 +215,31 @@ def pipeline_config(
         poll_interval_s=POLL_S,
         health_interval_s=0.5,
     )
-    trainer = TrainerConfig(checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S))
+    trainer = TrainerConfig(
+        checkpoint_interval=steps,
+        poll_interval=POLL_S,
+        sync=SyncConfig(poll_interval=POLL_S),
+        dtype=dtype,
+        **device_field(TrainerConfig, device),
+    )
+    serve = ServersConfig().serve
+    engine = EngineConfig.model_validate(
+        {**serve.engine.model_dump(), "dtype": dtype, **device_field(EngineConfig, device)}
+    )
     return PipelineConfig(
         name=name,
         output_dir=str(work),
         harness=harness,
         placement=placement_config(placement, trainer_share),
-        servers=ServersConfig(count=servers),
+        servers=ServersConfig(count=servers, serve=serve.model_copy(update={"engine": engine})),
         rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator),
     )
+
+
+def device_field(config_class, device: str) -> dict[str, str]:
+    """`{"device": device}` for a role's config class that has a `device` field, else nothing
+    (a role without one computes on the CPU)."""
+    return {"device": device} if "device" in config_class.model_fields else {}
 
 
 def whetstone_side(config, model_dir: Path) -> dict[str, Any]:
