@@ -191,3 +191,46 @@ def test_gpu_marked_tests_are_skipped_where_cuda_is_absent():
     )
     assert out.returncode == 0, out.stdout + out.stderr
     assert "1 skipped" in out.stdout and "needs a CUDA device" in out.stdout
+
+
+def test_the_rl_sides_roles_run_in_the_asked_dtype_and_device(tmp_path):
+    from whetstone.bench.pipeline import pipeline_config
+
+    settings = dict(steps=2, group_size=2, groups_per_batch=1, max_tokens=8, synchronous=False)
+    config = pipeline_config(tmp_path, "rl", tmp_path / "tasks.jsonl", dtype="bfloat16", device="cpu", **settings)
+    trainer, serve = config.rl.trainer, config.servers.serve
+    assert trainer.dtype == serve.engine.dtype == "bfloat16"
+    # the run places its roles (where its placement has device fields; without them they compute on the CPU)
+    placement = config.placement.model_dump()
+    assert placement.get("trainer_device", "cpu") == "cpu" and placement.get("server_devices", ["cpu"]) == ["cpu"]
+    assert config.resolved().rl.trainer.model_dump().get("device", "cpu") == "cpu"
+    assert serve.threads == 1 and serve.engine.max_batch == 16  # the rest stay the run's servers'
+    plain = pipeline_config(tmp_path, "rl", tmp_path / "tasks.jsonl", **settings)
+    assert plain.rl.trainer.dtype == plain.servers.serve.engine.dtype == "float32"  # the CPU benches' default
+
+
+def test_the_random_model_takes_an_architecture_with_the_tokenizers_vocabulary(tmp_path):
+    from whetstone.bench.pipeline import coin_tasks, random_model
+    from whetstone.model import ModelConfig
+    from whetstone.model.hf import read_hf_config
+    from whetstone.tokenizer import Tokenizer
+
+    small = ModelConfig(vocab_size=32768, hidden_size=64, num_experts=4, moe_intermediate_size=32)
+    folder = random_model(tmp_path, coin_tasks(2), config=small)
+    read = read_hf_config(folder)
+    assert (read.hidden_size, read.num_experts, read.moe_intermediate_size) == (64, 4, 32)
+    assert read.vocab_size == Tokenizer.load(folder).vocab_size < 32768
+
+
+def test_the_torch_requirement_accepts_a_gpu_machines_build_and_ci_installs_the_cpu_wheel_first():
+    from packaging.requirements import Requirement
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_requirement = next(Requirement(r) for r in project["dependencies"] if Requirement(r).name == "torch")
+    for build in ("2.11.0+cu130", "2.13.0+cpu", "2.13.0"):  # a GPU machine's, and the CPU wheel CI installs
+        assert torch_requirement.specifier.contains(build), build
+    # an unpinned torch would be the newest, a CUDA build: CI installs the CPU wheel before the package
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert ci.index("pip install torch==2.13.0\n") < ci.index("pip install -e '.[test]'")
+    readme = (ROOT / "README.md").read_text()
+    assert "pip install torch==2.13.0 && pip install -e ." in readme and "## On a GPU" in readme

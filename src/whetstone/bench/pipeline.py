@@ -192,13 +192,13 @@ def pipeline_config(
     dtype: str = "float32",
     device: str = "auto",
 ):
-    """The RL stage's config for one side; `dtype` and `device` are the trainer's and the
-    servers' engines' (the rest of the servers' settings stay the run's)."""
+    """The RL stage's config for one side. `dtype`: the trainer's and the servers' engines';
+    `device`: where the run places them (`placement`); the rest of the servers' settings stay the
+    run's."""
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
-    from whetstone.inference.config import EngineConfig
     from whetstone.orchestrator import OrchestratorConfig
-    from whetstone.run.config import PipelineConfig, RLConfig, ServersConfig
+    from whetstone.run.config import PipelineConfig, PlacementConfig, RLConfig, ServersConfig
     from whetstone.sync import SyncConfig
     from whetstone.trainer.config import TrainerConfig
 
@@ -216,30 +216,26 @@ def pipeline_config(
         health_interval_s=0.5,
     )
     trainer = TrainerConfig(
-        checkpoint_interval=steps,
-        poll_interval=POLL_S,
-        sync=SyncConfig(poll_interval=POLL_S),
-        dtype=dtype,
-        **device_field(TrainerConfig, device),
+        checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S), dtype=dtype
     )
     serve = ServersConfig().serve
-    engine = EngineConfig.model_validate(
-        {**serve.engine.model_dump(), "dtype": dtype, **device_field(EngineConfig, device)}
-    )
+    devices = present_fields(PlacementConfig, trainer_device=device, server_devices=[device])
     return PipelineConfig(
         name=name,
         output_dir=str(work),
         harness=harness,
-        placement=placement_config(placement, trainer_share),
-        servers=ServersConfig(count=servers, serve=serve.model_copy(update={"engine": engine})),
+        placement=placement_config(placement, trainer_share).model_copy(update=devices),
+        servers=ServersConfig(
+            count=servers, serve=serve.model_copy(update={"engine": serve.engine.model_copy(update={"dtype": dtype})})
+        ),
         rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator),
     )
 
 
-def device_field(config_class, device: str) -> dict[str, str]:
-    """`{"device": device}` for a role's config class that has a `device` field, else nothing
-    (a role without one computes on the CPU)."""
-    return {"device": device} if "device" in config_class.model_fields else {}
+def present_fields(config_class, **values) -> dict[str, Any]:
+    """The `values` that name fields of `config_class`: device settings where the config has
+    them (a role without one computes on the CPU)."""
+    return {name: value for name, value in values.items() if name in config_class.model_fields}
 
 
 def whetstone_side(config, model_dir: Path) -> dict[str, Any]:
