@@ -19,10 +19,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PYTEST_S=${PYTEST_S:-100}
-TRAIN_S=${TRAIN_S:-80}
-INFERENCE_S=${INFERENCE_S:-200}
-RL_S=${RL_S:-130}
+PYTEST_S=${PYTEST_S:-120}
+TRAIN_S=${TRAIN_S:-75}
+INFERENCE_S=${INFERENCE_S:-190}
+RL_S=${RL_S:-120}
 read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"
 WORK=$(mktemp -d)
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1

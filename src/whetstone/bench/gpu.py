@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import platform
 import statistics
 import sys
@@ -422,7 +423,7 @@ def device_info(device: torch.device) -> dict:
             "memory_gb": round(props.total_memory / 1e9, 1),
             "cuda": torch.version.cuda,
         }
-    return {"type": device.type, "name": _cpu_name(), "cores": len(__import__("os").sched_getaffinity(0))}
+    return {"type": device.type, "name": _cpu_name(), "cores": len(os.sched_getaffinity(0))}
 
 
 def _cpu_name() -> str:
