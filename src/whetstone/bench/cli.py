@@ -174,3 +174,61 @@ def consistency(
 ) -> None:
     """Engine vs trainer logprob and routing mismatch, fast vs batch-invariant numerics, and their cost."""
     _emit(_bench("consistency").run(threads=threads, dtype=dtype, rounds=rounds), as_json, "numerics consistency")
+
+
+@app.command()
+def gpu(
+    as_json: bool = JSON,
+    device: str = typer.Option("auto", help="auto (CUDA when present, else the CPU), cpu, cuda or cuda:N."),
+    model: str = typer.Option(
+        "gpu", "--model", help="gpu: the 380M MoE; tiny: the default run's 1.9M (a CPU smoke run)."
+    ),
+    sections: str = typer.Option("train,inference,rl", help="Comma-separated sections to run."),
+    threads: int = typer.Option(0, help="torch threads of this process (0 = every core)."),
+    train_batch: int = typer.Option(8, help="Training batch rows."),
+    train_seq_len: int = typer.Option(1024, help="Training tokens per row."),
+    train_steps: int = typer.Option(8, help="Timed training steps per implementation."),
+    train_warmup: int = typer.Option(2, help="Untimed training steps before them."),
+    batch: list[int] = typer.Option([16, 64], "--batch", help="Generation batch size; repeatable."),
+    prompt_tokens: int = typer.Option(64, help="Prompt tokens of every generated row."),
+    new_tokens: int = typer.Option(128, help="Tokens generated per row."),
+    repeats: int = typer.Option(1, help="Timed generate calls per contender and batch size (after the first)."),
+    swaps: int = typer.Option(
+        3, help="Weight versions published while the engine decodes (swap pause; 0 = not measured)."
+    ),
+    rl_steps: int = typer.Option(6, help="Trainer steps of the RL run."),
+    group_size: int = typer.Option(4, help="Rollouts per task in the RL run."),
+    groups_per_batch: int = typer.Option(2, help="Groups per RL step."),
+    rl_max_tokens: int = typer.Option(64, help="Completion tokens of an RL rollout (one turn)."),
+    rl_tasks: int = typer.Option(8, help="Coin tasks of the RL run."),
+    output_dir: str = typer.Option(
+        "", help="Keep the RL run's configs, logs and metrics here (default: a temp folder)."
+    ),
+) -> None:
+    """whetstone vs transformers on one accelerator: training, generation (default and compiled static
+    cache), swap pause, and a short RL run with its trainer-vs-engine mismatch. Progress on stderr;
+    exit 1 (after the JSON) when a section failed."""
+    result = _bench("gpu").run(
+        device=device,
+        model=model,
+        sections=[s.strip() for s in sections.split(",") if s.strip()],
+        threads=threads,
+        train_batch=train_batch,
+        train_seq_len=train_seq_len,
+        train_steps=train_steps,
+        train_warmup=train_warmup,
+        batches=batch,
+        prompt_tokens=prompt_tokens,
+        new_tokens=new_tokens,
+        repeats=repeats,
+        swaps=swaps,
+        rl_steps=rl_steps,
+        group_size=group_size,
+        groups_per_batch=groups_per_batch,
+        rl_max_tokens=rl_max_tokens,
+        rl_tasks=rl_tasks,
+        output_dir=output_dir or None,
+    )
+    _emit(result, as_json, "GPU")
+    if result["failed"]:
+        raise typer.Exit(1)

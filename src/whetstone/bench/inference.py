@@ -147,14 +147,14 @@ def latency(model_dir: Path, threads: int, vocab: int, requests: int, prompt_tok
     }
 
 
-def _trainer(store_dir: str, swaps: int, seed: int) -> None:
+def _trainer(store_dir: str, swaps: int, seed: int, config: ModelConfig) -> None:
     """The trainer side, in its own process: publish a keyframe, then one RL-like step per version."""
     from whetstone.bench.sync import adamw_step
     from whetstone.sync import Publisher, SyncConfig, WeightStore
 
     configure_process(1)
     torch.manual_seed(seed)
-    masters = {k: v.detach().clone() for k, v in Transformer(ModelConfig()).state_dict().items()}
+    masters = {k: v.detach().clone() for k, v in Transformer(config).state_dict().items()}
     config = SyncConfig(store=store_dir)
     publisher = Publisher(WeightStore.open(config), config)
     publisher.publish(masters)
@@ -164,22 +164,35 @@ def _trainer(store_dir: str, swaps: int, seed: int) -> None:
         publisher.publish(masters)
 
 
-def swap_pauses(model: Transformer, swaps: int, prompt_tokens: int, seed: int) -> dict:
+def swap_pauses(
+    model: Transformer,
+    swaps: int,
+    prompt_tokens: int,
+    seed: int,
+    engine_config: EngineConfig | None = None,
+    load_rounds: int = 1,
+) -> dict:
     """Median decode pause of RL-like delta versions arriving through weight sync while the
-    engine decodes a full batch, and of whole-state swaps, against the decode step time."""
+    engine decodes a full batch, and of whole-state swaps, against the decode step time.
+
+    The load is `load_rounds` full batches of sequences as long as the context allows, queued
+    at once, so a fast device keeps decoding a full batch until the last version arrives."""
     import multiprocessing
 
     from whetstone.inference.swap import WeightFollower, full_update
     from whetstone.sync import Subscriber, SyncConfig, WeightStore
 
-    engine = Engine(model, EngineConfig(max_batch=16, context_limit=2048))
-    for i, prompt in enumerate(_prompts(16, prompt_tokens, model.cfg.vocab_size, seed=3).tolist()):
-        engine.add(
-            Sequence(f"load{i}", prompt, SamplingParams(max_tokens=2048 - prompt_tokens, ignore_eos=True), "batch")
-        )
+    engine_config = engine_config or EngineConfig(max_batch=16, context_limit=2048)
+    engine = Engine(model, engine_config)
+    load = SamplingParams(max_tokens=engine.context_limit - prompt_tokens, ignore_eos=True)
+    count = engine_config.max_batch * load_rounds
+    for i, prompt in enumerate(_prompts(count, prompt_tokens, model.cfg.vocab_size, seed=3).tolist()):
+        engine.add(Sequence(f"load{i}", prompt, load, "batch"))
     with tempfile.TemporaryDirectory() as store_dir:
         config = SyncConfig(store=store_dir, poll_interval=0.05)
-        trainer = multiprocessing.get_context("spawn").Process(target=_trainer, args=(store_dir, swaps, seed))
+        trainer = multiprocessing.get_context("spawn").Process(
+            target=_trainer, args=(store_dir, swaps, seed, model.cfg)
+        )
         trainer.start()
         engine.start()
         follower = WeightFollower(Subscriber(WeightStore.open(config), config), engine, poll_seconds=0.05).start()

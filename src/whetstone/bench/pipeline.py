@@ -81,9 +81,10 @@ def random_model_config(size: str):
     return sizes[size]
 
 
-def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "tiny") -> Path:
-    """A MoE of `random_model_config(size)` with random weights, and a BPE trained on the tasks'
-    text and some standard-library source, as one HF folder."""
+def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "tiny", config=None) -> Path:
+    """A MoE of `random_model_config(size)` (or of `config`, a `ModelConfig`) with random weights,
+    and a BPE trained on the tasks' text and some standard-library source, as one HF folder. The
+    vocabulary is the BPE's."""
     import importlib
 
     import torch
@@ -99,7 +100,11 @@ def random_model(folder: Path, tasks: list[Task], seed: int = 0, size: str = "ti
     tokenizer = Tokenizer.train(texts, vocab_size=MidtrainModelConfig().vocab_size)
     tokenizer.save(folder / "tokenizer")
     torch.manual_seed(seed)
-    model = Transformer(random_model_config(size)(vocab_size=tokenizer.vocab_size)).eval()
+    architecture = config if config is not None else random_model_config(size)()
+    model = Transformer(
+        type(architecture).model_validate({**architecture.model_dump(), "vocab_size": tokenizer.vocab_size})
+    )
+    model = model.eval()
     return Path(save_hf(model, folder / "model", tokenizer_dir=folder / "tokenizer"))
 
 
@@ -184,11 +189,16 @@ def pipeline_config(
     placement: str = "shared",
     trainer_share: float | None = None,
     servers: int = 1,
+    dtype: str = "float32",
+    device: str = "auto",
 ):
+    """The RL stage's config for one side. `dtype`: the trainer's and the servers' engines';
+    `device`: where the run places them (`placement`); the rest of the servers' settings stay the
+    run's."""
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
     from whetstone.orchestrator import OrchestratorConfig
-    from whetstone.run.config import PipelineConfig, RLConfig, ServersConfig
+    from whetstone.run.config import PipelineConfig, PlacementConfig, RLConfig, ServersConfig
     from whetstone.sync import SyncConfig
     from whetstone.trainer.config import TrainerConfig
 
@@ -205,15 +215,27 @@ def pipeline_config(
         poll_interval_s=POLL_S,
         health_interval_s=0.5,
     )
-    trainer = TrainerConfig(checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S))
+    trainer = TrainerConfig(
+        checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S), dtype=dtype
+    )
+    serve = ServersConfig().serve
+    devices = present_fields(PlacementConfig, trainer_device=device, server_devices=[device])
     return PipelineConfig(
         name=name,
         output_dir=str(work),
         harness=harness,
-        placement=placement_config(placement, trainer_share),
-        servers=ServersConfig(count=servers),
+        placement=placement_config(placement, trainer_share).model_copy(update=devices),
+        servers=ServersConfig(
+            count=servers, serve=serve.model_copy(update={"engine": serve.engine.model_copy(update={"dtype": dtype})})
+        ),
         rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator),
     )
+
+
+def present_fields(config_class, **values) -> dict[str, Any]:
+    """The `values` that name fields of `config_class`: device settings where the config has
+    them (a role without one computes on the CPU)."""
+    return {name: value for name, value in values.items() if name in config_class.model_fields}
 
 
 def whetstone_side(config, model_dir: Path) -> dict[str, Any]:

@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# gpu-check.sh: the one prepared check a GPU machine runs (one H100 or H200, Python 3.12 with torch
+# and transformers preinstalled, no network). From the repository root, with whetstone's other
+# dependencies carried as wheels in .whl/ (../shared/device/fetch-wheels .whl) and OUT set to the
+# folder whose files come back:
+#   bash scripts/gpu-check.sh
+# Stages, each bounded in time, each run whatever the ones before it did (about 9 minutes in all):
+#   install   the wheels into /tmp/site; whetstone runs from src/ (PYTHONPATH), not installed
+#   versions  python, torch, CUDA, transformers, nvidia-smi
+#   pytest    the tests marked gpu (`pytest -m gpu`): $OUT/junit.xml, $OUT/pytest.log
+#   bench     `whetstone bench gpu --json`, one section per run so that one stuck section leaves
+#             the others' figures: merged into $OUT/bench.json; progress in $OUT/bench.log; the RL
+#             run's configs, logs and metrics in $OUT/rl-run.tgz
+# $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
+# every bench run (a CPU dry run: BENCH_ARGS="--model tiny --train-seq-len 32 ..."); the *_S
+# variables below change a stage's bound in seconds.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu-check-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PYTEST_S=${PYTEST_S:-120}
+TRAIN_S=${TRAIN_S:-75}
+INFERENCE_S=${INFERENCE_S:-190}
+RL_S=${RL_S:-120}
+read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"
+WORK=$(mktemp -d)
+exec > >(tee -a "$OUT/gpu-check.log") 2>&1
+
+# stage NAME SECONDS COMMAND...: run COMMAND bounded by SECONDS (TERM, then KILL 15 s later).
+stage() {
+    local name=$1 seconds=$2 started rc
+    shift 2
+    echo "=== $name (at most ${seconds} s): $*"
+    started=$(date +%s)
+    timeout --kill-after=15 "$seconds" "$@"
+    rc=$?
+    echo "=== $name: exit $rc$([ "$rc" = 124 ] && echo ' (timed out)') after $(($(date +%s) - started)) s"
+    return 0
+}
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+    stage install 120 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl
+else
+    echo "=== install: no wheels in .whl/ (whetstone's dependencies must already be importable)"
+fi
+export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+
+stage versions 60 python3 -c '
+import platform, torch
+print("python", platform.python_version(), "| torch", torch.__version__, "| CUDA", torch.version.cuda,
+      "| devices", [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())])
+try:
+    import transformers; print("transformers", transformers.__version__)
+except ImportError as err:
+    print("transformers: not importable:", err)
+import whetstone; print("whetstone from", whetstone.__file__)'
+stage nvidia-smi 30 nvidia-smi
+
+# -m gpu replaces the default `-m "not slow"`; a test module that cannot be imported here is
+# reported and the others still run.
+stage pytest "$PYTEST_S" bash -c 'python3 -m pytest tests -m gpu -ra -p no:cacheprovider \
+    --continue-on-collection-errors --junitxml="$1/junit.xml" 2>&1 | tee "$1/pytest.log"' _ "$OUT"
+
+for section in train inference rl; do
+    bound_var=${section^^}_S
+    extra=()
+    [ "$section" = rl ] && extra=(--output-dir "$WORK/rl-run")
+    stage "bench $section" "${!bound_var}" bash -c 'python3 -m whetstone bench gpu --json --sections "$1" "${@:4}" \
+        >"$2/bench-$1.json" 2> >(tee -a "$3/bench.log" >&2)' _ "$section" "$WORK" "$OUT" "${extra[@]}" "${BENCH_EXTRA[@]}"
+done
+
+# One object, as one `whetstone bench gpu --json` prints; a section whose run printed nothing says so.
+python3 - "$WORK" "$OUT/bench.json" <<'PY'
+import json, sys
+from pathlib import Path
+
+work, merged = Path(sys.argv[1]), {"failed": [], "seconds": {}}
+for section in ("train", "inference", "rl"):
+    path = work / f"bench-{section}.json"
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        merged[section] = {"error": "the bench run printed no JSON (timed out or crashed: see bench.log)"}
+        merged["failed"].append(section)
+        continue
+    merged["failed"] += result.pop("failed")
+    merged["seconds"].update(result.pop("seconds"))
+    merged = {**result, **merged}
+Path(sys.argv[2]).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+print(json.dumps({k: merged[k] for k in ("device", "failed", "seconds") if k in merged}, indent=2))
+PY
+
+if [ -d "$WORK/rl-run" ]; then
+    tar czf "$OUT/rl-run.tgz" -C "$WORK" --exclude=checkpoints --exclude=weights --exclude=batches \
+        --exclude=bench-model --exclude='*.safetensors' rl-run
+fi
+ls -la "$OUT"

@@ -1,0 +1,14 @@
+"""Tests marked `gpu` need a CUDA device: where torch sees none (CI, most machines) they are
+skipped, so `pytest` runs the same everywhere and `pytest -m gpu` runs them on a GPU machine."""
+
+import pytest
+import torch
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if item.get_closest_marker("gpu") is not None:
+            item.add_marker(skip)
