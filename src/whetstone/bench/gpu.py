@@ -183,7 +183,6 @@ def inference(
 ) -> dict:
     """Generation tokens/s of the engine and of transformers' two caches, and the swap pause
     (`swaps` = 0: not measured)."""
-    from whetstone.bench.pipeline import present_fields
     from whetstone.inference.config import EngineConfig
     from whetstone.inference.engine import Engine
 
@@ -202,7 +201,7 @@ def inference(
             max_batch=max(batches),
             context_limit=prompt_tokens + new_tokens,
             dtype=DTYPE,
-            **present_fields(EngineConfig, device=str(device)),
+            device=str(device),
         ),
     )
     result: dict[str, Any] = {
@@ -228,7 +227,6 @@ def inference(
 def _swap(model: Transformer, device: torch.device, swaps: int, prompt_tokens: int, seed: int) -> dict:
     """The median pause of `swaps` RL-like versions against the decode step of a full batch of 16."""
     from whetstone.bench.inference import swap_pauses
-    from whetstone.bench.pipeline import present_fields
     from whetstone.inference.config import EngineConfig
 
     say(f"inference: swap pause of {swaps} weight versions while decoding a full batch")
@@ -236,7 +234,7 @@ def _swap(model: Transformer, device: torch.device, swaps: int, prompt_tokens: i
         max_batch=16,
         context_limit=model.cfg.max_position_embeddings,
         dtype=DTYPE,
-        **present_fields(EngineConfig, device=str(device)),
+        device=str(device),
     )
     swap = swap_pauses(model, swaps, prompt_tokens, seed, config, load_rounds=LOAD_ROUNDS)
     return {

@@ -198,7 +198,7 @@ def pipeline_config(
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
     from whetstone.orchestrator import OrchestratorConfig
-    from whetstone.run.config import PipelineConfig, PlacementConfig, RLConfig, ServersConfig
+    from whetstone.run.config import PipelineConfig, RLConfig, ServersConfig
     from whetstone.sync import SyncConfig
     from whetstone.trainer.config import TrainerConfig
 
@@ -219,7 +219,7 @@ def pipeline_config(
         checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S), dtype=dtype
     )
     serve = ServersConfig().serve
-    devices = present_fields(PlacementConfig, trainer_device=device, server_devices=[device])
+    devices = {"trainer_device": device, "server_devices": [device]}
     return PipelineConfig(
         name=name,
         output_dir=str(work),
@@ -230,12 +230,6 @@ def pipeline_config(
         ),
         rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator),
     )
-
-
-def present_fields(config_class, **values) -> dict[str, Any]:
-    """The `values` that name fields of `config_class`: device settings where the config has
-    them (a role without one computes on the CPU)."""
-    return {name: value for name, value in values.items() if name in config_class.model_fields}
 
 
 def whetstone_side(config, model_dir: Path) -> dict[str, Any]:
