@@ -20,7 +20,8 @@ def test_parts_cover_every_row_once_in_a_seeded_order(batches):
         return sorted(tuple(ids[ids != 0].tolist()) for ids in b.input_ids)
 
     assert rows(batch) == sorted(r for part in parts for r in rows(part))
-    assert [len(part) for part in parts] == [3, 3, 2]
+    assert len(batch) >= 4  # enough rows for three non-empty parts
+    assert [len(part) for part in parts] == [len(range(i, len(batch), 3)) for i in range(3)]  # near-equal
     assert sum(part.num_loss_tokens for part in parts) == batch.num_loss_tokens
     again = shuffled_parts(batch, 3, seed=5)
     assert all(a.input_ids.equal(b.input_ids) for a, b in zip(parts, again, strict=True))

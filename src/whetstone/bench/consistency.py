@@ -99,7 +99,7 @@ def mismatch(model: Transformer, batch: Batch, dtype: str, numerics: str) -> dic
         "bitwise_equal_fraction": float((ours == theirs).float().mean()),
         "routing_disagreement": routing.metrics()["routing_disagreement"],
         "tokens": int(trained.sum()),
-        "router_choices": routing.choices,
+        "router_choices": int(routing.choices),
     }
 
 
