@@ -104,14 +104,16 @@ class ThreadServer:
     """The real inference server (engine, HTTP app, weight follower) in a thread of this process,
     on a fixed port so that it can be stopped and started again at the same address."""
 
-    def __init__(self, model_dir: str, weights: Path, port: int | None = None):
-        self.model_dir, self.weights, self.port = model_dir, weights, port or free_port()
+    def __init__(self, model_dir: str, weights: Path, port: int | None = None, cluster: str | None = None):
+        """`cluster`: announce the server in the weight store's fleet registry with this label."""
+        self.model_dir, self.weights, self.port, self.cluster = model_dir, weights, port or free_port(), cluster
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self._server = self._thread = None
 
     def start(self) -> ThreadServer:
         import uvicorn
 
+        from whetstone.fleet import FleetConfig
         from whetstone.inference.config import EngineConfig, ServeConfig
         from whetstone.inference.launch import build_app
 
@@ -121,6 +123,7 @@ class ThreadServer:
             threads=1,
             engine=EngineConfig(max_batch=8),
             sync=sync_config(self.weights),
+            fleet=FleetConfig(announce=self.cluster is not None, cluster=self.cluster or "default", heartbeat_s=0.2),
         )
         self._server = uvicorn.Server(
             uvicorn.Config(build_app(config), host="127.0.0.1", port=self.port, log_level="warning")

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from whetstone.config import Config
+from whetstone.fleet.config import FleetConfig
 from whetstone.inference.feedback import FeedbackConfig
 from whetstone.sync.config import SyncConfig
 from whetstone.utils.device import DeviceName
@@ -92,3 +93,12 @@ class ServeConfig(Config):
     absent = serve the loaded weights only."""
     feedback: FeedbackConfig = FeedbackConfig()
     """Keep users' responses for online RL and take their feedback (POST /v1/feedback)."""
+    fleet: FleetConfig = FleetConfig()
+    """Announce this server in the fleet registry of its weight store (`fleet.announce`, needs
+    `sync`), with its cluster label, so orchestrators find it while it runs."""
+
+    @model_validator(mode="after")
+    def _fleet_needs_a_store(self) -> ServeConfig:
+        if self.fleet.announce and self.sync is None:
+            raise ValueError("fleet.announce needs a [sync] section: the registry lives in the weight store")
+        return self

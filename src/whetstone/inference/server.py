@@ -56,6 +56,19 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
+def fleet_announcer(config: ServeConfig):
+    """What keeps this server's record in the fleet registry while it runs (`fleet.announce`), or None."""
+    if not config.fleet.announce:
+        return None
+    from whetstone.fleet import Announcer, FleetRegistry, ServerRecord
+    from whetstone.fleet.registry import advertised_url
+    from whetstone.store import open_store
+
+    registry = FleetRegistry(open_store(config.sync.store, endpoint_url=config.sync.endpoint_url, create=False))
+    url = advertised_url(config.host, config.port, config.fleet.url)
+    return Announcer(registry, ServerRecord.new(url, config.fleet.cluster), config.fleet.heartbeat_s)
+
+
 def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_name: str, follower=None) -> FastAPI:
     """The app; its lifespan starts and stops the engine thread (and the weight follower)."""
     capture = None
@@ -66,15 +79,20 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
                 "authenticated clients, so set auth_token"
             )
         capture = Capture(config.feedback, model_name)
+    announcer = fleet_announcer(config)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         engine.start()
         if follower is not None:
             follower.start()
+        if announcer is not None:
+            announcer.start()
         try:
             yield
         finally:
+            if announcer is not None:
+                announcer.stop()  # first: orchestrators stop sending before the engine goes
             if follower is not None:
                 follower.stop()
             engine.stop()

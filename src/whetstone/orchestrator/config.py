@@ -59,6 +59,13 @@ class OrchestratorConfig(Config):
     """Seconds between health checks of servers that are out of the pool."""
     no_server_timeout_s: float = Field(600.0, gt=0)
     """Give up when no server has been healthy for this long."""
+    discover_servers: bool = False
+    """Also use the servers announced in the weight store's fleet registry (`whetstone serve`
+    with `fleet.announce`): new ones join within `health_interval_s`, ones that stop or go
+    silent are dropped, and their rollouts move to others. `servers` may then be empty."""
+    server_heartbeat_timeout_s: float = Field(10.0, gt=0)
+    """An announced server whose heartbeat is this many seconds old is forgotten (several of
+    its `fleet.heartbeat_s`)."""
     metrics_path: str | None = None
     """JSONL file getting one record per batch put (counts, reward, staleness, server health)."""
     tracking: TrackingConfig = TrackingConfig()
@@ -66,8 +73,10 @@ class OrchestratorConfig(Config):
 
     @model_validator(mode="after")
     def _servers_given(self) -> OrchestratorConfig:
-        if not self.servers:
-            raise ValueError("servers is empty: give at least one inference server address")
+        if not self.servers and not self.discover_servers:
+            raise ValueError(
+                "servers is empty: give at least one inference server address, or set discover_servers = true"
+            )
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"servers lists an address twice: {self.servers}")
         sampling = self.harness.sampling

@@ -39,6 +39,7 @@ from whetstone.envs.harness import AgentHarness, ServerPool, rollout
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory
 from whetstone.errors import WhetstoneError
+from whetstone.fleet import FleetRegistry
 from whetstone.orchestrator.batches import Group, Window, build_batch, drop_stale, flat_metrics
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.rl.advantages.groups import score_groups
@@ -113,6 +114,8 @@ class Orchestrator:
             health_interval_s=config.health_interval_s,
             no_server_timeout_s=config.no_server_timeout_s,
             min_version=self._oldest_useful_version,
+            registry=FleetRegistry(self.weights.objects) if config.discover_servers else None,
+            stale_after_s=config.server_heartbeat_timeout_s,
         )
         metrics = (
             MetricsWriter(
@@ -133,7 +136,11 @@ class Orchestrator:
             while not config.max_batches or len(self.put) < config.max_batches:
                 meta = await self._put_batch(index)
                 if metrics is not None:
-                    metrics.write({**flat_metrics(meta), **pool.stats(), "invalid_tasks": self.invalid_tasks})
+                    await pool.probe_versions()
+                    clusters = pool.cluster_stats(self.latest_version)
+                    metrics.write(
+                        {**flat_metrics(meta), **pool.stats(), **clusters, "invalid_tasks": self.invalid_tasks}
+                    )
                 if on_batch is not None:
                     on_batch(meta)
                 index += 1

@@ -27,6 +27,7 @@ from whetstone.midtrain.config import MidtrainConfig, RunConfig
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.loss import LossConfig
+from whetstone.run.ray_launch import RayConfig
 from whetstone.trainer.config import TrainerConfig
 from whetstone.training.config import OptimizerConfig
 from whetstone.utils.device import DeviceName
@@ -128,6 +129,12 @@ class PlacementConfig(Config):
     rollout_cores: float = Field(0.0, ge=0.0)
     """CPU time the servers, the orchestrator and its sandboxes may use together, in cores
     (a cgroup CPU quota; 0 = no quota)."""
+    backend: Literal["local", "ray"] = "local"
+    """`local`: every role a process of this machine. `ray`: the trainer, the servers and the
+    orchestrator as Ray actors on a cluster (`ray`; docs/cluster.md); the cores, quotas and
+    memory shares above apply only to `local`."""
+    ray: RayConfig = RayConfig()
+    """The Ray cluster and what each role asks of it (with `backend = "ray"`)."""
 
 
 class PipelineConfig(Config):

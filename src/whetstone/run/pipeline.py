@@ -29,6 +29,7 @@ from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.monitor import ServerSampler, last_record
 from whetstone.run.placement import gpu_memory_shares, server_device
+from whetstone.run.ray_launch import RayLauncher
 from whetstone.utils.atomic import atomic_directory, atomic_write_json, atomic_write_text
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
 from whetstone.utils.metrics import read_metrics
@@ -88,6 +89,10 @@ class Pipeline:
         self.urls: list[str] = []
         self.sampler: ServerSampler | None = None
         """Samples the servers' /metrics while they run (versions, swap pauses, busy)."""
+        self.launcher = (
+            RayLauncher(self.config.placement.ray, self.run_dir) if self.config.placement.backend == "ray" else None
+        )
+        """Starts the roles on a Ray cluster (`placement.backend = "ray"`); None: processes here."""
         self.cpu_groups: dict[str, CpuGroup] = {}
         """CPU groups by side (`trainer`, `rollout`: servers, orchestrator, sandboxes): their CPU
         time, sampled into `cpu.jsonl`, and the quotas of `placement`'s cores fields."""
@@ -116,6 +121,10 @@ class Pipeline:
         write_demos(self.demos_path, demo_source(self.config)())  # demos.count > 0 (PipelineConfig checks)
 
     def orchestrator_config(self):
+        """On Ray, the orchestrator takes its servers from the fleet registry only: a server that
+        dies leaves it, and one Ray restarts comes back at a new address."""
+        if self.launcher is not None:
+            return self.config.rl.orchestrator.model_copy(update={"servers": [], "discover_servers": True})
         return self.config.rl.orchestrator
 
     def eval_config(self, when: str):
@@ -172,6 +181,10 @@ class Pipeline:
         health_url: str | None = None,
     ) -> RoleProcess:
         """Start role `name`; `side` (`trainer` or `rollout`) picks its CPU group."""
+        if self.launcher is not None:
+            role = self.launcher.role(name, command, config)
+            self.roles.append(role)
+            return role
         self.open_cpu_groups()
         path = self.write_role_config(name, config)
         role = RoleProcess(
@@ -200,6 +213,8 @@ class Pipeline:
         servers = self.config.servers
         # servers follow the weight store before the trainer's first publish, and a missing store is an error
         Path(self.config.rl.orchestrator.weight_store).mkdir(parents=True, exist_ok=True)
+        if self.launcher is not None:
+            return self.start_ray_servers()
         ports = (
             [servers.base_port + i for i in range(servers.count)] if servers.base_port else free_ports(servers.count)
         )
@@ -220,6 +235,20 @@ class Pipeline:
         ]
         for role in started:
             role.wait_healthy(servers.start_timeout_s)
+
+    def start_ray_servers(self) -> None:
+        """The servers as Ray actors, each on a free port of its node: addresses known once placed."""
+        self.launcher.connect()
+        started = []
+        for i in range(self.config.servers.count):
+            role = self.launcher.server(f"serve-{i}", i, self.serve_config(1, i))
+            self.roles.append(role)
+            started.append(role)
+        for role in started:
+            role.wait_healthy(self.config.servers.start_timeout_s)
+        self.urls = [role.url for role in started]
+        self.config = self.config.resolved(self.urls)
+        self.write_config()
 
     def evaluate(self, when: str) -> dict[str, Any]:
         from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks
@@ -286,7 +315,12 @@ class Pipeline:
         deadline = time.monotonic() + self.config.rl.sync_timeout_s
         while True:
             versions = [sample.get("weight_version") for sample in self.sampler.latest.values()]
-            if len(versions) == len(self.urls) and all(v == version for v in versions):
+            if self.launcher is not None:  # servers Ray lost are not waited for
+                live = {role.url for role in self.roles if role.command == "serve" and role.running}
+                versions = [s.get("weight_version") for i, s in self.sampler.latest.items() if self.urls[i] in live]
+                if versions and all(v == version for v in versions):
+                    return
+            elif len(versions) == len(self.urls) and all(v == version for v in versions):
                 return
             if time.monotonic() > deadline:
                 raise WhetstoneError(
@@ -315,6 +349,8 @@ class Pipeline:
             except WhetstoneError as err:  # a stray process (an orphaned sandbox): the run's results still stand
                 log.warning("%s", err)
         self.cpu_groups.clear()
+        if self.launcher is not None:
+            self.launcher.close()
 
     def export_policy(self) -> tuple[Path, float | None]:
         """The run's final policy as a Hugging Face folder, `model/` (tokenizer included), and the

@@ -15,6 +15,7 @@ from whetstone.envs.tasks.io import read_records
 from whetstone.envs.tasks.registry import SOURCES, TasksConfig, check_source
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
+from whetstone.run.ray_launch import import_ray
 from whetstone.utils.device import resolve_device
 from whetstone.utils.processes import check_cpus
 
@@ -52,6 +53,11 @@ def _problems(config: PipelineConfig) -> Iterator[str]:
         except WhetstoneError as err:
             yield str(err)
     yield from _devices(config)
+    if config.placement.backend == "ray":
+        try:
+            import_ray()
+        except ConfigError as err:
+            yield str(err)
     if not config.rl_enabled:
         return
     trainer = config.rl.trainer

@@ -8,6 +8,8 @@ import pytest
 from tests.orchestrator.orchestrator_support import ThreadServer, Trainer, model_folder, thread_servers
 from whetstone.envs.harness import EndpointConfig, PolicyError, Sampling, ServerPool
 from whetstone.errors import WhetstoneError
+from whetstone.fleet import FleetRegistry, ServerRecord
+from whetstone.store import LocalStore
 
 ENDPOINT = EndpointConfig(retries=0, timeout_s=30)
 SHORT = Sampling(max_tokens=4)
@@ -147,3 +149,88 @@ def test_a_server_stuck_on_old_weights_is_up_and_behind_while_a_stopped_one_is_d
         asyncio.run(scenario())
     finally:
         server.shutdown()
+
+
+def registry_of(weights) -> FleetRegistry:
+    return FleetRegistry(LocalStore(weights))
+
+
+def test_servers_announced_in_the_registry_join_and_a_stopped_ones_rollout_moves_on(world):
+    eu = ThreadServer(*world, cluster="eu").start()
+    us = None
+
+    async def scenario():
+        nonlocal us
+        pool = await ServerPool.connect([], ENDPOINT, health_interval_s=0.1, registry=registry_of(world[1]))
+        try:
+            assert [(s.url, s.cluster, s.alive) for s in pool.servers] == [(eu.url, "eu", True)]
+            us = await asyncio.to_thread(ThreadServer(*world, cluster="us").start)  # joins while the pool runs
+            await until(lambda: len(pool.servers) == 2 and all(s.alive for s in pool.servers))
+            async with pool.lease() as first, pool.lease() as second:
+                on_us = first if first.server.url == us.url else second
+                assert on_us.server.cluster == "us" and (await on_us.complete([1, 2], SHORT)).ids
+                await asyncio.to_thread(us.stop)  # its record goes, and its rollout's next call moves
+                completion = await on_us.complete([1, 2, 3], SHORT)
+                assert completion.ids and on_us.server.url == eu.url
+            await until(lambda: [s.url for s in pool.servers] == [eu.url])
+            assert pool.rollouts == {"eu": 2}  # both rollouts finished on eu: counted once each
+            stats = pool.cluster_stats(latest_version=0)
+            assert stats["cluster_eu_servers"] == 1 and stats["cluster_eu_rollouts_per_s"] > 0
+            assert stats["cluster_us_servers"] == 0
+            await pool.probe_versions()
+            assert pool.cluster_stats(latest_version=2)["cluster_eu_weight_version_lag"] == 2
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        eu.stop()
+        if us is not None:
+            us.stop()
+
+
+def test_an_announced_server_whose_heartbeat_stops_is_dropped_though_it_still_answers(world):
+    with thread_servers(*world, count=1) as (server,):
+        registry = registry_of(world[1])
+        record = ServerRecord.new(server.url, "borrowed")
+        registry.announce(record)  # announced once, never refreshed: as from a machine cut off
+
+        async def scenario():
+            pool = await ServerPool.connect([], ENDPOINT, health_interval_s=0.1, registry=registry, stale_after_s=1.0)
+            try:
+                assert [s.cluster for s in pool.servers if s.alive] == ["borrowed"]
+                await until(lambda: not pool.servers)
+                with pytest.raises(PolicyError, match="none is announced"):
+                    pool.require_one()
+            finally:
+                await pool.close()
+
+        try:
+            asyncio.run(scenario())
+        finally:
+            registry.forget(record)
+
+
+def test_a_late_server_takes_rollouts_only_once_caught_up_through_the_weight_store(tmp_path):
+    model_dir = model_folder(tmp_path)
+    trainer = Trainer(model_dir, tmp_path / "weights")
+    while trainer.publish() < 10:  # a keyframe and deltas; the server loads version 0 from its folder
+        pass
+    late = ThreadServer(model_dir, tmp_path / "weights", cluster="late").start()
+
+    async def scenario():
+        pool = await ServerPool.connect(
+            [], ENDPOINT, health_interval_s=0.1, registry=registry_of(tmp_path / "weights"), min_version=lambda: 10
+        )
+        try:
+            async with pool.lease() as policy:
+                completion = await policy.complete([1, 2, 3], SHORT)
+            assert completion.ids and set(completion.versions) == {10}
+        finally:
+            await pool.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        late.stop()

@@ -11,6 +11,12 @@ the server dies. The harness keeps the context as token ids, so any server can c
 the lost call is sent again elsewhere, the tokens sampled before stay with their versions, and
 no rollout is lost to a server failure. A call that fails while its server is healthy (a bad
 request) is the rollout's own failure and is not retried.
+
+With a fleet registry (`whetstone.fleet`), the pool also takes the servers announced there: a new
+one joins at the next health round (`health_interval_s`) once it holds a useful weight version,
+and one that leaves the registry (stopped, or its heartbeat stale) is taken out, its rollouts
+moving as from a dead server. Each server has its cluster label; `cluster_stats` reports
+rollouts/s and weight version lag per cluster.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -27,6 +34,7 @@ import httpx
 from whetstone.envs.harness.config import EndpointConfig
 from whetstone.envs.harness.policy import Completion, HttpPolicy, Policy, PolicyError, Sampling
 from whetstone.errors import WhetstoneError
+from whetstone.fleet import FleetRegistry
 
 log = logging.getLogger("whetstone.pool")
 HEALTH_TIMEOUT_S = 5.0
@@ -49,6 +57,12 @@ class Server:
     """Times the server was found dead and taken out."""
     problem: str = "not checked yet"
     """Why the server is out of the pool (empty while it is in)."""
+    cluster: str = "default"
+    """Cluster label (from the fleet registry; `default` for a server it does not list)."""
+    announced: bool = False
+    """Found in the fleet registry (dropped when it leaves it), not given by address."""
+    version: int | None = None
+    """Weight version it reported at its last health check (None: never reported one)."""
 
     @property
     def alive(self) -> bool:
@@ -67,6 +81,8 @@ class ServerPool:
         health_interval_s: float = 2.0,
         no_server_timeout_s: float = 600.0,
         min_version: Callable[[], int | None] = lambda: None,
+        registry: FleetRegistry | None = None,
+        stale_after_s: float = 10.0,
     ):
         self.servers = [Server(url) for url in urls]
         self.endpoint = endpoint
@@ -82,11 +98,21 @@ class ServerPool:
         """Clients of servers taken out: closed only at the end, since other rollouts' calls may
         still be unwinding on them."""
         self.calls_rerun = 0
+        self.registry = registry
+        """Where servers announce themselves (None: only the servers given by address)."""
+        self.stale_after_s = stale_after_s
+        """An announced server whose heartbeat is this old is forgotten."""
+        self.rollouts: Counter[str] = Counter()
+        """Rollouts finished, by cluster."""
+        self.clusters = {server.cluster for server in self.servers}
+        """Every cluster a server of the pool had (one whose servers are all gone reports 0 of them)."""
+        self._stats_at, self._rollouts_then = time.monotonic(), Counter()
 
     @classmethod
     async def connect(cls, urls: list[str], endpoint: EndpointConfig, **options) -> ServerPool:
         """Connect to every server that answers; the others join when they become healthy."""
         pool = cls(urls, endpoint, **options)
+        await pool.discover()
         await asyncio.gather(*(pool._join(server) for server in pool.servers))
         pool._watcher = asyncio.create_task(pool._watch(), name="server-health")
         return pool
@@ -100,7 +126,7 @@ class ServerPool:
         """Raise, naming every server and what is wrong with it, unless one is in the pool."""
         if not any(server.alive for server in self.servers):
             problems = "; ".join(f"{s.url}: {s.problem}" for s in self.servers)
-            raise PolicyError(f"no inference server is usable: {problems}")
+            raise PolicyError(f"no inference server is usable: {problems or 'none is announced'}")
 
     async def close(self) -> None:
         if self._watcher is not None:
@@ -119,6 +145,7 @@ class ServerPool:
         policy = PooledPolicy(self, await self.pick())
         try:
             yield policy
+            self.rollouts[policy.server.cluster] += 1
         finally:
             policy.server.leases -= 1
 
@@ -156,6 +183,52 @@ class ServerPool:
             out[f"server{index}_failures"] = server.failures
         return out
 
+    def cluster_stats(self, latest_version: int | None) -> dict[str, float]:
+        """Per cluster: live servers, rollouts/s since the last call, and how many versions its
+        slowest live server is behind `latest_version` (as last reported: `probe_versions`)."""
+        now = time.monotonic()
+        elapsed = max(now - self._stats_at, 1e-9)
+        out: dict[str, float] = {}
+        for cluster in sorted(self.clusters):
+            live = [s for s in self.servers if s.cluster == cluster and s.alive]
+            out[f"cluster_{cluster}_servers"] = len(live)
+            out[f"cluster_{cluster}_rollouts_per_s"] = (self.rollouts[cluster] - self._rollouts_then[cluster]) / elapsed
+            versions = [s.version for s in live if s.version is not None]
+            if latest_version is not None and versions:
+                out[f"cluster_{cluster}_weight_version_lag"] = max(0, latest_version - min(versions))
+        self._stats_at, self._rollouts_then = now, Counter(self.rollouts)
+        return out
+
+    async def probe_versions(self) -> None:
+        """Ask every live server for its weight version (`Server.version`)."""
+        await asyncio.gather(*(self.health(s) for s in self.servers if s.alive))
+
+    async def discover(self) -> None:
+        """Add the servers newly announced in the registry, drop the announced ones it no longer
+        lists (their rollouts move on at their next call). A registry that cannot be read leaves
+        the pool as it is."""
+        if self.registry is None:
+            return
+        try:
+            records = await asyncio.to_thread(self.registry.live, self.stale_after_s)
+        except Exception as err:  # a store outage must not empty the pool
+            log.warning("reading the fleet registry %r failed, servers kept as they are: %s", self.registry, err)
+            return
+        listed = {record.url: record for record in records}
+        for server in list(self.servers):
+            record = listed.pop(server.url, None)
+            if record is not None:
+                server.cluster = record.cluster
+                self.clusters.add(record.cluster)
+            elif server.announced:
+                log.warning("inference server %s left the fleet registry: dropped from the pool", server.url)
+                self._take_out(server, failed=True)
+                self.servers.remove(server)
+        for record in listed.values():
+            log.info("inference server %s (cluster %s) announced itself", record.url, record.cluster)
+            self.servers.append(Server(record.url, cluster=record.cluster, announced=True))
+            self.clusters.add(record.cluster)
+
     def _take_out(self, server: Server, failed: bool) -> None:
         policy, server.policy = server.policy, None
         if policy is not None:
@@ -176,6 +249,8 @@ class ServerPool:
         except ValueError:
             body = {}
         body = body if isinstance(body, dict) else {}
+        if isinstance(body.get("weight_version"), int):
+            server.version = body["weight_version"]
         if response.status_code == 200:
             return body
         if response.status_code == 503 and body.get("status") == STALE_WEIGHTS:
@@ -206,6 +281,7 @@ class ServerPool:
     async def _watch(self) -> None:
         while True:
             await asyncio.sleep(self.health_interval_s)
+            await self.discover()
             await asyncio.gather(*(self._join(s) for s in self.servers if not s.alive))
 
 

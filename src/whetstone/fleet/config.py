@@ -1,0 +1,25 @@
+"""Config of a server's place in the fleet: whether it announces itself, its cluster, its address."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from whetstone.config import Config
+
+CLUSTER_PATTERN = r"^[A-Za-z0-9_.-]+$"
+"""Cluster labels name metrics and Ray resources, so they are plain words."""
+
+
+class FleetConfig(Config):
+    announce: bool = False
+    """Announce this server in the fleet registry of its weight store (`sync.store`) while it
+    runs, so that orchestrators which discover servers (`discover_servers`) use it."""
+    cluster: str = Field("default", pattern=CLUSTER_PATTERN)
+    """Cluster label of this server (a region, a borrowed pool): the orchestrator reports
+    rollouts/s and weight version lag per cluster."""
+    url: str = ""
+    """API root others reach this server at; empty = `http://<host>:<port>/v1`, with this
+    machine's address in place of 0.0.0.0."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """Seconds between rewrites of this server's record; readers forget a server whose record is
+    several heartbeats old (`server_heartbeat_timeout_s` of the orchestrator)."""

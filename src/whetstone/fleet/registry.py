@@ -1,0 +1,141 @@
+"""The fleet registry: the inference servers that are up, as records in an object store (the
+weight store's, so every machine that follows the weights can find it).
+
+    registry = FleetRegistry(open_store("s3://bucket/weights"))
+    with Announcer(registry, ServerRecord.new(url, cluster="eu"), heartbeat_s=2.0):
+        ...                                           # the server runs, announced
+    registry.live(stale_after_s=10.0)                 # what an orchestrator uses
+
+Each server writes one small JSON record, `fleet/servers/<id>.json` (its URL, cluster label,
+start and heartbeat times), when it starts and again every heartbeat, and deletes it when it
+stops. A server that dies without deleting it is forgotten once its heartbeat is `stale_after_s`
+old. Records are written with the store's atomic put: a reader sees a whole record or none.
+Heartbeats are the writer's wall-clock times, so the machines' clocks must agree to well within
+`stale_after_s` (NTP does).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass, replace
+
+from whetstone.store import MissingObjectError, ObjectStore
+
+log = logging.getLogger("whetstone.fleet")
+PREFIX = "fleet/servers/"
+"""Where the records live in the store (beside the weight store's `versions/` and `latest.json`)."""
+
+
+@dataclass(frozen=True)
+class ServerRecord:
+    id: str
+    """Unique per server process (a restarted server at the same URL is a new one)."""
+    url: str
+    """API root, e.g. http://10.0.0.5:8000/v1."""
+    cluster: str
+    started: float
+    """Wall-clock time the server announced itself first."""
+    heartbeat: float
+    """Wall-clock time of the last rewrite."""
+
+    @classmethod
+    def new(cls, url: str, cluster: str = "default") -> ServerRecord:
+        now = time.time()
+        return cls(uuid.uuid4().hex[:16], url, cluster, now, now)
+
+    @property
+    def key(self) -> str:
+        return f"{PREFIX}{self.id}.json"
+
+
+class FleetRegistry:
+    def __init__(self, objects: ObjectStore):
+        self.objects = objects
+
+    def __repr__(self) -> str:
+        return f"FleetRegistry({self.objects!r})"
+
+    def announce(self, record: ServerRecord) -> None:
+        """Write (or refresh) the server's record."""
+        self.objects.put(record.key, json.dumps(asdict(record)).encode())
+
+    def forget(self, record: ServerRecord) -> None:
+        self.objects.delete(record.key)
+
+    def records(self) -> list[ServerRecord]:
+        """Every record in the store, fresh or not; one that vanished while listed is skipped, one
+        that does not parse is logged and skipped (it names no server that could be used)."""
+        out = []
+        for key in self.objects.list(PREFIX):
+            try:
+                out.append(ServerRecord(**json.loads(self.objects.get(key))))
+            except MissingObjectError:
+                continue
+            except (ValueError, TypeError) as err:
+                log.warning("ignoring fleet record %s in %r: %s", key, self.objects, err)
+        return out
+
+    def live(self, stale_after_s: float, now: float | None = None) -> list[ServerRecord]:
+        """The records whose heartbeat is younger than `stale_after_s`, one per URL (the newest)."""
+        now = time.time() if now is None else now
+        newest: dict[str, ServerRecord] = {}
+        for record in self.records():
+            if now - record.heartbeat < stale_after_s and record.heartbeat >= newest.get(record.url, record).heartbeat:
+                newest[record.url] = record
+        return sorted(newest.values(), key=lambda r: (r.cluster, r.url))
+
+
+class Announcer:
+    """Keeps one server's record fresh from a thread while it runs, and deletes it on `stop`. A
+    failed write (a store outage) is logged and tried again at the next heartbeat."""
+
+    def __init__(self, registry: FleetRegistry, record: ServerRecord, heartbeat_s: float = 2.0):
+        self.registry, self.record, self.heartbeat_s = registry, record, heartbeat_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Announcer:
+        self.registry.announce(self.record)  # the first write fails loudly: a wrong store is a config error
+        log.info("announced %s (cluster %s) in %r", self.record.url, self.record.cluster, self.registry)
+        self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        try:
+            self.registry.forget(self.record)
+        except Exception as err:  # a store outage: the record goes stale instead
+            log.warning("could not remove %s from the fleet registry: %s", self.record.url, err)
+
+    def __enter__(self) -> Announcer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.heartbeat_s):
+            self.record = replace(self.record, heartbeat=time.time())
+            try:
+                self.registry.announce(self.record)
+            except Exception as err:  # the thread must outlive a store outage
+                log.warning("fleet heartbeat of %s failed: %s", self.record.url, err)
+
+
+def advertised_url(host: str, port: int, url: str = "") -> str:
+    """The API root a server announces: `url` if given, else its host and port, with this
+    machine's address in place of a wildcard host."""
+    if url:
+        return url
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.gethostbyname(socket.gethostname())
+    return f"http://{host}:{port}/v1"

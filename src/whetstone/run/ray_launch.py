@@ -1,0 +1,250 @@
+"""`whetstone run` on a Ray cluster (`placement.backend = "ray"`): each role is the same process
+as on one machine (`whetstone serve|trainer|orchestrator <role>.toml`), started by a Ray actor
+(`RoleActor`) on a node with the resources the role asks for (`placement.ray`).
+
+    trainer       one actor, `ray.trainer` CPUs/GPUs (its ranks, if any, on that node)
+    servers       one actor each, `ray.server` CPUs/GPUs; server i's cluster label
+                  (`ray.server_clusters`) is also the custom resource `cluster:<label>` the node
+                  must offer (`ray start --resources '{"cluster:eu": 8}'`); each listens on a free
+                  port of its node and announces itself in the weight store's fleet registry
+    orchestrator  one actor, `ray.orchestrator` CPUs; it finds the servers in the registry
+                  (`discover_servers`), so servers Ray restarts elsewhere join by themselves
+
+The run folder must be a directory every node sees (role configs, logs, the mid-trained model,
+checkpoints); the weight and batch stores are there too, or on S3. A role's process ends with its
+actor (the kernel's parent-death signal), so killing an actor is killing the role. Ray is the
+optional extra `whetstone[ray]`; nothing here imports it until a Ray run starts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+from pydantic import Field
+
+from whetstone.config import Config, dump_toml
+from whetstone.errors import ConfigError, WhetstoneError
+from whetstone.fleet.config import CLUSTER_PATTERN
+from whetstone.utils.atomic import atomic_write_text
+from whetstone.utils.processes import RoleProcess, free_port
+
+
+class RoleResources(Config):
+    num_cpus: float = Field(1.0, ge=0)
+    """CPU cores Ray reserves for the role on its node."""
+    num_gpus: float = Field(0.0, ge=0)
+    """GPUs Ray reserves for the role (it sees only those, as CUDA_VISIBLE_DEVICES)."""
+
+
+class RayConfig(Config):
+    """Where `placement.backend = "ray"` puts the roles."""
+
+    address: str = ""
+    """The Ray cluster to join (`host:6379`, `ray://host:10001`); empty = `RAY_ADDRESS`, else a
+    Ray instance started on this machine for the run."""
+    trainer: RoleResources = RoleResources()
+    """Resources of the trainer."""
+    server: RoleResources = RoleResources()
+    """Resources of every inference server."""
+    orchestrator: RoleResources = RoleResources()
+    """Resources of the orchestrator (its sandboxes run on its node)."""
+    server_clusters: list[str] = Field(["default"], min_length=1)
+    """Cluster label of server i (entry i modulo the list's length). A label other than
+    `default` also places the server: only on nodes offering the resource `cluster:<label>`."""
+    place_timeout_s: float = Field(300.0, gt=0)
+    """Give up when a role's actor is not placed and started this long after it was asked for
+    (no node offers its resources, e.g. a cluster label no node has)."""
+    server_restarts: int = Field(3, ge=0)
+    """Times Ray restarts a server whose actor died (on a free port, perhaps on another node; it
+    catches up through the weight store and announces itself again)."""
+
+    def cluster_of(self, index: int) -> str:
+        return self.server_clusters[index % len(self.server_clusters)]
+
+    def model_post_init(self, context) -> None:
+        import re
+
+        for label in self.server_clusters:
+            if not re.match(CLUSTER_PATTERN, label):
+                raise ValueError(f"server_clusters: {label!r} is not a plain label (letters, digits, _ . -)")
+
+
+def import_ray():
+    try:
+        import ray
+    except ImportError:
+        raise ConfigError("placement.backend = 'ray' needs Ray: pip install 'whetstone[ray]' on every node") from None
+    return ray
+
+
+class RoleActor:
+    """Runs one role's process on its node (a Ray actor class once `ray.remote` wraps it). A
+    server picks a free port there and announces the node's address."""
+
+    def __init__(self, name: str, command: str, config: dict, config_path: str, log_path: str, threads: int):
+        if command == "serve":
+            config = self._place_server(config)
+        atomic_write_text(config_path, config.pop("toml"))
+        self.url = config.get("url", "")
+        self.role = RoleProcess(name, [command, config_path], log_path, threads=threads).start()
+
+    @staticmethod
+    def _place_server(config: dict) -> dict:
+        import ray
+
+        from whetstone.inference.config import ServeConfig
+
+        port, host = free_port(), ray.util.get_node_ip_address()
+        url = f"http://{host}:{port}/v1"
+        fleet = {**config["fleet"], "announce": True, "url": url}
+        serve = ServeConfig.model_validate({**config, "host": "0.0.0.0", "port": port, "fleet": fleet})
+        return {"toml": dump_toml(serve) + "\n", "url": url}
+
+    def returncode(self) -> int | None:
+        return self.role.returncode
+
+    def address(self) -> str:
+        """A server's API root (empty for other roles)."""
+        return self.url
+
+    def stop(self, grace_s: float) -> int | None:
+        return self.role.stop(grace_s)
+
+
+class RayRole(RoleProcess):
+    """A role run by a `RoleActor`, driven as a local `RoleProcess` is (running, check,
+    wait_healthy, stop); its log is in the shared run folder."""
+
+    def __init__(
+        self, name: str, command: str, config, run_dir: Path, asks: RoleResources, timeout_s: float, **options
+    ):
+        """`timeout_s`: to be placed and started; `options`: further Ray actor options (custom
+        `resources`, `max_restarts`)."""
+        super().__init__(name, [], run_dir / "logs" / f"{name}.log", threads=max(1, int(asks.num_cpus)))
+        self.command, self.config, self.asks = command, config, asks
+        self.config_path = run_dir / "roles" / f"{name}.toml"
+        self.options, self.timeout_s = options, timeout_s
+        self.handle = None
+        self.url = ""
+
+    def start(self) -> RayRole:
+        ray = import_ray()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.config_path.parent.mkdir(parents=True, exist_ok=True)
+        if self.command == "serve":
+            data = self.config.model_dump(mode="json")
+        else:
+            data = {"toml": dump_toml(self.config) + "\n"}
+        actor = ray.remote(RoleActor).options(
+            name=None,
+            num_cpus=self.asks.num_cpus,
+            num_gpus=self.asks.num_gpus,
+            **self.options,
+        )
+        self.handle = actor.remote(
+            self.name, self.command, data, str(self.config_path), str(self.log_path), self.threads
+        )
+        try:
+            self.url = ray.get(self.handle.address.remote(), timeout=self.timeout_s)  # placed and started
+        except ray.exceptions.RayActorError as err:
+            raise WhetstoneError(f"{self.name} could not start on the Ray cluster: {err}") from None
+        except ray.exceptions.GetTimeoutError:
+            ray.kill(self.handle)
+            wanted = {"CPU": self.asks.num_cpus, "GPU": self.asks.num_gpus, **self.options.get("resources", {})}
+            raise WhetstoneError(
+                f"{self.name} was not placed on the Ray cluster within {self.timeout_s:g} s: does a node "
+                f"offer {wanted}? (placement.ray)"
+            ) from None
+        if self.url:
+            self.health_url = self.url.removesuffix("/v1") + "/health"
+        return self
+
+    @property
+    def threads(self) -> int:
+        return int(self.env.get("OMP_NUM_THREADS", "1"))
+
+    @property
+    def returncode(self) -> int | None:
+        ray = import_ray()
+        if self.handle is None:
+            return None
+        try:
+            return ray.get(self.handle.returncode.remote(), timeout=60)
+        except ray.exceptions.RayActorError:
+            return -9  # the actor (and with it the role) is gone
+        except ray.exceptions.GetTimeoutError:
+            return None  # a busy node: taken as still running
+
+    @property
+    def running(self) -> bool:
+        return self.handle is not None and self.returncode is None
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while (code := self.returncode) is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise WhetstoneError(f"{self.name} still runs after {timeout_s:g} s")
+            time.sleep(0.5)
+        return code
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        ray = import_ray()
+        if self.handle is None:
+            return None
+        try:
+            code = ray.get(self.handle.stop.remote(grace_s))
+        except ray.exceptions.RayActorError:
+            code = -9
+        ray.kill(self.handle)
+        self.handle = None
+        return code
+
+    def kill(self) -> int | None:
+        ray = import_ray()
+        if self.handle is not None:
+            ray.kill(self.handle)
+            self.handle = None
+        return -9
+
+
+class RayLauncher:
+    """Joins the Ray cluster of `placement.ray` for one run and starts its roles there."""
+
+    def __init__(self, config: RayConfig, run_dir: Path):
+        self.config, self.run_dir = config, run_dir
+        self._started_ray = False
+
+    def connect(self) -> None:
+        ray = import_ray()
+        if ray.is_initialized():
+            return
+        address = self.config.address or os.environ.get("RAY_ADDRESS") or None
+        ray.init(address=address, log_to_driver=False, configure_logging=False)
+        self._started_ray = True
+
+    def close(self) -> None:
+        if self._started_ray:
+            import_ray().shutdown()
+            self._started_ray = False
+
+    def role(self, name: str, command: str, config) -> RayRole:
+        resources = {"trainer": self.config.trainer, "orchestrator": self.config.orchestrator}[command]
+        return RayRole(name, command, config, self.run_dir, resources, self.config.place_timeout_s).start()
+
+    def server(self, name: str, index: int, config) -> RayRole:
+        """Server `index`, announcing its cluster label, placed on a node of that cluster."""
+        cluster = self.config.cluster_of(index)
+        config = config.model_copy(update={"fleet": config.fleet.model_copy(update={"cluster": cluster})})
+        placement = {} if cluster == "default" else {"resources": {f"cluster:{cluster}": 0.001}}
+        return RayRole(
+            name,
+            "serve",
+            config,
+            self.run_dir,
+            self.config.server,
+            self.config.place_timeout_s,
+            max_restarts=self.config.server_restarts,
+            **placement,
+        ).start()

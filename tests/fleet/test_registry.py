@@ -1,0 +1,69 @@
+"""The fleet registry on a real object store (a local directory): records, staleness, heartbeats."""
+
+import json
+import time
+
+import pytest
+
+from whetstone.fleet import Announcer, FleetConfig, FleetRegistry, ServerRecord
+from whetstone.inference.config import ServeConfig
+from whetstone.store import LocalStore
+from whetstone.sync import SyncConfig
+
+
+@pytest.fixture
+def registry(tmp_path):
+    return FleetRegistry(LocalStore(tmp_path / "weights"))
+
+
+def test_announced_servers_are_listed_until_forgotten(registry):
+    eu, us = ServerRecord.new("http://10.0.0.1:8000/v1", "eu"), ServerRecord.new("http://10.0.0.2:8000/v1", "us")
+    registry.announce(eu), registry.announce(us)
+    assert [(r.url, r.cluster) for r in registry.live(stale_after_s=10)] == [(eu.url, "eu"), (us.url, "us")]
+    registry.forget(eu)
+    assert registry.live(stale_after_s=10) == [us]
+    assert registry.objects.list("versions/") == []  # beside the weight versions, not among them
+
+
+def test_a_server_whose_heartbeat_is_stale_is_forgotten(registry):
+    record = ServerRecord.new("http://10.0.0.1:8000/v1")
+    registry.announce(record)
+    assert registry.live(stale_after_s=10, now=record.heartbeat + 9.9) == [record]
+    assert registry.live(stale_after_s=10, now=record.heartbeat + 10.0) == []
+    assert registry.records() == [record]  # still in the store: only readers decide it is stale
+
+
+def test_a_restarted_server_at_the_same_address_counts_once_with_its_newest_record(registry):
+    old = ServerRecord("a", "http://10.0.0.1:8000/v1", "eu", 100.0, 100.0)
+    new = ServerRecord("b", "http://10.0.0.1:8000/v1", "eu", 105.0, 106.0)
+    registry.announce(new), registry.announce(old)
+    assert registry.live(stale_after_s=10, now=107.0) == [new]
+
+
+def test_a_record_that_does_not_parse_is_skipped(registry, caplog):
+    registry.objects.put("fleet/servers/junk.json", b"{not json")
+    registry.objects.put("fleet/servers/other.json", json.dumps({"url": "x"}).encode())
+    record = ServerRecord.new("http://10.0.0.1:8000/v1")
+    registry.announce(record)
+    assert registry.live(stale_after_s=10) == [record]
+    assert "fleet/servers/junk.json" in caplog.text and "fleet/servers/other.json" in caplog.text
+
+
+def test_the_announcer_keeps_the_heartbeat_fresh_and_removes_the_record_on_stop(registry):
+    record = ServerRecord.new("http://10.0.0.1:8000/v1", "eu")
+    with Announcer(registry, record, heartbeat_s=0.05) as announcer:
+        assert registry.records() == [record]  # written before start returns
+        deadline = time.monotonic() + 30
+        while registry.records()[0].heartbeat == record.heartbeat:
+            assert time.monotonic() < deadline, "the heartbeat was never refreshed"
+            time.sleep(0.02)
+        assert announcer.record.started == record.started and announcer.record.id == record.id
+    assert registry.records() == []
+
+
+def test_announcing_needs_a_weight_store_and_a_plain_cluster_label():
+    with pytest.raises(ValueError, match="fleet.announce needs a \\[sync\\] section"):
+        ServeConfig(fleet=FleetConfig(announce=True))
+    with pytest.raises(ValueError, match="cluster"):
+        FleetConfig(cluster="eu west")
+    assert ServeConfig(sync=SyncConfig(store="w"), fleet=FleetConfig(announce=True)).fleet.cluster == "default"
