@@ -67,3 +67,20 @@ def test_announcing_needs_a_weight_store_and_a_plain_cluster_label():
     with pytest.raises(ValueError, match="cluster"):
         FleetConfig(cluster="eu west")
     assert ServeConfig(sync=SyncConfig(store="w"), fleet=FleetConfig(announce=True)).fleet.cluster == "default"
+
+
+def test_records_silent_past_the_grace_are_deleted_by_a_reader(registry):
+    gone = ServerRecord("a", "http://10.0.0.1:8000/v1", "eu", 100.0, 100.0)
+    cut_off = ServerRecord("b", "http://10.0.0.2:8000/v1", "eu", 100.0, 350.0)
+    registry.announce(gone), registry.announce(cut_off)
+    assert registry.prune(forget_after_s=300, now=400.0) == [gone]
+    assert registry.records() == [cut_off]  # stale for `live`, but kept: it may come back
+
+
+def test_a_server_starting_at_a_dead_ones_address_replaces_its_record(registry):
+    dead = ServerRecord("a", "http://10.0.0.1:8000/v1", "eu", 100.0, 100.0)
+    other = ServerRecord("b", "http://10.0.0.2:8000/v1", "eu", 100.0, 100.0)
+    registry.announce(dead), registry.announce(other)
+    successor = ServerRecord.new(dead.url, "eu")
+    with Announcer(registry, successor, heartbeat_s=60):
+        assert sorted(r.id for r in registry.records()) == sorted([successor.id, other.id])

@@ -36,18 +36,19 @@ torch.set_num_threads(1)
 POLL_S = 0.1
 
 
-def sync_config(weights: Path) -> SyncConfig:
-    return SyncConfig(store=str(weights), publish_dtype="keep", poll_interval=POLL_S)
+def sync_config(weights: Path, mirrors: list[Path] = ()) -> SyncConfig:
+    return SyncConfig(store=str(weights), publish_dtype="keep", poll_interval=POLL_S, mirrors=[str(m) for m in mirrors])
 
 
 class Trainer:
     """Publishes weight versions the way the trainer does (version n + 1 after step n)."""
 
-    def __init__(self, model_dir: str, weights: Path):
+    def __init__(self, model_dir: str, weights: Path, mirrors: list[Path] = ()):
+        """`mirrors`: the inference clusters' weight stores every version is copied into."""
         from whetstone.model.hf import load_hf
 
         self.state = load_hf(model_dir).state_dict()
-        self.publisher = Publisher(WeightStore(LocalStore(weights)), sync_config(weights))
+        self.publisher = Publisher(WeightStore(LocalStore(weights)), sync_config(weights, mirrors))
 
     def publish(self) -> int:
         """The next version: the weights nudged a little, as an optimizer step would."""
@@ -104,9 +105,19 @@ class ThreadServer:
     """The real inference server (engine, HTTP app, weight follower) in a thread of this process,
     on a fixed port so that it can be stopped and started again at the same address."""
 
-    def __init__(self, model_dir: str, weights: Path, port: int | None = None, cluster: str | None = None):
-        """`cluster`: announce the server in the weight store's fleet registry with this label."""
+    def __init__(
+        self,
+        model_dir: str,
+        weights: Path,
+        port: int | None = None,
+        cluster: str | None = None,
+        registry: Path | None = None,
+    ):
+        """`cluster`: announce the server in the fleet registry with this label, in `registry`
+        (a store other than the `weights` it follows, e.g. the main store of a mirror) or else
+        in `weights`."""
         self.model_dir, self.weights, self.port, self.cluster = model_dir, weights, port or free_port(), cluster
+        self.registry = registry
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self._server = self._thread = None
 
@@ -123,7 +134,12 @@ class ThreadServer:
             threads=1,
             engine=EngineConfig(max_batch=8),
             sync=sync_config(self.weights),
-            fleet=FleetConfig(announce=self.cluster is not None, cluster=self.cluster or "default", heartbeat_s=0.2),
+            fleet=FleetConfig(
+                announce=self.cluster is not None,
+                cluster=self.cluster or "default",
+                heartbeat_s=0.2,
+                registry=str(self.registry or ""),
+            ),
         )
         self._server = uvicorn.Server(
             uvicorn.Config(build_app(config), host="127.0.0.1", port=self.port, log_level="warning")

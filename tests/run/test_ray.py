@@ -1,7 +1,8 @@
 """`whetstone run` on a real Ray cluster: three Ray nodes on this machine (separate raylet
-processes, `ray.cluster_utils.Cluster`), CPU only. The head node takes the trainer and the
-orchestrator; two nodes offer one cluster label each, `cluster:eu` and `cluster:us`, and take one
-inference server each. One server actor is killed while the run goes on."""
+processes, `ray.cluster_utils.Cluster`, shared by the tests of this module), CPU only. The head
+node takes the trainer and the orchestrator; two nodes offer one cluster label each, `cluster:eu`
+and `cluster:us`, and take one inference server each, following its cluster's own weight store.
+Faults: the whole `us` cluster killed; the orchestrator and the trainer killed and restarted."""
 
 import sys
 import threading
@@ -17,9 +18,14 @@ from whetstone.rl.batch import batch_from_bytes
 from whetstone.run.pipeline import Pipeline
 from whetstone.run.preflight import check_run_config
 from whetstone.store import LocalStore
+from whetstone.sync import WeightStore
 from whetstone.utils.metrics import read_metrics
 
 RAY = ['placement.backend="ray"', 'placement.ray.server_clusters=["eu", "us"]', "rl.steps=3"]
+
+
+def cluster_stores(tmp_path) -> str:
+    return f'placement.ray.cluster_stores={{eu="{tmp_path / "eu-weights"}", us="{tmp_path / "us-weights"}"}}'
 
 
 def test_a_ray_run_without_ray_installed_is_refused_before_mid_training(tmp_path, monkeypatch):
@@ -28,7 +34,7 @@ def test_a_ray_run_without_ray_installed_is_refused_before_mid_training(tmp_path
         check_run_config(tiny_run(tmp_path, *RAY).resolved())
 
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def ray_cluster():
     cluster_utils = pytest.importorskip("ray.cluster_utils")
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
@@ -43,52 +49,134 @@ def ray_cluster():
         cluster.shutdown()
 
 
+def test_cluster_stores_are_the_trainers_mirrors_and_name_known_clusters(tmp_path):
+    config = tiny_run(tmp_path, *RAY, cluster_stores(tmp_path)).resolved()
+    assert config.rl.trainer.sync.mirrors == [str(tmp_path / "eu-weights"), str(tmp_path / "us-weights")]
+    assert config.rl.orchestrator.total_batches == 3
+    with pytest.raises(ConfigError, match=r"cluster_stores names clusters no server is in: \['asia'\]"):
+        tiny_run(tmp_path, *RAY, 'placement.ray.cluster_stores={asia="x"}')
+
+
+def kill_when(condition, kill, state: dict) -> threading.Thread:
+    """A thread that runs `kill` once `condition` holds (polled), unless the test ends first."""
+
+    def watch():
+        while not condition():
+            if state.get("stop"):
+                return
+            time.sleep(0.2)
+        kill()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def role(pipeline: Pipeline, name: str):
+    return next(r for r in pipeline.roles if r.name == name)
+
+
+def assert_each_batch_trained_once(run, steps: int) -> None:
+    trained = [s["step"] for s in read_metrics(run / "trainer" / "metrics.jsonl") if not s.get("replayed")]
+    assert trained == list(range(steps))  # none lost, none trained twice (replays publish nothing)
+    batches = LocalStore(run / "batches")
+    keys = batches.list("batches/")
+    assert len(keys) == steps
+    for key in keys:
+        meta = batch_from_bytes(batches.get(key), key).meta
+        assert "dropped_failed" not in meta["groups"], meta  # no rollout lost to a dead server
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_tiny_run_on_three_ray_nodes_survives_a_killed_server(tmp_path, ray_cluster):
+def test_the_tiny_run_goes_on_when_a_whole_cluster_dies(tmp_path, ray_cluster):
+    """Each cluster follows its own weight store; cluster `us` (its one server) dies after batch 0."""
     import ray
 
-    config = tiny_run(tmp_path, *RAY, f'placement.ray.address="{ray_cluster.address}"')
+    config = tiny_run(tmp_path, *RAY, cluster_stores(tmp_path), f'placement.ray.address="{ray_cluster.address}"')
     pipeline = Pipeline(config)
     run = tmp_path / "runs" / "tiny"
     batches = LocalStore(run / "batches")
     killed: dict = {}
 
-    def kill_a_server_mid_run():
-        """Once batch 0 is put, kill server 1's actor (its process goes with it)."""
-        while not batches.exists("batches/0000000000.batch"):
-            if killed.get("stop"):
-                return
-            time.sleep(0.2)
-        victim = next(role for role in pipeline.roles if role.name == "serve-1")
+    def kill_cluster_us():
+        victim = role(pipeline, "serve-1")  # server i is in cluster i modulo ["eu", "us"]
         killed["url"] = victim.url
         ray.kill(victim.handle, no_restart=True)
 
-    killer = threading.Thread(target=kill_a_server_mid_run, daemon=True)
-    killer.start()
+    killer = kill_when(lambda: batches.exists("batches/0000000000.batch"), kill_cluster_us, killed)
     try:
         summary = pipeline.run()
     finally:
         killed["stop"] = True
         killer.join()
 
-    assert "url" in killed, "the run ended before a server could be killed"
+    assert "url" in killed, "the run ended before the cluster could be killed"
     with pytest.raises(httpx.HTTPError):  # the role died with its actor
         httpx.get(killed["url"].removesuffix("/v1") + "/health", timeout=5)
-    steps = read_metrics(run / "trainer" / "metrics.jsonl")
-    assert [s["step"] for s in steps] == [0, 1, 2]  # every batch trained once, none lost
-    keys = batches.list("batches/")
-    assert len(keys) == 3
-    for key in keys:
-        meta = batch_from_bytes(batches.get(key), key).meta
-        assert "dropped_failed" not in meta["groups"], meta  # no rollout lost to the dead server
+    assert_each_batch_trained_once(run, 3)
     records = read_metrics(run / "orchestrator" / "metrics.jsonl")
     # per cluster from the first batch on (the dead server leaves the pool at its next failed call,
     # or once its heartbeat is stale: maybe after the last batch)
     assert {"cluster_eu_servers", "cluster_us_servers"} <= set(records[0]) and records[0]["cluster_eu_servers"] == 1
-    placed = {role.name: role.url for role in pipeline.roles if role.url}
+    assert any("cluster_eu_staleness_mean" in record for record in records)
+    placed = {r.name: r.url for r in pipeline.roles if r.url}
     assert set(placed) == {"serve-0", "serve-1"}
+    main = WeightStore(LocalStore(run / "weights"))
+    eu = WeightStore(LocalStore(tmp_path / "eu-weights"))
+    assert main.latest() == eu.latest() == 3  # the surviving cluster followed its own store to the end
     # the server stopped at the end removed its record; the killed one's went stale (Ray SIGKILLs
     # an actor's children, so it could not say goodbye) and was dropped all the same
-    assert [r.url for r in FleetRegistry(LocalStore(run / "weights")).records()] in ([], [killed["url"]])
+    assert [r.url for r in FleetRegistry(main.objects).records()] in ([], [killed["url"]])
     assert 0.0 <= summary["heldout_pass1_after"] <= 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_tiny_run_survives_its_orchestrator_and_its_trainer_killed(tmp_path, ray_cluster):
+    """The orchestrator's actor is killed once batch 1 is put, the trainer's once step 1 is
+    logged: Ray restarts each, the orchestrator continues at the next batch index, the trainer
+    from its checkpoint, and every batch is put once and trained once."""
+    import ray
+
+    config = tiny_run(
+        tmp_path,
+        *RAY,
+        "rl.steps=4",
+        "rl.trainer.checkpoint_interval=2",
+        f'placement.ray.address="{ray_cluster.address}"',
+    )
+    pipeline = Pipeline(config)
+    run = tmp_path / "runs" / "tiny"
+    batches = LocalStore(run / "batches")
+    state: dict = {}
+
+    def trainer_at(step: int) -> bool:
+        return any(s["step"] >= step for s in read_metrics_if_any(run / "trainer" / "metrics.jsonl"))
+
+    def kill(name: str):
+        def go():
+            state[name] = True
+            ray.kill(role(pipeline, name).handle, no_restart=False)
+
+        return go
+
+    killers = [
+        kill_when(lambda: batches.exists("batches/0000000001.batch"), kill("orchestrator"), state),
+        kill_when(lambda: trainer_at(1), kill("trainer"), state),
+    ]
+    try:
+        pipeline.run()
+    finally:
+        state["stop"] = True
+        for killer in killers:
+            killer.join()
+
+    assert state.get("orchestrator") and state.get("trainer"), f"the run ended before both were killed: {state}"
+    assert_each_batch_trained_once(run, 4)
+    logs = (run / "logs" / "orchestrator.log").read_text()
+    assert logs.count("put batch 0:") == 1  # the restarted orchestrator did not start over
+
+
+def read_metrics_if_any(path):
+    return read_metrics(path) if path.exists() else []

@@ -20,6 +20,10 @@ class FleetConfig(Config):
     url: str = ""
     """API root others reach this server at; empty = `http://<host>:<port>/v1`, with this
     machine's address in place of 0.0.0.0."""
+    registry: str = ""
+    """Store holding the fleet registry (a directory or s3://...; `sync.endpoint_url`); empty =
+    the server's weight store. Servers that follow a cluster's mirror (`sync.mirrors`) announce
+    in the run's main weight store, where the orchestrator looks."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Seconds between rewrites of this server's record; readers forget a server whose record is
     several heartbeats old (`server_heartbeat_timeout_s` of the orchestrator)."""

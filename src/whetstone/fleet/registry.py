@@ -9,7 +9,8 @@ weight store's, so every machine that follows the weights can find it).
 Each server writes one small JSON record, `fleet/servers/<id>.json` (its URL, cluster label,
 start and heartbeat times), when it starts and again every heartbeat, and deletes it when it
 stops. A server that dies without deleting it is forgotten once its heartbeat is `stale_after_s`
-old. Records are written with the store's atomic put: a reader sees a whole record or none.
+old; its record is deleted by a reader once it is much older (`prune`), or at once by a server
+that starts at the same address. Records are written with the store's atomic put: a reader sees a whole record or none.
 Heartbeats are the writer's wall-clock times, so the machines' clocks must agree to well within
 `stale_after_s` (NTP does).
 """
@@ -89,6 +90,17 @@ class FleetRegistry:
                 newest[record.url] = record
         return sorted(newest.values(), key=lambda r: (r.cluster, r.url))
 
+    def prune(self, forget_after_s: float, now: float | None = None) -> list[ServerRecord]:
+        """Delete the records whose heartbeat is older than `forget_after_s` (servers that died
+        without removing theirs); returns them. Readers call it with a grace well beyond the
+        staleness they skip records at, so a server cut off for a while can still come back."""
+        now = time.time() if now is None else now
+        old = [record for record in self.records() if now - record.heartbeat >= forget_after_s]
+        for record in old:
+            self.forget(record)
+            log.info("removed the fleet record of %s (silent for %.0f s)", record.url, now - record.heartbeat)
+        return old
+
 
 class Announcer:
     """Keeps one server's record fresh from a thread while it runs, and deletes it on `stop`. A
@@ -101,6 +113,9 @@ class Announcer:
 
     def start(self) -> Announcer:
         self.registry.announce(self.record)  # the first write fails loudly: a wrong store is a config error
+        for record in self.registry.records():  # a predecessor at this address that could not remove its own
+            if record.url == self.record.url and record.id != self.record.id:
+                self.registry.forget(record)
         log.info("announced %s (cluster %s) in %r", self.record.url, self.record.cluster, self.registry)
         self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
         self._thread.start()

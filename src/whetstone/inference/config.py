@@ -94,8 +94,9 @@ class ServeConfig(Config):
     feedback: FeedbackConfig = FeedbackConfig()
     """Keep users' responses for online RL and take their feedback (POST /v1/feedback)."""
     fleet: FleetConfig = FleetConfig()
-    """Announce this server in the fleet registry of its weight store (`fleet.announce`, needs
-    `sync`), with its cluster label, so orchestrators find it while it runs."""
+    """Announce this server in the fleet registry (`fleet.announce`, needs `sync`; in its weight
+    store unless `fleet.registry` names another), with its cluster label, so orchestrators find
+    it while it runs."""
 
     @model_validator(mode="after")
     def _fleet_needs_a_store(self) -> ServeConfig:

@@ -64,7 +64,8 @@ def fleet_announcer(config: ServeConfig):
     from whetstone.fleet.registry import advertised_url
     from whetstone.store import open_store
 
-    registry = FleetRegistry(open_store(config.sync.store, endpoint_url=config.sync.endpoint_url, create=False))
+    where = config.fleet.registry or config.sync.store
+    registry = FleetRegistry(open_store(where, endpoint_url=config.sync.endpoint_url, create=False))
     url = advertised_url(config.host, config.port, config.fleet.url)
     return Announcer(registry, ServerRecord.new(url, config.fleet.cluster), config.fleet.heartbeat_s)
 

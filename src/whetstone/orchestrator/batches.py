@@ -2,7 +2,8 @@
 
 Batch n goes into the batch store (`rl.batch_store`); the trainer's optimizer step n consumes it
 under weight version n. Its meta carries what the trainer logs: the drop counts of the groups scored since
-the previous batch, their mean reward, and the staleness histogram of what is in it.
+the previous batch, their mean reward, and the staleness histogram of what is in it (overall,
+and per inference cluster: `cluster_staleness`).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 from whetstone.envs.trajectory import Trajectory
 from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import Sample
-from whetstone.rl.staleness import StalenessConfig, StalenessHistogram, filter_stale
+from whetstone.rl.staleness import StalenessConfig, StalenessHistogram, filter_stale, staleness
 
 
 @dataclass
@@ -23,6 +24,15 @@ class Group:
 
     samples: list[Sample]
     rollouts: int
+    clusters: list[str] = field(default_factory=list)
+    """Per sample: the cluster label of the server that finished its rollout (empty: unknown)."""
+
+    def keep(self, fresh: list[Sample]) -> None:
+        """Keep only `fresh`, a subsequence of the samples (their clusters with them)."""
+        if self.clusters:
+            kept = {id(sample) for sample in fresh}
+            self.clusters = [c for s, c in zip(self.samples, self.clusters) if id(s) in kept]
+        self.samples = fresh
 
 
 @dataclass
@@ -43,7 +53,7 @@ def drop_stale(groups: list[Group], index: int, config: StalenessConfig, window:
     fresh = []
     for group in groups:
         histogram = StalenessHistogram()
-        group.samples = filter_stale(group.samples, index, config, histogram)
+        group.keep(filter_stale(group.samples, index, config, histogram))
         window.dropped_stale += histogram.dropped
         if group.samples:
             fresh.append(group)
@@ -73,10 +83,26 @@ def build_batch(
         "reward_mean": sum(window.rewards) / len(window.rewards) if window.rewards else None,
         "samples": len(samples),
         "rollouts": sum(group.rollouts for group in groups),
+        "cluster_staleness": cluster_staleness(groups, index),
     }
     batch = collate(samples, meta=meta, temperatures=None if temperature == 1.0 else [temperature] * len(samples))
     batch.meta["loss_tokens"] = batch.num_loss_tokens
     return batch
+
+
+def cluster_staleness(groups: list[Group], index: int) -> dict[str, float]:
+    """Per cluster, how stale the samples it produced for batch `index` are: the mean and the
+    largest staleness (`rl.staleness`), and how many samples (`cluster_<label>_...`)."""
+    by_cluster: dict[str, list[int]] = {}
+    for group in groups:
+        for sample, cluster in zip(group.samples, group.clusters):
+            by_cluster.setdefault(cluster, []).append(staleness(index, sample.oldest_version))
+    out: dict[str, float] = {}
+    for cluster, steps in sorted(by_cluster.items()):
+        out[f"cluster_{cluster}_samples"] = len(steps)
+        out[f"cluster_{cluster}_staleness_mean"] = sum(steps) / len(steps)
+        out[f"cluster_{cluster}_staleness_max"] = max(steps)
+    return out
 
 
 def flat_metrics(meta: dict) -> dict:

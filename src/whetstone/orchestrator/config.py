@@ -53,6 +53,10 @@ class OrchestratorConfig(Config):
     to `staleness.max_off_policy_steps` batches ahead (asynchronous RL)."""
     max_batches: int = Field(0, ge=0)
     """Stop after putting this many batches in this run (0 = run until stopped)."""
+    total_batches: int = Field(0, ge=0)
+    """Stop once the batch store holds batches 0 .. total_batches - 1, counting those earlier
+    runs put (0 = no such bound): an orchestrator restarted mid-run stops where the first would
+    have (`max_batches` counts this run's only)."""
     poll_interval_s: float = Field(0.5, gt=0)
     """Seconds between checks of the weight store while waiting for the trainer."""
     health_interval_s: float = Field(2.0, gt=0)
@@ -66,6 +70,10 @@ class OrchestratorConfig(Config):
     server_heartbeat_timeout_s: float = Field(10.0, gt=0)
     """An announced server whose heartbeat is this many seconds old is forgotten (several of
     its `fleet.heartbeat_s`)."""
+    forget_servers_after_s: float = Field(300.0, gt=0)
+    """An announced server silent this long has its record deleted from the registry (it died
+    without removing it): longer than `server_heartbeat_timeout_s`, so one cut off for a while
+    can come back."""
     metrics_path: str | None = None
     """JSONL file getting one record per batch put (counts, reward, staleness, server health)."""
     tracking: TrackingConfig = TrackingConfig()

@@ -116,6 +116,7 @@ class Orchestrator:
             min_version=self._oldest_useful_version,
             registry=FleetRegistry(self.weights.objects) if config.discover_servers else None,
             stale_after_s=config.server_heartbeat_timeout_s,
+            forget_after_s=config.forget_servers_after_s,
         )
         metrics = (
             MetricsWriter(
@@ -133,7 +134,9 @@ class Orchestrator:
         for task in background:
             task.add_done_callback(self._note_failure)
         try:
-            while not config.max_batches or len(self.put) < config.max_batches:
+            while (not config.max_batches or len(self.put) < config.max_batches) and (
+                not config.total_batches or index < config.total_batches
+            ):
                 meta = await self._put_batch(index)
                 if metrics is not None:
                     await pool.probe_versions()
@@ -286,10 +289,12 @@ class Orchestrator:
                 self._changed.notify_all()
 
     async def _score_group(self, group_id: str, task: Task, harness: AgentHarness, pool: ServerPool) -> None:
-        async def one() -> Trajectory:
+        async def one() -> tuple[Trajectory, str]:
+            """A rollout, and the cluster of the server that finished it."""
             try:
                 async with self._gate, pool.lease() as policy:
-                    return await rollout(task, policy, harness, self.config.rollout, group_id=group_id)
+                    trajectory = await rollout(task, policy, harness, self.config.rollout, group_id=group_id)
+                    return trajectory, policy.server.cluster
             finally:
                 async with self._changed:
                     self._unfinished -= 1
@@ -300,10 +305,15 @@ class Orchestrator:
                 self._unfinished -= self.config.group_size
                 self._changed.notify_all()
             return
-        trajectories = await asyncio.gather(*(one() for _ in range(self.config.group_size)))
+        done = await asyncio.gather(*(one() for _ in range(self.config.group_size)))
+        trajectories, cluster_of = [t for t, _ in done], {id(t): cluster for t, cluster in done}
         kept, report = score_groups(trajectories, self.config.advantages)
+        samples, clusters = [], []
         try:
-            samples = [sample for trajectory, advantage in kept for sample in trajectory_samples(trajectory, advantage)]
+            for trajectory, advantage in kept:
+                made = trajectory_samples(trajectory, advantage)
+                samples += made
+                clusters += [cluster_of[id(trajectory)]] * len(made)
         except WhetstoneError as err:  # e.g. routes of the wrong shape: the group cannot be trained on
             log.error("dropping group %s: %s", group_id, err)
             report.dropped["invalid"] += report.kept_rollouts
@@ -311,7 +321,7 @@ class Orchestrator:
         async with self._changed:
             self._window.add(trajectories, report.metrics())
             if samples:
-                self._buffer.append(Group(samples, report.kept_rollouts))
+                self._buffer.append(Group(samples, report.kept_rollouts, clusters))
                 self._fruitless_groups = 0
                 self._fruitless_drops.clear()
             else:

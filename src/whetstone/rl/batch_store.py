@@ -4,8 +4,9 @@ trainer's optimizer step n consumes it."""
 
 from __future__ import annotations
 
+from whetstone.errors import WhetstoneError
 from whetstone.rl.batch import Batch, batch_from_bytes, batch_to_bytes
-from whetstone.store import MissingObjectError, ObjectStore
+from whetstone.store import MissingObjectError, ObjectExistsError, ObjectStore
 
 BATCH_PREFIX = "batches/"
 
@@ -26,7 +27,15 @@ def next_batch_index(store: ObjectStore) -> int:
 
 
 def put_batch(store: ObjectStore, index: int, batch: Batch) -> None:
-    store.put(batch_key(index), batch_to_bytes(batch))
+    """Create batch `index`, once: a batch the trainer may have read is never replaced (its replay
+    after a restart must see the same batch). `WhetstoneError` naming it if it exists already
+    (a second orchestrator on this batch store, e.g. one restarted while the old one still ran)."""
+    try:
+        store.put_if_absent(batch_key(index), batch_to_bytes(batch))
+    except ObjectExistsError:
+        raise WhetstoneError(
+            f"{batch_key(index)} already exists in {store!r}: another orchestrator writes to this batch store"
+        ) from None
 
 
 def get_batch(store: ObjectStore, index: int) -> Batch | None:

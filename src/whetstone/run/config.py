@@ -218,7 +218,7 @@ class PipelineConfig(Config):
         """The config as the stages run it; the pipeline runs this one and writes it to
         `config.toml`, and resolving it again changes nothing. The top-level `harness` (with the
         mid-trained model's tokenizer) is the harness of RL and of both evaluations; `rl.steps` is
-        the trainer's `max_steps` and the orchestrator's `max_batches`; the trainer's weight sync
+        the trainer's `max_steps` and the orchestrator's `max_batches` and `total_batches`; the trainer's weight sync
         is every server's; every path is under the run folder (the evaluations write to
         `eval.output_dir`/before and /after). `servers`: the API roots of the started servers,
         for the orchestrator and the evaluations. A section that does not validate once they are
@@ -229,6 +229,8 @@ class PipelineConfig(Config):
         data = self.model_dump(mode="json")
         data["harness"]["tokenizer_path"] = model
         sync = {**data["rl"]["trainer"]["sync"], "store": str(run_dir / "weights")}
+        if self.placement.backend == "ray":  # the clusters' stores, each a mirror of the run's
+            sync["mirrors"] = list(self.placement.ray.cluster_stores.values())
         data["midtrain"]["run"].update(output_dir=str(run_dir), name="midtrain")
         data["servers"]["serve"].update(model_path=model, sync=sync, weight_version=0)
         data["rl"]["trainer"].update(
@@ -245,6 +247,7 @@ class PipelineConfig(Config):
             batch_store=str(run_dir / "batches"),
             weight_store=str(run_dir / "weights"),
             max_batches=self.rl.steps,
+            total_batches=self.rl.steps,
             metrics_path=str(run_dir / "orchestrator" / "metrics.jsonl"),
         )
         data["tracking"].update(dir=str(run_dir), wandb_group=self.name)

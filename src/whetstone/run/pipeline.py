@@ -30,6 +30,7 @@ from whetstone.run.config import PipelineConfig
 from whetstone.run.monitor import ServerSampler, last_record
 from whetstone.run.placement import gpu_memory_shares, server_device
 from whetstone.run.ray_launch import RayLauncher
+from whetstone.store import open_store
 from whetstone.utils.atomic import atomic_directory, atomic_write_json, atomic_write_text
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
 from whetstone.utils.metrics import read_metrics
@@ -213,6 +214,9 @@ class Pipeline:
         servers = self.config.servers
         # servers follow the weight store before the trainer's first publish, and a missing store is an error
         Path(self.config.rl.orchestrator.weight_store).mkdir(parents=True, exist_ok=True)
+        sync = self.config.rl.trainer.sync
+        for store in sync.mirrors:  # the clusters' stores (placement.ray.cluster_stores): created if local
+            open_store(store, endpoint_url=sync.endpoint_url)
         if self.launcher is not None:
             return self.start_ray_servers()
         ports = (

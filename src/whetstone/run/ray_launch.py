@@ -2,13 +2,17 @@
 as on one machine (`whetstone serve|trainer|orchestrator <role>.toml`), started by a Ray actor
 (`RoleActor`) on a node with the resources the role asks for (`placement.ray`).
 
-    trainer       one actor, `ray.trainer` CPUs/GPUs (its ranks, if any, on that node)
+    trainer       one actor, `ray.trainer` CPUs/GPUs (its ranks, if any, on that node);
+                  restarted by Ray if it dies (`ray.role_restarts`), resuming from its checkpoint
     servers       one actor each, `ray.server` CPUs/GPUs; server i's cluster label
                   (`ray.server_clusters`) is also the custom resource `cluster:<label>` the node
                   must offer (`ray start --resources '{"cluster:eu": 8}'`); each listens on a free
-                  port of its node and announces itself in the weight store's fleet registry
+                  port of its node, follows its cluster's weight store (`ray.cluster_stores`, a
+                  mirror the trainer copies every version into) and announces itself in the run
+                  weight store's fleet registry
     orchestrator  one actor, `ray.orchestrator` CPUs; it finds the servers in the registry
-                  (`discover_servers`), so servers Ray restarts elsewhere join by themselves
+                  (`discover_servers`), so servers Ray restarts elsewhere join by themselves;
+                  restarted by Ray if it dies, at the next batch index
 
 The run folder must be a directory every node sees (role configs, logs, the mid-trained model,
 checkpoints); the weight and batch stores are there too, or on S3. A role's process ends with its
@@ -19,6 +23,8 @@ optional extra `whetstone[ray]`; nothing here imports it until a Ray run starts.
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import time
 from pathlib import Path
 
@@ -29,6 +35,9 @@ from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.config import CLUSTER_PATTERN
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.processes import RoleProcess, free_port
+
+PREDECESSOR_GRACE_S = 60.0
+"""How long a restarted role waits for its predecessor's process to end before killing it."""
 
 
 class RoleResources(Config):
@@ -53,12 +62,23 @@ class RayConfig(Config):
     server_clusters: list[str] = Field(["default"], min_length=1)
     """Cluster label of server i (entry i modulo the list's length). A label other than
     `default` also places the server: only on nodes offering the resource `cluster:<label>`."""
+    cluster_stores: dict[str, str] = {}
+    """Weight store of each cluster label (a directory every node of that cluster sees, or
+    s3://bucket/prefix, e.g. a bucket in its region): the trainer copies every version into each
+    (`sync.mirrors`), and that cluster's servers follow it. A cluster not named here follows the
+    run's weight store. The fleet registry stays in the run's weight store."""
     place_timeout_s: float = Field(300.0, gt=0)
     """Give up when a role's actor is not placed and started this long after it was asked for
     (no node offers its resources, e.g. a cluster label no node has)."""
     server_restarts: int = Field(3, ge=0)
     """Times Ray restarts a server whose actor died (on a free port, perhaps on another node; it
     catches up through the weight store and announces itself again)."""
+
+    role_restarts: int = Field(3, ge=0)
+    """Times Ray restarts the trainer's or the orchestrator's actor that died (its node lost, the
+    actor killed): the role starts again and resumes, the trainer from its checkpoint (replaying
+    the batches after it), the orchestrator at the next batch index; no batch is lost or trained
+    twice. A role whose process exits with an error is not restarted: the run stops with its log."""
 
     def cluster_of(self, index: int) -> str:
         return self.server_clusters[index % len(self.server_clusters)]
@@ -69,6 +89,9 @@ class RayConfig(Config):
         for label in self.server_clusters:
             if not re.match(CLUSTER_PATTERN, label):
                 raise ValueError(f"server_clusters: {label!r} is not a plain label (letters, digits, _ . -)")
+        unknown = sorted(set(self.cluster_stores) - set(self.server_clusters))
+        if unknown:
+            raise ValueError(f"cluster_stores names clusters no server is in: {unknown} (server_clusters)")
 
 
 def import_ray():
@@ -79,6 +102,35 @@ def import_ray():
     return ray
 
 
+def wait_for_predecessor(pid_path: Path, grace_s: float = PREDECESSOR_GRACE_S) -> None:
+    """Before a restarted actor starts its role again: wait for the role process of the actor it
+    replaces to end, if it runs on this node (`pid_path`: its host and pid). That process got
+    SIGTERM when its actor died and may still be finishing a step and checkpointing (a trainer)
+    or writing a batch (an orchestrator); two at once would race for the same versions and
+    batches. Killed after `grace_s`."""
+    try:
+        host, pid = pid_path.read_text().split()
+    except (FileNotFoundError, ValueError):
+        return
+    if host != socket.gethostname() or not _is_role(int(pid)):
+        return
+    deadline = time.monotonic() + grace_s
+    while _is_role(int(pid)):
+        if time.monotonic() > deadline:
+            os.kill(int(pid), signal.SIGKILL)
+        time.sleep(0.2)
+
+
+def _is_role(pid: int) -> bool:
+    """Whether `pid` is a running whetstone role (not a zombie, not another program that took the pid)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and b"whetstone.cli" in cmdline
+
+
 class RoleActor:
     """Runs one role's process on its node (a Ray actor class once `ray.remote` wraps it). A
     server picks a free port there and announces the node's address."""
@@ -86,9 +138,12 @@ class RoleActor:
     def __init__(self, name: str, command: str, config: dict, config_path: str, log_path: str, threads: int):
         if command == "serve":
             config = self._place_server(config)
+        pid_path = Path(config_path).with_suffix(".pid")
+        wait_for_predecessor(pid_path)
         atomic_write_text(config_path, config.pop("toml"))
         self.url = config.get("url", "")
         self.role = RoleProcess(name, [command, config_path], log_path, threads=threads).start()
+        atomic_write_text(pid_path, f"{socket.gethostname()} {self.role.process.pid}\n")
 
     @staticmethod
     def _place_server(config: dict) -> dict:
@@ -231,12 +286,23 @@ class RayLauncher:
 
     def role(self, name: str, command: str, config) -> RayRole:
         resources = {"trainer": self.config.trainer, "orchestrator": self.config.orchestrator}[command]
-        return RayRole(name, command, config, self.run_dir, resources, self.config.place_timeout_s).start()
+        return RayRole(
+            name,
+            command,
+            config,
+            self.run_dir,
+            resources,
+            self.config.place_timeout_s,
+            max_restarts=self.config.role_restarts,
+            max_task_retries=-1,  # a call in flight when the actor died waits for its restart
+        ).start()
 
     def server(self, name: str, index: int, config) -> RayRole:
         """Server `index`, announcing its cluster label, placed on a node of that cluster."""
         cluster = self.config.cluster_of(index)
-        config = config.model_copy(update={"fleet": config.fleet.model_copy(update={"cluster": cluster})})
+        fleet = config.fleet.model_copy(update={"cluster": cluster, "registry": config.sync.store})
+        sync = config.sync.model_copy(update={"store": self.config.cluster_stores.get(cluster, config.sync.store)})
+        config = config.model_copy(update={"fleet": fleet, "sync": sync})
         placement = {} if cluster == "default" else {"resources": {f"cluster:{cluster}": 0.001}}
         return RayRole(
             name,
@@ -246,5 +312,6 @@ class RayLauncher:
             self.config.server,
             self.config.place_timeout_s,
             max_restarts=self.config.server_restarts,
+            max_task_retries=-1,
             **placement,
         ).start()

@@ -30,3 +30,7 @@ class SyncConfig(Config):
     """Garbage collection keeps the newest this many keyframes and every version after the oldest kept."""
     poll_interval: float = Field(0.5, gt=0)
     """Seconds between a subscriber's checks for a new version."""
+    mirrors: list[str] = []
+    """Further weight stores the publisher copies every version into, after `store` (one per
+    inference cluster, e.g. a bucket per region, whose servers follow it); same `endpoint_url`.
+    A mirror that cannot be written is caught up at the next publish."""

@@ -8,6 +8,11 @@ Chunk keys carry a random name of the publish attempt (`versions/<n>/<attempt>/c
 so two publishers racing for one version never overwrite each other's chunks: the manifest,
 created only once (`WeightStore.publish`), names the winner's, and the loser deletes its own.
 
+With `mirrors` (`SyncConfig.mirrors`), each publish is then copied into every mirror store
+(`WeightStore.mirror`: the chunks from memory, then the manifest, then the latest pointer), so the
+servers of each inference cluster read the weights near them. A mirror that fails (an outage) is
+logged and brought up to date at the next publish; it never fails the publish itself.
+
 Before each publish the publisher checks that the version it published last is still in the
 store as it published it: if a repair withdrew it, there is no chain left to extend, and the
 publish is a keyframe at the next free version number instead.
@@ -23,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.store import MissingObjectError
+from whetstone.store import MissingObjectError, open_store
 from whetstone.sync.bits import DTYPES, dtype_name
 from whetstone.sync.chunks import encode_chunk, plan_chunks
 from whetstone.sync.config import SyncConfig
@@ -54,6 +59,10 @@ class Publisher:
         self._previous: dict[str, torch.Tensor] | None = None
         self._previous_manifest: Manifest | None = None
         self._keyframe_bytes = 0
+        self.mirrors = [
+            WeightStore(open_store(url, endpoint_url=self.config.endpoint_url)) for url in self.config.mirrors
+        ]
+        """The clusters' stores every version is copied into (`SyncConfig.mirrors`)."""
 
     def resume(self) -> int | None:
         """Continue the store's chain after a restart: rebuild the latest version from the store
@@ -106,9 +115,14 @@ class Publisher:
         plan = plan_chunks([(name, t.numel()) for name, t in new.items()], self.config.chunk_elements)
         attempt = uuid.uuid4().hex[:12]
 
+        blobs: dict[str, bytes] = {}  # kept for the mirrors only
+
         def encode_and_put(index: int) -> tuple[ChunkInfo, int]:
             blob, changed = encode_chunk(plan[index], new, base, self.config.zstd_level)
-            return self.store.put_chunk(chunk_key(version, attempt, index), blob), changed
+            info = self.store.put_chunk(chunk_key(version, attempt, index), blob)
+            if self.mirrors:
+                blobs[info.key] = blob
+            return info, changed
 
         with ThreadPoolExecutor(self.config.workers) as pool:
             results = list(pool.map(encode_and_put, range(len(plan))))
@@ -146,7 +160,16 @@ class Publisher:
             time.perf_counter() - started,
         )
         self.store.collect_garbage(self.config.keep_keyframes)
+        self.update_mirrors(blobs)
         return manifest
+
+    def update_mirrors(self, blobs: dict[str, bytes] | None = None) -> None:
+        """Bring every mirror up to the store (`blobs`: chunks in memory, fetched otherwise)."""
+        for mirror in self.mirrors:
+            try:
+                mirror.mirror(self.store, blobs)
+            except Exception as err:  # an outage of one cluster's store must not stop training
+                log.warning("could not update the weight mirror %r (retried at the next publish): %s", mirror, err)
 
     def _still_published(self, manifest: Manifest) -> bool:
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from typing import NamedTuple
 
 from whetstone.errors import WhetstoneError
@@ -162,6 +163,40 @@ class WeightStore:
         if withdrawn:
             log.info("withdrew versions %s from %r", _span(sorted(withdrawn)), self.objects)
         return sorted(withdrawn)
+
+    def mirror(self, source: WeightStore, blobs: Mapping[str, bytes] | None = None) -> list[int]:
+        """Make this store hold what `source` holds (this store is a mirror of it: the weight store
+        an inference cluster follows, `sync.mirrors`); returns the versions copied. Versions this
+        store has that `source` no longer has as such (collected, or withdrawn and published
+        again) go first, the way `withdraw` removes them; then each missing version's chunks,
+        its manifest, and last the latest pointer: a reader here sees the same atomic publishes
+        as one of `source`. `blobs`: chunk bytes already in memory (the publish just made),
+        fetched from `source` otherwise. One writer per mirror (its publisher)."""
+        blobs = blobs or {}
+        wanted = source.versions()
+        if not wanted:
+            return []
+        held = self.versions()
+        gone = sorted(set(held) - set(wanted))
+        for version in sorted(set(held) & set(wanted), reverse=True):
+            if self.manifest_digest(version) == source.manifest_digest(version):
+                break  # a chain is replaced from some version on, never below a match
+            gone.append(version)
+        for version in (v for v in gone if v < wanted[0]):  # collected in the source
+            self.delete_version(version)
+        if newer := [v for v in gone if v > wanted[0]]:
+            self.withdraw(min(newer))
+        copied = [v for v in wanted if v not in set(self.versions())]
+        for version in copied:
+            data = source.objects.get(manifest_key(version))
+            for chunk in parse_manifest(data, version).chunks:
+                blob = blobs.get(chunk.key)
+                self.objects.put(chunk.key, blob if blob is not None else source.objects.get(chunk.key))
+            self.objects.put(manifest_key(version), data)
+        head = source.head()
+        if head is not None and head != self.head():
+            self._point_at(head.version, head.digest)
+        return copied
 
     def verify(self) -> dict[int, str]:
         """Read every chunk of every version (size, checksum, header) and check each delta's base:

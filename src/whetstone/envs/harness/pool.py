@@ -15,8 +15,9 @@ request) is the rollout's own failure and is not retried.
 With a fleet registry (`whetstone.fleet`), the pool also takes the servers announced there: a new
 one joins at the next health round (`health_interval_s`) once it holds a useful weight version,
 and one that leaves the registry (stopped, or its heartbeat stale) is taken out, its rollouts
-moving as from a dead server. Each server has its cluster label; `cluster_stats` reports
-rollouts/s and weight version lag per cluster.
+moving as from a dead server. Every health round also probes the idle live servers: one that
+stops answering is taken out at once. Records silent for `forget_after_s` are deleted. Each
+server has its cluster label; `cluster_stats` reports rollouts/s and weight version lag per cluster.
 """
 
 from __future__ import annotations
@@ -83,6 +84,7 @@ class ServerPool:
         min_version: Callable[[], int | None] = lambda: None,
         registry: FleetRegistry | None = None,
         stale_after_s: float = 10.0,
+        forget_after_s: float = 300.0,
     ):
         self.servers = [Server(url) for url in urls]
         self.endpoint = endpoint
@@ -102,6 +104,8 @@ class ServerPool:
         """Where servers announce themselves (None: only the servers given by address)."""
         self.stale_after_s = stale_after_s
         """An announced server whose heartbeat is this old is forgotten."""
+        self.forget_after_s = forget_after_s
+        """A record whose heartbeat is this old is deleted from the registry."""
         self.rollouts: Counter[str] = Counter()
         """Rollouts finished, by cluster."""
         self.clusters = {server.cluster for server in self.servers}
@@ -210,6 +214,7 @@ class ServerPool:
         if self.registry is None:
             return
         try:
+            await asyncio.to_thread(self.registry.prune, self.forget_after_s)
             records = await asyncio.to_thread(self.registry.live, self.stale_after_s)
         except Exception as err:  # a store outage must not empty the pool
             log.warning("reading the fleet registry %r failed, servers kept as they are: %s", self.registry, err)
@@ -283,6 +288,17 @@ class ServerPool:
             await asyncio.sleep(self.health_interval_s)
             await self.discover()
             await asyncio.gather(*(self._join(s) for s in self.servers if not s.alive))
+            await self.probe_idle()
+
+    async def probe_idle(self) -> None:
+        """Take out the live servers with no call in flight that do not answer their health check:
+        a rollout's next call then goes elsewhere at once, not after a failed call or a stale
+        heartbeat. (A server with calls in flight shows its death by failing them.)"""
+        idle = [server for server in self.servers if server.alive and server.active_calls == 0]
+        healths = await asyncio.gather(*(self.health(server) for server in idle))
+        for server, health in zip(idle, healths):
+            if health is None and server.active_calls == 0:
+                self.take_out(server)
 
 
 class PooledPolicy(Policy):

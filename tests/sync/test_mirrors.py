@@ -1,0 +1,65 @@
+"""Weight stores mirrored per inference cluster (`sync.mirrors`): one publisher, several stores,
+each a whole weight store its cluster's servers follow."""
+
+import shutil
+import uuid
+
+from tests.sync.conftest import bit_identical, published
+from whetstone.store import LocalStore
+from whetstone.store.s3 import S3Store
+from whetstone.sync import Publisher, Subscriber, WeightStore
+
+
+def held(store: WeightStore) -> dict[int, str]:
+    return {version: store.manifest_digest(version) for version in store.versions()}
+
+
+def test_every_publish_lands_in_every_mirror_and_their_subscribers_end_bit_identical(tmp_path, config, trainer):
+    config = config.model_copy(update={"mirrors": [str(tmp_path / "eu"), str(tmp_path / "us")]})
+    publisher = Publisher(WeightStore(LocalStore(tmp_path / "weights")), config)
+    eu, us = publisher.mirrors
+    subscribers = [Subscriber(mirror, config, name=f"server-{i}") for i, mirror in enumerate(publisher.mirrors)]
+    for _ in range(12):  # keyframes 0, 5 and 10; garbage collection drops versions before 5
+        expected = published(trainer.step())
+        publisher.publish(trainer.state)
+        for subscriber in subscribers:
+            subscriber.poll()
+            assert bit_identical(subscriber.state, expected)
+    assert held(eu) == held(us) == held(publisher.store) and eu.versions() == list(range(5, 12))
+    assert eu.head() == us.head() == publisher.store.head()
+    assert eu.verify() == {}
+
+
+def test_a_mirror_added_late_or_left_behind_catches_up_and_drops_withdrawn_versions(tmp_path, config, trainer):
+    store = WeightStore(LocalStore(tmp_path / "weights"))
+    alone = Publisher(store, config)
+    for _ in range(3):
+        alone.publish(trainer.step())
+    publisher = Publisher(store, config.model_copy(update={"mirrors": [str(tmp_path / "late")]}))
+    publisher.resume()  # a restarted trainer with a new cluster's store
+    (late,) = publisher.mirrors
+    store.withdraw(2)  # a repair on the main store: the next publish takes version 2 again
+    late.objects.put("versions/0000000002/manifest.json", store.objects.get("versions/0000000001/manifest.json"))
+    publisher.publish(trainer.step())  # a stray version 2 in the mirror goes, the whole chain comes
+    assert held(late) == held(store) and late.latest() == 2
+    follower = Subscriber(late, config)
+    follower.poll()
+    assert follower.version == 2 and bit_identical(follower.state, published(trainer.state))
+
+
+def test_a_mirror_on_s3_and_one_out_for_a_while_which_catches_up(tmp_path, config, trainer, s3_endpoint, caplog):
+    prefix, flaky = f"mirror-{uuid.uuid4().hex}", tmp_path / "flaky"
+    config = config.model_copy(
+        update={"mirrors": [f"s3://whetstone/{prefix}", str(flaky)], "endpoint_url": s3_endpoint}
+    )
+    publisher = Publisher(WeightStore(LocalStore(tmp_path / "weights")), config)
+    s3, local = publisher.mirrors
+    publisher.publish(trainer.step())
+    shutil.rmtree(flaky)
+    flaky.write_text("not a directory: every write to the mirror fails")  # its cluster's store is out
+    publisher.publish(trainer.step())  # published all the same, in the main store and on S3
+    assert "could not update the weight mirror" in caplog.text and s3.latest() == 1
+    flaky.unlink()  # back, empty
+    publisher.publish(trainer.step())
+    assert held(s3) == held(local) == held(publisher.store) and local.latest() == 2
+    assert isinstance(s3.objects, S3Store) and local.verify() == {}
