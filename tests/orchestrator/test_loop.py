@@ -234,7 +234,8 @@ def test_the_follower_asks_a_server_that_reports_no_version_once(world):
     async def scenario():
         config = orchestrator_config(tmp_path, model_dir, [f"http://127.0.0.1:{httpd.server_port}/v1"])
         orchestrator = Orchestrator(config, coin_tasks(1))
-        orchestrator.pool = pool = await ServerPool.connect(config.servers, config.endpoint)
+        # no health round in the test's time: its probes of idle servers would count too
+        orchestrator.pool = pool = await ServerPool.connect(config.servers, config.endpoint, health_interval_s=3600)
         follower = asyncio.create_task(orchestrator._follow_trainer(pool))
         await asyncio.sleep(20 * config.poll_interval_s)
         assert orchestrator._served_version is None and orchestrator._server_lag() == 1
@@ -248,3 +249,14 @@ def test_the_follower_asks_a_server_that_reports_no_version_once(world):
     finally:
         httpd.shutdown()
     assert len(health_hits) == 2  # one when the pool took the server in, one from the follower
+
+
+def test_a_restarted_orchestrator_stops_at_the_runs_total_of_batches(world):
+    """`total_batches` counts the batches earlier runs put: one restarted after the last of them
+    puts nothing more (`max_batches` would put that many again)."""
+    tmp_path, model_dir, _ = world
+    store = LocalStore(tmp_path / "batches")
+    store.put(batch_key(0), b"put by the orchestrator before its restart")
+    config = orchestrator_config(tmp_path, model_dir, ["http://127.0.0.1:9/v1"], max_batches=2, total_batches=1)
+    assert asyncio.run(Orchestrator(config, coin_tasks(1)).run()) == []
+    assert store.list("batches/") == [batch_key(0)]
