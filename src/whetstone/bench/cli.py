@@ -166,6 +166,27 @@ def online(
 
 
 @app.command()
+def fleet(
+    as_json: bool = JSON,
+    servers: list[int] = typer.Option([1, 2, 4], "--servers", help="Server counts of the scaling case; repeatable."),
+    rollouts_per_server: int = typer.Option(8, help="Timed rollouts per server in the scaling case."),
+    behind: int = typer.Option(10, help="Versions the store is ahead of a joining server's weights."),
+    loss_rollouts: int = typer.Option(16, help="Rollouts of the cluster-loss case."),
+    output_dir: str = typer.Option("", help="Keep the servers' configs and logs here (default: a temp folder)."),
+) -> None:
+    """The elastic inference fleet: rollouts/s with 1, 2, 4 servers, a late server's time to its
+    first rollout on the current weights, and rollouts lost when a cluster dies."""
+    result = _bench("fleet").run(
+        sizes=servers,
+        rollouts_per_server=rollouts_per_server,
+        behind=behind,
+        loss_rollouts=loss_rollouts,
+        output_dir=output_dir or None,
+    )
+    _emit(result, as_json, "inference fleet")
+
+
+@app.command()
 def consistency(
     as_json: bool = JSON,
     threads: int = typer.Option(1, help="torch threads for the engine and the trainer (each role's own core)."),
