@@ -52,6 +52,7 @@ def tiny_settings(tmp_path, *overrides: str) -> list[str]:
         f'eval.tasks.source="{tasks}"',
         "eval.validate_tasks=false",
         "eval.samples=2",
+        "eval.temperatures=[0.5]",
         *overrides,
     ]
 

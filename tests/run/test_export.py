@@ -51,7 +51,7 @@ def trainer_checkpoint(pipeline: Pipeline, step: int) -> tuple[torch.nn.Module, 
 @torch.no_grad()
 def test_the_final_policy_is_written_as_a_model_folder_that_loads_everywhere(midtrained):
     policy, scale = trainer_checkpoint(midtrained, step=midtrained.config.rl.steps)
-    folder, final_scale = midtrained.export_policy()
+    folder, final_scale = midtrained.export_policy(), midtrained.final_logit_scale()
     assert folder == midtrained.run_dir / "model" and (folder / "tokenizer.json").is_file()
     assert final_scale == pytest.approx(math.exp(scale.log_scale)) and final_scale > 1.0
     ours = load_hf(folder)
@@ -76,7 +76,7 @@ def test_a_trainer_that_stopped_short_is_not_exported_as_the_final_policy(midtra
 
 def test_without_rl_the_final_policy_is_the_mid_trained_model(midtrained):
     midtrained.config = midtrained.config.model_copy(update={"rl_enabled": False})
-    folder, final_scale = midtrained.export_policy()
+    folder, final_scale = midtrained.export_policy(), midtrained.final_logit_scale()
     assert final_scale is None
     assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in midtrained.model_dir.iterdir())
     assert (folder / "model.safetensors").read_bytes() == (midtrained.model_dir / "model.safetensors").read_bytes()

@@ -35,7 +35,9 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     assert all(s["demo_nll"] > 0 for s in steps)  # the anchor read the run's demonstrations file
     assert len(read_metrics(run / "orchestrator" / "metrics.jsonl")) == 2
     assert {r["server"] for r in read_metrics(run / "servers.jsonl")} == {0, 1}
-    assert json.loads((run / "eval" / "after" / "report.json").read_text())["rollouts"] == 8
+    after = json.loads((run / "eval" / "after" / "report.json").read_text())
+    assert after["rollouts"] == 8  # the headline temperature's; the sweep's points beside them
+    check_temperature_sweep(summary, after)
     board = run / "tensorboard"  # every role's numbers, at the steps of its metrics.jsonl
     assert {p.name for p in board.iterdir()} == {"midtrain", "trainer", "orchestrator", "servers"} | (
         {"cpu"} if quotas else set()
@@ -44,7 +46,9 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     assert_tracked(board / "trainer", steps)
     assert_tracked(board / "orchestrator", read_metrics(run / "orchestrator" / "metrics.jsonl"), step_key="index")
     html = (run / "report.html").read_text()
-    assert "held-out pass@1" in html and html.count("<img") >= 4
+    assert "held-out pass@1 at temperature 1:" in html and html.count("<img") >= 5
+    assert "<h2>Held-out pass@1 by sampling temperature</h2>\n<img" in html
+    assert "gain over the best temperature (± paired SE)</td><td>" in html
     for role in ("serve-0", "serve-1", "trainer", "orchestrator"):
         assert (run / "roles" / f"{role}.toml").exists() and (run / "logs" / f"{role}.log").exists()
     assert summary["final_logit_scale"] == pytest.approx(steps[-1]["logit_scale"])  # the trainer's last step's
@@ -56,9 +60,9 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     err = capfd.readouterr().err.splitlines()  # every stage's progress, as plain lines
     for stage in (
         "midtrain midtrain: 1,024/1,024 tok (100%)",
-        "held-out eval (before): 8/8 rollout (100%)",
+        "held-out eval (before): 16/16 rollout (100%)",  # 4 tasks x 2 samples x 2 temperatures
         "rl: 2/2 step (100%)",
-        "held-out eval (after): 8/8 rollout (100%)",
+        "held-out eval (after): 24/24 rollout (100%)",  # and at 1 x the learned scale
     ):
         assert any(line.startswith(stage) for line in err), stage
     assert any(
@@ -72,6 +76,37 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
 
         parents = cpu_group_parents()[1].values()
         assert not [g for parent in parents for g in parent.glob(f"whetstone-*-{os.getpid()}-*")]  # groups removed
+
+
+def check_temperature_sweep(summary: dict, after: dict) -> None:
+    """Both evaluations ran at the harness's temperature and the sweep's, on the same tasks; the
+    one after also at the headline temperature x the learned scale (the weights at the base's scale)."""
+    sweep, scale = summary["temperature_sweep"], summary["final_logit_scale"]
+    assert summary["headline_temperature"] == sweep["headline_temperature"] == 1.0 and sweep["temperatures"] == [
+        1.0,
+        0.5,
+    ]
+    assert [p["temperature"] for p in sweep["before"]] == [1.0, 0.5]
+    assert sorted(p["temperature"] for p in sweep["after"]) == sorted([1.0, 0.5, scale])
+    for point in sweep["after"]:
+        assert point["effective_temperature"] == pytest.approx(point["temperature"] / scale)
+    assert [p["pass1"] for p in sweep["before"] if p["temperature"] == 1.0] == [summary["heldout_pass1_before"]]
+    assert [p["pass1"] for p in sweep["after"] if p["temperature"] == 1.0] == [summary["heldout_pass1_after"]]
+    assert [p["temperature"] for p in after["temperatures"]] == [1.0, 0.5, scale]
+    assert all(p["rollouts"] == 8 and len(p["per_task"]) == 4 for p in after["temperatures"])
+    best_before, best_after = sweep["best_before"], sweep["best_after"]
+    assert best_before["pass1"] == max(p["pass1"] for p in sweep["before"])
+    assert best_after["pass1"] == max(p["pass1"] for p in sweep["after"] if p["temperature"] in (1.0, 0.5))
+    gain = summary["gain_over_best_temperature"]  # paired over the same tasks: the difference of the means
+    assert (
+        gain
+        == sweep["gain_over_best_temperature"]["value"]
+        == pytest.approx(best_after["pass1"] - best_before["pass1"])
+    )
+    assert summary["gain_over_best_temperature_se"] >= 0 and sweep["gain_over_best_temperature"]["tasks"] == 4
+    assert sweep["scale_frozen_temperature"] == scale and summary["gain_scale_frozen_se"] >= 0
+    frozen = [p["pass1"] for p in sweep["after"] if p["temperature"] == scale]
+    assert summary["gain_scale_frozen"] == pytest.approx(frozen[0] - summary["heldout_pass1_before"])
 
 
 def test_a_placement_on_missing_cores_is_refused_before_mid_training(tmp_path):

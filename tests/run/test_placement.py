@@ -108,7 +108,6 @@ def test_the_gpu_preset_differs_from_the_default_run_only_where_it_says():
         "rl.trainer.threads",
         "rl.trainer.optimizer.lr",
         "rl.orchestrator.rollout.concurrency",
-        "eval.rollout.concurrency",
         "eval.tasks.synth.count",
     }
 

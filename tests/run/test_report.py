@@ -9,10 +9,26 @@ import pytest
 from whetstone.errors import WhetstoneError
 from whetstone.rl.staleness import StalenessHistogram
 from whetstone.run.plots import _binned
-from whetstone.run.report import busy_fractions, cores_used, swap_pauses, trainer_busy_per_step, write_report
+from whetstone.run.report import (
+    busy_fractions,
+    cores_used,
+    load_run,
+    swap_pauses,
+    temperature_curves,
+    trainer_busy_per_step,
+    write_report,
+)
 from whetstone.utils.metrics import MetricsWriter
 
-PLOT_SECTIONS = ["Reward", "Held-out pass@k", "Staleness", "Weight sync", "Trainer–rollout mismatch", "Busy fraction"]
+PLOT_SECTIONS = [
+    "Reward",
+    "Held-out pass@k",
+    "Held-out pass@1 by sampling temperature",
+    "Staleness",
+    "Weight sync",
+    "Trainer–rollout mismatch",
+    "Busy fraction",
+]
 
 
 def write_jsonl(path, records, torn_tail=True):
@@ -88,6 +104,30 @@ def eval_report(pass1: float, pass4: float) -> dict:
     return {"tasks": 8, "rollouts": 32, "pass_at_k": {"1": pass1, "4": pass4}, "reward": {"mean": pass1}}
 
 
+def sweep(before: dict[float, float], after: dict[float, float], scale: float) -> dict:
+    """A summary's `temperature_sweep` (envs/eval/sweep.py) of these pass@1 curves."""
+
+    def points(curve, divide):
+        return [
+            {"temperature": t, **({"effective_temperature": t / scale} if divide else {}), "pass1": p}
+            for t, p in curve.items()
+        ]
+
+    return {
+        "headline_temperature": 1.0,
+        "logit_scale": scale,
+        "temperatures": [1.0, 0.5, 0.2],
+        "before": points(before, False),
+        "after": points(after, True),
+        "best_before": {"temperature": 0.2, "pass1": before[0.2]},
+        "best_after": {"temperature": 0.5, "effective_temperature": 0.5 / scale, "pass1": after[0.5]},
+        "gain_over_best_temperature": {"value": 0.0625, "se": 0.015, "tasks": 8},
+        "gain_over_best_temperature_crossfit": {"value": 0.05, "se": 0.02, "tasks": 8},
+        "scale_frozen_temperature": scale,
+        "gain_scale_frozen": {"value": 0.125, "se": 0.04, "tasks": 8},
+    }
+
+
 @pytest.fixture(scope="module")
 def full_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("runs") / "demo"
@@ -98,6 +138,15 @@ def full_run(tmp_path_factory):
         "wall_s": 312.0,
         "heldout_pass1_before": 0.125,
         "heldout_pass1_after": 0.375,
+        "headline_temperature": 1.0,
+        "final_logit_scale": 2.0,
+        "gain_over_best_temperature": 0.0625,
+        "gain_over_best_temperature_se": 0.015,
+        "gain_scale_frozen": 0.125,
+        "gain_scale_frozen_se": 0.04,
+        "temperature_sweep": sweep(
+            {1.0: 0.125, 0.5: 0.25, 0.2: 0.3125}, {2.0: 0.25, 1.0: 0.375, 0.5: 0.375, 0.2: 0.25}, 2.0
+        ),
         "stages": {"midtrain": {"val_loss": 1.2}},
         "config": {"name": "demo", "rl": {"lr": 1e-6}},
     }
@@ -143,7 +192,8 @@ def test_a_full_run_gets_every_section_with_one_inline_plot_each(full_run):
 
 def test_the_headline_shows_pass1_before_and_after_and_the_gain(full_run):
     _, _, page = full_run
-    assert "held-out pass@1: 12.5% → 37.5% (+25.0 points)" in page
+    assert "held-out pass@1 at temperature 1: 12.5% → 37.5% (+25.0 points)" in page
+    assert "each at its best temperature: +6.2 ± 1.5 points (paired SE)" in page
     assert "<h1>whetstone run: demo</h1>" in page and "312 s" in page
 
 
@@ -165,6 +215,35 @@ def test_key_figures_hold_the_numbers_behind_the_plots(full_run):
     assert row("policy entropy, first / last step (nats per trained token)", "0.8 / 0.5") in page
     assert row("demonstration loss, first / last step (anchor; nats per trained token)", "0.01 / 0.013") in page
     assert "<details>" in page and "&quot;lr&quot;: 1e-06" in page
+
+
+def test_key_figures_compare_each_model_at_its_best_temperature(full_run):
+    _, _, page = full_run
+
+    def row(what, value):
+        return f"<tr><td>{what}</td><td>{value}</td></tr>"
+
+    assert row("temperature of the held-out pass@1 above", "1") in page
+    assert row("held-out pass@1 before RL at its best temperature", "0.312 at T = 0.2") in page
+    assert row("held-out pass@1 after RL at its best temperature", "0.375 at T = 0.5 (effective 0.25)") in page
+    assert row("gain over the best temperature (± paired SE)", "+6.2 ± 1.5 points") in page
+    assert (
+        row("the same, each half of the tasks at the temperatures best on the other half", "+5.0 ± 2.0 points") in page
+    )
+    frozen = "gain with the learned logit scale removed (after RL sampled at T = 2; ± paired SE)"
+    assert row(frozen, "+12.5 ± 4.0 points") in page
+
+
+def test_a_run_stopped_during_rl_plots_the_bases_temperature_curve_from_its_evaluation(tmp_path):
+    (tmp_path / "eval" / "before").mkdir(parents=True)
+    points = [{"temperature": t, "pass_at_k": {"1": p}} for t, p in ((1.0, 0.25), (0.5, 0.5), (0.2, 0.5))]
+    (tmp_path / "eval" / "before" / "report.json").write_text(
+        json.dumps({**eval_report(0.25, 0.5), "temperatures": points})
+    )
+    curves = temperature_curves(load_run(tmp_path))
+    assert curves.before == {1.0: 0.25, 0.5: 0.5, 0.2: 0.5} and curves.after == {} and curves.logit_scale is None
+    page = write_report(tmp_path).read_text()
+    assert "<h2>Held-out pass@1 by sampling temperature</h2>\n<img " in page
 
 
 def test_the_report_replaces_an_old_one_atomically(full_run):

@@ -47,7 +47,14 @@ def run(
         )
     before, after = summary["heldout_pass1_before"], summary["heldout_pass1_after"]
     if before is not None and after is not None:
-        typer.echo(f"held-out pass@1  {before:.3f} -> {after:.3f}  ({100 * (after - before):+.1f} points)")
+        at = f"at temperature {summary['headline_temperature']:g}"
+        typer.echo(f"held-out pass@1  {before:.3f} -> {after:.3f}  ({100 * (after - before):+.1f} points, {at})")
+    if summary.get("gain_over_best_temperature") is not None:
+        sweep, se = summary["temperature_sweep"], summary["gain_over_best_temperature_se"]
+        bests = f"{sweep['best_before']['pass1']:.3f} (T {sweep['best_before']['temperature']:g}) -> "
+        bests += f"{sweep['best_after']['pass1']:.3f} (T {sweep['best_after']['temperature']:g})"
+        spread = f" ± {100 * se:.1f}" if se is not None else ""
+        typer.echo(f"at best T        {bests}  ({100 * summary['gain_over_best_temperature']:+.1f}{spread} points)")
     if summary["final_logit_scale"] is not None:
         typer.echo(f"logit scale      {summary['final_logit_scale']:.3f} (learned by RL)")
     typer.echo(f"model            {summary['model']}  (Hugging Face folder, tokenizer included)")

@@ -184,11 +184,14 @@ class PipelineConfig(Config):
         tasks=TasksConfig(synth=SynthConfig(split="heldout", count=200, seed=0)),
         samples=2,
         k=[1, 2],
-        rollout=RolloutConfig(concurrency=12),
+        temperatures=[1.0, 0.5, 0.2],
+        rollout=RolloutConfig(concurrency=32),
     )
     """Held-out evaluation before and after RL (endpoint, harness and output folder are set by
-    the pipeline): 200 tasks x 2 rollouts, ~40 s each on 2 cores; a smaller set flattered or
-    hid RL's gain by several points, depending on the draw of tasks."""
+    the pipeline): 200 tasks x 2 rollouts, ~40 s on 2 cores at each temperature; a smaller set
+    flattered or hid RL's gain by several points, depending on the draw of tasks. Three
+    temperatures find each model's best within about a point (docs/run.md, the yardstick); 32
+    rollouts in flight fill both servers' batches, a fifth less CPU per rollout than 12."""
     placement: PlacementConfig = PlacementConfig()
     """Devices, GPU memory shares and CPU cores of the roles the pipeline starts (evaluations run
     in the pipeline's own process; mid-training too, on `midtrain.run.device`)."""

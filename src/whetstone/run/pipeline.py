@@ -2,11 +2,15 @@
 
     1. midtrain      the tiny MoE on code + synth demonstrations        -> midtrain/model
     2. servers       `whetstone serve` x N, following the weight store  -> servers/, logs/
-    3. eval before   held-out pass@1 of the mid-trained model           -> eval/before/
+    3. eval before   held-out pass@1 of the mid-trained model at each    -> eval/before/
+                     temperature of `eval.temperatures`
     4. rl            `whetstone trainer` + `whetstone orchestrator`      -> trainer/, orchestrator/,
                      as processes, until the trainer's last step           batches/, weights/
-    5. eval after    once every server holds the final version          -> eval/after/
-    6. report        the final policy as an HF folder, summary.json,     -> model/
+    5. eval after    once every server holds the final version; the      -> eval/after/
+                     same temperatures, and the headline one x the
+                     learned logit scale
+    6. report        the final policy as an HF folder, summary.json      -> model/
+                     (each model at its best temperature compared),
                      report.html
 
 Each stage resumes: mid-training from its checkpoint, the trainer from its own, the orchestrator
@@ -38,6 +42,14 @@ from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_ports
 from whetstone.utils.progress import progress_bar
 
 log = logging.getLogger("whetstone.run")
+YARDSTICK_KEYS = (
+    "gain_over_best_temperature",
+    "gain_over_best_temperature_se",
+    "gain_scale_frozen",
+    "gain_scale_frozen_se",
+    "temperature_sweep",
+)
+"""The summary's keys comparing the evaluations' temperature sweeps (`Pipeline.yardstick`)."""
 TRAINER_QUOTA_PERIOD_US = 10_000
 """The trainer's CPU quota is enforced every 10 ms, not the kernel's 100: a trainer that idles
 between steps (synchronous RL) starts each step with a whole period's quota unspent, and with
@@ -128,8 +140,15 @@ class Pipeline:
             return self.config.rl.orchestrator.model_copy(update={"servers": [], "discover_servers": True})
         return self.config.rl.orchestrator
 
-    def eval_config(self, when: str):
-        return self.config.eval.model_copy(update={"output_dir": str(Path(self.config.eval.output_dir) / when)})
+    def eval_config(self, when: str, logit_scale: float | None = None):
+        """The evaluation `when` ("before"/"after" RL). After RL with a learned `logit_scale`, it
+        also samples at the headline temperature x the scale: the trained weights at the base's
+        scale (`gain_scale_frozen`, envs/eval/sweep.py)."""
+        config = self.config.eval
+        update: dict[str, Any] = {"output_dir": str(Path(config.output_dir) / when)}
+        if logit_scale is not None:
+            update["temperatures"] = [*config.temperatures, config.harness.sampling.temperature * logit_scale]
+        return config.model_copy(update=update)
 
     def serve_config(self, port: int, index: int = 0):
         """Server `index`'s config: its port, and its device from `placement.server_devices`."""
@@ -254,13 +273,13 @@ class Pipeline:
         self.config = self.config.resolved(self.urls)
         self.write_config()
 
-    def evaluate(self, when: str) -> dict[str, Any]:
+    def evaluate(self, when: str, logit_scale: float | None = None) -> dict[str, Any]:
         from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks
 
         report_path = self.run_dir / "eval" / when / "report.json"
         if report_path.exists():  # this stage already ran: resume past it
             return json.loads(report_path.read_text())
-        config = self.eval_config(when)
+        config = self.eval_config(when, logit_scale)
         return evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
 
     def rl(self) -> dict[str, Any]:
@@ -356,29 +375,65 @@ class Pipeline:
         if self.launcher is not None:
             self.launcher.close()
 
-    def export_policy(self) -> tuple[Path, float | None]:
-        """The run's final policy as a Hugging Face folder, `model/` (tokenizer included), and the
-        logit scale RL learned (None when it learns none). After RL the policy is the trainer's
-        last checkpoint, whose weights are the final version the servers were evaluated with (the
-        scale folded into the final norm); without RL it is the mid-trained model."""
-        from whetstone.model.hf import load_hf, save_hf
-        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint, load_weights
+    def final_checkpoint(self) -> Path:
+        """The trainer's checkpoint of its last step: the final policy."""
+        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint
 
-        target = self.run_dir / "model"
-        if not self.config.rl_enabled:
-            with atomic_directory(target) as tmp:
-                shutil.copytree(self.model_dir, tmp, dirs_exist_ok=True)
-            return target, None
         checkpoint = latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
         if checkpoint is None or checkpoint_step(checkpoint) != self.config.rl.steps:
             raise WhetstoneError(
                 f"no trainer checkpoint of step {self.config.rl.steps} to export (newest: {checkpoint})"
             )
+        return checkpoint
+
+    def final_logit_scale(self) -> float | None:
+        """The logit scale RL learned, as of the final checkpoint (None when it learns none, or
+        without RL): the final weights' logits are this many times the mid-trained model's."""
+        from whetstone.training.checkpoint import read_state
+
+        if not self.config.rl_enabled:
+            return None
+        scale = read_state(self.final_checkpoint())["data"].get("logit_scale")
+        return math.exp(scale["log_scale"]) if scale else None
+
+    def export_policy(self) -> Path:
+        """The run's final policy as a Hugging Face folder, `model/` (tokenizer included). After
+        RL it is the trainer's last checkpoint, whose weights are the final version the servers
+        were evaluated with (the learned logit scale folded into the final norm); without RL it is
+        the mid-trained model."""
+        from whetstone.model.hf import load_hf, save_hf
+        from whetstone.training.checkpoint import load_weights
+
+        target = self.run_dir / "model"
+        if not self.config.rl_enabled:
+            with atomic_directory(target) as tmp:
+                shutil.copytree(self.model_dir, tmp, dirs_exist_ok=True)
+            return target
         model = load_hf(self.model_dir)  # the architecture; every weight is replaced below
-        state = load_weights(checkpoint, model)
+        load_weights(self.final_checkpoint(), model)
         save_hf(model, target, tokenizer_dir=self.model_dir)
-        scale = state["data"].get("logit_scale")
-        return target, math.exp(scale["log_scale"]) if scale else None
+        return target
+
+    def yardstick(self, before: dict[str, Any], after: dict[str, Any], logit_scale: float | None) -> dict[str, Any]:
+        """The summary's comparison of the two evaluations' temperature sweeps (envs/eval/sweep.py):
+        `gain_over_best_temperature` and `gain_scale_frozen` with their paired standard errors,
+        and the curves and bests in `temperature_sweep`; None where an evaluation has no sweep
+        (a report written before sweeps were recorded)."""
+        from whetstone.envs.eval.sweep import compare_sweeps, sweep_of
+
+        before_sweep, after_sweep = sweep_of(before), sweep_of(after)
+        if not before_sweep or not after_sweep:
+            return dict.fromkeys(YARDSTICK_KEYS)
+        evaluated = self.config.eval.evaluated_temperatures
+        sweep = compare_sweeps(before_sweep, after_sweep, evaluated, evaluated[0], logit_scale)
+        at_best, frozen = sweep["gain_over_best_temperature"], sweep["gain_scale_frozen"]
+        return {
+            "gain_over_best_temperature": at_best["value"],
+            "gain_over_best_temperature_se": at_best["se"],
+            "gain_scale_frozen": frozen["value"],
+            "gain_scale_frozen_se": frozen["se"],
+            "temperature_sweep": sweep,
+        }
 
     def run(self) -> dict[str, Any]:
         from whetstone.run.preflight import check_run_config
@@ -393,6 +448,9 @@ class Pipeline:
             "run_dir": str(self.run_dir),
             "heldout_pass1_before": None,
             "heldout_pass1_after": None,
+            "headline_temperature": config.eval.harness.sampling.temperature,
+            "final_logit_scale": None,
+            **dict.fromkeys(YARDSTICK_KEYS),
         }
         try:
             stages: dict[str, Any] = {"midtrain": self.midtrain()}
@@ -402,11 +460,13 @@ class Pipeline:
                     before = self.evaluate("before")
                     summary["heldout_pass1_before"] = before["pass_at_k"]["1"]
                     stages["rl"] = self.rl()
-                    after = self.evaluate("after")
+                    summary["final_logit_scale"] = scale = self.final_logit_scale()
+                    after = self.evaluate("after", scale)
                     summary["heldout_pass1_after"] = after["pass_at_k"]["1"]
+                    summary.update(self.yardstick(before, after, scale))
         finally:
             self.stop_roles()  # and the CPU groups
-        model, summary["final_logit_scale"] = self.export_policy()
+        model = self.export_policy()
         summary.update(
             model=str(model), wall_s=time.time() - started, stages=stages, config=self.config.model_dump(mode="json")
         )

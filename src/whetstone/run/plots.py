@@ -232,3 +232,33 @@ def busy_plot(busy: dict[str, float], trainer_steps: tuple[list[float], list[flo
     else:
         _not_recorded(per_step)
     return _png(figure)
+
+
+def temperature_plot(
+    before: dict[float, float],
+    after: dict[float, float],
+    logit_scale: float | None,
+    best: tuple[float | None, float | None] = (None, None),
+) -> str | None:
+    """Held-out pass@1 against the sampling temperature, before and after RL, each curve's best
+    temperature (`best`, before and after) starred. With a learned logit scale, a right panel
+    puts the trained model at its effective temperature T / scale, the temperature of the base's
+    scale: there the two curves differ only by what RL taught besides the sharpness."""
+    if not before and not after:
+        return None
+    scaled = logit_scale is not None and logit_scale != 1.0
+    figure, panels = _figure(2 if scaled else 1)
+    panels = list(panels) if scaled else [panels]
+    for axes, scale, xlabel in zip(
+        panels, (1.0, logit_scale), ("sampling temperature", "effective temperature (T / learned logit scale)")
+    ):
+        for label, curve, divide, star in (("before RL", before, 1.0, best[0]), ("after RL", after, scale, best[1])):
+            if not curve:
+                continue
+            points = sorted(curve.items())
+            (line,) = axes.plot([t / divide for t, _ in points], [p for _, p in points], marker=".", label=label)
+            if star in curve:
+                axes.plot([star / divide], [curve[star]], marker="*", markersize=11, color=line.get_color(), ls="none")
+        axes.set_ylim(0, 1.05)
+        _style(axes, xlabel, "held-out pass@1")
+    return _png(figure)

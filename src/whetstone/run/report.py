@@ -3,11 +3,12 @@
 It reads whatever the run left behind and never fails on a missing, partial or torn file, so a
 run killed midway still gets its report; a section without data says "not recorded".
 
-    summary.json                  wall time, held-out pass@1 before/after, config
+    summary.json                  wall time, held-out pass@1 before/after, the temperature sweeps
+                                  compared (envs/eval/sweep.py), config
     trainer/metrics.jsonl         one record per optimizer step
     orchestrator/metrics.jsonl    one record per batch put
     servers.jsonl                 samples of each inference server, about every 2 s
-    eval/{before,after}/report.json   the held-out evaluations (pass@k)
+    eval/{before,after}/report.json   the held-out evaluations (pass@k, at each temperature)
 """
 
 from __future__ import annotations
@@ -93,6 +94,101 @@ def heldout_pass1(run: RunRecords, when: str) -> float | None:
     """pass@1 `when` ("before"/"after") RL: the summary's figure, else the evaluation report's."""
     value = number(run.summary.get(f"heldout_pass1_{when}"))
     return value if value is not None else pass_at_k(getattr(run, when)).get(1)
+
+
+@dataclass
+class TemperatureCurves:
+    """Held-out pass@1 by sampling temperature before and after RL, each one's best temperature
+    (None where not known), and the logit scale RL learned."""
+
+    before: dict[float, float]
+    after: dict[float, float]
+    best: tuple[float | None, float | None]
+    logit_scale: float | None
+
+
+def _curve(points) -> dict[float, float]:
+    """{temperature: pass@1} of the summary's sweep points."""
+    if not isinstance(points, list):
+        return {}
+    pairs = [(number(p.get("temperature")), number(p.get("pass1"))) for p in points if isinstance(p, dict)]
+    return {t: p for t, p in pairs if t is not None and p is not None}
+
+
+def _report_curve(report: dict) -> dict[float, float]:
+    """{temperature: pass@1} of an evaluation report's sweep."""
+    points = report.get("temperatures")
+    if not isinstance(points, list):
+        return {}
+    return _curve(
+        [{"temperature": p.get("temperature"), "pass1": pass_at_k(p).get(1)} for p in points if isinstance(p, dict)]
+    )
+
+
+def _best(point) -> float | None:
+    return number(point.get("temperature")) if isinstance(point, dict) else None
+
+
+def temperature_curves(run: RunRecords) -> TemperatureCurves:
+    """The summary's temperature sweeps; for a run stopped before its summary, the evaluation
+    reports' (with the trainer's last logit scale)."""
+    sweep = run.summary.get("temperature_sweep")
+    if isinstance(sweep, dict):
+        return TemperatureCurves(
+            _curve(sweep.get("before")),
+            _curve(sweep.get("after")),
+            (_best(sweep.get("best_before")), _best(sweep.get("best_after"))),
+            number(sweep.get("logit_scale")),
+        )
+    return TemperatureCurves(
+        _report_curve(run.before), _report_curve(run.after), (None, None), _last(_column(run.trainer, "logit_scale"))
+    )
+
+
+def _gain(summary: dict, key: str) -> str:
+    """A gain of the summary in points, with its paired standard error."""
+    value, se = number(summary.get(key)), number(summary.get(f"{key}_se"))
+    if value is None:
+        return NOT_RECORDED
+    return f"{value * 100:+.1f}" + (f" ± {se * 100:.1f}" if se is not None else "") + " points"
+
+
+def _sweep_point(sweep, key: str) -> str:
+    """A best temperature of the summary's sweep and its pass@1 (and the effective temperature after RL)."""
+    point = sweep.get(key) if isinstance(sweep, dict) else None
+    t, pass1 = (
+        (number(point.get("temperature")), number(point.get("pass1"))) if isinstance(point, dict) else (None, None)
+    )
+    if t is None or pass1 is None:
+        return NOT_RECORDED
+    effective = number(point.get("effective_temperature"))
+    shown = f"T = {t:.3g}" + (f" (effective {effective:.3g})" if effective is not None and effective != t else "")
+    return f"{pass1:.3f} at {shown}"
+
+
+def _crossfit(sweep) -> str:
+    gain = sweep.get("gain_over_best_temperature_crossfit") if isinstance(sweep, dict) else None
+    if not isinstance(gain, dict):
+        return NOT_RECORDED
+    return _gain({"g": gain.get("value"), "g_se": gain.get("se")}, "g")
+
+
+def yardstick_figures(run: RunRecords) -> list[tuple[str, str]]:
+    """The held-out figures against each model at its best temperature, as (what, value) rows."""
+    summary, sweep = run.summary, run.summary.get("temperature_sweep")
+    frozen_at = number(sweep.get("scale_frozen_temperature")) if isinstance(sweep, dict) else None
+    return [
+        ("temperature of the held-out pass@1 above", _fmt(number(summary.get("headline_temperature")), "{:.3g}")),
+        ("held-out pass@1 before RL at its best temperature", _sweep_point(sweep, "best_before")),
+        ("held-out pass@1 after RL at its best temperature", _sweep_point(sweep, "best_after")),
+        ("gain over the best temperature (± paired SE)", _gain(summary, "gain_over_best_temperature")),
+        ("the same, each half of the tasks at the temperatures best on the other half", _crossfit(sweep)),
+        (
+            "gain with the learned logit scale removed (after RL sampled at T = "
+            f"{_fmt(frozen_at, '{:.3g}')}; ± paired SE)",
+            _gain(summary, "gain_scale_frozen"),
+        ),
+    ]
 
 
 def swap_pauses(servers: list[dict]) -> dict[int, list[tuple[float | None, float]]]:
@@ -228,6 +324,7 @@ def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[t
     rows = [
         ("held-out pass@1 before RL", _fmt(heldout_pass1(run, "before"), "{:.3f}")),
         ("held-out pass@1 after RL", _fmt(heldout_pass1(run, "after"), "{:.3f}")),
+        *yardstick_figures(run),
         ("trainer steps (replayed after a restart)", steps),
         ("batches put by the orchestrator", str(len(run.orchestrator)) if run.orchestrator else NOT_RECORDED),
         ("final reward (mean over the last batch)", _fmt(_last(rewards), "{:.3f}")),
@@ -272,7 +369,12 @@ pre { background: #f6f6f6; padding: 1em; overflow-x: auto; font-size: 12px; }
 def _header(run: RunRecords) -> str:
     before, after = heldout_pass1(run, "before"), heldout_pass1(run, "after")
     delta = f" ({(after - before) * 100:+.1f} points)" if before is not None and after is not None else ""
-    headline = f"held-out pass@1: {_fmt(before, '{:.1%}')} → {_fmt(after, '{:.1%}')}{delta}"
+    at = number(run.summary.get("headline_temperature"))
+    temperature = f" at temperature {at:g}" if at is not None else ""
+    headline = f"held-out pass@1{temperature}: {_fmt(before, '{:.1%}')} → {_fmt(after, '{:.1%}')}{delta}"
+    if number(run.summary.get("gain_over_best_temperature")) is not None:
+        gain = _gain(run.summary, "gain_over_best_temperature")
+        headline += f"<br>each at its best temperature: {gain} (paired SE)"
     if run.summary_mtime is not None:
         date = f"finished {datetime.datetime.fromtimestamp(run.summary_mtime):%Y-%m-%d %H:%M}"
     else:
@@ -306,6 +408,7 @@ def _config(run: RunRecords) -> str:
 
 def render_report(run: RunRecords) -> str:
     pauses, busy = swap_pauses(run.servers), busy_fractions(run.trainer, run.servers)
+    curves = temperature_curves(run)
     sections = [
         _section(
             "Reward",
@@ -319,6 +422,12 @@ def render_report(run: RunRecords) -> str:
                 pass_at_k(run.after) or _summary_pass1(run, "after"),
             ),
             "eval/before/report.json and eval/after/report.json pass_at_k (else summary.json pass@1)",
+        ),
+        _section(
+            "Held-out pass@1 by sampling temperature",
+            plots.temperature_plot(curves.before, curves.after, curves.logit_scale, curves.best),
+            "summary.json temperature_sweep (else eval/before/report.json and eval/after/report.json "
+            "temperatures, and the trainer's last logit_scale); stars: each curve's best",
         ),
         _section(
             "Staleness",

@@ -142,3 +142,33 @@ def test_a_seeded_policy_gives_each_call_of_a_rollout_its_own_seed():
         )
         == 4
     )
+
+
+def test_a_temperature_sweep_samples_each_temperature_on_the_headlines_seeds(server, model_dir, tmp_path):
+    """Each temperature of a sweep is the evaluation at that temperature on the same seeds (its
+    tokens equal a run at that temperature alone), while the headline figures stay the harness's."""
+    sweep, alone = tmp_path / "sweep", tmp_path / "alone"
+    config = write_config(tmp_path / "sweep.toml", server, model_dir, sweep, temperatures=[0.5, 1.0])
+    result = CliRunner().invoke(app, ["eval", str(config), "-s", "validate_tasks=false"])
+    assert result.exit_code == 0, result.output
+    config = write_config(tmp_path / "alone.toml", server, model_dir, alone)
+    result = CliRunner().invoke(
+        app, ["eval", str(config), "-s", "validate_tasks=false", "-s", "harness.sampling.temperature=0.5"]
+    )
+    assert result.exit_code == 0, result.output
+
+    report = json.loads((sweep / "report.json").read_text())
+    assert [p["temperature"] for p in report["temperatures"]] == [1.0, 0.5] and report["rollouts"] == 4
+    trajectories = load_trajectories(sweep / "trajectories.jsonl")
+    headline = [t for t in trajectories if t.group_id == t.task_id]
+    swept = [t for t in trajectories if t.group_id == f"T=0.5/{t.task_id}"]
+    assert len(headline) == len(swept) == 4
+    tokens = [[call.completion_ids for call in t.calls] for t in swept]
+    assert tokens == completions(alone)  # the same draws as the evaluation at 0.5 alone
+    assert tokens != [[call.completion_ids for call in t.calls] for t in headline]
+    for point, group in zip(report["temperatures"], (headline, swept)):
+        counts = {t.task_id: (2, sum(solved(x) for x in group if x.task_id == t.task_id)) for t in group}
+        assert point["rollouts"] == 4 and point["pass_at_k"]["1"] == mean_pass_at_k(list(counts.values()), 1)
+        assert {row["task_id"]: (row["samples"], row["solved"]) for row in point["per_task"]} == counts
+    assert report["temperatures"][0]["pass_at_k"] == report["pass_at_k"]
+    assert "## By sampling temperature (same tasks, same seeds)" in (sweep / "report.md").read_text()

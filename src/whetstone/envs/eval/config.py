@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from whetstone.config import Config
 from whetstone.envs.harness.config import EndpointConfig, HarnessConfig, RolloutConfig
@@ -31,6 +31,11 @@ class EvalConfig(Config):
     """Rollouts per task."""
     k: list[int] = [1, 4]
     """The k of each pass@k reported (each at most `samples`)."""
+    temperatures: list[float] = []
+    """Sampling temperatures to evaluate besides the harness's own (`harness.sampling.temperature`,
+    whose figures stay the report's headline): every task runs `samples` times at each, on the
+    same seeds, and the report's `temperatures` gives pass@k at each (envs/eval/sweep.py). Empty =
+    the harness's temperature only."""
     seed: int = Field(0, ge=-1)
     """Sampling seeds: rollout j of a task samples from seeds derived from (seed, task id, j), the
     same under any weights, so evaluations of two versions (before and after RL) are paired on
@@ -46,3 +51,16 @@ class EvalConfig(Config):
         if bad or not self.k:
             raise ValueError(f"k={self.k}: each k must be between 1 and samples={self.samples}")
         return self
+
+    @field_validator("temperatures")
+    @classmethod
+    def _temperatures_not_negative(cls, temperatures: list[float]) -> list[float]:
+        if any(t < 0 for t in temperatures):
+            raise ValueError(f"{temperatures}: a sampling temperature must be >= 0 (0 = greedy)")
+        return temperatures
+
+    @property
+    def evaluated_temperatures(self) -> list[float]:
+        """The harness's temperature (the headline), then each other one of `temperatures` once."""
+        headline = self.harness.sampling.temperature
+        return [headline, *(t for t in dict.fromkeys(self.temperatures) if t != headline)]

@@ -33,12 +33,35 @@ def _means(dicts: list[dict[str, float]]) -> dict[str, float]:
     return {key: statistics.fmean(d.get(key, 0.0) for d in dicts) for key in keys}
 
 
-def build_report(trajectories: list[Trajectory], ks: list[int], run: dict[str, Any]) -> dict[str, Any]:
-    """The report of one evaluation; `run` describes it (endpoint, model, config, wall clock)."""
+def _by_task(trajectories: list[Trajectory]) -> dict[str, list[Trajectory]]:
     by_task: dict[str, list[Trajectory]] = {}
     for trajectory in trajectories:
         by_task.setdefault(trajectory.task_id, []).append(trajectory)
-    counts = {task_id: (len(group), sum(map(solved, group))) for task_id, group in by_task.items()}
+    return by_task
+
+
+def _counts(by_task: dict[str, list[Trajectory]]) -> dict[str, tuple[int, int]]:
+    """(samples, solved) of each task."""
+    return {task_id: (len(group), sum(map(solved, group))) for task_id, group in by_task.items()}
+
+
+def temperature_point(temperature: float, trajectories: list[Trajectory], ks: list[int]) -> dict[str, Any]:
+    """The rollouts at one sampling temperature of a sweep: pass@k, and each task's solved samples
+    (what the paired statistics of envs/eval/sweep.py read)."""
+    counts = _counts(_by_task(trajectories))
+    return {
+        "temperature": temperature,
+        "pass_at_k": {str(k): mean_pass_at_k(list(counts.values()), k) for k in ks} if counts else {},
+        "rollouts": len(trajectories),
+        "failed_rollouts": sum(t.status != "ok" for t in trajectories),
+        "per_task": [{"task_id": task_id, "samples": n, "solved": c} for task_id, (n, c) in counts.items()],
+    }
+
+
+def build_report(trajectories: list[Trajectory], ks: list[int], run: dict[str, Any]) -> dict[str, Any]:
+    """The report of one evaluation; `run` describes it (endpoint, model, config, wall clock)."""
+    by_task = _by_task(trajectories)
+    counts = _counts(by_task)
     ran = [t for t in trajectories if t.status == "ok"]
     flags = Counter(flag.split(":")[0] for t in trajectories for flag in t.cheat_flags)
     per_task = [
@@ -86,11 +109,22 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     lines += ["| metric | value |", "|---|---|"]
     lines += [f"| pass@{k} | {value:.3f} |" for k, value in report["pass_at_k"].items()]
+    sweep = report.get("temperatures", [])
     for name in ("reward", "turns", "completion_tokens", "segments", "invalid_tool_calls"):
         spread = report[name]
         shown = " / ".join(_number(spread[key]) for key in ("mean", "p50", "max"))
         lines.append(f"| {name} (mean / p50 / max) | {shown} |")
     lines.append(f"| cheat-flagged rollouts | {report['flagged_rollouts']} |")
+    if len(sweep) > 1:
+        ks = list(report["pass_at_k"])
+        lines += ["", "## By sampling temperature (same tasks, same seeds)", ""]
+        lines += [
+            "| temperature | " + " | ".join(f"pass@{k}" for k in ks) + " | failed |",
+            "|---|" + "---|" * (len(ks) + 1),
+        ]
+        for point in sweep:
+            cells = " | ".join(f"{point['pass_at_k'][k]:.3f}" for k in ks)
+            lines.append(f"| {point['temperature']:g} | {cells} | {point['failed_rollouts']} |")
     lines += ["", "## Reward breakdown (mean over rollouts that ran)", "", "| term | mean |", "|---|---|"]
     lines += [f"| {key} | {value:.4f} |" for key, value in report["reward"]["breakdown"].items()]
     if report["cheat_flags"]:

@@ -1,5 +1,6 @@
-"""Run an evaluation: every task `samples` times through the harness against an endpoint, then
-write report.json, report.md and (optionally) trajectories.jsonl into `output_dir`, atomically."""
+"""Run an evaluation: every task `samples` times through the harness against an endpoint, at each
+of its temperatures, then write report.json, report.md and (optionally) trajectories.jsonl into
+`output_dir`, atomically."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from whetstone.envs.eval.config import EvalConfig
-from whetstone.envs.eval.report import build_report, render_markdown
+from whetstone.envs.eval.report import build_report, render_markdown, temperature_point
 from whetstone.envs.harness import AgentHarness, ServerPool, run_rollouts
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory, save_trajectories
@@ -32,10 +33,11 @@ def load_eval_tasks(config: EvalConfig) -> list[Task]:
 def evaluate(
     config: EvalConfig, tasks: list[Task], on_done: Callable[[Trajectory], None] | None = None
 ) -> dict[str, Any]:
-    """Evaluate, write the report files, and return the report."""
-    harness = AgentHarness.from_config(config.harness)
+    """Evaluate, write the report files, and return the report: its figures are those at the
+    harness's temperature; `temperatures` gives pass@k and per-task counts at each one evaluated."""
     started, clock = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
-    trajectories, model = asyncio.run(_rollouts(config, tasks, harness, on_done))
+    swept, model = asyncio.run(_rollouts(config, tasks, on_done))
+    headline = config.evaluated_temperatures[0]
     run = {
         "model": model,
         "endpoint": ", ".join(config.servers or [config.endpoint.base_url]),
@@ -44,10 +46,11 @@ def evaluate(
         "wall_clock_s": time.monotonic() - clock,
         "config": config.model_dump(mode="json"),
     }
-    report = build_report(trajectories, config.k, run)
+    report = build_report(swept[headline], config.k, run)
+    report["temperatures"] = [temperature_point(t, group, config.k) for t, group in swept.items()]
     out = Path(config.output_dir)
     if config.save_trajectories:
-        save_trajectories(out / "trajectories.jsonl", trajectories)
+        save_trajectories(out / "trajectories.jsonl", [t for group in swept.values() for t in group])
     atomic_write_json(out / "report.json", report)
     atomic_write_text(out / "report.md", render_markdown(report))
     return report
@@ -59,7 +62,8 @@ def evaluate_with_progress(config: EvalConfig, tasks: list[Task], description: s
     from whetstone.utils.progress import progress_bar
 
     counts = {"solved": 0, "failed": 0}
-    with progress_bar(len(tasks) * config.samples, description, "rollout") as bar:
+    total = len(tasks) * config.samples * len(config.evaluated_temperatures)
+    with progress_bar(total, description, "rollout") as bar:
 
         def done(trajectory: Trajectory) -> None:
             counts["solved"] += solved(trajectory)
@@ -70,24 +74,46 @@ def evaluate_with_progress(config: EvalConfig, tasks: list[Task], description: s
 
 
 async def _rollouts(
-    config: EvalConfig, tasks: list[Task], harness: AgentHarness, on_done: Callable[[Trajectory], None] | None
-) -> tuple[list[Trajectory], str]:
+    config: EvalConfig, tasks: list[Task], on_done: Callable[[Trajectory], None] | None
+) -> tuple[dict[float, list[Trajectory]], str]:
+    """Each temperature's rollouts, on one connection to the servers. Every temperature draws from
+    the same seeds; the trajectories of a temperature other than the headline's have the group
+    id `T=<temperature>/<task id>`."""
     concurrency = config.rollout.concurrency
+    harnesses = _harnesses(config)
     # Tools and grading block in worker threads: enough of them that no rollout waits for one.
     asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(concurrency + 2, thread_name_prefix="rollout"))
     pool = await ServerPool.connect(config.servers or [config.endpoint.base_url], config.endpoint)
+    headline = config.evaluated_temperatures[0]
+    swept: dict[float, list[Trajectory]] = {}
     try:
         pool.require_one()
         model = pool.model
-        trajectories = await run_rollouts(
-            tasks,
-            pool,
-            harness,
-            config.rollout,
-            samples=config.samples,
-            on_done=on_done,
-            seed=None if config.seed < 0 else config.seed,
-        )
+        for temperature, harness in harnesses.items():
+            swept[temperature] = await run_rollouts(
+                tasks,
+                pool,
+                harness,
+                config.rollout,
+                samples=config.samples,
+                group_prefix="" if temperature == headline else f"T={temperature:g}/",
+                on_done=on_done,
+                seed=None if config.seed < 0 else config.seed,
+            )
     finally:
         await pool.close()
-    return trajectories, model
+    return swept, model
+
+
+def _harnesses(config: EvalConfig) -> dict[float, AgentHarness]:
+    """The agent loop at each temperature evaluated, sharing one tokenizer."""
+    loaded = AgentHarness.from_config(config.harness)
+    return {
+        t: AgentHarness(
+            config.harness.model_copy(
+                update={"sampling": config.harness.sampling.model_copy(update={"temperature": t})}
+            ),
+            loaded.tokenizer,
+        )
+        for t in config.evaluated_temperatures
+    }
