@@ -259,35 +259,20 @@ def _hf_generator(model: Transformer, device: torch.device):
         return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.bfloat16).to(device).eval()
 
 
-def _hf_generate(hf, prompts: torch.Tensor, new_tokens: int, cache_implementation: str | None) -> list[list[int]]:
-    extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
-    with torch.inference_mode():
-        out = hf.generate(
-            prompts,
-            attention_mask=torch.ones_like(prompts),
-            do_sample=False,
-            max_new_tokens=new_tokens,
-            min_new_tokens=new_tokens,
-            pad_token_id=0,
-            **extra,
-        )
-    return out[:, prompts.shape[1] :].tolist()
-
-
 def _generation(
     engine, hf, device: torch.device, batch: int, prompt_tokens: int, new_tokens: int, repeats: int, seed: int
 ):
     """One batch size: each contender's first call (capture, compilation), then `repeats` timed
     calls, the same prompts for all three in each round (new ones every round). `hf` is the
     transformers model, or why there is none; a baseline that fails is reported in `errors`."""
-    from whetstone.bench.inference import _prompts
+    from whetstone.bench.inference import _prompts, hf_generate
     from whetstone.inference.sampling import SamplingParams
 
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     contenders = {
         "whetstone": lambda prompts: [s.output_ids for s in engine.generate(prompts.tolist(), greedy)],
-        "hf": lambda prompts: _hf_generate(hf, prompts.to(device), new_tokens, None),
-        "hf_static": lambda prompts: _hf_generate(hf, prompts.to(device), new_tokens, "static"),
+        "hf": lambda prompts: hf_generate(hf, prompts.to(device), new_tokens, None),
+        "hf_static": lambda prompts: hf_generate(hf, prompts.to(device), new_tokens, "static"),
     }
     calls: dict[str, list[float]] = {}
     outputs: dict[str, list[list[int]]] = {}

@@ -45,6 +45,23 @@ def _prompts(count: int, length: int, vocab: int, seed: int) -> torch.Tensor:
     return torch.randint(0, vocab, (count, length), generator=torch.Generator().manual_seed(seed))
 
 
+def hf_generate(hf, prompts: torch.Tensor, new_tokens: int, cache_implementation: str | None) -> list[list[int]]:
+    """transformers' greedy `generate` of exactly `new_tokens` per prompt (with `cache_implementation`,
+    e.g. "static"; None: its default cache): the new tokens."""
+    extra = {"cache_implementation": cache_implementation} if cache_implementation else {}
+    with torch.inference_mode():
+        out = hf.generate(
+            prompts,
+            attention_mask=torch.ones_like(prompts),
+            do_sample=False,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            pad_token_id=0,
+            **extra,
+        )
+    return out[:, prompts.shape[1] :].tolist()
+
+
 def throughput(model: Transformer, hf_dir: Path, batch: int, prompt_tokens: int, new_tokens: int, repeats: int) -> dict:
     from transformers import AutoModelForCausalLM
 
@@ -57,16 +74,7 @@ def throughput(model: Transformer, hf_dir: Path, batch: int, prompt_tokens: int,
         return [s.output_ids for s in engine.generate(prompts.tolist(), greedy)]
 
     def theirs():
-        with torch.inference_mode():
-            out = hf.generate(
-                prompts,
-                attention_mask=torch.ones_like(prompts),
-                do_sample=False,
-                max_new_tokens=new_tokens,
-                min_new_tokens=new_tokens,
-                pad_token_id=0,
-            )
-        return out[:, prompt_tokens:].tolist()
+        return hf_generate(hf, prompts, new_tokens, None)
 
     best, tokens = {"ours": float("inf"), "hf": float("inf")}, {}
     for round_ in range(repeats + 1):  # round 0 warms both up and is not timed
