@@ -105,3 +105,13 @@ def test_asking_for_wandb_without_it_names_the_extra_to_install(monkeypatch):
     with pytest.raises(ConfigError, match=r"tracking\.wandb.*pip install 'whetstone\[wandb\]'"):
         load_config(TrainerConfig, None, ["tracking.wandb=true"])
     assert not load_config(TrainerConfig, None, []).tracking.wandb  # off by default: no need for it
+
+
+def test_without_tensorboard_installed_the_jsonl_is_written_and_a_warning_says_why(tmp_path, monkeypatch, caplog):
+    for name in [name for name in sys.modules if name.startswith(("tensorboard", "torch.utils.tensorboard"))]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.setitem(sys.modules, "tensorboard", None)  # as on a machine running whetstone from source
+    written = write_all(tmp_path / "trainer" / "metrics.jsonl", TrackingConfig())
+    assert len(written) == len(RECORDS)
+    assert not (tmp_path / "trainer" / "tensorboard").exists()
+    assert "tensorboard is not installed" in caplog.text

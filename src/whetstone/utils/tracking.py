@@ -11,6 +11,7 @@ loop waits on neither.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import queue
 import threading
 from collections.abc import Mapping
@@ -20,6 +21,8 @@ from typing import Any, Literal, Protocol
 from pydantic import field_validator
 
 from whetstone.config import Config
+
+log = logging.getLogger(__name__)
 
 TENSORBOARD_FLUSH_S = 10
 """Seconds between flushes of the event files: how far a live TensorBoard lags behind the run
@@ -138,7 +141,12 @@ def open_sinks(tracking: TrackingConfig, role: str, folder: Path, config: dict[s
     root = Path(tracking.dir) if tracking.dir else folder
     sinks: list[Sink] = []
     if tracking.tensorboard:
-        sinks.append(TensorBoardSink(root / "tensorboard" / role))
+        try:
+            sinks.append(TensorBoardSink(root / "tensorboard" / role))
+        except ImportError:
+            # A dependency of whetstone, so missing only where it runs from source without its
+            # dependencies installed (a GPU machine's image): the metrics still go to metrics.jsonl.
+            log.warning("tracking.tensorboard is on, but tensorboard is not installed: no event files for %s", role)
     if tracking.wandb:
         sinks.append(WandbSink(tracking, role, root, config))
     return sinks
