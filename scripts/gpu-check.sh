@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # gpu-check.sh: the one prepared check a GPU machine runs (one H100 or H200, Python 3.12 with torch
 # and transformers preinstalled, no network). From the repository root, with whetstone's other
-# dependencies carried as wheels in .whl/ (../shared/device/fetch-wheels .whl) and OUT set to the
+# dependencies carried as wheels in .whl/ (scripts/fetch-gpu-wheels.sh) and OUT set to the
 # folder whose files come back:
 #   bash scripts/gpu-check.sh
 # Stages, each bounded in time, each run whatever the ones before it did (about 9 minutes in all):
