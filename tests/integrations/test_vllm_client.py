@@ -70,3 +70,18 @@ def test_the_server_command_runs_whetstones_launcher_with_only_whetstone_on_the_
     path = whetstone_path(tmp_path / "p")
     assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["whetstone"]
     assert (tmp_path / "p" / "whetstone" / "integrations" / "vllm_serve.py").is_file() and path == str(tmp_path / "p")
+
+
+def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(monkeypatch, tmp_path):
+    from whetstone.run.pipeline import Pipeline
+
+    monkeypatch.setenv("WHETSTONE_VLLM_PYTHON", "/bin/sh")
+    config = PipelineConfig.model_validate(
+        {"output_dir": str(tmp_path), "servers": {"engine": "vllm", "vllm_args": ["--max-num-seqs", "4"]}}
+    )
+    launch = Pipeline(config).vllm_server(8123)
+    argv = launch["argv"]
+    assert argv[:3] == ["/bin/sh", "-m", "whetstone.integrations.vllm_serve"]
+    assert argv[argv.index("--model") + 1] == str(tmp_path / "default" / "midtrain" / "model")
+    assert '"store":"' + str(tmp_path / "default" / "weights") + '"' in argv[argv.index("--sync") + 1]
+    assert argv[-2:] == ["--max-num-seqs", "4"] and launch["env"]["PYTHONPATH"].startswith(str(tmp_path))

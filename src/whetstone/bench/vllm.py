@@ -97,7 +97,15 @@ def rollouts(engine: str, url: str, tasks, model_dir: str, samples: int, max_tok
     )
 
     harness = AgentHarness.from_config(
-        HarnessConfig(tokenizer_path=model_dir, max_turns=1, max_turn_tokens=max_tokens, train_cut_off_calls=True)
+        HarnessConfig(
+            tokenizer_path=model_dir,
+            max_turns=1,
+            max_turn_tokens=max_tokens,
+            max_tool_tokens=128,
+            max_calls_per_turn=2,
+            summary_tokens=16,
+            train_cut_off_calls=True,
+        )
     )
     config = RolloutConfig(concurrency=concurrency, reward=RewardConfig(effort_penalty_max=0.0))
 

@@ -103,7 +103,10 @@ def weight_info(client: httpx.Client, root: str) -> dict[str, int]:
     """The weight version a vLLM server serves (its `/weight_info`, as `integrations.vllm_serve`
     tags it), or nothing when it reports none."""
     response = client.get(root + "/weight_info")
-    version = str(response.json().get("weight_version")) if response.status_code == 200 else ""
+    try:
+        version = str(response.json().get("weight_version")) if response.status_code == 200 else ""
+    except (ValueError, AttributeError):  # not vLLM's JSON answer
+        version = ""
     return {"weight_version": int(version)} if version.isdigit() else {}
 
 
