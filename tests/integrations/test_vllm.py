@@ -19,7 +19,6 @@ import pytest
 import torch
 
 from tests.orchestrator.orchestrator_support import Trainer, coin_tasks, orchestrator_config
-from tests.sync.test_publish_subscribe import corrupt
 from whetstone.bench.pipeline import random_model
 from whetstone.envs.harness import EndpointConfig, Sampling
 from whetstone.integrations.vllm import (
@@ -159,11 +158,26 @@ def test_an_rl_run_on_vllm_advances_versions_and_the_trainer_agrees_with_its_log
         assert float((ours - theirs).abs().max()) < 1e-3
 
 
-def test_a_corrupt_version_is_rejected_and_the_server_stays_on_the_last_good_one(world):
+class FlakyDisk(LocalStore):
+    """A local store whose next chunk lands with one bit flipped (a bad disk or network): the
+    version is corrupt from the moment it is visible, so no follower can take it before."""
+
+    corrupt_next = False
+
+    def put(self, key: str, data: bytes) -> None:
+        if self.corrupt_next and not key.endswith(".json"):
+            self.corrupt_next = False
+            data = data[:100] + bytes([data[100] ^ 0x01]) + data[101:]
+        super().put(key, data)
+
+
+def test_a_corrupt_delta_is_rejected_and_the_server_stays_on_the_last_good_version(world):
     folder, _, trainer, url = world
     served = asyncio.run(health(url))["weight_version"]
+    trainer.publisher.store.objects = disk = FlakyDisk(folder / "weights")
+    disk.corrupt_next = True
     bad = trainer.publisher.publish({name: t + 1e-3 for name, t in trainer.state.items()})
-    corrupt(trainer.publisher.store, bad.chunks[0].key, "flip")
+    assert bad.kind == "delta" and not disk.corrupt_next
     body = wait_for(lambda: (b := asyncio.run(health(url))) and b["status"] == "weights stale" and b, "the rejection")
     assert body["weight_version"] == served and body["latest_weight_version"] == bad.version
     assert f"version {bad.version} was rejected" in body["weights_problem"]

@@ -85,3 +85,12 @@ def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(mon
     assert argv[argv.index("--model") + 1] == str(tmp_path / "default" / "midtrain" / "model")
     assert '"store":"' + str(tmp_path / "default" / "weights") + '"' in argv[argv.index("--sync") + 1]
     assert argv[-2:] == ["--max-num-seqs", "4"] and launch["env"]["PYTHONPATH"].startswith(str(tmp_path))
+
+
+def test_a_run_on_vllm_without_vllms_python_stops_before_mid_training(monkeypatch, tmp_path):
+    from whetstone.run.preflight import check_run_config
+
+    monkeypatch.delenv("WHETSTONE_VLLM_PYTHON", raising=False)
+    config = PipelineConfig.model_validate({"output_dir": str(tmp_path), "servers": {"engine": "vllm"}}).resolved()
+    with pytest.raises(ConfigError, match="the run cannot start:\n.*servers.vllm_python"):
+        check_run_config(config)
