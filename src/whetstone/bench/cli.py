@@ -253,3 +253,25 @@ def gpu(
     _emit(result, as_json, "GPU")
     if result["failed"]:
         raise typer.Exit(1)
+
+
+@app.command()
+def vllm(
+    as_json: bool = JSON,
+    tasks: int = typer.Option(4, help="Coin tasks (synth train tasks that give reward variance)."),
+    samples: int = typer.Option(2, help="Rollouts per task."),
+    max_tokens: int = typer.Option(48, help="Completion tokens of a rollout (one turn)."),
+    concurrency: int = typer.Option(4, help="Rollouts in flight at once."),
+    versions: int = typer.Option(3, help="Versions published to time publish -> serving (median)."),
+    vllm_python: str = typer.Option("", help="The vLLM environment's python (default: $WHETSTONE_VLLM_PYTHON)."),
+) -> None:
+    """Rollouts/s, trainer-vs-engine mismatch and publish->serving time: whetstone's engine vs vLLM."""
+    result = _bench("vllm").run(
+        tasks=tasks,
+        samples=samples,
+        max_tokens=max_tokens,
+        concurrency=concurrency,
+        versions=versions,
+        vllm_python=vllm_python,
+    )
+    _emit(result, as_json, "whetstone vs vLLM as rollout engine")

@@ -41,6 +41,9 @@ class ModelCall(Record):
     """Routed expert ids of every token fed through the model (prompt, then completion), in the
     server's compact form {shape, dtype, data (base64)}; decode with
     `whetstone.inference.protocol.decode_routes`."""
+    routes_missing: str | None = None
+    """Why `routes` is None although they were asked for (e.g. vLLM's CPU build cannot return
+    them): the trainer then routes these tokens with its own router instead of replaying."""
     is_summary: bool = False
     """This call wrote a summary of the work so far (the context restarts after it)."""
     finish_reason: str = "stop"

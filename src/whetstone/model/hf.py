@@ -154,23 +154,26 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer
 
 def hf_tensors(model: Transformer, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """(HF name, tensor) for every tensor of the model, in a stable order, experts split out."""
-    cfg = model.cfg
-    inner = cfg.moe_intermediate_size
     for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight" and cfg.tie_word_embeddings:
-            continue
-        tensor = tensor.detach().to(dtype or tensor.dtype)
-        if name.endswith(GATE_UP) or name.endswith(DOWN):
-            layer = int(name.split(".")[1])
-            for expert in range(cfg.num_experts):
-                names = expert_names(layer, expert)
-                if name.endswith(GATE_UP):
-                    yield names["gate_proj"], tensor[expert, :inner]
-                    yield names["up_proj"], tensor[expert, inner:]
-                else:
-                    yield names["down_proj"], tensor[expert]
+        yield from hf_pieces(name, tensor.detach().to(dtype or tensor.dtype), model.cfg)
+
+
+def hf_pieces(name: str, tensor: torch.Tensor, cfg: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, tensor) of one whetstone tensor: itself renamed, or its experts split out (views,
+    no copy); nothing for a tied head, which HF folders do not store."""
+    if name == "lm_head.weight" and cfg.tie_word_embeddings:
+        return
+    if not (name.endswith(GATE_UP) or name.endswith(DOWN)):
+        yield hf_name(name), tensor
+        return
+    layer, inner = int(name.split(".")[1]), cfg.moe_intermediate_size
+    for expert in range(cfg.num_experts):
+        names = expert_names(layer, expert)
+        if name.endswith(GATE_UP):
+            yield names["gate_proj"], tensor[expert, :inner]
+            yield names["up_proj"], tensor[expert, inner:]
         else:
-            yield hf_name(name), tensor
+            yield names["down_proj"], tensor[expert]
 
 
 def _shards(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:

@@ -52,7 +52,8 @@ from whetstone.utils.metrics import MetricsWriter
 log = logging.getLogger("whetstone.orchestrator")
 UNKNOWN_SERVER_LAG = 1
 """Versions a server is taken to be behind the trainer's latest when no live server reports its
-version (vLLM and SGLang do not): each loads a version as it is published, so one at most."""
+version (SGLang, or vLLM without whetstone's worker extension, do not): each loads a version as it is
+published, so one at most."""
 FRUITLESS_WARNING_GROUPS = 4
 """Warn after this many batches' worth of groups in a row gave nothing to train on."""
 
@@ -75,7 +76,8 @@ class Orchestrator:
         self._served_version: int | None = None
         """The oldest weight version the live servers reported (None: none reports one)."""
         self._unversioned: set[str] = set()
-        """Servers whose health answer carries no weight version (vLLM, SGLang): not asked again."""
+        """Servers whose health answer carries no weight version (SGLang, a vLLM without whetstone's
+        worker extension): not asked again."""
         self._following = False
         """The follower task keeps `latest_version` current (asynchronous mode, once started)."""
         self._last_put = -1

@@ -49,6 +49,15 @@ class ServersConfig(Config):
     pipeline; the device from `placement.server_devices`)."""
     start_timeout_s: float = Field(180.0, gt=0)
     """Give up when a server is not healthy this long after its start."""
+    engine: Literal["whetstone", "vllm"] = "whetstone"
+    """The servers' engine: `whetstone serve`, or vLLM OpenAI servers that follow the weight store
+    through whetstone's worker extension (docs/vllm.md); the orchestrator and the evaluations speak
+    its protocol. `serve` settings other than `engine.device` apply to whetstone's engine only."""
+    vllm_python: str = ""
+    """With `engine = "vllm"`: the python of the virtual environment vLLM is installed in; empty =
+    $WHETSTONE_VLLM_PYTHON."""
+    vllm_args: list[str] = []
+    """With `engine = "vllm"`: more arguments for vLLM's server (e.g. `["--max-num-seqs", "16"]`)."""
 
 
 class RLConfig(Config):
@@ -260,6 +269,8 @@ class PipelineConfig(Config):
         data["eval"]["tasks"]["validation_cache"] = str(run_dir / "eval" / "validation.json")
         if servers is not None:
             data["rl"]["orchestrator"]["servers"] = data["eval"]["servers"] = list(servers)
+        for role in (data["rl"]["orchestrator"], data["eval"]):
+            role["endpoint"]["engine"] = self.servers.engine
         try:
             return type(self).model_validate(data)
         except ValidationError as err:

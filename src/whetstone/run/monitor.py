@@ -79,6 +79,8 @@ class ServerSampler:
         for index, url in enumerate(self.urls):
             try:
                 record: dict[str, Any] = {"server": index, "up": True, **parse_metrics(client.get(url).text)}
+                if "weight_version" not in record:
+                    record.update(weight_info(client, url.removesuffix("/metrics")))
             except httpx.HTTPError:
                 record = {"server": index, "up": False}
             self.latest[index] = record
@@ -95,6 +97,17 @@ class ServerSampler:
             while not self._stop.is_set():
                 self.sample(client)
                 self._stop.wait(self.interval_s)
+
+
+def weight_info(client: httpx.Client, root: str) -> dict[str, int]:
+    """The weight version a vLLM server serves (its `/weight_info`, as `integrations.vllm_serve`
+    tags it), or nothing when it reports none."""
+    response = client.get(root + "/weight_info")
+    try:
+        version = str(response.json().get("weight_version")) if response.status_code == 200 else ""
+    except (ValueError, AttributeError):  # not vLLM's JSON answer
+        version = ""
+    return {"weight_version": int(version)} if version.isdigit() else {}
 
 
 def last_record(path: str | Path, tail_bytes: int = 1 << 16) -> dict[str, Any]:

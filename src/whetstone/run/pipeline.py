@@ -199,8 +199,11 @@ class Pipeline:
         cpus: list[int],
         side: str,
         health_url: str | None = None,
+        argv: list[str] | None = None,
+        env: dict[str, str] | None = None,
     ) -> RoleProcess:
-        """Start role `name`; `side` (`trainer` or `rollout`) picks its CPU group."""
+        """Start role `name`; `side` (`trainer` or `rollout`) picks its CPU group. `argv`: a whole
+        command line instead of `whetstone <command> <its config>` (a vLLM server)."""
         if self.launcher is not None:
             role = self.launcher.role(name, command, config)
             self.roles.append(role)
@@ -213,9 +216,10 @@ class Pipeline:
             self.run_dir / "logs" / f"{name}.log",
             health_url=health_url,
             threads=threads,
-            env=self.role_environment(name),
+            env={**self.role_environment(name), **(env or {})},
             cpus=cpus,
             cpu_group=self.cpu_groups.get(side),
+            command=argv,
         ).start()
         self.roles.append(role)
         return role
@@ -253,6 +257,7 @@ class Pipeline:
                 cpus=self.config.placement.servers,
                 side="rollout",
                 health_url=f"http://127.0.0.1:{port}/health",
+                **(self.vllm_server(port) if servers.engine == "vllm" else {}),
             )
             for i, port in enumerate(ports)
         ]
@@ -272,6 +277,23 @@ class Pipeline:
         self.urls = [role.url for role in started]
         self.config = self.config.resolved(self.urls)
         self.write_config()
+
+    def vllm_server(self, port: int) -> dict[str, Any]:
+        """How `start` runs a vLLM server on `port` (`servers.engine = "vllm"`): its command line
+        (`integrations.vllm_serve` with the vLLM environment's python, following the weight store)
+        and whetstone on its PYTHONPATH."""
+        from whetstone.integrations.vllm import serve_command, vllm_python, whetstone_path
+
+        servers, serve = self.config.servers, self.config.servers.serve
+        argv = serve_command(
+            vllm_python(servers.vllm_python),
+            serve.model_path,
+            port,
+            serve.sync.model_dump_json(),
+            serve.weight_version,
+            servers.vllm_args,
+        )
+        return {"argv": argv, "env": {"PYTHONPATH": whetstone_path(self.run_dir / "servers" / "vllm-path")}}
 
     def evaluate(self, when: str, logit_scale: float | None = None) -> dict[str, Any]:
         from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks

@@ -60,6 +60,13 @@ def _problems(config: PipelineConfig) -> Iterator[str]:
             yield str(err)
     if not config.rl_enabled:
         return
+    if config.servers.engine == "vllm":
+        from whetstone.integrations.vllm import vllm_python
+
+        try:
+            vllm_python(config.servers.vllm_python)
+        except WhetstoneError as err:
+            yield str(err)
     trainer = config.rl.trainer
     if trainer.demo_coef > 0 and trainer.demos_path:  # empty: the run writes its own (demos.jsonl)
         yield from _exists("rl.trainer.demos_path", trainer.demos_path, "file")

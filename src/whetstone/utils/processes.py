@@ -105,13 +105,15 @@ class RoleProcess:
         env: dict[str, str] | None = None,
         cpus: list[int] | None = None,
         cpu_group: CpuGroup | None = None,
+        command: list[str] | None = None,
     ):
-        """`args`: the `whetstone` command line after the program name. `threads`: OMP/MKL
+        """`args`: the `whetstone` command line after the program name; `command`: a whole
+        command line to run instead (another program, e.g. a vLLM server). `threads`: OMP/MKL
         threads of the child (its torch intra-op pool), so roles sharing cores do not oversubscribe.
         `cpus`: the cores it may run on (None: any). `cpu_group`: the CPU group
         (`utils.cgroups.CpuGroup`: accounting, maybe a quota) it runs in with everything it starts."""
         self.name = name
-        self.argv = [sys.executable, "-m", "whetstone.cli", *args]
+        self.argv = list(command) if command is not None else [sys.executable, "-m", "whetstone.cli", *args]
         self.log_path = Path(log_path)
         self.health_url = health_url
         self.env = {"COLUMNS": "200", **os.environ, **(env or {})}  # rich wraps log lines at 80 otherwise

@@ -42,7 +42,12 @@ class EndpointConfig(Config):
     return_routed_experts: bool = True
     """Ask for the routed experts of every token (MoE router replay); servers without them return none."""
     weight_version: int = Field(0, ge=0)
-    """Version recorded for tokens from a server that does not report weight versions (vLLM, SGLang)."""
+    """Version recorded for tokens from a server that does not report weight versions (SGLang, a
+    vLLM whose weights carry no whetstone version)."""
+    engine: Literal["whetstone", "vllm"] = "whetstone"
+    """The protocol the servers speak: `whetstone` (`whetstone serve`, or any OpenAI server taking
+    token-id prompts with `return_token_ids`), or `vllm` (vLLM's token-in/token-out route, with
+    per-token weight versions; docs/vllm.md)."""
 
 
 class HarnessConfig(Config):

@@ -184,6 +184,7 @@ class _Episode:
                 versions=completion.versions,
                 loss_mask=[int(trained)] * len(completion.ids),
                 routes=completion.routes,
+                routes_missing=completion.routes_missing,
                 is_summary=is_summary,
                 finish_reason=completion.finish_reason,
             )

@@ -23,6 +23,7 @@ from whetstone.envs.harness.config import EndpointConfig, SamplingConfig
 from whetstone.errors import WhetstoneError
 
 RETRY_STATUS = {429, 500, 502, 503, 504}
+NO_ROUTES = "the server returned no routed experts: the trainer routes with its own router, no replay"
 
 
 class PolicyError(WhetstoneError):
@@ -56,6 +57,8 @@ class Completion:
     finish_reason: str
     text: str
     """The server's decoding, for people; the harness parses its own decoding of `ids`."""
+    routes_missing: str | None = None
+    """Why `routes` is None although they were asked for (the server does not return them)."""
 
 
 class Policy(ABC):
@@ -162,6 +165,7 @@ class HttpPolicy(Policy):
             routes=routes,
             finish_reason=choice.get("finish_reason") or "stop",
             text=choice.get("text") or "",
+            routes_missing=NO_ROUTES if self.config.return_routed_experts and routes is None else None,
         )
 
     async def close(self) -> None:
@@ -185,23 +189,25 @@ async def _find_model(client: httpx.AsyncClient, config: EndpointConfig) -> dict
 
 
 async def _request(client: httpx.AsyncClient, method: str, path: str, body: dict | None, retries: int) -> dict:
-    """One JSON request; connection failures and overload answers are retried with backoff."""
+    """One JSON request to `path` under the client's API root (or to a whole URL); connection
+    failures and overload answers are retried with backoff."""
+    where = path if "://" in path else f"{client.base_url}{path}"
     for attempt in range(retries + 1):
         last = attempt == retries
         try:
             response = await client.request(method, path, json=body)
         except httpx.TransportError as err:
             if last:
-                raise PolicyError(f"{client.base_url}{path}: {type(err).__name__}: {err}") from None
+                raise PolicyError(f"{where}: {type(err).__name__}: {err}") from None
         else:
             if response.status_code < 400:
                 try:
                     return response.json()
                 except ValueError:
                     text = response.text[:200]
-                    raise PolicyError(f"{client.base_url}{path}: the answer is not JSON: {text!r}") from None
+                    raise PolicyError(f"{where}: the answer is not JSON: {text!r}") from None
             if last or response.status_code not in RETRY_STATUS:
-                raise PolicyError(f"{client.base_url}{path}: HTTP {response.status_code}: {_error_message(response)}")
+                raise PolicyError(f"{where}: HTTP {response.status_code}: {_error_message(response)}")
         await asyncio.sleep(0.5 * 2**attempt)
     raise AssertionError("unreachable")
 

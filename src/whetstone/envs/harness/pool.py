@@ -111,6 +111,11 @@ class ServerPool:
         self.clusters = {server.cluster for server in self.servers}
         """Every cluster a server of the pool had (one whose servers are all gone reports 0 of them)."""
         self._stats_at, self._rollouts_then = time.monotonic(), Counter()
+        self._policy_class = HttpPolicy
+        if endpoint.engine == "vllm":
+            from whetstone.integrations.vllm import VllmPolicy
+
+            self._policy_class = VllmPolicy
 
     @classmethod
     async def connect(cls, urls: list[str], endpoint: EndpointConfig, **options) -> ServerPool:
@@ -244,7 +249,12 @@ class ServerPool:
         """The health answer ({} when it is not JSON, as vLLM's), or None if the server is down.
 
         A whetstone server stuck on an old weight version answers 503 "weights stale" with the
-        version it serves: it is up and behind, and the staleness gate keeps it waiting."""
+        version it serves: it is up and behind, and the staleness gate keeps it waiting. A vLLM
+        server's answer is put in the same shape (`integrations.vllm.vllm_health`)."""
+        if self.endpoint.engine == "vllm":
+            from whetstone.integrations.vllm import vllm_health
+
+            return await vllm_health(self._probe, server.url)
         try:
             response = await self._probe.get(server.health_url)
         except httpx.HTTPError:
@@ -272,7 +282,7 @@ class ServerPool:
             server.problem = f"weight version {version} is older than {floor} (still catching up)"
             return
         try:
-            policy = await HttpPolicy.connect(self.endpoint.model_copy(update={"base_url": server.url}))
+            policy = await self._policy_class.connect(self.endpoint.model_copy(update={"base_url": server.url}))
         except PolicyError as err:
             log.warning("inference server %s is not usable yet: %s", server.url, err)
             server.problem = str(err)

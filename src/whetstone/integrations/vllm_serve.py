@@ -1,0 +1,155 @@
+"""A vLLM OpenAI server that follows whetstone's weight store, as `whetstone serve` does.
+
+Run it with the vLLM virtual environment's python and whetstone importable (`whetstone run` with
+`servers.engine = "vllm"` does; `whetstone.integrations.vllm.serve_command` builds the line):
+
+    PYTHONPATH=<whetstone> /path/venv-vllm/bin/python -m whetstone.integrations.vllm_serve \\
+        --model runs/default/midtrain/model --port 8000 --sync '{"store": "runs/default/weights"}' \\
+        -- --max-model-len 2048
+
+It runs vLLM's own `vllm.entrypoints.openai.api_server` in this process with what RL needs:
+`--enable-scale-out` (the token-in/token-out `/inference/v1/generate` route, which returns the
+weight version of every token), `--logprobs-mode processed_logprobs` (logprobs of the distribution
+sampled, after temperature, as the trainer computes them), whetstone's worker extension
+(`vllm_worker.WeightStoreFollower`) and `VLLM_SERVER_DEV_MODE=1` (the `/collective_rpc`, `/pause`,
+`/resume` and `/update_weight_version` routes: bind it to a trusted network only). Arguments after
+`--` go to vLLM as they are.
+
+A thread of this process drives the weight swaps over vLLM's HTTP routes: once the server is up it
+tags the loaded weights with `--weight-version` and starts the worker's store follower; then,
+whenever the worker has staged a new version: `/pause?mode=wait` (running requests finish, none
+starts, vLLM clears its prefix cache, so no request continues on a cache of older weights), the
+worker writes it in place, `/update_weight_version` tags what follows, `/resume`. Every completion
+is therefore sampled by one version, and `/inference/v1/generate` reports it per token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import runpy
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+EXTENSION = "whetstone.integrations.vllm_worker.WeightStoreFollower"
+log = logging.getLogger("whetstone.vllm")
+
+
+def vllm_argv(options: argparse.Namespace) -> list[str]:
+    """vLLM's command line for `options`."""
+    return [
+        "--model",
+        options.model,
+        "--host",
+        options.host,
+        "--port",
+        str(options.port),
+        "--dtype",
+        options.dtype,
+        "--enable-scale-out",
+        "--logprobs-mode",
+        "processed_logprobs",
+        "--worker-extension-cls",
+        EXTENSION,
+        *(["--served-model-name", options.served_model_name] if options.served_model_name else []),
+        *options.vllm_args,
+    ]
+
+
+class SwapDriver:
+    """The thread that swaps weights: waits for the server, starts the worker's follower, and
+    applies each version the worker stages, with the scheduler paused."""
+
+    def __init__(self, root: str, sync_json: str | None, version: int, poll_s: float):
+        self.root, self.sync_json, self.version, self.poll_s = root, sync_json, version, poll_s
+        self.client = httpx.Client(base_url=root, timeout=600.0)
+
+    def start(self) -> None:
+        threading.Thread(target=self._run, name="whetstone-swaps", daemon=True).start()
+
+    def rpc(self, method: str, *args: str) -> dict:
+        """The worker's answer to `method` (one worker: tensor and pipeline parallelism are not supported)."""
+        response = self.client.post("/collective_rpc", json={"method": method, "args": list(args)})
+        response.raise_for_status()
+        return response.json()["results"][0]
+
+    def post(self, path: str, **body) -> None:
+        self.client.post(path, json=body or None).raise_for_status()
+
+    def _wait_for_server(self) -> None:
+        while True:
+            try:
+                if self.client.get("/health").status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(self.poll_s)
+
+    def _run(self) -> None:
+        self._wait_for_server()
+        self.post("/update_weight_version", new_version=str(self.version))
+        if self.sync_json is None:
+            return
+        self.rpc("whetstone_follow", self.sync_json, str(self.version))
+        log.info("following the weight store from version %d", self.version)
+        while True:
+            try:
+                status = self.rpc("whetstone_status")
+                if status.get("staged_version") is not None:
+                    self.swap()
+            except httpx.HTTPError as err:  # a busy or restarting engine: try again at the next poll
+                log.warning("weight swap check failed: %s", err)
+            time.sleep(self.poll_s)
+
+    def swap(self) -> None:
+        started = time.perf_counter()
+        self.client.post("/pause", params={"mode": "wait", "clear_cache": "true"}).raise_for_status()
+        try:
+            version = self.rpc("whetstone_apply")["weight_version"]
+            self.post("/update_weight_version", new_version=str(version))
+        finally:
+            self.post("/resume")
+        log.info("weight version %s served (paused %.3f s)", version, time.perf_counter() - started)
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m whetstone.integrations.vllm_serve", description=__doc__)
+    parser.add_argument("--model", required=True, help="Hugging Face model folder.")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (float32 matches the trainer on CPU).")
+    parser.add_argument("--served-model-name", default="", help="Model id in the API (default: the folder).")
+    parser.add_argument("--sync", default=None, help="Weight store to follow: a SyncConfig as JSON (none: fixed).")
+    parser.add_argument("--weight-version", type=int, default=0, help="Weight version of the model loaded.")
+    parser.add_argument("--poll-interval", type=float, default=0.2, help="Seconds between checks for a staged version.")
+    parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM's own arguments.")
+    options = parser.parse_args(argv)
+    if options.vllm_args[:1] == ["--"]:
+        options.vllm_args = options.vllm_args[1:]
+    if options.sync is not None:
+        json.loads(options.sync)  # a malformed config fails here, not in the worker
+    return options
+
+
+def main(argv: list[str] | None = None) -> None:
+    options = parse(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    whetstone_root = str(Path(__file__).absolute().parents[2])  # vLLM's worker processes import the extension
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (whetstone_root, os.environ.get("PYTHONPATH")) if p)
+    os.environ["VLLM_SERVER_DEV_MODE"] = "1"
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    SwapDriver(
+        f"http://{options.host}:{options.port}", options.sync, options.weight_version, options.poll_interval
+    ).start()
+    sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_argv(options)]
+    runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main()

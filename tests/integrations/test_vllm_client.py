@@ -1,0 +1,96 @@
+"""whetstone's side of vLLM without vLLM: reading its answers (version spans, routed experts in
+its `.npy` form), the run config that selects it, and the command line that starts it."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from whetstone.envs.harness.policy import PolicyError
+from whetstone.errors import ConfigError
+from whetstone.inference.protocol import decode_routes
+from whetstone.integrations.vllm import serve_command, token_versions, vllm_python, vllm_routes, whetstone_path
+from whetstone.run.config import PipelineConfig
+
+
+def test_version_spans_become_one_version_per_token():
+    spans = [{"version": "3", "start": 0, "end": 2}, {"version": "4", "start": 2, "end": 5}]
+    assert token_versions(spans, 5, default=0) == [3, 3, 4, 4, 4]
+    assert token_versions([{"version": "default", "start": 0, "end": 2}], 2, default=7) == [7, 7]
+    assert token_versions(None, 3, default=1) == [1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    "spans",
+    [
+        [{"version": "1", "start": 0, "end": 2}],
+        [{"version": "1", "start": 1, "end": 3}],
+        [{"version": "1", "start": 0}],
+    ],
+)
+def test_version_spans_that_do_not_cover_the_tokens_are_refused(spans):
+    with pytest.raises(PolicyError, match="spans"):
+        token_versions(spans, 3, default=0)
+
+
+def test_routed_experts_in_vllms_npy_form_become_whetstones():
+    routes = np.arange(5 * 2 * 2, dtype=np.uint8).reshape(5, 2, 2) % 8
+    with io.BytesIO() as buffer:  # as vLLM's numpy2base64 writes them
+        np.save(buffer, routes, allow_pickle=False)
+        encoded = base64.b64encode(buffer.getvalue()).decode()
+    assert torch.equal(decode_routes(vllm_routes(encoded)), torch.from_numpy(routes.astype(np.int64)))
+    with pytest.raises(PolicyError, match="do not decode"):
+        vllm_routes(base64.b64encode(b"not numpy").decode())
+
+
+def test_servers_engine_vllm_makes_the_orchestrator_and_the_evaluations_speak_vllm():
+    config = PipelineConfig.model_validate({"servers": {"engine": "vllm"}}).resolved(["http://127.0.0.1:9/v1"])
+    assert config.rl.orchestrator.endpoint.engine == config.eval.endpoint.engine == "vllm"
+    assert PipelineConfig().resolved().rl.orchestrator.endpoint.engine == "whetstone"
+
+
+def test_vllms_python_must_be_named_and_exist(monkeypatch, tmp_path):
+    monkeypatch.delenv("WHETSTONE_VLLM_PYTHON", raising=False)
+    with pytest.raises(ConfigError, match="servers.vllm_python or \\$WHETSTONE_VLLM_PYTHON"):
+        vllm_python("")
+    with pytest.raises(ConfigError, match="is not an executable file"):
+        vllm_python(str(tmp_path / "missing" / "python"))
+    monkeypatch.setenv("WHETSTONE_VLLM_PYTHON", "/bin/sh")
+    assert vllm_python("") == "/bin/sh"
+
+
+def test_the_server_command_runs_whetstones_launcher_with_only_whetstone_on_the_path(tmp_path):
+    command = serve_command("/venv/bin/python", "/m", 8001, '{"store": "w"}', 3, ["--max-num-seqs", "4"])
+    assert command[:3] == ["/venv/bin/python", "-m", "whetstone.integrations.vllm_serve"]
+    assert command[command.index("--sync") + 1] == '{"store": "w"}' and command[-3:] == ["--", "--max-num-seqs", "4"]
+    path = whetstone_path(tmp_path / "p")
+    assert sorted(p.name for p in (tmp_path / "p").iterdir()) == ["whetstone"]
+    assert (tmp_path / "p" / "whetstone" / "integrations" / "vllm_serve.py").is_file() and path == str(tmp_path / "p")
+
+
+def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(monkeypatch, tmp_path):
+    from whetstone.run.pipeline import Pipeline
+
+    monkeypatch.setenv("WHETSTONE_VLLM_PYTHON", "/bin/sh")
+    config = PipelineConfig.model_validate(
+        {"output_dir": str(tmp_path), "servers": {"engine": "vllm", "vllm_args": ["--max-num-seqs", "4"]}}
+    )
+    launch = Pipeline(config).vllm_server(8123)
+    argv = launch["argv"]
+    assert argv[:3] == ["/bin/sh", "-m", "whetstone.integrations.vllm_serve"]
+    assert argv[argv.index("--model") + 1] == str(tmp_path / "default" / "midtrain" / "model")
+    assert '"store":"' + str(tmp_path / "default" / "weights") + '"' in argv[argv.index("--sync") + 1]
+    assert argv[-2:] == ["--max-num-seqs", "4"] and launch["env"]["PYTHONPATH"].startswith(str(tmp_path))
+
+
+def test_a_run_on_vllm_without_vllms_python_stops_before_mid_training(monkeypatch, tmp_path):
+    from whetstone.run.preflight import check_run_config
+
+    monkeypatch.delenv("WHETSTONE_VLLM_PYTHON", raising=False)
+    config = PipelineConfig.model_validate({"output_dir": str(tmp_path), "servers": {"engine": "vllm"}}).resolved()
+    with pytest.raises(ConfigError, match="the run cannot start:\n.*servers.vllm_python"):
+        check_run_config(config)
