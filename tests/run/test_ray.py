@@ -17,6 +17,7 @@ from whetstone.fleet import FleetRegistry
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.run.pipeline import Pipeline
 from whetstone.run.preflight import check_run_config
+from whetstone.run.ray_ranks import rank_environments
 from whetstone.store import LocalStore
 from whetstone.sync import WeightStore
 from whetstone.utils.metrics import read_metrics
@@ -37,10 +38,11 @@ def test_a_ray_run_without_ray_installed_is_refused_before_mid_training(tmp_path
 @pytest.fixture(scope="module")
 def ray_cluster():
     cluster_utils = pytest.importorskip("ray.cluster_utils")
+    # logical CPUs: a server on each cluster node, and room beside it for a trainer rank
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     try:
-        cluster.add_node(num_cpus=1, resources={"cluster:eu": 1})
-        cluster.add_node(num_cpus=1, resources={"cluster:us": 1})
+        cluster.add_node(num_cpus=2, resources={"cluster:eu": 1})
+        cluster.add_node(num_cpus=2, resources={"cluster:us": 1})
         yield cluster
     finally:
         import ray
@@ -55,6 +57,33 @@ def test_cluster_stores_are_the_trainers_mirrors_and_name_known_clusters(tmp_pat
     assert config.rl.orchestrator.total_batches == 3
     with pytest.raises(ConfigError, match=r"cluster_stores names clusters no server is in: \['asia'\]"):
         tiny_run(tmp_path, *RAY, 'placement.ray.cluster_stores={asia="x"}')
+
+
+def test_ranks_get_torchruns_environment_from_where_their_actors_are():
+    cpu = [
+        {"ip": "10.0.0.1", "node": "a", "gpus": [], "port": 29500},
+        {"ip": "10.0.0.2", "node": "b", "gpus": [], "port": 29501},
+        {"ip": "10.0.0.1", "node": "a", "gpus": [], "port": 29502},
+    ]
+    envs = rank_environments(cpu)
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"]) for e in envs} == {("10.0.0.1", "29500", "3")}
+    assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2"),
+        ("1", "0", "1"),
+        ("2", "1", "2"),
+    ]
+    assert not any("CUDA_VISIBLE_DEVICES" in e for e in envs)
+    # GPUs: a node's ranks see all their GPUs, each taking the one Ray gave it (not its rank order)
+    gpu = [{**place, "gpus": [g]} for place, g in zip(cpu, ["3", "0", "1"])]
+    envs = rank_environments(gpu)
+    assert [(e["CUDA_VISIBLE_DEVICES"], e["LOCAL_RANK"]) for e in envs] == [("1,3", "1"), ("0", "0"), ("1,3", "0")]
+
+
+def test_trainer_ranks_take_one_gpu_each_or_none(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.num_gpus = 0.5 with trainer_ranks = 2: each rank takes one"):
+        tiny_run(tmp_path, *RAY, "placement.ray.trainer_ranks=2", "placement.ray.trainer.num_gpus=0.5")
+    with pytest.raises(ConfigError, match=r"trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0"):
+        tiny_run(tmp_path, *RAY, "placement.ray.trainer_ranks=2", "placement.ray.trainer.num_cpus=0")
 
 
 def kill_when(condition, kill, state: dict) -> threading.Thread:
@@ -180,3 +209,94 @@ def test_the_tiny_run_survives_its_orchestrator_and_its_trainer_killed(tmp_path,
 
 def read_metrics_if_any(path):
     return read_metrics(path) if path.exists() else []
+
+
+def trained_records(run) -> list[dict]:
+    return [s for s in read_metrics(run / "trainer" / "metrics.jsonl") if not s.get("replayed")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster):
+    """The trainer as 2 torch.distributed ranks (FSDP2 over gloo), one Ray actor each on its own
+    node: every batch trained once, every version published once, by both ranks together."""
+    config = tiny_run(
+        tmp_path,
+        *RAY,
+        "placement.ray.trainer_ranks=2",
+        'placement.ray.trainer_strategy="STRICT_SPREAD"',
+        f'placement.ray.address="{ray_cluster.address}"',
+    )
+    pipeline = Pipeline(config)
+    pipeline.run()
+
+    run = tmp_path / "runs" / "tiny"
+    group = role(pipeline, "trainer")
+    assert len(set(group.nodes)) == 2 and group.restarts == 0
+    assert_each_batch_trained_once(run, 3)
+    records = trained_records(run)
+    assert [(r["step"], r["version"], r["world_size"]) for r in records] == [(0, 1, 2), (1, 2, 2), (2, 3, 2)]
+    assert WeightStore(LocalStore(run / "weights")).latest() == 3
+    assert (run / "logs" / "trainer-rank1.log").exists()
+
+    # the two ranks trained the whole batch between them: one process on batch 0 counts the
+    # same tokens and measures the same trainer-sampler mismatch (before any update)
+    from whetstone.config import load_config
+    from whetstone.trainer.config import TrainerConfig
+    from whetstone.trainer.loop import run_trainer
+
+    alone = tmp_path / "alone"
+    run_trainer(
+        load_config(
+            TrainerConfig,
+            run / "roles" / "trainer.toml",
+            [f'output_dir="{alone}"', f'sync.store="{alone / "weights"}"', "max_steps=1"],
+        )
+    )
+    (one,) = read_metrics(alone / "metrics.jsonl")
+    assert one["world_size"] == 1 and one["tokens"] == records[0]["tokens"]
+    assert one["mismatch_kl_k3"] == pytest.approx(records[0]["mismatch_kl_k3"], rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_trainer_rank_restarts_the_whole_group_which_replays(tmp_path, ray_cluster):
+    """Rank 1's actor is killed once step 1 is logged (its process dies with it): rank 0 cannot
+    go on alone, so both ranks are started again; with no checkpoint yet they replay every
+    published step without publishing, and train on from there."""
+    import ray
+
+    config = tiny_run(
+        tmp_path,
+        *RAY,
+        "rl.steps=4",
+        "rl.trainer.checkpoint_interval=100",  # none before the end: the restart replays
+        "placement.ray.trainer_ranks=2",
+        f'placement.ray.address="{ray_cluster.address}"',
+    )
+    pipeline = Pipeline(config)
+    run = tmp_path / "runs" / "tiny"
+    state: dict = {}
+
+    def kill_rank_1():
+        group = role(pipeline, "trainer")
+        state["pid"], state["node"] = group.pids[1], group.nodes[1]
+        ray.kill(group.handles[1], no_restart=True)
+
+    trained = lambda: any(s["step"] >= 1 for s in read_metrics_if_any(run / "trainer" / "metrics.jsonl"))  # noqa: E731
+    killer = kill_when(trained, kill_rank_1, state)
+    try:
+        pipeline.run()
+    finally:
+        state["stop"] = True
+        killer.join()
+
+    assert "pid" in state, "the run ended before the rank could be killed"
+    group = role(pipeline, "trainer")
+    assert group.restarts == 1 and group.pids[1] != state["pid"]
+    assert_each_batch_trained_once(run, 4)
+    records = read_metrics(run / "trainer" / "metrics.jsonl")
+    assert [r["version"] for r in records if not r["replayed"]] == [1, 2, 3, 4]  # each published once
+    replayed = [r for r in records if r["replayed"]]
+    assert replayed and [r["step"] for r in replayed] == list(range(len(replayed)))
+    assert replayed[-1]["replay_matches_store"]  # the replay rebuilt the weights the servers hold
