@@ -1,8 +1,9 @@
 """`whetstone run` on a real Ray cluster: three Ray nodes on this machine (separate raylet
 processes, `ray.cluster_utils.Cluster`, shared by the tests of this module), CPU only. The head
 node takes the trainer and the orchestrator; two nodes offer one cluster label each, `cluster:eu`
-and `cluster:us`, and take one inference server each, following its cluster's own weight store.
-Faults: the whole `us` cluster killed; the orchestrator and the trainer killed and restarted."""
+and `cluster:us`, and take one inference server each, following its cluster's own weight store
+(`eu`'s on S3: a moto server). The trainer also runs as 2 ranks on two nodes. Faults: the whole
+`us` cluster killed; the orchestrator and the trainer killed and restarted; a trainer rank lost."""
 
 import sys
 import threading
@@ -25,8 +26,21 @@ from whetstone.utils.metrics import read_metrics
 RAY = ['placement.backend="ray"', 'placement.ray.server_clusters=["eu", "us"]', "rl.steps=3"]
 
 
+S3_BUCKET = "ray-weights"
+
+
 def cluster_stores(tmp_path) -> str:
     return f'placement.ray.cluster_stores={{eu="{tmp_path / "eu-weights"}", us="{tmp_path / "us-weights"}"}}'
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server (bucket `ray-weights`), started before the Ray cluster so that its nodes,
+    and the roles they start, inherit its placeholder credentials."""
+    from whetstone.store.moto import local_s3
+
+    with local_s3(S3_BUCKET) as endpoint:
+        yield endpoint
 
 
 def test_a_ray_run_without_ray_installed_is_refused_before_mid_training(tmp_path, monkeypatch):
@@ -36,7 +50,7 @@ def test_a_ray_run_without_ray_installed_is_refused_before_mid_training(tmp_path
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(s3_endpoint):
     cluster_utils = pytest.importorskip("ray.cluster_utils")
     # logical CPUs: a server on each cluster node, and room beside it for a trainer rank
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
@@ -118,11 +132,21 @@ def assert_each_batch_trained_once(run, steps: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_tiny_run_goes_on_when_a_whole_cluster_dies(tmp_path, ray_cluster):
-    """Each cluster follows its own weight store; cluster `us` (its one server) dies after batch 0."""
+def test_the_tiny_run_goes_on_when_a_whole_cluster_dies(tmp_path, ray_cluster, s3_endpoint):
+    """Each cluster follows its own weight store, `eu` a bucket on S3; cluster `us` (its one
+    server) dies after batch 0."""
     import ray
 
-    config = tiny_run(tmp_path, *RAY, cluster_stores(tmp_path), f'placement.ray.address="{ray_cluster.address}"')
+    from whetstone.store.s3 import S3Store
+
+    stores = f'placement.ray.cluster_stores={{eu="s3://{S3_BUCKET}/eu", us="{tmp_path / "us-weights"}"}}'
+    config = tiny_run(
+        tmp_path,
+        *RAY,
+        stores,
+        f'rl.trainer.sync.endpoint_url="{s3_endpoint}"',
+        f'placement.ray.address="{ray_cluster.address}"',
+    )
     pipeline = Pipeline(config)
     run = tmp_path / "runs" / "tiny"
     batches = LocalStore(run / "batches")
@@ -152,8 +176,9 @@ def test_the_tiny_run_goes_on_when_a_whole_cluster_dies(tmp_path, ray_cluster):
     placed = {r.name: r.url for r in pipeline.roles if r.url}
     assert set(placed) == {"serve-0", "serve-1"}
     main = WeightStore(LocalStore(run / "weights"))
-    eu = WeightStore(LocalStore(tmp_path / "eu-weights"))
+    eu = WeightStore(S3Store(S3_BUCKET, "eu", endpoint_url=s3_endpoint))
     assert main.latest() == eu.latest() == 3  # the surviving cluster followed its own store to the end
+    assert "s3://ray-weights/eu" in (run / "roles" / "serve-0.toml").read_text()  # eu's server followed S3
     # the server stopped at the end removed its record; the killed one's went stale (Ray SIGKILLs
     # an actor's children, so it could not say goodbye) and was dropped all the same
     assert [r.url for r in FleetRegistry(main.objects).records()] in ([], [killed["url"]])
