@@ -141,7 +141,11 @@ class RankGroup(RoleProcess):
                 f"placed on the Ray cluster within {self.ray_config.place_timeout_s:g} s: do its nodes offer "
                 "them? (placement.ray.trainer, trainer_ranks, trainer_strategy)"
             ) from None
-        self._start_ranks()
+        try:
+            self._start_ranks()
+        except WhetstoneError:
+            self._remove_group()
+            raise
         return self
 
     def _start_ranks(self) -> None:
