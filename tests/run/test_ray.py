@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from tests.run.run_support import tiny_run
-from whetstone.errors import ConfigError
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet import FleetRegistry
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.run.pipeline import Pipeline
@@ -325,3 +325,23 @@ def test_a_lost_trainer_rank_restarts_the_whole_group_which_replays(tmp_path, ra
     replayed = [r for r in records if r["replayed"]]
     assert replayed and [r["step"] for r in replayed] == list(range(len(replayed)))
     assert replayed[-1]["replay_matches_store"]  # the replay rebuilt the weights the servers hold
+
+
+@pytest.mark.slow
+def test_ranks_no_node_can_hold_are_refused_with_what_was_asked(tmp_path, ray_cluster):
+    import ray
+
+    from whetstone.run.ray_launch import RayConfig
+    from whetstone.run.ray_ranks import RankGroup
+    from whetstone.trainer.config import TrainerConfig
+
+    asks = RayConfig(trainer_ranks=2, trainer={"num_cpus": 64}, place_timeout_s=2)
+    ray.init(address=ray_cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        with pytest.raises(WhetstoneError, match=r"trainer: 2 bundles of \{'CPU': 64.0\} \(PACK\) were not placed"):
+            RankGroup("trainer", TrainerConfig(), tmp_path, asks).start()
+        assert ray.util.placement_group_table() and all(
+            group["state"] == "REMOVED" for group in ray.util.placement_group_table().values()
+        )
+    finally:
+        ray.shutdown()
