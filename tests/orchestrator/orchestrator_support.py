@@ -112,12 +112,14 @@ class ThreadServer:
         port: int | None = None,
         cluster: str | None = None,
         registry: Path | None = None,
+        max_batch: int = 8,
+        rollout_slots: int = 0,
     ):
         """`cluster`: announce the server in the fleet registry with this label, in `registry`
         (a store other than the `weights` it follows, e.g. the main store of a mirror) or else
-        in `weights`."""
+        in `weights`, lending `rollout_slots` of its `max_batch` slots to rollouts (0: all)."""
         self.model_dir, self.weights, self.port, self.cluster = model_dir, weights, port or free_port(), cluster
-        self.registry = registry
+        self.registry, self.max_batch, self.rollout_slots = registry, max_batch, rollout_slots
         self.url = f"http://127.0.0.1:{self.port}/v1"
         self._server = self._thread = None
 
@@ -132,13 +134,14 @@ class ThreadServer:
             model_path=self.model_dir,
             port=self.port,
             threads=1,
-            engine=EngineConfig(max_batch=8),
+            engine=EngineConfig(max_batch=self.max_batch),
             sync=sync_config(self.weights),
             fleet=FleetConfig(
                 announce=self.cluster is not None,
                 cluster=self.cluster or "default",
                 heartbeat_s=0.2,
                 registry=str(self.registry or ""),
+                rollout_slots=self.rollout_slots,
             ),
         )
         self._server = uvicorn.Server(

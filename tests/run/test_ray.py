@@ -1,8 +1,9 @@
 """`whetstone run` on a real Ray cluster: three Ray nodes on this machine (separate raylet
 processes, `ray.cluster_utils.Cluster`, shared by the tests of this module), CPU only. The head
 node takes the trainer and the orchestrator; two nodes offer one cluster label each, `cluster:eu`
-and `cluster:us`, and take one inference server each, following its cluster's own weight store.
-Faults: the whole `us` cluster killed; the orchestrator and the trainer killed and restarted."""
+and `cluster:us`, and take one inference server each, following its cluster's own weight store
+(`eu`'s on S3: a moto server). The trainer also runs as 2 ranks on two nodes. Faults: the whole
+`us` cluster killed; the orchestrator and the trainer killed and restarted; a trainer rank lost."""
 
 import sys
 import threading
@@ -12,11 +13,12 @@ import httpx
 import pytest
 
 from tests.run.run_support import tiny_run
-from whetstone.errors import ConfigError
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet import FleetRegistry
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.run.pipeline import Pipeline
 from whetstone.run.preflight import check_run_config
+from whetstone.run.ray_ranks import rank_environments
 from whetstone.store import LocalStore
 from whetstone.sync import WeightStore
 from whetstone.utils.metrics import read_metrics
@@ -24,8 +26,21 @@ from whetstone.utils.metrics import read_metrics
 RAY = ['placement.backend="ray"', 'placement.ray.server_clusters=["eu", "us"]', "rl.steps=3"]
 
 
+S3_BUCKET = "ray-weights"
+
+
 def cluster_stores(tmp_path) -> str:
     return f'placement.ray.cluster_stores={{eu="{tmp_path / "eu-weights"}", us="{tmp_path / "us-weights"}"}}'
+
+
+@pytest.fixture(scope="module")
+def s3_endpoint():
+    """A moto S3 server (bucket `ray-weights`), started before the Ray cluster so that its nodes,
+    and the roles they start, inherit its placeholder credentials."""
+    from whetstone.store.moto import local_s3
+
+    with local_s3(S3_BUCKET) as endpoint:
+        yield endpoint
 
 
 def test_a_ray_run_without_ray_installed_is_refused_before_mid_training(tmp_path, monkeypatch):
@@ -35,12 +50,13 @@ def test_a_ray_run_without_ray_installed_is_refused_before_mid_training(tmp_path
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(s3_endpoint):
     cluster_utils = pytest.importorskip("ray.cluster_utils")
+    # logical CPUs: a server on each cluster node, and room beside it for a trainer rank
     cluster = cluster_utils.Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     try:
-        cluster.add_node(num_cpus=1, resources={"cluster:eu": 1})
-        cluster.add_node(num_cpus=1, resources={"cluster:us": 1})
+        cluster.add_node(num_cpus=2, resources={"cluster:eu": 1})
+        cluster.add_node(num_cpus=2, resources={"cluster:us": 1})
         yield cluster
     finally:
         import ray
@@ -55,6 +71,33 @@ def test_cluster_stores_are_the_trainers_mirrors_and_name_known_clusters(tmp_pat
     assert config.rl.orchestrator.total_batches == 3
     with pytest.raises(ConfigError, match=r"cluster_stores names clusters no server is in: \['asia'\]"):
         tiny_run(tmp_path, *RAY, 'placement.ray.cluster_stores={asia="x"}')
+
+
+def test_ranks_get_torchruns_environment_from_where_their_actors_are():
+    cpu = [
+        {"ip": "10.0.0.1", "node": "a", "gpus": [], "port": 29500},
+        {"ip": "10.0.0.2", "node": "b", "gpus": [], "port": 29501},
+        {"ip": "10.0.0.1", "node": "a", "gpus": [], "port": 29502},
+    ]
+    envs = rank_environments(cpu)
+    assert {(e["MASTER_ADDR"], e["MASTER_PORT"], e["WORLD_SIZE"]) for e in envs} == {("10.0.0.1", "29500", "3")}
+    assert [(e["RANK"], e["LOCAL_RANK"], e["LOCAL_WORLD_SIZE"]) for e in envs] == [
+        ("0", "0", "2"),
+        ("1", "0", "1"),
+        ("2", "1", "2"),
+    ]
+    assert not any("CUDA_VISIBLE_DEVICES" in e for e in envs)
+    # GPUs: a node's ranks see all their GPUs, each taking the one Ray gave it (not its rank order)
+    gpu = [{**place, "gpus": [g]} for place, g in zip(cpu, ["3", "0", "1"])]
+    envs = rank_environments(gpu)
+    assert [(e["CUDA_VISIBLE_DEVICES"], e["LOCAL_RANK"]) for e in envs] == [("1,3", "1"), ("0", "0"), ("1,3", "0")]
+
+
+def test_trainer_ranks_take_one_gpu_each_or_none(tmp_path):
+    with pytest.raises(ConfigError, match=r"trainer.num_gpus = 0.5 with trainer_ranks = 2: each rank takes one"):
+        tiny_run(tmp_path, *RAY, "placement.ray.trainer_ranks=2", "placement.ray.trainer.num_gpus=0.5")
+    with pytest.raises(ConfigError, match=r"trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0"):
+        tiny_run(tmp_path, *RAY, "placement.ray.trainer_ranks=2", "placement.ray.trainer.num_cpus=0")
 
 
 def kill_when(condition, kill, state: dict) -> threading.Thread:
@@ -89,11 +132,21 @@ def assert_each_batch_trained_once(run, steps: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_tiny_run_goes_on_when_a_whole_cluster_dies(tmp_path, ray_cluster):
-    """Each cluster follows its own weight store; cluster `us` (its one server) dies after batch 0."""
+def test_the_tiny_run_goes_on_when_a_whole_cluster_dies(tmp_path, ray_cluster, s3_endpoint):
+    """Each cluster follows its own weight store, `eu` a bucket on S3; cluster `us` (its one
+    server) dies after batch 0."""
     import ray
 
-    config = tiny_run(tmp_path, *RAY, cluster_stores(tmp_path), f'placement.ray.address="{ray_cluster.address}"')
+    from whetstone.store.s3 import S3Store
+
+    stores = f'placement.ray.cluster_stores={{eu="s3://{S3_BUCKET}/eu", us="{tmp_path / "us-weights"}"}}'
+    config = tiny_run(
+        tmp_path,
+        *RAY,
+        stores,
+        f'rl.trainer.sync.endpoint_url="{s3_endpoint}"',
+        f'placement.ray.address="{ray_cluster.address}"',
+    )
     pipeline = Pipeline(config)
     run = tmp_path / "runs" / "tiny"
     batches = LocalStore(run / "batches")
@@ -123,8 +176,9 @@ def test_the_tiny_run_goes_on_when_a_whole_cluster_dies(tmp_path, ray_cluster):
     placed = {r.name: r.url for r in pipeline.roles if r.url}
     assert set(placed) == {"serve-0", "serve-1"}
     main = WeightStore(LocalStore(run / "weights"))
-    eu = WeightStore(LocalStore(tmp_path / "eu-weights"))
+    eu = WeightStore(S3Store(S3_BUCKET, "eu", endpoint_url=s3_endpoint))
     assert main.latest() == eu.latest() == 3  # the surviving cluster followed its own store to the end
+    assert "s3://ray-weights/eu" in (run / "roles" / "serve-0.toml").read_text()  # eu's server followed S3
     # the server stopped at the end removed its record; the killed one's went stale (Ray SIGKILLs
     # an actor's children, so it could not say goodbye) and was dropped all the same
     assert [r.url for r in FleetRegistry(main.objects).records()] in ([], [killed["url"]])
@@ -180,3 +234,114 @@ def test_the_tiny_run_survives_its_orchestrator_and_its_trainer_killed(tmp_path,
 
 def read_metrics_if_any(path):
     return read_metrics(path) if path.exists() else []
+
+
+def trained_records(run) -> list[dict]:
+    return [s for s in read_metrics(run / "trainer" / "metrics.jsonl") if not s.get("replayed")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster):
+    """The trainer as 2 torch.distributed ranks (FSDP2 over gloo), one Ray actor each on its own
+    node: every batch trained once, every version published once, by both ranks together."""
+    config = tiny_run(
+        tmp_path,
+        *RAY,
+        "placement.ray.trainer_ranks=2",
+        'placement.ray.trainer_strategy="STRICT_SPREAD"',
+        f'placement.ray.address="{ray_cluster.address}"',
+    )
+    pipeline = Pipeline(config)
+    pipeline.run()
+
+    run = tmp_path / "runs" / "tiny"
+    group = role(pipeline, "trainer")
+    assert len(set(group.nodes)) == 2 and group.restarts == 0
+    assert_each_batch_trained_once(run, 3)
+    records = trained_records(run)
+    assert [(r["step"], r["version"], r["world_size"]) for r in records] == [(0, 1, 2), (1, 2, 2), (2, 3, 2)]
+    assert WeightStore(LocalStore(run / "weights")).latest() == 3
+    assert (run / "logs" / "trainer-rank1.log").exists()
+
+    # the two ranks trained the whole batch between them: one process on batch 0 counts the
+    # same tokens and measures the same trainer-sampler mismatch (before any update)
+    from whetstone.config import load_config
+    from whetstone.trainer.config import TrainerConfig
+    from whetstone.trainer.loop import run_trainer
+
+    alone = tmp_path / "alone"
+    run_trainer(
+        load_config(
+            TrainerConfig,
+            run / "roles" / "trainer.toml",
+            [f'output_dir="{alone}"', f'sync.store="{alone / "weights"}"', "max_steps=1"],
+        )
+    )
+    (one,) = read_metrics(alone / "metrics.jsonl")
+    assert one["world_size"] == 1 and one["tokens"] == records[0]["tokens"]
+    assert one["mismatch_kl_k3"] == pytest.approx(records[0]["mismatch_kl_k3"], rel=1e-4, abs=1e-9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_lost_trainer_rank_restarts_the_whole_group_which_replays(tmp_path, ray_cluster):
+    """Rank 1's actor is killed once step 1 is logged (its process dies with it): rank 0 cannot
+    go on alone, so both ranks are started again; with no checkpoint yet they replay every
+    published step without publishing, and train on from there."""
+    import ray
+
+    config = tiny_run(
+        tmp_path,
+        *RAY,
+        "rl.steps=4",
+        "rl.trainer.checkpoint_interval=100",  # none before the end: the restart replays
+        "placement.ray.trainer_ranks=2",
+        f'placement.ray.address="{ray_cluster.address}"',
+    )
+    pipeline = Pipeline(config)
+    run = tmp_path / "runs" / "tiny"
+    state: dict = {}
+
+    def kill_rank_1():
+        group = role(pipeline, "trainer")
+        state["pid"], state["node"] = group.pids[1], group.nodes[1]
+        ray.kill(group.handles[1], no_restart=True)
+
+    trained = lambda: any(s["step"] >= 1 for s in read_metrics_if_any(run / "trainer" / "metrics.jsonl"))  # noqa: E731
+    killer = kill_when(trained, kill_rank_1, state)
+    try:
+        pipeline.run()
+    finally:
+        state["stop"] = True
+        killer.join()
+
+    assert "pid" in state, "the run ended before the rank could be killed"
+    group = role(pipeline, "trainer")
+    assert group.restarts == 1 and group.pids[1] != state["pid"]
+    assert_each_batch_trained_once(run, 4)
+    records = read_metrics(run / "trainer" / "metrics.jsonl")
+    assert [r["version"] for r in records if not r["replayed"]] == [1, 2, 3, 4]  # each published once
+    replayed = [r for r in records if r["replayed"]]
+    assert replayed and [r["step"] for r in replayed] == list(range(len(replayed)))
+    assert replayed[-1]["replay_matches_store"]  # the replay rebuilt the weights the servers hold
+
+
+@pytest.mark.slow
+def test_ranks_no_node_can_hold_are_refused_with_what_was_asked(tmp_path, ray_cluster):
+    import ray
+
+    from whetstone.run.ray_launch import RayConfig
+    from whetstone.run.ray_ranks import RankGroup
+    from whetstone.trainer.config import TrainerConfig
+
+    asks = RayConfig(trainer_ranks=2, trainer={"num_cpus": 64}, place_timeout_s=2)
+    ray.init(address=ray_cluster.address, log_to_driver=False, configure_logging=False)
+    try:
+        with pytest.raises(WhetstoneError, match=r"trainer: 2 bundles of \{'CPU': 64.0\} \(PACK\) were not placed"):
+            RankGroup("trainer", TrainerConfig(), tmp_path, asks).start()
+        assert ray.util.placement_group_table() and all(
+            group["state"] == "REMOVED" for group in ray.util.placement_group_table().values()
+        )
+    finally:
+        ray.shutdown()

@@ -24,6 +24,11 @@ class FleetConfig(Config):
     """Store holding the fleet registry (a directory or s3://...; `sync.endpoint_url`); empty =
     the server's weight store. Servers that follow a cluster's mirror (`sync.mirrors`) announce
     in the run's main weight store, where the orchestrator looks."""
+    rollout_slots: int = Field(0, ge=0)
+    """Most rollouts orchestrators run on this server at once (announced in its record); 0 = no
+    limit. A server that also serves users lends this many of its slots (`engine.max_batch`)
+    and keeps the rest free for them; its rollouts still yield to users within those slots
+    (they are `batch` requests: `engine.batch_beside_interactive`)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """Seconds between rewrites of this server's record; readers forget a server whose record is
     several heartbeats old (`server_heartbeat_timeout_s` of the orchestrator)."""

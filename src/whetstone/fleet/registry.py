@@ -43,11 +43,13 @@ class ServerRecord:
     """Wall-clock time the server announced itself first."""
     heartbeat: float
     """Wall-clock time of the last rewrite."""
+    rollout_slots: int = 0
+    """Most rollouts it takes at once (`fleet.rollout_slots`; 0 = no limit)."""
 
     @classmethod
-    def new(cls, url: str, cluster: str = "default") -> ServerRecord:
+    def new(cls, url: str, cluster: str = "default", rollout_slots: int = 0) -> ServerRecord:
         now = time.time()
-        return cls(uuid.uuid4().hex[:16], url, cluster, now, now)
+        return cls(uuid.uuid4().hex[:16], url, cluster, now, now, rollout_slots)
 
     @property
     def key(self) -> str:

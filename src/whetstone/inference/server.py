@@ -67,7 +67,8 @@ def fleet_announcer(config: ServeConfig):
     where = config.fleet.registry or config.sync.store
     registry = FleetRegistry(open_store(where, endpoint_url=config.sync.endpoint_url, create=False))
     url = advertised_url(config.host, config.port, config.fleet.url)
-    return Announcer(registry, ServerRecord.new(url, config.fleet.cluster), config.fleet.heartbeat_s)
+    record = ServerRecord.new(url, config.fleet.cluster, config.fleet.rollout_slots)
+    return Announcer(registry, record, config.fleet.heartbeat_s)
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_name: str, follower=None) -> FastAPI:

@@ -2,8 +2,11 @@
 as on one machine (`whetstone serve|trainer|orchestrator <role>.toml`), started by a Ray actor
 (`RoleActor`) on a node with the resources the role asks for (`placement.ray`).
 
-    trainer       one actor, `ray.trainer` CPUs/GPUs (its ranks, if any, on that node);
-                  restarted by Ray if it dies (`ray.role_restarts`), resuming from its checkpoint
+    trainer       one actor, `ray.trainer` CPUs/GPUs, restarted by Ray if it dies
+                  (`ray.role_restarts`), resuming from its checkpoint; or, with
+                  `ray.trainer_ranks` > 1, one actor per torch.distributed rank, each on a bundle
+                  of one placement group (`run/ray_ranks.py`), the group restarted whole when a
+                  rank is lost
     servers       one actor each, `ray.server` CPUs/GPUs; server i's cluster label
                   (`ray.server_clusters`) is also the custom resource `cluster:<label>` the node
                   must offer (`ray start --resources '{"cluster:eu": 8}'`); each listens on a free
@@ -27,6 +30,7 @@ import signal
 import socket
 import time
 from pathlib import Path
+from typing import Literal
 
 from pydantic import Field
 
@@ -54,7 +58,15 @@ class RayConfig(Config):
     """The Ray cluster to join (`host:6379`, `ray://host:10001`); empty = `RAY_ADDRESS`, else a
     Ray instance started on this machine for the run."""
     trainer: RoleResources = RoleResources()
-    """Resources of the trainer."""
+    """Resources of the trainer (of each of its ranks, with `trainer_ranks` > 1)."""
+    trainer_ranks: int = Field(1, ge=1)
+    """Trainer processes, the torch.distributed ranks of one FSDP2 job (gloo on CPUs, NCCL on
+    GPUs): each a Ray actor on its own bundle (`trainer` resources; num_gpus 0 or 1) of one
+    placement group. A rank that is lost stops and restarts the whole group (`role_restarts`
+    times), which resumes from the newest checkpoint. 1 = one trainer process."""
+    trainer_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How the ranks' bundles spread over nodes (Ray's placement group strategies): `PACK` as
+    few nodes as fit (NVLink between a node's GPUs), `STRICT_SPREAD` one rank per node."""
     server: RoleResources = RoleResources()
     """Resources of every inference server."""
     orchestrator: RoleResources = RoleResources()
@@ -92,6 +104,13 @@ class RayConfig(Config):
         unknown = sorted(set(self.cluster_stores) - set(self.server_clusters))
         if unknown:
             raise ValueError(f"cluster_stores names clusters no server is in: {unknown} (server_clusters)")
+        if self.trainer_ranks > 1 and self.trainer.num_gpus not in (0, 1):
+            raise ValueError(
+                f"trainer.num_gpus = {self.trainer.num_gpus:g} with trainer_ranks = {self.trainer_ranks}: "
+                "each rank takes one whole GPU (1) or none (0)"
+            )
+        if self.trainer_ranks > 1 and self.trainer.num_cpus == 0 and self.trainer.num_gpus == 0:
+            raise ValueError("trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0 (a rank's bundle)")
 
 
 def import_ray():
@@ -284,7 +303,11 @@ class RayLauncher:
             import_ray().shutdown()
             self._started_ray = False
 
-    def role(self, name: str, command: str, config) -> RayRole:
+    def role(self, name: str, command: str, config) -> RoleProcess:
+        if command == "trainer" and self.config.trainer_ranks > 1:
+            from whetstone.run.ray_ranks import RankGroup
+
+            return RankGroup(name, config, self.run_dir, self.config).start()
         resources = {"trainer": self.config.trainer, "orchestrator": self.config.orchestrator}[command]
         return RayRole(
             name,

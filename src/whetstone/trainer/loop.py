@@ -173,6 +173,7 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     record: dict[str, Any] = {
         "step": state.step,
         "replayed": replaying,
+        "world_size": session.world_size,
         **merge_part_metrics(parts),
         "train_s": time.perf_counter() - started,
     }

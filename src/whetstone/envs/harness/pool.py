@@ -64,6 +64,12 @@ class Server:
     """Found in the fleet registry (dropped when it leaves it), not given by address."""
     version: int | None = None
     """Weight version it reported at its last health check (None: never reported one)."""
+    rollout_slots: int = 0
+    """Most rollouts leased to it at once (from its fleet record; 0 = no limit)."""
+
+    @property
+    def has_room(self) -> bool:
+        return not self.rollout_slots or self.leases < self.rollout_slots
 
     @property
     def alive(self) -> bool:
@@ -157,17 +163,22 @@ class ServerPool:
             self.rollouts[policy.server.cluster] += 1
         finally:
             policy.server.leases -= 1
+            self._changed.set()  # a slot may have come free
 
     async def pick(self) -> Server:
-        """The live server with the fewest rollouts, its lease counted."""
+        """The live server with the fewest rollouts among those with room for one more
+        (`rollout_slots`), its lease counted; waits while every live server is full."""
         waited_since = time.monotonic()
         while True:
             alive = [server for server in self.servers if server.alive]
-            if alive:
-                server = min(alive, key=lambda s: s.leases)
+            room = [server for server in alive if server.has_room]
+            if room:
+                server = min(room, key=lambda s: s.leases)
                 server.leases += 1
                 return server
-            if time.monotonic() - waited_since > self.no_server_timeout_s:
+            if alive:  # full, not down
+                waited_since = time.monotonic()
+            elif time.monotonic() - waited_since > self.no_server_timeout_s:
                 raise WhetstoneError(
                     f"no inference server has been healthy for {self.no_server_timeout_s:g} s: "
                     f"{', '.join(s.url for s in self.servers)}"
@@ -228,7 +239,7 @@ class ServerPool:
         for server in list(self.servers):
             record = listed.pop(server.url, None)
             if record is not None:
-                server.cluster = record.cluster
+                server.cluster, server.rollout_slots = record.cluster, record.rollout_slots
                 self.clusters.add(record.cluster)
             elif server.announced:
                 log.warning("inference server %s left the fleet registry: dropped from the pool", server.url)
@@ -236,7 +247,9 @@ class ServerPool:
                 self.servers.remove(server)
         for record in listed.values():
             log.info("inference server %s (cluster %s) announced itself", record.url, record.cluster)
-            self.servers.append(Server(record.url, cluster=record.cluster, announced=True))
+            self.servers.append(
+                Server(record.url, cluster=record.cluster, announced=True, rollout_slots=record.rollout_slots)
+            )
             self.clusters.add(record.cluster)
 
     def _take_out(self, server: Server, failed: bool) -> None:
