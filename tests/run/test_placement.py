@@ -76,7 +76,7 @@ def test_the_gpu_preset_loads_and_passes_the_preflight_here(tmp_path):
 
 
 def test_the_gpu_preset_differs_from_the_default_run_only_where_it_says():
-    """The preset is the whole config; a default changed elsewhere must be carried into it."""
+    """The preset names only its differences; every other field is the default run's."""
 
     def flat(data, prefix=""):
         for key, value in data.items():
