@@ -150,6 +150,17 @@ def _is_role(pid: int) -> bool:
     return stat.rsplit(")", 1)[-1].split()[0] != "Z" and b"whetstone.cli" in cmdline
 
 
+def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:
+    """A Ray-started role's exit code, polled (its process is on another node, not a child of
+    this one); raises if it still runs after `timeout_s`."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while (code := role.returncode) is None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise WhetstoneError(f"{role.name} still runs after {timeout_s:g} s")
+        time.sleep(0.5)
+    return code
+
+
 class RoleActor:
     """Runs one role's process on its node (a Ray actor class once `ray.remote` wraps it). A
     server picks a free port there and announces the node's address."""
@@ -256,12 +267,7 @@ class RayRole(RoleProcess):
         return self.handle is not None and self.returncode is None
 
     def wait(self, timeout_s: float | None = None) -> int:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (code := self.returncode) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise WhetstoneError(f"{self.name} still runs after {timeout_s:g} s")
-            time.sleep(0.5)
-        return code
+        return wait_polling(self, timeout_s)
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         ray = import_ray()

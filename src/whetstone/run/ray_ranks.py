@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import logging
 import socket
-import time
 from pathlib import Path
 
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
-from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, wait_for_predecessor
+from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, wait_for_predecessor, wait_polling
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.processes import RoleProcess, free_port
 
@@ -281,12 +280,7 @@ class RankGroup(RoleProcess):
             self.group = None
 
     def wait(self, timeout_s: float | None = None) -> int:
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (code := self.returncode) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise WhetstoneError(f"{self.name} still runs after {timeout_s:g} s")
-            time.sleep(0.5)
-        return code
+        return wait_polling(self, timeout_s)
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         if self.handles:
