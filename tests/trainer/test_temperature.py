@@ -11,7 +11,6 @@ from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
-from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sampling import SamplingParams
 from whetstone.model.hf import load_hf
 from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, collate
@@ -27,14 +26,7 @@ def sampled_batch(model_dir, temperatures: list[float], tell_trainer: bool = Tru
     params = [SamplingParams(max_tokens=8, ignore_eos=True, temperature=t, seed=i) for i, t in enumerate(temperatures)]
     samples = []
     for i, seq in enumerate(engine.generate(prompts, params)):
-        call = ModelCall(
-            prompt_ids=seq.prompt_ids,
-            completion_ids=seq.output_ids,
-            logprobs=seq.logprobs,
-            versions=seq.versions,
-            loss_mask=[1] * len(seq.output_ids),
-            routes=encode_routes(seq.routes),
-        )
+        call = ModelCall.from_sequence(seq)
         samples += trajectory_samples(
             Trajectory(task_id=f"r{i}", segments=[Segment(calls=[call])], reward=float(i % 2)),
             advantage=float(i % 2) - 0.5,

@@ -14,7 +14,6 @@ from tests.model.conftest import tiny_config
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
-from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sampling import SamplingParams
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf, save_hf
@@ -75,15 +74,7 @@ def make_batches(model_dir: Path, count: int, seed: int = 0, numerics: str = "fa
         ]
         trajectories = []
         for i, seq in enumerate(engine.generate(prompts, params)):
-            n = len(seq.output_ids)
-            call = ModelCall(
-                prompt_ids=seq.prompt_ids,
-                completion_ids=seq.output_ids,
-                logprobs=seq.logprobs,
-                versions=seq.versions,
-                loss_mask=[1] * n,
-                routes=None if seq.routes is None else encode_routes(seq.routes),
-            )
+            call = ModelCall.from_sequence(seq)
             trajectories.append(
                 Trajectory(
                     task_id=f"p{i // GROUP_SIZE}",

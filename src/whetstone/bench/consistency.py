@@ -34,7 +34,6 @@ from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
-from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
 from whetstone.model import ModelConfig, Transformer
@@ -66,15 +65,7 @@ def rollout_batch(seqs: list[Sequence], order: list[int] | None = None) -> Batch
     samples = []
     for index in order if order is not None else range(len(seqs)):
         seq = seqs[index]
-        n = len(seq.output_ids)
-        call = ModelCall(
-            prompt_ids=seq.prompt_ids,
-            completion_ids=seq.output_ids,
-            logprobs=seq.logprobs,
-            versions=seq.versions,
-            loss_mask=[1] * n,
-            routes=None if seq.routes is None else encode_routes(seq.routes),
-        )
+        call = ModelCall.from_sequence(seq)
         trajectory = Trajectory(
             task_id=seq.request_id, group_id=seq.request_id, reward=0.0, segments=[Segment(calls=[call])]
         )

@@ -48,6 +48,21 @@ class ModelCall(Record):
     """This call wrote a summary of the work so far (the context restarts after it)."""
     finish_reason: str = "stop"
 
+    @classmethod
+    def from_sequence(cls, seq) -> "ModelCall":
+        """The call an in-process engine's finished `inference.sequence.Sequence` stands for:
+        every completion token trained on, routes (if the model has them) in the server's form."""
+        from whetstone.inference.protocol import encode_routes
+
+        return cls(
+            prompt_ids=seq.prompt_ids,
+            completion_ids=seq.output_ids,
+            logprobs=seq.logprobs,
+            versions=seq.versions,
+            loss_mask=[1] * len(seq.output_ids),
+            routes=None if seq.routes is None else encode_routes(seq.routes),
+        )
+
     @model_validator(mode="after")
     def _aligned(self) -> "ModelCall":
         n = len(self.completion_ids)
