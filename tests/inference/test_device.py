@@ -21,8 +21,6 @@ from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
 from whetstone.inference.swap import full_update
 
-cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 def prompts(*lengths, seed=0):
     g = torch.Generator().manual_seed(seed)
@@ -134,7 +132,6 @@ def cuda_engine(model, cuda_graphs: bool, **config):
 
 
 @pytest.mark.gpu
-@cuda_only
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_cuda_engine_decodes_what_the_cpu_engine_decodes(cuda_graphs):
     model = tiny_model()
@@ -161,7 +158,6 @@ def test_cuda_engine_decodes_what_the_cpu_engine_decodes(cuda_graphs):
 
 
 @pytest.mark.gpu
-@cuda_only
 def test_cuda_graphs_serve_swapped_weights():
     """A swap writes the parameters in place: the graphs replay the new weights (or are captured
     again if a weight the model derives was made anew), never the old ones."""
@@ -177,7 +173,6 @@ def test_cuda_graphs_serve_swapped_weights():
 
 
 @pytest.mark.gpu
-@cuda_only
 def test_cuda_graphs_keep_prefix_sharing_and_preemption():
     model = tiny_model()
     base = prompts(40)[0]
@@ -207,7 +202,6 @@ def test_cuda_graphs_keep_prefix_sharing_and_preemption():
 
 
 @pytest.mark.gpu
-@cuda_only
 def test_bf16_on_cuda_with_graphs_decodes_like_without():
     model = tiny_model()
     params = SamplingParams(max_tokens=20, temperature=0.0)

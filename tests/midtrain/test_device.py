@@ -18,8 +18,6 @@ from whetstone.model.moe import Router
 from whetstone.training.optim import build_optimizer
 from whetstone.utils.device import resolve_device
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 def own_code(entries: list[str]) -> list[str]:
     """Entries of a host-work record outside the model's internals (the model is tested on its own)."""
@@ -80,7 +78,6 @@ def test_cuda_asked_for_on_a_machine_without_it_is_a_clear_error(make_config):
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_a_bf16_step_on_cuda_is_finite_and_close_to_the_cpus():
     torch.manual_seed(2)
     rows = torch.randint(0, 50, (4, 9))
@@ -96,7 +93,6 @@ def test_a_bf16_step_on_cuda_is_finite_and_close_to_the_cpus():
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_a_run_on_cuda_resolves_auto_to_bf16(make_config):
     summary = train(make_config('run.device="cuda"', "run.dtype=auto", "run.steps=3"))
     assert summary["device"].startswith("cuda") and summary["dtype"] == "bfloat16"

@@ -17,7 +17,6 @@ from whetstone.model.moe import load_balancing_loss
 
 NUMERICS = ["fast", "invariant"]
 DTYPES = ["float32", "bfloat16"]
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
 def _autocast(dtype: str, device: str = "cpu"):
@@ -204,7 +203,6 @@ TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("numerics", NUMERICS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_training_step_matches_the_cpu(numerics, dtype, make_config):
@@ -223,7 +221,6 @@ def test_cuda_training_step_matches_the_cpu(numerics, dtype, make_config):
 
 
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("numerics", NUMERICS)
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_cuda_decoding_through_the_kv_cache_matches_the_cpu(numerics, dtype, make_config):
@@ -258,7 +255,6 @@ def _no_read_backs():
 
 
 @pytest.mark.gpu
-@cuda
 def test_cuda_takes_the_grouped_path_and_it_never_waits_for_the_gpu():
     x, _, gate_up, down, _ = (t.cuda() for t in _expert_case())
     assert uses_grouped_mm(x.bfloat16(), gate_up, down)
@@ -270,7 +266,6 @@ def test_cuda_takes_the_grouped_path_and_it_never_waits_for_the_gpu():
 
 
 @pytest.mark.gpu
-@cuda
 def test_cuda_attention_runs_on_the_fused_kernels(make_config):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 

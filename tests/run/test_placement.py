@@ -23,7 +23,6 @@ from whetstone.run.pipeline import Pipeline, run_pipeline
 from whetstone.run.placement import split_gpu_memory
 
 GPU_PRESET = Path(__file__).parents[2] / "configs" / "gpu.toml"
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
 
 
@@ -113,7 +112,6 @@ def test_the_gpu_preset_differs_from_the_default_run_only_where_it_says():
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_a_role_is_held_to_its_share_of_the_gpu(tmp_path):
     """What a role's process does with `GPU_MEMORY_ENV`: an allocation past its share fails."""
     script = (

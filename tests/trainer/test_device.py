@@ -25,8 +25,6 @@ from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, train_step
 from whetstone.training.optim import build_optimizer
 from whetstone.utils.device import resolve_device
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 def own_code(entries: list[str]) -> list[str]:
     """Entries of a host-work record outside the model's internals (the model is tested on its own)."""
@@ -82,7 +80,7 @@ def test_activation_checkpointing_changes_neither_the_step_nor_its_metrics(tiny_
     assert all(torch.equal(plain_weights[name], weights[name]) for name in weights)
 
 
-@pytest.mark.parametrize("device", ["cpu", "auto", pytest.param("cuda", marks=[pytest.mark.gpu, needs_cuda])])
+@pytest.mark.parametrize("device", ["cpu", "auto", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_the_trainer_trains_publishes_and_checkpoints_on_its_device(tmp_path, tiny_moe, batches, device):
     put_batches(tmp_path / "batches", batches[:2])
     config = trainer_config(tmp_path, tiny_moe, device=device, max_steps=2, activation_checkpointing=True)
@@ -102,7 +100,6 @@ def test_cuda_asked_for_on_a_machine_without_it_is_a_clear_error(tmp_path, tiny_
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_a_bf16_step_on_cuda_is_finite_and_close_to_the_cpus(tiny_moe, batches):
     results = {}
     for device in ("cpu", "cuda"):

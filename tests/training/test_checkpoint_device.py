@@ -12,8 +12,6 @@ from whetstone.model import Transformer
 from whetstone.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from whetstone.training.optim import build_optimizer
 
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
 
 def make(device: str = "cpu", seed: int = 0):
     torch.manual_seed(seed)
@@ -76,7 +74,6 @@ def test_a_fused_optimizers_checkpoint_loads_into_a_plain_one_and_back(tmp_path)
 
 
 @pytest.mark.gpu
-@needs_cuda
 def test_a_checkpoint_written_on_cuda_loads_on_the_cpu_and_back(tmp_path):
     model, optimizer = make("cuda")
     assert optimizer.defaults["fused"] is True
