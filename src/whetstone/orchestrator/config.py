@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 from whetstone.config import Config
 from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.tasks import TasksConfig
+from whetstone.orchestrator.curriculum import CurriculumConfig
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.staleness import StalenessConfig
 from whetstone.utils.tracking import TrackingConfig
@@ -36,6 +37,9 @@ class OrchestratorConfig(Config):
     """Kept groups (after dropping, see `advantages`) in one batch."""
     advantages: AdvantageConfig = AdvantageConfig()
     """Estimator and group filtering."""
+    curriculum: CurriculumConfig = CurriculumConfig()
+    """Tasks whose last group was all solved or all failed sit out a few passes over the task set
+    (orchestrator/curriculum.py); nothing changes in a run shorter than one pass."""
     staleness: StalenessConfig = StalenessConfig()
     """How far behind the trainer a sample may be; also how many batches the orchestrator may run ahead."""
     batch_store: str = "runs/default/batches"

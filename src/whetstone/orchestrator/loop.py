@@ -42,6 +42,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.fleet import FleetRegistry
 from whetstone.orchestrator.batches import Group, Window, build_batch, drop_stale, flat_metrics
 from whetstone.orchestrator.config import OrchestratorConfig
+from whetstone.orchestrator.curriculum import Curriculum
 from whetstone.rl.advantages.groups import score_groups
 from whetstone.rl.batch_store import next_batch_index, put_batch
 from whetstone.rl.samples import trajectory_samples
@@ -97,6 +98,7 @@ class Orchestrator:
         """Groups scored in a row that gave nothing to train on (to say why a batch waits)."""
         self._fruitless_drops: Counter[str] = Counter()
         """Their rollouts dropped, by reason."""
+        self.curriculum = Curriculum(config.curriculum)
 
     async def run(self, on_batch: Callable[[dict], None] | None = None) -> list[int]:
         """Run until `max_batches` are put (or forever); returns the indices put. `on_batch` sees
@@ -144,7 +146,13 @@ class Orchestrator:
                     await pool.probe_versions()
                     clusters = pool.cluster_stats(self.latest_version)
                     metrics.write(
-                        {**flat_metrics(meta), **pool.stats(), **clusters, "invalid_tasks": self.invalid_tasks}
+                        {
+                            **flat_metrics(meta),
+                            **pool.stats(),
+                            **clusters,
+                            "invalid_tasks": self.invalid_tasks,
+                            "rested_tasks": self.curriculum.rested,
+                        }
                     )
                 if on_batch is not None:
                     on_batch(meta)
@@ -193,12 +201,13 @@ class Orchestrator:
 
     # -- rollouts ---------------------------------------------------------------------------------
 
-    def _task_stream(self, tasks: list[Task]) -> Iterator[Task]:
-        """Every task once per pass, in a new seeded order each pass."""
+    def _task_stream(self, tasks: list[Task]) -> Iterator[tuple[int, Task]]:
+        """(pass number, task): every task once per pass, in a new seeded order each pass, less
+        the tasks the curriculum rests in that pass."""
         for epoch in range(1 << 62):
             order = list(tasks)
             random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
-            yield from order
+            yield from ((epoch, task) for task in order if not self.curriculum.rests(task.id, epoch))
 
     def _groups_ahead(self) -> int:
         """Groups queued for batches after the one the trainer is on: in the batch store, buffered
@@ -249,7 +258,7 @@ class Orchestrator:
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def _produce(self, tasks: list[Task], harness: AgentHarness, pool: ServerPool) -> None:
-        for number, task in enumerate(self._task_stream(tasks)):
+        for number, (pass_number, task) in enumerate(self._task_stream(tasks)):
             if self._validity.get(task.id) is not None:  # known invalid
                 if self.invalid_tasks == len(tasks):
                     self._failure = WhetstoneError(
@@ -263,7 +272,7 @@ class Orchestrator:
                 await self._changed.wait_for(self._has_room)
                 self._unfinished += self.config.group_size
                 self._groups_running += 1
-            group = asyncio.create_task(self._run_group(f"{number}/{task.id}", task, harness, pool))
+            group = asyncio.create_task(self._run_group(f"{number}/{task.id}", task, harness, pool, pass_number))
             self._running.add(group)
             group.add_done_callback(self._group_done)
 
@@ -282,15 +291,19 @@ class Orchestrator:
         async with self._changed:
             self._changed.notify_all()
 
-    async def _run_group(self, group_id: str, task: Task, harness: AgentHarness, pool: ServerPool) -> None:
+    async def _run_group(
+        self, group_id: str, task: Task, harness: AgentHarness, pool: ServerPool, pass_number: int
+    ) -> None:
         try:
-            await self._score_group(group_id, task, harness, pool)
+            await self._score_group(group_id, task, harness, pool, pass_number)
         finally:  # after the group is buffered, so running + buffered never undercounts
             async with self._changed:
                 self._groups_running -= 1
                 self._changed.notify_all()
 
-    async def _score_group(self, group_id: str, task: Task, harness: AgentHarness, pool: ServerPool) -> None:
+    async def _score_group(
+        self, group_id: str, task: Task, harness: AgentHarness, pool: ServerPool, pass_number: int
+    ) -> None:
         async def one() -> tuple[Trajectory, str]:
             """A rollout, and the cluster of the server that finished it."""
             try:
@@ -309,6 +322,7 @@ class Orchestrator:
             return
         done = await asyncio.gather(*(one() for _ in range(self.config.group_size)))
         trajectories, cluster_of = [t for t, _ in done], {id(t): cluster for t, cluster in done}
+        self.curriculum.record(task.id, sum(t.solved for t in trajectories), len(trajectories), pass_number)
         kept, report = score_groups(trajectories, self.config.advantages)
         samples, clusters = [], []
         try:

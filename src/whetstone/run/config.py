@@ -63,12 +63,13 @@ class ServersConfig(Config):
 class RLConfig(Config):
     """Stage 2: asynchronous RL with the trainer, the servers and the orchestrator as processes."""
 
-    steps: int = Field(16, ge=1)
-    """Optimizer steps (= batches) of the RL stage. 16: more steps gained no more held-out pass@1
-    and waited longer for groups not all solved (figures: docs/run.md)."""
+    steps: int = Field(28, ge=1)
+    """Optimizer steps (= batches) of the RL stage: the held-out gain grew with steps (+1.5 at 16
+    steps of 1e-4, +6.5 at 64), and 28 fit the default run into 15 minutes (figures:
+    docs/experiments.md)."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4,
-        optimizer=OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
+        optimizer=OptimizerConfig(lr=3e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),
         optimizer_steps_per_batch=4,
         loss=LossConfig(aggregation="sequence"),
         logit_scale_lr=0.03,
@@ -76,21 +77,22 @@ class RLConfig(Config):
     )
     """The trainer (its paths are set by the pipeline; `max_steps` = `steps`): four optimizer
     steps per batch; a per-sample loss mean, since failed rollouts ramble and under a token mean
-    outweigh the solved ones; the learned logit scale (`logit_scale_lr`, rl/logit_scale.py), since
-    RL at this scale mostly has to sharpen the policy; weights at 1e-4, where larger rates cost
-    held-out points; and 8 mid-training demonstrations fitted at every optimizer step
-    (`demo_coef` 4, `rl.demos`), which keeps RL on two-step tasks from breaking one-step ones.
-    Figures behind each value: docs/experiments.md."""
+    outweigh the solved ones; the learned logit scale (`logit_scale_lr`, rl/logit_scale.py), so
+    that sharpening costs the weights nothing; weights at 3e-4, which on the two- and three-step
+    held-out set gained more per step than 1e-4; and 8 mid-training demonstrations fitted at
+    every optimizer step (`demo_coef` 4, `rl.demos`), which keeps RL from breaking the tasks it
+    does not train on. Figures behind each value: docs/experiments.md."""
     orchestrator: OrchestratorConfig = OrchestratorConfig(
-        tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1, min_difficulty=2)),
+        tasks=TasksConfig(synth=SynthConfig(count=400, split="train", seed=1, min_difficulty=2, difficulty=3)),
         rollout=RolloutConfig(concurrency=12),
         group_size=8,
         groups_per_batch=4,
         advantages=AdvantageConfig(negative_weight=0.2),
     )
     """The orchestrator (its servers, stores and metrics path are set by the pipeline). RL trains on
-    two-step train tasks only: one-step tasks came back all solved and dropped more often, so
-    batches waited longer. Negative advantages count a fifth (`advantages.negative_weight`):
+    two- and three-step train tasks, the step counts of the held-out set (one-step tasks came
+    back all solved and dropped more often, so batches waited longer). Negative advantages count
+    a fifth (`advantages.negative_weight`):
     pushing down the sampled tokens of failed rollouts spreads probability over the rest, which
     at ~400 rollouts outweighs what RL teaches (docs/experiments.md)."""
     sync_timeout_s: float = Field(120.0, gt=0)
@@ -153,8 +155,10 @@ class PipelineConfig(Config):
     """Run name: outputs go to `<output_dir>/<name>/`."""
     output_dir: str = "runs"
     """Parent directory of run folders."""
-    demos: SynthConfig = SynthConfig(count=4000, split="train")
-    """Synth train tasks whose solved transcripts are mixed into mid-training (train split only)."""
+    demos: SynthConfig = SynthConfig(count=4000, split="train", difficulty=3)
+    """Synth train tasks whose solved transcripts are mixed into mid-training (train split only):
+    one to three steps, so that the base writes three-step solutions at all (with demonstrations
+    of at most two steps it solved no three-step task) and RL gets groups that are not all failed."""
     demo_recovery: float = Field(0.0, ge=0.0, le=1.0)
     """Share of those transcripts that open with a failed attempt (of `demo_recovery_attempt`'s
     kind, masked from the loss) and its real test output, then the fix: without them the model
@@ -190,15 +194,18 @@ class PipelineConfig(Config):
     rl: RLConfig = RLConfig()
     """Stage 2: asynchronous RL."""
     eval: EvalConfig = EvalConfig(
-        tasks=TasksConfig(synth=SynthConfig(split="heldout", count=200, seed=0)),
+        tasks=TasksConfig(synth=SynthConfig(split="heldout", count=200, seed=0, min_difficulty=2, difficulty=3)),
         samples=2,
         k=[1, 2],
         temperatures=[1.0, 0.5, 0.2],
         rollout=RolloutConfig(concurrency=32),
     )
     """Held-out evaluation before and after RL (endpoint, harness and output folder are set by
-    the pipeline): 200 tasks x 2 rollouts, ~40 s on 2 cores at each temperature; a smaller set
-    flattered or hid RL's gain by several points, depending on the draw of tasks. Three
+    the pipeline): 200 tasks of two and three steps x 2 rollouts, ~40 s on 2 cores at each
+    temperature. Tasks with room to learn: the base solves about 0.4 of them at its best
+    temperature (one- and two-step tasks it mostly solves once sampled sharply, leaving RL little
+    to add beyond the temperature). Held-out tasks are unseen compositions of the primitives RL
+    trains on (synth.py). A smaller set flattered or hid RL's gain by several points. Three
     temperatures find each model's best within about a point (docs/run.md, the yardstick); 32
     rollouts in flight fill both servers' batches, a fifth less CPU per rollout than 12."""
     placement: PlacementConfig = PlacementConfig()
