@@ -5,14 +5,7 @@ import asyncio
 
 import pytest
 
-from tests.orchestrator.orchestrator_support import (
-    Trainer,
-    coin_tasks,
-    model_folder,
-    orchestrator_config,
-    synth_tasks,
-    thread_servers,
-)
+from tests.orchestrator.orchestrator_support import coin_tasks, orchestrator_config, synth_tasks, thread_servers
 from whetstone.orchestrator import Orchestrator
 from whetstone.orchestrator.curriculum import Curriculum, CurriculumConfig
 
@@ -44,14 +37,18 @@ def test_the_band_must_not_be_empty():
         CurriculumConfig(min_solve_rate=0.8, max_solve_rate=0.2)
 
 
-def test_the_orchestrator_rests_tasks_it_never_solves(tmp_path):
+def test_the_orchestrator_rests_tasks_it_never_solves(world):
     """Real servers with a random model: synth tasks are never solved, so once their first groups
     are scored they sit out passes, and the batches still fill from the coin task."""
-    model_dir = model_folder(tmp_path)
-    trainer = Trainer(model_dir, tmp_path / "weights")
-    trainer.publish()
+    tmp_path, model_dir, _ = world
     with thread_servers(model_dir, tmp_path / "weights") as servers:
         config = orchestrator_config(tmp_path, model_dir, [s.url for s in servers], max_batches=3)
         orchestrator = Orchestrator(config, coin_tasks(1) + synth_tasks(2))
         assert asyncio.run(asyncio.wait_for(orchestrator.run(), 180)) == [0, 1, 2]
     assert orchestrator.curriculum.rested > 0
+
+
+def test_a_group_with_no_rollout_that_ran_leaves_no_record():
+    curriculum = Curriculum(CurriculumConfig())
+    curriculum.record("t", 0, 0, pass_number=0)
+    assert not curriculum.rests("t", 1)

@@ -10,7 +10,6 @@ import pytest
 from tests.orchestrator.orchestrator_support import (
     Trainer,
     coin_tasks,
-    model_folder,
     orchestrator_config,
     synth_tasks,
     thread_servers,
@@ -23,14 +22,6 @@ from whetstone.rl.batch_store import batch_key
 from whetstone.store import LocalStore
 
 META_KEYS = {"index", "trainer_step", "staleness_histogram", "groups", "reward_mean", "samples", "rollouts"}
-
-
-@pytest.fixture
-def world(tmp_path):
-    model_dir = model_folder(tmp_path)
-    trainer = Trainer(model_dir, tmp_path / "weights")
-    trainer.publish()  # version 0: the initial weights
-    return tmp_path, model_dir, trainer
 
 
 def read_batch(store, index):

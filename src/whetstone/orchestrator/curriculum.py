@@ -55,7 +55,8 @@ class Curriculum:
         """Times a task was skipped for resting."""
 
     def record(self, task_id: str, solved: int, rollouts: int, pass_number: int) -> None:
-        """A group of the task finished: `solved` of its `rollouts` were solved."""
+        """A group of the task finished: `solved` of its `rollouts` (those that ran: none = no
+        record) were solved."""
         if rollouts:
             self._last[task_id] = LastGroup(solved / rollouts, pass_number)
 

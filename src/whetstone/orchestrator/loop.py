@@ -322,7 +322,8 @@ class Orchestrator:
             return
         done = await asyncio.gather(*(one() for _ in range(self.config.group_size)))
         trajectories, cluster_of = [t for t, _ in done], {id(t): cluster for t, cluster in done}
-        self.curriculum.record(task.id, sum(t.solved for t in trajectories), len(trajectories), pass_number)
+        ran = [t for t in trajectories if t.status == "ok"]  # a broken rollout says nothing of the task
+        self.curriculum.record(task.id, sum(t.solved for t in ran), len(ran), pass_number)
         kept, report = score_groups(trajectories, self.config.advantages)
         samples, clusters = [], []
         try:
