@@ -4,16 +4,20 @@
 # dependencies carried as wheels in .whl/ (scripts/fetch-gpu-wheels.sh) and OUT set to the
 # folder whose files come back:
 #   bash scripts/gpu-check.sh
-# Stages, each bounded in time, each run whatever the ones before it did (about 9 minutes in all):
+# Stages, each bounded in time, each run whatever the ones before it did:
 #   install   the wheels into /tmp/site; whetstone runs from src/ (PYTHONPATH), not installed
 #   versions  python, torch, CUDA, transformers, nvidia-smi
 #   pytest    the tests marked gpu (`pytest -m gpu`): $OUT/junit.xml, $OUT/pytest.log
 #   bench     `whetstone bench gpu --json`, one section per run so that one stuck section leaves
 #             the others' figures: merged into $OUT/bench.json; progress in $OUT/bench.log; the RL
-#             run's configs, logs and metrics in $OUT/rl-run.tgz
+#             run's configs, logs and metrics in $OUT/rl-run.tgz. BENCH_RUNS names the runs
+#             (default "train inference rl consistency"; "rl-invariant" is the RL section in
+#             invariant numerics, whose mismatch must be 0 in every step)
 # $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
 # every bench run (a CPU dry run: BENCH_ARGS="--model tiny --train-seq-len 32 ..."); the *_S
-# variables below change a stage's bound in seconds.
+# variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests). The bounds add
+# up to more than one 10-minute device call: a second call can take the rest, e.g.
+#   PYTEST_S=0 BENCH_RUNS="consistency rl-invariant" bash scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
@@ -23,6 +27,8 @@ PYTEST_S=${PYTEST_S:-120}
 TRAIN_S=${TRAIN_S:-75}
 INFERENCE_S=${INFERENCE_S:-190}
 RL_S=${RL_S:-120}
+CONSISTENCY_S=${CONSISTENCY_S:-150}
+BENCH_RUNS=${BENCH_RUNS:-train inference rl consistency}
 read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"
 WORK=$(mktemp -d)
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
@@ -60,40 +66,46 @@ stage nvidia-smi 30 nvidia-smi
 
 # -m gpu replaces the default `-m "not slow"`; a test module that cannot be imported here is
 # reported and the others still run.
-stage pytest "$PYTEST_S" bash -c 'python3 -m pytest tests -m gpu -ra -p no:cacheprovider \
+[ "$PYTEST_S" = 0 ] && echo "=== pytest: skipped (PYTEST_S=0)" || stage pytest "$PYTEST_S" bash -c 'python3 -m pytest tests -m gpu -ra -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$1/junit.xml" 2>&1 | tee "$1/pytest.log"' _ "$OUT"
 
-for section in train inference rl; do
+for run in $BENCH_RUNS; do
+    section=${run%-invariant}
     bound_var=${section^^}_S
     extra=()
-    [ "$section" = rl ] && extra=(--output-dir "$WORK/rl-run")
-    stage "bench $section" "${!bound_var}" bash -c 'python3 -m whetstone bench gpu --json --sections "$1" "${@:4}" \
-        >"$2/bench-$1.json" 2> >(tee -a "$3/bench.log" >&2)' _ "$section" "$WORK" "$OUT" "${extra[@]}" "${BENCH_EXTRA[@]}"
+    [ "$section" = rl ] && extra=(--output-dir "$WORK/$run-run")
+    [ "$run" = rl-invariant ] && extra+=(--rl-numerics invariant)
+    stage "bench $run" "${!bound_var}" bash -c 'python3 -m whetstone bench gpu --json --sections "$1" "${@:5}" \
+        >"$2/bench-$4.json" 2> >(tee -a "$3/bench.log" >&2)' _ "$section" "$WORK" "$OUT" "$run" "${extra[@]}" "${BENCH_EXTRA[@]}"
 done
 
 # One object, as one `whetstone bench gpu --json` prints; a section whose run printed nothing says so.
-python3 - "$WORK" "$OUT/bench.json" <<'PY'
+python3 - "$WORK" "$OUT/bench.json" "$BENCH_RUNS" <<'PY'
 import json, sys
 from pathlib import Path
 
 work, merged = Path(sys.argv[1]), {"failed": [], "seconds": {}}
-for section in ("train", "inference", "rl"):
-    path = work / f"bench-{section}.json"
+for run in sys.argv[3].split():
+    section = run.removesuffix("-invariant")
+    path = work / f"bench-{run}.json"
     try:
         result = json.loads(path.read_text())
     except (OSError, ValueError):
-        merged[section] = {"error": "the bench run printed no JSON (timed out or crashed: see bench.log)"}
-        merged["failed"].append(section)
+        merged[run] = {"error": "the bench run printed no JSON (timed out or crashed: see bench.log)"}
+        merged["failed"].append(run)
         continue
-    merged["failed"] += result.pop("failed")
-    merged["seconds"].update(result.pop("seconds"))
+    merged["failed"] += [run for _ in result.pop("failed")]
+    merged["seconds"][run] = result.pop("seconds").get(section)
+    result[run] = result.pop(section)
     merged = {**result, **merged}
 Path(sys.argv[2]).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
 print(json.dumps({k: merged[k] for k in ("device", "failed", "seconds") if k in merged}, indent=2))
 PY
 
-if [ -d "$WORK/rl-run" ]; then
-    tar czf "$OUT/rl-run.tgz" -C "$WORK" --exclude=checkpoints --exclude=weights --exclude=batches \
-        --exclude=bench-model --exclude='*.safetensors' rl-run
-fi
+for run in rl rl-invariant; do
+    if [ -d "$WORK/$run-run" ]; then
+        tar czf "$OUT/$run-run.tgz" -C "$WORK" --exclude=checkpoints --exclude=weights --exclude=batches \
+            --exclude=bench-model --exclude='*.safetensors' "$run-run"
+    fi
+done
 ls -la "$OUT"

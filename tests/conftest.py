@@ -1,8 +1,15 @@
 """Tests marked `gpu` need a CUDA device: where torch sees none (CI, most machines) they are
 skipped, so `pytest` runs the same everywhere and `pytest -m gpu` runs them on a GPU machine."""
 
+import os
+
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    # Triton's kernels (invariant numerics on a GPU) run under its interpreter here, which must be
+    # chosen before Triton is first imported (tests/triton_kernels.py).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):

@@ -22,6 +22,7 @@ TINY = [
     *("--train-batch", "2", "--train-seq-len", "32", "--train-steps", "2", "--train-warmup", "1"),
     *("--prompt-tokens", "8", "--new-tokens", "8"),
     *("--rl-steps", "2", "--group-size", "2", "--groups-per-batch", "1", "--rl-max-tokens", "8", "--rl-tasks", "2"),
+    *("--consistency-requests", "3", "--consistency-tokens", "8"),
 ]
 
 BATCHES = ["--batch", "2", "--batch", "4"]
@@ -104,21 +105,45 @@ def test_the_train_and_inference_sections_report_every_figure():
     check_inference(result["inference"], swaps=0)
 
 
-@pytest.mark.slow  # ~40 s on 2 cores: the RL section starts a server, the trainer and the orchestrator
-def test_the_whole_command_runs_end_to_end_on_the_cpu(tmp_path):
-    out = bench(*TINY, *BATCHES, "--swaps", "2", "--output-dir", str(tmp_path))
+def check_consistency(consistency: dict) -> None:
+    invariant, fast = consistency["invariant"], consistency["fast"]
+    # invariant numerics: the engine's bits are the trainer's, on every token and router choice
+    assert invariant["max_abs_logprob_diff"] == 0.0 and invariant["k3_kl"] == 0.0
+    assert invariant["bitwise_equal_fraction"] == 1.0 and invariant["routing_disagreement"] == 0.0
+    assert invariant["tokens"] == fast["tokens"] > 0
+    assert invariant["overhead_engine"] > 0 and invariant["overhead_trainer"] > 0
+    assert fast["overhead_engine"] == fast["overhead_trainer"] == 1.0
+    assert (consistency["dtype"], consistency["device"], consistency["requests"]) == ("bfloat16", "cpu", 3)
+
+
+def test_the_consistency_section_compares_fast_and_invariant_numerics():
+    out = bench(*TINY, "--sections", "consistency")
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
-    check_common(result, ["train", "inference", "rl"])
+    check_common(result, ["consistency"])
+    check_consistency(result["consistency"])
+
+
+@pytest.mark.slow  # ~60 s on 2 cores: the RL section starts a server, the trainer and the orchestrator
+def test_the_whole_command_runs_end_to_end_on_the_cpu(tmp_path):
+    out = bench(*TINY, *BATCHES, "--swaps", "2", "--rl-numerics", "invariant", "--output-dir", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    check_common(result, ["train", "inference", "rl", "consistency"])
     check_train(result["train"])
     check_inference(result["inference"], swaps=2)
+    check_consistency(result["consistency"])
     rl = result["rl"]
     assert rl["samples"] == 4 and rl["samples_per_s"] > 0 and 0 <= rl["trainer_busy"] <= 1
-    assert rl["on_policy_steps"] >= 1 and rl["mismatch_kl_k3"] >= 0 and rl["max_abs_logprob_diff"] >= 0
-    assert (rl["numerics"], rl["dtype"], rl["router_replay"]) == ("fast", "bfloat16", True)
-    roles = tmp_path / "rl" / "roles"  # the roles ran in the bench's dtype
-    assert tomllib.loads((roles / "trainer.toml").read_text())["dtype"] == "bfloat16"
-    assert tomllib.loads((roles / "serve-0.toml").read_text())["engine"]["dtype"] == "bfloat16"
+    # invariant numerics: no mismatch in any on-policy step, and the replayed routes are the trainer's own
+    assert rl["on_policy_steps"] >= 1 and rl["mismatch_kl_k3"] == 0 and rl["max_abs_logprob_diff"] == 0
+    assert rl["max_abs_logprob_diff_per_step"] == [0.0] * rl["on_policy_steps"]
+    assert rl["routing_disagreement_max"] == 0
+    assert (rl["numerics"], rl["dtype"], rl["router_replay"]) == ("invariant", "bfloat16", True)
+    roles = tmp_path / "rl" / "roles"  # the roles ran in the bench's dtype and numerics
+    trainer, serve = (tomllib.loads((roles / name).read_text()) for name in ("trainer.toml", "serve-0.toml"))
+    assert (trainer["dtype"], trainer["numerics"]) == ("bfloat16", "invariant")
+    assert (serve["engine"]["dtype"], serve["engine"]["numerics"]) == ("bfloat16", "invariant")
 
 
 def test_a_section_that_cannot_run_says_why_and_the_others_still_run():
@@ -144,7 +169,9 @@ def test_a_section_that_cannot_run_says_why_and_the_others_still_run():
 def test_bad_options_are_named_before_anything_runs():
     with pytest.raises(WhetstoneError, match="model must be one of gpu, tiny, got 'huge'"):
         run(model="huge")
-    with pytest.raises(WhetstoneError, match="sections must be some of train, inference, rl, got train, bogus"):
+    with pytest.raises(
+        WhetstoneError, match="sections must be some of train, inference, rl, consistency, got train, bogus"
+    ):
         run(sections=["train", "bogus"])
     with pytest.raises(WhetstoneError, match="rl_steps must be >= 2, got 1"):
         run(model="tiny", rl_steps=1)

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.inference.inference_fixtures import tiny_model
+from tests.triton_kernels import kernels
 from whetstone.bench.consistency import rollout_batch
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
@@ -34,7 +35,7 @@ def model_for(kind: str):
     return tiny_model(seed=4, vocab_size=128, num_hidden_layers=3, max_position_embeddings=192, **MODELS[kind])
 
 
-def rollouts(model, mode: str, dtype: str, threads: int = 1) -> list[Sequence]:
+def rollouts(model, mode: str, dtype: str, threads: int = 1, device: str = "cpu") -> list[Sequence]:
     """Batch requests sharing 3 slots, prefilled 32 tokens at a time; two users arrive midway
     and preempt rollouts (which later resume by replaying their routes)."""
     torch.set_num_threads(threads)
@@ -48,7 +49,7 @@ def rollouts(model, mode: str, dtype: str, threads: int = 1) -> list[Sequence]:
             interactive_grace_s=0,
             numerics=mode,
             dtype=dtype,
-            device="cpu",  # the CPU's invariance, against a trainer on the CPU
+            device=device,  # the CPU's invariance by default, against a trainer on the CPU
         ),
     )
     g = torch.Generator().manual_seed(7)
@@ -134,6 +135,26 @@ def test_importance_ratio_is_exactly_one_at_staleness_zero():
     )
     assert metrics["logprob_diff_max"] == 0.0 and metrics["mismatch_kl_k3"] == 0.0
     assert metrics["clip_fraction"] == 0.0 and metrics["routing_disagreement"] == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize(  # the interpreter takes ~2 minutes a run
+    "where", [pytest.param("interpreter", marks=pytest.mark.slow), pytest.param("cuda", marks=pytest.mark.gpu)]
+)
+def test_the_triton_kernels_keep_the_contract(where, dtype, monkeypatch):
+    """The GPU's invariant kernels (on a GPU, or under Triton's interpreter): the engine's
+    logprobs and routes are the trainer's, bit for bit, and the importance ratios exactly 1."""
+    device, context = kernels(where, monkeypatch)
+    model = model_for("moe")
+    with context():
+        batch = shuffled(rollouts(model, "invariant", dtype, device=str(device))).to(device)
+        model.to(device)
+        logprobs = trainer_logprobs(model, batch, "invariant", dtype)
+        with torch.no_grad(), autocast(dtype, device), numerics("invariant"):
+            own = model(batch.input_ids, return_routes=True).routes
+    trained, real = batch.loss_mask, batch.target_ids >= 0
+    assert torch.equal(logprobs[trained], batch.behavior_logprobs[trained])
+    assert torch.equal(own[real], batch.routes[real])
 
 
 @pytest.mark.slow  # two threads on shared cores: slow when other work runs

@@ -142,7 +142,9 @@ def test_a_negative_entropy_coefficient_sharpens_the_policy_and_every_step_logs_
 
 @pytest.mark.parametrize("config_type", [TrainerConfig, OnlineConfig])
 def test_the_step_settings_of_a_config_are_its_own(config_type):
+    unrounded = {"sync": {"publish_dtype": "float32"}} if "sync" in config_type.model_fields else {}
     config = config_type(
+        **unrounded,
         loss={"clip_high": 0.3},
         optimizer={"grad_clip": 0.5},
         micro_batch_size=7,
@@ -159,3 +161,10 @@ def test_the_step_settings_of_a_config_are_its_own(config_type):
         dtype="bfloat16",
         numerics="invariant",
     )
+
+
+def test_invariant_numerics_refuse_rounded_published_weights():
+    with pytest.raises(ValueError, match="sync.publish_dtype = 'float32'"):
+        TrainerConfig(numerics="invariant")
+    assert TrainerConfig(numerics="invariant", sync={"publish_dtype": "float32"}).numerics == "invariant"
+    assert TrainerConfig(numerics="invariant", sync={"publish_dtype": "keep"}).numerics == "invariant"

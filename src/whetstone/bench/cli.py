@@ -204,7 +204,7 @@ def gpu(
     model: str = typer.Option(
         "gpu", "--model", help="gpu: the 380M MoE; tiny: the default run's 1.9M (a CPU smoke run)."
     ),
-    sections: str = typer.Option("train,inference,rl", help="Comma-separated sections to run."),
+    sections: str = typer.Option("train,inference,rl,consistency", help="Comma-separated sections to run."),
     threads: int = typer.Option(0, help="torch threads of this process (0 = every core)."),
     train_batch: int = typer.Option(8, help="Training batch rows."),
     train_seq_len: int = typer.Option(1024, help="Training tokens per row."),
@@ -222,12 +222,18 @@ def gpu(
     groups_per_batch: int = typer.Option(2, help="Groups per RL step."),
     rl_max_tokens: int = typer.Option(64, help="Completion tokens of an RL rollout (one turn)."),
     rl_tasks: int = typer.Option(8, help="Coin tasks of the RL run."),
+    rl_numerics: str = typer.Option(
+        "fast", help="The RL run's numerics: fast or invariant (the trainer's and server's)."
+    ),
+    consistency_requests: int = typer.Option(16, help="Sequences of the consistency section."),
+    consistency_tokens: int = typer.Option(128, help="Prompt tokens, and generated tokens, per consistency sequence."),
     output_dir: str = typer.Option(
         "", help="Keep the RL run's configs, logs and metrics here (default: a temp folder)."
     ),
 ) -> None:
     """whetstone vs transformers on one accelerator: training, generation (default and compiled static
-    cache), swap pause, and a short RL run with its trainer-vs-engine mismatch. Progress on stderr;
+    cache), swap pause, a short RL run with its trainer-vs-engine mismatch, and the engine against
+    the trainer in fast and invariant numerics. Progress on stderr;
     exit 1 (after the JSON) when a section failed."""
     result = _bench("gpu").run(
         device=device,
@@ -248,6 +254,9 @@ def gpu(
         groups_per_batch=groups_per_batch,
         rl_max_tokens=rl_max_tokens,
         rl_tasks=rl_tasks,
+        rl_numerics=rl_numerics,
+        consistency_requests=consistency_requests,
+        consistency_tokens=consistency_tokens,
         output_dir=output_dir or None,
     )
     _emit(result, as_json, "GPU")

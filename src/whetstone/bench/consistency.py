@@ -41,6 +41,7 @@ from whetstone.rl.batch import Batch, collate
 from whetstone.rl.loss import k3
 from whetstone.rl.samples import trajectory_samples
 from whetstone.trainer.step import Learner, StepSettings, forward_logprobs, train_step
+from whetstone.utils.device import resolve_device, synchronize
 from whetstone.utils.runtime import configure_process
 
 MODES = ("fast", "invariant")
@@ -117,23 +118,33 @@ def run(
     rounds: int = 5,
     seed: int = 0,
     config: ModelConfig | None = None,
+    device: str = "cpu",
 ) -> dict:
-    """Measure both modes (see the module docstring); `config` replaces BENCH_MODEL (tests)."""
+    """Measure both modes (see the module docstring) on `device` (the engines and the trainers);
+    `config` replaces BENCH_MODEL (tests, the GPU bench)."""
     if dtype not in ("float32", "bfloat16"):
         raise WhetstoneError(f"dtype {dtype!r} is not float32 or bfloat16")
     if rounds < 1 or train_steps < 1 or requests < 1:
         raise WhetstoneError("rounds, train_steps and requests must be at least 1")
     configure_process(threads)
+    target = resolve_device(device)
     cfg = config or BENCH_MODEL
     torch.manual_seed(seed)
-    model = Transformer(cfg)
+    model = Transformer(cfg).to(target)
     trainers = {mode: copy.deepcopy(model) for mode in MODES}  # these take optimizer steps
     optimizers = {mode: torch.optim.AdamW(trainers[mode].parameters(), lr=1e-6) for mode in MODES}
     context = 2 * prompt_tokens + 2 * new_tokens
     engines = {
         mode: Engine(
             model,
-            EngineConfig(max_batch=max_batch, context_limit=context, prefill_chunk=32, numerics=mode, dtype=dtype),
+            EngineConfig(
+                max_batch=max_batch,
+                context_limit=context,
+                prefill_chunk=32,
+                numerics=mode,
+                dtype=dtype,
+                device=str(target),
+            ),
         )
         for mode in MODES
     }
@@ -154,12 +165,13 @@ def run(
                 StepSettings(grad_clip=1.0, micro_batch_size=8, dtype=dtype, numerics=mode),
                 lr=1e-6,
             )
+        synchronize(target)
         return time.perf_counter() - start
 
     results, batches = {}, {}
     for mode in MODES:  # warm-up (not timed), and the mismatch figures
         _, seqs = generate(mode)
-        batches[mode] = rollout_batch(seqs, order)
+        batches[mode] = rollout_batch(seqs, order).to(target)
         results[mode] = mismatch(model, batches[mode], dtype, mode)
         train(mode, batches[mode])
     generate_s = {mode: [] for mode in MODES}
@@ -187,6 +199,7 @@ def run(
         "overhead_engine_median_of_rounds": round(statistics.median(engine_rounds), 3),
         "overhead_trainer_median_of_rounds": round(statistics.median(trainer_rounds), 3),
         "threads": threads,
+        "device": str(target),
         "dtype": dtype,
         "requests": requests,
         "max_batch": max_batch,

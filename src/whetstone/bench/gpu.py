@@ -65,7 +65,7 @@ GPU_MODEL = ModelConfig(
 )
 """380M parameters (the figures of docs/benchmarks.md were taken on it with transformers)."""
 
-SECTIONS = ("train", "inference", "rl")
+SECTIONS = ("train", "inference", "rl", "consistency")
 DTYPE = "bfloat16"
 LOAD_ROUNDS = 8
 """Full batches queued for the swap measurement, so the engine still decodes a full batch when
@@ -332,8 +332,10 @@ def rl(
     task_count: int,
     seed: int,
     output_dir: str | None,
+    numerics: str = "fast",
 ) -> dict:
-    """A short asynchronous RL run with one server and the trainer on `device` (see the module docstring)."""
+    """A short asynchronous RL run with one server and the trainer on `device`, both in `numerics`
+    (see the module docstring)."""
     import contextlib
 
     from whetstone.bench.pipeline import coin_tasks, pipeline_config, random_model, whetstone_side
@@ -361,6 +363,7 @@ def rl(
             servers=1,
             dtype=DTYPE,
             device=str(device),
+            numerics=numerics,
         )
         say(f"rl: {steps} steps of {group_size * groups_per_batch} samples, one server and the trainer on {device}")
         side = whetstone_side(config, model_dir)
@@ -376,6 +379,9 @@ def rl(
         "mismatch_kl_k3": _round(statistics.mean(r["mismatch_kl_k3"] for r in on_policy)) if on_policy else None,
         "max_abs_logprob_diff": _round(max(r["logprob_diff_max"] for r in on_policy)) if on_policy else None,
         "on_policy_steps": len(on_policy),
+        # Under invariant numerics: 0 in every on-policy step, and replay changes no expert.
+        "max_abs_logprob_diff_per_step": [r["logprob_diff_max"] for r in on_policy],
+        "routing_disagreement_max": _round(max((r.get("routing_disagreement", 0.0) for r in on_policy), default=None)),
         "samples": side["samples"],
         "wall_s": round(side["wall_s"], 2),
         "steps": steps,
@@ -387,6 +393,29 @@ def rl(
         "dtype": DTYPE,
         "model_parameters": parameters,
     }
+
+
+def consistency(cfg: ModelConfig, device: torch.device, requests: int, tokens: int, seed: int) -> dict:
+    """The engine against the trainer in bf16, fast and invariant numerics side by side
+    (`bench.consistency`): `requests` sequences of about `tokens` prompt and `tokens` generated
+    tokens, all in one batch."""
+    from whetstone.bench import consistency as bench
+
+    say(f"consistency: {requests} sequences of ~{2 * tokens} tokens, fast and invariant numerics on {device}")
+    result = bench.run(
+        dtype=DTYPE,
+        requests=requests,
+        max_batch=requests,
+        prompt_tokens=tokens,
+        new_tokens=tokens,
+        train_steps=2,
+        rounds=3,
+        seed=seed,
+        config=cfg,
+        device=str(device),
+    )
+    result.pop("model")  # the run's model_config already says it
+    return result
 
 
 def _round(value: float | None) -> float | None:
@@ -445,6 +474,9 @@ def run(
     groups_per_batch: int = 2,
     rl_max_tokens: int = 64,
     rl_tasks: int = 8,
+    rl_numerics: str = "fast",
+    consistency_requests: int = 16,
+    consistency_tokens: int = 128,
     output_dir: str | None = None,
     seed: int = 0,
 ) -> dict:
@@ -468,12 +500,16 @@ def run(
         ("groups_per_batch", groups_per_batch, 1),
         ("rl_max_tokens", rl_max_tokens, 1),
         ("rl_tasks", rl_tasks, 1),
+        ("consistency_requests", consistency_requests, 1),
+        ("consistency_tokens", consistency_tokens, 2),
         ("batch sizes", min(batches, default=0), 1),
     ):
         if value < least:
             raise WhetstoneError(f"{name} must be >= {least}, got {value}")
     limit = cfg.max_position_embeddings
-    if train_seq_len > limit or prompt_tokens + new_tokens > limit:
+    if rl_numerics not in ("fast", "invariant"):
+        raise WhetstoneError(f"rl_numerics must be 'fast' or 'invariant', got {rl_numerics!r}")
+    if train_seq_len > limit or prompt_tokens + new_tokens > limit or 4 * consistency_tokens > limit:
         raise WhetstoneError(
             f"train_seq_len ({train_seq_len}) and prompt_tokens + new_tokens ({prompt_tokens + new_tokens}) "
             f"must be at most the model's {limit} positions"
@@ -495,8 +531,9 @@ def run(
         "train": lambda: train(cfg, target, train_batch, train_seq_len, train_steps, train_warmup, seed),
         "inference": lambda: inference(cfg, target, list(batches), prompt_tokens, new_tokens, repeats, swaps, seed),
         "rl": lambda: rl(
-            cfg, target, rl_steps, group_size, groups_per_batch, rl_max_tokens, rl_tasks, seed, output_dir
+            cfg, target, rl_steps, group_size, groups_per_batch, rl_max_tokens, rl_tasks, seed, output_dir, rl_numerics
         ),
+        "consistency": lambda: consistency(cfg, target, consistency_requests, consistency_tokens, seed),
     }
     seconds, failed = {}, []
     for section in SECTIONS:

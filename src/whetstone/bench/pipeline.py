@@ -191,10 +191,11 @@ def pipeline_config(
     servers: int = 1,
     dtype: str = "float32",
     device: str = "auto",
+    numerics: str = "fast",
 ):
-    """The RL stage's config for one side. `dtype`: the trainer's and the servers' engines';
-    `device`: where the run places them (`placement`); the rest of the servers' settings stay the
-    run's."""
+    """The RL stage's config for one side. `dtype` and `numerics`: the trainer's and the servers'
+    engines'; `device`: where the run places them (`placement`); the rest of the servers'
+    settings stay the run's."""
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
     from whetstone.orchestrator import OrchestratorConfig
@@ -216,7 +217,12 @@ def pipeline_config(
         health_interval_s=0.5,
     )
     trainer = TrainerConfig(
-        checkpoint_interval=steps, poll_interval=POLL_S, sync=SyncConfig(poll_interval=POLL_S), dtype=dtype
+        checkpoint_interval=steps,
+        poll_interval=POLL_S,
+        # invariant numerics need the servers to hold the trainer's fp32 weights
+        sync=SyncConfig(poll_interval=POLL_S, publish_dtype="float32" if numerics == "invariant" else "bfloat16"),
+        dtype=dtype,
+        numerics=numerics,
     )
     serve = ServersConfig().serve
     devices = {"trainer_device": device, "server_devices": [device]}
@@ -226,7 +232,10 @@ def pipeline_config(
         harness=harness,
         placement=placement_config(placement, trainer_share).model_copy(update=devices),
         servers=ServersConfig(
-            count=servers, serve=serve.model_copy(update={"engine": serve.engine.model_copy(update={"dtype": dtype})})
+            count=servers,
+            serve=serve.model_copy(
+                update={"engine": serve.engine.model_copy(update={"dtype": dtype, "numerics": numerics})}
+            ),
         ),
         rl=RLConfig(steps=steps, trainer=trainer, orchestrator=orchestrator),
     )

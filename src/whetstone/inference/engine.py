@@ -393,7 +393,8 @@ class Engine:
         logits, routes = self.decoder([(seq.last_token, seq.num_cached) for seq in running], span)
         fed = None if routes is None else routes.to(torch.int16).to("cpu", non_blocking=True)
         params = [s.params for s in running]
-        drawn = sample(logits, params, [s.seed for s in running], [len(s.output_ids) for s in running])
+        with numerics(self.config.numerics):  # the trainer's log-softmax, under invariant numerics
+            drawn = sample(logits, params, [s.seed for s in running], [len(s.output_ids) for s in running])
         # the step's one read-back; the copies queued before it (routes) are done once it returns
         result = drawn.to_host(params)
         self._apply_routes()

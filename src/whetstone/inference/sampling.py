@@ -29,6 +29,7 @@ import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.inference.transfer import to_device
+from whetstone.model import ops
 
 MAX_TOP_LOGPROBS = 20
 
@@ -179,14 +180,14 @@ def _draw(kind: str, logits: torch.Tensor, params: list[SamplingParams], seeds, 
     """(tokens, logprobs, top logprobs, top ids) of one group of rows sampled the same way."""
     order = None
     if kind == "greedy":
-        row_logprobs = torch.log_softmax(logits, dim=-1)
+        row_logprobs = ops.log_softmax(logits)
         chosen = row_logprobs.argmax(dim=-1)
     elif kind == "plain":
         scaled = logits
         temps = [p.temperature for p in params]
         if any(t != 1.0 for t in temps):  # dividing by 1 changes no bit: skip the pass over [B, vocab]
             scaled = scaled / _per_row(temps, logits)
-        row_logprobs = torch.log_softmax(scaled, dim=-1)
+        row_logprobs = ops.log_softmax(scaled)
         chosen = _inverse_cdf(row_logprobs, uniforms(seeds, counters, logits.device))
     else:
         row_logprobs, order = _filter_sorted(logits, params)

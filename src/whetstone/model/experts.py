@@ -4,22 +4,24 @@ Token-slots (token, j-th choice) are sorted by expert, so each expert's rows are
 slice; the results go back to (token, top-k) order with one gather. Two ways to multiply the
 slices, both with the backward written out:
 
-- per expert (the CPU, and invariant numerics everywhere): one matmul per expert on its slice,
+- per expert (the CPU): one matmul per expert on its slice,
   writing straight into a preallocated output. Compared with letting autograd differentiate a
   Python loop over `weight[e]` slices, this avoids one full-size zero gradient per expert slice,
   the scatter-adds of indexing backward, and a graph node per op. The slice sizes are read back
   to the host (one `.tolist()` per layer).
-- grouped (`fast` numerics on CUDA, `uses_grouped_mm`): each projection of all experts is one
-  `torch._grouped_mm` call, the slices delimited by offsets computed on the device. Nothing is
-  read back, so a forward queues without waiting for the GPU and a decode step can be captured
-  in a CUDA graph. In bf16 on Hopper and later it is one CUTLASS kernel per projection; other
-  dtypes go through torch's own per-group loop. `grouped_mm_on_cpu()` runs it on the CPU too,
-  where tests check it against the per-expert path.
+- grouped (CUDA, `uses_grouped_mm`): each projection of all experts is one call, the slices
+  delimited by offsets computed on the device. Nothing is read back, so a forward queues
+  without waiting for the GPU and a decode step can be captured in a CUDA graph. Under `fast`
+  numerics the call is `torch._grouped_mm` (in bf16 on Hopper and later one CUTLASS kernel per
+  projection; other dtypes go through torch's own per-group loop); `grouped_mm_on_cpu()` runs
+  it on the CPU too, where tests check it against the per-expert path. Under invariant numerics
+  it is `invariant_triton.grouped_matmul`, whose tiles never depend on how many tokens chose an
+  expert.
 
-Under invariant numerics each expert's slice is padded to a multiple of
+On the CPU under invariant numerics each expert's slice is padded to a multiple of
 `invariant.EXPERT_ROW_TILE` rows (dummy slots that read a zero row and whose outputs nobody
-gathers) and multiplied by `invariant.expert_mm`, in tiles of one shape, so a row's result does not depend on how many
-tokens chose its expert.
+gathers) and multiplied by `invariant.expert_mm`, in tiles of one shape, so a row's result does
+not depend on how many tokens chose its expert.
 Reduced-precision training (`ops.training_kernels()`) pads the same way to a few sizes per power
 of two (`ops.shape_tile`), so the matmuls reuse the kernels oneDNN built for earlier steps.
 """
@@ -33,7 +35,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
-from whetstone.model import invariant, ops
+from whetstone.model import invariant, invariant_triton, ops
 from whetstone.utils.device import autocast_dtype
 
 _GROUPED_ON_CPU: ContextVar[bool] = ContextVar("whetstone_grouped_mm_on_cpu", default=False)
@@ -52,12 +54,23 @@ def grouped_mm_on_cpu() -> Iterator[None]:
 
 
 def uses_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
-    """Whether expert_mlp multiplies (x, in its compute dtype) by the experts with torch._grouped_mm:
-    fast numerics on CUDA (or under `grouped_mm_on_cpu`), and rows whose byte strides the grouped
-    kernels accept (multiples of 16)."""
-    if not (x.device.type == "cuda" or _GROUPED_ON_CPU.get()) or ops.is_invariant():
+    """Whether expert_mlp multiplies (x, in its compute dtype) by all experts at once: under
+    invariant numerics, where the Triton kernels apply (`invariant_triton.grouped_matmul`);
+    otherwise with torch._grouped_mm, on CUDA (or under `grouped_mm_on_cpu`), for rows whose
+    byte strides the grouped kernels accept (multiples of 16)."""
+    if ops.is_invariant():
+        return invariant_triton.applies(x)
+    if not (x.device.type == "cuda" or _GROUPED_ON_CPU.get()):
         return False
     return all(size * x.element_size() % 16 == 0 for size in (gate_up.shape[-1], down.shape[-1]))
+
+
+def _grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """rows [S, K] (grouped by expert, expert e's ending at offsets[e]) @ weight[e] [N, K].T per
+    expert: the batch-invariant kernel under invariant numerics, torch._grouped_mm otherwise."""
+    if ops.is_invariant():
+        return invariant_triton.grouped_matmul(rows, weight, offsets.diff(prepend=offsets.new_zeros(1)))
+    return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
 
 
 def expert_counts(slot_expert: torch.Tensor, experts: int) -> torch.Tensor:
@@ -171,12 +184,12 @@ class _PerExpertSwiGLU(torch.autograd.Function):
 def _grouped_mm_forward(x, gate_up, down, order, unsort, offsets, top_k):
     """The forward of _GroupedMMSwiGLU: (output [N, k, H], the [S, 2I] gate/up projections).
 
-    `torch._grouped_mm(a, b, offs=offsets)` multiplies rows offsets[e-1]:offsets[e] of a (from
-    row 0 for e = 0) by b[e]; an expert with no rows gets none."""
-    hidden = torch._grouped_mm(x.index_select(0, order // top_k), gate_up.transpose(1, 2), offs=offsets)
+    Rows offsets[e-1]:offsets[e] of the sorted slots (from row 0 for e = 0) go through expert e;
+    an expert with no rows gets none."""
+    hidden = _grouped_matmul(x.index_select(0, order // top_k), gate_up, offsets)
     inner = down.shape[-1]
-    act = F.silu(hidden[:, :inner]) * hidden[:, inner:]
-    out = torch._grouped_mm(act, down.transpose(1, 2), offs=offsets)
+    act = ops.silu(hidden[:, :inner]) * hidden[:, inner:]
+    out = _grouped_matmul(act, down, offsets)
     return out.index_select(0, unsort).view(x.shape[0], top_k, -1), hidden
 
 

@@ -35,7 +35,7 @@ def _probabilities(hidden, weight, targets, batch_invariant):
     if batch_invariant:
         logprobs = logits.new_empty(logits.shape[0])
         for chunk, lp, target in zip(logits.split(rows), logprobs.split(rows), targets.split(rows)):
-            chunk.copy_(torch.log_softmax(chunk, dim=1))
+            chunk.copy_(invariant.log_softmax(chunk))
             lp.copy_(chunk.gather(1, target.unsqueeze(1)).squeeze(1))
             chunk.exp_()  # now softmax probabilities, in place
     else:

@@ -39,6 +39,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from whetstone.model import invariant_triton
+
 ROW_TILE = 16
 """Rows per matmul tile. Smaller tiles waste less on padding when decoding a few rows (an
 expert with one token computes ROW_TILE rows); larger ones cost the trainer less per row."""
@@ -138,7 +140,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         x, weight = x.to(dtype), weight.to(dtype)
     rows = x.reshape(-1, x.shape[-1])
     with torch.autocast(device, enabled=False):
-        if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+        if invariant_triton.applies(rows):
+            out = invariant_triton.linear(rows, weight)
+        elif torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
             out = _TiledLinear.apply(rows, weight)
         else:  # decoding: skip the autograd.Function's bookkeeping
             out = tiled_mm(_pad_rows(rows), weight.t())[: rows.shape[0]]
@@ -147,6 +151,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def mean_last(x: torch.Tensor) -> torch.Tensor:
     """x.mean(-1, keepdim=True), never split across threads (a lone row is reduced beside a copy)."""
+    if invariant_triton.applies(x):
+        return invariant_triton.row_mean(x).to(x.dtype)
     if x.numel() != x.shape[-1]:
         return x.mean(-1, keepdim=True)
     return torch.stack([x, x]).mean(-1, keepdim=True)[0]
@@ -161,6 +167,20 @@ def silu(x: torch.Tensor) -> torch.Tensor:
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
     x32 = x.float()
     return (1.0 / (1.0 + torch.exp(-x32))).to(x.dtype)
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension in fp32, row by row."""
+    if invariant_triton.applies(x):
+        return invariant_triton.softmax(x)
+    return torch.softmax(x, dim=-1, dtype=torch.float32)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dimension in fp32, row by row."""
+    if invariant_triton.applies(x):
+        return invariant_triton.log_softmax(x)
+    return torch.log_softmax(x, dim=-1, dtype=torch.float32)
 
 
 def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
@@ -197,6 +217,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     with its values as one [ROW_TILE, KEY_CHUNK] x [KEY_CHUNK, D] tile; the chunks are added in
     key order at the end.
     """
+    if invariant_triton.applies(q):
+        return invariant_triton.attention(q, k, v, mask)
     batch, q_heads, length, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = q_heads // kv_heads

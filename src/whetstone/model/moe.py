@@ -27,7 +27,7 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, routes: torch.Tensor | None = None):
         """x [N, H] -> (expert ids [N, k] in selection order, gates [N, k] fp32, probs [N, E] fp32)."""
-        probs = torch.softmax(ops.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        probs = ops.softmax(ops.linear(x, self.weight))
         if routes is None:
             gates, ids = probs.topk(self.top_k, dim=-1)
         else:

@@ -184,6 +184,16 @@ def grouped_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     return out.view(batch, heads, length, dim)
 
 
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, in fp32."""
+    return invariant.softmax(x) if _INVARIANT.get() else torch.softmax(x, dim=-1, dtype=torch.float32)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dimension, in fp32."""
+    return invariant.log_softmax(x) if _INVARIANT.get() else torch.log_softmax(x, dim=-1, dtype=torch.float32)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return invariant.silu(x) if _INVARIANT.get() else F.silu(x)
 

@@ -70,7 +70,8 @@ class TrainerConfig(Config):
     numerics: Literal["fast", "invariant"] = "fast"
     """`invariant`: batch-invariant kernels in the forward; with inference servers on the same
     `numerics` and `dtype`, the trainer's logprobs and router choices equal the rollout's bit for
-    bit (importance ratio exactly 1 at staleness 0; docs/consistency.md, with its cost)."""
+    bit (importance ratio exactly 1 at staleness 0; docs/consistency.md, with its cost). Needs
+    `sync.publish_dtype = "float32"`, so the servers hold the trainer's weights unrounded."""
     optimizer_steps_per_batch: int = Field(1, ge=1)
     """PPO-style mini-batches: each batch's rows are shuffled and split into this many parts, one
     optimizer step each, then one weight version is published. Later parts train a policy that
@@ -95,4 +96,14 @@ class TrainerConfig(Config):
     def _schedule_has_a_length(self) -> "TrainerConfig":
         if self.optimizer.min_lr_ratio < 1 and self.max_steps == 0:
             raise ValueError("optimizer.min_lr_ratio < 1 decays the learning rate over max_steps: set max_steps")
+        return self
+
+    @model_validator(mode="after")
+    def _invariant_servers_hold_these_weights(self) -> "TrainerConfig":
+        # The servers compute with what is published; rounded weights are other weights.
+        if self.numerics == "invariant" and self.sync.publish_dtype in ("bfloat16", "float16"):
+            raise ValueError(
+                f"numerics = 'invariant' matches the servers bit for bit only on the trainer's own weights, "
+                f"but sync.publish_dtype = {self.sync.publish_dtype!r} rounds them: set sync.publish_dtype = 'float32'"
+            )
         return self

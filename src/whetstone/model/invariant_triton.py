@@ -1,0 +1,430 @@
+"""Batch-invariant kernels for CUDA, in Triton: invariant numerics on a GPU.
+
+On a GPU, cuBLAS and torch's reductions choose a kernel (tile shape, split-K, split of a row's
+reduction) by the shape of the whole batch, so a row's bits change with the rows beside it.
+Each kernel here has one configuration whatever the batch: the tile sizes are constants of the
+dtype, no reduction is split by the number of rows, and the sizes that vary with the batch
+(rows, tokens, keys) are not specialised on (`do_not_specialize`), so one compiled kernel
+serves a lone decode row and a trainer's 8192. A row's result is then computed by the same
+instructions in the same order wherever it sits:
+
+- `linear`: x @ w.T by [BLOCK_M, BLOCK_N] output tiles, each summing the full K in BLOCK_K
+  steps, in order (no split-K), fp32 accumulation;
+- `grouped_matmul`: the MoE experts' matmuls over token-slots sorted by expert, in the same tiles;
+  a tile never spans two experts, and its rows start wherever its expert's rows do, so a row's
+  result does not depend on how many tokens chose its expert. The tile layout is computed on
+  the device: nothing is read back;
+- `row_mean`, `softmax`, `log_softmax`: one program per row, which reduces the row in blocks of
+  a fixed width, in order;
+- `attention`: flash attention over keys in chunks of KEY_CHUNK absolute positions, always in
+  key order from position 0. A chunk with no visible key leaves the running max, sum and output
+  exactly as they were, so a one-token decode over a KV cache, a chunked prefill and a full
+  causal forward give a query the same bits.
+
+Element-wise ops (RoPE, SiLU, residuals, the MoE combine) are invariant already and stay torch's.
+The backwards are the plain ones: only the forward must match the engine.
+
+`on_cpu()` runs these kernels on CPU tensors too, under Triton's interpreter (`TRITON_INTERPRET=1`
+before Triton is imported): the tests check the kernels' indexing and invariance that way on a
+machine without a GPU. Triton is imported when a kernel is first needed; the CPU paths never
+need it.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+
+import torch
+
+from whetstone.errors import WhetstoneError
+
+KEY_CHUNK = 64
+"""Keys per attention chunk (BLOCK_N of the flash loop), counted from absolute position 0."""
+ROW_BLOCK = 2048
+"""Elements per step of a row reduction (row means, softmaxes)."""
+
+_ON_CPU: ContextVar[bool] = ContextVar("whetstone_triton_on_cpu", default=False)
+
+
+@contextmanager
+def on_cpu() -> Iterator[None]:
+    """Run invariant numerics on CPU tensors with these kernels (Triton's interpreter) inside the
+    block: the CUDA path, checked on a machine without a GPU."""
+    token = _ON_CPU.set(True)
+    try:
+        yield
+    finally:
+        _ON_CPU.reset(token)
+
+
+def applies(x: torch.Tensor) -> bool:
+    """Whether invariant numerics on `x` use these kernels: CUDA tensors, or any under `on_cpu`."""
+    return x.device.type == "cuda" or _ON_CPU.get()
+
+
+@functools.cache
+def _kernels():
+    """The compiled kernels (Triton imported on first use)."""
+    try:
+        import triton
+        import triton.language as tl
+    except ImportError as error:
+        raise WhetstoneError(
+            "invariant numerics on a GPU need Triton (`pip install triton`; CUDA builds of torch bring it)"
+        ) from error
+
+    @triton.jit(do_not_specialize=["rows"])
+    def matmul(
+        x, w, out, rows, columns, depth,
+        x_row, x_col, w_row, w_col, out_row, out_col,
+        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # out[rows, columns] = x[rows, depth] @ w[columns, depth].T
+        tile_m, tile_n = tl.program_id(0), tl.program_id(1)
+        r = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in tl.range(0, depth, BLOCK_K):
+            kk = start + k
+            a = tl.load(x + r[:, None] * x_row + kk[None, :] * x_col, (r[:, None] < rows) & (kk[None, :] < depth), 0.0)
+            b = tl.load(
+                w + c[None, :] * w_row + kk[:, None] * w_col, (c[None, :] < columns) & (kk[:, None] < depth), 0.0
+            )
+            acc = tl.dot(a, b, acc, input_precision="ieee" if IEEE else None)
+        mask = (r[:, None] < rows) & (c[None, :] < columns)
+        tl.store(out + r[:, None] * out_row + c[None, :] * out_col, acc.to(out.dtype.element_ty), mask)
+
+    @triton.jit
+    def grouped_matmul(
+        x, w, out, tile_expert, tile_start, tile_end, columns, depth,
+        x_row, x_col, w_expert, w_row, w_col, out_row, out_col,
+        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        # out[s] = x[s] @ w[e].T for the slots s of each tile's expert e (tiles past the last: e < 0)
+        tile, tile_n = tl.program_id(0), tl.program_id(1)
+        expert = tl.load(tile_expert + tile)
+        if expert < 0:
+            return
+        first, end = tl.load(tile_start + tile), tl.load(tile_end + tile)
+        r = first.to(tl.int64) + tl.arange(0, BLOCK_M)
+        c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, BLOCK_K)
+        weight = w + expert.to(tl.int64) * w_expert
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for start in tl.range(0, depth, BLOCK_K):
+            kk = start + k
+            a = tl.load(x + r[:, None] * x_row + kk[None, :] * x_col, (r[:, None] < end) & (kk[None, :] < depth), 0.0)
+            b = tl.load(
+                weight + c[None, :] * w_row + kk[:, None] * w_col, (c[None, :] < columns) & (kk[:, None] < depth), 0.0
+            )
+            acc = tl.dot(a, b, acc, input_precision="ieee" if IEEE else None)
+        mask = (r[:, None] < end) & (c[None, :] < columns)
+        tl.store(out + r[:, None] * out_row + c[None, :] * out_col, acc.to(out.dtype.element_ty), mask)
+
+    @triton.jit
+    def row_mean(x, out, width, x_row, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offsets = tl.arange(0, BLOCK)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in tl.range(0, width, BLOCK):
+            acc += tl.load(x + row * x_row + start + offsets, start + offsets < width, 0.0).to(tl.float32)
+        tl.store(out + row, tl.sum(acc, 0) / width)
+
+    @triton.jit
+    def softmax(x, out, width, x_row, out_row, LOG: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offsets = tl.arange(0, BLOCK)
+        peak = tl.full((BLOCK,), float("-inf"), tl.float32)
+        for start in tl.range(0, width, BLOCK):
+            values = tl.load(x + row * x_row + start + offsets, start + offsets < width, float("-inf"))
+            peak = tl.maximum(peak, values.to(tl.float32))
+        top = tl.max(peak, 0)
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for start in tl.range(0, width, BLOCK):
+            values = tl.load(x + row * x_row + start + offsets, start + offsets < width, float("-inf"))
+            acc += tl.exp(values.to(tl.float32) - top)
+        total = tl.sum(acc, 0)
+        for start in tl.range(0, width, BLOCK):
+            inside = start + offsets < width
+            shifted = tl.load(x + row * x_row + start + offsets, inside, 0.0).to(tl.float32) - top
+            result = shifted - tl.log(total) if LOG else tl.exp(shifted) / total
+            tl.store(out + row * out_row + start + offsets, result, inside)
+
+    @triton.jit(do_not_specialize=["length", "keys", "rows"])
+    def attention(
+        q, k, v, mask, out, length, keys, rows, group, kv_heads, scale,
+        q_b, q_h, q_t, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_t, m_s, o_b, o_h, o_t,
+        CAUSAL: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):  # fmt: skip
+        # Rows of one (batch, kv head): row i is query position i // group of head kv_head * group + i % group.
+        tile, batch_head = tl.program_id(0), tl.program_id(1)
+        batch, kv_head = batch_head // kv_heads, batch_head % kv_heads
+        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+        position = i // group
+        head = kv_head * group + i % group
+        real = i < rows
+        d = tl.arange(0, HEAD_DIM)
+        batch = batch.to(tl.int64)
+        query_at = q + batch * q_b + head[:, None] * q_h + position[:, None] * q_t + d[None, :]
+        query = tl.load(query_at, real[:, None], 0.0)
+        key_base = k + batch * k_b + kv_head * k_h
+        value_base = v + batch * v_b + kv_head * v_h
+        peak = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+        limit = keys
+        if CAUSAL:  # keys after the tile's last query are masked for all its rows: not visited
+            limit = tl.minimum(keys, (tile * BLOCK_M + BLOCK_M - 1) // group + 1)
+        for start in tl.range(0, limit, BLOCK_N):
+            j = start + tl.arange(0, BLOCK_N)
+            present = j < keys
+            key = tl.load(key_base + j[None, :] * k_s + d[:, None], present[None, :], 0.0)
+            scores = tl.dot(query, key, input_precision="ieee" if IEEE else None) * scale
+            if CAUSAL:
+                visible = (j[None, :] <= position[:, None]) & present[None, :]
+            else:
+                visible = (
+                    tl.load(
+                        mask + batch * m_b + position[:, None] * m_t + j[None, :] * m_s,
+                        real[:, None] & present[None, :],
+                        0,
+                    )
+                    != 0
+                )
+            scores = tl.where(visible, scores, float("-inf"))
+            new_peak = tl.maximum(peak, tl.max(scores, 1))
+            safe = tl.where(new_peak == float("-inf"), 0.0, new_peak)  # no visible key yet
+            probs = tl.exp(scores - safe[:, None])
+            rescale = tl.exp(peak - safe)
+            total = total * rescale + tl.sum(probs, 1)
+            value = tl.load(value_base + j[:, None] * v_s + d[None, :], present[:, None], 0.0)
+            acc = acc * rescale[:, None] + tl.dot(
+                probs.to(value.dtype), value, input_precision="ieee" if IEEE else None
+            )
+            peak = new_peak
+        result = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # (padding rows see no key)
+        out_at = out + batch * o_b + head[:, None] * o_h + position[:, None] * o_t + d[None, :]
+        tl.store(out_at, result.to(out.dtype.element_ty), real[:, None])
+
+    return {
+        "matmul": matmul,
+        "grouped_matmul": grouped_matmul,
+        "row_mean": row_mean,
+        "softmax": softmax,
+        "attention": attention,
+    }
+
+
+def _tiles(dtype: torch.dtype) -> dict:
+    """The one tile configuration of a matmul in `dtype` (never chosen by shape)."""
+    if dtype == torch.float32:  # IEEE fp32 on the CUDA cores
+        return dict(IEEE=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4)
+    return dict(IEEE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check_dtypes(*tensors: torch.Tensor) -> None:
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or not dtypes <= {torch.float32, torch.bfloat16, torch.float16}:
+        raise WhetstoneError(f"invariant kernels take operands of one float dtype, got {sorted(map(str, dtypes))}")
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype, fp32 accumulation, batch-invariant."""
+    _check_dtypes(x, weight)
+    rows, depth = x.shape
+    columns = weight.shape[0]
+    out = x.new_empty(rows, columns)
+    if rows == 0:
+        return out
+    config = _tiles(x.dtype)
+    grid = (_cdiv(rows, config["BLOCK_M"]), _cdiv(columns, config["BLOCK_N"]))
+    _kernels()["matmul"][grid](
+        x, weight, out, rows, columns, depth, *x.stride(), *weight.stride(), *out.stride(), **config
+    )
+    return out
+
+
+class _Linear(torch.autograd.Function):
+    """x @ weight.T by `matmul`; the backward is the plain one."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return matmul(x, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
+        grad_weight = grad.t().mm(x) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_weight
+
+
+def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] @ weight [N, K].T, differentiable (operands already in the compute dtype)."""
+    if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+        return _Linear.apply(rows, weight)
+    return matmul(rows, weight)
+
+
+def _tile_layout(counts: torch.Tensor, total_slots: int, block_m: int):
+    """(tile expert, tile first slot, tile end slot), int32, for a grid of cdiv(slots, block_m) +
+    experts tiles; tiles past the last one have expert -1."""
+    counts = counts.to(torch.int64)
+    experts = counts.numel()
+    tiles = counts.add(block_m - 1).div(block_m, rounding_mode="floor")
+    tile_end = tiles.cumsum(0)  # one past each expert's last tile
+    slot_start = counts.cumsum(0) - counts
+    grid = _cdiv(total_slots, block_m) + experts
+    index = torch.arange(grid, device=counts.device)
+    expert = torch.searchsorted(tile_end, index, right=True)  # experts == past the last tile
+    valid = expert < experts
+    clamped = expert.clamp(max=experts - 1)
+    within = index - (tile_end - tiles).index_select(0, clamped)
+    first = slot_start.index_select(0, clamped) + within * block_m
+    end = (slot_start + counts).index_select(0, clamped)
+    as_int = functools.partial(torch.Tensor.to, dtype=torch.int32)
+    return as_int(torch.where(valid, expert, -1)), as_int(first), as_int(end)
+
+
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """x [S, K] (slots sorted by expert, `counts[e]` of expert e) @ weight[e] [N, K].T per expert
+    -> [S, N] in x's dtype; no read-back, batch-invariant."""
+    _check_dtypes(x, weight)
+    slots, depth = x.shape
+    columns = weight.shape[1]
+    out = x.new_empty(slots, columns)
+    if slots == 0:
+        return out
+    config = _tiles(x.dtype)
+    tile_expert, tile_start, tile_end = _tile_layout(counts, slots, config["BLOCK_M"])
+    grid = (tile_expert.numel(), _cdiv(columns, config["BLOCK_N"]))
+    _kernels()["grouped_matmul"][grid](
+        x, weight, out, tile_expert, tile_start, tile_end, columns, depth, *x.stride(), *weight.stride(), *out.stride(),
+        **config,
+    )  # fmt: skip
+    return out
+
+
+def row_mean(x: torch.Tensor) -> torch.Tensor:
+    """x.mean(-1, keepdim=True) in fp32, each row reduced by one program in blocks of ROW_BLOCK."""
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _kernels()["row_mean"][(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=_row_block(rows))
+    return out.view(*x.shape[:-1], 1)
+
+
+def _row_block(rows: torch.Tensor) -> int:
+    return min(ROW_BLOCK, 1 << max(rows.shape[1] - 1, 0).bit_length())
+
+
+def _softmax_forward(x: torch.Tensor, log: bool) -> torch.Tensor:
+    rows = x.reshape(-1, x.shape[-1]).contiguous()
+    out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
+    if rows.shape[0]:
+        _kernels()["softmax"][(rows.shape[0],)](
+            rows, out, rows.shape[1], rows.stride(0), out.stride(0), LOG=log, BLOCK=_row_block(rows)
+        )
+    return out.view(x.shape)
+
+
+class _Softmax(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, log):
+        out = _softmax_forward(x, log)
+        ctx.save_for_backward(out)
+        ctx.log = log
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        (out,) = ctx.saved_tensors
+        if ctx.log:
+            return grad - out.exp() * grad.sum(-1, keepdim=True), None
+        return out * (grad - (grad * out).sum(-1, keepdim=True)), None
+
+
+def softmax(x: torch.Tensor) -> torch.Tensor:
+    """Softmax over the last dimension, in fp32, one program per row."""
+    return _Softmax.apply(x, False) if torch.is_grad_enabled() and x.requires_grad else _softmax_forward(x, False)
+
+
+def log_softmax(x: torch.Tensor) -> torch.Tensor:
+    """Log-softmax over the last dimension, in fp32, one program per row."""
+    return _Softmax.apply(x, True) if torch.is_grad_enabled() and x.requires_grad else _softmax_forward(x, True)
+
+
+def _attention_forward(q, k, v, mask):
+    batch, q_heads, length, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    if dim & (dim - 1) or dim < 16:
+        raise WhetstoneError(f"invariant attention on a GPU needs a power-of-two head_dim >= 16, got {dim}")
+    _check_dtypes(q, k, v)
+    group = q_heads // kv_heads
+    rows = group * length
+    out = torch.empty_like(q)
+    block_m = 32 if q.dtype == torch.float32 else 64
+    causal = mask is None
+    if causal:
+        mask_strides = (0, 0, 0)
+        mask = q  # not read
+    else:
+        mask = mask.expand(batch, 1, length, keys).to(torch.uint8)
+        mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
+    grid = (_cdiv(rows, block_m), batch * kv_heads)
+    if rows:
+        _kernels()["attention"][grid](
+            q, k, v, mask, out, length, keys, rows, group, kv_heads, dim**-0.5,
+            q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+            v.stride(0), v.stride(1), v.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
+            CAUSAL=causal, IEEE=q.dtype == torch.float32, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=KEY_CHUNK,
+            num_warps=4,
+        )  # fmt: skip
+    return out
+
+
+def _reference_attention(q, k, v, mask):
+    """The same function by torch's SDPA (differentiable): what the backward differentiates."""
+    import torch.nn.functional as F
+
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+class _Attention(torch.autograd.Function):
+    """The invariant kernel forward; the backward differentiates torch's SDPA of the same inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        ctx.save_for_backward(q, k, v, mask)
+        return _attention_forward(q, k, v, mask)
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, mask = ctx.saved_tensors
+        inputs = [t.detach().requires_grad_(need) for t, need in zip((q, k, v), ctx.needs_input_grad[:3])]
+        with torch.enable_grad():
+            out = _reference_attention(*inputs, mask)
+        wanted = [t for t in inputs if t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad))
+        return (*(next(grads) if t.requires_grad else None for t in inputs), None)
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """Grouped-query attention, batch-invariant: q [B, Hq, T, D]; k, v [B, Hkv, S, D] with key j
+    at absolute position j; mask [B, 1, T, S] (True = may attend) or None (causal, T = S)."""
+    k, v = k.to(q.dtype), v.to(q.dtype)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Attention.apply(q, k, v, mask)
+    return _attention_forward(q, k, v, mask)

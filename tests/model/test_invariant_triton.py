@@ -1,0 +1,219 @@
+"""The Triton kernels of invariant numerics: each against a torch reference, and each row's bits
+independent of the batch (other rows, their number, padding, the split of attention's keys).
+They run on a GPU (marked `gpu`) and, on any machine with Triton, under its interpreter."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.triton_kernels import WHERE, kernels
+from whetstone.errors import WhetstoneError
+from whetstone.model import invariant_triton as kt
+
+DTYPES = [torch.float32, torch.bfloat16]
+CLOSE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=0.05, rtol=0.02)}
+
+
+def randn(*shape, dtype, device, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", WHERE)
+def test_matmul_matches_torch_and_ignores_the_batch(where, dtype, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    x, w = randn(150, 96, dtype=dtype, device=device), randn(200, 96, dtype=dtype, device=device, seed=1)
+    with context():
+        full = kt.matmul(x, w)
+        torch.testing.assert_close(full.float(), x.float() @ w.float().T, **CLOSE[dtype])
+        assert full.dtype == dtype
+        for rows in (slice(7, 8), slice(0, 1), slice(3, 70), slice(64, 150)):
+            assert torch.equal(kt.matmul(x[rows], w), full[rows])
+        # a row among other rows than its own: same bits
+        others = torch.cat([randn(5, 96, dtype=dtype, device=device, seed=2), x[40:41]])
+        assert torch.equal(kt.matmul(others, w)[5], full[40])
+        # a strided view (a column slice of a wider tensor) is read correctly
+        wide = torch.cat([x, x], dim=1)
+        assert torch.equal(kt.matmul(wide[:, 96:], w), full)
+        assert kt.matmul(x[:0], w).shape == (0, 200)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", WHERE)
+def test_grouped_matmul_matches_per_expert_and_ignores_other_experts_tokens(where, dtype, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    x = randn(90, 64, dtype=dtype, device=device)
+    weight = randn(5, 48, 64, dtype=dtype, device=device, seed=1)
+    counts = [7, 0, 70, 1, 12]  # an empty expert, one with a lone token, one across two tiles
+    with context():
+        out = kt.grouped_matmul(x, weight, torch.tensor(counts, device=device))
+        reference = torch.cat([rows.float() @ weight[e].float().T for e, rows in enumerate(x.split(counts))])
+        torch.testing.assert_close(out.float(), reference, **CLOSE[dtype])
+        # expert 2's rows again, now with other counts around them (and its rows split across them)
+        moved = kt.grouped_matmul(x[7:77], weight, torch.tensor([0, 3, 60, 7, 0], device=device))
+        assert torch.equal(moved[3:63], out[10:70])
+        alone = kt.grouped_matmul(x[77:78], weight, torch.tensor([0, 0, 0, 1, 0], device=device))
+        assert torch.equal(alone, out[77:78])
+        assert kt.grouped_matmul(x[:0], weight, torch.zeros(5, dtype=torch.int64, device=device)).shape == (0, 48)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_row_reductions_match_torch_and_ignore_the_batch(where, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    x = randn(6, 5000, dtype=torch.float32, device=device) * 4  # wider than one ROW_BLOCK
+    x[2, 100:] = float("-inf")  # masked logits
+    with context():
+        torch.testing.assert_close(kt.row_mean(x[:, :3000].square()), x[:, :3000].square().mean(-1, keepdim=True))
+        torch.testing.assert_close(kt.log_softmax(x), torch.log_softmax(x, -1))
+        torch.testing.assert_close(kt.softmax(x), torch.softmax(x, -1))
+        for reduce in (kt.log_softmax, kt.softmax, lambda t: kt.row_mean(t.abs())):
+            whole = reduce(x)
+            assert torch.equal(reduce(x[2:3]), whole[2:3])
+            assert torch.equal(reduce(x[1:5]), whole[1:5])
+        assert kt.row_mean(randn(3, 32, dtype=torch.bfloat16, device=device)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_softmax_gradients_are_torchs(where, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    x = randn(4, 33, dtype=torch.float32, device=device).requires_grad_()
+    weights = randn(4, 33, dtype=torch.float32, device=device, seed=3)
+    for ours, theirs in ((kt.softmax, torch.softmax), (kt.log_softmax, torch.log_softmax)):
+        with context():
+            (got,) = torch.autograd.grad((ours(x) * weights).sum(), x)
+        (want,) = torch.autograd.grad((theirs(x, -1) * weights).sum(), x)
+        torch.testing.assert_close(got, want)
+
+
+def _qkv(batch, length, dtype, device, q_heads=4, kv_heads=2, dim=16, seed=0):
+    return (
+        randn(batch, q_heads, length, dim, dtype=dtype, device=device, seed=seed),
+        randn(batch, kv_heads, length, dim, dtype=dtype, device=device, seed=seed + 1),
+        randn(batch, kv_heads, length, dim, dtype=dtype, device=device, seed=seed + 2),
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", WHERE)
+def test_attention_matches_sdpa(where, dtype, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    q, k, v = _qkv(2, 150, dtype, device)  # keys over three chunks, the last one partial
+    mask = torch.rand(2, 1, 150, 150, generator=torch.Generator().manual_seed(5)) < 0.7
+    mask = (mask | torch.eye(150, dtype=torch.bool)).to(device)  # every query sees a key
+    with context():
+        causal, masked = kt.attention(q, k, v, None), kt.attention(q, k, v, mask)
+    up = [t.float() for t in (q, k, v)]
+    torch.testing.assert_close(
+        causal.float(), F.scaled_dot_product_attention(*up, is_causal=True, enable_gqa=True), **CLOSE[dtype]
+    )
+    torch.testing.assert_close(
+        masked.float(), F.scaled_dot_product_attention(*up, attn_mask=mask, enable_gqa=True), **CLOSE[dtype]
+    )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", WHERE)
+def test_attention_is_the_same_decoded_prefilled_in_chunks_or_batched(where, dtype, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    length = 140
+    q, k, v = _qkv(1, length, dtype, device)
+    with context():
+        full = kt.attention(q, k, v, None)
+        # the causal mask given explicitly (the KV cache's way): the same bits
+        causal = torch.ones(length, length, dtype=torch.bool, device=device).tril().expand(1, 1, length, length)
+        assert torch.equal(kt.attention(q, k, v, causal), full)
+        # one query at a time over a cache longer than its position (keys past it unwritten)
+        cache = 200
+        k_cache, v_cache = F.pad(k, (0, 0, 0, cache - length)), F.pad(v, (0, 0, 0, cache - length))
+        for t in (0, 63, 64, 65, 139):
+            visible = (torch.arange(cache, device=device) <= t).view(1, 1, 1, cache)
+            decoded = kt.attention(q[:, :, t : t + 1], k_cache, v_cache, visible)
+            assert torch.equal(decoded[:, :, 0], full[:, :, t]), t
+        # prefill in chunks of 48 queries against the keys so far
+        for start in range(0, length, 48):
+            end = min(start + 48, length)
+            rows = torch.arange(start, end, device=device).view(-1, 1)
+            visible = (torch.arange(end, device=device) <= rows).view(1, 1, end - start, end)
+            part = kt.attention(q[:, :, start:end], k[:, :, :end], v[:, :, :end], visible)
+            assert torch.equal(part, full[:, :, start:end])
+        # the sequence as row 1 of a batch, beside a longer one, padded at the end
+        other = _qkv(1, 190, dtype, device, seed=9)
+        padded = [torch.cat([o, F.pad(t, (0, 0, 0, 50))]) for o, t in zip(other, (q, k, v))]
+        keys = torch.arange(190, device=device)
+        visible = (keys <= keys.view(-1, 1)) & torch.stack([keys < 190, keys < length]).view(2, 1, 1, 190)
+        batched = kt.attention(*padded, visible)
+        assert torch.equal(batched[1:, :, :length], full)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_attention_gradients_are_sdpas(where, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    q, k, v = (t.requires_grad_() for t in _qkv(1, 40, torch.float32, device))
+    weights = randn(1, 4, 40, 16, dtype=torch.float32, device=device, seed=7)
+    with context():
+        got = torch.autograd.grad((kt.attention(q, k, v, None) * weights).sum(), (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    want = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_bad_operands_are_named(where, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    with context():
+        with pytest.raises(WhetstoneError, match="one float dtype"):
+            kt.matmul(torch.ones(2, 4, device=device), torch.ones(3, 4, dtype=torch.float64, device=device))
+        with pytest.raises(WhetstoneError, match="head_dim"):
+            kt.attention(*_qkv(1, 4, torch.float32, device, dim=24), None)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("where", WHERE)
+def test_a_model_decodes_the_bits_of_its_full_forward(where, dtype, monkeypatch):
+    """The whole MoE model on the kernels: a sequence decoded token by token from a KV cache,
+    and inside a padded batch, gives the logits and routes of its own full forward."""
+    from tests.inference.inference_fixtures import tiny_model
+    from whetstone.model import KVCache, numerics
+    from whetstone.utils.device import autocast
+
+    device, context = kernels(where, monkeypatch)
+    model = tiny_model(seed=3, vocab_size=128, max_position_embeddings=96).to(device)
+    ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(1)).to(device)
+    other = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(2)).to(device)
+    with context(), torch.no_grad(), numerics("invariant"), autocast(dtype, device):
+        full = model(ids, return_routes=True)
+        batched = model(torch.cat([other, F.pad(ids, (0, 10))]), return_routes=True)
+        assert torch.equal(batched.logits[1, :70], full.logits[0])
+        assert torch.equal(batched.routes[1, :70], full.routes[0])
+        cache = KVCache(model.cfg, 1, 96, device=device)
+        prefill = 60  # then one token at a time
+        model(ids[:, :prefill], positions=torch.arange(prefill, device=device).view(1, -1), cache=cache)
+        for t in range(prefill, 70):
+            step = model(
+                ids[:, t : t + 1], positions=torch.tensor([[t]], device=device), cache=cache, return_routes=True
+            )
+            assert torch.equal(step.logits[0, 0], full.logits[0, t]), t
+            assert torch.equal(step.routes[0, 0], full.routes[0, t]), t
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_a_model_on_the_kernels_trains_with_fast_modes_gradients(where, monkeypatch):
+    """The trainer's backward through the kernels (linear, experts, router softmax, norms,
+    attention, head): every parameter gets fast numerics' gradient, to fp32 rounding."""
+    from tests.inference.inference_fixtures import tiny_model
+    from whetstone.model import numerics
+
+    device, context = kernels(where, monkeypatch)
+    ids = torch.randint(0, 128, (2, 40), generator=torch.Generator().manual_seed(1)).to(device)
+    grads = {}
+    for mode in ("fast", "invariant"):
+        model = tiny_model(seed=3, vocab_size=128, max_position_embeddings=96).to(device).train()
+        with context(), numerics(mode):
+            out = model(ids[:, :-1], targets=ids[:, 1:])
+            (-out.logprobs.mean() + 0.01 * out.aux_loss).backward()
+        grads[mode] = {name: p.grad for name, p in model.named_parameters()}
+    assert all(grad is not None for grad in grads["invariant"].values())
+    for name, grad in grads["fast"].items():
+        torch.testing.assert_close(grads["invariant"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
