@@ -2,10 +2,13 @@
 independent of the batch (other rows, their number, padding, the split of attention's keys).
 They run on a GPU (marked `gpu`) and, on any machine with Triton, under its interpreter."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+import whetstone.model
 from tests.triton_kernels import WHERE, kernels
 from whetstone.errors import WhetstoneError
 from whetstone.model import invariant_triton as kt
@@ -217,3 +220,15 @@ def test_a_model_on_the_kernels_trains_with_fast_modes_gradients(where, monkeypa
     assert all(grad is not None for grad in grads["invariant"].values())
     for name, grad in grads["fast"].items():
         torch.testing.assert_close(grads["invariant"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+
+
+def test_without_triton_the_error_says_what_to_install(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # as if not installed
+    monkeypatch.delitem(sys.modules, "whetstone.model.invariant_kernels", raising=False)
+    monkeypatch.delattr(whetstone.model, "invariant_kernels", raising=False)
+    kt._kernels.cache_clear()
+    try:
+        with kt.on_cpu(), pytest.raises(WhetstoneError, match="need Triton"):
+            kt.matmul(torch.ones(2, 16), torch.ones(3, 16))
+    finally:
+        kt._kernels.cache_clear()  # the next test imports the real kernels again

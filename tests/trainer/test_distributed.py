@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.trainer.trainer_fixtures import TRANSCRIPTS, put_batches, trainer_config
+from tests.trainer.trainer_fixtures import TRANSCRIPTS, make_batches, put_batches, trainer_config
 from whetstone.config import dump_toml
 from whetstone.rl.demos import write_demos
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
@@ -194,3 +194,16 @@ def test_two_ranks_anchor_to_the_demonstrations_as_one_rank_does(tmp_path, chat_
         assert record["loss"] == pytest.approx(expected["loss"], rel=1e-5)
         assert record["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-5)
     assert_weights_close(latest_weights(tmp_path / "one"), latest_weights(tmp_path / "two"))
+
+
+@pytest.mark.slow  # another real 2-process torchrun job, ~20 s
+def test_two_invariant_ranks_see_exactly_the_engines_logprobs(tmp_path, tiny_moe):
+    # FSDP2 gathers each layer's whole weights before its forward, so each rank's rows go through
+    # the kernels a lone trainer's (and the engine's) do: no mismatch, no router disagreement.
+    put_batches(tmp_path / "batches", make_batches(tiny_moe, 1, numerics="invariant"))
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, numerics="invariant", router_replay=False)))
+    torchrun(config_file)
+    (record,) = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
+    assert record["logprob_diff_max"] == 0.0 and record["mismatch_kl_k3"] == 0.0
+    assert record["routing_disagreement"] == 0.0

@@ -115,13 +115,22 @@ def expert_mm(rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | No
     return tiled_mm(rows, weight_t, out, EXPERT_ROW_TILE)
 
 
-class _TiledLinear(torch.autograd.Function):
-    """x @ weight.T by tiles; the backward is the plain one (only the forward must be invariant)."""
+def _linear_forward(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """rows [M, K] @ weight [N, K].T by the invariant kernel of the rows' device: the Triton
+    matmul on CUDA (`invariant_triton`), tiles of ROW_TILE rows on the CPU."""
+    if invariant_triton.applies(rows):
+        return invariant_triton.matmul(rows, weight)
+    return tiled_mm(_pad_rows(rows), weight.t())[: rows.shape[0]]
+
+
+class _Linear(torch.autograd.Function):
+    """x @ weight.T by `_linear_forward`; the backward is the plain one (only the forward must be
+    invariant)."""
 
     @staticmethod
     def forward(ctx, x, weight):
         ctx.save_for_backward(x, weight)
-        return tiled_mm(_pad_rows(x), weight.t())[: x.shape[0]]
+        return _linear_forward(x, weight)
 
     @staticmethod
     def backward(ctx, grad):
@@ -132,20 +141,18 @@ class _TiledLinear(torch.autograd.Function):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x @ weight.T by ROW_TILE-row tiles. Under autocast both operands are cast first, as
-    nn.Linear's would be (casting the expanded weight would copy it once per tile)."""
+    """x @ weight.T, batch-invariant (`_linear_forward`). Under autocast both operands are cast
+    first, as nn.Linear's would be (casting the expanded weight would copy it once per tile)."""
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
         x, weight = x.to(dtype), weight.to(dtype)
     rows = x.reshape(-1, x.shape[-1])
     with torch.autocast(device, enabled=False):
-        if invariant_triton.applies(rows):
-            out = invariant_triton.linear(rows, weight)
-        elif torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
-            out = _TiledLinear.apply(rows, weight)
+        if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
+            out = _Linear.apply(rows, weight)
         else:  # decoding: skip the autograd.Function's bookkeeping
-            out = tiled_mm(_pad_rows(rows), weight.t())[: rows.shape[0]]
+            out = _linear_forward(rows, weight)
     return out.reshape(*x.shape[:-1], weight.shape[0])
 
 

@@ -8,7 +8,7 @@ dtype, no reduction is split by the number of rows, and the sizes that vary with
 serves a lone decode row and a trainer's 8192. A row's result is then computed by the same
 instructions in the same order wherever it sits:
 
-- `linear`: x @ w.T by [BLOCK_M, BLOCK_N] output tiles, each summing the full K in BLOCK_K
+- `matmul`: x @ w.T by [BLOCK_M, BLOCK_N] output tiles, each summing the full K in BLOCK_K
   steps, in order (no split-K), fp32 accumulation;
 - `grouped_matmul`: the MoE experts' matmuls over token-slots sorted by expert, in the same tiles;
   a tile never spans two experts, and its rows start wherever its expert's rows do, so a row's
@@ -67,157 +67,14 @@ def applies(x: torch.Tensor) -> bool:
 
 @functools.cache
 def _kernels():
-    """The compiled kernels (Triton imported on first use)."""
+    """The kernels' module (`invariant_kernels`: Triton imported on first use)."""
     try:
-        import triton
-        import triton.language as tl
+        from whetstone.model import invariant_kernels
     except ImportError as error:
         raise WhetstoneError(
             "invariant numerics on a GPU need Triton (`pip install triton`; CUDA builds of torch bring it)"
         ) from error
-
-    @triton.jit(do_not_specialize=["rows"])
-    def matmul(
-        x, w, out, rows, columns, depth,
-        x_row, x_col, w_row, w_col, out_row, out_col,
-        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # out[rows, columns] = x[rows, depth] @ w[columns, depth].T
-        tile_m, tile_n = tl.program_id(0), tl.program_id(1)
-        r = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-        c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in tl.range(0, depth, BLOCK_K):
-            kk = start + k
-            a = tl.load(x + r[:, None] * x_row + kk[None, :] * x_col, (r[:, None] < rows) & (kk[None, :] < depth), 0.0)
-            b = tl.load(
-                w + c[None, :] * w_row + kk[:, None] * w_col, (c[None, :] < columns) & (kk[:, None] < depth), 0.0
-            )
-            acc = tl.dot(a, b, acc, input_precision="ieee" if IEEE else None)
-        mask = (r[:, None] < rows) & (c[None, :] < columns)
-        tl.store(out + r[:, None] * out_row + c[None, :] * out_col, acc.to(out.dtype.element_ty), mask)
-
-    @triton.jit
-    def grouped_matmul(
-        x, w, out, tile_expert, tile_start, tile_end, columns, depth,
-        x_row, x_col, w_expert, w_row, w_col, out_row, out_col,
-        IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):  # fmt: skip
-        # out[s] = x[s] @ w[e].T for the slots s of each tile's expert e (tiles past the last: e < 0)
-        tile, tile_n = tl.program_id(0), tl.program_id(1)
-        expert = tl.load(tile_expert + tile)
-        if expert < 0:
-            return
-        first, end = tl.load(tile_start + tile), tl.load(tile_end + tile)
-        r = first.to(tl.int64) + tl.arange(0, BLOCK_M)
-        c = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        k = tl.arange(0, BLOCK_K)
-        weight = w + expert.to(tl.int64) * w_expert
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in tl.range(0, depth, BLOCK_K):
-            kk = start + k
-            a = tl.load(x + r[:, None] * x_row + kk[None, :] * x_col, (r[:, None] < end) & (kk[None, :] < depth), 0.0)
-            b = tl.load(
-                weight + c[None, :] * w_row + kk[:, None] * w_col, (c[None, :] < columns) & (kk[:, None] < depth), 0.0
-            )
-            acc = tl.dot(a, b, acc, input_precision="ieee" if IEEE else None)
-        mask = (r[:, None] < end) & (c[None, :] < columns)
-        tl.store(out + r[:, None] * out_row + c[None, :] * out_col, acc.to(out.dtype.element_ty), mask)
-
-    @triton.jit
-    def row_mean(x, out, width, x_row, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offsets = tl.arange(0, BLOCK)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in tl.range(0, width, BLOCK):
-            acc += tl.load(x + row * x_row + start + offsets, start + offsets < width, 0.0).to(tl.float32)
-        tl.store(out + row, tl.sum(acc, 0) / width)
-
-    @triton.jit
-    def softmax(x, out, width, x_row, out_row, LOG: tl.constexpr, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offsets = tl.arange(0, BLOCK)
-        peak = tl.full((BLOCK,), float("-inf"), tl.float32)
-        for start in tl.range(0, width, BLOCK):
-            values = tl.load(x + row * x_row + start + offsets, start + offsets < width, float("-inf"))
-            peak = tl.maximum(peak, values.to(tl.float32))
-        top = tl.max(peak, 0)
-        acc = tl.zeros((BLOCK,), dtype=tl.float32)
-        for start in tl.range(0, width, BLOCK):
-            values = tl.load(x + row * x_row + start + offsets, start + offsets < width, float("-inf"))
-            acc += tl.exp(values.to(tl.float32) - top)
-        total = tl.sum(acc, 0)
-        for start in tl.range(0, width, BLOCK):
-            inside = start + offsets < width
-            shifted = tl.load(x + row * x_row + start + offsets, inside, 0.0).to(tl.float32) - top
-            result = shifted - tl.log(total) if LOG else tl.exp(shifted) / total
-            tl.store(out + row * out_row + start + offsets, result, inside)
-
-    @triton.jit(do_not_specialize=["length", "keys", "rows"])
-    def attention(
-        q, k, v, mask, out, length, keys, rows, group, kv_heads, scale,
-        q_b, q_h, q_t, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_t, m_s, o_b, o_h, o_t,
-        CAUSAL: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        # Rows of one (batch, kv head): row i is query position i // group of head kv_head * group + i % group.
-        tile, batch_head = tl.program_id(0), tl.program_id(1)
-        batch, kv_head = batch_head // kv_heads, batch_head % kv_heads
-        i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-        position = i // group
-        head = kv_head * group + i % group
-        real = i < rows
-        d = tl.arange(0, HEAD_DIM)
-        batch = batch.to(tl.int64)
-        query_at = q + batch * q_b + head[:, None] * q_h + position[:, None] * q_t + d[None, :]
-        query = tl.load(query_at, real[:, None], 0.0)
-        key_base = k + batch * k_b + kv_head * k_h
-        value_base = v + batch * v_b + kv_head * v_h
-        peak = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        total = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-        limit = keys
-        if CAUSAL:  # keys after the tile's last query are masked for all its rows: not visited
-            limit = tl.minimum(keys, (tile * BLOCK_M + BLOCK_M - 1) // group + 1)
-        for start in tl.range(0, limit, BLOCK_N):
-            j = start + tl.arange(0, BLOCK_N)
-            present = j < keys
-            key = tl.load(key_base + j[None, :] * k_s + d[:, None], present[None, :], 0.0)
-            scores = tl.dot(query, key, input_precision="ieee" if IEEE else None) * scale
-            if CAUSAL:
-                visible = (j[None, :] <= position[:, None]) & present[None, :]
-            else:
-                visible = (
-                    tl.load(
-                        mask + batch * m_b + position[:, None] * m_t + j[None, :] * m_s,
-                        real[:, None] & present[None, :],
-                        0,
-                    )
-                    != 0
-                )
-            scores = tl.where(visible, scores, float("-inf"))
-            new_peak = tl.maximum(peak, tl.max(scores, 1))
-            safe = tl.where(new_peak == float("-inf"), 0.0, new_peak)  # no visible key yet
-            probs = tl.exp(scores - safe[:, None])
-            rescale = tl.exp(peak - safe)
-            total = total * rescale + tl.sum(probs, 1)
-            value = tl.load(value_base + j[:, None] * v_s + d[None, :], present[:, None], 0.0)
-            acc = acc * rescale[:, None] + tl.dot(
-                probs.to(value.dtype), value, input_precision="ieee" if IEEE else None
-            )
-            peak = new_peak
-        result = acc / tl.where(total == 0.0, 1.0, total)[:, None]  # (padding rows see no key)
-        out_at = out + batch * o_b + head[:, None] * o_h + position[:, None] * o_t + d[None, :]
-        tl.store(out_at, result.to(out.dtype.element_ty), real[:, None])
-
-    return {
-        "matmul": matmul,
-        "grouped_matmul": grouped_matmul,
-        "row_mean": row_mean,
-        "softmax": softmax,
-        "attention": attention,
-    }
+    return invariant_kernels
 
 
 def _tiles(dtype: torch.dtype) -> dict:
@@ -247,33 +104,10 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return out
     config = _tiles(x.dtype)
     grid = (_cdiv(rows, config["BLOCK_M"]), _cdiv(columns, config["BLOCK_N"]))
-    _kernels()["matmul"][grid](
+    _kernels().matmul[grid](
         x, weight, out, rows, columns, depth, *x.stride(), *weight.stride(), *out.stride(), **config
     )
     return out
-
-
-class _Linear(torch.autograd.Function):
-    """x @ weight.T by `matmul`; the backward is the plain one."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return matmul(x, weight)
-
-    @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None
-        grad_weight = grad.t().mm(x) if ctx.needs_input_grad[1] else None
-        return grad_x, grad_weight
-
-
-def linear(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """rows [M, K] @ weight [N, K].T, differentiable (operands already in the compute dtype)."""
-    if torch.is_grad_enabled() and (rows.requires_grad or weight.requires_grad):
-        return _Linear.apply(rows, weight)
-    return matmul(rows, weight)
 
 
 def _tile_layout(counts: torch.Tensor, total_slots: int, block_m: int):
@@ -308,7 +142,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     config = _tiles(x.dtype)
     tile_expert, tile_start, tile_end = _tile_layout(counts, slots, config["BLOCK_M"])
     grid = (tile_expert.numel(), _cdiv(columns, config["BLOCK_N"]))
-    _kernels()["grouped_matmul"][grid](
+    _kernels().grouped_matmul[grid](
         x, weight, out, tile_expert, tile_start, tile_end, columns, depth, *x.stride(), *weight.stride(), *out.stride(),
         **config,
     )  # fmt: skip
@@ -320,7 +154,7 @@ def row_mean(x: torch.Tensor) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
     if rows.shape[0]:
-        _kernels()["row_mean"][(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=_row_block(rows))
+        _kernels().row_mean[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=_row_block(rows))
     return out.view(*x.shape[:-1], 1)
 
 
@@ -332,7 +166,7 @@ def _softmax_forward(x: torch.Tensor, log: bool) -> torch.Tensor:
     rows = x.reshape(-1, x.shape[-1]).contiguous()
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0]:
-        _kernels()["softmax"][(rows.shape[0],)](
+        _kernels().softmax[(rows.shape[0],)](
             rows, out, rows.shape[1], rows.stride(0), out.stride(0), LOG=log, BLOCK=_row_block(rows)
         )
     return out.view(x.shape)
@@ -383,7 +217,7 @@ def _attention_forward(q, k, v, mask):
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
     grid = (_cdiv(rows, block_m), batch * kv_heads)
     if rows:
-        _kernels()["attention"][grid](
+        _kernels().attention[grid](
             q, k, v, mask, out, length, keys, rows, group, kv_heads, dim**-0.5,
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
