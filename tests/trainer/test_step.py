@@ -163,8 +163,9 @@ def test_the_step_settings_of_a_config_are_its_own(config_type):
     )
 
 
-def test_invariant_numerics_refuse_rounded_published_weights():
+@pytest.mark.parametrize("config_type", [TrainerConfig, OnlineConfig])
+def test_invariant_numerics_refuse_rounded_published_weights(config_type):
     with pytest.raises(ValueError, match="sync.publish_dtype = 'float32'"):
-        TrainerConfig(numerics="invariant")
-    assert TrainerConfig(numerics="invariant", sync={"publish_dtype": "float32"}).numerics == "invariant"
-    assert TrainerConfig(numerics="invariant", sync={"publish_dtype": "keep"}).numerics == "invariant"
+        config_type(numerics="invariant")
+    assert config_type(numerics="invariant", sync={"publish_dtype": "float32"}).numerics == "invariant"
+    assert config_type(numerics="invariant", sync={"publish_dtype": "keep"}).numerics == "invariant"

@@ -17,7 +17,7 @@ from whetstone.envs.tasks.registry import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
 from whetstone.rl.loss import LossConfig
 from whetstone.rl.staleness import StalenessConfig
-from whetstone.sync.config import SyncConfig
+from whetstone.sync.config import SyncConfig, check_unrounded_for_invariant
 from whetstone.training.config import OptimizerConfig
 from whetstone.utils.tracking import TrackingConfig
 
@@ -154,7 +154,8 @@ class OnlineConfig(Config):
     numerics: Literal["fast", "invariant"] = "fast"
     """Kernels of the training forward and of the gate's engine: set it to the servers'
     `engine.numerics`. `invariant`: batch-invariant kernels; with the servers on them too (and
-    the same dtype), the trainer's logprobs equal the served ones bit for bit (docs/consistency.md)."""
+    the same dtype), the trainer's logprobs equal the served ones bit for bit (docs/consistency.md).
+    Needs `sync.publish_dtype = "float32"`, so the servers hold the loop's weights unrounded."""
     gate: GateConfig = GateConfig()
     """Held-out evaluation of every candidate."""
     threads: int = Field(1, ge=0)
@@ -172,3 +173,8 @@ class OnlineConfig(Config):
     """Stop after this many updates (published or discarded); 0 = run until stopped."""
     tracking: TrackingConfig = TrackingConfig()
     """Where the metrics go besides metrics.jsonl: TensorBoard (on), Weights & Biases (off)."""
+
+    @model_validator(mode="after")
+    def _invariant_servers_hold_these_weights(self) -> "OnlineConfig":
+        check_unrounded_for_invariant(self.numerics, self.sync)
+        return self

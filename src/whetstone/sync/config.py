@@ -34,3 +34,13 @@ class SyncConfig(Config):
     """Further weight stores the publisher copies every version into, after `store` (one per
     inference cluster, e.g. a bucket per region, whose servers follow it); same `endpoint_url`.
     A mirror that cannot be written is caught up at the next publish."""
+
+
+def check_unrounded_for_invariant(numerics: str, sync: SyncConfig) -> None:
+    """Refuse invariant numerics over weights published rounded: the servers compute with what is
+    published, and rounded weights are other weights, which no kernel can make agree."""
+    if numerics == "invariant" and sync.publish_dtype in ("bfloat16", "float16"):
+        raise ValueError(
+            f"numerics = 'invariant' matches the servers bit for bit only on the trainer's own weights, "
+            f"but sync.publish_dtype = {sync.publish_dtype!r} rounds them: set sync.publish_dtype = 'float32'"
+        )

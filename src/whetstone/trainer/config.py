@@ -10,7 +10,7 @@ from pydantic import Field, model_validator
 
 from whetstone.config import Config
 from whetstone.rl.loss import LossConfig
-from whetstone.sync.config import SyncConfig
+from whetstone.sync.config import SyncConfig, check_unrounded_for_invariant
 from whetstone.training.config import OptimizerConfig
 from whetstone.utils.device import DeviceName
 from whetstone.utils.tracking import TrackingConfig
@@ -100,10 +100,5 @@ class TrainerConfig(Config):
 
     @model_validator(mode="after")
     def _invariant_servers_hold_these_weights(self) -> "TrainerConfig":
-        # The servers compute with what is published; rounded weights are other weights.
-        if self.numerics == "invariant" and self.sync.publish_dtype in ("bfloat16", "float16"):
-            raise ValueError(
-                f"numerics = 'invariant' matches the servers bit for bit only on the trainer's own weights, "
-                f"but sync.publish_dtype = {self.sync.publish_dtype!r} rounds them: set sync.publish_dtype = 'float32'"
-            )
+        check_unrounded_for_invariant(self.numerics, self.sync)
         return self
