@@ -155,3 +155,15 @@ def test_the_trainers_quota_is_enforced_in_short_periods(tmp_path):
     finally:
         for group in pipeline.cpu_groups.values():
             group.remove()
+
+
+def test_invariant_numerics_on_one_side_only_are_refused_with_both_sides_named(tmp_path):
+    one_side = ('rl.trainer.numerics="invariant"', 'rl.trainer.sync.publish_dtype="float32"')
+    with pytest.raises(WhetstoneError, match=r"rl.trainer has \('invariant', .*servers.serve.engine has \('fast'"):
+        tiny_run(tmp_path, *one_side)
+    both = tiny_run(tmp_path, *one_side, 'servers.serve.engine.numerics="invariant"')
+    assert both.servers.serve.engine.numerics == both.rl.trainer.numerics == "invariant"
+    with pytest.raises(WhetstoneError, match=r"servers.serve.engine has \('invariant', 'bfloat16'\)"):
+        tiny_run(
+            tmp_path, *one_side, 'servers.serve.engine.numerics="invariant"', 'servers.serve.engine.dtype="bfloat16"'
+        )

@@ -228,6 +228,21 @@ class PipelineConfig(Config):
             )
         return self
 
+    @model_validator(mode="after")
+    def _invariant_on_both_sides(self) -> "PipelineConfig":
+        # Batch-invariant kernels on one side only still leave the other side's rounding.
+        trainer, engine = self.rl.trainer, self.servers.serve.engine
+        if "invariant" in (trainer.numerics, engine.numerics) and (trainer.numerics, trainer.dtype) != (
+            engine.numerics,
+            engine.dtype,
+        ):
+            raise ValueError(
+                "numerics = 'invariant' makes the trainer's logprobs the servers' only with the same numerics "
+                f"and dtype on both sides: rl.trainer has ({trainer.numerics!r}, {trainer.dtype!r}), "
+                f"servers.serve.engine has ({engine.numerics!r}, {engine.dtype!r})"
+            )
+        return self
+
     @property
     def run_dir(self) -> Path:
         """The run folder, `<output_dir>/<name>`."""
