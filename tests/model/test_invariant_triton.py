@@ -219,7 +219,7 @@ def test_a_model_on_the_kernels_trains_with_fast_modes_gradients(where, monkeypa
         grads[mode] = {name: p.grad for name, p in model.named_parameters()}
     assert all(grad is not None for grad in grads["invariant"].values())
     for name, grad in grads["fast"].items():
-        torch.testing.assert_close(grads["invariant"][name], grad, atol=1e-6, rtol=1e-4, msg=name)
+        torch.testing.assert_close(grads["invariant"][name], grad, atol=1e-5, rtol=1e-3, msg=name)
 
 
 def test_without_triton_the_error_says_what_to_install(monkeypatch):

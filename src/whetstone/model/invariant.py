@@ -166,12 +166,19 @@ def mean_last(x: torch.Tensor) -> torch.Tensor:
 
 
 def silu(x: torch.Tensor) -> torch.Tensor:
-    """x * sigmoid(x), computed in fp32 as x / (1 + exp(-x)), in x's dtype."""
+    """x * sigmoid(x). On the CPU computed in fp32 as x / (1 + exp(-x)), in x's dtype (torch's
+    vectorised body and scalar tail differ); torch's own on CUDA, whose kernel computes every
+    element the same way."""
+    if x.device.type == "cuda":
+        return F.silu(x)
     x32 = x.float()
     return (x32 / (1.0 + torch.exp(-x32))).to(x.dtype)
 
 
 def sigmoid(x: torch.Tensor) -> torch.Tensor:
+    """As `silu`: 1 / (1 + exp(-x)) in fp32 on the CPU, torch's own on CUDA."""
+    if x.device.type == "cuda":
+        return torch.sigmoid(x)
     x32 = x.float()
     return (1.0 / (1.0 + torch.exp(-x32))).to(x.dtype)
 
