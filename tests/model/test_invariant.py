@@ -200,3 +200,11 @@ def test_the_mode_belongs_to_the_thread_that_set_it():
         worker.start()
         worker.join()
     assert seen == [False]
+
+
+def test_top_k_breaks_ties_by_index_and_keeps_topks_order():
+    x = torch.tensor([[0.1, 0.3, 0.3, 0.2, 0.3], [0.5, 0.1, 0.2, 0.15, 0.05]])
+    values, indices = invariant.top_k(x, 2)
+    assert indices.tolist() == [[1, 2], [0, 2]] and torch.equal(values, x.gather(1, indices))
+    wide = torch.randn(40, 64)  # without ties: what topk gives
+    assert all(torch.equal(a, b) for a, b in zip(invariant.top_k(wide, 8), wide.topk(8)))

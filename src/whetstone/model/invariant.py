@@ -183,6 +183,14 @@ def sigmoid(x: torch.Tensor) -> torch.Tensor:
     return (1.0 / (1.0 + torch.exp(-x32))).to(x.dtype)
 
 
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row, largest first, ties in index order: a stable sort, whose
+    order is defined by the values alone. `topk` picks among equal values by its algorithm, which
+    torch chooses by the tensor's shape (bf16 router logits tie often enough to matter)."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def softmax(x: torch.Tensor) -> torch.Tensor:
     """Softmax over the last dimension in fp32, row by row."""
     if invariant_triton.applies(x):

@@ -29,7 +29,7 @@ class Router(nn.Module):
         """x [N, H] -> (expert ids [N, k] in selection order, gates [N, k] fp32, probs [N, E] fp32)."""
         probs = ops.softmax(ops.linear(x, self.weight))
         if routes is None:
-            gates, ids = probs.topk(self.top_k, dim=-1)
+            gates, ids = ops.top_k(probs, self.top_k)
         else:
             ids = routes
             gates = probs.gather(-1, ids)

@@ -194,6 +194,11 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
     return invariant.log_softmax(x) if _INVARIANT.get() else torch.log_softmax(x, dim=-1, dtype=torch.float32)
 
 
+def top_k(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k largest values of each row and their indices, largest first."""
+    return invariant.top_k(x, k) if _INVARIANT.get() else x.topk(k, dim=-1)
+
+
 def silu(x: torch.Tensor) -> torch.Tensor:
     return invariant.silu(x) if _INVARIANT.get() else F.silu(x)
 
