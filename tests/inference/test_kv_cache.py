@@ -43,3 +43,32 @@ def test_attended_length_is_whole_blocks_and_mask_is_causal():
     assert mask[0, 0, 0].nonzero().flatten().tolist() == [0, 1, 2, 3]
     assert mask[1, 0, 0].sum() == 6
     assert keys[0, 0, 3].tolist() == [1.0, 1.0]  # written before being returned
+
+
+def test_under_bf16_the_cache_is_bf16_and_changes_no_bit(monkeypatch):
+    """Attention computes in bf16 under bf16 autocast, so a bf16 cache holds what it reads: the
+    same tokens and logprobs as an fp32 cache, in half the memory. Invariant numerics on the CPU
+    attend in fp32 and keep an fp32 cache."""
+    from tests.inference.inference_fixtures import make_engine, tiny_model
+    from whetstone.inference import engine as engine_module
+    from whetstone.inference.sampling import SamplingParams
+
+    model = tiny_model(seed=2)
+    prompts = [list(range(5, 5 + n)) for n in (3, 40, 17)]
+    params = [SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True, seed=i) for i in range(3)]
+
+    def generate():
+        engine = make_engine(model, dtype="bfloat16", prefill_chunk=16)
+        seqs = engine.generate(prompts, params)
+        return engine.cache, [(s.output_ids, s.logprobs) for s in seqs]
+
+    cache, half = generate()
+    assert cache.keys.dtype == cache.values.dtype == torch.bfloat16
+    weights_dtype = engine_module.kv_cache_dtype
+    monkeypatch.setattr(engine_module, "kv_cache_dtype", lambda config, weights, device: weights)
+    cache32, full = generate()
+    assert cache32.keys.dtype == torch.float32 and cache32.keys.nbytes == 2 * cache.keys.nbytes
+    assert half == full
+    invariant_cpu = make_engine(model, dtype="bfloat16", numerics="invariant").config
+    assert weights_dtype(invariant_cpu, torch.float32, torch.device("cpu")) == torch.float32
+    assert weights_dtype(invariant_cpu, torch.float32, torch.device("cuda")) == torch.bfloat16

@@ -57,6 +57,17 @@ from whetstone.utils.device import autocast, resolve_device, synchronize
 log = logging.getLogger(__name__)
 
 
+def kv_cache_dtype(config: EngineConfig, weights: torch.dtype, device: torch.device) -> torch.dtype:
+    """What the KV cache holds keys and values in: what attention computes with. Under bf16
+    autocast that is bf16 (SDPA and the GPU's invariant kernel cast q, k and v to it; the q/k
+    norms' fp32 weights make k fp32 before that), so a bf16 cache holds the same values in half
+    the memory. Invariant numerics on the CPU attend in fp32 (`invariant.attention`): there the
+    cache keeps the weights' dtype."""
+    if config.dtype == "bfloat16" and not (config.numerics == "invariant" and device.type == "cpu"):
+        return torch.bfloat16
+    return weights
+
+
 class Engine:
     def __init__(
         self,
@@ -82,7 +93,7 @@ class Engine:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.decode = decode
         self.version = version
-        dtype = next(model.parameters()).dtype
+        dtype = kv_cache_dtype(config, next(model.parameters()).dtype, self.device)
         block = invariant.KEY_CHUNK if config.numerics == "invariant" else ATTENTION_BLOCK
         # slots 0..max_batch-1 for running sequences, the rest keep finished ones (`keep_finished`)
         slots = config.max_batch + (config.keep_finished if config.share_prefixes else 0)

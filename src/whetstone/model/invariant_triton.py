@@ -257,8 +257,13 @@ class _Attention(torch.autograd.Function):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention, batch-invariant: q [B, Hq, T, D]; k, v [B, Hkv, S, D] with key j
-    at absolute position j; mask [B, 1, T, S] (True = may attend) or None (causal, T = S)."""
-    k, v = k.to(q.dtype), v.to(q.dtype)
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Attention.apply(q, k, v, mask)
-    return _attention_forward(q, k, v, mask)
+    at absolute position j; mask [B, 1, T, S] (True = may attend) or None (causal, T = S).
+    Under autocast it computes in the autocast dtype, as SDPA does there (the q/k norms' fp32
+    weights make q and k fp32): bf16 tensor-core products, fp32 softmax and sums."""
+    device = q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else q.dtype
+    q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+    with torch.autocast(device, enabled=False):
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+            return _Attention.apply(q, k, v, mask)
+        return _attention_forward(q, k, v, mask)
