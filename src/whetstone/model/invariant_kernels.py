@@ -88,14 +88,17 @@ def softmax(x, out, width, x_row, out_row, LOG: tl.constexpr, BLOCK: tl.constexp
         tl.store(out + row * out_row + start + offsets, result, inside)
 
 
-@triton.jit(do_not_specialize=["length", "keys", "rows"])
+@triton.jit(do_not_specialize=["length", "keys", "rows", "causal", "m_b", "m_t", "m_s"])
 def attention(
-    q, k, v, mask, out, length, keys, rows, group, kv_heads, scale,
+    q, k, v, mask, out, length, keys, rows, group, kv_heads, scale, causal,
     q_b, q_h, q_t, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_t, m_s, o_b, o_h, o_t,
-    CAUSAL: tl.constexpr, IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     # Rows of one (batch, kv head): row i is query position i // group of head kv_head * group + i % group.
+    # `causal` (keys up to the query's position) or `mask` is a value, not a constant, and the
+    # sizes that vary with the batch are not specialised on: the trainer's full forward and the
+    # engine's cached prefill and decode run one compiled kernel.
     tile, batch_head = tl.program_id(0), tl.program_id(1)
     batch, kv_head = batch_head // kv_heads, batch_head % kv_heads
     i = tile * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -111,25 +114,17 @@ def attention(
     peak = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    limit = keys
-    if CAUSAL:  # keys after the tile's last query are masked for all its rows: not visited
-        limit = tl.minimum(keys, (tile * BLOCK_M + BLOCK_M - 1) // group + 1)
+    # causal: keys after the tile's last query are masked for all its rows, and not visited
+    limit = tl.where(causal != 0, tl.minimum(keys, (tile * BLOCK_M + BLOCK_M - 1) // group + 1), keys)
     for start in tl.range(0, limit, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         present = j < keys
         key = tl.load(key_base + j[None, :] * k_s + d[:, None], present[None, :], 0.0)
         scores = tl.dot(query, key, input_precision="ieee" if IEEE else None) * scale
-        if CAUSAL:
-            visible = (j[None, :] <= position[:, None]) & present[None, :]
-        else:
-            visible = (
-                tl.load(
-                    mask + batch * m_b + position[:, None] * m_t + j[None, :] * m_s,
-                    real[:, None] & present[None, :],
-                    0,
-                )
-                != 0
-            )
+        given = tl.load(  # (causal: strides 0, one byte read again and again)
+            mask + batch * m_b + position[:, None] * m_t + j[None, :] * m_s, real[:, None] & present[None, :], 0
+        )
+        visible = tl.where(causal != 0, j[None, :] <= position[:, None], given != 0) & present[None, :]
         scores = tl.where(visible, scores, float("-inf"))
         new_peak = tl.maximum(peak, tl.max(scores, 1))
         safe = tl.where(new_peak == float("-inf"), 0.0, new_peak)  # no visible key yet

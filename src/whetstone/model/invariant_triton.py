@@ -211,17 +211,17 @@ def _attention_forward(q, k, v, mask):
     causal = mask is None
     if causal:
         mask_strides = (0, 0, 0)
-        mask = q  # not read
+        mask = torch.ones(1, dtype=torch.uint8, device=q.device)  # not read
     else:
         mask = mask.expand(batch, 1, length, keys).to(torch.uint8)
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
     grid = (_cdiv(rows, block_m), batch * kv_heads)
     if rows:
         _kernels().attention[grid](
-            q, k, v, mask, out, length, keys, rows, group, kv_heads, dim**-0.5,
+            q, k, v, mask, out, length, keys, rows, group, kv_heads, dim**-0.5, int(causal),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
-            CAUSAL=causal, IEEE=q.dtype == torch.float32, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=KEY_CHUNK,
+            IEEE=q.dtype == torch.float32, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=KEY_CHUNK,
             num_warps=4,
         )  # fmt: skip
     return out
