@@ -19,9 +19,13 @@ instructions in the same order wherever it sits:
 - `attention`: flash attention over keys in chunks of KEY_CHUNK absolute positions, always in
   key order from position 0. A chunk with no visible key leaves the running max, sum and output
   exactly as they were, so a one-token decode over a KV cache, a chunked prefill and a full
-  causal forward give a query the same bits.
+  causal forward give a query the same bits. Causal or masked is an argument, not a constant:
+  the trainer's forward and the engine's run one compiled kernel. Under autocast it computes in
+  the autocast dtype, as SDPA does.
 
-Element-wise ops (RoPE, SiLU, residuals, the MoE combine) are invariant already and stay torch's.
+Element-wise ops (RoPE, SiLU, residuals) are invariant already and stay torch's; the MoE combine
+adds the slots in top-k order (`invariant.moe_combine`) and the router's top-k is a stable sort
+(`invariant.top_k`) on every device.
 The backwards are the plain ones: only the forward must match the engine.
 
 `on_cpu()` runs these kernels on CPU tensors too, under Triton's interpreter (`TRITON_INTERPRET=1`
