@@ -232,3 +232,32 @@ def test_without_triton_the_error_says_what_to_install(monkeypatch):
             kt.matmul(torch.ones(2, 16), torch.ones(3, 16))
     finally:
         kt._kernels.cache_clear()  # the next test imports the real kernels again
+
+
+def test_the_kernels_compile_for_hopper_and_ampere_without_a_gpu():
+    """Triton's compiler and ptxas come with its wheel: every kernel compiles for sm_90 and sm_80
+    here, the bf16 products on tensor cores (wgmma on Hopper, mma on Ampere) with their loads
+    pipelined (cp.async)."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("triton", reason="the invariant kernels need Triton")
+    root = Path(__file__).resolve().parents[2]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(root), str(root / "src"), env.get("PYTHONPATH"))))
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.model.compile_invariant_kernels"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=root,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    compiled = {(r["kernel"], r["target"], r["dtype"]): r for r in map(json.loads, done.stdout.splitlines())}
+    assert len(compiled) == 18
+    for kernel in ("matmul", "grouped_matmul", "attention"):
+        assert compiled[kernel, "sm_90", "bf16"]["wgmma"] > 0 and compiled[kernel, "sm_80", "bf16"]["mma"] > 0
+        assert compiled[kernel, "sm_90", "bf16"]["cp_async"] > 0

@@ -1,0 +1,94 @@
+"""Compile every invariant Triton kernel for NVIDIA GPUs, ahead of time, on a machine without one:
+`python -m tests.model.compile_invariant_kernels` prints one JSON line per kernel and target.
+
+Triton's compiler and ptxas ship in its wheel, so a kernel that would not compile on an H100
+fails here, in CI, rather than on the GPU machine. The strides a launch specialises on (the
+innermost ones are 1, the others multiples of 16) are given as such, so the code compiled is
+what a launch on contiguous tensors compiles. Run with TRITON_INTERPRET unset (the interpreter
+replaces `triton.jit`)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from whetstone.model import invariant_kernels as kernels
+
+TARGETS = {"sm_90": GPUTarget("cuda", 90, 32), "sm_80": GPUTarget("cuda", 80, 32)}
+MATMUL_TILES = {"bf16": (False, 64, 128, 64, 3), "fp32": (True, 32, 64, 32, 2)}
+
+
+def _compile(fn, signature: dict, constexprs: dict, aligned: tuple[str, ...], target, **options):
+    """Compile `fn`: `signature` name -> type, `constexprs` the constant arguments (given in the
+    signature as "constexpr"), `aligned` the arguments a launch sees divisible by 16."""
+    signature = {name: "constexpr" if name in constexprs else kind for name, kind in signature.items()}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(signature) if name in aligned}
+    source = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(source, target=target, options=options)
+
+
+def _report(name: str, target: str, dtype: str, compiled) -> dict:
+    ptx = compiled.asm["ptx"]
+    return {
+        "kernel": name,
+        "target": target,
+        "dtype": dtype,
+        "shared_bytes": compiled.metadata.shared,
+        "wgmma": len(re.findall(r"wgmma\.mma_async", ptx)),
+        "mma": len(re.findall(r"\bmma\.sync", ptx)),
+        "cp_async": len(re.findall(r"cp\.async", ptx)),
+    }
+
+
+def compile_all():
+    for target_name, target in TARGETS.items():
+        for dtype, (ieee, block_m, block_n, block_k, stages) in MATMUL_TILES.items():
+            tiles = {"IEEE": ieee, "BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k}
+            ints = "rows columns depth x_row x_col w_row w_col out_row out_col".split()
+            signature = {"x": f"*{dtype}", "w": f"*{dtype}", "out": f"*{dtype}"} | dict.fromkeys(ints, "i32")
+            signature |= dict.fromkeys(tiles, "constexpr")
+            unit = {"x_col": 1, "w_col": 1, "out_col": 1}
+            aligned = ("x", "w", "out", "columns", "depth", "x_row", "w_row", "out_row")
+            compiled = _compile(
+                kernels.matmul, signature, tiles | unit, aligned, target, num_warps=4, num_stages=stages
+            )
+            yield _report("matmul", target_name, dtype, compiled)
+
+            ints = "columns depth x_row x_col w_expert w_row w_col out_row out_col".split()
+            signature = {"x": f"*{dtype}", "w": f"*{dtype}", "out": f"*{dtype}"}
+            signature |= dict.fromkeys(("tile_expert", "tile_start", "tile_end"), "*i32")
+            signature |= dict.fromkeys(ints, "i32") | dict.fromkeys(tiles, "constexpr")
+            aligned += ("tile_expert", "tile_start", "tile_end", "w_expert")
+            compiled = _compile(
+                kernels.grouped_matmul, signature, tiles | unit, aligned, target, num_warps=4, num_stages=stages
+            )
+            yield _report("grouped_matmul", target_name, dtype, compiled)
+
+            ints = "length keys rows group kv_heads causal q_b q_h q_t k_b k_h k_s v_b v_h v_s m_b m_t m_s o_b o_h o_t"
+            signature = {name: f"*{dtype}" for name in ("q", "k", "v")} | {"mask": "*u8", "out": f"*{dtype}"}
+            signature |= dict.fromkeys(ints.split(), "i32") | {"scale": "fp32"}
+            constants = {"IEEE": ieee, "HEAD_DIM": 64, "BLOCK_M": 32 if ieee else 64, "BLOCK_N": 64}
+            signature |= dict.fromkeys(constants, "constexpr")
+            aligned = ("q", "k", "v", "out", "q_b", "q_h", "q_t", "k_b", "k_h", "k_s", "v_b", "v_h", "v_s")
+            aligned += ("o_b", "o_h", "o_t")
+            compiled = _compile(kernels.attention, signature, constants, aligned, target, num_warps=4)
+            yield _report("attention", target_name, dtype, compiled)
+
+        signature = {"x": "*fp32", "out": "*fp32", "width": "i32", "x_row": "i32", "BLOCK": "constexpr"}
+        compiled = _compile(kernels.row_mean, signature, {"BLOCK": 1024}, ("x", "out", "x_row"), target)
+        yield _report("row_mean", target_name, "fp32", compiled)
+        for log in (True, False):
+            signature = {"x": "*fp32", "out": "*fp32", "width": "i32", "x_row": "i32", "out_row": "i32"}
+            signature |= {"LOG": "constexpr", "BLOCK": "constexpr"}
+            aligned = ("x", "out", "x_row", "out_row")
+            compiled = _compile(kernels.softmax, signature, {"LOG": log, "BLOCK": 2048}, aligned, target)
+            yield _report("log_softmax" if log else "softmax", target_name, "fp32", compiled)
+
+
+if __name__ == "__main__":
+    for line in compile_all():
+        print(json.dumps(line), flush=True)
