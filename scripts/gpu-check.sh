@@ -23,11 +23,11 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PYTEST_S=${PYTEST_S:-120}
+PYTEST_S=${PYTEST_S:-180}
 TRAIN_S=${TRAIN_S:-75}
 INFERENCE_S=${INFERENCE_S:-190}
 RL_S=${RL_S:-120}
-CONSISTENCY_S=${CONSISTENCY_S:-150}
+CONSISTENCY_S=${CONSISTENCY_S:-120}
 BENCH_RUNS=${BENCH_RUNS:-train inference rl consistency}
 read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"
 WORK=$(mktemp -d)
