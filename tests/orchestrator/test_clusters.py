@@ -8,6 +8,7 @@ import time
 import httpx
 
 from tests.orchestrator.orchestrator_support import ThreadServer, Trainer, coin_tasks, model_folder, orchestrator_config
+from whetstone.fleet.registry import FleetRegistry
 from whetstone.orchestrator import Orchestrator
 from whetstone.store import LocalStore
 from whetstone.sync import WeightStore
@@ -26,6 +27,11 @@ def test_each_cluster_follows_its_own_store_and_reports_the_staleness_of_what_it
     eu = ThreadServer(model_dir, eu_store, cluster="eu", registry=main).start()
     us = ThreadServer(model_dir, us_store, cluster="us", registry=main).start()
     try:
+        # Both announced before the orchestrator looks: one found late would take no rollout.
+        registry, deadline = FleetRegistry(LocalStore(main)), time.monotonic() + 60
+        while {r.cluster for r in registry.records()} != {"eu", "us"}:
+            assert time.monotonic() < deadline, "a server did not announce itself"
+            time.sleep(0.05)
         metrics = tmp_path / "orchestrator.jsonl"
         config = orchestrator_config(
             tmp_path, model_dir, [], discover_servers=True, metrics_path=str(metrics), max_batches=1
