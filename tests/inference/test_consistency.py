@@ -35,7 +35,9 @@ def model_for(kind: str):
     return tiny_model(seed=4, vocab_size=128, num_hidden_layers=3, max_position_embeddings=192, **MODELS[kind])
 
 
-def rollouts(model, mode: str, dtype: str, threads: int = 1, device: str = "cpu") -> list[Sequence]:
+def rollouts(
+    model, mode: str, dtype: str, threads: int = 1, device: str = "cpu", static_shapes: bool | None = None
+) -> list[Sequence]:
     """Batch requests sharing 3 slots, prefilled 32 tokens at a time; two users arrive midway
     and preempt rollouts (which later resume by replaying their routes)."""
     torch.set_num_threads(threads)
@@ -51,6 +53,7 @@ def rollouts(model, mode: str, dtype: str, threads: int = 1, device: str = "cpu"
             dtype=dtype,
             device=device,  # the CPU's invariance by default, against a trainer on the CPU
         ),
+        static_shapes=static_shapes,
     )
     g = torch.Generator().manual_seed(7)
     seqs = [
@@ -143,11 +146,13 @@ def test_importance_ratio_is_exactly_one_at_staleness_zero():
 )
 def test_the_triton_kernels_keep_the_contract(where, dtype, monkeypatch):
     """The GPU's invariant kernels (on a GPU, or under Triton's interpreter): the engine's
-    logprobs and routes are the trainer's, bit for bit, and the importance ratios exactly 1."""
+    logprobs and routes are the trainer's, bit for bit. The engine decodes as on CUDA, in static
+    shapes (batches padded to buckets with dummy rows, keys to a power of two of blocks)."""
     device, context = kernels(where, monkeypatch)
     model = model_for("moe")
     with context():
-        batch = shuffled(rollouts(model, "invariant", dtype, device=str(device))).to(device)
+        seqs = rollouts(model, "invariant", dtype, device=str(device), static_shapes=True)
+        batch = shuffled(seqs).to(device)
         model.to(device)
         logprobs = trainer_logprobs(model, batch, "invariant", dtype)
         with torch.no_grad(), autocast(dtype, device), numerics("invariant"):
