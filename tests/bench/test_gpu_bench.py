@@ -179,6 +179,12 @@ def test_bad_options_are_named_before_anything_runs():
         run(model="tiny", batches=[0, 16])
     with pytest.raises(WhetstoneError, match=r"must be at most the model's 2048 positions"):
         run(model="tiny", prompt_tokens=2000, new_tokens=128)
+    with pytest.raises(
+        WhetstoneError, match=r"consistency_tokens \(600\) must be at most a quarter of the model's 2048"
+    ):
+        run(model="tiny", consistency_tokens=600)
+    with pytest.raises(WhetstoneError, match="rl_numerics must be 'fast' or 'invariant', got 'exact'"):
+        run(model="tiny", rl_numerics="exact")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a machine without CUDA")

@@ -70,7 +70,7 @@ def compile_all():
             )
             yield _report("grouped_matmul", target_name, dtype, compiled)
 
-            ints = "length keys rows group kv_heads causal q_b q_h q_t k_b k_h k_s v_b v_h v_s m_b m_t m_s o_b o_h o_t"
+            ints = "keys rows group kv_heads causal q_b q_h q_t k_b k_h k_s v_b v_h v_s m_b m_t m_s o_b o_h o_t"
             signature = {name: f"*{dtype}" for name in ("q", "k", "v")} | {"mask": "*u8", "out": f"*{dtype}"}
             signature |= dict.fromkeys(ints.split(), "i32") | {"scale": "fp32"}
             signature |= dict.fromkeys(("IEEE", "HEAD_DIM", "BLOCK_M", "BLOCK_N"), "constexpr")

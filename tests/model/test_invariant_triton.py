@@ -50,15 +50,19 @@ def test_grouped_matmul_matches_per_expert_and_ignores_other_experts_tokens(wher
     weight = randn(5, 48, 64, dtype=dtype, device=device, seed=1)
     counts = [7, 0, 70, 1, 12]  # an empty expert, one with a lone token, one across two tiles
     with context():
-        out = kt.grouped_matmul(x, weight, torch.tensor(counts, device=device))
+
+        def ends(per_expert):  # each expert's rows end here (torch._grouped_mm's `offs`)
+            return torch.tensor(per_expert, device=device).cumsum(0)
+
+        out = kt.grouped_matmul(x, weight, ends(counts))
         reference = torch.cat([rows.float() @ weight[e].float().T for e, rows in enumerate(x.split(counts))])
         torch.testing.assert_close(out.float(), reference, **CLOSE[dtype])
         # expert 2's rows again, now with other counts around them (and its rows split across them)
-        moved = kt.grouped_matmul(x[7:77], weight, torch.tensor([0, 3, 60, 7, 0], device=device))
+        moved = kt.grouped_matmul(x[7:77], weight, ends([0, 3, 60, 7, 0]))
         assert torch.equal(moved[3:63], out[10:70])
-        alone = kt.grouped_matmul(x[77:78], weight, torch.tensor([0, 0, 0, 1, 0], device=device))
+        alone = kt.grouped_matmul(x[77:78], weight, ends([0, 0, 0, 1, 0]))
         assert torch.equal(alone, out[77:78])
-        assert kt.grouped_matmul(x[:0], weight, torch.zeros(5, dtype=torch.int64, device=device)).shape == (0, 48)
+        assert kt.grouped_matmul(x[:0], weight, ends([0] * 5)).shape == (0, 48)
 
 
 @pytest.mark.parametrize("where", WHERE)

@@ -506,13 +506,17 @@ def run(
     ):
         if value < least:
             raise WhetstoneError(f"{name} must be >= {least}, got {value}")
-    limit = cfg.max_position_embeddings
     if rl_numerics not in ("fast", "invariant"):
         raise WhetstoneError(f"rl_numerics must be 'fast' or 'invariant', got {rl_numerics!r}")
-    if train_seq_len > limit or prompt_tokens + new_tokens > limit or 4 * consistency_tokens > limit:
+    limit = cfg.max_position_embeddings
+    if train_seq_len > limit or prompt_tokens + new_tokens > limit:
         raise WhetstoneError(
             f"train_seq_len ({train_seq_len}) and prompt_tokens + new_tokens ({prompt_tokens + new_tokens}) "
             f"must be at most the model's {limit} positions"
+        )
+    if 4 * consistency_tokens > limit:  # the consistency engines' context: up to twice each, prompt and completion
+        raise WhetstoneError(
+            f"consistency_tokens ({consistency_tokens}) must be at most a quarter of the model's {limit} positions"
         )
     target = resolve_device(device)
     configure_process(threads)

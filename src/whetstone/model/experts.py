@@ -69,7 +69,7 @@ def _grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     """rows [S, K] (grouped by expert, expert e's ending at offsets[e]) @ weight[e] [N, K].T per
     expert: the batch-invariant kernel under invariant numerics, torch._grouped_mm otherwise."""
     if ops.is_invariant():
-        return invariant_triton.grouped_matmul(rows, weight, offsets.diff(prepend=offsets.new_zeros(1)))
+        return invariant_triton.grouped_matmul(rows, weight, offsets)
     return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
 
 

@@ -88,9 +88,9 @@ def softmax(x, out, width, x_row, out_row, LOG: tl.constexpr, BLOCK: tl.constexp
         tl.store(out + row * out_row + start + offsets, result, inside)
 
 
-@triton.jit(do_not_specialize=["length", "keys", "rows", "causal", "m_b", "m_t", "m_s"])
+@triton.jit(do_not_specialize=["keys", "rows", "causal", "m_b", "m_t", "m_s"])
 def attention(
-    q, k, v, mask, out, length, keys, rows, group, kv_heads, scale, causal,
+    q, k, v, mask, out, keys, rows, group, kv_heads, scale, causal,
     q_b, q_h, q_t, k_b, k_h, k_s, v_b, v_h, v_s, m_b, m_t, m_s, o_b, o_h, o_t,
     IEEE: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,

@@ -42,6 +42,7 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+import torch.nn.functional as F
 
 from whetstone.errors import WhetstoneError
 
@@ -114,29 +115,31 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _tile_layout(counts: torch.Tensor, total_slots: int, block_m: int):
+def _tile_layout(offsets: torch.Tensor, total_slots: int, block_m: int):
     """(tile expert, tile first slot, tile end slot), int32, for a grid of cdiv(slots, block_m) +
-    experts tiles; tiles past the last one have expert -1."""
-    counts = counts.to(torch.int64)
-    experts = counts.numel()
+    experts tiles; tiles past the last one have expert -1. `offsets[e]` is where expert e's slots
+    end."""
+    ends = offsets.to(torch.int64)
+    experts = ends.numel()
+    counts = ends.diff(prepend=ends.new_zeros(1))
     tiles = counts.add(block_m - 1).div(block_m, rounding_mode="floor")
     tile_end = tiles.cumsum(0)  # one past each expert's last tile
-    slot_start = counts.cumsum(0) - counts
     grid = _cdiv(total_slots, block_m) + experts
-    index = torch.arange(grid, device=counts.device)
+    index = torch.arange(grid, device=ends.device)
     expert = torch.searchsorted(tile_end, index, right=True)  # experts == past the last tile
     valid = expert < experts
     clamped = expert.clamp(max=experts - 1)
     within = index - (tile_end - tiles).index_select(0, clamped)
-    first = slot_start.index_select(0, clamped) + within * block_m
-    end = (slot_start + counts).index_select(0, clamped)
+    first = (ends - counts).index_select(0, clamped) + within * block_m
+    end = ends.index_select(0, clamped)
     as_int = functools.partial(torch.Tensor.to, dtype=torch.int32)
     return as_int(torch.where(valid, expert, -1)), as_int(first), as_int(end)
 
 
-def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-    """x [S, K] (slots sorted by expert, `counts[e]` of expert e) @ weight[e] [N, K].T per expert
-    -> [S, N] in x's dtype; no read-back, batch-invariant."""
+def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """x [S, K] (slots sorted by expert, expert e's rows offsets[e-1]:offsets[e], as
+    `torch._grouped_mm`'s `offs`) @ weight[e] [N, K].T per expert -> [S, N] in x's dtype; no
+    read-back, batch-invariant."""
     _check_dtypes(x, weight)
     slots, depth = x.shape
     columns = weight.shape[1]
@@ -144,7 +147,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) 
     if slots == 0:
         return out
     config = _tiles(x.dtype)
-    tile_expert, tile_start, tile_end = _tile_layout(counts, slots, config["BLOCK_M"])
+    tile_expert, tile_start, tile_end = _tile_layout(offsets, slots, config["BLOCK_M"])
     grid = (tile_expert.numel(), _cdiv(columns, config["BLOCK_N"]))
     _kernels().grouped_matmul[grid](
         x, weight, out, tile_expert, tile_start, tile_end, columns, depth, *x.stride(), *weight.stride(), *out.stride(),
@@ -214,15 +217,15 @@ def _attention_forward(q, k, v, mask):
     block_m = 32 if q.dtype == torch.float32 else 64
     causal = mask is None
     if causal:
-        mask_strides = (0, 0, 0)
-        mask = torch.ones(1, dtype=torch.uint8, device=q.device)  # not read
+        mask_strides = (0, 0, 0)  # the kernel reads this one byte for every key, and ignores it
+        mask = torch.ones(1, dtype=torch.uint8, device=q.device)
     else:
         mask = mask.expand(batch, 1, length, keys).to(torch.uint8)
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
     grid = (_cdiv(rows, block_m), batch * kv_heads)
     if rows:
         _kernels().attention[grid](
-            q, k, v, mask, out, length, keys, rows, group, kv_heads, dim**-0.5, int(causal),
+            q, k, v, mask, out, keys, rows, group, kv_heads, dim**-0.5, int(causal),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
             IEEE=q.dtype == torch.float32, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=KEY_CHUNK,
@@ -233,8 +236,6 @@ def _attention_forward(q, k, v, mask):
 
 def _reference_attention(q, k, v, mask):
     """The same function by torch's SDPA (differentiable): what the backward differentiates."""
-    import torch.nn.functional as F
-
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
