@@ -15,7 +15,9 @@
 #             invariant numerics, whose mismatch must be 0 in every step)
 # $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
 # every bench run (a CPU dry run: BENCH_ARGS="--model tiny --train-seq-len 32 ..."); the *_S
-# variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests). The bounds add
+# variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests); PYTEST_ARGS adds
+# pytest options (e.g. "-n 6 --timeout 150": the GPU image has pytest-xdist and pytest-timeout).
+# Each section's JSON is also printed into gpu-check.log as it finishes. The bounds add
 # up to more than one 10-minute device call: a second call can take the rest, e.g.
 #   PYTEST_S=0 BENCH_RUNS="consistency rl-invariant" bash scripts/gpu-check.sh
 set -uo pipefail
@@ -67,7 +69,7 @@ stage nvidia-smi 30 nvidia-smi
 # -m gpu replaces the default `-m "not slow"`; a test module that cannot be imported here is
 # reported and the others still run.
 [ "$PYTEST_S" = 0 ] && echo "=== pytest: skipped (PYTEST_S=0)" || stage pytest "$PYTEST_S" bash -c 'python3 -m pytest tests -m gpu -ra -p no:cacheprovider \
-    --continue-on-collection-errors --junitxml="$1/junit.xml" 2>&1 | tee "$1/pytest.log"' _ "$OUT"
+    --continue-on-collection-errors --junitxml="$1/junit.xml" "${@:2}" 2>&1 | tee "$1/pytest.log"' _ "$OUT" ${PYTEST_ARGS:-}
 
 for run in $BENCH_RUNS; do
     section=${run%-invariant}
@@ -77,6 +79,7 @@ for run in $BENCH_RUNS; do
     [ "$run" = rl-invariant ] && extra+=(--rl-numerics invariant)
     stage "bench $run" "${!bound_var}" bash -c 'python3 -m whetstone bench gpu --json --sections "$1" "${@:5}" \
         >"$2/bench-$4.json" 2> >(tee -a "$3/bench.log" >&2)' _ "$section" "$WORK" "$OUT" "$run" "${extra[@]}" "${BENCH_EXTRA[@]}"
+    echo "=== bench $run JSON:"; cat "$WORK/bench-$run.json" 2>/dev/null; echo
 done
 
 # One object, as one `whetstone bench gpu --json` prints; a section whose run printed nothing says so.

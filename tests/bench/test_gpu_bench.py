@@ -92,6 +92,7 @@ def check_inference(inference: dict, swaps: int) -> None:
         assert "swap_pause_ms" not in inference
     assert inference["hf_static_compiled"] is False  # transformers compiles its static cache on CUDA only
     assert inference["engine_config"]["dtype"] == "bfloat16"
+    assert inference["engine_graph_captures"] == 0 and inference["engine_replays_graphs"] is False  # CUDA's
 
 
 def test_the_train_and_inference_sections_report_every_figure():
@@ -208,6 +209,7 @@ def test_the_benchmark_runs_on_cuda():
     assert train["first_loss"]["whetstone"] == pytest.approx(train["first_loss"]["hf"], rel=1e-2)
     assert inference["hf_static_compiled"] is True and inference["batch_4"]["errors"] == {}
     assert inference["batch_4"]["speedup_vs_hf_static"] > 0 and inference["engine_config"]["device"].startswith("cuda")
+    assert inference["engine_replays_graphs"] is True and inference["engine_graph_captures"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip where CUDA is absent")

@@ -165,6 +165,7 @@ def test_cuda_graphs_serve_swapped_weights():
     engine = cuda_engine(tiny_model(), cuda_graphs=True, max_batch=4)
     params = SamplingParams(max_tokens=12, temperature=0.0)
     engine.generate(prompts(5, 9), params)  # captures
+    assert engine.stats.graph_captures_total > 0 and engine.decoder.graphs
     engine.update_weights(full_update(new.state_dict(), version=1))
     swapped = engine.generate(prompts(5, 9), params)
     expected = make_engine(new, max_batch=4).generate(prompts(5, 9), params)
@@ -206,6 +207,8 @@ def test_bf16_on_cuda_with_graphs_decodes_like_without():
     model = tiny_model()
     params = SamplingParams(max_tokens=20, temperature=0.0)
     eager = cuda_engine(copy.deepcopy(model), cuda_graphs=False, dtype="bfloat16").generate(prompts(9, 4, 13), params)
-    static = cuda_engine(model, cuda_graphs=True, dtype="bfloat16").generate(prompts(9, 4, 13), params)
+    engine = cuda_engine(model, cuda_graphs=True, dtype="bfloat16")
+    static = engine.generate(prompts(9, 4, 13), params)
+    assert engine.stats.graph_captures_total > 0 and engine.decoder.graphs  # replayed, not fallen back
     assert all(len(s.output_ids) == 20 for s in static)
     assert sum(a.output_ids == b.output_ids for a, b in zip(static, eager)) >= 2

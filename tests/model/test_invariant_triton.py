@@ -3,15 +3,20 @@ independent of the batch (other rows, their number, padding, the split of attent
 They run on a GPU (marked `gpu`) and, on any machine with Triton, under its interpreter."""
 
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import whetstone.model
+from tests.host_work import watch_host_work
 from tests.triton_kernels import WHERE, kernels
 from whetstone.errors import WhetstoneError
 from whetstone.model import invariant_triton as kt
+from whetstone.model.experts import expert_mlp, grouped_mm_on_cpu
+
+GROUPED_MATMUL = kt.grouped_matmul
 
 DTYPES = [torch.float32, torch.bfloat16]
 CLOSE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=0.05, rtol=0.02)}
@@ -63,6 +68,39 @@ def test_grouped_matmul_matches_per_expert_and_ignores_other_experts_tokens(wher
         alone = kt.grouped_matmul(x[77:78], weight, ends([0, 0, 0, 1, 0]))
         assert torch.equal(alone, out[77:78])
         assert kt.grouped_matmul(x[:0], weight, ends([0] * 5)).shape == (0, 48)
+
+
+@pytest.mark.parametrize("where", WHERE)
+def test_fast_fp32_experts_take_the_grouped_kernel_where_torchs_would_read_back(where, monkeypatch):
+    """torch._grouped_mm on CUDA in fp32 loops over the groups after copying the offsets to the
+    host (no CUDA graph can capture that): there fast numerics use the Triton grouped kernel,
+    which computes what the per-expert path does and waits for nothing."""
+    device, context = kernels(where, monkeypatch)
+    x = randn(20, 32, dtype=torch.float32, device=device)
+    gate_up = randn(4, 64, 32, dtype=torch.float32, device=device, seed=1)
+    down = randn(4, 32, 32, dtype=torch.float32, device=device, seed=2)
+    ids = torch.randint(0, 3, (20, 2), generator=torch.Generator().manual_seed(3)).to(device)  # expert 3 idle
+    expected = expert_mlp(x.cpu(), ids.cpu(), gate_up.cpu(), down.cpu())  # the CPU's per-expert path
+    calls = []
+    monkeypatch.setattr(kt, "grouped_matmul", lambda *args: calls.append(1) or GROUPED_MATMUL(*args))
+    with context(), grouped_mm_on_cpu(), torch.no_grad(), watch_host_work() as work, _no_waits(device):
+        got = expert_mlp(x, ids, gate_up, down)
+    assert len(calls) == 2 and work.syncs == [] and work.host_tensors == []
+    torch.testing.assert_close(got.cpu(), expected)
+
+
+@contextmanager
+def _no_waits(device: torch.device):
+    """On CUDA, any wait for the GPU inside the block raises (torch's sync debug mode)."""
+    if device.type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -119,6 +157,19 @@ def test_attention_matches_sdpa(where, dtype, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("dim", [8, 24])
+@pytest.mark.parametrize("where", WHERE)
+def test_attention_takes_a_head_dim_its_tiles_do_not(where, dim, monkeypatch):
+    """head_dim 8 (the tests' tiny models) or 24 is padded with zero columns to the tiles' power of
+    two: the same result as SDPA, and a row's bits still do not depend on the batch."""
+    device, context = kernels(where, monkeypatch)
+    q, k, v = _qkv(2, 70, torch.float32, device, dim=dim)
+    with context():
+        both, first = kt.attention(q, k, v, None), kt.attention(q[:1], k[:1], v[:1], None)
+    assert both.shape == q.shape and torch.equal(both[:1], first)
+    torch.testing.assert_close(both, F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("where", WHERE)
 def test_attention_is_the_same_decoded_prefilled_in_chunks_or_batched(where, dtype, monkeypatch):
@@ -172,8 +223,6 @@ def test_bad_operands_are_named(where, monkeypatch):
     with context():
         with pytest.raises(WhetstoneError, match="one float dtype"):
             kt.matmul(torch.ones(2, 4, device=device), torch.ones(3, 4, dtype=torch.float64, device=device))
-        with pytest.raises(WhetstoneError, match="head_dim"):
-            kt.attention(*_qkv(1, 4, torch.float32, device, dim=24), None)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

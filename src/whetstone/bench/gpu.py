@@ -215,6 +215,10 @@ def inference(
     for batch in batches:
         say(f"inference: batch {batch}, {prompt_tokens}-token prompts, {new_tokens} new tokens")
         result[f"batch_{batch}"] = _generation(engine, hf, device, batch, prompt_tokens, new_tokens, repeats, seed)
+    # whether the engine's decode steps replayed CUDA graphs (a capture that fails falls back to
+    # eager steps, with a warning in the log, and the figures above are those of eager decoding)
+    result["engine_graph_captures"] = engine.stats.graph_captures_total
+    result["engine_replays_graphs"] = bool(getattr(engine.decoder, "graphs", False))
     del hf, engine
     free(device)
     if swaps:

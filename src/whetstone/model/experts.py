@@ -12,11 +12,14 @@ slices, both with the backward written out:
 - grouped (CUDA, `uses_grouped_mm`): each projection of all experts is one call, the slices
   delimited by offsets computed on the device. Nothing is read back, so a forward queues
   without waiting for the GPU and a decode step can be captured in a CUDA graph. Under `fast`
-  numerics the call is `torch._grouped_mm` (in bf16 on Hopper and later one CUTLASS kernel per
-  projection; other dtypes go through torch's own per-group loop); `grouped_mm_on_cpu()` runs
-  it on the CPU too, where tests check it against the per-expert path. Under invariant numerics
-  it is `invariant_triton.grouped_matmul`, whose tiles never depend on how many tokens chose an
-  expert.
+  numerics the call is `torch._grouped_mm` where it runs on the device: in bf16 on Hopper and
+  later, one CUTLASS kernel per projection, and on the CPU (`grouped_mm_on_cpu()`, where tests
+  check it against the per-expert path). For other CUDA dtypes (fp32) and older GPUs torch's
+  grouped mm loops over the groups after reading the offsets back, so there the forward uses
+  `invariant_triton.grouped_matmul` too; the fp32 backward keeps torch's loop (a few read-backs
+  per layer: fp32 on a GPU serves tests and references, bf16 is what trains). Under invariant
+  numerics it is always `invariant_triton.grouped_matmul`, whose tiles never depend on how many
+  tokens chose an expert.
 
 On the CPU under invariant numerics each expert's slice is padded to a multiple of
 `invariant.EXPERT_ROW_TILE` rows (dummy slots that read a zero row and whose outputs nobody
@@ -28,6 +31,7 @@ of two (`ops.shape_tile`), so the matmuls reuse the kernels oneDNN built for ear
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -67,10 +71,26 @@ def uses_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) 
 
 def _grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """rows [S, K] (grouped by expert, expert e's ending at offsets[e]) @ weight[e] [N, K].T per
-    expert: the batch-invariant kernel under invariant numerics, torch._grouped_mm otherwise."""
-    if ops.is_invariant():
+    expert: the batch-invariant kernel under invariant numerics and where torch's grouped mm
+    would read the offsets back, torch._grouped_mm otherwise."""
+    if ops.is_invariant() or not _grouped_mm_stays_on_device(rows):
         return invariant_triton.grouped_matmul(rows, weight, offsets)
     return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+
+
+def _grouped_mm_stays_on_device(x: torch.Tensor) -> bool:
+    """Whether torch._grouped_mm multiplies x's groups without reading the offsets back: on CUDA
+    only bf16 from Hopper on (its CUTLASS kernels; elsewhere its fallback copies the offsets to
+    the host, which a CUDA graph cannot capture); on the CPU always (a loop, but no device to
+    wait for), unless a test runs the Triton kernels there (`invariant_triton.on_cpu`)."""
+    if x.device.type == "cuda":
+        return x.dtype == torch.bfloat16 and _capability(x.device) >= (9, 0)
+    return not invariant_triton.applies(x)
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 def expert_counts(slot_expert: torch.Tensor, experts: int) -> torch.Tensor:

@@ -206,11 +206,18 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _attention_forward(q, k, v, mask):
+    _check_dtypes(q, k, v)
+    dim = q.shape[-1]
+    padded = max(16, 1 << (dim - 1).bit_length())  # the kernel's tiles take a power of two >= 16
+    if padded != dim:  # zero columns add exact zeros to every dot product, and give zero outputs
+        q, k, v = (F.pad(t, (0, padded - dim)) for t in (q, k, v))
+        return _attention_forward_padded(q, k, v, mask, dim**-0.5)[..., :dim]
+    return _attention_forward_padded(q, k, v, mask, dim**-0.5)
+
+
+def _attention_forward_padded(q, k, v, mask, scale):
     batch, q_heads, length, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
-    if dim & (dim - 1) or dim < 16:
-        raise WhetstoneError(f"invariant attention on a GPU needs a power-of-two head_dim >= 16, got {dim}")
-    _check_dtypes(q, k, v)
     group = q_heads // kv_heads
     rows = group * length
     out = torch.empty_like(q)
@@ -225,7 +232,7 @@ def _attention_forward(q, k, v, mask):
     grid = (_cdiv(rows, block_m), batch * kv_heads)
     if rows:
         _kernels().attention[grid](
-            q, k, v, mask, out, keys, rows, group, kv_heads, dim**-0.5, int(causal),
+            q, k, v, mask, out, keys, rows, group, kv_heads, scale, int(causal),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
             IEEE=q.dtype == torch.float32, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=KEY_CHUNK,

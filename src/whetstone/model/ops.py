@@ -181,7 +181,7 @@ def grouped_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ma
     rows = q.reshape(batch, kv_heads, group * length, dim)
     mask = mask.expand(batch, 1, length, k.shape[2]).repeat(1, 1, group, 1)  # row (g, t) takes t's mask
     out = F.scaled_dot_product_attention(rows, k, v, attn_mask=mask)
-    return out.view(batch, heads, length, dim)
+    return out.reshape(batch, heads, length, dim)  # CUDA's kernels may return it in another layout
 
 
 def softmax(x: torch.Tensor) -> torch.Tensor:
