@@ -78,6 +78,8 @@ def rollouts(
     torch.set_num_threads(1)
     assert all(seq.finish_reason == "length" for seq in seqs)
     assert engine.stats.preemptions_total > 0
+    if engine.device.type == "cuda":  # the decode steps replayed CUDA graphs (a failed capture runs eagerly)
+        assert engine.stats.graph_captures_total > 0 and engine.decoder.graphs
     return seqs
 
 
