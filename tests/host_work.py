@@ -100,3 +100,19 @@ def watch_host_work():
     finally:
         for owner, name, original in reversed(saved):
             setattr(owner, name, original)
+
+
+@contextmanager
+def no_gpu_waits(device: torch.device | str = "cuda"):
+    """On CUDA, any wait for the GPU inside the block raises (torch's sync debug mode, which
+    catches read-backs `watch_host_work` cannot see: those torch makes in C++). Off CUDA it
+    checks nothing."""
+    if torch.device(device).type != "cuda":
+        yield
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

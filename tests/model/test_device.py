@@ -4,13 +4,13 @@ computes what the per-expert path (the CPU's) does. CPU tests check the device-a
 with `watch_host_work`; the `gpu` tests run the same on CUDA."""
 
 from collections import Counter
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.host_work import watch_host_work
+from tests.host_work import no_gpu_waits, watch_host_work
 from whetstone.model import KVCache, Transformer, ops
 from whetstone.model.experts import expert_mlp, grouped_mm_on_cpu, uses_grouped_mm
 from whetstone.model.moe import load_balancing_loss
@@ -243,23 +243,12 @@ def test_cuda_decoding_through_the_kv_cache_matches_the_cpu(numerics, dtype, mak
     _assert_near(torch.cat(steps, dim=1), expected.logits, TOLERANCE[dtype], "decoding")
 
 
-@contextmanager
-def _no_read_backs():
-    """Any wait for the GPU inside the block raises (torch's sync debug mode)."""
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-
-
 @pytest.mark.gpu
 def test_cuda_takes_the_grouped_path_and_it_never_waits_for_the_gpu():
     x, _, gate_up, down, _ = (t.cuda() for t in _expert_case())
     assert uses_grouped_mm(x.bfloat16(), gate_up, down)
     expected = _run_experts("bfloat16")
-    got = _run_experts("bfloat16", "cuda", watch=_no_read_backs)
+    got = _run_experts("bfloat16", "cuda", watch=no_gpu_waits)
     for name, tensor, want in zip(("output", "x", "gate_up", "down"), got, expected):
         _assert_near(tensor, want, TOLERANCE["bfloat16"], name)
     assert got[2][4:].abs().sum() == 0 and got[3][4:].abs().sum() == 0

@@ -3,14 +3,13 @@ independent of the batch (other rows, their number, padding, the split of attent
 They run on a GPU (marked `gpu`) and, on any machine with Triton, under its interpreter."""
 
 import sys
-from contextlib import contextmanager
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 import whetstone.model
-from tests.host_work import watch_host_work
+from tests.host_work import no_gpu_waits, watch_host_work
 from tests.triton_kernels import WHERE, kernels
 from whetstone.errors import WhetstoneError
 from whetstone.model import invariant_triton as kt
@@ -83,24 +82,10 @@ def test_fast_fp32_experts_take_the_grouped_kernel_where_torchs_would_read_back(
     expected = expert_mlp(x.cpu(), ids.cpu(), gate_up.cpu(), down.cpu())  # the CPU's per-expert path
     calls = []
     monkeypatch.setattr(kt, "grouped_matmul", lambda *args: calls.append(1) or GROUPED_MATMUL(*args))
-    with context(), grouped_mm_on_cpu(), torch.no_grad(), watch_host_work() as work, _no_waits(device):
+    with context(), grouped_mm_on_cpu(), torch.no_grad(), watch_host_work() as work, no_gpu_waits(device):
         got = expert_mlp(x, ids, gate_up, down)
     assert len(calls) == 2 and work.syncs == [] and work.host_tensors == []
     torch.testing.assert_close(got.cpu(), expected)
-
-
-@contextmanager
-def _no_waits(device: torch.device):
-    """On CUDA, any wait for the GPU inside the block raises (torch's sync debug mode)."""
-    if device.type != "cuda":
-        yield
-        return
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        yield
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
 
 
 @pytest.mark.parametrize("where", WHERE)
