@@ -1,4 +1,5 @@
-"""The serving layout: column-major matmul weights change strides only, never values or bits."""
+"""The serving layout: column-major matmul weights change strides only, never values or bits; bf16
+matmul weights hold what bf16 autocast computes with, so a bf16 forward keeps its bits."""
 
 import torch
 
@@ -7,6 +8,7 @@ from whetstone.model.layout import (
     MIN_OUTPUTS,
     cat_rows,
     flat_storage,
+    in_compute_dtype,
     in_storage_order,
     is_column_major,
     storage_indices,
@@ -81,3 +83,25 @@ def test_writes_in_storage_order_land_at_their_logical_positions():
         whole = torch.randn(shape, generator=generator)
         flat_storage(stored).copy_(in_storage_order(stored, whole))
         assert torch.equal(stored, whole)
+
+
+def test_bf16_matmul_weights_give_the_bits_of_autocast_and_leave_the_callers_model_alone():
+    for tied in (True, False):
+        torch.manual_seed(0)
+        model = Transformer(CFG.model_copy(update={"tie_word_embeddings": tied})).eval()
+        before = {name: t.clone() for name, t in model.state_dict().items()}
+        served = in_compute_dtype(model, torch.bfloat16)
+        dtypes = {name: p.dtype for name, p in served.named_parameters()}
+        assert dtypes["embed_tokens.weight"] == dtypes["norm.weight"] == torch.float32
+        assert dtypes["layers.0.self_attn.q_proj.weight"] == dtypes["layers.0.mlp.router.weight"] == torch.bfloat16
+        assert dtypes["layers.1.mlp.experts.gate_up_proj"] == torch.bfloat16
+        assert ("lm_head.weight" in dtypes) == (not tied)  # a tied head is the embedding table: kept
+        assert all(not p.requires_grad for p in served.parameters() if p.dtype == torch.bfloat16)
+        # the caller's weights: unchanged, and its norms shared rather than copied
+        assert all(
+            torch.equal(t, before[name]) and t.dtype == before[name].dtype for name, t in model.state_dict().items()
+        )
+        assert served.norm.weight is model.norm.weight
+        ids = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(served(ids).logits, model(ids).logits)

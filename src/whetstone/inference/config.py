@@ -58,8 +58,9 @@ class EngineConfig(Config):
     what else is batched, on prefill chunking or on the KV cache, and equal bit for bit what a
     trainer with the same `numerics` and `dtype` computes (docs/consistency.md, with its cost)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
-    """Compute dtype: `bfloat16` runs the forward under bf16 autocast over the fp32 weights,
-    exactly as the trainer's `dtype = "bfloat16"` does."""
+    """Compute dtype: `bfloat16` runs the forward under bf16 autocast, exactly as the trainer's
+    `dtype = "bfloat16"` does; with `fast` numerics the engine keeps its matmul weights in bf16,
+    the values autocast casts them to (same bits, half their memory, no per-step cast)."""
 
 
 class ServeConfig(Config):

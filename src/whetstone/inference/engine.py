@@ -50,7 +50,7 @@ from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
 from whetstone.inference.transfer import to_device
 from whetstone.model import invariant, numerics
-from whetstone.model.layout import to_column_major
+from whetstone.model.layout import in_compute_dtype, to_column_major
 from whetstone.sync.update import WeightUpdate
 from whetstone.utils.device import autocast, resolve_device, synchronize
 
@@ -84,6 +84,10 @@ class Engine:
         cfg = model.cfg
         self.device = resolve_device(config.device)
         model = model.eval().to(self.device)
+        if config.numerics == "fast" and config.dtype == "bfloat16":
+            # the bf16 values autocast would compute with, kept (the caller's model keeps its
+            # own); invariant numerics keep the trainer's fp32 weights, as the contract says
+            model = in_compute_dtype(model, torch.bfloat16)
         # the serving layout (faster CPU decode, same values); invariant numerics keep the trainer's
         serving_layout = config.numerics == "fast" and self.device.type == "cpu"
         self.model = to_column_major(model) if serving_layout else model

@@ -12,9 +12,16 @@ have, and so does an engine with invariant numerics, whose matmuls must be the t
 Writing into such a tensor goes through `flat_storage` with `storage_indices` (sparse writes) or
 `in_storage_order` (whole tensors), which put values in storage order (hot weight swap,
 `inference/swap.py`).
+
+A fast engine that computes in bf16 also holds its matmul weights in bf16 (`in_compute_dtype`):
+the values bf16 autocast would cast them to at every forward, so the same bits without that cast
+(on a GPU, reading and writing every weight again each decode step) and at half the memory.
+Embedding tables and norms keep their dtype, as autocast leaves them.
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 from torch import nn
@@ -52,6 +59,22 @@ def to_column_major(model: nn.Module) -> nn.Module:
             if not is_column_major(param):
                 param.data = param.data.transpose(-1, -2).contiguous().transpose(-1, -2)
     return model
+
+
+def in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """A copy of `model` whose matmul weights (every parameter of two or more dims but an
+    embedding table, a tied output head included) are in `dtype`, sharing every other parameter
+    and buffer with `model`, which keeps its own weights (a trainer may hold the same object).
+    The copies take no gradient: they serve."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    memo: dict[int, object] = {id(b): b for b in model.buffers()}
+    with torch.inference_mode(False), torch.no_grad():
+        for param in model.parameters():
+            if param.dim() >= 2 and id(param) not in tables and param.dtype != dtype:
+                memo[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
+            else:
+                memo[id(param)] = param
+        return copy.deepcopy(model, memo)
 
 
 def cat_rows(weights: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
