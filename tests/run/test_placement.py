@@ -106,6 +106,7 @@ def test_the_gpu_preset_differs_from_the_default_run_only_where_it_says():
         "rl.trainer.micro_batch_size",
         "rl.trainer.threads",
         "rl.trainer.optimizer.lr",
+        "rl.trainer.sync.workers",
         "rl.orchestrator.rollout.concurrency",
         "eval.tasks.synth.count",
     }

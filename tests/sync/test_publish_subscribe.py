@@ -5,10 +5,12 @@ import json
 import logging
 
 import pytest
+import torch
 
 from tests.sync.conftest import bit_identical, published
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
 from whetstone.sync.manifest import manifest_key
+from whetstone.sync.publisher import prepare_state
 
 
 def test_several_subscribers_with_their_own_engines_end_bit_identical(weights, config, trainer):
@@ -143,3 +145,15 @@ def test_sync_through_s3_with_faults(s3_endpoint, trainer, tmp_path):
     for subscriber in subscribers:
         assert subscriber.version == 8
         assert bit_identical(subscriber.state, published(trainer.state))
+
+
+@pytest.mark.gpu
+def test_weights_on_a_gpu_publish_the_bits_of_their_host_copy():
+    """A GPU's tensors are cast on the device, then copied: the same bits as casting on the host."""
+    g = torch.Generator().manual_seed(0)
+    state = {"w": torch.randn(300, 70, generator=g), "ids": torch.arange(5), "t": torch.randn(40, 6, generator=g).T}
+    on_gpu = {name: t.cuda() for name, t in state.items()}
+    for dtype in ("bfloat16", "float16", "float32", "keep"):
+        from_gpu = prepare_state(on_gpu, dtype)
+        assert all(t.device.type == "cpu" and t.is_contiguous() for t in from_gpu.values())
+        assert bit_identical(from_gpu, prepare_state(state, dtype))

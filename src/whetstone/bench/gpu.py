@@ -67,6 +67,9 @@ GPU_MODEL = ModelConfig(
 
 SECTIONS = ("train", "inference", "rl", "consistency")
 DTYPE = "bfloat16"
+SYNC_WORKERS = 8
+"""Weight-sync threads of the RL section's trainer and server on a GPU machine (16 cores on the
+H200 one): with one, publishing the 380M model took 6-8 s of every ~7 s step."""
 LOAD_ROUNDS = 8
 """Full batches queued for the swap measurement, so the engine still decodes a full batch when
 the last version arrives, on a device where a step takes milliseconds."""
@@ -368,6 +371,7 @@ def rl(
             dtype=DTYPE,
             device=str(device),
             numerics=numerics,
+            sync_workers=SYNC_WORKERS if device.type == "cuda" else 1,
         )
         say(f"rl: {steps} steps of {group_size * groups_per_batch} samples, one server and the trainer on {device}")
         side = whetstone_side(config, model_dir)
@@ -386,6 +390,10 @@ def rl(
         # Under invariant numerics: 0 in every on-policy step, and replay changes no expert.
         "max_abs_logprob_diff_per_step": [r["logprob_diff_max"] for r in on_policy],
         "routing_disagreement_max": _round(max((r.get("routing_disagreement", 0.0) for r in on_policy), default=None)),
+        # the trainer's step: training, and publishing the new weights (encoded on the CPU)
+        "train_s_mean": _round(statistics.mean(r["train_s"] for r in records)) if records else None,
+        "publish_s_mean": _round(statistics.mean(r.get("publish_s", 0.0) for r in records)) if records else None,
+        "sync_workers": config.rl.trainer.sync.workers,
         "samples": side["samples"],
         "wall_s": round(side["wall_s"], 2),
         "steps": steps,

@@ -192,10 +192,11 @@ def pipeline_config(
     dtype: str = "float32",
     device: str = "auto",
     numerics: str = "fast",
+    sync_workers: int = 1,
 ):
     """The RL stage's config for one side. `dtype` and `numerics`: the trainer's and the servers'
-    engines'; `device`: where the run places them (`placement`); the rest of the servers'
-    settings stay the run's."""
+    engines'; `device`: where the run places them (`placement`); `sync_workers`: the weight-sync
+    threads of the trainer and the servers; the rest of the servers' settings stay the run's."""
     from whetstone.envs.harness import HarnessConfig, RolloutConfig
     from whetstone.envs.tasks import TasksConfig
     from whetstone.orchestrator import OrchestratorConfig
@@ -220,7 +221,11 @@ def pipeline_config(
         checkpoint_interval=steps,
         poll_interval=POLL_S,
         # invariant numerics need the servers to hold the trainer's fp32 weights
-        sync=SyncConfig(poll_interval=POLL_S, publish_dtype="float32" if numerics == "invariant" else "bfloat16"),
+        sync=SyncConfig(
+            poll_interval=POLL_S,
+            publish_dtype="float32" if numerics == "invariant" else "bfloat16",
+            workers=sync_workers,
+        ),
         dtype=dtype,
         numerics=numerics,
     )

@@ -39,16 +39,22 @@ log = logging.getLogger("whetstone.sync")
 
 
 def prepare_state(state: dict[str, torch.Tensor], publish_dtype: str) -> dict[str, torch.Tensor]:
-    """The tensors as published: floats in `publish_dtype`, contiguous, copied off the trainer."""
+    """The tensors as published: floats in `publish_dtype`, contiguous, copied off the trainer
+    onto the host. A GPU's tensors are cast where they are, then copied: the GPU casts in a
+    moment and the copy moves half the bytes (a 380M model's fp32 weights take ~0.8 s to cast on
+    one CPU core)."""
     target = None if publish_dtype == "keep" else DTYPES[publish_dtype]
     published = {}
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             raise WhetstoneError(f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor")
-        tensor = tensor.detach().cpu()
+        tensor = tensor.detach()
         dtype = target if target is not None and tensor.is_floating_point() else tensor.dtype
         dtype_name(dtype)  # rejects dtypes sync cannot carry, naming them
-        published[name] = tensor.to(dtype=dtype, copy=True).contiguous()
+        if tensor.device.type == "cpu":
+            published[name] = tensor.to(dtype=dtype, copy=True).contiguous()
+        else:
+            published[name] = tensor.to(dtype=dtype).contiguous().cpu()
     return published
 
 
