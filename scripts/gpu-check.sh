@@ -13,6 +13,8 @@
 #             run's configs, logs and metrics in $OUT/rl-run.tgz. BENCH_RUNS names the runs
 #             (default "train inference rl consistency"; "rl-invariant" is the RL section in
 #             invariant numerics, whose mismatch must be 0 in every step)
+#   run       only with RUN_S > 0: `whetstone run configs/gpu.toml`, the whole run on the GPU,
+#             bounded by RUN_S; its summary, report, configs, logs and metrics in $OUT/run.tgz
 # $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
 # every bench run (a CPU dry run: BENCH_ARGS="--model tiny --train-seq-len 32 ..."); the *_S
 # variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests); PYTEST_ARGS sets
@@ -22,6 +24,8 @@
 # invariant RL run more than 100 s. All of it does not fit one 10-minute device call; two do:
 #   BENCH_RUNS="train inference consistency" bash scripts/gpu-check.sh
 #   PYTEST_S=0 BENCH_RUNS="rl rl-invariant" bash scripts/gpu-check.sh
+# and the whole run, aimed at under 10 minutes, takes a third:
+#   PYTEST_S=0 BENCH_RUNS="" RUN_S=570 bash scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
@@ -33,7 +37,8 @@ INFERENCE_S=${INFERENCE_S:-190}
 RL_S=${RL_S:-120}
 CONSISTENCY_S=${CONSISTENCY_S:-120}
 RL_INVARIANT_S=${RL_INVARIANT_S:-240}  # fp32 weights published, Triton compiling in both processes
-BENCH_RUNS=${BENCH_RUNS:-train inference rl consistency}
+RUN_S=${RUN_S:-0}
+BENCH_RUNS=${BENCH_RUNS-train inference rl consistency}  # "" runs no section
 read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"
 WORK=$(mktemp -d)
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
@@ -111,10 +116,16 @@ Path(sys.argv[2]).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n"
 print(json.dumps({k: merged[k] for k in ("device", "failed", "seconds") if k in merged}, indent=2))
 PY
 
-for run in rl rl-invariant; do
+if [ "$RUN_S" != 0 ]; then
+    stage run "$RUN_S" python3 -m whetstone run configs/gpu.toml --set "output_dir=\"$WORK/whole-run\""
+fi
+
+for run in rl rl-invariant whole; do
     if [ -d "$WORK/$run-run" ]; then
-        tar czf "$OUT/$run-run.tgz" -C "$WORK" --exclude=checkpoints --exclude=weights --exclude=batches \
-            --exclude=bench-model --exclude='*.safetensors' "$run-run"
+        archive=$run-run.tgz
+        [ "$run" = whole ] && archive=run.tgz
+        tar czf "$OUT/$archive" -C "$WORK" --exclude=checkpoints --exclude=weights --exclude=batches \
+            --exclude=bench-model --exclude=model --exclude='*.safetensors' "$run-run"
     fi
 done
 ls -la "$OUT"
