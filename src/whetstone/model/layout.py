@@ -62,8 +62,8 @@ def to_column_major(model: nn.Module) -> nn.Module:
 
 
 def in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of `model` whose matmul weights (every parameter of two or more dims but an
-    embedding table, a tied output head included) are in `dtype`, sharing every other parameter
+    """A copy of `model` whose matmul weights (every parameter of two or more dims except the
+    embedding tables, a tied output head being one) are in `dtype`, sharing every other parameter
     and buffer with `model`, which keeps its own weights (a trainer may hold the same object).
     The copies take no gradient: they serve."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
