@@ -2,6 +2,7 @@
 logprobs and routes of one that keeps fp32 weights and lets autocast cast them every step, in
 about half the weight memory, across weight swaps; the caller's model keeps its fp32 weights."""
 
+import pytest
 import torch
 
 from tests.inference.inference_fixtures import make_engine, tiny_model
@@ -37,16 +38,18 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-def test_bf16_weights_serve_the_bits_autocast_gave_in_less_memory(monkeypatch):
+@pytest.mark.parametrize("static_shapes", [False, True])  # True: the decode CUDA graphs replay
+def test_bf16_weights_serve_the_bits_autocast_gave_in_less_memory(monkeypatch, static_shapes):
     model = trained_looking(seed=4)
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    engine = make_engine(model, dtype="bfloat16", prefill_chunk=16, max_batch=3)
+    config = dict(dtype="bfloat16", prefill_chunk=16, max_batch=3, static_shapes=static_shapes)
+    engine = make_engine(model, **config)
     half = served(engine)
     assert engine.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert all(torch.equal(t, before[name]) and t.dtype == torch.float32 for name, t in model.state_dict().items())
     with monkeypatch.context() as patch:  # the engine as it was: fp32 weights, autocast casts them each step
         patch.setattr(engine_module, "in_compute_dtype", lambda model, dtype: model)
-        autocast_engine = make_engine(model, dtype="bfloat16", prefill_chunk=16, max_batch=3)
+        autocast_engine = make_engine(model, **config)
         assert served(autocast_engine) == half
     halved = sum(p.numel() * 2 for p in engine.model.parameters() if p.dtype == torch.bfloat16)
     assert weight_bytes(engine.model) == weight_bytes(autocast_engine.model) - halved
@@ -58,7 +61,7 @@ def test_bf16_weights_serve_the_bits_autocast_gave_in_less_memory(monkeypatch):
         each.update_weights(full_update(new.state_dict(), version=1))
     swapped = served(engine, PROMPTS[::-1])
     assert swapped == served(autocast_engine, PROMPTS[::-1])
-    assert swapped == served(make_engine(new, dtype="bfloat16", prefill_chunk=16, max_batch=3), PROMPTS[::-1])
+    assert swapped == served(make_engine(new, **config), PROMPTS[::-1])
 
 
 def test_fp32_and_invariant_engines_keep_the_weights_as_given():
