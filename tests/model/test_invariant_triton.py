@@ -89,6 +89,26 @@ def test_fast_fp32_experts_take_the_grouped_kernel_where_torchs_would_read_back(
 
 
 @pytest.mark.parametrize("where", WHERE)
+def test_fast_fp32_training_takes_the_per_expert_path_with_one_read_back(where, monkeypatch):
+    """Training there would run torch's grouped mm in the backward, which reads the offsets back
+    four times a layer: the per-expert path reads the counts once instead."""
+    device, context = kernels(where, monkeypatch)
+    x = randn(20, 32, dtype=torch.float32, device=device).requires_grad_()
+    gate_up = randn(4, 64, 32, dtype=torch.float32, device=device, seed=1).requires_grad_()
+    down = randn(4, 32, 32, dtype=torch.float32, device=device, seed=2).requires_grad_()
+    ids = torch.randint(0, 3, (20, 2), generator=torch.Generator().manual_seed(3)).to(device)
+    probe = randn(20, 2, 32, dtype=torch.float32, device=device, seed=4)
+    monkeypatch.setattr(kt, "grouped_matmul", lambda *args: pytest.fail("training took the grouped kernel"))
+    with context(), grouped_mm_on_cpu(), watch_host_work() as work:
+        got = torch.autograd.grad((expert_mlp(x, ids, gate_up, down) * probe).sum(), (x, gate_up, down))
+    assert [where.split()[-1] for where in work.syncs] == ["expert_mlp"] and work.host_tensors == []
+    cpu = [t.detach().cpu().requires_grad_() for t in (x, gate_up, down)]
+    expected = torch.autograd.grad((expert_mlp(*cpu[:1], ids.cpu(), *cpu[1:]) * probe.cpu()).sum(), cpu)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a.cpu(), b)
+
+
+@pytest.mark.parametrize("where", WHERE)
 def test_row_reductions_match_torch_and_ignore_the_batch(where, monkeypatch):
     device, context = kernels(where, monkeypatch)
     x = randn(6, 5000, dtype=torch.float32, device=device) * 4  # wider than one ROW_BLOCK

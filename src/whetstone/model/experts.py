@@ -16,10 +16,10 @@ slices, both with the backward written out:
   later, one CUTLASS kernel per projection, and on the CPU (`grouped_mm_on_cpu()`, where tests
   check it against the per-expert path). For other CUDA dtypes (fp32) and older GPUs torch's
   grouped mm loops over the groups after reading the offsets back, so there the forward uses
-  `invariant_triton.grouped_matmul` too; the fp32 backward keeps torch's loop (a few read-backs
-  per layer: fp32 on a GPU serves tests and references, bf16 is what trains). Under invariant
-  numerics it is always `invariant_triton.grouped_matmul`, whose tiles never depend on how many
-  tokens chose an expert.
+  `invariant_triton.grouped_matmul` too, and training (whose backward would run torch's loop,
+  reading the offsets back four times a layer) takes the per-expert path, one read-back a layer.
+  Under invariant numerics it is always `invariant_triton.grouped_matmul`, whose tiles never
+  depend on how many tokens chose an expert (its backward keeps torch's grouped mm).
 
 On the CPU under invariant numerics each expert's slice is padded to a multiple of
 `invariant.EXPERT_ROW_TILE` rows (dummy slots that read a zero row and whose outputs nobody
@@ -86,6 +86,15 @@ def _grouped_mm_stays_on_device(x: torch.Tensor) -> bool:
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and _capability(x.device) >= (9, 0)
     return not invariant_triton.applies(x)
+
+
+def _backward_reads_back(x: torch.Tensor) -> bool:
+    """Whether the grouped path's backward, which multiplies with torch._grouped_mm, would read
+    the offsets back: four times a layer under fast numerics where torch's grouped mm loops on
+    the host (fp32, GPUs before Hopper). There training takes the per-expert path, which reads
+    the counts once a layer. Invariant numerics keep the grouped path, whose forward is the
+    engine's kernel."""
+    return not ops.is_invariant() and not _grouped_mm_stays_on_device(x)
 
 
 @functools.cache
@@ -275,7 +284,7 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     order, unsort = _sort_slots(slot_expert)
     counts = expert_counts(slot_expert, gate_up.shape[0])
     differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
-    if uses_grouped_mm(x, gate_up, down):
+    if uses_grouped_mm(x, gate_up, down) and not (differentiable and _backward_reads_back(x)):
         args = (x, gate_up, down, order, unsort, counts.cumsum(0, dtype=torch.int32), ids.shape[1])
         with torch.autocast(x.device.type, enabled=False):
             if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping
