@@ -13,8 +13,9 @@ slices, both with the backward written out:
   delimited by offsets computed on the device. Nothing is read back, so a forward queues
   without waiting for the GPU and a decode step can be captured in a CUDA graph. Under `fast`
   numerics the call is `torch._grouped_mm` where it runs on the device: in bf16 on Hopper and
-  later, one CUTLASS kernel per projection, and on the CPU (`grouped_mm_on_cpu()`, where tests
-  check it against the per-expert path). For other CUDA dtypes (fp32) and older GPUs torch's
+  datacenter Blackwell, one CUTLASS kernel per projection, and on the CPU
+  (`grouped_mm_on_cpu()`, where tests check it against the per-expert path). For other CUDA
+  dtypes (fp32) and other GPUs torch's
   grouped mm loops over the groups after reading the offsets back, so there the forward uses
   `invariant_triton.grouped_matmul` too, and training (whose backward would run torch's loop,
   reading the offsets back four times a layer) takes the per-expert path, one read-back a layer.
@@ -80,11 +81,12 @@ def _grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
 
 def _grouped_mm_stays_on_device(x: torch.Tensor) -> bool:
     """Whether torch._grouped_mm multiplies x's groups without reading the offsets back: on CUDA
-    only bf16 from Hopper on (its CUTLASS kernels; elsewhere its fallback copies the offsets to
-    the host, which a CUDA graph cannot capture); on the CPU always (a loop, but no device to
-    wait for), unless a test runs the Triton kernels there (`invariant_triton.on_cpu`)."""
+    only bf16 on Hopper and datacenter Blackwell (compute capability 9.x and 10.x: its CUTLASS
+    kernels; elsewhere its fallback copies the offsets to the host, which a CUDA graph cannot
+    capture); on the CPU always (a loop, but no device to wait for), unless a test runs the
+    Triton kernels there (`invariant_triton.on_cpu`)."""
     if x.device.type == "cuda":
-        return x.dtype == torch.bfloat16 and _capability(x.device) >= (9, 0)
+        return x.dtype == torch.bfloat16 and _capability(x.device)[0] in (9, 10)
     return not invariant_triton.applies(x)
 
 
