@@ -194,7 +194,7 @@ def run(
         **results,
         "engine_tokens_per_s": {mode: round(rate, 1) for mode, rate in engine_rate.items()},
         # CUDA graphs replayed by each engine's decode (False off CUDA, or after a failed capture)
-        "engine_replays_graphs": {mode: bool(getattr(engines[mode].decoder, "graphs", False)) for mode in MODES},
+        "engine_replays_graphs": {mode: engines[mode].decoder.graphs for mode in MODES},
         "trainer_tokens_per_s": {mode: round(rate, 1) for mode, rate in trainer_rate.items()},
         "overhead_engine_per_round": [round(x, 3) for x in engine_rounds],
         "overhead_trainer_per_round": [round(x, 3) for x in trainer_rounds],

@@ -221,7 +221,7 @@ def inference(
     # whether the engine's decode steps replayed CUDA graphs (a capture that fails falls back to
     # eager steps, with a warning in the log, and the figures above are those of eager decoding)
     result["engine_graph_captures"] = engine.stats.graph_captures_total
-    result["engine_replays_graphs"] = bool(getattr(engine.decoder, "graphs", False))
+    result["engine_replays_graphs"] = engine.decoder.graphs
     del hf, engine
     free(device)
     if swaps:

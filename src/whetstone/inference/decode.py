@@ -40,6 +40,9 @@ Forward = Callable[..., object]
 
 
 class DynamicDecode:
+    graphs = False
+    """Never replays CUDA graphs (as `StaticDecode.graphs` says whether it does)."""
+
     def __init__(self, forward: Forward, cache: SlotKVCache, with_routes: bool):
         self.forward, self.cache, self.with_routes = forward, cache, with_routes
 

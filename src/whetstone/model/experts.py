@@ -58,14 +58,19 @@ def grouped_mm_on_cpu() -> Iterator[None]:
         _GROUPED_ON_CPU.reset(token)
 
 
-def uses_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
+def uses_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, training: bool = False) -> bool:
     """Whether expert_mlp multiplies (x, in its compute dtype) by all experts at once: under
     invariant numerics, where the Triton kernels apply (`invariant_triton.grouped_matmul`);
-    otherwise with torch._grouped_mm, on CUDA (or under `grouped_mm_on_cpu`), for rows whose
-    byte strides the grouped kernels accept (multiples of 16)."""
+    otherwise on CUDA (or under `grouped_mm_on_cpu`), for rows whose byte strides the grouped
+    kernels accept (multiples of 16). `training`: a forward whose backward will run. Its
+    backward calls torch._grouped_mm four times a layer, so where that reads the offsets back
+    (`_grouped_mm_stays_on_device`: fp32, GPUs outside 9.x/10.x) training under fast numerics
+    takes the per-expert path instead, which reads the counts back once a layer."""
     if ops.is_invariant():
         return invariant_triton.applies(x)
     if not (x.device.type == "cuda" or _GROUPED_ON_CPU.get()):
+        return False
+    if training and not _grouped_mm_stays_on_device(x):
         return False
     return all(size * x.element_size() % 16 == 0 for size in (gate_up.shape[-1], down.shape[-1]))
 
@@ -88,15 +93,6 @@ def _grouped_mm_stays_on_device(x: torch.Tensor) -> bool:
     if x.device.type == "cuda":
         return x.dtype == torch.bfloat16 and _capability(x.device)[0] in (9, 10)
     return not invariant_triton.applies(x)
-
-
-def _backward_reads_back(x: torch.Tensor) -> bool:
-    """Whether the grouped path's backward, which multiplies with torch._grouped_mm, would read
-    the offsets back: four times a layer under fast numerics where torch's grouped mm loops on
-    the host (fp32, GPUs before Hopper). There training takes the per-expert path, which reads
-    the counts once a layer. Invariant numerics keep the grouped path, whose forward is the
-    engine's kernel."""
-    return not ops.is_invariant() and not _grouped_mm_stays_on_device(x)
 
 
 @functools.cache
@@ -286,7 +282,7 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     order, unsort = _sort_slots(slot_expert)
     counts = expert_counts(slot_expert, gate_up.shape[0])
     differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
-    if uses_grouped_mm(x, gate_up, down) and not (differentiable and _backward_reads_back(x)):
+    if uses_grouped_mm(x, gate_up, down, training=differentiable):
         args = (x, gate_up, down, order, unsort, counts.cumsum(0, dtype=torch.int32), ids.shape[1])
         with torch.autocast(x.device.type, enabled=False):
             if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping

@@ -13,7 +13,8 @@ instructions in the same order wherever it sits:
 - `grouped_matmul`: the MoE experts' matmuls over token-slots sorted by expert, in the same tiles;
   a tile never spans two experts, and its rows start wherever its expert's rows do, so a row's
   result does not depend on how many tokens chose its expert. The tile layout is computed on
-  the device: nothing is read back;
+  the device: nothing is read back, which is why fast numerics use it too where torch's grouped
+  mm would read back (fp32 on CUDA, GPUs outside 9.x/10.x: `experts._grouped_matmul`);
 - `row_mean`, `softmax`, `log_softmax`: one program per row, which reduces the row in blocks of
   a fixed width, in order;
 - `attention`: flash attention over keys in chunks of KEY_CHUNK absolute positions, always in
