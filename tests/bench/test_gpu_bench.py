@@ -141,7 +141,12 @@ def test_the_whole_command_runs_end_to_end_on_the_cpu(tmp_path):
     assert rl["max_abs_logprob_diff_per_step"] == [0.0] * rl["on_policy_steps"]
     assert rl["routing_disagreement_max"] == 0
     assert (rl["numerics"], rl["dtype"], rl["router_replay"]) == ("invariant", "bfloat16", True)
-    assert rl["train_s_mean"] > 0 and rl["publish_s_mean"] > 0 and rl["sync_workers"] == 1  # 8 on CUDA
+    assert (
+        rl["train_s_mean"] > 0
+        and rl["publish_s_mean"] > 0
+        and rl["publish_total_s_mean"] > 0
+        and rl["sync_workers"] == 1
+    )  # 8 on CUDA
     roles = tmp_path / "rl" / "roles"  # the roles ran in the bench's dtype and numerics
     trainer, serve = (tomllib.loads((roles / name).read_text()) for name in ("trainer.toml", "serve-0.toml"))
     assert (trainer["dtype"], trainer["numerics"]) == ("bfloat16", "invariant")

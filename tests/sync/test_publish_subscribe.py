@@ -3,11 +3,14 @@ through keyframes, deltas, late starts and injected faults."""
 
 import json
 import logging
+import threading
 
 import pytest
 import torch
 
 from tests.sync.conftest import bit_identical, published
+from whetstone.errors import WhetstoneError
+from whetstone.online.weights import load_version
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore, apply_update
 from whetstone.sync.manifest import manifest_key
 from whetstone.sync.publisher import prepare_state
@@ -157,3 +160,50 @@ def test_weights_on_a_gpu_publish_the_bits_of_their_host_copy():
         from_gpu = prepare_state(on_gpu, dtype)
         assert all(t.device.type == "cpu" and t.is_contiguous() for t in from_gpu.values())
         assert bit_identical(from_gpu, prepare_state(state, dtype))
+
+
+def test_publish_later_publishes_the_weights_as_handed_over_in_order(weights, config, trainer, monkeypatch):
+    # The trainer moves its weights in place while earlier versions are still being encoded (the
+    # worker is held back until every version has been handed over): each version must be the
+    # weights at hand-over, and versions must come out in order.
+    publisher = Publisher(weights, config)
+    handed_over = threading.Event()
+    coded = Publisher._publish_prepared
+
+    def held_back(self, *args):
+        assert handed_over.wait(timeout=30)
+        return coded(self, *args)
+
+    monkeypatch.setattr(Publisher, "_publish_prepared", held_back)
+    expected, publishes = [], []
+    for _ in range(4):
+        state = trainer.step()
+        expected.append(published(state))
+        publishes.append(publisher.publish_later(state))
+    assert not any(publish.done() for publish in publishes)
+    handed_over.set()
+    assert [publish.result(timeout=60).manifest.version for publish in publishes] == [0, 1, 2, 3]
+    publisher.close()
+    assert [weights.manifest(v).kind for v in range(4)] == ["full", "delta", "delta", "delta"]
+    for version in range(4):
+        assert bit_identical(load_version(weights, config, version), expected[version])
+
+
+def test_publish_later_refuses_bad_input_at_once_and_reports_a_store_failure_through_its_future(
+    weights, config, trainer, monkeypatch
+):
+    publisher = Publisher(weights, config)
+    with pytest.raises(WhetstoneError, match="state dict entry 'x' is a int"):
+        publisher.publish_later({"x": 3})
+
+    def disk_full(*_):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(weights, "put_chunk", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        publisher.publish_later(trainer.step()).result(timeout=30)
+    monkeypatch.undo()
+    # nothing of the failed publish is in the store: the next one is version 0
+    assert publisher.publish_later(trainer.step()).result(timeout=30).manifest.version == 0
+    publisher.close()
+    assert bit_identical(load_version(weights, config, 0), published(trainer.state))

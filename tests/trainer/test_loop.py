@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -57,6 +58,71 @@ def test_the_loop_trains_on_each_batch_in_order_and_publishes_every_step(tmp_pat
     assert records[0]["reward_mean"] == batches[0].meta["reward_mean"] and records[0]["mismatch_kl_k3"] < 1e-9
     assert all(r["delta_bytes"] > 0 and 0 <= r["busy"] <= 1 for r in records)
     assert latest_checkpoint(tmp_path / "trainer" / "checkpoints").name == "step_00000003"
+
+
+def test_a_steps_version_is_published_while_the_next_step_trains(tmp_path, tiny_moe, batches, monkeypatch):
+    # Each background publish but the last is held until the next step's training has begun: a
+    # trainer that published inline could never let that happen (each wait would time out).
+    from whetstone.sync import Publisher
+    from whetstone.trainer import loop
+
+    put_batches(tmp_path / "batches", batches[:3])
+    began = [threading.Event() for _ in range(3)]  # training of step 0, 1, 2 began
+    saw_next_step: dict[int, bool] = {}
+    real_train_step, real_publish = loop.train_step, Publisher._publish_prepared
+    calls = iter(range(3))
+
+    def train_step(*args, **kwargs):
+        began[next(calls)].set()
+        return real_train_step(*args, **kwargs)
+
+    def publish(self, new, full, started):
+        version = self._previous_manifest.version + 1 if self._previous_manifest else 0
+        if 1 <= version <= 2:  # version n + 1 comes from step n: wait for step n + 1
+            saw_next_step[version] = began[version].wait(timeout=60)
+        return real_publish(self, new, full, started)
+
+    monkeypatch.setattr(loop, "train_step", train_step)
+    monkeypatch.setattr(Publisher, "_publish_prepared", publish)
+    summary = run_trainer(trainer_config(tmp_path, tiny_moe))
+    assert saw_next_step == {1: True, 2: True} and summary["version"] == 3
+
+    records = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
+    assert [(r["step"], r["version"]) for r in records] == [(0, 1), (1, 2), (2, 3)]
+    assert all(0 <= r["publish_s"] and 0 < r["publish_total_s"] and 0 <= r["busy"] <= 1 for r in records)
+    latest, trained = subscribe(tmp_path), checkpoint_weights(tmp_path)
+    assert latest.version == 3 and all(torch.equal(trained[name], latest.state[name]) for name in trained)
+
+
+def test_publishing_inline_gives_the_same_versions(tmp_path, tiny_moe, batches):
+    put_batches(tmp_path / "batches", batches[:2])
+    assert run_trainer(trainer_config(tmp_path, tiny_moe, publish_in_background=False))["version"] == 2
+    records = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
+    assert [(r["step"], r["version"]) for r in records] == [(0, 1), (1, 2)]
+    assert all(r["publish_s"] >= r["publish_total_s"] > 0 for r in records)
+    latest, trained = subscribe(tmp_path), checkpoint_weights(tmp_path)
+    assert all(torch.equal(trained[name], latest.state[name]) for name in trained)
+
+
+def test_a_failed_background_publish_fails_the_trainer_and_still_records_the_steps_before(
+    tmp_path, tiny_moe, batches, monkeypatch
+):
+    from whetstone.sync import Publisher
+
+    put_batches(tmp_path / "batches", batches[:3])
+    real_publish = Publisher._publish_prepared
+
+    def publish(self, new, full, started):
+        if self._previous_manifest is not None and self._previous_manifest.version == 1:
+            raise OSError("the weight store's disk is full")
+        return real_publish(self, new, full, started)
+
+    monkeypatch.setattr(Publisher, "_publish_prepared", publish)
+    with pytest.raises(OSError, match="disk is full"):
+        run_trainer(trainer_config(tmp_path, tiny_moe))
+    records = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
+    assert [(r["step"], r["version"]) for r in records] == [(0, 1)]
+    assert WeightStore.open(SyncConfig(store=str(tmp_path / "weights"))).latest() == 1
 
 
 REPORTED = ["reward_mean", "mismatch_kl_k3", "routing_disagreement", "logprob_diff_max", "version", "delta_bytes"]

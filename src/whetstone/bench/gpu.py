@@ -390,9 +390,13 @@ def rl(
         # Under invariant numerics: 0 in every on-policy step, and replay changes no expert.
         "max_abs_logprob_diff_per_step": [r["logprob_diff_max"] for r in on_policy],
         "routing_disagreement_max": _round(max((r.get("routing_disagreement", 0.0) for r in on_policy), default=None)),
-        # the trainer's step: training, and publishing the new weights (encoded on the CPU)
+        # the trainer's step: training, the time publishing held it up, and the whole publish
+        # (encoded on the CPU while the next step trains)
         "train_s_mean": _round(statistics.mean(r["train_s"] for r in records)) if records else None,
         "publish_s_mean": _round(statistics.mean(r.get("publish_s", 0.0) for r in records)) if records else None,
+        "publish_total_s_mean": _round(statistics.mean(r.get("publish_total_s", 0.0) for r in records))
+        if records
+        else None,
         "sync_workers": config.rl.trainer.sync.workers,
         "samples": side["samples"],
         "wall_s": round(side["wall_s"], 2),

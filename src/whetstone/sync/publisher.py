@@ -13,6 +13,10 @@ With `mirrors` (`SyncConfig.mirrors`), each publish is then copied into every mi
 servers of each inference cluster read the weights near them. A mirror that fails (an outage) is
 logged and brought up to date at the next publish; it never fails the publish itself.
 
+`publish_later` takes the copy at once and does the rest (encoding, uploading, the manifest) on
+one worker thread, so a trainer's next step runs while its last version is published; versions
+are published in the order submitted.
+
 Before each publish the publisher checks that the version it published last is still in the
 store as it published it: if a repair withdrew it, there is no chain left to extend, and the
 publish is a keyframe at the next free version number instead.
@@ -23,7 +27,8 @@ from __future__ import annotations
 import logging
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import NamedTuple
 
 import torch
 
@@ -36,6 +41,14 @@ from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, chunk_key
 from whetstone.sync.weight_store import VersionExistsError, WeightStore
 
 log = logging.getLogger("whetstone.sync")
+
+
+class Published(NamedTuple):
+    """A version `publish_later` published."""
+
+    manifest: Manifest
+    seconds: float
+    """From hand-over (the copy included) until the version was in the store and the mirrors."""
 
 
 def prepare_state(state: dict[str, torch.Tensor], publish_dtype: str) -> dict[str, torch.Tensor]:
@@ -65,6 +78,7 @@ class Publisher:
         self._previous: dict[str, torch.Tensor] | None = None
         self._previous_manifest: Manifest | None = None
         self._keyframe_bytes = 0
+        self._background: ThreadPoolExecutor | None = None
         self.mirrors = [
             WeightStore(open_store(url, endpoint_url=self.config.endpoint_url)) for url in self.config.mirrors
         ]
@@ -99,8 +113,30 @@ class Publisher:
         """Publish `state` as the next version (a full one if `full`, or if the policy says so).
         `VersionExistsError` if another publisher created that version first: nothing of this
         attempt stays in the store, and the publisher is as before the call."""
+        return self._publish_prepared(self.prepare(state), full, time.perf_counter())
+
+    def publish_later(self, state: dict[str, torch.Tensor], full: bool = False) -> Future[Published]:
+        """`publish`, with `state` copied now (the caller may go on changing it) and everything
+        else done on the publisher's worker thread; the future holds what was published, or the
+        error. Bad input (a tensor sync cannot carry) is refused at once."""
         started = time.perf_counter()
         new = self.prepare(state)
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="publish")
+
+        def publish() -> Published:
+            manifest = self._publish_prepared(new, full, started)
+            return Published(manifest, time.perf_counter() - started)
+
+        return self._background.submit(publish)
+
+    def close(self) -> None:
+        """Wait for the versions `publish_later` was given, and stop its worker thread."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)
+            self._background = None
+
+    def _publish_prepared(self, new: dict[str, torch.Tensor], full: bool, started: float) -> Manifest:
         if self._previous_manifest is not None and not self._still_published(self._previous_manifest):
             log.warning(
                 "version %d, published last by this publisher, was withdrawn from %r: publishing a "

@@ -89,6 +89,9 @@ class TrainerConfig(Config):
     replayed from the batch store on restart, so the store must keep batches since then."""
     keep_checkpoints: int = Field(2, ge=1)
     """How many of the newest checkpoints to keep."""
+    publish_in_background: bool = True
+    """Encode and upload weight version n + 1 on a worker thread while step n + 1 trains (the
+    weights are copied first); off: each step waits for its own publish."""
     tracking: TrackingConfig = TrackingConfig()
     """Where the metrics go besides metrics.jsonl: TensorBoard (on), Weights & Biases (off)."""
 

@@ -14,7 +14,8 @@ import logging
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import contextmanager, nullcontext
 from functools import partial
 from typing import Any
@@ -26,7 +27,8 @@ from whetstone.errors import WhetstoneError
 from whetstone.rl.batch import Batch, shuffled_parts
 from whetstone.rl.batch_store import batch_key, get_batch
 from whetstone.rl.demos import demo_rows
-from whetstone.sync import Subscriber
+from whetstone.sync import Publisher, Subscriber
+from whetstone.sync.publisher import Published
 from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import (
     broadcast,
@@ -74,8 +76,11 @@ def read_batch(session: TrainerSession, index: int) -> Batch | None:
     return batch
 
 
-def wait_for_batch(session: TrainerSession, index: int, stop: threading.Event) -> Batch | None:
+def wait_for_batch(
+    session: TrainerSession, index: int, stop: threading.Event, before_idle: Callable[[], None] = lambda: None
+) -> Batch | None:
     """Batch `index` once it is in the store; None if `stop` is set or none came within `idle_timeout`.
+    `before_idle` runs (on rank 0) once, when the batch is not there at the first look.
 
     Under torchrun rank 0 polls and decides, and tells the other ranks after every poll (they
     then read the batch themselves): all ranks stop together, and none sits in one collective
@@ -102,6 +107,8 @@ def wait_for_batch(session: TrainerSession, index: int, stop: threading.Event) -
                 )
             return batch
         if session.rank == 0:
+            before_idle()
+            before_idle = lambda: None  # noqa: E731
             stop.wait(config.poll_interval)
 
 
@@ -142,9 +149,10 @@ def merge_part_metrics(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
-def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
-    """Train on `batch` (the next one), publish unless replaying; advance the state; return metrics.
-    Under torchrun every rank trains on its rows of the batch, and the metrics are the whole step's."""
+def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
+    """Train on `batch` (the next one) and advance the state; return the step's metrics and the
+    weights to publish (None when replaying). Under torchrun every rank trains on its rows of the
+    batch, and the metrics are the whole step's."""
     config, state = session.config, session.state
     opt, replaying = config.optimizer, state.step < session.replay_until
     lr = lr_at(
@@ -156,7 +164,7 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     )
     learner = Learner(session.model, session.optimizer, session.reference, session.logit_scale)
     settings = StepSettings.of(config)
-    started, started_cpu = time.perf_counter(), time.process_time()
+    started = time.perf_counter()
     parts = []
     for number, part in enumerate(shuffled_parts(batch, config.optimizer_steps_per_batch, seed=state.step)):
         rows, normalizer, demos, demo_normalizer = part, None, None, None
@@ -182,24 +190,10 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
     state.data["next_batch"] = state.step
     if session.logit_scale is not None:
         state.data["logit_scale"] = session.logit_scale.state()
-    started = time.perf_counter()
+    weights = None
     if not replaying or state.step == session.replay_until:
         weights = full_state_dict(session.model)  # every rank takes part; rank 0 gets the tensors
-    if not replaying and session.publisher is not None:
-        manifest = session.publisher.publish(weights)
-        if manifest.version != state.step:
-            raise WhetstoneError(
-                f"published version {manifest.version} after step {state.step - 1}: "
-                f"another trainer writes to {config.sync.store}?"
-            )
-        record.update(
-            version=manifest.version,
-            publish_s=time.perf_counter() - started,
-            delta_bytes=manifest.encoded_bytes,
-            delta_kind=manifest.kind,
-            delta_ratio=manifest.ratio,
-        )
-    elif state.step == session.replay_until and session.publisher is not None:
+    if replaying and state.step == session.replay_until and session.publisher is not None:
         record["replay_matches_store"] = replay_matches_store(session, weights)
         if not record["replay_matches_store"]:
             log.warning(
@@ -207,7 +201,6 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
                 "another thread count?); the next delta carries the difference",
                 state.step,
             )
-    record["cpu_s"] = time.process_time() - started_cpu  # train + publish, every thread of this process
     staleness = [state.step - 1 - row["oldest_version"] for row in batch.rows if row["oldest_version"] >= 0]
     record.update(
         {key: batch.meta[key] for key in BATCH_META_SCALARS if key in batch.meta},
@@ -216,7 +209,81 @@ def step_once(session: TrainerSession, batch: Batch) -> dict[str, Any]:
         groups=batch.meta.get("groups", {}),
         rows=len(batch),
     )
-    return record
+    return record, None if replaying else weights
+
+
+class Publishing:
+    """The trainer's weight versions, and the step records that wait for theirs.
+
+    With `background`, version n + 1 is copied off the model at once and then encoded and uploaded
+    on the publisher's worker thread while step n + 1 trains: a step costs max(train, publish)
+    instead of their sum when batches are waiting (a 380M model's publish took longer than its
+    training step on one H200). One publish is in flight at most: the next step's publish, a
+    checkpoint (which must not get ahead of the store) and going idle for want of a batch wait for
+    it first. A step's record is written once its version is published, with `publish_s` the
+    seconds the loop was held up by it and `publish_total_s` the whole publish."""
+
+    def __init__(self, publisher: Publisher | None, background: bool, write: Callable[[dict[str, Any]], None]):
+        self.publisher, self.background, self.write = publisher, background, write
+        self._pending: tuple[dict[str, Any], Future[Published], int] | None = None
+        """The step record whose version is being published, the publish, and the version expected."""
+
+    def step_done(self, record: dict[str, Any], weights: dict[str, torch.Tensor] | None, version: int) -> None:
+        """Publish `weights` as `version` (record `record` once it is out), or write `record` now
+        when there is nothing to publish (a replayed step, a rank other than 0)."""
+        self.finish()
+        if weights is None or self.publisher is None:
+            record.setdefault("publish_s", 0.0)
+            self.write(record)
+            return
+        started = time.perf_counter()
+        if self.background:
+            publish = self.publisher.publish_later(weights)
+        else:
+            publish = Future()
+            publish.set_result(Published(self.publisher.publish(weights), time.perf_counter() - started))
+        record["publish_s"] = time.perf_counter() - started
+        self._pending = (record, publish, version)
+        if not self.background:
+            self.finish()
+
+    @contextmanager
+    def recording_on_failure(self) -> Iterator[None]:
+        """If the loop fails, still wait for the publish in flight and write its step's record
+        (its version is out), logging rather than raising a failure of that publish."""
+        try:
+            yield
+        except BaseException:
+            try:
+                self.finish()
+            except Exception:
+                log.exception("the publish in flight when the trainer failed did not complete")
+            raise
+
+    def finish(self, held_up: bool = True) -> None:
+        """Wait for the publish in flight, if any, and write its step's record. `held_up`: the
+        wait counts as the loop's publish time (False when the loop would be idle anyway)."""
+        if self._pending is None:
+            return
+        record, publish, version = self._pending
+        self._pending = None
+        waited = time.perf_counter()
+        manifest, seconds = publish.result()  # a failed publish fails the trainer here, as it would inline
+        if held_up:
+            record["publish_s"] += time.perf_counter() - waited
+        if manifest.version != version:
+            raise WhetstoneError(
+                f"published version {manifest.version} after step {version - 1}: "
+                f"another trainer writes to {self.publisher.store!r}?"
+            )
+        record.update(
+            version=manifest.version,
+            publish_total_s=seconds,
+            delta_bytes=manifest.encoded_bytes,
+            delta_kind=manifest.kind,
+            delta_ratio=manifest.ratio,
+        )
+        self.write(record)
 
 
 def run_trainer(config: TrainerConfig) -> dict[str, Any]:
@@ -228,14 +295,24 @@ def run_trainer(config: TrainerConfig) -> dict[str, Any]:
 
 def _run(session: TrainerSession) -> dict[str, Any]:
     config, state = session.config, session.state
-    lead = session.rank == 0  # the one rank that writes files (and publishes, in step_once)
+    lead = session.rank == 0  # the one rank that writes files and publishes
     if lead:
         session.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
     first_step, checkpointed = state.step, state.step
 
+    def write(record: dict[str, Any]) -> None:
+        if lead:
+            work = record["train_s"] + record["publish_s"]
+            record["busy"] = work / max(work + record["wait_s"], 1e-9)
+            metrics.write(record)
+            bar.update(1, step=record["step"] + 1, loss=record["loss"], kl=record["mismatch_kl_k3"])
+
+    publishing = Publishing(session.publisher, config.publish_in_background, write)
+
     def checkpoint() -> None:
         nonlocal checkpointed
+        publishing.finish()  # the store must not be behind a checkpoint (a restart refuses that)
         if session.world_size == 1:
             save_checkpoint(
                 session.checkpoints,
@@ -264,24 +341,28 @@ def _run(session: TrainerSession) -> dict[str, Any]:
         else nullcontext() as metrics,
         progress_bar(total, "trainer", "step") if lead else nullcontext() as bar,
         stop_on_signals() as stop,
+        publishing.recording_on_failure(),
     ):
         while not config.max_steps or state.step < config.max_steps:
             waited = time.perf_counter()
-            batch = wait_for_batch(session, state.step, stop)
+            batch = wait_for_batch(session, state.step, stop, before_idle=partial(publishing.finish, held_up=False))
             if batch is None:
                 log.info("stopping at batch %d (signal or idle_timeout)", state.step)
                 break
-            record = step_once(session, batch)
-            record["wait_s"] = time.perf_counter() - waited - record["train_s"] - record.get("publish_s", 0.0)
-            busy = record["train_s"] + record.get("publish_s", 0.0)
-            record["busy"] = busy / max(busy + record["wait_s"], 1e-9)
-            if lead:
-                metrics.write(record)
-                bar.update(1, step=state.step, loss=record["loss"], kl=record["mismatch_kl_k3"])
+            wait_s = time.perf_counter() - waited
+            started_cpu = time.process_time()
+            record, weights = step_once(session, batch)
+            record["wait_s"] = wait_s
+            # this process's CPU (every thread: the previous version's background publish too)
+            record["cpu_s"] = time.process_time() - started_cpu
+            publishing.step_done(record, weights, version=state.step)
             if state.step % config.checkpoint_interval == 0:
                 checkpoint()
         if state.step != checkpointed:
             checkpoint()
+        publishing.finish()
+    if session.publisher is not None:
+        session.publisher.close()
     return {
         "output_dir": str(session.run_dir),
         "step": state.step,
