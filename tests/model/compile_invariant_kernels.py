@@ -70,6 +70,16 @@ def compile_all():
             )
             yield _report("grouped_matmul", target_name, dtype, compiled)
 
+            ints = "rows columns a_slot a_col b_slot b_col out_expert out_row out_col".split()
+            signature = {"a": f"*{dtype}", "b": f"*{dtype}", "out": f"*{dtype}", "offsets": "*i32"}
+            signature |= dict.fromkeys(ints, "i32") | dict.fromkeys(tiles, "constexpr")
+            unit = {"a_col": 1, "b_col": 1, "out_col": 1}
+            aligned = ("a", "b", "out", "offsets", "rows", "columns", "a_slot", "b_slot", "out_expert", "out_row")
+            compiled = _compile(
+                kernels.grouped_weight_grad, signature, tiles | unit, aligned, target, num_warps=4, num_stages=stages
+            )
+            yield _report("grouped_weight_grad", target_name, dtype, compiled)
+
             ints = "keys rows group kv_heads causal q_b q_h q_t k_b k_h k_s v_b v_h v_s m_b m_t m_s o_b o_h o_t"
             signature = {name: f"*{dtype}" for name in ("q", "k", "v")} | {"mask": "*u8", "out": f"*{dtype}"}
             signature |= dict.fromkeys(ints.split(), "i32") | {"scale": "fp32"}

@@ -15,7 +15,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.model import invariant_triton as kt
 from whetstone.model.experts import expert_mlp, grouped_mm_on_cpu
 
-GROUPED_MATMUL = kt.grouped_matmul
+GROUPED_MATMUL, WEIGHT_GRAD = kt.grouped_matmul, kt.grouped_weight_grad
 
 DTYPES = [torch.float32, torch.bfloat16]
 CLOSE = {torch.float32: dict(atol=1e-4, rtol=1e-4), torch.bfloat16: dict(atol=0.05, rtol=0.02)}
@@ -88,24 +88,50 @@ def test_fast_fp32_experts_take_the_grouped_kernel_where_torchs_would_read_back(
     torch.testing.assert_close(got.cpu(), expected)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("where", WHERE)
-def test_fast_fp32_training_takes_the_per_expert_path_with_one_read_back(where, monkeypatch):
-    """Training there would run torch's grouped mm in the backward, which reads the offsets back
-    four times a layer: the per-expert path reads the counts once instead."""
+def test_grouped_weight_grad_sums_each_experts_slots(where, dtype, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    a = randn(90, 40, dtype=dtype, device=device)
+    b = randn(90, 72, dtype=dtype, device=device, seed=1)
+    counts = [7, 0, 70, 1, 12]  # an empty expert, a lone slot, more slots than one BLOCK_K
+    ends = torch.tensor(counts, device=device).cumsum(0)
+    with context():
+        out = kt.grouped_weight_grad(a, b, ends)
+        # strided operands (what the backward hands it: slices of wider tensors) read the same
+        wide = torch.cat([a, a], dim=1)
+        assert torch.equal(kt.grouped_weight_grad(wide[:, 40:], b, ends), out)
+    expected = torch.stack([sa.float().T @ sb.float() for sa, sb in zip(a.split(counts), b.split(counts))])
+    assert out.shape == (5, 40, 72) and out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, **CLOSE[dtype])
+    assert not out[1].any()
+
+
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+@pytest.mark.parametrize("where", WHERE)
+def test_fp32_experts_train_on_the_grouped_kernels_and_read_nothing_back(where, numerics, monkeypatch):
+    """torch's grouped mm would read the offsets back four times a layer in the backward (fp32
+    on CUDA, GPUs outside 9.x/10.x): there the backward runs the Triton kernels, and its
+    gradients are the per-expert path's."""
+    from whetstone.model import numerics as numerics_mode
+
     device, context = kernels(where, monkeypatch)
     x = randn(20, 32, dtype=torch.float32, device=device).requires_grad_()
     gate_up = randn(4, 64, 32, dtype=torch.float32, device=device, seed=1).requires_grad_()
     down = randn(4, 32, 32, dtype=torch.float32, device=device, seed=2).requires_grad_()
-    ids = torch.randint(0, 3, (20, 2), generator=torch.Generator().manual_seed(3)).to(device)
+    ids = torch.randint(0, 3, (20, 2), generator=torch.Generator().manual_seed(3)).to(device)  # expert 3 idle
     probe = randn(20, 2, 32, dtype=torch.float32, device=device, seed=4)
-    monkeypatch.setattr(kt, "grouped_matmul", lambda *args: pytest.fail("training took the grouped kernel"))
-    with context(), grouped_mm_on_cpu(), watch_host_work() as work:
+    calls = []
+    monkeypatch.setattr(kt, "grouped_weight_grad", lambda *args: calls.append(1) or WEIGHT_GRAD(*args))
+    monkeypatch.setattr(torch, "_grouped_mm", lambda *args, **kwargs: pytest.fail("took torch's grouped mm"))
+    with context(), numerics_mode(numerics), grouped_mm_on_cpu(), watch_host_work() as work, no_gpu_waits(device):
         got = torch.autograd.grad((expert_mlp(x, ids, gate_up, down) * probe).sum(), (x, gate_up, down))
-    assert [where.split()[-1] for where in work.syncs] == ["expert_mlp"] and work.host_tensors == []
+    assert len(calls) == 2 and work.syncs == [] and work.host_tensors == []
     cpu = [t.detach().cpu().requires_grad_() for t in (x, gate_up, down)]
     expected = torch.autograd.grad((expert_mlp(*cpu[:1], ids.cpu(), *cpu[1:]) * probe.cpu()).sum(), cpu)
     for a, b in zip(got, expected):
-        torch.testing.assert_close(a.cpu(), b)
+        torch.testing.assert_close(a.cpu(), b, **CLOSE[torch.float32])
+    assert not got[1][3].any() and not got[2][3].any()  # the idle expert's weights get zeros
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -315,7 +341,7 @@ def test_the_kernels_compile_for_hopper_and_ampere_without_a_gpu():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = {(r["kernel"], r["target"], r["dtype"]): r for r in map(json.loads, done.stdout.splitlines())}
-    assert len(compiled) == 22
-    for kernel in ("matmul", "grouped_matmul", "attention_d64", "attention_d128"):
+    assert len(compiled) == 26
+    for kernel in ("matmul", "grouped_matmul", "grouped_weight_grad", "attention_d64", "attention_d128"):
         assert compiled[kernel, "sm_90", "bf16"]["wgmma"] > 0 and compiled[kernel, "sm_80", "bf16"]["mma"] > 0
         assert compiled[kernel, "sm_90", "bf16"]["cp_async"] > 0

@@ -15,12 +15,11 @@ slices, both with the backward written out:
   numerics the call is `torch._grouped_mm` where it runs on the device: in bf16 on Hopper and
   datacenter Blackwell, one CUTLASS kernel per projection, and on the CPU
   (`grouped_mm_on_cpu()`, where tests check it against the per-expert path). For other CUDA
-  dtypes (fp32) and other GPUs torch's
-  grouped mm loops over the groups after reading the offsets back, so there the forward uses
-  `invariant_triton.grouped_matmul` too, and training (whose backward would run torch's loop,
-  reading the offsets back four times a layer) takes the per-expert path, one read-back a layer.
-  Under invariant numerics it is always `invariant_triton.grouped_matmul`, whose tiles never
-  depend on how many tokens chose an expert (its backward keeps torch's grouped mm).
+  dtypes (fp32) and other GPUs torch's grouped mm loops over the groups after reading the
+  offsets back, so there the forward uses `invariant_triton.grouped_matmul` and the backward
+  `invariant_triton.grouped_matmul` and `grouped_weight_grad`: a training step reads nothing
+  back either. Under invariant numerics the forward is always `invariant_triton.grouped_matmul`,
+  whose tiles never depend on how many tokens chose an expert.
 
 On the CPU under invariant numerics each expert's slice is padded to a multiple of
 `invariant.EXPERT_ROW_TILE` rows (dummy slots that read a zero row and whose outputs nobody
@@ -58,30 +57,34 @@ def grouped_mm_on_cpu() -> Iterator[None]:
         _GROUPED_ON_CPU.reset(token)
 
 
-def uses_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, training: bool = False) -> bool:
+def uses_grouped_mm(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> bool:
     """Whether expert_mlp multiplies (x, in its compute dtype) by all experts at once: under
     invariant numerics, where the Triton kernels apply (`invariant_triton.grouped_matmul`);
     otherwise on CUDA (or under `grouped_mm_on_cpu`), for rows whose byte strides the grouped
-    kernels accept (multiples of 16). `training`: a forward whose backward will run. Its
-    backward calls torch._grouped_mm four times a layer, so where that reads the offsets back
-    (`_grouped_mm_stays_on_device`: fp32, GPUs outside 9.x/10.x) training under fast numerics
-    takes the per-expert path instead, which reads the counts back once a layer."""
+    kernels accept (multiples of 16)."""
     if ops.is_invariant():
         return invariant_triton.applies(x)
     if not (x.device.type == "cuda" or _GROUPED_ON_CPU.get()):
         return False
-    if training and not _grouped_mm_stays_on_device(x):
-        return False
     return all(size * x.element_size() % 16 == 0 for size in (gate_up.shape[-1], down.shape[-1]))
 
 
-def _grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def _grouped_matmul(rows: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, torchs: bool) -> torch.Tensor:
     """rows [S, K] (grouped by expert, expert e's ending at offsets[e]) @ weight[e] [N, K].T per
-    expert: the batch-invariant kernel under invariant numerics and where torch's grouped mm
-    would read the offsets back, torch._grouped_mm otherwise."""
-    if ops.is_invariant() or not _grouped_mm_stays_on_device(rows):
-        return invariant_triton.grouped_matmul(rows, weight, offsets)
-    return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+    expert: torch._grouped_mm if `torchs`, else the Triton kernel."""
+    if torchs:
+        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+    return invariant_triton.grouped_matmul(rows, weight, offsets)
+
+
+def _grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, torchs: bool) -> torch.Tensor:
+    """a[e's slots].T @ b[e's slots] per expert e -> [E, M, N], zeros for an expert no slot chose:
+    torch._grouped_mm if `torchs`, else the Triton kernel."""
+    if not torchs:
+        return invariant_triton.grouped_weight_grad(a, b, offsets)
+    unused = (offsets.diff(prepend=offsets.new_zeros(1)) == 0).view(-1, 1, 1)
+    # set explicitly: torch's kernel need not write an empty group's output
+    return torch._grouped_mm(a.t(), b, offs=offsets).masked_fill_(unused, 0)
 
 
 def _grouped_mm_stays_on_device(x: torch.Tensor) -> bool:
@@ -212,11 +215,13 @@ def _grouped_mm_forward(x, gate_up, down, order, unsort, offsets, top_k):
     """The forward of _GroupedMMSwiGLU: (output [N, k, H], the [S, 2I] gate/up projections).
 
     Rows offsets[e-1]:offsets[e] of the sorted slots (from row 0 for e = 0) go through expert e;
-    an expert with no rows gets none."""
-    hidden = _grouped_matmul(x.index_select(0, order // top_k), gate_up, offsets)
+    an expert with no rows gets none. torch's grouped mm where it stays on the device, except
+    under invariant numerics; the Triton kernel otherwise."""
+    torchs = _grouped_mm_stays_on_device(x) and not ops.is_invariant()
+    hidden = _grouped_matmul(x.index_select(0, order // top_k), gate_up, offsets, torchs)
     inner = down.shape[-1]
     act = ops.silu(hidden[:, :inner]) * hidden[:, inner:]
-    out = _grouped_matmul(act, down, offsets)
+    out = _grouped_matmul(act, down, offsets, torchs)
     return out.index_select(0, unsort).view(x.shape[0], top_k, -1), hidden
 
 
@@ -225,13 +230,14 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
 
     The backward recomputes the sorted rows and the SwiGLU from the saved input and gate/up
     projections (a gather and two elementwise ops), so a layer keeps [S, 2I] for its backward
-    rather than four [S, ...] tensors: on a GPU, memory is what bounds the batch."""
+    rather than four [S, ...] tensors: on a GPU, memory is what bounds the batch. The backward
+    need not be batch-invariant: it takes torch's grouped mm wherever that stays on the device."""
 
     @staticmethod
     def forward(ctx, x, gate_up, down, order, unsort, offsets, top_k):
         out, hidden = _grouped_mm_forward(x, gate_up, down, order, unsort, offsets, top_k)
         ctx.save_for_backward(x, hidden, gate_up, down, order, unsort, offsets)
-        ctx.top_k = top_k
+        ctx.top_k, ctx.torchs = top_k, _grouped_mm_stays_on_device(x)
         return out
 
     @staticmethod
@@ -242,21 +248,19 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad_out):
         x, hidden, gate_up, down, order, unsort, offsets = ctx.saved_tensors
-        top_k, inner = ctx.top_k, down.shape[-1]
+        top_k, inner, torchs = ctx.top_k, down.shape[-1], ctx.torchs
         grad_sorted = grad_out.reshape(-1, grad_out.shape[-1]).index_select(0, order)
         sorted_x = x.index_select(0, order // top_k)
         gate, up = hidden[:, :inner], hidden[:, inner:]
         silu_gate = F.silu(gate)
-        grad_act = torch._grouped_mm(grad_sorted, down, offs=offsets)
+        grad_act = _grouped_matmul(grad_sorted, down.transpose(1, 2), offsets, torchs)
         grad_hidden = torch.empty_like(hidden)
         torch.ops.aten.silu_backward(grad_act * up, gate, grad_input=grad_hidden[:, :inner])
         torch.mul(grad_act, silu_gate, out=grad_hidden[:, inner:])
-        # Weight gradients: [features, S] x [S, features] per group; an expert no slot chose gets
-        # zeros (set explicitly: a kernel need not write an empty group's output).
-        unused = (offsets.diff(prepend=offsets.new_zeros(1)) == 0).view(-1, 1, 1)
-        grad_down = torch._grouped_mm(grad_sorted.t(), silu_gate * up, offs=offsets).masked_fill_(unused, 0)
-        grad_gate_up = torch._grouped_mm(grad_hidden.t(), sorted_x, offs=offsets).masked_fill_(unused, 0)
-        grad_sorted_x = torch._grouped_mm(grad_hidden, gate_up, offs=offsets)
+        # weight gradients: [features, S] x [S, features] per expert
+        grad_down = _grouped_weight_grad(grad_sorted, silu_gate * up, offsets, torchs)
+        grad_gate_up = _grouped_weight_grad(grad_hidden, sorted_x, offsets, torchs)
+        grad_sorted_x = _grouped_matmul(grad_hidden, gate_up.transpose(1, 2), offsets, torchs)
         # Each token appears top_k times: un-sort, then sum its slots.
         grad_x = grad_sorted_x.index_select(0, unsort).view(-1, top_k, grad_sorted_x.shape[-1]).sum(dim=1)
         return grad_x, grad_gate_up, grad_down, None, None, None, None
@@ -282,7 +286,7 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     order, unsort = _sort_slots(slot_expert)
     counts = expert_counts(slot_expert, gate_up.shape[0])
     differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
-    if uses_grouped_mm(x, gate_up, down, training=differentiable):
+    if uses_grouped_mm(x, gate_up, down):
         args = (x, gate_up, down, order, unsort, counts.cumsum(0, dtype=torch.int32), ids.shape[1])
         with torch.autocast(x.device.type, enabled=False):
             if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping

@@ -58,6 +58,31 @@ def grouped_matmul(
 
 
 @triton.jit
+def grouped_weight_grad(
+    a, b, out, offsets, rows, columns,
+    a_slot, a_col, b_slot, b_col, out_expert, out_row, out_col,
+    IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    # out[e] = a[s].T @ b[s] summed over the slots s of expert e (offsets[e-1]:offsets[e]), in
+    # slot order, BLOCK_K slots at a time; zeros for an expert no slot chose
+    expert = tl.program_id(0)
+    end = tl.load(offsets + expert).to(tl.int64)
+    start = tl.where(expert > 0, tl.load(offsets + tl.maximum(expert - 1, 0)).to(tl.int64), 0)
+    r = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    c = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for first in tl.range(start, end, BLOCK_K):
+        s = first + k
+        at = tl.load(a + s[None, :] * a_slot + r[:, None] * a_col, (s[None, :] < end) & (r[:, None] < rows), 0.0)
+        bt = tl.load(b + s[:, None] * b_slot + c[None, :] * b_col, (s[:, None] < end) & (c[None, :] < columns), 0.0)
+        acc = tl.dot(at, bt, acc, input_precision="ieee" if IEEE else None)
+    mask = (r[:, None] < rows) & (c[None, :] < columns)
+    weight = out + expert.to(tl.int64) * out_expert
+    tl.store(weight + r[:, None] * out_row + c[None, :] * out_col, acc.to(out.dtype.element_ty), mask)
+
+
+@triton.jit
 def row_mean(x, out, width, x_row, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)

@@ -27,7 +27,10 @@ instructions in the same order wherever it sits:
 Element-wise ops (RoPE, SiLU, residuals) are invariant already and stay torch's; the MoE combine
 adds the slots in top-k order (`invariant.moe_combine`) and the router's top-k is a stable sort
 (`invariant.top_k`) on every device.
-The backwards are the plain ones: only the forward must match the engine.
+The backwards are the plain ones: only the forward must match the engine. The experts' backward
+uses torch's grouped mm where it stays on the device, and elsewhere (fp32, GPUs outside 9.x and
+10.x) `grouped_matmul` for the rows' gradients and `grouped_weight_grad` for the weights', so a
+training step reads nothing back there either.
 
 `on_cpu()` runs these kernels on CPU tensors too, under Triton's interpreter (`TRITON_INTERPRET=1`
 before Triton is imported): the tests check the kernels' indexing and invariance that way on a
@@ -153,6 +156,22 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     _kernels().grouped_matmul[grid](
         x, weight, out, tile_expert, tile_start, tile_end, columns, depth, *x.stride(), *weight.stride(), *out.stride(),
         **config,
+    )  # fmt: skip
+    return out
+
+
+def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """a [S, M].T @ b [S, N] over each expert's slots (sorted by expert, as `grouped_matmul`'s
+    `offsets`) -> [E, M, N] in a's dtype, zeros for an expert with no slot: the experts' weight
+    gradients in the backward. Each expert's slots are summed in order, BLOCK_K at a time, by
+    one kernel on the device (torch's grouped mm reads the offsets back in fp32 and off Hopper)."""
+    _check_dtypes(a, b)
+    rows, columns, experts = a.shape[1], b.shape[1], offsets.numel()
+    out = a.new_empty(experts, rows, columns)
+    config = _tiles(a.dtype)
+    grid = (experts, _cdiv(rows, config["BLOCK_M"]), _cdiv(columns, config["BLOCK_N"]))
+    _kernels().grouped_weight_grad[grid](
+        a, b, out, offsets, rows, columns, *a.stride(), *b.stride(), *out.stride(), **config
     )  # fmt: skip
     return out
 
