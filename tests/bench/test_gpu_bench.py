@@ -93,6 +93,13 @@ def check_inference(inference: dict, swaps: int) -> None:
     assert inference["hf_static_compiled"] is False  # transformers compiles its static cache on CUDA only
     assert inference["engine_config"]["dtype"] == "bfloat16"
     assert inference["engine_graph_captures"] == 0 and inference["engine_replays_graphs"] is False  # CUDA's
+    profile = inference["engine_profile"]  # the largest batch's call, profiled: a CPU has no device time
+    # the whole batch prefilled at once (`prefill_tokens_per_step`), then one decode step a token
+    assert inference["engine_config"]["prefill_tokens_per_step"] == 4 * 8
+    assert profile["batch"] == 4 and profile["wall_s"] > 0 and profile["decode_steps"] == 8
+    assert profile["device_busy_s"] is None and profile["top_device_kernels"] == []
+    names = [op["name"] for op in profile["top_host_ops"]]
+    assert len(names) == 10 and all(op["ms"] >= 0 and op["count"] > 0 for op in profile["top_host_ops"])
 
 
 def test_the_train_and_inference_sections_report_every_figure():

@@ -16,7 +16,9 @@ on a few-M model so that a CPU can run the whole command in seconds (the tests d
   after it. Then the swap pause: RL-like weight versions published by a trainer process reach an
   engine decoding a full batch through weight sync (`bench.inference.swap_pauses`); the median
   pause against the decode step. About 2-3 minutes on an H100, most of it transformers' default
-  cache (~6 s a call at batch 64) and its compilation (~20 s per batch size).
+  cache (~6 s a call at batch 64) and its compilation (~20 s per batch size). `engine_profile`:
+  one more engine call at the largest batch under torch's profiler, showing where its time goes
+  (device busy against wall time, the kernels and host ops that cost the most).
 - `rl`: the RL stage of `whetstone run` (`bench.pipeline`: one `whetstone serve`, the trainer and
   the orchestrator as processes, all on the device) on coin tasks, asynchronous, bf16, fast
   numerics, router replay: samples/s and the trainer's busy fraction, and the trainer-vs-engine
@@ -203,6 +205,9 @@ def inference(
         EngineConfig(
             max_batch=max(batches),
             context_limit=prompt_tokens + new_tokens,
+            # a whole batch's prompts in one prefill, as transformers' generate does (the default
+            # budget, 512 tokens between decode steps, bounds the stall of running sequences)
+            prefill_tokens_per_step=max(batches) * prompt_tokens,
             dtype=DTYPE,
             device=str(device),
         ),
@@ -218,6 +223,8 @@ def inference(
     for batch in batches:
         say(f"inference: batch {batch}, {prompt_tokens}-token prompts, {new_tokens} new tokens")
         result[f"batch_{batch}"] = _generation(engine, hf, device, batch, prompt_tokens, new_tokens, repeats, seed)
+    say(f"inference: profiling one engine call at batch {max(batches)}")
+    result["engine_profile"] = engine_profile(engine, device, max(batches), prompt_tokens, new_tokens, seed)
     # whether the engine's decode steps replayed CUDA graphs (a capture that fails falls back to
     # eager steps, with a warning in the log, and the figures above are those of eager decoding)
     result["engine_graph_captures"] = engine.stats.graph_captures_total
@@ -229,6 +236,52 @@ def inference(
     del model
     free(device)
     return result
+
+
+def engine_profile(engine, device: torch.device, batch: int, prompt_tokens: int, new_tokens: int, seed: int) -> dict:
+    """Where one `generate` call's time goes, under torch's profiler (which slows the host: a
+    diagnosis, not a figure to compare): its wall time against the time the device was busy
+    (kernels and copies; none on a CPU), the decode steps it took, and the ops that took the most
+    host time and the kernels that took the most device time, with their counts. A device busy
+    for much less than the wall time means the steps wait on the host."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from whetstone.bench.inference import _prompts
+    from whetstone.inference.sampling import SamplingParams
+
+    greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    prompts = _prompts(batch, prompt_tokens, engine.vocab_size, seed=seed * 1000 + batch + 999).tolist()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    steps = engine.stats.decode_steps_total
+    with profile(activities=activities) as profiler:
+        started = time.perf_counter()
+        engine.generate(prompts, greedy)
+        synchronize(device)
+        wall = time.perf_counter() - started
+    steps = engine.stats.decode_steps_total - steps
+    kernels: dict[str, list[float]] = {}
+    for event in profiler.events():
+        if event.device_type != DeviceType.CPU:
+            total = kernels.setdefault(event.name[:100], [0.0, 0])
+            total[0] += event.time_range.elapsed_us()
+            total[1] += 1
+    busy_us = sum(total for total, _ in kernels.values())
+    host = sorted(profiler.key_averages(), key=lambda a: -a.self_cpu_time_total)[:10]
+    return {
+        "batch": batch,
+        "wall_s": round(wall, 4),
+        "decode_steps": steps,
+        "wall_ms_per_decode_step": round(wall * 1e3 / max(steps, 1), 3),
+        "device_busy_s": round(busy_us / 1e6, 4) if kernels else None,
+        "device_busy_fraction": round(busy_us / 1e6 / wall, 3) if kernels else None,
+        "device_kernels": sum(count for _, count in kernels.values()) if kernels else None,
+        "top_device_kernels": [
+            {"name": name, "ms": round(total / 1e3, 3), "count": count}
+            for name, (total, count) in sorted(kernels.items(), key=lambda item: -item[1][0])[:12]
+        ],
+        "top_host_ops": [{"name": a.key, "ms": round(a.self_cpu_time_total / 1e3, 3), "count": a.count} for a in host],
+    }
 
 
 def _swap(model: Transformer, device: torch.device, swaps: int, prompt_tokens: int, seed: int) -> dict:
