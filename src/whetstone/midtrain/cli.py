@@ -47,6 +47,8 @@ def midtrain(
     from whetstone.midtrain.config import MidtrainConfig
 
     summary = run_midtrain(load_config(MidtrainConfig, config, overrides))
+    if summary["rank"] != 0:
+        return  # under torchrun, rank 0 speaks for the job
     if as_json:
         typer.echo(json.dumps(summary))
         return

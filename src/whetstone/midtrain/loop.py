@@ -7,11 +7,16 @@ Everything a run writes lives in `<run.output_dir>/<run.name>/`:
     checkpoints/       step_<N>/ folders (see checkpoint.py); the newest is resumed
     model/             the trained model as a Hugging Face folder, tokenizer included
     summary.json       the summary `train` returns
+
+Under torchrun (`torchrun --nproc_per_node N -m whetstone.cli midtrain CONFIG`) every rank runs
+this loop on its share of each batch (FSDP2 over NCCL on GPUs, gloo on CPUs); rank 0 alone writes
+files, and whether the wall-time limit has come is rank 0's call, so all ranks stop together.
 """
 
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from typing import Any
 
 from whetstone.config import dump_toml
@@ -21,6 +26,13 @@ from whetstone.midtrain.setup import Session, open_session
 from whetstone.midtrain.step import train_step, validation_loss
 from whetstone.model.hf import save_hf
 from whetstone.training.checkpoint import save_checkpoint
+from whetstone.training.distributed import (
+    broadcast,
+    gathered_model,
+    save_sharded_checkpoint,
+    torchrun_group,
+)
+from whetstone.training.optim import optimizer_for
 from whetstone.training.schedule import lr_at
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
@@ -39,50 +51,70 @@ def train(
     (the bit-exact resume test uses it).
     """
     opened = time.perf_counter()  # the wall-time limit counts the corpus build too
-    session = open_session(config, demos)
+    with torchrun_group(config.run.device):
+        return _train(open_session(config, demos), opened, stop_at_step)
+
+
+def _train(session: Session, opened: float, stop_at_step: int | None) -> dict[str, Any]:
     config, state = session.config, session.state
     run = config.run
-    atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
+    lead = session.rank == 0  # the one rank that writes files
+    if lead:
+        atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
     val_batches = list(_first(session.corpus.val_batches(run.batch_size, config.data.seq_len), run.eval_batches))
     last_step = min(run.steps, stop_at_step or run.steps)
     step_tokens = run.batch_size * run.grad_accum * config.data.seq_len
     start_step, started = state.step, time.perf_counter()
     val_loss, out_of_time = None, False
 
-    with MetricsWriter(
-        session.run_dir / "metrics.jsonl", config.tracking, role="midtrain", run_config=config
-    ) as metrics:
-        with progress_bar((last_step - start_step) * step_tokens, f"midtrain {run.name}", "tok") as bar:
-            while state.step < last_step and not out_of_time:
-                record = _step(session)
-                elapsed = time.perf_counter() - started
+    with (
+        MetricsWriter(session.run_dir / "metrics.jsonl", config.tracking, role="midtrain", run_config=config)
+        if lead
+        else nullcontext() as metrics,
+        progress_bar((last_step - start_step) * step_tokens, f"midtrain {run.name}", "tok")
+        if lead
+        else nullcontext() as bar,
+    ):
+        while state.step < last_step and not out_of_time:
+            record = _step(session)
+            elapsed = time.perf_counter() - started
+            if lead:
                 metrics.write({**record, "tokens_per_s": (state.step - start_step) * step_tokens / elapsed})
                 bar.update(step_tokens, step=state.step, loss=record["loss"])
-                out_of_time = 0 < run.max_wall_time <= time.perf_counter() - opened
-                ending = state.step == last_step or out_of_time
-                if state.step % run.eval_interval == 0 or ending:
-                    val_loss = validation_loss(session.model, val_batches, run.dtype)
+            out_of_time = broadcast(0 < run.max_wall_time <= time.perf_counter() - opened)  # rank 0's clock
+            ending = state.step == last_step or out_of_time
+            if state.step % run.eval_interval == 0 or ending:
+                val_loss = validation_loss(session.model, val_batches, run.dtype)
+                if lead:
                     metrics.write({"step": state.step, "tokens": state.tokens, "val_loss": val_loss})
-                if state.step % run.checkpoint_interval == 0 or ending:
-                    save_checkpoint(
-                        session.checkpoints,
-                        session.model,
-                        session.optimizer,
-                        state,
-                        config.model_dump(mode="json"),
-                        run.keep_checkpoints,
-                    )
+            if state.step % run.checkpoint_interval == 0 or ending:
+                _checkpoint(session)
 
     if val_loss is None:  # nothing left to train (a finished run, resumed): measure it anyway
         val_loss = validation_loss(session.model, val_batches, run.dtype)
     stopped_early = out_of_time and state.step < run.steps
     model_dir = None
     if state.step == run.steps or stopped_early:
-        model_dir = save_hf(session.model, session.run_dir / "model", tokenizer_dir=session.corpus.path / "tokenizer")
+        whole = gathered_model(session.model)  # every rank takes part; rank 0 gets the model
+        if lead:
+            model_dir = save_hf(whole, session.run_dir / "model", tokenizer_dir=session.corpus.path / "tokenizer")
     seconds = time.perf_counter() - started
     summary = summarize(session, val_loss, stopped_early, model_dir, seconds, (state.step - start_step) * step_tokens)
-    atomic_write_json(session.run_dir / "summary.json", summary)
+    if lead:
+        atomic_write_json(session.run_dir / "summary.json", summary)
     return summary
+
+
+def _checkpoint(session: Session) -> None:
+    """The run's checkpoint at this step; under torchrun every rank gathers its shards and rank 0
+    writes the one-process format (so a run resumes on any number of ranks)."""
+    config = session.config
+    args = (session.state, config.model_dump(mode="json"), config.run.keep_checkpoints)
+    if session.world_size == 1:
+        save_checkpoint(session.checkpoints, session.model, session.optimizer, *args)
+    else:
+        new_optimizer = lambda plain: optimizer_for(plain, config.optimizer)  # noqa: E731
+        save_sharded_checkpoint(session.checkpoints, session.model, session.optimizer, new_optimizer, *args)
 
 
 def _step(session: Session) -> dict[str, Any]:
@@ -142,6 +174,8 @@ def summarize(
         "active_parameters": session.model.num_parameters(active=True),
         "model_dir": str(model_dir) if model_dir else None,
         "resumed_from": str(session.resumed_from) if session.resumed_from else None,
+        "rank": session.rank,
+        "world_size": session.world_size,
     }
 
 

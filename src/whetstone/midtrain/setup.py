@@ -3,10 +3,16 @@
 The model comes from the `model` section (fresh init) or from `run.init_from`, a Hugging Face
 folder (continued pre-training of a real checkpoint with its own tokenizer). Either way, the
 newest checkpoint of the run, if any, then replaces weights, optimizer and counters.
+
+Under torchrun every rank opens the same session: the corpus is built by each machine's first
+rank before the others read it from the cache, every rank builds the same model (same seed) and
+takes its FSDP2 shard of it (`training.distributed`), and a checkpoint, read by rank 0, reaches
+every rank's shard.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +24,7 @@ from whetstone.midtrain.config import MidtrainConfig
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
 from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint, read_state
+from whetstone.training.distributed import barrier, broadcast, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.device import resolve_device
 from whetstone.utils.runtime import configure_process, resolve_dtype
@@ -35,6 +42,10 @@ class Session:
     resumed_from: Path | None
     device: torch.device = torch.device("cpu")
     """Where the model, its optimizer state and the batches are (`run.device` resolved)."""
+    rank: int = 0
+    world_size: int = 1
+    """Under torchrun: this process's rank and the number of ranks; each trains on its share of
+    every micro-batch's rows (`run.batch_size` / world_size)."""
 
     @property
     def checkpoints(self) -> Path:
@@ -46,31 +57,49 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     run, opt = config.run, config.optimizer
     configure_process(run.threads)
     device = resolve_device(run.device)  # before any work: `cuda` on a machine without one fails here
+    rank, world_size = world()
+    if run.batch_size % world_size:
+        raise ConfigError(
+            f"run.batch_size ({run.batch_size}) must be a multiple of the {world_size} ranks: each trains "
+            "on an equal share of every micro-batch's rows"
+        )
     run_dir = Path(run.output_dir).expanduser() / run.name
     model_config = resolve_model_config(config)  # before the corpus build: fail fast on a bad checkpoint
-    corpus = build_corpus(corpus_config(config), demos)
-    resume_from = latest_checkpoint(run_dir / "checkpoints") if run.resume else None
+    corpus = _corpus_in_rank_order(config, demos)
+    resume_from = broadcast(latest_checkpoint(run_dir / "checkpoints") if run.resume else None)  # rank 0's view
     if resume_from is not None and checkpoint_step(resume_from) > run.steps:
         raise ConfigError(
             f"{resume_from} is past run.steps = {run.steps}: resuming would use its later weights. "
             f"Raise run.steps to at least {checkpoint_step(resume_from)}, or use a new run name"
         )
-    model = _build_model(config, model_config, corpus, resuming=resume_from is not None).to(device)
+    model = shard_model(_build_model(config, model_config, corpus, resuming=resume_from is not None), device)
     model.activation_checkpointing = run.activation_checkpointing
     optimizer = optimizer_for(model, opt)  # after the move: fused AdamW on CUDA
     state = TrainState(data={"next_batch": 0})
-    if resume_from is not None:
+    if resume_from is not None and world_size == 1:
         state = load_checkpoint(resume_from, model, optimizer)
+    elif resume_from is not None:
+        state = load_sharded_checkpoint(resume_from, model, optimizer, lambda plain: optimizer_for(plain, opt))
     loader = corpus.train_loader(
         run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight
     )
     # The config as run: with init_from, the model section is the checkpoint's; `auto` resolved.
-    if run.dtype == "auto" and resume_from is not None:
-        dtype = _resumed_dtype(resume_from, device)
+    if run.dtype == "auto" and resume_from is not None:  # read by rank 0, like the checkpoint
+        dtype = broadcast(_resumed_dtype(resume_from, device) if rank == 0 else None)
     else:
         dtype = resolve_dtype(run.dtype, device)
     config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": dtype})})
-    return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from, device)
+    return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from, device, rank, world_size)
+
+
+def _corpus_in_rank_order(config: MidtrainConfig, demos: DemoSource | None) -> Corpus:
+    """The built corpus. Under torchrun each machine's first rank (LOCAL_RANK 0) builds it (or
+    finds it in the cache) while the others wait, then they open it from the cache, so no two
+    ranks of a machine build into one cache folder."""
+    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    corpus = build_corpus(corpus_config(config), demos) if first else None
+    barrier()
+    return corpus if corpus is not None else build_corpus(corpus_config(config), demos)
 
 
 def _resumed_dtype(checkpoint: Path, device: torch.device) -> str:

@@ -3,6 +3,12 @@
 The loss of a step is the token-weighted mean over all of its micro-batches (the sum of their
 cross-entropies divided by the step's target count), so gradient accumulation gives the gradient
 of one big batch, whatever the share of ignored targets in each micro-batch.
+
+Under torchrun each rank trains on its share of every micro-batch's rows (`rank_share`); the
+target count is summed over the ranks on the device before the first backward, so each rank's
+loss is its share of the whole step's mean and FSDP2's summed gradients are the one-process
+gradient. The MoE load-balancing loss is taken over each rank's rows of each micro-batch (it is
+not a sum over tokens), and averaged.
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ import torch
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.errors import WhetstoneError
 from whetstone.model import Transformer, ops
+from whetstone.training.distributed import sum_on_device, world
 from whetstone.training.optim import clip_gradients, optimizer_step
 from whetstone.training.readback import read_back
 from whetstone.utils.device import autocast
@@ -42,6 +49,15 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     return Batch(**{f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)})
 
 
+def rank_share(batch: Batch) -> Batch:
+    """This rank's rows of `batch` under torchrun (rows rank, rank + world, ...); all of it on one
+    rank. Every rank gets as many rows: the batch size is a multiple of the ranks."""
+    rank, world_size = world()
+    if world_size == 1:
+        return batch
+    return Batch(**{f.name: getattr(batch, f.name)[rank::world_size] for f in fields(batch)})
+
+
 def token_losses(model: Transformer, batch: Batch, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(cross-entropy of every target [B, T], 0 where ignored; the model's aux loss)."""
     # The fused head: fp32 softmax, no [B, T, vocab] logits kept, ignored targets skipped.
@@ -64,25 +80,29 @@ def train_step(
     step at `lr`. The step's figures stay on the device until one read-back before the optimizer
     step, so on a GPU the loop queues work without waiting for it."""
     device = next(model.parameters()).device
-    micro_batches = [on_device(batch, device) for batch in micro_batches]
-    targets = sum((batch.targets != IGNORE_INDEX).sum() for batch in micro_batches)
+    ranks = world()[1]
+    micro_batches = [on_device(rank_share(batch), device) for batch in micro_batches]
+    targets = sum_on_device(sum((batch.targets != IGNORE_INDEX).sum() for batch in micro_batches))
     aux_weight = model.cfg.router_aux_loss_coef
     loss_total, aux_total, demo_total, demo_targets = (torch.zeros((), device=device) for _ in range(4))
     for batch in micro_batches:
         losses, aux = token_losses(model, batch, dtype)
         loss_sum = losses.sum()
-        loss = loss_sum / targets.clamp(min=1) + aux_weight * aux / len(micro_batches)
+        loss = loss_sum / targets.clamp(min=1) + aux_weight * aux / (len(micro_batches) * ranks)
         loss.backward()
         demo_rows = batch.is_demo.unsqueeze(-1)
         loss_total += loss_sum.detach()
         aux_total += aux.detach()
         demo_total += (losses.detach() * demo_rows).sum()
         demo_targets += ((batch.targets != IGNORE_INDEX) & demo_rows).sum()
-    grad_norm = clip_gradients(model, grad_clip)
+    grad_norm = clip_gradients(model, grad_clip)  # the whole model's norm, on every rank
+    loss_total, aux_total, demo_total, demo_targets = sum_on_device(
+        torch.stack([loss_total, aux_total, demo_total, demo_targets.to(loss_total.dtype)])
+    )
     figures = read_back(
         {
             "loss": loss_total,
-            "aux": aux_total,
+            "aux": aux_total / ranks,
             "demo": demo_total,
             "demo_targets": demo_targets,
             "targets": targets,
@@ -100,20 +120,22 @@ def train_step(
             "from the last checkpoint with a different config"
         )
     optimizer_step(optimizer, lr)
-    tokens = sum(b.input_ids.numel() for b in micro_batches)
+    tokens = sum(b.input_ids.numel() for b in micro_batches) * ranks
     demo_loss = figures["demo"] / figures["demo_targets"] if figures["demo_targets"] else None
     return StepStats(loss_mean, demo_loss, figures["aux"] / len(micro_batches), figures["grad_norm"], tokens)
 
 
 @torch.no_grad()
 def validation_loss(model: Transformer, batches: Iterable[Batch], dtype: str) -> float:
-    """Mean cross-entropy (nats/token) over every target of `batches`, read back once."""
+    """Mean cross-entropy (nats/token) over every target of `batches`, read back once (under
+    torchrun: over every rank's share, the same on every rank)."""
     device = next(model.parameters()).device
     total, count = torch.zeros((), device=device), torch.zeros((), device=device)
     for batch in batches:
-        batch = on_device(batch, device)
+        batch = on_device(rank_share(batch), device)
         losses, _ = token_losses(model, batch, dtype)
         total += losses.sum()
         count += (batch.targets != IGNORE_INDEX).sum()
+    total, count = sum_on_device(torch.stack([total, count]))
     figures = read_back({"total": total, "count": count})
     return figures["total"] / max(figures["count"], 1)

@@ -4,7 +4,7 @@ One placement group holds a bundle per rank (the `placement.ray.trainer` resourc
 `trainer_strategy`); on bundle i a `RankActor` starts rank i's process, `whetstone trainer
 <config>`, with the environment torchrun would give it (`rank_environments`): MASTER_ADDR and
 MASTER_PORT on rank 0's node, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE. The trainer then
-joins the group as under torchrun (`trainer/distributed.py`: gloo on CPUs, NCCL on GPUs, each rank
+joins the group as under torchrun (`training/distributed.py`: gloo on CPUs, NCCL on GPUs, each rank
 on the GPU of its LOCAL_RANK among its node's ranks' GPUs).
 
 The ranks are one FSDP job: a rank that is lost (its actor or node gone, its process killed)

@@ -4,7 +4,7 @@
     from whetstone.trainer.loop import run_trainer          # the process as a function
     from whetstone.trainer.step import train_step           # one step over a batch
 
-Under `torchrun` the same process runs on every rank, sharded with FSDP2 (trainer.distributed).
+Under `torchrun` the same process runs on every rank, sharded with FSDP2 (training.distributed).
 
 Kept import-free so `whetstone --help` does not load torch.
 """

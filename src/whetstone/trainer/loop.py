@@ -30,17 +30,11 @@ from whetstone.rl.demos import demo_rows
 from whetstone.sync import Publisher, Subscriber
 from whetstone.sync.publisher import Published
 from whetstone.trainer.config import TrainerConfig
-from whetstone.trainer.distributed import (
-    broadcast,
-    full_state_dict,
-    global_normalizer,
-    rank_rows,
-    save_sharded_checkpoint,
-    torchrun_group,
-)
+from whetstone.trainer.distributed import global_normalizer, rank_rows
 from whetstone.trainer.setup import TrainerSession, new_optimizer, open_trainer
 from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, train_step
 from whetstone.training.checkpoint import save_checkpoint
+from whetstone.training.distributed import broadcast, full_state_dict, save_sharded_checkpoint, torchrun_group
 from whetstone.training.schedule import lr_at
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
@@ -288,7 +282,7 @@ class Publishing:
 
 def run_trainer(config: TrainerConfig) -> dict[str, Any]:
     """Train until `max_steps`, until `idle_timeout` passes without a batch, or until SIGTERM /
-    SIGINT; checkpoint, and return a summary. Under torchrun, on every rank (trainer.distributed)."""
+    SIGINT; checkpoint, and return a summary. Under torchrun, on every rank (training.distributed)."""
     with torchrun_group(config.device):
         return _run(open_trainer(config))
 

@@ -25,8 +25,8 @@ from whetstone.store import ObjectStore, open_store
 from whetstone.sync import Publisher, WeightStore
 from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.config import TrainerConfig
-from whetstone.trainer.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint
+from whetstone.training.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.device import resolve_device
 from whetstone.utils.runtime import configure_process
@@ -36,7 +36,7 @@ from whetstone.utils.runtime import configure_process
 class TrainerSession:
     config: TrainerConfig
     model: Transformer
-    """The policy; under torchrun, this rank's FSDP2 shards of it (`trainer.distributed`)."""
+    """The policy; under torchrun, this rank's FSDP2 shards of it (`training.distributed`)."""
     optimizer: torch.optim.AdamW
     reference: Transformer | None
     """Frozen initial policy for the KL term (only when loss.kl_coef > 0)."""

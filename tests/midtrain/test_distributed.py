@@ -1,0 +1,83 @@
+"""Mid-training under `torchrun` with FSDP2 (gloo on CPU): a run handed from 1 rank to 2 and back
+through its checkpoints trains what one rank trains straight through."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from whetstone.config import dump_toml
+from whetstone.errors import ConfigError
+from whetstone.midtrain.loop import train
+from whetstone.model.hf import load_hf
+from whetstone.utils.metrics import read_metrics
+
+# fp32, a constant learning rate after warm-up (so a run cut at any step keeps the straight run's
+# schedule), no load-balancing loss (taken over each rank's rows, it is not a sum over tokens)
+SETTINGS = (
+    "run.dtype=float32",
+    "run.grad_accum=2",
+    "run.checkpoint_interval=100",
+    "optimizer.lr=0.001",
+    "optimizer.min_lr_ratio=1.0",
+    "model.router_aux_loss_coef=0.0",
+)
+
+
+def torchrun_midtrain(config, tmp_path, nproc=2):
+    """The documented command line as a real job: `torchrun --standalone --nproc_per_node 2 -m
+    whetstone.cli midtrain CONFIG` (gloo on CPU)."""
+    config_file = tmp_path / "midtrain.toml"
+    config_file.write_text(dump_toml(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    command += ["-m", "whetstone.cli", "midtrain", str(config_file), "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
+
+
+def weights(summary) -> dict[str, torch.Tensor]:
+    return load_file(f"{summary['run_dir']}/checkpoints/step_{summary['step']:08d}/model.safetensors")
+
+
+@pytest.mark.slow  # a real 2-process torchrun job: ~20 s on 2 shared cores, most of it importing torch
+def test_a_run_moved_from_one_rank_to_two_and_back_trains_what_one_rank_does(make_config, tmp_path):
+    straight = train(make_config(*SETTINGS, "run.name=straight", "run.steps=8"))
+    expected = {r["step"]: r for r in read_metrics(f"{straight['run_dir']}/metrics.jsonl") if "loss" in r}
+
+    # One rank trains steps 1-3, two ranks continue from its checkpoint to step 6, and one rank
+    # finishes from theirs.
+    train(make_config(*SETTINGS, "run.name=moved", "run.steps=3"))
+    done = torchrun_midtrain(make_config(*SETTINGS, "run.name=moved", "run.steps=6"), tmp_path)
+    assert done.returncode == 0, done.stderr[-4000:]
+    summaries = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [(s["step"], s["rank"], s["world_size"]) for s in summaries] == [(6, 0, 2)]  # rank 0 speaks for the job
+    moved = train(make_config(*SETTINGS, "run.name=moved", "run.steps=8"))
+    assert moved["resumed_from"].endswith("step_00000006")
+
+    records = [r for r in read_metrics(f"{moved['run_dir']}/metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in records] == list(range(1, 9))  # rank 0 alone wrote steps 4-6
+    for record in records:
+        straight_record = expected[record["step"]]
+        assert record["tokens"] == straight_record["tokens"]  # the ranks' shares add up to the batch
+        assert record["loss"] == pytest.approx(straight_record["loss"], rel=1e-5)
+        assert record["grad_norm"] == pytest.approx(straight_record["grad_norm"], rel=1e-4)
+    assert moved["val_loss"] == pytest.approx(straight["val_loss"], rel=1e-5)
+    a, b = weights(straight), weights(moved)
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(b[name], a[name], rtol=1e-4, atol=1e-6, msg=name)
+    # the 2-rank stage exported a whole model too (gathered on rank 0), which loads
+    exported = load_hf(f"{moved['run_dir']}/model")
+    assert exported.num_parameters() == moved["parameters"]
+
+
+def test_a_batch_the_ranks_cannot_share_equally_is_refused(make_config, monkeypatch):
+    monkeypatch.setattr("whetstone.midtrain.setup.world", lambda: (0, 3))
+    with pytest.raises(ConfigError, match=r"run.batch_size \(4\) must be a multiple of the 3 ranks"):
+        train(make_config())
