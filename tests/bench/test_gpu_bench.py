@@ -81,6 +81,7 @@ def check_inference(inference: dict, swaps: int) -> None:
             figures["whetstone_tokens_per_s"] / figures["hf_tokens_per_s"], rel=1e-2
         )
         assert figures["speedup_vs_hf_static"] > 0 and 0 <= figures["tokens_match_hf"] <= 1
+        assert figures["speedup_vs_one_step"] is None  # a CPU engine never runs a step ahead
     if swaps:
         assert (
             inference["swaps"] == swaps and inference["swap_pause_ms"] > 0 and inference["decode_step_ms_batch_16"] > 0
@@ -223,6 +224,9 @@ def test_the_benchmark_runs_on_cuda():
     assert inference["hf_static_compiled"] is True and inference["batch_4"]["errors"] == {}
     assert inference["batch_4"]["speedup_vs_hf_static"] > 0 and inference["engine_config"]["device"].startswith("cuda")
     assert inference["engine_replays_graphs"] is True and inference["engine_graph_captures"] > 0
+    # the engine runs a step ahead on CUDA, and the one-step-at-a-time engine is timed beside it
+    assert inference["engine_config"]["overlap_steps"] is True and inference["batch_4"]["speedup_vs_one_step"] > 0
+    assert inference["engine_profile"]["device_busy_s"] > 0 and inference["engine_profile"]["device_kernels"] > 0
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the skip where CUDA is absent")

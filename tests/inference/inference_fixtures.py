@@ -48,12 +48,17 @@ def tiny_model(seed: int = 0, **changes) -> Transformer:
     return Transformer(tiny_config(**changes)).eval()
 
 
-def make_engine(model, tokenizer=None, static_shapes: bool | None = None, **config) -> Engine:
+def make_engine(
+    model, tokenizer=None, static_shapes: bool | None = None, overlap: bool | None = None, **config
+) -> Engine:
     eos = () if tokenizer is None else (tokenizer.im_end_id, tokenizer.endoftext_id)
-    # the CPU unless a test asks for a device: tests compare with forwards of the model on the CPU
-    config = {"max_batch": 4, "context_limit": 256, "device": "cpu"} | config
+    # the CPU unless a test asks for a device: tests compare with forwards of the model on the CPU;
+    # one step at a time unless a test asks to run ahead (tests count the tokens each step gives)
+    config = {"max_batch": 4, "context_limit": 256, "device": "cpu", "overlap_steps": False} | config
     decode = None if tokenizer is None else tokenizer.decode
-    return Engine(model, EngineConfig(**config), eos_token_ids=eos, decode=decode, static_shapes=static_shapes)
+    return Engine(
+        model, EngineConfig(**config), eos_token_ids=eos, decode=decode, static_shapes=static_shapes, overlap=overlap
+    )
 
 
 def wait_until(condition, timeout: float = 30.0) -> None:

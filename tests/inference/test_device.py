@@ -103,7 +103,7 @@ def test_a_step_builds_nothing_on_the_host_and_reads_back_once(static_shapes):
     assert len(engine.scheduler.running) == 3 and engine.stats.prompt_tokens_shared_total == 19
     engine_work = [where for where in work.host_tensors + work.syncs if not where.startswith("model/")]
     assert engine_work == [next(w for w in work.syncs if w.startswith("inference/sampling.py"))]
-    assert engine_work[0].endswith(" to_host")
+    assert engine_work[0].endswith(" result")  # Readback.result
 
 
 def test_bad_device_names_are_refused_with_the_field_named():

@@ -200,18 +200,18 @@ def inference(
         traceback.print_exc(file=sys.stderr)
         hf = f"{type(err).__name__}: {err}"
     model.to(device)
-    engine = Engine(
-        model,
-        EngineConfig(
-            max_batch=max(batches),
-            context_limit=prompt_tokens + new_tokens,
-            # a whole batch's prompts in one prefill, as transformers' generate does (the default
-            # budget, 512 tokens between decode steps, bounds the stall of running sequences)
-            prefill_tokens_per_step=max(batches) * prompt_tokens,
-            dtype=DTYPE,
-            device=str(device),
-        ),
+    config = EngineConfig(
+        max_batch=max(batches),
+        context_limit=prompt_tokens + new_tokens,
+        # a whole batch's prompts in one prefill, as transformers' generate does (the default
+        # budget, 512 tokens between decode steps, bounds the stall of running sequences)
+        prefill_tokens_per_step=max(batches) * prompt_tokens,
+        dtype=DTYPE,
+        device=str(device),
     )
+    engine = Engine(model, config)
+    # where the engine runs a step ahead (CUDA), the same engine one step at a time beside it
+    one_step = Engine(model, config.model_copy(update={"overlap_steps": False})) if engine.overlap else None
     result: dict[str, Any] = {
         "prompt_tokens": prompt_tokens,
         "new_tokens": new_tokens,
@@ -222,14 +222,16 @@ def inference(
     }
     for batch in batches:
         say(f"inference: batch {batch}, {prompt_tokens}-token prompts, {new_tokens} new tokens")
-        result[f"batch_{batch}"] = _generation(engine, hf, device, batch, prompt_tokens, new_tokens, repeats, seed)
+        result[f"batch_{batch}"] = _generation(
+            engine, one_step, hf, device, batch, prompt_tokens, new_tokens, repeats, seed
+        )
     say(f"inference: profiling one engine call at batch {max(batches)}")
     result["engine_profile"] = engine_profile(engine, device, max(batches), prompt_tokens, new_tokens, seed)
     # whether the engine's decode steps replayed CUDA graphs (a capture that fails falls back to
     # eager steps, with a warning in the log, and the figures above are those of eager decoding)
     result["engine_graph_captures"] = engine.stats.graph_captures_total
     result["engine_replays_graphs"] = engine.decoder.graphs
-    del hf, engine
+    del hf, engine, one_step
     free(device)
     if swaps:
         result.update(_swap(model, device, swaps, prompt_tokens, seed))
@@ -320,10 +322,19 @@ def _hf_generator(model: Transformer, device: torch.device):
 
 
 def _generation(
-    engine, hf, device: torch.device, batch: int, prompt_tokens: int, new_tokens: int, repeats: int, seed: int
+    engine,
+    one_step,
+    hf,
+    device: torch.device,
+    batch: int,
+    prompt_tokens: int,
+    new_tokens: int,
+    repeats: int,
+    seed: int,
 ):
     """One batch size: each contender's first call (capture, compilation), then `repeats` timed
-    calls, the same prompts for all three in each round (new ones every round). `hf` is the
+    calls, the same prompts for all in each round (new ones every round). `one_step` is the
+    engine one decode step at a time, where `engine` runs one ahead (else None); `hf` is the
     transformers model, or why there is none; a baseline that fails is reported in `errors`."""
     from whetstone.bench.inference import _prompts, hf_generate
     from whetstone.inference.sampling import SamplingParams
@@ -331,14 +342,17 @@ def _generation(
     greedy = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     contenders = {
         "whetstone": lambda prompts: [s.output_ids for s in engine.generate(prompts.tolist(), greedy)],
+        "whetstone_one_step": lambda prompts: [s.output_ids for s in one_step.generate(prompts.tolist(), greedy)],
         "hf": lambda prompts: hf_generate(hf, prompts.to(device), new_tokens, None),
         "hf_static": lambda prompts: hf_generate(hf, prompts.to(device), new_tokens, "static"),
     }
+    if one_step is None:
+        del contenders["whetstone_one_step"]
     calls: dict[str, list[float]] = {}
     outputs: dict[str, list[list[int]]] = {}
     errors: dict[str, str] = {}
     for name, generate in contenders.items():
-        if name != "whetstone" and isinstance(hf, str):
+        if name.startswith("hf") and isinstance(hf, str):
             errors[name] = hf
             continue
         try:
@@ -351,7 +365,7 @@ def _generation(
                 synchronize(device)
                 calls[name].append(time.perf_counter() - started)
         except Exception as err:
-            if name == "whetstone":
+            if name.startswith("whetstone"):
                 raise
             traceback.print_exc(file=sys.stderr)
             errors[name] = f"{type(err).__name__}: {err}"
@@ -370,6 +384,8 @@ def _generation(
         **{f"{name}_tokens_per_s": round(rate[name], 1) if name in rate else None for name in contenders},
         "speedup_vs_hf": speedup("hf"),
         "speedup_vs_hf_static": speedup("hf_static"),
+        # running a decode step ahead against one step at a time (CUDA only)
+        "speedup_vs_one_step": speedup("whetstone_one_step"),
         "first_call_s": {name: round(times[0], 3) for name, times in calls.items()},
         "call_s": {name: round(seconds, 4) for name, seconds in best.items()},
         # what the first call cost beyond a timed one: CUDA-graph capture, compilation, warm-up

@@ -20,6 +20,11 @@ class EngineConfig(Config):
     cuda_graphs: bool = True
     """On CUDA, capture each decode batch size's forward once in a CUDA graph and replay it, so a
     step is one launch instead of hundreds of Python-issued kernels (ignored on the CPU)."""
+    overlap_steps: bool = True
+    """On CUDA, launch decode step n + 1 before reading step n's tokens back (it is fed them on
+    the device), so the GPU computes while the host hands out step n's tokens and schedules: a
+    step then costs the longer of the two, not their sum. A sequence that stops at step n wastes
+    its row of step n + 1 (ignored on the CPU, where nothing runs ahead)."""
     max_batch: int = Field(16, ge=1)
     """Most sequences decoded together (KV-cache slots)."""
     context_limit: int = Field(0, ge=0)

@@ -46,10 +46,13 @@ class DynamicDecode:
     def __init__(self, forward: Forward, cache: SlotKVCache, with_routes: bool):
         self.forward, self.cache, self.with_routes = forward, cache, with_routes
 
-    def __call__(self, rows: list[tuple[int, int]], span: int):
+    def __call__(self, rows: list[tuple[int, int]], span: int, tokens: torch.Tensor | None = None):
         """(logits [B, vocab], routes [B, moe_layers, top_k] or None) for `rows` of (token,
-        position) in slots 0..B-1, every position below `span`."""
+        position) in slots 0..B-1, every position below `span`. `tokens` [B] on the device, if
+        given, replace the rows' tokens (the previous step's draws, not read back yet)."""
         inputs = to_device(rows, torch.int64, self.cache.keys.device)
+        if tokens is not None:
+            inputs[:, 0] = tokens
         out = self.forward(
             inputs[:, :1], inputs[:, 1:], self.cache.rows(0, len(rows), span), return_routes=self.with_routes
         )
@@ -93,11 +96,13 @@ class StaticDecode:
         blocks = -(-span // self.cache.block)
         return batch, min((1 << (blocks - 1).bit_length()) * self.cache.block, self.cache.max_len)
 
-    def __call__(self, rows: list[tuple[int, int]], span: int):
+    def __call__(self, rows: list[tuple[int, int]], span: int, tokens: torch.Tensor | None = None):
         """As `DynamicDecode.__call__`."""
         count = len(rows)
         batch, length = self.shape(count, span)
         copy_into(self.inputs[:batch], list(rows) + [(0, 0)] * (batch - count))
+        if tokens is not None:
+            self.inputs[:count, 0] = tokens
         logits, routes = self._replay(batch, length) if self.graphs else self._run(batch, length)
         return logits[:count], None if routes is None else routes[:count]
 

@@ -26,6 +26,11 @@ A decode step reads back from the device once: the sampled tokens with their log
 logprobs) in one tensor. The routes of the tokens fed travel to a host buffer by asynchronous
 copies queued before that read-back, so they are there once it returns; the engine applies them
 to the buffer then (`_apply_routes`).
+
+On CUDA the engine runs one decode step ahead (`EngineConfig.overlap_steps`): step n + 1 is
+launched, fed step n's draws on the device, before step n is read back, so the GPU computes while
+the host hands out tokens and schedules. A sequence leaving its slot drops the step pending for
+it (`_drop_pending`); docs/inference.md has the rules.
 """
 
 from __future__ import annotations
@@ -44,7 +49,7 @@ from whetstone.inference.decode import DynamicDecode, StaticDecode
 from whetstone.inference.detokenize import IncrementalText
 from whetstone.inference.kv_cache import ATTENTION_BLOCK, SlotKVCache
 from whetstone.inference.metrics import EngineStats
-from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample
+from whetstone.inference.sampling import Drawn, InvalidRequest, Readback, SamplingParams, sample
 from whetstone.inference.scheduler import Scheduler
 from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
@@ -52,7 +57,7 @@ from whetstone.inference.transfer import to_device
 from whetstone.model import invariant, numerics
 from whetstone.model.layout import in_compute_dtype, to_column_major
 from whetstone.sync.update import WeightUpdate
-from whetstone.utils.device import autocast, resolve_device, synchronize
+from whetstone.utils.device import autocast, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -78,9 +83,12 @@ class Engine:
         decode: Callable[[list[int]], str] | None = None,
         version: int = 0,
         static_shapes: bool | None = None,
+        overlap: bool | None = None,
     ):
         """`static_shapes`: decode with `StaticDecode` (True: also on the CPU, without graphs;
-        False: never); None: on CUDA when `config.cuda_graphs`."""
+        False: never); None: on CUDA when `config.cuda_graphs`. `overlap`: run one decode step
+        ahead (True: also on the CPU, where it only reorders the work; tests); None: on CUDA when
+        `config.overlap_steps`."""
         cfg = model.cfg
         self.device = resolve_device(config.device)
         model = model.eval().to(self.device)
@@ -111,9 +119,15 @@ class Engine:
             shape = (slots, self.cache.max_len, cfg.num_moe_layers, cfg.num_experts_per_tok)
             self.routes = torch.zeros(shape, dtype=torch.int16, device="cpu", pin_memory=self.device.type == "cuda")
         self._routes_pending: list[tuple[int, int, torch.Tensor]] = []
-        """Writes into `routes` (slot, first position, values) waiting for the step's read-back:
-        values copied from the device without waiting, or rows of another slot that such a copy
-        is filling."""
+        """Writes into `routes` (slot, first position, values) waiting for the copies queued for
+        them: values copied from the device without waiting, or rows of another slot that such a
+        copy is filling."""
+        self._routes_copied: torch.cuda.Event | None = None
+        """Recorded on CUDA after the admissions' route copies were queued (`_apply_routes`)."""
+        self.overlap = config.overlap_steps and self.device.type == "cuda" if overlap is None else overlap
+        """Launch decode step n + 1 before reading step n back (`EngineConfig.overlap_steps`)."""
+        self._launched: Launched | None = None
+        """The step launched ahead, not read back yet (with `overlap`)."""
         self.scheduler = Scheduler(
             config.max_batch,
             config.prefill_tokens_per_step,
@@ -235,21 +249,20 @@ class Engine:
         self._apply_updates()
         plan = self.scheduler.plan()
         for seq in plan.preempt:
+            self._drop_pending(seq)
             self._release(seq)
             seq.preempt()
             self.scheduler.requeue(seq)
             self.stats.preemptions_total += 1
         if plan.admit:
             self._admit(plan.admit)
-        if self.scheduler.running:
+        if self.scheduler.running or self._launched is not None:
             self._decode()
-        if self._routes_pending:  # nothing decoded after an admission: wait for the copies here
-            synchronize(self.device)
-            self._apply_routes()
+        self._apply_routes()  # nothing decoded after an admission: wait for the copies here
         stats, waiting = self.stats, self.scheduler.waiting
         stats.running = len(self.scheduler.running)
         stats.waiting_interactive, stats.waiting_batch = len(waiting["interactive"]), len(waiting["batch"])
-        return self.scheduler.has_work or bool(self._updates)
+        return self.scheduler.has_work or bool(self._updates) or self._launched is not None
 
     def _take_inbox(self) -> None:
         while True:
@@ -306,6 +319,9 @@ class Engine:
         for seq in followers:
             self._start([seq], *self._copyable(seq, running))  # its donor runs by now
         self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
+        if self._routes_pending and self.device.type == "cuda":  # the prefills' route copies end here
+            self._routes_copied = torch.cuda.Event()
+            self._routes_copied.record()
 
     def _start(self, group: list[Sequence], donor: Sequence | Kept | None = None, shared: int = 0) -> None:
         """Slots for `group`, then its prefill (one sequence: after `shared` positions copied from `donor`)."""
@@ -327,14 +343,15 @@ class Engine:
         the current weights, kept ones, and fresh ones `planned` to be prefilled first."""
         if not self.config.share_prefixes or seq.routes is not None:
             return None, 0
-        # (source, its tokens, how many of them are (or will be) cached)
+        # (source, its tokens, how many of them are (or will be) cached): not the positions of a
+        # step still in flight, whose routes are not written yet
         candidates = [
             (
                 other,
-                other.prompt_ids if other.num_cached <= len(other.prompt_ids) else other.tokens(0, other.num_cached),
-                other.num_cached,
+                other.prompt_ids if cached <= len(other.prompt_ids) else other.tokens(0, cached),
+                cached,
             )
-            for other in running
+            for other, cached in ((other, other.num_cached - other.pending) for other in running)
             if other.weights_epoch == self._weights_epoch
         ]
         candidates += [(kept, kept.tokens, len(kept.tokens)) for kept in self._kept.values()]
@@ -403,29 +420,79 @@ class Engine:
             return [module.qkv_weight() for module in self.model.modules() if hasattr(module, "qkv_weight")]
 
     def _decode(self) -> None:
-        running = list(self.scheduler.running)
-        span = max(seq.num_cached for seq in running) + 1
-        logits, routes = self.decoder([(seq.last_token, seq.num_cached) for seq in running], span)
+        """Launch a decode step over the running sequences, then take the results of the one
+        launched before it, if any (overlapping: the device computes this step meanwhile), and
+        of this one unless the engine runs one step ahead (`overlap`)."""
+        running, ahead = self.scheduler.running, self._launched
+        self._launched = None
+        if ahead is not None and not all(self._may_run_ahead(seq) for seq in running):
+            self._take(ahead)  # a sequence may end with it: know first
+            ahead = None
+        launched = self._launch(list(running), ahead) if running else None
+        if ahead is not None:
+            self._take(ahead)
+        if launched is not None and self.overlap:
+            self._launched = launched
+        elif launched is not None:
+            self._take(launched)
+
+    def _may_run_ahead(self, seq: Sequence) -> bool:
+        """Whether another step may be launched for `seq` before its pending token is read back:
+        not if that token would end it by length (the step would be wasted, and could run past
+        the cache)."""
+        return not seq.pending or (
+            len(seq.output_ids) + seq.pending < seq.params.max_tokens
+            and seq.num_tokens + seq.pending < self.context_limit
+        )
+
+    def _launch(self, seqs: list[Sequence], ahead: Launched | None) -> Launched:
+        """Queue one decode step over `seqs` (slots 0..B-1) and its sampling, and start reading
+        its draws back. A sequence with a token pending in `ahead` is fed that token straight
+        from the device."""
+        span = max(seq.num_cached for seq in seqs) + 1
+        rows = [(seq.last_token, seq.num_cached) for seq in seqs]
+        tokens = None
+        if ahead is not None and any(seq.pending for seq in seqs):
+            row_of = {id(seq): row for row, seq in enumerate(ahead.seqs) if ahead.launches[row] == seq.launches}
+            index = to_device([row_of[id(seq)] if seq.pending else -1 for seq in seqs], torch.int64, self.device)
+            host = to_device([seq.last_token for seq in seqs], torch.int64, self.device)
+            tokens = torch.where(index >= 0, ahead.drawn.tokens.index_select(0, index.clamp(min=0)), host)
+        logits, routes = self.decoder(rows, span, tokens)
         fed = None if routes is None else routes.to(torch.int16).to("cpu", non_blocking=True)
-        params = [s.params for s in running]
+        params = [seq.params for seq in seqs]
+        counters = [len(seq.output_ids) + seq.pending for seq in seqs]
         with numerics(self.config.numerics):  # the trainer's log-softmax, under invariant numerics
-            drawn = sample(logits, params, [s.seed for s in running], [len(s.output_ids) for s in running])
-        # the step's one read-back; the copies queued before it (routes) are done once it returns
-        result = drawn.to_host(params)
-        self._apply_routes()
-        if fed is not None:
-            positions = torch.tensor([seq.num_cached for seq in running], device="cpu")
-            self.routes[torch.arange(len(running), device="cpu"), positions] = fed
-        self.stats.decode_steps_total += 1
-        self.stats.record_tokens(len(running))
-        finished = []
-        for seq, token, logprob, top in zip(running, result.tokens, result.logprobs, result.top):
+            drawn = sample(logits, params, [seq.seed for seq in seqs], counters)
+        launched = Launched(
+            seqs, [seq.launches for seq in seqs], [pos for _, pos in rows], self.version, drawn, fed,
+            drawn.read_later(params),
+        )  # fmt: skip
+        for seq in seqs:
             seq.num_cached += 1
+            seq.pending += 1
+        self.stats.decode_steps_total += 1
+        return launched
+
+    def _take(self, launched: Launched) -> None:
+        """Read `launched`'s draws back (waiting for that step only) and hand each token to its
+        sequence, unless the sequence dropped that step since (finished, preempted, aborted)."""
+        result = launched.readback.result()  # the step's one read-back; its routes are there too
+        self._apply_routes()
+        live = [row for row, seq in enumerate(launched.seqs) if launched.launches[row] == seq.launches]
+        if launched.routes is not None and live:
+            slots = torch.tensor([launched.seqs[row].slot for row in live], device="cpu")  # `routes` is
+            positions = torch.tensor([launched.positions[row] for row in live], device="cpu")  # on the host
+            self.routes[slots, positions] = launched.routes[live]
+        self.stats.record_tokens(len(live))
+        finished = []
+        for row in live:
+            seq, token = launched.seqs[row], result.tokens[row]
+            seq.pending -= 1
             seq.output_ids.append(token)
-            seq.logprobs.append(logprob)
-            seq.versions.append(self.version)
+            seq.logprobs.append(result.logprobs[row])
+            seq.versions.append(launched.version)
             if seq.params.top_logprobs:
-                seq.top_logprobs.append(top)
+                seq.top_logprobs.append(result.top[row])
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 finished.append((seq, reason))
@@ -434,9 +501,21 @@ class Engine:
         for seq, reason in finished:
             self._finish(seq, reason)
 
+    def _drop_pending(self, seq: Sequence) -> None:
+        """Forget the steps launched for `seq` whose tokens are not read back (it is leaving its
+        slot): their cache positions are not its, and their tokens will not be handed over."""
+        seq.num_cached -= seq.pending
+        seq.pending = 0
+        seq.launches += 1
+
     def _apply_routes(self) -> None:
-        """Write the routes that were on their way into `routes`, in the order they were issued
-        (call once the device's queued work is done)."""
+        """Write the routes that were on their way into `routes`, in the order they were issued,
+        once the copies queued for them (`_routes_copied`) are done."""
+        if not self._routes_pending:
+            return
+        if self._routes_copied is not None:
+            self._routes_copied.synchronize()
+            self._routes_copied = None
         for slot, start, values in self._routes_pending:
             self.routes[slot, start : start + values.shape[0]] = values
         self._routes_pending.clear()
@@ -454,6 +533,7 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._drop_pending(seq)
         if seq.slot is not None:
             self._keep(seq)
             self._release(seq)
@@ -496,12 +576,32 @@ class Engine:
 
     def _fail_running(self, message: str) -> None:
         self._routes_pending.clear()  # the failed step's: the sequences they were for end here
+        self._routes_copied = self._launched = None
         for seq in list(self.scheduler.running):
+            self._drop_pending(seq)
             seq.error = message
             self.stats.requests_total["error"] += 1
             self._release(seq)
             seq.finish_reason = "abort"
             seq.notify()
+
+
+@dataclass
+class Launched:
+    """A decode step on its way: launched for `seqs` (row i for seqs[i]), not read back yet."""
+
+    seqs: list[Sequence]
+    launches: list[int]
+    """Each sequence's `launches` then: a row whose sequence has moved on since is dropped."""
+    positions: list[int]
+    """The position each row fed."""
+    version: int
+    """The weight version the step ran with."""
+    drawn: Drawn
+    """The draws on the device (the next step, launched before these are read back, feeds them)."""
+    routes: torch.Tensor | None
+    """[B, moe_layers, top_k] int16 routes of the tokens fed, on their way to the host."""
+    readback: Readback
 
 
 @dataclass

@@ -128,15 +128,42 @@ class Drawn:
     """[B, n] int64 token ids of `top_logprobs`."""
 
     def to_host(self, params: list[SamplingParams]) -> SampleOutput:
-        """Everything in one read-back: one float64 tensor (exact for token ids and float32
-        logprobs), one `tolist()`."""
+        """Everything in one read-back (`read_later`, waited for at once)."""
+        return self.read_later(params).result()
+
+    def read_later(self, params: list[SamplingParams]) -> Readback:
+        """Start the read-back: one float64 tensor (exact for token ids and float32 logprobs),
+        copied to the host behind the work queued so far, without waiting for it."""
         parts = [self.tokens.unsqueeze(1), self.logprobs.unsqueeze(1)]
         if self.top_ids is not None:
             parts += [self.top_logprobs, self.top_ids]
-        rows = torch.cat([part.double() for part in parts], dim=1).tolist()
+        packed = torch.cat([part.double() for part in parts], dim=1)
         want = 0 if self.top_ids is None else self.top_ids.shape[1]
+        if packed.device.type != "cuda":
+            return Readback(packed, None, params, want)
+        host = packed.to("cpu", non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return Readback(host, done, params, want)
+
+
+@dataclass
+class Readback:
+    """A step's draws on their way to the host (`Drawn.read_later`). `done` is recorded after the
+    copies queued before it (the step's routes, say), so once `result()` returns they are there
+    too; work queued after it (the next step) is not waited for."""
+
+    host: torch.Tensor
+    done: torch.cuda.Event | None
+    params: list[SamplingParams]
+    want: int
+
+    def result(self) -> SampleOutput:
+        if self.done is not None:
+            self.done.synchronize()
+        rows, want = self.host.tolist(), self.want
         top: list[list[tuple[int, float]]] = []
-        for row, p in zip(rows, params):
+        for row, p in zip(rows, self.params):
             n = min(p.top_logprobs, want)
             values, ids = row[2 : 2 + n], row[2 + want : 2 + want + n]
             top.append([(int(t), v) for t, v in zip(ids, values) if v != float("-inf")])

@@ -47,6 +47,13 @@ class Sequence:
     (finished or preempted); while it runs they live in the engine's per-slot route buffer. Every
     token is fed except the last generated one, so a finished sequence has `num_tokens - 1` rows."""
     num_cached: int = 0
+    pending: int = 0
+    """Decode steps launched for this sequence whose tokens are not read back yet (with
+    `EngineConfig.overlap_steps`, one step runs ahead): counted in `num_cached`, not yet in
+    `output_ids`."""
+    launches: int = 0
+    """Bumped when the sequence's pending steps are dropped (it finished, was preempted or
+    aborted): a step launched before then is not its any more."""
     slot: int | None = None
     weights_epoch: int | None = None
     """The engine's weight epoch when this sequence's cache was filled under the current

@@ -1,0 +1,163 @@
+"""Running one decode step ahead (`EngineConfig.overlap_steps`, on by default on CUDA) changes
+when a step's tokens are read back, never what they are: the same tokens, logprobs, top
+logprobs, routes and finish reasons as one step at a time, through stops, admissions, prefix
+sharing, preemption, aborts and weight swaps. On the CPU the engine is asked to run ahead
+(`overlap=True`), which there only reorders the work."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.host_work import watch_host_work
+from tests.inference.inference_fixtures import make_engine, tiny_model
+from whetstone.inference.sampling import SamplingParams
+from whetstone.inference.sequence import Sequence
+from whetstone.inference.swap import full_update
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def prompts(*lengths, seed=0, vocab=512):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def engine_on(device: str, overlap: bool, **config):
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    return make_engine(tiny_model(), overlap=overlap, device=device, **config)
+
+
+def requests() -> list[Sequence]:
+    """Sequences of every kind: lengths 2-12, greedy and sampled, top-k/top-p, top logprobs,
+    two sharing a prompt prefix, more than the batch holds (admissions while others decode)."""
+    base = prompts(20)[0]
+    bodies = [base, base + [5, 6, 7], *prompts(3, 9, 14, 6, seed=1)]
+    kinds = [
+        SamplingParams(max_tokens=12, temperature=0.0),
+        SamplingParams(max_tokens=7, seed=1, top_logprobs=3),
+        SamplingParams(max_tokens=2, seed=2, top_k=5),
+        SamplingParams(max_tokens=9, seed=3, top_p=0.8, temperature=0.7),
+        SamplingParams(max_tokens=5, seed=4),
+        SamplingParams(max_tokens=11, seed=5, top_logprobs=1),
+    ]
+    return [Sequence(f"r{i}", body, kind, "batch") for i, (body, kind) in enumerate(zip(bodies, kinds))]
+
+
+def drive(engine, seqs: list[Sequence], events=None) -> list[Sequence]:
+    """Step `engine` until every sequence of `seqs` (added at once) finished; `events` maps a
+    step number to a function of the engine called before that step."""
+    for seq in seqs:
+        engine.add(seq)
+    step = 0
+    with torch.inference_mode():
+        while not all(seq.finished for seq in seqs):
+            if events and step in events:
+                events[step](engine)
+            engine.step()
+            step += 1
+    return seqs
+
+
+def assert_same(ours: list[Sequence], theirs: list[Sequence], exact: bool) -> None:
+    """Tokens, routes, finish reasons, versions and top-logprob ids equal; logprobs equal bit for
+    bit where `exact` (invariant numerics), else to 1e-5: a step run ahead may hold a sequence
+    that one step at a time would have retired, and fast numerics round by the batch's shape."""
+    for a, b in zip(ours, theirs, strict=True):
+        assert (a.output_ids, a.finish_reason, a.versions) == (b.output_ids, b.finish_reason, b.versions)
+        assert torch.equal(a.routes, b.routes)
+        assert [[t for t, _ in top] for top in a.top_logprobs] == [[t for t, _ in top] for top in b.top_logprobs]
+        if exact:
+            assert (a.logprobs, a.top_logprobs) == (b.logprobs, b.top_logprobs)
+        else:
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_running_ahead_gives_what_one_step_at_a_time_gives(device, numerics):
+    exact = numerics == "invariant"
+    one_at_a_time = drive(engine_on(device, overlap=False, numerics=numerics), requests())
+    ahead_engine = engine_on(device, overlap=True, numerics=numerics)
+    ahead = drive(ahead_engine, requests())
+    assert_same(ahead, one_at_a_time, exact)
+    assert ahead_engine.stats.prompt_tokens_shared_total > 0  # the shared prefix was copied
+
+    # stop tokens where each sequence's third token falls: they stop early, mid-flight
+    def stopping() -> list[Sequence]:
+        seqs = requests()
+        for seq, reference in zip(seqs, one_at_a_time):
+            if len(reference.output_ids) > 3:
+                seq.params = dataclasses.replace(seq.params, stop_token_ids=(reference.output_ids[2],))
+        return seqs
+
+    stops_reference = drive(engine_on(device, overlap=False, numerics=numerics), stopping())
+    stops_ahead = drive(engine_on(device, overlap=True, numerics=numerics), stopping())
+    assert_same(stops_ahead, stops_reference, exact)
+    assert sum(s.finish_reason == "stop" for s in stops_ahead) >= 3
+    # the slots are free again and nothing is left in flight after the last token is taken
+    with torch.inference_mode():
+        ahead_engine.step()
+    assert not ahead_engine.scheduler.running and ahead_engine._launched is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_preempted_sequence_drops_its_step_in_flight_and_resumes_exactly(device):
+    # max_batch 1: the user preempts the rollout (which has a step in flight) and runs alone
+    [reference] = drive(engine_on(device, overlap=False, max_batch=1), [requests()[5]])
+    engine = engine_on(device, overlap=True, max_batch=1)
+    rollout, user = requests()[5], Sequence("user", prompts(6, seed=7)[0], SamplingParams(max_tokens=4, seed=8))
+    drive(engine, [rollout], events={6: lambda e: e.add(user)})
+    assert rollout.preemptions == 1 and user.finished and len(user.output_ids) == 4
+    assert_same([rollout], [reference], exact=False)  # its resumption prefilled what it had decoded
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_aborted_sequence_keeps_what_was_read_back_and_frees_its_slot(device):
+    engine = engine_on(device, overlap=True)
+    seq, other = requests()[0], requests()[4]
+    drive(engine, [seq, other], events={4: lambda e: e.abort(seq)})
+    [reference] = drive(engine_on(device, overlap=False), [requests()[0]])
+    assert seq.finish_reason == "abort" and 0 < len(seq.output_ids) < 12
+    assert seq.output_ids == reference.output_ids[: len(seq.output_ids)]
+    assert len(seq.routes) == len(seq.prompt_ids) + len(seq.output_ids) - 1  # no route of a dropped step
+    assert other.finish_reason == "length" and not engine.scheduler.running
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_each_token_carries_the_version_its_step_ran_with(device):
+    """A step launched before a swap runs on the old weights and says so: the run equals one
+    that takes the new weights one step at a time from that token on."""
+    new_weights = full_update(tiny_model(seed=9).state_dict(), version=1)
+    ahead = requests()[0]
+    drive(engine_on(device, overlap=True), [ahead], events={4: lambda e: e.update_weights(new_weights)})
+    switch = ahead.versions.index(1)
+    assert ahead.versions == [0] * switch + [1] * (12 - switch)
+    reference = requests()[0]
+    engine = engine_on(device, overlap=False)
+    engine.add(reference)
+    with torch.inference_mode():
+        while len(reference.output_ids) < switch:
+            engine.step()
+        engine.update_weights(new_weights)
+        while not reference.finished:
+            engine.step()
+    assert_same([ahead], [reference], exact=False)
+
+
+def test_a_step_ahead_builds_nothing_on_the_host_and_reads_back_once():
+    engine = make_engine(tiny_model(), overlap=True, max_batch=4)
+    seqs = requests()[:4]
+    for seq in seqs:
+        engine.add(seq)
+    with torch.inference_mode():
+        engine.step()  # admits, launches step 1
+        engine.step()  # launches step 2, takes step 1
+        with watch_host_work() as work:
+            engine.step()  # launches step 3, takes step 2
+    engine_work = [where for where in work.host_tensors + work.syncs if not where.startswith("model/")]
+    assert len(engine_work) == 1 and engine_work[0].endswith(" result")  # Readback.result
+    assert all(len(seq.output_ids) == 2 for seq in seqs if seq.params.max_tokens >= 3)
