@@ -286,6 +286,9 @@ class Engine:
         if self.config.swap_policy == "finish" and self.scheduler.in_flight():
             self.scheduler.admit_fresh = False  # drain: in-flight sequences end on these weights
             return
+        if self._launched is not None:  # read the step in flight back first: the pause (which waits
+            launched, self._launched = self._launched, None  # for the device) is the write's alone,
+            self._take(launched)  # and no graph a swap may drop is still running
         pause = 0.0
         while self._updates:
             update = self._updates.popleft()
