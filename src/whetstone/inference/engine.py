@@ -482,10 +482,11 @@ class Engine:
         result = launched.readback.result()  # the step's one read-back; its routes are there too
         self._apply_routes()
         live = [row for row, seq in enumerate(launched.seqs) if launched.launches[row] == seq.launches]
-        if launched.routes is not None and live:
-            slots = torch.tensor([launched.seqs[row].slot for row in live], device="cpu")  # `routes` is
-            positions = torch.tensor([launched.positions[row] for row in live], device="cpu")  # on the host
-            self.routes[slots, positions] = launched.routes[live]
+        if launched.routes is not None and live:  # into each sequence's slot now (`routes` is on the host)
+            slots = torch.tensor([launched.seqs[row].slot for row in live], device="cpu")
+            positions = torch.tensor([launched.positions[row] for row in live], device="cpu")
+            every = len(live) == len(launched.seqs)
+            self.routes[slots, positions] = launched.routes if every else launched.routes[live]
         self.stats.record_tokens(len(live))
         finished = []
         for row in live:

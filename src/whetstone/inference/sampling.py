@@ -162,11 +162,11 @@ class Readback:
         if self.done is not None:
             self.done.synchronize()
         rows, want = self.host.tolist(), self.want
-        top: list[list[tuple[int, float]]] = []
-        for row, p in zip(rows, self.params):
+        top: list[list[tuple[int, float]]] = [[] for _ in rows]
+        for i, (row, p) in enumerate(zip(rows, self.params)) if want else ():
             n = min(p.top_logprobs, want)
             values, ids = row[2 : 2 + n], row[2 + want : 2 + want + n]
-            top.append([(int(t), v) for t, v in zip(ids, values) if v != float("-inf")])
+            top[i] = [(int(t), v) for t, v in zip(ids, values) if v != float("-inf")]
         return SampleOutput([int(row[0]) for row in rows], [row[1] for row in rows], top)
 
 
