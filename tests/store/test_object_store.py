@@ -26,6 +26,25 @@ def test_list_by_prefix_sorted(store):
     assert store.list("zzz/") == []
 
 
+def test_a_folder_deleted_while_listing_is_skipped(tmp_path, monkeypatch):
+    # Another writer deletes versions/1/ after the walk saw it and before it went in (two
+    # publishers racing: the loser drops its chunks while the winner collects garbage).
+    import os
+
+    store = LocalStore(tmp_path / "store")
+    for key in ["versions/1/a/c.bin", "versions/2/m.json"]:
+        store.put(key, b"x")
+    gone, scandir = tmp_path / "store" / "versions" / "1", os.scandir
+
+    def deleted_meanwhile(path="."):
+        if os.fspath(path) == os.fspath(gone):
+            raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", deleted_meanwhile)
+    assert store.list("versions/") == ["versions/2/m.json"]
+
+
 def test_delete_is_idempotent(store):
     store.put("a/b", b"x")
     store.delete("a/b")

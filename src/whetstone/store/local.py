@@ -72,12 +72,15 @@ class LocalStore(ObjectStore):
         if not folder.is_dir():
             return []
         keys = []
-        for path in folder.rglob("*"):
-            # Temporary files of atomic writes in progress start with a dot: not objects yet.
-            if path.is_file() and not path.name.startswith("."):
-                key = path.relative_to(self.root).as_posix()
-                if key.startswith(prefix):
-                    keys.append(key)
+        # os.walk skips a folder deleted while it walks (another publisher dropping its chunks,
+        # garbage collection): listing must not fail because the store changed meanwhile
+        for directory, _, names in os.walk(folder):
+            for name in names:
+                # Temporary files of atomic writes in progress start with a dot: not objects yet.
+                if not name.startswith("."):
+                    key = (Path(directory) / name).relative_to(self.root).as_posix()
+                    if key.startswith(prefix):
+                        keys.append(key)
         return sorted(keys)
 
     def delete(self, key: str) -> None:
