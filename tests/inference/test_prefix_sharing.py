@@ -132,3 +132,78 @@ def test_kept_caches_are_evicted_least_recently_used_and_dropped_at_a_swap():
     engine = make_engine(model, keep_finished=0)
     continue_turn(engine, prompt(30))
     assert engine.stats.prompt_tokens_shared_total == 0
+
+
+def agents_next_turns(engine) -> list[Sequence]:
+    """Four conversations' first turns (kept when they end), then their next turns at once, each
+    with its own tool output after its own history: followers copying prefixes of different
+    lengths, prefilled from different positions."""
+    histories = [prompt(20 + 9 * i, seed=30 + i) for i in range(4)]
+    firsts = engine.generate(histories, [SamplingParams(max_tokens=3 + i, seed=i) for i in range(4)])
+    nexts = [
+        Sequence(f"turn2-{i}", h + s.output_ids + prompt(5 + 4 * i, seed=60 + i), SamplingParams(max_tokens=6, seed=i))
+        for i, (h, s) in enumerate(zip(histories, firsts))
+    ]
+    for seq in nexts:
+        engine.add(seq)
+    with torch.inference_mode():
+        while not all(seq.finished for seq in nexts):
+            engine.step()
+    return nexts
+
+
+def test_followers_admitted_together_are_prefilled_in_one_forward_each_from_its_own_position():
+    model = tiny_model()
+    engine = make_engine(model, numerics="invariant", max_batch=4)
+    forwards = []
+    real_forward = engine._forward
+    engine._forward = lambda ids, positions, cache, **kw: (
+        forwards.append(positions.tolist()) or real_forward(ids, positions, cache, **kw)
+    )
+    ragged = agents_next_turns(engine)
+    # the second turns: one prefill forward (their rows start where each history's cache ends)
+    prefills = [p for p in forwards if len(p[0]) > 1]
+    assert len(prefills) == 2  # the first turns' (one group), then the second turns' (one wave)
+    starts = sorted(row[0] for row in prefills[1])
+    assert len(set(starts)) == 4  # four different first positions in one forward
+    assert engine.stats.prompt_tokens_shared_total == sum(20 + 9 * i + 3 + i - 1 for i in range(4))
+    # invariant numerics: the same bits as each prompt prefilled alone from position 0
+    alone = agents_next_turns(make_engine(model, numerics="invariant", max_batch=4, share_prefixes=False))
+    for a, b in zip(ragged, alone):
+        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs
+        assert torch.equal(a.routes, b.routes)
+
+
+def test_a_follower_whose_longest_prefix_is_another_followers_waits_for_it():
+    # b's prompt continues a's, and both continue a kept turn. Admitted together, a's longest
+    # prefix is b's prompt: a waits for the wave after b's and copies all of it but its last
+    # token, as one at a time it would have; in one wave it would copy only the kept turn.
+    model = tiny_model()
+    engine = make_engine(model, max_batch=4)
+    [root] = engine.generate([prompt(24, seed=1)], SamplingParams(max_tokens=2, seed=0))
+    a_prompt = root.prompt_ids + root.output_ids + prompt(10, seed=2)
+    b_prompt = a_prompt + prompt(7, seed=3)
+    shared_before = engine.stats.prompt_tokens_shared_total
+    a, b = engine.generate([a_prompt, b_prompt], SamplingParams(max_tokens=3, seed=4))
+    # a copies root's 25 cached positions; b copies a's whole prompt but its last token
+    assert engine.stats.prompt_tokens_shared_total - shared_before == 25 + len(a_prompt) - 1
+    alone = make_engine(model, max_batch=4, share_prefixes=False)
+    for ours, theirs in zip([a, b], alone.generate([a_prompt, b_prompt], SamplingParams(max_tokens=3, seed=4))):
+        assert ours.output_ids == theirs.output_ids and torch.equal(ours.routes, theirs.routes)
+
+
+def test_a_follower_whose_padding_would_run_past_the_cache_is_prefilled_alone():
+    # context 96: a long kept history (80 positions) beside a follower with 60 tokens to feed
+    model = tiny_model()
+    engine = make_engine(model, max_batch=4, context_limit=96, numerics="invariant")
+    [long_turn] = engine.generate([prompt(78, seed=5)], SamplingParams(max_tokens=3, seed=0))
+    [short_turn] = engine.generate([prompt(12, seed=6)], SamplingParams(max_tokens=3, seed=0))
+    nexts = [
+        long_turn.prompt_ids + long_turn.output_ids + prompt(4, seed=7),
+        short_turn.prompt_ids + short_turn.output_ids + prompt(60, seed=8),
+    ]
+    ours = engine.generate(nexts, SamplingParams(max_tokens=4, seed=1))
+    alone = make_engine(model, max_batch=4, context_limit=96, numerics="invariant", share_prefixes=False)
+    theirs = alone.generate(nexts, SamplingParams(max_tokens=4, seed=1))
+    for a, b in zip(ours, theirs):
+        assert a.output_ids == b.output_ids and a.logprobs == b.logprobs and torch.equal(a.routes, b.routes)

@@ -306,8 +306,9 @@ class Engine:
         Resumed sequences go one by one, replaying exactly the experts they used before (replay
         covers a whole forward). Fresh ones that can copy a prefix from a running sequence, or
         from one prefilled just before them (`share_prefixes`), copy it and prefill the rest;
-        the others are prefilled together, longest first (so the rows still feeding at any
-        chunk are a prefix of the group: contiguous slots)."""
+        the others are prefilled together. Followers are prefilled together too, each from its
+        own first uncached position, in waves: one whose longest prefix is another follower's
+        waits for the wave after that one's, so it shares as much as one at a time would."""
         running = self.scheduler.running
         resumed = [s for s in seqs if s.routes is not None]
         fresh = sorted((s for s in seqs if s.routes is None), key=lambda s: -s.num_tokens)
@@ -316,26 +317,46 @@ class Engine:
         for seq in fresh:
             (followers if self._copyable(seq, running, leaders)[0] is not None else leaders).append(seq)
         for seq in resumed:
-            self._start([seq])
+            self._start([(seq, None, 0)])
         if leaders:
-            self._start(leaders)
-        for seq in followers:
-            self._start([seq], *self._copyable(seq, running))  # its donor runs by now
+            self._start([(seq, None, 0) for seq in leaders])
+        while followers:  # their donors run by now (leaders, earlier waves) or are kept
+            wave: list[tuple[Sequence, Sequence | Kept | None, int]] = []
+            later: list[Sequence] = []
+            for seq in followers:
+                donor, shared = self._copyable(seq, running)
+                waiting_pays = any(
+                    common_prefix_length(other.prompt_ids, seq.prompt_ids, len(seq.prompt_ids) - 1) > shared
+                    for other, _, _ in wave
+                )
+                (later.append(seq) if waiting_pays else wave.append((seq, donor, shared)))
+            self._start(wave)
+            followers = later
         self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
         if self._routes_pending and self.device.type == "cuda":  # the prefills' route copies end here
             self._routes_copied = torch.cuda.Event()
             self._routes_copied.record()
 
-    def _start(self, group: list[Sequence], donor: Sequence | Kept | None = None, shared: int = 0) -> None:
-        """Slots for `group`, then its prefill (one sequence: after `shared` positions copied from `donor`)."""
+    def _start(self, plans: list[tuple[Sequence, Sequence | Kept | None, int]]) -> None:
+        """Slots for the sequences of `plans` (sequence, donor, shared), each first copying its
+        `shared` positions from its donor (if any), then their prefill: together, the most to
+        prefill first (so the rows still feeding at any chunk are a prefix of the group:
+        contiguous slots), except a row whose padding would run past the cache, alone."""
         running = self.scheduler.running
-        for seq in group:
+        plans = sorted(plans, key=lambda plan: -(plan[0].num_tokens - 1 - plan[2]))
+        most = plans[0][0].num_tokens - 1 - plans[0][2]
+        fits = [plan for plan in plans if plan[2] + most <= self.cache.max_len]
+        plans = fits + [plan for plan in plans if plan[2] + most > self.cache.max_len]
+        for seq, donor, shared in plans:  # slots in that order: the rows prefilled together first
             seq.slot = len(running)
             running.append(seq)
-        if donor is not None:
-            self._copy_prefix(donor, group[0], shared)
-        self._prefill(group)
-        for seq in group:  # a resumed sequence replayed old routes: nobody copies from it
+            if donor is not None:
+                self._copy_prefix(donor, seq, shared)
+        if fits:
+            self._prefill([seq for seq, _, _ in fits])
+        for seq, _, _ in plans[len(fits) :]:
+            self._prefill([seq])
+        for seq, _, _ in plans:  # a resumed sequence replayed old routes: nobody copies from it
             seq.weights_epoch = self._weights_epoch if seq.routes is None else None
 
     def _copyable(
@@ -381,21 +402,36 @@ class Engine:
         self.stats.prompt_tokens_shared_total += length
 
     def _prefill(self, group: list[Sequence]) -> None:
-        lengths = [seq.num_tokens - 1 for seq in group]
-        tokens = [seq.tokens(0, n) for seq, n in zip(group, lengths)]
+        """Feed each sequence's uncached tokens but the last, all rows in one forward per chunk of
+        `prefill_chunk` tokens, each row from its own first uncached position (0, or after a
+        copied prefix). `group` holds contiguous slots, the most to feed first; a shorter row is
+        padded with 0s at positions past its own, which nothing attends before its later tokens
+        overwrite them (the caller keeps that padding inside the cache)."""
+        starts = [seq.num_cached for seq in group]
+        ends = [seq.num_tokens - 1 for seq in group]
+        todo = [end - start for start, end in zip(starts, ends)]
+        tokens = [seq.tokens(start, end) for seq, start, end in zip(group, starts, ends)]
         replay = group[0].routes if len(group) == 1 else None
-        # from the first position not cached yet: 0, or after a copied prefix (one sequence)
-        for start in range(group[0].num_cached, lengths[0], self.config.prefill_chunk):
-            rows = sum(1 for n in lengths if n > start)
-            end = min(start + self.config.prefill_chunk, lengths[0])
-            # shorter rows are padded with 0s, never attended
-            ids = to_device([pad(tokens[row][start:end], end - start) for row in range(rows)], torch.int64, self.device)
-            positions = torch.arange(start, end, device=self.device).expand(rows, -1)
-            chunk_routes = None if replay is None else replay[start:end].unsqueeze(0).to(self.device, non_blocking=True)
+        ragged = len(set(starts)) > 1
+        for offset in range(0, todo[0], self.config.prefill_chunk):
+            rows = sum(1 for n in todo if n > offset)
+            width = min(self.config.prefill_chunk, todo[0] - offset)
+            ids = to_device(
+                [pad(tokens[row][offset : offset + width], width) for row in range(rows)], torch.int64, self.device
+            )
+            if ragged:
+                first = [starts[row] + offset for row in range(rows)]
+                positions = to_device([list(range(f, f + width)) for f in first], torch.int64, self.device)
+            else:
+                positions = torch.arange(starts[0] + offset, starts[0] + offset + width, device=self.device)
+                positions = positions.expand(rows, -1)
+            span = max(starts[row] for row in range(rows)) + offset + width
+            lo, hi = starts[0] + offset, starts[0] + offset + width  # the replayed sequence's positions
+            chunk_routes = None if replay is None else replay[lo:hi].unsqueeze(0).to(self.device, non_blocking=True)
             out = self._forward(
                 ids,
                 positions,
-                self.cache.rows(group[0].slot, rows, end),
+                self.cache.rows(group[0].slot, rows, span),
                 routes=chunk_routes,
                 return_routes=self.routes is not None and replay is None,
                 logits_to_keep=0,
@@ -403,13 +439,14 @@ class Engine:
             if self.routes is None:
                 continue
             if replay is not None:
-                self.routes[group[0].slot, start:end] = replay[start:end]
+                self.routes[group[0].slot, lo:hi] = replay[lo:hi]
                 continue
             used = out.routes.to(torch.int16).to("cpu", non_blocking=True)
             for row, seq in enumerate(group[:rows]):
-                self._routes_pending.append((seq.slot, start, used[row, : min(end, lengths[row]) - start]))
-        for seq, n in zip(group, lengths):
-            seq.num_cached = n
+                fed = min(width, todo[row] - offset)
+                self._routes_pending.append((seq.slot, starts[row] + offset, used[row, :fed]))
+        for seq, end in zip(group, ends):
+            seq.num_cached = end
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, cache, **kwargs):
         """The model's forward with the configured numerics and compute dtype (the trainer's own)."""
