@@ -40,10 +40,16 @@ def test_each_cluster_follows_its_own_store_and_reports_the_staleness_of_what_it
         assert asyncio.run(orchestrator.run()) == [0]
         assert {s.cluster for s in orchestrator.pool.servers} == {"eu", "us"}
         (record,) = read_metrics(metrics)
-        for cluster in ("eu", "us"):  # least-loaded dispatch puts a group's two rollouts on both
+        # Least-loaded dispatch mostly puts a group's two rollouts on both clusters, but a rollout
+        # that ends between its group's two leases leaves both on one: each cluster that made
+        # samples reports their staleness, and every cluster its servers.
+        made = [cluster for cluster in ("eu", "us") if f"cluster_{cluster}_samples" in record]
+        assert made and sum(record[f"cluster_{cluster}_samples"] for cluster in made) == record["samples"]
+        for cluster in made:
             assert record[f"cluster_{cluster}_samples"] >= 1 and record[f"cluster_{cluster}_staleness_mean"] == 0
-            assert record[f"cluster_{cluster}_staleness_max"] == 0 and record[f"cluster_{cluster}_servers"] == 1
-        assert record["cluster_eu_samples"] + record["cluster_us_samples"] == record["samples"]
+            assert record[f"cluster_{cluster}_staleness_max"] == 0
+        assert record["cluster_eu_servers"] == record["cluster_us_servers"] == 1
+        assert sum(orchestrator.pool.rollouts.values()) >= 2
 
         trainer.publish()  # version 1 reaches each server through its own cluster's store
         deadline = time.monotonic() + 60
