@@ -140,16 +140,8 @@ def agents_next_turns(engine) -> list[Sequence]:
     lengths, prefilled from different positions."""
     histories = [prompt(20 + 9 * i, seed=30 + i) for i in range(4)]
     firsts = engine.generate(histories, [SamplingParams(max_tokens=3 + i, seed=i) for i in range(4)])
-    nexts = [
-        Sequence(f"turn2-{i}", h + s.output_ids + prompt(5 + 4 * i, seed=60 + i), SamplingParams(max_tokens=6, seed=i))
-        for i, (h, s) in enumerate(zip(histories, firsts))
-    ]
-    for seq in nexts:
-        engine.add(seq)
-    with torch.inference_mode():
-        while not all(seq.finished for seq in nexts):
-            engine.step()
-    return nexts
+    nexts = [h + s.output_ids + prompt(5 + 4 * i, seed=60 + i) for i, (h, s) in enumerate(zip(histories, firsts))]
+    return engine.generate(nexts, [SamplingParams(max_tokens=6, seed=i) for i in range(4)])
 
 
 def test_followers_admitted_together_are_prefilled_in_one_forward_each_from_its_own_position():
