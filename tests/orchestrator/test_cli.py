@@ -48,5 +48,6 @@ train_cut_off_calls = true
     assert LocalStore(tmp_path / "batches").list("batches/") == ["batches/0000000000.batch"]
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["index"] == 0 and record["samples"] == 2 and record["servers_alive"] == 2
-    assert record["groups.kept_groups"] == 1 and "staleness_0" in record
+    # two groups run at once (concurrency 4, groups of 2): both may be kept before the batch is put
+    assert record["groups.kept_groups"] in (1, 2) and "staleness_0" in record
     assert_tracked(tmp_path / "tensorboard" / "orchestrator", [record], step_key="index")

@@ -128,8 +128,10 @@ class _Bench:
 
     def start_servers(self) -> list[str]:
         from whetstone.inference.config import EngineConfig, ServeConfig
+        from whetstone.sync import WeightStore
         from whetstone.utils.processes import free_ports
 
+        WeightStore.open(self.sync)  # the store the loop will publish to: servers follow only one that exists
         ports = free_ports(self.servers)
         started = []
         for index, port in enumerate(ports):

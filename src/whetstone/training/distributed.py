@@ -81,6 +81,9 @@ def torchrun_group(device: str = "auto") -> Iterator[tuple[int, int]]:
     dist.init_process_group("nccl" if on_cuda else "gloo")
     try:
         yield world()
+        # every rank is done before any tears the group down: a rank that destroys it while
+        # another is still in its last collective can abort ("terminate called" under gloo)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
