@@ -8,7 +8,7 @@ from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample,
 
 def draw(logits, params, seeds, counter=0):
     seeds = list(seeds)
-    return sample(logits, params, seeds, [counter] * len(seeds)).to_host(params)
+    return sample(logits, params, seeds, [counter] * len(seeds)).read_later(params).result()
 
 
 def test_greedy_takes_the_argmax_and_reports_the_model_logprob():

@@ -17,7 +17,7 @@ completion): counter-based, so there is no generator object per row to keep on t
 batch's uniforms reach it in one copy, and a sequence that is preempted and resumed draws
 exactly the uniforms it would have drawn.
 
-Everything stays on the device until `Drawn.to_host`, the step's one read-back.
+Everything stays on the device until `Drawn.read_later`, the step's one read-back.
 """
 
 from __future__ import annotations
@@ -127,10 +127,6 @@ class Drawn:
     top_ids: torch.Tensor | None
     """[B, n] int64 token ids of `top_logprobs`."""
 
-    def to_host(self, params: list[SamplingParams]) -> SampleOutput:
-        """Everything in one read-back (`read_later`, waited for at once)."""
-        return self.read_later(params).result()
-
     def read_later(self, params: list[SamplingParams]) -> Readback:
         """Start the read-back: one float64 tensor (exact for token ids and float32 logprobs),
         copied to the host behind the work queued so far, without waiting for it."""
@@ -163,10 +159,11 @@ class Readback:
             self.done.synchronize()
         rows, want = self.host.tolist(), self.want
         top: list[list[tuple[int, float]]] = [[] for _ in rows]
-        for i, (row, p) in enumerate(zip(rows, self.params)) if want else ():
-            n = min(p.top_logprobs, want)
-            values, ids = row[2 : 2 + n], row[2 + want : 2 + want + n]
-            top[i] = [(int(t), v) for t, v in zip(ids, values) if v != float("-inf")]
+        if want:  # no row asked for top logprobs: no per-row work
+            for i, (row, p) in enumerate(zip(rows, self.params)):
+                n = min(p.top_logprobs, want)
+                values, ids = row[2 : 2 + n], row[2 + want : 2 + want + n]
+                top[i] = [(int(t), v) for t, v in zip(ids, values) if v != float("-inf")]
         return SampleOutput([int(row[0]) for row in rows], [row[1] for row in rows], top)
 
 

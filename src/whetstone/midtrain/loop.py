@@ -17,22 +17,21 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 from whetstone.config import dump_toml
 from whetstone.data import DemoSource
 from whetstone.midtrain.config import MidtrainConfig
-from whetstone.midtrain.setup import Session, open_session
+from whetstone.midtrain.setup import Session, new_optimizer, open_session
 from whetstone.midtrain.step import train_step, validation_loss
 from whetstone.model.hf import save_hf
-from whetstone.training.checkpoint import save_checkpoint
 from whetstone.training.distributed import (
     broadcast,
     gathered_model,
     save_sharded_checkpoint,
     torchrun_group,
 )
-from whetstone.training.optim import optimizer_for
 from whetstone.training.schedule import lr_at
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
@@ -109,12 +108,15 @@ def _checkpoint(session: Session) -> None:
     """The run's checkpoint at this step; under torchrun every rank gathers its shards and rank 0
     writes the one-process format (so a run resumes on any number of ranks)."""
     config = session.config
-    args = (session.state, config.model_dump(mode="json"), config.run.keep_checkpoints)
-    if session.world_size == 1:
-        save_checkpoint(session.checkpoints, session.model, session.optimizer, *args)
-    else:
-        new_optimizer = lambda plain: optimizer_for(plain, config.optimizer)  # noqa: E731
-        save_sharded_checkpoint(session.checkpoints, session.model, session.optimizer, new_optimizer, *args)
+    save_sharded_checkpoint(
+        session.checkpoints,
+        session.model,
+        session.optimizer,
+        partial(new_optimizer, config),
+        session.state,
+        config.model_dump(mode="json"),
+        config.run.keep_checkpoints,
+    )
 
 
 def _step(session: Session) -> dict[str, Any]:

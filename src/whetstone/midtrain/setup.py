@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,7 +24,7 @@ from whetstone.errors import ConfigError
 from whetstone.midtrain.config import MidtrainConfig
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
-from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, load_checkpoint, read_state
+from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, read_state
 from whetstone.training.distributed import barrier, broadcast, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.device import resolve_device
@@ -54,7 +55,7 @@ class Session:
 
 def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Session:
     """Build (or fetch from cache) the corpus, build the model and optimizer, resume if asked."""
-    run, opt = config.run, config.optimizer
+    run = config.run
     configure_process(run.threads)
     device = resolve_device(run.device)  # before any work: `cuda` on a machine without one fails here
     rank, world_size = world()
@@ -74,12 +75,10 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         )
     model = shard_model(_build_model(config, model_config, corpus, resuming=resume_from is not None), device)
     model.activation_checkpointing = run.activation_checkpointing
-    optimizer = optimizer_for(model, opt)  # after the move: fused AdamW on CUDA
+    optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
     state = TrainState(data={"next_batch": 0})
-    if resume_from is not None and world_size == 1:
-        state = load_checkpoint(resume_from, model, optimizer)
-    elif resume_from is not None:
-        state = load_sharded_checkpoint(resume_from, model, optimizer, lambda plain: optimizer_for(plain, opt))
+    if resume_from is not None:
+        state = load_sharded_checkpoint(resume_from, model, optimizer, partial(new_optimizer, config))
     loader = corpus.train_loader(
         run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight
     )
@@ -90,6 +89,11 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         dtype = resolve_dtype(run.dtype, device)
     config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": dtype})})
     return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from, device, rank, world_size)
+
+
+def new_optimizer(config: MidtrainConfig, model: torch.nn.Module) -> torch.optim.AdamW:
+    """The configured AdamW over `model` (sharded or plain)."""
+    return optimizer_for(model, config.optimizer)
 
 
 def _corpus_in_rank_order(config: MidtrainConfig, demos: DemoSource | None) -> Corpus:

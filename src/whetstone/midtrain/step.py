@@ -97,7 +97,7 @@ def train_step(
         demo_targets += ((batch.targets != IGNORE_INDEX) & demo_rows).sum()
     grad_norm = clip_gradients(model, grad_clip)  # the whole model's norm, on every rank
     loss_total, aux_total, demo_total, demo_targets = sum_on_device(
-        torch.stack([loss_total, aux_total, demo_total, demo_targets.to(loss_total.dtype)])
+        torch.stack([loss_total, aux_total, demo_total, demo_targets])
     )
     figures = read_back(
         {

@@ -33,7 +33,6 @@ from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import global_normalizer, rank_rows
 from whetstone.trainer.setup import TrainerSession, new_optimizer, open_trainer
 from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, train_step
-from whetstone.training.checkpoint import save_checkpoint
 from whetstone.training.distributed import broadcast, full_state_dict, save_sharded_checkpoint, torchrun_group
 from whetstone.training.schedule import lr_at
 from whetstone.utils.atomic import atomic_write_text
@@ -231,14 +230,10 @@ class Publishing:
             self.write(record)
             return
         started = time.perf_counter()
-        if self.background:
-            publish = self.publisher.publish_later(weights)
-        else:
-            publish = Future()
-            publish.set_result(Published(self.publisher.publish(weights), time.perf_counter() - started))
+        publish = self.publisher.publish_later(weights)
         record["publish_s"] = time.perf_counter() - started
         self._pending = (record, publish, version)
-        if not self.background:
+        if not self.background:  # inline: the step waits for its own publish
             self.finish()
 
     @contextmanager
@@ -307,25 +302,15 @@ def _run(session: TrainerSession) -> dict[str, Any]:
     def checkpoint() -> None:
         nonlocal checkpointed
         publishing.finish()  # the store must not be behind a checkpoint (a restart refuses that)
-        if session.world_size == 1:
-            save_checkpoint(
-                session.checkpoints,
-                session.model,
-                session.optimizer,
-                state,
-                config.model_dump(mode="json"),
-                config.keep_checkpoints,
-            )
-        else:
-            save_sharded_checkpoint(
-                session.checkpoints,
-                session.model,
-                session.optimizer,
-                partial(new_optimizer, config),
-                state,
-                config.model_dump(mode="json"),
-                config.keep_checkpoints,
-            )
+        save_sharded_checkpoint(
+            session.checkpoints,
+            session.model,
+            session.optimizer,
+            partial(new_optimizer, config),
+            state,
+            config.model_dump(mode="json"),
+            config.keep_checkpoints,
+        )
         checkpointed = state.step
 
     total = config.max_steps - first_step if config.max_steps else None

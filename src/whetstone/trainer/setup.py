@@ -25,7 +25,7 @@ from whetstone.store import ObjectStore, open_store
 from whetstone.sync import Publisher, WeightStore
 from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.config import TrainerConfig
-from whetstone.training.checkpoint import TrainState, latest_checkpoint, load_checkpoint
+from whetstone.training.checkpoint import TrainState, latest_checkpoint
 from whetstone.training.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.device import resolve_device
@@ -94,9 +94,7 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     run_dir = Path(config.output_dir).expanduser()
     resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view
     state = TrainState(step=0, data={"next_batch": 0})
-    if resumed_from is not None and world_size == 1:
-        state = load_checkpoint(resumed_from, model, optimizer)
-    elif resumed_from is not None:
+    if resumed_from is not None:
         state = load_sharded_checkpoint(resumed_from, model, optimizer, partial(new_optimizer, config))
 
     logit_scale = None

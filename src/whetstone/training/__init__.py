@@ -1,5 +1,6 @@
 """What every trainer shares: the optimizer and its config, the learning-rate schedule,
-checkpoints, and scale-out under torchrun. Used by mid-training, the RL trainer, the online loop and the benchmarks.
+checkpoints, and scale-out under torchrun. Used by mid-training, the RL trainer, the online loop
+and the benchmarks.
 
     from whetstone.training.config import OptimizerConfig
     from whetstone.training.optim import optimizer_for, clip_gradients, optimizer_step

@@ -148,11 +148,15 @@ def save_sharded_checkpoint(
     config: dict,
     keep: int,
 ) -> None:
-    """midtrain's `save_checkpoint`, from shards: every rank gathers, rank 0 writes.
+    """`training.checkpoint.save_checkpoint`, from shards: every rank gathers, rank 0 writes (on
+    one rank, the plain save).
 
     Rank 0 fills a plain (unsharded) copy of the model and optimizer and saves that, so the
     checkpoint is the same files a one-process run writes, and resumes on any number of ranks.
     """
+    if world()[1] == 1:
+        save_checkpoint(root, model, optimizer, state, config, keep)
+        return
     weights = get_model_state_dict(model, options=GATHER)
     moments = get_optimizer_state_dict(model, optimizer, options=GATHER)
     if world()[0] != 0:
@@ -166,8 +170,11 @@ def save_sharded_checkpoint(
 def load_sharded_checkpoint(
     path: Path | None, model: Transformer, optimizer: torch.optim.Optimizer, new_optimizer: NewOptimizer
 ) -> TrainState:
-    """midtrain's `load_checkpoint` into shards: rank 0 reads `path` (given on rank 0 only) into a
-    plain copy and every rank takes its shard of it. Returns the loop's state on every rank."""
+    """`training.checkpoint.load_checkpoint` into shards: rank 0 reads `path` (given on rank 0
+    only) into a plain copy and every rank takes its shard of it (on one rank, the plain load).
+    Returns the loop's state on every rank."""
+    if world()[1] == 1:
+        return load_checkpoint(path, model, optimizer)
     weights: dict[str, Any] = {}
     moments: dict[str, Any] = {}
     state = None
