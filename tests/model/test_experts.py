@@ -92,3 +92,12 @@ def test_bf16_training_pads_expert_groups_and_keeps_the_results(monkeypatch):
     assert sum(sizes[0]) > ids.numel()  # 80 slots over 4 experts: some group needed padding
     for got, expected in zip(padded, plain):
         torch.testing.assert_close(got, expected, rtol=2e-2, atol=2e-2)
+
+
+def test_grouped_offsets_end_each_expert_group_idle_experts_included():
+    # the grouped matmuls' offsets, found by binary search over the sorted slots: an idle expert
+    # (first, middle or last) ends where the one before it does
+    slot_expert = torch.tensor([3, 1, 3, 5, 1, 1, 3, 6])
+    ends = experts._group_ends(slot_expert.sort(stable=True).values, 8)
+    assert ends.dtype == torch.int32
+    assert ends.tolist() == experts.expert_counts(slot_expert, 8).cumsum(0).tolist() == [0, 3, 3, 6, 6, 7, 8, 8]

@@ -1,8 +1,11 @@
 """The hand-written norms against the formula they implement."""
 
+import pytest
 import torch
 
 from whetstone.model import ops
+from whetstone.model.attention import Attention
+from whetstone.model.config import ModelConfig
 
 
 def reference_rms_norm(x, weight, eps=1e-6):
@@ -59,3 +62,49 @@ def test_mixed_dtype_ops_are_cast_first_with_the_same_bits():
     heads, weight = torch.randn(4, 8, 2, 16).bfloat16(), torch.randn(16)
     normed = ops.rms_norm(heads, weight, 1e-6)
     assert normed.dtype == torch.float32 and torch.equal(normed, reference_rms_norm(heads, weight))
+
+
+def test_rope_is_rotate_half_bit_for_bit():
+    # rope_tables folds rotate-half's sign into its sin table: the same bits as HF's formula.
+    x, positions = torch.randn(2, 5, 3, 8), torch.arange(3, 8).expand(2, 5)
+    inverse = 1.0 / (10000.0 ** (torch.arange(0, 8, 2).float() / 8))
+    angles = torch.cat((positions[..., None].float() * inverse,) * 2, dim=-1)
+    first, second = x.chunk(2, dim=-1)
+    expected = x * angles.cos()[:, :, None] + torch.cat((-second, first), dim=-1) * angles.sin()[:, :, None]
+    assert torch.equal(ops.apply_rope(x, *ops.rope_tables(positions, 8, 10000.0, torch.float32)), expected)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_query_and_key_norms_run_as_one_with_the_same_bits(numerics, dtype, device):
+    # Attention norms its query and key heads in one call with a weight per head: the same bits
+    # as q_norm and k_norm apart (bf16 rows: the formula; fp32: torch's fused kernel per norm),
+    # and the same gradients for both weights.
+    cfg = ModelConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    attention = Attention(cfg, 0).to(device)
+    with torch.no_grad():
+        attention.q_norm.weight.normal_()
+        attention.k_norm.weight.normal_()
+    qk = (torch.randn(2, 3, 6, 16, device=device) * 3).to(dtype).requires_grad_()
+    with ops.numerics(numerics):
+        joint = attention._norm_heads(qk)
+        apart = torch.cat((attention.q_norm(qk[:, :, :4]), attention.k_norm(qk[:, :, 4:])), dim=2)
+        assert torch.equal(joint, apart)
+        grads = torch.autograd.grad(joint.square().sum(), (qk, attention.q_norm.weight, attention.k_norm.weight))
+        expected = torch.autograd.grad(apart.square().sum(), (qk, attention.q_norm.weight, attention.k_norm.weight))
+    for grad, reference in zip(grads, expected):
+        torch.testing.assert_close(grad, reference, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_mixed_dtype_ops_on_cuda_skip_the_cast_with_the_same_bits():
+    # On a GPU the mixed-dtype op is one kernel; it must give the bits of casting first.
+    x, update = torch.randn(4, 8, 32, device="cuda"), torch.randn(4, 8, 32, device="cuda").bfloat16()
+    assert ops.same_dtype(update, x) is update
+    assert torch.equal(ops.residual(x, update), x + update.float())
+    heads, weight = torch.randn(4, 8, 2, 16, device="cuda").bfloat16(), torch.randn(16, device="cuda")
+    assert torch.equal(ops.rms_norm(heads, weight, 1e-6), reference_rms_norm(heads, weight))
+    out, gates = torch.randn(4, 3, 32, device="cuda").bfloat16(), torch.rand(4, 3, device="cuda")
+    expected = (out.float() * gates.unsqueeze(-1)).sum(dim=1).bfloat16()
+    assert torch.equal(ops.moe_combine(out, gates), expected)

@@ -51,13 +51,28 @@ class Attention(nn.Module):
             self._qkv = (key, fresh)
         return self._qkv[1]
 
+    def _norm_heads(self, qk: torch.Tensor) -> torch.Tensor:
+        """q_norm on the query heads and k_norm on the key heads of qk [B, T, Hq + Hkv, D].
+
+        Both norms run as one, with a weight per head, so a forward issues the norm's handful of
+        elementwise ops (and then RoPE's) once per layer instead of twice: a decode step is
+        mostly such small ops (each a kernel on a GPU). The same arithmetic row by row. Where
+        torch's fused norm applies (fp32 rows), one fused call per norm is cheaper still."""
+        q_heads = self.heads[0]
+        q_weight, k_weight = self.q_norm.weight, self.k_norm.weight
+        if ops.fused_rms_norm_applies(qk, q_weight):
+            q, k = qk.split((q_heads, qk.shape[2] - q_heads), dim=2)
+            return torch.cat((self.q_norm(q), self.k_norm(k)), dim=2)
+        weight = torch.cat((q_weight.expand(q_heads, -1), k_weight.expand(qk.shape[2] - q_heads, -1)))
+        return ops.rms_norm(qk, weight, self.q_norm.eps)
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache=None) -> torch.Tensor:
         batch, length, _ = x.shape
         qkv = ops.linear(x, self.qkv_weight()).view(batch, length, -1, self.head_dim)
-        q, k, v = qkv.split(self.heads, dim=2)
+        q_heads, kv_heads, _ = self.heads
+        qk, v = qkv.split((q_heads + kv_heads, kv_heads), dim=2)
         # Norm each head before RoPE, then go to [B, heads, T, D].
-        q = ops.apply_rope(self.q_norm(q), cos, sin).transpose(1, 2)
-        k = ops.apply_rope(self.k_norm(k), cos, sin).transpose(1, 2)
+        q, k = ops.apply_rope(self._norm_heads(qk), cos, sin).transpose(1, 2).split((q_heads, kv_heads), dim=1)
         v = v.transpose(1, 2)
         mask = None
         if cache is not None:

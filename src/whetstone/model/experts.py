@@ -48,7 +48,7 @@ _GROUPED_ON_CPU: ContextVar[bool] = ContextVar("whetstone_grouped_mm_on_cpu", de
 @contextmanager
 def grouped_mm_on_cpu() -> Iterator[None]:
     """Dispatch the experts of CPU tensors as those of CUDA tensors inside the block (the grouped
-    path of `uses_grouped_mm`, counts by `expert_counts`' scatter-add): the CUDA path, checked on a
+    path of `uses_grouped_mm`; `expert_counts` by scatter-add): the CUDA path, checked on a
     machine without a GPU. On the CPU it is slower than the per-expert path."""
     token = _GROUPED_ON_CPU.set(True)
     try:
@@ -111,6 +111,14 @@ def expert_counts(slot_expert: torch.Tensor, experts: int) -> torch.Tensor:
         return torch.bincount(slot_expert, minlength=experts)
     counts = torch.zeros(experts, dtype=torch.int32, device=slot_expert.device)
     return counts.scatter_add_(0, slot_expert, torch.ones_like(slot_expert, dtype=torch.int32))
+
+
+def _group_ends(sorted_experts: torch.Tensor, experts: int) -> torch.Tensor:
+    """int32 [experts]: where each expert's group of slots ends in the sorted slots (the grouped
+    matmuls' offsets), found by binary search on the device: two kernels, where counting the
+    slots per expert and summing them up takes four."""
+    bounds = torch.arange(experts, device=sorted_experts.device, dtype=sorted_experts.dtype)
+    return torch.searchsorted(sorted_experts, bounds, right=True, out_int32=True)
 
 
 def _spans(counts: list[int]):
@@ -211,7 +219,13 @@ class _PerExpertSwiGLU(torch.autograd.Function):
         return grad_x, grad_gate_up, grad_down, None, None, None, None, None
 
 
-def _grouped_mm_forward(x, gate_up, down, order, unsort, offsets, top_k):
+def _unsorted(sorted_rows: torch.Tensor, order: torch.Tensor) -> torch.Tensor:
+    """Rows grouped by expert (row i is slot order[i]) back in slot order: one scatter, where a
+    gather would need the inverse permutation made first (two more kernels a layer)."""
+    return torch.empty_like(sorted_rows).index_copy_(0, order, sorted_rows)
+
+
+def _grouped_mm_forward(x, gate_up, down, order, offsets, top_k):
     """The forward of _GroupedMMSwiGLU: (output [N, k, H], the [S, 2I] gate/up projections).
 
     Rows offsets[e-1]:offsets[e] of the sorted slots (from row 0 for e = 0) go through expert e;
@@ -222,7 +236,7 @@ def _grouped_mm_forward(x, gate_up, down, order, unsort, offsets, top_k):
     inner = down.shape[-1]
     act = ops.silu(hidden[:, :inner]) * hidden[:, inner:]
     out = _grouped_matmul(act, down, offsets, torchs)
-    return out.index_select(0, unsort).view(x.shape[0], top_k, -1), hidden
+    return _unsorted(out, order).view(x.shape[0], top_k, -1), hidden
 
 
 class _GroupedMMSwiGLU(torch.autograd.Function):
@@ -234,9 +248,9 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
     need not be batch-invariant: it takes torch's grouped mm wherever that stays on the device."""
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, order, unsort, offsets, top_k):
-        out, hidden = _grouped_mm_forward(x, gate_up, down, order, unsort, offsets, top_k)
-        ctx.save_for_backward(x, hidden, gate_up, down, order, unsort, offsets)
+    def forward(ctx, x, gate_up, down, order, offsets, top_k):
+        out, hidden = _grouped_mm_forward(x, gate_up, down, order, offsets, top_k)
+        ctx.save_for_backward(x, hidden, gate_up, down, order, offsets)
         ctx.top_k, ctx.torchs = top_k, _grouped_mm_stays_on_device(x)
         return out
 
@@ -247,7 +261,7 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
 
     @staticmethod
     def _backward(ctx, grad_out):
-        x, hidden, gate_up, down, order, unsort, offsets = ctx.saved_tensors
+        x, hidden, gate_up, down, order, offsets = ctx.saved_tensors
         top_k, inner, torchs = ctx.top_k, down.shape[-1], ctx.torchs
         grad_sorted = grad_out.reshape(-1, grad_out.shape[-1]).index_select(0, order)
         sorted_x = x.index_select(0, order // top_k)
@@ -262,16 +276,15 @@ class _GroupedMMSwiGLU(torch.autograd.Function):
         grad_gate_up = _grouped_weight_grad(grad_hidden, sorted_x, offsets, torchs)
         grad_sorted_x = _grouped_matmul(grad_hidden, gate_up.transpose(1, 2), offsets, torchs)
         # Each token appears top_k times: un-sort, then sum its slots.
-        grad_x = grad_sorted_x.index_select(0, unsort).view(-1, top_k, grad_sorted_x.shape[-1]).sum(dim=1)
-        return grad_x, grad_gate_up, grad_down, None, None, None, None
+        grad_x = _unsorted(grad_sorted_x, order).view(-1, top_k, grad_sorted_x.shape[-1]).sum(dim=1)
+        return grad_x, grad_gate_up, grad_down, None, None, None
 
 
-def _sort_slots(slot_expert: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(order: the slots grouped by expert, in slot order within each; unsort: its inverse)."""
-    order = slot_expert.argsort(stable=True)
+def _inverse(order: torch.Tensor) -> torch.Tensor:
+    """The inverse permutation of `order`."""
     unsort = torch.empty_like(order)
     unsort[order] = torch.arange(order.numel(), device=order.device)
-    return order, unsort
+    return unsort
 
 
 def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -283,16 +296,18 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     if dtype := autocast_dtype(x):
         x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
     slot_expert = ids.reshape(-1)
-    order, unsort = _sort_slots(slot_expert)
-    counts = expert_counts(slot_expert, gate_up.shape[0])
+    # the slots grouped by expert, in slot order within each
+    sorted_experts, order = slot_expert.sort(stable=True)
     differentiable = torch.is_grad_enabled() and (x.requires_grad or gate_up.requires_grad or down.requires_grad)
     if uses_grouped_mm(x, gate_up, down):
-        args = (x, gate_up, down, order, unsort, counts.cumsum(0, dtype=torch.int32), ids.shape[1])
+        args = (x, gate_up, down, order, _group_ends(sorted_experts, gate_up.shape[0]), ids.shape[1])
         with torch.autocast(x.device.type, enabled=False):
             if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping
                 return _grouped_mm_forward(*args)[0]
             return _GroupedMMSwiGLU.apply(*args)
-    counts = counts.tolist()  # the slice sizes, on the host: the one read-back of this path
+    # the slice sizes, on the host: the one read-back of this path
+    counts = expert_counts(slot_expert, gate_up.shape[0]).tolist()
+    unsort = _inverse(order)
     batch_invariant = ops.is_invariant()
     if batch_invariant:
         order, unsort, counts = _padded_groups(slot_expert, unsort, counts, lambda count: invariant.EXPERT_ROW_TILE)

@@ -86,10 +86,15 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x, weight)
 
 
-def _fused_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor, row_local: bool) -> bool:
-    """torch's fused RMSNorm computes the same bits as the formula below (tested) for fp32 rows;
+def fused_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether `rms_norm(x, weight)` takes torch's fused kernel, which computes the same bits as
+    the formula in `_rms_norm_forward` (tested) for fp32 rows and one weight of the rows' size;
     not under invariant numerics, whose mean has its own summation order."""
-    return not row_local and x.dtype == weight.dtype == torch.float32
+    return _fused_rms_norm_applies(x, weight, _INVARIANT.get())
+
+
+def _fused_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor, row_local: bool) -> bool:
+    return not row_local and x.dtype == weight.dtype == torch.float32 and weight.dim() == 1
 
 
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, row_local: bool = False):
@@ -120,15 +125,16 @@ class _RMSNorm(torch.autograd.Function):
         normed = x.to(rstd.dtype) * rstd
         grad32 = grad.to(rstd.dtype)
         grad_weight = None
-        if ctx.needs_input_grad[1]:
-            grad_weight = (grad32 * normed).reshape(-1, normed.shape[-1]).sum(0).to(weight.dtype)
+        if ctx.needs_input_grad[1]:  # summed over the rows the weight is broadcast across
+            grad_weight = (grad32 * normed).reshape(-1, *weight.shape).sum(0).to(weight.dtype)
         grad_normed = grad32 * weight.to(rstd.dtype)
         grad_x = (grad_normed - normed * (grad_normed * normed).mean(-1, keepdim=True)).mul_(rstd)
         return grad_x.to(x.dtype), grad_weight, None, None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dimension (see _RMSNorm)."""
+    """RMSNorm over the last dimension (see _RMSNorm); `weight` [D], or one per row broadcast
+    over x's leading dims (e.g. [heads, D] for x [B, T, heads, D])."""
     row_local = _INVARIANT.get()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, eps, row_local)
@@ -140,9 +146,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def same_dtype(x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-    """x cast to the dtype torch would promote `x op other` to. The same bits as the mixed-dtype
-    op, whose CPU kernel is ~20x slower than a cast and a same-dtype op (bf16 next to fp32 under
-    autocast: residual adds, norm weights)."""
+    """x ready for `x op other` with the bits of the mixed-dtype op (bf16 next to fp32 under
+    autocast: residual adds, norm weights). On the CPU, x cast to the promoted dtype: the CPU's
+    mixed-dtype kernels are ~20x slower than a cast and a same-dtype op. Elsewhere x as it is:
+    a GPU's mixed-dtype op is one kernel that promotes as it reads, where the cast is another."""
+    if x.device.type != "cpu":
+        return x
     return x.to(torch.promote_types(x.dtype, other.dtype))
 
 
@@ -218,7 +227,8 @@ def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
     """
     if _INVARIANT.get():
         return invariant.moe_combine(expert_out, gates)
-    weighted = expert_out.float() * gates.float().unsqueeze(-1)
+    gates = gates.float()
+    weighted = same_dtype(expert_out, gates) * gates.unsqueeze(-1)
     return weighted.sum(dim=1).to(expert_out.dtype)
 
 
@@ -230,15 +240,17 @@ def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> t
 
 
 def rope_tables(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
-    """cos and sin [B, T, head_dim] for absolute positions [B, T] (half-split layout, as HF)."""
+    """The tables `apply_rope` takes for absolute positions [B, T] (half-split layout, as HF):
+    cos [B, T, head_dim], and sin [B, T, head_dim] with its first half negated (rotate-half's
+    sign, folded into the table once per forward instead of negating x in every layer)."""
     freqs = positions.unsqueeze(-1).float() * _inverse_frequencies(head_dim, theta, positions.device)
-    angles = torch.cat((freqs, freqs), dim=-1)
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((-sin, sin), dim=-1).to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [B, T, H, D] by the tables [B, T, D]: pairs are (i, i + D/2)."""
-    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [B, T, H, D] by the tables of `rope_tables` [B, T, D]: pairs are (i, i + D/2),
+    x * cos + rotate_half(x) * sin, where rotate_half(x) = (-second half, first half)."""
+    cos, signed_sin = cos.unsqueeze(2), signed_sin.unsqueeze(2)
     first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat((-second, first), dim=-1)
-    return x * cos + rotated * sin
+    return x * cos + torch.cat((second, first), dim=-1) * signed_sin
