@@ -28,12 +28,18 @@ def test_rms_norm_matches_qwen3_bit_for_bit_and_has_exact_gradients():
 
 
 def test_rms_norm_under_autocast_normalises_in_fp32():
-    x = torch.randn(8, 16)
-    weight = torch.randn(16, requires_grad=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = torch.nn.functional.linear(x, torch.eye(16))
-        assert y.dtype == torch.bfloat16
-        assert torch.equal(ops.rms_norm(y, weight, 1e-6), reference_rms_norm(y, weight))
+    # bf16 rows: normalised in fp32 by torch's fused kernel without a weight, rounded, then the
+    # weight: the formula's bits at every width, with and without autograd
+    for width in (16, 64, 128, 1000, 4096):
+        x = torch.randn(8, 3, width) * 3
+        weight = torch.randn(width, requires_grad=True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torch.nn.functional.linear(x, torch.eye(width))
+            assert y.dtype == torch.bfloat16
+            expected = reference_rms_norm(y, weight)
+            assert torch.equal(ops.rms_norm(y, weight, 1e-6), expected), width
+            with torch.no_grad():
+                assert torch.equal(ops.rms_norm(y, weight, 1e-6), expected), width
 
 
 def test_rope_rotates_pairs_and_keeps_norms():
