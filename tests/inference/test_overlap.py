@@ -13,9 +13,11 @@ import torch
 
 from tests.host_work import watch_host_work
 from tests.inference.inference_fixtures import make_engine, tiny_model
+from whetstone.inference import engine as engine_module
 from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
 from whetstone.inference.swap import full_update
+from whetstone.inference.transfer import to_device
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 
@@ -165,3 +167,19 @@ def test_a_step_ahead_builds_nothing_on_the_host_and_reads_back_once():
     engine_work = [where for where in work.host_tensors + work.syncs if not where.startswith("model/")]
     assert len(engine_work) == 1 and engine_work[0].endswith(" result")  # Readback.result
     assert all(len(seq.output_ids) == 2 for seq in seqs if seq.params.max_tokens >= 3)
+
+
+def test_a_step_over_the_same_rows_feeds_the_draws_ahead_as_they_are(monkeypatch):
+    # the usual step: nobody joined, left or ends by length, so the step is fed the draws of the
+    # one ahead of it without a gather or any copy to the device; the tokens stay the same
+    def same_rows() -> list[Sequence]:
+        params = [SamplingParams(max_tokens=8, seed=seed) for seed in range(4)]
+        return [Sequence(f"r{i}", body, p, "batch") for i, (body, p) in enumerate(zip(prompts(5, 7, 9, 11), params))]
+
+    reference = drive(make_engine(tiny_model(), overlap=False, max_batch=4), same_rows())
+    copies = []
+    monkeypatch.setattr(engine_module, "to_device", lambda *args: copies.append(args) or to_device(*args))
+    # from step 2 on (launch 3, take 2), until step 7 (launch 8 would end by length)
+    ahead = drive(make_engine(tiny_model(), overlap=True, max_batch=4), same_rows(), {2: lambda _: copies.clear()})
+    assert len(copies) == 0
+    assert_same(ahead, reference, exact=False)

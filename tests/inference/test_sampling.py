@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 import torch
@@ -84,6 +85,30 @@ def test_uniforms_are_uniform_and_depend_on_seed_and_counter_alone():
     # any int is a seed (mod 2^64); a row's uniform ignores the rest of the batch
     assert uniforms([-1, 2**64 - 1], [4, 4], device).unique().numel() == 1
     assert uniforms([9], [2], device).item() == uniforms([1, 9, 4], [0, 2, 1], device)[1].item()
+
+
+def _reference_uniform(seed: int, counter: int) -> float:
+    """The hash spelled out on Python ints, one row at a time."""
+
+    def mix(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x735A2D97) & 0xFFFFFFFF
+        return x ^ (x >> 15)
+
+    seed %= 2**64
+    mixed = mix(mix(mix((seed & 0xFFFFFFFF) ^ 0x9E3779B9) ^ (seed >> 32)) ^ (counter & 0xFFFFFFFF))
+    return (mixed >> 8) * 2.0**-24
+
+
+def test_uniforms_hashed_as_a_batch_are_the_hash_of_each_row():
+    # the same stream as the hash row by row, so a seeded request draws the same tokens
+    generator = random.Random(0)
+    seeds = [generator.getrandbits(64) for _ in range(200)] + [0, -1, 2**64 - 1, 2**70 + 5, 12345]
+    counters = [generator.randrange(10**6) for _ in range(200)] + [0, 3, 2**32 + 7, 5, 2**40]
+    got = uniforms(seeds, counters, torch.device("cpu")).tolist()
+    assert got == [_reference_uniform(s, c) for s, c in zip(seeds, counters)]
 
 
 def test_top_logprobs_are_the_most_likely_of_the_used_distribution():

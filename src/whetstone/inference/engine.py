@@ -492,7 +492,9 @@ class Engine:
         span = max(seq.num_cached for seq in seqs) + 1
         rows = [(seq.last_token, seq.num_cached) for seq in seqs]
         tokens = None
-        if ahead is not None and any(seq.pending for seq in seqs):
+        if ahead is not None and ahead.feeds(seqs):  # the usual step: the same rows as the one ahead
+            tokens = ahead.drawn.tokens
+        elif ahead is not None and any(seq.pending for seq in seqs):
             row_of = {id(seq): row for row, seq in enumerate(ahead.seqs) if ahead.launches[row] == seq.launches}
             index = to_device([row_of[id(seq)] if seq.pending else -1 for seq in seqs], torch.int64, self.device)
             host = to_device([seq.last_token for seq in seqs], torch.int64, self.device)
@@ -643,6 +645,13 @@ class Launched:
     routes: torch.Tensor | None
     """[B, moe_layers, top_k] int16 routes of the tokens fed, on their way to the host."""
     readback: Readback
+
+    def feeds(self, seqs: list[Sequence]) -> bool:
+        """Whether the next step's rows are this step's, row for row, none of them moved on: its
+        tokens are then this step's draws as they are (no gather, nothing copied to the device)."""
+        return len(seqs) == len(self.seqs) and all(
+            seq is mine and seq.launches == launches for seq, mine, launches in zip(seqs, self.seqs, self.launches)
+        )
 
 
 @dataclass

@@ -25,6 +25,7 @@ from __future__ import annotations
 import secrets
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from whetstone.errors import WhetstoneError
@@ -82,27 +83,31 @@ def random_seed() -> int:
 _LOW32 = 0xFFFFFFFF
 
 
-def _mix(x: int) -> int:
-    """A 32-bit integer hash (Wellons' lowbias32)."""
-    x ^= x >> 16
-    x = (x * 0x21F0AAAD) & _LOW32
+_MIX_FACTORS = np.uint32(0x21F0AAAD), np.uint32(0x735A2D97)
+_GOLDEN = np.uint32(0x9E3779B9)
+_UNIT = np.float32(2.0**-24)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """A 32-bit integer hash (Wellons' lowbias32) of each uint32 (products wrap mod 2^32)."""
+    x = x ^ (x >> 16)
+    x *= _MIX_FACTORS[0]
     x ^= x >> 15
-    x = (x * 0x735A2D97) & _LOW32
+    x *= _MIX_FACTORS[1]
     return x ^ (x >> 15)
 
 
-def uniform(seed: int, counter: int) -> float:
-    """A uniform in [0, 1) with 24 random bits (as `torch.rand`'s float32), a function of `seed`
-    (any int, taken mod 2^64) and `counter` (the token's index) alone. Computed on the host: a
-    few integer operations per row cost less there than a dozen tensor operations on the batch."""
-    seed %= 2**64
-    mixed = _mix(_mix(_mix((seed & _LOW32) ^ 0x9E3779B9) ^ (seed >> 32)) ^ (counter & _LOW32))
-    return (mixed >> 8) * 2.0**-24
-
-
 def uniforms(seeds: list[int], counters: list[int], device: torch.device) -> torch.Tensor:
-    """Each row's `uniform`, as a float32 tensor on `device`."""
-    return to_device([uniform(s, c) for s, c in zip(seeds, counters)], torch.float32, device)
+    """Each row's uniform in [0, 1) with 24 random bits (as `torch.rand`'s float32), a function of
+    its seed (any int, taken mod 2^64) and its counter (the token's index) alone, as a float32
+    tensor on `device`. Hashed on the host, the batch at once with numpy's uint32 arithmetic: a
+    dozen vector operations, where hashing row by row in Python costs ~2 µs a row (0.13 ms of a
+    batch-64 decode step) and a dozen tensor operations on the device cost more to launch."""
+    seed = np.array([s % 2**64 for s in seeds], dtype=np.uint64)
+    low, high = seed.astype(np.uint32), (seed >> np.uint64(32)).astype(np.uint32)  # astype wraps
+    counter = np.array([c & _LOW32 for c in counters], dtype=np.uint32)
+    mixed = _mix(_mix(_mix(low ^ _GOLDEN) ^ high) ^ counter)
+    return to_device((mixed >> 8).astype(np.float32) * _UNIT, torch.float32, device)
 
 
 @dataclass
