@@ -3,9 +3,12 @@ the trainer and the orchestrator as processes, held-out evaluations before and a
 The tiny config and its tasks: tests/run/run_support.py.
 """
 
+import itertools
 import json
 import os
+import time
 import tomllib
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +16,7 @@ from tests.run.run_support import tiny_run
 from tests.utils.tracking_support import assert_tracked
 from whetstone.errors import WhetstoneError
 from whetstone.model.hf import load_hf
+from whetstone.run import pipeline as pipeline_module
 from whetstone.run.pipeline import Pipeline, run_pipeline
 from whetstone.utils.cgroups import why_no_cpu_groups
 from whetstone.utils.metrics import read_metrics
@@ -76,6 +80,47 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
 
         parents = cpu_group_parents()[1].values()
         assert not [g for parent in parents for g in parent.glob(f"whetstone-*-{os.getpid()}-*")]  # groups removed
+
+
+class _Clock:
+    """The pipeline's monotonic clock, moved past `rl.max_wall_time` once `ready()` holds."""
+
+    def __init__(self, ready):
+        self.ready, self.offset = ready, 0.0
+
+    def monotonic(self) -> float:
+        if not self.offset and self.ready():
+            self.offset = 1e6
+        return time.monotonic() + self.offset
+
+
+@pytest.mark.timeout(300)
+def test_rl_stops_at_its_wall_time_and_the_run_goes_on_with_that_step(tmp_path, monkeypatch):
+    # the wall time is up once the trainer has logged a step: it finishes the step it is on,
+    # checkpoints and publishes it, and the run evaluates and exports that step's policy
+    metrics = tmp_path / "runs" / "tiny" / "trainer" / "metrics.jsonl"
+    clock = _Clock(lambda: metrics.exists() and len(read_metrics(metrics)) >= 1)
+    monkeypatch.setattr(
+        pipeline_module, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=time.sleep, time=time.time)
+    )
+    summary = run_pipeline(tiny_run(tmp_path, "rl.steps=1000", "rl.max_wall_time=60"))
+    rl = summary["stages"]["rl"]
+    steps = read_metrics(metrics)
+    assert rl["stopped_at_wall_time"] and rl["steps_planned"] == 1000
+    assert 1 <= rl["steps"] == len(steps) < 1000 and steps[-1]["version"] == rl["steps"]
+    assert summary["final_logit_scale"] == pytest.approx(steps[-1]["logit_scale"])  # that step's policy
+    assert summary["heldout_pass1_after"] is not None and load_hf(tmp_path / "runs" / "tiny" / "model")
+
+
+@pytest.mark.timeout(300)
+def test_rl_out_of_time_before_its_first_step_says_so(tmp_path, monkeypatch):
+    calls = itertools.count()
+    clock = _Clock(lambda: next(calls) >= 1)  # up at the first look after RL started
+    monkeypatch.setattr(
+        pipeline_module, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=time.sleep, time=time.time)
+    )
+    with pytest.raises(WhetstoneError, match=r"rl.max_wall_time = 5 s before the trainer's first step"):
+        run_pipeline(tiny_run(tmp_path, "rl.steps=1000", "rl.max_wall_time=5"))
 
 
 def check_temperature_sweep(summary: dict, after: dict) -> None:

@@ -67,6 +67,10 @@ class RLConfig(Config):
     """Optimizer steps (= batches) of the RL stage: the held-out gain grew with steps (+1.5 at 16
     steps of 1e-4, +6.5 at 64), and 28 fit the default run into 15 minutes (figures:
     docs/experiments.md)."""
+    max_wall_time: float = Field(0.0, ge=0)
+    """Seconds of RL after which the trainer is told to stop (as on SIGTERM: it finishes the step
+    it is on, checkpoints and publishes it), and the run evaluates and exports that step's policy;
+    0 = run all `steps`. Bounds a run whose steps' speed is not known beforehand."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4,
         optimizer=OptimizerConfig(lr=3e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),

@@ -50,6 +50,9 @@ YARDSTICK_KEYS = (
     "temperature_sweep",
 )
 """The summary's keys comparing the evaluations' temperature sweeps (`Pipeline.yardstick`)."""
+STOP_GRACE_S = 600.0
+"""How long a trainer told to stop at `rl.max_wall_time` may take to finish its step, checkpoint
+and publish before it is killed (a step of the default run on two cores takes ~20 s)."""
 TRAINER_QUOTA_PERIOD_US = 10_000
 """The trainer's CPU quota is enforced every 10 ms, not the kernel's 100: a trainer that idles
 between steps (synchronous RL) starts each step with a whole period's quota unspent, and with
@@ -106,6 +109,9 @@ class Pipeline:
             RayLauncher(self.config.placement.ray, self.run_dir) if self.config.placement.backend == "ray" else None
         )
         """Starts the roles on a Ray cluster (`placement.backend = "ray"`); None: processes here."""
+        self.rl_steps: int | None = None
+        """The step RL ended at (its final policy's): `rl.steps`, or fewer when `rl.max_wall_time`
+        stopped it; None before the RL stage ran."""
         self.cpu_groups: dict[str, CpuGroup] = {}
         """CPU groups by side (`trainer`, `rollout`: servers, orchestrator, sandboxes): their CPU
         time, sampled into `cpu.jsonl`, and the quotas of `placement`'s cores fields."""
@@ -305,7 +311,7 @@ class Pipeline:
         return evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
 
     def rl(self) -> dict[str, Any]:
-        steps = self.config.rl.steps
+        steps, bound = self.config.rl.steps, self.config.rl.max_wall_time
         self.write_demos()
         trainer_config = self.trainer_config()
         placement = self.config.placement
@@ -327,10 +333,15 @@ class Pipeline:
         )
         trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
         batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
-        done = 0
+        done, started, out_of_time = 0, time.monotonic(), False
         with progress_bar(steps, "rl", "step") as bar:
             while trainer.running:
                 time.sleep(1.0)
+                if bound and not out_of_time and time.monotonic() - started > bound:
+                    out_of_time = True
+                    log.info("rl.max_wall_time (%g s) is up: the trainer finishes its step and stops", bound)
+                    trainer.stop(grace_s=STOP_GRACE_S)  # it checkpoints and publishes the step it is on
+                    continue
                 orchestrator.check()  # an orchestrator that failed stops the run with its log
                 step = last_record(trainer_metrics)
                 batch = last_record(batch_metrics)
@@ -344,12 +355,17 @@ class Pipeline:
                     servers=versions,
                 )
                 done = max(done, finished)
+        # stopped before its first step, the trainer checkpointed nothing (or had not yet set up
+        # its stop signal, and just ended): say that before its exit code
+        self.rl_steps = self.last_trainer_step() if out_of_time else steps
         trainer.check()
         orchestrator.stop()
-        self.wait_for_version(steps)
+        self.wait_for_version(self.rl_steps)
         records = read_metrics(trainer_metrics) if trainer_metrics.exists() else []
         return {
-            "steps": steps,
+            "steps": self.rl_steps,
+            "steps_planned": steps,
+            "stopped_at_wall_time": out_of_time,
             "trainer_steps_logged": len(records),
             "reward_first": records[0].get("reward_mean") if records else None,
             "reward_last": records[-1].get("reward_mean") if records else None,
@@ -397,15 +413,26 @@ class Pipeline:
         if self.launcher is not None:
             self.launcher.close()
 
+    def last_trainer_step(self) -> int:
+        """The step of the trainer's newest checkpoint (after it stopped early)."""
+        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint
+
+        checkpoint = latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
+        if checkpoint is None:
+            raise WhetstoneError(
+                f"RL stopped at rl.max_wall_time = {self.config.rl.max_wall_time:g} s before the trainer's "
+                "first step: raise it (or set it to 0)"
+            )
+        return checkpoint_step(checkpoint)
+
     def final_checkpoint(self) -> Path:
         """The trainer's checkpoint of its last step: the final policy."""
         from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint
 
+        expected = self.config.rl.steps if self.rl_steps is None else self.rl_steps
         checkpoint = latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
-        if checkpoint is None or checkpoint_step(checkpoint) != self.config.rl.steps:
-            raise WhetstoneError(
-                f"no trainer checkpoint of step {self.config.rl.steps} to export (newest: {checkpoint})"
-            )
+        if checkpoint is None or checkpoint_step(checkpoint) != expected:
+            raise WhetstoneError(f"no trainer checkpoint of step {expected} to export (newest: {checkpoint})")
         return checkpoint
 
     def final_logit_scale(self) -> float | None:
