@@ -21,12 +21,14 @@
 # pytest's options (default "-n 8 --timeout 90" where pytest-xdist and pytest-timeout import).
 # Each section's JSON is also printed into gpu-check.log as it finishes. On one H200 the stages
 # took: pytest 90 s (-n 8), train 25 s, inference 150 s, rl 100 s, consistency 30 s; the
-# invariant RL run more than 100 s. A session's 15 minutes of device time (a machine start
-# included) hold two calls; the tests first, since everything after them runs the code they test:
-#   BENCH_RUNS="inference consistency" bash scripts/gpu-check.sh      (~350 s)
-#   PYTEST_S=0 BENCH_RUNS="" RUN_S=480 bash scripts/gpu-check.sh      (the whole run)
-# and another session's:
-#   PYTEST_S=0 BENCH_RUNS="train rl rl-invariant" bash scripts/gpu-check.sh
+# invariant RL run more than 100 s. A session's 15 minutes of device time (a machine start of
+# 1-2 minutes included) hold about 13 minutes of commands, in calls of at most 10: either
+#   BENCH_RUNS="inference consistency" bash scripts/gpu-check.sh              (~350 s: the tests first,
+#   PYTEST_S=0 BENCH_RUNS="train rl rl-invariant" bash scripts/gpu-check.sh   since the rest runs their code)
+# or the whole run (configs/gpu.toml aims at under 10 minutes; its bound leaves the install's time)
+# and the inference section:
+#   PYTEST_S=0 BENCH_RUNS="" RUN_S=570 bash scripts/gpu-check.sh
+#   PYTEST_S=0 BENCH_RUNS="inference" bash scripts/gpu-check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
