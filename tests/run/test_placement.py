@@ -102,6 +102,7 @@ def test_the_gpu_preset_differs_from_the_default_run_only_where_it_says():
         "servers.serve.threads",
         "servers.serve.engine.max_batch",
         "servers.serve.engine.dtype",
+        "servers.serve.engine.prefill_tokens_per_step",
         "rl.max_wall_time",
         "rl.trainer.dtype",
         "rl.trainer.micro_batch_size",
