@@ -91,9 +91,12 @@ def compile_all():
                 compiled = _compile(kernels.attention, signature, constants, aligned, target, num_warps=4)
                 yield _report(f"attention_d{dim}", target_name, dtype, compiled)
 
-        signature = {"x": "*fp32", "out": "*fp32", "width": "i32", "x_row": "i32", "BLOCK": "constexpr"}
-        compiled = _compile(kernels.row_mean, signature, {"BLOCK": 1024}, ("x", "out", "x_row"), target)
-        yield _report("row_mean", target_name, "fp32", compiled)
+        for dtype in ("bf16", "fp32"):
+            signature = {"x": f"*{dtype}", "weight": "*fp32", "out": "*fp32", "rstd": "*fp32", "width": "i32"}
+            signature |= {"heads": "i32", "eps": "fp32", "x_token": "i32", "x_head": "i32", "w_head": "i32"}
+            aligned = ("x", "weight", "out", "rstd", "width", "x_token", "x_head", "w_head")
+            compiled = _compile(kernels.rms_norm, signature | {"BLOCK": "constexpr"}, {"BLOCK": 64}, aligned, target)
+            yield _report("rms_norm", target_name, dtype, compiled)
         for log in (True, False):
             signature = {"x": "*fp32", "out": "*fp32", "width": "i32", "x_row": "i32", "out_row": "i32"}
             signature |= {"LOG": "constexpr", "BLOCK": "constexpr"}

@@ -140,14 +140,48 @@ def test_row_reductions_match_torch_and_ignore_the_batch(where, monkeypatch):
     x = randn(6, 5000, dtype=torch.float32, device=device) * 4  # wider than one ROW_BLOCK
     x[2, 100:] = float("-inf")  # masked logits
     with context():
-        torch.testing.assert_close(kt.row_mean(x[:, :3000].square()), x[:, :3000].square().mean(-1, keepdim=True))
         torch.testing.assert_close(kt.log_softmax(x), torch.log_softmax(x, -1))
         torch.testing.assert_close(kt.softmax(x), torch.softmax(x, -1))
-        for reduce in (kt.log_softmax, kt.softmax, lambda t: kt.row_mean(t.abs())):
+        for reduce in (kt.log_softmax, kt.softmax):
             whole = reduce(x)
             assert torch.equal(reduce(x[2:3]), whole[2:3])
             assert torch.equal(reduce(x[1:5]), whole[1:5])
-        assert kt.row_mean(randn(3, 32, dtype=torch.bfloat16, device=device)).dtype == torch.float32
+
+
+def _reference_rms_norm(x, weight, eps):
+    x32 = x.float()
+    rstd = torch.rsqrt(x32.square().mean(-1, keepdim=True) + eps)
+    return weight * (x32 * rstd).to(x.dtype), rstd
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", WHERE)
+def test_rms_norm_is_qwen3s_in_one_kernel_and_ignores_the_batch(where, dtype, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    x = randn(6, 5, 3000, dtype=dtype, device=device) * 4  # rows wider than one ROW_BLOCK
+    weight = randn(3000, dtype=torch.float32, device=device, seed=1)
+    with context():
+        out, rstd = kt.rms_norm(x, weight, 1e-6)
+        expected, expected_rstd = _reference_rms_norm(x, weight, 1e-6)
+        assert out.dtype == torch.float32 and rstd.shape == (6, 5, 1)
+        torch.testing.assert_close(rstd, expected_rstd, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(out, expected, **CLOSE[dtype])
+        assert torch.equal(kt.rms_norm(x[2:3, 1:4], weight, 1e-6)[0], out[2:3, 1:4])  # fewer rows: same bits
+        assert torch.equal(kt.rms_norm(x[::2], weight, 1e-6)[0], out[::2])  # strided rows
+        # a weight per head over [..., heads, D], the heads read from a wider tensor (attention's
+        # q and k heads, a split of the fused q/k/v projection), as the norm of each head apart
+        qkv = randn(2, 3, 7, 64, dtype=dtype, device=device, seed=2)
+        heads = qkv[:, :, :5]
+        per_head = randn(5, 64, dtype=torch.float32, device=device, seed=3)
+        joint, _ = kt.rms_norm(heads, per_head, 1e-6)
+        for head in range(5):
+            alone, _ = kt.rms_norm(heads[:, :, head], per_head[head], 1e-6)
+            assert torch.equal(joint[:, :, head], alone)
+        torch.testing.assert_close(joint, _reference_rms_norm(heads, per_head, 1e-6)[0], **CLOSE[dtype])
+        same_dtype = kt.rms_norm(x, weight.to(dtype), 1e-6)[0]
+        assert same_dtype.dtype == dtype
+        with pytest.raises(WhetstoneError, match="weight"):
+            kt.rms_norm(heads, per_head[:4], 1e-6)
 
 
 @pytest.mark.parametrize("where", WHERE)
@@ -341,7 +375,8 @@ def test_the_kernels_compile_for_hopper_and_ampere_without_a_gpu():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = {(r["kernel"], r["target"], r["dtype"]): r for r in map(json.loads, done.stdout.splitlines())}
-    assert len(compiled) == 26
+    assert len(compiled) == 28
+    assert {("rms_norm", target, dtype) for target in ("sm_90", "sm_80") for dtype in ("bf16", "fp32")} <= set(compiled)
     for kernel in ("matmul", "grouped_matmul", "grouped_weight_grad", "attention_d64", "attention_d128"):
         assert compiled[kernel, "sm_90", "bf16"]["wgmma"] > 0 and compiled[kernel, "sm_80", "bf16"]["mma"] > 0
         assert compiled[kernel, "sm_90", "bf16"]["cp_async"] > 0

@@ -157,9 +157,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 
 def mean_last(x: torch.Tensor) -> torch.Tensor:
-    """x.mean(-1, keepdim=True), never split across threads (a lone row is reduced beside a copy)."""
-    if invariant_triton.applies(x):
-        return invariant_triton.row_mean(x).to(x.dtype)
+    """x.mean(-1, keepdim=True), never split across threads (a lone row is reduced beside a copy):
+    the CPU's; on CUDA the norm that needs it is one kernel (`invariant_triton.rms_norm`)."""
     if x.numel() != x.shape[-1]:
         return x.mean(-1, keepdim=True)
     return torch.stack([x, x]).mean(-1, keepdim=True)[0]

@@ -83,13 +83,25 @@ def grouped_weight_grad(
 
 
 @triton.jit
-def row_mean(x, out, width, x_row, BLOCK: tl.constexpr):
+def rms_norm(x, weight, out, rstd, width, heads, eps, x_token, x_head, w_head, BLOCK: tl.constexpr):
+    # Row (token, head) of x: its mean square summed BLOCK at a time in order, then
+    # weight[head] * (x * rstd rounded to x's dtype), as Qwen3 computes it
     row = tl.program_id(0).to(tl.int64)
+    token, head = row // heads, row % heads
+    source = x + token * x_token + head * x_head
     offsets = tl.arange(0, BLOCK)
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in tl.range(0, width, BLOCK):
-        acc += tl.load(x + row * x_row + start + offsets, start + offsets < width, 0.0).to(tl.float32)
-    tl.store(out + row, tl.sum(acc, 0) / width)
+        values = tl.load(source + start + offsets, start + offsets < width, 0.0).to(tl.float32)
+        acc += values * values
+    scale = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, 0) / width + eps))
+    tl.store(rstd + row, scale)
+    for start in tl.range(0, width, BLOCK):
+        inside = start + offsets < width
+        values = tl.load(source + start + offsets, inside, 0.0)
+        normed = (values.to(tl.float32) * scale).to(values.dtype).to(tl.float32)
+        scaling = tl.load(weight + head * w_head + start + offsets, inside, 0.0).to(tl.float32)
+        tl.store(out + row * width + start + offsets, (normed * scaling).to(out.dtype.element_ty), inside)
 
 
 @triton.jit

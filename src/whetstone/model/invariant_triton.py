@@ -15,8 +15,9 @@ instructions in the same order wherever it sits:
   result does not depend on how many tokens chose its expert. The tile layout is computed on
   the device: nothing is read back, which is why fast numerics use it too where torch's grouped
   mm would read back (fp32 on CUDA, GPUs outside 9.x/10.x: `experts._grouped_matmul`);
-- `row_mean`, `softmax`, `log_softmax`: one program per row, which reduces the row in blocks of
-  a fixed width, in order;
+- `rms_norm`, `softmax`, `log_softmax`: one program per row, which reduces the row in blocks of
+  a fixed width, in order (the norm in one kernel: its mean square, rstd, the rounding to the
+  rows' dtype and the weight);
 - `attention`: flash attention over keys in chunks of KEY_CHUNK absolute positions, always in
   key order from position 0. A chunk with no visible key leaves the running max, sum and output
   exactly as they were, so a one-token decode over a KV cache, a chunked prefill and a full
@@ -176,17 +177,45 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor)
     return out
 
 
-def row_mean(x: torch.Tensor) -> torch.Tensor:
-    """x.mean(-1, keepdim=True) in fp32, each row reduced by one program in blocks of ROW_BLOCK."""
-    rows = x.reshape(-1, x.shape[-1]).contiguous()
-    out = torch.empty(rows.shape[0], dtype=torch.float32, device=x.device)
-    if rows.shape[0]:
-        _kernels().row_mean[(rows.shape[0],)](rows, out, rows.shape[1], rows.stride(0), BLOCK=_row_block(rows))
-    return out.view(*x.shape[:-1], 1)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's RMSNorm of each row of x [..., D] (`ops.rms_norm`): (weight * (x * rstd rounded
+    to x's dtype), in the dtype x and weight promote to; rstd [..., 1] fp32), one kernel, one
+    program per row, the mean square summed in blocks of ROW_BLOCK in order. `weight` is [D], or
+    [H, D] for x [..., H, D] (a weight per head)."""
+    width = x.shape[-1]
+    heads = 1 if weight.dim() == 1 else weight.shape[0]
+    if weight.shape[-1] != width or (heads > 1 and (weight.dim() != 2 or x.dim() < 2 or x.shape[-2] != heads)):
+        raise WhetstoneError(
+            f"rms_norm of rows {tuple(x.shape)} takes a weight [D] or [heads, D], got {tuple(weight.shape)}"
+        )
+    rows = x if x.stride(-1) == 1 else x.contiguous()
+    rows = rows.reshape(-1, heads, width)  # a view where the rows of a head are evenly spaced
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
+    rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
+    count = rows.shape[0] * heads
+    if count:
+        weight = weight.contiguous()
+        _kernels().rms_norm[(count,)](
+            rows,
+            weight,
+            out,
+            rstd,
+            width,
+            heads,
+            eps,
+            rows.stride(0),
+            rows.stride(1),
+            width if heads > 1 else 0,
+            BLOCK=_row_block(width),
+        )
+    return out, rstd
 
 
-def _row_block(rows: torch.Tensor) -> int:
-    return min(ROW_BLOCK, 1 << max(rows.shape[1] - 1, 0).bit_length())
+def _row_block(width: int) -> int:
+    """The block a row of `width` is reduced in: the width rounded up to a power of two, at most ROW_BLOCK."""
+    return min(ROW_BLOCK, 1 << max(width - 1, 0).bit_length())
 
 
 def _softmax_forward(x: torch.Tensor, log: bool) -> torch.Tensor:
@@ -194,7 +223,7 @@ def _softmax_forward(x: torch.Tensor, log: bool) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0]:
         _kernels().softmax[(rows.shape[0],)](
-            rows, out, rows.shape[1], rows.stride(0), out.stride(0), LOG=log, BLOCK=_row_block(rows)
+            rows, out, rows.shape[1], rows.stride(0), out.stride(0), LOG=log, BLOCK=_row_block(rows.shape[1])
         )
     return out.view(x.shape)
 

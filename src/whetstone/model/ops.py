@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from whetstone.errors import WhetstoneError
-from whetstone.model import causal_attention, invariant
+from whetstone.model import causal_attention, invariant, invariant_triton
 
 Numerics = Literal["fast", "invariant"]
 _INVARIANT: ContextVar[bool] = ContextVar("whetstone_invariant_numerics", default=False)
@@ -100,6 +100,8 @@ def _fused_rms_norm_applies(x: torch.Tensor, weight: torch.Tensor, row_local: bo
 def _rms_norm_forward(x: torch.Tensor, weight: torch.Tensor, eps: float, row_local: bool = False):
     if _fused_rms_norm_applies(x, weight, row_local):  # one call instead of six
         return torch.ops.aten._fused_rms_norm(x, [x.shape[-1]], weight, eps)
+    if row_local and invariant_triton.applies(x):  # the whole norm in one kernel
+        return invariant_triton.rms_norm(x, weight, eps)
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     if row_local:
         rstd = torch.rsqrt(invariant.mean_last(x32.square()).add_(eps))
