@@ -97,6 +97,13 @@ def compile_all():
             aligned = ("x", "weight", "out", "rstd", "width", "x_token", "x_head", "w_head")
             compiled = _compile(kernels.rms_norm, signature | {"BLOCK": "constexpr"}, {"BLOCK": 64}, aligned, target)
             yield _report("rms_norm", target_name, dtype, compiled)
+            ints = "slots hidden e_token e_slot g_token o_token".split()
+            signature = {"expert_out": f"*{dtype}", "gates": "*fp32", "out": f"*{dtype}"} | dict.fromkeys(ints, "i32")
+            aligned = ("expert_out", "gates", "out", "hidden", "e_token", "e_slot", "o_token")
+            compiled = _compile(
+                kernels.moe_combine, signature | {"BLOCK": "constexpr"}, {"BLOCK": 1024}, aligned, target
+            )
+            yield _report("moe_combine", target_name, dtype, compiled)
         for log in (True, False):
             signature = {"x": "*fp32", "out": "*fp32", "width": "i32", "x_row": "i32", "out_row": "i32"}
             signature |= {"LOG": "constexpr", "BLOCK": "constexpr"}

@@ -184,6 +184,27 @@ def test_rms_norm_is_qwen3s_in_one_kernel_and_ignores_the_batch(where, dtype, mo
             kt.rms_norm(heads, per_head[:4], 1e-6)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("where", WHERE)
+def test_moe_combine_adds_the_slots_in_order_in_one_kernel(where, dtype, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    expert_out = randn(9, 8, 1500, dtype=dtype, device=device)  # wider than one program's block
+    gates = randn(9, 8, dtype=torch.float32, device=device, seed=1).softmax(-1)
+    reference = (expert_out.float() * gates.unsqueeze(-1)).sum(1).to(dtype)
+    with context():
+        out = kt.moe_combine(expert_out, gates)
+        assert out.dtype == dtype and out.shape == (9, 1500)
+        torch.testing.assert_close(out, reference, **CLOSE[dtype])
+        assert torch.equal(kt.moe_combine(expert_out[3:5], gates[3:5]), out[3:5])  # fewer tokens: same bits
+        # the differentiable path: the same forward, torch's gradients
+        leaves = expert_out.float().requires_grad_(), gates.clone().requires_grad_()
+        probe = randn(9, 1500, dtype=torch.float32, device=device, seed=2)
+        got = torch.autograd.grad((kt.moe_combine(*leaves) * probe).sum(), leaves)
+    expected = torch.autograd.grad(((leaves[0] * leaves[1].unsqueeze(-1)).sum(1) * probe).sum(), leaves)
+    for a, b in zip(got, expected):
+        torch.testing.assert_close(a, b, **CLOSE[torch.float32])
+
+
 @pytest.mark.parametrize("where", WHERE)
 def test_softmax_gradients_are_torchs(where, monkeypatch):
     device, context = kernels(where, monkeypatch)
@@ -375,8 +396,9 @@ def test_the_kernels_compile_for_hopper_and_ampere_without_a_gpu():
     )
     assert done.returncode == 0, done.stderr[-3000:]
     compiled = {(r["kernel"], r["target"], r["dtype"]): r for r in map(json.loads, done.stdout.splitlines())}
-    assert len(compiled) == 28
-    assert {("rms_norm", target, dtype) for target in ("sm_90", "sm_80") for dtype in ("bf16", "fp32")} <= set(compiled)
+    assert len(compiled) == 32
+    for kernel in ("rms_norm", "moe_combine"):
+        assert {(kernel, target, dtype) for target in ("sm_90", "sm_80") for dtype in ("bf16", "fp32")} <= set(compiled)
     for kernel in ("matmul", "grouped_matmul", "grouped_weight_grad", "attention_d64", "attention_d128"):
         assert compiled[kernel, "sm_90", "bf16"]["wgmma"] > 0 and compiled[kernel, "sm_80", "bf16"]["mma"] > 0
         assert compiled[kernel, "sm_90", "bf16"]["cp_async"] > 0

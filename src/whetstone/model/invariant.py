@@ -205,7 +205,10 @@ def log_softmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
-    """sum_j gates[:, j] * expert_out[:, j], added in fp32 in top-k order (slot 0 first)."""
+    """sum_j gates[:, j] * expert_out[:, j], added in fp32 in top-k order (slot 0 first): on CUDA
+    one kernel (`invariant_triton.moe_combine`), elsewhere slot by slot."""
+    if invariant_triton.applies(expert_out):
+        return invariant_triton.moe_combine(expert_out, gates)
     gates = gates.float().unsqueeze(-1)
     out = expert_out[:, 0].float() * gates[:, 0]
     for slot in range(1, expert_out.shape[1]):

@@ -105,6 +105,21 @@ def rms_norm(x, weight, out, rstd, width, heads, eps, x_token, x_head, w_head, B
 
 
 @triton.jit
+def moe_combine(expert_out, gates, out, slots, hidden, e_token, e_slot, g_token, o_token, BLOCK: tl.constexpr):
+    # out[token, block] = sum over slots j of gates[token, j] * expert_out[token, j, block], in
+    # fp32, slot 0 first
+    token = tl.program_id(0).to(tl.int64)
+    columns = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    inside = columns < hidden
+    rows = expert_out + token * e_token + columns
+    acc = tl.load(rows, inside, 0.0).to(tl.float32) * tl.load(gates + token * g_token)
+    for slot in tl.range(1, slots):
+        values = tl.load(rows + slot * e_slot, inside, 0.0).to(tl.float32)
+        acc = acc + values * tl.load(gates + token * g_token + slot)
+    tl.store(out + token * o_token + columns, acc.to(out.dtype.element_ty), inside)
+
+
+@triton.jit
 def softmax(x, out, width, x_row, out_row, LOG: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)

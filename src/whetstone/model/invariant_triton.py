@@ -23,11 +23,12 @@ instructions in the same order wherever it sits:
   exactly as they were, so a one-token decode over a KV cache, a chunked prefill and a full
   causal forward give a query the same bits. Causal or masked is an argument, not a constant:
   the trainer's forward and the engine's run one compiled kernel. Under autocast it computes in
-  the autocast dtype, as SDPA does.
+  the autocast dtype, as SDPA does;
+- `moe_combine`: each token's expert outputs weighted by their gates and added in fp32 in top-k
+  order, one kernel for the whole layer.
 
-Element-wise ops (RoPE, SiLU, residuals) are invariant already and stay torch's; the MoE combine
-adds the slots in top-k order (`invariant.moe_combine`) and the router's top-k is a stable sort
-(`invariant.top_k`) on every device.
+Element-wise ops (RoPE, SiLU, residuals) are invariant already and stay torch's; the router's
+top-k is a stable sort (`invariant.top_k`) on every device.
 The backwards are the plain ones: only the forward must match the engine. The experts' backward
 uses torch's grouped mm where it stays on the device, and elsewhere (fp32, GPUs outside 9.x and
 10.x) `grouped_matmul` for the rows' gradients and `grouped_weight_grad` for the weights', so a
@@ -252,6 +253,49 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
 def log_softmax(x: torch.Tensor) -> torch.Tensor:
     """Log-softmax over the last dimension, in fp32, one program per row."""
     return _Softmax.apply(x, True) if torch.is_grad_enabled() and x.requires_grad else _softmax_forward(x, True)
+
+
+COMBINE_BLOCK = 1024
+"""Hidden units per program of `moe_combine`."""
+
+
+def _moe_combine_forward(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    tokens, slots, hidden = expert_out.shape
+    if expert_out.stride(-1) != 1:
+        expert_out = expert_out.contiguous()
+    gates = gates.float().contiguous()
+    out = expert_out.new_empty(tokens, hidden)
+    if tokens and hidden:
+        grid = (tokens, _cdiv(hidden, COMBINE_BLOCK))
+        _kernels().moe_combine[grid](
+            expert_out, gates, out, slots, hidden, expert_out.stride(0), expert_out.stride(1), gates.stride(0),
+            out.stride(0), BLOCK=COMBINE_BLOCK,
+        )  # fmt: skip
+    return out
+
+
+class _MoECombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, expert_out, gates):
+        ctx.save_for_backward(expert_out, gates)
+        return _moe_combine_forward(expert_out, gates)
+
+    @staticmethod
+    def backward(ctx, grad):
+        expert_out, gates = ctx.saved_tensors
+        grad32 = grad.float().unsqueeze(1)
+        grad_out = (grad32 * gates.float().unsqueeze(-1)).to(expert_out.dtype)
+        grad_gates = (grad32 * expert_out.float()).sum(-1).to(gates.dtype)
+        return grad_out, grad_gates
+
+
+def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
+    """sum_j gates[:, j] * expert_out[:, j] for expert_out [N, k, H] and gates [N, k], added in
+    fp32 in top-k order (slot 0 first), in expert_out's dtype: one kernel, where adding the
+    slots with torch takes three small ops a slot (`invariant.moe_combine`)."""
+    if torch.is_grad_enabled() and (expert_out.requires_grad or gates.requires_grad):
+        return _MoECombine.apply(expert_out, gates)
+    return _moe_combine_forward(expert_out, gates)
 
 
 def _attention_forward(q, k, v, mask):
