@@ -1,6 +1,7 @@
-"""A fast bf16 engine serves its matmul weights in bf16 (`layout.in_compute_dtype`): the tokens,
-logprobs and routes of one that keeps fp32 weights and lets autocast cast them every step, in
-about half the weight memory, across weight swaps; the caller's model keeps its fp32 weights."""
+"""A bf16 engine serves its matmul weights in bf16 (`layout.in_compute_dtype`), in fast and in
+invariant numerics: the tokens, logprobs and routes of one that keeps fp32 weights and lets
+autocast cast them every step, in about half the weight memory, across weight swaps; the
+caller's model keeps its fp32 weights."""
 
 import pytest
 import torch
@@ -38,11 +39,12 @@ def weight_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
 @pytest.mark.parametrize("static_shapes", [False, True])  # True: the decode CUDA graphs replay
-def test_bf16_weights_serve_the_bits_autocast_gave_in_less_memory(monkeypatch, static_shapes):
+def test_bf16_weights_serve_the_bits_autocast_gave_in_less_memory(monkeypatch, static_shapes, numerics):
     model = trained_looking(seed=4)
     before = {name: t.clone() for name, t in model.state_dict().items()}
-    config = dict(dtype="bfloat16", prefill_chunk=16, max_batch=3, static_shapes=static_shapes)
+    config = dict(dtype="bfloat16", prefill_chunk=16, max_batch=3, static_shapes=static_shapes, numerics=numerics)
     engine = make_engine(model, **config)
     half = served(engine)
     assert engine.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
@@ -64,8 +66,8 @@ def test_bf16_weights_serve_the_bits_autocast_gave_in_less_memory(monkeypatch, s
     assert swapped == served(make_engine(new, **config), PROMPTS[::-1])
 
 
-def test_fp32_and_invariant_engines_keep_the_weights_as_given():
+def test_fp32_engines_keep_the_weights_as_given():
     model = tiny_model()
-    for config in ({"dtype": "float32"}, {"dtype": "bfloat16", "numerics": "invariant"}):
-        engine = make_engine(model, **config)
+    for numerics in ("fast", "invariant"):
+        engine = make_engine(model, dtype="float32", numerics=numerics)
         assert {p.dtype for p in engine.model.parameters()} == {torch.float32}

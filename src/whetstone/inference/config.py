@@ -64,8 +64,8 @@ class EngineConfig(Config):
     trainer with the same `numerics` and `dtype` computes (docs/consistency.md, with its cost)."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype: `bfloat16` runs the forward under bf16 autocast, exactly as the trainer's
-    `dtype = "bfloat16"` does; with `fast` numerics the engine keeps its matmul weights in bf16,
-    the values autocast casts them to (same bits, half their memory, no per-step cast)."""
+    `dtype = "bfloat16"` does; the engine keeps its matmul weights in bf16, the values autocast
+    casts them to (same bits, half their memory, no per-step cast)."""
 
 
 class ServeConfig(Config):

@@ -92,9 +92,10 @@ class Engine:
         cfg = model.cfg
         self.device = resolve_device(config.device)
         model = model.eval().to(self.device)
-        if config.numerics == "fast" and config.dtype == "bfloat16":
+        if config.dtype == "bfloat16":
             # the bf16 values autocast would compute with, kept (the caller's model keeps its
-            # own); invariant numerics keep the trainer's fp32 weights, as the contract says
+            # own): the bits of the trainer's forward, which casts its fp32 weights the same way
+            # in every matmul, so invariant numerics keep them too
             model = in_compute_dtype(model, torch.bfloat16)
         # the serving layout (faster CPU decode, same values); invariant numerics keep the trainer's
         serving_layout = config.numerics == "fast" and self.device.type == "cpu"
