@@ -88,6 +88,28 @@ def test_fast_fp32_experts_take_the_grouped_kernel_where_torchs_would_read_back(
     torch.testing.assert_close(got.cpu(), expected)
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_a_layers_grouped_matmuls_lay_their_tiles_out_once(where, monkeypatch):
+    # gate/up and down take the same offsets tensor: the tile layout (a score of small ops) is
+    # made for the first and kept for the second; other offsets get their own
+    device, context = kernels(where, monkeypatch)
+    made = []
+    make = kt._make_tile_layout
+    monkeypatch.setattr(kt, "_make_tile_layout", lambda *args: made.append(args) or make(*args))
+    x = randn(20, 32, dtype=torch.float32, device=device)
+    gate_up, down = (
+        randn(3, 48, 32, dtype=torch.float32, device=device),
+        randn(3, 32, 48, dtype=torch.float32, device=device),
+    )
+    offsets = torch.tensor([5, 5, 20], device=device, dtype=torch.int32)
+    with context():
+        hidden = kt.grouped_matmul(x, gate_up, offsets)
+        out = kt.grouped_matmul(hidden, down, offsets)
+        assert len(made) == 1
+        again = kt.grouped_matmul(hidden, down, offsets.clone())
+    assert len(made) == 2 and torch.equal(again, out)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("where", WHERE)
 def test_grouped_weight_grad_sums_each_experts_slots(where, dtype, monkeypatch):

@@ -43,6 +43,7 @@ need it.
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -121,10 +122,26 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return out
 
 
+_last_layout: tuple = (lambda: None, 0, 0, None)
+"""(a weak reference to the offsets, slots, block_m, layout) of the last `_tile_layout`: a
+layer's second grouped matmul (and the backward's two) takes the same offsets tensor (never
+written in place), so its layout, a score of small ops, is made once."""
+
+
 def _tile_layout(offsets: torch.Tensor, total_slots: int, block_m: int):
     """(tile expert, tile first slot, tile end slot), int32, for a grid of cdiv(slots, block_m) +
     experts tiles; tiles past the last one have expert -1. `offsets[e]` is where expert e's slots
-    end."""
+    end. The layout of the same offsets tensor as the last call's is that call's."""
+    global _last_layout
+    ref, slots, block, layout = _last_layout
+    if ref() is offsets and (slots, block) == (total_slots, block_m):
+        return layout
+    layout = _make_tile_layout(offsets, total_slots, block_m)
+    _last_layout = (weakref.ref(offsets), total_slots, block_m, layout)
+    return layout
+
+
+def _make_tile_layout(offsets: torch.Tensor, total_slots: int, block_m: int):
     ends = offsets.to(torch.int64)
     experts = ends.numel()
     counts = ends.diff(prepend=ends.new_zeros(1))
