@@ -202,14 +202,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
     [H, D] for x [..., H, D] (a weight per head)."""
     width = x.shape[-1]
     heads = 1 if weight.dim() == 1 else weight.shape[0]
-    if weight.shape[-1] != width or (heads > 1 and (weight.dim() != 2 or x.dim() < 2 or x.shape[-2] != heads)):
+    per_head = weight.dim() == 2 and x.dim() >= 2 and x.shape[-2] == heads
+    if weight.shape[-1] != width or not (weight.dim() == 1 or per_head):
         raise WhetstoneError(
             f"rms_norm of rows {tuple(x.shape)} takes a weight [D] or [heads, D], got {tuple(weight.shape)}"
         )
-    rows = x if x.stride(-1) == 1 else x.contiguous()
-    rows = rows.reshape(-1, heads, width)  # a view where the rows of a head are evenly spaced
-    if rows.stride(-1) != 1:
-        rows = rows.contiguous()
+    # [tokens, heads, D]: a view where the rows are evenly spaced (attention's heads inside the
+    # fused q/k/v projection), else a copy; the last dim contiguous either way
+    rows = (x if x.stride(-1) == 1 else x.contiguous()).reshape(-1, heads, width)
     out = torch.empty(x.shape, dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
     rstd = torch.empty(*x.shape[:-1], 1, dtype=torch.float32, device=x.device)
     count = rows.shape[0] * heads

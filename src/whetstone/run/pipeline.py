@@ -413,11 +413,16 @@ class Pipeline:
         if self.launcher is not None:
             self.launcher.close()
 
+    def newest_trainer_checkpoint(self) -> Path | None:
+        from whetstone.training.checkpoint import latest_checkpoint
+
+        return latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
+
     def last_trainer_step(self) -> int:
         """The step of the trainer's newest checkpoint (after it stopped early)."""
-        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint
+        from whetstone.training.checkpoint import checkpoint_step
 
-        checkpoint = latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
+        checkpoint = self.newest_trainer_checkpoint()
         if checkpoint is None:
             raise WhetstoneError(
                 f"RL stopped at rl.max_wall_time = {self.config.rl.max_wall_time:g} s before the trainer's "
@@ -427,10 +432,10 @@ class Pipeline:
 
     def final_checkpoint(self) -> Path:
         """The trainer's checkpoint of its last step: the final policy."""
-        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint
+        from whetstone.training.checkpoint import checkpoint_step
 
         expected = self.config.rl.steps if self.rl_steps is None else self.rl_steps
-        checkpoint = latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
+        checkpoint = self.newest_trainer_checkpoint()
         if checkpoint is None or checkpoint_step(checkpoint) != expected:
             raise WhetstoneError(f"no trainer checkpoint of step {expected} to export (newest: {checkpoint})")
         return checkpoint
