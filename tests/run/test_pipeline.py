@@ -11,6 +11,7 @@ import tomllib
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from tests.run.run_support import tiny_run
 from tests.utils.tracking_support import assert_tracked
@@ -113,14 +114,34 @@ def test_rl_stops_at_its_wall_time_and_the_run_goes_on_with_that_step(tmp_path, 
 
 
 @pytest.mark.timeout(300)
-def test_rl_out_of_time_before_its_first_step_says_so(tmp_path, monkeypatch):
+def test_rl_out_of_time_before_its_first_step_ends_with_the_mid_trained_policy(tmp_path, monkeypatch):
+    # up at the first look after RL started (a second in: no group can have finished): the run
+    # evaluates nothing more, exports the mid-trained model and says why RL made no step
     calls = itertools.count()
-    clock = _Clock(lambda: next(calls) >= 1)  # up at the first look after RL started
+    clock = _Clock(lambda: next(calls) >= 1)
     monkeypatch.setattr(
         pipeline_module, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=time.sleep, time=time.time)
     )
-    with pytest.raises(WhetstoneError, match=r"rl.max_wall_time = 5 s before the trainer's first step"):
-        run_pipeline(tiny_run(tmp_path, "rl.steps=1000", "rl.max_wall_time=5"))
+    summary = run_pipeline(tiny_run(tmp_path, "rl.steps=1000", "rl.max_wall_time=5"))
+    run_dir = tmp_path / "runs" / "tiny"
+    rl = summary["stages"]["rl"]
+    assert rl["steps"] == 0 and rl["steps_planned"] == 1000 and rl["stopped_at_wall_time"]
+    assert rl["no_step_reason"].startswith("the orchestrator put no batch in 5 s")
+    assert summary["heldout_pass1_before"] is not None and summary["heldout_pass1_after"] is None
+    assert summary["final_logit_scale"] is None and not (run_dir / "eval" / "after").exists()
+    exported, base = load_hf(run_dir / "model"), load_hf(run_dir / "midtrain" / "model")
+    assert all(torch.equal(a, b) for a, b in zip(exported.state_dict().values(), base.state_dict().values()))
+    assert "RL made no step" in (run_dir / "report.html").read_text()
+
+
+def test_rl_without_a_step_names_the_side_that_held_it_up(tmp_path):
+    pipeline = Pipeline(tiny_run(tmp_path, "rl.max_wall_time=30"))
+    batches = tmp_path / "batches.jsonl"
+    assert "the orchestrator put no batch in 30 s" in pipeline.why_no_rl_step(batches)
+    batches.write_text('{"index": 0}\n')
+    assert pipeline.why_no_rl_step(batches) == (
+        "the trainer did not finish its first step in 30 s (1 batch(es) put): raise rl.max_wall_time"
+    )
 
 
 def check_temperature_sweep(summary: dict, after: dict) -> None:

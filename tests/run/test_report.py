@@ -147,7 +147,10 @@ def full_run(tmp_path_factory):
         "temperature_sweep": sweep(
             {1.0: 0.125, 0.5: 0.25, 0.2: 0.3125}, {2.0: 0.25, 1.0: 0.375, 0.5: 0.375, 0.2: 0.25}, 2.0
         ),
-        "stages": {"midtrain": {"val_loss": 1.2}},
+        "stages": {
+            "midtrain": {"val_loss": 1.2},
+            "rl": {"steps": 4, "steps_planned": 4, "stopped_at_wall_time": False},
+        },
         "config": {"name": "demo", "rl": {"lr": 1e-6}},
     }
     (run_dir / "summary.json").write_text(json.dumps(summary))
@@ -204,6 +207,7 @@ def test_key_figures_hold_the_numbers_behind_the_plots(full_run):
         return f"<tr><td>{what}</td><td>{value}</td></tr>"
 
     assert row("final reward (mean over the last batch)", "0.500") in page
+    assert row("RL steps made / planned", "4 / 4") in page and "RL made no step" not in page
     assert row("versions published (full)", "4 (1)") in page
     assert row("mean delta size (delta versions)", "78.1 KiB") in page
     assert row("mean delta ratio (delta versions)", "50.0x") in page
@@ -261,6 +265,16 @@ def test_a_run_with_only_a_summary_says_what_was_not_recorded(tmp_path):
     for title in ["Reward", "Staleness", "Weight sync", "Trainer–rollout mismatch", "Busy fraction"]:
         section = page.split(f"<h2>{title}</h2>")[1].split("<h2>")[0]
         assert "<p class='missing'>not recorded</p>" in section
+
+
+def test_a_run_whose_rl_made_no_step_says_why_in_its_headline(tmp_path):
+    reason = "the orchestrator put no batch in 150 s: no group it finished had reward variance"
+    rl = {"steps": 0, "steps_planned": 28, "stopped_at_wall_time": True, "no_step_reason": reason}
+    summary = {"heldout_pass1_before": 0.0, "heldout_pass1_after": None, "stages": {"rl": rl}, "config": {}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = write_report(tmp_path).read_text()
+    assert f"RL made no step, so the final policy is the mid-trained one: {reason}" in page
+    assert "<tr><td>RL steps made / planned</td><td>0 / 28 (stopped at rl.max_wall_time)</td></tr>" in page
 
 
 def test_a_run_killed_before_its_summary_still_gets_a_report(tmp_path):

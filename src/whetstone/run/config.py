@@ -69,8 +69,9 @@ class RLConfig(Config):
     docs/experiments.md)."""
     max_wall_time: float = Field(0.0, ge=0)
     """Seconds of RL after which the trainer is told to stop (as on SIGTERM: it finishes the step
-    it is on, checkpoints and publishes it), and the run evaluates and exports that step's policy;
-    0 = run all `steps`. Bounds a run whose steps' speed is not known beforehand."""
+    it is on, checkpoints and publishes it), and the run evaluates and exports that step's policy
+    (the mid-trained one if no step was made); 0 = run all `steps`. Bounds a run whose steps'
+    speed is not known beforehand."""
     trainer: TrainerConfig = TrainerConfig(
         checkpoint_interval=4,
         optimizer=OptimizerConfig(lr=3e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0),

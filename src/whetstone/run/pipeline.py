@@ -355,21 +355,40 @@ class Pipeline:
                     servers=versions,
                 )
                 done = max(done, finished)
-        # stopped before its first step, the trainer checkpointed nothing (or had not yet set up
-        # its stop signal, and just ended): say that before its exit code
         self.rl_steps = self.last_trainer_step() if out_of_time else steps
-        trainer.check()
+        no_step = None
+        if self.rl_steps:
+            trainer.check()
+        else:  # stopped before its first step, the trainer checkpointed nothing (or had not yet set
+            # up its stop signal, and just ended on it): the run goes on with the mid-trained policy
+            no_step = self.why_no_rl_step(batch_metrics)
+            log.warning("RL made no step within rl.max_wall_time: %s", no_step)
         orchestrator.stop()
-        self.wait_for_version(self.rl_steps)
+        if self.rl_steps:
+            self.wait_for_version(self.rl_steps)
         records = read_metrics(trainer_metrics) if trainer_metrics.exists() else []
         return {
             "steps": self.rl_steps,
             "steps_planned": steps,
             "stopped_at_wall_time": out_of_time,
+            "no_step_reason": no_step,
             "trainer_steps_logged": len(records),
             "reward_first": records[0].get("reward_mean") if records else None,
             "reward_last": records[-1].get("reward_mean") if records else None,
         }
+
+    def why_no_rl_step(self, batch_metrics: Path) -> str:
+        """Why RL ended at `rl.max_wall_time` without a step, as far as the batches tell: none put
+        (the orchestrator's log says which groups it dropped), or the trainer's first step unfinished."""
+        bound = f"{self.config.rl.max_wall_time:g} s"
+        batches = len(read_metrics(batch_metrics)) if batch_metrics.exists() else 0
+        if not batches:
+            return (
+                f"the orchestrator put no batch in {bound}: no group it finished had reward variance (all "
+                f"solved or all failed), or none finished; {self.run_dir / 'logs' / 'orchestrator.log'} "
+                "counts the groups it dropped"
+            )
+        return f"the trainer did not finish its first step in {bound} ({batches} batch(es) put): raise rl.max_wall_time"
 
     def wait_for_version(self, version: int) -> None:
         """Until every server reports `version` (they follow the store on their own), as sampled."""
@@ -419,16 +438,11 @@ class Pipeline:
         return latest_checkpoint(Path(self.config.rl.trainer.output_dir) / "checkpoints")
 
     def last_trainer_step(self) -> int:
-        """The step of the trainer's newest checkpoint (after it stopped early)."""
+        """The step of the trainer's newest checkpoint (after it stopped early); 0 without one."""
         from whetstone.training.checkpoint import checkpoint_step
 
         checkpoint = self.newest_trainer_checkpoint()
-        if checkpoint is None:
-            raise WhetstoneError(
-                f"RL stopped at rl.max_wall_time = {self.config.rl.max_wall_time:g} s before the trainer's "
-                "first step: raise it (or set it to 0)"
-            )
-        return checkpoint_step(checkpoint)
+        return 0 if checkpoint is None else checkpoint_step(checkpoint)
 
     def final_checkpoint(self) -> Path:
         """The trainer's checkpoint of its last step: the final policy."""
@@ -440,12 +454,17 @@ class Pipeline:
             raise WhetstoneError(f"no trainer checkpoint of step {expected} to export (newest: {checkpoint})")
         return checkpoint
 
+    @property
+    def rl_trained(self) -> bool:
+        """Whether RL changed the policy: the run has an RL stage, and it made a step."""
+        return self.config.rl_enabled and self.rl_steps != 0
+
     def final_logit_scale(self) -> float | None:
         """The logit scale RL learned, as of the final checkpoint (None when it learns none, or
-        without RL): the final weights' logits are this many times the mid-trained model's."""
+        without an RL step): the final weights' logits are this many times the mid-trained model's."""
         from whetstone.training.checkpoint import read_state
 
-        if not self.config.rl_enabled:
+        if not self.rl_trained:
             return None
         scale = read_state(self.final_checkpoint())["data"].get("logit_scale")
         return math.exp(scale["log_scale"]) if scale else None
@@ -453,13 +472,13 @@ class Pipeline:
     def export_policy(self) -> Path:
         """The run's final policy as a Hugging Face folder, `model/` (tokenizer included). After
         RL it is the trainer's last checkpoint, whose weights are the final version the servers
-        were evaluated with (the learned logit scale folded into the final norm); without RL it is
-        the mid-trained model."""
+        were evaluated with (the learned logit scale folded into the final norm); without RL, or
+        after an RL stage that made no step, it is the mid-trained model."""
         from whetstone.model.hf import load_hf, save_hf
         from whetstone.training.checkpoint import load_weights
 
         target = self.run_dir / "model"
-        if not self.config.rl_enabled:
+        if not self.rl_trained:
             with atomic_directory(target) as tmp:
                 shutil.copytree(self.model_dir, tmp, dirs_exist_ok=True)
             return target
@@ -514,10 +533,11 @@ class Pipeline:
                     before = self.evaluate("before")
                     summary["heldout_pass1_before"] = before["pass_at_k"]["1"]
                     stages["rl"] = self.rl()
-                    summary["final_logit_scale"] = scale = self.final_logit_scale()
-                    after = self.evaluate("after", scale)
-                    summary["heldout_pass1_after"] = after["pass_at_k"]["1"]
-                    summary.update(self.yardstick(before, after, scale))
+                    if self.rl_trained:  # else the final policy is the one evaluated before
+                        summary["final_logit_scale"] = scale = self.final_logit_scale()
+                        after = self.evaluate("after", scale)
+                        summary["heldout_pass1_after"] = after["pass_at_k"]["1"]
+                        summary.update(self.yardstick(before, after, scale))
         finally:
             self.stop_roles()  # and the CPU groups
         model = self.export_policy()

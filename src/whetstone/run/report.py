@@ -309,6 +309,22 @@ def _anchor_span(trainer: list[dict]) -> str:
     return f"{nll[0]:.3g} / {nll[-1]:.3g}" if nll else "off (demo_coef 0)"
 
 
+def _rl_stage(summary: dict) -> dict:
+    """The summary's RL stage record ({} when the run had none, or has no summary yet)."""
+    stages = summary.get("stages")
+    rl = stages.get("rl") if isinstance(stages, dict) else None
+    return rl if isinstance(rl, dict) else {}
+
+
+def _rl_steps(summary: dict) -> str:
+    """RL's steps made of those planned, and whether `rl.max_wall_time` ended it."""
+    rl = _rl_stage(summary)
+    made, planned = number(rl.get("steps")), number(rl.get("steps_planned"))
+    if made is None or planned is None:
+        return NOT_RECORDED
+    return f"{made:.0f} / {planned:.0f}" + (" (stopped at rl.max_wall_time)" if rl.get("stopped_at_wall_time") else "")
+
+
 def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[tuple[str, str]]:
     """The numbers behind the plots, as (what, value) rows."""
     trainer = run.trainer
@@ -325,6 +341,7 @@ def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[t
         ("held-out pass@1 before RL", _fmt(heldout_pass1(run, "before"), "{:.3f}")),
         ("held-out pass@1 after RL", _fmt(heldout_pass1(run, "after"), "{:.3f}")),
         *yardstick_figures(run),
+        ("RL steps made / planned", _rl_steps(run.summary)),
         ("trainer steps (replayed after a restart)", steps),
         ("batches put by the orchestrator", str(len(run.orchestrator)) if run.orchestrator else NOT_RECORDED),
         ("final reward (mean over the last batch)", _fmt(_last(rewards), "{:.3f}")),
@@ -375,6 +392,9 @@ def _header(run: RunRecords) -> str:
     if number(run.summary.get("gain_over_best_temperature")) is not None:
         gain = _gain(run.summary, "gain_over_best_temperature")
         headline += f"<br>each at its best temperature: {gain} (paired SE)"
+    no_step = _rl_stage(run.summary).get("no_step_reason")
+    if no_step:
+        headline += f"<br>RL made no step, so the final policy is the mid-trained one: {html.escape(str(no_step))}"
     if run.summary_mtime is not None:
         date = f"finished {datetime.datetime.fromtimestamp(run.summary_mtime):%Y-%m-%d %H:%M}"
     else:
