@@ -12,7 +12,7 @@
 #             the others' figures: merged into $OUT/bench.json; progress in $OUT/bench.log; the RL
 #             run's configs, logs and metrics in $OUT/rl-run.tgz. BENCH_RUNS names the runs
 #             (default "train inference rl consistency"; "rl-invariant" is the RL section in
-#             invariant numerics, whose mismatch must be 0 in every step)
+#             invariant numerics and on-policy, whose mismatch must be 0 in every step)
 #   run       only with RUN_S > 0: `whetstone run configs/gpu.toml`, the whole run on the GPU,
 #             bounded by RUN_S; its summary, report, configs, logs and metrics in $OUT/run.tgz
 # $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
@@ -90,7 +90,7 @@ for run in $BENCH_RUNS; do
     bound_var=${bound_var//-/_}
     extra=()
     [ "$section" = rl ] && extra=(--output-dir "$WORK/$run-run")
-    [ "$run" = rl-invariant ] && extra+=(--rl-numerics invariant)
+    [ "$run" = rl-invariant ] && extra+=(--rl-numerics invariant --rl-synchronous)  # every step on-policy
     stage "bench $run" "${!bound_var}" bash -c 'python3 -m whetstone bench gpu --json --sections "$1" "${@:5}" \
         >"$2/bench-$4.json" 2> >(tee -a "$3/bench.log" >&2)' _ "$section" "$WORK" "$OUT" "$run" "${extra[@]}" "${BENCH_EXTRA[@]}"
     echo "=== bench $run JSON:"; cat "$WORK/bench-$run.json" 2>/dev/null; echo

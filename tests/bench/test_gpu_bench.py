@@ -135,7 +135,9 @@ def test_the_consistency_section_compares_fast_and_invariant_numerics():
 
 @pytest.mark.slow  # ~60 s on 2 cores: the RL section starts a server, the trainer and the orchestrator
 def test_the_whole_command_runs_end_to_end_on_the_cpu(tmp_path):
-    out = bench(*TINY, *BATCHES, "--swaps", "2", "--rl-numerics", "invariant", "--output-dir", str(tmp_path))
+    out = bench(
+        *TINY, *BATCHES, "--swaps", "2", "--rl-numerics", "invariant", "--rl-synchronous", "--output-dir", str(tmp_path)
+    )
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout)
     check_common(result, ["train", "inference", "rl", "consistency"])
@@ -144,8 +146,9 @@ def test_the_whole_command_runs_end_to_end_on_the_cpu(tmp_path):
     check_consistency(result["consistency"])
     rl = result["rl"]
     assert rl["samples"] == 4 and rl["samples_per_s"] > 0 and 0 <= rl["trainer_busy"] <= 1
-    # invariant numerics: no mismatch in any on-policy step, and the replayed routes are the trainer's own
-    assert rl["on_policy_steps"] >= 1 and rl["mismatch_kl_k3"] == 0 and rl["max_abs_logprob_diff"] == 0
+    # invariant numerics, on-policy: no mismatch in any step, and the replayed routes are the trainer's own
+    assert rl["synchronous"] and rl["on_policy_steps"] == rl["steps"] == 2
+    assert rl["mismatch_kl_k3"] == 0 and rl["max_abs_logprob_diff"] == 0
     assert rl["max_abs_logprob_diff_per_step"] == [0.0] * rl["on_policy_steps"]
     assert rl["routing_disagreement_max"] == 0
     assert (rl["numerics"], rl["dtype"], rl["router_replay"]) == ("invariant", "bfloat16", True)

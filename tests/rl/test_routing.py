@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from tests.model.conftest import tiny_config
-from whetstone.model import Transformer
+from whetstone.model import Transformer, ops
 from whetstone.model.moe import Router
 from whetstone.rl.routing import RoutingStats, track_routing
 
@@ -65,3 +65,17 @@ def test_under_activation_checkpointing_the_recomputed_forward_is_not_counted_ag
         out.logprobs.sum().backward()  # runs each block's forward again
     assert len(calls) == 2  # the forward and its recompute
     assert (routing.choices, routing.disagreed, routing.tokens, routing.tokens_disagreed) == (24, 1, 12, 1)
+
+
+def test_tied_router_probabilities_are_picked_as_the_router_picks_them():
+    # every router scores every expert the same: a tie, which invariant numerics break by expert
+    # index and `topk` by its algorithm; replaying the router's own picks must not disagree
+    model, ids, _ = model_and_routes()
+    for router in (m for m in model.modules() if isinstance(m, Router)):
+        torch.nn.init.zeros_(router.weight)
+    with ops.numerics("invariant"):
+        routes = model(ids, return_routes=True).routes
+        assert (routes.sort(dim=-1).values == torch.tensor([0, 1])).all()
+        with track_routing(model, torch.ones(2, 6, dtype=torch.bool)) as routing:
+            model(ids, routes=routes)
+    assert (routing.choices, routing.disagreed) == (24, 0)

@@ -225,6 +225,9 @@ def gpu(
     rl_numerics: str = typer.Option(
         "fast", help="The RL run's numerics: fast or invariant (the trainer's and server's)."
     ),
+    rl_synchronous: bool = typer.Option(
+        False, help="Run RL on-policy (synchronous): every step's mismatch is then numerics alone."
+    ),
     consistency_requests: int = typer.Option(16, help="Sequences of the consistency section."),
     consistency_tokens: int = typer.Option(128, help="Prompt tokens, and generated tokens, per consistency sequence."),
     output_dir: str = typer.Option(
@@ -255,6 +258,7 @@ def gpu(
         rl_max_tokens=rl_max_tokens,
         rl_tasks=rl_tasks,
         rl_numerics=rl_numerics,
+        rl_synchronous=rl_synchronous,
         consistency_requests=consistency_requests,
         consistency_tokens=consistency_tokens,
         output_dir=output_dir or None,

@@ -24,7 +24,9 @@ on a few-M model so that a CPU can run the whole command in seconds (the tests d
   numerics, router replay: samples/s and the trainer's busy fraction, and the trainer-vs-engine
   logprob mismatch the trainer logs (k3 KL, max |Δ|) over the steps trained on-policy
   (staleness 0), where it is numerics alone. About 1-2 minutes on an H100, most of it the roles'
-  start and the publishing of each version.
+  start and the publishing of each version. `--rl-synchronous` runs it on-policy (the
+  orchestrator's synchronous mode: each batch sampled with the weights it trains), so every step's
+  mismatch is numerics alone: with `--rl-numerics invariant`, 0 in every step.
 
 A section that fails reports `{"error": ...}` and the others still run.
 
@@ -409,9 +411,10 @@ def rl(
     seed: int,
     output_dir: str | None,
     numerics: str = "fast",
+    synchronous: bool = False,
 ) -> dict:
-    """A short asynchronous RL run with one server and the trainer on `device`, both in `numerics`
-    (see the module docstring)."""
+    """A short RL run with one server and the trainer on `device`, both in `numerics` (see the
+    module docstring); asynchronous, or on-policy in every step when `synchronous`."""
     import contextlib
 
     from whetstone.bench.pipeline import coin_tasks, pipeline_config, random_model, whetstone_side
@@ -434,7 +437,7 @@ def rl(
             group_size=group_size,
             groups_per_batch=groups_per_batch,
             max_tokens=max_tokens,
-            synchronous=False,
+            synchronous=synchronous,
             placement="shared",
             servers=1,
             dtype=DTYPE,
@@ -456,6 +459,7 @@ def rl(
         "mismatch_kl_k3": _round(statistics.mean(r["mismatch_kl_k3"] for r in on_policy)) if on_policy else None,
         "max_abs_logprob_diff": _round(max(r["logprob_diff_max"] for r in on_policy)) if on_policy else None,
         "on_policy_steps": len(on_policy),
+        "synchronous": synchronous,
         # Under invariant numerics: 0 in every on-policy step, and replay changes no expert.
         "max_abs_logprob_diff_per_step": [r["logprob_diff_max"] for r in on_policy],
         "routing_disagreement_max": _round(max((r.get("routing_disagreement", 0.0) for r in on_policy), default=None)),
@@ -560,6 +564,7 @@ def run(
     rl_max_tokens: int = 64,
     rl_tasks: int = 8,
     rl_numerics: str = "fast",
+    rl_synchronous: bool = False,
     consistency_requests: int = 16,
     consistency_tokens: int = 128,
     output_dir: str | None = None,
@@ -620,7 +625,17 @@ def run(
         "train": lambda: train(cfg, target, train_batch, train_seq_len, train_steps, train_warmup, seed),
         "inference": lambda: inference(cfg, target, list(batches), prompt_tokens, new_tokens, repeats, swaps, seed),
         "rl": lambda: rl(
-            cfg, target, rl_steps, group_size, groups_per_batch, rl_max_tokens, rl_tasks, seed, output_dir, rl_numerics
+            cfg,
+            target,
+            rl_steps,
+            group_size,
+            groups_per_batch,
+            rl_max_tokens,
+            rl_tasks,
+            seed,
+            output_dir,
+            rl_numerics,
+            rl_synchronous,
         ),
         "consistency": lambda: consistency(cfg, target, consistency_requests, consistency_tokens, seed),
     }

@@ -2,7 +2,9 @@
 different experts than the replayed rollout routes (R3 reports ~10% of choices on a bf16 30B MoE).
 
 Computed alongside the training forward by forward hooks on the routers, without changing the
-model: each router returns its full softmax, whose top-k is what the trainer would have chosen.
+model: each router returns its full softmax, whose top-k is what the trainer would have chosen,
+picked as the router picks under the forward's numerics (tied probabilities too: `topk` breaks
+ties by its algorithm, invariant numerics by expert index).
 A choice is one (token, MoE layer); it disagrees when the expert *sets* differ (order aside).
 
     with track_routing(model, mask) as routing:
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from whetstone.model import ops
 from whetstone.model.moe import Router
 
 Count = int | torch.Tensor
@@ -73,7 +76,7 @@ def track_routing(model: nn.Module, mask: torch.Tensor) -> Iterator[RoutingStats
             return
         ids, _, probs = output
         with torch.no_grad():
-            own = probs.topk(router.top_k, dim=-1).indices
+            own = ops.top_k(probs, router.top_k)[1]  # the router's own pick, ties included (numerics')
             differs = (own.sort(dim=-1).values != ids.sort(dim=-1).values).any(dim=-1) & flat_mask
             stats.choices += flat_mask.sum()
             stats.disagreed += differs.sum()
