@@ -207,3 +207,44 @@ def test_two_invariant_ranks_see_exactly_the_engines_logprobs(tmp_path, tiny_moe
     (record,) = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
     assert record["logprob_diff_max"] == 0.0 and record["mismatch_kl_k3"] == 0.0
     assert record["routing_disagreement"] == 0.0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2 GPUs: NCCL takes one per rank")
+def test_ranks_on_every_gpu_over_nccl_train_what_one_gpu_does_and_checkpoint_for_the_cpu(tmp_path, tiny_moe, batches):
+    # The CPU tests' 2-rank job on CUDA: one rank per GPU over NCCL, against one process on one
+    # GPU, from the same batches. Tolerances are looser than gloo's: each rank's matmuls see its
+    # rows only, and cuBLAS picks its kernels by shape.
+    from whetstone.model.hf import load_hf
+    from whetstone.training.checkpoint import load_weights
+
+    data = [without_baseline(batch.select(range(len(batch)))) for batch in batches[:4]]
+    settings = dict(
+        optimizer={"lr": 1e-5, "warmup_steps": 0, "min_lr_ratio": 1.0, "weight_decay": 0.1, "grad_clip": 0.5},
+        loss={"kl_coef": 0.1},
+        logit_scale_lr=0.01,
+        device="cuda",
+        max_steps=4,
+        checkpoint_interval=2,
+    )
+    for run in ("one", "ranks"):
+        put_batches(tmp_path / run / "batches", data)
+    run_trainer(trainer_config(tmp_path / "one", tiny_moe, **settings))
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path / "ranks", tiny_moe, **settings)))
+    torchrun(config_file, nproc=torch.cuda.device_count())
+    one, ranks = (read_metrics(tmp_path / run / "trainer" / "metrics.jsonl") for run in ("one", "ranks"))
+    assert [r["step"] for r in ranks] == [r["step"] for r in one] == [0, 1, 2, 3]
+    for expected, record in zip(one, ranks):
+        assert record["tokens"] == expected["tokens"]
+        assert record["loss"] == pytest.approx(expected["loss"], rel=1e-4)
+        assert record["grad_norm"] == pytest.approx(expected["grad_norm"], rel=1e-4)
+    published = latest_weights(tmp_path / "ranks")
+    for name, tensor in latest_weights(tmp_path / "one").items():
+        relative = float((published[name] - tensor).norm() / tensor.norm())
+        assert relative < 1e-4, f"{name}: relative difference {relative:.2e}"
+    # the ranks' checkpoint (gathered from the GPUs) loads into a model on the CPU: the published weights
+    model = load_hf(tiny_moe)
+    load_weights(latest_checkpoint(tmp_path / "ranks" / "trainer" / "checkpoints"), model)
+    for name, tensor in model.state_dict().items():
+        assert tensor.device.type == "cpu" and torch.equal(tensor.float(), published[name].float()), name
