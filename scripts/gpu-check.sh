@@ -14,7 +14,8 @@
 #             (default "train inference rl consistency"; "rl-invariant" is the RL section in
 #             invariant numerics and on-policy, whose mismatch must be 0 in every step)
 #   run       only with RUN_S > 0: `whetstone run configs/gpu.toml`, the whole run on the GPU,
-#             bounded by RUN_S; its summary, report, configs, logs and metrics in $OUT/run.tgz
+#             bounded by RUN_S (stopped by it: the report of what it wrote); its summary, report,
+#             configs, logs and metrics in $OUT/run.tgz
 # $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
 # every bench run (a CPU dry run: BENCH_ARGS="--model tiny --train-seq-len 32 ..."); the *_S
 # variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests); PYTEST_ARGS sets
@@ -125,6 +126,9 @@ PY
 
 if [ "$RUN_S" != 0 ]; then
     stage run "$RUN_S" python3 -m whetstone run configs/gpu.toml --set "output_dir=\"$WORK/whole-run\""
+    # a run stopped by its bound gets the report of what it wrote (its stages' metrics, any evaluation)
+    [ -f "$WORK/whole-run/gpu/summary.json" ] || stage report 30 python3 -c 'import sys, pathlib
+from whetstone.run.report import write_report; print(write_report(pathlib.Path(sys.argv[1])))' "$WORK/whole-run/gpu"
 fi
 
 for run in rl rl-invariant whole; do
