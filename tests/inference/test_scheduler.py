@@ -110,3 +110,12 @@ def test_no_batch_sequence_starts_while_a_user_is_served():
     assert run(scheduler, scheduler.plan()) == ([], [])
     scheduler.running.clear()  # the user is done
     assert run(scheduler, scheduler.plan()) == (["b0"], [])
+
+
+def test_among_equally_cheap_batch_sequences_the_earliest_running_is_preempted():
+    scheduler = Scheduler(max_batch=3, prefill_tokens_per_step=100)
+    for name in ("first", "second", "third"):
+        scheduler.add(seq(name, "batch", generated=3))
+    run(scheduler, scheduler.plan())
+    scheduler.add(seq("user", "interactive"))
+    assert run(scheduler, scheduler.plan()) == (["user"], ["first"])

@@ -176,12 +176,15 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
     """Draw one token per row of `logits` [B, vocab]; row i's randomness is (seeds[i], counters[i])."""
     logits = logits.float()
     rows, vocab = logits.shape
-    want = min(max(p.top_logprobs for p in params), vocab)
-    groups = {
-        "greedy": [i for i, p in enumerate(params) if p.temperature == 0.0],
-        "plain": [i for i, p in enumerate(params) if p.temperature > 0.0 and not p.filtered],
-        "filtered": [i for i, p in enumerate(params) if p.temperature > 0.0 and p.filtered],
-    }
+    distinct = {id(p): p for p in params}  # requests share their params: classify each once
+    want = min(max(p.top_logprobs for p in distinct.values()), vocab)
+    kinds = {key: _kind(p) for key, p in distinct.items()}
+    groups: dict[str, list[int]] = {"greedy": [], "plain": [], "filtered": []}
+    if len(kinds) == 1:  # the usual step: every row alike
+        groups[next(iter(kinds.values()))] = list(range(rows))
+    else:
+        for i, p in enumerate(params):
+            groups[kinds[id(p)]].append(i)
     results = []
     for kind, members in groups.items():
         if not members:
@@ -203,6 +206,13 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
             if into is not None:
                 into.index_copy_(0, idx, values)
     return Drawn(tokens, logprobs, top_logprobs, top_ids)
+
+
+def _kind(p: SamplingParams) -> str:
+    """How a row with these params is drawn: greedy (temperature 0), plain, or filtered (top-k/p)."""
+    if p.temperature == 0.0:
+        return "greedy"
+    return "filtered" if p.filtered else "plain"
 
 
 def _draw(kind: str, logits: torch.Tensor, params: list[SamplingParams], seeds, counters, want: int):

@@ -90,12 +90,12 @@ class Scheduler:
         """
         plan = Plan()
         self._budget = self.prefill_tokens_per_step
-        batch = sorted((s for s in self.running if s.priority == "batch"), key=lambda s: s.num_tokens)
+        batch = [s for s in self.running if s.priority == "batch"]
         free = self.max_batch - len(self.running)
         queue = self.waiting["interactive"]
         while queue and (free > 0 or batch) and self._fits(queue[0], plan):
             if free == 0:
-                plan.preempt.append(batch.pop(0))
+                plan.preempt.append(_pop_cheapest(batch))
                 free += 1
             plan.admit.append(queue.popleft())
             free -= 1
@@ -107,7 +107,7 @@ class Scheduler:
         capped = users or (self._last_user is not None and now - self._last_user < self.interactive_grace_s)
         limit = min(self.batch_beside_interactive, self.max_batch) if capped else self.max_batch
         while len(batch) > limit:
-            plan.preempt.append(batch.pop(0))
+            plan.preempt.append(_pop_cheapest(batch))
             free += 1
         queue = self.waiting["batch"]
         starts = not users or limit >= self.max_batch  # capped: no batch prefill inside a user's decode
@@ -126,3 +126,10 @@ class Scheduler:
             return False
         self._budget -= cost
         return True
+
+
+def _pop_cheapest(batch: list[Sequence]) -> Sequence:
+    """Remove and return the sequence cheapest to recompute (fewest tokens; the first of equals).
+    Looked up when a preemption needs it, not sorted every step."""
+    cheapest = min(range(len(batch)), key=lambda i: batch[i].num_tokens)
+    return batch.pop(cheapest)
