@@ -57,6 +57,11 @@ def without_baseline(batch):
     return batch
 
 
+TWO_GPUS = pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2 GPUs: NCCL takes one per rank"
+)
+
+
 def torchrun(config_file, nproc=2):
     """The documented command line, as a real job: `torchrun --standalone --nproc_per_node 2
     -m whetstone.cli trainer CONFIG` (gloo on CPU; --standalone picks a free port)."""
@@ -196,21 +201,30 @@ def test_two_ranks_anchor_to_the_demonstrations_as_one_rank_does(tmp_path, chat_
     assert_weights_close(latest_weights(tmp_path / "one"), latest_weights(tmp_path / "two"))
 
 
-@pytest.mark.slow  # another real 2-process torchrun job, ~20 s
-def test_two_invariant_ranks_see_exactly_the_engines_logprobs(tmp_path, tiny_moe):
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [
+        pytest.param("cpu", "float32", marks=pytest.mark.slow),  # another real 2-process torchrun job, ~20 s
+        pytest.param("cuda", "bfloat16", marks=[pytest.mark.gpu, TWO_GPUS]),
+    ],
+)
+def test_invariant_ranks_see_exactly_the_engines_logprobs(tmp_path, tiny_moe, device, dtype):
     # FSDP2 gathers each layer's whole weights before its forward, so each rank's rows go through
     # the kernels a lone trainer's (and the engine's) do: no mismatch, no router disagreement.
-    put_batches(tmp_path / "batches", make_batches(tiny_moe, 1, numerics="invariant"))
+    # On CUDA one rank per GPU over NCCL, against a CUDA engine in bf16.
+    batches = make_batches(tiny_moe, 1, numerics="invariant", device=device, dtype=dtype)
+    put_batches(tmp_path / "batches", batches)
     config_file = tmp_path / "trainer.toml"
-    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, numerics="invariant", router_replay=False)))
-    torchrun(config_file)
+    config = trainer_config(tmp_path, tiny_moe, numerics="invariant", router_replay=False, device=device, dtype=dtype)
+    config_file.write_text(dump_toml(config))
+    torchrun(config_file, nproc=2 if device == "cpu" else torch.cuda.device_count())
     (record,) = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
     assert record["logprob_diff_max"] == 0.0 and record["mismatch_kl_k3"] == 0.0
     assert record["routing_disagreement"] == 0.0
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2 GPUs: NCCL takes one per rank")
+@TWO_GPUS
 def test_ranks_on_every_gpu_over_nccl_train_what_one_gpu_does_and_checkpoint_for_the_cpu(tmp_path, tiny_moe, batches):
     # The CPU tests' 2-rank job on CUDA: one rank per GPU over NCCL, against one process on one
     # GPU, from the same batches. Tolerances are looser than gloo's: each rank's matmuls see its

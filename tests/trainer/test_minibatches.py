@@ -3,6 +3,8 @@ one published version) and invariant numerics."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.trainer.test_loop import subscribe
 from tests.trainer.trainer_fixtures import make_batches, put_batches, trainer_config
 from whetstone.rl.batch import collate, shuffled_parts
@@ -57,13 +59,24 @@ def test_each_batch_takes_several_optimizer_steps_and_publishes_one_version(tmp_
     assert any(not weights[1][name].equal(weights[2][name]) for name in weights[1])
 
 
-def test_an_invariant_trainer_sees_exactly_the_engines_logprobs(tmp_path, tiny_moe):
-    # Batches sampled by an invariant engine; the trainer process on the same numerics: its first
-    # step (weights still the sampler's) measures no mismatch at all, so every ratio is exactly 1.
-    put_batches(tmp_path / "batches", make_batches(tiny_moe, 1, numerics="invariant"))
-    run_trainer(trainer_config(tmp_path, tiny_moe, numerics="invariant"))
+@pytest.mark.parametrize(
+    ("device", "dtype"),
+    [
+        ("cpu", "float32"),
+        ("cpu", "bfloat16"),
+        pytest.param("cuda", "float32", marks=pytest.mark.gpu),
+        pytest.param("cuda", "bfloat16", marks=pytest.mark.gpu),
+    ],
+)
+def test_an_invariant_trainer_sees_exactly_the_engines_logprobs(tmp_path, tiny_moe, device, dtype):
+    # Batches sampled by an invariant engine; the trainer process on the same numerics, device and
+    # dtype: its first step (weights still the sampler's) measures no mismatch at all, so every
+    # ratio is exactly 1, and the replayed routes are the ones its own router picks.
+    put_batches(tmp_path / "batches", make_batches(tiny_moe, 1, numerics="invariant", device=device, dtype=dtype))
+    run_trainer(trainer_config(tmp_path, tiny_moe, numerics="invariant", device=device, dtype=dtype))
     (record,) = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
     assert record["logprob_diff_max"] == 0.0 and record["mismatch_kl_k3"] == 0.0
+    assert record["routing_disagreement"] == 0.0
 
 
 def test_micro_batches_take_rows_in_order_of_length_so_each_is_cut_short():

@@ -62,9 +62,13 @@ def low_token_reward(completion: list[int]) -> float:
     return sum(token < TINY_MOE.vocab_size // 2 for token in completion) / len(completion)
 
 
-def make_batches(model_dir: Path, count: int, seed: int = 0, numerics: str = "fast") -> list[Batch]:
-    """`count` batches, each of len(PROMPTS) groups of GROUP_SIZE rollouts sampled by the engine."""
-    engine = Engine(load_hf(model_dir), EngineConfig(max_batch=8, context_limit=32, numerics=numerics))
+def make_batches(
+    model_dir: Path, count: int, seed: int = 0, numerics: str = "fast", device: str = "cpu", dtype: str = "float32"
+) -> list[Batch]:
+    """`count` batches, each of len(PROMPTS) groups of GROUP_SIZE rollouts sampled by the engine
+    (on `device`, computing in `dtype`)."""
+    config = EngineConfig(max_batch=8, context_limit=32, numerics=numerics, device=device, dtype=dtype)
+    engine = Engine(load_hf(model_dir), config)
     batches = []
     for index in range(count):
         prompts = [prompt for prompt in PROMPTS for _ in range(GROUP_SIZE)]
