@@ -3,6 +3,7 @@ real synth tasks in real sandboxes, graded; batches into a LocalStore. The test 
 weight versions a trainer would."""
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -174,17 +175,21 @@ def test_synchronous_mode_alternates_with_the_trainer(world):
 
 def test_says_why_it_waits_when_no_group_gives_anything_to_train_on(world, caplog):
     """A random model never solves a synth task: every group is dropped for no reward variance,
-    and the orchestrator says so instead of waiting in silence."""
+    and the orchestrator says so instead of waiting in silence, in its log and in its status file."""
     tmp_path, model_dir, _ = world
+    status_path = tmp_path / "orchestrator" / "status.json"
+    statuses = []
 
     async def scenario(urls):
-        orchestrator = Orchestrator(orchestrator_config(tmp_path, model_dir, urls), synth_tasks(2))
+        config = orchestrator_config(tmp_path, model_dir, urls, status_path=str(status_path))
+        orchestrator = Orchestrator(config, synth_tasks(2))
         run = asyncio.create_task(orchestrator.run())
         while "gave nothing to train on" not in caplog.text:
             assert not run.done(), run
             await asyncio.sleep(0.1)
         run.cancel()
         await asyncio.gather(run, return_exceptions=True)
+        statuses.append(orchestrator.status())
 
     with (
         caplog.at_level("WARNING", logger="whetstone.orchestrator"),
@@ -192,6 +197,12 @@ def test_says_why_it_waits_when_no_group_gives_anything_to_train_on(world, caplo
     ):
         asyncio.run(asyncio.wait_for(scenario([s.url for s in servers]), 180))
     assert "the last 4 groups gave nothing to train on (rollouts dropped: no_variance 8)" in caplog.text
+    (status,) = statuses  # the run's totals, written once more as it stopped
+    finished = status["groups_finished"]
+    assert finished >= 4 and status["groups_kept"] == 0 and status["batches_put"] == 0
+    assert status["rollouts_dropped"] == {"no_variance": 2 * finished}
+    written = json.loads(status_path.read_text())
+    assert written.pop("time") > 0 and written == status
 
 
 def test_the_follower_asks_a_server_that_reports_no_version_once(world):

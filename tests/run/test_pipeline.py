@@ -39,6 +39,8 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     assert [s["step"] for s in steps] == [0, 1] and steps[-1]["version"] == 2  # published every step
     assert all(s["demo_nll"] > 0 for s in steps)  # the anchor read the run's demonstrations file
     assert len(read_metrics(run / "orchestrator" / "metrics.jsonl")) == 2
+    status = json.loads((run / "orchestrator" / "status.json").read_text())  # its totals, as it ended
+    assert status["batches_put"] == 2 and status["groups_finished"] >= status["groups_kept"] >= 2
     assert {r["server"] for r in read_metrics(run / "servers.jsonl")} == {0, 1}
     after = json.loads((run / "eval" / "after" / "report.json").read_text())
     assert after["rollouts"] == 8  # the headline temperature's; the sweep's points beside them
@@ -137,9 +139,16 @@ def test_rl_out_of_time_before_its_first_step_ends_with_the_mid_trained_policy(t
 def test_rl_without_a_step_names_the_side_that_held_it_up(tmp_path):
     pipeline = Pipeline(tiny_run(tmp_path, "rl.max_wall_time=30"))
     batches = tmp_path / "batches.jsonl"
-    assert "the orchestrator put no batch in 30 s" in pipeline.why_no_rl_step(batches)
+    assert (
+        pipeline.why_no_rl_step(batches, {}) == "the orchestrator put no batch in 30 s: no group of rollouts finished"
+    )
+    fruitless = {"groups_finished": 6, "groups_kept": 0, "rollouts_dropped": {"no_variance": 20, "small_group": 4}}
+    assert pipeline.why_no_rl_step(batches, fruitless) == (
+        "the orchestrator put no batch in 30 s: 0 of the 6 groups that finished had something to train on "
+        "(rollouts dropped: no_variance 20, small_group 4; no_variance: all solved or all failed)"
+    )
     batches.write_text('{"index": 0}\n')
-    assert pipeline.why_no_rl_step(batches) == (
+    assert pipeline.why_no_rl_step(batches, fruitless) == (
         "the trainer did not finish its first step in 30 s (1 batch(es) put): raise rl.max_wall_time"
     )
 

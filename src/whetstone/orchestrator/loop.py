@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
 import time
 from collections import Counter
@@ -48,6 +49,7 @@ from whetstone.rl.batch_store import next_batch_index, put_batch
 from whetstone.rl.samples import trajectory_samples
 from whetstone.store import open_store
 from whetstone.sync import WeightStore
+from whetstone.utils.atomic import atomic_write_json
 from whetstone.utils.metrics import MetricsWriter
 
 log = logging.getLogger("whetstone.orchestrator")
@@ -98,6 +100,10 @@ class Orchestrator:
         """Groups scored in a row that gave nothing to train on (to say why a batch waits)."""
         self._fruitless_drops: Counter[str] = Counter()
         """Their rollouts dropped, by reason."""
+        self.groups_finished = self.groups_kept = 0
+        self.rollouts_dropped: Counter[str] = Counter()
+        """Totals of the whole run so far (`status()`)."""
+        self._status_written = -math.inf
         self.curriculum = Curriculum(config.curriculum)
 
     async def run(self, on_batch: Callable[[dict], None] | None = None) -> list[int]:
@@ -131,6 +137,7 @@ class Orchestrator:
         )
         index = next_batch_index(self.batches)
         self._last_put = index - 1
+        self._write_status(now=True)  # nothing finished yet: the status says so
         background = [
             asyncio.create_task(self._produce(tasks, harness, pool), name="producer"),
             *self._mode.background(pool),
@@ -161,6 +168,7 @@ class Orchestrator:
             for task in [*background, *self._running]:
                 task.cancel()
             await asyncio.gather(*background, *self._running, return_exceptions=True)
+            self._write_status(now=True)
             await pool.close()
             if metrics is not None:
                 metrics.close()
@@ -343,7 +351,27 @@ class Orchestrator:
                 self._fruitless_drops.clear()
             else:
                 self._note_fruitless(report.dropped)
+            self.groups_finished += 1
+            self.groups_kept += bool(samples)
+            self.rollouts_dropped.update(report.dropped)
+            self._write_status()
             self._changed.notify_all()
+
+    def status(self) -> dict:
+        """The run's totals so far: groups finished and kept, rollouts dropped by reason, batches put."""
+        return {
+            "groups_finished": self.groups_finished,
+            "groups_kept": self.groups_kept,
+            "rollouts_dropped": {reason: count for reason, count in self.rollouts_dropped.items() if count},
+            "batches_put": len(self.put),
+        }
+
+    def _write_status(self, now: bool = False) -> None:
+        """Rewrite `status_path` (if set) with `status()`: at once when `now`, else at most once a second."""
+        path, clock = self.config.status_path, time.monotonic()
+        if path and (now or clock - self._status_written >= 1.0):
+            atomic_write_json(path, {**self.status(), "time": time.time()})
+            self._status_written = clock
 
     def _note_fruitless(self, dropped: Counter[str]) -> None:
         """Say so when groups keep giving nothing to train on: otherwise the run just stops moving
@@ -401,6 +429,7 @@ class Orchestrator:
         )
         await asyncio.to_thread(put_batch, self.batches, index, batch)
         self.put.append(index)
+        self._write_status(now=True)
         meta = batch.meta
         log.info(
             "put batch %d: %d samples from %d rollouts, reward %.3f",

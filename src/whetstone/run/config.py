@@ -288,6 +288,7 @@ class PipelineConfig(Config):
             max_batches=self.rl.steps,
             total_batches=self.rl.steps,
             metrics_path=str(run_dir / "orchestrator" / "metrics.jsonl"),
+            status_path=str(run_dir / "orchestrator" / "status.json"),
         )
         data["tracking"].update(dir=str(run_dir), wandb_group=self.name)
         for role in (data["midtrain"], data["rl"]["trainer"], data["rl"]["orchestrator"]):

@@ -333,6 +333,7 @@ class Pipeline:
         )
         trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
         batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
+        status = Path(self.orchestrator_config().status_path)
         done, started, out_of_time = 0, time.monotonic(), False
         with progress_bar(steps, "rl", "step") as bar:
             while trainer.running:
@@ -345,11 +346,13 @@ class Pipeline:
                 orchestrator.check()  # an orchestrator that failed stops the run with its log
                 step = last_record(trainer_metrics)
                 batch = last_record(batch_metrics)
+                groups = read_status(status)
                 versions = ",".join(str(int(s.get("weight_version", -1))) for s in self.sampler.latest.values())
                 finished = step.get("step", -1) + 1
                 bar.update(
                     max(0, finished - done),
                     batch=batch.get("index", "-"),
+                    groups=f"{groups.get('groups_kept', 0)}/{groups.get('groups_finished', 0)}",  # kept / finished
                     reward=batch.get("reward_mean", 0.0),
                     kl=step.get("mismatch_kl_k3", 0.0),
                     servers=versions,
@@ -361,7 +364,7 @@ class Pipeline:
             trainer.check()
         else:  # stopped before its first step, the trainer checkpointed nothing (or had not yet set
             # up its stop signal, and just ended on it): the run goes on with the mid-trained policy
-            no_step = self.why_no_rl_step(batch_metrics)
+            no_step = self.why_no_rl_step(batch_metrics, read_status(status))
             log.warning("RL made no step within rl.max_wall_time: %s", no_step)
         orchestrator.stop()
         if self.rl_steps:
@@ -377,18 +380,25 @@ class Pipeline:
             "reward_last": records[-1].get("reward_mean") if records else None,
         }
 
-    def why_no_rl_step(self, batch_metrics: Path) -> str:
-        """Why RL ended at `rl.max_wall_time` without a step, as far as the batches tell: none put
-        (the orchestrator's log says which groups it dropped), or the trainer's first step unfinished."""
+    def why_no_rl_step(self, batch_metrics: Path, status: dict) -> str:
+        """Why RL ended at `rl.max_wall_time` without a step: the orchestrator put no batch (with its
+        groups' totals, `status`: none finished, or all dropped and why), or the trainer did not
+        finish its first step."""
         bound = f"{self.config.rl.max_wall_time:g} s"
         batches = len(read_metrics(batch_metrics)) if batch_metrics.exists() else 0
-        if not batches:
+        if batches:
             return (
-                f"the orchestrator put no batch in {bound}: no group it finished had reward variance (all "
-                f"solved or all failed), or none finished; {self.run_dir / 'logs' / 'orchestrator.log'} "
-                "counts the groups it dropped"
+                f"the trainer did not finish its first step in {bound} ({batches} batch(es) put): "
+                "raise rl.max_wall_time"
             )
-        return f"the trainer did not finish its first step in {bound} ({batches} batch(es) put): raise rl.max_wall_time"
+        finished, kept = status.get("groups_finished", 0), status.get("groups_kept", 0)
+        if not finished:
+            return f"the orchestrator put no batch in {bound}: no group of rollouts finished"
+        dropped = ", ".join(f"{reason} {count}" for reason, count in sorted(status.get("rollouts_dropped", {}).items()))
+        return (
+            f"the orchestrator put no batch in {bound}: {kept} of the {finished} groups that finished had "
+            f"something to train on (rollouts dropped: {dropped or 'none'}; no_variance: all solved or all failed)"
+        )
 
     def wait_for_version(self, version: int) -> None:
         """Until every server reports `version` (they follow the store on their own), as sampled."""
@@ -549,6 +559,15 @@ class Pipeline:
 
         summary["report"] = str(write_report(self.run_dir))
         return summary
+
+
+def read_status(path: Path) -> dict:
+    """The orchestrator's running totals (`OrchestratorConfig.status_path`); {} before it wrote any."""
+    try:
+        status = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return status if isinstance(status, dict) else {}
 
 
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
