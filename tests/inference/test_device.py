@@ -212,3 +212,21 @@ def test_bf16_on_cuda_with_graphs_decodes_like_without():
     assert engine.stats.graph_captures_total > 0 and engine.decoder.graphs  # replayed, not fallen back
     assert all(len(s.output_ids) == 20 for s in static)
     assert sum(a.output_ids == b.output_ids for a, b in zip(static, eager)) >= 2
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+@pytest.mark.parametrize("numerics", ["fast", "invariant"])
+def test_an_engine_on_the_second_gpu_decodes_what_one_on_the_first_does(numerics):
+    # cuda:1 is not the current device: the engine's Triton kernels, graph captures and read-back
+    # events must still go to its own GPU (`utils.device.on_device`), else tokens are read early
+    model = tiny_model()
+    lengths = (30, 7, 19, 2, 11)
+    seeded = [SamplingParams(max_tokens=24, seed=i) for i in range(5)]
+    config = dict(max_batch=8, numerics=numerics, overlap_steps=True)  # reading back one step behind
+    first = make_engine(copy.deepcopy(model), device="cuda:0", **config)
+    second = make_engine(model, device="cuda:1", **config)
+    assert second.overlap and isinstance(second.decoder, StaticDecode)
+    assert torch.cuda.current_device() == 0 and second.cache.keys.device == torch.device("cuda", 1)
+    same_generations(second.generate(prompts(*lengths), seeded), first.generate(prompts(*lengths), seeded), atol=0)
+    assert second.stats.graph_captures_total > 0 and torch.cuda.current_device() == 0  # restored

@@ -57,7 +57,7 @@ from whetstone.inference.transfer import to_device
 from whetstone.model import invariant, numerics
 from whetstone.model.layout import in_compute_dtype, to_column_major
 from whetstone.sync.update import WeightUpdate
-from whetstone.utils.device import autocast, resolve_device
+from whetstone.utils.device import autocast, on_device, resolve_device
 
 log = logging.getLogger(__name__)
 
@@ -214,7 +214,7 @@ class Engine:
             self._thread = None
 
     def _loop(self) -> None:
-        with torch.inference_mode():
+        with torch.inference_mode(), on_device(self.device):
             while not self._stopping:
                 try:
                     busy = self.step()
@@ -237,7 +237,7 @@ class Engine:
         seqs = [Sequence(f"offline-{i}", list(p), sp, priority) for i, (p, sp) in enumerate(zip(prompts, params))]
         for seq in seqs:
             self.add(seq)
-        with torch.inference_mode():
+        with torch.inference_mode(), on_device(self.device):
             while not all(seq.finished for seq in seqs):
                 self.step()
         return seqs
@@ -336,7 +336,7 @@ class Engine:
         self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
         if self._routes_pending and self.device.type == "cuda":  # the prefills' route copies end here
             self._routes_copied = torch.cuda.Event()
-            self._routes_copied.record()
+            self._routes_copied.record(torch.cuda.current_stream(self.device))
 
     def _start(self, plans: list[tuple[Sequence, Sequence | Kept | None, int]]) -> None:
         """Slots for the sequences of `plans` (sequence, donor, shared), each first copying its

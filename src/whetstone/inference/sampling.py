@@ -144,7 +144,7 @@ class Drawn:
             return Readback(packed, None, params, want)
         host = packed.to("cpu", non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(torch.cuda.current_stream(packed.device))  # the copy's device, current or not
         return Readback(host, done, params, want)
 
 

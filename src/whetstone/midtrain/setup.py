@@ -27,7 +27,7 @@ from whetstone.model.hf import load_hf, read_hf_config
 from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, read_state
 from whetstone.training.distributed import barrier, broadcast, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
-from whetstone.utils.device import resolve_device
+from whetstone.utils.device import resolve_device, use_device
 from whetstone.utils.runtime import configure_process, resolve_dtype
 
 
@@ -58,6 +58,7 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     run = config.run
     configure_process(run.threads)
     device = resolve_device(run.device)  # before any work: `cuda` on a machine without one fails here
+    use_device(device)
     rank, world_size = world()
     if run.batch_size % world_size:
         raise ConfigError(

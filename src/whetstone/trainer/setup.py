@@ -28,7 +28,7 @@ from whetstone.trainer.config import TrainerConfig
 from whetstone.training.checkpoint import TrainState, latest_checkpoint
 from whetstone.training.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
-from whetstone.utils.device import resolve_device
+from whetstone.utils.device import resolve_device, use_device
 from whetstone.utils.runtime import configure_process
 
 
@@ -78,6 +78,7 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     0 reads the checkpoint and owns the weight store, and every rank learns what rank 0 decided."""
     configure_process(config.threads)
     device = resolve_device(config.device)  # under torchrun: the GPU of this rank's LOCAL_RANK
+    use_device(device)
     rank, world_size = world()
     demos = None
     if config.demo_coef > 0:  # read first: a bad file fails before any model work

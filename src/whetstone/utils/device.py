@@ -43,6 +43,21 @@ def resolve_device(name: str = "auto") -> torch.device:
     return device
 
 
+def use_device(device: torch.device) -> None:
+    """Make `device` the calling thread's current CUDA device from now on (nothing off CUDA): a
+    role's process on cuda:N (the trainer, mid-training) launches what names no device there, as
+    `on_device` does for a block."""
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+def on_device(device: torch.device):
+    """A block in which `device` is the thread's current CUDA device (nothing changes off CUDA).
+    Work that names no device goes to the current one, cuda:0 unless set: Triton's launches, a CUDA
+    graph's capture, an event recorded on the current stream. A role on cuda:N runs under this."""
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
+
+
 def autocast(dtype: str, device: torch.device | str = "cpu"):
     """bf16 compute under autocast on `device` (weights stay fp32), or plain fp32."""
     device_type = torch.device(device).type
