@@ -82,8 +82,8 @@ class OrchestratorConfig(Config):
     """JSONL file getting one record per batch put (counts, reward, staleness, server health)."""
     status_path: str | None = None
     """JSON file of the running totals (groups finished and kept, rollouts dropped by reason,
-    batches put), rewritten atomically at most once a second as groups finish and at every
-    batch: what a wait for the next batch is waiting on."""
+    batches put), rewritten atomically at most once a second as groups finish, at every batch and
+    when the run ends: what a wait for the next batch is waiting on."""
     tracking: TrackingConfig = TrackingConfig()
     """Where the metrics go besides `metrics_path` (used only with it): TensorBoard (on), Weights & Biases (off)."""
 
