@@ -9,6 +9,7 @@ import torch
 from pydantic import ValidationError
 from typer.testing import CliRunner
 
+from tests.gpus import TWO_GPUS
 from tests.host_work import watch_host_work
 from tests.inference.inference_fixtures import make_engine, tiny_model
 from whetstone.errors import ConfigError
@@ -215,7 +216,7 @@ def test_bf16_on_cuda_with_graphs_decodes_like_without():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+@TWO_GPUS
 @pytest.mark.parametrize("numerics", ["fast", "invariant"])
 def test_an_engine_on_the_second_gpu_decodes_what_one_on_the_first_does(numerics):
     # cuda:1 is not the current device: the engine's Triton kernels, graph captures and read-back

@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.gpus import TWO_GPUS
 from tests.trainer.trainer_fixtures import TRANSCRIPTS, make_batches, put_batches, trainer_config
 from whetstone.config import dump_toml
 from whetstone.rl.demos import write_demos
@@ -55,11 +56,6 @@ def without_baseline(batch):
     rewards = torch.tensor([row["reward"] for row in batch.rows]).unsqueeze(1)
     batch.advantages = torch.where(batch.loss_mask, rewards, torch.zeros_like(batch.advantages))
     return batch
-
-
-TWO_GPUS = pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="FSDP2 over NCCL needs 2 GPUs: NCCL takes one per rank"
-)
 
 
 def torchrun(config_file, nproc=2):
