@@ -2,12 +2,15 @@
 `rest_passes` passes, then comes back; tasks in the band always run."""
 
 import asyncio
+import itertools
+import json
 
 import pytest
 
 from tests.orchestrator.orchestrator_support import coin_tasks, orchestrator_config, synth_tasks, thread_servers
 from whetstone.orchestrator import Orchestrator
 from whetstone.orchestrator.curriculum import Curriculum, CurriculumConfig
+from whetstone.orchestrator.loop import STATE_KEY
 
 
 @pytest.mark.parametrize(("solved", "rests"), [(0, True), (1, False), (7, False), (8, True)])
@@ -37,15 +40,57 @@ def test_the_band_must_not_be_empty():
         CurriculumConfig(min_solve_rate=0.8, max_solve_rate=0.2)
 
 
-def test_the_orchestrator_rests_tasks_it_never_solves(world):
+def test_the_orchestrator_rests_tasks_it_never_solves_and_a_restarted_one_goes_on(world):
     """Real servers with a random model: synth tasks are never solved, so once their first groups
-    are scored they sit out passes, and the batches still fill from the coin task."""
+    are scored they sit out passes, and the batches still fill from the coin task. An orchestrator
+    restarted after batch 1 goes on with the task stream and the record its predecessor saved."""
     tmp_path, model_dir, _ = world
+    tasks = coin_tasks(1) + synth_tasks(2)
     with thread_servers(model_dir, tmp_path / "weights") as servers:
-        config = orchestrator_config(tmp_path, model_dir, [s.url for s in servers], max_batches=3)
-        orchestrator = Orchestrator(config, coin_tasks(1) + synth_tasks(2))
-        assert asyncio.run(asyncio.wait_for(orchestrator.run(), 180)) == [0, 1, 2]
-    assert orchestrator.curriculum.rested > 0
+        config = orchestrator_config(tmp_path, model_dir, [s.url for s in servers], max_batches=2)
+        first = Orchestrator(config, tasks)
+        assert asyncio.run(asyncio.wait_for(first.run(), 180)) == [0, 1]
+        saved = json.loads(first.batches.get(STATE_KEY))
+        assert saved["batch_index"] == 1 and saved["curriculum"] == first.curriculum.state()
+        second = Orchestrator(config.model_copy(update={"max_batches": 1}), tasks)
+        assert asyncio.run(asyncio.wait_for(second.run(), 180)) == [2]
+    assert second._stream_start == tuple(saved["stream"]) != (0, 0)
+    assert saved["curriculum"]["last"].keys() <= second.curriculum.state()["last"].keys()
+    assert second.curriculum.rested > 0 and json.loads(second.batches.get(STATE_KEY))["batch_index"] == 2
+
+
+def test_a_restarted_orchestrators_task_stream_is_the_one_its_predecessor_would_have_gone_on_with(world, caplog):
+    tmp_path, model_dir, _ = world
+    tasks = coin_tasks(5)
+    config = orchestrator_config(tmp_path / "restart", model_dir, ["http://127.0.0.1:9"])
+    first = Orchestrator(config, tasks)
+    first._resume(0, len(tasks))
+    stream = first._task_stream(tasks)
+    taken = [next(stream) for _ in range(7)]  # into the second pass
+    first._stream_next = (taken[-1][0], taken[-1][1] + 1)  # as the producer records a group started
+    first.curriculum.record(taken[0][2].id, 0, 2, pass_number=0)  # never solved: rests in passes 1 and 2
+    first.batches.put(STATE_KEY, json.dumps(first._state(3)).encode())
+    second = Orchestrator(config, tasks)
+    second._resume(4, len(tasks))
+    going_on = [(number, position, task.id) for number, position, task in itertools.islice(stream, 8)]
+    assert [(n, p, t.id) for n, p, t in itertools.islice(second._task_stream(tasks), 8)] == going_on
+    assert taken[0][2].id not in [t for n, _, t in going_on if n in (1, 2)]  # the record came along
+    # a state of other tasks is not gone on from
+    other = Orchestrator(config, coin_tasks(6))
+    with caplog.at_level("WARNING", logger="whetstone.orchestrator"):
+        other._resume(4, 6)
+    assert other._stream_start == (0, 0) and "is of 5 tasks and seed 0, not 6 and 0" in caplog.text
+
+
+def test_the_record_survives_its_state():
+    curriculum = Curriculum(CurriculumConfig())
+    curriculum.record("a", 0, 8, pass_number=2)
+    curriculum.record("b", 3, 8, pass_number=1)
+    assert curriculum.rests("a", 3)
+    again = Curriculum(CurriculumConfig())
+    again.load(json.loads(json.dumps(curriculum.state())))
+    assert again.state() == curriculum.state() and again.rested == 1
+    assert again.rests("a", 4) and not again.rests("b", 2)
 
 
 def test_a_group_with_no_rollout_that_ran_leaves_no_record():

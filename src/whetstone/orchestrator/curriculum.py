@@ -6,8 +6,8 @@ solve rate says whether another group is likely to be worth it: a task solved by
 `min_solve_rate` or more than `max_solve_rate` of its last group's rollouts is skipped for the
 next `rest_passes` passes over the task set, then tried again (the policy has moved on since). A
 run shorter than one pass over its tasks never meets a task twice, so the curriculum changes
-nothing there. The record lives in the orchestrator's memory: a restarted orchestrator starts
-with every task in play.
+nothing there. The orchestrator saves the record with every batch it puts (`state()`), and a
+restarted one goes on with it (`load()`).
 """
 
 from __future__ import annotations
@@ -70,3 +70,12 @@ class Curriculum:
             return False
         self.rested += 1
         return True
+
+    def state(self) -> dict:
+        """The record as JSON-ready data: each task's last group (solve rate, pass) and `rested`."""
+        return {"last": {task: [g.solve_rate, g.pass_number] for task, g in self._last.items()}, "rested": self.rested}
+
+    def load(self, state: dict) -> None:
+        """Go on from `state()`'s record."""
+        self._last = {task: LastGroup(float(rate), int(number)) for task, (rate, number) in state["last"].items()}
+        self.rested = int(state["rested"])

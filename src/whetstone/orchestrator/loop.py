@@ -28,6 +28,7 @@ a batch, and whether a follower task tracks the trainer's and the servers' versi
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import random
@@ -47,12 +48,14 @@ from whetstone.orchestrator.curriculum import Curriculum
 from whetstone.rl.advantages.groups import score_groups
 from whetstone.rl.batch_store import next_batch_index, put_batch
 from whetstone.rl.samples import trajectory_samples
-from whetstone.store import open_store
+from whetstone.store import MissingObjectError, open_store
 from whetstone.sync import WeightStore
 from whetstone.utils.atomic import atomic_write_json
 from whetstone.utils.metrics import MetricsWriter
 
 log = logging.getLogger("whetstone.orchestrator")
+STATE_KEY = "orchestrator/state.json"
+"""In the batch store: the orchestrator's state as of the newest batch it put (`Orchestrator._state`)."""
 UNKNOWN_SERVER_LAG = 1
 """Versions a server is taken to be behind the trainer's latest when no live server reports its
 version (SGLang, or vLLM without whetstone's worker extension, do not): each loads a version as it is
@@ -105,6 +108,12 @@ class Orchestrator:
         """Totals of the whole run so far (`status()`)."""
         self._status_written = -math.inf
         self.curriculum = Curriculum(config.curriculum)
+        self._task_count = 0
+        self._stream_start = (0, 0)
+        """(pass, position in its order) where the task stream starts: (0, 0), or where a
+        restarted orchestrator's predecessor left it (`_resume`)."""
+        self._stream_next = (0, 0)
+        """Where the stream goes on after the last group started: saved with each batch put."""
 
     async def run(self, on_batch: Callable[[dict], None] | None = None) -> list[int]:
         """Run until `max_batches` are put (or forever); returns the indices put. `on_batch` sees
@@ -137,6 +146,7 @@ class Orchestrator:
         )
         index = next_batch_index(self.batches)
         self._last_put = index - 1
+        self._resume(index, len(tasks))
         self._write_status(now=True)  # nothing finished yet: the status says so
         background = [
             asyncio.create_task(self._produce(tasks, harness, pool), name="producer"),
@@ -209,13 +219,17 @@ class Orchestrator:
 
     # -- rollouts ---------------------------------------------------------------------------------
 
-    def _task_stream(self, tasks: list[Task]) -> Iterator[tuple[int, Task]]:
-        """(pass number, task): every task once per pass, in a new seeded order each pass, less
-        the tasks the curriculum rests in that pass."""
-        for epoch in range(1 << 62):
+    def _task_stream(self, tasks: list[Task]) -> Iterator[tuple[int, int, Task]]:
+        """(pass number, position in its order, task): every task once per pass, in a new seeded
+        order each pass, less the tasks the curriculum rests in that pass; from `_stream_start`."""
+        epoch, start = self._stream_start
+        while True:
             order = list(tasks)
             random.Random(self.config.seed * 1_000_003 + epoch).shuffle(order)
-            yield from ((epoch, task) for task in order if not self.curriculum.rests(task.id, epoch))
+            for position in range(start, len(order)):
+                if not self.curriculum.rests(order[position].id, epoch):
+                    yield epoch, position, order[position]
+            epoch, start = epoch + 1, 0
 
     def _groups_ahead(self) -> int:
         """Groups queued for batches after the one the trainer is on: in the batch store, buffered
@@ -266,7 +280,7 @@ class Orchestrator:
             await asyncio.sleep(self.config.poll_interval_s)
 
     async def _produce(self, tasks: list[Task], harness: AgentHarness, pool: ServerPool) -> None:
-        for number, (pass_number, task) in enumerate(self._task_stream(tasks)):
+        for number, (pass_number, position, task) in enumerate(self._task_stream(tasks)):
             if self._validity.get(task.id) is not None:  # known invalid
                 if self.invalid_tasks == len(tasks):
                     self._failure = WhetstoneError(
@@ -280,6 +294,7 @@ class Orchestrator:
                 await self._changed.wait_for(self._has_room)
                 self._unfinished += self.config.group_size
                 self._groups_running += 1
+                self._stream_next = (pass_number, position + 1)
             group = asyncio.create_task(self._run_group(f"{number}/{task.id}", task, harness, pool, pass_number))
             self._running.add(group)
             group.add_done_callback(self._group_done)
@@ -357,6 +372,49 @@ class Orchestrator:
             self._write_status()
             self._changed.notify_all()
 
+    def _state(self, index: int) -> dict:
+        """What a restarted orchestrator goes on from, as of batch `index` put: where the task stream
+        goes on (groups in flight then are not run again) and the curriculum's record."""
+        return {
+            "batch_index": index,
+            "stream": list(self._stream_next),
+            "curriculum": self.curriculum.state(),
+            "tasks": self._task_count,
+            "seed": self.config.seed,
+        }
+
+    def _resume(self, index: int, task_count: int) -> None:
+        """With batches in the store already, go on from the state saved with the newest one
+        (`STATE_KEY`): the task stream where it was, the curriculum's record. None (batches of an
+        older version) or one of other tasks or another seed: the stream starts afresh, saying so."""
+        self._task_count = task_count
+        if index == 0:
+            return
+        try:
+            state = json.loads(self.batches.get(STATE_KEY))
+        except MissingObjectError:
+            log.warning("batches 0..%d are there but no %s: the task stream starts afresh", index - 1, STATE_KEY)
+            return
+        if (state.get("tasks"), state.get("seed")) != (task_count, self.config.seed):
+            log.warning(
+                "%s is of %s tasks and seed %s, not %d and %d: the task stream starts afresh",
+                STATE_KEY,
+                state.get("tasks"),
+                state.get("seed"),
+                task_count,
+                self.config.seed,
+            )
+            return
+        self._stream_start = self._stream_next = tuple(state["stream"])
+        self.curriculum.load(state["curriculum"])
+        log.info(
+            "going on from batch %d's state: the task stream at pass %d, position %d; the curriculum's "
+            "record of %d tasks",
+            state["batch_index"],
+            *self._stream_start,
+            len(state["curriculum"]["last"]),
+        )
+
     def status(self) -> dict:
         """The run's totals so far: groups finished and kept, rollouts dropped by reason, batches put."""
         return {
@@ -428,6 +486,7 @@ class Orchestrator:
             index, groups, window, self.config.staleness, self.latest_version, self.config.harness.sampling.temperature
         )
         await asyncio.to_thread(put_batch, self.batches, index, batch)
+        await asyncio.to_thread(self.batches.put, STATE_KEY, json.dumps(self._state(index)).encode())
         self.put.append(index)
         self._write_status(now=True)
         meta = batch.meta
