@@ -76,6 +76,6 @@ class Curriculum:
         return {"last": {task: [g.solve_rate, g.pass_number] for task, g in self._last.items()}, "rested": self.rested}
 
     def load(self, state: dict) -> None:
-        """Go on from `state()`'s record."""
-        self._last = {task: LastGroup(float(rate), int(number)) for task, (rate, number) in state["last"].items()}
-        self.rested = int(state["rested"])
+        """Go on from `state()`'s record (all of it, or, if it does not parse, none of it)."""
+        last = {task: LastGroup(float(rate), int(number)) for task, (rate, number) in state["last"].items()}
+        self._last, self.rested = last, int(state["rested"])

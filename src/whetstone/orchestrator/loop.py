@@ -105,10 +105,11 @@ class Orchestrator:
         """Their rollouts dropped, by reason."""
         self.groups_finished = self.groups_kept = 0
         self.rollouts_dropped: Counter[str] = Counter()
-        """Totals of the whole run so far (`status()`)."""
+        """Totals since this orchestrator started (`status()`)."""
         self._status_written = -math.inf
         self.curriculum = Curriculum(config.curriculum)
         self._task_count = 0
+        """Tasks in the set: saved with the state, which another task set does not go on from."""
         self._stream_start = (0, 0)
         """(pass, position in its order) where the task stream starts: (0, 0), or where a
         restarted orchestrator's predecessor left it (`_resume`)."""
@@ -146,7 +147,8 @@ class Orchestrator:
         )
         index = next_batch_index(self.batches)
         self._last_put = index - 1
-        self._resume(index, len(tasks))
+        self._task_count = len(tasks)
+        self._resume(index)
         self._write_status(now=True)  # nothing finished yet: the status says so
         background = [
             asyncio.create_task(self._produce(tasks, harness, pool), name="producer"),
@@ -383,35 +385,39 @@ class Orchestrator:
             "seed": self.config.seed,
         }
 
-    def _resume(self, index: int, task_count: int) -> None:
+    def _resume(self, index: int) -> None:
         """With batches in the store already, go on from the state saved with the newest one
         (`STATE_KEY`): the task stream where it was, the curriculum's record. None (batches of an
-        older version) or one of other tasks or another seed: the stream starts afresh, saying so."""
-        self._task_count = task_count
+        older version), an unreadable one, or one of other tasks or another seed: the stream
+        starts afresh, saying why (the batches are the contract; the state only saves repeats)."""
         if index == 0:
             return
         try:
             state = json.loads(self.batches.get(STATE_KEY))
+            saved_for = (state["tasks"], state["seed"])
+            if saved_for != (self._task_count, self.config.seed):
+                log.warning(
+                    "%s is of %s tasks and seed %s, not %d and %d: the task stream starts afresh",
+                    STATE_KEY,
+                    *saved_for,
+                    self._task_count,
+                    self.config.seed,
+                )
+                return
+            stream = tuple(int(value) for value in state["stream"])
+            self.curriculum.load(state["curriculum"])
         except MissingObjectError:
             log.warning("batches 0..%d are there but no %s: the task stream starts afresh", index - 1, STATE_KEY)
             return
-        if (state.get("tasks"), state.get("seed")) != (task_count, self.config.seed):
-            log.warning(
-                "%s is of %s tasks and seed %s, not %d and %d: the task stream starts afresh",
-                STATE_KEY,
-                state.get("tasks"),
-                state.get("seed"),
-                task_count,
-                self.config.seed,
-            )
+        except (ValueError, KeyError, TypeError) as err:
+            log.warning("%s is unreadable (%s: %s): the task stream starts afresh", STATE_KEY, type(err).__name__, err)
             return
-        self._stream_start = self._stream_next = tuple(state["stream"])
-        self.curriculum.load(state["curriculum"])
+        self._stream_start = self._stream_next = stream
         log.info(
-            "going on from batch %d's state: the task stream at pass %d, position %d; the curriculum's "
+            "going on from batch %s's state: the task stream at pass %d, position %d; the curriculum's "
             "record of %d tasks",
-            state["batch_index"],
-            *self._stream_start,
+            state.get("batch_index"),
+            *stream,
             len(state["curriculum"]["last"]),
         )
 

@@ -1,6 +1,6 @@
 """What the pipeline watches while the roles run: samples of every inference server's /metrics
 (to `servers.jsonl`, for the report's version, swap-pause and busy plots) and the trainer's and
-orchestrator's metrics files (for the live progress line)."""
+orchestrator's metrics and status files (for the live progress line)."""
 
 from __future__ import annotations
 
@@ -128,3 +128,13 @@ def last_record(path: str | Path, tail_bytes: int = 1 << 16) -> dict[str, Any]:
         if isinstance(record, dict):
             return record
     return {}
+
+
+def read_json_object(path: str | Path) -> dict[str, Any]:
+    """A JSON object file's contents: {} while it is missing, unreadable or not an object (a
+    role's status file before its first write, a run folder a killed run left)."""
+    try:
+        value = json.loads(Path(path).read_text(errors="replace"))
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}

@@ -31,7 +31,7 @@ from typing import Any
 from whetstone.config import dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
-from whetstone.run.monitor import ServerSampler, last_record
+from whetstone.run.monitor import ServerSampler, last_record, read_json_object
 from whetstone.run.placement import gpu_memory_shares, server_device
 from whetstone.run.ray_launch import RayLauncher
 from whetstone.store import open_store
@@ -346,7 +346,7 @@ class Pipeline:
                 orchestrator.check()  # an orchestrator that failed stops the run with its log
                 step = last_record(trainer_metrics)
                 batch = last_record(batch_metrics)
-                groups = read_status(status)
+                groups = read_json_object(status)
                 versions = ",".join(str(int(s.get("weight_version", -1))) for s in self.sampler.latest.values())
                 finished = step.get("step", -1) + 1
                 bar.update(
@@ -364,7 +364,7 @@ class Pipeline:
             trainer.check()
         else:  # stopped before its first step, the trainer checkpointed nothing (or had not yet set
             # up its stop signal, and just ended on it): the run goes on with the mid-trained policy
-            no_step = self.why_no_rl_step(batch_metrics, read_status(status))
+            no_step = self.why_no_rl_step(batch_metrics, read_json_object(status))
             log.warning("RL made no step within rl.max_wall_time: %s", no_step)
         orchestrator.stop()
         if self.rl_steps:
@@ -559,15 +559,6 @@ class Pipeline:
 
         summary["report"] = str(write_report(self.run_dir))
         return summary
-
-
-def read_status(path: Path) -> dict:
-    """The orchestrator's running totals (`OrchestratorConfig.status_path`); {} before it wrote any."""
-    try:
-        status = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return status if isinstance(status, dict) else {}
 
 
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:

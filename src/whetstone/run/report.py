@@ -22,6 +22,7 @@ from pathlib import Path
 
 from whetstone.errors import WhetstoneError
 from whetstone.run import plots
+from whetstone.run.monitor import read_json_object
 from whetstone.run.plots import number, staleness_counts
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.metrics import read_metrics
@@ -52,14 +53,6 @@ def _read_text(path: Path) -> str | None:
         return None
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        value = json.loads(_read_text(path) or "null")
-    except ValueError:
-        return {}
-    return value if isinstance(value, dict) else {}
-
-
 def _read_jsonl(path: Path) -> list[dict]:
     try:
         return [r for r in read_metrics(path) if isinstance(r, dict)]
@@ -71,15 +64,15 @@ def load_run(run_dir: Path) -> RunRecords:
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.toml"
     return RunRecords(
         name=run_dir.resolve().name,
-        summary=_read_json(summary_path),
+        summary=read_json_object(summary_path),
         summary_mtime=summary_path.stat().st_mtime if summary_path.is_file() else None,
         config_toml=_read_text(config_path),
         trainer=_read_jsonl(run_dir / "trainer" / "metrics.jsonl"),
         orchestrator=_read_jsonl(run_dir / "orchestrator" / "metrics.jsonl"),
         servers=_read_jsonl(run_dir / "servers.jsonl"),
         cpu=_read_jsonl(run_dir / "cpu.jsonl"),
-        before=_read_json(run_dir / "eval" / "before" / "report.json"),
-        after=_read_json(run_dir / "eval" / "after" / "report.json"),
+        before=read_json_object(run_dir / "eval" / "before" / "report.json"),
+        after=read_json_object(run_dir / "eval" / "after" / "report.json"),
     )
 
 
