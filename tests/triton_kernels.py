@@ -42,6 +42,23 @@ def _interpreter_dot_in_fp32(monkeypatch) -> None:
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
 
+def _interpreter_scalars_to_int(monkeypatch) -> None:
+    """Triton 3.6's interpreter makes an int of a scalar argument (a loop bound) with
+    `int(array)` on its one-element 1-d array, which NumPy 2.4 refuses; later Tritons squeeze it
+    first, as this does."""
+    from triton.runtime import interpreter
+
+    original = getattr(interpreter, "_patch_lang_tensor", None)
+    if original is None:  # a Triton whose interpreter is laid out otherwise
+        return
+
+    def patch_lang_tensor(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    monkeypatch.setattr(interpreter, "_patch_lang_tensor", patch_lang_tensor)
+
+
 def kernels(where: str, monkeypatch) -> tuple[torch.device, object]:
     """(device, context in which invariant numerics take the Triton kernels there); skips when
     Triton is not installed."""
@@ -51,4 +68,5 @@ def kernels(where: str, monkeypatch) -> tuple[torch.device, object]:
     if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it where there is no GPU
         pytest.skip("Triton's interpreter was not chosen before Triton was imported")
     _interpreter_dot_in_fp32(monkeypatch)
+    _interpreter_scalars_to_int(monkeypatch)
     return torch.device("cpu"), invariant_triton.on_cpu

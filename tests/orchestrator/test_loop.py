@@ -18,6 +18,7 @@ from tests.orchestrator.orchestrator_support import (
 from whetstone.envs.harness import RolloutConfig
 from whetstone.envs.harness.pool import ServerPool
 from whetstone.orchestrator import Orchestrator
+from whetstone.orchestrator.loop import NothingToTrainOn
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.rl.batch_store import batch_key
 from whetstone.store import LocalStore
@@ -173,34 +174,35 @@ def test_synchronous_mode_alternates_with_the_trainer(world):
         assert (batch.versions[batch.loss_mask] == index).all()
 
 
-def test_says_why_it_waits_when_no_group_gives_anything_to_train_on(world, caplog):
+def test_says_why_it_waits_when_no_group_gives_anything_to_train_on_and_gives_up(world, caplog):
     """A random model never solves a synth task: every group is dropped for no reward variance,
-    and the orchestrator says so instead of waiting in silence, in its log and in its status file."""
+    and the orchestrator says so instead of waiting in silence, in its log and in its status file;
+    after `max_fruitless_batches` batches' worth of such groups it stops, saying why."""
     tmp_path, model_dir, _ = world
     status_path = tmp_path / "orchestrator" / "status.json"
-    statuses = []
+    orchestrator = None
 
     async def scenario(urls):
-        config = orchestrator_config(tmp_path, model_dir, urls, status_path=str(status_path))
+        nonlocal orchestrator
+        config = orchestrator_config(
+            tmp_path, model_dir, urls, status_path=str(status_path), max_fruitless_batches=6, max_batches=0
+        )
         orchestrator = Orchestrator(config, synth_tasks(2))
-        run = asyncio.create_task(orchestrator.run())
-        while "gave nothing to train on" not in caplog.text:
-            assert not run.done(), run
-            await asyncio.sleep(0.1)
-        run.cancel()
-        await asyncio.gather(run, return_exceptions=True)
-        statuses.append(orchestrator.status())
+        await orchestrator.run()
 
     with (
         caplog.at_level("WARNING", logger="whetstone.orchestrator"),
         thread_servers(model_dir, tmp_path / "weights") as servers,
+        pytest.raises(NothingToTrainOn, match="max_fruitless_batches = 6 \\(0 waits for ever\\)"),
     ):
         asyncio.run(asyncio.wait_for(scenario([s.url for s in servers]), 180))
     assert "the last 4 groups gave nothing to train on (rollouts dropped: no_variance 8)" in caplog.text
-    (status,) = statuses  # the run's totals, written once more as it stopped
+    stopped = "the last 6 groups gave nothing to train on (rollouts dropped: no_variance 12)"
+    assert orchestrator.stopped == f"{stopped}: stopped at orchestrator.max_fruitless_batches = 6"
+    status = orchestrator.status()  # the run's totals, written once more as it stopped
     finished = status["groups_finished"]
-    assert finished >= 4 and status["groups_kept"] == 0 and status["batches_put"] == 0
-    assert status["rollouts_dropped"] == {"no_variance": 2 * finished}
+    assert finished >= 6 and status["groups_kept"] == 0 and status["batches_put"] == 0
+    assert status["rollouts_dropped"] == {"no_variance": 2 * finished} and status["stopped"] == orchestrator.stopped
     written = json.loads(status_path.read_text())
     assert written.pop("time") > 0 and written == status
 

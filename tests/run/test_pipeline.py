@@ -136,6 +136,32 @@ def test_rl_out_of_time_before_its_first_step_ends_with_the_mid_trained_policy(t
     assert "RL made no step" in (run_dir / "report.html").read_text()
 
 
+@pytest.mark.timeout(300)
+def test_an_orchestrator_that_gives_up_ends_rl_and_the_run_goes_on(tmp_path):
+    # no group can have reward variance (the spread asked for is beyond any reward): the
+    # orchestrator stops after one batch's worth of groups, and the run ends RL there (no time
+    # bound set), with the mid-trained policy, and says why
+    summary = run_pipeline(
+        tiny_run(
+            tmp_path,
+            "rl.steps=1000",
+            "rl.orchestrator.advantages.min_reward_spread=100",
+            "rl.orchestrator.max_fruitless_batches=1",
+        )
+    )
+    run_dir = tmp_path / "runs" / "tiny"
+    rl = summary["stages"]["rl"]
+    assert rl["steps"] == 0 and not rl["stopped_at_wall_time"]
+    assert (
+        rl["orchestrator_stopped"].startswith("the last ") and "gave nothing to train on" in rl["orchestrator_stopped"]
+    )
+    assert rl["no_step_reason"] == f"the orchestrator stopped: {rl['orchestrator_stopped']}"
+    assert summary["heldout_pass1_after"] is None and load_hf(run_dir / "model")
+    status = json.loads((run_dir / "orchestrator" / "status.json").read_text())
+    assert status["stopped"] == rl["orchestrator_stopped"] and status["batches_put"] == 0
+    assert "the orchestrator stopped" in (run_dir / "report.html").read_text()
+
+
 def test_rl_without_a_step_names_the_side_that_held_it_up(tmp_path):
     pipeline = Pipeline(tiny_run(tmp_path, "rl.max_wall_time=30"))
     batches = tmp_path / "batches.jsonl"

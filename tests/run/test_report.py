@@ -277,6 +277,16 @@ def test_a_run_whose_rl_made_no_step_says_why_in_its_headline(tmp_path):
     assert "<tr><td>RL steps made / planned</td><td>0 / 28 (stopped at rl.max_wall_time)</td></tr>" in page
 
 
+def test_a_run_whose_orchestrator_gave_up_says_so_in_its_headline(tmp_path):
+    reason = "the last 80 groups gave nothing to train on (rollouts dropped: no_variance 640): stopped at …"
+    rl = {"steps": 12, "steps_planned": 28, "stopped_at_wall_time": False, "orchestrator_stopped": reason}
+    summary = {"heldout_pass1_before": 0.5, "heldout_pass1_after": 0.75, "stages": {"rl": rl}, "config": {}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = write_report(tmp_path).read_text()
+    assert f"RL ended at step 12 of 28: the orchestrator stopped ({reason})" in page
+    assert f"<tr><td>RL steps made / planned</td><td>12 / 28 (the orchestrator stopped: {reason})</td></tr>" in page
+
+
 def test_a_run_killed_before_its_summary_still_gets_a_report(tmp_path):
     (tmp_path / "config.toml").write_text('name = "killed"\n')
     write_jsonl(tmp_path / "trainer" / "metrics.jsonl", [{"step": 0, "reward_mean": 0.25, "loss": 0.7}])

@@ -35,6 +35,9 @@ class OrchestratorConfig(Config):
     """Rollouts per task in one group (the baseline of the group advantage)."""
     groups_per_batch: int = Field(4, ge=1)
     """Kept groups (after dropping, see `advantages`) in one batch."""
+    max_fruitless_batches: int = Field(20, ge=0)
+    """Stop, saying why, once this many batches' worth of groups in a row gave nothing to train on
+    (the policy solves every task, or none): more rollouts would not move it. 0: wait for ever."""
     advantages: AdvantageConfig = AdvantageConfig()
     """Estimator and group filtering."""
     curriculum: CurriculumConfig = CurriculumConfig()
@@ -82,7 +85,7 @@ class OrchestratorConfig(Config):
     """JSONL file getting one record per batch put (counts, reward, staleness, server health)."""
     status_path: str | None = None
     """JSON file of the running totals (groups finished and kept, rollouts dropped by reason,
-    batches put), rewritten atomically at most once a second as groups finish, at every batch and
+    batches put; `stopped`, why it gave up, once it has), rewritten atomically at most once a second as groups finish, at every batch and
     when the run ends: what a wait for the next batch is waiting on."""
     tracking: TrackingConfig = TrackingConfig()
     """Where the metrics go besides `metrics_path` (used only with it): TensorBoard (on), Weights & Biases (off)."""

@@ -64,6 +64,10 @@ FRUITLESS_WARNING_GROUPS = 4
 """Warn after this many batches' worth of groups in a row gave nothing to train on."""
 
 
+class NothingToTrainOn(WhetstoneError):
+    """`max_fruitless_batches` batches' worth of groups in a row gave nothing to train on."""
+
+
 class Orchestrator:
     def __init__(self, config: OrchestratorConfig, tasks: list[Task] | None = None):
         """`tasks`: use these instead of loading (and validating) `config.tasks`."""
@@ -106,6 +110,8 @@ class Orchestrator:
         self.groups_finished = self.groups_kept = 0
         self.rollouts_dropped: Counter[str] = Counter()
         """Totals since this orchestrator started (`status()`)."""
+        self.stopped: str | None = None
+        """Why it gave up (`max_fruitless_batches`), once it has: `run` raises `NothingToTrainOn`."""
         self._status_written = -math.inf
         self.curriculum = Curriculum(config.curriculum)
         self._task_count = 0
@@ -422,12 +428,14 @@ class Orchestrator:
         )
 
     def status(self) -> dict:
-        """The run's totals so far: groups finished and kept, rollouts dropped by reason, batches put."""
+        """The run's totals so far: groups finished and kept, rollouts dropped by reason, batches
+        put; and `stopped`, why the orchestrator gave up, once it has."""
         return {
             "groups_finished": self.groups_finished,
             "groups_kept": self.groups_kept,
             "rollouts_dropped": {reason: count for reason, count in self.rollouts_dropped.items() if count},
             "batches_put": len(self.put),
+            **({"stopped": self.stopped} if self.stopped else {}),
         }
 
     def _write_status(self, now: bool = False) -> None:
@@ -439,16 +447,27 @@ class Orchestrator:
 
     def _note_fruitless(self, dropped: Counter[str]) -> None:
         """Say so when groups keep giving nothing to train on: otherwise the run just stops moving
-        (e.g. a few tasks the policy now always solves, or never does)."""
+        (e.g. a few tasks the policy now always solves, or never does); stop after
+        `max_fruitless_batches` batches' worth of them."""
         self._fruitless_drops.update(dropped)
         self._fruitless_groups += 1
-        if self._fruitless_groups % (FRUITLESS_WARNING_GROUPS * self.config.groups_per_batch) == 0:
-            reasons = ", ".join(f"{reason} {count}" for reason, count in self._fruitless_drops.items() if count)
+        per_batch = self.config.groups_per_batch
+        limit = self.config.max_fruitless_batches * per_batch
+        reasons = ", ".join(f"{reason} {count}" for reason, count in self._fruitless_drops.items() if count)
+        what = (
+            f"the last {self._fruitless_groups} groups gave nothing to train on (rollouts dropped: {reasons or 'none'})"
+        )
+        if limit and self._fruitless_groups >= limit and self._failure is None:
+            self.stopped = (
+                f"{what}: stopped at orchestrator.max_fruitless_batches = {self.config.max_fruitless_batches}"
+            )
+            self._failure = NothingToTrainOn(f"{self.stopped} (0 waits for ever)")
+            log.error("%s", self._failure)
+        elif self._fruitless_groups % (FRUITLESS_WARNING_GROUPS * per_batch) == 0:
             log.warning(
-                "the last %d groups gave nothing to train on (rollouts dropped: %s); the next batch waits for "
-                "groups with reward variance: are the tasks all too easy or too hard for the policy?",
-                self._fruitless_groups,
-                reasons or "none",
+                "%s; the next batch waits for groups with reward variance: are the tasks all too easy or "
+                "too hard for the policy?",
+                what,
             )
 
     # -- batches ----------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ class Pipeline:
         trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
         batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
         status = Path(self.orchestrator_config().status_path)
-        done, started, out_of_time = 0, time.monotonic(), False
+        done, started, out_of_time, gave_up = 0, time.monotonic(), False, None
         with progress_bar(steps, "rl", "step") as bar:
             while trainer.running:
                 time.sleep(1.0)
@@ -343,10 +343,15 @@ class Pipeline:
                     log.info("rl.max_wall_time (%g s) is up: the trainer finishes its step and stops", bound)
                     trainer.stop(grace_s=STOP_GRACE_S)  # it checkpoints and publishes the step it is on
                     continue
+                groups = read_json_object(status)
+                if not orchestrator.running and groups.get("stopped"):  # it gave up: no more batches come
+                    gave_up = str(groups["stopped"])
+                    log.warning("the orchestrator stopped (%s): the trainer finishes its step and stops", gave_up)
+                    trainer.stop(grace_s=STOP_GRACE_S)
+                    continue
                 orchestrator.check()  # an orchestrator that failed stops the run with its log
                 step = last_record(trainer_metrics)
                 batch = last_record(batch_metrics)
-                groups = read_json_object(status)
                 versions = ",".join(str(int(s.get("weight_version", -1))) for s in self.sampler.latest.values())
                 finished = step.get("step", -1) + 1
                 bar.update(
@@ -358,14 +363,18 @@ class Pipeline:
                     servers=versions,
                 )
                 done = max(done, finished)
-        self.rl_steps = self.last_trainer_step() if out_of_time else steps
+        self.rl_steps = self.last_trainer_step() if out_of_time or gave_up else steps
         no_step = None
         if self.rl_steps:
             trainer.check()
         else:  # stopped before its first step, the trainer checkpointed nothing (or had not yet set
             # up its stop signal, and just ended on it): the run goes on with the mid-trained policy
-            no_step = self.why_no_rl_step(batch_metrics, read_json_object(status))
-            log.warning("RL made no step within rl.max_wall_time: %s", no_step)
+            no_step = (
+                f"the orchestrator stopped: {gave_up}"
+                if gave_up
+                else self.why_no_rl_step(batch_metrics, read_json_object(status))
+            )
+            log.warning("RL made no step: %s", no_step)
         orchestrator.stop()
         if self.rl_steps:
             self.wait_for_version(self.rl_steps)
@@ -374,6 +383,7 @@ class Pipeline:
             "steps": self.rl_steps,
             "steps_planned": steps,
             "stopped_at_wall_time": out_of_time,
+            "orchestrator_stopped": gave_up,
             "no_step_reason": no_step,
             "trainer_steps_logged": len(records),
             "reward_first": records[0].get("reward_mean") if records else None,

@@ -310,12 +310,17 @@ def _rl_stage(summary: dict) -> dict:
 
 
 def _rl_steps(summary: dict) -> str:
-    """RL's steps made of those planned, and whether `rl.max_wall_time` ended it."""
+    """RL's steps made of those planned, and what ended it early: `rl.max_wall_time`, or the
+    orchestrator giving up (`orchestrator.max_fruitless_batches`)."""
     rl = _rl_stage(summary)
     made, planned = number(rl.get("steps")), number(rl.get("steps_planned"))
     if made is None or planned is None:
         return NOT_RECORDED
-    return f"{made:.0f} / {planned:.0f}" + (" (stopped at rl.max_wall_time)" if rl.get("stopped_at_wall_time") else "")
+    if rl.get("stopped_at_wall_time"):
+        return f"{made:.0f} / {planned:.0f} (stopped at rl.max_wall_time)"
+    if rl.get("orchestrator_stopped"):
+        return f"{made:.0f} / {planned:.0f} (the orchestrator stopped: {rl['orchestrator_stopped']})"
+    return f"{made:.0f} / {planned:.0f}"
 
 
 def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[tuple[str, str]]:
@@ -385,9 +390,15 @@ def _header(run: RunRecords) -> str:
     if number(run.summary.get("gain_over_best_temperature")) is not None:
         gain = _gain(run.summary, "gain_over_best_temperature")
         headline += f"<br>each at its best temperature: {gain} (paired SE)"
-    no_step = _rl_stage(run.summary).get("no_step_reason")
-    if no_step:
-        headline += f"<br>RL made no step, so the final policy is the mid-trained one: {html.escape(str(no_step))}"
+    rl = _rl_stage(run.summary)
+    if rl.get("no_step_reason"):
+        why = html.escape(str(rl["no_step_reason"]))
+        headline += f"<br>RL made no step, so the final policy is the mid-trained one: {why}"
+    elif rl.get("orchestrator_stopped"):
+        why = html.escape(str(rl["orchestrator_stopped"]))
+        headline += (
+            f"<br>RL ended at step {rl.get('steps')} of {rl.get('steps_planned')}: the orchestrator stopped ({why})"
+        )
     if run.summary_mtime is not None:
         date = f"finished {datetime.datetime.fromtimestamp(run.summary_mtime):%Y-%m-%d %H:%M}"
     else:
