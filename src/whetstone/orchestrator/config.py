@@ -85,8 +85,9 @@ class OrchestratorConfig(Config):
     """JSONL file getting one record per batch put (counts, reward, staleness, server health)."""
     status_path: str | None = None
     """JSON file of the running totals (groups finished and kept, rollouts dropped by reason,
-    batches put; `stopped`, why it gave up, once it has), rewritten atomically at most once a second as groups finish, at every batch and
-    when the run ends: what a wait for the next batch is waiting on."""
+    batches put; `stopped`, why it gave up, once it has), rewritten atomically at most once a
+    second as groups finish, at every batch and when the run ends: what a wait for the next batch
+    is waiting on."""
     tracking: TrackingConfig = TrackingConfig()
     """Where the metrics go besides `metrics_path` (used only with it): TensorBoard (on), Weights & Biases (off)."""
 
