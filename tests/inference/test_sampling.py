@@ -1,10 +1,13 @@
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
+from whetstone.inference import sampling
 from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample, uniforms
+from whetstone.inference.transfer import to_device
 
 
 def draw(logits, params, seeds, counter=0):
@@ -109,6 +112,31 @@ def test_uniforms_hashed_as_a_batch_are_the_hash_of_each_row():
     counters = [generator.randrange(10**6) for _ in range(200)] + [0, 3, 2**32 + 7, 5, 2**40]
     got = uniforms(seeds, counters, torch.device("cpu")).tolist()
     assert got == [_reference_uniform(s, c) for s, c in zip(seeds, counters)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_inputs_reach_the_device_from_lists_and_numpy_arrays(device):
+    # on CUDA through pinned memory, which torch will not build from a numpy array directly
+    device = torch.device(device)
+    from_list = to_device([[1, 2], [3, 4]], torch.int64, device)
+    from_array = to_device(np.array([[1, 2], [3, 4]], dtype=np.int32), torch.int64, device)
+    assert from_list.device.type == from_array.device.type == device.type
+    assert from_array.dtype == torch.int64 and torch.equal(from_list, from_array)
+    seeds, counters = [0, 7, 2**64 - 1], [0, 1, 2**40]
+    assert uniforms(seeds, counters, device).tolist() == uniforms(seeds, counters, torch.device("cpu")).tolist()
+
+
+def test_a_filtered_draw_stays_in_the_kept_tokens_when_the_cdf_runs_past_them(monkeypatch):
+    # CUDA's parallel cumsum can leave the cut tail's CDF an ulp above the last kept token's: a
+    # uniform that lands there must still give a kept token (a cut one has logprob -inf)
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, -3.0]]).repeat(3, 1)
+
+    def last(row_logprobs, uniforms):  # the worst case: the last position
+        return torch.full_like(uniforms, row_logprobs.shape[-1] - 1, dtype=torch.int64)
+
+    monkeypatch.setattr(sampling, "_inverse_cdf", last)
+    out = draw(logits, [SamplingParams(top_k=2), SamplingParams(top_k=3), SamplingParams(top_p=0.5)], [0, 1, 2])
+    assert out.tokens == [1, 2, 0] and all(math.isfinite(lp) for lp in out.logprobs)
 
 
 def test_top_logprobs_are_the_most_likely_of_the_used_distribution():

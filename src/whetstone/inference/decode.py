@@ -89,6 +89,8 @@ class StaticDecode:
         self._captured: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, tuple]] = {}
         self._derived: list[tuple[int, int]] | None = None
         self._pool = None
+        self._capture_stream: torch.cuda.Stream | None = None
+        """Where the graphs are captured (made at the first capture)."""
 
     def shape(self, count: int, span: int) -> tuple[int, int]:
         """(batch bucket, attended length) of a step over `count` rows with positions below `span`."""
@@ -139,9 +141,15 @@ class StaticDecode:
         torch.cuda.current_stream(device).wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
+        if self._capture_stream is None:
+            # its own stream on this device: torch's default capture stream is one per process,
+            # made on the device current at the first capture (an engine on cuda:1 would capture
+            # on cuda:0's). High priority: those streams come from their own pool, so no stream a
+            # weight upload takes from the normal pool (swap.py) is this one while it captures.
+            self._capture_stream = torch.cuda.Stream(device, priority=-1)
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads (a weight upload) may use CUDA while this one captures
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"):
             outputs = self._run(batch, length)
         synchronize(device)
         if self._derived is None:

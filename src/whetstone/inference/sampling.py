@@ -231,6 +231,10 @@ def _draw(kind: str, logits: torch.Tensor, params: list[SamplingParams], seeds, 
     else:
         row_logprobs, order = _filter_sorted(logits, params)
         chosen = _inverse_cdf(row_logprobs, uniforms(seeds, counters, logits.device))
+        # within the kept prefix: CUDA's parallel cumsum may end the cut tail's CDF (all zeros
+        # added) an ulp above the last kept token's, which a uniform within 2^-24 of 1 would pick
+        kept = torch.isfinite(row_logprobs).sum(dim=-1)
+        chosen = torch.minimum(chosen, kept - 1)
     tokens = chosen if order is None else order.gather(1, chosen.unsqueeze(1)).squeeze(1)
     logprobs = row_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     if not want:

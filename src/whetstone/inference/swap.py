@@ -97,7 +97,7 @@ def _upload(update: PreparedUpdate) -> PreparedUpdate:
     if device.type != "cuda":
         writes = [(t, None if i is None else i.to(device), v.to(device)) for t, i, v in update.writes]
         return PreparedUpdate(update.version, writes)
-    stream = torch.cuda.Stream(device)
+    stream = torch.cuda.Stream(device)  # normal priority: never the decode graphs' capture stream
     with torch.cuda.stream(stream):
         writes = [(t, None if i is None else _copy_to(i, device), _copy_to(v, device)) for t, i, v in update.writes]
     return PreparedUpdate(update.version, writes, stream.record_event())

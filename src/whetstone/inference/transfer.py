@@ -9,12 +9,18 @@ this is `torch.tensor(data)`.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 
-def to_device(data: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`data` (numbers or nested lists of them) as a tensor on `device`."""
-    host = torch.tensor(data, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`data` (numbers or nested lists of them, or a numpy array) as a tensor on `device`."""
+    if isinstance(data, np.ndarray):  # torch will not build a pinned tensor from numpy: pin a copy
+        host = torch.from_numpy(data).to(dtype)
+        if device.type == "cuda":
+            host = host.pin_memory()
+    else:
+        host = torch.tensor(data, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
