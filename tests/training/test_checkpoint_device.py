@@ -71,6 +71,9 @@ def test_a_fused_optimizers_checkpoint_loads_into_a_plain_one_and_back(tmp_path)
     again_fused = fused_twin(again_fused)
     load_checkpoint(back, again, again_fused)
     assert_same_state(model, fused, again, again_fused)
+    # each optimizer keeps its own kernel: the checkpoint's groups carry only hyperparameters over
+    assert all(group["fused"] is True for group in again_fused.param_groups)
+    assert all(not group["fused"] for group in cpu_optimizer.param_groups)
 
 
 @pytest.mark.gpu

@@ -31,6 +31,10 @@ from whetstone.errors import CheckpointError
 from whetstone.utils.atomic import atomic_directory
 
 FORMAT_VERSION = 1
+
+IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
+"""AdamW group settings that choose how a step is computed, not what it computes: kept from the
+optimizer a checkpoint loads into, not taken from the checkpoint."""
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -231,7 +235,12 @@ def _optimizer_state_dict(file: Path, model, optimizer, moments: dict[str, torch
             f"{file}: {len(saved)} parameter groups with learning-rate factors {saved_factors}, the "
             f"optimizer has {len(current)} with {factors} (optimizer.lr_multipliers changed?)"
         )
-    groups = [{**s, "betas": tuple(s["betas"]), "params": c["params"]} for s, c in zip(saved, current)]
+    # the saved groups' hyperparameters, this optimizer's implementation (a checkpoint written on
+    # the CPU must not turn CUDA's fused AdamW into the for-each one, nor the reverse)
+    groups = [
+        {**s, "betas": tuple(s["betas"]), **{k: c[k] for k in IMPLEMENTATION_KEYS if k in c}, "params": c["params"]}
+        for s, c in zip(saved, current)
+    ]
     return {"state": state, "param_groups": groups}
 
 

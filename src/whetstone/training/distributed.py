@@ -17,6 +17,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -37,6 +38,11 @@ from whetstone.model import Transformer
 from whetstone.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
 from whetstone.training.readback import read_back
 from whetstone.utils.device import resolve_device
+
+COLLECTIVE_TIMEOUT = timedelta(hours=1)
+"""How long a rank waits in a collective before the job is torn down. The first one waits for each
+machine's first rank to build the corpus (mid-training), which a large corpus can take longer than
+NCCL's default 10 minutes to do."""
 
 T = TypeVar("T")
 NewOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -78,7 +84,7 @@ def torchrun_group(device: str = "auto") -> Iterator[tuple[int, int]]:
     if on_cuda:
         resolve_device("cuda")  # a clear error on a machine without CUDA
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if on_cuda else "gloo")
+    dist.init_process_group("nccl" if on_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
     try:
         yield world()
         # every rank is done before any tears the group down: a rank that destroys it while
