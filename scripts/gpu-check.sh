@@ -19,16 +19,19 @@
 # $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
 # every bench run (a CPU dry run: BENCH_ARGS="--model tiny --train-seq-len 32 ..."); the *_S
 # variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests); PYTEST_ARGS sets
-# pytest's options (default "-n 8 --timeout 90" where pytest-xdist and pytest-timeout import).
-# Each section's JSON is also printed into gpu-check.log as it finishes. On one H200 the stages
-# took: pytest 90 s (-n 8), train 25 s, inference 150 s, rl 100 s, consistency 30 s; the
-# invariant RL run more than 100 s. A session's 15 minutes of device time (a machine start of
-# 1-2 minutes included) hold about 13 minutes of commands, in calls of at most 10: either
-#   BENCH_RUNS="inference consistency" bash scripts/gpu-check.sh              (~350 s: the tests first,
-#   PYTEST_S=0 BENCH_RUNS="train rl rl-invariant" bash scripts/gpu-check.sh   since the rest runs their code)
-# or the whole run (configs/gpu.toml aims at under 10 minutes; its bound leaves the install's time)
-# and the inference section:
-#   PYTEST_S=0 BENCH_RUNS="" RUN_S=570 bash scripts/gpu-check.sh
+# pytest's options (default "-n 8 --timeout 90 --timeout-method thread -v" where pytest-xdist and
+# pytest-timeout import). Each section's JSON is also printed into gpu-check.log as it finishes
+# (the inference section's parts as each ends). On one H200 the stages took: pytest 90 s (-n 8,
+# 42 tests; 65 now), train 25 s, inference 150 s (more on an H100, where transformers' default
+# cache is 6x slower), rl 100 s, consistency 30 s; the invariant RL run more than 100 s. A
+# session's 15 minutes of device time (a machine start of 1-2 minutes included) hold about 13
+# minutes of commands, in calls of at most 10: either
+#   BENCH_RUNS="inference consistency" bash scripts/gpu-check.sh              (~400 s, at most 580:
+#   PYTEST_S=0 BENCH_RUNS="train rl rl-invariant" bash scripts/gpu-check.sh   the tests first, since
+#                                                                             the rest runs their code)
+# or the whole run (configs/gpu.toml aims at under 10 minutes; its bound leaves the install's
+# time and the report's) and then the inference section, if the time left holds it:
+#   PYTEST_S=0 BENCH_RUNS="" RUN_S=540 bash scripts/gpu-check.sh
 #   PYTEST_S=0 BENCH_RUNS="inference" bash scripts/gpu-check.sh
 # The generation goals were set against transformers on an H100 machine (48 ms a decode step at
 # batch 64 with its default cache); on the one H200 machine measured it took 7.7 ms. Ratios are
@@ -39,9 +42,9 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PYTEST_S=${PYTEST_S:-150}
+PYTEST_S=${PYTEST_S:-200}
 TRAIN_S=${TRAIN_S:-75}
-INFERENCE_S=${INFERENCE_S:-190}
+INFERENCE_S=${INFERENCE_S:-240}  # transformers' default cache: 48 ms a step on an H100
 RL_S=${RL_S:-120}
 CONSISTENCY_S=${CONSISTENCY_S:-120}
 RL_INVARIANT_S=${RL_INVARIANT_S:-240}  # fp32 weights published, Triton compiling in both processes
@@ -70,8 +73,11 @@ else
     echo "=== install: no wheels in .whl/ (whetstone's dependencies must already be importable)"
 fi
 export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
-# parallel tests with a per-test bound where the plugins are installed (the GPU image has both)
-PYTEST_ARGS=${PYTEST_ARGS-$(python3 -c 'import xdist, pytest_timeout' 2>/dev/null && echo "-n 8 --timeout 90")}
+# parallel tests with a per-test bound where the plugins are installed (the GPU image has both):
+# a test stuck in a CUDA call past it ends its worker only (the thread method; xdist starts
+# another), and -v logs each test as it ends, so a stage stopped by its bound still says which
+# passed (junit.xml is written only at the end)
+PYTEST_ARGS=${PYTEST_ARGS-$(python3 -c 'import xdist, pytest_timeout' 2>/dev/null && echo "-n 8 --timeout 90 --timeout-method thread -v")}
 
 stage versions 60 python3 -c '
 import platform, torch

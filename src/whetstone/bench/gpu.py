@@ -227,8 +227,12 @@ def inference(
         result[f"batch_{batch}"] = _generation(
             engine, one_step, hf, device, batch, prompt_tokens, new_tokens, repeats, seed
         )
+        # each part's figures into the log as they come: a section stopped by its time bound
+        # prints no JSON, and these are left
+        say(f"inference: batch_{batch} = {json.dumps(result[f'batch_{batch}'])}")
     say(f"inference: profiling one engine call at batch {max(batches)}")
     result["engine_profile"] = engine_profile(engine, device, max(batches), prompt_tokens, new_tokens, seed)
+    say(f"inference: engine_profile = {json.dumps(result['engine_profile'])}")
     # whether the engine's decode steps replayed CUDA graphs (a capture that fails falls back to
     # eager steps, with a warning in the log, and the figures above are those of eager decoding)
     result["engine_graph_captures"] = engine.stats.graph_captures_total
