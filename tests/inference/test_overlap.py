@@ -17,7 +17,7 @@ from whetstone.inference import engine as engine_module
 from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.sequence import Sequence
 from whetstone.inference.swap import full_update
-from whetstone.inference.transfer import to_device
+from whetstone.utils.transfer import to_device
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 

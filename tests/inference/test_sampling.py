@@ -7,7 +7,7 @@ import torch
 
 from whetstone.inference import sampling
 from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample, uniforms
-from whetstone.inference.transfer import to_device
+from whetstone.utils.transfer import to_device
 
 
 def draw(logits, params, seeds, counter=0):

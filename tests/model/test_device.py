@@ -181,6 +181,26 @@ def test_masked_attention_with_query_heads_folded_into_rows_equals_grouped_query
     torch.testing.assert_close(ops.grouped_rows_attention(q, k, v, mask), expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.gpu
+def test_fp32_grouped_query_attention_on_cuda_keeps_no_score_matrix():
+    # SDPA's math fallback (the only CUDA kernel for fp32 with grouped heads) would keep
+    # [B, Hq, T, T] fp32 scores, 512 MB here, for the backward; repeated kv heads take the
+    # memory-efficient kernel, with the same result
+    torch.manual_seed(0)
+    q = torch.randn(1, 8, 4096, 64, device="cuda", requires_grad=True)
+    k, v = (torch.randn(1, 2, 4096, 64, device="cuda", requires_grad=True) for _ in range(2))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    out = ops.torch_attention(q, k, v, None)
+    out.sum().backward()
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - before < 128 * 2**20
+    short = [t.detach()[:, :, :256] for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*(t.cpu() for t in short), is_causal=True, enable_gqa=True)
+    torch.testing.assert_close(ops.torch_attention(*short, None).cpu(), expected, rtol=1e-4, atol=1e-4)
+
+
 # On CUDA: the same model against its CPU twin. Both replay the CPU's routes: in bf16 a router
 # choice between two nearly equal experts may go either way on the two devices.
 

@@ -17,7 +17,7 @@ import torch
 
 from whetstone.config import load_config
 from whetstone.errors import ConfigError
-from whetstone.rl.loss import LossConfig, LossInputs, LossStats, k3, policy_loss, step_normalizer
+from whetstone.rl.loss import LossConfig, LossInputs, LossStats, k3, nan_quantiles, policy_loss, step_normalizer
 
 RATIOS = [1.1, 1.5, 3.0, 0.6, 1.0]
 ADVANTAGES = [1.0, 1.0, -1.0, -1.0, 0.0]
@@ -169,3 +169,21 @@ def test_forking_fraction_keeps_the_policy_gradient_on_the_highest_entropy_token
     assert stats.metrics()["forking_dropped_fraction"] == 0.5
     with pytest.raises(ValueError, match="forking_fraction"):
         policy_loss(inputs(), LossConfig(forking_fraction=0.5))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_nan_quantiles_are_torchs_for_any_size(dtype):
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1001, generator=generator, dtype=dtype)
+    x[torch.randperm(1001, generator=generator)[:300]] = math.nan
+    quantiles = (0.0, 0.25, 0.5, 0.99, 1.0)
+    expected = torch.nanquantile(x, torch.tensor(quantiles, dtype=dtype))
+    torch.testing.assert_close(
+        nan_quantiles(x, quantiles), expected, rtol=0, atol=0 if dtype == torch.float64 else 1e-6
+    )
+    assert nan_quantiles(torch.full((5,), math.nan, dtype=dtype), (0.5,)).isnan().all()
+    assert nan_quantiles(torch.tensor([], dtype=dtype), (0.5,)).isnan().all()
+    # torch's refuses more than 2^24 values, which a step's positions over several ranks can hold
+    big = torch.zeros(2**24 + 1)
+    big[-1], big[0] = 1.0, math.nan
+    assert nan_quantiles(big, (0.5, 1.0)).tolist() == [0.0, 1.0]

@@ -30,8 +30,8 @@ import torch
 
 from whetstone.inference.kv_cache import SlotKVCache
 from whetstone.inference.metrics import EngineStats
-from whetstone.inference.transfer import copy_into, to_device
 from whetstone.utils.device import synchronize
+from whetstone.utils.transfer import copy_into, to_device
 
 log = logging.getLogger(__name__)
 

@@ -53,11 +53,11 @@ from whetstone.inference.sampling import Drawn, InvalidRequest, Readback, Sampli
 from whetstone.inference.scheduler import Scheduler
 from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
-from whetstone.inference.transfer import to_device
 from whetstone.model import invariant, numerics
 from whetstone.model.layout import in_compute_dtype, to_column_major
 from whetstone.sync.update import WeightUpdate
 from whetstone.utils.device import autocast, on_device, resolve_device
+from whetstone.utils.transfer import to_device
 
 log = logging.getLogger(__name__)
 

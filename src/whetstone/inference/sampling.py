@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.inference.transfer import to_device
 from whetstone.model import ops
+from whetstone.utils.transfer import to_device
 
 MAX_TOP_LOGPROBS = 20
 

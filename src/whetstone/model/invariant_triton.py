@@ -353,9 +353,9 @@ def _attention_forward_padded(q, k, v, mask, scale):
 
 def _reference_attention(q, k, v, mask):
     """The same function by torch's SDPA (differentiable): what the backward differentiates."""
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    from whetstone.model.ops import torch_attention  # ops imports this module
+
+    return torch_attention(q, k, v, mask)
 
 
 class _Attention(torch.autograd.Function):

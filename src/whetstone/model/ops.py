@@ -172,13 +172,30 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """
     if _INVARIANT.get():
         return invariant.attention(q, k, v, mask)
-    if mask is None:
-        if _TRAINING_KERNELS.get() and causal_attention.applies(q, k):  # faster than torch's CPU flash in bf16
-            return causal_attention.attention(q, k, v)
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if q.device.type == "cuda":
-        return grouped_rows_attention(q, k, v, mask)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    if (
+        mask is None and _TRAINING_KERNELS.get() and causal_attention.applies(q, k)
+    ):  # faster than torch's CPU flash in bf16
+        return causal_attention.attention(q, k, v)
+    return torch_attention(q, k, v, mask)
+
+
+def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`attention` by torch's SDPA, on a kernel that keeps no [T, S] score matrix where one can.
+
+    On CUDA no fused kernel takes grouped-query heads in fp32 (flash and cuDNN need 16 bits, the
+    memory-efficient kernel takes no grouped heads), and SDPA's math fallback keeps [B, Hq, T, S]
+    scores for the backward: there the kv heads are repeated for the memory-efficient kernel,
+    and a masked attention folds the query heads into rows (`grouped_rows_attention`)."""
+    if mask is not None:
+        if q.device.type == "cuda":
+            return grouped_rows_attention(q, k, v, mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    group = q.shape[1] // k.shape[1]
+    fp32 = q.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")  # autocast makes it bf16
+    if q.device.type == "cuda" and fp32 and group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def grouped_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from safetensors.torch import save as safetensors_save
 from whetstone.errors import WhetstoneError
 from whetstone.rl.samples import NOT_GENERATED, Sample
 from whetstone.utils.atomic import atomic_write_bytes
+from whetstone.utils.transfer import to_device
 
 BATCH_FORMAT_VERSION = 1
 IGNORED_TARGET = -1
@@ -70,7 +71,7 @@ class Batch:
         if not rows:
             raise WhetstoneError("cannot select zero rows of a batch")
         length = max(self.rows[r]["num_positions"] for r in rows) if self.rows else self.input_ids.shape[1]
-        index = torch.tensor(rows, dtype=torch.int64, device=self.input_ids.device)
+        index = to_device(rows, torch.int64, self.input_ids.device)  # without waiting for the device
         parts = {name: getattr(self, name)[index, :length] for name in TENSOR_FIELDS}
         routes = None if self.routes is None else self.routes[index, :length]
         temperatures = None if self.temperatures is None else self.temperatures[index]

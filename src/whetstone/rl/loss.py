@@ -164,9 +164,23 @@ def diff_summary(abs_diff: torch.Tensor) -> dict[str, Count]:
     diff = abs_diff.double()
     if not diff.numel():
         return dict.fromkeys(DIFF_SUMMARY, 0.0)
-    p99, largest = torch.nanquantile(diff, diff.new_tensor([0.99, 1.0])).nan_to_num(0.0).unbind()
+    p99, largest = nan_quantiles(diff.flatten(), (0.99, 1.0)).nan_to_num(0.0).unbind()
     over = (diff > math.log(2)).sum()
     return dict(zip(DIFF_SUMMARY, (diff.nanmean().nan_to_num(0.0), p99, largest, over)))
+
+
+def nan_quantiles(x: torch.Tensor, quantiles: tuple[float, ...]) -> torch.Tensor:
+    """`torch.nanquantile(x, quantiles)` of a 1-d `x` (linear interpolation; NaN where all of x
+    is NaN), on x's device without reading anything back, and for any size: torch's refuses
+    more than 2^24 values, which a step's positions over several ranks can hold."""
+    if not x.numel():
+        return x.new_full((len(quantiles),), math.nan)
+    ordered = x.sort().values  # the NaNs last
+    last = ((~x.isnan()).sum() - 1).clamp(min=0).double()  # index of the largest value
+    position = torch.stack([last * q for q in quantiles])
+    low, high = position.floor().long(), position.ceil().long()
+    below, above = ordered[low], ordered[high]
+    return torch.lerp(below, above, (position - low).to(x.dtype))
 
 
 def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
@@ -233,7 +247,7 @@ def policy_loss(
     if config.forking_fraction < 1:  # no trained token: the threshold is NaN and drops nothing
         detached_entropy = entropy.detach().float()
         trained_entropy = torch.where(trained, detached_entropy, torch.full_like(detached_entropy, math.nan))
-        threshold = torch.nanquantile(trained_entropy.flatten(), 1.0 - config.forking_fraction)
+        threshold = nan_quantiles(trained_entropy.flatten(), (1.0 - config.forking_fraction,))[0]
         forking_dropped = trained & (detached_entropy < threshold)
         surrogate = torch.where(forking_dropped, torch.zeros_like(surrogate), surrogate)
     per_token = -surrogate

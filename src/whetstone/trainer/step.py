@@ -185,7 +185,7 @@ def _reference_logprobs(
     holds the weights near the reference without pulling the scale back to 1, which would make the
     weights undo the sharpening the reward asked the scale for (rl/logit_scale.py)."""
     device = micro.input_ids.device
-    factor = None if logit_scale is None else torch.tensor([math.exp(-logit_scale.log_scale)], device=device)
+    factor = None if logit_scale is None else torch.full((1,), math.exp(-logit_scale.log_scale), device=device)
     with torch.no_grad(), sampling_temperature(reference, factor):  # a temperature e^-s: logits times e^s
         return forward_logprobs(reference, micro, settings.replay, settings.dtype, settings.numerics).logprobs
 
@@ -201,7 +201,7 @@ def _demo_loss(
     rows = anchor.rows.to(device)
     normalizer = rows.loss_mask.sum() if anchor.normalizer is None else anchor.normalizer
     normalizer = torch.as_tensor(normalizer, device=device).clamp(min=1)
-    unscale = None if logit_scale is None else torch.tensor([math.exp(logit_scale.log_scale)], device=device)
+    unscale = None if logit_scale is None else torch.full((1,), math.exp(logit_scale.log_scale), device=device)
     total = torch.zeros((), device=device)
     with sampling_temperature(model, unscale):  # a temperature e^s: logits divided by e^s
         for micro in micro_batches(rows, settings.micro_batch_size):
