@@ -148,8 +148,13 @@ class StaticDecode:
             # weight upload takes from the normal pool (swap.py) is this one while it captures.
             self._capture_stream = torch.cuda.Stream(device, priority=-1)
         graph = torch.cuda.CUDAGraph()
-        # thread_local: other threads (a weight upload) may use CUDA while this one captures
-        with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"):
+        # thread_local: other threads (a weight upload) may use CUDA while this one captures. The
+        # outer stream context gives the thread its stream back however the capture ends (a
+        # capture that fails raises in torch.cuda.graph's exit before it restores the stream).
+        with (
+            torch.cuda.stream(self._capture_stream),
+            torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"),
+        ):
             outputs = self._run(batch, length)
         synchronize(device)
         if self._derived is None:
