@@ -22,6 +22,7 @@ rather than refreshed in place, so the next step captures again.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -151,11 +152,21 @@ class StaticDecode:
         # thread_local: other threads (a weight upload) may use CUDA while this one captures. The
         # outer stream context gives the thread its stream back however the capture ends (a
         # capture that fails raises in torch.cuda.graph's exit before it restores the stream).
-        with (
-            torch.cuda.stream(self._capture_stream),
-            torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"),
-        ):
-            outputs = self._run(batch, length)
+        try:
+            with (
+                torch.cuda.stream(self._capture_stream),
+                torch.cuda.graph(
+                    graph, pool=self._pool, stream=self._capture_stream, capture_error_mode="thread_local"
+                ),
+            ):
+                outputs = self._run(batch, length)
+        except RuntimeError:
+            # torch's capture_end raises before it stops sending the stream's allocations to the
+            # graphs' pool, and a later empty_cache would then find a capture still under way
+            with contextlib.suppress(RuntimeError):
+                index = device.index if device.index is not None else torch.cuda.current_device()
+                torch._C._cuda_endAllocateToPool(index, self._pool)
+            raise
         synchronize(device)
         if self._derived is None:
             self._derived = _addresses(self.derived_weights())
