@@ -126,7 +126,7 @@ class ServedWeights:
             experts = getattr(experts, "fused_experts", None)
             if experts is None or not hasattr(module, "w13_weight") or ".layers." not in name:
                 continue
-            if module.w13_weight.device.type != "cpu":  # the CPU build's gap (a GPU's weights are not comparable here)
+            if module.w13_weight.device.type != "cpu":  # a GPU build: its reload processes its weights itself
                 continue
             raw = self.weights.get(f"layers.{name.split('.layers.')[1].split('.')[0]}.{GATE_UP}")
             if raw is not None and raw.shape == module.w13_weight.shape and torch.equal(module.w13_weight, raw):

@@ -172,9 +172,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """
     if _INVARIANT.get():
         return invariant.attention(q, k, v, mask)
-    if (
-        mask is None and _TRAINING_KERNELS.get() and causal_attention.applies(q, k)
-    ):  # faster than torch's CPU flash in bf16
+    # the training kernel: faster than torch's CPU flash in bf16
+    if mask is None and _TRAINING_KERNELS.get() and causal_attention.applies(q, k):
         return causal_attention.attention(q, k, v)
     return torch_attention(q, k, v, mask)
 
@@ -190,9 +189,9 @@ def torch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: tor
         if q.device.type == "cuda":
             return grouped_rows_attention(q, k, v, mask)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    group = q.shape[1] // k.shape[1]
-    fp32 = q.dtype == torch.float32 and not torch.is_autocast_enabled("cuda")  # autocast makes it bf16
-    if q.device.type == "cuda" and fp32 and group > 1:
+    grouped = q.shape[1] != k.shape[1]
+    if grouped and q.device.type == "cuda" and q.dtype == torch.float32 and not torch.is_autocast_enabled("cuda"):
+        group = q.shape[1] // k.shape[1]  # (under autocast SDPA runs in bf16, where flash takes grouped heads)
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)

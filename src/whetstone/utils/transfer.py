@@ -1,5 +1,6 @@
 """Moving small inputs (the engine's token ids, positions and sampling parameters per step, the
-trainer's row indices) from Python lists to the device without waiting for the device.
+trainer's row indices) from Python lists or numpy arrays to the device without waiting for the
+device.
 
 `torch.tensor(data, device="cuda")` copies from pageable memory and then waits for the device's
 queued work (the prefill just launched, say). Built in pinned host memory and copied with
