@@ -1,4 +1,4 @@
-"""A bf16 engine serves its matmul weights in bf16 (`layout.in_compute_dtype`), in fast and in
+"""A bf16 engine serves its matmul weights in bf16 (`layout.serving_copy`), in fast and in
 invariant numerics: the tokens, logprobs and routes of one that keeps fp32 weights and lets
 autocast cast them every step, in about half the weight memory, across weight swaps; the
 caller's model keeps its fp32 weights."""
@@ -50,7 +50,7 @@ def test_bf16_weights_serve_the_bits_autocast_gave_in_less_memory(monkeypatch, s
     assert engine.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     assert all(torch.equal(t, before[name]) and t.dtype == torch.float32 for name, t in model.state_dict().items())
     with monkeypatch.context() as patch:  # the engine as it was: fp32 weights, autocast casts them each step
-        patch.setattr(engine_module, "in_compute_dtype", lambda model, dtype: model)
+        patch.setattr(engine_module, "serving_copy", lambda model, device, dtype: model)
         autocast_engine = make_engine(model, **config)
         assert served(autocast_engine) == half
     halved = sum(p.numel() * 2 for p in engine.model.parameters() if p.dtype == torch.bfloat16)

@@ -8,9 +8,9 @@ from whetstone.model.layout import (
     MIN_OUTPUTS,
     cat_rows,
     flat_storage,
-    in_compute_dtype,
     in_storage_order,
     is_column_major,
+    serving_copy,
     storage_indices,
     to_column_major,
 )
@@ -90,7 +90,7 @@ def test_bf16_matmul_weights_give_the_bits_of_autocast_and_leave_the_callers_mod
         torch.manual_seed(0)
         model = Transformer(CFG.model_copy(update={"tie_word_embeddings": tied})).eval()
         before = {name: t.clone() for name, t in model.state_dict().items()}
-        served = in_compute_dtype(model, torch.bfloat16)
+        served = serving_copy(model, torch.device("cpu"), torch.bfloat16)
         dtypes = {name: p.dtype for name, p in served.named_parameters()}
         assert dtypes["embed_tokens.weight"] == dtypes["norm.weight"] == torch.float32
         assert dtypes["layers.0.self_attn.q_proj.weight"] == dtypes["layers.0.mlp.router.weight"] == torch.bfloat16
@@ -105,3 +105,17 @@ def test_bf16_matmul_weights_give_the_bits_of_autocast_and_leave_the_callers_mod
         ids = torch.randint(0, CFG.vocab_size, (2, 20), generator=torch.Generator().manual_seed(1))
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
             assert torch.equal(served(ids).logits, model(ids).logits)
+
+
+def test_a_serving_copy_on_another_device_leaves_the_callers_model_where_it_is():
+    model = Transformer(CFG).eval()
+    assert serving_copy(model, torch.device("cpu")) is model  # nothing to move or cast
+    # the meta device stands in for a GPU: each weight goes there cast, the caller's stays
+    served = serving_copy(model, torch.device("meta"), torch.bfloat16)
+    assert {p.device.type for p in model.parameters()} == {"cpu"}
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert {t.device.type for t in served.state_dict().values()} == {"meta"}
+    assert {t.device.type for t in served.buffers()} <= {"meta"}
+    dtypes = {name: p.dtype for name, p in served.named_parameters()}
+    assert dtypes["layers.0.self_attn.q_proj.weight"] == torch.bfloat16
+    assert dtypes["embed_tokens.weight"] == dtypes["norm.weight"] == torch.float32

@@ -54,7 +54,7 @@ from whetstone.inference.scheduler import Scheduler
 from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
 from whetstone.model import invariant, numerics
-from whetstone.model.layout import in_compute_dtype, to_column_major
+from whetstone.model.layout import serving_copy, to_column_major
 from whetstone.sync.update import WeightUpdate
 from whetstone.utils.device import autocast, on_device, resolve_device
 from whetstone.utils.transfer import to_device
@@ -91,12 +91,10 @@ class Engine:
         `config.overlap_steps`."""
         cfg = model.cfg
         self.device = resolve_device(config.device)
-        model = model.eval().to(self.device)
-        if config.dtype == "bfloat16":
-            # the bf16 values autocast would compute with, kept (the caller's model keeps its
-            # own): the bits of the trainer's forward, which casts its fp32 weights the same way
-            # in every matmul, so invariant numerics keep them too
-            model = in_compute_dtype(model, torch.bfloat16)
+        # in bf16, the values autocast would compute with, kept: the bits of the trainer's
+        # forward, which casts its fp32 weights the same way in every matmul, so invariant
+        # numerics keep them too. The caller's model stays where and as it is.
+        model = serving_copy(model.eval(), self.device, torch.bfloat16 if config.dtype == "bfloat16" else None)
         # the serving layout (faster CPU decode, same values); invariant numerics keep the trainer's
         serving_layout = config.numerics == "fast" and self.device.type == "cpu"
         self.model = to_column_major(model) if serving_layout else model

@@ -13,7 +13,7 @@ Writing into such a tensor goes through `flat_storage` with `storage_indices` (s
 `in_storage_order` (whole tensors), which put values in storage order (hot weight swap,
 `inference/swap.py`).
 
-A fast engine that computes in bf16 also holds its matmul weights in bf16 (`in_compute_dtype`):
+A fast engine that computes in bf16 also holds its matmul weights in bf16 (`serving_copy`):
 the values bf16 autocast would cast them to at every forward, so the same bits without that cast
 (on a GPU, reading and writing every weight again each decode step) and at half the memory.
 Embedding tables and norms keep their dtype, as autocast leaves them.
@@ -61,20 +61,28 @@ def to_column_major(model: nn.Module) -> nn.Module:
     return model
 
 
-def in_compute_dtype(model: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """A copy of `model` whose matmul weights (every parameter of two or more dims except the
-    embedding tables, a tied output head being one) are in `dtype`, sharing every other parameter
-    and buffer with `model`, which keeps its own weights (a trainer may hold the same object).
-    The copies take no gradient: they serve."""
+def serving_copy(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
+    """`model` on `device` with its matmul weights (every parameter of two or more dims except
+    the embedding tables, a tied output head being one) in `dtype` (None: their own). Tensors
+    already on `device` in that dtype are shared with `model`, which keeps its own weights and
+    stays where it is (a trainer may hold the same object); the model itself where nothing needs
+    a copy. Each weight goes to the device cast, so a host model is never whole on the GPU beside
+    its bf16 copy. The copies take no gradient: they serve."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    memo: dict[int, object] = {id(b): b for b in model.buffers()}
+    memo: dict[int, object] = {}
     with torch.inference_mode(False), torch.no_grad():
         for param in model.parameters():
-            if param.dim() >= 2 and id(param) not in tables and param.dtype != dtype:
-                memo[id(param)] = nn.Parameter(param.detach().to(dtype), requires_grad=False)
-            else:
+            matmul = param.dim() >= 2 and id(param) not in tables
+            target = dtype if matmul and dtype is not None else param.dtype
+            if param.device == device and param.dtype == target:
                 memo[id(param)] = param
-        return copy.deepcopy(model, memo)
+            else:
+                memo[id(param)] = nn.Parameter(param.detach().to(device, target), requires_grad=False)
+        for buffer in model.buffers():
+            memo[id(buffer)] = buffer if buffer.device == device else buffer.to(device)
+        if all(memo[id(p)] is p for p in model.parameters()) and all(memo[id(b)] is b for b in model.buffers()):
+            return model
+        return copy.deepcopy(model, memo).to(device)
 
 
 def cat_rows(weights: tuple[torch.Tensor, ...] | list[torch.Tensor]) -> torch.Tensor:
