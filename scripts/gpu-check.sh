@@ -90,9 +90,9 @@ except ImportError as err:
 import whetstone; print("whetstone from", whetstone.__file__)'
 stage nvidia-smi 30 nvidia-smi
 
-# -m gpu replaces the default `-m "not slow"`; a test module that cannot be imported here is
-# reported and the others still run.
-[ "$PYTEST_S" = 0 ] && echo "=== pytest: skipped (PYTEST_S=0)" || stage pytest "$PYTEST_S" bash -c 'python3 -m pytest tests -m gpu -ra -p no:cacheprovider \
+# pyproject's addopts (`-q -m "not slow"`) dropped, so -v logs each test; a test module that
+# cannot be imported here is reported and the others still run.
+[ "$PYTEST_S" = 0 ] && echo "=== pytest: skipped (PYTEST_S=0)" || stage pytest "$PYTEST_S" bash -c 'python3 -m pytest tests -o addopts= -m gpu -ra -p no:cacheprovider \
     --continue-on-collection-errors --junitxml="$1/junit.xml" "${@:2}" 2>&1 | tee "$1/pytest.log"' _ "$OUT" ${PYTEST_ARGS:-}
 
 for run in $BENCH_RUNS; do

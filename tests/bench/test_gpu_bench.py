@@ -216,6 +216,7 @@ def test_asking_for_cuda_without_one_is_a_clean_error():
 
 
 @pytest.mark.gpu
+@pytest.mark.timeout(240)  # a subprocess that also compiles transformers' static cache: over gpu-check's 90 s per test
 def test_the_benchmark_runs_on_cuda():
     out = bench(*TINY, "--device", "cuda", "--batch", "4", "--sections", "train,inference", "--swaps", "0")
     assert out.returncode == 0, out.stderr

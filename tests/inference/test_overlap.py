@@ -63,6 +63,8 @@ def drive(engine, seqs: list[Sequence], events=None) -> list[Sequence]:
                 events[step](engine)
             engine.step()
             step += 1
+    if engine.device.type == "cuda":  # the decode graphs replayed (a failed capture decodes eagerly)
+        assert engine.stats.graph_captures_total > 0 and engine.decoder.graphs
     return seqs
 
 

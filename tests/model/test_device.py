@@ -275,15 +275,18 @@ def test_cuda_takes_the_grouped_path_and_it_never_waits_for_the_gpu():
 
 
 @pytest.mark.gpu
-def test_cuda_attention_runs_on_the_fused_kernels(make_config):
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_cuda_attention_runs_on_the_fused_kernels(make_config, dtype):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model = _model(make_config, "cuda")
+    assert model.cfg.num_attention_heads != model.cfg.num_key_value_heads  # grouped heads, the hard case
     ids, targets = _batch(model.cfg, "cuda")
     cache = KVCache(model.cfg, batch_size=2, max_len=16, device="cuda")
-    # Without the math fallback: a training step (causal) and a cached prefill and decode step (masked).
+    # SDPA raises where only its math fallback takes the call: a training step (causal) and a
+    # cached prefill and decode step (masked), in bf16 and in fp32 (grouped heads repeated there)
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
+        with _autocast(dtype, "cuda"):
             _train_step(model, ids, targets)
             with torch.no_grad():
                 model(ids[:, :8], cache=cache)

@@ -321,8 +321,8 @@ def test_attention_gradients_are_sdpas(where, monkeypatch):
         got = torch.autograd.grad((kt.attention(q, k, v, None) * weights).sum(), (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     want = torch.autograd.grad((out * weights).sum(), (q, k, v))
-    for a, b in zip(got, want):
-        torch.testing.assert_close(a, b)
+    for a, b in zip(got, want):  # two kernels (on CUDA the backward's is SDPA's memory-efficient one)
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("where", WHERE)

@@ -21,7 +21,9 @@ from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig
 from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.loop import run_trainer
+from whetstone.trainer.setup import new_optimizer
 from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, train_step
+from whetstone.training.checkpoint import latest_checkpoint, load_checkpoint
 from whetstone.training.optim import build_optimizer
 from whetstone.utils.device import resolve_device
 
@@ -86,6 +88,11 @@ def test_the_trainer_trains_publishes_and_checkpoints_on_its_device(tmp_path, ti
     config = trainer_config(tmp_path, tiny_moe, device=device, max_steps=2, activation_checkpointing=True)
     summary = run_trainer(config)
     assert summary["device"] == str(resolve_device(device)) and summary["step"] == summary["version"] == 2
+    # the last step's checkpoint, read back on the CPU
+    checkpoint = latest_checkpoint(tmp_path / "trainer" / "checkpoints")
+    assert checkpoint is not None and checkpoint.name == "step_00000002"
+    model = load_hf(tiny_moe)
+    assert load_checkpoint(checkpoint, model, new_optimizer(config, model)).step == 2
 
 
 def test_a_device_name_that_means_nothing_is_refused_by_its_field():

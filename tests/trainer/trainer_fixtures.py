@@ -87,6 +87,8 @@ def make_batches(
                     segments=[Segment(calls=[call])],
                 )
             )
+        if engine.device.type == "cuda":  # sampled through the decode graphs, not eager steps after a failed capture
+            assert engine.stats.graph_captures_total > 0 and engine.decoder.graphs
         kept, report = score_groups(trajectories, AdvantageConfig())
         samples = [s for trajectory, advantage in kept for s in trajectory_samples(trajectory, advantage)]
         rewards = [t.reward for t in trajectories]

@@ -90,7 +90,7 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
     reference = None
     if config.loss.kl_coef > 0:
-        reference = shard_model(load_hf(config.model_path).eval().requires_grad_(False), device)
+        reference = shard_model(load_hf(config.model_path).eval().requires_grad_(False), device, frozen=True)
 
     run_dir = Path(config.output_dir).expanduser()
     resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view

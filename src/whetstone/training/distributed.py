@@ -35,7 +35,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from whetstone.errors import ConfigError
 from whetstone.model import Transformer
-from whetstone.training.checkpoint import TrainState, load_checkpoint, save_checkpoint
+from whetstone.training.checkpoint import IMPLEMENTATION_KEYS, TrainState, load_checkpoint, save_checkpoint
 from whetstone.training.readback import read_back
 from whetstone.utils.device import resolve_device
 
@@ -81,10 +81,15 @@ def torchrun_group(device: str = "auto") -> Iterator[tuple[int, int]]:
             "set device to 'cuda' or 'auto'"
         )
     on_cuda = device == "cuda" or (device == "auto" and torch.cuda.is_available())
+    gpu = None
     if on_cuda:
         resolve_device("cuda")  # a clear error on a machine without CUDA
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group("nccl" if on_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT)
+        gpu = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(gpu)
+    # the group bound to the rank's GPU: NCCL's barrier otherwise picks RANK % the GPUs it sees,
+    # not the current device, which on several machines with fewer ranks than GPUs each is
+    # another GPU (and another communicator, which the other ranks never join)
+    dist.init_process_group("nccl" if on_cuda else "gloo", timeout=COLLECTIVE_TIMEOUT, device_id=gpu)
     try:
         yield world()
         # every rank is done before any tears the group down: a rank that destroys it while
@@ -94,16 +99,18 @@ def torchrun_group(device: str = "auto") -> Iterator[tuple[int, int]]:
         dist.destroy_process_group()
 
 
-def shard_model(model: Transformer, device: torch.device) -> Transformer:
+def shard_model(model: Transformer, device: torch.device, frozen: bool = False) -> Transformer:
     """The model on `device`; under torchrun, FSDP2 over all ranks (in place) on a mesh of that
-    device type: each block one group, then the root."""
+    device type: each block one group, then the root. `frozen`: a model that only runs forwards
+    (a reference), whose root is resharded after each one; FSDP2 otherwise keeps the root
+    (embeddings, head, final norm) whole until a backward, which such a model never runs."""
     model.to(device)
     if world()[1] == 1:
         return model
     mesh = init_device_mesh(device.type, (world()[1],))
     for block in model.layers:
         fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    fully_shard(model, mesh=mesh, reshard_after_forward=True if frozen else None)
     for module in model.modules():
         if isinstance(module, FSDPModule):
             # Sum the ranks' gradients: each rank's loss is already divided by the whole step's
@@ -188,6 +195,10 @@ def load_sharded_checkpoint(
         plain, plain_optimizer = _plain_copy(model, new_optimizer)
         state = load_checkpoint(path, plain, plain_optimizer)
         weights, moments = plain.state_dict(), _named(plain, plain_optimizer)
+        # every rank takes these groups whole: with the plain CPU copy's implementation, a CUDA
+        # optimizer would lose its fused AdamW (and its step counts would stay on the host)
+        for group, own in zip(moments["param_groups"], optimizer.param_groups):
+            group.update({key: own[key] for key in IMPLEMENTATION_KEYS if key in own})
     set_model_state_dict(model, weights, options=SCATTER)
     set_optimizer_state_dict(model, optimizer, moments, options=SCATTER)
     return broadcast(state)
