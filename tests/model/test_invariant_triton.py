@@ -397,8 +397,10 @@ def test_without_triton_the_error_says_what_to_install(monkeypatch):
 
 def test_the_kernels_compile_for_hopper_and_ampere_without_a_gpu():
     """Triton's compiler and ptxas come with its wheel: every kernel compiles for sm_90 and sm_80
-    here (attention at head sizes 64 and 128), the bf16 products on tensor cores (wgmma on
-    Hopper, mma on Ampere) with their loads pipelined (cp.async)."""
+    here as the model launches it (attention at head sizes 64 and 128), the bf16 products on
+    tensor cores (wgmma on Hopper, mma on Ampere) with their loads pipelined (cp.async), and the
+    row kernels with each multiply and add rounded on its own and exact divisions, as torch's
+    element-wise ops compute them."""
     import json
     import os
     import subprocess
@@ -417,10 +419,12 @@ def test_the_kernels_compile_for_hopper_and_ampere_without_a_gpu():
         timeout=300,
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    compiled = {(r["kernel"], r["target"], r["dtype"]): r for r in map(json.loads, done.stdout.splitlines())}
-    assert len(compiled) == 32
-    for kernel in ("rms_norm", "moe_combine"):
-        assert {(kernel, target, dtype) for target in ("sm_90", "sm_80") for dtype in ("bf16", "fp32")} <= set(compiled)
-    for kernel in ("matmul", "grouped_matmul", "grouped_weight_grad", "attention_d64", "attention_d128"):
+    reports = list(map(json.loads, done.stdout.splitlines()))
+    compiled = {(r["kernel"] + r["case"], r["target"], r["dtype"]): r for r in reports}
+    assert len(compiled) == len(reports) == 40
+    for kernel in ("matmul", "grouped_matmul", "grouped_weight_grad", "attentiond64", "attentiond128"):
         assert compiled[kernel, "sm_90", "bf16"]["wgmma"] > 0 and compiled[kernel, "sm_80", "bf16"]["mma"] > 0
         assert compiled[kernel, "sm_90", "bf16"]["cp_async"] > 0
+    rows = [r for r in reports if r["kernel"] in ("rms_norm", "moe_combine", "softmax", "log_softmax")]
+    assert len(rows) == 20
+    assert all(r["fp32_fma"] == 0 and r["approximate_division"] == 0 for r in rows), rows

@@ -82,10 +82,15 @@ def grouped_weight_grad(
     tl.store(weight + r[:, None] * out_row + c[None, :] * out_col, acc.to(out.dtype.element_ty), mask)
 
 
-@triton.jit
+# The row kernels (rms_norm, softmax) are not specialised on x's alignment or strides: the
+# layout of a row's values across threads, and so the order tl.sum adds them in, follows what
+# the compiler knows of them (a bf16 row reads 8 or 4 values a thread), and one row's bits must
+# not depend on whether it came as a view or a copy.
+@triton.jit(do_not_specialize=["width", "x_token", "x_head"], do_not_specialize_on_alignment=["x"])
 def rms_norm(x, weight, out, rstd, width, heads, eps, x_token, x_head, w_head, BLOCK: tl.constexpr):
     # Row (token, head) of x: its mean square summed BLOCK at a time in order, then
-    # weight[head] * (x * rstd rounded to x's dtype), as Qwen3 computes it
+    # weight[head] * (x * rstd rounded to x's dtype), Qwen3's formula (division and square root
+    # correctly rounded)
     row = tl.program_id(0).to(tl.int64)
     token, head = row // heads, row % heads
     source = x + token * x_token + head * x_head
@@ -94,7 +99,7 @@ def rms_norm(x, weight, out, rstd, width, heads, eps, x_token, x_head, w_head, B
     for start in tl.range(0, width, BLOCK):
         values = tl.load(source + start + offsets, start + offsets < width, 0.0).to(tl.float32)
         acc += values * values
-    scale = tl.div_rn(1.0, tl.sqrt_rn(tl.sum(acc, 0) / width + eps))
+    scale = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(acc, 0), width.to(tl.float32)) + eps))
     tl.store(rstd + row, scale)
     for start in tl.range(0, width, BLOCK):
         inside = start + offsets < width
@@ -119,7 +124,7 @@ def moe_combine(expert_out, gates, out, slots, hidden, e_token, e_slot, g_token,
     tl.store(out + token * o_token + columns, acc.to(out.dtype.element_ty), inside)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["width", "x_row"], do_not_specialize_on_alignment=["x"])
 def softmax(x, out, width, x_row, out_row, LOG: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
@@ -136,7 +141,7 @@ def softmax(x, out, width, x_row, out_row, LOG: tl.constexpr, BLOCK: tl.constexp
     for start in tl.range(0, width, BLOCK):
         inside = start + offsets < width
         shifted = tl.load(x + row * x_row + start + offsets, inside, 0.0).to(tl.float32) - top
-        result = shifted - tl.log(total) if LOG else tl.exp(shifted) / total
+        result = shifted - tl.log(total) if LOG else tl.div_rn(tl.exp(shifted), total)
         tl.store(out + row * out_row + start + offsets, result, inside)
 
 

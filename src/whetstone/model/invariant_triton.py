@@ -89,11 +89,20 @@ def _kernels():
     return invariant_kernels
 
 
-def _tiles(dtype: torch.dtype) -> dict:
-    """The one tile configuration of a matmul in `dtype` (never chosen by shape)."""
+PRODUCT_LAUNCH = dict(num_warps=4, num_stages=3, enable_fp_fusion=True)
+"""The launch options of the product kernels (matmuls, attention); ROW_LAUNCH those of the row
+kernels (norm, softmax, combine), whose multiplies and adds are rounded each on its own, as
+torch's element-wise ops round them (and the CPU formulas). Every option is given, so neither
+Triton's defaults nor its environment (TRITON_DEFAULT_FP_FUSION) can change what compiles."""
+ROW_LAUNCH = dict(num_warps=4, num_stages=3, enable_fp_fusion=False)
+
+
+def matmul_tiles(dtype: torch.dtype) -> dict:
+    """The one tile configuration of a matmul in `dtype` (never chosen by shape), launch options
+    included."""
     if dtype == torch.float32:  # IEEE fp32 on the CUDA cores
-        return dict(IEEE=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, num_warps=4)
-    return dict(IEEE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3)
+        return dict(IEEE=True, BLOCK_M=32, BLOCK_N=64, BLOCK_K=32, **PRODUCT_LAUNCH)
+    return dict(IEEE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, **PRODUCT_LAUNCH)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -114,7 +123,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     out = x.new_empty(rows, columns)
     if rows == 0:
         return out
-    config = _tiles(x.dtype)
+    config = matmul_tiles(x.dtype)
     grid = (_cdiv(rows, config["BLOCK_M"]), _cdiv(columns, config["BLOCK_N"]))
     _kernels().matmul[grid](
         x, weight, out, rows, columns, depth, *x.stride(), *weight.stride(), *out.stride(), **config
@@ -169,7 +178,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     out = x.new_empty(slots, columns)
     if slots == 0:
         return out
-    config = _tiles(x.dtype)
+    config = matmul_tiles(x.dtype)
     tile_expert, tile_start, tile_end = _tile_layout(offsets, slots, config["BLOCK_M"])
     grid = (tile_expert.numel(), _cdiv(columns, config["BLOCK_N"]))
     _kernels().grouped_matmul[grid](
@@ -187,7 +196,7 @@ def grouped_weight_grad(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor)
     _check_dtypes(a, b)
     rows, columns, experts = a.shape[1], b.shape[1], offsets.numel()
     out = a.new_empty(experts, rows, columns)
-    config = _tiles(a.dtype)
+    config = matmul_tiles(a.dtype)
     grid = (experts, _cdiv(rows, config["BLOCK_M"]), _cdiv(columns, config["BLOCK_N"]))
     _kernels().grouped_weight_grad[grid](
         a, b, out, offsets, rows, columns, *a.stride(), *b.stride(), *out.stride(), **config
@@ -226,12 +235,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.T
             rows.stride(0),
             rows.stride(1),
             width if heads > 1 else 0,
-            BLOCK=_row_block(width),
+            BLOCK=row_block(width),
+            **ROW_LAUNCH,
         )
     return out, rstd
 
 
-def _row_block(width: int) -> int:
+def row_block(width: int) -> int:
     """The block a row of `width` is reduced in: the width rounded up to a power of two, at most ROW_BLOCK."""
     return min(ROW_BLOCK, 1 << max(width - 1, 0).bit_length())
 
@@ -241,8 +251,9 @@ def _softmax_forward(x: torch.Tensor, log: bool) -> torch.Tensor:
     out = torch.empty(rows.shape, dtype=torch.float32, device=x.device)
     if rows.shape[0]:
         _kernels().softmax[(rows.shape[0],)](
-            rows, out, rows.shape[1], rows.stride(0), out.stride(0), LOG=log, BLOCK=_row_block(rows.shape[1])
-        )
+            rows, out, rows.shape[1], rows.stride(0), out.stride(0), LOG=log, BLOCK=row_block(rows.shape[1]),
+            **ROW_LAUNCH,
+        )  # fmt: skip
     return out.view(x.shape)
 
 
@@ -286,7 +297,7 @@ def _moe_combine_forward(expert_out: torch.Tensor, gates: torch.Tensor) -> torch
         grid = (tokens, _cdiv(hidden, COMBINE_BLOCK))
         _kernels().moe_combine[grid](
             expert_out, gates, out, slots, hidden, expert_out.stride(0), expert_out.stride(1), gates.stride(0),
-            out.stride(0), BLOCK=COMBINE_BLOCK,
+            out.stride(0), BLOCK=COMBINE_BLOCK, **ROW_LAUNCH,
         )  # fmt: skip
     return out
 
@@ -331,7 +342,7 @@ def _attention_forward_padded(q, k, v, mask, scale):
     group = q_heads // kv_heads
     rows = group * length
     out = torch.empty_like(q)
-    block_m = 32 if q.dtype == torch.float32 else 64
+    config = attention_tiles(q.dtype, dim)
     causal = mask is None
     if causal:
         mask_strides = (0, 0, 0)  # the kernel reads this one byte for every key, and ignores it
@@ -339,16 +350,22 @@ def _attention_forward_padded(q, k, v, mask, scale):
     else:
         mask = mask.expand(batch, 1, length, keys).to(torch.uint8)
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
-    grid = (_cdiv(rows, block_m), batch * kv_heads)
+    grid = (_cdiv(rows, config["BLOCK_M"]), batch * kv_heads)
     if rows:
         _kernels().attention[grid](
             q, k, v, mask, out, keys, rows, group, kv_heads, scale, int(causal),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
-            IEEE=q.dtype == torch.float32, HEAD_DIM=dim, BLOCK_M=block_m, BLOCK_N=KEY_CHUNK,
-            num_warps=4,
+            **config,
         )  # fmt: skip
     return out
+
+
+def attention_tiles(dtype: torch.dtype, head_dim: int) -> dict:
+    """The attention kernel's one configuration for `dtype` and a (padded) head size, launch
+    options included."""
+    ieee = dtype == torch.float32
+    return dict(IEEE=ieee, HEAD_DIM=head_dim, BLOCK_M=32 if ieee else 64, BLOCK_N=KEY_CHUNK, **PRODUCT_LAUNCH)
 
 
 def _reference_attention(q, k, v, mask):
