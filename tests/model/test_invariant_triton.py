@@ -213,10 +213,18 @@ def test_moe_combine_adds_the_slots_in_order_in_one_kernel(where, dtype, monkeyp
     expert_out = randn(9, 8, 1500, dtype=dtype, device=device)  # wider than one program's block
     gates = randn(9, 8, dtype=torch.float32, device=device, seed=1).softmax(-1)
     reference = (expert_out.float() * gates.unsqueeze(-1)).sum(1).to(dtype)
+    # slot by slot with torch's element-wise ops, on the same device: the kernel's exact bits
+    # (each multiply and add rounded on its own, no fused multiply-add). The interpreter casts
+    # fp32 to bf16 toward zero, where the GPU and torch round to nearest: there fp32 only.
+    formula = expert_out[:, 0].float() * gates[:, :1]
+    for slot in range(1, 8):
+        formula = formula + expert_out[:, slot].float() * gates[:, slot : slot + 1]
     with context():
         out = kt.moe_combine(expert_out, gates)
         assert out.dtype == dtype and out.shape == (9, 1500)
         torch.testing.assert_close(out, reference, **CLOSE[dtype])
+        if device.type == "cuda" or dtype == torch.float32:
+            assert torch.equal(out, formula.to(dtype))
         assert torch.equal(kt.moe_combine(expert_out[3:5], gates[3:5]), out[3:5])  # fewer tokens: same bits
         # the differentiable path: the same forward, torch's gradients
         leaves = expert_out.float().requires_grad_(), gates.clone().requires_grad_()
