@@ -9,14 +9,15 @@ step's on every rank (`reduce_step_stats`). Rank 0 alone publishes.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from whetstone.rl.batch import Batch
-from whetstone.rl.loss import DIFF_SUMMARY, diff_summary, step_normalizer
-from whetstone.training.distributed import sum_over_ranks, world
+from whetstone.rl.loss import DIFF_SUMMARY, step_normalizer
+from whetstone.training.distributed import device, sum_over_ranks, world
 from whetstone.training.readback import read_back
 
 
@@ -47,12 +48,30 @@ def reduce_step_stats(
     (losses, counts and the |Δ| summary: `LossStats.totals`, `RoutingStats.totals`), and `whole`,
     figures every rank already holds whole (the gradient norm). Under torchrun, the whole step's
     on every rank: the ranks' shares summed (losses are shares of one mean), and the |Δ| summary
-    taken over every rank's |Δ| (`abs_diff`: p99 and max need them all)."""
+    over every rank's |Δ| (`abs_diff`, NaN where untrained): its mean and count over ln 2 from
+    sums, its p99 and max (as `rl.loss.diff_summary` takes them) from the ranks' largest 1%."""
     whole = whole or {}
     if world()[1] == 1:
         return read_back({**totals, **whole})
     summed = [name for name in totals if name not in DIFF_SUMMARY]
-    sums = dict(zip(summed, sum_over_ranks([totals[name] for name in summed])))
-    diffs: list[Any] = [None] * world()[1]
-    dist.all_gather_object(diffs, abs_diff.cpu())
-    return {**sums, **read_back({**diff_summary(torch.cat(diffs)), **whole})}
+    diff = abs_diff.detach().flatten().double()
+    trained = ~diff.isnan()
+    mine = [diff.nansum(), trained.sum(), (diff > math.log(2)).sum()]
+    *shares, diff_total, count, over = sum_over_ranks([totals[name] for name in summed] + mine)
+    sums = dict(zip(summed, shares))
+    if not count:
+        return {**sums, **dict.fromkeys(DIFF_SUMMARY, 0.0), **read_back(whole)}
+    # p99 and max need only the largest values of all: from the p99's lower neighbour up, which
+    # are among each rank's own largest that many (all |Δ| >= 0; -inf pads a rank with fewer)
+    count = int(count)
+    position = (count - 1) * 0.99  # as `nan_quantiles` places the p99
+    low = math.floor(position)
+    keep = count - low
+    largest = diff.nan_to_num(nan=-math.inf).topk(min(keep, diff.numel())).values
+    mine_top = torch.cat((largest, largest.new_full((keep - largest.numel(),), -math.inf))).to(device())
+    tops = [torch.empty_like(mine_top) for _ in range(world()[1])]
+    dist.all_gather(tops, mine_top)
+    ascending = torch.cat(tops).sort(descending=True).values[:keep].flip(0)  # ranks low..count-1 of all
+    p99 = torch.lerp(ascending[0], ascending[math.ceil(position) - low], position - low)
+    summary = {"diff_mean": diff_total / count, "diff_p99": p99, "diff_max": ascending[-1], "diff_over_ln2": over}
+    return {**sums, **read_back({**summary, **whole})}

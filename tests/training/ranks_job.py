@@ -1,6 +1,7 @@
 """A 2-rank job for test_distributed.py (run under torchrun, gloo): a sharded resume keeps the
-optimizer's own implementation, and a frozen model's root is resharded after each forward.
-Prints one JSON line per rank."""
+optimizer's own implementation, a frozen model's root is resharded after each forward, and the
+trainer's step figures over the ranks are those of their rows together. Each rank writes what
+it saw to rank-N.json in the folder given."""
 
 import json
 import sys
@@ -11,6 +12,8 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from whetstone.model import ModelConfig, Transformer
+from whetstone.rl.loss import diff_summary
+from whetstone.trainer.distributed import reduce_step_stats
 from whetstone.training.checkpoint import TrainState
 from whetstone.training.distributed import (
     load_sharded_checkpoint,
@@ -61,7 +64,17 @@ def main(root: Path) -> None:
         frozen = shard_model(Transformer(CFG).eval().requires_grad_(False), CPU, frozen=True)
         with torch.no_grad():
             frozen(ids, targets=ids)
-        print(
+
+        # |delta| of both ranks' positions (NaN where untrained; rank 1 has fewer, and ties),
+        # summarised over the ranks and over the two together in one process
+        generator = torch.Generator().manual_seed(5)
+        diffs = [torch.rand(6, 50, generator=generator).square() * 2 for _ in range(2)]
+        diffs[1] = diffs[1][:2].round(decimals=1)
+        for diff in diffs:
+            diff[diff < 0.3] = float("nan")
+        step = reduce_step_stats({"loss": torch.tensor(float(rank + 1))}, diffs[rank], {"grad_norm": 3.0})
+        whole = {name: float(value) for name, value in diff_summary(torch.cat([d.flatten() for d in diffs])).items()}
+        (root / f"rank-{rank}.json").write_text(
             json.dumps(
                 {
                     "rank": rank,
@@ -69,9 +82,10 @@ def main(root: Path) -> None:
                     "frozen_whole_after_forward": sorted(
                         name for name, p in frozen.named_parameters() if not isinstance(p, DTensor)
                     ),
+                    "step": step,
+                    "whole": whole,
                 }
-            ),
-            flush=True,
+            )
         )
 
 
