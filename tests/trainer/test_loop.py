@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -17,10 +18,11 @@ from safetensors.torch import load_file
 from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
 from tests.utils.tracking_support import event_scalars, jsonl_scalars
 from whetstone.config import dump_toml
-from whetstone.errors import CheckpointError
+from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.model.hf import load_hf
+from whetstone.store import LocalStore
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
-from whetstone.trainer.loop import run_trainer
+from whetstone.trainer.loop import read_batch_rank_0_read, run_trainer
 from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.utils.metrics import read_metrics
 
@@ -260,3 +262,14 @@ def test_sigterm_stops_the_trainer_cleanly_with_a_checkpoint(tmp_path, tiny_moe,
     put_batches(tmp_path / "batches", batches[2:3], first=2)
     summary = run_trainer(trainer_config(tmp_path, tiny_moe))
     assert summary["replayed"] == 0 and summary["step"] == 3 and summary["version"] == 3
+
+
+def test_a_rank_waits_for_a_batch_rank_0_read_to_show_up_in_its_view_of_the_store(tmp_path, batches):
+    # a shared filesystem may show another machine a new file seconds late
+    store = LocalStore(tmp_path / "batches")
+    session = SimpleNamespace(batches=store, rank=1)
+    late = threading.Timer(0.3, put_batches, (store, batches[:1]))
+    late.start()
+    assert read_batch_rank_0_read(session, 0, within=10.0).meta["index"] == 0
+    with pytest.raises(WhetstoneError, match=r"rank 1 cannot read .*0000000001.* which rank 0 read 0.2 s ago"):
+        read_batch_rank_0_read(session, 1, within=0.2)

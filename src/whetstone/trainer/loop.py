@@ -69,6 +69,26 @@ def read_batch(session: TrainerSession, index: int) -> Batch | None:
     return batch
 
 
+BATCH_SEEN_WITHIN = 30.0
+"""Seconds a rank retries a batch rank 0 has read before it gives up: a shared filesystem can
+show a new file to another machine seconds late (NFS caches what a folder holds)."""
+
+
+def read_batch_rank_0_read(session: TrainerSession, index: int, within: float = BATCH_SEEN_WITHIN) -> Batch:
+    """Batch `index`, which rank 0 has read, as this rank sees the store: retried for `within`
+    seconds, then an error that says the ranks do not share one store."""
+    give_up = time.monotonic() + within
+    while (batch := read_batch(session, index)) is None:
+        if time.monotonic() >= give_up:
+            raise WhetstoneError(
+                f"rank {session.rank} cannot read {batch_key(index)} from {session.batches!r}, which "
+                f"rank 0 read {within:g} s ago: every rank needs the same batch_store (object "
+                "storage or a shared filesystem)"
+            )
+        time.sleep(min(0.5, within / 10))
+    return batch
+
+
 def wait_for_batch(
     session: TrainerSession, index: int, stop: threading.Event, before_idle: Callable[[], None] = lambda: None
 ) -> Batch | None:
@@ -91,14 +111,7 @@ def wait_for_batch(
         if decision == "stop":
             return None
         if decision == "train":
-            batch = batch if batch is not None else read_batch(session, index)
-            if batch is None:
-                raise WhetstoneError(
-                    f"rank {session.rank} cannot read {batch_key(index)} from {session.batches!r}, "
-                    "which rank 0 read: every rank needs the same batch_store (object storage "
-                    "or a shared filesystem)"
-                )
-            return batch
+            return batch if batch is not None else read_batch_rank_0_read(session, index)
         if session.rank == 0:
             before_idle()
             before_idle = lambda: None  # noqa: E731
