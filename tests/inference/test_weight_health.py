@@ -10,6 +10,7 @@ import pytest
 import torch
 from fastapi.testclient import TestClient
 
+import whetstone.inference.engine as engine_module
 from tests.inference.inference_fixtures import make_engine, tiny_model, wait_until
 from tests.sync.test_publish_subscribe import corrupt
 from whetstone.errors import WhetstoneError
@@ -86,3 +87,43 @@ def test_a_version_the_engine_refuses_is_reported(model, tmp_path):
     report = follower.report()
     assert "the engine refused weight version 0" in report.problem and "no tensor 'extra.weight'" in report.problem
     assert report.rejections_total == 1 and 0 in report.rejected and engine.version == 0
+
+
+def test_a_version_the_engine_could_not_take_for_now_goes_in_with_the_next(model, tmp_path, monkeypatch):
+    # On a GPU, taking a version allocates device and pinned memory, which can fail for a while.
+    # The subscriber hands each version over once: the next delta (coded against it) must not go
+    # in without it, or the values only it changed stay stale.
+    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
+    store = WeightStore.open(config)
+    publisher = Publisher(store, config)
+    trained = tiny_model(seed=9)
+    publisher.publish(trained.state_dict())  # version 0, whole
+    engine = make_engine(model)
+    real_prepare = engine_module.prepare
+
+    def out_of_memory_once(update, tensors):
+        if update.version == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (for now)")
+        return real_prepare(update, tensors)
+
+    monkeypatch.setattr(engine_module, "prepare", out_of_memory_once)
+    engine.start()
+    follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
+    experts = trained.layers[1].mlp.experts.down_proj
+    try:
+        wait_until(lambda: engine.version == 0, TIMEOUT_S)
+        with torch.no_grad():
+            experts[0, :3] += 0.5  # only version 1 changes these
+        publisher.publish(trained.state_dict())
+        wait_until(lambda: 1 in follower.refused, TIMEOUT_S)
+        assert "the engine refused weight version 1" in follower.report().problem
+        with torch.no_grad():
+            experts[1, :3] += 0.5  # version 2, a delta of these only
+        publisher.publish(trained.state_dict())
+        wait_until(lambda: engine.version == 2, TIMEOUT_S)
+    finally:
+        follower.stop()
+        engine.stop()
+    assert follower.report().problem is None and follower.refusals == 1
+    served = engine.model.state_dict()
+    assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())

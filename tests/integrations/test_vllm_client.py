@@ -13,7 +13,14 @@ import torch
 from whetstone.envs.harness.policy import PolicyError
 from whetstone.errors import ConfigError
 from whetstone.inference.protocol import decode_routes
-from whetstone.integrations.vllm import serve_command, token_versions, vllm_python, vllm_routes, whetstone_path
+from whetstone.integrations.vllm import (
+    gpu_placement,
+    serve_command,
+    token_versions,
+    vllm_python,
+    vllm_routes,
+    whetstone_path,
+)
 from whetstone.run.config import PipelineConfig
 
 
@@ -79,12 +86,24 @@ def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(mon
     config = PipelineConfig.model_validate(
         {"output_dir": str(tmp_path), "servers": {"engine": "vllm", "vllm_args": ["--max-num-seqs", "4"]}}
     )
-    launch = Pipeline(config).vllm_server(8123)
+    launch = Pipeline(config).vllm_server(8123, 0)
     argv = launch["argv"]
     assert argv[:3] == ["/bin/sh", "-m", "whetstone.integrations.vllm_serve"]
     assert argv[argv.index("--model") + 1] == str(tmp_path / "default" / "midtrain" / "model")
     assert '"store":"' + str(tmp_path / "default" / "weights") + '"' in argv[argv.index("--sync") + 1]
     assert argv[-2:] == ["--max-num-seqs", "4"] and launch["env"]["PYTHONPATH"].startswith(str(tmp_path))
+    assert "--gpu-memory-utilization" not in argv and "CUDA_VISIBLE_DEVICES" not in launch["env"]  # on the CPU
+
+
+def test_a_vllm_server_on_a_shared_gpu_takes_its_share_and_its_gpu():
+    # vLLM would otherwise take the first visible GPU and 90% of its memory, beside the trainer
+    assert gpu_placement(torch.device("cuda", 1), 0.25, ["--max-num-seqs", "4"]) == (
+        ["--gpu-memory-utilization", "0.25"],
+        {"CUDA_VISIBLE_DEVICES": "1"},
+    )
+    assert gpu_placement(torch.device("cuda", 0), None, []) == ([], {"CUDA_VISIBLE_DEVICES": "0"})  # alone on it
+    assert gpu_placement(torch.device("cuda", 0), 0.5, ["--gpu-memory-utilization=0.3"])[0] == []  # the user's
+    assert gpu_placement(torch.device("cpu"), None, []) == ([], {})
 
 
 def test_a_run_on_vllm_without_vllms_python_stops_before_mid_training(monkeypatch, tmp_path):

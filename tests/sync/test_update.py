@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from whetstone.sync import TensorUpdate, WeightUpdate, apply_update, merge_updates
@@ -57,3 +58,13 @@ def test_merged_updates_equal_updates_applied_in_order():
         merged_state = {} if start == 0 else {"w": updates[0].tensors["w"].values.clone()}
         apply_update(merged_state, merge_updates(updates[start:]))
         assert torch.equal(merged_state["w"], one_by_one["w"])
+
+
+@pytest.mark.gpu
+def test_apply_writes_host_updates_into_gpu_weights():
+    weight = torch.zeros(2, 3, device="cuda")
+    state = {"w": weight, "b": torch.zeros(3, device="cuda").expand(2, 3).contiguous().t()}  # one not contiguous
+    update = WeightUpdate(1, 0, {"w": sparse([1, 5], [1.5, -2.0], (2, 3)), "b": sparse([0], [3.0], (3, 2))})
+    apply_update(state, update)
+    assert state["w"] is weight and weight.tolist() == [[0, 1.5, 0], [0, 0, -2.0]]
+    assert state["b"].is_cuda and state["b"].tolist() == [[3.0, 0], [0, 0], [0, 0]]

@@ -23,7 +23,7 @@ import torch
 from whetstone.errors import WhetstoneError
 from whetstone.inference.metrics import WeightsReport
 from whetstone.model.layout import flat_storage, in_storage_order, storage_indices
-from whetstone.sync.update import TensorUpdate, WeightUpdate
+from whetstone.sync.update import TensorUpdate, WeightUpdate, merge_updates
 from whetstone.utils.device import synchronize
 
 log = logging.getLogger(__name__)
@@ -120,13 +120,15 @@ def write(update: PreparedUpdate) -> float:
     start = time.perf_counter()
     if update.ready is not None:
         torch.cuda.current_stream(update.writes[0][0].device).wait_event(update.ready)
-    for target, indices, values in update.writes:
-        if indices is None:
-            target.copy_(values)
-        else:
-            target.scatter_(0, indices, values)
-    if update.writes:
-        synchronize(update.writes[0][0].device)  # and the uploaded tensors may be freed after
+    try:
+        for target, indices, values in update.writes:
+            if indices is None:
+                target.copy_(values)
+            else:
+                target.scatter_(0, indices, values)
+    finally:
+        if update.writes:  # the uploaded tensors may be freed after (also when a write failed)
+            synchronize(update.writes[0][0].device)
     return time.perf_counter() - start
 
 
@@ -140,6 +142,10 @@ class WeightFollower:
         self.refused: dict[int, str] = {}
         """Versions the engine refused (they do not fit the served model), until one fits."""
         self.refusals = 0
+        self._unapplied: WeightUpdate | None = None
+        """What the engine refused, merged with every version since: the subscriber hands each
+        version over once, and a later delta written without it would leave the values only it
+        changed stale (serving weights of no version)."""
         self._problem: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -183,11 +189,15 @@ class WeightFollower:
             self.subscriber.wait_for(0 if held is None else held + 1, timeout=self.poll_seconds)
             update = self.subscriber.take_update()
             if update is not None:
+                if self._unapplied is not None:  # retried with each new version
+                    update = merge_updates([self._unapplied, update])
                 try:
                     self.engine.update_weights(update)
+                    self._unapplied = None
                     self.refused.clear()
-                except Exception as err:  # e.g. a store that holds another model: keep serving
+                except Exception as err:  # another model's store, or no GPU memory for now: keep serving
                     log.error("not applying weight version %d: %s", update.version, err)
+                    self._unapplied = update
                     self.refused[update.version] = str(err)
                     self.refusals += 1
             self._log_problem()

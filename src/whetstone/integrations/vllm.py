@@ -165,6 +165,18 @@ def whetstone_path(folder: Path) -> str:
     return str(folder)
 
 
+def gpu_placement(device: torch.device, share: float | None, vllm_args: list[str]) -> tuple[list[str], dict[str, str]]:
+    """(vLLM arguments, environment) that put a vLLM server on `device` with `share` of its
+    memory (None: alone on it), as whetstone's own server takes its share: vLLM otherwise takes
+    the first visible GPU and 90% of its memory, whatever the trainer beside it needs. An
+    explicit `--gpu-memory-utilization` in `vllm_args` wins."""
+    if device.type != "cuda":
+        return [], {}
+    env = {"CUDA_VISIBLE_DEVICES": str(device.index)} if device.index is not None else {}
+    given = any(arg.split("=")[0] == "--gpu-memory-utilization" for arg in vllm_args)
+    return ([] if share is None or given else ["--gpu-memory-utilization", f"{share:.4g}"]), env
+
+
 def serve_command(
     python: str, model: str, port: int, sync_json: str | None, weight_version: int = 0, vllm_args: list[str] = ()
 ) -> list[str]:

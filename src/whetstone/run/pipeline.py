@@ -37,6 +37,7 @@ from whetstone.run.ray_launch import RayLauncher
 from whetstone.store import open_store
 from whetstone.utils.atomic import atomic_directory, atomic_write_json, atomic_write_text
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
+from whetstone.utils.device import resolve_device
 from whetstone.utils.metrics import read_metrics
 from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_ports
 from whetstone.utils.progress import progress_bar
@@ -263,7 +264,7 @@ class Pipeline:
                 cpus=self.config.placement.servers,
                 side="rollout",
                 health_url=f"http://127.0.0.1:{port}/health",
-                **(self.vllm_server(port) if servers.engine == "vllm" else {}),
+                **(self.vllm_server(port, i) if servers.engine == "vllm" else {}),
             )
             for i, port in enumerate(ports)
         ]
@@ -284,22 +285,26 @@ class Pipeline:
         self.config = self.config.resolved(self.urls)
         self.write_config()
 
-    def vllm_server(self, port: int) -> dict[str, Any]:
-        """How `start` runs a vLLM server on `port` (`servers.engine = "vllm"`): its command line
-        (`integrations.vllm_serve` with the vLLM environment's python, following the weight store)
-        and whetstone on its PYTHONPATH."""
-        from whetstone.integrations.vllm import serve_command, vllm_python, whetstone_path
+    def vllm_server(self, port: int, index: int) -> dict[str, Any]:
+        """How `start` runs vLLM server `index` on `port` (`servers.engine = "vllm"`): its command
+        line (`integrations.vllm_serve` with the vLLM environment's python, following the weight
+        store, on its GPU and share of that GPU's memory) and whetstone on its PYTHONPATH."""
+        from whetstone.integrations.vllm import gpu_placement, serve_command, vllm_python, whetstone_path
 
         servers, serve = self.config.servers, self.config.servers.serve
+        device = resolve_device(server_device(self.config.placement, index))
+        _, share = gpu_memory_shares(self.config.placement, servers.count).get(f"serve-{index}", (device, None))
+        gpu_args, gpu_env = gpu_placement(device, share, servers.vllm_args)
         argv = serve_command(
             vllm_python(servers.vllm_python),
             serve.model_path,
             port,
             serve.sync.model_dump_json(),
             serve.weight_version,
-            servers.vllm_args,
+            [*gpu_args, *servers.vllm_args],
         )
-        return {"argv": argv, "env": {"PYTHONPATH": whetstone_path(self.run_dir / "servers" / "vllm-path")}}
+        path = whetstone_path(self.run_dir / "servers" / "vllm-path")
+        return {"argv": argv, "env": {"PYTHONPATH": path, **gpu_env}}
 
     def evaluate(self, when: str, logit_scale: float | None = None) -> dict[str, Any]:
         from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks

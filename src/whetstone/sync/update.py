@@ -46,8 +46,9 @@ class WeightUpdate:
 def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate) -> None:
     """Overwrite `state`'s tensors in place with the update's values.
 
-    Targets may have another dtype than the published one (an fp32 engine fed bf16 weights):
-    the values are converted on write. Tensors new in this version are added to the dict.
+    Targets may have another dtype than the published one (an fp32 engine fed bf16 weights),
+    and live on another device (a GPU): the values are converted on write. Tensors new in this
+    version are added to the dict, on the host.
     """
     for name, change in update.tensors.items():
         target = state.get(name)
@@ -62,12 +63,13 @@ def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate) -> None:
                 f"update {update.version} changes tensor {name!r} of shape {change.shape}, "
                 f"but the weights hold {None if target is None else tuple(target.shape)}"
             )
-        values = change.values.to(target.dtype)
+        values = change.values.to(target.device, target.dtype)
+        indices = change.indices.to(target.device)
         if target.is_contiguous():
-            target.view(-1).index_put_((change.indices,), values)
+            target.view(-1).index_put_((indices,), values)
         else:
             flat = target.contiguous().view(-1)
-            flat.index_put_((change.indices,), values)
+            flat.index_put_((indices,), values)
             target.copy_(flat.view(target.shape))
     for name in update.removed:
         state.pop(name, None)
