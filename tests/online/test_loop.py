@@ -20,11 +20,16 @@ from whetstone.online.preferences import MatchesPattern
 from whetstone.online.weights import load_version, rollback
 from whetstone.store.feedback import FeedbackStore
 from whetstone.sync import WeightStore
+from whetstone.utils.device import resolve_device
 from whetstone.utils.metrics import read_metrics
 
 
-@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+@pytest.mark.parametrize(
+    "world", [NO_GATE, pytest.param({**NO_GATE, "device": "cuda"}, marks=pytest.mark.gpu)], indirect=True
+)
 def test_feedback_becomes_a_version_the_server_swaps_in(world):
+    device = resolve_device(world.config.device)  # the policy trains there, the gate's engine runs there
+    assert next(world.loop.model.parameters()).device == world.loop.gate.engine.device == device
     assert not world.loop.due()
     world.feedback(16)
     assert world.loop.due()  # trigger.every_events = 16

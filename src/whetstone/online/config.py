@@ -19,6 +19,7 @@ from whetstone.rl.loss import LossConfig
 from whetstone.rl.staleness import StalenessConfig
 from whetstone.sync.config import SyncConfig, check_unrounded_for_invariant
 from whetstone.training.config import OptimizerConfig
+from whetstone.utils.device import DeviceName
 from whetstone.utils.tracking import TrackingConfig
 
 
@@ -158,6 +159,9 @@ class OnlineConfig(Config):
     Needs `sync.publish_dtype = "float32"`, so the servers hold the loop's weights unrounded."""
     gate: GateConfig = GateConfig()
     """Held-out evaluation of every candidate."""
+    device: DeviceName = "auto"
+    """Where the policy trains and the gate's engine runs: `auto` (CUDA when present, else the
+    CPU), `cpu`, `cuda` or `cuda:N`."""
     threads: int = Field(1, ge=0)
     """Torch threads of the loop (0 = all cores); the servers keep the rest."""
     nice: int = Field(10, ge=0, le=19)

@@ -43,9 +43,11 @@ class Gate:
         tokenizer: Tokenizer,
         numerics: Numerics = "fast",
         dtype: str = "float32",
+        device: str = "auto",
     ):
         """`model`: a model of the served architecture for the evaluation engine (its weights are
-        overwritten before every score). `numerics`, `dtype`: the engine's, as the servers run."""
+        overwritten before every score). `numerics`, `dtype`: the engine's, as the servers run;
+        `device` its device."""
         self.config = config
         self.tasks = load_tasks(config.tasks)
         if not self.tasks:
@@ -53,7 +55,7 @@ class Gate:
         self.preference = make_preference(config.metric)
         self.prompts = [tokenizer.encode(render_chat(task_messages(t), add_generation_prompt=True)) for t in self.tasks]
         batch = min(MAX_EVAL_BATCH, len(self.prompts) * config.samples)
-        engine = EngineConfig(max_batch=batch, numerics=numerics, dtype=dtype)
+        engine = EngineConfig(max_batch=batch, numerics=numerics, dtype=dtype, device=device)
         self.engine = Engine(
             model, engine, eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id), decode=tokenizer.decode
         )

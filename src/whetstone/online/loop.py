@@ -46,6 +46,7 @@ from whetstone.trainer.step import Learner, StepSettings, train_step
 from whetstone.training.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.device import resolve_device, use_device
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.runtime import configure_process
 
@@ -61,13 +62,16 @@ class OnlineLoop:
         self.run_dir = Path(config.output_dir).expanduser()
         self.run_dir.mkdir(parents=True, exist_ok=True)  # update() saves its cursor here, run() or not
         self.checkpoints = self.run_dir / "checkpoints"
-        self.model = load_hf(config.model_path)
+        self.device = resolve_device(config.device)
+        use_device(self.device)
+        self.model = load_hf(config.model_path).to(self.device)
         self.gate = Gate(
             config.gate,
             load_hf(config.model_path),
             Tokenizer.load(config.model_path),
             numerics=config.numerics,
             dtype=config.dtype,
+            device=str(self.device),
         )  # the servers' (docs/online.md)
         self.weights = WeightStore.open(config.sync)
         self.feedback = FeedbackStore.open(config.feedback_store)
@@ -316,4 +320,5 @@ class OnlineLoop:
                 metrics.write(record)
                 counts[record["decision"]] += 1
                 bar.update(1, version=self.version, last=record["decision"], **counts)
-        return {"output_dir": str(self.run_dir), "version": self.version, "updates": self.state["updates"], **counts}
+        summary = {"output_dir": str(self.run_dir), "device": str(self.device), "version": self.version}
+        return summary | {"updates": self.state["updates"], **counts}
