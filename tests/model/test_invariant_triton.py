@@ -339,6 +339,13 @@ def test_bad_operands_are_named(where, monkeypatch):
     with context():
         with pytest.raises(WhetstoneError, match="one float dtype"):
             kt.matmul(torch.ones(2, 4, device=device), torch.ones(3, 4, dtype=torch.float64, device=device))
+    # a head past int32 offsets (meta tensors: refused before any launch)
+    huge = torch.empty(65537, 32768, device="meta")
+    with pytest.raises(WhetstoneError, match=r"\(65537, 32768\) reaches offset 2147516415, past 2\^31 - 1"):
+        kt.matmul(torch.empty(2, 32768, device="meta"), huge)
+    with pytest.raises(WhetstoneError, match="in int32"):
+        kt.grouped_matmul(torch.empty(2, 32768, device="meta"), huge[None], torch.empty(1, device="meta"))
+    assert kt.matmul(torch.empty(0, 32768, device="meta"), huge[:-1]).shape == (0, 65536)  # 2^31 - 1: reached
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

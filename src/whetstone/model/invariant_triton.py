@@ -115,9 +115,26 @@ def _check_dtypes(*tensors: torch.Tensor) -> None:
         raise WhetstoneError(f"invariant kernels take operands of one float dtype, got {sorted(map(str, dtypes))}")
 
 
+INT32_OFFSETS = 2**31
+"""The matmul kernels index a weight matrix's elements (an output column times its row stride)
+in int32, as Triton does by default: each weight matrix must stay below this many elements
+(a 152k vocabulary x 8192 head is 1.2G). Rows and experts are indexed in int64."""
+
+
+def _check_weight_offsets(weight: torch.Tensor) -> None:
+    """A clear error for a weight matrix the kernels' int32 offsets cannot reach all of."""
+    last = (weight.shape[-2] - 1) * weight.stride(-2) + (weight.shape[-1] - 1) * weight.stride(-1)
+    if last >= INT32_OFFSETS:
+        raise WhetstoneError(
+            f"invariant kernels index a weight matrix in int32: {tuple(weight.shape[-2:])} reaches "
+            f"offset {last}, past 2^31 - 1"
+        )
+
+
 def matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x [M, K] @ weight [N, K].T -> [M, N] in x's dtype, fp32 accumulation, batch-invariant."""
     _check_dtypes(x, weight)
+    _check_weight_offsets(weight)
     rows, depth = x.shape
     columns = weight.shape[0]
     out = x.new_empty(rows, columns)
@@ -173,6 +190,7 @@ def grouped_matmul(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor)
     `torch._grouped_mm`'s `offs`) @ weight[e] [N, K].T per expert -> [S, N] in x's dtype; no
     read-back, batch-invariant."""
     _check_dtypes(x, weight)
+    _check_weight_offsets(weight)
     slots, depth = x.shape
     columns = weight.shape[1]
     out = x.new_empty(slots, columns)
