@@ -168,6 +168,9 @@ def test_row_reductions_match_torch_and_ignore_the_batch(where, monkeypatch):
             whole = reduce(x)
             assert torch.equal(reduce(x[2:3]), whole[2:3])
             assert torch.equal(reduce(x[1:5]), whole[1:5])
+            # bf16 rows (the router's) from a flat buffer at an odd offset: the bits of aligned ones
+            flat = randn(4 * 2048 + 1, dtype=torch.bfloat16, device=device, seed=5)
+            assert torch.equal(reduce(flat[1:].view(4, 2048)), reduce(flat[1:].clone().view(4, 2048)))
 
 
 def _reference_rms_norm(x, weight, eps):
@@ -190,6 +193,11 @@ def test_rms_norm_is_qwen3s_in_one_kernel_and_ignores_the_batch(where, dtype, mo
         torch.testing.assert_close(out, expected, **CLOSE[dtype])
         assert torch.equal(kt.rms_norm(x[2:3, 1:4], weight, 1e-6)[0], out[2:3, 1:4])  # fewer rows: same bits
         assert torch.equal(kt.rms_norm(x[::2], weight, 1e-6)[0], out[::2])  # strided rows
+        # rows read from a view at an odd offset and stride (a pointer not 16-byte aligned): the
+        # kernel is not specialised on either, so the same sums in the same order as a copy's
+        wide = randn(6, 3003, dtype=dtype, device=device, seed=4)
+        view = wide[:, 1:3001]
+        assert torch.equal(kt.rms_norm(view, weight, 1e-6)[0], kt.rms_norm(view.contiguous(), weight, 1e-6)[0])
         # a weight per head over [..., heads, D], the heads read from a wider tensor (attention's
         # q and k heads, a split of the fused q/k/v projection), as the norm of each head apart
         qkv = randn(2, 3, 7, 64, dtype=dtype, device=device, seed=2)
