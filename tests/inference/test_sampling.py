@@ -7,7 +7,7 @@ import torch
 
 from whetstone.inference import sampling
 from whetstone.inference.sampling import InvalidRequest, SamplingParams, sample, uniforms
-from whetstone.utils.transfer import to_device
+from whetstone.utils.transfer import tensor_to_device, to_device
 
 
 def draw(logits, params, seeds, counter=0):
@@ -124,6 +124,11 @@ def test_inputs_reach_the_device_from_lists_and_numpy_arrays(device):
     assert from_array.dtype == torch.int64 and torch.equal(from_list, from_array)
     seeds, counters = [0, 7, 2**64 - 1], [0, 1, 2**40]
     assert uniforms(seeds, counters, device).tolist() == uniforms(seeds, counters, torch.device("cpu")).tolist()
+    # host tensors (a training batch's), a strided view among them
+    host = torch.arange(12).view(3, 4)
+    moved = tensor_to_device(host.t(), device)
+    assert moved.device.type == device.type and torch.equal(moved.cpu(), host.t())
+    assert tensor_to_device(moved, moved.device) is moved  # already there
 
 
 def test_a_filtered_draw_stays_in_the_kept_tokens_when_the_cdf_runs_past_them(monkeypatch):

@@ -97,6 +97,16 @@ def test_a_diverged_loss_stops_before_the_weights_change():
     assert all(torch.equal(before[k], after[k]) or before[k].isnan().all() for k in before)
 
 
+def test_a_gradient_that_is_not_finite_stops_before_the_weights_change():
+    # a finite loss whose gradient overflowed: clipping by a NaN norm would make every weight NaN
+    model, optimizer = model_and_optimizer()
+    model.norm.weight.register_hook(lambda grad: grad * float("nan"))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(WhetstoneError, match=r"step 2: the loss is [0-9.]+ and the gradient norm nan"):
+        step(model, optimizer, [batch(torch.randint(0, 50, (2, 9)))], step=2)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
 def test_demonstration_rows_get_their_own_loss():
     model, optimizer = model_and_optimizer()
     rows = torch.randint(0, 50, (4, 9))

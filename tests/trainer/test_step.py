@@ -119,6 +119,16 @@ def test_with_a_learned_logit_scale_the_kl_reference_is_taken_at_that_scale(tiny
     assert kl[True] < 1e-9 and kl[False] > 1e-4  # a random tiny model: near-uniform logits, a small KL
 
 
+def test_a_gradient_that_is_not_finite_is_refused_and_leaves_the_weights(tiny_moe, batches):
+    # a finite loss whose gradient overflowed: clipping by a NaN norm would make every weight NaN
+    model, optimizer = model_and_optimizer(tiny_moe)
+    model.norm.weight.register_hook(lambda grad: grad * float("nan"))
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(WhetstoneError, match=r"the loss is -?[0-9.e-]+ and the gradient norm nan; weights left"):
+        step(model, optimizer, batches[0])
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+
+
 def test_a_batch_without_trained_tokens_is_refused_and_leaves_the_weights(tiny_moe, batches):
     model, optimizer = model_and_optimizer(tiny_moe)
     batch = batches[0].select(range(len(batches[0])))

@@ -62,3 +62,17 @@ def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_bf16_natively(monk
     assert not runtime.native_bf16() and runtime.resolve_dtype("auto") == "float32"
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: True, raising=False)
     assert runtime.native_bf16() and runtime.resolve_dtype("auto") == "bfloat16"
+
+
+def test_auto_dtype_on_a_gpu_is_bfloat16_only_where_it_computes_in_it(monkeypatch):
+    from whetstone.utils import runtime
+
+    gpu = {"major": 0}
+
+    def supported(including_emulation=True):  # torch's answer: emulation counts, on any GPU
+        return including_emulation or gpu["major"] >= 8
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", supported)
+    for major, expected in ((7, "float32"), (8, "bfloat16"), (9, "bfloat16")):  # V100/T4, A100, H100
+        gpu["major"] = major
+        assert runtime.resolve_dtype("auto", torch.device("cuda", 0)) == expected

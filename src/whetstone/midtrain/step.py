@@ -26,6 +26,7 @@ from whetstone.training.distributed import sum_on_device, world
 from whetstone.training.optim import clip_gradients, optimizer_step
 from whetstone.training.readback import read_back
 from whetstone.utils.device import autocast
+from whetstone.utils.transfer import tensor_to_device
 
 
 @dataclass
@@ -46,7 +47,7 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
     """The batch with its tensors on `device` (itself when they are there already)."""
     if batch.input_ids.device == device:
         return batch
-    return Batch(**{f.name: getattr(batch, f.name).to(device, non_blocking=True) for f in fields(batch)})
+    return Batch(**{f.name: tensor_to_device(getattr(batch, f.name), device) for f in fields(batch)})
 
 
 def rank_share(batch: Batch) -> Batch:
@@ -78,7 +79,8 @@ def train_step(
 ) -> StepStats:
     """Forward/backward every micro-batch (moved to the model's device), clip, and take one AdamW
     step at `lr`. The step's figures stay on the device until one read-back before the optimizer
-    step, so on a GPU the loop queues work without waiting for it."""
+    step; on a GPU the host also waits once a forward, where the head reads back how many
+    positions it trains."""
     device = next(model.parameters()).device
     ranks = world()[1]
     micro_batches = [on_device(rank_share(batch), device) for batch in micro_batches]
@@ -113,11 +115,12 @@ def train_step(
         optimizer.zero_grad(set_to_none=True)
         raise WhetstoneError(f"step {step}: the batch has no trained tokens (every target is ignored)")
     loss_mean = figures["loss"] / figures["targets"]
-    if not math.isfinite(loss_mean):
-        optimizer.zero_grad(set_to_none=True)
+    if not (math.isfinite(loss_mean) and math.isfinite(figures["grad_norm"])):
+        optimizer.zero_grad(set_to_none=True)  # a NaN norm would clip every gradient to NaN
         raise WhetstoneError(
-            f"step {step}: the loss is {loss_mean} (training diverged); lower optimizer.lr or resume "
-            "from the last checkpoint with a different config"
+            f"step {step}: the loss is {loss_mean} and the gradient norm {figures['grad_norm']} "
+            "(training diverged); lower optimizer.lr or resume from the last checkpoint with a "
+            "different config"
         )
     optimizer_step(optimizer, lr)
     tokens = sum(b.input_ids.numel() for b in micro_batches) * ranks

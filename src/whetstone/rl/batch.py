@@ -26,7 +26,7 @@ from safetensors.torch import save as safetensors_save
 from whetstone.errors import WhetstoneError
 from whetstone.rl.samples import NOT_GENERATED, Sample
 from whetstone.utils.atomic import atomic_write_bytes
-from whetstone.utils.transfer import to_device
+from whetstone.utils.transfer import tensor_to_device, to_device
 
 BATCH_FORMAT_VERSION = 1
 IGNORED_TARGET = -1
@@ -88,7 +88,7 @@ class Batch:
         if self.input_ids.device == device:
             return self
         moved = {
-            name: None if getattr(self, name) is None else getattr(self, name).to(device, non_blocking=True)
+            name: None if getattr(self, name) is None else tensor_to_device(getattr(self, name), device)
             for name in (*TENSOR_FIELDS, *OPTIONAL_FIELDS)
         }
         return Batch(**moved, rows=self.rows, meta=self.meta)

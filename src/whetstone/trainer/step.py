@@ -275,12 +275,15 @@ def train_step(
         stats.abs_diff,
         whole={"grad_norm": grad_norm},
     )
-    if totals["tokens"] == 0 or not math.isfinite(totals["loss"]):
-        learner.optimizer.zero_grad(set_to_none=True)
+    if totals["tokens"] == 0 or not (math.isfinite(totals["loss"]) and math.isfinite(totals["grad_norm"])):
+        learner.optimizer.zero_grad(set_to_none=True)  # a NaN norm would clip every gradient to NaN
         index = batch.meta.get("index", "?")
         if totals["tokens"] == 0:
             raise WhetstoneError(f"batch {index} has no trained tokens (every loss_mask is 0)")
-        raise WhetstoneError(f"batch {index}: the loss is {totals['loss']}; weights left unchanged")
+        raise WhetstoneError(
+            f"batch {index}: the loss is {totals['loss']} and the gradient norm {totals['grad_norm']}; "
+            "weights left unchanged"
+        )
     optimizer_step(learner.optimizer, lr)
     metrics = {
         "loss": totals["loss"],

@@ -40,7 +40,8 @@ def resolve_dtype(dtype: str, device=None) -> str:
     if device is not None and device.type == "cuda":
         import torch
 
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+        # not emulated: torch's default also says yes for GPUs before Ampere, which emulate it slowly
+        return "bfloat16" if torch.cuda.is_bf16_supported(including_emulation=False) else "float32"
     return "bfloat16" if native_bf16() else "float32"
 
 

@@ -1,6 +1,6 @@
-"""Moving small inputs (the engine's token ids, positions and sampling parameters per step, the
-trainer's row indices) from Python lists or numpy arrays to the device without waiting for the
-device.
+"""Moving inputs (the engine's token ids, positions and sampling parameters per step, the
+trainer's row indices, training batches) from Python lists, numpy arrays or host tensors to the
+device without waiting for the device.
 
 `torch.tensor(data, device="cuda")` copies from pageable memory and then waits for the device's
 queued work (the prefill just launched, say). Built in pinned host memory and copied with
@@ -23,6 +23,16 @@ def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device)
     else:
         host = torch.tensor(data, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
+
+
+def tensor_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` through a pinned copy, so the copy joins the stream's queue (a
+    copy from pageable memory may wait for the device); `t` itself where it is already."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
 
 
 def copy_into(target: torch.Tensor, data: list) -> None:
