@@ -5,6 +5,8 @@ and `cluster:us`, and take one inference server each, following its cluster's ow
 (`eu`'s on S3: a moto server). The trainer also runs as 2 ranks on two nodes. Faults: the whole
 `us` cluster killed; the orchestrator and the trainer killed and restarted; a trainer rank lost."""
 
+import json
+import subprocess
 import sys
 import threading
 import time
@@ -22,6 +24,7 @@ from whetstone.run.ray_ranks import rank_environments
 from whetstone.store import LocalStore
 from whetstone.sync import WeightStore
 from whetstone.utils.metrics import read_metrics
+from whetstone.utils.processes import GPU_MEMORY_ENV
 
 RAY = ['placement.backend="ray"', 'placement.ray.server_clusters=["eu", "us"]', "rl.steps=3"]
 
@@ -86,7 +89,7 @@ def test_ranks_get_torchruns_environment_from_where_their_actors_are():
         ("1", "0", "1"),
         ("2", "1", "2"),
     ]
-    assert not any("CUDA_VISIBLE_DEVICES" in e for e in envs)
+    assert all(e["CUDA_VISIBLE_DEVICES"] == "" for e in envs)  # no GPU, whatever Ray left set
     # GPUs: a node's ranks see all their GPUs, each taking the one Ray gave it (not its rank order)
     gpu = [{**place, "gpus": [g]} for place, g in zip(cpu, ["3", "0", "1"])]
     envs = rank_environments(gpu)
@@ -98,6 +101,41 @@ def test_trainer_ranks_take_one_gpu_each_or_none(tmp_path):
         tiny_run(tmp_path, *RAY, "placement.ray.trainer_ranks=2", "placement.ray.trainer.num_gpus=0.5")
     with pytest.raises(ConfigError, match=r"trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0"):
         tiny_run(tmp_path, *RAY, "placement.ray.trainer_ranks=2", "placement.ray.trainer.num_cpus=0")
+
+
+GPU_PROBE = """
+import json, ray
+from whetstone.run.ray_launch import gpu_environment
+ray.init(num_cpus=4, num_gpus=2, log_to_driver=False, configure_logging=False, include_dashboard=False)
+probe = ray.remote(lambda asked: gpu_environment(asked))
+print(json.dumps([ray.get(probe.options(num_cpus=0.5, num_gpus=g).remote(g)) for g in (0, 1, 0.5)]))
+ray.shutdown()
+"""
+
+
+def test_a_roles_process_sees_exactly_the_gpus_ray_gave_its_actor():
+    # a local Ray with 2 GPUs it is told of (none here): the environment each role's process gets
+    pytest.importorskip("ray")
+    done = subprocess.run([sys.executable, "-c", GPU_PROBE], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    none, whole, half = json.loads(done.stdout.strip().splitlines()[-1])
+    assert none == {"CUDA_VISIBLE_DEVICES": ""}  # not every GPU of the node: the CPU
+    assert whole["CUDA_VISIBLE_DEVICES"] in ("0", "1") and GPU_MEMORY_ENV not in whole
+    assert half[GPU_MEMORY_ENV] == "cuda:0=0.5" and half["CUDA_VISIBLE_DEVICES"] in ("0", "1")
+
+
+def test_on_ray_the_gpus_are_asked_of_ray_not_named(tmp_path):
+    with pytest.raises(ConfigError, match=r"server_devices\[1\] = 'cuda:1' with placement.backend = 'ray': Ray"):
+        tiny_run(tmp_path, *RAY, 'placement.server_devices=["cuda", "cuda:1"]', "placement.ray.server.num_gpus=1")
+    with pytest.raises(ConfigError, match=r"trainer_device = 'cuda' with placement.ray.trainer.num_gpus = 0"):
+        tiny_run(tmp_path, *RAY, 'placement.trainer_device="cuda"')
+    with pytest.raises(ConfigError, match=r"server.num_gpus = 2: a role's process computes on one GPU"):
+        tiny_run(tmp_path, *RAY, "placement.ray.server.num_gpus=2")
+    with pytest.raises(ConfigError, match=r"servers.engine = 'vllm' runs on one machine only"):
+        tiny_run(tmp_path, *RAY, 'servers.engine="vllm"')
+    # the trainer and the servers run on the cluster's GPUs, not this machine's: no complaint here
+    config = tiny_run(tmp_path, *RAY, 'placement.trainer_device="cuda"', "placement.ray.trainer.num_gpus=1")
+    check_run_config(config.resolved())
 
 
 def kill_when(condition, kill, state: dict) -> threading.Thread:

@@ -248,6 +248,32 @@ class PipelineConfig(Config):
             )
         return self
 
+    @model_validator(mode="after")
+    def _ray_places_the_gpus(self) -> "PipelineConfig":
+        # On Ray a role's process sees only the GPUs its actor got (`ray_launch.gpu_environment`)
+        placement = self.placement
+        if placement.backend != "ray":
+            return self
+        if self.servers.engine == "vllm":
+            raise ValueError(
+                "servers.engine = 'vllm' runs on one machine only (placement.backend = 'local'): on Ray the "
+                "servers are whetstone's own"
+            )
+        asks = {"trainer": placement.ray.trainer.num_gpus, "server": placement.ray.server.num_gpus}
+        devices = [("trainer", "placement.trainer_device", placement.trainer_device)]
+        devices += [
+            ("server", f"placement.server_devices[{i}]", name) for i, name in enumerate(placement.server_devices)
+        ]
+        for role, key, name in devices:
+            if name.startswith("cuda:"):
+                raise ValueError(
+                    f"{key} = {name!r} with placement.backend = 'ray': Ray assigns the GPUs (a role sees "
+                    f"its own as cuda:0); use 'cuda' or 'auto' and placement.ray.{role}.num_gpus"
+                )
+            if name == "cuda" and not asks[role]:
+                raise ValueError(f"{key} = 'cuda' with placement.ray.{role}.num_gpus = 0: Ray gives the role no GPU")
+        return self
+
     @property
     def run_dir(self) -> Path:
         """The run folder, `<output_dir>/<name>`."""

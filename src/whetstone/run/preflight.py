@@ -76,10 +76,11 @@ def _problems(config: PipelineConfig) -> Iterator[str]:
 
 def _devices(config: PipelineConfig) -> Iterator[str]:
     """A device asked for that this machine does not have (`cuda` without a GPU, `cuda:N` past
-    its GPUs), by config key."""
+    its GPUs), by config key. On Ray the trainer and the servers run elsewhere, on the GPUs Ray
+    gives them: only mid-training (run here) is checked."""
     placement = config.placement
     keys = [("midtrain.run.device", config.midtrain.run.device)]
-    if config.rl_enabled:
+    if config.rl_enabled and placement.backend == "local":
         keys.append(("placement.trainer_device", placement.trainer_device))
         keys += [(f"placement.server_devices[{i}]", name) for i, name in enumerate(placement.server_devices)]
     for key, name in keys:

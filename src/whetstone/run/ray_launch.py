@@ -38,7 +38,7 @@ from whetstone.config import Config, dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.config import CLUSTER_PATTERN
 from whetstone.utils.atomic import atomic_write_text
-from whetstone.utils.processes import RoleProcess, free_port
+from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port
 
 PREDECESSOR_GRACE_S = 60.0
 """How long a restarted role waits for its predecessor's process to end before killing it."""
@@ -48,7 +48,9 @@ class RoleResources(Config):
     num_cpus: float = Field(1.0, ge=0)
     """CPU cores Ray reserves for the role on its node."""
     num_gpus: float = Field(0.0, ge=0)
-    """GPUs Ray reserves for the role (it sees only those, as CUDA_VISIBLE_DEVICES)."""
+    """GPUs Ray reserves for the role, which sees only those (CUDA_VISIBLE_DEVICES; none with 0,
+    so `auto` is the CPU). A fraction shares a GPU with other roles, each held to that share of
+    its memory. At most 1: a role's process computes on one GPU (several: `trainer_ranks`)."""
 
 
 class RayConfig(Config):
@@ -111,6 +113,13 @@ class RayConfig(Config):
             )
         if self.trainer_ranks > 1 and self.trainer.num_cpus == 0 and self.trainer.num_gpus == 0:
             raise ValueError("trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0 (a rank's bundle)")
+        for role in ("trainer", "server", "orchestrator"):
+            if getattr(self, role).num_gpus > 1:
+                more = " (trainer_ranks = N: N processes of one GPU each)" if role == "trainer" else ""
+                raise ValueError(
+                    f"{role}.num_gpus = {getattr(self, role).num_gpus:g}: a role's process computes on one "
+                    f"GPU, the rest would sit reserved and idle{more}"
+                )
 
 
 def import_ray():
@@ -119,6 +128,22 @@ def import_ray():
     except ImportError:
         raise ConfigError("placement.backend = 'ray' needs Ray: pip install 'whetstone[ray]' on every node") from None
     return ray
+
+
+def gpu_environment(num_gpus: float) -> dict[str, str]:
+    """The environment that gives a role's process (in an actor that asked for `num_gpus`)
+    exactly the GPUs Ray assigned it, whatever Ray itself set: CUDA_VISIBLE_DEVICES listing them,
+    empty for none (Ray leaves it unset for an actor without GPUs in recent versions, and for
+    every actor under RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES: the process would see every
+    GPU of the node); and for a fraction of one GPU, that share of its memory (as roles sharing a
+    GPU on one machine get, `utils.processes.limit_gpu_memory`)."""
+    import ray
+
+    gpus = [str(gpu) for gpu in ray.get_gpu_ids()]
+    env = {"CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+    if gpus and 0 < num_gpus < 1:
+        env[GPU_MEMORY_ENV] = f"cuda:0={num_gpus:.6g}"
+    return env
 
 
 def wait_for_predecessor(pid_path: Path, grace_s: float = PREDECESSOR_GRACE_S) -> None:
@@ -165,14 +190,17 @@ class RoleActor:
     """Runs one role's process on its node (a Ray actor class once `ray.remote` wraps it). A
     server picks a free port there and announces the node's address."""
 
-    def __init__(self, name: str, command: str, config: dict, config_path: str, log_path: str, threads: int):
+    def __init__(
+        self, name: str, command: str, config: dict, config_path: str, log_path: str, threads: int, num_gpus: float
+    ):
         if command == "serve":
             config = self._place_server(config)
         pid_path = Path(config_path).with_suffix(".pid")
         wait_for_predecessor(pid_path)
         atomic_write_text(config_path, config.pop("toml"))
         self.url = config.get("url", "")
-        self.role = RoleProcess(name, [command, config_path], log_path, threads=threads).start()
+        env = gpu_environment(num_gpus)
+        self.role = RoleProcess(name, [command, config_path], log_path, threads=threads, env=env).start()
         atomic_write_text(pid_path, f"{socket.gethostname()} {self.role.process.pid}\n")
 
     @staticmethod
@@ -229,7 +257,7 @@ class RayRole(RoleProcess):
             **self.options,
         )
         self.handle = actor.remote(
-            self.name, self.command, data, str(self.config_path), str(self.log_path), self.threads
+            self.name, self.command, data, str(self.config_path), str(self.log_path), self.threads, self.asks.num_gpus
         )
         try:
             self.url = ray.get(self.handle.address.remote(), timeout=self.timeout_s)  # placed and started

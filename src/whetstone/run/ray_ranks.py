@@ -36,7 +36,8 @@ def rank_environments(places: list[dict]) -> list[dict[str, str]]:
     """The torch.distributed environment of each rank, from where each rank's actor is
     (`RankActor.where`: node id and address, its GPU ids, a free port). A node's ranks are
     numbered in rank order (LOCAL_RANK); ranks with GPUs see all of their node's ranks' GPUs
-    (CUDA_VISIBLE_DEVICES) and take the one Ray gave them, at index LOCAL_RANK."""
+    (CUDA_VISIBLE_DEVICES) and take the one Ray gave them, at index LOCAL_RANK; ranks without
+    see none."""
     master = {"MASTER_ADDR": places[0]["ip"], "MASTER_PORT": str(places[0]["port"])}
     envs = []
     for rank, place in enumerate(places):
@@ -51,6 +52,8 @@ def rank_environments(places: list[dict]) -> list[dict[str, str]]:
         if place["gpus"]:
             gpus = sorted({gpu for p in mates for gpu in p["gpus"]}, key=_gpu_order)
             env.update(CUDA_VISIBLE_DEVICES=",".join(gpus), LOCAL_RANK=str(gpus.index(place["gpus"][0])))
+        else:  # no GPU, whatever Ray left in the environment (`ray_launch.gpu_environment`)
+            env["CUDA_VISIBLE_DEVICES"] = ""
         envs.append(env)
     return envs
 
