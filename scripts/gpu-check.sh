@@ -47,7 +47,7 @@ TRAIN_S=${TRAIN_S:-75}
 INFERENCE_S=${INFERENCE_S:-240}  # transformers' default cache: 48 ms a step on an H100
 RL_S=${RL_S:-120}
 CONSISTENCY_S=${CONSISTENCY_S:-120}
-RL_INVARIANT_S=${RL_INVARIANT_S:-240}  # fp32 weights published, Triton compiling in both processes
+RL_INVARIANT_S=${RL_INVARIANT_S:-240}  # Triton compiling in both processes
 RUN_S=${RUN_S:-0}
 BENCH_RUNS=${BENCH_RUNS-train inference rl consistency}  # "" runs no section
 read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"

@@ -161,6 +161,7 @@ def test_the_whole_command_runs_end_to_end_on_the_cpu(tmp_path):
     roles = tmp_path / "rl" / "roles"  # the roles ran in the bench's dtype and numerics
     trainer, serve = (tomllib.loads((roles / name).read_text()) for name in ("trainer.toml", "serve-0.toml"))
     assert (trainer["dtype"], trainer["numerics"]) == ("bfloat16", "invariant")
+    assert trainer["sync"]["publish_dtype"] == "autocast"  # what a bf16 trainer computes with: 0 mismatch
     assert (serve["engine"]["dtype"], serve["engine"]["numerics"]) == ("bfloat16", "invariant")
 
 

@@ -6,6 +6,7 @@ import torch
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.layout import (
     MIN_OUTPUTS,
+    autocast_tables,
     cat_rows,
     flat_storage,
     in_storage_order,
@@ -119,3 +120,23 @@ def test_a_serving_copy_on_another_device_leaves_the_callers_model_where_it_is()
     dtypes = {name: p.dtype for name, p in served.named_parameters()}
     assert dtypes["layers.0.self_attn.q_proj.weight"] == torch.bfloat16
     assert dtypes["embed_tokens.weight"] == dtypes["norm.weight"] == torch.float32
+
+
+def test_autocast_publishing_sends_exactly_what_a_bf16_engine_holds():
+    # sync.publish_dtype = "autocast": each tensor in the dtype, and with the values, of the bf16
+    # serving copy (matrices bf16, embedding tables (a tied head) and norms fp32): nothing rounded
+    # that the trainer's autocast does not round itself
+    from whetstone.sync.publisher import prepare_state
+
+    for tied in (True, False):
+        torch.manual_seed(0)
+        model = Transformer(CFG.model_copy(update={"tie_word_embeddings": tied}))
+        tables = autocast_tables(model)
+        assert tables == ({"embed_tokens.weight", "lm_head.weight"} if tied else {"embed_tokens.weight"})
+        published = prepare_state(model.state_dict(), "autocast", tables)
+        served = serving_copy(model, torch.device("cpu"), torch.bfloat16).state_dict()
+        assert published.keys() == served.keys()
+        for name, tensor in published.items():
+            assert tensor.dtype == served[name].dtype and torch.equal(tensor, served[name]), name
+        assert published["layers.0.self_attn.q_proj.weight"].dtype == torch.bfloat16
+        assert published["norm.weight"].dtype == torch.float32

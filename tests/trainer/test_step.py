@@ -179,3 +179,8 @@ def test_invariant_numerics_refuse_rounded_published_weights(config_type):
         config_type(numerics="invariant")
     assert config_type(numerics="invariant", sync={"publish_dtype": "float32"}).numerics == "invariant"
     assert config_type(numerics="invariant", sync={"publish_dtype": "keep"}).numerics == "invariant"
+    # autocast publishing rounds only what a bf16 forward rounds itself
+    autocast = {"publish_dtype": "autocast"}
+    assert config_type(numerics="invariant", dtype="bfloat16", sync=autocast).sync.publish_dtype == "autocast"
+    with pytest.raises(ValueError, match=r"'autocast' rounds them: .* \(or 'autocast', with dtype = 'bfloat16'\)"):
+        config_type(numerics="invariant", dtype="float32", sync=autocast)

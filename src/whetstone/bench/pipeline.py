@@ -220,10 +220,10 @@ def pipeline_config(
     trainer = TrainerConfig(
         checkpoint_interval=steps,
         poll_interval=POLL_S,
-        # invariant numerics need the servers to hold the trainer's fp32 weights
+        # invariant numerics need the servers to hold the weights the trainer computes with
         sync=SyncConfig(
             poll_interval=POLL_S,
-            publish_dtype="float32" if numerics == "invariant" else "bfloat16",
+            publish_dtype=("autocast" if dtype == "bfloat16" else "float32") if numerics == "invariant" else "bfloat16",
             workers=sync_workers,
         ),
         dtype=dtype,

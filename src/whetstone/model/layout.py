@@ -61,6 +61,13 @@ def to_column_major(model: nn.Module) -> nn.Module:
     return model
 
 
+def autocast_tables(model: nn.Module) -> frozenset[str]:
+    """The names in `model.state_dict()` of its embedding tables (a tied output head among them):
+    the matrices bf16 autocast and `serving_copy` leave in their dtype."""
+    tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    return frozenset(name for name, t in model.state_dict(keep_vars=True).items() if id(t) in tables)
+
+
 def serving_copy(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
     """`model` on `device` with its matmul weights (every parameter of two or more dims except
     the embedding tables, a tied output head being one) in `dtype` (None: their own). Tensors

@@ -156,7 +156,8 @@ class OnlineConfig(Config):
     """Kernels of the training forward and of the gate's engine: set it to the servers'
     `engine.numerics`. `invariant`: batch-invariant kernels; with the servers on them too (and
     the same dtype), the trainer's logprobs equal the served ones bit for bit (docs/consistency.md).
-    Needs `sync.publish_dtype = "float32"`, so the servers hold the loop's weights unrounded."""
+    Needs `sync.publish_dtype = "float32"` (or `"autocast"` in bf16), so the servers hold the
+    weights the loop computes with unrounded."""
     gate: GateConfig = GateConfig()
     """Held-out evaluation of every candidate."""
     device: DeviceName = "auto"
@@ -180,5 +181,5 @@ class OnlineConfig(Config):
 
     @model_validator(mode="after")
     def _invariant_servers_hold_these_weights(self) -> "OnlineConfig":
-        check_unrounded_for_invariant(self.numerics, self.sync)
+        check_unrounded_for_invariant(self.numerics, self.sync, self.dtype)
         return self

@@ -31,6 +31,7 @@ import torch
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.model.hf import load_hf
+from whetstone.model.layout import autocast_tables
 from whetstone.online.config import OnlineConfig
 from whetstone.online.gate import Gate, Verdict
 from whetstone.online.samples import feedback_batch
@@ -92,7 +93,7 @@ class OnlineLoop:
         latest = self.weights.latest()
         if latest is not None and latest == self.version:
             return None
-        self.publisher = Publisher(self.weights, self.config.sync)
+        self.publisher = Publisher(self.weights, self.config.sync, autocast_tables(self.model))
         self.optimizer = self.new_optimizer()
         if latest is None:
             latest = self.publisher.publish(self.model.state_dict(), full=True).version

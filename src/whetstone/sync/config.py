@@ -14,8 +14,11 @@ class SyncConfig(Config):
     """Where weight versions live: a local directory, or s3://bucket/prefix."""
     endpoint_url: str | None = None
     """S3 endpoint for non-AWS object stores (MinIO, R2, moto); None means AWS."""
-    publish_dtype: Literal["bfloat16", "float16", "float32", "keep"] = "bfloat16"
-    """Dtype floating-point tensors are published in (trainer masters stay fp32); `keep` publishes as is."""
+    publish_dtype: Literal["bfloat16", "float16", "float32", "autocast", "keep"] = "bfloat16"
+    """Dtype floating-point tensors are published in (trainer masters stay fp32); `keep` publishes
+    as is; `autocast` the dtypes bf16 autocast computes with, which a bf16 engine holds: matmul
+    weights in bf16, embedding tables and norms in fp32 (the servers' values unrounded for a bf16
+    trainer, at about half the bytes of float32)."""
     keyframe_interval: int = Field(20, ge=1)
     """A full version every this many versions (Fireworks: every 20-30 steps)."""
     chain_budget: float = Field(1.0, gt=0)
@@ -36,11 +39,17 @@ class SyncConfig(Config):
     A mirror that cannot be written is caught up at the next publish."""
 
 
-def check_unrounded_for_invariant(numerics: str, sync: SyncConfig) -> None:
+def check_unrounded_for_invariant(numerics: str, sync: SyncConfig, dtype: str) -> None:
     """Refuse invariant numerics over weights published rounded: the servers compute with what is
-    published, and rounded weights are other weights, which no kernel can make agree."""
-    if numerics == "invariant" and sync.publish_dtype in ("bfloat16", "float16"):
+    published, and rounded weights are other weights, which no kernel can make agree. (`autocast`
+    rounds only what a bf16 trainer's autocast rounds, to the same values.)"""
+    rounded = sync.publish_dtype in ("bfloat16", "float16") or (
+        sync.publish_dtype == "autocast" and dtype != "bfloat16"
+    )
+    if numerics == "invariant" and rounded:
+        also = " (or 'autocast', with dtype = 'bfloat16')" if dtype != "bfloat16" else " or 'autocast'"
         raise ValueError(
-            f"numerics = 'invariant' matches the servers bit for bit only on the trainer's own weights, "
-            f"but sync.publish_dtype = {sync.publish_dtype!r} rounds them: set sync.publish_dtype = 'float32'"
+            f"numerics = 'invariant' matches the servers bit for bit only on the weights the trainer computes "
+            f"with, but sync.publish_dtype = {sync.publish_dtype!r} rounds them: set sync.publish_dtype = "
+            f"'float32'{also}"
         )

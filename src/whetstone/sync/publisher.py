@@ -51,17 +51,22 @@ class Published(NamedTuple):
     """From hand-over (the copy included) until the version was in the store and the mirrors."""
 
 
-def prepare_state(state: dict[str, torch.Tensor], publish_dtype: str) -> dict[str, torch.Tensor]:
+def prepare_state(
+    state: dict[str, torch.Tensor], publish_dtype: str, tables: frozenset[str] = frozenset()
+) -> dict[str, torch.Tensor]:
     """The tensors as published: floats in `publish_dtype`, contiguous, copied off the trainer
     onto the host. A GPU's tensors are cast where they are, then copied: the GPU casts in a
     moment and the copy moves half the bytes (a 380M model's fp32 weights take ~0.8 s to cast on
-    one CPU core)."""
-    target = None if publish_dtype == "keep" else DTYPES[publish_dtype]
+    one CPU core). `autocast`: matrices in bf16 except `tables` (the embedding tables, a tied head
+    among them: `model.layout.autocast_tables`), every other float in fp32."""
+    target = None if publish_dtype in ("keep", "autocast") else DTYPES[publish_dtype]
     published = {}
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             raise WhetstoneError(f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor")
         tensor = tensor.detach()
+        if publish_dtype == "autocast" and tensor.is_floating_point():
+            target = torch.bfloat16 if tensor.dim() >= 2 and name not in tables else torch.float32
         dtype = target if target is not None and tensor.is_floating_point() else tensor.dtype
         dtype_name(dtype)  # rejects dtypes sync cannot carry, naming them
         if tensor.device.type == "cpu":
@@ -72,9 +77,12 @@ def prepare_state(state: dict[str, torch.Tensor], publish_dtype: str) -> dict[st
 
 
 class Publisher:
-    def __init__(self, store: WeightStore, config: SyncConfig | None = None):
+    def __init__(self, store: WeightStore, config: SyncConfig | None = None, tables: frozenset[str] = frozenset()):
+        """`tables`: the names of the state's embedding tables, which `publish_dtype = "autocast"`
+        keeps in fp32 (`model.layout.autocast_tables`)."""
         self.store = store
         self.config = config or SyncConfig()
+        self.tables = tables
         self._previous: dict[str, torch.Tensor] | None = None
         self._previous_manifest: Manifest | None = None
         self._keyframe_bytes = 0
@@ -107,7 +115,7 @@ class Publisher:
         return subscriber.version
 
     def prepare(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return prepare_state(state, self.config.publish_dtype)
+        return prepare_state(state, self.config.publish_dtype, self.tables)
 
     def publish(self, state: dict[str, torch.Tensor], full: bool = False) -> Manifest:
         """Publish `state` as the next version (a full one if `full`, or if the policy says so).

@@ -71,7 +71,8 @@ class TrainerConfig(Config):
     """`invariant`: batch-invariant kernels in the forward; with inference servers on the same
     `numerics` and `dtype`, the trainer's logprobs and router choices equal the rollout's bit for
     bit (importance ratio exactly 1 at staleness 0; docs/consistency.md, with its cost). Needs
-    `sync.publish_dtype = "float32"`, so the servers hold the trainer's weights unrounded."""
+    `sync.publish_dtype = "float32"` (or `"autocast"` in bf16), so the servers hold the weights
+    the trainer computes with unrounded."""
     optimizer_steps_per_batch: int = Field(1, ge=1)
     """PPO-style mini-batches: each batch's rows are shuffled and split into this many parts, one
     optimizer step each, then one weight version is published. Later parts train a policy that
@@ -103,5 +104,5 @@ class TrainerConfig(Config):
 
     @model_validator(mode="after")
     def _invariant_servers_hold_these_weights(self) -> "TrainerConfig":
-        check_unrounded_for_invariant(self.numerics, self.sync)
+        check_unrounded_for_invariant(self.numerics, self.sync, self.dtype)
         return self

@@ -18,6 +18,7 @@ import torch
 from whetstone.errors import CheckpointError, ConfigError
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf
+from whetstone.model.layout import autocast_tables
 from whetstone.rl.demos import load_demos
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.samples import Sample
@@ -85,7 +86,9 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
         if not config.demos_path:
             raise ConfigError("demo_coef > 0 needs demos_path (a JSONL file of demonstration transcripts)")
         demos = load_demos(config.demos_path, Tokenizer.load(config.model_path), config.demo_max_positions)
-    model = shard_model(load_hf(config.model_path), device)
+    loaded = load_hf(config.model_path)
+    tables = autocast_tables(loaded)  # before sharding: a tied head is still the table itself
+    model = shard_model(loaded, device)
     model.activation_checkpointing = config.activation_checkpointing
     optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
     reference = None
@@ -115,7 +118,7 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     initial = full_state_dict(model) if latest is None else None  # gathered by every rank
     publisher = None
     if weights is not None:
-        publisher = Publisher(weights, config.sync)
+        publisher = Publisher(weights, config.sync, tables)
         if latest is None:
             if state.step > 0:
                 raise CheckpointError(
