@@ -131,11 +131,15 @@ def test_on_ray_the_gpus_are_asked_of_ray_not_named(tmp_path):
         tiny_run(tmp_path, *RAY, 'placement.trainer_device="cuda"')
     with pytest.raises(ConfigError, match=r"server.num_gpus = 2: a role's process computes on one GPU"):
         tiny_run(tmp_path, *RAY, "placement.ray.server.num_gpus=2")
+    with pytest.raises(ConfigError, match=r"midtrain.run.device = 'cuda' with placement.ray.midtrain.num_gpus = 0"):
+        tiny_run(tmp_path, *RAY, "placement.ray.midtrain={num_cpus=1}", 'midtrain.run.device="cuda"')
     with pytest.raises(ConfigError, match=r"servers.engine = 'vllm' runs on one machine only"):
         tiny_run(tmp_path, *RAY, 'servers.engine="vllm"')
     # the trainer and the servers run on the cluster's GPUs, not this machine's: no complaint here
     config = tiny_run(tmp_path, *RAY, 'placement.trainer_device="cuda"', "placement.ray.trainer.num_gpus=1")
     check_run_config(config.resolved())
+    on_ray = ("placement.ray.midtrain={num_cpus=1, num_gpus=1}", 'midtrain.run.device="cuda"')
+    check_run_config(tiny_run(tmp_path, *RAY, *on_ray).resolved())  # mid-training too, with a GPU of the cluster
 
 
 def kill_when(condition, kill, state: dict) -> threading.Thread:
@@ -282,18 +286,23 @@ def trained_records(run) -> list[dict]:
 @pytest.mark.timeout(600)
 def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster):
     """The trainer as 2 torch.distributed ranks (FSDP2 over gloo), one Ray actor each on its own
-    node: every batch trained once, every version published once, by both ranks together."""
+    node: every batch trained once, every version published once, by both ranks together.
+    Mid-training runs as a Ray task (`placement.ray.midtrain`), its output in its own log."""
     config = tiny_run(
         tmp_path,
         *RAY,
         "placement.ray.trainer_ranks=2",
         'placement.ray.trainer_strategy="STRICT_SPREAD"',
         f'placement.ray.address="{ray_cluster.address}"',
+        "placement.ray.midtrain={num_cpus=1}",
     )
     pipeline = Pipeline(config)
-    pipeline.run()
+    summary = pipeline.run()
 
     run = tmp_path / "runs" / "tiny"
+    midtrain = summary["stages"]["midtrain"]
+    assert midtrain["finished"] and (run / "midtrain" / "model" / "config.json").exists()
+    assert "midtrain" in (run / "logs" / "midtrain.log").read_text()  # its progress, in its log
     group = role(pipeline, "trainer")
     assert len(set(group.nodes)) == 2 and group.restarts == 0
     assert_each_batch_trained_once(run, 3)

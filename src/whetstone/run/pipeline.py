@@ -236,6 +236,8 @@ class Pipeline:
     def midtrain(self) -> dict[str, Any]:
         from whetstone.midtrain.cli import run_midtrain
 
+        if self.launcher is not None and self.config.placement.ray.midtrain is not None:
+            return self.launcher.midtrain(self.config)  # on a node of the cluster
         summary = run_midtrain(self.config.midtrain, demos=demo_source(self.config))
         release_gpu_memory()  # mid-training ran in this process: its GPU memory goes to the roles
         return summary

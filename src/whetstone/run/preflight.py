@@ -77,9 +77,11 @@ def _problems(config: PipelineConfig) -> Iterator[str]:
 def _devices(config: PipelineConfig) -> Iterator[str]:
     """A device asked for that this machine does not have (`cuda` without a GPU, `cuda:N` past
     its GPUs), by config key. On Ray the trainer and the servers run elsewhere, on the GPUs Ray
-    gives them: only mid-training (run here) is checked."""
+    gives them, and so does mid-training with `placement.ray.midtrain` set."""
     placement = config.placement
-    keys = [("midtrain.run.device", config.midtrain.run.device)]
+    keys = []
+    if placement.backend == "local" or placement.ray.midtrain is None:
+        keys.append(("midtrain.run.device", config.midtrain.run.device))
     if config.rl_enabled and placement.backend == "local":
         keys.append(("placement.trainer_device", placement.trainer_device))
         keys += [(f"placement.server_devices[{i}]", name) for i, name in enumerate(placement.server_devices)]

@@ -16,6 +16,10 @@ as on one machine (`whetstone serve|trainer|orchestrator <role>.toml`), started 
     orchestrator  one actor, `ray.orchestrator` CPUs; it finds the servers in the registry
                   (`discover_servers`), so servers Ray restarts elsewhere join by themselves;
                   restarted by Ray if it dies, at the next batch index
+    midtrain      with `ray.midtrain` set, one Ray task with those resources (`midtrain_task`),
+                  its output in logs/midtrain.log; else in the process of `whetstone run`
+
+Each role's process sees exactly the GPUs Ray gave its actor (`gpu_environment`).
 
 The run folder must be a directory every node sees (role configs, logs, the mid-trained model,
 checkpoints); the weight and batch stores are there too, or on S3. A role's process ends with its
@@ -73,6 +77,10 @@ class RayConfig(Config):
     """Resources of every inference server."""
     orchestrator: RoleResources = RoleResources()
     """Resources of the orchestrator (its sandboxes run on its node)."""
+    midtrain: RoleResources | None = None
+    """Where mid-training runs: unset, in the process of `whetstone run` (on that machine's
+    device); set (e.g. `{ num_cpus = 8, num_gpus = 1 }`), as a Ray task on a node that offers
+    these resources, its output in `logs/midtrain.log`."""
     server_clusters: list[str] = Field(["default"], min_length=1)
     """Cluster label of server i (entry i modulo the list's length). A label other than
     `default` also places the server: only on nodes offering the resource `cluster:<label>`."""
@@ -113,8 +121,8 @@ class RayConfig(Config):
             )
         if self.trainer_ranks > 1 and self.trainer.num_cpus == 0 and self.trainer.num_gpus == 0:
             raise ValueError("trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0 (a rank's bundle)")
-        for role in ("trainer", "server", "orchestrator"):
-            if getattr(self, role).num_gpus > 1:
+        for role in ("trainer", "server", "orchestrator", "midtrain"):
+            if getattr(self, role) is not None and getattr(self, role).num_gpus > 1:
                 more = " (trainer_ranks = N: N processes of one GPU each)" if role == "trainer" else ""
                 raise ValueError(
                     f"{role}.num_gpus = {getattr(self, role).num_gpus:g}: a role's process computes on one "
@@ -184,6 +192,30 @@ def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:
             raise WhetstoneError(f"{role.name} still runs after {timeout_s:g} s")
         time.sleep(0.5)
     return code
+
+
+def midtrain_task(config: dict, log_path: str, num_gpus: float) -> dict:
+    """Mid-training of the run `config` (a `PipelineConfig`, as JSON) on this node, its output
+    (stdout and stderr, as they come) appended to `log_path`; its summary. Run as a Ray task in a
+    worker of its own (`max_calls=1`), so nothing has used CUDA before the GPUs are set."""
+    import contextlib
+
+    os.environ.update(gpu_environment(num_gpus))
+    from whetstone.midtrain.cli import run_midtrain
+    from whetstone.run.config import PipelineConfig
+    from whetstone.run.pipeline import demo_source
+    from whetstone.utils.processes import limit_gpu_memory
+
+    limit_gpu_memory(os.environ.pop(GPU_MEMORY_ENV, ""))
+    pipeline = PipelineConfig.model_validate(config)
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a", buffering=1) as log, contextlib.ExitStack() as restore:
+        for stream in (1, 2):  # the file descriptors: progress bars, warnings and C code alike
+            saved = os.dup(stream)
+            restore.callback(os.close, saved)
+            restore.callback(os.dup2, saved, stream)
+            os.dup2(log.fileno(), stream)
+        return run_midtrain(pipeline.midtrain, demos=demo_source(pipeline))
 
 
 class RoleActor:
@@ -336,6 +368,20 @@ class RayLauncher:
         if self._started_ray:
             import_ray().shutdown()
             self._started_ray = False
+
+    def midtrain(self, config) -> dict:
+        """Mid-training of the run `config` as a Ray task with `midtrain` resources; its summary."""
+        ray = import_ray()
+        self.connect()
+        asks = self.config.midtrain
+        log_path = self.run_dir / "logs" / "midtrain.log"
+        task = ray.remote(max_calls=1, max_retries=0)(midtrain_task).options(
+            num_cpus=asks.num_cpus, num_gpus=asks.num_gpus
+        )
+        try:
+            return ray.get(task.remote(config.model_dump(mode="json"), str(log_path), asks.num_gpus))
+        except ray.exceptions.RayTaskError as err:
+            raise WhetstoneError(f"mid-training on the Ray cluster failed (see {log_path}): {err.cause}") from None
 
     def role(self, name: str, command: str, config) -> RoleProcess:
         if command == "trainer" and self.config.trainer_ranks > 1:
