@@ -164,3 +164,6 @@ def test_the_command_reports_a_case_per_store(rl_run, tmp_path):
     cases = {case["name"]: case for case in json.loads(result.stdout)["cases"]}
     assert [p["versions"] for p in cases[f"whetstone-rl-{rl_run.name}"]["pairs"]] == [[1, 2], [2, 3]]
     assert "whetstone run" in cases["whetstone-rl-nothing"]["skipped"]
+    # publishing what a bf16 trainer computes with (autocast) against its fp32 masters: smaller
+    unrounded = cases["whetstone-tiny-rl-lr1e-06-float32"], cases["whetstone-tiny-rl-lr1e-06-autocast"]
+    assert unrounded[1]["raw_mb"] < unrounded[0]["raw_mb"] and unrounded[1]["encoded_mb"] < unrounded[0]["encoded_mb"]

@@ -111,8 +111,12 @@ def _entropy_bits(old: np.ndarray, new: np.ndarray, is_float: bool) -> float:
     return mask_bits - float((counts * np.log2(counts / k)).sum())
 
 
-def delta_case(name: str, old_masters: dict, new_masters: dict, config: SyncConfig, repeats: int) -> dict:
-    old, new = prepare_state(old_masters, config.publish_dtype), prepare_state(new_masters, config.publish_dtype)
+def delta_case(
+    name: str, old_masters: dict, new_masters: dict, config: SyncConfig, repeats: int, tables=frozenset()
+) -> dict:
+    """`tables`: the embedding tables, for `publish_dtype = "autocast"`."""
+    old = prepare_state(old_masters, config.publish_dtype, tables)
+    new = prepare_state(new_masters, config.publish_dtype, tables)
     raw = sum(t.numel() * t.element_size() for t in new.values())
     plan = plan_chunks([(k, t.numel()) for k, t in new.items()], config.chunk_elements)
 
@@ -316,9 +320,19 @@ def run(
     ]
     from whetstone.training.config import OptimizerConfig
 
+    steps = {}
     for label, lr in [("midtrain", OptimizerConfig().lr), ("rl", 1e-6)]:
-        before, after = tiny_model_steps(lr, steps=4, seed=seed)
-        cases.append(delta_case(f"whetstone-tiny-{label}-lr{lr:g}", before, after, config, repeats))
+        steps[label] = tiny_model_steps(lr, steps=4, seed=seed)
+        cases.append(delta_case(f"whetstone-tiny-{label}-lr{lr:g}", *steps[label], config, repeats))
+    # the RL step as invariant numerics need the servers to hold it: the fp32 masters, or in bf16
+    # what the trainer's autocast computes with
+    from whetstone.model import ModelConfig, Transformer
+    from whetstone.model.layout import autocast_tables
+
+    tables = autocast_tables(Transformer(ModelConfig()))
+    for dtype in ("float32", "autocast"):
+        unrounded = config.model_copy(update={"publish_dtype": dtype})
+        cases.append(delta_case(f"whetstone-tiny-rl-lr1e-06-{dtype}", *steps["rl"], unrounded, repeats, tables))
     cases += [rl_store_case(path, config, repeats, rl_pairs) for path in rl_stores or ["runs/default/weights"]]
     result = {
         "benchmark": "sync",
