@@ -127,3 +127,36 @@ def test_a_version_the_engine_could_not_take_for_now_goes_in_with_the_next(model
     assert follower.report().problem is None and follower.refusals == 1
     served = engine.model.state_dict()
     assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())
+
+
+def test_a_version_refused_for_a_moment_is_taken_once_it_fits_without_a_newer_one(model, tmp_path, monkeypatch):
+    # the last version of a run (or an online update): nothing newer comes to retry it with
+    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
+    store = WeightStore.open(config)
+    publisher = Publisher(store, config)
+    trained = tiny_model(seed=9)
+    publisher.publish(trained.state_dict())
+    engine = make_engine(model)
+    real_prepare, failures = engine_module.prepare, []
+
+    def out_of_memory_the_first_time(update, tensors):
+        if update.version == 1 and not failures:
+            failures.append(update.version)
+            raise torch.OutOfMemoryError("CUDA out of memory (for now)")
+        return real_prepare(update, tensors)
+
+    monkeypatch.setattr(engine_module, "prepare", out_of_memory_the_first_time)
+    engine.start()
+    follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
+    try:
+        wait_until(lambda: engine.version == 0, TIMEOUT_S)
+        with torch.no_grad():
+            trained.layers[1].mlp.experts.down_proj[0, :3] += 0.5
+        publisher.publish(trained.state_dict())
+        wait_until(lambda: engine.version == 1, TIMEOUT_S)  # retried alone, a second later
+    finally:
+        follower.stop()
+        engine.stop()
+    assert failures == [1] and follower.refusals == 1 and follower.report().problem is None
+    served = engine.model.state_dict()
+    assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())

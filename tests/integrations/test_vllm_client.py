@@ -84,7 +84,11 @@ def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(mon
 
     monkeypatch.setenv("WHETSTONE_VLLM_PYTHON", "/bin/sh")
     config = PipelineConfig.model_validate(
-        {"output_dir": str(tmp_path), "servers": {"engine": "vllm", "vllm_args": ["--max-num-seqs", "4"]}}
+        {
+            "output_dir": str(tmp_path),
+            "servers": {"engine": "vllm", "vllm_args": ["--max-num-seqs", "4"]},
+            "placement": {"server_devices": ["cpu"]},  # on any machine
+        }
     )
     launch = Pipeline(config).vllm_server(8123, 0)
     argv = launch["argv"]
@@ -92,11 +96,12 @@ def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(mon
     assert argv[argv.index("--model") + 1] == str(tmp_path / "default" / "midtrain" / "model")
     assert '"store":"' + str(tmp_path / "default" / "weights") + '"' in argv[argv.index("--sync") + 1]
     assert argv[-2:] == ["--max-num-seqs", "4"] and launch["env"]["PYTHONPATH"].startswith(str(tmp_path))
-    assert "--gpu-memory-utilization" not in argv and "CUDA_VISIBLE_DEVICES" not in launch["env"]  # on the CPU
+    assert "--gpu-memory-utilization" not in argv and "CUDA_VISIBLE_DEVICES" not in launch["env"]
 
 
-def test_a_vllm_server_on_a_shared_gpu_takes_its_share_and_its_gpu():
+def test_a_vllm_server_on_a_shared_gpu_takes_its_share_and_its_gpu(monkeypatch):
     # vLLM would otherwise take the first visible GPU and 90% of its memory, beside the trainer
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     assert gpu_placement(torch.device("cuda", 1), 0.25, ["--max-num-seqs", "4"]) == (
         ["--gpu-memory-utilization", "0.25"],
         {"CUDA_VISIBLE_DEVICES": "1"},
@@ -104,6 +109,9 @@ def test_a_vllm_server_on_a_shared_gpu_takes_its_share_and_its_gpu():
     assert gpu_placement(torch.device("cuda", 0), None, []) == ([], {"CUDA_VISIBLE_DEVICES": "0"})  # alone on it
     assert gpu_placement(torch.device("cuda", 0), 0.5, ["--gpu-memory-utilization=0.3"])[0] == []  # the user's
     assert gpu_placement(torch.device("cpu"), None, []) == ([], {})
+    # where the run itself sees some GPUs only, cuda:N is the N-th of them
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    assert gpu_placement(torch.device("cuda", 1), None, [])[1] == {"CUDA_VISIBLE_DEVICES": "3"}
 
 
 def test_a_run_on_vllm_without_vllms_python_stops_before_mid_training(monkeypatch, tmp_path):

@@ -18,7 +18,7 @@ from whetstone.online.cli import app
 from whetstone.online.config import OnlineConfig
 from whetstone.online.preferences import MatchesPattern
 from whetstone.online.simulator import UserSimulator
-from whetstone.online.weights import load_version
+from whetstone.online.weights import load_version, rollback
 from whetstone.sync import Publisher, SyncConfig, WeightStore
 
 
@@ -38,6 +38,21 @@ def test_rollback_republishes_an_earlier_version_as_the_newest(tmp_path):
     store = WeightStore.open(sync)
     assert store.latest() == 3 and store.manifest(3).kind == "full"
     assert torch.equal(load_version(store, sync, 3)["w"], torch.full((4, 4), 1.0))
+
+
+def test_rollback_republishes_a_version_with_its_bits_whatever_the_publish_dtype(tmp_path):
+    # an embedding table published in fp32 beside bf16 matrices (publish_dtype = "autocast"):
+    # republished as it is, not rounded by the dtype the store is configured with
+    sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="autocast")
+    publisher = Publisher(WeightStore.open(sync), sync, tables=frozenset({"embed_tokens.weight"}))
+    table = torch.randn(8, 4)
+    for version in range(2):
+        publisher.publish({"embed_tokens.weight": table + version, "proj.weight": torch.randn(4, 4)})
+    rollback(sync, 0)
+    store = WeightStore.open(sync)
+    again, first = load_version(store, sync, 2), load_version(store, sync, 0)
+    assert again["embed_tokens.weight"].dtype == torch.float32 and torch.equal(again["embed_tokens.weight"], table)
+    assert all(torch.equal(again[name], first[name]) and again[name].dtype == first[name].dtype for name in first)
 
 
 def test_rollback_refuses_what_it_cannot_do(tmp_path):

@@ -6,6 +6,7 @@ and `cluster:us`, and take one inference server each, following its cluster's ow
 `us` cluster killed; the orchestrator and the trainer killed and restarted; a trainer rank lost."""
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -302,7 +303,7 @@ def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster):
     run = tmp_path / "runs" / "tiny"
     midtrain = summary["stages"]["midtrain"]
     assert midtrain["finished"] and (run / "midtrain" / "model" / "config.json").exists()
-    assert "midtrain" in (run / "logs" / "midtrain.log").read_text()  # its progress, in its log
+    assert re.search(r"midtrain \S+: [\d,]+/[\d,]+ tok", (run / "logs" / "midtrain.log").read_text())  # its progress
     group = role(pipeline, "trainer")
     assert len(set(group.nodes)) == 2 and group.restarts == 0
     assert_each_batch_trained_once(run, 3)
@@ -378,7 +379,7 @@ def test_a_lost_trainer_rank_restarts_the_whole_group_which_replays(tmp_path, ra
 def test_ranks_no_node_can_hold_are_refused_with_what_was_asked(tmp_path, ray_cluster):
     import ray
 
-    from whetstone.run.ray_launch import RayConfig
+    from whetstone.run.ray_launch import RayConfig, RayLauncher
     from whetstone.run.ray_ranks import RankGroup
     from whetstone.trainer.config import TrainerConfig
 
@@ -387,6 +388,10 @@ def test_ranks_no_node_can_hold_are_refused_with_what_was_asked(tmp_path, ray_cl
     try:
         with pytest.raises(WhetstoneError, match=r"trainer: 2 bundles of \{'CPU': 64.0\} \(PACK\) were not placed"):
             RankGroup("trainer", TrainerConfig(), tmp_path, asks).start()
+        # mid-training asking for a GPU of a cluster without any: an error, not a wait for ever
+        midtrain = RayLauncher(RayConfig(midtrain={"num_gpus": 1}, place_timeout_s=2), tmp_path)
+        with pytest.raises(WhetstoneError, match=r"mid-training was not placed .* offer \{'CPU': 1.0, 'GPU': 1.0\}"):
+            midtrain.midtrain(tiny_run(tmp_path, *RAY).resolved())
         assert ray.util.placement_group_table() and all(
             group["state"] == "REMOVED" for group in ray.util.placement_group_table().values()
         )

@@ -30,6 +30,11 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path):
     (tmp_path / "bad.safetensors").write_bytes(b"not a checkpoint")
     result = runner.invoke(app, ["publish", str(tmp_path / "w"), str(tmp_path / "bad.safetensors")])
     assert result.exit_code != 0 and "not a readable safetensors file" in str(result.exception)
+    # autocast publishing needs to know the embedding tables, which a bare state dict does not say
+    result = runner.invoke(
+        app, ["publish", str(tmp_path / "w"), str(tmp_path / "bad.safetensors"), "--dtype", "autocast"]
+    )
+    assert result.exit_code != 0 and "--dtype autocast needs the model's embedding tables" in str(result.exception)
     result = runner.invoke(app, ["publish", str(tmp_path / "w"), str(tmp_path / "missing.safetensors")])
     assert "does not exist" in str(result.exception)
 

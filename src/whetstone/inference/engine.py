@@ -93,7 +93,8 @@ class Engine:
         self.device = resolve_device(config.device)
         # in bf16, the values autocast would compute with, kept: the bits of the trainer's
         # forward, which casts its fp32 weights the same way in every matmul, so invariant
-        # numerics keep them too. The caller's model stays where and as it is.
+        # numerics keep them too. The caller's model stays on its device and in its dtype; what is
+        # already right is shared with it (and takes the engine's weight swaps).
         model = serving_copy(model.eval(), self.device, torch.bfloat16 if config.dtype == "bfloat16" else None)
         # the serving layout (faster CPU decode, same values); invariant numerics keep the trainer's
         serving_layout = config.numerics == "fast" and self.device.type == "cpu"

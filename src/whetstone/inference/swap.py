@@ -132,6 +132,11 @@ def write(update: PreparedUpdate) -> float:
     return time.perf_counter() - start
 
 
+RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0
+"""How soon a `WeightFollower` retries a version the engine refused when no newer one came, and
+how far the wait doubles to."""
+
+
 class WeightFollower:
     """Feeds the engine every version a weight-sync `Subscriber` decodes, from its own thread, and
     reports (`report`, logged as it changes) when the server cannot take the store's newest
@@ -145,7 +150,10 @@ class WeightFollower:
         self._unapplied: WeightUpdate | None = None
         """What the engine refused, merged with every version since: the subscriber hands each
         version over once, and a later delta written without it would leave the values only it
-        changed stale (serving weights of no version)."""
+        changed stale (serving weights of no version). Retried with each new version, and alone
+        after `_retry_in` seconds (doubling up to RETRY_MAX_S): a GPU short of memory for a
+        moment takes it once memory is free, even when no version follows."""
+        self._retry_in, self._retry_at = RETRY_FIRST_S, 0.0
         self._problem: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -188,16 +196,27 @@ class WeightFollower:
             held = self.subscriber.version
             self.subscriber.wait_for(0 if held is None else held + 1, timeout=self.poll_seconds)
             update = self.subscriber.take_update()
-            if update is not None:
-                if self._unapplied is not None:  # retried with each new version
+            if self._unapplied is not None:
+                if update is not None:
                     update = merge_updates([self._unapplied, update])
-                try:
-                    self.engine.update_weights(update)
-                    self._unapplied = None
-                    self.refused.clear()
-                except Exception as err:  # another model's store, or no GPU memory for now: keep serving
-                    log.error("not applying weight version %d: %s", update.version, err)
-                    self._unapplied = update
-                    self.refused[update.version] = str(err)
-                    self.refusals += 1
+                elif time.monotonic() >= self._retry_at:
+                    update = self._unapplied
+            if update is not None:
+                self._apply(update)
             self._log_problem()
+
+    def _apply(self, update: WeightUpdate) -> None:
+        try:
+            self.engine.update_weights(update)
+        except Exception as err:  # another model's store, or no GPU memory for now: keep serving
+            if update.version not in self.refused:  # a retry of the same version says nothing new
+                log.error("not applying weight version %d: %s", update.version, err)
+                self.refusals += 1
+            self._unapplied = update
+            self.refused[update.version] = str(err)
+            self._retry_at = time.monotonic() + self._retry_in
+            self._retry_in = min(RETRY_MAX_S, 2 * self._retry_in)
+            return
+        self._unapplied = None
+        self.refused.clear()
+        self._retry_in = RETRY_FIRST_S

@@ -172,7 +172,10 @@ def gpu_placement(device: torch.device, share: float | None, vllm_args: list[str
     explicit `--gpu-memory-utilization` in `vllm_args` wins."""
     if device.type != "cuda":
         return [], {}
-    env = {"CUDA_VISIBLE_DEVICES": str(device.index)} if device.index is not None else {}
+    env = {}
+    if device.index is not None:  # cuda:N counts the GPUs this process sees: N of its own list, if it has one
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        env["CUDA_VISIBLE_DEVICES"] = visible.split(",")[device.index] if visible else str(device.index)
     given = any(arg.split("=")[0] == "--gpu-memory-utilization" for arg in vllm_args)
     return ([] if share is None or given else ["--gpu-memory-utilization", f"{share:.4g}"]), env
 

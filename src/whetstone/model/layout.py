@@ -71,10 +71,10 @@ def autocast_tables(model: nn.Module) -> frozenset[str]:
 def serving_copy(model: nn.Module, device: torch.device, dtype: torch.dtype | None = None) -> nn.Module:
     """`model` on `device` with its matmul weights (every parameter of two or more dims except
     the embedding tables, a tied output head being one) in `dtype` (None: their own). Tensors
-    already on `device` in that dtype are shared with `model`, which keeps its own weights and
-    stays where it is (a trainer may hold the same object); the model itself where nothing needs
-    a copy. Each weight goes to the device cast, so a host model is never whole on the GPU beside
-    its bf16 copy. The copies take no gradient: they serve."""
+    already on `device` in that dtype are shared with `model` (a trainer may hold the same
+    object), which stays on its device and keeps its other tensors; the model itself where
+    nothing needs a copy. Each weight goes to the device cast, so a host model is never whole on
+    the GPU beside its bf16 copy. The copies take no gradient: they serve."""
     tables = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     memo: dict[int, object] = {}
     with torch.inference_mode(False), torch.no_grad():

@@ -53,4 +53,7 @@ def rollback(config: SyncConfig, version: int) -> Manifest:
         raise WhetstoneError(f"the weight store {store!r} is empty: nothing to roll back")
     if version == latest:
         raise WhetstoneError(f"version {version} is already the newest in {store!r}")
-    return Publisher(store, config).publish(load_version(store, config, version), full=True)
+    # as they were published (`keep`): publishing them anew in publish_dtype could round them again
+    # (`autocast` would need the model's embedding tables, which a store does not name)
+    as_published = config.model_copy(update={"publish_dtype": "keep"})
+    return Publisher(store, as_published).publish(load_version(store, config, version), full=True)

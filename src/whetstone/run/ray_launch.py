@@ -33,6 +33,7 @@ import os
 import signal
 import socket
 import time
+import traceback
 from pathlib import Path
 from typing import Literal
 
@@ -121,6 +122,8 @@ class RayConfig(Config):
             )
         if self.trainer_ranks > 1 and self.trainer.num_cpus == 0 and self.trainer.num_gpus == 0:
             raise ValueError("trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0 (a rank's bundle)")
+        if self.midtrain is not None and self.midtrain.num_cpus == 0 and self.midtrain.num_gpus == 0:
+            raise ValueError("midtrain needs num_cpus or num_gpus > 0 (the node reserved for it)")
         for role in ("trainer", "server", "orchestrator", "midtrain"):
             if getattr(self, role) is not None and getattr(self, role).num_gpus > 1:
                 more = " (trainer_ranks = N: N processes of one GPU each)" if role == "trainer" else ""
@@ -215,7 +218,11 @@ def midtrain_task(config: dict, log_path: str, num_gpus: float) -> dict:
             restore.callback(os.close, saved)
             restore.callback(os.dup2, saved, stream)
             os.dup2(log.fileno(), stream)
-        return run_midtrain(pipeline.midtrain, demos=demo_source(pipeline))
+        try:
+            return run_midtrain(pipeline.midtrain, demos=demo_source(pipeline))
+        except BaseException:
+            traceback.print_exc()  # into the log, which the driver's error names
+            raise
 
 
 class RoleActor:
@@ -370,18 +377,37 @@ class RayLauncher:
             self._started_ray = False
 
     def midtrain(self, config) -> dict:
-        """Mid-training of the run `config` as a Ray task with `midtrain` resources; its summary."""
+        """Mid-training of the run `config` as a Ray task with `midtrain` resources, on a node
+        reserved for it first (an error after `place_timeout_s` when none offers them); its summary."""
         ray = import_ray()
+        from ray.util import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
         self.connect()
         asks = self.config.midtrain
         log_path = self.run_dir / "logs" / "midtrain.log"
-        task = ray.remote(max_calls=1, max_retries=0)(midtrain_task).options(
-            num_cpus=asks.num_cpus, num_gpus=asks.num_gpus
-        )
+        bundle = {kind: amount for kind, amount in (("CPU", asks.num_cpus), ("GPU", asks.num_gpus)) if amount}
+        group = placement_group([bundle])
         try:
-            return ray.get(task.remote(config.model_dump(mode="json"), str(log_path), asks.num_gpus))
-        except ray.exceptions.RayTaskError as err:
-            raise WhetstoneError(f"mid-training on the Ray cluster failed (see {log_path}): {err.cause}") from None
+            try:
+                ray.get(group.ready(), timeout=self.config.place_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise WhetstoneError(
+                    f"mid-training was not placed on the Ray cluster within {self.config.place_timeout_s:g} s: "
+                    f"does a node offer {bundle}? (placement.ray.midtrain)"
+                ) from None
+            task = ray.remote(max_calls=1, max_retries=0)(midtrain_task).options(
+                num_cpus=asks.num_cpus,
+                num_gpus=asks.num_gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
+            )
+            try:
+                return ray.get(task.remote(config.model_dump(mode="json"), str(log_path), asks.num_gpus))
+            except ray.exceptions.RayError as err:  # its error, or its worker lost (node gone, out of memory)
+                cause = getattr(err, "cause", None) or err
+                raise WhetstoneError(f"mid-training on the Ray cluster failed (see {log_path}): {cause}") from None
+        finally:
+            remove_placement_group(group)
 
     def role(self, name: str, command: str, config) -> RoleProcess:
         if command == "trainer" and self.config.trainer_ranks > 1:

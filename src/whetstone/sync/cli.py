@@ -46,7 +46,11 @@ def publish(
     endpoint_url: str | None = ENDPOINT,
 ) -> None:
     """Publish a checkpoint as the next version, as a delta on the latest one when possible."""
+    from whetstone.errors import ConfigError
     from whetstone.sync import Publisher
+
+    if dtype == "autocast":  # it keeps the embedding tables in fp32, which a bare state dict does not name
+        raise ConfigError("--dtype autocast needs the model's embedding tables: publish from the trainer, or use keep")
 
     weights, config = _open(store, endpoint_url, create=True, publish_dtype=dtype, keyframe_interval=keyframe_interval)
     publisher = Publisher(weights, config)
