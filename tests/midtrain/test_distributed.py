@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from whetstone.errors import ConfigError
 from whetstone.midtrain.loop import train
 from whetstone.model.hf import load_hf
 from whetstone.utils.metrics import read_metrics
+from whetstone.utils.processes import free_port
 
 # fp32, a constant learning rate after warm-up (so a run cut at any step keeps the straight run's
 # schedule), no load-balancing loss (taken over each rank's rows, it is not a sum over tokens)
@@ -92,3 +94,30 @@ def test_a_batch_the_ranks_cannot_share_equally_is_refused(make_config, monkeypa
     monkeypatch.setattr("whetstone.midtrain.setup.world", lambda: (0, 3))
     with pytest.raises(ConfigError, match=r"run.batch_size \(4\) must be a multiple of the 3 ranks"):
         train(make_config())
+
+
+def test_two_machines_sharing_a_corpus_cache_build_it_once(make_config, tmp_path):
+    # two ranks, each its machine's first (LOCAL_RANK 0), and one cache folder: rank 0 builds,
+    # the other machine's first rank finds it there instead of building into it at the same time
+    cache = tmp_path / "cache"  # empty: the session's shared cache may hold this corpus already
+    config = make_config(f'data.cache_dir="{cache}"')
+    config_file = tmp_path / "midtrain.toml"
+    config_file.write_text(dump_toml(config))
+    job = Path(__file__).with_name("two_machines_job.py")
+    env = {**os.environ, "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1"}
+    env["MASTER_PORT"] = str(free_port())
+    ranks = [
+        subprocess.Popen(
+            [sys.executable, str(job), str(config_file), str(tmp_path)],
+            env={**env, "RANK": str(rank)},
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    for rank in ranks:
+        assert rank.wait(timeout=300) == 0, rank.stderr.read()[-3000:]
+    counts = {rank: tmp_path / f"builds-{rank}" for rank in range(2)}
+    assert {rank: path.read_text().count("1") for rank, path in counts.items() if path.exists()} == {0: 1}
+    assert (tmp_path / "tokens-0").read_text() == (tmp_path / "tokens-1").read_text() != "0"
+    assert [entry.name for entry in cache.iterdir() if entry.name.startswith(".")] == []  # no build left half-way

@@ -98,11 +98,14 @@ def new_optimizer(config: MidtrainConfig, model: torch.nn.Module) -> torch.optim
 
 
 def _corpus_in_rank_order(config: MidtrainConfig, demos: DemoSource | None) -> Corpus:
-    """The built corpus. Under torchrun each machine's first rank (LOCAL_RANK 0) builds it (or
-    finds it in the cache) while the others wait, then they open it from the cache, so no two
-    ranks of a machine build into one cache folder."""
-    first = int(os.environ.get("LOCAL_RANK", "0")) == 0
-    corpus = build_corpus(corpus_config(config), demos) if first else None
+    """The built corpus. Under torchrun rank 0 builds it (or finds it in the cache) while the
+    others wait; then each other machine's first rank (LOCAL_RANK 0) finds it where the machines
+    share the cache folder, or builds its own where they do not; then the rest open it. So no two
+    ranks ever build into one cache folder at once."""
+    corpus = build_corpus(corpus_config(config), demos) if world()[0] == 0 else None
+    barrier()
+    if corpus is None and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        corpus = build_corpus(corpus_config(config), demos)
     barrier()
     return corpus if corpus is not None else build_corpus(corpus_config(config), demos)
 
