@@ -57,6 +57,10 @@ class RoleResources(Config):
     so `auto` is the CPU). A fraction shares a GPU with other roles, each held to that share of
     its memory. At most 1: a role's process computes on one GPU (several: `trainer_ranks`)."""
 
+    def bundle(self) -> dict[str, float]:
+        """These resources as a placement group bundle (what is 0 left out)."""
+        return {kind: amount for kind, amount in (("CPU", self.num_cpus), ("GPU", self.num_gpus)) if amount}
+
 
 class RayConfig(Config):
     """Where `placement.backend = "ray"` puts the roles."""
@@ -386,7 +390,7 @@ class RayLauncher:
         self.connect()
         asks = self.config.midtrain
         log_path = self.run_dir / "logs" / "midtrain.log"
-        bundle = {kind: amount for kind, amount in (("CPU", asks.num_cpus), ("GPU", asks.num_gpus)) if amount}
+        bundle = asks.bundle()
         group = placement_group([bundle])
         try:
             try:

@@ -131,8 +131,7 @@ class RankGroup(RoleProcess):
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.config_path, dump_toml(self.config) + "\n")
-        asks = self.ray_config.trainer
-        bundle = {kind: amount for kind, amount in (("CPU", asks.num_cpus), ("GPU", asks.num_gpus)) if amount}
+        bundle = self.ray_config.trainer.bundle()
         self.group = placement_group([bundle] * self.size, strategy=self.ray_config.trainer_strategy)
         try:
             ray.get(self.group.ready(), timeout=self.ray_config.place_timeout_s)

@@ -59,21 +59,26 @@ def prepare_state(
     moment and the copy moves half the bytes (a 380M model's fp32 weights take ~0.8 s to cast on
     one CPU core). `autocast`: matrices in bf16 except `tables` (the embedding tables, a tied head
     among them: `model.layout.autocast_tables`), every other float in fp32."""
-    target = None if publish_dtype in ("keep", "autocast") else DTYPES[publish_dtype]
     published = {}
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             raise WhetstoneError(f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor")
         tensor = tensor.detach()
-        if publish_dtype == "autocast" and tensor.is_floating_point():
-            target = torch.bfloat16 if tensor.dim() >= 2 and name not in tables else torch.float32
-        dtype = target if target is not None and tensor.is_floating_point() else tensor.dtype
+        dtype = _published_dtype(name, tensor, publish_dtype, tables)
         dtype_name(dtype)  # rejects dtypes sync cannot carry, naming them
         if tensor.device.type == "cpu":
             published[name] = tensor.to(dtype=dtype, copy=True).contiguous()
         else:
             published[name] = tensor.to(dtype=dtype).contiguous().cpu()
     return published
+
+
+def _published_dtype(name: str, tensor: torch.Tensor, publish_dtype: str, tables: frozenset[str]) -> torch.dtype:
+    if not tensor.is_floating_point() or publish_dtype == "keep":
+        return tensor.dtype
+    if publish_dtype == "autocast":
+        return torch.bfloat16 if tensor.dim() >= 2 and name not in tables else torch.float32
+    return DTYPES[publish_dtype]
 
 
 class Publisher:

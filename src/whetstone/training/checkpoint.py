@@ -35,6 +35,13 @@ FORMAT_VERSION = 1
 IMPLEMENTATION_KEYS = ("fused", "foreach", "capturable", "differentiable")
 """AdamW group settings that choose how a step is computed, not what it computes: kept from the
 optimizer a checkpoint loads into, not taken from the checkpoint."""
+
+
+def implementation(group: dict) -> dict:
+    """An optimizer group's `IMPLEMENTATION_KEYS` settings (a CUDA optimizer's fused AdamW, say)."""
+    return {key: group[key] for key in IMPLEMENTATION_KEYS if key in group}
+
+
 MODEL_FILE, OPTIMIZER_FILE, STATE_FILE = "model.safetensors", "optimizer.safetensors", "state.json"
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -238,8 +245,7 @@ def _optimizer_state_dict(file: Path, model, optimizer, moments: dict[str, torch
     # the saved groups' hyperparameters, this optimizer's implementation (a checkpoint written on
     # the CPU must not turn CUDA's fused AdamW into the for-each one, nor the reverse)
     groups = [
-        {**s, "betas": tuple(s["betas"]), **{k: c[k] for k in IMPLEMENTATION_KEYS if k in c}, "params": c["params"]}
-        for s, c in zip(saved, current)
+        {**s, "betas": tuple(s["betas"]), **implementation(c), "params": c["params"]} for s, c in zip(saved, current)
     ]
     return {"state": state, "param_groups": groups}
 

@@ -35,14 +35,14 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from whetstone.errors import ConfigError
 from whetstone.model import Transformer
-from whetstone.training.checkpoint import IMPLEMENTATION_KEYS, TrainState, load_checkpoint, save_checkpoint
+from whetstone.training.checkpoint import TrainState, implementation, load_checkpoint, save_checkpoint
 from whetstone.training.readback import read_back
 from whetstone.utils.device import resolve_device
 
 COLLECTIVE_TIMEOUT = timedelta(hours=1)
-"""How long a rank waits in a collective before the job is torn down. The first one waits for each
-machine's first rank to build the corpus (mid-training), which a large corpus can take longer than
-NCCL's default 10 minutes to do."""
+"""How long a rank waits in a collective before the job is torn down. Mid-training's first ones
+wait for the corpus to be built, which a large corpus can take longer than NCCL's default 10
+minutes to do."""
 
 T = TypeVar("T")
 NewOptimizer = Callable[[torch.nn.Module], torch.optim.Optimizer]
@@ -198,7 +198,7 @@ def load_sharded_checkpoint(
         # every rank takes these groups whole: with the plain CPU copy's implementation, a CUDA
         # optimizer would lose its fused AdamW (and its step counts would stay on the host)
         for group, own in zip(moments["param_groups"], optimizer.param_groups):
-            group.update({key: own[key] for key in IMPLEMENTATION_KEYS if key in own})
+            group.update(implementation(own))
     set_model_state_dict(model, weights, options=SCATTER)
     set_optimizer_state_dict(model, optimizer, moments, options=SCATTER)
     return broadcast(state)
