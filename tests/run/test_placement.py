@@ -21,6 +21,7 @@ from whetstone.model import Transformer
 from whetstone.run.config import PipelineConfig
 from whetstone.run.pipeline import Pipeline, run_pipeline
 from whetstone.run.placement import split_gpu_memory
+from whetstone.utils.processes import memory_cap
 
 GPU_PRESET = Path(__file__).parents[2] / "configs" / "gpu.toml"
 CUDA0, CUDA1, CPU = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
@@ -112,6 +113,13 @@ def test_the_gpu_preset_differs_from_the_default_run_only_where_it_says():
         "rl.orchestrator.rollout.concurrency",
         "eval.tasks.synth.count",
     }
+
+
+def test_a_roles_cap_leaves_its_cuda_context_outside_its_share():
+    h100 = 80 * 2**30
+    assert memory_cap(0.5, h100) == pytest.approx(0.5 - 1 / 80)  # a GiB for contexts and what torch does not hold
+    assert memory_cap(0.5, h100) + memory_cap(0.25, h100) * 2 == pytest.approx(1 - 3 / 80)
+    assert memory_cap(0.1, 8 * 2**30) == pytest.approx(0.05)  # a small GPU: never below half the share
 
 
 @pytest.mark.gpu

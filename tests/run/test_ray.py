@@ -95,13 +95,22 @@ def test_ranks_get_torchruns_environment_from_where_their_actors_are():
     gpu = [{**place, "gpus": [g]} for place, g in zip(cpu, ["3", "0", "1"])]
     envs = rank_environments(gpu)
     assert [(e["CUDA_VISIBLE_DEVICES"], e["LOCAL_RANK"]) for e in envs] == [("1,3", "1"), ("0", "0"), ("1,3", "0")]
+    assert not any(GPU_MEMORY_ENV in e for e in envs)
+    # one rank on half a GPU (mid-training sharing its node's GPU): held to half its memory
+    (alone,) = rank_environments([{**gpu[0], "gpus": ["3"]}], num_gpus=0.5)
+    assert (alone["CUDA_VISIBLE_DEVICES"], alone["LOCAL_RANK"], alone[GPU_MEMORY_ENV]) == ("3", "0", "cuda:0=0.5")
 
 
-def test_trainer_ranks_take_one_gpu_each_or_none(tmp_path):
+def test_ranks_take_one_gpu_each_or_none(tmp_path):
     with pytest.raises(ConfigError, match=r"trainer.num_gpus = 0.5 with trainer_ranks = 2: each rank takes one"):
         tiny_run(tmp_path, *RAY, "placement.ray.trainer_ranks=2", "placement.ray.trainer.num_gpus=0.5")
     with pytest.raises(ConfigError, match=r"trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0"):
         tiny_run(tmp_path, *RAY, "placement.ray.trainer_ranks=2", "placement.ray.trainer.num_cpus=0")
+    halves = ("placement.ray.midtrain_ranks=2", "placement.ray.midtrain={num_gpus=0.5}")
+    with pytest.raises(ConfigError, match=r"midtrain.num_gpus = 0.5 with midtrain_ranks = 2: each rank takes one"):
+        tiny_run(tmp_path, *RAY, *halves)
+    with pytest.raises(ConfigError, match=r"midtrain_ranks > 1 needs midtrain: the resources of each rank"):
+        tiny_run(tmp_path, *RAY, "placement.ray.midtrain_ranks=2")
 
 
 GPU_PROBE = """
@@ -288,7 +297,8 @@ def trained_records(run) -> list[dict]:
 def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster):
     """The trainer as 2 torch.distributed ranks (FSDP2 over gloo), one Ray actor each on its own
     node: every batch trained once, every version published once, by both ranks together.
-    Mid-training runs as a Ray task (`placement.ray.midtrain`), its output in its own log."""
+    Mid-training runs on the cluster too, as 2 ranks on two nodes (`placement.ray.midtrain`),
+    rank 0's output in its own log."""
     config = tiny_run(
         tmp_path,
         *RAY,
@@ -296,14 +306,18 @@ def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster):
         'placement.ray.trainer_strategy="STRICT_SPREAD"',
         f'placement.ray.address="{ray_cluster.address}"',
         "placement.ray.midtrain={num_cpus=1}",
+        "placement.ray.midtrain_ranks=2",
+        'placement.ray.midtrain_strategy="STRICT_SPREAD"',
     )
     pipeline = Pipeline(config)
     summary = pipeline.run()
 
     run = tmp_path / "runs" / "tiny"
     midtrain = summary["stages"]["midtrain"]
-    assert midtrain["finished"] and (run / "midtrain" / "model" / "config.json").exists()
+    assert midtrain["finished"] and midtrain["world_size"] == 2
+    assert (run / "midtrain" / "model" / "config.json").exists()
     assert re.search(r"midtrain \S+: [\d,]+/[\d,]+ tok", (run / "logs" / "midtrain.log").read_text())  # its progress
+    assert (run / "logs" / "midtrain-rank1.log").exists()
     group = role(pipeline, "trainer")
     assert len(set(group.nodes)) == 2 and group.restarts == 0
     assert_each_batch_trained_once(run, 3)
@@ -386,11 +400,11 @@ def test_ranks_no_node_can_hold_are_refused_with_what_was_asked(tmp_path, ray_cl
     asks = RayConfig(trainer_ranks=2, trainer={"num_cpus": 64}, place_timeout_s=2)
     ray.init(address=ray_cluster.address, log_to_driver=False, configure_logging=False)
     try:
-        with pytest.raises(WhetstoneError, match=r"trainer: 2 bundles of \{'CPU': 64.0\} \(PACK\) were not placed"):
-            RankGroup("trainer", TrainerConfig(), tmp_path, asks).start()
+        with pytest.raises(WhetstoneError, match=r"trainer was not placed .* offer 2 x \{'CPU': 64.0\} \(PACK\)\?"):
+            RankGroup("trainer", "trainer", TrainerConfig(), tmp_path, asks).start()
         # mid-training asking for a GPU of a cluster without any: an error, not a wait for ever
         midtrain = RayLauncher(RayConfig(midtrain={"num_gpus": 1}, place_timeout_s=2), tmp_path)
-        with pytest.raises(WhetstoneError, match=r"mid-training was not placed .* offer \{'CPU': 1.0, 'GPU': 1.0\}"):
+        with pytest.raises(WhetstoneError, match=r"midtrain was not placed .* offer 1 x \{'CPU': 1.0, 'GPU': 1.0\}"):
             midtrain.midtrain(tiny_run(tmp_path, *RAY).resolved())
         assert ray.util.placement_group_table() and all(
             group["state"] == "REMOVED" for group in ray.util.placement_group_table().values()

@@ -46,7 +46,11 @@ def midtrain(
     from whetstone.config import load_config
     from whetstone.midtrain.config import MidtrainConfig
 
-    summary = run_midtrain(load_config(MidtrainConfig, config, overrides))
+    print_summary(run_midtrain(load_config(MidtrainConfig, config, overrides)), as_json)
+
+
+def print_summary(summary: dict[str, Any], as_json: bool) -> None:
+    """Mid-training's summary as `whetstone midtrain` prints it (rank 0 alone, under torchrun)."""
     if summary["rank"] != 0:
         return  # under torchrun, rank 0 speaks for the job
     if as_json:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import typer
@@ -20,15 +21,31 @@ def run(
         help="Check the config (paths, task sources, cores, run folder) "
         "and print it as the stages would run it, as TOML; run nothing.",
     ),
+    midtrain_only: bool = typer.Option(
+        False,
+        "--midtrain-only",
+        help="Run only the mid-training stage, with the run's demonstrations (under torchrun: on "
+        "its ranks); a later `whetstone run` of the same config takes the finished model.",
+    ),
 ) -> None:
     """Mid-train, then asynchronous RL (servers, trainer, orchestrator as processes) with held-out
     evaluations before and after, into runs/<name>/ (summary.json, report.html, model/)."""
     from whetstone.config import dump_toml, load_config
+    from whetstone.errors import ConfigError
+    from whetstone.midtrain.cli import print_summary
     from whetstone.run.config import PipelineConfig
-    from whetstone.run.pipeline import run_pipeline
+    from whetstone.run.pipeline import midtrain_stage, run_pipeline
     from whetstone.run.preflight import check_run_config
 
     loaded = load_config(PipelineConfig, config, overrides)
+    if midtrain_only and not dry_run:
+        print_summary(midtrain_stage(loaded.resolved()), as_json)
+        return
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dry_run:
+        raise ConfigError(
+            "whetstone run under torchrun: only its mid-training runs on ranks (--midtrain-only); "
+            "start the whole run as one process (placement.ray.trainer_ranks shards its trainer)"
+        )
     if dry_run:
         resolved = loaded.resolved()
         check_run_config(resolved)

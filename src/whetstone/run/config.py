@@ -261,7 +261,7 @@ class PipelineConfig(Config):
             )
         asks = {"trainer": placement.ray.trainer.num_gpus, "server": placement.ray.server.num_gpus}
         devices = [("trainer", "placement.trainer_device", placement.trainer_device)]
-        if placement.ray.midtrain is not None:  # a Ray task too
+        if placement.ray.midtrain is not None:  # on the cluster too
             asks["midtrain"] = placement.ray.midtrain.num_gpus
             devices.append(("midtrain", "midtrain.run.device", self.midtrain.run.device))
         devices += [

@@ -94,6 +94,14 @@ def demo_source(config: PipelineConfig):
     return transcripts if config.demos.count else None
 
 
+def midtrain_stage(config: PipelineConfig) -> dict[str, Any]:
+    """The run's mid-training (`config` as resolved, with its demonstrations) in this process, or
+    under torchrun this rank's part of it; its summary."""
+    from whetstone.midtrain.cli import run_midtrain
+
+    return run_midtrain(config.midtrain, demos=demo_source(config))
+
+
 class Pipeline:
     def __init__(self, config: PipelineConfig):
         self.config = config.resolved()
@@ -234,11 +242,9 @@ class Pipeline:
     # -- stages -------------------------------------------------------------------------------
 
     def midtrain(self) -> dict[str, Any]:
-        from whetstone.midtrain.cli import run_midtrain
-
         if self.launcher is not None and self.config.placement.ray.midtrain is not None:
-            return self.launcher.midtrain(self.config)  # on a node of the cluster
-        summary = run_midtrain(self.config.midtrain, demos=demo_source(self.config))
+            return self.launcher.midtrain(self.config)  # on nodes of the cluster
+        summary = midtrain_stage(self.config)
         release_gpu_memory()  # mid-training ran in this process: its GPU memory goes to the roles
         return summary
 

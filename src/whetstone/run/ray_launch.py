@@ -16,8 +16,10 @@ as on one machine (`whetstone serve|trainer|orchestrator <role>.toml`), started 
     orchestrator  one actor, `ray.orchestrator` CPUs; it finds the servers in the registry
                   (`discover_servers`), so servers Ray restarts elsewhere join by themselves;
                   restarted by Ray if it dies, at the next batch index
-    midtrain      with `ray.midtrain` set, one Ray task with those resources (`midtrain_task`),
-                  its output in logs/midtrain.log; else in the process of `whetstone run`
+    midtrain      with `ray.midtrain` set, `ray.midtrain_ranks` actors with those resources
+                  each (one placement group, as the trainer's ranks), running `whetstone run
+                  --midtrain-only` of the run's config, rank 0's output in logs/midtrain.log;
+                  else in the process of `whetstone run`
 
 Each role's process sees exactly the GPUs Ray gave its actor (`gpu_environment`).
 
@@ -29,11 +31,11 @@ optional extra `whetstone[ray]`; nothing here imports it until a Ray run starts.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
 import time
-import traceback
 from pathlib import Path
 from typing import Literal
 
@@ -84,8 +86,15 @@ class RayConfig(Config):
     """Resources of the orchestrator (its sandboxes run on its node)."""
     midtrain: RoleResources | None = None
     """Where mid-training runs: unset, in the process of `whetstone run` (on that machine's
-    device); set (e.g. `{ num_cpus = 8, num_gpus = 1 }`), as a Ray task on a node that offers
-    these resources, its output in `logs/midtrain.log`."""
+    device); set (e.g. `{ num_cpus = 8, num_gpus = 1 }`), on the cluster, each of its
+    `midtrain_ranks` processes on a node that offers these resources, rank 0's output in
+    `logs/midtrain.log`."""
+    midtrain_ranks: int = Field(1, ge=1)
+    """Mid-training processes with `midtrain` set: the torch.distributed ranks of one FSDP2 job,
+    placed and restarted as the trainer's ranks are (`trainer_ranks`); a restarted group resumes
+    from mid-training's newest checkpoint."""
+    midtrain_strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    """How mid-training's ranks spread over nodes (as `trainer_strategy`)."""
     server_clusters: list[str] = Field(["default"], min_length=1)
     """Cluster label of server i (entry i modulo the list's length). A label other than
     `default` also places the server: only on nodes offering the resource `cluster:<label>`."""
@@ -126,8 +135,15 @@ class RayConfig(Config):
             )
         if self.trainer_ranks > 1 and self.trainer.num_cpus == 0 and self.trainer.num_gpus == 0:
             raise ValueError("trainer_ranks > 1 needs trainer.num_cpus or trainer.num_gpus > 0 (a rank's bundle)")
+        if self.midtrain is None and self.midtrain_ranks > 1:
+            raise ValueError("midtrain_ranks > 1 needs midtrain: the resources of each rank")
         if self.midtrain is not None and self.midtrain.num_cpus == 0 and self.midtrain.num_gpus == 0:
             raise ValueError("midtrain needs num_cpus or num_gpus > 0 (the node reserved for it)")
+        if self.midtrain is not None and self.midtrain_ranks > 1 and self.midtrain.num_gpus not in (0, 1):
+            raise ValueError(
+                f"midtrain.num_gpus = {self.midtrain.num_gpus:g} with midtrain_ranks = {self.midtrain_ranks}: "
+                "each rank takes one whole GPU (1) or none (0)"
+            )
         for role in ("trainer", "server", "orchestrator", "midtrain"):
             if getattr(self, role) is not None and getattr(self, role).num_gpus > 1:
                 more = " (trainer_ranks = N: N processes of one GPU each)" if role == "trainer" else ""
@@ -199,34 +215,6 @@ def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:
             raise WhetstoneError(f"{role.name} still runs after {timeout_s:g} s")
         time.sleep(0.5)
     return code
-
-
-def midtrain_task(config: dict, log_path: str, num_gpus: float) -> dict:
-    """Mid-training of the run `config` (a `PipelineConfig`, as JSON) on this node, its output
-    (stdout and stderr, as they come) appended to `log_path`; its summary. Run as a Ray task in a
-    worker of its own (`max_calls=1`), so nothing has used CUDA before the GPUs are set."""
-    import contextlib
-
-    os.environ.update(gpu_environment(num_gpus))
-    from whetstone.midtrain.cli import run_midtrain
-    from whetstone.run.config import PipelineConfig
-    from whetstone.run.pipeline import demo_source
-    from whetstone.utils.processes import limit_gpu_memory
-
-    limit_gpu_memory(os.environ.pop(GPU_MEMORY_ENV, ""))
-    pipeline = PipelineConfig.model_validate(config)
-    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a", buffering=1) as log, contextlib.ExitStack() as restore:
-        for stream in (1, 2):  # the file descriptors: progress bars, warnings and C code alike
-            saved = os.dup(stream)
-            restore.callback(os.close, saved)
-            restore.callback(os.dup2, saved, stream)
-            os.dup2(log.fileno(), stream)
-        try:
-            return run_midtrain(pipeline.midtrain, demos=demo_source(pipeline))
-        except BaseException:
-            traceback.print_exc()  # into the log, which the driver's error names
-            raise
 
 
 class RoleActor:
@@ -381,43 +369,26 @@ class RayLauncher:
             self._started_ray = False
 
     def midtrain(self, config) -> dict:
-        """Mid-training of the run `config` as a Ray task with `midtrain` resources, on a node
-        reserved for it first (an error after `place_timeout_s` when none offers them); its summary."""
-        ray = import_ray()
-        from ray.util import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        """Mid-training of the run `config` on the cluster: its `midtrain_ranks` processes placed
+        first (an error after `place_timeout_s` when no node offers them), then waited for; its
+        summary (rank 0's `summary.json`)."""
+        from whetstone.run.ray_ranks import RankGroup
 
         self.connect()
-        asks = self.config.midtrain
-        log_path = self.run_dir / "logs" / "midtrain.log"
-        bundle = asks.bundle()
-        group = placement_group([bundle])
+        group = RankGroup("midtrain", "midtrain", config, self.run_dir, self.config).start()
         try:
-            try:
-                ray.get(group.ready(), timeout=self.config.place_timeout_s)
-            except ray.exceptions.GetTimeoutError:
-                raise WhetstoneError(
-                    f"mid-training was not placed on the Ray cluster within {self.config.place_timeout_s:g} s: "
-                    f"does a node offer {bundle}? (placement.ray.midtrain)"
-                ) from None
-            task = ray.remote(max_calls=1, max_retries=0)(midtrain_task).options(
-                num_cpus=asks.num_cpus,
-                num_gpus=asks.num_gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=0),
-            )
-            try:
-                return ray.get(task.remote(config.model_dump(mode="json"), str(log_path), asks.num_gpus))
-            except ray.exceptions.RayError as err:  # its error, or its worker lost (node gone, out of memory)
-                cause = getattr(err, "cause", None) or err
-                raise WhetstoneError(f"mid-training on the Ray cluster failed (see {log_path}): {cause}") from None
+            group.wait()
+            group.check()
         finally:
-            remove_placement_group(group)
+            group.stop()
+        run = config.midtrain.run
+        return json.loads((Path(run.output_dir) / run.name / "summary.json").read_text())
 
     def role(self, name: str, command: str, config) -> RoleProcess:
         if command == "trainer" and self.config.trainer_ranks > 1:
             from whetstone.run.ray_ranks import RankGroup
 
-            return RankGroup(name, config, self.run_dir, self.config).start()
+            return RankGroup(name, "trainer", config, self.run_dir, self.config).start()
         resources = {"trainer": self.config.trainer, "orchestrator": self.config.orchestrator}[command]
         return RayRole(
             name,

@@ -1,18 +1,20 @@
-"""The trainer's torch.distributed ranks as Ray actors (`placement.ray.trainer_ranks` > 1).
+"""A role's torch.distributed ranks as Ray actors: the trainer's (`placement.ray.trainer_ranks` > 1)
+and mid-training's (`placement.ray.midtrain` set, `midtrain_ranks` of them).
 
-One placement group holds a bundle per rank (the `placement.ray.trainer` resources, spread by
-`trainer_strategy`); on bundle i a `RankActor` starts rank i's process, `whetstone trainer
-<config>`, with the environment torchrun would give it (`rank_environments`): MASTER_ADDR and
-MASTER_PORT on rank 0's node, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE. The trainer then
-joins the group as under torchrun (`training/distributed.py`: gloo on CPUs, NCCL on GPUs, each rank
-on the GPU of its LOCAL_RANK among its node's ranks' GPUs).
+One placement group holds a bundle per rank (the role's resources, spread by its strategy); on
+bundle i a `RankActor` starts rank i's process (`whetstone trainer <config>`, `whetstone run
+<config> --midtrain-only`) with the environment torchrun would give it (`rank_environments`):
+MASTER_ADDR and MASTER_PORT on rank 0's node, RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE. The
+ranks then join the group as under torchrun (`training/distributed.py`: gloo on CPUs, NCCL on GPUs,
+each rank on the GPU of its LOCAL_RANK among its node's ranks' GPUs).
 
 The ranks are one FSDP job: a rank that is lost (its actor or node gone, its process killed)
 cannot rejoin the others, so `RankGroup` stops every rank and starts the group again, in the same
 placement group (Ray places a lost node's bundles elsewhere), up to `role_restarts` times. The
-new ranks resume from the newest checkpoint and replay the batches published after it without
-publishing (`trainer/setup.py`): no batch is lost or trained twice. A rank that exits with an
-error while every rank is still in place is the trainer's own failure: the run stops with its log.
+new ranks resume from the newest checkpoint: the trainer's replay the batches published after it
+without publishing (`trainer/setup.py`), so no batch is lost or trained twice; mid-training's
+continue its schedule. A rank that exits with an error while every rank is still in place is the
+role's own failure: the run stops with its log.
 """
 
 from __future__ import annotations
@@ -25,19 +27,20 @@ from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
 from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, wait_for_predecessor, wait_polling
 from whetstone.utils.atomic import atomic_write_text
-from whetstone.utils.processes import RoleProcess, free_port
+from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port
 
 log = logging.getLogger("whetstone.run")
 LOST = -9
 """The code of a rank whose actor is gone (with its process)."""
 
 
-def rank_environments(places: list[dict]) -> list[dict[str, str]]:
+def rank_environments(places: list[dict], num_gpus: float = 1.0) -> list[dict[str, str]]:
     """The torch.distributed environment of each rank, from where each rank's actor is
     (`RankActor.where`: node id and address, its GPU ids, a free port). A node's ranks are
     numbered in rank order (LOCAL_RANK); ranks with GPUs see all of their node's ranks' GPUs
     (CUDA_VISIBLE_DEVICES) and take the one Ray gave them, at index LOCAL_RANK; ranks without
-    see none."""
+    see none. `num_gpus` below 1 (one rank sharing a GPU) holds the rank to that share of its
+    GPU's memory, as `ray_launch.gpu_environment` does a role."""
     master = {"MASTER_ADDR": places[0]["ip"], "MASTER_PORT": str(places[0]["port"])}
     envs = []
     for rank, place in enumerate(places):
@@ -52,6 +55,8 @@ def rank_environments(places: list[dict]) -> list[dict[str, str]]:
         if place["gpus"]:
             gpus = sorted({gpu for p in mates for gpu in p["gpus"]}, key=_gpu_order)
             env.update(CUDA_VISIBLE_DEVICES=",".join(gpus), LOCAL_RANK=str(gpus.index(place["gpus"][0])))
+            if num_gpus < 1:
+                env[GPU_MEMORY_ENV] = f"cuda:{env['LOCAL_RANK']}={num_gpus:.6g}"
         else:  # no GPU, whatever Ray left in the environment (`ray_launch.gpu_environment`)
             env["CUDA_VISIBLE_DEVICES"] = ""
         envs.append(env)
@@ -63,8 +68,8 @@ def _gpu_order(gpu: str) -> tuple[int, str]:
 
 
 class RankActor:
-    """One trainer rank on its node (a Ray actor class once `ray.remote` wraps it): it says where
-    it is, then starts its rank process."""
+    """One rank on its node (a Ray actor class once `ray.remote` wraps it): it says where it is,
+    then starts its rank process."""
 
     def __init__(self):
         self.role: RoleProcess | None = None
@@ -79,11 +84,11 @@ class RankActor:
             "port": free_port(),
         }
 
-    def start(self, name: str, config_path: str, log_path: str, pid_path: str, threads: int, env: dict) -> int:
-        """Start the rank's process once the process of the rank it replaces (if on this node)
-        has ended; its pid."""
+    def start(self, name: str, args: list[str], log_path: str, pid_path: str, threads: int, env: dict) -> int:
+        """Start the rank's process (`args`: its `whetstone` command line) once the process of
+        the rank it replaces (if on this node) has ended; its pid."""
         wait_for_predecessor(Path(pid_path))
-        self.role = RoleProcess(name, ["trainer", config_path], log_path, threads=threads, env=env).start()
+        self.role = RoleProcess(name, args, log_path, threads=threads, env=env).start()
         atomic_write_text(pid_path, f"{socket.gethostname()} {self.role.process.pid}\n")
         return self.role.process.pid
 
@@ -95,16 +100,27 @@ class RankActor:
 
 
 class RankGroup(RoleProcess):
-    """The trainer as `ray.trainer_ranks` rank actors, driven as one role (running, check, stop);
-    polling it (`returncode`) restarts the whole group when a rank was lost. Rank 0's log is the
-    role's log (`logs/<name>.log`), rank i's `logs/<name>-rank<i>.log`."""
+    """A role as rank actors, driven as one role (running, check, stop); polling it
+    (`returncode`) restarts the whole group when a rank was lost. `command` is the role:
+    `trainer` (`ray.trainer`, `trainer_ranks`, `trainer_strategy`; `config` a `TrainerConfig`) or
+    `midtrain` (`ray.midtrain`, `midtrain_ranks`, `midtrain_strategy`; `config` the run's
+    `PipelineConfig`). Rank 0's log is the role's log (`logs/<name>.log`), rank i's
+    `logs/<name>-rank<i>.log`."""
 
-    def __init__(self, name: str, config, run_dir: Path, ray_config: RayConfig):
-        asks = ray_config.trainer
+    def __init__(self, name: str, command: str, config, run_dir: Path, ray_config: RayConfig):
+        asks = getattr(ray_config, command)
         super().__init__(name, [], run_dir / "logs" / f"{name}.log", threads=max(1, int(asks.num_cpus)))
-        self.command, self.url, self.config = "trainer", "", config
-        self.ray_config, self.run_dir = ray_config, run_dir
+        self.command, self.url, self.config = command, "", config
+        self.asks, self.ray_config, self.run_dir = asks, ray_config, run_dir
+        self.size: int = getattr(ray_config, f"{command}_ranks")
+        self.strategy: str = getattr(ray_config, f"{command}_strategy")
         self.config_path = run_dir / "roles" / f"{name}.toml"
+        self.args = (
+            ["trainer", str(self.config_path)]
+            if command == "trainer"
+            else ["run", str(self.config_path), "--midtrain-only"]
+        )
+        """Each rank's `whetstone` command line."""
         self.handles: list = []
         """The rank actors, rank order."""
         self.nodes: list[str] = []
@@ -117,10 +133,6 @@ class RankGroup(RoleProcess):
         self.code: int | None = None
         self.failed_rank = 0
 
-    @property
-    def size(self) -> int:
-        return self.ray_config.trainer_ranks
-
     def rank_log(self, rank: int) -> Path:
         return self.log_path if rank == 0 else self.log_path.with_name(f"{self.name}-rank{rank}.log")
 
@@ -131,16 +143,16 @@ class RankGroup(RoleProcess):
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write_text(self.config_path, dump_toml(self.config) + "\n")
-        bundle = self.ray_config.trainer.bundle()
-        self.group = placement_group([bundle] * self.size, strategy=self.ray_config.trainer_strategy)
+        bundle = self.asks.bundle()
+        self.group = placement_group([bundle] * self.size, strategy=self.strategy)
         try:
             ray.get(self.group.ready(), timeout=self.ray_config.place_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self._remove_group()
+            keys = f"placement.ray.{self.command}, {self.command}_ranks, {self.command}_strategy"
             raise WhetstoneError(
-                f"{self.name}: {self.size} bundles of {bundle} ({self.ray_config.trainer_strategy}) were not "
-                f"placed on the Ray cluster within {self.ray_config.place_timeout_s:g} s: do its nodes offer "
-                "them? (placement.ray.trainer, trainer_ranks, trainer_strategy)"
+                f"{self.name} was not placed on the Ray cluster within {self.ray_config.place_timeout_s:g} s: "
+                f"do its nodes offer {self.size} x {bundle} ({self.strategy})? ({keys})"
             ) from None
         try:
             self._start_ranks()
@@ -153,7 +165,7 @@ class RankGroup(RoleProcess):
         ray = import_ray()
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        asks, timeout = self.ray_config.trainer, self.ray_config.place_timeout_s
+        asks, timeout = self.asks, self.ray_config.place_timeout_s
         self.handles = [
             ray.remote(RankActor)
             .options(
@@ -172,13 +184,13 @@ class RankGroup(RoleProcess):
                 [
                     handle.start.remote(
                         f"{self.name}-rank{rank}",
-                        str(self.config_path),
+                        self.args,
                         str(self.rank_log(rank)),
                         str(self.config_path.with_name(f"{self.name}-rank{rank}.pid")),
                         self.threads,
                         env,
                     )
-                    for rank, (handle, env) in enumerate(zip(self.handles, rank_environments(places)))
+                    for rank, (handle, env) in enumerate(zip(self.handles, rank_environments(places, asks.num_gpus)))
                 ],
                 timeout=timeout + PREDECESSOR_GRACE_S,
             )

@@ -37,7 +37,11 @@ CPU_GROUP_ENV = "WHETSTONE_CPU_GROUP"
 the role and its children run in."""
 GPU_MEMORY_ENV = "WHETSTONE_GPU_MEMORY"
 """Set for a role that shares a GPU (`whetstone run`'s placement): `<device>=<fraction>`, the
-share of that GPU's memory its process may allocate (`torch.cuda.set_per_process_memory_fraction`)."""
+share of that GPU's memory its process may take (`limit_gpu_memory`)."""
+CUDA_CONTEXT_BYTES = 1 << 30
+"""What a role's share of a GPU keeps outside its allocator's cap (`memory_cap`): its CUDA context
+(about half a GB) and what else lives outside torch's allocator, and room for the context of the
+run's own process beside the roles. Shares add up to the whole GPU; the caps, so, to less."""
 PARENT_ENV = "WHETSTONE_PARENT_PID"
 """Set in every role's environment: the role stops when this process ends (`stop_with_parent`)."""
 
@@ -61,14 +65,22 @@ def apply_role_environment() -> None:
 
 def limit_gpu_memory(share: str) -> None:
     """Hold this process to a share of a GPU's memory, `<device>=<fraction>` (`GPU_MEMORY_ENV`;
-    empty: no limit): its allocations beyond it fail with an out-of-memory error instead of taking
-    what the roles beside it on the GPU need."""
+    empty: no limit): its allocations beyond its cap (`memory_cap`) fail with an out-of-memory
+    error instead of taking what the roles beside it on the GPU need."""
     if not share:
         return
     import torch
 
-    device, _, fraction = share.rpartition("=")
-    torch.cuda.set_per_process_memory_fraction(float(fraction), torch.device(device))
+    name, _, fraction = share.rpartition("=")
+    device = torch.device(name)
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(memory_cap(float(fraction), total), device)
+
+
+def memory_cap(share: float, total_bytes: int) -> float:
+    """The fraction of a GPU of `total_bytes` that torch's allocator may take in a process given
+    `share` of it: the share less `CUDA_CONTEXT_BYTES`, and at least half the share (a small GPU)."""
+    return max(share - CUDA_CONTEXT_BYTES / total_bytes, share / 2)
 
 
 def check_cpus(cpus: list[int], what: str) -> None:
