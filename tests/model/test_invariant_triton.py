@@ -281,6 +281,33 @@ def test_attention_matches_sdpa(where, dtype, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("where", WHERE)
+def test_attention_past_the_grids_limit_launches_in_parts_with_the_same_bits(where, monkeypatch):
+    device, context = kernels(where, monkeypatch)
+    q, k, v = _qkv(5, 40, torch.bfloat16, device)  # 2 kv heads a sequence
+    mask = (torch.rand(5, 1, 40, 40, generator=torch.Generator().manual_seed(3)) < 0.6) | torch.eye(40, dtype=bool)
+    with context():
+        whole = kt.attention(q, k, v, None), kt.attention(q, k, v, mask.to(device))
+        monkeypatch.setattr(kt, "GRID_Y", 5)  # 2 sequences a launch: three launches, the last of one
+        grids = []
+        kernel = kt._kernels().attention
+        monkeypatch.setattr(kt, "_kernels", lambda: type("Kernels", (), {"attention": Launches(kernel, grids)}))
+        parts = kt.attention(q, k, v, None), kt.attention(q, k, v, mask.to(device))
+    assert [grid[1] for grid in grids] == [4, 4, 2] * 2
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts))
+
+
+class Launches:
+    """A kernel that records each launch's grid."""
+
+    def __init__(self, kernel, grids: list):
+        self.kernel, self.grids = kernel, grids
+
+    def __getitem__(self, grid):
+        self.grids.append(grid)
+        return self.kernel[grid]
+
+
 @pytest.mark.parametrize("dim", [8, 24])
 @pytest.mark.parametrize("where", WHERE)
 def test_attention_takes_a_head_dim_its_tiles_do_not(where, dim, monkeypatch):

@@ -121,6 +121,11 @@ in int32, as Triton does by default: each weight matrix must stay below this man
 (a 152k vocabulary x 8192 head is 1.2G). Rows and experts are indexed in int64."""
 
 
+GRID_Y = 65535
+"""CUDA's limit on a launch grid's second dimension: attention launches at most this many
+(sequence, kv head) pairs at once, a batch past it in several launches (the same programs)."""
+
+
 def _check_weight_offsets(weight: torch.Tensor) -> None:
     """A clear error for a weight matrix the kernels' int32 offsets cannot reach all of."""
     last = (weight.shape[-2] - 1) * weight.stride(-2) + (weight.shape[-1] - 1) * weight.stride(-1)
@@ -368,10 +373,13 @@ def _attention_forward_padded(q, k, v, mask, scale):
     else:
         mask = mask.expand(batch, 1, length, keys).to(torch.uint8)
         mask_strides = (mask.stride(0), mask.stride(2), mask.stride(3))
-    grid = (_cdiv(rows, config["BLOCK_M"]), batch * kv_heads)
-    if rows:
+    sequences = max(1, GRID_Y // kv_heads)  # per launch: the grid's second dimension is theirs
+    for first in range(0, batch if rows else 0, sequences):
+        part = slice(first, first + sequences)
+        grid = (_cdiv(rows, config["BLOCK_M"]), q[part].shape[0] * kv_heads)
         _kernels().attention[grid](
-            q, k, v, mask, out, keys, rows, group, kv_heads, scale, int(causal),
+            q[part], k[part], v[part], mask if causal else mask[part], out[part], keys, rows, group, kv_heads,
+            scale, int(causal),
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), *mask_strides, out.stride(0), out.stride(1), out.stride(2),
             **config,
