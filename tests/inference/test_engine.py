@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from tests.inference.inference_fixtures import make_engine, tiny_model
+from whetstone.errors import WhetstoneError
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.sequence import Sequence
 
@@ -111,6 +112,14 @@ def test_prompts_that_do_not_fit_are_rejected_not_truncated(model):
     with pytest.raises(InvalidRequest, match="token ids must be in 0..511"):
         engine.add(Sequence("bad", [600], SamplingParams()))
     assert not engine.step()  # nothing was queued
+
+
+def test_a_kv_cache_that_cannot_be_allocated_is_named_with_its_size_and_settings(model):
+    # 2^35 positions in each of 4 + 16 slots: 320 TiB, which no allocator gives (the CPU's refuses at once)
+    with pytest.raises(
+        WhetstoneError, match=r"KV cache does not fit on cpu: 327680.0 GiB .*\(20 slots of 34359738368 "
+    ):
+        make_engine(model, context_limit=2**35)
 
 
 def test_abort_frees_the_slot_and_keeps_what_was_generated(model):

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from whetstone.errors import WhetstoneError
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.decode import DynamicDecode, StaticDecode
 from whetstone.inference.detokenize import IncrementalText
@@ -109,7 +110,7 @@ class Engine:
         block = invariant.KEY_CHUNK if config.numerics == "invariant" else ATTENTION_BLOCK
         # slots 0..max_batch-1 for running sequences, the rest keep finished ones (`keep_finished`)
         slots = config.max_batch + (config.keep_finished if config.share_prefixes else 0)
-        self.cache = SlotKVCache.for_model(cfg, slots, self.context_limit, dtype, block, self.device)
+        self.cache = self._kv_cache(cfg, slots, dtype, block)
         self._kept: OrderedDict[int, Kept] = OrderedDict()
         """Finished sequences' caches by slot, least recently used first."""
         # routes by slot and position (int16 holds any expert id we serve), on the host, where
@@ -386,6 +387,28 @@ class Engine:
             if length > best_length:
                 best, best_length = source, length
         return best, best_length
+
+    def _kv_cache(self, cfg, slots: int, dtype: torch.dtype, block: int) -> SlotKVCache:
+        """The engine's KV cache, or an error naming its size and the settings that make it."""
+        try:
+            return SlotKVCache.for_model(cfg, slots, self.context_limit, dtype, block, self.device)
+        except RuntimeError as err:  # torch.OutOfMemoryError on CUDA; the CPU allocator's own
+            if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
+                raise
+            positions = -(-self.context_limit // block) * block
+            size = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * positions * cfg.head_dim
+            size *= dtype.itemsize
+            share = (
+                " or a larger share of the GPU (placement.trainer_memory_fraction)"
+                if self.device.type == "cuda"
+                else ""
+            )
+            raise WhetstoneError(
+                f"the engine's KV cache does not fit on {self.device}: {size / 2**30:.1f} GiB of keys and values "
+                f"({slots} slots of {positions} positions, {cfg.num_hidden_layers} layers x "
+                f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim}, {dtype}); give it fewer slots "
+                f"(engine.max_batch, keep_finished) or positions (engine.context_limit){share}"
+            ) from None
 
     def _prefill_cost(self, seq: Sequence, admitted: list[Sequence]) -> int:
         """Tokens `seq` would prefill if admitted after `admitted` (the scheduler's budget)."""
