@@ -111,6 +111,11 @@ def test_ranks_take_one_gpu_each_or_none(tmp_path):
         tiny_run(tmp_path, *RAY, *halves)
     with pytest.raises(ConfigError, match=r"midtrain_ranks > 1 needs midtrain: the resources of each rank"):
         tiny_run(tmp_path, *RAY, "placement.ray.midtrain_ranks=2")
+    three = ("placement.ray.midtrain={num_gpus=1}", "placement.ray.midtrain_ranks=3")  # the tiny batch is 4 rows
+    with pytest.raises(
+        ConfigError, match=r"midtrain.run.batch_size \(4\) must be a multiple of .*midtrain_ranks \(3\)"
+    ):
+        tiny_run(tmp_path, *RAY, *three)
 
 
 GPU_PROBE = """

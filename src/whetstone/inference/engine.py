@@ -395,20 +395,21 @@ class Engine:
         except RuntimeError as err:  # torch.OutOfMemoryError on CUDA; the CPU allocator's own
             if not isinstance(err, torch.OutOfMemoryError) and "can't allocate memory" not in str(err):
                 raise
-            positions = -(-self.context_limit // block) * block
-            size = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * positions * cfg.head_dim
-            size *= dtype.itemsize
-            share = (
-                " or a larger share of the GPU (placement.trainer_memory_fraction)"
-                if self.device.type == "cuda"
-                else ""
+        # raised here, not in the handler: the error's traceback would hold the half-made cache
+        positions = -(-self.context_limit // block) * block
+        size = 2 * cfg.num_hidden_layers * slots * cfg.num_key_value_heads * positions * cfg.head_dim * dtype.itemsize
+        more = ""
+        if self.device.type == "cuda":
+            more = (
+                ", or give the server more of its GPU (a lower placement.trainer_memory_fraction where it shares "
+                "the trainer's; on Ray, more placement.ray.server.num_gpus)"
             )
-            raise WhetstoneError(
-                f"the engine's KV cache does not fit on {self.device}: {size / 2**30:.1f} GiB of keys and values "
-                f"({slots} slots of {positions} positions, {cfg.num_hidden_layers} layers x "
-                f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim}, {dtype}); give it fewer slots "
-                f"(engine.max_batch, keep_finished) or positions (engine.context_limit){share}"
-            ) from None
+        raise WhetstoneError(
+            f"the engine's KV cache does not fit on {self.device}: {size / 2**30:.1f} GiB of keys and values "
+            f"({slots} slots of {positions} positions, {cfg.num_hidden_layers} layers x "
+            f"{cfg.num_key_value_heads} KV heads x {cfg.head_dim}, {dtype}); give it fewer slots "
+            f"(engine.max_batch, keep_finished) or positions (engine.context_limit){more}"
+        )
 
     def _prefill_cost(self, seq: Sequence, admitted: list[Sequence]) -> int:
         """Tokens `seq` would prefill if admitted after `admitted` (the scheduler's budget)."""

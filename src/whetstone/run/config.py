@@ -264,6 +264,12 @@ class PipelineConfig(Config):
         if placement.ray.midtrain is not None:  # on the cluster too
             asks["midtrain"] = placement.ray.midtrain.num_gpus
             devices.append(("midtrain", "midtrain.run.device", self.midtrain.run.device))
+            ranks, batch = placement.ray.midtrain_ranks, self.midtrain.run.batch_size
+            if batch % ranks:  # else each rank would refuse it, once placed (`midtrain/setup.py`)
+                raise ValueError(
+                    f"midtrain.run.batch_size ({batch}) must be a multiple of placement.ray.midtrain_ranks "
+                    f"({ranks}): each rank trains an equal share of every micro-batch's rows"
+                )
         devices += [
             ("server", f"placement.server_devices[{i}]", name) for i, name in enumerate(placement.server_devices)
         ]

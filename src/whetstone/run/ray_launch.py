@@ -112,9 +112,11 @@ class RayConfig(Config):
 
     role_restarts: int = Field(3, ge=0)
     """Times Ray restarts the trainer's or the orchestrator's actor that died (its node lost, the
-    actor killed): the role starts again and resumes, the trainer from its checkpoint (replaying
-    the batches after it), the orchestrator at the next batch index; no batch is lost or trained
-    twice. A role whose process exits with an error is not restarted: the run stops with its log."""
+    actor killed), or a group of ranks that lost one (the trainer's, mid-training's): the role
+    starts again and resumes, the trainer from its checkpoint (replaying the batches after it),
+    mid-training from its newest checkpoint, the orchestrator at the next batch index; no batch is
+    lost or trained twice. A role whose process exits with an error is not restarted: the run
+    stops with its log."""
 
     def cluster_of(self, index: int) -> str:
         return self.server_clusters[index % len(self.server_clusters)]
@@ -375,14 +377,15 @@ class RayLauncher:
         from whetstone.run.ray_ranks import RankGroup
 
         self.connect()
-        group = RankGroup("midtrain", "midtrain", config, self.run_dir, self.config).start()
+        run = config.midtrain.run
+        group = RankGroup("midtrain", "midtrain", config, self.run_dir, self.config)
         try:
+            group.start()
             group.wait()
             group.check()
+            return json.loads(group.read_text(0, Path(run.output_dir) / run.name / "summary.json"))
         finally:
             group.stop()
-        run = config.midtrain.run
-        return json.loads((Path(run.output_dir) / run.name / "summary.json").read_text())
 
     def role(self, name: str, command: str, config) -> RoleProcess:
         if command == "trainer" and self.config.trainer_ranks > 1:

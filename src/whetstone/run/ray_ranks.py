@@ -95,6 +95,11 @@ class RankActor:
     def returncode(self) -> int | None:
         return None if self.role is None else self.role.returncode
 
+    def read_text(self, path: str) -> str:
+        """A file as this node sees it (one its rank wrote, before a shared folder shows it
+        elsewhere)."""
+        return Path(path).read_text()
+
     def stop(self, grace_s: float) -> int | None:
         return None if self.role is None else self.role.stop(grace_s)
 
@@ -194,9 +199,10 @@ class RankGroup(RoleProcess):
                 ],
                 timeout=timeout + PREDECESSOR_GRACE_S,
             )
-        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError) as err:
+        except ray.exceptions.RayError as err:  # an actor lost or late, or its start failed on its node
             self._end_ranks(0.0)
-            raise WhetstoneError(f"{self.name}'s ranks could not start on the Ray cluster: {err}") from None
+            cause = getattr(err, "cause", None) or err
+            raise WhetstoneError(f"{self.name}'s ranks could not start on the Ray cluster: {cause}") from None
         log.info("%s: %d ranks on nodes %s", self.name, self.size, self.nodes)
 
     @property
@@ -269,10 +275,20 @@ class RankGroup(RoleProcess):
                 f"{self.rank_log(self.failed_rank)}:\n{self.log_tail()}"
             )
 
+    def read_text(self, rank: int, path: Path) -> str:
+        """File `path` as rank `rank`'s node sees it (e.g. rank 0's summary, read on the node that
+        wrote it); while the ranks' actors are still there, before `stop`."""
+        ray = import_ray()
+        try:
+            return ray.get(self.handles[rank].read_text.remote(str(path)), timeout=60)
+        except ray.exceptions.RayError as err:
+            cause = getattr(err, "cause", None) or err
+            raise WhetstoneError(f"{self.name}: rank {rank} could not read {path}: {cause}") from None
+
     def _end_ranks(self, grace_s: float) -> list[int | None]:
-        """Stop every rank's process (SIGTERM: a whole group checkpoints and exits; SIGKILL after
-        `grace_s`, e.g. one stuck in a collective with a lost rank) and end their actors; the
-        ranks' exit codes."""
+        """Stop every rank's process (SIGTERM: the trainer's ranks checkpoint and exit; SIGKILL
+        after `grace_s`, e.g. one stuck in a collective with a lost rank) and end their actors;
+        the ranks' exit codes."""
         ray = import_ray()
         calls = [handle.stop.remote(grace_s) for handle in self.handles]
         codes: list[int | None] = []
