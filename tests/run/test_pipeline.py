@@ -98,18 +98,22 @@ class _Clock:
 
 
 @pytest.mark.timeout(300)
-def test_rl_stops_at_its_wall_time_and_the_run_goes_on_with_that_step(tmp_path, monkeypatch):
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.slow)])
+def test_rl_stops_at_its_wall_time_and_the_run_goes_on_with_that_step(tmp_path, monkeypatch, ranks):
     # the wall time is up once the trainer has logged a step: it finishes the step it is on,
-    # checkpoints and publishes it, and the run evaluates and exports that step's policy
+    # checkpoints and publishes it, and the run evaluates and exports that step's policy (with
+    # 2 local ranks, every rank gets SIGTERM and they end as one)
     metrics = tmp_path / "runs" / "tiny" / "trainer" / "metrics.jsonl"
     clock = _Clock(lambda: metrics.exists() and len(read_metrics(metrics)) >= 1)
     monkeypatch.setattr(
         pipeline_module, "time", SimpleNamespace(monotonic=clock.monotonic, sleep=time.sleep, time=time.time)
     )
-    summary = run_pipeline(tiny_run(tmp_path, "rl.steps=1000", "rl.max_wall_time=60"))
+    summary = run_pipeline(
+        tiny_run(tmp_path, "rl.steps=1000", "rl.max_wall_time=60", f"placement.trainer_ranks={ranks}")
+    )
     rl = summary["stages"]["rl"]
     steps = read_metrics(metrics)
-    assert rl["stopped_at_wall_time"] and rl["steps_planned"] == 1000
+    assert rl["stopped_at_wall_time"] and rl["steps_planned"] == 1000 and steps[-1]["world_size"] == ranks
     assert 1 <= rl["steps"] == len(steps) < 1000 and steps[-1]["version"] == rl["steps"]
     assert summary["final_logit_scale"] == pytest.approx(steps[-1]["logit_scale"])  # that step's policy
     assert summary["heldout_pass1_after"] is not None and load_hf(tmp_path / "runs" / "tiny" / "model")

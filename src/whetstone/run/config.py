@@ -145,6 +145,16 @@ class PlacementConfig(Config):
     rollout_cores: float = Field(0.0, ge=0.0)
     """CPU time the servers, the orchestrator and its sandboxes may use together, in cores
     (a cgroup CPU quota; 0 = no quota)."""
+    trainer_ranks: int = Field(1, ge=1)
+    """Trainer processes on this machine (`backend = "local"`), the ranks of one FSDP2 job as
+    torchrun would start them (`run/local_ranks.py`): on GPUs (`trainer_device` `cuda` or `auto`)
+    rank i computes on cuda:i, so the servers go on the GPUs after them (`server_devices`); on the
+    CPU they are gloo ranks sharing the trainer's cores and threads. On Ray:
+    `ray.trainer_ranks`."""
+    midtrain_ranks: int = Field(1, ge=1)
+    """Mid-training processes on this machine (`backend = "local"`), as `trainer_ranks`, instead
+    of mid-training in the process of `whetstone run`: rank i on cuda:i (`midtrain.run.device`
+    `cuda` or `auto`), or gloo ranks on the CPU. On Ray: `ray.midtrain_ranks`."""
     backend: Literal["local", "ray"] = "local"
     """`local`: every role a process of this machine. `ray`: the trainer, the servers and the
     orchestrator as Ray actors on a cluster (`ray`; docs/cluster.md); the cores, quotas and
@@ -245,6 +255,33 @@ class PipelineConfig(Config):
                 "numerics = 'invariant' makes the trainer's logprobs the servers' only with the same numerics "
                 f"and dtype on both sides: rl.trainer has ({trainer.numerics!r}, {trainer.dtype!r}), "
                 f"servers.serve.engine has ({engine.numerics!r}, {engine.dtype!r})"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _local_ranks(self) -> "PipelineConfig":
+        placement = self.placement
+        ranks = (("trainer", placement.trainer_device), ("midtrain", self.midtrain.run.device))
+        for role, device in ranks:
+            count = getattr(placement, f"{role}_ranks")
+            if count == 1:
+                continue
+            if placement.backend == "ray":
+                raise ValueError(
+                    f"placement.{role}_ranks = {count} places ranks on this machine (backend 'local'); "
+                    f"on Ray: placement.ray.{role}_ranks"
+                )
+            if device.startswith("cuda:"):
+                key = "placement.trainer_device" if role == "trainer" else "midtrain.run.device"
+                raise ValueError(
+                    f"{key} = {device!r} with placement.{role}_ranks = {count}: rank i computes on cuda:i; "
+                    "use 'cuda' or 'auto'"
+                )
+        batch = self.midtrain.run.batch_size
+        if batch % placement.midtrain_ranks:
+            raise ValueError(
+                f"midtrain.run.batch_size ({batch}) must be a multiple of placement.midtrain_ranks "
+                f"({placement.midtrain_ranks}): each rank trains an equal share of every micro-batch's rows"
             )
         return self
 

@@ -31,6 +31,7 @@ from typing import Any
 from whetstone.config import dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
+from whetstone.run.local_ranks import LocalRankGroup
 from whetstone.run.monitor import ServerSampler, last_record, read_json_object
 from whetstone.run.placement import gpu_memory_shares, server_device
 from whetstone.run.ray_launch import RayLauncher
@@ -216,27 +217,29 @@ class Pipeline:
         health_url: str | None = None,
         argv: list[str] | None = None,
         env: dict[str, str] | None = None,
+        ranks: int = 1,
+        options: tuple[str, ...] = (),
     ) -> RoleProcess:
-        """Start role `name`; `side` (`trainer` or `rollout`) picks its CPU group. `argv`: a whole
-        command line instead of `whetstone <command> <its config>` (a vLLM server)."""
+        """Start role `name`, `whetstone <command> <its config> <options>`; `side` (`trainer` or
+        `rollout`) picks its CPU group. `argv`: a whole command line instead (a vLLM server).
+        `ranks` > 1: that many processes of it, the ranks of one job (`LocalRankGroup`), sharing
+        its threads."""
         if self.launcher is not None:
             role = self.launcher.role(name, command, config)
             self.roles.append(role)
             return role
         self.open_cpu_groups()
         path = self.write_role_config(name, config)
-        role = RoleProcess(
-            name,
-            [command, str(path)],
-            self.run_dir / "logs" / f"{name}.log",
-            health_url=health_url,
-            threads=threads,
-            env={**self.role_environment(name), **(env or {})},
-            cpus=cpus,
-            cpu_group=self.cpu_groups.get(side),
-            command=argv,
-        ).start()
-        self.roles.append(role)
+        log_path = self.run_dir / "logs" / f"{name}.log"
+        processes = dict(
+            env={**self.role_environment(name), **(env or {})}, cpus=cpus, cpu_group=self.cpu_groups.get(side)
+        )
+        args = [command, str(path), *options]
+        if ranks > 1:
+            role = LocalRankGroup(name, args, log_path, ranks, threads=max(1, threads // ranks), **processes)
+        else:
+            role = RoleProcess(name, args, log_path, health_url=health_url, threads=threads, command=argv, **processes)
+        self.roles.append(role.start())
         return role
 
     # -- stages -------------------------------------------------------------------------------
@@ -244,6 +247,23 @@ class Pipeline:
     def midtrain(self) -> dict[str, Any]:
         if self.launcher is not None and self.config.placement.ray.midtrain is not None:
             return self.launcher.midtrain(self.config)  # on nodes of the cluster
+        ranks = self.config.placement.midtrain_ranks
+        if ranks > 1:  # processes of this machine
+            run = self.config.midtrain.run
+            threads = run.threads * ranks  # each rank sets its own torch threads from run.threads
+            group = self.start(
+                "midtrain",
+                "run",
+                self.config,
+                threads=threads,
+                cpus=[],
+                side="",
+                ranks=ranks,
+                options=("--midtrain-only",),
+            )
+            group.wait()
+            group.check()
+            return json.loads((Path(run.output_dir) / run.name / "summary.json").read_text())
         summary = midtrain_stage(self.config)
         release_gpu_memory()  # mid-training ran in this process: its GPU memory goes to the roles
         return summary
@@ -335,6 +355,7 @@ class Pipeline:
             threads=trainer_config.threads or 1,
             cpus=placement.trainer,
             side="trainer",
+            ranks=placement.trainer_ranks if self.launcher is None else 1,
         )
         orchestrator = self.start(
             "orchestrator",

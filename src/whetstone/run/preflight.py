@@ -10,6 +10,8 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import torch
+
 from whetstone.envs.tasks.humaneval import default_data_file
 from whetstone.envs.tasks.io import read_records
 from whetstone.envs.tasks.registry import SOURCES, TasksConfig, check_source
@@ -85,11 +87,38 @@ def _devices(config: PipelineConfig) -> Iterator[str]:
     if config.rl_enabled and placement.backend == "local":
         keys.append(("placement.trainer_device", placement.trainer_device))
         keys += [(f"placement.server_devices[{i}]", name) for i, name in enumerate(placement.server_devices)]
+    resolved = {}
     for key, name in keys:
         try:
-            resolve_device(name)
+            resolved[key] = resolve_device(name)
         except WhetstoneError as err:
             yield f"{key}: {err}"
+    if placement.backend == "local":
+        yield from _rank_gpus(config, resolved)
+
+
+def _rank_gpus(config: PipelineConfig, resolved: dict) -> Iterator[str]:
+    """Local ranks on GPUs (`placement.trainer_ranks`, `midtrain_ranks`) take cuda:0 .. N-1: as
+    many GPUs as ranks, and, for the trainer's, none a server shares (each rank holds its GPU
+    whole: a memory share is one role's on one GPU)."""
+    placement = config.placement
+    gpus = torch.cuda.device_count()
+    for role, key in (("midtrain", "midtrain.run.device"), ("trainer", "placement.trainer_device")):
+        ranks = getattr(placement, f"{role}_ranks")
+        device = resolved.get(key)
+        if ranks == 1 or device is None or device.type != "cuda":
+            continue
+        if gpus < ranks:
+            yield f"placement.{role}_ranks: {ranks} ranks take a GPU each, and this machine has {gpus}"
+        if role == "trainer":
+            for index, name in enumerate(placement.server_devices):
+                server = resolved.get(f"placement.server_devices[{index}]")
+                if server is not None and server.type == "cuda" and server.index < ranks:
+                    yield (
+                        f"placement.server_devices[{index}] = {name!r} is {server}, which trainer rank "
+                        f"{server.index} takes whole (placement.trainer_ranks = {ranks}): put the servers on "
+                        f"cuda:{ranks} and up"
+                    )
 
 
 def _tasks(key: str, tasks: TasksConfig) -> Iterator[str]:
