@@ -131,7 +131,8 @@ print(json.dumps({k: merged[k] for k in ("device", "failed", "seconds") if k in 
 PY
 
 if [ "$RUN_S" != 0 ]; then
-    stage run "$RUN_S" python3 -m whetstone run configs/gpu.toml --set "output_dir=\"$WORK/whole-run\""
+    stage run "$RUN_S" python3 -m whetstone run configs/gpu.toml --set "output_dir=\"$WORK/whole-run\"" \
+        --set "midtrain.data.cache_dir=\"$WORK/cache\""  # not under a HOME that may not be writable
     # a run stopped by its bound gets the report of what it wrote (its stages' metrics, any evaluation)
     [ -f "$WORK/whole-run/gpu/summary.json" ] || stage report 30 python3 -c 'import sys, pathlib
 from whetstone.run.report import write_report; print(write_report(pathlib.Path(sys.argv[1])))' "$WORK/whole-run/gpu"
