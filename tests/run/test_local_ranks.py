@@ -22,7 +22,7 @@ import json, os, pathlib, signal, sys, time
 rank = int(os.environ["RANK"])
 keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "OMP_NUM_THREADS")
 pathlib.Path(sys.argv[1], f"rank{rank}.json").write_text(json.dumps({k: os.environ[k] for k in keys}))
-signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # a trainer rank: ends cleanly on SIGTERM
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(ON_TERM.get(rank, 0)))  # a trainer rank: ends cleanly on SIGTERM
 code = BEHAVE.get(rank)
 if code is not None:
     time.sleep(0.5)
@@ -31,8 +31,9 @@ time.sleep(600)
 """
 
 
-def group(tmp_path, behave: dict[int, int], size: int = 3) -> LocalRankGroup:
-    command = [sys.executable, "-c", RANK.replace("BEHAVE", repr(behave)), str(tmp_path)]
+def group(tmp_path, behave: dict[int, int], size: int = 3, on_term: dict[int, int] | None = None) -> LocalRankGroup:
+    script = RANK.replace("BEHAVE", repr(behave)).replace("ON_TERM", repr(on_term or {}))
+    command = [sys.executable, "-c", script, str(tmp_path)]
     return LocalRankGroup("trainer", ["unused"], tmp_path / "logs" / "trainer.log", size, threads=2, command=command)
 
 
@@ -63,6 +64,17 @@ def test_a_failed_rank_ends_the_others_and_is_named(tmp_path):
     assert ranks.wait(timeout_s=60) == 3
     assert not any(rank.running for rank in ranks.ranks)  # rank 0 and 2 would wait in a collective for ever
     with pytest.raises(WhetstoneError, match=r"trainer rank 1 exited with code 3; end of .*trainer-rank1.log"):
+        ranks.check()
+
+
+def test_a_rank_that_fails_its_stop_is_named(tmp_path):
+    ranks = group(tmp_path, {}, on_term={2: 5})
+    with pytest.raises(WhetstoneError, match="trainer was never started"):
+        ranks.wait()
+    ranks.start()
+    wait_for(lambda: all((tmp_path / f"rank{r}.json").exists() for r in range(3)))
+    assert ranks.stop(grace_s=10) == 5
+    with pytest.raises(WhetstoneError, match=r"trainer rank 2 exited with code 5; end of .*trainer-rank2.log"):
         ranks.check()
 
 

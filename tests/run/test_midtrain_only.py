@@ -1,6 +1,7 @@
 """`whetstone run CONFIG --midtrain-only`: the run's mid-training alone, with its synth
-demonstrations (which `whetstone midtrain` has no config for), as one process or as the ranks of a
-torchrun job; a whole `whetstone run` under torchrun is refused."""
+demonstrations (which `whetstone midtrain` has no config for), as one process, as the ranks of a
+torchrun job or as the ranks the run's placement asks for; a whole `whetstone run` under torchrun
+is refused."""
 
 from __future__ import annotations
 
@@ -29,13 +30,17 @@ def whetstone_run(settings: list[str], *options: str, nproc: int = 1, env: dict 
     return subprocess.run(command, capture_output=True, text=True, timeout=300, env=env)
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
-def test_the_runs_mid_training_alone_takes_its_demonstrations(tmp_path, nproc):
-    settings = tiny_settings(tmp_path, *DEMOS)
+@pytest.mark.parametrize(
+    ("nproc", "placed"),
+    [(1, 1), (2, 1), (1, 2)],
+    ids=["one process", "torchrun's 2 ranks", "2 ranks the run places"],
+)
+def test_the_runs_mid_training_alone_takes_its_demonstrations(tmp_path, nproc, placed):
+    settings = tiny_settings(tmp_path, *DEMOS, f"placement.midtrain_ranks={placed}")
     done = whetstone_run(settings, "--midtrain-only", "--json", nproc=nproc)
     assert done.returncode == 0, done.stderr[-4000:]
     (summary,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]  # rank 0 alone
-    assert summary["finished"] and summary["world_size"] == nproc
+    assert summary["finished"] and summary["world_size"] == nproc * placed
     run = tmp_path / "runs" / "tiny"
     assert summary["model_dir"] == str(run / "midtrain" / "model") and not (run / "summary.json").exists()
     (manifest,) = (tmp_path / "cache").glob("*/manifest.json")

@@ -98,6 +98,7 @@ def test_the_gpu_preset_differs_from_the_default_run_only_where_it_says():
         "midtrain.optimizer.warmup_steps",
         *(f"midtrain.run.{field}" for field in ("threads", "steps", "batch_size", "eval_interval")),
         "midtrain.run.checkpoint_interval",
+        "midtrain.run.keep_checkpoints",
         "midtrain.run.max_wall_time",
         "servers.count",
         "servers.serve.threads",
@@ -108,9 +109,12 @@ def test_the_gpu_preset_differs_from_the_default_run_only_where_it_says():
         "rl.trainer.dtype",
         "rl.trainer.micro_batch_size",
         "rl.trainer.threads",
+        "rl.trainer.checkpoint_interval",
         "rl.trainer.optimizer.lr",
         "rl.trainer.sync.workers",
         "rl.orchestrator.rollout.concurrency",
+        "eval.rollout.concurrency",
+        "eval.tasks.validation_workers",
         "eval.tasks.synth.count",
     }
 

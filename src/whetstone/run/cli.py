@@ -24,8 +24,9 @@ def run(
     midtrain_only: bool = typer.Option(
         False,
         "--midtrain-only",
-        help="Run only the mid-training stage, with the run's demonstrations (under torchrun: on "
-        "its ranks); a later `whetstone run` of the same config takes the finished model.",
+        help="Run only the mid-training stage, with the run's demonstrations, placed as the run "
+        "places it (placement.midtrain_ranks, placement.ray.midtrain), or under torchrun on its "
+        "ranks; a later `whetstone run` of the same config takes the finished model.",
     ),
 ) -> None:
     """Mid-train, then asynchronous RL (servers, trainer, orchestrator as processes) with held-out
@@ -34,12 +35,19 @@ def run(
     from whetstone.errors import ConfigError
     from whetstone.midtrain.cli import print_summary
     from whetstone.run.config import PipelineConfig
-    from whetstone.run.pipeline import midtrain_stage, run_pipeline
+    from whetstone.run.pipeline import Pipeline, midtrain_stage, run_pipeline
     from whetstone.run.preflight import check_run_config
 
     loaded = load_config(PipelineConfig, config, overrides)
     if midtrain_only and not dry_run:
-        print_summary(midtrain_stage(loaded.resolved()), as_json)
+        if "WORLD_SIZE" in os.environ:  # a rank: of torchrun's, or of the ranks a run placed
+            print_summary(midtrain_stage(loaded.resolved()), as_json)
+            return
+        pipeline = Pipeline(loaded)
+        try:
+            print_summary(pipeline.midtrain(), as_json)
+        finally:
+            pipeline.stop_roles()
         return
     if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dry_run:
         raise ConfigError(

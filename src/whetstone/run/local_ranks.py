@@ -67,8 +67,12 @@ class LocalRankGroup(RoleProcess):
         return self.log_path if rank == 0 else self.log_path.with_name(f"{self.name}-rank{rank}.log")
 
     def start(self) -> LocalRankGroup:
-        for rank in self.ranks:
-            rank.start()
+        try:
+            for rank in self.ranks:
+                rank.start()
+        except BaseException:
+            self.kill()  # the ranks started so far would wait for the others for ever
+            raise
         return self
 
     @property
@@ -105,6 +109,8 @@ class LocalRankGroup(RoleProcess):
     def wait(self, timeout_s: float | None = None) -> int:
         """The group's exit code, polled (a failed rank ends the others); raises
         subprocess.TimeoutExpired after `timeout_s`."""
+        if self.ranks[0].process is None:
+            raise WhetstoneError(f"{self.name} was never started")
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while (code := self.returncode) is None:
             if deadline is not None and time.monotonic() > deadline:
@@ -133,10 +139,12 @@ class LocalRankGroup(RoleProcess):
             return None
         codes = self._end(grace_s)
         if self.code is None:
-            self.code = next((code for code in codes if code), 0)
+            self.failed_rank = next((index for index, code in enumerate(codes) if code), 0)
+            self.code = codes[self.failed_rank] or 0
         return self.code
 
     def kill(self) -> int | None:
         for rank in self.ranks:
-            rank.kill()
+            if rank.process is not None:
+                rank.kill()
         return self.returncode

@@ -23,6 +23,7 @@ import gc
 import json
 import logging
 import math
+import os
 import shutil
 import time
 from pathlib import Path
@@ -93,6 +94,11 @@ def demo_source(config: PipelineConfig):
         )
 
     return transcripts if config.demos.count else None
+
+
+def rank_threads(threads: int, ranks: int) -> int:
+    """Each of `ranks` processes' share of a role's `threads` (0: every core)."""
+    return max(1, (threads or os.cpu_count() or 1) // ranks)
 
 
 def midtrain_stage(config: PipelineConfig) -> dict[str, Any]:
@@ -222,8 +228,8 @@ class Pipeline:
     ) -> RoleProcess:
         """Start role `name`, `whetstone <command> <its config> <options>`; `side` (`trainer` or
         `rollout`) picks its CPU group. `argv`: a whole command line instead (a vLLM server).
-        `ranks` > 1: that many processes of it, the ranks of one job (`LocalRankGroup`), sharing
-        its threads."""
+        `ranks` > 1: that many processes of it, the ranks of one job (`LocalRankGroup`), each with
+        `threads`."""
         if self.launcher is not None:
             role = self.launcher.role(name, command, config)
             self.roles.append(role)
@@ -236,7 +242,7 @@ class Pipeline:
         )
         args = [command, str(path), *options]
         if ranks > 1:
-            role = LocalRankGroup(name, args, log_path, ranks, threads=max(1, threads // ranks), **processes)
+            role = LocalRankGroup(name, args, log_path, ranks, threads=threads, **processes)
         else:
             role = RoleProcess(name, args, log_path, health_url=health_url, threads=threads, command=argv, **processes)
         self.roles.append(role.start())
@@ -248,13 +254,14 @@ class Pipeline:
         if self.launcher is not None and self.config.placement.ray.midtrain is not None:
             return self.launcher.midtrain(self.config)  # on nodes of the cluster
         ranks = self.config.placement.midtrain_ranks
-        if ranks > 1:  # processes of this machine
+        if ranks > 1:  # processes of this machine, sharing its threads
             run = self.config.midtrain.run
-            threads = run.threads * ranks  # each rank sets its own torch threads from run.threads
+            threads = rank_threads(run.threads, ranks)
+            midtrain = self.config.midtrain.model_copy(update={"run": run.model_copy(update={"threads": threads})})
             group = self.start(
                 "midtrain",
                 "run",
-                self.config,
+                self.config.model_copy(update={"midtrain": midtrain}),
                 threads=threads,
                 cpus=[],
                 side="",
@@ -263,7 +270,7 @@ class Pipeline:
             )
             group.wait()
             group.check()
-            return json.loads((Path(run.output_dir) / run.name / "summary.json").read_text())
+            return json.loads((Path(run.output_dir).expanduser() / run.name / "summary.json").read_text())
         summary = midtrain_stage(self.config)
         release_gpu_memory()  # mid-training ran in this process: its GPU memory goes to the roles
         return summary
@@ -348,6 +355,9 @@ class Pipeline:
         self.write_demos()
         trainer_config = self.trainer_config()
         placement = self.config.placement
+        ranks = placement.trainer_ranks if self.launcher is None else 1
+        if ranks > 1:  # processes of this machine, sharing the trainer's threads
+            trainer_config = trainer_config.model_copy(update={"threads": rank_threads(trainer_config.threads, ranks)})
         trainer = self.start(
             "trainer",
             "trainer",
@@ -355,7 +365,7 @@ class Pipeline:
             threads=trainer_config.threads or 1,
             cpus=placement.trainer,
             side="trainer",
-            ranks=placement.trainer_ranks if self.launcher is None else 1,
+            ranks=ranks,
         )
         orchestrator = self.start(
             "orchestrator",

@@ -383,7 +383,7 @@ class RayLauncher:
             group.start()
             group.wait()
             group.check()
-            return json.loads(group.read_text(0, Path(run.output_dir) / run.name / "summary.json"))
+            return json.loads(group.read_text(0, Path(run.output_dir).expanduser() / run.name / "summary.json"))
         finally:
             group.stop()
 

@@ -291,11 +291,14 @@ class Publishing:
 def run_trainer(config: TrainerConfig) -> dict[str, Any]:
     """Train until `max_steps`, until `idle_timeout` passes without a batch, or until SIGTERM /
     SIGINT; checkpoint, and return a summary. Under torchrun, on every rank (training.distributed)."""
-    with torchrun_group(config.device):
-        return _run(open_trainer(config))
+    # the signals taken from the start: ranks told to stop while one is still setting up must all
+    # reach the loop, where rank 0 decides for all (a rank killed there would leave the others
+    # waiting in a collective)
+    with torchrun_group(config.device), stop_on_signals() as stop:
+        return _run(open_trainer(config), stop)
 
 
-def _run(session: TrainerSession) -> dict[str, Any]:
+def _run(session: TrainerSession, stop: threading.Event) -> dict[str, Any]:
     config, state = session.config, session.state
     lead = session.rank == 0  # the one rank that writes files and publishes
     if lead:
@@ -332,7 +335,6 @@ def _run(session: TrainerSession) -> dict[str, Any]:
         if lead
         else nullcontext() as metrics,
         progress_bar(total, "trainer", "step") if lead else nullcontext() as bar,
-        stop_on_signals() as stop,
         publishing.recording_on_failure(),
     ):
         while not config.max_steps or state.step < config.max_steps:
