@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from whetstone.errors import WhetstoneError
-from whetstone.utils.processes import RoleProcess, free_port
+from whetstone.utils.processes import RoleProcess, free_port, wait_polling
 
 FAILED_GRACE_S = 30.0
 """How long the other ranks of a group whose rank failed may take to end on SIGTERM before
@@ -41,7 +41,36 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
-class LocalRankGroup(RoleProcess):
+class RankedRole(RoleProcess):
+    """A role run as the ranks of one job and driven as one role (`LocalRankGroup`, Ray's
+    `RankGroup`): rank 0's log is the role's, rank i's `<name>-rank<i>.log`; `failed_rank` is the
+    rank whose exit code the role's is, and `check` raises with the end of its log."""
+
+    failed_rank = 0
+
+    def rank_log(self, rank: int) -> Path:
+        return self.log_path if rank == 0 else self.log_path.with_name(f"{self.name}-rank{rank}.log")
+
+    def log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.rank_log(self.failed_rank).read_text(errors="replace")[-chars:]
+        except FileNotFoundError:
+            return ""
+
+    def check(self) -> None:
+        code = self.returncode
+        if code not in (None, 0):
+            raise WhetstoneError(
+                f"{self.name} rank {self.failed_rank} exited with code {code}; end of "
+                f"{self.rank_log(self.failed_rank)}:\n{self.log_tail()}"
+            )
+
+    def wait(self, timeout_s: float | None = None) -> int:
+        """The role's exit code, polled; raises if it still runs after `timeout_s`."""
+        return wait_polling(self, timeout_s)
+
+
+class LocalRankGroup(RankedRole):
     """`size` processes of `whetstone <args>`, the ranks of one job, driven as one role (running,
     returncode, check, wait, stop, kill). `options` are each rank's `RoleProcess` options
     (threads, env, cpus, cpu_group)."""
@@ -61,10 +90,6 @@ class LocalRankGroup(RoleProcess):
             for rank in range(size)
         ]
         self.code: int | None = None
-        self.failed_rank = 0
-
-    def rank_log(self, rank: int) -> Path:
-        return self.log_path if rank == 0 else self.log_path.with_name(f"{self.name}-rank{rank}.log")
 
     def start(self) -> LocalRankGroup:
         try:
@@ -95,28 +120,11 @@ class LocalRankGroup(RoleProcess):
     def running(self) -> bool:
         return self.ranks[0].process is not None and self.returncode is None
 
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.ranks[self.failed_rank].log_tail(chars)
-
-    def check(self) -> None:
-        code = self.returncode
-        if code not in (None, 0):
-            raise WhetstoneError(
-                f"{self.name} rank {self.failed_rank} exited with code {code}; end of "
-                f"{self.rank_log(self.failed_rank)}:\n{self.log_tail()}"
-            )
-
     def wait(self, timeout_s: float | None = None) -> int:
-        """The group's exit code, polled (a failed rank ends the others); raises
-        subprocess.TimeoutExpired after `timeout_s`."""
+        """The group's exit code, polled (a failed rank ends the others)."""
         if self.ranks[0].process is None:
             raise WhetstoneError(f"{self.name} was never started")
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while (code := self.returncode) is None:
-            if deadline is not None and time.monotonic() > deadline:
-                raise subprocess.TimeoutExpired(self.name, timeout_s)
-            time.sleep(0.2)
-        return code
+        return super().wait(timeout_s)
 
     def _end(self, grace_s: float) -> list[int | None]:
         """SIGTERM to every running rank at once, SIGKILL to those left after `grace_s`; the

@@ -45,7 +45,7 @@ from whetstone.config import Config, dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.config import CLUSTER_PATTERN
 from whetstone.utils.atomic import atomic_write_text
-from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port
+from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port, wait_polling
 
 PREDECESSOR_GRACE_S = 60.0
 """How long a restarted role waits for its predecessor's process to end before killing it."""
@@ -206,17 +206,6 @@ def _is_role(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[-1].split()[0] != "Z" and b"whetstone.cli" in cmdline
-
-
-def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:
-    """A Ray-started role's exit code, polled (its process is on another node, not a child of
-    this one); raises if it still runs after `timeout_s`."""
-    deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    while (code := role.returncode) is None:
-        if deadline is not None and time.monotonic() > deadline:
-            raise WhetstoneError(f"{role.name} still runs after {timeout_s:g} s")
-        time.sleep(0.5)
-    return code
 
 
 class RoleActor:

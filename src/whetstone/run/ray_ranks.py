@@ -25,7 +25,8 @@ from pathlib import Path
 
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
-from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, wait_for_predecessor, wait_polling
+from whetstone.run.local_ranks import RankedRole
+from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, wait_for_predecessor
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port
 
@@ -104,7 +105,7 @@ class RankActor:
         return None if self.role is None else self.role.stop(grace_s)
 
 
-class RankGroup(RoleProcess):
+class RankGroup(RankedRole):
     """A role as rank actors, driven as one role (running, check, stop); polling it
     (`returncode`) restarts the whole group when a rank was lost. `command` is the role:
     `trainer` (`ray.trainer`, `trainer_ranks`, `trainer_strategy`; `config` a `TrainerConfig`) or
@@ -136,10 +137,6 @@ class RankGroup(RoleProcess):
         """Times the group was started again after a lost rank."""
         self.group = None
         self.code: int | None = None
-        self.failed_rank = 0
-
-    def rank_log(self, rank: int) -> Path:
-        return self.log_path if rank == 0 else self.log_path.with_name(f"{self.name}-rank{rank}.log")
 
     def start(self) -> RankGroup:
         ray = import_ray()
@@ -261,20 +258,6 @@ class RankGroup(RoleProcess):
     def running(self) -> bool:
         return bool(self.handles) and self.returncode is None
 
-    def log_tail(self, chars: int = 3000) -> str:
-        try:
-            return self.rank_log(self.failed_rank).read_text(errors="replace")[-chars:]
-        except FileNotFoundError:
-            return ""
-
-    def check(self) -> None:
-        code = self.returncode
-        if code not in (None, 0):
-            raise WhetstoneError(
-                f"{self.name} rank {self.failed_rank} exited with code {code}; end of "
-                f"{self.rank_log(self.failed_rank)}:\n{self.log_tail()}"
-            )
-
     def read_text(self, rank: int, path: Path) -> str:
         """File `path` as rank `rank`'s node sees it (e.g. rank 0's summary, read on the node that
         wrote it); while the ranks' actors are still there, before `stop`."""
@@ -308,9 +291,6 @@ class RankGroup(RoleProcess):
 
             remove_placement_group(self.group)
             self.group = None
-
-    def wait(self, timeout_s: float | None = None) -> int:
-        return wait_polling(self, timeout_s)
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         if self.handles:

@@ -209,6 +209,17 @@ class RoleProcess:
         return None if self.process is None else self.process.wait()
 
 
+def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:
+    """A role's exit code, polled: for roles that are not one child process of this one (a Ray
+    actor's process on another node, a group of ranks); raises if it still runs after `timeout_s`."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while (code := role.returncode) is None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise WhetstoneError(f"{role.name} still runs after {timeout_s:g} s")
+        time.sleep(0.2)
+    return code
+
+
 def free_ports(count: int) -> list[int]:
     """`count` distinct TCP ports free on 127.0.0.1 right now (all held open while picking)."""
     sockets = [socket.socket() for _ in range(count)]
