@@ -116,11 +116,13 @@ def test_ranks_on_gpus_need_as_many_gpus_and_the_trainers_to_themselves(tmp_path
 
 
 @pytest.mark.timeout(300)
-def test_the_tiny_run_mid_trains_and_trains_on_two_local_ranks(tmp_path):
+def test_the_tiny_run_mid_trains_and_trains_on_two_local_ranks(tmp_path, capfd):
     summary = run_pipeline(tiny_run(tmp_path, "placement.midtrain_ranks=2", "placement.trainer_ranks=2"))
     run = tmp_path / "runs" / "tiny"
     midtrain = summary["stages"]["midtrain"]
     assert midtrain["finished"] and midtrain["world_size"] == 2 and (run / "logs" / "midtrain-rank1.log").exists()
+    err = capfd.readouterr().err.splitlines()  # the ranks' progress, as mid-training in the run's process shows it
+    assert any(line.startswith("midtrain midtrain: 1,024/1,024 tok (100%)") for line in err), err
     steps = read_metrics(run / "trainer" / "metrics.jsonl")
     assert [(s["step"], s["version"], s["world_size"]) for s in steps] == [(0, 1, 2), (1, 2, 2)]
     assert (run / "logs" / "trainer-rank1.log").exists() and summary["heldout_pass1_after"] is not None

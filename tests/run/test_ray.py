@@ -299,7 +299,7 @@ def trained_records(run) -> list[dict]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster):
+def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster, capfd):
     """The trainer as 2 torch.distributed ranks (FSDP2 over gloo), one Ray actor each on its own
     node: every batch trained once, every version published once, by both ranks together.
     Mid-training runs on the cluster too, as 2 ranks on two nodes (`placement.ray.midtrain`),
@@ -323,6 +323,8 @@ def test_the_tiny_run_trains_with_two_ranks_on_two_nodes(tmp_path, ray_cluster):
     assert (run / "midtrain" / "model" / "config.json").exists()
     assert re.search(r"midtrain \S+: [\d,]+/[\d,]+ tok", (run / "logs" / "midtrain.log").read_text())  # its progress
     assert (run / "logs" / "midtrain-rank1.log").exists()
+    err = capfd.readouterr().err.splitlines()  # its progress on the run's own bar, read from rank 0's metrics
+    assert any(line.startswith("midtrain midtrain: 1,024/1,024 tok (100%)") for line in err)
     group = role(pipeline, "trainer")
     assert len(set(group.nodes)) == 2 and group.restarts == 0
     assert_each_batch_trained_once(run, 3)
@@ -410,7 +412,7 @@ def test_ranks_no_node_can_hold_are_refused_with_what_was_asked(tmp_path, ray_cl
         # mid-training asking for a GPU of a cluster without any: an error, not a wait for ever
         midtrain = RayLauncher(RayConfig(midtrain={"num_gpus": 1}, place_timeout_s=2), tmp_path)
         with pytest.raises(WhetstoneError, match=r"midtrain was not placed .* offer 1 x \{'CPU': 1.0, 'GPU': 1.0\}"):
-            midtrain.midtrain(tiny_run(tmp_path, *RAY).resolved())
+            midtrain.midtrain(tiny_run(tmp_path, *RAY).resolved(), follow=RankGroup.wait)
         assert ray.util.placement_group_table() and all(
             group["state"] == "REMOVED" for group in ray.util.placement_group_table().values()
         )

@@ -252,7 +252,7 @@ class Pipeline:
 
     def midtrain(self) -> dict[str, Any]:
         if self.launcher is not None and self.config.placement.ray.midtrain is not None:
-            return self.launcher.midtrain(self.config)  # on nodes of the cluster
+            return self.launcher.midtrain(self.config, self.follow_midtrain)  # on nodes of the cluster
         ranks = self.config.placement.midtrain_ranks
         if ranks > 1:  # processes of this machine, sharing its threads
             run = self.config.midtrain.run
@@ -268,12 +268,32 @@ class Pipeline:
                 ranks=ranks,
                 options=("--midtrain-only",),
             )
-            group.wait()
-            group.check()
+            self.follow_midtrain(group)
             return json.loads((Path(run.output_dir).expanduser() / run.name / "summary.json").read_text())
         summary = midtrain_stage(self.config)
         release_gpu_memory()  # mid-training ran in this process: its GPU memory goes to the roles
         return summary
+
+    def follow_midtrain(self, role: RoleProcess) -> None:
+        """Wait for mid-training run by `role` (ranks of this machine or of a Ray cluster), its
+        progress (from rank 0's metrics) on the bar mid-training in this process would show;
+        raises if it failed."""
+        run, data = self.config.midtrain.run, self.config.midtrain.data
+        step_tokens = run.batch_size * run.grad_accum * data.seq_len
+        metrics = Path(run.output_dir).expanduser() / run.name / "metrics.jsonl"
+        done = last_record(metrics).get("step", 0)  # where a resumed run starts
+        with progress_bar(max(0, run.steps - done) * step_tokens, f"midtrain {run.name}", "tok") as bar:
+            while True:
+                running = role.running
+                record = last_record(metrics)  # read after the look, so the last step shows
+                step = record.get("step", done)
+                fields = {"step": step, "loss": record["loss"]} if "loss" in record else {"step": step}
+                bar.update(max(0, step - done) * step_tokens, **fields)  # an evaluation's record has no loss
+                done = max(done, step)
+                if not running:
+                    break
+                time.sleep(1.0)
+        role.check()
 
     def start_servers(self) -> None:
         servers = self.config.servers

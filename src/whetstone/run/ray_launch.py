@@ -36,6 +36,7 @@ import os
 import signal
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
@@ -359,10 +360,10 @@ class RayLauncher:
             import_ray().shutdown()
             self._started_ray = False
 
-    def midtrain(self, config) -> dict:
+    def midtrain(self, config, follow: Callable[[RoleProcess], None]) -> dict:
         """Mid-training of the run `config` on the cluster: its `midtrain_ranks` processes placed
-        first (an error after `place_timeout_s` when no node offers them), then waited for; its
-        summary (rank 0's `summary.json`)."""
+        first (an error after `place_timeout_s` when no node offers them), then waited for by
+        `follow` (which raises if they failed); its summary (rank 0's `summary.json`)."""
         from whetstone.run.ray_ranks import RankGroup
 
         self.connect()
@@ -370,8 +371,7 @@ class RayLauncher:
         group = RankGroup("midtrain", "midtrain", config, self.run_dir, self.config)
         try:
             group.start()
-            group.wait()
-            group.check()
+            follow(group)
             return json.loads(group.read_text(0, Path(run.output_dir).expanduser() / run.name / "summary.json"))
         finally:
             group.stop()
