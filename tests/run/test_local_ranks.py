@@ -12,7 +12,7 @@ import torch
 from tests.run.run_support import tiny_run
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.local_ranks import LocalRankGroup
-from whetstone.run.pipeline import run_pipeline
+from whetstone.run.pipeline import rank_threads, run_pipeline
 from whetstone.run.preflight import _rank_gpus
 from whetstone.utils.metrics import read_metrics
 
@@ -82,6 +82,10 @@ def test_every_rank_done_is_the_group_done(tmp_path):
     ranks = group(tmp_path, {0: 0, 1: 0}, size=2).start()
     assert ranks.wait(timeout_s=60) == 0
     ranks.check()
+
+
+def test_ranks_share_their_roles_threads():
+    assert (rank_threads(4, 2), rank_threads(1, 2), rank_threads(0, 2, cores=6)) == (2, 1, 3)  # 0: its cores
 
 
 def test_local_ranks_are_checked_when_the_config_loads(tmp_path):

@@ -35,12 +35,14 @@ def run(
     from whetstone.errors import ConfigError
     from whetstone.midtrain.cli import print_summary
     from whetstone.run.config import PipelineConfig
+    from whetstone.run.local_ranks import PLACED_RANK_ENV
     from whetstone.run.pipeline import Pipeline, midtrain_stage, run_pipeline
     from whetstone.run.preflight import check_run_config
 
     loaded = load_config(PipelineConfig, config, overrides)
+    torchrun = int(os.environ.get("WORLD_SIZE") or 1) > 1
     if midtrain_only and not dry_run:
-        if "WORLD_SIZE" in os.environ:  # a rank: of torchrun's, or of the ranks a run placed
+        if torchrun or os.environ.get(PLACED_RANK_ENV):  # a rank: of torchrun's, or of those a run placed
             print_summary(midtrain_stage(loaded.resolved()), as_json)
             return
         pipeline = Pipeline(loaded)
@@ -49,7 +51,7 @@ def run(
         finally:
             pipeline.stop_roles()
         return
-    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and not dry_run:
+    if torchrun and not dry_run:
         raise ConfigError(
             "whetstone run under torchrun: only its mid-training runs on ranks (--midtrain-only); "
             "start the whole run as one process (placement.ray.trainer_ranks shards its trainer)"

@@ -24,6 +24,10 @@ from pathlib import Path
 from whetstone.errors import WhetstoneError
 from whetstone.utils.processes import RoleProcess, free_port, wait_polling
 
+PLACED_RANK_ENV = "WHETSTONE_PLACED_RANK"
+"""Set for every rank a run starts (here or on Ray, one rank too): `whetstone run --midtrain-only`
+in such a process is that rank's part, not a run to place (torchrun's ranks are known by
+WORLD_SIZE > 1)."""
 FAILED_GRACE_S = 30.0
 """How long the other ranks of a group whose rank failed may take to end on SIGTERM before
 SIGKILL (they are usually stuck in a collective that will not complete)."""
@@ -38,6 +42,7 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
         "WORLD_SIZE": str(world_size),
         "LOCAL_RANK": str(rank),
         "LOCAL_WORLD_SIZE": str(world_size),
+        PLACED_RANK_ENV: "1",
     }
 
 
@@ -47,6 +52,16 @@ class RankedRole(RoleProcess):
     rank whose exit code the role's is, and `check` raises with the end of its log."""
 
     failed_rank = 0
+    code: int | None = None
+    """The role's exit code, once it has one."""
+
+    def stopped(self, codes: list[int | None]) -> int | None:
+        """The role's code once its ranks were stopped with `codes`: the code it had already, or
+        the first rank's that is not 0 (naming that rank), or 0."""
+        if self.code is None:
+            self.failed_rank = next((rank for rank, code in enumerate(codes) if code), 0)
+            self.code = codes[self.failed_rank] or 0
+        return self.code
 
     def rank_log(self, rank: int) -> Path:
         return self.log_path if rank == 0 else self.log_path.with_name(f"{self.name}-rank{rank}.log")
@@ -89,7 +104,6 @@ class LocalRankGroup(RankedRole):
             )
             for rank in range(size)
         ]
-        self.code: int | None = None
 
     def start(self) -> LocalRankGroup:
         try:
@@ -145,11 +159,7 @@ class LocalRankGroup(RankedRole):
     def stop(self, grace_s: float = 30.0) -> int | None:
         if self.ranks[0].process is None:
             return None
-        codes = self._end(grace_s)
-        if self.code is None:
-            self.failed_rank = next((index for index, code in enumerate(codes) if code), 0)
-            self.code = codes[self.failed_rank] or 0
-        return self.code
+        return self.stopped(self._end(grace_s))
 
     def kill(self) -> int | None:
         for rank in self.ranks:

@@ -96,9 +96,10 @@ def demo_source(config: PipelineConfig):
     return transcripts if config.demos.count else None
 
 
-def rank_threads(threads: int, ranks: int) -> int:
-    """Each of `ranks` processes' share of a role's `threads` (0: every core)."""
-    return max(1, (threads or os.cpu_count() or 1) // ranks)
+def rank_threads(threads: int, ranks: int, cores: int = 0) -> int:
+    """Each of `ranks` processes' share of a role's `threads` (0: all its `cores`, or every core
+    where it has none of its own)."""
+    return max(1, (threads or cores or os.cpu_count() or 1) // ranks)
 
 
 def midtrain_stage(config: PipelineConfig) -> dict[str, Any]:
@@ -234,7 +235,8 @@ class Pipeline:
             role = self.launcher.role(name, command, config)
             self.roles.append(role)
             return role
-        self.open_cpu_groups()
+        if side:  # mid-training's ranks run in none
+            self.open_cpu_groups()
         path = self.write_role_config(name, config)
         log_path = self.run_dir / "logs" / f"{name}.log"
         processes = dict(
@@ -278,15 +280,19 @@ class Pipeline:
         """Wait for mid-training run by `role` (ranks of this machine or of a Ray cluster), its
         progress (from rank 0's metrics) on the bar mid-training in this process would show;
         raises if it failed."""
+        from whetstone.training.checkpoint import checkpoint_step, latest_checkpoint
+
         run, data = self.config.midtrain.run, self.config.midtrain.data
         step_tokens = run.batch_size * run.grad_accum * data.seq_len
-        metrics = Path(run.output_dir).expanduser() / run.name / "metrics.jsonl"
-        done = last_record(metrics).get("step", 0)  # where a resumed run starts
+        run_dir = Path(run.output_dir).expanduser() / run.name
+        metrics = run_dir / "metrics.jsonl"
+        resumed = latest_checkpoint(run_dir / "checkpoints") if run.resume else None
+        done = checkpoint_step(resumed) if resumed is not None else 0  # where the ranks start
         with progress_bar(max(0, run.steps - done) * step_tokens, f"midtrain {run.name}", "tok") as bar:
             while True:
                 running = role.running
                 record = last_record(metrics)  # read after the look, so the last step shows
-                step = record.get("step", done)
+                step = record.get("step", done)  # until the ranks' first step, an older run's may be last
                 fields = {"step": step, "loss": record["loss"]} if "loss" in record else {"step": step}
                 bar.update(max(0, step - done) * step_tokens, **fields)  # an evaluation's record has no loss
                 done = max(done, step)
@@ -377,7 +383,8 @@ class Pipeline:
         placement = self.config.placement
         ranks = placement.trainer_ranks if self.launcher is None else 1
         if ranks > 1:  # processes of this machine, sharing the trainer's threads
-            trainer_config = trainer_config.model_copy(update={"threads": rank_threads(trainer_config.threads, ranks)})
+            threads = rank_threads(trainer_config.threads, ranks, len(placement.trainer))
+            trainer_config = trainer_config.model_copy(update={"threads": threads})
         trainer = self.start(
             "trainer",
             "trainer",
@@ -431,8 +438,8 @@ class Pipeline:
         no_step = None
         if self.rl_steps:
             trainer.check()
-        else:  # stopped before its first step, the trainer checkpointed nothing (or had not yet set
-            # up its stop signal, and just ended on it): the run goes on with the mid-trained policy
+        else:  # stopped before its first step, the trainer checkpointed nothing (or, killed before it
+            # took its stop signal, just ended on it): the run goes on with the mid-trained policy
             no_step = (
                 f"the orchestrator stopped: {gave_up}"
                 if gave_up

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
-from whetstone.run.local_ranks import RankedRole
+from whetstone.run.local_ranks import PLACED_RANK_ENV, RankedRole
 from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, wait_for_predecessor
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port
@@ -52,6 +52,7 @@ def rank_environments(places: list[dict], num_gpus: float = 1.0) -> list[dict[st
             "WORLD_SIZE": str(len(places)),
             "LOCAL_RANK": str(mates.index(place)),
             "LOCAL_WORLD_SIZE": str(len(mates)),
+            PLACED_RANK_ENV: "1",
         }
         if place["gpus"]:
             gpus = sorted({gpu for p in mates for gpu in p["gpus"]}, key=_gpu_order)
@@ -136,7 +137,6 @@ class RankGroup(RankedRole):
         self.restarts = 0
         """Times the group was started again after a lost rank."""
         self.group = None
-        self.code: int | None = None
 
     def start(self) -> RankGroup:
         ray = import_ray()
@@ -294,9 +294,7 @@ class RankGroup(RankedRole):
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         if self.handles:
-            codes = self._end_ranks(grace_s)
-            if self.code is None:
-                self.code = next((code for code in codes if code), 0)
+            self.stopped(self._end_ranks(grace_s))
         self._remove_group()
         return self.code
 

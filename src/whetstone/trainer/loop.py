@@ -11,6 +11,7 @@ so it never sees half a batch and never needs to know who wrote it or how advant
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 import time
@@ -46,12 +47,20 @@ BATCH_META_SCALARS = ("reward_mean", "samples", "rollouts")
 @contextmanager
 def stop_on_signals() -> Iterator[threading.Event]:
     """An event set by SIGTERM / SIGINT: the loop then finishes its step, checkpoints and returns
-    (so a clean shutdown needs no replay). Only the main thread can take signals."""
+    (so a clean shutdown needs no replay). A second signal acts as it would have without this (a
+    setup that hangs, a step that never ends). Only the main thread can take signals."""
     stop = threading.Event()
     if threading.current_thread() is not threading.main_thread():
         yield stop
         return
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGTERM, signal.SIGINT)}
+
+    def take(sig, _frame) -> None:
+        if stop.is_set():
+            signal.signal(sig, previous[sig])
+            os.kill(os.getpid(), sig)
+        stop.set()
+
+    previous = {sig: signal.signal(sig, take) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         yield stop
     finally:
