@@ -18,6 +18,7 @@ from whetstone.run.config import PipelineConfig
 from whetstone.run.pipeline import midtrain_stage
 
 DEMOS = ("demos.count=2", "midtrain.data.seq_len=512")  # rows that hold a transcript's prompt and answer
+NO_RL_TASKS = 'rl.orchestrator.tasks.source="/no/such/tasks.jsonl"'  # refused by a whole run, not by its mid-training
 
 
 def whetstone_run(settings: list[str], *options: str, nproc: int = 1, env: dict | None = None):
@@ -36,7 +37,7 @@ def whetstone_run(settings: list[str], *options: str, nproc: int = 1, env: dict 
     ids=["one process", "torchrun's 2 ranks", "2 ranks the run places"],
 )
 def test_the_runs_mid_training_alone_takes_its_demonstrations(tmp_path, nproc, placed):
-    settings = tiny_settings(tmp_path, *DEMOS, f"placement.midtrain_ranks={placed}")
+    settings = tiny_settings(tmp_path, *DEMOS, f"placement.midtrain_ranks={placed}", NO_RL_TASKS)
     done = whetstone_run(settings, "--midtrain-only", "--json", nproc=nproc)
     assert done.returncode == 0, done.stderr[-4000:]
     (summary,) = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]  # rank 0 alone
@@ -50,6 +51,14 @@ def test_the_runs_mid_training_alone_takes_its_demonstrations(tmp_path, nproc, p
     again = midtrain_stage(load_config(PipelineConfig, None, settings).resolved())
     assert again["resumed_from"].endswith(f"step_{summary['step']:08d}") and again["tokens"] == summary["tokens"]
     assert again["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+
+
+def test_mid_training_alone_is_checked_for_what_it_reads_first(tmp_path):
+    settings = tiny_settings(tmp_path, NO_RL_TASKS, "placement.midtrain_ranks=2")
+    done = whetstone_run([*settings, f'midtrain.data.directories=[{{path="{tmp_path / "gone"}"}}]'], "--midtrain-only")
+    said = " ".join(done.stderr.split())
+    assert done.returncode == 2 and "mid-training cannot start: midtrain.data.directories[0].path" in said
+    assert "rl.orchestrator.tasks" not in said and not (tmp_path / "runs" / "tiny" / "logs").exists()  # no rank started
 
 
 def test_a_whole_run_under_torchrun_is_refused(tmp_path):

@@ -46,6 +46,7 @@ def run(
             print_summary(midtrain_stage(loaded.resolved()), as_json)
             return
         pipeline = Pipeline(loaded)
+        check_run_config(pipeline.config, midtrain_only=True)  # what mid-training reads, its devices
         try:
             print_summary(pipeline.midtrain(), as_json)
         finally:

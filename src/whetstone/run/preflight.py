@@ -29,15 +29,17 @@ GENERATOR_PATHS: dict[str, tuple[tuple[str, str], ...]] = {
 """The paths each generated task source reads (field, kind); an unset (empty) one is not read."""
 
 
-def check_run_config(config: PipelineConfig) -> None:
+def check_run_config(config: PipelineConfig, midtrain_only: bool = False) -> None:
     """Raise a `ConfigError` listing every problem of `config` (a resolved one) that would stop a
-    stage; nothing is created or changed."""
-    problems = list(_problems(config))
+    stage, or with `midtrain_only` mid-training (`whetstone run --midtrain-only`); nothing is
+    created or changed."""
+    problems = list(_problems(config, midtrain_only))
     if problems:
-        raise ConfigError("the run cannot start:\n" + "\n".join(f"  {problem}" for problem in problems))
+        what = "mid-training" if midtrain_only else "the run"
+        raise ConfigError(f"{what} cannot start:\n" + "\n".join(f"  {problem}" for problem in problems))
 
 
-def _problems(config: PipelineConfig) -> Iterator[str]:
+def _problems(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:
     yield from _writable("output_dir, name", config.run_dir)
     data = config.midtrain.data
     yield from _writable("midtrain.data.cache_dir", Path(data.cache_dir).expanduser())
@@ -49,18 +51,18 @@ def _problems(config: PipelineConfig) -> Iterator[str]:
         yield from _exists("midtrain.data.tokenizer", Path(data.tokenizer) / "tokenizer.json", "file")
     if config.midtrain.run.init_from:
         yield from _exists("midtrain.run.init_from", Path(config.midtrain.run.init_from) / "config.json", "file")
-    for role in ("trainer", "servers", "orchestrator"):
+    for role in () if midtrain_only else ("trainer", "servers", "orchestrator"):
         try:
             check_cpus(getattr(config.placement, role), f"placement.{role}")
         except WhetstoneError as err:
             yield str(err)
-    yield from _devices(config)
-    if config.placement.backend == "ray":
+    yield from _devices(config, midtrain_only)
+    if config.placement.backend == "ray" and not (midtrain_only and config.placement.ray.midtrain is None):
         try:
             import_ray()
         except ConfigError as err:
             yield str(err)
-    if not config.rl_enabled:
+    if midtrain_only or not config.rl_enabled:
         return
     if config.servers.engine == "vllm":
         from whetstone.integrations.vllm import vllm_python
@@ -76,7 +78,7 @@ def _problems(config: PipelineConfig) -> Iterator[str]:
     yield from _tasks("eval.tasks", config.eval.tasks)
 
 
-def _devices(config: PipelineConfig) -> Iterator[str]:
+def _devices(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:
     """A device asked for that this machine does not have (`cuda` without a GPU, `cuda:N` past
     its GPUs), by config key. On Ray the trainer and the servers run elsewhere, on the GPUs Ray
     gives them, and so does mid-training with `placement.ray.midtrain` set."""
@@ -84,7 +86,7 @@ def _devices(config: PipelineConfig) -> Iterator[str]:
     keys = []
     if placement.backend == "local" or placement.ray.midtrain is None:
         keys.append(("midtrain.run.device", config.midtrain.run.device))
-    if config.rl_enabled and placement.backend == "local":
+    if config.rl_enabled and placement.backend == "local" and not midtrain_only:
         keys.append(("placement.trainer_device", placement.trainer_device))
         keys += [(f"placement.server_devices[{i}]", name) for i, name in enumerate(placement.server_devices)]
     resolved = {}
