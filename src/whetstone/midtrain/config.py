@@ -4,6 +4,7 @@ a tiny MoE trained from scratch on the built-in code corpus, on 2 CPU cores, in 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -30,6 +31,12 @@ class RunConfig(Config):
     """Seed for model initialisation and data order."""
     threads: int = Field(2, ge=0)
     """Torch intra-op threads for this process (0 = all cores)."""
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder, `<output_dir>/<name>` (`~` expanded)."""
+        return Path(self.output_dir).expanduser() / self.name
+
     device: DeviceName = "auto"
     """Where the model, its optimizer state and the batches are: `auto` (CUDA when present, else
     the CPU), `cpu`, `cuda` or `cuda:N`."""

@@ -65,7 +65,7 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
             f"run.batch_size ({run.batch_size}) must be a multiple of the {world_size} ranks: each trains "
             "on an equal share of every micro-batch's rows"
         )
-    run_dir = Path(run.output_dir).expanduser() / run.name
+    run_dir = run.run_dir
     model_config = resolve_model_config(config)  # before the corpus build: fail fast on a bad checkpoint
     corpus = _corpus_in_rank_order(config, demos)
     resume_from = broadcast(latest_checkpoint(run_dir / "checkpoints") if run.resume else None)  # rank 0's view

@@ -259,7 +259,8 @@ class PipelineConfig(Config):
         return self
 
     @model_validator(mode="after")
-    def _local_ranks(self) -> "PipelineConfig":
+    def _ranks(self) -> "PipelineConfig":
+        # local ranks: this machine's GPUs, in order; mid-training's (local or on Ray): a share of its batch each
         placement = self.placement
         ranks = (("trainer", placement.trainer_device), ("midtrain", self.midtrain.run.device))
         for role, device in ranks:
@@ -277,11 +278,13 @@ class PipelineConfig(Config):
                     f"{key} = {device!r} with placement.{role}_ranks = {count}: rank i computes on cuda:i; "
                     "use 'cuda' or 'auto'"
                 )
-        batch = self.midtrain.run.batch_size
-        if batch % placement.midtrain_ranks:
+        on_ray = placement.backend == "ray" and placement.ray.midtrain is not None
+        key = "placement.ray.midtrain_ranks" if on_ray else "placement.midtrain_ranks"
+        ranks, batch = (placement.ray if on_ray else placement).midtrain_ranks, self.midtrain.run.batch_size
+        if batch % ranks:  # else each rank would refuse it, once started (`midtrain/setup.py`)
             raise ValueError(
-                f"midtrain.run.batch_size ({batch}) must be a multiple of placement.midtrain_ranks "
-                f"({placement.midtrain_ranks}): each rank trains an equal share of every micro-batch's rows"
+                f"midtrain.run.batch_size ({batch}) must be a multiple of {key} ({ranks}): each rank "
+                "trains an equal share of every micro-batch's rows"
             )
         return self
 
@@ -301,12 +304,6 @@ class PipelineConfig(Config):
         if placement.ray.midtrain is not None:  # on the cluster too
             asks["midtrain"] = placement.ray.midtrain.num_gpus
             devices.append(("midtrain", "midtrain.run.device", self.midtrain.run.device))
-            ranks, batch = placement.ray.midtrain_ranks, self.midtrain.run.batch_size
-            if batch % ranks:  # else each rank would refuse it, once placed (`midtrain/setup.py`)
-                raise ValueError(
-                    f"midtrain.run.batch_size ({batch}) must be a multiple of placement.ray.midtrain_ranks "
-                    f"({ranks}): each rank trains an equal share of every micro-batch's rows"
-                )
         devices += [
             ("server", f"placement.server_devices[{i}]", name) for i, name in enumerate(placement.server_devices)
         ]

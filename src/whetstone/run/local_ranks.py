@@ -33,15 +33,23 @@ FAILED_GRACE_S = 30.0
 SIGKILL (they are usually stuck in a collective that will not complete)."""
 
 
-def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
-    """Rank `rank`'s torchrun environment, every rank on this machine."""
+def rank_environment(
+    rank: int,
+    world_size: int,
+    port: int,
+    master: str = "127.0.0.1",
+    local_rank: int | None = None,
+    local_world_size: int | None = None,
+) -> dict[str, str]:
+    """Rank `rank`'s torchrun environment, rank 0 at `master`:`port`; by default every rank on
+    this machine (LOCAL_RANK = RANK)."""
     return {
-        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_ADDR": master,
         "MASTER_PORT": str(port),
         "RANK": str(rank),
         "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(rank),
-        "LOCAL_WORLD_SIZE": str(world_size),
+        "LOCAL_RANK": str(rank if local_rank is None else local_rank),
+        "LOCAL_WORLD_SIZE": str(world_size if local_world_size is None else local_world_size),
         PLACED_RANK_ENV: "1",
     }
 

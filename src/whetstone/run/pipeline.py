@@ -271,7 +271,7 @@ class Pipeline:
                 options=("--midtrain-only",),
             )
             self.follow_midtrain(group)
-            return json.loads((Path(run.output_dir).expanduser() / run.name / "summary.json").read_text())
+            return json.loads((run.run_dir / "summary.json").read_text())
         summary = midtrain_stage(self.config)
         release_gpu_memory()  # mid-training ran in this process: its GPU memory goes to the roles
         return summary
@@ -284,9 +284,8 @@ class Pipeline:
 
         run, data = self.config.midtrain.run, self.config.midtrain.data
         step_tokens = run.batch_size * run.grad_accum * data.seq_len
-        run_dir = Path(run.output_dir).expanduser() / run.name
-        metrics = run_dir / "metrics.jsonl"
-        resumed = latest_checkpoint(run_dir / "checkpoints") if run.resume else None
+        metrics = run.run_dir / "metrics.jsonl"
+        resumed = latest_checkpoint(run.run_dir / "checkpoints") if run.resume else None
         done = checkpoint_step(resumed) if resumed is not None else 0  # where the ranks start
         with progress_bar(max(0, run.steps - done) * step_tokens, f"midtrain {run.name}", "tok") as bar:
             while True:

@@ -367,12 +367,11 @@ class RayLauncher:
         from whetstone.run.ray_ranks import RankGroup
 
         self.connect()
-        run = config.midtrain.run
         group = RankGroup("midtrain", "midtrain", config, self.run_dir, self.config)
         try:
             group.start()
             follow(group)
-            return json.loads(group.read_text(0, Path(run.output_dir).expanduser() / run.name / "summary.json"))
+            return json.loads(group.read_text(0, config.midtrain.run.run_dir / "summary.json"))
         finally:
             group.stop()
 

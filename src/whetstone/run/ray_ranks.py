@@ -25,7 +25,7 @@ from pathlib import Path
 
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
-from whetstone.run.local_ranks import PLACED_RANK_ENV, RankedRole
+from whetstone.run.local_ranks import RankedRole, rank_environment
 from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, wait_for_predecessor
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port
@@ -42,18 +42,11 @@ def rank_environments(places: list[dict], num_gpus: float = 1.0) -> list[dict[st
     (CUDA_VISIBLE_DEVICES) and take the one Ray gave them, at index LOCAL_RANK; ranks without
     see none. `num_gpus` below 1 (one rank sharing a GPU) holds the rank to that share of its
     GPU's memory, as `ray_launch.gpu_environment` does a role."""
-    master = {"MASTER_ADDR": places[0]["ip"], "MASTER_PORT": str(places[0]["port"])}
+    master, port = places[0]["ip"], places[0]["port"]
     envs = []
     for rank, place in enumerate(places):
         mates = [p for p in places if p["node"] == place["node"]]
-        env = {
-            **master,
-            "RANK": str(rank),
-            "WORLD_SIZE": str(len(places)),
-            "LOCAL_RANK": str(mates.index(place)),
-            "LOCAL_WORLD_SIZE": str(len(mates)),
-            PLACED_RANK_ENV: "1",
-        }
+        env = rank_environment(rank, len(places), port, master, mates.index(place), len(mates))
         if place["gpus"]:
             gpus = sorted({gpu for p in mates for gpu in p["gpus"]}, key=_gpu_order)
             env.update(CUDA_VISIBLE_DEVICES=",".join(gpus), LOCAL_RANK=str(gpus.index(place["gpus"][0])))
