@@ -287,11 +287,13 @@ class Pipeline:
         metrics = run.run_dir / "metrics.jsonl"
         resumed = latest_checkpoint(run.run_dir / "checkpoints") if run.resume else None
         done = checkpoint_step(resumed) if resumed is not None else 0  # where the ranks start
+        before = metrics.stat().st_size if metrics.exists() else 0  # an older run's records, appended to
         with progress_bar(max(0, run.steps - done) * step_tokens, f"midtrain {run.name}", "tok") as bar:
             while True:
                 running = role.running
-                record = last_record(metrics)  # read after the look, so the last step shows
-                step = record.get("step", done)  # until the ranks' first step, an older run's may be last
+                # read after the look, so the last step shows; only what the ranks appended
+                record = last_record(metrics) if metrics.exists() and metrics.stat().st_size > before else {}
+                step = record.get("step", done)
                 fields = {"step": step, "loss": record["loss"]} if "loss" in record else {"step": step}
                 bar.update(max(0, step - done) * step_tokens, **fields)  # an evaluation's record has no loss
                 done = max(done, step)
