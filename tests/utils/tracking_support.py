@@ -24,8 +24,11 @@ def event_scalars(log_dir: Path) -> dict[str, list[tuple[int, float, float]]]:
 
 
 def jsonl_scalars(records: list[dict], key: str, step_key: str = "step") -> list[tuple[int, float, float]]:
-    """What the event files should hold for `key`: (step, value, time) of every record that has it."""
-    return [(r[step_key], as_event_value(r[key]), r["time"]) for r in records if key in r]
+    """What the event files should hold for `key`: (step, value, time) of every record in which it
+    is a number (a record may hold None, e.g. a batch's reward_mean with no reward in its window)."""
+    return [
+        (r[step_key], as_event_value(r[key]), r["time"]) for r in records if isinstance(r.get(key), bool | int | float)
+    ]
 
 
 def as_event_value(value: float) -> float:
