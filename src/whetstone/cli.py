@@ -3,7 +3,6 @@ only assembles them and turns `WhetstoneError` into a clean message and exit cod
 
 from __future__ import annotations
 
-import sys
 from importlib import metadata
 
 import typer
@@ -21,7 +20,7 @@ from whetstone.orchestrator.cli import orchestrator
 from whetstone.run.cli import run
 from whetstone.sync.cli import app as sync_app
 from whetstone.trainer.cli import trainer
-from whetstone.utils.processes import apply_role_environment
+from whetstone.utils.processes import apply_role_environment, exit_process
 
 app = typer.Typer(
     name="whetstone",
@@ -77,9 +76,12 @@ def main() -> None:
     apply_role_environment()
     try:
         app()
+    except SystemExit as done:  # how typer ends
+        exit_process(done.code)
     except WhetstoneError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
-        sys.exit(2)
+        exit_process(2)
+    exit_process(0)
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ from whetstone.config import load_config
 from whetstone.midtrain.config import MidtrainConfig
 from whetstone.midtrain.setup import _corpus_in_rank_order
 from whetstone.training.distributed import torchrun_group, world
+from whetstone.utils.processes import exit_process
 
 
 def main(config_file: str, out: Path) -> None:
@@ -29,3 +30,4 @@ def main(config_file: str, out: Path) -> None:
 
 if __name__ == "__main__":
     main(sys.argv[1], Path(sys.argv[2]))
+    exit_process(0)  # as the whetstone command's ranks end

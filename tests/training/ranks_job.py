@@ -22,6 +22,7 @@ from whetstone.training.distributed import (
     torchrun_group,
     world,
 )
+from whetstone.utils.processes import exit_process
 
 CFG = ModelConfig(
     vocab_size=64,
@@ -91,3 +92,4 @@ def main(root: Path) -> None:
 
 if __name__ == "__main__":
     main(Path(sys.argv[1]))
+    exit_process(0)  # as the whetstone command's ranks end
