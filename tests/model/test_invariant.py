@@ -72,6 +72,77 @@ def test_the_row_check_catches_a_sum_that_depends_on_the_row_count():
     assert rows_alone(split_k_when_many, x) == list(range(1, 8))
 
 
+EXPERT_SHAPES = {"tiny": (32, 24, 12), "gpu-model": (1024, 768, 384)}
+"""(hidden, 2 x intermediate, intermediate) of MoE experts: the tests' tiny model and the 380M one."""
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", EXPERT_SHAPES.values(), ids=EXPERT_SHAPES.keys())
+def test_expert_rows_do_not_depend_on_their_place_in_the_tile(dtype, shape):
+    # An expert's tokens fill its tiles from the first row; how many came before a token sets its
+    # place in the tile. (MKL's AVX2 path on Intel computes 6 rows at a time: the 2 left of an
+    # 8-row tile came out differently before tiles were checked.)
+    hidden, double, inner = shape
+    gate_up, down = torch.randn(2, double, hidden).to(dtype), torch.randn(2, hidden, inner).to(dtype)
+    tile = invariant.expert_tile(gate_up, down)
+    for weight_t, depth in ((gate_up[1].t(), hidden), (down[1].t(), inner)):
+        x = torch.randn(1, depth).to(dtype)
+        alone = invariant.tiled_mm(torch.cat([x, x.new_zeros(tile - 1, depth)]), weight_t, tile=tile)[0]
+        for place in range(1, tile):
+            rows = torch.randn(tile, depth).to(dtype)
+            rows[place] = x[0]
+            assert torch.equal(invariant.tiled_mm(rows, weight_t, tile=tile)[place], alone), place
+
+
+@pytest.fixture
+def fresh_tiles():
+    invariant._row_tile.cache_clear()
+    invariant._rows_alike.cache_clear()
+    yield
+    invariant._row_tile.cache_clear()
+    invariant._rows_alike.cache_clear()
+
+
+def _six_rows_at_a_time(tiled_mm):
+    """`tiled_mm` as a library computing 6 rows at a time would: the rows of a tile's incomplete
+    last group of 6 sum K in two halves (another order)."""
+
+    def kernel(rows, weight_t, out=None, tile=invariant.ROW_TILE):
+        result = tiled_mm(rows, weight_t, tile=tile)
+        half = rows.shape[1] // 2
+        for start in range(0, rows.shape[0], tile):
+            for first in range(start + tile - tile % 6, start + tile) if tile % 6 else ():
+                row = rows[first : first + 1]
+                result[first] = (
+                    tiled_mm(row[:, :half], weight_t[:half], tile=1) + tiled_mm(row[:, half:], weight_t[half:], tile=1)
+                )[0]
+        return result
+
+    return kernel
+
+
+def test_a_tile_whose_rows_the_library_computes_apart_is_not_used(monkeypatch, fresh_tiles):
+    monkeypatch.setattr(invariant, "tiled_mm", _six_rows_at_a_time(invariant.tiled_mm))
+    weight_t = torch.randn(40, 64).t()
+    # 8 rows are 6 + 2 and 16 are 6 + 6 + 4: the first multiple of 8 made of whole groups is 24
+    assert invariant.row_tile(8, weight_t) == 24
+    assert invariant.row_tile(6, weight_t) == 6
+
+
+def test_without_such_a_tile_rows_are_multiplied_one_at_a_time(monkeypatch, fresh_tiles, caplog):
+    monkeypatch.setattr(invariant, "tiled_mm", _six_rows_at_a_time(invariant.tiled_mm))
+    monkeypatch.setattr(invariant, "TILE_MULTIPLES", 2)
+    assert invariant.row_tile(8, torch.randn(40, 64).t()) == 1
+    assert "one row at a time" in caplog.text
+
+
+def test_one_row_tiles_are_the_rows_alone():
+    x, weight = torch.randn(5, 96), torch.randn(80, 96)
+    full = invariant.tiled_mm(x, weight.t(), tile=1)
+    assert all(torch.equal(invariant.tiled_mm(x[m : m + 1], weight.t(), tile=1), full[m : m + 1]) for m in range(5))
+    torch.testing.assert_close(full, x @ weight.t())
+
+
 def test_one_thread_restores_the_thread_count():
     torch.set_num_threads(2)
     with invariant.one_thread():

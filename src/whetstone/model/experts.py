@@ -21,10 +21,11 @@ slices, both with the backward written out:
   back either. Under invariant numerics the forward is always `invariant_triton.grouped_matmul`,
   whose tiles never depend on how many tokens chose an expert.
 
-On the CPU under invariant numerics each expert's slice is padded to a multiple of
-`invariant.EXPERT_ROW_TILE` rows (dummy slots that read a zero row and whose outputs nobody
-gathers) and multiplied by `invariant.expert_mm`, in tiles of one shape, so a row's result does
-not depend on how many tokens chose its expert.
+On the CPU under invariant numerics each expert's slice is padded to a multiple of the experts'
+tile (`invariant.expert_tile`: EXPERT_ROW_TILE rows where the library computes such tiles' rows
+alike; dummy slots read a zero row and nobody gathers their outputs) and multiplied by
+`invariant.tiled_mm`, in tiles of one shape, so a row's result does not depend on how many tokens
+chose its expert.
 Reduced-precision training (`ops.training_kernels()`) pads the same way to a few sizes per power
 of two (`ops.shape_tile`), so the matmuls reuse the kernels oneDNN built for earlier steps.
 """
@@ -150,8 +151,11 @@ def _zero_row_for_dummies(rows: torch.Tensor, order: torch.Tensor, slots: int) -
     return F.pad(rows, (0, 0, 0, 1)) if order.numel() != slots else rows
 
 
-def _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invariant):
-    """The forward of _PerExpertSwiGLU: (output [N, k, H], the tensors its backward needs)."""
+def _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, invariant_tile):
+    """The forward of _PerExpertSwiGLU: (output [N, k, H], the tensors its backward needs).
+    `invariant_tile`: the rows of the invariant kernel's tiles (`invariant.expert_tile`), or 0
+    in fast numerics."""
+    batch_invariant = bool(invariant_tile)
     inner = down.shape[-1]
     source = _zero_row_for_dummies(x, order, x.shape[0] * top_k)
     sorted_x = source.index_select(0, order // top_k)  # [S, H], slots grouped by expert
@@ -159,7 +163,7 @@ def _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, batch_in
     # Each expert's rows, transposed weight and output rows as views made in one call per tensor:
     # decoding runs this every step on a handful of rows, where indexing expert by expert would
     # cost more calls than the matmuls. An expert no slot chose gets no call.
-    matmul = invariant.expert_mm if batch_invariant else torch.mm
+    matmul = functools.partial(invariant.tiled_mm, tile=invariant_tile) if batch_invariant else torch.mm
     for rows, weight, into in zip(sorted_x.split(counts), gate_up.transpose(1, 2).unbind(), hidden.split(counts)):
         if rows.shape[0]:
             matmul(rows, weight, out=into)
@@ -183,8 +187,8 @@ class _PerExpertSwiGLU(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, gate_up, down, order, unsort, counts, top_k, batch_invariant):
-        out, saved = _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, batch_invariant)
+    def forward(ctx, x, gate_up, down, order, unsort, counts, top_k, invariant_tile):
+        out, saved = _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, invariant_tile)
         ctx.save_for_backward(*saved)
         ctx.counts, ctx.top_k = counts, top_k
         return out
@@ -308,12 +312,12 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     # the slice sizes, on the host: the one read-back of this path
     counts = expert_counts(slot_expert, gate_up.shape[0]).tolist()
     unsort = _inverse(order)
-    batch_invariant = ops.is_invariant()
-    if batch_invariant:
-        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, lambda count: invariant.EXPERT_ROW_TILE)
+    invariant_tile = invariant.expert_tile(gate_up, down) if ops.is_invariant() else 0
+    if invariant_tile:
+        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, lambda count: invariant_tile)
     elif ops.pads_shapes(x):
         order, unsort, counts = _padded_groups(slot_expert, unsort, counts, ops.shape_tile)
-    args = (x, gate_up, down, order, unsort, counts, ids.shape[1], batch_invariant)
+    args = (x, gate_up, down, order, unsort, counts, ids.shape[1], invariant_tile)
     with torch.autocast(x.device.type, enabled=False):
         if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping
             return _per_expert_forward(*args)[0]

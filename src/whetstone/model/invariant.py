@@ -10,6 +10,11 @@ of tiles of one fixed shape, whatever the batch:
   zeros, or copies of a real row, to a multiple of it), the full K of the weight, and a fixed
   block of at least MIN_COLUMNS of its columns; in attention, K is the head dim or KEY_CHUNK
   and N is KEY_CHUNK or the head dim;
+- a library may still compute the rows of one tile differently by where they sit in it: MKL's
+  AVX2 path on Intel CPUs computes 6 rows at a time and the 2 left of an 8-row tile another
+  way. So the tile's row count is checked once per shape, on the library path the process
+  runs (`row_tile`): a row put anywhere in the tile must give the same bits. Where the base
+  size fails, the next multiple of it that passes is used, and one row per tile if none does;
 - each tile is one library call of one shape on one thread (`one_thread`): fp32 tiles go
   through one `torch.bmm` (MKL's batched GEMM), bf16 tiles through one `torch.mm` each. The
   same instructions in the same order for a given row, whether it came alone or among
@@ -33,6 +38,7 @@ reductions (one row per worker, an order set by the row's length), in fp32.
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -41,13 +47,18 @@ import torch.nn.functional as F
 
 from whetstone.model import invariant_triton
 
+log = logging.getLogger(__name__)
+
 ROW_TILE = 16
-"""Rows per matmul tile. Smaller tiles waste less on padding when decoding a few rows (an
-expert with one token computes ROW_TILE rows); larger ones cost the trainer less per row."""
+"""Rows per matmul tile, where the library computes every row of such a tile alike (`row_tile`).
+Smaller tiles waste less on padding when decoding a few rows (an expert with one token computes
+a whole tile); larger ones cost the trainer less per row."""
 EXPERT_ROW_TILE = 8
-"""Rows per tile of the MoE experts' matmuls. Decoding gives an expert one or two tokens, which
-its tile pads to this many rows: 8 costs a decode step of the benchmark model 20% less than 16,
-and the trainer's expert matmuls (hundreds of rows each) ~25% more."""
+"""Rows per tile of the MoE experts' matmuls, as ROW_TILE. Decoding gives an expert one or two
+tokens, which its tile pads to this many rows: 8 costs a decode step of the benchmark model 20%
+less than 16, and the trainer's expert matmuls (hundreds of rows each) ~25% more."""
+TILE_MULTIPLES = 4
+"""`row_tile` tries this many multiples of a base tile before it falls back to one-row tiles."""
 BLOCK_BYTES = 1 << 20
 """A tile's block of the weight is at most this big (an L2's worth; at least 64 columns): 512
 output columns of a K = 512 fp32 weight, 1024 in bf16."""
@@ -73,9 +84,70 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _pad_rows(x: torch.Tensor) -> torch.Tensor:
-    missing = -x.shape[0] % ROW_TILE
+def _pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
+    missing = -x.shape[0] % tile
     return torch.cat([x, x.new_zeros(missing, x.shape[1])]) if missing else x
+
+
+def _block_columns(depth: int, dtype: torch.dtype) -> int:
+    """The columns of a weight's block in `tiled_mm` (BLOCK_BYTES of it, at least 64)."""
+    return max(64, BLOCK_BYTES // (depth * dtype.itemsize) // 64 * 64)
+
+
+def row_tile(base: int, *weights_t: torch.Tensor) -> int:
+    """The rows of a tile for `tiled_mm` against each of `weights_t` ([K, N], as it takes them):
+    `base`, or the smallest multiple of it (up to TILE_MULTIPLES times) for which the library
+    computes a row the same wherever it sits in a tile, on every block of every weight; 1 if none
+    does (a one-row tile has one place). Checked once per shape, layout and dtype
+    (`_rows_alike`), so the engine and the trainer of one machine tile alike."""
+    shapes = []
+    for weight_t in weights_t:
+        depth, columns = weight_t.shape
+        block = _block_columns(depth, weight_t.dtype)
+        # the blocks tiled_mm makes: whole ones of `block` columns and the narrower last one
+        width = columns if columns <= block else block + columns % block
+        shapes.append((depth, width, weight_t.dtype, weight_t.stride(0) == 1 and columns > 1))
+    return _row_tile(base, tuple(shapes))
+
+
+@functools.lru_cache(maxsize=256)
+def _row_tile(base: int, shapes: tuple) -> int:
+    for tile in range(base, base * TILE_MULTIPLES + 1, base):
+        if all(_rows_alike(tile, *shape) for shape in shapes):
+            if tile != base:
+                log.info(
+                    "invariant numerics: %d-row tiles for %s (the library's %d-row tiles are not)", tile, shapes, base
+                )
+            return tile
+    log.warning(
+        "invariant numerics: the matrix library computes rows of every tile of %d to %d rows differently by "
+        "their place in it for %s; multiplying one row at a time (slower)",
+        base,
+        base * TILE_MULTIPLES,
+        shapes,
+    )
+    return 1
+
+
+@functools.lru_cache(maxsize=1024)
+def _rows_alike(tile: int, depth: int, width: int, dtype: torch.dtype, column_major: bool) -> bool:
+    """Whether `tiled_mm` with `tile`-row tiles against a [depth, width] weight of this dtype and
+    layout gives each row the same bits wherever it sits in its tile and whether it comes alone
+    or beside another tile. Random operands from a fixed seed (the global generator untouched):
+    two different orders of a sum of `depth` random products almost never round alike."""
+    generator = torch.Generator().manual_seed(tile * 7919 + depth * 31 + width)
+    shape = (width, depth) if column_major else (depth, width)
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        weight = torch.randn(shape, generator=generator).to(dtype)
+        weight_t = weight.t() if column_major else weight
+        rows = torch.randn(2 * tile, depth, generator=generator).to(dtype)
+        full = tiled_mm(rows, weight_t, tile=tile)
+        if not torch.equal(tiled_mm(rows[:tile], weight_t, tile=tile), full[:tile]):
+            return False
+        return all(
+            torch.equal(tiled_mm(rows.roll(shift, 0), weight_t, tile=tile), full.roll(shift, 0))
+            for shift in range(1, tile)
+        )
 
 
 def tiled_mm(
@@ -93,7 +165,7 @@ def tiled_mm(
     if columns < MIN_COLUMNS:
         result = tiled_mm(rows, F.pad(weight_t, (0, MIN_COLUMNS - columns)), tile=tile)[:, :columns]
         return result if out is None else out.copy_(result)
-    block_columns = max(64, BLOCK_BYTES // (depth * weight_t.element_size()) // 64 * 64)
+    block_columns = _block_columns(depth, weight_t.dtype)
     tiles = rows.view(-1, tile, depth)
     if out is None:
         out = rows.new_empty(rows.shape[0], columns)
@@ -110,17 +182,19 @@ def tiled_mm(
     return out
 
 
-def expert_mm(rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """An expert's matmul: `tiled_mm` with EXPERT_ROW_TILE-row tiles."""
-    return tiled_mm(rows, weight_t, out, EXPERT_ROW_TILE)
+def expert_tile(gate_up: torch.Tensor, down: torch.Tensor) -> int:
+    """The rows of the experts' tiles (`row_tile` from EXPERT_ROW_TILE): gate_up [E, 2I, H],
+    down [E, H, I], as the experts multiply by them."""
+    return row_tile(EXPERT_ROW_TILE, gate_up[0].t(), down[0].t())
 
 
 def _linear_forward(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [M, K] @ weight [N, K].T by the invariant kernel of the rows' device: the Triton
-    matmul on CUDA (`invariant_triton`), tiles of ROW_TILE rows on the CPU."""
+    matmul on CUDA (`invariant_triton`), tiles of ROW_TILE rows on the CPU (`row_tile`)."""
     if invariant_triton.applies(rows):
         return invariant_triton.matmul(rows, weight)
-    return tiled_mm(_pad_rows(rows), weight.t())[: rows.shape[0]]
+    tile = row_tile(ROW_TILE, weight.t())
+    return tiled_mm(_pad_rows(rows, tile), weight.t(), tile=tile)[: rows.shape[0]]
 
 
 class _Linear(torch.autograd.Function):
@@ -217,12 +291,12 @@ def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _query_rows(group: int, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query rows (g, t) of a kv head, padded to a multiple of ROW_TILE with copies of row 0
-    (any real row works: their results are dropped): (row index, position t of each row)."""
+def _query_rows(group: int, length: int, tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows (g, t) of a kv head, padded to a multiple of `tile` with copies of row 0 (any
+    real row works: their results are dropped): (row index, position t of each row)."""
     rows = group * length
     with torch.inference_mode(False):  # cached: normal tensors, which the trainer's backward may save
-        index = torch.arange(rows + -rows % ROW_TILE, device=device)
+        index = torch.arange(rows + -rows % tile, device=device)
         index[rows:] = 0
         return index, index % length
 
@@ -234,12 +308,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     a full forward both index keys that way); mask [B, 1, T, S] (True = may attend), or None for
     causal attention over the same T tokens. Returns [B, Hq, T, D] in q's dtype.
 
-    The query rows of a kv head ((g, t) pairs, padded to a multiple of ROW_TILE) are taken
-    ROW_TILE at a time. Each block's scores against each chunk of KEY_CHUNK keys is one
-    [ROW_TILE, D] x [D, KEY_CHUNK] tile; the softmax subtracts the row's max (exact in any
-    order); each chunk's probabilities are summed (a row reduction of KEY_CHUNK) and multiplied
-    with its values as one [ROW_TILE, KEY_CHUNK] x [KEY_CHUNK, D] tile; the chunks are added in
-    key order at the end.
+    The query rows of a kv head ((g, t) pairs, padded to a multiple of the tile: ROW_TILE, as
+    `row_tile` checks it for these shapes) are taken a tile at a time. Each block's scores
+    against each chunk of KEY_CHUNK keys is one [tile, D] x [D, KEY_CHUNK] matmul; the softmax
+    subtracts the row's max (exact in any order); each chunk's probabilities are summed (a row
+    reduction of KEY_CHUNK) and multiplied with its values as one [tile, KEY_CHUNK] x
+    [KEY_CHUNK, D] matmul; the chunks are added in key order at the end.
     """
     if invariant_triton.applies(q):
         return invariant_triton.attention(q, k, v, mask)
@@ -254,33 +328,34 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
             k, v = F.pad(k, (0, 0, 0, missing)), F.pad(v, (0, 0, 0, missing))
             mask = F.pad(mask, (0, missing), value=False)
         chunks = (keys + missing) // KEY_CHUNK
-        rows = group * length
-        index, positions = _query_rows(group, length, q.device)
-        queries = (q.float() * dim**-0.5).reshape(batch, kv_heads, rows, dim)
-        if index.numel() > rows:
-            queries = queries.index_select(2, index)
         # Tiles of keys and values: [B * Hkv * chunks, KEY_CHUNK, D].
         key_tiles = k.float().reshape(-1, KEY_CHUNK, dim).transpose(1, 2)
         value_tiles = v.float().reshape(-1, KEY_CHUNK, dim)
         tiles = key_tiles.shape[0]
+        tile = row_tile(ROW_TILE, key_tiles[0], value_tiles[0])
+        rows = group * length
+        index, positions = _query_rows(group, length, tile, q.device)
+        queries = (q.float() * dim**-0.5).reshape(batch, kv_heads, rows, dim)
+        if index.numel() > rows:
+            queries = queries.index_select(2, index)
         weight_parts, out_parts = [], []
-        for start in range(0, index.numel(), ROW_TILE):
-            block = queries[:, :, start : start + ROW_TILE].unsqueeze(2).expand(-1, -1, chunks, -1, -1)
+        for start in range(0, index.numel(), tile):
+            block = queries[:, :, start : start + tile].unsqueeze(2).expand(-1, -1, chunks, -1, -1)
             with one_thread():
-                scores = torch.bmm(block.reshape(tiles, ROW_TILE, dim), key_tiles)
-            # [B, Hkv, chunks, ROW_TILE, KEY_CHUNK], and the mask of these rows in that layout.
-            scores = scores.view(batch, kv_heads, chunks, ROW_TILE, KEY_CHUNK)
-            visible = mask.index_select(2, positions[start : start + ROW_TILE])
-            visible = visible.view(batch, 1, ROW_TILE, chunks, KEY_CHUNK).transpose(2, 3)
+                scores = torch.bmm(block.reshape(tiles, tile, dim), key_tiles)
+            # [B, Hkv, chunks, tile, KEY_CHUNK], and the mask of these rows in that layout.
+            scores = scores.view(batch, kv_heads, chunks, tile, KEY_CHUNK)
+            visible = mask.index_select(2, positions[start : start + tile])
+            visible = visible.view(batch, 1, tile, chunks, KEY_CHUNK).transpose(2, 3)
             scores = torch.where(visible, scores, float("-inf"))
             peak = scores.amax(dim=(2, 4), keepdim=True).detach()  # the result does not depend on it
             probs = torch.exp(scores - peak)
             weight_parts.append(probs.sum(dim=-1, keepdim=True))
             with one_thread():
-                out_parts.append(torch.bmm(probs.reshape(tiles, ROW_TILE, KEY_CHUNK), value_tiles))
+                out_parts.append(torch.bmm(probs.reshape(tiles, tile, KEY_CHUNK), value_tiles))
         # [B, Hkv, chunks, rows, 1] and [B, Hkv, chunks, rows, D], then added in key order.
         weight_parts = torch.cat(weight_parts, dim=3)
-        out_parts = torch.cat([part.view(batch, kv_heads, chunks, ROW_TILE, dim) for part in out_parts], dim=3)
+        out_parts = torch.cat([part.view(batch, kv_heads, chunks, tile, dim) for part in out_parts], dim=3)
         total, out = weight_parts[:, :, 0], out_parts[:, :, 0]
         for chunk in range(1, chunks):
             total = total + weight_parts[:, :, chunk]
