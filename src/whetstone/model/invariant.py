@@ -134,13 +134,14 @@ def _rows_alike(tile: int, depth: int, width: int, dtype: torch.dtype, column_ma
     """Whether `tiled_mm` with `tile`-row tiles against a [depth, width] weight of this dtype and
     layout gives each row the same bits wherever it sits in its tile and whether it comes alone
     or beside another tile. Random operands from a fixed seed (the global generator untouched):
-    two different orders of a sum of `depth` random products almost never round alike."""
+    two different orders of a sum of `depth` random products almost never round alike. The
+    tiles are the CPU's kernel, so the operands are made on the host."""
     generator = torch.Generator().manual_seed(tile * 7919 + depth * 31 + width)
     shape = (width, depth) if column_major else (depth, width)
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
-        weight = torch.randn(shape, generator=generator).to(dtype)
+        weight = torch.randn(shape, generator=generator, device="cpu").to(dtype)
         weight_t = weight.t() if column_major else weight
-        rows = torch.randn(2 * tile, depth, generator=generator).to(dtype)
+        rows = torch.randn(2 * tile, depth, generator=generator, device="cpu").to(dtype)
         full = tiled_mm(rows, weight_t, tile=tile)
         if not torch.equal(tiled_mm(rows[:tile], weight_t, tile=tile), full[:tile]):
             return False
