@@ -72,7 +72,7 @@ def test_the_row_check_catches_a_sum_that_depends_on_the_row_count():
     assert rows_alone(split_k_when_many, x) == list(range(1, 8))
 
 
-EXPERT_SHAPES = {"tiny": (32, 24, 12), "gpu-model": (1024, 768, 384)}
+EXPERT_SHAPES = {"tiny": (32, 32, 16), "gpu-model": (1024, 768, 384)}
 """(hidden, 2 x intermediate, intermediate) of MoE experts: the tests' tiny model and the 380M one."""
 
 
@@ -104,11 +104,11 @@ def fresh_tiles():
 
 
 def _six_rows_at_a_time(tiled_mm):
-    """`tiled_mm` as a library computing 6 rows at a time would: the rows of a tile's incomplete
-    last group of 6 sum K in two halves (another order)."""
+    """`tiled_mm` on a library that computes 6 rows at a time and the rows of a tile's last,
+    incomplete group of 6 another way (here: K summed in two halves)."""
 
     def kernel(rows, weight_t, out=None, tile=invariant.ROW_TILE):
-        result = tiled_mm(rows, weight_t, tile=tile)
+        result = tiled_mm(rows, weight_t, out, tile)
         half = rows.shape[1] // 2
         for start in range(0, rows.shape[0], tile):
             for first in range(start + tile - tile % 6, start + tile) if tile % 6 else ():
@@ -124,7 +124,7 @@ def _six_rows_at_a_time(tiled_mm):
 def test_a_tile_whose_rows_the_library_computes_apart_is_not_used(monkeypatch, fresh_tiles):
     monkeypatch.setattr(invariant, "tiled_mm", _six_rows_at_a_time(invariant.tiled_mm))
     weight_t = torch.randn(40, 64).t()
-    # 8 rows are 6 + 2 and 16 are 6 + 6 + 4: the first multiple of 8 made of whole groups is 24
+    # there 8 rows are 6 + 2 and 16 are 6 + 6 + 4: the first multiple of 8 of whole groups is 24
     assert invariant.row_tile(8, weight_t) == 24
     assert invariant.row_tile(6, weight_t) == 6
 

@@ -36,10 +36,10 @@ def _needs(probe: str, what: str):
 
 
 # oneDNN's kernel names carry the ISA they were built for, from the least to the most capable.
-ISAS = ["avx2", "avx512_core", "avx512_core_bf16", "avx512_core_amx"]
-# Later oneDNNs name some ISAs after AVX10 in their verbose output (oneDNN 3.12 runs AMX kernels
+ISAS = ["avx2", "avx512_core", "avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx"]
+# Later oneDNNs name these ISAs after AVX10 in their verbose output (oneDNN 3.12 runs AMX kernels
 # as `brg_matmul:avx10_1_512_amx`); the caps keep the older names.
-ISA_ALIASES = {"avx10_1_512_amx": "avx512_core_amx"}
+ISA_ALIASES = {"avx10_1_512_amx": "avx512_core_amx", "avx10_1_512": "avx512_core_fp16"}
 
 
 def _kernel_isas(line: str) -> str:

@@ -85,7 +85,8 @@ def test_fast_fp32_experts_take_the_grouped_kernel_where_torchs_would_read_back(
     with context(), grouped_mm_on_cpu(), torch.no_grad(), watch_host_work() as work, no_gpu_waits(device):
         got = expert_mlp(x, ids, gate_up, down)
     assert len(calls) == 2 and work.syncs == [] and work.host_tensors == []
-    torch.testing.assert_close(got.cpu(), expected)
+    # fp32 sums of products ~30 in size: the library's order moves the last bits (MKL's AVX2 path: 1.5e-4)
+    torch.testing.assert_close(got.cpu(), expected, **CLOSE[torch.float32])
 
 
 @pytest.mark.parametrize("where", WHERE)

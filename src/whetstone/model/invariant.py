@@ -6,8 +6,9 @@ path, for 4 rows against 8 on its SSE path (`MKL_CBWR=COMPATIBLE`), for other ro
 AVX-512; with 2 threads it splits the K of a thin GEMM across them. So every matmul here is made
 of tiles of one fixed shape, whatever the batch:
 
-- a tile has exactly ROW_TILE rows (EXPERT_ROW_TILE for the MoE experts; rows are padded with
-  zeros, or copies of a real row, to a multiple of it), the full K of the weight, and a fixed
+- a tile has a fixed number of rows, ROW_TILE (EXPERT_ROW_TILE for the MoE experts) where the
+  check below passes (rows are padded with zeros, or copies of a real row, to a multiple of
+  it), the full K of the weight, and a fixed
   block of at least MIN_COLUMNS of its columns; in attention, K is the head dim or KEY_CHUNK
   and N is KEY_CHUNK or the head dim;
 - a library may still compute the rows of one tile differently by where they sit in it: MKL's
@@ -16,7 +17,8 @@ of tiles of one fixed shape, whatever the batch:
   runs (`row_tile`): a row put anywhere in the tile must give the same bits. Where the base
   size fails, the next multiple of it that passes is used, and one row per tile if none does;
 - each tile is one library call of one shape on one thread (`one_thread`): fp32 tiles go
-  through one `torch.bmm` (MKL's batched GEMM), bf16 tiles through one `torch.mm` each. The
+  through `torch.bmm` (MKL's GEMM, batched or tile by tile), bf16 tiles through one `torch.mm`
+  each. The
   same instructions in the same order for a given row, whether it came alone or among
   thousands. No row count, thread count or tile position enters
   the arithmetic. The tests check it under each CPU dispatch path MKL and oneDNN can be forced
@@ -99,13 +101,15 @@ def row_tile(base: int, *weights_t: torch.Tensor) -> int:
     `base`, or the smallest multiple of it (up to TILE_MULTIPLES times) for which the library
     computes a row the same wherever it sits in a tile, on every block of every weight; 1 if none
     does (a one-row tile has one place). Checked once per shape, layout and dtype
-    (`_rows_alike`), so the engine and the trainer of one machine tile alike."""
+    (`_rows_alike`), so the engine and the trainer of one machine, under the same library
+    settings (MKL_*, ONEDNN_* variables), tile alike."""
     shapes = []
     for weight_t in weights_t:
         depth, columns = weight_t.shape
         block = _block_columns(depth, weight_t.dtype)
-        # the blocks tiled_mm makes: whole ones of `block` columns and the narrower last one
-        width = columns if columns <= block else block + columns % block
+        # the blocks tiled_mm makes: a whole weight of up to `block` columns in one call, else
+        # whole blocks written into column slices of the output, and a narrower last one
+        width = columns if columns <= block else block + (columns % block or block)
         shapes.append((depth, width, weight_t.dtype, weight_t.stride(0) == 1 and columns > 1))
     return _row_tile(base, tuple(shapes))
 
