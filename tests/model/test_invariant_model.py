@@ -80,6 +80,22 @@ def test_invariant_logits_and_routes_do_not_depend_on_batch_padding_or_cache(kin
     assert mismatches(model_for(kind), "invariant", dtype) == []
 
 
+@pytest.mark.parametrize("tile", [1, 24, 32])
+def test_invariance_holds_with_the_tiles_another_library_would_get(tile, monkeypatch):
+    # `invariant.row_tile` gives the base tiles on most library paths, 16-row expert tiles on
+    # MKL's AVX2 path on Intel, one-row tiles where no size passes its check: the model with each.
+    from whetstone.model import invariant
+
+    monkeypatch.setattr(invariant, "row_tile", lambda base, *weights: tile)
+    model = model_for("moe")
+    assert mismatches(model, "invariant", None) == []
+    with torch.no_grad():
+        fast = model(token_ids(2, 40)).logits
+        with numerics("invariant"):
+            same = model(token_ids(2, 40)).logits
+    torch.testing.assert_close(same, fast, atol=1e-5, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
 def test_fast_logits_do_depend_on_them(dtype):
     # So the test above can fail: torch's kernels sum in an order that depends on the shapes.
