@@ -1,7 +1,9 @@
 """Roles as child processes: started with the same interpreter, logged to a file, stopped cleanly."""
 
 import os
+import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -9,7 +11,8 @@ import time
 import pytest
 
 from whetstone.errors import WhetstoneError
-from whetstone.utils.processes import RoleProcess
+from whetstone.utils import processes
+from whetstone.utils.processes import RoleProcess, free_ports
 
 
 def test_a_role_runs_the_whetstone_command_and_logs_to_a_file(tmp_path):
@@ -95,3 +98,38 @@ def test_a_role_runs_on_its_cores_and_so_does_everything_it_starts(tmp_path):
 def test_cores_that_do_not_exist_are_named(tmp_path):
     with pytest.raises(WhetstoneError, match=r"trainer: cores \[4096\] are not available here"):
         RoleProcess("trainer", [], tmp_path / "t.log", cpus=[4096])
+
+
+def test_free_ports_are_distinct_bindable_and_outside_the_kernels_ephemeral_range():
+    ports = free_ports(50)
+    assert len(set(ports)) == 50
+    low, high = processes.PICKED_PORTS[0], min(processes.PICKED_PORTS[1], processes._ephemeral_ports()[0])
+    if high - low >= 1024:  # else the kernel picks them
+        assert all(low <= port < high for port in ports)
+    for port in ports[:5]:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", port))
+
+
+def test_processes_that_seeded_random_alike_pick_different_ports():
+    random.seed(0)
+    first = free_ports(8)
+    random.seed(0)
+    assert free_ports(8) != first
+
+
+def test_a_taken_port_is_passed_over(monkeypatch):
+    with socket.socket() as taken, socket.socket() as other:
+        taken.bind(("127.0.0.1", 0))
+        other.bind(("127.0.0.1", 0))
+        port, free = taken.getsockname()[1], other.getsockname()[1]
+        other.close()
+        picks = iter([port, port, free])
+        monkeypatch.setattr(processes._PORT_CHOICE, "randrange", lambda low, high: next(picks))
+        assert free_ports(1) == [free]
+
+
+def test_where_the_range_is_too_narrow_the_kernel_picks(monkeypatch):
+    monkeypatch.setattr(processes, "_ephemeral_ports", lambda: (processes.PICKED_PORTS[0] + 10, 60999))
+    monkeypatch.setattr(processes._PORT_CHOICE, "randrange", lambda low, high: pytest.fail("picked in the range"))
+    assert len(set(free_ports(3))) == 3

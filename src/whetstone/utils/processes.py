@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -241,12 +242,44 @@ def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:
     return code
 
 
-def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 right now (all held open while picking)."""
-    sockets = [socket.socket() for _ in range(count)]
+PICKED_PORTS = (20000, 32768)
+"""Where `free_ports` picks: above Ray's worker ports (10002-19999) and below the kernel's
+ephemeral range (`net.ipv4.ip_local_port_range`, 32768-60999 by default)."""
+_PORT_CHOICE = random.SystemRandom()
+"""Picks ports from the OS's entropy: processes that seeded `random` alike still pick apart."""
+
+
+def _ephemeral_ports() -> tuple[int, int]:
     try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct TCP ports free on 127.0.0.1 right now (all held open while picking).
+
+    A picked port is closed again before the process it is for binds it, seconds later. Picked
+    in the kernel's ephemeral range (bind to port 0), it could meanwhile become the local port of
+    any outgoing connection on the machine (a run makes many). So they are picked at random in
+    PICKED_PORTS below that range, which only an explicit bind takes; where that range is too
+    narrow, from the kernel (port 0)."""
+    low = PICKED_PORTS[0]
+    high = min(PICKED_PORTS[1], _ephemeral_ports()[0])
+    sockets: list[socket.socket] = []
+    try:
+        for _ in range(count):
+            sock = socket.socket()
+            sockets.append(sock)
+            for _attempt in range(64 if high - low >= 1024 else 0):
+                try:
+                    sock.bind(("127.0.0.1", _PORT_CHOICE.randrange(low, high)))
+                    break
+                except OSError:
+                    continue
+            else:
+                sock.bind(("127.0.0.1", 0))
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
