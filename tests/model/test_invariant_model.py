@@ -80,13 +80,16 @@ def test_invariant_logits_and_routes_do_not_depend_on_batch_padding_or_cache(kin
     assert mismatches(model_for(kind), "invariant", dtype) == []
 
 
-@pytest.mark.parametrize("tile", [1, 24, 32])
-def test_invariance_holds_with_the_tiles_another_library_would_get(tile, monkeypatch):
-    # `invariant.row_tile` gives the base tiles on most library paths, 16-row expert tiles on
-    # MKL's AVX2 path on Intel, one-row tiles where no size passes its check: the model with each.
+@pytest.mark.parametrize("scale", [0, 2, 3], ids=["one-row", "2x", "3x"])
+def test_invariance_holds_with_the_tiles_another_library_would_get(scale, monkeypatch):
+    # `invariant.row_tile` gives the base tiles on most library paths, a multiple of them where
+    # the base's rows do not compute alike (16-row expert tiles on MKL's AVX2 path on Intel),
+    # one-row tiles where no size does: the model with each kind (a multiple as checked here).
     from whetstone.model import invariant
 
-    monkeypatch.setattr(invariant, "row_tile", lambda base, *weights: tile)
+    checked = invariant.row_tile
+    tiles = (lambda base, *weights: 1) if not scale else (lambda base, *weights: checked(base * scale, *weights))
+    monkeypatch.setattr(invariant, "row_tile", tiles)
     model = model_for("moe")
     assert mismatches(model, "invariant", None) == []
     with torch.no_grad():
