@@ -8,9 +8,8 @@ of tiles of one fixed shape, whatever the batch:
 
 - a tile has a fixed number of rows, ROW_TILE (EXPERT_ROW_TILE for the MoE experts) where the
   check below passes (rows are padded with zeros, or copies of a real row, to a multiple of
-  it), the full K of the weight, and a fixed
-  block of at least MIN_COLUMNS of its columns; in attention, K is the head dim or KEY_CHUNK
-  and N is KEY_CHUNK or the head dim;
+  it), the full K of the weight, and a fixed block of at least MIN_COLUMNS of its columns; in
+  attention, K is the head dim or KEY_CHUNK and N is KEY_CHUNK or the head dim;
 - a library may still compute the rows of one tile differently by where they sit in it: MKL's
   AVX2 path on Intel CPUs computes 6 rows at a time and the 2 left of an 8-row tile another
   way. So the tile's row count is checked once per shape, on the library path the process
@@ -18,11 +17,10 @@ of tiles of one fixed shape, whatever the batch:
   size fails, the next multiple of it that passes is used, and one row per tile if none does;
 - each tile is one library call of one shape on one thread (`one_thread`): fp32 tiles go
   through `torch.bmm` (MKL's GEMM, batched or tile by tile), bf16 tiles through one `torch.mm`
-  each. The
-  same instructions in the same order for a given row, whether it came alone or among
-  thousands. No row count, thread count or tile position enters
-  the arithmetic. The tests check it under each CPU dispatch path MKL and oneDNN can be forced
-  to (tests/model/test_invariant_dispatch.py);
+  each. The same instructions in the same order for a given row, whether it came alone or
+  among thousands. No row count, thread count or tile position enters the arithmetic. The
+  tests check it under each CPU dispatch path MKL and oneDNN can be forced to
+  (tests/model/test_invariant_dispatch.py);
 - attention reduces over keys in fixed chunks of KEY_CHUNK absolute positions and adds the
   chunks up one after the other, in order. Masked keys contribute exact zeros, so the chunks
   after a query's own position change nothing: a one-token decode over a long KV cache and a
