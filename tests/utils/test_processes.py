@@ -125,7 +125,8 @@ def test_a_taken_port_is_passed_over(monkeypatch):
         port, free = taken.getsockname()[1], other.getsockname()[1]
         other.close()
         picks = iter([port, port, free])
-        monkeypatch.setattr(processes._PORT_CHOICE, "randrange", lambda low, high: next(picks))
+        monkeypatch.setattr(processes, "_ephemeral_ports", lambda: (32768, 60999))
+        monkeypatch.setattr(processes._PORT_CHOICE, "randrange", lambda low, high: next(picks, free))
         assert free_ports(1) == [free]
 
 

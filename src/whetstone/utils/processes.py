@@ -242,9 +242,10 @@ def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:
     return code
 
 
-PICKED_PORTS = (20000, 32768)
-"""Where `free_ports` picks: above Ray's worker ports (10002-19999) and below the kernel's
-ephemeral range (`net.ipv4.ip_local_port_range`, 32768-60999 by default)."""
+PICKED_PORTS = (20000, 30000)
+"""Where `free_ports` picks: above Ray's worker ports (10002-19999), below Kubernetes' NodePort
+range (30000-32767, which kube-proxy may redirect without holding a socket) and below the
+kernel's ephemeral range (`net.ipv4.ip_local_port_range`, 32768-60999 by default)."""
 _PORT_CHOICE = random.SystemRandom()
 """Picks ports from the OS's entropy: processes that seeded `random` alike still pick apart."""
 
@@ -258,7 +259,8 @@ def _ephemeral_ports() -> tuple[int, int]:
 
 
 def free_ports(count: int) -> list[int]:
-    """`count` distinct TCP ports free on 127.0.0.1 right now (all held open while picking).
+    """`count` distinct TCP ports free on every address right now (each bound on the wildcard
+    address, which conflicts with a port in use on any of them; all held open while picking).
 
     A picked port is closed again before the process it is for binds it, seconds later. Picked
     in the kernel's ephemeral range (bind to port 0), it could meanwhile become the local port of
@@ -274,12 +276,12 @@ def free_ports(count: int) -> list[int]:
             sockets.append(sock)
             for _attempt in range(64 if high - low >= 1024 else 0):
                 try:
-                    sock.bind(("127.0.0.1", _PORT_CHOICE.randrange(low, high)))
+                    sock.bind(("", _PORT_CHOICE.randrange(low, high)))
                     break
                 except OSError:
                     continue
             else:
-                sock.bind(("127.0.0.1", 0))
+                sock.bind(("", 0))
         return [sock.getsockname()[1] for sock in sockets]
     finally:
         for sock in sockets:
