@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.model.conftest import tiny_config
-from whetstone.model import KVCache, Transformer, numerics
+from whetstone.model import KVCache, Transformer, invariant, numerics
 
 MODELS = {
     "dense": dict(num_experts=0),
@@ -85,8 +85,6 @@ def test_invariance_holds_with_the_tiles_another_library_would_get(scale, monkey
     # `invariant.row_tile` gives the base tiles on most library paths, a multiple of them where
     # the base's rows do not compute alike (16-row expert tiles on MKL's AVX2 path on Intel),
     # one-row tiles where no size does: the model with each kind (a multiple as checked here).
-    from whetstone.model import invariant
-
     checked = invariant.row_tile
     tiles = (lambda base, *weights: 1) if not scale else (lambda base, *weights: checked(base * scale, *weights))
     monkeypatch.setattr(invariant, "row_tile", tiles)

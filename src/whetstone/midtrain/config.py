@@ -32,11 +32,6 @@ class RunConfig(Config):
     threads: int = Field(2, ge=0)
     """Torch intra-op threads for this process (0 = all cores)."""
 
-    @property
-    def run_dir(self) -> Path:
-        """The run folder, `<output_dir>/<name>` (`~` expanded)."""
-        return Path(self.output_dir).expanduser() / self.name
-
     device: DeviceName = "auto"
     """Where the model, its optimizer state and the batches are: `auto` (CUDA when present, else
     the CPU), `cpu`, `cuda` or `cuda:N`."""
@@ -69,6 +64,11 @@ class RunConfig(Config):
     checkpoints, evaluates, exports and stops early; running it again continues. 0 = no limit."""
     resume: bool = True
     """Continue from the newest checkpoint in the run folder if there is one."""
+
+    @property
+    def run_dir(self) -> Path:
+        """The run folder, `<output_dir>/<name>` (`~` expanded)."""
+        return Path(self.output_dir).expanduser() / self.name
 
 
 class MidtrainModelConfig(ModelConfig):
