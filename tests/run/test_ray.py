@@ -6,11 +6,13 @@ and `cluster:us`, and take one inference server each, following its cluster's ow
 `us` cluster killed; the orchestrator and the trainer killed and restarted; a trainer rank lost."""
 
 import json
+import os
 import re
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -148,13 +150,56 @@ def test_on_ray_the_gpus_are_asked_of_ray_not_named(tmp_path):
         tiny_run(tmp_path, *RAY, "placement.ray.server.num_gpus=2")
     with pytest.raises(ConfigError, match=r"midtrain.run.device = 'cuda' with placement.ray.midtrain.num_gpus = 0"):
         tiny_run(tmp_path, *RAY, "placement.ray.midtrain={num_cpus=1}", 'midtrain.run.device="cuda"')
-    with pytest.raises(ConfigError, match=r"servers.engine = 'vllm' runs on one machine only"):
-        tiny_run(tmp_path, *RAY, 'servers.engine="vllm"')
     # the trainer and the servers run on the cluster's GPUs, not this machine's: no complaint here
     config = tiny_run(tmp_path, *RAY, 'placement.trainer_device="cuda"', "placement.ray.trainer.num_gpus=1")
     check_run_config(config.resolved())
     on_ray = ("placement.ray.midtrain={num_cpus=1, num_gpus=1}", 'midtrain.run.device="cuda"')
     check_run_config(tiny_run(tmp_path, *RAY, *on_ray).resolved())  # mid-training too, with a GPU of the cluster
+
+
+def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(tmp_path):
+    """What a server actor runs with `servers.engine = "vllm"`: vLLM's python on a free port of
+    every address, following its cluster's store, announced at the node's address in the run's
+    registry; vLLM takes a GPU share Ray gave as its memory share."""
+    import ray
+
+    from whetstone.fleet import FleetConfig
+    from whetstone.inference.config import ServeConfig
+    from whetstone.integrations.vllm_serve import fleet_announcer, parse
+    from whetstone.run.ray_launch import RoleActor, VllmServer
+
+    check_run_config(tiny_run(tmp_path, *RAY, 'servers.engine="vllm"', 'servers.vllm_python="/bin/sh"').resolved())
+    for store in ("weights", "eu-weights"):
+        (tmp_path / store).mkdir()
+    serve = ServeConfig(
+        model_path="/m",
+        sync={"store": str(tmp_path / "eu-weights")},
+        fleet=FleetConfig(cluster="eu", registry=str(tmp_path / "weights")),
+    )
+    placed = RoleActor._place_server(serve.model_dump(mode="json"))  # as the actor does on its node
+    vllm = VllmServer(python="/venv/bin/python", args=["--max-num-seqs", "4"])
+    argv, env = vllm.command(placed, 0, tmp_path / "roles")
+    assert argv[:3] == ["/venv/bin/python", "-m", "whetstone.integrations.vllm_serve"]
+    options = parse(argv[3:])
+    assert (options.host, options.port, options.vllm_args) == ("0.0.0.0", placed.port, ["--max-num-seqs", "4"])
+    assert '"store":"' + str(tmp_path / "eu-weights") + '"' in options.sync
+    announcer = fleet_announcer(options)
+    url = f"http://{ray.util.get_node_ip_address()}:{placed.port}/v1"
+    assert (announcer.record.url, announcer.record.cluster) == (url, "eu")
+    assert announcer.registry.objects.root == tmp_path / "weights"  # the run's registry, not the cluster's store
+    assert (Path(env["PYTHONPATH"]) / "whetstone" / "integrations" / "vllm_serve.py").is_file()
+    assert "--gpu-memory-utilization" not in argv and "CUDA_VISIBLE_DEVICES" not in env
+    half, env = vllm.command(placed, 0.5, tmp_path / "roles")  # Ray's CUDA_VISIBLE_DEVICES stands
+    assert half[half.index("--gpu-memory-utilization") + 1] == "0.5" and "CUDA_VISIBLE_DEVICES" not in env
+    assert "--gpu-memory-utilization" not in vllm.command(placed, 1, tmp_path / "roles")[0]  # alone on its GPU
+
+
+def test_a_vllm_server_announced_nowhere_is_refused_before_vllm_starts():
+    from whetstone.integrations.vllm_serve import fleet_announcer, parse
+
+    with pytest.raises(ConfigError, match="fleet.announce needs a registry"):
+        fleet_announcer(parse(["--model", "/m", "--fleet", '{"announce": true}']))
+    assert fleet_announcer(parse(["--model", "/m"])) is None
 
 
 def kill_when(condition, kill, state: dict) -> threading.Thread:
@@ -287,6 +332,53 @@ def test_the_tiny_run_survives_its_orchestrator_and_its_trainer_killed(tmp_path,
     assert_each_batch_trained_once(run, 4)
     logs = (run / "logs" / "orchestrator.log").read_text()
     assert logs.count("put batch 0:") == 1  # the restarted orchestrator did not start over
+
+
+VLLM_PYTHON = os.environ.get("WHETSTONE_VLLM_PYTHON", "")
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(
+    not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
+    reason="no vLLM environment: set $WHETSTONE_VLLM_PYTHON to its python (README, 'vLLM')",
+)
+def test_the_tiny_run_on_a_vllm_server_ray_placed(tmp_path, ray_cluster):
+    """`servers.engine = "vllm"` on Ray: the server's actor starts vLLM on the node of cluster `eu`
+    (at a free port, following eu's store), which announces itself in the run's registry; the
+    orchestrator finds it there, every rollout of every batch comes from it, and its record goes
+    with it at the end."""
+    config = tiny_run(
+        tmp_path,
+        *RAY,
+        'placement.ray.server_clusters=["eu"]',
+        f'placement.ray.cluster_stores={{eu="{tmp_path / "eu-weights"}"}}',
+        "servers.count=1",
+        'servers.engine="vllm"',
+        f'servers.vllm_python="{VLLM_PYTHON}"',
+        'servers.vllm_args=["--max-model-len", "1024", "--enforce-eager"]',
+        "servers.start_timeout_s=900",  # vLLM's start on 2 loaded cores
+        "midtrain.model.head_dim=32",  # vLLM's CPU attention takes head sizes from 32 up
+        f'placement.ray.address="{ray_cluster.address}"',
+    )
+    pipeline = Pipeline(config)
+    summary = pipeline.run()
+    run = tmp_path / "runs" / "tiny"
+
+    assert_each_batch_trained_once(run, 3)
+    (url,) = [r.url for r in pipeline.roles if r.url]
+    assert not url.startswith("http://127.0.0.1")  # the node's address, as the registry has it
+    log = (run / "logs" / "serve-0.log").read_text()
+    assert f"announced {url} (cluster eu)" in log and "following the weight store from version 0" in log
+    for key in LocalStore(run / "batches").list("batches/"):
+        batch = batch_from_bytes(LocalStore(run / "batches").get(key), key)
+        assert batch.routes is None  # vLLM's CPU build returns none: these rollouts are vLLM's
+    records = read_metrics(run / "orchestrator" / "metrics.jsonl")
+    assert all(record["cluster_eu_servers"] == 1 for record in records)
+    assert WeightStore(LocalStore(tmp_path / "eu-weights")).latest() == 3  # it followed eu's store
+    assert FleetRegistry(LocalStore(run / "weights")).records() == []  # its record went with it
+    assert "heldout_pass1_after" in summary, summary  # the evaluations sampled from it too
 
 
 def read_metrics_if_any(path):

@@ -24,8 +24,14 @@ import threading
 import time
 import uuid
 from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING
 
-from whetstone.store import MissingObjectError, ObjectStore
+from whetstone.errors import ConfigError
+from whetstone.store import MissingObjectError, ObjectStore, open_store
+
+if TYPE_CHECKING:
+    from whetstone.fleet.config import FleetConfig
+    from whetstone.sync import SyncConfig
 
 log = logging.getLogger("whetstone.fleet")
 PREFIX = "fleet/servers/"
@@ -146,6 +152,21 @@ class Announcer:
                 self.registry.announce(self.record)
             except Exception as err:  # the thread must outlive a store outage
                 log.warning("fleet heartbeat of %s failed: %s", self.record.url, err)
+
+
+def fleet_announcer(fleet: FleetConfig, host: str, port: int, sync: SyncConfig | None) -> Announcer | None:
+    """What keeps a server's record in the fleet registry while it runs, from its `FleetConfig`
+    (None unless `fleet.announce`): the registry is `fleet.registry`, else the weight store the
+    server follows (`sync`); the record's URL is `advertised_url(host, port, fleet.url)`. Both
+    `whetstone serve` and the vLLM server of `integrations.vllm_serve` announce themselves so."""
+    if not fleet.announce:
+        return None
+    if not (fleet.registry or sync):
+        raise ConfigError("fleet.announce needs a registry: fleet.registry, or a weight store the server follows")
+    where = fleet.registry or sync.store
+    registry = FleetRegistry(open_store(where, endpoint_url=sync and sync.endpoint_url, create=False))
+    record = ServerRecord.new(advertised_url(host, port, fleet.url), fleet.cluster, fleet.rollout_slots)
+    return Announcer(registry, record, fleet.heartbeat_s)
 
 
 def advertised_url(host: str, port: int, url: str = "") -> str:

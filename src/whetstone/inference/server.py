@@ -28,6 +28,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from whetstone.errors import ConfigError, WhetstoneError
+from whetstone.fleet.registry import fleet_announcer
 from whetstone.inference.capture import Capture
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.engine import Engine
@@ -56,21 +57,6 @@ def error_body(status: int, message: str, code: str | None = None, param: str | 
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
 
 
-def fleet_announcer(config: ServeConfig):
-    """What keeps this server's record in the fleet registry while it runs (`fleet.announce`), or None."""
-    if not config.fleet.announce:
-        return None
-    from whetstone.fleet import Announcer, FleetRegistry, ServerRecord
-    from whetstone.fleet.registry import advertised_url
-    from whetstone.store import open_store
-
-    where = config.fleet.registry or config.sync.store
-    registry = FleetRegistry(open_store(where, endpoint_url=config.sync.endpoint_url, create=False))
-    url = advertised_url(config.host, config.port, config.fleet.url)
-    record = ServerRecord.new(url, config.fleet.cluster, config.fleet.rollout_slots)
-    return Announcer(registry, record, config.fleet.heartbeat_s)
-
-
 def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_name: str, follower=None) -> FastAPI:
     """The app; its lifespan starts and stops the engine thread (and the weight follower)."""
     capture = None
@@ -81,7 +67,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
                 "authenticated clients, so set auth_token"
             )
         capture = Capture(config.feedback, model_name)
-    announcer = fleet_announcer(config)
+    announcer = fleet_announcer(config.fleet, config.host, config.port, config.sync)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -181,11 +181,22 @@ def gpu_placement(device: torch.device, share: float | None, vllm_args: list[str
 
 
 def serve_command(
-    python: str, model: str, port: int, sync_json: str | None, weight_version: int = 0, vllm_args: list[str] = ()
+    python: str,
+    model: str,
+    port: int,
+    sync_json: str | None,
+    weight_version: int = 0,
+    vllm_args: list[str] = (),
+    *,
+    host: str = "127.0.0.1",
+    fleet_json: str | None = None,
 ) -> list[str]:
-    """The command line of a vLLM server following the weight store of `sync_json` (`vllm_serve`)."""
-    command = [python, "-m", "whetstone.integrations.vllm_serve", "--model", model, "--port", str(port)]
+    """The command line of a vLLM server on `host`:`port` following the weight store of
+    `sync_json` (`vllm_serve`), announced in the fleet registry per `fleet_json` (a `FleetConfig`)."""
+    command = [python, "-m", "whetstone.integrations.vllm_serve", "--model", model, "--host", host, "--port", str(port)]
     command += ["--weight-version", str(weight_version)]
     if sync_json is not None:
         command += ["--sync", sync_json]
+    if fleet_json is not None:
+        command += ["--fleet", fleet_json]
     return [*command, "--", *vllm_args]

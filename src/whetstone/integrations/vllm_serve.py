@@ -21,19 +21,26 @@ whenever the worker has staged a new version: `/pause?mode=wait` (running reques
 starts, vLLM clears its prefix cache, so no request continues on a cache of older weights), the
 worker writes it in place, `/update_weight_version` tags what follows, `/resume`. Every completion
 is therefore sampled by one version, and `/inference/v1/generate` reports it per token.
+
+With `--fleet` (a `FleetConfig` as JSON, `announce = true`), the same thread then announces the
+server in the fleet registry, as `whetstone serve` does, until the process exits: how a run on Ray
+(`run/ray_launch.py`) lets its orchestrator find vLLM servers it placed on other nodes.
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import logging
 import os
 import runpy
+import signal
 import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -63,11 +70,14 @@ def vllm_argv(options: argparse.Namespace) -> list[str]:
 
 
 class SwapDriver:
-    """The thread that swaps weights: waits for the server, starts the worker's follower, and
-    applies each version the worker stages, with the scheduler paused."""
+    """The thread that swaps weights: waits for the server, starts the worker's follower and the
+    fleet announcer (if any), and applies each version the worker stages, with the scheduler
+    paused."""
 
-    def __init__(self, root: str, sync_json: str | None, version: int, poll_s: float):
+    def __init__(self, root: str, sync_json: str | None, version: int, poll_s: float, announcer: Any = None):
         self.root, self.sync_json, self.version, self.poll_s = root, sync_json, version, poll_s
+        self.announcer = announcer
+        """A `fleet.Announcer`, started once the server answers and follows the store."""
         self.client = httpx.Client(base_url=root, timeout=600.0)
 
     def start(self) -> None:
@@ -94,10 +104,13 @@ class SwapDriver:
     def _run(self) -> None:
         self._wait_for_server()
         self.post("/update_weight_version", new_version=str(self.version))
+        if self.sync_json is not None:
+            self.rpc("whetstone_follow", self.sync_json, str(self.version))
+            log.info("following the weight store from version %d", self.version)
+        if self.announcer is not None:
+            self._announce()
         if self.sync_json is None:
             return
-        self.rpc("whetstone_follow", self.sync_json, str(self.version))
-        log.info("following the weight store from version %d", self.version)
         while True:
             try:
                 status = self.rpc("whetstone_status")
@@ -106,6 +119,17 @@ class SwapDriver:
             except httpx.HTTPError as err:  # a busy or restarting engine: try again at the next poll
                 log.warning("weight swap check failed: %s", err)
             time.sleep(self.poll_s)
+
+    def _announce(self) -> None:
+        """Start announcing; a registry that cannot be written stops the server (unannounced, no
+        orchestrator of the run would ever use it: a config error, as for `whetstone serve`)."""
+        try:
+            self.announcer.start()
+        except Exception:
+            log.exception("could not announce the server in the fleet registry: stopping")
+            os.kill(os.getpid(), signal.SIGTERM)
+            return
+        atexit.register(self.announcer.stop)  # the record goes with the server
 
     def swap(self) -> None:
         started = time.perf_counter()
@@ -126,6 +150,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--dtype", default="float32", help="vLLM's --dtype (float32 matches the trainer on CPU).")
     parser.add_argument("--served-model-name", default="", help="Model id in the API (default: the folder).")
     parser.add_argument("--sync", default=None, help="Weight store to follow: a SyncConfig as JSON (none: fixed).")
+    parser.add_argument(
+        "--fleet", default=None, help="Announce the server in the fleet registry: a FleetConfig as JSON."
+    )
     parser.add_argument("--weight-version", type=int, default=0, help="Weight version of the model loaded.")
     parser.add_argument("--poll-interval", type=float, default=0.2, help="Seconds between checks for a staged version.")
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM's own arguments.")
@@ -137,15 +164,34 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return options
 
 
+def fleet_announcer(options: argparse.Namespace):
+    """The announcer of `--fleet` (None without it), its registry opened here: a wrong one fails
+    before vLLM starts. The registry defaults to the weight store of `--sync`."""
+    if options.fleet is None:
+        return None
+    from whetstone.fleet import FleetConfig
+    from whetstone.fleet.registry import fleet_announcer
+    from whetstone.sync import SyncConfig
+
+    sync = SyncConfig.model_validate_json(options.sync) if options.sync is not None else None
+    return fleet_announcer(FleetConfig.model_validate_json(options.fleet), options.host, options.port, sync)
+
+
 def main(argv: list[str] | None = None) -> None:
+    from whetstone.utils.processes import stop_with_parent
+
     options = parse(sys.argv[1:] if argv is None else argv)
+    stop_with_parent()  # started by a run (`RoleProcess`): no server outlives it
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logging.getLogger("whetstone").setLevel(logging.INFO)  # vLLM sets the root logger's level to ERROR as it starts
     whetstone_root = str(Path(__file__).absolute().parents[2])  # vLLM's worker processes import the extension
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (whetstone_root, os.environ.get("PYTHONPATH")) if p)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    announcer = fleet_announcer(options)
+    local = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host  # where the driver reaches it
     SwapDriver(
-        f"http://{options.host}:{options.port}", options.sync, options.weight_version, options.poll_interval
+        f"http://{local}:{options.port}", options.sync, options.weight_version, options.poll_interval, announcer
     ).start()
     sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_argv(options)]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)

@@ -38,10 +38,10 @@ DEVICE_NAME = TypeAdapter(DeviceName)
 
 
 class ServersConfig(Config):
-    """The inference servers the pipeline starts on this machine."""
+    """The inference servers the pipeline starts (on this machine, or on Ray: `placement`)."""
 
     count: int = Field(2, ge=1)
-    """Number of `whetstone serve` processes."""
+    """Number of server processes."""
     base_port: int = Field(0, ge=0, le=65535)
     """Server i listens on base_port + i; 0 = free ports picked at start."""
     serve: ServeConfig = ServeConfig(threads=1, engine=EngineConfig(max_batch=16))
@@ -55,7 +55,7 @@ class ServersConfig(Config):
     its protocol. `serve` settings other than `engine.device` apply to whetstone's engine only."""
     vllm_python: str = ""
     """With `engine = "vllm"`: the python of the virtual environment vLLM is installed in; empty =
-    $WHETSTONE_VLLM_PYTHON."""
+    $WHETSTONE_VLLM_PYTHON. On Ray, the same path on every node that takes a server."""
     vllm_args: list[str] = []
     """With `engine = "vllm"`: more arguments for vLLM's server (e.g. `["--max-num-seqs", "16"]`)."""
 
@@ -294,11 +294,6 @@ class PipelineConfig(Config):
         placement = self.placement
         if placement.backend != "ray":
             return self
-        if self.servers.engine == "vllm":
-            raise ValueError(
-                "servers.engine = 'vllm' runs on one machine only (placement.backend = 'local'): on Ray the "
-                "servers are whetstone's own"
-            )
         asks = {"trainer": placement.ray.trainer.num_gpus, "server": placement.ray.server.num_gpus}
         devices = [("trainer", "placement.trainer_device", placement.trainer_device)]
         if placement.ray.midtrain is not None:  # on the cluster too

@@ -335,14 +335,21 @@ class Pipeline:
 
     def start_ray_servers(self) -> None:
         """The servers as Ray actors, each on a free port of its node: addresses known once placed."""
+        from whetstone.run.ray_launch import VllmServer
+
         self.launcher.connect()
+        servers, vllm = self.config.servers, None
+        if servers.engine == "vllm":
+            from whetstone.integrations.vllm import vllm_python
+
+            vllm = VllmServer(python=vllm_python(servers.vllm_python), args=servers.vllm_args)
         started = []
-        for i in range(self.config.servers.count):
-            role = self.launcher.server(f"serve-{i}", i, self.serve_config(1, i))
+        for i in range(servers.count):
+            role = self.launcher.server(f"serve-{i}", i, self.serve_config(1, i), vllm)
             self.roles.append(role)
             started.append(role)
         for role in started:
-            role.wait_healthy(self.config.servers.start_timeout_s)
+            role.wait_healthy(servers.start_timeout_s)
         self.urls = [role.url for role in started]
         self.config = self.config.resolved(self.urls)
         self.write_config()

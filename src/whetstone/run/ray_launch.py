@@ -7,7 +7,9 @@ as on one machine (`whetstone serve|trainer|orchestrator <role>.toml`), started 
                   `ray.trainer_ranks` > 1, one actor per torch.distributed rank, each on a bundle
                   of one placement group (`run/ray_ranks.py`), the group restarted whole when a
                   rank is lost
-    servers       one actor each, `ray.server` CPUs/GPUs; server i's cluster label
+    servers       one actor each, `ray.server` CPUs/GPUs, running `whetstone serve` or, with
+                  `servers.engine = "vllm"`, a vLLM server (`integrations.vllm_serve`, with the
+                  python `servers.vllm_python` names, at that path on every node); server i's cluster label
                   (`ray.server_clusters`) is also the custom resource `cluster:<label>` the node
                   must offer (`ray start --resources '{"cluster:eu": 8}'`); each listens on a free
                   port of its node, follows its cluster's weight store (`ray.cluster_stores`, a
@@ -206,37 +208,43 @@ def _is_role(pid: int) -> bool:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
     except OSError:
         return False
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and b"whetstone.cli" in cmdline
+    roles = (b"whetstone.cli", b"whetstone.integrations.vllm_serve")
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and any(role in cmdline for role in roles)
 
 
 class RoleActor:
     """Runs one role's process on its node (a Ray actor class once `ray.remote` wraps it). A
-    server picks a free port there and announces the node's address."""
+    server picks a free port there and announces the node's address; a vLLM server (`vllm` in
+    its config: `VllmServer`) runs vLLM's python instead of `whetstone serve`, from that config."""
 
     def __init__(
         self, name: str, command: str, config: dict, config_path: str, log_path: str, threads: int, num_gpus: float
     ):
+        env, argv, serve = gpu_environment(num_gpus), None, None
+        vllm = config.pop("vllm", None)
         if command == "serve":
-            config = self._place_server(config)
+            serve = self._place_server(config)
+            config = {"toml": dump_toml(serve) + "\n", "url": serve.fleet.url}
+        if serve is not None and vllm is not None:
+            argv, vllm_env = VllmServer.model_validate(vllm).command(serve, num_gpus, Path(config_path).parent)
+            env = {**{k: v for k, v in env.items() if k != GPU_MEMORY_ENV}, **vllm_env}  # vLLM takes its share itself
         pid_path = Path(config_path).with_suffix(".pid")
         wait_for_predecessor(pid_path)
         atomic_write_text(config_path, config.pop("toml"))
         self.url = config.get("url", "")
-        env = gpu_environment(num_gpus)
-        self.role = RoleProcess(name, [command, config_path], log_path, threads=threads, env=env).start()
+        self.role = RoleProcess(name, [command, config_path], log_path, threads=threads, env=env, command=argv).start()
         atomic_write_text(pid_path, f"{socket.gethostname()} {self.role.process.pid}\n")
 
     @staticmethod
-    def _place_server(config: dict) -> dict:
+    def _place_server(config: dict):
+        """The server's config on this node: a free port on every address, announced at the node's."""
         import ray
 
         from whetstone.inference.config import ServeConfig
 
         port, host = free_port(), ray.util.get_node_ip_address()
-        url = f"http://{host}:{port}/v1"
-        fleet = {**config["fleet"], "announce": True, "url": url}
-        serve = ServeConfig.model_validate({**config, "host": "0.0.0.0", "port": port, "fleet": fleet})
-        return {"toml": dump_toml(serve) + "\n", "url": url}
+        fleet = {**config["fleet"], "announce": True, "url": f"http://{host}:{port}/v1"}
+        return ServeConfig.model_validate({**config, "host": "0.0.0.0", "port": port, "fleet": fleet})
 
     def returncode(self) -> int | None:
         return self.role.returncode
@@ -249,17 +257,59 @@ class RoleActor:
         return self.role.stop(grace_s)
 
 
+class VllmServer(Config):
+    """How a server actor runs vLLM (`servers.engine = "vllm"`) in place of `whetstone serve`."""
+
+    python: str
+    """vLLM's python, at this path on every node that takes a server."""
+    args: list[str] = []
+    """More arguments for vLLM's server (`servers.vllm_args`)."""
+
+    def command(self, serve, num_gpus: float, folder: Path) -> tuple[list[str], dict[str, str]]:
+        """(command line, environment) of the vLLM server of `serve` (a `ServeConfig` placed on
+        this node) with the GPUs Ray gave its actor, `num_gpus` of them: a fraction of one is that
+        share of its memory. `folder`: where the link to this node's whetstone (vLLM's
+        PYTHONPATH) is made."""
+        import torch
+
+        from whetstone.integrations.vllm import gpu_placement, serve_command, whetstone_path
+
+        device = torch.device("cuda" if num_gpus else "cpu")  # CUDA_VISIBLE_DEVICES lists Ray's GPUs
+        gpu_args, gpu_env = gpu_placement(device, num_gpus if 0 < num_gpus < 1 else None, self.args)
+        argv = serve_command(
+            self.python,
+            serve.model_path,
+            serve.port,
+            serve.sync.model_dump_json(),
+            serve.weight_version,
+            [*gpu_args, *self.args],
+            host=serve.host,
+            fleet_json=serve.fleet.model_dump_json(),
+        )
+        # per node: a restarted actor elsewhere links its own node's whetstone
+        path = whetstone_path(folder / f"vllm-path-{socket.gethostname()}")
+        return argv, {**gpu_env, "PYTHONPATH": path}
+
+
 class RayRole(RoleProcess):
     """A role run by a `RoleActor`, driven as a local `RoleProcess` is (running, check,
     wait_healthy, stop); its log is in the shared run folder."""
 
     def __init__(
-        self, name: str, command: str, config, run_dir: Path, asks: RoleResources, timeout_s: float, **options
+        self,
+        name: str,
+        command: str,
+        config,
+        run_dir: Path,
+        asks: RoleResources,
+        timeout_s: float,
+        vllm: VllmServer | None = None,
+        **options,
     ):
-        """`timeout_s`: to be placed and started; `options`: further Ray actor options (custom
-        `resources`, `max_restarts`)."""
+        """`timeout_s`: to be placed and started; `vllm`: a server runs vLLM so; `options`:
+        further Ray actor options (custom `resources`, `max_restarts`)."""
         super().__init__(name, [], run_dir / "logs" / f"{name}.log", threads=max(1, int(asks.num_cpus)))
-        self.command, self.config, self.asks = command, config, asks
+        self.command, self.config, self.asks, self.vllm = command, config, asks, vllm
         self.config_path = run_dir / "roles" / f"{name}.toml"
         self.options, self.timeout_s = options, timeout_s
         self.handle = None
@@ -271,6 +321,8 @@ class RayRole(RoleProcess):
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         if self.command == "serve":
             data = self.config.model_dump(mode="json")
+            if self.vllm is not None:
+                data["vllm"] = self.vllm.model_dump()
         else:
             data = {"toml": dump_toml(self.config) + "\n"}
         actor = ray.remote(RoleActor).options(
@@ -392,8 +444,9 @@ class RayLauncher:
             max_task_retries=-1,  # a call in flight when the actor died waits for its restart
         ).start()
 
-    def server(self, name: str, index: int, config) -> RayRole:
-        """Server `index`, announcing its cluster label, placed on a node of that cluster."""
+    def server(self, name: str, index: int, config, vllm: VllmServer | None = None) -> RayRole:
+        """Server `index`, announcing its cluster label, placed on a node of that cluster;
+        `whetstone serve`, or the vLLM server of `vllm`."""
         cluster = self.config.cluster_of(index)
         fleet = config.fleet.model_copy(update={"cluster": cluster, "registry": config.sync.store})
         sync = config.sync.model_copy(update={"store": self.config.cluster_stores.get(cluster, config.sync.store)})
@@ -406,6 +459,7 @@ class RayLauncher:
             self.run_dir,
             self.config.server,
             self.config.place_timeout_s,
+            vllm,
             max_restarts=self.config.server_restarts,
             max_task_retries=-1,
             **placement,
