@@ -144,6 +144,24 @@ def test_a_filtered_draw_stays_in_the_kept_tokens_when_the_cdf_runs_past_them(mo
     assert out.tokens == [1, 2, 0] and all(math.isfinite(lp) for lp in out.logprobs)
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(top_k=2), SamplingParams(top_p=0.9)])
+def test_a_temperature_too_small_to_divide_by_is_greedy(params):
+    # logits / 1e-40 overflow float32: NaN logprobs on the plain path, an index of -1 on the
+    # filtered one (a device-side assert on CUDA, which ends every later call of the server)
+    logits = torch.tensor([[2.0, 9.0, 0.5, -1.0], [3.0, 1.0, 8.0, -3.0]])
+    for temperature in (1e-40, sampling.GREEDY_BELOW / 2):
+        tiny = SamplingParams(temperature=temperature, top_k=params.top_k, top_p=params.top_p)
+        out = draw(logits, [tiny, tiny], [0, 1])
+        assert out.tokens == [1, 2] and out == draw(logits, [SamplingParams(temperature=0.0)] * 2, [0, 1])
+
+
+def test_a_row_whose_logits_are_not_finite_still_draws_a_token_of_the_vocabulary():
+    # a broken model's NaNs must fail the request, not the device: no index outside the row
+    logits = torch.tensor([[float("nan")] * 4, [1.0, 2.0, 3.0, 4.0]])
+    out = draw(logits, [SamplingParams(top_k=2), SamplingParams(top_k=2)], [0, 1])
+    assert 0 <= out.tokens[0] < 4 and out.tokens[1] in (2, 3)
+
+
 def test_top_logprobs_are_the_most_likely_of_the_used_distribution():
     logits = torch.tensor([[0.0, 4.0, 3.0, 2.0, 1.0]])
     out = draw(logits, [SamplingParams(top_k=2, top_logprobs=3)], [0])

@@ -38,7 +38,7 @@ def test_cli_reports_a_bad_config_by_name():
     assert isinstance(result.exception, ConfigError) and "groups_per_batch" in str(result.exception)
 
 
-@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"top_p": 0.9}, {"top_k": 20}])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 1e-6}, {"top_p": 0.9}, {"top_k": 20}])
 def test_rl_refuses_sampling_the_trainer_cannot_reproduce(sampling):
     with pytest.raises(ValidationError, match="RL trains on the sampled distribution"):
         OrchestratorConfig(harness={"sampling": sampling})

@@ -8,7 +8,8 @@ The logprob returned for a sampled token is the log-probability under the distri
 actually drawn from: logits / temperature, then top-k, then top-p, renormalised. That is the
 behaviour policy the trainer's importance ratios need. One exception: temperature 0 is argmax,
 whose distribution is a point mass (logprob 0 for every token), so there we report the plain
-log-softmax of the raw logits, which is what a user asking for greedy logprobs wants.
+log-softmax of the raw logits, which is what a user asking for greedy logprobs wants. A
+temperature below `GREEDY_BELOW` is sampled as 0.
 
 Sampling is by inverse CDF with a single uniform per row, over the vocabulary order for
 unfiltered rows and over the sorted order for top-k/top-p rows. Which path a row takes depends
@@ -33,6 +34,10 @@ from whetstone.model import ops
 from whetstone.utils.transfer import to_device
 
 MAX_TOP_LOGPROBS = 20
+GREEDY_BELOW = 1e-5
+"""Temperatures below this are sampled greedily, as 0 (vLLM's rule too): logits divided by a
+smaller one can overflow float32 to inf, whose softmax is NaN, and no draw from it differs from
+the argmax anyway."""
 
 
 class InvalidRequest(WhetstoneError):
@@ -209,8 +214,9 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
 
 
 def _kind(p: SamplingParams) -> str:
-    """How a row with these params is drawn: greedy (temperature 0), plain, or filtered (top-k/p)."""
-    if p.temperature == 0.0:
+    """How a row with these params is drawn: greedy (temperature 0, or below `GREEDY_BELOW`), plain, or
+    filtered (top-k/p)."""
+    if p.temperature < GREEDY_BELOW:
         return "greedy"
     return "filtered" if p.filtered else "plain"
 
@@ -233,8 +239,10 @@ def _draw(kind: str, logits: torch.Tensor, params: list[SamplingParams], seeds, 
         chosen = _inverse_cdf(row_logprobs, uniforms(seeds, counters, logits.device))
         # within the kept prefix: CUDA's parallel cumsum may end the cut tail's CDF (all zeros
         # added) an ulp above the last kept token's, which a uniform within 2^-24 of 1 would pick
+        # (at least the first: a row whose logits are not finite keeps none, and an index of -1
+        # would be a device-side assert on CUDA, which no later call of the process survives)
         kept = torch.isfinite(row_logprobs).sum(dim=-1)
-        chosen = torch.minimum(chosen, kept - 1)
+        chosen = torch.minimum(chosen, (kept - 1).clamp_(min=0))
     tokens = chosen if order is None else order.gather(1, chosen.unsqueeze(1)).squeeze(1)
     logprobs = row_logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1)
     if not want:

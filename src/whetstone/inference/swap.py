@@ -25,6 +25,7 @@ from whetstone.inference.metrics import WeightsReport
 from whetstone.model.layout import flat_storage, in_storage_order, storage_indices
 from whetstone.sync.update import TensorUpdate, WeightUpdate, merge_updates
 from whetstone.utils.device import synchronize
+from whetstone.utils.transfer import tensor_to_device
 
 log = logging.getLogger(__name__)
 
@@ -98,16 +99,15 @@ def _upload(update: PreparedUpdate) -> PreparedUpdate:
         writes = [(t, None if i is None else i.to(device), v.to(device)) for t, i, v in update.writes]
         return PreparedUpdate(update.version, writes)
     stream = torch.cuda.Stream(device)  # normal priority: never the decode graphs' capture stream
+    # values already on the device (the online gate's) were cast on the caller's stream: `ready`
+    # must follow that cast too
+    stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        writes = [(t, None if i is None else _copy_to(i, device), _copy_to(v, device)) for t, i, v in update.writes]
+        writes = [
+            (t, None if i is None else tensor_to_device(i, device), tensor_to_device(v, device))
+            for t, i, v in update.writes
+        ]
     return PreparedUpdate(update.version, writes, stream.record_event())
-
-
-def _copy_to(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on CUDA `device`, from host memory through a pinned copy (so the copy does not wait)."""
-    if t.device.type == "cpu":
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
 
 
 @torch.no_grad()

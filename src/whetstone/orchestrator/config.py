@@ -8,6 +8,7 @@ from pydantic import Field, model_validator
 from whetstone.config import Config
 from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.tasks import TasksConfig
+from whetstone.inference.sampling import GREEDY_BELOW
 from whetstone.orchestrator.curriculum import CurriculumConfig
 from whetstone.rl.advantages import AdvantageConfig
 from whetstone.rl.staleness import StalenessConfig
@@ -100,10 +101,11 @@ class OrchestratorConfig(Config):
         if len(set(self.servers)) != len(self.servers):
             raise ValueError(f"servers lists an address twice: {self.servers}")
         sampling = self.harness.sampling
-        if sampling.temperature == 0 or sampling.top_p < 1 or sampling.top_k:
+        if sampling.temperature < GREEDY_BELOW or sampling.top_p < 1 or sampling.top_k:
             # the trainer reproduces logits / T, not a distribution cut down to its top tokens
             raise ValueError(
-                f"harness.sampling: RL trains on the sampled distribution, so it needs temperature > 0 "
+                f"harness.sampling: RL trains on the sampled distribution, so it needs temperature >= "
+                f"{GREEDY_BELOW:g} (below it the engine samples greedily) "
                 f"and no truncation (top_p = 1, top_k = 0); got temperature {sampling.temperature}, "
                 f"top_p {sampling.top_p}, top_k {sampling.top_k}"
             )

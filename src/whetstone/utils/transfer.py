@@ -16,22 +16,22 @@ import torch
 
 def to_device(data: list | np.ndarray, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """`data` (numbers or nested lists of them, or a numpy array) as a tensor on `device`."""
-    if isinstance(data, np.ndarray):  # torch will not build a pinned tensor from numpy: pin a copy
-        host = torch.from_numpy(data).to(dtype)
-        if device.type == "cuda":
-            host = host.pin_memory()
-    else:
-        host = torch.tensor(data, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
+    if isinstance(data, np.ndarray):  # torch will not build a pinned tensor from numpy: a pinned copy
+        return tensor_to_device(torch.from_numpy(data).to(dtype), device)
+    host = torch.tensor(data, dtype=dtype, device="cpu", pin_memory=device.type == "cuda")
     return host.to(device, non_blocking=True)
 
 
 def tensor_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A host tensor on `device` through a pinned copy, so the copy joins the stream's queue (a
-    copy from pageable memory may wait for the device); `t` itself where it is already."""
+    copy from pageable memory may wait for the device); `t` itself where it is already. A view
+    (a rank's rows of a batch) is pinned as one contiguous copy: `pin_memory` keeps its strides
+    (pinning its whole span), and the copy of a non-contiguous host tensor to the device goes
+    through a pageable temporary."""
     if t.device == device:
         return t
-    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():
-        t = t.pin_memory()
+    if device.type == "cuda" and t.device.type == "cpu" and not (t.is_pinned() and t.is_contiguous()):
+        t = torch.empty(t.shape, dtype=t.dtype, pin_memory=True).copy_(t)
     return t.to(device, non_blocking=True)
 
 
