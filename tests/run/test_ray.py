@@ -165,7 +165,7 @@ def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(t
 
     from whetstone.fleet import FleetConfig
     from whetstone.inference.config import ServeConfig
-    from whetstone.integrations.vllm_serve import fleet_announcer, parse
+    from whetstone.integrations.vllm_serve import announcer_of, parse
     from whetstone.run.ray_launch import RoleActor, VllmServer
 
     check_run_config(tiny_run(tmp_path, *RAY, 'servers.engine="vllm"', 'servers.vllm_python="/bin/sh"').resolved())
@@ -183,7 +183,7 @@ def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(t
     options = parse(argv[3:])
     assert (options.host, options.port, options.vllm_args) == ("0.0.0.0", placed.port, ["--max-num-seqs", "4"])
     assert '"store":"' + str(tmp_path / "eu-weights") + '"' in options.sync
-    announcer = fleet_announcer(options)
+    announcer = announcer_of(options)
     url = f"http://{ray.util.get_node_ip_address()}:{placed.port}/v1"
     assert (announcer.record.url, announcer.record.cluster) == (url, "eu")
     assert announcer.registry.objects.root == tmp_path / "weights"  # the run's registry, not the cluster's store
@@ -195,11 +195,11 @@ def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(t
 
 
 def test_a_vllm_server_announced_nowhere_is_refused_before_vllm_starts():
-    from whetstone.integrations.vllm_serve import fleet_announcer, parse
+    from whetstone.integrations.vllm_serve import announcer_of, parse
 
     with pytest.raises(ConfigError, match="fleet.announce needs a registry"):
-        fleet_announcer(parse(["--model", "/m", "--fleet", '{"announce": true}']))
-    assert fleet_announcer(parse(["--model", "/m"])) is None
+        announcer_of(parse(["--model", "/m", "--fleet", '{"announce": true}']))
+    assert announcer_of(parse(["--model", "/m"])) is None
 
 
 def kill_when(condition, kill, state: dict) -> threading.Thread:

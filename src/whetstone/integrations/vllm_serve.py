@@ -164,7 +164,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return options
 
 
-def fleet_announcer(options: argparse.Namespace):
+def announcer_of(options: argparse.Namespace):
     """The announcer of `--fleet` (None without it), its registry opened here: a wrong one fails
     before vLLM starts. The registry defaults to the weight store of `--sync`."""
     if options.fleet is None:
@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (whetstone_root, os.environ.get("PYTHONPATH")) if p)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    announcer = fleet_announcer(options)
+    announcer = announcer_of(options)
     local = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host  # where the driver reaches it
     SwapDriver(
         f"http://{local}:{options.port}", options.sync, options.weight_version, options.poll_interval, announcer
