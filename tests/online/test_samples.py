@@ -67,11 +67,12 @@ def test_truncated_stale_and_empty_responses_are_dropped_and_counted():
         rated(7, completion_ids=[], logprobs=[], versions=[]),
         rated(8, versions=(4, 4)),
         rated(9, routes=encode_routes(torch.zeros(9, 2, 2, dtype=torch.int64))),
+        rated(10, temperature=1e-6),  # sampled greedily by the engine
     ]
     built = feedback_batch(events, config, version=5)
     assert built.counts == {
-        "events": 9,
-        "dropped_truncated": 3,
+        "events": 10,
+        "dropped_truncated": 4,
         "dropped_empty": 1,
         "dropped_malformed": 1,
         "dropped_stale": 1,

@@ -8,6 +8,7 @@ and `cluster:us`, and take one inference server each, following its cluster's ow
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -158,9 +159,10 @@ def test_on_ray_the_gpus_are_asked_of_ray_not_named(tmp_path):
 
 
 def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(tmp_path):
-    """What a server actor runs with `servers.engine = "vllm"`: vLLM's python on a free port of
-    every address, following its cluster's store, announced at the node's address in the run's
-    registry; vLLM takes a GPU share Ray gave as its memory share."""
+    """What a server actor runs with `servers.engine = "vllm"`: vLLM's python (checked on the
+    node, not where `whetstone run` runs) on a free port of every address, following its
+    cluster's store, announced at the node's address in the run's registry, with the GPUs Ray
+    gave it; a fraction of one GPU is vLLM's own memory share, not whetstone's cap."""
     import ray
 
     from whetstone.fleet import FleetConfig
@@ -168,7 +170,10 @@ def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(t
     from whetstone.integrations.vllm_serve import announcer_of, parse
     from whetstone.run.ray_launch import RoleActor, VllmServer
 
-    check_run_config(tiny_run(tmp_path, *RAY, 'servers.engine="vllm"', 'servers.vllm_python="/bin/sh"').resolved())
+    on_nodes = ('servers.engine="vllm"', 'servers.vllm_python="/on/the/nodes/python"')
+    check_run_config(tiny_run(tmp_path, *RAY, *on_nodes).resolved())
+    with pytest.raises(ConfigError, match="/on/the/nodes/python' is not an executable file"):
+        check_run_config(tiny_run(tmp_path, *on_nodes).resolved())  # where the run starts it itself
     for store in ("weights", "eu-weights"):
         (tmp_path / store).mkdir()
     serve = ServeConfig(
@@ -177,9 +182,9 @@ def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(t
         fleet=FleetConfig(cluster="eu", registry=str(tmp_path / "weights")),
     )
     placed = RoleActor._place_server(serve.model_dump(mode="json"))  # as the actor does on its node
-    vllm = VllmServer(python="/venv/bin/python", args=["--max-num-seqs", "4"])
-    argv, env = vllm.command(placed, 0, tmp_path / "roles")
-    assert argv[:3] == ["/venv/bin/python", "-m", "whetstone.integrations.vllm_serve"]
+    vllm = VllmServer(python=sys.executable, args=["--max-num-seqs", "4"])
+    argv, env = vllm.command(placed, 0, tmp_path / "roles", {"CUDA_VISIBLE_DEVICES": ""})
+    assert argv[:3] == [sys.executable, "-m", "whetstone.integrations.vllm_serve"]
     options = parse(argv[3:])
     assert (options.host, options.port, options.vllm_args) == ("0.0.0.0", placed.port, ["--max-num-seqs", "4"])
     assert '"store":"' + str(tmp_path / "eu-weights") + '"' in options.sync
@@ -188,16 +193,37 @@ def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(t
     assert (announcer.record.url, announcer.record.cluster) == (url, "eu")
     assert announcer.registry.objects.root == tmp_path / "weights"  # the run's registry, not the cluster's store
     assert (Path(env["PYTHONPATH"]) / "whetstone" / "integrations" / "vllm_serve.py").is_file()
-    assert "--gpu-memory-utilization" not in argv and "CUDA_VISIBLE_DEVICES" not in env
-    half, env = vllm.command(placed, 0.5, tmp_path / "roles")  # Ray's CUDA_VISIBLE_DEVICES stands
-    assert half[half.index("--gpu-memory-utilization") + 1] == "0.5" and "CUDA_VISIBLE_DEVICES" not in env
-    assert "--gpu-memory-utilization" not in vllm.command(placed, 1, tmp_path / "roles")[0]  # alone on its GPU
+    assert "--gpu-memory-utilization" not in argv and env["CUDA_VISIBLE_DEVICES"] == ""
+    half, env = vllm.command(
+        placed, 0.5, tmp_path / "roles", {"CUDA_VISIBLE_DEVICES": "1", GPU_MEMORY_ENV: "cuda:0=0.5"}
+    )
+    assert half[half.index("--gpu-memory-utilization") + 1] == "0.5"
+    assert env["CUDA_VISIBLE_DEVICES"] == "1" and GPU_MEMORY_ENV not in env
+    whole, env = vllm.command(placed, 1, tmp_path / "roles", {"CUDA_VISIBLE_DEVICES": "1"})
+    assert "--gpu-memory-utilization" not in whole and env["CUDA_VISIBLE_DEVICES"] == "1"  # alone on its GPU
+    with pytest.raises(ConfigError, match="is not an executable file on"):  # named with the node
+        VllmServer(python=str(tmp_path / "python")).command(placed, 0, tmp_path / "roles", {})
+
+
+def test_a_restarted_vllm_server_waits_for_its_predecessor(tmp_path):
+    # a server actor Ray restarts on the same node waits for the role process the dead one left
+    from whetstone.run.ray_launch import wait_for_predecessor
+
+    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "whetstone.integrations.vllm_serve"])
+    try:
+        pid_path = tmp_path / "serve-0.pid"
+        pid_path.write_text(f"{socket.gethostname()} {old.pid}\n")
+        started = time.monotonic()
+        wait_for_predecessor(pid_path, grace_s=1.0)  # killed after the grace: it was taken for a role
+        assert old.wait(10) == -9 and time.monotonic() - started >= 1.0
+    finally:
+        old.kill()
 
 
 def test_a_vllm_server_announced_nowhere_is_refused_before_vllm_starts():
     from whetstone.integrations.vllm_serve import announcer_of, parse
 
-    with pytest.raises(ConfigError, match="fleet.announce needs a registry"):
+    with pytest.raises(ConfigError, match="--fleet needs --sync"):
         announcer_of(parse(["--model", "/m", "--fleet", '{"announce": true}']))
     assert announcer_of(parse(["--model", "/m"])) is None
 
@@ -339,7 +365,7 @@ VLLM_PYTHON = os.environ.get("WHETSTONE_VLLM_PYTHON", "")
 
 @pytest.mark.slow
 @pytest.mark.vllm
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)  # past the servers' own start bound, so that one fails first, with its log
 @pytest.mark.skipif(
     not (VLLM_PYTHON and os.access(VLLM_PYTHON, os.X_OK)),
     reason="no vLLM environment: set $WHETSTONE_VLLM_PYTHON to its python (README, 'vLLM')",

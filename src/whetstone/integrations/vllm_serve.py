@@ -78,6 +78,8 @@ class SwapDriver:
         self.root, self.sync_json, self.version, self.poll_s = root, sync_json, version, poll_s
         self.announcer = announcer
         """A `fleet.Announcer`, started once the server answers and follows the store."""
+        self.failed = False
+        """Whether following the store or announcing failed (the server was stopped for it)."""
         self.client = httpx.Client(base_url=root, timeout=600.0)
 
     def start(self) -> None:
@@ -102,13 +104,13 @@ class SwapDriver:
             time.sleep(self.poll_s)
 
     def _run(self) -> None:
-        self._wait_for_server()
-        self.post("/update_weight_version", new_version=str(self.version))
-        if self.sync_json is not None:
-            self.rpc("whetstone_follow", self.sync_json, str(self.version))
-            log.info("following the weight store from version %d", self.version)
-        if self.announcer is not None:
-            self._announce()
+        try:
+            self._start()
+        except Exception:  # unfollowing or unannounced, the server would answer but never be right or used
+            log.exception("could not follow the weight store or announce the server: stopping it")
+            self.failed = True
+            os.kill(os.getpid(), signal.SIGTERM)  # vLLM shuts down; `main` then exits with 1
+            return
         if self.sync_json is None:
             return
         while True:
@@ -120,16 +122,17 @@ class SwapDriver:
                 log.warning("weight swap check failed: %s", err)
             time.sleep(self.poll_s)
 
-    def _announce(self) -> None:
-        """Start announcing; a registry that cannot be written stops the server (unannounced, no
-        orchestrator of the run would ever use it: a config error, as for `whetstone serve`)."""
-        try:
+    def _start(self) -> None:
+        """Once the server answers: tag its weights, follow the store, announce it (its record
+        removed at exit, with the server)."""
+        self._wait_for_server()
+        self.post("/update_weight_version", new_version=str(self.version))
+        if self.sync_json is not None:
+            self.rpc("whetstone_follow", self.sync_json, str(self.version))
+            log.info("following the weight store from version %d", self.version)
+        if self.announcer is not None:
             self.announcer.start()
-        except Exception:
-            log.exception("could not announce the server in the fleet registry: stopping")
-            os.kill(os.getpid(), signal.SIGTERM)
-            return
-        atexit.register(self.announcer.stop)  # the record goes with the server
+            atexit.register(self.announcer.stop)
 
     def swap(self) -> None:
         started = time.perf_counter()
@@ -151,7 +154,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--served-model-name", default="", help="Model id in the API (default: the folder).")
     parser.add_argument("--sync", default=None, help="Weight store to follow: a SyncConfig as JSON (none: fixed).")
     parser.add_argument(
-        "--fleet", default=None, help="Announce the server in the fleet registry: a FleetConfig as JSON."
+        "--fleet",
+        default=None,
+        help="The server's FleetConfig as JSON (announced in the registry with announce = true).",
     )
     parser.add_argument("--weight-version", type=int, default=0, help="Weight version of the model loaded.")
     parser.add_argument("--poll-interval", type=float, default=0.2, help="Seconds between checks for a staged version.")
@@ -169,11 +174,14 @@ def announcer_of(options: argparse.Namespace):
     before vLLM starts. The registry defaults to the weight store of `--sync`."""
     if options.fleet is None:
         return None
+    from whetstone.errors import ConfigError
     from whetstone.fleet import FleetConfig
     from whetstone.fleet.registry import fleet_announcer
     from whetstone.sync import SyncConfig
 
-    sync = SyncConfig.model_validate_json(options.sync) if options.sync is not None else None
+    if options.sync is None:  # as `whetstone serve`: the registry is (beside) the store it follows
+        raise ConfigError("--fleet needs --sync: a server announces itself where it follows the weights")
+    sync = SyncConfig.model_validate_json(options.sync)
     return fleet_announcer(FleetConfig.model_validate_json(options.fleet), options.host, options.port, sync)
 
 
@@ -189,12 +197,15 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     announcer = announcer_of(options)
-    local = "127.0.0.1" if options.host in ("0.0.0.0", "::", "") else options.host  # where the driver reaches it
-    SwapDriver(
+    local = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host  # where the driver reaches it
+    driver = SwapDriver(
         f"http://{local}:{options.port}", options.sync, options.weight_version, options.poll_interval, announcer
-    ).start()
+    )
+    driver.start()
     sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_argv(options)]
     runpy.run_module("vllm.entrypoints.openai.api_server", run_name="__main__", alter_sys=True)
+    if driver.failed:
+        raise SystemExit(1)  # a role that failed, not one that ended
 
 
 if __name__ == "__main__":

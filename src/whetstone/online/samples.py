@@ -16,6 +16,7 @@ from typing import Any
 
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
+from whetstone.inference.sampling import GREEDY_BELOW
 from whetstone.online.config import OnlineConfig
 from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import Sample, trajectory_samples
@@ -37,12 +38,13 @@ class FeedbackBatch:
 
 
 def truncated(response: ResponseRecord) -> bool:
-    """Sampled with top-p, top-k or greedily (temperature 0: top-k 1). The behavior logprobs are
+    """Sampled with top-p, top-k or greedily (a temperature below `GREEDY_BELOW`, 0 among them:
+    top-k 1). The behavior logprobs are
     then of softmax(logits / T) renormalised over a cut set of tokens that depends on the logits
     themselves: the trainer's full softmax is another distribution (the ratio is off by the cut
     mass), and tokens outside the cut were never sampleable, so no importance weight corrects
     for them. Temperature alone is fine: the trainer divides the logits by it."""
-    return response.temperature <= 0.0 or response.top_p < 1.0 or response.top_k > 0
+    return response.temperature < GREEDY_BELOW or response.top_p < 1.0 or response.top_k > 0
 
 
 def rated_sample(item: RatedResponse, reward: float) -> list[Sample]:

@@ -342,7 +342,8 @@ class Pipeline:
         if servers.engine == "vllm":
             from whetstone.integrations.vllm import vllm_python
 
-            vllm = VllmServer(python=vllm_python(servers.vllm_python), args=servers.vllm_args)
+            # checked on each server's node: the machine of `whetstone run` need not have it
+            vllm = VllmServer(python=vllm_python(servers.vllm_python, here=False), args=servers.vllm_args)
         started = []
         for i in range(servers.count):
             role = self.launcher.server(f"serve-{i}", i, self.serve_config(1, i), vllm)
@@ -358,22 +359,15 @@ class Pipeline:
         """How `start` runs vLLM server `index` on `port` (`servers.engine = "vllm"`): its command
         line (`integrations.vllm_serve` with the vLLM environment's python, following the weight
         store, on its GPU and share of that GPU's memory) and whetstone on its PYTHONPATH."""
-        from whetstone.integrations.vllm import gpu_placement, serve_command, vllm_python, whetstone_path
+        from whetstone.integrations.vllm import vllm_launch, vllm_python
 
-        servers, serve = self.config.servers, self.config.servers.serve
+        servers = self.config.servers
         device = resolve_device(server_device(self.config.placement, index))
         _, share = gpu_memory_shares(self.config.placement, servers.count).get(f"serve-{index}", (device, None))
-        gpu_args, gpu_env = gpu_placement(device, share, servers.vllm_args)
-        argv = serve_command(
-            vllm_python(servers.vllm_python),
-            serve.model_path,
-            port,
-            serve.sync.model_dump_json(),
-            serve.weight_version,
-            [*gpu_args, *servers.vllm_args],
-        )
-        path = whetstone_path(self.run_dir / "servers" / "vllm-path")
-        return {"argv": argv, "env": {"PYTHONPATH": path, **gpu_env}}
+        python = vllm_python(servers.vllm_python)
+        folder = self.run_dir / "servers" / "vllm-path"
+        argv, env = vllm_launch(python, self.serve_config(port, index), device, share, servers.vllm_args, folder)
+        return {"argv": argv, "env": env}
 
     def evaluate(self, when: str, logit_scale: float | None = None) -> dict[str, Any]:
         from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks

@@ -68,7 +68,7 @@ def _problems(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:
         from whetstone.integrations.vllm import vllm_python
 
         try:
-            vllm_python(config.servers.vllm_python)
+            vllm_python(config.servers.vllm_python, here=config.placement.backend == "local")
         except WhetstoneError as err:
             yield str(err)
     trainer = config.rl.trainer

@@ -226,8 +226,7 @@ class RoleActor:
             serve = self._place_server(config)
             config = {"toml": dump_toml(serve) + "\n", "url": serve.fleet.url}
         if serve is not None and vllm is not None:
-            argv, vllm_env = VllmServer.model_validate(vllm).command(serve, num_gpus, Path(config_path).parent)
-            env = {**{k: v for k, v in env.items() if k != GPU_MEMORY_ENV}, **vllm_env}  # vLLM takes its share itself
+            argv, env = VllmServer.model_validate(vllm).command(serve, num_gpus, Path(config_path).parent, env)
         pid_path = Path(config_path).with_suffix(".pid")
         wait_for_predecessor(pid_path)
         atomic_write_text(config_path, config.pop("toml"))
@@ -265,30 +264,24 @@ class VllmServer(Config):
     args: list[str] = []
     """More arguments for vLLM's server (`servers.vllm_args`)."""
 
-    def command(self, serve, num_gpus: float, folder: Path) -> tuple[list[str], dict[str, str]]:
+    def command(
+        self, serve, num_gpus: float, folder: Path, ray_env: dict[str, str]
+    ) -> tuple[list[str], dict[str, str]]:
         """(command line, environment) of the vLLM server of `serve` (a `ServeConfig` placed on
-        this node) with the GPUs Ray gave its actor, `num_gpus` of them: a fraction of one is that
-        share of its memory. `folder`: where the link to this node's whetstone (vLLM's
-        PYTHONPATH) is made."""
+        this node) with the GPUs Ray gave its actor, `num_gpus` of them (`ray_env`, from
+        `gpu_environment`: its CUDA_VISIBLE_DEVICES stands, and a fraction of one GPU becomes
+        vLLM's own memory share, not whetstone's cap). `folder`: where the link to this node's
+        whetstone (vLLM's PYTHONPATH) is made."""
         import torch
 
-        from whetstone.integrations.vllm import gpu_placement, serve_command, whetstone_path
+        from whetstone.integrations.vllm import vllm_launch
 
         device = torch.device("cuda" if num_gpus else "cpu")  # CUDA_VISIBLE_DEVICES lists Ray's GPUs
-        gpu_args, gpu_env = gpu_placement(device, num_gpus if 0 < num_gpus < 1 else None, self.args)
-        argv = serve_command(
-            self.python,
-            serve.model_path,
-            serve.port,
-            serve.sync.model_dump_json(),
-            serve.weight_version,
-            [*gpu_args, *self.args],
-            host=serve.host,
-            fleet_json=serve.fleet.model_dump_json(),
-        )
+        share = num_gpus if 0 < num_gpus < 1 else None
         # per node: a restarted actor elsewhere links its own node's whetstone
-        path = whetstone_path(folder / f"vllm-path-{socket.gethostname()}")
-        return argv, {**gpu_env, "PYTHONPATH": path}
+        path = folder / f"vllm-path-{socket.gethostname()}"
+        argv, env = vllm_launch(self.python, serve, device, share, self.args, path)
+        return argv, {**{k: v for k, v in ray_env.items() if k != GPU_MEMORY_ENV}, **env}
 
 
 class RayRole(RoleProcess):

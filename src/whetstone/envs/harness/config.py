@@ -16,7 +16,8 @@ class SamplingConfig(Config):
 
     temperature: float = Field(1.0, ge=0.0)
     """Sampling temperature. In RL the batches carry it and the trainer divides its logits by it,
-    so its logprobs are those of the distribution sampled (0 = greedy cannot be trained on)."""
+    so its logprobs are those of the distribution sampled (0 = greedy, as is anything below 1e-5:
+    cannot be trained on)."""
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     """Nucleus sampling mass (1.0 = off)."""
     top_k: int = Field(0, ge=0)
