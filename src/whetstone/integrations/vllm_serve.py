@@ -45,6 +45,8 @@ from typing import Any
 import httpx
 
 EXTENSION = "whetstone.integrations.vllm_worker.WeightStoreFollower"
+STATUS_TIMEOUT_S = 10.0
+"""How long a poll for a staged version waits (a swap's own calls wait as long as draining takes)."""
 log = logging.getLogger("whetstone.vllm")
 
 
@@ -85,9 +87,11 @@ class SwapDriver:
     def start(self) -> None:
         threading.Thread(target=self._run, name="whetstone-swaps", daemon=True).start()
 
-    def rpc(self, method: str, *args: str) -> dict:
-        """The worker's answer to `method` (one worker: tensor and pipeline parallelism are not supported)."""
-        response = self.client.post("/collective_rpc", json={"method": method, "args": list(args)})
+    def rpc(self, method: str, *args: str, timeout: float | None = None) -> dict:
+        """The worker's answer to `method` (one worker: tensor and pipeline parallelism are not
+        supported), waited for `timeout` seconds (None: the client's)."""
+        wait = httpx.USE_CLIENT_DEFAULT if timeout is None else timeout
+        response = self.client.post("/collective_rpc", json={"method": method, "args": list(args)}, timeout=wait)
         response.raise_for_status()
         return response.json()["results"][0]
 
@@ -115,7 +119,10 @@ class SwapDriver:
             return
         while True:
             try:
-                status = self.rpc("whetstone_status")
+                # bounded: a poll in flight when vLLM stops its engine never gets an answer, and
+                # uvicorn's shutdown would wait for it until the process is killed (its fleet
+                # record left behind)
+                status = self.rpc("whetstone_status", timeout=STATUS_TIMEOUT_S)
                 if status.get("staged_version") is not None:
                     self.swap()
             except httpx.HTTPError as err:  # a busy or restarting engine: try again at the next poll
