@@ -159,15 +159,18 @@ def test_cuda_engine_decodes_what_the_cpu_engine_decodes(cuda_graphs):
 
 
 @pytest.mark.gpu
-def test_cuda_graphs_serve_swapped_weights():
+@pytest.mark.parametrize("weights_on", ["cpu", "cuda"])
+def test_cuda_graphs_serve_swapped_weights(weights_on):
     """A swap writes the parameters in place: the graphs replay the new weights (or are captured
-    again if a weight the model derives was made anew), never the old ones."""
+    again if a weight the model derives was made anew), never the old ones. Weights already on
+    the device (the online gate's) are cast on the caller's stream, which the upload follows."""
     new = tiny_model(seed=9)
     engine = cuda_engine(tiny_model(), cuda_graphs=True, max_batch=4)
     params = SamplingParams(max_tokens=12, temperature=0.0)
     engine.generate(prompts(5, 9), params)  # captures
     assert engine.stats.graph_captures_total > 0 and engine.decoder.graphs
-    engine.update_weights(full_update(new.state_dict(), version=1))
+    state = {name: t.to(weights_on, torch.float64) for name, t in new.state_dict().items()}  # cast when prepared
+    engine.update_weights(full_update(state, version=1))
     swapped = engine.generate(prompts(5, 9), params)
     expected = make_engine(new, max_batch=4).generate(prompts(5, 9), params)
     same_generations(swapped, expected, atol=1e-4)
