@@ -58,7 +58,7 @@ from whetstone.model import invariant, numerics
 from whetstone.model.layout import serving_copy, to_column_major
 from whetstone.sync.update import WeightUpdate
 from whetstone.utils.device import autocast, on_device, resolve_device
-from whetstone.utils.transfer import to_device
+from whetstone.utils.transfer import tensor_to_device, to_device
 
 log = logging.getLogger(__name__)
 
@@ -451,7 +451,8 @@ class Engine:
                 positions = positions.expand(rows, -1)
             span = max(starts[row] for row in range(rows)) + offset + width
             lo, hi = starts[0] + offset, starts[0] + offset + width  # the replayed sequence's positions
-            chunk_routes = None if replay is None else replay[lo:hi].unsqueeze(0).to(self.device, non_blocking=True)
+            # a resumed sequence's recorded routes (pageable host memory): through a pinned copy
+            chunk_routes = None if replay is None else tensor_to_device(replay[lo:hi].unsqueeze(0), self.device)
             out = self._forward(
                 ids,
                 positions,
