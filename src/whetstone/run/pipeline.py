@@ -364,7 +364,7 @@ class Pipeline:
         servers = self.config.servers
         device = resolve_device(server_device(self.config.placement, index))
         _, share = gpu_memory_shares(self.config.placement, servers.count).get(f"serve-{index}", (device, None))
-        python = vllm_python(servers.vllm_python)
+        python = vllm_python(servers.vllm_python, here=False)  # vllm_launch checks it
         folder = self.run_dir / "servers" / "vllm-path"
         argv, env = vllm_launch(python, self.serve_config(port, index), device, share, servers.vllm_args, folder)
         return {"argv": argv, "env": env}

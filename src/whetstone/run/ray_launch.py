@@ -220,13 +220,13 @@ class RoleActor:
     def __init__(
         self, name: str, command: str, config: dict, config_path: str, log_path: str, threads: int, num_gpus: float
     ):
-        env, argv, serve = gpu_environment(num_gpus), None, None
-        vllm = config.pop("vllm", None)
+        env, argv = gpu_environment(num_gpus), None
         if command == "serve":
+            vllm = config.pop("vllm", None)
             serve = self._place_server(config)
             config = {"toml": dump_toml(serve) + "\n", "url": serve.fleet.url}
-        if serve is not None and vllm is not None:
-            argv, env = VllmServer.model_validate(vllm).command(serve, num_gpus, Path(config_path).parent, env)
+            if vllm is not None:
+                argv, env = VllmServer.model_validate(vllm).command(serve, num_gpus, Path(config_path).parent, env)
         pid_path = Path(config_path).with_suffix(".pid")
         wait_for_predecessor(pid_path)
         atomic_write_text(config_path, config.pop("toml"))
