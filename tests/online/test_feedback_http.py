@@ -105,6 +105,9 @@ def test_each_choice_of_a_completion_is_rated_once(http):
         ({"id": "x", "rating": "thumbs_up", "reward": 9}, "reward"),
         ({"rating": "thumbs_up"}, "id"),
         ({"id": "x", "choice": -1, "rating": "thumbs_up"}, "choice"),
+        ({"id": "x", "choice": "1", "rating": "thumbs_up"}, "choice"),
+        ({"id": "x", "rating": "score", "score": True}, "score"),
+        ({"id": "chatcmpl-\u0000", "rating": "thumbs_up"}, "id"),
     ],
 )
 def test_malformed_feedback_is_refused_naming_the_problem(http, body, problem):

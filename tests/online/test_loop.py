@@ -42,6 +42,18 @@ def test_feedback_becomes_a_version_the_server_swaps_in(world):
     assert not world.loop.due()  # that feedback is consumed
 
 
+def test_the_gate_allows_a_drop_of_exactly_its_threshold():
+    from types import SimpleNamespace
+
+    from whetstone.online.config import GateConfig
+    from whetstone.online.gate import Gate
+
+    gate = SimpleNamespace(config=GateConfig(max_regression=0.05, max_total_regression=0.1))
+    assert Gate.verdict(gate, 7 / 20, 8 / 20, 8 / 20).publish  # 8 of 20 answers liked, then 7
+    assert not Gate.verdict(gate, 0.45, 0.55, 0.55).publish
+    assert not Gate.verdict(gate, 0.45, 0.45, 0.6).publish
+
+
 @pytest.mark.parametrize(
     "world",
     [

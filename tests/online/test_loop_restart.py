@@ -61,6 +61,45 @@ def test_a_restarted_loop_takes_the_same_next_update_as_an_uninterrupted_one(wor
     assert not same_tensors(fresh.model.state_dict(), world.loop.model.state_dict())
 
 
+@pytest.mark.parametrize("world", [NO_GATE | {"logit_scale_lr": 0.2, "loss": {"kl_coef": 0.1}}], indirect=True)
+def test_a_restarted_loops_kl_reference_is_its_policy_before_the_learned_scale(world):
+    # the step applies the scale to the reference's logits, so the reference must not carry it
+    from whetstone.trainer.step import StepSettings, _reference_logprobs, forward_logprobs
+
+    world.feedback(16)
+    assert world.loop.update()["decision"] == "published"
+    restarted = OnlineLoop(world.config)
+    assert restarted.logit_scale.log_scale != 0
+    world.feedback(16)
+    batch, settings = next_batch(world), StepSettings.of(world.config)
+    with torch.no_grad():
+        policy = forward_logprobs(restarted.model, batch, settings.replay, settings.dtype, settings.numerics)
+        reference = _reference_logprobs(restarted.reference, batch, settings, restarted.logit_scale)
+    assert torch.allclose(policy.logprobs, reference, atol=1e-5)
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+def test_a_rollback_published_while_the_loop_adopts_a_version_is_adopted(world, monkeypatch):
+    import whetstone.online.loop as loop_module
+
+    world.feedback(16)
+    assert world.loop.update()["decision"] == "published"  # version 1
+    rollback(world.config.sync, 0)  # version 2
+    load, landed = loop_module.load_version, []
+
+    def load_then_roll_back(*args):  # an operator's second rollback lands during the adoption
+        state = load(*args)
+        if not landed:
+            landed.append(rollback(world.config.sync, 1).version)
+        return state
+
+    monkeypatch.setattr(loop_module, "load_version", load_then_roll_back)
+    assert [world.loop.follow_store()] == landed == [3]
+    assert same_tensors(
+        world.loop.model.state_dict(), loop_module.load_version(world.loop.weights, world.config.sync, 3)
+    )
+
+
 @pytest.mark.parametrize("world", [NO_GATE], indirect=True)
 def test_masters_and_moments_of_other_weights_are_not_resumed(world, caplog):
     world.feedback(16)

@@ -83,6 +83,13 @@ def test_truncated_stale_and_empty_responses_are_dropped_and_counted():
     assert len(built.batch) == 3
 
 
+def test_a_record_whose_lists_do_not_add_up_is_dropped_not_raised():
+    events = [rated(1), rated(2, "thumbs_down"), rated(3, logprobs=[-0.5]), rated(4, versions=[5])]
+    events.append(rated(5, routes=[1, 2]))
+    built = feedback_batch(events, OnlineConfig(), version=5)
+    assert built.counts["dropped_malformed"] == 3 and built.counts["kept"] == 2
+
+
 def test_each_row_keeps_the_temperature_it_was_sampled_at():
     events = [rated(1, temperature=0.7), rated(2, "thumbs_down"), rated(3, versions=(0, 0)), rated(4, temperature=1.3)]
     built = feedback_batch(events, OnlineConfig(), version=5)  # event 3 is stale

@@ -5,10 +5,11 @@ and `cluster:us`, and take one inference server each, following its cluster's ow
 (`eu`'s on S3: a moto server). The trainer also runs as 2 ranks on two nodes. Faults: the whole
 `us` cluster killed; the orchestrator and the trainer killed and restarted; a trainer rank lost."""
 
+import contextlib
 import json
 import os
 import re
-import socket
+import signal
 import subprocess
 import sys
 import threading
@@ -24,11 +25,12 @@ from whetstone.fleet import FleetRegistry
 from whetstone.rl.batch import batch_from_bytes
 from whetstone.run.pipeline import Pipeline
 from whetstone.run.preflight import check_run_config
+from whetstone.run.ray_launch import _group_members, record_role, wait_for_predecessor
 from whetstone.run.ray_ranks import rank_environments
 from whetstone.store import LocalStore
 from whetstone.sync import WeightStore
 from whetstone.utils.metrics import read_metrics
-from whetstone.utils.processes import GPU_MEMORY_ENV
+from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess
 
 RAY = ['placement.backend="ray"', 'placement.ray.server_clusters=["eu", "us"]', "rl.steps=3"]
 
@@ -205,19 +207,56 @@ def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(t
         VllmServer(python=str(tmp_path / "python")).command(placed, 0, tmp_path / "roles", {})
 
 
-def test_a_restarted_vllm_server_waits_for_its_predecessor(tmp_path):
-    # a server actor Ray restarts on the same node waits for the role process the dead one left
-    from whetstone.run.ray_launch import wait_for_predecessor
+def predecessor(tmp_path, script: str) -> tuple[RoleProcess, Path]:
+    """A role process (`script` in python) as a role actor starts it, and its pid file."""
+    role = RoleProcess("serve-0", [], tmp_path / "serve-0.log", command=[sys.executable, "-c", script], own_group=True)
+    pid_path = tmp_path / "serve-0.pid"
+    record_role(pid_path, role.start())
+    return role, pid_path
 
-    old = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "whetstone.integrations.vllm_serve"])
+
+def test_a_restarted_role_waits_for_its_predecessor_then_kills_it(tmp_path):
+    # a role actor Ray restarts on the same node waits for the role process the dead one left
+    old, pid_path = predecessor(tmp_path, "import time; time.sleep(60)")
     try:
-        pid_path = tmp_path / "serve-0.pid"
-        pid_path.write_text(f"{socket.gethostname()} {old.pid}\n")
         started = time.monotonic()
-        wait_for_predecessor(pid_path, grace_s=1.0)  # killed after the grace: it was taken for a role
+        wait_for_predecessor(pid_path, grace_s=1.0)
         assert old.wait(10) == -9 and time.monotonic() - started >= 1.0
     finally:
         old.kill()
+
+
+def test_a_restarted_role_waits_for_the_processes_its_predecessor_started(tmp_path):
+    # a vLLM server's engine core holds its GPU memory until it has exited too
+    script = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print('started', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    old, pid_path = predecessor(tmp_path, script)
+    try:
+        while "started" not in old.log_tail():
+            assert old.running
+            time.sleep(0.05)
+        assert old.stop() == -signal.SIGTERM  # the role's process has ended, its child has not
+        (child,) = _group_members(old.process.pid)
+        started = time.monotonic()
+        wait_for_predecessor(pid_path, grace_s=1.0)
+        assert time.monotonic() - started >= 1.0 and _group_members(old.process.pid) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old.process.pid, signal.SIGKILL)
+
+
+def test_a_pid_another_process_took_is_not_waited_for(tmp_path):
+    old, pid_path = predecessor(tmp_path, "pass")
+    old.wait(10)
+    host, pid, started = pid_path.read_text().split()
+    pid_path.write_text(f"{host} {os.getpid()} {started}\n")  # this process, started at another time
+    began = time.monotonic()
+    wait_for_predecessor(pid_path, grace_s=30.0)
+    assert time.monotonic() - began < 1.0
 
 
 def test_a_vllm_server_announced_nowhere_is_refused_before_vllm_starts():

@@ -97,6 +97,35 @@ def test_of_concurrent_duplicates_exactly_one_wins(store_url):
         store.close()
 
 
+def test_events_commit_in_the_order_of_their_numbers(store_url):
+    # the loop reads past the newest committed event: one numbered lower that committed later
+    # would never be read
+    import sqlalchemy as sa
+
+    first, second = FeedbackStore.open(store_url), FeedbackStore.open(store_url)
+    first.record([record("a"), record("b")])
+    inserted, release, seqs = threading.Event(), threading.Event(), {}
+
+    @sa.event.listens_for(first.engine, "commit")
+    def slow_commit(connection):  # "a" has its number; its commit is slow
+        inserted.set()
+        release.wait(10)
+
+    writers = [
+        threading.Thread(target=lambda: seqs.setdefault("a", first.add_feedback("a", 0, "thumbs_up"))),
+        threading.Thread(target=lambda: seqs.setdefault("b", second.add_feedback("b", 0, "thumbs_down"))),
+    ]
+    writers[0].start()
+    assert inserted.wait(10)
+    writers[1].start()
+    writers[1].join(0.5)
+    assert second.rated_after(0, 10) == []  # "b" waits for "a" (or goes first, numbered after it)
+    release.set()
+    for writer in writers:
+        writer.join(10)
+    assert [event.response.response_id for event in second.rated_after(0, 10)] == sorted(seqs, key=seqs.get)
+
+
 def test_the_cursor_reads_oldest_first_in_pages(store_url):
     store = FeedbackStore.open(store_url)
     store.record([record(f"chatcmpl-{i}") for i in range(5)])
@@ -144,6 +173,11 @@ def test_store_names_become_urls(tmp_path):
     assert (tmp_path / "a").is_dir()
     assert database_url("postgresql://u@h:5432/db") == "postgresql+psycopg://u@h:5432/db"
     assert database_url("sqlite:////x/y.db") == "sqlite:////x/y.db"
+
+
+def test_a_database_other_than_sqlite_or_postgresql_is_refused():
+    with pytest.raises(WhetstoneError, match=r"mysql://u:\*\*\*@h/db: only SQLite .* and PostgreSQL"):
+        FeedbackStore.open("mysql://u:secret@h/db")
 
 
 def test_an_unreachable_database_is_named_without_its_password():

@@ -15,7 +15,7 @@ class FeedbackConfig(Config):
     """Capture for online RL: what `whetstone serve` keeps of each response, and where."""
 
     store: str = ""
-    """Feedback database: a SQLite file path, or a SQLAlchemy URL (`postgresql://user@host/db`
+    """Feedback database: a SQLite file path, or a PostgreSQL URL (`postgresql://user@host/db`,
     when many servers write); empty = no capture, and POST /v1/feedback answers 404. Needs
     `auth_token`: only authenticated clients may give feedback."""
     record: Literal["interactive", "all"] = "interactive"

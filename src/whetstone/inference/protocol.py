@@ -177,12 +177,12 @@ class FeedbackRequest(BaseModel):
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
-    id: str = Field(min_length=1, max_length=100)
-    """The response's `id` (`chatcmpl-...` or `cmpl-...`)."""
-    choice: int = Field(0, ge=0)
+    id: str = Field(min_length=1, max_length=100, pattern=r"^[^\x00-\x1f\x7f]+$")
+    """The response's `id` (`chatcmpl-...` or `cmpl-...`; no control characters)."""
+    choice: int = Field(0, ge=0, strict=True)
     """Which choice of the response is rated (its `index`)."""
     rating: Rating
-    score: float | None = Field(None, ge=0.0, le=1.0)
+    score: float | None = Field(None, ge=0.0, le=1.0, strict=True)
     """Only with rating `score`: how good, from 0 to 1."""
 
     @model_validator(mode="after")

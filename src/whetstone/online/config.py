@@ -119,7 +119,7 @@ class OnlineConfig(Config):
     """Hugging Face folder of the served model (architecture, tokenizer; the weights of version 0
     when the weight store is empty)."""
     feedback_store: str = "runs/default/feedback.db"
-    """The servers' feedback database (their `feedback.store`): SQLite path or SQLAlchemy URL."""
+    """The servers' feedback database (their `feedback.store`): a SQLite path or a PostgreSQL URL."""
     sync: SyncConfig = SyncConfig(keep_keyframes=10)
     """The weight store the servers follow; the loop continues from its newest version. Keeps more
     keyframes than the trainer's default, so rollback can reach further back."""

@@ -27,6 +27,9 @@ from whetstone.online.preferences import make_preference, task_messages
 from whetstone.tokenizer import Tokenizer, render_chat
 
 MAX_EVAL_BATCH = 16
+SCORE_ROUNDING = 1e-9
+"""Slack in the gate's comparisons: a drop of exactly the allowed regression (0.55 - 0.05 against
+0.5) passes, whatever the floating-point rounding of the scores (fractions of answers)."""
 
 
 @dataclass
@@ -85,13 +88,13 @@ class Gate:
 
     def verdict(self, candidate: float, deployed: float, start: float) -> Verdict:
         config = self.config
-        if candidate < deployed - config.max_regression:
+        if deployed - candidate > config.max_regression + SCORE_ROUNDING:
             return Verdict(
                 False,
                 f"held-out score {candidate:.3f} is below the deployed version's {deployed:.3f} "
                 f"by more than gate.max_regression = {config.max_regression}",
             )
-        if candidate < start - config.max_total_regression:
+        if start - candidate > config.max_total_regression + SCORE_ROUNDING:
             return Verdict(
                 False,
                 f"held-out score {candidate:.3f} is below the starting version's {start:.3f} "

@@ -107,6 +107,8 @@ class OnlineLoop:
                     f"{self.config.model_path}: {err}"
                 ) from None
             self.publisher.resume()  # the next version is a delta on this one
+            if self.weights.latest() != latest:  # another version (a rollback) landed meanwhile
+                return self.follow_store()
             why_not = self.resume_checkpoint(latest, served)
             if why_not:
                 self.model.load_state_dict(served)
@@ -115,6 +117,8 @@ class OnlineLoop:
         self.reference = None
         if self.config.loss.kl_coef > 0:  # KL to the weights the loop started from
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
+            if self.logit_scale is not None:  # as at the scale's start: the step applies the scale
+                self.logit_scale.unfold(self.reference)
         self.version = latest
         if latest not in self.scores:
             self.scores[latest] = self.gate.score(self.deployed_weights(), latest)

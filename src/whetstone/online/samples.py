@@ -14,6 +14,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.inference.sampling import GREEDY_BELOW
@@ -81,7 +83,7 @@ def feedback_batch(
             continue
         try:
             new = rated_sample(item, config.rewards.reward(item.rating, item.score))
-        except WhetstoneError as err:  # a record that does not add up (e.g. routes of another shape)
+        except (WhetstoneError, ValidationError) as err:  # a record that does not add up (e.g. routes of another shape)
             counts["dropped_malformed"] += 1
             log.warning("feedback event %d dropped: %s", item.seq, err)
             continue

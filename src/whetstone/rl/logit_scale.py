@@ -52,6 +52,12 @@ class LogitScale:
         self.log_scale += delta
         return delta
 
+    def unfold(self, model: torch.nn.Module) -> None:
+        """Take the scale out of `model`'s gains (a copy of the policy): the model as it was at
+        s = 0, up to rounding."""
+        with torch.no_grad():
+            model.norm.weight.div_(math.exp(self.log_scale))
+
     def state(self) -> dict[str, Any]:
         """What a checkpoint keeps (JSON floats round-trip exactly)."""
         return {key: getattr(self, key) for key in STATE_KEYS}

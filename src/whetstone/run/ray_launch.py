@@ -33,6 +33,7 @@ optional extra `whetstone[ray]`; nothing here imports it until a Ray run starts.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -183,33 +184,52 @@ def gpu_environment(num_gpus: float) -> dict[str, str]:
 
 
 def wait_for_predecessor(pid_path: Path, grace_s: float = PREDECESSOR_GRACE_S) -> None:
-    """Before a restarted actor starts its role again: wait for the role process of the actor it
-    replaces to end, if it runs on this node (`pid_path`: its host and pid). That process got
-    SIGTERM when its actor died and may still be finishing a step and checkpointing (a trainer)
-    or writing a batch (an orchestrator); two at once would race for the same versions and
-    batches. Killed after `grace_s`."""
+    """Before a restarted actor starts its role again: wait for the processes of the actor it
+    replaces to end, if they run on this node (`pid_path`, written by `record_role`: the role's
+    process group). The role's process got SIGTERM when its actor died and may still be finishing
+    a step and checkpointing (a trainer) or writing a batch (an orchestrator): two at once would
+    race for the same versions and batches. The processes it started count too: a vLLM server's
+    engine core holds its GPU memory until it has exited. All are killed after `grace_s`."""
     try:
-        host, pid = pid_path.read_text().split()
+        host, pid, started = pid_path.read_text().split()
+        group, started = int(pid), int(started)
     except (FileNotFoundError, ValueError):
         return
-    if host != socket.gethostname() or not _is_role(int(pid)):
+    if host != socket.gethostname():
         return
+    if _stat(group)[3] not in (None, started):
+        return  # a later process took the pid: the kernel frees a pid only once its group is empty
     deadline = time.monotonic() + grace_s
-    while _is_role(int(pid)):
+    while members := _group_members(group):
         if time.monotonic() > deadline:
-            os.kill(int(pid), signal.SIGKILL)
+            for member in members:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(member, signal.SIGKILL)
         time.sleep(0.2)
 
 
-def _is_role(pid: int) -> bool:
-    """Whether `pid` is a running whetstone role (not a zombie, not another program that took the pid)."""
+def record_role(pid_path: Path, role: RoleProcess) -> None:
+    """Write where `role` (started in a process group of its own) runs, for `wait_for_predecessor`
+    in the actor that may replace this one: this host, its pid (the group's id) and start time
+    (which tells it from a later process given the same pid)."""
+    pid = role.process.pid
+    atomic_write_text(pid_path, f"{socket.gethostname()} {pid} {_stat(pid)[3]}\n")
+
+
+def _stat(pid: int) -> tuple[str, int, int, int | None]:
+    """(state, parent pid, process group, start time in clock ticks) of `pid`, from /proc; the
+    start time is None for a zombie or a process that is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()
     except OSError:
-        return False
-    roles = (b"whetstone.cli", b"whetstone.integrations.vllm_serve")
-    return stat.rsplit(")", 1)[-1].split()[0] != "Z" and any(role in cmdline for role in roles)
+        return "", 0, 0, None
+    return fields[0], int(fields[1]), int(fields[2]), None if fields[0] == "Z" else int(fields[19])
+
+
+def _group_members(group: int) -> list[int]:
+    """The running (not zombie) processes of process group `group`."""
+    pids = [int(entry.name) for entry in Path("/proc").iterdir() if entry.name.isdigit()]
+    return [pid for pid in pids if (stat := _stat(pid))[2] == group and stat[3] is not None]
 
 
 class RoleActor:
@@ -231,8 +251,10 @@ class RoleActor:
         wait_for_predecessor(pid_path)
         atomic_write_text(config_path, config.pop("toml"))
         self.url = config.get("url", "")
-        self.role = RoleProcess(name, [command, config_path], log_path, threads=threads, env=env, command=argv).start()
-        atomic_write_text(pid_path, f"{socket.gethostname()} {self.role.process.pid}\n")
+        self.role = RoleProcess(
+            name, [command, config_path], log_path, threads=threads, env=env, command=argv, own_group=True
+        ).start()
+        record_role(pid_path, self.role)
 
     @staticmethod
     def _place_server(config: dict):

@@ -20,13 +20,12 @@ role's own failure: the run stops with its log.
 from __future__ import annotations
 
 import logging
-import socket
 from pathlib import Path
 
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
 from whetstone.run.local_ranks import RankedRole, rank_environment
-from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, wait_for_predecessor
+from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, record_role, wait_for_predecessor
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port
 
@@ -83,8 +82,8 @@ class RankActor:
         """Start the rank's process (`args`: its `whetstone` command line) once the process of
         the rank it replaces (if on this node) has ended; its pid."""
         wait_for_predecessor(Path(pid_path))
-        self.role = RoleProcess(name, args, log_path, threads=threads, env=env).start()
-        atomic_write_text(pid_path, f"{socket.gethostname()} {self.role.process.pid}\n")
+        self.role = RoleProcess(name, args, log_path, threads=threads, env=env, own_group=True).start()
+        record_role(Path(pid_path), self.role)
         return self.role.process.pid
 
     def returncode(self) -> int | None:

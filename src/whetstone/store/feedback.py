@@ -5,8 +5,8 @@ write. Two tables:
 
     whetstone_responses   (response_id, choice) -> model, sampling, weight versions, prompt and
                           completion token ids, behavior logprobs, routes: what the trainer needs
-    whetstone_feedback    seq (increasing) -> (response_id, choice), rating, score, created;
-                          unique per (response_id, choice)
+    whetstone_feedback    seq (increasing, in the order events commit) -> (response_id, choice),
+                          rating, score, created; unique per (response_id, choice)
 
 Uniqueness is the database's own constraint, so two servers accepting the same feedback at once
 cannot both succeed. A write returns only once committed: accepted feedback survives restarts.
@@ -141,6 +141,11 @@ class FeedbackStore:
     def open(cls, store: str) -> "FeedbackStore":
         """Connect (creating the tables if missing); raises a WhetstoneError naming the store."""
         url = database_url(store)
+        if not url.startswith(("sqlite:", "postgresql")):
+            raise WhetstoneError(
+                f"the feedback store {_redacted(store)}: only SQLite (a path) and PostgreSQL URLs are "
+                "supported (the online loop needs events to commit in the order of their numbers)"
+            )
         options: dict[str, Any] = {"pool_pre_ping": True}
         if url.startswith("sqlite"):
             options["connect_args"] = {"timeout": 30.0}  # other servers may hold the write lock
@@ -172,6 +177,11 @@ class FeedbackStore:
         """Record one rating; returns its sequence number. Raises UnknownResponse or DuplicateFeedback."""
         try:
             with self.engine.begin() as db:
+                if db.dialect.name == "postgresql":
+                    # One writer at a time, so events commit in `seq` order: the loop reads past the
+                    # newest committed event, and an event given a lower number that committed after
+                    # it would never be read. (SQLite's writers take turns by themselves.)
+                    db.execute(sa.text(f"LOCK TABLE {feedback.name} IN SHARE ROW EXCLUSIVE MODE"))
                 choices = (
                     db.execute(sa.select(responses.c.choice).where(responses.c.response_id == response_id))
                     .scalars()

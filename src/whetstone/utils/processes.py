@@ -140,6 +140,7 @@ class RoleProcess:
         cpus: list[int] | None = None,
         cpu_group: CpuGroup | None = None,
         command: list[str] | None = None,
+        own_group: bool = False,
     ):
         """`args`: the `whetstone` command line after the program name; `command`: a whole
         command line to run instead (another program, e.g. a vLLM server). `threads`: OMP/MKL
@@ -158,6 +159,7 @@ class RoleProcess:
             self.env[CPUS_ENV] = ",".join(map(str, cpus))
         if cpu_group is not None:
             self.env[CPU_GROUP_ENV] = os.pathsep.join(map(str, cpu_group.paths))
+        self.own_group = own_group
         self.process: subprocess.Popen | None = None
 
     def start(self) -> RoleProcess:
@@ -167,7 +169,12 @@ class RoleProcess:
             env[PARENT_ENV] = str(os.getpid())
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                self.argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+                self.argv,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=self.own_group,
             )
         return self
 
