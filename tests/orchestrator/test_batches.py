@@ -32,6 +32,24 @@ def test_samples_older_than_the_bound_are_dropped_and_counted():
     assert window.dropped_stale == 2  # the two samples of version 1: 4 - 1 = 3 steps behind
 
 
+def test_a_group_partly_dropped_counts_only_the_rollouts_it_keeps():
+    # rollout 0 made two samples (its context restarted once), rollout 1 one, which is stale
+    group = Group([sample(4), sample(4), sample(1)], 2, rollout_of=[0, 0, 1])
+    drop_stale([group], index=4, config=StalenessConfig(max_off_policy_steps=2), window=Window())
+    assert len(group.samples) == 2 and group.rollouts == 1
+
+
+def test_a_batch_of_samples_with_and_without_routes_is_trained_without_replay(caplog):
+    import dataclasses
+
+    import torch
+
+    routed = dataclasses.replace(sample(5), routes=torch.zeros(2, 1, 2, dtype=torch.int64))
+    with caplog.at_level("WARNING", logger="whetstone.orchestrator"):
+        batch = build_batch(5, [Group([routed, sample(5)], 2)], Window(), StalenessConfig(), weight_version=4)
+    assert batch.routes is None and len(batch) == 2 and "1 of its 2 samples came without routes" in caplog.text
+
+
 def test_a_batch_carries_the_contract_meta():
     window = Window(dropped_stale=3)
     window.add([], {"groups": 3, "kept_groups": 2, "rollouts": 6, "kept_rollouts": 4, "dropped_no_variance": 2})

@@ -73,7 +73,7 @@ def test_a_restarted_orchestrators_task_stream_is_the_one_its_predecessor_would_
     tasks = coin_tasks(5)
     config = orchestrator_config(tmp_path / "restart", model_dir, ["http://127.0.0.1:9"])
     first = Orchestrator(config, tasks)
-    first._task_count = len(tasks)  # as run() sets it from the tasks it loaded
+    first._know_tasks(tasks)  # as run() does with the tasks it loaded
     first._resume(0)
     stream = first._task_stream(tasks)
     taken = [next(stream) for _ in range(7)]  # into the second pass
@@ -81,22 +81,32 @@ def test_a_restarted_orchestrators_task_stream_is_the_one_its_predecessor_would_
     first.curriculum.record(taken[0][2].id, 0, 2, pass_number=0)  # never solved: rests in passes 1 and 2
     first.batches.put(STATE_KEY, json.dumps(first._state(3)).encode())
     second = Orchestrator(config, tasks)
-    second._task_count = len(tasks)
+    second._know_tasks(tasks)
     second._resume(4)
     going_on = [(number, position, task.id) for number, position, task in itertools.islice(stream, 8)]
     assert [(n, p, t.id) for n, p, t in itertools.islice(second._task_stream(tasks), 8)] == going_on
     assert taken[0][2].id not in [t for n, _, t in going_on if n in (1, 2)]  # the record came along
-    # a state of other tasks is not gone on from
-    other = Orchestrator(config, coin_tasks(6))
-    other._task_count = 6
+    # a state of other tasks (as many or not) is not gone on from
+    renamed = [task.model_copy(update={"id": f"other-{task.id}"}) for task in tasks]
+    for other_tasks in (coin_tasks(6), renamed):
+        other = Orchestrator(config, other_tasks)
+        other._know_tasks(other_tasks)
+        with caplog.at_level("WARNING", logger="whetstone.orchestrator"):
+            other._resume(4)
+        assert other._stream_start == (0, 0) and "is of another task set or seed (tasks)" in caplog.text
+        caplog.clear()
+    # nor a position outside the task set
+    first.batches.put(STATE_KEY, json.dumps({**first._state(3), "stream": [0, -3]}).encode())
+    outside = Orchestrator(config, tasks)
+    outside._know_tasks(tasks)
     with caplog.at_level("WARNING", logger="whetstone.orchestrator"):
-        other._resume(4)
-    assert other._stream_start == (0, 0) and "is of 5 tasks and seed 0, not 6 and 0" in caplog.text
+        outside._resume(4)
+    assert outside._stream_start == (0, 0) and "no pass 0, position -3 in 5 tasks" in caplog.text
     # nor a state that does not parse: the stream starts afresh, the record stays empty
     broken = {**first._state(3), "curriculum": {"last": {"t": "not a pair"}, "rested": 1}}
     first.batches.put(STATE_KEY, json.dumps(broken).encode())
     third = Orchestrator(config, tasks)
-    third._task_count = len(tasks)
+    third._know_tasks(tasks)
     with caplog.at_level("WARNING", logger="whetstone.orchestrator"):
         third._resume(4)
     assert third._stream_start == (0, 0) and third.curriculum.state() == {"last": {}, "rested": 0}

@@ -154,6 +154,60 @@ def test_groups_run_ahead_only_as_far_as_the_servers_version_allows(tmp_path, se
     assert orchestrator._has_room() == (ahead_allowed == 4)
 
 
+def test_the_follower_asks_the_versions_again_when_a_server_joins(tmp_path):
+    """A server that joins (restarted, or announced) behind the servers' version counts at once:
+    groups started for it as far ahead as the others allow would only be dropped as stale."""
+    from types import SimpleNamespace
+
+    class Pool:
+        servers = [SimpleNamespace(url="a", alive=True, version=5)]
+
+        async def health(self, server):
+            return {"weight_version": server.version}
+
+    async def scenario():
+        config = orchestrator_config(tmp_path, "unused", ["http://127.0.0.1:1"], groups_per_batch=2)
+        orchestrator, pool = Orchestrator(config, coin_tasks(1)), Pool()
+        orchestrator.weights = SimpleNamespace(latest=lambda: 5)  # the trainer on version 5
+        follower = asyncio.create_task(orchestrator._follow_trainer(pool))
+        await asyncio.sleep(5 * config.poll_interval_s)
+        assert orchestrator._server_lag() == 0
+        pool.servers.append(SimpleNamespace(url="b", alive=True, version=3))
+        await asyncio.sleep(5 * config.poll_interval_s)
+        follower.cancel()
+        return orchestrator._server_lag()
+
+    assert asyncio.run(scenario()) == 2
+
+
+def test_servers_that_do_not_follow_the_trainer_stop_the_run_saying_so(world):
+    """Servers stuck on version 0 (they follow another store) while the trainer moves on: once
+    their samples are too stale for the next batch, groups are generated and dropped; after
+    `max_fruitless_batches` batches' worth of them the orchestrator stops, saying why."""
+    tmp_path, model_dir, trainer = world
+    Trainer(model_dir, tmp_path / "frozen").publish()
+    orchestrator = None
+
+    async def scenario(urls):
+        nonlocal orchestrator
+        # groups of 6 coin rollouts: 3 in a row without reward variance (a stop of its own) is unlikely
+        config = orchestrator_config(tmp_path, model_dir, urls, group_size=6, max_fruitless_batches=3, max_batches=0)
+        orchestrator = Orchestrator(config, coin_tasks(2))
+        run = asyncio.create_task(orchestrator.run())
+        while orchestrator.pool is None or not any(server.alive for server in orchestrator.pool.servers):
+            await asyncio.sleep(0.05)
+        for _ in range(3):  # batch 3 can then only take samples of version 1 or newer
+            await asyncio.to_thread(trainer.publish)
+        await run
+
+    with (
+        thread_servers(model_dir, tmp_path / "frozen") as servers,
+        pytest.raises(NothingToTrainOn, match="too stale to train on .* do the servers follow the trainer"),
+    ):
+        asyncio.run(asyncio.wait_for(scenario([s.url for s in servers]), 180))
+    assert orchestrator.status()["groups_dropped_stale"] >= 3 and orchestrator.put == [0, 1, 2]
+
+
 def test_synchronous_mode_alternates_with_the_trainer(world):
     """`synchronous = true`: batch 1's groups start only once version 1 is published and served,
     though the staleness bound (2) would let them run ahead, and no group is generated beyond

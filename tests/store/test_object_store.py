@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from whetstone.errors import WhetstoneError
@@ -77,11 +79,34 @@ def test_open_store_picks_the_backend(tmp_path, s3_endpoint):
     assert open_store("s3://whetstone/some", endpoint_url=s3_endpoint).list() == ["prefix/k"]
 
 
-def test_missing_bucket_is_a_clear_error(s3_endpoint):
+@pytest.mark.parametrize("operation", ["get", "put", "put_if_absent", "list", "delete"])
+def test_missing_bucket_is_a_clear_error(s3_endpoint, operation):
     from whetstone.store.s3 import S3Store
 
+    store, arguments = S3Store("absent", endpoint_url=s3_endpoint), {"list": ()}.get(operation, ("k",))
+    if operation.startswith("put"):
+        arguments += (b"v",)
     with pytest.raises(WhetstoneError, match="bucket 'absent' does not exist"):
-        S3Store("absent", endpoint_url=s3_endpoint).get("k")
+        getattr(store, operation)(*arguments)
+
+
+@pytest.mark.parametrize("operation", ["put", "put_if_absent"])
+def test_a_write_into_a_folder_another_delete_removes_goes_on(tmp_path, monkeypatch, operation):
+    # delete() drops folders left empty: another process may do so between a write making the
+    # folder and creating its file there
+    import tempfile
+
+    store, mkstemp, removed = LocalStore(tmp_path), tempfile.mkstemp, []
+
+    def folder_deleted_first(*args, dir, **kwargs):
+        if not removed:
+            removed.append(dir)
+            Path(dir).rmdir()
+        return mkstemp(*args, dir=dir, **kwargs)
+
+    monkeypatch.setattr(tempfile, "mkstemp", folder_deleted_first)
+    getattr(store, operation)("fleet/servers/a.json", b"x")
+    assert removed and store.get("fleet/servers/a.json") == b"x"
 
 
 def test_moto_server_in_its_own_process_serves_real_s3_requests():

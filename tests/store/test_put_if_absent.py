@@ -5,6 +5,7 @@ The concurrent race runs on the local store only: moto honours `If-None-Match: *
 and writes without a lock, so two requests at the same instant can both pass its check (real S3
 makes the conditional write atomic). Sequential conflicts are tested on both."""
 
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -48,3 +49,24 @@ def test_a_local_create_leaves_no_temporary_file(tmp_path):
     with pytest.raises(ObjectExistsError):
         store.put_if_absent("a/b.json", b"y")
     assert [p.name for p in (tmp_path / "a").iterdir()] == ["b.json"]
+
+
+def test_a_conflicting_conditional_write_in_flight_is_waited_out(s3_endpoint, monkeypatch):
+    # S3 answers 409 while another conditional write of the key is in flight (maybe this one's own
+    # first attempt, timed out and retried by boto3): once it settles the write lands or is refused
+    from botocore.exceptions import ClientError
+
+    from whetstone.store.s3 import S3Store
+
+    store = S3Store("whetstone", prefix=f"test-{uuid.uuid4().hex}", endpoint_url=s3_endpoint)
+    put, conflicts = store._client.put_object, []
+
+    def conflict_once(**kwargs):
+        if not conflicts:
+            conflicts.append(kwargs["Key"])
+            raise ClientError({"Error": {"Code": "ConditionalRequestConflict"}}, "PutObject")
+        return put(**kwargs)
+
+    monkeypatch.setattr(store._client, "put_object", conflict_once)
+    store.put_if_absent("batches/0.batch", b"batch")
+    assert conflicts and store.get("batches/0.batch") == b"batch"

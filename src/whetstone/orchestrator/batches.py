@@ -8,6 +8,8 @@ and per inference cluster: `cluster_staleness`).
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -16,6 +18,8 @@ from whetstone.envs.trajectory import Trajectory
 from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import Sample
 from whetstone.rl.staleness import StalenessConfig, StalenessHistogram, filter_stale, staleness
+
+log = logging.getLogger("whetstone.orchestrator")
 
 
 @dataclass
@@ -26,12 +30,18 @@ class Group:
     rollouts: int
     clusters: list[str] = field(default_factory=list)
     """Per sample: the cluster label of the server that finished its rollout (empty: unknown)."""
+    rollout_of: list[int] = field(default_factory=list)
+    """Per sample: which of the group's rollouts made it (empty: unknown)."""
 
     def keep(self, fresh: list[Sample]) -> None:
-        """Keep only `fresh`, a subsequence of the samples (their clusters with them)."""
+        """Keep only `fresh`, a subsequence of the samples (their clusters with them), and count
+        the rollouts that still have a sample."""
+        kept = {id(sample) for sample in fresh}
         if self.clusters:
-            kept = {id(sample) for sample in fresh}
             self.clusters = [c for s, c in zip(self.samples, self.clusters) if id(s) in kept]
+        if self.rollout_of:
+            self.rollout_of = [r for s, r in zip(self.samples, self.rollout_of) if id(s) in kept]
+            self.rollouts = len(set(self.rollout_of))
         self.samples = fresh
 
 
@@ -71,6 +81,16 @@ def build_batch(
     """`temperature`: the rollouts' sampling temperature; other than 1 it goes with every row, so
     the trainer's logprobs are those of the distribution the tokens were drawn from."""
     samples = [sample for group in groups for sample in group.samples]
+    unrouted = sum(sample.routes is None for sample in samples)
+    if 0 < unrouted < len(samples):  # replay needs routes for every row
+        log.warning(
+            "batch %d: %d of its %d samples came without routes (servers that return none, e.g. vLLM "
+            "without whetstone's worker extension, beside ones that do): it is trained without router replay",
+            index,
+            unrouted,
+            len(samples),
+        )
+        samples = [dataclasses.replace(sample, routes=None) for sample in samples]
     histogram = StalenessHistogram(dropped=window.dropped_stale)
     filter_stale(samples, index, config, histogram)  # all fresh by now: this counts them per staleness
     meta = {

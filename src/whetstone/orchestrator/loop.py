@@ -28,6 +28,7 @@ a batch, and whether a follower task tracks the trainer's and the servers' versi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import math
@@ -85,6 +86,8 @@ class Orchestrator:
         """Groups started and not scored yet."""
         self._served_version: int | None = None
         """The oldest weight version the live servers reported (None: none reports one)."""
+        self._asked: set[str] = set()
+        """The live servers the follower asked for their version last."""
         self._unversioned: set[str] = set()
         """Servers whose health answer carries no weight version (SGLang, a vLLM without whetstone's
         worker extension): not asked again."""
@@ -107,7 +110,9 @@ class Orchestrator:
         """Groups scored in a row that gave nothing to train on (to say why a batch waits)."""
         self._fruitless_drops: Counter[str] = Counter()
         """Their rollouts dropped, by reason."""
-        self.groups_finished = self.groups_kept = 0
+        self._stale_groups = 0
+        """Kept groups dropped whole as too stale since the last batch was put (`_note_stale`)."""
+        self.groups_finished = self.groups_kept = self.groups_dropped_stale = 0
         self.rollouts_dropped: Counter[str] = Counter()
         """Totals since this orchestrator started (`status()`)."""
         self.stopped: str | None = None
@@ -115,7 +120,9 @@ class Orchestrator:
         self._status_written = -math.inf
         self.curriculum = Curriculum(config.curriculum)
         self._task_count = 0
-        """Tasks in the set: saved with the state, which another task set does not go on from."""
+        """Tasks in the set (a saved stream position must lie within it)."""
+        self._task_set = ""
+        """Digest of the tasks' ids: saved with the state, which another task set does not go on from."""
         self._stream_start = (0, 0)
         """(pass, position in its order) where the task stream starts: (0, 0), or where a
         restarted orchestrator's predecessor left it (`_resume`)."""
@@ -144,25 +151,23 @@ class Orchestrator:
             stale_after_s=config.server_heartbeat_timeout_s,
             forget_after_s=config.forget_servers_after_s,
         )
-        metrics = (
-            MetricsWriter(
-                config.metrics_path, config.tracking, role="orchestrator", step_key="index", run_config=config
-            )
-            if config.metrics_path
-            else None
-        )
-        index = next_batch_index(self.batches)
-        self._last_put = index - 1
-        self._task_count = len(tasks)
-        self._resume(index)
-        self._write_status(now=True)  # nothing finished yet: the status says so
-        background = [
-            asyncio.create_task(self._produce(tasks, harness, pool), name="producer"),
-            *self._mode.background(pool),
-        ]
-        for task in background:
-            task.add_done_callback(self._note_failure)
+        metrics, background = None, []
         try:
+            if config.metrics_path:
+                metrics = MetricsWriter(
+                    config.metrics_path, config.tracking, role="orchestrator", step_key="index", run_config=config
+                )
+            index = next_batch_index(self.batches)
+            self._last_put = index - 1
+            self._know_tasks(tasks)
+            self._resume(index)
+            self._write_status(now=True)  # nothing finished yet: the status says so
+            background = [
+                asyncio.create_task(self._produce(tasks, harness, pool), name="producer"),
+                *self._mode.background(pool),
+            ]
+            for task in background:
+                task.add_done_callback(self._note_failure)
             while (not config.max_batches or len(self.put) < config.max_batches) and (
                 not config.total_batches or index < config.total_batches
             ):
@@ -269,9 +274,10 @@ class Orchestrator:
                 latest = max(latest, self.latest_version)  # never back below what the put loop read at start
             served = self._served_version
             asked = [server for server in pool.servers if server.alive and server.url not in self._unversioned]
+            joined, self._asked = {server.url for server in asked} - self._asked, {server.url for server in asked}
             if not asked:
                 served = None
-            elif latest is not None and (served is None or served < latest):
+            elif latest is not None and (served is None or served < latest or joined):  # one may join behind
                 healths = await asyncio.gather(*(pool.health(server) for server in asked))
                 versions = []
                 for server, health in zip(asked, healths):
@@ -356,12 +362,13 @@ class Orchestrator:
         ran = [t for t in trajectories if t.status == "ok"]  # a broken rollout says nothing of the task
         self.curriculum.record(task.id, sum(t.solved for t in ran), len(ran), pass_number)
         kept, report = score_groups(trajectories, self.config.advantages)
-        samples, clusters = [], []
+        samples, clusters, rollout_of = [], [], []
         try:
-            for trajectory, advantage in kept:
+            for number, (trajectory, advantage) in enumerate(kept):
                 made = trajectory_samples(trajectory, advantage)
                 samples += made
                 clusters += [cluster_of[id(trajectory)]] * len(made)
+                rollout_of += [number] * len(made)
         except WhetstoneError as err:  # e.g. routes of the wrong shape: the group cannot be trained on
             log.error("dropping group %s: %s", group_id, err)
             report.dropped["invalid"] += report.kept_rollouts
@@ -369,7 +376,7 @@ class Orchestrator:
         async with self._changed:
             self._window.add(trajectories, report.metrics())
             if samples:
-                self._buffer.append(Group(samples, report.kept_rollouts, clusters))
+                self._buffer.append(Group(samples, report.kept_rollouts, clusters, rollout_of))
                 self._fruitless_groups = 0
                 self._fruitless_drops.clear()
             else:
@@ -387,9 +394,14 @@ class Orchestrator:
             "batch_index": index,
             "stream": list(self._stream_next),
             "curriculum": self.curriculum.state(),
-            "tasks": self._task_count,
+            "tasks": self._task_set,
             "seed": self.config.seed,
         }
+
+    def _know_tasks(self, tasks: list[Task]) -> None:
+        """The task set this run goes through: a state saved for another one is not gone on from."""
+        self._task_count = len(tasks)
+        self._task_set = hashlib.sha256("\n".join(sorted(task.id for task in tasks)).encode()).hexdigest()[:16]
 
     def _resume(self, index: int) -> None:
         """With batches in the store already, go on from the state saved with the newest one
@@ -400,22 +412,22 @@ class Orchestrator:
             return
         try:
             state = json.loads(self.batches.get(STATE_KEY))
-            saved_for = (state["tasks"], state["seed"])
-            if saved_for != (self._task_count, self.config.seed):
+            if (state["tasks"], state["seed"]) != (self._task_set, self.config.seed):
                 log.warning(
-                    "%s is of %s tasks and seed %s, not %d and %d: the task stream starts afresh",
+                    "%s is of another task set or seed (%s) than this run's: the task stream starts afresh",
                     STATE_KEY,
-                    *saved_for,
-                    self._task_count,
-                    self.config.seed,
+                    state["seed"] if state["tasks"] == self._task_set else "tasks",
                 )
                 return
-            stream = tuple(int(value) for value in state["stream"])
+            pass_number, position = (int(value) for value in state["stream"])
+            if pass_number < 0 or not 0 <= position <= self._task_count:
+                raise ValueError(f"no pass {pass_number}, position {position} in {self._task_count} tasks")
+            stream = (pass_number, position)
             self.curriculum.load(state["curriculum"])
         except MissingObjectError:
             log.warning("batches 0..%d are there but no %s: the task stream starts afresh", index - 1, STATE_KEY)
             return
-        except (ValueError, KeyError, TypeError) as err:
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
             log.warning("%s is unreadable (%s: %s): the task stream starts afresh", STATE_KEY, type(err).__name__, err)
             return
         self._stream_start = self._stream_next = stream
@@ -433,6 +445,7 @@ class Orchestrator:
         return {
             "groups_finished": self.groups_finished,
             "groups_kept": self.groups_kept,
+            "groups_dropped_stale": self.groups_dropped_stale,
             "rollouts_dropped": {reason: count for reason, count in self.rollouts_dropped.items() if count},
             "batches_put": len(self.put),
             **({"stopped": self.stopped} if self.stopped else {}),
@@ -469,6 +482,25 @@ class Orchestrator:
                 "too hard for the policy?",
                 what,
             )
+
+    def _note_stale(self, groups: int) -> None:
+        """`groups` kept groups were too stale for the next batch by the time it could take them.
+        Now and then that is a slow rollout; `max_fruitless_batches` batches' worth of them before
+        a batch is put is servers that do not follow the trainer (e.g. started without the weight
+        store): stop and say so, rather than generate and drop for ever."""
+        self._stale_groups += groups
+        self.groups_dropped_stale += groups
+        limit = self.config.max_fruitless_batches * self.config.groups_per_batch
+        if limit and self._stale_groups >= limit and self._failure is None:
+            self.stopped = (
+                f"the last {self._stale_groups} kept groups were too stale to train on by the time a batch "
+                f"could take them (the trainer is at weight version {self.latest_version}, the slowest server "
+                f"reported {self._served_version}, staleness.max_off_policy_steps = "
+                f"{self.config.staleness.max_off_policy_steps}): do the servers follow the trainer's weight "
+                f"store? Stopped at orchestrator.max_fruitless_batches = {self.config.max_fruitless_batches}"
+            )
+            self._failure = NothingToTrainOn(f"{self.stopped} (0 waits for ever)")
+            log.error("%s", self._failure)
 
     # -- batches ----------------------------------------------------------------------------------
 
@@ -529,10 +561,12 @@ class Orchestrator:
         window's counts (stale samples dropped on the way)."""
         async with self._changed:
             while True:
-                if self._failure is not None:
-                    raise self._failure
                 buffered = len(self._buffer)
                 self._buffer = drop_stale(self._buffer, index, self.config.staleness, self._window)
+                if len(self._buffer) < buffered:
+                    self._note_stale(buffered - len(self._buffer))
+                if self._failure is not None:
+                    raise self._failure
                 if len(self._buffer) >= self.config.groups_per_batch:
                     break
                 if len(self._buffer) < buffered:  # room for new groups: the producer may be waiting for it
@@ -542,6 +576,7 @@ class Orchestrator:
             groups = self._buffer[: self.config.groups_per_batch]
             del self._buffer[: self.config.groups_per_batch]
             self._last_put = index  # counted as put from here: its groups left the buffer
+            self._stale_groups = 0
             window, self._window = self._window, Window()
             self._changed.notify_all()  # room for new groups
         return groups, window

@@ -32,9 +32,12 @@ class LocalStore(ObjectStore):
         return self.root / check_key(key)
 
     def put(self, key: str, data: bytes) -> None:
-        atomic_write_bytes(self._path(key), data)
+        _again_if_folder_deleted(lambda: atomic_write_bytes(self._path(key), data))
 
     def put_if_absent(self, key: str, data: bytes) -> None:
+        _again_if_folder_deleted(lambda: self._put_if_absent(key, data))
+
+    def _put_if_absent(self, key: str, data: bytes) -> None:
         # The whole file is written under a temporary name, then hard-linked to the key: link()
         # fails if the name exists (unlike rename), so exactly one racing writer creates it, and
         # a reader never sees part of it. The temporary name is removed either way.
@@ -97,3 +100,17 @@ class LocalStore(ObjectStore):
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+
+FOLDER_RETRIES = 5
+
+
+def _again_if_folder_deleted(write) -> None:
+    """Run `write` again if its folder vanished under it: `delete` removes folders left empty, and
+    another process may do so between a write making the folder and creating its file there."""
+    for attempt in range(FOLDER_RETRIES):
+        try:
+            return write()
+        except (FileNotFoundError, FileExistsError):  # the folder gone, or gone and made again
+            if attempt == FOLDER_RETRIES - 1:
+                raise

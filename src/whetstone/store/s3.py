@@ -7,8 +7,15 @@ conditional write (`If-None-Match: *`, AWS since 2024; MinIO, R2 and moto suppor
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+
 from whetstone.errors import WhetstoneError
 from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key
+
+CONFLICT_RETRIES = 5
+"""Tries of a conditional write that S3 answers 409 (another one of the key in flight)."""
 
 
 class S3Store(ObjectStore):
@@ -28,45 +35,66 @@ class S3Store(ObjectStore):
     def _key(self, key: str) -> str:
         return self.prefix + check_key(key)
 
+    @contextlib.contextmanager
+    def _bucket_named(self) -> Iterator[None]:
+        """A missing bucket (a mistyped name) as an error that names it, not botocore's."""
+        from botocore.exceptions import ClientError
+
+        try:
+            yield
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") == "NoSuchBucket":
+                raise WhetstoneError(f"bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'}") from None
+            raise
+
     def put(self, key: str, data: bytes) -> None:
-        self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
+        with self._bucket_named():
+            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         from botocore.exceptions import ClientError
 
-        try:
-            self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
-        except ClientError as err:
-            code = err.response.get("Error", {}).get("Code")
-            # 412: the key exists; 409: another conditional write of it is in flight right now.
-            if code not in ("PreconditionFailed", "ConditionalRequestConflict"):
-                raise
-            if code == "PreconditionFailed" and self.get(key) == data:
-                return  # our own first attempt landed and its response was lost: boto3 retried it
-            raise ObjectExistsError(f"object {key!r} already exists in s3://{self.bucket}/{self.prefix}") from None
+        for attempt in range(CONFLICT_RETRIES):
+            try:
+                with self._bucket_named():
+                    self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
+                return
+            except ClientError as err:
+                code = err.response.get("Error", {}).get("Code")
+                # 409: another conditional write of the key is in flight (maybe our own first
+                # attempt, which boto3 timed out and retried): once it settles, 412 or success
+                if code == "ConditionalRequestConflict" and attempt < CONFLICT_RETRIES - 1:
+                    time.sleep(0.2 * 2**attempt)
+                    continue
+                if code not in ("PreconditionFailed", "ConditionalRequestConflict"):  # 412: the key exists
+                    raise
+                with contextlib.suppress(MissingObjectError):  # (a 409 whose other write failed)
+                    if self.get(key) == data:
+                        return  # our own first attempt landed and its response was lost: boto3 retried it
+                raise ObjectExistsError(f"object {key!r} already exists in s3://{self.bucket}/{self.prefix}") from None
 
     def get(self, key: str) -> bytes:
         from botocore.exceptions import ClientError
 
         try:
-            return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
+            with self._bucket_named():
+                return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
         except ClientError as err:
-            code = err.response.get("Error", {}).get("Code")
-            if code in ("NoSuchKey", "404"):
+            if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
                 raise MissingObjectError(f"no object {key!r} in s3://{self.bucket}/{self.prefix}") from None
-            if code == "NoSuchBucket":
-                raise WhetstoneError(f"bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'}") from None
             raise
 
     def list(self, prefix: str = "") -> list[str]:
         paginator = self._client.get_paginator("list_objects_v2")
         keys = []
-        for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
-            keys.extend(item["Key"][len(self.prefix) :] for item in page.get("Contents", []))
+        with self._bucket_named():
+            for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
+                keys.extend(item["Key"][len(self.prefix) :] for item in page.get("Contents", []))
         return sorted(keys)
 
     def delete(self, key: str) -> None:
-        self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
+        with self._bucket_named():
+            self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def exists(self, key: str) -> bool:
         from botocore.exceptions import ClientError
