@@ -65,6 +65,11 @@ def test_pytest_configuration_changes():
     assert kinds({"plugin.py": "def pytest_runtest_makereport(item, call):\n    pass\n"}) == ["pytest_plugin"]
 
 
+def test_files_the_scan_cannot_read_as_it_expects_are_no_finding():
+    assert kinds({"sub/pyproject.toml": "tool = 1\n"}) == []  # `tool` is not a table
+    assert kinds({"helper.py": "x = " + "-" * 200_000 + "1\n"}) == []  # too deep for the parser: cannot run
+
+
 def test_runner_shadowing_compiled_code_and_history():
     assert kinds({"_pytest/__init__.py": ""}) == ["runner_shadowing"]
     assert kinds({"evil-1.0.dist-info/entry_points.txt": "[pytest11]\nevil = evil\n"}) == ["runner_shadowing"]

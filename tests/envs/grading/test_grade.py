@@ -143,6 +143,13 @@ def test_flagged_rollouts_score_zero_and_leave_the_gradient():
     assert kept[0] == 0.0 and kept[2] is False
 
 
+def test_a_change_that_would_turn_a_hidden_test_or_a_kept_file_into_a_folder_is_not_applied():
+    task = bugfix_task()
+    changes = {**task.solution_files, "test_stats_hidden.py/notes.txt": "x", "test_stats.py/x.txt": "y"}
+    result = grade(task, {**changes, "test_stats.py": None})  # the visible test's deletion is not applied
+    assert result.passed and result.setup_failure is None
+
+
 def test_grading_leaves_nothing_behind(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the grader keeps its results
     task = bugfix_task()

@@ -102,7 +102,7 @@ def _scan_python(path: str, old: str | None, new: str) -> list[str]:
 def _python_findings(text: str) -> Counter | None:
     try:
         tree = ast.parse(text)
-    except (SyntaxError, ValueError):
+    except (SyntaxError, ValueError, MemoryError, RecursionError):  # nested too deep to parse is too deep to run
         return None
     aliases = _import_aliases(tree)
     findings: Counter = Counter()
@@ -179,7 +179,8 @@ def _pytest_config(path: str, text: str | None) -> object:
     name = PurePosixPath(path).name
     try:
         if name == "pyproject.toml":
-            return tomllib.loads(text).get("tool", {}).get("pytest")
+            tool = tomllib.loads(text).get("tool")
+            return tool.get("pytest") if isinstance(tool, dict) else None
         parser = configparser.ConfigParser(interpolation=None)
         parser.read_string(text)
     except (tomllib.TOMLDecodeError, configparser.Error):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import atexit
+import contextlib
 import difflib
 import functools
 import os
@@ -21,6 +22,7 @@ import secrets
 import shlex
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
@@ -39,6 +41,9 @@ PLAIN_TESTS = Path(__file__).parent / "in_sandbox" / "plain_tests.py"
 MAX_RESULT_LINE_CHARS = 100_000
 """A longer line in the results file is not the runner's (its records are one test id or flag)."""
 RUNNER_DIR_IN_SANDBOX = "/opt/whetstone"
+RESULTS_FILE = "results.txt"
+NOBODY = 65534
+"""The uid and gid that own the results file when the grader runs as root."""
 MAX_LOG_CHARS = 20_000
 SETUP_OUTPUT_CHARS = 300
 """How much of a failed setup command's output its failure reason quotes."""
@@ -106,6 +111,15 @@ def _applicable(path: str, task: Task) -> bool:
     return ".git" not in parts and not is_protected(path, task)
 
 
+def _clashes(path: str, files: set[str]) -> bool:
+    """Whether a file at `path` cannot stand beside `files` (one of them is a folder above it, or it
+    is a folder above one of them): a change that would turn a hidden test, or a file of the
+    repository the grader keeps, into a folder or back is not applied; the hidden tests win."""
+    parts = PurePosixPath(path).parts
+    above = {"/".join(parts[:end]) for end in range(1, len(parts))}
+    return bool(above & files) or any(file.startswith(path + "/") for file in files)
+
+
 def _apply(workspace: Path, changes: dict[str, str | None]) -> None:
     for name, text in changes.items():
         path = PurePosixPath(name)
@@ -127,8 +141,10 @@ def grade(
     pristine = pristine_files(task)
     flags = scan_changes(task, pristine, changes)
     applied = {path: text for path, text in changes.items() if _applicable(path, task)}
+    kept = {path for path in pristine if path not in applied} | set(task.hidden_tests)
+    applied = {path: text for path, text in applied.items() if text is None or not _clashes(path, kept)}
     required = task.fail_to_pass + task.pass_to_pass
-    with tempfile.TemporaryDirectory(prefix="whetstone-grade-") as results_dir:
+    with _results_folder() as results_dir:
         compiled = compiled_runner()
         runner = Mount(str(compiled / "grade_runner.pyc"), f"{RUNNER_DIR_IN_SANDBOX}/grade_runner.pyc")
         plain_tests = Mount(str(compiled / "plain_tests.pyc"), f"{RUNNER_DIR_IN_SANDBOX}/plain_tests.pyc")
@@ -203,8 +219,7 @@ def _run_tests(
         return {test_id: verdict for test_id in targets}, [], run
     token = secrets.token_hex(16)
     env = {
-        "WHETSTONE_RESULTS": f"{_seen_from(sandbox, results)}/results.txt",
-        "WHETSTONE_TOKEN": token,
+        "WHETSTONE_RESULTS": f"{_seen_from(sandbox, results)}/{RESULTS_FILE}",
         "WHETSTONE_GUARDED": encode_paths(sorted(task.hidden_tests)),
         "WHETSTONE_TEST_CODE": encode_paths(test_code),
         # Only plugins named on the command line (`-p module`) load: nothing the workspace could
@@ -220,11 +235,15 @@ def _run_tests(
         f"--rootdir={sandbox.workdir}",
         *targets,
     ]
-    run = sandbox.run(argv, timeout_s=task.test_time_limit_s, env=env)
-    outcomes, flags, finished = _read_results(Path(results.source) / "results.txt", token)
+    run = sandbox.run(argv, timeout_s=task.test_time_limit_s, stdin=token + "\n", env=env)
+    records = Path(results.source) / RESULTS_FILE
+    records.chmod(0o600)  # the run is over: the grader reads what the runner wrote
+    outcomes, flags, finished = _read_results(records, token)
     # An exit before pytest finished, with no limit and no crash (signal) to blame, was asked for.
     if finished is None and not run.limits_hit and 0 <= run.exit_code < 128:
         flags.append(f"early_exit: the test process exited (code {run.exit_code}) before pytest finished")
+    elif finished is not None and not run.limits_hit and run.exit_code != finished:
+        flags.append(f"early_exit: the test process exited with code {run.exit_code}, pytest with {finished}")
     return outcomes, flags, run
 
 
@@ -245,6 +264,30 @@ def compiled_runner() -> Path:
     return directory
 
 
+@contextlib.contextmanager
+def _results_folder() -> Iterator[str]:
+    """A folder holding an empty results file that commands in the sandbox can append to but not
+    read, list, remove or chmod: owned by `nobody`, the folder search-only and the file
+    write-only (the sandbox's root has no capabilities to override that). So the runner's token
+    cannot be read back from its records. Where the grader is not root (it cannot give a file
+    away), the file is its own and only write-only, which an owner may change: the runner's audit
+    hook then catches graded code doing so."""
+    with tempfile.TemporaryDirectory(prefix="whetstone-grade-") as folder:
+        path = Path(folder) / RESULTS_FILE
+        path.touch()
+        if os.geteuid() == 0:
+            os.chown(path, NOBODY, NOBODY)
+            os.chown(folder, NOBODY, NOBODY)
+            path.chmod(0o222)
+            os.chmod(folder, 0o111)
+        else:
+            path.chmod(0o200)
+        try:
+            yield folder
+        finally:
+            os.chmod(folder, 0o700)  # to be removed
+
+
 def _seen_from(sandbox: Sandbox, mount: Mount) -> str:
     """Where a mounted path appears to commands (unsandboxed, nothing is mounted: the host path)."""
     return mount.source if sandbox.config.unsandboxed else mount.target
@@ -263,6 +306,8 @@ def _read_results(path: Path, token: str) -> tuple[dict[str, str], list[str], in
             valid = False
         if not valid:
             flags.append(f"result_tampering: a line in the results file was not written by the runner: {line[:120]!r}")
+        elif finished is not None:
+            flags.append(f"result_tampering: a record after the runner finished: {line[:120]!r}")
         elif "test" in record:
             outcomes[record["test"]] = record["outcome"]
         elif "flag" in record:
