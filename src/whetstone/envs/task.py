@@ -19,11 +19,35 @@ Split = Literal["train", "heldout"]
 """Dataset splits: `train` tasks are trained on, `heldout` tasks only evaluate."""
 
 
-def _check_relative_paths(files: dict[str, str], what: str) -> dict[str, str]:
+FILE_MAPS = ("repo_files", "hidden_tests", "solution_files")
+"""The fields that give files as {relative path: text}; all are written into one workspace."""
+
+
+def _check_paths(files: dict[str, str], info: ValidationInfo) -> dict[str, str]:
+    """Paths in the file maps must be what a workspace reads back: relative, inside the repository,
+    and normalized (`a/b.py`, not `./a/b.py`, `a//b.py` or `a/b.py/`); an untouched file under
+    another spelling would show up as deleted, which for a test is flagged as cheating. No path may
+    be a file in one place and a directory in another (`a` and `a/b.py`), within a map or across
+    them, since all of them are written into one tree."""
+    what = f"task {info.data['id']!r}: {info.field_name}" if "id" in info.data else str(info.field_name)
     for name in files:
         path = PurePosixPath(name)
-        if path.is_absolute() or ".." in path.parts or not name:
+        if path.is_absolute() or ".." in path.parts:
             raise ValueError(f"{what}: path {name!r} must be relative and stay inside the repository")
+        if not path.parts:
+            raise ValueError(f"{what}: path {name!r} names no file")
+        if path.as_posix() != name:
+            raise ValueError(f"{what}: path {name!r} is not normalized (write {path.as_posix()!r})")
+    owners = {name: field for field in FILE_MAPS if field != info.field_name for name in info.data.get(field, {})}
+    owners.update(dict.fromkeys(files, info.field_name))
+
+    def named(path: str) -> str:
+        return repr(path) if owners[path] == info.field_name else f"{path!r} (in {owners[path]})"
+
+    for name, field in owners.items():
+        for parent in PurePosixPath(name).parents[:-1]:
+            if (clash := parent.as_posix()) in owners and info.field_name in (field, owners[clash]):
+                raise ValueError(f"{what}: {named(clash)} is a file, but {named(name)} needs it to be a directory")
     return files
 
 
@@ -81,9 +105,7 @@ class Task(Config):
     metadata: dict[str, str | int | float | bool] = {}
     """Free-form provenance: mutation operator, original module, seed."""
 
-    _check_repo = field_validator("repo_files")(lambda cls, v: _check_relative_paths(v, "repo_files"))
-    _check_hidden = field_validator("hidden_tests")(lambda cls, v: _check_relative_paths(v, "hidden_tests"))
-    _check_solution = field_validator("solution_files")(lambda cls, v: _check_relative_paths(v, "solution_files"))
+    _check_file_paths = field_validator(*FILE_MAPS)(lambda cls, v, info: _check_paths(v, info))
 
     @property
     def pytest_args(self) -> list[str] | None:

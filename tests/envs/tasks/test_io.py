@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from pydantic import ValidationError
 
 from whetstone.envs.task import Task
 from whetstone.envs.tasks.io import read_records, read_tasks, write_tasks
@@ -71,6 +72,66 @@ def test_unsafe_paths_are_rejected(tmp_path):
     path.write_text(json.dumps(record) + "\n")
     with pytest.raises(WhetstoneError, match="solution_files: path '../escape.py' must be relative"):
         read_tasks(path)
+
+
+@pytest.mark.parametrize(
+    ("field", "key", "problem"),
+    [
+        ("repo_files", "./calc/ops.py", "is not normalized (write 'calc/ops.py')"),
+        ("repo_files", "tests//test_ops.py", "is not normalized (write 'tests/test_ops.py')"),
+        ("hidden_tests", "tests/test_ops.py/", "is not normalized (write 'tests/test_ops.py')"),
+        ("solution_files", "calc/./ops.py", "is not normalized (write 'calc/ops.py')"),
+        ("solution_files", ".", "names no file"),
+    ],
+)
+def test_paths_must_be_written_as_the_workspace_reads_them(tmp_path, field, key, problem):
+    """A workspace reads `./calc/ops.py` back as `calc/ops.py`: the key would look deleted."""
+    path = tmp_path / "tasks.jsonl"
+    record = json.loads(_task().model_dump_json())
+    record[field] = {**record[field], key: ""}
+    path.write_text(json.dumps(record) + "\n")
+    with pytest.raises(WhetstoneError) as err:
+        read_tasks(path)
+    assert f"task 'custom/0001': {field}: path {key!r} {problem}" in str(err.value)
+
+
+def test_a_path_cannot_be_a_file_and_a_directory():
+    task = json.loads(_task().model_dump_json())
+    with pytest.raises(ValidationError, match="repo_files: 'calc' is a file, but 'calc/ops.py' needs it to be a dir"):
+        Task.model_validate({**task, "repo_files": {**task["repo_files"], "calc": ""}})
+    with pytest.raises(
+        ValidationError, match=r"'tests/test_ops.py' \(in repo_files\) is a file, but 'tests/test_ops.py/x"
+    ):
+        Task.model_validate({**task, "hidden_tests": {"tests/test_ops.py/x.py": ""}})
+    with pytest.raises(ValidationError, match=r"solution_files: 'calc' is a file, but 'calc/ops.py' \(in repo_files\)"):
+        Task.model_validate({**task, "solution_files": {"calc": ""}})
+    Task.model_validate({**task, "solution_files": task["repo_files"]})  # the same path in two maps is fine
+
+
+def test_folder_layout_keeps_line_endings(tmp_path):
+    crlf = _task().model_copy(
+        update={
+            "repo_files": {"calc/ops.py": "def add(a, b):\r\n    return a - b\r\n", "data.txt": "a\rb\r\nc\n"},
+            "hidden_tests": {"tests/test_ops.py": "def test_add():\r\n    assert True\r\n"},
+            "solution_files": {"calc/ops.py": "def add(a, b):\r\n    return a + b\r\n"},
+        }
+    )
+    write_tasks([crlf], tmp_path / "out")
+    folder = tmp_path / "out" / "custom__0001"
+    assert (folder / "repo" / "data.txt").read_bytes() == b"a\rb\r\nc\n"
+    assert read_tasks(tmp_path / "out") == [crlf]
+
+
+def test_files_that_are_not_utf8_are_named(tmp_path):
+    write_tasks([_task()], tmp_path / "out")
+    folder = tmp_path / "out" / "custom__0001"
+    (folder / "task.json").write_bytes((folder / "task.json").read_bytes().replace(b"Fix", b"\xffFix"))
+    with pytest.raises(WhetstoneError, match=rf"{folder / 'task.json'}: not UTF-8 text"):
+        read_tasks(tmp_path / "out")
+    path = tmp_path / "tasks.jsonl"
+    path.write_bytes(b'{"id": "\xff"}\n' + _task().model_dump_json().encode() + b"\n")
+    bad, good = read_records(path)
+    assert bad.where == f"{path}:1" and bad.problem.startswith("not UTF-8 text") and good.task == _task()
 
 
 def test_folder_field_given_twice_is_an_error(tmp_path):

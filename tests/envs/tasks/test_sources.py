@@ -129,6 +129,23 @@ def test_patches_report_deleted_files():
         apply_patch({}, "just words")
 
 
+def test_patches_keep_line_endings():
+    patch = "--- a/a.py\n+++ b/a.py\n@@ -1,2 +1,2 @@\n x = 1\r\n-y = 2\r\n+y = 3\r\n"
+    assert apply_patch({"a.py": "x = 1\r\ny = 2\r\n"}, patch) == {"a.py": "x = 1\r\ny = 3\r\n"}
+
+
+def test_swebench_lines_end_at_newlines_only(swebench_source, tmp_path):
+    """U+2028 is a line break to str.splitlines, but plain text inside a JSON string."""
+    path = tmp_path / "statement.jsonl"
+    record = json.loads(open(swebench_source.path).read())
+    path.write_text(json.dumps({**record, "problem_statement": "mean()\u2028is off"}, ensure_ascii=False) + "\n")
+    [task] = swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
+    assert task.instruction == "mean()\u2028is off"
+    path.write_bytes(b"\xff\n")
+    with pytest.raises(WhetstoneError, match=rf"{path}: not UTF-8 text"):
+        swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
+
+
 def test_registry_loads_names_and_files(tmp_path):
     tasks = load_source("synth", ["count=3", "split=heldout"])
     assert [t.id for t in tasks] == [f"synth/heldout/s0-{i:05d}" for i in range(3)]

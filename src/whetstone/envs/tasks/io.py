@@ -56,13 +56,18 @@ def _parse(data: object, where: str) -> Record:
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
-    with path.open(encoding="utf-8") as handle:
-        for number, line in enumerate(handle, 1):
-            if not line.strip():
+    """Lines end at a line feed only (a JSON string holds no raw line break); each is decoded on
+    its own, so a line that is not UTF-8 is a bad record under its own line number."""
+    with path.open("rb") as handle:
+        for number, raw in enumerate(handle, 1):
+            if not raw.strip():
                 continue
             where = f"{path}:{number}"
             try:
-                data = json.loads(line)
+                data = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError as err:
+                yield Record(where, problem=f"not UTF-8 text: {err}")
+                continue
             except json.JSONDecodeError as err:
                 yield Record(where, problem=f"not valid JSON: {err}")
                 continue
@@ -70,10 +75,12 @@ def _read_jsonl(path: Path) -> Iterator[Record]:
 
 
 def _read_tree(root: Path) -> dict[str, str]:
+    """Every file under `root`, decoded from its bytes, so line endings (CRLF, a lone CR) come
+    back exactly as written: a `solution_patch` over such files must still apply."""
     files = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         try:
-            files[path.relative_to(root).as_posix()] = path.read_text(encoding="utf-8")
+            files[path.relative_to(root).as_posix()] = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             raise WhetstoneError(f"{path}: not UTF-8 text (task files must be text)") from None
     return files
@@ -82,7 +89,9 @@ def _read_tree(root: Path) -> dict[str, str]:
 def _read_folder(folder: Path) -> Record:
     where = str(folder / TASK_FILE)
     try:
-        data = json.loads((folder / TASK_FILE).read_text(encoding="utf-8"))
+        data = json.loads((folder / TASK_FILE).read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as err:
+        return Record(where, problem=f"not UTF-8 text: {err}")
     except json.JSONDecodeError as err:
         return Record(where, problem=f"not valid JSON: {err}")
     if isinstance(data, dict):
@@ -198,4 +207,4 @@ def _write_folder(task: Task, folder: Path) -> None:
         for name, text in getattr(task, field).items():
             target = folder / subdir / name
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_text(text, encoding="utf-8")
+            target.write_bytes(text.encode("utf-8"))

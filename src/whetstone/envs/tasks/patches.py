@@ -32,7 +32,7 @@ def _write(directory: Path, files: dict[str, str]) -> None:
     for name, text in files.items():
         path = directory / name
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(text, encoding="utf-8")
+        path.write_bytes(text.encode("utf-8"))
 
 
 def apply_patch(base: dict[str, str] | Path, patch: str, what: str = "patch") -> dict[str, str | None]:
@@ -61,7 +61,7 @@ def apply_patch(base: dict[str, str] | Path, patch: str, what: str = "patch") ->
                 changed[name] = None
                 continue
             try:
-                changed[name] = path.read_text(encoding="utf-8")
+                changed[name] = path.read_bytes().decode("utf-8")  # line endings kept as patched
             except UnicodeDecodeError:
                 raise WhetstoneError(f"{what}: {name} is not UTF-8 text after patching") from None
         return changed

@@ -136,8 +136,13 @@ def generate(config: SwebenchConfig = SwebenchConfig()) -> list[Task]:
     path = Path(config.path)
     if not path.is_file():
         raise WhetstoneError(f"SWE-bench file {path} does not exist")
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise WhetstoneError(f"{path}: not UTF-8 text: {err}") from None
     tasks = []
-    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    # Records end at "\n" only: str.splitlines would also split inside a JSON string at U+2028 etc.
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip():
             continue
         where = f"{path}:{number}"
