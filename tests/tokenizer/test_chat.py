@@ -129,6 +129,17 @@ def test_parse_assistant_inverts_rendering():
         ('<tool_call>\n{"name": "run", "arguments": [1]}\n</tool_call>', '"arguments" must be an object'),
         ('<tool_call>\n{"name": "run", "arguments": {}}', "no closing </tool_call>"),
         ('<tool_call>\n{"name": "a"}\n</tool_call> and then prose', "text outside tool calls"),
+        pytest.param("<tool_call>" + "[" * 3000 + "</tool_call>", "invalid JSON (nested too deeply)", id="deep"),
+        pytest.param(
+            '<tool_call>{"name": "run", "arguments": {"n": ' + "1" * 5000 + "}}</tool_call>",
+            "tool call 0: invalid JSON (Exceeds the limit",
+            id="long-integer",
+        ),
+        pytest.param(
+            '<tool_call>{"name": "run", "arguments": "' + "[" * 3000 + '"}</tool_call>',
+            '"arguments" must be an object',
+            id="deep-arguments-string",
+        ),
     ],
 )
 def test_malformed_tool_calls_become_errors(text, error):

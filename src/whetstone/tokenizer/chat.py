@@ -191,8 +191,9 @@ def parse_assistant(text: str) -> tuple[str, list[dict[str, Any]], list[str]]:
 
     `text` is the completion after the generation prompt, with or without its closing
     `<|im_end|>`. Tool calls come back in OpenAI's shape (`id` is `call_<n>`, `arguments` a JSON
-    string); each malformed call (bad JSON, no name, no closing tag) becomes a message in
-    `errors` instead. A `<think>` block is dropped from the content, as Qwen3's template does.
+    string); each malformed call (bad JSON, JSON nested too deeply to parse, no name, no
+    closing tag) becomes a message in `errors` instead. A `<think>` block is dropped from the
+    content, as Qwen3's template does.
     """
     for stop in ("<|endoftext|>", "<|im_end|>"):
         text = text.removesuffix(stop)
@@ -228,18 +229,27 @@ def _parse_tool_call(body: str, number: int) -> tuple[dict[str, Any], str | None
         value = json.loads(body)
     except json.JSONDecodeError as err:
         return {}, f"tool call {number}: invalid JSON ({err.msg} at char {err.pos})"
+    except (ValueError, RecursionError) as err:  # too deeply nested; an integer of too many digits
+        return {}, f"tool call {number}: invalid JSON ({_json_problem(err)})"
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return {}, f'tool call {number}: expected an object with a string "name"'
     arguments = value.get("arguments", {})
     if isinstance(arguments, str):  # some models emit the OpenAI wire form, a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return {}, f'tool call {number} ({value["name"]}): "arguments" must be an object'
-    function = {"name": value["name"], "arguments": _tojson(arguments)}
+    try:
+        function = {"name": value["name"], "arguments": _tojson(arguments)}
+    except (ValueError, RecursionError) as err:
+        return {}, f"tool call {number} ({value['name']}): invalid arguments ({_json_problem(err)})"
     return {"id": f"call_{number}", "type": "function", "function": function}, None
+
+
+def _json_problem(err: Exception) -> str:
+    return "nested too deeply" if isinstance(err, RecursionError) else str(err).split(";")[0]
 
 
 def _check_messages(messages: list[Message]) -> None:

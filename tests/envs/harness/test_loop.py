@@ -65,6 +65,26 @@ def test_replies_that_cannot_be_acted_on_are_answered_and_counted():
     assert "error: read_file(path): missing path" in answers[3]
 
 
+def test_odd_replies_are_invalid_calls_not_a_failed_rollout():
+    replies = [
+        "<tool_call>" + "[" * 3000 + "</tool_call>",  # too deep for the JSON parser
+        '<tool_call>\n{"name": "write_file", "arguments": {"path": "x.py", "content": "\\ud800"}}\n</tool_call>',
+        '<tool_call>\n{"name": "run", "arguments": {"command": "echo \\udc00\\ud800"}}\n</tool_call>',
+        call("run", command="echo hi > $'bad\\x80name.txt'"),  # a file name that is not UTF-8
+        call("list_dir", path="."),
+        call("submit"),
+    ]
+    policy = ScriptedPolicy(lambda prompt: replies[prompt.count("<|im_start|>assistant") - 1])
+    trajectory = run_agent(synth_task(), policy, context_tokens=16000, max_turn_tokens=8000)  # room for the [[[...
+    assert trajectory.status == "ok" and trajectory.stop_reason == "submitted"
+    assert trajectory.turns == 6 and trajectory.invalid_tool_calls == 3
+    answers = [tokenizer().decode(p) for p in policy.prompts[1:]]
+    assert "error: tool call 0: invalid JSON (nested too deeply)" in answers[0]
+    assert "error: write_file: argument content is not valid UTF-8 text (surrogates not allowed" in answers[1]
+    assert "error: run: argument command is not valid UTF-8 text" in answers[2]
+    assert "\nbad?name.txt\n" in answers[4]
+
+
 def test_replies_that_cannot_be_acted_on_end_the_rollout_only_when_that_many_come_in_a_row():
     replies = ["no call", call("list_dir", path="."), "still no call", call("fly"), call("read_file"), call("submit")]
 
@@ -114,6 +134,30 @@ def test_the_token_budget_is_never_exceeded_and_a_cut_off_call_is_not_trained():
     assert all(c.finish_reason == "length" and c.loss_mask == [0] * len(c.completion_ids) for c in trajectory.calls)
     trained = run_agent(synth_task(), policy, max_total_tokens=100, max_turn_tokens=64, train_cut_off_calls=True)
     assert all(c.loss_mask == [1] * len(c.completion_ids) for c in trained.calls)
+
+
+def test_a_summary_is_never_the_last_call_of_the_token_budget():
+    def reply(prompt):
+        if "Your context is full" in prompt.rsplit("<|im_start|>user", 1)[-1]:
+            return "summary " * 200  # cut off at summary_tokens
+        return call("run", command="seq 1 40")  # fills the context in a few turns
+
+    budgets = dict(
+        context_tokens=1200, max_turn_tokens=64, max_tool_tokens=256, summary_tokens=256, max_calls_per_turn=2
+    )
+    probe = run_agent(synth_task(), ScriptedPolicy(reply), max_turns=8, **budgets)
+    first_summary = next(i for i, c in enumerate(probe.calls) if c.is_summary)
+    before = sum(len(c.completion_ids) for c in probe.calls[:first_summary])
+
+    # A whole summary would use up the budget: the rollout ends where the summary would be asked for.
+    ended = run_agent(synth_task(), ScriptedPolicy(reply), max_total_tokens=before + 256, **budgets)
+    assert ended.stop_reason == "max_total_tokens" and ended.completion_tokens == before
+    assert not any(c.is_summary for c in ended.calls) and ended.turns == first_summary
+    # One token more: the summary keeps its whole budget and a (cut) turn follows it.
+    summarized = run_agent(synth_task(), ScriptedPolicy(reply), max_total_tokens=before + 257, **budgets)
+    assert summarized.stop_reason == "max_total_tokens" and summarized.completion_tokens == before + 257
+    assert summarized.calls[-2].is_summary and len(summarized.calls[-2].completion_ids) == 256
+    assert not summarized.calls[-1].is_summary and len(summarized.calls[-1].completion_ids) == 1
 
 
 def test_the_wall_clock_limit_ends_the_rollout_mid_call():

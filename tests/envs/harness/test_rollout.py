@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import threading
+import time
+
+import pytest
 
 from tests.envs.harness.harness_support import ScriptedPolicy, call, synth_task, tokenizer, turn_number
 from whetstone.envs.harness import AgentHarness, Harness, HarnessConfig, RolloutConfig, run_rollouts
@@ -105,3 +109,49 @@ def test_broken_rollouts_are_recorded_with_their_reason_and_the_others_finish(mo
     for name in ("setup", "raises", "hangs"):
         failed = by_id[f"t/{name}"]
         assert failed.status == "failed" and failed.exclude_from_gradient and failed.reward == 0.0
+
+
+class FakeSandbox:
+    closed = False
+
+    def close(self):
+        self.closed = True
+
+
+def cancelled_while_opening(monkeypatch, delivered_late: bool) -> list[FakeSandbox]:
+    """Cancel a rollout while its sandbox opens in a worker thread; the sandboxes it opened.
+    `delivered_late`: the thread has finished, but the loop has not yet handed its result over."""
+    entered, release, returning = threading.Event(), threading.Event(), threading.Event()
+    opened: list[FakeSandbox] = []
+
+    def slow_open(snapshot, config=None):
+        entered.set()
+        release.wait(10)
+        opened.append(FakeSandbox())
+        returning.set()
+        return opened[-1]
+
+    monkeypatch.setattr(rollout_module, "open_sandbox", slow_open)
+
+    async def main():
+        policy = ScriptedPolicy(lambda prompt: call("submit"))
+        running = asyncio.create_task(rollout_module.rollout(named("cancelled"), policy, HARNESS, RolloutConfig()))
+        while not entered.is_set():
+            await asyncio.sleep(0.01)
+        if delivered_late:
+            release.set()
+            returning.wait(10)
+            time.sleep(0.1)  # the thread returns; its result waits for this loop, which is busy here
+        running.cancel()
+        release.set()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+
+    asyncio.run(main())  # waits for the worker threads to end
+    return opened
+
+
+@pytest.mark.parametrize("delivered_late", [False, True])
+def test_a_sandbox_opened_for_a_cancelled_rollout_is_closed(monkeypatch, delivered_late):
+    opened = cancelled_while_opening(monkeypatch, delivered_late)
+    assert len(opened) == 1 and opened[0].closed

@@ -3,6 +3,8 @@ that no path leads out of the workspace."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 from tests.envs.harness.harness_support import synth_task
@@ -74,6 +76,24 @@ def test_unusable_paths_are_tool_errors_not_crashes(tools):
     )
 
 
+def call_within(tools, name, arguments, seconds=5.0):
+    """The call's result, or None if it is still blocked after `seconds` (left behind in a daemon thread)."""
+    results = []
+    thread = threading.Thread(target=lambda: results.append(tools.call(name, arguments, 10)), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    return results[0] if results else None
+
+
+def test_a_fifo_made_by_a_command_is_refused_not_waited_on(tools, task):
+    tools.call("run", {"command": "mkfifo pipe pkg/pipe"}, 10)
+    assert call_within(tools, "read_file", {"path": "pipe"}) == "error: pipe is not a regular file"
+    assert call_within(tools, "write_file", {"path": "pipe", "content": "x"}) == "error: pipe is not a regular file"
+    assert call_within(tools, "edit", {"path": "pipe", "old": "a", "new": "b"}) == "error: pipe is not a regular file"
+    assert call_within(tools, "grep", {"pattern": "x", "path": "pipe"}) == "error: pipe is not a regular file"
+    assert call_within(tools, "grep", {"pattern": "TODO", "path": "."}) == "pkg/util.py:2:    return 41  # TODO"
+
+
 def test_absolute_paths_inside_the_sandbox_workdir_are_the_workspace(tools):
     assert tools.call("read_file", {"path": "/workspace/pkg/util.py"}, 10).startswith("def helper")
 
@@ -131,6 +151,8 @@ def test_run_tests_reports_a_collection_error(tools):
         ("run_tests", {"verbose": "yes"}, "unexpected verbose"),
         ("write_file", {"path": "a.py", "content": 3}, "argument content must be a string"),
         ("run", ["ls"], "arguments must be an object"),
+        ("run", {"command": "echo \udc00\ud800"}, "argument command is not valid UTF-8 text (surrogates not allowed"),
+        ("write_file", {"path": "x.py", "content": "\ud800"}, "argument content is not valid UTF-8 text"),
     ],
 )
 def test_calls_that_cannot_run_are_invalid(name, arguments, message):

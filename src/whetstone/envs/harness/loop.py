@@ -102,6 +102,8 @@ class _Episode:
                     return "context_full"
                 if self.trajectory.turns + 1 >= self.config.max_turns:  # no turn would follow the summary
                     return "max_turns"
+                if self.config.max_total_tokens - self.trajectory.completion_tokens <= self.config.summary_tokens:
+                    return "max_total_tokens"  # a whole summary could leave no token for a turn after it
                 context = await self._summarize(context, pending, budget)
                 if context is None:
                     return "wall_clock"
@@ -207,8 +209,8 @@ class _Episode:
             name = call["function"]["name"]
             try:
                 arguments = check_call(name, json.loads(call["function"]["arguments"]))
-            except ToolCallError as err:
-                errors.append(str(err))
+            except (ToolCallError, ValueError, RecursionError) as err:
+                errors.append(str(err) if isinstance(err, ToolCallError) else f"{name}: arguments do not parse")
                 continue
             if name == "submit":
                 submitted = True
@@ -219,12 +221,19 @@ class _Episode:
             started = time.monotonic()
             result = await asyncio.to_thread(self.tools.call, name, arguments, left)
             self.timings["tools"] += time.monotonic() - started
-            results.append(tool_message(call["id"], defuse_markup(result)))  # untrusted output: no fake turns
+            results.append(tool_message(call["id"], _untrusted(result)))
         extra = 0 if submitted else max(0, len(calls) - limit)
         self.trajectory.invalid_tool_calls += len(errors) + extra
         if extra:
             errors.append(f"{extra} more tool calls were not run: at most {limit} run per reply")
         if errors:  # one message for all of them, so that a flood of bad calls cannot flood the context
-            results.append(tool_message("invalid", defuse_markup("\n".join(f"error: {error}" for error in errors))))
+            results.append(tool_message("invalid", _untrusted("\n".join(f"error: {error}" for error in errors))))
         ran = len(results) - bool(errors)  # one result per call that ran, plus one message for all errors
         return results, submitted, ran > 0
+
+
+def _untrusted(text: str) -> str:
+    """A tool result or error as the model reads it: with no control token strings, so that no
+    output can fake a turn, and with `?` for what UTF-8 cannot encode (a lone surrogate: a file
+    name that is not UTF-8 lists as one, and a call's text echoed in an error can hold one)."""
+    return defuse_markup(text.encode("utf-8", "replace").decode("utf-8"))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -57,7 +58,7 @@ async def _graded_rollout(
 ) -> Trajectory:
     clock = time.monotonic()
     snapshot = Path(task.repo_path) if task.repo_path else dict(task.repo_files)
-    sandbox = await asyncio.to_thread(open_sandbox, snapshot, config.sandbox)
+    sandbox = await _open_sandbox(snapshot, config)
     try:
         await asyncio.to_thread(_setup, sandbox, task)
         timings["setup"] = time.monotonic() - clock
@@ -84,6 +85,34 @@ async def _graded_rollout(
     trajectory.solved = graded.passed
     trajectory.cheat_flags, trajectory.exclude_from_gradient = graded.cheat_flags, graded.exclude_from_gradient
     return trajectory
+
+
+async def _open_sandbox(snapshot: Path | dict[str, str], config: RolloutConfig) -> Sandbox:
+    """`open_sandbox` in a worker thread. Cancelling the await cannot stop the thread, so a
+    sandbox it opens for a rollout cancelled meanwhile is closed rather than left behind: by the
+    thread if it finishes after the cancellation, else here."""
+    lock = threading.Lock()
+    opened: list[Sandbox] = []
+    abandoned = False
+
+    def open_unless_abandoned() -> Sandbox:
+        sandbox = open_sandbox(snapshot, config.sandbox)
+        with lock:
+            opened.append(sandbox)
+            keep = not abandoned
+        if not keep:
+            sandbox.close()
+        return sandbox
+
+    try:
+        return await asyncio.to_thread(open_unless_abandoned)
+    except asyncio.CancelledError:
+        with lock:
+            abandoned = True
+            unclaimed = list(opened)  # opened before the cancellation, but never handed over
+        for sandbox in unclaimed:
+            await asyncio.to_thread(sandbox.close)
+        raise
 
 
 def _setup(sandbox: Sandbox, task: Task) -> None:

@@ -1,9 +1,10 @@
 """The agent's tools over a sandbox: exactly the names, arguments and result texts of
 `envs/prompts.py`, which the mid-training demonstrations also use.
 
-A call the harness cannot run (unknown tool, missing or unexpected arguments) raises
-`ToolCallError` and counts as an invalid tool call; a call that runs but fails (no such file,
-an edit whose text is not unique) answers with an error text like any other result.
+A call the harness cannot run (unknown tool, missing or unexpected arguments, an argument that
+is not valid UTF-8) raises `ToolCallError` and counts as an invalid tool call; a call that runs
+but fails (no such file, an edit whose text is not unique) answers with an error text like any
+other result.
 `submit` is handled by the agent loop: it ends the rollout.
 """
 
@@ -52,6 +53,12 @@ def check_call(name: str, arguments: Any) -> dict[str, str]:
     for key, value in arguments.items():
         if not isinstance(value, str):
             raise ToolCallError(f"{name}: argument {key} must be a string, got {type(value).__name__}")
+        try:  # JSON's escapes can spell a lone surrogate ("\\ud800"): no file or command can hold one
+            value.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise ToolCallError(
+                f"{name}: argument {key} is not valid UTF-8 text ({err.reason}, at character {err.start})"
+            ) from None
     return arguments
 
 

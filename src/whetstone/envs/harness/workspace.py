@@ -5,12 +5,16 @@ is resolved and must stay inside the workspace: `..`, absolute paths elsewhere a
 that point out (say, one the agent made with `ln -s /etc/passwd`) are refused. Paths may be
 given relative to the workspace or as absolute paths under its in-sandbox location
 (`/workspace/...`). No race is possible: the agent's commands have all ended when a tool runs.
+Only regular files are read or written, opened without blocking and without following a link:
+a FIFO, socket or device the agent made (`mkfifo p`) would otherwise block the tool for ever.
 """
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import stat
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 
@@ -62,14 +66,36 @@ class Workspace:
     def _shown(self, path: Path) -> str:
         return path.relative_to(self.root).as_posix() or "."
 
+    def _open(self, target: Path, name: str, flags: int) -> int:
+        """A descriptor of `target`, refused unless it is a regular file. Opened non-blocking, so
+        that opening a FIFO returns at once (or fails) instead of waiting for its other end."""
+        try:
+            fd = os.open(target, flags | os.O_NONBLOCK | os.O_NOFOLLOW | os.O_CLOEXEC, 0o666)
+        except FileNotFoundError:
+            raise ToolError(f"{name} does not exist") from None
+        except OSError as err:
+            if err.errno in (errno.ENXIO, errno.ELOOP):  # a FIFO no one reads, a socket; a symlink
+                raise ToolError(f"{name} is not a regular file") from None
+            raise
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise ToolError(f"{name} is not a regular file")
+        return fd
+
+    def _read(self, target: Path, name: str) -> bytes:
+        with open(self._open(target, name, os.O_RDONLY), "rb") as file:
+            return file.read()
+
+    def _write(self, target: Path, name: str, text: str) -> None:
+        with open(self._open(target, name, os.O_WRONLY | os.O_CREAT), "wb") as file:
+            file.truncate()
+            file.write(text.encode("utf-8"))
+
     def read_file(self, path: str) -> str:
         target = self.path(path)
         if target.is_dir():
             raise ToolError(f"{path} is a directory (use list_dir)")
-        try:
-            data = target.read_bytes()
-        except FileNotFoundError:
-            raise ToolError(f"{path} does not exist") from None
+        data = self._read(target, path)
         if b"\0" in data[:8192]:
             raise ToolError(f"{path} is a binary file ({len(data)} bytes)")
         return head_tail(data.decode("utf-8", "replace"), self.max_chars)
@@ -91,11 +117,13 @@ class Workspace:
         target = self.path(path)
         if not target.exists():
             raise ToolError(f"{path} does not exist")
+        if not target.is_dir() and not target.is_file():
+            raise ToolError(f"{path} is not a regular file")
         matches: list[str] = []
         for file in self._files(target):
             try:
-                lines = file.read_text(encoding="utf-8", errors="replace").splitlines()
-            except OSError:
+                lines = self._read(file, path).decode("utf-8", "replace").splitlines()
+            except (ToolError, OSError):
                 continue
             shown = self._shown(file)
             matches += [f"{shown}:{n}:{line[:300]}" for n, line in enumerate(lines, 1) if regex.search(line)]
@@ -109,7 +137,7 @@ class Workspace:
         found = []
         for directory, subdirs, files in os.walk(target):  # does not follow symlinked directories
             subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and d != "__pycache__")
-            found += [Path(directory, f) for f in files if not Path(directory, f).is_symlink()]
+            found += [Path(directory, f) for f in files if _is_regular(Path(directory, f))]
         return sorted(found)
 
     def write_file(self, path: str, content: str) -> str:
@@ -118,16 +146,17 @@ class Workspace:
             raise ToolError(f"{path} is a directory")
         self._check_room(target, content)
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(content, encoding="utf-8")
+        self._write(target, path, content)
         return prompts.write_result(self._shown(target), content)
 
     def edit(self, path: str, old: str, new: str) -> str:
         target = self.path(path)
+        if target.is_dir():
+            raise ToolError(f"{path} cannot be edited: it is a directory")
         try:
-            text = target.read_text(encoding="utf-8")
-        except FileNotFoundError:
-            raise ToolError(f"{path} does not exist") from None
-        except (IsADirectoryError, UnicodeDecodeError) as err:
+            with open(self._open(target, path, os.O_RDONLY), encoding="utf-8") as file:
+                text = file.read()
+        except UnicodeDecodeError as err:
             raise ToolError(f"{path} cannot be edited: {err}") from None
         count = text.count(old) if old else 0
         if count != 1:
@@ -135,7 +164,7 @@ class Workspace:
             raise ToolError(f"{path}: {'old is empty' if not old else found}; give text that occurs exactly once")
         text = text.replace(old, new, 1)
         self._check_room(target, text)
-        target.write_text(text, encoding="utf-8")
+        self._write(target, path, text)
         return prompts.edit_result(self._shown(target))
 
     def _check_room(self, target: Path, content: str) -> None:
@@ -147,3 +176,11 @@ class Workspace:
                 f"{self._shown(target)}: writing {growth} more bytes would take the workspace over its disk budget "
                 f"({max(left, 0)} bytes left); delete files first"
             )
+
+
+def _is_regular(path: Path) -> bool:
+    """Whether `path` itself (not what a symlink points to) is a regular file."""
+    try:
+        return stat.S_ISREG(os.lstat(path).st_mode)
+    except OSError:
+        return False
