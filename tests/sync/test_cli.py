@@ -2,6 +2,7 @@ from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from tests.sync.conftest import FakeTrainer, bit_identical, published
+from whetstone.sync import WeightStore
 from whetstone.sync.cli import app
 
 runner = CliRunner()
@@ -42,3 +43,21 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path):
 def test_inspect_an_empty_store(tmp_path):
     result = runner.invoke(app, ["inspect", str(tmp_path)])
     assert result.exit_code == 0 and "no versions" in result.output
+
+
+def test_watch_goes_on_after_a_store_hiccup(tmp_path, monkeypatch):
+    store, checkpoint = str(tmp_path / "weights"), tmp_path / "ckpt.safetensors"
+    save_file({k: v.contiguous() for k, v in FakeTrainer().step().items()}, str(checkpoint))
+    assert runner.invoke(app, ["publish", store, str(checkpoint)]).exit_code == 0
+    head, calls = WeightStore.head, []
+
+    def flaky_head(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError("connection reset")
+        return head(self)
+
+    monkeypatch.setattr(WeightStore, "head", flaky_head)
+    result = runner.invoke(app, ["watch", store, "--until", "0", "--timeout", "10", "--poll-interval", "0.01"])
+    assert result.exit_code == 0, result.output
+    assert len(calls) >= 2 and "version None -> 0" in result.output

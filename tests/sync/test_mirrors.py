@@ -4,7 +4,7 @@ each a whole weight store its cluster's servers follow."""
 import shutil
 import uuid
 
-from tests.sync.conftest import bit_identical, published
+from tests.sync.conftest import FakeTrainer, bit_identical, published
 from whetstone.store import LocalStore
 from whetstone.store.s3 import S3Store
 from whetstone.sync import Publisher, Subscriber, WeightStore
@@ -63,3 +63,18 @@ def test_a_mirror_on_s3_and_one_out_for_a_while_which_catches_up(tmp_path, confi
     publisher.publish(trainer.step())
     assert held(s3) == held(local) == held(publisher.store) and local.latest() == 2
     assert isinstance(s3.objects, S3Store) and local.verify() == {}
+
+
+def test_a_mirror_replaces_its_oldest_version_when_the_source_published_it_again(tmp_path, config, trainer):
+    config = config.model_copy(update={"mirrors": [str(tmp_path / "eu")]})
+    store = WeightStore(LocalStore(tmp_path / "weights"))
+    publisher = Publisher(store, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    store.withdraw(0)  # the repair of a store whose every version is bad: version 0 again, a keyframe
+    fixed, repaired = FakeTrainer(seed=5), Publisher(store, config)
+    repaired.publish(fixed.step(), full=True)
+    (eu,) = repaired.mirrors
+    assert held(eu) == held(store) and eu.head() == store.head()
+    follower = Subscriber(eu, config)
+    assert follower.poll() == 0 and bit_identical(follower.state, published(fixed.state))

@@ -111,6 +111,24 @@ def test_a_delta_on_the_wrong_base_is_rejected(weights, config, trainer):
     assert "delta on version 0, but this subscriber holds 1" in subscriber.rejected[2]
 
 
+def test_a_tensor_whose_dtype_changes_at_its_shape_is_taken_exactly(weights, config, trainer):
+    Publisher(weights, config).publish(trainer.step())  # bf16
+    subscriber = Subscriber(weights, config)
+    subscriber.poll()
+    engine = {k: v.clone() for k, v in subscriber.state.items()}  # a bf16 engine
+    as_float32 = config.model_copy(update={"publish_dtype": "float32"})
+    restarted = Publisher(weights, as_float32)  # a trainer restarted with another publish_dtype
+    assert restarted.resume() == 0
+    for _ in range(3):  # a delta coding every float whole in fp32, then sparse fp32 deltas
+        manifest = restarted.publish(trainer.step())
+        assert manifest.kind == "delta"
+        assert subscriber.poll() == manifest.version and not subscriber.rejected
+        apply_update(engine, subscriber.take_update())
+        assert bit_identical(subscriber.state, {k: v.clone() for k, v in trainer.state.items()})
+    assert engine["embed.weight"].dtype == torch.bfloat16  # the engine's tensors convert on write
+    assert torch.equal(engine["embed.weight"], trainer.state["embed.weight"].bfloat16())
+
+
 def test_a_missing_chunk_is_retried_not_blacklisted(weights, config, trainer):
     publisher = Publisher(weights, config)
     subscriber = Subscriber(weights, config)

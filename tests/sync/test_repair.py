@@ -14,6 +14,7 @@ from tests.sync.test_publish_subscribe import corrupt
 from whetstone.errors import WhetstoneError
 from whetstone.sync import Publisher, Subscriber, WeightStore
 from whetstone.sync.cli import app
+from whetstone.sync.manifest import manifest_key
 
 runner = CliRunner()
 
@@ -83,6 +84,53 @@ def test_withdraw_then_a_keyframe_repairs_the_store_and_every_subscriber_converg
     manifest = publisher.publish(trainer.step())
     assert (manifest.version, manifest.kind) == (4, "full")
     assert behind.poll() == 4 and bit_identical(behind.state, published(trainer.state))
+
+
+def test_a_repair_while_a_delta_uploads_makes_that_publish_a_keyframe(weights, config, trainer, monkeypatch):
+    publisher = Publisher(weights, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    put_chunk, fixed = weights.put_chunk, FakeTrainer(seed=7)
+
+    def repair_first(key, blob):  # `sync withdraw --from 1`, then `sync publish --full`: a new version 1
+        monkeypatch.setattr(weights, "put_chunk", put_chunk)
+        weights.withdraw(1)
+        Publisher(weights, config).publish(fixed.step(), full=True)
+        return put_chunk(key, blob)
+
+    monkeypatch.setattr(weights, "put_chunk", repair_first)
+    manifest = publisher.publish(trainer.step())  # coded as a delta on the withdrawn version 1
+    assert (manifest.version, manifest.kind) == (2, "full") and weights.verify() == {}
+    assert weights.objects.list("versions/0000000002/") == sorted([*(c.key for c in manifest.chunks), manifest_key(2)])
+    subscriber = Subscriber(weights, config)
+    assert subscriber.poll() == 2 and bit_identical(subscriber.state, published(trainer.state))
+
+
+def test_a_delta_created_on_a_base_withdrawn_that_moment_is_rejected_until_the_next_keyframe(
+    weights, config, trainer, monkeypatch
+):
+    publisher = Publisher(weights, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    publish, fixed = weights.publish, FakeTrainer(seed=7)
+
+    def repair_first(manifest):  # the repair lands between the publisher's last check and its manifest
+        monkeypatch.setattr(weights, "publish", publish)
+        weights.withdraw(1)
+        Publisher(weights, config).publish(fixed.step(), full=True)
+        publish(manifest)
+
+    monkeypatch.setattr(weights, "publish", repair_first)
+    assert publisher.publish(trainer.step()).kind == "delta"  # version 2, on the withdrawn version 1
+    assert weights.verify() == {2: "a delta on a withdrawn publish of version 1"}
+    subscriber = Subscriber(weights, config)
+    for _ in range(2):  # re-synced once, then rejected: it stays on the repaired version 1
+        assert subscriber.poll() == 1 and "continues another publish of version 1" in subscriber.rejected[2]
+    assert subscriber.blocked().startswith("cannot take weight version 2: version 2 was rejected")
+    assert bit_identical(subscriber.state, published(fixed.state))
+    manifest = publisher.publish(trainer.step())  # the publisher noticed: no delta on that chain
+    assert (manifest.version, manifest.kind) == (3, "full")
+    assert subscriber.poll() == 3 and bit_identical(subscriber.state, published(trainer.state))
 
 
 @pytest.fixture(params=["local", "s3"])

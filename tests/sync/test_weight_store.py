@@ -4,9 +4,10 @@ import json
 
 import pytest
 
-from tests.sync.conftest import FakeTrainer
+from tests.sync.conftest import FakeTrainer, bit_identical, published
 from whetstone.store import LocalStore
-from whetstone.sync import Publisher, SyncConfig, WeightStore
+from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore
+from whetstone.sync.weight_store import Head
 
 
 class RecordingStore(LocalStore):
@@ -82,6 +83,55 @@ def test_a_restarted_publisher_continues_the_chain(weights, config, trainer):
     assert (manifest.version, manifest.kind, manifest.base) == (2, "delta", 1)
     fresh = Publisher(weights, config).publish(trainer.step())  # no resume: starts a new keyframe
     assert (fresh.version, fresh.kind) == (3, "full")
+
+
+def test_a_pointer_left_behind_its_newest_manifest_heals_and_only_moves_forward(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    manifests = [publisher.publish(trainer.step()) for _ in range(3)]
+    behind = Head(manifests[1].version, manifests[1].digest)
+    weights.objects.put("latest.json", json.dumps({"version": 1, "manifest": behind.digest}).encode())
+    # as a publisher that died between version 2's manifest and the pointer leaves the store
+    assert weights.pointer() == behind and weights.head() == Head(2, manifests[2].digest)
+    subscriber = Subscriber(weights, config)
+    assert subscriber.poll() == 2 and bit_identical(subscriber.state, published(trainer.state))
+    restarted = Publisher(weights, config)
+    assert restarted.resume() == 2 and weights.pointer().version == 2
+    assert restarted.publish(trainer.step()).version == 3
+    weights.point_forward(behind)  # a publisher slow to write the pointer does not move it back
+    assert weights.pointer().version == 3 and subscriber.poll() == 3
+
+
+def test_a_version_whose_pointer_cannot_be_written_is_published_all_the_same(tmp_path, config, trainer):
+    class PointerOutage(LocalStore):
+        def put(self, key, data):
+            if key == "latest.json":
+                raise OSError("the store failed")
+            super().put(key, data)
+
+    weights = WeightStore(PointerOutage(tmp_path))
+    publisher = Publisher(weights, config)
+    assert [publisher.publish(trainer.step()).version for _ in range(2)] == [0, 1]
+    assert weights.pointer() is None and weights.latest() == 1
+
+
+def test_a_failed_upload_leaves_none_of_its_chunks(tmp_path, config, trainer):
+    class FailingUpload(LocalStore):
+        fail = False
+
+        def put(self, key, data):
+            if self.fail and key.endswith("chunk-00001.bin"):
+                raise OSError("the store failed")
+            super().put(key, data)
+
+    objects = FailingUpload(tmp_path)
+    publisher = Publisher(WeightStore(objects), config)
+    publisher.publish(trainer.step())
+    objects.fail = True
+    with pytest.raises(OSError, match="the store failed"):
+        publisher.publish(trainer.step())  # the other chunks were uploaded by then
+    assert objects.list("versions/0000000001/") == []
+    objects.fail = False
+    assert publisher.publish(trainer.step()).version == 1
 
 
 def test_unsupported_dtypes_are_named(weights):

@@ -90,7 +90,7 @@ def watch(
     while True:
         before = subscriber.version
         started = time.perf_counter()
-        subscriber.poll()
+        subscriber.try_poll()  # a store hiccup is logged and retried
         update = subscriber.take_update()
         for version, reason in subscriber.rejected.items():
             if version not in shown:

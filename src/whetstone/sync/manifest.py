@@ -96,8 +96,13 @@ def manifest_key(version: int) -> str:
     return version_prefix(version) + "manifest.json"
 
 
+def attempt_prefix(version: int, attempt: str) -> str:
+    """Where one publish attempt of `version` puts its chunks."""
+    return f"{version_prefix(version)}{attempt}/"
+
+
 def chunk_key(version: int, attempt: str, index: int) -> str:
-    return f"{version_prefix(version)}{attempt}/chunk-{index:05d}.bin"
+    return f"{attempt_prefix(version, attempt)}chunk-{index:05d}.bin"
 
 
 LATEST_KEY = "latest.json"

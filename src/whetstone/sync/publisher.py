@@ -19,7 +19,11 @@ are published in the order submitted.
 
 Before each publish the publisher checks that the version it published last is still in the
 store as it published it: if a repair withdrew it, there is no chain left to extend, and the
-publish is a keyframe at the next free version number instead.
+publish is a keyframe at the next free version number instead. A delta's base is checked again
+right before its manifest is created (withdrawn while the delta was coded: its chunks go, and the
+same weights are published as a keyframe) and once more after (withdrawn at that very moment: the
+next version is a keyframe). A failed publish leaves none of its chunks behind, unless its
+manifest made it into the store.
 """
 
 from __future__ import annotations
@@ -37,8 +41,8 @@ from whetstone.store import MissingObjectError, open_store
 from whetstone.sync.bits import DTYPES, dtype_name
 from whetstone.sync.chunks import encode_chunk, plan_chunks
 from whetstone.sync.config import SyncConfig
-from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, chunk_key
-from whetstone.sync.weight_store import VersionExistsError, WeightStore
+from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, attempt_prefix, chunk_key
+from whetstone.sync.weight_store import Head, WeightStore
 
 log = logging.getLogger("whetstone.sync")
 
@@ -117,6 +121,7 @@ class Publisher:
         self._previous = subscriber.state
         self._previous_manifest = self.store.manifest(subscriber.version)
         self._keyframe_bytes = self.store.manifest(self._previous_manifest.keyframe).encoded_bytes
+        self.store.point_forward(Head(subscriber.version, self._previous_manifest.digest))  # behind after a crash
         return subscriber.version
 
     def prepare(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -124,8 +129,9 @@ class Publisher:
 
     def publish(self, state: dict[str, torch.Tensor], full: bool = False) -> Manifest:
         """Publish `state` as the next version (a full one if `full`, or if the policy says so).
-        `VersionExistsError` if another publisher created that version first: nothing of this
-        attempt stays in the store, and the publisher is as before the call."""
+        `VersionExistsError` if another publisher created that version first. When it fails
+        (that, or a store error) nothing of this attempt stays in the store, and the publisher is
+        as before the call."""
         return self._publish_prepared(self.prepare(state), full, time.perf_counter())
 
     def publish_later(self, state: dict[str, torch.Tensor], full: bool = False) -> Future[Published]:
@@ -151,13 +157,7 @@ class Publisher:
 
     def _publish_prepared(self, new: dict[str, torch.Tensor], full: bool, started: float) -> Manifest:
         if self._previous_manifest is not None and not self._still_published(self._previous_manifest):
-            log.warning(
-                "version %d, published last by this publisher, was withdrawn from %r: publishing a "
-                "keyframe at the next free version",
-                self._previous_manifest.version,
-                self.store,
-            )
-            self._previous, self._previous_manifest = None, None
+            self._forget_withdrawn()
         previous = self._previous_manifest
         if previous is None:
             latest = self.store.latest()
@@ -179,32 +179,47 @@ class Publisher:
                 blobs[info.key] = blob
             return info, changed
 
-        with ThreadPoolExecutor(self.config.workers) as pool:
-            results = list(pool.map(encode_and_put, range(len(plan))))
-        chunks = [info for info, _ in results]
-        encoded = sum(info.size for info in chunks)
-        manifest = Manifest(
-            version=version,
-            kind="full" if keyframe else "delta",
-            base=None if keyframe else previous.version,
-            keyframe=version if keyframe else previous.keyframe,
-            created=time.time(),
-            tensors=[TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in new.items()],
-            chunks=chunks,
-            raw_bytes=sum(t.numel() * t.element_size() for t in new.values()),
-            encoded_bytes=encoded,
-            changed=sum(changed for _, changed in results),
-            chain_bytes=0 if keyframe else previous.chain_bytes + encoded,
-            base_manifest=None if keyframe else previous.digest,
-        )
+        manifest = None
         try:
-            self.store.publish(manifest)
-        except VersionExistsError:
-            for info in chunks:  # the winner's chunks have other keys
-                self.store.objects.delete(info.key)
+            with ThreadPoolExecutor(self.config.workers) as pool:
+                results = list(pool.map(encode_and_put, range(len(plan))))
+            chunks = [info for info, _ in results]
+            encoded = sum(info.size for info in chunks)
+            manifest = Manifest(
+                version=version,
+                kind="full" if keyframe else "delta",
+                base=None if keyframe else previous.version,
+                keyframe=version if keyframe else previous.keyframe,
+                created=time.time(),
+                tensors=[TensorInfo(name=n, dtype=dtype_name(t.dtype), shape=list(t.shape)) for n, t in new.items()],
+                chunks=chunks,
+                raw_bytes=sum(t.numel() * t.element_size() for t in new.values()),
+                encoded_bytes=encoded,
+                changed=sum(changed for _, changed in results),
+                chain_bytes=0 if keyframe else previous.chain_bytes + encoded,
+                base_manifest=None if keyframe else previous.digest,
+            )
+            # the base again, right before the version is created: a repair may have withdrawn it meanwhile
+            withdrawn = not keyframe and not self._still_published(previous)
+            if not withdrawn:
+                self.store.publish(manifest)
+        except BaseException:  # a failed upload, a lost race (the winner's chunks have other keys)...
+            if manifest is None or not self._still_published(manifest):  # ...but not a version that is out
+                self._delete_attempt(version, attempt)
             raise
+        if withdrawn:
+            self._delete_attempt(version, attempt)
+            self._forget_withdrawn()
+            return self._publish_prepared(new, full, started)
         if keyframe:
             self._keyframe_bytes = encoded
+        elif not self._still_published(previous):  # withdrawn as this version was created: no chain to extend
+            log.warning(
+                "version %d was withdrawn as version %d was published on it: the next is a keyframe",
+                previous.version,
+                version,
+            )
+            new = None
         self._previous, self._previous_manifest = new, manifest
         log.info(
             "published version %d (%s, %.1fx, %d values changed) in %.2fs",
@@ -225,6 +240,21 @@ class Publisher:
                 mirror.mirror(self.store, blobs)
             except Exception as err:  # an outage of one cluster's store must not stop training
                 log.warning("could not update the weight mirror %r (retried at the next publish): %s", mirror, err)
+
+    def _delete_attempt(self, version: int, attempt: str) -> None:
+        """Delete the chunks a publish attempt that did not make its version uploaded."""
+        for key in self.store.objects.list(attempt_prefix(version, attempt)):
+            self.store.objects.delete(key)
+
+    def _forget_withdrawn(self) -> None:
+        """Drop the version published last, which a repair withdrew: the next one is a keyframe."""
+        log.warning(
+            "version %d, published last by this publisher, was withdrawn from %r: publishing a "
+            "keyframe at the next free version",
+            self._previous_manifest.version,
+            self.store,
+        )
+        self._previous, self._previous_manifest = None, None
 
     def _still_published(self, manifest: Manifest) -> bool:
         try:

@@ -12,7 +12,8 @@ rejected version is published again under another manifest (a repair).
 The subscriber remembers the digest of the manifest it applied last. If that version is withdrawn
 from the store (a repair: its manifest is gone or is another one now), or a delta continues
 another publish of it, the chain it holds no longer exists: it forgets its version and re-syncs
-from the newest keyframe, which rewrites every tensor.
+from the newest keyframe, which rewrites every tensor. A delta on a withdrawn publish that is
+still in the way after that (a publisher raced the repair) is rejected.
 """
 
 from __future__ import annotations
@@ -117,11 +118,17 @@ class Subscriber:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            try:
-                self.poll()
-            except Exception as err:  # a store outage must not kill the thread: retry next poll
-                log.warning("%s: polling the weight store failed: %s", self.name, err)
+            self.try_poll()
             self._stop.wait(self.config.poll_interval)
+
+    def try_poll(self) -> int | None:
+        """`poll`, with a failure (a store outage) logged instead of raised: a follower retries it
+        at its next poll. Returns the version held."""
+        try:
+            return self.poll()
+        except Exception as err:
+            log.warning("%s: polling the weight store failed: %s", self.name, err)
+            return self.version
 
     def poll(self) -> int | None:
         """Catch up with the newest version as far as possible; returns the version held."""
@@ -135,16 +142,19 @@ class Subscriber:
             self._catch_up(head.version)
         except ChainWithdrawn as err:
             self._forget(str(err))
-            self._catch_up(head.version)
+            self._catch_up(head.version, resynced=True)
         return self.version
 
-    def _catch_up(self, latest: int) -> None:
+    def _catch_up(self, latest: int, resynced: bool = False) -> None:
+        """Walk to `latest` from the version held, or from its keyframe. `resynced`: the walk starts
+        over from the keyframe after a `ChainWithdrawn`, which then rejects the version instead (a
+        delta on a withdrawn publish: a publisher raced the repair)."""
         keyframe = self.store.manifest(latest).keyframe
         start = self.version + 1 if self.version is not None and self.version >= keyframe else keyframe
         for version in range(start, latest + 1):
             if version in self.rejected and not self._changed_since_rejected(version):
                 break
-            if not self._advance(version):
+            if not self._advance(version, resynced):
                 break
 
     def _held_withdrawn(self, head: Head | None) -> bool:
@@ -184,8 +194,9 @@ class Subscriber:
         except MissingObjectError:
             return None
 
-    def _advance(self, version: int) -> bool:
-        """Fetch, verify, decode and take `version`; False (staying put) if that fails."""
+    def _advance(self, version: int, resynced: bool = False) -> bool:
+        """Fetch, verify, decode and take `version`; False (staying put) if that fails. Raises
+        `ChainWithdrawn` unless `resynced` (see `_catch_up`)."""
         try:
             manifest = self.store.manifest(version)
             if manifest.kind == "delta" and manifest.base != self.version:
@@ -201,15 +212,15 @@ class Subscriber:
         except MissingObjectError as err:  # collected under our feet, or a store hiccup: retry later
             log.warning("%s: version %d unavailable: %s", self.name, version, err)
             return False
-        except ChainWithdrawn:
-            raise
         except WhetstoneError as err:  # corrupt, truncated, wrong base, undecodable: retried only once changed
+            if isinstance(err, ChainWithdrawn) and not resynced:
+                raise
             self.rejected[version] = str(err)
             self._rejected_digests[version] = self._current_digest(version)
             self.rejections += 1
             log.warning("%s: rejected version %d, staying on %s: %s", self.name, version, self.version, err)
             return False
-        apply_update(self.state, update)
+        apply_update(self.state, update, convert=False)
         with self._changed:
             self.version, self._held_digest = version, manifest.digest
             self._pending.append(update)

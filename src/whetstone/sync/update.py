@@ -43,17 +43,23 @@ class WeightUpdate:
 
 
 @torch.no_grad()
-def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate) -> None:
+def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate, convert: bool = True) -> None:
     """Overwrite `state`'s tensors in place with the update's values.
 
     Targets may have another dtype than the published one (an fp32 engine fed bf16 weights),
     and live on another device (a GPU): the values are converted on write. Tensors new in this
-    version are added to the dict, on the host.
+    version are added to the dict, on the host. `convert=False` is for a copy that must hold the
+    published tensors exactly (the subscriber's own, which later deltas are decoded against): a
+    whole tensor of another dtype replaces the target instead of being rounded into it.
     """
     for name, change in update.tensors.items():
         target = state.get(name)
         if change.indices is None:
-            if target is None or tuple(target.shape) != change.shape:
+            if (
+                target is None
+                or tuple(target.shape) != change.shape
+                or (not convert and target.dtype != change.values.dtype)
+            ):
                 state[name] = change.values.reshape(change.shape).clone()
             else:
                 target.copy_(change.values.view(change.shape))

@@ -5,7 +5,10 @@ manifest finds all its chunks; a reader that follows `latest.json` finds the man
 is created once: its manifest is written with the store's exclusive create (`put_if_absent`),
 so of two publishers racing for one version number (a rollback and the online loop, two
 trainers) exactly one publishes it and the other gets `VersionExistsError`. Garbage collection
-deletes manifests first, so a version disappears before its chunks do.
+deletes manifests first, so a version disappears before its chunks do. A manifest is the version:
+where the pointer lags behind it (a publisher died between the two), `head()` is that newest
+manifest, and the next publisher moves the pointer forward; the pointer never moves back except
+in `withdraw`.
 
 A repair withdraws versions (`withdraw`): the latest pointer moves back first, then manifests go
 newest first, then chunks, so readers always see a chain that ends at the pointer or beyond it,
@@ -64,7 +67,21 @@ class WeightStore:
         return f"WeightStore({self.objects!r})"
 
     def head(self) -> Head | None:
-        """The latest pointer, or None if nothing was published yet."""
+        """The newest version and its manifest's digest, or None if nothing was published yet.
+        That is the latest pointer, unless manifests of the versions after it exist (a publisher
+        died, or the store failed, between a manifest and the pointer): then the newest of those.
+        A manifest is written after all its chunks, so such a version is complete; finding it
+        costs one read of the manifest after the pointer's (absent, as a rule)."""
+        head = self.pointer()
+        while True:
+            try:
+                data = self.objects.get(manifest_key(0 if head is None else head.version + 1))
+            except MissingObjectError:
+                return head
+            head = Head(0 if head is None else head.version + 1, manifest_digest(data))
+
+    def pointer(self) -> Head | None:
+        """What `latest.json` says, or None if there is none."""
         try:
             data = self.objects.get(LATEST_KEY)
         except MissingObjectError:
@@ -74,6 +91,17 @@ class WeightStore:
             return Head(int(pointer["version"]), pointer.get("manifest"))
         except (ValueError, KeyError, TypeError, AttributeError):
             raise WhetstoneError(f"{LATEST_KEY} in {self.objects!r} is not {{'version': N}}: {data[:100]!r}") from None
+
+    def point_forward(self, head: Head) -> None:
+        """Move the latest pointer to `head` if it points at an older version (or at none). It only
+        ever moves forward (only `withdraw` moves it back): a publisher that was slow to write it
+        must not hide a newer version."""
+        try:
+            pointer = self.pointer()
+        except WhetstoneError:  # unreadable: replaced
+            pointer = None
+        if pointer is None or pointer.version < head.version:
+            self._point_at(head.version, head.digest)
 
     def latest(self) -> int | None:
         """The newest published version, or None if nothing was published yet."""
@@ -117,7 +145,9 @@ class WeightStore:
 
     def publish(self, manifest: Manifest) -> None:
         """Make a version visible: its manifest, then the latest pointer. Its chunks must be in.
-        Raises `VersionExistsError` (and changes nothing) if the version exists already."""
+        Raises `VersionExistsError` (and changes nothing) if the version exists already. Once
+        the manifest is in, the version is published: a failure to move the pointer is logged,
+        not raised (readers find the version by its manifest, and the next publish moves it)."""
         try:
             self.objects.put_if_absent(manifest_key(manifest.version), manifest.stored_bytes())
         except ObjectExistsError:
@@ -126,7 +156,12 @@ class WeightStore:
                 "publisher created it first (a rollback, a second trainer or online loop?); "
                 "this one was not published"
             ) from None
-        self._point_at(manifest.version, manifest.digest)
+        try:
+            self.point_forward(Head(manifest.version, manifest.digest))
+        except Exception as err:  # the version is out all the same: it must not be published twice
+            log.warning(
+                "published version %d in %r, but could not move %s: %s", manifest.version, self.objects, LATEST_KEY, err
+            )
 
     def _point_at(self, version: int | None, digest: str | None) -> None:
         if version is None:
@@ -157,8 +192,8 @@ class WeightStore:
             for version in doomed:
                 self.delete_version(version)
             withdrawn.update(doomed)
-        head = self.head()
-        if head is not None and head.version >= first:  # a publisher moved it after the loop's move
+        pointer = self.pointer()
+        if pointer is not None and pointer.version >= first:  # a publisher moved it after the loop's move
             self._point_below(first)
         if withdrawn:
             log.info("withdrew versions %s from %r", _span(sorted(withdrawn)), self.objects)
@@ -184,8 +219,8 @@ class WeightStore:
             gone.append(version)
         for version in (v for v in gone if v < wanted[0]):  # collected in the source
             self.delete_version(version)
-        if newer := [v for v in gone if v > wanted[0]]:
-            self.withdraw(min(newer))
+        if replaced := [v for v in gone if v >= wanted[0]]:
+            self.withdraw(min(replaced))
         copied = [v for v in wanted if v not in set(self.versions())]
         for version in copied:
             data = source.objects.get(manifest_key(version))
@@ -194,7 +229,7 @@ class WeightStore:
                 self.objects.put(chunk.key, blob if blob is not None else source.objects.get(chunk.key))
             self.objects.put(manifest_key(version), data)
         head = source.head()
-        if head is not None and head != self.head():
+        if head is not None and head != self.pointer():
             self._point_at(head.version, head.digest)
         return copied
 
