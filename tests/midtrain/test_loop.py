@@ -1,6 +1,7 @@
 """The whole run at tiny scale: real corpus, real model, checkpoints, resume, export."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from tests.utils.tracking_support import event_scalars, jsonl_scalars, use_offli
 from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.midtrain.loop import train
 from whetstone.model.hf import load_hf
+from whetstone.training.checkpoint import list_checkpoints, read_state
 from whetstone.utils.metrics import read_metrics
 
 
@@ -105,6 +107,24 @@ def test_a_finished_run_resumes_to_the_same_summary_without_training(make_config
     fewer = make_config("run.steps=3", "run.eval_interval=2")  # the same run, now asked for fewer steps
     with pytest.raises(ConfigError, match="step_00000004 is past run.steps = 3: resuming would use its later weights"):
         train(fewer)
+
+
+def test_a_fresh_start_sets_an_older_longer_run_aside_instead_of_mixing_with_it(make_config):
+    older = train(make_config("run.steps=8", "run.seed=1"))
+    run_dir = Path(older["run_dir"])
+    fresh = train(make_config("run.steps=6", "run.seed=2", "run.resume=false", "run.checkpoint_interval=2"))
+    assert fresh["resumed_from"] is None
+    checkpoints = list_checkpoints(run_dir / "checkpoints")
+    assert [(p.name, read_state(p)["config"]["run"]["seed"]) for p in checkpoints] == [
+        ("step_00000004", 2),
+        ("step_00000006", 2),
+    ]
+    assert [r["step"] for r in read_metrics(run_dir / "metrics.jsonl") if "loss" in r] == list(range(1, 7))
+    (previous,) = (run_dir / "previous").iterdir()  # the older run, kept whole
+    assert [p.name for p in list_checkpoints(previous / "checkpoints")] == ["step_00000004", "step_00000008"]
+    assert json.loads((previous / "summary.json").read_text())["step"] == 8 and (previous / "model").is_dir()
+    resumed = train(make_config("run.steps=10", "run.seed=2", "run.checkpoint_interval=2"))
+    assert resumed["resumed_from"].endswith("step_00000006")  # the fresh run goes on, not the older one
 
 
 def test_wall_time_limit_checkpoints_exports_and_stops_early(make_config):

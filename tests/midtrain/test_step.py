@@ -9,7 +9,8 @@ from tests.training.conftest import TINY
 from whetstone.data import IGNORE_INDEX, Batch
 from whetstone.data.loader import make_batch
 from whetstone.errors import WhetstoneError
-from whetstone.midtrain.step import train_step, validation_loss
+from whetstone.midtrain import step as step_module
+from whetstone.midtrain.step import rank_share, train_step, validation_loss
 from whetstone.model import Transformer
 from whetstone.training.optim import build_optimizer
 
@@ -123,3 +124,24 @@ def test_validation_loss_is_the_token_mean_cross_entropy():
         logits = model(rows[:, :-1]).logits
     expected = torch.nn.functional.cross_entropy(logits.flatten(0, 1), rows[:, 1:].flatten()).item()
     assert validation_loss(model, [batch(rows[:2]), batch(rows[2:])], "float32") == pytest.approx(expected, rel=1e-5)
+
+
+def test_ranks_validate_a_batch_with_fewer_rows_than_ranks_and_add_up_to_one_rank(monkeypatch):
+    # three ranks simulated in turn on one process: each runs every forward (FSDP2's collectives
+    # pair up), and the shares' sums, reduced, are the one-rank loss
+    model, _ = model_and_optimizer()
+    torch.manual_seed(2)
+    batches = [batch(torch.randint(0, 50, (4, 9))), batch(torch.randint(0, 50, (1, 9)))]
+    expected = validation_loss(model, batches, "float32")
+    reduced = []
+    monkeypatch.setattr(step_module, "sum_on_device", lambda tensor: reduced.append(tensor.clone()) or tensor)
+    for rank in range(3):
+        monkeypatch.setattr(step_module, "world", lambda rank=rank: (rank, 3))
+        shares = [rank_share(b) for b in batches]
+        assert [len(share.input_ids) for share in shares] == [2, 1]  # the short last batch: 1 row for 3 ranks
+        if rank > 0:  # padded with a row that trains nothing
+            padding = [shares[0].targets[1], shares[1].targets[0]]
+            assert all((targets == IGNORE_INDEX).all() for targets in padding)
+        validation_loss(model, batches, "float32")
+    total, count = torch.stack(reduced).sum(0).tolist()
+    assert count == 5 * 8 and total / count == pytest.approx(expected, rel=1e-5)

@@ -12,6 +12,7 @@ from whetstone.run.plots import _binned
 from whetstone.run.report import (
     busy_fractions,
     cores_used,
+    key_figures,
     load_run,
     swap_pauses,
     temperature_curves,
@@ -375,3 +376,20 @@ def test_cores_used_per_side_from_the_cpu_samples():
 def test_long_runs_average_staleness_over_consecutive_steps():
     rows = [(0, {0: 4.0}, 0.0), (1, {0: 2.0, 1: 2.0}, 2.0), (2, {1: 6.0}, 1.0)]
     assert _binned(rows, 2) == [(0.5, {0: 3.0, 1: 1.0}, 1.0), (2.0, {1: 6.0}, 1.0)]
+
+
+def test_steps_replayed_after_a_trainer_restart_count_once(tmp_path):
+    # the trainer died after step 2's record with its checkpoint at 1: steps 1 and 2 were logged
+    # again as replayed; step 4's first record was lost (died after publishing it), its replay stands in
+    first = [trainer_step(step) for step in range(3)]
+    replayed = [{**trainer_step(step), "replayed": True, "reward_mean": 9.0} for step in (1, 2)]
+    last = [trainer_step(3), {**trainer_step(4), "replayed": True}, trainer_step(5)]
+    write_jsonl(tmp_path / "trainer" / "metrics.jsonl", first + replayed + last, torn_tail=False)
+    run = load_run(tmp_path)
+    assert [r["step"] for r in run.trainer] == [0, 1, 2, 3, 4, 5] and run.replayed == 3
+    assert [r.get("replayed") for r in run.trainer] == [False] * 4 + [True, False]
+    rows = dict(key_figures(run, {}, {}))
+    assert rows["trainer steps (replayed after a restart)"] == "6 (3)"
+    assert rows["mean reward over the run"] == f"{sum(0.2 + 0.1 * s for s in range(6)) / 6:.3f}"
+    assert rows["samples dropped as too stale"] == "3"  # steps 1, 3 and 5 dropped one each
+    assert trainer_busy_per_step(run.trainer)[0] == [0, 1, 2, 3, 4, 5]

@@ -4,6 +4,7 @@ and a kill -9 followed by a restart that neither loses nor repeats a batch."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from safetensors.torch import load_file
 from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
 from tests.utils.tracking_support import event_scalars, jsonl_scalars
 from whetstone.config import dump_toml
-from whetstone.errors import CheckpointError, WhetstoneError
+from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.model.hf import load_hf
 from whetstone.store import LocalStore
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
@@ -209,6 +210,18 @@ def test_a_checkpoint_is_not_resumed_against_an_empty_weight_store(tmp_path, tin
     run_trainer(trainer_config(tmp_path, tiny_moe))
     with pytest.raises(CheckpointError, match="weight store .* is empty"):
         run_trainer(trainer_config(tmp_path, tiny_moe, sync={"store": str(tmp_path / "other")}))
+
+
+def test_max_steps_below_the_checkpoint_or_the_weight_store_is_refused(tmp_path, tiny_moe, batches):
+    put_batches(tmp_path / "batches", batches[:4])
+    assert run_trainer(trainer_config(tmp_path, tiny_moe, max_steps=4, checkpoint_interval=2))["step"] == 4
+    with pytest.raises(ConfigError, match=r"max_steps = 2, but the checkpoint .*step_00000004 is already at step 4"):
+        run_trainer(trainer_config(tmp_path, tiny_moe, max_steps=2, checkpoint_interval=2))
+    # the newest checkpoint lost (a crash): the store's version 4 is still past max_steps 3
+    shutil.rmtree(latest_checkpoint(tmp_path / "trainer" / "checkpoints"))
+    with pytest.raises(ConfigError, match=r"max_steps = 3, but the weight store .* already holds version 4"):
+        run_trainer(trainer_config(tmp_path, tiny_moe, max_steps=3, checkpoint_interval=2))
+    assert run_trainer(trainer_config(tmp_path, tiny_moe, max_steps=4, checkpoint_interval=2))["step"] == 4
 
 
 def test_batches_and_weights_can_live_in_an_s3_bucket(tmp_path, tiny_moe, batches):

@@ -184,3 +184,21 @@ def test_changed_lr_multipliers_are_named_instead_of_mixing_up_the_groups(tmp_pa
         CheckpointError, match=r"learning-rate factors \[1\.0, 1\.0\].*\[1\.0, 1\.0, 10\.0\].*lr_multipliers"
     ):
         load_checkpoint(path, model, optimizer)
+
+
+def test_a_resumed_optimizer_keeps_the_configs_hyperparameters_and_takes_only_its_state(tmp_path):
+    model, optimizer = trained()
+    path = save(tmp_path, model, optimizer)
+    torch.manual_seed(0)
+    fresh = Transformer(TINY)
+    changed = build_optimizer(fresh, lr=1e-3, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.0)
+    load_checkpoint(path, fresh, changed)
+
+    assert [(g["lr"], g["betas"], g["eps"], g["weight_decay"]) for g in changed.param_groups] == [
+        (1e-3, (0.8, 0.99), 1e-6, 0.0)
+    ] * 2
+    saved, loaded = optimizer.state_dict()["state"], changed.state_dict()["state"]
+    assert saved.keys() == loaded.keys()
+    for index, moments in saved.items():  # moments and step counts from the checkpoint
+        for key, tensor in moments.items():
+            assert torch.equal(tensor, loaded[index][key]), (index, key)

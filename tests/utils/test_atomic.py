@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -37,3 +38,22 @@ def test_atomic_directory(tmp_path):
         (tmp / "b").write_text("3")
     assert sorted(p.name for p in target.iterdir()) == ["b"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_atomic_directory_syncs_its_files_and_folders_before_the_rename(tmp_path, monkeypatch):
+    events = []
+    fsync, replace = os.fsync, os.replace
+    monkeypatch.setattr(
+        os, "fsync", lambda fd: events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))) or fsync(fd)
+    )
+    monkeypatch.setattr(os, "replace", lambda a, b: events.append(("replace", str(a))) or replace(a, b))
+    target = tmp_path / "ckpt"
+    with atomic_directory(target) as tmp:
+        (tmp / "a").write_text("1")
+        (tmp / "sub").mkdir()
+        (tmp / "sub" / "b").write_text("2")
+    renamed = events.index(("replace", str(tmp)))
+    synced = {path for kind, path in events[:renamed] if kind == "fsync"}
+    assert {str(tmp / "a"), str(tmp / "sub" / "b"), str(tmp / "sub"), str(tmp)} <= synced
+    assert ("fsync", str(tmp_path)) in events[renamed:]  # the parent, after the rename
+    assert (target / "sub" / "b").read_text() == "2"

@@ -63,7 +63,8 @@ class RunConfig(Config):
     """Seconds (from the start of the command, corpus build included) after which the run
     checkpoints, evaluates, exports and stops early; running it again continues. 0 = no limit."""
     resume: bool = True
-    """Continue from the newest checkpoint in the run folder if there is one."""
+    """Continue from the newest checkpoint in the run folder if there is one; false starts afresh,
+    moving what an earlier run left there into `previous/<time>/`."""
 
     @property
     def run_dir(self) -> Path:

@@ -2,7 +2,9 @@
 
 The model comes from the `model` section (fresh init) or from `run.init_from`, a Hugging Face
 folder (continued pre-training of a real checkpoint with its own tokenizer). Either way, the
-newest checkpoint of the run, if any, then replaces weights, optimizer and counters.
+newest checkpoint of the run, if any, then replaces weights, optimizer and counters; with
+`run.resume = false` what an earlier run left in the folder is moved aside instead
+(`set_aside_previous_run`).
 
 Under torchrun every rank opens the same session: the corpus is built by each machine's first
 rank before the others read it from the cache, every rank builds the same model (same seed) and
@@ -12,7 +14,10 @@ every rank's shard.
 
 from __future__ import annotations
 
+import itertools
+import logging
 import os
+import time
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -29,6 +34,8 @@ from whetstone.training.distributed import barrier, broadcast, load_sharded_chec
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.device import resolve_device, use_device
 from whetstone.utils.runtime import configure_process, resolve_dtype
+
+log = logging.getLogger("whetstone.midtrain")
 
 
 @dataclass
@@ -80,6 +87,8 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     state = TrainState(data={"next_batch": 0})
     if resume_from is not None:
         state = load_sharded_checkpoint(resume_from, model, optimizer, partial(new_optimizer, config))
+    elif not run.resume and rank == 0:  # a fresh start: nothing of an earlier run in this folder mixes in
+        set_aside_previous_run(run_dir)
     loader = corpus.train_loader(
         run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight
     )
@@ -90,6 +99,36 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         dtype = resolve_dtype(run.dtype, device)
     config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": dtype})})
     return Session(config, run_dir, corpus, loader, model, optimizer, state, resume_from, device, rank, world_size)
+
+
+RUN_OUTPUTS = ("checkpoints", "metrics.jsonl", "summary.json", "model", "tensorboard", "wandb")
+"""What a run writes into its folder besides config.toml (which every start rewrites)."""
+
+
+def set_aside_previous_run(run_dir: Path) -> Path | None:
+    """Move what an earlier run left in `run_dir` (`RUN_OUTPUTS`) into `run_dir/previous/<UTC
+    time>/`, for a fresh start (`run.resume = false`); return that folder, or None when there
+    was nothing to move.
+
+    Left in place, the earlier run's checkpoints would mix with the new run's: pruning keeps the
+    highest steps, so an older, longer run's would outlive the new ones (and be overwritten at
+    the steps both reach), and a later resume would continue the older run. Moved aside, they are
+    kept for whoever wants them, and the new run starts from an empty folder.
+    """
+    found = [run_dir / name for name in RUN_OUTPUTS if (run_dir / name).exists()]
+    if not found:
+        return None
+    stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    target = run_dir / "previous" / stamp
+    for number in itertools.count(2):
+        if not target.exists():
+            break
+        target = run_dir / "previous" / f"{stamp}-{number}"
+    target.mkdir(parents=True)
+    for path in found:
+        path.rename(target / path.name)
+    log.warning("run.resume = false: the earlier run in %s was moved to %s", run_dir, target)
+    return target
 
 
 def new_optimizer(config: MidtrainConfig, model: torch.nn.Module) -> torch.optim.AdamW:

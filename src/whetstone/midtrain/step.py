@@ -52,11 +52,28 @@ def on_device(batch: Batch, device: torch.device) -> Batch:
 
 def rank_share(batch: Batch) -> Batch:
     """This rank's rows of `batch` under torchrun (rows rank, rank + world, ...); all of it on one
-    rank. Every rank gets as many rows: the batch size is a multiple of the ranks."""
+    rank. Every rank gets as many rows, so every rank runs the forward and FSDP2's collectives
+    pair up: a training batch's size is a multiple of the ranks, and the shorter shares of a
+    smaller one (the validation split's last batch) are padded with copies of its first row whose
+    targets are all ignored, which add nothing to a loss or a target count."""
     rank, world_size = world()
     if world_size == 1:
         return batch
-    return Batch(**{f.name: getattr(batch, f.name)[rank::world_size] for f in fields(batch)})
+    share = {f.name: getattr(batch, f.name)[rank::world_size] for f in fields(batch)}
+    missing = -(-len(batch.input_ids) // world_size) - len(share["input_ids"])
+    if missing:
+        padding = _ignored_rows(batch, missing)
+        share = {name: torch.cat([value, padding[name]]) for name, value in share.items()}
+    return Batch(**share)
+
+
+def _ignored_rows(batch: Batch, count: int) -> dict[str, torch.Tensor]:
+    """`count` copies of `batch`'s first row, by field, with every target ignored (not a
+    demonstration row either)."""
+    rows = {f.name: getattr(batch, f.name)[:1].repeat_interleave(count, dim=0) for f in fields(batch)}
+    rows["targets"].fill_(IGNORE_INDEX)
+    rows["is_demo"].fill_(False)
+    return rows
 
 
 def token_losses(model: Transformer, batch: Batch, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,12 +14,15 @@
                      report.html
 
 Each stage resumes: mid-training from its checkpoint, the trainer from its own, the orchestrator
-from the next batch index, and an evaluation whose report exists is not run again.
+from the next batch index, and an evaluation whose report evaluated what it would evaluate now
+(the same mid-trained model, trainer step and temperatures: `evaluated.json`) is not run again.
 """
 
 from __future__ import annotations
 
+import functools
 import gc
+import hashlib
 import json
 import logging
 import math
@@ -53,6 +56,8 @@ YARDSTICK_KEYS = (
     "temperature_sweep",
 )
 """The summary's keys comparing the evaluations' temperature sweeps (`Pipeline.yardstick`)."""
+EVALUATED_FILE = "evaluated.json"
+"""Beside an evaluation's report.json: what it evaluated (`Pipeline.evaluated`)."""
 STOP_GRACE_S = 600.0
 """How long a trainer told to stop at `rl.max_wall_time` may take to finish its step, checkpoint
 and publish before it is killed (a step of the default run on two cores takes ~20 s)."""
@@ -287,7 +292,8 @@ class Pipeline:
         metrics = run.run_dir / "metrics.jsonl"
         resumed = latest_checkpoint(run.run_dir / "checkpoints") if run.resume else None
         done = checkpoint_step(resumed) if resumed is not None else 0  # where the ranks start
-        before = metrics.stat().st_size if metrics.exists() else 0  # an older run's records, appended to
+        # an older run's records, appended to (a fresh start moves them aside)
+        before = metrics.stat().st_size if metrics.exists() and run.resume else 0
         with progress_bar(max(0, run.steps - done) * step_tokens, f"midtrain {run.name}", "tok") as bar:
             while True:
                 running = role.running
@@ -370,13 +376,52 @@ class Pipeline:
         return {"argv": argv, "env": env}
 
     def evaluate(self, when: str, logit_scale: float | None = None) -> dict[str, Any]:
+        """The evaluation `when` ("before"/"after" RL): its report, run again only when what it
+        would evaluate (`evaluated`) differs from what the report in its folder evaluated."""
         from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks
 
-        report_path = self.run_dir / "eval" / when / "report.json"
-        if report_path.exists():  # this stage already ran: resume past it
-            return json.loads(report_path.read_text())
         config = self.eval_config(when, logit_scale)
-        return evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
+        folder = Path(config.output_dir)
+        report_path, record_path = folder / "report.json", folder / EVALUATED_FILE
+        evaluated = json.loads(json.dumps(self.evaluated(when, config)))  # as it reads back
+        if report_path.exists() and read_json_object(record_path) == evaluated:  # it ran: resume past it
+            return json.loads(report_path.read_text())
+        report = evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
+        atomic_write_json(record_path, evaluated)
+        return report
+
+    def evaluated(self, when: str, config) -> dict[str, Any]:
+        """What evaluation `when` with `config` evaluates, recorded beside its report: the
+        mid-trained model (the policy before RL, RL's start after it), by the digest of its
+        folder; after RL, the trainer's step (the weight version the servers hold) and the digest
+        of that checkpoint's weights; the tasks, samples, seed and temperatures."""
+        from whetstone.training.checkpoint import MODEL_FILE, checkpoint_step, read_state
+
+        record: dict[str, Any] = {
+            "model": str(self.model_dir),
+            "model_sha256": self.model_digest,
+            "tasks": config.tasks.model_dump(mode="json"),
+            "samples": config.samples,
+            "seed": config.seed,
+            "temperatures": config.evaluated_temperatures,
+        }
+        if when == "after":
+            checkpoint = self.final_checkpoint()
+            record["weight_version"] = checkpoint_step(checkpoint)
+            record["weights_sha256"] = read_state(checkpoint)["sha256"][MODEL_FILE]
+        return record
+
+    @functools.cached_property
+    def model_digest(self) -> str:
+        """sha256 over the mid-trained model's files (names and contents): an export of the same
+        weights reads the same, another model does not. Taken once, after mid-training."""
+        digest = hashlib.sha256()
+        for file in sorted(p for p in self.model_dir.rglob("*") if p.is_file()):
+            digest.update(f"{file.relative_to(self.model_dir)}\0".encode())
+            with open(file, "rb") as handle:
+                for block in iter(lambda: handle.read(1 << 20), b""):
+                    digest.update(block)
+        return digest.hexdigest()
 
     def rl(self) -> dict[str, Any]:
         steps, bound = self.config.rl.steps, self.config.rl.max_wall_time
@@ -396,6 +441,8 @@ class Pipeline:
             side="trainer",
             ranks=ranks,
         )
+        status = Path(self.orchestrator_config().status_path)
+        status.unlink(missing_ok=True)  # an earlier start's: its `stopped` would hide this one's failure
         orchestrator = self.start(
             "orchestrator",
             "orchestrator",
@@ -406,7 +453,6 @@ class Pipeline:
         )
         trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
         batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
-        status = Path(self.orchestrator_config().status_path)
         done, started, out_of_time, gave_up = 0, time.monotonic(), False, None
         with progress_bar(steps, "rl", "step") as bar:
             while trainer.running:

@@ -17,7 +17,7 @@ import datetime
 import html
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from whetstone.errors import WhetstoneError
@@ -39,11 +39,35 @@ class RunRecords:
     summary_mtime: float | None
     config_toml: str | None
     trainer: list[dict]
+    """One record per trainer step (`trainer_steps`: a step replayed after a restart counts once)."""
     orchestrator: list[dict]
     servers: list[dict]
     cpu: list[dict]
     before: dict
     after: dict
+    replayed: int = field(init=False)
+    """Trainer steps trained again after a restart (their records left out of `trainer`)."""
+
+    def __post_init__(self) -> None:
+        self.replayed = sum(record.get("replayed") is True for record in self.trainer)
+        self.trainer = trainer_steps(self.trainer)
+
+
+def trainer_steps(records: list[dict]) -> list[dict]:
+    """The trainer's metrics records, one per step. After a restart the trainer replays the steps
+    since its checkpoint and logs them again, marked `replayed`: the batch and the weights are the
+    ones the first record describes, so counting both would weigh those steps twice. A replayed
+    record stands in only for a step whose first record is missing (the process died between
+    publishing the step and writing it)."""
+    first = {record.get("step") for record in records if record.get("replayed") is not True}
+    kept, seen = [], set()
+    for record in records:
+        step = record.get("step")
+        if record.get("replayed") is True and (step in first or step in seen):
+            continue
+        seen.add(step)
+        kept.append(record)
+    return kept
 
 
 def _read_text(path: Path) -> str | None:
@@ -333,7 +357,7 @@ def key_figures(run: RunRecords, pauses: dict, busy: dict[str, float]) -> list[t
     disagreement = _column(trainer, "routing_disagreement")
     pause_ms = sorted(p * 1e3 for points in pauses.values() for _, p in points)
     pause_spread = f"{statistics.median(pause_ms):.3g} / {pause_ms[-1]:.3g} ms" if pause_ms else NOT_RECORDED
-    steps = f"{len(trainer)} ({sum(r.get('replayed') is True for r in trainer)})" if trainer else NOT_RECORDED
+    steps = f"{len(trainer)} ({run.replayed})" if trainer else NOT_RECORDED
     dropped = sum(staleness_counts(r.get("staleness_histogram"))[1] for r in trainer)
     rows = [
         ("held-out pass@1 before RL", _fmt(heldout_pass1(run, "before"), "{:.3f}")),

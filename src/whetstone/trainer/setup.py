@@ -26,7 +26,7 @@ from whetstone.store import ObjectStore, open_store
 from whetstone.sync import Publisher, WeightStore
 from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.config import TrainerConfig
-from whetstone.training.checkpoint import TrainState, latest_checkpoint
+from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint
 from whetstone.training.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.device import resolve_device, use_device
@@ -74,6 +74,20 @@ def new_optimizer(config: TrainerConfig, model: torch.nn.Module) -> torch.optim.
     return optimizer_for(model, opt)
 
 
+def check_max_steps(config: TrainerConfig, checkpoint: Path | None) -> None:
+    """A `max_steps` below the step of the checkpoint the trainer resumes is refused: the trainer
+    would take no step and end at the checkpoint's later step, and whoever waits for version
+    `max_steps` (`whetstone run`) would wait for ever."""
+    if checkpoint is None or not config.max_steps:
+        return
+    step = checkpoint_step(checkpoint)
+    if step > config.max_steps:
+        raise ConfigError(
+            f"max_steps = {config.max_steps}, but the checkpoint {checkpoint} is already at step {step}: "
+            f"raise max_steps to at least {step}, or start a new output_dir"
+        )
+
+
 def open_trainer(config: TrainerConfig) -> TrainerSession:
     """Under torchrun (a process group is up), every rank calls this: the model is sharded, rank
     0 reads the checkpoint and owns the weight store, and every rank learns what rank 0 decided."""
@@ -86,6 +100,9 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
         if not config.demos_path:
             raise ConfigError("demo_coef > 0 needs demos_path (a JSONL file of demonstration transcripts)")
         demos = load_demos(config.demos_path, Tokenizer.load(config.model_path), config.demo_max_positions)
+    run_dir = Path(config.output_dir).expanduser()
+    resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view
+    check_max_steps(config, resumed_from)  # before any model work
     loaded = load_hf(config.model_path)
     tables = autocast_tables(loaded)  # before sharding: a tied head is still the table itself
     model = shard_model(loaded, device)
@@ -95,8 +112,6 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     if config.loss.kl_coef > 0:
         reference = shard_model(load_hf(config.model_path).eval().requires_grad_(False), device, frozen=True)
 
-    run_dir = Path(config.output_dir).expanduser()
-    resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view
     state = TrainState(step=0, data={"next_batch": 0})
     if resumed_from is not None:
         state = load_sharded_checkpoint(resumed_from, model, optimizer, partial(new_optimizer, config))
@@ -130,6 +145,12 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
             raise CheckpointError(
                 f"checkpoint {resumed_from} is at step {state.step}, but the weight store {config.sync.store} "
                 f"only reaches version {latest}: not this run's store"
+            )
+        elif config.max_steps and latest > config.max_steps:
+            raise ConfigError(
+                f"max_steps = {config.max_steps}, but the weight store {config.sync.store} already holds "
+                f"version {latest}: the trainer would stop short of it. Raise max_steps to at least {latest}, "
+                "or start a new output_dir and weight store"
             )
         else:
             publisher.resume()  # continue the delta chain from what the servers hold

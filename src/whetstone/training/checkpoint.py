@@ -7,7 +7,10 @@ Layout of `<run>/checkpoints/step_<NNNNNNNN>/` (the directory appears whole or n
     state.json             step, tokens, data-loader position, RNG states, optimizer hyper-
                            parameters, the run's config, and a sha256 of each tensor file
 
-The learning-rate schedule is a pure function of the step, so the step is its whole state.
+The learning-rate schedule is a pure function of the step, so the step is its whole state. A
+resumed optimizer takes only the moments and step counts from the checkpoint; its hyperparameters
+(weight decay, betas, eps) are those it was built with, the current config's: the ones in
+state.json record what the run was trained with.
 """
 
 from __future__ import annotations
@@ -237,17 +240,16 @@ def _optimizer_state_dict(file: Path, model, optimizer, moments: dict[str, torch
     saved = record["optimizer_param_groups"]
     saved_factors = [group.get("lr_multiplier", 1.0) for group in saved]
     factors = [group.get("lr_multiplier", 1.0) for group in current]
-    if saved_factors != factors:  # the groups would not line up: a group's settings would go to another's parameters
+    if saved_factors != factors:  # another partition of the parameters: named rather than resumed under
         raise CheckpointError(
             f"{file}: {len(saved)} parameter groups with learning-rate factors {saved_factors}, the "
             f"optimizer has {len(current)} with {factors} (optimizer.lr_multipliers changed?)"
         )
-    # the saved groups' hyperparameters, this optimizer's implementation (a checkpoint written on
-    # the CPU must not turn CUDA's fused AdamW into the for-each one, nor the reverse)
-    groups = [
-        {**s, "betas": tuple(s["betas"]), **implementation(c), "params": c["params"]} for s, c in zip(saved, current)
-    ]
-    return {"state": state, "param_groups": groups}
+    # The groups stay the optimizer's own: its hyperparameters (weight_decay, betas, eps: the
+    # config's, so a changed setting applies to the resumed run) and its implementation (a
+    # checkpoint written on the CPU must not turn CUDA's fused AdamW into the for-each one, nor
+    # the reverse). The checkpoint gives only the per-parameter state: moments and step counts.
+    return {"state": state, "param_groups": current}
 
 
 def _rng_state() -> dict[str, Any]:

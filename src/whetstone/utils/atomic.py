@@ -23,6 +23,19 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _fsync_tree(directory: Path) -> None:
+    """fsync every file under `directory`, then every folder, deepest first and `directory`
+    last: once it is renamed into place, a crash cannot leave it with missing or empty files."""
+    for folder, _, files in os.walk(directory, topdown=False):
+        for name in files:
+            file = Path(folder) / name
+            if file.is_symlink():
+                continue
+            with open(file, "rb") as handle:
+                os.fsync(handle.fileno())
+        _fsync_dir(Path(folder))
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed.
@@ -61,14 +74,17 @@ def atomic_write_json(path: str | Path, obj: Any) -> None:
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a temporary directory that replaces `path` as a whole once the block succeeds.
 
-    An existing `path` is moved aside first and deleted only after the new one is in place, so
-    a crash leaves either the old directory or the new one (plus, at worst, a stale `.old`).
+    Its files and folders are fsynced before the rename (as `atomic_path` fsyncs its file), and
+    the parent after it. An existing `path` is moved aside first and deleted only after the new
+    one is in place, so a crash leaves either the old directory or the new one (plus, at worst, a
+    stale `.old`).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        _fsync_tree(tmp)
         old = path.with_name(f".{path.name}.old")
         if old.exists():
             shutil.rmtree(old)

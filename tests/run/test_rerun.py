@@ -1,0 +1,91 @@
+"""What a second `whetstone run` in the same folder takes from the first: an evaluation's report
+only when it evaluated the same policy, and nothing from the orchestrator's last status."""
+
+import json
+
+import pytest
+import torch
+
+from whetstone.envs.eval import run as eval_run
+from whetstone.run.config import PipelineConfig
+from whetstone.run.pipeline import Pipeline
+from whetstone.training.checkpoint import TrainState, save_checkpoint
+from whetstone.training.optim import build_optimizer
+
+
+class FakeRole:
+    """A role process that is running, or has exited with `code`."""
+
+    def __init__(self, name: str, running: bool, code: int = 0):
+        self.name, self._running, self.code = name, running, code
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def stop(self, grace_s: float = 30.0) -> int:
+        self._running = False
+        return self.code
+
+    def check(self) -> None:
+        if not self._running and self.code:
+            raise RuntimeError(f"{self.name} exited with code {self.code}")
+
+
+def test_an_orchestrator_that_fails_is_not_taken_for_the_last_runs_stop(tmp_path):
+    pipeline = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r"))
+    status = tmp_path / "r" / "orchestrator" / "status.json"
+    status.parent.mkdir(parents=True)
+    status.write_text(json.dumps({"stopped": "the last run's: max_fruitless_batches"}))
+    roles = {"trainer": FakeRole("trainer", True), "orchestrator": FakeRole("orchestrator", False, code=1)}
+    pipeline.start = lambda name, *args, **kwargs: roles[name]
+    pipeline.write_demos = lambda: None
+    with pytest.raises(RuntimeError, match="orchestrator exited with code 1"):
+        pipeline.rl()
+    assert not status.exists()
+
+
+def trainer_checkpoint(pipeline: Pipeline, step: int) -> None:
+    torch.manual_seed(step)
+    model = torch.nn.Linear(2, 2)
+    optimizer = build_optimizer(model, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0)
+    save_checkpoint(pipeline.run_dir / "trainer" / "checkpoints", model, optimizer, TrainState(step=step), {}, keep=2)
+    pipeline.rl_steps = step
+
+
+def test_an_evaluation_is_run_again_when_the_policy_or_its_temperatures_changed(tmp_path, monkeypatch):
+    pipeline = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r"))
+    pipeline.model_dir.mkdir(parents=True)
+    (pipeline.model_dir / "model.safetensors").write_bytes(b"mid-trained")
+    runs = []
+
+    def evaluate(config, tasks, description):
+        report = {"pass_at_k": {"1": len(runs) / 10}, "temperatures": config.evaluated_temperatures}
+        runs.append(description)
+        out = tmp_path / "r" / "eval" / description.removeprefix("held-out eval (").removesuffix(")")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report))
+        return report
+
+    monkeypatch.setattr(eval_run, "evaluate_with_progress", evaluate)
+    monkeypatch.setattr(eval_run, "load_eval_tasks", lambda config: [])
+
+    trainer_checkpoint(pipeline, 10)
+    first = pipeline.evaluate("after", 1.5)
+    assert pipeline.evaluate("after", 1.5) == first and len(runs) == 1  # the same policy: resumed past
+    trainer_checkpoint(pipeline, 28)  # RL went further: another policy, another learned scale
+    again = pipeline.evaluate("after", 1.8)
+    assert len(runs) == 2 and again["temperatures"][-1] == pytest.approx(1.8)
+    assert json.loads((tmp_path / "r" / "eval" / "after" / "evaluated.json").read_text())["weight_version"] == 28
+    assert pipeline.evaluate("after", 1.8) == again and len(runs) == 2
+
+    pipeline.evaluate("before")
+    assert pipeline.evaluate("before") is not None and len(runs) == 3
+    (pipeline.model_dir / "model.safetensors").write_bytes(b"mid-trained again")  # a new mid-trained model
+    rerun = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r"))
+    rerun.evaluate("before")
+    assert runs == ["held-out eval (after)"] * 2 + ["held-out eval (before)"] * 2
+    # a report without a record of what it evaluated is not trusted either
+    (tmp_path / "r" / "eval" / "before" / "evaluated.json").unlink()
+    rerun.evaluate("before")
+    assert len(runs) == 5
