@@ -123,6 +123,56 @@ def test_sequence_aggregation_weighs_every_sample_the_same_whatever_its_length()
     assert step_normalizer(mask, "token") == 10 and step_normalizer(mask, "sequence") == 2
 
 
+def test_sequence_aggregation_weighs_a_rollout_summarized_into_segments_once():
+    # A short solved rollout (A = +1, one row of 2 tokens) and a failed one summarized into three
+    # rows of 4, 2 and 2 tokens (A = -1): each rollout holds half of the gradient, and its rows
+    # and micro-batches add up as for unsegmented rollouts.
+    from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
+    from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, collate
+    from whetstone.rl.samples import trajectory_samples
+
+    def call(prompt: int, n: int) -> ModelCall:
+        return ModelCall(
+            prompt_ids=[1] * prompt, completion_ids=[2] * n, logprobs=[-1.0] * n, versions=[0] * n, loss_mask=[1] * n
+        )
+
+    solved = Trajectory(task_id="t", segments=[Segment(calls=[call(3, 2)])], reward=1.0)
+    failed = Trajectory(task_id="t", segments=[Segment(calls=[call(3, n)]) for n in (4, 2, 2)], reward=0.0)
+    samples = trajectory_samples(solved, 1.0) + trajectory_samples(failed, -1.0)
+    assert [s.rollout_share for s in samples] == [1.0, 0.5, 0.25, 0.25]
+    batch = collate(samples)
+    assert torch.equal(batch_from_bytes(batch_to_bytes(batch)).rollout_shares, batch.rollout_shares)
+    config = LossConfig(aggregation="sequence")
+    normalizer = step_normalizer(batch.loss_mask, "sequence", batch.rollout_shares)
+    assert float(normalizer) == 2.0
+    logprobs = batch.behavior_logprobs.clone().requires_grad_()
+    whole, _ = policy_loss(
+        LossInputs(
+            logprobs, batch.behavior_logprobs, batch.advantages, batch.loss_mask, rollout_shares=batch.rollout_shares
+        ),
+        config,
+        normalizer=normalizer,
+    )
+    (grad,) = torch.autograd.grad(whole, logprobs)
+    assert float(grad[0].abs().sum()) == pytest.approx(float(grad[1:].abs().sum()))
+    total = 0.0
+    for rows in ([0, 2], [1, 3]):
+        part = batch.select(rows)
+        loss, _ = policy_loss(
+            LossInputs(
+                logprobs[rows, : part.loss_mask.shape[1]],
+                part.behavior_logprobs,
+                part.advantages,
+                part.loss_mask,
+                rollout_shares=part.rollout_shares,
+            ),
+            config,
+            normalizer=normalizer,
+        )
+        total = total + loss
+    assert torch.allclose(total, whole)
+
+
 def test_extreme_ratios_stay_finite():
     logprobs = torch.tensor([[0.0, -300.0]], requires_grad=True)  # r = e^300 and e^-300
     behavior = torch.tensor([[-300.0, 0.0]])

@@ -31,7 +31,7 @@ from whetstone.utils.transfer import tensor_to_device, to_device
 BATCH_FORMAT_VERSION = 1
 IGNORED_TARGET = -1
 TENSOR_FIELDS = ("input_ids", "target_ids", "loss_mask", "behavior_logprobs", "versions", "advantages")
-OPTIONAL_FIELDS = ("routes", "temperatures")
+OPTIONAL_FIELDS = ("routes", "temperatures", "rollout_shares")
 """Tensors a batch may lack (None): absent from the blob, and from batches written before them."""
 
 
@@ -53,6 +53,9 @@ class Batch:
     """[B, T, moe_layers, top_k] int64 experts to replay, or None (dense model, no capture)."""
     temperatures: torch.Tensor | None = None
     """[B] float32 sampling temperature of each row (> 0), or None: every row at 1."""
+    rollout_shares: torch.Tensor | None = None
+    """[B] float32 share of its rollout's trained tokens each row holds (`Sample.rollout_share`),
+    or None: every row is a whole rollout."""
     rows: list[dict[str, Any]] = field(default_factory=list)
     """Per row: task_id, group_id, reward, advantage, oldest_version, num_positions."""
     meta: dict[str, Any] = field(default_factory=dict)
@@ -75,10 +78,12 @@ class Batch:
         parts = {name: getattr(self, name)[index, :length] for name in TENSOR_FIELDS}
         routes = None if self.routes is None else self.routes[index, :length]
         temperatures = None if self.temperatures is None else self.temperatures[index]
+        shares = None if self.rollout_shares is None else self.rollout_shares[index]
         return Batch(
             **parts,
             routes=routes,
             temperatures=temperatures,
+            rollout_shares=shares,
             rows=[self.rows[r] for r in rows] if self.rows else [],
             meta=self.meta,
         )
@@ -130,6 +135,8 @@ def collate(
         temperatures=None if temperatures is None else torch.tensor(temperatures, dtype=torch.float32),
         meta=dict(meta or {}),
     )
+    if any(s.rollout_share != 1.0 for s in samples):
+        batch.rollout_shares = torch.tensor([s.rollout_share for s in samples], dtype=torch.float32)
     if all(with_routes):
         layers_and_k = samples[0].routes.shape[1:]
         if any(s.routes.shape[1:] != layers_and_k for s in samples):

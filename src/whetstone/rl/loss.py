@@ -16,8 +16,9 @@ add up to a global sharpening quickly enough (docs/run.md).
 
 Tokens whose r leaves [mask_low, mask_high] can be masked out entirely (IcePop-style), when
 `mask_ratio` is on. `aggregation` chooses N: `token` (the trained-token count of the whole
-optimizer step: a token-level mean, DAPO-style) or `sequence` (each row's tokens weighted
-1 / its trained length, N = the step's trained rows: every sample counts the same, GRPO-style).
+optimizer step: a token-level mean, DAPO-style) or `sequence` (each rollout's tokens weighted
+1 / its trained length, N = the step's rollouts: every rollout counts the same, GRPO-style; a
+rollout summarized into several rows is spread over them by their shares of its tokens).
 N is the whole step's (`step_normalizer`), so micro-batches and ranks add up to the same
 gradient as one big batch.
 
@@ -68,8 +69,8 @@ class LossConfig(Config):
     length), so with this on, the step depends on `micro_batch_size`."""
     aggregation: Literal["token", "sequence"] = "token"
     """`token`: mean over the step's trained tokens (long samples weigh more). `sequence`: mean
-    over samples of each sample's token mean, so that a long failed rollout does not outweigh
-    a short solved one."""
+    over rollouts of each rollout's token mean, so that a long failed rollout (summarized into
+    several rows or not) does not outweigh a short solved one."""
 
     @model_validator(mode="after")
     def _ranges(self) -> "LossConfig":
@@ -189,11 +190,15 @@ def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
     return torch.exp(delta) - delta - 1.0
 
 
-def step_normalizer(loss_mask: torch.Tensor, aggregation: str) -> torch.Tensor:
-    """N of the loss over these rows: trained tokens, or rows with any trained token (a 0-d
-    tensor on the mask's device: the step divides by it without reading it back)."""
+def step_normalizer(
+    loss_mask: torch.Tensor, aggregation: str, rollout_shares: torch.Tensor | None = None
+) -> torch.Tensor:
+    """N of the loss over these rows: trained tokens, or the rollouts the rows with any trained
+    token make up (each row its share of its rollout: `Batch.rollout_shares`, None for 1). A 0-d
+    tensor on the mask's device: the step divides by it without reading it back."""
     if aggregation == "sequence":
-        return loss_mask.bool().any(dim=-1).sum()
+        rows = loss_mask.bool().any(dim=-1)
+        return rows.sum() if rollout_shares is None else torch.where(rows, rollout_shares, 0.0).sum()
     return loss_mask.sum()
 
 
@@ -213,10 +218,12 @@ class LossInputs:
     """The reference's logprobs, for the KL term (needed when `kl_coef` > 0)."""
     entropy: torch.Tensor | None = None
     """The policy's next-token entropies (needed when `entropy_coef` ≠ 0 or `forking_fraction` < 1)."""
+    rollout_shares: torch.Tensor | None = None
+    """[B] each row's share of its rollout's trained tokens (None: whole rollouts), for `sequence`."""
 
 
 def policy_loss(
-    inputs: LossInputs, config: LossConfig, normalizer: int | torch.Tensor | None = None
+    inputs: LossInputs, config: LossConfig, normalizer: float | torch.Tensor | None = None
 ) -> tuple[torch.Tensor, LossStats]:
     """(loss, stats) for one micro-batch.
 
@@ -257,8 +264,12 @@ def policy_loss(
         per_token = per_token - config.entropy_coef * entropy.float()
     kept = trained & ~masked
     lengths = trained.sum(dim=-1, keepdim=True).clamp(min=1)  # each row's trained tokens
-    denominator = step_normalizer(loss_mask, config.aggregation) if normalizer is None else normalizer
-    denominator = denominator.clamp(min=1) if isinstance(denominator, torch.Tensor) else max(denominator, 1)
+    if inputs.rollout_shares is not None:  # its rollout's, under sequence aggregation
+        lengths = lengths / inputs.rollout_shares.view(-1, 1).to(lengths.device)
+    if normalizer is None:
+        normalizer = step_normalizer(loss_mask, config.aggregation, inputs.rollout_shares)
+    # no trained token: the sum is 0 (and a step of parts of rollouts may weigh less than 1)
+    denominator = normalizer.clamp(min=1e-9) if isinstance(normalizer, torch.Tensor) else max(normalizer, 1e-9)
     loss = _aggregate(per_token, kept, lengths, config, denominator)
 
     with torch.no_grad():

@@ -42,6 +42,9 @@ class Sample:
     task_id: str = ""
     group_id: str = ""
     advantage: float = 0.0
+    rollout_share: float = 1.0
+    """This sample's trained tokens over its rollout's (1 unless the rollout was summarized into
+    several segments): its weight under sequence aggregation, where a rollout counts once."""
 
     @property
     def num_positions(self) -> int:
@@ -64,7 +67,7 @@ def trajectory_samples(trajectory: Trajectory, advantage: float = 0.0) -> list[S
     Samples with no token to train on (every call masked out) are left out: they would cost a
     forward pass and move nothing.
     """
-    samples = []
+    samples: list[Sample] = []
     for index, segment in enumerate(trajectory.segments):
         where = f"trajectory of task {trajectory.task_id!r}, segment {index}"
         if is_prefix_consistent(segment):
@@ -76,6 +79,9 @@ def trajectory_samples(trajectory: Trajectory, advantage: float = 0.0) -> list[S
             sample.task_id, sample.group_id = trajectory.task_id, trajectory.group_id
             if sample.num_loss_tokens:
                 samples.append(sample)
+    trained = sum(sample.num_loss_tokens for sample in samples)
+    for sample in samples:
+        sample.rollout_share = sample.num_loss_tokens / trained
     return samples
 
 

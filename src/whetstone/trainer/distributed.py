@@ -35,10 +35,10 @@ def rank_rows(batch: Batch, rank: int, world: int) -> Batch:
     return shard
 
 
-def global_normalizer(shard: Batch, aggregation: str) -> int:
+def global_normalizer(shard: Batch, aggregation: str) -> float:
     """N of the whole step's loss: the sum of every rank's shard (padding rows add nothing)."""
-    (count,) = sum_over_ranks([step_normalizer(shard.loss_mask, aggregation)])
-    return int(count)
+    (count,) = sum_over_ranks([step_normalizer(shard.loss_mask, aggregation, shard.rollout_shares)])
+    return float(count)
 
 
 def reduce_step_stats(

@@ -240,7 +240,7 @@ def train_step(
         raise WhetstoneError("loss.kl_coef > 0 needs a reference model")
     batch = batch.to(_device_of(model))
     if normalizer is None:
-        normalizer = step_normalizer(batch.loss_mask, loss_config.aggregation)
+        normalizer = step_normalizer(batch.loss_mask, loss_config.aggregation, batch.rollout_shares)
     model.train()
     loss_total = torch.zeros((), device=batch.input_ids.device)
     loss_parts, routing_parts = [], []
@@ -256,6 +256,7 @@ def train_step(
             micro.loss_mask,
             ref_logprobs=ref_logprobs,
             entropy=policy.entropy,
+            rollout_shares=micro.rollout_shares,
         )
         loss, stats = policy_loss(inputs, loss_config, normalizer=normalizer)
         loss.backward()
