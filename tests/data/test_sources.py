@@ -76,6 +76,25 @@ def test_jsonl_documents_are_named_by_line(tmp_path):
     assert stats["documents"] == 2
 
 
+def test_jsonl_lines_end_at_line_feeds_only_and_may_start_with_a_byte_order_mark(tmp_path):
+    # json.dumps(ensure_ascii=False) writes these separators raw inside strings: still one line each
+    texts = [f"s = 'a{separator}b'  # " + "x" * 70 for separator in ("\u2028", "\u2029", "\x85")]
+    path = tmp_path / "docs.jsonl"
+    body = "\r\n".join(json.dumps({"text": text}, ensure_ascii=False) for text in texts)
+    path.write_bytes(b"\xef\xbb\xbf" + body.encode())
+    config = CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(path))])
+    documents, _ = read_documents(list_sources(config), config)
+    assert [(d.name, d.text) for d in documents] == [(f"{path}:{n}", text) for n, text in enumerate(texts, 1)]
+
+
+def test_a_jsonl_text_with_a_lone_surrogate_counts_as_undecodable(tmp_path):
+    path = tmp_path / "docs.jsonl"  # valid JSON, but no UTF-8 text: half of an emoji pair
+    path.write_text('{"text": "s = \'\\ud83d\'  # ' + "x" * 80 + '"}\n{"text": "' + "y" * 100 + '"}\n')
+    config = CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(path))])
+    documents, stats = read_documents(list_sources(config), config)
+    assert [d.name for d in documents] == [f"{path}:2"] and stats["undecodable"] == 1
+
+
 @pytest.mark.parametrize(
     ("content", "message"),
     [

@@ -1,10 +1,13 @@
 """The fleet registry on a real object store (a local directory): records, staleness, heartbeats."""
 
+import asyncio
 import json
 import time
 
 import pytest
 
+from whetstone.envs.harness.config import EndpointConfig
+from whetstone.envs.harness.pool import ServerPool
 from whetstone.fleet import Announcer, FleetConfig, FleetRegistry, ServerRecord
 from whetstone.inference.config import ServeConfig
 from whetstone.store import LocalStore
@@ -47,6 +50,66 @@ def test_a_record_that_does_not_parse_is_skipped(registry, caplog):
     registry.announce(record)
     assert registry.live(stale_after_s=10) == [record]
     assert "fleet/servers/junk.json" in caplog.text and "fleet/servers/other.json" in caplog.text
+
+
+WRONG_TYPES = {
+    "heartbeat as text": {"heartbeat": "2025-01-01T00:00:00Z"},
+    "heartbeat null": {"heartbeat": None},
+    "url a list": {"url": ["http://x/v1"]},
+    "empty url": {"url": ""},
+    "started true": {"started": True},
+    "slots negative": {"rollout_slots": -1},
+    "slots as text": {"rollout_slots": "2"},
+}
+
+
+@pytest.mark.parametrize("wrong", WRONG_TYPES.values(), ids=WRONG_TYPES.keys())
+def test_a_record_of_the_wrong_types_is_skipped_and_deleted_by_a_reader(registry, wrong):
+    fields = {"id": "odd", "url": "http://odd/v1", "cluster": "c", "started": 0, "heartbeat": time.time()}
+    registry.objects.put("fleet/servers/odd.json", json.dumps(fields | wrong).encode())
+    good = ServerRecord.new("http://10.0.0.1:8000/v1")
+    registry.announce(good)
+    assert registry.live(stale_after_s=10) == [good] and registry.records() == [good]
+    assert registry.prune(forget_after_s=300) == []
+    assert registry.objects.list("fleet/servers/") == [good.key]  # it could never name a usable server
+
+
+def test_a_heartbeat_that_is_not_finite_never_keeps_a_record_live(registry):
+    for heartbeat in (b"Infinity", b"NaN", b"1e999"):  # json.loads takes them all
+        registry.objects.put(
+            "fleet/servers/dead.json",
+            b'{"id": "dead", "url": "http://dead/v1", "cluster": "c", "started": 0, "heartbeat": ' + heartbeat + b"}",
+        )
+        assert registry.live(stale_after_s=10, now=time.time() + 1e9) == []
+        registry.prune(forget_after_s=300)
+        assert registry.objects.list("fleet/servers/") == []
+
+
+def test_fields_a_newer_writer_adds_are_ignored(registry):
+    record = ServerRecord.new("http://10.0.0.1:8000/v1")
+    registry.objects.put(record.key, json.dumps({**record.__dict__, "gpu": "h100"}).encode())
+    assert registry.live(stale_after_s=10) == [record]
+
+
+def test_a_malformed_record_does_not_freeze_the_pools_discovery(registry):
+    """A registry read that raises reads as a store outage to the pool (servers kept as they
+    are): one bad record must not stop servers joining and leaving."""
+
+    async def scenario():
+        first = ServerRecord.new("http://10.0.0.1:8000/v1")
+        registry.announce(first)
+        pool = ServerPool([], EndpointConfig(), registry=registry)
+        await pool.discover()
+        odd = {"id": "odd", "url": "http://odd/v1", "cluster": "c", "started": 0, "heartbeat": "0"}
+        registry.objects.put("fleet/servers/odd.json", json.dumps(odd).encode())
+        registry.forget(first)
+        second = ServerRecord.new("http://10.0.0.2:8000/v1")
+        registry.announce(second)
+        await pool.discover()
+        assert [server.url for server in pool.servers] == [second.url]
+        await pool.close()
+
+    asyncio.run(scenario())
 
 
 def test_the_announcer_keeps_the_heartbeat_fresh_and_removes_the_record_on_stop(registry):

@@ -117,12 +117,7 @@ class TrainLoader:
         )
         self.demo_windows = 0 if self.demo_starts is None else len(self.demo_starts)
         if self.demo_windows and demo_weight > 0:
-            first_trained = int(np.argmax(np.asarray(corpus.demo_mask[: seq_len + 1])))
-            if not corpus.demo_mask[first_trained]:
-                raise WhetstoneError(
-                    f"{corpus.path}: a demonstration row of seq_len={seq_len} holds no assistant "
-                    f"token (the prompt is longer): raise data.seq_len or set demo_weight = 0"
-                )
+            _check_prompts_fit(corpus, seq_len)
         if has_demos and demo_weight > 0 and self.demo_windows == 0:
             raise WhetstoneError(f"{corpus.path}: demonstrations have {_too_few(corpus.demo_tokens, seq_len)}")
         self.demo_weight = as_fraction(demo_weight if has_demos else 0.0)
@@ -156,6 +151,22 @@ class TrainLoader:
         """The window that is the `count`-th row drawn from `stream` in this run."""
         epoch, offset = divmod(count, windows_per_epoch)
         return int(_permutation(self.seed, stream, epoch, windows_per_epoch)[offset])
+
+
+def _check_prompts_fit(corpus: Corpus, seq_len: int) -> None:
+    """Refuse a `seq_len` too short for any transcript's prompt: a row starting at that
+    transcript would hold no assistant token, so it would train on nothing."""
+    tokens, mask = np.asarray(corpus.demo_tokens), np.asarray(corpus.demo_mask)
+    starts = np.concatenate([[0], np.flatnonzero(tokens[:-1] == corpus.eos_id) + 1])
+    trained = np.append(np.flatnonzero(mask), np.iinfo(np.int64).max)  # sentinel: none after the last
+    first_trained = trained[np.searchsorted(trained, starts)]
+    short = np.flatnonzero(first_trained - starts > seq_len)  # the last target is token seq_len of a row
+    if len(short):
+        raise WhetstoneError(
+            f"{corpus.path}: a demonstration row of seq_len={seq_len} holds no assistant token when it starts "
+            f"at transcript {short[0]} ({len(short)} of {len(starts)} transcripts have a longer prompt): "
+            f"raise data.seq_len or set demo_weight = 0"
+        )
 
 
 def _too_few(tokens: np.ndarray, seq_len: int) -> str:

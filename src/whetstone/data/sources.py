@@ -112,9 +112,12 @@ def read_documents(files: list[SourceFile], config: CorpusConfig) -> tuple[list[
                 stats["undecodable"] += text is None
                 candidates = [Document(file.name, text)] if text is not None else []
             for document in candidates:
-                if len(document.text) < config.min_document_chars:
+                size = _utf8_size(document.text)
+                if size is None:
+                    stats["undecodable"] += 1
+                elif len(document.text) < config.min_document_chars:
                     stats["too_small"] += 1
-                elif len(document.text.encode()) > config.max_document_bytes:
+                elif size > config.max_document_bytes:
                     stats["too_large"] += 1
                 else:
                     documents.append(document)
@@ -142,9 +145,22 @@ def _decode(raw: bytes) -> str | None:
         return None
 
 
-def _read_jsonl(file: SourceFile):
+def _utf8_size(text: str) -> int | None:
+    """Bytes of `text` in UTF-8, or None when it holds a lone surrogate: valid in JSON (`"\\ud83d"`,
+    half of an emoji pair cut in scraped data), but not text that UTF-8 or the tokenizer takes."""
     try:
-        lines = file.path.read_text(encoding="utf-8").splitlines()
+        return len(text.encode())
+    except UnicodeEncodeError:
+        return None
+
+
+def _read_jsonl(file: SourceFile):
+    """The documents of a JSON Lines file. Lines end at a line feed only: `str.splitlines` would
+    also cut at U+2028, U+2029 and U+0085, which JSON strings may hold raw (`json.dumps` with
+    `ensure_ascii=False` writes them so). A UTF-8 byte order mark is skipped, as for the
+    directory sources."""
+    try:
+        lines = file.path.read_bytes().decode("utf-8-sig").split("\n")
     except (OSError, UnicodeDecodeError) as err:
         raise WhetstoneError(f"corpus: cannot read JSONL file {file.path}: {err}") from None
     for number, line in enumerate(lines, 1):

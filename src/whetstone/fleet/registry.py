@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import socket
 import threading
 import time
 import uuid
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
 from whetstone.store import MissingObjectError, ObjectStore, open_store
@@ -50,6 +51,35 @@ class ServerRecord:
     """Wall-clock time of the last rewrite."""
     rollout_slots: int = 0
     """Most rollouts it takes at once (`fleet.rollout_slots`; 0 = no limit)."""
+
+    def __post_init__(self) -> None:
+        """Refuse a record of the wrong types (a hand-edited one, another program's): its URL is
+        a pool's key and its times are compared with the clock, so a record the pool cannot use
+        must fail here, where the reader skips it, not in `live` or `prune`. Times must be
+        finite: a heartbeat of Infinity would keep a dead server live for ever."""
+        for name in ("id", "url", "cluster"):
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value:
+                raise TypeError(f"{name} must be a non-empty string, not {value!r}")
+        for name in ("started", "heartbeat"):
+            value = getattr(self, name)
+            seconds = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+            if not math.isfinite(seconds):
+                raise TypeError(f"{name} must be a finite number of seconds, not {value!r}")
+            object.__setattr__(self, name, seconds)
+        slots = self.rollout_slots
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 0:
+            raise TypeError(f"rollout_slots must be a non-negative integer, not {slots!r}")
+
+    @classmethod
+    def from_json(cls, raw: bytes) -> ServerRecord:
+        """The record stored as `raw`; fields it does not know (a newer writer's) are ignored.
+        Raises ValueError or TypeError when it is not a whole, well-typed record."""
+        value = json.loads(raw)
+        if not isinstance(value, dict):
+            raise TypeError(f"not a JSON object but {type(value).__name__}")
+        known = {field.name for field in fields(cls)}
+        return cls(**{name: item for name, item in value.items() if name in known})
 
     @classmethod
     def new(cls, url: str, cluster: str = "default", rollout_slots: int = 0) -> ServerRecord:
@@ -78,15 +108,20 @@ class FleetRegistry:
     def records(self) -> list[ServerRecord]:
         """Every record in the store, fresh or not; one that vanished while listed is skipped, one
         that does not parse is logged and skipped (it names no server that could be used)."""
-        out = []
+        return [record for _, record in self._read()[0]]
+
+    def _read(self) -> tuple[list[tuple[str, ServerRecord]], list[str]]:
+        """The records that parse with their keys, and the keys of those that do not (each logged)."""
+        records, unusable = [], []
         for key in self.objects.list(PREFIX):
             try:
-                out.append(ServerRecord(**json.loads(self.objects.get(key))))
+                records.append((key, ServerRecord.from_json(self.objects.get(key))))
             except MissingObjectError:
                 continue
-            except (ValueError, TypeError) as err:
+            except (ValueError, TypeError, RecursionError) as err:
                 log.warning("ignoring fleet record %s in %r: %s", key, self.objects, err)
-        return out
+                unusable.append(key)
+        return records, unusable
 
     def live(self, stale_after_s: float, now: float | None = None) -> list[ServerRecord]:
         """The records whose heartbeat is younger than `stale_after_s`, one per URL (the newest)."""
@@ -99,14 +134,20 @@ class FleetRegistry:
 
     def prune(self, forget_after_s: float, now: float | None = None) -> list[ServerRecord]:
         """Delete the records whose heartbeat is older than `forget_after_s` (servers that died
-        without removing theirs); returns them. Readers call it with a grace well beyond the
-        staleness they skip records at, so a server cut off for a while can still come back."""
+        without removing theirs) and returns them; records that do not parse are deleted too
+        (none could ever be used, and each would be logged at every read). Readers call it with a
+        grace well beyond the staleness they skip records at, so a server cut off for a while can
+        still come back."""
         now = time.time() if now is None else now
-        old = [record for record in self.records() if now - record.heartbeat >= forget_after_s]
-        for record in old:
-            self.forget(record)
+        records, unusable = self._read()
+        for key in unusable:
+            self.objects.delete(key)
+            log.info("removed the fleet record %s: it does not parse", key)
+        old = [(key, record) for key, record in records if now - record.heartbeat >= forget_after_s]
+        for key, record in old:
+            self.objects.delete(key)  # where it was read: a hand-written record's name need not be its id
             log.info("removed the fleet record of %s (silent for %.0f s)", record.url, now - record.heartbeat)
-        return old
+        return [record for _, record in old]
 
 
 class Announcer:

@@ -20,7 +20,10 @@ tags the loaded weights with `--weight-version` and starts the worker's store fo
 whenever the worker has staged a new version: `/pause?mode=wait` (running requests finish, none
 starts, vLLM clears its prefix cache, so no request continues on a cache of older weights), the
 worker writes it in place, `/update_weight_version` tags what follows, `/resume`. Every completion
-is therefore sampled by one version, and `/inference/v1/generate` reports it per token.
+is therefore sampled by one version, and `/inference/v1/generate` reports it per token. A swap
+that fails on the way (the worker's write raised part-way, a route did not answer) leaves vLLM
+paused, since its model may hold parts of two versions or an old version's tag: the swap is tried
+again, after 1 s, then doubling up to 60 s, and vLLM resumes once one goes through.
 
 With `--fleet` (a `FleetConfig` as JSON, `announce = true`), the same thread then announces the
 server in the fleet registry, as `whetstone serve` does, until the process exits: how a run on Ray
@@ -82,6 +85,14 @@ class SwapDriver:
         """A `fleet.Announcer`, started once the server answers and follows the store."""
         self.failed = False
         """Whether following the store or announcing failed (the server was stopped for it)."""
+        self.paused = False
+        """vLLM's scheduler is paused by a swap that has not gone through yet."""
+        from whetstone.inference.swap import RETRY_FIRST_S, RETRY_MAX_S
+
+        self.retry_first_s, self.retry_max_s = RETRY_FIRST_S, RETRY_MAX_S
+        """How soon a failed swap is tried again, and how far the wait doubles to (as the store
+        follower retries a version the engine refused)."""
+        self._retry_at, self._retry_in = 0.0, RETRY_FIRST_S
         self.client = httpx.Client(base_url=root, timeout=600.0)
 
     def start(self) -> None:
@@ -123,7 +134,7 @@ class SwapDriver:
                 # uvicorn's shutdown would wait for it until the process is killed (its fleet
                 # record left behind)
                 status = self.rpc("whetstone_status", timeout=STATUS_TIMEOUT_S)
-                if status.get("staged_version") is not None:
+                if (status.get("staged_version") is not None or self.paused) and time.monotonic() >= self._retry_at:
                     self.swap()
             except httpx.HTTPError as err:  # a busy or restarting engine: try again at the next poll
                 log.warning("weight swap check failed: %s", err)
@@ -142,13 +153,25 @@ class SwapDriver:
             atexit.register(self.announcer.stop)
 
     def swap(self) -> None:
+        """Pause vLLM, have the worker write its staged version, tag it, resume. vLLM resumes only
+        after all of it: on an error it stays paused (its model may hold parts of two versions,
+        which must not be served under either's tag) and the next swap, `retry_first_s` later and
+        doubling to `retry_max_s`, tries again; the worker keeps the update staged and reports the
+        failure in `whetstone_status`, which the server pool reads as "weights stale"."""
         started = time.perf_counter()
-        self.client.post("/pause", params={"mode": "wait", "clear_cache": "true"}).raise_for_status()
         try:
+            if not self.paused:
+                self.client.post("/pause", params={"mode": "wait", "clear_cache": "true"}).raise_for_status()
+                self.paused = True
             version = self.rpc("whetstone_apply")["weight_version"]
             self.post("/update_weight_version", new_version=str(version))
-        finally:
             self.post("/resume")
+        except httpx.HTTPError as err:
+            log.error("weight swap failed (vLLM stays paused, retried in %.0f s): %s", self._retry_in, err)
+            self._retry_at = time.monotonic() + self._retry_in
+            self._retry_in = min(self.retry_max_s, 2 * self._retry_in)
+            raise
+        self.paused, self._retry_in = False, self.retry_first_s
         log.info("weight version %s served (paused %.3f s)", version, time.perf_counter() - started)
 
 

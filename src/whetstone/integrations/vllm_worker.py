@@ -14,7 +14,9 @@ methods are called through vLLM's `collective_rpc` (the `/collective_rpc` route 
                                newest, rejected versions and why it cannot take the newest
   whetstone_apply()            write the staged update into vLLM's model in place (vLLM's
                                `reload_weights`, HF names); `vllm_serve` calls it while vLLM's
-                               scheduler is paused, so no step sees half of it
+                               scheduler is paused, so no step sees half of it. A write that
+                               fails part-way leaves the update staged, to be written again, and
+                               is reported (`weights_problem`) until one succeeds
 
 vLLM's loaders take whole checkpoint tensors and then process them into its kernels' layout (its
 CPU build repacks the linear layers), and its in-place reload processes a layer once all of the
@@ -53,6 +55,8 @@ class ServedWeights:
         """The version served: the one loaded at start, then the last one written."""
         self.weights: dict[str, torch.Tensor] = {}
         """The weights written last, by whetstone name (deltas are applied to them)."""
+        self.problem: str | None = None
+        """Why the model holds no whole version (a write that failed part-way), until a write succeeds."""
         self._staged: WeightUpdate | None = None
         self._lock = threading.Lock()
 
@@ -86,28 +90,55 @@ class ServedWeights:
 
     @torch.no_grad()
     def load(self) -> int:
-        """Write the staged update into the model; returns the version now served."""
+        """Write the staged update into the model; returns the version now served.
+
+        The update is taken off the stage, and its weights and version become the served ones,
+        only once vLLM's reload has taken every tensor: a reload that raises part-way (out of
+        memory, say) leaves the model holding parts of two versions, so the update stays staged
+        (merged with any staged since) for the next call to write whole, and `problem` says so."""
         from whetstone.model.hf import hf_pieces
 
         with self._lock:
-            update, self._staged = self._staged, None
+            update = self._staged
         if update is None:
             return self.version
-        apply_update(self.weights, update)
-        missing = sorted(set(self.shapes) - set(self.weights))
+        weights = dict(self.weights)  # the served ones stay as they are until the reload took these
+        for name, change in update.tensors.items():
+            if name in weights:
+                weights[name] = torch.empty_like(weights[name]) if change.indices is None else weights[name].clone()
+        apply_update(weights, update)
+        missing = sorted(set(self.shapes) - set(weights))
         if missing:  # a first version that is not whole (staging checks deltas, so never expected)
+            self._unstage(update)  # nothing was written: the model still holds its version whole
             raise WeightUpdateError(f"weight version {update.version} leaves {missing[:5]} unknown")
         # copies: vLLM's reload may keep the tensors it is given as parameters, or process them in place
         pieces = [
             (hf_name, piece.clone())
-            for name, tensor in self.weights.items()
+            for name, tensor in weights.items()
             for hf_name, piece in hf_pieces(name, tensor, self.cfg)
         ]
-        self.worker.reload_weights(weights_iterator=iter(pieces), is_checkpoint_format=True)
-        self._process_raw_experts()
-        self.version = update.version
+        try:
+            self.worker.reload_weights(weights_iterator=iter(pieces), is_checkpoint_format=True)
+            self.weights = weights
+            self._process_raw_experts()
+        except Exception as err:
+            self.problem = (
+                f"writing weight version {update.version} failed part-way ({type(err).__name__}: {err}): the "
+                f"model holds parts of versions {self.version} and {update.version} until it is written again"
+            )
+            log.error("%s", self.problem)
+            raise
+        self._unstage(update)
+        self.version, self.problem = update.version, None
         log.info("serving weight version %d (%d tensors changed)", update.version, len(update.tensors))
         return self.version
+
+    def _unstage(self, update: WeightUpdate) -> None:
+        """Take `update` off the stage, unless a newer one was merged into it meanwhile: writing
+        that merge again rewrites `update`'s values with themselves, then the newer ones."""
+        with self._lock:
+            if self._staged is update:
+                self._staged = None
 
     def _process_raw_experts(self) -> None:
         """Put expert weights that vLLM's reload left in checkpoint layout into its kernel's.
@@ -168,7 +199,7 @@ class WeightStoreFollower:
             "latest_weight_version": report.latest_version,
             "rejected_versions": {str(v): why for v, why in sorted(report.rejected.items())},
             "rejections_total": report.rejections_total,
-            "weights_problem": report.problem,
+            "weights_problem": follower.engine.problem or report.problem,  # a half-written model first
         }
 
     def whetstone_apply(self) -> dict[str, Any]:
