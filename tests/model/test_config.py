@@ -30,6 +30,11 @@ def test_every_field_is_documented():
         ("num_experts_per_tok=9", "num_experts_per_tok"),
         ("mlp_only_layers=[7]", "mlp_only_layers"),
         ("head_dim=63", "head_dim"),
+        ("num_key_value_heads=0", "num_key_value_heads"),
+        ("num_attention_heads=0", "num_attention_heads"),
+        ("hidden_size=-8", "hidden_size"),
+        ("rms_norm_eps=-1", "rms_norm_eps"),
+        ("rope_theta=0", "rope_theta"),
     ],
 )
 def test_bad_shapes_are_named(override, message):

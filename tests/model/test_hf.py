@@ -217,3 +217,10 @@ def test_index_pointing_at_a_missing_shard(checkpoint):
     (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-1.safetensors"}}))
     with pytest.raises(CheckpointError, match="model-1.safetensors is listed in the index but does not exist"):
         load_hf(checkpoint)
+
+
+@pytest.mark.parametrize("weight_map", [["model.safetensors"], {"x": 3}])
+def test_an_index_whose_weight_map_is_not_names_to_files_is_named(checkpoint, weight_map):
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointError, match="weight_map must map tensor names to file names"):
+        load_hf(checkpoint)

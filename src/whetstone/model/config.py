@@ -6,7 +6,7 @@ The defaults are the embedded default model: a tiny MoE that trains on 2 CPU cor
 
 from __future__ import annotations
 
-from pydantic import model_validator
+from pydantic import Field, model_validator
 
 from whetstone.config import Config
 
@@ -15,29 +15,29 @@ class ModelConfig(Config):
     """A decoder-only transformer: RMSNorm, RoPE, grouped-query attention with q/k norm, and a
     dense SwiGLU MLP or a sparse mixture of SwiGLU experts in each layer."""
 
-    vocab_size: int = 4096
+    vocab_size: int = Field(4096, ge=1)
     """Number of token ids (rows of the embedding and of the output head)."""
-    hidden_size: int = 256
+    hidden_size: int = Field(256, ge=1)
     """Width of the residual stream."""
-    num_hidden_layers: int = 4
+    num_hidden_layers: int = Field(4, ge=1)
     """Number of transformer blocks."""
-    num_attention_heads: int = 4
+    num_attention_heads: int = Field(4, ge=1)
     """Query heads per attention layer."""
-    num_key_value_heads: int = 2
+    num_key_value_heads: int = Field(2, ge=1)
     """Key/value heads (grouped-query attention); must divide `num_attention_heads`."""
-    head_dim: int = 64
+    head_dim: int = Field(64, ge=2)
     """Width of one attention head (Qwen3 sets it explicitly, not hidden_size / heads)."""
-    intermediate_size: int = 512
+    intermediate_size: int = Field(512, ge=1)
     """Hidden width of the dense SwiGLU MLP (used by dense layers only)."""
-    num_experts: int = 8
+    num_experts: int = Field(8, ge=0)
     """Routed experts per MoE layer; 0 makes every layer dense (a Qwen3 model)."""
     num_experts_per_tok: int = 2
     """Experts each token is sent to (top-k)."""
-    moe_intermediate_size: int = 256
+    moe_intermediate_size: int = Field(256, ge=1)
     """Hidden width of one routed expert's SwiGLU MLP."""
     norm_topk_prob: bool = True
     """Renormalise the top-k gate weights to sum to 1 (Qwen3-MoE checkpoints use true)."""
-    shared_expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = Field(0, ge=0)
     """Hidden width of an always-on shared expert with a sigmoid gate (Qwen2-MoE style); 0 = none."""
     decoder_sparse_step: int = 1
     """Layer i is sparse when (i + 1) % decoder_sparse_step == 0 (and not in mlp_only_layers)."""
@@ -45,12 +45,13 @@ class ModelConfig(Config):
     """Layer indices forced to be dense even in a MoE model."""
     router_aux_loss_coef: float = 0.001
     """Weight of the load-balancing loss when training (the model returns it unweighted)."""
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = Field(1e-6, gt=0)
     """Epsilon of every RMSNorm."""
-    rope_theta: float = 10000.0
+    rope_theta: float = Field(10000.0, gt=0)
     """RoPE base frequency."""
-    max_position_embeddings: int = 2048
-    """Longest sequence the model is meant for (positions are checked against it)."""
+    max_position_embeddings: int = Field(2048, ge=1)
+    """Longest sequence the model is meant for: the engine's context limit unless it sets its own
+    (the model's forward does not check positions)."""
     tie_word_embeddings: bool = True
     """Share the embedding matrix with the output head."""
     initializer_range: float = 0.02

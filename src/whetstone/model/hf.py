@@ -64,13 +64,16 @@ class _TensorFiles:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
-            except (json.JSONDecodeError, KeyError, UnicodeDecodeError) as err:
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
                 raise CheckpointError(f"{index} is not a valid safetensors index: {err!r}") from None
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
             files = sorted(set(weight_map.values()))
         elif (folder / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:
             raise CheckpointError(f"{folder} has neither model.safetensors nor model.safetensors.index.json")
+        self.folder = folder
         self.location: dict[str, tuple[str, object]] = {}
         for name in files:
             file = folder / name
@@ -90,7 +93,7 @@ class _TensorFiles:
 
     def get(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         if name not in self.location:
-            raise CheckpointError(f"checkpoint is missing tensor {name}")
+            raise CheckpointError(f"the checkpoint in {self.folder} is missing tensor {name}")
         file, handle = self.location[name]
         try:
             tensor = handle.get_tensor(name)

@@ -142,7 +142,7 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
             num_hidden_layers=config["num_hidden_layers"],
             num_attention_heads=config["num_attention_heads"],
             num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            head_dim=config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"],
+            head_dim=config.get("head_dim") or config["hidden_size"] // max(1, config["num_attention_heads"]),
             intermediate_size=config["intermediate_size"],
             rms_norm_eps=config.get("rms_norm_eps", 1e-6),
             rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
