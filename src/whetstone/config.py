@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import re
 import tomllib
+import types
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -52,18 +53,54 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 def parse_override(text: str, cls: type[Config] | None = None) -> tuple[list[str], Any]:
     """Split `a.b.c=value` into its key path and a value parsed as a TOML literal.
 
-    A value that is not valid TOML (`name=my-run`) is taken as a plain string. A malformed
-    override's error shows a real key of `cls`, when given.
+    A value that is not valid TOML (`name=my-run`) is taken as a plain string, and so is the
+    text of one that is not a string where the field of `cls` (when given) is one: `name=123`
+    is the name "123", not a number refused as one. A boolean for a number field is refused:
+    validation would take `true` as 1. A malformed override's error shows a real key of `cls`.
     """
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         example = example_override(cls) if cls is not None else None
         raise ConfigError(f"override {text!r}: expected KEY=VALUE" + (f", e.g. {example}" if example else ""))
+    path = [part.strip() for part in key.split(".")]
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw
-    return [part.strip() for part in key.split(".")], value
+    kind = _field_type(cls, path) if cls is not None else None
+    if kind is str and not isinstance(value, str):
+        value = raw
+    elif kind in (int, float) and isinstance(value, bool):
+        number = "an integer" if kind is int else "a number"
+        raise ConfigError(f"override {text!r}: {'.'.join(path)} takes {number}, not a boolean")
+    return path, value
+
+
+def _field_type(cls: type[Config], path: list[str]) -> Any:
+    """The type of the field at `path` in `cls` (an optional field's type without None; a
+    mapping's entries have its value type), or None where `path` names no field."""
+    kind: Any = cls
+    for part in path:
+        kind = _without_none(kind)
+        if isinstance(kind, type) and issubclass(kind, BaseModel):
+            field = kind.model_fields.get(part)
+            if field is None:
+                return None
+            kind = field.annotation
+        elif get_origin(kind) is dict:
+            kind = get_args(kind)[1]
+        else:
+            return None
+    return _without_none(kind)
+
+
+def _without_none(kind: Any) -> Any:
+    """`X` of `X | None`; any other type as it is."""
+    if get_origin(kind) in (Union, types.UnionType):
+        rest = [arg for arg in get_args(kind) if arg is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return kind
 
 
 def example_override(cls: type[Config]) -> str | None:
@@ -137,13 +174,23 @@ def _toml_key(key: str) -> str:
     return key if key and re.fullmatch(r"[A-Za-z0-9_-]+", key) else _toml_value(key)
 
 
+_ESCAPED = re.compile(r'["\\\x00-\x08\x0a-\x1f\x7f]')
+"""What a TOML basic string cannot hold as it is: the quote, the backslash, and every control
+character but the tab."""
+
+
+def _escape(match: re.Match) -> str:
+    char = match.group()
+    return {'"': '\\"', "\\": "\\\\", "\n": "\\n"}.get(char) or f"\\u{ord(char):04X}"
+
+
 def _toml_value(value: Any) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+        return '"' + _ESCAPED.sub(_escape, value) + '"'
     if isinstance(value, (list, tuple)):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     if isinstance(value, dict):

@@ -86,3 +86,39 @@ def test_dict_keys_that_are_not_bare_toml_keys_survive_the_round_trip(tmp_path):
     path = tmp_path / "opt.toml"
     path.write_text(dump_toml(cfg))
     assert load_config(OptimizerConfig, path) == cfg
+
+
+class Labels(Config):
+    tag: str | None = None
+    """An optional name."""
+    env: dict[str, str] = {}
+    """Variables by name."""
+    seed: int | None = None
+    """An optional number."""
+
+
+def test_an_override_of_a_text_field_is_its_text_whatever_toml_makes_of_it():
+    texts = ["123", "true", "2024-01-01", "1e3", "[1, 2]", "my-run"]
+    for text in texts:
+        assert load_config(Outer, None, [f"inner.name={text}"]).inner.name == text
+        labels = load_config(Labels, None, [f"tag={text}", f"env.X={text}"])
+        assert (labels.tag, labels.env) == (text, {"X": text})
+    assert load_config(Outer, None, ['inner.name="quoted"']).inner.name == "quoted"  # a TOML string is its value
+
+
+def test_a_boolean_for_a_number_is_refused():
+    with pytest.raises(ConfigError, match=r"override 'steps=true': steps takes an integer, not a boolean"):
+        load_config(Outer, None, ["steps=true"])
+    with pytest.raises(ConfigError, match=r"inner.lr takes a number, not a boolean"):
+        load_config(Outer, None, ["inner.lr=false"])
+    with pytest.raises(ConfigError, match=r"seed takes an integer"):
+        load_config(Labels, None, ["seed=true"])
+    assert load_config(Labels, None, ["seed=3"]).seed == 3
+
+
+def test_control_characters_survive_the_round_trip(tmp_path):
+    text = "".join(chr(code) for code in range(128)) + "é\u2028"
+    cfg = Labels(tag=text, env={"PS1": "a\rb", "key\x1b[0m": "\x00"})
+    path = tmp_path / "labels.toml"
+    path.write_text(dump_toml(cfg))
+    assert load_config(Labels, path) == cfg

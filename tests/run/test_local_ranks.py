@@ -3,6 +3,7 @@ torchrun's environment, one role's exit code and stop, the config and preflight 
 tiny run mid-trained and trained by 2 gloo ranks each."""
 
 import json
+import os
 import sys
 import time
 
@@ -86,6 +87,12 @@ def test_every_rank_done_is_the_group_done(tmp_path):
 
 def test_ranks_share_their_roles_threads():
     assert (rank_threads(4, 2), rank_threads(1, 2), rank_threads(0, 2, cores=6)) == (2, 1, 3)  # 0: its cores
+    usable = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {min(usable)})  # a run pinned to one core: its ranks share that one
+        assert rank_threads(0, 1) == 1
+    finally:
+        os.sched_setaffinity(0, usable)
 
 
 def test_local_ranks_are_checked_when_the_config_loads(tmp_path):

@@ -221,6 +221,26 @@ def test_a_placement_on_missing_cores_is_refused_before_mid_training(tmp_path):
     assert not (tmp_path / "runs" / "tiny" / "midtrain").exists()
 
 
+def test_cpu_groups_made_before_one_that_fails_are_removed(tmp_path, monkeypatch):
+    made = []
+
+    class Group:
+        def __init__(self, side, cores, period_us):
+            if side == "rollout":
+                raise WhetstoneError("CPU group rollout: cannot set its quota")
+            self.removed = False
+            made.append(self)
+
+        def remove(self):
+            self.removed = True
+
+    monkeypatch.setattr(pipeline_module, "CpuGroup", Group)
+    pipeline = Pipeline(tiny_run(tmp_path, "placement.trainer_cores=0.5", "placement.rollout_cores=1.0"))
+    with pytest.raises(WhetstoneError, match="cannot set its quota"):
+        pipeline.open_cpu_groups()
+    assert [group.removed for group in made] == [True] and pipeline.cpu_groups == {}
+
+
 def test_the_trainers_anchor_gets_the_mid_training_demonstrations(tmp_path):
     pipeline = Pipeline(tiny_run(tmp_path, "demos.count=3", 'rl.trainer.demos_path=""', "rl.trainer.demo_coef=0.5"))
     pipeline.write_demos()

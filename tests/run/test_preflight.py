@@ -9,10 +9,12 @@ from typer.testing import CliRunner
 
 from tests.run.run_support import tiny_run, tiny_settings
 from whetstone.cli import app
+from whetstone.config import load_config
 from whetstone.envs.tasks.registry import TasksConfig, load_tasks
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.pipeline import run_pipeline
+from whetstone.run.preflight import check_run_config
 
 MISSING = "/nonexistent/tasks.jsonl"
 
@@ -114,3 +116,36 @@ def test_the_written_config_is_the_one_the_roles_run(tmp_path):
     pipeline.write_config()  # as the pipeline does once its servers are up
     written = tomllib.loads((tmp_path / "runs" / "tiny" / "config.toml").read_text())
     assert written["rl"]["orchestrator"]["servers"] == written["eval"]["servers"] == urls
+
+
+def test_server_ports_past_the_last_one_are_refused_by_base_port():
+    with pytest.raises(ConfigError, match=r"servers: .*base_port 65535 \+ count 2 - 1 = port 65536, past 65535"):
+        load_config(PipelineConfig, None, ["servers.base_port=65535"])
+    assert load_config(PipelineConfig, None, ["servers.base_port=65534"]).servers.base_port == 65534
+    assert load_config(PipelineConfig, None, ["servers.base_port=0", "servers.count=8"]).servers.count == 8
+
+
+def test_on_ray_the_cores_of_this_machine_are_not_checked(tmp_path):
+    """The roles' cores are a local placement's: on Ray they run on the cluster's nodes."""
+    cores = ("placement.trainer=[4096]", "placement.servers=[4096]", "placement.orchestrator=[4096]")
+    with pytest.raises(ConfigError, match=r"placement.trainer: cores \[4096\]"):
+        check_run_config(tiny_run(tmp_path, *cores).resolved())
+    try:
+        check_run_config(tiny_run(tmp_path, 'placement.backend="ray"', *cores).resolved())
+    except ConfigError as err:  # only what else a machine without Ray lacks
+        assert "cores" not in str(err)
+
+
+def test_a_dry_run_of_mid_training_alone_checks_what_mid_training_needs(tmp_path):
+    rl_only = (f'eval.tasks.source="{MISSING}"', "placement.trainer=[4096]")
+    settings = tiny_settings(tmp_path, *rl_only)
+    result = CliRunner().invoke(app, ["run", "--dry-run", "--midtrain-only", *(f"--set={s}" for s in settings)])
+    assert result.exit_code == 0, result.output
+    assert tomllib.loads(result.stdout)["eval"]["tasks"]["source"] == MISSING
+    no_code = f'midtrain.data.directories=[{{path="{tmp_path}/no-code"}}]'
+    settings = tiny_settings(tmp_path, *rl_only, no_code)
+    result = CliRunner().invoke(app, ["run", "--dry-run", "--midtrain-only", *(f"--set={s}" for s in settings)])
+    message = str(result.exception)
+    assert result.exit_code == 1 and message.startswith("mid-training cannot start")
+    assert "midtrain.data.directories[0].path" in message and "eval.tasks.source" not in message
+    assert not (tmp_path / "runs").exists()

@@ -1,5 +1,7 @@
 """CPU groups through cgroups (utils/cgroups.py): usage, quotas, and roles started inside them."""
 
+import os
+import subprocess
 import sys
 import time
 
@@ -143,3 +145,24 @@ def test_without_cpu_hierarchies_the_error_says_what_is_missing(tmp_path):
     if v1:
         with pytest.raises(WhetstoneError, match="mounted under"):
             cpu_group_parents(tmp_path)
+
+
+@needs_groups
+def test_groups_of_a_process_that_died_are_removed_when_the_next_is_made():
+    """A run ended by a signal removes none of its groups; the next CPU group made does."""
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    _, parents = cpu_group_parents()
+    folders = list(dict.fromkeys(parents.values()))
+    stale = [folder / f"whetstone-trainer-{ended.pid}-0a1b2c" for folder in folders]
+    alive = [folder / f"whetstone-trainer-{os.getpid()}-0a1b2c" for folder in folders]
+    for path in stale + alive:
+        path.mkdir(exist_ok=True)
+    try:
+        with CpuGroup("rollout"):
+            assert not any(path.exists() for path in stale)
+            assert all(path.exists() for path in alive)
+    finally:
+        for path in stale + alive:
+            if path.exists():
+                path.rmdir()

@@ -1,3 +1,4 @@
+import os
 import platform
 import subprocess
 import sys
@@ -48,6 +49,18 @@ def test_configure_process_sets_the_thread_count():
         configure_process(1)
         assert torch.get_num_threads() == 1
     finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores, to pin the process to one")
+def test_all_cores_are_the_cores_a_pinned_process_may_use():
+    usable, threads = os.sched_getaffinity(0), torch.get_num_threads()
+    try:
+        os.sched_setaffinity(0, {min(usable)})  # a role placed on one core
+        configure_process(0)
+        assert torch.get_num_threads() == 1
+    finally:
+        os.sched_setaffinity(0, usable)
         torch.set_num_threads(threads)
 
 

@@ -18,8 +18,8 @@ def run(
     dry_run: bool = typer.Option(
         False,
         "--dry-run",
-        help="Check the config (paths, task sources, cores, run folder) "
-        "and print it as the stages would run it, as TOML; run nothing.",
+        help="Check the config (paths, task sources, cores, run folder; with --midtrain-only, what "
+        "mid-training needs) and print it as the stages would run it, as TOML; run nothing.",
     ),
     midtrain_only: bool = typer.Option(
         False,
@@ -59,7 +59,7 @@ def run(
         )
     if dry_run:
         resolved = loaded.resolved()
-        check_run_config(resolved)
+        check_run_config(resolved, midtrain_only=midtrain_only)
         typer.echo(dump_toml(resolved))
         return
     summary = run_pipeline(loaded)

@@ -59,6 +59,16 @@ class ServersConfig(Config):
     vllm_args: list[str] = []
     """With `engine = "vllm"`: more arguments for vLLM's server (e.g. `["--max-num-seqs", "16"]`)."""
 
+    @model_validator(mode="after")
+    def _ports_exist(self) -> "ServersConfig":
+        last = self.base_port + self.count - 1
+        if self.base_port and last > 65535:
+            raise ValueError(
+                f"base_port {self.base_port} + count {self.count} - 1 = port {last}, past 65535: "
+                f"lower base_port to {65536 - self.count} or less"
+            )
+        return self
+
 
 class RLConfig(Config):
     """Stage 2: asynchronous RL with the trainer, the servers and the orchestrator as processes."""

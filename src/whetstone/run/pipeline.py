@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import shutil
 import time
 from pathlib import Path
@@ -46,6 +45,7 @@ from whetstone.utils.device import resolve_device
 from whetstone.utils.metrics import read_metrics
 from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_ports
 from whetstone.utils.progress import progress_bar
+from whetstone.utils.runtime import usable_cores
 
 log = logging.getLogger("whetstone.run")
 YARDSTICK_KEYS = (
@@ -103,8 +103,8 @@ def demo_source(config: PipelineConfig):
 
 def rank_threads(threads: int, ranks: int, cores: int = 0) -> int:
     """Each of `ranks` processes' share of a role's `threads` (0: all its `cores`, or every core
-    where it has none of its own)."""
-    return max(1, (threads or cores or os.cpu_count() or 1) // ranks)
+    this process may use where it has none of its own)."""
+    return max(1, (threads or cores or usable_cores()) // ranks)
 
 
 def midtrain_stage(config: PipelineConfig) -> dict[str, Any]:
@@ -204,18 +204,26 @@ class Pipeline:
 
     def open_cpu_groups(self) -> None:
         """Create each side's CPU group (once). A quota `placement` asks for that cannot be set is
-        an error, raised early; without quotas the groups only count CPU time, where cgroups allow."""
+        an error, raised early, and the groups this call made are removed first; without quotas
+        the groups only count CPU time, where cgroups allow."""
         placement = self.config.placement
-        for side, cores in (("trainer", placement.trainer_cores), ("rollout", placement.rollout_cores)):
-            if side in self.cpu_groups:
-                continue
-            try:
-                period = TRAINER_QUOTA_PERIOD_US if side == "trainer" else PERIOD_US
-                self.cpu_groups[side] = CpuGroup(side, cores, period_us=period)
-            except WhetstoneError:
-                if cores > 0:
-                    raise
-                log.debug("no CPU accounting for the %s side: cgroups are not writable here", side)
+        made = []
+        try:
+            for side, cores in (("trainer", placement.trainer_cores), ("rollout", placement.rollout_cores)):
+                if side in self.cpu_groups:
+                    continue
+                try:
+                    period = TRAINER_QUOTA_PERIOD_US if side == "trainer" else PERIOD_US
+                    self.cpu_groups[side] = CpuGroup(side, cores, period_us=period)
+                    made.append(side)
+                except WhetstoneError:
+                    if cores > 0:
+                        raise
+                    log.debug("no CPU accounting for the %s side: cgroups are not writable here", side)
+        except BaseException:
+            for side in made:
+                self.cpu_groups.pop(side).remove()
+            raise
 
     def start(
         self,

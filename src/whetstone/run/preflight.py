@@ -1,8 +1,9 @@
 """What `whetstone run` checks before its first stage, so that a config that cannot run fails in
 a second instead of after minutes of mid-training: every file and folder the stages will read,
 every task source (resolved as the task registry resolves it, and every record of a task file
-read), the devices and CPU cores of `placement`, and that the run folder and the corpus cache can be
-written. Every problem is reported at once, each with its config key and path."""
+read), the devices and CPU cores of `placement` (the cores where roles run on this machine), and
+that the run folder and the corpus cache can be written. Every problem is reported at once, each
+with its config key and path."""
 
 from __future__ import annotations
 
@@ -51,7 +52,8 @@ def _problems(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:
         yield from _exists("midtrain.data.tokenizer", Path(data.tokenizer) / "tokenizer.json", "file")
     if config.midtrain.run.init_from:
         yield from _exists("midtrain.run.init_from", Path(config.midtrain.run.init_from) / "config.json", "file")
-    for role in () if midtrain_only else ("trainer", "servers", "orchestrator"):
+    pinned = config.placement.backend == "local" and not midtrain_only  # on Ray the roles run on its nodes
+    for role in ("trainer", "servers", "orchestrator") if pinned else ():
         try:
             check_cpus(getattr(config.placement, role), f"placement.{role}")
         except WhetstoneError as err:

@@ -83,6 +83,7 @@ class CpuGroup:
             )
         self.name, self.cores, self.period_us = name, cores, period_us
         self.version, parents = cpu_group_parents(root)
+        remove_stale_groups(list(parents.values()))
         leaf = f"whetstone-{name}-{os.getpid()}-{uuid.uuid4().hex[:6]}"
         self.dirs = {kind: parent / leaf for kind, parent in parents.items()}
         self.paths = list(dict.fromkeys(self.dirs.values()))  # v2: one folder does both
@@ -141,6 +142,23 @@ class CpuGroup:
                     if time.monotonic() > deadline:
                         raise WhetstoneError(f"CPU group {self.name}: {path} still holds processes") from None
                     time.sleep(0.05)
+
+
+def remove_stale_groups(parents: list[Path]) -> None:
+    """Remove the empty CPU groups (`whetstone-<name>-<pid>-<id>`) in `parents` whose process is
+    gone: one ended by a signal (`whetstone run` on SIGTERM or SIGKILL) removes none of its own."""
+    for parent in dict.fromkeys(parents):
+        try:
+            groups = list(parent.glob("whetstone-*-*-*"))
+        except OSError:
+            continue
+        for group in groups:
+            pid = group.name.rsplit("-", 2)[1]
+            if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                try:
+                    group.rmdir()
+                except OSError:  # still holds processes (an orphaned sandbox), or not ours to remove
+                    pass
 
 
 def add_to_cgroups(paths: list[str] | list[Path], pid: int) -> None:

@@ -21,7 +21,8 @@ class MetricsWriter:
     `time`. `series_key` names a field that tells series apart in one file (the servers'
     samples): its value prefixes the tags (`server0/...`). `run_config` is the role's config,
     shown with its W&B run. The JSONL line is written and flushed first, so a crash loses
-    none of it.
+    none of it but the line it was writing; that torn line is ended when the file is opened
+    again, so that the next record starts a line of its own.
     """
 
     def __init__(
@@ -41,6 +42,8 @@ class MetricsWriter:
         config = run_config.model_dump(mode="json") if run_config is not None else None
         self._sinks: list[Sink] = [] if tracking is None else open_sinks(tracking, role, self.path.parent, config)
         self._handle = self.path.open("a")
+        if self._handle.tell() and not _ends_a_line(self.path):
+            self._handle.write("\n")
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
@@ -69,6 +72,12 @@ class MetricsWriter:
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self.close(failed=kind is not None)
+
+
+def _ends_a_line(path: Path) -> bool:
+    with path.open("rb") as file:
+        file.seek(-1, 2)
+        return file.read(1) == b"\n"
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:

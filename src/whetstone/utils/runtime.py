@@ -14,12 +14,18 @@ _M_MMAP_MAX = -4
 
 def configure_process(threads: int) -> None:
     """Called once at the start of each role's process: `threads` intra-op threads for torch
-    (and the BLAS under it), 0 meaning all cores; and freed memory kept for reuse."""
+    (and the BLAS under it), 0 meaning all the cores it may use; and freed memory kept for reuse."""
     import torch
 
-    threads = threads or os.cpu_count() or 1
+    threads = threads or usable_cores()
     torch.set_num_threads(threads)
     keep_freed_memory()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity (a role pinned by `placement` has
+    only its own), not every core of the machine."""
+    return len(os.sched_getaffinity(0))
 
 
 def native_bf16() -> bool:

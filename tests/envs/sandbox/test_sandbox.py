@@ -4,15 +4,18 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import uuid
 from pathlib import Path
 
 import pytest
 
 import whetstone
+from tests.envs.sandbox.sandbox_support import NOBODY, as_non_root
 from whetstone.envs.sandbox import SandboxConfig, SandboxUnavailableError, open_sandbox
 from whetstone.envs.sandbox.bwrap import bwrap_binary
-from whetstone.envs.sandbox.sandbox import _runtime
+from whetstone.envs.sandbox.process import Limits, kill_process_group, limit_prefix, run_process
+from whetstone.envs.sandbox.sandbox import _nproc_limit, _runtime
 from whetstone.errors import WhetstoneError
 
 FILES = {"app/main.py": "print('hello from', __name__)\n", "README.md": "a repo\n"}
@@ -191,6 +194,15 @@ def test_disk_budget_cuts_a_grown_file_back():
     assert text == "start\n"
 
 
+def test_a_command_that_shrinks_a_file_past_the_cap_is_not_over_the_budget():
+    # 1.9 MB of a 2 MB budget: RLIMIT_FSIZE is down to what is left, and big.txt stays over it.
+    with open_sandbox({"big.txt": "x" * 1_900_000}, SandboxConfig(disk_mb=2)) as sandbox:
+        result = sandbox.run("truncate -s 1000000 big.txt && echo hi > notes.txt")
+        left = listing(sandbox.workspace)
+    assert (result.exit_code, result.limits_hit) == (0, [])
+    assert left == ["big.txt", "notes.txt"]
+
+
 def test_work_under_the_disk_budget_is_unaffected():
     with open_sandbox(FILES, DISK) as sandbox:
         result = sandbox.run("head -c 40000000 /dev/zero > data && head -c 16000000 /dev/zero > /tmp/x && echo ok")
@@ -290,3 +302,54 @@ def test_a_host_path_below_tmp_stays_visible(tmp_path):
     finally:
         (data / "x.txt").unlink()
         data.rmdir()
+
+
+def test_without_cgroups_the_process_limit_leaves_room_for_the_callers_threads():
+    """RLIMIT_NPROC counts every thread of the user: a caller with more threads than
+    `max_processes` (a role's pools) must still let its sandboxes fork."""
+
+    def check():
+        release = threading.Event()
+        threads = [threading.Thread(target=release.wait) for _ in range(80)]
+        for thread in threads:
+            thread.start()
+        try:
+            limits = Limits(cpu_s=60, memory_bytes=1 << 30, file_bytes=64 << 20, nproc=_nproc_limit(64))
+            result = run_process(
+                limit_prefix(limits, []) + ["/bin/bash", "-c", "for i in 1 2 3; do sleep 0.1 & done; wait; echo ok"],
+                env={"PATH": "/usr/bin:/bin"},
+                cwd=Path("/"),
+                stdin=None,
+                timeout_s=20,
+                max_output_bytes=10_000,
+                kill_tree=kill_process_group,
+            )
+        finally:
+            release.set()
+        assert (result.exit_code, result.stdout) == (0, "ok\n"), result.stderr[-300:]
+
+    as_non_root(check)
+
+
+def test_a_caller_that_is_not_root_deletes_a_workspace_its_code_locked(shared_tmp):
+    """Root removes anything; any other caller must give itself back the rights the sandboxed
+    code took from its own files (chmod 500 and 000 on folders), or the workspace stays on disk."""
+    config = SandboxConfig(unsandboxed=True, cgroups=False, pool_size=0, root_dir=str(shared_tmp))
+    sandbox = open_sandbox(FILES, config)
+    if os.getuid() == 0:  # as if nobody had made it all
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(shared_tmp)], check=True)
+    workspace = sandbox.workspace
+
+    def check():
+        (workspace / "locked").mkdir()
+        (workspace / "locked" / "f").write_text("x")
+        (workspace / "locked").chmod(0o500)
+        (workspace / "hidden" / "deeper").mkdir(parents=True)
+        (workspace / "hidden" / "deeper" / "g").write_text("y")
+        (workspace / "hidden" / "deeper").chmod(0o000)
+        (workspace / "hidden").chmod(0o000)
+        (workspace / "app").chmod(0o500)
+        sandbox.close()
+
+    as_non_root(check)
+    assert not workspace.exists()

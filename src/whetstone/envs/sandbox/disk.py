@@ -8,8 +8,9 @@ mounts inside the sandbox) are read with one `statvfs` each through the sandbox'
 (`/proc/<pid>/root`), and the workspace is walked again when its filesystem has grown enough
 to have used up the budget, and at least every `WALK_EVERY_S`. A command that goes over the
 budget is killed, and what it added to the directories is taken back: files and directories
-it created are deleted, files it grew are cut back to their earlier size. RLIMIT_FSIZE,
-lowered to what is left of the budget, keeps any one file from running past it between checks.
+it created are deleted, files it grew are cut back to their earlier size (a file the task had
+is never deleted, even when the command replaced it with a new one). RLIMIT_FSIZE, lowered to
+what is left of the budget, keeps any one file from running past it between checks.
 
 Usage is what the files occupy (`st_blocks`, so sparse files cost what they store and
 preallocated ones what they hold), each inode once, and at least one block per entry: an
@@ -19,7 +20,9 @@ inode and its directory entry cost space too, and that bounds how many entries a
 from __future__ import annotations
 
 import os
+import shutil
 import stat
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -172,16 +175,25 @@ class DiskWatch:
         self._walk_due = max(done + WALK_EVERY_S, self._walk_allowed)
 
     def ran_into(self) -> bool:
-        """After the command: it left the directories over the budget, or wrote a file up to the
-        size cap that what was left of the budget set (a write cut short by RLIMIT_FSIZE)."""
+        """After the command: it left the directories over the budget, or grew a file up to the
+        size cap that what was left of the budget set (a write cut short by RLIMIT_FSIZE). A file
+        already that large before (kept, shrunk, moved or rewritten no larger) reached nothing."""
         after = scan(self.directories, self.limit)
         if after.used > self.limit:
             return True
-        cap, before = self._file_cap, self.start.entries
-        return cap is not None and any(
-            size >= cap and stat.S_ISREG(mode) and before.get(key, (None, -1))[:2] != (ino, size)
-            for key, (ino, size, _, mode) in after.entries.items()
-        )
+        cap = self._file_cap
+        if cap is None:
+            return False
+        before = self.start.entries
+        by_inode = {(index, ino): size for (index, _), (ino, size, _, mode) in before.items() if stat.S_ISREG(mode)}
+        for key, (ino, size, _, mode) in after.entries.items():
+            if not stat.S_ISREG(mode) or size < cap:
+                continue
+            old = before.get(key)
+            at_path = old[1] if old is not None and stat.S_ISREG(old[3]) else -1
+            if size > max(at_path, by_inode.get((key[0], ino), -1)):
+                return True
+        return False
 
     def undo(self) -> Undone:
         """Take back what the command added to the directories (see `undo_growth`)."""
@@ -195,7 +207,12 @@ class Undone:
 
 
 def undo_growth(directories: list[Path], before: Scan) -> Undone:
-    """Delete what was created since `before` and cut files that grew back to their earlier size."""
+    """Delete what was created since `before` and cut files that grew back to their earlier size.
+
+    What was there is judged by path: a path that held a regular file is never deleted, since
+    that file is the task's (an edit that wrote a new file in its place, as `sed -i` and atomic
+    writes do, stays; grown, it is cut back), and a folder that was there stays, its contents
+    judged one by one. Other entries whose inode or type changed are new."""
     undone = Undone()
     for index, directory in enumerate(directories):
         try:
@@ -218,22 +235,22 @@ def _undo(fd: int, prefix: str, index: int, before: Scan, undone: Undone) -> Non
         except FileNotFoundError:
             continue
         old = before.entries.get((index, prefix + entry.name))
-        new = old is None or old[0] != st.st_ino or stat.S_IFMT(old[3]) != stat.S_IFMT(st.st_mode)
         if stat.S_ISDIR(st.st_mode):
             child = _open_dir(fd, entry.name)
             try:
                 _undo(child, prefix + entry.name + "/", index, before, undone)
             finally:
                 os.close(child)
-            if new:
+            if old is None or not stat.S_ISDIR(old[3]):
                 _remove(fd, entry.name, os.rmdir)
                 undone.removed += 1
-        elif new:
+        elif old is not None and stat.S_ISREG(old[3]):  # the task's file, or what replaced it
+            grew = st.st_size > old[1] or st.st_blocks > old[2]
+            if grew and stat.S_ISREG(st.st_mode) and _cut_back(fd, entry.name, old[1]):
+                undone.cut_back += 1
+        elif old is None or old[0] != st.st_ino or stat.S_IFMT(old[3]) != stat.S_IFMT(st.st_mode):
             _remove(fd, entry.name, os.unlink)
             undone.removed += 1
-        elif st.st_size > old[1] or st.st_blocks > old[2]:
-            _cut_back(fd, entry.name, old[1])
-            undone.cut_back += 1
 
 
 def _open_dir(fd: int, name: str) -> int:
@@ -257,13 +274,57 @@ def _remove(fd: int, name: str, remove) -> None:
         remove(name, dir_fd=fd)
 
 
-def _cut_back(fd: int, name: str, size: int) -> None:
+def _cut_back(fd: int, name: str, size: int) -> bool:
+    """Truncate `name` to `size` bytes, and say whether it could. A file made read-only is made
+    writable for its owner just long enough to open it, then gets its mode back."""
+    flags = os.O_WRONLY | os.O_NOFOLLOW
     try:
-        file = os.open(name, os.O_WRONLY | os.O_NOFOLLOW, dir_fd=fd)
-    except PermissionError:  # made read-only: deleting it is what is left
-        _remove(fd, name, os.unlink)
-        return
+        file = os.open(name, flags, dir_fd=fd)
+    except PermissionError:
+        mode = stat.S_IMODE(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
+        try:
+            os.chmod(name, mode | stat.S_IWUSR, dir_fd=fd)
+            try:
+                file = os.open(name, flags, dir_fd=fd)
+            finally:
+                os.chmod(name, mode, dir_fd=fd)
+        except PermissionError:  # not its owner's to change: left as it is
+            return False
     try:
         os.ftruncate(file, size)
     finally:
         os.close(file)
+    return True
+
+
+def remove_tree(path: Path) -> None:
+    """Delete `path` and everything under it, as far as this process may. Sandboxed code can
+    take its owner's rights away (`chmod 500` or `000` on a folder: its files are the caller's),
+    which stops a plain `shutil.rmtree` of a caller that is not root: such folders are opened up
+    for their owner (`_remove`, `_open_dir`) and the removal tried again. What still cannot be
+    removed is left, as `ignore_errors` would leave it."""
+    if sys.version_info >= (3, 12):
+        shutil.rmtree(path, onexc=_remove_anyway)
+    else:
+        shutil.rmtree(path, onerror=lambda function, failed, info: _remove_anyway(function, failed, info[1]))
+
+
+def _remove_anyway(function, path: str, error: BaseException) -> None:
+    """`shutil.rmtree`'s error handler for `remove_tree`: `function` failed on `path`."""
+    if not isinstance(error, PermissionError):
+        return
+    parent, name = os.path.split(path)
+    try:
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        if function in (os.unlink, os.rmdir):  # a folder without write permission
+            _remove(fd, name, function)
+        elif function is os.open:  # a folder its owner may not read: opened up, then emptied and removed
+            os.close(_open_dir(fd, name))
+            remove_tree(Path(path))
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -11,7 +11,6 @@ import atexit
 import functools
 import logging
 import os
-import shutil
 import subprocess
 import tempfile
 import threading
@@ -21,7 +20,7 @@ from pathlib import Path
 from whetstone.envs.sandbox.bwrap import Mount, bwrap_argv, check_bwrap
 from whetstone.envs.sandbox.cgroups import Cgroup, CgroupRoot, find_cgroup_root, remove_stale_groups
 from whetstone.envs.sandbox.config import SandboxConfig
-from whetstone.envs.sandbox.disk import DiskWatch, scan
+from whetstone.envs.sandbox.disk import DiskWatch, remove_tree, scan
 from whetstone.envs.sandbox.interpreter import SandboxPython, make_sandbox_python
 from whetstone.envs.sandbox.process import Limits, RunResult, kill_process_group, limit_prefix, run_process
 from whetstone.envs.sandbox.templates import WorkspacePool
@@ -149,8 +148,8 @@ class Sandbox:
         """Stop anything left running and delete the workspace."""
         if self._cgroup:
             self._cgroup.close()
-        shutil.rmtree(self.workspace, ignore_errors=True)
-        shutil.rmtree(self._home, ignore_errors=True)
+        remove_tree(self.workspace)
+        remove_tree(self._home)
 
     def __enter__(self) -> Sandbox:
         return self
@@ -177,7 +176,7 @@ def open_sandbox(
     try:
         return Sandbox(workspace, config, runtime, list(mounts or []))
     except BaseException:
-        shutil.rmtree(workspace, ignore_errors=True)
+        remove_tree(workspace)
         raise
 
 
@@ -192,7 +191,7 @@ class _Runtime:
 
     def close(self) -> None:
         self.pool.close()
-        shutil.rmtree(self.root, ignore_errors=True)
+        remove_tree(self.root)
 
 
 _runtimes: dict[tuple, _Runtime] = {}
@@ -226,17 +225,27 @@ def _remove_stale_roots(parent: Path) -> None:
     for root in parent.glob("whetstone-sandbox-*-*"):
         owner = root.name.split("-")[2]
         if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-            shutil.rmtree(root, ignore_errors=True)
+            remove_tree(root)
 
 
 def _nproc_limit(max_processes: int) -> int | None:
-    """RLIMIT_NPROC counts every process of the user, so allow what they already run plus the budget."""
+    """RLIMIT_NPROC counts every task of the user (each thread of each process), so allow what
+    they already run, threads included, plus the budget: a role's thread pools alone can outnumber
+    `max_processes`."""
     uid = os.getuid()
     if uid == 0:
         _warn_once("no writable cgroup: the sandbox process limit is not enforced for root")
         return None
-    running = sum(1 for p in Path("/proc").iterdir() if p.name.isdigit() and _owner(p) == uid)
+    running = sum(_tasks(p) for p in Path("/proc").iterdir() if p.name.isdigit() and _owner(p) == uid)
     return running + max_processes
+
+
+def _tasks(process: Path) -> int:
+    """The threads of a process (/proc/<pid>/task); 0 once it is gone."""
+    try:
+        return len(os.listdir(process / "task"))
+    except OSError:
+        return 0
 
 
 @functools.cache
