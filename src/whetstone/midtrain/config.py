@@ -30,7 +30,7 @@ class RunConfig(Config):
     seed: int = 0
     """Seed for model initialisation and data order."""
     threads: int = Field(2, ge=0)
-    """Torch intra-op threads for this process (0 = all cores)."""
+    """Torch intra-op threads for this process (0 = every core it may run on)."""
 
     device: DeviceName = "auto"
     """Where the model, its optimizer state and the batches are: `auto` (CUDA when present, else

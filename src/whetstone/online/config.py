@@ -164,7 +164,7 @@ class OnlineConfig(Config):
     """Where the policy trains and the gate's engine runs: `auto` (CUDA when present, else the
     CPU), `cpu`, `cuda` or `cuda:N`."""
     threads: int = Field(1, ge=0)
-    """Torch threads of the loop (0 = all cores); the servers keep the rest."""
+    """Torch threads of the loop (0 = every core it may run on); the servers keep the rest."""
     nice: int = Field(10, ge=0, le=19)
     """CPU niceness `whetstone online` gives its process (and the gate's sandboxes): on shared
     cores, the servers answering users come first."""

@@ -78,7 +78,7 @@ class TrainerConfig(Config):
     optimizer step each, then one weight version is published. Later parts train a policy that
     has moved since sampling; the clip and the importance ratio bound how far."""
     threads: int = Field(1, ge=0)
-    """Torch intra-op threads of this process (0 = all cores)."""
+    """Torch intra-op threads of this process (0 = every core it may run on)."""
     max_steps: int = Field(0, ge=0)
     """Stop after this many optimizer steps in total (batches 0 .. max_steps-1); 0 = run until stopped."""
     idle_timeout: float = Field(0.0, ge=0)
