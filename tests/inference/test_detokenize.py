@@ -1,3 +1,5 @@
+import random
+
 from whetstone.inference.detokenize import IncrementalText
 
 
@@ -44,3 +46,42 @@ def test_finish_releases_the_held_back_tail():
     assert inc.released == 1
     inc.finish()
     assert inc.released == 2 and inc.text == "xy"
+
+
+def held_back(text, stops):
+    """The longest tail of `text` that starts a stop string, by trying every size."""
+    return max((n for s in stops for n in range(1, len(s)) if text.endswith(s[:n])), default=0)
+
+
+def test_the_held_back_tail_is_the_longest_start_of_a_stop_string():
+    rng = random.Random(0)
+    for _ in range(200):
+        pieces = {i: "".join(rng.choice("ab") for _ in range(rng.randrange(1, 4))) for i in range(20)}
+        stops = tuple("".join(rng.choice("ab") for _ in range(rng.randrange(2, 9))) for _ in range(3))
+        inc = IncrementalText(lambda ids, pieces=pieces: "".join(pieces[i] for i in ids), stops)
+        while not inc.stopped and len(inc.text) < 60:
+            inc.push([rng.randrange(20)])
+            assert inc.released == (len(inc.text) if inc.stopped else len(inc.text) - held_back(inc.text, stops))
+
+
+class CountingStop(str):
+    """A stop string that counts the pieces taken of it (each costs up to its length to compare)."""
+
+    def __getitem__(self, key):
+        self.pieces = getattr(self, "pieces", 0) + 1
+        return str.__getitem__(self, key)
+
+
+def test_a_long_stop_string_costs_what_the_text_adds_per_token():
+    """Each token's check tries only the sizes its characters can have made: trying every size
+    costs the stop string's length squared per token, in the engine thread."""
+    stop = CountingStop("q" * 500 + "!")
+    inc = IncrementalText(lambda ids: "ab " * len(ids), (stop,))
+    for _ in range(300):
+        inc.push([0])
+    assert len(inc.text) == 900 and inc.released == 900
+    assert stop.pieces <= 900
+    inc = IncrementalText(lambda ids: "".join("q" if i else "x" for i in ids), (stop,))
+    for token in [1] * 450 + [0] + [1] * 10:  # a long start of the stop string, broken, begun again
+        inc.push([token])
+    assert inc.released == len(inc.text) - 10 == 451

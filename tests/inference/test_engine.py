@@ -3,7 +3,7 @@ import threading
 import pytest
 import torch
 
-from tests.inference.inference_fixtures import make_engine, tiny_model
+from tests.inference.inference_fixtures import make_engine, tiny_model, wait_until
 from whetstone.errors import WhetstoneError
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.sequence import Sequence
@@ -174,3 +174,45 @@ def test_a_fast_engine_serves_column_major_weights_and_an_invariant_one_the_trai
     invariant = make_engine(copy.deepcopy(tiny_model()), numerics="invariant")
     assert is_column_major(fast.model.layers[0].self_attn.o_proj.weight)
     assert all(p.is_contiguous() for p in invariant.model.parameters())
+
+
+def test_a_failed_prefill_fails_every_sequence_admitted_with_it(model):
+    """The scheduler takes admitted sequences off its queues before their prefill; when it raises
+    (a GPU out of memory), those not started yet must fail too, not wait for ever."""
+    engine = make_engine(model)
+    prefill, calls = engine._prefill, []
+
+    def out_of_memory_once(group):
+        calls.append(group)
+        if len(calls) == 1:
+            raise RuntimeError("out of memory")
+        prefill(group)
+
+    engine._prefill = out_of_memory_once
+    base = prompts(30)[0]
+    # the longer one is prefilled first; the other copies its prefix from it after
+    longer = Sequence("longer", base + [40, 41], SamplingParams(max_tokens=4, seed=0))
+    shorter = Sequence("shorter", base, SamplingParams(max_tokens=4, seed=1))
+    later = Sequence("later", prompts(6)[0], SamplingParams(max_tokens=4, seed=2))
+    engine.add(longer)
+    engine.add(shorter)
+    engine.start()
+    try:
+        wait_until(lambda: longer.finished and shorter.finished, timeout=10)
+        engine.add(later)  # and the engine serves on
+        wait_until(lambda: later.finished, timeout=10)
+    finally:
+        engine.stop()
+    assert calls[0] == [longer]
+    for seq in (longer, shorter):
+        assert seq.error == "RuntimeError: out of memory" and seq.finish_reason == "abort" and seq.slot is None
+    assert later.error is None and len(later.output_ids) == 4
+    assert engine.stats.requests_total["error"] == 2 and not engine.scheduler.has_work
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token(model):
+    """Even one too big for an int64 (the step would raise, failing every running sequence)."""
+    engine = make_engine(model)
+    huge, whole = (SamplingParams(max_tokens=5, seed=3, top_k=k) for k in (10**20, model.cfg.vocab_size))
+    [a], [b] = engine.generate(prompts(5), huge), engine.generate(prompts(5), whole)
+    assert a.error is None and a.output_ids == b.output_ids and a.logprobs == b.logprobs

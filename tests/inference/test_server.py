@@ -4,6 +4,7 @@ is real): response shapes, SSE framing, extension fields and error bodies in det
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 from fastapi.testclient import TestClient
@@ -134,6 +135,8 @@ def test_content_parts_and_developer_role_are_accepted(http):
         ({"prompt": "x", "temprature": 0.5}, "temprature: Extra inputs are not permitted"),
         ({"prompt": []}, "prompt is empty"),
         ({"prompt": [5000]}, "token ids must be in"),
+        ({"prompt": "x", "stop": ["\n", "a" * 513]}, "stop: Value error, stop strings may be at most 512 characters"),
+        ({"prompt": [[1]] * 17, "n": 64, "max_tokens": 1}, "1088 sequences; a request may ask for at most 1024"),
     ],
 )
 def test_bad_parameters_are_named(http, body, message):
@@ -161,3 +164,31 @@ def test_unknown_model_is_a_404_with_openai_code(http):
 
 def test_health_reports_the_weight_version(http):
     assert http.get("/health").json() == {"status": "ok", "model": "tiny-chat", "weight_version": 0}
+
+
+def test_a_malformed_tool_call_in_the_history_is_named(http):
+    call = {"type": "function", "function": "get_weather"}
+    messages = WEATHER_QUESTION + [{"role": "assistant", "content": "x", "tool_calls": [call]}, *GREETING]
+    response = post(http, "/v1/chat/completions", messages=messages, max_tokens=2)
+    assert response.status_code == 400
+    assert response.json()["error"]["message"].startswith("messages[1].tool_calls[0] must be {'type': 'function'")
+
+
+def test_a_huge_top_k_is_served_and_fails_no_one_else(http):
+    """A top_k too big for an int64 used to raise in the engine's step, which fails every running
+    sequence: it is clamped to the vocabulary (which keeps every token) instead."""
+    beside = {}
+
+    def long_request():
+        beside["response"] = post(http, "/v1/completions", prompt="a = 1", max_tokens=200, ignore_eos=True)
+
+    thread = threading.Thread(target=long_request)
+    body = {"prompt": "b = 2", "max_tokens": 4, "seed": 5, "return_token_ids": True, "ignore_eos": True}
+    thread.start()
+    try:
+        huge = post(http, "/v1/completions", top_k=10**20, **body)
+    finally:
+        thread.join()
+    assert huge.status_code == 200 and beside["response"].status_code == 200
+    whole = post(http, "/v1/completions", top_k=10**6, **body).json()
+    assert huge.json()["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]

@@ -108,3 +108,22 @@ def test_follows_a_weight_store_through_the_sync_subscriber(model, tmp_path):
         engine.stop()
     assert engine.version == 1
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), trained.state_dict().values()))
+
+
+def test_an_update_is_taken_when_update_weights_returns(model):
+    """A caller may reuse its tensors once `update_weights` returns: on the CPU, values already in
+    the served dtype and order must not be served from the caller's memory."""
+    engine = make_engine(model)
+    given = {name: t.clone() for name, t in tiny_model(seed=9).state_dict().items()}
+    expected = {name: t.clone() for name, t in given.items()}
+    engine.update_weights(full_update(given, version=1))
+    indices, values = torch.tensor([0, 5]), torch.tensor([1.5, -2.0])
+    engine.update_weights(WeightUpdate(2, 1, {"norm.weight": TensorUpdate(values, indices, (64,))}))
+    expected["norm.weight"][indices] = values
+    for t in (*given.values(), values):
+        t.fill_(123.0)
+    indices.fill_(1)
+    with torch.inference_mode():
+        engine.step()
+    assert engine.version == 2
+    assert all(torch.equal(t, expected[name]) for name, t in model.state_dict().items())

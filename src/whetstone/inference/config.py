@@ -80,7 +80,7 @@ class ServeConfig(Config):
     auth_token: str = ""
     """If set, /v1/* requests need `Authorization: Bearer <auth_token>`."""
     threads: int = Field(0, ge=0)
-    """Torch threads for the engine (0 = all cores)."""
+    """Torch threads for the engine (0 = every core it may run on)."""
     default_max_tokens: int = Field(256, ge=1)
     """Completion length when a request does not say (capped by the context limit)."""
     max_request_bytes: int = Field(8 * 2**20, ge=1)

@@ -34,10 +34,14 @@ class IncrementalText:
         if len(after) <= len(before) or after.endswith("\ufffd"):
             return  # an incomplete character: wait for more bytes
         search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
+        held = len(self.text) - self.released
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
         self._cut_stop(search_from)
-        self.released = len(self.text) if self.stopped else len(self.text) - self._pending_stop_prefix()
+        if self.stopped:
+            self.released = len(self.text)
+        else:
+            self.released = len(self.text) - self._pending_stop_prefix(held + len(after) - len(before))
 
     def finish(self) -> None:
         """No more tokens: release everything (an incomplete trailing character included)."""
@@ -56,11 +60,15 @@ class IncrementalText:
             self.text = self.text[: min(hits)]
             self.stopped = True
 
-    def _pending_stop_prefix(self) -> int:
-        """Length of the longest tail of `text` that starts some stop string."""
+    def _pending_stop_prefix(self, most: int) -> int:
+        """Length of the longest tail of `text` that starts some stop string, known to be at most
+        `most`: what was held back before the last push plus the characters it added (a longer
+        tail would have left a longer one held back before). So a push tries the sizes its own
+        characters can have made, and a generation, in all, about as many sizes as characters:
+        the work per token does not grow with the stop strings' length."""
         longest = 0
         for stop in self._stop:
-            for size in range(min(len(stop) - 1, len(self.text)), longest, -1):
+            for size in range(min(len(stop) - 1, len(self.text), most), longest, -1):
                 if self.text.endswith(stop[:size]):
                     longest = size
                     break

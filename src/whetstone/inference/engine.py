@@ -157,9 +157,12 @@ class Engine:
 
     # ---- called from any thread -------------------------------------------------------------
 
-    def add(self, seq: Sequence) -> None:
-        """Queue a sequence; raises `InvalidRequest` (nothing queued) if it cannot be served."""
-        self.check_request(seq.prompt_ids, seq.params)
+    def add(self, seq: Sequence, checked: bool = False) -> None:
+        """Queue a sequence; raises `InvalidRequest` (nothing queued) if it cannot be served.
+        `checked`: the caller has run `check_request` on its prompt with parameters at least as
+        demanding (the choices of one prompt share that check, which reads the whole prompt)."""
+        if not checked:
+            self.check_request(seq.prompt_ids, seq.params)
         if self.decode is not None:
             seq.text = IncrementalText(self.decode, seq.params.stop)
         self._send("add", seq)
@@ -220,7 +223,7 @@ class Engine:
                     busy = self.step()
                 except Exception as err:  # a bug must not take the server down: fail what ran
                     log.exception("engine step failed")
-                    self._fail_running(f"{type(err).__name__}: {err}")
+                    self._fail_running(failure(err))
                     busy = True
                 if not busy:
                     self._wake.wait()
@@ -302,6 +305,24 @@ class Engine:
         self.scheduler.admit_fresh = True
 
     def _admit(self, seqs: list[Sequence]) -> None:
+        """Start the sequences the scheduler admitted (`_start_all`) and count their prompts.
+
+        The scheduler has taken `seqs` off its queues: if starting them fails (a prefill out of
+        memory, say), those that did not start are failed here with its error, as the step's
+        caller fails the running ones; else they would be in no queue and never finish."""
+        try:
+            self._start_all(seqs)
+        except Exception as err:
+            for seq in seqs:
+                if seq.slot is None and not seq.finished:
+                    self._fail(seq, failure(err))
+            raise
+        self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
+        if self._routes_pending and self.device.type == "cuda":  # the prefills' route copies end here
+            self._routes_copied = torch.cuda.Event()
+            self._routes_copied.record(torch.cuda.current_stream(self.device))
+
+    def _start_all(self, seqs: list[Sequence]) -> None:
         """Give each sequence the next free slot and feed all its tokens but the last.
 
         Resumed sequences go one by one, replaying exactly the experts they used before (replay
@@ -333,10 +354,6 @@ class Engine:
                 (later.append(seq) if waiting_pays else wave.append((seq, donor, shared)))
             self._start(wave)
             followers = later
-        self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
-        if self._routes_pending and self.device.type == "cuda":  # the prefills' route copies end here
-            self._routes_copied = torch.cuda.Event()
-            self._routes_copied.record(torch.cuda.current_stream(self.device))
 
     def _start(self, plans: list[tuple[Sequence, Sequence | Kept | None, int]]) -> None:
         """Slots for the sequences of `plans` (sequence, donor, shared), each first copying its
@@ -647,11 +664,15 @@ class Engine:
         self._routes_copied = self._launched = None
         for seq in list(self.scheduler.running):
             self._drop_pending(seq)
-            seq.error = message
-            self.stats.requests_total["error"] += 1
             self._release(seq)
-            seq.finish_reason = "abort"
-            seq.notify()
+            self._fail(seq, message)
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        """End `seq` (out of its slot and queues) with the engine's error: its request answers 500."""
+        seq.error = message
+        self.stats.requests_total["error"] += 1
+        seq.finish_reason = "abort"
+        seq.notify()
 
 
 @dataclass
@@ -685,6 +706,11 @@ class Kept:
 
     slot: int
     tokens: list[int]
+
+
+def failure(err: Exception) -> str:
+    """What a sequence failed by `err` reports."""
+    return f"{type(err).__name__}: {err}"
 
 
 def pad(tokens: list[int], length: int) -> list[int]:

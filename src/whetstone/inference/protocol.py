@@ -30,6 +30,13 @@ from whetstone.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, Sampl
 from whetstone.inference.sequence import Priority
 
 MAX_CHOICES = 64
+MAX_SEQUENCES = 1024
+"""Most sequences one completion request may start (prompts x n): the server's work grows with
+the sequences, not the body's bytes (a 120 KB body of one-token prompts with n = 64 asks for
+millions), so this bounds it as `max_request_bytes` bounds the body."""
+MAX_STOP_CHARS = 512
+"""Longest stop string, in characters: the engine thread searches the text's tail, as long as
+the longest stop string, for every stop string after each token."""
 
 
 class StreamOptions(BaseModel):
@@ -77,16 +84,23 @@ class _Request(BaseModel):
             raise ValueError("at most 8 stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"stop strings may be at most {MAX_STOP_CHARS} characters long")
         return value
 
-    def sampling(self, max_tokens: int, top_logprobs: int, choice: int) -> SamplingParams:
-        """Sampling parameters of choice `choice` (each choice gets seed + its index)."""
+    def sampling(
+        self, max_tokens: int, top_logprobs: int, choice: int, vocab_size: int | None = None
+    ) -> SamplingParams:
+        """Sampling parameters of choice `choice` (each choice gets seed + its index). A `top_k`
+        above `vocab_size` keeps every token, as `vocab_size` does: it is clamped to it, so no
+        request's value reaches the engine's step as an integer too big for it."""
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+        top_k = max(self.top_k, 0)
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=self.temperature,
             top_p=self.top_p,
-            top_k=max(self.top_k, 0),
+            top_k=top_k if vocab_size is None else min(top_k, vocab_size),
             stop=tuple(stop),
             stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
@@ -111,7 +125,18 @@ class CompletionRequest(_Request):
             raise ValueError("best_of is not supported")
         if self.suffix:
             raise ValueError("suffix is not supported")
+        if self.prompt_count * self.n > MAX_SEQUENCES:
+            raise ValueError(
+                f"{self.prompt_count} prompts x n={self.n} = {self.prompt_count * self.n} sequences; a request "
+                f"may ask for at most {MAX_SEQUENCES} (prompts x n): split it into several requests"
+            )
         return self
+
+    @property
+    def prompt_count(self) -> int:
+        """How many prompts `prompt` holds (one text or token-id list, or a list of them)."""
+        prompt = self.prompt
+        return 1 if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)) else len(prompt)
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list: one text or token-id list each."""
@@ -161,6 +186,13 @@ class ChatRequest(_Request):
             raise ValueError("response_format other than {'type': 'text'} is not supported")
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs=true")
+        for index, message in enumerate(self.messages):
+            for number, call in enumerate(message.tool_calls or []):
+                if not _is_tool_call(call):
+                    raise ValueError(
+                        f"messages[{index}].tool_calls[{number}] must be {{'type': 'function', 'function': "
+                        "{'name': <string>, 'arguments': <JSON string or object>}}"
+                    )
         for index, tool in enumerate(self.tools or []):
             function = tool.get("function")
             if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
@@ -170,6 +202,20 @@ class ChatRequest(_Request):
     @property
     def use_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+
+def _is_tool_call(call: dict[str, Any]) -> bool:
+    """Whether an assistant message's `tool_calls` entry is in OpenAI's shape, as `render_chat`
+    writes it into the prompt: a function with a non-empty string name and its arguments as a
+    JSON string or an object (absent: none)."""
+    function = call.get("function")
+    return (
+        call.get("type", "function") == "function"
+        and isinstance(function, dict)
+        and isinstance(function.get("name"), str)
+        and bool(function["name"])
+        and isinstance(function.get("arguments", {}), str | dict)
+    )
 
 
 class FeedbackRequest(BaseModel):

@@ -12,9 +12,38 @@ from typing import Any
 
 from whetstone.inference.protocol import ChatRequest, CompletionRequest, encode_routes
 from whetstone.inference.sequence import Sequence
-from whetstone.tokenizer import parse_assistant
+from whetstone.tokenizer import Tokenizer, parse_assistant
 
 Decode = Callable[[list[int]], str]
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE token string stands for (GPT-2's
+    `bytes_to_unicode` backwards, the mapping Qwen's tokenizers and ours use): printable bytes
+    stand for themselves, the others, in order, for the characters from U+0100 on."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {byte: chr(byte) for byte in printable}
+    for byte in range(256):
+        if byte not in chars:
+            chars[byte] = chr(256 + len(chars) - len(printable))
+    return {char: byte for byte, char in chars.items()}
+
+
+BYTE_OF_CHAR = _byte_alphabet()
+
+
+def token_bytes(tokenizer: Tokenizer, token_id: int) -> list[int]:
+    """The UTF-8 bytes a token stands for, also when it holds only part of a character (its text
+    is then U+FFFD): from its byte-level string, so a client joining a completion's tokens' bytes
+    gets its text. A token whose text is whole characters (control and markup tokens included)
+    is those characters' bytes."""
+    text = tokenizer.decode([token_id])
+    if "\ufffd" not in text:
+        return list(text.encode())
+    token = tokenizer.id_to_token(token_id)
+    if token is None or any(char not in BYTE_OF_CHAR for char in token):  # an added token: its text
+        return list(text.encode())
+    return [BYTE_OF_CHAR[char] for char in token]
 
 
 def header(response_id: str, kind: str, model: str) -> dict[str, Any]:
@@ -56,12 +85,12 @@ def completion_logprobs(seq: Sequence, start: int, end: int, decode: Decode, off
     return {"tokens": tokens, "token_logprobs": seq.logprobs[start:end], "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(seq: Sequence, start: int, end: int, decode: Decode) -> dict[str, Any]:
-    """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}."""
+def chat_logprobs(seq: Sequence, start: int, end: int, tokenizer: Tokenizer) -> dict[str, Any]:
+    """OpenAI chat shape: {"content": [{token, logprob, bytes, top_logprobs}]}; `bytes` are the
+    token's own (`token_bytes`)."""
 
     def entry(token_id: int, logprob: float) -> dict[str, Any]:
-        text = decode([token_id])
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"token": tokenizer.decode([token_id]), "logprob": logprob, "bytes": token_bytes(tokenizer, token_id)}
 
     content = []
     for i in range(start, end):
@@ -97,11 +126,11 @@ def assistant_message(text: str, use_tools: bool) -> tuple[dict[str, Any], bool]
     return message, bool(calls)
 
 
-def chat_choice(seq: Sequence, index: int, request: ChatRequest, decode: Decode) -> dict[str, Any]:
+def chat_choice(seq: Sequence, index: int, request: ChatRequest, tokenizer: Tokenizer) -> dict[str, Any]:
     n = len(seq.output_ids)
     message, calls_tools = assistant_message(seq.text.text, request.use_tools)
     finish = "tool_calls" if calls_tools and seq.finish_reason == "stop" else seq.finish_reason
     choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
     if request.logprobs:
-        choice["logprobs"] = chat_logprobs(seq, 0, n, decode)
+        choice["logprobs"] = chat_logprobs(seq, 0, n, tokenizer)
     return choice | rl_fields(seq, request, 0, n, final=True)

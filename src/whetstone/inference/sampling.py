@@ -266,7 +266,7 @@ def _filter_sorted(logits: torch.Tensor, params: list[SamplingParams]) -> tuple[
     scaled, order = torch.sort(logits / temps, dim=-1, descending=True, stable=True)
     vocab = logits.shape[-1]
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
-    top_k = _per_row([p.top_k if p.top_k > 0 else vocab for p in params], logits, torch.int64)
+    top_k = _per_row([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params], logits, torch.int64)
     scaled = scaled.masked_fill(rank >= top_k, float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
     mass_before = torch.cumsum(probs, dim=-1) - probs

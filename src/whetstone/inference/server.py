@@ -12,6 +12,7 @@ error body naming what is wrong, and nothing else is affected by it.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import secrets
@@ -36,7 +37,7 @@ from whetstone.inference.metrics import render_prometheus
 from whetstone.inference.middleware import BodyLimit, RequestLog
 from whetstone.inference.protocol import ChatRequest, CompletionRequest, FeedbackRequest
 from whetstone.inference.responses import chat_choice, completion_choice, header, usage
-from whetstone.inference.sampling import InvalidRequest
+from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.stream import chat_stream, completion_stream
 from whetstone.inference.submission import ClientGone, Submission
 from whetstone.store.feedback import DuplicateFeedback, UnknownResponse
@@ -147,20 +148,34 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             )
         return tokenizer.encode(text)
 
-    def completion_prompts(body: CompletionRequest) -> list[list[int]]:
-        return [tokenize(p) if isinstance(p, str) else list(p) for p in body.prompts()]
+    def submit_completion(body: CompletionRequest, response_id: str, loop: asyncio.AbstractEventLoop) -> Submission:
+        """Tokenize the prompts and queue a sequence per prompt and choice (in a worker thread:
+        up to `protocol.MAX_SEQUENCES` of them)."""
+        prompts = [tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
+        top = body.logprobs or 0
+        params = [[sampling(body, len(p), body.max_tokens, top, c) for c in range(body.n)] for p in prompts]
+        return Submission(engine, response_id, prompts, params, body.priority, body.stream, loop)
 
-    def chat_prompt(body: ChatRequest) -> list[int]:
+    def submit_chat(body: ChatRequest, response_id: str, loop: asyncio.AbstractEventLoop) -> Submission:
+        """Render and tokenize the conversation and queue a sequence per choice (in a worker thread)."""
         messages = [m.as_chat_dict() for m in body.messages]
         try:
             text = render_chat(messages, body.tools if body.use_tools else None, add_generation_prompt=True)
         except WhetstoneError as err:
             raise InvalidRequest(str(err)) from None
-        return tokenize(text)
+        prompt = tokenize(text)
+        top, limit = body.top_logprobs or 0, body.max_completion_tokens or body.max_tokens
+        params = [[sampling(body, len(prompt), limit, top, c) for c in range(body.n)]]
+        return Submission(engine, response_id, [prompt], params, body.priority, body.stream, loop)
 
-    def max_tokens(requested: int | None, prompt_length: int) -> int:
+    def sampling(
+        body: CompletionRequest | ChatRequest, prompt_length: int, requested: int | None, top: int, choice: int
+    ) -> SamplingParams:
+        """Choice `choice`'s parameters: `requested` tokens at most, else as many as the default
+        allows and the context has room for."""
         room = engine.context_limit - prompt_length
-        return requested if requested is not None else max(1, min(config.default_max_tokens, room))
+        limit = requested if requested is not None else max(1, min(config.default_max_tokens, room))
+        return body.sampling(limit, top, choice, engine.vocab_size)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -198,11 +213,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     async def completions(request: Request):
         body = await read(request, CompletionRequest)
         check_model(body.model)
-        prompts = await run_in_threadpool(completion_prompts, body)
-        top = body.logprobs or 0
-        params = [[body.sampling(max_tokens(body.max_tokens, len(p)), top, c) for c in range(body.n)] for p in prompts]
         response_id = f"cmpl-{uuid.uuid4().hex}"
-        submission = Submission(engine, response_id, prompts, params, body.priority, body.stream)
+        submission = await run_in_threadpool(submit_completion, body, response_id, asyncio.get_running_loop())
         track(request, response_id, submission)
         if body.stream:
             return sse(
@@ -221,21 +233,17 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     async def chat_completions(request: Request):
         body = await read(request, ChatRequest)
         check_model(body.model)
-        prompt = await run_in_threadpool(chat_prompt, body)
-        top = body.top_logprobs or 0
-        limit = body.max_completion_tokens or body.max_tokens
-        params = [[body.sampling(max_tokens(limit, len(prompt)), top, c) for c in range(body.n)]]
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
-        submission = Submission(engine, response_id, [prompt], params, body.priority, body.stream)
+        submission = await run_in_threadpool(submit_chat, body, response_id, asyncio.get_running_loop())
         track(request, response_id, submission)
         if body.stream:
             return sse(
-                chat_stream(submission, body, response_id, model_name, decode, request),
+                chat_stream(submission, body, response_id, model_name, tokenizer, request),
                 keep(response_id, submission, body.priority),
             )
         await finish(submission, request)
         await keep(response_id, submission, body.priority)()
-        choices = [chat_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
+        choices = [chat_choice(seq, i, body, tokenizer) for i, seq in enumerate(submission.seqs)]
         return JSONResponse(
             header(response_id, "chat.completion", model_name)
             | {"choices": choices, "usage": usage(submission.prompt_lengths, submission.seqs)}

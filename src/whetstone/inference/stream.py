@@ -23,6 +23,7 @@ from whetstone.inference.responses import (
     usage,
 )
 from whetstone.inference.submission import ClientGone, Submission
+from whetstone.tokenizer import Tokenizer
 from whetstone.tokenizer.chat import TOOL_CALL_OPEN
 
 Decode = Callable[[list[int]], str]
@@ -91,7 +92,7 @@ def visible_content(text: str, released: int, use_tools: bool) -> str:
 
 
 async def chat_stream(
-    sub: Submission, body: ChatRequest, response_id: str, model: str, decode: Decode, request: Request
+    sub: Submission, body: ChatRequest, response_id: str, model: str, tokenizer: Tokenizer, request: Request
 ) -> AsyncIterator[dict[str, Any]]:
     top = header(response_id, "chat.completion.chunk", model)
     count = len(sub.seqs)
@@ -122,7 +123,7 @@ async def chat_stream(
                 continue
             choice = {"index": i, "delta": delta, "logprobs": None, "finish_reason": finish}
             if body.logprobs:
-                choice["logprobs"] = chat_logprobs(seq, start, end, decode)
+                choice["logprobs"] = chat_logprobs(seq, start, end, tokenizer)
             yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
             sent_tokens[i] = end
     if body.stream_options and body.stream_options.include_usage:  # a gone client reads nothing more

@@ -30,30 +30,33 @@ class Submission:
         params: list[list[SamplingParams]],
         priority: Priority,
         stream: bool,
+        loop: asyncio.AbstractEventLoop | None = None,
     ):
         """One sequence per (prompt, choice); `params[p][c]` are choice c of prompt p's parameters.
-        Raises `InvalidRequest` (nothing queued) if any of them cannot be served."""
+        Raises `InvalidRequest` (nothing queued) if any of them cannot be served. `loop`: the
+        event loop the handler awaits the events on (default: the running one), so a big
+        submission can be built in a worker thread. Each prompt is checked once, with its
+        choice of the most tokens, and its choices share one copy of it."""
         for prompt, choices in zip(prompts, params):
-            for sampling in choices:
-                engine.check_request(prompt, sampling)
+            engine.check_request(prompt, max(choices, key=lambda sampling: sampling.max_tokens))
         self.engine = engine
-        self.loop = asyncio.get_running_loop()
+        self.loop = loop or asyncio.get_running_loop()
         self.queue: asyncio.Queue[Progress] = asyncio.Queue()
         self.prompt_lengths = [len(p) for p in prompts]
         self.seqs = [
             Sequence(
                 f"{request_id}-{len(choices) * p + c}",
-                list(prompt),
+                prompt,
                 sampling,
                 priority,
                 on_event=self._on_event,
                 stream=stream,
             )
-            for p, (prompt, choices) in enumerate(zip(prompts, params))
+            for p, (prompt, choices) in enumerate(zip((list(prompt) for prompt in prompts), params))
             for c, sampling in enumerate(choices)
         ]
         for seq in self.seqs:
-            engine.add(seq)
+            engine.add(seq, checked=True)
 
     def _on_event(self, progress: Progress) -> None:  # engine thread
         self.loop.call_soon_threadsafe(self.queue.put_nowait, progress)

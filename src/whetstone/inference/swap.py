@@ -75,18 +75,32 @@ def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> Prepar
         if change.indices is None:
             if values.numel() != target.numel():
                 raise WeightUpdateError(f"{where}: {name} carries {values.numel()} values, needs {target.numel()}")
-            writes.append((flat_storage(target), None, in_storage_order(target, values.to(target.dtype))))
+            prepared = in_storage_order(target, values.to(target.dtype))
+            writes.append((flat_storage(target), None, _private(prepared, change.values, target.device)))
             continue
         indices = change.indices.reshape(-1).long()
         if indices.numel() != values.numel():
             raise WeightUpdateError(f"{where}: {name} has {indices.numel()} indices but {values.numel()} values")
         if indices.numel() and (int(indices.min()) < 0 or int(indices.max()) >= target.numel()):
             raise WeightUpdateError(f"{where}: {name} has an index outside 0..{target.numel() - 1}")
-        writes.append((flat_storage(target), storage_indices(target, indices), values.to(target.dtype)))
+        positions = _private(storage_indices(target, indices), change.indices, target.device)
+        writes.append(
+            (flat_storage(target), positions, _private(values.to(target.dtype), change.values, target.device))
+        )
     served = [name for name in update.removed if name in tensors]
     if served:
         raise WeightUpdateError(f"{where} removes tensors the served model needs: {served[:5]}")
     return _upload(PreparedUpdate(update.version, writes))
+
+
+def _private(prepared: torch.Tensor, given: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`prepared`, copied if it is still the memory of `given` (the caller's tensor: the same
+    dtype and order need no cast) and no upload to `device` will copy it: the update is taken
+    when `update_weights` returns, so a caller reusing its tensors must not change what is
+    served. A host tensor bound for a GPU is copied there anyway."""
+    if prepared.device == device and prepared.untyped_storage().data_ptr() == given.untyped_storage().data_ptr():
+        return prepared.clone()
+    return prepared
 
 
 def _upload(update: PreparedUpdate) -> PreparedUpdate:
