@@ -394,7 +394,9 @@ def test_a_model_decodes_the_bits_of_its_full_forward(where, dtype, monkeypatch)
     from whetstone.utils.device import autocast
 
     device, context = kernels(where, monkeypatch)
-    model = tiny_model(seed=3, vocab_size=128, max_position_embeddings=96).to(device)
+    # two query heads on one key/value head: the interpreter runs each row's norm as a program
+    shape = dict(vocab_size=128, max_position_embeddings=96, num_attention_heads=2, num_key_value_heads=1)
+    model = tiny_model(seed=3, **shape).to(device)
     ids = torch.randint(0, 128, (1, 70), generator=torch.Generator().manual_seed(1)).to(device)
     other = torch.randint(0, 128, (1, 80), generator=torch.Generator().manual_seed(2)).to(device)
     with context(), torch.no_grad(), numerics("invariant"), autocast(dtype, device):
