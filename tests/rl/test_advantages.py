@@ -84,3 +84,18 @@ def test_negative_weight_scales_negative_advantages_and_zero_drops_them():
         "kept_rollouts": 2,
         "dropped_zero_advantage": 2,
     }
+
+
+@pytest.mark.parametrize("rewards", [(0.3, 0.2, 0.1), (0.1, 0.2, 0.3)])
+@pytest.mark.parametrize("config", [AdvantageConfig(), AdvantageConfig(negative_weight=0.0)])
+def test_a_reward_at_the_groups_mean_is_dropped_whatever_the_rounding_and_order(rewards, config):
+    # (0.3 + 0.2 + 0.1) / 3 is not 0.2 in floating point: 0.2's advantage came out near 1e-16
+    kept, report = score_groups([trajectory(group_id="a", reward=r) for r in rewards], config)
+    assert 0.2 not in [t.reward for t, _ in kept] and report.dropped["zero_advantage"] >= 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_reward_that_is_not_finite_drops_its_rollout_not_its_group(bad):
+    rollouts = [trajectory(group_id="a", reward=r) for r in (bad, 1.0, 0.0)]
+    kept, report = score_groups(rollouts, AdvantageConfig(normalize_std=False))
+    assert [a for _, a in kept] == [0.5, -0.5] and report.dropped == {"nonfinite_reward": 1}

@@ -5,16 +5,23 @@ the gradient (cheat-flagged, by default: see `RewardConfig.exclude_flagged_from_
 Then a group is dropped when too few rollouts are left or their rewards do not vary: every
 advantage would be zero. Rollouts whose advantage is exactly zero (with `negative_weight = 0`,
 every one at or below the baseline) are dropped too: they would cost a forward and backward
-pass and move nothing. Rollouts group by `group_id` (by `task_id` when it is empty).
+pass and move nothing; an advantage within rounding of zero (a reward at the group's mean) counts
+as zero. A rollout whose reward is not finite is dropped on its own. Rollouts group by `group_id`
+(by `task_id` when it is empty).
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 
 from whetstone.envs.trajectory import Trajectory
 from whetstone.rl.advantages import AdvantageConfig, advantage_fn
+
+ZERO_ADVANTAGE = 1e-9
+"""An advantage within this share of the group's largest (or of 1) is zero: float rounding of the
+mean leaves ~1e-16 where the reward equals it."""
 
 
 @dataclass
@@ -24,8 +31,8 @@ class GroupReport:
     rollouts: int = 0
     kept_rollouts: int = 0
     dropped: Counter = field(default_factory=Counter)
-    """Dropped rollouts by reason: failed, cheat_flagged, excluded, small_group, no_variance,
-    zero_advantage."""
+    """Dropped rollouts by reason: failed, nonfinite_reward, cheat_flagged, excluded, small_group,
+    no_variance, zero_advantage."""
 
     def metrics(self) -> dict[str, int]:
         out = {
@@ -57,7 +64,10 @@ def score_groups(
         elif max(rewards) - min(rewards) <= config.min_reward_spread:
             report.dropped["no_variance"] += len(usable)
         else:
-            scored = [(t, a * config.negative_weight if a < 0 else a) for t, a in zip(usable, compute(rewards))]
+            raw = compute(rewards)
+            tolerance = ZERO_ADVANTAGE * max(1.0, *(abs(a) for a in raw))  # a reward at the mean, up to rounding
+            raw = [0.0 if abs(a) <= tolerance else a for a in raw]
+            scored = [(t, a * config.negative_weight if a < 0 else a) for t, a in zip(usable, raw)]
             useful = {id(t): a for t, a in scored if a != 0.0}
             if len(useful) < len(usable):
                 report.dropped["zero_advantage"] += len(usable) - len(useful)
@@ -71,6 +81,8 @@ def score_groups(
 def _drop_reason(trajectory: Trajectory) -> str | None:
     if trajectory.status != "ok":
         return "failed"
+    if not math.isfinite(trajectory.reward):  # a reward function's bug: it would make the group's advantages NaN
+        return "nonfinite_reward"
     if trajectory.exclude_from_gradient:
         return "cheat_flagged" if trajectory.cheat_flags else "excluded"
     return None
