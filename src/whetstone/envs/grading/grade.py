@@ -15,12 +15,14 @@ import ast
 import atexit
 import contextlib
 import difflib
+import errno
 import functools
 import os
 import py_compile
 import secrets
 import shlex
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -236,13 +238,14 @@ def _run_tests(
         *targets,
     ]
     run = sandbox.run(argv, timeout_s=task.test_time_limit_s, stdin=token + "\n", env=env)
-    records = Path(results.source) / RESULTS_FILE
-    records.chmod(0o600)  # the run is over: the grader reads what the runner wrote
-    outcomes, flags, finished = _read_results(records, token)
-    # An exit before pytest finished, with no limit and no crash (signal) to blame, was asked for.
-    if finished is None and not run.limits_hit and 0 <= run.exit_code < 128:
+    text = _take_results(Path(results.source) / RESULTS_FILE)
+    outcomes, flags, finished = _read_results(text or "", token)
+    exited = not run.limits_hit and 0 <= run.exit_code < 128  # an exit asked for: no limit or signal to blame
+    if text is None:
+        flags.append("result_tampering: the results file was removed or replaced while the tests ran")
+    elif finished is None and exited:
         flags.append(f"early_exit: the test process exited (code {run.exit_code}) before pytest finished")
-    elif finished is not None and not run.limits_hit and run.exit_code != finished:
+    elif finished is not None and exited and run.exit_code != finished:
         flags.append(f"early_exit: the test process exited with code {run.exit_code}, pytest with {finished}")
     return outcomes, flags, run
 
@@ -269,18 +272,14 @@ def _results_folder() -> Iterator[str]:
     """A folder holding an empty results file that commands in the sandbox can append to but not
     read, list, remove or chmod: owned by `nobody`, the folder search-only and the file
     write-only (the sandbox's root has no capabilities to override that). So the runner's token
-    cannot be read back from its records. Where the grader is not root (it cannot give a file
-    away), the file is its own and only write-only, which an owner may change: the runner's audit
-    hook then catches graded code doing so."""
+    cannot be read back from its records. Where the grader cannot give a file away (not root, or
+    root in a user namespace that maps no `nobody`, or without CAP_CHOWN), the file is its own
+    and only write-only, which an owner may change: the runner's audit hook then catches graded
+    code doing so."""
     with tempfile.TemporaryDirectory(prefix="whetstone-grade-") as folder:
         path = Path(folder) / RESULTS_FILE
         path.touch()
-        if os.geteuid() == 0:
-            os.chown(path, NOBODY, NOBODY)
-            os.chown(folder, NOBODY, NOBODY)
-            path.chmod(0o222)
-            os.chmod(folder, 0o111)
-        else:
+        if not _give_to_nobody(path, folder):
             path.chmod(0o200)
         try:
             yield folder
@@ -288,17 +287,56 @@ def _results_folder() -> Iterator[str]:
             os.chmod(folder, 0o700)  # to be removed
 
 
+def _give_to_nobody(path: Path, folder: str) -> bool:
+    """Gives the results file and its folder to `nobody`, the file write-only and the folder
+    search-only; False, with both left as they were, where the grader cannot give files away."""
+    if os.geteuid() != 0:
+        return False
+    try:
+        os.chown(path, NOBODY, NOBODY)
+        os.chown(folder, NOBODY, NOBODY)
+    except OSError as err:
+        if err.errno not in (errno.EPERM, errno.EINVAL):
+            raise
+        path.unlink()  # in a folder still the grader's own: a fresh file of its own in its place
+        path.touch()
+        return False
+    path.chmod(0o222)
+    os.chmod(folder, 0o111)
+    return True
+
+
+def _take_results(path: Path) -> str | None:
+    """The results file's text, made readable to the grader now the run is over; None where it is
+    gone or is not the regular file the runner wrote to (a symlink, folder or pipe in its place, or
+    its mode changed so the grader cannot write it), which only graded code does. A symlink is not
+    followed: it could make the grader chmod and read a file of its own elsewhere."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return None
+        os.fchmod(fd, 0o600)
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC), "rb") as file:
+            return file.read().decode(errors="replace")
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+
+
 def _seen_from(sandbox: Sandbox, mount: Mount) -> str:
     """Where a mounted path appears to commands (unsandboxed, nothing is mounted: the host path)."""
     return mount.source if sandbox.config.unsandboxed else mount.target
 
 
-def _read_results(path: Path, token: str) -> tuple[dict[str, str], list[str], int | None]:
+def _read_results(text: str, token: str) -> tuple[dict[str, str], list[str], int | None]:
     outcomes: dict[str, str] = {}
     flags: list[str] = []
     finished = None
-    lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-    for line in lines:
+    for line in text.splitlines():
         try:
             record = ast.literal_eval(line) if len(line) <= MAX_RESULT_LINE_CHARS else None
             valid = isinstance(record, dict) and record.get("token") == token
