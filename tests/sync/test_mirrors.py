@@ -4,6 +4,8 @@ each a whole weight store its cluster's servers follow."""
 import shutil
 import uuid
 
+import pytest
+
 from tests.sync.conftest import FakeTrainer, bit_identical, published
 from whetstone.store import LocalStore
 from whetstone.store.s3 import S3Store
@@ -78,3 +80,34 @@ def test_a_mirror_replaces_its_oldest_version_when_the_source_published_it_again
     assert held(eu) == held(store) and eu.head() == store.head()
     follower = Subscriber(eu, config)
     assert follower.poll() == 0 and bit_identical(follower.state, published(fixed.state))
+
+
+def test_a_mirror_follows_what_readers_of_the_source_see_while_a_withdraw_stands(tmp_path, config, trainer):
+    class Dying(LocalStore):
+        dies = False
+
+        def delete(self, key):
+            if self.dies:
+                raise RuntimeError("killed")
+            super().delete(key)
+
+    config = config.model_copy(update={"mirrors": [str(tmp_path / "eu")]})
+    objects = Dying(tmp_path / "weights")
+    store = WeightStore(objects)
+    publisher = Publisher(store, config)
+    for _ in range(5):
+        publisher.publish(trainer.step())
+    (eu,) = publisher.mirrors
+    follower = Subscriber(eu, config)
+    assert follower.poll() == 4
+    objects.dies = True
+    with pytest.raises(RuntimeError):
+        store.withdraw(2)  # dies after moving the pointer back: versions 2..4 are still stored
+    assert store.head().version == 1 and store.versions() == [0, 1, 2, 3, 4]
+    publisher.update_mirrors()
+    assert eu.head() == store.head() and eu.versions() == [0, 1] and follower.poll() == 1
+    objects.dies = False
+    manifest = publisher.publish(trainer.step())  # finishes the withdrawal: a keyframe at 2
+    assert (manifest.version, manifest.kind) == (2, "full") and held(eu) == held(store)
+    assert eu.head() == store.head() and follower.poll() == 2
+    assert bit_identical(follower.state, published(trainer.state))

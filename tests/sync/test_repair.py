@@ -2,7 +2,9 @@
 publishing a keyframe in its place; subscribers that rejected it take the new one, and those that
 held a withdrawn version re-sync, all ending bit-identical to the repaired store."""
 
+import copy
 import json
+import shutil
 import uuid
 
 import pytest
@@ -12,6 +14,7 @@ from typer.testing import CliRunner
 from tests.sync.conftest import FakeTrainer, bit_identical, published
 from tests.sync.test_publish_subscribe import corrupt
 from whetstone.errors import WhetstoneError
+from whetstone.store import LocalStore
 from whetstone.sync import Publisher, Subscriber, WeightStore
 from whetstone.sync.cli import app
 from whetstone.sync.manifest import manifest_key
@@ -177,9 +180,7 @@ def test_publish_on_a_store_whose_latest_cannot_be_read_publishes_a_keyframe_aft
     assert "published version 3 (full)" in result.output and "version 2 cannot be rebuilt" in result.output
 
 
-def test_withdraw_moves_the_pointer_first_then_manifests_newest_first_then_chunks(tmp_path, config, trainer):
-    from whetstone.store import LocalStore
-
+def test_withdraw_records_itself_moves_the_pointer_then_manifests_newest_first_then_chunks(tmp_path, config, trainer):
     class Recording(LocalStore):
         def __init__(self, root):
             super().__init__(root)
@@ -200,13 +201,14 @@ def test_withdraw_moves_the_pointer_first_then_manifests_newest_first_then_chunk
         publisher.publish(trainer.step())
     objects.log.clear()
     assert weights.withdraw(2) == [2, 3]
-    assert objects.log[0] == ("put", "latest.json")
+    assert objects.log[:2] == [("put", "withdrawal.json"), ("put", "latest.json")]
     assert json.loads(objects.get("latest.json")) == {"version": 1, "manifest": weights.manifest(1).digest}
-    assert objects.log[1:3] == [
+    assert objects.log[2:4] == [
         ("delete", "versions/0000000003/manifest.json"),
         ("delete", "versions/0000000002/manifest.json"),
     ]
-    assert all(key.endswith(".bin") or key.endswith("manifest.json") for _, key in objects.log[3:])
+    assert all(key.endswith(".bin") or key.endswith("manifest.json") for _, key in objects.log[4:-1])
+    assert objects.log[-1] == ("delete", "withdrawal.json") and weights.withdrawal() is None
     assert objects.list("versions/0000000002/") == objects.list("versions/0000000003/") == []
 
 
@@ -254,3 +256,107 @@ def test_watch_until_a_version_that_does_not_come_fails_after_the_timeout(weight
         app, ["watch", str(weights.objects.root), "--until", "2", "--timeout", "0.2", "--poll-interval", "0.05"]
     )
     assert "cannot take weight version 2: version 2 was rejected" in str(result.exception)
+
+
+class Dying(LocalStore):
+    """A local store whose `dies_at`-th write or delete from the moment it is armed raises: the
+    process doing them died there."""
+
+    dies_at: int | None = None
+
+    def _step(self) -> None:
+        if self.dies_at is not None:
+            self.dies_at -= 1
+            if self.dies_at == 0:
+                self.dies_at = None
+                raise RuntimeError("killed")
+
+    def put(self, key, data):
+        self._step()
+        super().put(key, data)
+
+    def delete(self, key):
+        self._step()
+        super().delete(key)
+
+
+def test_readers_and_a_resuming_publisher_never_see_versions_being_withdrawn(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    for _ in range(5):
+        publisher.publish(trainer.step())
+    holder = Subscriber(weights, config)
+    assert holder.poll() == 4
+    seen, resumed, busy = [], [], False
+    delete = weights.objects.delete
+
+    def watched_delete(key):  # what readers and a publisher restarted now see, at every delete
+        nonlocal busy
+        if not busy:
+            busy = True
+            try:
+                seen.append((weights.head().version, weights.latest(), Subscriber(weights, config).try_poll()))
+                if key.endswith("manifest.json") and not resumed:
+                    resumed.append(Publisher(weights, config).resume())
+            finally:
+                busy = False
+        delete(key)
+
+    weights.objects.delete = watched_delete
+    assert weights.withdraw(2) == [2, 3, 4]
+    assert seen and set(seen) == {(1, 1, 1)} and resumed == [1]
+    assert weights.versions() == [0, 1] and weights.withdrawal() is None and holder.poll() == 1
+
+
+@pytest.mark.parametrize("after", ["a restart", "the next publish"])
+def test_a_withdraw_that_dies_anywhere_is_finished_by_the_publisher_never_undone(tmp_path, config, trainer, after):
+    template = Publisher(WeightStore(LocalStore(tmp_path / "template")), config)
+    for _ in range(5):  # versions 0..4, copied for each try
+        template.publish(trainer.step())
+    died_at = 0
+    while True:  # the withdraw dies at its 1st write or delete, then at its 2nd, ... until it completes
+        died_at += 1
+        shutil.copytree(tmp_path / "template", tmp_path / str(died_at))
+        objects, stepped = Dying(tmp_path / str(died_at)), copy.deepcopy(trainer)
+        weights = WeightStore(objects)
+        running = Publisher(weights, config)
+        assert running.resume() == 4  # up before the withdraw, with version 4 to build on
+        objects.dies_at = died_at
+        try:
+            weights.withdraw(2)
+        except RuntimeError:
+            pass
+        else:
+            break
+        started = died_at > 1  # the record is its first write: dying there, nothing was withdrawn
+        assert weights.head().version == (1 if died_at > 2 else 4), died_at  # the pointer moves 2nd
+        publisher = running
+        if after == "a restart":
+            assert Publisher(weights, config).resume() == (1 if started else 4), died_at
+            assert weights.head().version == (1 if started else 4), died_at
+            publisher = Publisher(weights, config)
+            publisher.resume()
+        manifest = publisher.publish(stepped.step())
+        # restarted, it continues the chain at 1; running, it finds its version 4 gone: a keyframe
+        kind = "delta" if started and after == "a restart" else "full"  # 5 is a keyframe by interval
+        assert (manifest.version, manifest.kind) == (2 if started else 5, kind), died_at
+        assert weights.versions() == ([0, 1, 2] if started else [0, 1, 2, 3, 4, 5]), died_at
+        assert weights.head() == (manifest.version, manifest.digest), died_at
+        assert not objects.exists("withdrawal.json"), died_at
+        follower = Subscriber(weights, config)
+        assert follower.poll() == manifest.version and bit_identical(follower.state, published(stepped.state))
+    assert died_at > 10 and weights.versions() == [0, 1] and not objects.exists("withdrawal.json")
+
+
+def test_a_withdraw_finishes_one_from_an_older_version_that_did_not_complete(tmp_path, config, trainer):
+    objects = Dying(tmp_path / "weights")
+    weights = WeightStore(objects)
+    publisher = Publisher(weights, config)
+    for _ in range(5):
+        publisher.publish(trainer.step())
+    objects.dies_at = 3  # after the record and the pointer: versions 2..4 withdrawn as readers go
+    with pytest.raises(RuntimeError):
+        weights.withdraw(2)
+    assert weights.head().version == 1 and weights.withdrawal() == 2
+    result = runner.invoke(app, ["inspect", str(objects.root)])
+    assert "a withdrawal of versions from 2 on is running or did not complete" in result.output
+    assert weights.withdraw(4) == [2, 3, 4] and weights.head().version == 1 and weights.withdrawal() is None

@@ -90,15 +90,17 @@ def test_a_pointer_left_behind_its_newest_manifest_heals_and_only_moves_forward(
     manifests = [publisher.publish(trainer.step()) for _ in range(3)]
     behind = Head(manifests[1].version, manifests[1].digest)
     weights.objects.put("latest.json", json.dumps({"version": 1, "manifest": behind.digest}).encode())
-    # as a publisher that died between version 2's manifest and the pointer leaves the store
-    assert weights.pointer() == behind and weights.head() == Head(2, manifests[2].digest)
+    # as a publisher that died between version 2's manifest and the pointer leaves the store:
+    # readers follow the pointer, and the restarted publisher moves it forward
+    assert weights.head() == behind and weights.latest() == 1
     subscriber = Subscriber(weights, config)
-    assert subscriber.poll() == 2 and bit_identical(subscriber.state, published(trainer.state))
+    assert subscriber.poll() == 1
     restarted = Publisher(weights, config)
-    assert restarted.resume() == 2 and weights.pointer().version == 2
+    assert restarted.resume() == 2 and weights.head() == Head(2, manifests[2].digest)
+    assert subscriber.poll() == 2 and bit_identical(subscriber.state, published(trainer.state))
     assert restarted.publish(trainer.step()).version == 3
     weights.point_forward(behind)  # a publisher slow to write the pointer does not move it back
-    assert weights.pointer().version == 3 and subscriber.poll() == 3
+    assert weights.head().version == 3 and subscriber.poll() == 3
 
 
 def test_a_version_whose_pointer_cannot_be_written_is_published_all_the_same(tmp_path, config, trainer):
@@ -108,10 +110,13 @@ def test_a_version_whose_pointer_cannot_be_written_is_published_all_the_same(tmp
                 raise OSError("the store failed")
             super().put(key, data)
 
-    weights = WeightStore(PointerOutage(tmp_path))
+    objects = PointerOutage(tmp_path)
+    weights = WeightStore(objects)
     publisher = Publisher(weights, config)
     assert [publisher.publish(trainer.step()).version for _ in range(2)] == [0, 1]
-    assert weights.pointer() is None and weights.latest() == 1
+    assert weights.head() is None and weights.versions() == [0, 1]
+    objects.put = super(PointerOutage, objects).put  # the outage ends: a restarted publisher heals
+    assert Publisher(weights, config).resume() == 1 and weights.latest() == 1
 
 
 def test_a_failed_upload_leaves_none_of_its_chunks(tmp_path, config, trainer):
@@ -151,3 +156,33 @@ def test_fake_trainer_changes_few_values_at_small_lr():
     after = {k: v.bfloat16() for k, v in trainer.step().items() if v.is_floating_point()}
     changed = sum((before[k] != after[k]).sum().item() for k in before)
     assert changed < 0.1 * sum(v.numel() for v in before.values())
+
+
+class CountingStore(LocalStore):
+    """A local store that counts its reads; a missing key reads as S3 answers it to credentials
+    with GetObject but not ListBucket (an inference cluster's read-only role): access denied."""
+
+    def __init__(self, root, create=True):
+        super().__init__(root, create=create)
+        self.gets = []
+
+    def get(self, key):
+        self.gets.append(key)
+        if not self.exists(key):
+            raise PermissionError(f"AccessDenied: GetObject {key}")
+        return super().get(key)
+
+
+def test_an_idle_poll_reads_the_pointer_alone_and_no_key_that_is_absent(tmp_path, config, trainer):
+    publisher = Publisher(WeightStore(LocalStore(tmp_path)), config)
+    for _ in range(3):
+        publisher.publish(trainer.step())
+    objects = CountingStore(tmp_path, create=False)
+    weights = WeightStore(objects)
+    subscriber = Subscriber(weights, config)
+    assert subscriber.poll() == 2
+    objects.gets.clear()
+    assert subscriber.poll() == 2 and subscriber.poll() == 2 and weights.latest() == 2
+    assert objects.gets == ["latest.json"] * 3
+    publisher.publish(trainer.step())
+    assert subscriber.poll() == 3 and bit_identical(subscriber.state, published(trainer.state))

@@ -167,6 +167,13 @@ def inspect(
     console.print(table)
     stored = sum(m.encoded_bytes for m in manifests.values())
     console.print(f"latest: {weights.latest()}   versions kept: {len(versions)}   stored: {stored / 1e6:.3f} MB")
+    if (unfinished := weights.withdrawal()) is not None:
+        console.print(
+            f"a withdrawal of versions from {unfinished} on is running or did not complete: the next "
+            f"publish finishes it (or `whetstone sync withdraw {store} --from {unfinished}`)",
+            highlight=False,
+            soft_wrap=True,
+        )
     if problems:
         for version, problem in problems.items():
             console.print(f"version {version}: {problem}", highlight=False, soft_wrap=True)

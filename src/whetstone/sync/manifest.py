@@ -6,6 +6,7 @@ Layout in the object store (a manifest is written after all its chunks: publishi
     versions/0000000007/<attempt>/chunk-00000.bin ... each publish attempt's own chunks, so two
                                                      racing publishers never overwrite each other's
     latest.json                                      {"version": 7, "manifest": <its digest>}, written after it
+    withdrawal.json                                  {"from": 5} while versions 5.. are being withdrawn
 
 A manifest is known by its digest (a hash of its stored bytes): a version withdrawn and published
 again under the same number (a repair) has another digest, which is how subscribers notice.
@@ -106,6 +107,9 @@ def chunk_key(version: int, attempt: str, index: int) -> str:
 
 
 LATEST_KEY = "latest.json"
+
+WITHDRAWAL_KEY = "withdrawal.json"
+"""Present while a withdrawal is in progress, or after one whose process died before it finished."""
 
 
 def manifest_digest(data: bytes) -> str:

@@ -17,7 +17,8 @@ logged and brought up to date at the next publish; it never fails the publish it
 one worker thread, so a trainer's next step runs while its last version is published; versions
 are published in the order submitted.
 
-Before each publish the publisher checks that the version it published last is still in the
+Before each publish the publisher finishes a withdrawal whose process died
+(`WeightStore.finish_withdrawal`), and checks that the version it published last is still in the
 store as it published it: if a repair withdrew it, there is no chain left to extend, and the
 publish is a keyframe at the next free version number instead. A delta's base is checked again
 right before its manifest is created (withdrawn while the delta was coded: its chunks go, and the
@@ -42,7 +43,7 @@ from whetstone.sync.bits import DTYPES, dtype_name
 from whetstone.sync.chunks import encode_chunk, plan_chunks
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, attempt_prefix, chunk_key
-from whetstone.sync.weight_store import Head, WeightStore
+from whetstone.sync.weight_store import WeightStore
 
 log = logging.getLogger("whetstone.sync")
 
@@ -102,10 +103,13 @@ class Publisher:
         """The clusters' stores every version is copied into (`SyncConfig.mirrors`)."""
 
     def resume(self) -> int | None:
-        """Continue the store's chain after a restart: rebuild the latest version from the store
-        (exactly as a subscriber would) to code the next delta against. Returns its number."""
+        """Continue the store's chain after a restart: heal the store (`WeightStore.heal`: finish
+        a withdrawal that did not complete, move a pointer left behind by a crash forward), then
+        rebuild the latest version from the store (exactly as a subscriber would) to code the
+        next delta against. Returns its number."""
         from whetstone.sync.subscriber import Subscriber
 
+        self.store.heal()
         subscriber = Subscriber(self.store, self.config, name="publisher")
         held, latest = subscriber.poll(), self.store.latest()
         if held is None or held != latest:
@@ -121,7 +125,6 @@ class Publisher:
         self._previous = subscriber.state
         self._previous_manifest = self.store.manifest(subscriber.version)
         self._keyframe_bytes = self.store.manifest(self._previous_manifest.keyframe).encoded_bytes
-        self.store.point_forward(Head(subscriber.version, self._previous_manifest.digest))  # behind after a crash
         return subscriber.version
 
     def prepare(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -156,6 +159,7 @@ class Publisher:
             self._background = None
 
     def _publish_prepared(self, new: dict[str, torch.Tensor], full: bool, started: float) -> Manifest:
+        self.store.finish_withdrawal()  # one whose process died: its versions must not be built on
         if self._previous_manifest is not None and not self._still_published(self._previous_manifest):
             self._forget_withdrawn()
         previous = self._previous_manifest

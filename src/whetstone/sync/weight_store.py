@@ -5,14 +5,19 @@ manifest finds all its chunks; a reader that follows `latest.json` finds the man
 is created once: its manifest is written with the store's exclusive create (`put_if_absent`),
 so of two publishers racing for one version number (a rollback and the online loop, two
 trainers) exactly one publishes it and the other gets `VersionExistsError`. Garbage collection
-deletes manifests first, so a version disappears before its chunks do. A manifest is the version:
-where the pointer lags behind it (a publisher died between the two), `head()` is that newest
-manifest, and the next publisher moves the pointer forward; the pointer never moves back except
-in `withdraw`.
+deletes manifests first, so a version disappears before its chunks do.
 
-A repair withdraws versions (`withdraw`): the latest pointer moves back first, then manifests go
-newest first, then chunks, so readers always see a chain that ends at the pointer or beyond it,
-never a hole in the middle. The next publish can take the withdrawn numbers again, under a new
+Readers follow the latest pointer alone (`head`: one read per poll). A manifest is the version
+all the same: where the pointer lags behind one (a publisher died between the two), the
+publisher side moves the pointer forward over it (`heal`, at `Publisher.resume`, and every
+publish moves it to its own version); the pointer never moves back except in `withdraw`.
+
+A repair withdraws versions (`withdraw`): it records the withdrawal (`withdrawal.json`), moves
+the latest pointer back, deletes manifests newest first, then chunks, and last the record. Readers
+stop seeing the withdrawn versions as the pointer moves, and never find a hole in the middle of a
+chain. While the record stands, no version from its first on counts as published: a withdrawal
+whose process died is finished by the next publisher (`finish_withdrawal`, before it heals or
+publishes), never undone. The next publish can take the withdrawn numbers again, under a new
 manifest digest.
 """
 
@@ -30,6 +35,7 @@ from whetstone.sync.codec import CorruptDataError
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import (
     LATEST_KEY,
+    WITHDRAWAL_KEY,
     ChunkInfo,
     Manifest,
     manifest_digest,
@@ -67,21 +73,8 @@ class WeightStore:
         return f"WeightStore({self.objects!r})"
 
     def head(self) -> Head | None:
-        """The newest version and its manifest's digest, or None if nothing was published yet.
-        That is the latest pointer, unless manifests of the versions after it exist (a publisher
-        died, or the store failed, between a manifest and the pointer): then the newest of those.
-        A manifest is written after all its chunks, so such a version is complete; finding it
-        costs one read of the manifest after the pointer's (absent, as a rule)."""
-        head = self.pointer()
-        while True:
-            try:
-                data = self.objects.get(manifest_key(0 if head is None else head.version + 1))
-            except MissingObjectError:
-                return head
-            head = Head(0 if head is None else head.version + 1, manifest_digest(data))
-
-    def pointer(self) -> Head | None:
-        """What `latest.json` says, or None if there is none."""
+        """What the latest pointer (`latest.json`) says: the newest version readers take and its
+        manifest's digest, or None if there is none. One read: readers poll it."""
         try:
             data = self.objects.get(LATEST_KEY)
         except MissingObjectError:
@@ -92,19 +85,40 @@ class WeightStore:
         except (ValueError, KeyError, TypeError, AttributeError):
             raise WhetstoneError(f"{LATEST_KEY} in {self.objects!r} is not {{'version': N}}: {data[:100]!r}") from None
 
+    def heal(self) -> Head | None:
+        """The publisher's view of the newest version: finish a withdrawal whose process died,
+        then move the pointer forward over the manifests right after it (a publisher died, or the
+        store failed, between a manifest and the pointer; a manifest is written after all its
+        chunks, so such a version is complete). Returns the head it leaves. Readers do not call
+        this: it writes, and costs a read of the manifest after the pointer's (absent, as a rule)."""
+        self.finish_withdrawal()
+        pointer = head = self.head()
+        while True:
+            version = 0 if head is None else head.version + 1
+            try:
+                data = self.objects.get(manifest_key(version))
+            except MissingObjectError:
+                break
+            head = Head(version, manifest_digest(data))
+        if head != pointer:
+            if self.withdrawal() is not None:  # one began during the walk: what it found may be withdrawn
+                return self.heal()
+            self.point_forward(head)
+        return head
+
     def point_forward(self, head: Head) -> None:
         """Move the latest pointer to `head` if it points at an older version (or at none). It only
         ever moves forward (only `withdraw` moves it back): a publisher that was slow to write it
         must not hide a newer version."""
         try:
-            pointer = self.pointer()
+            pointer = self.head()
         except WhetstoneError:  # unreadable: replaced
             pointer = None
         if pointer is None or pointer.version < head.version:
             self._point_at(head.version, head.digest)
 
     def latest(self) -> int | None:
-        """The newest published version, or None if nothing was published yet."""
+        """The version the latest pointer names, or None if there is none (nothing published yet)."""
         head = self.head()
         return None if head is None else head.version
 
@@ -174,41 +188,78 @@ class WeightStore:
         kept = [v for v in self.versions() if v < first]
         self._point_at(kept[-1] if kept else None, self.manifest_digest(kept[-1]) if kept else None)
 
+    def withdrawal(self) -> int | None:
+        """The first version of a withdrawal in progress, or of one whose process died before it
+        finished (`withdrawal.json`); None if there is none."""
+        try:
+            data = self.objects.get(WITHDRAWAL_KEY)
+        except MissingObjectError:
+            return None
+        try:
+            return int(json.loads(data)["from"])
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise WhetstoneError(f"{WITHDRAWAL_KEY} in {self.objects!r} is not {{'from': N}}: {data[:100]!r}") from None
+
+    def finish_withdrawal(self) -> list[int]:
+        """Finish a withdrawal that did not complete (`withdrawal`): its versions were withdrawn
+        as far as readers go, and must not come back. Returns the versions it withdrew now."""
+        first = self.withdrawal()
+        return [] if first is None else self.withdraw(first)
+
     def withdraw(self, first: int) -> list[int]:
         """Withdraw every version from `first` on (a repair of a corrupt version and the deltas
-        built on it); returns them. The latest pointer moves back to the newest version kept
-        first, then manifests go, newest first, then their chunks: a reader never finds a hole
-        in a chain, and one holding a withdrawn version notices (its manifest is gone or another)
-        and re-syncs. A version a publisher creates meanwhile at `first` or later is withdrawn
-        too; the next publish takes `first` again (under a new manifest digest)."""
+        built on it); returns them. The withdrawal is recorded first (`withdrawal.json`), then
+        the latest pointer moves back to the newest version kept, then manifests go, newest
+        first, then their chunks, and last the record. Readers stop seeing the versions when the
+        pointer moves, and never find a hole in a chain; one holding a withdrawn version notices
+        (its manifest is gone or another) and re-syncs. Wherever this dies, the record keeps a
+        publisher from healing the pointer onto the versions, and the next one finishes it. A
+        withdrawal left unfinished from an older version is finished too. A version a publisher
+        creates meanwhile at `first` or later is withdrawn as well; the next publish takes
+        `first` again (under a new manifest digest)."""
+        unfinished = self.withdrawal()
+        if unfinished is not None:
+            log.warning(
+                "a withdrawal of versions from %d on is running or did not complete in %r: finishing it",
+                unfinished,
+                self.objects,
+            )
+            first = min(first, unfinished)
         withdrawn: set[int] = set()
         while True:
             doomed = sorted((v for v in self.versions() if v >= first), reverse=True)
             if not doomed:
                 break
+            self.objects.put(WITHDRAWAL_KEY, json.dumps({"from": first}).encode())
             self._point_below(first)
             for version in doomed:
                 self.objects.delete(manifest_key(version))
             for version in doomed:
                 self.delete_version(version)
             withdrawn.update(doomed)
-        pointer = self.pointer()
+        pointer = self.head()
         if pointer is not None and pointer.version >= first:  # a publisher moved it after the loop's move
             self._point_below(first)
+        self.objects.delete(WITHDRAWAL_KEY)
         if withdrawn:
             log.info("withdrew versions %s from %r", _span(sorted(withdrawn)), self.objects)
         return sorted(withdrawn)
 
     def mirror(self, source: WeightStore, blobs: Mapping[str, bytes] | None = None) -> list[int]:
-        """Make this store hold what `source` holds (this store is a mirror of it: the weight store
-        an inference cluster follows, `sync.mirrors`); returns the versions copied. Versions this
-        store has that `source` no longer has as such (collected, or withdrawn and published
-        again) go first, the way `withdraw` removes them; then each missing version's chunks,
-        its manifest, and last the latest pointer: a reader here sees the same atomic publishes
-        as one of `source`. `blobs`: chunk bytes already in memory (the publish just made),
-        fetched from `source` otherwise. One writer per mirror (its publisher)."""
+        """Make this store hold what readers of `source` see (this store is a mirror of it: the
+        weight store an inference cluster follows, `sync.mirrors`): its versions up to its latest
+        pointer; returns the versions copied. Versions past the pointer are not taken (a
+        withdrawal in progress, or a publish whose pointer is still to come). Versions this store
+        has that `source` no longer has as such (collected, withdrawn, or withdrawn and published
+        again) go first, the way `withdraw` removes them; then each missing version's chunks, its
+        manifest, and last the latest pointer: a reader here sees the same atomic publishes as
+        one of `source`. `blobs`: chunk bytes already in memory (the publish just made), fetched
+        from `source` otherwise. One writer per mirror (its publisher), which also finishes a
+        withdrawal here that did not complete."""
         blobs = blobs or {}
-        wanted = source.versions()
+        self.finish_withdrawal()
+        head = source.head()
+        wanted = [] if head is None else [v for v in source.versions() if v <= head.version]
         if not wanted:
             return []
         held = self.versions()
@@ -228,8 +279,7 @@ class WeightStore:
                 blob = blobs.get(chunk.key)
                 self.objects.put(chunk.key, blob if blob is not None else source.objects.get(chunk.key))
             self.objects.put(manifest_key(version), data)
-        head = source.head()
-        if head is not None and head != self.pointer():
+        if head != self.head():
             self._point_at(head.version, head.digest)
         return copied
 

@@ -129,7 +129,10 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
         )
 
     weights = WeightStore.open(config.sync) if rank == 0 else None
-    latest = broadcast(weights.latest() if weights is not None else None)
+    # healed first: a version whose manifest was written before a crash kept the pointer is this
+    # run's newest, and its batches are replayed (the publisher resumes after it)
+    head = weights.heal() if weights is not None else None
+    latest = broadcast(None if head is None else head.version)
     initial = full_state_dict(model) if latest is None else None  # gathered by every rank
     publisher = None
     if weights is not None:
