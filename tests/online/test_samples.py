@@ -97,6 +97,26 @@ def test_each_row_keeps_the_temperature_it_was_sampled_at():
     assert built.batch.temperatures.tolist() == pytest.approx([0.7, 1.0, 1.3])
 
 
+def test_a_response_with_rows_dropped_as_stale_still_weighs_once(monkeypatch):
+    import dataclasses
+
+    from whetstone.online import samples
+
+    def split(item, reward):
+        """Response 1 as two rows of half its weight, as a summarized rollout makes; the first is stale."""
+        (row,) = real(item, reward)
+        if item.seq != 1:
+            return [row]
+        stale = dataclasses.replace(row, versions=[-1, -1, 0, 0], rollout_share=0.5)
+        return [stale, dataclasses.replace(row, rollout_share=0.5)]
+
+    real = samples.rated_sample
+    monkeypatch.setattr(samples, "rated_sample", split)
+    built = feedback_batch([rated(1), rated(2, "thumbs_down")], OnlineConfig(), version=5)
+    assert built.counts["dropped_stale"] == 1 and built.counts["kept"] == 2
+    assert built.batch.rollout_shares is None  # each row the whole of its response
+
+
 def test_no_variance_or_nothing_usable_is_a_reason_not_a_batch():
     same = feedback_batch([rated(1), rated(2)], OnlineConfig(), version=5)
     assert same.batch is None and "no reward variance" in same.skip_reason

@@ -39,6 +39,42 @@ def test_a_group_partly_dropped_counts_only_the_rollouts_it_keeps():
     assert len(group.samples) == 2 and group.rollouts == 1
 
 
+def test_a_rollout_with_stale_segments_dropped_still_weighs_once():
+    from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
+    from whetstone.rl.loss import step_normalizer
+    from whetstone.rl.samples import trajectory_samples
+
+    def call(tokens: int, version: int) -> ModelCall:
+        return ModelCall(
+            prompt_ids=[1] * 3,
+            completion_ids=[2] * tokens,
+            logprobs=[-1.0] * tokens,
+            versions=[version] * tokens,
+            loss_mask=[1] * tokens,
+        )
+
+    # rollout 0 was summarized twice: its first segment (6 tokens, version 1) is stale for batch 5,
+    # its others (2 tokens each, version 4) are not; rollout 1 is short and fresh
+    segments = [Segment(calls=[call(6, 1)]), Segment(calls=[call(2, 4)]), Segment(calls=[call(2, 4)])]
+    long = trajectory_samples(Trajectory(task_id="t", segments=segments, reward=0.0), -1.0)
+    short = trajectory_samples(Trajectory(task_id="t", segments=[Segment(calls=[call(2, 4)])], reward=1.0), 1.0)
+    group = Group(long + short, 2, rollout_of=[0, 0, 0, 1])
+    config = StalenessConfig(max_off_policy_steps=2)
+    batch = build_batch(5, drop_stale([group], 5, config, Window()), Window(), config, 4)
+    assert batch.rollout_shares.tolist() == [0.5, 0.5, 1.0] and batch.meta["rollouts"] == 2
+    assert float(step_normalizer(batch.loss_mask, "sequence", batch.rollout_shares)) == 2.0
+
+
+def test_a_nonfinite_reward_stays_out_of_the_reward_mean():
+    from whetstone.envs.trajectory import Trajectory
+
+    window = Window()
+    rewards = [1.0, float("nan"), 0.0, float("inf")]
+    window.add([Trajectory(task_id="t", reward=r) for r in rewards], {"dropped_nonfinite_reward": 2})
+    meta = build_batch(5, [Group([sample(5)], 1)], window, StalenessConfig(), weight_version=4).meta
+    assert meta["reward_mean"] == 0.5
+
+
 def test_a_batch_of_samples_with_and_without_routes_is_trained_without_replay(caplog):
     import dataclasses
 

@@ -89,3 +89,41 @@ def test_an_evaluation_is_run_again_when_the_policy_or_its_temperatures_changed(
     (tmp_path / "r" / "eval" / "before" / "evaluated.json").unlink()
     rerun.evaluate("before")
     assert len(runs) == 5
+
+
+def test_the_evaluation_before_rl_is_not_run_against_rl_trained_weights(tmp_path, monkeypatch):
+    """Once the weight store the servers follow holds a version past 0, a report before RL without
+    a matching record is not evaluated again (it would measure RL-trained weights); one with a
+    matching record is still resumed past."""
+    from whetstone.errors import WhetstoneError
+    from whetstone.run.pipeline import EVALUATED_FILE
+    from whetstone.sync import Publisher, WeightStore
+
+    pipeline = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r"))
+    pipeline.model_dir.mkdir(parents=True)
+    (pipeline.model_dir / "model.safetensors").write_bytes(b"mid-trained")
+    runs = []
+
+    def evaluate(config, tasks, description):
+        runs.append(description)
+        report = {"pass_at_k": {"1": 0.5}}
+        (tmp_path / "r" / "eval" / "before").mkdir(parents=True, exist_ok=True)
+        (tmp_path / "r" / "eval" / "before" / "report.json").write_text(json.dumps(report))
+        return report
+
+    monkeypatch.setattr(eval_run, "evaluate_with_progress", evaluate)
+    monkeypatch.setattr(eval_run, "load_eval_tasks", lambda config: [])
+    sync = pipeline.config.servers.serve.sync
+    publisher = Publisher(WeightStore.open(sync), sync)
+    publisher.publish({"w": torch.zeros(4)}, full=True)  # version 0: the mid-trained model
+    first = pipeline.evaluate("before")
+    assert len(runs) == 1
+    publisher.publish({"w": torch.ones(4)})  # the trainer's first step
+    assert pipeline.evaluate("before") == first and len(runs) == 1  # its record matches: resumed past
+    swept = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r", eval={"temperatures": [0.5]}))
+    with pytest.raises(WhetstoneError, match="holds RL-trained version 1"):  # settings other than its record's
+        swept.evaluate("before")
+    (tmp_path / "r" / "eval" / "before" / EVALUATED_FILE).unlink()  # a report of before the record
+    with pytest.raises(WhetstoneError, match="holds RL-trained version 1"):
+        pipeline.evaluate("before")
+    assert len(runs) == 1

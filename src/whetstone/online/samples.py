@@ -21,7 +21,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.inference.sampling import GREEDY_BELOW
 from whetstone.online.config import OnlineConfig
 from whetstone.rl.batch import Batch, collate
-from whetstone.rl.samples import Sample, trajectory_samples
+from whetstone.rl.samples import Sample, rescale_rollout_shares, trajectory_samples
 from whetstone.rl.staleness import StalenessHistogram, filter_stale
 from whetstone.store.feedback import RatedResponse, ResponseRecord
 
@@ -74,7 +74,8 @@ def feedback_batch(
     counts = {"events": len(rated), "dropped_truncated": 0, "dropped_empty": 0, "dropped_malformed": 0}
     samples: list[Sample] = []
     temperature: dict[str, float] = {}  # per sample (task_id = response/choice)
-    for item in rated:
+    rollout_of: dict[int, int] = {}  # per sample (by id): the index of its event
+    for number, item in enumerate(rated):
         if truncated(item.response):
             counts["dropped_truncated"] += 1
             continue
@@ -89,8 +90,12 @@ def feedback_batch(
             continue
         samples += new
         temperature.update((sample.task_id, item.response.temperature) for sample in new)
+        rollout_of.update((id(sample), number) for sample in new)
     histogram = StalenessHistogram()
-    samples = filter_stale(samples, version, config.staleness, histogram)
+    fresh = filter_stale(samples, version, config.staleness, histogram)
+    if len(fresh) < len(samples):  # each response left weighs once (`rescale_rollout_shares`)
+        rescale_rollout_shares(fresh, [rollout_of[id(sample)] for sample in fresh])
+    samples = fresh
     counts.update(histogram.metrics(), kept=len(samples))
     if not samples:
         return FeedbackBatch(

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 
 from whetstone.envs.trajectory import Trajectory
 from whetstone.rl.batch import Batch, collate
-from whetstone.rl.samples import Sample
+from whetstone.rl.samples import Sample, rescale_rollout_shares
 from whetstone.rl.staleness import StalenessConfig, StalenessHistogram, filter_stale, staleness
 
 log = logging.getLogger("whetstone.orchestrator")
@@ -34,14 +35,18 @@ class Group:
     """Per sample: which of the group's rollouts made it (empty: unknown)."""
 
     def keep(self, fresh: list[Sample]) -> None:
-        """Keep only `fresh`, a subsequence of the samples (their clusters with them), and count
-        the rollouts that still have a sample."""
+        """Keep only `fresh`, a subsequence of the samples (their clusters with them), count the
+        rollouts that still have a sample, and rescale each one's `rollout_share`s to sum to 1
+        over the samples it has left (`rescale_rollout_shares`: a rollout weighs once, as it is
+        counted). Without `rollout_of` the shares stay as they are."""
         kept = {id(sample) for sample in fresh}
         if self.clusters:
             self.clusters = [c for s, c in zip(self.samples, self.clusters) if id(s) in kept]
         if self.rollout_of:
             self.rollout_of = [r for s, r in zip(self.samples, self.rollout_of) if id(s) in kept]
             self.rollouts = len(set(self.rollout_of))
+            if len(fresh) < len(self.samples):
+                rescale_rollout_shares(fresh, self.rollout_of)
         self.samples = fresh
 
 
@@ -54,8 +59,11 @@ class Window:
     dropped_stale: int = 0
 
     def add(self, trajectories: list[Trajectory], report_metrics: dict[str, int]) -> None:
+        """Count a scored group: its report's counts, and the reward of each rollout that ran and
+        has a finite one (a NaN or infinite reward is dropped as `nonfinite_reward` and would make
+        the batch's `reward_mean` NaN)."""
         self.groups.update(report_metrics)
-        self.rewards += [t.reward for t in trajectories if t.status == "ok"]
+        self.rewards += [t.reward for t in trajectories if t.status == "ok" and math.isfinite(t.reward)]
 
 
 def drop_stale(groups: list[Group], index: int, config: StalenessConfig, window: Window) -> list[Group]:

@@ -14,6 +14,7 @@ credited to every segment.
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -44,7 +45,8 @@ class Sample:
     advantage: float = 0.0
     rollout_share: float = 1.0
     """This sample's trained tokens over its rollout's (1 unless the rollout was summarized into
-    several segments): its weight under sequence aggregation, where a rollout counts once."""
+    several segments), or over those of its rollout's samples left once some were dropped
+    (`rescale_rollout_shares`): its weight under sequence aggregation, where a rollout counts once."""
 
     @property
     def num_positions(self) -> int:
@@ -83,6 +85,24 @@ def trajectory_samples(trajectory: Trajectory, advantage: float = 0.0) -> list[S
     for sample in samples:
         sample.rollout_share = sample.num_loss_tokens / trained
     return samples
+
+
+def rescale_rollout_shares(samples: Sequence[Sample], rollout_of: Sequence[Hashable]) -> None:
+    """Rescale in place the `rollout_share`s of the samples left of each rollout (`rollout_of`:
+    per sample, its rollout) to sum to 1, after some of a rollout's samples were dropped (stale,
+    say).
+
+    A rollout with any sample left then still weighs once under sequence aggregation, as the
+    batch's rollout count says it does, its samples left standing for it. Leaving the dropped
+    samples' weight out instead would make a rollout count for less the longer it ran: its
+    earliest segments are the stalest, so long, summarized rollouts would lose weight to staleness
+    exactly where `sequence` aggregation is meant to weigh rollouts alike whatever their length.
+    """
+    totals: dict[Hashable, float] = {}
+    for sample, rollout in zip(samples, rollout_of, strict=True):
+        totals[rollout] = totals.get(rollout, 0.0) + sample.rollout_share
+    for sample, rollout in zip(samples, rollout_of):
+        sample.rollout_share /= totals[rollout]
 
 
 def is_prefix_consistent(segment: Segment) -> bool:

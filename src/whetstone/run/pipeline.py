@@ -16,6 +16,8 @@
 Each stage resumes: mid-training from its checkpoint, the trainer from its own, the orchestrator
 from the next batch index, and an evaluation whose report evaluated what it would evaluate now
 (the same mid-trained model, trainer step and temperatures: `evaluated.json`) is not run again.
+The evaluation before RL runs only while the weight store holds nothing past version 0, the
+mid-trained model: the servers follow the store (`Pipeline.check_serving_initial_weights`).
 """
 
 from __future__ import annotations
@@ -385,7 +387,8 @@ class Pipeline:
 
     def evaluate(self, when: str, logit_scale: float | None = None) -> dict[str, Any]:
         """The evaluation `when` ("before"/"after" RL): its report, run again only when what it
-        would evaluate (`evaluated`) differs from what the report in its folder evaluated."""
+        would evaluate (`evaluated`) differs from what the report in its folder evaluated, and
+        before RL only while the servers serve the mid-trained model (`check_serving_initial_weights`)."""
         from whetstone.envs.eval.run import evaluate_with_progress, load_eval_tasks
 
         config = self.eval_config(when, logit_scale)
@@ -394,9 +397,30 @@ class Pipeline:
         evaluated = json.loads(json.dumps(self.evaluated(when, config)))  # as it reads back
         if report_path.exists() and read_json_object(record_path) == evaluated:  # it ran: resume past it
             return json.loads(report_path.read_text())
+        if when == "before":
+            self.check_serving_initial_weights(folder)
         report = evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
         atomic_write_json(record_path, evaluated)
         return report
+
+    def check_serving_initial_weights(self, folder: Path) -> None:
+        """Raise unless the servers serve the mid-trained model (weight version 0), for the
+        evaluation before RL in `folder` to run: they follow the weight store, so once the trainer
+        has published a step it would measure RL-trained weights under a record naming the
+        mid-trained model. A report there without a matching record is not taken instead: nothing
+        in it identifies the weights it evaluated."""
+        from whetstone.sync import WeightStore
+
+        sync = self.config.servers.serve.sync
+        latest = WeightStore.open(sync).latest()
+        if latest:  # None or 0: nothing but the mid-trained model was published
+            raise WhetstoneError(
+                f"the evaluation before RL in {folder} would run again (no report there with an {EVALUATED_FILE} "
+                f"of this mid-trained model and these settings), but the servers follow the weight store "
+                f"{sync.store}, which holds RL-trained version {latest}: it would measure those weights. Rerun "
+                f"with the settings it ran with, or start RL over (remove {self.config.rl.trainer.output_dir} "
+                f"and {sync.store})"
+            )
 
     def evaluated(self, when: str, config) -> dict[str, Any]:
         """What evaluation `when` with `config` evaluates, recorded beside its report: the
