@@ -3,6 +3,7 @@ only assembles them and turns `WhetstoneError` into a clean message and exit cod
 
 from __future__ import annotations
 
+import signal
 from importlib import metadata
 
 import typer
@@ -20,7 +21,7 @@ from whetstone.orchestrator.cli import orchestrator
 from whetstone.run.cli import run
 from whetstone.sync.cli import app as sync_app
 from whetstone.trainer.cli import trainer
-from whetstone.utils.processes import apply_role_environment, exit_process
+from whetstone.utils.processes import Terminated, apply_role_environment, exit_process
 
 app = typer.Typer(
     name="whetstone",
@@ -81,6 +82,10 @@ def main() -> None:
     except WhetstoneError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
         exit_process(2)
+    except (KeyboardInterrupt, Terminated) as stopped:  # the roles it started are stopped by now
+        signal_number = signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM
+        Console(stderr=True).print(f"stopped by {signal_number.name}", highlight=False)
+        exit_process(128 + signal_number)
     exit_process(0)
 
 

@@ -38,6 +38,7 @@ def run(
     from whetstone.run.local_ranks import PLACED_RANK_ENV
     from whetstone.run.pipeline import Pipeline, midtrain_stage, run_pipeline
     from whetstone.run.preflight import check_run_config
+    from whetstone.utils.processes import sigterm_raises
 
     loaded = load_config(PipelineConfig, config, overrides)
     torchrun = int(os.environ.get("WORLD_SIZE") or 1) > 1
@@ -48,7 +49,8 @@ def run(
         pipeline = Pipeline(loaded)
         check_run_config(pipeline.config, midtrain_only=True)  # what mid-training reads, its devices
         try:
-            print_summary(pipeline.midtrain(), as_json)
+            with sigterm_raises():
+                print_summary(pipeline.midtrain(), as_json)
         finally:
             pipeline.stop_roles()
         return
@@ -62,7 +64,8 @@ def run(
         check_run_config(resolved, midtrain_only=midtrain_only)
         typer.echo(dump_toml(resolved))
         return
-    summary = run_pipeline(loaded)
+    with sigterm_raises():  # the pipeline's roles are stopped cleanly on SIGTERM too, as on Ctrl-C
+        summary = run_pipeline(loaded)
     if as_json:
         typer.echo(json.dumps(summary))
         return

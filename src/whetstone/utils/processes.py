@@ -66,6 +66,32 @@ def apply_role_environment() -> None:
     stop_with_parent()
 
 
+class Terminated(BaseException):
+    """Raised in the main thread by SIGTERM under `sigterm_raises`, as SIGINT raises
+    KeyboardInterrupt: a BaseException, so only `finally` clauses and context managers see it."""
+
+
+@contextlib.contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """SIGTERM raises `Terminated` in the main thread, so a process that starts roles (`whetstone
+    run`) stops them cleanly in its `finally` clauses (the trainer checkpoints, CPU groups are
+    removed, Ray actors closed) instead of dying at once. A second SIGTERM kills as it would
+    have without this. Only the main thread can take signals: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def take(_sig, _frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        raise Terminated("stopped by SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, take)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def exit_process(code: int | str | None = 0) -> NoReturn:
     """End this process with `code` (as `sys.exit` takes it). A torchrun rank (WORLD_SIZE > 1)
     ends at once, its output flushed, without the interpreter's and C++'s teardown: after a

@@ -1,0 +1,96 @@
+"""`whetstone run` stopped by SIGTERM (a scheduler's stop, `kill`): it stops its roles as on
+Ctrl-C (the trainer finishes its step and checkpoints), removes its CPU groups and exits 143 with
+one line saying why, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.run.run_support import tiny_settings
+from whetstone.utils.cgroups import cpu_group_parents, why_no_cpu_groups
+from whetstone.utils.metrics import read_metrics
+
+
+def children(pid: int) -> set[int]:
+    """The processes `pid` started that still run."""
+    found = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        found |= {int(child) for child in (task / "children").read_text().split()}
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_runs_the_finally_clauses_and_exits_143(tmp_path):
+    # what `whetstone run` does with SIGTERM, in a process of its own: main's handling, no pipeline
+    script = f"""
+import pathlib, sys, time
+from whetstone.cli import main
+from whetstone.utils.processes import sigterm_raises
+import whetstone.cli as cli
+
+def work():
+    try:
+        with sigterm_raises():
+            pathlib.Path({str(tmp_path / "started")!r}).touch()
+            time.sleep(60)
+    finally:
+        pathlib.Path({str(tmp_path / "cleaned")!r}).touch()
+
+cli.app = work
+main()
+"""
+    with subprocess.Popen([sys.executable, "-c", script], stderr=subprocess.PIPE, text=True) as process:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "started").exists():
+            assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    assert process.returncode == 143 and err.strip() == "stopped by SIGTERM"
+    assert (tmp_path / "cleaned").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_sigterm_stops_the_runs_roles_cleanly(tmp_path):
+    command = [sys.executable, "-m", "whetstone.cli", "run"]
+    for setting in tiny_settings(tmp_path, "rl.steps=1000"):
+        command += ["--set", setting]
+    run = tmp_path / "runs" / "tiny"
+    metrics = run / "trainer" / "metrics.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as process:
+        deadline = time.monotonic() + 240
+        while not (metrics.exists() and read_metrics(metrics)):  # RL has taken a step
+            assert process.poll() is None, process.stderr.read()[-4000:]
+            assert time.monotonic() < deadline, "RL took no step in 240 s"
+            time.sleep(0.5)
+        roles = children(process.pid)
+        assert len(roles) >= 4  # two servers, the trainer, the orchestrator
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=120)
+    assert process.returncode == 128 + signal.SIGTERM, err[-4000:]
+    assert err.rstrip().endswith("stopped by SIGTERM") and "Traceback" not in err
+    time.sleep(1.0)
+    assert not [pid for pid in roles if alive(pid)]
+    steps = read_metrics(metrics)
+    checkpoints = sorted((run / "trainer" / "checkpoints").glob("step_*"))
+    assert checkpoints and checkpoints[-1].name == f"step_{len(steps):08d}"  # the trainer's last step, checkpointed
+    assert not (run / "summary.json").exists()
+    if why_no_cpu_groups() is None:
+        parents = cpu_group_parents()[1].values()
+        assert not [g for parent in parents for g in parent.glob(f"whetstone-*-{process.pid}-*")]
