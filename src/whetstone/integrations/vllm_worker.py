@@ -54,7 +54,8 @@ class ServedWeights:
         self.version = version
         """The version served: the one loaded at start, then the last one written."""
         self.weights: dict[str, torch.Tensor] = {}
-        """The weights written last, by whetstone name (deltas are applied to them)."""
+        """The newest weights applied, by whetstone name: the served version's, or the staged
+        one's while it is being written (deltas are applied to them)."""
         self.problem: str | None = None
         """Why the model holds no whole version (a write that failed part-way), until a write succeeds."""
         self._staged: WeightUpdate | None = None
@@ -92,34 +93,33 @@ class ServedWeights:
     def load(self) -> int:
         """Write the staged update into the model; returns the version now served.
 
-        The update is taken off the stage, and its weights and version become the served ones,
-        only once vLLM's reload has taken every tensor: a reload that raises part-way (out of
-        memory, say) leaves the model holding parts of two versions, so the update stays staged
-        (merged with any staged since) for the next call to write whole, and `problem` says so."""
+        The update is taken off the stage, and its version becomes the served one, only once
+        vLLM's reload has taken every tensor: a reload that raises part-way (out of memory, say)
+        leaves the model holding parts of two versions, so the update stays staged (merged with
+        any staged since) for the next call to write whole, and `problem` says so. The update is
+        applied to `weights` in place first: an update overwrites values (it adds nothing), so
+        applying it again on a retry gives the same values, and the host holds one copy of the
+        model beside the one tensor being handed to vLLM, not two."""
         from whetstone.model.hf import hf_pieces
 
         with self._lock:
             update = self._staged
         if update is None:
             return self.version
-        weights = dict(self.weights)  # the served ones stay as they are until the reload took these
-        for name, change in update.tensors.items():
-            if name in weights:
-                weights[name] = torch.empty_like(weights[name]) if change.indices is None else weights[name].clone()
-        apply_update(weights, update)
-        missing = sorted(set(self.shapes) - set(weights))
+        missing = sorted(set(self.shapes) - (set(self.weights) - set(update.removed)) - set(update.tensors))
         if missing:  # a first version that is not whole (staging checks deltas, so never expected)
             self._unstage(update)  # nothing was written: the model still holds its version whole
             raise WeightUpdateError(f"weight version {update.version} leaves {missing[:5]} unknown")
-        # copies: vLLM's reload may keep the tensors it is given as parameters, or process them in place
-        pieces = [
+        apply_update(self.weights, update)
+        # copies, one at a time as vLLM takes them: its reload may keep the tensors it is given as
+        # parameters, or process them in place, and `weights` must keep the values deltas apply to
+        pieces = (
             (hf_name, piece.clone())
-            for name, tensor in weights.items()
+            for name, tensor in self.weights.items()
             for hf_name, piece in hf_pieces(name, tensor, self.cfg)
-        ]
+        )
         try:
-            self.worker.reload_weights(weights_iterator=iter(pieces), is_checkpoint_format=True)
-            self.weights = weights
+            self.worker.reload_weights(weights_iterator=pieces, is_checkpoint_format=True)
             self._process_raw_experts()
         except Exception as err:
             self.problem = (
