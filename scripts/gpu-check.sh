@@ -9,13 +9,17 @@
 #   versions  python, torch, CUDA, transformers, nvidia-smi
 #   pytest    the tests marked gpu (`pytest -m gpu`): $OUT/junit.xml, $OUT/pytest.log
 #   bench     `whetstone bench gpu --json`, one section per run so that one stuck section leaves
-#             the others' figures: merged into $OUT/bench.json; progress in $OUT/bench.log; the RL
+#             the others' figures: each in $OUT/bench-<run>.json, merged into $OUT/bench.json after
+#             every run; progress in $OUT/bench.log; the RL
 #             run's configs, logs and metrics in $OUT/rl-run.tgz. BENCH_RUNS names the runs
 #             (default "train inference rl consistency"; "rl-invariant" is the RL section in
 #             invariant numerics and on-policy, whose mismatch must be 0 in every step)
 #   run       only with RUN_S > 0: `whetstone run configs/gpu.toml`, the whole run on the GPU,
 #             bounded by RUN_S (stopped by it: the report of what it wrote); its summary, report,
 #             configs, logs and metrics in $OUT/run.tgz
+# Every stage is also bounded by the script's deadline (DEADLINE_S, default 570 s, under the device
+# tool's 600 s a call): a stage gets at most the time left less RESERVE_S, and is skipped when
+# under 10 s would be left, so the call itself is never killed and its files always come back.
 # $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
 # every bench run (a CPU dry run: BENCH_ARGS="--model tiny --train-seq-len 32 ..."); the *_S
 # variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests); PYTEST_ARGS sets
@@ -26,7 +30,7 @@
 # cache is 6x slower), rl 100 s, consistency 30 s; the invariant RL run more than 100 s. A
 # session's 15 minutes of device time (a machine start of 1-2 minutes included) hold about 13
 # minutes of commands, in calls of at most 10: either
-#   BENCH_RUNS="inference consistency" bash scripts/gpu-check.sh              (~400 s, at most 580:
+#   BENCH_RUNS="inference consistency" bash scripts/gpu-check.sh              (~400 s, at most 570:
 #   PYTEST_S=0 BENCH_RUNS="train rl rl-invariant" bash scripts/gpu-check.sh   the tests first, since
 #                                                                             the rest runs their code)
 # or the whole run (configs/gpu.toml aims at under 10 minutes; its bound leaves the install's
@@ -42,7 +46,10 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/gpu-check-out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-PYTEST_S=${PYTEST_S:-200}
+DEADLINE_S=${DEADLINE_S:-570}  # the whole script: the device tool's calls run at most 600 s
+RESERVE_S=${RESERVE_S:-20}  # kept for the last steps (archives) when a stage is bounded by the deadline
+END=$((SECONDS + DEADLINE_S))
+PYTEST_S=${PYTEST_S:-280}  # one test allows itself 240 s (it compiles transformers' static cache)
 TRAIN_S=${TRAIN_S:-75}
 INFERENCE_S=${INFERENCE_S:-240}  # transformers' default cache: 48 ms a step on an H100
 RL_S=${RL_S:-120}
@@ -54,16 +61,52 @@ read -r -a BENCH_EXTRA <<<"${BENCH_ARGS:-}"
 WORK=$(mktemp -d)
 exec > >(tee -a "$OUT/gpu-check.log") 2>&1
 
-# stage NAME SECONDS COMMAND...: run COMMAND bounded by SECONDS (TERM, then KILL 15 s later).
+# stage NAME SECONDS COMMAND...: run COMMAND bounded by SECONDS (TERM, then KILL 15 s later), and
+# by the time left before the script's deadline less what its last steps need; skipped when
+# less than 10 s would be left.
 stage() {
-    local name=$1 seconds=$2 started rc
+    local name=$1 seconds=$2 started rc left
     shift 2
+    left=$((END - SECONDS - RESERVE_S - 15))
+    [ "$seconds" -gt "$left" ] && seconds=$left
+    if [ "$seconds" -lt 10 ]; then
+        echo "=== $name: skipped (${left} s left before the deadline)"
+        return 0
+    fi
     echo "=== $name (at most ${seconds} s): $*"
     started=$(date +%s)
     timeout --kill-after=15 "$seconds" "$@"
     rc=$?
     echo "=== $name: exit $rc$([ "$rc" = 124 ] && echo ' (timed out)') after $(($(date +%s) - started)) s"
     return 0
+}
+
+# merge_bench: $OUT/bench.json from the bench runs so far, as one `whetstone bench gpu --json`
+# prints it (a run that printed nothing says so), rewritten after every run so that a call cut
+# short still brings back every finished section.
+merge_bench() {
+    python3 - "$OUT" "$1" <<'PY'
+import json, sys
+from pathlib import Path
+
+out, merged = Path(sys.argv[1]), {"failed": [], "seconds": {}}
+for run in sys.argv[2].split():
+    section = run.removesuffix("-invariant")
+    path = out / f"bench-{run}.json"
+    try:
+        result = json.loads(path.read_text())
+    except (OSError, ValueError):
+        merged[run] = {"error": "the bench run printed no JSON (timed out, crashed or not run: see gpu-check.log)"}
+        merged["failed"].append(run)
+        continue
+    merged["failed"] += [run for _ in result.pop("failed")]
+    merged["seconds"][run] = result.pop("seconds").get(section)
+    result[run] = result.pop(section)
+    merged = {**result, **merged}
+(out / "bench.json.tmp").write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
+(out / "bench.json.tmp").replace(out / "bench.json")
+print(json.dumps({k: merged[k] for k in ("device", "failed", "seconds") if k in merged}, indent=2))
+PY
 }
 
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -103,32 +146,11 @@ for run in $BENCH_RUNS; do
     [ "$section" = rl ] && extra=(--output-dir "$WORK/$run-run")
     [ "$run" = rl-invariant ] && extra+=(--rl-numerics invariant --rl-synchronous)  # every step on-policy
     stage "bench $run" "${!bound_var}" bash -c 'python3 -m whetstone bench gpu --json --sections "$1" "${@:5}" \
-        >"$2/bench-$4.json" 2> >(tee -a "$3/bench.log" >&2)' _ "$section" "$WORK" "$OUT" "$run" "${extra[@]}" "${BENCH_EXTRA[@]}"
-    echo "=== bench $run JSON:"; cat "$WORK/bench-$run.json" 2>/dev/null; echo
+        >"$2/bench-$4.json" 2> >(tee -a "$3/bench.log" >&2)' _ "$section" "$OUT" "$OUT" "$run" "${extra[@]}" "${BENCH_EXTRA[@]}"
+    echo "=== bench $run JSON:"; cat "$OUT/bench-$run.json" 2>/dev/null; echo
+    merge_bench "$BENCH_RUNS" >/dev/null
 done
-
-# One object, as one `whetstone bench gpu --json` prints; a section whose run printed nothing says so.
-python3 - "$WORK" "$OUT/bench.json" "$BENCH_RUNS" <<'PY'
-import json, sys
-from pathlib import Path
-
-work, merged = Path(sys.argv[1]), {"failed": [], "seconds": {}}
-for run in sys.argv[3].split():
-    section = run.removesuffix("-invariant")
-    path = work / f"bench-{run}.json"
-    try:
-        result = json.loads(path.read_text())
-    except (OSError, ValueError):
-        merged[run] = {"error": "the bench run printed no JSON (timed out or crashed: see bench.log)"}
-        merged["failed"].append(run)
-        continue
-    merged["failed"] += [run for _ in result.pop("failed")]
-    merged["seconds"][run] = result.pop("seconds").get(section)
-    result[run] = result.pop(section)
-    merged = {**result, **merged}
-Path(sys.argv[2]).write_text(json.dumps(merged, indent=2, sort_keys=True) + "\n")
-print(json.dumps({k: merged[k] for k in ("device", "failed", "seconds") if k in merged}, indent=2))
-PY
+[ -n "$BENCH_RUNS" ] && merge_bench "$BENCH_RUNS"
 
 if [ "$RUN_S" != 0 ]; then
     stage run "$RUN_S" python3 -m whetstone run configs/gpu.toml --set "output_dir=\"$WORK/whole-run\"" \

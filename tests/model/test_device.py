@@ -61,9 +61,10 @@ def test_training_forward_and_backward_build_nothing_on_the_host(numerics, dtype
         _train_step(model, ids, targets, routes=routes)  # the RL trainer's replayed routes
     assert work.host_tensors == []
     # Per forward: the CPU's per-expert dispatch reads its slice sizes back once per MoE layer,
-    # the head the number of trained rows once, route checking the ids' range once.
+    # the head the number of trained rows once, route checking the ids' range once (routes on the
+    # host, as here; on a device the check is queued, not read back: tests/model/test_routes.py).
     layers = model.cfg.num_moe_layers
-    assert _functions(work.syncs) == {"expert_mlp": 2 * layers, "target_logprobs": 2, "check_routes": 1}
+    assert _functions(work.syncs) == {"expert_mlp": 2 * layers, "target_logprobs": 2, "check_route_ids": 1}
 
 
 @pytest.mark.parametrize("numerics", NUMERICS)
@@ -131,8 +132,8 @@ def test_grouped_model_trains_and_replays_routes_as_the_per_expert_one(dtype, ma
         with grouped_mm_on_cpu(), watch_host_work() as work:
             grouped_logprobs, grouped_routes, grouped_grads = _train_step(model, ids, targets)
             replayed_logprobs, _, replayed_grads = _train_step(model, ids, targets, routes=grouped_routes)
-    # No read-back in the expert dispatch: the head's and the route check's remain.
-    assert _functions(work.syncs) == {"target_logprobs": 2, "check_routes": 1}
+    # No read-back in the expert dispatch: the head's and the host routes' check remain.
+    assert _functions(work.syncs) == {"target_logprobs": 2, "check_route_ids": 1}
     assert torch.equal(grouped_routes, routes)
     tolerance = dict(rtol=1e-5, atol=1e-5) if dtype == "float32" else dict(rtol=2e-2, atol=2e-2)
     for got_logprobs, got_grads in ((grouped_logprobs, grouped_grads), (replayed_logprobs, replayed_grads)):

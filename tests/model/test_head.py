@@ -125,3 +125,22 @@ def test_targets_of_the_wrong_shape_are_rejected(make_config):
     cfg = make_config()
     with pytest.raises(WhetstoneError, match="targets have shape"):
         Transformer(cfg)(torch.zeros(2, 4, dtype=torch.long), targets=torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_chunks_are_sized_for_the_device_and_do_not_change_invariant_bits(monkeypatch):
+    # a CPU's chunk fits its cache (a few rows of a large vocabulary); a GPU's is large, so that
+    # a step is not thousands of tiny launches; under invariant numerics the chunk changes no bit
+    import whetstone.model.head as head
+
+    assert head._chunk_rows(32768, torch.device("cpu"), head.CHUNK_BYTES) == 8
+    assert head._chunk_rows(32768, torch.device("cuda", 0), head.CHUNK_BYTES) == 2048
+    torch.manual_seed(3)
+    hidden, weight = torch.randn(2, 9, 16), torch.randn(37, 16)
+    targets = torch.randint(0, 37, (2, 9))
+    results = []
+    for chunk_bytes in (4 * 37, 5 * 4 * 37, 1 << 30):  # 1 row, 5 rows, every row in one chunk
+        monkeypatch.setattr(head, "CHUNK_BYTES", chunk_bytes)
+        with ops.numerics("invariant"):
+            results.append(target_logprobs(hidden, weight, targets, with_entropy=True))
+    for logprobs, entropy in results[1:]:
+        assert torch.equal(logprobs, results[0][0]) and torch.equal(entropy, results[0][1])

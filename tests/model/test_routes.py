@@ -5,6 +5,7 @@ import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.model import Transformer, ops
+from whetstone.model.moe import check_routes
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -72,3 +73,12 @@ def test_bad_routes_are_rejected_with_a_clear_error(routes, message, make_config
     model = Transformer(cfg)
     with pytest.raises(WhetstoneError, match=message):
         model(torch.randint(0, cfg.vocab_size, (2, 8)), routes=routes)
+
+
+def test_routes_on_a_device_are_checked_without_a_read_back():
+    # a read-back would stall every forward; the check is queued with the forward's work instead
+    # (on the meta device, which holds no values, a read-back would raise)
+    routes = torch.full((1, 2, 1, 2), 5, device="meta")
+    check_routes(routes, (1, 2, 1, 2), num_experts=8)
+    with pytest.raises(WhetstoneError, match=r"expert ids in \[5, 5\], expected 0..3"):
+        check_routes(torch.full((1, 2, 1, 2), 5), (1, 2, 1, 2), num_experts=4)  # on the host: read back

@@ -22,6 +22,15 @@ from whetstone.utils.device import autocast_dtype
 
 CHUNK_BYTES = 1 << 20  # rows per chunk so that one chunk of fp32 logits stays in L2
 REDUCED_CHUNK_BYTES = 4 << 20  # bf16 compute: rows per chunk's matmul (fewer, larger matmuls)
+DEVICE_CHUNK_BYTES = 256 << 20
+"""On a GPU, chunks of fp32 logits this large: a chunk sized for a CPU's cache (8 rows at a
+32k vocabulary) would make each chunk's few kernels a launch of their own, thousands a step.
+Row-wise results do not depend on the chunk, so invariant numerics keep their bits."""
+
+
+def _chunk_rows(vocab: int, device: torch.device, cpu_bytes: int) -> int:
+    """Rows per chunk of [rows, vocab] fp32 logits: `cpu_bytes` of them on the CPU."""
+    return max(1, (cpu_bytes if device.type == "cpu" else DEVICE_CHUNK_BYTES) // (4 * vocab))
 
 
 def _probabilities(hidden, weight, targets, batch_invariant):
@@ -31,7 +40,7 @@ def _probabilities(hidden, weight, targets, batch_invariant):
     else:
         logits = torch.mm(hidden, weight.t())  # [N, V], softmax in fp32 (or better)
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-    rows = max(1, CHUNK_BYTES // (4 * logits.shape[1]))
+    rows = _chunk_rows(logits.shape[1], logits.device, CHUNK_BYTES)
     if batch_invariant:
         logprobs = logits.new_empty(logits.shape[0])
         for chunk, lp, target in zip(logits.split(rows), logprobs.split(rows), targets.split(rows)):
@@ -52,7 +61,7 @@ def _reduced_probabilities(hidden, weight, targets):
     normalised in fp32 while in cache, with no fp32 [N, V] matrix written, read back and cast."""
     probs = hidden.new_empty(hidden.shape[0], weight.shape[0])
     logprobs = hidden.new_empty(targets.shape[0], dtype=torch.float32)
-    rows = max(1, REDUCED_CHUNK_BYTES // (4 * probs.shape[1]))
+    rows = _chunk_rows(probs.shape[1], probs.device, REDUCED_CHUNK_BYTES)
     chunks = zip(hidden.split(rows), probs.split(rows), logprobs.split(rows), targets.split(rows))
     for part, chunk_probs, lp, target in chunks:
         chunk = torch.log_softmax(torch.mm(part, weight.t()).float(), dim=1)
@@ -72,7 +81,7 @@ class _TargetLogprobs(torch.autograd.Function):
             probs, logprobs = _probabilities(hidden, weight, targets, batch_invariant)
         entropy = logprobs.new_zeros(probs.shape[0])
         if with_entropy:
-            rows = max(1, CHUNK_BYTES // (4 * probs.shape[1]))
+            rows = _chunk_rows(probs.shape[1], probs.device, CHUNK_BYTES)
             for chunk, h in zip(probs.split(rows), entropy.split(rows)):
                 torch.sum(torch.special.entr(chunk), dim=1, out=h)
             entropy.masked_fill_(ignored, 0.0)

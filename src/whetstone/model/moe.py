@@ -88,16 +88,29 @@ def load_balancing_loss(ids: list[torch.Tensor], probs: list[torch.Tensor], num_
 
 
 def check_routes(routes: torch.Tensor, expected_shape: tuple[int, ...], num_experts: int) -> None:
-    """Reject routes that do not fit the model, naming the problem (they come from other processes)."""
+    """Reject routes that do not fit the model, naming the problem (they come from other processes).
+
+    Expert ids are read back only from host tensors. On a device, the check is queued with the
+    forward's work and fails it asynchronously: a read-back there would stall every forward
+    until the device caught up. The trainer checks a batch's routes on the host before moving it
+    (`check_route_ids`), so this is the last guard, against an out-of-bounds index in a kernel."""
     if tuple(routes.shape) != expected_shape:
         raise WhetstoneError(
             f"routes have shape {tuple(routes.shape)}, expected {expected_shape} [B, T, moe_layers, top_k]"
         )
     if routes.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
         raise WhetstoneError(f"routes must be an integer tensor, got {routes.dtype}")
+    if routes.device.type == "cpu":
+        check_route_ids(routes, num_experts)
+    elif routes.numel():
+        torch._assert_async(
+            ((routes >= 0) & (routes < num_experts)).all(), f"routes hold expert ids outside 0..{num_experts - 1}"
+        )
+
+
+def check_route_ids(routes: torch.Tensor, num_experts: int) -> None:
+    """Reject routes holding an id that is not one of `num_experts` experts (reads them back)."""
     if routes.numel():
-        # A read-back (one per forward, before any of its work is queued): an id outside the
-        # experts would fail later as an out-of-bounds index inside a kernel.
         low, high = torch.stack(torch.aminmax(routes)).tolist()
         if low < 0 or high >= num_experts:
             raise WhetstoneError(f"routes hold expert ids in [{low}, {high}], expected 0..{num_experts - 1}")

@@ -31,6 +31,7 @@ import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.model import Numerics, Transformer, ops
+from whetstone.model.moe import check_route_ids
 from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, LossInputs, LossStats, policy_loss, step_normalizer
@@ -200,7 +201,9 @@ def _demo_loss(
     device = _device_of(model)
     rows = anchor.rows.to(device)
     normalizer = rows.loss_mask.sum() if anchor.normalizer is None else anchor.normalizer
-    normalizer = torch.as_tensor(normalizer, device=device).clamp(min=1)
+    if not isinstance(normalizer, torch.Tensor):  # a number of the whole step: no blocking copy to the device
+        normalizer = torch.full((), normalizer, dtype=torch.float32, device=device)
+    normalizer = normalizer.clamp(min=1)
     unscale = None if logit_scale is None else torch.full((1,), math.exp(logit_scale.log_scale), device=device)
     total = torch.zeros((), device=device)
     with sampling_temperature(model, unscale):  # a temperature e^s: logits divided by e^s
@@ -238,6 +241,9 @@ def train_step(
     model, reference, logit_scale, loss_config = learner.model, learner.reference, learner.logit_scale, settings.loss
     if loss_config.kl_coef > 0 and reference is None:
         raise WhetstoneError("loss.kl_coef > 0 needs a reference model")
+    if batch.routes is not None and batch.routes.device.type == "cpu" and model.cfg.num_experts:
+        # here, on the host, rather than a read-back in each forward on the device
+        check_route_ids(batch.routes, model.cfg.num_experts)
     batch = batch.to(_device_of(model))
     if normalizer is None:
         normalizer = step_normalizer(batch.loss_mask, loss_config.aggregation, batch.rollout_shares)
