@@ -73,10 +73,12 @@ def package_version() -> str:
         return __version__
 
 
-def main() -> None:
+def main(args: list[str] | None = None) -> None:
+    """The `whetstone` command, on the process's arguments or on `args` (`python -m
+    whetstone.bench.sync ARGS` is `main(["bench", "sync", *ARGS])`)."""
     apply_role_environment()
     try:
-        app()
+        app(args=args, prog_name="whetstone" if args is not None else None)
     except SystemExit as done:  # how typer ends
         exit_process(done.code)
     except WhetstoneError as err:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import tomllib
 import types
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar, Union, get_args, get_origin
 
@@ -133,19 +133,42 @@ def _set_nested(data: dict[str, Any], path: list[str], value: Any, source: str) 
 def read_toml(path: str | Path) -> dict[str, Any]:
     path = Path(path)
     try:
-        return tomllib.loads(path.read_text())
+        return tomllib.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
+    except IsADirectoryError:
+        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text (a TOML file is)") from None
+    except OSError as err:
+        raise ConfigError(f"config file {path} is not readable: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
 
 
-def format_validation_error(err: ValidationError, source: str) -> str:
+_VALUE_ERROR_PREFIX = "Value error, "
+"""What pydantic puts before the message of a `ValueError` raised by a validator."""
+
+
+def format_validation_error(err: ValidationError, source: str, names: Mapping[str, str] | None = None) -> str:
+    """One line per error: the dotted key, what is wrong and the value given. A check across
+    fields (a validator of the whole config or of a section) shows its own message only: its
+    input is the whole table, too long to repeat and not what the message is about. `names`
+    renames top-level fields, for a config built from command-line options (`--dtype`)."""
     lines = [f"invalid config ({source}):"]
     for item in err.errors():
-        key = ".".join(str(part) for part in item["loc"]) or "<root>"
+        parts = [str(part) for part in item["loc"]]
+        if parts and names:
+            parts[0] = names.get(parts[0], parts[0])
+        key = ".".join(parts)
+        message = item["msg"]
+        if item["type"] == "value_error":
+            message = message.removeprefix(_VALUE_ERROR_PREFIX)
+            if not key or isinstance(item["input"], (dict, BaseModel)):  # across fields
+                lines.append(f"  {key}: {message}" if key else f"  {message}")
+                continue
         got = "" if item["type"] == "missing" else f" (got {item['input']!r})"
-        lines.append(f"  {key}: {item['msg']}{got}")
+        lines.append(f"  {key or 'config'}: {message}{got}")
     return "\n".join(lines)
 
 
@@ -165,7 +188,7 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
 
 
 def dump_toml(config: Config) -> str:
-    """Render a config as TOML (for run records and `whetstone config show`)."""
+    """Render a config as TOML: the record a run keeps of its config, and what `--dry-run` prints."""
     return _toml_table(config.model_dump(mode="json"), prefix="")
 
 

@@ -47,5 +47,24 @@ def render_task_record() -> str:
     return reference[reference.index("| key |") :]  # the table alone: the page has its own heading
 
 
+USAGE = """usage: python -m whetstone.config_reference [task]
+
+Print docs/configuration.md (every command's config fields), or with `task` the field table of
+the task record in docs/tasks.md."""
+
+
+def main(args: list[str]) -> int:
+    """The module's command line: no argument or `task`; `-h`/`--help` prints the usage, anything
+    else is refused with it (exit 2), not answered with the whole reference."""
+    if args in ([], ["task"]):
+        print(render_task_record() if args else render(), end="")
+        return 0
+    if args in (["-h"], ["--help"]):
+        print(USAGE)
+        return 0
+    print(f"error: unexpected argument{'s' * (len(args) > 1)}: {' '.join(args)}\n{USAGE}", file=sys.stderr)
+    return 2
+
+
 if __name__ == "__main__":
-    print(render_task_record() if sys.argv[1:] == ["task"] else render(), end="")
+    sys.exit(main(sys.argv[1:]))

@@ -1,4 +1,7 @@
+from pathlib import Path
+
 import pytest
+from pydantic import model_validator
 
 from whetstone.config import Config, dump_toml, load_config, parse_override
 from whetstone.errors import ConfigError
@@ -52,6 +55,63 @@ def test_bad_toml_and_missing_file(tmp_path):
         load_config(Outer, tmp_path / "nope.toml")
     with pytest.raises(ConfigError, match="KEY=VALUE"):
         parse_override("steps")
+
+
+def test_a_config_path_that_is_no_text_file_is_named(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=f"config file {tmp_path} is a directory"):
+        load_config(Outer, tmp_path)
+    binary = tmp_path / "c.toml"
+    binary.write_bytes(b"steps = 1\n\xff\xfe\x00")
+    with pytest.raises(ConfigError, match=f"config file {binary} is not UTF-8 text"):
+        load_config(Outer, binary)
+
+    def refuse(self, *args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_text", refuse)  # root reads any file, so no chmod here
+    with pytest.raises(ConfigError, match=f"config file {binary} is not readable: Permission denied"):
+        load_config(Outer, binary)
+
+
+class Checked(Config):
+    low: int = 0
+    """Low."""
+    high: int = 1
+    """High."""
+
+    @model_validator(mode="after")
+    def _ordered(self):
+        if self.low > self.high:
+            raise ValueError(f"low={self.low} must not exceed high={self.high}")
+        return self
+
+
+class Holder(Config):
+    steps: int = 1
+    """Steps."""
+    checked: Checked = Checked()
+    """A section with a check across its fields."""
+
+    @model_validator(mode="after")
+    def _enough_steps(self):
+        if self.steps < self.checked.high:
+            raise ValueError(f"steps={self.steps} must be at least checked.high={self.checked.high}")
+        return self
+
+
+def test_a_check_across_fields_shows_its_message_not_the_whole_input():
+    with pytest.raises(ConfigError) as caught:
+        load_config(Holder, None, ["checked.low=5"])
+    assert str(caught.value).splitlines() == [
+        "invalid config (defaults + overrides):",
+        "  checked: low=5 must not exceed high=1",
+    ]
+    with pytest.raises(ConfigError) as caught:
+        load_config(Holder, None, ["steps=0", "checked.high=3"])
+    assert str(caught.value).splitlines() == [
+        "invalid config (defaults + overrides):",
+        "  steps=0 must be at least checked.high=3",
+    ]
 
 
 def test_dump_round_trip(tmp_path):

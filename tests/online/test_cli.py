@@ -58,14 +58,27 @@ def test_rollback_republishes_a_version_with_its_bits_whatever_the_publish_dtype
 def test_rollback_refuses_what_it_cannot_do(tmp_path):
     sync = weights_with_versions(tmp_path, 2)
     missing = CliRunner().invoke(app, ["rollback", "7", "--set", f"sync.store={sync.store}"])
-    assert isinstance(missing.exception, WhetstoneError) and "version 7 is not in the weight store" in str(
-        missing.exception
-    )
+    assert isinstance(missing.exception, WhetstoneError)
+    assert str(missing.exception) == f"version 7 is newer than the latest (1) in the weight store {sync.store}"
     newest = CliRunner().invoke(app, ["rollback", "1", "--set", f"sync.store={sync.store}"])
-    assert "already the newest" in str(newest.exception)
+    assert str(newest.exception) == f"version 1 is already the newest in the weight store {sync.store}"
     (tmp_path / "empty").mkdir()
     empty = CliRunner().invoke(app, ["rollback", "0", "--set", f"sync.store={tmp_path / 'empty'}"])
     assert "is empty" in str(empty.exception)
+
+
+def test_rollback_to_a_collected_version_says_so(tmp_path):
+    sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="float32", keyframe_interval=1, keep_keyframes=1)
+    publisher = Publisher(WeightStore.open(sync), sync)
+    for version in range(3):
+        publisher.publish({"w": torch.full((4, 4), float(version))})
+    assert WeightStore.open(sync).versions() == [2]
+    with pytest.raises(WhetstoneError) as gone:
+        rollback(sync, 0)
+    assert str(gone.value) == (
+        f"version 0 is not in the weight store {sync.store} (stored versions: 2..2; "
+        "older ones were garbage-collected, see sync.keep_keyframes)"
+    )
 
 
 def test_rollback_refuses_a_store_that_does_not_exist(tmp_path):
@@ -95,6 +108,15 @@ def test_the_loop_runs_without_a_subcommand(tmp_path, two_style_dir):
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["updates"] == 1 and summary["published"] + summary["discarded"] == 1
+
+
+def test_a_model_that_does_not_load_leaves_no_folder_behind(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the default output_dir and stores are under runs/default
+    result = CliRunner().invoke(app, ["--set", "model_path=no-model", "--set", "nice=0"])
+    assert isinstance(result.exception, WhetstoneError) and "no-model/config.json does not exist" in str(
+        result.exception
+    )
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(

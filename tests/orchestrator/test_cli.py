@@ -8,6 +8,7 @@ from typer.testing import CliRunner
 from tests.orchestrator.orchestrator_support import Trainer, coin_tasks, model_folder, thread_servers
 from tests.utils.tracking_support import assert_tracked
 from whetstone.envs.tasks.io import write_tasks
+from whetstone.errors import WhetstoneError
 from whetstone.orchestrator.cli import app
 from whetstone.store import LocalStore
 
@@ -51,3 +52,17 @@ train_cut_off_calls = true
     # two groups run at once (concurrency 4, groups of 2): both may be kept before the batch is put
     assert record["groups.kept_groups"] in (1, 2) and "staleness_0" in record
     assert_tracked(tmp_path / "tensorboard" / "orchestrator", [record], step_key="index")
+
+
+@pytest.mark.parametrize(
+    "overrides, named",
+    [
+        ([], "harness.tokenizer_path is not set"),
+        (["--set", "harness.tokenizer_path=no-model"], "no-model/tokenizer.json does not exist"),
+    ],
+)
+def test_a_missing_tokenizer_is_named_before_any_folder_is_created(tmp_path, monkeypatch, overrides, named):
+    monkeypatch.chdir(tmp_path)  # the default stores are runs/default/{batches,weights}
+    result = CliRunner().invoke(app, ["orchestrator", *overrides])
+    assert isinstance(result.exception, WhetstoneError) and named in str(result.exception), result.exception
+    assert list(tmp_path.iterdir()) == []

@@ -42,7 +42,7 @@ from whetstone.cli import main
 from whetstone.utils.processes import sigterm_raises
 import whetstone.cli as cli
 
-def work():
+def work(**_):
     try:
         with sigterm_raises():
             pathlib.Path({str(tmp_path / "started")!r}).touch()

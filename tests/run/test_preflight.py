@@ -62,7 +62,7 @@ def test_a_run_folder_that_cannot_be_created_is_refused(tmp_path):
 
 def test_a_top_level_harness_rl_cannot_train_on_is_refused_when_applied(tmp_path):
     """The orchestrator refuses a truncated sampler; given at the top level, it is refused at once."""
-    with pytest.raises(ConfigError, match=r"rl.orchestrator: Value error, harness.sampling: .* temperature >= 1e-05"):
+    with pytest.raises(ConfigError, match=r"rl.orchestrator: harness.sampling: .* temperature >= 1e-05"):
         tiny_run(tmp_path, "harness.sampling.temperature=0").resolved()
 
 

@@ -1,7 +1,9 @@
+import pytest
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
 
 from tests.sync.conftest import FakeTrainer, bit_identical, published
+from whetstone.errors import ConfigError
 from whetstone.sync import WeightStore
 from whetstone.sync.cli import app
 
@@ -23,7 +25,7 @@ def test_publish_inspect_watch(tmp_path):
 
     result = runner.invoke(app, ["watch", store, "--until", "2", "--save", str(out)])
     assert result.exit_code == 0, result.output
-    assert "version None -> 2" in result.output
+    assert "version (none) -> 2" in result.output
     assert bit_identical(load_file(str(out)), published(trainer.state))
 
 
@@ -38,6 +40,23 @@ def test_bad_checkpoint_is_a_clear_error(tmp_path):
     assert result.exit_code != 0 and "--dtype autocast needs the model's embedding tables" in str(result.exception)
     result = runner.invoke(app, ["publish", str(tmp_path / "w"), str(tmp_path / "missing.safetensors")])
     assert "does not exist" in str(result.exception)
+
+
+@pytest.mark.parametrize(
+    "command, named",
+    [
+        (["publish", "STORE", "CKPT", "--dtype", "float64"], "--dtype 'float64' is not one of bfloat16, float16, "),
+        (["publish", "STORE", "CKPT", "--keyframe-interval", "0"], "--keyframe-interval: Input should be greater"),
+        (["watch", "STORE", "--poll-interval", "-1"], "--poll-interval: Input should be greater than 0 (got -1.0)"),
+    ],
+)
+def test_a_bad_option_is_a_config_error_naming_it(tmp_path, command, named):
+    checkpoint = tmp_path / "ckpt.safetensors"
+    save_file({k: v.contiguous() for k, v in FakeTrainer().step().items()}, str(checkpoint))
+    paths = {"STORE": str(tmp_path / "weights"), "CKPT": str(checkpoint)}
+    result = runner.invoke(app, [paths.get(arg, arg) for arg in command])
+    assert isinstance(result.exception, ConfigError) and named in str(result.exception), result.exception
+    assert not (tmp_path / "weights").exists()
 
 
 def test_inspect_an_empty_store(tmp_path):
@@ -60,4 +79,4 @@ def test_watch_goes_on_after_a_store_hiccup(tmp_path, monkeypatch):
     monkeypatch.setattr(WeightStore, "head", flaky_head)
     result = runner.invoke(app, ["watch", store, "--until", "0", "--timeout", "10", "--poll-interval", "0.01"])
     assert result.exit_code == 0, result.output
-    assert len(calls) >= 2 and "version None -> 0" in result.output
+    assert len(calls) >= 2 and "version (none) -> 0" in result.output

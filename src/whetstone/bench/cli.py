@@ -36,6 +36,16 @@ def _bench(name: str):
     return importlib.import_module(f"whetstone.bench.{name}")
 
 
+def run_as_module(name: str) -> None:
+    """`python -m whetstone.bench.NAME ARGS`: `whetstone bench NAME ARGS`, the same command with
+    the same options, help and error handling."""
+    import sys
+
+    from whetstone.cli import main
+
+    main(["bench", name, *sys.argv[1:]])
+
+
 @app.command()
 def sync(
     as_json: bool = JSON,

@@ -664,5 +664,7 @@ def run(
     return {**result, "seconds": seconds, "failed": failed}
 
 
-if __name__ == "__main__":
-    print(json.dumps(run(), indent=2))
+if __name__ == "__main__":  # `whetstone bench gpu`, options included
+    from whetstone.bench.cli import run_as_module
+
+    run_as_module("gpu")

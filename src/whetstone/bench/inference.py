@@ -291,7 +291,7 @@ def run(
     }
 
 
-if __name__ == "__main__":
-    import json
+if __name__ == "__main__":  # `whetstone bench inference`, options included
+    from whetstone.bench.cli import run_as_module
 
-    print(json.dumps(run(), indent=2))
+    run_as_module("inference")

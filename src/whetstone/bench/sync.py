@@ -353,7 +353,7 @@ def run(
     return result
 
 
-if __name__ == "__main__":
-    import json
+if __name__ == "__main__":  # `whetstone bench sync`, options included
+    from whetstone.bench.cli import run_as_module
 
-    print(json.dumps(run(), indent=2))
+    run_as_module("sync")

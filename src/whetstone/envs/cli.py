@@ -33,18 +33,20 @@ def validate(
     cache: Path | None = typer.Option(None, help="JSON file remembering results by task content hash."),
 ) -> None:
     """Run every task's reference solution (must pass) and its starting repository (must fail) in sandboxes.
-    Exits 1 if any task is invalid (each is listed with the reason), 2 on bad input."""
+    Exits 1 if any task is invalid (each is listed with the reason) or there is none, 2 on bad input."""
     from whetstone.envs.tasks.registry import source_records
     from whetstone.envs.tasks.validate import validate_records
 
     report = validate_records(source_records(source, overrides, config), workers=workers, cache_path=cache)
     if as_json:
         typer.echo(json.dumps(report.to_json()))
-    else:
+    elif report.total:
         typer.echo(f"{len(report.valid)} of {report.total} tasks valid")
         for item in report.invalid:
             typer.echo(f"  invalid {item['id']}: {item['reason']}")
-    if report.invalid:
+    if not report.total:  # nothing a run could train or evaluate on (`run` refuses it too)
+        typer.echo(f"{source} holds no tasks", err=True)
+    if report.invalid or not report.total:
         raise typer.Exit(1)
 
 

@@ -61,7 +61,6 @@ class OnlineLoop:
         configure_process(config.threads)
         self.config = config
         self.run_dir = Path(config.output_dir).expanduser()
-        self.run_dir.mkdir(parents=True, exist_ok=True)  # update() saves its cursor here, run() or not
         self.checkpoints = self.run_dir / "checkpoints"
         self.device = resolve_device(config.device)
         use_device(self.device)
@@ -74,6 +73,8 @@ class OnlineLoop:
             dtype=config.dtype,
             device=str(self.device),
         )  # the servers' (docs/online.md)
+        # created once the model loaded: a wrong model_path leaves no folder behind
+        self.run_dir.mkdir(parents=True, exist_ok=True)  # update() saves its cursor here, run() or not
         self.weights = WeightStore.open(config.sync)
         self.feedback = FeedbackStore.open(config.feedback_store)
         state_path = self.run_dir / "state.json"
@@ -103,7 +104,7 @@ class OnlineLoop:
                 self.model.load_state_dict(served)
             except RuntimeError as err:  # missing or extra tensors, other shapes
                 raise WhetstoneError(
-                    f"version {latest} in {self.weights!r} is not a version of the model in "
+                    f"version {latest} in the weight store {self.config.sync.store} is not a version of the model in "
                     f"{self.config.model_path}: {err}"
                 ) from None
             self.publisher.resume()  # the next version is a delta on this one

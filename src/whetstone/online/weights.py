@@ -31,15 +31,17 @@ def load_version(store: WeightStore, config: SyncConfig, version: int) -> dict[s
     """The weights of `version`, rebuilt from its keyframe and deltas, every chunk verified."""
     stored = store.versions()
     if version not in stored:
-        shown = f"{stored[0]}..{stored[-1]}" if stored else "none"
-        raise WhetstoneError(
-            f"version {version} is not in the weight store {store!r} (stored versions: {shown}; "
-            "older ones were garbage-collected, see sync.keep_keyframes)"
-        )
+        where = f"the weight store {config.store}"
+        if not stored:
+            raise WhetstoneError(f"version {version} is not in {where}: it holds no versions")
+        if version > stored[-1]:
+            raise WhetstoneError(f"version {version} is newer than the latest ({stored[-1]}) in {where}")
+        why = "; older ones were garbage-collected, see sync.keep_keyframes" if version < stored[0] else ""
+        raise WhetstoneError(f"version {version} is not in {where} (stored versions: {stored[0]}..{stored[-1]}{why})")
     subscriber = Subscriber(_StoreAsOf(store, version), config, name=f"load-{version}")
     if subscriber.poll() != version:
         problems = "; ".join(f"{v}: {why}" for v, why in subscriber.rejected.items()) or "a chunk is missing"
-        raise WhetstoneError(f"version {version} cannot be rebuilt from {store!r}: {problems}")
+        raise WhetstoneError(f"version {version} cannot be rebuilt from the weight store {config.store}: {problems}")
     return subscriber.state
 
 
@@ -50,9 +52,9 @@ def rollback(config: SyncConfig, version: int) -> Manifest:
     store = WeightStore.open(config, create=False)
     latest = store.latest()
     if latest is None:
-        raise WhetstoneError(f"the weight store {store!r} is empty: nothing to roll back")
+        raise WhetstoneError(f"the weight store {config.store} is empty: nothing to roll back")
     if version == latest:
-        raise WhetstoneError(f"version {version} is already the newest in {store!r}")
+        raise WhetstoneError(f"version {version} is already the newest in the weight store {config.store}")
     # as they were published (`keep`): publishing them anew in publish_dtype could round them again
     # (`autocast` would need the model's embedding tables, which a store does not name)
     as_published = config.model_copy(update={"publish_dtype": "keep"})

@@ -28,11 +28,13 @@ def orchestrator(
     import logging
 
     from whetstone.config import load_config
+    from whetstone.envs.harness.loop import AgentHarness
     from whetstone.orchestrator.config import OrchestratorConfig
     from whetstone.orchestrator.loop import Orchestrator
     from whetstone.utils.progress import progress_bar
 
     settings = load_config(OrchestratorConfig, config, overrides)
+    AgentHarness.from_config(settings.harness)  # its tokenizer is named if missing, before the stores are created
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the orchestrator's own log
     with progress_bar(settings.max_batches or None, "orchestrator", "batch") as bar:  # on stderr

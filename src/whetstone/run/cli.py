@@ -14,7 +14,7 @@ def run(
     overrides: list[str] = typer.Option(
         [], "--set", "-s", help="Override a field: KEY=VALUE, e.g. midtrain.run.steps=50."
     ),
-    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object."),
+    as_json: bool = typer.Option(False, "--json", help="Print the summary as one JSON object (not with --dry-run)."),
     dry_run: bool = typer.Option(
         False,
         "--dry-run",
@@ -40,6 +40,10 @@ def run(
     from whetstone.run.preflight import check_run_config
     from whetstone.utils.processes import sigterm_raises
 
+    if dry_run and as_json:
+        raise ConfigError(
+            "--dry-run prints the resolved config as TOML; --json is for a run's summary: give one of them"
+        )
     loaded = load_config(PipelineConfig, config, overrides)
     torchrun = int(os.environ.get("WORLD_SIZE") or 1) > 1
     if midtrain_only and not dry_run:

@@ -16,10 +16,31 @@ STORE = typer.Argument(..., help="Weight store: a directory or s3://bucket/prefi
 ENDPOINT = typer.Option(None, "--endpoint-url", help="S3 endpoint for non-AWS stores (MinIO, moto...).")
 
 
+_OPTIONS = {
+    "store": "STORE",
+    "endpoint_url": "--endpoint-url",
+    "publish_dtype": "--dtype",
+    "keyframe_interval": "--keyframe-interval",
+    "poll_interval": "--poll-interval",
+}
+"""The option that sets each `SyncConfig` field `_open` fills, to name it in errors."""
+
+PUBLISH_DTYPES = ("bfloat16", "float16", "float32", "keep")
+"""What `sync publish --dtype` takes: `SyncConfig.publish_dtype` but `autocast`, which needs the
+model's embedding tables (kept in fp32) that a bare state dict does not name."""
+
+
 def _open(store: str, endpoint_url: str | None, create: bool = False, **overrides):
+    from pydantic import ValidationError
+
+    from whetstone.config import format_validation_error
+    from whetstone.errors import ConfigError
     from whetstone.sync import SyncConfig, WeightStore
 
-    config = SyncConfig(store=store, endpoint_url=endpoint_url, **overrides)
+    try:
+        config = SyncConfig(store=store, endpoint_url=endpoint_url, **overrides)
+    except ValidationError as err:
+        raise ConfigError(format_validation_error(err, "command-line options", _OPTIONS)) from None
     return WeightStore.open(config, create=create), config
 
 
@@ -41,7 +62,11 @@ def publish(
     store: str = STORE,
     checkpoint: Path = typer.Argument(..., help="A .safetensors state dict to publish as the next version."),
     full: bool = typer.Option(False, "--full", help="Publish a full version (keyframe) instead of a delta."),
-    dtype: str = typer.Option("bfloat16", help="Dtype floats are published in: bfloat16, float16, float32, keep."),
+    dtype: str = typer.Option(
+        "bfloat16",
+        help="Dtype floats are published in: bfloat16, float16, float32, keep (as stored in the file). "
+        "Not autocast: it needs the model's embedding tables, so only the trainer publishes it.",
+    ),
     keyframe_interval: int = typer.Option(20, help="A full version every this many versions."),
     endpoint_url: str | None = ENDPOINT,
 ) -> None:
@@ -51,6 +76,8 @@ def publish(
 
     if dtype == "autocast":  # it keeps the embedding tables in fp32, which a bare state dict does not name
         raise ConfigError("--dtype autocast needs the model's embedding tables: publish from the trainer, or use keep")
+    if dtype not in PUBLISH_DTYPES:
+        raise ConfigError(f"--dtype {dtype!r} is not one of {', '.join(PUBLISH_DTYPES)}")
 
     weights, config = _open(store, endpoint_url, create=True, publish_dtype=dtype, keyframe_interval=keyframe_interval)
     publisher = Publisher(weights, config)
@@ -98,7 +125,8 @@ def watch(
                 typer.echo(f"rejected version {version}: {reason}", err=True)
         if update is not None:
             typer.echo(
-                f"version {before} -> {subscriber.version}: {update.values_written} values written, "
+                f"version {'(none)' if before is None else before} -> {subscriber.version}: "
+                f"{update.values_written} values written, "
                 f"fetched and decoded in {time.perf_counter() - started:.3f}s"
             )
             if save is not None:

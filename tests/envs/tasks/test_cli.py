@@ -7,6 +7,7 @@ from typer.testing import CliRunner
 from whetstone.envs.cli import app
 from whetstone.envs.tasks.io import read_tasks
 from whetstone.envs.tasks.synth import SynthConfig, generate
+from whetstone.errors import WhetstoneError
 
 runner = CliRunner()
 
@@ -103,3 +104,30 @@ def test_export_does_not_replace_a_directory_of_other_files(tmp_path):
     runner.invoke(app, ["export", "synth", str(tmp_path / "tasks"), "-s", "count=2"])
     again = runner.invoke(app, ["export", "synth", str(tmp_path / "tasks"), "-s", "count=3"])  # a task set is replaced
     assert again.exit_code == 0 and len(read_tasks(tmp_path / "tasks")) == 3
+
+
+def test_a_cache_that_is_a_directory_is_refused_before_validating(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"id": "broken"}\n')
+    result = runner.invoke(app, ["validate", str(path), "--cache", str(tmp_path)])
+    assert isinstance(result.exception, WhetstoneError), result.exception
+    assert str(result.exception) == f"validation cache {tmp_path} is a directory, not a JSON file"
+    assert "validate tasks" not in result.stderr  # refused before any task ran
+
+
+def test_the_progress_bar_counts_unreadable_records_as_invalid(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text('{"id": "a"}\nnot json\n')
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 1 and "0 of 2 tasks valid" in result.stdout, result.output
+    assert result.stderr.splitlines()[-1].endswith("invalid=2"), result.stderr
+
+
+def test_a_source_holding_no_tasks_fails_validation(tmp_path):
+    path = tmp_path / "tasks.jsonl"
+    path.write_text("")
+    result = runner.invoke(app, ["validate", str(path)])
+    assert result.exit_code == 1 and f"{path} holds no tasks" in result.stderr, result.output
+    assert "0 of 0" not in result.stdout
+    as_json = runner.invoke(app, ["validate", str(path), "--json"])
+    assert as_json.exit_code == 1 and json.loads(as_json.stdout)["total"] == 0

@@ -28,6 +28,7 @@ from whetstone.envs.task import Task, missing_visible_tests
 from whetstone.envs.tasks.bugs import listed
 from whetstone.envs.tasks.io import Record
 from whetstone.envs.tasks.patches import apply_patch_to_task
+from whetstone.errors import WhetstoneError
 from whetstone.utils.atomic import atomic_write_json
 from whetstone.utils.progress import progress_bar
 
@@ -98,10 +99,15 @@ def task_hash(task: Task) -> str:
 def _load_cache(path: Path | None) -> dict[str, str | None]:
     if path is None or not path.exists():
         return {}
+    if path.is_dir():  # it would be found out only when written, after every task ran
+        raise WhetstoneError(f"validation cache {path} is a directory, not a JSON file")
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError:
+        cache = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return {}  # a damaged cache only costs a re-validation
+    except OSError as err:
+        raise WhetstoneError(f"validation cache {path} cannot be read: {err.strerror or err}") from None
+    return cache if isinstance(cache, dict) else {}
 
 
 def validate_records(
@@ -112,9 +118,9 @@ def validate_records(
 ) -> ValidationReport:
     """Validate every record (bad records are reported as invalid), `workers` tasks at a time,
     with a progress bar on stderr."""
-    records = list(records)
     cache_file = Path(cache_path) if cache_path is not None else None
-    cache = _load_cache(cache_file)
+    cache = _load_cache(cache_file)  # before the records, which a generator may take minutes to make
+    records = list(records)
     report = ValidationReport(total=len(records))
 
     def check(record: Record) -> str | None:
@@ -131,12 +137,13 @@ def validate_records(
 
     readable = [record for record in records if record.task is not None]
     reasons: list[str | None] = []  # in the order of `readable`
+    unreadable = len(records) - len(readable)
     with progress_bar(len(records), "validate tasks", "task") as bar:
-        bar.update(len(records) - len(readable))  # unreadable records need no sandbox
+        bar.update(unreadable, invalid=unreadable)  # unreadable records need no sandbox, and are invalid
         with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
             for reason in pool.map(check, readable):
                 reasons.append(reason)
-                bar.update(1, invalid=sum(r is not None for r in reasons))
+                bar.update(1, invalid=unreadable + sum(r is not None for r in reasons))
     pending = iter(reasons)
     for record in records:
         if record.task is None:
