@@ -154,6 +154,16 @@ def test_invariant_backward_is_deterministic_and_agrees_with_fast(kind):
 
 
 def test_invariant_backward_under_bf16_autocast_agrees_with_fast():
+    # Each gradient is compared at its own scale (many are far below any one absolute
+    # tolerance): same direction and same size. bf16 rounds fast and invariant differently
+    # (cosine about 0.9998, norms within 0.3% here), so the bounds leave room for other CPUs'
+    # kernels while a lost, scaled or scrambled gradient still fails.
     model = model_for("moe").train()
-    for ours, theirs in zip(gradients(model, "invariant", torch.bfloat16), gradients(model, "fast", torch.bfloat16)):
-        torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0.1)
+    names = [name for name, _ in model.named_parameters()]
+    ours_all, theirs_all = gradients(model, "invariant", torch.bfloat16), gradients(model, "fast", torch.bfloat16)
+    for name, ours, theirs in zip(names, ours_all, theirs_all, strict=True):
+        ours, theirs = ours.double().flatten(), theirs.double().flatten()
+        assert theirs.norm() > 0, name
+        cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=0).item()
+        ratio = (ours.norm() / theirs.norm()).item()
+        assert cosine > 0.99 and 0.95 < ratio < 1.05, (name, cosine, ratio)

@@ -37,7 +37,9 @@ def next_batch(world):
     return feedback_batch(rated, world.config, world.loop.version).batch
 
 
-@pytest.mark.parametrize("world", [BF16_STORE, BF16_STORE | {"logit_scale_lr": 0.05}], indirect=True)
+@pytest.mark.parametrize(
+    "world", [BF16_STORE, BF16_STORE | {"logit_scale_lr": 0.0}], indirect=True, ids=["logit-scale", "no-logit-scale"]
+)
 def test_a_restarted_loop_takes_the_same_next_update_as_an_uninterrupted_one(world):
     world.feedback(16)
     assert world.loop.update()["decision"] == "published"  # version 1, with Adam moments

@@ -31,9 +31,12 @@ def users(two_style_dir, tmp_path):
 
 
 def test_users_rate_each_reply_by_their_hidden_taste(users, tmp_path):
-    exchanges = users.run(generate(USER_TASKS), users=2, requests=12)
+    tasks = {task.id: task for task in generate(USER_TASKS)}
+    exchanges = users.run(list(tasks.values()), users=2, requests=12)
     assert len(exchanges) == 12 and all(e.latency_s > 0 and e.rated_at for e in exchanges)
     assert 0 < sum(e.liked for e in exchanges) < 12  # the model still answers both ways
+    taste = MatchesPattern(PREFERS_CODE)
+    assert [e.liked for e in exchanges] == [taste.likes(tasks[e.task_id], e.reply) for e in exchanges]
     ratings = {
         r.response.response_id: r.rating for r in FeedbackStore.open(str(tmp_path / "feedback.db")).rated_after(0, 99)
     }
@@ -41,8 +44,14 @@ def test_users_rate_each_reply_by_their_hidden_taste(users, tmp_path):
 
 
 def test_measuring_the_preference_gives_no_feedback(users, tmp_path):
-    rate = users.preference_rate(generate(USER_TASKS)[:6], samples=2)
-    assert 0.0 <= rate <= 1.0
+    # The rate is the share of replies the taste likes: a taste for anything likes them all, a
+    # taste for nothing none, the hidden one some (the model answers both ways).
+    tasks = generate(USER_TASKS)[:6]
+    rates = []
+    for pattern in ("", r"(?!)", PREFERS_CODE):
+        users.preference = MatchesPattern(pattern)
+        rates.append(users.preference_rate(tasks, samples=2))
+    assert rates[:2] == [1.0, 0.0] and 0.0 < rates[2] < 1.0
     assert FeedbackStore.open(str(tmp_path / "feedback.db")).count_after(0) == 0
 
 

@@ -1,6 +1,7 @@
 """The run report: one self-contained HTML page, whatever the run managed to write."""
 
 import json
+import os
 import re
 from collections import Counter
 
@@ -251,9 +252,23 @@ def test_a_run_stopped_during_rl_plots_the_bases_temperature_curve_from_its_eval
     assert "<h2>Held-out pass@1 by sampling temperature</h2>\n<img " in page
 
 
-def test_the_report_replaces_an_old_one_atomically(full_run):
+def test_the_report_replaces_an_old_one_atomically(full_run, tmp_path):
     run_dir, path, page = full_run
     assert [p.name for p in run_dir.iterdir() if p.name.startswith(".")] == []  # no temporary left behind
+    # A rewrite renames a new file over the old one: a reader that opened the old report still
+    # reads all of it, never a truncated or half-written page.
+    summary = {"wall_s": 5.0, "heldout_pass1_before": 0.5, "heldout_pass1_after": None, "config": {}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    path = write_report(tmp_path)
+    first = path.read_text()
+    with path.open() as reader:
+        summary["heldout_pass1_before"] = 0.25
+        (tmp_path / "summary.json").write_text(json.dumps(summary))
+        assert write_report(tmp_path) == path
+        assert os.fstat(reader.fileno()).st_ino != path.stat().st_ino
+        assert reader.read() == first and "held-out pass@1: 50.0%" in first
+    assert "held-out pass@1: 25.0%" in path.read_text()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
 def test_a_run_with_only_a_summary_says_what_was_not_recorded(tmp_path):

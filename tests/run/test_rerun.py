@@ -78,17 +78,21 @@ def test_an_evaluation_is_run_again_when_the_policy_or_its_temperatures_changed(
     assert len(runs) == 2 and again["temperatures"][-1] == pytest.approx(1.8)
     assert json.loads((tmp_path / "r" / "eval" / "after" / "evaluated.json").read_text())["weight_version"] == 28
     assert pipeline.evaluate("after", 1.8) == again and len(runs) == 2
+    # the same checkpoint at other temperatures (another learned scale): evaluated again
+    rescaled = pipeline.evaluate("after", 2.5)
+    assert len(runs) == 3 and rescaled["temperatures"][-1] == pytest.approx(2.5)
+    assert pipeline.evaluate("after", 2.5) == rescaled and len(runs) == 3
 
     pipeline.evaluate("before")
-    assert pipeline.evaluate("before") is not None and len(runs) == 3
+    assert pipeline.evaluate("before") is not None and len(runs) == 4
     (pipeline.model_dir / "model.safetensors").write_bytes(b"mid-trained again")  # a new mid-trained model
     rerun = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r"))
     rerun.evaluate("before")
-    assert runs == ["held-out eval (after)"] * 2 + ["held-out eval (before)"] * 2
+    assert runs == ["held-out eval (after)"] * 3 + ["held-out eval (before)"] * 2
     # a report without a record of what it evaluated is not trusted either
     (tmp_path / "r" / "eval" / "before" / "evaluated.json").unlink()
     rerun.evaluate("before")
-    assert len(runs) == 5
+    assert len(runs) == 6
 
 
 def test_the_evaluation_before_rl_is_not_run_against_rl_trained_weights(tmp_path, monkeypatch):

@@ -43,25 +43,30 @@ def test_freed_large_blocks_are_reused_instead_of_mapped_afresh():
     assert kept < default / 4
 
 
-def test_configure_process_sets_the_thread_count():
+@pytest.fixture
+def other_thread_count():
+    """Torch set to 3 threads, a count neither test below asks for (other tests leave it at 1,
+    which would make the asserts hold whatever `configure_process` did); restored after."""
     threads = torch.get_num_threads()
-    try:
-        configure_process(1)
-        assert torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(threads)
+    torch.set_num_threads(3)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_configure_process_sets_the_thread_count(other_thread_count):
+    configure_process(2)
+    assert torch.get_num_threads() == 2
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores, to pin the process to one")
-def test_all_cores_are_the_cores_a_pinned_process_may_use():
-    usable, threads = os.sched_getaffinity(0), torch.get_num_threads()
+def test_all_cores_are_the_cores_a_pinned_process_may_use(other_thread_count):
+    usable = os.sched_getaffinity(0)
     try:
         os.sched_setaffinity(0, {min(usable)})  # a role placed on one core
         configure_process(0)
         assert torch.get_num_threads() == 1
     finally:
         os.sched_setaffinity(0, usable)
-        torch.set_num_threads(threads)
 
 
 def test_auto_dtype_is_bfloat16_only_where_the_cpu_multiplies_bf16_natively(monkeypatch):

@@ -35,6 +35,8 @@ class Exchange:
     """When the feedback was accepted (time.time()), or None if none was given."""
     seed: int | None = None
     """The request's sampling seed (None: the server's own randomness)."""
+    reply: str = ""
+    """The reply's text, as the user judged it."""
 
 
 class UserSimulator:
@@ -87,8 +89,9 @@ class UserSimulator:
         started = time.perf_counter()
         answer = self._post(url, "/chat/completions", request)
         latency = time.perf_counter() - started
-        liked = self.preference.likes(task, answer["choices"][0]["message"]["content"] or "")
-        exchange = Exchange(task.id, answer["id"], liked, latency, seed=seed)
+        reply = answer["choices"][0]["message"]["content"] or ""
+        liked = self.preference.likes(task, reply)
+        exchange = Exchange(task.id, answer["id"], liked, latency, seed=seed, reply=reply)
         if give_feedback:
             self._post(url, "/feedback", {"id": answer["id"], "rating": "thumbs_up" if liked else "thumbs_down"})
             exchange.rated_at = time.time()

@@ -48,6 +48,12 @@ TRAJECTORIES = [
 def test_solved_means_ran_unflagged_and_every_required_test_passed():
     assert [solved(t) for t in TRAJECTORIES] == [True, True, False, True, False, False]
     assert not solved(rollout("c", tests=0.5))  # partial credit is not a solve
+    # The trajectory's own `solved` (every test passed) is not enough: a cheat flag or a
+    # failed rollout is not a solve even when it is set.
+    flagged = rollout("c", tests=1.0, flags=["conftest: conftest.py"])
+    failed = rollout("c", status="failed").model_copy(update={"solved": True})
+    assert flagged.solved and failed.solved
+    assert not solved(flagged) and not solved(failed)
 
 
 def test_report_numbers():

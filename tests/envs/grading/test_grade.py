@@ -9,6 +9,7 @@ from whetstone.envs.grading.grade import changes_diff, compiled_runner, encode_p
 from whetstone.envs.grading.in_sandbox import grade_runner
 from whetstone.envs.grading.reward import Effort, RewardConfig, combine, effort_penalty
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
+from whetstone.envs.sandbox.sandbox import _runtime
 from whetstone.envs.task import Task
 
 BUGGY = "def mean(values):\n    return sum(values) / (len(values) + 1)\n"
@@ -151,6 +152,10 @@ def test_a_change_that_would_turn_a_hidden_test_or_a_kept_file_into_a_folder_is_
 
 
 def test_grading_leaves_nothing_behind(tmp_path, monkeypatch):
+    # The folders that live as long as the process (the compiled runner, the sandboxes' root) are
+    # made first, in the usual temporary folder; what then appears in tmp_path is one grade's.
+    compiled_runner()
+    _runtime(RewardConfig().sandbox)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the grader keeps its results
     task = bugfix_task()
     grade(task, task.solution_files)
