@@ -111,3 +111,32 @@ def test_a_mirror_follows_what_readers_of_the_source_see_while_a_withdraw_stands
     assert (manifest.version, manifest.kind) == (2, "full") and held(eu) == held(store)
     assert eu.head() == store.head() and follower.poll() == 2
     assert bit_identical(follower.state, published(trainer.state))
+
+
+def test_a_withdrawal_in_the_source_while_mirroring_leaves_the_mirror_pointing_at_a_version_it_holds(
+    tmp_path, config, trainer, monkeypatch
+):
+    source = WeightStore(LocalStore(tmp_path / "weights"))
+    eu = WeightStore(LocalStore(tmp_path / "eu"))
+    publisher = Publisher(source, config)
+    for _ in range(4):
+        publisher.publish(trainer.step())
+    eu.mirror(source)
+    follower = Subscriber(eu, config)
+    assert follower.poll() == 3
+    publisher.publish(trainer.step())  # version 4, not mirrored yet
+    versions = source.versions
+
+    def withdrawn_first():  # `sync withdraw --from 4` lands between the mirror's reads of the source
+        monkeypatch.setattr(source, "versions", versions)
+        source.withdraw(4)
+        return versions()
+
+    monkeypatch.setattr(source, "versions", withdrawn_first)
+    eu.mirror(source)
+    assert source.head().version == 3 and eu.head() == source.head() and held(eu) == held(source)
+    assert follower.poll() == 3 and not follower.rejected
+    manifest = publisher.publish(trainer.step())  # a keyframe at 4 again
+    assert eu.mirror(source) == [4]
+    assert eu.head() == source.head() == (4, manifest.digest) and follower.poll() == 4
+    assert bit_identical(follower.state, published(trainer.state))

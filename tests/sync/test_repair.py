@@ -5,6 +5,7 @@ held a withdrawn version re-sync, all ending bit-identical to the repaired store
 import copy
 import json
 import shutil
+import threading
 import uuid
 
 import pytest
@@ -360,3 +361,93 @@ def test_a_withdraw_finishes_one_from_an_older_version_that_did_not_complete(tmp
     result = runner.invoke(app, ["inspect", str(objects.root)])
     assert "a withdrawal of versions from 2 on is running or did not complete" in result.output
     assert weights.withdraw(4) == [2, 3, 4] and weights.head().version == 1 and weights.withdrawal() is None
+
+
+def test_a_publisher_finishing_a_withdrawal_that_another_process_completes_leaves_the_repair_alone(
+    tmp_path, config, trainer
+):
+    class Pausing(LocalStore):
+        """Pauses at its first chunk delete: the trainer's finishing is slow (GBs of chunks)."""
+
+        armed = False
+        paused, go = threading.Event(), threading.Event()
+
+        def delete(self, key):
+            if self.armed and key.endswith(".bin"):
+                self.armed = False
+                self.paused.set()
+                assert self.go.wait(30)
+            super().delete(key)
+
+    class Operator(LocalStore):
+        """Once its withdraw has recorded itself and moved the pointer, the trainer publishes."""
+
+        def put(self, key, data):
+            super().put(key, data)
+            if key == "latest.json" and not running.is_alive():
+                running.start()
+                assert trainer_objects.paused.wait(30)  # the trainer is finishing the withdrawal
+
+    trainer_objects = Pausing(tmp_path / "weights")
+    weights = WeightStore(trainer_objects)
+    publisher = Publisher(weights, config.model_copy(update={"keyframe_interval": 50}))
+    for _ in range(7):
+        publisher.publish(trainer.step())  # versions 0..6, a chain of deltas
+    published_by_trainer = []
+    running = threading.Thread(target=lambda: published_by_trainer.append(publisher.publish(trainer.step())))
+    trainer_objects.armed = True
+
+    operator = WeightStore(Operator(tmp_path / "weights"))  # `sync withdraw --from 5`, another process
+    assert operator.withdraw(5) == [5, 6] and operator.withdrawal() is None
+    fixed = FakeTrainer(seed=9)
+    repair = Publisher(operator, config)
+    assert repair.resume() == 4
+    manifest = repair.publish(fixed.step(), full=True)  # then `sync publish --full`: version 5 again
+    assert (manifest.version, manifest.kind) == (5, "full")
+    trainer_objects.go.set()
+    running.join(30)
+
+    (mine,) = published_by_trainer  # its version 6 was withdrawn: a keyframe after the repair
+    assert (mine.version, mine.kind) == (6, "full")
+    assert weights.versions() == [5, 6] and weights.manifest_digest(5) == manifest.digest  # two keyframes kept
+    assert weights.head() == (6, mine.digest) and weights.withdrawal() is None and weights.verify() == {}
+    assert trainer_objects.list("versions/0000000005/") == sorted([*(c.key for c in manifest.chunks), manifest_key(5)])
+    follower = Subscriber(weights, config)
+    assert follower.poll() == 6 and bit_identical(follower.state, published(trainer.state))
+
+
+class DiesAtAChunk(LocalStore):
+    """A local store whose process dies at its first chunk delete once armed."""
+
+    armed = False
+
+    def delete(self, key):
+        if self.armed and key.endswith(".bin"):
+            self.armed = False
+            raise RuntimeError("killed")
+        super().delete(key)
+
+
+@pytest.mark.parametrize("finisher", ["sync withdraw", "a restart"])
+def test_a_withdraw_that_died_among_the_chunks_is_finished_and_leaves_no_chunk(tmp_path, config, trainer, finisher):
+    objects = DiesAtAChunk(tmp_path / "weights")
+    weights = WeightStore(objects)
+    publisher = Publisher(weights, config)
+    for _ in range(5):
+        publisher.publish(trainer.step())
+    objects.armed = True
+    with pytest.raises(RuntimeError):
+        weights.withdraw(2)
+    assert weights.versions() == [0, 1] and weights.withdrawal() == 2  # every manifest gone, chunks left
+    assert objects.list("versions/0000000002/")
+    store = str(objects.root)
+    if finisher == "sync withdraw":
+        result = runner.invoke(app, ["inspect", store])
+        assert f"`whetstone sync withdraw {store} --from 2`" in result.output
+        result = runner.invoke(app, ["withdraw", store, "--from", "2"])
+        assert result.exit_code == 0, result.output
+        assert "withdrew versions 2, 3, 4; latest is now 1" in result.output
+    else:
+        assert Publisher(weights, config).resume() == 1
+    assert weights.withdrawal() is None and weights.head().version == 1
+    assert all(key.startswith(("versions/0000000000/", "versions/0000000001/")) for key in objects.list("versions/"))

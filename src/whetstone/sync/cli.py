@@ -224,12 +224,15 @@ def withdraw(
 ) -> None:
     """Withdraw versions FROM.. newest (e.g. a corrupt one and the deltas built on it). The latest
     pointer moves back first; servers holding a withdrawn version re-sync from the newest keyframe.
-    Then publish a keyframe: `whetstone sync publish STORE CHECKPOINT --full` takes version FROM."""
+    Then publish a keyframe: `whetstone sync publish STORE CHECKPOINT --full` takes version FROM.
+    Also finishes a withdrawal that did not complete (`sync inspect` names it)."""
     from whetstone.errors import WhetstoneError
 
     weights, _ = _open(store, endpoint_url)
     stored = weights.versions()
-    if not any(v >= first for v in stored):
+    # a withdrawal that did not complete is finished even where its manifests are all gone (it
+    # died among the chunks): its chunks go, and its record
+    if not any(v >= first for v in stored) and weights.withdrawal() is None:
         shown = f"{stored[0]}..{stored[-1]}" if stored else "none"
         raise WhetstoneError(f"no version {first} or newer in {store} to withdraw (stored versions: {shown})")
     withdrawn = weights.withdraw(first)

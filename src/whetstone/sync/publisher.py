@@ -18,13 +18,14 @@ one worker thread, so a trainer's next step runs while its last version is publi
 are published in the order submitted.
 
 Before each publish the publisher finishes a withdrawal whose process died
-(`WeightStore.finish_withdrawal`), and checks that the version it published last is still in the
-store as it published it: if a repair withdrew it, there is no chain left to extend, and the
-publish is a keyframe at the next free version number instead. A delta's base is checked again
-right before its manifest is created (withdrawn while the delta was coded: its chunks go, and the
-same weights are published as a keyframe) and once more after (withdrawn at that very moment: the
-next version is a keyframe). A failed publish leaves none of its chunks behind, unless its
-manifest made it into the store.
+(`WeightStore.finish_withdrawal`: only the publishes its record lists go, so one that another
+process completes meanwhile, followed by a repair, loses nothing published since), and checks
+that the version it published last is still in the store as it published it: if a repair
+withdrew it, there is no chain left to extend, and the publish is a keyframe at the next free
+version number instead. A delta's base is checked again right before its manifest is created
+(withdrawn while the delta was coded: its chunks go, and the same weights are published as a
+keyframe) and once more after (withdrawn at that very moment: the next version is a keyframe). A
+failed publish leaves none of its chunks behind, unless its manifest made it into the store.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class Publisher:
             self._background = None
 
     def _publish_prepared(self, new: dict[str, torch.Tensor], full: bool, started: float) -> Manifest:
-        self.store.finish_withdrawal()  # one whose process died: its versions must not be built on
+        self.store.finish_withdrawal()  # one whose process died: the versions it lists must not be built on
         if self._previous_manifest is not None and not self._still_published(self._previous_manifest):
             self._forget_withdrawn()
         previous = self._previous_manifest

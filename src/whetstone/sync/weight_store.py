@@ -12,13 +12,16 @@ all the same: where the pointer lags behind one (a publisher died between the tw
 publisher side moves the pointer forward over it (`heal`, at `Publisher.resume`, and every
 publish moves it to its own version); the pointer never moves back except in `withdraw`.
 
-A repair withdraws versions (`withdraw`): it records the withdrawal (`withdrawal.json`), moves
-the latest pointer back, deletes manifests newest first, then chunks, and last the record. Readers
-stop seeing the withdrawn versions as the pointer moves, and never find a hole in the middle of a
-chain. While the record stands, no version from its first on counts as published: a withdrawal
-whose process died is finished by the next publisher (`finish_withdrawal`, before it heals or
-publishes), never undone. The next publish can take the withdrawn numbers again, under a new
-manifest digest.
+A repair withdraws versions (`withdraw`): it records the withdrawal (`withdrawal.json`: each
+withdrawn publish's version, manifest digest and chunk folders), moves the latest pointer back,
+deletes manifests newest first, then chunks, and last the record. Readers stop seeing the
+withdrawn versions as the pointer moves, and never find a hole in the middle of a chain. While
+the record stands, the publishes it lists do not count as published: a withdrawal whose process
+died is finished by the next publisher (`finish_withdrawal`, before it heals or publishes), never
+undone. Finishing removes only what the record lists, so a late finisher (one that read the
+record before another process completed the withdrawal) leaves a version published again under a
+withdrawn number, and its chunks, alone. The next publish can take the withdrawn numbers again,
+under a new manifest digest.
 """
 
 from __future__ import annotations
@@ -59,6 +62,43 @@ class Head(NamedTuple):
     digest: str | None
 
 
+MIRROR_TRIES = 3
+"""How often `WeightStore.mirror` copies again when the source changed while it copied."""
+
+
+class _Doomed(NamedTuple):
+    """One publish a withdrawal removes: its version, its manifest's digest, and where its chunks
+    are (attempt folders, or keys)."""
+
+    version: int
+    manifest: str
+    chunks: tuple[str, ...]
+
+
+class _Withdrawal(NamedTuple):
+    """A withdrawal record (`withdrawal.json`) as read or written."""
+
+    first: int
+    doomed: tuple[_Doomed, ...]
+    data: bytes
+    """The record's bytes: it is removed only while it is still these."""
+
+
+def _parse_withdrawal(data: bytes, objects: ObjectStore) -> tuple[int, tuple[_Doomed, ...] | None]:
+    """A withdrawal record's first version and the publishes it lists (None: it lists none)."""
+    try:
+        record = json.loads(data)
+        first = int(record["from"])
+        listed = record.get("versions")
+        if listed is None:
+            return first, None
+        return first, tuple(
+            _Doomed(int(d["version"]), str(d["manifest"]), tuple(str(c) for c in d["chunks"])) for d in listed
+        )
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise WhetstoneError(f"{WITHDRAWAL_KEY} in {objects!r} is not {{'from': N, ...}}: {data[:100]!r}") from None
+
+
 class WeightStore:
     def __init__(self, objects: ObjectStore):
         self.objects = objects
@@ -91,20 +131,21 @@ class WeightStore:
         store failed, between a manifest and the pointer; a manifest is written after all its
         chunks, so such a version is complete). Returns the head it leaves. Readers do not call
         this: it writes, and costs a read of the manifest after the pointer's (absent, as a rule)."""
-        self.finish_withdrawal()
-        pointer = head = self.head()
         while True:
-            version = 0 if head is None else head.version + 1
-            try:
-                data = self.objects.get(manifest_key(version))
-            except MissingObjectError:
-                break
-            head = Head(version, manifest_digest(data))
-        if head != pointer:
-            if self.withdrawal() is not None:  # one began during the walk: what it found may be withdrawn
-                return self.heal()
-            self.point_forward(head)
-        return head
+            self.finish_withdrawal()
+            pointer = head = self.head()
+            while True:
+                version = 0 if head is None else head.version + 1
+                try:
+                    data = self.objects.get(manifest_key(version))
+                except MissingObjectError:
+                    break
+                head = Head(version, manifest_digest(data))
+            if head == pointer:
+                return head
+            if self.withdrawal() is None:  # else one began during the walk: what it found may be withdrawn
+                self.point_forward(head)
+                return head
 
     def point_forward(self, head: Head) -> None:
         """Move the latest pointer to `head` if it points at an older version (or at none). It only
@@ -195,55 +236,177 @@ class WeightStore:
             data = self.objects.get(WITHDRAWAL_KEY)
         except MissingObjectError:
             return None
-        try:
-            return int(json.loads(data)["from"])
-        except (ValueError, KeyError, TypeError, AttributeError):
-            raise WhetstoneError(f"{WITHDRAWAL_KEY} in {self.objects!r} is not {{'from': N}}: {data[:100]!r}") from None
+        return _parse_withdrawal(data, self.objects)[0]
 
     def finish_withdrawal(self) -> list[int]:
-        """Finish a withdrawal that did not complete (`withdrawal`): its versions were withdrawn
-        as far as readers go, and must not come back. Returns the versions it withdrew now."""
-        first = self.withdrawal()
-        return [] if first is None else self.withdraw(first)
+        """Finish a withdrawal that did not complete, or help one in progress (`withdrawal`): its
+        versions were withdrawn as far as readers go, and must not come back. Only what its record
+        lists goes: those manifests (the same digests), those publishes' chunks (also where the
+        manifest is gone already), and the pointer if it names one of them. A version published
+        after the record was written, under a withdrawn number too, stays whatever this finds
+        on the way. Returns the versions the record lists."""
+        record = self._withdrawal_record()
+        if record is None:
+            return []
+        log.warning(
+            "a withdrawal of versions from %d on is running or did not complete in %r: finishing it",
+            record.first,
+            self.objects,
+        )
+        self._finish(record)
+        return sorted({doomed.version for doomed in record.doomed})
 
     def withdraw(self, first: int) -> list[int]:
         """Withdraw every version from `first` on (a repair of a corrupt version and the deltas
-        built on it); returns them. The withdrawal is recorded first (`withdrawal.json`), then
-        the latest pointer moves back to the newest version kept, then manifests go, newest
-        first, then their chunks, and last the record. Readers stop seeing the versions when the
-        pointer moves, and never find a hole in a chain; one holding a withdrawn version notices
-        (its manifest is gone or another) and re-syncs. Wherever this dies, the record keeps a
-        publisher from healing the pointer onto the versions, and the next one finishes it. A
-        withdrawal left unfinished from an older version is finished too. A version a publisher
-        creates meanwhile at `first` or later is withdrawn as well; the next publish takes
-        `first` again (under a new manifest digest)."""
-        unfinished = self.withdrawal()
-        if unfinished is not None:
+        built on it); returns them. The withdrawal is recorded first (`withdrawal.json`: each
+        version's manifest digest and where its chunks are), then the latest pointer moves back to
+        the newest version kept, then manifests go, newest first, then their chunks, and last the
+        record. Readers stop seeing the versions when the pointer moves, and never find a hole in
+        a chain; one holding a withdrawn version notices (its manifest is gone or another) and
+        re-syncs. Wherever this dies, the record keeps a publisher from healing the pointer onto
+        the versions, and the next one finishes it (`finish_withdrawal`). A withdrawal recorded
+        before and not finished is finished too (its versions are added to this one's record). A
+        version a publisher creates meanwhile at `first` or later is withdrawn as well (listed
+        again until none is new); the next publish takes `first` again (under a new manifest
+        digest)."""
+        record = self._withdrawal_record()
+        if record is not None:
             log.warning(
                 "a withdrawal of versions from %d on is running or did not complete in %r: finishing it",
-                unfinished,
+                record.first,
                 self.objects,
             )
-            first = min(first, unfinished)
-        withdrawn: set[int] = set()
+        doomed = [] if record is None else list(record.doomed)
+        written = False
         while True:
-            doomed = sorted((v for v in self.versions() if v >= first), reverse=True)
-            if not doomed:
+            fresh = self._doomable(first, doomed)
+            if not fresh and (written or not doomed):
                 break
-            self.objects.put(WITHDRAWAL_KEY, json.dumps({"from": first}).encode())
-            self._point_below(first)
-            for version in doomed:
-                self.objects.delete(manifest_key(version))
-            for version in doomed:
-                self.delete_version(version)
-            withdrawn.update(doomed)
-        pointer = self.head()
-        if pointer is not None and pointer.version >= first:  # a publisher moved it after the loop's move
-            self._point_below(first)
-        self.objects.delete(WITHDRAWAL_KEY)
+            record = self._record_withdrawal(first, doomed + fresh)
+            doomed, written = list(record.doomed), True
+            self._point_below(record.first)
+            self._delete_doomed(record.doomed)
+        if record is None:
+            return []
+        self._finish(record, delete=False)
+        withdrawn = sorted({d.version for d in doomed})
         if withdrawn:
-            log.info("withdrew versions %s from %r", _span(sorted(withdrawn)), self.objects)
-        return sorted(withdrawn)
+            log.info("withdrew versions %s from %r", _span(withdrawn), self.objects)
+        return withdrawn
+
+    def _withdrawal_record(self) -> _Withdrawal | None:
+        """The standing withdrawal record, read in full. A record that does not list its versions
+        (`{"from": N}` alone) withdraws the versions from N on stored now."""
+        try:
+            data = self.objects.get(WITHDRAWAL_KEY)
+        except MissingObjectError:
+            return None
+        first, doomed = _parse_withdrawal(data, self.objects)
+        return _Withdrawal(first, tuple(self._doomable(first, [])) if doomed is None else doomed, data)
+
+    def _doomable(self, first: int, known: list[_Doomed]) -> list[_Doomed]:
+        """The publishes of versions from `first` on stored now (newest first) that `known` does
+        not list: their manifest digests and where their chunks are."""
+        listed = {(doomed.version, doomed.manifest) for doomed in known}
+        found = []
+        for version in reversed(self.versions()):
+            if version < first:
+                break
+            try:
+                data = self.objects.get(manifest_key(version))
+            except MissingObjectError:  # deleted since it was listed
+                continue
+            if (version, manifest_digest(data)) not in listed:
+                found.append(_Doomed(version, manifest_digest(data), self._chunk_places(version, data)))
+        return found
+
+    def _chunk_places(self, version: int, data: bytes) -> tuple[str, ...]:
+        """Where the chunks of one publish of `version` (its manifest: `data`) are: the folders of
+        its publish attempt (`versions/<n>/<attempt>/`), or the keys themselves when they are not
+        in one. Another publish of the number has its own attempt folder. An unreadable manifest
+        (the repair of one): the attempt folders under the version now."""
+        prefix = version_prefix(version)
+        try:
+            keys = [str(chunk["key"]) for chunk in json.loads(data)["chunks"]]
+        except (ValueError, KeyError, TypeError):
+            keys = [key for key in self.objects.list(prefix) if key != manifest_key(version)]
+        places = set()
+        for key in keys:
+            if key.startswith(prefix) and key != manifest_key(version):
+                folder = key.rpartition("/")[0] + "/"
+                places.add(folder if folder != prefix else key)
+        return tuple(sorted(places))
+
+    def _record_withdrawal(self, first: int, doomed: list[_Doomed]) -> _Withdrawal:
+        """Write the withdrawal record, with the versions of one that stands (another withdraw
+        began meanwhile, or died): they stay withdrawn."""
+        standing = self._withdrawal_record()
+        if standing is not None:
+            first = min(first, standing.first)
+            doomed = doomed + [d for d in standing.doomed if d not in doomed]
+        listed = [{"version": d.version, "manifest": d.manifest, "chunks": list(d.chunks)} for d in doomed]
+        data = json.dumps({"from": first, "versions": listed}).encode()
+        self.objects.put(WITHDRAWAL_KEY, data)
+        return _Withdrawal(first, tuple(doomed), data)
+
+    def _delete_doomed(self, doomed: tuple[_Doomed, ...]) -> None:
+        """Delete the manifests of these publishes (newest first), then their chunks. A manifest
+        is deleted only if it is the same publish (digest), and a chunk that the version's manifest
+        lists is kept if that is another publish (the number published again since)."""
+        newest_first = sorted(doomed, key=lambda d: d.version, reverse=True)
+        listed = {(d.version, d.manifest) for d in doomed}
+        for entry in newest_first:
+            try:
+                data = self.objects.get(manifest_key(entry.version))
+            except MissingObjectError:
+                continue
+            if manifest_digest(data) == entry.manifest:
+                self.objects.delete(manifest_key(entry.version))
+        for entry in newest_first:
+            prefix, kept = version_prefix(entry.version), set()
+            try:
+                data = self.objects.get(manifest_key(entry.version))
+            except MissingObjectError:
+                data = None
+            if data is not None and (entry.version, manifest_digest(data)) not in listed:
+                try:
+                    kept = {chunk["key"] for chunk in json.loads(data)["chunks"]}
+                except (ValueError, KeyError, TypeError):  # cannot tell which are its chunks: none go
+                    continue
+            for place in entry.chunks:
+                if place.startswith(prefix):
+                    for key in self.objects.list(place):
+                        if key not in kept and key != manifest_key(entry.version):
+                            self.objects.delete(key)
+
+    def _finish(self, record: _Withdrawal, delete: bool = True) -> None:
+        """Complete a recorded withdrawal: the pointer back if it names a withdrawn publish, the
+        manifests and chunks the record lists (unless `delete` is False: done already), the
+        pointer again (a publisher slow to write it), and last the record if it is still this one
+        (another withdraw may have added to it: that one removes it)."""
+        if delete:
+            self._point_back(record)
+            self._delete_doomed(record.doomed)
+        self._point_back(record)
+        try:
+            standing = self.objects.get(WITHDRAWAL_KEY)
+        except MissingObjectError:
+            return
+        if standing == record.data:
+            self.objects.delete(WITHDRAWAL_KEY)
+
+    def _point_back(self, record: _Withdrawal) -> None:
+        """Move the pointer before the record's first version if it names a publish the record
+        withdraws; one that names another (published since) stays."""
+        try:
+            pointer = self.head()
+        except WhetstoneError:  # unreadable: replaced
+            self._point_below(record.first)
+            return
+        if pointer is not None and any(
+            d.version == pointer.version and pointer.digest in (None, d.manifest) for d in record.doomed
+        ):
+            self._point_below(record.first)
 
     def mirror(self, source: WeightStore, blobs: Mapping[str, bytes] | None = None) -> list[int]:
         """Make this store hold what readers of `source` see (this store is a mirror of it: the
@@ -253,13 +416,41 @@ class WeightStore:
         has that `source` no longer has as such (collected, withdrawn, or withdrawn and published
         again) go first, the way `withdraw` removes them; then each missing version's chunks, its
         manifest, and last the latest pointer: a reader here sees the same atomic publishes as
-        one of `source`. `blobs`: chunk bytes already in memory (the publish just made), fetched
-        from `source` otherwise. One writer per mirror (its publisher), which also finishes a
-        withdrawal here that did not complete."""
+        one of `source`. The pointer moves only to a version this store holds as the source's
+        pointer names it (digest), read again after the copy: a withdrawal or a publish in
+        `source` meanwhile makes it copy again (a few times, then fail, to be retried). `blobs`:
+        chunk bytes already in memory (the publish just made), fetched from `source` otherwise.
+        One writer per mirror (its publisher), which also finishes a withdrawal here that did not
+        complete."""
         blobs = blobs or {}
         self.finish_withdrawal()
-        head = source.head()
-        wanted = [] if head is None else [v for v in source.versions() if v <= head.version]
+        copied: list[int] = []
+        for _ in range(MIRROR_TRIES):
+            head = source.head()
+            if head is None:
+                return copied
+            copied += self._copy(source, head, blobs)
+            now = source.head()
+            if now == head and self._holds(source, head):
+                if head != self.head():
+                    self._point_at(head.version, head.digest)
+                return copied
+        raise WhetstoneError(
+            f"{source!r} changed while {self!r} copied it, {MIRROR_TRIES} times: its latest pointer stays where it was"
+        )
+
+    def _holds(self, source: WeightStore, head: Head) -> bool:
+        """Whether this store has `head`'s version as `source` published it (a pointer without a
+        digest: as `source` has it now)."""
+        try:
+            digest = self.manifest_digest(head.version)
+            return digest == (source.manifest_digest(head.version) if head.digest is None else head.digest)
+        except MissingObjectError:
+            return False
+
+    def _copy(self, source: WeightStore, head: Head, blobs: Mapping[str, bytes]) -> list[int]:
+        """One pass of `mirror` up to `head`, but the pointer: returns the versions copied."""
+        wanted = [v for v in source.versions() if v <= head.version]
         if not wanted:
             return []
         held = self.versions()
@@ -279,8 +470,6 @@ class WeightStore:
                 blob = blobs.get(chunk.key)
                 self.objects.put(chunk.key, blob if blob is not None else source.objects.get(chunk.key))
             self.objects.put(manifest_key(version), data)
-        if head != self.head():
-            self._point_at(head.version, head.digest)
         return copied
 
     def verify(self) -> dict[int, str]:
