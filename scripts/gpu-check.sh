@@ -153,7 +153,8 @@ done
 [ -n "$BENCH_RUNS" ] && merge_bench "$BENCH_RUNS"
 
 if [ "$RUN_S" != 0 ]; then
-    stage run "$RUN_S" python3 -m whetstone run configs/gpu.toml --set "output_dir=\"$WORK/whole-run\"" \
+    # its bound leaves the report below its 30 s (and their kill-after's 15)
+    RESERVE_S=$((RESERVE_S + 45)) stage run "$RUN_S" python3 -m whetstone run configs/gpu.toml --set "output_dir=\"$WORK/whole-run\"" \
         --set "midtrain.data.cache_dir=\"$WORK/cache\""  # not under a HOME that may not be writable
     # a run stopped by its bound gets the report of what it wrote (its stages' metrics, any evaluation)
     [ -f "$WORK/whole-run/gpu/summary.json" ] || stage report 30 python3 -c 'import sys, pathlib

@@ -5,7 +5,7 @@ import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.model import Transformer, ops
-from whetstone.model.moe import check_routes
+from whetstone.model.moe import assert_route_ids_async, check_routes
 
 
 @pytest.mark.parametrize("norm_topk_prob", [True, False])
@@ -82,3 +82,13 @@ def test_routes_on_a_device_are_checked_without_a_read_back():
     check_routes(routes, (1, 2, 1, 2), num_experts=8)
     with pytest.raises(WhetstoneError, match=r"expert ids in \[5, 5\], expected 0..3"):
         check_routes(torch.full((1, 2, 1, 2), 5), (1, 2, 1, 2), num_experts=4)  # on the host: read back
+
+
+@pytest.mark.parametrize("bad", [4, -1])
+def test_the_queued_check_fails_on_an_id_outside_the_experts(bad):
+    # what a device runs, here on the CPU, where torch's asynchronous assert raises at once
+    routes = torch.zeros(1, 3, 1, 2, dtype=torch.long)
+    assert_route_ids_async(routes, num_experts=4)
+    routes[0, 1, 0, 1] = bad
+    with pytest.raises(RuntimeError, match=r"routes hold expert ids outside 0..3"):
+        assert_route_ids_async(routes, num_experts=4)

@@ -34,17 +34,23 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def test_sigterm_runs_the_finally_clauses_and_exits_143(tmp_path):
-    # what `whetstone run` does with SIGTERM, in a process of its own: main's handling, no pipeline
+@pytest.mark.parametrize("replaced", [False, True], ids=["its own handler", "after a library replaced it"])
+def test_sigterm_runs_the_finally_clauses_and_exits_143(tmp_path, replaced):
+    # what `whetstone run` does with SIGTERM, in a process of its own: main's handling, no
+    # pipeline; a library may install its own handler meanwhile (ray.init's exits with code 15),
+    # and the run puts its own back
     script = f"""
-import pathlib, sys, time
+import pathlib, signal, sys, time
 from whetstone.cli import main
-from whetstone.utils.processes import sigterm_raises
+from whetstone.utils.processes import keep_sigterm_raising, sigterm_raises
 import whetstone.cli as cli
 
 def work(**_):
     try:
         with sigterm_raises():
+            if {replaced}:
+                signal.signal(signal.SIGTERM, lambda number, frame: sys.exit(number))
+                keep_sigterm_raising()
             pathlib.Path({str(tmp_path / "started")!r}).touch()
             time.sleep(60)
     finally:

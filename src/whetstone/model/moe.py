@@ -90,10 +90,11 @@ def load_balancing_loss(ids: list[torch.Tensor], probs: list[torch.Tensor], num_
 def check_routes(routes: torch.Tensor, expected_shape: tuple[int, ...], num_experts: int) -> None:
     """Reject routes that do not fit the model, naming the problem (they come from other processes).
 
-    Expert ids are read back only from host tensors. On a device, the check is queued with the
-    forward's work and fails it asynchronously: a read-back there would stall every forward
-    until the device caught up. The trainer checks a batch's routes on the host before moving it
-    (`check_route_ids`), so this is the last guard, against an out-of-bounds index in a kernel."""
+    Expert ids are read back only from host tensors. On a device the check is queued with the
+    forward's work (`assert_route_ids_async`): a read-back there would stall every forward until
+    the device caught up. The trainer checks a batch's routes on the host before moving it
+    (`check_route_ids`), and the engine replays only routes it recorded itself, so this is the
+    last guard, against an out-of-bounds index in a kernel."""
     if tuple(routes.shape) != expected_shape:
         raise WhetstoneError(
             f"routes have shape {tuple(routes.shape)}, expected {expected_shape} [B, T, moe_layers, top_k]"
@@ -102,10 +103,18 @@ def check_routes(routes: torch.Tensor, expected_shape: tuple[int, ...], num_expe
         raise WhetstoneError(f"routes must be an integer tensor, got {routes.dtype}")
     if routes.device.type == "cpu":
         check_route_ids(routes, num_experts)
-    elif routes.numel():
-        torch._assert_async(
-            ((routes >= 0) & (routes < num_experts)).all(), f"routes hold expert ids outside 0..{num_experts - 1}"
-        )
+    else:
+        assert_route_ids_async(routes, num_experts)
+
+
+def assert_route_ids_async(routes: torch.Tensor, num_experts: int) -> None:
+    """Fail the device's work if `routes` hold an id that is not one of `num_experts` experts,
+    without waiting for it. On CUDA that is a device-side assert: it surfaces at the next sync
+    as "device-side assert triggered" and leaves the process's CUDA context unusable (on the CPU
+    it raises at once)."""
+    if routes.numel():
+        valid = ((routes >= 0) & (routes < num_experts)).all()
+        torch._assert_async(valid, f"routes hold expert ids outside 0..{num_experts - 1}")
 
 
 def check_route_ids(routes: torch.Tensor, num_experts: int) -> None:

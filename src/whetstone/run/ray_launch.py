@@ -49,7 +49,7 @@ from whetstone.config import Config, dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.config import CLUSTER_PATTERN
 from whetstone.utils.atomic import atomic_write_text
-from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port, wait_polling
+from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port, keep_sigterm_raising, wait_polling
 
 PREDECESSOR_GRACE_S = 60.0
 """How long a restarted role waits for its predecessor's process to end before killing it."""
@@ -420,6 +420,9 @@ class RayLauncher:
             return
         address = self.config.address or os.environ.get("RAY_ADDRESS") or None
         ray.init(address=address, log_to_driver=False, configure_logging=False)
+        # ray.init installs a handler that exits with code 15, and exits again on a second SIGTERM
+        # in the middle of stopping the roles
+        keep_sigterm_raising()
         self._started_ray = True
 
     def close(self) -> None:

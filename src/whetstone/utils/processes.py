@@ -81,15 +81,32 @@ def sigterm_raises() -> Iterator[None]:
         yield
         return
 
+    global _sigterm_handler
+
     def take(_sig, _frame) -> None:
+        global _sigterm_handler
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _sigterm_handler = None
         raise Terminated("stopped by SIGTERM")
 
     previous = signal.signal(signal.SIGTERM, take)
+    _sigterm_handler = take
     try:
         yield
     finally:
+        _sigterm_handler = None
         signal.signal(signal.SIGTERM, previous)
+
+
+_sigterm_handler = None
+"""`sigterm_raises`' handler while it is in force (and no SIGTERM came yet)."""
+
+
+def keep_sigterm_raising() -> None:
+    """Put `sigterm_raises`' handler back after a library replaced it (`ray.init` installs one
+    that exits with code 15), if one is in force."""
+    if _sigterm_handler is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _sigterm_handler)
 
 
 def exit_process(code: int | str | None = 0) -> NoReturn:

@@ -97,7 +97,7 @@ def _main() -> int:
         strings = _command_strings(args)
         text, shown = " ".join(strings), repr(strings)[:300]
         cwd = args[2] if event == "subprocess.Popen" and len(args) > 2 else None
-        if any(os.path.basename(word) in KILL_COMMANDS for string in strings for word in _words(string)):
+        if any(_signals(word) for string in strings for word in _words(string)):
             return f"signal: {who} ran {shown}"
         if any(name in text for name in guarded_names) or any(
             globs_for_tests(word, cwd) for string in strings for word in _words(string)
@@ -221,6 +221,14 @@ def _command_strings(args: tuple) -> list[str]:
 KILL_COMMANDS = {"kill", "pkill", "killall", "skill", "snice"}
 """Commands that signal other processes (a word of a command, by its base name): graded code
 running one is flagged, as it would be calling os.kill."""
+KILL_CALLS = (".kill", ".killpg", ".pthread_kill", ".send_signal", ".terminate")
+"""Python calls that signal a process, as words of code a command runs (`python -c "import os;
+os.kill(os.getppid(), 9)"`): that interpreter is not audited, so its code is read here."""
+
+
+def _signals(word: str) -> bool:
+    """Whether a word of a command signals a process: a kill command, or a Python call that does."""
+    return os.path.basename(word) in KILL_COMMANDS or word.endswith(KILL_CALLS)
 
 
 def _words(string: str) -> list[str]:
