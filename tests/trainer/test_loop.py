@@ -293,6 +293,7 @@ def test_a_first_signal_asks_the_loop_to_stop_and_a_second_stops_at_once():
     # may reach another thread of the process (earlier tests leave some), so the main thread waits
     # in short sleeps, between which Python runs its handler
     main = threading.main_thread().ident
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran before
     with stop_on_signals() as stop:
         signal.pthread_kill(main, signal.SIGINT)
         assert stop.wait(5)  # the loop finishes its step and checkpoints
