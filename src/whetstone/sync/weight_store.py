@@ -245,14 +245,9 @@ class WeightStore:
         manifest is gone already), and the pointer if it names one of them. A version published
         after the record was written, under a withdrawn number too, stays whatever this finds
         on the way. Returns the versions the record lists."""
-        record = self._withdrawal_record()
+        record = self._standing_withdrawal()
         if record is None:
             return []
-        log.warning(
-            "a withdrawal of versions from %d on is running or did not complete in %r: finishing it",
-            record.first,
-            self.objects,
-        )
         self._finish(record)
         return sorted({doomed.version for doomed in record.doomed})
 
@@ -269,13 +264,7 @@ class WeightStore:
         version a publisher creates meanwhile at `first` or later is withdrawn as well (listed
         again until none is new); the next publish takes `first` again (under a new manifest
         digest)."""
-        record = self._withdrawal_record()
-        if record is not None:
-            log.warning(
-                "a withdrawal of versions from %d on is running or did not complete in %r: finishing it",
-                record.first,
-                self.objects,
-            )
+        record = self._standing_withdrawal()
         doomed = [] if record is None else list(record.doomed)
         written = False
         while True:
@@ -293,6 +282,17 @@ class WeightStore:
         if withdrawn:
             log.info("withdrew versions %s from %r", _span(withdrawn), self.objects)
         return withdrawn
+
+    def _standing_withdrawal(self) -> _Withdrawal | None:
+        """`_withdrawal_record`, said in the log when there is one: this process finishes it."""
+        record = self._withdrawal_record()
+        if record is not None:
+            log.warning(
+                "a withdrawal of versions from %d on is running or did not complete in %r: finishing it",
+                record.first,
+                self.objects,
+            )
+        return record
 
     def _withdrawal_record(self) -> _Withdrawal | None:
         """The standing withdrawal record, read in full. A record that does not list its versions
