@@ -11,10 +11,11 @@ from whetstone.envs.tasks.io import write_tasks
 from whetstone.errors import WhetstoneError
 from whetstone.orchestrator.cli import app
 from whetstone.store import LocalStore
+from whetstone.tokenizer import Tokenizer
 
 
 @pytest.mark.slow  # ~10-15 s: rollouts graded in sandboxes
-def test_orchestrator_command_puts_batches_and_metrics(tmp_path):
+def test_orchestrator_command_puts_batches_and_metrics(tmp_path, monkeypatch):
     model_dir = model_folder(tmp_path)
     Trainer(model_dir, tmp_path / "weights").publish()
     write_tasks(coin_tasks(1), tmp_path / "tasks.jsonl")
@@ -43,9 +44,15 @@ max_calls_per_turn = 2
 summary_tokens = 16
 train_cut_off_calls = true
 """)
+        loads = []  # the harness's tokenizer: checked before the stores are created, and used
+        real_load = Tokenizer.load.__func__
+        monkeypatch.setattr(
+            Tokenizer, "load", classmethod(lambda cls, path: loads.append(path) or real_load(cls, path))
+        )
         result = CliRunner().invoke(app, ["orchestrator", str(config)])
     assert result.exit_code == 0, result.output
     assert "put batches 0..0" in result.output
+    assert len(loads) == 1, loads
     assert LocalStore(tmp_path / "batches").list("batches/") == ["batches/0000000000.batch"]
     record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     assert record["index"] == 0 and record["samples"] == 2 and record["servers_alive"] == 2

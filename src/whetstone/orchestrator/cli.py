@@ -34,7 +34,7 @@ def orchestrator(
     from whetstone.utils.progress import progress_bar
 
     settings = load_config(OrchestratorConfig, config, overrides)
-    AgentHarness.from_config(settings.harness)  # its tokenizer is named if missing, before the stores are created
+    harness = AgentHarness.from_config(settings.harness)  # a missing tokenizer is named before the stores are created
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the orchestrator's own log
     with progress_bar(settings.max_batches or None, "orchestrator", "batch") as bar:  # on stderr
@@ -42,7 +42,7 @@ def orchestrator(
         def done(meta: dict) -> None:
             bar.update(1, reward=meta["reward_mean"] or 0.0, samples=meta["samples"])
 
-        put = asyncio.run(Orchestrator(settings).run(on_batch=done))
+        put = asyncio.run(Orchestrator(settings, harness=harness).run(on_batch=done))
     typer.echo(f"put batches {put[0]}..{put[-1]} in {settings.batch_store}" if put else "put no batch")
 
 

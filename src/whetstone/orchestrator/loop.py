@@ -70,10 +70,14 @@ class NothingToTrainOn(WhetstoneError):
 
 
 class Orchestrator:
-    def __init__(self, config: OrchestratorConfig, tasks: list[Task] | None = None):
-        """`tasks`: use these instead of loading (and validating) `config.tasks`."""
+    def __init__(
+        self, config: OrchestratorConfig, tasks: list[Task] | None = None, harness: AgentHarness | None = None
+    ):
+        """`tasks`: use these instead of loading (and validating) `config.tasks`; `harness`: this
+        one instead of loading `config.harness`'s tokenizer when the run starts."""
         self.config = config
         self.tasks = tasks
+        self.harness = harness
         self.batches = open_store(config.batch_store, endpoint_url=config.store_endpoint_url)
         self.weights = WeightStore(open_store(config.weight_store, endpoint_url=config.store_endpoint_url))
         self.latest_version: int | None = None
@@ -139,7 +143,7 @@ class Orchestrator:
         tasks = self.tasks if self.tasks is not None else await asyncio.to_thread(self._load_tasks)
         if not tasks:
             raise WhetstoneError(f"no usable task in tasks.source = {config.tasks.source!r}")
-        harness = AgentHarness.from_config(config.harness)
+        harness = self.harness if self.harness is not None else AgentHarness.from_config(config.harness)
         await self._wait_for_trainer(0)
         self.pool = pool = await ServerPool.connect(
             config.servers,
