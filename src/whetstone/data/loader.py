@@ -117,7 +117,7 @@ class TrainLoader:
         )
         self.demo_windows = 0 if self.demo_starts is None else len(self.demo_starts)
         if self.demo_windows and demo_weight > 0:
-            _check_prompts_fit(corpus, seq_len)
+            _check_prompts_fit(corpus, seq_len, self.demo_starts)
         if has_demos and demo_weight > 0 and self.demo_windows == 0:
             raise WhetstoneError(f"{corpus.path}: demonstrations have {_too_few(corpus.demo_tokens, seq_len)}")
         self.demo_weight = as_fraction(demo_weight if has_demos else 0.0)
@@ -153,11 +153,10 @@ class TrainLoader:
         return int(_permutation(self.seed, stream, epoch, windows_per_epoch)[offset])
 
 
-def _check_prompts_fit(corpus: Corpus, seq_len: int) -> None:
+def _check_prompts_fit(corpus: Corpus, seq_len: int, starts: np.ndarray) -> None:
     """Refuse a `seq_len` too short for any transcript's prompt: a row starting at that
     transcript would hold no assistant token, so it would train on nothing."""
-    tokens, mask = np.asarray(corpus.demo_tokens), np.asarray(corpus.demo_mask)
-    starts = np.concatenate([[0], np.flatnonzero(tokens[:-1] == corpus.eos_id) + 1])
+    mask = np.asarray(corpus.demo_mask)
     trained = np.append(np.flatnonzero(mask), np.iinfo(np.int64).max)  # sentinel: none after the last
     first_trained = trained[np.searchsorted(trained, starts)]
     short = np.flatnonzero(first_trained - starts > seq_len)  # the last target is token seq_len of a row

@@ -35,16 +35,21 @@ def window_count(stream_length: int, seq_len: int) -> int:
 
 def windows(stream: np.ndarray, indices: np.ndarray, seq_len: int, starts: np.ndarray | None = None) -> np.ndarray:
     """Rows of seq_len + 1 tokens: row r is window indices[r] (inputs = row[:-1], targets = row[1:]).
-    Window i starts at token i * seq_len, or at `starts[i]` when given."""
-    first = indices * seq_len if starts is None else starts[indices]
-    return stream[first[:, None] + np.arange(seq_len + 1)[None, :]]
+    Window i starts at token i * seq_len, or at `starts[i]` when given; a window from `starts`
+    that runs past the stream's end goes on from its beginning (`document_starts`)."""
+    if starts is None:
+        return stream[indices[:, None] * seq_len + np.arange(seq_len + 1)[None, :]]
+    return stream[(starts[indices][:, None] + np.arange(seq_len + 1)[None, :]) % len(stream)]
 
 
 def document_starts(stream: np.ndarray, eos_id: int, seq_len: int) -> np.ndarray:
-    """Offsets of the documents (each ended by `eos_id`) a full window of seq_len + 1 tokens can
-    start at. A window starting mid-transcript would train an answer without its question."""
-    starts = np.concatenate([[0], np.flatnonzero(stream[:-1] == eos_id) + 1])
-    return starts[starts + seq_len + 1 <= len(stream)].astype(np.int64)
+    """Offsets of the documents (each ended by `eos_id`) a window of seq_len + 1 tokens starts at:
+    every one, as long as the stream holds a window. A window starting mid-transcript would
+    train an answer without its question; one starting at one of the last documents runs on into
+    the first (`windows`), so the last are trained as often as the others."""
+    if len(stream) < seq_len + 1:
+        return np.zeros(0, dtype=np.int64)
+    return np.concatenate([[0], np.flatnonzero(stream[:-1] == eos_id) + 1]).astype(np.int64)
 
 
 def document_positions(inputs: np.ndarray, eos_id: int) -> tuple[np.ndarray, np.ndarray]:
