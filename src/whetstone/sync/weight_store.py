@@ -130,22 +130,43 @@ class WeightStore:
         then move the pointer forward over the manifests right after it (a publisher died, or the
         store failed, between a manifest and the pointer; a manifest is written after all its
         chunks, so such a version is complete). Returns the head it leaves. Readers do not call
-        this: it writes, and costs a read of the manifest after the pointer's (absent, as a rule)."""
+        this: it writes, and costs a read of the manifest after the pointer's (absent, as a rule).
+        `healed_head` reads the head this leaves without writing."""
         while True:
             self.finish_withdrawal()
-            pointer = head = self.head()
-            while True:
-                version = 0 if head is None else head.version + 1
-                try:
-                    data = self.objects.get(manifest_key(version))
-                except MissingObjectError:
-                    break
-                head = Head(version, manifest_digest(data))
+            pointer = self.head()
+            head = self._walk_forward(pointer)
             if head == pointer:
                 return head
             if self.withdrawal() is None:  # else one began during the walk: what it found may be withdrawn
                 self.point_forward(head)
                 return head
+
+    def healed_head(self) -> Head | None:
+        """The head `heal` would leave, read without writing anything: a standing withdrawal's
+        publishes count as gone (and a pointer naming one as moved back before its first version),
+        then the pointer moves forward over the manifests right after it. For a process that must
+        decide whether the store is its own before it changes it (a resuming trainer)."""
+        record = self._withdrawal_record()
+        if record is None:
+            return self._walk_forward(self.head())
+        pointer = self._head_below(record.first) if self._names_withdrawn(record) else self.head()
+        return self._walk_forward(pointer, record.doomed)
+
+    def _walk_forward(self, pointer: Head | None, gone: tuple[_Doomed, ...] = ()) -> Head | None:
+        """`pointer` moved forward over the manifests right after it (from version 0 if None),
+        up to the first version without one; a publish in `gone` (withdrawn) counts as none."""
+        withdrawn = {(doomed.version, doomed.manifest) for doomed in gone}
+        head = pointer
+        while True:
+            version = 0 if head is None else head.version + 1
+            try:
+                digest = manifest_digest(self.objects.get(manifest_key(version)))
+            except MissingObjectError:
+                return head
+            if (version, digest) in withdrawn:
+                return head
+            head = Head(version, digest)
 
     def point_forward(self, head: Head) -> None:
         """Move the latest pointer to `head` if it points at an older version (or at none). It only
@@ -226,8 +247,13 @@ class WeightStore:
 
     def _point_below(self, first: int) -> None:
         """Point `latest.json` at the newest version before `first` (none left: remove it)."""
+        below = self._head_below(first)
+        self._point_at(None if below is None else below.version, None if below is None else below.digest)
+
+    def _head_below(self, first: int) -> Head | None:
+        """The newest version before `first` and its manifest's digest (None: there is none)."""
         kept = [v for v in self.versions() if v < first]
-        self._point_at(kept[-1] if kept else None, self.manifest_digest(kept[-1]) if kept else None)
+        return Head(kept[-1], self.manifest_digest(kept[-1])) if kept else None
 
     def withdrawal(self) -> int | None:
         """The first version of a withdrawal in progress, or of one whose process died before it
@@ -364,7 +390,7 @@ class WeightStore:
                 self.objects.delete(manifest_key(entry.version))
         for entry in newest_first:
             prefix, kept = version_prefix(entry.version), set()
-            try:
+            try:  # read again, after every delete: the number may have been published again since
                 data = self.objects.get(manifest_key(entry.version))
             except MissingObjectError:
                 data = None
@@ -398,15 +424,18 @@ class WeightStore:
     def _point_back(self, record: _Withdrawal) -> None:
         """Move the pointer before the record's first version if it names a publish the record
         withdraws; one that names another (published since) stays."""
+        if self._names_withdrawn(record):
+            self._point_below(record.first)
+
+    def _names_withdrawn(self, record: _Withdrawal) -> bool:
+        """Whether the pointer names a publish `record` withdraws, or cannot be read (replaced)."""
         try:
             pointer = self.head()
-        except WhetstoneError:  # unreadable: replaced
-            self._point_below(record.first)
-            return
-        if pointer is not None and any(
+        except WhetstoneError:
+            return True
+        return pointer is not None and any(
             d.version == pointer.version and pointer.digest in (None, d.manifest) for d in record.doomed
-        ):
-            self._point_below(record.first)
+        )
 
     def mirror(self, source: WeightStore, blobs: Mapping[str, bytes] | None = None) -> list[int]:
         """Make this store hold what readers of `source` see (this store is a mirror of it: the

@@ -129,9 +129,10 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
         )
 
     weights = WeightStore.open(config.sync) if rank == 0 else None
-    # healed first: a version whose manifest was written before a crash kept the pointer is this
-    # run's newest, and its batches are replayed (the publisher resumes after it)
-    head = weights.heal() if weights is not None else None
+    # the head healing would leave, read without writing (a manifest written before a crash kept the
+    # pointer is this run's newest, and its batches are replayed; a standing withdrawal's versions are
+    # gone): another run's store is refused below untouched; this run's is healed by `publisher.resume`
+    head = weights.healed_head() if weights is not None else None
     latest = broadcast(None if head is None else head.version)
     initial = full_state_dict(model) if latest is None else None  # gathered by every rank
     publisher = None
