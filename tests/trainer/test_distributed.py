@@ -258,3 +258,26 @@ def test_ranks_on_every_gpu_over_nccl_train_what_one_gpu_does_and_checkpoint_for
     load_weights(latest_checkpoint(tmp_path / "ranks" / "trainer" / "checkpoints"), model)
     for name, tensor in model.state_dict().items():
         assert tensor.device.type == "cpu" and torch.equal(tensor.float(), published[name].float()), name
+
+
+@pytest.mark.slow  # a real 2-process torchrun job that stops at set-up, ~15 s
+def test_every_rank_refuses_a_weight_store_that_is_not_the_runs(tmp_path, tiny_moe, batches):
+    # A checkpoint at step 2 against an empty weight store: each rank raises the refusal itself
+    # (rank 0 alone would leave rank 1 to be killed by torchrun, or waiting at a collective).
+    put_batches(tmp_path / "batches", batches[:2])
+    run_trainer(trainer_config(tmp_path, tiny_moe, max_steps=2, checkpoint_interval=1))
+    config = trainer_config(tmp_path, tiny_moe, max_steps=3)
+    config.sync.store = str(tmp_path / "elsewhere")
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(config))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*command, "-m", "whetstone.cli", "trainer", str(config_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("is at step 2, but the weight store") == 2, done.stderr[-4000:]
+    assert list((tmp_path / "elsewhere").iterdir()) == []  # nothing published there

@@ -88,6 +88,28 @@ def check_max_steps(config: TrainerConfig, checkpoint: Path | None) -> None:
         )
 
 
+def check_store_is_the_runs(config: TrainerConfig, checkpoint: Path | None, step: int, latest: int | None) -> None:
+    """Refuse a weight store whose newest version (`latest`, None: empty) cannot be this run's
+    for a trainer resuming `checkpoint` at `step`, or that is already past `max_steps`."""
+    if latest is None:
+        if step > 0:
+            raise CheckpointError(
+                f"checkpoint {checkpoint} is at step {step}, but the weight store {config.sync.store} "
+                "is empty: point sync.store at the run's store, or start a new output_dir"
+            )
+    elif latest < step:
+        raise CheckpointError(
+            f"checkpoint {checkpoint} is at step {step}, but the weight store {config.sync.store} "
+            f"only reaches version {latest}: not this run's store"
+        )
+    elif config.max_steps and latest > config.max_steps:
+        raise ConfigError(
+            f"max_steps = {config.max_steps}, but the weight store {config.sync.store} already holds "
+            f"version {latest}: the trainer would stop short of it. Raise max_steps to at least {latest}, "
+            "or start a new output_dir and weight store"
+        )
+
+
 def open_trainer(config: TrainerConfig) -> TrainerSession:
     """Under torchrun (a process group is up), every rank calls this: the model is sharded, rank
     0 reads the checkpoint and owns the weight store, and every rank learns what rank 0 decided."""
@@ -134,28 +156,13 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     # gone): another run's store is refused below untouched; this run's is healed by `publisher.resume`
     head = weights.healed_head() if weights is not None else None
     latest = broadcast(None if head is None else head.version)
+    check_store_is_the_runs(config, resumed_from, state.step, latest)  # on every rank: all refuse together
     initial = full_state_dict(model) if latest is None else None  # gathered by every rank
     publisher = None
     if weights is not None:
         publisher = Publisher(weights, config.sync, tables)
         if latest is None:
-            if state.step > 0:
-                raise CheckpointError(
-                    f"checkpoint {resumed_from} is at step {state.step}, but the weight store {config.sync.store} "
-                    "is empty: point sync.store at the run's store, or start a new output_dir"
-                )
             publisher.publish(initial, full=True)  # version 0: the initial weights
-        elif latest < state.step:
-            raise CheckpointError(
-                f"checkpoint {resumed_from} is at step {state.step}, but the weight store {config.sync.store} "
-                f"only reaches version {latest}: not this run's store"
-            )
-        elif config.max_steps and latest > config.max_steps:
-            raise ConfigError(
-                f"max_steps = {config.max_steps}, but the weight store {config.sync.store} already holds "
-                f"version {latest}: the trainer would stop short of it. Raise max_steps to at least {latest}, "
-                "or start a new output_dir and weight store"
-            )
         else:
             publisher.resume()  # continue the delta chain from what the servers hold
     batches = open_store(config.batch_store, endpoint_url=config.batch_store_endpoint_url)
