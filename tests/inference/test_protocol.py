@@ -85,5 +85,16 @@ WELL_FORMED = {"id": "call_0", "type": "function", "function": {"name": "f", "ar
 
 
 def test_well_formed_tool_calls_pass():
-    calls = [WELL_FORMED, {"function": {"name": "g", "arguments": {"a": 1}}}, {"function": {"name": "h"}}]
+    calls = [
+        WELL_FORMED,
+        {"function": {"name": "g", "arguments": {"a": 1}}},
+        {"function": {"name": "h", "arguments": ""}},
+    ]
     ChatRequest(model="m", messages=[{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": calls}])
+
+
+def test_a_tool_call_without_arguments_is_named():
+    """Qwen3's chat template cannot render one (it fails on tojson of undefined)."""
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"function": {"name": "h"}}]}]
+    with pytest.raises(ValidationError, match=r"messages\[1\]\.tool_calls\[0\]\.function has no 'arguments'"):
+        ChatRequest(model="m", messages=messages)

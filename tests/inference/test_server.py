@@ -166,12 +166,22 @@ def test_health_reports_the_weight_version(http):
     assert http.get("/health").json() == {"status": "ok", "model": "tiny-chat", "weight_version": 0}
 
 
-def test_a_malformed_tool_call_in_the_history_is_named(http):
-    call = {"type": "function", "function": "get_weather"}
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        ({"type": "function", "function": "get_weather"}, "messages[1].tool_calls[0] must be {'type': 'function'"),
+        (
+            {"type": "function", "function": {"name": "get_weather"}},
+            "messages[1].tool_calls[0].function has no 'arguments'",
+        ),
+    ],
+    ids=["function-not-an-object", "no-arguments"],
+)
+def test_a_malformed_tool_call_in_the_history_is_named(http, call, message):
     messages = WEATHER_QUESTION + [{"role": "assistant", "content": "x", "tool_calls": [call]}, *GREETING]
     response = post(http, "/v1/chat/completions", messages=messages, max_tokens=2)
     assert response.status_code == 400
-    assert response.json()["error"]["message"].startswith("messages[1].tool_calls[0] must be {'type': 'function'")
+    assert response.json()["error"]["message"].startswith(message)
 
 
 def test_a_huge_top_k_is_served_and_fails_no_one_else(http):

@@ -212,3 +212,15 @@ def test_bad_messages_are_named():
         render_chat([{"role": "user", "content": [{"type": "text", "text": "a"}]}])
     with pytest.raises(WhetstoneError, match="message 0 tool_calls must be a list of objects"):
         render_chat([{"role": "assistant", "content": "", "tool_calls": ["run"]}])
+
+
+@pytest.mark.parametrize("call", [{"function": {"name": "run_tests"}}, {"name": "run_tests"}], ids=["nested", "flat"])
+def test_a_tool_call_without_arguments_is_refused_as_qwen3s_template_refuses_it(qwen3_hf, tokenizer, call):
+    messages = [{"role": "user", "content": "Test it."}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    with pytest.raises(TypeError, match="Undefined is not JSON serializable"):
+        qwen3_hf.apply_chat_template(messages, tokenize=False)
+    for thinking in (None, True, False):
+        with pytest.raises(WhetstoneError, match=r"message 1 tool_calls\[0\] has no arguments"):
+            render_chat(messages, thinking=thinking)
+    with pytest.raises(WhetstoneError, match=r"message 1 tool_calls\[0\] has no arguments"):
+        encode_chat(tokenizer, messages)

@@ -188,6 +188,12 @@ class ChatRequest(_Request):
             raise ValueError("top_logprobs needs logprobs=true")
         for index, message in enumerate(self.messages):
             for number, call in enumerate(message.tool_calls or []):
+                function = call.get("function")
+                if isinstance(function, dict) and "arguments" not in function:
+                    raise ValueError(
+                        f"messages[{index}].tool_calls[{number}].function has no 'arguments' "
+                        "(a JSON string or object; '{}' for a call without any)"
+                    )
                 if not _is_tool_call(call):
                     raise ValueError(
                         f"messages[{index}].tool_calls[{number}] must be {{'type': 'function', 'function': "
@@ -207,14 +213,14 @@ class ChatRequest(_Request):
 def _is_tool_call(call: dict[str, Any]) -> bool:
     """Whether an assistant message's `tool_calls` entry is in OpenAI's shape, as `render_chat`
     writes it into the prompt: a function with a non-empty string name and its arguments as a
-    JSON string or an object (absent: none)."""
+    JSON string or an object (required: Qwen3's chat template cannot render a call without)."""
     function = call.get("function")
     return (
         call.get("type", "function") == "function"
         and isinstance(function, dict)
         and isinstance(function.get("name"), str)
         and bool(function["name"])
-        and isinstance(function.get("arguments", {}), str | dict)
+        and isinstance(function.get("arguments"), str | dict)
     )
 
 

@@ -21,6 +21,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from pydantic import ValidationError
+
+from whetstone.config import format_validation_error
 from whetstone.errors import CheckpointError
 from whetstone.model.config import ModelConfig
 
@@ -51,6 +54,44 @@ TOP_NAMES = {
     "norm.weight": "model.norm.weight",
     "lm_head.weight": "lm_head.weight",
 }
+# transformers' defaults (Qwen3Config, Qwen3MoeConfig) for the keys read from config.json: a key the
+# file leaves out means these. Qwen3-MoE has no head_dim default (see model_config_from_hf).
+HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "qwen3": dict(
+        vocab_size=151936,
+        hidden_size=4096,
+        intermediate_size=22016,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=32,
+        head_dim=128,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+    ),
+    "qwen3_moe": dict(
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=24,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        num_experts=128,
+        num_local_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        router_aux_loss_coef=0.001,
+    ),
+}
+DEFAULT_ROPE_THETA = 10000.0  # transformers' RotaryEmbeddingConfigMixin.default_theta
 GATE_UP, DOWN = "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
 # Tensors some writers add that carry no weights (older transformers saved RoPE's inv_freq).
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -112,13 +153,22 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
 
 
 def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
-    """ModelConfig from a config.json dict; unsupported features are named, not ignored."""
-    architectures = config.get("architectures") or [config.get("model_type")]
-    architecture = architectures[0]
-    if architecture not in ARCHITECTURES and architecture not in ARCHITECTURES.values():
-        raise CheckpointError(
-            f"{source}: architecture {architecture!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
-        )
+    """ModelConfig from a config.json dict. A key the file leaves out takes transformers' default
+    (HF_DEFAULTS), so a folder loads to the model transformers builds from it; a key set to null
+    is refused unless transformers gives null a meaning; unsupported features are named."""
+    kind = _model_kind(config, source)
+    defaults = HF_DEFAULTS[kind]
+    nullable = {"num_key_value_heads"} if kind == "qwen3" else {"mlp_only_layers"}
+    taken: list[str] = []  # defaults used, named if they make an invalid model
+
+    def get(key: str, default: Any = None) -> Any:
+        if key not in config:
+            default = defaults[key] if default is None else default
+            taken.append(f"{key}={default!r}")
+            return default
+        if config[key] is None and key not in nullable:
+            raise CheckpointError(f"{source}: {key} is null (leave it out to take transformers' default)")
+        return config[key]
 
     def unsupported(field: str, value: Any) -> CheckpointError:
         return CheckpointError(f"{source}: {field} = {value!r} is not supported by whetstone's model")
@@ -129,41 +179,77 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
         raise unsupported("attention_bias", True)
     if config.get("use_sliding_window", False):
         raise unsupported("use_sliding_window", True)
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    # transformers takes rope_scaling over rope_parameters, and a rope_theta inside over one beside.
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
         raise unsupported("rope type", rope_type)
-    num_experts = config.get("num_experts", config.get("num_local_experts", 0))
-    is_moe = ARCHITECTURES.get(architecture, architecture) == "qwen3_moe"
-    try:
-        fields = dict(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            num_hidden_layers=config["num_hidden_layers"],
-            num_attention_heads=config["num_attention_heads"],
-            num_key_value_heads=config.get("num_key_value_heads", config["num_attention_heads"]),
-            head_dim=config.get("head_dim") or config["hidden_size"] // max(1, config["num_attention_heads"]),
-            intermediate_size=config["intermediate_size"],
-            rms_norm_eps=config.get("rms_norm_eps", 1e-6),
-            rope_theta=rope.get("rope_theta", config.get("rope_theta", 10000.0)),
-            max_position_embeddings=config.get("max_position_embeddings", 32768),
-            tie_word_embeddings=config.get("tie_word_embeddings", False),
-            initializer_range=config.get("initializer_range", 0.02),
-            num_experts=num_experts if is_moe else 0,
+    rope_theta = rope["rope_theta"] if "rope_theta" in rope else get("rope_theta", DEFAULT_ROPE_THETA)
+    if rope_theta is None:
+        raise CheckpointError(f"{source}: rope_theta is null (leave it out to take transformers' default)")
+
+    hidden, heads = get("hidden_size"), get("num_attention_heads")
+    kv_heads = get("num_key_value_heads")
+    if kv_heads is None:  # Qwen3Config: null means one key/value head per query head
+        kv_heads = heads
+    if kind == "qwen3_moe" and "head_dim" not in config:
+        # Qwen3MoeConfig has no head_dim field; its attention then uses hidden_size // heads.
+        head_dim = hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads > 0 else None
+        taken.append(f"head_dim=hidden_size // num_attention_heads = {head_dim}")
+    else:
+        head_dim = get("head_dim")
+    fields = dict(
+        vocab_size=get("vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=get("num_hidden_layers"),
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        intermediate_size=get("intermediate_size"),
+        rms_norm_eps=get("rms_norm_eps"),
+        rope_theta=rope_theta,
+        max_position_embeddings=get("max_position_embeddings"),
+        tie_word_embeddings=get("tie_word_embeddings"),
+        initializer_range=get("initializer_range"),
+        num_experts=0,
+    )
+    if kind == "qwen3_moe":
+        fields.update(
+            # transformers maps num_experts onto num_local_experts; the latter wins when both are set.
+            num_experts=get("num_local_experts" if "num_local_experts" in config else "num_experts"),
+            num_experts_per_tok=get("num_experts_per_tok"),
+            moe_intermediate_size=get("moe_intermediate_size"),
+            norm_topk_prob=get("norm_topk_prob"),
+            decoder_sparse_step=get("decoder_sparse_step"),
+            mlp_only_layers=get("mlp_only_layers") or [],
+            router_aux_loss_coef=get("router_aux_loss_coef"),
+            # Not a Qwen3-MoE field (whetstone's Qwen2-MoE style shared expert): absent means none.
+            shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0,
         )
-        if is_moe:
-            fields.update(
-                num_experts_per_tok=config["num_experts_per_tok"],
-                moe_intermediate_size=config["moe_intermediate_size"],
-                norm_topk_prob=config.get("norm_topk_prob", False),
-                shared_expert_intermediate_size=config.get("shared_expert_intermediate_size", 0),
-                decoder_sparse_step=config.get("decoder_sparse_step", 1),
-                mlp_only_layers=config.get("mlp_only_layers") or [],
-                router_aux_loss_coef=config.get("router_aux_loss_coef", 0.001),
-            )
-    except KeyError as err:
-        raise CheckpointError(f"{source}: missing field {err.args[0]!r}") from None
     try:
         return ModelConfig(**fields)
-    except ValueError as err:
-        raise CheckpointError(f"{source}: {err}") from None
+    except ValidationError as err:
+        hint = f"\n  transformers' defaults taken for keys config.json lacks: {', '.join(taken)}" if taken else ""
+        raise CheckpointError(format_validation_error(err, source) + hint) from None
+
+
+def _model_kind(config: dict[str, Any], source: str) -> str:
+    """qwen3 or qwen3_moe. transformers builds by model_type; architectures, when given, must agree."""
+    architectures = config.get("architectures") or []
+    model_type = config.get("model_type")
+    if architectures and architectures[0] not in ARCHITECTURES:
+        raise CheckpointError(
+            f"{source}: architecture {architectures[0]!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
+        )
+    if model_type is not None and model_type not in HF_DEFAULTS:
+        raise CheckpointError(
+            f"{source}: model_type {model_type!r} is not supported (supported: {', '.join(HF_DEFAULTS)})"
+        )
+    if not architectures and model_type is None:
+        raise CheckpointError(f"{source}: names neither architectures nor model_type")
+    if architectures and model_type is not None and ARCHITECTURES[architectures[0]] != model_type:
+        raise CheckpointError(
+            f"{source}: architecture {architectures[0]!r} and model_type {model_type!r} disagree "
+            f"({architectures[0]} has model_type {ARCHITECTURES[architectures[0]]!r})"
+        )
+    return model_type if model_type is not None else ARCHITECTURES[architectures[0]]

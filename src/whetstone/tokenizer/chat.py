@@ -2,7 +2,7 @@
 
 Messages are plain dicts in OpenAI's shape: `{"role": "system"|"user"|"assistant"|"tool",
 "content": str | None}`, assistant messages may carry `tool_calls` (`[{"id", "type": "function",
-"function": {"name", "arguments"}}]`, arguments a JSON string or a dict) and, as in OpenAI's
+"function": {"name", "arguments"}}]`, arguments a JSON string or a dict, never absent) and, as in OpenAI's
 fine-tuning format, `"weight": 0` (rendered, but not trained on: a demonstrated mistake), tool
 messages carry `tool_call_id`. Tools are OpenAI function schemas (`{"type": "function", "function": {...}}`).
 
@@ -119,7 +119,7 @@ def _assistant_body(message: Message, content: str, qwen3: bool, show_thinking: 
         if number > 0 or content:
             body += "\n"
         call = call.get("function") or call
-        arguments = call.get("arguments", {})
+        arguments = call["arguments"]
         arguments = arguments if isinstance(arguments, str) else _tojson(arguments)
         name = str(call.get("name", ""))
         body += f'{TOOL_CALL_OPEN}\n{{"name": "{name}", "arguments": {arguments}}}\n{TOOL_CALL_CLOSE}'
@@ -266,6 +266,15 @@ def _check_messages(messages: list[Message]) -> None:
         calls = message.get("tool_calls") or []
         if not isinstance(calls, list) or not all(isinstance(call, dict) for call in calls):
             raise WhetstoneError(f"chat: message {index} tool_calls must be a list of objects")
+        for number, call in enumerate(calls):
+            function = call.get("function") or call
+            if not isinstance(function, dict):
+                raise WhetstoneError(f"chat: message {index} tool_calls[{number}].function must be an object")
+            if "arguments" not in function:  # Qwen3's template fails on it too (tojson of undefined)
+                raise WhetstoneError(
+                    f"chat: message {index} tool_calls[{number}] has no arguments "
+                    "(a JSON string or object; {} for a call without any)"
+                )
 
 
 def _content(message: Message) -> str:
