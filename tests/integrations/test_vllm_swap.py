@@ -1,6 +1,6 @@
 """Weight swaps on a vLLM server without vLLM: the worker extension's `ServedWeights` over a fake
 worker whose `reload_weights` can fail part-way, and the launcher's swap driver over a fake
-HTTP server."""
+HTTP server (the real ones: test_vllm.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import asyncio
 import inspect
 import json
 import threading
+import time
 from types import SimpleNamespace
 
 import httpx
@@ -17,24 +18,26 @@ import torch
 import whetstone.model.hf as hf
 from whetstone.inference.swap import WeightFollower
 from whetstone.integrations.vllm import vllm_health
-from whetstone.integrations.vllm_serve import SwapDriver
-from whetstone.integrations.vllm_worker import ServedWeights, WeightStoreFollower
+from whetstone.integrations.vllm_serve import SwapDriver, parse
+from whetstone.integrations.vllm_worker import ServedWeights, WeightStoreFollower, WeightWriteError
 from whetstone.sync.update import TensorUpdate, WeightUpdate
 
 NAMES = ("a", "b", "c")
 
 
 class FakeWorker:
-    """vLLM's worker as the extension sees it: `reload_weights` loads tensor by tensor, and
-    raises after `fail_after` of them when set (out of memory half-way, say)."""
+    """vLLM's worker as the extension sees it: `reload_weights` loads tensor by tensor; the next
+    `failures` reloads raise after `fail_after` tensors (out of memory half-way, say)."""
 
     def __init__(self):
         self.params: dict[str, torch.Tensor] = {}
-        self.fail_after: int | None = None
+        self.fail_after = 1
+        self.failures = 0
 
     def reload_weights(self, weights_iterator, is_checkpoint_format):
         for number, (name, tensor) in enumerate(weights_iterator):
-            if number == self.fail_after:
+            if self.failures and number == self.fail_after:
+                self.failures -= 1
                 raise RuntimeError("out of memory (simulated) during the reload")
             self.params[name] = tensor
 
@@ -80,27 +83,60 @@ def health_of(status: dict) -> dict:
     return asyncio.run(ask())
 
 
-def test_a_reload_that_fails_part_way_keeps_the_update_staged_and_is_reported(served):
+def test_a_write_that_fails_part_way_is_undone_and_the_last_good_version_served(served):
     served.update_weights(whole(1, 1.0))
-    assert served.load() == 1 and held(served) == {n: [1.0, 1.0] for n in NAMES}
+    assert served.load() and served.version == 1 and held(served) == {n: [1.0, 1.0] for n in NAMES}
 
     served.update_weights(whole(2, 2.0))
-    served.worker.fail_after = 1
-    with pytest.raises(RuntimeError, match="out of memory"):
-        served.load()
-    assert held(served)["a"] == [2.0, 2.0] and held(served)["b"] == [1.0, 1.0]  # a mix: nothing to serve
-    assert served.version == 1 and served.staged_version == 2  # kept, to be written again
+    served.worker.failures = 1  # the write of version 2 fails after "a"; writing version 1 back works
+    assert not served.load()
+    assert held(served) == {n: [1.0, 1.0] for n in NAMES}  # version 1 whole again, not a mix
+    assert served.version == 1 and served.whole and served.staged_version == 2  # kept, to be written again
     status = following(served).whetstone_status()
-    assert "writing weight version 2 failed part-way" in status["weights_problem"]
+    assert "writing weight version 2 failed (RuntimeError: out of memory" in status["weights_problem"]
+    assert "serving version 1 until it is written" in status["weights_problem"]
     health = health_of(status)
-    assert health["status"] == "weights stale" and "parts of versions 1 and 2" in health["weights_problem"]
+    assert health["status"] == "weights stale" and health["weight_version"] == 1
 
     # a delta published meanwhile merges into the staged version; the retry writes both whole
     served.update_weights(WeightUpdate(3, 2, {"c": TensorUpdate(torch.tensor([3.0]), torch.tensor([1]), (2,))}))
-    served.worker.fail_after = None
-    assert served.load() == 3 and served.staged_version is None and served.problem is None
+    assert served.load() and served.version == 3 and served.staged_version is None and served.problem is None
     assert held(served) == {"a": [2.0, 2.0], "b": [2.0, 2.0], "c": [2.0, 3.0]}
     assert following(served).whetstone_status()["weights_problem"] is None
+
+
+def test_a_delta_whose_write_fails_leaves_the_host_weights_as_served(served):
+    served.update_weights(whole(1, 1.0))
+    served.load()
+    served.update_weights(
+        WeightUpdate(2, 1, {n: TensorUpdate(torch.tensor([5.0]), torch.tensor([0]), (2,)) for n in NAMES})
+    )
+    served.worker.failures = 1
+    assert not served.load() and served.version == 1
+    assert {n: t.tolist() for n, t in served.weights.items()} == {n: [1.0, 1.0] for n in NAMES}
+    assert held(served) == {n: [1.0, 1.0] for n in NAMES}
+    assert served.load() and held(served) == {n: [5.0, 1.0] for n in NAMES}
+
+
+def test_a_model_left_holding_no_whole_version_says_so_until_a_write_succeeds(served):
+    served.update_weights(whole(1, 1.0))
+    served.load()
+    served.update_weights(whole(2, 2.0))
+    served.worker.failures = 2  # the write of version 2 fails, and so does writing version 1 back
+    with pytest.raises(WeightWriteError, match="writing version 1 back failed too"):
+        served.load()
+    assert not served.whole and served.version == 1 and served.staged_version == 2
+    assert "holds parts of versions 1 and 2" in health_of(following(served).whetstone_status())["weights_problem"]
+    assert served.load() and served.whole and served.version == 2 and held(served) == {n: [2.0, 2.0] for n in NAMES}
+
+
+def test_a_first_version_that_fails_cannot_be_undone(served):
+    # the weights loaded from the model folder were never held by the extension: nothing to write back
+    served.update_weights(whole(1, 1.0))
+    served.worker.failures = 1
+    with pytest.raises(WeightWriteError, match="not held here"):
+        served.load()
+    assert not served.whole and served.staged_version == 1
 
 
 def test_a_swap_keeps_one_copy_of_the_weights_on_the_host(served):
@@ -108,20 +144,21 @@ def test_a_swap_keeps_one_copy_of_the_weights_on_the_host(served):
     # tensor at a time (a swap of a model of S bytes needs S more, not 2 S)
     served.update_weights(whole(1, 1.0))
     served.load()
-    storage = {name: tensor.data_ptr() for name, tensor in served.weights.items()}
+    update = whole(2, 2.0)
+    storage = {name: change.values.data_ptr() for name, change in update.tensors.items()}  # the update's own
     reload = served.worker.reload_weights
 
     def reload_counting_copies(weights_iterator, is_checkpoint_format):
         assert inspect.isgenerator(weights_iterator)  # copies made as they are taken, not all first
         for name, tensor in weights_iterator:
-            assert {n: t.data_ptr() for n, t in served.weights.items()} == storage  # updated in place
+            assert {n: t.data_ptr() for n, t in served.weights.items()} == storage  # no copy of the update
             assert tensor.data_ptr() != storage[name] and tensor.tolist() == [2.0, 2.0]  # a copy, the new values
             reload(iter([(name, tensor)]), is_checkpoint_format)
             del tensor  # vLLM copied it into its parameter: the next copy is made only now
 
     served.worker.reload_weights = reload_counting_copies
-    served.update_weights(whole(2, 2.0))
-    assert served.load() == 2 and held(served) == {n: [2.0, 2.0] for n in NAMES}
+    served.update_weights(update)
+    assert served.load() and served.version == 2 and held(served) == {n: [2.0, 2.0] for n in NAMES}
 
 
 def test_a_version_staged_while_one_is_written_is_written_next(served):
@@ -133,17 +170,19 @@ def test_a_version_staged_while_one_is_written_is_written_next(served):
         reload(weights_iterator, is_checkpoint_format)
 
     served.worker.reload_weights = reload_while_a_version_arrives
-    assert served.load() == 1 and served.staged_version == 2
+    assert served.load() and served.version == 1 and served.staged_version == 2
     served.worker.reload_weights = reload
-    assert served.load() == 2 and held(served) == {n: [2.0, 2.0] for n in NAMES}
+    assert served.load() and served.version == 2 and held(served) == {n: [2.0, 2.0] for n in NAMES}
 
 
 class FakeVllm:
-    """vLLM's development routes, recorded; `whetstone_apply` fails while `failing`."""
+    """vLLM's development routes, recorded: the worker has version 2 staged; `whetstone_apply`
+    fails (HTTP 500: the model holds no whole version) while `failing`, else answers `applied`."""
 
     def __init__(self):
         self.calls: list[str] = []
         self.failing = True
+        self.applied = {"weight_version": 2, "written": True}
         self.lock = threading.Lock()
 
     def __call__(self, request: httpx.Request) -> httpx.Response:
@@ -156,14 +195,21 @@ class FakeVllm:
         if call == "whetstone_apply":
             if self.failing:
                 return httpx.Response(500, json={"error": "out of memory (simulated)"})
-            return httpx.Response(200, json={"results": [{"weight_version": 2}]})
+            return httpx.Response(200, json={"results": [self.applied]})
+        if call in ("whetstone_follow", "whetstone_status"):
+            return httpx.Response(200, json={"results": [{"following": True, "staged_version": 2}]})
         return httpx.Response(200, json={})
+
+
+def driver_of(vllm: FakeVllm, **options) -> SwapDriver:
+    driver = SwapDriver("http://vllm:8000", "{}", version=1, poll_s=0.01, **options)
+    driver.client = httpx.Client(base_url=driver.root, transport=httpx.MockTransport(vllm))
+    return driver
 
 
 def test_a_failed_swap_leaves_vllm_paused_until_a_retry_goes_through():
     vllm = FakeVllm()
-    driver = SwapDriver("http://vllm:8000", "{}", version=1, poll_s=0.01)
-    driver.client = httpx.Client(base_url=driver.root, transport=httpx.MockTransport(vllm))
+    driver = driver_of(vllm)
     with pytest.raises(httpx.HTTPStatusError):
         driver.swap()
     assert vllm.calls == ["/pause", "whetstone_apply"]  # no /resume: the model may hold a mix
@@ -174,3 +220,34 @@ def test_a_failed_swap_leaves_vllm_paused_until_a_retry_goes_through():
     driver.swap()
     assert vllm.calls == ["whetstone_apply", "/update_weight_version=2", "/resume"]
     assert not driver.paused
+
+
+def test_a_version_that_could_not_be_written_resumes_vllm_on_the_last_good_one_and_is_retried_later():
+    vllm = FakeVllm()
+    vllm.failing, vllm.applied = False, {"weight_version": 1, "written": False}
+    driver = driver_of(vllm)
+    before = time.monotonic()
+    driver.swap()
+    assert vllm.calls == ["/pause", "whetstone_apply", "/update_weight_version=1", "/resume"]
+    assert not driver.paused  # requests are served, by version 1
+    assert driver._retry_at >= before + driver.retry_first_s  # not at the next poll: backing off
+    assert driver._retry_in == 2 * driver.retry_first_s
+
+
+def test_vllm_paused_longer_than_the_limit_stops_the_server():
+    vllm = FakeVllm()  # every write leaves the model holding no whole version
+    driver = driver_of(vllm, pause_limit_s=0.2)
+    driver.retry_first_s = driver._retry_in = 0.01
+    stopped = threading.Event()
+    driver.stop_server = stopped.set  # in the server: SIGTERM to itself, vLLM aborting what waits
+    driver.start()
+    assert stopped.wait(30), "vLLM stayed paused past the limit"
+    with vllm.lock:
+        calls = list(vllm.calls)
+    assert calls.count("/pause") == 1 and "/resume" not in calls and calls.count("whetstone_apply") > 1
+
+
+def test_a_pause_limit_that_is_not_positive_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--model", "m", "--pause-limit", "0"])
+    assert "--pause-limit must be positive seconds, got 0.0" in capsys.readouterr().err

@@ -20,10 +20,16 @@ tags the loaded weights with `--weight-version` and starts the worker's store fo
 whenever the worker has staged a new version: `/pause?mode=wait` (running requests finish, none
 starts, vLLM clears its prefix cache, so no request continues on a cache of older weights), the
 worker writes it in place, `/update_weight_version` tags what follows, `/resume`. Every completion
-is therefore sampled by one version, and `/inference/v1/generate` reports it per token. A swap
-that fails on the way (the worker's write raised part-way, a route did not answer) leaves vLLM
-paused, since its model may hold parts of two versions or an old version's tag: the swap is tried
-again, after 1 s, then doubling up to 60 s, and vLLM resumes once one goes through.
+is therefore sampled by one version, and `/inference/v1/generate` reports it per token.
+
+A version whose write fails is handled as `whetstone serve` handles one its engine refuses: the
+worker writes the served version back, vLLM resumes on it (its /health, as the server pool reads
+it through `whetstone_status`, says "weights stale" and why) and the write is tried again after
+1 s, then doubling up to 60 s, for as long as it fails. A swap that cannot resume vLLM on a whole,
+rightly tagged version (writing the served version back failed too, a route did not answer)
+leaves vLLM paused, since its model may hold parts of two versions or an old version's tag, and is
+retried the same way; vLLM stays paused at most `--pause-limit` seconds: then the server stops
+(exit 1), failing the requests that waited, for its supervisor to start it afresh.
 
 With `--fleet` (a `FleetConfig` as JSON, `announce = true`), the same thread then announces the
 server in the fleet registry, as `whetstone serve` does, until the process exits: how a run on Ray
@@ -50,6 +56,9 @@ import httpx
 EXTENSION = "whetstone.integrations.vllm_worker.WeightStoreFollower"
 STATUS_TIMEOUT_S = 10.0
 """How long a poll for a staged version waits (a swap's own calls wait as long as draining takes)."""
+PAUSE_LIMIT_S = 120.0
+"""How long swaps that do not go through may keep vLLM paused before the server is stopped: long
+enough for the retries at 1, 2, 4 ... 60 s to reach the longest wait once."""
 log = logging.getLogger("whetstone.vllm")
 
 
@@ -79,12 +88,23 @@ class SwapDriver:
     fleet announcer (if any), and applies each version the worker stages, with the scheduler
     paused."""
 
-    def __init__(self, root: str, sync_json: str | None, version: int, poll_s: float, announcer: Any = None):
+    def __init__(
+        self,
+        root: str,
+        sync_json: str | None,
+        version: int,
+        poll_s: float,
+        announcer: Any = None,
+        pause_limit_s: float = PAUSE_LIMIT_S,
+    ):
         self.root, self.sync_json, self.version, self.poll_s = root, sync_json, version, poll_s
         self.announcer = announcer
         """A `fleet.Announcer`, started once the server answers and follows the store."""
+        self.pause_limit_s = pause_limit_s
+        """How long vLLM may stay paused by swaps that do not go through before the server is stopped."""
         self.failed = False
-        """Whether following the store or announcing failed (the server was stopped for it)."""
+        """Whether following the store, announcing or swapping failed for good (the server was
+        stopped for it)."""
         self.paused = False
         """vLLM's scheduler is paused by a swap that has not gone through yet."""
         from whetstone.inference.swap import RETRY_FIRST_S, RETRY_MAX_S
@@ -93,6 +113,7 @@ class SwapDriver:
         """How soon a failed swap is tried again, and how far the wait doubles to (as the store
         follower retries a version the engine refused)."""
         self._retry_at, self._retry_in = 0.0, RETRY_FIRST_S
+        self._paused_at = 0.0
         self.client = httpx.Client(base_url=root, timeout=600.0)
 
     def start(self) -> None:
@@ -118,17 +139,21 @@ class SwapDriver:
                 pass
             time.sleep(self.poll_s)
 
+    def stop_server(self) -> None:
+        """Stop vLLM (its engine aborts the requests it holds); `main` then exits with 1."""
+        self.failed = True
+        os.kill(os.getpid(), signal.SIGTERM)
+
     def _run(self) -> None:
         try:
             self._start()
         except Exception:  # unfollowing or unannounced, the server would answer but never be right or used
             log.exception("could not follow the weight store or announce the server: stopping it")
-            self.failed = True
-            os.kill(os.getpid(), signal.SIGTERM)  # vLLM shuts down; `main` then exits with 1
+            self.stop_server()
             return
         if self.sync_json is None:
             return
-        while True:
+        while not self.failed:
             try:
                 # bounded: a poll in flight when vLLM stops its engine never gets an answer, and
                 # uvicorn's shutdown would wait for it until the process is killed (its fleet
@@ -138,6 +163,13 @@ class SwapDriver:
                     self.swap()
             except httpx.HTTPError as err:  # a busy or restarting engine: try again at the next poll
                 log.warning("weight swap check failed: %s", err)
+                if self.paused and time.monotonic() - self._paused_at >= self.pause_limit_s:
+                    log.error(
+                        "vLLM has been paused for %.0f s by weight swaps that do not go through: stopping the server",
+                        time.monotonic() - self._paused_at,
+                    )
+                    self.stop_server()
+                    return
             time.sleep(self.poll_s)
 
     def _start(self) -> None:
@@ -153,26 +185,39 @@ class SwapDriver:
             atexit.register(self.announcer.stop)
 
     def swap(self) -> None:
-        """Pause vLLM, have the worker write its staged version, tag it, resume. vLLM resumes only
-        after all of it: on an error it stays paused (its model may hold parts of two versions,
-        which must not be served under either's tag) and the next swap, `retry_first_s` later and
-        doubling to `retry_max_s`, tries again; the worker keeps the update staged and reports the
-        failure in `whetstone_status`, which the server pool reads as "weights stale"."""
+        """Pause vLLM, have the worker write its staged version, tag what the model holds, resume.
+
+        When the write fails the worker writes the served version back: vLLM resumes on it, and
+        the worker keeps the update staged and reports the failure in `whetstone_status` (the
+        server pool reads it as "weights stale"). vLLM resumes only on a whole version under its
+        own tag: on an error (writing the served version back failed too, a route did not answer)
+        it stays paused, since its model may hold parts of two versions, and the error is raised.
+        Either way the next swap comes `retry_first_s` later, the wait doubling to `retry_max_s`;
+        `_run` stops the server once vLLM has been paused `pause_limit_s`."""
         started = time.perf_counter()
         try:
             if not self.paused:
                 self.client.post("/pause", params={"mode": "wait", "clear_cache": "true"}).raise_for_status()
-                self.paused = True
-            version = self.rpc("whetstone_apply")["weight_version"]
+                self.paused, self._paused_at = True, time.monotonic()
+            answer = self.rpc("whetstone_apply")
+            version = answer["weight_version"]
             self.post("/update_weight_version", new_version=str(version))
             self.post("/resume")
         except httpx.HTTPError as err:
             log.error("weight swap failed (vLLM stays paused, retried in %.0f s): %s", self._retry_in, err)
-            self._retry_at = time.monotonic() + self._retry_in
-            self._retry_in = min(self.retry_max_s, 2 * self._retry_in)
+            self._retry_later()
             raise
-        self.paused, self._retry_in = False, self.retry_first_s
-        log.info("weight version %s served (paused %.3f s)", version, time.perf_counter() - started)
+        self.paused = False
+        if answer.get("written", True):
+            self._retry_in = self.retry_first_s
+            log.info("weight version %s served (paused %.3f s)", version, time.perf_counter() - started)
+        else:
+            log.error("serving weight version %s again (write retried in %.0f s)", version, self._retry_in)
+            self._retry_later()
+
+    def _retry_later(self) -> None:
+        self._retry_at = time.monotonic() + self._retry_in
+        self._retry_in = min(self.retry_max_s, 2 * self._retry_in)
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -190,12 +235,20 @@ def parse(argv: list[str]) -> argparse.Namespace:
     )
     parser.add_argument("--weight-version", type=int, default=0, help="Weight version of the model loaded.")
     parser.add_argument("--poll-interval", type=float, default=0.2, help="Seconds between checks for a staged version.")
+    parser.add_argument(
+        "--pause-limit",
+        type=float,
+        default=PAUSE_LIMIT_S,
+        help="Seconds weight swaps that do not go through may keep vLLM paused before the server stops (exit 1).",
+    )
     parser.add_argument("vllm_args", nargs=argparse.REMAINDER, help="-- then vLLM's own arguments.")
     options = parser.parse_args(argv)
     if options.vllm_args[:1] == ["--"]:
         options.vllm_args = options.vllm_args[1:]
     if options.sync is not None:
         json.loads(options.sync)  # a malformed config fails here, not in the worker
+    if options.pause_limit <= 0:
+        parser.error(f"--pause-limit must be positive seconds, got {options.pause_limit}")
     return options
 
 
@@ -229,7 +282,12 @@ def main(argv: list[str] | None = None) -> None:
     announcer = announcer_of(options)
     local = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host  # where the driver reaches it
     driver = SwapDriver(
-        f"http://{local}:{options.port}", options.sync, options.weight_version, options.poll_interval, announcer
+        f"http://{local}:{options.port}",
+        options.sync,
+        options.weight_version,
+        options.poll_interval,
+        announcer,
+        options.pause_limit,
     )
     driver.start()
     sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_argv(options)]

@@ -15,8 +15,10 @@ methods are called through vLLM's `collective_rpc` (the `/collective_rpc` route 
   whetstone_apply()            write the staged update into vLLM's model in place (vLLM's
                                `reload_weights`, HF names); `vllm_serve` calls it while vLLM's
                                scheduler is paused, so no step sees half of it. A write that
-                               fails part-way leaves the update staged, to be written again, and
-                               is reported (`weights_problem`) until one succeeds
+                               fails part-way is undone (the served version written back), the
+                               update stays staged to be written again, and the failure is
+                               reported (`weights_problem`) until a write succeeds: the server
+                               keeps serving its last good version, as `whetstone serve` does
 
 vLLM's loaders take whole checkpoint tensors and then process them into its kernels' layout (its
 CPU build repacks the linear layers), and its in-place reload processes a layer once all of the
@@ -35,10 +37,20 @@ from typing import Any
 
 import torch
 
+from whetstone.errors import WhetstoneError
 from whetstone.inference.swap import WeightFollower, WeightUpdateError
-from whetstone.sync.update import WeightUpdate, apply_update, merge_updates
+from whetstone.sync.update import WeightUpdate, merge_updates
 
 log = logging.getLogger("whetstone.vllm")
+
+Undo = list[tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
+"""How to take an update back off the served weights: (name, the tensor held before or None when
+there was none, the flat positions overwritten in it or None for the whole tensor, their values)."""
+
+
+class WeightWriteError(WhetstoneError):
+    """Writing a version into vLLM's model failed, and so did writing the served version back:
+    the model holds no whole version."""
 
 
 class ServedWeights:
@@ -57,7 +69,10 @@ class ServedWeights:
         """The newest weights applied, by whetstone name: the served version's, or the staged
         one's while it is being written (deltas are applied to them)."""
         self.problem: str | None = None
-        """Why the model holds no whole version (a write that failed part-way), until a write succeeds."""
+        """Why the staged version is not served (its write failed), until a write succeeds."""
+        self.whole = True
+        """The model holds `version` whole: False after a write failed and writing `version`
+        back failed too (it holds parts of two versions), until a write succeeds."""
         self._staged: WeightUpdate | None = None
         self._lock = threading.Lock()
 
@@ -90,27 +105,101 @@ class ServedWeights:
         return staged is not None and name in staged.tensors and staged.tensors[name].indices is None
 
     @torch.no_grad()
-    def load(self) -> int:
-        """Write the staged update into the model; returns the version now served.
+    def load(self) -> bool:
+        """Write the staged update into the model; whether its version is now served (True when
+        nothing is staged).
 
         The update is taken off the stage, and its version becomes the served one, only once
-        vLLM's reload has taken every tensor: a reload that raises part-way (out of memory, say)
-        leaves the model holding parts of two versions, so the update stays staged (merged with
-        any staged since) for the next call to write whole, and `problem` says so. The update is
-        applied to `weights` in place first: an update overwrites values (it adds nothing), so
-        applying it again on a retry gives the same values, and the host holds one copy of the
-        model beside the one tensor being handed to vLLM, not two."""
-        from whetstone.model.hf import hf_pieces
+        vLLM's reload has taken every tensor. A reload that raises part-way (out of memory, say)
+        leaves the model holding parts of two versions: the update is taken back off `weights`
+        and the served version written again, so the server goes on serving it whole (False);
+        the update stays staged (merged with any staged since) for the next call to write, and
+        `problem` says why it is not served. If writing the served version back fails too, the
+        model holds no whole version: `whole` turns False and `WeightWriteError` is raised.
 
+        The update is applied to `weights` in place (whole tensors replaced by the update's own
+        values, sparse values overwritten with the old ones kept to take them back), so the host
+        holds one copy of the model beside the update and the one tensor being handed to vLLM."""
         with self._lock:
             update = self._staged
         if update is None:
-            return self.version
-        missing = sorted(set(self.shapes) - (set(self.weights) - set(update.removed)) - set(update.tensors))
-        if missing:  # a first version that is not whole (staging checks deltas, so never expected)
-            self._unstage(update)  # nothing was written: the model still holds its version whole
-            raise WeightUpdateError(f"weight version {update.version} leaves {missing[:5]} unknown")
-        apply_update(self.weights, update)
+            return True
+        served, reloaded = self.version, False
+        try:
+            missing = sorted(set(self.shapes) - (set(self.weights) - set(update.removed)) - set(update.tensors))
+            if missing:  # a first version that is not whole (staging checks deltas, so never expected)
+                raise WeightUpdateError(f"weight version {update.version} leaves {missing[:5]} unknown")
+            undo = self._apply(update)
+            try:
+                reloaded = True
+                self._reload()
+            except Exception:
+                self._revert(undo)
+                raise
+        except Exception as err:
+            failed = f"writing weight version {update.version} failed ({type(err).__name__}: {err})"
+            if reloaded or not self.whole:
+                try:
+                    unknown = sorted(set(self.shapes) - set(self.weights))
+                    if unknown:  # the first version from the store: the folder's weights were never held here
+                        raise WeightUpdateError(f"its tensors {unknown[:5]} are not held here")
+                    self._reload()
+                except Exception as again:
+                    self.whole = False
+                    self.problem = (
+                        f"{failed}, and writing version {served} back failed too ({type(again).__name__}: {again}): "
+                        f"the model holds parts of versions {served} and {update.version} until one is written whole"
+                    )
+                    log.error("%s", self.problem)
+                    raise WeightWriteError(self.problem) from again
+            self.whole = True
+            self.problem = f"{failed}: serving version {served} until it is written"
+            log.error("%s", self.problem)
+            return False
+        self._unstage(update)
+        self.version, self.problem, self.whole = update.version, None, True
+        log.info("serving weight version %d (%d tensors changed)", update.version, len(update.tensors))
+        return True
+
+    def _apply(self, update: WeightUpdate) -> Undo:
+        """Apply `update` to `weights`; returns how to take it back (`_revert`). On an error what
+        was applied is taken back before it is raised."""
+        undo: Undo = []
+        try:
+            for name, change in update.tensors.items():
+                held = self.weights.get(name)
+                if change.indices is None:  # the update's own values (fresh from decoding or a merge)
+                    values = change.values.reshape(change.shape).contiguous()
+                    undo.append((name, held, None, None))
+                    self.weights[name] = values if held is None else values.to(held.dtype)
+                    continue
+                if held is None:
+                    raise WeightUpdateError(f"weight version {update.version}: {name} is a delta on no value held")
+                flat = held.view(-1)  # every tensor held came in whole, contiguous
+                positions = change.indices.reshape(-1).long()
+                undo.append((name, held, positions, flat[positions].clone()))
+                flat[positions] = change.values.reshape(-1).to(held.dtype)
+            for name in update.removed:
+                if name in self.weights:
+                    undo.append((name, self.weights.pop(name), None, None))
+        except Exception:
+            self._revert(undo)
+            raise
+        return undo
+
+    def _revert(self, undo: Undo) -> None:
+        for name, held, positions, values in reversed(undo):
+            if positions is not None:
+                held.view(-1)[positions] = values
+            elif held is None:
+                self.weights.pop(name, None)
+            else:
+                self.weights[name] = held
+
+    def _reload(self) -> None:
+        """Hand every tensor of `weights` to vLLM's reload."""
+        from whetstone.model.hf import hf_pieces
+
         # copies, one at a time as vLLM takes them: its reload may keep the tensors it is given as
         # parameters, or process them in place, and `weights` must keep the values deltas apply to
         pieces = (
@@ -120,18 +209,29 @@ class ServedWeights:
         )
         try:
             self.worker.reload_weights(weights_iterator=pieces, is_checkpoint_format=True)
-            self._process_raw_experts()
-        except Exception as err:
-            self.problem = (
-                f"writing weight version {update.version} failed part-way ({type(err).__name__}: {err}): the "
-                f"model holds parts of versions {self.version} and {update.version} until it is written again"
-            )
-            log.error("%s", self.problem)
+        except Exception:
+            self._finish_failed_reload()
             raise
-        self._unstage(update)
-        self.version, self.problem = update.version, None
-        log.info("serving weight version %d (%d tensors changed)", update.version, len(update.tensors))
-        return self.version
+        self._process_raw_experts()
+
+    def _finish_failed_reload(self) -> None:
+        """Bring vLLM's model out of a reload that raised part-way, so that the next one can run.
+
+        vLLM 0.32's in-place reload moves every layer to the meta device, its weight loaders
+        wrapped, until all of the layer's tensors have come; one that raises leaves the layers not
+        yet complete so, and every later reload fails on them ("'Parameter' object has no attribute
+        'weight_loader'"). vLLM's own finalization puts back the kernel tensors of the layers that
+        took nothing and processes those that took part of theirs (the next reload rewrites them)."""
+        try:
+            from vllm.config import set_current_vllm_config
+            from vllm.model_executor.model_loader.reload.layerwise import finalize_layerwise_reload
+        except ImportError:  # a vLLM without layerwise reloads: nothing to finish
+            return
+        try:
+            with set_current_vllm_config(self.worker.vllm_config):
+                finalize_layerwise_reload(self.worker.get_model(), self.worker.vllm_config.model_config)
+        except Exception:  # the write back will fail and say so
+            log.exception("could not finish vLLM's failed reload")
 
     def _unstage(self, update: WeightUpdate) -> None:
         """Take `update` off the stage, unless a newer one was merged into it meanwhile: writing
@@ -199,13 +299,16 @@ class WeightStoreFollower:
             "latest_weight_version": report.latest_version,
             "rejected_versions": {str(v): why for v, why in sorted(report.rejected.items())},
             "rejections_total": report.rejections_total,
-            "weights_problem": follower.engine.problem or report.problem,  # a half-written model first
+            "weights_problem": follower.engine.problem or report.problem,  # a failed write first
         }
 
     def whetstone_apply(self) -> dict[str, Any]:
-        """Write the staged version into the model (call it with the scheduler paused)."""
+        """Write the staged version into the model (call it with the scheduler paused). `written`:
+        whether it is served now; if not, the model serves `weight_version` whole and
+        `weights_problem` says why. Raises `WeightWriteError` when the model holds no whole
+        version (vLLM must not resume)."""
         follower: WeightFollower | None = getattr(self, "_whetstone", None)
         if follower is None:
             raise RuntimeError("whetstone_apply before whetstone_follow")
-        follower.engine.load()
-        return self.whetstone_status()
+        written = follower.engine.load()
+        return {**self.whetstone_status(), "written": written}
