@@ -1,5 +1,6 @@
 """The `whetstone` command. Each role keeps its own subcommands in `<role>/cli.py`; this file
-only assembles them and turns `WhetstoneError` into a clean message and exit code 2."""
+only assembles them, turns `WhetstoneError` into a clean message and exit code 2, and a Ctrl-C
+(or SIGTERM, where a command takes it: `sigterm_raises`) into one line and exit code 130 (143)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from importlib import metadata
 
 import typer
 from rich.console import Console
+from typer.core import TyperGroup
 
 from whetstone.bench.cli import app as bench_app
 from whetstone.data.cli import app as corpus_app
@@ -23,8 +25,31 @@ from whetstone.sync.cli import app as sync_app
 from whetstone.trainer.cli import trainer
 from whetstone.utils.processes import Terminated, apply_role_environment, exit_process
 
+
+class _Interrupted(BaseException):
+    """A Ctrl-C (KeyboardInterrupt) carried past typer, which would end the process on it with
+    code 130 and no word of why (click: "Aborted!" and code 1), to `main`."""
+
+
+class _Commands(TyperGroup):
+    """The `whetstone` group: a Ctrl-C while a command parses its arguments or runs reaches `main`."""
+
+    def make_context(self, *args, **kwargs):
+        try:
+            return super().make_context(*args, **kwargs)
+        except KeyboardInterrupt as interrupt:
+            raise _Interrupted from interrupt
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt as interrupt:
+            raise _Interrupted from interrupt
+
+
 app = typer.Typer(
     name="whetstone",
+    cls=_Commands,
     help="Mid-training, asynchronous RL in sandboxes, delta weight sync and online RL for coding agents.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -84,8 +109,8 @@ def main(args: list[str] | None = None) -> None:
     except WhetstoneError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
         exit_process(2)
-    except (KeyboardInterrupt, Terminated) as stopped:  # the roles it started are stopped by now
-        signal_number = signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else signal.SIGTERM
+    except (KeyboardInterrupt, _Interrupted, Terminated) as stopped:  # the roles it started are stopped by now
+        signal_number = signal.SIGTERM if isinstance(stopped, Terminated) else signal.SIGINT
         Console(stderr=True).print(f"stopped by {signal_number.name}", highlight=False)
         exit_process(128 + signal_number)
     exit_process(0)

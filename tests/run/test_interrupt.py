@@ -1,6 +1,7 @@
 """`whetstone run` stopped by SIGTERM (a scheduler's stop, `kill`): it stops its roles as on
 Ctrl-C (the trainer finishes its step and checkpoints), removes its CPU groups and exits 143 with
-one line saying why, leaving no process behind."""
+one line saying why, leaving no process behind. A second signal while it stops them makes it
+kill the rest instead of waiting for them, and still leaves nothing behind."""
 
 from __future__ import annotations
 
@@ -68,6 +69,103 @@ main()
         _, err = process.communicate(timeout=30)
     assert process.returncode == 143 and err.strip() == "stopped by SIGTERM"
     assert (tmp_path / "cleaned").exists()
+
+
+SLOW_ROLE = """
+import pathlib, signal, sys
+from whetstone.utils.processes import apply_role_environment
+
+apply_role_environment()  # into its CPU group, and ended with the run
+asked, ready = map(pathlib.Path, sys.argv[1:])
+signal.signal(signal.SIGTERM, lambda *_: asked.touch())
+ready.touch()
+while True:
+    signal.pause()
+"""
+"""A role that takes its time to stop (a trainer finishing its step): SIGTERM only marks it asked."""
+
+HELD_ROLES = """
+import pathlib, sys
+from whetstone.config import load_config
+from whetstone.run.config import PipelineConfig
+from whetstone.run.pipeline import Pipeline
+from whetstone.utils.processes import RoleProcess, sigterm_raises, stopped_by
+import whetstone.cli as cli
+
+folder, role_script = pathlib.Path(sys.argv[1]), sys.argv[2]
+
+@cli.app.command("hold-roles")
+def hold_roles():
+    pipeline = Pipeline(load_config(PipelineConfig, None, [f'output_dir="{folder}"', 'name="held"']))
+    pipeline.open_cpu_groups()
+    with sigterm_raises():  # as `whetstone run` runs `Pipeline.run`
+        try:
+            for index in range(3):
+                marks = [str(folder / f"{mark}{index}") for mark in ("asked", "ready")]
+                command = [sys.executable, "-c", role_script, *marks]
+                role = RoleProcess(f"role{index}", [], folder / f"role{index}.log", command=command,
+                                   cpu_group=pipeline.cpu_groups.get("rollout"))
+                pipeline.roles.append(role.start())
+            print(*(role.process.pid for role in pipeline.roles), flush=True)
+            sys.stdin.readline()  # the stages; a line: they ended
+        finally:
+            interrupted = pipeline.stop_roles()
+        if interrupted is not None:
+            raise stopped_by(interrupted)
+
+cli.main(["hold-roles"])
+"""
+"""`Pipeline.stop_roles` after three slow roles, in a `whetstone` command as `whetstone run` calls it."""
+
+
+def wait_for(paths: list[Path], process: subprocess.Popen, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not all(path.exists() for path in paths):
+        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
+        time.sleep(0.05)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "first, second",
+    [(signal.SIGTERM, signal.SIGTERM), (signal.SIGINT, signal.SIGTERM), (None, signal.SIGINT)],
+    ids=["SIGTERM twice", "Ctrl-C then SIGTERM", "stages ended then Ctrl-C"],
+)
+def test_a_signal_while_the_roles_stop_kills_the_rest_and_leaves_nothing(tmp_path, first, second):
+    # the newest role is stopped first and takes its time; the second signal comes meanwhile
+    command = [sys.executable, "-c", HELD_ROLES, str(tmp_path), SLOW_ROLE]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    popen = dict(stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    roles: list[int] = []
+    with subprocess.Popen(command, **popen) as process:
+        try:
+            roles += [int(pid) for pid in process.stdout.readline().split()]
+            assert len(roles) == 3, process.stderr.read()
+            wait_for([tmp_path / f"ready{index}" for index in range(3)], process)
+            if first is None:
+                process.stdin.write("\n")
+                process.stdin.flush()
+            else:
+                process.send_signal(first)
+            wait_for([tmp_path / "asked2"], process)  # the run waits for the newest role to stop
+            signalled = time.monotonic()
+            process.send_signal(second)
+            _, err = process.communicate(timeout=20)
+            stopped_s = time.monotonic() - signalled
+        finally:
+            for pid in roles:  # what a stop cut short left behind
+                if alive(pid):
+                    os.kill(pid, signal.SIGKILL)
+    code = first or second
+    assert process.returncode == 128 + code, err
+    assert err.strip() == f"stopped by {code.name}"
+    assert stopped_s < 10  # not the grace of 30 s for each role
+    assert not [pid for pid in roles if alive(pid)]
+    # the older roles were killed at once: no SIGTERM to wait on
+    assert [(tmp_path / f"asked{index}").exists() for index in range(3)] == [False, False, True]
+    if why_no_cpu_groups() is None:
+        parents = cpu_group_parents()[1].values()
+        assert not [g for parent in parents for g in parent.glob(f"whetstone-*-{process.pid}-*")]
 
 
 @pytest.mark.slow

@@ -38,7 +38,7 @@ def run(
     from whetstone.run.local_ranks import PLACED_RANK_ENV
     from whetstone.run.pipeline import Pipeline, midtrain_stage, run_pipeline
     from whetstone.run.preflight import check_run_config
-    from whetstone.utils.processes import sigterm_raises
+    from whetstone.utils.processes import sigterm_raises, stopped_by
 
     if dry_run and as_json:
         raise ConfigError(
@@ -54,9 +54,12 @@ def run(
         check_run_config(pipeline.config, midtrain_only=True)  # what mid-training reads, its devices
         try:
             with sigterm_raises():
-                print_summary(pipeline.midtrain(), as_json)
+                summary = pipeline.midtrain()
         finally:
-            pipeline.stop_roles()
+            interrupted = pipeline.stop_roles()
+        if interrupted is not None:  # mid-training had ended; the run was stopped while it stopped the ranks
+            raise stopped_by(interrupted)
+        print_summary(summary, as_json)
         return
     if torchrun and not dry_run:
         raise ConfigError(

@@ -29,6 +29,7 @@ import json
 import logging
 import math
 import shutil
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -45,7 +46,7 @@ from whetstone.utils.atomic import atomic_directory, atomic_write_json, atomic_w
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
 from whetstone.utils.device import resolve_device
 from whetstone.utils.metrics import read_metrics
-from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_ports
+from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, Stopping, free_ports, stopped_by
 from whetstone.utils.progress import progress_bar
 from whetstone.utils.runtime import usable_cores
 
@@ -591,17 +592,23 @@ class Pipeline:
             tracking=self.config.tracking,
         )
 
-    def stop_roles(self) -> None:
-        for role in reversed(self.roles):
-            role.stop()
-        for group in self.cpu_groups.values():
-            try:
-                group.remove()
-            except WhetstoneError as err:  # a stray process (an orphaned sandbox): the run's results still stand
-                log.warning("%s", err)
-        self.cpu_groups.clear()
-        if self.launcher is not None:
-            self.launcher.close()
+    def stop_roles(self) -> signal.Signals | None:
+        """Stop every role (the newest first), remove the CPU groups and close the launcher, all of
+        it whatever signal comes meanwhile (`Stopping`: a Ctrl-C or SIGTERM during the stop kills
+        the roles not stopped yet instead of waiting for them). Returns the first such signal, or
+        None: a caller with no exception of its own on its way raises it (`stopped_by`)."""
+        with Stopping() as stopping:
+            for role in reversed(self.roles):
+                stopping.stop(role)
+            for group in self.cpu_groups.values():
+                try:
+                    group.remove()
+                except WhetstoneError as err:  # a stray process (an orphaned sandbox): the run's results still stand
+                    log.warning("%s", err)
+            self.cpu_groups.clear()
+            if self.launcher is not None:
+                self.launcher.close()
+        return stopping.first
 
     def newest_trainer_checkpoint(self) -> Path | None:
         from whetstone.training.checkpoint import latest_checkpoint
@@ -710,7 +717,9 @@ class Pipeline:
                         summary["heldout_pass1_after"] = after["pass_at_k"]["1"]
                         summary.update(self.yardstick(before, after, scale))
         finally:
-            self.stop_roles()  # and the CPU groups
+            interrupted = self.stop_roles()  # and the CPU groups
+        if interrupted is not None:  # the stages had ended; the run was stopped while it stopped the roles
+            raise stopped_by(interrupted)
         model = self.export_policy()
         summary.update(
             model=str(model), wall_s=time.time() - started, stages=stages, config=self.config.model_dump(mode="json")

@@ -49,7 +49,15 @@ from whetstone.config import Config, dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.config import CLUSTER_PATTERN
 from whetstone.utils.atomic import atomic_write_text
-from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port, keep_sigterm_raising, wait_polling
+from whetstone.utils.processes import (
+    GPU_MEMORY_ENV,
+    RoleProcess,
+    Stopping,
+    free_port,
+    keep_sigterm_raising,
+    stopped_by,
+    wait_polling,
+)
 
 PREDECESSOR_GRACE_S = 60.0
 """How long a restarted role waits for its predecessor's process to end before killing it."""
@@ -441,9 +449,13 @@ class RayLauncher:
         try:
             group.start()
             follow(group)
-            return json.loads(group.read_text(0, config.midtrain.run.run_dir / "summary.json"))
+            summary = json.loads(group.read_text(0, config.midtrain.run.run_dir / "summary.json"))
         finally:
-            group.stop()
+            with Stopping() as stopping:  # a signal meanwhile kills the ranks rather than leave them
+                stopping.stop(group)
+        if stopping.first is not None:  # mid-training had ended; the run was stopped while it stopped the ranks
+            raise stopped_by(stopping.first)
+        return summary
 
     def role(self, name: str, command: str, config) -> RoleProcess:
         if command == "trainer" and self.config.trainer_ranks > 1:

@@ -76,7 +76,8 @@ def sigterm_raises() -> Iterator[None]:
     """SIGTERM raises `Terminated` in the main thread, so a process that starts roles (`whetstone
     run`) stops them cleanly in its `finally` clauses (the trainer checkpoints, CPU groups are
     removed, Ray actors closed) instead of dying at once. A second SIGTERM kills as it would
-    have without this. Only the main thread can take signals: elsewhere this does nothing."""
+    have without this, unless it comes while the roles are being stopped (`Stopping`). Only the
+    main thread can take signals: elsewhere this does nothing."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -107,6 +108,74 @@ def keep_sigterm_raising() -> None:
     that exits with code 15), if one is in force."""
     if _sigterm_handler is not None and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _sigterm_handler)
+
+
+def stopped_by(number: signal.Signals) -> BaseException:
+    """What signal `number` raises in the main thread of a `whetstone` command: KeyboardInterrupt
+    for SIGINT, `Terminated` for SIGTERM (`sigterm_raises`); `main` exits 128 + `number` on it."""
+    return KeyboardInterrupt() if number == signal.SIGINT else Terminated(f"stopped by {number.name}")
+
+
+class _Hurry(KeyboardInterrupt):
+    """Raised by `Stopping` where it waits for a role to stop, on the first signal: a
+    KeyboardInterrupt, which a library waiting in C passes on as one (ray.get)."""
+
+
+class Stopping:
+    """Stops roles whatever SIGINT or SIGTERM comes meanwhile, so that none is left behind:
+
+        with Stopping() as stopping:
+            for role in reversed(roles):
+                stopping.stop(role)
+            ...  # the rest of the clean-up (CPU groups, Ray), which no signal interrupts either
+        if stopping.first is not None:
+            raise stopped_by(stopping.first)  # where no exception of the caller's is on its way
+
+    No signal leaves the block half done; the first makes the stopping quicker: the role being
+    stopped and every role after it are killed instead of waited for (a second Ctrl-C means
+    "now"). Only SIGKILL ends the process at once. Only the main thread takes signals: elsewhere
+    roles are stopped as usual."""
+
+    def __init__(self) -> None:
+        self.received: list[signal.Signals] = []
+        """The signals that came in the block, in order."""
+        self._waiting = False
+        self._previous: dict[signal.Signals, object] = {}
+
+    @property
+    def first(self) -> signal.Signals | None:
+        """The first signal that came in the block, or None."""
+        return self.received[0] if self.received else None
+
+    def __enter__(self) -> Stopping:
+        if threading.current_thread() is threading.main_thread():
+            self._previous = {number: signal.signal(number, self._take) for number in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for number, handler in self._previous.items():
+            signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
+        self._previous = {}
+
+    def _take(self, number: int, _frame) -> None:
+        self.received.append(signal.Signals(number))
+        if self._waiting and len(self.received) == 1:
+            raise _Hurry
+
+    def stop(self, role: RoleProcess) -> None:
+        """Stop `role` (`RoleProcess.stop`: SIGTERM, then SIGKILL after its grace period), or
+        kill it once a signal came."""
+        hurried = False
+        try:
+            self._waiting = True
+            if not self.received:
+                role.stop()
+        except KeyboardInterrupt:  # the first signal, raised where it waited for the role
+            hurried = True
+        finally:
+            self._waiting = False
+        if hurried or self.received:
+            role.kill()
 
 
 def exit_process(code: int | str | None = 0) -> NoReturn:
