@@ -12,7 +12,7 @@ import pytest
 
 from whetstone.errors import WhetstoneError
 from whetstone.utils import processes
-from whetstone.utils.processes import RoleProcess, free_ports
+from whetstone.utils.processes import RoleProcess, Stopping, free_ports
 
 
 def test_a_role_runs_the_whetstone_command_and_logs_to_a_file(tmp_path):
@@ -43,6 +43,28 @@ def test_stop_sends_sigterm_and_returns_the_exit_code(tmp_path):
     role.start()
     assert role.running
     assert role.stop(grace_s=10) == -15 and not role.running
+
+
+class UnstoppableRole(RoleProcess):
+    """A role whose graceful stop fails (as a Ray role's does when its actor died)."""
+
+    def stop(self, grace_s: float = 30.0) -> int | None:
+        raise RuntimeError("the actor died")
+
+
+def test_a_role_that_fails_to_stop_is_killed_and_the_others_are_still_stopped(tmp_path):
+    roles = [
+        cls(name, ["--help"], tmp_path / f"{name}.log") for cls, name in [(RoleProcess, "a"), (UnstoppableRole, "b")]
+    ]
+    for role in roles:
+        role.argv = [sys.executable, "-c", "import time; time.sleep(60)"]
+        role.start()
+    with Stopping() as stopping:
+        for role in reversed(roles):
+            stopping.stop(role)
+    assert stopping.first is None
+    assert [role.running for role in roles] == [False, False]
+    assert [role.process.returncode for role in roles] == [-signal.SIGTERM, -signal.SIGKILL]
 
 
 def test_a_role_stops_when_the_process_that_started_it_is_killed(tmp_path):

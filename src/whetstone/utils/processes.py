@@ -33,6 +33,8 @@ import httpx
 from whetstone.errors import WhetstoneError
 from whetstone.utils.cgroups import CpuGroup, add_to_cgroups
 
+log = logging.getLogger(__name__)
+
 CPUS_ENV = "WHETSTONE_CPUS"
 """Set by `RoleProcess(cpus=...)`: the cores the role (and every process it starts) may run on."""
 CPU_GROUP_ENV = "WHETSTONE_CPU_GROUP"
@@ -164,7 +166,8 @@ class Stopping:
 
     def stop(self, role: RoleProcess) -> None:
         """Stop `role` (`RoleProcess.stop`: SIGTERM, then SIGKILL after its grace period), or
-        kill it once a signal came."""
+        kill it once a signal came. A role that fails to stop (its Ray actor died, say) is killed
+        and the failure logged: the roles after it are still stopped."""
         hurried = False
         try:
             self._waiting = True
@@ -172,10 +175,16 @@ class Stopping:
                 role.stop()
         except KeyboardInterrupt:  # the first signal, raised where it waited for the role
             hurried = True
+        except Exception as err:
+            log.warning("stopping %s failed (%s): killing it", role.name, err)
+            hurried = True
         finally:
             self._waiting = False
         if hurried or self.received:
-            role.kill()
+            try:
+                role.kill()
+            except Exception as err:
+                log.error("could not kill %s: %s", role.name, err)
 
 
 def exit_process(code: int | str | None = 0) -> NoReturn:
