@@ -63,6 +63,32 @@ def test_a_server_that_rejects_a_version_says_so_and_takes_it_once_repaired(serv
         wait_until(lambda: "weights caught up: serving version" in caplog.text, TIMEOUT_S)  # after the withdraw
 
 
+def test_a_server_whose_newest_version_stays_unavailable_says_so_and_takes_it_once_restored(served_model_dir, tmp_path):
+    sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05, unavailable_after=0.2)
+    store = WeightStore.open(sync)
+    publisher = Publisher(store, sync)
+    served = load_hf(served_model_dir).state_dict()
+    publisher.publish(served)  # version 0: what the server loads anyway
+    missing = store.objects.root / publisher.publish(nudged(served, 1e-3)).chunks[0].key  # version 1
+    saved = missing.read_bytes()
+    missing.unlink()  # deleted for good, or a partial copy
+    config = ServeConfig(
+        model_path=str(served_model_dir), threads=1, sync=sync, engine=EngineConfig(max_batch=2, context_limit=256)
+    )
+    with TestClient(build_app(config)) as http:
+        wait_until(lambda: http.get("/health").status_code == 503, TIMEOUT_S)
+        body = http.get("/health").json()
+        assert body["status"] == "weights stale" and body["weight_version"] == 0 and body["latest_weight_version"] == 1
+        assert "cannot take weight version 1: version 1 has been unavailable for 0.2 s" in body["weights_problem"]
+        assert "no object" in body["weights_problem"] and body["rejected_versions"] == {}
+        assert 'whetstone_weights_stale{model="tiny-chat"} 1' in http.get("/metrics").text
+
+        missing.write_bytes(saved)
+        wait_until(lambda: http.get("/health").json()["weight_version"] == 1, TIMEOUT_S)
+        health = http.get("/health")
+        assert health.status_code == 200 and health.json()["status"] == "ok" and "weights_problem" not in health.json()
+
+
 def test_serve_refuses_a_weight_store_that_does_not_exist(served_model_dir, tmp_path):
     missing = tmp_path / "wieghts"
     config = ServeConfig(model_path=str(served_model_dir), threads=1, sync=SyncConfig(store=str(missing)))

@@ -20,6 +20,7 @@ from whetstone.inference.swap import WeightFollower
 from whetstone.integrations.vllm import vllm_health
 from whetstone.integrations.vllm_serve import SwapDriver, parse
 from whetstone.integrations.vllm_worker import ServedWeights, WeightStoreFollower, WeightWriteError
+from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore
 from whetstone.sync.update import TensorUpdate, WeightUpdate
 
 NAMES = ("a", "b", "c")
@@ -173,6 +174,30 @@ def test_a_version_staged_while_one_is_written_is_written_next(served):
     assert served.load() and served.version == 1 and served.staged_version == 2
     served.worker.reload_weights = reload
     assert served.load() and served.version == 2 and held(served) == {n: [2.0, 2.0] for n in NAMES}
+
+
+def test_a_version_that_stays_unavailable_is_reported_as_weights_stale(served, tmp_path):
+    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", unavailable_after=0.0)
+    store = WeightStore.open(config)
+    publisher = Publisher(store, config)
+    publisher.publish({n: torch.zeros(2) for n in NAMES})  # version 0, as vLLM loaded it
+    subscriber = Subscriber(store, config)
+    assert subscriber.poll() == 0
+    extension = WeightStoreFollower()
+    extension._whetstone = WeightFollower(subscriber, served)
+    chunk = store.objects.root / publisher.publish({n: torch.ones(2) for n in NAMES}).chunks[0].key
+    saved = chunk.read_bytes()
+    chunk.unlink()  # deleted for good, or a partial copy
+    assert subscriber.poll() == 0
+    health = health_of(extension.whetstone_status())
+    assert health["status"] == "weights stale" and health["weight_version"] == 0
+    assert "version 1 has been unavailable" in health["weights_problem"]
+
+    chunk.write_bytes(saved)
+    assert subscriber.poll() == 1
+    served.update_weights(subscriber.take_update())
+    assert served.load() and extension.whetstone_status()["weights_problem"] is None
+    assert held(served) == {n: [1.0, 1.0] for n in NAMES}
 
 
 class FakeVllm:

@@ -81,6 +81,15 @@ def test_rollback_to_a_collected_version_says_so(tmp_path):
     )
 
 
+def test_rollback_to_a_version_missing_a_chunk_names_it(tmp_path):
+    sync = weights_with_versions(tmp_path, 3)
+    (chunk,) = (tmp_path / "weights" / "versions" / "0000000001").glob("*/chunk-*.bin")
+    chunk.unlink()
+    with pytest.raises(WhetstoneError) as missing:
+        load_version(WeightStore.open(sync), sync, 1)
+    assert "version 1 cannot be rebuilt" in str(missing.value) and chunk.name in str(missing.value)
+
+
 def test_rollback_refuses_a_store_that_does_not_exist(tmp_path):
     missing = tmp_path / "wieghts"
     result = CliRunner().invoke(app, ["rollback", "0", "--set", f"sync.store={missing}"])

@@ -40,7 +40,9 @@ def load_version(store: WeightStore, config: SyncConfig, version: int) -> dict[s
         raise WhetstoneError(f"version {version} is not in {where} (stored versions: {stored[0]}..{stored[-1]}{why})")
     subscriber = Subscriber(_StoreAsOf(store, version), config, name=f"load-{version}")
     if subscriber.poll() != version:
-        problems = "; ".join(f"{v}: {why}" for v, why in subscriber.rejected.items()) or "a chunk is missing"
+        problems = [f"{v}: {why}" for v, why in subscriber.rejected.items()]
+        problems += [f"{v}: {missing.reason}" for v, missing in subscriber.unavailable.items()]
+        problems = "; ".join(problems) or "a chunk is missing"
         raise WhetstoneError(f"version {version} cannot be rebuilt from the weight store {config.store}: {problems}")
     return subscriber.state
 

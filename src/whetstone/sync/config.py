@@ -33,6 +33,8 @@ class SyncConfig(Config):
     """Garbage collection keeps the newest this many keyframes and every version after the oldest kept."""
     poll_interval: float = Field(0.5, gt=0)
     """Seconds between a subscriber's checks for a new version."""
+    unavailable_after: float = Field(30.0, ge=0)
+    """Seconds a version's objects may stay missing (retried at every poll) before a subscriber reports it stale."""
     mirrors: list[str] = []
     """Further weight stores the publisher copies every version into, after `store` (one per
     inference cluster, e.g. a bucket per region, whose servers follow it); same `endpoint_url`.

@@ -9,6 +9,12 @@ verification is rejected and logged: the subscriber stays where it is, and recov
 keyframe (a later delta cannot apply on top of a version it never held), or as soon as the
 rejected version is published again under another manifest (a repair).
 
+A version whose objects are missing (its manifest or a chunk) is unavailable, not rejected: it is
+retried at every poll (a chunk collected under its feet, a store hiccup, a mirror catching up).
+Once it has stayed unavailable at every attempt for `SyncConfig.unavailable_after` seconds (a
+chunk deleted for good, a partial copy), `blocked` reports it as it reports a rejected version,
+and keeps retrying it; the report clears when the version is taken.
+
 The subscriber remembers the digest of the manifest it applied last. If that version is withdrawn
 from the store (a repair: its manifest is gone or is another one now), or a delta continues
 another publish of it, the chain it holds no longer exists: it forgets its version and re-syncs
@@ -20,7 +26,9 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import torch
 
@@ -44,6 +52,21 @@ class ChainWithdrawn(WhetstoneError):
     """The version this subscriber holds is no longer in the store as it was applied."""
 
 
+@dataclass
+class Unavailable:
+    """A version whose objects were missing at every attempt to take it since `since`."""
+
+    reason: str
+    """The latest attempt's error."""
+    digest: str | None
+    """Its manifest's digest at the first attempt (None: no manifest); another one starts over."""
+    since: float
+    """`time.monotonic()` at the first failed attempt."""
+    last: float
+    """... and at the latest."""
+    attempts: int = 1
+
+
 class Subscriber:
     def __init__(
         self,
@@ -64,6 +87,8 @@ class Subscriber:
         manifest changes (it was published again)."""
         self.rejections = 0
         """Rejections so far (a version rejected again after a change counts again)."""
+        self.unavailable: dict[int, Unavailable] = {}
+        """Versions ahead of the one held whose objects were missing at every attempt so far."""
         self.latest: int | None = None
         """The store's newest version at the last poll."""
         self._held_digest: str | None = None
@@ -88,14 +113,23 @@ class Subscriber:
 
     def blocked(self) -> str | None:
         """Why this subscriber cannot take the store's newest version (a rejected version in the
-        way), or None if it holds it or is only on its way."""
-        latest, held, rejected = self.latest, self.version, dict(self.rejected)
+        way, or one unavailable at every attempt for `unavailable_after` seconds), or None if it
+        holds it or is only on its way."""
+        latest, held, rejected, unavailable = self.latest, self.version, dict(self.rejected), dict(self.unavailable)
         if latest is None or (held is not None and held >= latest):
             return None
-        ahead = sorted(v for v in rejected if (held is None or v > held) and v <= latest)
+        after = self.config.unavailable_after
+        lasting = {v for v, u in unavailable.items() if u.last - u.since >= after}
+        ahead = sorted(v for v in set(rejected) | lasting if (held is None or v > held) and v <= latest)
         if not ahead:
             return None
-        return f"cannot take weight version {latest}: version {ahead[0]} was rejected ({rejected[ahead[0]]})"
+        first = ahead[0]
+        if first in rejected:
+            return f"cannot take weight version {latest}: version {first} was rejected ({rejected[first]})"
+        return (
+            f"cannot take weight version {latest}: version {first} has been unavailable for {after:g} s or more, "
+            f"retried at every poll ({unavailable[first].reason})"
+        )
 
     # The background thread.
 
@@ -134,6 +168,10 @@ class Subscriber:
         """Catch up with the newest version as far as possible; returns the version held."""
         head = self.store.head()
         self.latest = None if head is None else head.version
+        if self.unavailable:  # withdrawn since, or taken: replaced whole, as other threads read it
+            self.unavailable = {
+                v: u for v, u in self.unavailable.items() if self.latest is not None and v <= self.latest
+            }
         if self.version is not None and self._held_withdrawn(head):
             self._forget(f"version {self.version} was withdrawn from the store")
         if head is None or (self.version is not None and head.version <= self.version):
@@ -149,8 +187,14 @@ class Subscriber:
         """Walk to `latest` from the version held, or from its keyframe. `resynced`: the walk starts
         over from the keyframe after a `ChainWithdrawn`, which then rejects the version instead (a
         delta on a withdrawn publish: a publisher raced the repair)."""
-        keyframe = self.store.manifest(latest).keyframe
+        try:
+            keyframe = self.store.manifest(latest).keyframe
+        except MissingObjectError as err:  # the pointer copied without its manifest (a partial copy)
+            self._note_unavailable(latest, err)
+            return
         start = self.version + 1 if self.version is not None and self.version >= keyframe else keyframe
+        if any(v < start for v in self.unavailable):  # no longer on the way (a newer keyframe is)
+            self.unavailable = {v: u for v, u in self.unavailable.items() if v >= start}
         for version in range(start, latest + 1):
             if version in self.rejected and not self._changed_since_rejected(version):
                 break
@@ -210,7 +254,7 @@ class Subscriber:
                 )
             update = self._decode(manifest)
         except MissingObjectError as err:  # collected under our feet, or a store hiccup: retry later
-            log.warning("%s: version %d unavailable: %s", self.name, version, err)
+            self._note_unavailable(version, err)
             return False
         except WhetstoneError as err:  # corrupt, truncated, wrong base, undecodable: retried only once changed
             if isinstance(err, ChainWithdrawn) and not resynced:
@@ -225,8 +269,22 @@ class Subscriber:
             self.version, self._held_digest = version, manifest.digest
             self._pending.append(update)
             self._changed.notify_all()
+        if self.unavailable:
+            self.unavailable = {v: u for v, u in self.unavailable.items() if v > version}
         log.info("%s: now on version %d (%d values written)", self.name, version, update.values_written)
         return True
+
+    def _note_unavailable(self, version: int, err: MissingObjectError) -> None:
+        """Record a failed attempt at `version` for want of an object (see `blocked`). Logged as a
+        warning at the first attempt only: a lasting one is reported by `blocked`'s reader."""
+        now, digest = time.monotonic(), self._current_digest(version)
+        known = self.unavailable.get(version)
+        if known is None or known.digest != digest:  # first seen, or published again since
+            log.warning("%s: version %d unavailable (retried at every poll): %s", self.name, version, err)
+            self.unavailable[version] = Unavailable(str(err), digest, now, now)
+        else:
+            log.debug("%s: version %d still unavailable: %s", self.name, version, err)
+            known.reason, known.last, known.attempts = str(err), now, known.attempts + 1
 
     def _decode(self, manifest: Manifest) -> WeightUpdate:
         dtypes = {info.name: dtype_from_name(info.dtype) for info in manifest.tensors}
