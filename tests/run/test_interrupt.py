@@ -89,7 +89,7 @@ import pathlib, sys
 from whetstone.config import load_config
 from whetstone.run.config import PipelineConfig
 from whetstone.run.pipeline import Pipeline
-from whetstone.utils.processes import RoleProcess, sigterm_raises, stopped_by
+from whetstone.utils.processes import RoleProcess, sigterm_raises
 import whetstone.cli as cli
 
 folder, role_script = pathlib.Path(sys.argv[1]), sys.argv[2]
@@ -98,24 +98,19 @@ folder, role_script = pathlib.Path(sys.argv[1]), sys.argv[2]
 def hold_roles():
     pipeline = Pipeline(load_config(PipelineConfig, None, [f'output_dir="{folder}"', 'name="held"']))
     pipeline.open_cpu_groups()
-    with sigterm_raises():  # as `whetstone run` runs `Pipeline.run`
-        try:
-            for index in range(3):
-                marks = [str(folder / f"{mark}{index}") for mark in ("asked", "ready")]
-                command = [sys.executable, "-c", role_script, *marks]
-                role = RoleProcess(f"role{index}", [], folder / f"role{index}.log", command=command,
-                                   cpu_group=pipeline.cpu_groups.get("rollout"))
-                pipeline.roles.append(role.start())
-            print(*(role.process.pid for role in pipeline.roles), flush=True)
-            sys.stdin.readline()  # the stages; a line: they ended
-        finally:
-            interrupted = pipeline.stop_roles()
-        if interrupted is not None:
-            raise stopped_by(interrupted)
+    with sigterm_raises(), pipeline.roles_stopped():  # as `whetstone run` runs `Pipeline.run`
+        for index in range(3):
+            marks = [str(folder / f"{mark}{index}") for mark in ("asked", "ready")]
+            command = [sys.executable, "-c", role_script, *marks]
+            role = RoleProcess(f"role{index}", [], folder / f"role{index}.log", command=command,
+                               cpu_group=pipeline.cpu_groups.get("rollout"))
+            pipeline.roles.append(role.start())
+        print(*(role.process.pid for role in pipeline.roles), flush=True)
+        sys.stdin.readline()  # the stages; a line: they ended
 
 cli.main(["hold-roles"])
 """
-"""`Pipeline.stop_roles` after three slow roles, in a `whetstone` command as `whetstone run` calls it."""
+"""`Pipeline.roles_stopped` around three slow roles, in a `whetstone` command as `whetstone run` runs it."""
 
 
 def wait_for(paths: list[Path], process: subprocess.Popen, timeout_s: float = 60) -> None:

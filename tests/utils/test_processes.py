@@ -1,5 +1,6 @@
 """Roles as child processes: started with the same interpreter, logged to a file, stopped cleanly."""
 
+import logging
 import os
 import random
 import signal
@@ -52,19 +53,38 @@ class UnstoppableRole(RoleProcess):
         raise RuntimeError("the actor died")
 
 
-def test_a_role_that_fails_to_stop_is_killed_and_the_others_are_still_stopped(tmp_path):
+class SignalOnFailedStop(logging.Handler):
+    """A Ctrl-C that comes while the failed stop is being logged."""
+
+    def emit(self, record):
+        if "failed" in record.getMessage():
+            signal.raise_signal(signal.SIGINT)
+
+
+@pytest.mark.parametrize("signalled", [False, True], ids=["alone", "a Ctrl-C while it is logged"])
+def test_a_role_that_fails_to_stop_is_killed_and_the_others_are_still_stopped(tmp_path, signalled):
+    logger, handler = logging.getLogger(processes.__name__), SignalOnFailedStop()
+    if signalled:
+        logger.addHandler(handler)
     roles = [
         cls(name, ["--help"], tmp_path / f"{name}.log") for cls, name in [(RoleProcess, "a"), (UnstoppableRole, "b")]
     ]
     for role in roles:
         role.argv = [sys.executable, "-c", "import time; time.sleep(60)"]
         role.start()
-    with Stopping() as stopping:
-        for role in reversed(roles):
-            stopping.stop(role)
-    assert stopping.first is None
+    try:
+        with Stopping() as stopping:
+            for role in reversed(roles):
+                stopping.stop(role)
+    finally:
+        logger.removeHandler(handler)
+    assert stopping.first == (signal.SIGINT if signalled else None)
     assert [role.running for role in roles] == [False, False]
-    assert [role.process.returncode for role in roles] == [-signal.SIGTERM, -signal.SIGKILL]
+    # after a signal the older role is killed too, not asked to stop
+    assert [role.process.returncode for role in roles] == [
+        -signal.SIGKILL if signalled else -signal.SIGTERM,
+        -signal.SIGKILL,
+    ]
 
 
 def test_a_role_stops_when_the_process_that_started_it_is_killed(tmp_path):

@@ -258,14 +258,12 @@ def whetstone_side(config, model_dir: Path) -> dict[str, Any]:
     link.parent.mkdir(parents=True, exist_ok=True)
     link.unlink(missing_ok=True)
     link.symlink_to(model_dir.resolve(), target_is_directory=True)
-    try:
+    with pipeline.roles_stopped():
         pipeline.open_cpu_groups()
         pipeline.start_servers()
         with pipeline.server_sampler(SAMPLE_INTERVAL_S) as pipeline.sampler:
             pipeline.rl()
             cpu_total = {side: group.usage_seconds() for side, group in pipeline.cpu_groups.items()}
-    finally:
-        pipeline.stop_roles()
     steps = read_metrics(pipeline.run_dir / "trainer" / "metrics.jsonl")
     measured = measure(steps, read_metrics(pipeline.run_dir / "servers.jsonl"))
     cpu_samples = read_metrics(pipeline.run_dir / "cpu.jsonl") if cpu_total else []

@@ -38,7 +38,7 @@ def run(
     from whetstone.run.local_ranks import PLACED_RANK_ENV
     from whetstone.run.pipeline import Pipeline, midtrain_stage, run_pipeline
     from whetstone.run.preflight import check_run_config
-    from whetstone.utils.processes import sigterm_raises, stopped_by
+    from whetstone.utils.processes import sigterm_raises
 
     if dry_run and as_json:
         raise ConfigError(
@@ -52,13 +52,8 @@ def run(
             return
         pipeline = Pipeline(loaded)
         check_run_config(pipeline.config, midtrain_only=True)  # what mid-training reads, its devices
-        try:
-            with sigterm_raises():
-                summary = pipeline.midtrain()
-        finally:
-            interrupted = pipeline.stop_roles()
-        if interrupted is not None:  # mid-training had ended; the run was stopped while it stopped the ranks
-            raise stopped_by(interrupted)
+        with pipeline.roles_stopped(), sigterm_raises():
+            summary = pipeline.midtrain()
         print_summary(summary, as_json)
         return
     if torchrun and not dry_run:

@@ -22,6 +22,7 @@ mid-trained model: the servers follow the store (`Pipeline.check_serving_initial
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import gc
 import hashlib
@@ -31,6 +32,7 @@ import math
 import shutil
 import signal
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -596,7 +598,7 @@ class Pipeline:
         """Stop every role (the newest first), remove the CPU groups and close the launcher, all of
         it whatever signal comes meanwhile (`Stopping`: a Ctrl-C or SIGTERM during the stop kills
         the roles not stopped yet instead of waiting for them). Returns the first such signal, or
-        None: a caller with no exception of its own on its way raises it (`stopped_by`)."""
+        None. `roles_stopped` is the block that calls it and raises that signal."""
         with Stopping() as stopping:
             for role in reversed(self.roles):
                 stopping.stop(role)
@@ -609,6 +611,18 @@ class Pipeline:
             if self.launcher is not None:
                 self.launcher.close()
         return stopping.first
+
+    @contextlib.contextmanager
+    def roles_stopped(self) -> Iterator[None]:
+        """Stop the roles (`stop_roles`) when the block ends, however it ends. A signal that came
+        while they stopped is raised (`stopped_by`) once they are, unless the block raised: its
+        exception is what the run ends with."""
+        try:
+            yield
+        finally:
+            interrupted = self.stop_roles()
+        if interrupted is not None:
+            raise stopped_by(interrupted)
 
     def newest_trainer_checkpoint(self) -> Path | None:
         from whetstone.training.checkpoint import latest_checkpoint
@@ -703,7 +717,7 @@ class Pipeline:
             "final_logit_scale": None,
             **dict.fromkeys(YARDSTICK_KEYS),
         }
-        try:
+        with self.roles_stopped():  # and the CPU groups
             stages: dict[str, Any] = {"midtrain": self.midtrain()}
             if config.rl_enabled:
                 self.start_servers()
@@ -716,10 +730,6 @@ class Pipeline:
                         after = self.evaluate("after", scale)
                         summary["heldout_pass1_after"] = after["pass_at_k"]["1"]
                         summary.update(self.yardstick(before, after, scale))
-        finally:
-            interrupted = self.stop_roles()  # and the CPU groups
-        if interrupted is not None:  # the stages had ended; the run was stopped while it stopped the roles
-            raise stopped_by(interrupted)
         model = self.export_policy()
         summary.update(
             model=str(model), wall_s=time.time() - started, stages=stages, config=self.config.model_dump(mode="json")

@@ -170,16 +170,17 @@ class Stopping:
         and the failure logged: the roles after it are still stopped."""
         hurried = False
         try:
-            self._waiting = True
-            if not self.received:
-                role.stop()
+            try:
+                self._waiting = True  # the first signal raises only while this waits for the role
+                if not self.received:
+                    role.stop()
+            finally:
+                self._waiting = False
         except KeyboardInterrupt:  # the first signal, raised where it waited for the role
             hurried = True
         except Exception as err:
             log.warning("stopping %s failed (%s): killing it", role.name, err)
             hurried = True
-        finally:
-            self._waiting = False
         if hurried or self.received:
             try:
                 role.kill()
