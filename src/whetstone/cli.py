@@ -32,13 +32,8 @@ class _Interrupted(BaseException):
 
 
 class _Commands(TyperGroup):
-    """The `whetstone` group: a Ctrl-C while a command parses its arguments or runs reaches `main`."""
-
-    def make_context(self, *args, **kwargs):
-        try:
-            return super().make_context(*args, **kwargs)
-        except KeyboardInterrupt as interrupt:
-            raise _Interrupted from interrupt
+    """The `whetstone` group: a Ctrl-C while a command parses its arguments or runs reaches `main`
+    (a command's arguments are parsed within the group's `invoke`)."""
 
     def invoke(self, ctx):
         try:

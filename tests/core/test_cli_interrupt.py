@@ -44,7 +44,7 @@ cli.main(sys.argv[1:])
 @pytest.mark.parametrize(
     "command, number",
     [("own-code", signal.SIGINT), ("parsing", signal.SIGINT), ("takes-sigterm", signal.SIGTERM)],
-    ids=["Ctrl-C in the command", "Ctrl-C in typer's parsing", "SIGTERM where taken"],
+    ids=["Ctrl-C in the command", "Ctrl-C in typer's parsing of its options", "SIGTERM where taken"],
 )
 def test_a_signal_ends_a_command_with_one_line_and_128_plus_its_number(command, number):
     with subprocess.Popen(
