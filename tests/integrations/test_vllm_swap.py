@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import whetstone.model.hf as hf
-from whetstone.inference.swap import WeightFollower
+from whetstone.inference.swap import WeightFollower, WeightUpdateError
 from whetstone.integrations.vllm import vllm_health
 from whetstone.integrations.vllm_serve import SwapDriver, parse
 from whetstone.integrations.vllm_worker import ServedWeights, WeightStoreFollower, WeightWriteError
@@ -140,6 +140,20 @@ def test_a_first_version_that_fails_cannot_be_undone(served):
     assert not served.whole and served.staged_version == 1
 
 
+def test_a_first_version_that_is_not_whole_is_refused_before_it_is_staged(served):
+    # no write of it could succeed (the folder's weights are not held here): refused, so the
+    # follower records it as rejected and vLLM is never paused for it
+    partial = WeightUpdate(1, None, {"a": TensorUpdate(torch.ones(2), None, (2,))})
+    with pytest.raises(
+        WeightUpdateError, match=r"weight version 1 leaves tensors the served model needs unknown: \['b', 'c'\]"
+    ):
+        served.update_weights(partial)
+    assert served.staged_version is None and served.load() and served.version == 0
+    served.update_weights(whole(1, 1.0))  # a whole one is taken, and a delta on it after
+    served.update_weights(WeightUpdate(2, 1, {"a": TensorUpdate(torch.tensor([5.0]), torch.tensor([0]), (2,))}))
+    assert served.load() and held(served)["a"] == [5.0, 1.0]
+
+
 def test_a_swap_keeps_one_copy_of_the_weights_on_the_host(served):
     # the update is applied to the served weights in place, and vLLM is handed a copy of one
     # tensor at a time (a swap of a model of S bytes needs S more, not 2 S)
@@ -218,6 +232,8 @@ class FakeVllm:
         with self.lock:
             self.calls.append(call)
         if call == "whetstone_apply":
+            if self.failing == "malformed":  # an answer the driver cannot read
+                return httpx.Response(200, text="not json")
             if self.failing:
                 return httpx.Response(500, json={"error": "out of memory (simulated)"})
             return httpx.Response(200, json={"results": [self.applied]})
@@ -259,8 +275,10 @@ def test_a_version_that_could_not_be_written_resumes_vllm_on_the_last_good_one_a
     assert driver._retry_in == 2 * driver.retry_first_s
 
 
-def test_vllm_paused_longer_than_the_limit_stops_the_server():
-    vllm = FakeVllm()  # every write leaves the model holding no whole version
+@pytest.mark.parametrize("failing", [True, "malformed"], ids=["no whole version", "an answer it cannot read"])
+def test_vllm_paused_longer_than_the_limit_stops_the_server(failing):
+    vllm = FakeVllm()  # every write leaves the model holding no whole version, or answers nonsense
+    vllm.failing = failing
     driver = driver_of(vllm, pause_limit_s=0.2)
     driver.retry_first_s = driver._retry_in = 0.01
     stopped = threading.Event()

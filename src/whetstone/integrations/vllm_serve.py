@@ -161,8 +161,9 @@ class SwapDriver:
                 status = self.rpc("whetstone_status", timeout=STATUS_TIMEOUT_S)
                 if (status.get("staged_version") is not None or self.paused) and time.monotonic() >= self._retry_at:
                     self.swap()
-            except httpx.HTTPError as err:  # a busy or restarting engine: try again at the next poll
-                log.warning("weight swap check failed: %s", err)
+            except Exception as err:  # a busy or restarting engine, an odd answer: try again at the next poll
+                # (any error: the thread ending would leave a paused vLLM paused past its limit)
+                log.warning("weight swap check failed: %s: %s", type(err).__name__, err)
                 if self.paused and time.monotonic() - self._paused_at >= self.pause_limit_s:
                     log.error(
                         "vLLM has been paused for %.0f s by weight swaps that do not go through: stopping the server",

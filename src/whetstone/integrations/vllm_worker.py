@@ -98,7 +98,13 @@ class ServedWeights:
         if needed:
             raise WeightUpdateError(f"{where} removes tensors the served model needs: {needed[:5]}")
         with self._lock:
-            self._staged = update if self._staged is None else merge_updates([self._staged, update])
+            staged = update if self._staged is None else merge_updates([self._staged, update])
+            # what a load would leave unknown (a first version that is not whole): refused here, as
+            # no write of it could ever succeed
+            unknown = sorted(set(self.shapes) - set(self.weights) - set(staged.tensors))
+            if unknown:
+                raise WeightUpdateError(f"{where} leaves tensors the served model needs unknown: {unknown[:5]}")
+            self._staged = staged
 
     def _staged_whole(self, name: str) -> bool:
         staged = self._staged
@@ -126,9 +132,6 @@ class ServedWeights:
             return True
         served, reloaded = self.version, False
         try:
-            missing = sorted(set(self.shapes) - (set(self.weights) - set(update.removed)) - set(update.tensors))
-            if missing:  # a first version that is not whole (staging checks deltas, so never expected)
-                raise WeightUpdateError(f"weight version {update.version} leaves {missing[:5]} unknown")
             undo = self._apply(update)
             try:
                 reloaded = True
