@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from whetstone.errors import WhetstoneError
-from whetstone.model import invariant, ops
+from whetstone.model import experts, invariant, ops
 
 
 @pytest.fixture(autouse=True)
@@ -96,11 +96,12 @@ def test_expert_rows_do_not_depend_on_their_place_in_the_tile(dtype, shape):
 
 @pytest.fixture
 def fresh_tiles():
-    invariant._row_tile.cache_clear()
-    invariant._rows_alike.cache_clear()
+    checks = (invariant._row_tile, invariant._rows_alike, invariant._tail_tiles, invariant._rows_as_in)
+    for check in checks:
+        check.cache_clear()
     yield
-    invariant._row_tile.cache_clear()
-    invariant._rows_alike.cache_clear()
+    for check in checks:  # what a fake library granted must not outlive its test
+        check.cache_clear()
 
 
 def _six_rows_at_a_time(tiled_mm):
@@ -134,6 +135,99 @@ def test_without_such_a_tile_rows_are_multiplied_one_at_a_time(monkeypatch, fres
     monkeypatch.setattr(invariant, "TILE_MULTIPLES", 2)
     assert invariant.row_tile(8, torch.randn(40, 64).t()) == 1
     assert "one row at a time" in caplog.text
+
+
+def _reversed_below(rows_below: int, tiled_mm):
+    """`tiled_mm` on a library whose tiles of fewer than `rows_below` rows add K in reverse order:
+    the same products, summed another way."""
+
+    def kernel(rows, weight_t, out=None, tile=invariant.ROW_TILE):
+        if tile >= rows_below:
+            return tiled_mm(rows, weight_t, out, tile)
+        result = tiled_mm(rows.flip(1).contiguous(), weight_t.flip(0), tile=tile)
+        return result if out is None else out.copy_(result)
+
+    return kernel
+
+
+def _six_rows_at_a_time_reversed(tiled_mm):
+    """`tiled_mm` on a library that computes 6 rows at a time and adds K in reverse order for
+    the rows of a tile's last, incomplete group of 6 (as `_six_rows_at_a_time`, with the same
+    products summed another way)."""
+
+    def kernel(rows, weight_t, out=None, tile=invariant.ROW_TILE):
+        result = tiled_mm(rows, weight_t, out, tile)
+        late = tile % 6
+        if late:
+            depth, columns = rows.shape[1], result.shape[1]
+            late_rows = rows.view(-1, tile, depth)[:, tile - late :].reshape(-1, depth)
+            sums = tiled_mm(late_rows.flip(1).contiguous(), weight_t.flip(0), tile=1)
+            result.view(-1, tile, columns)[:, tile - late :] = sums.view(-1, late, columns)
+        return result
+
+    return kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tail_tile_whose_rows_the_library_computes_apart_is_not_used(monkeypatch, fresh_tiles, dtype):
+    # bf16 included: a bf16 product is exact in fp32, and sums of plain random bf16 products
+    # often come out the same in any order; the check's operands must still tell them apart
+    weights_t = [torch.randn(columns, depth).to(dtype).t() for depth, columns in ((96, 80), (256, 768))]
+    granted = [invariant.tail_tiles(16, weight_t) for weight_t in weights_t]  # by this path's library
+    invariant._tail_tiles.cache_clear()
+    invariant._rows_as_in.cache_clear()
+    monkeypatch.setattr(invariant, "tiled_mm", _reversed_below(4, invariant.tiled_mm))
+    for weight_t, tails in zip(weights_t, granted):
+        assert invariant.tail_tiles(16, weight_t) == tuple(size for size in tails if size >= 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tile_whose_last_rows_add_in_another_order_is_not_used(monkeypatch, fresh_tiles, dtype):
+    monkeypatch.setattr(invariant, "tiled_mm", _six_rows_at_a_time_reversed(invariant.tiled_mm))
+    assert invariant.row_tile(8, torch.randn(80, 96).to(dtype).t()) == 24  # 8 rows and 16 have late rows
+    assert invariant.row_tile(6, torch.randn(80, 96).to(dtype).t()) == 6
+
+
+def test_rows_left_after_whole_tiles_take_the_smallest_tail_that_holds_them():
+    assert [invariant.padded_rows(count, 8, (2, 4)) for count in (0, 1, 2, 3, 5, 8, 9, 13, 16)] == [
+        0, 2, 2, 4, 8, 8, 10, 16, 16
+    ]  # fmt: skip
+    assert [invariant.padded_rows(count, 16) for count in (1, 16, 17)] == [16, 16, 32]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_a_row_in_a_tail_tile_has_its_bits_in_whole_tiles(dtype, shape):
+    # The tails the library's check grants on this path: a decode step's rows in one, the
+    # trainer's in whole tiles (operands whose sums round at every add, as the check's).
+    depth, columns = shape
+    x, weight_t = invariant._check_operands(64, depth, columns, dtype, True, seed=5)
+    tile = invariant.row_tile(invariant.ROW_TILE, weight_t)
+    whole = invariant.tiled_mm(x, weight_t, tile=tile)
+    for small in invariant.tail_tiles(tile, weight_t):
+        for start in range(0, 64 - small + 1, small):
+            rows = x[start : start + small]
+            assert torch.equal(invariant.tiled_rows_mm(rows, weight_t, tile=tile), whole[start : start + small])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", EXPERT_SHAPES.values(), ids=EXPERT_SHAPES.keys())
+def test_an_experts_token_alone_has_its_bits_among_many(dtype, shape):
+    # Decoding gives an expert one token (a tail tile); training gives it many (whole tiles).
+    hidden, double, inner = shape
+    x = torch.randn(40, hidden).to(dtype) * torch.exp2(torch.randint(-4, 5, (40, 1))).to(dtype)
+    gate_up = (torch.randn(3, double, hidden) / hidden**0.5).to(dtype)
+    down = (torch.randn(3, hidden, inner) / inner**0.5).to(dtype)
+    ids = torch.tensor([[1, 0]] * 40)
+    with torch.no_grad(), ops.numerics("invariant"):
+        together = experts.expert_mlp(x, ids, gate_up, down)
+        for token in range(40):
+            for count in (1, 3):  # alone, and with two other tokens before it
+                rows = torch.cat([x[:token][-(count - 1) :] if count > 1 else x[:0], x[token : token + 1]])
+                if rows.shape[0] < count:
+                    continue
+                alone = experts.expert_mlp(rows, ids[:count], gate_up, down)
+                assert torch.equal(alone[-1], together[token]), (token, count)
 
 
 def test_one_row_tiles_are_the_rows_alone():

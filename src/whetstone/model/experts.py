@@ -21,10 +21,12 @@ slices, both with the backward written out:
   back either. Under invariant numerics the forward is always `invariant_triton.grouped_matmul`,
   whose tiles never depend on how many tokens chose an expert.
 
-On the CPU under invariant numerics each expert's slice is padded to a multiple of the experts'
+On the CPU under invariant numerics each expert's slice is padded to whole tiles of the experts'
 tile (`invariant.expert_tile`: EXPERT_ROW_TILE rows where the library computes such tiles' rows
-alike; dummy slots read a zero row and nobody gathers their outputs) and multiplied by
-`invariant.tiled_mm`, in tiles of one shape, so a row's result does not depend on how many tokens
+alike) and a tail tile for the rows left (`invariant.expert_tail_tiles`: a smaller tile whose rows
+the library computes as the whole tiles' rows, so an expert a decode step gives one token computes
+a tile of 2 or 4 rows, not 8), dummy slots reading a zero row and nobody gathering their outputs,
+and multiplied by `invariant.tiled_rows_mm`, so a row's result does not depend on how many tokens
 chose its expert.
 Reduced-precision training (`ops.training_kernels()`) pads the same way to a few sizes per power
 of two (`ops.shape_tile`), so the matmuls reuse the kernels oneDNN built for earlier steps.
@@ -129,12 +131,12 @@ def _spans(counts: list[int]):
         start += count
 
 
-def _padded_groups(slot_expert: torch.Tensor, unsort: torch.Tensor, counts: list[int], tile):
-    """The sorted layout with each expert's group padded to a multiple of `tile(count)` rows.
+def _padded_groups(slot_expert: torch.Tensor, unsort: torch.Tensor, counts: list[int], padded_count):
+    """The sorted layout with each expert's group of `count` slots padded to `padded_count(count)` rows.
 
     Padding positions hold the dummy slot id S = number of slots (it reads a zero row of x, and
     a zero row of the output gradient); `unsort` points each real slot at its padded position."""
-    padded = [count + (-count % tile(count)) for count in counts]
+    padded = [padded_count(count) for count in counts]
     shift, start, padded_start = [], 0, 0
     for count, padded_count in zip(counts, padded):
         shift.append(padded_start - start)
@@ -153,8 +155,8 @@ def _zero_row_for_dummies(rows: torch.Tensor, order: torch.Tensor, slots: int) -
 
 def _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, invariant_tile):
     """The forward of _PerExpertSwiGLU: (output [N, k, H], the tensors its backward needs).
-    `invariant_tile`: the rows of the invariant kernel's tiles (`invariant.expert_tile`), or 0
-    in fast numerics."""
+    `invariant_tile`: the rows of the invariant kernel's whole tiles (`invariant.expert_tile`;
+    each group's rows left form a tail tile, `invariant.tiled_rows_mm`), or 0 in fast numerics."""
     batch_invariant = bool(invariant_tile)
     inner = down.shape[-1]
     source = _zero_row_for_dummies(x, order, x.shape[0] * top_k)
@@ -163,7 +165,7 @@ def _per_expert_forward(x, gate_up, down, order, unsort, counts, top_k, invarian
     # Each expert's rows, transposed weight and output rows as views made in one call per tensor:
     # decoding runs this every step on a handful of rows, where indexing expert by expert would
     # cost more calls than the matmuls. An expert no slot chose gets no call.
-    matmul = functools.partial(invariant.tiled_mm, tile=invariant_tile) if batch_invariant else torch.mm
+    matmul = functools.partial(invariant.tiled_rows_mm, tile=invariant_tile) if batch_invariant else torch.mm
     for rows, weight, into in zip(sorted_x.split(counts), gate_up.transpose(1, 2).unbind(), hidden.split(counts)):
         if rows.shape[0]:
             matmul(rows, weight, out=into)
@@ -314,9 +316,13 @@ def expert_mlp(x: torch.Tensor, ids: torch.Tensor, gate_up: torch.Tensor, down: 
     unsort = _inverse(order)
     invariant_tile = invariant.expert_tile(gate_up, down) if ops.is_invariant() else 0
     if invariant_tile:
-        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, lambda count: invariant_tile)
+        tails = invariant.expert_tail_tiles(invariant_tile, gate_up, down)
+        padded = functools.partial(invariant.padded_rows, tile=invariant_tile, tails=tails)
+        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, padded)
     elif ops.pads_shapes(x):
-        order, unsort, counts = _padded_groups(slot_expert, unsort, counts, ops.shape_tile)
+        order, unsort, counts = _padded_groups(
+            slot_expert, unsort, counts, lambda count: count + (-count % ops.shape_tile(count))
+        )
     args = (x, gate_up, down, order, unsort, counts, ids.shape[1], invariant_tile)
     with torch.autocast(x.device.type, enabled=False):
         if not differentiable:  # e.g. decoding: skip the autograd.Function's bookkeeping

@@ -15,6 +15,10 @@ of tiles of one fixed shape, whatever the batch:
   way. So the tile's row count is checked once per shape, on the library path the process
   runs (`row_tile`): a row put anywhere in the tile must give the same bits. Where the base
   size fails, the next multiple of it that passes is used, and one row per tile if none does;
+- the rows left after a batch's whole tiles may take one smaller tile of their own, of a size
+  for which the library computes every row exactly as in the whole tiles (`tail_tiles`,
+  checked once per shape as `row_tile`): a decode step's few rows (an expert given one token)
+  then cost a tile of 2 or 4 rows, not 8 or 16, with the bits the trainer's whole tiles give;
 - each tile is one library call of one shape on one thread (`one_thread`): fp32 tiles go
   through `torch.bmm` (MKL's GEMM, batched or tile by tile), bf16 tiles through one `torch.mm`
   each. The same instructions in the same order for a given row, whether it came alone or
@@ -84,14 +88,28 @@ def one_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _pad_rows(x: torch.Tensor, tile: int) -> torch.Tensor:
-    missing = -x.shape[0] % tile
+def _pad_rows(x: torch.Tensor, count: int) -> torch.Tensor:
+    """x [M, K] with zero rows added up to `count`."""
+    missing = count - x.shape[0]
     return torch.cat([x, x.new_zeros(missing, x.shape[1])]) if missing else x
 
 
 def _block_columns(depth: int, dtype: torch.dtype) -> int:
     """The columns of a weight's block in `tiled_mm` (BLOCK_BYTES of it, at least 64)."""
     return max(64, BLOCK_BYTES // (depth * dtype.itemsize) // 64 * 64)
+
+
+def _block_shapes(weights_t: tuple[torch.Tensor, ...]) -> tuple:
+    """What the tile checks multiply by for each of `weights_t`: (depth, width, dtype, column-major)."""
+    shapes = []
+    for weight_t in weights_t:
+        depth, columns = weight_t.shape
+        block = _block_columns(depth, weight_t.dtype)
+        # the blocks tiled_mm makes: a whole weight of up to `block` columns in one call, else
+        # whole blocks written into column slices of the output, and a narrower last one
+        width = columns if columns <= block else block + (columns % block or block)
+        shapes.append((depth, width, weight_t.dtype, weight_t.stride(0) == 1 and columns > 1))
+    return tuple(shapes)
 
 
 def row_tile(base: int, *weights_t: torch.Tensor) -> int:
@@ -101,15 +119,49 @@ def row_tile(base: int, *weights_t: torch.Tensor) -> int:
     does (a one-row tile has one place). Checked once per shape, layout and dtype
     (`_rows_alike`), so the engine and the trainer of one machine, under the same library
     settings (MKL_*, ONEDNN_* variables), tile alike."""
-    shapes = []
-    for weight_t in weights_t:
-        depth, columns = weight_t.shape
-        block = _block_columns(depth, weight_t.dtype)
-        # the blocks tiled_mm makes: a whole weight of up to `block` columns in one call, else
-        # whole blocks written into column slices of the output, and a narrower last one
-        width = columns if columns <= block else block + (columns % block or block)
-        shapes.append((depth, width, weight_t.dtype, weight_t.stride(0) == 1 and columns > 1))
-    return _row_tile(base, tuple(shapes))
+    return _row_tile(base, _block_shapes(weights_t))
+
+
+def tail_tiles(tile: int, *weights_t: torch.Tensor) -> tuple[int, ...]:
+    """The smaller tiles that may hold the rows left after whole `tile`-row tiles (`padded_rows`,
+    `tiled_rows_mm`), ascending: the powers of two below `tile` that divide it and for which the
+    library computes each row of such a tile, alone, exactly as in `tile`-row tiles, on every
+    block of every weight of `weights_t`. Checked once per shape, layout and dtype
+    (`_rows_as_in`), as `row_tile`; empty where no size passes (the rows left take a whole tile)."""
+    if tile <= 1:
+        return ()
+    return _tail_tiles(tile, _block_shapes(weights_t))
+
+
+@functools.lru_cache(maxsize=256)
+def _tail_tiles(tile: int, shapes: tuple) -> tuple[int, ...]:
+    sizes = [1 << power for power in range(tile.bit_length()) if (1 << power) < tile and tile % (1 << power) == 0]
+    return tuple(size for size in sizes if all(_rows_as_in(size, tile, *shape) for shape in shapes))
+
+
+def padded_rows(count: int, tile: int, tails: tuple[int, ...] = ()) -> int:
+    """`count` rows rounded up to whole `tile`-row tiles, the rows left (if any) to the smallest
+    of `tails` (`tail_tiles`) that holds them, or to a whole tile where none does."""
+    whole, left = divmod(count, tile)
+    if not left:
+        return count
+    return whole * tile + next((size for size in tails if size >= left), tile)
+
+
+def tiled_rows_mm(
+    rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | None = None, tile: int = ROW_TILE
+) -> torch.Tensor:
+    """`tiled_mm` of rows counted by `padded_rows`: whole `tile`-row tiles, then the rows left
+    (one of `tail_tiles(tile, weight_t)`, by the caller's padding) as one tile of their own."""
+    whole = rows.shape[0] - rows.shape[0] % tile
+    if whole == rows.shape[0]:
+        return tiled_mm(rows, weight_t, out, tile)
+    if out is None:
+        out = rows.new_empty(rows.shape[0], weight_t.shape[1])
+    if whole:
+        tiled_mm(rows[:whole], weight_t, out[:whole], tile)
+    tiled_mm(rows[whole:], weight_t, out[whole:], rows.shape[0] - whole)
+    return out
 
 
 @functools.lru_cache(maxsize=256)
@@ -131,25 +183,62 @@ def _row_tile(base: int, shapes: tuple) -> int:
     return 1
 
 
+def _check_operands(
+    rows: int, depth: int, width: int, dtype: torch.dtype, column_major: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Operands for the tile checks, made on the host (the tiles are the CPU's kernel) from a
+    fixed seed (the global generator untouched): rows [rows, depth] and a weight [depth, width]
+    in this dtype, as `tiled_mm` takes it in this layout. Their products cancel in pairs: K is
+    paired at random, each pair's second element repeating the first with the weight negated,
+    so each exact sum is 0 and the kernel returns the rounding of its partial sums, which
+    spread magnitudes (2^-8..2^8) make round at almost every add. Two different orders of the
+    sum then almost never give the same bits, even rounded to bf16, where sums of plain random
+    bf16 products (each exact in fp32) often come out exact in any order. Pairs at random places,
+    not two halves of K, so that no kernel's split of K sums to an exact 0 in every order."""
+    generator = torch.Generator().manual_seed(seed)
+
+    def spread(*shape: int) -> torch.Tensor:
+        scale = torch.exp2(torch.randint(-8, 9, shape, generator=generator, device="cpu").float())
+        return torch.randn(*shape, generator=generator, device="cpu") * scale
+
+    weight, x = spread(depth, width), spread(rows, depth)
+    pairs = torch.randperm(depth, generator=generator, device="cpu")
+    first, second = pairs[: depth // 2], pairs[depth // 2 : 2 * (depth // 2)]
+    weight[second], x[:, second] = -weight[first], x[:, first]
+    x[:, pairs[2 * (depth // 2) :]] = 0  # an odd K's unpaired product would stand alone
+    weight, x = weight.to(dtype), x.to(dtype)
+    return x, (weight.t().contiguous().t() if column_major else weight)
+
+
 @functools.lru_cache(maxsize=1024)
 def _rows_alike(tile: int, depth: int, width: int, dtype: torch.dtype, column_major: bool) -> bool:
     """Whether `tiled_mm` with `tile`-row tiles against a [depth, width] weight of this dtype and
     layout gives each row the same bits wherever it sits in its tile and whether it comes alone
-    or beside another tile. Random operands from a fixed seed (the global generator untouched):
-    two different orders of a sum of `depth` random products almost never round alike. The
-    tiles are the CPU's kernel, so the operands are made on the host."""
-    generator = torch.Generator().manual_seed(tile * 7919 + depth * 31 + width)
-    shape = (width, depth) if column_major else (depth, width)
+    or beside another tile (`_check_operands`)."""
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
-        weight = torch.randn(shape, generator=generator, device="cpu").to(dtype)
-        weight_t = weight.t() if column_major else weight
-        rows = torch.randn(2 * tile, depth, generator=generator, device="cpu").to(dtype)
+        rows, weight_t = _check_operands(2 * tile, depth, width, dtype, column_major, tile * 7919 + depth * 31 + width)
         full = tiled_mm(rows, weight_t, tile=tile)
         if not torch.equal(tiled_mm(rows[:tile], weight_t, tile=tile), full[:tile]):
             return False
         return all(
             torch.equal(tiled_mm(rows.roll(shift, 0), weight_t, tile=tile), full.roll(shift, 0))
             for shift in range(1, tile)
+        )
+
+
+@functools.lru_cache(maxsize=1024)
+def _rows_as_in(small: int, tile: int, depth: int, width: int, dtype: torch.dtype, column_major: bool) -> bool:
+    """Whether `tiled_mm` with one `small`-row tile gives each of its rows the bits that
+    `tile`-row tiles give it, wherever the row sits in either, against a [depth, width] weight
+    of this dtype and layout (`_check_operands`): every place of the small tile is tried with
+    2 * tile / small different rows."""
+    seed = small * 104729 + tile * 7919 + depth * 31 + width
+    with torch.inference_mode(), torch.autocast("cpu", enabled=False):
+        rows, weight_t = _check_operands(2 * tile, depth, width, dtype, column_major, seed)
+        full = tiled_mm(rows, weight_t, tile=tile)
+        return all(
+            torch.equal(tiled_mm(rows[start : start + small], weight_t, tile=small), full[start : start + small])
+            for start in range(0, 2 * tile, small)
         )
 
 
@@ -191,13 +280,20 @@ def expert_tile(gate_up: torch.Tensor, down: torch.Tensor) -> int:
     return row_tile(EXPERT_ROW_TILE, gate_up[0].t(), down[0].t())
 
 
+def expert_tail_tiles(tile: int, gate_up: torch.Tensor, down: torch.Tensor) -> tuple[int, ...]:
+    """`tail_tiles` of the experts' `tile` (`expert_tile`) against both of their weights."""
+    return tail_tiles(tile, gate_up[0].t(), down[0].t())
+
+
 def _linear_forward(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """rows [M, K] @ weight [N, K].T by the invariant kernel of the rows' device: the Triton
-    matmul on CUDA (`invariant_triton`), tiles of ROW_TILE rows on the CPU (`row_tile`)."""
+    matmul on CUDA (`invariant_triton`), tiles of ROW_TILE rows on the CPU (`row_tile`), the
+    rows left in a tail tile (`tail_tiles`)."""
     if invariant_triton.applies(rows):
         return invariant_triton.matmul(rows, weight)
     tile = row_tile(ROW_TILE, weight.t())
-    return tiled_mm(_pad_rows(rows, tile), weight.t(), tile=tile)[: rows.shape[0]]
+    count = padded_rows(rows.shape[0], tile, tail_tiles(tile, weight.t()))
+    return tiled_rows_mm(_pad_rows(rows, count), weight.t(), tile=tile)[: rows.shape[0]]
 
 
 class _Linear(torch.autograd.Function):
@@ -294,12 +390,12 @@ def moe_combine(expert_out: torch.Tensor, gates: torch.Tensor) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _query_rows(group: int, length: int, tile: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Query rows (g, t) of a kv head, padded to a multiple of `tile` with copies of row 0 (any
-    real row works: their results are dropped): (row index, position t of each row)."""
+def _query_rows(group: int, length: int, count: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Query rows (g, t) of a kv head, padded to `count` rows with copies of row 0 (any real row
+    works: their results are dropped): (row index, position t of each row)."""
     rows = group * length
     with torch.inference_mode(False):  # cached: normal tensors, which the trainer's backward may save
-        index = torch.arange(rows + -rows % tile, device=device)
+        index = torch.arange(count, device=device)
         index[rows:] = 0
         return index, index % length
 
@@ -311,8 +407,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     a full forward both index keys that way); mask [B, 1, T, S] (True = may attend), or None for
     causal attention over the same T tokens. Returns [B, Hq, T, D] in q's dtype.
 
-    The query rows of a kv head ((g, t) pairs, padded to a multiple of the tile: ROW_TILE, as
-    `row_tile` checks it for these shapes) are taken a tile at a time. Each block's scores
+    The query rows of a kv head ((g, t) pairs, padded to whole tiles of ROW_TILE, as `row_tile`
+    checks it for these shapes, and a tail tile, `tail_tiles`) are taken a tile at a time. Each
+    block's scores
     against each chunk of KEY_CHUNK keys is one [tile, D] x [D, KEY_CHUNK] matmul; the softmax
     subtracts the row's max (exact in any order); each chunk's probabilities are summed (a row
     reduction of KEY_CHUNK) and multiplied with its values as one [tile, KEY_CHUNK] x
@@ -337,28 +434,31 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
         tiles = key_tiles.shape[0]
         tile = row_tile(ROW_TILE, key_tiles[0], value_tiles[0])
         rows = group * length
-        index, positions = _query_rows(group, length, tile, q.device)
+        count = padded_rows(rows, tile, tail_tiles(tile, key_tiles[0], value_tiles[0]))
+        index, positions = _query_rows(group, length, count, q.device)
         queries = (q.float() * dim**-0.5).reshape(batch, kv_heads, rows, dim)
-        if index.numel() > rows:
+        if count > rows:
             queries = queries.index_select(2, index)
         weight_parts, out_parts = [], []
-        for start in range(0, index.numel(), tile):
-            block = queries[:, :, start : start + tile].unsqueeze(2).expand(-1, -1, chunks, -1, -1)
+        for start in range(0, count, tile):
+            size = min(tile, count - start)  # a whole tile, or the tail tile
+            block = queries[:, :, start : start + size].unsqueeze(2).expand(-1, -1, chunks, -1, -1)
             with one_thread():
-                scores = torch.bmm(block.reshape(tiles, tile, dim), key_tiles)
-            # [B, Hkv, chunks, tile, KEY_CHUNK], and the mask of these rows in that layout.
-            scores = scores.view(batch, kv_heads, chunks, tile, KEY_CHUNK)
-            visible = mask.index_select(2, positions[start : start + tile])
-            visible = visible.view(batch, 1, tile, chunks, KEY_CHUNK).transpose(2, 3)
+                scores = torch.bmm(block.reshape(tiles, size, dim), key_tiles)
+            # [B, Hkv, chunks, size, KEY_CHUNK], and the mask of these rows in that layout.
+            scores = scores.view(batch, kv_heads, chunks, size, KEY_CHUNK)
+            visible = mask.index_select(2, positions[start : start + size])
+            visible = visible.view(batch, 1, size, chunks, KEY_CHUNK).transpose(2, 3)
             scores = torch.where(visible, scores, float("-inf"))
             peak = scores.amax(dim=(2, 4), keepdim=True).detach()  # the result does not depend on it
             probs = torch.exp(scores - peak)
             weight_parts.append(probs.sum(dim=-1, keepdim=True))
             with one_thread():
-                out_parts.append(torch.bmm(probs.reshape(tiles, tile, KEY_CHUNK), value_tiles))
+                part = torch.bmm(probs.reshape(tiles, size, KEY_CHUNK), value_tiles)
+            out_parts.append(part.view(batch, kv_heads, chunks, size, dim))
         # [B, Hkv, chunks, rows, 1] and [B, Hkv, chunks, rows, D], then added in key order.
         weight_parts = torch.cat(weight_parts, dim=3)
-        out_parts = torch.cat([part.view(batch, kv_heads, chunks, tile, dim) for part in out_parts], dim=3)
+        out_parts = torch.cat(out_parts, dim=3)
         total, out = weight_parts[:, :, 0], out_parts[:, :, 0]
         for chunk in range(1, chunks):
             total = total + weight_parts[:, :, chunk]
