@@ -1,9 +1,11 @@
 """The `whetstone` command itself: its version, the help a pip user reads, and config arguments."""
 
+import importlib.util
 import os
 import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 
 import click
 import pytest
@@ -92,6 +94,18 @@ def test_a_bench_module_run_as_a_script_is_its_bench_command(name):
     assert helped.returncode == 0 and f"Usage: whetstone bench {name} [OPTIONS]" in helped.stdout, helped.stderr
     refused = _whetstone("--no-such-option", module=f"whetstone.bench.{name}")
     assert refused.returncode == 2 and "No such option: --no-such-option" in refused.stderr
+
+
+def test_every_bench_module_runs_as_its_bench_command():
+    """Each `whetstone bench NAME`'s module ends in `run_as_module("NAME")` (run above for three
+    of them): `python -m whetstone.bench.NAME` otherwise ran nothing and exited 0."""
+    from whetstone.bench.cli import app as bench_app
+
+    names = sorted(typer.main.get_command(bench_app).commands)
+    assert len(names) >= 10, names
+    for name in names:
+        source = importlib.util.find_spec(f"whetstone.bench.{name}").origin
+        assert f'run_as_module("{name}")' in Path(source).read_text(), name
 
 
 def test_the_config_reference_refuses_arguments_it_does_not_take(capsys):

@@ -136,7 +136,7 @@ def run(
     context = 2 * prompt_tokens + 2 * new_tokens
     engines = {
         mode: Engine(
-            model,
+            copy.deepcopy(model),  # its own: a fast CPU engine stores its weights column-major in place
             EngineConfig(
                 max_batch=max_batch,
                 context_limit=context,
@@ -212,3 +212,9 @@ def run(
         "active_parameters": model.num_parameters(active=True),
         "model": cfg.model_dump(),
     }
+
+
+if __name__ == "__main__":  # `whetstone bench consistency`, options included
+    from whetstone.bench.cli import run_as_module
+
+    run_as_module("consistency")

@@ -240,3 +240,9 @@ def run(
             fleet.stop_all()
     result["machine"] = {"cpus": len(os.sched_getaffinity(0))}
     return result
+
+
+if __name__ == "__main__":  # `whetstone bench fleet`, options included
+    from whetstone.bench.cli import run_as_module
+
+    run_as_module("fleet")

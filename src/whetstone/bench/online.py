@@ -325,3 +325,9 @@ def summarize(
         "requests_during_loop": len(during),
         "liked_during_loop": sum(e.liked for e in during) / max(1, len(during)),
     }
+
+
+if __name__ == "__main__":  # `whetstone bench online`, options included
+    from whetstone.bench.cli import run_as_module
+
+    run_as_module("online")

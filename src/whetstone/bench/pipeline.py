@@ -674,3 +674,9 @@ def _trl_version() -> str:
     import trl
 
     return trl.__version__
+
+
+if __name__ == "__main__":  # `whetstone bench pipeline`, options included
+    from whetstone.bench.cli import run_as_module
+
+    run_as_module("pipeline")

@@ -160,3 +160,9 @@ def run(samples: int = 200, duration_s: float = 10.0, workers: int | None = None
             "cpu_bound_per_s": round(cores * 1000 / sandbox_cpu, 1),  # if the cores did nothing else
         }
     return report
+
+
+if __name__ == "__main__":  # `whetstone bench sandbox`, options included
+    from whetstone.bench.cli import run_as_module
+
+    run_as_module("sandbox")

@@ -179,3 +179,9 @@ def run(
         "hf_experts_implementation": theirs.config._experts_implementation,
         "hf_attn_implementation": theirs.config._attn_implementation,
     }
+
+
+if __name__ == "__main__":  # `whetstone bench train`, options included
+    from whetstone.bench.cli import run_as_module
+
+    run_as_module("train")

@@ -182,3 +182,9 @@ def run(
                 server.stop()
             result[engine] = figures
     return result
+
+
+if __name__ == "__main__":  # `whetstone bench vllm`, options included
+    from whetstone.bench.cli import run_as_module
+
+    run_as_module("vllm")
