@@ -96,7 +96,13 @@ def test_expert_rows_do_not_depend_on_their_place_in_the_tile(dtype, shape):
 
 @pytest.fixture
 def fresh_tiles():
-    checks = (invariant._row_tile, invariant._rows_alike, invariant._tail_tiles, invariant._rows_as_in)
+    checks = (
+        invariant._row_tile,
+        invariant._rows_alike,
+        invariant._tail_tiles,
+        invariant._rows_as_in,
+        invariant._bulk_tile,
+    )
     for check in checks:
         check.cache_clear()
     yield
@@ -179,6 +185,29 @@ def test_a_tail_tile_whose_rows_the_library_computes_apart_is_not_used(monkeypat
     monkeypatch.setattr(invariant, "tiled_mm", _reversed_below(4, invariant.tiled_mm))
     for weight_t, tails in zip(weights_t, granted):
         assert invariant.tail_tiles(16, weight_t) == tuple(size for size in tails if size >= 4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_bulk_tile_whose_rows_the_library_computes_apart_is_not_used(monkeypatch, fresh_tiles, dtype):
+    # tiles of fewer than 32 rows add K in reverse: no bulk tile (32 rows or more) computes a
+    # row as a 16-row tile does
+    monkeypatch.setattr(invariant, "tiled_mm", _reversed_below(32, invariant.tiled_mm))
+    for columns, depth in ((80, 96), (768, 256)):
+        assert invariant.bulk_tile(16, torch.randn(columns, depth).to(dtype).t()) == 16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+def test_many_rows_have_the_bits_of_whole_tiles(dtype, shape):
+    # The trainer's many rows go in bulk tiles where this path's library grants them; each row
+    # keeps the bits that tiles of the engine's row count give it.
+    depth, columns = shape
+    x, weight_t = invariant._check_operands(1000, depth, columns, dtype, True, seed=11)
+    tile = invariant.row_tile(invariant.ROW_TILE, weight_t)
+    count = invariant.padded_rows(1000, tile)
+    x = F.pad(x, (0, 0, 0, count - 1000))
+    assert invariant.bulk_tile(tile, weight_t) % tile == 0
+    assert torch.equal(invariant.tiled_rows_mm(x, weight_t, tile=tile), invariant.tiled_mm(x, weight_t, tile=tile))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -345,6 +374,25 @@ def test_attention_gradients_match_torch_attention():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("mask", [False, True], ids=["causal", "masked"])
+def test_attention_keeps_only_its_inputs_for_the_backward(mask):
+    # The backward is torch's attention run again: nothing of the tiles (scores, probabilities
+    # per key chunk) is kept, and the gradients are attention's.
+    q = torch.randn(2, 4, 150, 8, requires_grad=True)
+    k, v = torch.randn(2, 2, 150, 8, requires_grad=True), torch.randn(2, 2, 150, 8, requires_grad=True)
+    keys = torch.ones(150, 150, dtype=torch.bool).tril().expand(2, 1, 150, 150) if mask else None
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+        out = invariant.attention(q, k, v, keys)
+    inputs = q.numel() + k.numel() + v.numel() + (keys.numel() if mask else 0)
+    assert sum(saved) <= inputs
+    weights = torch.randn(2, 4, 150, 8)
+    ours = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    theirs = torch.autograd.grad((causal_reference(q, k, v) * weights).sum(), (q, k, v))
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_the_mode_is_a_context_like_autocast():
     assert not ops.is_invariant()
     with ops.numerics("invariant"):
@@ -373,3 +421,19 @@ def test_top_k_breaks_ties_by_index_and_keeps_topks_order():
     assert indices.tolist() == [[1, 2], [0, 2]] and torch.equal(values, x.gather(1, indices))
     wide = torch.randn(40, 64)  # without ties: what topk gives
     assert all(torch.equal(a, b) for a, b in zip(invariant.top_k(wide, 8), wide.topk(8)))
+
+
+def test_a_tile_verdict_holds_for_the_float32_matmul_precision_it_was_reached_under(fresh_tiles):
+    # "medium" sends fp32 tiles to oneDNN's bf16 kernels, which tile their rows otherwise: a
+    # verdict reached under one precision must not serve the other
+    weight_t = torch.randn(64, 48)
+    previous = torch.get_float32_matmul_precision()
+    try:
+        for precision in ("highest", "medium", "highest"):
+            torch.set_float32_matmul_precision(precision)
+            invariant.row_tile(invariant.ROW_TILE, weight_t)
+            invariant.tail_tiles(invariant.ROW_TILE, weight_t)
+    finally:
+        torch.set_float32_matmul_precision(previous)
+    assert invariant._row_tile.cache_info().misses == 2 and invariant._row_tile.cache_info().hits == 1
+    assert invariant._tail_tiles.cache_info().misses == 2 and invariant._tail_tiles.cache_info().hits == 1

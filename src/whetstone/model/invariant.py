@@ -19,6 +19,10 @@ of tiles of one fixed shape, whatever the batch:
   for which the library computes every row exactly as in the whole tiles (`tail_tiles`,
   checked once per shape as `row_tile`): a decode step's few rows (an expert given one token)
   then cost a tile of 2 or 4 rows, not 8 or 16, with the bits the trainer's whole tiles give;
+- many rows (the trainer's) take bulk tiles of a multiple of that row count where the library
+  computes every row of a tile exactly as in a bulk tile (`bulk_tile`, checked once per shape
+  as `tail_tiles`): the library packs the weight once per tile call, which fewer, larger tiles
+  amortise;
 - each tile is one library call of one shape on one thread (`one_thread`): fp32 tiles go
   through `torch.bmm` (MKL's GEMM, batched or tile by tile), bf16 tiles through one `torch.mm`
   each. The same instructions in the same order for a given row, whether it came alone or
@@ -63,6 +67,10 @@ tokens, which its tile pads to this many rows: 8 costs a decode step of the benc
 less than 16, and the trainer's expert matmuls (hundreds of rows each) ~25% more."""
 TILE_MULTIPLES = 4
 """`row_tile` tries this many multiples of a base tile before it falls back to one-row tiles."""
+BULK_MULTIPLES = (8, 4, 2)
+"""The multiples of a tile that `bulk_tile` tries for many rows, largest first: with 8 (128 rows
+of 16) a trainer's [1376, 512] x [512, 1024] costs 1.2x one GEMM in fp32, 1.9x in 16-row tiles
+(Intel Xeon, one thread)."""
 BLOCK_BYTES = 1 << 20
 """A tile's block of the weight is at most this big (an L2's worth; at least 64 columns): 512
 output columns of a K = 512 fp32 weight, 1024 in bf16."""
@@ -100,7 +108,10 @@ def _block_columns(depth: int, dtype: torch.dtype) -> int:
 
 
 def _block_shapes(weights_t: tuple[torch.Tensor, ...]) -> tuple:
-    """What the tile checks multiply by for each of `weights_t`: (depth, width, dtype, column-major)."""
+    """What the tile checks multiply by for each of `weights_t`: (depth, width, dtype, column-major,
+    torch's float32 matmul precision). The precision is part of every check's key: "medium" or
+    "high" send fp32 tiles to other kernels (oneDNN's reduced-precision ones), which tile their
+    rows otherwise, so a verdict reached under one precision says nothing of another."""
     shapes = []
     for weight_t in weights_t:
         depth, columns = weight_t.shape
@@ -108,7 +119,8 @@ def _block_shapes(weights_t: tuple[torch.Tensor, ...]) -> tuple:
         # the blocks tiled_mm makes: a whole weight of up to `block` columns in one call, else
         # whole blocks written into column slices of the output, and a narrower last one
         width = columns if columns <= block else block + (columns % block or block)
-        shapes.append((depth, width, weight_t.dtype, weight_t.stride(0) == 1 and columns > 1))
+        column_major = weight_t.stride(0) == 1 and columns > 1
+        shapes.append((depth, width, weight_t.dtype, column_major, torch.get_float32_matmul_precision()))
     return tuple(shapes)
 
 
@@ -148,19 +160,41 @@ def padded_rows(count: int, tile: int, tails: tuple[int, ...] = ()) -> int:
     return whole * tile + next((size for size in tails if size >= left), tile)
 
 
+def bulk_tile(tile: int, *weights_t: torch.Tensor) -> int:
+    """The rows of the tiles that many rows (the trainer's) take in `tiled_rows_mm`: the largest
+    of `tile` times BULK_MULTIPLES for which the library computes each row of a `tile`-row tile
+    exactly as in such a bulk tile, wherever the row sits in either, on every block of every
+    weight of `weights_t` (`_rows_as_in`, checked once per shape, layout and dtype, as
+    `tail_tiles`); `tile` where none does. Bulk tiles have the rows' bits of `tile`-row tiles at
+    the cost of fewer, larger calls: the library packs the weight once per tile."""
+    return _bulk_tile(tile, _block_shapes(weights_t))
+
+
+@functools.lru_cache(maxsize=256)
+def _bulk_tile(tile: int, shapes: tuple) -> int:
+    for multiple in BULK_MULTIPLES:
+        if all(_rows_as_in(tile, tile * multiple, *shape) for shape in shapes):
+            return tile * multiple
+    return tile
+
+
 def tiled_rows_mm(
     rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | None = None, tile: int = ROW_TILE
 ) -> torch.Tensor:
-    """`tiled_mm` of rows counted by `padded_rows`: whole `tile`-row tiles, then the rows left
-    (one of `tail_tiles(tile, weight_t)`, by the caller's padding) as one tile of their own."""
-    whole = rows.shape[0] - rows.shape[0] % tile
-    if whole == rows.shape[0]:
+    """`tiled_mm` of rows counted by `padded_rows`: whole bulk tiles where there are enough rows
+    (`bulk_tile`), whole `tile`-row tiles, then the rows left (one of `tail_tiles(tile,
+    weight_t)`, by the caller's padding) as one tile of their own."""
+    count = rows.shape[0]
+    whole = count - count % tile
+    bulk = bulk_tile(tile, weight_t) if count >= tile * min(BULK_MULTIPLES) else tile
+    if whole == count and bulk == tile:
         return tiled_mm(rows, weight_t, out, tile)
     if out is None:
-        out = rows.new_empty(rows.shape[0], weight_t.shape[1])
-    if whole:
-        tiled_mm(rows[:whole], weight_t, out[:whole], tile)
-    tiled_mm(rows[whole:], weight_t, out[whole:], rows.shape[0] - whole)
+        out = rows.new_empty(count, weight_t.shape[1])
+    in_bulk = count - count % bulk
+    for start, end, size in ((0, in_bulk, bulk), (in_bulk, whole, tile), (whole, count, count - whole)):
+        if end > start:
+            tiled_mm(rows[start:end], weight_t, out[start:end], size)
     return out
 
 
@@ -211,10 +245,11 @@ def _check_operands(
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows_alike(tile: int, depth: int, width: int, dtype: torch.dtype, column_major: bool) -> bool:
+def _rows_alike(tile: int, depth: int, width: int, dtype: torch.dtype, column_major: bool, precision: str) -> bool:
     """Whether `tiled_mm` with `tile`-row tiles against a [depth, width] weight of this dtype and
     layout gives each row the same bits wherever it sits in its tile and whether it comes alone
-    or beside another tile (`_check_operands`)."""
+    or beside another tile (`_check_operands`), under the float32 matmul `precision` in effect
+    (`_block_shapes`: a key of the cache)."""
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         rows, weight_t = _check_operands(2 * tile, depth, width, dtype, column_major, tile * 7919 + depth * 31 + width)
         full = tiled_mm(rows, weight_t, tile=tile)
@@ -227,11 +262,14 @@ def _rows_alike(tile: int, depth: int, width: int, dtype: torch.dtype, column_ma
 
 
 @functools.lru_cache(maxsize=1024)
-def _rows_as_in(small: int, tile: int, depth: int, width: int, dtype: torch.dtype, column_major: bool) -> bool:
+def _rows_as_in(
+    small: int, tile: int, depth: int, width: int, dtype: torch.dtype, column_major: bool, precision: str
+) -> bool:
     """Whether `tiled_mm` with one `small`-row tile gives each of its rows the bits that
     `tile`-row tiles give it, wherever the row sits in either, against a [depth, width] weight
-    of this dtype and layout (`_check_operands`): every place of the small tile is tried with
-    2 * tile / small different rows."""
+    of this dtype and layout (`_check_operands`), under the float32 matmul `precision` in effect
+    (a key of the cache): every place of the small tile is tried with 2 * tile / small different
+    rows."""
     seed = small * 104729 + tile * 7919 + depth * 31 + width
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         rows, weight_t = _check_operands(2 * tile, depth, width, dtype, column_major, seed)
@@ -400,6 +438,31 @@ def _query_rows(group: int, length: int, count: int, device: torch.device) -> tu
         return index, index % length
 
 
+class _Attention(torch.autograd.Function):
+    """`attention` on the CPU's tiles; the backward is torch's attention's, run again on the
+    inputs in fp32 (only the forward must be invariant): the tiles' dozen small ops per 16 query
+    rows, differentiated op by op, cost the trainer more than the forward, and their saved
+    probabilities [rows, keys] more memory than the inputs."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask):
+        ctx.save_for_backward(q, k, v, mask)
+        return _tiled_attention(q, k, v, mask)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad):
+        q, k, v, mask = ctx.saved_tensors
+        inputs = [t.detach().float().requires_grad_(needed) for t, needed in zip((q, k, v), ctx.needs_input_grad)]
+        with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
+            out = F.scaled_dot_product_attention(*inputs, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            grads = iter(torch.autograd.grad(out, [t for t in inputs if t.requires_grad], grad.float()))
+        q_grad, k_grad, v_grad = (
+            next(grads).to(t.dtype) if t_in.requires_grad else None for t, t_in in zip((q, k, v), inputs)
+        )
+        return q_grad, k_grad, v_grad, None
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """Grouped-query attention in fp32, by fixed tiles, reduced over keys in fixed chunks.
 
@@ -417,6 +480,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     """
     if invariant_triton.applies(q):
         return invariant_triton.attention(q, k, v, mask)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _Attention.apply(q, k, v, mask)
+    return _tiled_attention(q, k, v, mask)
+
+
+def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """`attention` on the CPU (no autograd: `_Attention` differentiates it)."""
     batch, q_heads, length, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = q_heads // kv_heads
