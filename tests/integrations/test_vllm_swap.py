@@ -263,6 +263,16 @@ def test_a_failed_swap_leaves_vllm_paused_until_a_retry_goes_through():
     assert not driver.paused
 
 
+def test_an_answer_the_driver_cannot_read_is_retried_later_not_at_the_next_poll():
+    vllm = FakeVllm()
+    vllm.failing = "malformed"
+    driver = driver_of(vllm)
+    before = time.monotonic()
+    with pytest.raises(ValueError):  # json's error
+        driver.swap()
+    assert driver.paused and driver._retry_at >= before + driver.retry_first_s
+
+
 def test_a_version_that_could_not_be_written_resumes_vllm_on_the_last_good_one_and_is_retried_later():
     vllm = FakeVllm()
     vllm.failing, vllm.applied = False, {"weight_version": 1, "written": False}

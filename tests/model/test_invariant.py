@@ -424,16 +424,24 @@ def test_top_k_breaks_ties_by_index_and_keeps_topks_order():
 
 
 def test_a_tile_verdict_holds_for_the_float32_matmul_precision_it_was_reached_under(fresh_tiles):
-    # "medium" sends fp32 tiles to oneDNN's bf16 kernels, which tile their rows otherwise: a
-    # verdict reached under one precision must not serve the other
+    # bf16 precision sends fp32 tiles to oneDNN's bf16 kernels, which tile their rows otherwise: a
+    # verdict reached under one precision must not serve the other. Set either way (the legacy
+    # process-wide call, or a backend's own), it must not make the tiles fail either.
     weight_t = torch.randn(64, 48)
-    previous = torch.get_float32_matmul_precision()
+    backends = torch.backends.mkldnn.matmul, torch.backends.cuda.matmul
+    previous = [backend.fp32_precision for backend in backends]
     try:
-        for precision in ("highest", "medium", "highest"):
-            torch.set_float32_matmul_precision(precision)
+        for setting in ("highest", "medium", "highest", "cuda tf32"):
+            if setting == "cuda tf32":  # a GPU script's line: the process-wide getter raises after it
+                torch.backends.cuda.matmul.fp32_precision = "tf32"
+            else:
+                torch.set_float32_matmul_precision(setting)
             invariant.row_tile(invariant.ROW_TILE, weight_t)
             invariant.tail_tiles(invariant.ROW_TILE, weight_t)
+            invariant.linear(torch.randn(3, 64), weight_t.t())
     finally:
-        torch.set_float32_matmul_precision(previous)
-    assert invariant._row_tile.cache_info().misses == 2 and invariant._row_tile.cache_info().hits == 1
-    assert invariant._tail_tiles.cache_info().misses == 2 and invariant._tail_tiles.cache_info().hits == 1
+        for backend, precision in zip(backends, previous):
+            backend.fp32_precision = precision
+    # highest, medium, then highest and cuda's tf32 (the CPU's precision unchanged) from the cache
+    assert invariant._row_tile.cache_info().misses == 2 and invariant._row_tile.cache_info().hits >= 2
+    assert invariant._tail_tiles.cache_info().misses == 2

@@ -204,8 +204,13 @@ class SwapDriver:
             version = answer["weight_version"]
             self.post("/update_weight_version", new_version=str(version))
             self.post("/resume")
-        except httpx.HTTPError as err:
-            log.error("weight swap failed (vLLM stays paused, retried in %.0f s): %s", self._retry_in, err)
+        except Exception as err:  # an HTTP error, or an answer it cannot read
+            log.error(
+                "weight swap failed (vLLM stays paused, retried in %.0f s): %s: %s",
+                self._retry_in,
+                type(err).__name__,
+                err,
+            )
             self._retry_later()
             raise
         self.paused = False

@@ -109,9 +109,11 @@ def _block_columns(depth: int, dtype: torch.dtype) -> int:
 
 def _block_shapes(weights_t: tuple[torch.Tensor, ...]) -> tuple:
     """What the tile checks multiply by for each of `weights_t`: (depth, width, dtype, column-major,
-    torch's float32 matmul precision). The precision is part of every check's key: "medium" or
-    "high" send fp32 tiles to other kernels (oneDNN's reduced-precision ones), which tile their
-    rows otherwise, so a verdict reached under one precision says nothing of another."""
+    the CPU's float32 matmul precision). The precision is part of every check's key: bf16 or tf32
+    (`torch.backends.mkldnn.matmul.fp32_precision`, which `set_float32_matmul_precision("medium")`
+    sets too) send fp32 tiles to oneDNN's reduced-precision kernels, which tile their rows
+    otherwise, so a verdict reached under one precision says nothing of another. Read from the
+    backend: the process-wide getter raises once a backend's precision was set."""
     shapes = []
     for weight_t in weights_t:
         depth, columns = weight_t.shape
@@ -120,7 +122,7 @@ def _block_shapes(weights_t: tuple[torch.Tensor, ...]) -> tuple:
         # whole blocks written into column slices of the output, and a narrower last one
         width = columns if columns <= block else block + (columns % block or block)
         column_major = weight_t.stride(0) == 1 and columns > 1
-        shapes.append((depth, width, weight_t.dtype, column_major, torch.get_float32_matmul_precision()))
+        shapes.append((depth, width, weight_t.dtype, column_major, torch.backends.mkldnn.matmul.fp32_precision))
     return tuple(shapes)
 
 
@@ -248,8 +250,8 @@ def _check_operands(
 def _rows_alike(tile: int, depth: int, width: int, dtype: torch.dtype, column_major: bool, precision: str) -> bool:
     """Whether `tiled_mm` with `tile`-row tiles against a [depth, width] weight of this dtype and
     layout gives each row the same bits wherever it sits in its tile and whether it comes alone
-    or beside another tile (`_check_operands`), under the float32 matmul `precision` in effect
-    (`_block_shapes`: a key of the cache)."""
+    or beside another tile (`_check_operands`), under the CPU's float32 matmul `precision` in
+    effect (`_block_shapes`: a key of the cache)."""
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
         rows, weight_t = _check_operands(2 * tile, depth, width, dtype, column_major, tile * 7919 + depth * 31 + width)
         full = tiled_mm(rows, weight_t, tile=tile)
@@ -267,8 +269,8 @@ def _rows_as_in(
 ) -> bool:
     """Whether `tiled_mm` with one `small`-row tile gives each of its rows the bits that
     `tile`-row tiles give it, wherever the row sits in either, against a [depth, width] weight
-    of this dtype and layout (`_check_operands`), under the float32 matmul `precision` in effect
-    (a key of the cache): every place of the small tile is tried with 2 * tile / small different
+    of this dtype and layout (`_check_operands`), under the CPU's float32 matmul `precision` in
+    effect (a key of the cache): every place of the small tile is tried with 2 * tile / small different
     rows."""
     seed = small * 104729 + tile * 7919 + depth * 31 + width
     with torch.inference_mode(), torch.autocast("cpu", enabled=False):
