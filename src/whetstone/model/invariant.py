@@ -434,7 +434,7 @@ def _query_rows(group: int, length: int, count: int, device: torch.device) -> tu
     """Query rows (g, t) of a kv head, padded to `count` rows with copies of row 0 (any real row
     works: their results are dropped): (row index, position t of each row)."""
     rows = group * length
-    with torch.inference_mode(False):  # cached: normal tensors, which the trainer's backward may save
+    with torch.inference_mode(False):  # cached: normal tensors, usable by an engine and a trainer alike
         index = torch.arange(count, device=device)
         index[rows:] = 0
         return index, index % length
@@ -474,8 +474,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
 
     The query rows of a kv head ((g, t) pairs, padded to whole tiles of ROW_TILE, as `row_tile`
     checks it for these shapes, and a tail tile, `tail_tiles`) are taken a tile at a time. Each
-    block's scores
-    against each chunk of KEY_CHUNK keys is one [tile, D] x [D, KEY_CHUNK] matmul; the softmax
+    block's scores against each chunk of KEY_CHUNK keys is one [tile, D] x [D, KEY_CHUNK]
+    matmul; the softmax
     subtracts the row's max (exact in any order); each chunk's probabilities are summed (a row
     reduction of KEY_CHUNK) and multiplied with its values as one [tile, KEY_CHUNK] x
     [KEY_CHUNK, D] matmul; the chunks are added in key order at the end.
