@@ -16,3 +16,15 @@ if not any(tuple(sys.argv[1 : 1 + len(command)]) == command for command in COMPU
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"
+
+
+def main() -> None:
+    """The `whetstone` command (`whetstone.cli.main`). Its modules, torch among them, take a second
+    or more to load; they load here, so that a Ctrl-C meanwhile ends as one during a command does:
+    one line, "stopped by SIGINT", and exit code 130, not a traceback."""
+    try:
+        from whetstone.cli import main as command
+    except KeyboardInterrupt:
+        sys.stderr.write("stopped by SIGINT\n")
+        raise SystemExit(130) from None
+    command()

@@ -1,6 +1,6 @@
 """`python -m whetstone ...`: the `whetstone` command without its installed script (a checkout
 run from `src/`, as on a machine where the package is not installed)."""
 
-from whetstone.cli import main
+from whetstone import main
 
 main()

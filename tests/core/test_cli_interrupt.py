@@ -54,3 +54,24 @@ def test_a_signal_ends_a_command_with_one_line_and_128_plus_its_number(command, 
         process.send_signal(number)
         _, err = process.communicate(timeout=30)
     assert (process.returncode, err) == (128 + number, f"stopped by {number.name}\n")
+
+
+INTERRUPTED_IMPORT = """
+import signal, sys
+
+class CtrlCAtTorch:  # a Ctrl-C while the command's modules load (torch takes a second or more)
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            signal.raise_signal(signal.SIGINT)
+
+sys.meta_path.insert(0, CtrlCAtTorch())
+sys.argv = ["whetstone", "--help"]
+import whetstone
+whetstone.main()
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_while_the_command_loads_ends_with_one_line_and_130():
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=30)
+    assert (done.returncode, done.stderr) == (130, "stopped by SIGINT\n")

@@ -326,6 +326,17 @@ def test_attention_is_causal_attention(dtype):
     torch.testing.assert_close(out.float(), causal_reference(q, k, v), atol=tolerance, rtol=tolerance)
 
 
+def test_a_query_that_may_attend_to_no_key_gets_zeros_as_in_sdpa():
+    q, k, v = torch.randn(2, 4, 5, 16), torch.randn(2, 2, 70, 16), torch.randn(2, 2, 70, 16)
+    mask = torch.rand(2, 1, 5, 70) < 0.5
+    mask[0, 0, 1] = False  # no key at all
+    mask[1, 0, 3, :64] = False  # none in the first key chunk
+    out = invariant.attention(q, k, v, mask)
+    assert torch.equal(out[0, :, 1], torch.zeros(4, 16))
+    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+
+
 def test_attention_of_a_query_does_not_depend_on_the_keys_after_it_or_the_batch(threads):
     # The engine decodes position p over a cache of any length (stale keys past p, other rows);
     # the trainer attends over the whole sequence at once: the same bits.

@@ -205,11 +205,16 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_a_batch(tmp_path, 
     assert followed.version == 7 and all(torch.equal(resumed[name], followed.state[name]) for name in resumed)
 
 
-def test_a_checkpoint_is_not_resumed_against_an_empty_weight_store(tmp_path, tiny_moe, batches):
+def test_a_checkpoint_is_not_resumed_against_an_empty_or_missing_weight_store(tmp_path, tiny_moe, batches):
     put_batches(tmp_path / "batches", batches[:1])
     run_trainer(trainer_config(tmp_path, tiny_moe))
+    (tmp_path / "empty").mkdir()
     with pytest.raises(CheckpointError, match="weight store .* is empty"):
-        run_trainer(trainer_config(tmp_path, tiny_moe, sync={"store": str(tmp_path / "other")}))
+        run_trainer(trainer_config(tmp_path, tiny_moe, sync={"store": str(tmp_path / "empty")}))
+    # a mistyped path is refused as missing, and not created
+    with pytest.raises(CheckpointError, match=r"at step 1, but its weight store: no store at .*typo.* does not exist"):
+        run_trainer(trainer_config(tmp_path, tiny_moe, sync={"store": str(tmp_path / "typo")}))
+    assert not (tmp_path / "typo").exists()
 
 
 def test_max_steps_below_the_checkpoint_or_the_weight_store_is_refused(tmp_path, tiny_moe, batches):

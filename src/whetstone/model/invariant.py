@@ -142,13 +142,13 @@ def tail_tiles(tile: int, *weights_t: torch.Tensor) -> tuple[int, ...]:
     library computes each row of such a tile, alone, exactly as in `tile`-row tiles, on every
     block of every weight of `weights_t`. Checked once per shape, layout and dtype
     (`_rows_as_in`), as `row_tile`; empty where no size passes (the rows left take a whole tile)."""
-    if tile <= 1:
-        return ()
     return _tail_tiles(tile, _block_shapes(weights_t))
 
 
 @functools.lru_cache(maxsize=256)
 def _tail_tiles(tile: int, shapes: tuple) -> tuple[int, ...]:
+    if tile <= 1:
+        return ()
     sizes = [1 << power for power in range(tile.bit_length()) if (1 << power) < tile and tile % (1 << power) == 0]
     return tuple(size for size in sizes if all(_rows_as_in(size, tile, *shape) for shape in shapes))
 
@@ -181,14 +181,21 @@ def _bulk_tile(tile: int, shapes: tuple) -> int:
 
 
 def tiled_rows_mm(
-    rows: torch.Tensor, weight_t: torch.Tensor, out: torch.Tensor | None = None, tile: int = ROW_TILE
+    rows: torch.Tensor,
+    weight_t: torch.Tensor,
+    out: torch.Tensor | None = None,
+    tile: int = ROW_TILE,
+    shapes: tuple | None = None,
 ) -> torch.Tensor:
     """`tiled_mm` of rows counted by `padded_rows`: whole bulk tiles where there are enough rows
     (`bulk_tile`), whole `tile`-row tiles, then the rows left (one of `tail_tiles(tile,
-    weight_t)`, by the caller's padding) as one tile of their own."""
+    weight_t)`, by the caller's padding) as one tile of their own. `shapes`: `_block_shapes` of
+    `weight_t`, where the caller has them already (a few µs a call, on the decode's hot path)."""
     count = rows.shape[0]
     whole = count - count % tile
-    bulk = bulk_tile(tile, weight_t) if count >= tile * min(BULK_MULTIPLES) else tile
+    bulk = tile
+    if count >= tile * min(BULK_MULTIPLES):
+        bulk = _bulk_tile(tile, shapes or _block_shapes((weight_t,)))
     if whole == count and bulk == tile:
         return tiled_mm(rows, weight_t, out, tile)
     if out is None:
@@ -331,9 +338,11 @@ def _linear_forward(rows: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows left in a tail tile (`tail_tiles`)."""
     if invariant_triton.applies(rows):
         return invariant_triton.matmul(rows, weight)
-    tile = row_tile(ROW_TILE, weight.t())
-    count = padded_rows(rows.shape[0], tile, tail_tiles(tile, weight.t()))
-    return tiled_rows_mm(_pad_rows(rows, count), weight.t(), tile=tile)[: rows.shape[0]]
+    weight_t = weight.t()
+    shapes = _block_shapes((weight_t,))  # once: row_tile, tail_tiles and bulk_tile are lookups by it
+    tile = _row_tile(ROW_TILE, shapes)
+    count = padded_rows(rows.shape[0], tile, _tail_tiles(tile, shapes))
+    return tiled_rows_mm(_pad_rows(rows, count), weight_t, tile=tile, shapes=shapes)[: rows.shape[0]]
 
 
 class _Linear(torch.autograd.Function):
@@ -523,6 +532,7 @@ def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             visible = visible.view(batch, 1, size, chunks, KEY_CHUNK).transpose(2, 3)
             scores = torch.where(visible, scores, float("-inf"))
             peak = scores.amax(dim=(2, 4), keepdim=True).detach()  # the result does not depend on it
+            peak = peak.masked_fill(peak == float("-inf"), 0.0)  # a row that sees no key: all its probs 0
             probs = torch.exp(scores - peak)
             weight_parts.append(probs.sum(dim=-1, keepdim=True))
             with one_thread():
@@ -535,5 +545,5 @@ def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         for chunk in range(1, chunks):
             total = total + weight_parts[:, :, chunk]
             out = out + out_parts[:, :, chunk]
-        out = (out / total)[:, :, :rows]
+        out = (out / total.masked_fill(total == 0, 1.0))[:, :, :rows]  # a row that sees no key is 0, as in SDPA
     return out.reshape(batch, q_heads, length, dim).to(q.dtype)

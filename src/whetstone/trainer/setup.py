@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from whetstone.errors import CheckpointError, ConfigError
+from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf
 from whetstone.model.layout import autocast_tables
@@ -150,7 +150,16 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
             "(logit_scale_lr > 0); resume it with logit_scale_lr set"
         )
 
-    weights = WeightStore.open(config.sync) if rank == 0 else None
+    weights, missing = None, ""
+    if rank == 0:
+        try:  # a resumed run's store exists: a missing one is refused, not created empty
+            weights = WeightStore.open(config.sync, create=resumed_from is None)
+        except WhetstoneError as err:
+            if resumed_from is None:
+                raise
+            missing = str(err)
+    if missing := broadcast(missing):  # every rank refuses it together
+        raise CheckpointError(f"checkpoint {resumed_from} is at step {state.step}, but its weight store: {missing}")
     # the head healing would leave, read without writing (a manifest written before a crash kept the
     # pointer is this run's newest, and its batches are replayed; a standing withdrawal's versions are
     # gone): another run's store is refused below untouched; this run's is healed by `publisher.resume`
