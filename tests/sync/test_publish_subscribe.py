@@ -170,13 +170,14 @@ def test_sync_through_s3_with_faults(s3_endpoint, trainer, tmp_path):
 
 @pytest.mark.gpu
 def test_weights_on_a_gpu_publish_the_bits_of_their_host_copy():
-    """A GPU's tensors are cast on the device, then copied: the same bits as casting on the host."""
+    """A GPU's tensors are cast on the device, then copied into pinned memory: the same bits as
+    casting on the host."""
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(300, 70, generator=g), "ids": torch.arange(5), "t": torch.randn(40, 6, generator=g).T}
     on_gpu = {name: t.cuda() for name, t in state.items()}
     for dtype in ("bfloat16", "float16", "float32", "keep"):
         from_gpu = prepare_state(on_gpu, dtype)
-        assert all(t.device.type == "cpu" and t.is_contiguous() for t in from_gpu.values())
+        assert all(t.device.type == "cpu" and t.is_contiguous() and t.is_pinned() for t in from_gpu.values())
         assert bit_identical(from_gpu, prepare_state(state, dtype))
 
 

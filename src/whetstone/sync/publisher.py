@@ -64,8 +64,13 @@ def prepare_state(
     onto the host. A GPU's tensors are cast where they are, then copied: the GPU casts in a
     moment and the copy moves half the bytes (a 380M model's fp32 weights take ~0.8 s to cast on
     one CPU core). `autocast`: matrices in bf16 except `tables` (the embedding tables, a tied head
-    among them: `model.layout.autocast_tables`), every other float in fp32."""
-    published = {}
+    among them: `model.layout.autocast_tables`), every other float in fp32.
+
+    A CUDA tensor's copy is asynchronous into pinned host memory (what `to("cpu",
+    non_blocking=True)` allocates), at the link's full speed where pageable memory takes about
+    half; one wait on each device's stream at the end, before the host reads any of them and
+    before the trainer's next step changes the weights in place."""
+    published, pending = {}, set()
     for name, tensor in state.items():
         if not isinstance(tensor, torch.Tensor):
             raise WhetstoneError(f"state dict entry {name!r} is a {type(tensor).__name__}, not a tensor")
@@ -74,8 +79,13 @@ def prepare_state(
         dtype_name(dtype)  # rejects dtypes sync cannot carry, naming them
         if tensor.device.type == "cpu":
             published[name] = tensor.to(dtype=dtype, copy=True).contiguous()
+        elif tensor.is_cuda:
+            published[name] = tensor.to(dtype=dtype).contiguous().to("cpu", non_blocking=True)
+            pending.add(tensor.device)
         else:
             published[name] = tensor.to(dtype=dtype).contiguous().cpu()
+    for device in pending:
+        torch.cuda.current_stream(device).synchronize()
     return published
 
 
