@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -94,10 +95,8 @@ def world(tmp_path_factory):
     port = free_port()
     sync = SyncConfig(store=str(folder / "weights"), publish_dtype="keep", poll_interval=0.1)
     extension = ["--worker-extension-cls", "vllm_faults.FaultyWrites"]  # vLLM takes the last one given
-    command = serve_command(
-        PYTHON, model_dir, port, sync.model_dump_json(), 0, ["--max-model-len", "1024", "--enforce-eager", *extension]
-    )
-    command[command.index("--") : command.index("--")] = ["--pause-limit", str(PAUSE_LIMIT_S)]
+    vllm_args = ["--max-model-len", "1024", "--enforce-eager", *extension]
+    command = serve_command(PYTHON, model_dir, port, sync.model_dump_json(), 0, vllm_args, pause_limit_s=PAUSE_LIMIT_S)
     path = whetstone_path(folder / "path")
     (folder / "path" / "vllm_faults.py").symlink_to(Path(__file__).with_name("vllm_faults.py"))
     faults = folder / "faults"
@@ -118,6 +117,22 @@ def world(tmp_path_factory):
         )
     finally:
         server.stop()
+
+
+def gauges(url: str) -> dict[str, float]:
+    """whetstone's weight gauges on the server's /metrics (beside vLLM's own)."""
+    text = httpx.get(url.removesuffix("/v1") + "/metrics", timeout=30).text
+    assert "vllm:" in text  # vLLM's page, not one of whetstone's own
+    found = (re.match(r'whetstone_(\w+)\{model="[^"]*"\} (\S+)$', line) for line in text.splitlines())
+    return {match[1]: float(match[2]) for match in found if match}
+
+
+def wait_for_gauges(url: str, expected: dict[str, float], timeout: float = 30.0) -> None:
+    """Wait until the gauges are `expected` (the launcher sets them at its next poll of the worker)."""
+    deadline = time.monotonic() + timeout
+    while (seen := gauges(url)) != expected and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert seen == expected
 
 
 def complete(url: str, seed: int = 7, timeout_s: float = 600.0):
@@ -148,7 +163,8 @@ def test_completions_are_token_ids_with_logprobs_and_versions(world):
 def test_an_rl_run_on_vllm_advances_versions_and_the_trainer_agrees_with_its_logprobs(world):
     """Synchronous RL on coin tasks with vLLM as the only server: batch n is sampled by version n
     (vLLM loads each version the test publishes as the trainer would), and the trainer's forward
-    under version n's weights gives the logprobs vLLM returned (k3 KL, max |Δ|)."""
+    under version n's weights gives the logprobs vLLM returned (k3 KL, max |Δ|). The server's
+    /metrics then says version 1, not stale, in whetstone's gauges."""
     folder, model_dir, trainer, url = world.folder, world.model_dir, world.trainer, world.url
     store = LocalStore(folder / "batches")
     config = orchestrator_config(folder, model_dir, [url], synchronous=True, no_server_timeout_s=TIMEOUT_S)
@@ -164,6 +180,7 @@ def test_an_rl_run_on_vllm_advances_versions_and_the_trainer_agrees_with_its_log
         return await asyncio.wait_for(running, TIMEOUT_S)
 
     assert asyncio.run(run()) == [0, 1]
+    wait_for_gauges(url, {"weight_version": 1, "weight_version_latest": 1, "weights_stale": 0})
     model = load_hf(model_dir)
     for index in (0, 1):
         batch = batch_from_bytes(store.get(batch_key(index)), batch_key(index))
@@ -179,7 +196,8 @@ def test_an_rl_run_on_vllm_advances_versions_and_the_trainer_agrees_with_its_log
 
 def test_a_version_vllm_fails_to_write_is_retried_while_the_last_good_one_is_served(world):
     """As `whetstone serve` with a version its engine refuses: the server answers requests with the
-    version it served, says why it is stale, and takes the version once a retry writes it."""
+    version it served, says why it is stale (its /health, and `whetstone_weights_stale` 1 on its
+    /metrics), and takes the version once a retry writes it (the gauge back to 0)."""
     trainer, url = world.trainer, world.url
     served = asyncio.run(health(url))["weight_version"]
     before = complete(url)
@@ -197,11 +215,13 @@ def test_a_version_vllm_fails_to_write_is_retried_while_the_last_good_one_is_ser
     assert answer.versions == [served] * len(answer.ids)
     assert (answer.ids, answer.logprobs) == (before.ids, before.logprobs)
     assert httpx.get(url.removesuffix("/v1") + "/weight_info").json()["weight_version"] == str(served)
+    wait_for_gauges(url, {"weight_version": served, "weight_version_latest": version, "weights_stale": 1})
 
     world.faults.unlink()
     body = wait_for(lambda: (b := asyncio.run(health(url))) and b["weight_version"] == version and b, "the retry")
     assert body["status"] == "ok" and "weights_problem" not in body
     assert complete(url).versions[0] == version
+    wait_for_gauges(url, {"weight_version": version, "weight_version_latest": version, "weights_stale": 0})
 
 
 class FlakyDisk(LocalStore):

@@ -5,22 +5,27 @@ from __future__ import annotations
 
 import base64
 import io
+import sys
 
 import numpy as np
 import pytest
 import torch
 
+from whetstone.config import load_config
 from whetstone.envs.harness.policy import PolicyError
 from whetstone.errors import ConfigError
+from whetstone.inference.config import ServeConfig
 from whetstone.inference.protocol import decode_routes
 from whetstone.integrations.vllm import (
     gpu_placement,
     serve_command,
     token_versions,
+    vllm_launch,
     vllm_python,
     vllm_routes,
     whetstone_path,
 )
+from whetstone.integrations.vllm_serve import PAUSE_LIMIT_S, parse
 from whetstone.run.config import PipelineConfig
 
 
@@ -79,6 +84,23 @@ def test_the_server_command_runs_whetstones_launcher_with_only_whetstone_on_the_
     assert (tmp_path / "p" / "whetstone" / "integrations" / "vllm_serve.py").is_file() and path == str(tmp_path / "p")
 
 
+def test_the_pause_limit_is_a_servers_setting_that_reaches_the_launchers_command_line(tmp_path):
+    """`servers.vllm_pause_limit_s` from a run's TOML to `vllm_serve --pause-limit`; 120 s unless set."""
+    assert PAUSE_LIMIT_S == 120
+    (tmp_path / "run.toml").write_text('[servers]\nengine = "vllm"\nvllm_pause_limit_s = 30.5\n')
+    servers = load_config(PipelineConfig, tmp_path / "run.toml").servers
+    assert servers.vllm_pause_limit_s == 30.5 and PipelineConfig().servers.vllm_pause_limit_s == PAUSE_LIMIT_S
+    for wrong in ("0", "-1"):
+        with pytest.raises(ConfigError, match="servers.vllm_pause_limit_s: Input should be greater than 0"):
+            load_config(PipelineConfig, overrides=[f"servers.vllm_pause_limit_s={wrong}"])
+    serve = ServeConfig(model_path="/m")
+    launch = vllm_launch(
+        sys.executable, serve, torch.device("cpu"), None, [], tmp_path / "p", servers.vllm_pause_limit_s
+    )
+    assert parse(launch[0][3:]).pause_limit == 30.5
+    assert parse(serve_command(sys.executable, "/m", 8001, None)[3:]).pause_limit == PAUSE_LIMIT_S
+
+
 def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(monkeypatch, tmp_path):
     from whetstone.run.pipeline import Pipeline
 
@@ -86,7 +108,7 @@ def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(mon
     config = PipelineConfig.model_validate(
         {
             "output_dir": str(tmp_path),
-            "servers": {"engine": "vllm", "vllm_args": ["--max-num-seqs", "4"]},
+            "servers": {"engine": "vllm", "vllm_args": ["--max-num-seqs", "4"], "vllm_pause_limit_s": 30},
             "placement": {"server_devices": ["cpu"]},  # on any machine
         }
     )
@@ -97,6 +119,7 @@ def test_whetstone_run_starts_vllm_servers_that_follow_the_runs_weight_store(mon
     assert '"store":"' + str(tmp_path / "default" / "weights") + '"' in argv[argv.index("--sync") + 1]
     assert argv[-2:] == ["--max-num-seqs", "4"] and launch["env"]["PYTHONPATH"].startswith(str(tmp_path))
     assert "--gpu-memory-utilization" not in argv and "CUDA_VISIBLE_DEVICES" not in launch["env"]
+    assert argv[argv.index("--pause-limit") + 1] == "30.0"
 
 
 def test_a_vllm_server_on_a_shared_gpu_takes_its_share_and_its_gpu(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -18,7 +19,7 @@ import torch
 import whetstone.model.hf as hf
 from whetstone.inference.swap import WeightFollower, WeightUpdateError
 from whetstone.integrations.vllm import vllm_health
-from whetstone.integrations.vllm_serve import SwapDriver, parse
+from whetstone.integrations.vllm_serve import SwapDriver, WeightGauges, parse
 from whetstone.integrations.vllm_worker import ServedWeights, WeightStoreFollower, WeightWriteError
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore
 from whetstone.sync.update import TensorUpdate, WeightUpdate
@@ -298,6 +299,39 @@ def test_vllm_paused_longer_than_the_limit_stops_the_server(failing):
     with vllm.lock:
         calls = list(vllm.calls)
     assert calls.count("/pause") == 1 and "/resume" not in calls and calls.count("whetstone_apply") > 1
+
+
+class FakeGauge:
+    """prometheus_client's `Gauge` as `WeightGauges` uses it (vLLM's environment has the real one):
+    its value by `model` label, in `values` under its name."""
+
+    values: dict[str, dict[str, float]] = {}
+
+    def __init__(self, name: str, help_text: str, labelnames: list[str], multiprocess_mode: str):
+        assert labelnames == ["model"] and help_text
+        self.name = name
+
+    def labels(self, model: str) -> SimpleNamespace:
+        return SimpleNamespace(set=lambda value: self.values.setdefault(self.name, {}).__setitem__(model, value))
+
+
+def test_the_weight_gauges_say_what_the_worker_serves_and_whether_it_is_stale(monkeypatch):
+    monkeypatch.setitem(sys.modules, "prometheus_client", SimpleNamespace(Gauge=FakeGauge))
+    monkeypatch.setattr(FakeGauge, "values", {})
+    vllm = FakeVllm()
+    vllm.failing = False
+    driver = driver_of(vllm, gauges=WeightGauges("m"))
+    failed = "writing weight version 2 failed (RuntimeError: out of memory): serving version 1 until it is written"
+    vllm.applied = {"following": True, "weight_version": 1, "latest_weight_version": 2, "weights_problem": failed}
+    vllm.applied["written"] = False
+    driver.swap()  # vLLM resumes on version 1, which the gauges say, stale
+    gauges = {"whetstone_weight_version": 1, "whetstone_weight_version_latest": 2, "whetstone_weights_stale": 1}
+    assert FakeGauge.values == {name: {"m": value} for name, value in gauges.items()}
+
+    vllm.applied = {"following": True, "weight_version": 2, "latest_weight_version": 2, "weights_problem": None}
+    driver.swap()
+    gauges = {"whetstone_weight_version": 2, "whetstone_weight_version_latest": 2, "whetstone_weights_stale": 0}
+    assert FakeGauge.values == {name: {"m": value} for name, value in gauges.items()}
 
 
 def test_a_pause_limit_that_is_not_positive_is_refused(capsys):

@@ -184,11 +184,12 @@ def test_a_vllm_server_on_ray_runs_vllms_python_announced_at_its_nodes_address(t
         fleet=FleetConfig(cluster="eu", registry=str(tmp_path / "weights")),
     )
     placed = RoleActor._place_server(serve.model_dump(mode="json"))  # as the actor does on its node
-    vllm = VllmServer(python=sys.executable, args=["--max-num-seqs", "4"])
+    vllm = VllmServer(python=sys.executable, args=["--max-num-seqs", "4"], pause_limit_s=45)
     argv, env = vllm.command(placed, 0, tmp_path / "roles", {"CUDA_VISIBLE_DEVICES": ""})
     assert argv[:3] == [sys.executable, "-m", "whetstone.integrations.vllm_serve"]
     options = parse(argv[3:])
     assert (options.host, options.port, options.vllm_args) == ("0.0.0.0", placed.port, ["--max-num-seqs", "4"])
+    assert options.pause_limit == 45
     assert '"store":"' + str(tmp_path / "eu-weights") + '"' in options.sync
     announcer = announcer_of(options)
     url = f"http://{ray.util.get_node_ip_address()}:{placed.port}/v1"

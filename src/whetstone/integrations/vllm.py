@@ -29,6 +29,7 @@ import torch
 from whetstone.envs.harness.policy import Completion, HttpPolicy, PolicyError, Sampling, _request
 from whetstone.errors import ConfigError
 from whetstone.inference.protocol import encode_routes
+from whetstone.integrations.vllm_serve import PAUSE_LIMIT_S
 
 PYTHON_ENV = "WHETSTONE_VLLM_PYTHON"
 """The vLLM virtual environment's python, when the config names none."""
@@ -195,11 +196,13 @@ def serve_command(
     *,
     host: str = "127.0.0.1",
     fleet_json: str | None = None,
+    pause_limit_s: float = PAUSE_LIMIT_S,
 ) -> list[str]:
     """The command line of a vLLM server on `host`:`port` following the weight store of
-    `sync_json` (`vllm_serve`), announced in the fleet registry per `fleet_json` (a `FleetConfig`)."""
+    `sync_json` (`vllm_serve`), announced in the fleet registry per `fleet_json` (a `FleetConfig`),
+    stopped once failed weight swaps have kept it paused `pause_limit_s` seconds."""
     command = [python, "-m", "whetstone.integrations.vllm_serve", "--model", model, "--host", host, "--port", str(port)]
-    command += ["--weight-version", str(weight_version)]
+    command += ["--weight-version", str(weight_version), "--pause-limit", str(pause_limit_s)]
     if sync_json is not None:
         command += ["--sync", sync_json]
     if fleet_json is not None:
@@ -208,12 +211,19 @@ def serve_command(
 
 
 def vllm_launch(
-    python: str, serve, device: torch.device, share: float | None, vllm_args: list[str], path_folder: Path
+    python: str,
+    serve,
+    device: torch.device,
+    share: float | None,
+    vllm_args: list[str],
+    path_folder: Path,
+    pause_limit_s: float = PAUSE_LIMIT_S,
 ) -> tuple[list[str], dict[str, str]]:
     """(command line, environment) of the vLLM server of `serve` (a `ServeConfig`: its model,
     host, port, weight store and version, and its fleet record when `fleet.announce`) on `device`
     with `share` of its memory (`gpu_placement`), whetstone linked into `path_folder` for its
-    PYTHONPATH: how `whetstone run` starts one, on this machine or on a Ray node."""
+    PYTHONPATH, and its pause limit (`servers.vllm_pause_limit_s`): how `whetstone run` starts
+    one, on this machine or on a Ray node."""
     gpu_args, gpu_env = gpu_placement(device, share, vllm_args)
     argv = serve_command(
         vllm_python(python),  # checked where it runs
@@ -224,5 +234,6 @@ def vllm_launch(
         [*gpu_args, *vllm_args],
         host=serve.host,
         fleet_json=serve.fleet.model_dump_json() if serve.fleet.announce else None,
+        pause_limit_s=pause_limit_s,
     )
     return argv, {**gpu_env, "PYTHONPATH": whetstone_path(path_folder)}

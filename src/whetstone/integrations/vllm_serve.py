@@ -34,6 +34,10 @@ retried the same way; vLLM stays paused at most `--pause-limit` seconds: then th
 With `--fleet` (a `FleetConfig` as JSON, `announce = true`), the same thread then announces the
 server in the fleet registry, as `whetstone serve` does, until the process exits: how a run on Ray
 (`run/ray_launch.py`) lets its orchestrator find vLLM servers it placed on other nodes.
+
+The thread also keeps whetstone's weight gauges on vLLM's `/metrics`, named as `whetstone serve`'s
+(`whetstone_weight_version`, `whetstone_weight_version_latest`, `whetstone_weights_stale`), so an
+alert on stale weights covers a fleet of either engine.
 """
 
 from __future__ import annotations
@@ -60,6 +64,43 @@ PAUSE_LIMIT_S = 120.0
 """How long swaps that do not go through may keep vLLM paused before the server is stopped: long
 enough for the retries at 1, 2, 4 ... 60 s to reach the longest wait once."""
 log = logging.getLogger("whetstone.vllm")
+
+
+class WeightGauges:
+    """whetstone's weight gauges on vLLM's `/metrics`, named, labelled and explained as `whetstone
+    serve`'s (inference/metrics.py): the version served and, once following a store, the store's
+    newest and whether the server cannot take it.
+
+    They are prometheus_client gauges of this process's default registry, the one vLLM's
+    `/metrics` serves when it runs one API server (as here). With $PROMETHEUS_MULTIPROC_DIR set
+    before the start, prometheus_client writes every gauge to that folder and vLLM serves the
+    folder's metrics instead: these gauges are there too ("livemostrecent": this process's last
+    value)."""
+
+    def __init__(self, model: str):
+        """`model`: the model id of the API (the `model` label of `whetstone serve`'s metrics)."""
+        from prometheus_client import Gauge
+
+        def gauge(name: str, help_text: str):
+            return Gauge(f"whetstone_{name}", help_text, ["model"], multiprocess_mode="livemostrecent")
+
+        self.model = model
+        self.version = gauge("weight_version", "Weight version being served.")
+        self.latest = gauge("weight_version_latest", "Newest weight version in the store.")
+        self.stale = gauge("weights_stale", "1 while the server cannot take the newest weight version.")
+
+    def serving(self, version: int) -> None:
+        """The weights loaded at start are tagged `version`."""
+        self.version.labels(model=self.model).set(version)
+
+    def record(self, status: dict) -> None:
+        """The worker's `whetstone_status`."""
+        if not status.get("following"):
+            return
+        self.version.labels(model=self.model).set(status["weight_version"])
+        if status.get("latest_weight_version") is not None:
+            self.latest.labels(model=self.model).set(status["latest_weight_version"])
+        self.stale.labels(model=self.model).set(int(bool(status.get("weights_problem"))))
 
 
 def vllm_argv(options: argparse.Namespace) -> list[str]:
@@ -96,10 +137,13 @@ class SwapDriver:
         poll_s: float,
         announcer: Any = None,
         pause_limit_s: float = PAUSE_LIMIT_S,
+        gauges: WeightGauges | None = None,
     ):
         self.root, self.sync_json, self.version, self.poll_s = root, sync_json, version, poll_s
         self.announcer = announcer
         """A `fleet.Announcer`, started once the server answers and follows the store."""
+        self.gauges = gauges
+        """The weight gauges on vLLM's /metrics, set from every status the worker reports."""
         self.pause_limit_s = pause_limit_s
         """How long vLLM may stay paused by swaps that do not go through before the server is stopped."""
         self.failed = False
@@ -159,6 +203,7 @@ class SwapDriver:
                 # uvicorn's shutdown would wait for it until the process is killed (its fleet
                 # record left behind)
                 status = self.rpc("whetstone_status", timeout=STATUS_TIMEOUT_S)
+                self._record(status)
                 if (status.get("staged_version") is not None or self.paused) and time.monotonic() >= self._retry_at:
                     self.swap()
             except Exception as err:  # a busy or restarting engine, an odd answer: try again at the next poll
@@ -178,8 +223,10 @@ class SwapDriver:
         removed at exit, with the server)."""
         self._wait_for_server()
         self.post("/update_weight_version", new_version=str(self.version))
+        if self.gauges is not None:
+            self.gauges.serving(self.version)
         if self.sync_json is not None:
-            self.rpc("whetstone_follow", self.sync_json, str(self.version))
+            self._record(self.rpc("whetstone_follow", self.sync_json, str(self.version)))
             log.info("following the weight store from version %d", self.version)
         if self.announcer is not None:
             self.announcer.start()
@@ -214,12 +261,17 @@ class SwapDriver:
             self._retry_later()
             raise
         self.paused = False
+        self._record(answer)
         if answer.get("written", True):
             self._retry_in = self.retry_first_s
             log.info("weight version %s served (paused %.3f s)", version, time.perf_counter() - started)
         else:
             log.error("serving weight version %s again (write retried in %.0f s)", version, self._retry_in)
             self._retry_later()
+
+    def _record(self, status: dict) -> None:
+        if self.gauges is not None:
+            self.gauges.record(status)
 
     def _retry_later(self) -> None:
         self._retry_at = time.monotonic() + self._retry_in
@@ -294,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
         options.poll_interval,
         announcer,
         options.pause_limit,
+        WeightGauges(options.served_model_name or options.model),
     )
     driver.start()
     sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_argv(options)]

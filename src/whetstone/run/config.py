@@ -23,6 +23,7 @@ from whetstone.envs.tasks import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
 from whetstone.errors import ConfigError
 from whetstone.inference.config import EngineConfig, ServeConfig
+from whetstone.integrations.vllm_serve import PAUSE_LIMIT_S
 from whetstone.midtrain.config import MidtrainConfig, RunConfig
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.rl.advantages import AdvantageConfig
@@ -58,6 +59,8 @@ class ServersConfig(Config):
     $WHETSTONE_VLLM_PYTHON. On Ray, the same path on every node that takes a server."""
     vllm_args: list[str] = []
     """With `engine = "vllm"`: more arguments for vLLM's server (e.g. `["--max-num-seqs", "16"]`)."""
+    vllm_pause_limit_s: float = Field(PAUSE_LIMIT_S, gt=0)
+    """With `engine = "vllm"`: seconds failed weight swaps may keep vLLM paused before the server stops."""
 
     @model_validator(mode="after")
     def _ports_exist(self) -> "ServersConfig":

@@ -362,7 +362,11 @@ class Pipeline:
             from whetstone.integrations.vllm import vllm_python
 
             # checked on each server's node: the machine of `whetstone run` need not have it
-            vllm = VllmServer(python=vllm_python(servers.vllm_python, here=False), args=servers.vllm_args)
+            vllm = VllmServer(
+                python=vllm_python(servers.vllm_python, here=False),
+                args=servers.vllm_args,
+                pause_limit_s=servers.vllm_pause_limit_s,
+            )
         started = []
         for i in range(servers.count):
             role = self.launcher.server(f"serve-{i}", i, self.serve_config(1, i), vllm)
@@ -385,7 +389,9 @@ class Pipeline:
         _, share = gpu_memory_shares(self.config.placement, servers.count).get(f"serve-{index}", (device, None))
         python = vllm_python(servers.vllm_python, here=False)  # vllm_launch checks it
         folder = self.run_dir / "servers" / "vllm-path"
-        argv, env = vllm_launch(python, self.serve_config(port, index), device, share, servers.vllm_args, folder)
+        argv, env = vllm_launch(
+            python, self.serve_config(port, index), device, share, servers.vllm_args, folder, servers.vllm_pause_limit_s
+        )
         return {"argv": argv, "env": env}
 
     def evaluate(self, when: str, logit_scale: float | None = None) -> dict[str, Any]:

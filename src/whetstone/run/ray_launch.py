@@ -293,6 +293,8 @@ class VllmServer(Config):
     """vLLM's python, at this path on every node that takes a server."""
     args: list[str] = []
     """More arguments for vLLM's server (`servers.vllm_args`)."""
+    pause_limit_s: float = 120.0
+    """How long failed swaps may keep vLLM paused before its server stops (`servers.vllm_pause_limit_s`)."""
 
     def command(
         self, serve, num_gpus: float, folder: Path, ray_env: dict[str, str]
@@ -310,7 +312,7 @@ class VllmServer(Config):
         share = num_gpus if 0 < num_gpus < 1 else None
         # per node: a restarted actor elsewhere links its own node's whetstone
         path = folder / f"vllm-path-{socket.gethostname()}"
-        argv, env = vllm_launch(self.python, serve, device, share, self.args, path)
+        argv, env = vllm_launch(self.python, serve, device, share, self.args, path, self.pause_limit_s)
         return argv, {**{k: v for k, v in ray_env.items() if k != GPU_MEMORY_ENV}, **env}
 
 
