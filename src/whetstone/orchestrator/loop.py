@@ -5,7 +5,7 @@
 Rollout side: groups of `group_size` rollouts of one task are started while fewer than
 `rollout.concurrency` rollouts are unfinished, so every server stays busy, and (asynchronous
 mode) while a group started now would still be within the staleness bound when trained, given the
-version the servers hold (`_has_room`); each rollout runs on the least-loaded live server
+version the servers hold (`_has_room`); each rollout runs on the least-loaded live server, one behind on weights last
 (`pool.py`). A finished group is scored (`score_groups`: failed,
 cheat-flagged and no-variance ones dropped and counted), turned into samples and buffered.
 

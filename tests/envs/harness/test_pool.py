@@ -1,7 +1,10 @@
 """The server pool against real inference servers (engine + HTTP app in threads of this process)."""
 
 import asyncio
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
@@ -112,44 +115,220 @@ def test_a_server_too_far_behind_the_trainer_is_not_used(world):
         asyncio.run(scenario([s.url for s in servers]))
 
 
-def test_a_server_stuck_on_old_weights_is_up_and_behind_while_a_stopped_one_is_down():
-    import json
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+class FakeServers:
+    """Inference servers faked on one HTTP server, told apart by path: server `name`'s API root is
+    `/<name>/v1`. Its /health answers `health[name]` (status, body), its /v1/models one model,
+    its vLLM /collective_rpc `rpc[name]` (whetstone's worker status), and its /v1/completions one
+    token once `release` is set (so a test can hold a call in flight)."""
 
-    answers = {
-        "/stale/health": {"status": "weights stale", "weight_version": 14, "latest_weight_version": 15},
-        "/stopped/health": {"status": "engine stopped", "weight_version": 14},
-    }
+    def __init__(self):
+        self.health: dict[str, tuple[int, dict]] = {}
+        self.rpc: dict[str, dict] = {}
+        self.release = threading.Event()
+        self.release.set()
+        fakes = self
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_GET(self):
-            body = json.dumps(answers[self.path]).encode()
-            self.send_response(503)
-            self.send_header("Content-Type", "application/json")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                name, _, path = self.path.lstrip("/").partition("/")
+                if path == "health":
+                    self.answer(*fakes.health[name])
+                elif path == "v1/models":
+                    self.answer(200, {"data": [{"id": "fake", "max_model_len": 1024}]})
+                else:
+                    self.answer(404, {})
 
-        def log_message(self, *args):
-            pass
+            def do_POST(self):
+                name, _, path = self.path.lstrip("/").partition("/")
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if path == "collective_rpc":
+                    self.answer(200, {"results": [fakes.rpc[name]]})
+                elif path == "v1/completions":
+                    fakes.release.wait(30)
+                    choice = {"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "weight_versions": [0]}
+                    self.answer(200, {"choices": [choice]})
+                else:
+                    self.answer(404, {})
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    base = f"http://127.0.0.1:{server.server_address[1]}"
+            def answer(self, status, body):
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def log_message(self, *args):
+                pass
+
+        self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+        self.base = f"http://127.0.0.1:{self._server.server_address[1]}"
+
+    def url(self, name: str) -> str:
+        return f"{self.base}/{name}/v1"
+
+    def stop(self) -> None:
+        self.release.set()
+        self._server.shutdown()
+        self._server.server_close()
+
+
+def current(version: int = 0) -> tuple[int, dict]:
+    return 200, {"status": "ok", "weight_version": version}
+
+
+def stale(version: int = 0) -> tuple[int, dict]:
+    """What `whetstone serve` answers while it cannot take the store's newest version."""
+    body = {"status": "weights stale", "weight_version": version, "latest_weight_version": version + 1}
+    return 503, {**body, "weights_problem": f"version {version + 1} rejected"}
+
+
+@pytest.fixture
+def fakes():
+    servers = FakeServers()
+    yield servers
+    servers.stop()
+
+
+def test_a_server_stuck_on_old_weights_is_up_and_behind_while_a_stopped_one_is_down(fakes):
+    fakes.health["stale"] = stale(14)
+    fakes.health["stopped"] = 503, {"status": "engine stopped", "weight_version": 14}
 
     async def scenario():
-        pool = ServerPool([f"{base}/stale/v1", f"{base}/stopped/v1"], ENDPOINT)
+        pool = ServerPool([fakes.url("stale"), fakes.url("stopped")], ENDPOINT)
         try:
-            stale, stopped = [await pool.health(s) for s in pool.servers]
-            assert stale["weight_version"] == 14 and stopped is None
+            stale_health, stopped_health = [await pool.health(s) for s in pool.servers]
+            assert stale_health["weight_version"] == 14 and stopped_health is None
+            assert pool.servers[0].behind == "weights stale: version 15 rejected"
         finally:
             await pool.close()
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        server.shutdown()
+    asyncio.run(scenario())
+
+
+def test_a_stale_server_gets_new_rollouts_only_when_no_current_server_has_room(fakes):
+    fakes.health["stale"], fakes.health["fresh"] = stale(), current()
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("stale"), fakes.url("fresh")], ENDPOINT, health_interval_s=0.1)
+        behind, fresh = pool.servers
+        fresh.rollout_slots = 2  # as a fleet record lending two slots would set it
+        try:
+            assert behind.alive and behind.behind.startswith("weights stale")  # up, so it joins
+            assert pool.stats()["servers_alive"] == 2 and pool.stats()["servers_behind"] == 1
+            async with pool.lease() as a, pool.lease() as b:
+                assert a.server is fresh and b.server is fresh  # though the stale one has none
+                async with pool.lease() as c:
+                    assert c.server is behind  # the current one is full: never wait on a stale one
+                    assert (await c.complete([1, 2], SHORT)).ids
+            fakes.health["fresh"] = 500, {}
+            await until(lambda: not fresh.alive)
+            async with pool.lease() as d:
+                assert d.server is behind  # the current one is down
+            fakes.health["fresh"] = current()
+            await until(lambda: fresh.alive)
+            async with pool.lease() as e:
+                assert e.server is fresh
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_stale_server_that_catches_up_is_preferred_again(fakes):
+    fakes.health["stale"], fakes.health["fresh"] = stale(), current()
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("stale"), fakes.url("fresh")], ENDPOINT, health_interval_s=0.1)
+        behind, fresh = pool.servers
+        try:
+            async with pool.lease() as a:
+                assert a.server is fresh
+                fakes.health["stale"] = current(1)
+                await until(lambda: not behind.behind)
+                async with pool.lease() as b:
+                    assert b.server is behind  # current again, and the least loaded
+                assert pool.stats()["servers_behind"] == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_server_behind_min_version_counts_as_stale(fakes):
+    """The floor rises with the trainer: a server whose last reported version fell below it gets
+    rollouts last at once, without waiting for a health round (none runs here)."""
+    fakes.health["old"], fakes.health["new"] = current(4), current(5)
+    floor = [None]
+
+    async def scenario():
+        pool = await ServerPool.connect(
+            [fakes.url("old"), fakes.url("new")], ENDPOINT, health_interval_s=600, min_version=lambda: floor[0]
+        )
+        old, new = pool.servers
+        try:
+            assert old.alive and new.alive and pool.stats()["servers_behind"] == 0
+            floor[0] = 5
+            assert pool.behind(old) == "weight version 4 is older than 5" and pool.stats()["servers_behind"] == 1
+            async with pool.lease() as a, pool.lease() as b:
+                assert a.server is new and b.server is new
+                fakes.health["old"] = current(5)
+                await pool.probe_versions()
+                async with pool.lease() as c:
+                    assert c.server is old
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_busy_servers_state_is_refreshed_every_health_round(fakes):
+    fakes.health["b"], fakes.health["a"] = current(), current()
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("b"), fakes.url("a")], ENDPOINT, health_interval_s=0.1)
+        b, a = pool.servers
+        try:
+            async with pool.lease() as r1, pool.lease() as r2, pool.lease() as r3:
+                assert (r1.server, r2.server, r3.server) == (b, a, b)
+                fakes.release.clear()
+                call = asyncio.create_task(r2.complete([1, 2], SHORT))  # held in flight on a
+                await until(lambda: a.active_calls == 1)
+                fakes.health["a"] = stale()
+                await until(lambda: a.behind != "")
+                assert a.active_calls == 1 and a.alive  # found while busy, and still in the pool
+                async with pool.lease() as r4:
+                    assert r4.server is b  # though a has fewer rollouts
+                fakes.release.set()
+                assert (await call).ids and r2.server is a  # the rollout on it stays
+        finally:
+            fakes.release.set()
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_vllm_server_reporting_weights_stale_gets_rollouts_last(fakes):
+    fakes.health["stale"] = fakes.health["fresh"] = 200, {}
+    fakes.rpc["stale"] = {"following": True, "weight_version": 3, "weights_problem": "version 4 rejected"}
+    fakes.rpc["fresh"] = {"following": True, "weight_version": 4}
+
+    async def scenario():
+        endpoint = ENDPOINT.model_copy(update={"engine": "vllm"})
+        pool = await ServerPool.connect([fakes.url("stale"), fakes.url("fresh")], endpoint, health_interval_s=0.1)
+        behind, fresh = pool.servers
+        try:
+            assert (behind.version, behind.behind) == (3, "weights stale: version 4 rejected")
+            async with pool.lease() as a:
+                assert a.server is fresh
+            fakes.rpc["stale"] = {"following": True, "weight_version": 4}
+            await until(lambda: not behind.behind and behind.version == 4)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
 
 
 def registry_of(weights) -> FleetRegistry:

@@ -1,8 +1,9 @@
-"""A pool of inference servers behind one `Policy` per rollout: least-loaded dispatch, a dead
-server taken out (the call it lost re-run on another), a restarted one taken back when healthy.
+"""A pool of inference servers behind one `Policy` per rollout: least-loaded dispatch among the
+current servers, a dead server taken out (the call it lost re-run on another), a restarted one
+taken back when healthy.
 
     pool = await ServerPool.connect(config.servers, config.endpoint)
-    async with pool.lease() as policy:                 # the least-loaded live server
+    async with pool.lease() as policy:                 # the least-loaded current live server
         trajectory = await rollout(task, policy, harness, rollout_config)
     await pool.close()
 
@@ -12,11 +13,17 @@ the lost call is sent again elsewhere, the tokens sampled before stay with their
 no rollout is lost to a server failure. A call that fails while its server is healthy (a bad
 request) is the rollout's own failure and is not retried.
 
+A server that is up but behind (its /health says "weights stale", or its weight version is older
+than `min_version`) gets new rollouts only while no current server has room: their samples would
+mostly be dropped as too stale, but a fleet that is all behind still serves. Its rollouts in
+flight stay on it, and it is preferred again once its health check shows it caught up.
+
 With a fleet registry (`whetstone.fleet`), the pool also takes the servers announced there: a new
 one joins at the next health round (`health_interval_s`) once it holds a useful weight version,
 and one that leaves the registry (stopped, or its heartbeat stale) is taken out, its rollouts
-moving as from a dead server. Every health round also probes the idle live servers: one that
-stops answering is taken out at once. Records silent for `forget_after_s` are deleted. Each
+moving as from a dead server. Every health round also probes every live server, refreshing its
+version and whether it is behind; an idle one that stops answering is taken out at once (a busy
+one shows its death by failing its calls). Records silent for `forget_after_s` are deleted. Each
 server has its cluster label; `cluster_stats` reports rollouts/s and weight version lag per cluster.
 """
 
@@ -66,6 +73,9 @@ class Server:
     """Weight version it reported at its last health check (None: never reported one)."""
     rollout_slots: int = 0
     """Most rollouts leased to it at once (from its fleet record; 0 = no limit)."""
+    behind: str = ""
+    """Why it was behind at its last health check ("weights stale", or a version older than the
+    pool's `min_version`); empty while current. A behind server gets new rollouts last."""
 
     @property
     def has_room(self) -> bool:
@@ -156,7 +166,7 @@ class ServerPool:
 
     @contextlib.asynccontextmanager
     async def lease(self) -> AsyncIterator[PooledPolicy]:
-        """A policy on the least-loaded live server for one rollout (waits while none is alive)."""
+        """A policy for one rollout on the server `pick` chooses (waits while none is alive)."""
         policy = PooledPolicy(self, await self.pick())
         try:
             yield policy
@@ -167,13 +177,16 @@ class ServerPool:
 
     async def pick(self) -> Server:
         """The live server with the fewest rollouts among those with room for one more
-        (`rollout_slots`), its lease counted; waits while every live server is full."""
+        (`rollout_slots`), its lease counted; a current server before any that is behind
+        (`behind`), which gets one only when no current server has room. Waits while every live
+        server is full."""
         waited_since = time.monotonic()
         while True:
             alive = [server for server in self.servers if server.alive]
             room = [server for server in alive if server.has_room]
             if room:
-                server = min(room, key=lambda s: s.leases)
+                current = [server for server in room if not self.behind(server)]
+                server = min(current or room, key=lambda s: s.leases)
                 server.leases += 1
                 return server
             if alive:  # full, not down
@@ -196,8 +209,25 @@ class ServerPool:
             log.warning("inference server %s is down: taken out of the pool", server.url)
             self._take_out(server, failed=True)
 
+    def behind(self, server: Server) -> str:
+        """Why `server` gets new rollouts only when no current server has room (empty: it is
+        current): what its last health check found, or its last reported version is older than
+        `min_version()` now (the floor rises between health checks)."""
+        return server.behind or self._older_than_floor(server.version)
+
+    def _older_than_floor(self, version: object) -> str:
+        floor = self.min_version()
+        if floor is not None and isinstance(version, int) and version < floor:
+            return f"weight version {version} is older than {floor}"
+        return ""
+
     def stats(self) -> dict[str, int]:
-        out = {"servers_alive": sum(s.alive for s in self.servers), "calls_rerun": self.calls_rerun}
+        alive = [s for s in self.servers if s.alive]
+        out = {
+            "servers_alive": len(alive),
+            "servers_behind": sum(bool(self.behind(s)) for s in alive),
+            "calls_rerun": self.calls_rerun,
+        }
         for index, server in enumerate(self.servers):
             out[f"server{index}_calls"] = server.calls
             out[f"server{index}_failures"] = server.failures
@@ -220,8 +250,15 @@ class ServerPool:
         return out
 
     async def probe_versions(self) -> None:
-        """Ask every live server for its weight version (`Server.version`)."""
-        await asyncio.gather(*(self.health(s) for s in self.servers if s.alive))
+        """Ask every live server for its health: its weight version and whether it is behind
+        (`Server.version`, `Server.behind`), busy or not. One with no call in flight that does not
+        answer is taken out: a rollout's next call then goes elsewhere at once, not after a failed
+        call or a stale heartbeat. (A server with calls in flight shows its death by failing them.)"""
+        live = [server for server in self.servers if server.alive]
+        healths = await asyncio.gather(*(self.health(server) for server in live))
+        for server, health in zip(live, healths):
+            if health is None and server.active_calls == 0:
+                self.take_out(server)
 
     async def discover(self) -> None:
         """Add the servers newly announced in the registry, drop the announced ones it no longer
@@ -259,11 +296,26 @@ class ServerPool:
             self._retired.append(policy)
 
     async def health(self, server: Server) -> dict | None:
-        """The health answer ({} when it is not JSON, as vLLM's), or None if the server is down.
+        """The health answer ({} when it is not JSON, as vLLM's), or None if the server is down;
+        an answer sets the server's `version` (if it reports one) and `behind`.
 
         A whetstone server stuck on an old weight version answers 503 "weights stale" with the
         version it serves: it is up and behind, and the staleness gate keeps it waiting. A vLLM
         server's answer is put in the same shape (`integrations.vllm.vllm_health`)."""
+        body = await self._health_answer(server)
+        if body is None:
+            return None
+        if isinstance(body.get("weight_version"), int):
+            server.version = body["weight_version"]
+        behind = self._older_than_floor(server.version)
+        if body.get("status") == STALE_WEIGHTS:
+            behind = STALE_WEIGHTS + (f": {body['weights_problem']}" if body.get("weights_problem") else "")
+        if behind != server.behind and server.alive:
+            log.info("inference server %s is %s", server.url, f"behind ({behind})" if behind else "current again")
+        server.behind = behind
+        return body
+
+    async def _health_answer(self, server: Server) -> dict | None:
         if self.endpoint.engine == "vllm":
             from whetstone.integrations.vllm import vllm_health
 
@@ -277,8 +329,6 @@ class ServerPool:
         except ValueError:
             body = {}
         body = body if isinstance(body, dict) else {}
-        if isinstance(body.get("weight_version"), int):
-            server.version = body["weight_version"]
         if response.status_code == 200:
             return body
         if response.status_code == 503 and body.get("status") == STALE_WEIGHTS:
@@ -290,9 +340,9 @@ class ServerPool:
         if health is None:
             server.problem = f"no answer from {server.health_url}"
             return
-        floor, version = self.min_version(), health.get("weight_version")
-        if floor is not None and isinstance(version, int) and version < floor:
-            server.problem = f"weight version {version} is older than {floor} (still catching up)"
+        too_old = self._older_than_floor(health.get("weight_version"))
+        if too_old:
+            server.problem = f"{too_old} (still catching up)"
             return
         try:
             policy = await self._policy_class.connect(self.endpoint.model_copy(update={"base_url": server.url}))
@@ -303,7 +353,9 @@ class ServerPool:
         server.policy, server.problem = policy, ""
         if policy.context_limit is not None:
             self.context_limit = min(self.context_limit or policy.context_limit, policy.context_limit)
-        log.info("inference server %s is in the pool", server.url)
+        log.info(
+            "inference server %s is in the pool%s", server.url, f" (behind: {server.behind})" if server.behind else ""
+        )
         self._changed.set()
 
     async def _watch(self) -> None:
@@ -311,17 +363,7 @@ class ServerPool:
             await asyncio.sleep(self.health_interval_s)
             await self.discover()
             await asyncio.gather(*(self._join(s) for s in self.servers if not s.alive))
-            await self.probe_idle()
-
-    async def probe_idle(self) -> None:
-        """Take out the live servers with no call in flight that do not answer their health check:
-        a rollout's next call then goes elsewhere at once, not after a failed call or a stale
-        heartbeat. (A server with calls in flight shows its death by failing them.)"""
-        idle = [server for server in self.servers if server.alive and server.active_calls == 0]
-        healths = await asyncio.gather(*(self.health(server) for server in idle))
-        for server, health in zip(idle, healths):
-            if health is None and server.active_calls == 0:
-                self.take_out(server)
+            await self.probe_versions()
 
 
 class PooledPolicy(Policy):
