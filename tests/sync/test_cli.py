@@ -1,3 +1,8 @@
+import signal
+import subprocess
+import sys
+import time
+
 import pytest
 from safetensors.torch import load_file, save_file
 from typer.testing import CliRunner
@@ -80,3 +85,43 @@ def test_watch_goes_on_after_a_store_hiccup(tmp_path, monkeypatch):
     result = runner.invoke(app, ["watch", store, "--until", "0", "--timeout", "10", "--poll-interval", "0.01"])
     assert result.exit_code == 0, result.output
     assert len(calls) >= 2 and "version (none) -> 0" in result.output
+
+
+SAVE_THAT_HANGS = """
+import sys, time
+import safetensors.torch
+from whetstone.cli import main
+
+def save_file(tensors, path):  # a save that takes its time: half written when the signal comes
+    with open(path, "wb") as file:
+        file.write(b"half")
+    time.sleep(120)
+
+safetensors.torch.save_file = save_file
+main(["sync", "watch", *sys.argv[1:]])
+"""
+
+
+def test_sigterm_in_a_save_leaves_no_temporary_file_and_exits_143(tmp_path):
+    store, checkpoint, out = str(tmp_path / "weights"), tmp_path / "ckpt.safetensors", tmp_path / "out.safetensors"
+    save_file({k: v.contiguous() for k, v in FakeTrainer().step().items()}, str(checkpoint))
+    assert runner.invoke(app, ["publish", store, str(checkpoint)]).exit_code == 0
+    process = subprocess.Popen(
+        [sys.executable, "-c", SAVE_THAT_HANGS, store, "--save", str(out)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not any(path.stat().st_size for path in tmp_path.glob(".out.safetensors.*.tmp")):
+            assert process.poll() is None and time.monotonic() < deadline, "no save began"
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, err = process.communicate(timeout=30)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["ckpt.safetensors", "weights"]  # nor a half save
+    assert process.returncode == 128 + signal.SIGTERM and err.rstrip().endswith("stopped by SIGTERM"), err

@@ -23,7 +23,7 @@ from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.model.hf import load_hf
 from whetstone.store import LocalStore
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
-from whetstone.trainer.loop import read_batch_rank_0_read, run_trainer, stop_on_signals
+from whetstone.trainer.loop import read_batch_rank_0_read, run_trainer
 from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.utils.metrics import read_metrics
 
@@ -291,19 +291,3 @@ def test_a_rank_waits_for_a_batch_rank_0_read_to_show_up_in_its_view_of_the_stor
     assert read_batch_rank_0_read(session, 0, within=10.0).meta["index"] == 0
     with pytest.raises(WhetstoneError, match=r"rank 1 cannot read .*0000000001.* which rank 0 read 0.2 s ago"):
         read_batch_rank_0_read(session, 1, within=0.2)
-
-
-def test_a_first_signal_asks_the_loop_to_stop_and_a_second_stops_at_once():
-    # sent to the main thread, whose waits the signal interrupts; the handler's own re-sent signal
-    # may reach another thread of the process (earlier tests leave some), so the main thread waits
-    # in short sleeps, between which Python runs its handler
-    main = threading.main_thread().ident
-    signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, whatever ran before
-    with stop_on_signals() as stop:
-        signal.pthread_kill(main, signal.SIGINT)
-        assert stop.wait(5)  # the loop finishes its step and checkpoints
-        with pytest.raises(KeyboardInterrupt):  # as without the handler: a setup that hangs can be stopped
-            signal.pthread_kill(main, signal.SIGINT)
-            for _ in range(100):
-                time.sleep(0.05)
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

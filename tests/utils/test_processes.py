@@ -7,13 +7,14 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 from whetstone.errors import WhetstoneError
 from whetstone.utils import processes
-from whetstone.utils.processes import RoleProcess, Stopping, free_ports
+from whetstone.utils.processes import RoleProcess, Stopping, Terminated, free_ports, sigterm_raises, stop_on_signals
 
 
 def test_a_role_runs_the_whetstone_command_and_logs_to_a_file(tmp_path):
@@ -176,3 +177,33 @@ def test_where_the_range_is_too_narrow_the_kernel_picks(monkeypatch):
     monkeypatch.setattr(processes, "_ephemeral_ports", lambda: (processes.PICKED_PORTS[0] + 10, 60999))
     monkeypatch.setattr(processes._PORT_CHOICE, "randrange", lambda low, high: pytest.fail("picked in the range"))
     assert len(set(free_ports(3))) == 3
+
+
+@pytest.mark.parametrize(
+    ("number", "second"),
+    [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, Terminated)],
+    ids=["SIGINT", "SIGTERM"],
+)
+def test_a_first_signal_asks_to_stop_and_says_which_and_a_second_acts_as_without_it(number, second):
+    # sent to the main thread, whose waits the signal interrupts; the handler's own re-sent signal
+    # may reach another thread of the process (earlier tests leave some), so the main thread waits
+    # in short sleeps, between which Python runs its handler. Outside: Python's own SIGINT handler
+    # and `sigterm_raises` (as in `whetstone run`), which the second signal reaches.
+    main = threading.main_thread().ident
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with sigterm_raises():
+            outside = {n: signal.getsignal(n) for n in (signal.SIGINT, signal.SIGTERM)}
+            with stop_on_signals() as stop:
+                assert stop.signal is None and not stop.is_set()
+                signal.pthread_kill(main, number)
+                assert stop.wait(5)  # a loop finishes its step and checkpoints
+                assert stop.signal == number
+                with pytest.raises(second):  # as without the handler: a setup that hangs can be stopped
+                    signal.pthread_kill(main, number)
+                    for _ in range(100):
+                        time.sleep(0.05)
+                assert stop.signal == number  # the first one's
+            assert {n: signal.getsignal(n) for n in outside} == outside
+    finally:
+        signal.signal(signal.SIGINT, before)

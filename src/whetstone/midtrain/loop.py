@@ -10,11 +10,18 @@ Everything a run writes lives in `<run.output_dir>/<run.name>/`:
 
 Under torchrun (`torchrun --nproc_per_node N -m whetstone.cli midtrain CONFIG`) every rank runs
 this loop on its share of each batch (FSDP2 over NCCL on GPUs, gloo on CPUs); rank 0 alone writes
-files, and whether the wall-time limit has come is rank 0's call, so all ranks stop together.
+files, and whether the wall-time limit has come or a signal asks to stop is rank 0's call, so all
+ranks stop together.
+
+SIGTERM or Ctrl-C (the first one) ends the run after the step in progress: it checkpoints that
+step and raises what the signal means (`stopped_by`), without the export and the summary of a
+finished run, so a caller (`whetstone run`) stops too instead of going on; the same command
+resumes it. A second signal acts at once.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from contextlib import nullcontext
 from functools import partial
@@ -35,7 +42,10 @@ from whetstone.training.distributed import (
 from whetstone.training.schedule import lr_at
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.processes import StopRequest, stop_on_signals, stopped_by
 from whetstone.utils.progress import progress_bar
+
+log = logging.getLogger("whetstone.midtrain")
 
 
 def train(
@@ -47,14 +57,19 @@ def train(
     corpus build included) runs out; either way it checkpoints, measures the validation loss and
     exports the model. `stop_at_step` checkpoints and returns after that step without exporting,
     keeping the whole run's schedule: the next call continues exactly where this one stopped
-    (the bit-exact resume test uses it).
+    (the bit-exact resume test uses it). SIGTERM or SIGINT checkpoints the step in progress and
+    raises `stopped_by(signal)` (see the module's docstring).
     """
     opened = time.perf_counter()  # the wall-time limit counts the corpus build too
     with torchrun_group(config.run.device):
-        return _train(open_session(config, demos), opened, stop_at_step)
+        # a signal while the corpus is built and the model set up (a minute or more on a new
+        # corpus) stops at once: there is no step to checkpoint yet
+        session = open_session(config, demos)
+        with stop_on_signals() as stop:
+            return _train(session, opened, stop_at_step, stop)
 
 
-def _train(session: Session, opened: float, stop_at_step: int | None) -> dict[str, Any]:
+def _train(session: Session, opened: float, stop_at_step: int | None, stop: StopRequest) -> dict[str, Any]:
     config, state = session.config, session.state
     run = config.run
     lead = session.rank == 0  # the one rank that writes files
@@ -65,6 +80,7 @@ def _train(session: Session, opened: float, stop_at_step: int | None) -> dict[st
     step_tokens = run.batch_size * run.grad_accum * config.data.seq_len
     start_step, started = state.step, time.perf_counter()
     val_loss, out_of_time = None, False
+    signalled = None
 
     with (
         MetricsWriter(session.run_dir / "metrics.jsonl", config.tracking, role="midtrain", run_config=config)
@@ -74,20 +90,25 @@ def _train(session: Session, opened: float, stop_at_step: int | None) -> dict[st
         if lead
         else nullcontext() as bar,
     ):
-        while state.step < last_step and not out_of_time:
+        while state.step < last_step and not out_of_time and signalled is None:
             record = _step(session)
             elapsed = time.perf_counter() - started
             if lead:
                 metrics.write({**record, "tokens_per_s": (state.step - start_step) * step_tokens / elapsed})
                 bar.update(step_tokens, step=state.step, loss=record["loss"])
-            out_of_time = broadcast(0 < run.max_wall_time <= time.perf_counter() - opened)  # rank 0's clock
+            # rank 0's clock and rank 0's signals: every rank stops after the same step
+            out_of_time, signalled = broadcast((0 < run.max_wall_time <= time.perf_counter() - opened, stop.signal))
             ending = state.step == last_step or out_of_time
             if state.step % run.eval_interval == 0 or ending:
                 val_loss = validation_loss(session.model, val_batches, run.dtype)
                 if lead:
                     metrics.write({"step": state.step, "tokens": state.tokens, "val_loss": val_loss})
-            if state.step % run.checkpoint_interval == 0 or ending:
+            if state.step % run.checkpoint_interval == 0 or ending or signalled is not None:
                 _checkpoint(session)
+    if signalled is not None:
+        if lead:
+            log.warning("%s at step %d: checkpointed; the same command resumes the run", signalled.name, state.step)
+        raise stopped_by(signalled)
 
     if val_loss is None:  # nothing left to train (a finished run, resumed): measure it anyway
         val_loss = validation_loss(session.model, val_batches, run.dtype)
@@ -101,6 +122,9 @@ def _train(session: Session, opened: float, stop_at_step: int | None) -> dict[st
     summary = summarize(session, val_loss, stopped_early, model_dir, seconds, (state.step - start_step) * step_tokens)
     if lead:
         atomic_write_json(session.run_dir / "summary.json", summary)
+    signalled = broadcast(stop.signal)  # one that came after the last step: the run is whole, but asked to stop
+    if signalled is not None:
+        raise stopped_by(signalled)
     return summary
 
 

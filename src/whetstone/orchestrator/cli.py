@@ -31,13 +31,16 @@ def orchestrator(
     from whetstone.envs.harness.loop import AgentHarness
     from whetstone.orchestrator.config import OrchestratorConfig
     from whetstone.orchestrator.loop import Orchestrator
+    from whetstone.utils.processes import sigterm_raises
     from whetstone.utils.progress import progress_bar
 
     settings = load_config(OrchestratorConfig, config, overrides)
     harness = AgentHarness.from_config(settings.harness)  # a missing tokenizer is named before the stores are created
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request drowns the orchestrator's own log
-    with progress_bar(settings.max_batches or None, "orchestrator", "batch") as bar:  # on stderr
+    # SIGTERM (`whetstone run` stopping it, a scheduler) cancels the rollouts as Ctrl-C does: their
+    # sandboxes are closed, the status and metrics written, the sandbox folders and groups removed
+    with sigterm_raises(), progress_bar(settings.max_batches or None, "orchestrator", "batch") as bar:  # on stderr
 
         def done(meta: dict) -> None:
             bar.update(1, reward=meta["reward_mean"] or 0.0, samples=meta["samples"])

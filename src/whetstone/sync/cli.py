@@ -109,40 +109,42 @@ def watch(
     from whetstone.errors import WhetstoneError
     from whetstone.sync import Subscriber
     from whetstone.utils.atomic import atomic_path
+    from whetstone.utils.processes import sigterm_raises
 
     weights, config = _open(store, endpoint_url, poll_interval=poll_interval)
     subscriber = Subscriber(weights, config, name="watch")
     deadline = None if timeout is None else time.monotonic() + timeout
     shown = set(subscriber.rejected)
-    while True:
-        before = subscriber.version
-        started = time.perf_counter()
-        subscriber.try_poll()  # a store hiccup is logged and retried
-        update = subscriber.take_update()
-        for version, reason in subscriber.rejected.items():
-            if version not in shown:
-                shown.add(version)
-                typer.echo(f"rejected version {version}: {reason}", err=True)
-        if update is not None:
-            typer.echo(
-                f"version {'(none)' if before is None else before} -> {subscriber.version}: "
-                f"{update.values_written} values written, "
-                f"fetched and decoded in {time.perf_counter() - started:.3f}s"
-            )
-            if save is not None:
-                with atomic_path(save) as tmp:
-                    save_file({k: v.contiguous() for k, v in subscriber.state.items()}, str(tmp))
-        if until is not None and subscriber.version is not None and subscriber.version >= until:
-            return
-        if deadline is not None and time.monotonic() >= deadline:
-            if until is not None:
-                blocked = subscriber.blocked()
-                raise WhetstoneError(
-                    f"version {until} not reached within {timeout:g} s: holding {subscriber.version}, "
-                    f"the store's latest is {subscriber.latest}" + (f"; {blocked}" if blocked else "")
+    with sigterm_raises():  # SIGTERM in a save removes its temporary file, as Ctrl-C does
+        while True:
+            before = subscriber.version
+            started = time.perf_counter()
+            subscriber.try_poll()  # a store hiccup is logged and retried
+            update = subscriber.take_update()
+            for version, reason in subscriber.rejected.items():
+                if version not in shown:
+                    shown.add(version)
+                    typer.echo(f"rejected version {version}: {reason}", err=True)
+            if update is not None:
+                typer.echo(
+                    f"version {'(none)' if before is None else before} -> {subscriber.version}: "
+                    f"{update.values_written} values written, "
+                    f"fetched and decoded in {time.perf_counter() - started:.3f}s"
                 )
-            return
-        time.sleep(poll_interval)
+                if save is not None:
+                    with atomic_path(save) as tmp:
+                        save_file({k: v.contiguous() for k, v in subscriber.state.items()}, str(tmp))
+            if until is not None and subscriber.version is not None and subscriber.version >= until:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                if until is not None:
+                    blocked = subscriber.blocked()
+                    raise WhetstoneError(
+                        f"version {until} not reached within {timeout:g} s: holding {subscriber.version}, "
+                        f"the store's latest is {subscriber.latest}" + (f"; {blocked}" if blocked else "")
+                    )
+                return
+            time.sleep(poll_interval)
 
 
 @app.command()

@@ -11,8 +11,6 @@ so it never sees half a batch and never needs to know who wrote it or how advant
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -38,34 +36,11 @@ from whetstone.training.distributed import broadcast, full_state_dict, save_shar
 from whetstone.training.schedule import lr_at
 from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.processes import stop_on_signals
 from whetstone.utils.progress import progress_bar
 
 log = logging.getLogger("whetstone.trainer")
 BATCH_META_SCALARS = ("reward_mean", "samples", "rollouts")
-
-
-@contextmanager
-def stop_on_signals() -> Iterator[threading.Event]:
-    """An event set by SIGTERM / SIGINT: the loop then finishes its step, checkpoints and returns
-    (so a clean shutdown needs no replay). A second signal acts as it would have without this (a
-    setup that hangs, a step that never ends). Only the main thread can take signals."""
-    stop = threading.Event()
-    if threading.current_thread() is not threading.main_thread():
-        yield stop
-        return
-
-    def take(sig, _frame) -> None:
-        if stop.is_set():
-            signal.signal(sig, previous[sig])
-            os.kill(os.getpid(), sig)
-        stop.set()
-
-    previous = {sig: signal.signal(sig, take) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield stop
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def read_batch(session: TrainerSession, index: int) -> Batch | None:

@@ -118,6 +118,48 @@ def stopped_by(number: signal.Signals) -> BaseException:
     return KeyboardInterrupt() if number == signal.SIGINT else Terminated(f"stopped by {number.name}")
 
 
+class StopRequest(threading.Event):
+    """Set by the first SIGTERM or SIGINT under `stop_on_signals`; `signal` says which came."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.signal: signal.Signals | None = None
+        """The first signal that came, or None."""
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[StopRequest]:
+    """A `StopRequest` set by SIGTERM / SIGINT: a loop that checks it finishes its step,
+    checkpoints and stops (so a clean shutdown loses no work). A second signal acts as it would
+    have without this (a setup that hangs, a step that never ends). Only the main thread can take
+    signals: elsewhere the request is never set."""
+    stop = StopRequest()
+    if threading.current_thread() is not threading.main_thread():
+        yield stop
+        return
+
+    def take(number: int, _frame) -> None:
+        if stop.is_set():
+            signal.signal(number, _handler(previous[number]))
+            os.kill(os.getpid(), number)
+            return
+        stop.signal = signal.Signals(number)
+        stop.set()
+
+    previous = {number: signal.signal(number, take) for number in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield stop
+    finally:
+        for number, handler in previous.items():
+            signal.signal(number, _handler(handler))
+
+
+def _handler(previous: object) -> object:
+    """A handler `signal.getsignal` returned, as `signal.signal` takes it back (None: one not set
+    from Python, which leaves the default in force)."""
+    return signal.SIG_DFL if previous is None else previous
+
+
 class _Hurry(KeyboardInterrupt):
     """Raised by `Stopping` where it waits for a role to stop, on the first signal: a
     KeyboardInterrupt, which a library waiting in C passes on as one (ray.get)."""
@@ -156,7 +198,7 @@ class Stopping:
 
     def __exit__(self, *exc: object) -> None:
         for number, handler in self._previous.items():
-            signal.signal(number, signal.SIG_DFL if handler is None else handler)  # None: not set from Python
+            signal.signal(number, _handler(handler))
         self._previous = {}
 
     def _take(self, number: int, _frame) -> None:
