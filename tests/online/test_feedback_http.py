@@ -4,16 +4,25 @@ with a clear 4xx."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import sqlite3
+import time
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.online.online_fixtures import API_KEY
+from tests.online.online_fixtures import API_KEY, running_server
 from whetstone.errors import ConfigError
+from whetstone.inference.capture import Capture, Reply
 from whetstone.inference.config import EngineConfig, ServeConfig
+from whetstone.inference.feedback import FeedbackConfig
 from whetstone.inference.launch import build_app
-from whetstone.store.feedback import FeedbackStore
+from whetstone.inference.sampling import SamplingParams
+from whetstone.inference.sequence import Sequence
+from whetstone.inference.server import sse
+from whetstone.store.feedback import FeedbackStore, UnknownResponse
 
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 HELLO = [{"role": "user", "content": "Write solve(x)."}]
@@ -170,3 +179,149 @@ def test_many_servers_share_one_postgresql_database(two_style_dir, fresh_postgre
         assert feedback(two, id=answer["id"], rating="thumbs_up").status_code == 200  # rated via another server
         assert feedback(one, id=answer["id"], rating="thumbs_up").status_code == 409
     assert FeedbackStore.open(fresh_postgres).rated_after(0, 10)[0].response.response_id == answer["id"]
+
+
+def slow_writes(monkeypatch, seconds: float = 0.5) -> None:
+    """Storing a reply takes `seconds` longer: a reply stored only after its last chunk went out
+    is then surely not stored yet when a client rates it on reading that chunk."""
+    record = FeedbackStore.record
+
+    def slow(self, records):
+        time.sleep(seconds)
+        record(self, records)
+
+    monkeypatch.setattr(FeedbackStore, "record", slow)
+
+
+STREAMS = [
+    ("/chat/completions", {"messages": HELLO}),
+    ("/completions", {"prompt": "def"}),
+]
+
+
+def read_to_last_finish(lines, choices: int) -> str:
+    """Read a stream's lines up to the chunk with its last finish_reason; the response id."""
+    finished = set()
+    for line in lines:
+        if line.startswith("data: {"):
+            event = json.loads(line.removeprefix("data: "))
+            finished |= {c["index"] for c in event["choices"] if c["finish_reason"] is not None}
+            if len(finished) == choices:
+                return event["id"]
+    raise AssertionError("the stream ended before every choice finished")
+
+
+@pytest.mark.parametrize("path, prompt", STREAMS)
+def test_a_streamed_reply_can_be_rated_once_its_last_finish_reason_is_read(
+    two_style_dir, db, monkeypatch, path, prompt
+):
+    slow_writes(monkeypatch)
+    body = {"model": "two-style", "stream": True, "n": 2, "max_tokens": 4} | prompt
+    config = serve_config(two_style_dir, db, feedback={"store": str(db), "keep_timeout_s": 30})
+    with running_server(build_app(config)) as url, httpx.Client(base_url=url, headers=AUTH, timeout=60) as client:
+        with client.stream("POST", path, json=body) as response:
+            lines = response.iter_lines()
+            response_id = read_to_last_finish(lines, choices=2)
+            for choice in (0, 1):
+                rated = client.post("/feedback", json={"id": response_id, "choice": choice, "rating": "thumbs_up"})
+                assert rated.status_code == 200, rated.text
+            assert [line for line in lines if line][-1] == "data: [DONE]"
+
+
+def test_a_stream_closed_at_its_last_finish_reason_is_kept(two_style_dir, db, monkeypatch):
+    slow_writes(monkeypatch)
+    body = {"model": "two-style", "messages": HELLO, "stream": True, "max_tokens": 4}
+    config = serve_config(two_style_dir, db, feedback={"store": str(db), "keep_timeout_s": 30})
+    with running_server(build_app(config)) as url:
+        with httpx.Client(base_url=url, headers=AUTH, timeout=60) as streamer:
+            with streamer.stream("POST", "/chat/completions", json=body) as response:
+                response_id = read_to_last_finish(response.iter_lines(), choices=1)
+        # the connection is closed, [DONE] unread
+        rated = httpx.post(f"{url}/feedback", headers=AUTH, json={"id": response_id, "rating": "thumbs_up"})
+        assert rated.status_code == 200, rated.text
+
+
+def keep_failures(http) -> float:
+    metrics = http.get("/metrics").text
+    return float(metrics.split('whetstone_feedback_keep_failures_total{model="two-style"} ')[1].split()[0])
+
+
+def test_a_locked_database_does_not_hold_the_answer(two_style_dir, db):
+    config = serve_config(two_style_dir, db, feedback={"store": str(db), "keep_timeout_s": 0.5})
+    with TestClient(build_app(config)) as http:
+        assert keep_failures(http) == 0
+        lock = sqlite3.connect(db, isolation_level=None, check_same_thread=False)
+        lock.execute("BEGIN EXCLUSIVE")  # another writer holds the database (the store waits up to 30 s)
+        try:
+            started = time.monotonic()
+            answer = chat(http)
+            assert time.monotonic() - started < 5
+            assert keep_failures(http) == 1
+            early = feedback(http, id=answer["id"], rating="thumbs_up")
+            assert early.status_code == 404 and "is still being stored" in early.json()["error"]["message"]
+        finally:
+            lock.execute("COMMIT")
+        deadline = time.monotonic() + 20  # the write that was still waiting stores it now
+        while FeedbackStore.open(str(db)).response(answer["id"]) is None:
+            assert time.monotonic() < deadline, "the waiting write never stored the reply"
+            time.sleep(0.1)
+        assert feedback(http, id=answer["id"], rating="thumbs_up").status_code == 200
+        assert keep_failures(http) == 1
+
+
+def test_a_reply_that_could_not_be_stored_is_answered_and_refused_saying_so(two_style_dir, db, monkeypatch):
+    def broken(self, records):
+        raise OSError("disk I/O error")
+
+    with TestClient(build_app(serve_config(two_style_dir, db))) as http:
+        monkeypatch.setattr(FeedbackStore, "record", broken)
+        answer = chat(http)
+        assert keep_failures(http) == 1
+        refused = feedback(http, id=answer["id"], rating="thumbs_up")
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "response_not_found"
+        assert "could not be stored" in refused.json()["error"]["message"]
+
+
+def test_the_bearer_scheme_name_is_case_insensitive(http):
+    answer = chat(http)
+    for scheme in ("bearer", "BEARER", "Bearer "):
+        assert http.get("/v1/models", headers={"Authorization": f"{scheme} {API_KEY}"}).status_code == 200
+    for given in ("bearer wrong", f"Basic {API_KEY}", API_KEY, f"bearer {API_KEY}x", "bearer"):
+        refused = feedback(http, headers={"Authorization": given}, id=answer["id"], rating="thumbs_up")
+        assert refused.status_code == 401, given
+    assert (
+        feedback(http, headers={"Authorization": f"bearer {API_KEY}"}, id=answer["id"], rating="thumbs_up").status_code
+        == 200
+    )
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_a_stream_its_client_left_is_kept_if_its_generation_finished(tmp_path, finished):
+    """The client left before the chunk with the last finish_reason went out: the reply is kept
+    if the generation had finished all the same, and a rating of one that had not says why."""
+    capture = Capture(FeedbackConfig(store=str(tmp_path / "feedback.db")), "m")
+    seq = Sequence("chatcmpl-left-0", [1, 2], SamplingParams())
+    reply = Reply(capture, "chatcmpl-left", [seq], "interactive")
+
+    async def events():
+        yield {"choices": [{"index": 0, "finish_reason": None}]}
+        yield {"choices": [{"index": 0, "finish_reason": "stop"}]}
+
+    async def client_leaves():
+        lines = sse(events(), reply).body_iterator
+        await anext(lines)
+        if finished:  # the engine finishes the sequence meanwhile
+            seq.output_ids, seq.logprobs, seq.versions, seq.finish_reason = [3], [-0.5], [0], "stop"
+        await lines.aclose()  # the server noticed the client gone before sending the last chunk
+        await asyncio.gather(*capture.tasks)
+        return await capture.rate("chatcmpl-left", 0, "thumbs_up", None)
+
+    try:
+        if finished:
+            asyncio.run(client_leaves())
+            assert capture.store.response("chatcmpl-left").completion_ids == [3]
+        else:
+            with pytest.raises(UnknownResponse, match="did not finish whole"):
+                asyncio.run(client_leaves())
+    finally:
+        capture.close()

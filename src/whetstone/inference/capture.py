@@ -1,22 +1,34 @@
 """The server's side of online RL: keep each response users get, take their feedback on it.
 
-`Capture` is what `whetstone serve` holds when `feedback.store` is set. The HTTP handlers call
-`keep` once every choice of a response has finished (before the response, or a stream's final
-`[DONE]`, goes out, so feedback can follow at once) and `rate` for POST /v1/feedback. Database
-calls run in worker threads: the event loop keeps serving meanwhile.
+`Capture` is what `whetstone serve` holds when `feedback.store` is set. Each request's handler
+holds a `Reply`, which stores the response once every choice has finished: before the response,
+or a stream's chunk with the last `finish_reason`, goes out, so feedback can follow at once (and
+when a streaming client leaves after the generation finished). Storing waits at most
+`feedback.keep_timeout_s`: a locked database does not hold the user's answer. `rate` takes
+POST /v1/feedback. Database calls run in worker threads: the event loop keeps serving meanwhile.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from whetstone.inference.feedback import FeedbackConfig
 from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sequence import Sequence
-from whetstone.store.feedback import FeedbackStore, ResponseRecord
+from whetstone.store.feedback import FeedbackStore, ResponseRecord, UnknownResponse
 
 log = logging.getLogger("whetstone.online")
+
+KEEP_WRITERS = 4
+"""Threads writing replies to the store: while the database is locked, at most this many writes
+wait on it; later replies' writes queue and are dropped at `keep_timeout_s`."""
+UNSTORED_REMEMBERED = 10_000
+"""Replies this server remembers as not (yet) stored, to tell a client rating one why."""
 
 
 def response_records(response_id: str, seqs: list[Sequence], model: str) -> list[ResponseRecord]:
@@ -50,26 +62,131 @@ class Capture:
         self.model = model
         self.store = FeedbackStore.open(config.store)
         self.failures = 0
-        """Responses that could not be kept (logged; the user got them all the same)."""
+        """Responses whose answer went out unstored: the write failed or outlasted `keep_timeout_s`."""
+        self.unstored: OrderedDict[str, str] = OrderedDict()
+        """Why a reply of this server is not in the store (yet), oldest first; a stored one is removed."""
+        self._lock = threading.Lock()  # `unstored` also changes in the writer threads
+        self._writer = ThreadPoolExecutor(KEEP_WRITERS, thread_name_prefix="feedback-keep")
+        self.tasks: set[asyncio.Task] = set()
+        """Replies' storing tasks under way (the event loop holds its tasks only weakly)."""
 
     def wants(self, priority: str) -> bool:
         return self.config.record == "all" or priority == "interactive"
 
+    def note(self, response_id: str, why: str | None) -> None:
+        """Remember why a reply is not in the store (None: it is)."""
+        with self._lock:
+            self.unstored.pop(response_id, None)
+            if why is not None:
+                self.unstored[response_id] = why
+                if len(self.unstored) > UNSTORED_REMEMBERED:
+                    self.unstored.popitem(last=False)
+
     async def keep(self, response_id: str, seqs: list[Sequence], priority: str) -> None:
-        """Record the response if its priority is kept. A database failure is logged and counted,
-        not raised: the user still gets the answer (only feedback on it will be refused)."""
+        """Store the response if its priority is kept and every choice finished whole, waiting at
+        most `keep_timeout_s`. A failure, or a write still waiting then, is logged and counted, not
+        raised: the user gets the answer all the same (feedback on it may be refused)."""
         if not self.wants(priority):
             return
         records = response_records(response_id, seqs, self.model)
+        if not records:
+            self.note(response_id, "did not finish whole (aborted, failed, or its client left), so it was not kept")
+            return
+        self.note(response_id, "is still being stored: try again in a moment")
+        started = time.monotonic()
         try:
-            await asyncio.to_thread(self.store.record, records)
+            write = self._writer.submit(self.store.record, records)
+            await asyncio.wait_for(asyncio.wrap_future(write), self.config.keep_timeout_s)
+        except TimeoutError:
+            self.failures += 1
+            limit = self.config.keep_timeout_s
+            if write.cancel():  # no writer thread had taken it up (they all wait on the database)
+                self.note(response_id, f"could not be stored: the feedback database did not take it within {limit:g} s")
+                log.error(
+                    "response %s was not kept for feedback: the database is busy (waited %g s)", response_id, limit
+                )
+            else:
+                log.error(
+                    "response %s is not kept for feedback after %g s (the database is locked or slow); "
+                    "its answer goes out, and it is stored if the write still succeeds",
+                    response_id,
+                    limit,
+                )
+                write.add_done_callback(lambda done: self._late(response_id, done, started))
         except Exception as err:
             self.failures += 1
+            self.note(response_id, "could not be stored (a database error on the server: see its log)")
             log.error("could not keep response %s for feedback: %s", response_id, err)
+        else:
+            self.note(response_id, None)
+
+    def _late(self, response_id: str, write: Future, started: float) -> None:
+        """The outcome of a write the answer did not wait for (in its writer thread)."""
+        if write.exception() is None:
+            self.note(response_id, None)
+            log.warning(
+                "response %s was kept for feedback after all, %.1f s late", response_id, time.monotonic() - started
+            )
+        else:
+            self.note(response_id, "could not be stored (a database error on the server: see its log)")
+            log.error("could not keep response %s for feedback: %s", response_id, write.exception())
 
     async def rate(self, response_id: str, choice: int, rating: str, score: float | None) -> int:
-        """Store one feedback event; raises UnknownResponse / DuplicateFeedback (the client's fault)."""
-        return await asyncio.to_thread(self.store.add_feedback, response_id, choice, rating, score)
+        """Store one feedback event; raises UnknownResponse / DuplicateFeedback (the client's fault).
+        A reply of this server that is not stored (yet) is refused saying why."""
+        try:
+            return await asyncio.to_thread(self.store.add_feedback, response_id, choice, rating, score)
+        except UnknownResponse:
+            with self._lock:
+                why = self.unstored.get(response_id)
+            if why is None:
+                raise
+            raise UnknownResponse(f"response {response_id!r} {why}") from None
 
     def close(self) -> None:
+        self._writer.shutdown(wait=True)  # writes under way finish (the store's own lock timeout bounds them)
         self.store.close()
+
+
+class Reply:
+    """One response on its way to the feedback store (nothing to do without a `Capture`).
+
+    `keep` stores it, at most once, in a task of its own: a client going away while it is being
+    written does not cut the write short. `end`, when the request is over however it ended,
+    keeps a response that finished but was not kept yet (a streaming client left before the last
+    chunk) and notes any other as not kept."""
+
+    def __init__(self, capture: Capture | None, response_id: str, seqs: list[Sequence], priority: str):
+        self.capture = capture
+        self.response_id = response_id
+        self.seqs = seqs
+        self.priority = priority
+        self._keeping: asyncio.Task | None = None
+        if capture is not None and capture.wants(priority):
+            capture.note(response_id, "has not finished yet: rate it once every choice has its finish_reason")
+
+    @property
+    def finished(self) -> bool:
+        """Every choice has finished (the engine sets a finish reason after the sequence's tokens,
+        logprobs and routes)."""
+        return all(seq.finished for seq in self.seqs)
+
+    def start(self) -> asyncio.Task | None:
+        """The task storing the response, started on the first call."""
+        capture = self.capture
+        if capture is not None and self._keeping is None:
+            self._keeping = asyncio.ensure_future(capture.keep(self.response_id, self.seqs, self.priority))
+            capture.tasks.add(self._keeping)
+            self._keeping.add_done_callback(capture.tasks.discard)
+        return self._keeping
+
+    async def keep(self) -> None:
+        """Store the response (once); returns when it is stored or the capture stopped waiting."""
+        keeping = self.start()
+        if keeping is not None:
+            await asyncio.shield(keeping)
+
+    def end(self) -> None:
+        """The request is over: keep the response if that has not started (`Capture.keep` notes
+        one that did not finish whole as not kept)."""
+        self.start()

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Literal
 
+from pydantic import Field
+
 from whetstone.config import Config
 
 Rating = Literal["thumbs_up", "thumbs_down", "edit_kept", "edit_reverted", "score"]
@@ -21,3 +23,7 @@ class FeedbackConfig(Config):
     record: Literal["interactive", "all"] = "interactive"
     """Which responses are kept for feedback: user traffic (`interactive` priority) only, or also
     `batch` requests (RL rollouts, which have their own rewards)."""
+    keep_timeout_s: float = Field(2.0, gt=0)
+    """Seconds a reply's answer waits at most for the reply to be stored (a locked or slow
+    database); past it the answer goes out unstored, logged and counted in
+    `whetstone_feedback_keep_failures_total` (a write still running may store it later)."""

@@ -74,7 +74,11 @@ class EngineStats:
         return count / TOKENS_PER_S_WINDOW
 
 
-def render_prometheus(stats: EngineStats, model_name: str, weights: WeightsReport | None = None) -> str:
+def render_prometheus(
+    stats: EngineStats, model_name: str, weights: WeightsReport | None = None, keep_failures: int | None = None
+) -> str:
+    """The metrics; `weights` for a server following a weight store, `keep_failures` for one
+    keeping its responses for feedback (`Capture.failures`)."""
     label = f'model="{model_name}"'
     lines: list[str] = []
 
@@ -163,5 +167,13 @@ def render_prometheus(stats: EngineStats, model_name: str, weights: WeightsRepor
             "gauge",
             "Rejected weight versions newer than the one served.",
             [(f',version="{version}"', 1) for version in sorted(weights.rejected)],
+        )
+    if keep_failures is not None:
+        metric(
+            "feedback_keep_failures_total",
+            "counter",
+            "Responses whose answer went out unstored for feedback: the write failed or outlasted "
+            "feedback.keep_timeout_s.",
+            [("", keep_failures)],
         )
     return "\n".join(lines) + "\n"

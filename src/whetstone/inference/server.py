@@ -17,7 +17,7 @@ import json
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException
 
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.registry import fleet_announcer
-from whetstone.inference.capture import Capture
+from whetstone.inference.capture import Capture, Reply
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.metrics import render_prometheus
@@ -130,8 +130,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     async def authorize(request: Request) -> None:
         if not config.auth_token:
             return
-        given = request.headers.get("authorization", "")
-        if not secrets.compare_digest(given.encode(), f"Bearer {config.auth_token}".encode()):
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        right = secrets.compare_digest(token.lstrip(" ").encode(), config.auth_token.encode())
+        if scheme.lower() != "bearer" or not right:  # the scheme's name is case-insensitive (RFC 7235)
             raise HTTPException(401, "missing or wrong bearer token (Authorization: Bearer <token>)")
 
     def check_model(name: str) -> None:
@@ -194,8 +195,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         weights = follower.report() if follower is not None else None
+        keep_failures = None if capture is None else capture.failures
         return PlainTextResponse(
-            render_prometheus(engine.stats, model_name, weights), media_type="text/plain; version=0.0.4"
+            render_prometheus(engine.stats, model_name, weights, keep_failures), media_type="text/plain; version=0.0.4"
         )
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
@@ -216,13 +218,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         response_id = f"cmpl-{uuid.uuid4().hex}"
         submission = await run_in_threadpool(submit_completion, body, response_id, asyncio.get_running_loop())
         track(request, response_id, submission)
+        reply = Reply(capture, response_id, submission.seqs, body.priority)
         if body.stream:
-            return sse(
-                completion_stream(submission, body, response_id, model_name, decode, request),
-                keep(response_id, submission, body.priority),
-            )
-        await finish(submission, request)
-        await keep(response_id, submission, body.priority)()
+            return sse(completion_stream(submission, body, response_id, model_name, decode, request), reply)
+        await finish(submission, request, reply)
         choices = [completion_choice(seq, i, body, decode) for i, seq in enumerate(submission.seqs)]
         return JSONResponse(
             header(response_id, "text_completion", model_name)
@@ -236,13 +235,10 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         response_id = f"chatcmpl-{uuid.uuid4().hex}"
         submission = await run_in_threadpool(submit_chat, body, response_id, asyncio.get_running_loop())
         track(request, response_id, submission)
+        reply = Reply(capture, response_id, submission.seqs, body.priority)
         if body.stream:
-            return sse(
-                chat_stream(submission, body, response_id, model_name, tokenizer, request),
-                keep(response_id, submission, body.priority),
-            )
-        await finish(submission, request)
-        await keep(response_id, submission, body.priority)()
+            return sse(chat_stream(submission, body, response_id, model_name, tokenizer, request), reply)
+        await finish(submission, request, reply)
         choices = [chat_choice(seq, i, body, tokenizer) for i, seq in enumerate(submission.seqs)]
         return JSONResponse(
             header(response_id, "chat.completion", model_name)
@@ -271,20 +267,15 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             }
         )
 
-    def keep(response_id: str, submission: Submission, priority: str) -> Callable[[], Awaitable[None]]:
-        """What to do once a response is complete: keep it for feedback (when capturing)."""
-
-        async def kept() -> None:
-            if capture is not None:
-                await capture.keep(response_id, submission.seqs, priority)
-
-        return kept
-
-    async def finish(submission: Submission, request: Request) -> None:
+    async def finish(submission: Submission, request: Request, reply: Reply) -> None:
+        """Wait for every choice, then keep the reply for feedback before it is sent."""
         try:
             await submission.wait(request.is_disconnected)
+            await reply.keep()
         except ClientGone:
             raise HTTPException(499, "client closed the request") from None
+        finally:
+            reply.end()
         errors = [seq.error for seq in submission.seqs if seq.error]
         if errors:
             raise RuntimeError(errors[0])
@@ -311,13 +302,21 @@ def track(request: Request, response_id: str, submission: Submission) -> None:
     request.state.submission = submission
 
 
-def sse(events: AsyncIterator[dict], complete: Callable[[], Awaitable[None]]) -> StreamingResponse:
-    """The events as Server-Sent Events; `complete` runs before the final `[DONE]`."""
+def sse(events: AsyncIterator[dict], reply: Reply) -> StreamingResponse:
+    """The events as Server-Sent Events, then `[DONE]`. The reply is kept for feedback as soon as
+    every choice has finished, before the chunk with the last `finish_reason` (and any usage
+    chunk) goes out: a client may rate it once it has read that chunk, and one that closes the
+    stream there leaves it kept. A stream that ends early (the client left) keeps the reply if
+    its generation had finished all the same (`Reply.end`)."""
 
     async def lines():
-        async for event in events:
-            yield f"data: {json.dumps(event)}\n\n"
-        await complete()
-        yield "data: [DONE]\n\n"
+        try:
+            async for event in events:
+                if reply.finished:
+                    await reply.keep()
+                yield f"data: {json.dumps(event)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            reply.end()
 
     return StreamingResponse(lines(), media_type="text/event-stream")
