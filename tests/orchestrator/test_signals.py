@@ -1,6 +1,6 @@
 """SIGTERM to `whetstone orchestrator` (how `whetstone run` stops it) while rollouts run in
-bubblewrap sandboxes: it stops as on Ctrl-C, with exit code 143, and leaves no sandbox process,
-sandbox folder or sandbox cgroup behind."""
+bubblewrap sandboxes: it stops as on Ctrl-C, with exit code 143, within seconds, and leaves no
+sandbox process, sandbox folder or sandbox cgroup behind, with or without sandbox cgroups."""
 
 import json
 import os
@@ -10,12 +10,16 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.orchestrator.orchestrator_support import Trainer, coin_tasks, model_folder, thread_servers
 from whetstone.envs.sandbox.cgroups import find_cgroup_root
 from whetstone.envs.tasks.io import write_tasks
 
 SETUP = "sleep 300 & sleep 300"
 """Each rollout's setup command: sandboxes that are still running when SIGTERM comes."""
+STOP_S = 5.0
+"""How soon after SIGTERM the orchestrator must be gone: well before the setup's time limit (20 s)."""
 
 
 def processes() -> dict[int, tuple[int, str, str]]:
@@ -57,10 +61,11 @@ def command_line(pid: int) -> str:
         return ""
 
 
-def test_sigterm_stops_the_orchestrator_and_leaves_no_sandbox_behind(tmp_path):
+@pytest.mark.parametrize("cgroups", [True, False], ids=["cgroups", "no-cgroups"])
+def test_sigterm_stops_the_orchestrator_and_leaves_no_sandbox_behind(tmp_path, cgroups):
     model_dir = model_folder(tmp_path)
     Trainer(model_dir, tmp_path / "weights").publish()
-    # the setup commands' limit bounds the stop where no cgroup lets the sandbox kill them at once
+    # closing a sandbox kills its commands at once: a stop that waited for their limit fails STOP_S
     tasks = [task.model_copy(update={"setup": [SETUP], "test_time_limit_s": 20.0}) for task in coin_tasks(1)]
     write_tasks(tasks, tmp_path / "tasks.jsonl")
     sandboxes = tmp_path / "sandboxes"
@@ -81,6 +86,7 @@ source = "{tmp_path / "tasks.jsonl"}"
 concurrency = 2
 [rollout.sandbox]
 root_dir = "{sandboxes}"
+cgroups = {json.dumps(cgroups)}
 [harness]
 tokenizer_path = "{model_dir}"
 max_turns = 2
@@ -105,7 +111,9 @@ max_turn_tokens = 12
                 time.sleep(0.1)
             assert any("bwrap" in command_line(pid) for pid in started)
             process.send_signal(signal.SIGTERM)
+            signalled = time.monotonic()
             code = process.wait(60)
+            stopped_after = time.monotonic() - signalled
         finally:
             if process.poll() is None:
                 process.kill()
@@ -118,3 +126,4 @@ max_turn_tokens = 12
     said = output.read_text()
     assert code == 128 + signal.SIGTERM, said[-3000:]
     assert said.rstrip().endswith("stopped by SIGTERM") and "Traceback" not in said
+    assert stopped_after < STOP_S, f"the orchestrator took {stopped_after:.1f} s to stop"

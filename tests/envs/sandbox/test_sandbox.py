@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -113,6 +114,109 @@ def test_background_processes_end_with_their_command():
     with open_sandbox({}) as sandbox:
         result = sandbox.run(f"sleep 1{marker} & echo started")
     assert result.stdout == "started\n" and not result.timed_out and result.duration_s < 5
+    assert processes_with(marker) == []
+
+
+WITH_AND_WITHOUT_CGROUPS = [
+    pytest.param(False, id="no-cgroups"),
+    pytest.param(
+        True,
+        id="cgroups",
+        marks=pytest.mark.skipif(not cgroups_available(), reason="no writable cgroup hierarchy on this machine"),
+    ),
+]
+
+
+def run_in_thread(sandbox, command: str) -> tuple[threading.Thread, list]:
+    """`sandbox.run(command)` in a thread (as the orchestrator's workers run them): the thread and
+    a list that gets the result, or the exception."""
+    outcome: list = []
+
+    def target():
+        try:
+            outcome.append(sandbox.run(command, timeout_s=60))
+        except Exception as err:
+            outcome.append(err)
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, outcome
+
+
+@pytest.mark.parametrize("cgroups", WITH_AND_WITHOUT_CGROUPS)
+def test_close_kills_a_command_running_in_another_thread(cgroups):
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    sandbox = open_sandbox(FILES, SandboxConfig(cgroups=cgroups))
+    workspace = sandbox.workspace
+    thread, outcome = run_in_thread(sandbox, f"sleep 6{marker}")
+    deadline = time.monotonic() + 30
+    while not processes_with(marker):
+        assert time.monotonic() < deadline, "the command never started"
+        time.sleep(0.05)
+    closing = time.monotonic()
+    sandbox.close()
+    closed_after = time.monotonic() - closing
+    # by the time close returns the process is gone and its run has returned, then the workspace went
+    gone, returned = processes_with(marker) == [], bool(outcome)
+    thread.join(5)
+    assert closed_after < 1 and gone and returned and not workspace.exists()
+    assert not thread.is_alive() and time.monotonic() - closing < 1
+    (result,) = outcome
+    assert result.sandbox_closed and not result.timed_out and result.exit_code != 0
+    assert "the sandbox was closed" in result.stderr
+    with pytest.raises(WhetstoneError, match="is closed"):
+        sandbox.run(f"sleep 7{marker}")
+    assert processes_with(marker) == []
+
+
+def test_a_command_starting_while_the_sandbox_closes_is_killed(monkeypatch):
+    """A run past the closed check whose process starts only after `close` began is still stopped."""
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    sandbox = open_sandbox(FILES, SandboxConfig(cgroups=False))
+    measuring, closing = threading.Event(), threading.Event()
+    measure = sandbox._disk_watch
+
+    def slow_measure():  # the run is under way but has not started its process
+        measuring.set()
+        assert closing.wait(30)
+        return measure()
+
+    monkeypatch.setattr(sandbox, "_disk_watch", slow_measure)
+    thread, outcome = run_in_thread(sandbox, f"sleep 6{marker}")
+    assert measuring.wait(30)
+    closer = threading.Thread(target=sandbox.close)
+    started = time.monotonic()
+    closer.start()
+    deadline = time.monotonic() + 5
+    while not sandbox._closed:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    closing.set()
+    closer.join(5)
+    thread.join(5)
+    assert not closer.is_alive() and not thread.is_alive() and time.monotonic() - started < 2
+    (result,) = outcome
+    assert result.sandbox_closed and result.duration_s < 2
+    assert processes_with(marker) == [] and not sandbox.workspace.exists()
+
+
+def test_a_process_whose_start_hook_fails_is_killed():
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+
+    def refuse(proc):
+        raise RuntimeError("refused")
+
+    with pytest.raises(RuntimeError, match="refused"):
+        run_process(
+            ["sleep", f"6{marker}"],
+            env={"PATH": "/usr/bin:/bin"},
+            cwd=Path("/"),
+            stdin=None,
+            timeout_s=20,
+            max_output_bytes=1000,
+            kill_tree=kill_process_group,
+            on_start=refuse,
+        )
     assert processes_with(marker) == []
 
 

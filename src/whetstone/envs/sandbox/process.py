@@ -36,6 +36,8 @@ class RunResult:
     truncated: bool
     limits_hit: list[str] = field(default_factory=list)
     """Limits it ran into: wall_clock, cpu, memory (OOM kill), processes, output, disk."""
+    sandbox_closed: bool = False
+    """Killed because its sandbox was closed (from another thread) while it ran."""
 
 
 @dataclass(frozen=True)
@@ -105,9 +107,11 @@ def run_process(
     max_output_bytes: int,
     kill_tree: Callable[[subprocess.Popen], None],
     watch: Watch | None = None,
+    on_start: Callable[[subprocess.Popen], None] | None = None,
 ) -> RunResult:
     """Run `argv` to completion, to its deadline or until `watch` finds it over a limit; `kill_tree`
-    must stop the process and all it started."""
+    must stop the process and all it started. `on_start` gets the process as soon as it exists
+    (so that another thread can stop it); if it raises, the process is killed."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         argv,
@@ -131,6 +135,8 @@ def run_process(
         selector.register(pidfd, selectors.EVENT_READ, "exit")
     deadline, timed_out, stopped, watched_hit = start + timeout_s, False, False, None
     try:
+        if on_start is not None:
+            on_start(proc)
         while selector.get_map():
             now = time.perf_counter()
             main_exited = False

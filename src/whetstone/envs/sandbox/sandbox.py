@@ -30,10 +30,15 @@ log = logging.getLogger(__name__)
 
 SHELL = "/bin/bash" if Path("/bin/bash").exists() else "/bin/sh"
 VENV_IN_SANDBOX = "/opt/venv"  # where the sandbox's Python environment appears inside
+CLOSE_WAIT_S = 10.0
+"""How long `close` waits for the runs it stopped to return before deleting the workspace anyway."""
 
 
 class Sandbox:
-    """A workspace directory and the limits and mounts its commands run under. A context manager."""
+    """A workspace directory and the limits and mounts its commands run under. A context manager.
+
+    `run` may be called from several threads at once, and `close` from any thread: it kills the
+    commands still running (their `run` returns with `sandbox_closed` set) and refuses new ones."""
 
     def __init__(self, workspace: Path, config: SandboxConfig, runtime: _Runtime, mounts: list[Mount]):
         for path in config.ro_paths:
@@ -63,6 +68,11 @@ class Sandbox:
         # Everything a command can write that outlives it or sits on the host's disk counts.
         self._disk_dirs = [workspace] + [Path(m.source) for m in mounts if m.writable]
         self._tmpfs = {"/tmp": config.tmp_size_mb << 20, "/dev": 0}
+        self._lock = threading.Condition()  # guards the four below; notified when a run ends
+        self._closed = False
+        self._runs = 0  # runs in progress, started or not
+        self._procs: set[subprocess.Popen] = set()  # the processes of runs in progress
+        self._stopped: set[subprocess.Popen] = set()  # those of them that `close` killed
         if config.unsandboxed:
             self._home.mkdir()
             self._disk_dirs.append(self._home)
@@ -77,7 +87,30 @@ class Sandbox:
     ) -> RunResult:
         """Run a shell command line (str) or an argv (list) in the workspace, within the limits;
         `env` adds variables to the sandbox's environment for this command. A command that takes
-        the sandbox over its disk budget is stopped and what it added is taken back."""
+        the sandbox over its disk budget is stopped and what it added is taken back. Raises
+        `WhetstoneError` once the sandbox is closed."""
+        with self._lock:
+            if self._closed:
+                raise WhetstoneError(f"the sandbox over {self.workspace} is closed: it runs no more commands")
+            self._runs += 1
+        started: list[subprocess.Popen] = []
+        try:
+            return self._run(command, timeout_s, stdin, env, started)
+        finally:
+            with self._lock:
+                self._runs -= 1
+                self._procs.difference_update(started)
+                self._stopped.difference_update(started)
+                self._lock.notify_all()
+
+    def _run(
+        self,
+        command: str | list[str],
+        timeout_s: float | None,
+        stdin: str | None,
+        env: dict[str, str] | None,
+        started: list[subprocess.Popen],
+    ) -> RunResult:
         argv = [SHELL, "-c", command] if isinstance(command, str) else list(command)
         if not self.config.unsandboxed:
             argv = bwrap_argv(self.workspace, self.workdir, self.config.tmp_size_mb << 20, self._mounts, argv)
@@ -94,7 +127,13 @@ class Sandbox:
             max_output_bytes=self.config.max_output_bytes,
             kill_tree=self._kill_tree,
             watch=disk,
+            on_start=lambda proc: self._started(proc, started),
         )
+        with self._lock:
+            result.sandbox_closed = bool(self._stopped.intersection(started))
+        if result.sandbox_closed:
+            result.stderr += "\n[stopped: the sandbox was closed while the command ran]"
+            return result  # its workspace is about to be deleted: nothing to measure or take back
         if self._cgroup:
             after = self._cgroup.counters()
             result.limits_hit += [name for name in after if after[name] > before[name]]
@@ -138,6 +177,18 @@ class Sandbox:
             **self.config.env,
         }
 
+    def _started(self, proc: subprocess.Popen, started: list[subprocess.Popen]) -> None:
+        """Track a run's process so that `close` can stop it; one that starts as the sandbox
+        closes is stopped here."""
+        started.append(proc)
+        with self._lock:
+            self._procs.add(proc)
+            if self._closed:
+                self._stopped.add(proc)
+            stop = self._closed
+        if stop:
+            self._kill_tree(proc)
+
     def _kill_tree(self, proc: subprocess.Popen) -> None:
         # Sandboxed, killing bwrap ends the pid namespace; the cgroup also catches escaped sessions.
         kill_process_group(proc)
@@ -145,7 +196,22 @@ class Sandbox:
             self._cgroup.kill_all()
 
     def close(self) -> None:
-        """Stop anything left running and delete the workspace."""
+        """Stop anything left running and delete the workspace. Commands running in other threads
+        are killed (their process groups, and the cgroup where there is one) and their runs
+        awaited, so the workspace goes once nothing uses it; later runs are refused."""
+        with self._lock:
+            self._closed = True
+            running = self._procs - self._stopped
+            self._stopped |= running
+        for proc in running:
+            self._kill_tree(proc)
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._runs == 0, CLOSE_WAIT_S):
+                log.warning(
+                    "sandbox %s: a command still runs %g s after close; deleting the workspace anyway",
+                    self.workspace,
+                    CLOSE_WAIT_S,
+                )
         if self._cgroup:
             self._cgroup.close()
         remove_tree(self.workspace)
