@@ -18,7 +18,7 @@ from whetstone.online.cli import app
 from whetstone.online.config import OnlineConfig
 from whetstone.online.preferences import MatchesPattern
 from whetstone.online.simulator import UserSimulator
-from whetstone.online.weights import load_version, rollback
+from whetstone.online.weights import Lineage, load_version, rollback
 from whetstone.sync import Publisher, SyncConfig, WeightStore
 
 
@@ -62,9 +62,29 @@ def test_rollback_refuses_what_it_cannot_do(tmp_path):
     assert str(missing.exception) == f"version 7 is newer than the latest (1) in the weight store {sync.store}"
     newest = CliRunner().invoke(app, ["rollback", "1", "--set", f"sync.store={sync.store}"])
     assert str(newest.exception) == f"version 1 is already the newest in the weight store {sync.store}"
+    negative = CliRunner().invoke(app, ["rollback", "--set", f"sync.store={sync.store}", "--", "-1"])
+    assert str(negative.exception) == "there is no version -1: versions are numbered from 0"
     (tmp_path / "empty").mkdir()
     empty = CliRunner().invoke(app, ["rollback", "0", "--set", f"sync.store={tmp_path / 'empty'}"])
     assert "is empty" in str(empty.exception)
+
+
+def test_a_rollback_names_the_weights_it_republishes_and_staleness_follows_them(tmp_path):
+    sync = weights_with_versions(tmp_path, 4)  # v0 -> v1 -> v2 -> v3, each an update of the one before
+    sync = sync.model_copy(update={"keep_keyframes": 10})  # every rollback is a keyframe: keep them all
+    assert rollback(sync, 1).republishes == 1  # v4: v1's weights
+    store = WeightStore.open(sync)
+    Publisher(store, sync).publish({"w": torch.zeros(4, 4), "b": torch.arange(3)})  # v5: an update of v4
+    assert rollback(sync, 4).republishes == 1  # v6: v4's weights, which are v1's
+    assert store.manifest(5).republishes is None
+    assert b"republishes" not in (tmp_path / "weights" / "versions" / "0000000005" / "manifest.json").read_bytes()
+    lineage = Lineage(store)
+    # updates between the weights (version numbers would say 6 5 4 3 2 1 0, and 5 4 3 2 1 0)
+    assert [lineage.behind(6, [v], limit=4) for v in range(7)] == [1, 0, 1, 2, 0, 1, 0]
+    assert [lineage.behind(5, [v], limit=4) for v in range(6)] == [2, 1, 2, 3, 1, 0]
+    assert lineage.behind(6, [3], limit=1) == 2  # beyond the bound: limit + 1
+    assert lineage.behind(6, [1, 1, 3], limit=4) == 2  # a reply across versions: its farthest
+    assert lineage.behind(3, [0], limit=4) == 3 and lineage.behind(3, [], limit=0) == 0
 
 
 def test_rollback_to_a_collected_version_says_so(tmp_path):

@@ -325,3 +325,22 @@ def test_a_stream_its_client_left_is_kept_if_its_generation_finished(tmp_path, f
                 asyncio.run(client_leaves())
     finally:
         capture.close()
+
+
+def test_a_failing_feedback_store_is_a_503_without_sql(http, db):
+    import sqlite3
+
+    answer = chat(http)
+    connection = sqlite3.connect(db)
+    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    connection.close()
+    with open(db, "r+b") as file:
+        file.write(b"garbage!" * 64)  # a corrupt file: the database's trouble, not the client's
+    refused = feedback(http, id=answer["id"], rating="thumbs_up")
+    assert refused.status_code == 503
+    assert refused.json()["error"] == {
+        "message": "feedback store unavailable: file is not a database; retry",
+        "type": "server_error",
+        "param": None,
+        "code": "feedback_store_unavailable",
+    }

@@ -129,6 +129,34 @@ def test_rollback_serves_an_earlier_version_and_the_loop_adopts_it(world):
 
 
 @pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+def test_after_a_rollback_staleness_counts_updates_between_the_weights(world):
+    # v0 -> v1 (an update) -> v2 = a rollback to v0: replies sampled by v0 are sampled by the
+    # deployed weights exactly; replies of the rolled-back v1 are one update away from them
+    tasks = generate(SynthConfig(count=12, split="train", seed=3))
+    on_v0 = [world.users.ask(task, give_feedback=False) for task in tasks[:8]]
+    rate(world, on_v0[:4])
+    assert world.loop.update()["version"] == 1
+    wait_for_version(world.url, 1)
+    on_v1 = [world.users.ask(task, give_feedback=False) for task in tasks[8:]]
+    assert rollback(world.config.sync, 0).republishes == 0
+    wait_for_version(world.url, 2)
+    rate(world, on_v0[4:] + on_v1)
+    record = world.loop.update()
+    assert record["adopted"] == 2 and record["events"] == 8 and record["passed_stale"] == 0
+    assert record["staleness_0"] == 4 and record["staleness_1"] == 4  # v0's replies on-policy, v1's one away
+
+
+def rate(world, exchanges) -> None:
+    """Post each exchange's rating (a thumbs up if the user liked the reply)."""
+    for exchange in exchanges:
+        answer = world.users.client.post(
+            f"{world.url}/feedback",
+            json={"id": exchange.response_id, "rating": "thumbs_up" if exchange.liked else "thumbs_down"},
+        )
+        assert answer.status_code == 200, answer.text
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
 def test_a_rollback_that_lands_during_an_update_wins_the_version(world, monkeypatch):
     world.feedback(16)
     assert world.loop.update()["version"] == 1
@@ -189,7 +217,8 @@ def test_a_restarted_loop_continues_from_the_store_and_its_cursor(world):
     world.feedback(16)
     world.loop.update()
     again = OnlineLoop(world.config)
-    assert again.version == 1 and again.state == {"cursor": 16, "updates": 1}
+    store_id = FeedbackStore.open(world.config.feedback_store).marks().store_id
+    assert again.version == 1 and again.state == {"cursor": 16, "updates": 1, "store": store_id}
     assert not again.due()
     state = json.loads((Path(world.config.output_dir) / "state.json").read_text())
     assert state == again.state

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -207,7 +208,103 @@ def test_servers_opening_a_new_store_at_once_all_get_it(store_url):
         for thread in threads:
             thread.join()
         assert not errors, str(errors[0])
+        assert len({store.marks().store_id for store in stores}) == 1  # one id, whoever created it
         stores[0].record([record(f"chatcmpl-{round_}")])  # the tables are there and work
         metadata.drop_all(stores[0].engine)  # the next round starts on an empty database again
         for store in stores:
             store.close()
+
+
+def test_a_store_keeps_its_id_until_it_is_recreated(store_url):
+    from whetstone.store.feedback import metadata
+
+    first = FeedbackStore.open(store_url)
+    first.record([record("a"), record("b")])
+    first.add_feedback("a", 0, "thumbs_up")
+    marks = first.marks()
+    assert len(marks.store_id) == 16 and (marks.newest, marks.consumed) == (1, 0)
+    assert FeedbackStore.open(store_url).marks() == marks  # another server, a restart: the same store
+    first.consume(marks.store_id, 1)
+    first.consume(marks.store_id, 0)  # never backwards
+    first.consume("another-store", 5)  # nor for another store's position
+    assert first.marks().consumed == 1
+    metadata.drop_all(first.engine)  # recreated: events are numbered anew, and the id says so
+    again = FeedbackStore.open(store_url)
+    again.record([record("a")])
+    again.add_feedback("a", 0, "thumbs_down")
+    assert again.marks().store_id != marks.store_id and (again.marks().newest, again.marks().consumed) == (1, 0)
+    first.close()
+    again.close()
+
+
+def test_a_sqlite_file_replaced_under_open_connections_is_read_anew(tmp_path):
+    # (the loop's pooled connections would go on reading the deleted file, and see no new event)
+    path = tmp_path / "feedback.db"
+    loop = FeedbackStore.open(str(path))
+    old = loop.marks().store_id
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    server = FeedbackStore.open(str(path))  # a server recreates it
+    server.record([record("a")])
+    server.add_feedback("a", 0, "thumbs_up")
+    assert loop.marks() == server.marks() and loop.marks().store_id != old and loop.marks().newest == 1
+
+
+def test_responses_and_feedback_are_stamped_by_the_database_clock(store_url, monkeypatch):
+    # a server whose clock is 8 days behind: its responses must not look 8 days old to the loop
+    import time
+
+    store = FeedbackStore.open(store_url)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() - 8 * 86400)
+    store.record([record("a")])
+    store.add_feedback("a", 0, "thumbs_up")
+    monkeypatch.setattr(time, "time", real)
+    now = store.now()
+    assert abs(now - real()) < 60 and abs(store.response("a").created - now) < 60
+    assert abs(store.rated_after(0, 1)[0].rated_at - now) < 60
+    assert store.prune(before=now - 7 * 86400, consumed=1) == (0, 0)
+    store.close()
+
+
+def test_database_failures_name_the_store_and_what_failed_without_sql(store_url):
+    from whetstone.store.feedback import FeedbackStoreError, metadata
+
+    store = FeedbackStore.open(store_url)
+    metadata.drop_all(store.engine)  # e.g. a database restored without whetstone's tables
+    calls = {
+        "reading new feedback": lambda: store.rated_after(0, 10),
+        "counting new feedback": lambda: store.count_after(0),
+        "adding feedback": lambda: store.add_feedback("a", 0, "thumbs_up"),
+        "keeping a response": lambda: store.record([record("a")]),
+        "reading its id and newest event": store.marks,
+        "pruning": lambda: store.prune(1.0, 0),
+    }
+    for operation, call in calls.items():
+        with pytest.raises(FeedbackStoreError) as failed:
+            call()
+        message = str(failed.value)
+        assert message.startswith(f"the feedback store {store.name}: {operation} failed: ")
+        assert "whetstone_" in failed.value.reason  # the database's own words: no such table / relation
+        assert not any(word in message for word in ("SELECT", "INSERT", "DELETE", "[SQL", "[parameters"))
+    store.close()
+
+
+def test_a_corrupt_sqlite_file_is_a_feedback_store_error(tmp_path):
+    import sqlite3
+
+    from whetstone.store.feedback import FeedbackStoreError
+
+    path = tmp_path / "feedback.db"
+    store = FeedbackStore.open(str(path))
+    store.record([record("a")])
+    store.close()
+    connection = sqlite3.connect(path)
+    connection.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+    connection.close()
+    with open(path, "r+b") as file:
+        file.write(b"garbage!" * 64)
+    with pytest.raises(FeedbackStoreError, match="reading new feedback failed: file is not a database"):
+        FeedbackStore(store.engine).rated_after(0, 10)
+    with pytest.raises(FeedbackStoreError, match="cannot open the feedback store .*: file is not a database"):
+        FeedbackStore.open(str(path))

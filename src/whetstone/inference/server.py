@@ -40,7 +40,7 @@ from whetstone.inference.responses import chat_choice, completion_choice, header
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.stream import chat_stream, completion_stream
 from whetstone.inference.submission import ClientGone, Submission
-from whetstone.store.feedback import DuplicateFeedback, UnknownResponse
+from whetstone.store.feedback import DuplicateFeedback, FeedbackStoreError, UnknownResponse
 from whetstone.tokenizer import Tokenizer, render_chat
 
 log = logging.getLogger(__name__)
@@ -256,6 +256,11 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             return error_body(404, str(err), code="response_not_found", param="id")
         except DuplicateFeedback as err:
             return error_body(409, str(err), code="duplicate_feedback", param="id")
+        except FeedbackStoreError as err:  # the database's trouble, not the client's: it may pass
+            log.error("feedback on %s not stored: %s", body.id, err)
+            return error_body(
+                503, f"feedback store unavailable: {err.reason}; retry", code="feedback_store_unavailable"
+            )
         return JSONResponse(
             {
                 "object": "feedback",

@@ -133,8 +133,9 @@ class OnlineConfig(Config):
     """Advantage = reward minus the mean reward of the update's samples (`batch_mean`), or the
     reward itself (`none`, Cursor Tab's +0.75 / -0.25 being roughly centered already)."""
     staleness: StalenessConfig = StalenessConfig(max_off_policy_steps=1)
-    """Feedback on responses more than this many versions behind the deployed one is dropped
-    (0 = only the current version, as Cursor Tab trains)."""
+    """Feedback on responses sampled with weights more than this many updates behind the deployed
+    ones is dropped (0 = only the current weights, as Cursor Tab trains); a rollback's version
+    holds an earlier version's weights, and counts as that version (docs/online.md)."""
     loss: LossConfig = LossConfig()
     """The RL trainer's loss: clipping, truncated importance sampling, KL to the starting weights."""
     optimizer: OptimizerConfig = OptimizerConfig(lr=1e-4, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0)
@@ -170,6 +171,10 @@ class OnlineConfig(Config):
     cores, the servers answering users come first."""
     poll_interval: float = Field(1.0, gt=0)
     """Seconds between checks of the feedback store."""
+    feedback_retry_s: float = Field(300.0, ge=0)
+    """How long the loop retries a failed read of the feedback store (backing off from 0.5 s to
+    30 s between tries, logging each failure) before it stops with the error: a restarting
+    database server, a lock held past its timeout; 0 = stop at the first failure."""
     retention_days: float = Field(7.0, ge=0)
     """Each update deletes responses older than this from the feedback store, once the loop has
     read their feedback (or they got none), with that feedback; 0 = keep everything. Feedback

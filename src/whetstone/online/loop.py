@@ -3,7 +3,8 @@ gate -> publish, or discard and say why. Servers pick new versions up through th
 
     <output_dir>/config.toml     the config as last run
     <output_dir>/metrics.jsonl   one record per update: decision, reason, counts, loss, scores, timings
-    <output_dir>/state.json      the feedback cursor (newest event read) and the update count
+    <output_dir>/state.json      the feedback cursor (newest event read), the feedback store's id,
+                                 the update count, and the events an update is consuming
     <output_dir>/checkpoints/step_<version>/   fp32 masters and AdamW moments of a version the
                                  loop published (the newest two; training.checkpoint's format)
 
@@ -13,8 +14,17 @@ adopts that version. If it saved a checkpoint of that version (a restart), it re
 and moments, after checking they publish to exactly the store's weights; otherwise it takes the
 store's weights with a fresh optimizer, and logs why. Feedback is read at most once: the cursor
 is saved before training, so a crash loses that update's events rather than training on them
-twice. Any cursor goes with any checkpoint: what must match is moments and weights, and the
-checkpoint holds both, written as one directory.
+twice; the range being consumed is saved with it, so a restart says which events were lost (log,
+and `lost_events` in the next metrics record). Any cursor goes with any checkpoint: what must
+match is moments and weights, and the checkpoint holds both, written as one directory.
+
+The cursor is an event number of one database: state.json keeps the store's id beside it, and the
+loop refuses a store with another id (recreated, replaced) or whose newest event is below the
+cursor (restored from an older copy), where it would wait for numbers already passed and then
+skip events. Each update also records in the store how far it read (`FeedbackStore.consume`): a
+loop without a state.json (a new output_dir) starts there, so no event is trained twice.
+A reply's staleness is the number of updates between the weights it was sampled with and the
+deployed ones (`Lineage`): a rollback's version holds an earlier version's weights.
 """
 
 from __future__ import annotations
@@ -22,9 +32,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -35,11 +47,10 @@ from whetstone.model.layout import autocast_tables
 from whetstone.online.config import OnlineConfig
 from whetstone.online.gate import Gate, Verdict
 from whetstone.online.samples import feedback_batch
-from whetstone.online.weights import load_version
+from whetstone.online.weights import Lineage, load_version
 from whetstone.rl.batch import Batch
 from whetstone.rl.logit_scale import LogitScale
-from whetstone.rl.staleness import staleness
-from whetstone.store.feedback import FeedbackStore
+from whetstone.store.feedback import FeedbackStore, FeedbackStoreError
 from whetstone.sync import Publisher, WeightStore
 from whetstone.sync.weight_store import VersionExistsError
 from whetstone.tokenizer import Tokenizer
@@ -54,6 +65,11 @@ from whetstone.utils.runtime import configure_process
 log = logging.getLogger("whetstone.online")
 
 KEEP_CHECKPOINTS = 2
+
+RETRY_WAIT_S = (0.5, 30.0)
+"""First and longest wait between tries of a failed feedback store read (doubling)."""
+
+T = TypeVar("T")
 
 
 class OnlineLoop:
@@ -77,8 +93,11 @@ class OnlineLoop:
         self.run_dir.mkdir(parents=True, exist_ok=True)  # update() saves its cursor here, run() or not
         self.weights = WeightStore.open(config.sync)
         self.feedback = FeedbackStore.open(config.feedback_store)
-        state_path = self.run_dir / "state.json"
-        self.state = json.loads(state_path.read_text()) if state_path.exists() else {"cursor": 0, "updates": 0}
+        self.lineage = Lineage(self.weights)
+        self.stop = threading.Event()
+        """Set by SIGTERM / SIGINT while `run` runs: a retry of the feedback store stops waiting."""
+        self.state_path = self.run_dir / "state.json"
+        self.state = self.load_state()
         self.version: int | None = None
         """The deployed version: the store's newest, which the policy's weights are."""
         self.scores: dict[int, float] = {}
@@ -121,6 +140,7 @@ class OnlineLoop:
             if self.logit_scale is not None:  # as at the scale's start: the step applies the scale
                 self.logit_scale.unfold(self.reference)
         self.version = latest
+        self.lineage.weights_of(latest)  # remembered while its manifest is there
         if latest not in self.scores:
             self.scores[latest] = self.gate.score(self.deployed_weights(), latest)
         self.start_score = self.scores[latest]
@@ -155,9 +175,95 @@ class OnlineLoop:
         log.info("version %d: resumed its fp32 masters and optimizer moments from %s", version, path)
         return ""
 
+    def load_state(self) -> dict[str, Any]:
+        """state.json, checked against the feedback store (`check_store`), or a fresh loop's: it
+        starts after the newest event a loop recorded reading in the store (0 in a store no loop
+        has read), so a new output_dir or a lost state.json never trains an event twice. An update
+        that read events and did not finish (a killed loop) is said: its events are lost."""
+        if not self.state_path.exists():
+            marks = self.read_store(self.feedback.marks)
+            if marks.consumed:
+                log.warning(
+                    "no %s: starting after feedback event %d of %s, the newest an online loop recorded "
+                    "reading there (events up to it are not read again)",
+                    self.state_path,
+                    marks.consumed,
+                    self.feedback.name,
+                )
+            return {"cursor": marks.consumed, "updates": 0, "store": marks.store_id}
+        self.state = json.loads(self.state_path.read_text())
+        consuming = self.state.pop("consuming", None)
+        if consuming is not None:  # forgotten at the next update's end, when its record says so
+            log.warning(
+                "update %d read feedback events %d..%d (%d events) and did not finish (the loop was "
+                "stopped or killed during it): they were not trained on and are not read again",
+                consuming["update"],
+                consuming["after"] + 1,
+                consuming["through"],
+                consuming["events"],
+            )
+            self.state["lost_events"] = self.state.get("lost_events", 0) + consuming["events"]
+        self.check_store()
+        return self.state
+
+    def check_store(self) -> None:
+        """Refuse a feedback store the saved cursor is not a position in: another id (the database
+        was recreated or replaced: it numbers its events anew) or a newest event below the cursor
+        (restored from an older copy): new events would take numbers the loop has passed. Events
+        another loop recorded reading beyond the cursor are skipped, with a warning."""
+        marks = self.read_store(self.feedback.marks)
+        saved, cursor = self.state.setdefault("store", marks.store_id), self.state["cursor"]
+        fresh = (
+            f"move {self.state_path} away, and the loop starts after event {marks.consumed}, the newest one "
+            "a loop recorded reading in it"
+        )
+        if marks.store_id != saved:
+            raise WhetstoneError(
+                f"the feedback store {self.feedback.name} is not the one this loop was reading: its id is "
+                f"{marks.store_id}, and {self.state_path} is a position (event {cursor}) in the store with id "
+                f"{saved}. It was recreated or replaced, and numbers its events anew. To read the old store, "
+                f"point feedback_store at it; to read this one, {fresh}"
+            )
+        if marks.newest < cursor:
+            raise WhetstoneError(
+                f"the feedback store {self.feedback.name} holds events up to {marks.newest}, but this loop has "
+                f"read up to event {cursor} ({self.state_path}): it was restored from an older copy (or its "
+                f"events deleted), and its new events would take numbers the loop has passed. To read it, {fresh}"
+            )
+        if marks.consumed > cursor:
+            log.warning(
+                "feedback events %d..%d of %s were read by another online loop (the store records reading up "
+                "to %d, %s up to %d): skipping them, so they are not trained on twice",
+                cursor + 1,
+                marks.consumed,
+                self.feedback.name,
+                marks.consumed,
+                self.state_path,
+                cursor,
+            )
+            self.state["cursor"] = marks.consumed
+
+    def read_store(self, read: Callable[[], T]) -> T:
+        """`read()` of the feedback store, tried again after a FeedbackStoreError (the waits
+        doubling, each failure logged) for up to `feedback_retry_s`; then that error."""
+        give_up, wait = time.monotonic() + self.config.feedback_retry_s, RETRY_WAIT_S[0]
+        while True:
+            try:
+                return read()
+            except FeedbackStoreError as err:
+                left = give_up - time.monotonic()
+                if left <= 0 or self.stop.is_set():
+                    raise
+                log.warning(
+                    "%s; trying again in %.1f s (giving up in %.0f s: feedback_retry_s)", err, min(wait, left), left
+                )
+                self.stop.wait(min(wait, left))
+                wait = min(2 * wait, RETRY_WAIT_S[1])
+
     def due(self) -> bool:
         trigger = self.config.trigger
-        pending = self.feedback.count_after(self.state["cursor"])
+        self.check_store()
+        pending = self.read_store(lambda: self.feedback.count_after(self.state["cursor"]))
         if pending >= trigger.every_events:
             return True
         return pending >= trigger.min_events and time.monotonic() - self.last_update >= trigger.every_seconds
@@ -174,14 +280,25 @@ class OnlineLoop:
         if adopted is not None:
             record["adopted"] = adopted
             log.warning("the weight store moved to version %d (a rollback?): adopted it", adopted)
+        self.check_store()
+        if "lost_events" in self.state:
+            record["lost_events"] = self.state["lost_events"]
+        after = self.state["cursor"]
         rated, passed = self.read_feedback()
         record["passed_stale"] = passed
         self.state["updates"] += 1
-        atomic_write_json(self.run_dir / "state.json", self.state)
+        self.state["consuming"] = {
+            "update": record["update"],
+            "after": after,
+            "through": self.state["cursor"],
+            "events": len(rated) + passed,
+        }
+        atomic_write_json(self.state_path, self.state)  # before training: nothing is trained twice
+        self.read_store(lambda: self.feedback.consume(self.state["store"], self.state["cursor"]))
         self.last_update = time.monotonic()
         record |= self.prune()
 
-        built = feedback_batch(rated, self.config, self.version, meta={"index": record["update"]})
+        built = feedback_batch(rated, self.config, self.version, meta={"index": record["update"]}, behind=self.behind)
         record.update(
             built.counts,
             version_before=self.version,
@@ -190,8 +307,12 @@ class OnlineLoop:
             last_rated_at=max((r.rated_at for r in rated), default=None),
         )
         if built.batch is None:
+            self.consumed()
             return record | {"decision": "skipped", "reason": built.skip_reason, "version": self.version}
         record |= self.train_and_gate(built.batch)
+        self.consumed()
+        if record["decision"] == "published":
+            record |= self.checkpoint()
         log.log(
             logging.INFO if record["decision"] == "published" else logging.WARNING,
             "update %d %s (version %d): %s",
@@ -202,6 +323,18 @@ class OnlineLoop:
         )
         return record
 
+    def consumed(self) -> None:
+        """The update's events are trained on (published or discarded) or judged unusable: forget
+        the range being consumed, and the lost events its record reported."""
+        self.state.pop("consuming", None)
+        self.state.pop("lost_events", None)
+        atomic_write_json(self.state_path, self.state)
+
+    def behind(self, versions: list[int]) -> int:
+        """Updates between the weights a reply was sampled with (its token `versions`) and the
+        deployed version's, up to the staleness bound (one more: beyond it)."""
+        return self.lineage.behind(self.version, versions, self.config.staleness.max_off_policy_steps)
+
     def read_feedback(self) -> tuple[list, int]:
         """The oldest `trigger.max_events` unread events whose responses are within the staleness
         bound of the deployed version, and how many beyond it were read past on the way. Those
@@ -211,12 +344,12 @@ class OnlineLoop:
         limit, bound = self.config.trigger.max_events, self.config.staleness.max_off_policy_steps
         fresh, passed = [], 0
         while len(fresh) < limit:
-            page = self.feedback.rated_after(self.state["cursor"], limit - len(fresh))
+            page = self.read_store(lambda: self.feedback.rated_after(self.state["cursor"], limit - len(fresh)))
             if not page:
                 break
             self.state["cursor"] = page[-1].seq
             for item in page:
-                if staleness(self.version, min(item.response.versions, default=None)) > bound:
+                if self.behind(item.response.versions) > bound:
                     passed += 1
                 else:
                     fresh.append(item)
@@ -267,8 +400,9 @@ class OnlineLoop:
             return record | {"decision": "discarded", "reason": verdict.reason, "version": self.version}
 
         self.version = manifest.version
+        self.lineage.note(manifest)
         self.scores[self.version] = score
-        record |= {
+        return record | {
             "decision": "published",
             "reason": verdict.reason,
             "version": self.version,
@@ -277,6 +411,9 @@ class OnlineLoop:
             "delta_kind": manifest.kind,
             "delta_bytes": manifest.encoded_bytes,
         }
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Save the masters and moments of the version just published (`checkpoints/`)."""
         started = time.perf_counter()
         data = {"logit_scale": self.logit_scale.state()} if self.logit_scale is not None else {}
         save_checkpoint(
@@ -287,7 +424,7 @@ class OnlineLoop:
             config=self.config.model_dump(mode="json"),
             keep=KEEP_CHECKPOINTS,
         )
-        return record | {"checkpoint_s": time.perf_counter() - started}
+        return {"checkpoint_s": time.perf_counter() - started}
 
     def prune(self) -> dict[str, Any]:
         """Delete responses older than `retention_days` whose feedback the loop has read (or that
@@ -296,8 +433,9 @@ class OnlineLoop:
         days = self.config.retention_days
         if days <= 0:
             return {}
-        try:
-            responses, events = self.feedback.prune(time.time() - days * 86400.0, consumed=self.state["cursor"])
+        try:  # by the database's clock, which stamped the responses
+            before = self.feedback.now() - days * 86400.0
+            responses, events = self.feedback.prune(before, consumed=self.state["cursor"])
         except WhetstoneError as err:
             log.warning("pruning the feedback store failed (retried next update): %s", err)
             return {"pruned_error": str(err)}
@@ -305,7 +443,7 @@ class OnlineLoop:
 
     def run(self) -> dict[str, Any]:
         """Update whenever the trigger says so, until `max_updates` or SIGTERM / SIGINT."""
-        from whetstone.trainer.loop import stop_on_signals
+        from whetstone.utils.processes import stop_on_signals
         from whetstone.utils.progress import progress_bar
 
         config = self.config
@@ -318,6 +456,7 @@ class OnlineLoop:
             stop_on_signals() as stop,
             progress_bar(config.max_updates or None, "online", "update") as bar,
         ):
+            self.stop = stop
             while not (config.max_updates and self.state["updates"] >= config.max_updates) and not stop.is_set():
                 if not self.due():
                     stop.wait(config.poll_interval)

@@ -11,6 +11,7 @@ are dropped (`truncated`), then the staleness bound applies, then advantages.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,8 +22,8 @@ from whetstone.errors import WhetstoneError
 from whetstone.inference.sampling import GREEDY_BELOW
 from whetstone.online.config import OnlineConfig
 from whetstone.rl.batch import Batch, collate
-from whetstone.rl.samples import Sample, rescale_rollout_shares, trajectory_samples
-from whetstone.rl.staleness import StalenessHistogram, filter_stale
+from whetstone.rl.samples import NOT_GENERATED, Sample, rescale_rollout_shares, trajectory_samples
+from whetstone.rl.staleness import StalenessHistogram, staleness
 from whetstone.store.feedback import RatedResponse, ResponseRecord
 
 log = logging.getLogger("whetstone.online")
@@ -67,14 +68,31 @@ def rated_sample(item: RatedResponse, reward: float) -> list[Sample]:
     return trajectory_samples(trajectory)
 
 
+def generated_versions(sample: Sample) -> list[int]:
+    """The weight versions of a sample's sampled tokens (what its staleness is of)."""
+    return [v for v in sample.versions if v != NOT_GENERATED]
+
+
 def feedback_batch(
-    rated: list[RatedResponse], config: OnlineConfig, version: int, meta: dict[str, Any] | None = None
+    rated: list[RatedResponse],
+    config: OnlineConfig,
+    version: int,
+    meta: dict[str, Any] | None = None,
+    behind: Callable[[list[int]], int] | None = None,
 ) -> FeedbackBatch:
-    """The batch of `rated` for an update of the deployed `version`."""
+    """The batch of `rated` for an update of the deployed `version`. `behind`: how many updates
+    the weights a sample was sampled with (its tokens' versions) are from the deployed version's
+    (the loop's `Lineage.behind`, which sees rollbacks); by default, version numbers apart."""
+    if behind is None:
+
+        def behind(versions: list[int]) -> int:
+            return staleness(version, min(versions, default=None))
+
     counts = {"events": len(rated), "dropped_truncated": 0, "dropped_empty": 0, "dropped_malformed": 0}
     samples: list[Sample] = []
     temperature: dict[str, float] = {}  # per sample (task_id = response/choice)
     rollout_of: dict[int, int] = {}  # per sample (by id): the index of its event
+    steps_of: dict[int, int] = {}  # per sample (by id): updates behind the deployed weights
     for number, item in enumerate(rated):
         if truncated(item.response):
             counts["dropped_truncated"] += 1
@@ -91,8 +109,14 @@ def feedback_batch(
         samples += new
         temperature.update((sample.task_id, item.response.temperature) for sample in new)
         rollout_of.update((id(sample), number) for sample in new)
-    histogram = StalenessHistogram()
-    fresh = filter_stale(samples, version, config.staleness, histogram)
+        steps_of.update((id(sample), behind(generated_versions(sample))) for sample in new)
+    histogram, fresh = StalenessHistogram(), []
+    for sample in samples:  # the staleness bound (`rl.staleness`), by the weights each reply had
+        if steps_of[id(sample)] > config.staleness.max_off_policy_steps:
+            histogram.dropped += 1
+        else:
+            histogram.kept[steps_of[id(sample)]] += 1
+            fresh.append(sample)
     if len(fresh) < len(samples):  # each response left weighs once (`rescale_rollout_shares`)
         rescale_rollout_shares(fresh, [rollout_of[id(sample)] for sample in fresh])
     samples = fresh

@@ -1,10 +1,13 @@
-"""Weight versions for online RL: rebuild any stored version, and roll back to one.
+"""Weight versions for online RL: rebuild any stored version, roll back to one, and tell how many
+updates apart two versions' weights are.
 
 Rollback republishes an earlier version's weights as a new full version, the newest: servers
 follow the store as always (no restart, no special case) and the online loop adopts it at its
 next update. Versions are created once (the store's exclusive create), so the history stays what
 was actually served, and a rollback racing the loop's publish cannot be lost: whichever takes the
-version number first wins, the other is told so.
+version number first wins, the other is told so. Its manifest names the version whose weights it
+holds (`Manifest.republishes`), so a reply's staleness is measured by the weights it was sampled
+with (`Lineage`), not by version numbers.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from whetstone.errors import WhetstoneError
+from whetstone.store.base import MissingObjectError
 from whetstone.sync import Manifest, Publisher, Subscriber, SyncConfig, WeightStore
 from whetstone.sync.weight_store import Head
 
@@ -32,6 +36,8 @@ def load_version(store: WeightStore, config: SyncConfig, version: int) -> dict[s
     stored = store.versions()
     if version not in stored:
         where = f"the weight store {config.store}"
+        if version < 0:
+            raise WhetstoneError(f"there is no version {version}: versions are numbered from 0")
         if not stored:
             raise WhetstoneError(f"version {version} is not in {where}: it holds no versions")
         if version > stored[-1]:
@@ -60,4 +66,72 @@ def rollback(config: SyncConfig, version: int) -> Manifest:
     # as they were published (`keep`): publishing them anew in publish_dtype could round them again
     # (`autocast` would need the model's embedding tables, which a store does not name)
     as_published = config.model_copy(update={"publish_dtype": "keep"})
-    return Publisher(store, as_published).publish(load_version(store, config, version), full=True)
+    weights = load_version(store, config, version)
+    source = store.manifest(version).republishes
+    return Publisher(store, as_published).publish(weights, full=True, republishes=version if source is None else source)
+
+
+class Lineage:
+    """How many updates apart the weights of two versions of a store are.
+
+    Each version holds either weights of its own, trained from the version before it (the loop
+    and the RL trainer publish version n as an update of version n - 1), or the weights of an
+    earlier version, published again by a rollback (its manifest's `republishes`). Versions are
+    then nodes of a tree whose edges are updates, and two versions' distance is the number of
+    updates on the path between their weights: after v0 -> v1 -> v2 -> v3 and a rollback to v1
+    (v4), replies from v1 are 0 updates from v4, from v2 one, and from the rolled-back v3 two,
+    where version numbers would say 3, 2 and 1. A version whose manifest is gone (collected) or
+    not there yet is taken to hold weights of its own."""
+
+    def __init__(self, store: WeightStore):
+        self.store = store
+        self.known: dict[int, int] = {}
+        """Version -> the version whose weights it holds (itself unless a rollback)."""
+        self.newest_read = -1
+        """The newest version whose manifest was read: a missing one below it was collected."""
+
+    def note(self, manifest: Manifest) -> None:
+        """Remember whose weights a version holds while its manifest is at hand (it may be
+        collected before replies sampled with it are rated)."""
+        self.known[manifest.version] = manifest.version if manifest.republishes is None else manifest.republishes
+        self.newest_read = max(self.newest_read, manifest.version)
+
+    def weights_of(self, version: int) -> int:
+        """The version whose weights `version` holds: the version a rollback republished, or itself."""
+        if version not in self.known:
+            try:
+                source = self.store.manifest(version).republishes
+            except MissingObjectError:
+                if version > self.newest_read:  # perhaps not published yet: ask again next time
+                    return version
+                source = None
+            self.newest_read = max(self.newest_read, version)
+            self.known[version] = version if source is None else source
+        return self.known[version]
+
+    def behind(self, deployed: int, versions: list[int], limit: int) -> int:
+        """Updates between the weights of `deployed` and the farthest of `versions` (a reply's
+        token versions; 0 if none), counted up to `limit`: `limit + 1` means farther."""
+        if not versions:
+            return 0
+        ancestors, node = {}, self.weights_of(deployed)  # node -> updates from the deployed weights
+        for steps in range(limit + 1):
+            ancestors[node] = steps
+            if node <= 0:
+                break
+            node = self.weights_of(node - 1)
+        farthest = 0
+        for version in set(versions):
+            node = self.weights_of(version)
+            for steps in range(limit + 1):
+                if node in ancestors:
+                    farthest = max(farthest, steps + ancestors[node])
+                    break
+                if node <= 0:
+                    return limit + 1
+                node = self.weights_of(node - 1)
+            else:
+                return limit + 1
+            if farthest > limit:
+                return limit + 1
+        return farthest

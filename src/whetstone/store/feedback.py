@@ -1,26 +1,36 @@
 """The feedback store: every response the servers gave users, and the feedback users gave on them.
 
 A real database through SQLAlchemy: a SQLite file by default, PostgreSQL by URL when many servers
-write. Two tables:
+write. Three tables:
 
     whetstone_responses   (response_id, choice) -> model, sampling, weight versions, prompt and
                           completion token ids, behavior logprobs, routes: what the trainer needs
     whetstone_feedback    seq (increasing, in the order events commit) -> (response_id, choice),
                           rating, score, created; unique per (response_id, choice)
+    whetstone_store       one row: the store's random id (given when its tables are created) and
+                          the newest event an online loop has read (`consume`)
 
 Uniqueness is the database's own constraint, so two servers accepting the same feedback at once
 cannot both succeed. A write returns only once committed: accepted feedback survives restarts.
-Old responses are deleted by the online loop once it has read their feedback (`prune`).
+Old responses are deleted by the online loop once it has read their feedback (`prune`). Event
+numbers mean something only in the database that gave them: a database recreated (or restored
+from an older copy) numbers its events anew, and its id (or newest number) tells the loop so.
+Times (`created`) are the database's clock (`now`), so servers and the loop on machines whose
+clocks disagree still agree on a response's age. Database failures raise `FeedbackStoreError`.
 """
 
 from __future__ import annotations
 
-import time
+import os
+import secrets
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
 from whetstone.errors import WhetstoneError
@@ -61,6 +71,23 @@ feedback = sa.Table(
     sa.UniqueConstraint("response_id", "choice", name="one_feedback_per_choice"),
 )
 
+identity = sa.Table(
+    "whetstone_store",
+    metadata,
+    sa.Column("key", sa.Integer, primary_key=True, autoincrement=False),  # always 1: one row
+    sa.Column("store_id", sa.String(32), nullable=False),
+    sa.Column("consumed", sa.Integer, nullable=False),
+)
+
+
+class FeedbackStoreError(WhetstoneError):
+    """The database failed (unreachable, locked past its timeout, corrupt...): names the store and
+    what was being done; `reason` is the database's own word, without SQL."""
+
+    def __init__(self, message: str, reason: str):
+        super().__init__(message)
+        self.reason = reason
+
 
 class UnknownResponse(WhetstoneError):
     """Feedback for a response (or choice) this store never recorded."""
@@ -89,6 +116,18 @@ class ResponseRecord:
     routes: dict[str, Any] | None
     """The server's compact routes (`encode_routes`), or None for a dense model."""
     created: float = 0.0
+
+
+@dataclass(frozen=True)
+class StoreMarks:
+    """Where a store stands: what the online loop checks its saved position against."""
+
+    store_id: str
+    """Random id given to the store when its tables were created: another id, another database."""
+    newest: int
+    """The newest event's number (0 if none)."""
+    consumed: int
+    """The newest event an online loop recorded reading (`consume`; 0 if none)."""
 
 
 @dataclass
@@ -136,6 +175,12 @@ def _create_tables(engine: sa.Engine) -> None:
 class FeedbackStore:
     def __init__(self, engine: sa.Engine):
         self.engine = engine
+        database = engine.url.database
+        self.path = (
+            Path(database) if engine.dialect.name == "sqlite" and database not in (None, "", ":memory:") else None
+        )
+        """The SQLite file, or None."""
+        self._file = self._file_now()
 
     @classmethod
     def open(cls, store: str) -> "FeedbackStore":
@@ -154,62 +199,123 @@ class FeedbackStore:
             if url.startswith("sqlite"):
                 sa.event.listen(engine, "connect", _sqlite_pragmas)
             _create_tables(engine)
+            with engine.begin() as db:
+                _identity_row(db)
         except (sa.exc.SQLAlchemyError, ImportError) as err:
-            raise WhetstoneError(f"cannot open the feedback store {_redacted(store)}: {err}") from None
+            reason = _reason(err)
+            raise FeedbackStoreError(f"cannot open the feedback store {_redacted(store)}: {reason}", reason) from None
         return cls(engine)
 
     def __repr__(self) -> str:
-        return f"FeedbackStore({self.engine.url.render_as_string(hide_password=True)})"
+        return f"FeedbackStore({self.name})"
+
+    @property
+    def name(self) -> str:
+        """The database's URL, without its password."""
+        return self.engine.url.render_as_string(hide_password=True)
 
     def close(self) -> None:
         self.engine.dispose()
 
+    @contextmanager
+    def failing_as(self, operation: str) -> Iterator[None]:
+        """Raise a database failure during `operation` as a FeedbackStoreError naming the store
+        and the operation (the database's reason, without the SQL and its parameters)."""
+        try:
+            yield
+        except sa.exc.SQLAlchemyError as err:
+            reason = _reason(err)
+            raise FeedbackStoreError(f"the feedback store {self.name}: {operation} failed: {reason}", reason) from None
+
+    def now(self) -> float:
+        """The database's clock, in seconds since the epoch (what `created` is stamped with)."""
+        with self.failing_as("reading the clock"), self.engine.connect() as db:
+            return float(db.execute(sa.select(_clock(db))).scalar())
+
     def record(self, records: list[ResponseRecord]) -> None:
-        """Keep the choices of a response (committed when this returns)."""
+        """Keep the choices of a response (committed when this returns), stamped with the
+        database's clock unless a record has its own `created`."""
         if not records:
             return
-        now = time.time()
-        rows = [{**vars(r), "created": r.created or now} for r in records]
-        with self.engine.begin() as db:
-            db.execute(responses.insert(), rows)
+        stamped = [vars(r) for r in records if r.created]
+        unstamped = [{k: v for k, v in vars(r).items() if k != "created"} for r in records if not r.created]
+        with self.failing_as("keeping a response"), self.engine.begin() as db:
+            if stamped:
+                db.execute(responses.insert(), stamped)
+            if unstamped:
+                db.execute(responses.insert().values(created=_clock(db)), unstamped)
 
     def add_feedback(self, response_id: str, choice: int, rating: str, score: float | None = None) -> int:
         """Record one rating; returns its sequence number. Raises UnknownResponse or DuplicateFeedback."""
-        try:
-            with self.engine.begin() as db:
-                if db.dialect.name == "postgresql":
-                    # One writer at a time, so events commit in `seq` order: the loop reads past the
-                    # newest committed event, and an event given a lower number that committed after
-                    # it would never be read. (SQLite's writers take turns by themselves.)
-                    db.execute(sa.text(f"LOCK TABLE {feedback.name} IN SHARE ROW EXCLUSIVE MODE"))
-                choices = (
-                    db.execute(sa.select(responses.c.choice).where(responses.c.response_id == response_id))
-                    .scalars()
-                    .all()
-                )
-                if not choices:
-                    raise UnknownResponse(
-                        f"no response {response_id!r} was recorded for feedback (unknown id, a "
-                        "request that is not kept: see feedback.record, or pruned as too old)"
+        refused = False
+        with self.failing_as("adding feedback"):
+            try:
+                with self.engine.begin() as db:
+                    if db.dialect.name == "postgresql":
+                        # One writer at a time, so events commit in `seq` order: the loop reads past
+                        # the newest committed event, and an event given a lower number that
+                        # committed after it would never be read. (SQLite's writers take turns.)
+                        db.execute(sa.text(f"LOCK TABLE {feedback.name} IN SHARE ROW EXCLUSIVE MODE"))
+                    choices = (
+                        db.execute(sa.select(responses.c.choice).where(responses.c.response_id == response_id))
+                        .scalars()
+                        .all()
                     )
-                if choice not in choices:
-                    raise UnknownResponse(f"response {response_id!r} has choices {sorted(choices)}, not {choice}")
-                result = db.execute(
-                    feedback.insert().values(
-                        response_id=response_id, choice=choice, rating=rating, score=score, created=time.time()
+                    if not choices:
+                        raise UnknownResponse(
+                            f"no response {response_id!r} was recorded for feedback (unknown id, a "
+                            "request that is not kept: see feedback.record, or pruned as too old)"
+                        )
+                    if choice not in choices:
+                        raise UnknownResponse(f"response {response_id!r} has choices {sorted(choices)}, not {choice}")
+                    result = db.execute(
+                        feedback.insert().values(
+                            response_id=response_id, choice=choice, rating=rating, score=score, created=_clock(db)
+                        )
                     )
-                )
-        except IntegrityError:
+            except IntegrityError:
+                refused = True
+        if refused:
             if self.response(response_id, choice) is None:  # the foreign key: pruned meanwhile
-                raise UnknownResponse(f"response {response_id!r} was pruned as too old") from None
-            raise DuplicateFeedback(f"choice {choice} of response {response_id!r} already has feedback") from None
+                raise UnknownResponse(f"response {response_id!r} was pruned as too old")
+            raise DuplicateFeedback(f"choice {choice} of response {response_id!r} already has feedback")
         return int(result.inserted_primary_key[0])
 
     def count_after(self, seq: int) -> int:
         """Feedback events newer than `seq`."""
-        with self.engine.connect() as db:
+        with self.failing_as("counting new feedback"), self.engine.connect() as db:
             return int(
                 db.execute(sa.select(sa.func.count()).select_from(feedback).where(feedback.c.seq > seq)).scalar()
+            )
+
+    def _file_now(self) -> tuple[int, int] | None:
+        """Which file is at `path` now (device, inode), None if none is."""
+        try:
+            stat = os.stat(self.path) if self.path is not None else None
+        except FileNotFoundError:
+            return None
+        return None if stat is None else (stat.st_dev, stat.st_ino)
+
+    def marks(self) -> StoreMarks:
+        """The store's id, its newest event number and the newest one a loop has read. A SQLite
+        file deleted or replaced since the store connected is read anew: open connections would
+        go on reading the old file."""
+        if self.path is not None and self._file_now() != self._file:
+            self.engine.dispose()
+            self._file = self._file_now()
+        with self.failing_as("reading its id and newest event"), self.engine.begin() as db:
+            store_id, consumed = _identity_row(db)
+            newest = db.execute(sa.select(sa.func.max(feedback.c.seq))).scalar() or 0
+        return StoreMarks(store_id, int(newest), int(consumed))
+
+    def consume(self, store_id: str, seq: int) -> None:
+        """Record that an online loop has read every event up to `seq` (only ever moves forward;
+        nothing if the store's id is not `store_id`): where a loop without a saved position starts."""
+        with self.failing_as("recording the events read"), self.engine.begin() as db:
+            db.execute(
+                identity.update()
+                .where(identity.c.key == 1, identity.c.store_id == store_id, identity.c.consumed < seq)
+                .values(consumed=seq)
             )
 
     def rated_after(self, seq: int, limit: int) -> list[RatedResponse]:
@@ -227,7 +333,7 @@ class FeedbackStore:
             .order_by(feedback.c.seq)
             .limit(limit)
         )
-        with self.engine.connect() as db:
+        with self.failing_as("reading new feedback"), self.engine.connect() as db:
             rows = db.execute(query).mappings().all()
         fields = [c.name for c in responses.c]
         return [
@@ -242,9 +348,9 @@ class FeedbackStore:
         ]
 
     def prune(self, before: float, consumed: int) -> tuple[int, int]:
-        """Delete the responses created before `before` (a time.time()) whose feedback, if any,
-        is at or before seq `consumed` (read by the online loop), with that feedback, in one
-        transaction. Returns (responses, feedback events) deleted.
+        """Delete the responses created before `before` (the database's clock: `now`) whose
+        feedback, if any, is at or before seq `consumed` (read by the online loop), with that
+        feedback, in one transaction. Returns (responses, feedback events) deleted.
 
         The newest feedback event stays, however old: SQLite numbers a new row max(seq) + 1, so
         deleting the newest would hand its seq out again, below the loop's cursor, and the loop
@@ -252,22 +358,17 @@ class FeedbackStore:
         same_choice = sa.and_(
             feedback.c.response_id == responses.c.response_id, feedback.c.choice == responses.c.choice
         )
-        try:
-            with self.engine.begin() as db:
-                newest = db.execute(sa.select(sa.func.max(feedback.c.seq))).scalar() or 0
-                read = feedback.c.seq <= min(consumed, newest - 1)
-                events = db.execute(
-                    feedback.delete().where(read, sa.exists().where(same_choice, responses.c.created < before))
-                )
-                rows = db.execute(
-                    responses.delete().where(responses.c.created < before, ~sa.exists().where(same_choice))
-                )
-        except sa.exc.SQLAlchemyError as err:
-            raise WhetstoneError(f"pruning {self!r} failed: {err}") from None
+        with self.failing_as("pruning"), self.engine.begin() as db:
+            newest = db.execute(sa.select(sa.func.max(feedback.c.seq))).scalar() or 0
+            read = feedback.c.seq <= min(consumed, newest - 1)
+            events = db.execute(
+                feedback.delete().where(read, sa.exists().where(same_choice, responses.c.created < before))
+            )
+            rows = db.execute(responses.delete().where(responses.c.created < before, ~sa.exists().where(same_choice)))
         return rows.rowcount, events.rowcount
 
     def response(self, response_id: str, choice: int = 0) -> ResponseRecord | None:
-        with self.engine.connect() as db:
+        with self.failing_as("reading a response"), self.engine.connect() as db:
             row = (
                 db.execute(
                     sa.select(responses).where(responses.c.response_id == response_id, responses.c.choice == choice)
@@ -276,6 +377,35 @@ class FeedbackStore:
                 .first()
             )
         return None if row is None else ResponseRecord(**row)
+
+
+def _clock(db: sa.Connection) -> sa.ColumnElement:
+    """The database's clock in seconds since the epoch, as SQL (one clock for every machine that
+    writes: PostgreSQL's server; SQLite's, whose writers share the file and so the machine)."""
+    if db.dialect.name == "postgresql":
+        return sa.cast(sa.extract("epoch", sa.func.clock_timestamp()), sa.Float)
+    return (sa.func.julianday("now") - 2440587.5) * 86400.0
+
+
+def _identity_row(db: sa.Connection) -> tuple[str, int]:
+    """The store's (id, consumed), giving it a new random id first if it has none. Servers open a
+    new store together: the row has a fixed key and the insert does nothing if it is there, so
+    all of them read the first one's id."""
+    select = sa.select(identity.c.store_id, identity.c.consumed).where(identity.c.key == 1)
+    row = db.execute(select).first()
+    if row is None:
+        insert = (postgresql.insert if db.dialect.name == "postgresql" else sqlite.insert)(identity)
+        row = {"key": 1, "store_id": secrets.token_hex(8), "consumed": 0}
+        db.execute(insert.values(row).on_conflict_do_nothing(index_elements=["key"]))
+        row = db.execute(select).one()
+    return row.store_id, row.consumed
+
+
+def _reason(err: BaseException) -> str:
+    """What the database said, without SQLAlchemy's SQL text and parameters."""
+    cause = getattr(err, "orig", None) or err
+    text = str(cause).strip().splitlines()
+    return text[0] if text else type(cause).__name__
 
 
 def _sqlite_pragmas(connection, _record) -> None:

@@ -61,6 +61,10 @@ class Manifest(BaseModel):
     base_manifest: str | None = None
     """Digest of the base version's manifest: a delta continues exactly that publish of its base
     (None for a full version, and in manifests written before digests)."""
+    republishes: int | None = None
+    """The earlier version whose weights this one publishes again (a rollback), itself never a
+    republish; None for weights of their own. Stored only when set, so other manifests keep
+    their bytes (and readers that do not know the field)."""
     _digest: str | None = PrivateAttr(None)
 
     @property
@@ -70,7 +74,8 @@ class Manifest(BaseModel):
 
     def stored_bytes(self) -> bytes:
         """The bytes the store holds for this manifest; remembers their digest."""
-        data = self.model_dump_json(indent=1).encode()
+        data = self.model_dump_json(indent=1, exclude=None if self.republishes is not None else {"republishes"})
+        data = data.encode()
         self._digest = manifest_digest(data)
         return data
 

@@ -141,12 +141,13 @@ class Publisher:
     def prepare(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return prepare_state(state, self.config.publish_dtype, self.tables)
 
-    def publish(self, state: dict[str, torch.Tensor], full: bool = False) -> Manifest:
+    def publish(self, state: dict[str, torch.Tensor], full: bool = False, republishes: int | None = None) -> Manifest:
         """Publish `state` as the next version (a full one if `full`, or if the policy says so).
-        `VersionExistsError` if another publisher created that version first. When it fails
-        (that, or a store error) nothing of this attempt stays in the store, and the publisher is
-        as before the call."""
-        return self._publish_prepared(self.prepare(state), full, time.perf_counter())
+        `republishes`: the earlier version whose weights `state` is (a rollback; the manifest
+        says so). `VersionExistsError` if another publisher created that version first. When it
+        fails (that, or a store error) nothing of this attempt stays in the store, and the
+        publisher is as before the call."""
+        return self._publish_prepared(self.prepare(state), full, time.perf_counter(), republishes)
 
     def publish_later(self, state: dict[str, torch.Tensor], full: bool = False) -> Future[Published]:
         """`publish`, with `state` copied now (the caller may go on changing it) and everything
@@ -169,7 +170,9 @@ class Publisher:
             self._background.shutdown(wait=True)
             self._background = None
 
-    def _publish_prepared(self, new: dict[str, torch.Tensor], full: bool, started: float) -> Manifest:
+    def _publish_prepared(
+        self, new: dict[str, torch.Tensor], full: bool, started: float, republishes: int | None = None
+    ) -> Manifest:
         self.store.finish_withdrawal()  # one whose process died: the versions it lists must not be built on
         if self._previous_manifest is not None and not self._still_published(self._previous_manifest):
             self._forget_withdrawn()
@@ -213,6 +216,7 @@ class Publisher:
                 changed=sum(changed for _, changed in results),
                 chain_bytes=0 if keyframe else previous.chain_bytes + encoded,
                 base_manifest=None if keyframe else previous.digest,
+                republishes=republishes,
             )
             # the base again, right before the version is created: a repair may have withdrawn it meanwhile
             withdrawn = not keyframe and not self._still_published(previous)
@@ -225,7 +229,7 @@ class Publisher:
         if withdrawn:
             self._delete_attempt(version, attempt)
             self._forget_withdrawn()
-            return self._publish_prepared(new, full, started)
+            return self._publish_prepared(new, full, started, republishes)
         if keyframe:
             self._keyframe_bytes = encoded
         elif not self._still_published(previous):  # withdrawn as this version was created: no chain to extend
