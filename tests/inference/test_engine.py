@@ -176,24 +176,40 @@ def test_a_fast_engine_serves_column_major_weights_and_an_invariant_one_the_trai
     assert all(p.is_contiguous() for p in invariant.model.parameters())
 
 
-def test_a_failed_prefill_fails_every_sequence_admitted_with_it(model):
+def run_until_finished(engine, seqs):
+    with torch.inference_mode():
+        while not all(seq.finished for seq in seqs):
+            engine.step()
+
+
+def same_generation(seq, reference):
+    """`seq` generated exactly what `reference` did (tokens, routes; logprobs to float noise)."""
+    assert seq.error is None and seq.finish_reason == reference.finish_reason
+    assert seq.output_ids == reference.output_ids
+    assert torch.equal(seq.routes, reference.routes)
+    assert seq.logprobs == pytest.approx(reference.logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_a_prefill_that_raises_is_retried_and_fails_its_sequences_if_it_raises_again(model, times):
     """The scheduler takes admitted sequences off its queues before their prefill; when it raises
-    (a GPU out of memory), those not started yet must fail too, not wait for ever."""
-    engine = make_engine(model)
-    prefill, calls = engine._prefill, []
-
-    def out_of_memory_once(group):
-        calls.append(group)
-        if len(calls) == 1:
-            raise RuntimeError("out of memory")
-        prefill(group)
-
-    engine._prefill = out_of_memory_once
+    (a GPU out of memory) they go back to their queues, and fail only if the retry raises too."""
     base = prompts(30)[0]
     # the longer one is prefilled first; the other copies its prefix from it after
     longer = Sequence("longer", base + [40, 41], SamplingParams(max_tokens=4, seed=0))
     shorter = Sequence("shorter", base, SamplingParams(max_tokens=4, seed=1))
     later = Sequence("later", prompts(6)[0], SamplingParams(max_tokens=4, seed=2))
+    references = make_engine(model).generate([longer.prompt_ids, shorter.prompt_ids], [longer.params, shorter.params])
+    engine = make_engine(model)
+    prefill, calls = engine._prefill, []
+
+    def out_of_memory(group):
+        calls.append(group)
+        if len(calls) <= times:
+            raise RuntimeError("out of memory")
+        prefill(group)
+
+    engine._prefill = out_of_memory
     engine.add(longer)
     engine.add(shorter)
     engine.start()
@@ -203,11 +219,134 @@ def test_a_failed_prefill_fails_every_sequence_admitted_with_it(model):
         wait_until(lambda: later.finished, timeout=10)
     finally:
         engine.stop()
-    assert calls[0] == [longer]
-    for seq in (longer, shorter):
-        assert seq.error == "RuntimeError: out of memory" and seq.finish_reason == "abort" and seq.slot is None
+    assert calls[0] == [longer] and calls[1] == [longer]
+    if times == 1:
+        for seq, reference in zip((longer, shorter), references):
+            same_generation(seq, reference)
+        assert engine.stats.requests_total["error"] == 0
+    else:
+        for seq in (longer, shorter):
+            assert seq.error == "RuntimeError: out of memory (the engine's step failed 2 times in a row)"
+            assert seq.finish_reason == "abort" and seq.slot is None and not seq.output_ids
+        assert engine.stats.requests_total["error"] == 2
     assert later.error is None and len(later.output_ids) == 4
-    assert engine.stats.requests_total["error"] == 2 and not engine.scheduler.has_work
+    assert not engine.scheduler.has_work
+
+
+class FaultyDecode:
+    """The engine's decoder, raising `error` on the calls numbered in `fail_at` (1 = the first)."""
+
+    def __init__(self, decoder, fail_at: set[int], error: Exception):
+        self.decoder, self.fail_at, self.error, self.calls = decoder, fail_at, error, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        if self.calls in self.fail_at:
+            raise self.error
+        return self.decoder(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.decoder, name)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_batched_forward_that_raises_once_costs_its_sequences_nothing_and_twice_fails_them(model, overlap):
+    params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i) for i in range(3)]
+    references = make_engine(model, overlap=overlap).generate(prompts(5, 9, 7), params)
+
+    def run(fail_at):
+        engine = make_engine(model, overlap=overlap)
+        engine.decoder = FaultyDecode(engine.decoder, fail_at, RuntimeError("CUDA out of memory"))
+        seqs = [Sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(5, 9, 7), params))]
+        for seq in seqs:
+            engine.add(seq)
+        run_until_finished(engine, seqs)
+        return engine, seqs
+
+    for fail_at in (1, 4):  # the step that admitted them (their prefill's routes on their way), a later one
+        engine, seqs = run({fail_at})
+        for seq, reference in zip(seqs, references):
+            same_generation(seq, reference)  # requeued, recomputed, resumed: nothing lost or drawn twice
+            assert seq.preemptions == 1
+        assert engine.stats.requests_total["error"] == 0 and not engine.scheduler.has_work
+
+    engine, seqs = run({4, 5})  # the retry's first decode raises too
+    for seq, reference in zip(seqs, references):
+        assert seq.error == "RuntimeError: CUDA out of memory (the engine's step failed 2 times in a row)"
+        # the tokens read back before it: three steps' (one step at a time) or two (the third pending)
+        assert seq.finish_reason == "abort" and seq.output_ids == reference.output_ids[: 2 if overlap else 3]
+    assert engine.stats.requests_total["error"] == 3 and not engine.scheduler.has_work
+    [later] = engine.generate(prompts(5), params[0])  # the engine serves on
+    same_generation(later, references[0])
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("fault", ["stop check", "stream callback", "sampling parameters"])
+def test_a_sequence_whose_own_host_code_raises_fails_alone(model, monkeypatch, fault, overlap):
+    """Its stop check, its stream callback or its sampling parameters raise: it fails, and the
+    sequences beside it in the batch generate what they would have alone."""
+    params = SamplingParams(max_tokens=12, temperature=1.0, seed=11)
+    [alone] = make_engine(model, overlap=overlap).generate(prompts(9), params)
+    engine = make_engine(model, overlap=overlap)
+    innocent = Sequence("innocent", prompts(9)[0], params, stream=True, on_event=lambda progress: None)
+    bad_params = SamplingParams(max_tokens=12, seed=3)
+    error = ValueError("injected")
+
+    def on_event(progress):
+        if fault == "stream callback" and progress.num_output == 3:
+            raise error
+
+    culprit = Sequence("culprit", prompts(6, seed=1)[0], bad_params, stream=True, on_event=on_event)
+    if fault == "stop check":
+        stop_reason = engine._stop_reason
+
+        def raising(seq, token):
+            if seq is culprit and len(seq.output_ids) == 3:
+                raise error
+            return stop_reason(seq, token)
+
+        engine._stop_reason = raising
+    elif fault == "sampling parameters":
+        import whetstone.inference.engine as engine_module
+
+        sample = engine_module.sample
+
+        def raising(logits, params, seeds, counters):
+            if any(p is bad_params for p in params) and counters[params.index(bad_params)] == 3:
+                raise error
+            return sample(logits, params, seeds, counters)
+
+        monkeypatch.setattr(engine_module, "sample", raising)
+    engine.add(innocent)
+    engine.add(culprit)
+    run_until_finished(engine, [innocent, culprit])
+    assert culprit.error == "ValueError: injected" and culprit.finish_reason == "abort" and culprit.slot is None
+    # the tokens read back before it (drawing token 3 raised: running ahead, token 2 was pending)
+    assert len(culprit.output_ids) == (2 if fault == "sampling parameters" and overlap else 3)
+    same_generation(innocent, alone)
+    assert innocent.preemptions == 0  # kept its slot
+    assert engine.stats.requests_total["error"] == 1 and engine.stats.requests_total["length"] == 1
+    assert not engine.scheduler.has_work
+
+
+def test_aborted_queued_sequences_leave_the_queue_gauges_at_once(model):
+    engine = make_engine(model, max_batch=2)
+    seqs = [Sequence(f"s{i}", p, SamplingParams(max_tokens=3, seed=i)) for i, p in enumerate(prompts(*range(3, 9)))]
+    for seq in seqs:
+        engine.add(seq)
+    with torch.inference_mode():
+        engine.step()
+        assert (engine.stats.running, engine.stats.waiting_interactive) == (2, 4)
+        for seq in (seqs[2], seqs[5], seqs[0]):  # the queue's first and last, and a running one
+            engine.abort(seq)
+        engine.step()
+        assert (engine.stats.running, engine.stats.waiting_interactive) == (2, 1)  # s1 and s3 run, s4 waits
+        assert [seq.finish_reason for seq in (seqs[0], seqs[2], seqs[5])] == ["abort"] * 3
+        assert [seq.slot for seq in seqs[1:5]] == [0, None, 1, None]
+    run_until_finished(engine, seqs)
+    assert [len(seq.output_ids) for seq in seqs] == [1, 3, 0, 3, 3, 0]
+    assert engine.stats.requests_total["abort"] == 3 and engine.stats.requests_total["length"] == 3
+    assert (engine.stats.running, engine.stats.waiting_interactive) == (0, 0)
 
 
 def test_a_top_k_beyond_the_vocabulary_keeps_every_token(model):

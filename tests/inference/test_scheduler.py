@@ -1,3 +1,7 @@
+import sys
+
+import pytest
+
 from whetstone.inference.sampling import SamplingParams
 from whetstone.inference.scheduler import Scheduler
 from whetstone.inference.sequence import Sequence
@@ -34,7 +38,7 @@ def test_a_waiting_user_preempts_the_cheapest_batch_sequence_which_resumes_first
     scheduler.add(seq("user", "interactive"))
     scheduler.add(seq("later", "batch"))
     assert run(scheduler, scheduler.plan()) == (["user"], ["short"])
-    short = scheduler.waiting["batch"][0]
+    short = scheduler.waiting["batch"].head
     assert short.request_id == "short" and len(short.output_ids) == 5 and short.preemptions == 1
     scheduler.running.remove(scheduler.running[0])  # "long" finishes
     assert run(scheduler, scheduler.plan()) == (["short"], [])
@@ -119,3 +123,71 @@ def test_among_equally_cheap_batch_sequences_the_earliest_running_is_preempted()
     run(scheduler, scheduler.plan())
     scheduler.add(seq("user", "interactive"))
     assert run(scheduler, scheduler.plan()) == (["user"], ["first"])
+
+
+def lines_run(action) -> int:
+    """How many lines of Python `action()` runs (its cost, counted, not timed)."""
+    count = 0
+
+    def trace(frame, event, arg):
+        nonlocal count
+        count += event == "line"
+        return trace
+
+    sys.settrace(trace)
+    try:
+        action()
+    finally:
+        sys.settrace(None)
+    return count
+
+
+def test_aborting_queued_sequences_costs_the_same_however_long_the_queue(monkeypatch):
+    """An abort is O(1): no comparison of sequences, and the same work behind 256 or 8,192 others
+    (a walk of the queue per abort stalled every running sequence for seconds)."""
+    compared = []
+    monkeypatch.setattr(Sequence, "__eq__", lambda a, b: compared.append(1) or a is b, raising=False)
+    lines = {}
+    for queued in (256, 8192):
+        scheduler = Scheduler(max_batch=2, prefill_tokens_per_step=100)
+        seqs = [seq(f"s{i}", "batch") for i in range(queued + 256)]
+        for s in seqs:
+            scheduler.add(s)
+        leaving = seqs[-256:]  # the newest request leaves: its sequences are at the back
+        lines[queued] = lines_run(
+            lambda scheduler=scheduler, leaving=leaving: [scheduler.remove_waiting(s) for s in leaving]
+        )
+        assert len(scheduler.waiting["batch"]) == queued
+    assert not compared
+    assert lines[8192] == lines[256]
+
+
+def test_removed_sequences_leave_counts_order_and_admissions_at_once():
+    scheduler = Scheduler(max_batch=2, prefill_tokens_per_step=100)
+    seqs = {name: seq(name, "batch") for name in ("a", "b", "c", "d", "e")}
+    for s in seqs.values():
+        scheduler.add(s)
+    user = seq("user", "interactive")
+    scheduler.add(user)
+    for name in ("a", "c", "e"):
+        assert scheduler.remove_waiting(seqs[name])
+    assert scheduler.remove_waiting(user) and not scheduler.remove_waiting(user)
+    assert not scheduler.remove_waiting(seq("never", "batch"))
+    assert (len(scheduler.waiting["batch"]), len(scheduler.waiting["interactive"])) == (2, 0)
+    assert [s.request_id for s in scheduler.waiting["batch"]] == ["b", "d"]
+    assert run(scheduler, scheduler.plan()) == (["b", "d"], [])
+    assert not any(scheduler.waiting.values()) and scheduler.waiting["batch"].head is None
+
+
+def test_a_wait_queue_drops_removed_entries_before_they_outnumber_queued_ones():
+    queue = Scheduler(max_batch=1, prefill_tokens_per_step=1).waiting["batch"]
+    seqs = [seq(f"s{i}", "batch") for i in range(1000)]
+    for s in seqs:
+        queue.append(s)
+    for s in seqs[:-10:-1] + seqs[1:-9]:  # all but the first, from the back and then from the front
+        queue.remove(s)
+        assert len(queue._entries) <= 2 * len(queue) + 1
+    assert list(queue) == [seqs[0]] and queue.popleft() is seqs[0] and not queue
+    with pytest.raises(ValueError, match="sequence 's1' is queued already"):
+        queue.append(seqs[1])
+        queue.appendleft(seqs[1])

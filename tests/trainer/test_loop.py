@@ -79,11 +79,11 @@ def test_a_steps_version_is_published_while_the_next_step_trains(tmp_path, tiny_
         began[next(calls)].set()
         return real_train_step(*args, **kwargs)
 
-    def publish(self, new, full, started):
+    def publish(self, new, full, started, *rest):
         version = self._previous_manifest.version + 1 if self._previous_manifest else 0
         if 1 <= version <= 2:  # version n + 1 comes from step n: wait for step n + 1
             saw_next_step[version] = began[version].wait(timeout=60)
-        return real_publish(self, new, full, started)
+        return real_publish(self, new, full, started, *rest)
 
     monkeypatch.setattr(loop, "train_step", train_step)
     monkeypatch.setattr(Publisher, "_publish_prepared", publish)
@@ -115,10 +115,10 @@ def test_a_failed_background_publish_fails_the_trainer_and_still_records_the_ste
     put_batches(tmp_path / "batches", batches[:3])
     real_publish = Publisher._publish_prepared
 
-    def publish(self, new, full, started):
+    def publish(self, new, full, started, *rest):
         if self._previous_manifest is not None and self._previous_manifest.version == 1:
             raise OSError("the weight store's disk is full")
-        return real_publish(self, new, full, started)
+        return real_publish(self, new, full, started, *rest)
 
     monkeypatch.setattr(Publisher, "_publish_prepared", publish)
     with pytest.raises(OSError, match="disk is full"):

@@ -31,6 +31,11 @@ On CUDA the engine runs one decode step ahead (`EngineConfig.overlap_steps`): st
 launched, fed step n's draws on the device, before step n is read back, so the GPU computes while
 the host hands out tokens and schedules. A sequence leaving its slot drops the step pending for
 it (`_drop_pending`); docs/inference.md has the rules.
+
+A failure ends as little as it can. One in a sequence's own host code (its stop checks and text,
+its callback, its sampling parameters) fails that sequence alone. One in the batch's work (a
+forward out of memory) costs the sequences it hit nothing but time: they go back to their queues
+as preempted ones do and are recomputed; if the next step fails too, they fail (`_recover`).
 """
 
 from __future__ import annotations
@@ -61,6 +66,9 @@ from whetstone.utils.device import autocast, on_device, resolve_device
 from whetstone.utils.transfer import tensor_to_device, to_device
 
 log = logging.getLogger(__name__)
+
+FAIL_AFTER_STEPS = 2
+"""Consecutive failed steps after which the sequences a step ran fail instead of being requeued."""
 
 
 def kv_cache_dtype(config: EngineConfig, weights: torch.dtype, device: torch.device) -> torch.dtype:
@@ -148,6 +156,10 @@ class Engine:
             )
         else:
             self.decoder = DynamicDecode(self._forward, self.cache, bool(cfg.num_moe_layers))
+        self._admitting: list[Sequence] = []
+        """The sequences being admitted (until their prefill is done): taken back if it raises."""
+        self._failed_steps = 0
+        """Consecutive steps whose batched work raised (`_recover`)."""
         self._tensors = serving_tensors(model)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._updates: deque[PreparedUpdate] = deque()
@@ -219,12 +231,7 @@ class Engine:
     def _loop(self) -> None:
         with torch.inference_mode(), on_device(self.device):
             while not self._stopping:
-                try:
-                    busy = self.step()
-                except Exception as err:  # a bug must not take the server down: fail what ran
-                    log.exception("engine step failed")
-                    self._fail_running(failure(err))
-                    busy = True
+                busy = self.step()
                 if not busy:
                     self._wake.wait()
                     self._wake.clear()
@@ -234,6 +241,7 @@ class Engine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], priority: Priority = "batch"
     ) -> list[Sequence]:
+        """Generate from `prompts` in this thread; raises `WhetstoneError` if any sequence failed."""
         if self._thread is not None:
             raise RuntimeError("generate() drives the engine itself; do not call it while start()ed")
         params = params if isinstance(params, list) else [params] * len(prompts)
@@ -243,26 +251,37 @@ class Engine:
         with torch.inference_mode(), on_device(self.device):
             while not all(seq.finished for seq in seqs):
                 self.step()
+        failed = [seq for seq in seqs if seq.error]
+        if failed:
+            raise WhetstoneError(
+                f"{len(failed)} of {len(seqs)} sequences failed; {failed[0].request_id}: {failed[0].error}"
+            )
         return seqs
 
     # ---- the engine thread --------------------------------------------------------------------
 
     def step(self) -> bool:
-        """One scheduling round and one decode step; returns whether there is work left."""
-        self._take_inbox()
-        self._apply_updates()
-        plan = self.scheduler.plan()
-        for seq in plan.preempt:
-            self._drop_pending(seq)
-            self._release(seq)
-            seq.preempt()
-            self.scheduler.requeue(seq)
-            self.stats.preemptions_total += 1
-        if plan.admit:
-            self._admit(plan.admit)
-        if self.scheduler.running or self._launched is not None:
-            self._decode()
-        self._apply_routes()  # nothing decoded after an admission: wait for the copies here
+        """One scheduling round and one decode step; returns whether there is work left. Does not
+        raise: a failure fails or requeues the sequences it hit (`_recover`)."""
+        try:
+            self._take_inbox()
+            self._apply_updates()
+            plan = self.scheduler.plan()
+            for seq in plan.preempt:
+                self._drop_pending(seq)
+                self._release(seq)
+                seq.preempt()
+                self.scheduler.requeue(seq)
+                self.stats.preemptions_total += 1
+            if plan.admit:
+                self._admit(plan.admit)
+            if self.scheduler.running or self._launched is not None:
+                self._decode()
+            self._apply_routes()  # nothing decoded after an admission: wait for the copies here
+            if plan.admit or self.scheduler.running:
+                self._failed_steps = 0
+        except Exception as err:  # neither a bug nor the device may take the server down
+            self._recover(err)
         stats, waiting = self.stats, self.scheduler.waiting
         stats.running = len(self.scheduler.running)
         stats.waiting_interactive, stats.waiting_batch = len(waiting["interactive"]), len(waiting["batch"])
@@ -307,16 +326,12 @@ class Engine:
     def _admit(self, seqs: list[Sequence]) -> None:
         """Start the sequences the scheduler admitted (`_start_all`) and count their prompts.
 
-        The scheduler has taken `seqs` off its queues: if starting them fails (a prefill out of
-        memory, say), those that did not start are failed here with its error, as the step's
-        caller fails the running ones; else they would be in no queue and never finish."""
-        try:
-            self._start_all(seqs)
-        except Exception as err:
-            for seq in seqs:
-                if seq.slot is None and not seq.finished:
-                    self._fail(seq, failure(err))
-            raise
+        The scheduler has taken `seqs` off its queues: if starting them raises (a prefill out of
+        memory, say), `_recover` takes them all back (`_admitting`); else they would be in no
+        queue and never finish."""
+        self._admitting = seqs
+        self._start_all(seqs)
+        self._admitting = []
         self.stats.prompt_tokens_total += sum(s.num_tokens for s in seqs if not s.preemptions)
         if self._routes_pending and self.device.type == "cuda":  # the prefills' route copies end here
             self._routes_copied = torch.cuda.Event()
@@ -545,8 +560,7 @@ class Engine:
         fed = None if routes is None else routes.to(torch.int16).to("cpu", non_blocking=True)
         params = [seq.params for seq in seqs]
         counters = [len(seq.output_ids) + seq.pending for seq in seqs]
-        with numerics(self.config.numerics):  # the trainer's log-softmax, under invariant numerics
-            drawn = sample(logits, params, [seq.seed for seq in seqs], counters)
+        drawn = self._sample(logits, seqs, counters)
         launched = Launched(
             seqs, [seq.launches for seq in seqs], [pos for _, pos in rows], self.version, drawn, fed,
             drawn.read_later(params),
@@ -556,6 +570,26 @@ class Engine:
             seq.pending += 1
         self.stats.decode_steps_total += 1
         return launched
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence], counters: list[int]) -> Drawn:
+        """`sample` the step's rows. If it raises, each row is sampled alone to find the sequences
+        whose parameters raise (`SequencesFailed`); none: the batch's failure, raised as it is."""
+        params, seeds = [seq.params for seq in seqs], [seq.seed for seq in seqs]
+        with numerics(self.config.numerics):  # the trainer's log-softmax, under invariant numerics
+            try:
+                return sample(logits, params, seeds, counters)
+            except Exception as err:
+                culprits = []
+                for row, seq in enumerate(seqs):
+                    try:
+                        sample(
+                            logits[row : row + 1], params[row : row + 1], seeds[row : row + 1], counters[row : row + 1]
+                        )
+                    except Exception:
+                        culprits.append(seq)
+                if not culprits:
+                    raise
+                raise SequencesFailed(culprits) from err
 
     def _take(self, launched: Launched) -> None:
         """Read `launched`'s draws back (waiting for that step only) and hand each token to its
@@ -569,7 +603,7 @@ class Engine:
             every = len(live) == len(launched.seqs)
             self.routes[slots, positions] = launched.routes if every else launched.routes[live]
         self.stats.record_tokens(len(live))
-        finished = []
+        finished, failed = [], []
         for row in live:
             seq, token = launched.seqs[row], result.tokens[row]
             seq.pending -= 1
@@ -578,13 +612,19 @@ class Engine:
             seq.versions.append(launched.version)
             if seq.params.top_logprobs:
                 seq.top_logprobs.append(result.top[row])
-            reason = self._stop_reason(seq, token)
+            try:  # the sequence's own host code: what raises there is its failure alone
+                reason = self._stop_reason(seq, token)
+                if reason is None and seq.stream:
+                    seq.notify()
+            except Exception as err:
+                failed.append((seq, err))
+                continue
             if reason is not None:
                 finished.append((seq, reason))
-            elif seq.stream:
-                seq.notify()
         for seq, reason in finished:
             self._finish(seq, reason)
+        for seq, err in failed:
+            self._fail_alone(seq, err)
 
     def _drop_pending(self, seq: Sequence) -> None:
         """Forget the steps launched for `seq` whose tokens are not read back (it is leaving its
@@ -622,14 +662,18 @@ class Engine:
         if seq.slot is not None:
             self._keep(seq)
             self._release(seq)
-        seq.finish_reason = reason
         if seq.text is not None:
-            if not (seq.stream or seq.params.stop):
-                ended_on_stop_token = reason == "stop" and seq.output_ids
-                seq.text.push(seq.output_ids[:-1] if ended_on_stop_token else seq.output_ids)
-            seq.text.finish()
+            try:
+                if not (seq.stream or seq.params.stop):
+                    ended_on_stop_token = reason == "stop" and seq.output_ids
+                    seq.text.push(seq.output_ids[:-1] if ended_on_stop_token else seq.output_ids)
+                seq.text.finish()
+            except Exception as err:
+                self._fail_alone(seq, err)
+                return
+        seq.finish_reason = reason
         self.stats.requests_total[reason] += 1
-        seq.notify()
+        self._notify_last(seq)
 
     def _keep(self, seq: Sequence) -> None:
         """Copy a finishing sequence's cache into a spare slot (the least recently used one if
@@ -659,20 +703,96 @@ class Engine:
             running[slot] = last
         seq.slot = seq.weights_epoch = None
 
-    def _fail_running(self, message: str) -> None:
+    def _recover(self, err: Exception) -> None:
+        """Put the engine back in order after a step raised `err`, ending as little as it can.
+
+        The step in flight is dropped (its tokens are drawn again) and the sequences being
+        admitted are taken back. `SequencesFailed` (a sequence's own parameters): those fail
+        alone, the others keep their slots. Else the batch's work failed (a forward out of memory,
+        say): the sequences it ran (running and admitted) keep their tokens and go back to the
+        front of their queues, as preempted ones do, to be recomputed; if the step before failed
+        too, they fail instead (a failure that repeats would requeue them for ever)."""
+        admitted, self._admitting = self._admitting, []
+        running = self.scheduler.running
+        self._launched = None
+        try:
+            if admitted:  # their slots are the last ones; their prefill's routes are left unused
+                del running[min((seq.slot for seq in admitted if seq.slot is not None), default=len(running)) :]
+                self._routes_pending.clear()
+                self._routes_copied = None
+                for seq in admitted:
+                    seq.slot = seq.weights_epoch = None
+                    seq.num_cached = 0
+            for seq in running:
+                self._drop_pending(seq)
+            self._apply_routes()  # the routes of an admission that completed: released sequences keep them
+        except Exception:
+            log.exception("engine step failed, and so did putting it back in order")
+            self._fail_running(failure(err), admitted)
+            return
+        if isinstance(err, SequencesFailed):
+            for seq in reversed(admitted):
+                self.scheduler.requeue(seq)
+            for seq in err.seqs:
+                self._fail_alone(seq, err.__cause__)
+            return
+        self._failed_steps += 1
+        if self._failed_steps >= FAIL_AFTER_STEPS:
+            log.error(
+                "engine step failed (%d in a row): failing the sequences it ran", self._failed_steps, exc_info=err
+            )
+            self._fail_running(
+                f"{failure(err)} (the engine's step failed {self._failed_steps} times in a row)", admitted
+            )
+            return
+        log.error("engine step failed: requeueing the sequences it ran", exc_info=err)
+        for seq in reversed(admitted):
+            self.scheduler.requeue(seq)
+        for seq in reversed(list(running)):  # the last one first: no slot to move
+            self._release(seq)
+            seq.preempt()
+            self.scheduler.requeue(seq)
+
+    def _fail_running(self, message: str, admitted: list[Sequence]) -> None:
+        """Fail the running sequences and `admitted` (out of slots and queues) with `message`."""
         self._routes_pending.clear()  # the failed step's: the sequences they were for end here
         self._routes_copied = self._launched = None
-        for seq in list(self.scheduler.running):
+        for seq in reversed(list(self.scheduler.running)):
             self._drop_pending(seq)
             self._release(seq)
             self._fail(seq, message)
+        for seq in admitted:
+            self._fail(seq, message)
+
+    def _fail_alone(self, seq: Sequence, err: Exception) -> None:
+        """Fail `seq`, whose own host code raised `err`; the other sequences carry on."""
+        log.error("sequence %s failed", seq.request_id, exc_info=err)
+        self._drop_pending(seq)
+        if seq.slot is not None:
+            self._release(seq)
+        self._fail(seq, failure(err))
 
     def _fail(self, seq: Sequence, message: str) -> None:
         """End `seq` (out of its slot and queues) with the engine's error: its request answers 500."""
         seq.error = message
         self.stats.requests_total["error"] += 1
         seq.finish_reason = "abort"
-        seq.notify()
+        self._notify_last(seq)
+
+    def _notify_last(self, seq: Sequence) -> None:
+        """Tell `seq`'s callback it ended; one that raises is logged (the sequence is over)."""
+        try:
+            seq.notify()
+        except Exception:
+            log.exception("sequence %s: its callback raised on its last event", seq.request_id)
+
+
+class SequencesFailed(Exception):
+    """The step failed in code of `seqs` alone (their sampling parameters); `__cause__` is why."""
+
+    def __init__(self, seqs: list[Sequence]):
+        super().__init__(", ".join(seq.request_id for seq in seqs))
+        self.seqs = seqs
 
 
 @dataclass

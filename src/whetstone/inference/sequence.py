@@ -24,8 +24,11 @@ Priority = Literal["interactive", "batch"]
 FinishReason = Literal["stop", "length", "abort"]
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
+    """Compared and hashed by identity (each is one generation, whatever its fields hold): the
+    scheduler finds a queued one in O(1), never by comparing fields."""
+
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
