@@ -1,33 +1,46 @@
-"""What one request may cost the server: its body is bounded (413 before it is read), a text
-that cannot fit the context is refused without tokenizing it, and parsing and tokenizing run
-off the event loop, so /health answers while a big prompt is being tokenized. Plus the request
-log, a busy port, and non-finite sampling values. A real uvicorn on a real socket, the real
-engine, and the served model's own tokenizer (wrapped to count and hold its calls)."""
+"""What one request may cost the server: its body is bounded (413 before it is read) and must
+arrive in time (408), a text that cannot fit the context is refused without tokenizing it, and
+parsing and tokenizing run off the event loop, so /health answers while a big prompt is being
+tokenized. What many may cost: the engine's queue is bounded (429 with Retry-After, which the
+harness's HTTP policy waits out), and so are the connections served at once (503). A client
+that leaves costs no more generation and no error log (499). Plus the request log, a busy port,
+and non-finite sampling values. A real uvicorn on a real socket, the real engine, and the served
+model's own tokenizer (wrapped to count and hold its calls)."""
 
 from __future__ import annotations
 
+import asyncio
 import http.client
 import json
 import logging
+import re
 import socket
 import subprocess
 import sys
+import textwrap
 import threading
+import time
+from contextlib import contextmanager
 from urllib.parse import urlsplit
 
 import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.inference.inference_fixtures import GREETING
+from tests.inference.inference_fixtures import GREETING, wait_until
 from tests.online.online_fixtures import running_server
+from whetstone.envs.harness import EndpointConfig, HttpPolicy, Sampling
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.inference.engine import Engine
+from whetstone.inference.launch import uvicorn_config
 from whetstone.inference.server import create_app
 from whetstone.model.hf import load_hf
 from whetstone.tokenizer import Tokenizer
+from whetstone.utils.processes import free_port
 
 LIMIT = 64 * 1024
+BODY_TIMEOUT_S = 2.0
+QUEUE_BOUND = 4
 HOLD = "HOLD "
 """Texts starting with this wait in `encode` until the test releases them."""
 
@@ -52,8 +65,8 @@ class HeldTokenizer:
         return getattr(self.tokenizer, name)
 
 
-def app_for(folder, tokenizer, **config):
-    engine_config = EngineConfig(max_batch=4, context_limit=512)
+def app_for(folder, tokenizer, max_batch: int = 4, **config):
+    engine_config = EngineConfig(max_batch=max_batch, context_limit=512)
     engine = Engine(
         load_hf(folder),
         engine_config,
@@ -71,12 +84,59 @@ def held(served_model_dir):
 
 @pytest.fixture(scope="module")
 def url(served_model_dir, held):
-    with running_server(app_for(served_model_dir, held, max_request_bytes=LIMIT)) as api:
+    app = app_for(served_model_dir, held, max_request_bytes=LIMIT, body_timeout_s=BODY_TIMEOUT_S)
+    with running_server(app) as api:
+        yield api.removesuffix("/v1")
+
+
+@pytest.fixture(scope="module")
+def bounded(served_model_dir, held):
+    """A server decoding one sequence at a time, with at most QUEUE_BOUND waiting."""
+    with running_server(app_for(served_model_dir, held, max_batch=1, max_waiting_sequences=QUEUE_BOUND)) as api:
         yield api.removesuffix("/v1")
 
 
 def completion(url, **body):
     return httpx.post(f"{url}/v1/completions", json={"model": "tiny-chat", "max_tokens": 4} | body, timeout=60)
+
+
+def metrics(url) -> dict[str, float]:
+    """/metrics as {name{labels}: value}, without the model label."""
+    samples = {}
+    for line in httpx.get(f"{url}/metrics", timeout=30).text.splitlines():
+        if line.startswith("whetstone_"):
+            name, value = line.rsplit(" ", 1)
+            name = re.sub(r'model="[^"]*",?', "", name.removeprefix("whetstone_")).removesuffix("{}")
+            samples[name] = float(value)
+    return samples
+
+
+ABORTED = 'requests_total{reason="abort"}'
+
+
+def idle(url) -> bool:
+    now = metrics(url)
+    return now["running_sequences"] == 0 and now['queue_depth{priority="interactive"}'] == 0
+
+
+def request_on_a_socket(url, body: dict, route: str = "/v1/completions") -> socket.socket:
+    """Send a whole request on a socket of its own and return it unread: closing it is the
+    client leaving."""
+    address = urlsplit(url)
+    raw = json.dumps({"model": "tiny-chat"} | body).encode()
+    sock = socket.create_connection((address.hostname, address.port), timeout=30)
+    head = f"POST {route} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(raw)}\r\n\r\n"
+    sock.sendall(head.encode() + raw)
+    return sock
+
+
+def start_of_a_body(url, sent: bytes = b'{"model":') -> socket.socket:
+    """A socket that sent a request's headers (a 1000-byte body) and only `sent` of its body."""
+    address = urlsplit(url)
+    sock = socket.create_connection((address.hostname, address.port), timeout=30)
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    sock.sendall(head + b"Content-Length: 1000\r\n\r\n" + sent)
+    return sock
 
 
 def answer_to_a_partial_body(url, headers: dict[str, str], sent: bytes) -> tuple[int, dict]:
@@ -217,3 +277,183 @@ def test_serve_logs_its_requests(served_model_dir, tmp_path):
             timeout=60,
         ).json()
     assert f"whetstone.requests INFO {reply['id']} POST /v1/chat/completions 200 tokens=" in log.read_text()
+
+
+def test_a_request_whose_client_left_is_aborted_while_its_sequences_keep_finishing(url):
+    """400 sequences of 100 tokens, 4 decoded at a time: some finish every few steps, so events
+    keep coming; the client leaves once the first have finished, and the rest are aborted."""
+    before = metrics(url)
+    finished = 'requests_total{reason="length"}'
+    prompts = [[7, 8, 9, i] for i in range(100)]
+    sock = request_on_a_socket(url, {"prompt": prompts, "n": 4, "max_tokens": 100, "ignore_eos": True})
+    wait_until(lambda: metrics(url)[finished] > before[finished])
+    sock.close()
+    wait_until(lambda: metrics(url)[ABORTED] > before[ABORTED], timeout=10)
+    wait_until(lambda: idle(url))
+    after = metrics(url)
+    assert after[ABORTED] - before[ABORTED] + after[finished] - before[finished] == 400
+    assert after["generation_tokens_total"] - before["generation_tokens_total"] < 400 * 100 / 2
+
+
+def test_a_stream_whose_client_left_is_logged_as_499(url, caplog):
+    caplog.set_level(logging.INFO, logger="whetstone.requests")
+    before = metrics(url)
+    sock = request_on_a_socket(url, {"prompt": [7, 8, 9], "max_tokens": 400, "ignore_eos": True, "stream": True})
+    received = b""
+    while b"data: " not in received:  # the first chunk came: the stream is under way
+        received += sock.recv(4096)
+    sock.close()
+    wait_until(lambda: metrics(url)[ABORTED] > before[ABORTED], timeout=10)
+
+    def lines():
+        return [r.getMessage() for r in caplog.records if r.name == "whetstone.requests"]
+
+    wait_until(lambda: lines())
+    assert len(lines()) == 1 and " POST /v1/completions 499 tokens=3/" in lines()[0]
+
+
+def test_a_client_that_leaves_mid_upload_is_a_quiet_499(url, caplog):
+    caplog.set_level(logging.INFO, logger="whetstone.requests")
+    uvicorn_log = logging.getLogger("uvicorn.error")  # uvicorn's own logger does not reach the root
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        for _ in range(3):
+            start_of_a_body(url).close()
+
+        def lines():
+            return [r.getMessage() for r in caplog.records if r.name == "whetstone.requests"]
+
+        wait_until(lambda: len(lines()) == 3)
+        time.sleep(0.2)  # anything logged after the request line
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+    assert all(" POST /v1/chat/completions 499 " in line for line in lines())
+    loud = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
+    assert not loud, [r.getMessage() for r in loud]
+
+
+def test_a_body_that_stalls_past_the_timeout_gets_408_and_its_connection_is_closed(url):
+    sock = start_of_a_body(url)
+    start = time.monotonic()
+    answer = b""
+    while chunk := sock.recv(4096):  # the server closes the connection after its answer
+        answer += chunk
+    sock.close()
+    assert BODY_TIMEOUT_S <= time.monotonic() - start < BODY_TIMEOUT_S + 10
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408 ")
+    assert f"within {BODY_TIMEOUT_S:g} s (body_timeout_s)" in json.loads(body)["error"]["message"]
+
+
+def test_a_request_past_the_queue_bound_gets_429_with_retry_after(bounded):
+    before = metrics(bounded)
+    blocker = request_on_a_socket(
+        bounded, {"prompt": [7, 8, 9], "n": QUEUE_BOUND, "max_tokens": 400, "ignore_eos": True}
+    )
+    try:
+        wait_until(lambda: metrics(bounded)["running_sequences"] == 1)  # the others wait
+        refused = completion(bounded, prompt=[7, 8], n=2)
+        assert refused.status_code == 429 and refused.headers["Retry-After"] == "1"
+        error = refused.json()["error"]
+        assert error["code"] == "rate_limit_exceeded" and "max_waiting_sequences" in error["message"]
+        too_many = completion(bounded, prompt=[7, 8], n=QUEUE_BOUND + 1)  # never fits: no use retrying
+        assert too_many.status_code == 400 and "max_waiting_sequences" in too_many.json()["error"]["message"]
+        now = metrics(bounded)
+        assert now["queue_limit"] == QUEUE_BOUND
+        assert (
+            now['requests_refused_total{reason="queue_full"}']
+            == before['requests_refused_total{reason="queue_full"}'] + 1
+        )
+    finally:
+        blocker.close()
+    wait_until(lambda: idle(bounded))  # the aborted sequences left the queue's count too
+    assert completion(bounded, prompt=[7, 8], n=2).status_code == 200
+
+
+def test_the_http_policy_waits_out_a_429_and_is_served(bounded):
+    """With no retries to spend, the harness's policy is refused (the queue is full), waits the
+    Retry-After and is served once the queue has room."""
+    refusals = 'requests_refused_total{reason="queue_full"}'
+    before = metrics(bounded)
+    running = request_on_a_socket(bounded, {"prompt": [7, 8, 9], "max_tokens": 400, "ignore_eos": True})
+    wait_until(lambda: metrics(bounded)["running_sequences"] == 1)
+    waiting = request_on_a_socket(
+        bounded, {"prompt": [7, 8, 9], "n": QUEUE_BOUND, "max_tokens": 400, "ignore_eos": True}
+    )
+    wait_until(lambda: metrics(bounded)['queue_depth{priority="interactive"}'] == QUEUE_BOUND)
+
+    async def ask():
+        policy = await HttpPolicy.connect(EndpointConfig(base_url=f"{bounded}/v1", retries=0, timeout_s=30))
+        try:
+            return await policy.complete([7, 8], Sampling(max_tokens=3, priority="interactive"))
+        finally:
+            await policy.close()
+
+    def leave():
+        try:
+            wait_until(lambda: metrics(bounded)[refusals] > before[refusals])
+        finally:
+            running.close()
+            waiting.close()
+
+    leaving = threading.Thread(target=leave)
+    leaving.start()
+    try:
+        completion = asyncio.run(ask())
+    finally:
+        leaving.join(60)
+    assert len(completion.ids) == 3 and metrics(bounded)[refusals] > before[refusals]
+
+
+@contextmanager
+def served_as_serve_runs_it(app, config: ServeConfig):
+    """`app` under uvicorn as `whetstone serve` configures it (`launch.uvicorn_config`), in a thread."""
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn_config(app, config))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    try:
+        wait_until(lambda: server.started or not thread.is_alive())
+        assert thread.is_alive(), "the server did not start"
+        yield f"http://{config.host}:{config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_connections_past_max_connections_get_503(served_model_dir, held):
+    config = ServeConfig(model_path=str(served_model_dir), port=free_port(), max_connections=3)
+    with served_as_serve_runs_it(app_for(served_model_dir, held), config) as url:
+        address = urlsplit(url)
+        held_open = [socket.create_connection((address.hostname, address.port)) for _ in range(2)]
+        try:
+            with httpx.Client() as client:  # a third connection
+                assert client.get(f"{url}/health").status_code == 503
+        finally:
+            for sock in held_open:
+                sock.close()
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200)
+
+
+def test_serve_raises_its_open_files_limit_to_fit_max_connections():
+    script = textwrap.dedent(
+        """
+        import resource
+        from whetstone.errors import ConfigError
+        from whetstone.inference.launch import make_room_for_connections
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, hard))
+        make_room_for_connections(512)
+        print(resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+        resource.setrlimit(resource.RLIMIT_NOFILE, (300, 300))
+        try:
+            make_room_for_connections(512)
+        except ConfigError as err:
+            print(err)
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    raised, refused = result.stdout.splitlines()
+    assert int(raised) == 512 + 256
+    assert "max_connections = 512 needs about 768 open files" in refused and "at most 300" in refused

@@ -89,6 +89,20 @@ class ServeConfig(Config):
     log_requests: bool = True
     """One INFO line per request on the `whetstone.requests` logger: response id, route, status,
     prompt/completion tokens, milliseconds."""
+    body_timeout_s: float = Field(30.0, gt=0)
+    """Seconds a request's whole body may take to arrive once its headers have: a slower one gets
+    408 and its connection is closed, so stalled uploads do not hold connections."""
+    max_waiting_sequences: int = Field(2048, ge=0)
+    """Most sequences waiting in the engine's queue for a decode slot: a request whose sequences
+    would bring them past it gets 429 with `Retry-After` (and one that alone has more, 400);
+    0 = no bound. Twice the most one request may ask for (`protocol.MAX_SEQUENCES`), and far
+    above what an orchestrator queues: one sequence per rollout in flight."""
+    max_connections: int = Field(512, ge=1)
+    """Open connections served at once (uvicorn's `limit_concurrency`): a request that arrives
+    while that many are open gets 503 and its connection is closed, so a flood of connections
+    does not exhaust the process's file descriptors; `serve` raises its open-files limit to fit."""
+    listen_backlog: int = Field(2048, ge=1)
+    """Connections the kernel holds for the server before it accepts them (`listen` backlog)."""
     engine: EngineConfig = EngineConfig()
     """Batching, context and swap policy."""
     weight_version: int = 0

@@ -75,10 +75,16 @@ class EngineStats:
 
 
 def render_prometheus(
-    stats: EngineStats, model_name: str, weights: WeightsReport | None = None, keep_failures: int | None = None
+    stats: EngineStats,
+    model_name: str,
+    weights: WeightsReport | None = None,
+    keep_failures: int | None = None,
+    queue_limit: int | None = None,
+    queue_full_total: int | None = None,
 ) -> str:
     """The metrics; `weights` for a server following a weight store, `keep_failures` for one
-    keeping its responses for feedback (`Capture.failures`)."""
+    keeping its responses for feedback (`Capture.failures`), `queue_limit` and
+    `queue_full_total` for the HTTP server's bound on waiting sequences (`Backlog`)."""
     label = f'model="{model_name}"'
     lines: list[str] = []
 
@@ -94,6 +100,20 @@ def render_prometheus(
         "Requests waiting for a slot, by priority.",
         [(',priority="interactive"', stats.waiting_interactive), (',priority="batch"', stats.waiting_batch)],
     )
+    if queue_limit is not None:
+        metric(
+            "queue_limit",
+            "gauge",
+            "Most sequences that may wait for a slot (max_waiting_sequences; 0 = no bound).",
+            [("", queue_limit)],
+        )
+    if queue_full_total is not None:
+        metric(
+            "requests_refused_total",
+            "counter",
+            "Requests refused with 429 because the queue had no room for their sequences.",
+            [(',reason="queue_full"', queue_full_total)],
+        )
     metric("running_sequences", "gauge", "Sequences in the decode batch.", [("", stats.running)])
     metric(
         "tokens_per_second",

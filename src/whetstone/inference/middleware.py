@@ -1,4 +1,5 @@
-"""ASGI middleware of the server: the request-body limit and the one-line request log.
+"""ASGI middleware of the server: the request-body limit and the one-line request log (499 for a
+client that left).
 
 Both are plain ASGI (no buffering of bodies or responses), so a streamed response streams
 through them unchanged.
@@ -15,6 +16,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 request_log = logging.getLogger("whetstone.requests")
 """One INFO line per request: id, route, status, prompt/completion tokens, milliseconds."""
+CLIENT_CLOSED = 499
+"""The status logged for a request whose client left before its answer ended (nginx's code)."""
 POLLS = frozenset({"/health", "/metrics"})
 """Routes that monitors poll every few seconds: a good answer there is logged at DEBUG only."""
 
@@ -59,7 +62,9 @@ class BodyLimit:
 
 class RequestLog:
     """Logs every HTTP request on `request_log` as its answer ends (a stream: its last chunk), so
-    the line is written before the client has the whole answer.
+    the line is written before the client has the whole answer. A request whose client was seen
+    gone (the app received `http.disconnect`) before then is logged with status 499, whatever
+    was sent: a stream cut short started as a 200.
 
     Handlers add what they know to the request's state: `response_id`, and `submission` (its
     prompt lengths and sequences give the token counts)."""
@@ -72,6 +77,7 @@ class RequestLog:
             await self.app(scope, receive, send)
             return
         start, status, logged = time.perf_counter(), 500, False  # 500: what an unhandled error becomes
+        gone = False
         state = scope.setdefault("state", {})  # the dict `request.state` writes to
 
         def log() -> None:
@@ -81,17 +87,24 @@ class RequestLog:
             tokens = "-/-"
             if submission is not None:
                 tokens = f"{sum(submission.prompt_lengths)}/{sum(len(s.output_ids) for s in submission.seqs)}"
-            level = logging.DEBUG if scope["path"] in POLLS and status == 200 else logging.INFO
+            shown = CLIENT_CLOSED if gone else status
+            level = logging.DEBUG if scope["path"] in POLLS and shown == 200 else logging.INFO
             request_log.log(
                 level,
                 "%s %s %s %d tokens=%s %.0fms",
                 state.get("response_id", "-"),
                 scope["method"],
                 scope["path"],
-                status,
+                shown,
                 tokens,
                 (time.perf_counter() - start) * 1000,
             )
+
+        async def watched() -> Message:
+            nonlocal gone
+            message = await receive()
+            gone = gone or message["type"] == "http.disconnect"
+            return message
 
         async def recorded(message: Message) -> None:
             nonlocal status
@@ -102,7 +115,7 @@ class RequestLog:
             await send(message)
 
         try:
-            await self.app(scope, receive, recorded)
+            await self.app(scope, watched, recorded)
         finally:
             if not logged:
                 log()

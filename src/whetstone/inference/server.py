@@ -5,9 +5,12 @@ GET /v1/models, GET /health, GET /metrics (Prometheus text), and POST /v1/feedba
 server keeps its users' responses for online RL (`feedback.store`; docs/online.md). Handlers
 parse, validate and tokenize in worker threads (a big body takes a while, and the event loop
 must keep answering everyone else), hand sequences to the engine thread and await their events;
-they never run the model. Bodies are bounded (`max_request_bytes`, 413) and a text that cannot
-fit the context is refused before it is tokenized. Every bad request gets a 4xx with OpenAI's
-error body naming what is wrong, and nothing else is affected by it.
+they never run the model. Bodies are bounded (`max_request_bytes`, 413) and must arrive within
+`body_timeout_s` (408); a text that cannot fit the context is refused before it is tokenized,
+and a request that would overfill the engine's queue (`max_waiting_sequences`) gets 429 with
+`Retry-After`. Every bad request gets a 4xx with OpenAI's error body naming what is wrong, and
+nothing else is affected by it. A client that leaves (mid-upload, mid-generation) is answered
+499 (client closed), which only the request log sees, and its sequences are aborted.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import json
 import logging
 import secrets
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
@@ -27,6 +30,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.registry import fleet_announcer
@@ -39,7 +43,7 @@ from whetstone.inference.protocol import ChatRequest, CompletionRequest, Feedbac
 from whetstone.inference.responses import chat_choice, completion_choice, header, usage
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.stream import chat_stream, completion_stream
-from whetstone.inference.submission import ClientGone, Submission
+from whetstone.inference.submission import RETRY_AFTER_S, Backlog, ClientGone, QueueFull, Submission
 from whetstone.store.feedback import DuplicateFeedback, FeedbackStoreError, UnknownResponse
 from whetstone.tokenizer import Tokenizer, render_chat
 
@@ -51,11 +55,20 @@ class UnknownModel(Exception):
     """A request for a model this server does not serve (404, as OpenAI answers)."""
 
 
-def error_body(status: int, message: str, code: str | None = None, param: str | None = None) -> JSONResponse:
+def error_body(
+    status: int,
+    message: str,
+    code: str | None = None,
+    param: str | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     kind = "invalid_request_error" if status < 500 else "server_error"
     if status == 401:
         kind = "authentication_error"
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status)
+    elif status == 429:
+        kind = "requests"  # OpenAI's type for a refusal by request count
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return JSONResponse(body, status, headers=headers)
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_name: str, follower=None) -> FastAPI:
@@ -69,6 +82,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             )
         capture = Capture(config.feedback, model_name)
     announcer = fleet_announcer(config.fleet, config.host, config.port, config.sync)
+    backlog = Backlog(engine, config.max_waiting_sequences)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -118,9 +132,13 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     async def _unknown_model(request: Request, err: UnknownModel) -> JSONResponse:
         return error_body(404, str(err), code="model_not_found", param="model")
 
+    @app.exception_handler(QueueFull)
+    async def _queue_full(request: Request, err: QueueFull) -> JSONResponse:
+        return error_body(429, str(err), code="rate_limit_exceeded", headers={"Retry-After": str(RETRY_AFTER_S)})
+
     @app.exception_handler(HTTPException)
     async def _http(request: Request, err: HTTPException) -> JSONResponse:
-        return error_body(err.status_code, str(err.detail))
+        return error_body(err.status_code, str(err.detail), headers=err.headers)
 
     @app.exception_handler(Exception)
     async def _crash(request: Request, err: Exception) -> JSONResponse:
@@ -149,25 +167,44 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             )
         return tokenizer.encode(text)
 
+    def queue_up(count: int, build: Callable[[], Submission]) -> Submission:
+        """Count a request's `count` sequences into the backlog (`QueueFull`, 429, when it has no
+        room: before anything is tokenized), then build their submission; a request refused
+        while it is built is counted out again."""
+        backlog.take(count)
+        try:
+            return build()
+        except BaseException:
+            backlog.release(count)
+            raise
+
     def submit_completion(body: CompletionRequest, response_id: str, loop: asyncio.AbstractEventLoop) -> Submission:
         """Tokenize the prompts and queue a sequence per prompt and choice (in a worker thread:
         up to `protocol.MAX_SEQUENCES` of them)."""
-        prompts = [tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
-        top = body.logprobs or 0
-        params = [[sampling(body, len(p), body.max_tokens, top, c) for c in range(body.n)] for p in prompts]
-        return Submission(engine, response_id, prompts, params, body.priority, body.stream, loop)
+
+        def build() -> Submission:
+            prompts = [tokenize(p) if isinstance(p, str) else p for p in body.prompts()]
+            top = body.logprobs or 0
+            params = [[sampling(body, len(p), body.max_tokens, top, c) for c in range(body.n)] for p in prompts]
+            return Submission(engine, response_id, prompts, params, body.priority, body.stream, loop, backlog)
+
+        return queue_up(body.prompt_count * body.n, build)
 
     def submit_chat(body: ChatRequest, response_id: str, loop: asyncio.AbstractEventLoop) -> Submission:
         """Render and tokenize the conversation and queue a sequence per choice (in a worker thread)."""
-        messages = [m.as_chat_dict() for m in body.messages]
-        try:
-            text = render_chat(messages, body.tools if body.use_tools else None, add_generation_prompt=True)
-        except WhetstoneError as err:
-            raise InvalidRequest(str(err)) from None
-        prompt = tokenize(text)
-        top, limit = body.top_logprobs or 0, body.max_completion_tokens or body.max_tokens
-        params = [[sampling(body, len(prompt), limit, top, c) for c in range(body.n)]]
-        return Submission(engine, response_id, [prompt], params, body.priority, body.stream, loop)
+
+        def build() -> Submission:
+            messages = [m.as_chat_dict() for m in body.messages]
+            try:
+                text = render_chat(messages, body.tools if body.use_tools else None, add_generation_prompt=True)
+            except WhetstoneError as err:
+                raise InvalidRequest(str(err)) from None
+            prompt = tokenize(text)
+            top, limit = body.top_logprobs or 0, body.max_completion_tokens or body.max_tokens
+            params = [[sampling(body, len(prompt), limit, top, c) for c in range(body.n)]]
+            return Submission(engine, response_id, [prompt], params, body.priority, body.stream, loop, backlog)
+
+        return queue_up(body.n, build)
 
     def sampling(
         body: CompletionRequest | ChatRequest, prompt_length: int, requested: int | None, top: int, choice: int
@@ -196,9 +233,8 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     async def metrics() -> PlainTextResponse:
         weights = follower.report() if follower is not None else None
         keep_failures = None if capture is None else capture.failures
-        return PlainTextResponse(
-            render_prometheus(engine.stats, model_name, weights, keep_failures), media_type="text/plain; version=0.0.4"
-        )
+        text = render_prometheus(engine.stats, model_name, weights, keep_failures, backlog.limit, backlog.refused_total)
+        return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models", dependencies=[Depends(authorize)])
     async def models() -> dict:
@@ -285,12 +321,24 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         if errors:
             raise RuntimeError(errors[0])
 
+    async def read(request: Request, model: type[Body]) -> Body:
+        """The request's JSON body as `model`, parsed and validated in a worker thread. A body
+        that takes over `body_timeout_s` to arrive is a 408 (and its connection is closed); a
+        client that leaves before its body is complete, a quiet 499."""
+        try:
+            async with asyncio.timeout(config.body_timeout_s):
+                raw = await request.body()
+        except TimeoutError:
+            raise HTTPException(
+                408,
+                f"the request body did not arrive within {config.body_timeout_s:g} s (body_timeout_s)",
+                headers={"Connection": "close"},
+            ) from None
+        except ClientDisconnect:
+            raise HTTPException(499, "client closed the request before its body arrived") from None
+        return await run_in_threadpool(parse, model, raw)
+
     return app
-
-
-async def read(request: Request, model: type[Body]) -> Body:
-    """The request's JSON body as `model`, parsed and validated in a worker thread."""
-    return await run_in_threadpool(parse, model, await request.body())
 
 
 def parse(model: type[Body], raw: bytes) -> Body:

@@ -1,11 +1,12 @@
 """`HttpPolicy` against the real inference server (engine + HTTP app, served by uvicorn in this
 process on a free port), and the harness over HTTP: token ids, logprobs, versions and routes
-exactly as the server sampled them."""
+exactly as the server sampled them. How the policy meets a busy server (429) is scripted."""
 
 from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 import torch
 
@@ -138,3 +139,47 @@ def test_answers_of_other_servers_are_read_or_refused_by_name():
         policy._parse({"choices": [{"text": "hi"}]}, [1])
     with pytest.raises(PolicyError, match="returned no logprobs for 2 tokens"):
         policy._parse({"choices": [{"token_ids": [5, 6]}]}, [1])
+
+
+def scripted_policy(answers: list[httpx.Response], retries: int = 0, timeout_s: float = 600.0):
+    """An `HttpPolicy` whose server answers `answers` in turn; also the requests it got."""
+    requests = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        requests.append(request)
+        return answers[len(requests) - 1]
+
+    client = httpx.AsyncClient(base_url="http://server/v1/", transport=httpx.MockTransport(answer), timeout=timeout_s)
+    return HttpPolicy(EndpointConfig(retries=retries), "m", None, client), requests
+
+
+BUSY = httpx.Response(429, headers={"Retry-After": "7"}, json={"error": {"message": "queue full"}})
+SERVED = httpx.Response(
+    200, json={"choices": [{"text": "hi", "token_ids": [5], "logprobs": {"token_logprobs": [-0.5]}}]}
+)
+
+
+def test_a_429_is_waited_out_as_its_retry_after_says_without_spending_retries(monkeypatch):
+    waits = []
+
+    async def sleep(seconds):
+        waits.append(seconds)
+
+    monkeypatch.setattr("whetstone.envs.harness.policy.asyncio.sleep", sleep)
+    policy, requests = scripted_policy([BUSY, BUSY, SERVED], retries=0)
+    completion = asyncio.run(policy.complete([1], Sampling(max_tokens=1)))
+    assert completion.ids == [5] and len(requests) == 3 and waits == [7.0, 7.0]
+
+
+def test_a_server_busy_for_longer_than_the_timeout_is_a_policy_error(monkeypatch):
+    async def sleep(seconds):
+        pass
+
+    monkeypatch.setattr("whetstone.envs.harness.policy.asyncio.sleep", sleep)
+    policy, requests = scripted_policy([BUSY] * 5, timeout_s=20.0)  # 7 s, 7 s, then over 20 s
+    with pytest.raises(PolicyError, match=r"HTTP 429 for 14 s \(3 answers\): queue full"):
+        asyncio.run(policy.complete([1], Sampling(max_tokens=1)))
+    assert len(requests) == 3
+    failing, requests = scripted_policy([httpx.Response(503, text="down"), SERVED], retries=0)
+    with pytest.raises(PolicyError, match="HTTP 503"):  # a 5xx spends retries, as before
+        asyncio.run(failing.complete([1], Sampling(max_tokens=1)))

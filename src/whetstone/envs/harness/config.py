@@ -39,7 +39,8 @@ class EndpointConfig(Config):
     timeout_s: float = Field(600.0, gt=0)
     """Timeout of one request (a long completion under load can take minutes on CPU)."""
     retries: int = Field(2, ge=0)
-    """Retries of a request that failed to connect or got a 5xx/429 answer, with backoff."""
+    """Retries of a request that failed to connect or got a 5xx answer, with backoff (a 429 waits
+    its Retry-After and spends none, up to `timeout_s` in all)."""
     return_routed_experts: bool = True
     """Ask for the routed experts of every token (MoE router replay); servers without them return none."""
     weight_version: int = Field(0, ge=0)

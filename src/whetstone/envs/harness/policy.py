@@ -15,6 +15,8 @@ import dataclasses
 import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from datetime import UTC, datetime
+from email.utils import parsedate_to_datetime
 from typing import Any
 
 import httpx
@@ -22,7 +24,12 @@ import httpx
 from whetstone.envs.harness.config import EndpointConfig, SamplingConfig
 from whetstone.errors import WhetstoneError
 
-RETRY_STATUS = {429, 500, 502, 503, 504}
+RETRY_STATUS = {500, 502, 503, 504}
+"""Answers retried with backoff, each retry spending one of `EndpointConfig.retries`."""
+BUSY = 429
+"""A server whose queue is full: waited out (its Retry-After) and retried without spending retries."""
+MAX_RETRY_AFTER_S = 60.0
+"""The longest single wait a 429's Retry-After gets."""
 NO_ROUTES = "the server returned no routed experts: the trainer routes with its own router, no replay"
 
 
@@ -189,27 +196,58 @@ async def _find_model(client: httpx.AsyncClient, config: EndpointConfig) -> dict
 
 
 async def _request(client: httpx.AsyncClient, method: str, path: str, body: dict | None, retries: int) -> dict:
-    """One JSON request to `path` under the client's API root (or to a whole URL); connection
-    failures and overload answers are retried with backoff."""
+    """One JSON request to `path` under the client's API root (or to a whole URL). Connection
+    failures and 5xx answers are retried `retries` times with backoff. A 429 (the server's queue
+    is full: backpressure, not a failure) is retried after its `Retry-After` (else with backoff)
+    without spending a retry, until the waits add up to the client's read timeout
+    (`EndpointConfig.timeout_s`)."""
     where = path if "://" in path else f"{client.base_url}{path}"
-    for attempt in range(retries + 1):
-        last = attempt == retries
+    patience = client.timeout.read if client.timeout.read is not None else float("inf")
+    attempt, refusals, waited = 0, 0, 0.0
+    while True:
         try:
             response = await client.request(method, path, json=body)
         except httpx.TransportError as err:
-            if last:
+            if attempt == retries:
                 raise PolicyError(f"{where}: {type(err).__name__}: {err}") from None
         else:
-            if response.status_code < 400:
+            status = response.status_code
+            if status < 400:
                 try:
                     return response.json()
                 except ValueError:
                     text = response.text[:200]
                     raise PolicyError(f"{where}: the answer is not JSON: {text!r}") from None
-            if last or response.status_code not in RETRY_STATUS:
-                raise PolicyError(f"{where}: HTTP {response.status_code}: {_error_message(response)}")
+            if status == BUSY:
+                wait = _retry_after(response)
+                wait = min(0.5 * 2**refusals, MAX_RETRY_AFTER_S) if wait is None else wait
+                if waited + wait > patience:
+                    raise PolicyError(
+                        f"{where}: HTTP 429 for {waited:.0f} s ({refusals + 1} answers): {_error_message(response)}"
+                    )
+                refusals, waited = refusals + 1, waited + wait
+                await asyncio.sleep(wait)
+                continue
+            if attempt == retries or status not in RETRY_STATUS:
+                raise PolicyError(f"{where}: HTTP {status}: {_error_message(response)}")
         await asyncio.sleep(0.5 * 2**attempt)
-    raise AssertionError("unreachable")
+        attempt += 1
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The seconds a `Retry-After` header asks for (a number or an HTTP date), at most
+    `MAX_RETRY_AFTER_S`; None without a readable one."""
+    value = response.headers.get("retry-after", "").strip()
+    if not value:
+        return None
+    if value.isdigit():  # delay-seconds
+        seconds = float(value)
+    else:
+        try:
+            seconds = (parsedate_to_datetime(value) - datetime.now(UTC)).total_seconds()
+        except (TypeError, ValueError):
+            return None
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
 def _error_message(response: httpx.Response) -> str:
