@@ -116,6 +116,47 @@ def test_completion_streaming(client):
     assert chunks[-1].choices[0].finish_reason == "length"
 
 
+def test_every_parameter_the_client_sends_is_taken(client):
+    """Each parameter whetstone takes, as the client sends it (integers for numbers included)."""
+    chat = dict(
+        model=MODEL,
+        messages=WEATHER_QUESTION,
+        temperature=0,
+        top_p=1,
+        n=2,
+        stop=["\n\n"],
+        seed=1,
+        max_completion_tokens=5,
+        presence_penalty=0,
+        frequency_penalty=0.0,
+        logit_bias={},
+        user="someone",
+        logprobs=True,
+        top_logprobs=2,
+        response_format={"type": "text"},
+        tools=[WEATHER_TOOL],
+        tool_choice="auto",
+        parallel_tool_calls=True,
+        extra_body={"top_k": 5, "ignore_eos": False, "stop_token_ids": [1], "return_token_ids": True},
+    )
+    assert len(client.chat.completions.create(**chat).choices) == 2
+    chunks = list(client.chat.completions.create(**chat, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].usage.completion_tokens > 0
+    text = dict(model=MODEL, max_tokens=3, temperature=0.5, top_p=0.9, n=1, stop="\n", seed=2, user="u")
+    extra = dict(logprobs=0, echo=False, best_of=1, suffix=None, presence_penalty=0, frequency_penalty=0)
+    assert client.completions.create(prompt=[11, 12, 13], **text, **extra).choices[0].text is not None
+    assert client.completions.create(prompt=["a", "b"], **text).choices[1].index == 1
+    chunks = list(client.completions.create(prompt="x", stream=True, stream_options={"include_usage": True}, **text))
+    assert chunks[-1].usage.completion_tokens > 0
+
+
+def test_wrong_types_are_refused(client):
+    with pytest.raises(openai.BadRequestError, match="max_tokens: Input should be a valid integer"):
+        client.chat.completions.create(model=MODEL, messages=GREETING, max_tokens="3")
+    with pytest.raises(openai.BadRequestError, match="stream_options is only allowed with stream: true"):
+        client.chat.completions.create(model=MODEL, messages=GREETING, stream_options={"include_usage": True})
+
+
 def test_concurrent_users_and_rollouts(client):
     def ask(i):
         priority = "batch" if i % 2 else "interactive"
@@ -145,6 +186,14 @@ def test_bad_requests_get_a_clear_4xx_and_the_server_keeps_serving(client, serve
         headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
     )
     assert raw.status_code == 400 and "malformed JSON" in raw.json()["error"]["message"]
+    lone = httpx.post(
+        f"{server}/v1/chat/completions",
+        content=b'{"model": "tiny-chat", "messages": [{"role": "user", "content": "\\ud800"}]}',
+        headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+    )
+    assert lone.status_code == 400
+    assert "malformed JSON: a \\uD800-\\uDFFF escape at line 1 column" in lone.json()["error"]["message"]
+    assert "lacks the other half of its surrogate pair" in lone.json()["error"]["message"]
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2).choices[0].text is not None
 
 

@@ -1,3 +1,6 @@
+import json
+
+import pydantic_core
 import pytest
 import torch
 from pydantic import ValidationError
@@ -5,11 +8,31 @@ from pydantic import ValidationError
 from whetstone.inference.protocol import (
     MAX_SEQUENCES,
     MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    MAX_STOP_TOKEN_IDS,
+    MAX_TOKEN_IDS,
     ChatRequest,
     CompletionRequest,
     decode_routes,
     encode_routes,
 )
+
+USER = [{"role": "user", "content": "x"}]
+
+
+def problems(model, body: dict) -> list[tuple[str, str]]:
+    """(where, message) of each error of `body` as JSON, parsed as the server may parse it:
+    straight from the bytes, or into Python first; both must agree."""
+    raw = json.dumps(body).encode()
+    found = []
+    for parse in (model.model_validate_json, lambda raw: model.model_validate(pydantic_core.from_json(raw))):
+        try:
+            parse(raw)
+            found.append([])
+        except ValidationError as err:
+            found.append([(".".join(str(p) for p in e["loc"]), e["msg"]) for e in err.errors()])
+    assert found[0] == found[1]
+    return found[0]
 
 
 @pytest.mark.parametrize("experts,dtype", [(8, "uint8"), (300, "int16")])
@@ -53,8 +76,114 @@ def test_a_top_k_beyond_the_vocabulary_is_clamped_to_it():
 def test_a_request_may_start_at_most_max_sequences():
     CompletionRequest(model="m", prompt=[[1]] * (MAX_SEQUENCES // 64), n=64)
     CompletionRequest(model="m", prompt=[1] * 5000, n=64)  # one prompt of token ids
-    with pytest.raises(ValidationError, match=f"30000 prompts x n=64 = 1920000 sequences; .* at most {MAX_SEQUENCES}"):
-        CompletionRequest(model="m", prompt=[[1]] * 30000, n=64)
+    with pytest.raises(ValidationError, match=f"1000 prompts x n=64 = 64000 sequences; .* at most {MAX_SEQUENCES}"):
+        CompletionRequest(model="m", prompt=[[1]] * 1000, n=64)
+    with pytest.raises(ValidationError, match=f"at most {MAX_SEQUENCES} items after validation, not 30000"):
+        CompletionRequest(model="m", prompt=[[1]] * 30000)
+
+
+@pytest.mark.parametrize(
+    "prompt, where, message",
+    [
+        ([1] * (MAX_TOKEN_IDS + 1), "prompt.token_ids", f"at most {MAX_TOKEN_IDS} items after validation, not"),
+        ([[1]] * (MAX_SEQUENCES + 1), "prompt.token_id_lists", f"at most {MAX_SEQUENCES} items"),
+        ([[1], [1] * (MAX_TOKEN_IDS + 1)], "prompt.token_id_lists.1", f"at most {MAX_TOKEN_IDS} items"),
+        (["a"] * (MAX_SEQUENCES + 1), "prompt.texts", f"at most {MAX_SEQUENCES} items"),
+        ([1.5] * 1000, "prompt.token_ids.0", "valid integer"),
+        ([1, 2, "a", "b"], "prompt.token_ids.2", "valid integer"),
+        (["a", [1]] * 500, "prompt.texts.1", "valid string"),
+        ([[1], [True]], "prompt.token_id_lists.1.0", "valid integer"),
+        (5, "prompt", "must be a string, a list of token ids, or a list of strings or of token-id lists"),
+    ],
+    ids=["ids", "id-lists", "ids-in-a-list", "texts", "floats", "ids-then-texts", "mixed", "bool", "number"],
+)
+def test_a_prompt_of_the_wrong_form_or_length_gets_one_error_naming_it(prompt, where, message):
+    """Each form is validated alone and stops at its first bad item, and the lengths are checked
+    before the items: one error, not one per item for every form the prompt is not."""
+    [(got_where, got)] = problems(CompletionRequest, {"model": "m", "prompt": prompt})
+    assert got_where == where and message in got
+
+
+def test_other_lists_are_bounded():
+    body = {"model": "m", "prompt": "x"}
+    [(where, message)] = problems(CompletionRequest, body | {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS + 1))})
+    assert where == "stop_token_ids" and f"at most {MAX_STOP_TOKEN_IDS} items" in message
+    [(where, message)] = problems(CompletionRequest, body | {"stop": ["a"] * (MAX_STOP_STRINGS + 1)})
+    assert where == "stop.texts" and f"at most {MAX_STOP_STRINGS} items" in message
+    assert problems(CompletionRequest, body | {"stop": 5}) == [("stop", "must be a string or a list of strings")]
+    assert problems(CompletionRequest, body | {"stop_token_ids": list(range(MAX_STOP_TOKEN_IDS)), "stop": []}) == []
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_tokens", "3", "valid integer"),
+        ("max_tokens", True, "valid integer"),
+        ("max_tokens", 3.0, "valid integer"),
+        ("top_k", 2.0, "valid integer"),
+        ("n", True, "valid integer"),
+        ("seed", "7", "valid integer"),
+        ("temperature", "0", "valid number"),
+        ("top_p", True, "valid number"),
+        ("stream", "no", "valid boolean"),
+        ("stream", 0, "valid boolean"),
+        ("ignore_eos", "on", "valid boolean"),
+        ("return_token_ids", 1, "valid boolean"),
+        ("model", 5, "valid string"),
+        ("user", 5, "valid string"),
+        ("logprobs", "yes", "valid boolean"),
+        ("top_logprobs", "2", "valid integer"),
+        ("max_completion_tokens", "5", "valid integer"),
+        ("parallel_tool_calls", "true", "valid boolean"),
+    ],
+)
+def test_values_of_the_wrong_type_are_refused_not_converted(field, value, message):
+    [(where, got)] = problems(ChatRequest, {"model": "m", "messages": USER, field: value})
+    assert where == field and message in got
+
+
+def test_completion_logprobs_are_an_integer():
+    [(where, _)] = problems(CompletionRequest, {"model": "m", "prompt": "x", "logprobs": True})
+    assert where == "logprobs"
+
+
+def test_numbers_given_as_json_integers_are_numbers():
+    body = {"model": "m", "messages": USER, "temperature": 0, "top_p": 1, "presence_penalty": 0, "frequency_penalty": 0}
+    assert problems(ChatRequest, body | {"seed": 2**70, "top_k": 10**20, "logit_bias": {}}) == []
+    request = ChatRequest.model_validate_json(json.dumps(body))
+    assert request.temperature == 0.0 and isinstance(request.temperature, float)
+
+
+def test_stream_options_need_stream_and_known_keys():
+    body = {"model": "m", "messages": USER}
+    assert problems(ChatRequest, body | {"stream": True, "stream_options": {"include_usage": True}}) == []
+    assert problems(ChatRequest, body | {"stream_options": None}) == []
+    for without in ({}, {"stream": False}):
+        [(where, message)] = problems(ChatRequest, body | without | {"stream_options": {"include_usage": True}})
+        assert "stream_options is only allowed with stream: true" in message
+    [(where, message)] = problems(ChatRequest, body | {"stream": True, "stream_options": {"include_usage": 1}})
+    assert (where, message) == ("stream_options.include_usage", "Input should be a valid boolean")
+    [(where, message)] = problems(ChatRequest, body | {"stream": True, "stream_options": {"x": 1}})
+    assert (where, message) == ("stream_options.x", "Extra inputs are not permitted")
+    assert problems(ChatRequest, body | {"stream": True, "stream_options": {"include_obfuscation": False}}) == []
+    [(where, message)] = problems(ChatRequest, body | {"stream": True, "stream_options": {"include_obfuscation": True}})
+    assert where == "stream_options.include_obfuscation" and "not supported" in message
+
+
+@pytest.mark.parametrize(
+    "function, message",
+    [
+        ({"name": 5}, "tools[0].function.name must be a non-empty string, got 5"),
+        ({"name": ""}, "tools[0].function.name must be a non-empty string"),
+        ({"name": "f", "parameters": "notadict"}, "tools[0].function.parameters must be a JSON Schema object, got str"),
+        ({"name": "f", "description": 3}, "tools[0].function.description must be a string, got int"),
+    ],
+)
+def test_malformed_tools_are_named(function, message):
+    [(_, got)] = problems(
+        ChatRequest, {"model": "m", "messages": USER, "tools": [{"type": "function", "function": function}]}
+    )
+    assert message in got
 
 
 def test_stop_strings_are_bounded_in_length():

@@ -12,7 +12,7 @@ from fastapi.testclient import TestClient
 from tests.inference.inference_fixtures import GREETING, GREETING_REPLY, WEATHER_QUESTION, WEATHER_TOOL
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.inference.launch import build_app
-from whetstone.inference.protocol import decode_routes
+from whetstone.inference.protocol import MAX_TOKEN_IDS, decode_routes
 
 
 @pytest.fixture(scope="module")
@@ -137,6 +137,21 @@ def test_content_parts_and_developer_role_are_accepted(http):
         ({"prompt": [5000]}, "token ids must be in"),
         ({"prompt": "x", "stop": ["\n", "a" * 513]}, "stop: Value error, stop strings may be at most 512 characters"),
         ({"prompt": [[1]] * 17, "n": 64, "max_tokens": 1}, "1088 sequences; a request may ask for at most 1024"),
+        ({"prompt": "x", "max_tokens": "3"}, "max_tokens: Input should be a valid integer"),
+        ({"prompt": "x", "max_tokens": True}, "max_tokens: Input should be a valid integer"),
+        ({"prompt": "x", "top_k": 2.0}, "top_k: Input should be a valid integer"),
+        ({"prompt": "x", "stream": "no"}, "stream: Input should be a valid boolean"),
+        ({"prompt": "x", "logprobs": True}, "logprobs: Input should be a valid integer"),
+        ({"prompt": [1, 2.5]}, "prompt.token_ids.1: Input should be a valid integer"),
+        ({"prompt": "x", "stop_token_ids": list(range(65))}, "stop_token_ids: List should have at most 64 items"),
+        (
+            {"prompt": "x", "stream_options": {"include_usage": True}},
+            "stream_options is only allowed with stream: true",
+        ),
+        (
+            {"prompt": "x", "stream": True, "stream_options": {"include_usage": True, "x": 1}},
+            "stream_options.x: Extra inputs are not permitted",
+        ),
     ],
 )
 def test_bad_parameters_are_named(http, body, message):
@@ -144,6 +159,38 @@ def test_bad_parameters_are_named(http, body, message):
     assert response.status_code == 400
     error = response.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ({"logprobs": "yes"}, "logprobs: Input should be a valid boolean"),
+        ({"stream": 0}, "stream: Input should be a valid boolean"),
+        ({"temperature": "0"}, "temperature: Input should be a valid number"),
+        ({"n": True}, "n: Input should be a valid integer"),
+        ({"tools": [{"type": "function", "function": {"name": 5}}]}, "tools[0].function.name must be a non-empty"),
+        (
+            {"tools": [{"type": "function", "function": {"name": "f", "parameters": "notadict"}}]},
+            "tools[0].function.parameters must be a JSON Schema object, got str",
+        ),
+    ],
+)
+def test_bad_chat_parameters_are_named(http, body, message):
+    response = post(http, "/v1/chat/completions", messages=GREETING, max_tokens=2, **body)
+    assert response.status_code == 400 and message in response.json()["error"]["message"]
+
+
+def test_json_integers_are_numbers(http):
+    body = {"temperature": 0, "top_p": 1, "presence_penalty": 0, "max_tokens": 2}
+    assert post(http, "/v1/chat/completions", messages=GREETING, **body).status_code == 200
+
+
+def test_a_token_id_list_longer_than_any_context_is_refused_as_it_is_validated(http):
+    response = post(http, "/v1/completions", prompt=[1] * (MAX_TOKEN_IDS + 1), max_tokens=1)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["param"] == "prompt.token_ids"
+    assert f"prompt.token_ids: List should have at most {MAX_TOKEN_IDS} items after validation, not" in error["message"]
 
 
 def test_a_body_that_is_not_an_object_is_named(http):

@@ -242,12 +242,19 @@ def test_good_answers_to_monitoring_polls_are_logged_at_debug_only(url, caplog):
     assert levels == {"/health": logging.DEBUG, "/metrics": logging.DEBUG}
 
 
-@pytest.mark.parametrize("field,raw", [("temperature", "NaN"), ("temperature", '"nan"'), ("top_p", "Infinity")])
-def test_non_finite_sampling_values_are_named(url, field, raw):
+@pytest.mark.parametrize(
+    "field,raw,problem",
+    [
+        ("temperature", "NaN", "a finite number"),
+        ("temperature", '"nan"', "a valid number"),  # a string is no number (strict)
+        ("top_p", "Infinity", "a finite number"),
+    ],
+)
+def test_non_finite_sampling_values_are_named(url, field, raw, problem):
     content = f'{{"model": "tiny-chat", "prompt": "x", "{field}": {raw}}}'
     response = httpx.post(f"{url}/v1/completions", content=content, headers={"Content-Type": "application/json"})
     assert response.status_code == 400
-    assert response.json()["error"]["message"] == f"{field}: Input should be a finite number"
+    assert response.json()["error"]["message"] == f"{field}: Input should be {problem}"
 
 
 def test_serve_on_a_busy_port_says_so_and_announces_nothing(served_model_dir, tmp_path):

@@ -13,17 +13,29 @@ Feedback (online RL): POST /v1/feedback with `FeedbackRequest` rates one choice 
 its `id`, when the server keeps responses (`feedback.store`).
 
 OpenAI fields whetstone does not implement are accepted only at their neutral value, so a
-request never silently means something else than what it says.
+request never silently means something else than what it says. Values are strict, as OpenAI's
+are: a value of the wrong JSON type is refused, never converted (`"3"` or `true` for an integer,
+`"no"` for a boolean, `2.0` for an integer); an integer is a number.
 """
 
 from __future__ import annotations
 
 import base64
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Discriminator,
+    Field,
+    StrictInt,
+    StrictStr,
+    Tag,
+    field_validator,
+    model_validator,
+)
 
 from whetstone.inference.feedback import Rating
 from whetstone.inference.sampling import MAX_TOP_LOGPROBS, InvalidRequest, SamplingParams
@@ -37,14 +49,77 @@ millions), so this bounds it as `max_request_bytes` bounds the body."""
 MAX_STOP_CHARS = 512
 """Longest stop string, in characters: the engine thread searches the text's tail, as long as
 the longest stop string, for every stop string after each token."""
+MAX_STOP_STRINGS = 8
+"""Most stop strings: each is searched for after every token."""
+MAX_TOKEN_IDS = 2**20
+"""Most token ids one prompt may hold: more than any served context, so only an absurd list is
+refused here, while the body is validated (its length is checked before its items are); the
+engine refuses a prompt longer than its context."""
+MAX_STOP_TOKEN_IDS = 64
+"""Most `stop_token_ids`: the engine thread looks every sampled token up in them."""
+
+TokenIds = Annotated[list[StrictInt], Field(max_length=MAX_TOKEN_IDS, fail_fast=True)]
+"""A list of token ids; validation stops at its first bad item."""
+
+
+def _prompt_form(value: Any) -> str | None:
+    """Which form a `prompt` has: a string, or a list of strings, of token ids or of token-id lists
+    (by its first item). It is validated as that form only, so a bad prompt gets one error, not
+    one per item for every form it is not."""
+    if isinstance(value, str):
+        return "text"
+    if not isinstance(value, list):
+        return None
+    first = value[0] if value else 0
+    return "texts" if isinstance(first, str) else "token_id_lists" if isinstance(first, list) else "token_ids"
+
+
+def _stop_form(value: Any) -> str | None:
+    """Which form `stop` has: a string or a list (of strings), validated as that form only."""
+    return "text" if isinstance(value, str) else "texts" if isinstance(value, list) else None
+
+
+Prompt = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[TokenIds, Tag("token_ids")]
+    | Annotated[list[StrictStr], Field(max_length=MAX_SEQUENCES, fail_fast=True), Tag("texts")]
+    | Annotated[list[TokenIds], Field(max_length=MAX_SEQUENCES, fail_fast=True), Tag("token_id_lists")],
+    Discriminator(
+        _prompt_form,
+        custom_error_type="prompt_type",
+        custom_error_message="must be a string, a list of token ids, or a list of strings or of token-id lists",
+    ),
+]
+"""A completion's `prompt`: one text or token-id list, or a list of them (at most MAX_SEQUENCES)."""
+Stop = Annotated[
+    Annotated[str, Tag("text")]
+    | Annotated[list[StrictStr], Field(max_length=MAX_STOP_STRINGS, fail_fast=True), Tag("texts")],
+    Discriminator(
+        _stop_form, custom_error_type="stop_type", custom_error_message="must be a string or a list of strings"
+    ),
+]
+"""`stop`: one stop string or a list of them (at most MAX_STOP_STRINGS)."""
 
 
 class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
     include_usage: bool = False
+    """Send a last chunk with the request's token usage."""
+    include_obfuscation: bool = False
+    """OpenAI pads its chunks with an `obfuscation` field; whetstone does not (false only)."""
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value):
+        if value:
+            raise ValueError("is not supported (whetstone's chunks carry no obfuscation field; leave it false)")
+        return value
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # NaN passes no range check
+    # NaN passes no range check; strict: a value of the wrong JSON type is refused, not converted
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
     model: str
     max_tokens: int | None = Field(None, ge=1)
@@ -53,8 +128,8 @@ class _Request(BaseModel):
     top_k: int = Field(0, ge=-1)
     """0 or -1: off."""
     n: int = Field(1, ge=1, le=MAX_CHOICES)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop: Stop | None = None
+    stop_token_ids: Annotated[list[StrictInt], Field(max_length=MAX_STOP_TOKEN_IDS, fail_fast=True)] | None = None
     ignore_eos: bool = False
     seed: int | None = None
     stream: bool = False
@@ -74,14 +149,14 @@ class _Request(BaseModel):
             raise ValueError("presence_penalty and frequency_penalty are not supported (leave them at 0)")
         if self.logit_bias:
             raise ValueError("logit_bias is not supported")
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed with stream: true")
         return self
 
     @field_validator("stop")
     @classmethod
     def _stop_strings(cls, value):
         stops = [value] if isinstance(value, str) else value or []
-        if len(stops) > 8:
-            raise ValueError("at most 8 stop strings")
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         if any(len(s) > MAX_STOP_CHARS for s in stops):
@@ -110,7 +185,7 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Prompt
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     """Return the logprob of each token, and this many most likely alternatives."""
     echo: bool = False
@@ -149,7 +224,7 @@ class CompletionRequest(_Request):
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")  # e.g. `name`, `reasoning_content`: passed on as is
+    model_config = ConfigDict(extra="allow", strict=True)  # e.g. `name`, `reasoning_content`: passed on as is
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
@@ -200,14 +275,30 @@ class ChatRequest(_Request):
                         "{'name': <string>, 'arguments': <JSON string or object>}}"
                     )
         for index, tool in enumerate(self.tools or []):
-            function = tool.get("function")
-            if tool.get("type") != "function" or not isinstance(function, dict) or not function.get("name"):
-                raise ValueError(f"tools[{index}] must be {{'type': 'function', 'function': {{'name': ...}}}}")
+            problem = _tool_problem(tool)
+            if problem:
+                raise ValueError(f"tools[{index}]{problem}")
         return self
 
     @property
     def use_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+
+def _tool_problem(tool: dict[str, Any]) -> str | None:
+    """What is wrong with a `tools` entry, if anything: it must be OpenAI's function schema, as
+    `render_chat` writes it into the prompt."""
+    function = tool.get("function")
+    if tool.get("type") != "function" or not isinstance(function, dict):
+        return " must be {'type': 'function', 'function': {'name': ...}}"
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        return f".function.name must be a non-empty string, got {name!r}"
+    if not isinstance(function.get("description", ""), str):
+        return f".function.description must be a string, got {type(function['description']).__name__}"
+    if not isinstance(function.get("parameters", {}), dict):
+        return f".function.parameters must be a JSON Schema object, got {type(function['parameters']).__name__}"
+    return None
 
 
 def _is_tool_call(call: dict[str, Any]) -> bool:

@@ -13,8 +13,10 @@ from typing import Any
 from whetstone.inference.protocol import ChatRequest, CompletionRequest, encode_routes
 from whetstone.inference.sequence import Sequence
 from whetstone.tokenizer import Tokenizer, parse_assistant
+from whetstone.tokenizer.chat import TOOL_CALL_OPEN
 
 Decode = Callable[[list[int]], str]
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
 
 def _byte_alphabet() -> dict[str, int]:
@@ -109,16 +111,40 @@ def completion_choice(seq: Sequence, index: int, request: CompletionRequest, dec
     return choice | rl_fields(seq, request, 0, n, final=True)
 
 
+def without_think(text: str) -> str:
+    """`text` without the think block it starts with (`<think>` ... `</think>` and the newlines
+    after it), as a reply with tools shows it. A think block that never closed stays: it is all
+    the model wrote."""
+    if text.startswith(THINK_OPEN):
+        _, closed, answer = text.partition(THINK_CLOSE)
+        if closed:
+            return answer.lstrip("\n")
+    return text
+
+
+def content_before_calls(answer: str) -> str:
+    """The content of a reply with tools: its answer (`without_think`) up to its first tool call,
+    without the newline `render_chat` puts before a call."""
+    cut = answer.find(TOOL_CALL_OPEN)
+    return answer if cut < 0 else answer[:cut].removesuffix("\n")
+
+
 def assistant_message(text: str, use_tools: bool) -> tuple[dict[str, Any], bool]:
     """The assistant message for `text`, and whether it calls tools.
 
-    A malformed tool call keeps the whole text as content (nothing is lost) and its problems
-    in `tool_call_errors`.
+    With tools, the think block the text starts with is dropped, and the calls are parsed from
+    the rest (the answer). A malformed tool call keeps the whole answer as content (nothing of it
+    is lost) and its problems in `tool_call_errors`. Either content starts with what a stream
+    shows while the text grows (`stream.visible_content`), so a stream sends the same content.
     """
     if not use_tools:
         return {"role": "assistant", "content": text}, False
-    content, calls, errors = parse_assistant(text)
-    message: dict[str, Any] = {"role": "assistant", "content": (text if errors else content) or None}
+    answer = without_think(text)
+    _, calls, errors = parse_assistant(answer)
+    message: dict[str, Any] = {
+        "role": "assistant",
+        "content": (answer if errors else content_before_calls(answer)) or None,
+    }
     if calls:
         message["tool_calls"] = calls
     if errors:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
+import threading
 import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import TypeVar
 
+import pydantic_core
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
@@ -341,12 +344,36 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     return app
 
 
+PARSES_AT_ONCE = threading.BoundedSemaphore(4)
+"""Request bodies parsed at once: a body's parse tree takes up to ~25x its bytes (8 MiB of nested
+arrays, ~190 MB), so many large bodies at once are parsed a few at a time."""
+LONE_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")
+
+
 def parse(model: type[Body], raw: bytes) -> Body:
-    """`raw` JSON as `model`; errors as FastAPI reports them, for the app's 400 handler."""
-    try:
-        return model.model_validate_json(raw)
-    except ValidationError as err:
-        raise RequestValidationError(err.errors(include_url=False)) from None
+    """`raw` JSON as `model`; errors as FastAPI reports them, for the app's 400 handler. Parsed to
+    Python values first, then validated: validating JSON directly keeps the whole parse tree and
+    the validation's results alive together (twice the memory for a body of many token ids)."""
+    with PARSES_AT_ONCE:
+        try:
+            data = pydantic_core.from_json(raw)
+        except ValueError as err:
+            error = {"type": "json_invalid", "loc": ("body",), "msg": "JSON decode error", "input": {}}
+            raise RequestValidationError([error | {"ctx": {"error": _json_error(str(err), raw)}}]) from None
+        try:
+            return model.model_validate(data)
+        except ValidationError as err:
+            raise RequestValidationError(err.errors(include_url=False)) from None
+
+
+def _json_error(message: str, raw: bytes) -> str:
+    """The parser's message, or a true one where it misnames a lone surrogate (`\\ud800` alone is
+    "unexpected end of hex escape" to it): JSON may escape one, but it is half of a character."""
+    if "surrogate" in message or ("hex escape" in message and LONE_SURROGATE.search(raw)):
+        where = message[message.rfind(" at line ") :] if " at line " in message else ""
+        half = "lacks the other half of its surrogate pair (a lone surrogate is no character)"
+        return f"a \\uD800-\\uDFFF escape{where} {half}"
+    return message
 
 
 def track(request: Request, response_id: str, submission: Submission) -> None:

@@ -1,8 +1,11 @@
 """Streamed responses: OpenAI's chunk objects, one per engine event, for SSE.
 
-Chat streams with tools show content as it comes, but hold back anything that may turn out to
-be the start of a `<tool_call>`; the calls themselves are parsed from the finished text and sent
-whole (name and arguments) in the last chunk of their choice, as OpenAI clients accumulate them.
+Chat streams show the content of the reply that is not streamed (`assistant_message`), as it
+comes: with tools, they hold back a think block the text starts with (that reply drops it) and
+anything that may turn out to be the start of a `<tool_call>`. The last chunk of a choice sends
+whatever content is left, and the calls, parsed from the finished text and sent whole (name and
+arguments) as OpenAI clients accumulate them, or the `tool_call_errors` of malformed ones. The
+content chunks of a choice join into the content of the reply that is not streamed.
 """
 
 from __future__ import annotations
@@ -15,12 +18,16 @@ from fastapi import Request
 
 from whetstone.inference.protocol import ChatRequest, CompletionRequest
 from whetstone.inference.responses import (
+    THINK_CLOSE,
+    THINK_OPEN,
     assistant_message,
     chat_logprobs,
     completion_logprobs,
+    content_before_calls,
     header,
     rl_fields,
     usage,
+    without_think,
 )
 from whetstone.inference.submission import ClientGone, Submission
 from whetstone.tokenizer import Tokenizer
@@ -77,13 +84,16 @@ async def completion_stream(
 
 
 def visible_content(text: str, released: int, use_tools: bool) -> str:
-    """The part of the text that is surely content (not the start of a tool call)."""
+    """The part of the text that is surely content: the start of the content the finished reply
+    will have (`assistant_message`), however the text goes on. With tools, that leaves out a
+    think block the text starts with (all of it while it is open, or may be opening) and anything
+    from the start of a tool call on."""
     visible = text[:released]
     if not use_tools:
         return visible
-    cut = visible.find(TOOL_CALL_OPEN)
-    if cut >= 0:
-        return visible[:cut].rstrip("\n")
+    if THINK_OPEN.startswith(visible) or (visible.startswith(THINK_OPEN) and THINK_CLOSE not in visible):
+        return ""
+    visible = content_before_calls(without_think(visible))
     for size in range(min(len(TOOL_CALL_OPEN) - 1, len(visible)), 0, -1):
         if visible.endswith(TOOL_CALL_OPEN[:size]):
             visible = visible[:-size]
@@ -113,6 +123,8 @@ async def chat_stream(
                 finish = "tool_calls" if calls_tools and seq.finish_reason == "stop" else seq.finish_reason
                 if message.get("tool_calls"):
                     delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+                if message.get("tool_call_errors"):
+                    delta["tool_call_errors"] = message["tool_call_errors"]
             else:
                 content = visible_content(seq.text.text, event.text_released, body.use_tools)
             if content.startswith(sent_content[i]) and len(content) > len(sent_content[i]):
