@@ -7,6 +7,7 @@ failure into a `ConfigError` that names the file, the dotted key and what was wr
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
 import types
@@ -144,6 +145,30 @@ def read_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not readable: {err.strerror or err}") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config file {path} is not valid TOML: {err}") from None
+
+
+_VARIABLE = re.compile(r"\$(?:\{(\w+)\}|(\w+))")
+"""`$NAME` or `${NAME}` in a path."""
+
+
+def expand_path(path: str | Path) -> Path:
+    """A local path as a user wrote it, with `~` (or `~user`) and environment variables (`$NAME`,
+    `${NAME}`) expanded as a shell would: a TOML value or a `--set` value never passes through a
+    shell. A variable that is not set, or a `~user` with no such user, is refused by name rather
+    than made into a folder of that literal name. A relative path stays relative: it resolves
+    against the working directory."""
+    text = os.path.expanduser(os.fspath(path))
+    if text.startswith("~"):
+        user = text[1:].partition("/")[0]
+        raise ConfigError(f"path {os.fspath(path)!r}: there is no user {user!r} to expand ~{user} for")
+
+    def variable(match: re.Match) -> str:
+        name = match.group(1) or match.group(2)
+        if name not in os.environ:
+            raise ConfigError(f"path {os.fspath(path)!r}: the environment variable ${name} is not set")
+        return os.environ[name]
+
+    return Path(_VARIABLE.sub(variable, text))
 
 
 _VALUE_ERROR_PREFIX = "Value error, "

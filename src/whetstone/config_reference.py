@@ -29,6 +29,12 @@ HEADER = """# Configuration reference
 Every command takes an optional TOML file and `--set key.sub=value` overrides; unknown keys and
 wrong types are refused with the key named. Every field has a default that serves the embedded
 default run. Generated from the code: `python -m whetstone.config_reference > docs/configuration.md`.
+
+Paths (model folders, stores, output folders, task files, the feedback store) are expanded as a
+shell would expand them, since a TOML value or a `--set` value never passes through one: `~` is
+your home folder, and `$NAME` or `${NAME}` is that environment variable (one that is not set is
+refused, named). A relative path resolves against the working directory of the command, not
+against the folder of the config file.
 """
 
 

@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from pydantic import model_validator
 
-from whetstone.config import Config, dump_toml, load_config, parse_override
+from whetstone.config import Config, dump_toml, expand_path, load_config, parse_override
 from whetstone.errors import ConfigError
 
 
@@ -182,3 +182,33 @@ def test_control_characters_survive_the_round_trip(tmp_path):
     path = tmp_path / "labels.toml"
     path.write_text(dump_toml(cfg))
     assert load_config(Labels, path) == cfg
+
+
+def test_a_path_is_expanded_as_a_shell_would_and_an_unset_variable_is_named(monkeypatch):
+    """A TOML value or a `--set` value never passes through a shell: whetstone expands it."""
+    monkeypatch.setenv("HOME", "/home/someone")
+    monkeypatch.setenv("RUNS", "/data/runs")
+    monkeypatch.delenv("WHETSTONE_UNSET", raising=False)
+    assert expand_path("~/batches") == Path("/home/someone/batches")
+    assert expand_path("$RUNS/a") == expand_path("${RUNS}/a") == Path("/data/runs/a")
+    assert expand_path(Path("$HOME/x")) == Path("/home/someone/x")
+    assert expand_path("runs/a") == Path("runs/a")  # relative: against the working directory
+    assert expand_path("cost$") == Path("cost$")  # a `$` naming no variable stays
+    with pytest.raises(
+        ConfigError, match=r"path '\$WHETSTONE_UNSET/x': the environment variable \$WHETSTONE_UNSET is not set"
+    ):
+        expand_path("$WHETSTONE_UNSET/x")
+    with pytest.raises(ConfigError, match="there is no user 'no-such-user-x' to expand ~no-such-user-x"):
+        expand_path("~no-such-user-x/runs")
+
+
+def test_run_folders_expand_home_and_variables(monkeypatch):
+    from whetstone.midtrain.config import MidtrainConfig
+    from whetstone.run.config import PipelineConfig
+
+    monkeypatch.setenv("HOME", "/home/someone")
+    monkeypatch.setenv("RUNS", "/data/runs")
+    assert MidtrainConfig.model_validate({"run": {"output_dir": "$RUNS", "name": "m"}}).run.run_dir == Path(
+        "/data/runs/m"
+    )
+    assert PipelineConfig.model_validate({"output_dir": "~/runs", "name": "p"}).run_dir == Path("/home/someone/runs/p")

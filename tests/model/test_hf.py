@@ -177,6 +177,54 @@ def test_unsupported_configs_are_named(checkpoint, changes, message):
         load_hf(checkpoint)
 
 
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(rope_scaling="linear"), "rope_scaling must be a JSON object .* not a string 'linear'"),
+        (dict(rope_parameters=[1e6]), r"rope_parameters must be a JSON object .* not an array \[1000000.0\]"),
+        (dict(architectures="Qwen3MoeForCausalLM"), "architectures must be a JSON array of class names"),
+        (dict(model_type=["qwen3_moe"]), r"model_type must be a string, not an array \['qwen3_moe'\]"),
+    ],
+    ids=["rope-scaling-string", "rope-parameters-list", "architectures-string", "model-type-list"],
+)
+def test_a_config_key_of_the_wrong_json_type_is_named(checkpoint, changes, message):
+    _edit_config(checkpoint, **changes)
+    with pytest.raises(CheckpointError, match=f"config.json: {message}"):
+        load_hf(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "config, message",
+    [
+        ("[]", "config.json: expected a JSON object of config keys, not an array"),
+        ("null", "config.json: expected a JSON object of config keys, not null"),
+        ("dir", "config.json is a directory, not a JSON file"),
+    ],
+)
+def test_a_config_json_that_is_no_object_is_named(checkpoint, config, message):
+    (checkpoint / "config.json").unlink()
+    if config == "dir":
+        (checkpoint / "config.json").mkdir()
+    else:
+        (checkpoint / "config.json").write_text(config)
+    with pytest.raises(CheckpointError, match=message):
+        load_hf(checkpoint)
+
+
+def test_a_model_path_that_is_a_file_is_named(tmp_path):
+    (tmp_path / "model").write_text("x")
+    with pytest.raises(CheckpointError, match=f"{tmp_path / 'model'} is a file, not a Hugging Face checkpoint folder"):
+        load_hf(tmp_path / "model")
+
+
+def test_a_model_path_with_home_and_variables_is_expanded(checkpoint, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(checkpoint.parent))
+    monkeypatch.setenv("WHETSTONE_TEST_MODEL", checkpoint.name)
+    monkeypatch.chdir(tmp_path)
+    assert load_hf(f"~/{checkpoint.name}").cfg == load_hf(checkpoint).cfg
+    assert load_hf("~/${WHETSTONE_TEST_MODEL}").cfg.num_experts == 4
+
+
 def test_missing_weights_file(checkpoint):
     (checkpoint / "model.safetensors").unlink()
     with pytest.raises(CheckpointError, match="neither model.safetensors nor"):

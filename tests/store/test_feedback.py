@@ -176,6 +176,16 @@ def test_store_names_become_urls(tmp_path):
     assert database_url("sqlite:////x/y.db") == "sqlite:////x/y.db"
 
 
+def test_a_store_path_has_home_and_variables_expanded_and_a_url_is_left_as_given(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("FEEDBACK_DIR", str(tmp_path / "fb"))
+    monkeypatch.chdir(tmp_path)
+    assert database_url("~/f.db") == f"sqlite:///{tmp_path}/home/f.db"
+    assert database_url("${FEEDBACK_DIR}/f.db") == f"sqlite:///{tmp_path}/fb/f.db"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fb", "home"]  # no folder named `$FEEDBACK_DIR`
+    assert database_url("postgresql://u:pa$word@h/db") == "postgresql+psycopg://u:pa$word@h/db"
+
+
 def test_a_database_other_than_sqlite_or_postgresql_is_refused():
     with pytest.raises(WhetstoneError, match=r"mysql://u:\*\*\*@h/db: only SQLite .* and PostgreSQL"):
         FeedbackStore.open("mysql://u:secret@h/db")

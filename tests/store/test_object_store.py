@@ -79,6 +79,22 @@ def test_open_store_picks_the_backend(tmp_path, s3_endpoint):
     assert open_store("s3://whetstone/some", endpoint_url=s3_endpoint).list() == ["prefix/k"]
 
 
+def test_a_local_store_path_has_home_and_variables_expanded(tmp_path, monkeypatch):
+    """`batch_store = "~/batches"` is the home folder's, not a folder named `~` in the working directory."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("RUNS", str(tmp_path / "runs"))
+    monkeypatch.chdir(tmp_path)
+    open_store("~/batches").put("k", b"v")
+    open_store("file://$RUNS/weights").put("k", b"v")
+    LocalStore("${RUNS}/other").put("k", b"v")
+    assert (tmp_path / "home" / "batches" / "k").read_bytes() == b"v"
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["other", "weights"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home", "runs"]
+    assert open_store("~/batches", create=False).get("k") == b"v"
+    with pytest.raises(WhetstoneError, match=r"no store at .*home/typo"):
+        open_store("~/typo", create=False)
+
+
 @pytest.mark.parametrize("operation", ["get", "put", "put_if_absent", "list", "delete"])
 def test_missing_bucket_is_a_clear_error(s3_endpoint, operation):
     from whetstone.store.s3 import S3Store

@@ -71,6 +71,15 @@ def test_saved_tokenizer_loads_back_and_in_transformers(trained, tmp_path):
     )
 
 
+def test_a_tokenizer_folder_with_home_or_a_variable_is_expanded(trained, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("MODEL_DIR", str(tmp_path / "home" / "model"))
+    monkeypatch.chdir(tmp_path)
+    trained.save("~/model")
+    assert Tokenizer.load("$MODEL_DIR").encode(SAMPLE) == trained.encode(SAMPLE)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no folder named `~`
+
+
 def test_qwen3_checkpoint_tokenizer_loads_with_qwen3_ids(qwen3_dir, qwen3_hf):
     tokenizer = Tokenizer.load(qwen3_dir)
     first = qwen3_hf.convert_tokens_to_ids("<|endoftext|>")  # 151643 in the real file

@@ -3,6 +3,7 @@ and a kill -9 followed by a restart that neither loses nor repeats a batch."""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -23,7 +24,8 @@ from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.model.hf import load_hf
 from whetstone.store import LocalStore
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
-from whetstone.trainer.loop import read_batch_rank_0_read, run_trainer
+from whetstone.trainer import loop
+from whetstone.trainer.loop import read_batch_rank_0_read, run_trainer, wait_for_batch
 from whetstone.training.checkpoint import latest_checkpoint
 from whetstone.utils.metrics import read_metrics
 
@@ -291,3 +293,29 @@ def test_a_rank_waits_for_a_batch_rank_0_read_to_show_up_in_its_view_of_the_stor
     assert read_batch_rank_0_read(session, 0, within=10.0).meta["index"] == 0
     with pytest.raises(WhetstoneError, match=r"rank 1 cannot read .*0000000001.* which rank 0 read 0.2 s ago"):
         read_batch_rank_0_read(session, 1, within=0.2)
+
+
+def test_a_trainer_on_an_empty_batch_store_says_where_at_the_start(tmp_path, tiny_moe, batches, caplog):
+    """A mistyped batch_store is a new, empty store no orchestrator writes: the trainer names it."""
+    config = trainer_config(tmp_path, tiny_moe, batch_store=str(tmp_path / "batchez"))
+    with caplog.at_level(logging.WARNING, logger="whetstone.trainer"):
+        assert run_trainer(config)["step"] == 0  # idle_timeout 0.3 s
+    [warning] = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert f"the batch store LocalStore('{tmp_path / 'batchez'}') holds no batches" in warning
+    assert "waits for batch 0 there until idle_timeout (0.3 s) passes" in warning
+    caplog.clear()
+    put_batches(tmp_path / "batches", batches[:1])
+    with caplog.at_level(logging.WARNING, logger="whetstone.trainer"):
+        run_trainer(trainer_config(tmp_path / "b", tiny_moe, batch_store=str(tmp_path / "batches")))
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]  # a store holding batches: no word
+
+
+def test_a_trainer_waiting_on_an_empty_batch_store_says_so_again_while_idle(tmp_path, monkeypatch, caplog):
+    monkeypatch.setattr(loop, "IDLE_REPORT_S", 0.1)
+    config = SimpleNamespace(idle_timeout=0.45, poll_interval=0.02)
+    session = SimpleNamespace(batches=LocalStore(tmp_path / "batchez"), rank=0, config=config)
+    with caplog.at_level(logging.WARNING, logger="whetstone.trainer"):
+        assert wait_for_batch(session, 0, threading.Event()) is None
+    reports = [r.getMessage() for r in caplog.records]
+    assert len(reports) >= 2, reports
+    assert all(m.startswith("still waiting for batch 0 after ") and "batchez" in m for m in reports)

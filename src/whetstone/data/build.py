@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from whetstone.config import expand_path
 from whetstone.data.config import LOADER_FIELDS, CorpusConfig
 from whetstone.data.dedup import deduplicate
 from whetstone.data.loader import MANIFEST_VERSION, Corpus
@@ -37,7 +38,7 @@ def build_corpus(config: CorpusConfig, demos: DemoSource | None = None, *, rebui
     files = list_sources(config)
     transcripts, demo_hash = collect_demos(demos) if demos is not None else ([], None)
     key = cache_key(config, files, demo_hash)
-    path = Path(config.cache_dir).expanduser() / key
+    path = expand_path(config.cache_dir) / key
     if rebuild or not (path / "manifest.json").exists():
         with atomic_directory(path) as tmp:
             _build_into(tmp, config, files, transcripts, key)
@@ -63,7 +64,7 @@ def _build_into(
         train, val = split_documents(documents, config.validation_fraction, config.split_seed)
     with stage("tokenizer"):
         if config.tokenizer:
-            tokenizer = Tokenizer.load(Path(config.tokenizer).expanduser())
+            tokenizer = Tokenizer.load(config.tokenizer)
         else:  # trained on the train split only: validation text stays unseen
             with progress_bar(None, "train tokenizer", "run") as bar:  # one call: elapsed time only
                 tokenizer = Tokenizer.train((d.text for d in train), config.vocab_size, length=len(train))
@@ -122,7 +123,7 @@ def cache_key(config: CorpusConfig, files: list[SourceFile], demo_hash: str | No
         "demos": demo_hash,
     }
     if config.tokenizer:
-        folder = Path(config.tokenizer).expanduser()
+        folder = expand_path(config.tokenizer)
         recipe["tokenizer"] = [_file_hash(folder / n) for n in ("tokenizer.json", "tokenizer_config.json")]
     return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
 

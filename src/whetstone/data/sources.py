@@ -15,6 +15,7 @@ import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
+from whetstone.config import expand_path
 from whetstone.data.config import CorpusConfig
 from whetstone.errors import WhetstoneError
 from whetstone.utils.progress import progress_bar
@@ -80,12 +81,12 @@ def list_sources(config: CorpusConfig) -> list[SourceFile]:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
         files += _walk(stdlib, "stdlib", ["**/*.py"], config.stdlib_exclude)
     for number, source in enumerate(config.directories):
-        root = Path(source.path).expanduser()
+        root = expand_path(source.path)
         if not root.is_dir():
             raise WhetstoneError(f"corpus: directories[{number}].path {source.path!r} is not a directory")
         files += _walk(root, source.path.rstrip("/"), source.include, source.exclude)
     for number, source in enumerate(config.jsonl):
-        path = Path(source.path).expanduser()
+        path = expand_path(source.path)
         if not path.is_file():
             raise WhetstoneError(f"corpus: jsonl[{number}].path {source.path!r} does not exist")
         stat = path.stat()

@@ -57,7 +57,9 @@ def list_tasks(
     config: Path | None = CONFIG,
     as_json: bool = typer.Option(False, "--json", help="One JSON object per task (no files)."),
 ) -> None:
-    """One line per task: id, split, kind, difficulty and the start of the instruction."""
+    """One line per task: id, split, kind, difficulty and the start of the instruction. A record that
+    cannot be read stops it, named: a list missing tasks would pass for the whole set (`validate`
+    reports every bad record)."""
     from whetstone.envs.tasks.registry import load_source
 
     for task in load_source(source, overrides, config):
@@ -78,14 +80,28 @@ def show(
     reveal: bool = typer.Option(False, help="Also print the hidden tests and the reference solution."),
     as_json: bool = typer.Option(False, "--json", help="Print the whole task record as JSON."),
 ) -> None:
-    """Print one task: its fields, the files the agent starts with, and (with --reveal) what grades it."""
-    from whetstone.envs.tasks.registry import load_source
+    """Print one task: its fields, the files the agent starts with, and (with --reveal) what grades it.
+    Records of other tasks that cannot be read do not hide it: they are counted in a warning."""
+    from whetstone.envs.tasks.registry import source_records
     from whetstone.errors import WhetstoneError
 
-    tasks = {task.id: task for task in load_source(source, overrides, config)}
-    if task_id not in tasks:
-        raise WhetstoneError(f"no task {task_id!r} in {source} ({len(tasks)} tasks; see `whetstone tasks list`)")
-    task = tasks[task_id]
+    task, count, bad = None, 0, []
+    for record in source_records(source, overrides, config):
+        if record.task is None and record.id == task_id:
+            raise WhetstoneError(f"task {task_id!r} ({record.where}) cannot be read: {record.problem}")
+        if record.task is None:
+            bad.append(record)
+        else:
+            count += 1
+            task = record.task if record.task.id == task_id else task
+    unreadable = f"{len(bad)} records cannot be read (first: {bad[0].where}: {bad[0].problem})" if bad else ""
+    if task is None:
+        raise WhetstoneError(
+            f"no task {task_id!r} in {source} ({count} tasks; see `whetstone tasks list`)"
+            + (f"; {unreadable}, see `whetstone tasks validate`" if bad else "")
+        )
+    if bad:
+        typer.echo(f"warning: {source}: {unreadable}; `whetstone tasks validate` lists them", err=True)
     if as_json:
         typer.echo(task.model_dump_json(indent=2))
         return
@@ -120,7 +136,9 @@ def export(
     valid_only: bool = typer.Option(False, help="Validate first and write only the tasks that pass."),
     workers: int = typer.Option(2, min=1, help="Tasks validated at once, with --valid-only."),
 ) -> None:
-    """Write a source's tasks to a JSONL file or a folder per task (atomically)."""
+    """Write a source's tasks to a JSONL file or a folder per task (atomically). A record that cannot be
+    read stops it before anything is written, named: the copy would silently lack that task
+    (`--valid-only` writes the valid tasks and lists the others)."""
     from whetstone.envs.tasks.io import output_layout, write_tasks
     from whetstone.envs.tasks.registry import load_source, source_records
     from whetstone.envs.tasks.validate import validate_records

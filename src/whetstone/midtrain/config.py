@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from whetstone.config import Config
+from whetstone.config import Config, expand_path
 from whetstone.data import CorpusConfig
 from whetstone.model import ModelConfig
 from whetstone.training.config import OptimizerConfig
@@ -68,8 +68,8 @@ class RunConfig(Config):
 
     @property
     def run_dir(self) -> Path:
-        """The run folder, `<output_dir>/<name>` (`~` expanded)."""
-        return Path(self.output_dir).expanduser() / self.name
+        """The run folder, `<output_dir>/<name>` (`~` and `$NAME` expanded: `expand_path`)."""
+        return expand_path(self.output_dir) / self.name
 
 
 class MidtrainModelConfig(ModelConfig):

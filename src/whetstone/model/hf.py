@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from whetstone.config import expand_path
 from whetstone.errors import CheckpointError
 from whetstone.model.config import ModelConfig
 from whetstone.model.hf_convert import (
@@ -45,12 +46,20 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:
-    """The ModelConfig of an HF checkpoint folder (its config.json)."""
-    config_path = Path(path) / "config.json"
+    """The ModelConfig of an HF checkpoint folder (its config.json); `~` and `$NAME` in `path` are
+    expanded (`expand_path`)."""
+    folder = expand_path(path)
+    config_path = folder / "config.json"
+    if folder.exists() and not folder.is_dir():
+        raise CheckpointError(f"{folder} is a file, not a Hugging Face checkpoint folder (config.json + safetensors)")
     try:
-        config = json.loads(config_path.read_text())
+        config = json.loads(config_path.read_bytes().decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{config_path} does not exist (not a Hugging Face checkpoint folder?)") from None
+    except IsADirectoryError:
+        raise CheckpointError(f"{config_path} is a directory, not a JSON file") from None
+    except OSError as err:
+        raise CheckpointError(f"{config_path} cannot be read: {err.strerror or err}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
     return model_config_from_hf(config, str(config_path))
@@ -123,8 +132,9 @@ def _load_experts(files: _TensorFiles, layer: int, cfg: ModelConfig, dtype: torc
 
 
 def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
-    """A Transformer with the config and weights of an HF Qwen3 / Qwen3-MoE checkpoint folder."""
-    folder = Path(path)
+    """A Transformer with the config and weights of an HF Qwen3 / Qwen3-MoE checkpoint folder
+    (`~` and `$NAME` in `path` expanded)."""
+    folder = expand_path(path)
     cfg = read_hf_config(folder)
     with torch.device("meta"):
         model = Transformer(cfg)  # no memory, no init: every tensor is replaced below

@@ -155,7 +155,10 @@ def hf_config(cfg: ModelConfig, dtype: str) -> dict[str, Any]:
 def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
     """ModelConfig from a config.json dict. A key the file leaves out takes transformers' default
     (HF_DEFAULTS), so a folder loads to the model transformers builds from it; a key set to null
-    is refused unless transformers gives null a meaning; unsupported features are named."""
+    is refused unless transformers gives null a meaning; unsupported features are named; a value
+    of the wrong JSON type is named with its key."""
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{source}: expected a JSON object of config keys, not {_json_type(config)}")
     kind = _model_kind(config, source)
     defaults = HF_DEFAULTS[kind]
     nullable = {"num_key_value_heads"} if kind == "qwen3" else {"mlp_only_layers"}
@@ -179,6 +182,12 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
         raise unsupported("attention_bias", True)
     if config.get("use_sliding_window", False):
         raise unsupported("use_sliding_window", True)
+    for key in ("rope_scaling", "rope_parameters"):
+        if config.get(key) is not None and not isinstance(config[key], dict):
+            raise CheckpointError(
+                f'{source}: {key} must be a JSON object (such as {{"rope_type": "default"}}) or null, '
+                f"not {_json_type(config[key])} {config[key]!r}"
+            )
     # transformers takes rope_scaling over rope_parameters, and a rope_theta inside over one beside.
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
@@ -237,6 +246,13 @@ def _model_kind(config: dict[str, Any], source: str) -> str:
     """qwen3 or qwen3_moe. transformers builds by model_type; architectures, when given, must agree."""
     architectures = config.get("architectures") or []
     model_type = config.get("model_type")
+    if not isinstance(architectures, list) or not all(isinstance(name, str) for name in architectures):
+        raise CheckpointError(
+            f"{source}: architectures must be a JSON array of class names (such as "
+            f'["Qwen3ForCausalLM"]), not {_json_type(architectures)} {architectures!r}'
+        )
+    if model_type is not None and not isinstance(model_type, str):
+        raise CheckpointError(f"{source}: model_type must be a string, not {_json_type(model_type)} {model_type!r}")
     if architectures and architectures[0] not in ARCHITECTURES:
         raise CheckpointError(
             f"{source}: architecture {architectures[0]!r} is not supported (supported: {', '.join(ARCHITECTURES)})"
@@ -253,3 +269,14 @@ def _model_kind(config: dict[str, Any], source: str) -> str:
             f"({architectures[0]} has model_type {ARCHITECTURES[architectures[0]]!r})"
         )
     return model_type if model_type is not None else ARCHITECTURES[architectures[0]]
+
+
+def _json_type(value: Any) -> str:
+    """What `value` is in JSON's words, for messages: an array, a string, a number..."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {dict: "an object", list: "an array", str: "a string"}.get(type(value), type(value).__name__)

@@ -35,12 +35,11 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from whetstone.config import dump_toml
+from whetstone.config import dump_toml, expand_path
 from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.model.hf import load_hf
 from whetstone.model.layout import autocast_tables
@@ -76,7 +75,7 @@ class OnlineLoop:
     def __init__(self, config: OnlineConfig):
         configure_process(config.threads)
         self.config = config
-        self.run_dir = Path(config.output_dir).expanduser()
+        self.run_dir = expand_path(config.output_dir)
         self.checkpoints = self.run_dir / "checkpoints"
         self.device = resolve_device(config.device)
         use_device(self.device)

@@ -18,6 +18,7 @@ import random
 from collections.abc import Iterable
 from pathlib import Path
 
+from whetstone.config import expand_path
 from whetstone.errors import WhetstoneError
 from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import NOT_GENERATED, Sample
@@ -35,7 +36,7 @@ def write_demos(path: str | Path, transcripts: Iterable[list[Message]]) -> int:
 def load_demos(path: str | Path, tokenizer: Tokenizer, max_positions: int = 0) -> list[Sample]:
     """The transcripts of `path` as samples that train on the assistant's tokens. Transcripts
     longer than `max_positions` (0 = any length) are skipped; a bad line is an error naming it."""
-    path = Path(path).expanduser()
+    path = expand_path(path)
     try:
         lines = path.read_text().splitlines()
     except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as err:

@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from whetstone.config import Config, format_validation_error
+from whetstone.config import Config, expand_path, format_validation_error
 from whetstone.data import CorpusConfig
 from whetstone.envs.eval.config import EvalConfig
 from whetstone.envs.harness import HarnessConfig, RolloutConfig
@@ -327,8 +327,8 @@ class PipelineConfig(Config):
 
     @property
     def run_dir(self) -> Path:
-        """The run folder, `<output_dir>/<name>`."""
-        return Path(self.output_dir) / self.name
+        """The run folder, `<output_dir>/<name>` (`~` and `$NAME` expanded: `expand_path`)."""
+        return expand_path(self.output_dir) / self.name
 
     def resolved(self, servers: list[str] | None = None) -> PipelineConfig:
         """The config as the stages run it; the pipeline runs this one and writes it to

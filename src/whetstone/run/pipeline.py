@@ -324,7 +324,8 @@ class Pipeline:
     def start_servers(self) -> None:
         servers = self.config.servers
         # servers follow the weight store before the trainer's first publish, and a missing store is an error
-        Path(self.config.rl.orchestrator.weight_store).mkdir(parents=True, exist_ok=True)
+        orchestrator = self.config.rl.orchestrator
+        open_store(orchestrator.weight_store, endpoint_url=orchestrator.store_endpoint_url)  # a local one is created
         sync = self.config.rl.trainer.sync
         for store in sync.mirrors:  # the clusters' stores (placement.ray.cluster_stores): created if local
             open_store(store, endpoint_url=sync.endpoint_url)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from whetstone.config import expand_path
 from whetstone.envs.tasks.humaneval import default_data_file
 from whetstone.envs.tasks.io import read_records
 from whetstone.envs.tasks.registry import SOURCES, TasksConfig, check_source
@@ -43,7 +44,7 @@ def check_run_config(config: PipelineConfig, midtrain_only: bool = False) -> Non
 def _problems(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:
     yield from _writable("output_dir, name", config.run_dir)
     data = config.midtrain.data
-    yield from _writable("midtrain.data.cache_dir", Path(data.cache_dir).expanduser())
+    yield from _writable("midtrain.data.cache_dir", expand_path(data.cache_dir))
     for number, source in enumerate(data.directories):
         yield from _exists(f"midtrain.data.directories[{number}].path", source.path, "dir")
     for number, source in enumerate(data.jsonl):
@@ -156,7 +157,7 @@ def _tasks(key: str, tasks: TasksConfig) -> Iterator[str]:
 
 
 def _exists(key: str, path: str | Path, kind: str) -> Iterator[str]:
-    found = Path(path).expanduser()
+    found = expand_path(path)
     if not (found.is_dir() if kind == "dir" else found.is_file()):
         yield f"{key}: {'folder' if kind == 'dir' else 'file'} {str(path)!r} does not exist"
 

@@ -1,7 +1,8 @@
 """Object stores: one small interface, a local-directory backend and an S3 backend.
 
-`open_store("runs/weights")` is a local directory; `open_store("s3://bucket/prefix",
-endpoint_url=...)` is a bucket (the endpoint selects MinIO, R2, moto... instead of AWS).
+`open_store("runs/weights")` is a local directory (`~` and `$NAME` expanded, relative to the
+working directory); `open_store("s3://bucket/prefix", endpoint_url=...)` is a bucket (the endpoint
+selects MinIO, R2, moto... instead of AWS).
 """
 
 from __future__ import annotations

@@ -33,6 +33,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
+from whetstone.config import expand_path
 from whetstone.errors import WhetstoneError
 
 metadata = sa.MetaData()
@@ -143,9 +144,9 @@ class RatedResponse:
 
 def database_url(store: str) -> str:
     """A SQLAlchemy URL for `store`: a URL as given (psycopg 3 for plain `postgresql://`), or a
-    SQLite file path (its folder is created)."""
+    SQLite file path (`~` and `$NAME` expanded; its folder is created)."""
     if "://" not in store:
-        path = Path(store).expanduser().resolve()
+        path = expand_path(store).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
         return f"sqlite:///{path}"
     if store.startswith("postgresql://") or store.startswith("postgres://"):

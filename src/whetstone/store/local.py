@@ -6,6 +6,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from whetstone.config import expand_path
 from whetstone.errors import WhetstoneError
 from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key
 from whetstone.utils.atomic import atomic_write_bytes
@@ -13,9 +14,10 @@ from whetstone.utils.atomic import atomic_write_bytes
 
 class LocalStore(ObjectStore):
     def __init__(self, root: str | Path, create: bool = True):
-        """`create`: make the directory if it does not exist (writers); otherwise a missing
-        directory is an error naming it (readers: a mistyped path must not become an empty store)."""
-        self.root = Path(root)
+        """`root`: `~` and `$NAME` expanded (`expand_path`). `create`: make the directory if it does
+        not exist (writers); otherwise a missing directory is an error naming it (readers: a
+        mistyped path must not become an empty store)."""
+        self.root = expand_path(root)
         if create:
             self.root.mkdir(parents=True, exist_ok=True)
         elif not self.root.is_dir():

@@ -18,6 +18,7 @@ from typing import Any
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors, trainers
 from tokenizers import Tokenizer as Backend
 
+from whetstone.config import expand_path
 from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.tokenizer.template import CHAT_TEMPLATE
 from whetstone.utils.atomic import atomic_write_json, atomic_write_text
@@ -147,8 +148,9 @@ class Tokenizer:
 
     @classmethod
     def load(cls, directory: str | Path) -> "Tokenizer":
-        """Load `tokenizer.json` (and `tokenizer_config.json` if present) from a checkpoint folder."""
-        directory = Path(directory)
+        """Load `tokenizer.json` (and `tokenizer_config.json` if present) from a checkpoint folder
+        (`~` and `$NAME` in `directory` expanded)."""
+        directory = expand_path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(f"{path} does not exist")
@@ -167,7 +169,7 @@ class Tokenizer:
 
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (each atomically) for AutoTokenizer or `load`."""
-        directory = Path(directory)
+        directory = expand_path(directory)
         atomic_write_text(directory / "tokenizer.json", self._backend.to_str(pretty=True))
         atomic_write_json(directory / "tokenizer_config.json", self.config)
 

@@ -24,7 +24,7 @@ import torch
 from whetstone.config import dump_toml
 from whetstone.errors import WhetstoneError
 from whetstone.rl.batch import Batch, shuffled_parts
-from whetstone.rl.batch_store import batch_key, get_batch
+from whetstone.rl.batch_store import batch_key, get_batch, next_batch_index
 from whetstone.rl.demos import demo_rows
 from whetstone.sync import Publisher, Subscriber
 from whetstone.sync.publisher import Published
@@ -73,18 +73,47 @@ def read_batch_rank_0_read(session: TrainerSession, index: int, within: float = 
     return batch
 
 
+IDLE_REPORT_S = 60.0
+"""Seconds between reports of a trainer still waiting for a batch."""
+
+
+def report_waiting(session: TrainerSession, index: int, waited_s: float = 0.0) -> None:
+    """Say where the trainer waits for batch `index`, and for how long it has: a warning while the
+    batch store holds no batch at all (a mistyped batch_store is a new, empty store that no
+    orchestrator writes, where the trainer would otherwise wait silently, for ever with
+    idle_timeout = 0); an info line otherwise. Nothing at the start (`waited_s` 0) of a store
+    that holds batches."""
+    newest = next_batch_index(session.batches) - 1
+    still = f"still waiting for batch {index} after {waited_s:.0f} s: " if waited_s else ""
+    if newest < 0:
+        timeout = session.config.idle_timeout
+        log.warning(
+            "%sthe batch store %r holds no batches (a new or empty store: is batch_store the path the "
+            "orchestrator writes to?); the trainer waits for batch %d there %s",
+            still,
+            session.batches,
+            index,
+            f"until idle_timeout ({timeout:g} s) passes" if timeout else "for ever (idle_timeout = 0)",
+        )
+    elif waited_s:
+        log.info("%sthe batch store %r holds batches up to %d", still, session.batches, newest)
+
+
 def wait_for_batch(
     session: TrainerSession, index: int, stop: threading.Event, before_idle: Callable[[], None] = lambda: None
 ) -> Batch | None:
     """Batch `index` once it is in the store; None if `stop` is set or none came within `idle_timeout`.
-    `before_idle` runs (on rank 0) once, when the batch is not there at the first look.
+    `before_idle` runs (on rank 0) once, when the batch is not there at the first look; every
+    `IDLE_REPORT_S` of waiting, rank 0 says so (`report_waiting`).
 
     Under torchrun rank 0 polls and decides, and tells the other ranks after every poll (they
     then read the batch themselves): all ranks stop together, and none sits in one collective
     for longer than a poll interval, however long the orchestrator takes.
     """
     config = session.config
-    deadline = time.monotonic() + config.idle_timeout if config.idle_timeout else None
+    started = time.monotonic()
+    deadline = started + config.idle_timeout if config.idle_timeout else None
+    report_at = started + IDLE_REPORT_S
     while True:
         batch = decision = None
         if session.rank == 0:
@@ -99,6 +128,9 @@ def wait_for_batch(
         if session.rank == 0:
             before_idle()
             before_idle = lambda: None  # noqa: E731
+            if (now := time.monotonic()) >= report_at:
+                report_waiting(session, index, now - started)
+                report_at = now + IDLE_REPORT_S
             stop.wait(config.poll_interval)
 
 
@@ -288,6 +320,8 @@ def _run(session: TrainerSession, stop: threading.Event) -> dict[str, Any]:
     if lead:
         session.run_dir.mkdir(parents=True, exist_ok=True)
         atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
+        if not config.max_steps or state.step < config.max_steps:
+            report_waiting(session, state.step)  # an empty batch store is named at the start
     first_step, checkpointed = state.step, state.step
 
     def write(record: dict[str, Any]) -> None:

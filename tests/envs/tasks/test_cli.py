@@ -41,6 +41,27 @@ def test_show_unknown_task_is_a_clear_error():
     assert result.exit_code != 0 and "no task 'synth/train/nope'" in str(result.exception)
 
 
+def test_show_finds_a_good_task_among_bad_records_and_warns_of_them(tmp_path):
+    good, other = generate(SynthConfig(count=2))
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(
+        good.model_dump_json()
+        + "\n{not json\n"
+        + '{"id": "bad/1", "instruction": "x"}\n'
+        + other.model_dump_json()
+        + "\n"
+    )
+    shown = runner.invoke(app, ["show", str(path), other.id])
+    assert shown.exit_code == 0, shown.output
+    assert f"id: {other.id}" in shown.stdout
+    assert f"2 records cannot be read (first: {path}:2: not valid JSON" in shown.stderr
+    bad = runner.invoke(app, ["show", str(path), "bad/1"])  # its own record is bad: that problem is the error
+    assert isinstance(bad.exception, WhetstoneError)
+    assert f"task 'bad/1' ({path}:3) cannot be read: field '<record>'" in str(bad.exception)
+    listed = runner.invoke(app, ["list", str(path)])  # a list missing tasks would pass for the whole set
+    assert isinstance(listed.exception, WhetstoneError) and f"{path}:2: not valid JSON" in str(listed.exception)
+
+
 def test_export_writes_what_list_shows(tmp_path):
     result = runner.invoke(app, ["export", "synth", str(tmp_path / "out"), "-s", "count=4", "-s", "split=heldout"])
     assert result.exit_code == 0, result.output

@@ -7,6 +7,8 @@ from pydantic import ValidationError
 
 from whetstone.envs.task import Task
 from whetstone.envs.tasks.io import read_records, read_tasks, write_tasks
+from whetstone.envs.tasks.registry import check_source
+from whetstone.envs.tasks.validate import validate_records
 from whetstone.errors import WhetstoneError
 
 
@@ -162,3 +164,93 @@ def test_failed_write_leaves_the_old_file(tmp_path):
         write_tasks(tasks_then_crash(), path)
     assert path.read_text() == before
     assert [p.name for p in tmp_path.iterdir()] == ["tasks.jsonl"]  # no temporary left behind
+
+
+def _folder_set(tmp_path):
+    write_tasks([_task()], tmp_path / "out")
+    return tmp_path / "out", tmp_path / "out" / "custom__0001"
+
+
+def test_a_symbolic_link_out_of_the_task_folder_is_refused_named(tmp_path):
+    """An untrusted task must not carry a file of the machine (~/.aws/credentials) into its repo_files."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("password\n")
+    root, folder = _folder_set(tmp_path)
+    (folder / "repo" / "leak.py").symlink_to(secret)
+    [record] = read_records(root)
+    assert record.task is None
+    assert f"{folder / 'repo' / 'leak.py'} is a symbolic link to {secret}, outside the task folder" in record.problem
+    (folder / "repo" / "leak.py").unlink()
+    (folder / "hidden_tests" / "data").symlink_to(tmp_path, target_is_directory=True)  # a folder out, too
+    with pytest.raises(WhetstoneError, match=f"{folder / 'hidden_tests' / 'data'} is a symbolic link to {tmp_path},"):
+        read_tasks(root)
+
+
+@pytest.mark.parametrize("link", ["task.json", "repo", "solution"])
+def test_task_json_and_the_file_folders_cannot_be_links_out_of_the_task_folder(tmp_path, link):
+    root, folder = _folder_set(tmp_path)
+    outside = tmp_path / f"outside-{link}"
+    (folder / link).rename(outside)
+    (folder / link).symlink_to(outside)
+    with pytest.raises(WhetstoneError, match=f"{folder / link} is a symbolic link to {outside}, outside the task"):
+        read_tasks(root)
+
+
+def test_a_broken_link_and_a_link_to_a_folder_are_named_and_a_link_inside_is_read(tmp_path):
+    root, folder = _folder_set(tmp_path)
+    (folder / "repo" / "gone.py").symlink_to("nothere.py")
+    with pytest.raises(
+        WhetstoneError, match=f"{folder / 'repo' / 'gone.py'} is a broken symbolic link \\(to nothere.py\\)"
+    ):
+        read_tasks(root)
+    (folder / "repo" / "gone.py").unlink()
+    (folder / "repo" / "lib").symlink_to("calc", target_is_directory=True)
+    with pytest.raises(WhetstoneError, match=f"{folder / 'repo' / 'lib'} is a symbolic link to the folder"):
+        read_tasks(root)
+    (folder / "repo" / "lib").unlink()
+    (folder / "repo" / "calc" / "same.py").symlink_to("ops.py")  # inside the task folder: read as a copy
+    [task] = read_tasks(root)
+    assert task.repo_files["calc/same.py"] == task.repo_files["calc/ops.py"]
+
+
+@pytest.mark.parametrize(
+    ("task_id", "problem"),
+    [
+        ("..", "has an empty, '.' or '..' part"),
+        ("a/../../x", "has an empty, '.' or '..' part"),
+        ("/abs", "has an empty, '.' or '..' part"),
+        ("a//b", "has an empty, '.' or '..' part"),
+        (".", "has an empty, '.' or '..' part"),
+        ("a\nb", "holds the control character '\\n'"),
+        ("a\x00b", "holds the control character '\\x00'"),
+        ("x" * 300, "is longer than a folder name can be"),
+    ],
+)
+def test_an_id_that_cannot_name_a_folder_is_refused_naming_the_line(tmp_path, task_id, problem):
+    path = tmp_path / "tasks.jsonl"
+    bad = json.dumps({**json.loads(_task().model_dump_json()), "id": task_id})
+    path.write_text(_task("custom/ok").model_dump_json() + "\n" + bad + "\n")
+    good, refused = read_records(path)
+    assert good.task is not None and refused.task is None and refused.id == task_id
+    assert refused.where == f"{path}:2" and refused.problem.startswith("field 'id': id ")
+    assert problem in refused.problem
+    with pytest.raises(WhetstoneError, match=f"{path}:2: field 'id'"):
+        read_tasks(path)
+
+
+def test_a_task_with_an_unsafe_id_is_not_written_as_a_folder(tmp_path):
+    with pytest.raises(WhetstoneError, match=r"task '\.\.': id '\.\.' has an empty, '\.' or '\.\.' part"):
+        write_tasks([_task("..")], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_task_source_path_has_home_and_variables_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("TASKS", str(tmp_path / "sets"))
+    monkeypatch.chdir(tmp_path)
+    write_tasks([_task()], "~/sets/tasks.jsonl")
+    assert read_tasks("$TASKS/tasks.jsonl") == read_tasks(tmp_path / "sets" / "tasks.jsonl") == [_task()]
+    check_source("~/sets/tasks.jsonl")  # what `whetstone run` asks before its first stage
+    validate_records([], cache_path="~/sets/cache.json")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sets"]
+    assert sorted(p.name for p in (tmp_path / "sets").iterdir()) == ["cache.json", "tasks.jsonl"]

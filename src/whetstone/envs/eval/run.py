@@ -9,9 +9,9 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
-from pathlib import Path
 from typing import Any
 
+from whetstone.config import expand_path
 from whetstone.envs.eval.config import EvalConfig
 from whetstone.envs.eval.report import build_report, render_markdown, temperature_point
 from whetstone.envs.harness import AgentHarness, ServerPool, run_rollouts
@@ -48,7 +48,7 @@ def evaluate(
     }
     report = build_report(swept[headline], config.k, run)
     report["temperatures"] = [temperature_point(t, group, config.k) for t, group in swept.items()]
-    out = Path(config.output_dir)
+    out = expand_path(config.output_dir)
     if config.save_trajectories:
         save_trajectories(out / "trajectories.jsonl", [t for group in swept.values() for t in group])
     atomic_write_json(out / "report.json", report)

@@ -7,6 +7,11 @@ Folder layout (easy to read and edit by hand):
                                  /hidden_tests/... hidden_tests
                                  /solution/...     solution_files
 
+A symbolic link in a task folder is read as the file it points to when that file is inside the
+task folder; one pointing outside it (an untrusted task must not pull in ~/.aws/credentials, to be
+exported and shown), to a folder, or nowhere makes the record bad. A task id names its folder, so
+ids that are not safe as one (`unsafe_id`) make the record bad too.
+
 Errors name the file, the line (JSONL) and the field that is wrong. `read_records` yields a
 problem per bad record instead of raising, for `whetstone tasks validate`, which reports bad
 records alongside tasks that fail validation.
@@ -15,12 +20,14 @@ records alongside tasks that fail validation.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import ValidationError
 
+from whetstone.config import expand_path
 from whetstone.envs.task import Task
 from whetstone.errors import WhetstoneError
 from whetstone.utils.atomic import atomic_directory, atomic_write_text
@@ -36,6 +43,28 @@ class Record:
     where: str
     task: Task | None = None
     problem: str | None = None
+    id: str | None = None
+    """The id a bad record gives (when it gives a string one): `whetstone tasks show` names the
+    problem of the task asked for."""
+
+
+MAX_FOLDER_NAME_BYTES = 255
+"""The longest file name Linux file systems take, in bytes: a task's folder name is its id."""
+
+
+def unsafe_id(task_id: str) -> str | None:
+    """Why `task_id` cannot be a task id, or None. An id names the task's folder (`folder_name`)
+    and is printed one per line: it holds no control character (a line break, NUL), no part
+    between `/` that is empty, `.` or `..`, and fits in a folder name."""
+    if control := next((char for char in task_id if ord(char) < 32 or ord(char) == 127), None):
+        return f"id {task_id!r} holds the control character {control!r}"
+    if any(part in ("", ".", "..") for part in task_id.split("/")):
+        return (
+            f"id {task_id!r} has an empty, '.' or '..' part between '/' (it names a folder: write e.g. 'source/name')"
+        )
+    if len(folder_name(task_id).encode("utf-8")) > MAX_FOLDER_NAME_BYTES:
+        return f"id {task_id[:40]!r}... is longer than a folder name can be ({MAX_FOLDER_NAME_BYTES} bytes)"
+    return None
 
 
 def _problem(err: ValidationError) -> str:
@@ -49,10 +78,13 @@ def _problem(err: ValidationError) -> str:
 def _parse(data: object, where: str) -> Record:
     if not isinstance(data, dict):
         return Record(where, problem="expected a JSON object")
+    given_id = data.get("id") if isinstance(data.get("id"), str) else None
+    if given_id is not None and (reason := unsafe_id(given_id)):
+        return Record(where, problem=f"field 'id': {reason}", id=given_id)
     try:
         return Record(where, task=Task.model_validate(data))
     except ValidationError as err:
-        return Record(where, problem=_problem(err))
+        return Record(where, problem=_problem(err), id=given_id)
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
@@ -74,20 +106,56 @@ def _read_jsonl(path: Path) -> Iterator[Record]:
             yield _parse(data, where)
 
 
-def _read_tree(root: Path) -> dict[str, str]:
+def _check_link(path: Path, task_folder: Path) -> None:
+    """Raise unless the symbolic link `path` points to a file inside `task_folder` (resolved)."""
+    target = Path(os.path.realpath(path))
+    if not target.is_relative_to(task_folder):
+        raise WhetstoneError(
+            f"{path} is a symbolic link to {target}, outside the task folder {task_folder}: refused "
+            "(a task reads only its own files; copy the file in)"
+        )
+    if not target.exists():
+        raise WhetstoneError(f"{path} is a broken symbolic link (to {os.readlink(path)}): no file there")
+    if target.is_dir():
+        raise WhetstoneError(f"{path} is a symbolic link to the folder {target}: only links to files are read")
+
+
+def _read_tree(root: Path, task_folder: Path) -> dict[str, str]:
     """Every file under `root`, decoded from its bytes, so line endings (CRLF, a lone CR) come
-    back exactly as written: a `solution_patch` over such files must still apply."""
+    back exactly as written: a `solution_patch` over such files must still apply. A symbolic link
+    is read as its target if `_check_link` allows it."""
+    paths = []
+    for directory, folders, names in os.walk(root, onerror=_unreadable):  # a linked folder is listed, not entered
+        for name in folders + names:
+            if (path := Path(directory) / name).is_symlink():
+                _check_link(path, task_folder)
+            if name in names and path.is_file():
+                paths.append(path)
     files = {}
-    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+    for path in sorted(paths):
         try:
             files[path.relative_to(root).as_posix()] = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             raise WhetstoneError(f"{path}: not UTF-8 text (task files must be text)") from None
+        except OSError as err:
+            _unreadable(err)
     return files
+
+
+def _unreadable(err: OSError) -> None:
+    """A task file or folder that cannot be read is an error naming it, not a file left out."""
+    raise WhetstoneError(f"{err.filename}: cannot be read: {err.strerror or err}") from None
 
 
 def _read_folder(folder: Path) -> Record:
     where = str(folder / TASK_FILE)
+    task_folder = Path(os.path.realpath(folder))
+    try:
+        for path in [folder / TASK_FILE, *(folder / subdir for subdir in FILE_FIELDS.values())]:
+            if path.is_symlink():
+                _check_link(path, task_folder)
+    except WhetstoneError as err:
+        return Record(where, problem=str(err))
     try:
         data = json.loads((folder / TASK_FILE).read_bytes().decode("utf-8"))
     except UnicodeDecodeError as err:
@@ -100,15 +168,16 @@ def _read_folder(folder: Path) -> Record:
                 if field in data:
                     return Record(where, problem=f"field {field!r} given both in {TASK_FILE} and as {subdir}/")
                 try:
-                    data[field] = _read_tree(folder / subdir)
+                    data[field] = _read_tree(folder / subdir, task_folder)
                 except WhetstoneError as err:
                     return Record(where, problem=str(err))
     return _parse(data, where)
 
 
 def read_records(path: str | Path) -> Iterator[Record]:
-    """Every record of a JSONL file or task folder, good or bad, in order; duplicate ids are bad."""
-    path = Path(path)
+    """Every record of a JSONL file or task folder, good or bad, in order; duplicate ids are bad.
+    `~` and `$NAME` in `path` are expanded (`expand_path`)."""
+    path = expand_path(path)
     if not path.exists():
         raise WhetstoneError(f"no such file: {path}")
     if path.is_dir():
@@ -125,6 +194,7 @@ def read_records(path: str | Path) -> Iterator[Record]:
                 record = Record(
                     record.where,
                     problem=f"duplicate task id {record.task.id!r} (first at {first_seen[record.task.id]})",
+                    id=record.task.id,
                 )
             else:
                 first_seen[record.task.id] = record.where
@@ -146,8 +216,9 @@ def folder_name(task_id: str) -> str:
 
 
 def write_tasks(tasks: Iterable[Task], path: str | Path, layout: str | None = None) -> None:
-    """Write atomically as JSONL or as a folder per task (see `output_layout` for which)."""
-    path = Path(path)
+    """Write atomically as JSONL or as a folder per task (see `output_layout` for which); `~` and
+    `$NAME` in `path` are expanded."""
+    path = expand_path(path)
     if output_layout(path, layout) == "jsonl":
         atomic_write_text(path, "".join(task.model_dump_json() + "\n" for task in tasks))
     else:
@@ -161,6 +232,7 @@ def output_layout(path: Path, layout: str | None = None) -> str:
     `layout`, the path decides: `*.jsonl` is a JSONL file, a directory or a name without a suffix a
     folder per task; any other suffix (`tasks.txt`, `tasks.json`) is refused rather than guessed.
     A folder set replaces the whole directory, so an existing one must hold task folders only."""
+    path = expand_path(path)
     layout = layout or _layout_of(path)
     if layout == "jsonl":
         if path.is_dir():
@@ -198,6 +270,8 @@ def _check_replaceable(path: Path) -> None:
 
 
 def _write_folder(task: Task, folder: Path) -> None:
+    if reason := unsafe_id(task.id):
+        raise WhetstoneError(f"task {task.id!r}: {reason}")
     if folder.exists():
         raise WhetstoneError(f"two tasks map to the folder {folder.name} (ids differ only in '/' vs '__')")
     data = task.model_dump(mode="json", exclude=set(FILE_FIELDS))

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from whetstone.config import Config, load_config
+from whetstone.config import Config, expand_path, load_config
 from whetstone.envs.task import Task
 from whetstone.envs.tasks.humaneval import HumanEvalConfig
 from whetstone.envs.tasks.io import Record, read_records
@@ -81,7 +81,7 @@ def source_records(
 def check_source(source: str) -> None:
     """Raise unless `source` names a generator or an existing task file or folder (what loading
     it would find first; `whetstone run` asks before its first stage)."""
-    if source in SOURCES or Path(source).exists():
+    if source in SOURCES or expand_path(source).exists():
         return
     if _looks_like_path(source):
         raise WhetstoneError(f"no such file: {source}")

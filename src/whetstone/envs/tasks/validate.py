@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from whetstone.config import expand_path
 from whetstone.envs.grading.grade import grade, pristine_files
 from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxUnavailableError
@@ -118,7 +119,7 @@ def validate_records(
 ) -> ValidationReport:
     """Validate every record (bad records are reported as invalid), `workers` tasks at a time,
     with a progress bar on stderr."""
-    cache_file = Path(cache_path) if cache_path is not None else None
+    cache_file = expand_path(cache_path) if cache_path is not None else None
     cache = _load_cache(cache_file)  # before the records, which a generator may take minutes to make
     records = list(records)
     report = ValidationReport(total=len(records))
