@@ -1,10 +1,14 @@
 """The whole run at tiny scale: real corpus, real model, checkpoints, resume, export."""
 
+import hashlib
 import json
+import os
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from tests.utils.tracking_support import event_scalars, jsonl_scalars, use_offline_wandb, wandb_history
@@ -187,3 +191,94 @@ def test_an_empty_corpus_is_named(make_config, tmp_path):
     with pytest.raises(WhetstoneError, match="corpus is empty"):
         train(make_config(f'data.directories=[{{path="{empty}"}}]'))
     assert not (tmp_path / "runs").exists()
+
+
+def test_resuming_with_another_tokenizer_is_refused_naming_both(make_config, tmp_path):
+    first = train(make_config("run.steps=4"))
+    run_dir = Path(first["run_dir"])
+    trained_with = hashlib.sha256((run_dir / "model" / "tokenizer.json").read_bytes()).hexdigest()
+    assert read_state(run_dir / "checkpoints" / "step_00000004")["data"]["tokenizer_sha256"] == trained_with
+    before = sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*"))
+    with pytest.raises(
+        ConfigError,
+        match=rf"step_00000004 was trained with another tokenizer \(tokenizer.json sha256 {trained_with[:16]}\) "
+        r"than this run's corpus tokenizer \(tokenizer.json sha256 \w{16}\): its weights would go on training on "
+        r"other token ids\. Resume with the data settings the checkpoint was trained with "
+        r"\(data.vocab_size = 320 -> 300\), or train a new run: another run.name, or run.resume = false",
+    ):
+        train(make_config("run.steps=8", "data.vocab_size=300"))
+    assert sorted(str(p.relative_to(run_dir)) for p in run_dir.rglob("*")) == before  # nothing written
+    assert train(make_config("run.steps=8"))["resumed_from"].endswith("step_00000004")  # the same tokenizer resumes
+
+
+@pytest.mark.parametrize("where", ["output_dir", "run folder", "checkpoints", "model", "read-only checkpoints"])
+def test_a_run_folder_that_cannot_be_written_is_refused_before_any_work(make_config, tmp_path, monkeypatch, where):
+    runs = tmp_path / "runs"
+    run_dir = runs / "midtrain"
+    bad = {
+        "output_dir": runs,
+        "run folder": run_dir,
+        "checkpoints": run_dir / "checkpoints",
+        "model": run_dir / "model",
+        "read-only checkpoints": run_dir / "checkpoints",
+    }[where]
+    bad.parent.mkdir(parents=True, exist_ok=True)
+    if where == "read-only checkpoints":  # as root a mode does not stop writes: os.access says what would
+        bad.mkdir()
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: Path(path) != bad and real_access(path, mode))
+        problem = f"{bad} is not writable"
+    else:
+        bad.write_text("a file")
+        problem = f"{bad} is a file, not a folder"
+        if where == "output_dir":
+            problem = f"{run_dir} cannot be created: {runs} is a file, not a folder"
+    with pytest.raises(
+        ConfigError, match=re.escape(f"{problem}: the run writes {run_dir} (run.output_dir / run.name)")
+    ):
+        train(make_config("run.steps=4"))
+    assert not (run_dir / "metrics.jsonl").exists()
+
+
+def test_a_damaged_newest_checkpoint_is_refused_naming_the_older_complete_one(make_config):
+    config = make_config("run.steps=4", "run.checkpoint_interval=2", "run.keep_checkpoints=3")
+    checkpoints = Path(train(config)["run_dir"]) / "checkpoints"
+    newest = checkpoints / "step_00000004"
+    (newest / "model.safetensors").write_bytes((newest / "model.safetensors").read_bytes()[:1000])  # truncated
+    longer = make_config("run.steps=6", "run.checkpoint_interval=2", "run.keep_checkpoints=3")
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_00000004/model.safetensors is corrupt \(sha256 mismatch\)\. step_00000004 is the run's newest "
+        r"checkpoint\. Older complete checkpoints in .*checkpoints: step_00000002\. The run does not fall back by "
+        r"itself .*: move .*step_00000004 out of .*checkpoints to resume from step_00000002",
+    ):
+        train(longer)
+    assert [p.name for p in list_checkpoints(checkpoints)] == ["step_00000002", "step_00000004"]  # nothing lost
+    newest.rename(checkpoints.parent / "damaged-step_00000004")
+    assert train(longer)["resumed_from"].endswith("step_00000002")  # what the message says works
+
+
+def test_temporary_folders_of_a_crashed_save_are_deleted_when_the_run_starts(make_config):
+    checkpoints = Path(train(make_config("run.steps=4"))["run_dir"]) / "checkpoints"
+    stale = checkpoints / ".step_00000006.x1y2z3.tmp"  # a save killed midway
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"\0" * 1000)
+    train(make_config("run.steps=6", "run.checkpoint_interval=2"))
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_00000004", "step_00000006"]
+
+
+def test_an_export_on_a_full_disk_is_a_clear_error_and_keeps_the_checkpoint(make_config, monkeypatch):
+    from whetstone.model import hf
+
+    def disk_full(*args, **kwargs):
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr(hf, "save_file", disk_full)
+    config = make_config("run.steps=4")
+    with pytest.raises(CheckpointError, match=r"cannot write the model folder .*/midtrain/model: .*No space left"):
+        train(config)
+    run_dir = Path(config.run.run_dir)
+    assert not (run_dir / "model").exists() and not list(run_dir.glob(".model*"))  # nothing half-written
+    assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000004"]
+    monkeypatch.undo()
+    assert train(config)["model_dir"] == str(run_dir / "model")  # the same command exports it

@@ -3,6 +3,7 @@ and a kill -9 followed by a restart that neither loses nor repeats a batch."""
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import shutil
@@ -24,6 +25,7 @@ from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.model.hf import load_hf
 from whetstone.store import LocalStore
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
+from whetstone.tokenizer import Tokenizer
 from whetstone.trainer import loop
 from whetstone.trainer.loop import read_batch_rank_0_read, run_trainer, wait_for_batch
 from whetstone.training.checkpoint import latest_checkpoint
@@ -319,3 +321,50 @@ def test_a_trainer_waiting_on_an_empty_batch_store_says_so_again_while_idle(tmp_
     reports = [r.getMessage() for r in caplog.records]
     assert len(reports) >= 2, reports
     assert all(m.startswith("still waiting for batch 0 after ") and "batchez" in m for m in reports)
+
+
+def test_a_checkpoints_path_that_is_a_file_is_refused_before_any_step(tmp_path, tiny_moe, batches):
+    put_batches(tmp_path / "batches", batches[:1])
+    (tmp_path / "trainer").mkdir()
+    (tmp_path / "trainer" / "checkpoints").write_text("a file")
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer/checkpoints is a file, not a folder: the trainer writes its checkpoints and metrics into "
+        r"output_dir .*trainer",
+    ):
+        run_trainer(trainer_config(tmp_path, tiny_moe))
+    assert sorted(p.name for p in (tmp_path / "trainer").iterdir()) == ["checkpoints"]
+    assert not (tmp_path / "weights").exists()  # refused before the store got a version 0
+
+
+def test_a_model_path_with_another_tokenizer_is_refused_on_resume(tmp_path, tiny_moe, batches):
+    texts = [json.dumps(batch.meta) for batch in batches] * 20
+    first, second = tmp_path / "first", tmp_path / "second"
+    for folder, vocab_size in ((first, 300), (second, 290)):
+        shutil.copytree(tiny_moe, folder)
+        Tokenizer.train(texts, vocab_size=vocab_size).save(folder)
+    put_batches(tmp_path / "batches", batches[:1])
+    run_trainer(trainer_config(tmp_path, first))
+    with pytest.raises(
+        ConfigError,
+        match=r"step_00000001 was trained with another tokenizer \(tokenizer.json sha256 \w{16}\) than this run's "
+        r"model_path .*second \(tokenizer.json sha256 \w{16}\): its weights would go on training on other token "
+        r"ids\. Point model_path at the model the run started from \(the checkpoint's: .*first\)",
+    ):
+        run_trainer(trainer_config(tmp_path, second))
+    shutil.copytree(first, tmp_path / "copy")  # the same tokenizer elsewhere resumes
+    put_batches(tmp_path / "batches", batches[1:2], first=1)
+    assert run_trainer(trainer_config(tmp_path, tmp_path / "copy"))["step"] == 2
+
+
+def test_a_damaged_newest_checkpoint_is_refused_naming_the_older_one(tmp_path, tiny_moe, batches):
+    put_batches(tmp_path / "batches", batches[:2])
+    run_trainer(trainer_config(tmp_path, tiny_moe, checkpoint_interval=1))
+    checkpoints = tmp_path / "trainer" / "checkpoints"
+    (checkpoints / "step_00000002" / "state.json").unlink()
+    with pytest.raises(
+        CheckpointError,
+        match=r"step_00000002/state.json is missing\. step_00000002 is the run's newest checkpoint\. Older complete "
+        r"checkpoints in .*: step_00000001\. .*move .*step_00000002 out of .* to resume from step_00000001",
+    ):
+        run_trainer(trainer_config(tmp_path, tiny_moe, checkpoint_interval=1))

@@ -1,21 +1,32 @@
 """Checkpoints: a full round trip, the newest complete one wins, and every bad file is named."""
 
+import base64
+import errno
 import json
 import random
+import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from tests.training.conftest import TINY
-from whetstone.errors import CheckpointError
+from whetstone.errors import CheckpointError, ConfigError
 from whetstone.model import ModelConfig, Transformer
 from whetstone.training import checkpoint as ckpt
 from whetstone.training.checkpoint import (
+    TOKENIZER_KEY,
+    DamagedCheckpoint,
     TrainState,
+    check_tokenizer,
     latest_checkpoint,
     list_checkpoints,
     load_checkpoint,
+    naming_older_checkpoints,
+    remove_stale_temporaries,
     save_checkpoint,
 )
 from whetstone.training.optim import build_optimizer
@@ -75,15 +86,26 @@ def test_latest_is_the_newest_complete_directory_and_old_ones_are_pruned(tmp_pat
     assert latest_checkpoint(tmp_path / "nothing-here") is None
 
 
-def test_a_failed_save_leaves_nothing_behind(tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    "error",
+    [
+        OSError(errno.ENOSPC, "No space left on device"),
+        SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)"),
+    ],
+)
+def test_a_failed_save_leaves_nothing_behind_and_names_the_intact_checkpoint(tmp_path, monkeypatch, error):
     model, optimizer = trained()
     save(tmp_path, model, optimizer, step=1)
 
     def disk_full(*args, **kwargs):
-        raise OSError("No space left on device")
+        raise error
 
     monkeypatch.setattr(ckpt, "save_file", disk_full)
-    with pytest.raises(OSError):
+    with pytest.raises(
+        CheckpointError,
+        match=r"cannot write checkpoint .*step_00000002 in .*: .*No space left on device.*"
+        r"Nothing of it was kept; the newest checkpoint, .*step_00000001, is intact",
+    ):
         save(tmp_path, model, optimizer, step=2)
     assert [p.name for p in tmp_path.iterdir()] == ["step_00000001"]
 
@@ -202,3 +224,190 @@ def test_a_resumed_optimizer_keeps_the_configs_hyperparameters_and_takes_only_it
     for index, moments in saved.items():  # moments and step counts from the checkpoint
         for key, tensor in moments.items():
             assert torch.equal(tensor, loaded[index][key]), (index, key)
+
+
+def snapshot(model, optimizer):
+    """Copies of everything a load replaces: weights, optimizer state, the three RNGs."""
+    return (
+        {k: v.clone() for k, v in model.state_dict().items()},
+        repr(optimizer.state_dict()["state"]),
+        torch.get_rng_state().clone(),
+        random.getstate(),
+        repr(np.random.get_state()),
+    )
+
+
+def assert_untouched(before, model, optimizer):
+    weights, moments, torch_rng, python_rng, numpy_rng = before
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert repr(optimizer.state_dict()["state"]) == moments
+    assert torch.equal(torch.get_rng_state(), torch_rng)
+    assert random.getstate() == python_rng and repr(np.random.get_state()) == numpy_rng
+
+
+def edit_state(path, edit):
+    record = json.loads((path / "state.json").read_text())
+    edit(record)
+    (path / "state.json").write_text(json.dumps(record))
+
+
+def restore_digests(path):
+    """state.json's sha256 recomputed for the tensor files as they are now (an edit, not damage)."""
+    edit_state(path, lambda r: r["sha256"].update({n: ckpt._sha256(path / n) for n in r["sha256"]}))
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (lambda r: r.update(sha256=[r["sha256"]]), r"'sha256' must map"),
+        (lambda r: r.update(sha256={}), r"'sha256' must map"),  # no digest to check: refused, not skipped
+        (lambda r: r.update(step="2"), r"'step' is '2', not a count"),
+        (lambda r: r.update(step=3), r"'step' is 3, but the folder is step_00000002"),
+        (lambda r: r.update(tokens=-1), r"'tokens' is -1, not a count"),
+        (lambda r: r.update(data=[r["data"]]), r"'data' is list, not an object"),
+        (lambda r: r["data"].update(next_batch=-4), r"data.next_batch is -4, not a count"),
+        (lambda r: r.update(rng=[]), r"'rng' is list"),
+        (lambda r: r.update(optimizer_param_groups={}), r"'optimizer_param_groups' is not a list"),
+        (lambda r: r.update(config=[]), r"'config' is not an object"),
+    ],
+)
+def test_state_json_fields_of_the_wrong_type_are_named_before_anything_is_loaded(tmp_path, edit, message):
+    path = save(tmp_path, *trained())
+    edit_state(path, edit)
+    model, optimizer = make(seed=7)
+    before = snapshot(model, optimizer)
+    with pytest.raises(DamagedCheckpoint, match=r"state\.json is corrupt: " + message):
+        load_checkpoint(path, model, optimizer)
+    assert_untouched(before, model, optimizer)
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda rng: rng.update(torch=base64.b64encode(b"abc").decode()),  # 3 bytes, not the generator's 5056
+        lambda rng: rng["python"].__setitem__(1, rng["python"][1][:10]),
+        lambda rng: rng["numpy"].__setitem__(1, rng["numpy"][1][:10]),
+        lambda rng: rng.update(numpy=["MT19937"]),
+    ],
+)
+def test_rng_states_of_the_wrong_size_are_refused_before_anything_is_loaded(tmp_path, edit):
+    path = save(tmp_path, *trained())
+    edit_state(path, lambda record: edit(record["rng"]))
+    model, optimizer = trained(steps=1)  # with optimizer state of its own, to see it kept
+    before = snapshot(model, optimizer)
+    with pytest.raises(DamagedCheckpoint, match=r"state\.json is corrupt: bad RNG state"):
+        load_checkpoint(path, model, optimizer)
+    assert_untouched(before, model, optimizer)
+
+
+def test_files_that_cannot_be_read_are_named(tmp_path, monkeypatch):
+    path = save(tmp_path, *trained())
+    model_file = path / "model.safetensors"
+    moved = tmp_path / "moved.safetensors"
+    model_file.rename(moved)
+    model_file.mkdir()
+    with pytest.raises(DamagedCheckpoint, match=r"model\.safetensors cannot be read: Is a directory"):
+        load_checkpoint(path, *make())
+    model_file.rmdir()
+    moved.rename(model_file)
+    load_checkpoint(path, *make())
+
+    real_open, real_read_text = open, Path.read_text
+
+    def refused(file, *args, **kwargs):
+        if Path(file).name in ("model.safetensors", "state.json"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(ckpt, "open", refused, raising=False)  # what _sha256 opens
+    with pytest.raises(CheckpointError, match=r"model\.safetensors cannot be read: permission denied") as caught:
+        load_checkpoint(path, *make())
+    assert not isinstance(caught.value, DamagedCheckpoint)  # the file is fine: this user may not read it
+    monkeypatch.setattr(Path, "read_text", lambda self, *a, **k: refused(self) and real_read_text(self, *a, **k))
+    with pytest.raises(CheckpointError, match=r"state\.json cannot be read: permission denied"):
+        load_checkpoint(path, *make())
+
+
+@pytest.mark.parametrize("opened", [True, False])
+def test_a_checkpoint_pruned_while_it_is_read_is_named(tmp_path, monkeypatch, opened):
+    path = save(tmp_path, *trained())
+    real_load_file = ckpt.load_file
+
+    def pruned_meanwhile(file):
+        shutil.rmtree(path)  # a run saving into the folder pruned it after the digests were checked
+        if opened:  # safetensors had opened it already: its mmap of the file fails
+            raise RuntimeError(f"unable to open file <{file}> in read-only mode: No such file or directory (2)")
+        return real_load_file(file)
+
+    monkeypatch.setattr(ckpt, "load_file", pruned_meanwhile)
+    with pytest.raises(CheckpointError, match=r"step_00000002 was removed while it was read: is a run writing to"):
+        load_checkpoint(path, *make())
+
+
+def test_a_tensor_of_another_dtype_is_named(tmp_path):
+    path = save(tmp_path, *trained())
+    weights = load_file(str(path / "model.safetensors"))
+    save_file({n: t.to(torch.int8) for n, t in weights.items()}, str(path / "model.safetensors"))
+    restore_digests(path)
+    with pytest.raises(DamagedCheckpoint, match=r"model\.safetensors: tensor '.*' is int8, .* float32 master weights"):
+        load_checkpoint(path, *make())
+    save_file(weights, str(path / "model.safetensors"))
+    moments = load_file(str(path / "optimizer.safetensors"))
+    save_file({n: t.to(torch.bfloat16) for n, t in moments.items()}, str(path / "optimizer.safetensors"))
+    restore_digests(path)
+    with pytest.raises(DamagedCheckpoint, match=r"optimizer\.safetensors: tensor '.*' is bfloat16, .* are float32"):
+        load_checkpoint(path, *make())
+
+
+def test_a_damaged_newest_checkpoint_names_the_older_complete_ones(tmp_path):
+    model, optimizer = trained()
+    for step in (2, 4, 5):
+        save(tmp_path, model, optimizer, step=step, keep=5)
+    newest = tmp_path / "step_00000005"
+    for file in newest.iterdir():
+        file.unlink()  # an empty folder
+    with pytest.raises(
+        DamagedCheckpoint,
+        match=r"step_00000005/state\.json is missing\. step_00000005 is the run's newest checkpoint\. "
+        r"Older complete checkpoints in .*: step_00000004, step_00000002\. The run does not fall back by itself "
+        r".*move .*step_00000005 out of .* to resume from step_00000004",
+    ):
+        with naming_older_checkpoints(newest):
+            load_checkpoint(newest, *make())
+    (tmp_path / "step_00000004" / "model.safetensors").write_bytes(b"truncated")
+    with pytest.raises(DamagedCheckpoint, match=r"Older complete checkpoints in .*: step_00000002\. "):
+        with naming_older_checkpoints(newest):
+            load_checkpoint(newest, *make())
+    shutil.rmtree(tmp_path / "step_00000002")
+    with pytest.raises(DamagedCheckpoint, match=r"There is no older complete checkpoint in .*: move .* out of it"):
+        with naming_older_checkpoints(newest):
+            load_checkpoint(newest, *make())
+    other = save(tmp_path / "other", model, optimizer, step=2)
+    with pytest.raises(CheckpointError, match="has shape") as caught:  # not damaged: an older one would not fit either
+        with naming_older_checkpoints(other):
+            load_checkpoint(other, *make(TINY.model_copy(update={"hidden_size": 24})))
+    assert "Older" not in str(caught.value)
+
+
+def test_stale_temporary_folders_are_removed_and_nothing_else(tmp_path):
+    model, optimizer = trained()
+    save(tmp_path, model, optimizer, step=2)
+    stale = tmp_path / ".step_00000004.k2j_x8.tmp"
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"x" * 100)
+    (tmp_path / "notes.tmp").mkdir()
+    assert remove_stale_temporaries(tmp_path) == [stale]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.tmp", "step_00000002"]
+    assert remove_stale_temporaries(tmp_path / "absent") == []
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused(tmp_path):
+    check_tokenizer(tmp_path, {TOKENIZER_KEY: "a" * 64}, "a" * 64, "corpus tokenizer", "advice")
+    check_tokenizer(tmp_path, {}, "b" * 64, "corpus tokenizer", "advice")  # not recorded: not checked
+    check_tokenizer(tmp_path, {TOKENIZER_KEY: "a" * 64}, None, "model_path m", "advice")  # m has no tokenizer.json
+    with pytest.raises(
+        ConfigError,
+        match=r"another tokenizer \(tokenizer.json sha256 a{16}\) than this run's corpus "
+        r"tokenizer \(tokenizer.json sha256 b{16}\).*other token ids\. Do this",
+    ):
+        check_tokenizer(tmp_path, {TOKENIZER_KEY: "a" * 64}, "b" * 64, "corpus tokenizer", "Do this")

@@ -1,9 +1,12 @@
 import json
 import os
+import stat
+from pathlib import Path
 
 import pytest
 
-from whetstone.utils.atomic import atomic_directory, atomic_path, atomic_write_json
+from whetstone.errors import WhetstoneError
+from whetstone.utils.atomic import atomic_directory, atomic_path, atomic_write_json, writable_folder_problem
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -57,3 +60,78 @@ def test_atomic_directory_syncs_its_files_and_folders_before_the_rename(tmp_path
     assert {str(tmp / "a"), str(tmp / "sub" / "b"), str(tmp / "sub"), str(tmp)} <= synced
     assert ("fsync", str(tmp_path)) in events[renamed:]  # the parent, after the rename
     assert (target / "sub" / "b").read_text() == "2"
+
+
+def test_a_file_where_the_folder_goes_is_refused_untouched(tmp_path):
+    target = tmp_path / "model"
+    target.write_text("mine")
+    with pytest.raises(WhetstoneError, match=r"model is a file, not a folder: move it away"):
+        with atomic_directory(target) as tmp:
+            (tmp / "a").write_text("1")
+    assert target.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
+
+
+def test_a_leftover_old_folder_from_a_crash_is_put_back_or_deleted(tmp_path):
+    target, old = tmp_path / "ckpt", tmp_path / ".ckpt.old"
+    old.mkdir()  # a crash between moving `ckpt` aside and renaming the new one into place
+    (old / "a").write_text("previous")
+    with pytest.raises(RuntimeError):
+        with atomic_directory(target):
+            raise RuntimeError("this write fails too")
+    assert (target / "a").read_text() == "previous"  # the previous folder is back, not lost
+    old.write_text("left by a crash after the new folder was in place (here: a file)")
+    with atomic_directory(target) as tmp:
+        (tmp / "b").write_text("new")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert sorted(p.name for p in target.iterdir()) == ["b"]
+    # and every later write works too (a stale `.old` does not stop them)
+    with atomic_directory(target) as tmp:
+        (tmp / "c").write_text("newer")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path, umask):
+    previous = os.umask(umask)
+    try:
+        atomic_write_json(tmp_path / "new.json", {})
+        with atomic_directory(tmp_path / "folder") as tmp:
+            (tmp / "inside").write_text("x")
+            os.close(os.open(tmp / "owner_only", os.O_CREAT | os.O_WRONLY, 0o600))  # as safetensors writes
+            (tmp / "script").write_text("#!/bin/sh\n")
+            (tmp / "script").chmod(0o700)
+            (tmp / "sub").mkdir(mode=0o700)
+        (tmp_path / "plain").write_text("x")
+        (tmp_path / "plain_folder").mkdir()
+    finally:
+        os.umask(previous)
+    assert mode(tmp_path / "new.json") == mode(tmp_path / "plain") == 0o666 & ~umask
+    assert mode(tmp_path / "folder") == mode(tmp_path / "plain_folder") == 0o777 & ~umask
+    assert mode(tmp_path / "folder" / "inside") == mode(tmp_path / "folder" / "owner_only") == 0o666 & ~umask
+    assert mode(tmp_path / "folder" / "script") == mode(tmp_path / "folder" / "sub") == 0o777 & ~umask
+    os.chmod(tmp_path / "new.json", 0o600)  # a file's owner chose its mode: rewriting it keeps it
+    atomic_write_json(tmp_path / "new.json", {"a": 1})
+    assert mode(tmp_path / "new.json") == 0o600
+
+
+def mode(path) -> int:
+    return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_writable_folder_problem_names_a_file_or_a_read_only_folder_and_creates_nothing(tmp_path, monkeypatch):
+    assert writable_folder_problem(tmp_path / "a" / "b") is None
+    assert not (tmp_path / "a").exists()
+    (tmp_path / "file").write_text("x")
+    assert writable_folder_problem(tmp_path / "file") == f"{tmp_path / 'file'} is a file, not a folder"
+    assert writable_folder_problem(tmp_path / "file" / "run") == (
+        f"{tmp_path / 'file' / 'run'} cannot be created: {tmp_path / 'file'} is a file, not a folder"
+    )
+    (tmp_path / "ro").mkdir()
+    real_access = os.access
+    # as root a folder's mode does not stop writes: os.access says what this process may do
+    monkeypatch.setattr(os, "access", lambda p, m: Path(p).name != "ro" and real_access(p, m))
+    assert writable_folder_problem(tmp_path / "ro") == f"{tmp_path / 'ro'} is not writable"
+    assert writable_folder_problem(tmp_path / "ro" / "checkpoints") == (
+        f"{tmp_path / 'ro' / 'checkpoints'} cannot be created: {tmp_path / 'ro'} is not writable"
+    )

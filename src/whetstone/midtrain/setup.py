@@ -6,6 +6,12 @@ newest checkpoint of the run, if any, then replaces weights, optimizer and count
 `run.resume = false` what an earlier run left in the folder is moved aside instead
 (`set_aside_previous_run`).
 
+Before any work the run folder is checked: it, its `checkpoints/` and `model/` must be (or be
+creatable as) folders this process can write, or the run would fail at its first save. The
+newest checkpoint is resumed only with the tokenizer it was trained with (`check_tokenizer`),
+and a damaged one is refused naming the older complete ones (`naming_older_checkpoints`).
+Temporary folders of saves that crashed are deleted.
+
 Under torchrun every rank opens the same session: the corpus is built by each machine's first
 rank before the others read it from the cache, every rank builds the same model (same seed) and
 takes its FSDP2 shard of it (`training.distributed`), and a checkpoint, read by rank 0, reaches
@@ -29,9 +35,20 @@ from whetstone.errors import ConfigError
 from whetstone.midtrain.config import MidtrainConfig
 from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import load_hf, read_hf_config
-from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint, read_state
+from whetstone.training.checkpoint import (
+    TOKENIZER_KEY,
+    TrainState,
+    check_tokenizer,
+    checkpoint_step,
+    latest_checkpoint,
+    naming_older_checkpoints,
+    read_state,
+    remove_stale_temporaries,
+    tokenizer_identity,
+)
 from whetstone.training.distributed import barrier, broadcast, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
+from whetstone.utils.atomic import writable_folder_problem
 from whetstone.utils.device import resolve_device, use_device
 from whetstone.utils.runtime import configure_process, resolve_dtype
 
@@ -73,28 +90,45 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
             "on an equal share of every micro-batch's rows"
         )
     run_dir = run.run_dir
+    problem = broadcast(_run_folder_problem(run_dir) if rank == 0 else None)  # the folders rank 0 writes
+    if problem:
+        raise ConfigError(f"{problem}: the run writes {run_dir} (run.output_dir / run.name)")
     model_config = resolve_model_config(config)  # before the corpus build: fail fast on a bad checkpoint
     corpus = _corpus_in_rank_order(config, demos)
+    if rank == 0:
+        for stale in remove_stale_temporaries(run_dir / "checkpoints"):
+            log.warning("deleted %s, left by a checkpoint save that did not finish", stale)
     resume_from = broadcast(latest_checkpoint(run_dir / "checkpoints") if run.resume else None)  # rank 0's view
     if resume_from is not None and checkpoint_step(resume_from) > run.steps:
         raise ConfigError(
             f"{resume_from} is past run.steps = {run.steps}: resuming would use its later weights. "
             f"Raise run.steps to at least {checkpoint_step(resume_from)}, or use a new run name"
         )
+    tokenizer = tokenizer_identity(corpus.path / "tokenizer")
+    recorded = None  # the checkpoint's state.json, read by rank 0 before any model work
+    if resume_from is not None and rank == 0:
+        with naming_older_checkpoints(resume_from):
+            recorded = read_state(resume_from)
+        check_tokenizer(
+            resume_from, recorded["data"], tokenizer, "corpus tokenizer", _tokenizer_advice(config, recorded)
+        )
     model = shard_model(_build_model(config, model_config, corpus, resuming=resume_from is not None), device)
     model.activation_checkpointing = run.activation_checkpointing
     optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
     state = TrainState(data={"next_batch": 0})
     if resume_from is not None:
-        state = load_sharded_checkpoint(resume_from, model, optimizer, partial(new_optimizer, config))
+        with naming_older_checkpoints(resume_from):
+            state = load_sharded_checkpoint(resume_from, model, optimizer, partial(new_optimizer, config))
     elif not run.resume and rank == 0:  # a fresh start: nothing of an earlier run in this folder mixes in
         set_aside_previous_run(run_dir)
+    if tokenizer is not None:
+        state.data[TOKENIZER_KEY] = tokenizer  # recorded in every checkpoint from here on
     loader = corpus.train_loader(
         run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight
     )
     # The config as run: with init_from, the model section is the checkpoint's; `auto` resolved.
     if run.dtype == "auto" and resume_from is not None:  # read by rank 0, like the checkpoint
-        dtype = broadcast(_resumed_dtype(resume_from, device) if rank == 0 else None)
+        dtype = broadcast(_resumed_dtype(recorded, device) if rank == 0 else None)
     else:
         dtype = resolve_dtype(run.dtype, device)
     config = config.model_copy(update={"model": model.cfg, "run": run.model_copy(update={"dtype": dtype})})
@@ -149,12 +183,40 @@ def _corpus_in_rank_order(config: MidtrainConfig, demos: DemoSource | None) -> C
     return corpus if corpus is not None else build_corpus(corpus_config(config), demos)
 
 
-def _resumed_dtype(checkpoint: Path, device: torch.device) -> str:
-    """`auto` on resume: the dtype the checkpoint was trained in, so a run keeps its arithmetic
-    (bit-exact continuation) even where `auto` would now pick another (older runs defaulted to
-    float32)."""
-    recorded = read_state(checkpoint).get("config", {}).get("run", {}).get("dtype")
+def _resumed_dtype(record: dict, device: torch.device) -> str:
+    """`auto` on resume: the dtype the checkpoint (its state.json: `record`) was trained in, so a
+    run keeps its arithmetic (bit-exact continuation) even where `auto` would now pick another
+    (older runs defaulted to float32)."""
+    run = record.get("config", {}).get("run")
+    recorded = run.get("dtype") if isinstance(run, dict) else None
     return recorded if recorded in ("bfloat16", "float32") else resolve_dtype("auto", device)
+
+
+def _run_folder_problem(run_dir: Path) -> str | None:
+    """Why the run could not write its folder, checkpoints or exported model, or None."""
+    for folder in (run_dir, run_dir / "checkpoints", run_dir / "model"):
+        if problem := writable_folder_problem(folder):
+            return problem
+    return None
+
+
+def _tokenizer_advice(config: MidtrainConfig, record: dict) -> str:
+    """What to do about a resume refused for its tokenizer: the data settings (and run.init_from)
+    that differ from the checkpoint's config, and the ways out."""
+    trained = record.get("config", {})
+    now = config.model_dump(mode="json")
+    changed = [
+        f"{section}.{key} = {trained[section].get(key)!r} -> {value!r}"
+        for section, keys in (("data", None), ("run", ("init_from",)))
+        if isinstance(trained.get(section), dict)
+        for key, value in now[section].items()
+        if (keys is None or key in keys) and trained[section].get(key) != value
+    ]
+    settings = f" ({'; '.join(changed)})" if changed else ""
+    return (
+        f"Resume with the data settings the checkpoint was trained with{settings}, or train a new run: "
+        "another run.name, or run.resume = false"
+    )
 
 
 def corpus_config(config: MidtrainConfig) -> CorpusConfig:

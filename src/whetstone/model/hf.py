@@ -10,11 +10,11 @@ from __future__ import annotations
 import json
 import shutil
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from whetstone.config import expand_path
@@ -203,6 +203,15 @@ def _shards(tensors: list[tuple[str, torch.Tensor]], max_bytes: int) -> list[lis
     return shards
 
 
+@contextmanager
+def _write_errors(folder: Path) -> Iterator[None]:
+    """A write into `folder` that fails (a full disk, a read-only one) as a CheckpointError naming it."""
+    try:
+        yield
+    except (OSError, SafetensorError) as err:
+        raise CheckpointError(f"cannot write the model folder {folder}: {err}. It is left as it was") from None
+
+
 def save_hf(
     model: Transformer,
     path: str | Path,
@@ -225,7 +234,7 @@ def save_hf(
     tensors = list(hf_tensors(model, dtype))
     dtype_name = str(tensors[0][1].dtype).removeprefix("torch.")
     shards = _shards(tensors, max_shard_bytes)
-    with atomic_directory(path) as tmp:
+    with _write_errors(Path(path)), atomic_directory(path) as tmp:
         (tmp / "config.json").write_text(json.dumps(hf_config(model.cfg, dtype_name), indent=2) + "\n")
         weight_map, total = {}, 0
         for number, shard in enumerate(shards, start=1):

@@ -5,16 +5,24 @@ weight store may be ahead of it (the trainer publishes every step, checkpoints e
 c .. latest-1 are then *replayed* from the batch store, deterministically and without publishing,
 so the trainer's state catches up with what the inference servers already hold. Every batch
 thus shapes the weights exactly once, and every version is published exactly once.
+
+Before any model work `output_dir` and its `checkpoints/` must be (or be creatable as) folders
+this process can write; temporary folders of saves that crashed are deleted. The checkpoint is
+resumed only with the tokenizer it was trained with (`model_path`'s tokenizer.json: demonstrations
+are tokenized with it, and the inference servers decode with it), and a damaged one is refused
+naming the older complete ones (`naming_older_checkpoints`).
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from whetstone.config import expand_path
 from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf
@@ -26,11 +34,24 @@ from whetstone.store import ObjectStore, open_store
 from whetstone.sync import Publisher, WeightStore
 from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.config import TrainerConfig
-from whetstone.training.checkpoint import TrainState, checkpoint_step, latest_checkpoint
+from whetstone.training.checkpoint import (
+    TOKENIZER_KEY,
+    TrainState,
+    check_tokenizer,
+    checkpoint_step,
+    latest_checkpoint,
+    naming_older_checkpoints,
+    read_state,
+    remove_stale_temporaries,
+    tokenizer_identity,
+)
 from whetstone.training.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
 from whetstone.training.optim import optimizer_for
+from whetstone.utils.atomic import writable_folder_problem
 from whetstone.utils.device import resolve_device, use_device
 from whetstone.utils.runtime import configure_process
+
+log = logging.getLogger("whetstone.trainer")
 
 
 @dataclass
@@ -61,7 +82,7 @@ class TrainerSession:
 
     @property
     def run_dir(self) -> Path:
-        return Path(self.config.output_dir).expanduser()
+        return expand_path(self.config.output_dir)
 
     @property
     def checkpoints(self) -> Path:
@@ -117,14 +138,35 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     device = resolve_device(config.device)  # under torchrun: the GPU of this rank's LOCAL_RANK
     use_device(device)
     rank, world_size = world()
+    run_dir = expand_path(config.output_dir)
+    problem = None
+    if rank == 0:  # the folders rank 0 writes, checked before a checkpoint interval is trained
+        problem = writable_folder_problem(run_dir) or writable_folder_problem(run_dir / "checkpoints")
+    if problem := broadcast(problem):
+        raise ConfigError(f"{problem}: the trainer writes its checkpoints and metrics into output_dir {run_dir}")
     demos = None
     if config.demo_coef > 0:  # read first: a bad file fails before any model work
         if not config.demos_path:
             raise ConfigError("demo_coef > 0 needs demos_path (a JSONL file of demonstration transcripts)")
         demos = load_demos(config.demos_path, Tokenizer.load(config.model_path), config.demo_max_positions)
-    run_dir = Path(config.output_dir).expanduser()
+    if rank == 0:
+        for stale in remove_stale_temporaries(run_dir / "checkpoints"):
+            log.warning("deleted %s, left by a checkpoint save that did not finish", stale)
     resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view
     check_max_steps(config, resumed_from)  # before any model work
+    tokenizer = tokenizer_identity(expand_path(config.model_path))
+    if resumed_from is not None and rank == 0:
+        with naming_older_checkpoints(resumed_from):
+            recorded = read_state(resumed_from)
+        trained_from = recorded.get("config", {}).get("model_path")
+        check_tokenizer(
+            resumed_from,
+            recorded["data"],
+            tokenizer,
+            f"model_path {config.model_path}",
+            f"Point model_path at the model the run started from (the checkpoint's: {trained_from}), "
+            "or start a new output_dir and weight store",
+        )
     loaded = load_hf(config.model_path)
     tables = autocast_tables(loaded)  # before sharding: a tied head is still the table itself
     model = shard_model(loaded, device)
@@ -136,7 +178,10 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
 
     state = TrainState(step=0, data={"next_batch": 0})
     if resumed_from is not None:
-        state = load_sharded_checkpoint(resumed_from, model, optimizer, partial(new_optimizer, config))
+        with naming_older_checkpoints(resumed_from):
+            state = load_sharded_checkpoint(resumed_from, model, optimizer, partial(new_optimizer, config))
+    if tokenizer is not None:
+        state.data[TOKENIZER_KEY] = tokenizer  # recorded in every checkpoint from here on
 
     logit_scale = None
     if config.logit_scale_lr > 0:

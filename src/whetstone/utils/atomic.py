@@ -1,6 +1,10 @@
 """Atomic writes: a reader sees the old file or the new one, never half of one.
 
 Write to a temporary sibling, fsync, then `os.replace` (atomic on POSIX within a filesystem).
+What they write gets the permissions a plain write gives (`mkstemp` and `mkdtemp` make 0600 and
+0700): a new file 0666 and a folder 0777, less the umask; a replaced file keeps its mode.
+`atomic_directory` gives every file and folder in the tree it puts in place those modes, whatever
+its writer used (safetensors makes its files 0600): a file made executable gets 0777 less the umask.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
+
+from whetstone.errors import WhetstoneError
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -36,6 +42,53 @@ def _fsync_tree(directory: Path) -> None:
         _fsync_dir(Path(folder))
 
 
+def _umask() -> int:
+    """The process's umask, read without changing it (os.umask sets it, racing other threads)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _plain_modes(directory: Path) -> None:
+    """Give the files and folders under `directory`, and itself, the modes plain writes give."""
+    umask = _umask()
+    for folder, _, files in os.walk(directory):
+        os.chmod(folder, 0o777 & ~umask)
+        for name in files:
+            file = Path(folder) / name
+            if file.is_symlink():
+                continue
+            executable = file.stat().st_mode & 0o111
+            os.chmod(file, (0o777 if executable else 0o666) & ~umask)
+
+
+def writable_folder_problem(folder: str | Path) -> str | None:
+    """Why files cannot be written into `folder` (made with its parents where missing), or None.
+
+    It creates nothing: the nearest existing one of `folder` and its parents must be a folder
+    this process may create entries in. For checks before a long job that writes there later.
+    """
+    folder = Path(folder)
+    existing = folder
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        if existing == folder:
+            return f"{folder} is a file, not a folder"
+        return f"{folder} cannot be created: {existing} is a file, not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        if existing == folder:
+            return f"{folder} is not writable"
+        return f"{folder} cannot be created: {existing} is not writable"
+    return None
+
+
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed.
@@ -44,9 +97,14 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    # a plain write keeps the mode of the file it overwrites
+    mode = path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask()
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
     tmp = Path(tmp_name)
+    try:
+        os.fchmod(fd, mode)
+    finally:
+        os.close(fd)
     try:
         yield tmp
         with open(tmp, "rb+") as handle:
@@ -75,25 +133,41 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a temporary directory that replaces `path` as a whole once the block succeeds.
 
     Its files and folders are fsynced before the rename (as `atomic_path` fsyncs its file), and
-    the parent after it. An existing `path` is moved aside first and deleted only after the new
-    one is in place, so a crash leaves either the old directory or the new one (plus, at worst, a
-    stale `.old`).
+    the parent after it. An existing `path` is moved aside to `.<name>.old` first and deleted only
+    after the new one is in place, so a crash leaves either the old directory or the new one,
+    plus at worst a `.<name>.old`: the next call puts that back when `path` is missing (a crash
+    between the two renames) and deletes it otherwise. A `path` that is a file is refused before
+    anything is written: it is not a directory to replace, and it is not deleted.
     """
     path = Path(path)
+    if os.path.lexists(path) and not path.is_dir():
+        raise WhetstoneError(f"{path} is a file, not a folder: move it away to have the folder written there")
+    old = path.with_name(f".{path.name}.old")
+    if os.path.lexists(old):
+        if not os.path.lexists(path) and old.is_dir() and not old.is_symlink():
+            os.replace(old, path)  # the previous directory, set aside by a write that crashed
+        else:
+            _remove(old)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     try:
         yield tmp
+        _plain_modes(tmp)
         _fsync_tree(tmp)
-        old = path.with_name(f".{path.name}.old")
-        if old.exists():
-            shutil.rmtree(old)
-        if path.exists():
+        if os.path.lexists(path):
             os.replace(path, old)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-        if old.exists():
-            shutil.rmtree(old)
+        if os.path.lexists(old):
+            _remove(old)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _remove(path: Path) -> None:
+    """Delete a file, link or directory tree."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    else:
+        path.unlink()
