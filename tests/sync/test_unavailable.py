@@ -8,6 +8,7 @@ from tests.inference.inference_fixtures import wait_until
 from tests.sync.conftest import bit_identical, published
 from whetstone.sync import Publisher, Subscriber
 from whetstone.sync.manifest import manifest_key
+from whetstone.utils.atomic import atomic_write_bytes
 
 TIMEOUT_S = 60  # the machine is shared: the conditions are awaited, not slept on
 
@@ -38,7 +39,7 @@ def test_a_version_missing_a_chunk_for_good_is_reported_after_a_while_and_clears
         attempts = first.attempts
         wait_until(lambda: subscriber.unavailable[1].attempts > attempts, TIMEOUT_S)  # still retried
 
-        chunk.write_bytes(saved)  # copied back (a mirror catching up)
+        atomic_write_bytes(chunk, saved)  # copied back (a mirror catching up; whole, as stores write)
         assert subscriber.wait_for(1, TIMEOUT_S)
     assert subscriber.blocked() is None and subscriber.unavailable == {}
     assert bit_identical(subscriber.state, published(trainer.state))
