@@ -183,3 +183,17 @@ def test_a_server_busy_for_longer_than_the_timeout_is_a_policy_error(monkeypatch
     failing, requests = scripted_policy([httpx.Response(503, text="down"), SERVED], retries=0)
     with pytest.raises(PolicyError, match="HTTP 503"):  # a 5xx spends retries, as before
         asyncio.run(failing.complete([1], Sampling(max_tokens=1)))
+
+
+def test_a_429_asking_no_wait_is_still_waited_a_little_and_given_up_in_time(monkeypatch):
+    waits = []
+
+    async def sleep(seconds):
+        waits.append(seconds)
+
+    monkeypatch.setattr("whetstone.envs.harness.policy.asyncio.sleep", sleep)
+    now = httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {"message": "queue full"}})
+    policy, requests = scripted_policy([now] * 100, timeout_s=2.0)
+    with pytest.raises(PolicyError, match=r"HTTP 429 for 2 s \(9 answers\): queue full"):
+        asyncio.run(policy.complete([1], Sampling(max_tokens=1)))
+    assert len(requests) == 9 and waits == [0.25] * 8

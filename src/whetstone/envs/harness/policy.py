@@ -30,6 +30,8 @@ BUSY = 429
 """A server whose queue is full: waited out (its Retry-After) and retried without spending retries."""
 MAX_RETRY_AFTER_S = 60.0
 """The longest single wait a 429's Retry-After gets."""
+MIN_RETRY_AFTER_S = 0.25
+"""The shortest: a server answering `Retry-After: 0` is not asked again at once, for ever."""
 NO_ROUTES = "the server returned no routed experts: the trainer routes with its own router, no replay"
 
 
@@ -219,8 +221,8 @@ async def _request(client: httpx.AsyncClient, method: str, path: str, body: dict
                     text = response.text[:200]
                     raise PolicyError(f"{where}: the answer is not JSON: {text!r}") from None
             if status == BUSY:
-                wait = _retry_after(response)
-                wait = min(0.5 * 2**refusals, MAX_RETRY_AFTER_S) if wait is None else wait
+                asked = _retry_after(response)  # a Retry-After of 0 (or a past date) still waits a little
+                wait = min(0.5 * 2**refusals, MAX_RETRY_AFTER_S) if asked is None else max(asked, MIN_RETRY_AFTER_S)
                 if waited + wait > patience:
                     raise PolicyError(
                         f"{where}: HTTP 429 for {waited:.0f} s ({refusals + 1} answers): {_error_message(response)}"
