@@ -38,6 +38,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+from whetstone.config import expand_path
 from whetstone.envs.harness import AgentHarness, ServerPool, rollout
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory
@@ -159,7 +160,11 @@ class Orchestrator:
         try:
             if config.metrics_path:
                 metrics = MetricsWriter(
-                    config.metrics_path, config.tracking, role="orchestrator", step_key="index", run_config=config
+                    expand_path(config.metrics_path),
+                    config.tracking,
+                    role="orchestrator",
+                    step_key="index",
+                    run_config=config,
                 )
             index = next_batch_index(self.batches)
             self._last_put = index - 1
@@ -459,7 +464,7 @@ class Orchestrator:
         """Rewrite `status_path` (if set) with `status()`: at once when `now`, else at most once a second."""
         path, clock = self.config.status_path, time.monotonic()
         if path and (now or clock - self._status_written >= 1.0):
-            atomic_write_json(path, {**self.status(), "time": time.time()})
+            atomic_write_json(expand_path(path), {**self.status(), "time": time.time()})
             self._status_written = clock
 
     def _note_fruitless(self, dropped: Counter[str]) -> None:

@@ -52,7 +52,7 @@ def _problems(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:
     if data.tokenizer:
         yield from _exists("midtrain.data.tokenizer", Path(data.tokenizer) / "tokenizer.json", "file")
     if config.midtrain.run.init_from:
-        yield from _exists("midtrain.run.init_from", Path(config.midtrain.run.init_from) / "config.json", "file")
+        yield from _exists("midtrain.run.init_from", expand_path(config.midtrain.run.init_from) / "config.json", "file")
     pinned = config.placement.backend == "local" and not midtrain_only  # on Ray the roles run on its nodes
     for role in ("trainer", "servers", "orchestrator") if pinned else ():
         try:

@@ -20,7 +20,7 @@ from typing import Any, Literal, Protocol
 
 from pydantic import field_validator
 
-from whetstone.config import Config
+from whetstone.config import Config, expand_path
 
 log = logging.getLogger(__name__)
 
@@ -138,7 +138,7 @@ class WandbSink:
 
 def open_sinks(tracking: TrackingConfig, role: str, folder: Path, config: dict[str, Any] | None) -> list[Sink]:
     """The sinks `tracking` asks for, for role `role`; `folder` is used when `tracking.dir` is empty."""
-    root = Path(tracking.dir) if tracking.dir else folder
+    root = expand_path(tracking.dir) if tracking.dir else folder
     sinks: list[Sink] = []
     if tracking.tensorboard:
         try:

@@ -17,6 +17,7 @@ import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from whetstone.config import expand_path
 from whetstone.envs.sandbox.bwrap import Mount, bwrap_argv, check_bwrap
 from whetstone.envs.sandbox.cgroups import Cgroup, CgroupRoot, find_cgroup_root, remove_stale_groups
 from whetstone.envs.sandbox.config import SandboxConfig
@@ -268,7 +269,7 @@ def _runtime(config: SandboxConfig) -> _Runtime:
     key = (config.root_dir, config.pool_size, config.max_templates, config.cgroups)
     with _runtimes_lock:
         if key not in _runtimes:
-            parent = Path(config.root_dir or tempfile.gettempdir())
+            parent = expand_path(config.root_dir) if config.root_dir else Path(tempfile.gettempdir())
             parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_roots(parent)
             root = Path(tempfile.mkdtemp(prefix=f"whetstone-sandbox-{os.getpid()}-", dir=parent))

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from whetstone.config import Config
+from whetstone.config import Config, expand_path
 from whetstone.envs.task import Split, Task
 from whetstone.errors import WhetstoneError
 
@@ -77,7 +77,7 @@ def to_task(problem: dict, split: str) -> Task:
 
 
 def generate(config: HumanEvalConfig = HumanEvalConfig()) -> list[Task]:
-    path = Path(config.path) if config.path else default_data_file()
+    path = expand_path(config.path) if config.path else default_data_file()
     problems = read_problems(path)
     if config.limit is not None:
         problems = problems[: config.limit]

@@ -18,7 +18,7 @@ from pathlib import Path, PurePosixPath
 
 from pydantic import Field
 
-from whetstone.config import Config
+from whetstone.config import Config, expand_path
 from whetstone.envs.task import Split, Task
 from whetstone.envs.tasks.bugs import bug_task, failure_line, find_bugs, listed
 from whetstone.errors import WhetstoneError
@@ -156,6 +156,6 @@ def mutate_project(files: dict[str, str], name: str, config: MutateConfig) -> li
 
 def generate(config: MutateConfig = MutateConfig()) -> list[Task]:
     if config.project:
-        root = Path(config.project)
+        root = expand_path(config.project)
         return mutate_project(read_project(root), root.resolve().name, config)
     return [task for name in config.stdlib for task in mutate_project(stdlib_project(name), name, config)]

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from pydantic import Field
 
-from whetstone.config import Config
+from whetstone.config import Config, expand_path
 from whetstone.envs.task import Split, Task
 from whetstone.envs.tasks.patches import apply_patch, patched_paths
 from whetstone.errors import WhetstoneError
@@ -97,9 +97,9 @@ def to_task(record: dict, where: str, config: SwebenchConfig) -> Task:
     if missing:
         raise WhetstoneError(f"{where}: missing fields {missing}")
     name = record["instance_id"]
-    archive = snapshot(find_repo(Path(config.repos_dir), record["repo"]), record["base_commit"])
+    archive = snapshot(find_repo(expand_path(config.repos_dir), record["repo"]), record["base_commit"])
     if config.snapshot_dir:
-        target = Path(config.snapshot_dir) / name
+        target = expand_path(config.snapshot_dir) / name
         if not target.exists():
             archive.extractall(target, filter="data")
         base: dict[str, str] | Path = target
@@ -133,7 +133,7 @@ def to_task(record: dict, where: str, config: SwebenchConfig) -> Task:
 
 
 def generate(config: SwebenchConfig = SwebenchConfig()) -> list[Task]:
-    path = Path(config.path)
+    path = expand_path(config.path)
     if not path.is_file():
         raise WhetstoneError(f"SWE-bench file {path} does not exist")
     try:
