@@ -4,6 +4,7 @@ Masters and moments of another version (or store) are never mixed with the store
 
 from __future__ import annotations
 
+import json
 import logging
 import shutil
 from pathlib import Path
@@ -109,6 +110,8 @@ def test_masters_and_moments_of_other_weights_are_not_resumed(world, caplog):
     rollback(world.config.sync, 0)  # version 2 = version 0's weights
     checkpoints = Path(world.config.output_dir) / "checkpoints"
     (checkpoints / "step_00000001").rename(checkpoints / "step_00000002")  # e.g. another store's version 2
+    state = json.loads((checkpoints / "step_00000002" / "state.json").read_text())
+    (checkpoints / "step_00000002" / "state.json").write_text(json.dumps(state | {"step": 2}))
 
     with caplog.at_level(logging.INFO, logger="whetstone.online"):
         restarted = OnlineLoop(world.config)
