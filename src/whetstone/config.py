@@ -18,6 +18,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from whetstone.errors import ConfigError
+from whetstone.utils.atomic import PRIVATE, atomic_write_text
 
 
 class Config(BaseModel):
@@ -215,6 +216,13 @@ def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequenc
 def dump_toml(config: Config) -> str:
     """Render a config as TOML: the record a run keeps of its config, and what `--dry-run` prints."""
     return _toml_table(config.model_dump(mode="json"), prefix="")
+
+
+def write_toml(path: str | Path, config: Config) -> None:
+    """Write `config` to `path` as TOML, atomically, readable by its owner only (`PRIVATE`): a
+    config holds its secrets as given (a database URL's password, `auth_token`), since a run's
+    config file is run again (`whetstone run <run>/config.toml`, each role's `roles/<name>.toml`)."""
+    atomic_write_text(path, dump_toml(config) + "\n", PRIVATE)
 
 
 def _toml_key(key: str) -> str:

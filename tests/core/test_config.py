@@ -3,7 +3,7 @@ from pathlib import Path
 import pytest
 from pydantic import model_validator
 
-from whetstone.config import Config, dump_toml, expand_path, load_config, parse_override
+from whetstone.config import Config, dump_toml, expand_path, load_config, parse_override, write_toml
 from whetstone.errors import ConfigError
 
 
@@ -212,3 +212,22 @@ def test_run_folders_expand_home_and_variables(monkeypatch):
         "/data/runs/m"
     )
     assert PipelineConfig.model_validate({"output_dir": "~/runs", "name": "p"}).run_dir == Path("/home/someone/runs/p")
+
+
+def test_a_written_config_keeps_its_secrets_and_is_readable_by_its_owner_only(tmp_path):
+    """A config file holds what runs it again, secrets included (a store URL's password), so it
+    is 0600 whatever the umask, even where it replaces a file others could read."""
+    import os
+    import stat
+
+    cfg = Outer(inner=Inner(name="postgresql://loop:s3cret@db/feedback"))
+    path = tmp_path / "config.toml"
+    path.write_text("steps = 1\n")
+    path.chmod(0o644)
+    umask = os.umask(0o022)
+    try:
+        write_toml(path, cfg)
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert load_config(Outer, path) == cfg

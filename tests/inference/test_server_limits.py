@@ -377,6 +377,41 @@ def test_a_request_past_the_queue_bound_gets_429_with_retry_after(bounded):
     assert completion(bounded, prompt=[7, 8], n=2).status_code == 200
 
 
+def test_a_request_the_engine_took_part_of_is_aborted_and_each_sequence_counted_out_once(
+    served_model_dir, held, monkeypatch
+):
+    """`engine.add` failing after it queued some of a request's sequences: those are aborted
+    (not left running for a request that got a 500), and each sequence leaves the queue's
+    count once (the queued ones as they finish, the others at once), so the bound stays exact."""
+    import whetstone.inference.server as server
+
+    backlogs = []
+
+    class Recorded(server.Backlog):
+        def __init__(self, *args):
+            super().__init__(*args)
+            backlogs.append(self)
+
+    monkeypatch.setattr(server, "Backlog", Recorded)
+    app = app_for(served_model_dir, held, max_batch=1, max_waiting_sequences=QUEUE_BOUND)
+    [backlog] = backlogs
+    engine, queued = backlog.engine, []
+
+    def add(seq, checked=False):
+        if len(queued) == 2:
+            raise RuntimeError("the engine refused the third")
+        queued.append(seq)
+        Engine.add(engine, seq, checked)
+
+    monkeypatch.setattr(engine, "add", add)
+    with TestClient(app, raise_server_exceptions=False) as client:
+        body = {"model": "tiny-chat", "prompt": [7, 8, 9], "n": 3, "max_tokens": 400, "ignore_eos": True}
+        assert client.post("/v1/completions", json=body).status_code == 500
+        wait_until(lambda: all(seq.finished for seq in queued), timeout=60)
+        assert [seq.finish_reason for seq in queued] == ["abort", "abort"]
+        assert backlog.unfinished == 0
+
+
 def test_the_http_policy_waits_out_a_429_and_is_served(bounded):
     """With no retries to spend, the harness's policy is refused (the queue is full), waits the
     Retry-After and is served once the queue has room."""

@@ -73,7 +73,7 @@ def test_metrics_summary_and_hf_export(make_config, tmp_path):
     assert steps[-1]["loss"] < steps[0]["loss"]
     assert summary["finished"] and json.loads((run_dir / "summary.json").read_text()) == summary
     assert summary["unigram_entropy"] > 0 and summary["val_unigram_cross_entropy"] > 0
-    assert (run_dir / "config.toml").exists()
+    assert (run_dir / "config.toml").stat().st_mode & 0o777 == 0o600  # a config holds its secrets as given
 
     exported = load_hf(summary["model_dir"])
     weights = final_weights(summary)

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from tests.online.online_fixtures import PREFERS_CODE
-from whetstone.bench.online import paired_change
+from whetstone.bench.online import paired_change, store_clock_offset, summarize
 from whetstone.online.simulator import Exchange
 
 
@@ -38,6 +38,25 @@ def test_the_paired_change_counts_each_request_against_itself():
     assert paired_change(before, exchanges("1011111110", seeds=list(range(10, 20))))["pairs"] == 0
     unchanged = paired_change(before, before)
     assert unchanged["gained"] == unchanged["lost"] == 0 and unchanged["sign_test_p"] == 1.0
+
+
+def test_feedback_to_deployed_reads_the_database_clock_on_this_machine_s(tmp_path, monkeypatch):
+    """The loop's `last_rated_at` is the feedback store's clock (a PostgreSQL host's), the
+    servers' samples this machine's: one 1000 s ahead must not make 5 s read as -995 s."""
+    import time
+
+    from whetstone.store.feedback import FeedbackStore
+
+    real_now = FeedbackStore.now
+    monkeypatch.setattr(FeedbackStore, "now", lambda store: real_now(store) + 1000.0)
+    offset = store_clock_offset(str(tmp_path / "feedback.db"))
+    assert offset == pytest.approx(-1000.0, abs=1.0)
+    rated = time.time()
+    records = [{"decision": "published", "version": 1, "last_rated_at": rated + 1000.0, "reason": "better"}]
+    samples = [{"server": 0, "up": True, "weight_version": 1, "time": rated + 5.0}]
+    replies = exchanges("10")
+    figures = summarize(records, samples, 1, replies, replies, replies, replies, offset)
+    assert figures["feedback_to_deployed_s_each"] == [pytest.approx(5.0, abs=1.0)]
 
 
 @pytest.mark.slow  # about a minute: three processes start and the loop updates twice

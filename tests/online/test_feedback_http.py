@@ -327,6 +327,24 @@ def test_a_stream_its_client_left_is_kept_if_its_generation_finished(tmp_path, f
         capture.close()
 
 
+def test_a_reply_kept_as_the_server_shuts_down_is_not_a_failed_write(tmp_path, caplog):
+    """`Reply.end` starts storing without waiting; the lifespan may close the capture before
+    that task runs. Its write is not handed to the stopped writer threads (which refused it
+    with "cannot schedule new futures after shutdown", counted as a failed keep)."""
+    capture = Capture(FeedbackConfig(store=str(tmp_path / "feedback.db")), "m")
+    seq = Sequence("chatcmpl-late-0", [1, 2], SamplingParams())
+    seq.output_ids, seq.logprobs, seq.versions, seq.finish_reason = [3], [-0.5], [0], "stop"
+
+    async def shut_down():
+        Reply(capture, "chatcmpl-late", [seq], "interactive").end()  # its task has not run yet
+        capture.close()
+        await asyncio.gather(*capture.tasks)
+
+    asyncio.run(shut_down())
+    assert capture.failures == 0 and "cannot schedule" not in caplog.text
+    assert capture.unstored["chatcmpl-late"] == "was not stored: the server was shutting down"
+
+
 def test_a_failing_feedback_store_is_a_503_without_sql(http, db):
     import sqlite3
 

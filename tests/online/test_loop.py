@@ -243,9 +243,18 @@ def test_preference_rises_on_held_out_prompts_with_the_gate_on(world):
 
 
 def test_run_writes_a_metrics_record_per_update(world):
+    import os
+    import stat
+
     world.feedback(16)
-    summary = OnlineLoop(world.config.model_copy(update={"max_updates": 1})).run()
+    umask = os.umask(0o022)
+    try:
+        summary = OnlineLoop(world.config.model_copy(update={"max_updates": 1})).run()
+    finally:
+        os.umask(umask)
     assert summary["updates"] == 1
+    written = Path(world.config.output_dir) / "config.toml"  # the feedback store's password, if any, as given
+    assert stat.S_IMODE(written.stat().st_mode) == 0o600
     [record] = read_metrics(Path(world.config.output_dir) / "metrics.jsonl")
     assert record["decision"] in ("published", "discarded") and record["reason"]
     assert_tracked(Path(world.config.output_dir) / "tensorboard" / "online", [record], step_key="update")

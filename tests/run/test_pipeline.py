@@ -57,9 +57,11 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     assert "<h2>Held-out pass@1 by sampling temperature</h2>\n<img" in html
     assert "gain over the best temperature (± paired SE)</td><td>" in html
     for role in ("serve-0", "serve-1", "trainer", "orchestrator"):
-        assert (run / "roles" / f"{role}.toml").exists() and (run / "logs" / f"{role}.log").exists()
+        assert (run / "roles" / f"{role}.toml").stat().st_mode & 0o777 == 0o600  # its secrets as given
+        assert (run / "logs" / f"{role}.log").exists()
     assert summary["final_logit_scale"] == pytest.approx(steps[-1]["logit_scale"])  # the trainer's last step's
     assert summary["model"] == str(run / "model") and load_hf(run / "model").cfg.num_experts == 4
+    assert (run / "config.toml").stat().st_mode & 0o777 == 0o600
     written = tomllib.loads((run / "config.toml").read_text())  # as it ran: the servers' addresses too
     used = tomllib.loads((run / "roles" / "orchestrator.toml").read_text())
     assert written["rl"]["orchestrator"] == used and written["eval"]["servers"] == used["servers"]

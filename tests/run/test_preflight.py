@@ -55,9 +55,17 @@ def test_every_problem_is_named_by_its_key_at_once(tmp_path):
 def test_a_run_folder_that_cannot_be_created_is_refused(tmp_path):
     (tmp_path / "file").write_text("")
     with pytest.raises(
-        ConfigError, match=r"output_dir, name: '.*/file' is a file, so '.*/file/tiny' cannot be created"
+        ConfigError, match=r"output_dir, name: .*/file/tiny cannot be created: .*/file is a file, not a folder"
     ):
         run_pipeline(tiny_run(tmp_path, f'output_dir="{tmp_path}/file"'))
+
+
+def test_a_run_folder_that_is_a_broken_link_is_refused(tmp_path):
+    # (it does not exist, but nothing can be created there either)
+    (tmp_path / "runs").mkdir()
+    (tmp_path / "runs" / "tiny").symlink_to(tmp_path / "gone")
+    with pytest.raises(ConfigError, match=r"output_dir, name: .*/runs/tiny is a link to nothing"):
+        run_pipeline(tiny_run(tmp_path))
 
 
 def test_a_top_level_harness_rl_cannot_train_on_is_refused_when_applied(tmp_path):

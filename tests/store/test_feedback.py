@@ -196,6 +196,14 @@ def test_an_unreachable_database_is_named_without_its_password():
         FeedbackStore.open("postgresql://u:secret@127.0.0.1:9/db")
 
 
+def test_a_url_is_named_without_its_password_up_to_its_host_and_database():
+    # the password may hold a `/`, the query an `@`: neither hides the host nor shows the password
+    with pytest.raises(WhetstoneError) as refused:
+        FeedbackStore.open("postgresql://u:se/cret@127.0.0.1:9/db?application_name=a@b")
+    assert "the feedback store postgresql://u:***@127.0.0.1:9/db?application_name=a@b: " in str(refused.value)
+    assert "se/cret" not in str(refused.value)
+
+
 def test_servers_opening_a_new_store_at_once_all_get_it(store_url):
     """Servers sharing a store start together: each checks which tables are missing, then creates
     them, and another may create one in between (seen: a server of `whetstone bench online` died
@@ -258,6 +266,33 @@ def test_a_sqlite_file_replaced_under_open_connections_is_read_anew(tmp_path):
     server.record([record("a")])
     server.add_feedback("a", 0, "thumbs_up")
     assert loop.marks() == server.marks() and loop.marks().store_id != old and loop.marks().newest == 1
+
+
+@pytest.mark.parametrize("how", ["deleted", "replaced"])
+def test_a_server_writes_into_the_sqlite_file_at_its_path_once_its_own_is_gone(tmp_path, how):
+    """A server's pooled connections would go on writing into the file they opened: a client
+    gets 200 for feedback that lands in a deleted file, which the loop never reads."""
+    import os
+
+    path = tmp_path / "feedback.db"
+    server = FeedbackStore.open(str(path))
+    server.record([record("a")])
+    server.add_feedback("a", 0, "thumbs_up")
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink(missing_ok=True)
+    if how == "deleted":
+        loop = FeedbackStore.open(str(path))  # the loop recreates it
+    else:
+        restored = FeedbackStore.open(str(tmp_path / "backup.db"))  # a backup put in its place
+        restored.close()
+        os.replace(tmp_path / "backup.db", path)
+        loop = FeedbackStore.open(str(path))
+    server.record([record("b")])
+    assert server.add_feedback("b", 0, "thumbs_up") == 1
+    assert loop.count_after(0) == 1 and loop.rated_after(0, 10)[0].response.response_id == "b"
+    assert server.marks() == loop.marks()
+    server.close()
+    loop.close()
 
 
 def test_responses_and_feedback_are_stamped_by_the_database_clock(store_url, monkeypatch):

@@ -28,7 +28,7 @@ from typing import Any
 
 import httpx
 
-from whetstone.config import dump_toml
+from whetstone.config import write_toml
 from whetstone.envs.harness import AgentHarness, EndpointConfig, HarnessConfig, RolloutConfig, ServerPool, rollout
 from whetstone.envs.task import Task
 from whetstone.fleet import FleetConfig, FleetRegistry
@@ -79,7 +79,7 @@ class Fleet:
             fleet=FleetConfig(announce=True, cluster=cluster, heartbeat_s=0.5),
         )
         path = self.work / f"serve-{port}.toml"
-        path.write_text(dump_toml(config) + "\n")
+        write_toml(path, config)
         role = RoleProcess(
             f"serve-{port}",
             ["serve", str(path)],

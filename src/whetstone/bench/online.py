@@ -10,7 +10,8 @@ the preference rate is measured on other held-out tasks, never rated.
 
 - feedback_to_deployed_s: per published update, from the feedback event that completed its
   batch (the batch is exactly `every_events` events, so its newest one completes it) until
-  every server reports the new version on /metrics (sampled every 0.1 s); the median. Baselines
+  every server reports the new version on /metrics (sampled every 0.1 s; the event's time, the
+  feedback store's clock, is read on this machine's: `store_clock_offset`); the median. Baselines
   (side by side, from the public record): Cursor Tab ships every 1.5-2 h, Composer about 5 h.
 - preference_rate_before / after: liked fraction of replies to the held-out prompts before the
   loop starts and after its last update is deployed (same prompts, same seeds: paired).
@@ -42,6 +43,22 @@ MEASURE_SEED = 1_000_000
 def p99(values: list[float]) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
+
+
+def store_clock_offset(store: str) -> float:
+    """What to add to a time of the feedback store's clock (`FeedbackStore.now`: the loop's
+    `last_rated_at`) to read it on this machine's (`time.time`: the servers' samples); not 0 for
+    a database on a host whose clock is off."""
+    from whetstone.store.feedback import FeedbackStore
+
+    feedback = FeedbackStore.open(store)
+    try:
+        before = time.time()
+        database = feedback.now()
+        after = time.time()
+    finally:
+        feedback.close()
+    return (before + after) / 2 - database
 
 
 def deployed_at(samples: list[dict], servers: int) -> dict[int, float]:
@@ -114,12 +131,11 @@ class _Bench:
         self.roles = []
 
     def start(self, name: str, command: str, config, health_url: str | None = None):
-        from whetstone.config import dump_toml
+        from whetstone.config import write_toml
         from whetstone.utils.processes import RoleProcess
 
         path = self.work / "roles" / f"{name}.toml"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(dump_toml(config))
+        write_toml(path, config)
         role = RoleProcess(
             name, [command, str(path)], self.work / "logs" / f"{name}.log", health_url=health_url, threads=1
         ).start()
@@ -231,6 +247,7 @@ class _Bench:
         metrics_path = self.work / "online" / "metrics.jsonl"
         try:
             urls = self.start_servers()
+            clock_offset_s = store_clock_offset(self.feedback_db)  # the servers have created the store
             # The users' own work (their sandboxed grading) stands for other machines: it must not
             # take the servers' cores. The loop (started after) inherits this and adds its own nice.
             os.nice(USERS_NICE)
@@ -251,9 +268,8 @@ class _Bench:
         finally:
             for role in reversed(self.roles):
                 role.stop()
-        return summarize(
-            records, read_metrics(self.work / "servers.jsonl"), self.servers, idle, during, before, after
-        ) | {
+        samples = read_metrics(self.work / "servers.jsonl")
+        return summarize(records, samples, self.servers, idle, during, before, after, clock_offset_s) | {
             "model": str(self.model),
             "servers": self.servers,
             "users": users,
@@ -291,14 +307,25 @@ def paired_change(before: list, after: list) -> dict[str, Any]:
 
 
 def summarize(
-    records: list[dict], server_samples: list[dict], servers: int, idle: list, during: list, before: list, after: list
+    records: list[dict],
+    server_samples: list[dict],
+    servers: int,
+    idle: list,
+    during: list,
+    before: list,
+    after: list,
+    clock_offset_s: float,
 ) -> dict[str, Any]:
-    """The benchmark's figures from the loop's metrics, the servers' samples and the users' exchanges."""
+    """The benchmark's figures from the loop's metrics, the servers' samples and the users'
+    exchanges. `clock_offset_s`: `store_clock_offset`, which puts the feedback times of the loop's
+    records on the samples' clock."""
     from whetstone.online.simulator import liked_share
 
     reached = deployed_at(server_samples, servers)
     published = [r for r in records if r["decision"] == "published"]
-    latencies = [reached[r["version"]] - r["last_rated_at"] for r in published if r["version"] in reached]
+    latencies = [
+        reached[r["version"]] - (r["last_rated_at"] + clock_offset_s) for r in published if r["version"] in reached
+    ]
     median = statistics.median(latencies) if latencies else None
     idle_p99, busy_p99 = p99([e.latency_s for e in idle]) * 1000, p99([e.latency_s for e in during]) * 1000
     return {

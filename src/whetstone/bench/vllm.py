@@ -56,7 +56,7 @@ def wait_for_version(engine: str, url: str, version: int, timeout_s: float) -> f
 
 def start_server(engine: str, folder: Path, model_dir: str, sync, python: str, timeout_s: float):
     """`engine`'s server following the store of `sync`, healthy; returns (process, API root)."""
-    from whetstone.config import dump_toml
+    from whetstone.config import write_toml
     from whetstone.inference.config import EngineConfig, ServeConfig
     from whetstone.integrations.vllm import serve_command, whetstone_path
     from whetstone.utils.processes import RoleProcess, free_port
@@ -73,7 +73,7 @@ def start_server(engine: str, folder: Path, model_dir: str, sync, python: str, t
     else:
         config = ServeConfig(model_path=model_dir, port=port, threads=1, engine=EngineConfig(max_batch=16), sync=sync)
         path = folder / "serve.toml"
-        path.write_text(dump_toml(config) + "\n")
+        write_toml(path, config)
         server = RoleProcess("serve", ["serve", str(path)], log, health_url=health, threads=1)
     server.start()
     try:

@@ -67,6 +67,7 @@ class Capture:
         """Why a reply of this server is not in the store (yet), oldest first; a stored one is removed."""
         self._lock = threading.Lock()  # `unstored` also changes in the writer threads
         self._writer = ThreadPoolExecutor(KEEP_WRITERS, thread_name_prefix="feedback-keep")
+        self._closed = False  # set by `close` (under `_lock`): no write is handed to `_writer` after it
         self.tasks: set[asyncio.Task] = set()
         """Replies' storing tasks under way (the event loop holds its tasks only weakly)."""
 
@@ -94,8 +95,13 @@ class Capture:
             return
         self.note(response_id, "is still being stored: try again in a moment")
         started = time.monotonic()
+        with self._lock:
+            write = None if self._closed else self._writer.submit(self.store.record, records)
+        if write is None:
+            self.note(response_id, "was not stored: the server was shutting down")
+            log.warning("response %s is not kept for feedback: the server is shutting down", response_id)
+            return
         try:
-            write = self._writer.submit(self.store.record, records)
             await asyncio.wait_for(asyncio.wrap_future(write), self.config.keep_timeout_s)
         except TimeoutError:
             self.failures += 1
@@ -144,7 +150,13 @@ class Capture:
             raise UnknownResponse(f"response {response_id!r} {why}") from None
 
     def close(self) -> None:
-        self._writer.shutdown(wait=True)  # writes under way finish (the store's own lock timeout bounds them)
+        """Stop handing writes to the writer threads first, then let the writes under way finish
+        (the store's own lock timeout bounds them) and disconnect. A reply whose storing task
+        starts later (`Reply.end` does not wait for it) is noted as not stored, not counted as a
+        failed write."""
+        with self._lock:
+            self._closed = True
+        self._writer.shutdown(wait=True)
         self.store.close()
 
 

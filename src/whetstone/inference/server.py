@@ -172,14 +172,17 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
 
     def queue_up(count: int, build: Callable[[], Submission]) -> Submission:
         """Count a request's `count` sequences into the backlog (`QueueFull`, 429, when it has no
-        room: before anything is tokenized), then build their submission; a request refused
-        while it is built is counted out again."""
+        room: before anything is tokenized), then build their submission and queue it; a request
+        refused while it is built is counted out again, and one the engine took only part of
+        is aborted (`Submission.enqueue`: each sequence is counted out once)."""
         backlog.take(count)
         try:
-            return build()
+            submission = build()
         except BaseException:
             backlog.release(count)
             raise
+        submission.enqueue()
+        return submission
 
     def submit_completion(body: CompletionRequest, response_id: str, loop: asyncio.AbstractEventLoop) -> Submission:
         """Tokenize the prompts and queue a sequence per prompt and choice (in a worker thread:

@@ -82,12 +82,13 @@ class Submission:
         loop: asyncio.AbstractEventLoop | None = None,
         backlog: Backlog | None = None,
     ):
-        """One sequence per (prompt, choice); `params[p][c]` are choice c of prompt p's parameters.
-        Raises `InvalidRequest` (nothing queued) if any of them cannot be served. `loop`: the
-        event loop the handler awaits the events on (default: the running one), so a big
-        submission can be built in a worker thread. Each prompt is checked once, with its
-        choice of the most tokens, and its choices share one copy of it. `backlog`: where the
-        caller counted these sequences in (`Backlog.take`); each leaves it as it finishes."""
+        """One sequence per (prompt, choice); `params[p][c]` are choice c of prompt p's parameters;
+        `enqueue` hands them to the engine. Raises `InvalidRequest` if any of them cannot be
+        served. `loop`: the event loop the handler awaits the events on (default: the running
+        one), so a big submission can be built in a worker thread. Each prompt is checked once,
+        with its choice of the most tokens, and its choices share one copy of it. `backlog`:
+        where the caller counted these sequences in (`Backlog.take`); from `enqueue` on, each
+        leaves it once: as it finishes, or in `enqueue` if the engine never took it."""
         for prompt, choices in zip(prompts, params):
             engine.check_request(prompt, max(choices, key=lambda sampling: sampling.max_tokens))
         self.engine = engine
@@ -107,8 +108,22 @@ class Submission:
             for p, (prompt, choices) in enumerate(zip((list(prompt) for prompt in prompts), params))
             for c, sampling in enumerate(choices)
         ]
-        for seq in self.seqs:
-            engine.add(seq, checked=True)
+
+    def enqueue(self) -> None:
+        """Hand every sequence to the engine. If that fails part way, the sequences it took are
+        aborted (each counts itself out of the backlog as it finishes) and the rest are counted
+        out here, before the error goes on."""
+        queued = 0
+        try:
+            for seq in self.seqs:
+                self.engine.add(seq, checked=True)
+                queued += 1
+        except BaseException:
+            for seq in self.seqs[:queued]:
+                self.engine.abort(seq)
+            if self.backlog is not None:
+                self.backlog.release(len(self.seqs) - queued)
+            raise
 
     def _on_event(self, progress: Progress) -> None:  # engine thread
         if progress.finished and self.backlog is not None:

@@ -27,7 +27,7 @@ from contextlib import nullcontext
 from functools import partial
 from typing import Any
 
-from whetstone.config import dump_toml
+from whetstone.config import write_toml
 from whetstone.data import DemoSource
 from whetstone.midtrain.config import MidtrainConfig
 from whetstone.midtrain.setup import Session, new_optimizer, open_session
@@ -40,7 +40,7 @@ from whetstone.training.distributed import (
     torchrun_group,
 )
 from whetstone.training.schedule import lr_at
-from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.atomic import atomic_write_json
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.processes import StopRequest, stop_on_signals, stopped_by
 from whetstone.utils.progress import progress_bar
@@ -74,7 +74,7 @@ def _train(session: Session, opened: float, stop_at_step: int | None, stop: Stop
     run = config.run
     lead = session.rank == 0  # the one rank that writes files
     if lead:
-        atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
+        write_toml(session.run_dir / "config.toml", config)
     val_batches = list(_first(session.corpus.val_batches(run.batch_size, config.data.seq_len), run.eval_batches))
     last_step = min(run.steps, stop_at_step or run.steps)
     step_tokens = run.batch_size * run.grad_accum * config.data.seq_len

@@ -39,7 +39,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from whetstone.config import dump_toml, expand_path
+from whetstone.config import expand_path, write_toml
 from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.model.hf import load_hf
 from whetstone.model.layout import autocast_tables
@@ -56,7 +56,7 @@ from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.step import Learner, StepSettings, train_step
 from whetstone.training.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
 from whetstone.training.optim import optimizer_for
-from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.atomic import atomic_write_json
 from whetstone.utils.device import resolve_device, use_device
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.runtime import configure_process
@@ -446,7 +446,7 @@ class OnlineLoop:
         from whetstone.utils.progress import progress_bar
 
         config = self.config
-        atomic_write_text(self.run_dir / "config.toml", dump_toml(config) + "\n")
+        write_toml(self.run_dir / "config.toml", config)
         counts = {"published": 0, "discarded": 0, "skipped": 0}
         with (
             MetricsWriter(

@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from whetstone.config import dump_toml
+from whetstone.config import write_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.local_ranks import LocalRankGroup
@@ -44,7 +44,7 @@ from whetstone.run.monitor import ServerSampler, last_record, read_json_object
 from whetstone.run.placement import gpu_memory_shares, server_device
 from whetstone.run.ray_launch import RayLauncher
 from whetstone.store import open_store
-from whetstone.utils.atomic import atomic_directory, atomic_write_json, atomic_write_text
+from whetstone.utils.atomic import atomic_directory, atomic_write_json
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
 from whetstone.utils.device import resolve_device
 from whetstone.utils.metrics import read_metrics
@@ -199,12 +199,12 @@ class Pipeline:
 
     def write_config(self) -> None:
         """`config.toml`: the config as the stages run it (again once the servers' addresses are known)."""
-        atomic_write_text(self.run_dir / "config.toml", dump_toml(self.config) + "\n")
+        write_toml(self.run_dir / "config.toml", self.config)
 
     def write_role_config(self, name: str, config) -> Path:
         path = self.run_dir / "roles" / f"{name}.toml"
         path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, dump_toml(config) + "\n")
+        write_toml(path, config)
         return path
 
     def open_cpu_groups(self) -> None:

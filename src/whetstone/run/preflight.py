@@ -7,7 +7,6 @@ with its config key and path."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from whetstone.envs.tasks.registry import SOURCES, TasksConfig, check_source
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.ray_launch import import_ray
+from whetstone.utils.atomic import writable_folder_problem
 from whetstone.utils.device import resolve_device
 from whetstone.utils.processes import check_cpus
 
@@ -163,12 +163,6 @@ def _exists(key: str, path: str | Path, kind: str) -> Iterator[str]:
 
 
 def _writable(key: str, folder: Path) -> Iterator[str]:
-    """A folder the run will create or write in: the folder itself if it exists, else the nearest
-    existing folder above it must be writable."""
-    existing = folder
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if not existing.is_dir():
-        yield f"{key}: {str(existing)!r} is a file, so {str(folder)!r} cannot be created"
-    elif not os.access(existing, os.W_OK | os.X_OK):
-        yield f"{key}: {str(folder)!r} cannot be written ({str(existing)!r} is not writable)"
+    """A folder the run will create or write in (`writable_folder_problem`)."""
+    if problem := writable_folder_problem(folder):
+        yield f"{key}: {problem}"

@@ -48,7 +48,7 @@ from pydantic import Field
 from whetstone.config import Config, dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.config import CLUSTER_PATTERN
-from whetstone.utils.atomic import atomic_write_text
+from whetstone.utils.atomic import PRIVATE, atomic_write_text
 from whetstone.utils.processes import (
     GPU_MEMORY_ENV,
     RoleProcess,
@@ -257,7 +257,7 @@ class RoleActor:
                 argv, env = VllmServer.model_validate(vllm).command(serve, num_gpus, Path(config_path).parent, env)
         pid_path = Path(config_path).with_suffix(".pid")
         wait_for_predecessor(pid_path)
-        atomic_write_text(config_path, config.pop("toml"))
+        atomic_write_text(config_path, config.pop("toml"), PRIVATE)  # its secrets as given (write_toml)
         self.url = config.get("url", "")
         self.role = RoleProcess(
             name, [command, config_path], log_path, threads=threads, env=env, command=argv, own_group=True

@@ -22,11 +22,10 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from whetstone.config import dump_toml
+from whetstone.config import write_toml
 from whetstone.errors import WhetstoneError
 from whetstone.run.local_ranks import RankedRole, rank_environment
 from whetstone.run.ray_launch import PREDECESSOR_GRACE_S, RayConfig, import_ray, record_role, wait_for_predecessor
-from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, free_port
 
 log = logging.getLogger("whetstone.run")
@@ -136,7 +135,7 @@ class RankGroup(RankedRole):
 
         self.config_path.parent.mkdir(parents=True, exist_ok=True)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(self.config_path, dump_toml(self.config) + "\n")
+        write_toml(self.config_path, self.config)
         bundle = self.asks.bundle()
         self.group = placement_group([bundle] * self.size, strategy=self.strategy)
         try:

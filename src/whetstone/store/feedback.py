@@ -15,6 +15,8 @@ cannot both succeed. A write returns only once committed: accepted feedback surv
 Old responses are deleted by the online loop once it has read their feedback (`prune`). Event
 numbers mean something only in the database that gave them: a database recreated (or restored
 from an older copy) numbers its events anew, and its id (or newest number) tells the loop so.
+A SQLite file deleted or replaced under open connections is followed: every use of a connection
+checks that it still holds the file at the path, so servers write into the store the loop reads.
 Times (`created`) are the database's clock (`now`), so servers and the loop on machines whose
 clocks disagree still agree on a response's age. Database failures raise `FeedbackStoreError`.
 """
@@ -22,6 +24,7 @@ clocks disagree still agree on a response's age. Database failures raise `Feedba
 from __future__ import annotations
 
 import os
+import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -181,7 +184,6 @@ class FeedbackStore:
             Path(database) if engine.dialect.name == "sqlite" and database not in (None, "", ":memory:") else None
         )
         """The SQLite file, or None."""
-        self._file = self._file_now()
 
     @classmethod
     def open(cls, store: str) -> "FeedbackStore":
@@ -199,6 +201,7 @@ class FeedbackStore:
             engine = sa.create_engine(url, **options)
             if url.startswith("sqlite"):
                 sa.event.listen(engine, "connect", _sqlite_pragmas)
+                _follow_file(engine)
             _create_tables(engine)
             with engine.begin() as db:
                 _identity_row(db)
@@ -213,7 +216,7 @@ class FeedbackStore:
     @property
     def name(self) -> str:
         """The database's URL, without its password."""
-        return self.engine.url.render_as_string(hide_password=True)
+        return _redacted(self.engine.url.render_as_string(hide_password=False))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -289,21 +292,8 @@ class FeedbackStore:
                 db.execute(sa.select(sa.func.count()).select_from(feedback).where(feedback.c.seq > seq)).scalar()
             )
 
-    def _file_now(self) -> tuple[int, int] | None:
-        """Which file is at `path` now (device, inode), None if none is."""
-        try:
-            stat = os.stat(self.path) if self.path is not None else None
-        except FileNotFoundError:
-            return None
-        return None if stat is None else (stat.st_dev, stat.st_ino)
-
     def marks(self) -> StoreMarks:
-        """The store's id, its newest event number and the newest one a loop has read. A SQLite
-        file deleted or replaced since the store connected is read anew: open connections would
-        go on reading the old file."""
-        if self.path is not None and self._file_now() != self._file:
-            self.engine.dispose()
-            self._file = self._file_now()
+        """The store's id, its newest event number and the newest one a loop has read."""
         with self.failing_as("reading its id and newest event"), self.engine.begin() as db:
             store_id, consumed = _identity_row(db)
             newest = db.execute(sa.select(sa.func.max(feedback.c.seq))).scalar() or 0
@@ -409,6 +399,35 @@ def _reason(err: BaseException) -> str:
     return text[0] if text else type(cause).__name__
 
 
+def _file_at(path: str) -> tuple[int, int] | None:
+    """Which file is at `path` (device, inode), None if none is."""
+    try:
+        stat = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return stat.st_dev, stat.st_ino
+
+
+def _follow_file(engine: sa.Engine) -> None:
+    """Make every use of a pooled connection to a SQLite file check that the file it opened is
+    still the one at the store's path: one deleted or replaced since (the store recreated, a
+    backup restored) is dropped for a new connection to the file there (the pool retries), so
+    reads see and writes go into the store at the path, never into a deleted file."""
+    path = engine.url.database
+    if path in (None, "", ":memory:"):
+        return
+
+    def connected(_connection, record) -> None:  # after `_sqlite_pragmas`, which creates the file
+        record.info["file"] = _file_at(path)
+
+    def checkout(_connection, record, _proxy) -> None:
+        if record.info.get("file") != _file_at(path):
+            raise sa.exc.DisconnectionError(f"{path} was deleted or replaced")
+
+    sa.event.listen(engine, "connect", connected)
+    sa.event.listen(engine, "checkout", checkout)
+
+
 def _sqlite_pragmas(connection, _record) -> None:
     # WAL: readers (the online loop) never block the servers' writes; FULL: a commit is on disk.
     cursor = connection.cursor()
@@ -418,9 +437,11 @@ def _sqlite_pragmas(connection, _record) -> None:
     cursor.close()
 
 
+_PASSWORD = re.compile(r"^([\w+.-]+://[^:/@]*):.*?@(?=[^@/?#]*(?:[/?#]|$))", re.S)
+"""A URL's `scheme://user:password@`: the password as SQLAlchemy reads it (it may hold `/`), an
+unescaped `@` in it included; an `@` after the host (in the query) is not the password's."""
+
+
 def _redacted(store: str) -> str:
-    if "://" not in store or "@" not in store:
-        return store
-    scheme, rest = store.split("://", 1)
-    credentials, host = rest.rsplit("@", 1)
-    return f"{scheme}://{credentials.split(':', 1)[0]}:***@{host}" if ":" in credentials else store
+    """`store` with its URL's password, if any, shown as `***` (a SQLite path as it is)."""
+    return _PASSWORD.sub(r"\1:***@", store, count=1)

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from whetstone.config import dump_toml
+from whetstone.config import write_toml
 from whetstone.errors import WhetstoneError
 from whetstone.rl.batch import Batch, shuffled_parts
 from whetstone.rl.batch_store import batch_key, get_batch, next_batch_index
@@ -34,7 +34,6 @@ from whetstone.trainer.setup import TrainerSession, new_optimizer, open_trainer
 from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, train_step
 from whetstone.training.distributed import broadcast, full_state_dict, save_sharded_checkpoint, torchrun_group
 from whetstone.training.schedule import lr_at
-from whetstone.utils.atomic import atomic_write_text
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.processes import stop_on_signals
 from whetstone.utils.progress import progress_bar
@@ -319,7 +318,7 @@ def _run(session: TrainerSession, stop: threading.Event) -> dict[str, Any]:
     lead = session.rank == 0  # the one rank that writes files and publishes
     if lead:
         session.run_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(session.run_dir / "config.toml", dump_toml(config) + "\n")
+        write_toml(session.run_dir / "config.toml", config)
         if not config.max_steps or state.step < config.max_steps:
             report_waiting(session, state.step)  # an empty batch store is named at the start
     first_step, checkpointed = state.step, state.step

@@ -2,7 +2,9 @@
 
 Write to a temporary sibling, fsync, then `os.replace` (atomic on POSIX within a filesystem).
 What they write gets the permissions a plain write gives (`mkstemp` and `mkdtemp` make 0600 and
-0700): a new file 0666 and a folder 0777, less the umask; a replaced file keeps its mode.
+0700): a new file 0666 and a folder 0777, less the umask; a replaced file keeps its mode. A file
+holding secrets is written with `mode=PRIVATE` (0600, whatever the umask and the mode of the file
+it replaces): it never holds its contents under other permissions, not even as the temporary file.
 `atomic_directory` gives every file and folder in the tree it puts in place those modes, whatever
 its writer used (safetensors makes its files 0600): a file made executable gets 0777 less the umask.
 """
@@ -19,6 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from whetstone.errors import WhetstoneError
+
+PRIVATE = 0o600
+"""The mode of a file holding secrets (passwords, tokens): readable by its owner only."""
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -79,9 +84,10 @@ def writable_folder_problem(folder: str | Path) -> str | None:
     while not os.path.lexists(existing) and existing != existing.parent:
         existing = existing.parent
     if not existing.is_dir():
+        what = "a link to nothing" if not existing.exists() else "a file, not a folder"
         if existing == folder:
-            return f"{folder} is a file, not a folder"
-        return f"{folder} cannot be created: {existing} is a file, not a folder"
+            return f"{folder} is {what}"
+        return f"{folder} cannot be created: {existing} is {what}"
     if not os.access(existing, os.W_OK | os.X_OK):
         if existing == folder:
             return f"{folder} is not writable"
@@ -90,15 +96,16 @@ def writable_folder_problem(folder: str | Path) -> str | None:
 
 
 @contextmanager
-def atomic_path(path: str | Path) -> Iterator[Path]:
+def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed.
 
-    For writers that insist on a file name (safetensors, torch.save).
+    For writers that insist on a file name (safetensors, torch.save). `mode`: the file's
+    permissions (`PRIVATE` for secrets); None gives those of a plain write.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # a plain write keeps the mode of the file it overwrites
-    mode = path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask()
+    if mode is None:  # a plain write keeps the mode of the file it overwrites
+        mode = path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask()
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:
@@ -115,13 +122,13 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         tmp.unlink(missing_ok=True)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes) -> None:
-    with atomic_path(path) as tmp:
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
+    with atomic_path(path, mode) as tmp:
         tmp.write_bytes(data)
 
 
-def atomic_write_text(path: str | Path, text: str) -> None:
-    atomic_write_bytes(path, text.encode())
+def atomic_write_text(path: str | Path, text: str, mode: int | None = None) -> None:
+    atomic_write_bytes(path, text.encode(), mode)
 
 
 def atomic_write_json(path: str | Path, obj: Any) -> None:
