@@ -268,6 +268,7 @@ def test_every_rank_refuses_a_weight_store_that_is_not_the_runs(tmp_path, tiny_m
     run_trainer(trainer_config(tmp_path, tiny_moe, max_steps=2, checkpoint_interval=1))
     config = trainer_config(tmp_path, tiny_moe, max_steps=3)
     config.sync.store = str(tmp_path / "elsewhere")
+    (tmp_path / "elsewhere").mkdir()  # empty (a missing one is refused as missing: test_loop.py)
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(config))
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
