@@ -355,3 +355,353 @@ def test_a_top_k_beyond_the_vocabulary_keeps_every_token(model):
     huge, whole = (SamplingParams(max_tokens=5, seed=3, top_k=k) for k in (10**20, model.cfg.vocab_size))
     [a], [b] = engine.generate(prompts(5), huge), engine.generate(prompts(5), whole)
     assert a.error is None and a.output_ids == b.output_ids and a.logprobs == b.logprobs
+
+
+CUDA_ERROR = "CUDA error: an illegal memory access was encountered"
+
+
+class Ends:
+    """Makes sequences that count the finished events they get (each must get exactly one)."""
+
+    def __init__(self):
+        self.finished: dict[str, int] = {}
+
+    def sequence(self, name: str, prompt: list[int], params: SamplingParams) -> Sequence:
+        self.finished[name] = 0
+
+        def on_event(progress):
+            if progress.finished:
+                self.finished[name] += 1
+
+        return Sequence(name, prompt, params, on_event=on_event)
+
+    def each_once(self, seqs) -> bool:
+        return all(seq.finished for seq in seqs) and all(self.finished[seq.request_id] == 1 for seq in seqs)
+
+
+def step_until_finished(engine, seqs, limit: int = 200) -> None:
+    """`run_until_finished`, for at most `limit` steps (a lost sequence would never finish)."""
+    with torch.inference_mode():
+        for _ in range(limit):
+            if all(seq.finished for seq in seqs):
+                return
+            engine.step()
+    raise AssertionError(f"unfinished after {limit} steps: {[seq.request_id for seq in seqs if not seq.finished]}")
+
+
+def all_slots_free(engine) -> None:
+    """Nothing holds a slot, and `max_batch` new sequences run at once, in slots 0..max_batch-1."""
+    assert not engine.scheduler.running and not engine.scheduler.has_work and not engine._unfinished
+    batch = engine.config.max_batch
+    seqs = [Sequence(f"fresh{i}", p, SamplingParams(max_tokens=3, seed=i)) for i, p in enumerate(prompts(*[4] * batch))]
+    for seq in seqs:
+        engine.add(seq)
+    with torch.inference_mode():
+        engine.step()
+    assert sorted(seq.slot for seq in seqs) == list(range(batch))
+    step_until_finished(engine, seqs)
+    assert all(seq.error is None and len(seq.output_ids) == 3 for seq in seqs)
+
+
+def test_a_slot_move_that_raises_loses_no_sequence(model):
+    """A sequence stops in the middle of the batch; moving the last one into its slot raises (a
+    broken device): the stopped one fails (it had its last token), the others keep their slots'
+    tokens and are recomputed, and no sequence is left out of every queue."""
+    params = [SamplingParams(max_tokens=n, temperature=1.0, seed=i) for i, n in enumerate((10, 3, 10))]
+    lengths = (9, 7, 5)  # slots by prompt length, the longest first: s1 in the middle
+    references = make_engine(model, share_prefixes=False).generate(prompts(*lengths), params)
+    engine = make_engine(model, share_prefixes=False)  # no kept caches: the only moves are the slots'
+    move, broken = engine.cache.move, []
+
+    def move_broken_once(src, dst, length):
+        if not broken:
+            broken.append((src, dst))
+            raise RuntimeError(CUDA_ERROR)
+        move(src, dst, length)
+
+    engine.cache.move = move_broken_once
+    ends = Ends()
+    seqs = [ends.sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(*lengths), params))]
+    for seq in seqs:
+        engine.add(seq)
+    step_until_finished(engine, seqs)
+    assert broken == [(2, 1)]  # s2 was moving into s1's slot
+    assert ends.each_once(seqs)
+    s0, s1, s2 = seqs
+    assert s1.error == f"RuntimeError: {CUDA_ERROR} (the engine failed while ending the sequence)"
+    assert s1.output_ids == references[1].output_ids  # not resumed past its last token
+    for seq, reference in ((s0, references[0]), (s2, references[2])):
+        same_generation(seq, reference)
+        assert seq.preemptions == 1
+    all_slots_free(engine)
+
+
+def test_a_sequence_that_stopped_when_a_failure_hit_its_end_fails_and_does_not_generate_past_its_stop(model):
+    [free] = make_engine(model).generate(prompts(9), SamplingParams(max_tokens=12, temperature=1.0, seed=3))
+    stop = free.output_ids[4]
+    params = [
+        SamplingParams(max_tokens=12, temperature=1.0, seed=3, stop_token_ids=(stop,)),
+        SamplingParams(max_tokens=12, temperature=1.0, seed=4),
+    ]
+    references = make_engine(model).generate(prompts(9, 7), params)
+    assert references[0].output_ids == free.output_ids[: free.output_ids.index(stop) + 1]
+    engine = make_engine(model)
+    ends = Ends()
+    stopping, other = [ends.sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(9, 7), params))]
+    keep, failed = engine._keep, []
+
+    def keep_failing_once(seq):  # keeping its cache raises once its stop token is in
+        if seq is stopping and not failed:
+            failed.append(list(seq.output_ids))
+            raise RuntimeError(CUDA_ERROR)
+        keep(seq)
+
+    engine._keep = keep_failing_once
+    engine.add(stopping)
+    engine.add(other)
+    step_until_finished(engine, [stopping, other])
+    assert failed == [references[0].output_ids]
+    assert stopping.error == f"RuntimeError: {CUDA_ERROR} (the engine failed while ending the sequence)"
+    assert stopping.output_ids == references[0].output_ids  # nothing drawn past the stop token
+    same_generation(other, references[1])
+    assert other.preemptions == 1 and ends.each_once([stopping, other])
+    all_slots_free(engine)
+
+
+def test_a_recovery_that_raises_fails_every_sequence_once_and_the_engine_serves_on(model):
+    """The step fails, and so does putting the engine back in order: every sequence it holds
+    (running or waiting) fails with both errors, once, and the engine thread serves on."""
+    engine = make_engine(model, max_batch=2)
+    engine.decoder = FaultyDecode(engine.decoder, {2}, RuntimeError("CUDA out of memory"))
+    requeue, broke = engine.scheduler.requeue, []
+
+    def requeue_failing_once(seq):
+        if not broke:
+            broke.append(seq)
+            raise RuntimeError("requeue broke")
+        requeue(seq)
+
+    engine.scheduler.requeue = requeue_failing_once
+    ends = Ends()
+    seqs = [ends.sequence(f"s{i}", p, SamplingParams(max_tokens=10, seed=i)) for i, p in enumerate(prompts(5, 6, 7))]
+    later = ends.sequence("later", prompts(4)[0], SamplingParams(max_tokens=4, seed=0))
+    for seq in seqs:  # two run, one waits
+        engine.add(seq)
+    engine.start()
+    try:
+        wait_until(lambda: all(seq.finished for seq in seqs), timeout=30)
+        engine.add(later)
+        wait_until(lambda: later.finished, timeout=30)
+        assert engine.running
+    finally:
+        engine.stop()
+    message = (
+        "RuntimeError: CUDA out of memory (and putting the engine back in order failed: RuntimeError: requeue broke)"
+    )
+    assert [seq.error for seq in seqs] == [message] * 3 and ends.each_once(seqs + [later])
+    assert later.error is None and len(later.output_ids) == 4
+    assert engine.stats.requests_total["error"] == 3
+    all_slots_free(engine)
+
+
+def test_a_step_that_raises_past_its_recovery_fails_every_sequence_once_and_the_engine_serves_on(model):
+    engine = make_engine(model, max_batch=2)
+    step, calls = engine.step, []
+
+    def step_failing_second():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("step broke")
+        return step()
+
+    engine.step = step_failing_second  # what the engine thread's loop calls
+    ends = Ends()
+    seqs = [ends.sequence(f"s{i}", p, SamplingParams(max_tokens=10, seed=i)) for i, p in enumerate(prompts(5, 6, 7))]
+    later = ends.sequence("later", prompts(4)[0], SamplingParams(max_tokens=4, seed=0))
+    for seq in seqs:
+        engine.add(seq)
+    engine.start()
+    try:
+        wait_until(lambda: all(seq.finished for seq in seqs), timeout=30)
+        engine.add(later)
+        wait_until(lambda: later.finished, timeout=30)
+        assert engine.running
+    finally:
+        engine.stop()
+    assert [seq.error for seq in seqs] == ["the engine failed: RuntimeError: step broke"] * 3
+    assert ends.each_once(seqs + [later]) and later.error is None and len(later.output_ids) == 4
+    del engine.step
+    all_slots_free(engine)
+
+
+def test_a_failed_step_while_idle_does_not_count_against_the_next_sequences(model):
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=i) for i in range(2)]
+    references = make_engine(model).generate(prompts(5, 9), params)
+    engine = make_engine(model)
+    plan, failed = engine.scheduler.plan, []
+
+    def plan_failing_once():
+        if not failed:
+            failed.append(1)
+            raise RuntimeError("injected")
+        return plan()
+
+    engine.scheduler.plan = plan_failing_once
+    with torch.inference_mode():
+        assert not engine.step()  # nothing to requeue or fail
+    assert failed and engine._failed_steps == 0
+    engine.decoder = FaultyDecode(engine.decoder, {1}, RuntimeError("CUDA out of memory"))  # a one-off
+    seqs = [Sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(5, 9), params))]
+    for seq in seqs:
+        engine.add(seq)
+    step_until_finished(engine, seqs)
+    for seq, reference in zip(seqs, references):
+        same_generation(seq, reference)  # requeued once, not failed
+        assert seq.preemptions == 1
+
+
+def test_sequences_failed_by_a_repeated_failure_leave_the_next_ones_their_retry(model):
+    engine = make_engine(model, max_batch=1)
+    engine.decoder = FaultyDecode(engine.decoder, {1, 2, 3}, RuntimeError("CUDA out of memory"))
+    first, second = (Sequence(f"s{i}", p, SamplingParams(max_tokens=4, seed=i)) for i, p in enumerate(prompts(5, 6)))
+    engine.add(first)
+    engine.add(second)
+    step_until_finished(engine, [first, second])
+    assert first.error == "RuntimeError: CUDA out of memory (the engine's step failed 2 times in a row)"
+    assert second.error is None and second.preemptions == 1 and len(second.output_ids) == 4
+
+
+def test_a_weight_write_that_fails_leaves_the_weights_whole_and_costs_the_sequences_nothing(model, monkeypatch):
+    """A write that raises part-way: what it wrote is put back, the version is not served, no
+    sequence is requeued and no step counts as failed; the update says why it was not written.
+    A delta on that version is not written either (it would leave the weights of no version),
+    and the version sent again is."""
+    import whetstone.inference.engine as engine_module
+    from whetstone.inference.swap import full_update
+    from whetstone.sync import TensorUpdate, WeightUpdate
+
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=2)
+    [reference] = make_engine(model).generate(prompts(6), params)
+    engine = make_engine(model)
+    before = {name: t.clone() for name, t in engine.model.state_dict().items()}
+    real_prepare, broken = engine_module.prepare, []
+
+    def second_write_fails_once(update, tensors):
+        prepared = real_prepare(update, tensors)
+        if not broken:  # the second tensor's values are one short: its copy raises
+            broken.append(update.version)
+            target, indices, values = prepared.writes[1]
+            prepared.writes[1] = (target, indices, values[:-1])
+        return prepared
+
+    monkeypatch.setattr(engine_module, "prepare", second_write_fails_once)
+    seq = Sequence("s", prompts(6)[0], params)
+    engine.add(seq)
+    with torch.inference_mode():
+        while len(seq.output_ids) < 3:
+            engine.step()
+        new = tiny_model(seed=9).state_dict()
+        sent = engine.update_weights(full_update(new, version=1))
+        engine.step()
+        served = engine.model.state_dict()
+        assert all(torch.equal(served[name], value) for name, value in before.items())  # the first tensor put back
+        assert engine.version == 0 and engine._failed_steps == 0 and seq.preemptions == 0
+        assert sent.done.is_set() and sent.error.startswith("writing it failed (RuntimeError: ")
+        assert sent.error.endswith("serving version 0 until it is written")
+        name = "layers.0.mlp.experts.down_proj"
+        values, indices = torch.tensor([1.5, -2.0]), torch.tensor([0, 7])
+        delta = engine.update_weights(WeightUpdate(2, 1, {name: TensorUpdate(values, indices, tuple(new[name].shape))}))
+        step_until_finished(engine, [seq])
+    same_generation(seq, reference)
+    assert seq.versions == [0] * 8 and engine.stats.requests_total["error"] == 0
+    assert delta.done.is_set() and delta.error == "not written: it builds on weight version 1, whose write failed"
+    assert all(torch.equal(served[name], value) for name, value in before.items())
+    again = engine.update_weights(full_update(new, version=1))  # sent again (the follower merges those after)
+    with torch.inference_mode():
+        engine.step()
+    assert again.done.is_set() and again.error is None and engine.version == 1 and broken == [1]
+    assert all(torch.equal(served[name], value) for name, value in new.items())
+    all_slots_free(engine)
+
+
+def test_a_weight_write_that_cannot_be_put_back_stops_the_engine_and_fails_every_sequence(model, monkeypatch):
+    """Writing fails and so does putting the old values back: the weights hold parts of two
+    versions, so the engine stops (its thread ends: /health says so) and fails every sequence it
+    holds, and any sent to it later, once each."""
+    import whetstone.inference.swap as swap
+    from whetstone.inference.swap import WeightUpdateError, full_update
+
+    engine = make_engine(model, max_batch=1)
+    put, calls = swap._put, []
+
+    def put_failing_from_the_second(target, indices, values):
+        calls.append(1)
+        if len(calls) >= 2:
+            raise RuntimeError(CUDA_ERROR)
+        put(target, indices, values)
+
+    ends = Ends()
+    running, waiting = (
+        ends.sequence(f"s{i}", p, SamplingParams(max_tokens=100, seed=i)) for i, p in enumerate(prompts(5, 6))
+    )
+    engine.add(running)
+    engine.add(waiting)
+    engine.start()
+    try:
+        wait_until(lambda: len(running.output_ids) >= 2, timeout=30)
+        monkeypatch.setattr(swap, "_put", put_failing_from_the_second)
+        sent = engine.update_weights(full_update(tiny_model(seed=9).state_dict(), version=1))
+        wait_until(lambda: not engine.running, timeout=30)
+    finally:
+        engine.stop()
+    message = (
+        f"writing weight version 1 failed (RuntimeError: {CUDA_ERROR}), and putting the overwritten values back "
+        f"failed too (RuntimeError: {CUDA_ERROR}): the served weights hold parts of two versions"
+    )
+    assert sent.done.is_set() and sent.error == message
+    assert running.error == waiting.error == message and ends.each_once([running, waiting])
+    late = ends.sequence("late", prompts(4)[0], SamplingParams(max_tokens=4, seed=0))
+    engine.add(late)  # ends at once
+    assert late.error == message and ends.each_once([late])
+    with pytest.raises(WeightUpdateError, match="the engine has stopped: writing weight version 1 failed"):
+        engine.update_weights(full_update(tiny_model(seed=9).state_dict(), version=2))
+    assert engine.stats.requests_total["error"] == 3 and engine.version == 0
+
+
+@pytest.mark.timeout(120)
+def test_a_server_whose_engine_fails_answers_every_request_and_keeps_its_queue_bound(served_model_dir, tokenizer):
+    """The queue bound counts a sequence out on its last event: a sequence the engine lost would
+    keep it counted (and its request waiting) for ever, until every request got 429."""
+    from fastapi.testclient import TestClient
+
+    from whetstone.inference.config import EngineConfig, ServeConfig
+    from whetstone.inference.engine import Engine
+    from whetstone.inference.server import create_app
+    from whetstone.model.hf import load_hf
+
+    engine_config = EngineConfig(max_batch=4, context_limit=512, share_prefixes=False)
+    engine = Engine(
+        load_hf(served_model_dir),
+        engine_config,
+        eos_token_ids=(tokenizer.im_end_id, tokenizer.endoftext_id),
+        decode=tokenizer.decode,
+    )
+    engine.decoder = FaultyDecode(engine.decoder, {3}, RuntimeError(CUDA_ERROR))
+    move, device_broken = engine.cache.move, [True]
+
+    def move_on_a_broken_device(src, dst, length):  # broken from the failed step on, until "repaired"
+        if device_broken[0] and engine.decoder.calls >= 3:
+            raise RuntimeError(CUDA_ERROR)
+        move(src, dst, length)
+
+    engine.cache.move = move_on_a_broken_device
+    config = ServeConfig(model_path=str(served_model_dir), threads=1, max_waiting_sequences=3, engine=engine_config)
+    body = {"model": "tiny-chat", "prompt": "def main():", "max_tokens": 8, "n": 3, "ignore_eos": True, "seed": 0}
+    with TestClient(create_app(engine, tokenizer, config, "tiny-chat"), raise_server_exceptions=False) as http:
+        failed = http.post("/v1/completions", json=body)
+        assert failed.status_code == 500 and CUDA_ERROR in failed.json()["error"]["message"]
+        device_broken[0] = False
+        for _ in range(2):  # the queue has room for them: nothing was left counted
+            served = http.post("/v1/completions", json=body)
+            assert served.status_code == 200 and len(served.json()["choices"]) == 3
+        assert http.get("/health").json()["status"] == "ok"

@@ -186,3 +186,47 @@ def test_a_version_refused_for_a_moment_is_taken_once_it_fits_without_a_newer_on
     assert failures == [1] and follower.refusals == 1 and follower.report().problem is None
     served = engine.model.state_dict()
     assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())
+
+
+def test_a_version_the_engine_could_not_write_is_reported_and_sent_again(model, tmp_path, monkeypatch):
+    # The engine takes the update, then its write fails between two steps (the weights are put
+    # back): the follower must not count it delivered, nor let the next delta go in without it.
+    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
+    store = WeightStore.open(config)
+    publisher = Publisher(store, config)
+    trained = tiny_model(seed=9)
+    publisher.publish(trained.state_dict())  # version 0, whole
+    engine = make_engine(model)
+    real_prepare, broken = engine_module.prepare, []
+
+    def write_fails_once(update, tensors):
+        prepared = real_prepare(update, tensors)
+        if update.version == 1 and not broken:  # values one short: the write raises
+            broken.append(update.version)
+            target, indices, values = prepared.writes[0]
+            prepared.writes[0] = (target, indices, values[:-1])
+        return prepared
+
+    monkeypatch.setattr(engine_module, "prepare", write_fails_once)
+    engine.start()
+    follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
+    experts = trained.layers[1].mlp.experts.down_proj
+    try:
+        wait_until(lambda: engine.version == 0, TIMEOUT_S)
+        with torch.no_grad():
+            experts[0, :3] += 0.5  # only version 1 changes these
+        publisher.publish(trained.state_dict())
+        wait_until(lambda: 1 in follower.refused, TIMEOUT_S)
+        problem = follower.report().problem
+        assert problem.startswith("the engine refused weight version 1: writing it failed (RuntimeError: ")
+        assert engine.version == 0
+        with torch.no_grad():
+            experts[1, :3] += 0.5  # version 2, a delta of these only
+        publisher.publish(trained.state_dict())
+        wait_until(lambda: engine.version == 2, TIMEOUT_S)
+    finally:
+        follower.stop()
+        engine.stop()
+    assert broken == [1] and follower.report().problem is None and follower.refusals == 1
+    served = engine.model.state_dict()
+    assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())

@@ -35,7 +35,12 @@ it (`_drop_pending`); docs/inference.md has the rules.
 A failure ends as little as it can. One in a sequence's own host code (its stop checks and text,
 its callback, its sampling parameters) fails that sequence alone. One in the batch's work (a
 forward out of memory) costs the sequences it hit nothing but time: they go back to their queues
-as preempted ones do and are recomputed; if the next step fails too, they fail (`_recover`).
+as preempted ones do and are recomputed; if the next step fails too, they fail (`_recover`). A
+sequence whose end was under way (it had stopped, failed alone or was aborted) fails rather than
+resume. If putting the engine back in order raises too, every sequence it holds fails and it
+serves on (`_fail_all`). A weight write that fails leaves the weights as they were (`swap.write`)
+and is the sender's to retry; one that cannot put them back stops the engine (`_break`): it
+would serve weights of no version.
 """
 
 from __future__ import annotations
@@ -58,7 +63,14 @@ from whetstone.inference.metrics import EngineStats
 from whetstone.inference.sampling import Drawn, InvalidRequest, Readback, SamplingParams, sample
 from whetstone.inference.scheduler import Scheduler
 from whetstone.inference.sequence import Priority, Sequence
-from whetstone.inference.swap import PreparedUpdate, prepare, serving_tensors, write
+from whetstone.inference.swap import (
+    PreparedUpdate,
+    WeightUpdateError,
+    WeightWriteError,
+    prepare,
+    serving_tensors,
+    write,
+)
 from whetstone.model import invariant, numerics
 from whetstone.model.layout import serving_copy, to_column_major
 from whetstone.sync.update import WeightUpdate
@@ -158,11 +170,25 @@ class Engine:
             self.decoder = DynamicDecode(self._forward, self.cache, bool(cfg.num_moe_layers))
         self._admitting: list[Sequence] = []
         """The sequences being admitted (until their prefill is done): taken back if it raises."""
+        self._unfinished: dict[Sequence, None] = {}
+        """Every sequence taken in and not finished, wherever it is (running, being admitted,
+        waiting, or between them when a step raised): what `_fail_all` ends."""
+        self._ending: set[Sequence] = set()
+        """Sequences whose end is under way (stopped, failing alone, aborted): if a step raises
+        before they end, they fail rather than resume (`_recover`)."""
         self._failed_steps = 0
         """Consecutive steps whose batched work raised (`_recover`)."""
         self._tensors = serving_tensors(model)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._updates: deque[PreparedUpdate] = deque()
+        self._unwritten: PreparedUpdate | None = None
+        """The last update whose write failed (the weights were put back), until one that
+        contains it is written: later versions build on it, so no update is written without it
+        (one applying on its base, i.e. it sent again, merged with those after; or a full one)."""
+        self._broken: str | None = None
+        """Why the engine stopped for good (its weights hold no whole version); None while it serves."""
+        self._send_lock = threading.Lock()
+        """Orders `_send` against `_break`: nothing sent is left in the inbox of a stopped engine."""
         self._wake = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -200,15 +226,27 @@ class Engine:
         """Stop a sequence (e.g. its client went away); it finishes with reason `abort`."""
         self._send("abort", seq)
 
-    def update_weights(self, update: WeightUpdate) -> None:
+    def update_weights(self, update: WeightUpdate) -> PreparedUpdate:
         """Queue a new weight version (checked and copied to the device here, in the caller's
         thread; raises `WeightUpdateError` if it does not fit). The engine writes it between two
-        steps."""
-        self._send("weights", prepare(update, self._tensors))
+        steps; the update returned says when it did, or why it did not (`done`, `error`): its
+        write failed, or it builds on a version whose write failed (the weights stay as they
+        were; send that version again, merged with those after it)."""
+        prepared = prepare(update, self._tensors)
+        self._send("weights", prepared)
+        return prepared
 
     def _send(self, kind: str, item) -> None:
-        self._inbox.put((kind, item))
-        self._wake.set()
+        with self._send_lock:
+            broken = self._broken
+            if broken is None:
+                self._inbox.put((kind, item))
+                self._wake.set()
+                return
+        if kind == "add":  # the engine stopped: the sequence ends at once, as it would have there
+            self._fail(item, broken)
+        elif kind == "weights":
+            raise WeightUpdateError(f"the engine has stopped: {broken}")
 
     def start(self) -> None:
         """Run the engine in a background thread until `stop()`."""
@@ -230,8 +268,16 @@ class Engine:
 
     def _loop(self) -> None:
         with torch.inference_mode(), on_device(self.device):
-            while not self._stopping:
-                busy = self.step()
+            while not self._stopping and self._broken is None:
+                try:
+                    busy = self.step()
+                except Exception as err:  # past the step's own recovery: the last resort
+                    log.exception("the engine's step raised: failing every sequence it holds")
+                    try:
+                        self._fail_all(f"the engine failed: {failure(err)}")
+                    except Exception:
+                        self._break(f"the engine failed, and so did failing its sequences: {failure(err)}")
+                    busy = True
                 if not busy:
                     self._wake.wait()
                     self._wake.clear()
@@ -262,7 +308,10 @@ class Engine:
 
     def step(self) -> bool:
         """One scheduling round and one decode step; returns whether there is work left. Does not
-        raise: a failure fails or requeues the sequences it hit (`_recover`)."""
+        raise: a failure fails or requeues the sequences it hit (`_recover`), or, if that raises
+        too, fails every sequence the engine holds (`_fail_all`)."""
+        if self._broken is not None:
+            return False
         try:
             self._take_inbox()
             self._apply_updates()
@@ -275,13 +324,23 @@ class Engine:
                 self.stats.preemptions_total += 1
             if plan.admit:
                 self._admit(plan.admit)
-            if self.scheduler.running or self._launched is not None:
+            ran = bool(self.scheduler.running) or self._launched is not None
+            if ran:
                 self._decode()
             self._apply_routes()  # nothing decoded after an admission: wait for the copies here
-            if plan.admit or self.scheduler.running:
+            if ran:  # the step's batched work went through (whether or not its sequences ended)
                 self._failed_steps = 0
+        except WeightWriteError as err:
+            self._break(str(err))
+            return False
         except Exception as err:  # neither a bug nor the device may take the server down
-            self._recover(err)
+            try:
+                self._recover(err)
+            except Exception as again:
+                log.exception("engine step failed, and so did putting it back in order: failing every sequence")
+                self._fail_all(f"{failure(err)} (and putting the engine back in order failed: {failure(again)})")
+        if not self.scheduler.has_work:
+            self._failed_steps = 0  # idle: no sequence is left that a failure could repeat on
         stats, waiting = self.stats, self.scheduler.waiting
         stats.running = len(self.scheduler.running)
         stats.waiting_interactive, stats.waiting_batch = len(waiting["interactive"]), len(waiting["batch"])
@@ -294,6 +353,7 @@ class Engine:
             except queue.Empty:
                 return
             if kind == "add":
+                self._unfinished[item] = None
                 self.scheduler.add(item)
             elif kind == "weights":
                 self._updates.append(item)
@@ -312,15 +372,36 @@ class Engine:
         if self._launched is not None:  # read the step in flight back first: the pause (which waits
             launched, self._launched = self._launched, None  # for the device) is the write's alone,
             self._take(launched)  # and no graph a swap may drop is still running
-        pause = 0.0
+        pause, written, touched = 0.0, False, False
         while self._updates:
             update = self._updates.popleft()
-            pause += write(update)
+            unwritten = self._unwritten
+            if unwritten is not None and update.base is not None and update.base != unwritten.base:
+                update.settle(f"not written: it builds on weight version {unwritten.version}, whose write failed")
+                continue
+            touched = True
+            try:
+                pause += write(update)
+            except WeightWriteError as err:
+                update.settle(str(err))
+                raise
+            except Exception as err:  # the weights were put back: its sender sends it again
+                log.error(
+                    "could not write weight version %d: serving version %d", update.version, self.version, exc_info=err
+                )
+                update.settle(f"writing it failed ({failure(err)}); serving version {self.version} until it is written")
+                self._unwritten = update
+                continue
+            self._unwritten = None
             self.version = update.version
             self._weights_epoch += 1
             self._kept.clear()  # their keys and values are the old weights'
-        self.decoder.weights_changed()
-        self.stats.record_swap(self.version, pause)
+            update.settle()
+            written = True
+        if touched:  # also after a write put back: derived weights are refreshed from what is there
+            self.decoder.weights_changed()
+        if written:
+            self.stats.record_swap(self.version, pause)
         self.scheduler.admit_fresh = True
 
     def _admit(self, seqs: list[Sequence]) -> None:
@@ -618,9 +699,11 @@ class Engine:
                     seq.notify()
             except Exception as err:
                 failed.append((seq, err))
+                self._ending.add(seq)
                 continue
-            if reason is not None:
+            if reason is not None:  # its last token is in: it must not resume if the step raises
                 finished.append((seq, reason))
+                self._ending.add(seq)
         for seq, reason in finished:
             self._finish(seq, reason)
         for seq, err in failed:
@@ -658,6 +741,7 @@ class Engine:
         return None
 
     def _finish(self, seq: Sequence, reason: str) -> None:
+        self._ending.add(seq)
         self._drop_pending(seq)
         if seq.slot is not None:
             self._keep(seq)
@@ -690,17 +774,19 @@ class Engine:
         self._kept[slot] = Kept(slot, seq.tokens(0, seq.num_cached))
 
     def _release(self, seq: Sequence) -> None:
-        """Free `seq`'s slot, keeping its routes; the last running sequence moves into the gap."""
+        """Free `seq`'s slot, keeping its routes; the last running sequence moves into the gap.
+        If the move raises, both keep their slots (`running` is left as it was)."""
         slot, running = seq.slot, self.scheduler.running
         if self.routes is not None:
             seq.routes = self.routes[slot, : seq.num_cached].clone()
-        last = running.pop()
+        last = running[-1]
         if last is not seq:
             self.cache.move(last.slot, slot, last.num_cached)
             if self.routes is not None:
                 self.routes[slot, : last.num_cached] = self.routes[last.slot, : last.num_cached]
             last.slot = slot
             running[slot] = last
+        running.pop()
         seq.slot = seq.weights_epoch = None
 
     def _recover(self, err: Exception) -> None:
@@ -711,30 +797,33 @@ class Engine:
         alone, the others keep their slots. Else the batch's work failed (a forward out of memory,
         say): the sequences it ran (running and admitted) keep their tokens and go back to the
         front of their queues, as preempted ones do, to be recomputed; if the step before failed
-        too, they fail instead (a failure that repeats would requeue them for ever)."""
+        too, they fail instead (a failure that repeats would requeue them for ever). A sequence
+        whose end was under way (`_ending`) fails either way: it had stopped (resumed, it would
+        generate past its stop), failed alone or been aborted. What raises here is the caller's
+        (`step` then fails every sequence, `_fail_all`)."""
         admitted, self._admitting = self._admitting, []
+        ending, self._ending = self._ending, set()
         running = self.scheduler.running
         self._launched = None
-        try:
-            if admitted:  # their slots are the last ones; their prefill's routes are left unused
-                del running[min((seq.slot for seq in admitted if seq.slot is not None), default=len(running)) :]
-                self._routes_pending.clear()
-                self._routes_copied = None
-                for seq in admitted:
-                    seq.slot = seq.weights_epoch = None
-                    seq.num_cached = 0
-            for seq in running:
-                self._drop_pending(seq)
-            self._apply_routes()  # the routes of an admission that completed: released sequences keep them
-        except Exception:
-            log.exception("engine step failed, and so did putting it back in order")
-            self._fail_running(failure(err), admitted)
-            return
+        if admitted:  # their slots are the last ones; their prefill's routes are left unused
+            del running[min((seq.slot for seq in admitted if seq.slot is not None), default=len(running)) :]
+            self._routes_pending.clear()
+            self._routes_copied = None
+            for seq in admitted:
+                seq.slot = seq.weights_epoch = None
+                seq.num_cached = 0
+        for seq in running:
+            self._drop_pending(seq)
+        self._apply_routes()  # the routes of an admission that completed: released sequences keep them
+        ended = f"{failure(err)} (the engine failed while ending the sequence)"
         if isinstance(err, SequencesFailed):
             for seq in reversed(admitted):
                 self.scheduler.requeue(seq)
             for seq in err.seqs:
                 self._fail_alone(seq, err.__cause__)
+            for seq in ending:
+                if not seq.finished:
+                    self._fail_alone(seq, err, ended)
             return
         self._failed_steps += 1
         if self._failed_steps >= FAIL_AFTER_STEPS:
@@ -744,36 +833,83 @@ class Engine:
             self._fail_running(
                 f"{failure(err)} (the engine's step failed {self._failed_steps} times in a row)", admitted
             )
+            self._failed_steps = 0  # the sequences it counted for have failed; others get their retry
             return
         log.error("engine step failed: requeueing the sequences it ran", exc_info=err)
         for seq in reversed(admitted):
             self.scheduler.requeue(seq)
         for seq in reversed(list(running)):  # the last one first: no slot to move
             self._release(seq)
+            if seq in ending:
+                self._fail(seq, ended)
+                continue
             seq.preempt()
             self.scheduler.requeue(seq)
 
     def _fail_running(self, message: str, admitted: list[Sequence]) -> None:
-        """Fail the running sequences and `admitted` (out of slots and queues) with `message`."""
+        """Fail the running sequences and `admitted` (out of slots and queues) with `message`.
+        Nothing is moved in the cache: every slot is freed."""
         self._routes_pending.clear()  # the failed step's: the sequences they were for end here
         self._routes_copied = self._launched = None
-        for seq in reversed(list(self.scheduler.running)):
+        running = self.scheduler.running
+        failed = list(reversed(running))
+        running.clear()
+        for seq in failed:
             self._drop_pending(seq)
-            self._release(seq)
-            self._fail(seq, message)
-        for seq in admitted:
+            seq.slot = seq.weights_epoch = None
+        for seq in failed + admitted:
             self._fail(seq, message)
 
-    def _fail_alone(self, seq: Sequence, err: Exception) -> None:
-        """Fail `seq`, whose own host code raised `err`; the other sequences carry on."""
+    def _fail_all(self, message: str) -> None:
+        """Fail every unfinished sequence the engine holds (running, being admitted, waiting, or
+        lost between them) with `message`, and start afresh: no slot taken, no queue, no step in
+        flight, no kept cache. For when putting the engine back in order failed: nothing it
+        holds can be trusted. Moves nothing on the device, and ends each sequence once."""
+        self._launched = None
+        self._routes_pending.clear()
+        self._routes_copied = None
+        self._admitting = []
+        self._ending = set()
+        self._kept.clear()
+        self._failed_steps = 0
+        self.scheduler.running.clear()
+        for waiting in self.scheduler.waiting.values():
+            waiting.clear()
+        for seq in list(self._unfinished):
+            seq.slot = seq.weights_epoch = None
+            seq.pending = 0
+            self._fail(seq, message)
+
+    def _break(self, message: str) -> None:
+        """Stop the engine for good (its weights hold no whole version): every sequence it holds
+        or is sent fails with `message`, every queued update is refused, and the thread ends
+        (/health: "engine stopped"); from now on `add` fails a sequence at once and
+        `update_weights` raises."""
+        log.critical("the engine stops: %s", message)
+        with self._send_lock:
+            self._broken = message
+        try:
+            self._take_inbox()  # what was sent before: it fails with the rest
+            self._fail_all(message)
+        except Exception:
+            log.exception("failing the sequences of the stopped engine failed")
+        while self._updates:
+            self._updates.popleft().settle(message)
+
+    def _fail_alone(self, seq: Sequence, err: Exception, message: str | None = None) -> None:
+        """Fail `seq`, whose own host code raised `err` (or whose end `err` cut short: `message`);
+        the other sequences carry on."""
+        self._ending.add(seq)
         log.error("sequence %s failed", seq.request_id, exc_info=err)
         self._drop_pending(seq)
         if seq.slot is not None:
             self._release(seq)
-        self._fail(seq, failure(err))
+        self._fail(seq, message or failure(err))
 
     def _fail(self, seq: Sequence, message: str) -> None:
         """End `seq` (out of its slot and queues) with the engine's error: its request answers 500."""
+        if seq.finished:  # each sequence ends once
+            return
         seq.error = message
         self.stats.requests_total["error"] += 1
         seq.finish_reason = "abort"
@@ -781,6 +917,8 @@ class Engine:
 
     def _notify_last(self, seq: Sequence) -> None:
         """Tell `seq`'s callback it ended; one that raises is logged (the sequence is over)."""
+        self._unfinished.pop(seq, None)
+        self._ending.discard(seq)
         try:
             seq.notify()
         except Exception:

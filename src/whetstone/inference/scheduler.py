@@ -75,6 +75,12 @@ class WaitQueue:
             self._removed = 0
         return True
 
+    def clear(self) -> None:
+        """Take every sequence out of the queue."""
+        self._entries.clear()
+        self._entry.clear()
+        self._removed = 0
+
     def _new_entry(self, seq: Sequence) -> list[Sequence | None]:
         if seq in self._entry:
             raise ValueError(f"sequence {seq.request_id!r} is queued already")

@@ -7,7 +7,10 @@ the engine checks and casts it in the caller's thread and, when it serves on CUD
 the device there, on a stream of its own, so the copy overlaps decoding (`prepare`). The decode
 loop pauses only for `write`, the in-place overwrite between two decode steps (values are
 overwritten, never added, so there is no floating-point drift). Writing in place keeps every
-parameter's storage, so the engine's CUDA graphs stay valid.
+parameter's storage, so the engine's CUDA graphs stay valid. A write that fails part-way puts
+back what it overwrote, so the served weights stay one version whole; the engine then tells the
+sender (`PreparedUpdate.error`), and `WeightFollower` sends that version again as it does one the
+engine refused.
 """
 
 from __future__ import annotations
@@ -15,8 +18,9 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -32,6 +36,11 @@ log = logging.getLogger(__name__)
 
 class WeightUpdateError(WhetstoneError):
     """An update that does not fit the served model; nothing was written."""
+
+
+class WeightWriteError(WhetstoneError):
+    """Writing a version failed, and so did putting the overwritten values back: the served
+    tensors hold parts of two versions."""
 
 
 def serving_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -56,6 +65,17 @@ class PreparedUpdate:
     Positions and values are on the served tensor's device."""
     ready: torch.cuda.Event | None = None
     """On CUDA: recorded on the upload's stream once the copies are queued; `write` waits for it."""
+    base: int | None = None
+    """The version the update applies on (`WeightUpdate.base`); None for a full one."""
+    done: threading.Event = field(default_factory=threading.Event)
+    """Set once the engine has written the update or given up on it (`error`)."""
+    error: str | None = None
+    """Why the engine did not write the update (its weights stayed as they were)."""
+
+    def settle(self, error: str | None = None) -> None:
+        """Record how the engine's write went (None: written) and set `done`."""
+        self.error = error
+        self.done.set()
 
 
 def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> PreparedUpdate:
@@ -90,7 +110,7 @@ def prepare(update: WeightUpdate, tensors: Mapping[str, torch.Tensor]) -> Prepar
     served = [name for name in update.removed if name in tensors]
     if served:
         raise WeightUpdateError(f"{where} removes tensors the served model needs: {served[:5]}")
-    return _upload(PreparedUpdate(update.version, writes))
+    return _upload(PreparedUpdate(update.version, writes, base=update.base))
 
 
 def _private(prepared: torch.Tensor, given: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -111,7 +131,7 @@ def _upload(update: PreparedUpdate) -> PreparedUpdate:
     device = update.writes[0][0].device
     if device.type != "cuda":
         writes = [(t, None if i is None else i.to(device), v.to(device)) for t, i, v in update.writes]
-        return PreparedUpdate(update.version, writes)
+        return PreparedUpdate(update.version, writes, base=update.base)
     stream = torch.cuda.Stream(device)  # normal priority: never the decode graphs' capture stream
     # values already on the device (the online gate's) were cast on the caller's stream: `ready`
     # must follow that cast too
@@ -121,7 +141,7 @@ def _upload(update: PreparedUpdate) -> PreparedUpdate:
             (t, None if i is None else tensor_to_device(i, device), tensor_to_device(v, device))
             for t, i, v in update.writes
         ]
-    return PreparedUpdate(update.version, writes, stream.record_event())
+    return PreparedUpdate(update.version, writes, stream.record_event(), update.base)
 
 
 @torch.no_grad()
@@ -130,20 +150,50 @@ def write(update: PreparedUpdate) -> float:
 
     Sparse values go in with `scatter_`, about 10x faster than `index_put_` on CPU for the few
     percent of values an RL step changes. On CUDA the pause lasts until the device has written
-    them (and received them, if the upload is still under way)."""
+    them (and received them, if the upload is still under way).
+
+    Each tensor's overwritten values are first copied aside, then go into the update's own
+    values once the tensor is written (they are its private copies, `_private`): one tensor's
+    copy at a time beside the update, and the update is used up. If a write raises, every
+    tensor written is put back and the error raised: the served weights are the version they
+    were. If putting them back raises too, `WeightWriteError`."""
     start = time.perf_counter()
-    if update.ready is not None:
-        torch.cuda.current_stream(update.writes[0][0].device).wait_event(update.ready)
+    device = update.writes[0][0].device if update.writes else None
+    undo: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
     try:
+        if update.ready is not None:
+            torch.cuda.current_stream(device).wait_event(update.ready)
         for target, indices, values in update.writes:
-            if indices is None:
-                target.copy_(values)
-            else:
-                target.scatter_(0, indices, values)
-    finally:
-        if update.writes:  # the uploaded tensors may be freed after (also when a write failed)
-            synchronize(update.writes[0][0].device)
+            old = target.clone() if indices is None else target.gather(0, indices)
+            undo.append((target, indices, old))
+            _put(target, indices, values)
+            values.copy_(old)
+            undo[-1] = (target, indices, values)
+            del old
+        if device is not None:  # a device error shows here; the uploaded tensors may be freed after
+            synchronize(device)
+    except Exception as err:
+        try:
+            for target, indices, old in reversed(undo):
+                _put(target, indices, old)
+            if device is not None:
+                synchronize(device)
+        except Exception as again:
+            raise WeightWriteError(
+                f"writing weight version {update.version} failed ({type(err).__name__}: {err}), and putting "
+                f"the overwritten values back failed too ({type(again).__name__}: {again}): the served "
+                "weights hold parts of two versions"
+            ) from again
+        raise
     return time.perf_counter() - start
+
+
+def _put(target: torch.Tensor, indices: torch.Tensor | None, values: torch.Tensor) -> None:
+    """Write `values` into flat `target` at `indices` (None: all of it)."""
+    if indices is None:
+        target.copy_(values)
+    else:
+        target.scatter_(0, indices, values)
 
 
 RETRY_FIRST_S, RETRY_MAX_S = 1.0, 60.0
@@ -154,19 +204,26 @@ how far the wait doubles to."""
 class WeightFollower:
     """Feeds the engine every version a weight-sync `Subscriber` decodes, from its own thread, and
     reports (`report`, logged as it changes) when the server cannot take the store's newest
-    version: one was rejected (corrupt, wrong base) or the engine refused it."""
+    version: one was rejected (corrupt, wrong base) or the engine refused it, or could not write
+    it (the engine kept its weights; it writes no version built on that one until it is sent
+    again)."""
 
     def __init__(self, subscriber, engine, poll_seconds: float = 0.2):
         self.subscriber, self.engine, self.poll_seconds = subscriber, engine, poll_seconds
         self.refused: dict[int, str] = {}
-        """Versions the engine refused (they do not fit the served model), until one fits."""
+        """Versions the engine refused (they do not fit the served model) or failed to write,
+        until one is taken."""
         self.refusals = 0
         self._unapplied: WeightUpdate | None = None
-        """What the engine refused, merged with every version since: the subscriber hands each
-        version over once, and a later delta written without it would leave the values only it
-        changed stale (serving weights of no version). Retried with each new version, and alone
-        after `_retry_in` seconds (doubling up to RETRY_MAX_S): a GPU short of memory for a
-        moment takes it once memory is free, even when no version follows."""
+        """What the engine refused or failed to write, merged with every version since: the
+        subscriber hands each version over once, and a later delta written without it would
+        leave the values only it changed stale (serving weights of no version). Retried with
+        each new version, and alone after `_retry_in` seconds (doubling up to RETRY_MAX_S): a
+        GPU short of memory for a moment takes it once memory is free, even when no version
+        follows."""
+        self._sent: deque[tuple[WeightUpdate, PreparedUpdate]] = deque()
+        """Versions the engine took and has not written yet (oldest first), with the handle it
+        reports the write on: one that fails is sent again with those after it."""
         self._retry_in, self._retry_at = RETRY_FIRST_S, 0.0
         self._problem: str | None = None
         self._stop = threading.Event()
@@ -210,6 +267,7 @@ class WeightFollower:
             held = self.subscriber.version
             self.subscriber.wait_for(0 if held is None else held + 1, timeout=self.poll_seconds)
             update = self.subscriber.take_update()
+            self._check_writes()
             if self._unapplied is not None:
                 if update is not None:
                     update = merge_updates([self._unapplied, update])
@@ -221,16 +279,36 @@ class WeightFollower:
 
     def _apply(self, update: WeightUpdate) -> None:
         try:
-            self.engine.update_weights(update)
+            sent = self.engine.update_weights(update)
         except Exception as err:  # another model's store, or no GPU memory for now: keep serving
-            if update.version not in self.refused:  # a retry of the same version says nothing new
-                log.error("not applying weight version %d: %s", update.version, err)
-                self.refusals += 1
-            self._unapplied = update
-            self.refused[update.version] = str(err)
-            self._retry_at = time.monotonic() + self._retry_in
-            self._retry_in = min(RETRY_MAX_S, 2 * self._retry_in)
+            self._refuse(update, update.version, str(err))
             return
         self._unapplied = None
         self.refused.clear()
         self._retry_in = RETRY_FIRST_S
+        if isinstance(sent, PreparedUpdate):  # the engine writes it between two steps, and says how that went
+            self._sent.append((update, sent))
+
+    def _check_writes(self) -> None:
+        """Learn how the engine's writes of the versions sent went. A failed one is refused: it
+        goes back to `_unapplied` with every version sent after it (the engine writes none of
+        those without it) and any refused since."""
+        while self._sent and self._sent[0][1].done.is_set():
+            update, sent = self._sent[0]
+            if sent.error is None:
+                self._sent.popleft()
+                continue
+            failed = [update for update, _ in self._sent] + ([] if self._unapplied is None else [self._unapplied])
+            self._sent.clear()
+            self._refuse(merge_updates(failed) if len(failed) > 1 else update, update.version, sent.error)
+
+    def _refuse(self, update: WeightUpdate, version: int, why: str) -> None:
+        """The engine did not take version `version`: `update` (it, merged with those since) is
+        retried later, and the refusal reported until a version is taken."""
+        if version not in self.refused:  # a retry of the same version says nothing new
+            log.error("not applying weight version %d: %s", version, why)
+            self.refusals += 1
+        self._unapplied = update
+        self.refused[version] = why
+        self._retry_at = time.monotonic() + self._retry_in
+        self._retry_in = min(RETRY_MAX_S, 2 * self._retry_in)
