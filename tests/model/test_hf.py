@@ -124,7 +124,9 @@ def test_a_failed_save_leaves_the_previous_folder_intact(tmp_path, make_config, 
         raise OSError("disk full")
 
     monkeypatch.setattr("whetstone.model.hf.save_file", disk_full)
-    with pytest.raises(OSError):
+    with pytest.raises(
+        CheckpointError, match=r"cannot write the model folder .*ckpt: disk full\. It is left as it was"
+    ):
         save_hf(Transformer(make_config()), tmp_path / "ckpt")
     assert (tmp_path / "ckpt" / "model.safetensors").read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
