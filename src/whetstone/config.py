@@ -218,6 +218,32 @@ def dump_toml(config: Config) -> str:
     return _toml_table(config.model_dump(mode="json"), prefix="")
 
 
+_PASSWORD = re.compile(r"^([\w+.-]+://[^:/@]*):.*?@(?=[^@/?#]*(?:[/?#]|$))", re.S)
+"""A URL's `scheme://user:password@`: the password as SQLAlchemy reads it (it may hold `/`), an
+unescaped `@` in it included; an `@` after the host (in the query) is not the password's."""
+SECRET_KEYS = re.compile(r"(^|_)(token|password|secret)$")
+"""Config keys whose values are secrets (`auth_token`)."""
+
+
+def hide_password(url: str) -> str:
+    """`url` with its password, if any, shown as `***` (anything else as it is)."""
+    return _PASSWORD.sub(r"\1:***@", url, count=1)
+
+
+def without_secrets(value: Any) -> Any:
+    """A config's JSON dump with its secrets shown as `***`: the values of secret keys
+    (`SECRET_KEYS`) and URLs' passwords. For what leaves the machine (W&B, TensorBoard); the
+    config files a run runs again keep them (`write_toml`)."""
+    if isinstance(value, dict):
+        return {
+            key: "***" if SECRET_KEYS.search(str(key)) and item else without_secrets(item)
+            for key, item in value.items()
+        }
+    if isinstance(value, list):
+        return [without_secrets(item) for item in value]
+    return hide_password(value) if isinstance(value, str) else value
+
+
 def write_toml(path: str | Path, config: Config) -> None:
     """Write `config` to `path` as TOML, atomically, readable by its owner only (`PRIVATE`): a
     config holds its secrets as given (a database URL's password, `auth_token`), since a run's

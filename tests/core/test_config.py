@@ -231,3 +231,28 @@ def test_a_written_config_keeps_its_secrets_and_is_readable_by_its_owner_only(tm
         os.umask(umask)
     assert stat.S_IMODE(path.stat().st_mode) == 0o600
     assert load_config(Outer, path) == cfg
+
+
+def test_what_leaves_the_machine_shows_no_secret(tmp_path, monkeypatch):
+    from whetstone.config import without_secrets
+    from whetstone.utils import metrics
+    from whetstone.utils.tracking import TrackingConfig
+
+    dumped = {
+        "feedback_store": "postgresql://loop:s3/cr@t@db:5432/feedback",
+        "servers": [{"auth_token": "tok", "store": "runs/weights"}],
+        "serve": {"auth_token": "", "port": 8000},
+    }
+    assert without_secrets(dumped) == {
+        "feedback_store": "postgresql://loop:***@db:5432/feedback",
+        "servers": [{"auth_token": "***", "store": "runs/weights"}],
+        "serve": {"auth_token": "", "port": 8000},  # none set: nothing to hide
+    }
+    seen = []
+    monkeypatch.setattr(metrics, "open_sinks", lambda tracking, role, folder, config: seen.append(config) or [])
+
+    class Secret(Config):
+        auth_token: str = "tok"
+
+    metrics.MetricsWriter(tmp_path / "m.jsonl", TrackingConfig(), run_config=Secret())
+    assert seen == [{"auth_token": "***"}]

@@ -24,7 +24,6 @@ clocks disagree still agree on a response's age. Database failures raise `Feedba
 from __future__ import annotations
 
 import os
-import re
 import secrets
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -36,7 +35,7 @@ import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 
-from whetstone.config import expand_path
+from whetstone.config import expand_path, hide_password
 from whetstone.errors import WhetstoneError
 
 metadata = sa.MetaData()
@@ -191,7 +190,7 @@ class FeedbackStore:
         url = database_url(store)
         if not url.startswith(("sqlite:", "postgresql")):
             raise WhetstoneError(
-                f"the feedback store {_redacted(store)}: only SQLite (a path) and PostgreSQL URLs are "
+                f"the feedback store {hide_password(store)}: only SQLite (a path) and PostgreSQL URLs are "
                 "supported (the online loop needs events to commit in the order of their numbers)"
             )
         options: dict[str, Any] = {"pool_pre_ping": True}
@@ -207,7 +206,9 @@ class FeedbackStore:
                 _identity_row(db)
         except (sa.exc.SQLAlchemyError, ImportError) as err:
             reason = _reason(err)
-            raise FeedbackStoreError(f"cannot open the feedback store {_redacted(store)}: {reason}", reason) from None
+            raise FeedbackStoreError(
+                f"cannot open the feedback store {hide_password(store)}: {reason}", reason
+            ) from None
         return cls(engine)
 
     def __repr__(self) -> str:
@@ -216,7 +217,7 @@ class FeedbackStore:
     @property
     def name(self) -> str:
         """The database's URL, without its password."""
-        return _redacted(self.engine.url.render_as_string(hide_password=False))
+        return hide_password(self.engine.url.render_as_string(hide_password=False))
 
     def close(self) -> None:
         self.engine.dispose()
@@ -435,13 +436,3 @@ def _sqlite_pragmas(connection, _record) -> None:
     cursor.execute("PRAGMA synchronous=FULL")
     cursor.execute("PRAGMA foreign_keys=ON")
     cursor.close()
-
-
-_PASSWORD = re.compile(r"^([\w+.-]+://[^:/@]*):.*?@(?=[^@/?#]*(?:[/?#]|$))", re.S)
-"""A URL's `scheme://user:password@`: the password as SQLAlchemy reads it (it may hold `/`), an
-unescaped `@` in it included; an `@` after the host (in the query) is not the password's."""
-
-
-def _redacted(store: str) -> str:
-    """`store` with its URL's password, if any, shown as `***` (a SQLite path as it is)."""
-    return _PASSWORD.sub(r"\1:***@", store, count=1)

@@ -10,6 +10,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
+from whetstone.config import without_secrets
 from whetstone.utils.tracking import Sink, TrackingConfig, open_sinks, scalars
 
 
@@ -20,9 +21,9 @@ class MetricsWriter:
     as role `role`, at the record's `step_key` (else the record's index in its series) and its
     `time`. `series_key` names a field that tells series apart in one file (the servers'
     samples): its value prefixes the tags (`server0/...`). `run_config` is the role's config,
-    shown with its W&B run. The JSONL line is written and flushed first, so a crash loses
-    none of it but the line it was writing; that torn line is ended when the file is opened
-    again, so that the next record starts a line of its own.
+    shown with its W&B run (its secrets as `***`: `without_secrets`). The JSONL line is written
+    and flushed first, so a crash loses none of it but the line it was writing; that torn line is
+    ended when the file is opened again, so that the next record starts a line of its own.
     """
 
     def __init__(
@@ -39,7 +40,7 @@ class MetricsWriter:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.step_key, self.series_key = step_key, series_key
         self._counts: dict[str, int] = {}
-        config = run_config.model_dump(mode="json") if run_config is not None else None
+        config = without_secrets(run_config.model_dump(mode="json")) if run_config is not None else None
         self._sinks: list[Sink] = [] if tracking is None else open_sinks(tracking, role, self.path.parent, config)
         self._handle = self.path.open("a")
         if self._handle.tell() and not _ends_a_line(self.path):
