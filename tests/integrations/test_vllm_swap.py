@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import signal
 import sys
 import threading
 import time
@@ -338,3 +339,21 @@ def test_a_pause_limit_that_is_not_positive_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse(["--model", "m", "--pause-limit", "0"])
     assert "--pause-limit must be positive seconds, got 0.0" in capsys.readouterr().err
+
+
+def test_a_stopped_server_that_does_not_exit_is_ended_after_the_grace(monkeypatch):
+    """uvicorn's shutdown waits for every connection: one held by the stopped engine would keep
+    the server up (and its waiting requests waiting) for ever."""
+    from whetstone.integrations import vllm_serve
+
+    signals, exits = [], []
+    monkeypatch.setattr(vllm_serve, "STOP_GRACE_S", 0.05)
+    monkeypatch.setattr(vllm_serve.os, "kill", lambda pid, number: signals.append(number))
+    monkeypatch.setattr(vllm_serve.os, "_exit", exits.append)
+    monkeypatch.setattr(vllm_serve.atexit, "_run_exitfuncs", lambda: None)
+    driver = vllm_serve.SwapDriver("http://vllm:8000", "{}", version=1, poll_s=0.01)
+    driver.stop_server()
+    deadline = time.monotonic() + 10
+    while not exits and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert driver.failed and signals == [signal.SIGTERM] and exits == [1]

@@ -60,6 +60,8 @@ import httpx
 EXTENSION = "whetstone.integrations.vllm_worker.WeightStoreFollower"
 STATUS_TIMEOUT_S = 10.0
 """How long a poll for a staged version waits (a swap's own calls wait as long as draining takes)."""
+STOP_GRACE_S = 15.0
+"""How long a server `SwapDriver.stop_server` stopped may take to exit before it is ended at once."""
 PAUSE_LIMIT_S = 120.0
 """How long swaps that do not go through may keep vLLM paused before the server is stopped: long
 enough for the retries at 1, 2, 4 ... 60 s to reach the longest wait once."""
@@ -101,6 +103,15 @@ class WeightGauges:
         if status.get("latest_weight_version") is not None:
             self.latest.labels(model=self.model).set(status["latest_weight_version"])
         self.stale.labels(model=self.model).set(int(bool(status.get("weights_problem"))))
+
+
+def _exit_now(message: str) -> None:
+    """End the process with 1 after `message` (% STOP_GRACE_S), its exit handlers run first."""
+    log.error(message + ": exiting now", STOP_GRACE_S)
+    try:
+        atexit._run_exitfuncs()
+    finally:
+        os._exit(1)
 
 
 def vllm_argv(options: argparse.Namespace) -> list[str]:
@@ -184,8 +195,14 @@ class SwapDriver:
             time.sleep(self.poll_s)
 
     def stop_server(self) -> None:
-        """Stop vLLM (its engine aborts the requests it holds); `main` then exits with 1."""
+        """Stop vLLM (its engine aborts the requests it holds); `main` then exits with 1. A server
+        still up `STOP_GRACE_S` later (uvicorn's shutdown waits for every connection to close, and
+        a request held by the stopped engine may never end) exits at once, with 1, its exit
+        handlers run (the fleet record removed)."""
         self.failed = True
+        watchdog = threading.Timer(STOP_GRACE_S, _exit_now, args=("the server did not stop within %g s",))
+        watchdog.daemon = True
+        watchdog.start()
         os.kill(os.getpid(), signal.SIGTERM)
 
     def _run(self) -> None:
