@@ -7,11 +7,13 @@ import asyncio
 import importlib
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
 from tests.envs.harness.harness_support import ScriptedPolicy, call, synth_task, tokenizer, turn_number
 from whetstone.envs.harness import AgentHarness, Harness, HarnessConfig, RolloutConfig, run_rollouts
+from whetstone.envs.sandbox import open_sandbox
 from whetstone.envs.trajectory import Trajectory
 
 rollout_module = importlib.import_module("whetstone.envs.harness.rollout")  # the package's `rollout` is the function
@@ -155,3 +157,33 @@ def cancelled_while_opening(monkeypatch, delivered_late: bool) -> list[FakeSandb
 def test_a_sandbox_opened_for_a_cancelled_rollout_is_closed(monkeypatch, delivered_late):
     opened = cancelled_while_opening(monkeypatch, delivered_late)
     assert len(opened) == 1 and opened[0].closed
+
+
+def test_a_rollout_stopped_while_no_worker_is_free_still_closes_its_sandbox(monkeypatch, tmp_path):
+    """A stop cancels a rollout twice (asyncio.run's shutdown cancels every task, the orchestrator
+    its rollouts). Its sandbox is closed even when the second cancellation comes while the close
+    waits for a worker thread (here the only one runs the setup)."""
+    opened = []
+
+    def recording_open(snapshot, config=None):
+        opened.append(open_sandbox(snapshot, config))
+        return opened[-1]
+
+    monkeypatch.setattr(rollout_module, "open_sandbox", recording_open)
+
+    async def main():
+        asyncio.get_running_loop().set_default_executor(ThreadPoolExecutor(max_workers=1))
+        task = named("stopped", setup=["touch started; sleep 1"])
+        policy = ScriptedPolicy(lambda prompt: call("submit"))
+        running = asyncio.create_task(rollout_module.rollout(task, policy, HARNESS, RolloutConfig()))
+        while not (opened and (opened[0].workspace / "started").exists()):
+            await asyncio.sleep(0.01)
+        running.cancel()
+        for _ in range(3):  # the rollout reaches its `finally` and queues the close behind the setup
+            await asyncio.sleep(0)
+        running.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await running
+        assert not opened[0].workspace.exists()  # closed before the rollout ended
+
+    asyncio.run(main())

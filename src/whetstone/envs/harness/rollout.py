@@ -68,7 +68,7 @@ async def _graded_rollout(
             raise WhetstoneError(f"the harness overran the task's time limit of {task.time_limit_s:g} s") from None
         changes = await asyncio.to_thread(workspace_changes, task, sandbox.workspace)
     finally:
-        await asyncio.to_thread(sandbox.close)
+        await _close(sandbox)
     if trajectory.status != "ok":
         return trajectory
     clock = time.monotonic()
@@ -111,8 +111,26 @@ async def _open_sandbox(snapshot: Path | dict[str, str], config: RolloutConfig) 
             abandoned = True
             unclaimed = list(opened)  # opened before the cancellation, but never handed over
         for sandbox in unclaimed:
-            await asyncio.to_thread(sandbox.close)
+            await _close(sandbox)
         raise
+
+
+async def _close(sandbox: Sandbox) -> None:
+    """`sandbox.close()` in a worker thread, awaited to its end even if the rollout is cancelled
+    meanwhile. A stop cancels a rollout twice (asyncio.run's shutdown cancels every task, the
+    orchestrator its rollouts), and with `to_thread` the second cancellation would cancel the
+    close itself while it waits for a free worker: the sandbox's processes, workspace and cgroup
+    would outlive the stop."""
+    closing = asyncio.get_running_loop().run_in_executor(None, sandbox.close)
+    cancelled: asyncio.CancelledError | None = None
+    while not closing.done():
+        try:
+            await asyncio.shield(closing)
+        except asyncio.CancelledError as stop:
+            cancelled = stop
+    if cancelled is not None:
+        raise cancelled
+    closing.result()
 
 
 def _setup(sandbox: Sandbox, task: Task) -> None:
