@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pydantic_core
@@ -16,6 +17,7 @@ from whetstone.inference.protocol import (
     decode_routes,
     encode_routes,
 )
+from whetstone.inference.sampling import SamplingParams
 
 USER = [{"role": "user", "content": "x"}]
 
@@ -65,6 +67,16 @@ def test_chat_requests_validate_their_tools_and_logprobs():
         tool_choice="none",
     )
     assert not request.use_tools
+
+
+def test_stop_token_ids_reach_the_engine_as_a_set():
+    """The engine thread looks every sampled token up in them: a set, built once per choice."""
+    request = CompletionRequest(model="m", prompt="x", stop_token_ids=[7, 3, 7])
+    params = request.sampling(max_tokens=5, top_logprobs=0, choice=0)
+    assert isinstance(params.stop_token_ids, frozenset) and params.stop_token_ids == {3, 7}
+    assert SamplingParams(stop_token_ids=(5, 6)).stop_token_ids == frozenset({5, 6})
+    assert dataclasses.replace(params, stop_token_ids=[1]).stop_token_ids == frozenset({1})
+    assert CompletionRequest(model="m", prompt="x").sampling(5, 0, 0).stop_token_ids == frozenset()
 
 
 def test_a_top_k_beyond_the_vocabulary_is_clamped_to_it():
@@ -140,6 +152,29 @@ def test_other_lists_are_bounded():
 def test_values_of_the_wrong_type_are_refused_not_converted(field, value, message):
     [(where, got)] = problems(ChatRequest, {"model": "m", "messages": USER, field: value})
     assert where == field and message in got
+
+
+@pytest.mark.parametrize(
+    "model, required",
+    [(CompletionRequest, {"model": "m", "prompt": "x"}), (ChatRequest, {"model": "m", "messages": USER})],
+    ids=["completion", "chat"],
+)
+def test_null_for_an_optional_field_means_its_default(model, required):
+    optional = [name for name, field in model.model_fields.items() if not field.is_required()]
+    assert {"temperature", "n", "stream", "max_tokens", "stop", "seed", "user"} <= set(optional)
+    assert problems(model, required | dict.fromkeys(optional)) == []
+    nulls = model.model_validate_json(json.dumps(required | dict.fromkeys(optional)))
+    assert nulls == model.model_validate(required)
+    assert (nulls.temperature, nulls.n, nulls.stream, nulls.top_p) == (1.0, 1, False, 1.0)
+
+
+def test_null_for_a_required_or_unknown_field_is_still_refused():
+    [(where, message)] = problems(ChatRequest, {"model": None, "messages": USER})
+    assert (where, message) == ("model", "Input should be a valid string")
+    with pytest.raises(ValidationError, match="messages\n  Input should be a valid list"):
+        ChatRequest.model_validate({"model": "m", "messages": None})
+    [(where, message)] = problems(ChatRequest, {"model": "m", "messages": USER, "temprature": None})
+    assert (where, message) == ("temprature", "Extra inputs are not permitted")
 
 
 def test_completion_logprobs_are_an_integer():

@@ -180,6 +180,16 @@ def test_bad_chat_parameters_are_named(http, body, message):
     assert response.status_code == 400 and message in response.json()["error"]["message"]
 
 
+def test_null_sampling_fields_are_served_with_their_defaults(http):
+    nulls = dict.fromkeys(["temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"])
+    chat = post(http, "/v1/chat/completions", messages=GREETING, tools=None, tool_choice=None, **nulls)
+    assert chat.status_code == 200, chat.text
+    assert len(chat.json()["choices"]) == 1
+    completion = post(http, "/v1/completions", prompt="x", max_tokens=None, logprobs=None, **nulls)
+    assert completion.status_code == 200, completion.text
+    assert len(completion.json()["choices"]) == 1 and completion.json()["choices"][0]["logprobs"] is None
+
+
 def test_json_integers_are_numbers(http):
     body = {"temperature": 0, "top_p": 1, "presence_penalty": 0, "max_tokens": 2}
     assert post(http, "/v1/chat/completions", messages=GREETING, **body).status_code == 200

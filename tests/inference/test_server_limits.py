@@ -139,9 +139,9 @@ def start_of_a_body(url, sent: bytes = b'{"model":') -> socket.socket:
     return sock
 
 
-def answer_to_a_partial_body(url, headers: dict[str, str], sent: bytes) -> tuple[int, dict]:
+def answer_to_a_partial_body(url, headers: dict[str, str], sent: bytes) -> tuple[int, dict, http.client.HTTPMessage]:
     """Send the headers and only `sent` of the body, then read the answer (which must come
-    without the rest of the body)."""
+    without the rest of the body): its status, JSON body and headers."""
     address = urlsplit(url)
     connection = http.client.HTTPConnection(address.hostname, address.port, timeout=60)
     connection.putrequest("POST", "/v1/completions")
@@ -151,14 +151,14 @@ def answer_to_a_partial_body(url, headers: dict[str, str], sent: bytes) -> tuple
     connection.send(sent)
     response = connection.getresponse()
     try:
-        return response.status, json.loads(response.read())
+        return response.status, json.loads(response.read()), response.headers
     finally:
         connection.close()
 
 
 def test_a_body_declared_too_large_is_refused_before_it_is_sent(url):
-    status, body = answer_to_a_partial_body(url, {"Content-Length": str(10**9)}, b'{"model": "tiny-chat", ')
-    assert status == 413
+    status, body, headers = answer_to_a_partial_body(url, {"Content-Length": str(10**9)}, b'{"model": "tiny-chat", ')
+    assert status == 413 and headers["Connection"] == "close"  # the rest of the body is never read
     message = body["error"]["message"]
     assert f"at most {LIMIT} bytes" in message and "max_request_bytes" in message and str(10**9) in message
 
@@ -166,8 +166,9 @@ def test_a_body_declared_too_large_is_refused_before_it_is_sent(url):
 def test_a_chunked_body_is_refused_once_it_passes_the_limit(url):
     chunk = b" " * 16384
     chunked = b"".join(b"%x\r\n%s\r\n" % (len(chunk), chunk) for _ in range(LIMIT // len(chunk) + 1))
-    status, body = answer_to_a_partial_body(url, {"Transfer-Encoding": "chunked"}, chunked)  # no last chunk
+    status, body, headers = answer_to_a_partial_body(url, {"Transfer-Encoding": "chunked"}, chunked)  # no last chunk
     assert status == 413 and f"at most {LIMIT} bytes" in body["error"]["message"]
+    assert headers["Connection"] == "close"
 
 
 def test_a_body_within_the_limit_is_served(url):

@@ -28,7 +28,8 @@ class BodyLimit:
 
     The refusal is an `HTTPException` raised where the handler reads the body, so the app's own
     error handler writes it (OpenAI's error body); a route that never reads its body is not
-    refused."""
+    refused. It says `Connection: close`, and the server closes the connection after it: the rest
+    of the body is never read, so the connection cannot carry another request."""
 
     def __init__(self, app: ASGIApp, max_bytes: int):
         self.app = app
@@ -56,7 +57,9 @@ class BodyLimit:
 
     def too_large(self, size: str) -> HTTPException:
         return HTTPException(
-            413, f"the request body {size}; this server takes at most {self.max_bytes} bytes (max_request_bytes)"
+            413,
+            f"the request body {size}; this server takes at most {self.max_bytes} bytes (max_request_bytes)",
+            headers={"Connection": "close"},
         )
 
 

@@ -15,7 +15,8 @@ its `id`, when the server keeps responses (`feedback.store`).
 OpenAI fields whetstone does not implement are accepted only at their neutral value, so a
 request never silently means something else than what it says. Values are strict, as OpenAI's
 are: a value of the wrong JSON type is refused, never converted (`"3"` or `true` for an integer,
-`"no"` for a boolean, `2.0` for an integer); an integer is a number.
+`"no"` for a boolean, `2.0` for an integer); an integer is a number. `null` for an optional field
+means "not given", as in OpenAI's API: the field has its default.
 """
 
 from __future__ import annotations
@@ -143,6 +144,21 @@ class _Request(BaseModel):
     return_routed_experts: bool = False
     priority: Priority = "interactive"
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        """A field given as null has its default, as OpenAI takes null for "not given" (some
+        clients send every field, null where unset). A required field's null is still refused,
+        and so is any other value of the wrong type."""
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields = cls.model_fields
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or key not in fields or fields[key].is_required()
+        }
+
     @model_validator(mode="after")
     def _unsupported(self):
         if self.presence_penalty or self.frequency_penalty:
@@ -177,7 +193,7 @@ class _Request(BaseModel):
             top_p=self.top_p,
             top_k=top_k if vocab_size is None else min(top_k, vocab_size),
             stop=tuple(stop),
-            stop_token_ids=tuple(self.stop_token_ids or ()),
+            stop_token_ids=frozenset(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos,
             seed=None if self.seed is None else self.seed + choice,
             top_logprobs=top_logprobs,

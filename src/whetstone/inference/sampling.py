@@ -53,8 +53,10 @@ class SamplingParams:
     """0 = no top-k filter."""
     stop: tuple[str, ...] = ()
     """Stop strings: generation ends when the text contains one; it is cut from the text."""
-    stop_token_ids: tuple[int, ...] = ()
-    """Token ids that end generation (kept in the token ids, left out of the text)."""
+    stop_token_ids: frozenset[int] = frozenset()
+    """Token ids that end generation (kept in the token ids, left out of the text). Any collection
+    of ids may be given; it is held as a frozenset, as the engine thread looks every sampled token
+    up in it."""
     ignore_eos: bool = False
     """Do not stop at the tokenizer's end-of-turn token (benchmarks, fixed-length rollouts)."""
     seed: int | None = None
@@ -62,6 +64,7 @@ class SamplingParams:
     """How many most likely alternatives (with logprobs) to return per generated token."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "stop_token_ids", frozenset(self.stop_token_ids))
         if self.max_tokens < 1:
             raise InvalidRequest(f"max_tokens must be at least 1, got {self.max_tokens}")
         if not 0.0 <= self.temperature <= 100.0:
