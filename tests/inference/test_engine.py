@@ -220,6 +220,7 @@ def test_a_prefill_that_raises_is_retried_and_fails_its_sequences_if_it_raises_a
     finally:
         engine.stop()
     assert calls[0] == [longer] and calls[1] == [longer]
+    requeued_not_preempted(engine, 2)  # by the first failure (both were being admitted)
     if times == 1:
         for seq, reference in zip((longer, shorter), references):
             same_generation(seq, reference)
@@ -249,6 +250,16 @@ class FaultyDecode:
         return getattr(self.decoder, name)
 
 
+def requeued_not_preempted(engine, count: int) -> None:
+    """Failed steps requeued `count` sequences: counted apart from preemptions, in the metrics too."""
+    from whetstone.inference.metrics import render_prometheus
+
+    assert engine.stats.failure_requeues_total == count and engine.stats.preemptions_total == 0
+    text = render_prometheus(engine.stats, "tiny")
+    assert f'\nwhetstone_failure_requeues_total{{model="tiny"}} {count}\n' in text
+    assert '\nwhetstone_preemptions_total{model="tiny"} 0\n' in text
+
+
 @pytest.mark.parametrize("overlap", [False, True])
 def test_a_batched_forward_that_raises_once_costs_its_sequences_nothing_and_twice_fails_them(model, overlap):
     params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i) for i in range(3)]
@@ -269,6 +280,7 @@ def test_a_batched_forward_that_raises_once_costs_its_sequences_nothing_and_twic
             same_generation(seq, reference)  # requeued, recomputed, resumed: nothing lost or drawn twice
             assert seq.preemptions == 1
         assert engine.stats.requests_total["error"] == 0 and not engine.scheduler.has_work
+        requeued_not_preempted(engine, 3)
 
     engine, seqs = run({4, 5})  # the retry's first decode raises too
     for seq, reference in zip(seqs, references):
@@ -276,6 +288,7 @@ def test_a_batched_forward_that_raises_once_costs_its_sequences_nothing_and_twic
         # the tokens read back before it: three steps' (one step at a time) or two (the third pending)
         assert seq.finish_reason == "abort" and seq.output_ids == reference.output_ids[: 2 if overlap else 3]
     assert engine.stats.requests_total["error"] == 3 and not engine.scheduler.has_work
+    requeued_not_preempted(engine, 3)  # by the first failure; the second failed them
     [later] = engine.generate(prompts(5), params[0])  # the engine serves on
     same_generation(later, references[0])
 
@@ -468,6 +481,29 @@ def test_a_sequence_that_stopped_when_a_failure_hit_its_end_fails_and_does_not_g
     all_slots_free(engine)
 
 
+def fails_every_sequence_once_and_serves_on(engine, message: str) -> None:
+    """Serve three sequences (two run, one waits) on `engine`'s thread, where a failure injected
+    past its step's recovery fails every one of them with `message`, once; then one more, which
+    the engine, still serving, generates in full. `engine` runs two at a time (`max_batch=2`)."""
+    ends = Ends()
+    seqs = [ends.sequence(f"s{i}", p, SamplingParams(max_tokens=10, seed=i)) for i, p in enumerate(prompts(5, 6, 7))]
+    later = ends.sequence("later", prompts(4)[0], SamplingParams(max_tokens=4, seed=0))
+    for seq in seqs:
+        engine.add(seq)
+    engine.start()
+    try:
+        wait_until(lambda: all(seq.finished for seq in seqs), timeout=30)
+        engine.add(later)
+        wait_until(lambda: later.finished, timeout=30)
+        assert engine.running
+    finally:
+        engine.stop()
+    assert [seq.error for seq in seqs] == [message] * 3 and ends.each_once(seqs + [later])
+    assert later.error is None and len(later.output_ids) == 4
+    assert engine.stats.requests_total["error"] == 3
+    all_slots_free(engine)
+
+
 def test_a_recovery_that_raises_fails_every_sequence_once_and_the_engine_serves_on(model):
     """The step fails, and so does putting the engine back in order: every sequence it holds
     (running or waiting) fails with both errors, once, and the engine thread serves on."""
@@ -482,26 +518,10 @@ def test_a_recovery_that_raises_fails_every_sequence_once_and_the_engine_serves_
         requeue(seq)
 
     engine.scheduler.requeue = requeue_failing_once
-    ends = Ends()
-    seqs = [ends.sequence(f"s{i}", p, SamplingParams(max_tokens=10, seed=i)) for i, p in enumerate(prompts(5, 6, 7))]
-    later = ends.sequence("later", prompts(4)[0], SamplingParams(max_tokens=4, seed=0))
-    for seq in seqs:  # two run, one waits
-        engine.add(seq)
-    engine.start()
-    try:
-        wait_until(lambda: all(seq.finished for seq in seqs), timeout=30)
-        engine.add(later)
-        wait_until(lambda: later.finished, timeout=30)
-        assert engine.running
-    finally:
-        engine.stop()
     message = (
         "RuntimeError: CUDA out of memory (and putting the engine back in order failed: RuntimeError: requeue broke)"
     )
-    assert [seq.error for seq in seqs] == [message] * 3 and ends.each_once(seqs + [later])
-    assert later.error is None and len(later.output_ids) == 4
-    assert engine.stats.requests_total["error"] == 3
-    all_slots_free(engine)
+    fails_every_sequence_once_and_serves_on(engine, message)
 
 
 def test_a_step_that_raises_past_its_recovery_fails_every_sequence_once_and_the_engine_serves_on(model):
@@ -514,23 +534,43 @@ def test_a_step_that_raises_past_its_recovery_fails_every_sequence_once_and_the_
             raise RuntimeError("step broke")
         return step()
 
-    engine.step = step_failing_second  # what the engine thread's loop calls
+    engine.step = step_failing_second  # what the engine thread's loop calls (only its second call raises)
+    fails_every_sequence_once_and_serves_on(engine, "the engine failed: RuntimeError: step broke")
+
+
+@pytest.mark.parametrize("times", [1, 2])
+def test_sequences_a_failed_plan_took_off_their_queue_are_requeued_then_failed_not_lost(model, times):
+    """The scheduler's plan raises after taking a sequence off its queue (the engine's prefill
+    cost of the next one raises): the taken one goes back to the front of its queue as one being
+    admitted would, and fails only if the next plan raises too. None is lost: each ends once."""
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(3)]
+    references = make_engine(model).generate(prompts(5, 6, 7), params)
+    engine = make_engine(model)
+    cost, raised = engine.scheduler._prefill_cost, []
+
+    def cost_raising_once_one_is_taken(seq, admitted):
+        if admitted and len(raised) < times:
+            raised.append([other.request_id for other in admitted])
+            raise RuntimeError("injected")
+        return cost(seq, admitted)
+
+    engine.scheduler._prefill_cost = cost_raising_once_one_is_taken
     ends = Ends()
-    seqs = [ends.sequence(f"s{i}", p, SamplingParams(max_tokens=10, seed=i)) for i, p in enumerate(prompts(5, 6, 7))]
-    later = ends.sequence("later", prompts(4)[0], SamplingParams(max_tokens=4, seed=0))
+    seqs = [ends.sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(5, 6, 7), params))]
     for seq in seqs:
         engine.add(seq)
-    engine.start()
-    try:
-        wait_until(lambda: all(seq.finished for seq in seqs), timeout=30)
-        engine.add(later)
-        wait_until(lambda: later.finished, timeout=30)
-        assert engine.running
-    finally:
-        engine.stop()
-    assert [seq.error for seq in seqs] == ["the engine failed: RuntimeError: step broke"] * 3
-    assert ends.each_once(seqs + [later]) and later.error is None and len(later.output_ids) == 4
-    del engine.step
+    step_until_finished(engine, seqs)
+    assert raised == [["s0"]] * times and ends.each_once(seqs)
+    s0, s1, s2 = seqs
+    if times == 1:
+        for seq, reference in zip(seqs, references):
+            same_generation(seq, reference)  # admitted with the others a step later
+    else:
+        assert s0.error == "RuntimeError: injected (the engine's step failed 2 times in a row)"
+        assert s0.finish_reason == "abort" and not s0.output_ids
+        assert all(seq.error is None and len(seq.output_ids) == 4 for seq in (s1, s2))
+    assert engine.stats.requests_total["error"] == times - 1
+    requeued_not_preempted(engine, 1)  # by the first failure
     all_slots_free(engine)
 
 
@@ -540,11 +580,11 @@ def test_a_failed_step_while_idle_does_not_count_against_the_next_sequences(mode
     engine = make_engine(model)
     plan, failed = engine.scheduler.plan, []
 
-    def plan_failing_once():
+    def plan_failing_once(taken):
         if not failed:
             failed.append(1)
             raise RuntimeError("injected")
-        return plan()
+        return plan(taken)
 
     engine.scheduler.plan = plan_failing_once
     with torch.inference_mode():

@@ -61,7 +61,7 @@ from whetstone.inference.detokenize import IncrementalText
 from whetstone.inference.kv_cache import ATTENTION_BLOCK, SlotKVCache
 from whetstone.inference.metrics import EngineStats
 from whetstone.inference.sampling import Drawn, InvalidRequest, Readback, SamplingParams, sample
-from whetstone.inference.scheduler import Scheduler
+from whetstone.inference.scheduler import Plan, Scheduler
 from whetstone.inference.sequence import Priority, Sequence
 from whetstone.inference.swap import (
     PreparedUpdate,
@@ -169,7 +169,8 @@ class Engine:
         else:
             self.decoder = DynamicDecode(self._forward, self.cache, bool(cfg.num_moe_layers))
         self._admitting: list[Sequence] = []
-        """The sequences being admitted (until their prefill is done): taken back if it raises."""
+        """The sequences being admitted, from the scheduler taking them off their queues (`plan`)
+        until their prefill is done: taken back if anything in between raises (`_recover`)."""
         self._unfinished: dict[Sequence, None] = {}
         """Every sequence taken in and not finished, wherever it is (running, being admitted,
         waiting, or between them when a step raised): what `_fail_all` ends."""
@@ -315,7 +316,9 @@ class Engine:
         try:
             self._take_inbox()
             self._apply_updates()
-            plan = self.scheduler.plan()
+            plan = Plan()
+            self._admitting = plan.admit  # what the scheduler takes off its queues, as it takes it
+            self.scheduler.plan(plan)
             for seq in plan.preempt:
                 self._drop_pending(seq)
                 self._release(seq)
@@ -408,8 +411,8 @@ class Engine:
         """Start the sequences the scheduler admitted (`_start_all`) and count their prompts.
 
         The scheduler has taken `seqs` off its queues: if starting them raises (a prefill out of
-        memory, say), `_recover` takes them all back (`_admitting`); else they would be in no
-        queue and never finish."""
+        memory, say), `_recover` takes them all back (`_admitting`, set since `plan`); else they
+        would be in no queue and never finish."""
         self._admitting = seqs
         self._start_all(seqs)
         self._admitting = []
@@ -793,14 +796,16 @@ class Engine:
         """Put the engine back in order after a step raised `err`, ending as little as it can.
 
         The step in flight is dropped (its tokens are drawn again) and the sequences being
-        admitted are taken back. `SequencesFailed` (a sequence's own parameters): those fail
-        alone, the others keep their slots. Else the batch's work failed (a forward out of memory,
-        say): the sequences it ran (running and admitted) keep their tokens and go back to the
-        front of their queues, as preempted ones do, to be recomputed; if the step before failed
-        too, they fail instead (a failure that repeats would requeue them for ever). A sequence
-        whose end was under way (`_ending`) fails either way: it had stopped (resumed, it would
-        generate past its stop), failed alone or been aborted. What raises here is the caller's
-        (`step` then fails every sequence, `_fail_all`)."""
+        admitted (taken off their queues by the step's plan, prefilled or not) are taken back.
+        `SequencesFailed` (a sequence's own parameters): those fail alone, the others keep their
+        slots. Else the batch's work failed (a forward out of memory, say): the sequences it ran
+        (running and admitted) keep their tokens and go back to the front of their queues, as
+        preempted ones do, to be recomputed; if the step before failed too, they fail instead (a
+        failure that repeats would requeue them for ever). A sequence whose end was under way
+        (`_ending`) fails either way: it had stopped (resumed, it would generate past its stop),
+        failed alone or been aborted. What raises here is the caller's (`step` then fails every
+        sequence, `_fail_all`). Each sequence requeued is counted in `failure_requeues_total`,
+        apart from preemptions (which make room for users; this is a failure's cost)."""
         admitted, self._admitting = self._admitting, []
         ending, self._ending = self._ending, set()
         running = self.scheduler.running
@@ -818,7 +823,7 @@ class Engine:
         ended = f"{failure(err)} (the engine failed while ending the sequence)"
         if isinstance(err, SequencesFailed):
             for seq in reversed(admitted):
-                self.scheduler.requeue(seq)
+                self._requeue_after_failure(seq)
             for seq in err.seqs:
                 self._fail_alone(seq, err.__cause__)
             for seq in ending:
@@ -837,14 +842,19 @@ class Engine:
             return
         log.error("engine step failed: requeueing the sequences it ran", exc_info=err)
         for seq in reversed(admitted):
-            self.scheduler.requeue(seq)
+            self._requeue_after_failure(seq)
         for seq in reversed(list(running)):  # the last one first: no slot to move
             self._release(seq)
             if seq in ending:
                 self._fail(seq, ended)
                 continue
             seq.preempt()
-            self.scheduler.requeue(seq)
+            self._requeue_after_failure(seq)
+
+    def _requeue_after_failure(self, seq: Sequence) -> None:
+        """Put `seq`, out of its slot, back at the front of its queue after a failed step."""
+        self.scheduler.requeue(seq)
+        self.stats.failure_requeues_total += 1
 
     def _fail_running(self, message: str, admitted: list[Sequence]) -> None:
         """Fail the running sequences and `admitted` (out of slots and queues) with `message`.

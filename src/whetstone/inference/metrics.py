@@ -37,6 +37,11 @@ class EngineStats:
     generation_tokens_total: int = 0
     decode_steps_total: int = 0
     preemptions_total: int = 0
+    """Running batch sequences the scheduler sent back to their queue to make room for
+    interactive ones (or to keep the batch small beside them)."""
+    failure_requeues_total: int = 0
+    """Sequences a failed step sent back to their queues, to be recomputed (`Engine._recover`):
+    the cost of a failure, not a preemption."""
     requests_total: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
     swaps_total: int = 0
     swap_pause_seconds_sum: float = 0.0
@@ -142,6 +147,12 @@ def render_prometheus(
         "counter",
         "Batch sequences preempted for interactive ones.",
         [("", stats.preemptions_total)],
+    )
+    metric(
+        "failure_requeues_total",
+        "counter",
+        "Sequences requeued to be recomputed because an engine step failed (a forward out of memory, say).",
+        [("", stats.failure_requeues_total)],
     )
     metric("weight_version", "gauge", "Weight version being served.", [("", stats.weight_version)])
     pauses = sorted(stats.swap_pauses)

@@ -145,8 +145,10 @@ class Scheduler:
         """Any sequence that has generated tokens and has not finished (running or preempted)."""
         return bool(self.running) or any(s.output_ids for q in self.waiting.values() for s in q)
 
-    def plan(self) -> Plan:
-        """Sequences to preempt and to admit before this step's decode.
+    def plan(self, plan: Plan | None = None) -> Plan:
+        """Sequences to preempt and to admit before this step's decode, filled into `plan` (a new
+        one if None) and returned. A sequence taken off its queue is in `plan.admit` from then on:
+        if this raises part-way, the caller's `plan` says which sequences are in no queue.
 
         Users first: a waiting interactive request takes a free slot or preempts the batch
         sequence cheapest to recompute. While any user is being served, and for
@@ -158,7 +160,7 @@ class Scheduler:
         capped (`prefill_tokens_per_step`, at least one sequence) so a burst of long prompts
         cannot stall the sequences already decoding.
         """
-        plan = Plan()
+        plan = Plan() if plan is None else plan
         self._budget = self.prefill_tokens_per_step
         batch = [s for s in self.running if s.priority == "batch"]
         free = self.max_batch - len(self.running)
@@ -182,8 +184,8 @@ class Scheduler:
         queue = self.waiting["batch"]
         starts = not users or limit >= self.max_batch  # capped: no batch prefill inside a user's decode
         while queue and free > 0 and len(batch) < limit and starts and self._fits(queue.head, plan):
-            batch.append(queue.popleft())
-            plan.admit.append(batch[-1])
+            plan.admit.append(queue.popleft())
+            batch.append(plan.admit[-1])
             free -= 1
         return plan
 
