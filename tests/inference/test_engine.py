@@ -5,6 +5,7 @@ import torch
 
 from tests.inference.inference_fixtures import make_engine, tiny_model, wait_until
 from whetstone.errors import WhetstoneError
+from whetstone.inference.engine import FAIL_AFTER_STEPS
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.sequence import Sequence
 
@@ -571,6 +572,36 @@ def test_sequences_a_failed_plan_took_off_their_queue_are_requeued_then_failed_n
         assert all(seq.error is None and len(seq.output_ids) == 4 for seq in (s1, s2))
     assert engine.stats.requests_total["error"] == times - 1
     requeued_not_preempted(engine, 1)  # by the first failure
+    all_slots_free(engine)
+
+
+def test_a_plan_that_keeps_failing_before_taking_any_sequence_fails_the_next_in_line_not_for_ever(model):
+    """The scheduler raises before it takes anything whenever s1 would be next (a fault tied to
+    one sequence that no step gets as far as running): s1 fails after `FAIL_AFTER_STEPS` failed
+    steps, and the others are served as if nothing happened."""
+    params = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(3)]
+    references = make_engine(model).generate(prompts(5, 6, 7), params)
+    engine = make_engine(model, max_batch=1)
+    plan, raised = engine.scheduler.plan, []
+
+    def plan_refusing_s1(taken):
+        head = engine.scheduler.waiting["interactive"].head
+        if not engine.scheduler.running and head is not None and head.request_id == "s1":
+            raised.append(1)
+            raise RuntimeError("injected")
+        return plan(taken)
+
+    engine.scheduler.plan = plan_refusing_s1
+    ends = Ends()
+    seqs = [ends.sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(5, 6, 7), params))]
+    for seq in seqs:
+        engine.add(seq)
+    step_until_finished(engine, seqs)
+    s0, s1, s2 = seqs
+    assert len(raised) == FAIL_AFTER_STEPS and ends.each_once(seqs)
+    assert s1.error == f"RuntimeError: injected (the engine's step failed {FAIL_AFTER_STEPS} times in a row)"
+    for seq, reference in ((s0, references[0]), (s2, references[2])):
+        same_generation(seq, reference)
     all_slots_free(engine)
 
 

@@ -835,6 +835,8 @@ class Engine:
             log.error(
                 "engine step failed (%d in a row): failing the sequences it ran", self._failed_steps, exc_info=err
             )
+            if not admitted and not running:  # it failed before taking any (the plan itself): the next in line
+                admitted = self._take_next_waiting()
             self._fail_running(
                 f"{failure(err)} (the engine's step failed {self._failed_steps} times in a row)", admitted
             )
@@ -855,6 +857,17 @@ class Engine:
         """Put `seq`, out of its slot, back at the front of its queue after a failed step."""
         self.scheduler.requeue(seq)
         self.stats.failure_requeues_total += 1
+
+    def _take_next_waiting(self) -> list[Sequence]:
+        """The sequence the scheduler would take next (users first), off its queue; none if all
+        are empty. Failed when steps keep failing before taking any sequence: a failure tied to
+        that sequence then costs it alone, and one that is not still ends the waiting sequences,
+        one per `FAIL_AFTER_STEPS` steps, instead of failing for ever."""
+        for priority in ("interactive", "batch"):
+            queue = self.scheduler.waiting[priority]
+            if queue.head is not None:
+                return [queue.popleft()]
+        return []
 
     def _fail_running(self, message: str, admitted: list[Sequence]) -> None:
         """Fail the running sequences and `admitted` (out of slots and queues) with `message`.
