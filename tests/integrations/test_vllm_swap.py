@@ -20,7 +20,7 @@ import torch
 import whetstone.model.hf as hf
 from whetstone.inference.swap import WeightFollower, WeightUpdateError
 from whetstone.integrations.vllm import vllm_health
-from whetstone.integrations.vllm_serve import SwapDriver, WeightGauges, parse
+from whetstone.integrations.vllm_serve import SwapDriver, WeightGauges, parse, served_model_name
 from whetstone.integrations.vllm_worker import ServedWeights, WeightStoreFollower, WeightWriteError
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore
 from whetstone.sync.update import TensorUpdate, WeightUpdate
@@ -357,3 +357,22 @@ def test_a_stopped_server_that_does_not_exit_is_ended_after_the_grace(monkeypatc
     while not exits and time.monotonic() < deadline:
         time.sleep(0.01)
     assert driver.failed and signals == [signal.SIGTERM] and exits == [1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "name"),
+    [
+        (["--model", "/m"], "/m"),
+        (["--model", "/m", "--served-model-name", "coder"], "coder"),
+        (["--model", "/m", "--", "--served-model-name", "coder", "alias"], "coder"),
+        (["--model", "/m", "--", "--max-model-len", "64", "--served-model-name=coder"], "coder"),
+    ],
+)
+def test_the_gauges_model_label_is_the_name_vllm_serves(argv, name):
+    assert served_model_name(parse(argv)) == name
+
+
+def test_a_served_model_name_given_twice_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        parse(["--model", "/m", "--served-model-name", "a", "--", "--served-model-name", "b"])
+    assert "--served-model-name is given both before and after --" in capsys.readouterr().err

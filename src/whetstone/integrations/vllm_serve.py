@@ -114,6 +114,20 @@ def _exit_now(message: str) -> None:
         os._exit(1)
 
 
+def served_model_name(options: argparse.Namespace) -> str:
+    """The model id the API serves, as vLLM picks it: the first name of `--served-model-name`,
+    given before `--` or among vLLM's own arguments after it, else the model folder."""
+    if options.served_model_name:
+        return options.served_model_name
+    args = options.vllm_args
+    for index, arg in enumerate(args):
+        if arg.startswith("--served-model-name="):
+            return arg.partition("=")[2]
+        if arg == "--served-model-name" and index + 1 < len(args) and not args[index + 1].startswith("-"):
+            return args[index + 1]
+    return options.model
+
+
 def vllm_argv(options: argparse.Namespace) -> list[str]:
     """vLLM's command line for `options`."""
     return [
@@ -322,6 +336,8 @@ def parse(argv: list[str]) -> argparse.Namespace:
         options.vllm_args = options.vllm_args[1:]
     if options.sync is not None:
         json.loads(options.sync)  # a malformed config fails here, not in the worker
+    if options.served_model_name and any(a.split("=")[0] == "--served-model-name" for a in options.vllm_args):
+        parser.error("--served-model-name is given both before and after --: give it once")
     if options.pause_limit <= 0:
         parser.error(f"--pause-limit must be positive seconds, got {options.pause_limit}")
     return options
@@ -363,7 +379,7 @@ def main(argv: list[str] | None = None) -> None:
         options.poll_interval,
         announcer,
         options.pause_limit,
-        WeightGauges(options.served_model_name or options.model),
+        WeightGauges(served_model_name(options)),
     )
     driver.start()
     sys.argv = ["vllm.entrypoints.openai.api_server", *vllm_argv(options)]
