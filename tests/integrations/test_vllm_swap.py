@@ -303,36 +303,59 @@ def test_vllm_paused_longer_than_the_limit_stops_the_server(failing):
 
 
 class FakeGauge:
-    """prometheus_client's `Gauge` as `WeightGauges` uses it (vLLM's environment has the real one):
-    its value by `model` label, in `values` under its name."""
+    """prometheus_client's `Gauge` and `Counter` as `WeightGauges` uses them (vLLM's environment
+    has the real ones): each series' value by its label values (the model's alone: its name), in
+    `values` under the metric's name (a counter's with `_total`, as exposed)."""
 
     values: dict[str, dict[str, float]] = {}
 
-    def __init__(self, name: str, help_text: str, labelnames: list[str], multiprocess_mode: str):
-        assert labelnames == ["model"] and help_text
-        self.name = name
+    def __init__(self, name: str, help_text: str, labelnames: list[str], multiprocess_mode: str = "all"):
+        assert labelnames[0] == "model" and help_text
+        self.name, self.labelnames = name, labelnames
 
-    def labels(self, model: str) -> SimpleNamespace:
-        return SimpleNamespace(set=lambda value: self.values.setdefault(self.name, {}).__setitem__(model, value))
+    def labels(self, **labels: str) -> SimpleNamespace:
+        assert list(labels) == self.labelnames
+        key = labels["model"] if len(labels) == 1 else tuple(labels.values())
+        series = self.values.setdefault(self.name, {})
+        return SimpleNamespace(
+            set=lambda value: series.__setitem__(key, value),
+            inc=lambda amount: series.__setitem__(key, series.get(key, 0) + amount),
+        )
+
+    def remove(self, *labelvalues: str) -> None:
+        del self.values[self.name][labelvalues]
+
+
+class FakeCounter(FakeGauge):
+    def __init__(self, name: str, help_text: str, labelnames: list[str]):
+        super().__init__(name + "_total", help_text, labelnames)
 
 
 def test_the_weight_gauges_say_what_the_worker_serves_and_whether_it_is_stale(monkeypatch):
-    monkeypatch.setitem(sys.modules, "prometheus_client", SimpleNamespace(Gauge=FakeGauge))
+    monkeypatch.setitem(sys.modules, "prometheus_client", SimpleNamespace(Gauge=FakeGauge, Counter=FakeCounter))
     monkeypatch.setattr(FakeGauge, "values", {})
     vllm = FakeVllm()
     vllm.failing = False
     driver = driver_of(vllm, gauges=WeightGauges("m"))
     failed = "writing weight version 2 failed (RuntimeError: out of memory): serving version 1 until it is written"
     vllm.applied = {"following": True, "weight_version": 1, "latest_weight_version": 2, "weights_problem": failed}
-    vllm.applied["written"] = False
-    driver.swap()  # vLLM resumes on version 1, which the gauges say, stale
+    vllm.applied |= {"written": False, "rejections_total": 2, "rejected_versions": {"2": "refused", "3": "corrupt"}}
+    driver.swap()  # vLLM resumes on version 1, which the gauges say, stale, with the versions it rejected
     gauges = {"whetstone_weight_version": 1, "whetstone_weight_version_latest": 2, "whetstone_weights_stale": 1}
-    assert FakeGauge.values == {name: {"m": value} for name, value in gauges.items()}
+    gauges |= {"whetstone_weight_versions_rejected_total": 2}
+    rejected = {("m", "2"): 1, ("m", "3"): 1}
+    assert FakeGauge.values == {name: {"m": value} for name, value in gauges.items()} | {
+        "whetstone_weight_version_rejected": rejected
+    }
 
-    vllm.applied = {"following": True, "weight_version": 2, "latest_weight_version": 2, "weights_problem": None}
+    vllm.applied = {"following": True, "weight_version": 4, "latest_weight_version": 4, "weights_problem": None}
+    vllm.applied |= {"rejections_total": 3, "rejected_versions": {}}  # one more rejection, then served past
     driver.swap()
-    gauges = {"whetstone_weight_version": 2, "whetstone_weight_version_latest": 2, "whetstone_weights_stale": 0}
-    assert FakeGauge.values == {name: {"m": value} for name, value in gauges.items()}
+    gauges = {"whetstone_weight_version": 4, "whetstone_weight_version_latest": 4, "whetstone_weights_stale": 0}
+    gauges |= {"whetstone_weight_versions_rejected_total": 3}
+    assert FakeGauge.values == {name: {"m": value} for name, value in gauges.items()} | {
+        "whetstone_weight_version_rejected": {}
+    }
 
 
 def test_a_pause_limit_that_is_not_positive_is_refused(capsys):

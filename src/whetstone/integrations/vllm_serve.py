@@ -52,6 +52,7 @@ import signal
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -71,7 +72,7 @@ log = logging.getLogger("whetstone.vllm")
 class WeightGauges:
     """whetstone's weight gauges on vLLM's `/metrics`, named, labelled and explained as `whetstone
     serve`'s (inference/metrics.py): the version served and, once following a store, the store's
-    newest and whether the server cannot take it.
+    newest, whether the server cannot take it, and the versions it rejected.
 
     They are prometheus_client gauges of this process's default registry, the one vLLM's
     `/metrics` serves when it runs one API server (as here). With $PROMETHEUS_MULTIPROC_DIR set
@@ -81,15 +82,25 @@ class WeightGauges:
 
     def __init__(self, model: str):
         """`model`: the model id of the API (the `model` label of `whetstone serve`'s metrics)."""
-        from prometheus_client import Gauge
+        from prometheus_client import Counter, Gauge
 
-        def gauge(name: str, help_text: str):
-            return Gauge(f"whetstone_{name}", help_text, ["model"], multiprocess_mode="livemostrecent")
+        def gauge(name: str, help_text: str, labels: tuple[str, ...] = ()):
+            return Gauge(f"whetstone_{name}", help_text, ["model", *labels], multiprocess_mode="livemostrecent")
 
         self.model = model
         self.version = gauge("weight_version", "Weight version being served.")
         self.latest = gauge("weight_version_latest", "Newest weight version in the store.")
         self.stale = gauge("weights_stale", "1 while the server cannot take the newest weight version.")
+        self.rejections = Counter(
+            "whetstone_weight_versions_rejected",  # exposed with `_total`, as whetstone serve's counter
+            "Weight versions rejected (corrupt, wrong base) or refused by the engine.",
+            ["model"],
+        )
+        self.rejected = gauge(
+            "weight_version_rejected", "Rejected weight versions newer than the one served.", ("version",)
+        )
+        self._rejections_seen = 0
+        self._rejected_shown: set[str] = set()
 
     def serving(self, version: int) -> None:
         """The weights loaded at start are tagged `version`."""
@@ -103,6 +114,19 @@ class WeightGauges:
         if status.get("latest_weight_version") is not None:
             self.latest.labels(model=self.model).set(status["latest_weight_version"])
         self.stale.labels(model=self.model).set(int(bool(status.get("weights_problem"))))
+        total = status.get("rejections_total") or 0
+        if total > self._rejections_seen:
+            self.rejections.labels(model=self.model).inc(total - self._rejections_seen)
+            self._rejections_seen = total
+        rejected = set(status.get("rejected_versions") or {})
+        for version in rejected:
+            self.rejected.labels(model=self.model, version=version).set(1)
+        for version in self._rejected_shown - rejected:  # served past, or taken after a repair
+            self.rejected.labels(model=self.model, version=version).set(0)  # what a multiprocess folder keeps
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # multiprocess mode: "removal ... not implemented"
+                self.rejected.remove(self.model, version)
+        self._rejected_shown = rejected
 
 
 def _exit_now(message: str) -> None:
