@@ -18,7 +18,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
 from whetstone.errors import ConfigError
-from whetstone.utils.atomic import PRIVATE, atomic_write_text
+from whetstone.utils.atomic import PRIVATE, atomic_write_text, write_errors
 
 
 class Config(BaseModel):
@@ -247,8 +247,10 @@ def without_secrets(value: Any) -> Any:
 def write_toml(path: str | Path, config: Config) -> None:
     """Write `config` to `path` as TOML, atomically, readable by its owner only (`PRIVATE`): a
     config holds its secrets as given (a database URL's password, `auth_token`), since a run's
-    config file is run again (`whetstone run <run>/config.toml`, each role's `roles/<name>.toml`)."""
-    atomic_write_text(path, dump_toml(config) + "\n", PRIVATE)
+    config file is run again (`whetstone run <run>/config.toml`, each role's `roles/<name>.toml`).
+    A write that fails (a full disk) is a WhetstoneError naming the file (`write_errors`)."""
+    with write_errors(path):
+        atomic_write_text(path, dump_toml(config) + "\n", PRIVATE)
 
 
 def _toml_key(key: str) -> str:

@@ -18,10 +18,10 @@ import pytest
 import torch
 
 import whetstone.model.hf as hf
-from whetstone.inference.swap import WeightFollower, WeightUpdateError
+from whetstone.inference.swap import WeightFollower, WeightUpdateError, WeightWriteError
 from whetstone.integrations.vllm import vllm_health
 from whetstone.integrations.vllm_serve import SwapDriver, WeightGauges, parse, served_model_name
-from whetstone.integrations.vllm_worker import ServedWeights, WeightStoreFollower, WeightWriteError
+from whetstone.integrations.vllm_worker import ServedWeights, WeightStoreFollower
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore
 from whetstone.sync.update import TensorUpdate, WeightUpdate
 
@@ -122,6 +122,7 @@ def test_a_delta_whose_write_fails_leaves_the_host_weights_as_served(served):
 
 
 def test_a_model_left_holding_no_whole_version_says_so_until_a_write_succeeds(served):
+    """The error is swap's `WeightWriteError`, whichever engine serves: one `except` takes both."""
     served.update_weights(whole(1, 1.0))
     served.load()
     served.update_weights(whole(2, 2.0))

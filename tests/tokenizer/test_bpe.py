@@ -1,5 +1,6 @@
 import inspect
 import json
+import socket
 import textwrap
 import threading
 import unicodedata
@@ -111,6 +112,25 @@ def test_bad_checkpoints_name_the_file(tmp_path, trained):
     (tmp_path / "tokenizer.json").write_text(json.dumps(layout))
     with pytest.raises(CheckpointError, match="lacks the ChatML tokens"):
         Tokenizer.load(tmp_path)
+
+
+def test_a_tokenizer_config_that_cannot_be_read_is_named(tmp_path, trained, monkeypatch):
+    trained.save(tmp_path)
+    config = tmp_path / "tokenizer_config.json"
+    config.unlink()
+    config.mkdir()
+    with pytest.raises(CheckpointError, match=f"^{config} is a directory, not a JSON file$"):
+        Tokenizer.load(tmp_path)
+    config.rmdir()
+    config.write_bytes(b'{"chat_template": "\xff"}')
+    with pytest.raises(CheckpointError, match=f"^{config} is not valid JSON: 'utf-8' codec can't decode"):
+        Tokenizer.load(tmp_path)
+    config.unlink()
+    monkeypatch.chdir(tmp_path)  # a socket's path must be short
+    with socket.socket(socket.AF_UNIX) as unreadable:  # there, but open() fails (as root too)
+        unreadable.bind(config.name)
+        with pytest.raises(CheckpointError, match=f"^{config} cannot be read: No such device or address$"):
+            Tokenizer.load(tmp_path)
 
 
 def test_vocab_too_small_for_bytes_is_refused():

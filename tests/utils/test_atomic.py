@@ -1,12 +1,24 @@
 import json
 import os
+import resource
+import signal
 import stat
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 
 from whetstone.errors import WhetstoneError
-from whetstone.utils.atomic import atomic_directory, atomic_path, atomic_write_json, writable_folder_problem
+from whetstone.utils.atomic import (
+    _umask,
+    atomic_directory,
+    atomic_path,
+    atomic_write_json,
+    writable_folder_problem,
+)
 
 
 def test_atomic_write_replaces_whole_file(tmp_path):
@@ -91,10 +103,21 @@ def test_a_leftover_old_folder_from_a_crash_is_put_back_or_deleted(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
 
 
+@contextmanager
+def umask_set(umask: int) -> Iterator[None]:
+    """The process's umask set to `umask`, and the one `atomic` read forgotten, for the block."""
+    previous = os.umask(umask)
+    _umask.cache_clear()
+    try:
+        yield
+    finally:
+        os.umask(previous)
+        _umask.cache_clear()
+
+
 @pytest.mark.parametrize("umask", [0o022, 0o027])
 def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path, umask):
-    previous = os.umask(umask)
-    try:
+    with umask_set(umask):
         atomic_write_json(tmp_path / "new.json", {})
         with atomic_directory(tmp_path / "folder") as tmp:
             (tmp / "inside").write_text("x")
@@ -104,8 +127,6 @@ def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path, umask):
             (tmp / "sub").mkdir(mode=0o700)
         (tmp_path / "plain").write_text("x")
         (tmp_path / "plain_folder").mkdir()
-    finally:
-        os.umask(previous)
     assert mode(tmp_path / "new.json") == mode(tmp_path / "plain") == 0o666 & ~umask
     assert mode(tmp_path / "folder") == mode(tmp_path / "plain_folder") == 0o777 & ~umask
     assert mode(tmp_path / "folder" / "inside") == mode(tmp_path / "folder" / "owner_only") == 0o666 & ~umask
@@ -117,6 +138,55 @@ def test_atomic_writes_get_the_permissions_of_a_plain_write(tmp_path, umask):
 
 def mode(path) -> int:
     return stat.S_IMODE(path.stat().st_mode)
+
+
+def test_the_umask_is_read_once_per_process(tmp_path):
+    """whetstone never changes its umask after start, so the first write reads it and the later
+    ones (the weight store's many chunks) do not: a change made after it goes unseen."""
+    with umask_set(0o022):
+        atomic_write_json(tmp_path / "first.json", {})
+        os.umask(0o077)
+        atomic_write_json(tmp_path / "second.json", {})
+        with atomic_directory(tmp_path / "folder") as tmp:
+            (tmp / "inside").write_text("x")
+    assert mode(tmp_path / "first.json") == mode(tmp_path / "second.json") == 0o644
+    assert mode(tmp_path / "folder") == 0o755 and mode(tmp_path / "folder" / "inside") == 0o644
+    with umask_set(0o077):
+        atomic_write_json(tmp_path / "private.json", {})
+    assert mode(tmp_path / "private.json") == 0o600
+
+
+def test_a_write_that_fails_names_the_file_and_the_cause(tmp_path):
+    """A config.toml that cannot be written (here: over the file size limit, as a full disk stops
+    a write part-way) is a WhetstoneError naming it and the cause, and leaves nothing behind."""
+    path = tmp_path / "run" / "config.toml"
+    script = (
+        "import sys\n"
+        "from whetstone.config import Config, write_toml\n"
+        "from whetstone.errors import WhetstoneError\n"
+        "class Run(Config):\n"
+        "    name: str = 'x' * 1000\n"
+        "try:\n"
+        "    write_toml(sys.argv[1], Run())\n"
+        "except WhetstoneError as err:\n"
+        "    print(err)\n"
+    )
+
+    def file_size_limit() -> None:  # a write past it fails with EFBIG, not a signal
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (100, 100))
+
+    done = subprocess.run(
+        [sys.executable, "-c", script, str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=file_size_limit,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"},
+    )
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    assert done.stdout == f"cannot write {path}: File too large\n"
+    assert list(path.parent.iterdir()) == []
 
 
 def test_writable_folder_problem_names_a_file_or_a_read_only_folder_and_creates_nothing(tmp_path, monkeypatch):

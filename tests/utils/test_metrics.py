@@ -1,5 +1,8 @@
 """Metrics as JSONL (utils/metrics.py): what a crash mid-write leaves, and what comes after it."""
 
+import pytest
+
+from whetstone.errors import WhetstoneError
 from whetstone.utils.metrics import MetricsWriter, read_metrics
 
 
@@ -14,3 +17,16 @@ def test_a_record_after_a_torn_last_line_starts_a_line_of_its_own(tmp_path):
             writer.write({"step": 2})
     assert [record["step"] for record in read_metrics(path)] == [1, 2, 2]
     assert path.read_text().count("\n") == 4  # the torn line, ended, and one line per record
+
+
+def test_a_line_that_cannot_be_written_names_the_file_and_stops_the_role():
+    """/dev/full takes no byte (ENOSPC, as a full disk): the write is a WhetstoneError naming the
+    file and the cause, and closing the writer does not raise again for the line it holds."""
+    message = r"^cannot write /dev/full: No space left on device: free space on its disk, then run the command again$"
+    with pytest.raises(WhetstoneError, match=message):
+        with MetricsWriter("/dev/full") as writer:
+            writer.write({"step": 1})
+    writer = MetricsWriter("/dev/full")
+    with pytest.raises(WhetstoneError, match=message):
+        writer.write({"step": 1})
+    writer.close()

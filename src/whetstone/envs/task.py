@@ -107,6 +107,14 @@ class Task(Config):
 
     _check_file_paths = field_validator(*FILE_MAPS)(lambda cls, v, info: _check_paths(v, info))
 
+    @field_validator("id")
+    @classmethod
+    def _id_not_blank(cls, task_id: str) -> str:
+        """An id names the task everywhere (its folder, logs, reports): spaces alone name nothing."""
+        if not task_id.strip():
+            raise ValueError(f"id {task_id!r} is blank: give the task an id, e.g. 'source/name'")
+        return task_id
+
     @property
     def pytest_args(self) -> list[str] | None:
         """The arguments of `test_command` when it runs pytest (`python -m pytest ...`,

@@ -40,7 +40,8 @@ class WeightUpdateError(WhetstoneError):
 
 class WeightWriteError(WhetstoneError):
     """Writing a version failed, and so did putting the overwritten values back: the served
-    tensors hold parts of two versions."""
+    tensors hold parts of two versions. Raised by `write` here and by the vLLM follower
+    (`integrations.vllm_worker.ServedWeights.load`)."""
 
 
 def serving_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -37,8 +37,7 @@ from typing import Any
 
 import torch
 
-from whetstone.errors import WhetstoneError
-from whetstone.inference.swap import WeightFollower, WeightUpdateError
+from whetstone.inference.swap import WeightFollower, WeightUpdateError, WeightWriteError
 from whetstone.sync.update import WeightUpdate, merge_updates
 
 log = logging.getLogger("whetstone.vllm")
@@ -46,11 +45,6 @@ log = logging.getLogger("whetstone.vllm")
 Undo = list[tuple[str, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]]
 """How to take an update back off the served weights: (name, the tensor held before or None when
 there was none, the flat positions overwritten in it or None for the whole tensor, their values)."""
-
-
-class WeightWriteError(WhetstoneError):
-    """Writing a version into vLLM's model failed, and so did writing the served version back:
-    the model holds no whole version."""
 
 
 class ServedWeights:

@@ -40,7 +40,7 @@ from whetstone.training.distributed import (
     torchrun_group,
 )
 from whetstone.training.schedule import lr_at
-from whetstone.utils.atomic import atomic_write_json
+from whetstone.utils.atomic import atomic_write_json, write_errors
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.processes import StopRequest, stop_on_signals, stopped_by
 from whetstone.utils.progress import progress_bar
@@ -121,7 +121,8 @@ def _train(session: Session, opened: float, stop_at_step: int | None, stop: Stop
     seconds = time.perf_counter() - started
     summary = summarize(session, val_loss, stopped_early, model_dir, seconds, (state.step - start_step) * step_tokens)
     if lead:
-        atomic_write_json(session.run_dir / "summary.json", summary)
+        with write_errors(session.run_dir / "summary.json"):
+            atomic_write_json(session.run_dir / "summary.json", summary)
     signalled = broadcast(stop.signal)  # one that came after the last step: the run is whole, but asked to stop
     if signalled is not None:
         raise stopped_by(signalled)

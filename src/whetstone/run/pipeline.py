@@ -36,7 +36,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from whetstone.config import write_toml
+from whetstone.config import without_secrets, write_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import PipelineConfig
 from whetstone.run.local_ranks import LocalRankGroup
@@ -44,7 +44,7 @@ from whetstone.run.monitor import ServerSampler, last_record, read_json_object
 from whetstone.run.placement import gpu_memory_shares, server_device
 from whetstone.run.ray_launch import RayLauncher
 from whetstone.store import open_store
-from whetstone.utils.atomic import atomic_directory, atomic_write_json
+from whetstone.utils.atomic import atomic_directory, atomic_write_json, write_errors
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
 from whetstone.utils.device import resolve_device
 from whetstone.utils.metrics import read_metrics
@@ -739,9 +739,13 @@ class Pipeline:
                         summary.update(self.yardstick(before, after, scale))
         model = self.export_policy()
         summary.update(
-            model=str(model), wall_s=time.time() - started, stages=stages, config=self.config.model_dump(mode="json")
+            model=str(model),
+            wall_s=time.time() - started,
+            stages=stages,
+            config=without_secrets(self.config.model_dump(mode="json")),  # config.toml (private) keeps them
         )
-        atomic_write_json(self.run_dir / "summary.json", summary)
+        with write_errors(self.run_dir / "summary.json"):
+            atomic_write_json(self.run_dir / "summary.json", summary)
         from whetstone.run.report import write_report
 
         summary["report"] = str(write_report(self.run_dir))

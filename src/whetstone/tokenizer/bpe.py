@@ -162,8 +162,12 @@ class Tokenizer:
         config = default_tokenizer_config()
         if config_path.exists():
             try:
-                config = json.loads(config_path.read_text())
-            except json.JSONDecodeError as err:
+                config = json.loads(config_path.read_bytes().decode("utf-8"))
+            except IsADirectoryError:
+                raise CheckpointError(f"{config_path} is a directory, not a JSON file") from None
+            except OSError as err:
+                raise CheckpointError(f"{config_path} cannot be read: {err.strerror or err}") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
         return cls(backend, config, source=str(path))
 

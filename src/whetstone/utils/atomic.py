@@ -11,6 +11,8 @@ its writer used (safetensors makes its files 0600): a file made executable gets 
 
 from __future__ import annotations
 
+import errno
+import functools
 import json
 import os
 import shutil
@@ -47,8 +49,11 @@ def _fsync_tree(directory: Path) -> None:
         _fsync_dir(Path(folder))
 
 
+@functools.cache
 def _umask() -> int:
-    """The process's umask, read without changing it (os.umask sets it, racing other threads)."""
+    """The process's umask, read once: whetstone never changes it after start, and a process
+    writes many files (the weight store a chunk each). Read without changing it (os.umask sets
+    it, racing other threads); a forked child inherits it with the cached value."""
     try:
         for line in Path("/proc/self/status").read_text().splitlines():
             if line.startswith("Umask:"):
@@ -93,6 +98,28 @@ def writable_folder_problem(folder: str | Path) -> str | None:
             return f"{folder} is not writable"
         return f"{folder} cannot be created: {existing} is not writable"
     return None
+
+
+WRITE_ERROR_ADVICE = {
+    errno.ENOSPC: "free space on its disk",
+    errno.EDQUOT: "free space within the disk quota",
+    errno.EROFS: "write it to a disk that is not read-only",
+    errno.EACCES: "make its folder writable",
+    errno.EPERM: "make its folder writable",
+}
+"""What to do about the write errors that have a usual remedy, by errno."""
+
+
+@contextmanager
+def write_errors(path: str | Path) -> Iterator[None]:
+    """An OSError writing `path` (a full disk, a read-only folder) as a WhetstoneError naming the
+    file and the cause, not a traceback; the cause's message, not the temporary file's name."""
+    try:
+        yield
+    except OSError as err:
+        advice = WRITE_ERROR_ADVICE.get(err.errno)
+        then = f": {advice}, then run the command again" if advice else ""
+        raise WhetstoneError(f"cannot write {path}: {err.strerror or err}{then}") from None
 
 
 @contextmanager

@@ -11,6 +11,8 @@ from typing import Any
 from pydantic import BaseModel
 
 from whetstone.config import without_secrets
+from whetstone.errors import WhetstoneError
+from whetstone.utils.atomic import write_errors
 from whetstone.utils.tracking import Sink, TrackingConfig, open_sinks, scalars
 
 
@@ -24,6 +26,11 @@ class MetricsWriter:
     shown with its W&B run (its secrets as `***`: `without_secrets`). The JSONL line is written
     and flushed first, so a crash loses none of it but the line it was writing; that torn line is
     ended when the file is opened again, so that the next record starts a line of its own.
+
+    A line that cannot be written (a full disk) is a WhetstoneError naming the file and the cause
+    (`write_errors`), which stops the role: metrics.jsonl is the run's record (the report reads
+    it), a run that goes on without it has gaps no one sees, and a disk too full for a metrics
+    line fails the next checkpoint anyway; stopped now, the same command resumes from the newest.
     """
 
     def __init__(
@@ -37,19 +44,27 @@ class MetricsWriter:
         run_config: BaseModel | None = None,
     ):
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
         self.step_key, self.series_key = step_key, series_key
         self._counts: dict[str, int] = {}
+        self._failed = False
+        with write_errors(self.path):
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._handle = self.path.open("a")
+            if self._handle.tell() and not _ends_a_line(self.path):
+                self._handle.write("\n")
+                self._handle.flush()
         config = without_secrets(run_config.model_dump(mode="json")) if run_config is not None else None
         self._sinks: list[Sink] = [] if tracking is None else open_sinks(tracking, role, self.path.parent, config)
-        self._handle = self.path.open("a")
-        if self._handle.tell() and not _ends_a_line(self.path):
-            self._handle.write("\n")
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}
-        self._handle.write(json.dumps(record, sort_keys=True) + "\n")
-        self._handle.flush()
+        try:
+            with write_errors(self.path):
+                self._handle.write(json.dumps(record, sort_keys=True) + "\n")
+                self._handle.flush()
+        except WhetstoneError:
+            self._failed = True
+            raise
         if self._sinks:
             self._track(record)
 
@@ -63,10 +78,18 @@ class MetricsWriter:
             sink.log(values, int(step), record["time"])
 
     def close(self, failed: bool = False) -> None:
-        """Close the file, then the sinks (which flush); `failed` marks a W&B run as crashed."""
-        self._handle.close()
-        for sink in self._sinks:
-            sink.close(failed)
+        """Close the file, then the sinks (which flush); `failed` marks a W&B run as crashed.
+        After a line that could not be written (already raised), the file's close does not
+        raise again for what it still holds of it."""
+        try:
+            with write_errors(self.path):
+                self._handle.close()
+        except WhetstoneError:
+            if not self._failed:
+                raise
+        finally:
+            for sink in self._sinks:
+                sink.close(failed or self._failed)
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -15,6 +15,7 @@ from tests.envs.harness.harness_support import ScriptedPolicy, call, synth_task,
 from whetstone.envs.harness import AgentHarness, Harness, HarnessConfig, RolloutConfig, run_rollouts
 from whetstone.envs.sandbox import open_sandbox
 from whetstone.envs.trajectory import Trajectory
+from whetstone.errors import WhetstoneError
 
 rollout_module = importlib.import_module("whetstone.envs.harness.rollout")  # the package's `rollout` is the function
 HARNESS = AgentHarness(HarnessConfig(context_tokens=2048), tokenizer())
@@ -96,6 +97,7 @@ def test_broken_rollouts_are_recorded_with_their_reason_and_the_others_finish(mo
     tasks = [
         named("ok"),
         named("setup", setup=["echo no database >&2; exit 3"]),
+        named("slow_setup", setup=["echo waiting; sleep 30"], test_time_limit_s=0.3),
         named("raises"),
         named("hangs", time_limit_s=0.2),
         named("fine"),
@@ -103,14 +105,41 @@ def test_broken_rollouts_are_recorded_with_their_reason_and_the_others_finish(mo
     policy = ScriptedPolicy(lambda prompt: call("submit"))
     trajectories = asyncio.run(run_rollouts(tasks, policy, Selective(), RolloutConfig(concurrency=5)))
     by_id: dict[str, Trajectory] = {t.task_id: t for t in trajectories}
-    assert len(trajectories) == 5 and [t.task_id for t in trajectories] == [t.id for t in tasks]
+    assert len(trajectories) == 6 and [t.task_id for t in trajectories] == [t.id for t in tasks]
     assert by_id["t/ok"].status == by_id["t/fine"].status == "ok"
     assert "setup command 'echo no database >&2; exit 3' failed (exit code 3): no database" in by_id["t/setup"].error
+    assert (
+        "setup command 'echo waiting; sleep 30' timed out after 0.3 s (test_time_limit_s): waiting"
+        in by_id["t/slow_setup"].error
+    )
     assert by_id["t/raises"].error == "RuntimeError: harness bug"
     assert "overran the task's time limit of 0.2 s" in by_id["t/hangs"].error
-    for name in ("setup", "raises", "hangs"):
+    for name in ("setup", "slow_setup", "raises", "hangs"):
         failed = by_id[f"t/{name}"]
         assert failed.status == "failed" and failed.exclude_from_gradient and failed.reward == 0.0
+
+
+def test_a_setup_command_stopped_by_closing_the_sandbox_says_so():
+    """A rollout stopped while its setup runs closes the sandbox; the setup's error says that,
+    not that the command failed with the exit code of the kill."""
+    task = named("closed", setup=["touch started; sleep 30"])
+    sandbox = open_sandbox(dict(task.repo_files))
+    errors: list[str] = []
+
+    def setup():
+        try:
+            rollout_module._setup(sandbox, task)
+        except WhetstoneError as err:
+            errors.append(str(err))
+
+    thread = threading.Thread(target=setup)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not (sandbox.workspace / "started").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sandbox.close()
+    thread.join(20)
+    assert errors == ["setup command 'touch started; sleep 30' stopped: the sandbox was closed while it ran"]
 
 
 class FakeSandbox:

@@ -196,6 +196,27 @@ def test_task_json_and_the_file_folders_cannot_be_links_out_of_the_task_folder(t
         read_tasks(root)
 
 
+def test_a_task_folder_that_links_out_of_the_task_set_is_refused_named(tmp_path):
+    """A task folder that is a link takes the folder it points to as the task's: anywhere on the
+    machine, if it may point out of the set. One pointing inside the set is read."""
+    root, folder = _folder_set(tmp_path)
+    outside = tmp_path / "elsewhere"
+    folder.rename(outside)
+    folder.symlink_to(outside, target_is_directory=True)
+    [record] = read_records(root)
+    assert record.task is None and record.where == str(folder / "task.json")
+    assert record.problem == (
+        f"{folder} is a symbolic link to {outside}, outside the task set {root}: refused "
+        "(a task reads only its own files; copy the folder in)"
+    )
+    folder.unlink()
+    (root / "kept").mkdir()
+    outside.rename(root / "kept" / "custom__0001")
+    folder.symlink_to(root / "kept" / "custom__0001", target_is_directory=True)
+    assert read_tasks(root) == [_task()]
+    assert read_tasks(folder) == [_task()]  # a task folder given on its own is read wherever it points
+
+
 def test_a_broken_link_and_a_link_to_a_folder_are_named_and_a_link_inside_is_read(tmp_path):
     root, folder = _folder_set(tmp_path)
     (folder / "repo" / "gone.py").symlink_to("nothere.py")
@@ -224,6 +245,9 @@ def test_a_broken_link_and_a_link_to_a_folder_are_named_and_a_link_inside_is_rea
         ("a\nb", "holds the control character '\\n'"),
         ("a\x00b", "holds the control character '\\x00'"),
         ("x" * 300, "is longer than a folder name can be"),
+        ("   ", "is blank (it names the task and its folder: write e.g. 'source/name')"),
+        ("", "is blank"),
+        ("a/  /b", "has an empty, '.' or '..' part"),
     ],
 )
 def test_an_id_that_cannot_name_a_folder_is_refused_naming_the_line(tmp_path, task_id, problem):
@@ -236,6 +260,11 @@ def test_an_id_that_cannot_name_a_folder_is_refused_naming_the_line(tmp_path, ta
     assert problem in refused.problem
     with pytest.raises(WhetstoneError, match=f"{path}:2: field 'id'"):
         read_tasks(path)
+
+
+def test_a_blank_task_id_is_refused_wherever_the_task_is_made():
+    with pytest.raises(ValidationError, match=r"id ' \\t' is blank: give the task an id"):
+        _task(" \t")
 
 
 def test_a_task_with_an_unsafe_id_is_not_written_as_a_folder(tmp_path):

@@ -134,11 +134,20 @@ async def _close(sandbox: Sandbox) -> None:
 
 
 def _setup(sandbox: Sandbox, task: Task) -> None:
+    """Run the task's setup commands; the first that does not succeed is an error saying why: it
+    failed, it timed out, or it was stopped because the sandbox was closed (the rollout stopped)."""
     for command in task.setup:
         result = sandbox.run(command, timeout_s=task.test_time_limit_s)
+        if result.sandbox_closed:
+            raise WhetstoneError(f"setup command {command!r} stopped: the sandbox was closed while it ran")
         if result.exit_code != 0 or result.timed_out:
             output = head_tail(result.stdout + result.stderr, 2000)
-            raise WhetstoneError(f"setup command {command!r} failed (exit code {result.exit_code}): {output}")
+            why = (
+                f"timed out after {task.test_time_limit_s:g} s (test_time_limit_s)"
+                if result.timed_out
+                else f"failed (exit code {result.exit_code})"
+            )
+            raise WhetstoneError(f"setup command {command!r} {why}: {output}")
 
 
 async def run_rollouts(

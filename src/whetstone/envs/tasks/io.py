@@ -9,7 +9,8 @@ Folder layout (easy to read and edit by hand):
 
 A symbolic link in a task folder is read as the file it points to when that file is inside the
 task folder; one pointing outside it (an untrusted task must not pull in ~/.aws/credentials, to be
-exported and shown), to a folder, or nowhere makes the record bad. A task id names its folder, so
+exported and shown), to a folder, or nowhere makes the record bad. So does a task folder of a set
+that is itself a link to a folder outside the set. A task id names its folder, so
 ids that are not safe as one (`unsafe_id`) make the record bad too.
 
 Errors name the file, the line (JSONL) and the field that is wrong. `read_records` yields a
@@ -54,11 +55,13 @@ MAX_FOLDER_NAME_BYTES = 255
 
 def unsafe_id(task_id: str) -> str | None:
     """Why `task_id` cannot be a task id, or None. An id names the task's folder (`folder_name`)
-    and is printed one per line: it holds no control character (a line break, NUL), no part
-    between `/` that is empty, `.` or `..`, and fits in a folder name."""
+    and is printed one per line: it is not blank, holds no control character (a line break, NUL),
+    no part between `/` that is empty (or blank), `.` or `..`, and fits in a folder name."""
+    if not task_id.strip():
+        return f"id {task_id!r} is blank (it names the task and its folder: write e.g. 'source/name')"
     if control := next((char for char in task_id if ord(char) < 32 or ord(char) == 127), None):
         return f"id {task_id!r} holds the control character {control!r}"
-    if any(part in ("", ".", "..") for part in task_id.split("/")):
+    if any(not part.strip() or part in (".", "..") for part in task_id.split("/")):
         return (
             f"id {task_id!r} has an empty, '.' or '..' part between '/' (it names a folder: write e.g. 'source/name')"
         )
@@ -147,9 +150,17 @@ def _unreadable(err: OSError) -> None:
     raise WhetstoneError(f"{err.filename}: cannot be read: {err.strerror or err}") from None
 
 
-def _read_folder(folder: Path) -> Record:
+def _read_folder(folder: Path, task_set: Path | None = None) -> Record:
+    """The task of `folder`; one of the set `task_set` may be a symbolic link only to a folder
+    inside the set (else the whole folder it points to, anywhere, would be read as the task's)."""
     where = str(folder / TASK_FILE)
     task_folder = Path(os.path.realpath(folder))
+    if task_set is not None and folder.is_symlink() and not task_folder.is_relative_to(os.path.realpath(task_set)):
+        return Record(
+            where,
+            problem=f"{folder} is a symbolic link to {task_folder}, outside the task set {task_set}: refused "
+            "(a task reads only its own files; copy the folder in)",
+        )
     try:
         for path in [folder / TASK_FILE, *(folder / subdir for subdir in FILE_FIELDS.values())]:
             if path.is_symlink():
@@ -181,10 +192,13 @@ def read_records(path: str | Path) -> Iterator[Record]:
     if not path.exists():
         raise WhetstoneError(f"no such file: {path}")
     if path.is_dir():
-        folders = [path] if (path / TASK_FILE).is_file() else sorted(p.parent for p in path.glob(f"*/{TASK_FILE}"))
-        if not folders:
-            raise WhetstoneError(f"{path}: no task folders (expected */{TASK_FILE}) and not a task folder itself")
-        records: Iterable[Record] = (_read_folder(folder) for folder in folders)
+        if (path / TASK_FILE).is_file():
+            records: Iterable[Record] = [_read_folder(path)]
+        else:
+            folders = sorted(p.parent for p in path.glob(f"*/{TASK_FILE}"))
+            if not folders:
+                raise WhetstoneError(f"{path}: no task folders (expected */{TASK_FILE}) and not a task folder itself")
+            records = (_read_folder(folder, path) for folder in folders)
     else:
         records = _read_jsonl(path)
     first_seen: dict[str, str] = {}
