@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -85,6 +86,27 @@ def test_a_rollback_names_the_weights_it_republishes_and_staleness_follows_them(
     assert lineage.behind(6, [3], limit=1) == 2  # beyond the bound: limit + 1
     assert lineage.behind(6, [1, 1, 3], limit=4) == 2  # a reply across versions: its farthest
     assert lineage.behind(3, [0], limit=4) == 3 and lineage.behind(3, [], limit=0) == 0
+
+
+def test_a_rollback_collected_before_it_was_read_leaves_replies_across_it_unknown_not_fresh(tmp_path, caplog):
+    # v0 -> ... -> v9, v10 = a rollback to v1, v11 = an update of v10 whose publish collects v0..v10
+    sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="float32", keep_keyframes=20)
+    publisher = Publisher(WeightStore.open(sync), sync)
+    for version in range(10):
+        publisher.publish({"w": torch.full((4, 4), float(version)), "b": torch.arange(3)})
+    store, lineage = WeightStore.open(sync), Lineage(WeightStore.open(sync))
+    assert lineage.behind(9, [9, 8], limit=2) == 1  # the loop deployed v9, and read its manifests
+    assert rollback(sync, 1).republishes == 1
+    collecting = sync.model_copy(update={"keyframe_interval": 1, "keep_keyframes": 1})
+    Publisher(store, collecting).publish({"w": torch.zeros(4, 4), "b": torch.arange(3)})
+    assert store.versions() == [11]
+    assert lineage.weights_of(11) == 11  # the loop adopts v11; v10's manifest, the rollback's, is gone
+    # a reply of the rolled-back v9 is 9 updates from v11 (v9 -> v1 -> v11), not 2 (v9 -> v10 -> v11)
+    with caplog.at_level(logging.WARNING, logger="whetstone.online"):
+        assert lineage.behind(11, [9], limit=2) == 3  # beyond the bound
+        assert lineage.behind(11, [10], limit=2) == 3  # unknown: counted beyond it too
+    assert "version 10's manifest is gone from the weight store" in caplog.text
+    assert lineage.behind(11, [11], limit=2) == 0
 
 
 def test_rollback_to_a_collected_version_says_so(tmp_path):

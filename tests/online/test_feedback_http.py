@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import sqlite3
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -362,3 +364,40 @@ def test_a_failing_feedback_store_is_a_503_without_sql(http, db):
         "param": None,
         "code": "feedback_store_unavailable",
     }
+
+
+def test_a_database_deleted_under_the_server_is_a_503_saying_its_tables_are_lost(two_style_dir, db, caplog):
+    """The SQLite file deleted while the server runs: the server says so, once in its log and to
+    each client rating, and does not create the tables again (which would hide the loss)."""
+    config = serve_config(two_style_dir, db, feedback={"store": str(db), "keep_timeout_s": 30})
+    with TestClient(build_app(config)) as http:  # a reply's answer waits for its (failing) write
+        answer = chat(http)
+        for suffix in ("", "-wal", "-shm"):
+            Path(f"{db}{suffix}").unlink(missing_ok=True)
+        with caplog.at_level(logging.ERROR, logger="whetstone.online"):
+            unkept = chat(http)  # answered all the same; its storing fails
+            refused = [feedback(http, id=reply["id"], rating="thumbs_up") for reply in (answer, unkept, answer)]
+    lost = f"the feedback store's database at {db} has lost its tables"
+    for response in refused:
+        assert response.status_code == 503 and response.json()["error"]["code"] == "feedback_store_unavailable"
+        message = response.json()["error"]["message"]
+        assert lost in message and "deleted" in message and "Put the file back" in message, message
+        assert "no such table" not in message
+    assert caplog.text.count("Put the file back") == 1  # what to do: logged once
+    assert caplog.text.count(lost) == 1 + 1 + 3  # that line, then each failed keep and rating briefly
+    tables = sqlite3.connect(db).execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall()
+    assert tables == []  # not recreated behind the operator's back
+
+
+def test_a_postgresql_store_whose_tables_were_dropped_says_so(fresh_postgres):
+    from whetstone.store.feedback import FeedbackStoreError, metadata
+
+    capture = Capture(FeedbackConfig(store=fresh_postgres), "m")
+    try:
+        metadata.drop_all(capture.store.engine)
+        with pytest.raises(FeedbackStoreError) as lost:
+            asyncio.run(capture.rate("chatcmpl-x", 0, "thumbs_up", None))
+        assert lost.value.reason.startswith(f"the feedback store's database {capture.store.name} has lost its tables")
+        assert "they were dropped" in lost.value.reason and "Put them back" in lost.value.reason
+    finally:
+        capture.close()

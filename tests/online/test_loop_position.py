@@ -143,6 +143,20 @@ def test_a_failing_feedback_store_is_tried_again_then_named(world, caplog, monke
     assert str(world.loop.feedback.name) in str(failed.value) and "SELECT" not in str(failed.value)
 
 
+@pytest.mark.parametrize("world", [NO_GATE | {"feedback_retry_s": 1.0}], indirect=True)
+def test_a_feedback_database_deleted_under_the_loop_is_named_lost_not_waited_for(world, caplog):
+    world.feedback(16)
+    world.loop.update()
+    path = Path(world.config.feedback_store)
+    remove_database(path)
+    with caplog.at_level(logging.WARNING, logger="whetstone.online"), pytest.raises(FeedbackStoreError) as lost:
+        world.loop.due()
+    message = str(lost.value)
+    assert message.startswith(f"the feedback store's database at {path.resolve()} has lost its tables (its file")
+    assert "Put the file back" in message and "no such table" not in message
+    assert "trying again" not in caplog.text  # gone tables do not come back by waiting
+
+
 @pytest.mark.parametrize("world", [NO_GATE], indirect=True)  # retention_days = 7
 def test_pruning_goes_by_the_databases_clock(world, monkeypatch):
     world.feedback(16)

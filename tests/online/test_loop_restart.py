@@ -17,6 +17,7 @@ from whetstone.online.loop import OnlineLoop
 from whetstone.online.samples import feedback_batch
 from whetstone.online.weights import rollback
 from whetstone.store.feedback import FeedbackStore
+from whetstone.utils.metrics import read_metrics
 
 BF16_STORE = NO_GATE | {"sync": {"publish_dtype": "bfloat16"}}
 """Published weights are bf16 copies of the masters: a restart from them alone would lose bits."""
@@ -123,3 +124,21 @@ def test_masters_and_moments_of_other_weights_are_not_resumed(world, caplog):
     with caplog.at_level(logging.INFO, logger="whetstone.online"):
         assert moments(OnlineLoop(world.config)) == {}
     assert "is corrupt" in caplog.text
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+def test_a_loop_whose_state_json_is_gone_numbers_its_updates_on(world, caplog):
+    """state.json moved away (as the loop asks when its feedback store was recreated) or lost:
+    the next update is not numbered 0 again beside the records of updates 0.. in metrics.jsonl
+    (and their TensorBoard and W&B steps)."""
+    folder = Path(world.config.output_dir)
+    world.feedback(16)
+    assert OnlineLoop(world.config.model_copy(update={"max_updates": 1})).run()["updates"] == 1
+    (folder / "state.json").rename(folder / "state.json.old")
+    with caplog.at_level(logging.WARNING, logger="whetstone.online"):
+        restarted = OnlineLoop(world.config.model_copy(update={"max_updates": 2}))
+    assert restarted.state["updates"] == 1 and restarted.state["cursor"] == 16  # the store's consumed mark
+    assert f"numbering updates from 1, after the newest in {folder / 'metrics.jsonl'}" in caplog.text
+    world.feedback(16)
+    assert restarted.run()["updates"] == 2
+    assert [record["update"] for record in read_metrics(folder / "metrics.jsonl")] == [0, 1]

@@ -6,6 +6,8 @@ or a stream's chunk with the last `finish_reason`, goes out, so feedback can fol
 when a streaming client leaves after the generation finished). Storing waits at most
 `feedback.keep_timeout_s`: a locked database does not hold the user's answer. `rate` takes
 POST /v1/feedback. Database calls run in worker threads: the event loop keeps serving meanwhile.
+A store whose tables are gone (its SQLite file deleted) is said so, logged once with what to do
+(`lost_tables`), and its feedback refused with that reason; the tables are not created again.
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ import time
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from whetstone.inference.feedback import FeedbackConfig
+from whetstone.inference.feedback import FeedbackConfig, lost_tables
 from whetstone.inference.protocol import encode_routes
 from whetstone.inference.sequence import Sequence
-from whetstone.store.feedback import FeedbackStore, ResponseRecord, UnknownResponse
+from whetstone.store.feedback import FeedbackStore, FeedbackStoreError, ResponseRecord, UnknownResponse
 
 log = logging.getLogger("whetstone.online")
 
@@ -68,6 +70,7 @@ class Capture:
         self._lock = threading.Lock()  # `unstored` also changes in the writer threads
         self._writer = ThreadPoolExecutor(KEEP_WRITERS, thread_name_prefix="feedback-keep")
         self._closed = False  # set by `close` (under `_lock`): no write is handed to `_writer` after it
+        self._lost_said = False  # the store's lost tables were logged with what to do (under `_lock`)
         self.tasks: set[asyncio.Task] = set()
         """Replies' storing tasks under way (the event loop holds its tasks only weakly)."""
 
@@ -122,32 +125,58 @@ class Capture:
         except Exception as err:
             self.failures += 1
             self.note(response_id, "could not be stored (a database error on the server: see its log)")
-            log.error("could not keep response %s for feedback: %s", response_id, err)
+            log.error("could not keep response %s for feedback: %s", response_id, self.explained(err))
         else:
+            self.stored()
             self.note(response_id, None)
+
+    def explained(self, err: BaseException) -> BaseException:
+        """`err`, or, when it says the store's tables are gone, a FeedbackStoreError saying so
+        briefly, whose `reason` (what a client is answered) says what to do; that is logged the
+        first time (again once the store stored something meanwhile)."""
+        why = lost_tables(err, self.store) if isinstance(err, FeedbackStoreError) else None
+        if why is None:
+            return err
+        with self._lock:
+            first, self._lost_said = not self._lost_said, True
+        if first:
+            log.error("%s", why)
+        where = f"at {self.store.path}" if self.store.path is not None else self.store.name
+        return FeedbackStoreError(f"the feedback store's database {where} has lost its tables (see the log)", why)
+
+    def stored(self) -> None:
+        """A write succeeded: lost tables found later are logged again with what to do."""
+        with self._lock:
+            self._lost_said = False
 
     def _late(self, response_id: str, write: Future, started: float) -> None:
         """The outcome of a write the answer did not wait for (in its writer thread)."""
         if write.exception() is None:
+            self.stored()
             self.note(response_id, None)
             log.warning(
                 "response %s was kept for feedback after all, %.1f s late", response_id, time.monotonic() - started
             )
         else:
             self.note(response_id, "could not be stored (a database error on the server: see its log)")
-            log.error("could not keep response %s for feedback: %s", response_id, write.exception())
+            log.error("could not keep response %s for feedback: %s", response_id, self.explained(write.exception()))
 
     async def rate(self, response_id: str, choice: int, rating: str, score: float | None) -> int:
-        """Store one feedback event; raises UnknownResponse / DuplicateFeedback (the client's fault).
-        A reply of this server that is not stored (yet) is refused saying why."""
+        """Store one feedback event; raises UnknownResponse / DuplicateFeedback (the client's fault),
+        or FeedbackStoreError (the database's). A reply of this server that is not stored (yet) is
+        refused saying why."""
         try:
-            return await asyncio.to_thread(self.store.add_feedback, response_id, choice, rating, score)
+            seq = await asyncio.to_thread(self.store.add_feedback, response_id, choice, rating, score)
+        except FeedbackStoreError as err:
+            raise self.explained(err) from None
         except UnknownResponse:
             with self._lock:
                 why = self.unstored.get(response_id)
             if why is None:
                 raise
             raise UnknownResponse(f"response {response_id!r} {why}") from None
+        self.stored()
+        return seq
 
     def close(self) -> None:
         """Stop handing writes to the writer threads first, then let the writes under way finish

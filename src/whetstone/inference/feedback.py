@@ -1,13 +1,18 @@
-"""The feedback contract shared by the servers and the online loop: which ratings exist, and the
-servers' `[feedback]` config section (kept free of heavy imports: `whetstone serve` loads it)."""
+"""The feedback contract shared by the servers and the online loop: which ratings exist, the
+servers' `[feedback]` config section, and what both say when the store's tables are gone (kept
+free of heavy imports: `whetstone serve` loads it)."""
 
 from __future__ import annotations
 
-from typing import Literal
+import re
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
 from whetstone.config import Config
+
+if TYPE_CHECKING:
+    from whetstone.store.feedback import FeedbackStore, FeedbackStoreError
 
 Rating = Literal["thumbs_up", "thumbs_down", "edit_kept", "edit_reverted", "score"]
 """Feedback events: thumbs, whether the user kept or reverted the suggested edit, or a score in [0, 1]."""
@@ -27,3 +32,26 @@ class FeedbackConfig(Config):
     """Seconds a reply's answer waits at most for the reply to be stored (a locked or slow
     database); past it the answer goes out unstored, logged and counted in
     `whetstone_feedback_keep_failures_total` (a write still running may store it later)."""
+
+
+_NO_TABLE = re.compile(r'no such table: whetstone_|relation "whetstone_\w+" does not exist')
+"""How SQLite and PostgreSQL say that a table of the store is not there."""
+
+
+def lost_tables(err: FeedbackStoreError, store: FeedbackStore) -> str | None:
+    """What happened and what to do, when `err` says the store's tables are gone (its SQLite file
+    deleted or replaced while in use, its tables dropped); None for any other failure. Nothing
+    creates the tables again behind the servers' backs: a new, empty store would hide the loss of
+    the responses and feedback, and would have a new id, which the online loop refuses anyway."""
+    if not _NO_TABLE.search(err.reason):
+        return None
+    if store.path is not None:
+        where, how, back = f"at {store.path}", "its file was deleted, or replaced by one without them", "the file"
+    else:
+        where, how, back = store.name, "they were dropped, or the database replaced by one without them", "them"
+    return (
+        f"the feedback store's database {where} has lost its tables ({how}, while in use): the responses and "
+        f"feedback it held are not there, and nothing is stored until it has them. Put {back} back from a copy; "
+        "or, to start an empty store, restart the servers (they create the tables) and move the online loop's "
+        "state.json away"
+    )

@@ -22,7 +22,8 @@ The cursor is an event number of one database: state.json keeps the store's id b
 loop refuses a store with another id (recreated, replaced) or whose newest event is below the
 cursor (restored from an older copy), where it would wait for numbers already passed and then
 skip events. Each update also records in the store how far it read (`FeedbackStore.consume`): a
-loop without a state.json (a new output_dir) starts there, so no event is trained twice.
+loop without a state.json (a new output_dir) starts there, so no event is trained twice. Update
+numbers (the metrics' step) go on after the newest in metrics.jsonl when state.json is gone.
 A reply's staleness is the number of updates between the weights it was sampled with and the
 deployed ones (`Lineage`): a rollback's version holds an earlier version's weights.
 """
@@ -41,6 +42,7 @@ import torch
 
 from whetstone.config import expand_path, write_toml
 from whetstone.errors import CheckpointError, WhetstoneError
+from whetstone.inference.feedback import lost_tables
 from whetstone.model.hf import load_hf
 from whetstone.model.layout import autocast_tables
 from whetstone.online.config import OnlineConfig
@@ -58,7 +60,7 @@ from whetstone.training.checkpoint import TrainState, checkpoint_dir, load_check
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.atomic import atomic_write_json
 from whetstone.utils.device import resolve_device, use_device
-from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.metrics import MetricsWriter, read_metrics
 from whetstone.utils.runtime import configure_process
 
 log = logging.getLogger("whetstone.online")
@@ -177,8 +179,9 @@ class OnlineLoop:
     def load_state(self) -> dict[str, Any]:
         """state.json, checked against the feedback store (`check_store`), or a fresh loop's: it
         starts after the newest event a loop recorded reading in the store (0 in a store no loop
-        has read), so a new output_dir or a lost state.json never trains an event twice. An update
-        that read events and did not finish (a killed loop) is said: its events are lost."""
+        has read), so a new output_dir or a lost state.json never trains an event twice, and
+        numbers its updates on from its metrics.jsonl (`updates_recorded`). An update that read
+        events and did not finish (a killed loop) is said: its events are lost."""
         if not self.state_path.exists():
             marks = self.read_store(self.feedback.marks)
             if marks.consumed:
@@ -189,7 +192,7 @@ class OnlineLoop:
                     marks.consumed,
                     self.feedback.name,
                 )
-            return {"cursor": marks.consumed, "updates": 0, "store": marks.store_id}
+            return {"cursor": marks.consumed, "updates": self.updates_recorded(), "store": marks.store_id}
         self.state = json.loads(self.state_path.read_text())
         consuming = self.state.pop("consuming", None)
         if consuming is not None:  # forgotten at the next update's end, when its record says so
@@ -204,6 +207,19 @@ class OnlineLoop:
             self.state["lost_events"] = self.state.get("lost_events", 0) + consuming["events"]
         self.check_store()
         return self.state
+
+    def updates_recorded(self) -> int:
+        """The number after the newest update in this folder's metrics.jsonl (0 if it records
+        none): where a loop whose state.json is gone (moved away, as `check_store` may ask) goes
+        on numbering, so its updates do not take the numbers of the ones recorded there (their
+        metrics records, TensorBoard's and W&B's steps). The feedback and weight stores cannot
+        say: another loop, or the RL trainer, may have read and published there."""
+        path = self.run_dir / "metrics.jsonl"
+        numbers = [r["update"] for r in read_metrics(path) if isinstance(r.get("update"), int)] if path.exists() else []
+        if not numbers:
+            return 0
+        log.warning("no %s: numbering updates from %d, after the newest in %s", self.state_path, max(numbers) + 1, path)
+        return max(numbers) + 1
 
     def check_store(self) -> None:
         """Refuse a feedback store the saved cursor is not a position in: another id (the database
@@ -244,12 +260,16 @@ class OnlineLoop:
 
     def read_store(self, read: Callable[[], T]) -> T:
         """`read()` of the feedback store, tried again after a FeedbackStoreError (the waits
-        doubling, each failure logged) for up to `feedback_retry_s`; then that error."""
+        doubling, each failure logged) for up to `feedback_retry_s`; then that error. A store
+        whose tables are gone (`lost_tables`) is not waited for: that error at once, saying so."""
         give_up, wait = time.monotonic() + self.config.feedback_retry_s, RETRY_WAIT_S[0]
         while True:
             try:
                 return read()
             except FeedbackStoreError as err:
+                why = lost_tables(err, self.feedback)
+                if why is not None:
+                    raise FeedbackStoreError(why, why) from None
                 left = give_up - time.monotonic()
                 if left <= 0 or self.stop.is_set():
                     raise

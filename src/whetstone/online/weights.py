@@ -12,12 +12,16 @@ with (`Lineage`), not by version numbers.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from whetstone.errors import WhetstoneError
 from whetstone.store.base import MissingObjectError
 from whetstone.sync import Manifest, Publisher, Subscriber, SyncConfig, WeightStore
 from whetstone.sync.weight_store import Head
+
+log = logging.getLogger("whetstone.online")
 
 
 class _StoreAsOf(WeightStore):
@@ -80,15 +84,22 @@ class Lineage:
     then nodes of a tree whose edges are updates, and two versions' distance is the number of
     updates on the path between their weights: after v0 -> v1 -> v2 -> v3 and a rollback to v1
     (v4), replies from v1 are 0 updates from v4, from v2 one, and from the rolled-back v3 two,
-    where version numbers would say 3, 2 and 1. A version whose manifest is gone (collected) or
-    not there yet is taken to hold weights of its own."""
+    where version numbers would say 3, 2 and 1.
+
+    A version whose manifest is gone before it was read (collected, withdrawn; after a restart,
+    one read before) may have been a rollback: whose weights it holds is unknown, and taking them
+    for its own could put weights many updates away right behind the deployed ones. Its place in
+    the tree is unknown, so a reply sampled with it, or with weights reached only through it, is
+    counted beyond any bound (dropped as stale): its data is old enough to be collected, as a rule
+    far past the bound."""
 
     def __init__(self, store: WeightStore):
         self.store = store
-        self.known: dict[int, int] = {}
-        """Version -> the version whose weights it holds (itself unless a rollback)."""
+        self.known: dict[int, int | None] = {}
+        """Version -> the version whose weights it holds (itself unless a rollback); None: unknown,
+        its manifest was gone when first asked for."""
         self.newest_read = -1
-        """The newest version whose manifest was read: a missing one below it was collected."""
+        """The newest version whose manifest was read: a missing one below it is gone for good."""
 
     def note(self, manifest: Manifest) -> None:
         """Remember whose weights a version holds while its manifest is at hand (it may be
@@ -96,26 +107,40 @@ class Lineage:
         self.known[manifest.version] = manifest.version if manifest.republishes is None else manifest.republishes
         self.newest_read = max(self.newest_read, manifest.version)
 
-    def weights_of(self, version: int) -> int:
-        """The version whose weights `version` holds: the version a rollback republished, or itself."""
+    def weights_of(self, version: int) -> int | None:
+        """The version whose weights `version` holds: the version a rollback republished, or
+        itself; None if that is unknown (its manifest is gone, or not there yet)."""
         if version not in self.known:
             try:
                 source = self.store.manifest(version).republishes
             except MissingObjectError:
                 if version > self.newest_read:  # perhaps not published yet: ask again next time
-                    return version
-                source = None
+                    return None
+                if None not in self.known.values():  # said for the first such version: the others go alike
+                    log.warning(
+                        "version %d's manifest is gone from the weight store %s (garbage-collected, see "
+                        "sync.keep_keyframes) before the loop read it: whose weights it holds (a rollback's "
+                        "are an earlier version's) is unknown, so replies sampled with it, or with weights "
+                        "before it, count as beyond the staleness bound",
+                        version,
+                        self.store.objects,
+                    )
+                self.known[version] = None
+                return None
             self.newest_read = max(self.newest_read, version)
             self.known[version] = version if source is None else source
         return self.known[version]
 
     def behind(self, deployed: int, versions: list[int], limit: int) -> int:
         """Updates between the weights of `deployed` and the farthest of `versions` (a reply's
-        token versions; 0 if none), counted up to `limit`: `limit + 1` means farther."""
+        token versions; 0 if none), counted up to `limit`: `limit + 1` means farther, or unknown
+        (a version on the way whose manifest is gone)."""
         if not versions:
             return 0
         ancestors, node = {}, self.weights_of(deployed)  # node -> updates from the deployed weights
         for steps in range(limit + 1):
+            if node is None:
+                break
             ancestors[node] = steps
             if node <= 0:
                 break
@@ -124,6 +149,8 @@ class Lineage:
         for version in set(versions):
             node = self.weights_of(version)
             for steps in range(limit + 1):
+                if node is None:
+                    return limit + 1
                 if node in ancestors:
                     farthest = max(farthest, steps + ancestors[node])
                     break
