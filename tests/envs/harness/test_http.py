@@ -5,6 +5,7 @@ exactly as the server sampled them. How the policy meets a busy server (429) is 
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import httpx
 import pytest
@@ -159,23 +160,30 @@ SERVED = httpx.Response(
 )
 
 
-def test_a_429_is_waited_out_as_its_retry_after_says_without_spending_retries(monkeypatch):
-    waits = []
+def recorded_waits(monkeypatch) -> list[float]:
+    """The policy's waits (`asyncio.sleep` as its module calls it), recorded and returned at once.
+    The patch is asyncio's own function: a wait in another thread (a server thread of an earlier
+    test still stopping) sleeps as before and is not recorded."""
+    waits, real_sleep, caller = [], asyncio.sleep, threading.get_ident()
 
-    async def sleep(seconds):
+    async def sleep(seconds, *args):
+        if threading.get_ident() != caller:
+            return await real_sleep(seconds, *args)
         waits.append(seconds)
 
     monkeypatch.setattr("whetstone.envs.harness.policy.asyncio.sleep", sleep)
+    return waits
+
+
+def test_a_429_is_waited_out_as_its_retry_after_says_without_spending_retries(monkeypatch):
+    waits = recorded_waits(monkeypatch)
     policy, requests = scripted_policy([BUSY, BUSY, SERVED], retries=0)
     completion = asyncio.run(policy.complete([1], Sampling(max_tokens=1)))
     assert completion.ids == [5] and len(requests) == 3 and waits == [7.0, 7.0]
 
 
 def test_a_server_busy_for_longer_than_the_timeout_is_a_policy_error(monkeypatch):
-    async def sleep(seconds):
-        pass
-
-    monkeypatch.setattr("whetstone.envs.harness.policy.asyncio.sleep", sleep)
+    recorded_waits(monkeypatch)
     policy, requests = scripted_policy([BUSY] * 5, timeout_s=20.0)  # 7 s, 7 s, then over 20 s
     with pytest.raises(PolicyError, match=r"HTTP 429 for 14 s \(3 answers\): queue full"):
         asyncio.run(policy.complete([1], Sampling(max_tokens=1)))
@@ -186,12 +194,7 @@ def test_a_server_busy_for_longer_than_the_timeout_is_a_policy_error(monkeypatch
 
 
 def test_a_429_asking_no_wait_is_still_waited_a_little_and_given_up_in_time(monkeypatch):
-    waits = []
-
-    async def sleep(seconds):
-        waits.append(seconds)
-
-    monkeypatch.setattr("whetstone.envs.harness.policy.asyncio.sleep", sleep)
+    waits = recorded_waits(monkeypatch)
     now = httpx.Response(429, headers={"Retry-After": "0"}, json={"error": {"message": "queue full"}})
     policy, requests = scripted_policy([now] * 100, timeout_s=2.0)
     with pytest.raises(PolicyError, match=r"HTTP 429 for 2 s \(9 answers\): queue full"):
