@@ -142,7 +142,9 @@ class Capture:
         if first:
             log.error("%s", why)
         where = f"at {self.store.path}" if self.store.path is not None else self.store.name
-        return FeedbackStoreError(f"the feedback store's database {where} has lost its tables (see the log)", why)
+        return FeedbackStoreError(
+            f"the feedback store's database {where} has lost its tables (see the log)", why, transient=False
+        )
 
     def stored(self) -> None:
         """A write succeeded: lost tables found later are logged again with what to do."""

@@ -301,7 +301,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         except FeedbackStoreError as err:  # the database's trouble, not the client's: it may pass
             log.error("feedback on %s not stored: %s", body.id, err)
             return error_body(
-                503, f"feedback store unavailable: {err.reason}; retry", code="feedback_store_unavailable"
+                503,
+                f"feedback store unavailable: {err.reason}" + ("; retry" if err.transient else ""),
+                code="feedback_store_unavailable",
             )
         return JSONResponse(
             {

@@ -269,7 +269,7 @@ class OnlineLoop:
             except FeedbackStoreError as err:
                 why = lost_tables(err, self.feedback)
                 if why is not None:
-                    raise FeedbackStoreError(why, why) from None
+                    raise FeedbackStoreError(why, why, transient=False) from None
                 left = give_up - time.monotonic()
                 if left <= 0 or self.stop.is_set():
                     raise

@@ -87,9 +87,12 @@ class FeedbackStoreError(WhetstoneError):
     """The database failed (unreachable, locked past its timeout, corrupt...): names the store and
     what was being done; `reason` is the database's own word, without SQL."""
 
-    def __init__(self, message: str, reason: str):
+    def __init__(self, message: str, reason: str, transient: bool = True):
         super().__init__(message)
         self.reason = reason
+        self.transient = transient
+        """Whether the same call may succeed later by itself (a lock, a restart); False when
+        someone must act first (the store's tables are gone)."""
 
 
 class UnknownResponse(WhetstoneError):
