@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from whetstone.envs.tasks.registry import load_tasks
-from whetstone.errors import ConfigError
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
@@ -72,11 +72,17 @@ class Gate:
         return SamplingParams(max_tokens=self.config.max_tokens, temperature=self.config.temperature, seed=seed)
 
     def replies(self, weights: dict[str, torch.Tensor], version: int) -> list[str]:
-        """The replies of `weights` (as published) to every (task, sample), task by task."""
-        self.engine.update_weights(full_update(weights, version))
+        """The replies of `weights` (as published) to every (task, sample), task by task. Raises
+        a WhetstoneError if the engine could not write them: the replies would be another
+        version's, and its score that version's verdict."""
+        update = self.engine.update_weights(full_update(weights, version))
         prompts = [p for p in self.prompts for _ in range(self.config.samples)]
         params = [self._params(seed) for seed in range(len(prompts))]
-        return [seq.text.text for seq in self.engine.generate(prompts, params)]
+        replies = [seq.text.text for seq in self.engine.generate(prompts, params)]  # written at its first step
+        if not update.done.is_set() or update.error is not None:
+            why = update.error or "not written"
+            raise WhetstoneError(f"the gate's engine could not take weight version {version} to score it: {why}")
+        return replies
 
     def score(self, weights: dict[str, torch.Tensor], version: int) -> float:
         """Fraction of the held-out replies the metric likes."""
