@@ -5,6 +5,7 @@ real subscriber thread, in-process (FastAPI's TestClient runs the lifespan)."""
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from tests.sync.test_publish_subscribe import corrupt
 from whetstone.errors import WhetstoneError
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.inference.launch import build_app
-from whetstone.inference.swap import WeightFollower
+from whetstone.inference.swap import RETRY_FIRST_S, WeightFollower
 from whetstone.model.hf import load_hf
 from whetstone.sync import Publisher, Subscriber, SyncConfig, WeightStore
 
@@ -230,3 +231,45 @@ def test_a_version_the_engine_could_not_write_is_reported_and_sent_again(model, 
     assert broken == [1] and follower.report().problem is None and follower.refusals == 1
     served = engine.model.state_dict()
     assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())
+
+
+def test_a_write_that_keeps_failing_stays_reported_and_its_retries_wait_longer_each_time(
+    model, tmp_path, monkeypatch, caplog
+):
+    # Each retry is taken by the engine, then fails to write: the server must not report "caught
+    # up" between two failed retries, and the waits between retries double.
+    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
+    store = WeightStore.open(config)
+    publisher = Publisher(store, config)
+    trained = tiny_model(seed=9)
+    publisher.publish(trained.state_dict())  # version 0, whole
+    engine = make_engine(model)
+    real_prepare, writes = engine_module.prepare, []
+
+    def write_of_version_1_fails(update, tensors):
+        prepared = real_prepare(update, tensors)
+        if update.version == 1:  # values one short: the write raises, every time
+            writes.append(update.version)
+            target, indices, values = prepared.writes[0]
+            prepared.writes[0] = (target, indices, values[:-1])
+        return prepared
+
+    monkeypatch.setattr(engine_module, "prepare", write_of_version_1_fails)
+    engine.start()
+    follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
+    problems = []
+    try:
+        wait_until(lambda: engine.version == 0, TIMEOUT_S)
+        with torch.no_grad():
+            trained.layers[1].mlp.experts.down_proj[0, :3] += 0.5
+        with caplog.at_level(logging.INFO, logger="whetstone"):
+            publisher.publish(trained.state_dict())
+            wait_until(lambda: 1 in follower.refused, TIMEOUT_S)
+            while len(writes) < 3:  # the first write and two retries, 1 s and 2 s later
+                problems.append(follower.report().problem)
+                time.sleep(0.01)
+    finally:
+        follower.stop()
+        engine.stop()
+    assert engine.version == 0 and None not in problems and "weights caught up" not in caplog.text
+    assert follower._retry_in >= 4 * RETRY_FIRST_S  # two or three refusals so far: 1 s, 2 s, 4 s (8 s)

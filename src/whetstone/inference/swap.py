@@ -285,10 +285,18 @@ class WeightFollower:
             self._refuse(update, update.version, str(err))
             return
         self._unapplied = None
-        self.refused.clear()
-        self._retry_in = RETRY_FIRST_S
         if isinstance(sent, PreparedUpdate):  # the engine writes it between two steps, and says how that went
             self._sent.append((update, sent))
+        else:
+            self._taken()
+
+    def _taken(self) -> None:
+        """A version is in (written, with what was refused before merged into it): nothing is
+        refused any more, and the next refusal's retries start from the shortest wait. Not
+        before the write: until then /health would say "ok" for a moment between two failed
+        retries, and each retry would start the waits over."""
+        self.refused.clear()
+        self._retry_in = RETRY_FIRST_S
 
     def _check_writes(self) -> None:
         """Learn how the engine's writes of the versions sent went. A failed one is refused: it
@@ -298,6 +306,7 @@ class WeightFollower:
             update, sent = self._sent[0]
             if sent.error is None:
                 self._sent.popleft()
+                self._taken()
                 continue
             failed = [update for update, _ in self._sent] + ([] if self._unapplied is None else [self._unapplied])
             self._sent.clear()
