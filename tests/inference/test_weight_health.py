@@ -273,3 +273,31 @@ def test_a_write_that_keeps_failing_stays_reported_and_its_retries_wait_longer_e
         engine.stop()
     assert engine.version == 0 and None not in problems and "weights caught up" not in caplog.text
     assert follower._retry_in >= 4 * RETRY_FIRST_S  # two or three refusals so far: 1 s, 2 s, 4 s (8 s)
+
+
+def test_a_version_refused_while_an_older_write_is_pending_stays_refused_once_that_write_is_done(
+    model, tmp_path, monkeypatch
+):
+    # Version 5 is taken and waits for the engine's next step; version 6 is refused meanwhile (no
+    # room for its copy while 5's is on the device). 5's write must not clear 6's refusal.
+    from whetstone.inference.swap import full_update
+
+    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep")
+    engine = make_engine(model)  # not started: a version sent waits for a step
+    real_prepare = engine_module.prepare
+
+    def no_room_for_version_6(update, tensors):
+        if update.version == 6:
+            raise torch.OutOfMemoryError("CUDA out of memory (for now)")
+        return real_prepare(update, tensors)
+
+    monkeypatch.setattr(engine_module, "prepare", no_room_for_version_6)
+    follower = WeightFollower(Subscriber(WeightStore.open(config), config), engine)
+    state = tiny_model(seed=9).state_dict()
+    follower._apply(full_update(state, version=5))
+    follower._apply(full_update(nudged(state, 0.5), version=6))
+    with torch.inference_mode():
+        engine.step()  # writes 5
+    follower._check_writes()
+    assert engine.version == 5 and follower.refused.keys() == {6}
+    assert follower.report().problem.startswith("the engine refused weight version 6: CUDA out of memory")

@@ -390,6 +390,7 @@ def test_a_stopped_server_that_does_not_exit_is_ended_after_the_grace(monkeypatc
         (["--model", "/m", "--served-model-name", "coder"], "coder"),
         (["--model", "/m", "--", "--served-model-name", "coder", "alias"], "coder"),
         (["--model", "/m", "--", "--max-model-len", "64", "--served-model-name=coder"], "coder"),
+        (["--model", "/m", "--", "--served_model_name", "coder"], "coder"),
     ],
 )
 def test_the_gauges_model_label_is_the_name_vllm_serves(argv, name):

@@ -132,8 +132,9 @@ class Capture:
 
     def explained(self, err: BaseException) -> BaseException:
         """`err`, or, when it says the store's tables are gone, a FeedbackStoreError saying so
-        briefly, whose `reason` (what a client is answered) says what to do; that is logged the
-        first time (again once the store stored something meanwhile)."""
+        briefly. What happened and what to do (`lost_tables`: the database's path or address) is
+        logged the first time (again once the store stored something meanwhile); a client is told
+        only that the operator must act (`reason`)."""
         why = lost_tables(err, self.store) if isinstance(err, FeedbackStoreError) else None
         if why is None:
             return err
@@ -143,7 +144,9 @@ class Capture:
             log.error("%s", why)
         where = f"at {self.store.path}" if self.store.path is not None else self.store.name
         return FeedbackStoreError(
-            f"the feedback store's database {where} has lost its tables (see the log)", why, transient=False
+            f"the feedback store's database {where} has lost its tables (see the log)",
+            "the feedback store's database has lost its tables; the server's operator must restore it",
+            transient=False,
         )
 
     def stored(self) -> None:

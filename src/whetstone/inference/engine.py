@@ -861,8 +861,8 @@ class Engine:
     def _take_next_waiting(self) -> list[Sequence]:
         """The sequence the scheduler would take next (users first), off its queue; none if all
         are empty. Failed when steps keep failing before taking any sequence: a failure tied to
-        that sequence then costs it alone, and one that is not still ends the waiting sequences,
-        one per `FAIL_AFTER_STEPS` steps, instead of failing for ever."""
+        that sequence then costs it, and one that is not still ends the waiting sequences, one
+        per `FAIL_AFTER_STEPS` steps, instead of failing steps for ever."""
         for priority in ("interactive", "batch"):
             queue = self.scheduler.waiting[priority]
             if queue.head is not None:

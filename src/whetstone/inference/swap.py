@@ -288,15 +288,18 @@ class WeightFollower:
         if isinstance(sent, PreparedUpdate):  # the engine writes it between two steps, and says how that went
             self._sent.append((update, sent))
         else:
-            self._taken()
+            self._taken(update.version)
 
-    def _taken(self) -> None:
-        """A version is in (written, with what was refused before merged into it): nothing is
-        refused any more, and the next refusal's retries start from the shortest wait. Not
-        before the write: until then /health would say "ok" for a moment between two failed
-        retries, and each retry would start the waits over."""
-        self.refused.clear()
-        self._retry_in = RETRY_FIRST_S
+    def _taken(self, version: int) -> None:
+        """Version `version` is in (written, with what was refused before it merged in): the
+        versions refused up to it are no longer, and once nothing is left to retry the next
+        refusal's waits start from the shortest. Not before the write: until then /health would
+        say "ok" for a moment between two failed retries, and each retry would start the waits
+        over. A newer version refused meanwhile stays refused."""
+        for refused in [v for v in self.refused if v <= version]:
+            del self.refused[refused]
+        if self._unapplied is None and not self.refused:
+            self._retry_in = RETRY_FIRST_S
 
     def _check_writes(self) -> None:
         """Learn how the engine's writes of the versions sent went. A failed one is refused: it
@@ -306,7 +309,7 @@ class WeightFollower:
             update, sent = self._sent[0]
             if sent.error is None:
                 self._sent.popleft()
-                self._taken()
+                self._taken(update.version)
                 continue
             failed = [update for update, _ in self._sent] + ([] if self._unapplied is None else [self._unapplied])
             self._sent.clear()

@@ -145,11 +145,18 @@ def served_model_name(options: argparse.Namespace) -> str:
         return options.served_model_name
     args = options.vllm_args
     for index, arg in enumerate(args):
-        if arg.startswith("--served-model-name="):
-            return arg.partition("=")[2]
-        if arg == "--served-model-name" and index + 1 < len(args) and not args[index + 1].startswith("-"):
-            return args[index + 1]
+        flag, given, value = arg.partition("=")
+        if _served_model_name_flag(flag):
+            if given:
+                return value
+            if index + 1 < len(args) and not args[index + 1].startswith("-"):
+                return args[index + 1]
     return options.model
+
+
+def _served_model_name_flag(arg: str) -> bool:
+    """Whether `arg` is vLLM's `--served-model-name`, which it also takes spelled with `_`."""
+    return arg.replace("_", "-") == "--served-model-name"
 
 
 def vllm_argv(options: argparse.Namespace) -> list[str]:
@@ -360,7 +367,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
         options.vllm_args = options.vllm_args[1:]
     if options.sync is not None:
         json.loads(options.sync)  # a malformed config fails here, not in the worker
-    if options.served_model_name and any(a.split("=")[0] == "--served-model-name" for a in options.vllm_args):
+    if options.served_model_name and any(_served_model_name_flag(a.partition("=")[0]) for a in options.vllm_args):
         parser.error("--served-model-name is given both before and after --: give it once")
     if options.pause_limit <= 0:
         parser.error(f"--pause-limit must be positive seconds, got {options.pause_limit}")

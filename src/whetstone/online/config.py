@@ -180,7 +180,8 @@ class OnlineConfig(Config):
     read their feedback (or they got none), with that feedback; 0 = keep everything. Feedback
     on a deleted response is refused as unknown (it would be long past the staleness bound)."""
     max_updates: int = Field(0, ge=0)
-    """Stop after this many updates (published or discarded); 0 = run until stopped."""
+    """Stop once output_dir holds this many updates (published or discarded), those of earlier
+    runs of the loop there included (a resumed loop goes on counting); 0 = run until stopped."""
     tracking: TrackingConfig = TrackingConfig()
     """Where the metrics go besides metrics.jsonl: TensorBoard (on), Weights & Biases (off)."""
 

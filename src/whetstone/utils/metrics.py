@@ -54,7 +54,11 @@ class MetricsWriter:
                 self._handle.write("\n")
                 self._handle.flush()
         config = without_secrets(run_config.model_dump(mode="json")) if run_config is not None else None
-        self._sinks: list[Sink] = [] if tracking is None else open_sinks(tracking, role, self.path.parent, config)
+        try:
+            self._sinks: list[Sink] = [] if tracking is None else open_sinks(tracking, role, self.path.parent, config)
+        except BaseException:
+            self._handle.close()
+            raise
 
     def write(self, record: dict[str, Any]) -> None:
         record = {"time": time.time(), **record}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from whetstone.envs.trajectory import Trajectory
 from whetstone.errors import WhetstoneError
 
 OVERRUN_GRACE_S = 30.0
+log = logging.getLogger("whetstone.rollout")
 
 
 async def rollout(
@@ -129,6 +131,8 @@ async def _close(sandbox: Sandbox) -> None:
         except asyncio.CancelledError as stop:
             cancelled = stop
     if cancelled is not None:
+        if closing.exception() is not None:  # read here, or asyncio reports it as never retrieved
+            log.warning("closing the sandbox of a stopped rollout failed: %s", closing.exception())
         raise cancelled
     closing.result()
 
