@@ -5,8 +5,10 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
+import pytest
 
 from tests.utils.tracking_support import as_event_value, event_scalars
+from whetstone.errors import WhetstoneError
 from whetstone.run.monitor import ServerSampler, last_record, parse_metrics
 from whetstone.utils.metrics import read_metrics
 from whetstone.utils.tracking import TrackingConfig
@@ -78,3 +80,25 @@ def test_each_server_s_samples_go_to_tensorboard_under_its_own_tags(tmp_path):
     for server, key in [(0, "weight_version"), (0, "swap_pause_last_s"), (0, "up"), (1, "up")]:
         mine = [s for s in samples if s["server"] == server]  # the n-th round at step n
         assert events[f"server{server}/{key}"] == [(n, as_event_value(s[key]), s["time"]) for n, s in enumerate(mine)]
+
+
+def test_a_sample_that_cannot_be_written_ends_the_sampling_and_is_raised_once_logged(monkeypatch, caplog):
+    """/dev/full takes no byte (ENOSPC, as a full disk): the sampling thread ends on its first
+    sample, without a thread traceback; the error is logged as one line, kept, and raised by
+    `check` and when the sampler's block ends."""
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    message = (
+        r"^sampling the servers and CPU time failed: cannot write /dev/full: No space left on device: "
+        r"free space on its disk, then run the command again$"
+    )
+    sampler = ServerSampler(["http://127.0.0.1:9/v1"], "/dev/full", interval_s=0.01)
+    with pytest.raises(WhetstoneError, match=message):
+        with sampler:
+            sampler._thread.join(timeout=60)
+            assert not sampler._thread.is_alive()  # ended by itself, not stopped
+            with pytest.raises(WhetstoneError, match=message):
+                sampler.check()
+    assert uncaught == []
+    logged = [r for r in caplog.records if r.name == "whetstone.run"]
+    assert [(r.levelname, r.getMessage()) for r in logged] == [("ERROR", str(sampler.error))]

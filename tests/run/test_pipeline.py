@@ -6,6 +6,7 @@ The tiny config and its tasks: tests/run/run_support.py.
 import itertools
 import json
 import os
+import re
 import time
 import tomllib
 from types import SimpleNamespace
@@ -28,11 +29,22 @@ def test_the_whole_pipeline_runs_as_processes_and_reports(tmp_path, capfd, monke
     for name in ("FORCE_COLOR", "TTY_COMPATIBLE", "TTY_INTERACTIVE"):  # stderr is a file here, as in `> log 2>&1`
         monkeypatch.delenv(name, raising=False)
     quotas = why_no_cpu_groups() is None  # then each side also runs under a CPU quota, and its CPU is counted
+    token = "tiny-run-token-93ab"  # the servers take only clients sending it: the run gives it to its own
     summary = run_pipeline(
-        tiny_run(tmp_path, *(["placement.trainer_cores=1.0", "placement.rollout_cores=2.0"] if quotas else []))
+        tiny_run(
+            tmp_path,
+            f'servers.serve.auth_token="{token}"',
+            *(["placement.trainer_cores=1.0", "placement.rollout_cores=2.0"] if quotas else []),
+        )
     )
     run = tmp_path / "runs" / "tiny"
-    assert json.loads((run / "summary.json").read_text())["heldout_pass1_after"] == summary["heldout_pass1_after"]
+    written_summary = json.loads((run / "summary.json").read_text())
+    assert written_summary["heldout_pass1_after"] == summary["heldout_pass1_after"]
+    assert written_summary["config"]["servers"]["serve"]["auth_token"] == "***"
+    holding = {
+        p.relative_to(run).as_posix() for p in run.rglob("*") if p.is_file() and token.encode() in p.read_bytes()
+    }
+    assert holding == {"config.toml", "roles/serve-0.toml", "roles/serve-1.toml"}  # each 0600, below
     assert 0.0 <= summary["heldout_pass1_before"] <= 1.0 and 0.0 <= summary["heldout_pass1_after"] <= 1.0
     assert summary["wall_s"] > 0 and summary["config"]["rl"]["steps"] == 2
     steps = read_metrics(run / "trainer" / "metrics.jsonl")
@@ -183,6 +195,28 @@ def test_rl_without_a_step_names_the_side_that_held_it_up(tmp_path):
     assert pipeline.why_no_rl_step(batches, fruitless) == (
         "the trainer did not finish its first step in 30 s (1 batch(es) put): raise rl.max_wall_time"
     )
+
+
+def test_servers_metrics_that_cannot_be_written_stop_the_run_with_why(tmp_path):
+    # servers.jsonl on a full disk (/dev/full): the pipeline's next look raises the sampler's error,
+    # whether it waits for the servers' final version or is about to evaluate
+    pipeline = Pipeline(tiny_run(tmp_path, "rl.sync_timeout_s=5"))
+    pipeline.run_dir.mkdir(parents=True)
+    (pipeline.run_dir / "servers.jsonl").symlink_to("/dev/full")
+    pipeline.urls = ["http://127.0.0.1:9/v1"]
+    message = "^" + re.escape(
+        f"sampling the servers and CPU time failed: cannot write {pipeline.run_dir / 'servers.jsonl'}: "
+        "No space left on device: free space on its disk, then run the command again"
+    )
+    with pytest.raises(WhetstoneError, match=message):
+        with pipeline.server_sampler(interval_s=0.01) as pipeline.sampler:
+            pipeline.wait_for_version(1)  # the servers never get there: it would wait rl.sync_timeout_s
+    with pytest.raises(WhetstoneError, match=message):
+        with pipeline.server_sampler(interval_s=0.01) as pipeline.sampler:
+            deadline = time.monotonic() + 60
+            while pipeline.sampler.error is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # until its first sample has failed
+            pipeline.evaluate("before")
 
 
 def check_temperature_sweep(summary: dict, after: dict) -> None:

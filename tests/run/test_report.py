@@ -304,11 +304,12 @@ def test_a_run_whose_orchestrator_gave_up_says_so_in_its_headline(tmp_path):
 
 
 def test_a_run_killed_before_its_summary_still_gets_a_report(tmp_path):
-    (tmp_path / "config.toml").write_text('name = "killed"\n')
+    (tmp_path / "config.toml").write_text('name = "killed"\n\n[servers.serve]\nauth_token = "tok-71d2"\n')
     write_jsonl(tmp_path / "trainer" / "metrics.jsonl", [{"step": 0, "reward_mean": 0.25, "loss": 0.7}])
     page = write_report(tmp_path).read_text()
     assert "did not finish (no summary.json)" in page and "wall time not recorded" in page
-    assert "name = &quot;killed&quot;" in page  # the config it started with
+    assert "&quot;name&quot;: &quot;killed&quot;" in page  # the config it started with
+    assert "&quot;auth_token&quot;: &quot;***&quot;" in page and "tok-71d2" not in page  # the page is for sharing
     assert "<h2>Reward</h2>\n<img " in page
 
 

@@ -4,8 +4,9 @@ The role sections (`servers.serve`, `rl.trainer`, `rl.orchestrator`, `eval`) are
 configs. `PipelineConfig.resolved` ties them together: the top-level `harness` and `tracking`
 replace theirs, `rl.steps`, the trainer's weight sync and the roles' devices (`placement`) are
 passed on, and every path and address (model folder, weight and batch stores, server URLs, output
-folders, tokenizer) is filled in from the run folder, so what those fields held is ignored;
-everything else is used as written.
+folders, tokenizer) is filled in from the run folder, so what those fields held is ignored, as is
+the clients' `endpoint.api_key_env` when the servers take a token; everything else is used as
+written.
 """
 
 from __future__ import annotations
@@ -36,6 +37,10 @@ from whetstone.utils.tracking import TrackingConfig
 
 DEVICE_NAME = TypeAdapter(DeviceName)
 """Checks one device name as a `DeviceName` field does (for a list of them)."""
+SERVER_TOKEN_ENV = "WHETSTONE_RUN_SERVER_TOKEN"
+"""The environment variable through which the run's clients of its servers (the orchestrator, the
+evaluations) get `servers.serve.auth_token`: their `endpoint.api_key_env` names it, and only their
+processes have it (`Pipeline.client_environment`): no client's config file holds the token."""
 
 
 class ServersConfig(Config):
@@ -47,7 +52,9 @@ class ServersConfig(Config):
     """Server i listens on base_port + i; 0 = free ports picked at start."""
     serve: ServeConfig = ServeConfig(threads=1, engine=EngineConfig(max_batch=16))
     """Settings of every server (model_path, port, sync and `engine.device` are set by the
-    pipeline; the device from `placement.server_devices`)."""
+    pipeline; the device from `placement.server_devices`). With an `auth_token`, the run's
+    orchestrator and evaluations send it: their `endpoint.api_key_env` is set to
+    `SERVER_TOKEN_ENV`, which only their processes have."""
     start_timeout_s: float = Field(180.0, gt=0)
     """Give up when a server is not healthy this long after its start."""
     engine: Literal["whetstone", "vllm"] = "whetstone"
@@ -61,6 +68,19 @@ class ServersConfig(Config):
     """With `engine = "vllm"`: more arguments for vLLM's server (e.g. `["--max-num-seqs", "16"]`)."""
     vllm_pause_limit_s: float = Field(PAUSE_LIMIT_S, gt=0)
     """With `engine = "vllm"`: seconds failed weight swaps may keep vLLM paused before the server stops."""
+
+    @model_validator(mode="after")
+    def _vllm_takes_no_token(self) -> "ServersConfig":
+        # vLLM is started without --api-key, and whetstone's own calls to it (weight swaps, health,
+        # /inference/v1/generate) send no key: its servers would serve whoever reaches them
+        if self.engine == "vllm" and self.serve.auth_token:
+            raise ValueError(
+                "serve.auth_token is set with engine = 'vllm', but whetstone starts vLLM's servers without "
+                "a key (no --api-key) and its weight swaps and clients call them without one: they would "
+                "answer anyone. Leave serve.auth_token empty and keep vLLM's servers on a trusted network "
+                "(their VLLM_SERVER_DEV_MODE routes are open too, docs/vllm.md), or use engine = 'whetstone'"
+            )
+        return self
 
     @model_validator(mode="after")
     def _ports_exist(self) -> "ServersConfig":
@@ -337,7 +357,8 @@ class PipelineConfig(Config):
         the trainer's `max_steps` and the orchestrator's `max_batches` and `total_batches`; the trainer's weight sync
         is every server's; every path is under the run folder (the evaluations write to
         `eval.output_dir`/before and /after). `servers`: the API roots of the started servers,
-        for the orchestrator and the evaluations. A section that does not validate once they are
+        for the orchestrator and the evaluations; with `servers.serve.auth_token`, their
+        endpoints' `api_key_env` is `SERVER_TOKEN_ENV`. A section that does not validate once they are
         applied (e.g. a top-level harness sampling at temperature 0, which RL refuses) raises a
         `ConfigError` naming it."""
         run_dir = self.run_dir
@@ -376,6 +397,8 @@ class PipelineConfig(Config):
             data["rl"]["orchestrator"]["servers"] = data["eval"]["servers"] = list(servers)
         for role in (data["rl"]["orchestrator"], data["eval"]):
             role["endpoint"]["engine"] = self.servers.engine
+            if self.servers.serve.auth_token:  # the servers' token, in the clients' environment only
+                role["endpoint"]["api_key_env"] = SERVER_TOKEN_ENV
         try:
             return type(self).model_validate(data)
         except ValidationError as err:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import re
 import threading
 from pathlib import Path
@@ -13,6 +14,7 @@ from typing import Any
 
 import httpx
 
+from whetstone.errors import WhetstoneError
 from whetstone.utils.cgroups import CpuGroup
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.tracking import TrackingConfig
@@ -26,6 +28,7 @@ SAMPLED = {
     "whetstone_swap_pause_seconds_count": "swap_pause_count",
 }
 _LINE = re.compile(r"^(\w+)(?:\{[^}]*\})?\s+(\S+)$")
+log = logging.getLogger("whetstone.run")
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -43,7 +46,11 @@ class ServerSampler:
     sample of each server is in `latest`. A server that does not answer is recorded as down.
     With `cpu_groups` (not empty) and `cpu_path`, each round also records the CPU seconds each
     group has used so far (no cgroups here: no groups, and no `cpu_path` file). With `tracking`,
-    both also go to TensorBoard / W&B as roles `servers` (tags `server<i>/...`) and `cpu`."""
+    both also go to TensorBoard / W&B as roles `servers` (tags `server<i>/...`) and `cpu`.
+
+    A sample that cannot be written (a full disk: the writers' WhetstoneError) ends the sampling:
+    it is logged once, kept in `error`, and raised by `check` and when the sampler's block ends,
+    so that the run stops with it rather than go on without the servers' record."""
 
     def __init__(
         self,
@@ -61,6 +68,8 @@ class ServerSampler:
         self.cpu_writer = MetricsWriter(cpu_path, tracking, role="cpu") if cpu_path is not None and cpu_groups else None
         self.interval_s = interval_s
         self.latest: dict[int, dict[str, Any]] = {}
+        self.error: WhetstoneError | None = None
+        """Why sampling ended before it was stopped (a sample that could not be written)."""
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="server-sampler", daemon=True)
 
@@ -68,12 +77,19 @@ class ServerSampler:
         self._thread.start()
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         self._stop.set()
         self._thread.join()
         self.writer.close()
         if self.cpu_writer is not None:
             self.cpu_writer.close()
+        if kind is None:  # else the block's own exception is what the run ends with
+            self.check()
+
+    def check(self) -> None:
+        """Raise why sampling ended, if it ended on its own (`error`)."""
+        if self.error is not None:
+            raise self.error
 
     def sample(self, client: httpx.Client) -> None:
         for index, url in enumerate(self.urls):
@@ -93,10 +109,14 @@ class ServerSampler:
             self.cpu_writer.write({"cpu_s": used})
 
     def _run(self) -> None:
-        with httpx.Client(timeout=2.0) as client:
-            while not self._stop.is_set():
-                self.sample(client)
-                self._stop.wait(self.interval_s)
+        try:
+            with httpx.Client(timeout=2.0) as client:
+                while not self._stop.is_set():
+                    self.sample(client)
+                    self._stop.wait(self.interval_s)
+        except WhetstoneError as err:
+            self.error = WhetstoneError(f"sampling the servers and CPU time failed: {err}")
+            log.error("%s", self.error)
 
 
 def weight_info(client: httpx.Client, root: str) -> dict[str, int]:

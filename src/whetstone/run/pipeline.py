@@ -29,6 +29,7 @@ import hashlib
 import json
 import logging
 import math
+import os
 import shutil
 import signal
 import time
@@ -38,7 +39,7 @@ from typing import Any
 
 from whetstone.config import without_secrets, write_toml
 from whetstone.errors import ConfigError, WhetstoneError
-from whetstone.run.config import PipelineConfig
+from whetstone.run.config import SERVER_TOKEN_ENV, PipelineConfig
 from whetstone.run.local_ranks import LocalRankGroup
 from whetstone.run.monitor import ServerSampler, last_record, read_json_object
 from whetstone.run.placement import gpu_memory_shares, server_device
@@ -197,6 +198,32 @@ class Pipeline:
         device, fraction = shares[name]
         return {GPU_MEMORY_ENV: f"{device}={fraction:.6g}"}
 
+    def client_environment(self) -> dict[str, str]:
+        """The environment the run's clients of its servers need besides their own (the
+        orchestrator; the evaluations, in this process: `client_key`): the servers'
+        `auth_token` in `SERVER_TOKEN_ENV`, which their endpoints' `api_key_env` names
+        (`PipelineConfig.resolved`); nothing when the servers take no token. No other role gets it,
+        and no role's config file holds it but the servers' own."""
+        token = self.config.servers.serve.auth_token
+        return {SERVER_TOKEN_ENV: token} if token else {}
+
+    @contextlib.contextmanager
+    def client_key(self) -> Iterator[None]:
+        """The block with `client_environment` in this process's environment, as it was after:
+        for the evaluations, which run here. No role starts meanwhile to inherit it, and the
+        sandboxes of their rollouts get an environment of their own."""
+        added = self.client_environment()
+        before = {name: os.environ.get(name) for name in added}
+        os.environ.update(added)
+        try:
+            yield
+        finally:
+            for name, value in before.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
     def write_config(self) -> None:
         """`config.toml`: the config as the stages run it (again once the servers' addresses are known)."""
         write_toml(self.run_dir / "config.toml", self.config)
@@ -247,10 +274,10 @@ class Pipeline:
     ) -> RoleProcess:
         """Start role `name`, `whetstone <command> <its config> <options>`; `side` (`trainer` or
         `rollout`) picks its CPU group. `argv`: a whole command line instead (a vLLM server).
-        `ranks` > 1: that many processes of it, the ranks of one job (`LocalRankGroup`), each with
-        `threads`."""
+        `env`: more of its environment, here or on Ray (`client_environment`). `ranks` > 1: that
+        many processes of it, the ranks of one job (`LocalRankGroup`), each with `threads`."""
         if self.launcher is not None:
-            role = self.launcher.role(name, command, config)
+            role = self.launcher.role(name, command, config, env=env)
             self.roles.append(role)
             return role
         if side:  # mid-training's ranks run in none
@@ -407,9 +434,12 @@ class Pipeline:
         evaluated = json.loads(json.dumps(self.evaluated(when, config)))  # as it reads back
         if report_path.exists() and read_json_object(record_path) == evaluated:  # it ran: resume past it
             return json.loads(report_path.read_text())
+        if self.sampler is not None:
+            self.sampler.check()  # no evaluation of minutes when the run is to stop
         if when == "before":
             self.check_serving_initial_weights(folder)
-        report = evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
+        with self.client_key():
+            report = evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
         atomic_write_json(record_path, evaluated)
         return report
 
@@ -484,15 +514,7 @@ class Pipeline:
             ranks=ranks,
         )
         status = Path(self.orchestrator_config().status_path)
-        status.unlink(missing_ok=True)  # an earlier start's: its `stopped` would hide this one's failure
-        orchestrator = self.start(
-            "orchestrator",
-            "orchestrator",
-            self.orchestrator_config(),
-            threads=1,
-            cpus=placement.orchestrator,
-            side="rollout",
-        )
+        orchestrator = self.start_orchestrator()
         trainer_metrics = self.run_dir / "trainer" / "metrics.jsonl"
         batch_metrics = self.run_dir / "orchestrator" / "metrics.jsonl"
         done, started, out_of_time, gave_up = 0, time.monotonic(), False, None
@@ -511,6 +533,7 @@ class Pipeline:
                     trainer.stop(grace_s=STOP_GRACE_S)
                     continue
                 orchestrator.check()  # an orchestrator that failed stops the run with its log
+                self.sampler.check()  # and so does a servers.jsonl that cannot be written
                 step = last_record(trainer_metrics)
                 batch = last_record(batch_metrics)
                 versions = ",".join(str(int(s.get("weight_version", -1))) for s in self.sampler.latest.values())
@@ -551,6 +574,21 @@ class Pipeline:
             "reward_last": records[-1].get("reward_mean") if records else None,
         }
 
+    def start_orchestrator(self) -> RoleProcess:
+        """Start the orchestrator, with the servers' token in its environment (`client_environment`)."""
+        config = self.orchestrator_config()
+        # an earlier start's status: its `stopped` would hide this one's failure
+        Path(config.status_path).unlink(missing_ok=True)
+        return self.start(
+            "orchestrator",
+            "orchestrator",
+            config,
+            threads=1,
+            cpus=self.config.placement.orchestrator,
+            side="rollout",
+            env=self.client_environment(),
+        )
+
     def why_no_rl_step(self, batch_metrics: Path, status: dict) -> str:
         """Why RL ended at `rl.max_wall_time` without a step: the orchestrator put no batch (with its
         groups' totals, `status`: none finished, or all dropped and why), or the trainer did not
@@ -583,6 +621,7 @@ class Pipeline:
                     return
             elif len(versions) == len(self.urls) and all(v == version for v in versions):
                 return
+            self.sampler.check()
             if time.monotonic() > deadline:
                 raise WhetstoneError(
                     f"servers did not reach weight version {version} within "

@@ -248,6 +248,7 @@ class RoleActor:
     def __init__(
         self, name: str, command: str, config: dict, config_path: str, log_path: str, threads: int, num_gpus: float
     ):
+        role_env = config.pop("env", {})  # what the pipeline gives it (`RayRole`'s `env`)
         env, argv = gpu_environment(num_gpus), None
         if command == "serve":
             vllm = config.pop("vllm", None)
@@ -260,7 +261,13 @@ class RoleActor:
         atomic_write_text(config_path, config.pop("toml"), PRIVATE)  # its secrets as given (write_toml)
         self.url = config.get("url", "")
         self.role = RoleProcess(
-            name, [command, config_path], log_path, threads=threads, env=env, command=argv, own_group=True
+            name,
+            [command, config_path],
+            log_path,
+            threads=threads,
+            env={**env, **role_env},
+            command=argv,
+            own_group=True,
         ).start()
         record_role(pid_path, self.role)
 
@@ -329,12 +336,15 @@ class RayRole(RoleProcess):
         asks: RoleResources,
         timeout_s: float,
         vllm: VllmServer | None = None,
+        role_env: dict[str, str] | None = None,
         **options,
     ):
-        """`timeout_s`: to be placed and started; `vllm`: a server runs vLLM so; `options`:
-        further Ray actor options (custom `resources`, `max_restarts`)."""
+        """`timeout_s`: to be placed and started; `vllm`: a server runs vLLM so; `role_env`: more
+        environment of the role's process (sent to its actor, never written to its config file);
+        `options`: further Ray actor options (custom `resources`, `max_restarts`)."""
         super().__init__(name, [], run_dir / "logs" / f"{name}.log", threads=max(1, int(asks.num_cpus)))
         self.command, self.config, self.asks, self.vllm = command, config, asks, vllm
+        self.role_env = dict(role_env or {})
         self.config_path = run_dir / "roles" / f"{name}.toml"
         self.options, self.timeout_s = options, timeout_s
         self.handle = None
@@ -350,6 +360,8 @@ class RayRole(RoleProcess):
                 data["vllm"] = self.vllm.model_dump()
         else:
             data = {"toml": dump_toml(self.config) + "\n"}
+        if self.role_env:
+            data["env"] = self.role_env
         actor = ray.remote(RoleActor).options(
             name=None,
             num_cpus=self.asks.num_cpus,
@@ -459,7 +471,9 @@ class RayLauncher:
             raise stopped_by(stopping.first)
         return summary
 
-    def role(self, name: str, command: str, config) -> RoleProcess:
+    def role(self, name: str, command: str, config, env: dict[str, str] | None = None) -> RoleProcess:
+        """Role `name` (`whetstone <command>` of `config`) on the cluster, with `env` in its
+        process's environment besides what its node gives it (not given to trainer ranks, which need none)."""
         if command == "trainer" and self.config.trainer_ranks > 1:
             from whetstone.run.ray_ranks import RankGroup
 
@@ -472,6 +486,7 @@ class RayLauncher:
             self.run_dir,
             resources,
             self.config.place_timeout_s,
+            role_env=env,
             max_restarts=self.config.role_restarts,
             max_task_retries=-1,  # a call in flight when the actor died waits for its restart
         ).start()

@@ -13,13 +13,16 @@ run killed midway still gets its report; a section without data says "not record
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import html
 import json
 import statistics
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from whetstone.config import without_secrets
 from whetstone.errors import WhetstoneError
 from whetstone.run import plots
 from whetstone.run.monitor import read_json_object
@@ -445,12 +448,16 @@ def _section(title: str, image: str | None, reads: str) -> str:
 
 
 def _config(run: RunRecords) -> str:
-    if isinstance(run.summary.get("config"), dict):
-        text = json.dumps(run.summary["config"], indent=2, sort_keys=True)
-    elif run.config_toml is not None:
-        text = run.config_toml  # the run stopped before its summary; the config it started with
-    else:
+    """The run's config as summary.json has it, else (a run stopped before its summary) as it
+    started, from config.toml; either with its secrets as `***` (`without_secrets`): config.toml
+    keeps them as given, and the page is for sharing."""
+    config = run.summary.get("config")
+    if not isinstance(config, dict) and run.config_toml is not None:
+        with contextlib.suppress(tomllib.TOMLDecodeError):
+            config = without_secrets(tomllib.loads(run.config_toml))
+    if not isinstance(config, dict):
         return f"<h2>Config</h2>\n<p class='missing'>{NOT_RECORDED}</p>"
+    text = json.dumps(config, indent=2, sort_keys=True)
     return f"<h2>Config</h2>\n<details><summary>the run's config</summary><pre>{html.escape(text)}</pre></details>"
 
 

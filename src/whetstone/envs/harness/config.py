@@ -35,7 +35,9 @@ class EndpointConfig(Config):
     model: str = ""
     """Model id to request; empty = the first model the server lists."""
     api_key_env: str | None = None
-    """Name of the environment variable holding the API key (the key itself never goes in a config)."""
+    """Name of the environment variable holding the API key (the key itself never goes in a config).
+    `whetstone run` sets it for its orchestrator and evaluations when its servers take a token
+    (`servers.serve.auth_token`), and gives only their processes that variable."""
     timeout_s: float = Field(600.0, gt=0)
     """Timeout of one request (a long completion under load can take minutes on CPU)."""
     retries: int = Field(2, ge=0)
