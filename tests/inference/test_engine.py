@@ -539,6 +539,17 @@ def test_a_step_that_raises_past_its_recovery_fails_every_sequence_once_and_the_
     fails_every_sequence_once_and_serves_on(engine, "the engine failed: RuntimeError: step broke")
 
 
+def three_served_to_the_end(engine, params: list[SamplingParams]):
+    """Sequences s0, s1, s2 (prompts of 5, 6 and 7 tokens, `params`) added and stepped until each
+    finished; the `Ends` that counts their finished events, and the sequences."""
+    ends = Ends()
+    seqs = [ends.sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(5, 6, 7), params))]
+    for seq in seqs:
+        engine.add(seq)
+    step_until_finished(engine, seqs)
+    return ends, seqs
+
+
 @pytest.mark.parametrize("times", [1, 2])
 def test_sequences_a_failed_plan_took_off_their_queue_are_requeued_then_failed_not_lost(model, times):
     """The scheduler's plan raises after taking a sequence off its queue (the engine's prefill
@@ -556,11 +567,7 @@ def test_sequences_a_failed_plan_took_off_their_queue_are_requeued_then_failed_n
         return cost(seq, admitted)
 
     engine.scheduler._prefill_cost = cost_raising_once_one_is_taken
-    ends = Ends()
-    seqs = [ends.sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(5, 6, 7), params))]
-    for seq in seqs:
-        engine.add(seq)
-    step_until_finished(engine, seqs)
+    ends, seqs = three_served_to_the_end(engine, params)
     assert raised == [["s0"]] * times and ends.each_once(seqs)
     s0, s1, s2 = seqs
     if times == 1:
@@ -592,11 +599,7 @@ def test_a_plan_that_keeps_failing_before_taking_any_sequence_fails_the_next_in_
         return plan(taken)
 
     engine.scheduler.plan = plan_refusing_s1
-    ends = Ends()
-    seqs = [ends.sequence(f"s{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts(5, 6, 7), params))]
-    for seq in seqs:
-        engine.add(seq)
-    step_until_finished(engine, seqs)
+    ends, seqs = three_served_to_the_end(engine, params)
     s0, s1, s2 = seqs
     assert len(raised) == FAIL_AFTER_STEPS and ends.each_once(seqs)
     assert s1.error == f"RuntimeError: injected (the engine's step failed {FAIL_AFTER_STEPS} times in a row)"

@@ -28,6 +28,35 @@ def nudged(state: dict[str, torch.Tensor], amount: float) -> dict[str, torch.Ten
     return {k: v + amount if v.is_floating_point() else v.clone() for k, v in state.items()}
 
 
+def published_version_0(tmp_path):
+    """A weight store (polled every 0.05 s) with version 0, whole: its config, the store, its
+    publisher and the model published (`tiny_model(seed=9)`, to change for later versions)."""
+    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
+    store = WeightStore.open(config)
+    publisher = Publisher(store, config)
+    trained = tiny_model(seed=9)
+    publisher.publish(trained.state_dict())
+    return config, store, publisher, trained
+
+
+def writes_of_version_1_fail(monkeypatch, times: int | None = None) -> list[int]:
+    """The engine's writes of version 1 raise part-way (a tensor's values one short; the engine
+    puts back what it wrote), the first `times` of them (None: all); the list of those made to
+    fail."""
+    real_prepare, broken = engine_module.prepare, []
+
+    def failing(update, tensors):
+        prepared = real_prepare(update, tensors)
+        if update.version == 1 and (times is None or len(broken) < times):
+            broken.append(update.version)
+            target, indices, values = prepared.writes[0]
+            prepared.writes[0] = (target, indices, values[:-1])
+        return prepared
+
+    monkeypatch.setattr(engine_module, "prepare", failing)
+    return broken
+
+
 def test_a_server_that_rejects_a_version_says_so_and_takes_it_once_repaired(served_model_dir, tmp_path, caplog):
     sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
     store = WeightStore.open(sync)
@@ -120,11 +149,7 @@ def test_a_version_the_engine_could_not_take_for_now_goes_in_with_the_next(model
     # On a GPU, taking a version allocates device and pinned memory, which can fail for a while.
     # The subscriber hands each version over once: the next delta (coded against it) must not go
     # in without it, or the values only it changed stay stale.
-    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
-    store = WeightStore.open(config)
-    publisher = Publisher(store, config)
-    trained = tiny_model(seed=9)
-    publisher.publish(trained.state_dict())  # version 0, whole
+    config, store, publisher, trained = published_version_0(tmp_path)
     engine = make_engine(model)
     real_prepare = engine_module.prepare
 
@@ -158,11 +183,7 @@ def test_a_version_the_engine_could_not_take_for_now_goes_in_with_the_next(model
 
 def test_a_version_refused_for_a_moment_is_taken_once_it_fits_without_a_newer_one(model, tmp_path, monkeypatch):
     # the last version of a run (or an online update): nothing newer comes to retry it with
-    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
-    store = WeightStore.open(config)
-    publisher = Publisher(store, config)
-    trained = tiny_model(seed=9)
-    publisher.publish(trained.state_dict())
+    config, store, publisher, trained = published_version_0(tmp_path)
     engine = make_engine(model)
     real_prepare, failures = engine_module.prepare, []
 
@@ -192,23 +213,9 @@ def test_a_version_refused_for_a_moment_is_taken_once_it_fits_without_a_newer_on
 def test_a_version_the_engine_could_not_write_is_reported_and_sent_again(model, tmp_path, monkeypatch):
     # The engine takes the update, then its write fails between two steps (the weights are put
     # back): the follower must not count it delivered, nor let the next delta go in without it.
-    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
-    store = WeightStore.open(config)
-    publisher = Publisher(store, config)
-    trained = tiny_model(seed=9)
-    publisher.publish(trained.state_dict())  # version 0, whole
+    config, store, publisher, trained = published_version_0(tmp_path)
     engine = make_engine(model)
-    real_prepare, broken = engine_module.prepare, []
-
-    def write_fails_once(update, tensors):
-        prepared = real_prepare(update, tensors)
-        if update.version == 1 and not broken:  # values one short: the write raises
-            broken.append(update.version)
-            target, indices, values = prepared.writes[0]
-            prepared.writes[0] = (target, indices, values[:-1])
-        return prepared
-
-    monkeypatch.setattr(engine_module, "prepare", write_fails_once)
+    broken = writes_of_version_1_fail(monkeypatch, times=1)
     engine.start()
     follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
     experts = trained.layers[1].mlp.experts.down_proj
@@ -238,23 +245,9 @@ def test_a_write_that_keeps_failing_stays_reported_and_its_retries_wait_longer_e
 ):
     # Each retry is taken by the engine, then fails to write: the server must not report "caught
     # up" between two failed retries, and the waits between retries double.
-    config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
-    store = WeightStore.open(config)
-    publisher = Publisher(store, config)
-    trained = tiny_model(seed=9)
-    publisher.publish(trained.state_dict())  # version 0, whole
+    config, store, publisher, trained = published_version_0(tmp_path)
     engine = make_engine(model)
-    real_prepare, writes = engine_module.prepare, []
-
-    def write_of_version_1_fails(update, tensors):
-        prepared = real_prepare(update, tensors)
-        if update.version == 1:  # values one short: the write raises, every time
-            writes.append(update.version)
-            target, indices, values = prepared.writes[0]
-            prepared.writes[0] = (target, indices, values[:-1])
-        return prepared
-
-    monkeypatch.setattr(engine_module, "prepare", write_of_version_1_fails)
+    writes = writes_of_version_1_fail(monkeypatch)
     engine.start()
     follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
     problems = []
