@@ -57,6 +57,35 @@ def writes_of_version_1_fail(monkeypatch, times: int | None = None) -> list[int]
     return broken
 
 
+def version_1_refused_then_version_2_taken(config, store, publisher, trained, engine):
+    """Start `engine` and a follower of `store`; publish version 1 (changing values only it
+    changes), wait until the follower has it refused, then version 2 (a delta of other values)
+    and wait until the engine serves it, so it went in with version 1. The follower (stopped) and
+    its problem while version 1 was refused, which had to leave the engine at version 0; the
+    served weights must then be all of `trained`'s."""
+    engine.start()
+    follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
+    experts = trained.layers[1].mlp.experts.down_proj
+    try:
+        wait_until(lambda: engine.version == 0, TIMEOUT_S)
+        with torch.no_grad():
+            experts[0, :3] += 0.5  # only version 1 changes these
+        publisher.publish(trained.state_dict())
+        wait_until(lambda: 1 in follower.refused, TIMEOUT_S)
+        problem = follower.report().problem
+        assert engine.version == 0
+        with torch.no_grad():
+            experts[1, :3] += 0.5  # version 2, a delta of these only
+        publisher.publish(trained.state_dict())
+        wait_until(lambda: engine.version == 2, TIMEOUT_S)
+    finally:
+        follower.stop()
+        engine.stop()
+    served = engine.model.state_dict()
+    assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())
+    return follower, problem
+
+
 def test_a_server_that_rejects_a_version_says_so_and_takes_it_once_repaired(served_model_dir, tmp_path, caplog):
     sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
     store = WeightStore.open(sync)
@@ -159,26 +188,9 @@ def test_a_version_the_engine_could_not_take_for_now_goes_in_with_the_next(model
         return real_prepare(update, tensors)
 
     monkeypatch.setattr(engine_module, "prepare", out_of_memory_once)
-    engine.start()
-    follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
-    experts = trained.layers[1].mlp.experts.down_proj
-    try:
-        wait_until(lambda: engine.version == 0, TIMEOUT_S)
-        with torch.no_grad():
-            experts[0, :3] += 0.5  # only version 1 changes these
-        publisher.publish(trained.state_dict())
-        wait_until(lambda: 1 in follower.refused, TIMEOUT_S)
-        assert "the engine refused weight version 1" in follower.report().problem
-        with torch.no_grad():
-            experts[1, :3] += 0.5  # version 2, a delta of these only
-        publisher.publish(trained.state_dict())
-        wait_until(lambda: engine.version == 2, TIMEOUT_S)
-    finally:
-        follower.stop()
-        engine.stop()
+    follower, problem = version_1_refused_then_version_2_taken(config, store, publisher, trained, engine)
+    assert "the engine refused weight version 1" in problem
     assert follower.report().problem is None and follower.refusals == 1
-    served = engine.model.state_dict()
-    assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())
 
 
 def test_a_version_refused_for_a_moment_is_taken_once_it_fits_without_a_newer_one(model, tmp_path, monkeypatch):
@@ -216,28 +228,9 @@ def test_a_version_the_engine_could_not_write_is_reported_and_sent_again(model, 
     config, store, publisher, trained = published_version_0(tmp_path)
     engine = make_engine(model)
     broken = writes_of_version_1_fail(monkeypatch, times=1)
-    engine.start()
-    follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
-    experts = trained.layers[1].mlp.experts.down_proj
-    try:
-        wait_until(lambda: engine.version == 0, TIMEOUT_S)
-        with torch.no_grad():
-            experts[0, :3] += 0.5  # only version 1 changes these
-        publisher.publish(trained.state_dict())
-        wait_until(lambda: 1 in follower.refused, TIMEOUT_S)
-        problem = follower.report().problem
-        assert problem.startswith("the engine refused weight version 1: writing it failed (RuntimeError: ")
-        assert engine.version == 0
-        with torch.no_grad():
-            experts[1, :3] += 0.5  # version 2, a delta of these only
-        publisher.publish(trained.state_dict())
-        wait_until(lambda: engine.version == 2, TIMEOUT_S)
-    finally:
-        follower.stop()
-        engine.stop()
+    follower, problem = version_1_refused_then_version_2_taken(config, store, publisher, trained, engine)
+    assert problem.startswith("the engine refused weight version 1: writing it failed (RuntimeError: ")
     assert broken == [1] and follower.report().problem is None and follower.refusals == 1
-    served = engine.model.state_dict()
-    assert all(torch.equal(served[name], value) for name, value in trained.state_dict().items())
 
 
 def test_a_write_that_keeps_failing_stays_reported_and_its_retries_wait_longer_each_time(
