@@ -4,16 +4,20 @@ import json
 import pydantic_core
 import pytest
 import torch
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from whetstone.inference import protocol
 from whetstone.inference.protocol import (
     MAX_SEQUENCES,
     MAX_STOP_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
     MAX_TOKEN_IDS,
+    ChatMessage,
     ChatRequest,
     CompletionRequest,
+    FeedbackRequest,
+    StreamOptions,
     decode_routes,
     encode_routes,
 )
@@ -166,6 +170,52 @@ def test_null_for_an_optional_field_means_its_default(model, required):
     nulls = model.model_validate_json(json.dumps(required | dict.fromkeys(optional)))
     assert nulls == model.model_validate(required)
     assert (nulls.temperature, nulls.n, nulls.stream, nulls.top_p) == (1.0, 1, False, 1.0)
+
+
+BODIES = {
+    StreamOptions: {},
+    ChatMessage: {"role": "user"},
+    FeedbackRequest: {"id": "chatcmpl-1", "rating": "thumbs_up"},
+    CompletionRequest: {"model": "m", "prompt": "x"},
+    ChatRequest: {"model": "m", "messages": USER},
+}
+"""Each request model of the protocol (a body, or an object inside one) with its required fields."""
+
+
+@pytest.mark.parametrize("model", BODIES, ids=lambda model: model.__name__)
+def test_every_request_model_takes_null_for_each_optional_field_as_its_default(model):
+    models = {value for value in vars(protocol).values() if isinstance(value, type) and issubclass(value, BaseModel)}
+    assert {m for m in models if m.__module__ == protocol.__name__ and not m.__name__.startswith("_")} == set(BODIES)
+    required = BODIES[model]
+    optional = [name for name, field in model.model_fields.items() if not field.is_required()]
+    assert optional
+    assert problems(model, required | dict.fromkeys(optional)) == []
+    assert model.model_validate_json(json.dumps(required | dict.fromkeys(optional))) == model.model_validate(required)
+
+
+def test_null_inside_objects_means_not_given():
+    options = StreamOptions.model_validate({"include_usage": None, "include_obfuscation": None})
+    assert (options.include_usage, options.include_obfuscation) == (False, False)
+    nulls = {"name": None, "function_call": None, "tool_calls": None, "refusal": None, "audio": None}
+    message = ChatMessage.model_validate({"role": "assistant", "content": "hi"} | nulls)
+    assert message == ChatMessage(role="assistant", content="hi") and message.model_extra == {}
+    call = {"type": "function", "function": {"name": "f", "arguments": "{}"}}
+    calling = ChatMessage.model_validate({"role": "assistant", "content": None, "tool_calls": [call]})
+    assert calling.as_chat_dict() == {"role": "assistant", "tool_calls": [call]}  # content null: a call only
+    feedback = FeedbackRequest.model_validate(
+        {"id": "chatcmpl-1", "rating": "thumbs_up", "choice": None, "score": None}
+    )
+    assert (feedback.choice, feedback.score) == (0, None)
+
+
+def test_null_for_a_required_or_forbidden_field_inside_an_object_is_refused():
+    [(where, message)] = problems(ChatRequest, {"model": "m", "messages": [{"role": None, "content": "x"}]})
+    assert where == "messages.0.role" and message.startswith("Input should be 'system'")
+    body = {"model": "m", "messages": USER, "stream": True, "stream_options": {"include_usage": None, "usage": None}}
+    assert problems(ChatRequest, body) == [("stream_options.usage", "Extra inputs are not permitted")]
+    for field in ("id", "rating"):
+        [(where, _)] = problems(FeedbackRequest, {"id": "chatcmpl-1", "rating": "thumbs_up"} | {field: None})
+        assert where == field
 
 
 def test_null_for_a_required_or_unknown_field_is_still_refused():

@@ -190,6 +190,88 @@ def test_null_sampling_fields_are_served_with_their_defaults(http):
     assert len(completion.json()["choices"]) == 1 and completion.json()["choices"][0]["logprobs"] is None
 
 
+REPLAYED = {"refusal": None, "annotations": None, "audio": None, "function_call": None}
+"""The null fields the `openai` client's `model_dump` of a reply's message has (besides
+`tool_calls`), which clients send back as they replay the history."""
+
+
+def test_null_fields_of_replayed_messages_are_not_given(http):
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    history = [
+        {"role": "user", "content": "Say hello.", "name": None},
+        {"role": "assistant", "content": GREETING_REPLY, "tool_calls": None, "name": None} | REPLAYED,
+        {"role": "user", "content": "What is the weather in Paris?", "name": None},
+        {"role": "assistant", "content": None, "tool_calls": [call]} | REPLAYED,  # content null: a call only
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny", "name": None},
+    ]
+    plain = [{k: v for k, v in message.items() if v is not None} for message in history]
+    body = dict(tools=[WEATHER_TOOL], max_tokens=2, return_token_ids=True)
+    with_nulls = post(http, "/v1/chat/completions", messages=history, **body)
+    assert with_nulls.status_code == 200, with_nulls.text
+    without = post(http, "/v1/chat/completions", messages=plain, **body).json()
+    prompt = with_nulls.json()["choices"][0]["prompt_token_ids"]
+    assert prompt == without["choices"][0]["prompt_token_ids"]  # the nulls change nothing in the prompt
+
+
+def test_null_stream_options_are_their_defaults(http):
+    options = {"include_usage": None, "include_obfuscation": None}
+    response = post(http, "/v1/chat/completions", messages=GREETING, max_tokens=2, stream=True, stream_options=options)
+    assert response.status_code == 200, response.text
+    assert all("usage" not in event for event in sse_events(response))  # include_usage: false, its default
+
+
+@pytest.mark.parametrize(
+    "body, where, message",
+    [
+        ({"messages": [{"role": None, "content": "x"}]}, "messages.0.role", "Input should be 'system'"),
+        ({"messages": [{"role": "user", "content": "x"}], "model": None}, "model", "Input should be a valid string"),
+        (
+            {"messages": GREETING, "stream": True, "stream_options": {"include_usage": None, "usage": None}},
+            "stream_options.usage",
+            "Extra inputs are not permitted",
+        ),
+        (
+            {"messages": GREETING, "stream": True, "stream_options": {"include_usage": "yes"}},
+            "stream_options.include_usage",
+            "Input should be a valid boolean",
+        ),
+    ],
+    ids=["nested-required", "required", "nested-unknown", "nested-wrong-type"],
+)
+def test_null_for_a_required_or_unknown_field_is_refused_naming_it(http, body, where, message):
+    response = post(http, "/v1/chat/completions", **body)
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == where
+    assert error["message"].startswith(f"{where}: {message}")
+
+
+def test_feedback_takes_null_for_its_optional_fields(served_model_dir, tmp_path):
+    config = ServeConfig(
+        model_path=str(served_model_dir),
+        threads=1,
+        default_max_tokens=4,
+        auth_token="token",
+        feedback={"store": str(tmp_path / "feedback.db")},
+        engine=EngineConfig(max_batch=4, context_limit=512),
+    )
+    auth = {"Authorization": "Bearer token"}
+    with TestClient(build_app(config)) as client:
+        answer = client.post("/v1/chat/completions", headers=auth, json={"model": "tiny-chat", "messages": GREETING})
+        rated = client.post(
+            "/v1/feedback",
+            headers=auth,
+            json={"id": answer.json()["id"], "choice": None, "rating": "thumbs_up", "score": None},
+        )
+        assert rated.status_code == 200, rated.text
+        assert (rated.json()["choice"], rated.json()["score"]) == (0, None)
+        no_score = client.post(
+            "/v1/feedback", headers=auth, json={"id": answer.json()["id"], "rating": "score", "score": None}
+        )
+        assert no_score.status_code == 400 and "give `score` (0 to 1)" in no_score.json()["error"]["message"]
+        no_id = client.post("/v1/feedback", headers=auth, json={"id": None, "rating": "thumbs_up"})
+        assert no_id.status_code == 400 and no_id.json()["error"]["message"] == "id: Input should be a valid string"
+
+
 def test_json_integers_are_numbers(http):
     body = {"temperature": 0, "top_p": 1, "presence_penalty": 0, "max_tokens": 2}
     assert post(http, "/v1/chat/completions", messages=GREETING, **body).status_code == 200

@@ -15,8 +15,9 @@ its `id`, when the server keeps responses (`feedback.store`).
 OpenAI fields whetstone does not implement are accepted only at their neutral value, so a
 request never silently means something else than what it says. Values are strict, as OpenAI's
 are: a value of the wrong JSON type is refused, never converted (`"3"` or `true` for an integer,
-`"no"` for a boolean, `2.0` for an integer); an integer is a number. `null` for an optional field
-means "not given", as in OpenAI's API: the field has its default.
+`"no"` for a boolean, `2.0` for an integer); an integer is a number. `null` for an optional field,
+of a body or of an object inside one, means "not given", as in OpenAI's API: the field has its
+default (`_Body`).
 """
 
 from __future__ import annotations
@@ -102,7 +103,28 @@ Stop = Annotated[
 """`stop`: one stop string or a list of them (at most MAX_STOP_STRINGS)."""
 
 
-class StreamOptions(BaseModel):
+class _Body(BaseModel):
+    """A request body, or an object inside one: an optional field given as null has its default,
+    as OpenAI takes null for "not given" (some clients send every field, null where unset, as the
+    `openai` client's `model_dump` of a reply's message does); so has an unknown key's null where
+    the model takes unknown keys (a chat message's `name`, `function_call`). A required field's
+    null is still refused, and so are a forbidden unknown key's and any other value of the wrong
+    type."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or None not in data.values():
+            return data
+        fields, extra = cls.model_fields, cls.model_config.get("extra") == "allow"
+        return {
+            key: value
+            for key, value in data.items()
+            if value is not None or (fields[key].is_required() if key in fields else not extra)
+        }
+
+
+class StreamOptions(_Body):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     include_usage: bool = False
@@ -118,7 +140,7 @@ class StreamOptions(BaseModel):
         return value
 
 
-class _Request(BaseModel):
+class _Request(_Body):
     # NaN passes no range check; strict: a value of the wrong JSON type is refused, not converted
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
@@ -143,21 +165,6 @@ class _Request(BaseModel):
     return_token_ids: bool = False
     return_routed_experts: bool = False
     priority: Priority = "interactive"
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_not_given(cls, data: Any) -> Any:
-        """A field given as null has its default, as OpenAI takes null for "not given" (some
-        clients send every field, null where unset). A required field's null is still refused,
-        and so is any other value of the wrong type."""
-        if not isinstance(data, dict) or None not in data.values():
-            return data
-        fields = cls.model_fields
-        return {
-            key: value
-            for key, value in data.items()
-            if value is not None or key not in fields or fields[key].is_required()
-        }
 
     @model_validator(mode="after")
     def _unsupported(self):
@@ -239,7 +246,7 @@ class CompletionRequest(_Request):
         return list(prompt)
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow", strict=True)  # e.g. `name`, `reasoning_content`: passed on as is
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
@@ -331,7 +338,7 @@ def _is_tool_call(call: dict[str, Any]) -> bool:
     )
 
 
-class FeedbackRequest(BaseModel):
+class FeedbackRequest(_Body):
     """POST /v1/feedback: a user's rating of one choice of a response this server family gave."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
