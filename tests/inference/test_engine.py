@@ -9,6 +9,9 @@ from whetstone.inference.engine import FAIL_AFTER_STEPS
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.sequence import Sequence
 
+ADMITTED_ALONE = "the engine's step failed again when it admitted this sequence alone"
+"""What a sequence that failed alone, retried after a failed step, reports after its error."""
+
 
 def prompts(*lengths, seed=0, vocab=512):
     g = torch.Generator().manual_seed(seed)
@@ -192,9 +195,10 @@ def same_generation(seq, reference):
 
 
 @pytest.mark.parametrize("times", [1, 2])
-def test_a_prefill_that_raises_is_retried_and_fails_its_sequences_if_it_raises_again(model, times):
+def test_a_prefill_that_raises_is_retried_one_sequence_at_a_time_and_fails_the_one_it_raises_again_for(model, times):
     """The scheduler takes admitted sequences off its queues before their prefill; when it raises
-    (a GPU out of memory) they go back to their queues, and fail only if the retry raises too."""
+    (a GPU out of memory) they go back to their queues, to be admitted again one per step; the
+    one whose retry raises too fails alone."""
     base = prompts(30)[0]
     # the longer one is prefilled first; the other copies its prefix from it after
     longer = Sequence("longer", base + [40, 41], SamplingParams(max_tokens=4, seed=0))
@@ -220,17 +224,18 @@ def test_a_prefill_that_raises_is_retried_and_fails_its_sequences_if_it_raises_a
         wait_until(lambda: later.finished, timeout=10)
     finally:
         engine.stop()
-    assert calls[0] == [longer] and calls[1] == [longer]
+    assert calls[:3] == [[longer], [longer], [shorter]]  # then one at a time
     requeued_not_preempted(engine, 2)  # by the first failure (both were being admitted)
     if times == 1:
         for seq, reference in zip((longer, shorter), references):
             same_generation(seq, reference)
         assert engine.stats.requests_total["error"] == 0
     else:
-        for seq in (longer, shorter):
-            assert seq.error == "RuntimeError: out of memory (the engine's step failed 2 times in a row)"
-            assert seq.finish_reason == "abort" and seq.slot is None and not seq.output_ids
-        assert engine.stats.requests_total["error"] == 2
+        assert longer.error == f"RuntimeError: out of memory ({ADMITTED_ALONE})"
+        assert longer.finish_reason == "abort" and longer.slot is None and not longer.output_ids
+        same_generation(shorter, references[1])
+        assert engine.stats.requests_total["error"] == 1
+    assert engine.stats.isolated_failures_total == times - 1
     assert later.error is None and len(later.output_ids) == 4
     assert not engine.scheduler.has_work
 
@@ -262,7 +267,9 @@ def requeued_not_preempted(engine, count: int) -> None:
 
 
 @pytest.mark.parametrize("overlap", [False, True])
-def test_a_batched_forward_that_raises_once_costs_its_sequences_nothing_and_twice_fails_them(model, overlap):
+def test_a_batched_forward_that_raises_once_costs_its_sequences_nothing_and_again_fails_the_one_retried(model, overlap):
+    """A decode that raises requeues the three; raising again in the step that admits the first of
+    them back (alone), it fails that one only."""
     params = [SamplingParams(max_tokens=10, temperature=1.0, seed=i) for i in range(3)]
     references = make_engine(model, overlap=overlap).generate(prompts(5, 9, 7), params)
 
@@ -284,12 +291,15 @@ def test_a_batched_forward_that_raises_once_costs_its_sequences_nothing_and_twic
         requeued_not_preempted(engine, 3)
 
     engine, seqs = run({4, 5})  # the retry's first decode raises too
-    for seq, reference in zip(seqs, references):
-        assert seq.error == "RuntimeError: CUDA out of memory (the engine's step failed 2 times in a row)"
-        # the tokens read back before it: three steps' (one step at a time) or two (the third pending)
-        assert seq.finish_reason == "abort" and seq.output_ids == reference.output_ids[: 2 if overlap else 3]
-    assert engine.stats.requests_total["error"] == 3 and not engine.scheduler.has_work
-    requeued_not_preempted(engine, 3)  # by the first failure; the second failed them
+    s0, s1, s2 = seqs  # s1 was admitted first (requeued in slot order: the longest prompt first)
+    assert s1.error == f"RuntimeError: CUDA out of memory ({ADMITTED_ALONE})"
+    # the tokens read back before it: three steps' (one step at a time) or two (the third pending)
+    assert s1.finish_reason == "abort" and s1.output_ids == references[1].output_ids[: 2 if overlap else 3]
+    for seq, reference in ((s0, references[0]), (s2, references[2])):
+        same_generation(seq, reference)
+    assert engine.stats.requests_total["error"] == 1 and not engine.scheduler.has_work
+    assert engine.stats.isolated_failures_total == 1
+    requeued_not_preempted(engine, 3)  # by the first failure; the second failed s1 (nothing else ran)
     [later] = engine.generate(prompts(5), params[0])  # the engine serves on
     same_generation(later, references[0])
 
@@ -551,10 +561,11 @@ def three_served_to_the_end(engine, params: list[SamplingParams]):
 
 
 @pytest.mark.parametrize("times", [1, 2])
-def test_sequences_a_failed_plan_took_off_their_queue_are_requeued_then_failed_not_lost(model, times):
+def test_sequences_a_failed_plan_took_off_their_queue_are_requeued_not_lost(model, times):
     """The scheduler's plan raises after taking a sequence off its queue (the engine's prefill
     cost of the next one raises): the taken one goes back to the front of its queue as one being
-    admitted would, and fails only if the next plan raises too. None is lost: each ends once."""
+    admitted would. Retried alone (a suspect), nothing else is considered beside it, so the next
+    plan to raise is the one that takes s1. None is lost: each ends once."""
     params = [SamplingParams(max_tokens=4, temperature=1.0, seed=i) for i in range(3)]
     references = make_engine(model).generate(prompts(5, 6, 7), params)
     engine = make_engine(model)
@@ -568,17 +579,11 @@ def test_sequences_a_failed_plan_took_off_their_queue_are_requeued_then_failed_n
 
     engine.scheduler._prefill_cost = cost_raising_once_one_is_taken
     ends, seqs = three_served_to_the_end(engine, params)
-    assert raised == [["s0"]] * times and ends.each_once(seqs)
-    s0, s1, s2 = seqs
-    if times == 1:
-        for seq, reference in zip(seqs, references):
-            same_generation(seq, reference)  # admitted with the others a step later
-    else:
-        assert s0.error == "RuntimeError: injected (the engine's step failed 2 times in a row)"
-        assert s0.finish_reason == "abort" and not s0.output_ids
-        assert all(seq.error is None and len(seq.output_ids) == 4 for seq in (s1, s2))
-    assert engine.stats.requests_total["error"] == times - 1
-    requeued_not_preempted(engine, 1)  # by the first failure
+    assert raised == [["s0"], ["s1"]][:times] and ends.each_once(seqs)
+    for seq, reference in zip(seqs, references):
+        same_generation(seq, reference)  # admitted again a step later
+    assert engine.stats.requests_total["error"] == 0
+    requeued_not_preempted(engine, [1, 3][times - 1])  # s0 by the first failure; s1 and s0 (running) by the second
     all_slots_free(engine)
 
 
@@ -641,8 +646,151 @@ def test_sequences_failed_by_a_repeated_failure_leave_the_next_ones_their_retry(
     engine.add(first)
     engine.add(second)
     step_until_finished(engine, [first, second])
-    assert first.error == "RuntimeError: CUDA out of memory (the engine's step failed 2 times in a row)"
+    # retried alone, it failed again: its own failure, which leaves the count at 0
+    assert first.error == f"RuntimeError: CUDA out of memory ({ADMITTED_ALONE})"
     assert second.error is None and second.preemptions == 1 and len(second.output_ids) == 4
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prompt_whose_prefill_always_fails_fails_alone_and_the_others_generate_what_they_would_without_it(
+    model, overlap
+):
+    """A prompt whose prefill always raises (too long for memory, say) is admitted with an
+    innocent one while two others run: that step fails and requeues all four, which are admitted
+    again one per step; the step admitting the faulty one fails it alone. The innocents generate
+    exactly what they do without it, and each sequence ends once."""
+    from whetstone.inference.metrics import render_prometheus
+
+    greedy = SamplingParams(max_tokens=8, temperature=0.0)
+    references = make_engine(model, overlap=overlap).generate(prompts(5, 9, 7), greedy)
+    engine = make_engine(model, overlap=overlap)
+    ends = Ends()
+    a, b, c = (ends.sequence(name, p, greedy) for name, p in zip("abc", prompts(5, 9, 7)))
+    faulty = ends.sequence("faulty", prompts(40, seed=1)[0], greedy)
+    prefill, groups = engine._prefill, []
+
+    def out_of_memory_with_faulty(group):
+        groups.append([seq.request_id for seq in group])
+        if faulty in group:
+            raise RuntimeError("out of memory")
+        prefill(group)
+
+    engine._prefill = out_of_memory_with_faulty
+    engine.add(a)
+    engine.add(b)
+    with torch.inference_mode():
+        engine.step()
+        engine.step()
+        assert [seq.slot for seq in (a, b)] == [1, 0] and a.output_ids and b.output_ids  # running
+        engine.add(faulty)
+        engine.add(c)
+        engine.step()  # admits both together: their prefill fails
+    assert groups[-1] == ["faulty", "c"] and engine.stats.failure_requeues_total == 4
+    step_until_finished(engine, [a, b, c, faulty])
+    for seq, reference in zip((a, b, c), references):
+        same_generation(seq, reference)
+    assert faulty.error == f"RuntimeError: out of memory ({ADMITTED_ALONE})" and not faulty.output_ids
+    assert groups.count(["faulty"]) == 1  # retried once, alone
+    assert ends.each_once([a, b, c, faulty])
+    assert engine.stats.requests_total["error"] == 1 and engine.stats.requests_total["length"] == 3
+    # a and b, running when the faulty one was retried, were requeued once more
+    assert engine.stats.failure_requeues_total == 6 and engine.stats.isolated_failures_total == 1
+    assert '\nwhetstone_isolated_failures_total{model="tiny"} 1\n' in render_prometheus(engine.stats, "tiny")
+    all_slots_free(engine)
+
+
+def test_running_ahead_a_fault_that_surfaces_when_its_sequences_step_is_read_back_fails_it_alone(model):
+    """Running one step ahead, a fault of one sequence's decode (an illegal memory access, say)
+    surfaces when its step is read back, in the step after the one that launched it: the
+    admission of a sequence retried after a failure lasts until then, so the fault is still
+    that sequence's (not one admitted beside it, nor a step's that requeues everyone again)."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    references = make_engine(model, overlap=True).generate(prompts(5, 9), greedy)
+    engine = make_engine(model, overlap=True)
+    ends = Ends()
+    a, b = (ends.sequence(name, p, greedy) for name, p in zip("ab", prompts(5, 9)))
+    faulty = ends.sequence("faulty", prompts(7, seed=1)[0], greedy)
+    take = engine._take
+
+    def read_back_failing_with_faulty(launched):
+        if faulty in launched.seqs:
+            raise RuntimeError(CUDA_ERROR)
+        take(launched)
+
+    engine._take = read_back_failing_with_faulty
+    for seq in (a, b, faulty):
+        engine.add(seq)
+    step_until_finished(engine, [a, b, faulty], limit=60)
+    for seq, reference in zip((a, b), references):
+        same_generation(seq, reference)
+    assert faulty.error == f"RuntimeError: {CUDA_ERROR} ({ADMITTED_ALONE})" and not faulty.output_ids
+    assert ends.each_once([a, b, faulty]) and engine.stats.isolated_failures_total == 1
+    all_slots_free(engine)
+
+
+def test_running_ahead_a_fault_read_back_from_a_step_before_the_probe_is_not_the_probes(model):
+    """Running one step ahead, the step that admits a retried sequence reads back the step
+    launched before, which that sequence was not in: a fault surfacing there is not its own. It
+    costs nobody: everyone is requeued once more, and every sequence generates what it would."""
+    greedy = SamplingParams(max_tokens=6, temperature=0.0)
+    references = make_engine(model, overlap=True).generate(prompts(5, 9), greedy)
+    engine = make_engine(model, overlap=True)
+    ends = Ends()
+    a, b = (ends.sequence(name, p, greedy) for name, p in zip("ab", prompts(5, 9)))
+    take, faults = engine._take, []
+
+    def read_back_failing(launched):
+        first = not faults and a.output_ids and b.output_ids  # a fault while both run: both suspects
+        probe = engine.scheduler.probe
+        later = len(faults) == 1 and probe is not None and probe not in launched.seqs
+        if first or later:
+            faults.append([seq.request_id for seq in launched.seqs])
+            raise RuntimeError(CUDA_ERROR)
+        take(launched)
+
+    engine._take = read_back_failing
+    engine.add(a)
+    engine.add(b)
+    step_until_finished(engine, [a, b], limit=60)
+    # the second: the step of the one retried first, read back as the other one is admitted
+    assert sorted(faults[0]) == ["a", "b"] and len(faults) == 2 and len(faults[1]) == 1
+    for seq, reference in zip((a, b), references):
+        same_generation(seq, reference)
+    assert ends.each_once([a, b]) and engine.stats.isolated_failures_total == 0
+    all_slots_free(engine)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_device_whose_every_forward_fails_still_ends_every_sequence_one_by_one(model, overlap):
+    """A failure tied to no sequence: every forward raises. The step that fails first requeues
+    the two running sequences; each is retried alone and fails alone; then the two waiting ones,
+    admitted together, fail that step, and are retried alone in turn. No step fails for ever, and
+    once the device works again the engine serves on."""
+    engine = make_engine(model, max_batch=2, overlap=overlap)
+    ends = Ends()
+    seqs = [ends.sequence(f"s{i}", p, SamplingParams(max_tokens=8, seed=i)) for i, p in enumerate(prompts(5, 6, 7, 8))]
+    for seq in seqs:
+        engine.add(seq)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError(CUDA_ERROR)
+
+    ended = []
+    with torch.inference_mode():
+        engine.step()
+        engine.step()
+        engine.model.forward = broken
+        for _ in range(10):
+            if all(seq.finished for seq in seqs):
+                break
+            before = sum(seq.finished for seq in seqs)
+            engine.step()
+            ended.append(sum(seq.finished for seq in seqs) - before)
+    del engine.model.forward
+    assert ended == [0, 1, 1, 0, 1, 1] and ends.each_once(seqs)
+    assert all(seq.error == f"RuntimeError: {CUDA_ERROR} ({ADMITTED_ALONE})" for seq in seqs)
+    assert engine.stats.isolated_failures_total == 4 and engine._failed_steps == 0
+    all_slots_free(engine)
 
 
 def test_a_weight_write_that_fails_leaves_the_weights_whole_and_costs_the_sequences_nothing(model, monkeypatch):

@@ -191,3 +191,38 @@ def test_a_wait_queue_drops_removed_entries_before_they_outnumber_queued_ones():
     with pytest.raises(ValueError, match="sequence 's1' is queued already"):
         queue.append(seqs[1])
         queue.appendleft(seqs[1])
+
+
+def requeue_suspects(scheduler, *seqs):
+    """Requeue `seqs` in front of their queues, in that order, as a failed step does."""
+    for s in reversed(seqs):
+        scheduler.requeue(s)
+        scheduler.suspects.add(s)
+
+
+def test_suspects_are_admitted_one_per_plan_with_nothing_else_new():
+    """Sequences a failed step requeued start one at a time, each alone among the admitted: while
+    one is being admitted (the probe, until the engine clears it), nobody else starts."""
+    scheduler = Scheduler(max_batch=8, prefill_tokens_per_step=100)
+    scheduler.add(seq("new", "interactive"))
+    scheduler.add(seq("rollout", "batch"))
+    requeue_suspects(scheduler, seq("s1", "interactive", generated=2), seq("s2", "interactive"))
+    assert run(scheduler, scheduler.plan()) == (["s1"], [])
+    assert scheduler.probe.request_id == "s1" and [s.request_id for s in scheduler.suspects] == ["s2"]
+    assert run(scheduler, scheduler.plan()) == ([], [])  # s1 is still being admitted
+    scheduler.probe = None
+    assert run(scheduler, scheduler.plan()) == (["s2"], [])
+    scheduler.probe = None
+    assert run(scheduler, scheduler.plan()) == (["new", "rollout"], [])
+    assert scheduler.probe is None and not scheduler.suspects
+
+
+def test_a_suspect_waits_for_a_plan_that_admits_nothing_before_it_and_leaves_the_suspects_if_removed():
+    scheduler = Scheduler(max_batch=8, prefill_tokens_per_step=100)
+    suspect, removed = seq("suspect", "batch"), seq("removed", "batch")
+    requeue_suspects(scheduler, suspect, removed)
+    scheduler.requeue(seq("preempted", "batch", generated=3))  # in front of them, not a suspect
+    assert run(scheduler, scheduler.plan()) == (["preempted"], [])
+    assert scheduler.remove_waiting(removed) and scheduler.suspects == {suspect}
+    assert run(scheduler, scheduler.plan()) == (["suspect"], [])
+    assert scheduler.probe is suspect and not scheduler.suspects

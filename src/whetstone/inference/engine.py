@@ -35,12 +35,16 @@ it (`_drop_pending`); docs/inference.md has the rules.
 A failure ends as little as it can. One in a sequence's own host code (its stop checks and text,
 its callback, its sampling parameters) fails that sequence alone. One in the batch's work (a
 forward out of memory) costs the sequences it hit nothing but time: they go back to their queues
-as preempted ones do and are recomputed; if the next step fails too, they fail (`_recover`). A
-sequence whose end was under way (it had stopped, failed alone or was aborted) fails rather than
-resume. If putting the engine back in order raises too, every sequence it holds fails and it
-serves on (`_fail_all`). A weight write that fails leaves the weights as they were (`swap.write`)
-and is the sender's to retry; one that cannot put them back stops the engine (`_break`): it
-would serve weights of no version.
+as preempted ones do, as suspects, and are recomputed, the suspects admitted one per step with no
+other (`Scheduler.probe`). A step that fails again while admitting a suspect fails that sequence
+alone (a prompt too long for memory costs no one else), and the others it ran are requeued once
+more; one that fails again admitting no suspect fails the sequences it ran (`_recover`). So a
+fault tied to no sequence (a broken device) still ends them, one or a few per step. A sequence
+whose end was under way (it had stopped, failed alone or was aborted) fails rather than resume.
+If putting the engine back in order raises too, every sequence it holds fails and it serves on
+(`_fail_all`). A weight write that fails leaves the weights as they were (`swap.write`) and is
+the sender's to retry; one that cannot put them back stops the engine (`_break`): it would serve
+weights of no version.
 """
 
 from __future__ import annotations
@@ -80,7 +84,8 @@ from whetstone.utils.transfer import tensor_to_device, to_device
 log = logging.getLogger(__name__)
 
 FAIL_AFTER_STEPS = 2
-"""Consecutive failed steps after which the sequences a step ran fail instead of being requeued."""
+"""Consecutive failed steps after which the sequences a step ran fail instead of being requeued
+(steps admitting a suspect aside: their failure is the suspect's, `Engine._recover`)."""
 
 
 def kv_cache_dtype(config: EngineConfig, weights: torch.dtype, device: torch.device) -> torch.dtype:
@@ -179,6 +184,12 @@ class Engine:
         before they end, they fail rather than resume (`_recover`)."""
         self._failed_steps = 0
         """Consecutive steps whose batched work raised (`_recover`)."""
+        self._probe_ahead = False
+        """The scheduler's probe was admitted by the step before, whose decode step, launched
+        ahead, is read back in this one (`_settle_probe`)."""
+        self._decoding: list[Sequence] = []
+        """The sequences of the decode step being launched or read back, while it is: if that
+        raises, the failure is theirs (`_recover` blames a probe only for work it was in)."""
         self._tensors = serving_tensors(model)
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._updates: deque[PreparedUpdate] = deque()
@@ -333,6 +344,8 @@ class Engine:
             self._apply_routes()  # nothing decoded after an admission: wait for the copies here
             if ran:  # the step's batched work went through (whether or not its sequences ended)
                 self._failed_steps = 0
+            if self.scheduler.probe is not None:
+                self._settle_probe()
         except WeightWriteError as err:
             self._break(str(err))
             return False
@@ -607,15 +620,23 @@ class Engine:
         running, ahead = self.scheduler.running, self._launched
         self._launched = None
         if ahead is not None and not all(self._may_run_ahead(seq) for seq in running):
+            self._decoding = ahead.seqs
             self._take(ahead)  # a sequence may end with it: know first
             ahead = None
-        launched = self._launch(list(running), ahead) if running else None
+        if running:
+            self._decoding = list(running)
+            launched = self._launch(self._decoding, ahead)
+        else:
+            launched = None
         if ahead is not None:
+            self._decoding = ahead.seqs
             self._take(ahead)
         if launched is not None and self.overlap:
             self._launched = launched
         elif launched is not None:
+            self._decoding = launched.seqs
             self._take(launched)
+        self._decoding = []
 
     def _may_run_ahead(self, seq: Sequence) -> bool:
         """Whether another step may be launched for `seq` before its pending token is read back:
@@ -800,15 +821,23 @@ class Engine:
         `SequencesFailed` (a sequence's own parameters): those fail alone, the others keep their
         slots. Else the batch's work failed (a forward out of memory, say): the sequences it ran
         (running and admitted) keep their tokens and go back to the front of their queues, as
-        preempted ones do, to be recomputed; if the step before failed too, they fail instead (a
-        failure that repeats would requeue them for ever). A sequence whose end was under way
+        preempted ones do, to be recomputed, as suspects: the scheduler admits those one per step
+        with no other (its `probe`). If the failure was in work of the probe's (its prefill, or a
+        decode step it is in, launched or read back), it is that sequence's (a prompt whose
+        prefill never fits, say): it fails alone, and the others go back, not suspects, with no
+        failed step counted. Else, if the step before failed too, they fail instead (a failure
+        that repeats would requeue them for ever). So a failure tied
+        to one sequence costs that sequence, and one tied to none ends one sequence per step that
+        admits a suspect, never failing steps for ever. A sequence whose end was under way
         (`_ending`) fails either way: it had stopped (resumed, it would generate past its stop),
         failed alone or been aborted. What raises here is the caller's (`step` then fails every
         sequence, `_fail_all`). Each sequence requeued is counted in `failure_requeues_total`,
-        apart from preemptions (which make room for users; this is a failure's cost)."""
+        apart from preemptions (which make room for users; this is a failure's cost), and each
+        suspect failed alone in `isolated_failures_total`."""
         admitted, self._admitting = self._admitting, []
         ending, self._ending = self._ending, set()
         running = self.scheduler.running
+        probe, self.scheduler.probe, self._probe_ahead = self.scheduler.probe, None, False
         self._launched = None
         if admitted:  # their slots are the last ones; their prefill's routes are left unused
             del running[min((seq.slot for seq in admitted if seq.slot is not None), default=len(running)) :]
@@ -822,41 +851,71 @@ class Engine:
         self._apply_routes()  # the routes of an admission that completed: released sequences keep them
         ended = f"{failure(err)} (the engine failed while ending the sequence)"
         if isinstance(err, SequencesFailed):
-            for seq in reversed(admitted):
-                self._requeue_after_failure(seq)
+            for seq in reversed(admitted):  # a probe's admission was cut short: it waits its turn again
+                self._requeue_after_failure(seq, suspect=seq is probe)
             for seq in err.seqs:
                 self._fail_alone(seq, err.__cause__)
             for seq in ending:
                 if not seq.finished:
                     self._fail_alone(seq, err, ended)
             return
-        self._failed_steps += 1
-        if self._failed_steps >= FAIL_AFTER_STEPS:
+        decoding, self._decoding = self._decoding, []
+        at_fault = probe is not None and any(seq is probe for seq in admitted + decoding)
+        isolated = probe if at_fault else None  # else the failure was in work the probe was not in
+        if isolated is not None:
             log.error(
-                "engine step failed (%d in a row): failing the sequences it ran", self._failed_steps, exc_info=err
+                "engine step failed again, admitting sequence %s alone: failing it", isolated.request_id, exc_info=err
             )
-            if not admitted and not running:  # it failed before taking any (the plan itself): the next in line
-                admitted = self._take_next_waiting()
-            self._fail_running(
-                f"{failure(err)} (the engine's step failed {self._failed_steps} times in a row)", admitted
-            )
-            self._failed_steps = 0  # the sequences it counted for have failed; others get their retry
-            return
-        log.error("engine step failed: requeueing the sequences it ran", exc_info=err)
+            self._failed_steps = 0  # the failure is the probe's: the others get their retry
+        else:
+            self._failed_steps += 1
+            if self._failed_steps >= FAIL_AFTER_STEPS:
+                log.error(
+                    "engine step failed (%d in a row): failing the sequences it ran", self._failed_steps, exc_info=err
+                )
+                if not admitted and not running:  # it failed before taking any (the plan itself): the next in line
+                    admitted = self._take_next_waiting()
+                self._fail_running(
+                    f"{failure(err)} (the engine's step failed {self._failed_steps} times in a row)", admitted
+                )
+                self._failed_steps = 0  # the sequences it counted for have failed; others get their retry
+                return
+            log.error("engine step failed: requeueing the sequences it ran", exc_info=err)
+        suspect = isolated is None
         for seq in reversed(admitted):
-            self._requeue_after_failure(seq)
+            if seq is not isolated:
+                self._requeue_after_failure(seq, suspect)
         for seq in reversed(list(running)):  # the last one first: no slot to move
             self._release(seq)
             if seq in ending:
                 self._fail(seq, ended)
-                continue
-            seq.preempt()
-            self._requeue_after_failure(seq)
+            elif seq is not isolated:
+                seq.preempt()
+                self._requeue_after_failure(seq, suspect)
+        if isolated is not None and not isolated.finished:
+            self.stats.isolated_failures_total += 1
+            self._fail(
+                isolated, f"{failure(err)} (the engine's step failed again when it admitted this sequence alone)"
+            )
 
-    def _requeue_after_failure(self, seq: Sequence) -> None:
-        """Put `seq`, out of its slot, back at the front of its queue after a failed step."""
+    def _requeue_after_failure(self, seq: Sequence, suspect: bool) -> None:
+        """Put `seq`, out of its slot, back at the front of its queue after a failed step;
+        `suspect`: to be admitted with no other (`Scheduler.suspects`)."""
         self.scheduler.requeue(seq)
+        if suspect:
+            self.scheduler.suspects.add(seq)
         self.stats.failure_requeues_total += 1
+
+    def _settle_probe(self) -> None:
+        """After a step that went through, end the scheduler's probe's admission once the first
+        decode step that ran it is read back: in the step that admitted it, or, running ahead
+        (`overlap`), in the next. Its prefill is done within the step that admitted it (all of
+        its `prefill_chunk` forwards). A probe that left its slot (finished, aborted, preempted)
+        ends it at once."""
+        if self._launched is not None and not self._probe_ahead and self.scheduler.probe.slot is not None:
+            self._probe_ahead = True
+            return
+        self.scheduler.probe, self._probe_ahead = None, False
 
     def _take_next_waiting(self) -> list[Sequence]:
         """The sequence the scheduler would take next (users first), off its queue; none if all
@@ -864,9 +923,8 @@ class Engine:
         that sequence then costs it, and one that is not still ends the waiting sequences, one
         per `FAIL_AFTER_STEPS` steps, instead of failing steps for ever."""
         for priority in ("interactive", "batch"):
-            queue = self.scheduler.waiting[priority]
-            if queue.head is not None:
-                return [queue.popleft()]
+            if self.scheduler.waiting[priority].head is not None:
+                return [self.scheduler.pop_waiting(priority)]
         return []
 
     def _fail_running(self, message: str, admitted: list[Sequence]) -> None:
@@ -895,9 +953,13 @@ class Engine:
         self._ending = set()
         self._kept.clear()
         self._failed_steps = 0
+        self._probe_ahead = False
+        self._decoding = []
         self.scheduler.running.clear()
         for waiting in self.scheduler.waiting.values():
             waiting.clear()
+        self.scheduler.suspects.clear()
+        self.scheduler.probe = None
         for seq in list(self._unfinished):
             seq.slot = seq.weights_epoch = None
             seq.pending = 0

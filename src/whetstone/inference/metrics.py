@@ -42,6 +42,9 @@ class EngineStats:
     failure_requeues_total: int = 0
     """Sequences a failed step sent back to their queues, to be recomputed (`Engine._recover`):
     the cost of a failure, not a preemption."""
+    isolated_failures_total: int = 0
+    """Sequences failed alone because a step failed again when it admitted them with no other,
+    after a failed step had requeued them (`Engine._recover`)."""
     requests_total: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0, "abort": 0, "error": 0})
     swaps_total: int = 0
     swap_pause_seconds_sum: float = 0.0
@@ -153,6 +156,13 @@ def render_prometheus(
         "counter",
         "Sequences requeued to be recomputed because an engine step failed (a forward out of memory, say).",
         [("", stats.failure_requeues_total)],
+    )
+    metric(
+        "isolated_failures_total",
+        "counter",
+        "Sequences failed alone because an engine step failed again when it admitted them with no other "
+        "(a prompt too long for memory, say), after a failed step had requeued them.",
+        [("", stats.isolated_failures_total)],
     )
     metric("weight_version", "gauge", "Weight version being served.", [("", stats.weight_version)])
     pauses = sorted(stats.swap_pauses)

@@ -10,6 +10,11 @@ leave, and users see a near-idle server.
 
 Running sequences are kept in slot order (`running[i].slot == i`); the engine does the moving.
 Waiting ones are in a `WaitQueue` per class, where an abort takes O(1), however long the queue.
+
+Sequences a failed step requeued are suspects (`Scheduler.suspects`): while any waits, a plan
+admits at most one of them, and nothing else new with it (`Scheduler.probe`), so that a step
+failing again while admitting it is that sequence's failure, not its neighbours'
+(`Engine._recover`).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from whetstone.inference.sequence import Sequence
+from whetstone.inference.sequence import Priority, Sequence
 
 
 class WaitQueue:
@@ -125,6 +130,11 @@ class Scheduler:
         self.admit_fresh = True
         """False while draining before a swap that must not touch in-flight sequences: only
         sequences that already have tokens (preempted ones) may start."""
+        self.suspects: set[Sequence] = set()
+        """Waiting sequences a failed step requeued (`Engine._recover`), not admitted since."""
+        self.probe: Sequence | None = None
+        """The suspect being admitted, from the plan that takes it until the engine has run it
+        through a decode step (`Engine._settle_probe`): no other sequence is admitted meanwhile."""
 
     def add(self, seq: Sequence) -> None:
         self.waiting[seq.priority].append(seq)
@@ -135,7 +145,16 @@ class Scheduler:
 
     def remove_waiting(self, seq: Sequence) -> bool:
         """Take `seq` out of its queue (O(1)); False if it is not waiting."""
-        return self.waiting[seq.priority].remove(seq)
+        if not self.waiting[seq.priority].remove(seq):
+            return False
+        self.suspects.discard(seq)
+        return True
+
+    def pop_waiting(self, priority: Priority) -> Sequence:
+        """Take the first sequence of `priority`'s queue off it (no longer a suspect)."""
+        seq = self.waiting[priority].popleft()
+        self.suspects.discard(seq)
+        return seq
 
     @property
     def has_work(self) -> bool:
@@ -159,6 +178,9 @@ class Scheduler:
         steps would run out between one request of a user and the next. Prefill work per step is
         capped (`prefill_tokens_per_step`, at least one sequence) so a burst of long prompts
         cannot stall the sequences already decoding.
+
+        A suspect (`suspects`) is admitted only as the plan's first admission, and becomes the
+        `probe`: while there is one, nothing else is admitted.
         """
         plan = Plan() if plan is None else plan
         self._budget = self.prefill_tokens_per_step
@@ -169,7 +191,7 @@ class Scheduler:
             if free == 0:
                 plan.preempt.append(_pop_cheapest(batch))
                 free += 1
-            plan.admit.append(queue.popleft())
+            self._take(queue, plan)
             free -= 1
         users = bool(plan.admit) or any(s.priority == "interactive" for s in self.running)
         now = self._clock()
@@ -184,8 +206,7 @@ class Scheduler:
         queue = self.waiting["batch"]
         starts = not users or limit >= self.max_batch  # capped: no batch prefill inside a user's decode
         while queue and free > 0 and len(batch) < limit and starts and self._fits(queue.head, plan):
-            plan.admit.append(queue.popleft())
-            batch.append(plan.admit[-1])
+            batch.append(self._take(queue, plan))
             free -= 1
         return plan
 
@@ -193,11 +214,22 @@ class Scheduler:
         """May `seq` start now? Charges its prefill to this step's budget if so."""
         if not self.admit_fresh and not seq.output_ids:
             return False
+        if self.probe is not None or (plan.admit and seq in self.suspects):  # suspects start alone
+            return False
         cost = self._prefill_cost(seq, plan.admit)
         if plan.admit and cost > self._budget:
             return False
         self._budget -= cost
         return True
+
+    def _take(self, queue: WaitQueue, plan: Plan) -> Sequence:
+        """Take `queue`'s first sequence into `plan.admit`; a suspect becomes the `probe`."""
+        seq = queue.popleft()
+        plan.admit.append(seq)
+        if self.suspects and seq in self.suspects:
+            self.suspects.discard(seq)
+            self.probe = seq
+        return seq
 
 
 def _pop_cheapest(batch: list[Sequence]) -> Sequence:
