@@ -500,3 +500,52 @@ def test_serve_raises_its_open_files_limit_to_fit_max_connections():
     raised, refused = result.stdout.splitlines()
     assert int(raised) == 512 + 256
     assert "max_connections = 512 needs about 768 open files" in refused and "at most 300" in refused
+
+
+def read_until_closed(sock: socket.socket) -> bytes:
+    answer = b""
+    while chunk := sock.recv(4096):  # the server closes the connection after its answer
+        answer += chunk
+    sock.close()
+    return answer
+
+
+def test_headers_that_do_not_arrive_in_time_get_408_and_the_connection_closes(served_model_dir, held):
+    timeout_s = 1.0
+    config = ServeConfig(model_path=str(served_model_dir), port=free_port(), header_timeout_s=timeout_s)
+    with served_as_serve_runs_it(app_for(served_model_dir, held), config) as url:
+        address = urlsplit(url)
+
+        def connect() -> socket.socket:
+            return socket.create_connection((address.hostname, address.port), timeout=30)
+
+        silent, trickling, kept_alive = connect(), connect(), connect()
+        start = time.monotonic()
+        trickling.sendall(b"GET /health HTTP/1.1\r\n")
+        kept_alive.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")  # answered; its next request trickles
+        answered = kept_alive.makefile("rb")  # the whole first answer, before the next request
+        assert answered.readline().startswith(b"HTTP/1.1 200 ")
+        length = next(int(line.split(b":")[1]) for line in iter(answered.readline, b"\r\n") if b"length" in line)
+        answered.read(length)
+        kept_alive.sendall(b"GET /health HTTP/1.1\r\n")
+        for _ in range(3):  # each byte before the deadline: trickling does not buy time
+            time.sleep(timeout_s / 4)
+            trickling.sendall(b"X")
+        answers = [read_until_closed(sock) for sock in (silent, trickling, kept_alive)]
+        assert timeout_s <= time.monotonic() - start < timeout_s + 10
+        for answer in answers:
+            head, _, body = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408 ") and b"connection: close" in head.lower()
+            assert json.loads(body)["error"]["message"] == (
+                f"the request's headers did not arrive within {timeout_s:g} s (header_timeout_s)"
+            )
+        # headers sent in pieces within the deadline, and a body slower than it: served
+        with connect() as sock:
+            raw = json.dumps({"model": "tiny-chat", "prompt": "hi", "max_tokens": 1}).encode()
+            head = f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: {len(raw)}\r\n\r\n".encode()
+            sock.sendall(head[:10])
+            time.sleep(timeout_s / 2)
+            sock.sendall(head[10:])
+            time.sleep(timeout_s * 1.5)  # the body has its own deadline (body_timeout_s)
+            sock.sendall(raw)
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")

@@ -99,11 +99,15 @@ def make_room_for_connections(connections: int) -> None:
 
 def uvicorn_config(app, config: ServeConfig):
     """How uvicorn runs the app: at most `max_connections` connections served at once (503
-    past them), `listen_backlog` queued by the kernel, no access log (the app logs requests)."""
+    past them), `listen_backlog` queued by the kernel, a request's headers in within
+    `header_timeout_s` (`connections`), no access log (the app logs requests)."""
     import uvicorn
+
+    from whetstone.inference.connections import with_header_deadline
 
     return uvicorn.Config(
         app,
+        http=with_header_deadline(config.header_timeout_s),
         host=config.host,
         port=config.port,
         log_level="warning",
