@@ -109,6 +109,38 @@ def test_a_rollback_collected_before_it_was_read_leaves_replies_across_it_unknow
     assert lineage.behind(11, [11], limit=2) == 0
 
 
+def test_a_lineage_restored_from_its_state_knows_rollbacks_whose_manifests_were_collected(tmp_path):
+    # v0 -> v1 -> v2 -> v3, v4 = a rollback to v1, v5 = an update of v4; every version a keyframe
+    sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="float32", keyframe_interval=1, keep_keyframes=10)
+    store = WeightStore.open(sync)
+    publisher = Publisher(store, sync)
+    for version in range(4):
+        publisher.publish({"w": torch.full((4, 4), float(version))})
+    assert rollback(sync, 1).republishes == 1
+    Publisher(store, sync).publish({"w": torch.zeros(4, 4)})
+    lineage = Lineage(store)
+    assert [lineage.behind(5, [v], limit=2) for v in range(6)] == [2, 1, 2, 3, 1, 0]
+    # bounded: v0 is 2 updates from v5's weights, past the bound of 1, so no reply counted within it asks about v0
+    state = json.loads(json.dumps(lineage.state(5, limit=1)))  # as state.json holds it
+    assert state == {"newest_read": 5, "weights": {"1": 1, "2": 2, "3": 3, "4": 1, "5": 5}}
+    assert store.collect_garbage(keep_keyframes=1) == [0, 1, 2, 3, 4]
+
+    assert Lineage(store).behind(5, [4], limit=1) == 2  # read anew: the rollback v4 is unknown
+    restarted = Lineage(store)
+    restarted.restore(state)
+    assert [restarted.behind(5, [v], limit=1) for v in range(6)] == [2, 1, 2, 2, 1, 0]
+    assert restarted.state(5, limit=1) == state  # saved again, as it was
+
+    # a store that does not answer as the state is saved (v6 published since, not read yet)
+    Publisher(store, sync).publish({"w": torch.ones(4, 4)})
+
+    def down(version):
+        raise OSError("the weight store's disk is not mounted")
+
+    restarted.store.manifest = down
+    assert restarted.state(6, limit=1)["weights"] == state["weights"]  # all kept: the next save prunes
+
+
 def test_rollback_to_a_collected_version_says_so(tmp_path):
     sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="float32", keyframe_interval=1, keep_keyframes=1)
     publisher = Publisher(WeightStore.open(sync), sync)

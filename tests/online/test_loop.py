@@ -146,6 +146,37 @@ def test_after_a_rollback_staleness_counts_updates_between_the_weights(world):
     assert record["staleness_0"] == 4 and record["staleness_1"] == 4  # v0's replies on-policy, v1's one away
 
 
+@pytest.mark.parametrize("world", [NO_GATE | {"sync": {"keyframe_interval": 1, "keep_keyframes": 10}}], indirect=True)
+def test_a_restarted_loop_knows_a_rollback_whose_manifest_was_collected_while_it_was_stopped(world):
+    # v0 -> v1 (an update) -> v2 = a rollback to v0 -> v3 (the loop's update of v2); the loop stops
+    # and the store collects every version but v3, the rollback's manifest with them
+    tasks = generate(SynthConfig(count=8, split="train", seed=3))
+    world.feedback(16)
+    assert world.loop.update()["version"] == 1
+    wait_for_version(world.url, 1)
+    on_v1 = [world.users.ask(task, give_feedback=False) for task in tasks[:4]]
+    assert rollback(world.config.sync, 0).republishes == 0
+    wait_for_version(world.url, 2)
+    on_v2 = [world.users.ask(task, give_feedback=False) for task in tasks[4:]]
+    world.feedback(16)  # rated replies of v2
+    record = world.loop.update()
+    assert record["adopted"] == 2 and record["staleness_0"] == 16 and record["version"] == 3
+    assert WeightStore.open(world.config.sync).collect_garbage(keep_keyframes=1) == [0, 1, 2]
+
+    path = Path(world.config.output_dir) / "state.json"
+    state = json.loads(path.read_text())
+    assert state["lineage"] == {"newest_read": 3, "weights": {"0": 0, "1": 1, "2": 0, "3": 3}}
+    path.write_text(json.dumps({key: value for key, value in state.items() if key != "lineage"}))
+    assert OnlineLoop(world.config).behind([2]) == 2  # a state.json without it loads; v2 is unknown then
+    path.write_text(json.dumps(state))
+    restarted = OnlineLoop(world.config)
+    rate(world, on_v1 + on_v2)
+    record = restarted.update()
+    # v2's replies: one update from v3 (v0's weights, then v3), within the bound of 1; the
+    # rolled-back v1's: two (v1, v0, v3), beyond it
+    assert record["passed_stale"] == 4 and record["events"] == record["staleness_1"] == 4
+
+
 def rate(world, exchanges) -> None:
     """Post each exchange's rating (a thumbs up if the user liked the reply)."""
     for exchange in exchanges:
@@ -221,7 +252,7 @@ def test_a_restarted_loop_continues_from_the_store_and_its_cursor(world):
     assert again.version == 1 and again.state == {"cursor": 16, "updates": 1, "store": store_id}
     assert not again.due()
     state = json.loads((Path(world.config.output_dir) / "state.json").read_text())
-    assert state == again.state
+    assert state.pop("lineage") == {"newest_read": 1, "weights": {"0": 0, "1": 1}} and state == again.state
 
 
 @pytest.mark.slow  # about 8 s on an idle machine, 15+ s when the cores are shared

@@ -152,9 +152,10 @@ def test_a_feedback_database_deleted_under_the_loop_is_named_lost_not_waited_for
     with caplog.at_level(logging.WARNING, logger="whetstone.online"), pytest.raises(FeedbackStoreError) as lost:
         world.loop.due()
     message = str(lost.value)
-    assert message.startswith(f"the feedback store's database at {path.resolve()} has lost its tables (its file")
-    assert "Put the file back" in message and "no such table" not in message
-    assert "trying again" not in caplog.text  # gone tables do not come back by waiting
+    assert message.startswith(f"the feedback store's database at {path.resolve()} has lost its tables (no file is")
+    assert "Put the file back" in message and "unable to open" not in message
+    assert "trying again" not in caplog.text  # a deleted file does not come back by waiting
+    assert not any(Path(f"{path}{suffix}").exists() for suffix in ("", "-wal", "-shm"))  # nor is created again
 
 
 @pytest.mark.parametrize("world", [NO_GATE], indirect=True)  # retention_days = 7

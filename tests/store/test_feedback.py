@@ -170,8 +170,12 @@ def test_pruning_never_lets_a_new_event_take_an_old_number(store_url):
 
 
 def test_store_names_become_urls(tmp_path):
+    import sqlalchemy as sa
+
     assert database_url(str(tmp_path / "a" / "f.db")) == f"sqlite:///{tmp_path}/a/f.db"
     assert (tmp_path / "a").is_dir()
+    odd = tmp_path / "b" / "f?x=1#%20é.db"  # a URL's query, fragment and escapes, in a file name
+    assert sa.engine.make_url(database_url(str(odd))).database == str(odd)
     assert database_url("postgresql://u@h:5432/db") == "postgresql+psycopg://u@h:5432/db"
     assert database_url("sqlite:////x/y.db") == "sqlite:////x/y.db"
 
@@ -293,6 +297,45 @@ def test_a_server_writes_into_the_sqlite_file_at_its_path_once_its_own_is_gone(t
     assert server.marks() == loop.marks()
     server.close()
     loop.close()
+
+
+@pytest.mark.parametrize("name", ["feedback.db", "feed back?#%20&mode=rwc é.db"], ids=["plain", "odd-characters"])
+def test_a_sqlite_file_deleted_under_the_store_is_not_created_again(tmp_path, name):
+    """Once the file is gone, a new connection (the stale one dropped) fails naming it, and leaves
+    nothing at the path: an empty database there would hide the loss, and the next `open` would
+    give it fresh tables and a new id."""
+    from whetstone.inference.feedback import lost_tables
+    from whetstone.store.feedback import FeedbackStoreError
+
+    path = tmp_path / "the store" / name
+    store = FeedbackStore.open(str(path))
+    assert store.path == path and store.name == f"sqlite:///{path}" and path.is_file()  # the file at its own path
+    assert sorted(p.name for p in path.parent.iterdir()) == [name, f"{name}-shm", f"{name}-wal"]
+    store.record([record("a"), record("b")])
+    store.add_feedback("a", 0, "thumbs_up")
+    for suffix in ("", "-wal", "-shm"):
+        Path(f"{path}{suffix}").unlink()
+    calls = {
+        "reading its id and newest event": store.marks,
+        "adding feedback": lambda: store.add_feedback("b", 0, "thumbs_up"),
+        "keeping a response": lambda: store.record([record("c")]),
+        "reading new feedback": lambda: store.rated_after(0, 10),
+    }
+    for operation, call in calls.items():
+        with pytest.raises(FeedbackStoreError) as gone:
+            call()
+        assert (
+            str(gone.value) == f"the feedback store sqlite:///{path}: {operation} failed: unable to open database file"
+        )
+        assert lost_tables(gone.value, store).startswith(
+            f"the feedback store's database at {path} has lost its tables (no file is at that path: it was "
+            "deleted, while in use): the responses and feedback it held are not there"
+        )
+    assert list(path.parent.iterdir()) == []  # no empty database (nor journal) in its place
+    again = FeedbackStore.open(str(path))  # only `open` creates it: a server restarted on purpose
+    assert store.marks() == again.marks() and again.marks().newest == 0  # the old one follows the new file
+    store.close()
+    again.close()
 
 
 def test_responses_and_feedback_are_stamped_by_the_database_clock(store_url, monkeypatch):

@@ -36,22 +36,28 @@ class FeedbackConfig(Config):
 
 _NO_TABLE = re.compile(r'no such table: whetstone_|relation "whetstone_\w+" does not exist')
 """How SQLite and PostgreSQL say that a table of the store is not there."""
+_NO_FILE = "unable to open database file"
+"""How SQLite says it cannot open a file: the store's connections open it without creating it."""
 
 
 def lost_tables(err: FeedbackStoreError, store: FeedbackStore) -> str | None:
     """What happened and what to do, when `err` says the store's tables are gone (its SQLite file
     deleted or replaced while in use, its tables dropped); None for any other failure. Nothing
-    creates the tables again behind the servers' backs: a new, empty store would hide the loss of
-    the responses and feedback, and would have a new id, which the online loop refuses anyway."""
-    if not _NO_TABLE.search(err.reason):
+    creates the tables (or the SQLite file) again behind the servers' backs: a new, empty store
+    would hide the loss of the responses and feedback, and would have a new id, which the online
+    loop refuses anyway."""
+    file_gone = store.path is not None and err.reason == _NO_FILE and not store.path.exists()
+    if not (file_gone or _NO_TABLE.search(err.reason)):
         return None
-    if store.path is not None:
+    if file_gone:
+        where, how, back = f"at {store.path}", "no file is at that path: it was deleted", "the file"
+    elif store.path is not None:
         where, how, back = f"at {store.path}", "its file was deleted, or replaced by one without them", "the file"
     else:
         where, how, back = store.name, "they were dropped, or the database replaced by one without them", "them"
     return (
         f"the feedback store's database {where} has lost its tables ({how}, while in use): the responses and "
         f"feedback it held are not there, and nothing is stored until it has them. Put {back} back from a copy; "
-        "or, to start an empty store, restart the servers (they create the tables) and move the online loop's "
+        "or, to start an empty store, restart the servers (they create it) and move the online loop's "
         "state.json away"
     )

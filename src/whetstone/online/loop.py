@@ -4,7 +4,9 @@ gate -> publish, or discard and say why. Servers pick new versions up through th
     <output_dir>/config.toml     the config as last run
     <output_dir>/metrics.jsonl   one record per update: decision, reason, counts, loss, scores, timings
     <output_dir>/state.json      the feedback cursor (newest event read), the feedback store's id,
-                                 the update count, and the events an update is consuming
+                                 the update count, the events an update is consuming, and whose
+                                 weights the versions that can still matter hold (`lineage`: a
+                                 rollback's are an earlier version's; `Lineage.state`)
     <output_dir>/checkpoints/step_<version>/   fp32 masters and AdamW moments of a version the
                                  loop published (the newest two; training.checkpoint's format)
 
@@ -25,7 +27,9 @@ skip events. Each update also records in the store how far it read (`FeedbackSto
 loop without a state.json (a new output_dir) starts there, so no event is trained twice. Update
 numbers (the metrics' step) go on after the newest in metrics.jsonl when state.json is gone.
 A reply's staleness is the number of updates between the weights it was sampled with and the
-deployed ones (`Lineage`): a rollback's version holds an earlier version's weights.
+deployed ones (`Lineage`): a rollback's version holds an earlier version's weights. The weight
+store may collect a rollback's manifest while the loop is stopped: state.json keeps what it
+said, so a restarted loop counts the replies sampled with it as the loop before did.
 """
 
 from __future__ import annotations
@@ -194,6 +198,7 @@ class OnlineLoop:
                 )
             return {"cursor": marks.consumed, "updates": self.updates_recorded(), "store": marks.store_id}
         self.state = json.loads(self.state_path.read_text())
+        self.lineage.restore(self.state.pop("lineage", {}))  # none in a state.json of an older whetstone
         consuming = self.state.pop("consuming", None)
         if consuming is not None:  # forgotten at the next update's end, when its record says so
             log.warning(
@@ -312,7 +317,7 @@ class OnlineLoop:
             "through": self.state["cursor"],
             "events": len(rated) + passed,
         }
-        atomic_write_json(self.state_path, self.state)  # before training: nothing is trained twice
+        self.save_state()  # before training: nothing is trained twice
         self.read_store(lambda: self.feedback.consume(self.state["store"], self.state["cursor"]))
         self.last_update = time.monotonic()
         record |= self.prune()
@@ -347,7 +352,13 @@ class OnlineLoop:
         the range being consumed, and the lost events its record reported."""
         self.state.pop("consuming", None)
         self.state.pop("lost_events", None)
-        atomic_write_json(self.state_path, self.state)
+        self.save_state()
+
+    def save_state(self) -> None:
+        """Write state.json: `state`, and what the lineage of the weight versions that can still
+        matter is (`Lineage.state`), which the weight store may collect before a restart."""
+        lineage = self.lineage.state(self.version, self.config.staleness.max_off_policy_steps)
+        atomic_write_json(self.state_path, self.state | {"lineage": lineage})
 
     def behind(self, versions: list[int]) -> int:
         """Updates between the weights a reply was sampled with (its token `versions`) and the

@@ -13,6 +13,7 @@ with (`Lineage`), not by version numbers.
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
 
@@ -91,7 +92,8 @@ class Lineage:
     for its own could put weights many updates away right behind the deployed ones. Its place in
     the tree is unknown, so a reply sampled with it, or with weights reached only through it, is
     counted beyond any bound (dropped as stale): its data is old enough to be collected, as a rule
-    far past the bound."""
+    far past the bound. What a loop knew before a restart comes back from its state.json
+    (`state`, `restore`), so a version read then counts as read."""
 
     def __init__(self, store: WeightStore):
         self.store = store
@@ -100,6 +102,9 @@ class Lineage:
         its manifest was gone when first asked for."""
         self.newest_read = -1
         """The newest version whose manifest was read: a missing one below it is gone for good."""
+        self.saved: dict[int, int] = {}
+        """Version -> the version whose weights it holds, as read before a restart (`restore`):
+        taken for a version whose manifest is gone; the store's manifest otherwise."""
 
     def note(self, manifest: Manifest) -> None:
         """Remember whose weights a version holds while its manifest is at hand (it may be
@@ -114,6 +119,9 @@ class Lineage:
             try:
                 source = self.store.manifest(version).republishes
             except MissingObjectError:
+                if version in self.saved:  # read before a restart
+                    self.known[version] = self.saved[version]
+                    return self.known[version]
                 if version > self.newest_read:  # perhaps not published yet: ask again next time
                     return None
                 if None not in self.known.values():  # said for the first such version: the others go alike
@@ -137,14 +145,7 @@ class Lineage:
         (a version on the way whose manifest is gone)."""
         if not versions:
             return 0
-        ancestors, node = {}, self.weights_of(deployed)  # node -> updates from the deployed weights
-        for steps in range(limit + 1):
-            if node is None:
-                break
-            ancestors[node] = steps
-            if node <= 0:
-                break
-            node = self.weights_of(node - 1)
+        ancestors = self._ancestors(deployed, limit)
         farthest = 0
         for version in set(versions):
             node = self.weights_of(version)
@@ -162,3 +163,44 @@ class Lineage:
             if farthest > limit:
                 return limit + 1
         return farthest
+
+    def _ancestors(self, deployed: int, limit: int) -> dict[int, int]:
+        """The weights up to `limit` updates before `deployed`'s (as far as they are known): the
+        version holding them -> updates from the deployed weights."""
+        ancestors, node = {}, self.weights_of(deployed)
+        for steps in range(limit + 1):
+            if node is None:
+                break
+            ancestors[node] = steps
+            if node <= 0:
+                break
+            node = self.weights_of(node - 1)
+        return ancestors
+
+    def state(self, deployed: int, limit: int) -> dict[str, Any]:
+        """What a restarted loop could not read again (manifests are collected), for its
+        state.json (`restore`): `newest_read`, and whose weights each version known holds (a
+        rollback's: an earlier version's), from the oldest version that can still matter on.
+
+        That is the oldest of the weights within `limit` updates (the staleness bound) of the
+        `deployed` version's. A reply counted within the bound goes from the weights it was
+        sampled with to one of those, each step to an older version, and the deployed weights'
+        own walk stops at the oldest: neither asks about a version below it. An older entry
+        matters only once the loop adopts weights older than that (a rollback to a version
+        still stored), and then only for replies sampled with versions collected meanwhile: it
+        is dropped, so the state stays bounded, and those replies count as beyond the bound, as
+        for any version whose manifest the loop never read. A weight store that fails to answer
+        meanwhile does not fail the save (the update is done): every version known is kept."""
+        try:
+            oldest = min(self._ancestors(deployed, limit), default=deployed)
+        except Exception as err:  # S3 or a file system down for a moment: the next save prunes
+            log.warning("the weight store did not answer (%s): state.json keeps every version's lineage known", err)
+            oldest = -1
+        known = self.saved | {version: source for version, source in self.known.items() if source is not None}
+        weights = {str(version): known[version] for version in sorted(known) if version >= oldest}
+        return {"newest_read": self.newest_read, "weights": weights}
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Take back what `state` saved before a restart."""
+        self.newest_read = max(self.newest_read, int(saved.get("newest_read", -1)))
+        self.saved |= {int(version): int(source) for version, source in saved.get("weights", {}).items()}

@@ -17,6 +17,8 @@ numbers mean something only in the database that gave them: a database recreated
 from an older copy) numbers its events anew, and its id (or newest number) tells the loop so.
 A SQLite file deleted or replaced under open connections is followed: every use of a connection
 checks that it still holds the file at the path, so servers write into the store the loop reads.
+Only `FeedbackStore.open` creates the file: a connection made later to a deleted one fails
+("unable to open database file") instead of leaving a new, empty database at the path.
 Times (`created`) are the database's clock (`now`), so servers and the loop on machines whose
 clocks disagree still agree on a response's age. Database failures raise `FeedbackStoreError`.
 """
@@ -25,11 +27,13 @@ from __future__ import annotations
 
 import os
 import secrets
+import sqlite3
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -149,11 +153,12 @@ class RatedResponse:
 
 def database_url(store: str) -> str:
     """A SQLAlchemy URL for `store`: a URL as given (psycopg 3 for plain `postgresql://`), or a
-    SQLite file path (`~` and `$NAME` expanded; its folder is created)."""
+    SQLite file path (`~` and `$NAME` expanded; its folder is created; `?`, `#`, `%`... quoted, so
+    the URL's database is the path as given)."""
     if "://" not in store:
         path = expand_path(store).resolve()
         path.parent.mkdir(parents=True, exist_ok=True)
-        return f"sqlite:///{path}"
+        return sa.engine.URL.create("sqlite", database=str(path)).render_as_string()
     if store.startswith("postgresql://") or store.startswith("postgres://"):
         return "postgresql+psycopg://" + store.split("://", 1)[1]
     return store
@@ -181,10 +186,8 @@ def _create_tables(engine: sa.Engine) -> None:
 class FeedbackStore:
     def __init__(self, engine: sa.Engine):
         self.engine = engine
-        database = engine.url.database
-        self.path = (
-            Path(database) if engine.dialect.name == "sqlite" and database not in (None, "", ":memory:") else None
-        )
+        database = _sqlite_file(engine)
+        self.path = None if database is None else Path(database)
         """The SQLite file, or None."""
 
     @classmethod
@@ -204,10 +207,13 @@ class FeedbackStore:
             if url.startswith("sqlite"):
                 sa.event.listen(engine, "connect", _sqlite_pragmas)
                 _follow_file(engine)
+                _open_without_creating(engine)
+                if (path := _sqlite_file(engine)) is not None:
+                    sqlite3.connect(path).close()  # the file, empty, if none is there: the only place it is created
             _create_tables(engine)
             with engine.begin() as db:
                 _identity_row(db)
-        except (sa.exc.SQLAlchemyError, ImportError) as err:
+        except (sa.exc.SQLAlchemyError, sqlite3.Error, ImportError) as err:
             reason = _reason(err)
             raise FeedbackStoreError(
                 f"cannot open the feedback store {hide_password(store)}: {reason}", reason
@@ -219,7 +225,9 @@ class FeedbackStore:
 
     @property
     def name(self) -> str:
-        """The database's URL, without its password."""
+        """The database's URL, without its password; a SQLite file's path as it is (unquoted)."""
+        if self.path is not None:
+            return f"sqlite:///{self.path}"
         return hide_password(self.engine.url.render_as_string(hide_password=False))
 
     def close(self) -> None:
@@ -412,16 +420,25 @@ def _file_at(path: str) -> tuple[int, int] | None:
     return stat.st_dev, stat.st_ino
 
 
+def _sqlite_file(engine: sa.Engine) -> str | None:
+    """The path of the engine's SQLite file (as its URL gives it); None for another database, an
+    in-memory one, or a SQLite URI (a URL with `uri=true`: its database is a URI, not a path)."""
+    database = engine.url.database
+    if engine.dialect.name != "sqlite" or database in (None, "", ":memory:") or engine.url.query.get("uri"):
+        return None
+    return database
+
+
 def _follow_file(engine: sa.Engine) -> None:
     """Make every use of a pooled connection to a SQLite file check that the file it opened is
     still the one at the store's path: one deleted or replaced since (the store recreated, a
     backup restored) is dropped for a new connection to the file there (the pool retries), so
     reads see and writes go into the store at the path, never into a deleted file."""
-    path = engine.url.database
-    if path in (None, "", ":memory:"):
+    path = _sqlite_file(engine)
+    if path is None:
         return
 
-    def connected(_connection, record) -> None:  # after `_sqlite_pragmas`, which creates the file
+    def connected(_connection, record) -> None:  # the file this connection opened (`mode=rw`: one was there)
         record.info["file"] = _file_at(path)
 
     def checkout(_connection, record, _proxy) -> None:
@@ -430,6 +447,24 @@ def _follow_file(engine: sa.Engine) -> None:
 
     sa.event.listen(engine, "connect", connected)
     sa.event.listen(engine, "checkout", checkout)
+
+
+def _open_without_creating(engine: sa.Engine) -> None:
+    """Make every connection to a SQLite file open it read-write without creating it (a SQLite
+    URI with `mode=rw`; `FeedbackStore.open` creates the file first). A connection made after the
+    file was deleted (`_follow_file` drops the stale one and the pool connects again) then fails
+    with "unable to open database file" (`lost_tables` says what happened) rather than creating
+    an empty database at the path: that would hide the loss from the operator, and the next
+    `open` would give it fresh tables and a new id."""
+    if _sqlite_file(engine) is None:
+        return
+
+    def connecting(_dialect, _record, cargs: list, cparams: dict) -> None:
+        # cargs[0]: the dialect's absolute path; quoted, as a URI's path must be (`?`, `#`, `%`)
+        cargs[0] = f"file:{quote(cargs[0])}?mode=rw"
+        cparams["uri"] = True
+
+    sa.event.listen(engine, "do_connect", connecting)
 
 
 def _sqlite_pragmas(connection, _record) -> None:
