@@ -23,12 +23,13 @@ from whetstone.orchestrator.cli import orchestrator
 from whetstone.run.cli import run
 from whetstone.sync.cli import app as sync_app
 from whetstone.trainer.cli import trainer
-from whetstone.utils.processes import Terminated, apply_role_environment, exit_process
+from whetstone.utils.processes import FailedElsewhere, Terminated, apply_role_environment, exit_process
 
 
 class _Interrupted(BaseException):
-    """A Ctrl-C (KeyboardInterrupt) carried past typer, which would end the process on it with
-    code 130 and no word of why (click: "Aborted!" and code 1), to `main`."""
+    """A Ctrl-C (KeyboardInterrupt), or a SIGTERM where a command takes it (`Terminated`, of its
+    kind), carried past typer, which would end the process on it with code 130 and no word of why
+    (click: "Aborted!" and code 1), to `main`; its cause is the signal's exception."""
 
 
 class _Commands(TyperGroup):
@@ -104,8 +105,12 @@ def main(args: list[str] | None = None) -> None:
     except WhetstoneError as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
         exit_process(2)
-    except (KeyboardInterrupt, _Interrupted, Terminated) as stopped:  # the roles it started are stopped by now
-        signal_number = signal.SIGTERM if isinstance(stopped, Terminated) else signal.SIGINT
+    except (KeyboardInterrupt, _Interrupted) as stopped:  # the roles it started are stopped by now
+        raised = stopped.__cause__ if isinstance(stopped, _Interrupted) else stopped
+        if isinstance(raised, FailedElsewhere):
+            Console(stderr=True).print(f"[bold red]error:[/] {raised.error}", highlight=False)
+            exit_process(2)
+        signal_number = signal.SIGTERM if isinstance(raised, Terminated) else signal.SIGINT
         Console(stderr=True).print(f"stopped by {signal_number.name}", highlight=False)
         exit_process(128 + signal_number)
     exit_process(0)

@@ -75,3 +75,26 @@ whetstone.main()
 def test_a_ctrl_c_while_the_command_loads_ends_with_one_line_and_130():
     done = subprocess.run([sys.executable, "-c", INTERRUPTED_IMPORT], capture_output=True, text=True, timeout=30)
     assert (done.returncode, done.stderr) == (130, "stopped by SIGINT\n")
+
+
+FAILED_ELSEWHERE = """
+import sys
+import whetstone.cli as cli
+from whetstone.errors import WhetstoneError
+from whetstone.utils.processes import FailedElsewhere
+
+@cli.app.command("interrupted")
+def interrupted():
+    raise FailedElsewhere(WhetstoneError("sampling the servers failed: the disk is full"))
+
+cli.main(sys.argv[1:])
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_failure_of_another_thread_that_interrupts_the_command_ends_it_as_an_error():
+    # past the block that would have turned it into its error (a race at the block's end)
+    done = subprocess.run(
+        [sys.executable, "-c", FAILED_ELSEWHERE, "interrupted"], capture_output=True, text=True, timeout=30
+    )
+    assert (done.returncode, done.stderr) == (2, "error: sampling the servers failed: the disk is full\n")

@@ -1,7 +1,9 @@
 """The pipeline's view of running servers: their /metrics sampled into servers.jsonl (and, as
 role `servers`, into TensorBoard)."""
 
+import errno
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import httpx
@@ -11,7 +13,7 @@ from tests.utils.tracking_support import as_event_value, event_scalars
 from whetstone.errors import WhetstoneError
 from whetstone.run.monitor import ServerSampler, last_record, parse_metrics
 from whetstone.utils.metrics import read_metrics
-from whetstone.utils.tracking import TrackingConfig
+from whetstone.utils.tracking import TensorBoardSink, TrackingConfig
 
 PAGE = """# HELP whetstone_weight_version Version of the weights.
 whetstone_weight_version{model="m"} 3
@@ -102,3 +104,42 @@ def test_a_sample_that_cannot_be_written_ends_the_sampling_and_is_raised_once_lo
     assert uncaught == []
     logged = [r for r in caplog.records if r.name == "whetstone.run"]
     assert [(r.levelname, r.getMessage()) for r in logged] == [("ERROR", str(sampler.error))]
+
+
+def test_a_tracking_sink_that_raises_stops_the_sampling_and_the_main_thread_at_once(tmp_path, monkeypatch, caplog):
+    """A TensorBoard writer that raises (its event file's disk is full) ends the sampling as a
+    full servers.jsonl does, as it would stop any other role: logged once with its traceback,
+    no thread traceback, and raised where the main thread waits (`interrupt_main`), its sleep
+    cut short; the sample's JSONL line was written before. The sink's close failing too (its
+    flush) is logged, not raised in place of the first failure."""
+    uncaught = []
+    monkeypatch.setattr(threading, "excepthook", uncaught.append)
+    failure = OSError(errno.ENOSPC, "No space left on device")
+
+    def log(self, values, step, walltime):
+        raise failure
+
+    def close(self, failed):  # it fails again as it flushes
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(TensorBoardSink, "log", log)
+    monkeypatch.setattr(TensorBoardSink, "close", close)
+    sampler = ServerSampler(
+        ["http://127.0.0.1:9/v1"], tmp_path / "servers.jsonl", 0.01, tracking=TrackingConfig(), interrupt_main=True
+    )
+    message = r"^sampling the servers and CPU time failed: OSError: \[Errno 28\] No space left on device$"
+    slept = []
+    with pytest.raises(WhetstoneError, match=message) as raised:
+        with sampler:
+            time.sleep(30)
+            slept.append(True)
+    assert slept == [] and not sampler._thread.is_alive() and uncaught == []
+    assert raised.value is sampler.error and sampler.error.__cause__ is failure
+    logged = [r for r in caplog.records if r.name == "whetstone.run"]
+    assert [(r.levelname, r.getMessage(), r.exc_info and r.exc_info[1]) for r in logged] == [
+        ("ERROR", str(sampler.error), failure),
+        ("WARNING", f"closing {tmp_path / 'servers.jsonl'} after sampling failed: OSError: {failure}", None),
+    ]
+    assert [r | {"time": 0} for r in read_metrics(tmp_path / "servers.jsonl")] == [
+        {"server": 0, "up": False, "time": 0}
+    ]

@@ -7,13 +7,18 @@ import itertools
 import json
 import os
 import re
+import signal
+import sys
+import threading
 import time
 import tomllib
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+from tests.envs.harness.harness_support import tokenizer
 from tests.run.run_support import tiny_run
 from tests.utils.tracking_support import assert_tracked
 from whetstone.errors import WhetstoneError
@@ -22,6 +27,7 @@ from whetstone.run import pipeline as pipeline_module
 from whetstone.run.pipeline import Pipeline, run_pipeline
 from whetstone.utils.cgroups import why_no_cpu_groups
 from whetstone.utils.metrics import read_metrics
+from whetstone.utils.processes import RoleProcess
 
 
 @pytest.mark.timeout(300)
@@ -198,8 +204,8 @@ def test_rl_without_a_step_names_the_side_that_held_it_up(tmp_path):
 
 
 def test_servers_metrics_that_cannot_be_written_stop_the_run_with_why(tmp_path):
-    # servers.jsonl on a full disk (/dev/full): the pipeline's next look raises the sampler's error,
-    # whether it waits for the servers' final version or is about to evaluate
+    # servers.jsonl on a full disk (/dev/full): the run stops with the sampler's error wherever it
+    # waits, for the servers' final version or before an evaluation
     pipeline = Pipeline(tiny_run(tmp_path, "rl.sync_timeout_s=5"))
     pipeline.run_dir.mkdir(parents=True)
     (pipeline.run_dir / "servers.jsonl").symlink_to("/dev/full")
@@ -217,6 +223,60 @@ def test_servers_metrics_that_cannot_be_written_stop_the_run_with_why(tmp_path):
             while pipeline.sampler.error is None and time.monotonic() < deadline:
                 time.sleep(0.01)  # until its first sample has failed
             pipeline.evaluate("before")
+
+
+class HeldServer(BaseHTTPRequestHandler):
+    """An inference server that never answers: each request is recorded and held until the
+    server's `release` is set (its `on_request` is called with the first)."""
+
+    def do_GET(self):
+        self.server.requests.append(self.path)
+        if len(self.server.requests) == 1:
+            self.server.on_request()
+        self.server.release.wait(60)
+        self.server.answered.append(self.path)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.timeout(120)
+def test_a_sampler_that_fails_during_an_evaluation_stops_the_run_at_once(tmp_path):
+    # servers.jsonl's disk fills while the evaluation before RL waits on its server's first answer:
+    # the run stops then, with the sampler's error and its roles stopped, the evaluation's request
+    # still unanswered, not once the evaluation ends (its server's health times out after 5 s)
+    pipeline = Pipeline(tiny_run(tmp_path))
+    tokenizer().save(pipeline.model_dir)  # the evaluation's harness reads the mid-trained model's
+    pipeline.urls = ["http://127.0.0.1:9/v1"]  # the sampled server is down: its samples say so
+    full = os.open("/dev/full", os.O_WRONLY)
+
+    def disk_fills():
+        os.dup2(full, pipeline.sampler.writer._handle.fileno())  # servers.jsonl's next line: ENOSPC
+
+    with ThreadingHTTPServer(("127.0.0.1", 0), HeldServer) as server:
+        server.requests, server.answered, server.release, server.on_request = [], [], threading.Event(), disk_fills
+        threading.Thread(target=server.serve_forever, daemon=True).start()
+        pipeline.config = pipeline.config.resolved([f"http://127.0.0.1:{server.server_address[1]}/v1"])
+        idle = RoleProcess(
+            "idle", [], tmp_path / "idle.log", command=[sys.executable, "-c", "import time; time.sleep(60)"]
+        )
+        message = "^" + re.escape(
+            f"sampling the servers and CPU time failed: cannot write {pipeline.run_dir / 'servers.jsonl'}: "
+            "No space left on device: free space on its disk, then run the command again"
+        )
+        try:
+            with pytest.raises(WhetstoneError, match=message):
+                with pipeline.roles_stopped():
+                    pipeline.roles.append(idle.start())
+                    with pipeline.server_sampler(interval_s=0.01) as pipeline.sampler:
+                        pipeline.evaluate("before")
+            assert len(server.requests) == 1 and server.answered == []  # stopped while it waited on it
+            assert idle.returncode == -signal.SIGTERM  # and its roles are stopped, as on any failure
+        finally:
+            os.close(full)
+            server.release.set()
+            server.shutdown()
+    assert not (pipeline.run_dir / "eval" / "before" / "report.json").exists()
 
 
 def check_temperature_sweep(summary: dict, after: dict) -> None:

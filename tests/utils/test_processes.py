@@ -207,3 +207,65 @@ def test_a_first_signal_asks_to_stop_and_says_which_and_a_second_acts_as_without
             assert {n: signal.getsignal(n) for n in outside} == outside
     finally:
         signal.signal(signal.SIGINT, before)
+
+
+def test_a_sigterm_that_lands_in_an_event_loop_callback_still_stops_the_loop():
+    # asyncio keeps an exception other than KeyboardInterrupt / SystemExit raised in a plain
+    # callback (not a task's step): it logs it and runs on. The signal is sent from the callback,
+    # so Python runs the handler there, at its next instruction.
+    import asyncio
+
+    main = threading.main_thread().ident
+    landed = []
+
+    def callback() -> None:
+        signal.pthread_kill(main, signal.SIGTERM)
+        landed.append(True)  # not reached: the handler raised before
+
+    async def serve() -> None:
+        asyncio.get_running_loop().call_soon(callback)
+        await asyncio.sleep(2)
+
+    with sigterm_raises(), pytest.raises(Terminated):
+        asyncio.run(serve())
+    assert not landed
+
+
+CHECKPOINTS_ON_SIGTERM = """
+import signal, sys, time
+from pathlib import Path
+asked = []
+def take(number, frame):
+    if asked:  # a second SIGTERM: "now", as `stop_on_signals` takes it
+        sys.exit(1)
+    asked.append(number)
+signal.signal(signal.SIGTERM, take)
+Path(sys.argv[1]).write_text("ready")
+while not asked:
+    time.sleep(0.01)
+time.sleep(2.0)  # the checkpoint
+Path(sys.argv[1]).write_text("checkpointed")
+"""
+
+
+def test_a_role_asked_to_stop_again_while_it_stops_is_not_signalled_twice(tmp_path):
+    # The first wait is cut short, as a signal in the main thread cuts it; the second stop waits
+    # out the first one's grace instead of sending the SIGTERM that would end the role at once.
+    marker = tmp_path / "marker"
+    role = RoleProcess("trainer", [], tmp_path / "t.log")
+    role.argv = [sys.executable, "-c", CHECKPOINTS_ON_SIGTERM, str(marker)]
+    role.start()
+    deadline = time.monotonic() + 60
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    main = threading.main_thread().ident
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, signal.pthread_kill, (main, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            role.stop(grace_s=30)
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert role.running  # still checkpointing
+    assert role.stop(grace_s=30) == 0
+    assert marker.read_text() == "checkpointed"

@@ -15,7 +15,7 @@ from tests.utils.tracking_support import (
     wandb_records,
 )
 from whetstone.config import load_config
-from whetstone.errors import ConfigError
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.trainer.config import TrainerConfig
 from whetstone.utils.metrics import MetricsWriter, read_metrics
 from whetstone.utils.tracking import TrackingConfig
@@ -98,6 +98,26 @@ def test_an_offline_wandb_run_gets_the_same_scalars(tmp_path, monkeypatch):
     (run,) = [r["run"] for r in wandb_records(tmp_path / "trainer") if r.get("type") == "run"]
     assert (run["display_name"], run["run_group"]) == ("run1/trainer", "run1")
     assert not (tmp_path / "trainer" / "tensorboard").exists()
+
+
+def test_a_wandb_run_that_fails_to_log_stops_the_role_at_its_next_record(tmp_path, monkeypatch):
+    # W&B logs from a thread of its own: what it raises there is raised in the role, as the
+    # TensorBoard sink's own failures are, not lost with the thread.
+    use_offline_wandb(monkeypatch, tmp_path)
+    tracking = TrackingConfig(wandb=True, wandb_mode="offline", tensorboard=False)
+    path = tmp_path / "trainer" / "metrics.jsonl"
+    with pytest.raises(WhetstoneError) as failed, MetricsWriter(path, tracking, role="trainer") as metrics:
+        (sink,) = metrics._sinks
+
+        def full(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(sink._run, "log", full)
+        metrics.write(RECORDS[0])
+        sink._thread.join(60)  # it ended with the failure
+        metrics.write(RECORDS[1])
+    assert str(failed.value) == "logging trainer's metrics to W&B failed: OSError: [Errno 28] No space left on device"
+    assert read_metrics(path)[0]["loss"] == RECORDS[0]["loss"]
 
 
 def test_asking_for_wandb_without_it_names_the_extra_to_install(monkeypatch):

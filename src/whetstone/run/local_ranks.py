@@ -16,7 +16,6 @@ deciding for all) and SIGKILL to those still running after the grace period.
 
 from __future__ import annotations
 
-import signal
 import subprocess
 import time
 from pathlib import Path
@@ -149,12 +148,9 @@ class LocalRankGroup(RankedRole):
         return super().wait(timeout_s)
 
     def _end(self, grace_s: float) -> list[int | None]:
-        """SIGTERM to every running rank at once, SIGKILL to those left after `grace_s`; the
-        ranks' exit codes."""
-        for rank in self.ranks:
-            if rank.running:
-                rank.process.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
+        """SIGTERM to every running rank at once (once: `RoleProcess.terminate`), SIGKILL to
+        those left after `grace_s`; the ranks' exit codes."""
+        deadline = max((rank.terminate(grace_s) for rank in self.ranks if rank.running), default=0.0)
         for rank in self.ranks:
             if rank.process is None:
                 continue

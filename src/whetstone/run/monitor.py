@@ -8,6 +8,7 @@ import contextlib
 import json
 import logging
 import re
+import signal
 import threading
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import httpx
 from whetstone.errors import WhetstoneError
 from whetstone.utils.cgroups import CpuGroup
 from whetstone.utils.metrics import MetricsWriter
+from whetstone.utils.processes import FailedElsewhere
 from whetstone.utils.tracking import TrackingConfig
 
 SAMPLED = {
@@ -29,6 +31,11 @@ SAMPLED = {
 }
 _LINE = re.compile(r"^(\w+)(?:\{[^}]*\})?\s+(\S+)$")
 log = logging.getLogger("whetstone.run")
+INTERRUPT_SIGNAL = signal.SIGURG
+"""What a sampler that failed sends the main thread (`ServerSampler`'s `interrupt_main`): a real
+signal, so that it ends a wait in a system call at once (an event loop's poll, a sleep, a child's
+wait); one nothing else here uses, and one ignored by default, so that a signal that comes after
+the sampler's block ended does nothing."""
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -48,9 +55,16 @@ class ServerSampler:
     group has used so far (no cgroups here: no groups, and no `cpu_path` file). With `tracking`,
     both also go to TensorBoard / W&B as roles `servers` (tags `server<i>/...`) and `cpu`.
 
-    A sample that cannot be written (a full disk: the writers' WhetstoneError) ends the sampling:
-    it is logged once, kept in `error`, and raised by `check` and when the sampler's block ends,
-    so that the run stops with it rather than go on without the servers' record."""
+    A sample that cannot be written ends the sampling: a full disk (the writers' WhetstoneError),
+    or a TensorBoard / W&B sink that raised (as in every other role, whose metrics writer raises
+    it and stops the role). It is logged once (a sink's exception with its traceback), kept in
+    `error`, and raised by `check` and when the sampler's block ends, so that the run stops with it
+    rather than go on without the servers' record. With `interrupt_main`, and the block entered in
+    the main thread, the failure also interrupts that thread at once wherever it waits (an
+    evaluation of many minutes, RL's polling, a role's stop): `FailedElsewhere` is raised there (by
+    `INTERRUPT_SIGNAL`), and the block ends with `error`. What the interrupted work does on its
+    way out still runs, as on Ctrl-C (an evaluation's tool calls and gradings in flight end first;
+    a role being stopped is not signalled again: `RoleProcess.terminate`)."""
 
     def __init__(
         self,
@@ -61,6 +75,7 @@ class ServerSampler:
         cpu_groups: dict[str, CpuGroup] | None = None,
         cpu_path: str | Path | None = None,
         tracking: TrackingConfig | None = None,
+        interrupt_main: bool = False,
     ):
         self.urls = [root.rstrip("/").removesuffix("/v1") + "/metrics" for root in api_roots]
         self.writer = MetricsWriter(path, tracking, role="servers", series_key="server")
@@ -70,21 +85,46 @@ class ServerSampler:
         self.latest: dict[int, dict[str, Any]] = {}
         self.error: WhetstoneError | None = None
         """Why sampling ended before it was stopped (a sample that could not be written)."""
+        self.interrupt_main = interrupt_main
+        self._main: int | None = None
+        """The thread a failure interrupts (the main thread, while the block runs), or None."""
+        self._previous_handler: Any = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="server-sampler", daemon=True)
 
     def __enter__(self) -> ServerSampler:
+        if self.interrupt_main and threading.current_thread() is threading.main_thread():
+            self._previous_handler = signal.signal(INTERRUPT_SIGNAL, self._interrupted)
+            self._main = threading.get_ident()
         self._thread.start()
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        main, self._main = self._main, None  # a failure from here on is raised below, not by a signal
+        if main is not None:
+            previous = self._previous_handler
+            signal.signal(INTERRUPT_SIGNAL, signal.SIG_DFL if previous is None else previous)
         self._stop.set()
         self._thread.join()
-        self.writer.close()
-        if self.cpu_writer is not None:
-            self.cpu_writer.close()
-        if kind is None:  # else the block's own exception is what the run ends with
+        failed = kind is not None or self.error is not None
+        with contextlib.ExitStack() as closing:  # each writer closed, whatever another's close raises
+            for writer in (self.writer, self.cpu_writer):
+                if writer is not None:
+                    closing.callback(self._close, writer, failed)
+        if kind is None or issubclass(
+            kind, FailedElsewhere
+        ):  # else the block's own exception is what the run ends with
             self.check()
+
+    def _close(self, writer: MetricsWriter, failed: bool) -> None:
+        """Close `writer`; after sampling failed, what its close raises too (a sink that fails
+        again as it flushes) is logged: the run ends with the first failure, `error`."""
+        try:
+            writer.close(failed)
+        except Exception as err:
+            if self.error is None:
+                raise
+            log.warning("closing %s after sampling failed: %s: %s", writer.path, type(err).__name__, err)
 
     def check(self) -> None:
         """Raise why sampling ended, if it ended on its own (`error`)."""
@@ -108,15 +148,33 @@ class ServerSampler:
                     used[side] = group.usage_seconds()
             self.cpu_writer.write({"cpu_s": used})
 
+    def _interrupted(self, _number: int, _frame: object) -> None:
+        """`INTERRUPT_SIGNAL`'s handler in the main thread while the block runs."""
+        if self._main is not None and self.error is not None:
+            raise FailedElsewhere(self.error)
+
     def _run(self) -> None:
         try:
             with httpx.Client(timeout=2.0) as client:
                 while not self._stop.is_set():
                     self.sample(client)
                     self._stop.wait(self.interval_s)
-        except WhetstoneError as err:
+        except Exception as err:  # a full disk (WhetstoneError), a TensorBoard / W&B sink's own exception
+            self._fail(err)
+
+    def _fail(self, err: Exception) -> None:
+        """Keep why sampling ended in `error` and log it once (an exception other than a
+        WhetstoneError with its traceback); interrupt the main thread while the block runs."""
+        if isinstance(err, WhetstoneError):
             self.error = WhetstoneError(f"sampling the servers and CPU time failed: {err}")
             log.error("%s", self.error)
+        else:
+            self.error = WhetstoneError(f"sampling the servers and CPU time failed: {type(err).__name__}: {err}")
+            self.error.__cause__ = err
+            log.error("%s", self.error, exc_info=err)
+        main = self._main
+        if main is not None:
+            signal.pthread_kill(main, INTERRUPT_SIGNAL)
 
 
 def weight_info(client: httpx.Client, root: str) -> dict[str, int]:

@@ -630,7 +630,10 @@ class Pipeline:
             time.sleep(0.5)
 
     def server_sampler(self, interval_s: float = 2.0) -> ServerSampler:
-        """Samples of the servers' /metrics (`servers.jsonl`) and each side's CPU time (`cpu.jsonl`)."""
+        """Samples of the servers' /metrics (`servers.jsonl`) and each side's CPU time (`cpu.jsonl`).
+        A sample that cannot be written stops the stage that runs, wherever it waits (an
+        evaluation, RL's polling, a role's stop: `interrupt_main`), as a Ctrl-C would, and the run
+        ends with why."""
         return ServerSampler(
             self.urls,
             self.run_dir / "servers.jsonl",
@@ -638,6 +641,7 @@ class Pipeline:
             cpu_groups=self.cpu_groups,
             cpu_path=self.run_dir / "cpu.jsonl",
             tracking=self.config.tracking,
+            interrupt_main=True,
         )
 
     def stop_roles(self) -> signal.Signals | None:

@@ -68,9 +68,23 @@ def apply_role_environment() -> None:
     stop_with_parent()
 
 
-class Terminated(BaseException):
+class Terminated(KeyboardInterrupt):
     """Raised in the main thread by SIGTERM under `sigterm_raises`, as SIGINT raises
-    KeyboardInterrupt: a BaseException, so only `finally` clauses and context managers see it."""
+    KeyboardInterrupt, and of its kind: only `finally` clauses and context managers see it, and
+    asyncio passes it on wherever it lands (it keeps any other exception raised in a callback of
+    its event loop, logs it and runs on: a SIGTERM would be lost)."""
+
+
+class FailedElsewhere(KeyboardInterrupt):
+    """Raised in the main thread, wherever it is, for a failure in another thread, which signals
+    the main thread to raise it (`run.monitor.ServerSampler`); `error` is the failure. Of
+    KeyboardInterrupt's kind, as Ctrl-C: asyncio passes it on from a callback of its event loop,
+    and no `except Exception` of the work it cuts short takes it for its own. The `whetstone`
+    command ends with its `error` as with any other WhetstoneError."""
+
+    def __init__(self, error: WhetstoneError):
+        super().__init__(str(error))
+        self.error = error
 
 
 @contextlib.contextmanager
@@ -325,12 +339,15 @@ class RoleProcess:
             self.env[CPU_GROUP_ENV] = os.pathsep.join(map(str, cpu_group.paths))
         self.own_group = own_group
         self.process: subprocess.Popen | None = None
+        self._stop_deadline: float | None = None
+        """When the process must have stopped since its SIGTERM (`terminate`), or None."""
 
     def start(self) -> RoleProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(self.env)
         if threading.current_thread() is threading.main_thread():  # the kernel ties it to the starting thread
             env[PARENT_ENV] = str(os.getpid())
+        self._stop_deadline = None
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
                 self.argv,
@@ -389,11 +406,21 @@ class RoleProcess:
         """SIGTERM (roles checkpoint and exit cleanly on it), then SIGKILL after `grace_s`."""
         if not self.running:
             return self.returncode
-        self.process.send_signal(signal.SIGTERM)
+        deadline = self.terminate(grace_s)
         try:
-            return self.process.wait(grace_s)
+            return self.process.wait(max(0.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             return self.kill()
+
+    def terminate(self, grace_s: float) -> float:
+        """Send SIGTERM once: a process asked to stop again while it stops (a wait for it that a
+        signal cut short, then the run's clean-up) is not sent a second one, which to a role
+        means "now" (`stop_on_signals`: its checkpoint would be lost). Returns when the process
+        must have stopped: `grace_s` after the first SIGTERM."""
+        if self._stop_deadline is None:
+            self.process.send_signal(signal.SIGTERM)
+            self._stop_deadline = time.monotonic() + grace_s
+        return self._stop_deadline
 
     def kill(self) -> int | None:
         """SIGKILL, as a crash would."""

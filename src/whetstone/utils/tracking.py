@@ -21,6 +21,7 @@ from typing import Any, Literal, Protocol
 from pydantic import field_validator
 
 from whetstone.config import Config, expand_path
+from whetstone.errors import WhetstoneError
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class TensorBoardSink:
 
 class WandbSink:
     """One W&B run per role, logged to from a thread of its own; several may be open in one
-    process (the pipeline's samplers)."""
+    process (the pipeline's samplers). A failure there is raised by the next `log`, as the
+    TensorBoard sink raises its own: the role stops with it rather than log to nowhere."""
 
     def __init__(self, tracking: TrackingConfig, role: str, folder: Path, config: dict[str, Any] | None):
         import wandb
@@ -119,16 +121,27 @@ class WandbSink:
             reinit="create_new",
             settings=wandb.Settings(console="off"),  # the roles' output has its own logs
         )
+        self.role = role
+        self.failure: Exception | None = None
+        """What `wandb`'s `log` raised in the sink's thread, which then ended."""
         self._queue: queue.SimpleQueue[tuple[dict[str, float], int] | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._drain, name=f"wandb-{role}", daemon=True)
         self._thread.start()
 
     def log(self, values: dict[str, float], step: int, walltime: float) -> None:
+        if self.failure is not None:
+            failure = self.failure
+            raise WhetstoneError(
+                f"logging {self.role}'s metrics to W&B failed: {type(failure).__name__}: {failure}"
+            ) from failure
         self._queue.put((values, step))
 
     def _drain(self) -> None:
-        while (item := self._queue.get()) is not None:
-            self._run.log(item[0], step=item[1])
+        try:
+            while (item := self._queue.get()) is not None:
+                self._run.log(item[0], step=item[1])
+        except Exception as err:  # raised in the role by the next `log`
+            self.failure = err
 
     def close(self, failed: bool) -> None:
         self._queue.put(None)
