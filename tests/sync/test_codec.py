@@ -259,3 +259,21 @@ def test_a_corrupt_payload_is_rejected_not_misdecoded():
     repeated = encode_sparse(np.array([3, 3], dtype=np.int64), np.array([2, 2], dtype=np.uint16), level=1)
     with pytest.raises(CorruptDataError, match="not increasing"):  # the same position twice
         decode_sparse(repeated.count, repeated.payload, repeated.fields, 41, u16)
+
+
+def test_a_frame_that_would_decode_past_its_block_is_refused_before_decoding():
+    """A zstd bomb: a frame of a few KB (or a header alone) declaring far more than the block's
+    size. zstd would allocate what the header says; the decoder refuses it unread."""
+    expected = 20 * np.dtype(np.int16).itemsize  # a block of 20 bf16 values
+    inflating = zstandard.ZstdCompressor(level=1).compress(bytes(64 << 20))  # 64 MB of zeros, ~2 KB
+    assert len(inflating) < 10_000
+    empty_block = b"\x01\x00\x00"  # the last block, raw, of no bytes
+    header_only = struct.pack("<IB", 0xFD2FB528, 0xE0) + struct.pack("<Q", 1 << 50) + empty_block  # 1 PiB
+    for frame in (inflating, header_only):
+        with pytest.raises(
+            CorruptDataError,
+            match=f"zstd frame declares {zstandard.frame_content_size(frame)} bytes, expected {expected}",
+        ):
+            codec.decode_full(frame, 20, np.int16)
+    exact = zstandard.ZstdCompressor(level=1).compress(bytes(expected))  # declares its true size: fine
+    assert not codec.decode_full(exact, 20, np.int16).any()

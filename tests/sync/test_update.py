@@ -1,6 +1,7 @@
 import pytest
 import torch
 
+from whetstone.errors import WhetstoneError
 from whetstone.sync import TensorUpdate, WeightUpdate, apply_update, merge_updates
 
 
@@ -68,3 +69,25 @@ def test_apply_writes_host_updates_into_gpu_weights():
     apply_update(state, update)
     assert state["w"] is weight and weight.tolist() == [[0, 1.5, 0], [0, 0, -2.0]]
     assert state["b"].is_cuda and state["b"].tolist() == [[3.0, 0], [0, 0], [0, 0]]
+
+
+def test_an_update_that_does_not_fit_the_weights_writes_nothing():
+    """A delta on a tensor held in another shape (or not held) is refused before the tensors
+    listed ahead of it are written: the weights stay as they were, whole."""
+    state = {"a": torch.zeros(4), "b": torch.zeros(2, 3)}
+    update = WeightUpdate(
+        5, 4, {"a": sparse([0], [1.0], (4,), torch.float32), "b": sparse([0], [1.0], (3, 2), torch.float32)}
+    )
+    with pytest.raises(
+        WhetstoneError, match=r"update 5 changes tensor 'b' of shape \(3, 2\), but the weights hold \(2, 3\)"
+    ):
+        apply_update(state, update)
+    update.tensors["b"] = sparse([0], [1.0], (2, 3), torch.float32)
+    update.tensors["c"] = sparse([0], [1.0], (2,), torch.float32)
+    with pytest.raises(WhetstoneError, match="tensor 'c' of shape \\(2,\\), but the weights hold no such tensor"):
+        apply_update(state, update)
+    del update.tensors["c"]
+    update.tensors["d"] = TensorUpdate(torch.ones(6), None, (-2, -3))  # a whole tensor of a shape none can have
+    with pytest.raises(WhetstoneError, match=r"update 5 carries 6 values for tensor 'd' of shape \(-2, -3\)"):
+        apply_update(state, update)
+    assert not state["a"].any() and not state["b"].any() and "d" not in state

@@ -26,6 +26,8 @@ from __future__ import annotations
 import json
 import struct
 import zlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -209,6 +211,8 @@ def read_header(blob: bytes) -> tuple[list[dict], int]:
         blocks = json.loads(blob[start : start + head_length])["blocks"]
     except (ValueError, KeyError, TypeError):
         raise CorruptDataError("chunk header is not valid JSON") from None
+    if not isinstance(blocks, list) or not all(isinstance(entry, dict) for entry in blocks):
+        raise CorruptDataError(f"chunk header does not list its blocks: {str(blocks)[:200]}")
     return blocks, start + head_length
 
 
@@ -237,19 +241,33 @@ def decode_chunk(
         size = sum(seg.size for seg in segments)
         if encoding == SPARSE:
             old = [_base_bits(base, seg, dtype) for seg in segments]
-            positions, codes = decode_sparse(count, payload, entry, size, np.dtype(f"u{dtype.itemsize}"))
+            with _naming(segments):
+                positions, codes = decode_sparse(count, payload, entry, size, np.dtype(f"u{dtype.itemsize}"))
             decoded.extend(_sparse_pieces(segments, old, positions, codes, dtype.is_floating_point))
         elif encoding == XOR:
             old = [_base_bits(base, seg, dtype) for seg in segments]
-            flips = decode_xor(payload, size, numpy_int_type(dtype))
+            with _naming(segments):
+                flips = decode_xor(payload, size, numpy_int_type(dtype))
             decoded.extend(_xor_pieces(segments, old, flips, count))
         elif encoding == FULL:
-            values = decode_full(payload, size, numpy_int_type(dtype))
+            with _naming(segments):
+                values = decode_full(payload, size, numpy_int_type(dtype))
             firsts = np.cumsum([0] + [seg.size for seg in segments]).tolist()
             decoded.extend((seg, Decoded(None, values[lo:hi])) for seg, lo, hi in zip(segments, firsts, firsts[1:]))
         else:
             raise CorruptDataError(f"unknown block encoding {encoding!r}")
     return decoded
+
+
+@contextmanager
+def _naming(segments: list[Segment]) -> Iterator[None]:
+    """A block's payload that does not decode, named by its tensors: the codec knows only bytes."""
+    try:
+        yield
+    except CorruptDataError as err:
+        names = [seg.tensor for seg in segments]
+        named = ", ".join(map(repr, names[:3])) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        raise CorruptDataError(f"block of tensor{'s' if len(names) > 1 else ''} {named}: {err}") from None
 
 
 def _block_dtype(segments: list[Segment], dtypes: dict[str, torch.dtype]) -> torch.dtype:

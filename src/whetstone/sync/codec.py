@@ -154,9 +154,13 @@ def decode_sparse(
     if count == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=code_type)
     try:
-        distance_bytes, step_bytes, split = fields["distance_bytes"], fields["step_bytes"], fields["distance_length"]
+        distance_bytes, step_bytes, split = (
+            int(fields[key]) for key in ("distance_bytes", "step_bytes", "distance_length")
+        )
     except KeyError as missing:
         raise CorruptDataError(f"sparse block header lacks {missing}") from None
+    except (TypeError, ValueError):
+        raise CorruptDataError(f"sparse block header has a field that is not a number: {str(fields)[:200]}") from None
     if not (1 <= distance_bytes <= 4 and 1 <= step_bytes <= code_type.itemsize and 0 < count <= size):
         raise CorruptDataError(
             f"sparse block header out of range: count={count} distance_bytes={distance_bytes} "
@@ -190,9 +194,15 @@ def decode_full(payload: bytes | memoryview, size: int, int_type: type) -> np.nd
 
 
 def _unzstd(frame: bytes | memoryview, expected: int) -> bytes:
+    """The `expected` bytes a frame decodes to. A frame whose header declares another size is
+    refused before decoding: zstd allocates what the header declares and ignores
+    `max_output_size`, so a small frame could otherwise take gigabytes (a zstd bomb)."""
     if expected == 0:
         return b""
     try:
+        declared = zstandard.frame_content_size(frame)  # -1: not declared (whetstone's own frames)
+        if declared not in (-1, expected):
+            raise CorruptDataError(f"zstd frame declares {declared} bytes, expected {expected}")
         data = _decompressor().decompress(frame, max_output_size=expected)
     except zstandard.ZstdError as err:
         raise CorruptDataError(f"zstd frame does not decode: {err}") from None

@@ -131,5 +131,11 @@ def parse_manifest(data: bytes, version: int) -> Manifest:
         raise WhetstoneError(f"manifest of version {version} has format {manifest.format}, expected {MANIFEST_FORMAT}")
     if manifest.version != version:
         raise WhetstoneError(f"manifest at version {version} says it is version {manifest.version}")
+    for chunk in manifest.chunks:  # a chunk's header does not say its version: its key does
+        if not chunk.key.startswith(version_prefix(version)):
+            raise WhetstoneError(
+                f"manifest of version {version} lists chunk {chunk.key}, which is not one of its own (those "
+                f"are under {version_prefix(version)}) and would decode to wrong weights: withdraw the version"
+            )
     manifest._digest = manifest_digest(data)
     return manifest

@@ -36,6 +36,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.store import MissingObjectError
 from whetstone.sync.bits import dtype_from_name
 from whetstone.sync.chunks import decode_chunk
+from whetstone.sync.codec import CorruptDataError
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import Manifest
 from whetstone.sync.update import WeightUpdate, apply_update, build_update, merge_updates
@@ -192,6 +193,10 @@ class Subscriber:
         except MissingObjectError as err:  # the pointer copied without its manifest (a partial copy)
             self._note_unavailable(latest, err)
             return
+        except WhetstoneError as err:  # unreadable, or of a newer format: where to start is unknown
+            if latest not in self.rejected or self._changed_since_rejected(latest):
+                self._reject(latest, err)
+            return
         start = self.version + 1 if self.version is not None and self.version >= keyframe else keyframe
         if any(v < start for v in self.unavailable):  # no longer on the way (a newer keyframe is)
             self.unavailable = {v: u for v, u in self.unavailable.items() if v >= start}
@@ -253,18 +258,15 @@ class Subscriber:
                     "than the one held (it was withdrawn and published again)"
                 )
             update = self._decode(manifest)
+            apply_update(self.state, update, convert=False)  # checks it fits before writing anything
         except MissingObjectError as err:  # collected under our feet, or a store hiccup: retry later
             self._note_unavailable(version, err)
             return False
         except WhetstoneError as err:  # corrupt, truncated, wrong base, undecodable: retried only once changed
             if isinstance(err, ChainWithdrawn) and not resynced:
                 raise
-            self.rejected[version] = str(err)
-            self._rejected_digests[version] = self._current_digest(version)
-            self.rejections += 1
-            log.warning("%s: rejected version %d, staying on %s: %s", self.name, version, self.version, err)
+            self._reject(version, err)
             return False
-        apply_update(self.state, update, convert=False)
         with self._changed:
             self.version, self._held_digest = version, manifest.digest
             self._pending.append(update)
@@ -273,6 +275,13 @@ class Subscriber:
             self.unavailable = {v: u for v, u in self.unavailable.items() if v > version}
         log.info("%s: now on version %d (%d values written)", self.name, version, update.values_written)
         return True
+
+    def _reject(self, version: int, err: WhetstoneError) -> None:
+        """Record `version` as one that cannot be taken (tried again once its manifest changes)."""
+        self.rejected[version] = str(err)
+        self._rejected_digests[version] = self._current_digest(version)
+        self.rejections += 1
+        log.warning("%s: rejected version %d, staying on %s: %s", self.name, version, self.version, err)
 
     def _note_unavailable(self, version: int, err: MissingObjectError) -> None:
         """Record a failed attempt at `version` for want of an object (see `blocked`). Logged as a
@@ -291,7 +300,11 @@ class Subscriber:
         base = self.state if manifest.kind == "delta" else None
 
         def fetch_and_decode(chunk):
-            return decode_chunk(self.store.fetch_chunk(chunk), base, dtypes)
+            blob = self.store.fetch_chunk(chunk)  # its errors name the chunk
+            try:
+                return decode_chunk(blob, base, dtypes)
+            except CorruptDataError as err:
+                raise CorruptDataError(f"chunk {chunk.key}: {err}") from None
 
         with ThreadPoolExecutor(self.config.workers) as pool:
             pieces = [piece for chunk in pool.map(fetch_and_decode, manifest.chunks) for piece in chunk]

@@ -51,7 +51,11 @@ def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate, convert: 
     version are added to the dict, on the host. `convert=False` is for a copy that must hold the
     published tensors exactly (the subscriber's own, which later deltas are decoded against): a
     whole tensor of another dtype replaces the target instead of being rounded into it.
+
+    All or nothing: an update that does not fit the weights (values at indices of a tensor they
+    lack, or hold in another shape) raises before anything is written.
     """
+    _check_fits(state, update)
     for name, change in update.tensors.items():
         target = state.get(name)
         if change.indices is None:
@@ -64,11 +68,6 @@ def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate, convert: 
             else:
                 target.copy_(change.values.view(change.shape))
             continue
-        if target is None or tuple(target.shape) != change.shape:
-            raise WhetstoneError(
-                f"update {update.version} changes tensor {name!r} of shape {change.shape}, "
-                f"but the weights hold {None if target is None else tuple(target.shape)}"
-            )
         values = change.values.to(target.device, target.dtype)
         indices = change.indices.to(target.device)
         if target.is_contiguous():
@@ -79,6 +78,24 @@ def apply_update(state: dict[str, torch.Tensor], update: WeightUpdate, convert: 
             target.copy_(flat.view(target.shape))
     for name in update.removed:
         state.pop(name, None)
+
+
+def _check_fits(state: dict[str, torch.Tensor], update: WeightUpdate) -> None:
+    """Raise naming the first tensor of `update` that `state` cannot take as it stands."""
+    for name, change in update.tensors.items():
+        if change.indices is None:
+            if any(dim < 0 for dim in change.shape) or change.values.numel() != math.prod(change.shape):
+                raise WhetstoneError(
+                    f"update {update.version} carries {change.values.numel()} values for tensor {name!r} "
+                    f"of shape {change.shape}"
+                )
+            continue
+        target = state.get(name)
+        if target is None or tuple(target.shape) != change.shape:
+            raise WhetstoneError(
+                f"update {update.version} changes tensor {name!r} of shape {change.shape}, "
+                f"but the weights hold {'no such tensor' if target is None else tuple(target.shape)}"
+            )
 
 
 def merge_updates(updates: list[WeightUpdate]) -> WeightUpdate:
