@@ -60,6 +60,7 @@ WRONG_TYPES = {
     "started true": {"started": True},
     "slots negative": {"rollout_slots": -1},
     "slots as text": {"rollout_slots": "2"},
+    "heartbeat beyond a float": {"heartbeat": 10**400},  # float() overflows rather than giving inf
 }
 
 
@@ -83,6 +84,19 @@ def test_a_heartbeat_that_is_not_finite_never_keeps_a_record_live(registry):
         assert registry.live(stale_after_s=10, now=time.time() + 1e9) == []
         registry.prune(forget_after_s=300)
         assert registry.objects.list("fleet/servers/") == []
+
+
+def test_a_heartbeat_ahead_of_the_readers_clock_does_not_keep_a_dead_server_live(registry, caplog):
+    """A server whose clock is ahead (or a hand-written time) died: its record must not be live
+    until that time comes, and is deleted once it is as far ahead as a silent one is old."""
+    ahead = ServerRecord("ahead", "http://10.0.0.1:8000/v1", "eu", 0.0, 1000.0)
+    slightly = ServerRecord("slightly", "http://10.0.0.2:8000/v1", "eu", 0.0, 400.5)  # within the tolerance
+    registry.announce(ahead), registry.announce(slightly)
+    assert registry.live(stale_after_s=10, now=400.0) == [slightly]
+    assert registry.live(stale_after_s=10, now=400.0) == [slightly]
+    assert caplog.text.count("ahead of this machine's clock") == 1  # logged once per record
+    assert registry.prune(forget_after_s=300, now=400.0) == [ahead]
+    assert registry.records() == [slightly]
 
 
 def test_fields_a_newer_writer_adds_are_ignored(registry):

@@ -1,3 +1,7 @@
+import socket
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -44,6 +48,28 @@ def test_a_folder_deleted_while_listing_is_skipped(tmp_path, monkeypatch):
         return scandir(path)
 
     monkeypatch.setattr(os, "scandir", deleted_meanwhile)
+    assert store.list("versions/") == ["versions/2/m.json"]
+
+
+def test_a_folder_that_cannot_be_read_fails_the_listing(tmp_path, monkeypatch):
+    # A folder of another user, or an I/O error: its keys must not silently go missing from the list
+    import os
+
+    store = LocalStore(tmp_path / "store")
+    for key in ["fleet/servers/a.json", "versions/2/m.json"]:
+        store.put(key, b"x")
+    denied, scandir = tmp_path / "store" / "fleet" / "servers", os.scandir
+
+    def unreadable(path="."):
+        if os.fspath(path) == os.fspath(denied):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", unreadable)
+    with pytest.raises(PermissionError, match="fleet/servers"):
+        store.list("fleet/")
+    with pytest.raises(PermissionError):
+        store.list()
     assert store.list("versions/") == ["versions/2/m.json"]
 
 
@@ -133,3 +159,70 @@ def test_moto_server_in_its_own_process_serves_real_s3_requests():
         store = S3Store("own", endpoint_url=endpoint)
         store.put("k", b"v")
         assert store.get("k") == b"v"
+
+
+@contextmanager
+def s3_breaking_off(data: bytes, breaks: int):
+    """An S3 endpoint (real HTTP) serving `data` for every GET, whose first `breaks` answers break
+    off after 100 bytes of the body (a dropped connection); yields it and the paths asked for."""
+    asked = []
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def log_message(self, *args):
+            pass
+
+        def do_GET(self):
+            asked.append(self.path)
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            if len(asked) > breaks:
+                self.wfile.write(data)
+                return
+            self.wfile.write(data[:100])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", asked
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture
+def placeholder_credentials(monkeypatch):
+    """What boto3 signs requests with (the endpoints here accept any)."""
+    for name, value in [
+        ("AWS_ACCESS_KEY_ID", "local"),
+        ("AWS_SECRET_ACCESS_KEY", "local"),
+        ("AWS_DEFAULT_REGION", "us-east-1"),
+    ]:
+        monkeypatch.setenv(name, value)
+
+
+def test_an_s3_read_that_breaks_off_is_fetched_again(placeholder_credentials):
+    from whetstone.store.s3 import S3Store
+
+    data = bytes(range(256)) * 40
+    with s3_breaking_off(data, breaks=1) as (endpoint, asked):
+        assert S3Store("bucket", "run", endpoint_url=endpoint).get("batches/0.batch") == data
+    assert asked == ["/bucket/run/batches/0.batch"] * 2
+
+
+def test_an_s3_read_that_keeps_breaking_off_is_an_error_naming_the_object(placeholder_credentials, monkeypatch):
+    from whetstone.store import s3
+
+    monkeypatch.setattr(s3, "READ_RETRIES", 2)
+    with s3_breaking_off(b"x" * 1000, breaks=2) as (endpoint, asked):
+        with pytest.raises(
+            ConnectionError, match=r"reading 'batches/0.batch' from s3://bucket/run/ .* broke off 2 times"
+        ):
+            s3.S3Store("bucket", "run", endpoint_url=endpoint).get("batches/0.batch")
+    assert len(asked) == 2

@@ -70,3 +70,25 @@ def test_a_conflicting_conditional_write_in_flight_is_waited_out(s3_endpoint, mo
     monkeypatch.setattr(store._client, "put_object", conflict_once)
     store.put_if_absent("batches/0.batch", b"batch")
     assert conflicts and store.get("batches/0.batch") == b"batch"
+
+
+def test_a_store_without_conditional_writes_is_a_clear_error(s3_endpoint, monkeypatch):
+    # An S3-compatible store that does not implement `If-None-Match: *` answers 501 NotImplemented
+    from botocore.exceptions import ClientError
+
+    from whetstone.errors import WhetstoneError
+    from whetstone.store.s3 import S3Store
+
+    store = S3Store("whetstone", prefix=f"test-{uuid.uuid4().hex}", endpoint_url=s3_endpoint)
+
+    def not_implemented(**kwargs):
+        error = {
+            "Code": "NotImplemented",
+            "Message": "A header you provided implies functionality that is not implemented",
+        }
+        raise ClientError({"Error": error | {"Header": "If-None-Match"}}, "PutObject")
+
+    monkeypatch.setattr(store._client, "put_object", not_implemented)
+    refused = r"cannot create 'versions/1/manifest.json' in s3://whetstone/test-.* does not implement conditional"
+    with pytest.raises(WhetstoneError, match=refused):
+        store.put_if_absent("versions/1/manifest.json", b"first")

@@ -12,7 +12,8 @@ stops. A server that dies without deleting it is forgotten once its heartbeat is
 old; its record is deleted by a reader once it is much older (`prune`), or at once by a server
 that starts at the same address. Records are written with the store's atomic put: a reader sees a whole record or none.
 Heartbeats are the writer's wall-clock times, so the machines' clocks must agree to well within
-`stale_after_s` (NTP does).
+`stale_after_s` (NTP does): a record whose heartbeat is that far ahead of the reader's clock is
+not taken either (it would keep a dead server live until the writer's time came), but logged.
 """
 
 from __future__ import annotations
@@ -63,7 +64,10 @@ class ServerRecord:
                 raise TypeError(f"{name} must be a non-empty string, not {value!r}")
         for name in ("started", "heartbeat"):
             value = getattr(self, name)
-            seconds = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+            try:
+                seconds = float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+            except OverflowError:  # an integer beyond a float's range
+                seconds = math.inf
             if not math.isfinite(seconds):
                 raise TypeError(f"{name} must be a finite number of seconds, not {value!r}")
             object.__setattr__(self, name, seconds)
@@ -94,6 +98,8 @@ class ServerRecord:
 class FleetRegistry:
     def __init__(self, objects: ObjectStore):
         self.objects = objects
+        self._ahead: set[str] = set()
+        """Ids of the records `live` found with a heartbeat ahead of the clock (each logged once)."""
 
     def __repr__(self) -> str:
         return f"FleetRegistry({self.objects!r})"
@@ -124,29 +130,49 @@ class FleetRegistry:
         return records, unusable
 
     def live(self, stale_after_s: float, now: float | None = None) -> list[ServerRecord]:
-        """The records whose heartbeat is younger than `stale_after_s`, one per URL (the newest)."""
+        """The records whose heartbeat is within `stale_after_s` of `now`, one per URL (the
+        newest). A heartbeat further ahead of `now` comes from a clock that is ahead of this
+        one's: it is not taken (it would keep a dead server live until that clock's time came),
+        and is logged once per record so that the clocks get fixed."""
         now = time.time() if now is None else now
         newest: dict[str, ServerRecord] = {}
         for record in self.records():
+            if record.heartbeat - now >= stale_after_s:
+                if record.id not in self._ahead:
+                    self._ahead.add(record.id)
+                    log.warning(
+                        "ignoring the fleet record of %s: its heartbeat is %.0f s ahead of this machine's clock; "
+                        "sync the machines' clocks (NTP)",
+                        record.url,
+                        record.heartbeat - now,
+                    )
+                continue
             if now - record.heartbeat < stale_after_s and record.heartbeat >= newest.get(record.url, record).heartbeat:
                 newest[record.url] = record
         return sorted(newest.values(), key=lambda r: (r.cluster, r.url))
 
     def prune(self, forget_after_s: float, now: float | None = None) -> list[ServerRecord]:
         """Delete the records whose heartbeat is older than `forget_after_s` (servers that died
-        without removing theirs) and returns them; records that do not parse are deleted too
-        (none could ever be used, and each would be logged at every read). Readers call it with a
-        grace well beyond the staleness they skip records at, so a server cut off for a while can
-        still come back."""
+        without removing theirs), or as far ahead of `now` (a clock far off, or a hand-written
+        time), and returns them; records that do not parse are deleted too (none could ever be
+        used, and each would be logged at every read). Readers call it with a grace well beyond
+        the staleness they skip records at, so a server cut off for a while can still come back."""
         now = time.time() if now is None else now
         records, unusable = self._read()
         for key in unusable:
             self.objects.delete(key)
             log.info("removed the fleet record %s: it does not parse", key)
-        old = [(key, record) for key, record in records if now - record.heartbeat >= forget_after_s]
+        old = [(key, record) for key, record in records if abs(now - record.heartbeat) >= forget_after_s]
         for key, record in old:
             self.objects.delete(key)  # where it was read: a hand-written record's name need not be its id
-            log.info("removed the fleet record of %s (silent for %.0f s)", record.url, now - record.heartbeat)
+            if record.heartbeat > now:
+                log.warning(
+                    "removed the fleet record of %s: its heartbeat is %.0f s ahead of this machine's clock",
+                    record.url,
+                    record.heartbeat - now,
+                )
+            else:
+                log.info("removed the fleet record of %s (silent for %.0f s)", record.url, now - record.heartbeat)
         return [record for _, record in old]
 
 

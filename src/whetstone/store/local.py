@@ -77,9 +77,7 @@ class LocalStore(ObjectStore):
         if not folder.is_dir():
             return []
         keys = []
-        # os.walk skips a folder deleted while it walks (another publisher dropping its chunks,
-        # garbage collection): listing must not fail because the store changed meanwhile
-        for directory, _, names in os.walk(folder):
+        for directory, _, names in os.walk(folder, onerror=_unless_deleted):
             for name in names:
                 # Temporary files of atomic writes in progress start with a dot: not objects yet.
                 if not name.startswith("."):
@@ -102,6 +100,15 @@ class LocalStore(ObjectStore):
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+
+def _unless_deleted(err: OSError) -> None:
+    """Skip a folder deleted while `list` walks (another publisher dropping its chunks, garbage
+    collection): listing must not fail because the store changed meanwhile. Any other error (a
+    folder it may not read, an I/O error) is raised: a listing that silently left out a folder's
+    keys would read as a store without them."""
+    if not isinstance(err, FileNotFoundError):
+        raise err
 
 
 FOLDER_RETRIES = 5

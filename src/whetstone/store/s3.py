@@ -16,6 +16,9 @@ from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectSt
 
 CONFLICT_RETRIES = 5
 """Tries of a conditional write that S3 answers 409 (another one of the key in flight)."""
+READ_RETRIES = 5
+"""Tries of a GET whose body breaks off while it is read (a dropped connection, a read timeout):
+boto3 retries requests, but not the reading of a response's body."""
 
 
 class S3Store(ObjectStore):
@@ -66,6 +69,13 @@ class S3Store(ObjectStore):
                 if code == "ConditionalRequestConflict" and attempt < CONFLICT_RETRIES - 1:
                     time.sleep(0.2 * 2**attempt)
                     continue
+                if code == "NotImplemented":  # 501: an S3-compatible store without conditional writes
+                    raise WhetstoneError(
+                        f"cannot create {key!r} in s3://{self.bucket}/{self.prefix} exclusively: the store at "
+                        f"{self.endpoint_url or 'AWS'} does not implement conditional writes (If-None-Match: *), "
+                        "which keep two writers from creating one key; use a store that does (AWS S3, MinIO, R2) "
+                        "or a directory"
+                    ) from None
                 if code not in ("PreconditionFailed", "ConditionalRequestConflict"):  # 412: the key exists
                     raise
                 with contextlib.suppress(MissingObjectError):  # (a 409 whose other write failed)
@@ -74,15 +84,29 @@ class S3Store(ObjectStore):
                 raise ObjectExistsError(f"object {key!r} already exists in s3://{self.bucket}/{self.prefix}") from None
 
     def get(self, key: str) -> bytes:
-        from botocore.exceptions import ClientError
+        """The object's bytes; one whose body breaks off while read is fetched again
+        (`READ_RETRIES` tries, then a ConnectionError naming it: an outage, not a missing object)."""
+        from botocore.exceptions import ClientError, IncompleteReadError, ReadTimeoutError, ResponseStreamingError
 
-        try:
-            with self._bucket_named():
-                return self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"].read()
-        except ClientError as err:
-            if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
-                raise MissingObjectError(f"no object {key!r} in s3://{self.bucket}/{self.prefix}") from None
-            raise
+        for attempt in range(READ_RETRIES):
+            if attempt:
+                time.sleep(0.1 * 2 ** (attempt - 1))
+            try:
+                with self._bucket_named():
+                    body = self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
+            except ClientError as err:
+                if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
+                    raise MissingObjectError(f"no object {key!r} in s3://{self.bucket}/{self.prefix}") from None
+                raise
+            try:
+                return body.read()
+            except (IncompleteReadError, ReadTimeoutError, ResponseStreamingError) as err:
+                body.close()
+                broken = err
+        raise ConnectionError(
+            f"reading {key!r} from s3://{self.bucket}/{self.prefix} at {self.endpoint_url or 'AWS'} broke off "
+            f"{READ_RETRIES} times (the network or the store is failing; try again later): {broken}"
+        ) from broken
 
     def list(self, prefix: str = "") -> list[str]:
         paginator = self._client.get_paginator("list_objects_v2")
