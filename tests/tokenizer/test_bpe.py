@@ -114,6 +114,45 @@ def test_bad_checkpoints_name_the_file(tmp_path, trained):
         Tokenizer.load(tmp_path)
 
 
+def test_control_tokens_not_marked_special_are_refused(tmp_path, trained):
+    # Plain encoding would turn a corpus file quoting "<|endoftext|>" into a document end.
+    layout = json.loads(trained._backend.to_str())
+    for token in layout["added_tokens"]:
+        token["special"] = token["content"] != "<|endoftext|>" and token["special"]
+    (tmp_path / "tokenizer.json").write_text(json.dumps(layout))
+    with pytest.raises(CheckpointError, match=r"tokens \['<\|endoftext\|>'\] are not marked special"):
+        Tokenizer.load(tmp_path)
+
+
+def test_a_post_processor_that_adds_a_bos_token_does_not_hide_the_chatml_tokens(tmp_path, trained):
+    # encode() never applies the post-processor, so neither does the search for the tokens.
+    layout = json.loads(trained._backend.to_str())
+    bos = {"SpecialToken": {"id": "<|endoftext|>", "type_id": 0}}
+    layout["post_processor"] = {
+        "type": "TemplateProcessing",
+        "single": [bos, {"Sequence": {"id": "A", "type_id": 0}}],
+        "pair": [bos, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+        "special_tokens": {
+            "<|endoftext|>": {"id": "<|endoftext|>", "ids": [trained.endoftext_id], "tokens": ["<|endoftext|>"]}
+        },
+    }
+    (tmp_path / "tokenizer.json").write_text(json.dumps(layout))
+    loaded = Tokenizer.load(tmp_path)
+    assert loaded.special_ids == trained.special_ids
+    assert loaded.encode("<|im_start|>user\n") == trained.encode("<|im_start|>user\n")
+
+
+def test_vocab_size_covers_the_largest_id_when_some_ids_are_unused(tmp_path, qwen3_dir):
+    # A model sized from it (and the server's check against the model's) must hold every id.
+    layout = json.loads((qwen3_dir / "tokenizer.json").read_text())
+    word = max((entry for entry in layout["model"]["vocab"] if entry.isascii() and entry.isalpha()), key=len)
+    layout["model"]["vocab"][word] = 5000
+    (tmp_path / "tokenizer.json").write_text(json.dumps(layout))
+    tokenizer = Tokenizer.load(tmp_path)
+    assert tokenizer.encode(word) == [5000]
+    assert tokenizer.vocab_size == 5001
+
+
 def test_a_tokenizer_config_that_cannot_be_read_is_named(tmp_path, trained, monkeypatch):
     trained.save(tmp_path)
     config = tmp_path / "tokenizer_config.json"
@@ -124,6 +163,9 @@ def test_a_tokenizer_config_that_cannot_be_read_is_named(tmp_path, trained, monk
     config.rmdir()
     config.write_bytes(b'{"chat_template": "\xff"}')
     with pytest.raises(CheckpointError, match=f"^{config} is not valid JSON: 'utf-8' codec can't decode"):
+        Tokenizer.load(tmp_path)
+    config.write_text("null")  # valid JSON, not a config
+    with pytest.raises(CheckpointError, match=f"^{config} holds null, not a JSON object: restore"):
         Tokenizer.load(tmp_path)
     config.unlink()
     monkeypatch.chdir(tmp_path)  # a socket's path must be short

@@ -48,7 +48,7 @@ from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.stream import chat_stream, completion_stream
 from whetstone.inference.submission import RETRY_AFTER_S, Backlog, ClientGone, QueueFull, Submission
 from whetstone.store.feedback import DuplicateFeedback, FeedbackStoreError, UnknownResponse
-from whetstone.tokenizer import Tokenizer, render_chat
+from whetstone.tokenizer import Tokenizer, defuse_controls, render_chat
 
 log = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=BaseModel)
@@ -200,9 +200,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         """Render and tokenize the conversation and queue a sequence per choice (in a worker thread)."""
 
         def build() -> Submission:
-            messages = [m.as_chat_dict() for m in body.messages]
+            # The prompt is rendered, then encoded with control strings parsed: a client's text
+            # must not hold them, or it could close its turn and open a system turn of its own.
+            messages = defuse_controls([m.as_chat_dict() for m in body.messages])
+            tools = defuse_controls(body.tools) if body.use_tools else None
             try:
-                text = render_chat(messages, body.tools if body.use_tools else None, add_generation_prompt=True)
+                text = render_chat(messages, tools, add_generation_prompt=True)
             except WhetstoneError as err:
                 raise InvalidRequest(str(err)) from None
             prompt = tokenize(text)

@@ -115,8 +115,10 @@ class Tokenizer:
         self._backend = backend
         self.config = config
         """The tokenizer_config.json written by `save` (a loaded checkpoint's own, untouched)."""
-        # A token counts only if text containing it encodes to that one id.
-        encoded = {token: backend.encode(token).ids for token in CHAT_SPECIAL_TOKENS + MARKUP_TOKENS}
+        # A token counts only if text containing it encodes to that one id (as `encode` encodes:
+        # without what a post-processor adds, such as a BOS token).
+        tokens = CHAT_SPECIAL_TOKENS + MARKUP_TOKENS
+        encoded = {token: backend.encode(token, add_special_tokens=False).ids for token in tokens}
         self.special_ids = {token: ids[0] for token, ids in encoded.items() if len(ids) == 1}
         """Id of every chat/tool token this vocabulary has, by its string."""
         missing = [token for token in CHAT_SPECIAL_TOKENS if token not in self.special_ids]
@@ -131,6 +133,16 @@ class Tokenizer:
         # token, so plain-text encoding uses a twin backend with special-token matching off.
         self._plain = Backend.from_str(backend.to_str())
         self._plain.encode_special_tokens = True
+        matched = [
+            token
+            for token in CHAT_SPECIAL_TOKENS
+            if self._plain.encode(token, add_special_tokens=False).ids == [self.special_ids[token]]
+        ]
+        if matched:  # only tokens flagged special are left unmatched in plain text
+            raise CheckpointError(
+                f"{source}: the ChatML tokens {matched} are not marked special, so a corpus quoting them "
+                'would encode control tokens; set "special": true on them in tokenizer.json\'s added_tokens'
+            )
 
     @classmethod
     def train(cls, texts: Iterable[str], vocab_size: int = 4096, length: int | None = None) -> "Tokenizer":
@@ -169,6 +181,11 @@ class Tokenizer:
                 raise CheckpointError(f"{config_path} cannot be read: {err.strerror or err}") from None
             except (json.JSONDecodeError, UnicodeDecodeError) as err:
                 raise CheckpointError(f"{config_path} is not valid JSON: {err}") from None
+            if not isinstance(config, dict):
+                raise CheckpointError(
+                    f"{config_path} holds {json.dumps(config)[:40]}, not a JSON object: restore the file, "
+                    "or delete it to use whetstone's default tokenizer config"
+                )
         return cls(backend, config, source=str(path))
 
     def save(self, directory: str | Path) -> None:
@@ -177,10 +194,11 @@ class Tokenizer:
         atomic_write_text(directory / "tokenizer.json", self._backend.to_str(pretty=True))
         atomic_write_json(directory / "tokenizer_config.json", self.config)
 
-    @property
+    @cached_property
     def vocab_size(self) -> int:
-        """Number of ids in use (largest id + 1), added tokens included."""
-        return self._backend.get_vocab_size(with_added_tokens=True)
+        """Largest id in use + 1, added tokens included: the embedding rows a model needs (the
+        count of entries is less when a tokenizer.json leaves ids unused)."""
+        return max(self._backend.get_vocab(with_added_tokens=True).values()) + 1
 
     def encode(self, text: str) -> list[int]:
         """Ids of `text`; chat control strings in it become their control tokens. Other threads

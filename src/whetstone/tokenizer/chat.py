@@ -152,7 +152,26 @@ def defuse_markup(text: str) -> str:
     by a zero-width space after its first character, so that untrusted text (a tool's output, a
     file the agent reads) can never encode to the chat's control tokens and fake a turn or a call.
     The model still reads the text; only the token ids differ."""
-    for token in (*CHAT_SPECIAL_TOKENS, *MARKUP_TOKENS):
+    return _break_tokens(text, (*CHAT_SPECIAL_TOKENS, *MARKUP_TOKENS))
+
+
+def defuse_controls(value: Any) -> Any:
+    """`value` (a message, a tool schema: any JSON value) with the chat control strings
+    (`<|im_start|>`, `<|im_end|>`, `<|endoftext|>`) in every string it holds (keys too) broken as
+    `defuse_markup` breaks them, so that a client's text can neither end its turn nor open
+    another. Markup (`<tool_call>`, `<think>`, ...) stays: a replayed assistant message holds
+    the calls and reasoning the model wrote, which must render as the tokens it wrote."""
+    if isinstance(value, str):
+        return _break_tokens(value, CHAT_SPECIAL_TOKENS)
+    if isinstance(value, dict):
+        return {defuse_controls(key): defuse_controls(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [defuse_controls(item) for item in value]
+    return value
+
+
+def _break_tokens(text: str, tokens: tuple[str, ...]) -> str:
+    for token in tokens:
         if token in text:
             text = text.replace(token, token[0] + ZERO_WIDTH_SPACE + token[1:])
     return text
