@@ -1,14 +1,20 @@
 """The whole build on a small real code tree: split, tokenizer, packing, stats, cache."""
 
 import json
+import logging
 import os
+import shutil
+import threading
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import whetstone.data.build as build
 from whetstone.data import build_corpus
-from whetstone.data.build import split_documents
-from whetstone.data.sources import Document
+from whetstone.data.build import cache_key, split_documents
+from whetstone.data.sources import Document, list_sources
 from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import Tokenizer
 
@@ -104,3 +110,68 @@ def test_split_holds_out_at_least_one_document_each_side():
     assert split_documents(documents, 0.01, seed=0) == (train, val)
     with pytest.raises(WhetstoneError, match="1 document"):
         split_documents(documents[:1], 0.5, seed=0)
+
+
+@pytest.mark.parametrize(
+    ("damage", "problem"),
+    [
+        (lambda path: (path / "train.npy").write_bytes((path / "train.npy").read_bytes()[:-100]), "train.npy"),
+        (lambda path: (path / "val.npy").unlink(), "val.npy: No such file"),
+        (lambda path: (path / "val.npy").write_bytes(b"not a numpy file"), "val.npy"),
+        (lambda path: np.save(path / "val.npy", np.zeros(3, np.uint16)), r"val.npy holds shape \(3,\)"),
+        (lambda path: (path / "manifest.json").write_text('{"format_version": 1, "tok'), "manifest.json cannot be"),
+        (lambda path: (path / "manifest.json").write_text('{"format_version": 1}'), "manifest.json lacks 'tokens'"),
+    ],
+)
+def test_a_damaged_cache_entry_is_named_with_what_to_do(config, damage, problem):
+    path = build_corpus(config).path
+    damage(path)
+    with pytest.raises(WhetstoneError, match=rf"{path} is a damaged corpus build \({problem}.*delete the folder"):
+        build_corpus(config)
+    shutil.rmtree(path)
+    assert build_corpus(config).path == path  # built again
+
+
+def test_a_build_started_while_another_builds_the_same_entry_waits_and_uses_it(config, monkeypatch):
+    # Two runs started together: the second must neither build the entry too nor swap the
+    # first's folder away under it (the second to finish crashed renaming onto it).
+    real_build, building, release, waiting = build._build_into, threading.Event(), threading.Event(), threading.Event()
+    builds = []
+
+    def paused_build(*args):
+        builds.append(threading.current_thread().name)
+        building.set()
+        assert release.wait(60)
+        return real_build(*args)
+
+    class Waiting(logging.Handler):
+        def emit(self, record):
+            if record.getMessage().startswith("waiting for another process building"):
+                waiting.set()
+
+    monkeypatch.setattr(build, "_build_into", paused_build)
+    logging.getLogger("whetstone.data").addHandler(handler := Waiting())
+    paths = {}
+    threads = [threading.Thread(target=lambda n=n: paths.update({n: build_corpus(config).path}), name=n) for n in "ab"]
+    try:
+        threads[0].start()
+        assert building.wait(60)
+        threads[1].start()
+        while threads[1].is_alive() and not (waiting.is_set() or len(builds) > 1):  # b waits, or builds too
+            time.sleep(0.01)
+    finally:
+        release.set()
+        for thread in threads:
+            thread.join(60)
+        logging.getLogger("whetstone.data").removeHandler(handler)
+    assert builds == ["a"] and paths["a"] == paths["b"]
+    assert os.listdir(config.cache_dir) == [paths["a"].name]  # no temporary folder, no lock file
+
+
+def test_a_build_cleans_up_what_a_killed_build_of_its_entry_left(config):
+    key = cache_key(config, list_sources(config), None)
+    leftover = Path(config.cache_dir) / f".{key}.k1ll3d.tmp"
+    (leftover / "tokenizer").mkdir(parents=True)
+    (leftover / "train.npy").write_bytes(b"half")
+    assert build_corpus(config).path.name == key
+    assert not leftover.exists()

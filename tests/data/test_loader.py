@@ -198,3 +198,25 @@ def test_rows_too_short_for_any_transcripts_prompt_are_refused(tmp_path, make_co
     loader = corpus.train_loader(batch_size=4, seq_len=needed, demo_weight=1.0)
     for step in range(4):  # every demonstration row trains on something
         assert (loader.batch_at(step).targets != IGNORE_INDEX).any(dim=1).all()
+
+
+def test_a_corpus_missing_its_demonstration_mask_is_refused(tmp_path, make_config):
+    corpus = build_corpus(make_config(tmp_path), demos=demos)
+    (corpus.path / "demo_mask.npy").unlink()
+    with pytest.raises(WhetstoneError, match=r"damaged corpus build \(demo_mask.npy: No such file"):
+        Corpus.open(corpus.path)
+
+
+@pytest.mark.parametrize("weight", [float("nan"), -0.5, 1.5])
+def test_a_demonstration_weight_outside_0_to_1_is_refused(mixed, weight):
+    # -0.5 skipped every third code window, 1.5 every third demonstration: no error, wrong rows
+    with pytest.raises(WhetstoneError, match=f"demo_weight must be between 0 and 1 \\(got {weight}\\)"):
+        mixed.train_loader(batch_size=4, seq_len=DEMO_SEQ, demo_weight=weight)
+
+
+def test_empty_batches_and_windows_are_refused(corpus):
+    for batch_size, seq_len in ((0, SEQ), (4, 0)):
+        with pytest.raises(WhetstoneError, match=f"must be >= 1 \\(got {batch_size} and {seq_len}\\)"):
+            corpus.train_loader(batch_size=batch_size, seq_len=seq_len)
+        with pytest.raises(WhetstoneError, match=f"must be >= 1 \\(got {batch_size} and {seq_len}\\)"):
+            next(corpus.val_batches(batch_size=batch_size, seq_len=seq_len))

@@ -1,4 +1,5 @@
 import json
+import os
 
 import pytest
 
@@ -138,3 +139,31 @@ def test_config_errors_name_the_key():
         load_config(CorpusConfig, None, ["dedup.bands=7"])
     with pytest.raises(ConfigError, match="directories.0.paht"):
         load_config(CorpusConfig, None, ['directories=[{paht = "x"}]'])
+
+
+@pytest.mark.parametrize(
+    ("make", "problem"),
+    [
+        (lambda path: path.symlink_to("nowhere.py"), "a link to nothing"),
+        (lambda path: (path.symlink_to("loop.py"), path.with_name("loop.py").symlink_to(path.name)), "Too many levels"),
+        (lambda path: os.mkfifo(path), "not a regular file"),  # reading it would wait forever
+    ],
+)
+def test_a_source_file_that_cannot_be_read_is_named_with_its_exclude_setting(tmp_path, make, problem):
+    (tmp_path / "good.py").write_text("def f():\n    return 1\n" * 10)
+    make(tmp_path / "bad.py")
+    config = CorpusConfig(stdlib=False, directories=[DirectorySource(path=str(tmp_path))])
+    with pytest.raises(WhetstoneError, match=rf"{tmp_path}/(bad|loop).py.*{problem}.*directories\[0\].exclude"):
+        list_sources(config)
+    excluded = DirectorySource(path=str(tmp_path), exclude=["bad.py", "loop.py"])
+    assert [f.path.name for f in list_sources(CorpusConfig(stdlib=False, directories=[excluded]))] == ["good.py"]
+
+
+def test_a_source_file_gone_before_it_is_read_is_named(tmp_path):
+    for name in ("a.py", "b.py"):
+        (tmp_path / name).write_text("def f():\n    return 1\n" * 10)
+    config = CorpusConfig(stdlib=False, directories=[DirectorySource(path=str(tmp_path))])
+    files = list_sources(config)
+    (tmp_path / "b.py").unlink()
+    with pytest.raises(WhetstoneError, match=rf"cannot read {tmp_path}/b.py \(No such file or directory\)"):
+        read_documents(files, config)

@@ -3,15 +3,22 @@
 The cache key hashes the config (minus `LOADER_FIELDS`), the listing of every source file (name,
 size, mtime), the tokenizer files when one is given and the demonstrations, so a changed input
 makes a new build and an unchanged one is reused. A build is written into a temporary folder
-that replaces `<cache_dir>/<key>` only once complete, manifest included.
+that replaces `<cache_dir>/<key>` only once complete, manifest included, and holds the lock
+`<cache_dir>/<key>.lock`: a process that finds the entry missing while another builds it waits,
+then uses that build.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
+import os
+import shutil
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -27,10 +34,12 @@ from whetstone.data.sources import Document, SourceFile, list_sources, name_hash
 from whetstone.data.stats import unigram_cross_entropy, unigram_entropy
 from whetstone.errors import WhetstoneError
 from whetstone.tokenizer import Message, Tokenizer
-from whetstone.utils.atomic import atomic_directory, atomic_write_json
+from whetstone.utils.atomic import atomic_directory, atomic_write_json, write_errors
 from whetstone.utils.progress import progress_bar
 
 ENCODE_CHUNK = 64
+
+log = logging.getLogger("whetstone.data")
 
 
 def build_corpus(config: CorpusConfig, demos: DemoSource | None = None, *, rebuild: bool = False) -> Corpus:
@@ -40,9 +49,53 @@ def build_corpus(config: CorpusConfig, demos: DemoSource | None = None, *, rebui
     key = cache_key(config, files, demo_hash)
     path = expand_path(config.cache_dir) / key
     if rebuild or not (path / "manifest.json").exists():
-        with atomic_directory(path) as tmp:
-            _build_into(tmp, config, files, transcripts, key)
+        with build_lock(path):  # another process may have built it while this one waited
+            if rebuild or not (path / "manifest.json").exists():
+                for leftover in path.parent.glob(f".{key}.*.tmp"):  # of a build that was killed
+                    shutil.rmtree(leftover, ignore_errors=True)
+                with atomic_directory(path) as tmp:
+                    _build_into(tmp, config, files, transcripts, key)
     return Corpus.open(path)
+
+
+@contextmanager
+def build_lock(path: Path) -> Iterator[None]:
+    """Hold the lock on building the cache entry `path` (the file `<key>.lock` beside it, there
+    while held), waiting while another process holds it. Two processes building one entry at
+    once (two runs started together) would both do the work, and the second to finish would swap
+    the first's folder away under it. The kernel lets go of the lock when its holder dies."""
+    lock_file = path.with_name(f"{path.name}.lock")
+    with write_errors(lock_file):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    while True:
+        with write_errors(lock_file):
+            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                log.warning("waiting for another process building the corpus %s", path)
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            if _same_file(fd, lock_file):
+                break  # not a lock file its holder deleted while this process waited on it
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+    try:
+        yield
+    finally:
+        lock_file.unlink(missing_ok=True)  # while held: whoever waits on it finds it gone and locks a new one
+        os.close(fd)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        stat = path.stat()
+    except FileNotFoundError:
+        return False
+    opened = os.fstat(fd)
+    return (stat.st_dev, stat.st_ino) == (opened.st_dev, opened.st_ino)
 
 
 def _build_into(

@@ -50,11 +50,17 @@ class Corpus:
         self.path = path
         self.manifest = manifest
         """Everything measured at build time (counts, dedup, tokens, entropy); see docs/data.md."""
-        self.train_tokens: np.ndarray = np.load(path / "train.npy", mmap_mode="r")
-        self.val_tokens: np.ndarray = np.load(path / "val.npy", mmap_mode="r")
-        demo = path / "demo_tokens.npy"
-        self.demo_tokens: np.ndarray | None = np.load(demo, mmap_mode="r") if demo.exists() else None
-        self.demo_mask: np.ndarray | None = np.load(path / "demo_mask.npy", mmap_mode="r") if demo.exists() else None
+        try:
+            tokens, demos = manifest["tokens"], manifest.get("demos")
+            self.train_tokens: np.ndarray = _load_stream(path / "train.npy", tokens["train"])
+            self.val_tokens: np.ndarray = _load_stream(path / "val.npy", tokens["val"])
+            self.demo_tokens: np.ndarray | None = None
+            self.demo_mask: np.ndarray | None = None
+            if demos:
+                self.demo_tokens = _load_stream(path / "demo_tokens.npy", demos["tokens"])
+                self.demo_mask = _load_stream(path / "demo_mask.npy", demos["tokens"])
+        except (KeyError, TypeError) as err:
+            raise _damaged_corpus(path, f"manifest.json lacks {err}") from None
 
     @classmethod
     def open(cls, path: str | Path) -> "Corpus":
@@ -63,6 +69,10 @@ class Corpus:
             manifest = json.loads((path / "manifest.json").read_text())
         except FileNotFoundError:
             raise WhetstoneError(f"{path} is not a built corpus (no manifest.json)") from None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise _damaged_corpus(path, f"manifest.json cannot be read: {err}") from None
+        if not isinstance(manifest, dict):
+            raise _damaged_corpus(path, "manifest.json holds no object")
         if manifest.get("format_version") != MANIFEST_VERSION:
             raise WhetstoneError(
                 f"{path}: corpus format {manifest.get('format_version')}, this whetstone reads {MANIFEST_VERSION}"
@@ -92,6 +102,7 @@ class Corpus:
 
     def val_batches(self, batch_size: int, seq_len: int) -> Iterator[Batch]:
         """Every validation window once, in order (the last batch may be smaller); always the same."""
+        _check_batch_shape(batch_size, seq_len)
         count = window_count(len(self.val_tokens), seq_len)
         if count == 0:
             raise WhetstoneError(f"{self.path}: validation split has {_too_few(self.val_tokens, seq_len)}")
@@ -106,6 +117,9 @@ class TrainLoader:
     def __init__(self, corpus: Corpus, batch_size: int, seq_len: int, seed: int, demo_weight: float):
         if seed < 0:
             raise WhetstoneError(f"data loader seed must be >= 0 (got {seed})")
+        _check_batch_shape(batch_size, seq_len)
+        if not 0 <= demo_weight <= 1:  # NaN too: a weight outside would skip rows of either stream
+            raise WhetstoneError(f"demo_weight must be between 0 and 1 (got {demo_weight})")
         self.corpus, self.batch_size, self.seq_len, self.seed = corpus, batch_size, seq_len, seed
         self.code_windows = window_count(len(corpus.train_tokens), seq_len)
         if self.code_windows == 0:
@@ -166,6 +180,30 @@ def _check_prompts_fit(corpus: Corpus, seq_len: int, starts: np.ndarray) -> None
             f"at transcript {short[0]} ({len(short)} of {len(starts)} transcripts have a longer prompt): "
             f"raise data.seq_len or set demo_weight = 0"
         )
+
+
+def _check_batch_shape(batch_size: int, seq_len: int) -> None:
+    if batch_size < 1 or seq_len < 1:
+        raise WhetstoneError(f"batch_size and seq_len must be >= 1 (got {batch_size} and {seq_len})")
+
+
+def _damaged_corpus(path: Path, problem: str) -> WhetstoneError:
+    """The error for a corpus folder whose files do not match its manifest (a copy cut short, a
+    file changed or deleted by hand): a built corpus is only ever put in place whole."""
+    return WhetstoneError(
+        f"{path} is a damaged corpus build ({problem}): delete the folder and run again to rebuild it"
+    )
+
+
+def _load_stream(file: Path, length: int) -> np.ndarray:
+    """The 1-D array in `file` (memory-mapped), which the manifest says holds `length` values."""
+    try:
+        array = np.load(file, mmap_mode="r")
+    except (OSError, ValueError) as err:  # missing, cut short, or no .npy file
+        raise _damaged_corpus(file.parent, f"{file.name}: {getattr(err, 'strerror', None) or err}") from None
+    if array.shape != (length,):
+        raise _damaged_corpus(file.parent, f"{file.name} holds shape {array.shape}, the manifest says ({length},)")
+    return array
 
 
 def _too_few(tokens: np.ndarray, seq_len: int) -> str:

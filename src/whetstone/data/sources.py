@@ -7,6 +7,7 @@ the size cap, so both stay the same when unrelated files come and go or the tree
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -14,6 +15,7 @@ import re
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from stat import S_ISREG
 
 from whetstone.config import expand_path
 from whetstone.data.config import CorpusConfig
@@ -56,7 +58,9 @@ def glob_regex(pattern: str) -> re.Pattern[str]:
     return re.compile(out + r"\Z")
 
 
-def _walk(root: Path, prefix: str, include: list[str], exclude: list[str]) -> list[SourceFile]:
+def _walk(root: Path, prefix: str, include: list[str], exclude: list[str], setting: str) -> list[SourceFile]:
+    """The files under `root` that `include` matches and `exclude` does not; `setting` names the
+    config field of the excludes, for the error about a file that cannot be read."""
     includes = [glob_regex(p) for p in include]
     excludes = [glob_regex(p) for p in exclude]
     # `dir/**` excludes prune the walk: site-packages alone can hold a hundred thousand files.
@@ -69,9 +73,24 @@ def _walk(root: Path, prefix: str, include: list[str], exclude: list[str]) -> li
         for name in names:
             relative = base + name
             if any(p.match(relative) for p in includes) and not any(p.match(relative) for p in excludes):
-                stat = (root / relative).stat()
+                stat = _regular_file_stat(root / relative, setting)
                 found.append(SourceFile(f"{prefix}/{relative}", root / relative, stat.st_size, stat.st_mtime_ns))
     return found
+
+
+def _regular_file_stat(path: Path, setting: str) -> os.stat_result:
+    """The stat of the file `path` (a link: of its target). A link to nothing, a loop of links,
+    a pipe or a device is refused by name: the read would fail, or wait forever (a pipe)."""
+    try:
+        stat = path.stat()
+    except OSError as err:
+        problem = err.strerror or str(err)
+        if err.errno == errno.ENOENT and path.is_symlink():
+            problem = "a link to nothing"
+        raise WhetstoneError(f"corpus: cannot read {path} ({problem}): add it to {setting}, or fix it") from None
+    if not S_ISREG(stat.st_mode):
+        raise WhetstoneError(f"corpus: {path} is not a regular file: add it to {setting}, or remove it")
+    return stat
 
 
 def list_sources(config: CorpusConfig) -> list[SourceFile]:
@@ -79,12 +98,12 @@ def list_sources(config: CorpusConfig) -> list[SourceFile]:
     files: list[SourceFile] = []
     if config.stdlib:
         stdlib = Path(sysconfig.get_paths()["stdlib"])
-        files += _walk(stdlib, "stdlib", ["**/*.py"], config.stdlib_exclude)
+        files += _walk(stdlib, "stdlib", ["**/*.py"], config.stdlib_exclude, "stdlib_exclude")
     for number, source in enumerate(config.directories):
         root = expand_path(source.path)
         if not root.is_dir():
             raise WhetstoneError(f"corpus: directories[{number}].path {source.path!r} is not a directory")
-        files += _walk(root, source.path.rstrip("/"), source.include, source.exclude)
+        files += _walk(root, source.path.rstrip("/"), source.include, source.exclude, f"directories[{number}].exclude")
     for number, source in enumerate(config.jsonl):
         path = expand_path(source.path)
         if not path.is_file():
@@ -109,7 +128,7 @@ def read_documents(files: list[SourceFile], config: CorpusConfig) -> tuple[list[
             elif file.size > config.max_document_bytes:
                 candidates, stats["too_large"] = [], stats["too_large"] + 1
             else:
-                text = _decode(file.path.read_bytes())
+                text = _decode(_read_bytes(file))
                 stats["undecodable"] += text is None
                 candidates = [Document(file.name, text)] if text is not None else []
             for document in candidates:
@@ -134,6 +153,15 @@ def read_documents(files: list[SourceFile], config: CorpusConfig) -> tuple[list[
         )
     stats["documents"] = len(documents)
     return sorted(documents, key=lambda d: d.name), stats
+
+
+def _read_bytes(file: SourceFile) -> bytes:
+    try:
+        return file.path.read_bytes()
+    except OSError as err:
+        raise WhetstoneError(
+            f"corpus: cannot read {file.path} ({err.strerror or err}): make it readable, or exclude it, then run again"
+        ) from None
 
 
 def _decode(raw: bytes) -> str | None:
