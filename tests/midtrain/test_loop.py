@@ -282,3 +282,18 @@ def test_an_export_on_a_full_disk_is_a_clear_error_and_keeps_the_checkpoint(make
     assert [p.name for p in list_checkpoints(run_dir / "checkpoints")] == ["step_00000004"]
     monkeypatch.undo()
     assert train(config)["model_dir"] == str(run_dir / "model")  # the same command exports it
+
+
+def test_resuming_on_another_corpus_build_says_so(make_config, caplog):
+    # a tokenizer of its own (a folder, as a Qwen3 checkpoint's): the corpus can change under it
+    tokenizer = train(make_config("run.name=tokenizer", "run.steps=3"))["model_dir"]
+    fixed = ("run.name=fixed", f"data.tokenizer={tokenizer}")
+    first = train(make_config(*fixed, "run.steps=4"), stop_at_step=2)
+    build = read_state(Path(first["run_dir"]) / "checkpoints" / "step_00000002")["data"]["corpus_build"]
+    caplog.set_level("WARNING", logger="whetstone.midtrain")
+    assert train(make_config(*fixed, "run.steps=3"), stop_at_step=3)["resumed_from"].endswith("step_00000002")
+    assert not [r for r in caplog.records if "corpus build" in r.getMessage()]  # the same build
+    resumed = train(make_config(*fixed, "run.steps=4", "data.split_seed=1"))  # another split: another build
+    (said,) = [r.getMessage() for r in caplog.records if "corpus build" in r.getMessage()]
+    assert said.startswith(f"checkpoint {resumed['resumed_from']} was trained on the corpus build {build}, and this")
+    assert said.endswith("batches go on from number 3 of this build, not in the order the run had")

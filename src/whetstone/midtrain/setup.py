@@ -54,6 +54,9 @@ from whetstone.utils.runtime import configure_process, resolve_dtype
 
 log = logging.getLogger("whetstone.midtrain")
 
+CORPUS_KEY = "corpus_build"
+"""`state.data` key: the cache key of the corpus build the run reads (its manifest's `key`)."""
+
 
 @dataclass
 class Session:
@@ -112,6 +115,7 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         check_tokenizer(
             resume_from, recorded["data"], tokenizer, "corpus tokenizer", _tokenizer_advice(config, recorded)
         )
+        _say_if_another_corpus(resume_from, recorded["data"], corpus.manifest["key"])
     model = shard_model(_build_model(config, model_config, corpus, resuming=resume_from is not None), device)
     model.activation_checkpointing = run.activation_checkpointing
     optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
@@ -123,6 +127,7 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         set_aside_previous_run(run_dir)
     if tokenizer is not None:
         state.data[TOKENIZER_KEY] = tokenizer  # recorded in every checkpoint from here on
+    state.data[CORPUS_KEY] = corpus.manifest["key"]
     loader = corpus.train_loader(
         run.batch_size, config.data.seq_len, seed=run.seed, demo_weight=config.data.demo_weight
     )
@@ -198,6 +203,23 @@ def _run_folder_problem(run_dir: Path) -> str | None:
         if problem := writable_folder_problem(folder):
             return problem
     return None
+
+
+def _say_if_another_corpus(checkpoint: Path, data: dict, key: str) -> None:
+    """Warn when `checkpoint` was trained on another corpus build than the one this run reads
+    (`key`): its data position (`next_batch`) goes on in this build, so the batches after it are
+    not the ones the run would have had. Not refused: a corpus grown or filtered anew is a way to
+    go on training (another tokenizer, which would change the token ids, is refused)."""
+    recorded = data.get(CORPUS_KEY)
+    if recorded is not None and recorded != key:
+        log.warning(
+            "checkpoint %s was trained on the corpus build %s, and this run reads %s (its sources or data "
+            "settings changed): batches go on from number %d of this build, not in the order the run had",
+            checkpoint,
+            recorded,
+            key,
+            data.get("next_batch", 0),
+        )
 
 
 def _tokenizer_advice(config: MidtrainConfig, record: dict) -> str:
