@@ -167,3 +167,28 @@ def test_a_source_file_gone_before_it_is_read_is_named(tmp_path):
     (tmp_path / "b.py").unlink()
     with pytest.raises(WhetstoneError, match=rf"cannot read {tmp_path}/b.py \(No such file or directory\)"):
         read_documents(files, config)
+
+
+def test_a_source_folder_that_cannot_be_read_is_named_with_its_exclude_setting(tmp_path, monkeypatch):
+    # a folder of another user, or an I/O error: its files must not silently drop out of the corpus
+    import os
+
+    (tmp_path / "pkg").mkdir()
+    for path in (tmp_path / "good.py", tmp_path / "pkg" / "mod.py"):
+        path.write_text("def f():\n    return 1\n" * 10)
+    denied, scandir = tmp_path / "pkg", os.scandir
+
+    def unreadable(path="."):
+        if os.fspath(path) == os.fspath(denied):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", unreadable)
+    config = CorpusConfig(stdlib=False, directories=[DirectorySource(path=str(tmp_path))])
+    with pytest.raises(
+        WhetstoneError,
+        match=rf"cannot read the folder {tmp_path}/pkg \(Permission denied\): add it to directories\[0\].exclude",
+    ):
+        list_sources(config)
+    excluded = DirectorySource(path=str(tmp_path), exclude=["pkg/**"])
+    assert [f.path.name for f in list_sources(CorpusConfig(stdlib=False, directories=[excluded]))] == ["good.py"]

@@ -66,7 +66,14 @@ def _walk(root: Path, prefix: str, include: list[str], exclude: list[str], setti
     # `dir/**` excludes prune the walk: site-packages alone can hold a hundred thousand files.
     pruned = [glob_regex(p[:-3]) for p in exclude if p.endswith("/**")]
     found = []
-    for directory, subdirs, names in os.walk(root):
+
+    def unreadable(err: OSError) -> None:  # os.walk would leave the folder's files out, unsaid
+        folder = err.filename or root
+        raise WhetstoneError(
+            f"corpus: cannot read the folder {folder} ({err.strerror or err}): add it to {setting}, or fix it"
+        )
+
+    for directory, subdirs, names in os.walk(root, onerror=unreadable):
         base = Path(directory).relative_to(root).as_posix()
         base = "" if base == "." else base + "/"
         subdirs[:] = sorted(d for d in subdirs if not any(p.match(base + d) for p in pruned))
