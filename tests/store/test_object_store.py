@@ -81,6 +81,28 @@ def test_delete_is_idempotent(store):
     assert store.list() == []
 
 
+def test_delete_folder_deletes_what_is_under_the_folder_alone(store):
+    for key in ["v/1/a/c.bin", "v/1/m.json", "v/10/m.json", "v/1.json"]:
+        store.put(key, b"x")
+    store.delete_folder("v/1/")
+    store.delete_folder("v/2/")  # none: not an error
+    assert store.list() == ["v/1.json", "v/10/m.json"]
+
+
+def test_delete_folder_removes_the_temporary_files_of_killed_writes_in_a_local_store(tmp_path):
+    store = LocalStore(tmp_path)
+    store.put("v/1/a/c.bin", b"x")
+    (tmp_path / "v" / "2").mkdir()
+    for name in ["v/1/a/.d.bin.k1ll3d.tmp", "v/1/.m.json.k1ll3d.tmp", "v/2/.m.json.w0rk1n.tmp"]:
+        (tmp_path / name).write_bytes(b"half")
+    store.delete_folder("v/1/")
+    assert [p.relative_to(tmp_path).as_posix() for p in sorted(tmp_path.rglob("*"))] == [
+        "v",
+        "v/2",
+        "v/2/.m.json.w0rk1n.tmp",
+    ]
+
+
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])
 def test_keys_cannot_escape_the_store(store, key):
     with pytest.raises(WhetstoneError, match="invalid object key"):

@@ -55,6 +55,32 @@ def test_a_manifest_listing_the_chunks_of_another_version_is_rejected(weights, c
     assert bit_identical(subscriber.state, held)
 
 
+def test_a_manifest_listing_a_tensor_twice_is_rejected_saying_so(weights, config, trainer):
+    publisher, subscriber = Publisher(weights, config), Subscriber(weights, config)
+    held = held_after(publisher, subscriber, trainer, 1)
+    publisher.publish(trainer.step())
+    edit_manifest(weights, 1, lambda manifest: manifest["tensors"].append(dict(manifest["tensors"][0])))
+    assert subscriber.poll() == 0
+    assert "manifest of version 1 lists tensor 'embed.weight' twice" in subscriber.rejected[1]
+    assert bit_identical(subscriber.state, held)
+
+
+@pytest.mark.parametrize("keyframe", [-1, 2])
+def test_a_manifest_whose_keyframe_is_no_version_up_to_its_own_is_rejected(weights, config, trainer, keyframe):
+    """Not a version to wait for (a negative one is not in any store), nor one past it to start from
+    (nothing would be taken, and nothing said)."""
+    publisher = Publisher(weights, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    edit_manifest(weights, 1, lambda manifest: manifest.update(keyframe=keyframe))
+    subscriber = Subscriber(weights, config)
+    assert subscriber.poll() is None and subscriber.unavailable == {}
+    assert (
+        f"manifest of version 1 gives keyframe {keyframe}, which is not a version from 0 to 1" in subscriber.rejected[1]
+    )
+    assert "version 1 was rejected" in subscriber.blocked()
+
+
 def test_an_unreadable_latest_manifest_is_a_rejection_reported_once_and_retried_when_replaced(weights, config, trainer):
     """A manifest of a newer format (a newer publisher), say: the subscriber cannot even tell where
     the chain starts, and says so through `rejected` and `blocked()` rather than failing each poll."""

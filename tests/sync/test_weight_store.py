@@ -73,6 +73,61 @@ def test_garbage_collection_removes_chunks_of_a_crashed_publish(weights, config,
     assert not weights.objects.exists("versions/0000000001/chunk-00099.bin")
 
 
+def test_a_garbage_collection_that_fails_is_logged_and_the_publish_goes_on_to_the_mirrors(
+    tmp_path, config, trainer, caplog
+):
+    class DeleteOutage(LocalStore):
+        fail = False
+
+        def delete(self, key):
+            if self.fail:
+                raise OSError("the store failed")
+            super().delete(key)
+
+    objects = DeleteOutage(tmp_path / "weights")
+    publisher = Publisher(WeightStore(objects), config.model_copy(update={"mirrors": [str(tmp_path / "mirror")]}))
+    for _ in range(10):
+        publisher.publish(trainer.step())
+    objects.fail = True
+    assert publisher.publish(trainer.step()).version == 10  # keyframe 10: versions 0..4 are due
+    assert f"garbage collection in {publisher.store!r} failed" in caplog.text and "the store failed" in caplog.text
+    assert publisher.store.versions() == list(range(11)) and publisher.mirrors[0].latest() == 10
+    objects.fail = False
+    assert publisher.publish_later(trainer.step()).result().manifest.version == 11
+    publisher.close()
+    assert publisher.store.versions() == publisher.mirrors[0].versions() == list(range(5, 12))
+
+
+def test_stray_names_under_versions_are_left_alone_and_logged_once(weights, config, trainer, caplog):
+    strays = ["versions/README", "versions/tmp/manifest.json", "versions/3/manifest.json"]
+    for key in strays:
+        weights.objects.put(key, b"put there by hand")
+    publisher = Publisher(weights, config)
+    for _ in range(13):
+        publisher.publish(trainer.step())
+    assert weights.versions() == list(range(5, 13)) and all(weights.objects.exists(key) for key in strays)
+    for name in ["versions/README", "versions/tmp/", "versions/3/"]:
+        assert caplog.text.count(f"{name} in {weights.objects!r} is not a version") == 1
+
+
+def test_a_collected_version_goes_with_the_temporary_files_of_writes_killed_in_it(weights, config, trainer):
+    publisher = Publisher(weights, config)
+    manifests = [publisher.publish(trainer.step()) for _ in range(7)]
+    root = weights.objects.root
+    left = [
+        root / manifests[1].chunks[0].key.rpartition("/")[0] / ".chunk-00099.bin.k1ll3d.tmp",  # a chunk's
+        root / "versions/0000000001/.manifest.json.k1ll3d.tmp",  # a manifest's (put_if_absent)
+        root / "versions/0000000006/.manifest.json.w0rk1n.tmp",  # a version kept: not touched
+    ]
+    for path in left:
+        path.write_bytes(b"x" * 1000)
+    for _ in range(6):
+        publisher.publish(trainer.step())
+    assert weights.versions() == list(range(5, 13))
+    assert sorted(p.name for p in (root / "versions").iterdir()) == [f"{v:010d}" for v in range(5, 13)]
+    assert left[2].exists()
+
+
 def test_a_restarted_publisher_continues_the_chain(weights, config, trainer):
     first = Publisher(weights, config)
     for _ in range(2):

@@ -50,6 +50,13 @@ class ObjectStore(ABC):
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 
+    def delete_folder(self, prefix: str) -> None:
+        """Delete every object under `prefix` (a folder: `versions/0000000003/`) and what writers
+        that died left there unfinished (a local store's temporary files). Only for a folder that
+        no writer uses any more: a write in progress there may lose its temporary file."""
+        for key in self.list(prefix):
+            self.delete(key)
+
 
 def check_key(key: str) -> str:
     """Reject keys that could escape the store's root or name nothing."""

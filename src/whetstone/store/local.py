@@ -89,8 +89,23 @@ class LocalStore(ObjectStore):
     def delete(self, key: str) -> None:
         path = self._path(key)
         path.unlink(missing_ok=True)
-        # Drop directories left empty, so deleted versions leave no trace.
-        for parent in path.parents:
+        self._drop_empty_folders(path.parent)
+
+    def delete_folder(self, prefix: str) -> None:
+        """`ObjectStore.delete_folder`: the objects, then the temporary files of atomic writes
+        (`.<name>.*.tmp`, which `list` skips) that a writer killed mid-write left in the folder."""
+        super().delete_folder(prefix)
+        folder = self._path(prefix.rstrip("/"))
+        for directory, _, names in os.walk(folder, topdown=False, onerror=_unless_deleted):
+            for name in names:
+                if name.startswith(".") and name.endswith(".tmp"):
+                    (Path(directory) / name).unlink(missing_ok=True)
+            self._drop_empty_folders(Path(directory))
+
+    def _drop_empty_folders(self, folder: Path) -> None:
+        """Remove `folder` and the folders above it while they are empty, so deleted versions
+        leave no trace."""
+        for parent in [folder, *folder.parents]:
             if parent == self.root or not parent.is_relative_to(self.root):
                 break
             try:

@@ -98,6 +98,15 @@ def version_prefix(version: int) -> str:
     return f"versions/{version:010d}/"
 
 
+def version_of(key: str) -> int | None:
+    """The version whose folder (`versions/<10 digits>/`) holds `key`, or None for a key that is
+    in none: a stray file or folder under `versions/` (`versions/README`, `versions/tmp/`)."""
+    name, inside, _ = key.removeprefix("versions/").partition("/")
+    if inside and name.isascii() and name.isdigit() and key.startswith(version_prefix(int(name))):
+        return int(name)
+    return None
+
+
 def manifest_key(version: int) -> str:
     return version_prefix(version) + "manifest.json"
 
@@ -131,6 +140,19 @@ def parse_manifest(data: bytes, version: int) -> Manifest:
         raise WhetstoneError(f"manifest of version {version} has format {manifest.format}, expected {MANIFEST_FORMAT}")
     if manifest.version != version:
         raise WhetstoneError(f"manifest at version {version} says it is version {manifest.version}")
+    if not 0 <= manifest.keyframe <= version:
+        raise WhetstoneError(
+            f"manifest of version {version} gives keyframe {manifest.keyframe}, which is not a version from 0 "
+            f"to {version}: withdraw the version"
+        )
+    listed: set[str] = set()
+    for info in manifest.tensors:
+        if info.name in listed:
+            raise WhetstoneError(
+                f"manifest of version {version} lists tensor {info.name!r} twice (a version has each tensor "
+                "once): withdraw the version"
+            )
+        listed.add(info.name)
     for chunk in manifest.chunks:  # a chunk's header does not say its version: its key does
         if not chunk.key.startswith(version_prefix(version)):
             raise WhetstoneError(

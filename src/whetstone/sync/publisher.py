@@ -11,7 +11,9 @@ created only once (`WeightStore.publish`), names the winner's, and the loser del
 With `mirrors` (`SyncConfig.mirrors`), each publish is then copied into every mirror store
 (`WeightStore.mirror`: the chunks from memory, then the manifest, then the latest pointer), so the
 servers of each inference cluster read the weights near them. A mirror that fails (an outage) is
-logged and brought up to date at the next publish; it never fails the publish itself.
+logged and brought up to date at the next publish; it never fails the publish itself. Nor does
+garbage collection after a publish (`WeightStore.collect_garbage`): a failure is logged, and what
+it left is collected at the next publish.
 
 `publish_later` takes the copy at once and does the rest (encoding, uploading, the manifest) on
 one worker thread, so a trainer's next step runs while its last version is published; versions
@@ -248,9 +250,17 @@ class Publisher:
             manifest.changed,
             time.perf_counter() - started,
         )
-        self.store.collect_garbage(self.config.keep_keyframes)
+        self._collect_garbage()
         self.update_mirrors(blobs)
         return manifest
+
+    def _collect_garbage(self) -> None:
+        """`WeightStore.collect_garbage` after a publish, with a failure (a store outage) logged:
+        the version is out, and what is left is collected at the next publish."""
+        try:
+            self.store.collect_garbage(self.config.keep_keyframes)
+        except Exception as err:
+            log.warning("garbage collection in %r failed (retried at the next publish): %s", self.store, err)
 
     def update_mirrors(self, blobs: dict[str, bytes] | None = None) -> None:
         """Bring every mirror up to the store (`blobs`: chunks in memory, fetched otherwise)."""

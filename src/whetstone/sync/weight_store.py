@@ -44,6 +44,7 @@ from whetstone.sync.manifest import (
     manifest_digest,
     manifest_key,
     parse_manifest,
+    version_of,
     version_prefix,
 )
 
@@ -102,6 +103,8 @@ def _parse_withdrawal(data: bytes, objects: ObjectStore) -> tuple[int, tuple[_Do
 class WeightStore:
     def __init__(self, objects: ObjectStore):
         self.objects = objects
+        self._strays: set[str] = set()
+        """What under `versions/` is not a version folder, and was said so in the log."""
 
     @classmethod
     def open(cls, config: SyncConfig, create: bool = True) -> "WeightStore":
@@ -186,8 +189,31 @@ class WeightStore:
 
     def versions(self) -> list[int]:
         """Every version with a manifest, oldest first."""
-        keys = self.objects.list("versions/")
-        return sorted(int(key.split("/")[1]) for key in keys if key.endswith("/manifest.json"))
+        return sorted(self._stored(manifests=True))
+
+    def _stored(self, manifests: bool) -> set[int]:
+        """The versions with a manifest (`manifests`), or with any object. What under `versions/`
+        is not a version folder (`versions/README`, `versions/tmp/`: put there by hand) is left
+        alone, and said once."""
+        found = set()
+        for key in self.objects.list("versions/"):
+            version = version_of(key)
+            if version is None:
+                self._note_stray(key)
+            elif not manifests or key == manifest_key(version):
+                found.add(version)
+        return found
+
+    def _note_stray(self, key: str) -> None:
+        name, inside, _ = key.removeprefix("versions/").partition("/")
+        stray = f"versions/{name}{inside}"
+        if stray not in self._strays:
+            self._strays.add(stray)
+            log.warning(
+                "%s in %r is not a version (those are in versions/<10 digits>/): left alone; move it out of the store",
+                stray,
+                self.objects,
+            )
 
     def manifest(self, version: int) -> Manifest:
         return parse_manifest(self.objects.get(manifest_key(version)), version)
@@ -528,9 +554,12 @@ class WeightStore:
         return problems
 
     def delete_version(self, version: int) -> None:
+        """Delete a collected version: its manifest, then the rest of its folder, with what writers
+        killed mid-write left there (`ObjectStore.delete_folder`). Only for a version garbage
+        collection removes (or a mirror's, which the source collected): no publisher takes its
+        number again, unlike a failed publish's or a withdrawn version's."""
         self.objects.delete(manifest_key(version))
-        for key in self.objects.list(version_prefix(version)):
-            self.objects.delete(key)
+        self.objects.delete_folder(version_prefix(version))
 
     def collect_garbage(self, keep_keyframes: int) -> list[int]:
         """Delete every version older than the `keep_keyframes`-th newest keyframe: a subscriber
@@ -547,8 +576,7 @@ class WeightStore:
                 oldest_kept = self.manifest(oldest_kept - 1).keyframe
             except WhetstoneError:  # already collected, or unreadable: keep what is newer
                 break
-        stored = {int(key.split("/")[1]) for key in self.objects.list("versions/")}
-        doomed = sorted(v for v in stored if v < oldest_kept)
+        doomed = sorted(v for v in self._stored(manifests=False) if v < oldest_kept)
         for version in doomed:
             self.delete_version(version)
         if doomed:
