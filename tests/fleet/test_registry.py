@@ -2,6 +2,7 @@
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -161,3 +162,82 @@ def test_a_server_starting_at_a_dead_ones_address_replaces_its_record(registry):
     successor = ServerRecord.new(dead.url, "eu")
     with Announcer(registry, successor, heartbeat_s=60):
         assert sorted(r.id for r in registry.records()) == sorted([successor.id, other.id])
+
+
+class ReadOnlyStore(LocalStore):
+    """A store this reader may only read, as an orchestrator's read-only S3 credentials: every
+    delete is refused (a plain file mode would not stop root)."""
+
+    def delete(self, key: str) -> None:
+        raise PermissionError(f"Access Denied: DeleteObject {key}")
+
+
+def test_a_registry_the_reader_may_not_delete_from_is_still_read(tmp_path, caplog):
+    """Pruning is housekeeping: a refused delete leaves the dead record (skipped as stale), is
+    logged once per record, and servers still join and leave at every look."""
+    registry = FleetRegistry(ReadOnlyStore(tmp_path / "weights"))
+    dead = ServerRecord("dead", "http://10.0.0.9:8000/v1", "eu", 0.0, 0.0)
+    first = ServerRecord.new("http://10.0.0.1:8000/v1")
+    registry.announce(dead), registry.announce(first)
+    registry.objects.put("fleet/servers/junk.json", b"{not json")
+    assert registry.prune(forget_after_s=300) == []  # nothing could be deleted, nothing raised
+    assert sorted(r.id for r in registry.records()) == sorted([dead.id, first.id])
+
+    async def scenario():
+        pool = ServerPool([], EndpointConfig(), registry=registry)
+        await pool.discover()
+        assert [server.url for server in pool.servers] == [first.url]
+        LocalStore.delete(registry.objects, first.key)  # the server stopped and removed its own record
+        second = ServerRecord.new("http://10.0.0.2:8000/v1")
+        registry.announce(second)
+        await pool.discover()
+        assert [server.url for server in pool.servers] == [second.url]
+        await pool.close()
+
+    asyncio.run(scenario())
+    for key in (dead.key, "fleet/servers/junk.json"):  # refused at three looks, logged at the first
+        assert caplog.text.count(f"could not delete the fleet record {key} ") == 1
+    assert "reading the fleet registry" not in caplog.text
+
+
+class StallingStore(LocalStore):
+    """A store whose writes and deletes hang once `stall` is set, until `release` is: a store
+    outage as boto3 meets it, retrying for minutes."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.stall, self.stalled, self.release = threading.Event(), threading.Event(), threading.Event()
+
+    def _wait_if_stalled(self) -> None:
+        if self.stall.is_set():
+            self.stalled.set()
+            self.release.wait()
+
+    def put(self, key: str, data: bytes) -> None:
+        self._wait_if_stalled()
+        super().put(key, data)
+
+    def delete(self, key: str) -> None:
+        self._wait_if_stalled()
+        super().delete(key)
+
+
+def test_stopping_the_announcer_in_a_store_outage_waits_no_longer_than_its_bound(tmp_path, caplog):
+    store = StallingStore(tmp_path / "weights")
+    registry = FleetRegistry(store)
+    announcer = Announcer(registry, ServerRecord.new("http://10.0.0.1:8000/v1"), heartbeat_s=0.01, stop_timeout_s=0.1)
+    announcer.start()
+    try:
+        store.stall.set()
+        assert store.stalled.wait(30), "the heartbeat never reached the store"
+        stopping = threading.Thread(target=announcer.stop, daemon=True)
+        stopping.start()
+        stopping.join(30)  # the store answers nothing until released: only the bound can end `stop`
+        assert not stopping.is_alive(), "stop waited for the stalled store"
+        assert "did not answer within 0.1 s: stopping without removing http://10.0.0.1:8000/v1" in caplog.text
+    finally:
+        store.release.set()
+    deadline = time.monotonic() + 30
+    while registry.records():  # the store back: the heartbeat thread's last write, then the delete
+        assert time.monotonic() < deadline, "the record was never removed"
+        time.sleep(0.02)

@@ -27,14 +27,15 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from tests.inference.inference_fixtures import GREETING, wait_until
+from tests.inference.inference_fixtures import GREETING, tiny_model, wait_until
 from tests.online.online_fixtures import running_server
 from whetstone.envs.harness import EndpointConfig, HttpPolicy, Sampling
+from whetstone.errors import ConfigError
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.inference.engine import Engine
-from whetstone.inference.launch import uvicorn_config
+from whetstone.inference.launch import build_app, uvicorn_config
 from whetstone.inference.server import create_app
-from whetstone.model.hf import load_hf
+from whetstone.model.hf import load_hf, save_hf
 from whetstone.tokenizer import Tokenizer
 from whetstone.utils.processes import free_port
 
@@ -549,3 +550,15 @@ def test_headers_that_do_not_arrive_in_time_get_408_and_the_connection_closes(se
             time.sleep(timeout_s * 1.5)  # the body has its own deadline (body_timeout_s)
             sock.sendall(raw)
             assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
+
+
+def test_serve_refuses_a_tokenizer_with_more_ids_than_the_model_naming_both_files(served_model_dir, tmp_path):
+    """An id past the model's embedding would fail mid-request: refused at start, before the weights load."""
+    folder = save_hf(tiny_model(vocab_size=64), tmp_path / "model", tokenizer_dir=served_model_dir)
+    ids = Tokenizer.load(folder).vocab_size
+    with pytest.raises(ConfigError) as refused:
+        build_app(ServeConfig(model_path=str(folder), threads=1))
+    assert str(refused.value).startswith(
+        f"the tokenizer {folder / 'tokenizer.json'} has {ids} token ids, "
+        f"but the model's vocab_size ({folder / 'config.json'}) is only 64"
+    )

@@ -14,7 +14,9 @@ from safetensors.torch import load_file
 from tests.utils.tracking_support import event_scalars, jsonl_scalars, use_offline_wandb, wandb_history
 from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.midtrain.loop import train
-from whetstone.model.hf import load_hf
+from whetstone.model import Transformer
+from whetstone.model.hf import load_hf, save_hf
+from whetstone.tokenizer import Tokenizer
 from whetstone.training.checkpoint import list_checkpoints, read_state
 from whetstone.utils.metrics import read_metrics
 
@@ -175,8 +177,27 @@ def test_init_from_an_unsupported_architecture_is_named(make_config, tmp_path):
 
 
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_named(make_config):
-    with pytest.raises(ConfigError, match=r"model.vocab_size \(100\) is smaller"):
+    with pytest.raises(
+        ConfigError,
+        match=r"the tokenizer .*/tokenizer/tokenizer.json of the corpus \(trained on it: data.vocab_size\) has \d+ "
+        r"token ids, but the model's vocab_size \(model.vocab_size\) is only 100: .* Set model.vocab_size to at "
+        r"least \d+, or lower data.vocab_size",
+    ):
         train(make_config("model.vocab_size=100"))
+
+
+def test_an_init_from_folder_whose_tokenizer_outgrows_its_model_is_named(make_config, tmp_path):
+    """The folder's own tokenizer tokenizes the corpus: an id past the embedding would fail mid-run."""
+    config = make_config("run.name=small")
+    tokenizer = tmp_path / "tokenizer"
+    Tokenizer.train([json.dumps(config.model_dump(mode="json"))] * 50, vocab_size=300).save(tokenizer)
+    folder = save_hf(Transformer(config.model.model_copy(update={"vocab_size": 64})), tmp_path / "small", tokenizer)
+    with pytest.raises(
+        ConfigError,
+        match=rf"the tokenizer .*/tokenizer/tokenizer.json of the corpus \(from {folder}\) has \d+ token ids, but "
+        rf"the model's vocab_size \({folder / 'config.json'}: run.init_from\) is only 64",
+    ):
+        train(from_checkpoint(config, folder))
 
 
 def test_a_checkpoint_that_does_not_fit_the_config_is_named(make_config):

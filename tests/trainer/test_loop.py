@@ -337,11 +337,11 @@ def test_a_checkpoints_path_that_is_a_file_is_refused_before_any_step(tmp_path, 
     assert not (tmp_path / "weights").exists()  # refused before the store got a version 0
 
 
-def test_a_model_path_with_another_tokenizer_is_refused_on_resume(tmp_path, tiny_moe, batches):
+def test_a_model_path_with_another_tokenizer_is_refused_on_resume(tmp_path, batches):
     texts = [json.dumps(batch.meta) for batch in batches] * 20
     first, second = tmp_path / "first", tmp_path / "second"
     for folder, vocab_size in ((first, 300), (second, 290)):
-        shutil.copytree(tiny_moe, folder)
+        save_tiny_moe(folder, vocab_size=300)  # every id of either tokenizer has an embedding row
         Tokenizer.train(texts, vocab_size=vocab_size).save(folder)
     put_batches(tmp_path / "batches", batches[:1])
     run_trainer(trainer_config(tmp_path, first))
@@ -355,6 +355,21 @@ def test_a_model_path_with_another_tokenizer_is_refused_on_resume(tmp_path, tiny
     shutil.copytree(first, tmp_path / "copy")  # the same tokenizer elsewhere resumes
     put_batches(tmp_path / "batches", batches[1:2], first=1)
     assert run_trainer(trainer_config(tmp_path, tmp_path / "copy"))["step"] == 2
+
+
+def test_a_model_path_whose_tokenizer_has_more_ids_than_the_model_is_refused_before_training(tmp_path, batches):
+    """An id past the embedding would fail mid-run (a demonstration, a server's sample): refused at start."""
+    folder = save_tiny_moe(tmp_path / "model")  # 64 embedding rows
+    Tokenizer.train([json.dumps(batch.meta) for batch in batches] * 20, vocab_size=300).save(folder)
+    ids = Tokenizer.load(folder).vocab_size
+    put_batches(tmp_path / "batches", batches[:1])
+    with pytest.raises(ConfigError) as refused:
+        run_trainer(trainer_config(tmp_path, folder))
+    assert str(refused.value).startswith(
+        f"the tokenizer {folder / 'tokenizer.json'} has {ids} token ids, "
+        f"but the model's vocab_size ({folder / 'config.json'}) is only 64"
+    )
+    assert not (tmp_path / "weights").exists()  # refused before the store got a version 0
 
 
 def test_a_damaged_newest_checkpoint_is_refused_naming_the_older_one(tmp_path, tiny_moe, batches):

@@ -9,7 +9,8 @@ weight store's, so every machine that follows the weights can find it).
 Each server writes one small JSON record, `fleet/servers/<id>.json` (its URL, cluster label,
 start and heartbeat times), when it starts and again every heartbeat, and deletes it when it
 stops. A server that dies without deleting it is forgotten once its heartbeat is `stale_after_s`
-old; its record is deleted by a reader once it is much older (`prune`), or at once by a server
+old; its record is deleted by a reader once it is much older (`prune`, best-effort: a reader that
+may not delete, or a failed delete, leaves it to be skipped as stale), or at once by a server
 that starts at the same address. Records are written with the store's atomic put: a reader sees a whole record or none.
 Heartbeats are the writer's wall-clock times, so the machines' clocks must agree to well within
 `stale_after_s` (NTP does): a record whose heartbeat is that far ahead of the reader's clock is
@@ -100,6 +101,8 @@ class FleetRegistry:
         self.objects = objects
         self._ahead: set[str] = set()
         """Ids of the records `live` found with a heartbeat ahead of the clock (each logged once)."""
+        self._undeletable: set[str] = set()
+        """Keys `prune` could not delete (each logged once, until a delete of it succeeds)."""
 
     def __repr__(self) -> str:
         return f"FleetRegistry({self.objects!r})"
@@ -154,17 +157,25 @@ class FleetRegistry:
     def prune(self, forget_after_s: float, now: float | None = None) -> list[ServerRecord]:
         """Delete the records whose heartbeat is older than `forget_after_s` (servers that died
         without removing theirs), or as far ahead of `now` (a clock far off, or a hand-written
-        time), and returns them; records that do not parse are deleted too (none could ever be
-        used, and each would be logged at every read). Readers call it with a grace well beyond
-        the staleness they skip records at, so a server cut off for a while can still come back."""
+        time), and return those deleted; records that do not parse are deleted too (none could
+        ever be used, and each would be logged at every read). Readers call it with a grace well
+        beyond the staleness they skip records at, so a server cut off for a while can still come
+        back.
+
+        Deleting is best-effort: a delete that fails (a store this reader may only read, an
+        outage) is logged once per record and tried again at the next call, and the record stays
+        (`live` skips it as stale). Only a failure to list or read the records raises."""
         now = time.time() if now is None else now
         records, unusable = self._read()
         for key in unusable:
-            self.objects.delete(key)
-            log.info("removed the fleet record %s: it does not parse", key)
+            if self._delete(key):
+                log.info("removed the fleet record %s: it does not parse", key)
         old = [(key, record) for key, record in records if abs(now - record.heartbeat) >= forget_after_s]
+        deleted = []
         for key, record in old:
-            self.objects.delete(key)  # where it was read: a hand-written record's name need not be its id
+            if not self._delete(key):  # where it was read: a hand-written record's name need not be its id
+                continue
+            deleted.append(record)
             if record.heartbeat > now:
                 log.warning(
                     "removed the fleet record of %s: its heartbeat is %.0f s ahead of this machine's clock",
@@ -173,15 +184,52 @@ class FleetRegistry:
                 )
             else:
                 log.info("removed the fleet record of %s (silent for %.0f s)", record.url, now - record.heartbeat)
-        return [record for _, record in old]
+        return deleted
+
+    def _delete(self, key: str) -> bool:
+        """Delete the record at `key`; False, logged once per key, if the store refuses or fails."""
+        try:
+            self.objects.delete(key)
+        except Exception as err:  # read-only credentials, a store outage: the record is only skipped
+            if key not in self._undeletable:
+                self._undeletable.add(key)
+                log.warning(
+                    "could not delete the fleet record %s in %r (%s): readers skip it, and deleting it is tried "
+                    "again at each look; give this reader delete access to %s to remove such records",
+                    key,
+                    self.objects,
+                    err,
+                    PREFIX,
+                )
+            return False
+        self._undeletable.discard(key)
+        return True
+
+
+STOP_TIMEOUT_S = 5.0
+"""Longest `Announcer.stop` waits for the store: ample for a heartbeat write and the final delete
+in a healthy store (milliseconds, a second or two with a retry), and well within the grace a
+scheduler gives a stopping process (30 s in Kubernetes and SLURM) before it kills it."""
 
 
 class Announcer:
     """Keeps one server's record fresh from a thread while it runs, and deletes it on `stop`. A
-    failed write (a store outage) is logged and tried again at the next heartbeat."""
+    failed write (a store outage) is logged and tried again at the next heartbeat.
 
-    def __init__(self, registry: FleetRegistry, record: ServerRecord, heartbeat_s: float = 2.0):
+    The final delete runs on the heartbeat thread after its last write, so no heartbeat lands
+    after it. `stop` waits for it at most `stop_timeout_s`: in a store outage a write can sit in
+    the S3 client's retries for minutes, and a server's shutdown must not; the thread is a daemon,
+    and a record it leaves behind goes stale and is pruned by readers."""
+
+    def __init__(
+        self,
+        registry: FleetRegistry,
+        record: ServerRecord,
+        heartbeat_s: float = 2.0,
+        stop_timeout_s: float = STOP_TIMEOUT_S,
+    ):
         self.registry, self.record, self.heartbeat_s = registry, record, heartbeat_s
+        self.stop_timeout_s = stop_timeout_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -196,14 +244,20 @@ class Announcer:
         return self
 
     def stop(self) -> None:
+        """Stop the heartbeat and delete the record, waiting at most `stop_timeout_s` for the store."""
         self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-        try:
-            self.registry.forget(self.record)
-        except Exception as err:  # a store outage: the record goes stale instead
-            log.warning("could not remove %s from the fleet registry: %s", self.record.url, err)
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        thread.join(self.stop_timeout_s)
+        if thread.is_alive():
+            log.warning(
+                "the fleet registry %r did not answer within %g s: stopping without removing %s "
+                "(its record goes stale, and orchestrators drop it after their heartbeat timeout)",
+                self.registry,
+                self.stop_timeout_s,
+                self.record.url,
+            )
 
     def __enter__(self) -> Announcer:
         return self.start()
@@ -218,6 +272,10 @@ class Announcer:
                 self.registry.announce(self.record)
             except Exception as err:  # the thread must outlive a store outage
                 log.warning("fleet heartbeat of %s failed: %s", self.record.url, err)
+        try:
+            self.registry.forget(self.record)
+        except Exception as err:  # a store outage: the record goes stale instead
+            log.warning("could not remove %s from the fleet registry: %s", self.record.url, err)
 
 
 def fleet_announcer(fleet: FleetConfig, host: str, port: int, sync: SyncConfig | None) -> Announcer | None:

@@ -19,22 +19,22 @@ FILES_BESIDE_CONNECTIONS = 256
 
 
 def build_app(config: ServeConfig):
+    from whetstone.config import expand_path
     from whetstone.inference.engine import Engine
     from whetstone.inference.server import create_app
     from whetstone.inference.swap import WeightFollower
-    from whetstone.model.hf import load_hf
+    from whetstone.model.hf import check_vocab_fits, load_hf, read_hf_config
     from whetstone.sync import Subscriber, WeightStore
     from whetstone.tokenizer import Tokenizer
     from whetstone.utils.runtime import configure_process
 
     check_startup(config)
     configure_process(config.threads)
-    model = load_hf(config.model_path)
-    tokenizer = Tokenizer.load(config.model_path)
-    if tokenizer.vocab_size > model.cfg.vocab_size:
-        raise WhetstoneError(
-            f"{config.model_path}: the tokenizer has {tokenizer.vocab_size} ids, the model only {model.cfg.vocab_size}"
-        )
+    folder = expand_path(config.model_path)
+    vocab_size = read_hf_config(folder).vocab_size
+    tokenizer = Tokenizer.load(folder)
+    check_vocab_fits(tokenizer.vocab_size, str(folder / "tokenizer.json"), vocab_size, str(folder / "config.json"))
+    model = load_hf(folder)
     engine = Engine(
         model,
         config.engine,

@@ -30,11 +30,12 @@ from pathlib import Path
 
 import torch
 
+from whetstone.config import expand_path
 from whetstone.data import Corpus, CorpusConfig, DemoSource, TrainLoader, build_corpus
 from whetstone.errors import ConfigError
 from whetstone.midtrain.config import MidtrainConfig
 from whetstone.model import ModelConfig, Transformer
-from whetstone.model.hf import load_hf, read_hf_config
+from whetstone.model.hf import check_vocab_fits, load_hf, read_hf_config
 from whetstone.training.checkpoint import (
     TOKENIZER_KEY,
     TrainState,
@@ -267,11 +268,18 @@ def resolve_model_config(config: MidtrainConfig) -> ModelConfig:
 
 def _build_model(config: MidtrainConfig, model_config: ModelConfig, corpus: Corpus, resuming: bool) -> Transformer:
     """A fresh init, or `run.init_from`'s weights (not when resuming: the checkpoint's replace them)."""
-    if model_config.vocab_size < corpus.vocab_size:
-        raise ConfigError(
-            f"model.vocab_size ({model_config.vocab_size}) is smaller than the corpus tokenizer's "
-            f"vocabulary ({corpus.vocab_size}; see data.vocab_size, data.tokenizer)"
-        )
+    source = corpus.manifest["tokenizer"]["source"]
+    tokenizer = f"{corpus.path / 'tokenizer' / 'tokenizer.json'} of the corpus " + (
+        "(trained on it: data.vocab_size)" if source == "trained" else f"(from {source})"
+    )
+    if config.run.init_from:
+        model = f"{expand_path(config.run.init_from) / 'config.json'}: run.init_from"
+        advice = "Tokenize with the tokenizer run.init_from was trained with (data.tokenizer empty: its own)"
+    else:
+        model = "model.vocab_size"
+        smaller = "lower data.vocab_size" if source == "trained" else "use a data.tokenizer with fewer ids"
+        advice = f"Set model.vocab_size to at least {corpus.vocab_size}, or {smaller}"
+    check_vocab_fits(corpus.vocab_size, tokenizer, model_config.vocab_size, model, advice)
     torch.manual_seed(config.run.seed)
     if config.run.init_from and not resuming:
         return load_hf(config.run.init_from)

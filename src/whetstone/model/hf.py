@@ -18,7 +18,7 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from whetstone.config import expand_path
-from whetstone.errors import CheckpointError
+from whetstone.errors import CheckpointError, ConfigError
 from whetstone.model.config import ModelConfig
 from whetstone.model.hf_convert import (
     DOWN,
@@ -43,6 +43,22 @@ TOKENIZER_FILES = (
     "generation_config.json",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 * 2**30
+
+
+def check_vocab_fits(tokenizer_ids: int, tokenizer: str, vocab_size: int, model: str, advice: str = "") -> None:
+    """Refuse a tokenizer with more ids (`tokenizer_ids`, `Tokenizer.vocab_size`) than the model
+    has embedding rows (`vocab_size`): the first id past them would fail an embedding lookup
+    mid-run, as an IndexError or a device assert. `tokenizer` and `model` say where each comes
+    from (paths, settings); `advice` what to do (a default suits a model folder)."""
+    if tokenizer_ids <= vocab_size:
+        return
+    advice = advice or (
+        f"Use the tokenizer the model was trained with, or a model whose vocab_size is at least {tokenizer_ids}"
+    )
+    raise ConfigError(
+        f"the tokenizer {tokenizer} has {tokenizer_ids} token ids, but the model's vocab_size ({model}) is only "
+        f"{vocab_size}: ids from {vocab_size} up have no embedding row, and a run fails at the first it meets. {advice}"
+    )
 
 
 def read_hf_config(path: str | Path) -> ModelConfig:

@@ -7,10 +7,11 @@ so the trainer's state catches up with what the inference servers already hold. 
 thus shapes the weights exactly once, and every version is published exactly once.
 
 Before any model work `output_dir` and its `checkpoints/` must be (or be creatable as) folders
-this process can write; temporary folders of saves that crashed are deleted. The checkpoint is
-resumed only with the tokenizer it was trained with (`model_path`'s tokenizer.json: demonstrations
-are tokenized with it, and the inference servers decode with it), and a damaged one is refused
-naming the older complete ones (`naming_older_checkpoints`).
+this process can write, and `model_path`'s tokenizer must have no more ids than its model has
+embedding rows (`check_vocab_fits`); temporary folders of saves that crashed are deleted. The
+checkpoint is resumed only with the tokenizer it was trained with (`model_path`'s tokenizer.json:
+demonstrations are tokenized with it, and the inference servers decode with it), and a damaged
+one is refused naming the older complete ones (`naming_older_checkpoints`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 from whetstone.config import expand_path
 from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.model import Transformer
-from whetstone.model.hf import load_hf
+from whetstone.model.hf import check_vocab_fits, load_hf, read_hf_config
 from whetstone.model.layout import autocast_tables
 from whetstone.rl.demos import load_demos
 from whetstone.rl.logit_scale import LogitScale
@@ -144,6 +145,14 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
         problem = writable_folder_problem(run_dir) or writable_folder_problem(run_dir / "checkpoints")
     if problem := broadcast(problem):
         raise ConfigError(f"{problem}: the trainer writes its checkpoints and metrics into output_dir {run_dir}")
+    model_path = expand_path(config.model_path)
+    if (model_path / "tokenizer.json").is_file():  # demonstrations are tokenized with it, servers decode with it
+        check_vocab_fits(
+            Tokenizer.load(model_path).vocab_size,
+            str(model_path / "tokenizer.json"),
+            read_hf_config(model_path).vocab_size,
+            str(model_path / "config.json"),
+        )
     demos = None
     if config.demo_coef > 0:  # read first: a bad file fails before any model work
         if not config.demos_path:

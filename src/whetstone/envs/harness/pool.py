@@ -262,16 +262,20 @@ class ServerPool:
 
     async def discover(self) -> None:
         """Add the servers newly announced in the registry, drop the announced ones it no longer
-        lists (their rollouts move on at their next call). A registry that cannot be read leaves
-        the pool as it is."""
+        lists (their rollouts move on at their next call), then delete the records long silent
+        (`FleetRegistry.prune`). A registry that cannot be read leaves the pool as it is; one
+        whose records cannot be deleted (read-only access) is still read."""
         if self.registry is None:
             return
         try:
-            await asyncio.to_thread(self.registry.prune, self.forget_after_s)
             records = await asyncio.to_thread(self.registry.live, self.stale_after_s)
         except Exception as err:  # a store outage must not empty the pool
             log.warning("reading the fleet registry %r failed, servers kept as they are: %s", self.registry, err)
             return
+        try:
+            await asyncio.to_thread(self.registry.prune, self.forget_after_s)
+        except Exception as err:  # housekeeping only: the servers were read above
+            log.warning("pruning the fleet registry %r failed: %s", self.registry, err)
         listed = {record.url: record for record in records}
         for server in list(self.servers):
             record = listed.pop(server.url, None)
