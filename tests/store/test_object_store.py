@@ -32,45 +32,35 @@ def test_list_by_prefix_sorted(store):
     assert store.list("zzz/") == []
 
 
-def test_a_folder_deleted_while_listing_is_skipped(tmp_path, monkeypatch):
-    # Another writer deletes versions/1/ after the walk saw it and before it went in (two
-    # publishers racing: the loser drops its chunks while the winner collects garbage).
+@pytest.mark.parametrize(
+    "error",
+    [FileNotFoundError(2, "No such file or directory"), PermissionError(13, "Permission denied")],
+    ids=["deleted meanwhile", "unreadable"],
+)
+def test_a_folder_deleted_while_listing_is_skipped_and_one_that_cannot_be_read_fails(tmp_path, monkeypatch, error):
+    # Deleted after the walk saw it and before it went in: two publishers racing (the loser drops
+    # its chunks while the winner collects garbage). Unreadable (another user's, an I/O error):
+    # its keys must not silently go missing from the list.
     import os
 
     store = LocalStore(tmp_path / "store")
-    for key in ["versions/1/a/c.bin", "versions/2/m.json"]:
+    for key in ["versions/1/a/c.bin", "versions/2/m.json", "fleet/servers/a.json"]:
         store.put(key, b"x")
-    gone, scandir = tmp_path / "store" / "versions" / "1", os.scandir
+    failing, scandir = tmp_path / "store" / "versions" / "1", os.scandir
 
-    def deleted_meanwhile(path="."):
-        if os.fspath(path) == os.fspath(gone):
-            raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
+    def scan(path="."):
+        if os.fspath(path) == os.fspath(failing):
+            raise type(error)(error.errno, error.strerror, os.fspath(path))
         return scandir(path)
 
-    monkeypatch.setattr(os, "scandir", deleted_meanwhile)
-    assert store.list("versions/") == ["versions/2/m.json"]
-
-
-def test_a_folder_that_cannot_be_read_fails_the_listing(tmp_path, monkeypatch):
-    # A folder of another user, or an I/O error: its keys must not silently go missing from the list
-    import os
-
-    store = LocalStore(tmp_path / "store")
-    for key in ["fleet/servers/a.json", "versions/2/m.json"]:
-        store.put(key, b"x")
-    denied, scandir = tmp_path / "store" / "fleet" / "servers", os.scandir
-
-    def unreadable(path="."):
-        if os.fspath(path) == os.fspath(denied):
-            raise PermissionError(13, "Permission denied", os.fspath(path))
-        return scandir(path)
-
-    monkeypatch.setattr(os, "scandir", unreadable)
-    with pytest.raises(PermissionError, match="fleet/servers"):
-        store.list("fleet/")
-    with pytest.raises(PermissionError):
-        store.list()
-    assert store.list("versions/") == ["versions/2/m.json"]
+    monkeypatch.setattr(os, "scandir", scan)
+    assert store.list("fleet/") == ["fleet/servers/a.json"]
+    if isinstance(error, FileNotFoundError):
+        assert store.list("versions/") == ["versions/2/m.json"]
+        return
+    for prefix in ("versions/", ""):
+        with pytest.raises(PermissionError, match="versions/1"):
+            store.list(prefix)
 
 
 def test_delete_is_idempotent(store):
