@@ -65,6 +65,16 @@ def test_a_manifest_listing_a_tensor_twice_is_rejected_saying_so(weights, config
     assert bit_identical(subscriber.state, held)
 
 
+def test_a_manifest_missing_a_field_is_rejected_naming_it(weights, config, trainer):
+    publisher, subscriber = Publisher(weights, config), Subscriber(weights, config)
+    held = held_after(publisher, subscriber, trainer, 1)
+    publisher.publish(trainer.step())
+    edit_manifest(weights, 1, lambda manifest: manifest["tensors"][0].pop("shape"))
+    assert subscriber.poll() == 0
+    assert "manifest of version 1 is invalid: tensors.0.shape: Field required" in subscriber.rejected[1]
+    assert bit_identical(subscriber.state, held)
+
+
 @pytest.mark.parametrize("keyframe", [-1, 2])
 def test_a_manifest_whose_keyframe_is_no_version_up_to_its_own_is_rejected(weights, config, trainer, keyframe):
     """Not a version to wait for (a negative one is not in any store), nor one past it to start from

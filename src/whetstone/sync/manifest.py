@@ -135,7 +135,9 @@ def parse_manifest(data: bytes, version: int) -> Manifest:
     try:
         manifest = Manifest.model_validate_json(data)
     except ValidationError as err:
-        raise WhetstoneError(f"manifest of version {version} is invalid: {err.errors()[0]['msg']}") from None
+        first = err.errors()[0]
+        field = ".".join(str(part) for part in first["loc"]) or "the manifest"
+        raise WhetstoneError(f"manifest of version {version} is invalid: {field}: {first['msg']}") from None
     if manifest.format != MANIFEST_FORMAT:
         raise WhetstoneError(f"manifest of version {version} has format {manifest.format}, expected {MANIFEST_FORMAT}")
     if manifest.version != version:
