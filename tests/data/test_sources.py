@@ -121,6 +121,8 @@ def test_unreadable_or_missing_sources_are_named(tmp_path):
         read_documents(list_sources(config), config)
     with pytest.raises(WhetstoneError, match=r"jsonl\[0\].path .*missing.jsonl' does not exist"):
         list_sources(CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(tmp_path / "missing.jsonl"))]))
+    with pytest.raises(WhetstoneError, match=r"jsonl\[0\].path .*' is not a file"):  # a folder
+        list_sources(CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(tmp_path))]))
     with pytest.raises(WhetstoneError, match=r"directories\[0\].path .* is not a directory"):
         list_sources(CorpusConfig(stdlib=False, directories=[DirectorySource(path=str(tmp_path / "nope"))]))
 

@@ -114,7 +114,8 @@ def list_sources(config: CorpusConfig) -> list[SourceFile]:
     for number, source in enumerate(config.jsonl):
         path = expand_path(source.path)
         if not path.is_file():
-            raise WhetstoneError(f"corpus: jsonl[{number}].path {source.path!r} does not exist")
+            what = "is not a file" if path.exists() else "does not exist"  # a folder, a pipe
+            raise WhetstoneError(f"corpus: jsonl[{number}].path {source.path!r} {what}")
         stat = path.stat()
         files.append(SourceFile(source.path, path, stat.st_size, stat.st_mtime_ns, source.text_field))
     if not files:
