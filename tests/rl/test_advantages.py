@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.rl.conftest import trajectory
+from tests.rl.conftest import call, trajectory
 from whetstone.config import load_config
 from whetstone.errors import ConfigError
 from whetstone.rl.advantages import AdvantageConfig, advantage_fn, grpo, rloo
@@ -99,3 +99,13 @@ def test_a_reward_that_is_not_finite_drops_its_rollout_not_its_group(bad):
     rollouts = [trajectory(group_id="a", reward=r) for r in (bad, 1.0, 0.0)]
     kept, report = score_groups(rollouts, AdvantageConfig(normalize_std=False))
     assert [a for _, a in kept] == [0.5, -0.5] and report.dropped == {"nonfinite_reward": 1}
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_a_rollout_with_a_logprob_that_is_not_finite_is_dropped_not_its_group(bad):
+    # a server whose numerics failed: one such behavior logprob would make the whole step's loss NaN
+    broken = trajectory([call([1, 2], [3, 4]), call([1, 2, 3, 4, 5], [6, 7], logprobs=[-0.5, bad])], reward=1.0)
+    rollouts = [broken, *(trajectory([call([1, 2], [3, 4])], reward=r) for r in (1.0, 0.0))]
+    kept, report = score_groups(rollouts, AdvantageConfig(normalize_std=False))
+    assert [a for _, a in kept] == [0.5, -0.5] and report.dropped == {"nonfinite_logprobs": 1}
+    assert report.metrics()["dropped_nonfinite_logprobs"] == 1

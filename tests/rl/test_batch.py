@@ -9,7 +9,7 @@ import torch
 
 from tests.rl.conftest import call, fake_routes, trajectory
 from whetstone.errors import WhetstoneError
-from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, collate, load_batch, save_batch
+from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, check_batch, collate, load_batch, save_batch
 from whetstone.rl.samples import trajectory_samples
 from whetstone.store.local import LocalStore
 
@@ -87,3 +87,28 @@ def test_corrupt_or_missing_files_get_a_clear_error(tmp_path):
     truncated = batch_to_bytes(collate(two_samples()))[:-10]
     with pytest.raises(WhetstoneError, match="key batches/x is not a whetstone batch"):
         batch_from_bytes(truncated, source="key batches/x")
+
+
+def test_a_batch_of_another_vocabulary_is_refused_naming_it():
+    batch = collate(two_samples())
+    check_batch(batch, vocab_size=11)  # token ids 1..10, padding 0
+    with pytest.raises(
+        WhetstoneError, match=r"key x holds token ids in \[0, 10\], but the model's vocabulary is 0\.\.9"
+    ):
+        check_batch(batch, vocab_size=10, source="key x")
+    batch.input_ids[1, 0] = -3
+    with pytest.raises(WhetstoneError, match=r"token ids in \[-3, 10\]"):
+        check_batch(batch, vocab_size=11)
+
+
+@pytest.mark.parametrize("field", ["behavior_logprobs", "advantages"])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")])
+def test_values_that_are_not_finite_are_refused_at_trained_positions_only(field, bad):
+    batch = collate(two_samples())
+    getattr(batch, field)[0, 0] = bad  # a prompt position of row 0: not trained, never read
+    check_batch(batch, vocab_size=11)
+    getattr(batch, field)[1, 0] = bad  # row 1's one trained position
+    with pytest.raises(
+        WhetstoneError, match=rf"batch has {field} that are not finite at trained positions of rows \[1\] \(tasks 'b'\)"
+    ):
+        check_batch(batch, vocab_size=11)

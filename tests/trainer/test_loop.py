@@ -23,6 +23,8 @@ from tests.utils.tracking_support import event_scalars, jsonl_scalars
 from whetstone.config import dump_toml
 from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
 from whetstone.model.hf import load_hf
+from whetstone.rl.batch import batch_from_bytes, batch_to_bytes
+from whetstone.rl.batch_store import batch_key
 from whetstone.store import LocalStore
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
 from whetstone.tokenizer import Tokenizer
@@ -209,6 +211,41 @@ def test_a_killed_trainer_resumes_without_losing_or_repeating_a_batch(tmp_path, 
     assert followed.version == 7 and all(torch.equal(resumed[name], followed.state[name]) for name in resumed)
 
 
+def another_vocabulary(batch):
+    batch.input_ids[0, 1] = 100  # the tiny MoE has 64 tokens
+
+
+def a_nan_behavior_logprob(batch):
+    batch.behavior_logprobs[2, batch.loss_mask[2].nonzero()[0, 0]] = float("nan")
+
+
+@pytest.mark.parametrize(
+    ("spoil", "error"),
+    [
+        (
+            another_vocabulary,
+            r"0000000001.batch in LocalStore\(.*\) holds token ids in \[0, 100\], but the model's "
+            r"vocabulary is 0..63: the batch was made with another tokenizer or model",
+        ),
+        (
+            a_nan_behavior_logprob,
+            r"0000000001.batch in LocalStore\(.*\) has behavior_logprobs that are not finite at "
+            r"trained positions of rows \[2\] \(tasks 'p0'\)",
+        ),
+    ],
+)
+def test_a_batch_the_model_cannot_train_on_is_refused_naming_it_before_the_weights_move(
+    tmp_path, tiny_moe, batches, spoil, error
+):
+    bad = batch_from_bytes(batch_to_bytes(batches[1]))
+    spoil(bad)
+    put_batches(tmp_path / "batches", [batches[0], bad])
+    with pytest.raises(WhetstoneError, match=error):
+        run_trainer(trainer_config(tmp_path, tiny_moe))
+    assert [r["step"] for r in read_metrics(tmp_path / "trainer" / "metrics.jsonl")] == [0]
+    assert WeightStore.open(SyncConfig(store=str(tmp_path / "weights"))).latest() == 1
+
+
 def test_a_checkpoint_is_not_resumed_against_an_empty_or_missing_weight_store(tmp_path, tiny_moe, batches):
     put_batches(tmp_path / "batches", batches[:1])
     run_trainer(trainer_config(tmp_path, tiny_moe))
@@ -321,6 +358,27 @@ def test_a_trainer_waiting_on_an_empty_batch_store_says_so_again_while_idle(tmp_
     reports = [r.getMessage() for r in caplog.records]
     assert len(reports) >= 2, reports
     assert all(m.startswith("still waiting for batch 0 after ") and "batchez" in m for m in reports)
+
+
+def test_a_trainer_waiting_for_a_batch_missing_before_later_ones_says_so(tmp_path, monkeypatch, caplog):
+    """A batch deleted or lost: the orchestrator only appends, so the trainer would wait for ever."""
+    monkeypatch.setattr(loop, "IDLE_REPORT_S", 0.1)
+    store = LocalStore(tmp_path / "batches")
+    store.put(batch_key(0), b"x"), store.put(batch_key(2), b"x")
+    session = SimpleNamespace(batches=store, rank=0, config=SimpleNamespace(idle_timeout=0.45, poll_interval=0.02))
+    with caplog.at_level(logging.WARNING, logger="whetstone.trainer"):
+        loop.report_waiting(session, 1)  # at the start
+        assert wait_for_batch(session, 1, threading.Event()) is None
+    start, *waiting = [r.getMessage() for r in caplog.records]
+    assert start.startswith(f"batches/0000000001.batch is missing from the batch store {store!r}, which holds later ")
+    assert "batches (up to 2): it was deleted or lost" in start and "put the batch back" in start
+    assert waiting and all(
+        m.startswith("still waiting for batch 1 after ") and "0000000001.batch is missing" in m for m in waiting
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="whetstone.trainer"):
+        loop.report_waiting(session, 3)  # the next batch to come: no warning
+    assert not caplog.records
 
 
 def test_a_checkpoints_path_that_is_a_file_is_refused_before_any_step(tmp_path, tiny_moe, batches):

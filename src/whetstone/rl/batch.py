@@ -165,6 +165,36 @@ def collate(
     return batch
 
 
+def check_batch(batch: Batch, vocab_size: int, source: str = "batch") -> None:
+    """Refuse a batch a model of `vocab_size` tokens cannot train on, naming it (`source`) and
+    what is wrong: token ids outside the vocabulary (a batch made with another tokenizer or model:
+    the embedding lookup would fail with an index error, on a GPU with a device-side assert that
+    ends the process), or a behavior logprob or advantage that is not finite at a trained position
+    (one such token makes the whole step's loss NaN). Reads the batch where it is: call it on
+    the host copy read from the store, before the step moves it to the device."""
+    trained = batch.loss_mask.bool()
+    ids = torch.cat([batch.input_ids.flatten(), batch.target_ids[trained]])
+    if ids.numel():
+        low, high = torch.stack(torch.aminmax(ids)).tolist()
+        if low < 0 or high >= vocab_size:
+            raise WhetstoneError(
+                f"{source} holds token ids in [{low}, {high}], but the model's vocabulary is 0..{vocab_size - 1}: "
+                "the batch was made with another tokenizer or model. Train it with the model its "
+                "rollouts were sampled from, or point the batch store at this model's batches"
+            )
+    for name in ("behavior_logprobs", "advantages"):
+        bad = (~torch.isfinite(getattr(batch, name)) & trained).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            tasks = sorted({batch.rows[r]["task_id"] for r in bad}) if batch.rows else []
+            raise WhetstoneError(
+                f"{source} has {name} that are not finite at trained positions of rows {bad[:10]}"
+                f"{' (tasks ' + ', '.join(map(repr, tasks[:10])) + ')' if tasks else ''}: the step's loss would "
+                "be NaN. The orchestrator drops rollouts with NaN or infinite logprobs or rewards "
+                "(`dropped_nonfinite_logprobs`, `dropped_nonfinite_reward`): delete this batch, and any "
+                "after it, from the batch store and restart the orchestrator to make them again"
+            )
+
+
 def batch_to_bytes(batch: Batch) -> bytes:
     tensors = {name: getattr(batch, name).contiguous() for name in TENSOR_FIELDS}
     for name in OPTIONAL_FIELDS:

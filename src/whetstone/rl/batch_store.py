@@ -16,14 +16,16 @@ def batch_key(index: int) -> str:
     return f"{BATCH_PREFIX}{index:010d}.batch"
 
 
+def batch_indices(store: ObjectStore) -> list[int]:
+    """The indices of the batches in the store, in order (keys of other names are not batches)."""
+    keys = store.list(BATCH_PREFIX)
+    names = (key.removeprefix(BATCH_PREFIX).removesuffix(".batch") for key in keys if key.endswith(".batch"))
+    return sorted(int(name) for name in names if name.isascii() and name.isdigit())
+
+
 def next_batch_index(store: ObjectStore) -> int:
     """One past the newest batch in the store: a restarted orchestrator continues the sequence."""
-    indices = [
-        int(key.removeprefix(BATCH_PREFIX).removesuffix(".batch"))
-        for key in store.list(BATCH_PREFIX)
-        if key.endswith(".batch")
-    ]
-    return max(indices, default=-1) + 1
+    return max(batch_indices(store), default=-1) + 1
 
 
 def put_batch(store: ObjectStore, index: int, batch: Batch) -> None:

@@ -23,8 +23,8 @@ import torch
 
 from whetstone.config import write_toml
 from whetstone.errors import WhetstoneError
-from whetstone.rl.batch import Batch, shuffled_parts
-from whetstone.rl.batch_store import batch_key, get_batch, next_batch_index
+from whetstone.rl.batch import Batch, check_batch, shuffled_parts
+from whetstone.rl.batch_store import batch_indices, batch_key, get_batch
 from whetstone.rl.demos import demo_rows
 from whetstone.sync import Publisher, Subscriber
 from whetstone.sync.publisher import Published
@@ -81,10 +81,23 @@ def report_waiting(session: TrainerSession, index: int, waited_s: float = 0.0) -
     batch store holds no batch at all (a mistyped batch_store is a new, empty store that no
     orchestrator writes, where the trainer would otherwise wait silently, for ever with
     idle_timeout = 0); an info line otherwise. Nothing at the start (`waited_s` 0) of a store
-    that holds batches."""
-    newest = next_batch_index(session.batches) - 1
+    that holds batches. A warning too, each time, while the store holds a later batch but not
+    this one: one deleted or lost, which no orchestrator writes again (it only appends)."""
+    indices = batch_indices(session.batches)
+    newest = max(indices, default=-1)
     still = f"still waiting for batch {index} after {waited_s:.0f} s: " if waited_s else ""
-    if newest < 0:
+    if newest > index and index not in indices:
+        log.warning(
+            "%s%s is missing from the batch store %r, which holds later batches (up to %d): it was deleted "
+            "or lost, and no orchestrator writes it again. The trainer trains (or, after a restart, "
+            "replays) every batch from its checkpoint's step on, in order: put the batch back, or start "
+            "the run afresh (a new output_dir, weight store and batch store)",
+            still,
+            batch_key(index),
+            session.batches,
+            newest,
+        )
+    elif newest < 0:
         timeout = session.config.idle_timeout
         log.warning(
             "%sthe batch store %r holds no batches (a new or empty store: is batch_store the path the "
@@ -173,8 +186,10 @@ def merge_part_metrics(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Train on `batch` (the next one) and advance the state; return the step's metrics and the
     weights to publish (None when replaying). Under torchrun every rank trains on its rows of the
-    batch, and the metrics are the whole step's."""
+    batch, and the metrics are the whole step's. A batch the model cannot train on is refused
+    first (`check_batch`), by every rank, before the weights move."""
     config, state = session.config, session.state
+    check_batch(batch, session.model.cfg.vocab_size, source=f"{batch_key(state.step)} in {session.batches!r}")
     opt, replaying = config.optimizer, state.step < session.replay_until
     lr = lr_at(
         state.step,

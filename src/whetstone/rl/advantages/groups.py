@@ -6,8 +6,8 @@ Then a group is dropped when too few rollouts are left or their rewards do not v
 advantage would be zero. Rollouts whose advantage is exactly zero (with `negative_weight = 0`,
 every one at or below the baseline) are dropped too: they would cost a forward and backward
 pass and move nothing; an advantage within rounding of zero (a reward at the group's mean) counts
-as zero. A rollout whose reward is not finite is dropped on its own. Rollouts group by `group_id`
-(by `task_id` when it is empty).
+as zero. A rollout whose reward, or any of whose behavior logprobs, is not finite is dropped on its
+own. Rollouts group by `group_id` (by `task_id` when it is empty).
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ class GroupReport:
     rollouts: int = 0
     kept_rollouts: int = 0
     dropped: Counter = field(default_factory=Counter)
-    """Dropped rollouts by reason: failed, nonfinite_reward, cheat_flagged, excluded, small_group,
-    no_variance, zero_advantage."""
+    """Dropped rollouts by reason: failed, nonfinite_reward, nonfinite_logprobs, cheat_flagged,
+    excluded, small_group, no_variance, zero_advantage."""
 
     def metrics(self) -> dict[str, int]:
         out = {
@@ -56,8 +56,9 @@ def score_groups(
     report = GroupReport(groups=len(groups), rollouts=len(trajectories))
     advantages: dict[int, float] = {}
     for members in groups.values():
-        usable = [t for t in members if _drop_reason(t) is None]
-        report.dropped.update(_drop_reason(t) for t in members if _drop_reason(t) is not None)
+        reasons = [_drop_reason(t) for t in members]
+        usable = [t for t, reason in zip(members, reasons) if reason is None]
+        report.dropped.update(reason for reason in reasons if reason is not None)
         rewards = [t.reward for t in usable]
         if len(usable) < config.min_group_size:
             report.dropped["small_group"] += len(usable)
@@ -83,6 +84,9 @@ def _drop_reason(trajectory: Trajectory) -> str | None:
         return "failed"
     if not math.isfinite(trajectory.reward):  # a reward function's bug: it would make the group's advantages NaN
         return "nonfinite_reward"
+    if not all(math.isfinite(lp) for segment in trajectory.segments for call in segment.calls for lp in call.logprobs):
+        # a server's numerics failed (NaN logits): one such token makes the whole batch's loss NaN
+        return "nonfinite_logprobs"
     if trajectory.exclude_from_gradient:
         return "cheat_flagged" if trajectory.cheat_flags else "excluded"
     return None
