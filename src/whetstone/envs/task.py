@@ -6,6 +6,7 @@ reference solution) are kept out of the rollout sandbox by the code that builds 
 
 from __future__ import annotations
 
+import math
 import shlex
 from pathlib import PurePosixPath
 from typing import Literal
@@ -92,10 +93,10 @@ class Task(Config):
     """Test ids that must keep passing."""
     test_command: str = "python -m pytest -q -p no:cacheprovider"
     """Command that runs the tests; test ids are appended."""
-    time_limit_s: float = Field(600.0, gt=0)
-    """Wall-clock limit for a whole rollout on this task, in seconds."""
-    test_time_limit_s: float = Field(60.0, gt=0)
-    """Wall-clock limit for one test run (and for each setup command), in seconds."""
+    time_limit_s: float = Field(600.0, gt=0, allow_inf_nan=False)
+    """Wall-clock limit for a whole rollout on this task, in seconds (finite)."""
+    test_time_limit_s: float = Field(60.0, gt=0, allow_inf_nan=False)
+    """Wall-clock limit for one test run (and for each setup command), in seconds (finite)."""
     protected_paths: list[str] = []
     """Glob patterns the agent must not change (tests, fixtures); changes are flagged as cheating."""
     rubric: str | None = None
@@ -103,7 +104,7 @@ class Task(Config):
     difficulty: int = Field(0, ge=0)
     """Source-specific difficulty level (0 = easiest)."""
     metadata: dict[str, str | int | float | bool] = {}
-    """Free-form provenance: mutation operator, original module, seed."""
+    """Free-form provenance: mutation operator, original module, seed (numbers finite)."""
 
     _check_file_paths = field_validator(*FILE_MAPS)(lambda cls, v, info: _check_paths(v, info))
 
@@ -114,6 +115,16 @@ class Task(Config):
         if not task_id.strip():
             raise ValueError(f"id {task_id!r} is blank: give the task an id, e.g. 'source/name'")
         return task_id
+
+    @field_validator("metadata")
+    @classmethod
+    def _finite_metadata(cls, metadata: dict[str, str | int | float | bool]) -> dict[str, str | int | float | bool]:
+        """JSON has no NaN or infinity (Python's reader takes them): a task holding one would be
+        written out as null and could not be read back."""
+        for key, value in metadata.items():
+            if isinstance(value, float) and not math.isfinite(value):
+                raise ValueError(f"{key!r}: {value} is not a finite number")
+        return metadata
 
     @property
     def pytest_args(self) -> list[str] | None:

@@ -2,6 +2,7 @@
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -107,3 +108,68 @@ def test_answers_without_a_score_and_missing_keys_are_errors(monkeypatch):
     monkeypatch.delenv("MISSING_JUDGE_KEY", raising=False)
     with pytest.raises(JudgeError, match="MISSING_JUDGE_KEY"):
         judge_score("t", "r", "d", "s", JudgeConfig(base_url="http://127.0.0.1:9", api_key_env="MISSING_JUDGE_KEY"))
+
+
+def test_an_answer_that_is_not_text_costs_its_term_not_the_grade():
+    with JudgeServer(answer=[{"type": "text", "text": "SCORE: 9"}]) as server:
+        result = grade(TASK, TASK.solution_files, RewardConfig(judge=JudgeConfig(base_url=server.url)))
+    assert result.passed and result.reward == 1.0 and result.breakdown["judge"] == 0.0
+    assert "[judge] not scored" in result.log and "is not text" in result.log
+
+
+class EndlessServer:
+    """An endpoint that answers 200 and then sends `chunk` every `pause_s` seconds until the
+    client hangs up: a stuck proxy (a byte now and then) or a runaway one (a flood)."""
+
+    def __init__(self, chunk: bytes, pause_s: float):
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self):
+                self.rfile.read(int(self.headers["Content-Length"]))
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(1 << 40))
+                self.end_headers()
+                try:
+                    while True:
+                        self.wfile.write(chunk)
+                        self.wfile.flush()
+                        time.sleep(pause_s)
+                except OSError:  # the client gave up
+                    pass
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.mark.parametrize(
+    "chunk,pause_s,problem",
+    [(b" ", 0.02, "took longer than timeout_s=0.3 s"), (b" " * 65536, 0.0, "is over")],
+    ids=["trickle", "flood"],
+)
+def test_an_answer_that_never_ends_is_given_up_on(chunk, pause_s, problem):
+    outcome: list[BaseException] = []
+
+    def ask():
+        try:
+            judge_score("t", "r", "d", "s", JudgeConfig(base_url=server.url, timeout_s=0.3))
+        except BaseException as err:
+            outcome.append(err)
+
+    with EndlessServer(chunk, pause_s) as server:
+        asking = threading.Thread(target=ask, daemon=True)
+        asking.start()
+        asking.join(30)  # each read of the trickle returns within the timeout: only a whole deadline ends it
+        assert not asking.is_alive(), "the judge request is still waiting"
+    [error] = outcome
+    assert isinstance(error, JudgeError) and problem in str(error)

@@ -68,6 +68,18 @@ def test_missing_required_field_is_named(tmp_path):
         read_tasks(path)
 
 
+@pytest.mark.parametrize(
+    "field,value", [("test_time_limit_s", "Infinity"), ("time_limit_s", "1e999"), ("metadata", '{"seed": NaN}')]
+)
+def test_numbers_json_cannot_hold_are_refused_named(tmp_path, field, value):
+    """Python's JSON reader takes NaN and Infinity; a task holding one would be written back as
+    null and could not be read again."""
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(_task().model_dump_json()[:-1] + f', "{field}": {value}}}\n')
+    [record] = read_records(path)
+    assert record.task is None and f"field '{field}" in record.problem and "finite number" in record.problem
+
+
 def test_unsafe_paths_are_rejected(tmp_path):
     path = tmp_path / "tasks.jsonl"
     record = {**json.loads(_task().model_dump_json()), "solution_files": {"../escape.py": ""}}

@@ -1,7 +1,10 @@
 """Loaders that need no sandbox: humaneval, swebench over a local git repository, the registry."""
 
+import errno
 import json
+import os
 import subprocess
+import tarfile
 
 import pytest
 
@@ -117,6 +120,52 @@ def test_swebench_errors_name_the_record(swebench_source, tmp_path):
     path.write_text(json.dumps({k: v for k, v in record.items() if k != "test_patch"}) + "\n")
     with pytest.raises(WhetstoneError, match=r"bad.jsonl:1: missing fields \['test_patch'\]"):
         swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
+
+
+@pytest.mark.parametrize(
+    "field,value,problem",
+    [
+        ("instance_id", 7, r"fields \['instance_id'\] must be strings"),
+        ("instance_id", "../../escaped", "field 'instance_id': id 'swebench/../../escaped' has an empty, '.' or '..'"),
+        ("repo", "REPOS/acme__calc", "field 'repo' '.*/repos/acme__calc' must name a repository"),
+        ("base_commit", "--output=PWNED", "field 'base_commit' '--output=.*' is not a commit"),
+        ("patch", ["--- a/calc.py"], r"fields \['patch'\] must be strings"),
+        ("problem_statement", "", "the record makes no valid task: field 'instruction'"),
+    ],
+)
+def test_swebench_record_fields_are_checked_before_use(swebench_source, tmp_path, field, value, problem):
+    """A record is data: its id names a folder, its commit is an argument of git."""
+    path = tmp_path / "bad.jsonl"
+    record = json.loads(open(swebench_source.path).read())
+    if isinstance(value, str):  # a file to write and a real clone, named by absolute paths
+        value = value.replace("PWNED", str(tmp_path / "pwned")).replace("REPOS", str(tmp_path / "repos"))
+    path.write_text(json.dumps({**record, field: value}) + "\n")
+    config = swebench_source.model_copy(update={"path": str(path), "snapshot_dir": str(tmp_path / "a" / "snapshots")})
+    with pytest.raises(WhetstoneError, match=rf"bad.jsonl:1: {problem}"):
+        swebench_tasks(config)
+    assert not (tmp_path / "pwned").exists() and not (tmp_path / "escaped").exists()
+
+
+def test_swebench_snapshot_cut_short_is_not_taken_for_whole(swebench_source, tmp_path, monkeypatch):
+    """A disk that fills up while a snapshot is written: the next run writes it again, whole."""
+    config = swebench_source.model_copy(update={"snapshot_dir": str(tmp_path / "snapshots")})
+    written = []
+    makefile = tarfile.TarFile.makefile
+
+    def fill_up(self, member, target):
+        if written:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        written.append(member.name)
+        makefile(self, member, target)
+
+    monkeypatch.setattr(tarfile.TarFile, "makefile", fill_up)
+    with pytest.raises(OSError, match="No space left"):
+        swebench_tasks(config)
+    monkeypatch.undo()
+    [task] = swebench_tasks(config)
+    snapshot = tmp_path / "snapshots" / "acme__calc-1"
+    assert task.repo_path == str(snapshot.resolve()) and sorted(os.listdir(tmp_path / "snapshots")) == ["acme__calc-1"]
+    assert (snapshot / "calc.py").read_text() == BUGGY and (snapshot / "tests" / "test_calc.py").read_text() == OLD_TEST
 
 
 def test_patches_report_deleted_files():

@@ -7,8 +7,10 @@ and it is never asked about a rollout already flagged for cheating.
 
 from __future__ import annotations
 
+import json
 import os
 import re
+import time
 
 import httpx
 from pydantic import Field
@@ -23,6 +25,8 @@ SYSTEM_PROMPT = (
 )
 SCORE_LINE = re.compile(r"SCORE:\s*(\d+(?:\.\d+)?)", re.IGNORECASE)
 MAX_DIFF_CHARS = 20_000
+MAX_RESPONSE_BYTES = 4 << 20
+"""A chat completion of `max_tokens` tokens is a few kilobytes; a larger response is not one."""
 
 
 class JudgeError(WhetstoneError):
@@ -78,9 +82,26 @@ def judge_score(instruction: str, rubric: str, diff: str, test_summary: str, con
     }
     url = config.base_url.rstrip("/") + "/chat/completions"
     try:
-        response = httpx.post(url, json=body, headers=headers, timeout=config.timeout_s)
-        response.raise_for_status()
-        answer = response.json()["choices"][0]["message"]["content"] or ""
+        answer = json.loads(_post(url, body, headers, config.timeout_s))["choices"][0]["message"]["content"] or ""
     except (httpx.HTTPError, ValueError, KeyError, IndexError, TypeError) as err:
         raise JudgeError(f"judge request to {url} failed: {err}") from None
+    if not isinstance(answer, str):
+        raise JudgeError(f"judge answer from {url} is not text: {str(answer)[:200]!r}")
     return parse_score(answer), answer
+
+
+def _post(url: str, body: dict, headers: dict[str, str], timeout_s: float) -> bytes:
+    """The body of a successful POST. httpx's timeout bounds each read, so an endpoint that sends
+    a byte now and then would hold the grade forever: the body must also be whole within
+    `timeout_s` of the request, and at most MAX_RESPONSE_BYTES long (JudgeError otherwise)."""
+    deadline = time.monotonic() + timeout_s
+    data = bytearray()
+    with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as response:
+        response.raise_for_status()
+        for chunk in response.iter_bytes():
+            data += chunk
+            if len(data) > MAX_RESPONSE_BYTES:
+                raise JudgeError(f"judge response from {url} is over {MAX_RESPONSE_BYTES} bytes: not a chat completion")
+            if time.monotonic() > deadline:
+                raise JudgeError(f"judge response from {url} took longer than timeout_s={timeout_s:g} s")
+    return bytes(data)

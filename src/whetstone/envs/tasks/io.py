@@ -70,7 +70,8 @@ def unsafe_id(task_id: str) -> str | None:
     return None
 
 
-def _problem(err: ValidationError) -> str:
+def validation_problem(err: ValidationError) -> str:
+    """A task's validation error on one line, naming each field that is wrong."""
     parts = []
     for item in err.errors():
         field = ".".join(str(part) for part in item["loc"]) or "<record>"
@@ -87,7 +88,7 @@ def _parse(data: object, where: str) -> Record:
     try:
         return Record(where, task=Task.model_validate(data))
     except ValidationError as err:
-        return Record(where, problem=_problem(err), id=given_id)
+        return Record(where, problem=validation_problem(err), id=given_id)
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:

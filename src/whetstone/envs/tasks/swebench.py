@@ -12,14 +12,16 @@ import io
 import json
 import subprocess
 import tarfile
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 
-from pydantic import Field
+from pydantic import Field, ValidationError
 
 from whetstone.config import Config, expand_path
 from whetstone.envs.task import Split, Task
+from whetstone.envs.tasks.io import unsafe_id, validation_problem
 from whetstone.envs.tasks.patches import apply_patch, patched_paths
 from whetstone.errors import WhetstoneError
+from whetstone.utils.atomic import atomic_directory
 
 REQUIRED = (
     "instance_id",
@@ -92,16 +94,35 @@ def inline_files(archive: tarfile.TarFile, where: str) -> dict[str, str]:
     return files
 
 
-def to_task(record: dict, where: str, config: SwebenchConfig) -> Task:
+def _check_record(record: dict, where: str) -> None:
+    """Raise unless the record has every field, as text (the test id lists may also be lists),
+    an `instance_id` that can name a task and its snapshot folder, a `repo` that stays inside
+    `repos_dir` and a `base_commit` that git cannot take for an option (`--output=FILE`)."""
     missing = [field for field in REQUIRED if field not in record]
     if missing:
         raise WhetstoneError(f"{where}: missing fields {missing}")
+    lists = ("FAIL_TO_PASS", "PASS_TO_PASS")
+    not_text = [field for field in REQUIRED if field not in lists and not isinstance(record[field], str)]
+    if not_text:
+        raise WhetstoneError(f"{where}: fields {not_text} must be strings")
+    if reason := unsafe_id(f"swebench/{record['instance_id']}"):
+        raise WhetstoneError(f"{where}: field 'instance_id': {reason}")
+    repo = PurePosixPath(record["repo"])
+    if repo.is_absolute() or not repo.parts or ".." in repo.parts:
+        raise WhetstoneError(f"{where}: field 'repo' {record['repo']!r} must name a repository as owner/name")
+    if record["base_commit"].startswith("-") or not record["base_commit"].strip():
+        raise WhetstoneError(f"{where}: field 'base_commit' {record['base_commit']!r} is not a commit")
+
+
+def to_task(record: dict, where: str, config: SwebenchConfig) -> Task:
+    _check_record(record, where)
     name = record["instance_id"]
     archive = snapshot(find_repo(expand_path(config.repos_dir), record["repo"]), record["base_commit"])
     if config.snapshot_dir:
         target = expand_path(config.snapshot_dir) / name
-        if not target.exists():
-            archive.extractall(target, filter="data")
+        if not target.exists():  # written whole or not at all: an existing one is complete
+            with atomic_directory(target) as tmp:
+                archive.extractall(tmp, filter="data")
         base: dict[str, str] | Path = target
         repo = {"repo_path": str(target.resolve())}
     else:
@@ -112,24 +133,29 @@ def to_task(record: dict, where: str, config: SwebenchConfig) -> Task:
     if deleted:
         raise WhetstoneError(f"{where}: test_patch deletes {deleted}; hidden tests can only add or replace files")
     solution = apply_patch(base, record["patch"], what=f"{where}: patch")
-    return Task(
-        id=f"swebench/{name}",
-        source="swebench",
-        split=config.split,
-        kind="bugfix",
-        instruction=record["problem_statement"],
-        **repo,
-        base_commit=record["base_commit"],
-        hidden_tests={path: text for path, text in hidden.items() if text is not None},
-        # Deletions cannot be written as files: such a solution stays a patch, applied when graded.
-        solution_files={} if None in solution.values() else {p: t for p, t in solution.items() if t is not None},
-        solution_patch=record["patch"],
-        fail_to_pass=_test_ids(record["FAIL_TO_PASS"], where, "FAIL_TO_PASS"),
-        pass_to_pass=_test_ids(record["PASS_TO_PASS"], where, "PASS_TO_PASS"),
-        test_command=config.test_command,
-        protected_paths=patched_paths(record["test_patch"]),
-        metadata={"repo": record["repo"], "instance_id": name},
-    )
+    fail_to_pass = _test_ids(record["FAIL_TO_PASS"], where, "FAIL_TO_PASS")
+    pass_to_pass = _test_ids(record["PASS_TO_PASS"], where, "PASS_TO_PASS")
+    try:
+        return Task(
+            id=f"swebench/{name}",
+            source="swebench",
+            split=config.split,
+            kind="bugfix",
+            instruction=record["problem_statement"],
+            **repo,
+            base_commit=record["base_commit"],
+            hidden_tests={path: text for path, text in hidden.items() if text is not None},
+            # Deletions cannot be written as files: such a solution stays a patch, applied when graded.
+            solution_files={} if None in solution.values() else {p: t for p, t in solution.items() if t is not None},
+            solution_patch=record["patch"],
+            fail_to_pass=fail_to_pass,
+            pass_to_pass=pass_to_pass,
+            test_command=config.test_command,
+            protected_paths=patched_paths(record["test_patch"]),
+            metadata={"repo": record["repo"], "instance_id": name},
+        )
+    except ValidationError as err:  # an empty problem statement, a test path that escapes the repository
+        raise WhetstoneError(f"{where}: the record makes no valid task: {validation_problem(err)}") from None
 
 
 def generate(config: SwebenchConfig = SwebenchConfig()) -> list[Task]:

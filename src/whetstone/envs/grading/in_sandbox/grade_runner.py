@@ -3,7 +3,7 @@
 This file is mounted read-only outside the workspace, beside `plain_tests.py`, and run as a script
 (`python grade_runner.py PYTEST_ARGS...`); it imports nothing from whetstone. Tests that
 `plain_tests.plan` accepts run without pytest (same outcomes, ~0.35 s less CPU), the others under
-pytest. It differs from `python -m pytest` in five ways that the graded code cannot undo:
+pytest. It differs from `python -m pytest` in six ways that the graded code cannot undo:
 
 - pytest is imported before the workspace goes on `sys.path`, so a planted `pytest.py` or
   `_pytest/` is never the test runner;
@@ -18,7 +18,12 @@ pytest. It differs from `python -m pytest` in five ways that the graded code can
 - a `finished` line is written last, so a process that exits early is seen as such;
 - every test function a test file defines plainly runs from that file's code as compiled before
   any graded code ran (`plain_tests.Trusted`; `PytestGuard` under pytest), and a replaced one is
-  flagged (`test_replaced`).
+  flagged (`test_replaced`);
+- the code the test runner is made of (`RUNNER_MODULES`: functions and classes of pytest, its
+  plugins, `plain_tests`, this file) is recorded before any graded code runs, and code of it
+  replaced, removed or added by the end of the run is flagged (`runner_patching`): graded code
+  that sets `_pytest.python.Function.runtest = lambda self: None` passes every test unrun (a
+  patch the graded code itself undoes before the run ends is not seen).
 
 Stdin: the token, one line. Environment (removed before any graded code runs): WHETSTONE_RESULTS
 (path), WHETSTONE_GUARDED (the hidden test paths), WHETSTONE_TEST_CODE (the files that are test code:
@@ -159,13 +164,20 @@ def _main() -> int:
                 {"flag": f"test_replaced: {test_id} was replaced by code from {where}; the file's own test ran"}
             ),
         )
+        patched = _runner_patches()  # the last step before graded code runs
         sys.path[0] = workspace
         exit_code = plain_tests.run(
             targets, lambda test_id, outcome: emit({"test": test_id, "outcome": outcome}), trusted=trusted
         )
+        if found := patched():
+            emit({"flag": f"runner_patching: {found}"})
         emit({"finished": exit_code})
         return exit_code
     import pytest  # before the workspace is importable: the runner cannot be replaced
+    from _pytest.config import default_plugins
+
+    for name in default_plugins:  # the plugins pytest.main loads, loaded now to be watched from the start
+        __import__(f"_pytest.{name}")
 
     # marked here: this file imports pytest only now, before the workspace is importable
     PytestGuard.pytest_pyfunc_call = pytest.hookimpl(tryfirst=True)(PytestGuard.pytest_pyfunc_call)
@@ -202,9 +214,62 @@ def _main() -> int:
         def pytest_runtest_logfinish(self, nodeid, location) -> None:
             emit({"test": nodeid, "outcome": self.outcomes.get(nodeid, "error")})
 
+    patched = _runner_patches()  # the last step before graded code runs (a repository's conftest.py)
     exit_code = int(pytest.main(sys.argv[1:], plugins=[Recorder(), guard]))
+    if found := patched():
+        emit({"flag": f"runner_patching: {found}"})
     emit({"finished": exit_code})
     return exit_code
+
+
+RUNNER_MODULES = ("__main__", "plain_tests", "pytest", "_pytest", "pluggy", "types")
+"""The modules (with their submodules) whose code runs the tests and reports them: this file
+(run as `__main__`), `plain_tests`, pytest and its plugin manager, and `types`, whose
+`FunctionType` both build the trusted test functions with."""
+
+
+def _runner_patches():
+    """Records the code (functions, classes, descriptors, any callable) that the loaded
+    `RUNNER_MODULES` and their classes hold now, before any graded code runs. Returns a function
+    that describes the code replaced, removed or added there since (None if none): graded code
+    patching the runner (`Function.runtest = lambda self: None`) can pass tests that never ran.
+    Data that pytest itself sets lazily (a cache, a `None` filled in) is not code and not
+    watched; a patch undone before the run ends is not seen. What the returned function calls is
+    bound now: graded code may replace builtins too."""
+    watched = []
+    seen = set()
+    for name, module in list(sys.modules.items()):
+        if name.partition(".")[0] not in RUNNER_MODULES or module is None:
+            continue
+        namespaces = [(name, vars(module))]
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and id(value) not in seen:
+                seen.add(id(value))
+                namespaces.append((f"{name}.{value.__qualname__}", vars(value)))
+        for label, namespace in namespaces:
+            code = {key: value for key, value in namespace.items() if _is_code(value)}
+            watched.append((label, namespace, code, set(namespace)))
+
+    def patched(watched=watched, is_code=_is_code, sorted=sorted, len=len) -> str | None:
+        found = []
+        for label, namespace, code, names in watched:
+            found += [f"{label}.{key}" for key, value in code.items() if namespace.get(key) is not value]
+            found += [f"{label}.{key}" for key in namespace.keys() - names if is_code(namespace.get(key))]
+        if not found:
+            return None
+        found = sorted(found)
+        more = f" and {len(found) - 5} more" if len(found) > 5 else ""
+        return "the test runner's code was replaced, removed or added to while the tests ran: " + (
+            ", ".join(found[:5]) + more
+        )
+
+    return patched
+
+
+def _is_code(value, callable=callable, hasattr=hasattr, type=type) -> bool:
+    """Whether `value` is code: callable (a function, a class), or a descriptor (a property, a
+    classmethod), read from its type so that no code of the value itself runs."""
+    return callable(value) or hasattr(type(value), "__get__")
 
 
 def _command_strings(args: tuple) -> list[str]:
