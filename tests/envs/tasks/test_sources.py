@@ -1,6 +1,7 @@
 """Loaders that need no sandbox: humaneval, swebench over a local git repository, the registry."""
 
 import errno
+import gzip
 import json
 import os
 import subprocess
@@ -42,6 +43,21 @@ def test_humaneval_limit_and_bad_file(tmp_path):
     bad.write_text('{"task_id": "x/1"}\n')
     with pytest.raises(WhetstoneError, match=r"x/1: missing fields"):
         humaneval_tasks(HumanEvalConfig(path=str(bad)))
+
+
+@pytest.mark.parametrize(
+    "name, content, problem",
+    [
+        ("latin1.jsonl", '{"task_id": "caf\xe9"}\n'.encode("latin-1"), r": 'utf-8' codec can't decode"),
+        ("list.jsonl", b'{"task_id": "x/1"}\n\n[1, 2]\n', r": line 3: a JSON list, not an object"),
+        ("cut.jsonl.gz", gzip.compress(b'{"task_id": "x/1"}\n' * 50)[:-20], r": Compressed file ended"),
+    ],
+    ids=["not UTF-8", "not an object", "gzip cut short"],
+)
+def test_a_humaneval_file_that_cannot_be_read_is_named(tmp_path, name, content, problem):
+    (tmp_path / name).write_bytes(content)
+    with pytest.raises(WhetstoneError, match=rf"cannot read HumanEval problems from {tmp_path / name}.*{problem}"):
+        humaneval_tasks(HumanEvalConfig(path=str(tmp_path / name)))
 
 
 def _git(repo, *args):

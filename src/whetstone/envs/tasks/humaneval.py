@@ -41,12 +41,25 @@ def default_data_file() -> Path:
 
 
 def read_problems(path: Path) -> list[dict]:
+    """The problems of a HumanEval JSONL file (gzipped if it ends in .gz), one object a line. A
+    file that cannot be read (not UTF-8, a gzip cut short, a line that is not a JSON object) is
+    a WhetstoneError naming it."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
         with opener(path, "rt", encoding="utf-8") as handle:
-            return [json.loads(line) for line in handle if line.strip()]
-    except (OSError, json.JSONDecodeError) as err:
+            return [_problem(line, number) for number, line in enumerate(handle, 1) if line.strip()]
+    except (OSError, EOFError, ValueError) as err:  # ValueError: UnicodeDecodeError, a line's
         raise WhetstoneError(f"cannot read HumanEval problems from {path}: {err}") from None
+
+
+def _problem(line: str, number: int) -> dict:
+    try:
+        problem = json.loads(line)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"line {number}: {err}") from None
+    if not isinstance(problem, dict):
+        raise ValueError(f"line {number}: a JSON {type(problem).__name__}, not an object")
+    return problem
 
 
 def to_task(problem: dict, split: str) -> Task:
