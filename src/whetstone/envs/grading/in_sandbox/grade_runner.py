@@ -164,7 +164,7 @@ def _main() -> int:
                 {"flag": f"test_replaced: {test_id} was replaced by code from {where}; the file's own test ran"}
             ),
         )
-        patched = _runner_patches()  # the last step before graded code runs
+        patched = _runner_patches(test_code)  # the last step before graded code runs
         sys.path[0] = workspace
         exit_code = plain_tests.run(
             targets, lambda test_id, outcome: emit({"test": test_id, "outcome": outcome}), trusted=trusted
@@ -214,7 +214,7 @@ def _main() -> int:
         def pytest_runtest_logfinish(self, nodeid, location) -> None:
             emit({"test": nodeid, "outcome": self.outcomes.get(nodeid, "error")})
 
-    patched = _runner_patches()  # the last step before graded code runs (a repository's conftest.py)
+    patched = _runner_patches(test_code)  # the last step before graded code runs (a repository's conftest.py)
     exit_code = int(pytest.main(sys.argv[1:], plugins=[Recorder(), guard]))
     if found := patched():
         emit({"flag": f"runner_patching: {found}"})
@@ -228,14 +228,28 @@ RUNNER_MODULES = ("__main__", "plain_tests", "pytest", "_pytest", "pluggy", "typ
 `FunctionType` both build the trusted test functions with."""
 
 
-def _runner_patches():
+def _runner_patches(test_code: set[str]):
     """Records the code (functions, classes, descriptors, any callable) that the loaded
-    `RUNNER_MODULES` and their classes hold now, before any graded code runs. Returns a function
-    that describes the code replaced, removed or added there since (None if none): graded code
-    patching the runner (`Function.runtest = lambda self: None`) can pass tests that never ran.
-    Data that pytest itself sets lazily (a cache, a `None` filled in) is not code and not
-    watched; a patch undone before the run ends is not seen. What the returned function calls is
-    bound now: graded code may replace builtins too."""
+    `RUNNER_MODULES` hold now, and the classes defined there, before any graded code runs.
+    Returns a function that describes the code replaced, removed or added there since (None if
+    none): graded code patching the runner (`Function.runtest = lambda self: None`) can pass
+    tests that never ran. Data that pytest itself sets lazily (a cache, a `None` filled in) is not
+    code and not watched; a patch undone before the run ends is not seen.
+
+    A function put there from a file of `test_code` (a repository's own conftest.py) or of the
+    Python installation (a pytest plugin, mounted read-only) is the test setup's, not graded
+    code's: plugins and conftests add to pytest's classes (`TestCaseFunction.addSubTest`). Classes
+    the runner modules only import (`unittest.TestCase` in `_pytest.unittest`) are not the
+    runner's. A file is told by the code's own record of it, which code compiled on purpose under
+    another name could fake: the flag catches patches, not a determined adversary. What the
+    returned function calls is bound now: graded code may replace builtins too."""
+    import sysconfig
+
+    installed = tuple(
+        os.path.realpath(path) + os.sep
+        for key, path in sysconfig.get_paths().items()
+        if key in ("stdlib", "platstdlib", "purelib", "platlib")
+    )
     watched = []
     seen = set()
     for name, module in list(sys.modules.items()):
@@ -243,18 +257,33 @@ def _runner_patches():
             continue
         namespaces = [(name, vars(module))]
         for value in list(vars(module).values()):
-            if isinstance(value, type) and id(value) not in seen:
+            if (
+                isinstance(value, type)
+                and id(value) not in seen
+                and str(value.__module__).partition(".")[0] in RUNNER_MODULES
+            ):
                 seen.add(id(value))
                 namespaces.append((f"{name}.{value.__qualname__}", vars(value)))
         for label, namespace in namespaces:
             code = {key: value for key, value in namespace.items() if _is_code(value)}
             watched.append((label, namespace, code, set(namespace)))
 
+    def trusted(value, realpath=os.path.realpath, code_file=_code_file) -> bool:
+        path = code_file(value)
+        return path is not None and (realpath(path) in test_code or realpath(path).startswith(installed))
+
     def patched(watched=watched, is_code=_is_code, sorted=sorted, len=len) -> str | None:
         found = []
         for label, namespace, code, names in watched:
-            found += [f"{label}.{key}" for key, value in code.items() if namespace.get(key) is not value]
-            found += [f"{label}.{key}" for key in namespace.keys() - names if is_code(namespace.get(key))]
+            for key, value in code.items():
+                now = namespace.get(key, patched)  # `patched` stands for "removed"
+                if now is not value and (now is patched or not trusted(now)):
+                    found.append(f"{label}.{key}")
+            found += [
+                f"{label}.{key}"
+                for key in namespace.keys() - names
+                if is_code(namespace.get(key)) and not trusted(namespace.get(key))
+            ]
         if not found:
             return None
         found = sorted(found)
@@ -270,6 +299,18 @@ def _is_code(value, callable=callable, hasattr=hasattr, type=type) -> bool:
     """Whether `value` is code: callable (a function, a class), or a descriptor (a property, a
     classmethod), read from its type so that no code of the value itself runs."""
     return callable(value) or hasattr(type(value), "__get__")
+
+
+def _code_file(value, type=type, function=type(_is_code), wrappers=(classmethod, staticmethod)) -> str | None:
+    """The file a function's code was compiled from (of a classmethod's, staticmethod's or
+    property's function too); None for anything else (a class, a builtin, a partial, a subclass
+    of those), which is then never taken for the test setup's. Types are matched exactly, so no
+    attribute the value's own code defines is read."""
+    if type(value) in wrappers:
+        value = value.__func__
+    elif type(value) is property:
+        value = value.fget
+    return value.__code__.co_filename if type(value) is function else None
 
 
 def _command_strings(args: tuple) -> list[str]:
