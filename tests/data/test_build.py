@@ -175,3 +175,23 @@ def test_a_build_cleans_up_what_a_killed_build_of_its_entry_left(config):
     (leftover / "train.npy").write_bytes(b"half")
     assert build_corpus(config).path.name == key
     assert not leftover.exists()
+
+
+def test_a_cache_on_a_file_system_without_locks_still_builds(config, monkeypatch, caplog):
+    # Lustre without `-o flock`, NFS without its lock service: flock fails with ENOLCK or ENOSYS.
+    # The entry is built as it was before there was a lock, and another build's folder is left
+    # alone (with no lock, it may be one in progress).
+    import errno
+    import fcntl
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_locks)
+    key = cache_key(config, list_sources(config), None)
+    other = Path(config.cache_dir) / f".{key}.other-node.tmp"
+    other.mkdir(parents=True)
+    caplog.set_level(logging.WARNING, logger="whetstone.data")
+    assert build_corpus(config).path.name == key
+    assert other.exists()
+    assert "cannot be locked on its file system: building the corpus without a lock" in caplog.text

@@ -194,3 +194,12 @@ def test_a_source_folder_that_cannot_be_read_is_named_with_its_exclude_setting(t
         list_sources(config)
     excluded = DirectorySource(path=str(tmp_path), exclude=["pkg/**"])
     assert [f.path.name for f in list_sources(CorpusConfig(stdlib=False, directories=[excluded]))] == ["good.py"]
+    # one deleted while the walk goes (a cache, a build's temporaries) is not an error: it is gone
+
+    def deleted(path="."):
+        if os.fspath(path) == os.fspath(denied):
+            raise FileNotFoundError(2, "No such file or directory", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", deleted)
+    assert [f.path.name for f in list_sources(config)] == ["good.py"]

@@ -10,6 +10,7 @@ then uses that build.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -40,6 +41,8 @@ from whetstone.utils.progress import progress_bar
 ENCODE_CHUNK = 64
 
 log = logging.getLogger("whetstone.data")
+NO_FLOCK = {errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL}
+"""What `flock` fails with on a file system that does not lock."""
 
 
 def build_corpus(config: CorpusConfig, demos: DemoSource | None = None, *, rebuild: bool = False) -> Corpus:
@@ -49,9 +52,9 @@ def build_corpus(config: CorpusConfig, demos: DemoSource | None = None, *, rebui
     key = cache_key(config, files, demo_hash)
     path = expand_path(config.cache_dir) / key
     if rebuild or not (path / "manifest.json").exists():
-        with build_lock(path):  # another process may have built it while this one waited
+        with build_lock(path) as locked:  # another process may have built it while this one waited
             if rebuild or not (path / "manifest.json").exists():
-                for leftover in path.parent.glob(f".{key}.*.tmp"):  # of a build that was killed
+                for leftover in path.parent.glob(f".{key}.*.tmp") if locked else ():  # of a killed build
                     shutil.rmtree(leftover, ignore_errors=True)
                 with atomic_directory(path) as tmp:
                     _build_into(tmp, config, files, transcripts, key)
@@ -59,34 +62,52 @@ def build_corpus(config: CorpusConfig, demos: DemoSource | None = None, *, rebui
 
 
 @contextmanager
-def build_lock(path: Path) -> Iterator[None]:
+def build_lock(path: Path) -> Iterator[bool]:
     """Hold the lock on building the cache entry `path` (the file `<key>.lock` beside it, there
-    while held), waiting while another process holds it. Two processes building one entry at
-    once (two runs started together) would both do the work, and the second to finish would swap
-    the first's folder away under it. The kernel lets go of the lock when its holder dies."""
+    while held), waiting while another process holds it; yields whether it is held. Two processes
+    building one entry at once (two runs started together) would both do the work, and the
+    second to finish would swap the first's folder away under it. The kernel lets go of the lock
+    when its holder dies. A file system without `flock` (Lustre without `-o flock`, NFS without
+    its lock service) builds unlocked, as before there was a lock, saying so."""
     lock_file = path.with_name(f"{path.name}.lock")
     with write_errors(lock_file):
         path.parent.mkdir(parents=True, exist_ok=True)
     while True:
         with write_errors(lock_file):
-            fd = os.open(lock_file, os.O_RDWR | os.O_CREAT, 0o666)
+            fd = os.open(lock_file, os.O_RDONLY | os.O_CREAT, 0o666)  # read-only: another user's file locks too
         try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                log.warning("waiting for another process building the corpus %s", path)
-                fcntl.flock(fd, fcntl.LOCK_EX)
-            if _same_file(fd, lock_file):
+            locked = _lock(fd, path)
+            if locked and _same_file(fd, lock_file):
                 break  # not a lock file its holder deleted while this process waited on it
         except BaseException:
             os.close(fd)
             raise
         os.close(fd)
+        if not locked:
+            log.warning("%s cannot be locked on its file system: building the corpus without a lock", lock_file)
+            yield False
+            return
     try:
-        yield
+        yield True
     finally:
         lock_file.unlink(missing_ok=True)  # while held: whoever waits on it finds it gone and locks a new one
         os.close(fd)
+
+
+def _lock(fd: int, path: Path) -> bool:
+    """Take `fd`'s exclusive `flock`, waiting (and saying so) while another process holds it;
+    False where the file system has no `flock` (`NO_FLOCK`)."""
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.warning("waiting for another process building the corpus %s", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+    except OSError as err:
+        if err.errno in NO_FLOCK:
+            return False
+        raise
+    return True
 
 
 def _same_file(fd: int, path: Path) -> bool:

@@ -68,6 +68,8 @@ def _walk(root: Path, prefix: str, include: list[str], exclude: list[str], setti
     found = []
 
     def unreadable(err: OSError) -> None:  # os.walk would leave the folder's files out, unsaid
+        if isinstance(err, FileNotFoundError):  # deleted while the walk went (a cache, a build's temporaries)
+            return
         folder = err.filename or root
         raise WhetstoneError(
             f"corpus: cannot read the folder {folder} ({err.strerror or err}): add it to {setting}, or fix it"

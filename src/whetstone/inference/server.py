@@ -48,7 +48,7 @@ from whetstone.inference.sampling import InvalidRequest, SamplingParams
 from whetstone.inference.stream import chat_stream, completion_stream
 from whetstone.inference.submission import RETRY_AFTER_S, Backlog, ClientGone, QueueFull, Submission
 from whetstone.store.feedback import DuplicateFeedback, FeedbackStoreError, UnknownResponse
-from whetstone.tokenizer import Tokenizer, defuse_controls, render_chat
+from whetstone.tokenizer import Tokenizer, defuse_controls, defuse_message, render_chat
 
 log = logging.getLogger(__name__)
 Body = TypeVar("Body", bound=BaseModel)
@@ -202,7 +202,7 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         def build() -> Submission:
             # The prompt is rendered, then encoded with control strings parsed: a client's text
             # must not hold them, or it could close its turn and open a system turn of its own.
-            messages = defuse_controls([m.as_chat_dict() for m in body.messages])
+            messages = [defuse_message(m.as_chat_dict()) for m in body.messages]
             tools = defuse_controls(body.tools) if body.use_tools else None
             try:
                 text = render_chat(messages, tools, add_generation_prompt=True)

@@ -173,9 +173,9 @@ def check_batch(batch: Batch, vocab_size: int, source: str = "batch") -> None:
     (one such token makes the whole step's loss NaN). Reads the batch where it is: call it on
     the host copy read from the store, before the step moves it to the device."""
     trained = batch.loss_mask.bool()
-    ids = torch.cat([batch.input_ids.flatten(), batch.target_ids[trained]])
-    if ids.numel():
-        low, high = torch.stack(torch.aminmax(ids)).tolist()
+    ranges = [torch.aminmax(ids) for ids in (batch.input_ids, batch.target_ids[trained]) if ids.numel()]
+    if ranges:  # each tensor's range where it is: no copy of the whole batch's ids
+        low, high = min(int(r.min) for r in ranges), max(int(r.max) for r in ranges)
         if low < 0 or high >= vocab_size:
             raise WhetstoneError(
                 f"{source} holds token ids in [{low}, {high}], but the model's vocabulary is 0..{vocab_size - 1}: "

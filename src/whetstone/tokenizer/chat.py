@@ -170,6 +170,29 @@ def defuse_controls(value: Any) -> Any:
     return value
 
 
+def defuse_message(message: dict[str, Any]) -> dict[str, Any]:
+    """A client's chat message as the server renders it: the control strings broken everywhere
+    (`defuse_controls`), and in a user's or a tool's content every markup string too
+    (`defuse_markup`): text that may come from anywhere (a web page, a file a tool read) can then
+    fake neither a turn nor a call or a tool response, as the agent harness keeps a tool's output
+    from doing. An assistant's message keeps its markup: it replays what the model wrote."""
+    message = defuse_controls(message)
+    if message.get("role") in ("user", "tool") and "content" in message:
+        message["content"] = _defuse_strings(message["content"])
+    return message
+
+
+def _defuse_strings(value: Any) -> Any:
+    """`value` with `defuse_markup` applied to every string it holds (a content's text parts)."""
+    if isinstance(value, str):
+        return defuse_markup(value)
+    if isinstance(value, dict):
+        return {key: _defuse_strings(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [_defuse_strings(item) for item in value]
+    return value
+
+
 def _break_tokens(text: str, tokens: tuple[str, ...]) -> str:
     for token in tokens:
         if token in text:

@@ -84,8 +84,9 @@ def _drop_reason(trajectory: Trajectory) -> str | None:
         return "failed"
     if not math.isfinite(trajectory.reward):  # a reward function's bug: it would make the group's advantages NaN
         return "nonfinite_reward"
-    if not all(math.isfinite(lp) for segment in trajectory.segments for call in segment.calls for lp in call.logprobs):
-        # a server's numerics failed (NaN logits): one such token makes the whole batch's loss NaN
+    if not all(math.isfinite(sum(call.logprobs)) for segment in trajectory.segments for call in segment.calls):
+        # a server's numerics failed (NaN logits): one such token makes the whole batch's loss NaN.
+        # A sum is NaN or infinite exactly when a term is (logprobs are far from overflowing).
         return "nonfinite_logprobs"
     if trajectory.exclude_from_gradient:
         return "cheat_flagged" if trajectory.cheat_flags else "excluded"
