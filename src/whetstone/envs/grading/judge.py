@@ -93,7 +93,9 @@ def judge_score(instruction: str, rubric: str, diff: str, test_summary: str, con
 def _post(url: str, body: dict, headers: dict[str, str], timeout_s: float) -> bytes:
     """The body of a successful POST. httpx's timeout bounds each read, so an endpoint that sends
     a byte now and then would hold the grade forever: the body must also be whole within
-    `timeout_s` of the request, and at most MAX_RESPONSE_BYTES long (JudgeError otherwise)."""
+    `timeout_s` of the request, and at most MAX_RESPONSE_BYTES long (JudgeError otherwise). The
+    deadline is checked as each piece arrives, so a stream that stalls just before it takes at
+    most one more read timeout (`timeout_s`): about twice `timeout_s` in all."""
     deadline = time.monotonic() + timeout_s
     data = bytearray()
     with httpx.stream("POST", url, json=body, headers=headers, timeout=timeout_s) as response:
