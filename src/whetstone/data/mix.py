@@ -25,7 +25,7 @@ from fractions import Fraction
 import numpy as np
 
 from whetstone.errors import WhetstoneError
-from whetstone.tokenizer import Message, Tokenizer, defuse_markup, encode_chat
+from whetstone.tokenizer import Message, Tokenizer, defuse_all, encode_chat
 
 DemoSource = Callable[[], Iterable[list[Message]]]
 """Returns chat transcripts (message lists) of solved train-split tasks."""
@@ -57,20 +57,10 @@ def pack_demos(
 
 def defuse_transcript(messages: list[Message]) -> list[Message]:
     """`messages` with `defuse_markup` applied to every string they hold (contents, tool calls'
-    names and arguments, nested in dict arguments too), so that each control or markup string
-    in them encodes as text, not as the token the chat format reserves for it. A transcript
-    with no such string comes back equal; applying it twice changes nothing."""
-    return [_defused(message) for message in messages]
-
-
-def _defused(value: object) -> object:
-    if isinstance(value, str):
-        return defuse_markup(value)
-    if isinstance(value, dict):
-        return {key: _defused(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_defused(item) for item in value]
-    return value
+    names and arguments, nested in dict arguments too: `defuse_all`), so that each control or
+    markup string in them encodes as text, not as the token the chat format reserves for it. A
+    transcript with no such string comes back equal; applying it twice changes nothing."""
+    return [defuse_all(message) for message in messages]
 
 
 def demo_rows_before(row: int, weight: Fraction) -> int:

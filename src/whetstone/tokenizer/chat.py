@@ -161,13 +161,15 @@ def defuse_controls(value: Any) -> Any:
     `defuse_markup` breaks them, so that a client's text can neither end its turn nor open
     another. Markup (`<tool_call>`, `<think>`, ...) stays: a replayed assistant message holds
     the calls and reasoning the model wrote, which must render as the tokens it wrote."""
-    if isinstance(value, str):
-        return _break_tokens(value, CHAT_SPECIAL_TOKENS)
-    if isinstance(value, dict):
-        return {defuse_controls(key): defuse_controls(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [defuse_controls(item) for item in value]
-    return value
+    return _break_everywhere(value, CHAT_SPECIAL_TOKENS)
+
+
+def defuse_all(value: Any) -> Any:
+    """`value` (a message, a transcript: any JSON value) with `defuse_markup` applied to every
+    string it holds, keys too: no control or markup string in it encodes as the token the chat
+    format reserves for it. A value with no such string comes back equal; applying it twice
+    changes nothing."""
+    return _break_everywhere(value, (*CHAT_SPECIAL_TOKENS, *MARKUP_TOKENS))
 
 
 def defuse_message(message: dict[str, Any]) -> dict[str, Any]:
@@ -178,18 +180,18 @@ def defuse_message(message: dict[str, Any]) -> dict[str, Any]:
     from doing. An assistant's message keeps its markup: it replays what the model wrote."""
     message = defuse_controls(message)
     if message.get("role") in ("user", "tool") and "content" in message:
-        message["content"] = _defuse_strings(message["content"])
+        message["content"] = defuse_all(message["content"])
     return message
 
 
-def _defuse_strings(value: Any) -> Any:
-    """`value` with `defuse_markup` applied to every string it holds (a content's text parts)."""
+def _break_everywhere(value: Any, tokens: tuple[str, ...]) -> Any:
+    """`value` with `tokens` broken (`_break_tokens`) in every string it holds, keys too."""
     if isinstance(value, str):
-        return defuse_markup(value)
+        return _break_tokens(value, tokens)
     if isinstance(value, dict):
-        return {key: _defuse_strings(item) for key, item in value.items()}
+        return {_break_everywhere(key, tokens): _break_everywhere(item, tokens) for key, item in value.items()}
     if isinstance(value, list):
-        return [_defuse_strings(item) for item in value]
+        return [_break_everywhere(item, tokens) for item in value]
     return value
 
 
