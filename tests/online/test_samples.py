@@ -75,6 +75,7 @@ def test_truncated_stale_and_empty_responses_are_dropped_and_counted():
         "dropped_truncated": 4,
         "dropped_empty": 1,
         "dropped_malformed": 1,
+        "dropped_nonfinite_logprobs": 0,
         "dropped_stale": 1,
         "staleness_0": 2,
         "staleness_1": 1,
@@ -88,6 +89,15 @@ def test_a_record_whose_lists_do_not_add_up_is_dropped_not_raised():
     events.append(rated(5, routes=[1, 2]))
     built = feedback_batch(events, OnlineConfig(), version=5)
     assert built.counts["dropped_malformed"] == 3 and built.counts["kept"] == 2
+
+
+def test_a_response_with_a_logprob_that_is_not_finite_is_dropped_not_the_update():
+    # a server whose numerics failed (NaN logits): one such token would make the update's loss NaN
+    events = [rated(1), rated(2, "thumbs_down"), rated(3, logprobs=[-0.5, float("nan")]), rated(4, "thumbs_down")]
+    events.append(rated(5, logprobs=[float("-inf"), -1.0]))
+    built = feedback_batch(events, OnlineConfig(), version=5)
+    assert built.counts["dropped_nonfinite_logprobs"] == 2 and built.counts["kept"] == 3
+    assert torch.isfinite(built.batch.behavior_logprobs).all()
 
 
 def test_each_row_keeps_the_temperature_it_was_sampled_at():

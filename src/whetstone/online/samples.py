@@ -11,6 +11,7 @@ are dropped (`truncated`), then the staleness bound applies, then advantages.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -89,6 +90,7 @@ def feedback_batch(
             return staleness(version, min(versions, default=None))
 
     counts = {"events": len(rated), "dropped_truncated": 0, "dropped_empty": 0, "dropped_malformed": 0}
+    counts["dropped_nonfinite_logprobs"] = 0
     samples: list[Sample] = []
     temperature: dict[str, float] = {}  # per sample (task_id = response/choice)
     rollout_of: dict[int, int] = {}  # per sample (by id): the index of its event
@@ -99,6 +101,9 @@ def feedback_batch(
             continue
         if not item.response.completion_ids:
             counts["dropped_empty"] += 1
+            continue
+        if not math.isfinite(sum(item.response.logprobs)):  # a server's numerics failed (NaN logits):
+            counts["dropped_nonfinite_logprobs"] += 1  # one such token would make the update's loss NaN
             continue
         try:
             new = rated_sample(item, config.rewards.reward(item.rating, item.score))
