@@ -179,8 +179,8 @@ def test_a_build_cleans_up_what_a_killed_build_of_its_entry_left(config):
 
 def test_a_cache_on_a_file_system_without_locks_still_builds(config, monkeypatch, caplog):
     # Lustre without `-o flock`, NFS without its lock service: flock fails with ENOLCK or ENOSYS.
-    # The entry is built as it was before there was a lock, and another build's folder is left
-    # alone (with no lock, it may be one in progress).
+    # The entry is built unlocked, and another build's folder is left alone (with no lock, it
+    # may be one in progress).
     import errno
     import fcntl
 

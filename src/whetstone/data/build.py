@@ -68,7 +68,7 @@ def build_lock(path: Path) -> Iterator[bool]:
     building one entry at once (two runs started together) would both do the work, and the
     second to finish would swap the first's folder away under it. The kernel lets go of the lock
     when its holder dies. A file system without `flock` (Lustre without `-o flock`, NFS without
-    its lock service) builds unlocked, as before there was a lock, saying so."""
+    its lock service) builds unlocked, saying so."""
     lock_file = path.with_name(f"{path.name}.lock")
     with write_errors(lock_file):
         path.parent.mkdir(parents=True, exist_ok=True)
