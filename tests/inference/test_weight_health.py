@@ -57,6 +57,22 @@ def writes_of_version_1_fail(monkeypatch, times: int | None = None) -> list[int]
     return broken
 
 
+def preparing_runs_out_of_memory(monkeypatch, version: int, times: int | None = None) -> list[int]:
+    """The engine's preparation of `version` (its device and pinned copies) raises out of memory,
+    the first `times` times (None: every time), as on a GPU short of room for a while; the list
+    of those made to fail."""
+    real_prepare, failures = engine_module.prepare, []
+
+    def out_of_memory(update, tensors):
+        if update.version == version and (times is None or len(failures) < times):
+            failures.append(update.version)
+            raise torch.OutOfMemoryError("CUDA out of memory (for now)")
+        return real_prepare(update, tensors)
+
+    monkeypatch.setattr(engine_module, "prepare", out_of_memory)
+    return failures
+
+
 def version_1_refused_then_version_2_taken(config, store, publisher, trained, engine):
     """Start `engine` and a follower of `store`; publish version 1 (changing values only it
     changes), wait until the follower has it refused, then version 2 (a delta of other values)
@@ -180,14 +196,7 @@ def test_a_version_the_engine_could_not_take_for_now_goes_in_with_the_next(model
     # in without it, or the values only it changed stay stale.
     config, store, publisher, trained = published_version_0(tmp_path)
     engine = make_engine(model)
-    real_prepare = engine_module.prepare
-
-    def out_of_memory_once(update, tensors):
-        if update.version == 1:
-            raise torch.OutOfMemoryError("CUDA out of memory (for now)")
-        return real_prepare(update, tensors)
-
-    monkeypatch.setattr(engine_module, "prepare", out_of_memory_once)
+    preparing_runs_out_of_memory(monkeypatch, version=1)
     follower, problem = version_1_refused_then_version_2_taken(config, store, publisher, trained, engine)
     assert "the engine refused weight version 1" in problem
     assert follower.report().problem is None and follower.refusals == 1
@@ -197,15 +206,7 @@ def test_a_version_refused_for_a_moment_is_taken_once_it_fits_without_a_newer_on
     # the last version of a run (or an online update): nothing newer comes to retry it with
     config, store, publisher, trained = published_version_0(tmp_path)
     engine = make_engine(model)
-    real_prepare, failures = engine_module.prepare, []
-
-    def out_of_memory_the_first_time(update, tensors):
-        if update.version == 1 and not failures:
-            failures.append(update.version)
-            raise torch.OutOfMemoryError("CUDA out of memory (for now)")
-        return real_prepare(update, tensors)
-
-    monkeypatch.setattr(engine_module, "prepare", out_of_memory_the_first_time)
+    failures = preparing_runs_out_of_memory(monkeypatch, version=1, times=1)
     engine.start()
     follower = WeightFollower(Subscriber(store, config), engine, poll_seconds=0.05).start()
     try:
@@ -270,14 +271,7 @@ def test_a_version_refused_while_an_older_write_is_pending_stays_refused_once_th
 
     config = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep")
     engine = make_engine(model)  # not started: a version sent waits for a step
-    real_prepare = engine_module.prepare
-
-    def no_room_for_version_6(update, tensors):
-        if update.version == 6:
-            raise torch.OutOfMemoryError("CUDA out of memory (for now)")
-        return real_prepare(update, tensors)
-
-    monkeypatch.setattr(engine_module, "prepare", no_room_for_version_6)
+    preparing_runs_out_of_memory(monkeypatch, version=6)  # no room for its copy while 5's is there
     follower = WeightFollower(Subscriber(WeightStore.open(config), config), engine)
     state = tiny_model(seed=9).state_dict()
     follower._apply(full_update(state, version=5))
