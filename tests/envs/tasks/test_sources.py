@@ -73,11 +73,19 @@ def _git(repo, *args):
 @pytest.fixture
 def swebench_source(tmp_path):
     """A local clone with a bug at the base commit (the fix is committed after it) and its record."""
+    return _swebench_source(tmp_path)
+
+
+def _swebench_source(tmp_path, links=()):
+    """`swebench_source`, with symbolic links (path, target) committed in the base commit."""
     repo = tmp_path / "repos" / "acme__calc"
     (repo / "tests").mkdir(parents=True)
     _git(repo, "init", "-q")
     (repo / "calc.py").write_text(BUGGY)
     (repo / "tests" / "test_calc.py").write_text(OLD_TEST)
+    for path, target in links:
+        (repo / path).parent.mkdir(parents=True, exist_ok=True)
+        (repo / path).symlink_to(target)
     _git(repo, "add", ".")
     _git(repo, "commit", "-qm", "base")
     base = _git(repo, "rev-parse", "HEAD").strip()
@@ -180,8 +188,70 @@ def test_swebench_snapshot_cut_short_is_not_taken_for_whole(swebench_source, tmp
     monkeypatch.undo()
     [task] = swebench_tasks(config)
     snapshot = tmp_path / "snapshots" / "acme__calc-1"
-    assert task.repo_path == str(snapshot.resolve()) and sorted(os.listdir(tmp_path / "snapshots")) == ["acme__calc-1"]
+    assert task.repo_path == str(snapshot.resolve())
+    assert sorted(os.listdir(tmp_path / "snapshots")) == [".acme__calc-1.commit", "acme__calc-1"]
     assert (snapshot / "calc.py").read_text() == BUGGY and (snapshot / "tests" / "test_calc.py").read_text() == OLD_TEST
+
+
+def test_swebench_snapshot_keeps_links_inside_the_repository(tmp_path):
+    config = _swebench_source(tmp_path, links=[("alias.py", "calc.py"), ("pkg/up.py", "../calc.py")])
+    [task] = swebench_tasks(config.model_copy(update={"snapshot_dir": str(tmp_path / "snapshots")}))
+    snapshot = tmp_path / "snapshots" / "acme__calc-1"
+    assert os.readlink(snapshot / "alias.py") == "calc.py" and os.readlink(snapshot / "pkg" / "up.py") == "../calc.py"
+    assert (snapshot / "pkg" / "up.py").read_text() == BUGGY and task.solution_files == {"calc.py": FIXED}
+
+
+def test_swebench_inline_snapshot_refuses_a_link_it_cannot_hold(tmp_path):
+    """Inline files are text: a link left out would make a repository that is not the commit's."""
+    config = _swebench_source(tmp_path, links=[("alias.py", "calc.py")])
+    with pytest.raises(WhetstoneError, match="swebench.jsonl:1: alias.py is a link to calc.py; .* set snapshot_dir"):
+        swebench_tasks(config)
+
+
+@pytest.mark.parametrize(
+    "links,named",
+    [
+        ([("out", "/etc/passwd")], "out -> /etc/passwd"),
+        ([("pkg/up", "../../outside")], "pkg/up -> ../../outside"),
+        # each alone stays inside; together `a` leads to the snapshot folder's parent
+        ([("a", "d/l/.."), ("d/l", "..")], "a -> d/l/.."),
+    ],
+)
+def test_swebench_snapshot_refuses_a_link_out_of_the_repository(tmp_path, links, named):
+    """Grading writes changes into a copy of the snapshot on the host: a link out would carry a write out."""
+    config = _swebench_source(tmp_path, links=links)
+    with pytest.raises(WhetstoneError, match=rf"swebench.jsonl:1: the symbolic link {named} leads out of the repo"):
+        swebench_tasks(config.model_copy(update={"snapshot_dir": str(tmp_path / "snapshots")}))
+    assert not (tmp_path / "snapshots").exists() or os.listdir(tmp_path / "snapshots") == []
+
+
+def test_swebench_snapshot_of_another_commit_is_not_reused(swebench_source, tmp_path):
+    config = swebench_source.model_copy(update={"snapshot_dir": str(tmp_path / "snapshots")})
+    [task] = swebench_tasks(config)
+    record = json.loads(open(swebench_source.path).read())
+    repo = tmp_path / "repos" / "acme__calc"
+    base, later = record["base_commit"], _git(repo, "rev-parse", "HEAD").strip()
+    path = tmp_path / "later.jsonl"
+    path.write_text(json.dumps({**record, "base_commit": later}) + "\n")
+    wrong = f"later.jsonl:1: snapshot .*acme__calc-1 holds commit {base}, but the record's base_commit is {later}: "
+    with pytest.raises(WhetstoneError, match=wrong + "remove that folder"):
+        swebench_tasks(config.model_copy(update={"path": str(path)}))
+    assert (tmp_path / "snapshots" / "acme__calc-1" / "calc.py").read_text() == BUGGY  # left as it was
+    path.write_text(json.dumps({**record, "base_commit": base[:12]}) + "\n")  # the same commit, abbreviated
+    assert swebench_tasks(config.model_copy(update={"path": str(path)}))[0].repo_path == task.repo_path
+
+
+def test_swebench_snapshot_without_a_recorded_commit_is_written_again(swebench_source, tmp_path):
+    """A folder whose commit is not known (written before commits were recorded) is replaced whole."""
+    snapshot = tmp_path / "snapshots" / "acme__calc-1"
+    snapshot.mkdir(parents=True)
+    (snapshot / "calc.py").write_text(FIXED)
+    (snapshot / "stray.py").write_text("")
+    [task] = swebench_tasks(swebench_source.model_copy(update={"snapshot_dir": str(tmp_path / "snapshots")}))
+    assert sorted(os.listdir(snapshot)) == ["calc.py", "tests"] and (snapshot / "calc.py").read_text() == BUGGY
+    assert task.solution_files == {"calc.py": FIXED}
+    base = json.loads(open(swebench_source.path).read())["base_commit"]
+    assert (tmp_path / "snapshots" / ".acme__calc-1.commit").read_text() == base + "\n"
 
 
 def test_patches_report_deleted_files():

@@ -4,12 +4,19 @@ Each record names a repository and a base commit; the repository must already be
 `repos_dir` (as `owner__name`, `owner/name` or `name`). The task's snapshot is the tree at the
 base commit, exported without history (`git archive`), so the rollout cannot read the fix from
 git. `test_patch` is applied to make the hidden tests, `patch` to make the reference solution.
+
+Symbolic links stay links in a snapshot folder (`snapshot_dir`) when they lead to a place inside
+the repository. One that leads out of it is refused: grading writes a rollout's changes into a
+copy of the snapshot on the host, outside any sandbox, and a write to a path that is such a link
+would land where it points. Inline snapshots hold text files only, so a link there is refused
+with the advice to use `snapshot_dir`.
 """
 
 from __future__ import annotations
 
 import io
 import json
+import os
 import subprocess
 import tarfile
 from pathlib import Path, PurePosixPath
@@ -21,7 +28,7 @@ from whetstone.envs.task import Split, Task
 from whetstone.envs.tasks.io import unsafe_id, validation_problem
 from whetstone.envs.tasks.patches import apply_patch, patched_paths
 from whetstone.errors import WhetstoneError
-from whetstone.utils.atomic import atomic_directory
+from whetstone.utils.atomic import atomic_directory, atomic_write_text
 
 REQUIRED = (
     "instance_id",
@@ -71,6 +78,18 @@ def find_repo(repos_dir: Path, repo: str) -> Path:
     raise WhetstoneError(f"repository {repo!r} is not cloned under {repos_dir} (as owner__name, owner/name or name)")
 
 
+def resolve_commit(repo_dir: Path, commit: str, where: str) -> str:
+    """The full id of `commit` (a branch or tag moves; the id names one tree for good)."""
+    result = subprocess.run(
+        ["git", "-C", str(repo_dir), "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}"],
+        capture_output=True,
+        text=True,
+    )
+    if result.returncode != 0:
+        raise WhetstoneError(f"{where}: no commit {commit!r} in {repo_dir}: fetch it there, or correct base_commit")
+    return result.stdout.strip()
+
+
 def snapshot(repo_dir: Path, commit: str) -> tarfile.TarFile:
     """The tree at `commit`, without history, as an in-memory tar archive."""
     result = subprocess.run(["git", "-C", str(repo_dir), "archive", "--format=tar", commit], capture_output=True)
@@ -82,6 +101,11 @@ def snapshot(repo_dir: Path, commit: str) -> tarfile.TarFile:
 def inline_files(archive: tarfile.TarFile, where: str) -> dict[str, str]:
     files = {}
     for member in archive.getmembers():
+        if member.issym() or member.islnk():
+            raise WhetstoneError(
+                f"{where}: {member.name} is a link to {member.linkname}; inline snapshots hold text files only: "
+                "set snapshot_dir to keep snapshots on disk, where links stay links"
+            )
         if not member.isfile():
             continue
         data = archive.extractfile(member).read()  # type: ignore[union-attr]
@@ -92,6 +116,66 @@ def inline_files(archive: tarfile.TarFile, where: str) -> dict[str, str]:
                 f"{where}: {member.name} is binary; set snapshot_dir to keep snapshots on disk"
             ) from None
     return files
+
+
+def _link_out(where: str, name: str, target: str) -> WhetstoneError:
+    return WhetstoneError(
+        f"{where}: the symbolic link {name} -> {target} leads out of the repository; grading writes changes "
+        "into a copy of the snapshot outside the sandbox, where a write to it would land outside: leave the "
+        "record out, or take the link out of its base commit"
+    )
+
+
+def links_out_of(root: Path) -> list[tuple[str, str]]:
+    """(path, target) of each symbolic link under `root` that leads outside it, followed through
+    every link on the way, as the files finally lie (a link checked alone can pass and still lead
+    out through another one: `a -> d/l/..` with `d/l -> ..`)."""
+    top = os.path.realpath(root)
+    out = []
+    for folder, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = os.path.join(folder, name)
+            if not os.path.islink(path):
+                continue
+            real = os.path.realpath(path)
+            if real != top and not real.startswith(top + os.sep):
+                out.append((Path(path).relative_to(root).as_posix(), os.readlink(path)))
+    return sorted(out)
+
+
+def commit_record(target: Path) -> Path:
+    """The file beside a snapshot folder naming the commit it holds (kept out of the folder, which
+    is the repository the agent sees)."""
+    return target.with_name(f".{target.name}.commit")
+
+
+def write_snapshot(repo_dir: Path, commit: str, target: Path, where: str) -> None:
+    """Make `target` hold the tree at `commit` (a full commit id). An existing snapshot is used when
+    its recorded commit is `commit`, refused when it is another (a run may be grading from it); one
+    with no record, cut short or from a whetstone that did not record commits, is written again.
+    The record is removed before the folder is replaced and written after, so a record names the
+    commit its folder holds."""
+    record = commit_record(target)
+    if target.is_dir() and record.is_file():
+        held = record.read_text(encoding="utf-8").strip()
+        if held == commit:
+            return
+        raise WhetstoneError(
+            f"{where}: snapshot {target} holds commit {held}, but the record's base_commit is {commit}: remove "
+            "that folder to have it written again, or set another snapshot_dir"
+        )
+    record.unlink(missing_ok=True)
+    archive = snapshot(repo_dir, commit)
+    with atomic_directory(target) as tmp:  # written whole or not at all
+        try:
+            archive.extractall(tmp, filter="data")
+        except tarfile.FilterError as err:  # a link to an absolute path or up out of the tree
+            if err.tarinfo.issym() or err.tarinfo.islnk():
+                raise _link_out(where, err.tarinfo.name, err.tarinfo.linkname) from None
+            raise WhetstoneError(f"{where}: the snapshot cannot be written safely: {err}") from None
+        if escaping := links_out_of(tmp):
+            raise _link_out(where, *escaping[0])
+    atomic_write_text(record, commit + "\n")
 
 
 def _check_record(record: dict, where: str) -> None:
@@ -117,16 +201,15 @@ def _check_record(record: dict, where: str) -> None:
 def to_task(record: dict, where: str, config: SwebenchConfig) -> Task:
     _check_record(record, where)
     name = record["instance_id"]
-    archive = snapshot(find_repo(expand_path(config.repos_dir), record["repo"]), record["base_commit"])
+    repo_dir = find_repo(expand_path(config.repos_dir), record["repo"])
+    commit = resolve_commit(repo_dir, record["base_commit"], where)
     if config.snapshot_dir:
         target = expand_path(config.snapshot_dir) / name
-        if not target.exists():  # written whole or not at all: an existing one is complete
-            with atomic_directory(target) as tmp:
-                archive.extractall(tmp, filter="data")
+        write_snapshot(repo_dir, commit, target, where)
         base: dict[str, str] | Path = target
         repo = {"repo_path": str(target.resolve())}
     else:
-        base = inline_files(archive, where)
+        base = inline_files(snapshot(repo_dir, commit), where)
         repo = {"repo_files": base}
     hidden = apply_patch(base, record["test_patch"], what=f"{where}: test_patch")
     deleted = [path for path, text in hidden.items() if text is None]
