@@ -214,8 +214,9 @@ class Orchestrator:
     def _load_tasks(self) -> list[Task]:
         from whetstone.envs.tasks import load_tasks, load_valid_tasks
 
-        upfront = self.config.validate_tasks and not self.config.validate_lazily
-        return load_valid_tasks(self.config.tasks) if upfront else load_tasks(self.config.tasks)
+        if self.config.validate_tasks and not self.config.validate_lazily:
+            return load_valid_tasks(self.config.tasks, self.config.rollout.reward)
+        return load_tasks(self.config.tasks)
 
     async def _is_valid(self, task: Task) -> bool:
         """Lazy validation: the task's reference passes and its starting repository fails (once per task)."""

@@ -1,11 +1,23 @@
 """Validation runs each task in real sandboxes: the reference must pass, the starting repo must not."""
 
 import json
+import shutil
 
+from whetstone.envs.grading.grade import PLAIN_TESTS, RUNNER
+from whetstone.envs.grading.reward import RewardConfig
+from whetstone.envs.sandbox import SandboxConfig
 from whetstone.envs.task import Task
-from whetstone.envs.tasks.io import Record, read_records
+from whetstone.envs.tasks.io import Record, read_records, write_tasks
+from whetstone.envs.tasks.registry import TasksConfig, load_valid_tasks
 from whetstone.envs.tasks.synth import SynthConfig, generate
-from whetstone.envs.tasks.validate import check_task, task_hash, validate_records
+from whetstone.envs.tasks.validate import (
+    GRADER_SOURCES,
+    check_task,
+    grader_fingerprint,
+    task_hash,
+    validate_records,
+    validate_tasks,
+)
 
 TEST_ADD = "from calc import add\n\n\ndef test_add():\n    assert add(2, 2) == 4\n"
 
@@ -56,7 +68,8 @@ def test_report_lists_bad_records_and_remembers_results(tmp_path):
     """Cached results are reused by task content: nothing here needs a sandbox."""
     valid, stale = generate(SynthConfig(count=2))
     cache = tmp_path / "cache.json"
-    cache.write_text(json.dumps({task_hash(valid): None, task_hash(stale): "remembered reason"}))
+    verdicts = {task_hash(valid): None, task_hash(stale): "remembered reason"}
+    cache.write_text(json.dumps({"grader": grader_fingerprint(), "verdicts": verdicts}))
     records = [
         Record("tasks.jsonl:1", task=valid),
         Record("tasks.jsonl:2", problem="not valid JSON: ..."),
@@ -72,6 +85,39 @@ def test_report_lists_bad_records_and_remembers_results(tmp_path):
             {"id": stale.id, "reason": "remembered reason"},
         ],
     }
+
+
+def test_a_verdict_cached_under_another_grader_is_not_reused(tmp_path):
+    """The task really runs again: its cached reason was found by a grader that differs."""
+    [task] = generate(SynthConfig(count=1))
+    cache = tmp_path / "cache.json"
+    cache.write_text(json.dumps({"grader": "another grader", "verdicts": {task_hash(task): "remembered reason"}}))
+    report = validate_tasks([task], cache_path=cache)
+    assert report.valid == [task] and report.invalid == []
+    assert json.loads(cache.read_text()) == {"grader": grader_fingerprint(), "verdicts": {task_hash(task): None}}
+
+
+def test_a_cache_without_a_grader_fingerprint_is_a_miss(tmp_path):
+    """A cache written before verdicts carried the grader's fingerprint is not read as verdicts."""
+    [task] = generate(SynthConfig(count=1))
+    cache = tmp_path / "cache.json"
+    cache.write_text(json.dumps({task_hash(task): "remembered reason"}))
+    assert validate_tasks([task], cache_path=cache).valid == [task]
+
+
+def test_the_grader_fingerprint_follows_the_grading_code_and_limits(tmp_path):
+    sources = []
+    for source in (RUNNER, PLAIN_TESTS):
+        sources.append(tmp_path / source.name)
+        shutil.copy(source, sources[-1])
+    before = grader_fingerprint(sources=tuple(sources))
+    sources[0].write_text(sources[0].read_text() + "\n# a changed runner\n")
+    assert grader_fingerprint(sources=tuple(sources)) != before
+    assert {RUNNER, PLAIN_TESTS} <= set(GRADER_SOURCES)
+    tighter = RewardConfig(sandbox=SandboxConfig(wall_clock_s=120.0, memory_mb=256))
+    assert grader_fingerprint(tighter) != grader_fingerprint()
+    more_spares = RewardConfig(sandbox=SandboxConfig(wall_clock_s=120.0, pool_size=8))
+    assert grader_fingerprint(more_spares) == grader_fingerprint()
 
 
 def test_a_failing_setup_command_is_named_with_its_exit_code_and_output():
@@ -125,3 +171,14 @@ def test_field_errors_are_refused_when_a_task_is_read(tmp_path):
     assert reasons[2] == "field 'split': Input should be 'train' or 'heldout'"
     assert reasons[3] == "field 'visible_tests': Value error, 'test_missing.py': no such file in repo_files"
     assert reasons[4] == "field 'difficulty': Input should be greater than or equal to 0"
+
+
+def test_up_front_validation_grades_as_the_runs_rollouts_are_graded(tmp_path):
+    """A task whose reference needs 300 MB is valid under the default sandbox, and not under a
+    run's 128 MB one: validated up front with the run's grading config, it is skipped."""
+    big = "from calc import add\n\n\ndef test_add():\n    room = bytearray(300 << 20)\n    assert add(2, 2) == 4\n"
+    task = _bugfix("def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n")
+    write_tasks([task.model_copy(update={"hidden_tests": {"test_calc.py": big}})], tmp_path / "tasks.jsonl")
+    config = TasksConfig(source=str(tmp_path / "tasks.jsonl"))
+    assert [t.id for t in load_valid_tasks(config)] == ["custom/add"]
+    assert load_valid_tasks(config, RewardConfig(sandbox=SandboxConfig(memory_mb=128))) == []

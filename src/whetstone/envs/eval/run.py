@@ -24,7 +24,7 @@ from whetstone.utils.atomic import atomic_write_json, atomic_write_text
 def load_eval_tasks(config: EvalConfig) -> list[Task]:
     from whetstone.envs.tasks import load_tasks, load_valid_tasks
 
-    tasks = load_valid_tasks(config.tasks) if config.validate_tasks else load_tasks(config.tasks)
+    tasks = load_valid_tasks(config.tasks, config.rollout.reward) if config.validate_tasks else load_tasks(config.tasks)
     if not tasks:
         raise WhetstoneError(f"no tasks to evaluate from source {config.tasks.source!r}")
     return tasks

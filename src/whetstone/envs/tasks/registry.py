@@ -13,6 +13,7 @@ import importlib
 import os
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -25,6 +26,9 @@ from whetstone.envs.tasks.repofix import RepofixConfig
 from whetstone.envs.tasks.swebench import SwebenchConfig
 from whetstone.envs.tasks.synth import SynthConfig
 from whetstone.errors import WhetstoneError
+
+if TYPE_CHECKING:
+    from whetstone.envs.grading.reward import RewardConfig
 
 # name -> (config class, module whose `generate(config)` makes the tasks)
 SOURCES: dict[str, tuple[type[Config], str]] = {
@@ -52,7 +56,7 @@ class TasksConfig(Config):
     swebench: SwebenchConfig = SwebenchConfig()
     """Config of the `swebench` loader."""
     validation_cache: str | None = None
-    """JSON file remembering validation results by task content, so a fixed set is validated once."""
+    """JSON file remembering validation results by task content and grader, so a fixed set is validated once."""
     validation_workers: int = Field(2, ge=1)
     """Tasks validated at once (each runs two graded test runs in sandboxes)."""
 
@@ -112,8 +116,15 @@ def load_tasks(config: TasksConfig) -> list[Task]:
     return load_source(config.source)
 
 
-def load_valid_tasks(config: TasksConfig) -> list[Task]:
-    """The tasks that validate in sandboxes; the others are reported on stderr and skipped."""
+def load_valid_tasks(config: TasksConfig, reward_config: RewardConfig | None = None) -> list[Task]:
+    """The tasks that validate in sandboxes, graded as `reward_config` grades rollouts (its sandbox
+    limits: a task valid under looser limits may not be under the run's); the others are reported
+    on stderr and skipped."""
     from whetstone.envs.tasks.validate import valid_tasks
 
-    return valid_tasks(load_tasks(config), workers=config.validation_workers, cache_path=config.validation_cache)
+    return valid_tasks(
+        load_tasks(config),
+        workers=config.validation_workers,
+        reward_config=reward_config,
+        cache_path=config.validation_cache,
+    )

@@ -8,7 +8,8 @@ Each check really runs in sandboxes, through the same `grade()` that scores roll
    (the injected bug is real); for `synthesis` tasks the ungraded repository fails the tests.
 
 Tasks that fail are reported with the reason and skipped, never silently used. Results can be
-cached by the task's content hash, so a fixed task set is validated once, not on every run.
+cached by the task's content hash under the grader's fingerprint (`grader_fingerprint`), so a
+fixed task set is validated once, not on every run, and again once the grader changes.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from importlib import metadata
 from pathlib import Path
 
 from whetstone.config import expand_path
@@ -97,7 +99,50 @@ def task_hash(task: Task) -> str:
     return hashlib.sha256(task.model_dump_json().encode()).hexdigest()
 
 
-def _load_cache(path: Path | None) -> dict[str, str | None]:
+PACKAGE = Path(__file__).parents[2]
+"""The whetstone package's folder."""
+GRADER_SOURCES = (
+    *sorted((PACKAGE / "envs" / "grading").rglob("*.py")),
+    PACKAGE / "envs" / "tasks" / "validate.py",
+    PACKAGE / "envs" / "tasks" / "patches.py",
+    PACKAGE / "envs" / "task.py",
+)
+"""The code that decides a verdict: the grading package (the runner and plain-test collector that
+run in the sandbox among it), this check, the patch applier that makes a SWE-bench reference and
+the task model that reads the record. The sandbox package is left out: it enforces the limits
+(which are in the fingerprint) rather than deciding outcomes, and every change to it would
+otherwise re-validate every cached task set."""
+SANDBOX_PLUMBING = {"pool_size", "max_templates", "root_dir"}
+"""Sandbox settings that say where and how many workspace copies are kept, not what a test sees."""
+
+
+def sources_digest(sources: tuple[Path, ...] = GRADER_SOURCES) -> str:
+    """A hash of the files' names (relative to the whetstone package where inside it) and bytes."""
+    digest = hashlib.sha256()
+    for source in sources:
+        name = source.relative_to(PACKAGE).as_posix() if source.is_relative_to(PACKAGE) else source.name
+        data = source.read_bytes()
+        digest.update(f"{name}\0{len(data)}\0".encode() + data)
+    return digest.hexdigest()
+
+
+def grader_fingerprint(reward_config: RewardConfig | None = None, sources: tuple[Path, ...] = GRADER_SOURCES) -> str:
+    """What decides a task's verdict besides the task: the grading code (`sources`), the sandbox
+    limits the tests run under, and the Python and pytest that run them. A cached verdict is used
+    only under the fingerprint it was found under."""
+    sandbox = (reward_config or RewardConfig()).sandbox.model_dump(mode="json", exclude=SANDBOX_PLUMBING)
+    try:
+        pytest_version = metadata.version("pytest")
+    except metadata.PackageNotFoundError:
+        pytest_version = None
+    setting = {"sandbox": sandbox, "python": sys.version, "pytest": pytest_version}
+    digest = hashlib.sha256(sources_digest(sources).encode() + json.dumps(setting, sort_keys=True).encode())
+    return digest.hexdigest()
+
+
+def _load_cache(path: Path | None, grader: str) -> dict[str, str | None]:
+    """The verdicts cached in `path` under the fingerprint `grader`; none from another grader, or
+    from a cache without a fingerprint."""
     if path is None or not path.exists():
         return {}
     if path.is_dir():  # it would be found out only when written, after every task ran
@@ -108,7 +153,9 @@ def _load_cache(path: Path | None) -> dict[str, str | None]:
         return {}  # a damaged cache only costs a re-validation
     except OSError as err:
         raise WhetstoneError(f"validation cache {path} cannot be read: {err.strerror or err}") from None
-    return cache if isinstance(cache, dict) else {}
+    if not isinstance(cache, dict) or cache.get("grader") != grader or not isinstance(cache.get("verdicts"), dict):
+        return {}
+    return cache["verdicts"]
 
 
 def validate_records(
@@ -120,7 +167,8 @@ def validate_records(
     """Validate every record (bad records are reported as invalid), `workers` tasks at a time,
     with a progress bar on stderr."""
     cache_file = expand_path(cache_path) if cache_path is not None else None
-    cache = _load_cache(cache_file)  # before the records, which a generator may take minutes to make
+    grader = grader_fingerprint(reward_config) if cache_file is not None else ""
+    cache = _load_cache(cache_file, grader)  # before the records, which a generator may take minutes to make
     records = list(records)
     report = ValidationReport(total=len(records))
 
@@ -154,7 +202,7 @@ def validate_records(
         else:
             report.invalid.append({"id": record.task.id, "reason": reason})
     if cache_file is not None:
-        atomic_write_json(cache_file, cache)
+        atomic_write_json(cache_file, {"grader": grader, "verdicts": cache})
     return report
 
 
