@@ -167,6 +167,14 @@ def test_a_change_that_would_turn_a_hidden_test_or_a_kept_file_into_a_folder_is_
     assert result.passed and result.setup_failure is None
 
 
+def test_a_folder_the_agent_turned_into_a_file_and_a_file_into_a_folder_are_graded_as_made():
+    files = {"stats.py": BUGGY, "test_stats.py": VISIBLE, "notes/a.txt": "a", "notes/deep/b.txt": "b", "todo": "t"}
+    task = bugfix_task(repo_files=files)
+    gone = {"notes/a.txt": None, "notes/deep/b.txt": None, "todo": None}
+    result = grade(task, {**task.solution_files, **gone, "notes": "now a file", "todo/list.txt": "now a folder"})
+    assert result.passed and result.setup_failure is None and result.cheat_flags == []
+
+
 def test_grading_leaves_nothing_behind(tmp_path, monkeypatch):
     # The folders that live as long as the process (the compiled runner, the sandboxes' root) are
     # made first, in the usual temporary folder; what then appears in tmp_path is one grade's.

@@ -2,8 +2,8 @@
 
 1. `workspace_changes` diffs the rollout's workspace against the task's snapshot.
 2. `grade` scans the changes for hacks (`cheats.py`), then opens a fresh sandbox over the
-   pristine files, applies only the changes outside tests and protected paths (never `.git`),
-   and only then adds the hidden tests.
+   pristine files, applies only the changes outside tests and protected paths (never `.git`,
+   never through a symbolic link), and only then adds the hidden tests.
 3. The tests run under `grade_runner.py`, which reports each test and what the solution code
    did at run time to a file outside the workspace; a report the code writes is never read.
 4. `reward.combine` turns tests, an optional judge score and effort into the reward.
@@ -122,17 +122,54 @@ def _clashes(path: str, files: set[str]) -> bool:
     return bool(above & files) or any(file.startswith(path + "/") for file in files)
 
 
-def _apply(workspace: Path, changes: dict[str, str | None]) -> None:
-    for name, text in changes.items():
+def _apply(workspace: Path, changes: dict[str, str | None]) -> dict[str, str]:
+    """Writes `changes` (None deletes) into `workspace` without following a symbolic link, and
+    returns the changes it refused, each with the link in its way. A file that is a link is
+    removed and written as a plain file, as the agent's workspace showed it (`read_tree` sees a
+    link replaced by a file as a new file; a write through the link shows as a change to the
+    file it points to). A change under a folder that is a link is refused: written through it,
+    it would land on the file the link points to (a test, a protected file, a host file)."""
+    refused: dict[str, str] = {}
+    # deletions first: a folder the agent replaced with a file (or a file with a folder) is gone
+    # before the new one is written
+    for name, text in sorted(changes.items(), key=lambda change: change[1] is not None):
         path = PurePosixPath(name)
         if path.is_absolute() or ".." in path.parts or not name:
             raise WhetstoneError(f"change to {name!r}: paths must be relative and stay inside the repository")
-        target = workspace / name
-        if text is None:
+        link = _link_above(workspace, path)
+        if link is not None:
+            refused[name] = link
+            continue
+        target = workspace / path
+        if text is None or target.is_symlink():
             target.unlink(missing_ok=True)
-        else:
+        if text is not None:
+            if target.is_dir():  # a folder whose files the changes deleted, now a file
+                _remove_empty_folders(target, name)
             target.parent.mkdir(parents=True, exist_ok=True)
-            target.write_bytes(text.encode("utf-8", "surrogateescape"))
+            flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
+            with open(os.open(target, flags, 0o666), "wb") as file:
+                file.write(text.encode("utf-8", "surrogateescape"))
+    return refused
+
+
+def _remove_empty_folders(folder: Path, name: str) -> None:
+    """Removes `folder`, which must hold nothing but empty folders: a change that writes a file
+    where the repository has a folder must also delete every file in it."""
+    for root, _, files in os.walk(folder, topdown=False):
+        if files:
+            raise WhetstoneError(f"change to {name!r}: a file where the repository has a folder still holding files")
+        os.rmdir(root)
+
+
+def _link_above(workspace: Path, path: PurePosixPath) -> str | None:
+    """The first folder on the way to `path` in `workspace` that is a symbolic link, or None.
+    Nothing runs in the grading sandbox while changes are applied, so no link appears after it."""
+    for end in range(1, len(path.parts)):
+        folder = PurePosixPath(*path.parts[:end])
+        if (workspace / folder).is_symlink():
+            return folder.as_posix()
+    return None
 
 
 def grade(
@@ -153,8 +190,16 @@ def grade(
         results = Mount(results_dir, f"{RUNNER_DIR_IN_SANDBOX}/results", writable=True)
         snapshot = Path(task.repo_path) if task.repo_path else dict(task.repo_files)
         with open_sandbox(snapshot, config.sandbox, mounts=[runner, plain_tests, results]) as sandbox:
-            _apply(sandbox.workspace, applied)
-            _apply(sandbox.workspace, dict(task.hidden_tests))
+            refused = _apply(sandbox.workspace, applied)
+            flags += [
+                f"symlink: {path} lies under {link}, a symbolic link (not applied)" for path, link in refused.items()
+            ]
+            if refused_tests := _apply(sandbox.workspace, dict(task.hidden_tests)):
+                path, link = next(iter(refused_tests.items()))
+                raise WhetstoneError(
+                    f"task {task.id}: hidden test {path} lies under {link}, a symbolic link in the repository, and "
+                    "grading writes nothing through a link: make the link a folder or put the test elsewhere"
+                )
             log, setup_failure = _run_setup(sandbox, task)
             limits_hit: list[str] = []
             if setup_failure is None:
