@@ -1,5 +1,6 @@
 import dataclasses
 import json
+import re
 
 import pydantic_core
 import pytest
@@ -278,20 +279,20 @@ def test_stop_strings_are_bounded_in_length():
 
 
 @pytest.mark.parametrize(
-    "call",
+    "call, problem",
     [
-        {"function": "f"},
-        {"function": {"arguments": "{}"}},
-        {"function": {"name": "", "arguments": "{}"}},
-        {"function": {"name": 3, "arguments": "{}"}},
-        {"function": {"name": "f", "arguments": 5}},
-        {"type": "code", "function": {"name": "f", "arguments": "{}"}},
-        {"name": "f", "arguments": {}},
+        ({"function": "f"}, ".function must be an object {'name': ..., 'arguments': ...}, got str"),
+        ({"function": {"arguments": "{}"}}, ".function.name must be a non-empty string, got nothing"),
+        ({"function": {"name": "", "arguments": "{}"}}, ".function.name must be a non-empty string, got ''"),
+        ({"function": {"name": 3, "arguments": "{}"}}, ".function.name must be a non-empty string, got 3"),
+        ({"function": {"name": "f", "arguments": 5}}, ".function.arguments must be a JSON string or object, got int"),
+        ({"type": "code", "function": {"name": "f", "arguments": "{}"}}, ".type must be 'function', got 'code'"),
+        ({"name": "f", "arguments": {}}, ".function must be an object {'name': ..., 'arguments': ...}, got nothing"),
     ],
 )
-def test_malformed_tool_calls_in_messages_are_named(call):
+def test_malformed_tool_calls_in_messages_are_named(call, problem):
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [WELL_FORMED, call]}]
-    with pytest.raises(ValidationError, match=r"messages\[1\]\.tool_calls\[1\] must be"):
+    with pytest.raises(ValidationError, match=re.escape(f"messages[1].tool_calls[1]{problem}")):
         ChatRequest(model="m", messages=messages)
 
 

@@ -233,6 +233,9 @@ def test_bad_parameters_are_named(http, body, message):
             {"tools": [{"type": "function", "function": {"name": "f", "parameters": "notadict"}}]},
             "tools[0].function.parameters must be a JSON Schema object, got str",
         ),
+        ({"tools": [{"type": None, "function": {"name": "f"}}]}, "tools[0].type must be 'function', got null"),
+        ({"tools": [{"type": "function", "function": None}]}, "tools[0].function must be an object"),
+        ({"tools": [{"type": "function", "function": {"name": None}}]}, "tools[0].function.name must be a non-empty"),
     ],
 )
 def test_bad_chat_parameters_are_named(http, body, message):
@@ -271,6 +274,37 @@ def test_null_fields_of_replayed_messages_are_not_given(http):
     without = post(http, "/v1/chat/completions", messages=plain, **body).json()
     prompt = with_nulls.json()["choices"][0]["prompt_token_ids"]
     assert prompt == without["choices"][0]["prompt_token_ids"]  # the nulls change nothing in the prompt
+
+
+@pytest.mark.parametrize(
+    "function_nulls, call_nulls",
+    [({"strict": None}, {}), ({"description": None, "parameters": None}, {}), ({}, {"id": None, "type": None})],
+    ids=["strict", "description-and-parameters", "call-id-and-type"],
+)
+def test_null_keys_of_tools_and_tool_calls_are_not_given(http, function_nulls, call_nulls):
+    """A `tools` entry or a replayed call may hold null for a key it need not give (a `model_dump`
+    of the `openai` client's `FunctionDefinition` has `"strict": null`): the request is served,
+    and its prompt is the one without those keys."""
+    tool = {"type": "function", "function": WEATHER_TOOL["function"] | function_nulls}
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}} | call_nulls
+
+    def prompt(tool: dict, call: dict) -> list[int]:
+        messages = [
+            *WEATHER_QUESTION,
+            {"role": "assistant", "tool_calls": [call]},
+            {"role": "tool", "content": "sunny"},
+        ]
+        body = dict(messages=messages, tools=[tool], max_tokens=1, return_token_ids=True)
+        response = post(http, "/v1/chat/completions", **body)
+        assert response.status_code == 200, response.text
+        return response.json()["choices"][0]["prompt_token_ids"]
+
+    def given(entry: dict) -> dict:
+        return {
+            key: given(value) if isinstance(value, dict) else value for key, value in entry.items() if value is not None
+        }
+
+    assert prompt(tool, call) == prompt(given(tool), given(call))
 
 
 def test_null_stream_options_are_their_defaults(http):
@@ -368,13 +402,26 @@ def test_health_reports_the_weight_version(http):
 @pytest.mark.parametrize(
     "call, message",
     [
-        ({"type": "function", "function": "get_weather"}, "messages[1].tool_calls[0] must be {'type': 'function'"),
+        (
+            {"type": "function", "function": "get_weather"},
+            "messages[1].tool_calls[0].function must be an object {'name': ..., 'arguments': ...}, got str",
+        ),
         (
             {"type": "function", "function": {"name": "get_weather"}},
             "messages[1].tool_calls[0].function has no 'arguments'",
         ),
+        ({"function": None}, "messages[1].tool_calls[0].function must be an object"),
+        (
+            {"function": {"name": None, "arguments": "{}"}},
+            "messages[1].tool_calls[0].function.name must be a non-empty string, got null",
+        ),
+        (
+            {"function": {"name": "get_weather", "arguments": None}},
+            "messages[1].tool_calls[0].function.arguments must be a JSON string or object, got null",
+        ),
+        ({"type": "code", "function": {"name": "f", "arguments": "{}"}}, "messages[1].tool_calls[0].type must be"),
     ],
-    ids=["function-not-an-object", "no-arguments"],
+    ids=["function-not-an-object", "no-arguments", "null-function", "null-name", "null-arguments", "wrong-type"],
 )
 def test_a_malformed_tool_call_in_the_history_is_named(http, call, message):
     messages = WEATHER_QUESTION + [{"role": "assistant", "content": "x", "tool_calls": [call]}, *GREETING]

@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 from whetstone.envs.task import Task
+from whetstone.tokenizer import defuse_markup
 
 
 def _tool(name: str, description: str, **params: str) -> dict[str, Any]:
@@ -55,10 +56,13 @@ SYSTEM_PROMPT = "You are a coding agent in a repository. Use the tools, then sub
 
 
 def first_user_message(task: Task) -> str:
-    """The task as the agent first sees it: the instruction and the repository's top-level files."""
+    """The task as the agent first sees it: the instruction and the repository's top-level files,
+    with every control and markup string broken (`defuse_markup`). A task's text comes from
+    anywhere (an issue on GitHub, a file name), and as the harness does with a tool's output, it
+    must not open a turn or fake a call or a tool response."""
     files = sorted({name.split("/")[0] for name in task.repo_files})
     listing = f"\nFiles: {', '.join(files)}" if files else ""
-    return task.instruction + listing
+    return defuse_markup(task.instruction + listing)
 
 
 # Tool-result texts. The harness's tools return these, so demonstrations can show them verbatim.

@@ -254,6 +254,12 @@ class ChatMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("tool_calls")
+    @classmethod
+    def _tool_call_nulls(cls, calls):
+        # `type` may be left out (it is "function"); `id` is not rendered
+        return None if calls is None else [_without_nulls(call, ("function",), ("name", "arguments")) for call in calls]
+
     def as_chat_dict(self) -> dict[str, Any]:
         """The message in the shape `render_chat` takes (text parts joined, developer = system)."""
         message = self.model_dump(exclude_none=True)
@@ -278,6 +284,11 @@ class ChatRequest(_Request):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: dict[str, Any] | None = None
 
+    @field_validator("tools")
+    @classmethod
+    def _tool_nulls(cls, tools):
+        return None if tools is None else [_without_nulls(tool, ("type", "function"), ("name",)) for tool in tools]
+
     @model_validator(mode="after")
     def _chat_unsupported(self):
         if self.response_format and self.response_format.get("type") != "text":
@@ -286,17 +297,9 @@ class ChatRequest(_Request):
             raise ValueError("top_logprobs needs logprobs=true")
         for index, message in enumerate(self.messages):
             for number, call in enumerate(message.tool_calls or []):
-                function = call.get("function")
-                if isinstance(function, dict) and "arguments" not in function:
-                    raise ValueError(
-                        f"messages[{index}].tool_calls[{number}].function has no 'arguments' "
-                        "(a JSON string or object; '{}' for a call without any)"
-                    )
-                if not _is_tool_call(call):
-                    raise ValueError(
-                        f"messages[{index}].tool_calls[{number}] must be {{'type': 'function', 'function': "
-                        "{'name': <string>, 'arguments': <JSON string or object>}}"
-                    )
+                problem = _tool_call_problem(call)
+                if problem:
+                    raise ValueError(f"messages[{index}].tool_calls[{number}]{problem}")
         for index, tool in enumerate(self.tools or []):
             problem = _tool_problem(tool)
             if problem:
@@ -308,34 +311,68 @@ class ChatRequest(_Request):
         return bool(self.tools) and self.tool_choice != "none"
 
 
+def _without_nulls(entry: dict[str, Any], required: tuple[str, ...], function_required: tuple[str, ...]) -> dict:
+    """`entry` (a `tools` or `tool_calls` entry, checked by hand rather than by a model) without
+    the keys whose value is null, in it and in its `function`, but for the `required` and
+    `function_required` ones, as `_Body` takes null for "not given": clients send optional keys as
+    null (a `model_dump` of the `openai` client's `FunctionDefinition` has `"description": null`
+    and `"strict": null`), and the prompt renders the entry as if they were not sent. A required
+    key's null stays, for the check that names it. What the keys hold (a JSON Schema, a call's
+    arguments) is data and stays as sent."""
+    entry = {key: value for key, value in entry.items() if value is not None or key in required}
+    function = entry.get("function")
+    if isinstance(function, dict):
+        entry["function"] = {
+            key: value for key, value in function.items() if value is not None or key in function_required
+        }
+    return entry
+
+
+def _got(entry: dict[str, Any], key: str, as_type: bool = False) -> str:
+    """What an entry's `key` holds, as an error message says it: `nothing` when it is missing,
+    `null` for JSON's null, else the value (its type with `as_type`)."""
+    if key not in entry:
+        return "nothing"
+    value = entry[key]
+    return "null" if value is None else type(value).__name__ if as_type else repr(value)
+
+
 def _tool_problem(tool: dict[str, Any]) -> str | None:
     """What is wrong with a `tools` entry, if anything: it must be OpenAI's function schema, as
     `render_chat` writes it into the prompt."""
+    if tool.get("type") != "function":
+        return f".type must be 'function', got {_got(tool, 'type')}"
     function = tool.get("function")
-    if tool.get("type") != "function" or not isinstance(function, dict):
-        return " must be {'type': 'function', 'function': {'name': ...}}"
+    if not isinstance(function, dict):
+        return f".function must be an object {{'name': ..., 'parameters': ...}}, got {_got(tool, 'function', True)}"
     name = function.get("name")
     if not isinstance(name, str) or not name:
-        return f".function.name must be a non-empty string, got {name!r}"
+        return f".function.name must be a non-empty string, got {_got(function, 'name')}"
     if not isinstance(function.get("description", ""), str):
-        return f".function.description must be a string, got {type(function['description']).__name__}"
+        return f".function.description must be a string, got {_got(function, 'description', True)}"
     if not isinstance(function.get("parameters", {}), dict):
-        return f".function.parameters must be a JSON Schema object, got {type(function['parameters']).__name__}"
+        return f".function.parameters must be a JSON Schema object, got {_got(function, 'parameters', True)}"
     return None
 
 
-def _is_tool_call(call: dict[str, Any]) -> bool:
-    """Whether an assistant message's `tool_calls` entry is in OpenAI's shape, as `render_chat`
-    writes it into the prompt: a function with a non-empty string name and its arguments as a
-    JSON string or an object (required: Qwen3's chat template cannot render a call without)."""
+def _tool_call_problem(call: dict[str, Any]) -> str | None:
+    """What is wrong with an assistant message's `tool_calls` entry, if anything: it must be in
+    OpenAI's shape, as `render_chat` writes it into the prompt: a function with a non-empty string
+    name and its arguments as a JSON string or an object (required: Qwen3's chat template cannot
+    render a call without)."""
+    if call.get("type", "function") != "function":
+        return f".type must be 'function', got {_got(call, 'type')}"
     function = call.get("function")
-    return (
-        call.get("type", "function") == "function"
-        and isinstance(function, dict)
-        and isinstance(function.get("name"), str)
-        and bool(function["name"])
-        and isinstance(function.get("arguments"), str | dict)
-    )
+    if not isinstance(function, dict):
+        return f".function must be an object {{'name': ..., 'arguments': ...}}, got {_got(call, 'function', True)}"
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        return f".function.name must be a non-empty string, got {_got(function, 'name')}"
+    if "arguments" not in function:
+        return ".function has no 'arguments' (a JSON string or object; '{}' for a call without any)"
+    if not isinstance(function["arguments"], str | dict):
+        return f".function.arguments must be a JSON string or object, got {_got(function, 'arguments', True)}"
+    return None
 
 
 class FeedbackRequest(_Body):
