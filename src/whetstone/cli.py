@@ -15,7 +15,7 @@ from whetstone.bench.cli import app as bench_app
 from whetstone.data.cli import app as corpus_app
 from whetstone.envs.cli import app as tasks_app
 from whetstone.envs.eval.cli import eval_command
-from whetstone.errors import WhetstoneError
+from whetstone.errors import AccessDeniedError, WhetstoneError
 from whetstone.inference.cli import serve
 from whetstone.midtrain.cli import midtrain
 from whetstone.online.cli import app as online_app
@@ -102,7 +102,7 @@ def main(args: list[str] | None = None) -> None:
         app(args=args, prog_name="whetstone" if args is not None else None)
     except SystemExit as done:  # how typer ends
         exit_process(done.code)
-    except WhetstoneError as err:
+    except (WhetstoneError, AccessDeniedError) as err:
         Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
         exit_process(2)
     except (KeyboardInterrupt, _Interrupted) as stopped:  # the roles it started are stopped by now

@@ -1,13 +1,15 @@
 import socket
 import threading
+import uuid
 from contextlib import contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
 
+from tests.store.s3_permissions import allow, s3_credentials, s3_user
 from whetstone.errors import WhetstoneError
-from whetstone.store import LocalStore, MissingObjectError, open_store
+from whetstone.store import AccessDeniedError, LocalStore, MissingObjectError, open_store
 
 
 def test_put_get_overwrite(store):
@@ -93,6 +95,20 @@ def test_delete_folder_removes_the_temporary_files_of_killed_writes_in_a_local_s
     ]
 
 
+def test_temporaries_are_the_temporary_files_of_unfinished_writes_that_list_skips(tmp_path, s3_endpoint):
+    from whetstone.store.s3 import S3Store
+
+    store = LocalStore(tmp_path)
+    store.put("v/1/a/c.bin", b"x")
+    (tmp_path / "v" / "2" / "b").mkdir(parents=True)
+    for name in ["v/1/a/.d.bin.k1ll3d.tmp", "v/2/b/.c.bin.w0rk1n.tmp", "v/2/.hidden", ".w.json.k1ll3d.tmp"]:
+        (tmp_path / name).write_bytes(b"half")
+    assert store.temporaries("v/") == ["v/1/a/.d.bin.k1ll3d.tmp", "v/2/b/.c.bin.w0rk1n.tmp"]
+    assert store.temporaries() == [".w.json.k1ll3d.tmp", "v/1/a/.d.bin.k1ll3d.tmp", "v/2/b/.c.bin.w0rk1n.tmp"]
+    assert store.list("v/") == ["v/1/a/c.bin"]
+    assert S3Store("whetstone", f"test-{uuid.uuid4().hex}", endpoint_url=s3_endpoint).temporaries() == []
+
+
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])
 def test_keys_cannot_escape_the_store(store, key):
     with pytest.raises(WhetstoneError, match="invalid object key"):
@@ -133,7 +149,7 @@ def test_a_local_store_path_has_home_and_variables_expanded(tmp_path, monkeypatc
         open_store("~/typo", create=False)
 
 
-@pytest.mark.parametrize("operation", ["get", "put", "put_if_absent", "list", "delete"])
+@pytest.mark.parametrize("operation", ["get", "put", "put_if_absent", "list", "delete", "exists"])
 def test_missing_bucket_is_a_clear_error(s3_endpoint, operation):
     from whetstone.store.s3 import S3Store
 
@@ -142,6 +158,56 @@ def test_missing_bucket_is_a_clear_error(s3_endpoint, operation):
         arguments += (b"v",)
     with pytest.raises(WhetstoneError, match="bucket 'absent' does not exist"):
         getattr(store, operation)(*arguments)
+
+
+READ_ONLY = [allow(["s3:GetObject", "s3:ListBucket"])]
+
+
+@pytest.mark.parametrize("operation", ["put", "put_if_absent", "delete"])
+def test_a_refused_write_is_an_access_error_naming_the_bucket_the_key_and_what_to_check(
+    s3_endpoint, monkeypatch, operation
+):
+    from whetstone.store.s3 import S3Store
+
+    prefix = f"test-{uuid.uuid4().hex}"
+    S3Store("whetstone", prefix, endpoint_url=s3_endpoint).put("a/b", b"x")
+    with s3_user(s3_endpoint, monkeypatch, READ_ONLY):
+        store = S3Store("whetstone", prefix, endpoint_url=s3_endpoint)
+        assert store.get("a/b") == b"x" and store.list() == ["a/b"] and store.exists("a/b")
+        arguments = ("a/b", b"y") if operation.startswith("put") else ("a/b",)
+        with pytest.raises(AccessDeniedError) as refused:
+            getattr(store, operation)(*arguments)
+    message = str(refused.value)
+    assert f"s3://whetstone/{prefix}/a/b at {s3_endpoint} was refused (AccessDenied" in message
+    assert "check the credentials" in message and "bucket policy allow s3:" in message
+    assert (refused.value.bucket, refused.value.key) == ("whetstone", f"{prefix}/a/b")
+    # what callers take for missing or damaged content is another thing
+    assert isinstance(refused.value, PermissionError) and not isinstance(refused.value, WhetstoneError)
+
+
+@pytest.mark.parametrize("operation", ["get", "exists", "list"])
+def test_credentials_the_store_does_not_know_are_an_access_error(s3_endpoint, monkeypatch, operation):
+    from whetstone.store.s3 import S3Store
+
+    with s3_credentials(monkeypatch, "AKIAUNKNOWNUNKNOWN00", "not-a-secret"):
+        store = S3Store("whetstone", "run", endpoint_url=s3_endpoint)
+        with pytest.raises(AccessDeniedError, match=r"s3://whetstone/run/.* was refused .*check the credentials"):
+            getattr(store, operation)(*(() if operation == "list" else ("k",)))
+
+
+def test_no_credentials_at_all_are_an_access_error_saying_where_they_come_from(s3_endpoint, monkeypatch, tmp_path):
+    import boto3
+
+    from whetstone.store.s3 import S3Store
+
+    for name in ["AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"]:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance role to ask for
+    monkeypatch.setattr(boto3, "DEFAULT_SESSION", None)
+    with pytest.raises(AccessDeniedError, match=r"no AWS credentials found for s3://whetstone/run/k .*AWS_PROFILE"):
+        S3Store("whetstone", "run", endpoint_url=s3_endpoint).get("k")
 
 
 @pytest.mark.parametrize("operation", ["put", "put_if_absent"])

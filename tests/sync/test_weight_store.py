@@ -128,6 +128,29 @@ def test_a_collected_version_goes_with_the_temporary_files_of_writes_killed_in_i
     assert left[2].exists()
 
 
+def test_a_collected_version_whose_folder_holds_only_temporary_files_goes_and_a_publish_in_progress_stays(
+    weights, config, trainer
+):
+    # A publisher that died writing the first chunk of a version that no other publish has
+    # objects in (a stale publisher, behind the keyframes kept), and one writing the next version
+    # now: neither has an object to list.
+    publisher = Publisher(weights, config)
+    for _ in range(13):
+        publisher.publish(trainer.step())
+    assert weights.versions() == list(range(5, 13))
+    root = weights.objects.root
+    dead = root / "versions/0000000003/0123456789ab/.chunk-00000.bin.k1ll3d.tmp"
+    live = root / "versions/0000000013/ba9876543210/.chunk-00000.bin.w0rk1n.tmp"
+    for path in (dead, live):
+        path.parent.mkdir(parents=True)
+        path.write_bytes(b"x" * 1000)
+    assert weights.collect_garbage(config.keep_keyframes) == [3]
+    assert sorted(p.name for p in (root / "versions").iterdir()) == [f"{v:010d}" for v in range(5, 14)]
+    assert live.exists() and weights.versions() == list(range(5, 13))
+    subscriber = Subscriber(weights, config)
+    assert subscriber.poll() == 12 and bit_identical(subscriber.state, published(trainer.state))
+
+
 def test_a_restarted_publisher_continues_the_chain(weights, config, trainer):
     first = Publisher(weights, config)
     for _ in range(2):

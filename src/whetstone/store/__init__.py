@@ -7,6 +7,7 @@ selects MinIO, R2, moto... instead of AWS).
 
 from __future__ import annotations
 
+from whetstone.errors import AccessDeniedError
 from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore
 from whetstone.store.local import LocalStore
 
@@ -22,4 +23,4 @@ def open_store(url: str, endpoint_url: str | None = None, create: bool = True) -
     return LocalStore(url.removeprefix("file://"), create=create)
 
 
-__all__ = ["LocalStore", "MissingObjectError", "ObjectExistsError", "ObjectStore", "open_store"]
+__all__ = ["AccessDeniedError", "LocalStore", "MissingObjectError", "ObjectExistsError", "ObjectStore", "open_store"]

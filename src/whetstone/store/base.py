@@ -50,6 +50,12 @@ class ObjectStore(ABC):
     @abstractmethod
     def exists(self, key: str) -> bool: ...
 
+    def temporaries(self, prefix: str = "") -> list[str]:
+        """The keys starting with `prefix` of what unfinished writes left (a local store's temporary
+        files: a write in progress, or one whose writer died), which `list` does not show, sorted.
+        None in a store whose writes need no temporaries (S3)."""
+        return []
+
     def delete_folder(self, prefix: str) -> None:
         """Delete every object under `prefix` (a folder: `versions/0000000003/`) and what writers
         that died left there unfinished (a local store's temporary files). Only for a folder that

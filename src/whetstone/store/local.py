@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 from whetstone.config import expand_path
@@ -72,6 +73,15 @@ class LocalStore(ObjectStore):
             raise MissingObjectError(f"no object {key!r} in {self.root}") from None
 
     def list(self, prefix: str = "") -> list[str]:
+        # Temporary files of atomic writes in progress start with a dot: not objects yet.
+        return self._keys(prefix, lambda name: not name.startswith("."))
+
+    def temporaries(self, prefix: str = "") -> list[str]:
+        """`ObjectStore.temporaries`: the temporary files of atomic writes (`.<name>.*.tmp`)."""
+        return self._keys(prefix, _temporary)
+
+    def _keys(self, prefix: str, wanted: Callable[[str], bool]) -> list[str]:
+        """The keys starting with `prefix` of the files whose names are `wanted`, sorted."""
         # Walk only the deepest directory the prefix names, not the whole store.
         folder = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
         if not folder.is_dir():
@@ -79,8 +89,7 @@ class LocalStore(ObjectStore):
         keys = []
         for directory, _, names in os.walk(folder, onerror=_unless_deleted):
             for name in names:
-                # Temporary files of atomic writes in progress start with a dot: not objects yet.
-                if not name.startswith("."):
+                if wanted(name):
                     key = (Path(directory) / name).relative_to(self.root).as_posix()
                     if key.startswith(prefix):
                         keys.append(key)
@@ -98,7 +107,7 @@ class LocalStore(ObjectStore):
         folder = self._path(prefix.rstrip("/"))
         for directory, _, names in os.walk(folder, topdown=False, onerror=_unless_deleted):
             for name in names:
-                if name.startswith(".") and name.endswith(".tmp"):
+                if _temporary(name):
                     (Path(directory) / name).unlink(missing_ok=True)
             self._drop_empty_folders(Path(directory))
 
@@ -115,6 +124,11 @@ class LocalStore(ObjectStore):
 
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
+
+
+def _temporary(name: str) -> bool:
+    """Whether a file's name is that of an atomic write's temporary file (`.<name>.*.tmp`)."""
+    return name.startswith(".") and name.endswith(".tmp")
 
 
 def _unless_deleted(err: OSError) -> None:

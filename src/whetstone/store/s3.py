@@ -3,6 +3,8 @@
 Credentials come from boto3's usual chain (environment, config files, instance roles). A PUT is
 atomic in S3: readers see the whole old object or the whole new one. `put_if_absent` is S3's
 conditional write (`If-None-Match: *`, AWS since 2024; MinIO, R2 and moto support it too).
+A missing bucket is a `WhetstoneError` naming it; a request refused for lack of permission an
+`AccessDeniedError` naming the bucket, the key and what to check.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import contextlib
 import time
 from collections.abc import Iterator
 
-from whetstone.errors import WhetstoneError
+from whetstone.errors import AccessDeniedError, WhetstoneError
 from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key
 
 CONFLICT_RETRIES = 5
@@ -19,6 +21,21 @@ CONFLICT_RETRIES = 5
 READ_RETRIES = 5
 """Tries of a GET whose body breaks off while it is read (a dropped connection, a read timeout):
 boto3 retries requests, but not the reading of a response's body."""
+DENIED_CODES = frozenset({"AccessDenied", "AllAccessDisabled", "ExpiredToken", "InvalidToken", "TokenRefreshRequired"})
+"""Error codes of requests refused for lack of permission; any 403 is one too, but
+`NOT_DENIED_403`."""
+NOT_DENIED_403 = frozenset({"InvalidObjectState", "RequestTimeTooSkewed"})
+"""403s about the object's state (archived) or the client's clock, not about permission."""
+ACTIONS = {
+    "GetObject": "s3:GetObject",
+    "HeadObject": "s3:GetObject",
+    "PutObject": "s3:PutObject",
+    "DeleteObject": "s3:DeleteObject",
+    "ListObjectsV2": "s3:ListBucket",
+    "HeadBucket": "s3:ListBucket",
+    "CreateBucket": "s3:CreateBucket",
+}
+"""The IAM action each request the store makes needs."""
 
 
 class S3Store(ObjectStore):
@@ -39,19 +56,55 @@ class S3Store(ObjectStore):
         return self.prefix + check_key(key)
 
     @contextlib.contextmanager
-    def _bucket_named(self) -> Iterator[None]:
-        """A missing bucket (a mistyped name) as an error that names it, not botocore's."""
-        from botocore.exceptions import ClientError
+    def _errors_named(self, key: str | None) -> Iterator[None]:
+        """botocore's errors that are about the store's setup, not about the object, as errors that
+        name the bucket: a missing bucket (a mistyped name) and a refused request
+        (`AccessDeniedError`: `key`, the key in the bucket or the prefix listed, None for the bucket
+        itself, and what to check)."""
+        from botocore.exceptions import ClientError, NoCredentialsError
 
         try:
             yield
+        except NoCredentialsError:
+            raise AccessDeniedError(
+                f"no AWS credentials found for s3://{self.bucket}/{key or ''} at {self.endpoint_url or 'AWS'}: set "
+                "AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY or AWS_PROFILE, or run where an instance or pod role "
+                "provides them",
+                self.bucket,
+                key,
+            ) from None
         except ClientError as err:
-            if err.response.get("Error", {}).get("Code") == "NoSuchBucket":
-                raise WhetstoneError(f"bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'}") from None
+            code = err.response.get("Error", {}).get("Code")
+            if code == "NoSuchBucket":
+                raise self._missing_bucket() from None
+            if _denied(err):
+                raise self._access_denied(key, err) from None
             raise
 
+    def _missing_bucket(self) -> WhetstoneError:
+        return WhetstoneError(f"bucket {self.bucket!r} does not exist at {self.endpoint_url or 'AWS'}")
+
+    def _access_denied(self, key: str | None, err) -> AccessDeniedError:
+        error = err.response.get("Error", {})
+        operation = err.operation_name
+        action = ACTIONS.get(operation, f"s3:{operation}")
+        where = f"s3://{self.bucket}/{key}" if key is not None else f"bucket {self.bucket!r}"
+        missing = (
+            " (S3 also answers a read of a missing key with 403 where s3:ListBucket is not allowed)"
+            if operation in ("GetObject", "HeadObject")
+            else ""
+        )
+        return AccessDeniedError(
+            f"access denied: {operation} of {where} at {self.endpoint_url or 'AWS'} was refused "
+            f"({error.get('Code')}: {error.get('Message')}){missing}; check the credentials boto3 uses "
+            f"(AWS_ACCESS_KEY_ID, AWS_PROFILE, an instance or pod role) and that their IAM policy and the "
+            f"bucket policy allow {action} on bucket {self.bucket!r}",
+            self.bucket,
+            key,
+        )
+
     def put(self, key: str, data: bytes) -> None:
-        with self._bucket_named():
+        with self._errors_named(self._key(key)):
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def put_if_absent(self, key: str, data: bytes) -> None:
@@ -59,7 +112,7 @@ class S3Store(ObjectStore):
 
         for attempt in range(CONFLICT_RETRIES):
             try:
-                with self._bucket_named():
+                with self._errors_named(self._key(key)):
                     self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data, IfNoneMatch="*")
                 return
             except ClientError as err:
@@ -92,7 +145,7 @@ class S3Store(ObjectStore):
             if attempt:
                 time.sleep(0.1 * 2 ** (attempt - 1))
             try:
-                with self._bucket_named():
+                with self._errors_named(self._key(key)):
                     body = self._client.get_object(Bucket=self.bucket, Key=self._key(key))["Body"]
             except ClientError as err:
                 if err.response.get("Error", {}).get("Code") in ("NoSuchKey", "404"):
@@ -111,32 +164,51 @@ class S3Store(ObjectStore):
     def list(self, prefix: str = "") -> list[str]:
         paginator = self._client.get_paginator("list_objects_v2")
         keys = []
-        with self._bucket_named():
+        with self._errors_named(self.prefix + prefix):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
                 keys.extend(item["Key"][len(self.prefix) :] for item in page.get("Contents", []))
         return sorted(keys)
 
     def delete(self, key: str) -> None:
-        with self._bucket_named():
+        with self._errors_named(self._key(key)):
             self._client.delete_object(Bucket=self.bucket, Key=self._key(key))
 
     def exists(self, key: str) -> bool:
+        """Whether the object is there. A HEAD's 404 does not tell a missing key from a missing
+        bucket: the bucket is asked about then, and a missing one is an error naming it (a mistyped
+        name is no answer about the key)."""
         from botocore.exceptions import ClientError
 
         try:
-            self._client.head_object(Bucket=self.bucket, Key=self._key(key))
+            with self._errors_named(self._key(key)):
+                self._client.head_object(Bucket=self.bucket, Key=self._key(key))
             return True
         except ClientError as err:
-            if err.response.get("Error", {}).get("Code") in ("404", "NoSuchKey", "NotFound"):
-                return False
+            if err.response.get("Error", {}).get("Code") not in ("404", "NoSuchKey", "NotFound"):
+                raise
+        try:
+            with self._errors_named(None):
+                self._client.head_bucket(Bucket=self.bucket)
+        except ClientError as err:
+            if err.response.get("Error", {}).get("Code") in ("404", "NoSuchBucket", "NotFound"):
+                raise self._missing_bucket() from None
             raise
+        return False
 
     def create_bucket(self) -> None:
         """Create the bucket if it does not exist (for tests and first-time setup)."""
         from botocore.exceptions import ClientError
 
         try:
-            self._client.create_bucket(Bucket=self.bucket)
+            with self._errors_named(None):
+                self._client.create_bucket(Bucket=self.bucket)
         except ClientError as err:
             if err.response.get("Error", {}).get("Code") not in ("BucketAlreadyOwnedByYou", "BucketAlreadyExists"):
                 raise
+
+
+def _denied(err) -> bool:
+    """Whether a botocore `ClientError` is a request refused for lack of permission."""
+    code = err.response.get("Error", {}).get("Code")
+    status = err.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+    return code in DENIED_CODES or (status == 403 and code not in NOT_DENIED_403)

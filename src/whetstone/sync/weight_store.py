@@ -204,6 +204,12 @@ class WeightStore:
                 found.add(version)
         return found
 
+    def _unfinished(self) -> set[int]:
+        """The versions whose folders hold what unfinished writes left (`ObjectStore.temporaries`),
+        which `_stored` does not see in a folder that holds nothing else (a publish that died
+        before its first chunk was in)."""
+        return {version for key in self.objects.temporaries("versions/") if (version := version_of(key)) is not None}
+
     def _note_stray(self, key: str) -> None:
         name, inside, _ = key.removeprefix("versions/").partition("/")
         stray = f"versions/{name}{inside}"
@@ -564,7 +570,8 @@ class WeightStore:
     def collect_garbage(self, keep_keyframes: int) -> list[int]:
         """Delete every version older than the `keep_keyframes`-th newest keyframe: a subscriber
         that far behind catches up from a newer keyframe. Also deletes chunks that a crashed
-        publish left without a manifest. Returns the versions deleted."""
+        publish left without a manifest, and the folder of one that died before its first chunk
+        was in (temporary files alone). Returns the versions deleted."""
         latest = self.latest()
         if latest is None:
             return []
@@ -576,7 +583,7 @@ class WeightStore:
                 oldest_kept = self.manifest(oldest_kept - 1).keyframe
             except WhetstoneError:  # already collected, or unreadable: keep what is newer
                 break
-        doomed = sorted(v for v in self._stored(manifests=False) if v < oldest_kept)
+        doomed = sorted(v for v in self._stored(manifests=False) | self._unfinished() if v < oldest_kept)
         for version in doomed:
             self.delete_version(version)
         if doomed:
