@@ -252,7 +252,10 @@ def test_a_restarted_loop_continues_from_the_store_and_its_cursor(world):
     assert again.version == 1 and again.state == {"cursor": 16, "updates": 1, "store": store_id}
     assert not again.due()
     state = json.loads((Path(world.config.output_dir) / "state.json").read_text())
-    assert state.pop("lineage") == {"newest_read": 1, "weights": {"0": 0, "1": 1}} and state == again.state
+    assert state.pop("lineage") == {"newest_read": 1, "weights": {"0": 0, "1": 1}}
+    digest = WeightStore.open(world.config.sync).manifest_digest(1)
+    where = str(Path(world.config.sync.store).resolve())
+    assert state.pop("weight_store") == {"store": where, "version": 1, "manifest": digest} and state == again.state
 
 
 @pytest.mark.slow  # about 8 s on an idle machine, 15+ s when the cores are shared

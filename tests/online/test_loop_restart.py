@@ -13,10 +13,13 @@ import pytest
 import torch
 
 from tests.online.online_fixtures import NO_GATE
+from whetstone.errors import WhetstoneError
+from whetstone.model.hf import load_hf
 from whetstone.online.loop import OnlineLoop
 from whetstone.online.samples import feedback_batch
 from whetstone.online.weights import rollback
 from whetstone.store.feedback import FeedbackStore
+from whetstone.sync import Publisher, SyncConfig, WeightStore
 from whetstone.utils.metrics import read_metrics
 
 BF16_STORE = NO_GATE | {"sync": {"publish_dtype": "bfloat16"}}
@@ -31,6 +34,13 @@ def moments(loop: OnlineLoop) -> dict[str, torch.Tensor]:
     """The optimizer's state tensors, named by parameter and key."""
     names = {id(p): name for name, p in loop.model.named_parameters()}
     return {f"{names[id(p)]}.{key}": value for p, state in loop.optimizer.state.items() for key, value in state.items()}
+
+
+def publish_model(sync: SyncConfig, model_path: str, versions: int) -> None:
+    """Publish `model_path`'s weights `versions` times into `sync.store` (versions of another run)."""
+    publisher = Publisher(WeightStore.open(sync), sync)
+    for _ in range(versions):
+        publisher.publish(load_hf(model_path).state_dict(), full=True)
 
 
 def next_batch(world):
@@ -142,3 +152,94 @@ def test_a_loop_whose_state_json_is_gone_numbers_its_updates_on(world, caplog):
     world.feedback(16)
     assert restarted.run()["updates"] == 2
     assert [record["update"] for record in read_metrics(folder / "metrics.jsonl")] == [0, 1]
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+@pytest.mark.parametrize(
+    ("versions", "problem"), [(3, "its version 1 is another publish (manifest "), (1, "its version 1 is not in it")]
+)
+def test_another_weight_store_than_the_loops_is_refused_naming_both(world, tmp_path, versions, problem):
+    """state.json's lineage (whose weights each version holds) is of the store the loop
+    published to: a restarted loop refuses another run's store, ahead of it or behind."""
+    world.feedback(16)
+    assert world.loop.update()["version"] == 1
+    folder, config = Path(world.config.output_dir), world.config
+    ours = str(Path(config.sync.store).resolve())
+    config = config.model_copy(update={"sync": config.sync.model_copy(update={"store": str(tmp_path / "other")})})
+    publish_model(config.sync, config.model_path, versions)
+    here = str(Path(config.sync.store).resolve())
+
+    with pytest.raises(WhetstoneError) as refused:
+        OnlineLoop(config)
+    message = str(refused.value)
+    assert f"the weight store {here} is not the one this loop published to" in message
+    assert "continues version 1 (manifest " in message and f"of the weight store {ours}, and {problem}" in message
+    assert f"point sync.store at it; to go on with this one, move {folder / 'state.json'} away" in message
+    assert WeightStore.open(config.sync).versions() == list(range(versions))  # nothing published into it
+
+    (folder / "state.json").rename(folder / "state.json.old")  # what the message says to do
+    assert OnlineLoop(config).state["updates"] == 1  # numbered on after the update before
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+@pytest.mark.parametrize(("versions", "problem"), [(3, "another publish (manifest "), (1, "not in it")])
+def test_the_loops_own_store_changed_while_it_was_stopped_is_followed_saying_so(world, versions, problem, caplog):
+    """The same location is the loop's own store whatever happened to it meanwhile (republished
+    as the documented repair does, or wiped): the loop goes on from its newest version, as a
+    running loop follows the store."""
+    world.feedback(16)
+    assert world.loop.update()["version"] == 1
+    config = world.config
+    shutil.rmtree(config.sync.store)
+    Path(config.sync.store).mkdir()
+    publish_model(config.sync, config.model_path, versions)
+    with caplog.at_level(logging.WARNING, logger="whetstone.online"):
+        restarted = OnlineLoop(config)
+    assert f"changed while the loop was stopped: its version 1 is {problem}" in caplog.text
+    assert restarted.version == versions - 1
+    world.feedback(16)
+    assert restarted.update()["version"] == versions
+
+
+@pytest.mark.parametrize("world", [NO_GATE | {"sync": {"keyframe_interval": 1}}], indirect=True)
+def test_the_loops_weight_store_moved_or_its_version_collected_is_taken(world, tmp_path):
+    world.feedback(16)
+    assert world.loop.update()["version"] == 1
+    moved = world.config.sync.model_copy(update={"store": str(tmp_path / "moved")})
+    shutil.copytree(world.config.sync.store, moved.store)  # the same publishes elsewhere
+    assert OnlineLoop(world.config.model_copy(update={"sync": moved})).version == 1
+
+    rollback(world.config.sync, 0)  # versions 2 and 3, then version 1 collected while the loop is stopped
+    rollback(world.config.sync, 1)
+    assert WeightStore.open(world.config.sync).collect_garbage(keep_keyframes=1) == [0, 1, 2]
+    assert OnlineLoop(world.config).version == 3
+
+
+@pytest.mark.parametrize("world", [NO_GATE], indirect=True)
+def test_a_loop_that_lost_state_json_and_metrics_numbers_its_updates_after_its_checkpoints(world, caplog):
+    """Without state.json and metrics.jsonl, the checkpoints say how many updates the loop took:
+    its next update is not numbered 0 again beside the versions it published."""
+    folder = Path(world.config.output_dir)
+    for version in (1, 2):
+        world.feedback(16)
+        assert world.loop.update()["version"] == version
+    (folder / "state.json").unlink()
+    (folder / "metrics.jsonl").unlink(missing_ok=True)  # update() writes none: run() does
+    with caplog.at_level(logging.WARNING, logger="whetstone.online"):
+        restarted = OnlineLoop(world.config)
+    checkpoint = folder / "checkpoints" / "step_00000002"
+    assert (
+        restarted.state["updates"] == 2
+        and f"numbering updates from 2, after the newest in checkpoint {checkpoint}" in caplog.text
+    )
+    world.feedback(16)
+    assert restarted.update()["update"] == 2
+
+    # a checkpoint of an older whetstone, without the count, says nothing: its version need not be one (another
+    # loop, or the RL trainer, may have published the versions before)
+    (folder / "state.json").unlink()
+    newest = folder / "checkpoints" / "step_00000003"
+    state = json.loads((newest / "state.json").read_text())
+    del state["data"]["updates"]
+    (newest / "state.json").write_text(json.dumps(state))
+    assert OnlineLoop(world.config).state["updates"] == 2

@@ -9,7 +9,15 @@ import torch
 
 from tests.rl.conftest import call, fake_routes, trajectory
 from whetstone.errors import WhetstoneError
-from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, check_batch, collate, load_batch, save_batch
+from whetstone.rl.batch import (
+    batch_from_bytes,
+    batch_to_bytes,
+    check_batch,
+    collate,
+    drop_impossible_rows,
+    load_batch,
+    save_batch,
+)
 from whetstone.rl.samples import trajectory_samples
 from whetstone.store.local import LocalStore
 
@@ -112,3 +120,23 @@ def test_values_that_are_not_finite_are_refused_at_trained_positions_only(field,
         WhetstoneError, match=rf"batch has {field} that are not finite at trained positions of rows \[1\] \(tasks 'b'\)"
     ):
         check_batch(batch, vocab_size=11)
+
+
+def test_rows_with_a_minus_inf_logprob_at_a_trained_position_are_dropped_and_no_others():
+    batch = collate(two_samples())
+    batch.behavior_logprobs[0, 0] = float("-inf")  # a prompt position of row 0: not trained
+    kept, dropped = drop_impossible_rows(batch)
+    assert kept is batch and dropped == []
+    batch.behavior_logprobs[0, 2] = float("-inf")  # a trained position of row 0
+    kept, dropped = drop_impossible_rows(batch)
+    assert dropped == [0] and [row["task_id"] for row in kept.rows] == ["b"]
+    assert kept.input_ids.shape == (1, 1)  # cut to the row left
+    check_batch(kept, vocab_size=11)
+    batch.behavior_logprobs[1, 0] = float("nan")  # row 1's one trained position; NaN is no logprob: refused
+    kept, dropped = drop_impossible_rows(batch)
+    assert dropped == [0]
+    with pytest.raises(WhetstoneError, match=r"behavior_logprobs that are not finite .* rows \[0\] \(tasks 'b'\)"):
+        check_batch(kept, vocab_size=11)
+    batch.behavior_logprobs[1, 0] = float("-inf")  # every row: the batch whole, which check_batch refuses
+    kept, dropped = drop_impossible_rows(batch)
+    assert kept is batch and dropped == []

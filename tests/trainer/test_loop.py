@@ -246,6 +246,41 @@ def test_a_batch_the_model_cannot_train_on_is_refused_naming_it_before_the_weigh
     assert WeightStore.open(SyncConfig(store=str(tmp_path / "weights"))).latest() == 1
 
 
+def test_a_batch_row_with_no_sampled_token_is_no_staleness_and_no_failure(tmp_path, tiny_moe, batches):
+    # a row whose tokens no sampler gave (oldest_version None): the step's staleness_max is the other rows'
+    unsampled = batch_from_bytes(batch_to_bytes(batches[1]))
+    unsampled.loss_mask[0], unsampled.versions[0], unsampled.behavior_logprobs[0] = False, -1, 0.0
+    unsampled.rows[0]["oldest_version"] = None
+    put_batches(tmp_path / "batches", [batches[0], unsampled])
+    assert run_trainer(trainer_config(tmp_path, tiny_moe))["step"] == 2
+    records = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [0, 1]
+    assert records[1]["staleness_max"] == max(1 - row["oldest_version"] for row in unsampled.rows[1:]) == 1
+
+
+def test_a_replayed_batch_of_an_older_orchestrator_with_a_minus_inf_logprob_drops_those_rows(
+    tmp_path, tiny_moe, batches, caplog
+):
+    # versions 1..3 published, then a restart from the checkpoint of step 1 replays batches 1 and 2;
+    # batch 2 holds a -inf behavior logprob, as an orchestrator that did not drop such rollouts wrote it
+    put_batches(tmp_path / "batches", batches[:3])
+    config = trainer_config(tmp_path, tiny_moe, checkpoint_interval=1, keep_checkpoints=3)
+    assert run_trainer(config)["version"] == 3
+    for step in (2, 3):
+        shutil.rmtree(tmp_path / "trainer" / "checkpoints" / f"step_{step:08d}")
+    older = batch_from_bytes(batch_to_bytes(batches[2]))
+    older.behavior_logprobs[2, older.loss_mask[2].nonzero()[0, 0]] = float("-inf")
+    LocalStore(tmp_path / "batches").put(batch_key(2), batch_to_bytes(older))
+
+    with caplog.at_level(logging.WARNING, logger="whetstone.trainer"):
+        summary = run_trainer(config)
+    assert summary["replayed"] == 2 and summary["step"] == 3 and summary["version"] == 3
+    assert f"{batch_key(2)} in LocalStore(" in caplog.text
+    assert f"dropped rows [2] (tasks 'p0') of {len(older)}, whose behavior logprob is -inf" in caplog.text
+    replayed = [r for r in read_metrics(tmp_path / "trainer" / "metrics.jsonl") if r["replayed"]]
+    assert [r["step"] for r in replayed] == [1, 2] and replayed[-1]["rows"] == len(older) - 1
+
+
 def test_a_checkpoint_is_not_resumed_against_an_empty_or_missing_weight_store(tmp_path, tiny_moe, batches):
     put_batches(tmp_path / "batches", batches[:1])
     run_trainer(trainer_config(tmp_path, tiny_moe))

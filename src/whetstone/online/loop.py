@@ -4,11 +4,14 @@ gate -> publish, or discard and say why. Servers pick new versions up through th
     <output_dir>/config.toml     the config as last run
     <output_dir>/metrics.jsonl   one record per update: decision, reason, counts, loss, scores, timings
     <output_dir>/state.json      the feedback cursor (newest event read), the feedback store's id,
-                                 the update count, the events an update is consuming, and whose
+                                 the update count, the events an update is consuming, whose
                                  weights the versions that can still matter hold (`lineage`: a
-                                 rollback's are an earlier version's; `Lineage.state`)
+                                 rollback's are an earlier version's; `Lineage.state`), and the
+                                 weight store that lineage is of (`weight_store`: its location,
+                                 the deployed version and that version's manifest digest)
     <output_dir>/checkpoints/step_<version>/   fp32 masters and AdamW moments of a version the
-                                 loop published (the newest two; training.checkpoint's format)
+                                 loop published, and the update count then (the newest two;
+                                 training.checkpoint's format)
 
 The weight store says which version the loop continues from: on start, and whenever the store's
 newest version is not the one the loop published last (a rollback, another publisher), the loop
@@ -25,11 +28,14 @@ loop refuses a store with another id (recreated, replaced) or whose newest event
 cursor (restored from an older copy), where it would wait for numbers already passed and then
 skip events. Each update also records in the store how far it read (`FeedbackStore.consume`): a
 loop without a state.json (a new output_dir) starts there, so no event is trained twice. Update
-numbers (the metrics' step) go on after the newest in metrics.jsonl when state.json is gone.
+numbers (the metrics' step) go on after the newest in metrics.jsonl and in the checkpoints when
+state.json is gone.
 A reply's staleness is the number of updates between the weights it was sampled with and the
 deployed ones (`Lineage`): a rollback's version holds an earlier version's weights. The weight
 store may collect a rollback's manifest while the loop is stopped: state.json keeps what it
-said, so a restarted loop counts the replies sampled with it as the loop before did.
+said, so a restarted loop counts the replies sampled with it as the loop before did. That lineage
+is of one weight store: state.json names it and the deployed version's manifest digest, and a
+restarted loop refuses a store that is not that one (`check_weight_store`).
 """
 
 from __future__ import annotations
@@ -55,12 +61,20 @@ from whetstone.online.samples import feedback_batch
 from whetstone.online.weights import Lineage, load_version
 from whetstone.rl.batch import Batch
 from whetstone.rl.logit_scale import LogitScale
+from whetstone.store.base import MissingObjectError
 from whetstone.store.feedback import FeedbackStore, FeedbackStoreError
-from whetstone.sync import Publisher, WeightStore
+from whetstone.sync import Publisher, SyncConfig, WeightStore
 from whetstone.sync.weight_store import VersionExistsError
 from whetstone.tokenizer import Tokenizer
 from whetstone.trainer.step import Learner, StepSettings, train_step
-from whetstone.training.checkpoint import TrainState, checkpoint_dir, load_checkpoint, save_checkpoint
+from whetstone.training.checkpoint import (
+    TrainState,
+    checkpoint_dir,
+    list_checkpoints,
+    load_checkpoint,
+    read_state,
+    save_checkpoint,
+)
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.atomic import atomic_write_json
 from whetstone.utils.device import resolve_device, use_device
@@ -75,6 +89,15 @@ RETRY_WAIT_S = (0.5, 30.0)
 """First and longest wait between tries of a failed feedback store read (doubling)."""
 
 T = TypeVar("T")
+
+
+def weight_store_location(config: SyncConfig) -> str:
+    """Where `config`'s weight store is, as one string to compare: an S3 URL (with its endpoint,
+    if any), or a local directory's absolute path (a relative one resolves against the working
+    directory, so the same text from another directory is another store)."""
+    if config.store.startswith("s3://"):
+        return config.store if config.endpoint_url is None else f"{config.store} at {config.endpoint_url}"
+    return str(expand_path(config.store.removeprefix("file://")).resolve())
 
 
 class OnlineLoop:
@@ -99,6 +122,9 @@ class OnlineLoop:
         self.weights = WeightStore.open(config.sync)
         self.feedback = FeedbackStore.open(config.feedback_store)
         self.lineage = Lineage(self.weights)
+        self.deployed_manifest: str | None = None
+        """The digest of the deployed version's manifest (None if it could not be read): with the
+        store's location, what ties state.json's lineage to this weight store."""
         self.stop = threading.Event()
         """Set by SIGTERM / SIGINT while `run` runs: a retry of the feedback store stops waiting."""
         self.state_path = self.run_dir / "state.json"
@@ -121,7 +147,8 @@ class OnlineLoop:
         self.publisher = Publisher(self.weights, self.config.sync, autocast_tables(self.model))
         self.optimizer = self.new_optimizer()
         if latest is None:
-            latest = self.publisher.publish(self.model.state_dict(), full=True).version
+            manifest = self.publisher.publish(self.model.state_dict(), full=True)
+            latest, self.deployed_manifest = manifest.version, manifest.digest
         else:
             served = load_version(self.weights, self.config.sync, latest)
             try:
@@ -139,6 +166,10 @@ class OnlineLoop:
                 self.model.load_state_dict(served)
                 self.optimizer = self.new_optimizer()
                 log.info("version %d: a fresh optimizer (%s)", latest, why_not)
+            try:
+                self.deployed_manifest = self.weights.manifest_digest(latest)
+            except MissingObjectError:  # collected or withdrawn this instant: the next adoption reads it
+                self.deployed_manifest = None
         self.reference = None
         if self.config.loss.kl_coef > 0:  # KL to the weights the loop started from
             self.reference = copy.deepcopy(self.model).eval().requires_grad_(False)
@@ -181,11 +212,12 @@ class OnlineLoop:
         return ""
 
     def load_state(self) -> dict[str, Any]:
-        """state.json, checked against the feedback store (`check_store`), or a fresh loop's: it
-        starts after the newest event a loop recorded reading in the store (0 in a store no loop
-        has read), so a new output_dir or a lost state.json never trains an event twice, and
-        numbers its updates on from its metrics.jsonl (`updates_recorded`). An update that read
-        events and did not finish (a killed loop) is said: its events are lost."""
+        """state.json, checked against the weight store (`check_weight_store`) and the feedback
+        store (`check_store`), or a fresh loop's: it starts after the newest event a loop recorded
+        reading in the store (0 in a store no loop has read), so a new output_dir or a lost
+        state.json never trains an event twice, and numbers its updates on from its metrics.jsonl
+        and checkpoints (`updates_recorded`). An update that read events and did not finish (a
+        killed loop) is said: its events are lost."""
         if not self.state_path.exists():
             marks = self.read_store(self.feedback.marks)
             if marks.consumed:
@@ -198,6 +230,7 @@ class OnlineLoop:
                 )
             return {"cursor": marks.consumed, "updates": self.updates_recorded(), "store": marks.store_id}
         self.state = json.loads(self.state_path.read_text())
+        self.check_weight_store(self.state.pop("weight_store", None))  # none in a state.json of an older whetstone
         self.lineage.restore(self.state.pop("lineage", {}))  # none in a state.json of an older whetstone
         consuming = self.state.pop("consuming", None)
         if consuming is not None:  # forgotten at the next update's end, when its record says so
@@ -214,17 +247,71 @@ class OnlineLoop:
         return self.state
 
     def updates_recorded(self) -> int:
-        """The number after the newest update in this folder's metrics.jsonl (0 if it records
-        none): where a loop whose state.json is gone (moved away, as `check_store` may ask) goes
-        on numbering, so its updates do not take the numbers of the ones recorded there (their
-        metrics records, TensorBoard's and W&B's steps). The feedback and weight stores cannot
-        say: another loop, or the RL trainer, may have read and published there."""
-        path = self.run_dir / "metrics.jsonl"
-        numbers = [r["update"] for r in read_metrics(path) if isinstance(r.get("update"), int)] if path.exists() else []
-        if not numbers:
+        """The number after the newest update this folder records (0 if it records none): where
+        a loop whose state.json is gone (moved away, as `check_store` may ask, or lost) goes on
+        numbering, so its updates do not take the numbers of the ones before (their metrics
+        records, TensorBoard's and W&B's steps, and the update count beside the versions the loop
+        published). metrics.jsonl has every update; each checkpoint the update count when its
+        version was published, so a loop that lost metrics.jsonl too does not number updates from
+        0 again beside the versions it published. The feedback and weight
+        stores themselves cannot say: another loop, or the RL trainer, may have read and
+        published there (a new output_dir on the RL run's store starts at update 0)."""
+        path, found = self.run_dir / "metrics.jsonl", []
+        if path.exists():
+            numbers = [r["update"] for r in read_metrics(path) if isinstance(r.get("update"), int)]
+            found += [(max(numbers) + 1, str(path))] if numbers else []
+        for checkpoint in list_checkpoints(self.checkpoints):
+            try:
+                data = read_state(checkpoint)["data"]
+            except CheckpointError:  # damaged: resuming it says so
+                continue
+            updates = data.get("updates")  # none in a checkpoint of an older whetstone
+            if isinstance(updates, int) and updates > 0:
+                found.append((updates, f"checkpoint {checkpoint}"))
+        if not found:
             return 0
-        log.warning("no %s: numbering updates from %d, after the newest in %s", self.state_path, max(numbers) + 1, path)
-        return max(numbers) + 1
+        updates, source = max(found, key=lambda number_and_source: number_and_source[0])  # metrics.jsonl on a tie
+        log.warning("no %s: numbering updates from %d, after the newest in %s", self.state_path, updates, source)
+        return updates
+
+    def check_weight_store(self, saved: dict[str, Any] | None) -> None:
+        """Refuse a weight store that is not the one state.json's lineage is of (`saved`: its
+        location, and the version deployed then with its manifest digest). The lineage says whose
+        weights versions hold, rollbacks whose manifests are collected among them: taken for
+        another run's store, it would count replies at distances they do not have. Another
+        location is that store if it holds that publish of the version (its digest: a copied or
+        moved store). At the same location the store is the loop's own, whatever happened to it
+        while the loop was stopped (a version collected, withdrawn and published again, the store
+        wiped): the loop goes on from its newest version, as a running loop follows the store, and
+        says what changed."""
+        if saved is None or saved.get("manifest") is None:
+            return  # a state.json of an older whetstone, or a version adopted without its digest
+        where, version, digest = saved["store"], saved["version"], saved["manifest"]
+        here = weight_store_location(self.config.sync)
+        try:
+            found = self.weights.manifest_digest(version)
+        except MissingObjectError:
+            found = None
+        if found == digest:
+            return
+        holds = "not in it" if found is None else f"another publish (manifest {found})"
+        problem = f"its version {version} is {holds}"
+        if here == where:
+            if found is not None or version > max(self.weights.versions(), default=-1):
+                log.warning(
+                    "the weight store %s changed while the loop was stopped: %s (withdrawn and published again, "
+                    "or the store wiped); the loop goes on from its newest version",
+                    here,
+                    problem,
+                )
+            return  # or the version was collected (sync.keep_keyframes) while the loop was stopped
+        raise WhetstoneError(
+            f"the weight store {here} is not the one this loop published to: {self.state_path} continues "
+            f"version {version} (manifest {digest}) of the weight store {where}, and {problem}. What "
+            f"{self.state_path} says of the versions' weights (`lineage`) is of that store. To go on with it, "
+            f"point sync.store at it; to go on with this one, move {self.state_path} away: the loop then adopts "
+            "this store's newest version and starts after the newest feedback event a loop recorded reading"
+        )
 
     def check_store(self) -> None:
         """Refuse a feedback store the saved cursor is not a position in: another id (the database
@@ -355,10 +442,16 @@ class OnlineLoop:
         self.save_state()
 
     def save_state(self) -> None:
-        """Write state.json: `state`, and what the lineage of the weight versions that can still
-        matter is (`Lineage.state`), which the weight store may collect before a restart."""
+        """Write state.json: `state`, what the lineage of the weight versions that can still
+        matter is (`Lineage.state`), which the weight store may collect before a restart, and
+        which weight store that is (`check_weight_store`)."""
         lineage = self.lineage.state(self.version, self.config.staleness.max_off_policy_steps)
-        atomic_write_json(self.state_path, self.state | {"lineage": lineage})
+        store = {
+            "store": weight_store_location(self.config.sync),
+            "version": self.version,
+            "manifest": self.deployed_manifest,
+        }
+        atomic_write_json(self.state_path, self.state | {"lineage": lineage, "weight_store": store})
 
     def behind(self, versions: list[int]) -> int:
         """Updates between the weights a reply was sampled with (its token `versions`) and the
@@ -429,7 +522,7 @@ class OnlineLoop:
                 self.logit_scale.load_state(saved[2])
             return record | {"decision": "discarded", "reason": verdict.reason, "version": self.version}
 
-        self.version = manifest.version
+        self.version, self.deployed_manifest = manifest.version, manifest.digest
         self.lineage.note(manifest)
         self.scores[self.version] = score
         return record | {
@@ -443,9 +536,12 @@ class OnlineLoop:
         }
 
     def checkpoint(self) -> dict[str, Any]:
-        """Save the masters and moments of the version just published (`checkpoints/`)."""
+        """Save the masters and moments of the version just published (`checkpoints/`), and the
+        update count (`updates_recorded`)."""
         started = time.perf_counter()
-        data = {"logit_scale": self.logit_scale.state()} if self.logit_scale is not None else {}
+        data: dict[str, Any] = {"updates": self.state["updates"]}
+        if self.logit_scale is not None:
+            data["logit_scale"] = self.logit_scale.state()
         save_checkpoint(
             self.checkpoints,
             self.model,

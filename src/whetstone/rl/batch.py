@@ -195,6 +195,22 @@ def check_batch(batch: Batch, vocab_size: int, source: str = "batch") -> None:
             )
 
 
+def drop_impossible_rows(batch: Batch) -> tuple[Batch, list[int]]:
+    """`batch` without its rows that have a behavior logprob of -inf at a trained position, and
+    those rows' indices. A -inf logprob is a token the sampler gave probability 0 (in its
+    precision): the orchestrator drops such rollouts before writing a batch (`nonfinite_logprobs`),
+    so only a batch an older orchestrator wrote holds one. Without those rows it trains as the
+    orchestrator writes batches, and a trainer replaying it after a restart goes on. The rows are
+    dropped alone: a batch does not say which rows are one rollout's. NaN and +inf are no
+    logprobs (failed numerics, a damaged batch): `check_batch` refuses them. A batch whose rows
+    all have one is returned whole, for `check_batch` to refuse."""
+    impossible = (torch.isneginf(batch.behavior_logprobs) & batch.loss_mask.bool()).any(dim=1)
+    dropped = impossible.nonzero().flatten().tolist()
+    if not dropped or len(dropped) == len(batch):
+        return batch, []
+    return batch.select(impossible.logical_not().nonzero().flatten().tolist()), dropped
+
+
 def batch_to_bytes(batch: Batch) -> bytes:
     tensors = {name: getattr(batch, name).contiguous() for name in TENSOR_FIELDS}
     for name in OPTIONAL_FIELDS:

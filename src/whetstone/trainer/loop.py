@@ -23,9 +23,10 @@ import torch
 
 from whetstone.config import write_toml
 from whetstone.errors import WhetstoneError
-from whetstone.rl.batch import Batch, check_batch, shuffled_parts
+from whetstone.rl.batch import Batch, check_batch, drop_impossible_rows, shuffled_parts
 from whetstone.rl.batch_store import batch_indices, batch_key, get_batch
 from whetstone.rl.demos import demo_rows
+from whetstone.rl.staleness import staleness
 from whetstone.sync import Publisher, Subscriber
 from whetstone.sync.publisher import Published
 from whetstone.trainer.config import TrainerConfig
@@ -186,10 +187,27 @@ def merge_part_metrics(parts: list[dict[str, Any]]) -> dict[str, Any]:
 def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Train on `batch` (the next one) and advance the state; return the step's metrics and the
     weights to publish (None when replaying). Under torchrun every rank trains on its rows of the
-    batch, and the metrics are the whole step's. A batch the model cannot train on is refused
-    first (`check_batch`), by every rank, before the weights move."""
+    batch, and the metrics are the whole step's. Rows with a token the sampler gave probability 0
+    are dropped, with a warning (`drop_impossible_rows`: a batch an older orchestrator wrote); a
+    batch the model cannot train on is refused first (`check_batch`), by every rank, before the
+    weights move."""
     config, state = session.config, session.state
-    check_batch(batch, session.model.cfg.vocab_size, source=f"{batch_key(state.step)} in {session.batches!r}")
+    source = f"{batch_key(state.step)} in {session.batches!r}"
+    tasks = [row.get("task_id") for row in batch.rows]
+    batch, dropped = drop_impossible_rows(batch)
+    if dropped and session.rank == 0:
+        named = sorted({repr(tasks[row]) for row in dropped}) if tasks else []
+        log.warning(
+            "%s: dropped rows %s%s of %d, whose behavior logprob is -inf at a trained position (a token the "
+            "sampler gave probability 0): the orchestrator drops such rollouts, so an older one wrote this batch",
+            source,
+            dropped[:10],
+            f" (tasks {', '.join(named[:10])})" if named else "",
+            len(dropped) + len(batch),
+        )
+    check_batch(batch, session.model.cfg.vocab_size, source=source)
+    # before the step, which nothing in a row may fail once the weights moved; a row with no sampled token is 0 behind
+    staleness_max = max((staleness(state.step, row.get("oldest_version")) for row in batch.rows), default=0)
     opt, replaying = config.optimizer, state.step < session.replay_until
     lr = lr_at(
         state.step,
@@ -237,10 +255,9 @@ def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], di
                 "another thread count?); the next delta carries the difference",
                 state.step,
             )
-    staleness = [state.step - 1 - row["oldest_version"] for row in batch.rows if row["oldest_version"] >= 0]
     record.update(
         {key: batch.meta[key] for key in BATCH_META_SCALARS if key in batch.meta},
-        staleness_max=max(staleness, default=0),
+        staleness_max=staleness_max,
         staleness_histogram=batch.meta.get("staleness_histogram", {}),
         groups=batch.meta.get("groups", {}),
         rows=len(batch),
