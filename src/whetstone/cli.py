@@ -9,6 +9,7 @@ from importlib import metadata
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from typer.core import TyperGroup
 
 from whetstone.bench.cli import app as bench_app
@@ -94,6 +95,12 @@ def package_version() -> str:
         return __version__
 
 
+def _print_error(message: str) -> None:
+    """`error: message` on stderr, its lines as they are: not wrapped at the console's width
+    (80 columns in a file: a role's log would break a path in two)."""
+    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+
+
 def main(args: list[str] | None = None) -> None:
     """The `whetstone` command, on the process's arguments or on `args` (`python -m
     whetstone.bench.sync ARGS` is `main(["bench", "sync", *ARGS])`)."""
@@ -103,15 +110,15 @@ def main(args: list[str] | None = None) -> None:
     except SystemExit as done:  # how typer ends
         exit_process(done.code)
     except (WhetstoneError, AccessDeniedError) as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
+        _print_error(str(err))
         exit_process(2)
     except (KeyboardInterrupt, _Interrupted) as stopped:  # the roles it started are stopped by now
         raised = stopped.__cause__ if isinstance(stopped, _Interrupted) else stopped
         if isinstance(raised, FailedElsewhere):
-            Console(stderr=True).print(f"[bold red]error:[/] {raised.error}", highlight=False)
+            _print_error(str(raised.error))
             exit_process(2)
         signal_number = signal.SIGTERM if isinstance(raised, Terminated) else signal.SIGINT
-        Console(stderr=True).print(f"stopped by {signal_number.name}", highlight=False)
+        Console(stderr=True, soft_wrap=True).print(f"stopped by {signal_number.name}", highlight=False)
         exit_process(128 + signal_number)
     exit_process(0)
 

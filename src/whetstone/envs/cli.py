@@ -155,15 +155,9 @@ def export(
     typer.echo(f"wrote {len(tasks)} tasks to {output}")
 
 
-if __name__ == "__main__":  # `python -m whetstone.envs.cli ...`, with `whetstone`'s error handling
+if __name__ == "__main__":  # `python -m whetstone.envs.cli ...` is `whetstone tasks ...`
     import sys
 
-    from rich.console import Console
+    from whetstone.cli import main
 
-    from whetstone.errors import WhetstoneError
-
-    try:
-        app()
-    except WhetstoneError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
-        sys.exit(2)
+    main(["tasks", *sys.argv[1:]])

@@ -31,15 +31,9 @@ def serve(
     run(load_config(ServeConfig, config, overrides))
 
 
-if __name__ == "__main__":  # `python -m whetstone.inference.cli serve ...`, with `whetstone`'s error handling
+if __name__ == "__main__":  # `python -m whetstone.inference.cli serve ...` is `whetstone serve ...`
     import sys
 
-    from rich.console import Console
+    from whetstone.cli import main
 
-    from whetstone.errors import WhetstoneError
-
-    try:
-        app()
-    except WhetstoneError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
-        sys.exit(2)
+    main(sys.argv[1:])

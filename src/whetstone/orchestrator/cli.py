@@ -49,15 +49,9 @@ def orchestrator(
     typer.echo(f"put batches {put[0]}..{put[-1]} in {settings.batch_store}" if put else "put no batch")
 
 
-if __name__ == "__main__":  # `python -m whetstone.orchestrator.cli orchestrator ...`, with `whetstone`'s error handling
+if __name__ == "__main__":  # `python -m whetstone.orchestrator.cli orchestrator ...` is `whetstone orchestrator ...`
     import sys
 
-    from rich.console import Console
+    from whetstone.cli import main
 
-    from whetstone.errors import WhetstoneError
-
-    try:
-        app()
-    except WhetstoneError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
-        sys.exit(2)
+    main(sys.argv[1:])

@@ -45,15 +45,9 @@ def eval_command(
     typer.echo(f"report: {Path(settings.output_dir) / 'report.md'}")
 
 
-if __name__ == "__main__":  # `python -m whetstone.envs.eval.cli eval ...`, with `whetstone`'s error handling
+if __name__ == "__main__":  # `python -m whetstone.envs.eval.cli eval ...` is `whetstone eval ...`
     import sys
 
-    from rich.console import Console
+    from whetstone.cli import main
 
-    from whetstone.errors import WhetstoneError
-
-    try:
-        app()
-    except WhetstoneError as err:
-        Console(stderr=True).print(f"[bold red]error:[/] {err}", highlight=False)
-        sys.exit(2)
+    main(sys.argv[1:])
