@@ -23,7 +23,7 @@
 # $OUT/gpu-check.log has every stage's output, exit status and seconds. BENCH_ARGS adds options to
 # every bench run (a CPU dry run: BENCH_ARGS="--model tiny --train-seq-len 32 ..."); the *_S
 # variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests); PYTEST_ARGS sets
-# pytest's options (default "-n 8 --timeout 90 --timeout-method thread -v" where pytest-xdist and
+# pytest's options (default "-n 8 --dist load --timeout 90 --timeout-method thread -v" where pytest-xdist and
 # pytest-timeout import). Each section's JSON is also printed into gpu-check.log as it finishes
 # (the inference section's parts as each ends). On one H200 the stages took: pytest 90 s (-n 8,
 # 42 tests; 65 now), train 25 s, inference 150 s (more on an H100, where transformers' default
@@ -120,7 +120,7 @@ export PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 # a test stuck in a CUDA call past it ends its worker only (the thread method; xdist starts
 # another), and -v logs each test as it ends, so a stage stopped by its bound still says which
 # passed (junit.xml is written only at the end)
-PYTEST_ARGS=${PYTEST_ARGS-$(python3 -c 'import xdist, pytest_timeout' 2>/dev/null && echo "-n 8 --timeout 90 --timeout-method thread -v")}
+PYTEST_ARGS=${PYTEST_ARGS-$(python3 -c 'import xdist, pytest_timeout' 2>/dev/null && echo "-n 8 --dist load --timeout 90 --timeout-method thread -v")}
 
 stage versions 60 python3 -c '
 import platform, torch
