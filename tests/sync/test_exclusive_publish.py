@@ -32,12 +32,20 @@ def two_publishers_at_version_0(store_config):
     return weights, first, second
 
 
-def test_the_second_publisher_of_a_version_is_refused_and_leaves_nothing(store_config):
+def test_the_second_publisher_of_a_version_is_refused_and_leaves_nothing(store_config, monkeypatch):
     weights, first, second = two_publishers_at_version_0(store_config)
     winner, loser = FakeTrainer(seed=1), FakeTrainer(seed=2)
-    manifest = first.publish(winner.step())
+    publish, won = weights.publish, []
+
+    def winner_first(manifest):  # the winner's version lands between the loser's chunks and its manifest
+        monkeypatch.setattr(weights, "publish", publish)
+        won.append(first.publish(winner.step()))
+        publish(manifest)
+
+    monkeypatch.setattr(weights, "publish", winner_first)
     with pytest.raises(VersionExistsError, match="version 1 already exists .* another publisher created it first"):
         second.publish(loser.step(), full=True)
+    [manifest] = won
     assert weights.latest() == 1 and weights.versions() == [0, 1]
     assert weights.objects.list("versions/0000000001/") == sorted(
         [c.key for c in manifest.chunks] + ["versions/0000000001/manifest.json"]

@@ -14,12 +14,13 @@ from whetstone.sync.manifest import Manifest
 from whetstone.sync.publisher import Publisher
 from whetstone.sync.subscriber import RejectedVersion, Subscriber
 from whetstone.sync.update import TensorUpdate, WeightUpdate, apply_update, merge_updates
-from whetstone.sync.weight_store import VersionExistsError, WeightStore
+from whetstone.sync.weight_store import StalePublisherError, VersionExistsError, WeightStore
 
 __all__ = [
     "Manifest",
     "Publisher",
     "RejectedVersion",
+    "StalePublisherError",
     "Subscriber",
     "SyncConfig",
     "TensorUpdate",

@@ -24,10 +24,14 @@ Before each publish the publisher finishes a withdrawal whose process died
 process completes meanwhile, followed by a repair, loses nothing published since), and checks
 that the version it published last is still in the store as it published it: if a repair
 withdrew it, there is no chain left to extend, and the publish is a keyframe at the next free
-version number instead. A delta's base is checked again right before its manifest is created
-(withdrawn while the delta was coded: its chunks go, and the same weights are published as a
-keyframe) and once more after (withdrawn at that very moment: the next version is a keyframe). A
-failed publish leaves none of its chunks behind, unless its manifest made it into the store.
+version number instead. If the store's pointer is past that version (still there, or collected
+since), another publisher went on from it: the publish is refused before anything is uploaded
+(`StalePublisherError`, a `VersionExistsError`), and refused as well, its manifest removed again,
+where the pointer went past while the chunks were uploaded (`WeightStore.publish`). A delta's
+base is checked again right before its manifest is created (withdrawn while the delta was coded:
+its chunks go, and the same weights are published as a keyframe) and once more after (withdrawn
+at that very moment: the next version is a keyframe). A failed publish leaves none of its chunks
+behind, unless its manifest made it into the store.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from whetstone.sync.bits import DTYPES, dtype_name
 from whetstone.sync.chunks import encode_chunk, plan_chunks
 from whetstone.sync.config import SyncConfig
 from whetstone.sync.manifest import ChunkInfo, Manifest, TensorInfo, attempt_prefix, chunk_key
-from whetstone.sync.weight_store import WeightStore
+from whetstone.sync.weight_store import StalePublisherError, WeightStore
 
 log = logging.getLogger("whetstone.sync")
 
@@ -146,9 +150,10 @@ class Publisher:
     def publish(self, state: dict[str, torch.Tensor], full: bool = False, republishes: int | None = None) -> Manifest:
         """Publish `state` as the next version (a full one if `full`, or if the policy says so).
         `republishes`: the earlier version whose weights `state` is (a rollback; the manifest
-        says so). `VersionExistsError` if another publisher created that version first. When it
-        fails (that, or a store error) nothing of this attempt stays in the store, and the
-        publisher is as before the call."""
+        says so). `VersionExistsError` if another publisher created that version first, and
+        `StalePublisherError` (one) if the store's latest version is past it: another publisher
+        went on from this one's last version. When it fails (that, or a store error) nothing of
+        this attempt stays in the store, and the publisher is as before the call."""
         return self._publish_prepared(self.prepare(state), full, time.perf_counter(), republishes)
 
     def publish_later(self, state: dict[str, torch.Tensor], full: bool = False) -> Future[Published]:
@@ -176,7 +181,7 @@ class Publisher:
         self, new: dict[str, torch.Tensor], full: bool, started: float, republishes: int | None = None
     ) -> Manifest:
         self.store.finish_withdrawal()  # one whose process died: the versions it lists must not be built on
-        if self._previous_manifest is not None and not self._still_published(self._previous_manifest):
+        if self._previous_manifest is not None and not self._check_previous(self._previous_manifest):
             self._forget_withdrawn()
         previous = self._previous_manifest
         if previous is None:
@@ -220,8 +225,9 @@ class Publisher:
                 base_manifest=None if keyframe else previous.digest,
                 republishes=republishes,
             )
-            # the base again, right before the version is created: a repair may have withdrawn it meanwhile
-            withdrawn = not keyframe and not self._still_published(previous)
+            # the base again, right before the version is created: a repair may have withdrawn it
+            # meanwhile, or another publisher gone past it (and collected it)
+            withdrawn = not keyframe and not self._check_previous(previous)
             if not withdrawn:
                 self.store.publish(manifest)
         except BaseException:  # a failed upload, a lost race (the winner's chunks have other keys)...
@@ -274,6 +280,29 @@ class Publisher:
         """Delete the chunks a publish attempt that did not make its version uploaded."""
         for key in self.store.objects.list(attempt_prefix(version, attempt)):
             self.store.objects.delete(key)
+
+    def _check_previous(self, previous: Manifest) -> bool:
+        """Whether `previous` (the version published last, which the publish is numbered after)
+        is still in the store as published. `StalePublisherError` if the store's pointer is past
+        it while it is there, or gone (collected: another publisher went on from it). False if a
+        repair withdrew it (gone with the pointer moved back before it, or its number published
+        again): the publish is then a keyframe at the next free version."""
+        try:
+            digest = self.store.manifest_digest(previous.version)
+        except MissingObjectError:
+            digest = None
+        try:
+            head = self.store.head()
+        except WhetstoneError:  # unreadable: the publish replaces it
+            head = None
+        if head is not None and head.version > previous.version and digest in (previous.digest, None):
+            raise StalePublisherError(
+                f"version {previous.version + 1} was not published in {self.store!r}: the store's latest version "
+                f"is {head.version}, another publisher's, past version {previous.version} that this one published "
+                "last (a rollback, a second trainer or online loop?). Stop the other publisher, or give each its "
+                f"own store; a restarted trainer or loop goes on after version {head.version}"
+            )
+        return digest == previous.digest
 
     def _forget_withdrawn(self) -> None:
         """Drop the version published last, which a repair withdrew: the next one is a keyframe."""

@@ -4,8 +4,11 @@ Publishing is atomic: chunks first, then the manifest, then `latest.json`. A rea
 manifest finds all its chunks; a reader that follows `latest.json` finds the manifest. A version
 is created once: its manifest is written with the store's exclusive create (`put_if_absent`),
 so of two publishers racing for one version number (a rollback and the online loop, two
-trainers) exactly one publishes it and the other gets `VersionExistsError`. Garbage collection
-deletes manifests first, so a version disappears before its chunks do.
+trainers) exactly one publishes it and the other gets `VersionExistsError`. A number can be free
+behind the pointer, collected after another publisher went past it: a manifest created there is
+removed again when the pointer is found past it right after (`StalePublisherError`), so a
+publisher that fell behind the store never believes it published. Garbage collection deletes
+manifests first, so a version disappears before its chunks do.
 
 Readers follow the latest pointer alone (`head`: one read per poll). A manifest is the version
 all the same: where the pointer lags behind one (a publisher died between the two), the
@@ -53,6 +56,13 @@ log = logging.getLogger("whetstone.sync")
 
 class VersionExistsError(WhetstoneError):
     """Another publisher created this version number first; this one was not published."""
+
+
+class StalePublisherError(VersionExistsError):
+    """The store's latest pointer is past the version a publisher was about to publish: another
+    publisher writes to the store, and went on from there (the number may have been collected
+    since, and be free). Nothing was published. A `VersionExistsError`, since callers handle it
+    alike: the store moved on without this publisher, which can `resume()` after its latest."""
 
 
 class Head(NamedTuple):
@@ -253,9 +263,11 @@ class WeightStore:
 
     def publish(self, manifest: Manifest) -> None:
         """Make a version visible: its manifest, then the latest pointer. Its chunks must be in.
-        Raises `VersionExistsError` (and changes nothing) if the version exists already. Once
-        the manifest is in, the version is published: a failure to move the pointer is logged,
-        not raised (readers find the version by its manifest, and the next publish moves it)."""
+        Raises `VersionExistsError` (and changes nothing) if the version exists already, and
+        `StalePublisherError` (its manifest removed again) if the pointer is past it once the
+        manifest is in (`_passed`); the caller deletes its chunks. Otherwise the version is
+        published: a failure to move the pointer is logged, not raised (readers find the version
+        by its manifest, and the next publish moves it)."""
         try:
             self.objects.put_if_absent(manifest_key(manifest.version), manifest.stored_bytes())
         except ObjectExistsError:
@@ -264,12 +276,51 @@ class WeightStore:
                 "publisher created it first (a rollback, a second trainer or online loop?); "
                 "this one was not published"
             ) from None
+        passed = self._passed(manifest)
+        if passed is not None:
+            self._remove_manifest(manifest)
+            raise StalePublisherError(
+                f"version {manifest.version} was not published in {self.objects!r}: another publisher "
+                f"took the store to version {passed.version} while it was uploaded (a rollback, a second "
+                "trainer or online loop?). Stop the other publisher, or give each its own store; a restarted "
+                f"trainer or loop goes on after version {passed.version}"
+            )
         try:
             self.point_forward(Head(manifest.version, manifest.digest))
         except Exception as err:  # the version is out all the same: it must not be published twice
             log.warning(
                 "published version %d in %r, but could not move %s: %s", manifest.version, self.objects, LATEST_KEY, err
             )
+
+    def _passed(self, manifest: Manifest) -> Head | None:
+        """The latest pointer, if it names a version after that of `manifest` (just created) and
+        the version right after `manifest`'s is not a delta on it: another publisher went past the
+        number before this manifest was in (the number was free: collected). Readers and `heal`
+        only walk forward from the pointer, so only a race of three (a `heal` onto this version,
+        then a keyframe after it) lets a reader see it go; it catches up from that keyframe. None
+        otherwise, and when the pointer cannot be read (moving it, next, says so in the log)."""
+        try:
+            head = self.head()
+        except Exception:
+            return None
+        if head is None or head.version <= manifest.version:
+            return None
+        try:  # a publisher that healed the pointer onto it at that very moment, and built on it
+            built_on = self.manifest(manifest.version + 1).base_manifest == manifest.digest
+        except MissingObjectError:
+            built_on = False
+        except WhetstoneError:  # unreadable: whether it builds on this one is unknown, so it stays
+            return None
+        return None if built_on else head
+
+    def _remove_manifest(self, manifest: Manifest) -> None:
+        """Delete `manifest` from the store if it is still that publish (digest), as `withdraw` does."""
+        try:
+            data = self.objects.get(manifest_key(manifest.version))
+        except MissingObjectError:
+            return
+        if manifest_digest(data) == manifest.digest:
+            self.objects.delete(manifest_key(manifest.version))
 
     def _point_at(self, version: int | None, digest: str | None) -> None:
         if version is None:
