@@ -355,6 +355,13 @@ def test_a_missing_run_folder_is_an_error_naming_it(tmp_path):
         write_report(tmp_path / "nowhere")
 
 
+def test_a_page_that_cannot_be_written_is_an_error_naming_it(tmp_path):
+    (tmp_path / "report.html" / "in-the-way").mkdir(parents=True)
+    with pytest.raises(WhetstoneError, match=f"cannot write {tmp_path / 'report.html'}: Is a directory"):
+        write_report(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.html"]  # no temporary left behind
+
+
 def test_swap_pauses_come_from_rises_of_the_swap_count():
     pauses = swap_pauses(server_samples())
     assert pauses == {0: [(1, 0.002), (2, 0.004)], 1: [(2, 0.003)]}
@@ -387,6 +394,25 @@ def test_cores_used_per_side_from_the_cpu_samples():
     ]
     assert cores_used(samples) == {"trainer": 0.25, "rollout": 1.5}
     assert cores_used(samples[:1]) == {} and cores_used([]) == {}  # one sample: no rate
+
+
+def test_cores_used_over_a_resumed_run_leave_out_the_stop_and_the_restarted_counts():
+    # 100 s at 2 trainer cores and 1 rollout core; stopped; resumed 1000 s later in new CPU groups,
+    # whose counts start again at 0, for 100 s more at the same use
+    first = [{"time": float(t), "cpu_s": {"trainer": 2.0 * t, "rollout": 1.0 * t}} for t in (0, 50, 100)]
+    resumed = [{"time": 1100.0 + t, "cpu_s": {"trainer": 2.0 * t, "rollout": 1.0 * t}} for t in (0, 50, 100)]
+    assert cores_used(first + resumed) == {"trainer": 2.0, "rollout": 1.0}
+    assert cores_used(first + resumed[:1]) == {"trainer": 2.0, "rollout": 1.0}  # one sample after: no rate yet
+    # a sample the groups were already gone for (the end of a run) takes nothing away
+    assert cores_used(first + [{"time": 101.0, "cpu_s": {}}]) == {"trainer": 2.0, "rollout": 1.0}
+
+
+def test_a_resumed_runs_samples_are_their_own_stretch_even_where_no_count_falls():
+    # a first run of 10 s at 1 core, then 1000 s later a resumed one whose first count (20 s) is
+    # already above the first run's last (10 s): its sampler tells them apart
+    first = [{"time": float(t), "cpu_s": {"trainer": 1.0 * t}, "sampler_started": 0.0} for t in (0, 10)]
+    resumed = [{"time": 1010.0 + t, "cpu_s": {"trainer": 20.0 + 2.0 * t}, "sampler_started": 1000.0} for t in (0, 90)]
+    assert cores_used(first + resumed) == {"trainer": (10.0 + 180.0) / 100.0}
 
 
 def test_long_runs_average_staleness_over_consecutive_steps():

@@ -10,6 +10,7 @@ import logging
 import re
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,9 @@ class ServerSampler:
         self.cpu_groups = cpu_groups
         self.cpu_writer = MetricsWriter(cpu_path, tracking, role="cpu") if cpu_path is not None and cpu_groups else None
         self.interval_s = interval_s
+        self.started = time.time()
+        """When this sampler started: its CPU samples carry it, so a resumed run's samples (new
+        groups, counting from 0) are told apart from the run's before (`report.cores_used`)."""
         self.latest: dict[int, dict[str, Any]] = {}
         self.error: WhetstoneError | None = None
         """Why sampling ended before it was stopped (a sample that could not be written)."""
@@ -146,7 +150,7 @@ class ServerSampler:
             for side, group in list(self.cpu_groups.items()):
                 with contextlib.suppress(OSError):  # removed at the end of the run
                     used[side] = group.usage_seconds()
-            self.cpu_writer.write({"cpu_s": used})
+            self.cpu_writer.write({"cpu_s": used, "sampler_started": self.started})
 
     def _interrupted(self, _number: int, _frame: object) -> None:
         """`INTERRUPT_SIGNAL`'s handler in the main thread while the block runs."""

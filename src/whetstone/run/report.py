@@ -27,7 +27,7 @@ from whetstone.errors import WhetstoneError
 from whetstone.run import plots
 from whetstone.run.monitor import read_json_object
 from whetstone.run.plots import number, staleness_counts
-from whetstone.utils.atomic import atomic_write_text
+from whetstone.utils.atomic import atomic_write_text, write_errors
 from whetstone.utils.metrics import read_metrics
 
 NOT_RECORDED = "not recorded"
@@ -270,16 +270,35 @@ def busy_fractions(trainer: list[dict], servers: list[dict]) -> dict[str, float]
 
 def cores_used(cpu: list[dict]) -> dict[str, float]:
     """Average cores each side (trainer; rollout: servers, orchestrator, sandboxes) used while the
-    roles ran: its CPU seconds over the wall time between the first and last sample of `cpu.jsonl`."""
-    timed = [r for r in cpu if number(r.get("time")) is not None and isinstance(r.get("cpu_s"), dict)]
-    if len(timed) < 2 or timed[-1]["time"] <= timed[0]["time"]:
-        return {}
-    wall, first, last = timed[-1]["time"] - timed[0]["time"], timed[0]["cpu_s"], timed[-1]["cpu_s"]
-    return {
-        side: (last[side] - first[side]) / wall
-        for side in last
-        if number(last[side]) is not None and number(first.get(side)) is not None
-    }
+    roles ran: its CPU seconds over the wall time between its first and last count in `cpu.jsonl`.
+    A resumed run appends to the file from a new sampler (`sampler_started`) and new groups, whose
+    counts start again at 0: the samples are cut into stretches where the sampler changes (or, in
+    a file written without it, where a count falls), each stretch counts on its own, and the time
+    between them (the run stopped) not at all."""
+    stretches: list[list[tuple[float, dict[str, float]]]] = []
+    sampler: object = None
+    seen: dict[str, float] = {}
+    for record in cpu:
+        if number(record.get("time")) is None or not isinstance(record.get("cpu_s"), dict):
+            continue
+        counts = {side: number(value) for side, value in record["cpu_s"].items()}
+        counts = {side: value for side, value in counts.items() if value is not None}
+        fell = any(counts[side] < seen[side] for side in counts.keys() & seen.keys())
+        if not stretches or record.get("sampler_started") != sampler or fell:
+            stretches.append([])
+            sampler, seen = record.get("sampler_started"), {}
+        stretches[-1].append((record["time"], counts))
+        seen.update(counts)
+    used: dict[str, float] = {}
+    wall: dict[str, float] = {}
+    for stretch in stretches:
+        for side in {side for _, counts in stretch for side in counts}:
+            points = [(time, counts[side]) for time, counts in stretch if side in counts]
+            (start, first), (end, last) = points[0], points[-1]
+            if end > start:
+                used[side] = used.get(side, 0.0) + last - first
+                wall[side] = wall.get(side, 0.0) + end - start
+    return {side: used[side] / wall[side] for side in used}
 
 
 def _mean(values: list[float]) -> float | None:
@@ -525,10 +544,13 @@ def _summary_pass1(run: RunRecords, when: str) -> dict[int, float]:
 
 
 def write_report(run_dir: str | Path) -> Path:
-    """Write `run_dir/report.html` (atomically) from whatever the run wrote; return its path."""
+    """Write `run_dir/report.html` (atomically) from whatever the run wrote; return its path. A
+    page that cannot be written (a full disk) is a WhetstoneError naming it."""
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise WhetstoneError(f"no run folder at {run_dir}")
     path = run_dir / "report.html"
-    atomic_write_text(path, render_report(load_run(run_dir)))
+    page = render_report(load_run(run_dir))
+    with write_errors(path):
+        atomic_write_text(path, page)
     return path

@@ -172,3 +172,31 @@ def test_a_temperature_sweep_samples_each_temperature_on_the_headlines_seeds(ser
         assert {row["task_id"]: (row["samples"], row["solved"]) for row in point["per_task"]} == counts
     assert report["temperatures"][0]["pass_at_k"] == report["pass_at_k"]
     assert "## By sampling temperature (same tasks, same seeds)" in (sweep / "report.md").read_text()
+
+
+def test_an_output_dir_that_cannot_be_written_is_named_before_any_rollout(server, model_dir, tmp_path):
+    from whetstone.config import load_config
+    from whetstone.envs.eval.config import EvalConfig
+    from whetstone.envs.eval.run import evaluate, load_eval_tasks
+    from whetstone.errors import WhetstoneError
+
+    (tmp_path / "a-file").write_text("not a folder")
+    config = write_config(tmp_path / "eval.toml", server, model_dir, tmp_path / "a-file" / "eval")
+    result = CliRunner().invoke(app, ["eval", str(config), "-s", "validate_tasks=false"])
+    assert isinstance(result.exception, WhetstoneError), result.exception
+    assert f"output_dir: {tmp_path / 'a-file' / 'eval'} cannot be created: {tmp_path / 'a-file'} is a file" in str(
+        result.exception
+    )
+    settings = load_config(EvalConfig, config, ["validate_tasks=false"])
+    done = []
+    with pytest.raises(WhetstoneError, match="output_dir: "):
+        evaluate(settings, load_eval_tasks(settings), done.append)
+    assert done == []  # not one rollout ran
+
+    # A report that cannot be written after the rollouts is an error naming the file, not a traceback.
+    out = tmp_path / "eval"
+    (out / "report.json" / "in-the-way").mkdir(parents=True)
+    config = write_config(tmp_path / "eval.toml", server, model_dir, out, samples=1, k=[1])
+    result = CliRunner().invoke(app, ["eval", str(config), "-s", "validate_tasks=false", "-s", "tasks.synth.count=1"])
+    assert isinstance(result.exception, WhetstoneError), result.exception
+    assert f"cannot write {out / 'report.json'}: Is a directory" in str(result.exception)

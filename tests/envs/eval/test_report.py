@@ -81,6 +81,14 @@ def test_markdown_shows_the_headline_and_every_task():
     assert "- `b`: PolicyError: HTTP 503" in text
 
 
+def test_a_task_id_or_error_that_would_break_the_markdown_stays_in_its_cell_and_line():
+    odd = rollout("x|`y`", status="error")
+    odd.error = "Traceback:\n  line 1\nValueError"
+    text = render_markdown(build_report([odd, rollout("a", reward=0.98, tests=1.0)], [1], RUN))
+    assert "| `` x\\|`y` `` | 0/1 | 0.000 | 0.000 |" in text  # the | escaped, the backticks fenced
+    assert "- `` x|`y` ``: Traceback: line 1 ValueError" in text
+
+
 def test_bad_config_and_unreachable_endpoint_are_named(tmp_path):
     runner = CliRunner()
     result = runner.invoke(app, ["eval", "--set", "samples=2", "--set", "k=[1, 4]"])

@@ -3,6 +3,7 @@ checked on inputs worked by hand."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -48,6 +49,22 @@ def test_the_best_temperature_is_the_highest_mean_and_of_equals_the_highest_temp
     assert best_temperature(ties, [0.3, 0.5, 1.0]) == 1.0
     with pytest.raises(WhetstoneError, match="no temperature"):
         best_temperature(ties, [])
+
+
+def test_temperatures_that_solved_as_many_samples_tie_exactly():
+    """3 of 10 samples at both: 0/5 + 3/5 and 1/5 + 2/5 differ in floating point (0.3 against
+    0.30000000000000004), and the tie must still go to the higher temperature."""
+
+    def point(t: float, solved: dict[str, int]) -> dict:
+        return {"temperature": t, "per_task": [{"task_id": k, "samples": 5, "solved": c} for k, c in solved.items()]}
+
+    sweep = sweep_of({"temperatures": [point(1.0, {"a": 0, "b": 3}), point(0.5, {"a": 1, "b": 2})]})
+    assert best_temperature(sweep, [0.5, 1.0]) == 1.0
+    compared = compare_sweeps(sweep, sweep, [1.0, 0.5], headline=1.0, logit_scale=None)
+    assert compared["best_before"] == {"temperature": 1.0, "pass1": 0.3}
+    assert compared["best_after"] == {"temperature": 1.0, "effective_temperature": 1.0, "pass1": 0.3}
+    assert compared["gain_over_best_temperature"] == {"value": 0.0, "se": 0.0, "tasks": 2}
+    json.dumps(compared)  # the summary holds it: plain numbers only
 
 
 def test_the_crossfitted_gain_scores_each_half_at_the_temperatures_picked_on_the_other():

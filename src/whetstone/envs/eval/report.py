@@ -8,6 +8,7 @@ task, so infrastructure trouble lowers the scores rather than hiding; the failur
 
 from __future__ import annotations
 
+import re
 import statistics
 from collections import Counter
 from typing import Any
@@ -134,7 +135,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     lines += [f"| {key} | {value:.2f} |" for key, value in report["timings_s"].items()]
     if report["failures"]:
         lines += ["", "## Failed rollouts", ""]
-        lines += [f"- `{f['task_id']}`: {f['error']}" for f in report["failures"]]
+        lines += [f"- {_code(f['task_id'])}: {_one_line(f['error'])}" for f in report["failures"]]
     ks = list(report["pass_at_k"])
     lines += [
         "",
@@ -145,5 +146,20 @@ def render_markdown(report: dict[str, Any]) -> str:
     ]
     for row in report["per_task"]:
         cells = " | ".join(f"{row['pass_at_k'][k]:.3f}" for k in ks)
-        lines.append(f"| `{row['task_id']}` | {row['solved']}/{row['samples']} | {row['mean_reward']:.3f} | {cells} |")
+        task = _code(row["task_id"]).replace("|", "\\|")
+        lines.append(f"| {task} | {row['solved']}/{row['samples']} | {row['mean_reward']:.3f} | {cells} |")
     return "\n".join(lines) + "\n"
+
+
+def _code(text: str) -> str:
+    """`text` as inline code in Markdown, whatever backticks it holds (a fence one longer than its
+    longest run of them)."""
+    longest = max((len(run) for run in re.findall(r"`+", text)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _one_line(text: str) -> str:
+    """`text` on one line (a list item of report.md): its line breaks as spaces."""
+    return " ".join(str(text).split())

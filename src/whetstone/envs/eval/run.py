@@ -18,7 +18,7 @@ from whetstone.envs.harness import AgentHarness, ServerPool, run_rollouts
 from whetstone.envs.task import Task
 from whetstone.envs.trajectory import Trajectory, save_trajectories
 from whetstone.errors import WhetstoneError
-from whetstone.utils.atomic import atomic_write_json, atomic_write_text
+from whetstone.utils.atomic import atomic_write_json, atomic_write_text, writable_folder_problem, write_errors
 
 
 def load_eval_tasks(config: EvalConfig) -> list[Task]:
@@ -34,7 +34,11 @@ def evaluate(
     config: EvalConfig, tasks: list[Task], on_done: Callable[[Trajectory], None] | None = None
 ) -> dict[str, Any]:
     """Evaluate, write the report files, and return the report: its figures are those at the
-    harness's temperature; `temperatures` gives pass@k and per-task counts at each one evaluated."""
+    harness's temperature; `temperatures` gives pass@k and per-task counts at each one evaluated.
+    An `output_dir` that cannot be written is an error before any rollout, not after all of them."""
+    out = expand_path(config.output_dir)
+    if problem := writable_folder_problem(out):
+        raise WhetstoneError(f"output_dir: {problem}; set output_dir to a folder the report can be written in")
     started, clock = datetime.now(timezone.utc).isoformat(timespec="seconds"), time.monotonic()
     swept, model = asyncio.run(_rollouts(config, tasks, on_done))
     headline = config.evaluated_temperatures[0]
@@ -48,11 +52,13 @@ def evaluate(
     }
     report = build_report(swept[headline], config.k, run)
     report["temperatures"] = [temperature_point(t, group, config.k) for t, group in swept.items()]
-    out = expand_path(config.output_dir)
     if config.save_trajectories:
-        save_trajectories(out / "trajectories.jsonl", [t for group in swept.values() for t in group])
-    atomic_write_json(out / "report.json", report)
-    atomic_write_text(out / "report.md", render_markdown(report))
+        with write_errors(out / "trajectories.jsonl"):
+            save_trajectories(out / "trajectories.jsonl", [t for group in swept.values() for t in group])
+    with write_errors(out / "report.json"):
+        atomic_write_json(out / "report.json", report)
+    with write_errors(out / "report.md"):
+        atomic_write_text(out / "report.md", render_markdown(report))
     return report
 
 

@@ -24,12 +24,14 @@ import math
 import statistics
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any
 
 from whetstone.errors import WhetstoneError
 
-TaskScores = dict[str, float]
-"""pass@1 of each task (its solved samples / its samples), by task id."""
+TaskScores = dict[str, Fraction | float]
+"""pass@1 of each task (its solved samples / its samples), by task id: `sweep_of` gives exact
+fractions, so that two temperatures that solved as many samples tie exactly (`best_temperature`)."""
 Sweep = dict[float, TaskScores]
 """Each temperature's task scores."""
 
@@ -46,17 +48,25 @@ class Gain:
 def sweep_of(report: Mapping[str, Any]) -> Sweep:
     """An evaluation report's task scores at each temperature it ran (`report["temperatures"]`)."""
     return {
-        float(entry["temperature"]): {row["task_id"]: row["solved"] / row["samples"] for row in entry["per_task"]}
+        float(entry["temperature"]): {
+            row["task_id"]: Fraction(row["solved"], row["samples"]) for row in entry["per_task"]
+        }
         for entry in report.get("temperatures", [])
     }
 
 
 def mean_pass1(scores: TaskScores, tasks: Iterable[str] | None = None) -> float:
     """Mean pass@1 over `tasks` (default: every task scored)."""
+    return float(_exact_mean(scores, tasks))
+
+
+def _exact_mean(scores: TaskScores, tasks: Iterable[str] | None = None) -> Fraction:
+    """Mean pass@1 over `tasks` without rounding (of a float score, its exact binary value): equal
+    means compare equal, whatever the order and the rounding of the scores summed."""
     chosen = list(scores) if tasks is None else list(tasks)
     if not chosen:
         raise WhetstoneError("pass@1 of no tasks")
-    return statistics.fmean(scores[task] for task in chosen)
+    return sum((Fraction(scores[task]) for task in chosen), Fraction(0)) / len(chosen)
 
 
 def best_temperature(sweep: Sweep, temperatures: Iterable[float], tasks: Iterable[str] | None = None) -> float:
@@ -66,7 +76,7 @@ def best_temperature(sweep: Sweep, temperatures: Iterable[float], tasks: Iterabl
     candidates = sorted(set(temperatures), reverse=True)
     if not candidates:
         raise WhetstoneError("no temperature to pick the best of")
-    return max(candidates, key=lambda t: mean_pass1(sweep[t], chosen))  # max keeps the first of equals
+    return max(candidates, key=lambda t: _exact_mean(sweep[t], chosen))  # max keeps the first of equals
 
 
 def paired_gain(after: TaskScores, before: TaskScores) -> Gain:
