@@ -92,6 +92,18 @@ def test_batch_at_is_a_pure_function_of_seed_and_step(corpus):
     assert not torch.equal(loader.batch_at(0).input_ids, other_seed.batch_at(0).input_ids)
 
 
+def test_the_rows_of_a_run_do_not_depend_on_its_batch_size(mixed):
+    # a run resumed with another batch size goes on at its row (the code rows, then the
+    # demonstration rows of each batch: the same rows, in another order)
+    def rows(batch):
+        return sorted(map(tuple, torch.cat([batch.input_ids, batch.targets], dim=1).tolist()))
+
+    small = mixed.train_loader(batch_size=4, seq_len=DEMO_SEQ, demo_weight=0.25)
+    large = mixed.train_loader(batch_size=8, seq_len=DEMO_SEQ, demo_weight=0.25)
+    assert rows(large.batch_from(4)) == sorted(rows(small.batch_at(1)) + rows(small.batch_at(2)))  # rows 4-11
+    assert rows(large.batch_at(1)) == rows(large.batch_from(8)) != rows(large.batch_from(4))
+
+
 def test_an_epoch_visits_every_window_once(corpus):
     stream = np.asarray(corpus.train_tokens)
     windows = window_count(len(stream), SEQ)

@@ -32,6 +32,8 @@ def test_bad_values_name_the_key():
         load_config(MidtrainConfig, None, ["run.steps=10", "optimizer.warmup_steps=10"])
     with pytest.raises(ConfigError, match=r"run\.batch_size"):
         load_config(MidtrainConfig, None, ["run.batch_size=0"])
+    with pytest.raises(ConfigError, match=r"run\.seed"):  # the data order's seed: when the config loads
+        load_config(MidtrainConfig, None, ["run.seed=-1"])
 
 
 def test_the_reference_file_is_the_embedded_default():

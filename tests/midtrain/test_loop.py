@@ -42,6 +42,39 @@ def test_resumed_run_is_bit_identical_to_a_straight_run(make_config, dtype):
     assert second["tokens"] == straight["tokens"] == 8 * 2 * 4 * 32
 
 
+@pytest.mark.parametrize("position", ["rows", "batches of the checkpoint's size"])
+def test_a_resume_with_another_batch_size_reads_the_rows_that_follow(make_config, position):
+    # 8 rows a step either way: two micro-batches of 4, then one of 8. fp32 and no load-balancing
+    # loss (taken per micro-batch), so the resumed steps are the straight run's, to rounding.
+    settings = ("run.dtype=float32", "model.router_aux_loss_coef=0.0", "run.steps=4")
+    straight = train(make_config(*settings, "run.name=straight", "run.batch_size=8"))
+    first = train(make_config(*settings, "run.name=changed", "run.batch_size=4", "run.grad_accum=2"), stop_at_step=2)
+    state_file = Path(first["run_dir"]) / "checkpoints" / "step_00000002" / "state.json"
+    record = json.loads(state_file.read_text())
+    assert record["data"]["next_row"] == 16
+    if position != "rows":  # a checkpoint that counted micro-batches of 4 rows
+        del record["data"]["next_row"]
+        state_file.write_text(json.dumps({**record, "data": {**record["data"], "next_batch": 4}}))
+    changed = train(make_config(*settings, "run.name=changed", "run.batch_size=8"))
+    assert changed["resumed_from"].endswith("step_00000002")
+
+    def losses(summary):
+        return [r["loss"] for r in read_metrics(f"{summary['run_dir']}/metrics.jsonl") if "loss" in r]
+
+    assert losses(changed) == pytest.approx(losses(straight), rel=1e-5)
+    final = read_state(Path(changed["run_dir"]) / "checkpoints" / "step_00000004")
+    assert final["data"]["next_row"] == 32 and "next_batch" not in final["data"]
+
+
+def test_a_data_position_that_is_not_a_count_is_refused(make_config):
+    first = train(make_config("run.steps=4"), stop_at_step=2)
+    state_file = Path(first["run_dir"]) / "checkpoints" / "step_00000002" / "state.json"
+    record = json.loads(state_file.read_text())
+    state_file.write_text(json.dumps({**record, "data": {**record["data"], "next_row": -8}}))
+    with pytest.raises(CheckpointError, match=r"state.json is corrupt: data.next_row is -8, not a count"):
+        train(make_config("run.steps=4"))
+
+
 def test_auto_dtype_is_resolved_and_recorded(make_config, tmp_path, monkeypatch):
     from whetstone.utils import runtime
 
@@ -317,4 +350,4 @@ def test_resuming_on_another_corpus_build_says_so(make_config, caplog):
     resumed = train(make_config(*fixed, "run.steps=4", "data.split_seed=1"))  # another split: another build
     (said,) = [r.getMessage() for r in caplog.records if "corpus build" in r.getMessage()]
     assert said.startswith(f"checkpoint {resumed['resumed_from']} was trained on the corpus build {build}, and this")
-    assert said.endswith("batches go on from number 3 of this build, not in the order the run had")
+    assert said.endswith("rows go on from number 12 of this build, not in the order the run had")

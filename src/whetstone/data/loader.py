@@ -2,8 +2,11 @@
 
 `TrainLoader.batch_at(step)` is a pure function of (seed, step): a resumed run asks for step N
 and gets bit-for-bit the batch the first run would have seen, with no iterator state to save.
-Each stream (code, demonstrations) is visited in epochs; every epoch is a fresh permutation of
-its windows seeded by (seed, stream, epoch).
+Underneath, training rows are numbered through the whole run and `batch_from(row)` is the batch
+starting at row `row`: a run that resumes with another batch size goes on at the row where it
+stopped (its position counted in rows), reading the rows it would have read. Each stream (code,
+demonstrations) is visited in epochs; every epoch is a fresh permutation of its windows seeded by
+(seed, stream, epoch).
 """
 
 from __future__ import annotations
@@ -138,7 +141,12 @@ class TrainLoader:
         """The share of rows actually drawn from demonstrations (0 when the corpus has none)."""
 
     def batch_at(self, step: int) -> Batch:
-        first = step * self.batch_size
+        """Batch number `step`: rows step * batch_size onward (`batch_from`)."""
+        return self.batch_from(step * self.batch_size)
+
+    def batch_from(self, first: int) -> Batch:
+        """The `batch_size` rows from row `first` of the run's row sequence, which depends on the
+        seed and `demo_weight` but not on the batch size."""
         code_rows, demo_rows = [], []
         for row in range(first, first + self.batch_size):
             before = demo_rows_before(row, self.demo_weight)

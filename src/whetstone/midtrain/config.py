@@ -27,7 +27,7 @@ class RunConfig(Config):
     init_from: str = ""
     """A Hugging Face checkpoint folder (Qwen3 / Qwen3-MoE) to continue training from, with its
     tokenizer; empty = train the `model` section from scratch with the corpus's own tokenizer."""
-    seed: int = 0
+    seed: int = Field(0, ge=0)
     """Seed for model initialisation and data order."""
     threads: int = Field(2, ge=0)
     """Torch intra-op threads for this process (0 = every core it may run on)."""

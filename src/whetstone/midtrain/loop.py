@@ -30,7 +30,7 @@ from typing import Any
 from whetstone.config import write_toml
 from whetstone.data import DemoSource
 from whetstone.midtrain.config import MidtrainConfig
-from whetstone.midtrain.setup import Session, new_optimizer, open_session
+from whetstone.midtrain.setup import NEXT_ROW, Session, new_optimizer, open_session
 from whetstone.midtrain.step import train_step, validation_loss
 from whetstone.model.hf import save_hf
 from whetstone.training.distributed import (
@@ -148,8 +148,8 @@ def _step(session: Session) -> dict[str, Any]:
     """One optimizer step at the schedule's learning rate; advances the state; returns its metrics."""
     config, state = session.config, session.state
     run, opt = config.run, config.optimizer
-    first = state.data["next_batch"]
-    micro_batches = [session.loader.batch_at(first + i) for i in range(run.grad_accum)]
+    first = state.data[NEXT_ROW]
+    micro_batches = [session.loader.batch_from(first + i * run.batch_size) for i in range(run.grad_accum)]
     lr = lr_at(
         state.step, peak_lr=opt.lr, warmup_steps=opt.warmup_steps, total_steps=run.steps, min_lr_ratio=opt.min_lr_ratio
     )
@@ -164,7 +164,7 @@ def _step(session: Session) -> dict[str, Any]:
     )
     state.step += 1
     state.tokens += stats.tokens
-    state.data["next_batch"] = first + run.grad_accum
+    state.data[NEXT_ROW] = first + run.grad_accum * run.batch_size
     record = {
         "step": state.step,
         "tokens": state.tokens,

@@ -38,6 +38,7 @@ from whetstone.model import ModelConfig, Transformer
 from whetstone.model.hf import check_vocab_fits, load_hf, read_hf_config
 from whetstone.training.checkpoint import (
     TOKENIZER_KEY,
+    DamagedCheckpoint,
     TrainState,
     check_tokenizer,
     checkpoint_step,
@@ -57,6 +58,10 @@ log = logging.getLogger("whetstone.midtrain")
 
 CORPUS_KEY = "corpus_build"
 """`state.data` key: the cache key of the corpus build the run reads (its manifest's `key`)."""
+NEXT_ROW = "next_row"
+"""`state.data` key: how many training rows the run has read, where its next step's rows start
+(`TrainLoader.batch_from`). Counted in rows, not batches, so a resume with another
+`run.batch_size` goes on at the row where the checkpoint stopped, skipping and repeating none."""
 
 
 @dataclass
@@ -110,20 +115,24 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
         )
     tokenizer = tokenizer_identity(corpus.path / "tokenizer")
     recorded = None  # the checkpoint's state.json, read by rank 0 before any model work
+    next_row = 0
     if resume_from is not None and rank == 0:
         with naming_older_checkpoints(resume_from):
             recorded = read_state(resume_from)
+            next_row = _resumed_row(resume_from, recorded)
         check_tokenizer(
             resume_from, recorded["data"], tokenizer, "corpus tokenizer", _tokenizer_advice(config, recorded)
         )
-        _say_if_another_corpus(resume_from, recorded["data"], corpus.manifest["key"])
+        _say_if_another_corpus(resume_from, recorded["data"], corpus.manifest["key"], next_row)
     model = shard_model(_build_model(config, model_config, corpus, resuming=resume_from is not None), device)
     model.activation_checkpointing = run.activation_checkpointing
     optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
-    state = TrainState(data={"next_batch": 0})
+    state = TrainState(data={NEXT_ROW: 0})
     if resume_from is not None:
         with naming_older_checkpoints(resume_from):
             state = load_sharded_checkpoint(resume_from, model, optimizer, partial(new_optimizer, config))
+        state.data.pop("next_batch", None)  # a position in batches of another size, held as rows now
+        state.data[NEXT_ROW] = broadcast(next_row)
     elif not run.resume and rank == 0:  # a fresh start: nothing of an earlier run in this folder mixes in
         set_aside_previous_run(run_dir)
     if tokenizer is not None:
@@ -206,20 +215,43 @@ def _run_folder_problem(run_dir: Path) -> str | None:
     return None
 
 
-def _say_if_another_corpus(checkpoint: Path, data: dict, key: str) -> None:
+def _resumed_row(checkpoint: Path, record: dict) -> int:
+    """The training row the run of `checkpoint` (its state.json: `record`) reads next: its
+    `NEXT_ROW`, or, where it counted micro-batches instead (`data.next_batch`), that many of the
+    `run.batch_size` rows it trained with. A position that is not a count is `DamagedCheckpoint`."""
+    data = record["data"]
+    if NEXT_ROW in data:
+        row = data[NEXT_ROW]
+        if isinstance(row, bool) or not isinstance(row, int) or row < 0:
+            raise DamagedCheckpoint(
+                f"checkpoint file {checkpoint / 'state.json'} is corrupt: "
+                f"data.{NEXT_ROW} is {row!r}, not a count (an integer >= 0)"
+            )
+        return row
+    run = record.get("config", {}).get("run")
+    batch_size = run.get("batch_size") if isinstance(run, dict) else None
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+        raise DamagedCheckpoint(
+            f"checkpoint file {checkpoint / 'state.json'} is corrupt: it has no data.{NEXT_ROW}, and its "
+            f"config.run.batch_size ({batch_size!r}), which turns data.next_batch into rows, is not an integer >= 1"
+        )
+    return data.get("next_batch", 0) * batch_size
+
+
+def _say_if_another_corpus(checkpoint: Path, data: dict, key: str, next_row: int) -> None:
     """Warn when `checkpoint` was trained on another corpus build than the one this run reads
-    (`key`): its data position (`next_batch`) goes on in this build, so the batches after it are
+    (`key`): its data position (`next_row`) goes on in this build, so the batches after it are
     not the ones the run would have had. Not refused: a corpus grown or filtered anew is a way to
     go on training (another tokenizer, which would change the token ids, is refused)."""
     recorded = data.get(CORPUS_KEY)
     if recorded is not None and recorded != key:
         log.warning(
             "checkpoint %s was trained on the corpus build %s, and this run reads %s (its sources or data "
-            "settings changed): batches go on from number %d of this build, not in the order the run had",
+            "settings changed): rows go on from number %d of this build, not in the order the run had",
             checkpoint,
             recorded,
             key,
-            data.get("next_batch", 0),
+            next_row,
         )
 
 
