@@ -133,6 +133,12 @@ def test_server_ports_past_the_last_one_are_refused_by_base_port():
     assert load_config(PipelineConfig, None, ["servers.base_port=0", "servers.count=8"]).servers.count == 8
 
 
+def test_an_evaluation_without_pass_at_1_is_refused_before_it_runs():
+    with pytest.raises(ConfigError, match=r"eval.k = \[4\] must include 1: the run reports held-out pass@1"):
+        load_config(PipelineConfig, None, ["eval.samples=4", "eval.k=[4]"])
+    assert load_config(PipelineConfig, None, ["eval.k=[4]", "eval.samples=4", "rl_enabled=false"]).eval.k == [4]
+
+
 def test_on_ray_the_cores_of_this_machine_are_not_checked(tmp_path):
     """The roles' cores are a local placement's: on Ray they run on the cluster's nodes."""
     cores = ("placement.trainer=[4096]", "placement.servers=[4096]", "placement.orchestrator=[4096]")

@@ -30,3 +30,9 @@ def test_a_bad_key_is_named(tmp_path):
 def test_a_decaying_learning_rate_needs_a_run_length():
     result = CliRunner().invoke(app, ["trainer", "--set", "optimizer.min_lr_ratio=0.1"])
     assert isinstance(result.exception, ConfigError) and "max_steps" in str(result.exception)
+
+
+def test_a_warmup_as_long_as_the_run_is_refused():
+    result = CliRunner().invoke(app, ["trainer", "--set", "optimizer.warmup_steps=10", "--set", "max_steps=5"])
+    assert isinstance(result.exception, ConfigError)
+    assert "optimizer.warmup_steps (10) must be below max_steps (5)" in str(result.exception)

@@ -512,8 +512,8 @@ class OnlineLoop:
             except VersionExistsError:  # created exclusively: a rollback landed during this update
                 verdict = Verdict(
                     False,
-                    f"the weight store moved during the update: version {self.version + 1} "
-                    "was published by someone else (a rollback?); adopting it next update",
+                    f"the weight store moved past version {self.version} during the update (a rollback, "
+                    "or another publisher); adopting its newest version next update",
                 )
         if not verdict.publish:
             self.model.load_state_dict(saved[0])

@@ -277,6 +277,15 @@ class PipelineConfig(Config):
         return self
 
     @model_validator(mode="after")
+    def _eval_reports_pass_at_1(self) -> "PipelineConfig":
+        # summary.json's held-out gain, the report and the plots are pass@1 before and after RL
+        if self.rl_enabled and 1 not in self.eval.k:
+            raise ValueError(
+                f"eval.k = {self.eval.k} must include 1: the run reports held-out pass@1 before and after RL"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _invariant_on_both_sides(self) -> "PipelineConfig":
         # Batch-invariant kernels on one side only still leave the other side's rounding.
         trainer, engine = self.rl.trainer, self.servers.serve.engine

@@ -13,7 +13,7 @@ class OptimizerConfig(Config):
     lr: float = Field(3e-3, gt=0)
     """Peak learning rate, reached at the end of warmup."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    """The cosine ends at `lr * min_lr_ratio` on the last step."""
+    """The cosine falls to `lr * min_lr_ratio` at step `total_steps` (the step after the last: `lr_at`)."""
     warmup_steps: int = Field(40, ge=0)
     """Optimizer steps of linear warmup from lr/warmup_steps to lr."""
     betas: tuple[float, float] = (0.9, 0.95)
