@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 
 from tests.utils.tracking_support import event_scalars, jsonl_scalars, use_offline_wandb, wandb_history
 from whetstone.errors import CheckpointError, ConfigError, WhetstoneError
+from whetstone.midtrain import loop
 from whetstone.midtrain.loop import train
 from whetstone.model import Transformer
 from whetstone.model.hf import load_hf, save_hf
@@ -25,12 +26,33 @@ def final_weights(summary) -> dict[str, torch.Tensor]:
     return load_file(f"{summary['run_dir']}/checkpoints/step_{summary['step']:08d}/model.safetensors")
 
 
+def crash_in_step(monkeypatch, crashing: int) -> None:
+    """Make the run die in step `crashing` (the records before it written, no checkpoint), as a
+    killed process would leave its folder."""
+    step = loop._step
+
+    def step_or_crash(session):
+        if session.state.step + 1 == crashing:
+            raise RuntimeError(f"killed in step {crashing}")
+        return step(session)
+
+    monkeypatch.setattr(loop, "_step", step_or_crash)
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_resumed_run_is_bit_identical_to_a_straight_run(make_config, dtype):
+def test_resumed_run_is_bit_identical_to_a_straight_run(make_config, monkeypatch, dtype):
     straight = train(make_config(f"run.dtype={dtype}", "run.name=straight", "run.grad_accum=2"))
     halves = make_config(f"run.dtype={dtype}", "run.name=halves", "run.grad_accum=2")
     first = train(halves, stop_at_step=4)
     assert (first["step"], first["finished"], first["model_dir"]) == (4, False, None)
+    # resumed, it dies in step 7: steps 5 and 6 are recorded after the checkpoint of step 4
+    metrics = Path(first["run_dir"]) / "metrics.jsonl"
+    before = metrics.read_bytes()
+    crash_in_step(monkeypatch, 7)
+    with pytest.raises(RuntimeError, match="killed in step 7"):
+        train(halves)
+    assert [r["step"] for r in read_metrics(metrics)][-2:] == [5, 6]
+    monkeypatch.undo()
     second = train(halves)
     assert second["resumed_from"].endswith("step_00000004")
 
@@ -40,6 +62,15 @@ def test_resumed_run_is_bit_identical_to_a_straight_run(make_config, dtype):
         assert torch.equal(a[name], b[name]), name
     assert second["val_loss"] == straight["val_loss"]
     assert second["tokens"] == straight["tokens"] == 8 * 2 * 4 * 32
+    # one record per step and evaluation, the straight run's numbers; those up to the checkpoint as written
+    assert metrics.read_bytes().startswith(before)
+    ignored = ("time", "tokens_per_s")
+    records = [{k: v for k, v in r.items() if k not in ignored} for r in read_metrics(metrics)]
+    expected = [
+        {k: v for k, v in r.items() if k not in ignored}
+        for r in read_metrics(metrics.parent.parent / "straight" / "metrics.jsonl")
+    ]
+    assert records == expected
 
 
 @pytest.mark.parametrize("position", ["rows", "batches of the checkpoint's size"])

@@ -13,12 +13,14 @@ from tests.sync.test_healed_head import snapshot
 from tests.sync.test_repair import Dying
 from tests.trainer.trainer_fixtures import put_batches, trainer_config
 from whetstone.errors import CheckpointError, ConfigError
+from whetstone.run.report import load_run
 from whetstone.store import LocalStore
 from whetstone.sync import WeightStore
 from whetstone.sync.weight_store import Head
 from whetstone.trainer.loop import run_trainer
 from whetstone.trainer.setup import open_trainer
 from whetstone.training.checkpoint import latest_checkpoint
+from whetstone.utils.metrics import read_metrics
 
 
 @pytest.fixture
@@ -97,6 +99,24 @@ def test_the_runs_own_store_with_a_standing_withdrawal_is_finished_and_replayed_
     shutil.rmtree(latest_checkpoint(run / "trainer" / "checkpoints"))  # back to step 2
     weights = withdraw_dying(run / "weights", 4, dies_at=2)  # the record only: the pointer still names 4
     kept = Head(3, weights.manifest_digest(3))
-    session = open_trainer(trainer_config(run, tiny_moe, max_steps=4, checkpoint_interval=2))
+    config = trainer_config(run, tiny_moe, max_steps=4, checkpoint_interval=2)
+    session = open_trainer(config)
     assert session.state.step == 2 and session.replay_until == 3
     assert weights.withdrawal() is None and weights.head() == kept and weights.versions() == [0, 1, 2, 3]
+
+    # step 3 is trained again (its version 4 withdrawn), step 2 replayed: step 3's earlier record,
+    # of the withdrawn version, goes; the records of the steps before stay as they were written
+    metrics = run / "trainer" / "metrics.jsonl"
+    before = metrics.read_bytes()
+    assert [r["step"] for r in read_metrics(metrics)] == [0, 1, 2, 3]
+    assert run_trainer(config)["version"] == 4
+    records = read_metrics(metrics)
+    assert [(r["step"], r["replayed"], r.get("version")) for r in records] == [
+        (0, False, 1),
+        (1, False, 2),
+        (2, False, 3),
+        (2, True, None),
+        (3, False, 4),
+    ]
+    assert metrics.read_bytes().startswith(b"".join(before.splitlines(keepends=True)[:3]))
+    assert [r["step"] for r in load_run(run).trainer] == [0, 1, 2, 3]  # what the report reads

@@ -3,7 +3,8 @@
 Everything a run writes lives in `<run.output_dir>/<run.name>/`:
 
     config.toml        the config as last run
-    metrics.jsonl      one record per step (loss, lr, grad norm, tokens/s) and per evaluation
+    metrics.jsonl      one record per step (loss, lr, grad norm, tokens/s) and per evaluation;
+                       on resume, those of steps after the checkpoint are dropped (taken again)
     checkpoints/       step_<N>/ folders (see checkpoint.py); the newest is resumed
     model/             the trained model as a Hugging Face folder, tokenizer included
     summary.json       the summary `train` returns
@@ -83,7 +84,14 @@ def _train(session: Session, opened: float, stop_at_step: int | None, stop: Stop
     signalled = None
 
     with (
-        MetricsWriter(session.run_dir / "metrics.jsonl", config.tracking, role="midtrain", run_config=config)
+        # a record's step is the steps taken by then (the checkpoint's, N, among them): those after N are taken again
+        MetricsWriter(
+            session.run_dir / "metrics.jsonl",
+            config.tracking,
+            role="midtrain",
+            run_config=config,
+            resume_at=start_step + 1,
+        )
         if lead
         else nullcontext() as metrics,
         progress_bar((last_step - start_step) * step_tokens, f"midtrain {run.name}", "tok")

@@ -380,7 +380,15 @@ def _run(session: TrainerSession, stop: threading.Event) -> dict[str, Any]:
 
     total = config.max_steps - first_step if config.max_steps else None
     with (
-        MetricsWriter(session.run_dir / "metrics.jsonl", config.tracking, role="trainer", run_config=config)
+        # steps below the store's newest version were published: their records stand (their replays
+        # are logged as `replayed`); those from it on are of versions the store no longer holds
+        MetricsWriter(
+            session.run_dir / "metrics.jsonl",
+            config.tracking,
+            role="trainer",
+            run_config=config,
+            resume_at=max(first_step, session.replay_until),
+        )
         if lead
         else nullcontext() as metrics,
         progress_bar(total, "trainer", "step") if lead else nullcontext() as bar,

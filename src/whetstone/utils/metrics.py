@@ -4,6 +4,7 @@ tracking config, the same records' numbers also go to TensorBoard and W&B (utils
 from __future__ import annotations
 
 import json
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -12,8 +13,10 @@ from pydantic import BaseModel
 
 from whetstone.config import without_secrets
 from whetstone.errors import WhetstoneError
-from whetstone.utils.atomic import write_errors
+from whetstone.utils.atomic import atomic_path, write_errors
 from whetstone.utils.tracking import Sink, TrackingConfig, open_sinks, scalars
+
+log = logging.getLogger(__name__)
 
 
 class MetricsWriter:
@@ -26,6 +29,12 @@ class MetricsWriter:
     shown with its W&B run (its secrets as `***`: `without_secrets`). The JSONL line is written
     and flushed first, so a crash loses none of it but the line it was writing; that torn line is
     ended when the file is opened again, so that the next record starts a line of its own.
+
+    `resume_at`: for a role resumed from a checkpoint, the first step (by `step_key`) it writes
+    again. The file's records at that step or later were written after the checkpoint by the
+    process that stopped (a crash, a kill): the resumed run takes those steps again, so they are
+    dropped before the file is opened (`drop_records_from`, logged), leaving one record per step
+    for the report and the plots. Records before it, and lines without the key, stay as they were.
 
     A line that cannot be written (a full disk) is a WhetstoneError naming the file and the cause
     (`write_errors`), which stops the role: metrics.jsonl is the run's record (the report reads
@@ -42,6 +51,7 @@ class MetricsWriter:
         step_key: str = "step",
         series_key: str = "",
         run_config: BaseModel | None = None,
+        resume_at: int | None = None,
     ):
         self.path = Path(path)
         self.step_key, self.series_key = step_key, series_key
@@ -49,6 +59,15 @@ class MetricsWriter:
         self._failed = False
         with write_errors(self.path):
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if resume_at is not None and (dropped := drop_records_from(self.path, step_key, resume_at)):
+                log.warning(
+                    "%s: dropped %d records at %s %d or later, written after the checkpoint this run resumed "
+                    "(the run takes those steps again)",
+                    self.path,
+                    dropped,
+                    step_key,
+                    resume_at,
+                )
             self._handle = self.path.open("a")
             if self._handle.tell() and not _ends_a_line(self.path):
                 self._handle.write("\n")
@@ -106,6 +125,31 @@ def _ends_a_line(path: Path) -> bool:
     with path.open("rb") as file:
         file.seek(-1, 2)
         return file.read(1) == b"\n"
+
+
+def drop_records_from(path: Path, key: str, first: int) -> int:
+    """Remove the records of the JSONL file `path` whose `key` is an integer `first` or more, in
+    one atomic rewrite (`atomic_path`: a reader sees the old file or the new one); every other
+    line (a record without `key`, a torn line) is kept byte for byte and in its place. Returns
+    how many were removed; without any (or without a regular file at `path`) nothing is written."""
+    if not path.is_file():
+        return 0
+    with path.open("rb") as file:
+        dropped = {number for number, line in enumerate(file) if _at_or_after(line, key, first)}
+    if dropped:
+        with atomic_path(path) as tmp, path.open("rb") as source, tmp.open("wb") as target:
+            target.writelines(line for number, line in enumerate(source) if number not in dropped)
+    return len(dropped)
+
+
+def _at_or_after(line: bytes, key: str, first: int) -> bool:
+    """Whether `line` is a record whose `key` is an integer `first` or more."""
+    try:
+        record = json.loads(line)
+    except ValueError:  # a torn line (a crash mid-write), or not UTF-8
+        return False
+    step = record.get(key) if isinstance(record, dict) else None
+    return isinstance(step, int) and not isinstance(step, bool) and step >= first
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
