@@ -87,12 +87,14 @@ class Task(Config):
     solution_patch: str | None = None
     """Reference solution as a unified diff (SWE-bench `patch`), if not given as files."""
     fail_to_pass: list[str] = []
-    """Test ids that must go from failing to passing (pytest node ids); if empty, every test in
-    `hidden_tests` must pass."""
+    """Test ids that must go from failing to passing (pytest node ids, or for a custom
+    `test_command` ids of its JUnit report's testcases); if empty, every test in `hidden_tests`
+    must pass."""
     pass_to_pass: list[str] = []
     """Test ids that must keep passing."""
     test_command: str = "python -m pytest -q -p no:cacheprovider"
-    """Command that runs the tests; test ids are appended."""
+    """Command that runs the tests; test ids are appended. A command other than pytest must write
+    a JUnit XML report to the file `$WHETSTONE_JUNIT_XML` names: its testcases are the results."""
     time_limit_s: float = Field(600.0, gt=0, allow_inf_nan=False)
     """Wall-clock limit for a whole rollout on this task, in seconds (finite)."""
     test_time_limit_s: float = Field(60.0, gt=0, allow_inf_nan=False)
@@ -129,7 +131,7 @@ class Task(Config):
     @property
     def pytest_args(self) -> list[str] | None:
         """The arguments of `test_command` when it runs pytest (`python -m pytest ...`,
-        `pytest ...`), else None: a custom command gives one verdict, no per-test outcomes."""
+        `pytest ...`), else None: a custom command, whose results come from its JUnit report."""
         argv = shlex.split(self.test_command)
         if len(argv) >= 3 and PurePosixPath(argv[0]).name.startswith("python") and argv[1:3] == ["-m", "pytest"]:
             return argv[3:]

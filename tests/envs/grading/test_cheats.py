@@ -1,6 +1,7 @@
 """Static cheat checks, one rule at a time (no sandbox needed)."""
 
-from whetstone.envs.grading.cheats import scan_changes
+from whetstone.envs.grading.cheats import GRADER_NAMES, scan_changes
+from whetstone.envs.grading.grade import JUNIT_VARIABLE, RUNNER_DIR_IN_SANDBOX
 from whetstone.envs.task import Task
 
 TASK = Task(
@@ -83,3 +84,15 @@ def test_protected_paths():
     assert kinds({"tests/test_lib.py": None}) == ["protected_path"]
     assert kinds({"fixtures/data.json": "{}"}) == []  # new file under a protected path: dropped, not flagged
     assert kinds({"tests/test_hidden.py": "def test_y():\n    pass\n"}) == []  # a guess at a hidden name: overwritten
+
+
+def test_naming_where_grading_reads_results_in_any_file():
+    assert {JUNIT_VARIABLE, RUNNER_DIR_IN_SANDBOX} == set(GRADER_NAMES)
+    assert kinds({"main.go": 'os.Getenv("WHETSTONE_JUNIT_XML")\n'}) == ["result_tampering"]
+    assert kinds({"lib.py": TASK.repo_files["lib.py"] + "OUT = '/opt/whetstone/report/junit.xml'\n"}) == [
+        "result_tampering"
+    ]
+    script = {"run.sh": "go test ./... | go-junit-report > $WHETSTONE_JUNIT_XML\n"}
+    named = TASK.model_copy(update={"repo_files": {**TASK.repo_files, **script}})
+    edited = {"run.sh": "go test -v ./... | go-junit-report > $WHETSTONE_JUNIT_XML\n"}
+    assert scan_changes(named, named.repo_files, edited) == []  # named already before the agent's edit

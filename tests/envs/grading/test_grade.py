@@ -95,11 +95,119 @@ def test_setup_commands_run_first_and_their_failure_fails_the_grade():
     assert not failed.passed and "setup command failed with exit code 7" in failed.log
 
 
-def test_custom_test_command_is_judged_by_its_exit_code():
-    check = "import sys\nfrom stats import mean\n\nsys.exit(0 if mean([1, 3]) == 2 else 1)\n"
-    task = bugfix_task(test_command="python check.py", hidden_tests={"check.py": check})
-    assert grade(task, task.solution_files).passed
-    assert not grade(task, {}).passed
+# A test command that is not `python -m pytest` (so graded as a custom command) and runs pytest,
+# which writes its JUnit report where the grader says.
+PYTEST_BY_ANOTHER_NAME = (
+    "python -c 'import sys, pytest; sys.exit(pytest.main())' -q -p no:cacheprovider --junitxml=$WHETSTONE_JUNIT_XML"
+)
+# A check script in any language's place: its own JUnit report, exit code 0 whatever it finds.
+CHECK = """import os
+from stats import mean
+
+cases = []
+for name, values, expected in [("pair", [1, 3], 2), ("empty", [], 0.0)]:
+    try:
+        ok = mean(values) == expected
+    except Exception:
+        ok = False
+    cases.append(f'<testcase classname="check" name="{name}">' + ("" if ok else "<failure/>") + "</testcase>")
+with open(os.environ["WHETSTONE_JUNIT_XML"], "w") as report:
+    report.write("<testsuite>" + "".join(cases) + "</testsuite>")
+"""
+
+
+def test_a_custom_test_command_is_judged_by_its_junit_report_test_by_test():
+    """pytest's own report, read back by the pytest node ids a SWE-bench record lists."""
+    more = "from stats import mean\n\n\nclass TestMean:\n    def test_pair(self):\n        assert mean([2, 4]) == 3\n"
+    hidden = {"test_stats_hidden.py": HIDDEN, "tests/test_more.py": more}
+    f2p = ["test_stats_hidden.py::test_pair", "tests/test_more.py::TestMean::test_pair"]
+    task = bugfix_task(test_command=PYTEST_BY_ANOTHER_NAME, hidden_tests=hidden, fail_to_pass=f2p)
+    solved, unfixed = grade(task, task.solution_files), grade(task, {})
+    assert solved.passed and set(solved.tests.values()) == {"passed"} and len(solved.tests) == 5
+    assert solved.report_problem is None and solved.cheat_flags == []
+    assert unfixed.tests == {
+        "test_stats_hidden.py::test_pair": "failed",
+        "tests/test_more.py::TestMean::test_pair": "failed",
+        "test_stats.py::test_single": "passed",
+        "test_stats_hidden.py::test_still_zero": "passed",
+        "test_stats_hidden.py::test_empty": "passed",
+    }
+    unlisted = task.model_copy(update={"fail_to_pass": [], "pass_to_pass": []})
+    assert grade(unlisted, {}).tests["test_stats_hidden::test_still_zero"] == "passed"  # every testcase, as C::N
+
+
+def test_a_custom_commands_exit_code_decides_nothing():
+    """The check script exits 0 however the checks go; an id its report lacks is an error."""
+    ids = {"fail_to_pass": ["check::pair"], "pass_to_pass": ["check::empty"]}
+    task = bugfix_task(test_command="python check.py", hidden_tests={"check.py": CHECK}, **ids)
+    assert grade(task, task.solution_files).tests == {"check::pair": "passed", "check::empty": "passed"}
+    assert grade(task, {}).tests == {"check::pair": "failed", "check::empty": "passed"}
+    missing = task.model_copy(update={"pass_to_pass": ["check::empty", "check::triple"]})
+    result = grade(missing, missing.solution_files)
+    assert not result.passed and result.tests["check::triple"] == "error"
+
+
+def test_code_that_exits_0_before_the_tests_ran_passes_nothing():
+    task = bugfix_task(test_command=PYTEST_BY_ANOTHER_NAME)
+    result = grade(task, {"stats.py": "import os\n\nos._exit(0)\n" + FIXED})  # at import: no test ran
+    assert not result.passed and set(result.tests.values()) == {"error"} and result.reward == 0.0
+    problem = "the test command exited with code 0 and wrote no JUnit XML report to $WHETSTONE_JUNIT_XML"
+    assert result.report_problem == problem and f"[{problem}]" in result.log
+
+
+@pytest.mark.parametrize(
+    "command, problem",
+    [
+        ("true", "exited with code 0 and wrote no JUnit XML report to $WHETSTONE_JUNIT_XML"),
+        ("exit 127", "exited with code 127 and wrote no JUnit XML report to $WHETSTONE_JUNIT_XML"),
+        (
+            "echo '3 passed' > $WHETSTONE_JUNIT_XML; true",
+            "exited with code 0; its JUnit XML report cannot be used: it is not well-formed XML (syntax error, line 1)",
+        ),
+        (
+            "echo '<testsuites/>' > $WHETSTONE_JUNIT_XML; true",
+            "exited with code 0; its JUnit XML report lists no testcase",
+        ),
+        (
+            "ln -s /workspace/report.xml $WHETSTONE_JUNIT_XML; true",
+            "exited with code 0; its JUnit XML report cannot be used: it is a symbolic link, not a file",
+        ),
+        (
+            "mkfifo $WHETSTONE_JUNIT_XML",
+            "exited with code 0; its JUnit XML report cannot be used: it is not a regular file",
+        ),
+    ],
+)
+def test_a_custom_command_without_a_usable_report_fails_with_the_reason(command, problem):
+    task = bugfix_task(test_command=f"{command} #")
+    result = grade(task, task.solution_files)
+    assert not result.passed and set(result.tests.values()) == {"error"}
+    assert result.report_problem == f"the test command {problem}"
+
+
+def test_a_report_left_before_the_test_command_ran_is_not_read():
+    """Setup commands run the repository's code (`pip install -e .` runs its setup.py): what they
+    leave in the report folder is gone before the test command starts."""
+    fake = '<testsuite><testcase classname="test_stats_hidden" name="test_pair"/></testsuite>'
+    plant = f"mkdir /opt/whetstone/report/sub && echo '{fake}' > /opt/whetstone/report/junit.xml"
+    task = bugfix_task(
+        test_command="true #", setup=[plant], fail_to_pass=["test_stats_hidden.py::test_pair"], pass_to_pass=[]
+    )
+    result = grade(task, task.solution_files)
+    assert result.setup_failure is None and not result.passed
+    assert result.report_problem == (
+        "the test command exited with code 0 and wrote no JUnit XML report to $WHETSTONE_JUNIT_XML"
+    )
+
+
+def test_solution_code_naming_the_report_is_flagged():
+    task = bugfix_task(test_command=PYTEST_BY_ANOTHER_NAME)
+    forger = "import os\n\nREPORT = os.environ.get('WHETSTONE_JUNIT_XML')\n"
+    result = grade(task, {"stats.py": forger + FIXED})
+    assert result.cheat_flags == [
+        "result_tampering: stats.py names WHETSTONE_JUNIT_XML, where grading reads test results"
+    ]
+    assert result.reward == 0.0
 
 
 # Patches the runner that plain tests run under (no pytest) so that every test is a no-op.

@@ -138,6 +138,16 @@ def test_run_tests_when_passing_is_exactly_the_demonstration_text(tools, task):
     assert tools.call("run_tests", {}, 30) == prompts.run_tests_result(passed) == "3 passed"
 
 
+def test_run_tests_runs_a_custom_command_that_writes_a_junit_report(task):
+    """A custom test command may write its report to `$WHETSTONE_JUNIT_XML` for grading; the
+    agent's run of it has the variable too (nothing reads that report), and sees its output."""
+    command = 'sh -c \'echo "tests ran" > "$WHETSTONE_JUNIT_XML" && echo 3 checks passed\' --'
+    custom = task.model_copy(update={"test_command": command})
+    with open_sandbox(custom.repo_files) as sandbox:
+        result = Tools(sandbox, custom, max_chars=2000, run_timeout_s=5.0).call("run_tests", {}, 30)
+    assert result == "3 checks passed\n\n[exit code 0]"
+
+
 def test_run_tests_reports_a_collection_error(tools):
     result = tools.call("run_tests", {}, 30)  # solution.py does not exist yet
     assert result.startswith("ERROR test_solution.py\n1 error") and "ModuleNotFoundError" in result

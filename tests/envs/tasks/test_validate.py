@@ -182,3 +182,79 @@ def test_up_front_validation_grades_as_the_runs_rollouts_are_graded(tmp_path):
     config = TasksConfig(source=str(tmp_path / "tasks.jsonl"))
     assert [t.id for t in load_valid_tasks(config)] == ["custom/add"]
     assert load_valid_tasks(config, RewardConfig(sandbox=SandboxConfig(memory_mb=128))) == []
+
+
+def _snapshot_task(folder) -> Task:
+    """A bugfix task whose repository is the snapshot folder `folder` (calc.py, a script, a link)."""
+    (folder / "calc.py").write_text("def add(a, b):\n    return a - b\n")
+    (folder / "run.sh").write_text("#!/bin/sh\n")
+    (folder / "docs").mkdir()
+    (folder / "docs" / "notes.txt").write_text("notes\n")
+    (folder / "latest").symlink_to("calc.py")
+    return Task(
+        id="custom/add",
+        kind="bugfix",
+        instruction="add() is wrong.",
+        repo_path=str(folder),
+        hidden_tests={"test_calc.py": TEST_ADD},
+        solution_files={"calc.py": "def add(a, b):\n    return a + b\n"},
+        fail_to_pass=["test_calc.py::test_add"],
+    )
+
+
+def test_a_snapshot_folder_whose_files_changed_is_validated_again(tmp_path):
+    """The cache hits while the folder's files stay as they were, and misses once one changes:
+    the task then really runs again (and is found valid, where the cache said otherwise)."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    task = _snapshot_task(folder)
+    cache = tmp_path / "cache.json"
+    cache.write_text(json.dumps({"grader": grader_fingerprint(), "verdicts": {task_hash(task): "remembered reason"}}))
+    assert validate_tasks([task], cache_path=cache).invalid == [{"id": task.id, "reason": "remembered reason"}]
+    (folder / "calc.py").write_text("def add(a, b):\n    return a * b\n")  # 2 * 2 == 4: the bug is not caught
+    report = validate_tasks([task], cache_path=cache)
+    reason = "the unfixed repository already passes every FAIL_TO_PASS test (the bug is not caught)"
+    assert report.invalid == [{"id": task.id, "reason": reason}]
+    assert json.loads(cache.read_text())["verdicts"][task_hash(task)] == reason
+
+
+def test_a_snapshot_folders_hash_follows_what_a_sandbox_copies(tmp_path):
+    """Names, bytes, link targets and the executable bit change the hash; a folder's `.git` and
+    group write permission (a umask's doing), which never reach a sandbox's test, do not."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    task = _snapshot_task(folder)
+    seen = {task_hash(task)}
+
+    def changes_hash(change) -> bool:
+        change()
+        key = task_hash(task)
+        new = key not in seen
+        seen.add(key)
+        return new
+
+    assert changes_hash(lambda: (folder / "docs" / "notes.txt").write_text("other notes\n"))
+    assert changes_hash(lambda: (folder / "docs" / "notes.txt").rename(folder / "docs" / "notes.md"))
+    assert changes_hash(lambda: (folder / "run.sh").chmod(0o755))
+    assert changes_hash(lambda: ((folder / "latest").unlink(), (folder / "latest").symlink_to("run.sh")))
+    assert changes_hash(lambda: (folder / "empty").mkdir())
+    assert not changes_hash(lambda: (folder / "calc.py").chmod(0o664))
+    assert not changes_hash(lambda: ((folder / ".git").mkdir(), (folder / ".git" / "HEAD").write_text("ref\n")))
+    moved = task.model_copy(update={"repo_path": str(tmp_path / "gone")})
+    assert validate_tasks([moved]).invalid == [
+        {
+            "id": task.id,
+            "reason": f"task {task.id}: repo_path {tmp_path / 'gone'} cannot be read ({tmp_path / 'gone'}: "
+            "No such file or directory): the snapshot folder must exist and its files be readable",
+        }
+    ]
+
+
+def test_a_custom_test_command_that_writes_no_report_is_named():
+    """Exit code 0 alone is no result: the task is invalid with the reason, not valid by default."""
+    task = _bugfix("def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n")
+    silent = task.model_copy(update={"test_command": "python test_calc.py"})
+    assert check_task(silent) == (
+        "no test results with the reference solution: the test command exited with code 0 and wrote no "
+        "JUnit XML report to $WHETSTONE_JUNIT_XML"
+    )

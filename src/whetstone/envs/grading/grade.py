@@ -5,7 +5,9 @@
    pristine files, applies only the changes outside tests and protected paths (never `.git`,
    never through a symbolic link), and only then adds the hidden tests.
 3. The tests run under `grade_runner.py`, which reports each test and what the solution code
-   did at run time to a file outside the workspace; a report the code writes is never read.
+   did at run time to a file outside the workspace; a report the code writes is never read. A
+   custom `test_command` (not pytest) writes a JUnit XML report instead, to a fresh folder
+   outside the workspace named by `$WHETSTONE_JUNIT_XML` (`junit.py` maps its testcases to ids).
 4. `reward.combine` turns tests, an optional judge score and effort into the reward.
 """
 
@@ -30,8 +32,10 @@ from pathlib import Path, PurePosixPath
 
 from whetstone.envs.grading.cheats import is_protected, scan_changes
 from whetstone.envs.grading.judge import JudgeError, judge_score
+from whetstone.envs.grading.junit import JUnitCase, JUnitError, outcomes_by_id, read_testcases
 from whetstone.envs.grading.reward import Effort, RewardConfig, combine
 from whetstone.envs.sandbox import Mount, RunResult, Sandbox, open_sandbox
+from whetstone.envs.sandbox.disk import remove_tree
 from whetstone.envs.task import Task
 from whetstone.errors import WhetstoneError
 
@@ -44,6 +48,13 @@ MAX_RESULT_LINE_CHARS = 100_000
 """A longer line in the results file is not the runner's (its records are one test id or flag)."""
 RUNNER_DIR_IN_SANDBOX = "/opt/whetstone"
 RESULTS_FILE = "results.txt"
+JUNIT_VARIABLE = "WHETSTONE_JUNIT_XML"
+"""The environment variable naming the file a custom test command must write its JUnit XML
+report to."""
+REPORT_DIR_IN_SANDBOX = f"{RUNNER_DIR_IN_SANDBOX}/report"
+JUNIT_FILE = "junit.xml"
+MAX_REPORT_BYTES = 64 << 20
+"""A larger JUnit report is not read (the sandbox's `max_file_mb` bounds it already by default)."""
 NOBODY = 65534
 """The uid and gid that own the results file when the grader runs as root."""
 MAX_LOG_CHARS = 20_000
@@ -68,6 +79,9 @@ class GradeResult:
     """Why a setup command failed (the command, its exit code or time-out); the tests did not run."""
     test_limits_hit: list[str] = field(default_factory=list)
     """Limits the test run ran into: wall_clock (the tests timed out), cpu, memory, processes, output."""
+    report_problem: str | None = None
+    """Why a custom test command's JUnit report gave no test results (none written, not
+    readable, not JUnit XML, no testcase in it); its tests then count as errors."""
 
 
 def read_tree(directory: Path) -> dict[str, bytes]:
@@ -183,13 +197,16 @@ def grade(
     kept = {path for path in pristine if path not in applied} | set(task.hidden_tests)
     applied = {path: text for path, text in applied.items() if text is None or not _clashes(path, kept)}
     required = task.fail_to_pass + task.pass_to_pass
-    with _results_folder() as results_dir:
+    report_problem = None
+    with _results_folder() as results_dir, _report_folder() as report_dir:
         compiled = compiled_runner()
         runner = Mount(str(compiled / "grade_runner.pyc"), f"{RUNNER_DIR_IN_SANDBOX}/grade_runner.pyc")
         plain_tests = Mount(str(compiled / "plain_tests.pyc"), f"{RUNNER_DIR_IN_SANDBOX}/plain_tests.pyc")
         results = Mount(results_dir, f"{RUNNER_DIR_IN_SANDBOX}/results", writable=True)
+        report = Mount(report_dir, REPORT_DIR_IN_SANDBOX, writable=True)
+        mounts = [runner, plain_tests, results] if task.pytest_args is not None else [report]
         snapshot = Path(task.repo_path) if task.repo_path else dict(task.repo_files)
-        with open_sandbox(snapshot, config.sandbox, mounts=[runner, plain_tests, results]) as sandbox:
+        with open_sandbox(snapshot, config.sandbox, mounts=mounts) as sandbox:
             refused = _apply(sandbox.workspace, applied)
             flags += [
                 f"symlink: {path} lies under {link}, a symbolic link (not applied)" for path, link in refused.items()
@@ -203,14 +220,19 @@ def grade(
             log, setup_failure = _run_setup(sandbox, task)
             limits_hit: list[str] = []
             if setup_failure is None:
-                test_code = _test_code(task, pristine, applied)
-                outcomes, runtime_flags, run = _run_tests(sandbox, task, required, test_code, runner, results)
-                flags += runtime_flags
-                log += _run_log(run)
+                if task.pytest_args is None:
+                    outcomes, run, report_problem = _run_command(sandbox, task, required, report)
+                else:
+                    test_code = _test_code(task, pristine, applied)
+                    outcomes, runtime_flags, run = _run_tests(sandbox, task, required, test_code, runner, results)
+                    flags += runtime_flags
+                log += _run_log(run) + (f"[{report_problem}]\n" if report_problem else "")
                 limits_hit = run.limits_hit
             else:
                 outcomes = {}
-    if not required:  # no FAIL_TO_PASS list: every test in the hidden files must pass
+    if not required and task.pytest_args is None:  # no FAIL_TO_PASS list: every test the report lists
+        required = list(outcomes) or list(task.hidden_tests)
+    elif not required:  # no FAIL_TO_PASS list: every test in the hidden files must pass
         in_hidden_files = [t for t in outcomes if "::" in t and t.split("::")[0] in task.hidden_tests]
         required = in_hidden_files or list(task.hidden_tests)
     tests = {test_id: outcomes.get(test_id, "error") for test_id in required}
@@ -218,9 +240,8 @@ def grade(
     solved = bool(tests) and passed_count == len(tests)
     judge, judge_log = _judge(task, pristine, applied, tests, config) if not flags else (None, "")
     reward, breakdown, exclude = combine(solved, passed_count / max(1, len(tests)), judge, effort, flags, config)
-    return GradeResult(
-        reward, solved, tests, breakdown, flags, exclude, (log + judge_log)[-MAX_LOG_CHARS:], setup_failure, limits_hit
-    )
+    log = (log + judge_log)[-MAX_LOG_CHARS:]
+    return GradeResult(reward, solved, tests, breakdown, flags, exclude, log, setup_failure, limits_hit, report_problem)
 
 
 def _run_setup(sandbox: Sandbox, task: Task) -> tuple[str, str | None]:
@@ -257,13 +278,10 @@ def _looks_like_test(path: str) -> bool:
 def _run_tests(
     sandbox: Sandbox, task: Task, required: list[str], test_code: list[str], runner: Mount, results: Mount
 ) -> tuple[dict[str, str], list[str], RunResult]:
-    """(outcome per test id, runtime cheat flags, the run) for one test run."""
+    """(outcome per test id, runtime cheat flags, the run) for one pytest run under the runner."""
     targets = required or sorted(task.hidden_tests)
     pytest_args = task.pytest_args
-    if pytest_args is None:  # a custom command: one verdict from its exit code, no per-test detail
-        run = sandbox.run(f"{task.test_command} {shlex.join(targets)}", timeout_s=task.test_time_limit_s)
-        verdict = "passed" if run.exit_code == 0 and not run.timed_out else "failed"
-        return {test_id: verdict for test_id in targets}, [], run
+    assert pytest_args is not None, "a custom test command runs in _run_command"
     token = secrets.token_hex(16)
     env = {
         "WHETSTONE_RESULTS": f"{_seen_from(sandbox, results)}/{RESULTS_FILE}",
@@ -293,6 +311,70 @@ def _run_tests(
     elif finished is not None and exited and run.exit_code != finished:
         flags.append(f"early_exit: the test process exited with code {run.exit_code}, pytest with {finished}")
     return outcomes, flags, run
+
+
+def _run_command(
+    sandbox: Sandbox, task: Task, required: list[str], report: Mount
+) -> tuple[dict[str, str], RunResult, str | None]:
+    """(outcome per test id, the run, why its report gave none) for a custom test command: it
+    runs with the test ids appended and `$WHETSTONE_JUNIT_XML` naming a file in the empty
+    `report` folder, and its JUnit XML report there is matched to the ids (`junit.py`). Its exit
+    code decides nothing: a command that ran no test, or code that exited 0 before the tests
+    did, has no report, or one that lacks the tests (each an error)."""
+    targets = required or sorted(task.hidden_tests)
+    _empty(Path(report.source))  # of anything the setup commands, which run the repository's code, left there
+    env = {JUNIT_VARIABLE: f"{_seen_from(sandbox, report)}/{JUNIT_FILE}"}
+    run = sandbox.run(f"{task.test_command} {shlex.join(targets)}", timeout_s=task.test_time_limit_s, env=env)
+    how = "timed out" if run.timed_out else f"exited with code {run.exit_code}"
+    try:
+        testcases = _read_report(Path(report.source) / JUNIT_FILE)
+    except FileNotFoundError:
+        return {}, run, f"the test command {how} and wrote no JUnit XML report to ${JUNIT_VARIABLE}"
+    except (OSError, JUnitError) as err:
+        return {}, run, f"the test command {how}; its JUnit XML report cannot be used: {err}"
+    if not testcases:
+        return {}, run, f"the test command {how}; its JUnit XML report lists no testcase"
+    return outcomes_by_id(testcases, required), run, None
+
+
+def _read_report(path: Path) -> list[JUnitCase]:
+    """The testcases of the JUnit report at `path`, read without following a symbolic link and
+    only from a regular file (graded code may have put a link, pipe or folder in its place)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise JUnitError("it is a symbolic link, not a file") from None
+        raise
+    with open(fd, "rb") as file:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise JUnitError("it is not a regular file")
+        if info.st_size > MAX_REPORT_BYTES:
+            raise JUnitError(f"it holds {info.st_size} bytes, more than the {MAX_REPORT_BYTES} read")
+        return read_testcases(file)
+
+
+def _empty(folder: Path) -> None:
+    """Removes everything in `folder` (made writable and searchable for its owner first)."""
+    os.chmod(folder, 0o700)
+    with os.scandir(folder) as entries:
+        for entry in list(entries):
+            if entry.is_dir(follow_symlinks=False):
+                remove_tree(Path(entry.path))
+            else:
+                os.unlink(entry.path)
+
+
+@contextlib.contextmanager
+def _report_folder() -> Iterator[str]:
+    """An empty folder for a custom test command's JUnit report, removed afterwards however the
+    command left it (folders in it made unreadable included)."""
+    folder = tempfile.mkdtemp(prefix="whetstone-report-")
+    try:
+        yield folder
+    finally:
+        remove_tree(Path(folder))
 
 
 def encode_paths(paths: list[str]) -> str:

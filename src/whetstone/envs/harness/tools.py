@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from whetstone.envs import prompts
+from whetstone.envs.grading.grade import JUNIT_VARIABLE
 from whetstone.envs.grading.in_sandbox import plain_tests
 from whetstone.envs.harness.workspace import ToolError, Workspace, head_tail
 from whetstone.envs.sandbox import RunResult, Sandbox
@@ -97,7 +98,9 @@ class Tools:
         result = self._plain_run(timeout_s) if pytest else None
         if result is None:  # not plain (or a custom test command): pytest or the command itself
             command = f"{task.test_command}{' -rA --tb=short' if pytest else ''} {shlex.join(task.visible_tests)}"
-            result = self.sandbox.run(command, timeout_s=max(timeout_s, 0.1))
+            # a custom command writes a JUnit report for grading; here nothing reads it
+            env = None if pytest else {JUNIT_VARIABLE: "/dev/null"}
+            result = self.sandbox.run(command, timeout_s=max(timeout_s, 0.1), env=env)
         output = result.stdout + result.stderr
         outcomes = _pytest_outcomes(output) if pytest else {}
         if not outcomes:  # a custom command, or pytest stopped before reporting any test

@@ -47,7 +47,8 @@ class MutateConfig(Config):
     split: Split = "train"
     """Only mutants in functions of this split (a fixed hash of file and function name)."""
     test_command: str = "python -m pytest -q -p no:cacheprovider"
-    """Command that runs the project's tests."""
+    """Command that runs the project's tests; one that is not pytest must write a JUnit XML
+    report to `$WHETSTONE_JUNIT_XML`."""
     test_time_limit_s: float = Field(120.0, gt=0)
     """Wall-clock limit of one test run."""
     workers: int = Field(2, ge=1)

@@ -53,7 +53,8 @@ class SwebenchConfig(Config):
     """If set, snapshots are written here and tasks point at them (`repo_path`), for large or
     binary-holding repositories; otherwise the files are put inline in the task (text only)."""
     test_command: str = "python -m pytest -q -p no:cacheprovider"
-    """Command that runs a repository's tests; FAIL_TO_PASS / PASS_TO_PASS ids are appended."""
+    """Command that runs a repository's tests; FAIL_TO_PASS / PASS_TO_PASS ids are appended. One
+    that is not pytest must write a JUnit XML report to `$WHETSTONE_JUNIT_XML`."""
     split: Split = "heldout"
     """Split recorded on the tasks."""
     limit: int | None = Field(None, ge=1)

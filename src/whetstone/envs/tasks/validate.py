@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 import sys
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
@@ -27,6 +29,7 @@ from whetstone.config import expand_path
 from whetstone.envs.grading.grade import grade, pristine_files
 from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxUnavailableError
+from whetstone.envs.sandbox.templates import IGNORED_IN_SNAPSHOTS
 from whetstone.envs.task import Task, missing_visible_tests
 from whetstone.envs.tasks.bugs import listed
 from whetstone.envs.tasks.io import Record
@@ -75,6 +78,8 @@ def check_task(task: Task, reward_config: RewardConfig | None = None) -> str | N
         return f"the tests timed out after {task.test_time_limit_s:g} s (test_time_limit_s) with the reference solution"
     if solved.test_limits_hit:
         return f"the tests ran into the sandbox's {', '.join(solved.test_limits_hit)} limit with the reference solution"
+    if solved.report_problem:
+        return f"no test results with the reference solution: {solved.report_problem}"
     if solved.cheat_flags:
         return f"the reference solution is flagged as cheating: {', '.join(solved.cheat_flags)}"
     graded = task.fail_to_pass + task.pass_to_pass or list(solved.tests)
@@ -96,7 +101,69 @@ def check_task(task: Task, reward_config: RewardConfig | None = None) -> str | N
 
 
 def task_hash(task: Task) -> str:
-    return hashlib.sha256(task.model_dump_json().encode()).hexdigest()
+    """The key of a task's cached verdict: its record, and for a `repo_path` task the content of
+    that folder too (`folder_digest`), so a snapshot whose files changed is validated again."""
+    digest = hashlib.sha256(task.model_dump_json().encode())
+    if task.repo_path is not None:
+        try:
+            digest.update(b"\0repo_path\0" + folder_digest(Path(task.repo_path)))
+        except OSError as err:
+            where = os.fsdecode(err.filename) if err.filename is not None else task.repo_path
+            raise WhetstoneError(
+                f"task {task.id}: repo_path {task.repo_path} cannot be read ({where}: {err.strerror or err}): "
+                "the snapshot folder must exist and its files be readable"
+            ) from None
+    return digest.hexdigest()
+
+
+HASH_CHUNK_BYTES = 1 << 20
+"""How much of a file `folder_digest` reads at a time."""
+MODE_BITS_HASHED = 0o7755
+"""The mode bits a snapshot's hash covers: all but group and other write, which a umask sets
+differently between checkouts of the same files and which a test run by one user never meets."""
+
+
+def folder_digest(folder: Path) -> bytes:
+    """A hash of what a sandbox copies from a snapshot folder (everything but `.git`, as
+    `copy_tree`): each entry's relative path, type and mode bits (`MODE_BITS_HASHED`), a file's
+    bytes, a symbolic link's target (links are not followed). Files are read in chunks, one at a
+    time. Raises OSError when the folder or something in it cannot be read."""
+    digest = hashlib.sha256()
+    stack = [b""]
+    while stack:
+        relative = stack.pop()
+        where = os.path.join(os.fsencode(folder), relative) if relative else os.fsencode(folder)
+        with os.scandir(where) as found:
+            entries = {entry.name: entry for entry in found}
+        ignored = IGNORED_IN_SNAPSHOTS(os.fsdecode(where), [os.fsdecode(name) for name in entries])
+        folders = []
+        for name in sorted(entries):
+            if os.fsdecode(name) in ignored:
+                continue
+            path = os.path.join(relative, name)
+            info = entries[name].stat(follow_symlinks=False)
+            mode = b"%o" % (stat.S_IMODE(info.st_mode) & MODE_BITS_HASHED)
+            if stat.S_ISLNK(info.st_mode):
+                record = b"link\0" + os.readlink(entries[name].path)
+            elif stat.S_ISDIR(info.st_mode):
+                record = b"folder\0" + mode
+                folders.append(path)
+            elif stat.S_ISREG(info.st_mode):
+                record = b"file\0" + mode + b"\0" + _file_digest(entries[name].path)
+            else:  # a pipe, socket or device: its kind, never its content
+                record = b"special\0%o" % stat.S_IFMT(info.st_mode)
+            digest.update(path + b"\0" + record + b"\0")
+        stack += reversed(folders)  # depth first, in name order
+    return digest.digest()
+
+
+def _file_digest(path: bytes) -> bytes:
+    """The sha256 of a regular file's bytes, read in chunks without following a link."""
+    digest = hashlib.sha256()
+    with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC), "rb") as file:
+        while chunk := file.read(HASH_CHUNK_BYTES):
+            digest.update(chunk)
+    return digest.digest()
 
 
 PACKAGE = Path(__file__).parents[2]
@@ -174,7 +241,10 @@ def validate_records(
 
     def check(record: Record) -> str | None:
         assert record.task is not None
-        key = task_hash(record.task)
+        try:
+            key = task_hash(record.task)
+        except WhetstoneError as err:  # a snapshot folder that cannot be read: nothing to cache it under
+            return str(err)
         if key not in cache:
             try:
                 cache[key] = check_task(record.task, reward_config)
