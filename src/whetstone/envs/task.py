@@ -88,8 +88,8 @@ class Task(Config):
     """Reference solution as a unified diff (SWE-bench `patch`), if not given as files."""
     fail_to_pass: list[str] = []
     """Test ids that must go from failing to passing (pytest node ids, or for a custom
-    `test_command` ids of its JUnit report's testcases); if empty, every test in `hidden_tests`
-    must pass."""
+    `test_command` ids of its JUnit report's testcases, which validation requires); if empty,
+    every test in `hidden_tests` must pass."""
     pass_to_pass: list[str] = []
     """Test ids that must keep passing."""
     test_command: str = "python -m pytest -q -p no:cacheprovider"

@@ -176,12 +176,23 @@ def test_code_that_exits_0_before_the_tests_ran_passes_nothing():
             "mkfifo $WHETSTONE_JUNIT_XML",
             "exited with code 0; its JUnit XML report cannot be used: it is not a regular file",
         ),
+        (  # expat cannot read a multi-byte encoding other than UTF-8/16
+            """echo '<?xml version="1.0" encoding="utf-7"?><testsuite/>' > $WHETSTONE_JUNIT_XML""",
+            "exited with code 0; its JUnit XML report cannot be used: its XML declaration names an encoding the "
+            "parser cannot read (multi-byte encodings are not supported): write it in UTF-8",
+        ),
+        (
+            """echo '<?xml version="1.0" encoding="bogus"?><testsuite/>' > $WHETSTONE_JUNIT_XML""",
+            "exited with code 0; its JUnit XML report cannot be used: its XML declaration names an encoding the "
+            "parser cannot read (unknown encoding: bogus): write it in UTF-8",
+        ),
     ],
 )
 def test_a_custom_command_without_a_usable_report_fails_with_the_reason(command, problem):
     task = bugfix_task(test_command=f"{command} #")
     result = grade(task, task.solution_files)
     assert not result.passed and set(result.tests.values()) == {"error"}
+    assert result.reward == 0.0 and not result.exclude_from_gradient  # a failed rollout, trained on
     assert result.report_problem == f"the test command {problem}"
 
 

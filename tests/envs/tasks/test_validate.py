@@ -7,6 +7,7 @@ from whetstone.envs.grading.grade import PLAIN_TESTS, RUNNER
 from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxConfig
 from whetstone.envs.task import Task
+from whetstone.envs.tasks import validate
 from whetstone.envs.tasks.io import Record, read_records, write_tasks
 from whetstone.envs.tasks.registry import TasksConfig, load_valid_tasks
 from whetstone.envs.tasks.synth import SynthConfig, generate
@@ -257,4 +258,61 @@ def test_a_custom_test_command_that_writes_no_report_is_named():
     assert check_task(silent) == (
         "no test results with the reference solution: the test command exited with code 0 and wrote no "
         "JUnit XML report to $WHETSTONE_JUNIT_XML"
+    )
+
+
+def test_a_snapshot_hash_leaves_out_the_read_and_write_bits_a_umask_sets(tmp_path):
+    """The same files checked out under umask 022 and 077 hash alike; a file made executable does not."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    task = _snapshot_task(folder)
+    (folder / "calc.py").chmod(0o644)
+    (folder / "docs").chmod(0o755)
+    before = task_hash(task)
+    (folder / "calc.py").chmod(0o600)
+    (folder / "docs").chmod(0o700)
+    assert task_hash(task) == before
+    (folder / "calc.py").chmod(0o700)
+    assert task_hash(task) != before
+
+
+def test_a_snapshot_folder_shared_by_tasks_is_hashed_once_per_validation(tmp_path, monkeypatch):
+    """Two tasks on one folder, one of them through a link to it: its bytes are read once."""
+    folder = tmp_path / "repo"
+    folder.mkdir()
+    task = _snapshot_task(folder)
+    (tmp_path / "same").symlink_to(folder)
+    tasks = [
+        task.model_copy(update={"id": "custom/a", "solution_files": {}}),
+        task.model_copy(update={"id": "custom/b", "solution_files": {}, "repo_path": str(tmp_path / "same")}),
+    ]
+    hashed = []
+
+    def counted(path):
+        hashed.append(path)
+        return folder_digest(path)
+
+    folder_digest = validate.folder_digest
+    monkeypatch.setattr(validate, "folder_digest", counted)
+    reason = "no reference solution (solution_files or solution_patch)"
+    report = validate_tasks(tasks, cache_path=tmp_path / "cache.json")
+    assert report.invalid == [{"id": "custom/a", "reason": reason}, {"id": "custom/b", "reason": reason}]
+    assert len(hashed) == 1
+    validate_tasks(tasks, cache_path=tmp_path / "cache.json")  # a new validation reads the folder again
+    assert len(hashed) == 2
+
+
+def test_a_custom_test_command_without_fail_to_pass_ids_is_refused():
+    """Every testcase of the report would count, so one that leaves out the hidden tests passes."""
+    task = _bugfix("def add(a, b):\n    return a - b\n", "def add(a, b):\n    return a + b\n")
+    command = (
+        "python -c 'import sys, pytest; sys.exit(pytest.main())' -p no:cacheprovider --junitxml=$WHETSTONE_JUNIT_XML"
+    )
+    listed = task.model_copy(update={"test_command": command})  # test_calc.py::test_add
+    assert check_task(listed) is None
+    unlisted = listed.model_copy(update={"fail_to_pass": []})
+    assert check_task(unlisted) == (
+        "a custom test_command needs fail_to_pass ids: without them every testcase of its JUnit report counts, so "
+        "a run whose report leaves out the hidden tests' testcases passes; list the ids of the testcases that "
+        'must pass (docs/tasks.md, "Custom test commands")'
     )

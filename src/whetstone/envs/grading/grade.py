@@ -230,7 +230,9 @@ def grade(
                 limits_hit = run.limits_hit
             else:
                 outcomes = {}
-    if not required and task.pytest_args is None:  # no FAIL_TO_PASS list: every test the report lists
+    if not required and task.pytest_args is None:
+        # every test the report lists: mutate's probe of a project's tests (validation refuses a
+        # task like this, whose report could leave out the hidden tests)
         required = list(outcomes) or list(task.hidden_tests)
     elif not required:  # no FAIL_TO_PASS list: every test in the hidden files must pass
         in_hidden_files = [t for t in outcomes if "::" in t and t.split("::")[0] in task.hidden_tests]
@@ -320,7 +322,8 @@ def _run_command(
     runs with the test ids appended and `$WHETSTONE_JUNIT_XML` naming a file in the empty
     `report` folder, and its JUnit XML report there is matched to the ids (`junit.py`). Its exit
     code decides nothing: a command that ran no test, or code that exited 0 before the tests
-    did, has no report, or one that lacks the tests (each an error)."""
+    did, has no report, or one that lacks the tests (each an error), unless the report is made
+    from the run's printed output (go-junit-report), which that code can print."""
     targets = required or sorted(task.hidden_tests)
     _empty(Path(report.source))  # of anything the setup commands, which run the repository's code, left there
     env = {JUNIT_VARIABLE: f"{_seen_from(sandbox, report)}/{JUNIT_FILE}"}

@@ -19,6 +19,7 @@ import json
 import os
 import stat
 import sys
+import threading
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -66,6 +67,12 @@ def reference_changes(task: Task) -> dict[str, str | None]:
 def check_task(task: Task, reward_config: RewardConfig | None = None) -> str | None:
     """None if the task is valid, else the reason it is not."""
     config = reward_config or RewardConfig()
+    if task.pytest_args is None and not task.fail_to_pass:
+        return (
+            "a custom test_command needs fail_to_pass ids: without them every testcase of its JUnit report "
+            "counts, so a run whose report leaves out the hidden tests' testcases passes; list the ids of "
+            'the testcases that must pass (docs/tasks.md, "Custom test commands")'
+        )
     changes = reference_changes(task)
     if not changes:
         return "no reference solution (solution_files or solution_patch)"
@@ -100,13 +107,14 @@ def check_task(task: Task, reward_config: RewardConfig | None = None) -> str | N
     return None
 
 
-def task_hash(task: Task) -> str:
+def task_hash(task: Task, digests: SnapshotDigests | None = None) -> str:
     """The key of a task's cached verdict: its record, and for a `repo_path` task the content of
-    that folder too (`folder_digest`), so a snapshot whose files changed is validated again."""
+    that folder too (`folder_digest`, taken from `digests` where given), so a snapshot whose files
+    changed is validated again."""
     digest = hashlib.sha256(task.model_dump_json().encode())
     if task.repo_path is not None:
         try:
-            digest.update(b"\0repo_path\0" + folder_digest(Path(task.repo_path)))
+            digest.update(b"\0repo_path\0" + (digests or folder_digest)(Path(task.repo_path)))
         except OSError as err:
             where = os.fsdecode(err.filename) if err.filename is not None else task.repo_path
             raise WhetstoneError(
@@ -116,18 +124,41 @@ def task_hash(task: Task) -> str:
     return digest.hexdigest()
 
 
+class SnapshotDigests:
+    """`folder_digest` of each snapshot folder (by its resolved path), taken once however many
+    tasks share the folder: one validation run reads each snapshot's bytes once. Threads asking
+    for a folder being hashed wait for that hash; a folder that cannot be read is tried again."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._folder_locks: dict[Path, threading.Lock] = {}
+        self._digests: dict[Path, bytes] = {}
+
+    def __call__(self, folder: Path) -> bytes:
+        key = folder.resolve()
+        with self._lock:
+            folder_lock = self._folder_locks.setdefault(key, threading.Lock())
+        with folder_lock:
+            if key not in self._digests:
+                self._digests[key] = folder_digest(folder)
+            return self._digests[key]
+
+
 HASH_CHUNK_BYTES = 1 << 20
 """How much of a file `folder_digest` reads at a time."""
-MODE_BITS_HASHED = 0o7755
-"""The mode bits a snapshot's hash covers: all but group and other write, which a umask sets
-differently between checkouts of the same files and which a test run by one user never meets."""
+MODE_BITS_HASHED = stat.S_IXUSR
+"""The mode bits a snapshot's hash covers, of its files only: the owner's execute bit, which
+decides whether a script in the sandbox's copy runs (and is the one mode bit git records). The
+group's and other's bits, read as much as write, are each checkout's umask's doing (0o644 under
+one, 0o600 or 0o664 under another), and the owner's read and write bits are set in any checkout:
+hashing those, or a folder's bits, would only make the same files hash differently."""
 
 
 def folder_digest(folder: Path) -> bytes:
     """A hash of what a sandbox copies from a snapshot folder (everything but `.git`, as
-    `copy_tree`): each entry's relative path, type and mode bits (`MODE_BITS_HASHED`), a file's
-    bytes, a symbolic link's target (links are not followed). Files are read in chunks, one at a
-    time. Raises OSError when the folder or something in it cannot be read."""
+    `copy_tree`): each entry's relative path and type, a file's bytes and executable bit
+    (`MODE_BITS_HASHED`), a symbolic link's target (links are not followed). Files are read in
+    chunks, one at a time. Raises OSError when the folder or something in it cannot be read."""
     digest = hashlib.sha256()
     stack = [b""]
     while stack:
@@ -142,13 +173,13 @@ def folder_digest(folder: Path) -> bytes:
                 continue
             path = os.path.join(relative, name)
             info = entries[name].stat(follow_symlinks=False)
-            mode = b"%o" % (stat.S_IMODE(info.st_mode) & MODE_BITS_HASHED)
             if stat.S_ISLNK(info.st_mode):
                 record = b"link\0" + os.readlink(entries[name].path)
             elif stat.S_ISDIR(info.st_mode):
-                record = b"folder\0" + mode
+                record = b"folder"
                 folders.append(path)
             elif stat.S_ISREG(info.st_mode):
+                mode = b"%o" % (stat.S_IMODE(info.st_mode) & MODE_BITS_HASHED)
                 record = b"file\0" + mode + b"\0" + _file_digest(entries[name].path)
             else:  # a pipe, socket or device: its kind, never its content
                 record = b"special\0%o" % stat.S_IFMT(info.st_mode)
@@ -238,11 +269,12 @@ def validate_records(
     cache = _load_cache(cache_file, grader)  # before the records, which a generator may take minutes to make
     records = list(records)
     report = ValidationReport(total=len(records))
+    digests = SnapshotDigests()
 
     def check(record: Record) -> str | None:
         assert record.task is not None
         try:
-            key = task_hash(record.task)
+            key = task_hash(record.task, digests)
         except WhetstoneError as err:  # a snapshot folder that cannot be read: nothing to cache it under
             return str(err)
         if key not in cache:
