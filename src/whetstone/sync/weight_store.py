@@ -278,7 +278,7 @@ class WeightStore:
             ) from None
         passed = self._passed(manifest)
         if passed is not None:
-            self._remove_manifest(manifest)
+            self._remove_manifest(manifest.version, manifest.digest)
             raise StalePublisherError(
                 f"version {manifest.version} was not published in {self.objects!r}: another publisher "
                 f"took the store to version {passed.version} while it was uploaded (a rollback, a second "
@@ -313,14 +313,15 @@ class WeightStore:
             return None
         return None if built_on else head
 
-    def _remove_manifest(self, manifest: Manifest) -> None:
-        """Delete `manifest` from the store if it is still that publish (digest), as `withdraw` does."""
+    def _remove_manifest(self, version: int, digest: str) -> None:
+        """Delete the manifest of `version` if it is still the publish of that `digest` (a number
+        published again since keeps its manifest)."""
         try:
-            data = self.objects.get(manifest_key(manifest.version))
+            data = self.objects.get(manifest_key(version))
         except MissingObjectError:
             return
-        if manifest_digest(data) == manifest.digest:
-            self.objects.delete(manifest_key(manifest.version))
+        if manifest_digest(data) == digest:
+            self.objects.delete(manifest_key(version))
 
     def _point_at(self, version: int | None, digest: str | None) -> None:
         if version is None:
@@ -465,12 +466,7 @@ class WeightStore:
         newest_first = sorted(doomed, key=lambda d: d.version, reverse=True)
         listed = {(d.version, d.manifest) for d in doomed}
         for entry in newest_first:
-            try:
-                data = self.objects.get(manifest_key(entry.version))
-            except MissingObjectError:
-                continue
-            if manifest_digest(data) == entry.manifest:
-                self.objects.delete(manifest_key(entry.version))
+            self._remove_manifest(entry.version, entry.manifest)
         for entry in newest_first:
             prefix, kept = version_prefix(entry.version), set()
             try:  # read again, after every delete: the number may have been published again since
