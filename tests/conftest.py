@@ -19,3 +19,9 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.get_closest_marker("gpu") is not None:
             item.add_marker(skip)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n logical` and `-n auto`: one worker per CPU this process may run on (its affinity), not
+    per CPU of the host, which a pinned process or a container sees too."""
+    return len(os.sched_getaffinity(0))

@@ -45,3 +45,18 @@ def test_a_plain_line_shows_the_rate_the_eta_and_the_live_fields(not_a_terminal)
     with progress.progress_bar(None, "train tokenizer", "run") as bar:  # no total: a count and the time
         bar.update(1)
     assert not_a_terminal.readouterr().err.splitlines()[-1].startswith("train tokenizer: 1 run  ")
+
+
+def test_the_follower_of_mid_training_reads_records_appended_or_rewritten_since_it_looked(tmp_path):
+    from whetstone.run.pipeline import _written_since
+    from whetstone.utils.atomic import atomic_write_text
+
+    metrics = tmp_path / "metrics.jsonl"
+    assert not _written_since(metrics, None)  # nothing yet
+    metrics.write_text('{"step": 5}\n{"step": 6}\n')
+    assert _written_since(metrics, None)  # a fresh start: every record is this run's
+    before = metrics.stat()
+    assert not _written_since(metrics, before)  # a resumed run's file as it was: the stopped run's
+    # the resumed role drops the records after its checkpoint (a new, shorter file), then writes on
+    atomic_write_text(metrics, '{"step": 5}\n')
+    assert _written_since(metrics, before)

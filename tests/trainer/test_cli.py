@@ -10,6 +10,7 @@ from tests.trainer.trainer_fixtures import put_batches, trainer_config
 from whetstone.config import dump_toml
 from whetstone.errors import ConfigError
 from whetstone.trainer.cli import app
+from whetstone.trainer.config import TrainerConfig
 
 
 def test_the_command_trains_the_batches_there_and_prints_a_summary(tmp_path, tiny_moe, batches):
@@ -32,7 +33,9 @@ def test_a_decaying_learning_rate_needs_a_run_length():
     assert isinstance(result.exception, ConfigError) and "max_steps" in str(result.exception)
 
 
-def test_a_warmup_as_long_as_the_run_is_refused():
+def test_a_warmup_longer_than_the_run_is_refused():
     result = CliRunner().invoke(app, ["trainer", "--set", "optimizer.warmup_steps=10", "--set", "max_steps=5"])
     assert isinstance(result.exception, ConfigError)
-    assert "optimizer.warmup_steps (10) must be below max_steps (5)" in str(result.exception)
+    assert "optimizer.warmup_steps (10) is more than max_steps (5)" in str(result.exception)
+    # a ramp over the whole run reaches the peak at its last step
+    assert TrainerConfig.model_validate({"optimizer": {"warmup_steps": 5}, "max_steps": 5}).max_steps == 5

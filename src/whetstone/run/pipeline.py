@@ -332,13 +332,14 @@ class Pipeline:
         metrics = run.run_dir / "metrics.jsonl"
         resumed = latest_checkpoint(run.run_dir / "checkpoints") if run.resume else None
         done = checkpoint_step(resumed) if resumed is not None else 0  # where the ranks start
-        # an older run's records, appended to (a fresh start moves them aside)
-        before = metrics.stat().st_size if metrics.exists() and run.resume else 0
+        # an older run's records, appended to (a fresh start moves them aside), or rewritten without
+        # those after the checkpoint (a new file: `MetricsWriter`'s `resume_at`)
+        before = metrics.stat() if metrics.exists() and run.resume else None
         with progress_bar(max(0, run.steps - done) * step_tokens, f"midtrain {run.name}", "tok") as bar:
             while True:
                 running = role.running
-                # read after the look, so the last step shows; only what the ranks appended
-                record = last_record(metrics) if metrics.exists() and metrics.stat().st_size > before else {}
+                # read after the look, so the last step shows; only what the ranks wrote
+                record = last_record(metrics) if _written_since(metrics, before) else {}
                 step = record.get("step", done)
                 fields = {"step": step, "loss": record["loss"]} if "loss" in record else {"step": step}
                 bar.update(max(0, step - done) * step_tokens, **fields)  # an evaluation's record has no loss
@@ -797,3 +798,13 @@ class Pipeline:
 
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     return Pipeline(config).run()
+
+
+def _written_since(path: Path, before: os.stat_result | None) -> bool:
+    """Whether `path` holds records written since `before` (its state then, or None if it held
+    none): it grew, or it is another file (rewritten)."""
+    try:
+        now = path.stat()
+    except FileNotFoundError:
+        return False
+    return before is None or now.st_ino != before.st_ino or now.st_size > before.st_size

@@ -100,9 +100,10 @@ class TrainerConfig(Config):
     def _schedule_has_a_length(self) -> "TrainerConfig":
         if self.optimizer.min_lr_ratio < 1 and self.max_steps == 0:
             raise ValueError("optimizer.min_lr_ratio < 1 decays the learning rate over max_steps: set max_steps")
-        if self.max_steps and self.optimizer.warmup_steps >= self.max_steps:  # the peak would never be reached
+        if self.max_steps and self.optimizer.warmup_steps > self.max_steps:
             raise ValueError(
-                f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) must be below max_steps ({self.max_steps})"
+                f"optimizer.warmup_steps ({self.optimizer.warmup_steps}) is more than max_steps ({self.max_steps}): "
+                "the learning rate would never reach optimizer.lr"
             )
         return self
 

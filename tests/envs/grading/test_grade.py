@@ -294,6 +294,18 @@ def test_a_folder_the_agent_turned_into_a_file_and_a_file_into_a_folder_are_grad
     assert result.passed and result.setup_failure is None and result.cheat_flags == []
 
 
+def test_a_folder_turned_into_a_file_goes_with_the_caches_and_links_grading_does_not_see(tmp_path):
+    for name, text in {"stats.py": BUGGY, "test_stats.py": VISIBLE, "notes/a.txt": "a"}.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    (tmp_path / "notes" / "__pycache__").mkdir()
+    (tmp_path / "notes" / "__pycache__" / "a.pyc").write_bytes(b"\0")
+    (tmp_path / "notes" / "link").symlink_to("a.txt")
+    task = bugfix_task(repo_files={}, repo_path=str(tmp_path))
+    result = grade(task, {**task.solution_files, "notes/a.txt": None, "notes": "now a file"})
+    assert result.passed and result.setup_failure is None and result.cheat_flags == []
+
+
 def test_grading_leaves_nothing_behind(tmp_path, monkeypatch):
     # The folders that live as long as the process (the compiled runner, the sandboxes' root) are
     # made first, in the usual temporary folder; what then appears in tmp_path is one grade's.

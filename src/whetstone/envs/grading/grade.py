@@ -159,7 +159,7 @@ def _apply(workspace: Path, changes: dict[str, str | None]) -> dict[str, str]:
             target.unlink(missing_ok=True)
         if text is not None:
             if target.is_dir():  # a folder whose files the changes deleted, now a file
-                _remove_empty_folders(target, name)
+                _remove_folder_for_file(target, name)
             target.parent.mkdir(parents=True, exist_ok=True)
             flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC
             with open(os.open(target, flags, 0o666), "wb") as file:
@@ -167,13 +167,13 @@ def _apply(workspace: Path, changes: dict[str, str | None]) -> dict[str, str]:
     return refused
 
 
-def _remove_empty_folders(folder: Path, name: str) -> None:
-    """Removes `folder`, which must hold nothing but empty folders: a change that writes a file
-    where the repository has a folder must also delete every file in it."""
-    for root, _, files in os.walk(folder, topdown=False):
-        if files:
-            raise WhetstoneError(f"change to {name!r}: a file where the repository has a folder still holding files")
-        os.rmdir(root)
+def _remove_folder_for_file(folder: Path, name: str) -> None:
+    """Removes `folder`, where the agent's workspace has a file: with it go what `read_tree` does
+    not see in it (links, caches such as `__pycache__`). A file it sees there is one the changes
+    kept, which a change that writes a file in the folder's place must have deleted."""
+    if read_tree(folder):
+        raise WhetstoneError(f"change to {name!r}: a file where the repository has a folder still holding files")
+    shutil.rmtree(folder)
 
 
 def _link_above(workspace: Path, path: PurePosixPath) -> str | None:
