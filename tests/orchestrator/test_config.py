@@ -42,3 +42,26 @@ def test_cli_reports_a_bad_config_by_name():
 def test_rl_refuses_sampling_the_trainer_cannot_reproduce(sampling):
     with pytest.raises(ValidationError, match="RL trains on the sampled distribution"):
         OrchestratorConfig(harness={"sampling": sampling})
+
+
+def test_a_group_smaller_than_the_smallest_kept_one_is_refused():
+    with pytest.raises(ConfigError, match=r"advantages.min_group_size \(4\) exceeds group_size \(2\)"):
+        load_config(OrchestratorConfig, overrides=["group_size=2", "advantages.min_group_size=4"])
+    assert OrchestratorConfig(group_size=4, advantages={"min_group_size": 4}).group_size == 4
+
+
+def test_a_registry_record_forgotten_before_its_server_is_refused():
+    with pytest.raises(
+        ConfigError, match=r"forget_servers_after_s \(10\) must be longer than server_heartbeat_timeout_s"
+    ):
+        load_config(OrchestratorConfig, overrides=["forget_servers_after_s=10"])
+    assert OrchestratorConfig(forget_servers_after_s=11).forget_servers_after_s == 11
+
+
+def test_a_mistyped_server_address_is_refused_when_the_config_loads():
+    with pytest.raises(ConfigError, match=r"servers.0: 'http://gpu-3:port/v1' is not a server address: Invalid port"):
+        load_config(OrchestratorConfig, overrides=['servers=["http://gpu-3:port/v1"]'])
+    with pytest.raises(ConfigError, match=r"'gpu-3:8000/v1' is not a server address: give http\(s\)://host:port/v1"):
+        load_config(OrchestratorConfig, overrides=['servers=["gpu-3:8000/v1"]'])
+    with pytest.raises(ConfigError, match=r"endpoint.base_url: 'http://:8000/v1' is not a server address"):
+        load_config(OrchestratorConfig, overrides=['endpoint.base_url="http://:8000/v1"'])

@@ -128,3 +128,42 @@ def test_a_group_with_no_rollout_that_ran_leaves_no_record():
     curriculum = Curriculum(CurriculumConfig())
     curriculum.record("t", 0, 0, pass_number=0)
     assert not curriculum.rests("t", 1)
+
+
+def test_a_restarted_orchestrator_counts_the_rests_before_its_next_task_once(tmp_path):
+    """The producer takes its next task from the stream (counting the resting tasks it skips on
+    the way), then waits for room; a batch put meanwhile saves the state, and an orchestrator
+    restarted from it takes the same task next without counting those skips again."""
+    tasks = coin_tasks(6)
+    config = orchestrator_config(tmp_path, str(tmp_path), ["http://127.0.0.1:9/v1"])
+    fresh = Orchestrator(config, tasks)
+    second_pass = [task for number, _, task in itertools.islice(fresh._task_stream(tasks), 12) if number == 1]
+    for task in second_pass[:3]:  # never solved in pass 0: they rest in pass 1
+        fresh.curriculum.record(task.id, 0, 2, pass_number=0)
+    fresh._know_tasks(tasks)
+    fresh._stream_next = (1, 0)
+    fresh.batches.put(STATE_KEY, json.dumps(fresh._state(9)).encode())
+
+    def restarted() -> Orchestrator:
+        """As `run` starts with batches 0-9 in the store: the trainer has published no version
+        yet, so there is no room for a group."""
+        orchestrator = Orchestrator(config, tasks)
+        orchestrator._know_tasks(tasks)
+        orchestrator._resume(10)
+        orchestrator._last_put = 9
+        return orchestrator
+
+    async def take_next_task(orchestrator: Orchestrator) -> None:
+        producer = asyncio.create_task(orchestrator._produce(tasks, None, None))
+        for _ in range(20):  # the producer runs until it waits for room
+            await asyncio.sleep(0)
+        assert not producer.done()
+        producer.cancel()
+
+    first = restarted()
+    asyncio.run(take_next_task(first))
+    assert first.curriculum.rested == 3
+    first.batches.put(STATE_KEY, json.dumps(first._state(9)).encode())  # as a batch put meanwhile does
+    second = restarted()
+    asyncio.run(take_next_task(second))
+    assert (second.curriculum.rested, second._stream_next) == (3, first._stream_next) == (3, (1, 3))

@@ -7,6 +7,7 @@ from pydantic import Field, model_validator
 
 from whetstone.config import Config
 from whetstone.envs.harness import EndpointConfig, HarnessConfig, RolloutConfig
+from whetstone.envs.harness.config import ApiRoot
 from whetstone.envs.tasks import TasksConfig
 from whetstone.inference.sampling import GREEDY_BELOW
 from whetstone.orchestrator.curriculum import CurriculumConfig
@@ -16,7 +17,7 @@ from whetstone.utils.tracking import TrackingConfig
 
 
 class OrchestratorConfig(Config):
-    servers: list[str] = ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"]
+    servers: list[ApiRoot] = ["http://127.0.0.1:8000/v1", "http://127.0.0.1:8001/v1"]
     """API roots of the inference servers (`whetstone serve`, vLLM, SGLang), on any machine."""
     endpoint: EndpointConfig = EndpointConfig()
     """Request settings shared by every server (model, key, timeout, retries); its `base_url` is
@@ -108,5 +109,21 @@ class OrchestratorConfig(Config):
                 f"{GREEDY_BELOW:g} (below it the engine samples greedily) "
                 f"and no truncation (top_p = 1, top_k = 0); got temperature {sampling.temperature}, "
                 f"top_p {sampling.top_p}, top_k {sampling.top_k}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _groups_can_be_kept(self) -> OrchestratorConfig:
+        if self.advantages.min_group_size > self.group_size:
+            # every group would be dropped as `small_group`: rollouts spent for nothing, for ever
+            raise ValueError(
+                f"advantages.min_group_size ({self.advantages.min_group_size}) exceeds group_size "
+                f"({self.group_size}): no group could be kept; lower advantages.min_group_size or raise group_size"
+            )
+        if self.forget_servers_after_s <= self.server_heartbeat_timeout_s:
+            # a server's record would go while the pool still counts it alive
+            raise ValueError(
+                f"forget_servers_after_s ({self.forget_servers_after_s:g}) must be longer than "
+                f"server_heartbeat_timeout_s ({self.server_heartbeat_timeout_s:g})"
             )
         return self

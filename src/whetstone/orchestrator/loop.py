@@ -132,7 +132,9 @@ class Orchestrator:
         """(pass, position in its order) where the task stream starts: (0, 0), or where a
         restarted orchestrator's predecessor left it (`_resume`)."""
         self._stream_next = (0, 0)
-        """Where the stream goes on after the last group started: saved with each batch put."""
+        """Where the stream goes on: at the task the producer took from it and has not started yet,
+        else after the last group started (the skips before it are counted already). Saved with
+        each batch put."""
 
     async def run(self, on_batch: Callable[[dict], None] | None = None) -> list[int]:
         """Run until `max_batches` are put (or forever); returns the indices put. `on_batch` sees
@@ -200,10 +202,12 @@ class Orchestrator:
             for task in [*background, *self._running]:
                 task.cancel()
             await asyncio.gather(*background, *self._running, return_exceptions=True)
-            self._write_status(now=True)
-            await pool.close()
-            if metrics is not None:
-                metrics.close()
+            try:
+                self._write_status(now=True)  # may fail (a full disk): the pool and the metrics close all the same
+            finally:
+                await pool.close()
+                if metrics is not None:
+                    metrics.close()
         return self.put
 
     @property
@@ -305,6 +309,8 @@ class Orchestrator:
 
     async def _produce(self, tasks: list[Task], harness: AgentHarness, pool: ServerPool) -> None:
         for number, (pass_number, position, task) in enumerate(self._task_stream(tasks)):
+            # a restart goes on from this task, counting no rest before it again
+            self._stream_next = (pass_number, position)
             if self._validity.get(task.id) is not None:  # known invalid
                 if self.invalid_tasks == len(tasks):
                     self._failure = WhetstoneError(
