@@ -320,6 +320,7 @@ def _reference_section(cls: type[Config], prefix: str, out: list[str], instance:
             default = value if instance is not None else field.get_default(call_default_factory=True)
             shown = "(none)" if default is None else f"`{_toml_value(default)}`"
         kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
+        kind = re.sub(r"Annotated\[([^,\[\]]+), [^\[\]]*\]", r"\1", kind)  # the type, not its validators
         kind = kind.replace("|", "\\|")  # a bare `|` ends a table cell, even inside backticks
         description = (field.description or "").replace("\n", " ").replace("|", "\\|")
         rows.append(f"| `{prefix}{name}` | `{kind}` | {shown} | {description} |")

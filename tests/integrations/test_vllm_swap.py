@@ -401,3 +401,13 @@ def test_a_served_model_name_given_twice_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse(["--model", "/m", "--served-model-name", "a", "--", "--served-model-name", "b"])
     assert "--served-model-name is given both before and after --" in capsys.readouterr().err
+
+
+def test_a_status_without_a_version_or_a_mistyped_address_is_no_version_or_down_not_a_crash():
+    assert health_of({"following": True}) == {}  # following, but no version to report: as a vLLM without it
+
+    async def ask(url: str):
+        async with httpx.AsyncClient() as client:
+            return await vllm_health(client, url)
+
+    assert asyncio.run(ask("http://gpu-3:$PORT/v1")) is None  # an address no server can have: down

@@ -123,13 +123,13 @@ async def vllm_health(client: httpx.AsyncClient, api_root: str) -> dict | None:
         if (await client.get(root + "/health")).status_code != 200:
             return None
         response = await client.post(root + "/collective_rpc", json={"method": "whetstone_status"})
-    except httpx.HTTPError:
+    except (httpx.HTTPError, httpx.InvalidURL):  # down, or an address no server can have
         return None
     try:
         status = response.json()["results"][0] if response.status_code == 200 else {}
     except (ValueError, KeyError, IndexError, TypeError):
         status = {}
-    if not isinstance(status, dict) or not status.get("following"):
+    if not isinstance(status, dict) or not status.get("following") or "weight_version" not in status:
         return {}
     body = {"status": "ok", "weight_version": status["weight_version"]}
     body["latest_weight_version"] = status.get("latest_weight_version")

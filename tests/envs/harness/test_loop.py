@@ -70,6 +70,8 @@ def test_odd_replies_are_invalid_calls_not_a_failed_rollout():
         "<tool_call>" + "[" * 3000 + "</tool_call>",  # too deep for the JSON parser
         '<tool_call>\n{"name": "write_file", "arguments": {"path": "x.py", "content": "\\ud800"}}\n</tool_call>',
         '<tool_call>\n{"name": "run", "arguments": {"command": "echo \\udc00\\ud800"}}\n</tool_call>',
+        call("run", command="echo a\0b"),  # no command line can hold a NUL
+        call("grep", pattern="a{4294967296}", path="."),  # a tool error: answered, not invalid
         call("run", command="echo hi > $'bad\\x80name.txt'"),  # a file name that is not UTF-8
         call("list_dir", path="."),
         call("submit"),
@@ -77,12 +79,14 @@ def test_odd_replies_are_invalid_calls_not_a_failed_rollout():
     policy = ScriptedPolicy(lambda prompt: replies[prompt.count("<|im_start|>assistant") - 1])
     trajectory = run_agent(synth_task(), policy, context_tokens=16000, max_turn_tokens=8000)  # room for the [[[...
     assert trajectory.status == "ok" and trajectory.stop_reason == "submitted"
-    assert trajectory.turns == 6 and trajectory.invalid_tool_calls == 3
+    assert trajectory.turns == 8 and trajectory.invalid_tool_calls == 4
     answers = [tokenizer().decode(p) for p in policy.prompts[1:]]
     assert "error: tool call 0: invalid JSON (nested too deeply)" in answers[0]
     assert "error: write_file: argument content is not valid UTF-8 text (surrogates not allowed" in answers[1]
     assert "error: run: argument command is not valid UTF-8 text" in answers[2]
-    assert "\nbad?name.txt\n" in answers[4]
+    assert "error: run: argument command holds a NUL character" in answers[3]
+    assert "error: regex too large" in answers[4]
+    assert "\nbad?name.txt\n" in answers[6]
 
 
 def test_replies_that_cannot_be_acted_on_end_the_rollout_only_when_that_many_come_in_a_row():
@@ -201,3 +205,13 @@ def test_the_context_limit_comes_from_the_policy_when_not_configured():
     assert run_agent(synth_task(), policy, context_tokens=0).turns == 1
     unknown = run_agent(synth_task(), ScriptedPolicy(lambda prompt: call("submit")), context_tokens=0)
     assert unknown.status == "failed" and "set it" in unknown.error
+
+
+def test_a_context_larger_than_the_servers_fails_at_once_with_both_numbers():
+    """The server would cut calls at its own limit (not trained on), then refuse the prompts."""
+    policy = ScriptedPolicy(lambda prompt: call("run", command="seq 1 300"), context_limit=1000)
+    trajectory = run_agent(synth_task(), policy, context_tokens=4096, max_turns=12)
+    assert trajectory.status == "failed" and trajectory.turns == 0 and not policy.prompts
+    assert "context_tokens=4096 is more than the server's context limit of 1000 tokens" in trajectory.error
+    within = run_agent(synth_task(), ScriptedPolicy(lambda prompt: call("submit"), context_limit=2048))
+    assert within.stop_reason == "submitted"  # context_tokens=2048: exactly the server's limit

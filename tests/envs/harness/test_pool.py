@@ -331,6 +331,55 @@ def test_a_vllm_server_reporting_weights_stale_gets_rollouts_last(fakes):
     asyncio.run(scenario())
 
 
+def test_a_mistyped_server_address_is_a_server_out_of_the_pool_not_a_crash(fakes):
+    fakes.health["good"] = current()
+    typo = "http://gpu-3:port/v1"  # as from an unexpanded `$PORT`
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("good"), typo], ENDPOINT, health_interval_s=0.1)
+        try:
+            good, bad = pool.servers
+            assert good.alive and not bad.alive and bad.problem == "no answer from http://gpu-3:port/health"
+            async with pool.lease() as policy:
+                assert policy.server is good and (await policy.complete([1, 2], SHORT)).ids
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_failed_health_round_does_not_stop_the_next(fakes, caplog):
+    """A round that raises (here: its discovery, once) is logged; later rounds still take back a
+    server that recovered."""
+    fakes.health["a"] = fakes.health["b"] = 200, {}
+    fakes.rpc["a"] = fakes.rpc["b"] = {"following": True, "weight_version": 0}
+
+    async def scenario():
+        endpoint = ENDPOINT.model_copy(update={"engine": "vllm"})
+        pool = await ServerPool.connect([fakes.url("a"), fakes.url("b")], endpoint, health_interval_s=0.1)
+        a, b = pool.servers
+        try:
+            fakes.health["a"] = 500, {}
+            await until(lambda: not a.alive)
+            discover, failed = pool.discover, []
+
+            async def fails_once(*args, **kwargs):
+                if not failed:
+                    failed.append(True)
+                    raise RuntimeError("the registry could not be read")
+                return await discover(*args, **kwargs)
+
+            pool.discover = fails_once
+            await until(lambda: "health round of the server pool failed" in caplog.text or pool._watcher.done())
+            fakes.health["a"] = 200, {}
+            await until(lambda: a.alive, timeout_s=10)
+            assert b.alive
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
 def registry_of(weights) -> FleetRegistry:
     return FleetRegistry(LocalStore(weights))
 

@@ -163,11 +163,32 @@ def test_run_tests_reports_a_collection_error(tools):
         ("run", ["ls"], "arguments must be an object"),
         ("run", {"command": "echo \udc00\ud800"}, "argument command is not valid UTF-8 text (surrogates not allowed"),
         ("write_file", {"path": "x.py", "content": "\ud800"}, "argument content is not valid UTF-8 text"),
+        ("run", {"command": "echo a\0b"}, "argument command holds a NUL character (at character 6)"),
     ],
 )
 def test_calls_that_cannot_run_are_invalid(name, arguments, message):
     with pytest.raises(ToolCallError, match=message.replace("(", r"\(").replace(")", r"\)")):
         check_call(name, arguments)
+
+
+def test_odd_regexes_are_tool_errors_not_crashes(tools):
+    """Patterns `re` refuses with something other than `re.error` still answer the model."""
+    assert tools.call("grep", {"pattern": "a{4294967296}", "path": "."}, 10).startswith("error: regex too large")
+    nested = "(" * 1000 + "x" + ")" * 1000
+    assert tools.call("grep", {"pattern": nested, "path": "."}, 10).startswith("error: regex too large")
+
+
+def test_edit_keeps_crlf_line_endings_and_matches_them(tools):
+    workspace = tools.sandbox.workspace
+    tools.call("write_file", {"path": "dos.py", "content": "a = 1\r\nb = 2\r\n"}, 10)
+    assert tools.call("edit", {"path": "dos.py", "old": "b = 2", "new": "b = 3"}, 10) == prompts.edit_result("dos.py")
+    assert (workspace / "dos.py").read_bytes() == b"a = 1\r\nb = 3\r\n"  # the other line's ending untouched
+    assert tools.call("edit", {"path": "dos.py", "old": "1\r\nb", "new": "1\r\nc"}, 10) == prompts.edit_result("dos.py")
+    assert (workspace / "dos.py").read_bytes() == b"a = 1\r\nc = 3\r\n"
+    # lines written with "\n", as a model's JSON mostly has them, match the file's "\r\n" lines
+    edited = tools.call("edit", {"path": "dos.py", "old": "a = 1\nc = 3", "new": "a = 0\nc = 4\nd = 5"}, 10)
+    assert edited == prompts.edit_result("dos.py")
+    assert (workspace / "dos.py").read_bytes() == b"a = 0\r\nc = 4\r\nd = 5\r\n"
 
 
 def test_run_calls_share_the_workspace_disk_budget(budgeted):

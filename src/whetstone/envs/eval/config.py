@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, field_validator, model_validator
 
 from whetstone.config import Config
-from whetstone.envs.harness.config import EndpointConfig, HarnessConfig, RolloutConfig
+from whetstone.envs.harness.config import ApiRoot, EndpointConfig, HarnessConfig, RolloutConfig
 from whetstone.envs.tasks.registry import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
 
@@ -15,7 +15,7 @@ class EvalConfig(Config):
 
     endpoint: EndpointConfig = EndpointConfig()
     """The OpenAI-compatible server to evaluate (with `servers`: the request settings they share)."""
-    servers: list[str] = []
+    servers: list[ApiRoot] = []
     """API roots of several servers of the same model to spread the rollouts over (least-loaded
     first; one that dies is taken out and its calls re-run elsewhere); empty = `endpoint.base_url`."""
     harness: HarnessConfig = HarnessConfig()

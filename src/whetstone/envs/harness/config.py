@@ -2,13 +2,31 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, model_validator
+import httpx
+from pydantic import AfterValidator, Field, model_validator
 
 from whetstone.config import Config
 from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxConfig
+
+
+def check_api_root(url: str) -> str:
+    """`url` if it can be an inference server's API root (`http(s)://host[:port]/...`): a mistyped
+    one (`http://gpu-3:$PORT/v1`) is refused when the config loads, rather than waited on as a
+    server that never comes up."""
+    try:
+        parsed = httpx.URL(url)
+    except httpx.InvalidURL as err:
+        raise ValueError(f"{url!r} is not a server address: {err}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ValueError(f"{url!r} is not a server address: give http(s)://host:port/v1")
+    return url
+
+
+ApiRoot = Annotated[str, AfterValidator(check_api_root)]
+"""An inference server's API root, checked to be one (`check_api_root`)."""
 
 
 class SamplingConfig(Config):
@@ -30,7 +48,7 @@ class SamplingConfig(Config):
 class EndpointConfig(Config):
     """An OpenAI-compatible server (`whetstone serve`, vLLM, SGLang) taking token-id prompts."""
 
-    base_url: str = "http://127.0.0.1:8000/v1"
+    base_url: ApiRoot = "http://127.0.0.1:8000/v1"
     """API root; requests go to `{base_url}/completions`."""
     model: str = ""
     """Model id to request; empty = the first model the server lists."""

@@ -91,6 +91,12 @@ class _Episode:
         window = self.config.context_tokens or self.policy.context_limit
         if not window:
             raise ConfigError("harness.context_tokens is 0 and the policy does not report its context limit: set it")
+        limit = self.policy.context_limit
+        if limit and window > limit:  # the server would cut calls at its limit, then refuse the prompts
+            raise ConfigError(
+                f"harness.context_tokens={window} is more than the server's context limit of {limit} tokens: "
+                f"set it to {limit} or less (0 = the server's limit)"
+            )
         context = self._start_segment(None)
         budget = Budget(self.config, window, context)
         self._check_room(budget, context)

@@ -326,7 +326,7 @@ class ServerPool:
             return await vllm_health(self._probe, server.url)
         try:
             response = await self._probe.get(server.health_url)
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL):  # InvalidURL: a mistyped address (`http://host:port/v1`)
             return None
         try:
             body = response.json()
@@ -363,11 +363,23 @@ class ServerPool:
         self._changed.set()
 
     async def _watch(self) -> None:
+        """Health rounds until the pool closes. A round that fails is logged and the next one
+        runs: the watcher ending would leave dead servers out and recovered ones unused for good."""
         while True:
             await asyncio.sleep(self.health_interval_s)
-            await self.discover()
-            await asyncio.gather(*(self._join(s) for s in self.servers if not s.alive))
-            await self.probe_versions()
+            try:
+                await self.discover()
+                # each server's check on its own: one that fails leaves the others' to finish
+                joins = await asyncio.gather(
+                    *(self._join(s) for s in self.servers if not s.alive), return_exceptions=True
+                )
+                for failure in (result for result in joins if isinstance(result, Exception)):
+                    log.warning("a health check of the server pool failed: %s: %s", type(failure).__name__, failure)
+                await self.probe_versions()
+            except Exception:
+                log.exception(
+                    "a health round of the server pool failed; the next one runs in %g s", self.health_interval_s
+                )
 
 
 class PooledPolicy(Policy):

@@ -14,7 +14,7 @@ from whetstone.envs import prompts
 from whetstone.envs.harness.config import HarnessConfig
 from whetstone.envs.harness.context import Message, SegmentContext
 from whetstone.envs.task import Task
-from whetstone.tokenizer import parse_assistant
+from whetstone.tokenizer import defuse_markup, parse_assistant
 
 SUMMARY_REQUEST = (
     "Your context is full and will be reset. Write a summary of your work for yourself: what you "
@@ -40,9 +40,11 @@ def segment_messages(task: Task, summary: str | None) -> list[Message]:
 
 
 def summary_text(completion_text: str) -> str:
-    """The summary in a completion: its text without tool calls or a thinking block."""
+    """The summary in a completion: its text without tool calls or a thinking block, with control
+    and markup strings broken (`defuse_markup`): it opens the next segment as user text, which
+    must not end that turn or fake a call or a tool response."""
     content, _, _ = parse_assistant(completion_text)
-    return (content or completion_text.removesuffix("<|im_end|>")).strip()
+    return defuse_markup((content or completion_text.removesuffix("<|im_end|>")).strip())
 
 
 class Budget:

@@ -2,9 +2,9 @@
 `envs/prompts.py`, which the mid-training demonstrations also use.
 
 A call the harness cannot run (unknown tool, missing or unexpected arguments, an argument that
-is not valid UTF-8) raises `ToolCallError` and counts as an invalid tool call; a call that runs
-but fails (no such file, an edit whose text is not unique) answers with an error text like any
-other result.
+is not valid UTF-8, a command holding a NUL character) raises `ToolCallError` and counts as an
+invalid tool call; a call that runs but fails (no such file, an edit whose text is not unique)
+answers with an error text like any other result.
 `submit` is handled by the agent loop: it ends the rollout.
 """
 
@@ -60,6 +60,9 @@ def check_call(name: str, arguments: Any) -> dict[str, str]:
             raise ToolCallError(
                 f"{name}: argument {key} is not valid UTF-8 text ({err.reason}, at character {err.start})"
             ) from None
+    if name == "run" and "\0" in arguments["command"]:  # no command line can hold one: the OS refuses it
+        position = arguments["command"].index("\0")
+        raise ToolCallError(f"run: argument command holds a NUL character (at character {position}); remove it")
     return arguments
 
 

@@ -114,6 +114,8 @@ class Workspace:
             regex = re.compile(pattern)
         except re.error as err:
             raise ToolError(f"invalid regex {pattern!r}: {err}") from None
+        except (OverflowError, RecursionError) as err:  # `a{9999999999}`; groups nested hundreds deep
+            raise ToolError(f"regex too large or nested too deeply: {err}") from None
         target = self.path(path)
         if not target.exists():
             raise ToolError(f"{path} does not exist")
@@ -154,11 +156,17 @@ class Workspace:
         if target.is_dir():
             raise ToolError(f"{path} cannot be edited: it is a directory")
         try:
-            with open(self._open(target, path, os.O_RDONLY), encoding="utf-8") as file:
+            # newline="": the text as it is on disk, so "\r\n" endings match `old` and are written back unchanged
+            with open(self._open(target, path, os.O_RDONLY), encoding="utf-8", newline="") as file:
                 text = file.read()
         except UnicodeDecodeError as err:
             raise ToolError(f"{path} cannot be edited: {err}") from None
         count = text.count(old) if old else 0
+        if count == 0 and "\r\n" in text and "\n" in old.replace("\r\n", ""):
+            # the model wrote its lines with "\n" (as JSON strings mostly are): in a file whose lines
+            # end in "\r\n", the same lines with those endings, and `new` written with them too
+            old, new = (part.replace("\r\n", "\n").replace("\n", "\r\n") for part in (old, new))
+            count = text.count(old)
         if count != 1:
             found = "old text not found" if count == 0 else f"old text occurs {count} times"
             raise ToolError(f"{path}: {'old is empty' if not old else found}; give text that occurs exactly once")
