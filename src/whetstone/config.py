@@ -7,13 +7,15 @@ failure into a `ConfigError` that names the file, the dotted key and what was wr
 
 from __future__ import annotations
 
+import functools
+import operator
 import os
 import re
 import tomllib
 import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar, Union, get_args, get_origin
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
 
@@ -305,6 +307,19 @@ def config_reference(root: type[Config], title: str) -> str:
     return "\n".join(out) + "\n"
 
 
+def _without_metadata(annotation: Any) -> Any:
+    """`annotation` with every `Annotated[T, ...]` in it as `T` (its validators are not its type)."""
+    if get_origin(annotation) is Annotated:
+        return _without_metadata(get_args(annotation)[0])
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is None or not args or origin is Literal:
+        return annotation
+    bare = tuple(_without_metadata(arg) for arg in args)
+    if origin is types.UnionType:
+        return functools.reduce(operator.or_, bare)
+    return origin[bare] if origin is not Union else Union[bare]
+
+
 def _reference_section(cls: type[Config], prefix: str, out: list[str], instance: Config | None) -> None:
     sections = []
     rows = []
@@ -319,8 +334,8 @@ def _reference_section(cls: type[Config], prefix: str, out: list[str], instance:
         else:
             default = value if instance is not None else field.get_default(call_default_factory=True)
             shown = "(none)" if default is None else f"`{_toml_value(default)}`"
+        annotation = _without_metadata(annotation)  # the type, not its validators
         kind = annotation.__name__ if isinstance(annotation, type) else str(annotation).replace("typing.", "")
-        kind = re.sub(r"Annotated\[([^,\[\]]+), [^\[\]]*\]", r"\1", kind)  # the type, not its validators
         kind = kind.replace("|", "\\|")  # a bare `|` ends a table cell, even inside backticks
         description = (field.description or "").replace("\n", " ").replace("|", "\\|")
         rows.append(f"| `{prefix}{name}` | `{kind}` | {shown} | {description} |")

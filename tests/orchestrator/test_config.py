@@ -63,5 +63,12 @@ def test_a_mistyped_server_address_is_refused_when_the_config_loads():
         load_config(OrchestratorConfig, overrides=['servers=["http://gpu-3:port/v1"]'])
     with pytest.raises(ConfigError, match=r"'gpu-3:8000/v1' is not a server address: give http\(s\)://host:port/v1"):
         load_config(OrchestratorConfig, overrides=['servers=["gpu-3:8000/v1"]'])
+    with pytest.raises(ConfigError, match=r"'http://127.0.0.1:80000/v1' is not a server address: port 80000"):
+        load_config(OrchestratorConfig, overrides=['servers=["http://127.0.0.1:80000/v1"]'])
+    with pytest.raises(ConfigError, match=r"'\$\{head\}' is a placeholder"):  # hosts are lower-cased
+        load_config(OrchestratorConfig, overrides=['servers=["http://${HEAD}:8000/v1"]'])
+    assert load_config(OrchestratorConfig, overrides=['servers=["http://[::1]:8000/v1"]']).servers == [
+        "http://[::1]:8000/v1"
+    ]
     with pytest.raises(ConfigError, match=r"endpoint.base_url: 'http://:8000/v1' is not a server address"):
         load_config(OrchestratorConfig, overrides=['endpoint.base_url="http://:8000/v1"'])

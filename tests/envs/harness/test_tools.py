@@ -189,6 +189,15 @@ def test_edit_keeps_crlf_line_endings_and_matches_them(tools):
     edited = tools.call("edit", {"path": "dos.py", "old": "a = 1\nc = 3", "new": "a = 0\nc = 4\nd = 5"}, 10)
     assert edited == prompts.edit_result("dos.py")
     assert (workspace / "dos.py").read_bytes() == b"a = 0\r\nc = 4\r\nd = 5\r\n"
+    # mixed endings (a line appended with echo) and old-Mac ones: matched as "\n" lines, written so
+    tools.call("write_file", {"path": "mixed.py", "content": "a\r\nb\r\nc\nd\n"}, 10)
+    assert tools.call("edit", {"path": "mixed.py", "old": "b\nc\n", "new": "B\nC\n"}, 10) == prompts.edit_result(
+        "mixed.py"
+    )
+    assert (workspace / "mixed.py").read_bytes() == b"a\nB\nC\nd\n"
+    tools.call("write_file", {"path": "mac.py", "content": "a\rb\rc\r"}, 10)
+    assert tools.call("edit", {"path": "mac.py", "old": "a\nb\n", "new": "X\nY\n"}, 10) == prompts.edit_result("mac.py")
+    assert (workspace / "mac.py").read_bytes() == b"X\nY\nc\n"
 
 
 def test_run_calls_share_the_workspace_disk_budget(budgeted):

@@ -22,6 +22,10 @@ def check_api_root(url: str) -> str:
         raise ValueError(f"{url!r} is not a server address: {err}") from None
     if parsed.scheme not in ("http", "https") or not parsed.host:
         raise ValueError(f"{url!r} is not a server address: give http(s)://host:port/v1")
+    if parsed.port is not None and not 1 <= parsed.port <= 65535:
+        raise ValueError(f"{url!r} is not a server address: port {parsed.port} is not in 1..65535")
+    if any(mark in parsed.host for mark in "${}"):
+        raise ValueError(f"{url!r} is not a server address: {parsed.host!r} is a placeholder (set the host itself)")
     return url
 
 

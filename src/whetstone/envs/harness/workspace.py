@@ -162,11 +162,16 @@ class Workspace:
         except UnicodeDecodeError as err:
             raise ToolError(f"{path} cannot be edited: {err}") from None
         count = text.count(old) if old else 0
-        if count == 0 and "\r\n" in text and "\n" in old.replace("\r\n", ""):
-            # the model wrote its lines with "\n" (as JSON strings mostly are): in a file whose lines
-            # end in "\r\n", the same lines with those endings, and `new` written with them too
-            old, new = (part.replace("\r\n", "\n").replace("\n", "\r\n") for part in (old, new))
-            count = text.count(old)
+        if count == 0 and old and "\r" in text:
+            # the model wrote its lines with "\n" (as JSON strings mostly are). In a file whose lines
+            # end in "\r\n": the same lines with those endings, `new` written with them too; where
+            # they are mixed (a line appended with echo) or "\r" alone: every line as a "\n" line
+            crlf = [_lf_lines(part).replace("\n", "\r\n") for part in (old, new)]
+            if text.count(crlf[0]):
+                (old, new), count = crlf, text.count(crlf[0])
+            else:
+                text, old = _lf_lines(text), _lf_lines(old)
+                count = text.count(old)
         if count != 1:
             found = "old text not found" if count == 0 else f"old text occurs {count} times"
             raise ToolError(f"{path}: {'old is empty' if not old else found}; give text that occurs exactly once")
@@ -192,3 +197,8 @@ def _is_regular(path: Path) -> bool:
         return stat.S_ISREG(os.lstat(path).st_mode)
     except OSError:
         return False
+
+
+def _lf_lines(text: str) -> str:
+    """`text` with its `\r\n` and `\r` line endings as `\n`."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
