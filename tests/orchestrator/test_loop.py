@@ -17,6 +17,7 @@ from tests.orchestrator.orchestrator_support import (
 )
 from whetstone.envs.harness import RolloutConfig
 from whetstone.envs.harness.pool import ServerPool
+from whetstone.errors import WhetstoneError
 from whetstone.orchestrator import Orchestrator
 from whetstone.orchestrator.loop import NothingToTrainOn
 from whetstone.rl.batch import batch_from_bytes
@@ -226,6 +227,30 @@ def test_synchronous_mode_alternates_with_the_trainer(world):
         assert batch.meta["weight_version"] == index and batch.meta["groups"]["kept_groups"] == 1
         assert batch.meta["staleness_histogram"] == {"staleness_0": 2, "dropped_stale": 0}
         assert (batch.versions[batch.loss_mask] == index).all()
+
+
+def test_a_last_status_that_cannot_be_written_does_not_hide_why_the_run_ended(world, caplog, monkeypatch):
+    tmp_path, model_dir, _ = world
+    write_status = Orchestrator._write_status
+
+    def full_disk(self, now=False):
+        if now and self.stopped:  # the status written as the run ends
+            raise WhetstoneError("cannot write status.json: No space left on device")
+        write_status(self, now)
+
+    monkeypatch.setattr(Orchestrator, "_write_status", full_disk)
+
+    async def scenario(urls):
+        config = orchestrator_config(tmp_path, model_dir, urls, max_fruitless_batches=1, max_batches=0)
+        await Orchestrator(config, synth_tasks(2)).run()
+
+    with (
+        caplog.at_level("ERROR", logger="whetstone.orchestrator"),
+        thread_servers(model_dir, tmp_path / "weights") as servers,
+        pytest.raises(NothingToTrainOn),
+    ):
+        asyncio.run(asyncio.wait_for(scenario([s.url for s in servers]), 180))
+    assert "last status could not be written: cannot write status.json: No space left on device" in caplog.text
 
 
 def test_says_why_it_waits_when_no_group_gives_anything_to_train_on_and_gives_up(world, caplog):

@@ -33,6 +33,7 @@ import json
 import logging
 import math
 import random
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -201,13 +202,20 @@ class Orchestrator:
         finally:
             for task in [*background, *self._running]:
                 task.cancel()
+            ending = sys.exception()  # what ends the run, if anything does: it comes out, not a status failure
             await asyncio.gather(*background, *self._running, return_exceptions=True)
             try:
                 self._write_status(now=True)  # may fail (a full disk): the pool and the metrics close all the same
+            except Exception as err:
+                if ending is None:
+                    raise
+                log.error("the orchestrator's last status could not be written: %s", err)
             finally:
-                await pool.close()
-                if metrics is not None:
-                    metrics.close()
+                try:
+                    await pool.close()
+                finally:
+                    if metrics is not None:
+                        metrics.close()
         return self.put
 
     @property
