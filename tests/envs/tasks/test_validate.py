@@ -7,18 +7,12 @@ from whetstone.envs.grading.grade import PLAIN_TESTS, RUNNER
 from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxConfig
 from whetstone.envs.task import Task
-from whetstone.envs.tasks import validate
+from whetstone.envs.tasks import validation_cache
 from whetstone.envs.tasks.io import Record, read_records, write_tasks
 from whetstone.envs.tasks.registry import TasksConfig, load_valid_tasks
 from whetstone.envs.tasks.synth import SynthConfig, generate
-from whetstone.envs.tasks.validate import (
-    GRADER_SOURCES,
-    check_task,
-    grader_fingerprint,
-    task_hash,
-    validate_records,
-    validate_tasks,
-)
+from whetstone.envs.tasks.validate import check_task, validate_records, validate_tasks
+from whetstone.envs.tasks.validation_cache import GRADER_SOURCES, grader_fingerprint, task_hash
 
 TEST_ADD = "from calc import add\n\n\ndef test_add():\n    assert add(2, 2) == 4\n"
 
@@ -242,7 +236,7 @@ def test_a_snapshot_folders_hash_follows_what_a_sandbox_copies(tmp_path):
     assert not changes_hash(lambda: (folder / "calc.py").chmod(0o664))
     assert not changes_hash(lambda: ((folder / ".git").mkdir(), (folder / ".git" / "HEAD").write_text("ref\n")))
     moved = task.model_copy(update={"repo_path": str(tmp_path / "gone")})
-    assert validate_tasks([moved]).invalid == [
+    assert validate_tasks([moved], cache_path=tmp_path / "cache.json").invalid == [
         {
             "id": task.id,
             "reason": f"task {task.id}: repo_path {tmp_path / 'gone'} cannot be read ({tmp_path / 'gone'}: "
@@ -292,8 +286,8 @@ def test_a_snapshot_folder_shared_by_tasks_is_hashed_once_per_validation(tmp_pat
         hashed.append(path)
         return folder_digest(path)
 
-    folder_digest = validate.folder_digest
-    monkeypatch.setattr(validate, "folder_digest", counted)
+    folder_digest = validation_cache.folder_digest
+    monkeypatch.setattr(validation_cache, "folder_digest", counted)
     reason = "no reference solution (solution_files or solution_patch)"
     report = validate_tasks(tasks, cache_path=tmp_path / "cache.json")
     assert report.invalid == [{"id": "custom/a", "reason": reason}, {"id": "custom/b", "reason": reason}]
