@@ -287,10 +287,7 @@ class Publisher:
         it while it is there, or gone (collected: another publisher went on from it). False if a
         repair withdrew it (gone with the pointer moved back before it, or its number published
         again): the publish is then a keyframe at the next free version."""
-        try:
-            digest = self.store.manifest_digest(previous.version)
-        except MissingObjectError:
-            digest = None
+        digest = self._published_digest(previous.version)
         try:
             head = self.store.head()
         except WhetstoneError:  # unreadable: the publish replaces it
@@ -315,10 +312,15 @@ class Publisher:
         self._previous, self._previous_manifest = None, None
 
     def _still_published(self, manifest: Manifest) -> bool:
+        digest = self._published_digest(manifest.version)
+        return digest is not None and digest == manifest.digest  # a manifest not yet created has no digest
+
+    def _published_digest(self, version: int) -> str | None:
+        """The digest of the manifest of `version` in the store, None if it has none."""
         try:
-            return self.store.manifest_digest(manifest.version) == manifest.digest
+            return self.store.manifest_digest(version)
         except MissingObjectError:
-            return False
+            return None
 
     def _needs_keyframe(self, version: int) -> bool:
         previous = self._previous_manifest
