@@ -117,7 +117,7 @@ def test_unreadable_or_missing_sources_are_named(tmp_path):
     path = tmp_path / "docs.jsonl"
     path.write_bytes(b'{"text": "\xff\xfe"}\n')
     config = CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(path))])
-    with pytest.raises(WhetstoneError, match="cannot read JSONL file .*docs.jsonl"):
+    with pytest.raises(WhetstoneError, match="docs.jsonl:1: not UTF-8 text"):
         read_documents(list_sources(config), config)
     with pytest.raises(WhetstoneError, match=r"jsonl\[0\].path .*missing.jsonl' does not exist"):
         list_sources(CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(tmp_path / "missing.jsonl"))]))

@@ -45,3 +45,10 @@ def test_corrupt_file_names_the_line(tmp_path):
     path.write_text(Trajectory(task_id="a").model_dump_json() + "\n{not json\n")
     with pytest.raises(WhetstoneError, match=r"t.jsonl:2"):
         load_trajectories(path)
+
+
+def test_text_holding_unicode_line_separators_round_trips(tmp_path):
+    trajectory = Trajectory(task_id="a", error="line\u2028separator\u2029paragraph\x85next")
+    path = tmp_path / "t.jsonl"
+    save_trajectories(path, [trajectory])
+    assert load_trajectories(path) == [trajectory]

@@ -21,6 +21,12 @@ def test_a_record_after_a_torn_last_line_starts_a_line_of_its_own(tmp_path):
     assert path.read_text().count("\n") == 4  # the torn line, ended, and one line per record
 
 
+def test_a_line_that_is_not_utf8_hides_no_other_record(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_bytes(b'{"step": 1, "note": "a\xe2\x80\xa8b"}\n{"step": 2, "x": "\xff"}\n7\n{"step": 3}\n')
+    assert [record["step"] for record in read_metrics(path)] == [1, 3]
+
+
 def test_a_writer_resumed_at_a_step_drops_the_records_of_that_step_and_later(tmp_path, caplog):
     """What a stopped process wrote after the checkpoint its role resumes (steps 3 and 4 here) goes
     before the resumed run writes those steps again; the records before, a record without the

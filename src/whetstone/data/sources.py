@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import json
 import os
 import re
 import sysconfig
@@ -20,6 +19,7 @@ from stat import S_ISREG
 from whetstone.config import expand_path
 from whetstone.data.config import CorpusConfig
 from whetstone.errors import WhetstoneError
+from whetstone.utils.jsonl import json_lines
 from whetstone.utils.progress import progress_bar
 
 
@@ -194,21 +194,16 @@ def _utf8_size(text: str) -> int | None:
 
 
 def _read_jsonl(file: SourceFile):
-    """The documents of a JSON Lines file. Lines end at a line feed only: `str.splitlines` would
-    also cut at U+2028, U+2029 and U+0085, which JSON strings may hold raw (`json.dumps` with
-    `ensure_ascii=False` writes them so). A UTF-8 byte order mark is skipped, as for the
-    directory sources."""
+    """The documents of a JSON Lines file (`utils.jsonl`: lines end at a line feed only; a UTF-8
+    byte order mark is skipped, as for the directory sources)."""
     try:
-        lines = file.path.read_bytes().decode("utf-8-sig").split("\n")
-    except (OSError, UnicodeDecodeError) as err:
+        lines = file.path.read_bytes().split(b"\n")
+    except OSError as err:
         raise WhetstoneError(f"corpus: cannot read JSONL file {file.path}: {err}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise WhetstoneError(f"corpus: {file.path}:{number}: not valid JSON ({err.msg})") from None
+    for line in json_lines(lines):
+        number, record = line.number, line.value
+        if line.problem:
+            raise WhetstoneError(f"corpus: {file.path}:{number}: {line.problem}")
         if not isinstance(record, dict) or file.text_field not in record:
             raise WhetstoneError(f"corpus: {file.path}:{number}: no {file.text_field!r} field")
         text = record[file.text_field]

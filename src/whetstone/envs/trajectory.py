@@ -10,7 +10,6 @@ Records are JSON: Python floats round-trip exactly, so behavior logprobs survive
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
@@ -18,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 from whetstone.errors import WhetstoneError
 from whetstone.utils.atomic import atomic_write_text
+from whetstone.utils.jsonl import read_json_lines
 
 TRAJECTORY_FORMAT_VERSION = 1
 
@@ -128,16 +128,16 @@ def save_trajectories(path: str | Path, trajectories: list[Trajectory]) -> None:
 
 def load_trajectories(path: str | Path) -> list[Trajectory]:
     path = Path(path)
+    out = []
     try:
-        lines = path.read_text().splitlines()
+        for line in read_json_lines(path):
+            where = f"{path}:{line.number}"
+            if line.problem:
+                raise WhetstoneError(f"{where}: not a valid trajectory record: {line.problem}")
+            try:
+                out.append(Trajectory.model_validate(line.value))
+            except ValueError as err:
+                raise WhetstoneError(f"{where}: not a valid trajectory record: {err}") from None
     except FileNotFoundError:
         raise WhetstoneError(f"trajectory file {path} does not exist") from None
-    out = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(Trajectory.model_validate(json.loads(line)))
-        except (json.JSONDecodeError, ValueError) as err:
-            raise WhetstoneError(f"{path}:{number}: not a valid trajectory record: {err}") from None
     return out

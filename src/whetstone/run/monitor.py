@@ -18,6 +18,7 @@ import httpx
 
 from whetstone.errors import WhetstoneError
 from whetstone.utils.cgroups import CpuGroup
+from whetstone.utils.jsonl import json_lines
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.processes import FailedElsewhere
 from whetstone.utils.tracking import TrackingConfig
@@ -199,17 +200,11 @@ def last_record(path: str | Path, tail_bytes: int = 1 << 16) -> dict[str, Any]:
         with Path(path).open("rb") as handle:
             size = handle.seek(0, 2)
             handle.seek(max(0, size - tail_bytes))
-            lines = handle.read().decode(errors="replace").splitlines()
+            lines = list(json_lines(handle.read().split(b"\n")))
     except FileNotFoundError:
         return {}
-    for line in reversed(lines):
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line, or the cut first line of the tail
-        if isinstance(record, dict):
-            return record
-    return {}
+    # A torn last line, or the cut first line of the tail, is a line with a problem: skipped.
+    return next((line.value for line in reversed(lines) if isinstance(line.value, dict)), {})
 
 
 def read_json_object(path: str | Path) -> dict[str, Any]:

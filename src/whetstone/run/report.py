@@ -82,8 +82,8 @@ def _read_text(path: Path) -> str | None:
 
 def _read_jsonl(path: Path) -> list[dict]:
     try:
-        return [r for r in read_metrics(path) if isinstance(r, dict)]
-    except (OSError, UnicodeDecodeError):
+        return read_metrics(path)
+    except OSError:
         return []
 
 

@@ -14,6 +14,7 @@ from pydantic import BaseModel
 from whetstone.config import without_secrets
 from whetstone.errors import WhetstoneError
 from whetstone.utils.atomic import atomic_path, write_errors
+from whetstone.utils.jsonl import read_json_lines
 from whetstone.utils.tracking import Sink, TrackingConfig, open_sinks, scalars
 
 log = logging.getLogger(__name__)
@@ -153,11 +154,7 @@ def _at_or_after(line: bytes, key: str, first: int) -> bool:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, Any]]:
-    """All records of a JSONL file; a torn last line (a crash mid-write) is skipped."""
-    records = []
-    for line in Path(path).read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue
-    return records
+    """The records (JSON objects) of a metrics file. A line that cannot be read (a torn last
+    line after a crash mid-write, bytes that are not UTF-8) is skipped, and so is a line that
+    holds no object: one bad line never hides the others."""
+    return [line.value for line in read_json_lines(Path(path)) if isinstance(line.value, dict)]

@@ -277,7 +277,7 @@ def test_swebench_lines_end_at_newlines_only(swebench_source, tmp_path):
     [task] = swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
     assert task.instruction == "mean()\u2028is off"
     path.write_bytes(b"\xff\n")
-    with pytest.raises(WhetstoneError, match=rf"{path}: not UTF-8 text"):
+    with pytest.raises(WhetstoneError, match=rf"{path}:1: not UTF-8 text"):
         swebench_tasks(swebench_source.model_copy(update={"path": str(path)}))
 
 

@@ -9,7 +9,6 @@ so the hidden test imports everything from `solution`.
 from __future__ import annotations
 
 import gzip
-import json
 from pathlib import Path
 
 from pydantic import Field
@@ -17,6 +16,7 @@ from pydantic import Field
 from whetstone.config import Config, expand_path
 from whetstone.envs.task import Split, Task
 from whetstone.errors import WhetstoneError
+from whetstone.utils.jsonl import JsonLine, json_lines
 
 TEST_FILE = "test_humaneval.py"
 
@@ -43,23 +43,21 @@ def default_data_file() -> Path:
 def read_problems(path: Path) -> list[dict]:
     """The problems of a HumanEval JSONL file (gzipped if it ends in .gz), one object a line. A
     file that cannot be read (not UTF-8, a gzip cut short, a line that is not a JSON object) is
-    a WhetstoneError naming it."""
+    a WhetstoneError naming it and the line."""
     opener = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt", encoding="utf-8") as handle:
-            return [_problem(line, number) for number, line in enumerate(handle, 1) if line.strip()]
-    except (OSError, EOFError, ValueError) as err:  # ValueError: UnicodeDecodeError, a line's
+        with opener(path, "rb") as handle:
+            return [_problem(line) for line in json_lines(handle)]
+    except (OSError, EOFError, ValueError) as err:
         raise WhetstoneError(f"cannot read HumanEval problems from {path}: {err}") from None
 
 
-def _problem(line: str, number: int) -> dict:
-    try:
-        problem = json.loads(line)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"line {number}: {err}") from None
-    if not isinstance(problem, dict):
-        raise ValueError(f"line {number}: a JSON {type(problem).__name__}, not an object")
-    return problem
+def _problem(line: JsonLine) -> dict:
+    if line.problem:
+        raise ValueError(f"line {line.number}: {line.problem}")
+    if not isinstance(line.value, dict):
+        raise ValueError(f"line {line.number}: a JSON {type(line.value).__name__}, not an object")
+    return line.value
 
 
 def to_task(problem: dict, split: str) -> Task:

@@ -32,6 +32,7 @@ from whetstone.config import expand_path
 from whetstone.envs.task import Task
 from whetstone.errors import WhetstoneError
 from whetstone.utils.atomic import atomic_directory, atomic_write_text
+from whetstone.utils.jsonl import read_json_lines
 
 TASK_FILE = "task.json"
 FILE_FIELDS = {"repo_files": "repo", "hidden_tests": "hidden_tests", "solution_files": "solution"}
@@ -92,22 +93,10 @@ def _parse(data: object, where: str) -> Record:
 
 
 def _read_jsonl(path: Path) -> Iterator[Record]:
-    """Lines end at a line feed only (a JSON string holds no raw line break); each is decoded on
-    its own, so a line that is not UTF-8 is a bad record under its own line number."""
-    with path.open("rb") as handle:
-        for number, raw in enumerate(handle, 1):
-            if not raw.strip():
-                continue
-            where = f"{path}:{number}"
-            try:
-                data = json.loads(raw.decode("utf-8"))
-            except UnicodeDecodeError as err:
-                yield Record(where, problem=f"not UTF-8 text: {err}")
-                continue
-            except json.JSONDecodeError as err:
-                yield Record(where, problem=f"not valid JSON: {err}")
-                continue
-            yield _parse(data, where)
+    """A bad line (not UTF-8, not JSON, not a task) is a bad record under its own line number."""
+    for line in read_json_lines(path):
+        where = f"{path}:{line.number}"
+        yield Record(where, problem=line.problem) if line.problem else _parse(line.value, where)
 
 
 def _check_link(path: Path, task_folder: Path) -> None:

@@ -29,6 +29,7 @@ from whetstone.envs.tasks.io import unsafe_id, validation_problem
 from whetstone.envs.tasks.patches import apply_patch, patched_paths
 from whetstone.errors import WhetstoneError
 from whetstone.utils.atomic import atomic_directory, atomic_write_text
+from whetstone.utils.jsonl import read_json_lines
 
 REQUIRED = (
     "instance_id",
@@ -246,20 +247,12 @@ def generate(config: SwebenchConfig = SwebenchConfig()) -> list[Task]:
     path = expand_path(config.path)
     if not path.is_file():
         raise WhetstoneError(f"SWE-bench file {path} does not exist")
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise WhetstoneError(f"{path}: not UTF-8 text: {err}") from None
     tasks = []
-    # Records end at "\n" only: str.splitlines would also split inside a JSON string at U+2028 etc.
-    for number, line in enumerate(text.split("\n"), 1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise WhetstoneError(f"{where}: not valid JSON: {err}") from None
+    for line in read_json_lines(path):
+        where = f"{path}:{line.number}"
+        if line.problem:
+            raise WhetstoneError(f"{where}: {line.problem}")
+        record = line.value
         if not isinstance(record, dict):
             raise WhetstoneError(f"{where}: expected a JSON object")
         tasks.append(to_task(record, where, config))
