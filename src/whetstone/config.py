@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
-from pydantic import BaseModel, ConfigDict, ValidationError, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError, model_validator
 
 from whetstone.errors import ConfigError
 from whetstone.utils.atomic import PRIVATE, atomic_write_text, write_errors
@@ -44,6 +44,19 @@ class Config(BaseModel):
 
 
 C = TypeVar("C", bound=Config)
+
+
+def _folder_name(name: str) -> str:
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or not name.strip("."):
+        raise ValueError(
+            "must be one folder's name: letters, digits, '_', '.' and '-', and not dots alone "
+            "('.' and '..' are the output folder itself and its parent)"
+        )
+    return name
+
+
+FolderName = Annotated[str, AfterValidator(_folder_name)]
+"""A name that is one folder of its own inside an output folder (a run's name)."""
 
 
 def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:

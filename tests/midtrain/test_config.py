@@ -34,6 +34,10 @@ def test_bad_values_name_the_key():
         load_config(MidtrainConfig, None, ["run.batch_size=0"])
     with pytest.raises(ConfigError, match=r"run\.seed"):  # the data order's seed: when the config loads
         load_config(MidtrainConfig, None, ["run.seed=-1"])
+    for name in (".", "..", "a/b", ""):  # the output folder itself, its parent, a folder deeper
+        with pytest.raises(ConfigError, match=r"run\.name: must be one folder's name"):
+            load_config(MidtrainConfig, None, [f'run.name="{name}"'])
+    assert load_config(MidtrainConfig, None, ['run.name=".hidden-1.2"']).run.name == ".hidden-1.2"
 
 
 def test_the_reference_file_is_the_embedded_default():

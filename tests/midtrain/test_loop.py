@@ -240,6 +240,14 @@ def test_init_from_an_unsupported_architecture_is_named(make_config, tmp_path):
         train(from_checkpoint(make_config("run.name=other"), folder, tokenizer=base["model_dir"]))
 
 
+def test_rows_longer_than_the_models_context_are_refused_before_any_work(make_config, tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"data.seq_len \(64\) is longer than the model's max_position_embeddings \(32\)"
+    ):
+        train(make_config("data.seq_len=64", "model.max_position_embeddings=32"))
+    assert not (tmp_path / "runs" / "midtrain" / "checkpoints").exists()
+
+
 def test_a_model_vocabulary_smaller_than_the_tokenizer_is_named(make_config):
     with pytest.raises(
         ConfigError,

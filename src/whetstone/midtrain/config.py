@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from whetstone.config import Config, expand_path
+from whetstone.config import Config, FolderName, expand_path
 from whetstone.data import CorpusConfig
 from whetstone.model import ModelConfig
 from whetstone.training.config import OptimizerConfig
@@ -20,7 +20,7 @@ from whetstone.utils.tracking import TrackingConfig
 class RunConfig(Config):
     """Where the run writes, how long it trains, and how it uses the machine."""
 
-    name: str = Field("midtrain", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: FolderName = "midtrain"
     """Run name: outputs go to `<output_dir>/<name>/`."""
     output_dir: str = "runs"
     """Parent directory of run folders."""

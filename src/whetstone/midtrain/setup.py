@@ -103,6 +103,12 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     if problem:
         raise ConfigError(f"{problem}: the run writes {run_dir} (run.output_dir / run.name)")
     model_config = resolve_model_config(config)  # before the corpus build: fail fast on a bad checkpoint
+    if config.data.seq_len > model_config.max_position_embeddings:
+        raise ConfigError(
+            f"data.seq_len ({config.data.seq_len}) is longer than the model's max_position_embeddings "
+            f"({model_config.max_position_embeddings}), the longest context it is served with: shorten "
+            f"data.seq_len, or raise model.max_position_embeddings when training from scratch"
+        )
     corpus = _corpus_in_rank_order(config, demos)
     if rank == 0:
         for stale in remove_stale_temporaries(run_dir / "checkpoints"):

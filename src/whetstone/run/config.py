@@ -16,7 +16,7 @@ from typing import Literal
 
 from pydantic import Field, TypeAdapter, ValidationError, field_validator, model_validator
 
-from whetstone.config import Config, expand_path, format_validation_error
+from whetstone.config import Config, FolderName, expand_path, format_validation_error
 from whetstone.data import CorpusConfig
 from whetstone.envs.eval.config import EvalConfig
 from whetstone.envs.harness import HarnessConfig, RolloutConfig
@@ -199,7 +199,7 @@ class PlacementConfig(Config):
 class PipelineConfig(Config):
     """`whetstone run`: every stage of a run, written under `<output_dir>/<name>/`."""
 
-    name: str = Field("default", min_length=1, pattern=r"^[A-Za-z0-9_.-]+$")
+    name: FolderName = "default"
     """Run name: outputs go to `<output_dir>/<name>/`."""
     output_dir: str = "runs"
     """Parent directory of run folders."""
