@@ -4,11 +4,13 @@ that no path leads out of the workspace."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from tests.envs.harness.harness_support import synth_task
 from whetstone.envs import prompts
+from whetstone.envs.harness import workspace as workspace_module
 from whetstone.envs.harness.tools import ToolCallError, Tools, check_call
 from whetstone.envs.harness.workspace import head_tail
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
@@ -172,10 +174,23 @@ def test_calls_that_cannot_run_are_invalid(name, arguments, message):
 
 
 def test_odd_regexes_are_tool_errors_not_crashes(tools):
-    """Patterns `re` refuses with something other than `re.error` still answer the model."""
-    assert tools.call("grep", {"pattern": "a{4294967296}", "path": "."}, 10).startswith("error: regex too large")
+    """Patterns refused with something other than `regex.error` still answer the model."""
+    assert tools.call("grep", {"pattern": "a{4294967296}", "path": "."}, 10).startswith("error: invalid regex")
     nested = "(" * 1000 + "x" + ")" * 1000
     assert tools.call("grep", {"pattern": nested, "path": "."}, 10).startswith("error: regex too large")
+
+
+def test_a_pattern_that_backtracks_without_end_stops_at_the_time_limit(tools, monkeypatch):
+    monkeypatch.setattr(workspace_module, "GREP_TIME_LIMIT_S", 0.5)
+    tools.call("write_file", {"path": "long.txt", "content": "a" * 60 + "!\n"}, 10)  # ~1e12 steps for `re`
+    started = time.monotonic()
+    answer = tools.call("grep", {"pattern": "(a|aa)+$", "path": "long.txt"}, 10)
+    assert (
+        answer
+        == "error: the search for '(a|aa)+$' ran past 0.5 s (at long.txt); use a simpler pattern or search fewer files"
+    )
+    assert time.monotonic() - started < 30
+    assert tools.call("grep", {"pattern": "(a|aa)+!$", "path": "long.txt"}, 10) == f"long.txt:1:{'a' * 60}!"
 
 
 def test_edit_keeps_crlf_line_endings_and_matches_them(tools):

@@ -13,14 +13,18 @@ from __future__ import annotations
 
 import errno
 import os
-import re
 import stat
+import time
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+
+import regex
 
 from whetstone.envs import prompts
 
 MAX_GREP_MATCHES = 200
+GREP_TIME_LIMIT_S = 10.0
+"""Longest a grep call may search, all files together."""
 MAX_LISTED = 500
 
 
@@ -110,9 +114,12 @@ class Workspace:
         return "\n".join(entries) or "(empty directory)"
 
     def grep(self, pattern: str, path: str) -> str:
+        """Lines matching `pattern` (Python's regex syntax). The `regex` module runs it, with a
+        time limit: a pattern that backtracks without end (`(a|aa)+$` on a long line of `a`s)
+        would otherwise hold the harness's process, and every rollout in it, for hours."""
         try:
-            regex = re.compile(pattern)
-        except re.error as err:
+            compiled = regex.compile(pattern)
+        except regex.error as err:
             raise ToolError(f"invalid regex {pattern!r}: {err}") from None
         except (OverflowError, RecursionError) as err:  # `a{9999999999}`; groups nested hundreds deep
             raise ToolError(f"regex too large or nested too deeply: {err}") from None
@@ -122,13 +129,22 @@ class Workspace:
         if not target.is_dir() and not target.is_file():
             raise ToolError(f"{path} is not a regular file")
         matches: list[str] = []
+        deadline = time.monotonic() + GREP_TIME_LIMIT_S
         for file in self._files(target):
             try:
                 lines = self._read(file, path).decode("utf-8", "replace").splitlines()
             except (ToolError, OSError):
                 continue
             shown = self._shown(file)
-            matches += [f"{shown}:{n}:{line[:300]}" for n, line in enumerate(lines, 1) if regex.search(line)]
+            try:
+                for n, line in enumerate(lines, 1):
+                    if compiled.search(line, timeout=max(deadline - time.monotonic(), 0.001), concurrent=True):
+                        matches.append(f"{shown}:{n}:{line[:300]}")
+            except TimeoutError:
+                raise ToolError(
+                    f"the search for {pattern!r} ran past {GREP_TIME_LIMIT_S:g} s (at {shown}); "
+                    f"use a simpler pattern or search fewer files"
+                ) from None
             if len(matches) > MAX_GREP_MATCHES:
                 return "\n".join(matches[:MAX_GREP_MATCHES] + [f"[... more than {MAX_GREP_MATCHES} matches]"])
         return head_tail("\n".join(matches), self.max_chars) or "no matches"
