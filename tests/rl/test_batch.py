@@ -6,10 +6,12 @@ import os
 
 import pytest
 import torch
+from safetensors.torch import save as safetensors_save
 
 from tests.rl.conftest import call, fake_routes, trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.rl.batch import (
+    TENSOR_FIELDS,
     batch_from_bytes,
     batch_to_bytes,
     check_batch,
@@ -95,6 +97,17 @@ def test_corrupt_or_missing_files_get_a_clear_error(tmp_path):
     truncated = batch_to_bytes(collate(two_samples()))[:-10]
     with pytest.raises(WhetstoneError, match="key batches/x is not a whetstone batch"):
         batch_from_bytes(truncated, source="key batches/x")
+
+
+@pytest.mark.parametrize(
+    "header",
+    ['{"format_version": 1, "rows": []}', '{"format_version": 1, "meta": {}}', "[1]", '"batch"'],
+)
+def test_a_damaged_header_is_refused_naming_the_key(header):
+    tensors = {name: getattr(collate(two_samples(False)), name) for name in TENSOR_FIELDS}
+    data = safetensors_save(tensors, metadata={"whetstone_batch": header})
+    with pytest.raises(WhetstoneError, match="key batches/x is not a whetstone batch: its header"):
+        batch_from_bytes(data, source="key batches/x")
 
 
 def test_a_batch_of_another_vocabulary_is_refused_naming_it():

@@ -227,6 +227,8 @@ def batch_from_bytes(data: bytes, source: str = "batch") -> Batch:
         header = _header(data)
     except (SafetensorError, ValueError, KeyError, UnicodeDecodeError) as err:
         raise WhetstoneError(f"{source} is not a whetstone batch: {err}") from None
+    if not isinstance(header, dict):
+        raise WhetstoneError(f"{source} is not a whetstone batch: its header is not a JSON object")
     if header.get("format_version") != BATCH_FORMAT_VERSION:
         raise WhetstoneError(
             f"{source} has batch format {header.get('format_version')!r}, this build reads {BATCH_FORMAT_VERSION}"
@@ -234,6 +236,8 @@ def batch_from_bytes(data: bytes, source: str = "batch") -> Batch:
     missing = [name for name in TENSOR_FIELDS if name not in tensors]
     if missing:
         raise WhetstoneError(f"{source} lacks tensors {missing}")
+    if not isinstance(header.get("rows"), list) or not isinstance(header.get("meta"), dict):
+        raise WhetstoneError(f"{source} is not a whetstone batch: its header lacks the list of rows or the meta object")
     optional = {name: tensors.get(name) for name in OPTIONAL_FIELDS}
     return Batch(
         **{name: tensors[name] for name in TENSOR_FIELDS}, **optional, rows=header["rows"], meta=header["meta"]

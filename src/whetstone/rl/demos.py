@@ -24,6 +24,7 @@ from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import NOT_GENERATED, Sample
 from whetstone.tokenizer import Message, Tokenizer, encode_chat
 from whetstone.utils.atomic import atomic_write_text
+from whetstone.utils.jsonl import read_json_lines
 
 
 def write_demos(path: str | Path, transcripts: Iterable[list[Message]]) -> int:
@@ -38,20 +39,22 @@ def load_demos(path: str | Path, tokenizer: Tokenizer, max_positions: int = 0) -
     longer than `max_positions` (0 = any length) are skipped; a bad line is an error naming it."""
     path = expand_path(path)
     try:
-        lines = path.read_text().splitlines()
-    except (FileNotFoundError, IsADirectoryError, UnicodeDecodeError) as err:
-        raise WhetstoneError(f"demonstrations file {path}: {err}") from None
+        lines = list(read_json_lines(path))
+    except OSError as err:  # missing, a folder, unreadable, under a file, a link loop
+        raise WhetstoneError(
+            f"demonstrations file {path} cannot be read ({err}): point demos_path at a readable JSONL file"
+        ) from None
     demos = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"{path}, line {number}"
+    for line in lines:
+        number, where = line.number, f"{path}, line {line.number}"
         try:
-            messages = json.loads(line)["messages"]
+            if line.problem:
+                raise ValueError(line.problem)
+            messages = line.value.get("messages") if isinstance(line.value, dict) else None
             if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
                 raise TypeError("'messages' is not a list of objects")
             encoded = encode_chat(tokenizer, messages)
-        except (json.JSONDecodeError, KeyError, TypeError, WhetstoneError) as err:
+        except (ValueError, TypeError, WhetstoneError) as err:
             raise WhetstoneError(f'{where}: not a demonstration ({{"messages": [...]}}): {err}') from None
         positions = len(encoded.ids) - 1
         if not any(encoded.assistant_mask[1:]):

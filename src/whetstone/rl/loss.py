@@ -233,7 +233,7 @@ def policy_loss(
     if config.kl_coef > 0 and ref_logprobs is None:
         raise ValueError("kl_coef > 0 needs ref_logprobs")
     if (config.entropy_coef != 0 or config.forking_fraction < 1) and entropy is None:
-        raise ValueError("entropy_coef != 0 and forking_fraction < 1 need the entropies")
+        raise ValueError("entropy_coef != 0 or forking_fraction < 1 needs the entropies")
     trained = loss_mask.bool()
     logprobs32, behavior = logprobs.float(), inputs.behavior_logprobs.float()
     advantages = inputs.advantages.float()
