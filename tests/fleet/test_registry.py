@@ -5,11 +5,13 @@ import json
 import threading
 import time
 
+import httpx
 import pytest
 
 from whetstone.envs.harness.config import EndpointConfig
 from whetstone.envs.harness.pool import ServerPool
 from whetstone.fleet import Announcer, FleetConfig, FleetRegistry, ServerRecord
+from whetstone.fleet.registry import advertised_url
 from whetstone.inference.config import ServeConfig
 from whetstone.store import LocalStore
 from whetstone.sync import SyncConfig
@@ -241,3 +243,9 @@ def test_stopping_the_announcer_in_a_store_outage_waits_no_longer_than_its_bound
     while registry.records():  # the store back: the heartbeat thread's last write, then the delete
         assert time.monotonic() < deadline, "the record was never removed"
         time.sleep(0.02)
+
+
+def test_an_ipv6_address_is_announced_in_brackets():
+    url = httpx.URL(advertised_url("fd00::5", 8000))
+    assert (url.host, url.port, url.path) == ("fd00::5", 8000, "/v1")
+    assert advertised_url("10.0.0.7", 8000) == "http://10.0.0.7:8000/v1"

@@ -300,4 +300,12 @@ def advertised_url(host: str, port: int, url: str = "") -> str:
         return url
     if host in ("0.0.0.0", "::", ""):
         host = socket.gethostbyname(socket.gethostname())
+    return api_root(host, port)
+
+
+def api_root(host: str, port: int) -> str:
+    """`http://HOST:PORT/v1`, an IPv6 address in brackets (`http://[fd00::5]:8000/v1`): without
+    them the address's colons would read as the port's."""
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
     return f"http://{host}:{port}/v1"

@@ -121,6 +121,8 @@ def serve(config: ServeConfig) -> None:
     """Run the server in this process until interrupted."""
     import uvicorn
 
+    from whetstone.fleet.registry import api_root
+
     check_startup(config)
     make_room_for_connections(config.max_connections)
     sock = bind(config.host, config.port)
@@ -129,6 +131,6 @@ def serve(config: ServeConfig) -> None:
     # The engine thread takes the GIL back after every torch op; with Python's default 5 ms
     # interval the HTTP thread can hold it off that long whenever it is busy.
     sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-    print(f"whetstone serving on http://{config.host}:{config.port}/v1", flush=True)
+    print(f"whetstone serving on {api_root(config.host, config.port)}", flush=True)
     server = uvicorn.Server(uvicorn_config(app, config))
     server.run(sockets=[sock])

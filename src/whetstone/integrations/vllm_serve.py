@@ -391,6 +391,7 @@ def announcer_of(options: argparse.Namespace):
 
 
 def main(argv: list[str] | None = None) -> None:
+    from whetstone.fleet.registry import api_root
     from whetstone.utils.processes import stop_with_parent
 
     options = parse(sys.argv[1:] if argv is None else argv)
@@ -402,9 +403,11 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     announcer = announcer_of(options)
-    local = "127.0.0.1" if options.host in ("0.0.0.0", "") else options.host  # where the driver reaches it
+    local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(
+        options.host, options.host
+    )  # where the driver reaches it
     driver = SwapDriver(
-        f"http://{local}:{options.port}",
+        api_root(local, options.port).removesuffix("/v1"),
         options.sync,
         options.weight_version,
         options.poll_interval,

@@ -48,6 +48,7 @@ from pydantic import Field
 from whetstone.config import Config, dump_toml
 from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet.config import CLUSTER_PATTERN
+from whetstone.fleet.registry import api_root
 from whetstone.utils.atomic import PRIVATE, atomic_write_text
 from whetstone.utils.processes import (
     GPU_MEMORY_ENV,
@@ -279,7 +280,7 @@ class RoleActor:
         from whetstone.inference.config import ServeConfig
 
         port, host = free_port(), ray.util.get_node_ip_address()
-        fleet = {**config["fleet"], "announce": True, "url": f"http://{host}:{port}/v1"}
+        fleet = {**config["fleet"], "announce": True, "url": api_root(host, port)}
         return ServeConfig.model_validate({**config, "host": "0.0.0.0", "port": port, "fleet": fleet})
 
     def returncode(self) -> int | None:
