@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.inference.inference_fixtures import tiny_config
+from whetstone.errors import WhetstoneError
 from whetstone.inference.protocol import encode_routes
 from whetstone.online.config import OnlineConfig, RewardMapping
 from whetstone.online.samples import feedback_batch
@@ -36,6 +38,45 @@ def test_ratings_map_to_bounded_rewards():
     assert rewards.reward("thumbs_up", None) == 0.75 and rewards.reward("edit_reverted", None) == -0.25
     assert rewards.reward("score", 0.0) == -0.25 and rewards.reward("score", 1.0) == 0.75
     assert rewards.reward("score", 0.5) == pytest.approx(0.25)
+
+
+@pytest.mark.parametrize(
+    "rating, score, problem",
+    [
+        ("regenerate", None, "rating 'regenerate' is not one of thumbs_up, thumbs_down"),
+        ("model_config", None, "rating 'model_config' is not one of"),
+        ("score", None, "rating 'score' needs a score from 0 to 1, not None"),
+        ("score", 7.0, "needs a score from 0 to 1, not 7.0"),
+        ("score", float("nan"), "needs a score from 0 to 1, not nan"),
+    ],
+)
+def test_an_event_the_servers_would_refuse_has_no_reward(rating, score, problem):
+    with pytest.raises(WhetstoneError, match=problem):
+        RewardMapping().reward(rating, score)
+
+
+def test_an_event_the_servers_would_refuse_is_dropped_not_the_update(caplog):
+    # the store takes any writer's rating: one of another whetstone's, or a score out of [0, 1]
+    events = [rated(1), rated(2, "thumbs_down"), rated(3, "regenerate"), rated(4, "score"), rated(5, "score", 7.0)]
+    built = feedback_batch(events, OnlineConfig(), version=5)
+    assert built.counts["dropped_malformed"] == 3 and built.counts["kept"] == 2
+    assert built.reward_mean == pytest.approx(0.25)  # 0.75 and -0.25: the bounded rewards only
+    assert "feedback event 3 dropped: rating 'regenerate' is not one of" in caplog.text
+
+
+def test_a_record_that_does_not_fit_the_model_is_dropped_not_the_update(caplog):
+    # a server of another model writing to the same store: its trainer forward would fail
+    model = tiny_config()  # a vocabulary of 512, 2 MoE layers of 4 experts, 2 per token: rated()'s routes fit
+    foreign = [
+        rated(3, completion_ids=[4, 600]),
+        rated(4, routes=encode_routes(torch.arange(16).reshape(4, 2, 2) % 4 + 4)),
+        rated(5, routes=encode_routes(torch.zeros(4, 3, 2, dtype=torch.long))),
+    ]
+    built = feedback_batch([rated(1), rated(2, "thumbs_down"), *foreign], OnlineConfig(), version=5, model=model)
+    assert built.counts["dropped_malformed"] == 3 and built.counts["kept"] == 2 and built.batch is not None
+    assert "token ids in [1, 600], outside the model's vocabulary (0..511)" in caplog.text
+    assert "routes hold expert ids in [4, 7], expected 0..3" in caplog.text
+    assert "routes of [moe_layers, top_k] [3, 2], the model's are [2, 2]" in caplog.text
 
 
 def test_a_rated_response_becomes_one_trained_row():

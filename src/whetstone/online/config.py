@@ -8,13 +8,15 @@ that continues the run's weight store from its newest version.
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import Field, model_validator
 
 from whetstone.config import Config
 from whetstone.envs.tasks.registry import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
+from whetstone.errors import WhetstoneError
+from whetstone.inference.feedback import Rating
 from whetstone.rl.loss import LossConfig
 from whetstone.rl.staleness import StalenessConfig
 from whetstone.sync.config import SyncConfig, check_unrounded_for_invariant
@@ -40,9 +42,16 @@ class RewardMapping(Config):
     """Reward of a `score` of 1."""
 
     def reward(self, rating: str, score: float | None) -> float:
-        if rating == "score":
-            return self.score_low + float(score) * (self.score_high - self.score_low)
-        return getattr(self, rating)
+        """The reward of a feedback event. Raises WhetstoneError for an event the servers would
+        have refused (another rating, a `score` rating without a score in [0, 1]): the feedback
+        store takes what any writer gives it, and such an event has no reward here."""
+        if rating not in get_args(Rating):
+            raise WhetstoneError(f"rating {rating!r} is not one of {', '.join(get_args(Rating))}")
+        if rating != "score":
+            return getattr(self, rating)
+        if score is None or not 0.0 <= score <= 1.0:  # NaN too
+            raise WhetstoneError(f"rating 'score' needs a score from 0 to 1, not {score!r}")
+        return self.score_low + float(score) * (self.score_high - self.score_low)
 
 
 class TriggerConfig(Config):

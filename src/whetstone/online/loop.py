@@ -46,9 +46,10 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Annotated, Any, TypeVar
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from whetstone.config import expand_path, write_toml
 from whetstone.errors import CheckpointError, WhetstoneError
@@ -89,6 +90,44 @@ RETRY_WAIT_S = (0.5, 30.0)
 """First and longest wait between tries of a failed feedback store read (doubling)."""
 
 T = TypeVar("T")
+
+Count = Annotated[int, Field(ge=0)]
+
+
+class _Saved(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+
+class _SavedConsuming(_Saved):
+    update: Count
+    after: Count
+    through: Count
+    events: Count
+
+
+class _SavedLineage(_Saved):
+    newest_read: int = -1
+    weights: dict[int, Count] = {}
+
+
+class _SavedWeightStore(_Saved):
+    store: str
+    version: Count | None
+    manifest: str | None
+
+
+class SavedState(_Saved):
+    """The shape of state.json (`OnlineLoop.save_state`), checked before the loop trusts it: a
+    damaged or foreign file is refused, saying so, rather than failing somewhere in its use.
+    Fields other than the cursor and the update count may be missing (an older whetstone's)."""
+
+    cursor: Count
+    updates: Count
+    store: str = ""
+    consuming: _SavedConsuming | None = None
+    lost_events: Count = 0
+    lineage: _SavedLineage = _SavedLineage()
+    weight_store: _SavedWeightStore | None = None
 
 
 def weight_store_location(config: SyncConfig) -> str:
@@ -229,7 +268,7 @@ class OnlineLoop:
                     self.feedback.name,
                 )
             return {"cursor": marks.consumed, "updates": self.updates_recorded(), "store": marks.store_id}
-        self.state = json.loads(self.state_path.read_text())
+        self.state = self.read_state_file()
         self.check_weight_store(self.state.pop("weight_store", None))  # none in a state.json of an older whetstone
         self.lineage.restore(self.state.pop("lineage", {}))  # none in a state.json of an older whetstone
         consuming = self.state.pop("consuming", None)
@@ -245,6 +284,24 @@ class OnlineLoop:
             self.state["lost_events"] = self.state.get("lost_events", 0) + consuming["events"]
         self.check_store()
         return self.state
+
+    def read_state_file(self) -> dict[str, Any]:
+        """state.json as saved, or a WhetstoneError naming what is wrong with it and what to do."""
+        text = self.state_path.read_bytes()
+        try:
+            SavedState.model_validate_json(text)
+        except ValidationError as err:
+            first = err.errors()[0]
+            where = ".".join(str(part) for part in first["loc"])
+            got = "" if first["type"] in ("missing", "json_invalid") else f" (got {first['input']!r:.80})"
+            problem = (f"{where}: " if where else "") + first["msg"] + got
+            raise WhetstoneError(
+                f"{self.state_path} is not an online loop's state ({problem}): it is damaged, or another "
+                "program's. Put back a good copy; or move it away, and the loop starts after the newest feedback "
+                f"event a loop recorded reading in {self.feedback.name} and adopts the weight store's newest "
+                "version"
+            ) from None
+        return json.loads(text)
 
     def updates_recorded(self) -> int:
         """The number after the newest update this folder records (0 if it records none): where
@@ -409,7 +466,9 @@ class OnlineLoop:
         self.last_update = time.monotonic()
         record |= self.prune()
 
-        built = feedback_batch(rated, self.config, self.version, meta={"index": record["update"]}, behind=self.behind)
+        built = feedback_batch(
+            rated, self.config, self.version, meta={"index": record["update"]}, behind=self.behind, model=self.model.cfg
+        )
         record.update(
             built.counts,
             version_before=self.version,

@@ -21,6 +21,8 @@ from pydantic import ValidationError
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.inference.sampling import GREEDY_BELOW
+from whetstone.model import ModelConfig
+from whetstone.model.moe import check_route_ids
 from whetstone.online.config import OnlineConfig
 from whetstone.rl.batch import Batch, collate
 from whetstone.rl.samples import NOT_GENERATED, Sample, rescale_rollout_shares, trajectory_samples
@@ -69,6 +71,27 @@ def rated_sample(item: RatedResponse, reward: float) -> list[Sample]:
     return trajectory_samples(trajectory)
 
 
+def check_fits(sample: Sample, model: ModelConfig) -> None:
+    """Raise WhetstoneError if `sample` is not of `model`: a token id outside its vocabulary, or
+    routes of other experts or another [moe_layers, top_k] (a server of another model writing to
+    the same store). The trainer's forward would fail on it, and the whole update with it."""
+    if min(sample.input_ids) < 0 or max(sample.input_ids) >= model.vocab_size:
+        raise WhetstoneError(
+            f"token ids in [{min(sample.input_ids)}, {max(sample.input_ids)}], outside the model's vocabulary "
+            f"(0..{model.vocab_size - 1}): a response of another model?"
+        )
+    routes = sample.routes
+    if routes is None or not model.num_moe_layers:
+        return
+    expected = [model.num_moe_layers, model.num_experts_per_tok]
+    if list(routes.shape[1:]) != expected:
+        raise WhetstoneError(
+            f"routes of [moe_layers, top_k] {list(routes.shape[1:])}, the model's are {expected}: a response of "
+            "another model?"
+        )
+    check_route_ids(routes, model.num_experts)
+
+
 def generated_versions(sample: Sample) -> list[int]:
     """The weight versions of a sample's sampled tokens (what its staleness is of)."""
     return [v for v in sample.versions if v != NOT_GENERATED]
@@ -80,10 +103,12 @@ def feedback_batch(
     version: int,
     meta: dict[str, Any] | None = None,
     behind: Callable[[list[int]], int] | None = None,
+    model: ModelConfig | None = None,
 ) -> FeedbackBatch:
     """The batch of `rated` for an update of the deployed `version`. `behind`: how many updates
     the weights a sample was sampled with (its tokens' versions) are from the deployed version's
-    (the loop's `Lineage.behind`, which sees rollbacks); by default, version numbers apart."""
+    (the loop's `Lineage.behind`, which sees rollbacks); by default, version numbers apart.
+    `model`: the trained model's config; records that do not fit it are dropped as malformed."""
     if behind is None:
 
         def behind(versions: list[int]) -> int:
@@ -107,6 +132,9 @@ def feedback_batch(
             continue
         try:
             new = rated_sample(item, config.rewards.reward(item.rating, item.score))
+            if model is not None:
+                for sample in new:
+                    check_fits(sample, model)
         except (WhetstoneError, ValidationError) as err:  # a record that does not add up (e.g. routes of another shape)
             counts["dropped_malformed"] += 1
             log.warning("feedback event %d dropped: %s", item.seq, err)
