@@ -115,6 +115,29 @@ def test_a_server_too_far_behind_the_trainer_is_not_used(world):
         asyncio.run(scenario([s.url for s in servers]))
 
 
+def test_a_health_check_that_fails_at_connect_leaves_the_server_for_a_later_round(world):
+    """The weight store behind `min_version` out as the pool connects: the pool still starts."""
+    answers = iter([OSError("the weight store is out")])
+
+    def min_version():
+        failure = next(answers, None)
+        if failure is not None:
+            raise failure
+        return None
+
+    async def scenario(urls):
+        pool = await ServerPool.connect(urls, ENDPOINT, health_interval_s=0.1, min_version=min_version)
+        try:
+            assert "its health check failed: OSError: the weight store is out" in pool.servers[0].problem
+            async with pool.lease() as policy:  # the next health round takes it in
+                assert policy.server.url == urls[0]
+        finally:
+            await pool.close()
+
+    with thread_servers(*world, count=1) as servers:
+        asyncio.run(scenario([s.url for s in servers]))
+
+
 class FakeServers:
     """Inference servers faked on one HTTP server, told apart by path: server `name`'s API root is
     `/<name>/v1`. Its /health answers `health[name]` (status, body), its /v1/models one model,

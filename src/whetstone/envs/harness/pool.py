@@ -138,7 +138,7 @@ class ServerPool:
         """Connect to every server that answers; the others join when they become healthy."""
         pool = cls(urls, endpoint, **options)
         await pool.discover()
-        await asyncio.gather(*(pool._join(server) for server in pool.servers))
+        await pool._join_each(pool.servers)
         pool._watcher = asyncio.create_task(pool._watch(), name="server-health")
         return pool
 
@@ -339,6 +339,15 @@ class ServerPool:
             return body
         return None
 
+    async def _join_each(self, servers: list[Server]) -> None:
+        """`_join` each server on its own: one whose check fails (its health answer, the store
+        behind `min_version`) is logged and left out until a later round, and the others join."""
+        joins = await asyncio.gather(*(self._join(server) for server in servers), return_exceptions=True)
+        for server, failure in zip(servers, joins):
+            if isinstance(failure, Exception):
+                server.problem = f"its health check failed: {type(failure).__name__}: {failure}"
+                log.warning("inference server %s: %s", server.url, server.problem)
+
     async def _join(self, server: Server) -> None:
         health = await self.health(server)
         if health is None:
@@ -369,12 +378,7 @@ class ServerPool:
             await asyncio.sleep(self.health_interval_s)
             try:
                 await self.discover()
-                # each server's check on its own: one that fails leaves the others' to finish
-                joins = await asyncio.gather(
-                    *(self._join(s) for s in self.servers if not s.alive), return_exceptions=True
-                )
-                for failure in (result for result in joins if isinstance(result, Exception)):
-                    log.warning("a health check of the server pool failed: %s: %s", type(failure).__name__, failure)
+                await self._join_each([s for s in self.servers if not s.alive])
                 await self.probe_versions()
             except Exception:
                 log.exception(
