@@ -40,6 +40,27 @@ def test_text_that_might_start_a_stop_string_waits():
     assert inc.released == 4 and not inc.stopped  # it did not
 
 
+def test_a_stop_string_ends_at_the_token_completing_it_though_the_token_ends_inside_a_character():
+    """Byte-level tokens may end part-way through a character: "日本語" as e6 97 a5 e6 | 9c ac e8 |
+    aa 9e. The second token completes "本" whatever bytes come next, so it is the last one."""
+    utf8 = "日本語".encode()
+    pieces = {1: utf8[:4], 2: utf8[4:7], 3: utf8[7:]}
+
+    def decode(ids):
+        return b"".join(pieces[i] for i in ids).decode(errors="replace")
+
+    inc = IncrementalText(decode, stop=("本",))
+    inc.push([1])
+    assert not inc.stopped and inc.released == 0  # "日" then half a character: nothing shown yet
+    inc.push([2])
+    assert inc.stopped and inc.text == "日" and inc.released == 1
+    inc = IncrementalText(decode, stop=("語",))  # no stop string before the split character: wait
+    inc.push([1, 2])
+    assert not inc.stopped and inc.text == "" and inc.released == 0
+    inc.push([3])
+    assert inc.stopped and inc.text == "日本"
+
+
 def test_finish_releases_the_held_back_tail():
     inc = IncrementalText(lambda ids: "xy" * len(ids), stop=("yz",))
     inc.push([1])

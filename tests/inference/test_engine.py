@@ -118,6 +118,15 @@ def test_prompts_that_do_not_fit_are_rejected_not_truncated(model):
     assert not engine.step()  # nothing was queued
 
 
+def test_generate_with_a_prompt_that_does_not_fit_queues_none_of_its_prompts(model):
+    engine = make_engine(model, context_limit=32)
+    with pytest.raises(InvalidRequest, match="prompt 1: the prompt has 40 tokens"):
+        engine.generate([[1, 2, 3], list(range(40))], SamplingParams(max_tokens=4))
+    assert not engine.step()  # the prompt that fits was not left to generate for no one
+    [seq] = engine.generate([[4, 5, 6]], SamplingParams(max_tokens=2))
+    assert len(seq.output_ids) == 2 and engine.stats.decode_steps_total == 2
+
+
 def test_a_kv_cache_that_cannot_be_allocated_is_named_with_its_size_and_settings(model):
     # 2^35 positions in each of 4 + 16 slots: 320 TiB, which no allocator gives (the CPU's refuses at once)
     with pytest.raises(

@@ -10,10 +10,12 @@ from types import SimpleNamespace
 import pytest
 
 from tests.inference.inference_fixtures import WEATHER_CALL, WEATHER_TOOL
-from whetstone.inference.protocol import ChatRequest
-from whetstone.inference.responses import chat_choice
-from whetstone.inference.sequence import Progress
-from whetstone.inference.stream import chat_stream
+from whetstone.inference.detokenize import IncrementalText
+from whetstone.inference.protocol import ChatRequest, CompletionRequest
+from whetstone.inference.responses import chat_choice, completion_choice
+from whetstone.inference.sampling import SamplingParams
+from whetstone.inference.sequence import Progress, Sequence
+from whetstone.inference.stream import chat_stream, completion_stream
 
 BAD_CALL = "<tool_call>\n{not json}\n</tool_call>"
 TEXTS = {
@@ -141,3 +143,49 @@ def test_malformed_calls_are_streamed_as_tool_call_errors():
     last = choices[-1]
     assert last["delta"]["tool_call_errors"] == whole["message"]["tool_call_errors"]
     assert "tool_calls" not in last["delta"] and last["finish_reason"] == "stop"
+
+
+class Generation:
+    """A submission of one real sequence fed `tokens` one per event, as the engine feeds it."""
+
+    def __init__(self, seq: Sequence, tokens: list[int]):
+        self.seq, self.tokens = seq, tokens
+        self.seqs, self.prompt_lengths = [seq], [len(seq.prompt_ids)]
+
+    async def events(self, is_disconnected):
+        for number, token in enumerate(self.tokens):
+            self.seq.output_ids.append(token)
+            self.seq.logprobs.append(-1.0)
+            self.seq.text.push([token])
+            last = number == len(self.tokens) - 1
+            if last:
+                self.seq.text.finish()
+                self.seq.finish_reason = "length"
+            yield [Progress(self.seq, len(self.seq.output_ids), self.seq.text.released, last)]
+
+    def abort(self):
+        pass
+
+
+def test_streamed_text_offsets_are_those_of_the_reply_that_is_not_streamed():
+    """A token whose text is held back (it may start a stop string) still takes its place in the
+    text: the next token's `text_offset` counts it, in a stream as in the whole reply."""
+    pieces = {1: "ab", 2: "c", 3: "d", 4: "e"}
+
+    def decode(ids):
+        return "".join(pieces[i] for i in ids)
+
+    seq = Sequence("s", [9], SamplingParams(max_tokens=4, stop=("cx",)), stream=True)
+    seq.text = IncrementalText(decode, seq.params.stop)
+    body = CompletionRequest(model="m", prompt=[9], logprobs=0, stream=True)
+
+    async def collect():
+        request = SimpleNamespace(is_disconnected=None)
+        return [
+            chunk async for chunk in completion_stream(Generation(seq, [1, 2, 3, 4]), body, "id", "m", decode, request)
+        ]
+
+    choices = [choice for chunk in asyncio.run(collect()) for choice in chunk["choices"]]
+    assert [c["text"] for c in choices] == ["ab", "", "cd", "e"]  # "c" waited: it may have begun "cx"
+    streamed_offsets = [offset for c in choices for offset in c["logprobs"]["text_offset"]]
+    assert streamed_offsets == completion_choice(seq, 0, body, decode)["logprobs"]["text_offset"] == [0, 2, 3, 4]

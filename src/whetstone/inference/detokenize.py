@@ -2,8 +2,10 @@
 
 Byte-level BPE tokens can end in the middle of a UTF-8 character, so a token's text is only
 known once the next ones arrive. We decode a short window of recent tokens and release text only
-when it no longer ends in a replacement character. Text that could be the start of a stop string
-is held back until it is known not to be one, so a stream never shows part of a stop string.
+when it no longer ends in a replacement character; a stop string already whole before that
+character ends the text at once (its token is the last). Text that could be the start of a stop
+string is held back until it is known not to be one, so a stream never shows part of a stop
+string.
 """
 
 from __future__ import annotations
@@ -31,9 +33,12 @@ class IncrementalText:
         self._ids.extend(ids)
         before = self._decode(self._ids[self._prefix : self._read])
         after = self._decode(self._ids[self._prefix :])
-        if len(after) <= len(before) or after.endswith("\ufffd"):
-            return  # an incomplete character: wait for more bytes
-        search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
+        if len(after) <= len(before):
+            return
+        if after.endswith("\ufffd"):  # an incomplete character: wait for more bytes, unless a
+            self._stop_before(after[len(before) :].rstrip("\ufffd"))  # stop string ends before it
+            return
+        search_from = self._search_from()
         held = len(self.text) - self.released
         self.text += after[len(before) :]
         self._prefix, self._read = self._read, len(self._ids)
@@ -49,10 +54,28 @@ class IncrementalText:
             before = self._decode(self._ids[self._prefix : self._read])
             after = self._decode(self._ids[self._prefix :])
             if len(after) > len(before):
-                search_from = max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
+                search_from = self._search_from()
                 self.text += after[len(before) :]
                 self._cut_stop(search_from)
         self.released = len(self.text)
+
+    def _search_from(self) -> int:
+        """Where a stop string that ends in text yet to come may start in `text`."""
+        return max(0, len(self.text) - max((len(s) for s in self._stop), default=0))
+
+    def _stop_before(self, whole: str) -> None:
+        """Stop if a stop string ends in `whole`, the characters completed before an incomplete
+        one (a token can end part-way through a character): the stop string is there whatever
+        bytes come next, so generation ends at this token, not one later."""
+        if not self._stop or not whole:
+            return
+        start = self._search_from()
+        tail = self.text[start:] + whole
+        hits = [i for i in (tail.find(s) for s in self._stop) if i >= 0]
+        if hits:
+            self.text = self.text[:start] + tail[: min(hits)]
+            self.released = len(self.text)
+            self.stopped = True
 
     def _cut_stop(self, search_from: int) -> None:
         hits = [i for i in (self.text.find(s, search_from) for s in self._stop) if i >= 0]

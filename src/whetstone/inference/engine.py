@@ -299,13 +299,19 @@ class Engine:
     def generate(
         self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams], priority: Priority = "batch"
     ) -> list[Sequence]:
-        """Generate from `prompts` in this thread; raises `WhetstoneError` if any sequence failed."""
+        """Generate from `prompts` in this thread; raises `WhetstoneError` if any sequence failed,
+        `InvalidRequest` (nothing queued) if any prompt cannot be served."""
         if self._thread is not None:
             raise RuntimeError("generate() drives the engine itself; do not call it while start()ed")
         params = params if isinstance(params, list) else [params] * len(prompts)
         seqs = [Sequence(f"offline-{i}", list(p), sp, priority) for i, (p, sp) in enumerate(zip(prompts, params))]
+        for i, seq in enumerate(seqs):  # all of them first: one refused leaves none queued behind
+            try:
+                self.check_request(seq.prompt_ids, seq.params)
+            except InvalidRequest as err:
+                raise InvalidRequest(f"prompt {i}: {err}") from None
         for seq in seqs:
-            self.add(seq)
+            self.add(seq, checked=True)
         with torch.inference_mode(), on_device(self.device):
             while not all(seq.finished for seq in seqs):
                 self.step()

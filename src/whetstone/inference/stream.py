@@ -60,6 +60,9 @@ async def completion_stream(
     top = header(response_id, "text_completion", model)
     sent_tokens = [0] * len(sub.seqs)
     sent_text = [0] * len(sub.seqs)
+    # where the next token's text starts (`text_offset`), counted as the reply that is not streamed
+    # counts it: the tokens sent, whether or not their text was released yet
+    token_offset = [0] * len(sub.seqs)
     async with aclosing(choice_events(sub, request)) as events:
         async for i, seq, event in events:
             if seq.error:
@@ -76,7 +79,8 @@ async def completion_stream(
                 "finish_reason": seq.finish_reason if event.finished else None,
             }
             if body.logprobs is not None:
-                choice["logprobs"] = completion_logprobs(seq, start, end, decode, sent_text[i])
+                choice["logprobs"] = logprobs = completion_logprobs(seq, start, end, decode, token_offset[i])
+                token_offset[i] += sum(len(token) for token in logprobs["tokens"])
             yield top | {"choices": [choice | rl_fields(seq, body, start, end, event.finished)]}
             sent_tokens[i], sent_text[i] = end, max(sent_text[i], event.text_released)
     if body.stream_options and body.stream_options.include_usage:  # a gone client reads nothing more
