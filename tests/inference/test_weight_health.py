@@ -164,6 +164,37 @@ def test_a_server_whose_newest_version_stays_unavailable_says_so_and_takes_it_on
         assert health.status_code == 200 and health.json()["status"] == "ok" and "weights_problem" not in health.json()
 
 
+def test_a_follower_stopped_by_something_unforeseen_leaves_the_server_stale_for_good(
+    served_model_dir, tmp_path, monkeypatch
+):
+    """A version it took from the subscriber may be lost with the thread: /health must not say "ok"."""
+    sync = SyncConfig(store=str(tmp_path / "weights"), publish_dtype="keep", poll_interval=0.05)
+    store = WeightStore.open(sync)
+    publisher = Publisher(store, sync)
+    served = load_hf(served_model_dir).state_dict()
+    publisher.publish(served)
+    real_apply = WeightFollower._apply
+
+    def apply(follower, update):
+        if update.version == 1:
+            raise MemoryError("no room to merge")
+        real_apply(follower, update)
+
+    monkeypatch.setattr(WeightFollower, "_apply", apply)
+    config = ServeConfig(
+        model_path=str(served_model_dir), threads=1, sync=sync, engine=EngineConfig(max_batch=2, context_limit=256)
+    )
+    with TestClient(build_app(config)) as http:
+        wait_until(lambda: http.get("/health").json()["weight_version"] == 0, TIMEOUT_S)
+        publisher.publish(nudged(served, 1e-3))
+        wait_until(lambda: http.get("/health").status_code == 503, TIMEOUT_S)
+        body = http.get("/health").json()
+        assert body["status"] == "weights stale" and body["weight_version"] == 0
+        assert body["weights_problem"] == (
+            "the server stopped following the weight store (MemoryError: no room to merge): restart it"
+        )
+
+
 def test_serve_refuses_a_weight_store_that_does_not_exist(served_model_dir, tmp_path):
     missing = tmp_path / "wieghts"
     config = ServeConfig(model_path=str(served_model_dir), threads=1, sync=SyncConfig(store=str(missing)))

@@ -227,6 +227,9 @@ class WeightFollower:
         reports the write on: one that fails is sent again with those after it."""
         self._retry_in, self._retry_at = RETRY_FIRST_S, 0.0
         self._problem: str | None = None
+        self.stopped_by: str | None = None
+        """What ended the follower's thread when something unforeseen did: the server serves its
+        weights as they are, and /health says it is stale for good."""
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -235,7 +238,9 @@ class WeightFollower:
         served = self.engine.version
         rejected = {v: why for v, why in dict(subscriber.rejected).items() if v > served} | refused
         problem = None
-        if refused:
+        if self.stopped_by is not None:
+            problem = f"the server stopped following the weight store ({self.stopped_by}): restart it"
+        elif refused:
             newest = max(refused)
             problem = f"the engine refused weight version {newest}: {refused[newest]}"
         else:
@@ -264,19 +269,23 @@ class WeightFollower:
         self.subscriber.stop()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
-            held = self.subscriber.version
-            self.subscriber.wait_for(0 if held is None else held + 1, timeout=self.poll_seconds)
-            update = self.subscriber.take_update()
-            self._check_writes()
-            if self._unapplied is not None:
+        try:
+            while not self._stop.is_set():
+                held = self.subscriber.version
+                self.subscriber.wait_for(0 if held is None else held + 1, timeout=self.poll_seconds)
+                update = self.subscriber.take_update()
+                self._check_writes()
+                if self._unapplied is not None:
+                    if update is not None:
+                        update = merge_updates([self._unapplied, update])
+                    elif time.monotonic() >= self._retry_at:
+                        update = self._unapplied
                 if update is not None:
-                    update = merge_updates([self._unapplied, update])
-                elif time.monotonic() >= self._retry_at:
-                    update = self._unapplied
-            if update is not None:
-                self._apply(update)
-            self._log_problem()
+                    self._apply(update)
+                self._log_problem()
+        except Exception as err:  # a version taken from the subscriber may be lost: follow no more
+            self.stopped_by = f"{type(err).__name__}: {err}"
+            log.exception("following the weight store stopped at version %s", self.engine.version)
 
     def _apply(self, update: WeightUpdate) -> None:
         try:
