@@ -4,12 +4,15 @@ one published version) and invariant numerics."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.trainer.test_loop import subscribe
 from tests.trainer.trainer_fixtures import make_batches, put_batches, trainer_config
-from whetstone.rl.batch import collate, shuffled_parts
+from whetstone.errors import WhetstoneError
+from whetstone.rl.batch import batch_from_bytes, batch_to_bytes, collate, shuffled_parts
 from whetstone.rl.samples import Sample
-from whetstone.trainer.loop import merge_part_metrics, run_trainer
+from whetstone.trainer.loop import merge_part_metrics, run_trainer, step_once
+from whetstone.trainer.setup import open_trainer
 from whetstone.trainer.step import micro_batches
 from whetstone.utils.metrics import read_metrics
 
@@ -57,6 +60,57 @@ def test_each_batch_takes_several_optimizer_steps_and_publishes_one_version(tmp_
         weights[steps] = subscribe(root).state
     assert [r["optimizer_steps"] for r in records] == [2, 2]  # one version per batch, two Adam steps each
     assert any(not weights[1][name].equal(weights[2][name]) for name in weights[1])
+
+
+def test_a_row_without_trained_tokens_is_no_mini_batch_of_its_own(tmp_path, tiny_moe, batches):
+    # one mini-batch per row: the untrained row alone would be a mini-batch without trained tokens
+    untrained = batch_from_bytes(batch_to_bytes(batches[1]))
+    untrained.loss_mask[0], untrained.versions[0], untrained.behavior_logprobs[0] = False, -1, 0.0
+    untrained.rows[0]["oldest_version"] = None
+    put_batches(tmp_path / "batches", [batches[0], untrained])
+    config = trainer_config(tmp_path, tiny_moe, optimizer_steps_per_batch=len(untrained))
+    assert run_trainer(config)["version"] == 2
+    records = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
+    assert [(r["optimizer_steps"], r["rows"]) for r in records] == [
+        (len(batches[0]), len(batches[0])),
+        (len(untrained) - 1, len(untrained)),
+    ]
+    assert records[1]["tokens"] == untrained.num_loss_tokens
+
+
+def an_expert_past_the_model(batch):
+    # in a row of the second mini-batch of step 0: the first would have moved the weights already
+    second = torch.randperm(len(batch), generator=torch.Generator().manual_seed(0)).tolist()[1::2]
+    batch.routes[second[-1], 0, 0, 0] = 9  # the tiny MoE has 4 experts
+
+
+def routes_of_one_moe_layer(batch):
+    batch.routes = batch.routes[:, :, :1].contiguous()  # the tiny MoE has two
+
+
+@pytest.mark.parametrize(
+    ("spoil", "error"),
+    [
+        (an_expert_past_the_model, r"routes hold expert ids in \[0, 9\], expected 0..3"),
+        (
+            routes_of_one_moe_layer,
+            r"routes have shape \((\d+), (\d+), 1, 2\), expected \(\1, \2, 2, 2\) \[B, T, moe_layers, top_k\]",
+        ),
+    ],
+)
+def test_a_batch_whose_routes_do_not_fit_the_model_is_refused_whole_naming_it(
+    tmp_path, tiny_moe, batches, spoil, error
+):
+    session = open_trainer(trainer_config(tmp_path, tiny_moe, optimizer_steps_per_batch=2))
+    bad = batch_from_bytes(batch_to_bytes(batches[0]))
+    spoil(bad)
+    weights = {name: value.clone() for name, value in session.model.state_dict().items()}
+    with pytest.raises(
+        WhetstoneError, match=rf"0000000000.batch in LocalStore\(.*\): {error}: the batch was sampled by another model"
+    ):
+        step_once(session, bad)
+    assert all(torch.equal(weights[name], value) for name, value in session.model.state_dict().items())
+    assert not session.optimizer.state and session.state.step == 0
 
 
 @pytest.mark.parametrize(

@@ -75,8 +75,9 @@ class TrainerConfig(Config):
     the trainer computes with unrounded."""
     optimizer_steps_per_batch: int = Field(1, ge=1)
     """PPO-style mini-batches: each batch's rows are shuffled and split into this many parts, one
-    optimizer step each, then one weight version is published. Later parts train a policy that
-    has moved since sampling; the clip and the importance ratio bound how far."""
+    optimizer step each, then one weight version is published (rows without a trained token are
+    left out of the parts). Later parts train a policy that has moved since sampling; the clip and
+    the importance ratio bound how far."""
     threads: int = Field(1, ge=0)
     """Torch intra-op threads of this process (0 = every core it may run on)."""
     max_steps: int = Field(0, ge=0)

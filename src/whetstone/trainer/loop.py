@@ -32,7 +32,7 @@ from whetstone.sync.publisher import Published
 from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import global_normalizer, rank_rows
 from whetstone.trainer.setup import TrainerSession, new_optimizer, open_trainer
-from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, train_step
+from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, check_batch_routes, train_step
 from whetstone.training.distributed import broadcast, full_state_dict, save_sharded_checkpoint, torchrun_group
 from whetstone.training.schedule import lr_at
 from whetstone.utils.metrics import MetricsWriter
@@ -184,13 +184,25 @@ def merge_part_metrics(parts: list[dict[str, Any]]) -> dict[str, Any]:
     return merged
 
 
+def mini_batches(batch: Batch, parts: int, seed: int) -> list[Batch]:
+    """The batch's `parts` mini-batches (`optimizer_steps_per_batch`: `shuffled_parts`), one
+    optimizer step each. With several, they are cut from the rows that have a trained token: a
+    row without one moves nothing, and a mini-batch of only such rows would be refused as a batch
+    without trained tokens after the mini-batches before it had moved the weights (and again on
+    every replay). A batch without any trained token is left whole, for the step to refuse."""
+    trained = batch.loss_mask.any(dim=1)
+    if parts > 1 and trained.any() and not trained.all():
+        batch = batch.select(trained.nonzero().flatten().tolist())
+    return shuffled_parts(batch, parts, seed)
+
+
 def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], dict[str, torch.Tensor] | None]:
     """Train on `batch` (the next one) and advance the state; return the step's metrics and the
     weights to publish (None when replaying). Under torchrun every rank trains on its rows of the
     batch, and the metrics are the whole step's. Rows with a token the sampler gave probability 0
     are dropped, with a warning (`drop_impossible_rows`: a batch an older orchestrator wrote); a
-    batch the model cannot train on is refused first (`check_batch`), by every rank, before the
-    weights move."""
+    batch the model cannot train on is refused first (`check_batch`, `check_batch_routes`), by
+    every rank, before the weights move."""
     config, state = session.config, session.state
     source = f"{batch_key(state.step)} in {session.batches!r}"
     tasks = [row.get("task_id") for row in batch.rows]
@@ -206,6 +218,7 @@ def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], di
             len(dropped) + len(batch),
         )
     check_batch(batch, session.model.cfg.vocab_size, source=source)
+    check_batch_routes(batch, session.model.cfg, source=source)
     # before the step, which nothing in a row may fail once the weights moved; a row with no sampled token is 0 behind
     staleness_max = max((staleness(state.step, row.get("oldest_version")) for row in batch.rows), default=0)
     opt, replaying = config.optimizer, state.step < session.replay_until
@@ -220,7 +233,7 @@ def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], di
     settings = StepSettings.of(config)
     started = time.perf_counter()
     parts = []
-    for number, part in enumerate(shuffled_parts(batch, config.optimizer_steps_per_batch, seed=state.step)):
+    for number, part in enumerate(mini_batches(batch, config.optimizer_steps_per_batch, seed=state.step)):
         rows, normalizer, demos, demo_normalizer = part, None, None, None
         if session.demos is not None:  # seeded by (step, part): a replayed step draws the same rows
             demos = demo_rows(session.demos, config.demo_rows, seed=state.step * 1_000 + number)

@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.model import Numerics, Transformer, ops
-from whetstone.model.moe import check_route_ids
+from whetstone.model import ModelConfig, Numerics, Transformer, ops
+from whetstone.model.moe import check_route_ids, check_routes
 from whetstone.rl.batch import IGNORED_TARGET, Batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.rl.loss import LossConfig, LossInputs, LossStats, policy_loss, step_normalizer
@@ -52,6 +52,23 @@ def micro_batches(batch: Batch, size: int) -> list[Batch]:
     lengths = [row["num_positions"] for row in batch.rows] if batch.rows else [batch.input_ids.shape[1]] * len(batch)
     order = sorted(range(len(batch)), key=lambda r: (lengths[r], r))
     return [batch.select(order[i : i + size]) for i in range(0, len(batch), size)]
+
+
+def check_batch_routes(batch: Batch, cfg: ModelConfig, source: str = "batch") -> None:
+    """Refuse a batch whose routes do not fit an MoE model of `cfg` (another number of MoE
+    layers, experts per token or experts: a batch another model sampled), naming it (`source`).
+    Reads the routes where they are: call it on the host copy, before any optimizer step of the
+    batch, so that a batch refused is refused whole (a dense model ignores routes)."""
+    if batch.routes is None or not cfg.num_moe_layers:
+        return
+    expected = (*batch.input_ids.shape, cfg.num_moe_layers, cfg.num_experts_per_tok)
+    try:
+        check_routes(batch.routes, expected, cfg.num_experts)
+    except WhetstoneError as err:
+        raise WhetstoneError(
+            f"{source}: {err}: the batch was sampled by another model. Train it with the model its "
+            "rollouts were sampled from, or point the batch store at this model's batches"
+        ) from None
 
 
 def _unreplayed_disagreement(own: torch.Tensor, rollout: torch.Tensor, mask: torch.Tensor) -> RoutingStats:
