@@ -264,6 +264,7 @@ def test_unexpected_tensor_is_named(checkpoint):
 
 
 def test_index_pointing_at_a_missing_shard(checkpoint):
+    (checkpoint / "model.safetensors").rename(checkpoint / "model-00001-of-00002.safetensors")
     (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"x": "model-1.safetensors"}}))
     with pytest.raises(CheckpointError, match="model-1.safetensors is listed in the index but does not exist"):
         load_hf(checkpoint)
@@ -274,3 +275,51 @@ def test_an_index_whose_weight_map_is_not_names_to_files_is_named(checkpoint, we
     (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
     with pytest.raises(CheckpointError, match="weight_map must map tensor names to file names"):
         load_hf(checkpoint)
+
+
+def test_an_index_that_cannot_be_read_is_named(checkpoint):
+    (checkpoint / "model.safetensors.index.json").mkdir()
+    with pytest.raises(CheckpointError, match=r"model.safetensors.index.json cannot be read: Is a directory"):
+        load_hf(checkpoint)
+
+
+@pytest.mark.parametrize(
+    "first, then", [("20KB", "1GB"), ("1GB", "20KB")], ids=["sharded-then-one", "one-then-sharded"]
+)
+@torch.no_grad()
+def test_a_folder_holding_both_a_single_file_and_an_index_to_other_files_is_refused(first, then, tmp_path):
+    # save_pretrained into a folder that held the other form leaves the stale file behind;
+    # transformers then reads model.safetensors, vLLM the files the index names
+    hf_dense().save_pretrained(tmp_path, max_shard_size=first)
+    hf_dense(rms_norm_eps=1e-5).save_pretrained(tmp_path, max_shard_size=then)
+    assert (tmp_path / "model.safetensors").exists() and (tmp_path / "model.safetensors.index.json").exists()
+    with pytest.raises(CheckpointError, match="holds both model.safetensors and model.safetensors.index.json"):
+        load_hf(tmp_path)
+
+
+def test_an_index_naming_only_model_safetensors_is_read_with_it(checkpoint):
+    names = load_file(checkpoint / "model.safetensors")
+    weight_map = {name: "model.safetensors" for name in names}
+    (checkpoint / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    assert load_hf(checkpoint).cfg.num_experts == 4
+
+
+@torch.no_grad()
+def test_a_tied_checkpoint_may_store_a_copy_of_the_embedding_as_the_head(tmp_path):
+    hf_dense(tie_word_embeddings=True).save_pretrained(tmp_path)
+    _edit_tensors(tmp_path, lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    model = load_hf(tmp_path)
+    assert model.lm_head.weight is model.embed_tokens.weight
+
+
+@torch.no_grad()
+def test_a_tied_checkpoint_storing_a_different_head_is_refused(tmp_path):
+    hf_dense(tie_word_embeddings=True).save_pretrained(tmp_path)
+    _edit_tensors(tmp_path, lambda t: t.update({"lm_head.weight": torch.randn(64, 32)}))
+    # transformers unties such a folder and uses the stored head: a different model than the tied one
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert not torch.equal(theirs.lm_head.weight, theirs.model.embed_tokens.weight)
+    with pytest.raises(
+        CheckpointError, match="tie_word_embeddings to true, but the checkpoint's lm_head.weight differs"
+    ):
+        load_hf(tmp_path)

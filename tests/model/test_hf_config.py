@@ -2,6 +2,7 @@
 folder loads to the model transformers' AutoConfig (and so vLLM) builds from it."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from whetstone.errors import CheckpointError
 from whetstone.model.hf import load_hf, read_hf_config
 
 transformers = pytest.importorskip("transformers")
+StrictDataclassFieldValidationError = pytest.importorskip("huggingface_hub.errors").StrictDataclassFieldValidationError
 
 # Every value differs from transformers' default, so leaving any one out is visible.
 FULL = {
@@ -164,3 +166,25 @@ def test_a_qwen3_checkpoint_without_head_dim_loads_with_equal_logits(tmp_path):
     write(tmp_path, config)
     ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(load_hf(tmp_path)(ids).logits, reference(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        (dict(tie_word_embeddings="false"), "tie_word_embeddings: Input should be a valid boolean (got 'false')"),
+        (dict(norm_topk_prob=1), "norm_topk_prob: Input should be a valid boolean (got 1)"),
+        (dict(hidden_size="256"), "hidden_size: Input should be a valid integer (got '256')"),
+        (dict(num_experts=16.0), "num_experts: Input should be a valid integer (got 16.0)"),
+        (dict(mlp_only_layers=["0"]), "mlp_only_layers.0: Input should be a valid integer (got '0')"),
+        (dict(rms_norm_eps="1e-5"), "rms_norm_eps: Input should be a valid number (got '1e-5')"),
+        (dict(attention_bias="false"), "attention_bias = 'false' is not supported"),
+    ],
+    ids=["bool-string", "bool-number", "int-string", "int-float", "list-of-strings", "float-string", "bias-string"],
+)
+def test_a_value_of_the_wrong_json_type_is_refused_as_transformers_refuses_it(changes, message, tmp_path):
+    # read leniently, "false" would be False here, but true to any reader that tests its truth
+    write(tmp_path, dict(FULL["qwen3_moe"], **changes))
+    with pytest.raises(StrictDataclassFieldValidationError):
+        transformers.AutoConfig.from_pretrained(tmp_path)
+    with pytest.raises(CheckpointError, match=re.escape(message)):
+        read_hf_config(tmp_path)

@@ -24,6 +24,7 @@ from whetstone.model.hf_convert import (
     DOWN,
     GATE_UP,
     IGNORED_SUFFIXES,
+    TOP_NAMES,
     expert_names,
     hf_config,
     hf_name,
@@ -89,11 +90,22 @@ class _TensorFiles:
         if index.exists():
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
+            except OSError as err:
+                raise CheckpointError(f"{index} cannot be read: {err.strerror or err}") from None
             except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError) as err:
                 raise CheckpointError(f"{index} is not a valid safetensors index: {err!r}") from None
             if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
                 raise CheckpointError(f"{index}: weight_map must map tensor names to file names")
             files = sorted(set(weight_map.values()))
+            if (folder / "model.safetensors").exists() and files != ["model.safetensors"]:
+                # transformers reads model.safetensors, vLLM the files the index names
+                raise CheckpointError(
+                    f"{folder} holds both model.safetensors and model.safetensors.index.json, whose "
+                    f"weight_map names other files ({', '.join(files[:3])}{' ...' if len(files) > 3 else ''}): "
+                    "transformers would load the first and vLLM the second, so which checkpoint the folder "
+                    "holds is unclear. Delete the stale one (saving into a folder that held a checkpoint "
+                    "of the other form leaves it behind)"
+                )
         elif (folder / "model.safetensors").exists():
             files = ["model.safetensors"]
         else:
@@ -147,6 +159,20 @@ def _load_experts(files: _TensorFiles, layer: int, cfg: ModelConfig, dtype: torc
     return torch.stack(gate_up), torch.stack(down)
 
 
+def _check_tied_copy(files: _TensorFiles, embedding: torch.Tensor, dtype: torch.dtype) -> None:
+    """Accept the `lm_head.weight` some tied checkpoints store beside the embedding when it is a
+    copy of it; refuse one that differs: transformers then loads it as a separate output head
+    (untied), vLLM ignores it, so the folder holds no one model."""
+    head = TOP_NAMES["lm_head.weight"]
+    if head in files and not torch.equal(files.get(head, tuple(embedding.shape), dtype), embedding):
+        raise CheckpointError(
+            f"{files.folder}: config.json sets tie_word_embeddings to true, but the checkpoint's {head} differs "
+            f"from {TOP_NAMES['embed_tokens.weight']}: transformers would load it as a separate output head "
+            "and vLLM would ignore it. Set tie_word_embeddings to false to use it as the head, or "
+            f"remove {head} from the checkpoint to tie the head to the embedding"
+        )
+
+
 def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer:
     """A Transformer with the config and weights of an HF Qwen3 / Qwen3-MoE checkpoint folder
     (`~` and `$NAME` in `path` expanded)."""
@@ -166,7 +192,7 @@ def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> Transformer
                 continue
             state[name] = files.get(hf_name(name), tuple(meta.shape), dtype)
         if cfg.tie_word_embeddings:
-            files.unused.discard("lm_head.weight")  # some tied checkpoints store the copy anyway
+            _check_tied_copy(files, state["embed_tokens.weight"], dtype)
             state["lm_head.weight"] = state["embed_tokens.weight"]
         if files.unused:
             extra = sorted(files.unused)

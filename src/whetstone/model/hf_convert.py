@@ -156,7 +156,8 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
     """ModelConfig from a config.json dict. A key the file leaves out takes transformers' default
     (HF_DEFAULTS), so a folder loads to the model transformers builds from it; a key set to null
     is refused unless transformers gives null a meaning; unsupported features are named; a value
-    of the wrong JSON type is named with its key."""
+    of the wrong JSON type (a string for a number or a boolean, a number for a boolean) is named
+    with its key."""
     if not isinstance(config, dict):
         raise CheckpointError(f"{source}: expected a JSON object of config keys, not {_json_type(config)}")
     kind = _model_kind(config, source)
@@ -178,10 +179,9 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
 
     if config.get("hidden_act", "silu") != "silu":
         raise unsupported("hidden_act", config["hidden_act"])
-    if config.get("attention_bias", False):
-        raise unsupported("attention_bias", True)
-    if config.get("use_sliding_window", False):
-        raise unsupported("use_sliding_window", True)
+    for key in ("attention_bias", "use_sliding_window"):
+        if config.get(key, False) is not False:
+            raise unsupported(key, config[key])
     for key in ("rope_scaling", "rope_parameters"):
         if config.get(key) is not None and not isinstance(config[key], dict):
             raise CheckpointError(
@@ -236,7 +236,9 @@ def model_config_from_hf(config: dict[str, Any], source: str) -> ModelConfig:
             shared_expert_intermediate_size=config.get("shared_expert_intermediate_size") or 0,
         )
     try:
-        return ModelConfig(**fields)
+        # strict: a value of the wrong JSON type ("false", "32", 1 for true) is refused, as
+        # transformers 5 refuses it, not read as whetstone's guess at what it means
+        return ModelConfig.model_validate(fields, strict=True)
     except ValidationError as err:
         hint = f"\n  transformers' defaults taken for keys config.json lacks: {', '.join(taken)}" if taken else ""
         raise CheckpointError(format_validation_error(err, source) + hint) from None
