@@ -304,3 +304,11 @@ def test_an_s3_read_that_keeps_breaking_off_is_an_error_naming_the_object(placeh
         ):
             s3.S3Store("bucket", "run", endpoint_url=endpoint).get("batches/0.batch")
     assert len(asked) == 2
+
+
+def test_a_file_where_a_local_stores_folder_goes_is_named(tmp_path):
+    (tmp_path / "notes.txt").write_text("not a folder")
+    with pytest.raises(WhetstoneError, match=r"cannot make a store at .*notes.txt: a file is in the way"):
+        LocalStore(tmp_path / "notes.txt")
+    with pytest.raises(WhetstoneError, match=r"cannot make a store at .*notes.txt/weights: a file is in the path"):
+        LocalStore(tmp_path / "notes.txt" / "weights")

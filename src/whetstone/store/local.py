@@ -20,7 +20,12 @@ class LocalStore(ObjectStore):
         mistyped path must not become an empty store)."""
         self.root = expand_path(root)
         if create:
-            self.root.mkdir(parents=True, exist_ok=True)
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+            except FileExistsError:  # a file, or a link to one, where the store's folder goes
+                raise WhetstoneError(f"cannot make a store at {self.root}: a file is in the way") from None
+            except NotADirectoryError:
+                raise WhetstoneError(f"cannot make a store at {self.root}: a file is in the path to it") from None
         elif not self.root.is_dir():
             what = "is not a directory" if self.root.exists() else "does not exist"
             raise WhetstoneError(
