@@ -21,3 +21,8 @@ def test_a_bad_line_is_its_own_problem_under_its_number():
 
 def test_a_byte_order_mark_before_the_first_line_is_skipped():
     assert [line.value for line in json_lines(b'\xef\xbb\xbf{"a": 1}\n{"b": 2}\n'.split(b"\n"))] == [{"a": 1}, {"b": 2}]
+
+
+def test_json_that_python_refuses_past_the_parser_is_a_problem_too():
+    huge, deep = b'{"a": ' + b"1" * 5000 + b"}", b"[" * 100_000 + b"]" * 100_000
+    assert [line.problem.startswith("not valid JSON") for line in json_lines([huge, deep])] == [True, True]

@@ -37,7 +37,7 @@ def json_lines(lines: Iterable[bytes]) -> Iterator[JsonLine]:
             value = json.loads(raw.decode("utf-8"))
         except UnicodeDecodeError as err:
             yield JsonLine(number, problem=f"not UTF-8 text: {err}")
-        except json.JSONDecodeError as err:
+        except (ValueError, RecursionError) as err:  # JSONDecodeError; an integer of over 4,300 digits; nesting
             yield JsonLine(number, problem=f"not valid JSON: {err}")
         else:
             yield JsonLine(number, value)

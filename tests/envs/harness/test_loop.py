@@ -85,7 +85,7 @@ def test_odd_replies_are_invalid_calls_not_a_failed_rollout():
     assert "error: write_file: argument content is not valid UTF-8 text (surrogates not allowed" in answers[1]
     assert "error: run: argument command is not valid UTF-8 text" in answers[2]
     assert "error: run: argument command holds a NUL character" in answers[3]
-    assert "error: invalid regex" in answers[4]
+    assert "error: regex too large" in answers[4]
     assert "\nbad?name.txt\n" in answers[6]
 
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
+import re
 import stat
-import time
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
-
-import regex
 
 from whetstone.envs import prompts
 
@@ -114,12 +115,11 @@ class Workspace:
         return "\n".join(entries) or "(empty directory)"
 
     def grep(self, pattern: str, path: str) -> str:
-        """Lines matching `pattern` (Python's regex syntax). The `regex` module runs it, with a
-        time limit: a pattern that backtracks without end (`(a|aa)+$` on a long line of `a`s)
-        would otherwise hold the harness's process, and every rollout in it, for hours."""
+        """Lines matching `pattern` (Python's `re`), searched in a process of its own
+        (`grep_search`) that is killed at `GREP_TIME_LIMIT_S`."""
         try:
-            compiled = regex.compile(pattern)
-        except regex.error as err:
+            re.compile(pattern)
+        except re.error as err:
             raise ToolError(f"invalid regex {pattern!r}: {err}") from None
         except (OverflowError, RecursionError) as err:  # `a{9999999999}`; groups nested hundreds deep
             raise ToolError(f"regex too large or nested too deeply: {err}") from None
@@ -128,25 +128,10 @@ class Workspace:
             raise ToolError(f"{path} does not exist")
         if not target.is_dir() and not target.is_file():
             raise ToolError(f"{path} is not a regular file")
-        matches: list[str] = []
-        deadline = time.monotonic() + GREP_TIME_LIMIT_S
-        for file in self._files(target):
-            try:
-                lines = self._read(file, path).decode("utf-8", "replace").splitlines()
-            except (ToolError, OSError):
-                continue
-            shown = self._shown(file)
-            try:
-                for n, line in enumerate(lines, 1):
-                    if compiled.search(line, timeout=max(deadline - time.monotonic(), 0.001), concurrent=True):
-                        matches.append(f"{shown}:{n}:{line[:300]}")
-            except TimeoutError:
-                raise ToolError(
-                    f"the search for {pattern!r} ran past {GREP_TIME_LIMIT_S:g} s (at {shown}); "
-                    f"use a simpler pattern or search fewer files"
-                ) from None
-            if len(matches) > MAX_GREP_MATCHES:
-                return "\n".join(matches[:MAX_GREP_MATCHES] + [f"[... more than {MAX_GREP_MATCHES} matches]"])
+        paths = [(self._shown(file), str(file)) for file in self._files(target)]
+        matches = _search(pattern, MAX_GREP_MATCHES + 1, paths)
+        if len(matches) > MAX_GREP_MATCHES:
+            return "\n".join(matches[:MAX_GREP_MATCHES] + [f"[... more than {MAX_GREP_MATCHES} matches]"])
         return head_tail("\n".join(matches), self.max_chars) or "no matches"
 
     def _files(self, target: Path) -> list[Path]:
@@ -218,3 +203,23 @@ def _is_regular(path: Path) -> bool:
 def _lf_lines(text: str) -> str:
     """`text` with its `\r\n` and `\r` line endings as `\n`."""
     return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def _search(pattern: str, limit: int, paths: list[tuple[str, str]]) -> list[str]:
+    """`grep_search` run on `paths` in a process of its own, killed at `GREP_TIME_LIMIT_S`."""
+    try:
+        done = subprocess.run(
+            [sys.executable, "-I", "-S", str(Path(__file__).with_name("grep_search.py"))],
+            input=pickle.dumps((pattern, limit, paths)),
+            capture_output=True,
+            timeout=GREP_TIME_LIMIT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise ToolError(
+            f"the search for {pattern!r} ran past {GREP_TIME_LIMIT_S:g} s: use a simpler pattern "
+            "(one that cannot backtrack without end) or search fewer files"
+        ) from None
+    if done.returncode != 0:  # out of memory, say: the agent's call failed, not the rollout
+        last = done.stderr.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {done.returncode}"]
+        raise ToolError(f"the search failed: {last[0]}")
+    return pickle.loads(done.stdout)
