@@ -2,10 +2,15 @@
 cut short at the size cap, and what taking a command's growth back keeps."""
 
 import os
+import shutil
+from contextlib import closing, contextmanager
 from pathlib import Path
 
+import pytest
+
 from tests.envs.sandbox.sandbox_support import as_non_root
-from whetstone.envs.sandbox.disk import DiskWatch
+from whetstone.envs.sandbox import disk
+from whetstone.envs.sandbox.disk import BLOCK, MAX_PATH_CHARS, DiskWatch, _tree, remove_tree, scan
 
 
 def listing(directory: Path) -> list[str]:
@@ -80,3 +85,206 @@ def test_a_grown_file_made_read_only_is_cut_back_not_deleted(shared_tmp):
         assert data.read_text() == "start\n" and data.stat().st_mode & 0o777 == 0o444
 
     as_non_root(check)
+
+
+def nest(directory: Path, depth: int) -> None:
+    """`depth` folders named `d`, each inside the one before, under `directory`, and a file in the
+    last: made through folder descriptors, as a command that `cd`s down as it goes makes them
+    (their paths grow past what one system call takes)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    for _ in range(depth):
+        os.mkdir("d", dir_fd=fd)
+        child = os.open("d", os.O_RDONLY | os.O_DIRECTORY, dir_fd=fd)
+        os.close(fd)
+        fd = child
+    os.close(os.open("f.txt", os.O_WRONLY | os.O_CREAT, dir_fd=fd))
+    os.close(fd)
+
+
+def test_folders_nested_past_the_recursion_limit_are_measured_taken_back_and_removed(tmp_path):
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    (workspace / "keep.py").write_text("x = 1\n")
+    watch = DiskWatch([workspace], {}, 64 << 20)
+    nest(workspace, 1500)  # paths up to 3,000 characters: within what the budget records
+    after = scan([workspace], 64 << 20)
+    assert after.complete and not after.too_deep and len(after.entries) == 1 + 1500 + 1
+    assert not watch.ran_into()
+    assert watch.undo().removed == 1501
+    assert listing(workspace) == ["keep.py"]
+    nest(workspace, 1500)
+    remove_tree(workspace)
+    assert not workspace.exists()
+
+
+def test_folders_nested_past_the_longest_path_count_as_over_the_budget(tmp_path):
+    watch = DiskWatch([tmp_path], {}, 64 << 20)
+    nest(tmp_path, MAX_PATH_CHARS)  # paths up to twice the longest the budget records
+    assert watch.ran_into() and watch.too_deep
+    assert scan([tmp_path], 64 << 20).used > 64 << 20
+    assert watch.undo().removed == MAX_PATH_CHARS + 1
+    assert listing(tmp_path) == []
+
+
+def test_folders_their_owner_cannot_search_or_read_are_measured_and_taken_back(shared_tmp):
+    """A caller that is not root cannot look into a folder without its search bit (`chmod 400`,
+    `600`) or list one without its read bit, the workspace itself included: each is opened up
+    for its owner, so that a walk neither fails nor misses what such a folder holds."""
+
+    def check():
+        workspace = shared_tmp / "ws"
+        workspace.mkdir()
+        (workspace / "kept.txt").write_text("x\n")
+        watch = DiskWatch([workspace], {}, 32 << 20)
+        for name, mode in (("listed", 0o400), ("private", 0o600), ("locked", 0o000)):
+            (workspace / name).mkdir()
+            (workspace / name / "f.bin").write_bytes(b"0" * 100_000)
+            (workspace / name).chmod(mode)
+        workspace.chmod(0o000)
+        measured = scan([workspace], 32 << 20)
+        assert {"listed/f.bin", "private/f.bin", "locked/f.bin"} <= {path for _, path in measured.entries}
+        assert measured.used >= 3 * 100_000
+        workspace.chmod(0o000)  # locked again before the command's growth is taken back
+        assert watch.undo().removed == 6
+        assert listing(workspace) == ["kept.txt"]
+
+    as_non_root(check)
+
+
+def test_a_walk_passes_over_folders_replaced_while_it_runs(tmp_path):
+    """A command still running may replace a folder the walk has listed but not yet opened: with
+    a file (it is not opened), or with a symlink (never followed out of the tree)."""
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("not in the tree\n")
+    tree_dir = tmp_path / "tree"
+    for name in ("a", "b"):
+        (tree_dir / name).mkdir(parents=True)
+        (tree_dir / name / "x.txt").write_text("1\n")
+    fd = os.open(tree_dir, os.O_RDONLY | os.O_DIRECTORY)
+    seen = []
+    try:
+        with closing(_tree(fd)) as tree:
+            for _, path, _, st in tree:
+                seen.append(path)
+                if st is not None and path == "a":
+                    shutil.rmtree(tree_dir / "a")
+                    (tree_dir / "a").write_text("a file now\n")
+                elif st is not None and path == "b":
+                    shutil.rmtree(tree_dir / "b")
+                    (tree_dir / "b").symlink_to(outside)
+    finally:
+        os.close(fd)
+    assert sorted(seen) == ["a", "b"]
+
+
+def swap_after_first_open(target: str, swap):
+    """`os.open` that runs `swap` once right after the first open of `target` (failed or not):
+    a command still running that replaces that name at this point of a walk."""
+    real_open, swapped = os.open, []
+
+    def open_then_swap(path, *args, **kwargs):
+        try:
+            return real_open(path, *args, **kwargs)
+        finally:
+            if str(path) == target and not swapped:
+                swapped.append(True)
+                swap()
+
+    return open_then_swap
+
+
+@pytest.mark.parametrize("locked", ["folder", "workspace", "read-only file"])
+def test_a_name_swapped_for_a_symlink_while_opened_up_changes_nothing_outside(shared_tmp, locked):
+    """A caller that is not root opens up what its owner locked; a running command that swaps
+    the name for a symlink to a host folder right then must not get that folder's mode changed."""
+
+    def check():
+        outside = shared_tmp / "outside"
+        outside.mkdir(mode=0o500)
+        workspace = shared_tmp / "ws"
+        workspace.mkdir()
+        swapped = {"folder": workspace / "d", "workspace": workspace, "read-only file": workspace / "data.txt"}[locked]
+
+        def swap():
+            swapped.rename(
+                swapped.with_name("moved")
+            )  # in its folder: a locked folder moved elsewhere needs write access
+            swapped.symlink_to(outside)
+
+        if locked == "read-only file":
+            swapped.write_text("start\n")
+            watch = DiskWatch([workspace], {}, 32 << 20)
+            with swapped.open("a") as grown:
+                grown.write("y" * 100_000)
+            swapped.chmod(0o444)
+            os.open = swap_after_first_open(swapped.name, swap)
+            watch.undo()
+        else:
+            if locked == "folder":
+                swapped.mkdir()
+            swapped.chmod(0o000)
+            os.open = swap_after_first_open(str(swapped) if locked == "workspace" else swapped.name, swap)
+            scan([workspace], 32 << 20)
+        assert swapped.is_symlink() and outside.stat().st_mode & 0o777 == 0o500
+
+    as_non_root(check)
+
+
+def test_a_walk_that_loses_its_way_back_up_counts_as_over_the_budget(tmp_path, monkeypatch):
+    """Folders deep in a walk are closed and opened again through `..`: one moved while the walk
+    is below it leaves what was left above it uncounted, which is charged as over the bound."""
+    nest(tmp_path, 30)  # deep enough that the folders 17 to 29 levels down are closed at the bottom
+    lstat = disk._lstat
+
+    def move_at_the_bottom(fd, name):
+        if name == "f.txt":
+            os.rename(tmp_path / "/".join(["d"] * 25), tmp_path / "elsewhere")
+        return lstat(fd, name)
+
+    monkeypatch.setattr(disk, "_lstat", move_at_the_bottom)
+    walked = scan([tmp_path], 32 << 20)
+    assert not walked.complete and walked.used > 32 << 20
+
+
+def test_a_closed_folder_locked_while_a_walk_is_below_it_is_opened_up_on_the_way_back(shared_tmp):
+    def check():
+        nest(shared_tmp, 30)
+        fd = os.open(shared_tmp, os.O_RDONLY | os.O_DIRECTORY)
+        done = []
+        try:
+            with closing(_tree(fd)) as tree:
+                for _, path, name, st in tree:
+                    if name == "f.txt":  # the command locks a folder the walk closed on its way down
+                        (shared_tmp / "/".join(["d"] * 24)).chmod(0o000)
+                    elif st is None:
+                        done.append(path)
+        finally:
+            os.close(fd)
+        assert len(done) == 30  # every folder's contents walked to its end
+
+    as_non_root(check)
+
+
+def test_a_walk_past_its_bound_reads_no_more_of_a_huge_folder(tmp_path, monkeypatch):
+    """A folder's listing is read as the walk goes: one that passes its bound after a few entries
+    does not first read all of a folder of thousands."""
+    for i in range(3000):
+        (tmp_path / f"f{i}").touch()
+    read = []
+    scandir, listdir = os.scandir, os.listdir
+
+    @contextmanager
+    def counting_scandir(fd):
+        with scandir(fd) as entries:
+            yield (read.append(entry.name) or entry for entry in entries)
+
+    def counting_listdir(fd):
+        names = listdir(fd)
+        read.extend(names)
+        return names
+
+    monkeypatch.setattr(disk.os, "scandir", counting_scandir)
+    monkeypatch.setattr(disk.os, "listdir", counting_listdir)
+    walked = scan([tmp_path], 10 * BLOCK)
+    assert not walked.complete and len(read) < 100

@@ -15,6 +15,7 @@ import whetstone
 from tests.envs.sandbox.sandbox_support import NOBODY, as_non_root
 from whetstone.envs.sandbox import SandboxConfig, SandboxUnavailableError, open_sandbox
 from whetstone.envs.sandbox.bwrap import bwrap_binary
+from whetstone.envs.sandbox.disk import DiskWatch
 from whetstone.envs.sandbox.process import Limits, kill_process_group, limit_prefix, run_process
 from whetstone.envs.sandbox.sandbox import _nproc_limit, _runtime
 from whetstone.errors import WhetstoneError
@@ -169,6 +170,61 @@ def test_close_kills_a_command_running_in_another_thread(cgroups):
     assert processes_with(marker) == []
 
 
+@pytest.mark.parametrize("cgroups", WITH_AND_WITHOUT_CGROUPS)
+def test_a_command_ending_leaves_another_threads_command_running(cgroups):
+    """The sandbox's cgroup holds the processes of all its runs: one run ending must not empty it
+    while another thread's command still runs."""
+    with open_sandbox({}, SandboxConfig(cgroups=cgroups)) as sandbox:
+        thread, outcome = run_in_thread(sandbox, "touch started; while [ ! -e go ]; do sleep 0.02; done; echo done")
+        deadline = time.monotonic() + 30
+        while not (sandbox.workspace / "started").exists():
+            assert time.monotonic() < deadline, "the command never started"
+            time.sleep(0.02)
+        quick = sandbox.run("echo quick")
+        (sandbox.workspace / "go").touch()
+        thread.join(30)
+    assert quick.stdout == "quick\n"
+    (result,) = outcome
+    assert (result.exit_code, result.stdout, result.limits_hit) == (0, "done\n", [])
+
+
+@pytest.mark.skipif(not cgroups_available(), reason="no writable cgroup hierarchy on this machine")
+def test_what_a_command_left_running_beside_another_run_ends_with_the_last_run(monkeypatch):
+    """A run ending while another is in progress leaves the cgroup alone; what its command left
+    running (an escaped session, unsandboxed) is killed once the last run returns."""
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    sandbox = open_sandbox({}, SandboxConfig(unsandboxed=True, pool_size=0))
+    measuring, escaped = threading.Event(), threading.Event()
+    ran_into = DiskWatch.ran_into
+
+    def measure_slowly(watch):  # the first run, its command done, measuring a large workspace
+        if threading.current_thread().name == "first":
+            measuring.set()
+            assert escaped.wait(30)
+        return ran_into(watch)
+
+    monkeypatch.setattr(DiskWatch, "ran_into", measure_slowly)
+    first = threading.Thread(target=sandbox.run, args=("true",), name="first")
+    first.start()
+    try:
+        assert measuring.wait(30)
+        # the second run returns once its escaped process is in a session of its own
+        escape = f"setsid sh -c 'touch escaped; exec sleep 6{marker}' > /dev/null 2>&1 < /dev/null &"
+        second = sandbox.run(escape + " while [ ! -e escaped ]; do sleep 0.01; done; echo started")
+        assert second.stdout == "started\n"
+        deadline = time.monotonic() + 10
+        while not processes_with(marker):
+            assert time.monotonic() < deadline, "the escaped process never started"
+            time.sleep(0.01)
+        escaped.set()
+        first.join(30)
+        assert processes_with(marker) == []
+    finally:
+        escaped.set()
+        first.join(30)
+        sandbox.close()
+
+
 def test_a_command_starting_while_the_sandbox_closes_is_killed(monkeypatch):
     """A run past the closed check whose process starts only after `close` began is still stopped."""
     marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
@@ -319,6 +375,41 @@ def test_a_workspace_already_over_its_disk_budget_is_a_clear_error():
     with open_sandbox({"big.txt": "x" * (2 << 20)}, SandboxConfig(disk_mb=1)) as sandbox:
         with pytest.raises(WhetstoneError, match=r"already uses over 1 MB, its disk budget \(sandbox.disk_mb\)"):
             sandbox.run("true")
+
+
+def test_folders_nested_past_the_longest_path_are_taken_back():
+    # A command that keeps making a folder and going into it: far deeper than Python's recursion
+    # limit, and than paths the disk budget records.
+    nest = "import os\nfor _ in range(2500):\n    os.mkdir('d')\n    os.chdir('d')\n"
+    with open_sandbox(FILES, DISK) as sandbox:
+        result = sandbox.run(["python", "-c", nest], timeout_s=60)
+        left = listing(sandbox.workspace)
+        after = sandbox.run("mkdir -p a/b/c && echo ok")
+        workspace = sandbox.workspace
+    assert "disk" in result.limits_hit and "folders nested past 4096 characters of path" in result.stderr
+    assert left == ["README.md", "app", "app/main.py"]
+    assert (after.exit_code, after.stdout, after.limits_hit) == (0, "ok\n", [])
+    assert not workspace.exists()
+
+
+def test_a_caller_that_is_not_root_measures_folders_its_code_made_unsearchable(shared_tmp):
+    """A caller that is not root is bound by the modes of its own folders: those the code left
+    without their owner's read or search bit, the workspace itself included, are opened up, so
+    that measuring the disk budget of the next command does not fail."""
+    config = SandboxConfig(unsandboxed=True, cgroups=False, pool_size=0, root_dir=str(shared_tmp))
+    sandbox = open_sandbox(FILES, config)
+    if os.getuid() == 0:  # as if nobody had made it all
+        subprocess.run(["chown", "-R", f"{NOBODY}:{NOBODY}", str(shared_tmp)], check=True)
+
+    def check():
+        made = sandbox.run("mkdir listed && echo x > listed/f && chmod 400 listed && chmod 000 .")
+        after = sandbox.run("cat listed/f 2>&1; ls")
+        assert (made.exit_code, made.limits_hit) == (0, [])
+        assert after.exit_code == 0 and after.stdout.split() == ["x", "README.md", "app", "listed"]
+        sandbox.close()
+
+    as_non_root(check)
+    assert not sandbox.workspace.exists()
 
 
 def test_sandboxes_over_one_template_are_private():

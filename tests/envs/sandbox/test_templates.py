@@ -1,9 +1,11 @@
 """The workspace pool: templates written once, private copies prepared ahead of time."""
 
+import shutil
 import time
 
 import pytest
 
+from whetstone.envs.sandbox import templates
 from whetstone.envs.sandbox.templates import WorkspacePool
 from whetstone.errors import WhetstoneError
 
@@ -55,3 +57,23 @@ def test_snapshot_directories_are_used_in_place_and_never_deleted(tmp_path):
     assert (snapshot / "main.py").exists()
     with pytest.raises(WhetstoneError, match="does not exist"):
         WorkspacePool(tmp_path / "pool2", spares=0, max_templates=1).checkout(tmp_path / "missing")
+
+
+def test_a_template_evicted_halfway_through_a_copy_is_copied_again(tmp_path, monkeypatch):
+    """Another thread's checkout of a new task can evict the template a checkout is copying (the
+    copy runs outside the pool's lock): the copy then fails on files already deleted, and the
+    checkout starts over with the template written again."""
+    pool = WorkspacePool(tmp_path, spares=0, max_templates=1)
+    copy, evicting = shutil.copy, []
+
+    def copy_while_evicted(source, destination, **kwargs):
+        if not evicting:
+            evicting.append(True)
+            pool.checkout(B)  # the other thread's checkout, at this point of the copy
+        return copy(source, destination, **kwargs)
+
+    monkeypatch.setattr(templates.shutil, "copy", copy_while_evicted)
+    workspace = pool.checkout(A)
+    assert evicting and (workspace / "pkg/mod.py").read_text() == "X = 1\n"
+    assert (workspace / "run.sh").read_text() == "#!/bin/sh\necho hi\n"
+    pool.close()

@@ -17,6 +17,10 @@ from pathlib import Path
 from whetstone.errors import WhetstoneError
 
 SYSTEM_DIRS = ("/usr", "/etc", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
+VENV_IN_SANDBOX = "/opt/venv"
+"""Where the sandbox's Python environment appears inside."""
+SANDBOX_OWN_DIRS = ("/proc", "/dev", "/tmp", VENV_IN_SANDBOX)
+"""What every sandbox mounts of its own besides the system directories."""
 
 
 class SandboxUnavailableError(WhetstoneError):

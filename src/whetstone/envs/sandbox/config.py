@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import PurePosixPath
+
+from pydantic import Field, field_validator
 
 from whetstone.config import Config
+from whetstone.envs.sandbox.bwrap import SANDBOX_OWN_DIRS, SYSTEM_DIRS
 
 
 class SandboxConfig(Config):
@@ -43,3 +46,20 @@ class SandboxConfig(Config):
     """Task snapshots kept prepared at once (least recently used are dropped)."""
     root_dir: str | None = None
     """Directory for templates and workspaces (default: a fresh directory under the system temp dir)."""
+
+    @field_validator("workdir")
+    @classmethod
+    def _workdir_of_its_own(cls, workdir: str) -> str:
+        """The workspace is mounted at `workdir` over what the sandbox already shows there: at `/`,
+        at a system directory or one of the sandbox's own mounts, or above one, it hides what
+        commands need (`/bin/bash`, the Python environment) or what the disk budget measures
+        (the tmpfs at /tmp); the harness maps paths under it, so it is absolute and normalized."""
+        path = PurePosixPath(workdir)
+        if not path.is_absolute() or path.as_posix() != workdir or ".." in path.parts:
+            raise ValueError(f"workdir {workdir!r}: write an absolute, normalized path such as '/workspace'")
+        hidden = [d for d in (*SYSTEM_DIRS, *SANDBOX_OWN_DIRS) if PurePosixPath(d).is_relative_to(path)]
+        inside = [d for d in SANDBOX_OWN_DIRS if d != "/tmp" and path.is_relative_to(d)]
+        if hidden or inside:
+            what = f"would hide {hidden[0]}" if hidden else f"lies in the sandbox's own {inside[0]}"
+            raise ValueError(f"workdir {workdir!r} {what}: choose a folder of its own, such as '/workspace'")
+        return workdir

@@ -15,15 +15,23 @@ what is left of the budget, keeps any one file from running past it between chec
 Usage is what the files occupy (`st_blocks`, so sparse files cost what they store and
 preallocated ones what they hold), each inode once, and at least one block per entry: an
 inode and its directory entry cost space too, and that bounds how many entries a walk visits.
+Walks (`_tree`) go to any depth without recursion and with a bounded number of open folders,
+since a command that keeps making a folder and going into it nests thousands deep in a second;
+a path past `MAX_PATH_CHARS` counts as over the budget, and so does a walk that lost its way
+back up (a folder moved while it was below it). A folder its owner made unreadable or
+unsearchable is opened up for its owner (the caller, when not root, is bound by those modes):
+its mode is changed through a descriptor of that very folder (`_open_up`), never by name, since
+a command still running could swap the name for a symlink to a host file meanwhile.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-import shutil
 import stat
-import sys
 import time
+from collections.abc import Iterator
+from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +43,15 @@ WALK_EVERY_S = 1.0
 """Longest time between two walks of the directories while a command runs."""
 POLL_COST_SHARE = 0.2
 """Walks are spaced so that they take at most this share of the time (large workspaces)."""
+MAX_PATH_CHARS = 4096
+"""Longest path (relative to its directory) the budget's inventory records, as long as a path
+tools can open (PATH_MAX). Folders nested deeper count as over the budget: an inventory of such
+a chain would grow with the square of its depth."""
+KEEP_OPEN = 16
+"""Folders a walk keeps open above the one it is in; deeper ones are opened again through `..`
+on the way back up, so that a walk of any depth holds a bounded number of descriptors."""
+_GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
+"""What opening a folder met during a walk fails with once it was removed or replaced (ELOOP: by a symlink)."""
 
 
 @dataclass
@@ -45,19 +62,23 @@ class Scan:
     """(index of the directory, relative path) -> (inode, size, blocks, mode)."""
     used: int = 0
     complete: bool = True
-    """False when the walk stopped early, because the total had passed its bound."""
+    """False when the walk stopped early: the total had passed its bound, or part of the tree
+    could not be counted (then charged as over the bound)."""
+    too_deep: bool = False
+    """A path longer than `MAX_PATH_CHARS` was met: the walk stopped there, charged past its bound."""
 
 
 def scan(directories: list[Path], stop_above: int | None = None) -> Scan:
-    """Walk `directories` without following symlinks; stop once more than `stop_above` bytes are counted."""
+    """Walk `directories` without following symlinks; stop once more than `stop_above` bytes are
+    counted, or at a path longer than `MAX_PATH_CHARS` (then charged as over `stop_above`)."""
     result, hard_links = Scan(), set()
     for index, directory in enumerate(directories):
         try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            fd = _open_top(directory)
         except FileNotFoundError:
             continue
         try:
-            if not _walk(fd, "", index, result, hard_links, stop_above):
+            if not _count(fd, index, result, hard_links, stop_above):
                 result.complete = False
                 return result
         finally:
@@ -65,35 +86,185 @@ def scan(directories: list[Path], stop_above: int | None = None) -> Scan:
     return result
 
 
-def _walk(fd: int, prefix: str, index: int, result: Scan, hard_links: set, stop_above: int | None) -> bool:
+def _count(fd: int, index: int, result: Scan, hard_links: set, stop_above: int | None) -> bool:
     # Kept lean: about 5 us an entry, so a repository of 5,000 files is measured in ~25 ms.
-    with os.scandir(fd) as entries:
-        for entry in entries:
-            try:
-                st = entry.stat(follow_symlinks=False)
-            except FileNotFoundError:
+    lost: list[str | None] = []
+    with closing(_tree(fd, lost=lost)) as tree:
+        for _, path, _, st in tree:
+            if lost:
+                break
+            if st is None:
                 continue
-            path = prefix + entry.name
-            is_dir = stat.S_ISDIR(st.st_mode)
+            if path is None:
+                result.too_deep = True
+                result.used = max(result.used, stop_above + 1 if stop_above is not None else 0)
+                return False
             result.entries[index, path] = (st.st_ino, st.st_size, st.st_blocks, st.st_mode)
-            if st.st_nlink > 1 and not is_dir:  # a hard link: its inode is charged once
+            if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):  # a hard link: its inode is charged once
                 if (st.st_dev, st.st_ino) in hard_links:
                     continue
                 hard_links.add((st.st_dev, st.st_ino))
             result.used += max(st.st_blocks * 512, BLOCK)
             if stop_above is not None and result.used > stop_above:
                 return False
-            if is_dir:
+    if lost:  # what was left above a moved folder went uncounted: charged as over the bound
+        result.used = max(result.used, stop_above + 1 if stop_above is not None else 0)
+        return False
+    return True
+
+
+@dataclass
+class _Level:
+    """A folder a walk is in or above."""
+
+    fd: int | None
+    """Open while the walk is in it or at most `KEEP_OPEN` levels below the top; else None."""
+    key: tuple[int, int]
+    """(device, inode): how it is recognized when opened again through `..`."""
+    path: str | None
+    """Relative to the top ("" for the top); None past `MAX_PATH_CHARS`."""
+    name: str
+    names: Iterator[str]
+    """What is left of its listing: read as the walk goes while the folder is open, in full once it is closed."""
+
+    def close(self) -> None:
+        """Close its fd, keeping the rest of its listing for when it is opened again."""
+        self.names = iter(list(self.names))  # reads the rest, which closes the listing's own fd
+        os.close(self.fd)
+        self.fd = None
+
+
+def _listing(fd: int, changes: bool) -> Iterator[str]:
+    """The names in the folder open as `fd`. Read lazily, so that a walk that stops at its bound
+    reads no more of a huge folder than it counted; read in full first when the walk `changes`
+    the folder, since entries removed while a folder is read can make it skip others."""
+    if changes:
+        yield from os.listdir(fd)
+        return
+    with os.scandir(fd) as entries:
+        for entry in entries:
+            yield entry.name
+
+
+def _tree(
+    top: int, changes: bool = False, lost: list[str | None] | None = None
+) -> Iterator[tuple[int, str | None, str, os.stat_result | None]]:
+    """Every entry under the folder open as `top`, depth first, never through a symlink: (the fd
+    of its folder, its path relative to the top or None past `MAX_PATH_CHARS`, its name, its
+    lstat), and once a folder's contents are done (the fd of its parent, its path, its name, None).
+    An fd is good until the next step; `changes`: the caller removes entries as it goes. Entries
+    removed or replaced meanwhile are passed over. A folder moved meanwhile ends the walk of what
+    was left above it, up to a folder still open: its path is added to `lost`. No recursion and
+    at most 2 x (`KEEP_OPEN` + 2) descriptors besides `top` (a folder and its listing): a sandboxed
+    command can nest folders far deeper than Python's recursion limit or the descriptors a
+    process may open."""
+    levels = [_Level(top, _key(top), "", "", _listing(top, changes))]
+    try:
+        while True:
+            level = levels[-1]
+            name = next(level.names, None)
+            if name is not None:
                 try:
-                    child = _open_dir(fd, entry.name)
+                    st = _lstat(level.fd, name)
                 except FileNotFoundError:
                     continue
+                path = None if level.path is None else f"{level.path}/{name}" if level.path else name
+                if path is not None and len(path) > MAX_PATH_CHARS:
+                    path = None
+                yield level.fd, path, name, st
+                if not stat.S_ISDIR(st.st_mode):
+                    continue
                 try:
-                    if not _walk(child, path + "/", index, result, hard_links, stop_above):
-                        return False
-                finally:
+                    child = _open_dir(level.fd, name)
+                except OSError as error:
+                    if error.errno in _GONE:
+                        continue
+                    raise
+                try:
+                    levels.append(_Level(child, _key(child), path, name, _listing(child, changes)))
+                except BaseException:
                     os.close(child)
-    return True
+                    raise
+                if len(levels) - 2 > KEEP_OPEN:
+                    level.close()
+                continue
+            if len(levels) == 1:
+                return
+            levels.pop()
+            parent = levels[-1]
+            if parent.fd is None:
+                parent.fd = _reopen_parent(level.fd, parent.key)
+            os.close(level.fd)
+            if parent.fd is None:  # moved: the rest of the folders above it that are closed is passed over
+                if lost is not None:
+                    lost.append(level.path)
+                while levels[-1].fd is None:
+                    levels.pop()
+                continue
+            yield parent.fd, level.path, level.name, None
+    finally:
+        for level in levels:
+            if hasattr(level.names, "close"):  # a listing still being read holds an fd of its own
+                level.names.close()
+        for level in levels[1:]:
+            if level.fd is not None:
+                os.close(level.fd)
+
+
+def _key(fd: int) -> tuple[int, int]:
+    st = os.fstat(fd)
+    return st.st_dev, st.st_ino
+
+
+def _reopen_parent(fd: int, key: tuple[int, int]) -> int | None:
+    """The folder above the one open as `fd`, if it is still the one whose (device, inode) is
+    `key`; one made unreadable meanwhile is opened up once recognized."""
+    try:
+        try:
+            parent = os.open("..", os.O_PATH | os.O_DIRECTORY, dir_fd=fd)
+        except PermissionError:  # a folder its owner may not search: opened up, as by `_lstat`
+            os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | 0o700)
+            parent = os.open("..", os.O_PATH | os.O_DIRECTORY, dir_fd=fd)
+    except OSError:
+        return None
+    try:
+        return _open_up(parent) if _key(parent) == key else None
+    except OSError:
+        return None
+    finally:
+        os.close(parent)
+
+
+def _lstat(fd: int, name: str) -> os.stat_result:
+    """`name`'s lstat in the folder open as `fd`. A folder its owner made unsearchable (`chmod 400`:
+    listed, but nothing in it can be looked at) is opened up for its owner first, as `_open_dir` does."""
+    try:
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+    except PermissionError:
+        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | 0o700)
+        return os.stat(name, dir_fd=fd, follow_symlinks=False)
+
+
+def _open_top(directory: Path) -> int:
+    """The fd of a directory a walk starts from; one its owner locked (`chmod 000` on the
+    workspace itself) is opened up for its owner first. Its path is looked up once: the folder
+    found is the one opened up, whatever is renamed meanwhile."""
+    pinned = os.open(directory, os.O_PATH | os.O_DIRECTORY)
+    try:
+        return _open_up(pinned)
+    finally:
+        os.close(pinned)
+
+
+def _open_up(pinned: int) -> int:
+    """The folder `pinned` (an O_PATH fd) opened for reading; one its owner made unreadable or
+    unsearchable is made rwx for its owner first. Both act on the inode `pinned` holds, never on
+    a name a running command could have swapped for a symlink meanwhile."""
+    try:
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=pinned)
+    except PermissionError:
+        os.chmod(f"/proc/self/fd/{pinned}", stat.S_IMODE(os.fstat(pinned).st_mode) | 0o700)
+        return os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=pinned)
 
 
 def tmpfs_used(pid: int, mounts: dict[str, int]) -> int:
@@ -144,6 +315,8 @@ class DiskWatch:
         self.due = time.perf_counter() + POLL_S
         """When the next check is due (`time.perf_counter`)."""
         self._file_cap: int | None = None
+        self.too_deep = self.start.too_deep
+        """Whether a walk met a path longer than `MAX_PATH_CHARS` (charged as over the budget)."""
 
     def file_limit(self, max_file_bytes: int) -> int:
         """RLIMIT_FSIZE for the command: `max_file_bytes`, or less when less of the budget is left."""
@@ -163,7 +336,8 @@ class DiskWatch:
         could_be_over = in_tmpfs + self._walked + max(0, on_disk - self._disk_at_walk) > self.limit
         if (could_be_over and now >= self._walk_allowed) or now >= self._walk_due:
             self._disk_at_walk = on_disk
-            self._walked = scan(self.directories, self.limit - in_tmpfs).used
+            walked = scan(self.directories, self.limit - in_tmpfs)
+            self._walked, self.too_deep = walked.used, self.too_deep or walked.too_deep
             self._schedule_walks(now)
         self.due = time.perf_counter() + POLL_S
         return "disk" if in_tmpfs + self._walked > self.limit else None
@@ -179,6 +353,7 @@ class DiskWatch:
         size cap that what was left of the budget set (a write cut short by RLIMIT_FSIZE). A file
         already that large before (kept, shrunk, moved or rewritten no larger) reached nothing."""
         after = scan(self.directories, self.limit)
+        self.too_deep = self.too_deep or after.too_deep
         if after.used > self.limit:
             return True
         cap = self._file_cap
@@ -216,53 +391,47 @@ def undo_growth(directories: list[Path], before: Scan) -> Undone:
     undone = Undone()
     for index, directory in enumerate(directories):
         try:
-            fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+            fd = _open_top(directory)
         except FileNotFoundError:
             continue
         try:
-            _undo(fd, "", index, before, undone)
+            _undo(fd, index, before, undone)
         finally:
             os.close(fd)
     return undone
 
 
-def _undo(fd: int, prefix: str, index: int, before: Scan, undone: Undone) -> None:
-    with os.scandir(fd) as listing:
-        entries = list(listing)
-    for entry in entries:
-        try:
-            st = entry.stat(follow_symlinks=False)
-        except FileNotFoundError:
-            continue
-        old = before.entries.get((index, prefix + entry.name))
-        if stat.S_ISDIR(st.st_mode):
-            child = _open_dir(fd, entry.name)
-            try:
-                _undo(child, prefix + entry.name + "/", index, before, undone)
-            finally:
-                os.close(child)
-            if old is None or not stat.S_ISDIR(old[3]):
-                _remove(fd, entry.name, os.rmdir)
+def _undo(top: int, index: int, before: Scan, undone: Undone) -> None:
+    with closing(_tree(top, changes=True)) as tree:
+        for fd, path, name, st in tree:
+            old = before.entries.get((index, path)) if path is not None else None
+            if st is None:  # a folder, its contents done
+                if old is None or not stat.S_ISDIR(old[3]):
+                    _remove(fd, name, os.rmdir)
+                    undone.removed += 1
+            elif stat.S_ISDIR(st.st_mode):
+                continue
+            elif old is not None and stat.S_ISREG(old[3]):  # the task's file, or what replaced it
+                grew = st.st_size > old[1] or st.st_blocks > old[2]
+                if grew and stat.S_ISREG(st.st_mode) and _cut_back(fd, name, old[1]):
+                    undone.cut_back += 1
+            elif old is None or old[0] != st.st_ino or stat.S_IFMT(old[3]) != stat.S_IFMT(st.st_mode):
+                _remove(fd, name, os.unlink)
                 undone.removed += 1
-        elif old is not None and stat.S_ISREG(old[3]):  # the task's file, or what replaced it
-            grew = st.st_size > old[1] or st.st_blocks > old[2]
-            if grew and stat.S_ISREG(st.st_mode) and _cut_back(fd, entry.name, old[1]):
-                undone.cut_back += 1
-        elif old is None or old[0] != st.st_ino or stat.S_IFMT(old[3]) != stat.S_IFMT(st.st_mode):
-            _remove(fd, entry.name, os.unlink)
-            undone.removed += 1
 
 
 def _open_dir(fd: int, name: str) -> int:
     """A subdirectory's fd, never through a symlink. One the owner made unreadable (mode 000)
-    is opened up for its owner first: content the walk cannot see would escape the budget."""
-    flags = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW
+    is opened up for its owner first (`_open_up`): content the walk cannot see would escape the budget."""
     try:
-        return os.open(name, flags, dir_fd=fd)
+        return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
     except PermissionError:
-        mode = os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode
-        os.chmod(name, stat.S_IMODE(mode) | 0o700, dir_fd=fd)
-        return os.open(name, flags, dir_fd=fd)
+        pass
+    pinned = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+    try:
+        return _open_up(pinned)
+    finally:
+        os.close(pinned)
 
 
 def _remove(fd: int, name: str, remove) -> None:
@@ -275,21 +444,36 @@ def _remove(fd: int, name: str, remove) -> None:
 
 
 def _cut_back(fd: int, name: str, size: int) -> bool:
-    """Truncate `name` to `size` bytes, and say whether it could. A file made read-only is made
-    writable for its owner just long enough to open it, then gets its mode back."""
-    flags = os.O_WRONLY | os.O_NOFOLLOW
+    """Truncate `name` to `size` bytes if it is a regular file, and say whether it could. A file
+    made read-only is made writable for its owner just long enough to open it, then gets its mode
+    back. The file is pinned first (O_PATH, never through a symlink) and its mode changed and it
+    opened through that fd: a running command swapping the name for a symlink to a host file
+    meanwhile changes nothing outside, and a FIFO put in its place is not opened."""
     try:
-        file = os.open(name, flags, dir_fd=fd)
-    except PermissionError:
-        mode = stat.S_IMODE(os.stat(name, dir_fd=fd, follow_symlinks=False).st_mode)
-        try:
-            os.chmod(name, mode | stat.S_IWUSR, dir_fd=fd)
-            try:
-                file = os.open(name, flags, dir_fd=fd)
-            finally:
-                os.chmod(name, mode, dir_fd=fd)
-        except PermissionError:  # not its owner's to change: left as it is
+        pinned = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=fd)
+    except OSError as error:
+        if error.errno in _GONE:
             return False
+        raise
+    try:
+        st = os.fstat(pinned)
+        if not stat.S_ISREG(st.st_mode):
+            return False
+        inode = f"/proc/self/fd/{pinned}"  # opening or changing this acts on the pinned inode
+        try:
+            file = os.open(inode, os.O_WRONLY)
+        except PermissionError:
+            mode = stat.S_IMODE(st.st_mode)
+            try:
+                os.chmod(inode, mode | stat.S_IWUSR)
+                try:
+                    file = os.open(inode, os.O_WRONLY)
+                finally:
+                    os.chmod(inode, mode)
+            except PermissionError:  # not its owner's to change: left as it is
+                return False
+    finally:
+        os.close(pinned)
     try:
         os.ftruncate(file, size)
     finally:
@@ -298,33 +482,39 @@ def _cut_back(fd: int, name: str, size: int) -> bool:
 
 
 def remove_tree(path: Path) -> None:
-    """Delete `path` and everything under it, as far as this process may. Sandboxed code can
-    take its owner's rights away (`chmod 500` or `000` on a folder: its files are the caller's),
-    which stops a plain `shutil.rmtree` of a caller that is not root: such folders are opened up
-    for their owner (`_remove`, `_open_dir`) and the removal tried again. What still cannot be
-    removed is left, as `ignore_errors` would leave it."""
-    if sys.version_info >= (3, 12):
-        shutil.rmtree(path, onexc=_remove_anyway)
-    else:
-        shutil.rmtree(path, onerror=lambda function, failed, info: _remove_anyway(function, failed, info[1]))
-
-
-def _remove_anyway(function, path: str, error: BaseException) -> None:
-    """`shutil.rmtree`'s error handler for `remove_tree`: `function` failed on `path`."""
-    if not isinstance(error, PermissionError):
-        return
-    parent, name = os.path.split(path)
+    """Delete the folder `path` and everything under it, as far as this process may, never
+    through a symlink and at any depth. Sandboxed code can take its owner's rights away (`chmod
+    500` or `000` on a folder: its files are the caller's), which stops a plain `shutil.rmtree` of
+    a caller that is not root: such folders are opened up for their owner (`_remove`,
+    `_open_dir`). Python 3.11's `shutil.rmtree` also recurses, and a command nests folders
+    deeper than that allows in a second. What still cannot be removed is left, as `ignore_errors`
+    would leave it."""
     try:
-        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+        parent = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
     except OSError:
         return
     try:
-        if function in (os.unlink, os.rmdir):  # a folder without write permission
-            _remove(fd, name, function)
-        elif function is os.open:  # a folder its owner may not read: opened up, then emptied and removed
-            os.close(_open_dir(fd, name))
-            remove_tree(Path(path))
+        try:
+            top = _open_dir(parent, path.name)
+        except OSError:
+            return
+        try:
+            with closing(_tree(top, changes=True)) as tree:
+                for fd, _, name, st in tree:
+                    if st is None or not stat.S_ISDIR(st.st_mode):
+                        _remove_if_possible(fd, name, os.rmdir if st is None else os.unlink)
+        except OSError:
+            pass
+        finally:
+            os.close(top)
+        _remove_if_possible(parent, path.name, os.rmdir)
+    finally:
+        os.close(parent)
+
+
+def _remove_if_possible(fd: int, name: str, remove) -> None:
+    """`_remove`, leaving what cannot be removed."""
+    try:
+        _remove(fd, name, remove)
     except OSError:
         pass
-    finally:
-        os.close(fd)

@@ -18,10 +18,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from whetstone.config import expand_path
-from whetstone.envs.sandbox.bwrap import Mount, bwrap_argv, check_bwrap
+from whetstone.envs.sandbox.bwrap import VENV_IN_SANDBOX, Mount, bwrap_argv, check_bwrap
 from whetstone.envs.sandbox.cgroups import Cgroup, CgroupRoot, find_cgroup_root, remove_stale_groups
 from whetstone.envs.sandbox.config import SandboxConfig
-from whetstone.envs.sandbox.disk import DiskWatch, remove_tree, scan
+from whetstone.envs.sandbox.disk import MAX_PATH_CHARS, DiskWatch, remove_tree, scan
 from whetstone.envs.sandbox.interpreter import SandboxPython, make_sandbox_python
 from whetstone.envs.sandbox.process import Limits, RunResult, kill_process_group, limit_prefix, run_process
 from whetstone.envs.sandbox.templates import WorkspacePool
@@ -30,7 +30,6 @@ from whetstone.errors import WhetstoneError
 log = logging.getLogger(__name__)
 
 SHELL = "/bin/bash" if Path("/bin/bash").exists() else "/bin/sh"
-VENV_IN_SANDBOX = "/opt/venv"  # where the sandbox's Python environment appears inside
 CLOSE_WAIT_S = 10.0
 """How long `close` waits for the runs it stopped to return before deleting the workspace anyway."""
 
@@ -102,6 +101,8 @@ class Sandbox:
                 self._runs -= 1
                 self._procs.difference_update(started)
                 self._stopped.difference_update(started)
+                if self._runs == 0 and self._cgroup:  # what escaped runs that ended beside others
+                    self._cgroup.kill_all()
                 self._lock.notify_all()
 
     def _run(
@@ -147,6 +148,11 @@ class Sandbox:
     def _disk_watch(self) -> DiskWatch:
         """The disk budget of the next command, measured before it starts."""
         disk = DiskWatch(self._disk_dirs, self._tmpfs, self._disk_limit)
+        if disk.start.too_deep:
+            raise WhetstoneError(
+                f"the sandbox's workspace holds folders nested past {MAX_PATH_CHARS} characters of path, "
+                "which its disk budget cannot measure: remove them"
+            )
         if not disk.start.complete:
             raise WhetstoneError(
                 f"the sandbox's workspace already uses over {self.config.disk_mb} MB, its disk budget "
@@ -157,8 +163,9 @@ class Sandbox:
     def _take_back(self, disk: DiskWatch, result: RunResult) -> None:
         """Undo what a command over the disk budget added, and say so after its output."""
         undone = disk.undo()
+        deep = f", or folders nested past {MAX_PATH_CHARS} characters of path made" if disk.too_deep else ""
         result.stderr += (
-            f"\n[disk budget of {self.config.disk_mb} MB (workspace, /tmp and /dev together) reached: what the "
+            f"\n[disk budget of {self.config.disk_mb} MB (workspace, /tmp and /dev together) reached{deep}: what the "
             f"command added was taken back ({undone.removed} files and directories deleted, "
             f"{undone.cut_back} files cut back to their earlier size)]"
         )
@@ -191,10 +198,17 @@ class Sandbox:
             self._kill_tree(proc)
 
     def _kill_tree(self, proc: subprocess.Popen) -> None:
-        # Sandboxed, killing bwrap ends the pid namespace; the cgroup also catches escaped sessions.
+        """Stop `proc` and what it started. Sandboxed, killing bwrap ends the pid namespace; the
+        cgroup also catches escaped sessions, but it holds the processes of every run of the
+        sandbox: it is emptied only when no other run is in progress (or the sandbox closes), so
+        that a command ending never kills another thread's; else the last run to return empties
+        it (`run`). The lock is held meanwhile, so no run starts a process into the group as it
+        is emptied."""
         kill_process_group(proc)
         if self._cgroup:
-            self._cgroup.kill_all()
+            with self._lock:
+                if self._closed or self._runs <= 1:
+                    self._cgroup.kill_all()
 
     def close(self) -> None:
         """Stop anything left running and delete the workspace. Commands running in other threads

@@ -79,9 +79,11 @@ class WorkspacePool:
                 return spare
             try:
                 return self._copy(template)
-            except FileNotFoundError:  # the template was evicted while we copied it: start over
+            except OSError:  # `shutil.Error` when the template is deleted halfway through the copy
+                with self._lock:  # evicted meanwhile: start over; else the snapshot itself is unreadable or gone
+                    evicted = self._templates.get(key) is not template
                 attempts -= 1
-                if not attempts:  # not a race: the snapshot itself is gone
+                if not evicted or not attempts:
                     raise
 
     def _template(self, key: str, files: dict[str, str] | Path) -> _Template:
