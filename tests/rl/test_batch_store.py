@@ -18,6 +18,7 @@ def test_batch_keys_and_the_next_index_after_a_restart(tmp_path):
     assert batch_key(7) == "batches/0000000007.batch" and next_batch_index(store) == 0
     store.put(batch_key(0), b"x"), store.put(batch_key(1), b"x"), store.put("batches/notes.txt", b"x")
     store.put("batches/copy of 0000000001.batch", b"x")  # not a batch's name: not counted
+    store.put("batches/0007.batch", b"x")  # nor a number written otherwise: the trainer reads 0000000007.batch
     assert next_batch_index(store) == 2
 
 

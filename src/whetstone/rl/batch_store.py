@@ -17,10 +17,13 @@ def batch_key(index: int) -> str:
 
 
 def batch_indices(store: ObjectStore) -> list[int]:
-    """The indices of the batches in the store, in order (keys of other names are not batches)."""
-    keys = store.list(BATCH_PREFIX)
+    """The indices of the batches in the store, in order. Keys of other names are not batches,
+    nor is a number written another way (`batches/7.batch`): the trainer reads batch n only at
+    `batch_key(n)`, and would wait for ever for a batch counted under another key."""
+    keys = set(store.list(BATCH_PREFIX))
     names = (key.removeprefix(BATCH_PREFIX).removesuffix(".batch") for key in keys if key.endswith(".batch"))
-    return sorted(int(name) for name in names if name.isascii() and name.isdigit())
+    indices = (int(name) for name in names if name.isascii() and name.isdigit())
+    return sorted(index for index in indices if batch_key(index) in keys)
 
 
 def next_batch_index(store: ObjectStore) -> int:
