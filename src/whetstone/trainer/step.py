@@ -305,8 +305,9 @@ def train_step(
         if totals["tokens"] == 0:
             raise WhetstoneError(f"batch {index} has no trained tokens (every loss_mask is 0)")
         raise WhetstoneError(
-            f"batch {index}: the loss is {totals['loss']} and the gradient norm {totals['grad_norm']}; "
-            "weights left unchanged"
+            f"batch {index}: the loss is {totals['loss']} and the gradient norm {totals['grad_norm']}; this "
+            "optimizer step is not taken, and nothing of the batch is published or checkpointed (a mini-batch "
+            "of it before this one may have stepped). A lower optimizer.lr or a grad_clip may help"
         )
     optimizer_step(learner.optimizer, lr)
     metrics = {
