@@ -288,3 +288,29 @@ def test_a_walk_past_its_bound_reads_no_more_of_a_huge_folder(tmp_path, monkeypa
     monkeypatch.setattr(disk.os, "listdir", counting_listdir)
     walked = scan([tmp_path], 10 * BLOCK)
     assert not walked.complete and len(read) < 100
+
+
+def test_a_closed_folders_listing_is_read_into_a_list_once(tmp_path):
+    """A folder deeper than KEEP_OPEN is closed again at each of its subfolders: copying the rest
+    of its listing each time would make a walk of a big deep folder quadratic."""
+    for name in "abc":
+        (tmp_path / name).mkdir()
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    level = disk._Level(fd, disk._key(fd), "", "", disk._listing(fd, changes=False))
+    first = next(level.names)
+    level.close()
+    rest = level.names
+    level.fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    level.close()  # as at the next subfolder: the rest is not copied again
+    assert level.names is rest
+    assert sorted([first, *rest]) == ["a", "b", "c"]
+
+
+def test_an_entry_removed_by_a_running_process_before_undo_removes_it_is_left_gone(tmp_path):
+    (tmp_path / "gone.txt").write_text("x")
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.unlink(tmp_path / "gone.txt")
+        disk._remove(fd, "gone.txt", os.unlink)  # no FileNotFoundError out of undo
+    finally:
+        os.close(fd)

@@ -128,8 +128,12 @@ class _Level:
     """What is left of its listing: read as the walk goes while the folder is open, in full once it is closed."""
 
     def close(self) -> None:
-        """Close its fd, keeping the rest of its listing for when it is opened again."""
-        self.names = iter(list(self.names))  # reads the rest, which closes the listing's own fd
+        """Close its fd, keeping the rest of its listing for when it is opened again. The listing
+        is read into a list once, on the first close (which closes its own fd too): a level deeper
+        than `KEEP_OPEN` is closed again at each of its subfolders, and copying the rest of a big
+        folder's listing each time would make the walk quadratic."""
+        if hasattr(self.names, "close"):  # still read lazily (`_listing`)
+            self.names = iter(list(self.names))
         os.close(self.fd)
         self.fd = None
 
@@ -435,12 +439,16 @@ def _open_dir(fd: int, name: str) -> int:
 
 
 def _remove(fd: int, name: str, remove) -> None:
-    """`remove` (unlink or rmdir) `name` in directory `fd`, making the directory writable if need be."""
+    """`remove` (unlink or rmdir) `name` in directory `fd`, making the directory writable if need
+    be; one already gone (removed by a process still running) is left gone."""
     try:
-        remove(name, dir_fd=fd)
-    except PermissionError:
-        os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | 0o700)
-        remove(name, dir_fd=fd)
+        try:
+            remove(name, dir_fd=fd)
+        except PermissionError:
+            os.fchmod(fd, stat.S_IMODE(os.fstat(fd).st_mode) | 0o700)
+            remove(name, dir_fd=fd)
+    except FileNotFoundError:
+        pass
 
 
 def _cut_back(fd: int, name: str, size: int) -> bool:
