@@ -293,6 +293,15 @@ def test_a_run_whose_rl_made_no_step_says_why_in_its_headline(tmp_path):
     assert "<tr><td>RL steps made / planned</td><td>0 / 28 (stopped at rl.max_wall_time)</td></tr>" in page
 
 
+def test_an_earlier_runs_evaluation_after_rl_is_not_shown_for_a_run_that_made_none(tmp_path):
+    (tmp_path / "eval" / "after").mkdir(parents=True)
+    (tmp_path / "eval" / "after" / "report.json").write_text(json.dumps(eval_report(0.9, 0.95)))  # the last run's
+    summary = {"heldout_pass1_before": 0.25, "heldout_pass1_after": None, "config": {}}
+    (tmp_path / "summary.json").write_text(json.dumps(summary))
+    page = write_report(tmp_path).read_text()
+    assert "held-out pass@1: 25.0% → not recorded" in page and "90.0%" not in page
+
+
 def test_a_run_whose_orchestrator_gave_up_says_so_in_its_headline(tmp_path):
     reason = "the last 80 groups gave nothing to train on (rollouts dropped: no_variance 640): stopped at …"
     rl = {"steps": 12, "steps_planned": 28, "stopped_at_wall_time": False, "orchestrator_stopped": reason}

@@ -87,19 +87,29 @@ def _read_jsonl(path: Path) -> list[dict]:
         return []
 
 
+def _evaluation(run_dir: Path, when: str, summary: dict) -> dict:
+    """The evaluation report `when` ("before"/"after" RL), unless the run's summary says it made
+    no such evaluation (`heldout_pass1_<when>` null): a report in the folder is then an earlier
+    run's (a rerun whose RL made no step leaves the last one's `eval/after`)."""
+    if f"heldout_pass1_{when}" in summary and summary[f"heldout_pass1_{when}"] is None:
+        return {}
+    return read_json_object(run_dir / "eval" / when / "report.json")
+
+
 def load_run(run_dir: Path) -> RunRecords:
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.toml"
+    summary = read_json_object(summary_path)
     return RunRecords(
         name=run_dir.resolve().name,
-        summary=read_json_object(summary_path),
+        summary=summary,
         summary_mtime=summary_path.stat().st_mtime if summary_path.is_file() else None,
         config_toml=_read_text(config_path),
         trainer=_read_jsonl(run_dir / "trainer" / "metrics.jsonl"),
         orchestrator=_read_jsonl(run_dir / "orchestrator" / "metrics.jsonl"),
         servers=_read_jsonl(run_dir / "servers.jsonl"),
         cpu=_read_jsonl(run_dir / "cpu.jsonl"),
-        before=read_json_object(run_dir / "eval" / "before" / "report.json"),
-        after=read_json_object(run_dir / "eval" / "after" / "report.json"),
+        before=_evaluation(run_dir, "before", summary),
+        after=_evaluation(run_dir, "after", summary),
     )
 
 
