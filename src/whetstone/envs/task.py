@@ -145,7 +145,22 @@ class Task(Config):
             raise ValueError("give the repository as repo_files or repo_path, not both")
         if not self.hidden_tests and not self.fail_to_pass:
             raise ValueError("a task needs hidden_tests or fail_to_pass tests to be graded")
+        if problem := self.unlisted_custom_tests():
+            raise ValueError(problem)
         return self
+
+    def unlisted_custom_tests(self) -> str | None:
+        """Why a custom `test_command` without fail_to_pass ids cannot be graded (None when the
+        task runs pytest or lists them): every testcase of its JUnit report would count, so a
+        report that leaves the hidden tests out would pass. Checked when a task loads (so also
+        where `validate_tasks` is off) and again by validation (a task copied without checks)."""
+        if self.pytest_args is None and not self.fail_to_pass:
+            return (
+                "a custom test_command needs fail_to_pass ids: without them every testcase of its JUnit report "
+                "counts, so a run whose report leaves out the hidden tests' testcases passes; list the ids of "
+                'the testcases that must pass (docs/tasks.md, "Custom test commands")'
+            )
+        return None
 
     @field_validator("visible_tests")
     @classmethod

@@ -3,6 +3,9 @@
 import json
 import shutil
 
+import pytest
+from pydantic import ValidationError
+
 from whetstone.envs.grading.grade import PLAIN_TESTS, RUNNER
 from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.sandbox import SandboxConfig
@@ -310,3 +313,5 @@ def test_a_custom_test_command_without_fail_to_pass_ids_is_refused():
         "a run whose report leaves out the hidden tests' testcases passes; list the ids of the testcases that "
         'must pass (docs/tasks.md, "Custom test commands")'
     )
+    with pytest.raises(ValidationError, match="a custom test_command needs fail_to_pass ids"):
+        Task.model_validate(unlisted.model_dump())  # as a task file loads: also where validation is off

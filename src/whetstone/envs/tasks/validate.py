@@ -61,12 +61,8 @@ def reference_changes(task: Task) -> dict[str, str | None]:
 def check_task(task: Task, reward_config: RewardConfig | None = None) -> str | None:
     """None if the task is valid, else the reason it is not."""
     config = reward_config or RewardConfig()
-    if task.pytest_args is None and not task.fail_to_pass:
-        return (
-            "a custom test_command needs fail_to_pass ids: without them every testcase of its JUnit report "
-            "counts, so a run whose report leaves out the hidden tests' testcases passes; list the ids of "
-            'the testcases that must pass (docs/tasks.md, "Custom test commands")'
-        )
+    if problem := task.unlisted_custom_tests():
+        return problem
     changes = reference_changes(task)
     if not changes:
         return "no reference solution (solution_files or solution_patch)"
