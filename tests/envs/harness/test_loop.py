@@ -185,6 +185,19 @@ def test_a_policy_failure_fails_the_rollout_but_keeps_what_was_sampled():
     assert trajectory.status == "failed" and "connection refused" in trajectory.error and trajectory.turns == 1
 
 
+def test_an_unforeseen_failure_fails_the_rollout_but_keeps_what_was_sampled(caplog):
+    class Breaks(ScriptedPolicy):
+        async def complete(self, prompt_ids, sampling):
+            if self.prompts:
+                raise KeyError("logprobs")  # a server's answer no check foresaw
+            return await super().complete(prompt_ids, sampling)
+
+    trajectory = run_agent(synth_task(), Breaks(lambda prompt: call("list_dir", path=".")))
+    assert trajectory.status == "failed" and trajectory.error == "KeyError: 'logprobs'" and trajectory.turns == 1
+    assert len(trajectory.segments[0].calls) == 1  # the call sampled before is kept
+    assert "the rollout failed after 1 turns" in caplog.text and "Traceback" in caplog.text
+
+
 def test_a_context_too_small_for_the_task_fails_with_the_numbers():
     trajectory = run_agent(
         synth_task(),

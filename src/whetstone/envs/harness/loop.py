@@ -79,7 +79,9 @@ class _Episode:
     async def run(self) -> Trajectory:
         try:
             self.stop_reason = await self._loop()
-        except WhetstoneError as err:  # the policy or the sandbox failed: keep what was sampled
+        except Exception as err:  # the policy or the sandbox failed: keep what was sampled
+            if not isinstance(err, WhetstoneError):  # not a failure foreseen: a defect, with its traceback
+                log.exception("%s: the rollout failed after %d turns", self.task.id, self.trajectory.turns)
             self.stop_reason = "failed"
             self.trajectory.status, self.trajectory.error = "failed", f"{type(err).__name__}: {err}"
         self.trajectory.timings.update(self.timings)
