@@ -1,8 +1,10 @@
 """The disk budget's bookkeeping (envs/sandbox/disk.py) on plain folders: what counts as a write
 cut short at the size cap, and what taking a command's growth back keeps."""
 
+import ctypes
 import os
 import shutil
+import traceback
 from contextlib import closing, contextmanager
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 from tests.envs.sandbox.sandbox_support import as_non_root
 from whetstone.envs.sandbox import disk
 from whetstone.envs.sandbox.disk import BLOCK, MAX_PATH_CHARS, DiskWatch, _tree, remove_tree, scan
+from whetstone.errors import WhetstoneError
 
 
 def listing(directory: Path) -> list[str]:
@@ -314,3 +317,82 @@ def test_an_entry_removed_by_a_running_process_before_undo_removes_it_is_left_go
         disk._remove(fd, "gone.txt", os.unlink)  # no FileNotFoundError out of undo
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("locked", ["folder", "unsearchable folder", "workspace"])
+def test_a_folder_locked_again_as_it_is_opened_up_counts_as_over_the_budget(shared_tmp, locked):
+    """A command still running can lock a folder again (`chmod 000` in a loop) right after the
+    walk opened it up: that walk counts as over the budget instead of failing, and the walk after
+    the command ended, which nothing races, opens it up and counts what it holds."""
+
+    def check():
+        workspace = shared_tmp / "ws"
+        (workspace / "d").mkdir(parents=True)
+        (workspace / "d" / "f.bin").write_bytes(b"0" * 100_000)
+        target = workspace if locked == "workspace" else workspace / "d"
+        mode = 0o600 if locked == "unsearchable folder" else 0o000  # 600: opened, but nothing in it looked at
+        target.chmod(mode)
+        real_chmod, real_fchmod = os.chmod, os.fchmod
+
+        def then_locked_again(change):
+            def change_then_lock(*args, **kwargs):
+                change(*args, **kwargs)
+                real_chmod(target, mode)  # the command, right then
+
+            return change_then_lock
+
+        os.chmod, os.fchmod = then_locked_again(real_chmod), then_locked_again(real_fchmod)
+        try:
+            walked = scan([workspace], 32 << 20)
+        finally:
+            os.chmod, os.fchmod = real_chmod, real_fchmod
+        assert not walked.complete and walked.used > 32 << 20
+        after = scan([workspace], 32 << 20)
+        assert after.complete and (0, "d/f.bin") in after.entries and after.used < 32 << 20
+
+    as_non_root(check)
+
+
+def without_proc(check) -> None:
+    """Run `check` in a forked child whose own mount namespace has no /proc (it needs root), as a
+    caller that is not root (`as_non_root`)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        code = 0
+        try:
+            if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+                raise OSError(ctypes.get_errno(), "unshare")
+            if libc.mount(b"none", b"/", None, (1 << 14) | (1 << 18), None) != 0:  # MS_REC | MS_PRIVATE
+                raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+            if libc.umount2(b"/proc", 2) != 0:  # MNT_DETACH
+                raise OSError(ctypes.get_errno(), "umount /proc")
+            as_non_root(check)
+        except BaseException:
+            os.write(write, traceback.format_exc().encode())
+            code = 1
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        report = pipe.read().decode()
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, report
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="unmounting /proc in a mount namespace of its own needs root")
+def test_without_proc_a_locked_folder_is_a_clear_error_not_passed_over(shared_tmp):
+    """Folders are opened up through /proc/self/fd: without /proc that path is missing, which must
+    not be taken for a folder removed meanwhile (what it holds would escape the budget)."""
+
+    def check():
+        assert not os.path.exists("/proc/self")
+        workspace = shared_tmp / "ws"
+        (workspace / "d").mkdir(parents=True)
+        (workspace / "d" / "f.bin").write_bytes(b"0" * 100_000)
+        (workspace / "d").chmod(0o000)
+        with pytest.raises(WhetstoneError, match="/proc is not mounted"):
+            scan([workspace], 32 << 20)
+
+    without_proc(check)

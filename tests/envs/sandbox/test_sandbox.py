@@ -15,9 +15,10 @@ import whetstone
 from tests.envs.sandbox.sandbox_support import NOBODY, as_non_root
 from whetstone.envs.sandbox import SandboxConfig, SandboxUnavailableError, open_sandbox
 from whetstone.envs.sandbox.bwrap import bwrap_binary
+from whetstone.envs.sandbox.cgroups import Cgroup
 from whetstone.envs.sandbox.disk import DiskWatch
 from whetstone.envs.sandbox.process import Limits, kill_process_group, limit_prefix, run_process
-from whetstone.envs.sandbox.sandbox import _nproc_limit, _runtime
+from whetstone.envs.sandbox.sandbox import Sandbox, _nproc_limit, _runtime
 from whetstone.errors import WhetstoneError
 
 FILES = {"app/main.py": "print('hello from', __name__)\n", "README.md": "a repo\n"}
@@ -276,6 +277,23 @@ def test_a_process_whose_start_hook_fails_is_killed():
     assert processes_with(marker) == []
 
 
+def test_a_process_whose_pipes_cannot_be_set_up_is_killed():
+    """Whatever fails once the process exists (here stdin that cannot be encoded; no descriptor
+    left for the selector would do the same) kills it before the error goes on."""
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    with pytest.raises(UnicodeEncodeError):
+        run_process(
+            ["sleep", f"6{marker}"],
+            env={"PATH": "/usr/bin:/bin"},
+            cwd=Path("/"),
+            stdin="\udcff",
+            timeout_s=20,
+            max_output_bytes=1000,
+            kill_tree=kill_process_group,
+        )
+    assert processes_with(marker) == []
+
+
 def test_cpu_limit():
     with open_sandbox({}, SandboxConfig(cpu_s=1)) as sandbox:
         result = sandbox.run(["python", "-c", "while True: pass"], timeout_s=20)
@@ -297,6 +315,27 @@ def test_memory_limit_for_the_whole_tree():
     with open_sandbox({}, SandboxConfig(memory_mb=256)) as sandbox:
         result = sandbox.run(command, timeout_s=20)
     assert "memory" in result.limits_hit
+
+
+def own_groups() -> set[Path]:
+    """The cgroup folders this process's sandboxes have now."""
+    root = _runtime(SandboxConfig()).cgroup_root
+    return {group for parent in {root.pids_dir, root.memory_dir} for group in parent.glob(f"{os.getpid()}-*")}
+
+
+@pytest.mark.skipif(not cgroups_available(), reason="no writable cgroup hierarchy on this machine")
+def test_a_sandbox_whose_setup_fails_leaves_no_cgroup_behind(tmp_path):
+    before = own_groups()
+    with pytest.raises(OSError):  # pids.max takes no negative count
+        Cgroup(_runtime(SandboxConfig()).cgroup_root, -1, 1 << 30)
+    assert own_groups() == before
+    config = SandboxConfig(unsandboxed=True)
+    workspace = tmp_path / "ws"
+    workspace.mkdir()
+    workspace.with_name("ws-home").mkdir()  # where the sandbox makes its HOME: a step after the cgroup fails
+    with pytest.raises(FileExistsError):
+        Sandbox(workspace, config, _runtime(config), [])
+    assert own_groups() == before
 
 
 @pytest.mark.skipif(not cgroups_available(), reason="no writable cgroup hierarchy on this machine")

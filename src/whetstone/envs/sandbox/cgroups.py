@@ -69,21 +69,26 @@ class Cgroup:
     def __init__(self, root: CgroupRoot, max_processes: int, memory_bytes: int):
         self.root = root
         name = f"{os.getpid()}-{next(_counter)}"
-        self.dirs = list(dict.fromkeys([root.pids_dir / name, root.memory_dir / name]))
-        for directory in self.dirs:
-            directory.mkdir()
-        pids_dir, memory_dir = root.pids_dir / name, root.memory_dir / name
-        (pids_dir / "pids.max").write_text(str(max_processes))
-        # Memory plus swap is capped too where swap is accounted, so a bomb cannot swap instead.
-        if root.version == 1:
-            (memory_dir / "memory.limit_in_bytes").write_text(str(memory_bytes))
-            _write_if_present(memory_dir / "memory.memsw.limit_in_bytes", str(memory_bytes))
-            self._memory_events = memory_dir / "memory.oom_control"
-        else:
-            (memory_dir / "memory.max").write_text(str(memory_bytes))
-            _write_if_present(memory_dir / "memory.swap.max", "0")
-            self._memory_events = memory_dir / "memory.events"
-        self._pids_events = pids_dir / "pids.events"
+        self.dirs: list[Path] = []  # those made so far: `close` removes them if a step below fails
+        try:
+            for directory in dict.fromkeys([root.pids_dir / name, root.memory_dir / name]):
+                directory.mkdir()
+                self.dirs.append(directory)
+            pids_dir, memory_dir = root.pids_dir / name, root.memory_dir / name
+            (pids_dir / "pids.max").write_text(str(max_processes))
+            # Memory plus swap is capped too where swap is accounted, so a bomb cannot swap instead.
+            if root.version == 1:
+                (memory_dir / "memory.limit_in_bytes").write_text(str(memory_bytes))
+                _write_if_present(memory_dir / "memory.memsw.limit_in_bytes", str(memory_bytes))
+                self._memory_events = memory_dir / "memory.oom_control"
+            else:
+                (memory_dir / "memory.max").write_text(str(memory_bytes))
+                _write_if_present(memory_dir / "memory.swap.max", "0")
+                self._memory_events = memory_dir / "memory.events"
+            self._pids_events = pids_dir / "pids.events"
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def procs_files(self) -> list[Path]:

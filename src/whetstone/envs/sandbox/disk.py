@@ -21,7 +21,10 @@ a path past `MAX_PATH_CHARS` counts as over the budget, and so does a walk that 
 back up (a folder moved while it was below it). A folder its owner made unreadable or
 unsearchable is opened up for its owner (the caller, when not root, is bound by those modes):
 its mode is changed through a descriptor of that very folder (`_open_up`), never by name, since
-a command still running could swap the name for a symlink to a host file meanwhile.
+a command still running could swap the name for a symlink to a host file meanwhile. A folder
+locked again before the walk could open it (a command still running that keeps running `chmod
+000` on it) makes that walk count as over the budget; once the command has ended, nothing
+locks it again. Opening up goes through /proc/self/fd: without /proc mounted it is an error.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from collections.abc import Iterator
 from contextlib import closing
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from whetstone.errors import WhetstoneError
 
 BLOCK = 4096
 """The least an entry is charged."""
@@ -77,6 +82,10 @@ def scan(directories: list[Path], stop_above: int | None = None) -> Scan:
             fd = _open_top(directory)
         except FileNotFoundError:
             continue
+        except PermissionError:  # locked again as it was opened up (a command still running): uncounted
+            _charge_over(result, stop_above)
+            result.complete = False
+            return result
         try:
             if not _count(fd, index, result, hard_links, stop_above):
                 result.complete = False
@@ -84,6 +93,11 @@ def scan(directories: list[Path], stop_above: int | None = None) -> Scan:
         finally:
             os.close(fd)
     return result
+
+
+def _charge_over(result: Scan, stop_above: int | None) -> None:
+    """Charge what a walk could not count as over its bound."""
+    result.used = max(result.used, stop_above + 1 if stop_above is not None else 0)
 
 
 def _count(fd: int, index: int, result: Scan, hard_links: set, stop_above: int | None) -> bool:
@@ -97,7 +111,7 @@ def _count(fd: int, index: int, result: Scan, hard_links: set, stop_above: int |
                 continue
             if path is None:
                 result.too_deep = True
-                result.used = max(result.used, stop_above + 1 if stop_above is not None else 0)
+                _charge_over(result, stop_above)
                 return False
             result.entries[index, path] = (st.st_ino, st.st_size, st.st_blocks, st.st_mode)
             if st.st_nlink > 1 and not stat.S_ISDIR(st.st_mode):  # a hard link: its inode is charged once
@@ -107,8 +121,8 @@ def _count(fd: int, index: int, result: Scan, hard_links: set, stop_above: int |
             result.used += max(st.st_blocks * 512, BLOCK)
             if stop_above is not None and result.used > stop_above:
                 return False
-    if lost:  # what was left above a moved folder went uncounted: charged as over the bound
-        result.used = max(result.used, stop_above + 1 if stop_above is not None else 0)
+    if lost:  # what was left above a moved folder, or in one locked again, went uncounted: over the bound
+        _charge_over(result, stop_above)
         return False
     return True
 
@@ -158,7 +172,8 @@ def _tree(
     lstat), and once a folder's contents are done (the fd of its parent, its path, its name, None).
     An fd is good until the next step; `changes`: the caller removes entries as it goes. Entries
     removed or replaced meanwhile are passed over. A folder moved meanwhile ends the walk of what
-    was left above it, up to a folder still open: its path is added to `lost`. No recursion and
+    was left above it, up to a folder still open, and what a folder locked again as it is opened
+    up (`_open_up`, `_lstat`) holds is passed over: their paths are added to `lost`. No recursion and
     at most 2 x (`KEEP_OPEN` + 2) descriptors besides `top` (a folder and its listing): a sandboxed
     command can nest folders far deeper than Python's recursion limit or the descriptors a
     process may open."""
@@ -172,6 +187,10 @@ def _tree(
                     st = _lstat(level.fd, name)
                 except FileNotFoundError:
                     continue
+                except PermissionError:  # its folder was locked again as it was opened up
+                    if lost is not None:
+                        lost.append(level.path)
+                    continue
                 path = None if level.path is None else f"{level.path}/{name}" if level.path else name
                 if path is not None and len(path) > MAX_PATH_CHARS:
                     path = None
@@ -180,6 +199,10 @@ def _tree(
                     continue
                 try:
                     child = _open_dir(level.fd, name)
+                except PermissionError:  # locked again as it was opened up
+                    if lost is not None:
+                        lost.append(path)
+                    continue
                 except OSError as error:
                     if error.errno in _GONE:
                         continue
@@ -263,12 +286,25 @@ def _open_top(directory: Path) -> int:
 def _open_up(pinned: int) -> int:
     """The folder `pinned` (an O_PATH fd) opened for reading; one its owner made unreadable or
     unsearchable is made rwx for its owner first. Both act on the inode `pinned` holds, never on
-    a name a running command could have swapped for a symlink meanwhile."""
+    a name a running command could have swapped for a symlink meanwhile. PermissionError when a
+    command still running locked it again in between."""
     try:
         return os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=pinned)
     except PermissionError:
-        os.chmod(f"/proc/self/fd/{pinned}", stat.S_IMODE(os.fstat(pinned).st_mode) | 0o700)
+        os.chmod(_by_fd(pinned), stat.S_IMODE(os.fstat(pinned).st_mode) | 0o700)
         return os.open(".", os.O_RDONLY | os.O_DIRECTORY, dir_fd=pinned)
+
+
+def _by_fd(fd: int) -> str:
+    """A path that acts on the inode open as `fd` (for calls that take no fd: chmod of an O_PATH
+    fd, opening it anew). Without /proc mounted it is missing, and taking that for an entry
+    removed meanwhile would let what a locked folder holds escape the budget: an error instead."""
+    if not os.path.isdir("/proc/self/fd"):
+        raise WhetstoneError(
+            "/proc is not mounted on this host: the sandbox's disk budget needs /proc/self/fd to open up "
+            "folders and files the sandboxed code locked; mount proc at /proc"
+        )
+    return f"/proc/self/fd/{fd}"
 
 
 def tmpfs_used(pid: int, mounts: dict[str, int]) -> int:
@@ -467,7 +503,7 @@ def _cut_back(fd: int, name: str, size: int) -> bool:
         st = os.fstat(pinned)
         if not stat.S_ISREG(st.st_mode):
             return False
-        inode = f"/proc/self/fd/{pinned}"  # opening or changing this acts on the pinned inode
+        inode = _by_fd(pinned)  # opening or changing this acts on the pinned inode
         try:
             file = os.open(inode, os.O_WRONLY)
         except PermissionError:

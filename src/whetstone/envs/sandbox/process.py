@@ -123,18 +123,19 @@ def run_process(
         start_new_session=True,  # its own process group, so the whole group can be signalled
     )
     out, err = _Capture(max_output_bytes), _Capture(max_output_bytes)
-    selector = selectors.DefaultSelector()
-    selector.register(proc.stdout, selectors.EVENT_READ, out)
-    selector.register(proc.stderr, selectors.EVENT_READ, err)
-    pending = (stdin or "").encode()
-    if proc.stdin is not None:
-        os.set_blocking(proc.stdin.fileno(), False)
-        selector.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
-    pidfd = _pidfd(proc.pid)  # readable when the main process exits: no polling needed
-    if pidfd is not None:
-        selector.register(pidfd, selectors.EVENT_READ, "exit")
     deadline, timed_out, stopped, watched_hit = start + timeout_s, False, False, None
-    try:
+    selector, pidfd = None, None
+    try:  # from here on, whatever fails (no descriptor left for the selector, say) kills the process
+        selector = selectors.DefaultSelector()
+        selector.register(proc.stdout, selectors.EVENT_READ, out)
+        selector.register(proc.stderr, selectors.EVENT_READ, err)
+        pending = (stdin or "").encode()
+        if proc.stdin is not None:
+            os.set_blocking(proc.stdin.fileno(), False)
+            selector.register(proc.stdin, selectors.EVENT_WRITE, "stdin")
+        pidfd = _pidfd(proc.pid)  # readable when the main process exits: no polling needed
+        if pidfd is not None:
+            selector.register(pidfd, selectors.EVENT_READ, "exit")
         if on_start is not None:
             on_start(proc)
         while selector.get_map():
@@ -171,7 +172,8 @@ def run_process(
                 kill_tree(proc)
                 deadline = min(deadline, time.perf_counter() + DRAIN_AFTER_KILL_S)
     finally:
-        selector.close()
+        if selector is not None:
+            selector.close()
         for pipe in (proc.stdin, proc.stdout, proc.stderr):
             if pipe is not None:
                 pipe.close()

@@ -54,29 +54,34 @@ class Sandbox:
         self._cgroup = (
             Cgroup(runtime.cgroup_root, config.max_processes, config.memory_mb << 20) if runtime.cgroup_root else None
         )
-        python = runtime.python
-        self._mounts = [Mount(path, path) for path in [*python.host_paths, *config.ro_paths]]
-        self._mounts += [Mount(str(python.prefix), VENV_IN_SANDBOX), *mounts]
-        self._bin_dir = str(python.bin_dir) if config.unsandboxed else f"{VENV_IN_SANDBOX}/bin"
-        self._limits = Limits(
-            cpu_s=config.cpu_s,
-            memory_bytes=config.memory_mb << 20,
-            file_bytes=config.max_file_mb << 20,
-            nproc=None if self._cgroup else _nproc_limit(config.max_processes),
-        )
-        self._disk_limit = config.disk_mb << 20
-        # Everything a command can write that outlives it or sits on the host's disk counts.
-        self._disk_dirs = [workspace] + [Path(m.source) for m in mounts if m.writable]
-        self._tmpfs = {"/tmp": config.tmp_size_mb << 20, "/dev": 0}
-        self._lock = threading.Condition()  # guards the four below; notified when a run ends
-        self._closed = False
-        self._runs = 0  # runs in progress, started or not
-        self._procs: set[subprocess.Popen] = set()  # the processes of runs in progress
-        self._stopped: set[subprocess.Popen] = set()  # those of them that `close` killed
-        if config.unsandboxed:
-            self._home.mkdir()
-            self._disk_dirs.append(self._home)
-            self._tmpfs = {}
+        try:  # the cgroup is removed if a step below fails
+            python = runtime.python
+            self._mounts = [Mount(path, path) for path in [*python.host_paths, *config.ro_paths]]
+            self._mounts += [Mount(str(python.prefix), VENV_IN_SANDBOX), *mounts]
+            self._bin_dir = str(python.bin_dir) if config.unsandboxed else f"{VENV_IN_SANDBOX}/bin"
+            self._limits = Limits(
+                cpu_s=config.cpu_s,
+                memory_bytes=config.memory_mb << 20,
+                file_bytes=config.max_file_mb << 20,
+                nproc=None if self._cgroup else _nproc_limit(config.max_processes),
+            )
+            self._disk_limit = config.disk_mb << 20
+            # Everything a command can write that outlives it or sits on the host's disk counts.
+            self._disk_dirs = [workspace] + [Path(m.source) for m in mounts if m.writable]
+            self._tmpfs = {"/tmp": config.tmp_size_mb << 20, "/dev": 0}
+            self._lock = threading.Condition()  # guards the four below; notified when a run ends
+            self._closed = False
+            self._runs = 0  # runs in progress, started or not
+            self._procs: set[subprocess.Popen] = set()  # the processes of runs in progress
+            self._stopped: set[subprocess.Popen] = set()  # those of them that `close` killed
+            if config.unsandboxed:
+                self._home.mkdir()
+                self._disk_dirs.append(self._home)
+                self._tmpfs = {}
+        except BaseException:
+            if self._cgroup:
+                self._cgroup.close()
+            raise
 
     def run(
         self,
