@@ -57,7 +57,7 @@ pytestmark = [
 START_TIMEOUT_S = 900  # vLLM's start on 2 loaded cores
 TIMEOUT_S = 300
 PAUSE_LIMIT_S = 5
-"""How long failed swaps may keep the test's server paused (retries at 1, 3 and 7 s: stopped at 7 s)."""
+"""How long failed swaps may keep the test's server paused (retries at 1 and 3 s, the last at 5 s: stopped then)."""
 
 
 class VersionedTrainer(Trainer):

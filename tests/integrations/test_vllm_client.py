@@ -3,20 +3,25 @@ its `.npy` form), the run config that selects it, and the command line that star
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import io
 import sys
 
+import httpx
 import numpy as np
 import pytest
 import torch
 
 from whetstone.config import load_config
+from whetstone.envs.harness import EndpointConfig, Sampling
 from whetstone.envs.harness.policy import PolicyError
 from whetstone.errors import ConfigError
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.protocol import decode_routes
 from whetstone.integrations.vllm import (
+    GENERATE_PATH,
+    VllmPolicy,
     gpu_placement,
     serve_command,
     token_versions,
@@ -144,3 +149,40 @@ def test_a_run_on_vllm_without_vllms_python_stops_before_mid_training(monkeypatc
     config = PipelineConfig.model_validate({"output_dir": str(tmp_path), "servers": {"engine": "vllm"}}).resolved()
     with pytest.raises(ConfigError, match="the run cannot start:\n.*servers.vllm_python"):
         check_run_config(config)
+
+
+def generate_answer(finish_reason: str, ids: list[int]) -> dict:
+    """vLLM's `/inference/v1/generate` answer (output_mode "tokens") for `ids` sampled by version 3."""
+    content = [{"token_id": i, "logprob": -0.5, "rank": 1, "top_logprobs": []} for i in ids]
+    choice = {"index": 0, "finish_reason": finish_reason, "stop_reason": None, "token_ids": ids}
+    choice |= {"logprobs": {"content": content}, "routed_experts": None}
+    choice["weight_versions"] = [{"version": "3", "start": 0, "end": len(ids)}] if ids else []
+    return {"request_id": "r", "model": "m", "output_mode": "tokens", "choices": [choice]}
+
+
+def generate(answer: dict):
+    """What `VllmPolicy` makes of `answer`, and the requests it sent to get it."""
+    asked = []
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        asked.append(request.url.path)
+        return httpx.Response(200, json=answer)
+
+    async def complete():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(vllm)) as client:
+            config = EndpointConfig(base_url="http://vllm:8000/v1", engine="vllm", return_routed_experts=False)
+            return await VllmPolicy(config, "m", None, client).complete([1, 2, 3], Sampling(max_tokens=4))
+
+    return asyncio.run(complete()), asked
+
+
+def test_a_generation_vllm_aborted_is_a_failed_call_not_a_reply():
+    """vLLM answers a request it stopped (its server stopping, `/abort_requests`, a `/pause` that
+    aborts) with 200 and what it had sampled: taken as the reply, the rollout would go on from a
+    cut-off turn, or an empty one, as if the model had ended it."""
+    completion, asked = generate(generate_answer("length", [7, 8]))
+    assert (completion.ids, completion.versions, completion.finish_reason) == ([7, 8], [3, 3], "length")
+    for ids in ([7, 8], []):
+        with pytest.raises(PolicyError, match=f"vLLM aborted the generation after {len(ids)} tokens"):
+            generate(generate_answer("abort", ids))
+    assert asked == [GENERATE_PATH]

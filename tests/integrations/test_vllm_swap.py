@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -411,3 +412,91 @@ def test_a_status_without_a_version_or_a_mistyped_address_is_no_version_or_down_
             return await vllm_health(client, url)
 
     assert asyncio.run(ask("http://gpu-3:$PORT/v1")) is None  # an address no server can have: down
+
+
+def test_a_failed_swap_is_retried_at_the_pause_limit_not_after_the_retry_wait():
+    """vLLM stays paused at most the limit: the retry that would come after it comes at it, and
+    when that one fails too the server stops."""
+    vllm = FakeVllm()
+    driver = driver_of(vllm, pause_limit_s=0.2)
+    driver.retry_first_s = driver._retry_in = 60.0  # the longest wait, which the limit cuts short
+    stopped = threading.Event()
+    driver.stop_server = stopped.set
+    driver.start()
+    assert stopped.wait(30), "vLLM stayed paused until the retry's wait ended, past the limit"
+    with vllm.lock:
+        assert (
+            vllm.calls.count("whetstone_apply") == 2 and "/resume" not in vllm.calls
+        )  # the first try, and one at the limit
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--sync", "{store: 'w'}"], "invalid config (--sync, a SyncConfig as JSON):\n  config: Invalid JSON"),
+        (["--sync", '{"stroe": "w"}'], "stroe: Extra inputs are not permitted"),
+        (
+            ["--sync", '{"store": "w"}', "--fleet", '{"announce": tru'],
+            "invalid config (--fleet, a FleetConfig as JSON)",
+        ),
+        (["--fleet", '{"announce": true}'], "--fleet needs --sync"),
+        (["--poll-interval", "0"], "--poll-interval must be positive seconds, got 0.0"),
+        (["--poll-interval", "-1"], "--poll-interval must be positive seconds, got -1.0"),
+        (["--pause-limit", "nan"], "--pause-limit must be positive seconds, got nan"),
+        (["--poll-interval", "inf"], "--poll-interval must be positive seconds, got inf"),
+        (["--weight-version", "-1"], "--weight-version must be 0 or more, got -1"),
+    ],
+)
+def test_launcher_options_that_cannot_work_are_refused_before_vllm_starts(argv, error, capsys):
+    with pytest.raises(SystemExit) as stopped:
+        parse(["--model", "/m", *argv])
+    assert stopped.value.code == 2 and error in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("args", "flag"),
+    [
+        (["--port", "9000"], "--port"),  # vLLM would listen where the swap thread never looks
+        (["--max-model-len", "64", "--host=0.0.0.0"], "--host"),
+        (["--model", "/other"], "--model"),
+        (["--logprobs_mode", "raw_logprobs"], "--logprobs-mode"),  # not what the trainer computes
+    ],
+)
+def test_vllm_options_the_launcher_sets_are_refused_after_the_dashes(args, flag, capsys):
+    with pytest.raises(SystemExit):
+        parse(["--model", "/m", "--", *args])
+    assert f"{flag} among vLLM's arguments after --" in capsys.readouterr().err
+    extension = ["--worker-extension-cls", "vllm_faults.FaultyWrites"]  # vLLM's own, or replacing the launcher's
+    assert parse(["--model", "/m", "--", "--dtype", "bfloat16", *extension]).vllm_args[-1] == "vllm_faults.FaultyWrites"
+
+
+def test_a_fleet_registry_that_does_not_exist_is_an_error_not_a_traceback(tmp_path):
+    import subprocess
+
+    import whetstone
+
+    sync = json.dumps({"store": str(tmp_path / "missing")})
+    command = [sys.executable, "-m", "whetstone.integrations.vllm_serve", "--model", "/m", "--sync", sync]
+    env = {"PYTHONPATH": str(Path(whetstone.__file__).parents[1]), "PATH": "/usr/bin:/bin"}
+    done = subprocess.run([*command, "--fleet", '{"announce": true}'], capture_output=True, text=True, env=env)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"error: no store at {tmp_path / 'missing'}")
+
+
+def test_a_worker_too_busy_to_report_is_up_and_an_unreachable_one_down():
+    """vLLM's engine runs one worker call at a time: while it writes a weight version the status
+    call waits, and a health check that gives up waiting must not take the server for dead."""
+
+    def vllm(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        raise failure("no answer (simulated)", request=request)
+
+    async def ask():
+        async with httpx.AsyncClient(transport=httpx.MockTransport(vllm)) as client:
+            return await vllm_health(client, "http://vllm:8000/v1")
+
+    failure = httpx.ReadTimeout
+    assert asyncio.run(ask()) == {}
+    failure = httpx.ConnectError
+    assert asyncio.run(ask()) is None

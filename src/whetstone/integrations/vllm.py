@@ -72,6 +72,11 @@ class VllmPolicy(HttpPolicy):
             raise PolicyError(f"not an answer of vLLM's {GENERATE_PATH}: {str(answer)[:200]}") from None
         if [entry.get("token_id") for entry in content] != ids:
             raise PolicyError(f"vLLM returned logprobs for {len(content)} tokens that are not the {len(ids)} sampled")
+        if choice.get("finish_reason") == "abort":  # its answer to a request it stopped: not the model's whole reply
+            raise PolicyError(
+                f"vLLM aborted the generation after {len(ids)} tokens (the server stopping, or a call to its "
+                "/abort_requests or /pause without mode=wait)"
+            )
         routes = choice.get("routed_experts")
         asked = self.config.return_routed_experts
         return Completion(
@@ -117,13 +122,19 @@ def vllm_routes(encoded: str) -> dict[str, Any]:
 async def vllm_health(client: httpx.AsyncClient, api_root: str) -> dict | None:
     """A vLLM server's health in the shape of `whetstone serve`'s /health (None: down): its
     weight version and, from whetstone's worker extension, why it cannot take the store's newest
-    version (`status` "weights stale"). A vLLM without the extension reports no version ({})."""
+    version (`status` "weights stale"). A vLLM without the extension, or whose engine is too busy
+    to answer for it in time, reports no version ({})."""
     root = server_root(api_root)
     try:
         if (await client.get(root + "/health")).status_code != 200:
             return None
-        response = await client.post(root + "/collective_rpc", json={"method": "whetstone_status"})
     except (httpx.HTTPError, httpx.InvalidURL):  # down, or an address no server can have
+        return None
+    try:
+        response = await client.post(root + "/collective_rpc", json={"method": "whetstone_status"})
+    except httpx.ReadTimeout:  # its engine runs one worker call at a time: busy writing a weight version
+        return {}
+    except httpx.HTTPError:
         return None
     try:
         status = response.json()["results"][0] if response.status_code == 200 else {}

@@ -28,8 +28,9 @@ it through `whetstone_status`, says "weights stale" and why) and the write is tr
 1 s, then doubling up to 60 s, for as long as it fails. A swap that cannot resume vLLM on a whole,
 rightly tagged version (writing the served version back failed too, a route did not answer)
 leaves vLLM paused, since its model may hold parts of two versions or an old version's tag, and is
-retried the same way; vLLM stays paused at most `--pause-limit` seconds: then the server stops
-(exit 1), failing the requests that waited, for its supervisor to start it afresh.
+retried the same way, the last time once vLLM has been paused `--pause-limit` seconds: if that
+fails too, the server stops (exit 1), failing the requests that waited, for its supervisor to
+start it afresh.
 
 With `--fleet` (a `FleetConfig` as JSON, `announce = true`), the same thread then announces the
 server in the fleet registry, as `whetstone serve` does, until the process exits: how a run on Ray
@@ -44,8 +45,8 @@ from __future__ import annotations
 
 import argparse
 import atexit
-import json
 import logging
+import math
 import os
 import runpy
 import signal
@@ -57,6 +58,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from pydantic import ValidationError
+
+from whetstone.config import format_validation_error
+from whetstone.errors import AccessDeniedError, WhetstoneError
+from whetstone.fleet.config import FleetConfig
+from whetstone.sync.config import SyncConfig
 
 EXTENSION = "whetstone.integrations.vllm_worker.WeightStoreFollower"
 STATUS_TIMEOUT_S = 10.0
@@ -65,7 +72,7 @@ STOP_GRACE_S = 15.0
 """How long a server `SwapDriver.stop_server` stopped may take to exit before it is ended at once."""
 PAUSE_LIMIT_S = 120.0
 """How long swaps that do not go through may keep vLLM paused before the server is stopped: long
-enough for the retries at 1, 2, 4 ... 60 s to reach the longest wait once."""
+enough for seven retries, at 1, 3, 7 ... 63 s, the last at the limit itself."""
 log = logging.getLogger("whetstone.vllm")
 
 
@@ -146,7 +153,7 @@ def served_model_name(options: argparse.Namespace) -> str:
     args = options.vllm_args
     for index, arg in enumerate(args):
         flag, given, value = arg.partition("=")
-        if _served_model_name_flag(flag):
+        if _vllm_flag(flag) == "--served-model-name":
             if given:
                 return value
             if index + 1 < len(args) and not args[index + 1].startswith("-"):
@@ -154,9 +161,21 @@ def served_model_name(options: argparse.Namespace) -> str:
     return options.model
 
 
-def _served_model_name_flag(arg: str) -> bool:
-    """Whether `arg` is vLLM's `--served-model-name`, which it also takes spelled with `_`."""
-    return arg.replace("_", "-") == "--served-model-name"
+def _vllm_flag(arg: str) -> str:
+    """The option `arg` (`--name` or `--name=value`) names, as vLLM reads it: vLLM also takes
+    its options spelled with `_`."""
+    return arg.partition("=")[0].replace("_", "-")
+
+
+LAUNCHER_FLAGS = {
+    "--host": "give it before -- (the launcher reaches vLLM there to swap its weights)",
+    "--port": "give it before -- (the launcher reaches vLLM there to swap its weights)",
+    "--model": "give it before --",
+    "--logprobs-mode": "the launcher sets processed_logprobs, the logprobs the trainer computes",
+}
+"""vLLM options the launcher sets itself, refused among vLLM's arguments after `--`: vLLM takes
+the last one given, and would listen where the swap thread never looks, or return logprobs the
+trainer does not compute, without a word."""
 
 
 def vllm_argv(options: argparse.Namespace) -> list[str]:
@@ -266,7 +285,7 @@ class SwapDriver:
                 # record left behind)
                 status = self.rpc("whetstone_status", timeout=STATUS_TIMEOUT_S)
                 self._record(status)
-                if (status.get("staged_version") is not None or self.paused) and time.monotonic() >= self._retry_at:
+                if (status.get("staged_version") is not None or self.paused) and time.monotonic() >= self._next_try():
                     self.swap()
             except Exception as err:  # a busy or restarting engine, an odd answer: try again at the next poll
                 # (any error: the thread ending would leave a paused vLLM paused past its limit)
@@ -331,6 +350,14 @@ class SwapDriver:
             log.error("serving weight version %s again (write retried in %.0f s)", version, self._retry_in)
             self._retry_later()
 
+    def _next_try(self) -> float:
+        """When the next swap may start: after the retry's wait, and no later than the pause
+        limit while vLLM is paused (a wait of up to `retry_max_s` would otherwise keep it paused
+        that much past the limit), where a swap that fails too stops the server."""
+        if not self.paused:
+            return self._retry_at
+        return min(self._retry_at, self._paused_at + self.pause_limit_s)
+
     def _record(self, status: dict) -> None:
         if self.gauges is not None:
             self.gauges.record(status)
@@ -365,13 +392,35 @@ def parse(argv: list[str]) -> argparse.Namespace:
     options = parser.parse_args(argv)
     if options.vllm_args[:1] == ["--"]:
         options.vllm_args = options.vllm_args[1:]
-    if options.sync is not None:
-        json.loads(options.sync)  # a malformed config fails here, not in the worker
-    if options.served_model_name and any(_served_model_name_flag(a.partition("=")[0]) for a in options.vllm_args):
+    flags = [_vllm_flag(arg) for arg in options.vllm_args]
+    for flag, why in LAUNCHER_FLAGS.items():
+        if flag in flags:
+            parser.error(f"{flag} among vLLM's arguments after --: {why}")
+    if options.served_model_name and "--served-model-name" in flags:
         parser.error("--served-model-name is given both before and after --: give it once")
-    if options.pause_limit <= 0:
+    # the configs fail here, with what is wrong, not in the worker or the announcer once vLLM has started
+    _check_config(parser, "--sync", options.sync, SyncConfig)
+    fleet = _check_config(parser, "--fleet", options.fleet, FleetConfig)
+    if fleet is not None and fleet.announce and options.sync is None:  # as `whetstone serve`
+        parser.error("--fleet needs --sync: a server announces itself where it follows the weights")
+    if not 0 < options.poll_interval < math.inf:
+        parser.error(f"--poll-interval must be positive seconds, got {options.poll_interval}")
+    if not options.pause_limit > 0:  # inf: vLLM stays paused for as long as swaps fail
         parser.error(f"--pause-limit must be positive seconds, got {options.pause_limit}")
+    if options.weight_version < 0:
+        parser.error(f"--weight-version must be 0 or more, got {options.weight_version}")
     return options
+
+
+def _check_config(parser: argparse.ArgumentParser, option: str, text: str | None, cls):
+    """`text` (the value of `option`, None when not given) as a `cls`, or the parser's error
+    naming what is wrong with it."""
+    if text is None:
+        return None
+    try:
+        return cls.model_validate_json(text)
+    except ValidationError as err:
+        parser.error(format_validation_error(err, f"{option}, a {cls.__name__} as JSON"))
 
 
 def announcer_of(options: argparse.Namespace):
@@ -379,15 +428,11 @@ def announcer_of(options: argparse.Namespace):
     before vLLM starts. The registry defaults to the weight store of `--sync`."""
     if options.fleet is None:
         return None
-    from whetstone.errors import ConfigError
-    from whetstone.fleet import FleetConfig
     from whetstone.fleet.registry import fleet_announcer
-    from whetstone.sync import SyncConfig
 
-    if options.sync is None:  # as `whetstone serve`: the registry is (beside) the store it follows
-        raise ConfigError("--fleet needs --sync: a server announces itself where it follows the weights")
-    sync = SyncConfig.model_validate_json(options.sync)
-    return fleet_announcer(FleetConfig.model_validate_json(options.fleet), options.host, options.port, sync)
+    fleet = FleetConfig.model_validate_json(options.fleet)
+    sync = None if options.sync is None else SyncConfig.model_validate_json(options.sync)  # `parse` checked both
+    return fleet_announcer(fleet, options.host, options.port, sync)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -402,7 +447,11 @@ def main(argv: list[str] | None = None) -> None:
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (whetstone_root, os.environ.get("PYTHONPATH")) if p)
     os.environ["VLLM_SERVER_DEV_MODE"] = "1"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
-    announcer = announcer_of(options)
+    try:
+        announcer = announcer_of(options)
+    except (WhetstoneError, AccessDeniedError) as err:  # its store missing, say: said as the whetstone CLI says it
+        print(f"error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
     local = {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(
         options.host, options.host
     )  # where the driver reaches it
