@@ -133,6 +133,15 @@ def test_server_ports_past_the_last_one_are_refused_by_base_port():
     assert load_config(PipelineConfig, None, ["servers.base_port=0", "servers.count=8"]).servers.count == 8
 
 
+def test_vllm_options_whetstone_sets_itself_are_refused_as_the_config_loads():
+    with pytest.raises(ConfigError, match=r"servers.vllm_args: --port: whetstone sets it for each vLLM server"):
+        load_config(PipelineConfig, None, ['servers.vllm_args=["--port", "9000"]'])
+    with pytest.raises(ConfigError, match=r"servers.vllm_args: --logprobs-mode: whetstone sets it"):
+        load_config(PipelineConfig, None, ['servers.vllm_args=["--logprobs_mode=raw_logprobs"]'])
+    args = ["--max-num-seqs", "4"]
+    assert load_config(PipelineConfig, None, [f"servers.vllm_args={args}".replace("'", '"')]).servers.vllm_args == args
+
+
 def test_an_evaluation_without_pass_at_1_is_refused_before_it_runs():
     with pytest.raises(ConfigError, match=r"eval.k = \[4\] must include 1: the run reports held-out pass@1"):
         load_config(PipelineConfig, None, ["eval.samples=4", "eval.k=[4]"])

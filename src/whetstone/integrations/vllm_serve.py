@@ -153,7 +153,7 @@ def served_model_name(options: argparse.Namespace) -> str:
     args = options.vllm_args
     for index, arg in enumerate(args):
         flag, given, value = arg.partition("=")
-        if _vllm_flag(flag) == "--served-model-name":
+        if vllm_flag(flag) == "--served-model-name":
             if given:
                 return value
             if index + 1 < len(args) and not args[index + 1].startswith("-"):
@@ -161,7 +161,7 @@ def served_model_name(options: argparse.Namespace) -> str:
     return options.model
 
 
-def _vllm_flag(arg: str) -> str:
+def vllm_flag(arg: str) -> str:
     """The option `arg` (`--name` or `--name=value`) names, as vLLM reads it: vLLM also takes
     its options spelled with `_`."""
     return arg.partition("=")[0].replace("_", "-")
@@ -392,7 +392,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     options = parser.parse_args(argv)
     if options.vllm_args[:1] == ["--"]:
         options.vllm_args = options.vllm_args[1:]
-    flags = [_vllm_flag(arg) for arg in options.vllm_args]
+    flags = [vllm_flag(arg) for arg in options.vllm_args]
     for flag, why in LAUNCHER_FLAGS.items():
         if flag in flags:
             parser.error(f"{flag} among vLLM's arguments after --: {why}")

@@ -24,7 +24,7 @@ from whetstone.envs.tasks import TasksConfig
 from whetstone.envs.tasks.synth import SynthConfig
 from whetstone.errors import ConfigError
 from whetstone.inference.config import EngineConfig, ServeConfig
-from whetstone.integrations.vllm_serve import PAUSE_LIMIT_S
+from whetstone.integrations.vllm_serve import LAUNCHER_FLAGS, PAUSE_LIMIT_S, vllm_flag
 from whetstone.midtrain.config import MidtrainConfig, RunConfig
 from whetstone.orchestrator.config import OrchestratorConfig
 from whetstone.rl.advantages import AdvantageConfig
@@ -81,6 +81,18 @@ class ServersConfig(Config):
                 "(their VLLM_SERVER_DEV_MODE routes are open too, docs/vllm.md), or use engine = 'whetstone'"
             )
         return self
+
+    @field_validator("vllm_args")
+    @classmethod
+    def _no_launcher_option(cls, args: list[str]) -> list[str]:
+        """Options the launcher sets itself, refused here rather than by each server as it starts."""
+        for flag in (vllm_flag(arg) for arg in args):
+            if flag in LAUNCHER_FLAGS:
+                raise ValueError(
+                    f"{flag}: whetstone sets it for each vLLM server itself (host and port from base_port, the "
+                    "model from the run, the logprobs the trainer computes); leave it out"
+                )
+        return args
 
     @model_validator(mode="after")
     def _ports_exist(self) -> "ServersConfig":
