@@ -98,7 +98,7 @@ def package_version() -> str:
 def _print_error(message: str) -> None:
     """`error: message` on stderr, its lines as they are: not wrapped at the console's width
     (80 columns in a file: a role's log would break a path in two)."""
-    Console(stderr=True, soft_wrap=True).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
+    Console(stderr=True, soft_wrap=True, emoji=False).print(f"[bold red]error:[/] {escape(message)}", highlight=False)
 
 
 def main(args: list[str] | None = None) -> None:

@@ -70,27 +70,44 @@ def _merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
 def parse_override(text: str, cls: type[Config] | None = None) -> tuple[list[str], Any]:
     """Split `a.b.c=value` into its key path and a value parsed as a TOML literal.
 
-    A value that is not valid TOML (`name=my-run`) is taken as a plain string, and so is the
-    text of one that is not a string where the field of `cls` (when given) is one: `name=123`
-    is the name "123", not a number refused as one. A boolean for a number field is refused:
-    validation would take `true` as 1. A malformed override's error shows a real key of `cls`.
+    The key is a TOML dotted key: a quoted part is one key, dots and all (a mapping's key:
+    `lr_multipliers."norm.weight"=30`). A value that is not valid TOML (`name=my-run`) is taken
+    as a plain string, without the spaces around it (`output_dir = /data/runs`, as a TOML file
+    writes it, is the path "/data/runs"), and so is the text of one that is not a string where
+    the field of `cls` (when given) is one: `name=123` is the name "123", not a number refused
+    as one. A boolean for a number field is refused: validation would take `true` as 1. A
+    malformed override's error shows a real key of `cls`.
     """
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         example = example_override(cls) if cls is not None else None
         raise ConfigError(f"override {text!r}: expected KEY=VALUE" + (f", e.g. {example}" if example else ""))
-    path = [part.strip() for part in key.split(".")]
+    path = _key_path(key)
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
-        value = raw
+        value = raw.strip()
     kind = _field_type(cls, path) if cls is not None else None
     if kind is str and not isinstance(value, str):
-        value = raw
+        value = raw.strip()
     elif kind in (int, float) and isinstance(value, bool):
         number = "an integer" if kind is int else "a number"
         raise ConfigError(f"override {text!r}: {'.'.join(path)} takes {number}, not a boolean")
     return path, value
+
+
+def _key_path(key: str) -> list[str]:
+    """The parts of an override's dotted key as TOML reads one (`a."b.c"` is `a` and `b.c`); a
+    key TOML does not take (`env.é`: its bare keys are ASCII) is split at every dot."""
+    try:
+        node: Any = tomllib.loads(f"{key} = 0")
+    except tomllib.TOMLDecodeError:
+        return [part.strip() for part in key.split(".")]
+    path = []
+    while isinstance(node, dict) and len(node) == 1:
+        ((part, node),) = node.items()
+        path.append(part)
+    return path
 
 
 def _field_type(cls: type[Config], path: list[str]) -> Any:
@@ -148,9 +165,11 @@ def _set_nested(data: dict[str, Any], path: list[str], value: Any, source: str) 
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:
+    """The TOML file at `path`; a UTF-8 byte order mark before it (some Windows editors write
+    one) is skipped. A file that cannot be read or parsed is a ConfigError naming it."""
     path = Path(path)
     try:
-        return tomllib.loads(path.read_text(encoding="utf-8"))
+        return tomllib.loads(path.read_text(encoding="utf-8-sig"))
     except FileNotFoundError:
         raise ConfigError(f"config file {path} does not exist") from None
     except IsADirectoryError:

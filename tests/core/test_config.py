@@ -256,3 +256,32 @@ def test_what_leaves_the_machine_shows_no_secret(tmp_path, monkeypatch):
 
     metrics.MetricsWriter(tmp_path / "m.jsonl", TrackingConfig(), run_config=Secret())
     assert seen == [{"auth_token": "***"}]
+
+
+def test_an_override_with_spaces_around_its_equals_sign_has_its_value_without_them():
+    """`--set "output_dir = /data/runs"` is the path /data/runs, not " /data/runs", a folder
+    named " " in the working directory."""
+    from whetstone.run.config import PipelineConfig
+
+    cfg = load_config(Outer, None, ["inner.name = big-run", "steps = 7"])
+    assert (cfg.inner.name, cfg.steps) == ("big-run", 7)
+    assert load_config(Labels, None, ["tag = 123 "]).tag == "123"
+    assert load_config(Labels, None, ['tag = " padded "']).tag == " padded "  # a TOML string is its value
+    run = load_config(PipelineConfig, None, ["output_dir = /data/runs", "name=r"])
+    assert run.run_dir == Path("/data/runs/r")
+
+
+def test_a_quoted_part_of_an_override_key_is_one_key_dots_and_all():
+    from whetstone.training.config import OptimizerConfig
+
+    labels = load_config(Labels, None, ['env."A.B"=x', "env . C = y", "env.é=z"])  # é: no bare TOML key
+    assert labels.env == {"A.B": "x", "C": "y", "é": "z"}
+    optimizer = load_config(OptimizerConfig, None, ['lr_multipliers."norm.weight"=30'])
+    assert optimizer.lr_multipliers == {"norm.weight": 30.0}
+
+
+def test_a_toml_file_with_a_byte_order_mark_is_read(tmp_path):
+    """Some Windows editors begin a UTF-8 file with one; tomllib alone calls it invalid TOML."""
+    path = tmp_path / "c.toml"
+    path.write_bytes('\ufeffsteps = 5\n[inner]\nname = "é"\n'.encode())
+    assert load_config(Outer, path) == Outer(steps=5, inner=Inner(name="é"))

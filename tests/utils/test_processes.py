@@ -26,7 +26,7 @@ def test_a_role_runs_the_whetstone_command_and_logs_to_a_file(tmp_path):
 
 def test_a_failing_role_raises_with_its_log(tmp_path):
     # a path longer than a console's 80 columns: the error is written to the log unwrapped
-    missing = tmp_path / f"{'long' * 20}" / "[missing].toml"
+    missing = tmp_path / f"{'long' * 20}" / ":warning:" / "[missing].toml"  # no markup, no emoji code
     role = RoleProcess("bad", ["trainer", str(missing)], tmp_path / "bad.log").start()
     assert role.wait(60) == 2
     with pytest.raises(WhetstoneError, match="bad exited with code 2") as raised:

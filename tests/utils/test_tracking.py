@@ -3,6 +3,7 @@ offline W&B run, at the step and wall time of metrics.jsonl; the JSONL stays the
 
 from __future__ import annotations
 
+import re
 import sys
 
 import pytest
@@ -135,3 +136,27 @@ def test_without_tensorboard_installed_the_jsonl_is_written_and_a_warning_says_w
     assert len(written) == len(RECORDS)
     assert not (tmp_path / "trainer" / "tensorboard").exists()
     assert "tensorboard is not installed" in caplog.text
+
+
+def test_a_wandb_run_that_cannot_start_is_an_error_that_says_what_to_do(tmp_path, monkeypatch):
+    """Online without an API key (no `wandb login`), W&B refuses at once: the role stops before
+    any work with what to do, not with W&B's traceback."""
+    use_offline_wandb(monkeypatch, tmp_path)
+    monkeypatch.delenv("WANDB_MODE")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc holding a key
+    monkeypatch.setenv("NETRC", str(tmp_path / "no-netrc"))
+    tracking = TrackingConfig(wandb=True, wandb_mode="online")
+    with pytest.raises(WhetstoneError) as failed:
+        MetricsWriter(tmp_path / "trainer" / "metrics.jsonl", tracking, role="trainer")
+    message = str(failed.value)
+    assert message.startswith("tracking.wandb: W&B could not start trainer's run (UsageError: No API key"), message
+    assert "wandb login" in message and 'tracking.wandb_mode = "offline"' in message
+
+
+def test_a_tracking_folder_that_cannot_be_made_is_named(tmp_path):
+    taken = tmp_path / "taken"
+    taken.write_text("a file where the folder would go\n")
+    for tracking in (TrackingConfig(dir=str(taken)), TrackingConfig(dir=str(taken), tensorboard=False, wandb=True)):
+        with pytest.raises(WhetstoneError, match=f"^cannot write {re.escape(str(taken))}"):
+            MetricsWriter(tmp_path / "trainer" / "metrics.jsonl", tracking, role="trainer")

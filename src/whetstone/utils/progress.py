@@ -113,6 +113,17 @@ def _clock(seconds: float) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}:{secs:02d}" if minutes >= 60 else f"{minutes}:{secs:02d}"
 
 
+def _on_terminal(console: Console) -> bool:
+    """Whether `console` (on stderr) writes to a terminal, where a bar may redraw its line. Rich
+    also says so of a file or a pipe under FORCE_COLOR or TTY_COMPATIBLE=1, which ask for
+    colours, and a bar there rewrites its line ten times a second into a role's log file (some
+    2 KB a second, a single line): so the stream itself must be a terminal too."""
+    try:
+        return console.is_terminal and sys.stderr.isatty()
+    except (AttributeError, ValueError):  # no stderr, or a closed one
+        return False
+
+
 @contextmanager
 def progress_bar(total: float | None, description: str, unit: str = "it") -> Iterator[ProgressBar | PlainProgress]:
     """A progress display: `with progress_bar(steps, "midtrain", "step") as bar: bar.update()`.
@@ -120,7 +131,7 @@ def progress_bar(total: float | None, description: str, unit: str = "it") -> Ite
     On stderr, so stdout stays clean for results (`--json`): a rich bar on a terminal, plain
     lines at a steady pace elsewhere (`PlainProgress`)."""
     console = Console(stderr=True)
-    if not console.is_terminal:
+    if not _on_terminal(console):
         with PlainProgress(total, description, unit, PLAIN_INTERVAL_S) as plain:
             yield plain
         return

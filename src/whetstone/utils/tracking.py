@@ -22,6 +22,7 @@ from pydantic import field_validator
 
 from whetstone.config import Config, expand_path
 from whetstone.errors import WhetstoneError
+from whetstone.utils.atomic import write_errors
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +108,28 @@ class WandbSink:
     def __init__(self, tracking: TrackingConfig, role: str, folder: Path, config: dict[str, Any] | None):
         import wandb
 
-        folder.mkdir(parents=True, exist_ok=True)
+        with write_errors(folder):
+            folder.mkdir(parents=True, exist_ok=True)
         group = tracking.wandb_group or None
-        self._run = wandb.init(
-            project=tracking.wandb_project,
-            entity=tracking.wandb_entity or None,
-            group=group,
-            job_type=role,
-            name=f"{group}/{role}" if group else role,
-            dir=str(folder),
-            mode=tracking.wandb_mode,
-            config=config,
-            reinit="create_new",
-            settings=wandb.Settings(console="off"),  # the roles' output has its own logs
-        )
+        try:
+            self._run = wandb.init(
+                project=tracking.wandb_project,
+                entity=tracking.wandb_entity or None,
+                group=group,
+                job_type=role,
+                name=f"{group}/{role}" if group else role,
+                dir=str(folder),
+                mode=tracking.wandb_mode,
+                config=config,
+                reinit="create_new",
+                settings=wandb.Settings(console="off"),  # the roles' output has its own logs
+            )
+        except Exception as err:  # not logged in, no network, a project it may not write to
+            raise WhetstoneError(
+                f"tracking.wandb: W&B could not start {role}'s run ({type(err).__name__}: {err}): log in "
+                f'(`wandb login`, or set WANDB_API_KEY), or set tracking.wandb_mode = "offline" to keep '
+                f"the runs on disk, or tracking.wandb = false"
+            ) from err
         self.role = role
         self.failure: Exception | None = None
         """What `wandb`'s `log` raised in the sink's thread, which then ended."""
@@ -154,12 +163,19 @@ def open_sinks(tracking: TrackingConfig, role: str, folder: Path, config: dict[s
     root = expand_path(tracking.dir) if tracking.dir else folder
     sinks: list[Sink] = []
     if tracking.tensorboard:
+        events = root / "tensorboard" / role
         try:
-            sinks.append(TensorBoardSink(root / "tensorboard" / role))
+            with write_errors(events):  # a folder it cannot make (tracking.dir on a file, read-only)
+                sinks.append(TensorBoardSink(events))
         except ImportError:
             # A dependency of whetstone, so missing only where it runs from source without its
             # dependencies installed (a GPU machine's image): the metrics still go to metrics.jsonl.
             log.warning("tracking.tensorboard is on, but tensorboard is not installed: no event files for %s", role)
     if tracking.wandb:
-        sinks.append(WandbSink(tracking, role, root, config))
+        try:
+            sinks.append(WandbSink(tracking, role, root, config))
+        except BaseException:
+            for sink in sinks:
+                sink.close(failed=True)
+            raise
     return sinks
