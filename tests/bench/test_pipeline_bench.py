@@ -15,6 +15,7 @@ from whetstone.bench.pipeline import (
     GradingReward,
     coin_tasks,
     cpu_by_side,
+    fresh_output_dir,
     machine_busy_cpu_s,
     measure,
     overlap_bound,
@@ -141,6 +142,36 @@ def test_bad_settings_are_named_before_anything_starts(tmp_path):
         run(model_size="huge", output_dir=str(tmp_path / "out2"))
     with pytest.raises(WhetstoneError, match="servers must be >= 1"):
         run(servers=0)
+
+
+def test_a_previous_runs_output_dir_is_refused_before_anything_starts(tmp_path):
+    """The benchmarks read back what their roles write in `output_dir`: a previous run's trainer
+    checkpoint, metrics, loop state or weight store there would be measured as this run's."""
+    from whetstone.bench import fleet, online
+
+    used = tmp_path / "used"
+    (used / "async" / "trainer").mkdir(parents=True)
+    (used / "async" / "trainer" / "metrics.jsonl").write_text('{"step": 0}\n')
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    for bench in (
+        lambda: run(output_dir=str(used), trl=False, placement="shared"),
+        lambda: online.run(model=str(model), output_dir=str(used)),
+        lambda: fleet.run(output_dir=str(used)),
+    ):
+        with pytest.raises(WhetstoneError, match=f"output_dir {used} is not empty"):
+            bench()
+    assert sorted(p.relative_to(used).as_posix() for p in used.rglob("*")) == [
+        "async",
+        "async/trainer",
+        "async/trainer/metrics.jsonl",
+    ]  # nothing was written there
+    (tmp_path / "file").write_text("")
+    with pytest.raises(WhetstoneError, match="is a file, not a folder"):
+        fresh_output_dir(tmp_path / "file")
+    assert fresh_output_dir(tmp_path / "new" / "out").is_dir()  # made, with its parents
+    assert fresh_output_dir(tmp_path / "new" / "out") == tmp_path / "new" / "out"  # empty: taken
 
 
 def test_every_whetstone_side_runs_the_asked_number_of_servers(tmp_path):

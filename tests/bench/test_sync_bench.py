@@ -5,12 +5,15 @@ skipped case, not an error."""
 
 import statistics
 
+import numpy as np
 import pytest
 import torch
+import zstandard
 from safetensors.torch import load_file
 
 from tests.trainer.trainer_fixtures import make_batches, put_batches, save_tiny_moe, trainer_config
-from whetstone.bench.sync import consecutive_pairs, read_versions, rl_store_case
+from whetstone.bench.sync import consecutive_pairs, delta_case, read_versions, rl_store_case, run, xor_zstd
+from whetstone.errors import WhetstoneError
 from whetstone.model.hf import load_hf
 from whetstone.store import LocalStore
 from whetstone.sync import Publisher, SyncConfig, WeightStore, apply_update
@@ -134,6 +137,36 @@ def test_a_store_without_two_consecutive_versions_is_skipped(tmp_path):
     Publisher(store).publish({"w": torch.randn(8)})
     case = rl_store_case(str(tmp_path / "weights"), SyncConfig(), repeats=1)
     assert case["skipped"] == f"{tmp_path / 'weights'} holds versions [0]: no two consecutive ones to compare"
+
+
+def test_the_xor_zstd_baseline_is_timed_over_its_whole_encoding(rl_run):
+    """The baseline's timed work is `xor_zstd`: the XOR of the old and new bits and their
+    compression, as whetstone's encode computes its delta too; its frame holds the whole delta."""
+    (_, old), (_, new) = read_versions(WeightStore(LocalStore(rl_run / "weights")), [2, 3])
+    config = SyncConfig()
+    frame = xor_zstd(new, old, zstandard.ZstdCompressor(level=config.zstd_level))
+    xor = zstandard.ZstdDecompressor().decompress(frame)
+    offset = 0
+    for key, tensor in new.items():
+        size = tensor.numel() * tensor.element_size()
+        bits = int_view(old[key]) ^ np.frombuffer(xor[offset : offset + size], dtype=int_view(old[key]).dtype)
+        assert (bits == int_view(tensor)).all()
+        offset += size
+    assert offset == len(xor)
+    case = delta_case("pair", old, new, config.model_copy(update={"publish_dtype": "keep"}), repeats=1)
+    raw = sum(t.numel() * t.element_size() for t in new.values())
+    assert case["xor_zstd_ratio"] == raw / len(frame) and case["xor_zstd_encode_gb_s_per_core"] > 0
+
+
+def test_bad_settings_are_named_before_anything_is_measured():
+    from typer.testing import CliRunner
+
+    from whetstone.bench.cli import app
+
+    result = CliRunner().invoke(app, ["sync", "--json", "--repeats", "0"])
+    assert isinstance(result.exception, WhetstoneError) and "repeats must be >= 1" in str(result.exception)
+    with pytest.raises(WhetstoneError, match="rl_pairs must be >= 1, got 0"):
+        run(rl_pairs=0)
 
 
 @pytest.mark.slow  # the whole benchmark: MiniLM, the tiny model, fan-out over a local dir and moto S3

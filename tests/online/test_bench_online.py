@@ -98,5 +98,6 @@ def test_the_benchmark_reports_its_figures(two_style_dir, tmp_path):
     assert 0 <= result["preference_rate_before"] <= 1 and 0 <= result["preference_rate_after"] <= 1
     change = result["preference_change"]
     assert change["pairs"] == 8  # every held-out request was asked before and after with one seed
+    assert result["samples_per_prompt"] == 1 and result["heldout_prompts"] == 8 and result["users"] == 2
     assert change["both"] + change["gained"] == round(result["preference_rate_after"] * 8)
     assert result["interactive_p99_ms"] > 0 and result["interactive_p99_idle_ms"] > 0

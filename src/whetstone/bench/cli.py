@@ -118,7 +118,9 @@ def pipeline(
         "(both: roles on separate hardware); shared: every role on every core.",
     ),
     servers: int = typer.Option(1, help="`whetstone serve` processes of every whetstone side."),
-    output_dir: str = typer.Option("", help="Keep the roles' configs, logs and metrics here (default: a temp folder)."),
+    output_dir: str = typer.Option(
+        "", help="Keep the roles' configs, logs and metrics here, a new or empty folder (default: a temp folder)."
+    ),
 ) -> None:
     """Samples/s of asynchronous RL vs the synchronous baseline and TRL's GRPOTrainer; busy fractions."""
     result = _bench("pipeline").run(
@@ -154,7 +156,9 @@ def online(
     ),
     preference: str = typer.Option("passes_tests", help="Users' hidden taste: passes_tests, or a regex replies match."),
     max_tokens: int = typer.Option(160, help="Completion budget of every reply (users' and the gate's)."),
-    output_dir: str = typer.Option("", help="Keep configs, logs and metrics here (default: a temp folder)."),
+    output_dir: str = typer.Option(
+        "", help="Keep configs, logs and metrics here, a new or empty folder (default: a temp folder)."
+    ),
 ) -> None:
     """Feedback -> deployed seconds, held-out preference before/after, interactive p99 during the loop."""
     result = _bench("online").run(
@@ -182,7 +186,9 @@ def fleet(
     rollouts_per_server: int = typer.Option(8, help="Timed rollouts per server in the scaling case."),
     behind: int = typer.Option(10, help="Versions the store is ahead of a joining server's weights."),
     loss_rollouts: int = typer.Option(16, help="Rollouts of the cluster-loss case."),
-    output_dir: str = typer.Option("", help="Keep the servers' configs and logs here (default: a temp folder)."),
+    output_dir: str = typer.Option(
+        "", help="Keep the servers' configs and logs here, a new or empty folder (default: a temp folder)."
+    ),
 ) -> None:
     """The elastic inference fleet: rollouts/s with 1, 2, 4 servers, a late server's time to its
     first rollout on the current weights, and rollouts lost when a cluster dies."""

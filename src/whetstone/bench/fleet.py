@@ -209,9 +209,12 @@ async def cluster_loss(fleet: Fleet, rollouts: int) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def _work_dir(output_dir: str | None) -> Iterator[Path]:
+    """`output_dir`, new or empty (`fresh_output_dir`: a previous run's weight store would put the
+    servers more versions behind than `behind` says), or a temporary folder, removed after."""
     if output_dir:
-        Path(output_dir).mkdir(parents=True, exist_ok=True)
-        yield Path(output_dir)
+        from whetstone.bench.pipeline import fresh_output_dir
+
+        yield fresh_output_dir(output_dir)
     else:
         with tempfile.TemporaryDirectory(prefix="whetstone-fleet-") as tmp:
             yield Path(tmp)

@@ -424,14 +424,13 @@ def rl(
     module docstring); asynchronous, or on-policy in every step when `synchronous`."""
     import contextlib
 
-    from whetstone.bench.pipeline import coin_tasks, pipeline_config, random_model, whetstone_side
+    from whetstone.bench.pipeline import coin_tasks, fresh_output_dir, pipeline_config, random_model, whetstone_side
     from whetstone.envs.tasks import write_tasks
     from whetstone.model.hf import read_hf_config
     from whetstone.utils.metrics import read_metrics
 
     with contextlib.ExitStack() as stack:
-        work = Path(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        work.mkdir(parents=True, exist_ok=True)
+        work = fresh_output_dir(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         tasks = coin_tasks(task_count, seed)
         tasks_file = work / "coin-tasks.jsonl"
         write_tasks(tasks, tasks_file)

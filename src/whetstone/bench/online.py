@@ -93,6 +93,7 @@ def run(
     """`preference`: `passes_tests`, or a regular expression the users like replies to match.
     `lr`, `logit_scale_lr`: the loop's learning rate and learned global sharpness (None: the
     `OnlineConfig` defaults, what `whetstone online` runs with)."""
+    from whetstone.bench.pipeline import fresh_output_dir
     from whetstone.online.config import OnlineConfig
 
     defaults = OnlineConfig()
@@ -103,8 +104,8 @@ def run(
             f"{model} is not a Hugging Face model folder: run `whetstone run` first (it writes "
             "runs/default/midtrain/model) or pass --model"
         )
-    work = Path(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="whetstone-bench-online-"))
-    work.mkdir(parents=True, exist_ok=True)
+    # new or empty: the loop would resume from a previous run's state there, and its metrics be read as this run's
+    work = fresh_output_dir(output_dir) if output_dir else Path(tempfile.mkdtemp(prefix="whetstone-bench-online-"))
     return _Bench(Path(model), work, servers, preference, max_tokens).run(
         updates=updates,
         every_events=every_events,
@@ -268,8 +269,8 @@ class _Bench:
         finally:
             for role in reversed(self.roles):
                 role.stop()
-        samples = read_metrics(self.work / "servers.jsonl")
-        return summarize(records, samples, self.servers, idle, during, before, after, clock_offset_s) | {
+        server_samples = read_metrics(self.work / "servers.jsonl")
+        return summarize(records, server_samples, self.servers, idle, during, before, after, clock_offset_s) | {
             "model": str(self.model),
             "servers": self.servers,
             "users": users,

@@ -52,6 +52,25 @@ POLL_S = 0.02  # every role's store polling: the same short latency for both whe
 TOKENIZER_SOURCES = ("argparse", "textwrap", "json.decoder", "pathlib", "inspect", "dataclasses", "random")
 
 
+def fresh_output_dir(output_dir: str | Path) -> Path:
+    """`output_dir` (made where missing) for a benchmark's roles to keep their configs, logs and
+    metrics in. It must hold nothing yet: the benchmark reads back what its roles write there, and
+    a previous run's files (checkpoints a role resumes from, metrics files it appends to, a weight
+    store past version 0) would be taken for this run's."""
+    from whetstone.utils.atomic import writable_folder_problem
+
+    folder = Path(output_dir)
+    if (problem := writable_folder_problem(folder)) is not None:
+        raise WhetstoneError(f"output_dir: {problem}")
+    if folder.is_dir() and any(folder.iterdir()):
+        raise WhetstoneError(
+            f"output_dir {folder} is not empty (a previous run's files?): the benchmark would measure "
+            "what they hold as this run's. Pass a new or empty folder, or remove the files in it"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def coin_tasks(count: int, seed: int = 0) -> list[Task]:
     """Synth train tasks that give any model reward variance (see the module docstring)."""
     from whetstone.envs.tasks.synth import SynthConfig, generate
@@ -523,7 +542,8 @@ def run(
     that share the cores: one server decodes the whole batch in each step, two decode half each at
     nearly the same cost per step, as a tiny model's decode step is bound by per-op cost, not by
     rows). `output_dir` keeps
-    every role's config, logs and metrics (default: a temporary folder, removed after).
+    every role's config, logs and metrics (default: a temporary folder, removed after); it must be
+    new or empty (`fresh_output_dir`).
     """
     for name, value, least in (
         ("steps", steps, 2),
@@ -545,8 +565,7 @@ def run(
             )
     random_model_config(model_size)
     with contextlib.ExitStack() as stack:
-        work = Path(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
-        work.mkdir(parents=True, exist_ok=True)
+        work = fresh_output_dir(output_dir) if output_dir else Path(stack.enter_context(tempfile.TemporaryDirectory()))
         return _run(
             work,
             steps,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from whetstone.envs.sandbox import SandboxConfig, open_sandbox
 from whetstone.envs.sandbox.sandbox import _runtime
+from whetstone.errors import WhetstoneError
 from whetstone.utils.cgroups import own_cgroup_path
 
 TASK_FILES = {
@@ -82,6 +83,9 @@ def _latencies(calls: list[Callable[[], None]], samples: int, cpu: Callable[[], 
 
 
 def _throughput(once: Callable[[], None], workers: int, duration_s: float) -> float:
+    """Calls of `once` per second, `workers` threads calling it back to back for `duration_s`.
+    However the wait ends (a Ctrl-C), the threads are told to stop, so that the pool's exit,
+    which waits for them, returns once their calls in flight do."""
     done, stop = [0] * workers, threading.Event()
 
     def loop(slot: int) -> None:
@@ -92,8 +96,10 @@ def _throughput(once: Callable[[], None], workers: int, duration_s: float) -> fl
     with ThreadPoolExecutor(workers) as pool:
         start = time.perf_counter()
         futures = [pool.submit(loop, slot) for slot in range(workers)]
-        time.sleep(duration_s)
-        stop.set()
+        try:
+            time.sleep(duration_s)
+        finally:
+            stop.set()
         for future in futures:
             future.result()
         elapsed = time.perf_counter() - start
@@ -105,6 +111,10 @@ def run(samples: int = 200, duration_s: float = 10.0, workers: int | None = None
 
     `samples` latencies of each kind; `duration_s` seconds of throughput measurement of each kind.
     """
+    if samples < 1:
+        raise WhetstoneError(f"samples must be >= 1, got {samples}")
+    if not duration_s > 0:
+        raise WhetstoneError(f"duration_s must be > 0 seconds, got {duration_s}")
     config = SandboxConfig()
     cores = os.cpu_count() or 1
     workers = workers or 2 * cores  # some of each sandbox's life is waiting on the kernel

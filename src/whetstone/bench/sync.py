@@ -15,7 +15,7 @@ whole new snapshot, and the empirical entropy bound of the change (per tensor: t
 unchanged mask as i.i.d. bits, plus the steps' zeroth-order entropy). Speeds are model bytes per
 CPU-second of one thread (best of `repeats`), so other load on the machine disturbs them less;
 encode includes the chunks' CRC-32 (the publisher's work), decode its verification (the
-subscriber's).
+subscriber's), and XOR + zstd's encode its XOR as well as its compression.
 `fanout` times publish -> 4 subscriber processes holding the version, on a local directory and
 on S3 (a moto server on 127.0.0.1).
 
@@ -155,8 +155,7 @@ def delta_case(
         raise AssertionError(f"{name}: decoded weights differ from the published ones")
 
     zstd = zstandard.ZstdCompressor(level=config.zstd_level)
-    xor = b"".join((int_view(new[k]) ^ int_view(old[k])).tobytes() for k in new)
-    xor_s, xor_frame = _cpu_seconds(lambda: zstd.compress(xor), repeats)
+    xor_s, xor_frame = _cpu_seconds(lambda: xor_zstd(new, old, zstd), repeats)
     whole = zstd.compress(b"".join(int_view(t).tobytes() for t in new.values()))
     bound_bits = sum(_entropy_bits(int_view(old[k]), int_view(new[k]), new[k].is_floating_point()) for k in new)
     return {
@@ -173,6 +172,13 @@ def delta_case(
         "raw_mb": raw / 1e6,
         "encoded_mb": manifest.encoded_bytes / 1e6,
     }
+
+
+def xor_zstd(new: dict[str, torch.Tensor], old: dict[str, torch.Tensor], zstd: zstandard.ZstdCompressor) -> bytes:
+    """The XOR + zstd baseline's encoding of `new` against `old`: every tensor's bits XORed with
+    the old ones, then compressed as one frame. Its timing covers both, as the encode it is
+    compared with covers computing the delta as well as coding it."""
+    return zstd.compress(b"".join(np.bitwise_xor(int_view(new[k]), int_view(old[k])) for k in new))
 
 
 def int_view_t(tensor: torch.Tensor) -> torch.Tensor:
@@ -311,6 +317,10 @@ def run(
     repeats: int = 5, with_fanout: bool = True, seed: int = 0, rl_stores: list[str] | None = None, rl_pairs: int = 5
 ) -> dict:
     """`rl_stores`: RL weight-store directories, one case each (default: runs/default/weights)."""
+    if repeats < 1:
+        raise WhetstoneError(f"repeats must be >= 1 (each speed is the best of that many timings), got {repeats}")
+    if rl_pairs < 1:
+        raise WhetstoneError(f"rl_pairs must be >= 1, got {rl_pairs}")
     torch.set_num_threads(1)
     config = SyncConfig()
     masters = minilm_masters()
