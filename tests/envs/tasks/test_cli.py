@@ -1,7 +1,9 @@
 """`whetstone tasks validate|list|show|export`, driven like a user would."""
 
+import importlib.util
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from whetstone.envs.cli import app
@@ -152,3 +154,23 @@ def test_a_source_holding_no_tasks_fails_validation(tmp_path):
     assert "0 of 0" not in result.stdout
     as_json = runner.invoke(app, ["validate", str(path), "--json"])
     assert as_json.exit_code == 1 and json.loads(as_json.stdout)["total"] == 0
+
+
+def test_generator_configs_that_name_nothing_are_clear_errors():
+    """Refused before any sandbox runs, naming the field and the choices, not a raw traceback."""
+    empty = runner.invoke(app, ["list", "repofix", "-s", "templates=[]"])
+    assert isinstance(empty.exception, WhetstoneError), empty.exception
+    assert "templates: no templates given; choose from ['life', 'shop', 'textkit']" in str(empty.exception)
+    unknown = runner.invoke(app, ["list", "repofix", "-s", 'templates=["shop", "nope"]', "-s", "count=0"])
+    assert "templates: unknown templates ['nope']" in str(unknown.exception)
+    dotted = runner.invoke(app, ["list", "mutate", "-s", 'stdlib=["nosuch.mod"]'])
+    assert isinstance(dotted.exception, WhetstoneError), dotted.exception
+    assert "'nosuch.mod' is not a single-file pure-Python standard-library module" in str(dotted.exception)
+
+
+def test_a_module_without_a_cpython_test_file_is_told_apart_from_a_missing_test_package():
+    if importlib.util.find_spec("test") is None:
+        pytest.skip("this interpreter ships without CPython's test package")
+    result = runner.invoke(app, ["list", "mutate", "-s", 'stdlib=["_pydecimal"]'])
+    assert isinstance(result.exception, WhetstoneError), result.exception
+    assert "CPython has no test file test/test__pydecimal.py for '_pydecimal'" in str(result.exception)

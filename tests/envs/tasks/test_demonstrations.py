@@ -83,6 +83,25 @@ def test_ambiguous_line_gets_context_until_unique():
     assert original.count(edit_args["old"]) == 1 and original.replace(edit_args["old"], edit_args["new"]) == fixed
 
 
+def test_an_edit_among_repeated_lines_changes_the_right_one():
+    """`0,0,0` occurs once counted without overlap, yet starts at two lines: the edit tool would
+    change the first, not the line the fix changes."""
+    original = "TABLE = [\n    0,\n    0,\n    0,\n    0,\n]\n"
+    fixed = "TABLE = [\n    0,\n    0,\n    1,\n    0,\n]\n"
+    task = Task(
+        id="t",
+        kind="bugfix",
+        instruction="x",
+        repo_files={"m.py": original},
+        hidden_tests={"test_m.py": ""},
+        solution_files={"m.py": fixed},
+        fail_to_pass=["test_m.py::t"],
+    )
+    edit_args = _calls(demonstration(task))[1][1]
+    assert original.count(edit_args["old"]) == 1  # what the edit tool checks
+    assert original.replace(edit_args["old"], edit_args["new"], 1) == fixed  # what it then writes
+
+
 def test_heldout_tasks_are_refused():
     task = generate(SynthConfig(count=1, split="heldout"))[0]
     with pytest.raises(WhetstoneError, match="train split only"):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from whetstone.envs.tasks.mutate import MutateConfig, mutate_project, stdlib_project
+from whetstone.envs.tasks.mutate import MutateConfig, mutate_project, read_project, stdlib_project
 from whetstone.envs.tasks.repofix import RepofixConfig
 from whetstone.envs.tasks.repofix import generate as repofix_tasks
 from whetstone.envs.tasks.validate import check_task, validate_tasks
@@ -29,9 +29,37 @@ def test_mutate_keeps_a_mutant_that_breaks_a_passing_test_and_it_validates():
     assert check_task(task) is None
 
 
+def test_a_source_file_that_does_not_parse_is_left_out_and_named(capsys):
+    """A Python 2 script or a fixture meant not to parse holds no mutation sites; the rest still does."""
+    project = {**PROJECT, "examples/py2.py": "print 'hello'\n"}
+    [task] = mutate_project(project, "calc", MutateConfig(sources=["calc.py", "examples/*"], count=1, max_tries=2))
+    assert task.fail_to_pass == ["tests/test_calc.py::test_double"]
+    assert (
+        "left out 1 files that do not parse as Python: examples/py2.py (Missing parentheses" in capsys.readouterr().err
+    )
+
+
 def test_mutate_needs_source_and_tests():
     with pytest.raises(WhetstoneError, match="found 1 source and 0 test files"):
         mutate_project({"calc.py": PROJECT["calc.py"]}, "calc", MutateConfig())
+
+
+def test_a_project_is_read_as_written_and_links_out_of_it_are_refused(tmp_path):
+    """CRLF endings stay (a test may compare a data file's bytes); a link out would carry a host file."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "calc.py").write_bytes(b"def double(x):\r\n    return x * 2\r\n")
+    (project / "data.csv").write_bytes(b"a,b\r\n1,2\r")
+    (project / "alias.py").symlink_to("calc.py")
+    assert read_project(project) == {
+        "alias.py": "def double(x):\r\n    return x * 2\r\n",
+        "calc.py": "def double(x):\r\n    return x * 2\r\n",
+        "data.csv": "a,b\r\n1,2\r",
+    }
+    (tmp_path / "secret.txt").write_text("TOP SECRET")
+    (project / "notes.txt").symlink_to(tmp_path / "secret.txt")
+    with pytest.raises(WhetstoneError, match=r"notes.txt is a symbolic link to .*secret.txt, outside the project"):
+        read_project(project)
 
 
 @pytest.mark.slow

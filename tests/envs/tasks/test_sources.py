@@ -264,6 +264,39 @@ def test_patches_report_deleted_files():
         apply_patch({}, "just words")
 
 
+def test_patches_name_the_files_git_applies_to():
+    """A removed `-- comment` line is no file; empty files and pure renames have no ---/+++ lines;
+    git quotes a non-ASCII name; a patch stored without its last newline still applies."""
+    sql = "--- a/q.sql\n+++ b/q.sql\n@@ -1,2 +1,2 @@\n--- old\n+-- new\n select 1;\n"
+    assert apply_patch({"q.sql": "-- old\nselect 1;\n"}, sql) == {"q.sql": "-- new\nselect 1;\n"}
+    assert patched_paths(sql) == ["q.sql"]
+    empty = "diff --git a/pkg/__init__.py b/pkg/__init__.py\nnew file mode 100644\nindex 0000000..e69de29\n"
+    assert apply_patch({}, empty) == {"pkg/__init__.py": ""}
+    gone = "diff --git a/e.py b/e.py\ndeleted file mode 100644\nindex e69de29..0000000\n"
+    assert apply_patch({"e.py": "", "a.py": ""}, gone) == {"e.py": None}
+    rename = "diff --git a/old.py b/new.py\nsimilarity index 100%\nrename from old.py\nrename to new.py\n"
+    assert apply_patch({"old.py": "x = 1\n"}, rename) == {"old.py": None, "new.py": "x = 1\n"}
+    assert sorted(patched_paths(rename)) == ["new.py", "old.py"]
+    quoted = '--- "a/caf\\303\\251.py"\n+++ "b/caf\\303\\251.py"\n@@ -1 +1 @@\n-x = 1\n+x = 2\n'
+    assert apply_patch({"café.py": "x = 1\n"}, quoted) == {"café.py": "x = 2\n"}
+    unended = "--- a/a.py\n+++ b/a.py\n@@ -1 +1 @@\n-x = 1\n+x = 2"
+    assert apply_patch({"a.py": "x = 1\n"}, unended) == {"a.py": "x = 2\n"}
+
+
+def test_patches_never_read_a_file_outside_the_copy(tmp_path):
+    """git writes `+++ /abs/path` inside the copy; a link the patch makes would lead out of it."""
+    secret = tmp_path / "secret.txt"
+    secret.write_text("TOP SECRET\n")
+    absolute = f"--- /dev/null\n+++ {secret}\n@@ -0,0 +1 @@\n+hello\n"
+    assert apply_patch({"a.py": ""}, absolute) == {str(secret).lstrip("/"): "hello\n"}
+    link = (
+        "diff --git a/leak b/leak\nnew file mode 120000\nindex 0000000..1111111\n--- /dev/null\n+++ b/leak\n"
+        f"@@ -0,0 +1 @@\n+{secret}\n\\ No newline at end of file\n"
+    )
+    with pytest.raises(WhetstoneError, match="patch: leak is a symbolic link after patching"):
+        apply_patch({"a.py": ""}, link)
+
+
 def test_patches_keep_line_endings():
     patch = "--- a/a.py\n+++ b/a.py\n@@ -1,2 +1,2 @@\n x = 1\r\n-y = 2\r\n+y = 3\r\n"
     assert apply_patch({"a.py": "x = 1\r\ny = 2\r\n"}, patch) == {"a.py": "x = 1\r\ny = 3\r\n"}

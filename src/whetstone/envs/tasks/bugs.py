@@ -16,6 +16,7 @@ import ast
 import hashlib
 import random
 import re
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -111,6 +112,22 @@ def find_bugs(
     reward_config: RewardConfig | None = None,
 ) -> list[Bug]:
     """Up to `want` mutants (of `split`, if given) that break tests, trying at most `max_tries`."""
+    candidates, unparsable = [], []
+    for path in sources:
+        try:
+            sites = mutation_sites(files[path])
+        except (SyntaxError, ValueError) as err:  # Python 2, a newer Python's syntax, a fixture meant to fail
+            unparsable.append(f"{path} ({getattr(err, 'msg', err)})")
+            continue
+        for mutation in sites:
+            function = f"{PurePosixPath(path).name}:{enclosing_function(files[path], mutation.line)}"
+            candidates.append((path, mutation, function))
+    if unparsable:
+        print(f"left out {len(unparsable)} files that do not parse as Python: {listed(unparsable)}", file=sys.stderr)
+    rng.shuffle(candidates)
+    if split is not None:
+        candidates = [c for c in candidates if split_of(c[2]) == split]
+    candidates = candidates[:max_tries]
     probe = probe_task(files, tests, test_command, test_time_limit_s)
     baseline = run_tests(probe, {}, reward_config)
     passing = [test_id for test_id, outcome in baseline.outcomes.items() if outcome == "passed"]
@@ -120,15 +137,6 @@ def find_bugs(
     # get a few times the pristine run's time, and those that use it all are dropped.
     limit = min(test_time_limit_s, max(MIN_MUTANT_LIMIT_S, HANG_FACTOR * baseline.seconds))
     mutant_probe = probe.model_copy(update={"test_time_limit_s": limit})
-    candidates = []
-    for path in sources:
-        for mutation in mutation_sites(files[path]):
-            function = f"{PurePosixPath(path).name}:{enclosing_function(files[path], mutation.line)}"
-            candidates.append((path, mutation, function))
-    rng.shuffle(candidates)
-    if split is not None:
-        candidates = [c for c in candidates if split_of(c[2]) == split]
-    candidates = candidates[:max_tries]
 
     def attempt(candidate: tuple[str, Mutation, str]) -> Bug | None:
         path, mutation, function = candidate

@@ -49,6 +49,13 @@ def visible_test_ids(task: Task) -> list[str]:
     return [test_id for test_id in task.fail_to_pass + task.pass_to_pass if test_id.split("::")[0] in visible]
 
 
+def _occurs_once(text: str, block: str) -> bool:
+    """Whether `block` starts at exactly one place in `text`, overlapping places counted: the
+    `edit` tool counts without overlap and replaces the first, which need not be this one."""
+    first = text.find(block)
+    return first >= 0 and text.find(block, first + 1) < 0
+
+
 def _minimal_edit(old: str, new: str) -> tuple[str, str]:
     """The smallest (old, new) line block turning `old` into `new`, with context lines added on
     both sides until the old block occurs exactly once (the `edit` tool needs a unique match)."""
@@ -57,7 +64,7 @@ def _minimal_edit(old: str, new: str) -> tuple[str, str]:
     i1, i2, j1, j2 = changed[0][1], changed[-1][2], changed[0][3], changed[-1][4]
     while True:
         before = "".join(a[i1:i2])
-        if (before and old.count(before) == 1) or (i1 == 0 and i2 == len(a)):
+        if (before and _occurs_once(old, before)) or (i1 == 0 and i2 == len(a)):
             return before, "".join(b[j1:j2])
         if i1 > 0:  # lines outside the changed span are equal in both files
             i1, j1 = i1 - 1, j1 - 1

@@ -11,6 +11,7 @@ import it fresh by name, and the repository comes first on the path.
 from __future__ import annotations
 
 import fnmatch
+import importlib.machinery
 import importlib.util
 import random
 import sys
@@ -56,16 +57,24 @@ class MutateConfig(Config):
 
 
 def read_project(root: Path) -> dict[str, str]:
-    """The project's text files; binary files cannot be part of a task and are reported, not kept."""
+    """The project's text files, decoded from their bytes so line endings (CRLF, a lone CR) stay
+    as written; binary files cannot be part of a task and are reported, not kept. A symbolic link
+    is read as its file when that file is in the project; one leading out of it is refused."""
     if not root.is_dir():
         raise WhetstoneError(f"mutate: project {root} is not a directory")
+    inside = root.resolve()
     files, skipped = {}, []
     for path in sorted(root.rglob("*")):
         relative = path.relative_to(root)
         if not path.is_file() or any(part in SKIPPED_DIRS or part.endswith(".egg-info") for part in relative.parts):
             continue
+        if path.is_symlink() and not (target := path.resolve()).is_relative_to(inside):
+            raise WhetstoneError(
+                f"mutate: {root}: {relative.as_posix()} is a symbolic link to {target}, outside the project: "
+                "refused (its tasks would carry that file); copy the file in or remove the link"
+            )
         try:
-            files[relative.as_posix()] = path.read_text(encoding="utf-8")
+            files[relative.as_posix()] = path.read_bytes().decode("utf-8")
         except UnicodeDecodeError:
             skipped.append(relative.as_posix())
     if skipped:
@@ -95,19 +104,30 @@ def split_project(files: dict[str, str], config: MutateConfig) -> tuple[list[str
     return sources, tests
 
 
+def _spec(name: str) -> importlib.machinery.ModuleSpec | None:
+    """The module's spec, or None where there is none: `find_spec` raises, not returns None, for a
+    dotted name whose package is missing and for an empty or relative name."""
+    try:
+        return importlib.util.find_spec(name)
+    except (ImportError, ValueError):
+        return None
+
+
 def stdlib_project(name: str) -> dict[str, str]:
     """A standard-library module and CPython's test file for it, as a two-file project."""
-    module = importlib.util.find_spec(name)
+    module = _spec(name)
     if module is None or not (module.origin or "").endswith(".py") or module.submodule_search_locations:
         raise WhetstoneError(f"mutate: {name!r} is not a single-file pure-Python standard-library module")
-    try:
-        test = importlib.util.find_spec(f"test.test_{name}")
-    except ModuleNotFoundError:
-        test = None
+    test = _spec(f"test.test_{name}")
     if test is None or not (test.origin or "").endswith(".py") or test.submodule_search_locations:
+        if _spec("test") is None:
+            raise WhetstoneError(
+                f"mutate: CPython's test file test/test_{name}.py is not installed here (the "
+                "interpreter ships without its `test` package); set mutate.project to a local project"
+            )
         raise WhetstoneError(
-            f"mutate: CPython's test file test/test_{name}.py is not installed here (the "
-            "interpreter ships without its `test` package); set mutate.project to a local project"
+            f"mutate: CPython has no test file test/test_{name}.py for {name!r}; name another module in "
+            "mutate.stdlib or set mutate.project to a local project"
         )
     return {f"{name}.py": Path(module.origin).read_text(), f"test_{name}.py": Path(test.origin).read_text()}
 

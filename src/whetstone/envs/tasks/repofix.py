@@ -12,7 +12,7 @@ from __future__ import annotations
 import ast
 import random
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from whetstone.config import Config
 from whetstone.envs.task import Split, Task
@@ -39,6 +39,15 @@ class RepofixConfig(Config):
     workers: int = Field(2, ge=1)
     """Sandboxes run at once."""
 
+    @field_validator("templates")
+    @classmethod
+    def _known(cls, templates: list[str]) -> list[str]:
+        unknown = sorted(set(templates) - set(TEMPLATES))
+        if unknown or not templates:
+            problem = f"unknown templates {unknown}" if unknown else "no templates given"
+            raise ValueError(f"{problem}; choose from {sorted(TEMPLATES)}")
+        return templates
+
 
 def test_docstrings(repo: Repo) -> dict[str, str]:
     """{test id: docstring} for every test function of the repository."""
@@ -63,9 +72,6 @@ def bug_report(repo: Repo, bug: Bug) -> str:
 
 
 def make_task(config: RepofixConfig, index: int) -> Task:
-    unknown = sorted(set(config.templates) - set(TEMPLATES))
-    if unknown:
-        raise WhetstoneError(f"repofix: unknown templates {unknown}; available: {sorted(TEMPLATES)}")
     rng = random.Random(f"repofix/{config.seed}/{config.split}/{index}")
     for _ in range(20):
         repo = TEMPLATES[rng.choice(config.templates)](rng)
