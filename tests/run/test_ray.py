@@ -260,11 +260,12 @@ def test_a_pid_another_process_took_is_not_waited_for(tmp_path):
     assert time.monotonic() - began < 1.0
 
 
-def test_a_vllm_server_announced_nowhere_is_refused_before_vllm_starts():
+def test_a_vllm_server_announced_nowhere_is_refused_before_vllm_starts(capsys):
     from whetstone.integrations.vllm_serve import announcer_of, parse
 
-    with pytest.raises(ConfigError, match="--fleet needs --sync"):
-        announcer_of(parse(["--model", "/m", "--fleet", '{"announce": true}']))
+    with pytest.raises(SystemExit) as refused:
+        parse(["--model", "/m", "--fleet", '{"announce": true}'])
+    assert refused.value.code == 2 and "--fleet needs --sync" in capsys.readouterr().err
     assert announcer_of(parse(["--model", "/m"])) is None
 
 

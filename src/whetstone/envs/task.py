@@ -154,7 +154,13 @@ class Task(Config):
         task runs pytest or lists them): every testcase of its JUnit report would count, so a
         report that leaves the hidden tests out would pass. Checked when a task loads (so also
         where `validate_tasks` is off) and again by validation (a task copied without checks)."""
-        if self.pytest_args is None and not self.fail_to_pass:
+        if self.fail_to_pass:
+            return None
+        try:
+            custom = self.pytest_args is None
+        except ValueError as err:  # shlex: an unclosed quote
+            return f"test_command {self.test_command!r} is not a command line: {err}"
+        if custom:
             return (
                 "a custom test_command needs fail_to_pass ids: without them every testcase of its JUnit report "
                 "counts, so a run whose report leaves out the hidden tests' testcases passes; list the ids of "

@@ -98,3 +98,13 @@ def test_mutants_that_hang_are_dropped():
     kept = {task.metadata["mutation"] for task in mutate_project(project, "count", config)}
     hanging = {"binop at line 3: ' -= ' -> ' += '", "off_by_one at line 3: '1' -> '0'"}
     assert len(kept) == 5 and kept.isdisjoint(hanging)
+
+
+def test_mutate_with_a_custom_test_command_probes_the_project_with_it():
+    """The probe runs every test: it lists no ids, which a loaded task with a custom command must."""
+    command = (
+        "python -c 'import sys, pytest; sys.exit(pytest.main())' -p no:cacheprovider --junitxml=$WHETSTONE_JUNIT_XML"
+    )
+    config = MutateConfig(sources=["calc.py"], count=1, max_tries=2, test_command=command)
+    [task] = mutate_project(PROJECT, "calc", config)
+    assert task.test_command == command and task.fail_to_pass == ["tests.test_calc::test_double"]

@@ -283,6 +283,23 @@ def test_patches_name_the_files_git_applies_to():
     assert apply_patch({"a.py": "x = 1\n"}, unended) == {"a.py": "x = 2\n"}
 
 
+def test_a_binary_file_in_a_patch_is_applied_and_left_out_of_the_text_returned(tmp_path):
+    """SWE-bench patches may carry a binary hunk (`git diff --binary`): its bytes are no text."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-C", str(repo)]
+    (repo / "a.py").write_text("a\n")
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "."], check=True)
+    subprocess.run([*git, "commit", "-qm", "base"], check=True)
+    (repo / "a.py").write_text("b\n")
+    (repo / "img.png").write_bytes(b"\x89PNG\r\n\x1a\n\x00\xff\xfe" * 10)
+    subprocess.run([*git, "add", "."], check=True)
+    patch = subprocess.run([*git, "diff", "--cached", "--binary"], check=True, capture_output=True, text=True).stdout
+    assert apply_patch({"a.py": "a\n"}, patch) == {"a.py": "b\n"}
+    assert patched_paths(patch) == ["a.py"]
+
+
 def test_patches_never_read_a_file_outside_the_copy(tmp_path):
     """git writes `+++ /abs/path` inside the copy; a link the patch makes would lead out of it."""
     secret = tmp_path / "secret.txt"

@@ -315,3 +315,7 @@ def test_a_custom_test_command_without_fail_to_pass_ids_is_refused():
     )
     with pytest.raises(ValidationError, match="a custom test_command needs fail_to_pass ids"):
         Task.model_validate(unlisted.model_dump())  # as a task file loads: also where validation is off
+    unclosed = {**unlisted.model_dump(), "test_command": "sh -c 'make test"}
+    with pytest.raises(ValidationError, match='test_command "sh -c \'make test" is not a command line'):
+        Task.model_validate(unclosed)
+    assert Task.model_validate({**unclosed, "fail_to_pass": listed.fail_to_pass}).fail_to_pass  # ids: not read

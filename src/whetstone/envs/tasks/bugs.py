@@ -73,14 +73,16 @@ def enclosing_function(source: str, line: int) -> str:
 
 def probe_task(files: dict[str, str], tests: list[str], test_command: str, test_time_limit_s: float) -> Task:
     """A task used only to run a project's own tests through the grader (no ids: all tests run)."""
-    return Task(
+    task = Task(
         id="probe",
         instruction="(run the project's tests)",
         repo_files=files,
         hidden_tests={path: files[path] for path in tests},
-        test_command=test_command,
         test_time_limit_s=test_time_limit_s,
     )
+    # A loaded task with a custom command must list its ids (`Task.unlisted_custom_tests`); the
+    # probe lists none on purpose, so its command is set past that check.
+    return task.model_copy(update={"test_command": test_command})
 
 
 @dataclass

@@ -44,8 +44,10 @@ def _touched(work: Path, data: bytes, what: str) -> list[str]:
             if "No valid patches" in problem:
                 raise WhetstoneError(f"{what}: not a unified diff (no file headers)")
             raise WhetstoneError(f"{what} does not apply: {problem}")
-        # one `added<TAB>deleted<TAB>path<NUL>` per file; with -z the path is not quoted
-        sides.append([entry.split(b"\t", 2)[2] for entry in result.stdout.split(b"\0") if entry])
+        # one `added<TAB>deleted<TAB>path<NUL>` per file; with -z the path is not quoted. A binary
+        # file's counts are `-`: its bytes are no text to return, so it is left out of the result
+        entries = [entry.split(b"\t", 2) for entry in result.stdout.split(b"\0") if entry]
+        sides.append([path for added, _, path in entries if added != b"-"])
     new, old = sides
     pairs = [name for pair in zip(old, new) for name in pair] if len(old) == len(new) else old + new
     try:
