@@ -4,13 +4,12 @@ cut short at the size cap, and what taking a command's growth back keeps."""
 import ctypes
 import os
 import shutil
-import traceback
 from contextlib import closing, contextmanager
 from pathlib import Path
 
 import pytest
 
-from tests.envs.sandbox.sandbox_support import as_non_root
+from tests.envs.sandbox.sandbox_support import as_non_root, in_child
 from whetstone.envs.sandbox import disk
 from whetstone.envs.sandbox.disk import BLOCK, MAX_PATH_CHARS, DiskWatch, _tree, remove_tree, scan
 from whetstone.errors import WhetstoneError
@@ -357,28 +356,17 @@ def without_proc(check) -> None:
     """Run `check` in a forked child whose own mount namespace has no /proc (it needs root), as a
     caller that is not root (`as_non_root`)."""
     libc = ctypes.CDLL(None, use_errno=True)
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        code = 0
-        try:
-            if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
-                raise OSError(ctypes.get_errno(), "unshare")
-            if libc.mount(b"none", b"/", None, (1 << 14) | (1 << 18), None) != 0:  # MS_REC | MS_PRIVATE
-                raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
-            if libc.umount2(b"/proc", 2) != 0:  # MNT_DETACH
-                raise OSError(ctypes.get_errno(), "umount /proc")
-            as_non_root(check)
-        except BaseException:
-            os.write(write, traceback.format_exc().encode())
-            code = 1
-        os._exit(code)
-    os.close(write)
-    with os.fdopen(read, "rb") as pipe:
-        report = pipe.read().decode()
-    _, status = os.waitpid(pid, 0)
-    assert os.waitstatus_to_exitcode(status) == 0, report
+
+    def unmounted():
+        if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+            raise OSError(ctypes.get_errno(), "unshare")
+        if libc.mount(b"none", b"/", None, (1 << 14) | (1 << 18), None) != 0:  # MS_REC | MS_PRIVATE
+            raise OSError(ctypes.get_errno(), "mount --make-rprivate /")
+        if libc.umount2(b"/proc", 2) != 0:  # MNT_DETACH
+            raise OSError(ctypes.get_errno(), "umount /proc")
+        as_non_root(check)
+
+    in_child(unmounted)
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="unmounting /proc in a mount namespace of its own needs root")

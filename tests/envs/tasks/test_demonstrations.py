@@ -67,9 +67,8 @@ def test_bugfix_demonstration_reads_then_edits_uniquely():
     assert messages[-2]["content"] == "2 passed"
 
 
-def test_ambiguous_line_gets_context_until_unique():
-    original = "a = 1\nb = 0\na = 1\nc = 0\n"
-    fixed = "a = 1\nb = 0\na = 2\nc = 0\n"
+def _edit_of(original: str, fixed: str) -> dict:
+    """The arguments of the `edit` call in the demonstration of a one-file fix."""
     task = Task(
         id="t",
         kind="bugfix",
@@ -79,7 +78,13 @@ def test_ambiguous_line_gets_context_until_unique():
         solution_files={"m.py": fixed},
         fail_to_pass=["test_m.py::t"],
     )
-    edit_args = _calls(demonstration(task))[1][1]
+    return _calls(demonstration(task))[1][1]
+
+
+def test_ambiguous_line_gets_context_until_unique():
+    original = "a = 1\nb = 0\na = 1\nc = 0\n"
+    fixed = "a = 1\nb = 0\na = 2\nc = 0\n"
+    edit_args = _edit_of(original, fixed)
     assert original.count(edit_args["old"]) == 1 and original.replace(edit_args["old"], edit_args["new"]) == fixed
 
 
@@ -88,16 +93,7 @@ def test_an_edit_among_repeated_lines_changes_the_right_one():
     change the first, not the line the fix changes."""
     original = "TABLE = [\n    0,\n    0,\n    0,\n    0,\n]\n"
     fixed = "TABLE = [\n    0,\n    0,\n    1,\n    0,\n]\n"
-    task = Task(
-        id="t",
-        kind="bugfix",
-        instruction="x",
-        repo_files={"m.py": original},
-        hidden_tests={"test_m.py": ""},
-        solution_files={"m.py": fixed},
-        fail_to_pass=["test_m.py::t"],
-    )
-    edit_args = _calls(demonstration(task))[1][1]
+    edit_args = _edit_of(original, fixed)
     assert original.count(edit_args["old"]) == 1  # what the edit tool checks
     assert original.replace(edit_args["old"], edit_args["new"], 1) == fixed  # what it then writes
 
