@@ -39,3 +39,12 @@ def test_a_warmup_longer_than_the_run_is_refused():
     assert "optimizer.warmup_steps (10) is more than max_steps (5)" in str(result.exception)
     # a ramp over the whole run reaches the peak at its last step
     assert TrainerConfig.model_validate({"optimizer": {"warmup_steps": 5}, "max_steps": 5}).max_steps == 5
+
+
+def test_a_poll_interval_that_never_ends_is_refused():
+    """An infinite wait is no poll: `Event.wait(inf)` raises OverflowError mid-run."""
+    for key in ("poll_interval", "sync.poll_interval"):
+        result = CliRunner().invoke(app, ["trainer", "--set", f"{key}=inf"])
+        assert isinstance(result.exception, ConfigError) and f"{key}: Input should be a finite number" in str(
+            result.exception
+        )

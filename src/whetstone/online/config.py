@@ -178,7 +178,7 @@ class OnlineConfig(Config):
     nice: int = Field(10, ge=0, le=19)
     """CPU niceness `whetstone online` gives its process (and the gate's sandboxes): on shared
     cores, the servers answering users come first."""
-    poll_interval: float = Field(1.0, gt=0)
+    poll_interval: float = Field(1.0, gt=0, allow_inf_nan=False)
     """Seconds between checks of the feedback store."""
     feedback_retry_s: float = Field(300.0, ge=0)
     """How long the loop retries a failed read of the feedback store (backing off from 0.5 s to

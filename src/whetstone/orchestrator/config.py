@@ -66,7 +66,7 @@ class OrchestratorConfig(Config):
     """Stop once the batch store holds batches 0 .. total_batches - 1, counting those earlier
     runs put (0 = no such bound): an orchestrator restarted mid-run stops where the first would
     have (`max_batches` counts this run's only)."""
-    poll_interval_s: float = Field(0.5, gt=0)
+    poll_interval_s: float = Field(0.5, gt=0, allow_inf_nan=False)
     """Seconds between checks of the weight store while waiting for the trainer."""
     health_interval_s: float = Field(2.0, gt=0)
     """Seconds between health checks of servers that are out of the pool."""

@@ -31,7 +31,7 @@ class SyncConfig(Config):
     """Threads encoding/uploading (publisher) or downloading/decoding (subscriber) chunks."""
     keep_keyframes: int = Field(2, ge=1)
     """Garbage collection keeps the newest this many keyframes and every version after the oldest kept."""
-    poll_interval: float = Field(0.5, gt=0)
+    poll_interval: float = Field(0.5, gt=0, allow_inf_nan=False)
     """Seconds between a subscriber's checks for a new version."""
     unavailable_after: float = Field(30.0, ge=0)
     """Seconds a version's objects may stay missing (retried at every poll) before a subscriber reports it stale."""

@@ -84,7 +84,7 @@ class TrainerConfig(Config):
     """Stop after this many optimizer steps in total (batches 0 .. max_steps-1); 0 = run until stopped."""
     idle_timeout: float = Field(0.0, ge=0)
     """Stop (after a checkpoint) when no new batch arrived for this many seconds; 0 = wait forever."""
-    poll_interval: float = Field(0.2, gt=0)
+    poll_interval: float = Field(0.2, gt=0, allow_inf_nan=False)
     """Seconds between checks of the batch store while waiting for the next batch."""
     checkpoint_interval: int = Field(10, ge=1)
     """Checkpoint every this many steps (and when stopping). Steps after the last checkpoint are
