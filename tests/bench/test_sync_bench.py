@@ -200,3 +200,9 @@ def test_the_command_reports_a_case_per_store(rl_run, tmp_path):
     # publishing what a bf16 trainer computes with (autocast) against its fp32 masters: smaller
     unrounded = cases["whetstone-tiny-rl-lr1e-06-float32"], cases["whetstone-tiny-rl-lr1e-06-autocast"]
     assert unrounded[1]["raw_mb"] < unrounded[0]["raw_mb"] and unrounded[1]["encoded_mb"] < unrounded[0]["encoded_mb"]
+
+
+def test_two_identical_versions_have_no_ratio_to_an_entropy_bound_of_zero():
+    state = {"w": torch.randn(64, 64)}
+    case = delta_case("same", state, {k: v.clone() for k, v in state.items()}, SyncConfig(store="unused"), 1)
+    assert case["changed_fraction"] == 0 and case["entropy_bound_ratio"] is None and case["ratio"] > 1

@@ -164,7 +164,8 @@ def delta_case(
         "ratio": raw / manifest.encoded_bytes,
         "xor_zstd_ratio": raw / len(xor_frame),
         "full_zstd_ratio": raw / len(whole),
-        "entropy_bound_ratio": raw / (bound_bits / 8),
+        # None when nothing changed: the bound is then 0 bits, and no ratio to it is finite
+        "entropy_bound_ratio": raw / (bound_bits / 8) if bound_bits else None,
         "encode_gb_s_per_core": raw / encode_s / 1e9,
         "decode_gb_s_per_core": raw / decode_s / 1e9,
         "xor_zstd_encode_gb_s_per_core": raw / xor_s / 1e9,
@@ -248,14 +249,20 @@ def rl_store_case(path: str, config: SyncConfig, repeats: int, pairs: int = 5) -
             case = delta_case(f"{name} {version - 1}->{version}", previous[1], weights, as_published, repeats)
             measured.append({"versions": [version - 1, version], "stored_as": store.manifest(version).kind, **case})
         previous = (version, weights)
-    figures = [key for key, value in measured[0].items() if isinstance(value, float)]
+    figures = [key for key in measured[0] if any(isinstance(m[key], float) for m in measured)]
     return {
         "name": name,
         "store": path,
-        **{key: statistics.median(m[key] for m in measured) for key in figures},
+        **{key: _median([m[key] for m in measured if m[key] is not None]) for key in figures},
         "dtypes": sorted({dtype_name(t.dtype) for t in previous[1].values()}),
         "pairs": [{key: m[key] for key in ("versions", "stored_as", *figures)} for m in measured],
     }
+
+
+def _median(values: list[float]) -> float | None:
+    """The median of `values`; None for none (a figure no pair has: the entropy bound's ratio when
+    no pair changed anything)."""
+    return statistics.median(values) if values else None
 
 
 def _subscriber_process(config: SyncConfig, index: int, reports, stop) -> None:
