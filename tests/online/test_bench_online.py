@@ -101,3 +101,13 @@ def test_the_benchmark_reports_its_figures(two_style_dir, tmp_path):
     assert result["samples_per_prompt"] == 1 and result["heldout_prompts"] == 8 and result["users"] == 2
     assert change["both"] + change["gained"] == round(result["preference_rate_after"] * 8)
     assert result["interactive_p99_ms"] > 0 and result["interactive_p99_idle_ms"] > 0
+
+
+def test_counts_below_one_are_refused_before_anything_starts(tmp_path):
+    """`updates = 0` is the loop's "until stopped": with users who never stop, the bench never would."""
+    from whetstone.bench.online import run
+    from whetstone.errors import WhetstoneError
+
+    with pytest.raises(WhetstoneError, match="bench online: updates = 0, users = 0: each must be 1 or more"):
+        run(model=str(tmp_path), updates=0, users=0, output_dir=str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()

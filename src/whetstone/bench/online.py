@@ -99,6 +99,11 @@ def run(
     defaults = OnlineConfig()
     lr = defaults.optimizer.lr if lr is None else lr
     logit_scale_lr = defaults.logit_scale_lr if logit_scale_lr is None else logit_scale_lr
+    counts = {"servers": servers, "updates": updates, "every_events": every_events, "users": users}
+    counts |= {"heldout": heldout, "samples": samples, "gate_tasks": gate_tasks, "max_tokens": max_tokens}
+    if small := [f"{name} = {value}" for name, value in counts.items() if value < 1]:
+        # updates = 0 would be the loop's "until stopped", with users who never stop
+        raise WhetstoneError(f"bench online: {', '.join(small)}: each must be 1 or more")
     if not (Path(model) / "config.json").exists():
         raise WhetstoneError(
             f"{model} is not a Hugging Face model folder: run `whetstone run` first (it writes "
