@@ -66,7 +66,7 @@ main()
             assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()
             time.sleep(0.05)
         process.send_signal(signal.SIGTERM)
-        _, err = process.communicate(timeout=30)
+        _, err = process.communicate(timeout=120)  # generous: a loaded CI machine once took over 30 s
     assert process.returncode == 143 and err.strip() == "stopped by SIGTERM"
     assert (tmp_path / "cleaned").exists()
 
