@@ -23,21 +23,30 @@ from whetstone.model import invariant_triton
 WHERE = ["interpreter", pytest.param("cuda", marks=pytest.mark.gpu)]
 
 
-def _interpreter_dot_in_fp32(monkeypatch) -> None:
-    """Triton's interpreter multiplies bf16 tiles as their raw 16-bit patterns; widen them to
-    fp32 first, as the hardware does (a product of two bf16 values is exact in fp32)."""
+def _interpreter_dot_in_a_fixed_order(monkeypatch) -> None:
+    """Triton's interpreter multiplies tiles with NumPy's matmul, that is the CPU's BLAS, whose
+    bits for one row depend on the row's place in the tile and on the buffers' alignment on some
+    CPUs (OpenBLAS's Haswell kernels, with FMA), so a kernel the GPU runs batch-invariantly would
+    look batch-dependent here. This dot adds the products one depth index at a time, each a
+    separate fp32 multiply and add: the same bits for a row wherever it sits. bf16 tiles are
+    widened to fp32 first, as the hardware does (the interpreter would multiply their raw 16-bit
+    patterns; a product of two bf16 values is exact in fp32)."""
     import triton.language as tl
     from triton.runtime import interpreter
 
-    original = interpreter.InterpreterBuilder.create_dot
-
     def widened(handle):
         if handle.dtype.scalar != tl.bfloat16:
-            return handle
-        return interpreter.TensorHandle((handle.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+            return handle.data
+        return (handle.data.astype(np.uint32) << 16).view(np.float32)
 
     def create_dot(self, a, b, d, *args):
-        return original(self, widened(a), widened(b), d, *args)
+        left, right = widened(a), widened(b)
+        if left.dtype != np.float32 or right.dtype != np.float32:
+            raise NotImplementedError(f"the tests' interpreter dot takes fp32 and bf16 tiles, got {a.dtype.scalar}")
+        total = d.data.astype(np.float32, copy=True)
+        for k in range(left.shape[-1]):
+            total += left[..., :, k : k + 1] * right[..., k : k + 1, :]
+        return interpreter.TensorHandle(total, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)
 
@@ -67,6 +76,6 @@ def kernels(where: str, monkeypatch) -> tuple[torch.device, object]:
         return torch.device("cuda"), nullcontext
     if os.environ.get("TRITON_INTERPRET") != "1":  # tests/conftest.py sets it where there is no GPU
         pytest.skip("Triton's interpreter was not chosen before Triton was imported")
-    _interpreter_dot_in_fp32(monkeypatch)
+    _interpreter_dot_in_a_fixed_order(monkeypatch)
     _interpreter_scalars_to_int(monkeypatch)
     return torch.device("cpu"), invariant_triton.on_cpu
