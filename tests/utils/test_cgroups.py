@@ -166,3 +166,28 @@ def test_groups_of_a_process_that_died_are_removed_when_the_next_is_made():
         for path in stale + alive:
             if path.exists():
                 path.rmdir()
+
+
+@needs_groups
+def test_empty_groups_made_inside_a_group_go_with_it_and_a_held_one_is_named(tmp_path):
+    """A sandbox's parent group made inside a role's group (cgroup v2 puts both in one tree) kept
+    the group from being removed, reported as "still holds processes"."""
+    group = CpuGroup("nested")
+    (group.paths[0] / "whetstone" / "deeper").mkdir(parents=True)
+    group.remove(timeout_s=1)
+    assert not any(path.exists() for path in group.paths)
+
+    group = CpuGroup("held")
+    held = group.paths[0] / "sandbox"
+    held.mkdir()
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (held / "cgroup.procs").write_text(str(sleeper.pid))
+        with pytest.raises(WhetstoneError, match="still holds the groups sandbox, with processes in them"):
+            group.remove(timeout_s=0.2)
+        assert held.is_dir()  # not emptied by force
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    group.remove()
+    assert not any(path.exists() for path in group.paths)

@@ -132,16 +132,49 @@ class CpuGroup:
         raise WhetstoneError(f"CPU group {self.name}: no usage_usec in {self.dirs['cpuacct'] / 'cpu.stat'}")
 
     def remove(self, timeout_s: float = 5.0) -> None:
-        """Delete the group once its processes are gone (exited processes leave it a moment late)."""
+        """Delete the group, and the empty groups made inside it (a sandbox's parent group), once
+        its processes are gone (exited processes leave it a moment late)."""
         deadline = time.monotonic() + timeout_s
         for path in self.paths:
             while path.exists():
+                _remove_empty_children(path)
                 try:
                     path.rmdir()
                 except OSError:
                     if time.monotonic() > deadline:
-                        raise WhetstoneError(f"CPU group {self.name}: {path} still holds processes") from None
+                        raise WhetstoneError(f"CPU group {self.name}: {path} {_what_holds(path)}") from None
                     time.sleep(0.05)
+
+
+def _children(group: Path) -> list[Path]:
+    try:
+        return [child for child in group.iterdir() if child.is_dir()]
+    except OSError:  # removed meanwhile
+        return []
+
+
+def _remove_empty_children(group: Path) -> None:
+    """Remove the groups under `group` that hold no processes, the deepest first."""
+    for child in _children(group):
+        _remove_empty_children(child)
+        try:
+            child.rmdir()
+        except OSError:  # it holds processes
+            pass
+
+
+def _what_holds(group: Path) -> str:
+    """Why `group` cannot be removed, for the error: its processes, or the groups under it."""
+    try:
+        pids = (group / "cgroup.procs").read_text().split()
+    except OSError:
+        pids = []
+    if pids:
+        return f"still holds processes (pids {', '.join(pids[:8])}{', ...' if len(pids) > 8 else ''})"
+    children = _children(group)
+    if children:
+        return f"still holds the groups {', '.join(child.name for child in children[:8])}, with processes in them"
+    return "could not be removed"
 
 
 def remove_stale_groups(parents: list[Path]) -> None:

@@ -33,13 +33,31 @@ class CgroupRoot:
     memory_dir: Path
 
 
-def _writable_parent(hierarchy: Path, own: str) -> Path | None:
+def _sandbox_parent(hierarchy: Path, own: str, controllers: tuple[str, ...] = ()) -> Path | None:
+    """`<own group>/whetstone` in `hierarchy` (made if missing), where sandbox groups go; None
+    where it cannot be made or written, or (v2) does not get every one of `controllers` from its
+    parent. A folder made here and not usable is removed again: left inside this process's group,
+    it would keep that group from being removed (a run's CPU group, `utils.cgroups.CpuGroup`)."""
     parent = hierarchy / own.lstrip("/") / "whetstone"
     try:
-        parent.mkdir(exist_ok=True)
+        parent.mkdir()
+        made = True
+    except FileExistsError:
+        made = False
     except OSError:
         return None
-    return parent if os.access(parent, os.W_OK) else None
+    try:
+        available = set((parent / "cgroup.controllers").read_text().split()) if controllers else set()
+        if os.access(parent, os.W_OK) and set(controllers) <= available:
+            return parent
+    except OSError:
+        pass
+    if made:
+        try:
+            parent.rmdir()
+        except OSError:  # another process's sandboxes took it meanwhile
+            pass
+    return None
 
 
 def find_cgroup_root() -> CgroupRoot | None:
@@ -47,15 +65,15 @@ def find_cgroup_root() -> CgroupRoot | None:
     try:
         pids_own, memory_own = own_cgroup_path("pids"), own_cgroup_path("memory")
         if pids_own is not None and memory_own is not None:
-            pids = _writable_parent(MOUNTS / "pids", pids_own)
-            memory = _writable_parent(MOUNTS / "memory", memory_own)
+            pids = _sandbox_parent(MOUNTS / "pids", pids_own)
+            memory = _sandbox_parent(MOUNTS / "memory", memory_own)
             if pids and memory:
                 return CgroupRoot(1, pids, memory)
         unified_own = own_cgroup_path("")
         unified = MOUNTS / "unified" if (MOUNTS / "unified").is_dir() else MOUNTS
-        parent = _writable_parent(unified, unified_own) if unified_own is not None else None
         # v2: our group must hand pids and memory down (a delegated subtree), and ours pass them on.
-        if parent is not None and {"pids", "memory"} <= set((parent / "cgroup.controllers").read_text().split()):
+        parent = _sandbox_parent(unified, unified_own, ("pids", "memory")) if unified_own is not None else None
+        if parent is not None:
             (parent / "cgroup.subtree_control").write_text("+pids +memory")
             return CgroupRoot(2, parent, parent)
     except OSError:
