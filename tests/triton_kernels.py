@@ -41,11 +41,15 @@ def _interpreter_dot_in_a_fixed_order(monkeypatch) -> None:
 
     def create_dot(self, a, b, d, *args):
         left, right = widened(a), widened(b)
-        if left.dtype != np.float32 or right.dtype != np.float32:
-            raise NotImplementedError(f"the tests' interpreter dot takes fp32 and bf16 tiles, got {a.dtype.scalar}")
-        total = d.data.astype(np.float32, copy=True)
-        for k in range(left.shape[-1]):
-            total += left[..., :, k : k + 1] * right[..., k : k + 1, :]
+        if left.dtype != np.float32 or right.dtype != np.float32 or left.ndim != 2 or right.ndim != 2:
+            raise NotImplementedError(
+                f"the tests' interpreter dot takes 2-d fp32 and bf16 tiles, got {a.dtype.scalar} "
+                f"{left.shape} and {b.dtype.scalar} {right.shape}"
+            )
+        # products [K, M, N], added over the depth axis one slice after another (NumPy reduces an
+        # outer axis slice by slice, element-wise), then the accumulator
+        products = np.moveaxis(left, -1, 0)[..., :, None] * right[:, None, :]
+        total = np.add.reduce(products, axis=0) + d.data.astype(np.float32)
         return interpreter.TensorHandle(total, d.dtype.scalar)
 
     monkeypatch.setattr(interpreter.InterpreterBuilder, "create_dot", create_dot)

@@ -354,6 +354,19 @@ def test_attention_of_a_query_does_not_depend_on_the_keys_after_it_or_the_batch(
         assert torch.equal(alone, full[1:2, :, p : p + 1])
 
 
+@pytest.mark.parametrize("dim", [6, 10])
+def test_attention_of_heads_narrower_than_a_tile_does_not_depend_on_the_batch(dim):
+    # P·V of such heads has fewer output columns than MIN_COLUMNS: multiplied as is, MKL (AVX2)
+    # sums a query row by its place in the tile, which the row count of the batch sets.
+    q, k, v = torch.randn(3, 4, 150, dim), torch.randn(3, 2, 150, dim), torch.randn(3, 2, 150, dim)
+    full = invariant.attention(q, k, v, None)
+    torch.testing.assert_close(full, causal_reference(q, k, v), atol=1e-5, rtol=1e-5)
+    alone = invariant.attention(q[1:2, :, :37], k[1:2, :, :37], v[1:2, :, :37], None)
+    assert torch.equal(alone, full[1:2, :, :37])
+    mask = (torch.arange(150) <= 100).view(1, 1, 1, 150)
+    assert torch.equal(invariant.attention(q[1:2, :, 100:101], k[1:2], v[1:2], mask), full[1:2, :, 100:101])
+
+
 def test_attention_in_prefill_chunks_equals_one_pass():
     q, k, v = torch.randn(1, 4, 300, 16), torch.randn(1, 2, 300, 16), torch.randn(1, 2, 300, 16)
     full = invariant.attention(q, k, v, None)

@@ -75,6 +75,22 @@ def test_bad_routes_are_rejected_with_a_clear_error(routes, message, make_config
         model(torch.randint(0, cfg.vocab_size, (2, 8)), routes=routes)
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32])
+def test_routes_of_a_narrow_integer_dtype_replay_as_int64(dtype, make_config):
+    cfg = make_config()
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    captured = model(ids, return_routes=True)
+    assert torch.equal(model(ids, routes=captured.routes.to(dtype)).logits, captured.logits)
+
+
+def test_routes_of_a_dtype_that_holds_no_ids_are_refused_naming_the_dtypes_taken(make_config):
+    cfg = make_config()
+    routes = torch.zeros(2, 8, cfg.num_moe_layers, cfg.num_experts_per_tok, dtype=torch.bool)
+    with pytest.raises(WhetstoneError, match=r"\(int64, int32, int16, int8, uint8\), got torch.bool"):
+        Transformer(cfg)(torch.randint(0, cfg.vocab_size, (2, 8)), routes=routes)
+
+
 def test_routes_on_a_device_are_checked_without_a_read_back():
     # a read-back would stall every forward; the check is queued with the forward's work instead
     # (on the meta device, which holds no values, a read-back would raise)

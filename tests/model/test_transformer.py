@@ -1,8 +1,10 @@
+import re
+
 import pytest
 import torch
 
 from whetstone.errors import WhetstoneError
-from whetstone.model import ModelOutput, Transformer
+from whetstone.model import ModelOutput, Transformer, ops
 from whetstone.model.moe import load_balancing_loss
 
 
@@ -94,6 +96,14 @@ def test_logits_to_keep_computes_only_the_last_positions(make_config):
     assert model(ids, logits_to_keep=0).logits is None
     with pytest.raises(WhetstoneError, match="logits_to_keep"):
         model(ids, logits_to_keep=8)
+
+
+@pytest.mark.parametrize("shape", [(0, 5), (2, 0), (5,)])
+@pytest.mark.parametrize("mode", ["fast", "invariant"])
+def test_input_ids_without_tokens_or_a_batch_dim_are_refused_by_their_shape(shape, mode, make_config):
+    model = Transformer(make_config())
+    with ops.numerics(mode), pytest.raises(WhetstoneError, match=rf"input_ids have shape {re.escape(str(shape))}"):
+        model(torch.zeros(shape, dtype=torch.long))
 
 
 def test_inference_mode_keeps_the_fused_qkv_weight_until_a_weight_changes(make_config):

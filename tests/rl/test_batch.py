@@ -150,6 +150,8 @@ def test_rows_with_a_minus_inf_logprob_at_a_trained_position_are_dropped_and_no_
     assert dropped == [0]
     with pytest.raises(WhetstoneError, match=r"behavior_logprobs that are not finite .* rows \[0\] \(tasks 'b'\)"):
         check_batch(kept, vocab_size=11)
+    with pytest.raises(WhetstoneError, match=r"rows \[1\] \(tasks 'b'\)"):  # its number in the stored batch
+        check_batch(kept, vocab_size=11, row_numbers=[1])
     batch.behavior_logprobs[1, 0] = float("-inf")  # every row: the batch whole, which check_batch refuses
     kept, dropped = drop_impossible_rows(batch)
     assert kept is batch and dropped == []

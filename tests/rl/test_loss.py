@@ -182,6 +182,29 @@ def test_extreme_ratios_stay_finite():
     assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
 
 
+def test_k3_of_an_extreme_token_stays_finite_in_the_metrics_the_kl_term_and_its_gradient():
+    # A token the sampler gave logprob -100 and the trainer -0.01 (Δ ≈ 100: exp(Δ) is inf in float32),
+    # and the reverse against the reference; one more, untrained, whose reference is far off.
+    bound = math.exp(20.0) - 21.0
+    logprobs = torch.tensor([[-0.01, -100.0, -0.5, -100.0]], requires_grad=True)
+    behavior = torch.tensor([[-100.0, -100.0, -0.5, -0.5]])
+    ref = torch.tensor([[-0.01, -0.01, -0.5 - math.log(2), -0.01]])
+    mask = torch.tensor([[True, True, True, False]])
+    extreme = LossInputs(logprobs, behavior, torch.zeros(1, 4), mask, ref_logprobs=ref)
+    loss, stats = policy_loss(extreme, LossConfig(kl_coef=0.1))
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(logprobs.grad).all()
+    metrics = stats.metrics()
+    assert metrics["mismatch_kl_k3"] == pytest.approx(bound / 3, rel=1e-5)
+    assert metrics["ref_kl_k3"] == pytest.approx((bound + math.log(2) - 0.5) / 3, rel=1e-5)
+    assert logprobs.grad[0, 1] == 0.0 and logprobs.grad[0, 3] == 0.0  # held at the bound: no gradient
+    assert logprobs.grad[0, 2].item() == pytest.approx(0.1 * 0.5 / 3, rel=1e-5)  # below it, exact
+    assert metrics["logprob_diff_max"] == pytest.approx(99.99, rel=1e-5)  # |Δ| itself is not clamped
+    # far below the reference (Δ = -100): k3 is -Δ - 1, exactly, and pulls the token down with weight ~1
+    low = torch.tensor([-100.0])
+    assert k3(torch.tensor([0.0]), low).item() == pytest.approx(99.0)
+
+
 def test_bad_configs_name_the_field():
     with pytest.raises(ConfigError, match="mask_low"):
         load_config(LossConfig, overrides=["mask_low=3.0"])

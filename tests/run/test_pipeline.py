@@ -388,3 +388,54 @@ def test_invariant_numerics_on_one_side_only_are_refused_with_both_sides_named(t
         tiny_run(
             tmp_path, *one_side, 'servers.serve.engine.numerics="invariant"', 'servers.serve.engine.dtype="bfloat16"'
         )
+
+
+def test_cpu_groups_are_not_left_when_the_run_fails_before_or_in_its_first_stage(tmp_path, monkeypatch):
+    # config.toml cannot be written (here a folder in its place; a full disk alike): no CPU group
+    # is left, and one made before a stage fails is removed with the roles
+    made = []
+
+    class Group:
+        def __init__(self, side, cores, period_us):
+            self.removed = False
+            made.append(self)
+
+        def remove(self):
+            self.removed = True
+
+    monkeypatch.setattr(pipeline_module, "CpuGroup", Group)
+    pipeline = Pipeline(tiny_run(tmp_path, "placement.trainer_cores=0.5", "placement.rollout_cores=1.0"))
+    (pipeline.run_dir / "config.toml").mkdir(parents=True)
+    with pytest.raises(WhetstoneError, match="cannot write .*config.toml"):
+        pipeline.run()
+    assert all(group.removed for group in made) and pipeline.cpu_groups == {}
+
+    (pipeline.run_dir / "config.toml").rmdir()
+
+    def midtrain_fails():
+        raise WhetstoneError("mid-training failed")
+
+    monkeypatch.setattr(pipeline, "midtrain", midtrain_fails)
+    with pytest.raises(WhetstoneError, match="mid-training failed"):
+        pipeline.run()
+    assert len(made) == 2 and all(group.removed for group in made) and pipeline.cpu_groups == {}
+
+
+def test_a_server_that_exited_is_named_while_the_run_waits_for_the_final_version(tmp_path):
+    # the other server holds the version, the dead one never will: the run stops at once with its
+    # log, not after rl.sync_timeout_s with versions that do not say why
+    pipeline = Pipeline(tiny_run(tmp_path, "rl.sync_timeout_s=8"))
+    pipeline.urls = ["http://127.0.0.1:9/v1", "http://127.0.0.1:10/v1"]
+    pipeline.sampler = SimpleNamespace(
+        latest={0: {"server": 0, "up": False}, 1: {"server": 1, "up": True, "weight_version": 2}}, check=lambda: None
+    )
+    crash = "import sys; print('CUDA out of memory'); sys.exit(1)"
+    dead = RoleProcess("serve-0", [], tmp_path / "serve-0.log", command=[sys.executable, "-c", crash]).start()
+    dead.wait(30)
+    pipeline.roles.append(dead)
+    started = time.monotonic()
+    with pytest.raises(
+        WhetstoneError, match=r"serve-0 exited \(code 1\) before it reached weight version 2; (?s:.*)CUDA out"
+    ):
+        pipeline.wait_for_version(2)
+    assert time.monotonic() - started < 8

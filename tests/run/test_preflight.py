@@ -172,3 +172,25 @@ def test_a_dry_run_of_mid_training_alone_checks_what_mid_training_needs(tmp_path
     assert result.exit_code == 1 and message.startswith("mid-training cannot start")
     assert "midtrain.data.directories[0].path" in message and "eval.tasks.source" not in message
     assert not (tmp_path / "runs").exists()
+
+
+def test_sandboxes_that_cannot_be_created_here_are_refused_before_mid_training(tmp_path, monkeypatch):
+    # without them every rollout of the evaluation before RL would fail, once mid-training is done
+    from whetstone.envs.sandbox import SandboxUnavailableError
+    from whetstone.run import preflight
+
+    def no_namespaces():
+        raise SandboxUnavailableError("bubblewrap cannot create a sandbox here: No permissions to create new namespace")
+
+    monkeypatch.setattr(preflight, "check_bwrap", no_namespaces)
+    with pytest.raises(ConfigError) as refused:
+        run_pipeline(tiny_run(tmp_path))
+    assert (
+        "eval.rollout.sandbox, eval.rollout.reward.sandbox, rl.orchestrator.rollout.sandbox, "
+        "rl.orchestrator.rollout.reward.sandbox: bubblewrap cannot create a sandbox here"
+    ) in str(refused.value)
+    assert not (tmp_path / "runs" / "tiny").exists()
+    sandboxes = ("eval.rollout", "eval.rollout.reward", "rl.orchestrator.rollout", "rl.orchestrator.rollout.reward")
+    trusted = [f"{key}.sandbox.unsandboxed=true" for key in sandboxes]
+    check_run_config(tiny_run(tmp_path, *trusted).resolved())  # no sandbox asked for: nothing to create
+    check_run_config(tiny_run(tmp_path).resolved(), midtrain_only=True)  # mid-training runs none

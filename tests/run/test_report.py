@@ -444,3 +444,23 @@ def test_steps_replayed_after_a_trainer_restart_count_once(tmp_path):
     assert rows["mean reward over the run"] == f"{sum(0.2 + 0.1 * s for s in range(6)) / 6:.3f}"
     assert rows["samples dropped as too stale"] == "3"  # steps 1, 3 and 5 dropped one each
     assert trainer_busy_per_step(run.trainer)[0] == [0, 1, 2, 3, 4, 5]
+
+
+def test_a_run_without_rl_shows_none_of_an_earlier_runs_rl_records(full_run):
+    # the same folder run again with rl_enabled = false: the trainer's, orchestrator's, servers' and
+    # CPU records there are the earlier run's, not this one's
+    run_dir, _, _ = full_run
+    summary = {
+        "wall_s": 40.0,
+        "heldout_pass1_before": None,
+        "heldout_pass1_after": None,
+        "stages": {"midtrain": {"val_loss": 1.2}},
+        "config": {"name": "demo", "rl_enabled": False},
+    }
+    (run_dir / "summary.json").write_text(json.dumps(summary))
+    run = load_run(run_dir)
+    assert run.trainer == run.orchestrator == run.servers == run.cpu == [] and run.before == run.after == {}
+    page = write_report(run_dir).read_text()
+    assert "<img " not in page
+    for what in ("trainer steps (replayed after a restart)", "final reward (mean over the last batch)"):
+        assert f"<tr><td>{what}</td><td>not recorded</td></tr>" in page

@@ -131,3 +131,35 @@ def test_the_evaluation_before_rl_is_not_run_against_rl_trained_weights(tmp_path
     with pytest.raises(WhetstoneError, match="holds RL-trained version 1"):
         pipeline.evaluate("before")
     assert len(runs) == 1
+
+
+def test_an_evaluation_that_fails_after_writing_its_report_leaves_no_record_of_the_last_one(tmp_path, monkeypatch):
+    """An evaluation writes report.json, then report.md: a failure between the two (a full disk, a
+    Ctrl-C) leaves the new report, which a rerun with the last evaluation's settings must not take
+    for that one's under its record."""
+
+    def pipeline(temperatures):
+        made = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r", eval={"temperatures": temperatures}))
+        made.model_dir.mkdir(parents=True, exist_ok=True)
+        (made.model_dir / "model.safetensors").write_bytes(b"mid-trained")
+        return made
+
+    failing = []
+
+    def evaluate(config, tasks, description):
+        report = {"pass_at_k": {"1": 0.5}, "temperatures": config.evaluated_temperatures}
+        out = tmp_path / "r" / "eval" / "before"
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(report))
+        if failing:
+            raise OSError("No space left on device: report.md")
+        return report
+
+    monkeypatch.setattr(eval_run, "evaluate_with_progress", evaluate)
+    monkeypatch.setattr(eval_run, "load_eval_tasks", lambda config: [])
+    assert pipeline([1.0, 0.5]).evaluate("before")["temperatures"] == [1.0, 0.5]
+    failing.append(True)
+    with pytest.raises(OSError, match="No space left"):
+        pipeline([1.0, 0.2]).evaluate("before")
+    failing.clear()
+    assert pipeline([1.0, 0.5]).evaluate("before")["temperatures"] == [1.0, 0.5]  # evaluated again

@@ -281,6 +281,17 @@ def test_a_replayed_batch_of_an_older_orchestrator_with_a_minus_inf_logprob_drop
     assert [r["step"] for r in replayed] == [1, 2] and replayed[-1]["rows"] == len(older) - 1
 
 
+def test_a_refused_batch_names_its_rows_as_stored_after_dropping_rows(tmp_path, tiny_moe, batches):
+    # row 0 has a -inf behavior logprob (dropped), row 2 a NaN one (refused): the error names row 2
+    damaged = batch_from_bytes(batch_to_bytes(batches[0]))
+    for row, value in ((0, float("-inf")), (2, float("nan"))):
+        damaged.behavior_logprobs[row, damaged.loss_mask[row].nonzero()[0, 0]] = value
+    put_batches(tmp_path / "batches", [damaged])
+    task = repr(damaged.rows[2]["task_id"])
+    with pytest.raises(WhetstoneError, match=rf"not finite at trained positions of rows \[2\] \(tasks {task}\)"):
+        run_trainer(trainer_config(tmp_path, tiny_moe))
+
+
 def test_a_checkpoint_is_not_resumed_against_an_empty_or_missing_weight_store(tmp_path, tiny_moe, batches):
     put_batches(tmp_path / "batches", batches[:1])
     run_trainer(trainer_config(tmp_path, tiny_moe))

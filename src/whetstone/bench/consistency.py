@@ -124,8 +124,14 @@ def run(
     `config` replaces BENCH_MODEL (tests, the GPU bench)."""
     if dtype not in ("float32", "bfloat16"):
         raise WhetstoneError(f"dtype {dtype!r} is not float32 or bfloat16")
-    if rounds < 1 or train_steps < 1 or requests < 1:
-        raise WhetstoneError("rounds, train_steps and requests must be at least 1")
+    for name, value, least in (
+        ("threads", threads, 0),  # 0: every core
+        ("rounds", rounds, 1),
+        ("train_steps", train_steps, 1),
+        ("requests", requests, 1),
+    ):
+        if value < least:
+            raise WhetstoneError(f"{name} must be at least {least}, got {value}")
     configure_process(threads)
     target = resolve_device(device)
     cfg = config or BENCH_MODEL

@@ -31,6 +31,7 @@ import httpx
 from whetstone.config import write_toml
 from whetstone.envs.harness import AgentHarness, EndpointConfig, HarnessConfig, RolloutConfig, ServerPool, rollout
 from whetstone.envs.task import Task
+from whetstone.errors import WhetstoneError
 from whetstone.fleet import FleetConfig, FleetRegistry
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.store import LocalStore
@@ -230,6 +231,15 @@ def run(
 ) -> dict[str, Any]:
     from whetstone.bench.pipeline import coin_tasks
 
+    for name, value in (
+        ("servers", min(sizes, default=0)),  # 0 servers time no rollout; fewer never join the pool
+        ("rollouts_per_server", rollouts_per_server),
+        ("behind", behind),  # the joining server has versions to catch up on
+        ("loss_rollouts", loss_rollouts),
+        ("tasks", tasks),
+    ):
+        if value < 1:
+            raise WhetstoneError(f"{name} must be >= 1, got {value}")
     with _work_dir(output_dir) as work:
         fleet = Fleet(work, coin_tasks(tasks))
         fleet.publish()  # version 0: the model folder's weights

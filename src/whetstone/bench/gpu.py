@@ -586,6 +586,7 @@ def run(
     if unknown or not sections:
         raise WhetstoneError(f"sections must be some of {', '.join(SECTIONS)}, got {', '.join(sections) or 'none'}")
     for name, value, least in (
+        ("threads", threads, 0),  # 0: every core
         ("train_batch", train_batch, 1),
         ("train_seq_len", train_seq_len, 1),
         ("train_steps", train_steps, 1),

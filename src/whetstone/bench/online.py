@@ -104,6 +104,11 @@ def run(
     if small := [f"{name} = {value}" for name, value in counts.items() if value < 1]:
         # updates = 0 would be the loop's "until stopped", with users who never stop
         raise WhetstoneError(f"bench online: {', '.join(small)}: each must be 1 or more")
+    # checked here, not where the loop's config is made: that is after the servers started and measured
+    if not (math.isfinite(lr) and lr > 0):
+        raise WhetstoneError(f"bench online: lr = {lr}: must be a finite number > 0")
+    if not (math.isfinite(logit_scale_lr) and logit_scale_lr >= 0):
+        raise WhetstoneError(f"bench online: logit_scale_lr = {logit_scale_lr}: must be a finite number >= 0 (0 = off)")
     if not (Path(model) / "config.json").exists():
         raise WhetstoneError(
             f"{model} is not a Hugging Face model folder: run `whetstone run` first (it writes "

@@ -15,6 +15,7 @@ process and everything it starts, is reported too: that does not change with the
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import subprocess
@@ -115,6 +116,8 @@ def run(samples: int = 200, duration_s: float = 10.0, workers: int | None = None
         raise WhetstoneError(f"samples must be >= 1, got {samples}")
     if not duration_s > 0:
         raise WhetstoneError(f"duration_s must be > 0 seconds, got {duration_s}")
+    if math.isinf(duration_s):  # the throughput half would fail in time.sleep, after the latency half
+        raise WhetstoneError(f"duration_s must be a finite number of seconds, got {duration_s}")
     config = SandboxConfig()
     cores = os.cpu_count() or 1
     workers = workers or 2 * cores  # some of each sandbox's life is waiting on the kernel

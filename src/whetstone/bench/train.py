@@ -87,6 +87,8 @@ def run(
         raise WhetstoneError(f"dtype {dtype!r} is not one of auto, {', '.join(DTYPES)}")
     if steps < rounds or rounds < 1:
         raise WhetstoneError(f"steps ({steps}) must be >= rounds ({rounds}) >= 1")
+    if threads < 0:
+        raise WhetstoneError(f"threads must be >= 0 (0: every core), got {threads}")
     configure_process(threads)
     cfg = config or ModelConfig()
     if not cfg.num_experts:

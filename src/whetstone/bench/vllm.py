@@ -152,6 +152,15 @@ def run(
     from whetstone.model.hf import load_hf
     from whetstone.sync import Publisher, SyncConfig, WeightStore
 
+    for name, value in (
+        ("tasks", tasks),
+        ("samples", samples),
+        ("max_tokens", max_tokens),
+        ("concurrency", concurrency),
+        ("versions", versions),  # publish -> serving is their median
+    ):
+        if value < 1:
+            raise WhetstoneError(f"{name} must be >= 1, got {value}")
     python = find_python(vllm_python)
     task_list = coin_tasks(tasks, seed=5)
     result: dict[str, Any] = {"tasks": tasks, "samples": samples, "max_tokens": max_tokens, "concurrency": concurrency}

@@ -512,6 +512,12 @@ def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
         # Tiles of keys and values: [B * Hkv * chunks, KEY_CHUNK, D].
         key_tiles = k.float().reshape(-1, KEY_CHUNK, dim).transpose(1, 2)
         value_tiles = v.float().reshape(-1, KEY_CHUNK, dim)
+        # A head narrower than MIN_COLUMNS gets zero columns, as `tiled_mm` pads a narrow weight:
+        # the P·V product is then the shape `row_tile` checks (with 6 or 10 output columns MKL
+        # sums a row by its place in the tile, AVX2), and the extra columns are dropped at the end.
+        width = max(dim, MIN_COLUMNS)
+        if width != dim:
+            value_tiles = F.pad(value_tiles, (0, width - dim))
         tiles = key_tiles.shape[0]
         tile = row_tile(ROW_TILE, key_tiles[0], value_tiles[0])
         rows = group * length
@@ -537,13 +543,13 @@ def _tiled_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
             weight_parts.append(probs.sum(dim=-1, keepdim=True))
             with one_thread():
                 part = torch.bmm(probs.reshape(tiles, size, KEY_CHUNK), value_tiles)
-            out_parts.append(part.view(batch, kv_heads, chunks, size, dim))
-        # [B, Hkv, chunks, rows, 1] and [B, Hkv, chunks, rows, D], then added in key order.
+            out_parts.append(part.view(batch, kv_heads, chunks, size, width))
+        # [B, Hkv, chunks, rows, 1] and [B, Hkv, chunks, rows, width], then added in key order.
         weight_parts = torch.cat(weight_parts, dim=3)
         out_parts = torch.cat(out_parts, dim=3)
         total, out = weight_parts[:, :, 0], out_parts[:, :, 0]
         for chunk in range(1, chunks):
             total = total + weight_parts[:, :, chunk]
             out = out + out_parts[:, :, chunk]
-        out = (out / total.masked_fill(total == 0, 1.0))[:, :, :rows]  # a row that sees no key is 0, as in SDPA
+        out = (out / total.masked_fill(total == 0, 1.0))[:, :, :rows, :dim]  # a row that sees no key is 0, as in SDPA
     return out.reshape(batch, q_heads, length, dim).to(q.dtype)

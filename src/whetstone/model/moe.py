@@ -87,6 +87,11 @@ def load_balancing_loss(ids: list[torch.Tensor], probs: list[torch.Tensor], num_
     return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
 
 
+ROUTE_DTYPES = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)
+"""The dtypes routes may come in: the integer dtypes whose ids the checks can read (torch has no
+min/max of the wider unsigned ones on the CPU)."""
+
+
 def check_routes(routes: torch.Tensor, expected_shape: tuple[int, ...], num_experts: int) -> None:
     """Reject routes that do not fit the model, naming the problem (they come from other processes).
 
@@ -99,8 +104,9 @@ def check_routes(routes: torch.Tensor, expected_shape: tuple[int, ...], num_expe
         raise WhetstoneError(
             f"routes have shape {tuple(routes.shape)}, expected {expected_shape} [B, T, moe_layers, top_k]"
         )
-    if routes.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        raise WhetstoneError(f"routes must be an integer tensor, got {routes.dtype}")
+    if routes.dtype not in ROUTE_DTYPES:
+        accepted = ", ".join(str(dtype).removeprefix("torch.") for dtype in ROUTE_DTYPES)
+        raise WhetstoneError(f"routes must be an integer tensor ({accepted}), got {routes.dtype}")
     if routes.device.type == "cpu":
         check_route_ids(routes, num_experts)
     else:

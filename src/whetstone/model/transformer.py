@@ -127,6 +127,8 @@ class Transformer(nn.Module):
         = n computes logits for the last n positions only ([B, n, vocab]; 0: none, `logits` is
         None), e.g. a prefill that only fills the KV cache skips the output head."""
         cfg = self.cfg
+        if input_ids.dim() != 2 or not input_ids.numel():
+            raise WhetstoneError(f"input_ids have shape {tuple(input_ids.shape)}, expected [B, T] with B, T >= 1")
         batch, length = input_ids.shape
         if positions is None:
             positions = torch.arange(length, device=input_ids.device).expand(batch, length)

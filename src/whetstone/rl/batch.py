@@ -165,13 +165,17 @@ def collate(
     return batch
 
 
-def check_batch(batch: Batch, vocab_size: int, source: str = "batch") -> None:
+def check_batch(batch: Batch, vocab_size: int, source: str = "batch", row_numbers: list[int] | None = None) -> None:
     """Refuse a batch a model of `vocab_size` tokens cannot train on, naming it (`source`) and
     what is wrong: token ids outside the vocabulary (a batch made with another tokenizer or model:
     the embedding lookup would fail with an index error, on a GPU with a device-side assert that
     ends the process), or a behavior logprob or advantage that is not finite at a trained position
     (one such token makes the whole step's loss NaN). Reads the batch where it is: call it on
-    the host copy read from the store, before the step moves it to the device."""
+    the host copy read from the store, before the step moves it to the device.
+
+    `row_numbers`: each row's number in the batch as stored, when rows were dropped from it
+    (`drop_impossible_rows`), so that the rows an error names are those a reader of the stored
+    batch finds (default: the rows' own numbers)."""
     trained = batch.loss_mask.bool()
     ranges = [torch.aminmax(ids) for ids in (batch.input_ids, batch.target_ids[trained]) if ids.numel()]
     if ranges:  # each tensor's range where it is: no copy of the whole batch's ids
@@ -186,8 +190,9 @@ def check_batch(batch: Batch, vocab_size: int, source: str = "batch") -> None:
         bad = (~torch.isfinite(getattr(batch, name)) & trained).any(dim=1).nonzero().flatten().tolist()
         if bad:
             tasks = sorted({batch.rows[r]["task_id"] for r in bad}) if batch.rows else []
+            stored = bad if row_numbers is None else [row_numbers[r] for r in bad]
             raise WhetstoneError(
-                f"{source} has {name} that are not finite at trained positions of rows {bad[:10]}"
+                f"{source} has {name} that are not finite at trained positions of rows {stored[:10]}"
                 f"{' (tasks ' + ', '.join(map(repr, tasks[:10])) + ')' if tasks else ''}: the step's loss would "
                 "be NaN. The orchestrator drops rollouts with NaN or infinite logprobs or rewards "
                 "(`dropped_nonfinite_logprobs`, `dropped_nonfinite_reward`): delete this batch, and any "

@@ -24,7 +24,8 @@ gradient as one big batch.
 
 The loss sees only logprobs, advantages and masks: it does not know how advantages were made.
 Metrics compare the trainer with the sampler: k3 KL = mean(exp(Δ) − Δ − 1), Δ = logπ_θ − logπ_behavior
-(an estimate of KL(behavior ‖ trainer) from the sampler's tokens) and mean / p99 / max |Δ|.
+capped at 20 (`k3`; an estimate of KL(behavior ‖ trainer) from the sampler's tokens) and
+mean / p99 / max |Δ| (not clamped).
 """
 
 from __future__ import annotations
@@ -184,9 +185,20 @@ def nan_quantiles(x: torch.Tensor, quantiles: tuple[float, ...]) -> torch.Tensor
     return torch.lerp(below, above, (position - low).to(x.dtype))
 
 
+K3_LOG_RATIO_LIMIT = 20.0
+"""Δ above which `k3` holds Δ at this bound (verl clamps Δ at ±20 too, and its k3 at ±10)."""
+
+
 def k3(log_p: torch.Tensor, log_q: torch.Tensor) -> torch.Tensor:
-    """Per-token k3 estimate of KL(p ‖ q) from samples of p: exp(Δ) − Δ − 1, Δ = log q − log p."""
-    delta = log_q - log_p
+    """Per-token k3 estimate of KL(p ‖ q) from samples of p: exp(Δ) − Δ − 1, Δ = log q − log p.
+
+    Δ is held at `K3_LOG_RATIO_LIMIT` from above before the exp: a token p gave almost no
+    probability and q did not (Δ ≈ 100) would otherwise make exp(Δ) overflow float32 to inf, the
+    step's loss and mismatch metric inf, and, at a position the mask leaves out, its gradient NaN
+    (0 × inf); below the bound its gradient, 1 − exp(Δ), still reaches ~5e8. Beyond it a token
+    counts as at it (exp(20) − 21 ≈ 4.9e8) and adds no gradient. Below, nothing is clamped: k3
+    grows like −Δ and its gradient stays within 1."""
+    delta = (log_q - log_p).clamp(max=K3_LOG_RATIO_LIMIT)
     return torch.exp(delta) - delta - 1.0
 
 

@@ -439,6 +439,9 @@ class Pipeline:
             self.sampler.check()  # no evaluation of minutes when the run is to stop
         if when == "before":
             self.check_serving_initial_weights(folder)
+        # the report in the folder is about to be replaced: an evaluation that writes its report and
+        # then fails (report.md on a full disk, a Ctrl-C) must not leave it under the last one's record
+        record_path.unlink(missing_ok=True)
         with self.client_key():
             report = evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
         atomic_write_json(record_path, evaluated)
@@ -622,6 +625,8 @@ class Pipeline:
                     return
             elif len(versions) == len(self.urls) and all(v == version for v in versions):
                 return
+            else:  # a server that exited would never get there
+                self.check_servers_running(version)
             self.sampler.check()
             if time.monotonic() > deadline:
                 raise WhetstoneError(
@@ -629,6 +634,17 @@ class Pipeline:
                     f"{self.config.rl.sync_timeout_s:g} s (they report {versions})"
                 )
             time.sleep(0.5)
+
+    def check_servers_running(self, version: int) -> None:
+        """Raise, with the end of its log, if a server this machine started has exited: it reports
+        no version again, and waiting `rl.sync_timeout_s` for it would only end in a timeout that
+        does not say why."""
+        for role in self.roles:
+            if role.name.startswith("serve-") and role.process is not None and not role.running:
+                raise WhetstoneError(
+                    f"{role.name} exited (code {role.returncode}) before it reached weight version {version}; "
+                    f"end of {role.log_path}:\n{role.log_tail()}"
+                )
 
     def server_sampler(self, interval_s: float = 2.0) -> ServerSampler:
         """Samples of the servers' /metrics (`servers.jsonl`) and each side's CPU time (`cpu.jsonl`).
@@ -756,7 +772,6 @@ class Pipeline:
 
         config = self.config
         check_run_config(config)  # every path, task source and core, before mid-training
-        self.open_cpu_groups()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.write_config()
         started = time.time()
@@ -768,7 +783,8 @@ class Pipeline:
             "final_logit_scale": None,
             **dict.fromkeys(YARDSTICK_KEYS),
         }
-        with self.roles_stopped():  # and the CPU groups
+        with self.roles_stopped():  # and the CPU groups, made in the block so that no failure leaves them
+            self.open_cpu_groups()  # a quota that cannot be set stops the run before mid-training
             stages: dict[str, Any] = {"midtrain": self.midtrain()}
             if config.rl_enabled:
                 self.start_servers()

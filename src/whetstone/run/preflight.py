@@ -1,9 +1,9 @@
 """What `whetstone run` checks before its first stage, so that a config that cannot run fails in
 a second instead of after minutes of mid-training: every file and folder the stages will read,
 every task source (resolved as the task registry resolves it, and every record of a task file
-read), the devices and CPU cores of `placement` (the cores where roles run on this machine), and
-that the run folder and the corpus cache can be written. Every problem is reported at once, each
-with its config key and path."""
+read), the devices and CPU cores of `placement` (the cores where roles run on this machine), that
+the rollouts' sandboxes can be created here, and that the run folder and the corpus cache can be
+written. Every problem is reported at once, each with its config key and path."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from whetstone.config import expand_path
+from whetstone.envs.sandbox.bwrap import check_bwrap
 from whetstone.envs.tasks.humaneval import default_data_file
 from whetstone.envs.tasks.io import read_records
 from whetstone.envs.tasks.registry import SOURCES, TasksConfig, check_source
@@ -79,6 +80,29 @@ def _problems(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:
         yield from _exists("rl.trainer.demos_path", trainer.demos_path, "file")
     yield from _tasks("rl.orchestrator.tasks", config.rl.orchestrator.tasks)
     yield from _tasks("eval.tasks", config.eval.tasks)
+    yield from _sandboxes(config)
+
+
+def _sandboxes(config: PipelineConfig) -> Iterator[str]:
+    """Sandboxes that cannot be created on this machine (bubblewrap without user namespaces), by
+    the config keys that ask for them: the evaluations' rollouts and gradings run on this
+    machine, and so do the orchestrator's with the local backend. Found later, every rollout
+    would fail with the same error (or the tasks' validation stop), after mid-training."""
+    rollouts = [("eval.rollout", config.eval.rollout)]
+    if config.placement.backend == "local":
+        rollouts.append(("rl.orchestrator.rollout", config.rl.orchestrator.rollout))
+    keys = [
+        f"{key}.{part}"
+        for key, rollout in rollouts
+        for part, sandbox in (("sandbox", rollout.sandbox), ("reward.sandbox", rollout.reward.sandbox))
+        if not sandbox.unsandboxed
+    ]
+    if not keys:
+        return
+    try:
+        check_bwrap()
+    except WhetstoneError as err:
+        yield f"{', '.join(keys)}: {err}"
 
 
 def _devices(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:

@@ -96,18 +96,30 @@ def _evaluation(run_dir: Path, when: str, summary: dict) -> dict:
     return read_json_object(run_dir / "eval" / when / "report.json")
 
 
+def _without_rl(summary: dict) -> bool:
+    """Whether the run's summary says it ran no RL stage (`rl_enabled` false): the RL stage's
+    records in the folder (trainer, orchestrator, servers, CPU) are then an earlier run's."""
+    config = summary.get("config")
+    return isinstance(config, dict) and config.get("rl_enabled") is False
+
+
 def load_run(run_dir: Path) -> RunRecords:
     summary_path, config_path = run_dir / "summary.json", run_dir / "config.toml"
     summary = read_json_object(summary_path)
+    without_rl = _without_rl(summary)
+
+    def rl_records(path: Path) -> list[dict]:
+        return [] if without_rl else _read_jsonl(path)
+
     return RunRecords(
         name=run_dir.resolve().name,
         summary=summary,
         summary_mtime=summary_path.stat().st_mtime if summary_path.is_file() else None,
         config_toml=_read_text(config_path),
-        trainer=_read_jsonl(run_dir / "trainer" / "metrics.jsonl"),
-        orchestrator=_read_jsonl(run_dir / "orchestrator" / "metrics.jsonl"),
-        servers=_read_jsonl(run_dir / "servers.jsonl"),
-        cpu=_read_jsonl(run_dir / "cpu.jsonl"),
+        trainer=rl_records(run_dir / "trainer" / "metrics.jsonl"),
+        orchestrator=rl_records(run_dir / "orchestrator" / "metrics.jsonl"),
+        servers=rl_records(run_dir / "servers.jsonl"),
+        cpu=rl_records(run_dir / "cpu.jsonl"),
         before=_evaluation(run_dir, "before", summary),
         after=_evaluation(run_dir, "after", summary),
     )

@@ -217,7 +217,8 @@ def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], di
             f" (tasks {', '.join(named[:10])})" if named else "",
             len(dropped) + len(batch),
         )
-    check_batch(batch, session.model.cfg.vocab_size, source=source)
+    kept = sorted(set(range(len(dropped) + len(batch))) - set(dropped)) if dropped else None  # their stored numbers
+    check_batch(batch, session.model.cfg.vocab_size, source=source, row_numbers=kept)
     check_batch_routes(batch, session.model.cfg, source=source)
     # before the step, which nothing in a row may fail once the weights moved; a row with no sampled token is 0 behind
     staleness_max = max((staleness(state.step, row.get("oldest_version")) for row in batch.rows), default=0)

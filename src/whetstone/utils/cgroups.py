@@ -188,6 +188,7 @@ def remove_stale_groups(parents: list[Path]) -> None:
         for group in groups:
             pid = group.name.rsplit("-", 2)[1]
             if pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                _remove_empty_children(group)
                 try:
                     group.rmdir()
                 except OSError:  # still holds processes (an orphaned sandbox), or not ours to remove
