@@ -35,6 +35,20 @@ def test_round_trip_is_lossless(tmp_path):
     assert loaded[0].oldest_version == 3 and loaded[0].completion_tokens == 4
 
 
+def test_a_dropped_rollouts_non_finite_logprobs_round_trip(tmp_path):
+    # a rollout dropped for a -inf or NaN logprob is still saved with the evaluation's trajectories
+    trajectory = Trajectory(
+        task_id="synth/heldout/1",
+        group_id="g0",
+        segments=[Segment(calls=[make_call([0, 0], (float("-inf"), float("nan")))])],
+        reward=0.0,
+    )
+    path = tmp_path / "t.jsonl"
+    save_trajectories(path, [trajectory])
+    (logprobs,) = [call.logprobs for call in load_trajectories(path)[0].segments[0].calls]
+    assert logprobs[0] == float("-inf") and math.isnan(logprobs[1])
+
+
 def test_misaligned_call_is_rejected():
     with pytest.raises(ValueError, match="logprobs has 1 entries for 2 completion tokens"):
         ModelCall(prompt_ids=[1], completion_ids=[4, 5], logprobs=[0.0], versions=[0, 0], loss_mask=[1, 1])

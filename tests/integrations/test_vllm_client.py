@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import math
 import sys
 
 import httpx
@@ -16,6 +17,7 @@ import torch
 from whetstone.config import load_config
 from whetstone.envs.harness import EndpointConfig, Sampling
 from whetstone.envs.harness.policy import PolicyError
+from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import ConfigError
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.protocol import decode_routes
@@ -31,6 +33,7 @@ from whetstone.integrations.vllm import (
     whetstone_path,
 )
 from whetstone.integrations.vllm_serve import PAUSE_LIMIT_S, parse
+from whetstone.rl.advantages.groups import _drop_reason
 from whetstone.run.config import PipelineConfig
 
 
@@ -186,3 +189,28 @@ def test_a_generation_vllm_aborted_is_a_failed_call_not_a_reply():
         with pytest.raises(PolicyError, match=f"vLLM aborted the generation after {len(ids)} tokens"):
             generate(generate_answer("abort", ids))
     assert asked == [GENERATE_PATH]
+
+
+@pytest.mark.parametrize("floor", [-9999.0, -12345.0])
+def test_vllms_logprob_floor_is_a_token_of_probability_0_not_a_number_to_train_on(floor):
+    """vLLM's generate route sends -inf, NaN and a logprob it does not hold as -9999.0: taken as
+    a number, the token's importance ratio against the trainer would be exp(~9999). Read as -inf,
+    the orchestrator drops the rollout (`nonfinite_logprobs`) as it does one of whetstone's engine."""
+    answer = generate_answer("stop", [7, 8])
+    answer["choices"][0]["logprobs"]["content"][1]["logprob"] = floor
+    completion, _ = generate(answer)
+    assert completion.logprobs == [-0.5, -math.inf]
+    call = ModelCall(
+        prompt_ids=[1, 2, 3], completion_ids=[7, 8], logprobs=completion.logprobs, versions=[3, 3], loss_mask=[1, 1]
+    )
+    rollout = Trajectory(task_id="t", segments=[Segment(calls=[call])])
+    assert _drop_reason(rollout) == "nonfinite_logprobs"
+    answer["choices"][0]["logprobs"]["content"][1]["logprob"] = -9998.5  # improbable, yet a logprob
+    assert generate(answer)[0].logprobs == [-0.5, -9998.5]
+
+
+def test_a_logprob_entry_vllm_did_not_fill_is_a_failed_call_not_a_traceback():
+    answer = generate_answer("stop", [7, 8])
+    del answer["choices"][0]["logprobs"]["content"][0]["logprob"]
+    with pytest.raises(PolicyError, match="not an answer of vLLM's /inference/v1/generate"):
+        generate(answer)

@@ -500,3 +500,85 @@ def test_a_worker_too_busy_to_report_is_up_and_an_unreachable_one_down():
     assert asyncio.run(ask()) == {}
     failure = httpx.ConnectError
     assert asyncio.run(ask()) is None
+
+
+def test_a_version_whose_write_failed_is_a_rejected_version_until_one_is_written(served):
+    """As `whetstone serve` lists a version its engine failed to write (`WeightFollower.refused`):
+    in /health's `rejected_versions` and counted once in the rejections, whatever the retries."""
+    served.update_weights(whole(1, 1.0))
+    served.load()
+    served.update_weights(whole(2, 2.0))
+    for _ in range(2):  # the write fails (version 1 written back), and is tried again and fails again
+        served.worker.failures = 1
+        assert not served.load()
+    status = following(served).whetstone_status()
+    assert list(status["rejected_versions"]) == ["2"] and status["rejections_total"] == 1
+    assert "writing weight version 2 failed (RuntimeError: out of memory" in status["rejected_versions"]["2"]
+    health = health_of(status)
+    assert health["status"] == "weights stale" and health["rejected_versions"] == status["rejected_versions"]
+
+    served.worker.failures = 2  # version 3 merged in; its write fails, and so does writing 1 back
+    served.update_weights(whole(3, 3.0))
+    with pytest.raises(WeightWriteError):
+        served.load()
+    status = following(served).whetstone_status()
+    assert list(status["rejected_versions"]) == ["2", "3"] and status["rejections_total"] == 2
+
+    assert served.load() and served.version == 3  # written: nothing rejected is left, the count stays
+    status = following(served).whetstone_status()
+    assert status["rejected_versions"] == {} and status["rejections_total"] == 2
+
+
+class PausingVllm(FakeVllm):
+    """vLLM whose /pause pauses its scheduler (as vLLM 0.32 does before it drains and answers),
+    then fails: `pause_fails` is a timeout (a drain longer than the driver waits) or an error."""
+
+    def __init__(self, pause_fails):
+        super().__init__()
+        self.failing, self.pause_fails, self.scheduler_paused = False, pause_fails, False
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/pause":
+            self.scheduler_paused = True
+            with self.lock:
+                self.calls.append("/pause")
+            if self.pause_fails == "timeout":
+                raise httpx.ReadTimeout("timed out", request=request)
+            if self.pause_fails:
+                return httpx.Response(500, json={"error": "Failed to pause generation: (simulated)"})
+            return httpx.Response(200, json={"status": "paused"})
+        if request.url.path == "/resume":
+            self.scheduler_paused = False
+        return super().__call__(request)
+
+
+def test_a_pause_that_fails_resumes_vllm_instead_of_leaving_it_paused_past_the_limit():
+    vllm = PausingVllm(pause_fails=True)  # every /pause fails, after pausing the scheduler
+    driver = driver_of(vllm, pause_limit_s=0.2)
+    with pytest.raises(httpx.HTTPStatusError):
+        driver.swap()
+    assert vllm.calls == ["/pause", "/resume"] and not vllm.scheduler_paused and not driver.paused
+
+    vllm.calls.clear()  # run: vLLM serves between the retries, and none counts as paused
+    driver.retry_first_s = driver._retry_in = driver.retry_max_s = 0.01
+    driver._retry_at = 0.0
+    stopped = threading.Event()
+    driver.stop_server = stopped.set
+    driver.start()
+    time.sleep(0.5)
+    driver.failed = True  # ends the thread
+    assert not stopped.is_set() and not vllm.scheduler_paused
+    with vllm.lock:
+        assert vllm.calls.count("/pause") > 1 and vllm.calls.count("/pause") == vllm.calls.count("/resume")
+
+
+def test_a_pause_that_timed_out_leaves_vllm_draining_for_the_next_pause_to_wait_for():
+    vllm = PausingVllm(pause_fails="timeout")
+    driver = driver_of(vllm)
+    with pytest.raises(httpx.ReadTimeout):
+        driver.swap()
+    assert vllm.calls == ["/pause"] and vllm.scheduler_paused and not driver.paused
+    vllm.pause_fails = False
+    driver.swap()
+    assert vllm.calls == ["/pause", "/pause", "whetstone_apply", "/update_weight_version=2", "/resume"]
+    assert not vllm.scheduler_paused

@@ -23,7 +23,9 @@ TRAJECTORY_FORMAT_VERSION = 1
 
 
 class Record(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    # A dropped rollout's -inf or NaN logprob is written as -Infinity / NaN, which Python's JSON
+    # reads back, not as null, which no float field takes.
+    model_config = ConfigDict(extra="forbid", ser_json_inf_nan="constants")
 
 
 class ModelCall(Record):

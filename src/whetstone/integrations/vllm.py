@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 import io
+import math
 import os
 import socket
 import uuid
@@ -34,6 +35,9 @@ from whetstone.integrations.vllm_serve import PAUSE_LIMIT_S
 PYTHON_ENV = "WHETSTONE_VLLM_PYTHON"
 """The vLLM virtual environment's python, when the config names none."""
 GENERATE_PATH = "/inference/v1/generate"
+LOGPROB_FLOOR = -9999.0
+"""What vLLM's `/inference/v1/generate` sends for a logprob JSON cannot carry: -inf (a token of
+probability 0), NaN (failed numerics), and a sampled token it holds no logprob for."""
 NO_ROUTES = (
     "vLLM returned no routed experts (start it with --enable-return-routed-experts; vLLM's CPU build "
     "cannot: it needs the GPU model runner): the trainer routes with its own router, no replay"
@@ -68,6 +72,7 @@ class VllmPolicy(HttpPolicy):
             choice = answer["choices"][0]
             ids = [int(i) for i in choice["token_ids"]]
             content = (choice.get("logprobs") or {}).get("content") or []
+            logprobs = [behavior_logprob(entry["logprob"]) for entry in content]
         except (KeyError, IndexError, TypeError, ValueError):
             raise PolicyError(f"not an answer of vLLM's {GENERATE_PATH}: {str(answer)[:200]}") from None
         if [entry.get("token_id") for entry in content] != ids:
@@ -81,13 +86,22 @@ class VllmPolicy(HttpPolicy):
         asked = self.config.return_routed_experts
         return Completion(
             ids=ids,
-            logprobs=[float(entry["logprob"]) for entry in content],
+            logprobs=logprobs,
             versions=token_versions(choice.get("weight_versions"), len(ids), self.config.weight_version),
             routes=None if routes is None else vllm_routes(routes),
             finish_reason=choice.get("finish_reason") or "stop",
             text="",
             routes_missing=NO_ROUTES if asked and routes is None else None,
         )
+
+
+def behavior_logprob(value: float) -> float:
+    """A sampled token's logprob as vLLM sent it, with its floor (`LOGPROB_FLOOR`) read as -inf:
+    taken as a number, it would make the token's importance ratio and the k3 KL against the
+    trainer absurd, where -inf drops the rollout (`nonfinite_logprobs`). A real logprob that low
+    is of a token exp() gives probability 0 as well."""
+    logprob = float(value)
+    return -math.inf if logprob <= LOGPROB_FLOOR else logprob
 
 
 def token_versions(spans: list[dict] | None, count: int, default: int) -> list[int]:

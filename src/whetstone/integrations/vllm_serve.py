@@ -321,12 +321,22 @@ class SwapDriver:
         server pool reads it as "weights stale"). vLLM resumes only on a whole version under its
         own tag: on an error (writing the served version back failed too, a route did not answer)
         it stays paused, since its model may hold parts of two versions, and the error is raised.
+        A /pause that fails is answered with /resume (`_resume_unswapped`), except one that timed
+        out: vLLM is still draining, paused, and the next swap's /pause waits for that drain.
         Either way the next swap comes `retry_first_s` later, the wait doubling to `retry_max_s`;
         `_run` stops the server once vLLM has been paused `pause_limit_s`."""
         started = time.perf_counter()
+        state = "vLLM stays paused"
         try:
             if not self.paused:
-                self.client.post("/pause", params={"mode": "wait", "clear_cache": "true"}).raise_for_status()
+                try:
+                    self.client.post("/pause", params={"mode": "wait", "clear_cache": "true"}).raise_for_status()
+                except httpx.ReadTimeout:
+                    state = "vLLM stays paused, draining: the next /pause waits for the same drain"
+                    raise
+                except Exception:
+                    state = self._resume_unswapped()
+                    raise
                 self.paused, self._paused_at = True, time.monotonic()
             answer = self.rpc("whetstone_apply")
             version = answer["weight_version"]
@@ -334,7 +344,8 @@ class SwapDriver:
             self.post("/resume")
         except Exception as err:  # an HTTP error, or an answer it cannot read
             log.error(
-                "weight swap failed (vLLM stays paused, retried in %.0f s): %s: %s",
+                "weight swap failed (%s; retried in %.0f s): %s: %s",
+                state,
                 self._retry_in,
                 type(err).__name__,
                 err,
@@ -349,6 +360,18 @@ class SwapDriver:
         else:
             log.error("serving weight version %s again (write retried in %.0f s)", version, self._retry_in)
             self._retry_later()
+
+    def _resume_unswapped(self) -> str:
+        """After a /pause that failed, before anything was written: vLLM may hold the pause
+        all the same (vLLM 0.32 pauses its scheduler first, and answers once it has drained),
+        and the pause limit counts only pauses that went through, so vLLM would stay paused for
+        as long as /pause fails. Its model holds the version it served, whole: /resume. Returns
+        the state vLLM is left in, for the log."""
+        try:
+            self.post("/resume")
+        except Exception as err:
+            return f"vLLM may stay paused: /resume failed too ({type(err).__name__}: {err})"
+        return "vLLM resumed on the weights it served"
 
     def _next_try(self) -> float:
         """When the next swap may start: after the retry's wait, and no later than the pause
