@@ -80,3 +80,26 @@ def test_without_rl_the_final_policy_is_the_mid_trained_model(midtrained):
     assert final_scale is None
     assert sorted(p.name for p in folder.iterdir()) == sorted(p.name for p in midtrained.model_dir.iterdir())
     assert (folder / "model.safetensors").read_bytes() == (midtrained.model_dir / "model.safetensors").read_bytes()
+
+
+def test_a_model_folder_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """Without RL the export copies the mid-trained model's folder: a full disk there is an error
+    naming the folder and what to do (copytree gathers its files' errors into one), not a
+    traceback, and no half-copied folder is left."""
+    import errno
+    import shutil
+
+    pipeline = Pipeline(tiny_run(tmp_path))
+    pipeline.model_dir.mkdir(parents=True)
+    (pipeline.model_dir / "model.safetensors").write_bytes(b"mid-trained")
+    pipeline.rl_steps = 0  # RL made no step: the final policy is the mid-trained model
+
+    def full_disk(source, destination, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "copyfile", full_disk)  # what copytree's copy2 writes each file with
+    target = pipeline.run_dir / "model"
+    message = f"^cannot write {target}: No space left on device: free space on its disk, then run the command again$"
+    with pytest.raises(WhetstoneError, match=message):
+        pipeline.export_policy()
+    assert sorted(p.name for p in pipeline.run_dir.iterdir()) == ["midtrain"]

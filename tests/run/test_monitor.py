@@ -143,3 +143,32 @@ def test_a_tracking_sink_that_raises_stops_the_sampling_and_the_main_thread_at_o
     assert [r | {"time": 0} for r in read_metrics(tmp_path / "servers.jsonl")] == [
         {"server": 0, "up": False, "time": 0}
     ]
+
+
+def test_a_cpu_file_that_cannot_be_opened_closes_the_servers_file_opened_before(tmp_path, monkeypatch):
+    """cpu.jsonl is opened after servers.jsonl: when it cannot be (here a folder in its place), the
+    sampler is not made, and the servers' writer (its file and its tracking sinks) is closed."""
+    from whetstone.utils.metrics import MetricsWriter
+
+    opened = []
+    open_writer = MetricsWriter.__init__
+
+    def recorded(self, *args, **kwargs):
+        open_writer(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(MetricsWriter, "__init__", recorded)
+    closed = []
+    close_sink = TensorBoardSink.close
+    monkeypatch.setattr(TensorBoardSink, "close", lambda sink, failed: closed.append(sink) or close_sink(sink, failed))
+    (tmp_path / "cpu.jsonl").mkdir()
+    with pytest.raises(WhetstoneError, match=f"^cannot write {tmp_path / 'cpu.jsonl'}: Is a directory$"):
+        ServerSampler(
+            ["http://127.0.0.1:9/v1"],
+            tmp_path / "servers.jsonl",
+            cpu_groups={"trainer": object()},
+            cpu_path=tmp_path / "cpu.jsonl",
+            tracking=TrackingConfig(),
+        )
+    [servers] = opened
+    assert servers.path == tmp_path / "servers.jsonl" and servers._handle.closed and closed == servers._sinks

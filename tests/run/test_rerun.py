@@ -163,3 +163,82 @@ def test_an_evaluation_that_fails_after_writing_its_report_leaves_no_record_of_t
         pipeline([1.0, 0.2]).evaluate("before")
     failing.clear()
     assert pipeline([1.0, 0.5]).evaluate("before")["temperatures"] == [1.0, 0.5]  # evaluated again
+
+
+def test_a_record_of_what_was_evaluated_that_cannot_be_written_is_named(tmp_path, monkeypatch):
+    """evaluated.json on a full disk (as an evaluation's own report): an error naming the file and
+    what to do, not a traceback; nor is a report left under a record of another evaluation."""
+    import errno
+
+    from whetstone.errors import WhetstoneError
+    from whetstone.run import pipeline as pipeline_module
+
+    pipeline = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r"))
+    pipeline.model_dir.mkdir(parents=True)
+    (pipeline.model_dir / "model.safetensors").write_bytes(b"mid-trained")
+    monkeypatch.setattr(eval_run, "evaluate_with_progress", lambda config, tasks, description: {"pass_at_k": {}})
+    monkeypatch.setattr(eval_run, "load_eval_tasks", lambda config: [])
+    monkeypatch.setattr(pipeline, "check_serving_initial_weights", lambda folder: None)
+
+    def full_disk(path, obj):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pipeline_module, "atomic_write_json", full_disk)
+    record = tmp_path / "r" / "eval" / "before" / "evaluated.json"
+    with pytest.raises(WhetstoneError, match=f"^cannot write {record}: No space left on device: free space"):
+        pipeline.evaluate("before")
+    assert not record.exists()
+
+
+def test_a_rerun_that_fails_leaves_no_summary_or_report_of_the_last_run(tmp_path, monkeypatch):
+    """summary.json and report.html are written once every stage ran: those of the run before
+    are removed when a run starts, so a run that fails does not show that run's results as its own."""
+    from tests.run.run_support import tiny_run
+    from whetstone.errors import WhetstoneError
+
+    pipeline = Pipeline(tiny_run(tmp_path))
+    pipeline.run_dir.mkdir(parents=True)
+    (pipeline.run_dir / "summary.json").write_text(json.dumps({"heldout_pass1_after": 0.9}))
+    (pipeline.run_dir / "report.html").write_text("<p>the last run's report</p>")
+
+    def midtrain_fails():
+        raise WhetstoneError("mid-training failed")
+
+    monkeypatch.setattr(pipeline, "midtrain", midtrain_fails)
+    with pytest.raises(WhetstoneError, match="mid-training failed"):
+        pipeline.run()
+    assert sorted(p.name for p in pipeline.run_dir.iterdir()) == ["config.toml"]
+
+
+class FinishedRole(FakeRole):
+    """A role that has exited (with code 0) by the time the pipeline looks."""
+
+    def __init__(self, name: str, *args, **kwargs):
+        super().__init__(name, running=False)
+
+
+def test_the_summary_counts_trainer_steps_as_the_report_does(tmp_path, monkeypatch):
+    """A step the trainer replayed after a restart is logged twice (the second `replayed`): the
+    summary's `trainer_steps_logged` counts it once, as the report's "trainer steps" do, and
+    gives the replays apart; its rewards are those of the steps' first records."""
+    from types import SimpleNamespace
+
+    from whetstone.run.report import load_run
+
+    pipeline = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r"))
+    pipeline.start = FinishedRole
+    pipeline.write_demos = lambda: None
+    pipeline.sampler = SimpleNamespace(latest={}, check=lambda: None)  # no server to wait for
+    metrics = pipeline.run_dir / "trainer" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+    records = [
+        {"step": 0, "reward_mean": 0.1},
+        {"step": 1, "reward_mean": 0.2},
+        {"step": 1, "reward_mean": 0.2, "replayed": True},  # the restart replays step 1
+        {"step": 2, "reward_mean": 0.3},
+    ]
+    metrics.write_text("".join(json.dumps(record) + "\n" for record in records))
+    rl = pipeline.rl()
+    run = load_run(pipeline.run_dir)
+    assert (rl["trainer_steps_logged"], rl["trainer_steps_replayed"]) == (len(run.trainer), run.replayed) == (3, 1)
+    assert (rl["reward_first"], rl["reward_last"]) == (0.1, 0.3)

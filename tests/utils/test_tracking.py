@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 
 import pytest
 
@@ -160,3 +161,50 @@ def test_a_tracking_folder_that_cannot_be_made_is_named(tmp_path):
     for tracking in (TrackingConfig(dir=str(taken)), TrackingConfig(dir=str(taken), tensorboard=False, wandb=True)):
         with pytest.raises(WhetstoneError, match=f"^cannot write {re.escape(str(taken))}"):
             MetricsWriter(tmp_path / "trainer" / "metrics.jsonl", tracking, role="trainer")
+
+
+def test_an_event_file_that_cannot_be_written_stops_the_role_with_the_folder_named(tmp_path, monkeypatch):
+    """The event file written by TensorBoard's own thread on a full disk (here the file made a link
+    to /dev/full, which takes no byte): the next record raises an error naming the folder and
+    what to do, as a metrics line that cannot be written does, not the thread's OSError."""
+    import threading
+
+    from whetstone.utils import tracking
+
+    monkeypatch.setattr(tracking, "TENSORBOARD_FLUSH_S", 0)  # every record flushed at once
+    monkeypatch.setattr(threading, "excepthook", lambda args: None)  # TensorBoard's thread ends on it
+    metrics = MetricsWriter(tmp_path / "metrics.jsonl", TrackingConfig(), role="trainer")
+    folder = tmp_path / "tensorboard" / "trainer"
+    [events] = folder.iterdir()
+    events.unlink()
+    events.symlink_to("/dev/full")
+    message = f"^cannot write {re.escape(str(folder))}: No space left on device: free space on its disk"
+    with pytest.raises(WhetstoneError, match=message):
+        for step in range(500):  # raised once the thread has tried to write a record
+            metrics.write({"step": step, "loss": 1.0})
+            time.sleep(0.01)
+    metrics.close(failed=True)
+    assert len(read_metrics(tmp_path / "metrics.jsonl")) >= 2  # the JSONL has every record
+
+
+class Sink:
+    """A tracking sink whose close fails (a flush on a full disk) or not."""
+
+    def __init__(self, fails: bool):
+        self.fails, self.closed = fails, None
+
+    def log(self, values, step, walltime):
+        pass
+
+    def close(self, failed):
+        self.closed = failed
+        if self.fails:
+            raise WhetstoneError("cannot write tensorboard/trainer: No space left on device")
+
+
+def test_every_sink_is_closed_whatever_another_s_close_raises(tmp_path):
+    metrics = MetricsWriter(tmp_path / "metrics.jsonl")
+    metrics._sinks = sinks = [Sink(fails=True), Sink(fails=False)]  # a TensorBoard sink, then a W&B run
+    with pytest.raises(WhetstoneError, match="No space left on device"):
+        metrics.close()
+    assert [sink.closed for sink in sinks] == [False, False]

@@ -82,7 +82,16 @@ class ServerSampler:
         self.urls = [root.rstrip("/").removesuffix("/v1") + "/metrics" for root in api_roots]
         self.writer = MetricsWriter(path, tracking, role="servers", series_key="server")
         self.cpu_groups = cpu_groups
-        self.cpu_writer = MetricsWriter(cpu_path, tracking, role="cpu") if cpu_path is not None and cpu_groups else None
+        try:
+            self.cpu_writer = (
+                MetricsWriter(cpu_path, tracking, role="cpu") if cpu_path is not None and cpu_groups else None
+            )
+        except BaseException as err:  # the servers' writer, open already, with its sinks, is closed
+            try:
+                self.writer.close(failed=True)
+            except Exception as closing:  # the run ends with why cpu.jsonl could not be opened
+                log.warning("closing %s after %s: %s: %s", self.writer.path, err, type(closing).__name__, closing)
+            raise
         self.interval_s = interval_s
         self.started = time.time()
         """When this sampler started: its CPU samples carry it, so a resumed run's samples (new

@@ -18,6 +18,8 @@ from the next batch index, and an evaluation whose report evaluated what it woul
 (the same mid-trained model, trainer step and temperatures: `evaluated.json`) is not run again.
 The evaluation before RL runs only while the weight store holds nothing past version 0, the
 mid-trained model: the servers follow the store (`Pipeline.check_serving_initial_weights`).
+A run first removes the summary.json and report.html an earlier run in its folder left: written
+again once every stage has run, they would otherwise show that run's results after a run that failed.
 """
 
 from __future__ import annotations
@@ -64,6 +66,8 @@ YARDSTICK_KEYS = (
 """The summary's keys comparing the evaluations' temperature sweeps (`Pipeline.yardstick`)."""
 EVALUATED_FILE = "evaluated.json"
 """Beside an evaluation's report.json: what it evaluated (`Pipeline.evaluated`)."""
+RESULT_FILES = ("summary.json", "report.html")
+"""What a run writes of its results once it has run every stage (`Pipeline.remove_last_results`)."""
 STOP_GRACE_S = 600.0
 """How long a trainer told to stop at `rl.max_wall_time` may take to finish its step, checkpoint
 and publish before it is killed (a step of the default run on two cores takes ~20 s)."""
@@ -441,10 +445,12 @@ class Pipeline:
             self.check_serving_initial_weights(folder)
         # the report in the folder is about to be replaced: an evaluation that writes its report and
         # then fails (report.md on a full disk, a Ctrl-C) must not leave it under the last one's record
-        record_path.unlink(missing_ok=True)
+        with write_errors(record_path):
+            record_path.unlink(missing_ok=True)
         with self.client_key():
             report = evaluate_with_progress(config, load_eval_tasks(config), f"held-out eval ({when})")
-        atomic_write_json(record_path, evaluated)
+        with write_errors(record_path):
+            atomic_write_json(record_path, evaluated)
         return report
 
     def check_serving_initial_weights(self, folder: Path) -> None:
@@ -566,7 +572,10 @@ class Pipeline:
         orchestrator.stop()
         if self.rl_steps:
             self.wait_for_version(self.rl_steps)
-        records = read_metrics(trainer_metrics) if trainer_metrics.exists() else []
+        from whetstone.run.report import trainer_steps
+
+        logged = read_metrics(trainer_metrics) if trainer_metrics.exists() else []
+        records = trainer_steps(logged)  # one per step, as the report counts them
         return {
             "steps": self.rl_steps,
             "steps_planned": steps,
@@ -574,6 +583,7 @@ class Pipeline:
             "orchestrator_stopped": gave_up,
             "no_step_reason": no_step,
             "trainer_steps_logged": len(records),
+            "trainer_steps_replayed": sum(record.get("replayed") is True for record in logged),
             "reward_first": records[0].get("reward_mean") if records else None,
             "reward_last": records[-1].get("reward_mean") if records else None,
         }
@@ -738,7 +748,7 @@ class Pipeline:
 
         target = self.run_dir / "model"
         if not self.rl_trained:
-            with atomic_directory(target) as tmp:
+            with write_errors(target), atomic_directory(target) as tmp:
                 shutil.copytree(self.model_dir, tmp, dirs_exist_ok=True)
             return target
         model = load_hf(self.model_dir)  # the architecture; every weight is replaced below
@@ -767,12 +777,21 @@ class Pipeline:
             "temperature_sweep": sweep,
         }
 
+    def remove_last_results(self) -> None:
+        """Remove the `RESULT_FILES` an earlier run left in the run folder: this run writes them
+        again when it ends, and should it fail first, they would show that run's results as its own."""
+        for name in RESULT_FILES:
+            path = self.run_dir / name
+            with write_errors(path):
+                path.unlink(missing_ok=True)
+
     def run(self) -> dict[str, Any]:
         from whetstone.run.preflight import check_run_config
 
         config = self.config
         check_run_config(config)  # every path, task source and core, before mid-training
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.remove_last_results()
         self.write_config()
         started = time.time()
         summary: dict[str, Any] = {

@@ -15,6 +15,7 @@ import errno
 import functools
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Iterator
@@ -113,13 +114,21 @@ WRITE_ERROR_ADVICE = {
 @contextmanager
 def write_errors(path: str | Path) -> Iterator[None]:
     """An OSError writing `path` (a full disk, a read-only folder) as a WhetstoneError naming the
-    file and the cause, not a traceback; the cause's message, not the temporary file's name."""
+    file and the cause, not a traceback; the cause's message, not the temporary file's name. Of
+    `shutil.copytree`'s error, which gathers a (source, destination, cause) for every file that
+    failed, the first file's cause (its errno read back from the text copytree keeps of it)."""
     try:
         yield
     except OSError as err:
-        advice = WRITE_ERROR_ADVICE.get(err.errno)
+        cause, number = err.strerror or err, err.errno
+        failures = err.args[0] if isinstance(err, shutil.Error) and err.args else None
+        if isinstance(failures, list) and failures and isinstance(failures[0], tuple):
+            cause = str(failures[0][-1])
+            if match := re.fullmatch(r"\[Errno (\d+)\] (.*)", cause, re.S):
+                number, cause = int(match.group(1)), match.group(2)
+        advice = WRITE_ERROR_ADVICE.get(number)
         then = f": {advice}, then run the command again" if advice else ""
-        raise WhetstoneError(f"cannot write {path}: {err.strerror or err}{then}") from None
+        raise WhetstoneError(f"cannot write {path}: {cause}{then}") from None
 
 
 @contextmanager

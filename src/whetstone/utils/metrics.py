@@ -15,7 +15,7 @@ from whetstone.config import without_secrets
 from whetstone.errors import WhetstoneError
 from whetstone.utils.atomic import atomic_path, write_errors
 from whetstone.utils.jsonl import read_json_lines
-from whetstone.utils.tracking import Sink, TrackingConfig, open_sinks, scalars
+from whetstone.utils.tracking import Sink, TrackingConfig, close_sinks, open_sinks, scalars
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,8 @@ class MetricsWriter:
             sink.log(values, int(step), record["time"])
 
     def close(self, failed: bool = False) -> None:
-        """Close the file, then the sinks (which flush); `failed` marks a W&B run as crashed.
+        """Close the file, then every sink (which flush: `close_sinks`, each whatever another's
+        close raises); `failed` marks a W&B run as crashed.
         After a line that could not be written (already raised), the file's close does not
         raise again for what it still holds of it."""
         try:
@@ -112,8 +113,7 @@ class MetricsWriter:
             if not self._failed:
                 raise
         finally:
-            for sink in self._sinks:
-                sink.close(failed or self._failed)
+            close_sinks(self._sinks, failed or self._failed)
 
     def __enter__(self) -> "MetricsWriter":
         return self

@@ -10,6 +10,7 @@ loop waits on neither.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import logging
 import queue
@@ -83,21 +84,28 @@ def scalars(record: Mapping[str, Any], prefix: str = "") -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """One event per record; TensorBoard keeps scalars as 32-bit floats."""
+    """One event per record; TensorBoard keeps scalars as 32-bit floats.
+
+    The event file is written by the writer's own thread: a write there that fails (a full
+    disk) is raised by the next `log` or by `close`, as a WhetstoneError naming the folder
+    (`write_errors`), as a metrics line that cannot be written is."""
 
     def __init__(self, log_dir: Path):
         from tensorboard.compat.proto.summary_pb2 import Summary
         from torch.utils.tensorboard.writer import FileWriter
 
         self._summary = Summary
+        self.log_dir = log_dir
         self._writer = FileWriter(str(log_dir), max_queue=TENSORBOARD_QUEUE, flush_secs=TENSORBOARD_FLUSH_S)
 
     def log(self, values: dict[str, float], step: int, walltime: float) -> None:
         value = [self._summary.Value(tag=tag, simple_value=number) for tag, number in values.items()]
-        self._writer.add_summary(self._summary(value=value), step, walltime)
+        with write_errors(self.log_dir):
+            self._writer.add_summary(self._summary(value=value), step, walltime)
 
     def close(self, failed: bool) -> None:
-        self._writer.close()  # flushes what is queued
+        with write_errors(self.log_dir):
+            self._writer.close()  # flushes what is queued
 
 
 class WandbSink:
@@ -158,6 +166,15 @@ class WandbSink:
         self._run.finish(exit_code=1 if failed else 0)
 
 
+def close_sinks(sinks: list[Sink], failed: bool) -> None:
+    """Close every sink of `sinks`, in order, whatever another's close raises (each holds a
+    thread, an event file or a W&B run); what a close raised is raised once all are closed (the
+    last such exception, the earlier ones as its context)."""
+    with contextlib.ExitStack() as closing:
+        for sink in reversed(sinks):  # the stack closes the last one pushed first
+            closing.callback(sink.close, failed)
+
+
 def open_sinks(tracking: TrackingConfig, role: str, folder: Path, config: dict[str, Any] | None) -> list[Sink]:
     """The sinks `tracking` asks for, for role `role`; `folder` is used when `tracking.dir` is empty."""
     root = expand_path(tracking.dir) if tracking.dir else folder
@@ -175,7 +192,6 @@ def open_sinks(tracking: TrackingConfig, role: str, folder: Path, config: dict[s
         try:
             sinks.append(WandbSink(tracking, role, root, config))
         except BaseException:
-            for sink in sinks:
-                sink.close(failed=True)
+            close_sinks(sinks, failed=True)
             raise
     return sinks

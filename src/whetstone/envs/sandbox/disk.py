@@ -71,6 +71,9 @@ class Scan:
     could not be counted (then charged as over the bound)."""
     too_deep: bool = False
     """A path longer than `MAX_PATH_CHARS` was met: the walk stopped there, charged past its bound."""
+    lost: bool = False
+    """Part of the tree went uncounted, charged past its bound: a folder was moved while the walk
+    was below it, or locked again (chmod) as the walk opened it up, by a command still running."""
 
 
 def scan(directories: list[Path], stop_above: int | None = None) -> Scan:
@@ -84,7 +87,7 @@ def scan(directories: list[Path], stop_above: int | None = None) -> Scan:
             continue
         except PermissionError:  # locked again as it was opened up (a command still running): uncounted
             _charge_over(result, stop_above)
-            result.complete = False
+            result.complete, result.lost = False, True
             return result
         try:
             if not _count(fd, index, result, hard_links, stop_above):
@@ -123,6 +126,7 @@ def _count(fd: int, index: int, result: Scan, hard_links: set, stop_above: int |
                 return False
     if lost:  # what was left above a moved folder, or in one locked again, went uncounted: over the bound
         _charge_over(result, stop_above)
+        result.lost = True
         return False
     return True
 

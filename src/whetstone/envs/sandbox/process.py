@@ -22,6 +22,10 @@ from typing import Protocol
 CHUNK = 65536
 EXIT_POLL_S = 0.05  # without pidfds (Linux < 5.3): how often to check whether the main process is gone
 DRAIN_AFTER_KILL_S = 2.0
+CPU_POLL_S = 0.1
+"""Time between two looks at the CPU time of a command's processes. One that handles or ignores
+SIGXCPU (Go programs ignore it) lives on for a CPU second past the soft limit, until the hard
+limit's SIGKILL: a look every 0.1 s sees it unless it spends that second on more than 10 cores."""
 
 
 @dataclass
@@ -108,10 +112,13 @@ def run_process(
     kill_tree: Callable[[subprocess.Popen], None],
     watch: Watch | None = None,
     on_start: Callable[[subprocess.Popen], None] | None = None,
+    cpu_s: int | None = None,
 ) -> RunResult:
     """Run `argv` to completion, to its deadline or until `watch` finds it over a limit; `kill_tree`
     must stop the process and all it started. `on_start` gets the process as soon as it exists
-    (so that another thread can stop it); if it raises, the process is killed."""
+    (so that another thread can stop it); if it raises, the process is killed. `cpu_s`: the soft
+    CPU-time limit `argv` runs under; a process of it seen to reach it counts as over the CPU
+    limit, whatever became of it (the exit status alone tells only of one killed by SIGXCPU)."""
     start = time.perf_counter()
     proc = subprocess.Popen(
         argv,
@@ -125,6 +132,7 @@ def run_process(
     out, err = _Capture(max_output_bytes), _Capture(max_output_bytes)
     deadline, timed_out, stopped, watched_hit = start + timeout_s, False, False, None
     selector, pidfd = None, None
+    cpu_due, cpu_hit = (start if cpu_s is not None else float("inf")), False
     try:  # from here on, whatever fails (no descriptor left for the selector, say) kills the process
         selector = selectors.DefaultSelector()
         selector.register(proc.stdout, selectors.EVENT_READ, out)
@@ -150,7 +158,9 @@ def run_process(
                 continue
             wait = deadline - now if pidfd is not None else min(deadline - now, EXIT_POLL_S)
             if watch is not None and not stopped:
-                wait = max(0.0, min(wait, watch.due - now))
+                wait = min(wait, watch.due - now)
+            if not stopped:
+                wait = max(0.0, min(wait, cpu_due - now))
             for key, _ in selector.select(wait):
                 if key.data == "exit":
                     selector.unregister(key.fileobj)
@@ -167,6 +177,9 @@ def run_process(
                     stopped = True
                     kill_tree(proc)
                     deadline = min(deadline, time.perf_counter() + DRAIN_AFTER_KILL_S)
+            if not stopped and not cpu_hit and time.perf_counter() >= cpu_due:
+                cpu_hit = _cpu_used_up(proc.pid, cpu_s)
+                cpu_due = time.perf_counter() + CPU_POLL_S
             if not stopped and (main_exited or (pidfd is None and proc.poll() is not None)):
                 stopped = True  # the command is done: stragglers that keep our pipes open are stopped
                 kill_tree(proc)
@@ -184,7 +197,7 @@ def run_process(
         proc.wait()
     exit_code = proc.returncode
     limits_hit = ["wall_clock"] if timed_out else []
-    if exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
+    if cpu_hit or exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
         limits_hit.append("cpu")
     if out.dropped or err.dropped:
         limits_hit.append("output")
@@ -199,6 +212,24 @@ def run_process(
         truncated=bool(out.dropped or err.dropped),
         limits_hit=limits_hit,
     )
+
+
+def _cpu_used_up(pid: int, cpu_s: int) -> bool:
+    """Whether a process in the tree under `pid` has used `cpu_s` seconds of CPU time (its
+    threads together, as RLIMIT_CPU counts). Processes that end meanwhile are passed over."""
+    ticks, todo = cpu_s * os.sysconf("SC_CLK_TCK"), [pid]
+    while todo:
+        process = todo.pop()
+        try:
+            stat = Path(f"/proc/{process}/stat").read_bytes()
+            fields = stat[stat.rindex(b")") + 2 :].split()  # from the state on: the name may hold spaces
+            if int(fields[11]) + int(fields[12]) >= ticks:  # utime + stime
+                return True
+            for task in os.listdir(f"/proc/{process}/task"):  # each thread's children are listed apart
+                todo += map(int, Path(f"/proc/{process}/task/{task}/children").read_bytes().split())
+        except (OSError, ValueError):
+            continue
+    return False
 
 
 def _pidfd(pid: int) -> int | None:

@@ -8,12 +8,14 @@ the command). Opening a sandbox takes a prepared copy of the task's files from t
 from __future__ import annotations
 
 import atexit
+import fcntl
 import functools
 import logging
 import os
 import subprocess
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -32,6 +34,10 @@ log = logging.getLogger(__name__)
 SHELL = "/bin/bash" if Path("/bin/bash").exists() else "/bin/sh"
 CLOSE_WAIT_S = 10.0
 """How long `close` waits for the runs it stopped to return before deleting the workspace anyway."""
+OWNER_LOCK = "owner.lock"
+"""In each sandbox root: locked (flock) by the process that made the root for as long as it lives."""
+UNLOCKED_GRACE_S = 60.0
+"""A root without an `OWNER_LOCK` younger than this is left alone: its maker may be about to lock it."""
 
 
 class Sandbox:
@@ -63,7 +69,7 @@ class Sandbox:
                 cpu_s=config.cpu_s,
                 memory_bytes=config.memory_mb << 20,
                 file_bytes=config.max_file_mb << 20,
-                nproc=None if self._cgroup else _nproc_limit(config.max_processes),
+                nproc=None,  # set for each run (`_nproc_limit`) where no cgroup bounds the processes
             )
             self._disk_limit = config.disk_mb << 20
             # Everything a command can write that outlives it or sits on the host's disk counts.
@@ -122,7 +128,8 @@ class Sandbox:
         if not self.config.unsandboxed:
             argv = bwrap_argv(self.workspace, self.workdir, self.config.tmp_size_mb << 20, self._mounts, argv)
         disk = self._disk_watch()
-        limits = replace(self._limits, file_bytes=disk.file_limit(self._limits.file_bytes))
+        nproc = None if self._cgroup else _nproc_limit(self.config.max_processes)
+        limits = replace(self._limits, file_bytes=disk.file_limit(self._limits.file_bytes), nproc=nproc)
         argv = limit_prefix(limits, self._cgroup.procs_files if self._cgroup else []) + argv
         before = self._cgroup.counters() if self._cgroup else {}
         result = run_process(
@@ -135,6 +142,7 @@ class Sandbox:
             kill_tree=self._kill_tree,
             watch=disk,
             on_start=lambda proc: self._started(proc, started),
+            cpu_s=limits.cpu_s,
         )
         with self._lock:
             result.sandbox_closed = bool(self._stopped.intersection(started))
@@ -157,6 +165,12 @@ class Sandbox:
             raise WhetstoneError(
                 f"the sandbox's workspace holds folders nested past {MAX_PATH_CHARS} characters of path, "
                 "which its disk budget cannot measure: remove them"
+            )
+        if disk.start.lost:
+            raise WhetstoneError(
+                "the sandbox's workspace could not be measured for its disk budget before the command: a folder "
+                "in it was moved, or locked with chmod, while it was walked, by a command running beside this "
+                "one in the same sandbox; run the command again once that one has ended"
             )
         if not disk.start.complete:
             raise WhetstoneError(
@@ -271,6 +285,8 @@ class _Runtime:
     """What all sandboxes of one process share: the pool, the sandbox Python, the cgroup parent."""
 
     root: Path
+    lock: int
+    """The fd that holds `root`'s `OWNER_LOCK`."""
     pool: WorkspacePool
     python: SandboxPython
     cgroup_root: CgroupRoot | None
@@ -278,6 +294,7 @@ class _Runtime:
     def close(self) -> None:
         self.pool.close()
         remove_tree(self.root)
+        os.close(self.lock)
 
 
 _runtimes: dict[tuple, _Runtime] = {}
@@ -291,33 +308,85 @@ def _runtime(config: SandboxConfig) -> _Runtime:
             parent = expand_path(config.root_dir) if config.root_dir else Path(tempfile.gettempdir())
             parent.mkdir(parents=True, exist_ok=True)
             _remove_stale_roots(parent)
-            root = Path(tempfile.mkdtemp(prefix=f"whetstone-sandbox-{os.getpid()}-", dir=parent))
-            cgroup_root = find_cgroup_root() if config.cgroups else None
-            if cgroup_root:
-                remove_stale_groups(cgroup_root)
-            runtime = _Runtime(
-                root=root,
-                pool=WorkspacePool(root, config.pool_size, config.max_templates),
-                python=make_sandbox_python(root / "python"),
-                cgroup_root=cgroup_root,
-            )
+            root, lock = _make_root(parent)
+            try:
+                cgroup_root = find_cgroup_root() if config.cgroups else None
+                if cgroup_root:
+                    remove_stale_groups(cgroup_root)
+                runtime = _Runtime(
+                    root=root,
+                    lock=lock,
+                    pool=WorkspacePool(root, config.pool_size, config.max_templates),
+                    python=make_sandbox_python(root / "python"),
+                    cgroup_root=cgroup_root,
+                )
+            except BaseException:
+                remove_tree(root)
+                os.close(lock)
+                raise
             atexit.register(runtime.close)
             _runtimes[key] = runtime
         return _runtimes[key]
 
 
+def _make_root(parent: Path) -> tuple[Path, int]:
+    """A new sandbox root in `parent`, and the fd that holds its `OWNER_LOCK` for as long as this
+    process lives. The lock file is locked before it takes its name, so that no other process
+    finds it unlocked meanwhile and takes the root for a dead one's."""
+    root = Path(tempfile.mkdtemp(prefix=f"whetstone-sandbox-{os.getpid()}-", dir=parent))
+    making = root / f"{OWNER_LOCK}.new"
+    lock = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        making.rename(root / OWNER_LOCK)
+    except BaseException:
+        os.close(lock)
+        remove_tree(root)
+        raise
+    return root, lock
+
+
 def _remove_stale_roots(parent: Path) -> None:
-    """Delete the templates and workspaces of whetstone processes that died without cleaning up."""
+    """Delete the templates and workspaces of whetstone processes that died without cleaning up.
+
+    A root is its maker's while that holds its `OWNER_LOCK`: a lock, unlike the pid in the
+    root's name, holds across PID namespaces (a /tmp or `root_dir` shared with a container beside)
+    and does not outlive its process when the pid is reused. A root without a lock file is
+    judged by the pid in its name, once older than `UNLOCKED_GRACE_S`."""
     for root in parent.glob("whetstone-sandbox-*-*"):
-        owner = root.name.split("-")[2]
-        if owner.isdigit() and not Path(f"/proc/{owner}").exists():
-            remove_tree(root)
+        try:
+            lock = os.open(root / OWNER_LOCK, os.O_RDWR)
+        except FileNotFoundError:
+            owner = root.name.split("-")[2]
+            if owner.isdigit() and not Path(f"/proc/{owner}").exists() and _age(root) > UNLOCKED_GRACE_S:
+                remove_tree(root)
+            continue
+        except OSError:  # not a folder, or another user's: not ours to judge
+            continue
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # held: its maker lives (or another process is removing it)
+            continue
+        else:
+            remove_tree(root)  # the lock is held meanwhile, so no other process removes it too
+        finally:
+            os.close(lock)
+
+
+def _age(path: Path) -> float:
+    """Seconds since `path` last changed; 0 when it cannot be read (gone meanwhile)."""
+    try:
+        return time.time() - path.stat().st_mtime
+    except OSError:
+        return 0.0
 
 
 def _nproc_limit(max_processes: int) -> int | None:
     """RLIMIT_NPROC counts every task of the user (each thread of each process), so allow what
     they already run, threads included, plus the budget: a role's thread pools alone can outnumber
-    `max_processes`."""
+    `max_processes`. Counted anew for each command (about a millisecond per hundred processes
+    on the host): the user's tasks come and go while a sandbox lives (thread pools that grow,
+    other sandboxes' commands), and a count taken once would leave a later command no room to fork."""
     uid = os.getuid()
     if uid == 0:
         _warn_once("no writable cgroup: the sandbox process limit is not enforced for root")
