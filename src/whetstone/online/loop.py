@@ -20,8 +20,11 @@ and moments, after checking they publish to exactly the store's weights; otherwi
 store's weights with a fresh optimizer, and logs why. Feedback is read at most once: the cursor
 is saved before training, so a crash loses that update's events rather than training on them
 twice; the range being consumed is saved with it, so a restart says which events were lost (log,
-and `lost_events` in the next metrics record). Any cursor goes with any checkpoint: what must
-match is moments and weights, and the checkpoint holds both, written as one directory.
+and `lost_events` in the next metrics record). Before a candidate is published state.json also
+says which version it goes on from (`publishing_on`): a loop killed after the publish and before
+recording it finds the version in the store on restart, and says the events were trained on and
+published, not lost. Any cursor goes with any checkpoint: what must match is moments and
+weights, and the checkpoint holds both, written as one directory.
 
 The cursor is an event number of one database: state.json keeps the store's id beside it, and the
 loop refuses a store with another id (recreated, replaced) or whose newest event is below the
@@ -103,6 +106,7 @@ class _SavedConsuming(_Saved):
     after: Count
     through: Count
     events: Count
+    publishing_on: Count | None = None
 
 
 class _SavedLineage(_Saved):
@@ -256,7 +260,7 @@ class OnlineLoop:
         reading in the store (0 in a store no loop has read), so a new output_dir or a lost
         state.json never trains an event twice, and numbers its updates on from its metrics.jsonl
         and checkpoints (`updates_recorded`). An update that read events and did not finish (a
-        killed loop) is said: its events are lost."""
+        killed loop) is said: its events are lost, unless it published its version (`published_by`)."""
         if not self.state_path.exists():
             marks = self.read_store(self.feedback.marks)
             if marks.consumed:
@@ -272,7 +276,20 @@ class OnlineLoop:
         self.check_weight_store(self.state.pop("weight_store", None))  # none in a state.json of an older whetstone
         self.lineage.restore(self.state.pop("lineage", {}))  # none in a state.json of an older whetstone
         consuming = self.state.pop("consuming", None)
-        if consuming is not None:  # forgotten at the next update's end, when its record says so
+        published = self.published_by(consuming) if consuming is not None else None
+        if published is not None:
+            log.warning(
+                "update %d read feedback events %d..%d (%d events), trained on them and published version %d, "
+                "and was stopped or killed before recording it (it has no metrics record, and version %d no "
+                "optimizer state): they are not read again",
+                consuming["update"],
+                consuming["after"] + 1,
+                consuming["through"],
+                consuming["events"],
+                published,
+                published,
+            )
+        elif consuming is not None:  # forgotten at the next update's end, when its record says so
             log.warning(
                 "update %d read feedback events %d..%d (%d events) and did not finish (the loop was "
                 "stopped or killed during it): they were not trained on and are not read again",
@@ -284,6 +301,28 @@ class OnlineLoop:
             self.state["lost_events"] = self.state.get("lost_events", 0) + consuming["events"]
         self.check_store()
         return self.state
+
+    def published_by(self, consuming: dict[str, Any]) -> int | None:
+        """The version an update that did not finish published, or None if it did not get that
+        far. Its `consuming` record names the version it was publishing on (`publishing_on`, saved
+        right before the publish); the version it published is the oldest after that one with
+        weights of its own (a rollback's manifest names an earlier version's). A version another
+        trainer or loop published to this store there would be taken for it, as the loop takes
+        such versions anyway (`follow_store`). A manifest that cannot be read says nothing: None,
+        and the events count as lost."""
+        base = consuming.get("publishing_on")
+        if base is None:
+            return None
+        for version in self.weights.versions():
+            if version <= base:
+                continue
+            try:
+                manifest = self.weights.manifest(version)
+            except MissingObjectError:  # collected or withdrawn meanwhile
+                return None
+            if manifest.republishes is None:
+                return version
+        return None
 
     def read_state_file(self) -> dict[str, Any]:
         """state.json as saved, or a WhetstoneError naming what is wrong with it and what to do."""
@@ -566,6 +605,9 @@ class OnlineLoop:
         )
         started = time.perf_counter()
         if verdict.publish:
+            if "consuming" in self.state:  # a loop killed before `consumed` finds the version it published
+                self.state["consuming"]["publishing_on"] = self.version
+                self.save_state()
             try:
                 manifest = self.publisher.publish(candidate)
             except VersionExistsError:  # created exclusively: a rollback landed during this update

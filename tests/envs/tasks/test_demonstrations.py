@@ -67,6 +67,33 @@ def test_bugfix_demonstration_reads_then_edits_uniquely():
     assert messages[-2]["content"] == "2 passed"
 
 
+@pytest.mark.parametrize(
+    "visible, shown",
+    [
+        (["tests"], "3 passed"),  # a directory holding the test files
+        (["tests/"], "3 passed"),
+        (["tests/test_m.py"], "2 passed"),
+        (["tests/test_m.py::test_g"], "1 passed"),  # a node id: that test (and its parameters)
+        (["tests/test_m.py::TestH"], "1 passed"),  # a class's node id: its tests
+        (["tests/test_m"], "no tests ran"),  # a path prefix is not a directory
+    ],
+)
+def test_run_tests_in_a_demonstration_counts_the_graded_tests_its_visible_tests_run(visible, shown):
+    files = {"m.py": "def g(x):\n    return x - 1\n", "tests/test_m.py": "", "tests/test_n.py": "", "tests/test_m": ""}
+    task = Task(
+        id="t",
+        kind="bugfix",
+        instruction="g(1) should be 2.",
+        repo_files=files,
+        visible_tests=visible,
+        hidden_tests={"tests/test_m.py": "", "tests/test_n.py": ""},
+        solution_files={"m.py": "def g(x):\n    return x + 1\n"},
+        fail_to_pass=["tests/test_m.py::test_g[1]"],
+        pass_to_pass=["tests/test_m.py::TestH::test_h", "tests/test_n.py::test_n"],
+    )
+    assert demonstration(task)[-2]["content"] == shown
+
+
 def _edit_of(original: str, fixed: str) -> dict:
     """The arguments of the `edit` call in the demonstration of a one-file fix."""
     task = Task(

@@ -101,10 +101,28 @@ def test_mutants_that_hang_are_dropped():
 
 
 def test_mutate_with_a_custom_test_command_probes_the_project_with_it():
-    """The probe runs every test: it lists no ids, which a loaded task with a custom command must."""
+    """The probe runs every test: it lists no ids, which a loaded task with a custom command must.
+    The command runs the whole suite and leaves the ids a task's grading appends unused."""
     command = (
-        "python -c 'import sys, pytest; sys.exit(pytest.main())' -p no:cacheprovider --junitxml=$WHETSTONE_JUNIT_XML"
+        'python -c \'import os, sys, pytest; sys.exit(pytest.main(["-p", "no:cacheprovider", '
+        '"--junitxml=" + os.environ["WHETSTONE_JUNIT_XML"]]))\''
     )
     config = MutateConfig(sources=["calc.py"], count=1, max_tries=2, test_command=command)
     [task] = mutate_project(PROJECT, "calc", config)
     assert task.test_command == command and task.fail_to_pass == ["tests.test_calc::test_double"]
+    assert check_task(task) is None
+
+
+def test_mutate_refuses_a_custom_test_command_that_cannot_run_the_ids_its_tasks_give_it():
+    """pytest under another name takes the appended ids (`tests.test_calc::test_double`, its JUnit
+    report's) for paths, finds none and exits 4: none of the tasks would validate."""
+    command = (
+        "python -c 'import sys, pytest; sys.exit(pytest.main())' -p no:cacheprovider --junitxml=$WHETSTONE_JUNIT_XML"
+    )
+    config = MutateConfig(sources=["calc.py"], count=1, max_tries=2, test_command=command)
+    with pytest.raises(WhetstoneError) as refused:
+        mutate_project(PROJECT, "calc", config)
+    message = str(refused.value)
+    assert "passes the project's tests when given their files, but not when given their ids" in message
+    assert "tests.test_calc::test_double, tests.test_calc::test_greet did not pass" in message
+    assert "file or directory not found: tests.test_calc::test_double" in message

@@ -52,6 +52,18 @@ def test_a_mutation_changes_one_line_and_nothing_else():
     assert "# running sum" in mutation_sites(SOURCE)[0].apply(SOURCE)
 
 
+def test_a_file_starting_with_a_byte_order_mark_is_mutated_as_python_reads_it():
+    """Python skips a UTF-8 BOM at the start of a file; the edits land where they would without it,
+    on the first line too, and the mark stays."""
+    source = "\ufeff" + SOURCE.replace("# Café prices", "LIMIT = 1 + 2  # Café prices")
+    plain = source.removeprefix("\ufeff")
+    sites, plain_sites = mutation_sites(source), mutation_sites(plain)
+    assert len(sites) == len(plain_sites) and any(m.line == 1 for m in sites)
+    for mutation, plain_mutation in zip(sites, plain_sites):
+        assert mutation.apply(source) == "\ufeff" + plain_mutation.apply(plain), mutation.describe()
+    assert enclosing_function(source, 3) == "total" and enclosing_function(source, 1) == "<module>"
+
+
 def test_operator_precedence_is_kept():
     """Only the operator token is swapped, so `c - a * b` becomes `c - a + b`, never `(c - a) * b`."""
     [swap] = [m for m in mutation_sites("x = c - a * b\n") if m.original.strip() == "*"]

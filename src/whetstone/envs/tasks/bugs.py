@@ -25,7 +25,7 @@ from pathlib import PurePosixPath
 from whetstone.envs.grading.grade import grade
 from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.task import Task
-from whetstone.envs.tasks.mutations import Mutation, mutation_sites
+from whetstone.envs.tasks.mutations import Mutation, mutation_sites, parse_source
 from whetstone.errors import WhetstoneError
 
 HELDOUT_BUCKETS = 4
@@ -68,7 +68,12 @@ def enclosing_function(source: str, line: int) -> str:
                 return walk(child, names + [child.name] if isinstance(child, definitions) else names)
         return names
 
-    return ".".join(walk(ast.parse(source), [])) or "<module>"
+    return ".".join(walk(parse_source(source), [])) or "<module>"
+
+
+def function_of(path: str, source: str, line: int) -> str:
+    """`file.py:qualified.name` of the function around `line` of the module at `path` (`Bug.function`)."""
+    return f"{PurePosixPath(path).name}:{enclosing_function(source, line)}"
 
 
 def probe_task(files: dict[str, str], tests: list[str], test_command: str, test_time_limit_s: float) -> Task:
@@ -122,8 +127,7 @@ def find_bugs(
             unparsable.append(f"{path} ({getattr(err, 'msg', err)})")
             continue
         for mutation in sites:
-            function = f"{PurePosixPath(path).name}:{enclosing_function(files[path], mutation.line)}"
-            candidates.append((path, mutation, function))
+            candidates.append((path, mutation, function_of(path, files[path], mutation.line)))
     if unparsable:
         print(f"left out {len(unparsable)} files that do not parse as Python: {listed(unparsable)}", file=sys.stderr)
     rng.shuffle(candidates)
@@ -135,6 +139,8 @@ def find_bugs(
     passing = [test_id for test_id, outcome in baseline.outcomes.items() if outcome == "passed"]
     if not passing:
         raise WhetstoneError(f"no test passes on the unmutated project; test output:\n{baseline.log[-2000:]}")
+    if probe.pytest_args is None:
+        check_listed_ids(probe, passing, reward_config)
     # A mutant that loops forever would cost every later grading the whole time limit: mutants
     # get a few times the pristine run's time, and those that use it all are dropped.
     limit = min(test_time_limit_s, max(MIN_MUTANT_LIMIT_S, HANG_FACTOR * baseline.seconds))
@@ -155,6 +161,24 @@ def find_bugs(
             if len(bugs) >= want:
                 break
     return bugs[:want]
+
+
+def check_listed_ids(probe: Task, passing: list[str], reward_config: RewardConfig | None = None) -> None:
+    """Raise a WhetstoneError unless a custom test command, run on the project with `passing` (ids
+    of its JUnit report's testcases) appended as a task's grading runs it, passes them all. The
+    probe runs it with the test files appended instead: a command that takes its arguments as
+    paths (pytest under another name) ran the tests there and finds no file named by an id here,
+    so none of its tasks would validate."""
+    run = run_tests(probe.model_copy(update={"fail_to_pass": passing}), {}, reward_config)
+    refused = [test_id for test_id in passing if run.outcomes.get(test_id) != "passed"]
+    if refused:
+        raise WhetstoneError(
+            f"the test command {probe.test_command!r} passes the project's tests when given their files, but not "
+            f"when given their ids, as a task's grading runs it: {listed(refused)} did not pass. A command that "
+            "is not pytest gets the ids of its JUnit report's testcases appended; make it run the tests they "
+            'name, or run the whole suite and leave them unused (docs/tasks.md, "Custom test commands"). '
+            f"Test output:\n{run.log[-2000:]}"
+        )
 
 
 _ERROR_LINE = re.compile(r"^E\s+(.+)$")

@@ -44,9 +44,21 @@ Message = dict[str, Any]
 
 
 def visible_test_ids(task: Task) -> list[str]:
-    """The graded test ids that live in the task's visible test files."""
-    visible = set(task.visible_tests)
-    return [test_id for test_id in task.fail_to_pass + task.pass_to_pass if test_id.split("::")[0] in visible]
+    """The graded test ids that the task's visible tests run: those in a visible file or under a
+    visible directory (`Task.visible_tests` names either), and those a visible pytest node id
+    (`path::test`) selects: itself, its parameters, or the tests of a class."""
+
+    def visible(test_id: str) -> bool:
+        path = test_id.split("::")[0]
+        for entry in task.visible_tests:
+            if "::" in entry:
+                if test_id == entry or test_id.startswith((entry + "::", entry + "[")):
+                    return True
+            elif path == entry.rstrip("/") or path.startswith(entry.rstrip("/") + "/"):
+                return True
+        return False
+
+    return [test_id for test_id in task.fail_to_pass + task.pass_to_pass if visible(test_id)]
 
 
 def _occurs_once(text: str, block: str) -> bool:

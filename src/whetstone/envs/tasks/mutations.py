@@ -78,6 +78,17 @@ class Mutation:
         return f"{self.operator} at line {self.line}: {self.original!r} -> {self.replacement!r}"
 
 
+BOM = "\ufeff"
+"""The UTF-8 byte order mark: a Python file may start with it (the interpreter skips it), but
+`ast.parse` of a string takes it for a stray character."""
+
+
+def parse_source(source: str) -> ast.Module:
+    """`source`, the text of a Python file, parsed as the interpreter reads the file: a leading
+    byte order mark is not code. Positions are as in `source` less the mark."""
+    return ast.parse(source.removeprefix(BOM))
+
+
 class _SiteFinder(ast.NodeVisitor):
     def __init__(self, source: str):
         self.data = source.encode()
@@ -86,6 +97,8 @@ class _SiteFinder(ast.NodeVisitor):
             starts.append(offset)
             offset += len(line)
         self.line_starts = starts + [offset]
+        if source.startswith(BOM):  # the AST's first line starts after the mark
+            self.line_starts[0] = len(BOM.encode())
         self.sites: list[Mutation] = []
 
     def _start(self, node: ast.AST) -> int:
@@ -182,11 +195,11 @@ class _SiteFinder(ast.NodeVisitor):
 def mutation_sites(source: str) -> list[Mutation]:
     """Every mutation this module knows for `source`, in source order; each one still parses."""
     finder = _SiteFinder(source)
-    finder.visit(ast.parse(source))
+    finder.visit(parse_source(source))
     sites = []
     for mutation in sorted(finder.sites, key=lambda m: (m.start, m.operator, m.replacement)):
         try:
-            ast.parse(mutation.apply(source))
+            parse_source(mutation.apply(source))
         except SyntaxError:
             continue
         sites.append(mutation)

@@ -16,7 +16,8 @@ from pydantic import Field, field_validator
 
 from whetstone.config import Config
 from whetstone.envs.task import Split, Task
-from whetstone.envs.tasks.bugs import Bug, bug_task, failure_line, find_bugs
+from whetstone.envs.tasks.bugs import Bug, bug_task, failure_line, find_bugs, function_of, split_of
+from whetstone.envs.tasks.mutations import mutation_sites
 from whetstone.envs.tasks.repofix_templates import TEMPLATES, Repo
 from whetstone.errors import WhetstoneError
 
@@ -102,6 +103,27 @@ def make_task(config: RepofixConfig, index: int) -> Task:
     raise WhetstoneError(f"repofix: no mutant broke a test in 20 repositories for task {index}")
 
 
+def template_splits(name: str) -> set[str]:
+    """The splits of the functions of template `name` that bugs can go into. A function's split
+    is a hash of its module's file name and its own (`split_of`), which every repository the
+    template draws shares (only the package folder's name varies), so one repository tells."""
+    repo = TEMPLATES[name](random.Random(0))
+    return {
+        split_of(function_of(path, repo.files[path], mutation.line))
+        for path in repo.sources
+        for mutation in mutation_sites(repo.files[path])
+    }
+
+
 def generate(config: RepofixConfig = RepofixConfig()) -> list[Task]:
-    """`config.count` tasks; each costs a few sandboxed test runs (about a second each)."""
+    """`config.count` tasks; each costs a few sandboxed test runs (about a second each). Templates
+    none of whose functions is of `config.split` are refused first: their repositories could
+    never give a bug of it."""
+    if config.count and not any(config.split in template_splits(name) for name in config.templates):
+        others = sorted(name for name in TEMPLATES if config.split in template_splits(name))
+        raise WhetstoneError(
+            f"repofix: no function of the templates {config.templates} is in the {config.split!r} split (a fixed "
+            f"hash of module and function name), so no bug of that split can be injected into their "
+            f"repositories; templates with such functions: {others}"
+        )
     return [make_task(config, index) for index in range(config.count)]
