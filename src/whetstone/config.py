@@ -75,14 +75,17 @@ def parse_override(text: str, cls: type[Config] | None = None) -> tuple[list[str
     as a plain string, without the spaces around it (`output_dir = /data/runs`, as a TOML file
     writes it, is the path "/data/runs"), and so is the text of one that is not a string where
     the field of `cls` (when given) is one: `name=123` is the name "123", not a number refused
-    as one. A boolean for a number field is refused: validation would take `true` as 1. A
-    malformed override's error shows a real key of `cls`.
+    as one. A boolean for a number field is refused: validation would take `true` as 1. TOML
+    has no null: nothing after the `=` (`sync.endpoint_url=`) sets an optional field of `cls` to
+    None (`key=""` is the empty string). A malformed override's error shows a real key of `cls`.
     """
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         example = example_override(cls) if cls is not None else None
         raise ConfigError(f"override {text!r}: expected KEY=VALUE" + (f", e.g. {example}" if example else ""))
     path = _key_path(key)
+    if cls is not None and not raw.strip() and _takes_none(cls, path):
+        return path, None  # TOML has no null: `key=` unsets an optional field
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
@@ -110,9 +113,9 @@ def _key_path(key: str) -> list[str]:
     return path
 
 
-def _field_type(cls: type[Config], path: list[str]) -> Any:
-    """The type of the field at `path` in `cls` (an optional field's type without None; a
-    mapping's entries have its value type), or None where `path` names no field."""
+def _annotation(cls: type[Config], path: list[str]) -> Any:
+    """The annotation of the field at `path` in `cls` (a mapping's entries have its value type),
+    or None where `path` names no field."""
     kind: Any = cls
     for part in path:
         kind = _without_none(kind)
@@ -125,7 +128,19 @@ def _field_type(cls: type[Config], path: list[str]) -> Any:
             kind = get_args(kind)[1]
         else:
             return None
-    return _without_none(kind)
+    return kind
+
+
+def _field_type(cls: type[Config], path: list[str]) -> Any:
+    """The type of the field at `path` in `cls` (an optional field's type without None), or None
+    where `path` names no field."""
+    return _without_none(_annotation(cls, path))
+
+
+def _takes_none(cls: type[Config], path: list[str]) -> bool:
+    """Whether the field at `path` in `cls` is optional (`X | None`)."""
+    kind = _annotation(cls, path)
+    return get_origin(kind) in (Union, types.UnionType) and type(None) in get_args(kind)
 
 
 def _without_none(kind: Any) -> Any:

@@ -285,3 +285,18 @@ def test_a_toml_file_with_a_byte_order_mark_is_read(tmp_path):
     path = tmp_path / "c.toml"
     path.write_bytes('\ufeffsteps = 5\n[inner]\nname = "é"\n'.encode())
     assert load_config(Outer, path) == Outer(steps=5, inner=Inner(name="é"))
+
+
+def test_an_empty_override_unsets_an_optional_field_and_leaves_others_a_string():
+    """TOML has no null: `key=` is how an override gives an optional field None again."""
+    from whetstone.sync.config import SyncConfig
+
+    base = load_config(SyncConfig, overrides=["endpoint_url=http://localhost:9000"])
+    assert base.endpoint_url == "http://localhost:9000"
+    assert load_config(SyncConfig, overrides=["endpoint_url=http://x", "endpoint_url="]).endpoint_url is None
+    assert load_config(SyncConfig, overrides=['endpoint_url=""']).endpoint_url == ""
+    assert parse_override("name=", NamedConfig) == (["name"], "")  # not optional: the empty string
+
+
+class NamedConfig(Config):
+    name: str = "x"
