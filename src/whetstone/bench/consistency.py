@@ -30,6 +30,7 @@ import time
 
 import torch
 
+from whetstone.bench.options import check_at_least
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
 from whetstone.inference.config import EngineConfig
@@ -124,14 +125,12 @@ def run(
     `config` replaces BENCH_MODEL (tests, the GPU bench)."""
     if dtype not in ("float32", "bfloat16"):
         raise WhetstoneError(f"dtype {dtype!r} is not float32 or bfloat16")
-    for name, value, least in (
+    check_at_least(
         ("threads", threads, 0),  # 0: every core
         ("rounds", rounds, 1),
         ("train_steps", train_steps, 1),
         ("requests", requests, 1),
-    ):
-        if value < least:
-            raise WhetstoneError(f"{name} must be at least {least}, got {value}")
+    )
     configure_process(threads)
     target = resolve_device(device)
     cfg = config or BENCH_MODEL

@@ -28,10 +28,10 @@ from typing import Any
 
 import httpx
 
+from whetstone.bench.options import check_at_least
 from whetstone.config import write_toml
 from whetstone.envs.harness import AgentHarness, EndpointConfig, HarnessConfig, RolloutConfig, ServerPool, rollout
 from whetstone.envs.task import Task
-from whetstone.errors import WhetstoneError
 from whetstone.fleet import FleetConfig, FleetRegistry
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.store import LocalStore
@@ -231,15 +231,13 @@ def run(
 ) -> dict[str, Any]:
     from whetstone.bench.pipeline import coin_tasks
 
-    for name, value in (
-        ("servers", min(sizes, default=0)),  # 0 servers time no rollout; fewer never join the pool
-        ("rollouts_per_server", rollouts_per_server),
-        ("behind", behind),  # the joining server has versions to catch up on
-        ("loss_rollouts", loss_rollouts),
-        ("tasks", tasks),
-    ):
-        if value < 1:
-            raise WhetstoneError(f"{name} must be >= 1, got {value}")
+    check_at_least(
+        ("servers", min(sizes, default=0), 1),  # 0 servers time no rollout; fewer never join the pool
+        ("rollouts_per_server", rollouts_per_server, 1),
+        ("behind", behind, 1),  # the joining server has versions to catch up on
+        ("loss_rollouts", loss_rollouts, 1),
+        ("tasks", tasks, 1),
+    )
     with _work_dir(output_dir) as work:
         fleet = Fleet(work, coin_tasks(tasks))
         fleet.publish()  # version 0: the model folder's weights

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 
+from whetstone.bench.options import check_at_least
 from whetstone.errors import WhetstoneError
 from whetstone.model import ModelConfig, Transformer
 from whetstone.utils.device import autocast, resolve_device, synchronize
@@ -585,7 +586,7 @@ def run(
     unknown = [s for s in sections if s not in SECTIONS]
     if unknown or not sections:
         raise WhetstoneError(f"sections must be some of {', '.join(SECTIONS)}, got {', '.join(sections) or 'none'}")
-    for name, value, least in (
+    check_at_least(
         ("threads", threads, 0),  # 0: every core
         ("train_batch", train_batch, 1),
         ("train_seq_len", train_seq_len, 1),
@@ -603,9 +604,7 @@ def run(
         ("consistency_requests", consistency_requests, 1),
         ("consistency_tokens", consistency_tokens, 2),
         ("batch sizes", min(batches, default=0), 1),
-    ):
-        if value < least:
-            raise WhetstoneError(f"{name} must be >= {least}, got {value}")
+    )
     if rl_numerics not in ("fast", "invariant"):
         raise WhetstoneError(f"rl_numerics must be 'fast' or 'invariant', got {rl_numerics!r}")
     limit = cfg.max_position_embeddings

@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from whetstone.bench.kernels import dense_kernel_seconds
-from whetstone.errors import WhetstoneError
+from whetstone.bench.options import check_at_least
 from whetstone.inference.config import EngineConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.sampling import SamplingParams
@@ -253,16 +253,14 @@ def run(
     from whetstone.model.hf import save_hf
     from whetstone.tokenizer import Tokenizer
 
-    for name, value, least in (
+    check_at_least(
         ("threads", threads, 0),  # 0: every core
         ("prompt_tokens", prompt_tokens, 1),
         ("new_tokens", new_tokens, 1),
         ("repeats", repeats, 1),
         ("latency_requests", latency_requests, 1),
         ("swaps", swaps, 1),
-    ):
-        if value < least:
-            raise WhetstoneError(f"{name} must be >= {least}, got {value}")
+    )
     configure_process(threads)
     torch.manual_seed(seed)
     model = Transformer(ModelConfig()).eval()

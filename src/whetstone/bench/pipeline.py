@@ -43,6 +43,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from whetstone.bench.options import check_at_least
 from whetstone.envs.task import Task
 from whetstone.errors import WhetstoneError
 
@@ -545,16 +546,14 @@ def run(
     every role's config, logs and metrics (default: a temporary folder, removed after); it must be
     new or empty (`fresh_output_dir`).
     """
-    for name, value, least in (
+    check_at_least(
         ("steps", steps, 2),
         ("group_size", group_size, 2),
         ("groups_per_batch", groups_per_batch, 1),
         ("max_tokens", max_tokens, 1),
         ("tasks", tasks, 1),
         ("servers", servers, 1),
-    ):
-        if value < least:
-            raise WhetstoneError(f"{name} must be >= {least}, got {value}")
+    )
     placement_config(placement)
     if placement == "balanced":  # fail now, not after the calibration run, where quotas cannot be set
         from whetstone.utils.cgroups import why_no_cpu_groups

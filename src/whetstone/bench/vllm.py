@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import torch
 
+from whetstone.bench.options import check_at_least
 from whetstone.errors import WhetstoneError
 
 ENGINES = ("whetstone", "vllm")
@@ -152,15 +153,13 @@ def run(
     from whetstone.model.hf import load_hf
     from whetstone.sync import Publisher, SyncConfig, WeightStore
 
-    for name, value in (
-        ("tasks", tasks),
-        ("samples", samples),
-        ("max_tokens", max_tokens),
-        ("concurrency", concurrency),
-        ("versions", versions),  # publish -> serving is their median
-    ):
-        if value < 1:
-            raise WhetstoneError(f"{name} must be >= 1, got {value}")
+    check_at_least(
+        ("tasks", tasks, 1),
+        ("samples", samples, 1),
+        ("max_tokens", max_tokens, 1),
+        ("concurrency", concurrency, 1),
+        ("versions", versions, 1),  # publish -> serving is their median
+    )
     python = find_python(vllm_python)
     task_list = coin_tasks(tasks, seed=5)
     result: dict[str, Any] = {"tasks": tasks, "samples": samples, "max_tokens": max_tokens, "concurrency": concurrency}
