@@ -342,8 +342,8 @@ def test_a_client_that_leaves_mid_upload_is_a_quiet_499(url, caplog):
 
 
 def test_a_body_that_stalls_past_the_timeout_gets_408_and_its_connection_is_closed(url):
+    start = time.monotonic()  # before the connection: the server's clock cannot start earlier
     sock = start_of_a_body(url)
-    start = time.monotonic()
     answer = b""
     while chunk := sock.recv(4096):  # the server closes the connection after its answer
         answer += chunk

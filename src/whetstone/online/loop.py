@@ -304,25 +304,20 @@ class OnlineLoop:
 
     def published_by(self, consuming: dict[str, Any]) -> int | None:
         """The version an update that did not finish published, or None if it did not get that
-        far. Its `consuming` record names the version it was publishing on (`publishing_on`, saved
-        right before the publish); the version it published is the oldest after that one with
-        weights of its own (a rollback's manifest names an earlier version's). A version another
-        trainer or loop published to this store there would be taken for it, as the loop takes
-        such versions anyway (`follow_store`). A manifest that cannot be read says nothing: None,
-        and the events count as lost."""
+        far. Its `consuming` record names the version it was publishing on (`publishing_on`,
+        saved right before the publish); a publish makes the next version, exclusively, so the
+        update's is that one, if it is in the store with weights of its own (a rollback's
+        manifest names an earlier version's). A version another writer made there instead would
+        be taken for it, as the loop takes such versions anyway (`follow_store`). A manifest that
+        cannot be read says nothing: None, and the events count as lost."""
         base = consuming.get("publishing_on")
-        if base is None:
+        if base is None or base + 1 not in self.weights.versions():
             return None
-        for version in self.weights.versions():
-            if version <= base:
-                continue
-            try:
-                manifest = self.weights.manifest(version)
-            except MissingObjectError:  # collected or withdrawn meanwhile
-                return None
-            if manifest.republishes is None:
-                return version
-        return None
+        try:
+            manifest = self.weights.manifest(base + 1)
+        except MissingObjectError:  # collected or withdrawn meanwhile
+            return None
+        return base + 1 if manifest.republishes is None else None
 
     def read_state_file(self) -> dict[str, Any]:
         """state.json as saved, or a WhetstoneError naming what is wrong with it and what to do."""

@@ -124,7 +124,7 @@ def write_errors(path: str | Path) -> Iterator[None]:
         failures = err.args[0] if isinstance(err, shutil.Error) and err.args else None
         if isinstance(failures, list) and failures and isinstance(failures[0], tuple):
             cause = str(failures[0][-1])
-            if match := re.fullmatch(r"\[Errno (\d+)\] (.*)", cause, re.S):
+            if match := re.fullmatch(r"\[Errno (\d+)\] (.*?)(?:: '.*')?", cause, re.S):  # less the file's name
                 number, cause = int(match.group(1)), match.group(2)
         advice = WRITE_ERROR_ADVICE.get(number)
         then = f": {advice}, then run the command again" if advice else ""

@@ -28,6 +28,11 @@ def test_aliased_exits_and_skips_are_recognised():
     assert kinds({"a.py": "def f():\n    raise SystemExit(0)\n"}) == ["process_exit"]
 
 
+def test_a_byte_order_mark_hides_nothing():
+    # Python runs a file that starts with U+FEFF; ast.parse of the text does not
+    assert kinds({"a.py": "\ufeffimport os\nos._exit(0)\n"}) == ["process_exit"]
+
+
 def test_only_what_the_agent_added_counts():
     unchanged_exit = TASK.repo_files["lib.py"] + "\n\ndef helper():\n    return 2\n"
     assert kinds({"lib.py": unchanged_exit}) == []

@@ -35,9 +35,12 @@ def test_a_command_that_outlives_sigxcpu_is_over_the_cpu_limit():
     }
     with open_sandbox(files, SandboxConfig(cpu_s=1)) as sandbox:
         ignored = sandbox.run(["python", "ignores.py"], timeout_s=20)
-        handled = sandbox.run("python handles.py; echo after", timeout_s=20)
+        waited = time.thread_time()
+        handled = sandbox.run("python handles.py; sleep 2; echo after", timeout_s=20)
+        waited = time.thread_time() - waited
     assert (ignored.exit_code, ignored.timed_out, ignored.limits_hit) == (128 + 9, False, ["cpu"])
     assert (handled.exit_code, handled.stdout, handled.limits_hit) == (0, "xcpu\nafter\n", ["cpu"])
+    assert waited < 1.0  # once the limit is found, the run stops polling: the shell's 2 s asleep cost no CPU here
 
 
 def test_the_process_budget_leaves_room_for_threads_the_caller_starts_after_opening(shared_tmp):
@@ -129,3 +132,18 @@ def test_a_start_walk_that_lost_its_way_is_not_called_over_the_budget(monkeypatc
         monkeypatch.setattr(disk, "_lstat", real)
         assert sandbox.run("true").exit_code == 0
     assert "raise the budget" not in str(error.value)
+
+
+def test_a_root_on_a_file_system_without_locks_is_made_without_one(tmp_path, monkeypatch):
+    """Some network and FUSE file systems refuse flock: sandboxes there still open, their roots
+    judged by pid as before."""
+    import errno
+
+    from whetstone.envs.sandbox import sandbox as sandbox_module
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(sandbox_module.fcntl, "flock", no_locks)
+    root, lock = sandbox_module._make_root(tmp_path)
+    assert lock is None and root.is_dir() and list(root.iterdir()) == []

@@ -1,6 +1,7 @@
 """repofix's splits: a template none of whose functions is of the split asked for is refused at
 once, not drawn until the tries run out."""
 
+import random
 from unittest import mock
 
 import pytest
@@ -26,3 +27,23 @@ def test_heldout_tasks_of_textkit_alone_are_refused_before_any_sandbox_runs():
     message = str(refused.value)
     assert "no function of the templates ['textkit'] is in the 'heldout' split" in message
     assert "templates with such functions: ['life', 'shop']" in message
+
+
+def test_a_draw_with_no_function_of_the_split_runs_no_tests():
+    """A textkit draw among heldout templates has no candidate: it costs no sandboxed test run."""
+    from whetstone.envs.tasks import bugs
+
+    files = {"lib.py": "def double(x):\n    return 2 * x\n", "test_lib.py": "from lib import double\n"}
+    with mock.patch.object(bugs, "split_of", return_value="train"):
+        with mock.patch.object(bugs, "run_tests", side_effect=AssertionError("a sandbox ran")):
+            found = bugs.find_bugs(
+                files,
+                ["lib.py"],
+                ["test_lib.py"],
+                rng=random.Random(0),
+                want=1,
+                max_tries=5,
+                test_command="python -m pytest -q",
+                split="heldout",
+            )
+    assert found == []

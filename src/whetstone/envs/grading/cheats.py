@@ -112,7 +112,7 @@ def _scan_python(path: str, old: str | None, new: str) -> list[str]:
 
 def _python_findings(text: str) -> Counter | None:
     try:
-        tree = ast.parse(text)
+        tree = ast.parse(text.removeprefix("\ufeff"))  # Python runs a file after a byte order mark
     except (SyntaxError, ValueError, MemoryError, RecursionError):  # nested too deep to parse is too deep to run
         return None
     aliases = _import_aliases(tree)

@@ -179,7 +179,7 @@ def run_process(
                     deadline = min(deadline, time.perf_counter() + DRAIN_AFTER_KILL_S)
             if not stopped and not cpu_hit and time.perf_counter() >= cpu_due:
                 cpu_hit = _cpu_used_up(proc.pid, cpu_s)
-                cpu_due = time.perf_counter() + CPU_POLL_S
+                cpu_due = float("inf") if cpu_hit else time.perf_counter() + CPU_POLL_S  # found: no more polls
             if not stopped and (main_exited or (pidfd is None and proc.poll() is not None)):
                 stopped = True  # the command is done: stragglers that keep our pipes open are stopped
                 kill_tree(proc)

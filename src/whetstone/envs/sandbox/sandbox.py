@@ -8,6 +8,7 @@ the command). Opening a sandbox takes a prepared copy of the task's files from t
 from __future__ import annotations
 
 import atexit
+import errno
 import fcntl
 import functools
 import logging
@@ -285,8 +286,8 @@ class _Runtime:
     """What all sandboxes of one process share: the pool, the sandbox Python, the cgroup parent."""
 
     root: Path
-    lock: int
-    """The fd that holds `root`'s `OWNER_LOCK`."""
+    lock: int | None
+    """The fd that holds `root`'s `OWNER_LOCK` (None on a file system without locks)."""
     pool: WorkspacePool
     python: SandboxPython
     cgroup_root: CgroupRoot | None
@@ -294,7 +295,8 @@ class _Runtime:
     def close(self) -> None:
         self.pool.close()
         remove_tree(self.root)
-        os.close(self.lock)
+        if self.lock is not None:
+            os.close(self.lock)
 
 
 _runtimes: dict[tuple, _Runtime] = {}
@@ -322,22 +324,36 @@ def _runtime(config: SandboxConfig) -> _Runtime:
                 )
             except BaseException:
                 remove_tree(root)
-                os.close(lock)
+                if lock is not None:
+                    os.close(lock)
                 raise
             atexit.register(runtime.close)
             _runtimes[key] = runtime
         return _runtimes[key]
 
 
-def _make_root(parent: Path) -> tuple[Path, int]:
+NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)
+"""flock's errors on a file system that has no locks (some network and FUSE file systems)."""
+
+
+def _make_root(parent: Path) -> tuple[Path, int | None]:
     """A new sandbox root in `parent`, and the fd that holds its `OWNER_LOCK` for as long as this
     process lives. The lock file is locked before it takes its name, so that no other process
-    finds it unlocked meanwhile and takes the root for a dead one's."""
+    finds it unlocked meanwhile and takes the root for a dead one's. On a file system without
+    locks the root has no lock file (None): others judge it by the pid in its name."""
     root = Path(tempfile.mkdtemp(prefix=f"whetstone-sandbox-{os.getpid()}-", dir=parent))
     making = root / f"{OWNER_LOCK}.new"
     lock = os.open(making, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except OSError as err:
+            if err.errno not in NO_LOCKS:
+                raise
+            _warn_once(f"{parent} has no file locks ({err.strerror}): sandbox roots there are judged by pid")
+            making.unlink()
+            os.close(lock)
+            return root, None
         making.rename(root / OWNER_LOCK)
     except BaseException:
         os.close(lock)

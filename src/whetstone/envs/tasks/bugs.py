@@ -134,6 +134,8 @@ def find_bugs(
     if split is not None:
         candidates = [c for c in candidates if split_of(c[2]) == split]
     candidates = candidates[:max_tries]
+    if not candidates:  # no function of the split (a repofix template's are all in the other one)
+        return []
     probe = probe_task(files, tests, test_command, test_time_limit_s)
     baseline = run_tests(probe, {}, reward_config)
     passing = [test_id for test_id, outcome in baseline.outcomes.items() if outcome == "passed"]
