@@ -317,13 +317,15 @@ def test_a_placement_on_missing_cores_is_refused_before_mid_training(tmp_path):
     assert not (tmp_path / "runs" / "tiny" / "midtrain").exists()
 
 
-def test_cpu_groups_made_before_one_that_fails_are_removed(tmp_path, monkeypatch):
+def fake_cpu_groups(monkeypatch, refused: tuple[str, ...] = ()) -> list:
+    """`CpuGroup` replaced by a stand-in that fails for the `refused` sides; returns the groups
+    made, each with `removed`."""
     made = []
 
     class Group:
         def __init__(self, side, cores, period_us):
-            if side == "rollout":
-                raise WhetstoneError("CPU group rollout: cannot set its quota")
+            if side in refused:
+                raise WhetstoneError(f"CPU group {side}: cannot set its quota")
             self.removed = False
             made.append(self)
 
@@ -331,6 +333,11 @@ def test_cpu_groups_made_before_one_that_fails_are_removed(tmp_path, monkeypatch
             self.removed = True
 
     monkeypatch.setattr(pipeline_module, "CpuGroup", Group)
+    return made
+
+
+def test_cpu_groups_made_before_one_that_fails_are_removed(tmp_path, monkeypatch):
+    made = fake_cpu_groups(monkeypatch, refused=("rollout",))
     pipeline = Pipeline(tiny_run(tmp_path, "placement.trainer_cores=0.5", "placement.rollout_cores=1.0"))
     with pytest.raises(WhetstoneError, match="cannot set its quota"):
         pipeline.open_cpu_groups()
@@ -393,17 +400,7 @@ def test_invariant_numerics_on_one_side_only_are_refused_with_both_sides_named(t
 def test_cpu_groups_are_not_left_when_the_run_fails_before_or_in_its_first_stage(tmp_path, monkeypatch):
     # config.toml cannot be written (here a folder in its place; a full disk alike): no CPU group
     # is left, and one made before a stage fails is removed with the roles
-    made = []
-
-    class Group:
-        def __init__(self, side, cores, period_us):
-            self.removed = False
-            made.append(self)
-
-        def remove(self):
-            self.removed = True
-
-    monkeypatch.setattr(pipeline_module, "CpuGroup", Group)
+    made = fake_cpu_groups(monkeypatch)
     pipeline = Pipeline(tiny_run(tmp_path, "placement.trainer_cores=0.5", "placement.rollout_cores=1.0"))
     (pipeline.run_dir / "config.toml").mkdir(parents=True)
     with pytest.raises(WhetstoneError, match="cannot write .*config.toml"):
