@@ -502,33 +502,6 @@ def test_a_worker_too_busy_to_report_is_up_and_an_unreachable_one_down():
     assert asyncio.run(ask()) is None
 
 
-def test_a_version_whose_write_failed_is_a_rejected_version_until_one_is_written(served):
-    """As `whetstone serve` lists a version its engine failed to write (`WeightFollower.refused`):
-    in /health's `rejected_versions` and counted once in the rejections, whatever the retries."""
-    served.update_weights(whole(1, 1.0))
-    served.load()
-    served.update_weights(whole(2, 2.0))
-    for _ in range(2):  # the write fails (version 1 written back), and is tried again and fails again
-        served.worker.failures = 1
-        assert not served.load()
-    status = following(served).whetstone_status()
-    assert list(status["rejected_versions"]) == ["2"] and status["rejections_total"] == 1
-    assert "writing weight version 2 failed (RuntimeError: out of memory" in status["rejected_versions"]["2"]
-    health = health_of(status)
-    assert health["status"] == "weights stale" and health["rejected_versions"] == status["rejected_versions"]
-
-    served.worker.failures = 2  # version 3 merged in; its write fails, and so does writing 1 back
-    served.update_weights(whole(3, 3.0))
-    with pytest.raises(WeightWriteError):
-        served.load()
-    status = following(served).whetstone_status()
-    assert list(status["rejected_versions"]) == ["2", "3"] and status["rejections_total"] == 2
-
-    assert served.load() and served.version == 3  # written: nothing rejected is left, the count stays
-    status = following(served).whetstone_status()
-    assert status["rejected_versions"] == {} and status["rejections_total"] == 2
-
-
 class PausingVllm(FakeVllm):
     """vLLM whose /pause pauses its scheduler (as vLLM 0.32 does before it drains and answers),
     then fails: `pause_fails` is a timeout (a drain longer than the driver waits) or an error."""

@@ -67,12 +67,6 @@ class ServedWeights:
         self.whole = True
         """The model holds `version` whole: False after a write failed and writing `version`
         back failed too (it holds parts of two versions), until a write succeeds."""
-        self.refused: dict[int, str] = {}
-        """Versions whose write failed, with why, until one at least as new is written: the
-        server's rejected versions, as `whetstone serve` lists the writes its engine failed
-        (`WeightFollower.refused`)."""
-        self.refusals = 0
-        """Versions whose write failed, each counted once however often it is tried again."""
         self._staged: WeightUpdate | None = None
         self._lock = threading.Lock()
 
@@ -119,10 +113,9 @@ class ServedWeights:
         vLLM's reload has taken every tensor. A reload that raises part-way (out of memory, say)
         leaves the model holding parts of two versions: the update is taken back off `weights`
         and the served version written again, so the server goes on serving it whole (False);
-        the update stays staged (merged with any staged since) for the next call to write,
-        `problem` says why it is not served and `refused` lists its version. If writing the
-        served version back fails too, the model holds no whole version: `whole` turns False and
-        `WeightWriteError` is raised.
+        the update stays staged (merged with any staged since) for the next call to write, and
+        `problem` says why it is not served. If writing the served version back fails too, the
+        model holds no whole version: `whole` turns False and `WeightWriteError` is raised.
 
         The update is applied to `weights` in place (whole tensors replaced by the update's own
         values, sparse values overwritten with the old ones kept to take them back), so the host
@@ -155,23 +148,15 @@ class ServedWeights:
                         f"the model holds parts of versions {served} and {update.version} until one is written whole"
                     )
                     log.error("%s", self.problem)
-                    self._refuse(update.version, self.problem)
                     raise WeightWriteError(self.problem) from again
             self.whole = True
             self.problem = f"{failed}: serving version {served} until it is written"
             log.error("%s", self.problem)
-            self._refuse(update.version, self.problem)
             return False
         self._unstage(update)
         self.version, self.problem, self.whole = update.version, None, True
-        self.refused = {version: why for version, why in self.refused.items() if version > update.version}
         log.info("serving weight version %d (%d tensors changed)", update.version, len(update.tensors))
         return True
-
-    def _refuse(self, version: int, why: str) -> None:
-        if version not in self.refused:  # a retry of the same version says nothing new
-            self.refusals += 1
-        self.refused[version] = why
 
     def _apply(self, update: WeightUpdate) -> Undo:
         """Apply `update` to `weights`; returns how to take it back (`_revert`). On an error what
@@ -303,15 +288,14 @@ class WeightStoreFollower:
         follower: WeightFollower | None = getattr(self, "_whetstone", None)
         if follower is None:
             return {"following": False}
-        report, engine = follower.report(), follower.engine
-        rejected = report.rejected | engine.refused  # a write that failed is a rejected version, as in whetstone serve
+        report = follower.report()
         return {
             "following": True,
             "weight_version": follower.engine.version,
             "staged_version": follower.engine.staged_version,
             "latest_weight_version": report.latest_version,
-            "rejected_versions": {str(v): why for v, why in sorted(rejected.items())},
-            "rejections_total": report.rejections_total + engine.refusals,
+            "rejected_versions": {str(v): why for v, why in sorted(report.rejected.items())},
+            "rejections_total": report.rejections_total,
             "weights_problem": follower.engine.problem or report.problem,  # a failed write first
         }
 
