@@ -21,6 +21,7 @@ from collections import Counter
 from pathlib import PurePosixPath
 
 from whetstone.envs.task import Task
+from whetstone.utils.python_source import parse_source
 
 EXIT_CALLS = set(
     """
@@ -112,7 +113,7 @@ def _scan_python(path: str, old: str | None, new: str) -> list[str]:
 
 def _python_findings(text: str) -> Counter | None:
     try:
-        tree = ast.parse(text.removeprefix("\ufeff"))  # Python runs a file after a byte order mark
+        tree = parse_source(text)
     except (SyntaxError, ValueError, MemoryError, RecursionError):  # nested too deep to parse is too deep to run
         return None
     aliases = _import_aliases(tree)

@@ -25,8 +25,9 @@ from pathlib import PurePosixPath
 from whetstone.envs.grading.grade import grade
 from whetstone.envs.grading.reward import RewardConfig
 from whetstone.envs.task import Task
-from whetstone.envs.tasks.mutations import Mutation, mutation_sites, parse_source
+from whetstone.envs.tasks.mutations import Mutation, mutation_sites
 from whetstone.errors import WhetstoneError
+from whetstone.utils.python_source import parse_source
 
 HELDOUT_BUCKETS = 4
 HANG_FACTOR = 5.0

@@ -19,6 +19,8 @@ from __future__ import annotations
 import ast
 from dataclasses import dataclass
 
+from whetstone.utils.python_source import BOM, parse_source
+
 BINOP_SWAPS = {
     "+": "-",
     "-": "+",
@@ -76,17 +78,6 @@ class Mutation:
 
     def describe(self) -> str:
         return f"{self.operator} at line {self.line}: {self.original!r} -> {self.replacement!r}"
-
-
-BOM = "\ufeff"
-"""The UTF-8 byte order mark: a Python file may start with it (the interpreter skips it), but
-`ast.parse` of a string takes it for a stray character."""
-
-
-def parse_source(source: str) -> ast.Module:
-    """`source`, the text of a Python file, parsed as the interpreter reads the file: a leading
-    byte order mark is not code. Positions are as in `source` less the mark."""
-    return ast.parse(source.removeprefix(BOM))
 
 
 class _SiteFinder(ast.NodeVisitor):
