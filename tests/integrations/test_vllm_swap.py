@@ -555,3 +555,17 @@ def test_a_pause_that_timed_out_leaves_vllm_draining_for_the_next_pause_to_wait_
     driver.swap()
     assert vllm.calls == ["/pause", "/pause", "whetstone_apply", "/update_weight_version=2", "/resume"]
     assert not vllm.scheduler_paused
+
+
+def test_a_pause_that_keeps_timing_out_stops_the_server_at_the_limit():
+    """A drain that never ends keeps vLLM paused to new requests as a pause does: the limit holds."""
+    vllm = PausingVllm(pause_fails="timeout")
+    driver = driver_of(vllm, pause_limit_s=0.3)
+    driver.retry_first_s = driver._retry_in = driver.retry_max_s = 0.01
+    stopped = threading.Event()
+    driver.stop_server = stopped.set
+    driver.start()
+    assert stopped.wait(30), "vLLM stayed paused, draining, past the limit"
+    with vllm.lock:
+        assert vllm.calls.count("/pause") >= 1 and "whetstone_apply" not in vllm.calls and "/resume" not in vllm.calls
+    assert driver._pause_wait_s() == 1.0  # a /pause now would wait no more than the least

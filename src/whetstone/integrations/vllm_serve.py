@@ -233,6 +233,9 @@ class SwapDriver:
         follower retries a version the engine refused)."""
         self._retry_at, self._retry_in = 0.0, RETRY_FIRST_S
         self._paused_at = 0.0
+        self._draining_since: float | None = None
+        """When a /pause first timed out with vLLM still draining (paused to new requests), until a
+        /pause goes through: that time counts toward the pause limit as a pause does."""
         self.client = httpx.Client(base_url=root, timeout=600.0)
 
     def start(self) -> None:
@@ -290,10 +293,11 @@ class SwapDriver:
             except Exception as err:  # a busy or restarting engine, an odd answer: try again at the next poll
                 # (any error: the thread ending would leave a paused vLLM paused past its limit)
                 log.warning("weight swap check failed: %s: %s", type(err).__name__, err)
-                if self.paused and time.monotonic() - self._paused_at >= self.pause_limit_s:
+                since = self._paused_since()
+                if since is not None and time.monotonic() - since >= self.pause_limit_s:
                     log.error(
                         "vLLM has been paused for %.0f s by weight swaps that do not go through: stopping the server",
-                        time.monotonic() - self._paused_at,
+                        time.monotonic() - since,
                     )
                     self.stop_server()
                     return
@@ -324,20 +328,25 @@ class SwapDriver:
         A /pause that fails is answered with /resume (`_resume_unswapped`), except one that timed
         out: vLLM is still draining, paused, and the next swap's /pause waits for that drain.
         Either way the next swap comes `retry_first_s` later, the wait doubling to `retry_max_s`;
-        `_run` stops the server once vLLM has been paused `pause_limit_s`."""
+        `_run` stops the server once vLLM has been paused `pause_limit_s`, drains included."""
         started = time.perf_counter()
         state = "vLLM stays paused"
         try:
             if not self.paused:
                 try:
-                    self.client.post("/pause", params={"mode": "wait", "clear_cache": "true"}).raise_for_status()
+                    self.client.post(
+                        "/pause", params={"mode": "wait", "clear_cache": "true"}, timeout=self._pause_wait_s()
+                    ).raise_for_status()
                 except httpx.ReadTimeout:
                     state = "vLLM stays paused, draining: the next /pause waits for the same drain"
+                    if self._draining_since is None:
+                        self._draining_since = time.monotonic()
                     raise
                 except Exception:
                     state = self._resume_unswapped()
                     raise
-                self.paused, self._paused_at = True, time.monotonic()
+                self.paused, self._paused_at = True, self._draining_since or time.monotonic()
+                self._draining_since = None
             answer = self.rpc("whetstone_apply")
             version = answer["weight_version"]
             self.post("/update_weight_version", new_version=str(version))
@@ -371,15 +380,28 @@ class SwapDriver:
             self.post("/resume")
         except Exception as err:
             return f"vLLM may stay paused: /resume failed too ({type(err).__name__}: {err})"
+        self._draining_since = None
         return "vLLM resumed on the weights it served"
 
     def _next_try(self) -> float:
         """When the next swap may start: after the retry's wait, and no later than the pause
         limit while vLLM is paused (a wait of up to `retry_max_s` would otherwise keep it paused
         that much past the limit), where a swap that fails too stops the server."""
-        if not self.paused:
+        since = self._paused_since()
+        if since is None:
             return self._retry_at
-        return min(self._retry_at, self._paused_at + self.pause_limit_s)
+        return min(self._retry_at, since + self.pause_limit_s)
+
+    def _paused_since(self) -> float | None:
+        """Since when vLLM has been paused by swaps (a pause that went through, or a /pause that
+        timed out while vLLM drained), or None while it serves."""
+        return self._paused_at if self.paused else self._draining_since
+
+    def _pause_wait_s(self) -> float:
+        """How long a /pause may wait for vLLM to drain: until the pause limit (counted from the
+        first /pause that timed out), so that a drain that never ends is met by the limit."""
+        since = self._draining_since if self._draining_since is not None else time.monotonic()
+        return max(1.0, since + self.pause_limit_s - time.monotonic())
 
     def _record(self, status: dict) -> None:
         if self.gauges is not None:
