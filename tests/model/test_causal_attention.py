@@ -115,3 +115,20 @@ def test_mid_training_takes_it_in_bf16_only(monkeypatch):
     assert not taken
     token_losses(model, batch, "bfloat16")[0].sum().backward()
     assert taken == [1]
+
+
+def _cached_biases() -> int:
+    """How many tensors the module's caches hold."""
+    return sum(f.cache_info().currsize for f in vars(causal_attention).values() if hasattr(f, "cache_info"))
+
+
+def test_the_kept_masks_do_not_grow_with_the_number_of_training_lengths(monkeypatch):
+    monkeypatch.setattr(causal_attention, "BLOCK", 4)
+    for f in vars(causal_attention).values():
+        if hasattr(f, "cache_clear"):
+            f.cache_clear()
+    for length in range(1, 65):  # every length cuts its last block at another place
+        q, k, v = heads(batch=1, length=length, dim=4, dtype=torch.float32)
+        out = causal_attention._CausalAttention.apply(q, k, v)
+        torch.testing.assert_close(out, reference(q, k, v))
+    assert _cached_biases() == 64 // 4  # one per whole block, however many lengths cut it short

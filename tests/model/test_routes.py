@@ -108,3 +108,53 @@ def test_the_queued_check_fails_on_an_id_outside_the_experts(bad):
     routes[0, 1, 0, 1] = bad
     with pytest.raises(RuntimeError, match=r"routes hold expert ids outside 0..3"):
         assert_route_ids_async(routes, num_experts=4)
+
+
+def _router_preferring_expert_0(cfg, gap: float):
+    """A router whose logits for a token x = e_0 are (gap, 0, 0, ...): the other experts' fp32
+    probabilities are exp(-gap), subnormal past a gap of 87 and exactly 0 past 104."""
+    router = Transformer(cfg).layers[1].mlp.router
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[0, 0] = gap
+    x = torch.zeros(3, cfg.hidden_size)
+    x[:, 0] = 1
+    return router, x.requires_grad_()
+
+
+@pytest.mark.parametrize("gap", [200.0, 95.0])  # probabilities 0, or subnormal (5.5e-42)
+def test_replayed_experts_the_router_gives_no_probability_get_finite_gates_and_gradients(gap, make_config):
+    cfg = make_config(norm_topk_prob=True)
+    router, x = _router_preferring_expert_0(cfg, gap)
+    routes = torch.tensor([[2, 3], [1, 2], [3, 0]])
+    ids, gates, probs = router(x, routes)
+    # renormalised over the chosen experts: equal logits share the weight, expert 0 takes it all
+    torch.testing.assert_close(gates, torch.tensor([[0.5, 0.5], [0.5, 0.5], [0.0, 1.0]]), rtol=0, atol=1e-6)
+    (gates * torch.tensor([3.0, -1.0])).sum().backward()
+    assert torch.isfinite(router.weight.grad).all() and torch.isfinite(x.grad).all()
+
+
+def test_replay_far_from_the_routers_choice_keeps_the_loss_finite(make_config):
+    cfg = make_config(norm_topk_prob=True)
+    torch.manual_seed(0)
+    model = Transformer(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 8))
+    own = model(ids, return_routes=True).routes
+    with torch.no_grad():  # a router that moved far since the routes were recorded
+        for index in cfg.moe_layers:
+            model.layers[index].mlp.router.weight.mul_(1000)
+    out = model(ids, targets=ids.roll(-1, 1), routes=(own + 2) % cfg.num_experts)
+    loss = -out.logprobs.mean() + cfg.router_aux_loss_coef * out.aux_loss
+    loss.backward()
+    assert torch.isfinite(loss)
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
+
+
+def test_replay_renormalises_the_full_softmaxs_probabilities_where_they_are_representable(make_config):
+    cfg = make_config(norm_topk_prob=True)
+    router = Transformer(cfg).layers[1].mlp.router
+    x = torch.randn(64, cfg.hidden_size)
+    routes = torch.randint(0, cfg.num_experts, (64, 2))
+    _, gates, probs = router(x, routes)
+    chosen = probs.gather(-1, routes)
+    assert torch.equal(gates, chosen / chosen.sum(-1, keepdim=True))

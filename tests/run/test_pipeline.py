@@ -187,18 +187,18 @@ def test_an_orchestrator_that_gives_up_ends_rl_and_the_run_goes_on(tmp_path):
 
 
 def test_rl_without_a_step_names_the_side_that_held_it_up(tmp_path):
+    from whetstone.rl.batch_store import batch_key
+    from whetstone.store import open_store
+
     pipeline = Pipeline(tiny_run(tmp_path, "rl.max_wall_time=30"))
-    batches = tmp_path / "batches.jsonl"
-    assert (
-        pipeline.why_no_rl_step(batches, {}) == "the orchestrator put no batch in 30 s: no group of rollouts finished"
-    )
+    assert pipeline.why_no_rl_step({}) == "the orchestrator put no batch in 30 s: no group of rollouts finished"
     fruitless = {"groups_finished": 6, "groups_kept": 0, "rollouts_dropped": {"no_variance": 20, "small_group": 4}}
-    assert pipeline.why_no_rl_step(batches, fruitless) == (
+    assert pipeline.why_no_rl_step(fruitless) == (
         "the orchestrator put no batch in 30 s: 0 of the 6 groups that finished had something to train on "
         "(rollouts dropped: no_variance 20, small_group 4; no_variance: all solved or all failed)"
     )
-    batches.write_text('{"index": 0}\n')
-    assert pipeline.why_no_rl_step(batches, fruitless) == (
+    open_store(pipeline.config.rl.orchestrator.batch_store).put(batch_key(0), b"batch")
+    assert pipeline.why_no_rl_step(fruitless) == (
         "the trainer did not finish its first step in 30 s (1 batch(es) put): raise rl.max_wall_time"
     )
 

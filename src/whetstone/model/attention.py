@@ -30,11 +30,12 @@ class Attention(nn.Module):
         separate tensors, as in HF checkpoints). Under inference mode (the engine) the matrix is
         kept, and made again only when a weight is written to in place (its version counter
         moves, as on a hot swap) or replaced; elsewhere (training, FSDP's gathered weights) it is
-        concatenated per call. The kept matrix has the weights' layout (the engine's is
-        column-major) and, once made, keeps its storage: a swap refreshes it in place, so the
+        concatenated per call, as it is for weights made under inference mode, which have no
+        version counter to tell a write by. The kept matrix has the weights' layout (the engine's
+        is column-major) and, once made, keeps its storage: a swap refreshes it in place, so the
         engine's captured decode graphs stay valid."""
         weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
-        if not torch.is_inference_mode_enabled():
+        if not torch.is_inference_mode_enabled() or any(w.is_inference() for w in weights):
             self._qkv = None
             return torch.cat(weights)
         key = tuple((w.data_ptr(), w._version, w.dtype) for w in weights)

@@ -48,10 +48,19 @@ def applies(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.device.type == "cpu" and length == k.shape[2] and length <= MAX_LENGTH and compute_dtype(q) in REDUCED
 
 
-@functools.cache
 def _causal_bias(start: int, end: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """[(end - start) * group, end]: 0 where a row (position in [start, end), head within the
-    group) may attend, -inf after it."""
+    group) may attend, -inf after it. A view of the bias of the whole block from `start`: a
+    block's bias is the top-left corner of a longer one, so a block cut short by the sequence's
+    end (one per training length) adds nothing to the cache."""
+    return _block_bias(start, start + BLOCK, group, dtype, device)[: (end - start) * group, :end]
+
+
+@functools.lru_cache(maxsize=64)
+def _block_bias(start: int, end: int, group: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`_causal_bias` of a whole block, made anew. The 64 used last are kept: a group, dtype and
+    device take MAX_LENGTH / BLOCK (8) blocks of at most BLOCK * group * MAX_LENGTH elements
+    each (2 MiB in bf16 at a group of 8); a bias per block and length would be hundreds of MiB."""
     with torch.inference_mode(False):  # a normal tensor, usable by forwards in and out of inference mode
         position = torch.arange(start, end, device=device).repeat_interleave(group)
         allowed = torch.arange(end, device=device)[None, :] <= position[:, None]

@@ -27,15 +27,41 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, routes: torch.Tensor | None = None):
         """x [N, H] -> (expert ids [N, k] in selection order, gates [N, k] fp32, probs [N, E] fp32)."""
-        probs = ops.softmax(ops.linear(x, self.weight))
+        logits = ops.linear(x, self.weight)
+        probs = ops.softmax(logits)
         if routes is None:
             gates, ids = ops.top_k(probs, self.top_k)
+            if self.norm_topk_prob:  # never near 0: the sum holds the largest probability, >= 1 / E
+                gates = gates / gates.sum(dim=-1, keepdim=True)
         else:
             ids = routes
             gates = probs.gather(-1, ids)
-        if self.norm_topk_prob:
-            gates = gates / gates.sum(dim=-1, keepdim=True)
+            if self.norm_topk_prob:
+                gates = renormalised(gates, logits, ids)
         return ids, gates, probs
+
+
+SMALLEST_GATE_SUM = torch.finfo(torch.float32).tiny ** 0.5
+"""Below this sum of the chosen experts' probabilities (about 1e-19), `renormalised` takes the
+softmax of their logits instead of dividing by the sum: there the probabilities may be 0 or
+subnormal (few significant bits), and the division's gradient, 1 / sum, can overflow fp32."""
+
+
+def renormalised(gates: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The chosen experts' probabilities `gates` [N, k] (gathered from the softmax of `logits`
+    [N, E] at `ids`) scaled to sum to 1 per row: gates / their sum, as transformers computes it.
+
+    Replayed experts may be ones the router now gives no probability (logits ~100 below its
+    favourite's underflow to exactly 0 in fp32), where that division is 0 / 0. Such rows take the
+    softmax over the chosen experts' logits, the same value computed without forming the
+    probabilities. Other rows compute gates / their sum's bits, so a replay of captured routes
+    (whose sum holds the largest probability, at least 1 / E) computes the capture's gates."""
+    total = gates.sum(dim=-1, keepdim=True)
+    small = total < SMALLEST_GATE_SUM
+    # The divisor is replaced in small rows too: the branch `where` drops still gets a zero
+    # gradient, and 0 / 0 there would make it NaN.
+    divided = gates / torch.where(small, 1.0, total)
+    return torch.where(small, ops.softmax(logits.gather(-1, ids)), divided)
 
 
 class Experts(nn.Module):

@@ -53,7 +53,7 @@ def run(
         pipeline = Pipeline(loaded)
         check_run_config(pipeline.config, midtrain_only=True)  # what mid-training reads, its devices
         with pipeline.roles_stopped(), sigterm_raises():
-            summary = pipeline.midtrain()
+            summary = pipeline.midtrain_alone()
         print_summary(summary, as_json)
         return
     if torchrun and not dry_run:

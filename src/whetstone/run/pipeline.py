@@ -18,8 +18,10 @@ from the next batch index, and an evaluation whose report evaluated what it woul
 (the same mid-trained model, trainer step and temperatures: `evaluated.json`) is not run again.
 The evaluation before RL runs only while the weight store holds nothing past version 0, the
 mid-trained model: the servers follow the store (`Pipeline.check_serving_initial_weights`).
-A run first removes the summary.json and report.html an earlier run in its folder left: written
-again once every stage has run, they would otherwise show that run's results after a run that failed.
+A run first removes the summary.json, report.html and model/ an earlier run in its folder left:
+written again once every stage has run, they would otherwise show that run's results after a run
+that failed. Mid-training alone (`--midtrain-only`) removes them once it leaves another mid-trained
+model than the one they were of (`Pipeline.midtrain_alone`).
 """
 
 from __future__ import annotations
@@ -66,8 +68,9 @@ YARDSTICK_KEYS = (
 """The summary's keys comparing the evaluations' temperature sweeps (`Pipeline.yardstick`)."""
 EVALUATED_FILE = "evaluated.json"
 """Beside an evaluation's report.json: what it evaluated (`Pipeline.evaluated`)."""
-RESULT_FILES = ("summary.json", "report.html")
-"""What a run writes of its results once it has run every stage (`Pipeline.remove_last_results`)."""
+RESULT_FILES = ("summary.json", "report.html", "model")
+"""What a run writes of its results once it has run every stage: its summary, its report and its
+final policy, exported (`Pipeline.remove_last_results`)."""
 STOP_GRACE_S = 600.0
 """How long a trainer told to stop at `rl.max_wall_time` may take to finish its step, checkpoint
 and publish before it is killed (a step of the default run on two cores takes ~20 s)."""
@@ -87,6 +90,18 @@ def release_gpu_memory() -> None:
     if torch.cuda.is_initialized():
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def folder_digest(folder: Path) -> str:
+    """sha256 over the files of `folder` (names and contents): a copy of the same files reads the
+    same, other files do not."""
+    digest = hashlib.sha256()
+    for file in sorted(p for p in folder.rglob("*") if p.is_file()):
+        digest.update(f"{file.relative_to(folder)}\0".encode())
+        with open(file, "rb") as handle:
+            for block in iter(lambda: handle.read(1 << 20), b""):
+                digest.update(block)
+    return digest.hexdigest()
 
 
 def demo_source(config: PipelineConfig):
@@ -325,6 +340,19 @@ class Pipeline:
         release_gpu_memory()  # mid-training ran in this process: its GPU memory goes to the roles
         return summary
 
+    def midtrain_alone(self) -> dict[str, Any]:
+        """Mid-training without the stages after it (`whetstone run --midtrain-only`). The results
+        an earlier whole run left (`RESULT_FILES`) are of the mid-trained model it found: once
+        mid-training has left another one, or failed after replacing it, they are removed, since
+        they describe a run of a model the folder no longer holds; a mid-training that changed
+        nothing (finished already) leaves them."""
+        before = folder_digest(self.model_dir) if self.model_dir.is_dir() else None
+        try:
+            return self.midtrain()
+        finally:
+            if (folder_digest(self.model_dir) if self.model_dir.is_dir() else None) != before:
+                self.remove_last_results()
+
     def follow_midtrain(self, role: RoleProcess) -> None:
         """Wait for mid-training run by `role` (ranks of this machine or of a Ray cluster), its
         progress (from rank 0's metrics) on the bar mid-training in this process would show;
@@ -497,13 +525,7 @@ class Pipeline:
     def model_digest(self) -> str:
         """sha256 over the mid-trained model's files (names and contents): an export of the same
         weights reads the same, another model does not. Taken once, after mid-training."""
-        digest = hashlib.sha256()
-        for file in sorted(p for p in self.model_dir.rglob("*") if p.is_file()):
-            digest.update(f"{file.relative_to(self.model_dir)}\0".encode())
-            with open(file, "rb") as handle:
-                for block in iter(lambda: handle.read(1 << 20), b""):
-                    digest.update(block)
-        return digest.hexdigest()
+        return folder_digest(self.model_dir)
 
     def rl(self) -> dict[str, Any]:
         steps, bound = self.config.rl.steps, self.config.rl.max_wall_time
@@ -564,9 +586,7 @@ class Pipeline:
         else:  # stopped before its first step, the trainer checkpointed nothing (or, killed before it
             # took its stop signal, just ended on it): the run goes on with the mid-trained policy
             no_step = (
-                f"the orchestrator stopped: {gave_up}"
-                if gave_up
-                else self.why_no_rl_step(batch_metrics, read_json_object(status))
+                f"the orchestrator stopped: {gave_up}" if gave_up else self.why_no_rl_step(read_json_object(status))
             )
             log.warning("RL made no step: %s", no_step)
         orchestrator.stop()
@@ -603,15 +623,20 @@ class Pipeline:
             env=self.client_environment(),
         )
 
-    def why_no_rl_step(self, batch_metrics: Path, status: dict) -> str:
-        """Why RL ended at `rl.max_wall_time` without a step: the orchestrator put no batch (with its
-        groups' totals, `status`: none finished, or all dropped and why), or the trainer did not
-        finish its first step."""
+    def why_no_rl_step(self, status: dict) -> str:
+        """Why RL ended at `rl.max_wall_time` without a step: the orchestrator put no batch 0, the
+        one the first step trains on (with its groups' totals, `status`: none finished, or all
+        dropped and why), or the trainer did not finish its first step. The batch store says
+        which, not the orchestrator's metrics: they keep the records of batches an earlier run
+        put in a store emptied since."""
+        from whetstone.rl.batch_store import batch_indices, batch_key
+
         bound = f"{self.config.rl.max_wall_time:g} s"
-        batches = len(read_metrics(batch_metrics)) if batch_metrics.exists() else 0
-        if batches:
+        orchestrator = self.config.rl.orchestrator
+        store = open_store(orchestrator.batch_store, endpoint_url=orchestrator.store_endpoint_url)
+        if store.exists(batch_key(0)):
             return (
-                f"the trainer did not finish its first step in {bound} ({batches} batch(es) put): "
+                f"the trainer did not finish its first step in {bound} ({len(batch_indices(store))} batch(es) put): "
                 "raise rl.max_wall_time"
             )
         finished, kept = status.get("groups_finished", 0), status.get("groups_kept", 0)
@@ -779,11 +804,15 @@ class Pipeline:
 
     def remove_last_results(self) -> None:
         """Remove the `RESULT_FILES` an earlier run left in the run folder: this run writes them
-        again when it ends, and should it fail first, they would show that run's results as its own."""
+        again when it ends, and should it fail first, they would show that run's results (its
+        exported model among them) as its own."""
         for name in RESULT_FILES:
             path = self.run_dir / name
             with write_errors(path):
-                path.unlink(missing_ok=True)
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path)
+                else:
+                    path.unlink(missing_ok=True)
 
     def run(self) -> dict[str, Any]:
         from whetstone.run.preflight import check_run_config

@@ -54,6 +54,7 @@ def _problems(config: PipelineConfig, midtrain_only: bool) -> Iterator[str]:
         yield from _exists("midtrain.data.tokenizer", Path(data.tokenizer) / "tokenizer.json", "file")
     if config.midtrain.run.init_from:
         yield from _exists("midtrain.run.init_from", expand_path(config.midtrain.run.init_from) / "config.json", "file")
+    yield from _not_in_export(config)
     pinned = config.placement.backend == "local" and not midtrain_only  # on Ray the roles run on its nodes
     for role in ("trainer", "servers", "orchestrator") if pinned else ():
         try:
@@ -178,6 +179,19 @@ def _tasks(key: str, tasks: TasksConfig) -> Iterator[str]:
         yield f"{key}.source: {bad.where}: {bad.problem}"
     elif not records:
         yield f"{key}.source: {tasks.source} holds no tasks"
+
+
+def _not_in_export(config: PipelineConfig) -> Iterator[str]:
+    """A model mid-training reads from the run's own exported model/: a run removes that folder
+    when it starts (`pipeline.RESULT_FILES`), so mid-training would not find it."""
+    exported = (config.run_dir / "model").resolve()
+    data, run = config.midtrain.data, config.midtrain.run
+    for key, path in (("midtrain.run.init_from", run.init_from), ("midtrain.data.tokenizer", data.tokenizer)):
+        if path and expand_path(path).resolve().is_relative_to(exported):
+            yield (
+                f"{key}: {path!r} is in {exported}, the run's exported model, which the run removes when it "
+                "starts: copy it out of the run folder and point the key at the copy"
+            )
 
 
 def _exists(key: str, path: str | Path, kind: str) -> Iterator[str]:
