@@ -64,6 +64,15 @@ def test_an_event_the_servers_would_refuse_is_dropped_not_the_update(caplog):
     assert "feedback event 3 dropped: rating 'regenerate' is not one of" in caplog.text
 
 
+def test_a_record_of_sampling_parameters_the_servers_refuse_is_dropped_not_the_update(caplog):
+    # another writer of the store: a NaN temperature would fail the collate of the whole update
+    odd = [rated(3, temperature=float("nan")), rated(4, temperature=500.0), rated(5, top_p=float("nan"))]
+    built = feedback_batch([rated(1), rated(2, "thumbs_down"), *odd], OnlineConfig(), version=5)
+    assert built.counts["dropped_malformed"] == 3 and built.counts["kept"] == 2 and built.batch is not None
+    assert "feedback event 3 dropped: temperature must be in [0, 100], got nan" in caplog.text
+    assert "feedback event 5 dropped: top_p must be in (0, 1], got nan" in caplog.text
+
+
 def test_a_record_that_does_not_fit_the_model_is_dropped_not_the_update(caplog):
     # a server of another model writing to the same store: its trainer forward would fail
     model = tiny_config()  # a vocabulary of 512, 2 MoE layers of 4 experts, 2 per token: rated()'s routes fit

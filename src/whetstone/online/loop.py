@@ -21,10 +21,15 @@ store's weights with a fresh optimizer, and logs why. Feedback is read at most o
 is saved before training, so a crash loses that update's events rather than training on them
 twice; the range being consumed is saved with it, so a restart says which events were lost (log,
 and `lost_events` in the next metrics record). Before a candidate is published state.json also
-says which version it goes on from (`publishing_on`): a loop killed after the publish and before
-recording it finds the version in the store on restart, and says the events were trained on and
-published, not lost. Any cursor goes with any checkpoint: what must match is moments and
-weights, and the checkpoint holds both, written as one directory.
+says which version it goes on from (`publishing_on`), and the update is recorded as finished only
+after the version's checkpoint: a loop killed after the publish and before recording it finds
+the version in the store on restart, and says the events were trained on and published, not
+lost (log, and `unrecorded_updates` in the next metrics record). Where it was killed writing the
+checkpoint, the loop takes the version's weights from the store and the AdamW moments of the
+version the update stepped from (its checkpoint, checked against the store's weights of it), one
+update behind rather than fresh, and saves them as the version's checkpoint. Any cursor goes
+with any checkpoint: what must match is moments and weights, and the checkpoint holds both,
+written as one directory.
 
 The cursor is an event number of one database: state.json keeps the store's id beside it, and the
 loop refuses a store with another id (recreated, replaced) or whose newest event is below the
@@ -114,6 +119,12 @@ class _SavedLineage(_Saved):
     weights: dict[int, Count] = {}
 
 
+class _SavedUnrecorded(_Saved):
+    update: Count
+    version: Count
+    events: Count
+
+
 class _SavedWeightStore(_Saved):
     store: str
     version: Count | None
@@ -130,6 +141,7 @@ class SavedState(_Saved):
     store: str = ""
     consuming: _SavedConsuming | None = None
     lost_events: Count = 0
+    unrecorded_updates: list[_SavedUnrecorded] = []
     lineage: _SavedLineage = _SavedLineage()
     weight_store: _SavedWeightStore | None = None
 
@@ -171,6 +183,9 @@ class OnlineLoop:
         self.stop = threading.Event()
         """Set by SIGTERM / SIGINT while `run` runs: a retry of the feedback store stops waiting."""
         self.state_path = self.run_dir / "state.json"
+        self.stepped_from: dict[int, int] = {}
+        """Version -> the version it is an update of, for a version an update published and was
+        stopped before checkpointing (`load_state`): whose moments the loop resumes it with."""
         self.state = self.load_state()
         self.version: int | None = None
         """The deployed version: the store's newest, which the policy's weights are."""
@@ -205,6 +220,8 @@ class OnlineLoop:
             if self.weights.latest() != latest:  # another version (a rollback) landed meanwhile
                 return self.follow_store()
             why_not = self.resume_checkpoint(latest, served)
+            if why_not and latest in self.stepped_from:
+                why_not = self.resume_unrecorded(latest, self.stepped_from.pop(latest), served, why_not)
             if why_not:
                 self.model.load_state_dict(served)
                 self.optimizer = self.new_optimizer()
@@ -254,6 +271,32 @@ class OnlineLoop:
         log.info("version %d: resumed its fp32 masters and optimizer moments from %s", version, path)
         return ""
 
+    def resume_unrecorded(self, version: int, base: int, served: dict[str, torch.Tensor], why_not: str) -> str:
+        """For `version`, published by an update of `base` that was stopped before it saved its
+        checkpoint: `served` (the store's weights of `version`) with the AdamW moments (and the
+        learned logit scale) of `base`'s checkpoint, checked to publish to the store's weights of
+        `base`, saved as `version`'s checkpoint, so a later restart resumes them too. The moments
+        miss that one update's gradient; a fresh optimizer's miss every one, and its first step
+        moves every weight by about the full learning rate. Returns why not (after `why_not`, why
+        `version`'s own checkpoint could not be resumed), or "" if resumed."""
+        self.optimizer = self.new_optimizer()  # nothing of a checkpoint of `version` that did not fit
+        try:
+            base_served = load_version(self.weights, self.config.sync, base)
+        except WhetstoneError as err:
+            return f"{why_not}; nor of version {base}, which the update that published it stepped from: {err}"
+        why_base = self.resume_checkpoint(base, base_served)
+        if why_base:
+            return f"{why_not}; nor of version {base}, which the update that published it stepped from: {why_base}"
+        self.model.load_state_dict(served)
+        self.checkpoint(version)
+        log.warning(
+            "version %d: the store's weights, with the optimizer moments of version %d, which the update that "
+            "published it stepped from (one update behind), saved as its checkpoint",
+            version,
+            base,
+        )
+        return ""
+
     def load_state(self) -> dict[str, Any]:
         """state.json, checked against the weight store (`check_weight_store`) and the feedback
         store (`check_store`), or a fresh loop's: it starts after the newest event a loop recorded
@@ -280,15 +323,17 @@ class OnlineLoop:
         if published is not None:
             log.warning(
                 "update %d read feedback events %d..%d (%d events), trained on them and published version %d, "
-                "and was stopped or killed before recording it (it has no metrics record, and version %d no "
-                "optimizer state): they are not read again",
+                "and was stopped or killed before recording it (it has no metrics record): they are not read "
+                "again, and the next metrics record names the update (`unrecorded_updates`)",
                 consuming["update"],
                 consuming["after"] + 1,
                 consuming["through"],
                 consuming["events"],
                 published,
-                published,
             )
+            unrecorded = {"update": consuming["update"], "version": published, "events": consuming["events"]}
+            self.state["unrecorded_updates"] = [*self.state.get("unrecorded_updates", []), unrecorded]
+            self.stepped_from[published] = consuming["publishing_on"]
         elif consuming is not None:  # forgotten at the next update's end, when its record says so
             log.warning(
                 "update %d read feedback events %d..%d (%d events) and did not finish (the loop was "
@@ -483,8 +528,9 @@ class OnlineLoop:
             record["adopted"] = adopted
             log.warning("the weight store moved to version %d (a rollback?): adopted it", adopted)
         self.check_store()
-        if "lost_events" in self.state:
-            record["lost_events"] = self.state["lost_events"]
+        for reported in ("lost_events", "unrecorded_updates"):
+            if reported in self.state:
+                record[reported] = self.state[reported]
         after = self.state["cursor"]
         rated, passed = self.read_feedback()
         record["passed_stale"] = passed
@@ -514,9 +560,9 @@ class OnlineLoop:
             self.consumed()
             return record | {"decision": "skipped", "reason": built.skip_reason, "version": self.version}
         record |= self.train_and_gate(built.batch)
+        if record["decision"] == "published":  # before `consumed`: a loop stopped while writing it finds
+            record |= self.checkpoint()  # the version its update published (`published_by`)
         self.consumed()
-        if record["decision"] == "published":
-            record |= self.checkpoint()
         log.log(
             logging.INFO if record["decision"] == "published" else logging.WARNING,
             "update %d %s (version %d): %s",
@@ -529,9 +575,10 @@ class OnlineLoop:
 
     def consumed(self) -> None:
         """The update's events are trained on (published or discarded) or judged unusable: forget
-        the range being consumed, and the lost events its record reported."""
+        the range being consumed, and the lost events and unrecorded updates its record reported."""
         self.state.pop("consuming", None)
         self.state.pop("lost_events", None)
+        self.state.pop("unrecorded_updates", None)
         self.save_state()
 
     def save_state(self) -> None:
@@ -631,9 +678,9 @@ class OnlineLoop:
             "delta_bytes": manifest.encoded_bytes,
         }
 
-    def checkpoint(self) -> dict[str, Any]:
-        """Save the masters and moments of the version just published (`checkpoints/`), and the
-        update count (`updates_recorded`)."""
+    def checkpoint(self, version: int | None = None) -> dict[str, Any]:
+        """Save the masters and moments of `version` (default: the one just published) in
+        `checkpoints/`, and the update count (`updates_recorded`)."""
         started = time.perf_counter()
         data: dict[str, Any] = {"updates": self.state["updates"]}
         if self.logit_scale is not None:
@@ -642,7 +689,7 @@ class OnlineLoop:
             self.checkpoints,
             self.model,
             self.optimizer,
-            TrainState(step=self.version, data=data),
+            TrainState(step=self.version if version is None else version, data=data),
             config=self.config.model_dump(mode="json"),
             keep=KEEP_CHECKPOINTS,
         )

@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from whetstone.envs.trajectory import ModelCall, Segment, Trajectory
 from whetstone.errors import WhetstoneError
-from whetstone.inference.sampling import GREEDY_BELOW
+from whetstone.inference.sampling import GREEDY_BELOW, SamplingParams
 from whetstone.model import ModelConfig
 from whetstone.model.moe import check_route_ids
 from whetstone.online.config import OnlineConfig
@@ -54,8 +54,11 @@ def truncated(response: ResponseRecord) -> bool:
 
 
 def rated_sample(item: RatedResponse, reward: float) -> list[Sample]:
-    """The sample of one rated response; raises WhetstoneError if its record does not add up."""
+    """The sample of one rated response; raises WhetstoneError if its record does not add up,
+    sampling parameters the servers refuse among them (a NaN temperature fails the whole batch's
+    collate, a temperature beyond the servers' bound is not what any reply was sampled at)."""
     response = item.response
+    SamplingParams(temperature=response.temperature, top_p=response.top_p, top_k=response.top_k)
     call = ModelCall(
         prompt_ids=response.prompt_ids,
         completion_ids=response.completion_ids,

@@ -44,6 +44,16 @@ def test_mutate_needs_source_and_tests():
         mutate_project({"calc.py": PROJECT["calc.py"]}, "calc", MutateConfig())
 
 
+def test_mutate_refuses_a_split_no_function_of_the_project_is_in():
+    """calc.py:double is a train function: no held-out bug can go into it (refused before any test run)."""
+    config = MutateConfig(sources=["calc.py"], split="heldout")
+    with pytest.raises(WhetstoneError) as refused:
+        mutate_project(PROJECT, "calc", config)
+    assert str(refused.value).startswith(
+        "mutate: calc: no function of its source files (calc.py) that a bug can go into is in the 'heldout' split"
+    )
+
+
 def test_a_project_is_read_as_written_and_links_out_of_it_are_refused(tmp_path):
     """CRLF endings stay (a test may compare a data file's bytes); a link out would carry a host file."""
     project = tmp_path / "project"

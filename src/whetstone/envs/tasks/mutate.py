@@ -21,7 +21,8 @@ from pydantic import Field
 
 from whetstone.config import Config, expand_path
 from whetstone.envs.task import Split, Task
-from whetstone.envs.tasks.bugs import bug_task, failure_line, find_bugs, listed
+from whetstone.envs.tasks.bugs import bug_task, failure_line, find_bugs, function_of, listed, split_of
+from whetstone.envs.tasks.mutations import mutation_sites
 from whetstone.errors import WhetstoneError
 
 SKIPPED_DIRS = {".git", "__pycache__", ".venv", "venv", ".tox", ".mypy_cache", ".pytest_cache", "build", "dist"}
@@ -144,8 +145,29 @@ def instruction(failing: list[str], log: str) -> str:
     )
 
 
+def check_split(files: dict[str, str], sources: list[str], name: str, config: MutateConfig) -> None:
+    """Raise a WhetstoneError unless a function of `config.split` in `sources` holds a mutation
+    site: without one no bug of that split can be injected into the project, and it would give
+    no task, whatever `count` and `max_tries`. Files that do not parse hold none."""
+    for path in sources:
+        try:
+            sites = mutation_sites(files[path])
+        except (SyntaxError, ValueError):
+            continue
+        if any(split_of(function_of(path, files[path], mutation.line)) == config.split for mutation in sites):
+            return
+    raise WhetstoneError(
+        f"mutate: {name}: no function of its source files ({listed(sources)}) that a bug can go into is in the "
+        f"{config.split!r} split (a fixed hash of file and function name), so it gives no task of that split; "
+        "widen mutate.sources, or mutate another project or module"
+    )
+
+
 def mutate_project(files: dict[str, str], name: str, config: MutateConfig) -> list[Task]:
+    """Up to `config.count` bug-fix tasks of `config.split` from the project `files` (named
+    `name`); a WhetstoneError if the project has no function of that split to inject bugs into."""
     sources, tests = split_project(files, config)
+    check_split(files, sources, name, config)
     rng = random.Random(f"mutate/{config.seed}/{name}")
     bugs = find_bugs(
         files,
