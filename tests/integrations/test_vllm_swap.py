@@ -558,9 +558,12 @@ def test_a_pause_that_timed_out_leaves_vllm_draining_for_the_next_pause_to_wait_
 
 
 def test_a_pause_that_keeps_timing_out_stops_the_server_at_the_limit():
-    """A drain that never ends keeps vLLM paused to new requests as a pause does: the limit holds."""
+    """A drain that never ends keeps vLLM closed to new requests: the drain limit holds, counted
+    from the first /pause, and a /pause waits no longer than what is left of it."""
     vllm = PausingVllm(pause_fails="timeout")
-    driver = driver_of(vllm, pause_limit_s=0.3)
+    driver = driver_of(vllm, pause_limit_s=0.1)
+    assert driver.drain_limit_s == 600.0  # a drain is requests in flight finishing: the longer limit
+    driver.drain_limit_s = 0.3
     driver.retry_first_s = driver._retry_in = driver.retry_max_s = 0.01
     stopped = threading.Event()
     driver.stop_server = stopped.set

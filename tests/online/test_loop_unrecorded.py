@@ -26,7 +26,9 @@ def moments(loop: OnlineLoop) -> dict[str, torch.Tensor]:
     """Copies of the optimizer's state tensors, named by parameter and key."""
     names = {id(p): name for name, p in loop.model.named_parameters()}
     return {
-        f"{names[id(p)]}.{key}": value.clone() for p, state in loop.optimizer.state.items() for key, value in state.items()
+        f"{names[id(p)]}.{key}": value.clone()
+        for p, state in loop.optimizer.state.items()
+        for key, value in state.items()
     }
 
 

@@ -73,6 +73,10 @@ STOP_GRACE_S = 15.0
 PAUSE_LIMIT_S = 120.0
 """How long swaps that do not go through may keep vLLM paused before the server is stopped: long
 enough for seven retries, at 1, 3, 7 ... 63 s, the last at the limit itself."""
+DRAIN_LIMIT_S = 600.0
+"""How long vLLM may drain the requests in flight for a swap's /pause (their generations
+finishing, new requests waiting) before the server is stopped, where the pause limit is shorter:
+a drain is work going on; only one that never ends (an engine that hangs) meets it."""
 log = logging.getLogger("whetstone.vllm")
 
 
@@ -233,9 +237,11 @@ class SwapDriver:
         follower retries a version the engine refused)."""
         self._retry_at, self._retry_in = 0.0, RETRY_FIRST_S
         self._paused_at = 0.0
+        self.drain_limit_s = max(pause_limit_s, DRAIN_LIMIT_S)
+        """How long vLLM may drain for /pause requests that time out before the server is stopped."""
         self._draining_since: float | None = None
-        """When a /pause first timed out with vLLM still draining (paused to new requests), until a
-        /pause goes through: that time counts toward the pause limit as a pause does."""
+        """When the first of the /pause requests that timed out was sent, vLLM still draining
+        (closed to new requests), until a /pause goes through or vLLM resumes."""
         self.client = httpx.Client(base_url=root, timeout=600.0)
 
     def start(self) -> None:
@@ -294,7 +300,7 @@ class SwapDriver:
                 # (any error: the thread ending would leave a paused vLLM paused past its limit)
                 log.warning("weight swap check failed: %s: %s", type(err).__name__, err)
                 since = self._paused_since()
-                if since is not None and time.monotonic() - since >= self.pause_limit_s:
+                if since is not None and time.monotonic() - since >= self._limit_s():
                     log.error(
                         "vLLM has been paused for %.0f s by weight swaps that do not go through: stopping the server",
                         time.monotonic() - since,
@@ -328,11 +334,13 @@ class SwapDriver:
         A /pause that fails is answered with /resume (`_resume_unswapped`), except one that timed
         out: vLLM is still draining, paused, and the next swap's /pause waits for that drain.
         Either way the next swap comes `retry_first_s` later, the wait doubling to `retry_max_s`;
-        `_run` stops the server once vLLM has been paused `pause_limit_s`, drains included."""
+        `_run` stops the server once vLLM has been paused `pause_limit_s`, or has drained for
+        /pause requests that time out `drain_limit_s`."""
         started = time.perf_counter()
         state = "vLLM stays paused"
         try:
             if not self.paused:
+                sent = time.monotonic()
                 try:
                     self.client.post(
                         "/pause", params={"mode": "wait", "clear_cache": "true"}, timeout=self._pause_wait_s()
@@ -340,13 +348,12 @@ class SwapDriver:
                 except httpx.ReadTimeout:
                     state = "vLLM stays paused, draining: the next /pause waits for the same drain"
                     if self._draining_since is None:
-                        self._draining_since = time.monotonic()
+                        self._draining_since = sent
                     raise
                 except Exception:
                     state = self._resume_unswapped()
                     raise
-                self.paused, self._paused_at = True, self._draining_since or time.monotonic()
-                self._draining_since = None
+                self.paused, self._paused_at, self._draining_since = True, time.monotonic(), None
             answer = self.rpc("whetstone_apply")
             version = answer["weight_version"]
             self.post("/update_weight_version", new_version=str(version))
@@ -390,18 +397,23 @@ class SwapDriver:
         since = self._paused_since()
         if since is None:
             return self._retry_at
-        return min(self._retry_at, since + self.pause_limit_s)
+        return min(self._retry_at, since + self._limit_s())
 
     def _paused_since(self) -> float | None:
         """Since when vLLM has been paused by swaps (a pause that went through, or a /pause that
         timed out while vLLM drained), or None while it serves."""
         return self._paused_at if self.paused else self._draining_since
 
+    def _limit_s(self) -> float:
+        """How long vLLM may stay as it is now: paused by a swap (`pause_limit_s`) or draining for
+        one (`drain_limit_s`)."""
+        return self.pause_limit_s if self.paused else self.drain_limit_s
+
     def _pause_wait_s(self) -> float:
-        """How long a /pause may wait for vLLM to drain: until the pause limit (counted from the
-        first /pause that timed out), so that a drain that never ends is met by the limit."""
+        """How long a /pause may wait for vLLM to drain: what is left of the drain limit, counted
+        from the first /pause that timed out, so that a drain that never ends meets the limit."""
         since = self._draining_since if self._draining_since is not None else time.monotonic()
-        return max(1.0, since + self.pause_limit_s - time.monotonic())
+        return max(1.0, since + self.drain_limit_s - time.monotonic())
 
     def _record(self, status: dict) -> None:
         if self.gauges is not None:
