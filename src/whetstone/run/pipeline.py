@@ -346,12 +346,20 @@ class Pipeline:
         mid-training has left another one, or failed after replacing it, they are removed, since
         they describe a run of a model the folder no longer holds; a mid-training that changed
         nothing (finished already) leaves them."""
-        before = folder_digest(self.model_dir) if self.model_dir.is_dir() else None
+        before = self.model_dir_digest()
         try:
             return self.midtrain()
         finally:
-            if (folder_digest(self.model_dir) if self.model_dir.is_dir() else None) != before:
+            if self.model_dir_digest() != before:  # a folder being replaced (ranks still stopping) reads as changed
                 self.remove_last_results()
+
+    def model_dir_digest(self) -> str | None:
+        """`folder_digest` of the mid-trained model's folder: None where there is none, "" where it
+        changed while being read."""
+        try:
+            return folder_digest(self.model_dir) if self.model_dir.is_dir() else None
+        except OSError:
+            return ""
 
     def follow_midtrain(self, role: RoleProcess) -> None:
         """Wait for mid-training run by `role` (ranks of this machine or of a Ray cluster), its
