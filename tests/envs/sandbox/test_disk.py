@@ -249,6 +249,61 @@ def test_a_walk_that_loses_its_way_back_up_counts_as_over_the_budget(tmp_path, m
     assert not walked.complete and walked.used > 32 << 20
 
 
+def moving_at_the_bottom(tmp_path: Path, moves: list[int], every_walk: bool):
+    """`_lstat` that, as a walk reaches the bottom of `nest(tmp_path, 30)`, moves a folder the walk
+    closed on its way down to another parent and back, as a command still running would (its
+    walk loses its way back up): on the first walk only, or on `every_walk`."""
+    lstat = disk._lstat
+    deep = tmp_path / "/".join(["d"] * 25)
+
+    def move_at_the_bottom(fd, name):
+        if name == "f.txt" and (every_walk or not moves):
+            moves.append(1)
+            if deep.exists():
+                os.rename(deep, tmp_path / "elsewhere")
+            else:
+                os.rename(tmp_path / "elsewhere", deep)
+        return lstat(fd, name)
+
+    return move_at_the_bottom
+
+
+def every_check_walks(monkeypatch) -> None:
+    monkeypatch.setattr(disk, "WALK_EVERY_S", 0.0)
+    monkeypatch.setattr(disk, "POLL_COST_SHARE", 1.0)
+
+
+def test_a_walk_that_loses_its_way_while_a_command_runs_is_walked_again(tmp_path, monkeypatch):
+    """A command that moves folders about (package managers, builds) and uses a sliver of its
+    budget is not over it because one walk lost its way: the walk is made again."""
+    nest(tmp_path, 30)
+    every_check_walks(monkeypatch)
+    watch = DiskWatch([tmp_path], {}, 32 << 20)
+    moves: list[int] = []
+    monkeypatch.setattr(disk, "_lstat", moving_at_the_bottom(tmp_path, moves, every_walk=False))
+    assert watch.check(os.getpid()) is None and moves == [1]
+    assert not watch.ran_into()
+
+
+def test_walks_that_keep_losing_their_way_leave_the_budget_to_the_filesystems_growth(tmp_path, monkeypatch):
+    """While every walk loses its way, how much the filesystems grew since the last whole walk
+    judges the budget: a command moving folders about cannot hide what it writes meanwhile."""
+    nest(tmp_path, 30)
+    every_check_walks(monkeypatch)
+    grown = [0]
+    used = disk.filesystems_used
+    monkeypatch.setattr(disk, "filesystems_used", lambda directories: used(directories) + grown[0])
+    watch = DiskWatch([tmp_path], {}, 32 << 20)
+    moves: list[int] = []
+    monkeypatch.setattr(disk, "_lstat", moving_at_the_bottom(tmp_path, moves, every_walk=True))
+    walks, real_scan = [], disk.scan
+    monkeypatch.setattr(disk, "scan", lambda *args: walks.append(real_scan(*args)) or walks[-1])
+    assert watch.check(os.getpid()) is None
+    assert len(walks) == disk.WALK_TRIES and all(walked.lost for walked in walks)
+    grown[0] = 40 << 20  # the filesystem grew past the budget meanwhile
+    assert watch.check(os.getpid()) == "disk"
+
+
 def test_a_closed_folder_locked_while_a_walk_is_below_it_is_opened_up_on_the_way_back(shared_tmp):
     def check():
         nest(shared_tmp, 30)

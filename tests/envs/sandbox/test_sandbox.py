@@ -257,6 +257,70 @@ def test_a_command_starting_while_the_sandbox_closes_is_killed(monkeypatch):
     assert processes_with(marker) == [] and not sandbox.workspace.exists()
 
 
+def test_killing_a_command_kills_a_child_that_left_its_process_group():
+    """bwrap's child, pid 1 of the sandbox, starts a session of its own while it sets the sandbox
+    up, before its `--die-with-parent` holds: bwrap killed then (the sandbox closed, the time up)
+    must not leave it, and every process under it, running on."""
+    marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
+    code = (
+        "import os, sys\nif os.fork() == 0:\n    os.setsid()\n    os.execvp('sleep', ['sleep', sys.argv[1]])\nos.wait()"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", code, f"6{marker}"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not [pid for pid in processes_with(marker) if pid != proc.pid and os.getsid(pid) == pid]:
+            assert time.monotonic() < deadline, "the child never started a session of its own"
+            time.sleep(0.01)
+        kill_process_group(proc)
+        proc.wait(10)
+        deadline = time.monotonic() + 5
+        while processes_with(marker) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert processes_with(marker) == []
+    finally:
+        for pid in processes_with(marker):
+            os.kill(pid, signal.SIGKILL)
+        proc.kill()
+        proc.wait()
+
+
+def test_close_signals_no_process_its_run_has_reaped(monkeypatch):
+    """A run whose command ended, its process reaped, but that has not returned yet (it measures
+    the workspace) when the sandbox closes: that process's pid, and its process group's, may be
+    a new process's by then, so `close` must not signal them."""
+    sandbox = open_sandbox({}, SandboxConfig(cgroups=False))
+    procs, measuring, release, killed = [], threading.Event(), threading.Event(), threading.Event()
+    started, kill_tree, ran_into = sandbox._started, sandbox._kill_tree, DiskWatch.ran_into
+    monkeypatch.setattr(sandbox, "_started", lambda proc, runs: (procs.append(proc), started(proc, runs))[1])
+    monkeypatch.setattr(sandbox, "_kill_tree", lambda proc: (kill_tree(proc), killed.set()))
+
+    def measure_slowly(watch):
+        measuring.set()
+        assert release.wait(30)
+        return ran_into(watch)
+
+    monkeypatch.setattr(DiskWatch, "ran_into", measure_slowly)
+    thread, outcome = run_in_thread(sandbox, "true")
+    closer, signalled = threading.Thread(target=sandbox.close), []
+    try:
+        assert measuring.wait(30)
+        (proc,) = procs
+        assert proc.returncode == 0  # reaped
+        kill, killpg = os.kill, os.killpg  # what is signalled from here on
+        monkeypatch.setattr(os, "kill", lambda pid, signum: (signalled.append(pid), kill(pid, signum))[1])
+        monkeypatch.setattr(os, "killpg", lambda pid, signum: (signalled.append(pid), killpg(pid, signum))[1])
+        closer.start()
+        assert killed.wait(30)
+    finally:
+        release.set()
+        thread.join(30)
+        if closer.ident is not None:
+            closer.join(30)
+    assert proc.pid not in signalled
+    (result,) = outcome
+    assert result.exit_code == 0 and not sandbox.workspace.exists()
+
+
 def test_a_process_whose_start_hook_fails_is_killed():
     marker = f"{uuid.uuid4().int % 10**6}.{os.getpid()}"
 

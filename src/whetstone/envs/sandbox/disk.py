@@ -17,14 +17,17 @@ preallocated ones what they hold), each inode once, and at least one block per e
 inode and its directory entry cost space too, and that bounds how many entries a walk visits.
 Walks (`_tree`) go to any depth without recursion and with a bounded number of open folders,
 since a command that keeps making a folder and going into it nests thousands deep in a second;
-a path past `MAX_PATH_CHARS` counts as over the budget, and so does a walk that lost its way
-back up (a folder moved while it was below it). A folder its owner made unreadable or
-unsearchable is opened up for its owner (the caller, when not root, is bound by those modes):
-its mode is changed through a descriptor of that very folder (`_open_up`), never by name, since
-a command still running could swap the name for a symlink to a host file meanwhile. A folder
-locked again before the walk could open it (a command still running that keeps running `chmod
-000` on it) makes that walk count as over the budget; once the command has ended, nothing
-locks it again. Opening up goes through /proc/self/fd: without /proc mounted it is an error.
+a path past `MAX_PATH_CHARS` counts as over the budget. A walk that lost its way back up (a
+folder moved while it was below it, as package managers and builds move folders about) is walked
+again; one lost again while the command runs measures nothing, and the budget is then judged by
+how much the filesystems grew since the last whole walk. After the command, a walk still lost
+counts as over the budget. A folder its owner made unreadable or unsearchable is opened up
+for its owner (the caller, when not root, is bound by those modes): its mode is changed through
+a descriptor of that very folder (`_open_up`), never by name, since a command still running
+could swap the name for a symlink to a host file meanwhile. A folder locked again before the
+walk could open it (a command still running that keeps running `chmod 000` on it) loses the
+walk its way as a moved folder does; once the command has ended, nothing locks it again.
+Opening up goes through /proc/self/fd: without /proc mounted it is an error.
 """
 
 from __future__ import annotations
@@ -55,6 +58,8 @@ a chain would grow with the square of its depth."""
 KEEP_OPEN = 16
 """Folders a walk keeps open above the one it is in; deeper ones are opened again through `..`
 on the way back up, so that a walk of any depth holds a bounded number of descriptors."""
+WALK_TRIES = 3
+"""Walks tried in a row while each loses its way (a command still running moves folders about)."""
 _GONE = (errno.ENOENT, errno.ENOTDIR, errno.ELOOP)
 """What opening a folder met during a walk fails with once it was removed or replaced (ELOOP: by a symlink)."""
 
@@ -96,6 +101,15 @@ def scan(directories: list[Path], stop_above: int | None = None) -> Scan:
         finally:
             os.close(fd)
     return result
+
+
+def _scan_settled(directories: list[Path], stop_above: int | None) -> Scan:
+    """`scan`, walked again (up to `WALK_TRIES` walks in all) while a walk loses its way: the last walk."""
+    for _ in range(WALK_TRIES - 1):
+        walked = scan(directories, stop_above)
+        if not walked.lost:
+            return walked
+    return scan(directories, stop_above)
 
 
 def _charge_over(result: Scan, stop_above: int | None) -> None:
@@ -352,13 +366,15 @@ class DiskWatch:
         self.directories, self.tmpfs, self.limit = directories, tmpfs, limit
         began = time.perf_counter()
         self._disk_at_walk = filesystems_used(directories)
-        self.start = scan(directories, limit)
+        self.start = _scan_settled(directories, limit)
         """What the directories held before the command (`complete` is False when that is over the limit)."""
         self._walked = self.start.used
         self._schedule_walks(began)
         self.due = time.perf_counter() + POLL_S
         """When the next check is due (`time.perf_counter`)."""
         self._file_cap: int | None = None
+        self._lost = False
+        """Whether the last walk while the command runs lost its way (`check`)."""
         self.too_deep = self.start.too_deep
         """Whether a walk met a path longer than `MAX_PATH_CHARS` (charged as over the budget)."""
 
@@ -373,18 +389,23 @@ class DiskWatch:
         """A walk costs ~5 us an entry; most checks need none. The filesystems' own usage can only
         have grown by at least what the directories grew by since the last walk, so a walk is
         due only when that growth could have used up the budget, or `WALK_EVERY_S` after the
-        last one (others freeing space at the same time could hide the growth)."""
+        last one (others freeing space at the same time could hide the growth). Walks that keep
+        losing their way measure nothing: that growth since the last whole walk is then the
+        measure, so a command moving folders about is stopped only once it could be over."""
         now = time.perf_counter()
         in_tmpfs = tmpfs_used(pid, self.tmpfs) if self.tmpfs else 0
         on_disk = filesystems_used(self.directories)
         could_be_over = in_tmpfs + self._walked + max(0, on_disk - self._disk_at_walk) > self.limit
         if (could_be_over and now >= self._walk_allowed) or now >= self._walk_due:
-            self._disk_at_walk = on_disk
-            walked = scan(self.directories, self.limit - in_tmpfs)
-            self._walked, self.too_deep = walked.used, self.too_deep or walked.too_deep
+            walked = _scan_settled(self.directories, self.limit - in_tmpfs)
+            self.too_deep = self.too_deep or walked.too_deep
+            self._lost = walked.lost
+            if not walked.lost:
+                self._walked, self._disk_at_walk = walked.used, on_disk
             self._schedule_walks(now)
         self.due = time.perf_counter() + POLL_S
-        return "disk" if in_tmpfs + self._walked > self.limit else None
+        over = could_be_over if self._lost else in_tmpfs + self._walked > self.limit
+        return "disk" if over else None
 
     def _schedule_walks(self, began: float) -> None:
         """After a walk that began at `began`: when the next may start, and when it must."""
@@ -396,7 +417,7 @@ class DiskWatch:
         """After the command: it left the directories over the budget, or grew a file up to the
         size cap that what was left of the budget set (a write cut short by RLIMIT_FSIZE). A file
         already that large before (kept, shrunk, moved or rewritten no larger) reached nothing."""
-        after = scan(self.directories, self.limit)
+        after = _scan_settled(self.directories, self.limit)
         self.too_deep = self.too_deep or after.too_deep
         if after.used > self.limit:
             return True

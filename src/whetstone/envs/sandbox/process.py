@@ -13,6 +13,7 @@ import os
 import selectors
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -22,6 +23,8 @@ from typing import Protocol
 CHUNK = 65536
 EXIT_POLL_S = 0.05  # without pidfds (Linux < 5.3): how often to check whether the main process is gone
 DRAIN_AFTER_KILL_S = 2.0
+STOP_WAIT_S = 1.0
+"""Longest wait for a main process to stop (SIGSTOP) before its children are listed and killed."""
 CPU_POLL_S = 0.1
 """Time between two looks at the CPU time of a command's processes. One that handles or ignores
 SIGXCPU (Go programs ignore it) lives on for a CPU second past the soft limit, until the hard
@@ -180,7 +183,7 @@ def run_process(
             if not stopped and not cpu_hit and time.perf_counter() >= cpu_due:
                 cpu_hit = _cpu_used_up(proc.pid, cpu_s)
                 cpu_due = float("inf") if cpu_hit else time.perf_counter() + CPU_POLL_S  # found: no more polls
-            if not stopped and (main_exited or (pidfd is None and proc.poll() is not None)):
+            if not stopped and (main_exited or (pidfd is None and _reap(proc, wait=False) is not None)):
                 stopped = True  # the command is done: stragglers that keep our pipes open are stopped
                 kill_tree(proc)
                 deadline = min(deadline, time.perf_counter() + DRAIN_AFTER_KILL_S)
@@ -192,9 +195,9 @@ def run_process(
                 pipe.close()
         if pidfd is not None:
             os.close(pidfd)
-        if proc.poll() is None:
+        if _reap(proc, wait=False) is None:
             kill_tree(proc)
-        proc.wait()
+        _reap(proc, wait=True)
     exit_code = proc.returncode
     limits_hit = ["wall_clock"] if timed_out else []
     if cpu_hit or exit_code in (-signal.SIGXCPU, 128 + signal.SIGXCPU):
@@ -253,9 +256,77 @@ def _feed(selector: selectors.BaseSelector, pipe, pending: bytes) -> bytes:
     return pending
 
 
+_reaping = threading.Lock()
+"""Held while a command's main process is reaped (`_reap`) and while it is signalled
+(`kill_process_group`): it is signalled only while unreaped, since once reaped its pid, and so
+its process group's id, may be a new process's (`Sandbox.close` kills from another thread than
+the one that reaps)."""
+
+
+def _reap(proc: subprocess.Popen, wait: bool) -> int | None:
+    """Reap `proc` if it has exited, first waiting for it to exit when `wait`: its exit status,
+    or None while it runs. The wait itself does not reap (WNOWAIT) and holds no lock, so that
+    another thread can still kill the process meanwhile."""
+    if wait:
+        try:
+            os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        except ChildProcessError:  # reaped already
+            pass
+    with _reaping:
+        return proc.wait() if wait else proc.poll()
+
+
 def kill_process_group(proc: subprocess.Popen) -> None:
-    """SIGKILL the process group started for `proc` (it may already be gone)."""
+    """SIGKILL `proc`, its process group and its children (any of them may already be gone).
+
+    Children that left the group are killed too: bwrap's child, pid 1 of the sandbox's pid
+    namespace, starts a session of its own (`--new-session`), and when bwrap is killed before
+    that child's `--die-with-parent` binds it, it lives on; killed, it takes every process of
+    the namespace with it. `proc` is stopped first, so that it neither starts nor reaps a child
+    while they are listed and killed. Once `proc` is reaped nothing is signalled: its pid may
+    be another process's by then."""
+    with _reaping:
+        if proc.returncode is not None:
+            return
+        try:
+            _signal(proc.pid, signal.SIGSTOP)
+            _until_stopped(proc.pid)
+            for child in _children(proc.pid):
+                _signal(child, signal.SIGKILL)
+        finally:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            _signal(proc.pid, signal.SIGKILL)  # in case it left its group: stopped, it would wait forever
+
+
+def _signal(pid: int, signum: int) -> None:
     try:
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.kill(pid, signum)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _until_stopped(pid: int) -> None:
+    """Wait, at most `STOP_WAIT_S`, until the child `pid` has stopped or exited (a SIGSTOP takes
+    hold once the process next leaves the kernel). Its state is left to be waited for."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    while time.monotonic() < deadline:
+        try:
+            if os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
+                return
+        except ChildProcessError:
+            return
+        time.sleep(0.001)
+
+
+def _children(pid: int) -> list[int]:
+    """The children of process `pid` (of each of its threads); none once it is gone."""
+    children = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            children += map(int, Path(f"/proc/{pid}/task/{task}/children").read_bytes().split())
+    except (OSError, ValueError):
+        pass
+    return children

@@ -218,12 +218,12 @@ class Sandbox:
             self._kill_tree(proc)
 
     def _kill_tree(self, proc: subprocess.Popen) -> None:
-        """Stop `proc` and what it started. Sandboxed, killing bwrap ends the pid namespace; the
-        cgroup also catches escaped sessions, but it holds the processes of every run of the
-        sandbox: it is emptied only when no other run is in progress (or the sandbox closes), so
-        that a command ending never kills another thread's; else the last run to return empties
-        it (`run`). The lock is held meanwhile, so no run starts a process into the group as it
-        is emptied."""
+        """Stop `proc` and what it started. Sandboxed, killing bwrap's child (pid 1 of the sandbox,
+        see `kill_process_group`) ends the pid namespace; the cgroup also catches escaped
+        sessions, but it holds the processes of every run of the sandbox: it is emptied only when
+        no other run is in progress (or the sandbox closes), so that a command ending never kills
+        another thread's; else the last run to return empties it (`run`). The lock is held
+        meanwhile, so no run starts a process into the group as it is emptied."""
         kill_process_group(proc)
         if self._cgroup:
             with self._lock:
