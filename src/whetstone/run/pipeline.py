@@ -18,6 +18,9 @@ from the next batch index, and an evaluation whose report evaluated what it woul
 (the same mid-trained model, trainer step and temperatures: `evaluated.json`) is not run again.
 The evaluation before RL runs only while the weight store holds nothing past version 0, the
 mid-trained model: the servers follow the store (`Pipeline.check_serving_initial_weights`).
+RL goes on only from state begun from the mid-trained model the run folder holds now
+(`rl_model.json`, `Pipeline.check_rl_model`); starting RL over removes all of that state
+(`Pipeline.rl_state`).
 A run first removes the summary.json, report.html and model/ an earlier run in its folder left:
 written again once every stage has run, they would otherwise show that run's results after a run
 that failed. Mid-training alone (`--midtrain-only`) removes them once it leaves another mid-trained
@@ -68,6 +71,8 @@ YARDSTICK_KEYS = (
 """The summary's keys comparing the evaluations' temperature sweeps (`Pipeline.yardstick`)."""
 EVALUATED_FILE = "evaluated.json"
 """Beside an evaluation's report.json: what it evaluated (`Pipeline.evaluated`)."""
+RL_MODEL_FILE = "rl_model.json"
+"""In the run folder: the mid-trained model that RL's state there began from (`Pipeline.check_rl_model`)."""
 RESULT_FILES = ("summary.json", "report.html", "model")
 """What a run writes of its results once it has run every stage: its summary, its report and its
 final policy, exported (`Pipeline.remove_last_results`)."""
@@ -504,9 +509,53 @@ class Pipeline:
                 f"the evaluation before RL in {folder} would run again (no report there with an {EVALUATED_FILE} "
                 f"of this mid-trained model and these settings), but the servers follow the weight store "
                 f"{sync.store}, which holds RL-trained version {latest}: it would measure those weights. Rerun "
-                f"with the settings it ran with, or start RL over (remove {self.config.rl.trainer.output_dir} "
-                f"and {sync.store})"
+                f"with the settings it ran with, or {self.start_rl_over()}"
             )
+
+    def rl_state(self) -> list[str]:
+        """Everything RL leaves in the run folder that a later RL goes on from: the trainer's
+        output_dir (checkpoints, metrics), the weight store (the servers load its newest version,
+        the trainer continues its chain), the batch store (the orchestrator puts the batches after
+        its newest, and the trainer's step n trains on its batch n, a trainer started afresh too)
+        and the orchestrator's folder (its metrics, appended to). Starting RL over is removing all
+        of them: one left behind has the next RL go on from the last one's."""
+        trainer, orchestrator = self.config.rl.trainer, self.config.rl.orchestrator
+        return [trainer.output_dir, trainer.sync.store, orchestrator.batch_store, str(self.run_dir / "orchestrator")]
+
+    def start_rl_over(self) -> str:
+        """The advice to start RL over, naming what to remove (`rl_state`)."""
+        *rest, last = self.rl_state()
+        return f"start RL over (remove {', '.join(rest)} and {last})"
+
+    def check_rl_model(self) -> None:
+        """Raise unless RL's state in the run folder (`rl_state`) began from the mid-trained model
+        the folder holds now, by the digest `RL_MODEL_FILE` recorded when it began; where there is
+        no such state, record this model. State of another model (mid-training run again since,
+        `--midtrain-only` or other settings) would be gone on from: the trainer resumes a
+        checkpoint trained from that model, the servers load the weight store's versions made
+        from it, and its rollouts are trained on. State without a record is refused too: nothing
+        in it says which model it began from."""
+        record_path = self.run_dir / RL_MODEL_FILE
+        model = {"model": str(self.model_dir), "model_sha256": self.model_digest}
+        endpoint = self.config.rl.orchestrator.store_endpoint_url
+        left = [location for location in self.rl_state() if _holds_something(location, endpoint)]
+        if not left:
+            with write_errors(record_path):
+                atomic_write_json(record_path, model)
+            return
+        recorded = read_json_object(record_path).get("model_sha256")
+        if recorded == self.model_digest:
+            return
+        began = (
+            f"began from the mid-trained model of sha256 {recorded} ({record_path})"
+            if recorded
+            else f"has no record of the mid-trained model it began from ({record_path})"
+        )
+        raise WhetstoneError(
+            f"RL's state in {', '.join(left)} {began}, not from {self.model_dir} (sha256 "
+            f"{self.model_digest}): the trainer would resume from that model's checkpoints, the servers load "
+            f"weights made from it, and its rollouts be trained on. To train RL from this model, {self.start_rl_over()}"
+        )
 
     def evaluated(self, when: str, config) -> dict[str, Any]:
         """What evaluation `when` with `config` evaluates, recorded beside its report: the
@@ -843,6 +892,7 @@ class Pipeline:
             self.open_cpu_groups()  # a quota that cannot be set stops the run before mid-training
             stages: dict[str, Any] = {"midtrain": self.midtrain()}
             if config.rl_enabled:
+                self.check_rl_model()  # before the servers load the weight store's newest version
                 self.start_servers()
                 with self.server_sampler() as self.sampler:
                     before = self.evaluate("before")
@@ -870,6 +920,15 @@ class Pipeline:
 
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     return Pipeline(config).run()
+
+
+def _holds_something(location: str, endpoint_url: str | None) -> bool:
+    """Whether `location` (a folder, or a store's URL) holds anything: a store opened and left
+    empty holds nothing."""
+    if location.startswith("s3://"):
+        return bool(open_store(location, endpoint_url=endpoint_url).list())
+    path = Path(location.removeprefix("file://"))
+    return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
 
 def _written_since(path: Path, before: os.stat_result | None) -> bool:
