@@ -96,6 +96,15 @@ def new_optimizer(config: TrainerConfig, model: torch.nn.Module) -> torch.optim.
     return optimizer_for(model, opt)
 
 
+def start_over(config: TrainerConfig) -> str:
+    """The advice to train from the start: everything a trainer goes on from is new (the
+    batch store too: step n trains on its batch n, a new trainer's as well)."""
+    return (
+        f"start over with a new output_dir, weight store and batch store (not {config.output_dir}, "
+        f"{config.sync.store} and {config.batch_store})"
+    )
+
+
 def check_max_steps(config: TrainerConfig, checkpoint: Path | None) -> None:
     """A `max_steps` below the step of the checkpoint the trainer resumes is refused: the trainer
     would take no step and end at the checkpoint's later step, and whoever waits for version
@@ -106,7 +115,7 @@ def check_max_steps(config: TrainerConfig, checkpoint: Path | None) -> None:
     if step > config.max_steps:
         raise ConfigError(
             f"max_steps = {config.max_steps}, but the checkpoint {checkpoint} is already at step {step}: "
-            f"raise max_steps to at least {step}, or start a new output_dir"
+            f"raise max_steps to at least {step}, or {start_over(config)}"
         )
 
 
@@ -117,7 +126,7 @@ def check_store_is_the_runs(config: TrainerConfig, checkpoint: Path | None, step
         if step > 0:
             raise CheckpointError(
                 f"checkpoint {checkpoint} is at step {step}, but the weight store {config.sync.store} "
-                "is empty: point sync.store at the run's store, or start a new output_dir"
+                f"is empty: point sync.store at the run's store, or {start_over(config)}"
             )
     elif latest < step:
         raise CheckpointError(
@@ -128,7 +137,7 @@ def check_store_is_the_runs(config: TrainerConfig, checkpoint: Path | None, step
         raise ConfigError(
             f"max_steps = {config.max_steps}, but the weight store {config.sync.store} already holds "
             f"version {latest}: the trainer would stop short of it. Raise max_steps to at least {latest}, "
-            "or start a new output_dir and weight store"
+            f"or {start_over(config)}"
         )
 
 
@@ -174,7 +183,7 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
             tokenizer,
             f"model_path {config.model_path}",
             f"Point model_path at the model the run started from (the checkpoint's: {trained_from}), "
-            "or start a new output_dir and weight store",
+            f"or {start_over(config)}",
         )
     loaded = load_hf(config.model_path)
     tables = autocast_tables(loaded)  # before sharding: a tied head is still the table itself
