@@ -651,3 +651,25 @@ def test_a_caller_that_is_not_root_deletes_a_workspace_its_code_locked(shared_tm
 
     as_non_root(check)
     assert not workspace.exists()
+
+
+def test_a_kill_in_progress_holds_up_no_other_command_s_reaping_or_kill():
+    """A kill holds its own process's lock while the process stops (up to a second): another
+    command is reaped and killed meanwhile."""
+    import whetstone.envs.sandbox.process as process
+
+    held, other = (subprocess.Popen(["sleep", "60"], start_new_session=True) for _ in range(2))
+    for proc in (held, other):
+        proc.reaping = threading.Lock()
+    outcome: list = []
+    try:
+        with process._reaping_lock(held):  # as `kill_process_group(held)` waiting for `held` to stop
+            killer = threading.Thread(
+                target=lambda: (kill_process_group(other), outcome.append(process._reap(other, True)))
+            )
+            killer.start()
+            killer.join(10)
+            assert outcome == [-signal.SIGKILL]
+    finally:
+        held.kill()
+        held.wait()

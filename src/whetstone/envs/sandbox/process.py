@@ -132,6 +132,7 @@ def run_process(
         cwd=cwd,
         start_new_session=True,  # its own process group, so the whole group can be signalled
     )
+    proc.reaping = threading.Lock()  # see `_reaping_lock`
     out, err = _Capture(max_output_bytes), _Capture(max_output_bytes)
     deadline, timed_out, stopped, watched_hit = start + timeout_s, False, False, None
     selector, pidfd = None, None
@@ -257,10 +258,16 @@ def _feed(selector: selectors.BaseSelector, pipe, pending: bytes) -> bytes:
 
 
 _reaping = threading.Lock()
-"""Held while a command's main process is reaped (`_reap`) and while it is signalled
-(`kill_process_group`): it is signalled only while unreaped, since once reaped its pid, and so
-its process group's id, may be a new process's (`Sandbox.close` kills from another thread than
-the one that reaps)."""
+"""`_reaping_lock` of a process `run_process` did not start."""
+
+
+def _reaping_lock(proc: subprocess.Popen) -> threading.Lock:
+    """Held while a command's main process is reaped (`_reap`) and while it is signalled
+    (`kill_process_group`): it is signalled only while unreaped, since once reaped its pid, and
+    so its process group's id, may be a new process's (`Sandbox.close` kills from another thread
+    than the one that reaps). One per process: a kill waits up to `STOP_WAIT_S` holding it, and
+    other sandboxes' commands are reaped meanwhile."""
+    return getattr(proc, "reaping", _reaping)
 
 
 def _reap(proc: subprocess.Popen, wait: bool) -> int | None:
@@ -272,7 +279,7 @@ def _reap(proc: subprocess.Popen, wait: bool) -> int | None:
             os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
         except ChildProcessError:  # reaped already
             pass
-    with _reaping:
+    with _reaping_lock(proc):
         return proc.wait() if wait else proc.poll()
 
 
@@ -285,7 +292,7 @@ def kill_process_group(proc: subprocess.Popen) -> None:
     the namespace with it. `proc` is stopped first, so that it neither starts nor reaps a child
     while they are listed and killed. Once `proc` is reaped nothing is signalled: its pid may
     be another process's by then."""
-    with _reaping:
+    with _reaping_lock(proc):
         if proc.returncode is not None:
             return
         try:
