@@ -273,6 +273,10 @@ class Orchestrator:
         put_ahead = max(0, self._last_put - trainer_on)
         return put_ahead * self.config.groups_per_batch + len(self._buffer) + self._groups_running
 
+    def _trainer_waits(self) -> bool:
+        """The trainer waits for a batch not put yet: the one its latest version trains on."""
+        return self.latest_version is None or self._last_put < self.latest_version
+
     def _has_room(self) -> bool:
         config = self.config
         if self._unfinished >= config.rollout.concurrency or len(self._buffer) >= config.groups_per_batch:
@@ -623,9 +627,15 @@ class AsynchronousGate:
     def has_room(self) -> bool:
         """A group started now lands in batch (trainer's) + 1 + ahead // groups_per_batch, sampled by
         servers `lag` versions behind the trainer: past the staleness bound it would only be dropped.
-        Started once the servers hold the latest version, groups may run the whole bound ahead."""
+        Started once the servers hold the latest version, groups may run the whole bound ahead.
+        The batch the trainer waits for gets its groups whatever the servers hold: with a bound of
+        0, or servers behind by more than it, nothing else would fill it, and servers that do not
+        follow the trainer then show as groups dropped stale (`_note_stale`). While the trainer is
+        on a batch put already, a group that could only be too stale waits for its next version."""
         orchestrator, config = self._orchestrator, self._orchestrator.config
-        batches = max(1, config.staleness.max_off_policy_steps - orchestrator._server_lag())
+        batches = config.staleness.max_off_policy_steps - orchestrator._server_lag()
+        if orchestrator._trainer_waits():
+            batches = max(1, batches)
         return orchestrator._groups_ahead() < batches * config.groups_per_batch
 
     async def open_batch(self, index: int) -> None:
