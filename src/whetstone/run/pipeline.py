@@ -513,14 +513,16 @@ class Pipeline:
             )
 
     def rl_state(self) -> list[str]:
-        """Everything RL leaves in the run folder that a later RL goes on from: the trainer's
+        """Everything RL leaves that a later RL in this run folder goes on from: the trainer's
         output_dir (checkpoints, metrics), the weight store (the servers load its newest version,
         the trainer continues its chain), the batch store (the orchestrator puts the batches after
-        its newest, and the trainer's step n trains on its batch n, a trainer started afresh too)
-        and the orchestrator's folder (its metrics, appended to). Starting RL over is removing all
+        its newest, and the trainer's step n trains on its batch n, a trainer started afresh too),
+        the weight store's mirrors (a Ray run's clusters' servers follow them) and the
+        orchestrator's folder (its metrics, appended to). Starting RL over is removing all
         of them: one left behind has the next RL go on from the last one's."""
         trainer, orchestrator = self.config.rl.trainer, self.config.rl.orchestrator
-        return [trainer.output_dir, trainer.sync.store, orchestrator.batch_store, str(self.run_dir / "orchestrator")]
+        stores = [trainer.sync.store, *trainer.sync.mirrors]  # a Ray run's clusters follow the mirrors
+        return [trainer.output_dir, *stores, orchestrator.batch_store, str(self.run_dir / "orchestrator")]
 
     def start_rl_over(self) -> str:
         """The advice to start RL over, naming what to remove (`rl_state`)."""
@@ -926,7 +928,11 @@ def _holds_something(location: str, endpoint_url: str | None) -> bool:
     """Whether `location` (a folder, or a store's URL) holds anything: a store opened and left
     empty holds nothing."""
     if location.startswith("s3://"):
-        return bool(open_store(location, endpoint_url=endpoint_url).list())
+        try:
+            return bool(open_store(location, endpoint_url=endpoint_url).list())
+        except Exception as err:  # unreadable from here (a cluster's bucket): the check passes it by, saying so
+            log.warning("could not look into %s for RL state: %s: %s", location, type(err).__name__, err)
+            return False
     path = Path(location.removeprefix("file://"))
     return path.is_file() or (path.is_dir() and any(path.iterdir()))
 
