@@ -185,3 +185,34 @@ def test_a_step_over_the_same_rows_feeds_the_draws_ahead_as_they_are(monkeypatch
     ahead = drive(make_engine(tiny_model(), overlap=True, max_batch=4), same_rows(), {2: lambda _: copies.clear()})
     assert len(copies) == 0
     assert_same(ahead, reference, exact=False)
+
+
+def test_a_drain_ends_when_a_sequence_preempted_before_its_first_token_waits_ahead_of_one_in_flight():
+    """Running ahead, a sequence admitted in the step before a user preempts it has no token yet
+    (its step in flight is dropped). Preempted after a shorter one, it goes back to the queue
+    ahead of it; a weight update under `swap_policy = "finish"` then drains, waiting for the
+    shorter one, which must still start: it finishes on the old weights, then the update is
+    written and the other one generates on the new."""
+    engine = engine_on("cpu", overlap=True, max_batch=2, swap_policy="finish", interactive_grace_s=0.0)
+    short, long, mine = prompts(3, 30, 4)
+    early = Sequence("early", short, SamplingParams(max_tokens=10, seed=1), "batch")
+    late = Sequence("late", long, SamplingParams(max_tokens=4, seed=2), "batch")
+    user = Sequence("user", mine, SamplingParams(max_tokens=2, seed=3))
+    new_weights = full_update(tiny_model(seed=9).state_dict(), version=1)
+    engine.add(early)
+    with torch.inference_mode():
+        for step in range(6):
+            if step == 3:
+                engine.add(late)
+            if step == 4:
+                engine.add(user)  # it preempts both: `early` (the fewest tokens) first, then `late`
+            engine.step()
+        assert [s.request_id for s in engine.scheduler.waiting["batch"]] == ["late", "early"]
+        assert not late.output_ids and early.output_ids
+        engine.update_weights(new_weights)
+        for _ in range(60):
+            if early.finished and late.finished:
+                break
+            engine.step()
+    assert early.finished and late.finished, f"the drain never ended: {early.output_ids=}, {late.output_ids=}"
+    assert early.versions == [0] * 10 and late.versions == [1] * 4 and user.versions == [0, 0]

@@ -226,3 +226,20 @@ def test_a_suspect_waits_for_a_plan_that_admits_nothing_before_it_and_leaves_the
     assert scheduler.remove_waiting(removed) and scheduler.suspects == {suspect}
     assert run(scheduler, scheduler.plan()) == (["suspect"], [])
     assert scheduler.probe is suspect and not scheduler.suspects
+
+
+def test_draining_starts_sequences_in_flight_queued_behind_fresh_ones():
+    """While draining, a sequence with no token at the front of its queue (one preempted before
+    its first token was read back, one a failed step requeued) holds back none of the sequences
+    in flight behind it: the drain waits for those, so held back, it would never end."""
+    scheduler = Scheduler(max_batch=4, prefill_tokens_per_step=100)
+    scheduler.add(seq("resumed", "batch", generated=3))
+    scheduler.requeue(seq("no-token-yet", "batch"))
+    scheduler.add(seq("user-resumed", "interactive", generated=2))
+    scheduler.requeue(seq("user-no-token-yet", "interactive"))
+    scheduler.admit_fresh = False
+    assert run(scheduler, scheduler.plan()) == (["user-resumed", "resumed"], [])
+    assert [s.request_id for s in scheduler.waiting["batch"]] == ["no-token-yet"]
+    assert [s.request_id for s in scheduler.waiting["interactive"]] == ["user-no-token-yet"]
+    scheduler.running.clear()  # they finish: nothing in flight is left, the drain can end
+    assert not scheduler.in_flight() and run(scheduler, scheduler.plan()) == ([], [])

@@ -187,11 +187,11 @@ class Scheduler:
         batch = [s for s in self.running if s.priority == "batch"]
         free = self.max_batch - len(self.running)
         queue = self.waiting["interactive"]
-        while queue and (free > 0 or batch) and self._fits(queue.head, plan):
+        while queue and (free > 0 or batch) and (seq := self._next(queue)) is not None and self._fits(seq, plan):
             if free == 0:
                 plan.preempt.append(_pop_cheapest(batch))
                 free += 1
-            self._take(queue, plan)
+            self._take(queue, seq, plan)
             free -= 1
         users = bool(plan.admit) or any(s.priority == "interactive" for s in self.running)
         now = self._clock()
@@ -205,10 +205,27 @@ class Scheduler:
             free += 1
         queue = self.waiting["batch"]
         starts = not users or limit >= self.max_batch  # capped: no batch prefill inside a user's decode
-        while queue and free > 0 and len(batch) < limit and starts and self._fits(queue.head, plan):
-            batch.append(self._take(queue, plan))
+        while (
+            queue
+            and free > 0
+            and len(batch) < limit
+            and starts
+            and (seq := self._next(queue)) is not None
+            and self._fits(seq, plan)
+        ):
+            batch.append(self._take(queue, seq, plan))
             free -= 1
         return plan
+
+    def _next(self, queue: WaitQueue) -> Sequence | None:
+        """The sequence of `queue` that may start first: its head, or while draining (`admit_fresh`
+        False) its first sequence in flight (None: none is). A sequence with no token can be at the
+        front of a queue that holds some in flight (one preempted before its first token was read
+        back, one a failed step requeued); the drain waits for those, so starting them only from the
+        head would never end it. A walk of the queue, as `in_flight` makes, only while draining."""
+        if self.admit_fresh:
+            return queue.head
+        return next((seq for seq in queue if seq.output_ids), None)
 
     def _fits(self, seq: Sequence, plan: Plan) -> bool:
         """May `seq` start now? Charges its prefill to this step's budget if so."""
@@ -222,9 +239,12 @@ class Scheduler:
         self._budget -= cost
         return True
 
-    def _take(self, queue: WaitQueue, plan: Plan) -> Sequence:
-        """Take `queue`'s first sequence into `plan.admit`; a suspect becomes the `probe`."""
-        seq = queue.popleft()
+    def _take(self, queue: WaitQueue, seq: Sequence, plan: Plan) -> Sequence:
+        """Take `seq` (from `_next`) off `queue` into `plan.admit`; a suspect becomes the `probe`."""
+        if seq is queue.head:
+            queue.popleft()
+        else:
+            queue.remove(seq)
         plan.admit.append(seq)
         if self.suspects and seq in self.suspects:
             self.suspects.discard(seq)
