@@ -1,4 +1,5 @@
 import threading
+import time
 
 import pytest
 import torch
@@ -936,3 +937,23 @@ def test_a_server_whose_engine_fails_answers_every_request_and_keeps_its_queue_b
             served = http.post("/v1/completions", json=body)
             assert served.status_code == 200 and len(served.json()["choices"]) == 3
         assert http.get("/health").json()["status"] == "ok"
+
+
+def test_an_engine_that_can_start_nothing_while_sequences_wait_sleeps_between_steps(model, monkeypatch):
+    """Sequences waiting that no step may start (a user's grace keeping batch work out, a drain):
+    the engine's thread looks again every few milliseconds instead of spinning a core."""
+    engine = make_engine(model)
+    monkeypatch.setattr(engine.scheduler, "plan", lambda plan: None)  # nothing may start
+    steps = []
+    step = engine.step
+    monkeypatch.setattr(engine, "step", lambda: steps.append(1) or step())
+    engine.start()
+    try:
+        engine.add(Sequence("waits", prompts(3)[0], SamplingParams(max_tokens=2)))
+        wait_until(lambda: len(steps) > 2)
+        counted = len(steps)
+        time.sleep(0.5)
+        looked = len(steps) - counted
+    finally:
+        engine.stop()
+    assert 5 < looked < 500  # polled at WAITING_POLL_S (~100 in 0.5 s), not spun (tens of thousands)

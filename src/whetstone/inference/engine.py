@@ -83,6 +83,9 @@ from whetstone.utils.transfer import tensor_to_device, to_device
 
 log = logging.getLogger(__name__)
 
+WAITING_POLL_S = 0.005
+"""How long the engine's thread sleeps after a step that could start nothing while sequences
+wait (a user's grace keeping batch work out, a drain): it would otherwise spin a core."""
 FAIL_AFTER_STEPS = 2
 """Consecutive failed steps after which the sequences a step ran fail instead of being requeued
 (steps admitting a suspect aside: their failure is the suspect's, `Engine._recover`)."""
@@ -202,6 +205,8 @@ class Engine:
         self._send_lock = threading.Lock()
         """Orders `_send` against `_break`: nothing sent is left in the inbox of a stopped engine."""
         self._wake = threading.Event()
+        self._stalled = False
+        """The last step ran, admitted and preempted nothing, with work waiting (`step`)."""
         self._stopping = False
         self._thread: threading.Thread | None = None
 
@@ -290,8 +295,8 @@ class Engine:
                     except Exception:
                         self._break(f"the engine failed, and so did failing its sequences: {failure(err)}")
                     busy = True
-                if not busy:
-                    self._wake.wait()
+                if not busy or self._stalled:  # a new request or update sets `_wake`
+                    self._wake.wait(None if not busy else WAITING_POLL_S)
                     self._wake.clear()
 
     # ---- offline use (tests, benchmarks): same path, driven from the caller's thread ---------
@@ -330,6 +335,7 @@ class Engine:
         too, fails every sequence the engine holds (`_fail_all`)."""
         if self._broken is not None:
             return False
+        self._stalled = False
         try:
             self._take_inbox()
             self._apply_updates()
@@ -345,6 +351,7 @@ class Engine:
             if plan.admit:
                 self._admit(plan.admit)
             ran = bool(self.scheduler.running) or self._launched is not None
+            self._stalled = not (ran or plan.admit or plan.preempt or self._updates)
             if ran:
                 self._decode()
             self._apply_routes()  # nothing decoded after an admission: wait for the copies here
