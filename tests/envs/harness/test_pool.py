@@ -4,6 +4,7 @@ import asyncio
 import json
 import threading
 import time
+from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -140,13 +141,17 @@ def test_a_health_check_that_fails_at_connect_leaves_the_server_for_a_later_roun
 
 class FakeServers:
     """Inference servers faked on one HTTP server, told apart by path: server `name`'s API root is
-    `/<name>/v1`. Its /health answers `health[name]` (status, body), its /v1/models one model,
-    its vLLM /collective_rpc `rpc[name]` (whetstone's worker status), and its /v1/completions one
-    token once `release` is set (so a test can hold a call in flight)."""
+    `/<name>/v1`. Its /health answers `health[name]` (status, body), its /v1/models one model
+    with context limit `limits[name]` (1,024 unless set), its vLLM /collective_rpc `rpc[name]`
+    (whetstone's worker status), and its /v1/completions one token once `release` is set (so a
+    test can hold a call in flight), or HTTP 400 for a prompt + max_tokens over its limit, as
+    the engine refuses it. `completions[name]` counts the completion requests it was sent."""
 
     def __init__(self):
         self.health: dict[str, tuple[int, dict]] = {}
         self.rpc: dict[str, dict] = {}
+        self.limits: dict[str, int] = {}
+        self.completions: Counter[str] = Counter()
         self.release = threading.Event()
         self.release.set()
         fakes = self
@@ -157,16 +162,20 @@ class FakeServers:
                 if path == "health":
                     self.answer(*fakes.health[name])
                 elif path == "v1/models":
-                    self.answer(200, {"data": [{"id": "fake", "max_model_len": 1024}]})
+                    self.answer(200, {"data": [{"id": "fake", "max_model_len": fakes.limits.get(name, 1024)}]})
                 else:
                     self.answer(404, {})
 
             def do_POST(self):
                 name, _, path = self.path.lstrip("/").partition("/")
-                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length", 0))) or b"{}")
                 if path == "collective_rpc":
                     self.answer(200, {"results": [fakes.rpc[name]]})
                 elif path == "v1/completions":
+                    fakes.completions[name] += 1
+                    if len(body["prompt"]) + body["max_tokens"] > fakes.limits.get(name, 1024):
+                        self.answer(400, {"error": {"message": "prompt + max_tokens exceeds the context limit"}})
+                        return
                     fakes.release.wait(30)
                     choice = {"token_ids": [7], "logprobs": {"token_logprobs": [-0.5]}, "weight_versions": [0]}
                     self.answer(200, {"choices": [choice]})
@@ -520,3 +529,87 @@ def test_an_idle_server_that_stops_answering_is_dropped_at_the_next_health_round
         first.stop(), second.stop()
         for record in records:
             registry.forget(record)
+
+
+async def restart(fakes, server, name: str, limit: int) -> None:
+    """Stop fake server `name` until the pool takes it out, then start it again with context limit `limit`."""
+    fakes.health[name] = 500, {}
+    await until(lambda: not server.alive)
+    fakes.limits[name], fakes.health[name] = limit, current()
+    await until(lambda: server.alive)
+
+
+def test_the_context_limit_is_that_of_the_servers_in_the_pool_now(fakes):
+    """A server restarted with a smaller limit lowers it, restarted with a larger one raises it
+    again; a server taken out no longer counts. A new lease reports its own server's limit."""
+    fakes.health["a"] = fakes.health["b"] = current()
+    fakes.limits["a"], fakes.limits["b"] = 8192, 4096
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("a"), fakes.url("b")], ENDPOINT, health_interval_s=0.1)
+        a, b = pool.servers
+        try:
+            assert pool.context_limit == 4096
+            await restart(fakes, a, "a", 2048)
+            assert pool.context_limit == 2048
+            await restart(fakes, a, "a", 8192)
+            assert pool.context_limit == 4096
+            fakes.health["b"] = 500, {}
+            await until(lambda: not b.alive)
+            assert pool.context_limit == 8192
+            async with pool.lease() as policy:
+                assert policy.server is a and policy.context_limit == 8192
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_rollout_moved_to_a_server_with_a_smaller_context_fails_naming_both_limits(fakes):
+    """Its call is not sent to a server that would refuse it; a call that fits still runs there."""
+    fakes.health["big"], fakes.health["small"] = current(), (500, {})
+    fakes.limits["big"], fakes.limits["small"] = 8192, 2048
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("big"), fakes.url("small")], ENDPOINT, health_interval_s=0.1)
+        big, small = pool.servers
+        try:
+            async with pool.lease() as policy:
+                assert policy.server is big and policy.context_limit == 8192
+                fakes.health["small"] = current()
+                await until(lambda: small.alive)
+                fakes.health["big"] = 500, {}
+                await until(lambda: not big.alive)
+                with pytest.raises(
+                    PolicyError, match=r"8192-token context limit.*limit of 2048 tokens.*= 3004 does not fit"
+                ):
+                    await policy.complete([1] * 3000, SHORT)
+                assert policy.server is small and policy.context_limit == 2048
+                assert fakes.completions["small"] == 0 and small.alive
+                assert (await policy.complete([1, 2], SHORT)).ids
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_moved_rollout_prefers_a_server_whose_context_fits_what_it_started_with(fakes):
+    """Though a server with a smaller context has fewer rollouts."""
+    fakes.health["a"] = fakes.health["c"] = fakes.health["small"] = current()
+    fakes.limits["a"], fakes.limits["c"], fakes.limits["small"] = 8192, 8192, 2048
+
+    async def scenario():
+        urls = [fakes.url("a"), fakes.url("c"), fakes.url("small")]
+        pool = await ServerPool.connect(urls, ENDPOINT, health_interval_s=0.1)
+        a, c, small = pool.servers
+        try:
+            async with pool.lease() as moved, pool.lease() as other:
+                assert (moved.server, other.server) == (a, c) and small.leases == 0
+                fakes.health["a"] = 500, {}
+                await until(lambda: not a.alive)
+                assert (await moved.complete([1] * 3000, SHORT)).ids
+                assert moved.server is c and fakes.completions["small"] == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())

@@ -76,6 +76,8 @@ class Server:
     behind: str = ""
     """Why it was behind at its last health check ("weights stale", or a version older than the
     pool's `min_version`); empty while current. A behind server gets new rollouts last."""
+    context_limit: int | None = None
+    """Longest prompt + completion it accepts, as it reported when it last joined (None: unknown)."""
 
     @property
     def has_room(self) -> bool:
@@ -108,7 +110,6 @@ class ServerPool:
         self.no_server_timeout_s = no_server_timeout_s
         self.min_version = min_version
         """Weight version a server must hold to be taken back (older ones would make only stale samples)."""
-        self.context_limit: int | None = None
         self._changed = asyncio.Event()
         self._probe = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
         self._watcher: asyncio.Task | None = None
@@ -143,6 +144,12 @@ class ServerPool:
         return pool
 
     @property
+    def context_limit(self) -> int | None:
+        """The smallest context limit among the servers in the pool now (None: none reports one):
+        what every one of them accepts. A server out of the pool does not count."""
+        return min((s.context_limit for s in self.servers if s.alive and s.context_limit is not None), default=None)
+
+    @property
     def model(self) -> str:
         """The model id served (by the first live server)."""
         return next((s.policy.model for s in self.servers if s.policy is not None), "")
@@ -175,16 +182,19 @@ class ServerPool:
             policy.server.leases -= 1
             self._changed.set()  # a slot may have come free
 
-    async def pick(self) -> Server:
+    async def pick(self, context: int | None = None) -> Server:
         """The live server with the fewest rollouts among those with room for one more
         (`rollout_slots`), its lease counted; a current server before any that is behind
-        (`behind`), which gets one only when no current server has room. Waits while every live
-        server is full."""
+        (`behind`), which gets one only when no current server has room. With `context` (the
+        context limit a moving rollout started with), a server whose limit is at least that is
+        preferred even over a current one. Waits while every live server is full."""
         waited_since = time.monotonic()
         while True:
             alive = [server for server in self.servers if server.alive]
             room = [server for server in alive if server.has_room]
             if room:
+                if context is not None:
+                    room = [s for s in room if s.context_limit is None or s.context_limit >= context] or room
                 current = [server for server in room if not self.behind(server)]
                 server = min(current or room, key=lambda s: s.leases)
                 server.leases += 1
@@ -363,9 +373,7 @@ class ServerPool:
             log.warning("inference server %s is not usable yet: %s", server.url, err)
             server.problem = str(err)
             return
-        server.policy, server.problem = policy, ""
-        if policy.context_limit is not None:
-            self.context_limit = min(self.context_limit or policy.context_limit, policy.context_limit)
+        server.policy, server.problem, server.context_limit = policy, "", policy.context_limit
         log.info(
             "inference server %s is in the pool%s", server.url, f" (behind: {server.behind})" if server.behind else ""
         )
@@ -387,11 +395,23 @@ class ServerPool:
 
 
 class PooledPolicy(Policy):
-    """One rollout's policy: its server's, moved to another server when that one dies."""
+    """One rollout's policy: its server's, moved to another server when that one dies.
+
+    The harness sizes the rollout's context by the limit of the server it starts on
+    (`started_limit`). A move prefers a server whose limit is at least that (`ServerPool.pick`);
+    when none has room it takes a smaller one rather than wait, and a call that does not fit
+    that server's limit fails naming both limits, before it is sent: the server would refuse it,
+    and the calls that do fit (a rollout whose context stayed small) still run there."""
 
     def __init__(self, pool: ServerPool, server: Server):
         self.pool, self.server = pool, server
-        self.context_limit = pool.context_limit
+        self.started_limit = server.context_limit
+        """The context limit of the server the rollout was leased on (what the harness planned for)."""
+
+    @property
+    def context_limit(self) -> int | None:
+        """The context limit of the server the rollout is on now."""
+        return self.server.context_limit
 
     async def complete(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
         while True:
@@ -399,6 +419,7 @@ class PooledPolicy(Policy):
             if server.policy is None:  # taken out since the last call
                 await self._move()
                 continue
+            self._check_fits(server, len(prompt_ids) + sampling.max_tokens)
             server.calls += 1
             server.active_calls += 1
             try:
@@ -411,7 +432,18 @@ class PooledPolicy(Policy):
             finally:
                 server.active_calls -= 1
 
+    def _check_fits(self, server: Server, tokens: int) -> None:
+        """Raise unless a call of `tokens` (prompt + max_tokens) fits `server`, when its limit is
+        smaller than the one the rollout started with (on that one the harness keeps it in)."""
+        limit, started = server.context_limit, self.started_limit
+        if limit is not None and started is not None and limit < started and tokens > limit:
+            raise PolicyError(
+                f"the rollout started on a server with a {started}-token context limit; the one it is on now, "
+                f"{server.url}, has a limit of {limit} tokens: its call of prompt + max_tokens = {tokens} does not fit"
+            )
+
     async def _move(self) -> None:
-        new = await self.pool.pick()  # if none comes back this raises, and the lease still counts here
+        # if none comes back this raises, and the lease still counts here
+        new = await self.pool.pick(self.started_limit)
         self.server.leases -= 1
         self.server = new
