@@ -216,3 +216,39 @@ def test_a_drain_ends_when_a_sequence_preempted_before_its_first_token_waits_ahe
             engine.step()
     assert early.finished and late.finished, f"the drain never ended: {early.output_ids=}, {late.output_ids=}"
     assert early.versions == [0] * 10 and late.versions == [1] * 4 and user.versions == [0, 0]
+
+
+def test_a_drain_waiting_on_a_user_s_grace_sleeps_between_steps():
+    """A weight update waits for a batch sequence in flight, which waits for a user's grace to
+    end: the engine's thread looks again every few milliseconds instead of spinning a core."""
+    import time
+
+    from whetstone.inference.swap import full_update
+
+    engine = engine_on(
+        "cpu", overlap=False, max_batch=2, swap_policy="finish", interactive_grace_s=3.0, batch_beside_interactive=0
+    )
+    first, second = prompts(3, 4)
+    batch = Sequence("batch", first, SamplingParams(max_tokens=50, seed=1), "batch")
+    user = Sequence("user", second, SamplingParams(max_tokens=2, seed=3))
+    engine.add(batch)
+    with torch.inference_mode():
+        for _ in range(3):
+            engine.step()
+        engine.add(user)
+        for _ in range(4):
+            engine.step()
+    assert user.finished and batch.output_ids and not batch.finished  # preempted, in flight, held by the grace
+    engine.update_weights(full_update(tiny_model(seed=9).state_dict(), version=1))
+    steps = []
+    step = engine.step
+    engine.step = lambda: steps.append(1) or step()
+    engine.start()
+    try:
+        time.sleep(0.1)
+        counted = len(steps)
+        time.sleep(0.5)
+        looked = len(steps) - counted
+    finally:
+        engine.stop()
+    assert looked < 500  # polled at WAITING_POLL_S (~100 in 0.5 s), not spun (tens of thousands)

@@ -351,7 +351,9 @@ class Engine:
             if plan.admit:
                 self._admit(plan.admit)
             ran = bool(self.scheduler.running) or self._launched is not None
-            self._stalled = not (ran or plan.admit or plan.preempt or self._updates)
+            # nothing ran, came or went: only a message (which sets `_wake`) or the clock (a grace
+            # ending) changes what the next step can do; an update waiting for a drain included
+            self._stalled = not (ran or plan.admit or plan.preempt)
             if ran:
                 self._decode()
             self._apply_routes()  # nothing decoded after an admission: wait for the copies here

@@ -520,9 +520,18 @@ class Pipeline:
         the weight store's mirrors (a Ray run's clusters' servers follow them) and the
         orchestrator's folder (its metrics, appended to). Starting RL over is removing all
         of them: one left behind has the next RL go on from the last one's."""
+        return list(self._rl_state_endpoints())
+
+    def _rl_state_endpoints(self) -> dict[str, str | None]:
+        """`rl_state`, each location with the S3 endpoint it is reached at."""
         trainer, orchestrator = self.config.rl.trainer, self.config.rl.orchestrator
         stores = [trainer.sync.store, *trainer.sync.mirrors]  # a Ray run's clusters follow the mirrors
-        return [trainer.output_dir, *stores, orchestrator.batch_store, str(self.run_dir / "orchestrator")]
+        return {
+            trainer.output_dir: None,
+            **dict.fromkeys(stores, trainer.sync.endpoint_url),
+            orchestrator.batch_store: orchestrator.store_endpoint_url,
+            str(self.run_dir / "orchestrator"): None,
+        }
 
     def start_rl_over(self) -> str:
         """The advice to start RL over, naming what to remove (`rl_state`)."""
@@ -539,8 +548,7 @@ class Pipeline:
         in it says which model it began from."""
         record_path = self.run_dir / RL_MODEL_FILE
         model = {"model": str(self.model_dir), "model_sha256": self.model_digest}
-        endpoint = self.config.rl.orchestrator.store_endpoint_url
-        left = [location for location in self.rl_state() if _holds_something(location, endpoint)]
+        left = [where for where, endpoint in self._rl_state_endpoints().items() if _holds_something(where, endpoint)]
         if not left:
             with write_errors(record_path):
                 atomic_write_json(record_path, model)
