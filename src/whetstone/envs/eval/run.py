@@ -1,6 +1,6 @@
 """Run an evaluation: every task `samples` times through the harness against an endpoint, at each
-of its temperatures, then write report.json, report.md and (optionally) trajectories.jsonl into
-`output_dir`, atomically."""
+of its temperatures, then write (optionally) trajectories.jsonl, report.md and report.json into
+`output_dir`, each atomically, report.json last: it is there only beside the files of its own run."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
-from whetstone.config import expand_path
+from whetstone.config import expand_path, hide_password, without_secrets
 from whetstone.envs.eval.config import EvalConfig
 from whetstone.envs.eval.report import build_report, render_markdown, temperature_point
 from whetstone.envs.harness import AgentHarness, ServerPool, run_rollouts
@@ -44,21 +44,27 @@ def evaluate(
     headline = config.evaluated_temperatures[0]
     run = {
         "model": model,
-        "endpoint": ", ".join(config.servers or [config.endpoint.base_url]),
+        "endpoint": ", ".join(map(hide_password, config.servers or [config.endpoint.base_url])),
         "started": started,
         "samples_per_task": config.samples,
         "wall_clock_s": time.monotonic() - clock,
-        "config": config.model_dump(mode="json"),
+        "config": without_secrets(config.model_dump(mode="json")),  # a server address's password as ***
     }
     report = build_report(swept[headline], config.k, run)
     report["temperatures"] = [temperature_point(t, group, config.k) for t, group in swept.items()]
+    # report.json marks a finished evaluation, so it goes last: an earlier evaluation's files are
+    # removed first, and a write that fails leaves no report.json beside another run's files.
+    stale = ["report.json", "report.md", *([] if config.save_trajectories else ["trajectories.jsonl"])]
+    for name in stale:
+        with write_errors(out / name):
+            (out / name).unlink(missing_ok=True)
     if config.save_trajectories:
         with write_errors(out / "trajectories.jsonl"):
             save_trajectories(out / "trajectories.jsonl", [t for group in swept.values() for t in group])
-    with write_errors(out / "report.json"):
-        atomic_write_json(out / "report.json", report)
     with write_errors(out / "report.md"):
         atomic_write_text(out / "report.md", render_markdown(report))
+    with write_errors(out / "report.json"):
+        atomic_write_json(out / "report.json", report)
     return report
 
 
