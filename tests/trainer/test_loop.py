@@ -219,6 +219,16 @@ def a_nan_behavior_logprob(batch):
     batch.behavior_logprobs[2, batch.loss_mask[2].nonzero()[0, 0]] = float("nan")
 
 
+def a_shorter_loss_mask(batch):
+    batch.loss_mask = batch.loss_mask[:, :-1]
+
+
+def no_rows(batch):
+    for name in ("input_ids", "target_ids", "loss_mask", "behavior_logprobs", "versions", "advantages", "routes"):
+        setattr(batch, name, getattr(batch, name)[:0])
+    batch.rows = []
+
+
 @pytest.mark.parametrize(
     ("spoil", "error"),
     [
@@ -232,6 +242,11 @@ def a_nan_behavior_logprob(batch):
             r"0000000001.batch in LocalStore\(.*\) has behavior_logprobs that are not finite at "
             r"trained positions of rows \[2\] \(tasks 'p0'\)",
         ),
+        (
+            a_shorter_loss_mask,
+            r"0000000001.batch in LocalStore\(.*\) has loss_mask of shape \(\d+, \d+\), but input_ids",
+        ),
+        (no_rows, r"0000000001.batch in LocalStore\(.*\) has input_ids of shape \(0, \d+\)"),
     ],
 )
 def test_a_batch_the_model_cannot_train_on_is_refused_naming_it_before_the_weights_move(

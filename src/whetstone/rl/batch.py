@@ -243,10 +243,78 @@ def batch_from_bytes(data: bytes, source: str = "batch") -> Batch:
         raise WhetstoneError(f"{source} lacks tensors {missing}")
     if not isinstance(header.get("rows"), list) or not isinstance(header.get("meta"), dict):
         raise WhetstoneError(f"{source} is not a whetstone batch: its header lacks the list of rows or the meta object")
+    _check_layout(tensors, header["rows"], source)
     optional = {name: tensors.get(name) for name in OPTIONAL_FIELDS}
     return Batch(
         **{name: tensors[name] for name in TENSOR_FIELDS}, **optional, rows=header["rows"], meta=header["meta"]
     )
+
+
+INTEGER_FIELDS = ("input_ids", "target_ids", "versions", "routes")
+FLOAT_FIELDS = ("behavior_logprobs", "advantages", "temperatures", "rollout_shares")
+ROW_FIELDS = ("temperatures", "rollout_shares")
+"""The optional tensors of one value per row, each finite and > 0."""
+
+
+def _check_layout(tensors: dict[str, torch.Tensor], rows: list[Any], source: str) -> None:
+    """Refuse, naming `source` and the field, a stored batch whose parts do not fit together: the
+    per-position tensors of different shapes or dtypes, routes not [B, T, moe_layers, top_k], a
+    per-row tensor not [B] or not positive, no rows, or row records that do not describe the rows
+    (their count, or a `num_positions` that would cut off trained positions when the trainer trims
+    rows to it). Such a batch was not written by `batch_to_bytes` of a collated batch; read as it is,
+    the trainer's step would fail on it with an index or shape error, or train on it silently wrong."""
+    shape = tuple(tensors["input_ids"].shape)
+    if len(shape) != 2 or 0 in shape:
+        raise WhetstoneError(
+            f"{source} has input_ids of shape {shape}: a batch is [rows, positions], with at least one of each"
+        )
+    for name in TENSOR_FIELDS:
+        if tuple(tensors[name].shape) != shape:
+            raise WhetstoneError(
+                f"{source} has {name} of shape {tuple(tensors[name].shape)}, but input_ids of shape {shape}"
+            )
+    for name, tensor in tensors.items():
+        if name == "loss_mask" and tensor.dtype != torch.bool:
+            raise WhetstoneError(f"{source} has loss_mask of dtype {tensor.dtype}, expected bool")
+        if name in INTEGER_FIELDS and (tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex()):
+            raise WhetstoneError(f"{source} has {name} of dtype {tensor.dtype}, expected an integer dtype")
+        if name in FLOAT_FIELDS and not tensor.is_floating_point():
+            raise WhetstoneError(f"{source} has {name} of dtype {tensor.dtype}, expected a floating-point dtype")
+    routes = tensors.get("routes")
+    if routes is not None and (routes.dim() != 4 or tuple(routes.shape[:2]) != shape):
+        raise WhetstoneError(
+            f"{source} has routes of shape {tuple(routes.shape)}, expected ({shape[0]}, {shape[1]}, moe_layers, top_k)"
+        )
+    for name in ROW_FIELDS:
+        values = tensors.get(name)
+        if values is None:
+            continue
+        if tuple(values.shape) != shape[:1]:
+            raise WhetstoneError(f"{source} has {name} of shape {tuple(values.shape)}, expected ({shape[0]},)")
+        if not (torch.isfinite(values) & (values > 0)).all():
+            raise WhetstoneError(f"{source} has {name} {values.tolist()[:10]}: each row's must be finite and > 0")
+    if not rows:
+        return  # no row records: the trainer takes every row as long as the tensors
+    if len(rows) != shape[0]:
+        raise WhetstoneError(f"{source} has {len(rows)} row records for {shape[0]} rows")
+    for number, row in enumerate(rows):
+        if not isinstance(row, dict):
+            raise WhetstoneError(f"{source}: row {number}'s record is not an object: {row!r}")
+        positions = row.get("num_positions")
+        if type(positions) is not int or not 1 <= positions <= shape[1]:
+            raise WhetstoneError(
+                f"{source}: row {number}'s num_positions is {positions!r}, expected an integer in 1..{shape[1]}"
+            )
+        oldest = row.get("oldest_version")
+        if oldest is not None and type(oldest) is not int:
+            raise WhetstoneError(f"{source}: row {number}'s oldest_version is {oldest!r}, expected an integer or null")
+    lengths = torch.tensor([row["num_positions"] for row in rows]).view(-1, 1)
+    past = (tensors["loss_mask"] & (torch.arange(shape[1]) >= lengths)).any(dim=1).nonzero().flatten().tolist()
+    if past:
+        number = past[0]
+        raise WhetstoneError(
+            f"{source}: row {number} trains positions past its num_positions ({rows[number]['num_positions']})"
+        )
 
 
 def _header(data: bytes) -> dict[str, Any]:
