@@ -217,12 +217,17 @@ def read_header(blob: bytes) -> tuple[list[dict], int]:
 
 
 def decode_chunk(
-    blob: bytes, base: dict[str, torch.Tensor] | None, dtypes: dict[str, torch.dtype]
+    blob: bytes,
+    base: dict[str, torch.Tensor] | None,
+    dtypes: dict[str, torch.dtype],
+    numels: dict[str, int] | None = None,
 ) -> list[tuple[Segment, Decoded]]:
     """Decode every segment of a chunk. A `Decoded`'s indices are flat indices into its tensor
     (int64), or None when it carries all the segment's values.
 
-    `base` holds the tensors the deltas were coded against; `dtypes` the new version's dtypes.
+    `base` holds the tensors the deltas were coded against; `dtypes` the new version's dtypes, and
+    `numels` their numbers of values (from the manifest): a segment past its tensor's end is refused
+    before its block decodes, since a whole block decodes into as many values as its segments say.
     """
     blocks, offset = read_header(blob)
     view = memoryview(blob)
@@ -233,7 +238,7 @@ def decode_chunk(
             encoding, count, length = entry["encoding"], int(entry["count"]), int(entry["length"])
         except (KeyError, TypeError, ValueError):
             raise CorruptDataError(f"chunk header entry {str(entry)[:200]} is malformed") from None
-        dtype = _block_dtype(segments, dtypes)
+        dtype = _block_dtype(segments, dtypes, numels)
         payload = view[offset : offset + length]
         if len(payload) != length:
             raise CorruptDataError(f"chunk is truncated inside the block of tensor {segments[0].tensor!r}")
@@ -270,7 +275,7 @@ def _naming(segments: list[Segment]) -> Iterator[None]:
         raise CorruptDataError(f"block of tensor{'s' if len(names) > 1 else ''} {named}: {err}") from None
 
 
-def _block_dtype(segments: list[Segment], dtypes: dict[str, torch.dtype]) -> torch.dtype:
+def _block_dtype(segments: list[Segment], dtypes: dict[str, torch.dtype], numels: dict[str, int] | None) -> torch.dtype:
     if not segments:
         raise CorruptDataError("chunk header has a block without segments")
     for seg in segments:
@@ -278,6 +283,10 @@ def _block_dtype(segments: list[Segment], dtypes: dict[str, torch.dtype]) -> tor
             raise CorruptDataError(f"chunk codes tensor {seg.tensor!r}, which the manifest does not list")
         if not 0 <= seg.start <= seg.stop:
             raise CorruptDataError(f"chunk codes values [{seg.start}, {seg.stop}) of tensor {seg.tensor!r}")
+        if numels is not None and seg.stop > numels.get(seg.tensor, seg.stop):
+            raise CorruptDataError(
+                f"chunk codes values [{seg.start}, {seg.stop}) of tensor {seg.tensor!r}, which has {numels[seg.tensor]}"
+            )
         if dtypes[seg.tensor] != dtypes[segments[0].tensor]:
             raise CorruptDataError(f"chunk codes tensors of different dtypes in one block: {seg.tensor!r}")
     return dtypes[segments[0].tensor]

@@ -230,6 +230,12 @@ def withdraw(
     Also finishes a withdrawal that did not complete (`sync inspect` names it)."""
     from whetstone.errors import WhetstoneError
 
+    if first < 0:  # no "newest version": every version is from -1 on, and all of them would go
+        raise WhetstoneError(
+            f"--from {first} is not a version number (versions count from 0, and every version from "
+            f"{first} on would be withdrawn): give the first version to withdraw (`whetstone sync inspect "
+            f"{store}` lists them)"
+        )
     weights, _ = _open(store, endpoint_url)
     stored = weights.versions()
     # a withdrawal that did not complete is finished even where its manifests are all gone (it

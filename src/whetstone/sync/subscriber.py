@@ -25,6 +25,7 @@ still in the way after that (a publisher raced the repair) is rejected.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -297,12 +298,13 @@ class Subscriber:
 
     def _decode(self, manifest: Manifest) -> WeightUpdate:
         dtypes = {info.name: dtype_from_name(info.dtype) for info in manifest.tensors}
+        numels = {info.name: math.prod(info.shape) for info in manifest.tensors}
         base = self.state if manifest.kind == "delta" else None
 
         def fetch_and_decode(chunk):
             blob = self.store.fetch_chunk(chunk)  # its errors name the chunk
             try:
-                return decode_chunk(blob, base, dtypes)
+                return decode_chunk(blob, base, dtypes, numels)
             except CorruptDataError as err:
                 raise CorruptDataError(f"chunk {chunk.key}: {err}") from None
 

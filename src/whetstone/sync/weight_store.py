@@ -95,16 +95,26 @@ class _Withdrawal(NamedTuple):
     """The record's bytes: it is removed only while it is still these."""
 
 
+def _version_number(value: object) -> int:
+    """A version number read from a JSON record: an integer from 0 on. JSON gives a float for
+    1e400 (infinity, which `int` refuses with an OverflowError) or 2.7, and a bool for true, which
+    `int` would silently turn into another version; `ValueError` for each of them."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{value!r} is not a version number")
+    return value
+
+
 def _parse_withdrawal(data: bytes, objects: ObjectStore) -> tuple[int, tuple[_Doomed, ...] | None]:
     """A withdrawal record's first version and the publishes it lists (None: it lists none)."""
     try:
         record = json.loads(data)
-        first = int(record["from"])
+        first = _version_number(record["from"])
         listed = record.get("versions")
         if listed is None:
             return first, None
         return first, tuple(
-            _Doomed(int(d["version"]), str(d["manifest"]), tuple(str(c) for c in d["chunks"])) for d in listed
+            _Doomed(_version_number(d["version"]), str(d["manifest"]), tuple(str(c) for c in d["chunks"]))
+            for d in listed
         )
     except (ValueError, KeyError, TypeError, AttributeError):
         raise WhetstoneError(f"{WITHDRAWAL_KEY} in {objects!r} is not {{'from': N, ...}}: {data[:100]!r}") from None
@@ -134,7 +144,10 @@ class WeightStore:
             return None
         try:
             pointer = json.loads(data)
-            return Head(int(pointer["version"]), pointer.get("manifest"))
+            digest = pointer.get("manifest")
+            if digest is not None and not isinstance(digest, str):
+                raise TypeError(f"manifest digest {digest!r} is not a string")
+            return Head(_version_number(pointer["version"]), digest)
         except (ValueError, KeyError, TypeError, AttributeError):
             raise WhetstoneError(f"{LATEST_KEY} in {self.objects!r} is not {{'version': N}}: {data[:100]!r}") from None
 
@@ -540,12 +553,20 @@ class WeightStore:
             copied += self._copy(source, head, blobs)
             now = source.head()
             if now == head and self._holds(source, head):
-                if head != self.head():
+                if head != self._readable_head():
                     self._point_at(head.version, head.digest)
                 return copied
         raise WhetstoneError(
             f"{source!r} changed while {self!r} copied it, {MIRROR_TRIES} times: its latest pointer stays where it was"
         )
+
+    def _readable_head(self) -> Head | None:
+        """`head`, or None where the pointer cannot be read (half written by a tool that copied the
+        store, say): the mirror's one writer replaces it, as `point_forward` does in a store."""
+        try:
+            return self.head()
+        except WhetstoneError:
+            return None
 
     def _holds(self, source: WeightStore, head: Head) -> bool:
         """Whether this store has `head`'s version as `source` published it (a pointer without a
