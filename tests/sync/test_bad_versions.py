@@ -91,6 +91,21 @@ def test_a_manifest_whose_keyframe_is_no_version_up_to_its_own_is_rejected(weigh
     assert "version 1 was rejected" in subscriber.blocked()
 
 
+@pytest.mark.parametrize("base", [None, -1, 1, 2])
+def test_a_delta_whose_base_is_no_version_before_its_own_is_rejected(weights, config, trainer, base):
+    """A delta decodes onto its base's weights: without a base before it, onto whatever the
+    subscriber holds (nothing, or weights it forgot)."""
+    publisher = Publisher(weights, config)
+    for _ in range(2):
+        publisher.publish(trainer.step())
+    edit_manifest(weights, 1, lambda manifest: manifest.update(base=base, base_manifest=None))
+    subscriber = Subscriber(weights, config)
+    subscriber.poll()
+    assert (
+        f"manifest of version 1 is a delta of base {base}, which is not a version from 0 to 0" in subscriber.rejected[1]
+    )
+
+
 def test_an_unreadable_latest_manifest_is_a_rejection_reported_once_and_retried_when_replaced(weights, config, trainer):
     """A manifest of a newer format (a newer publisher), say: the subscriber cannot even tell where
     the chain starts, and says so through `rejected` and `blocked()` rather than failing each poll."""

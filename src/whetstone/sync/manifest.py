@@ -147,6 +147,11 @@ def parse_manifest(data: bytes, version: int) -> Manifest:
             f"manifest of version {version} gives keyframe {manifest.keyframe}, which is not a version from 0 "
             f"to {version}: withdraw the version"
         )
+    if manifest.kind == "delta" and (manifest.base is None or not 0 <= manifest.base < version):
+        raise WhetstoneError(
+            f"manifest of version {version} is a delta of base {manifest.base}, which is not a version from 0 "
+            f"to {version - 1} (a delta decodes onto its base's weights): withdraw the version"
+        )
     listed: set[str] = set()
     for info in manifest.tensors:
         if info.name in listed:
