@@ -195,3 +195,14 @@ def test_a_cache_on_a_file_system_without_locks_still_builds(config, monkeypatch
     assert build_corpus(config).path.name == key
     assert other.exists()
     assert "cannot be locked on its file system: building the corpus without a lock" in caplog.text
+
+
+def test_a_source_file_whose_name_is_not_utf8_is_built_like_any_other(config, code_dir):
+    name = os.fsencode(code_dir / "pkg") + b"/caf\xe9.py"  # a Latin-1 name, as old archives hold
+    try:
+        with open(name, "w") as handle:
+            handle.write("def latin_one(value):\n    return value * 2 + 1  # a file with an old name\n")
+    except OSError:  # a file system that takes UTF-8 names only
+        pytest.skip("this file system refuses a name that is not UTF-8")
+    names = json.loads((build_corpus(config).path / "documents.json").read_text())
+    assert sum(n.endswith("/pkg/caf\udce9.py") for n in names["train"] + names["val"]) == 1

@@ -40,8 +40,11 @@ class Document:
 
 
 def name_hash(name: str, salt: str) -> float:
-    """A stable pseudo-random number in [0, 1) for a document name (`salt` picks the sequence)."""
-    digest = hashlib.blake2b(f"{salt}:{name}".encode(), digest_size=8).digest()
+    """A stable pseudo-random number in [0, 1) for a document name (`salt` picks the sequence).
+
+    A file name that is not UTF-8 comes from `os.walk` with its undecodable bytes as surrogates
+    (`surrogateescape`); they are hashed as those bytes, the name's own."""
+    digest = hashlib.blake2b(f"{salt}:{name}".encode(errors="surrogateescape"), digest_size=8).digest()
     return int.from_bytes(digest, "big") / 2**64
 
 
