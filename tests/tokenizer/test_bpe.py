@@ -72,6 +72,19 @@ def test_saved_tokenizer_loads_back_and_in_transformers(trained, tmp_path):
     )
 
 
+def test_a_tokenizer_saved_with_truncation_and_padding_encodes_whole_texts(trained, tmp_path):
+    """tokenizer.json files saved after a truncating, padding call keep those settings: a corpus
+    or a prompt encoded with them would be cut and padded, silently."""
+    trained.save(tmp_path)
+    saved = Backend.from_file(str(tmp_path / "tokenizer.json"))
+    saved.enable_truncation(max_length=8)
+    saved.enable_padding(length=8, pad_id=trained.endoftext_id)
+    saved.save(str(tmp_path / "tokenizer.json"))
+    loaded = Tokenizer.load(tmp_path)
+    assert loaded.encode(SAMPLE) == trained.encode(SAMPLE) and len(trained.encode(SAMPLE)) > 8
+    assert loaded.encode_plain([SAMPLE, "x"]) == trained.encode_plain([SAMPLE, "x"])
+
+
 def test_a_tokenizer_folder_with_home_or_a_variable_is_expanded(trained, tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     monkeypatch.setenv("MODEL_DIR", str(tmp_path / "home" / "model"))

@@ -112,6 +112,11 @@ class Tokenizer:
     """
 
     def __init__(self, backend: Backend, config: dict[str, Any], source: str = "<trained>"):
+        # A tokenizer.json saved after a truncating or padding call keeps those settings, which
+        # would cut or pad every text encoded here (documents, prompts): whetstone encodes whole
+        # texts, unpadded.
+        backend.no_truncation()
+        backend.no_padding()
         self._backend = backend
         self.config = config
         """The tokenizer_config.json written by `save` (a loaded checkpoint's own, untouched)."""
