@@ -396,3 +396,19 @@ def test_a_corrupt_sqlite_file_is_a_feedback_store_error(tmp_path):
         FeedbackStore(store.engine).rated_after(0, 10)
     with pytest.raises(FeedbackStoreError, match="cannot open the feedback store .*: file is not a database"):
         FeedbackStore.open(str(path))
+
+
+def test_a_store_whose_folder_cannot_be_made_is_an_error_naming_it(tmp_path):
+    from whetstone.store.feedback import FeedbackStoreError
+
+    (tmp_path / "runs").write_text("a file where the store's folder goes")
+    with pytest.raises(FeedbackStoreError, match=f"cannot open the feedback store {tmp_path}/runs/fb.db: ") as failed:
+        FeedbackStore.open(str(tmp_path / "runs" / "fb.db"))
+    assert f"cannot create the folder {tmp_path}/runs" in str(failed.value) and not failed.value.transient
+
+
+@pytest.mark.parametrize("url", ["postgresql://u:secret@h:notaport/db", "postgresql://u:secret@[::1/db"])
+def test_a_url_that_does_not_parse_is_an_error_without_its_password(url):
+    with pytest.raises(WhetstoneError, match=r"postgresql://u:\*\*\*@.* is not a valid database URL") as refused:
+        FeedbackStore.open(url)
+    assert "secret" not in str(refused.value)

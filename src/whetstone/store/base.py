@@ -54,6 +54,7 @@ class ObjectStore(ABC):
         """The keys starting with `prefix` of what unfinished writes left (a local store's temporary
         files: a write in progress, or one whose writer died), which `list` does not show, sorted.
         None in a store whose writes need no temporaries (S3)."""
+        check_prefix(prefix)
         return []
 
     def delete_folder(self, prefix: str) -> None:
@@ -70,3 +71,12 @@ def check_key(key: str) -> str:
     if not key or key.startswith("/") or any(part in ("", ".", "..") for part in parts):
         raise WhetstoneError(f"invalid object key {key!r}: use a relative path like 'a/b.bin'")
     return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Reject listing prefixes whose folder could escape the store's root: all of a prefix but
+    what follows its last `/` (a partial name: `versions/00`) must be a valid key."""
+    folder = prefix.rpartition("/")[0]
+    if prefix.startswith("/") or (folder and any(part in ("", ".", "..") for part in folder.split("/"))):
+        raise WhetstoneError(f"invalid object prefix {prefix!r}: use a relative folder like 'versions/'")
+    return prefix

@@ -193,7 +193,13 @@ class FeedbackStore:
     @classmethod
     def open(cls, store: str) -> "FeedbackStore":
         """Connect (creating the tables if missing); raises a WhetstoneError naming the store."""
-        url = database_url(store)
+        try:
+            url = database_url(store)
+        except OSError as err:  # a file where its folder goes, a folder it may not write in
+            reason = f"cannot create the folder {err.filename}: {err.strerror}"
+            raise FeedbackStoreError(
+                f"cannot open the feedback store {store}: {reason}", reason, transient=False
+            ) from None
         if not url.startswith(("sqlite:", "postgresql")):
             raise WhetstoneError(
                 f"the feedback store {hide_password(store)}: only SQLite (a path) and PostgreSQL URLs are "
@@ -202,6 +208,15 @@ class FeedbackStore:
         options: dict[str, Any] = {"pool_pre_ping": True}
         if url.startswith("sqlite"):
             options["connect_args"] = {"timeout": 30.0}  # other servers may hold the write lock
+        # A URL that does not parse (a port that is not a number, an unclosed `[`) is named without
+        # the parser's words, which may quote the password.
+        try:
+            sa.engine.make_url(url)
+        except (ValueError, sa.exc.ArgumentError):
+            raise WhetstoneError(
+                f"the feedback store {hide_password(store)} is not a valid database URL "
+                "(postgresql://USER:PASSWORD@HOST:PORT/DATABASE, PORT a number; or a SQLite file's path)"
+            ) from None
         try:
             engine = sa.create_engine(url, **options)
             if url.startswith("sqlite"):

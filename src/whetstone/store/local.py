@@ -9,8 +9,8 @@ from pathlib import Path
 
 from whetstone.config import expand_path
 from whetstone.errors import WhetstoneError
-from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key
-from whetstone.utils.atomic import atomic_write_bytes
+from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key, check_prefix
+from whetstone.utils.atomic import atomic_write_bytes, plain_file_mode
 
 
 class LocalStore(ObjectStore):
@@ -53,6 +53,7 @@ class LocalStore(ObjectStore):
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
+            os.fchmod(fd, plain_file_mode())  # a plain write's mode (`put`'s), not mkstemp's 0600
             with os.fdopen(fd, "wb") as handle:
                 handle.write(data)
                 handle.flush()
@@ -74,7 +75,7 @@ class LocalStore(ObjectStore):
     def get(self, key: str) -> bytes:
         try:
             return self._path(key).read_bytes()
-        except (FileNotFoundError, IsADirectoryError):
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):  # the last: a key below an object's
             raise MissingObjectError(f"no object {key!r} in {self.root}") from None
 
     def list(self, prefix: str = "") -> list[str]:
@@ -87,6 +88,7 @@ class LocalStore(ObjectStore):
 
     def _keys(self, prefix: str, wanted: Callable[[str], bool]) -> list[str]:
         """The keys starting with `prefix` of the files whose names are `wanted`, sorted."""
+        check_prefix(prefix)  # its folder inside the store
         # Walk only the deepest directory the prefix names, not the whole store.
         folder = self.root / prefix.rpartition("/")[0] if "/" in prefix else self.root
         if not folder.is_dir():
@@ -102,7 +104,10 @@ class LocalStore(ObjectStore):
 
     def delete(self, key: str) -> None:
         path = self._path(key)
-        path.unlink(missing_ok=True)
+        try:
+            path.unlink(missing_ok=True)
+        except NotADirectoryError:  # a key below an object's ('a/b.bin/c'): no object is there
+            return
         self._drop_empty_folders(path.parent)
 
     def delete_folder(self, prefix: str) -> None:

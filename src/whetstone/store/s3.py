@@ -14,7 +14,7 @@ import time
 from collections.abc import Iterator
 
 from whetstone.errors import AccessDeniedError, WhetstoneError
-from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key
+from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key, check_prefix
 
 CONFLICT_RETRIES = 5
 """Tries of a conditional write that S3 answers 409 (another one of the key in flight)."""
@@ -162,6 +162,7 @@ class S3Store(ObjectStore):
         ) from broken
 
     def list(self, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
         paginator = self._client.get_paginator("list_objects_v2")
         keys = []
         with self._errors_named(self.prefix + prefix):

@@ -50,6 +50,12 @@ def _fsync_tree(directory: Path) -> None:
         _fsync_dir(Path(folder))
 
 
+def plain_file_mode() -> int:
+    """The permissions a plain write gives a new file (0o666 less the umask), where a temporary
+    file renamed or linked into place would keep mkstemp's 0600."""
+    return 0o666 & ~_umask()
+
+
 @functools.cache
 def _umask() -> int:
     """The process's umask, read once: whetstone never changes it after start, and a process
@@ -141,7 +147,7 @@ def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if mode is None:  # a plain write keeps the mode of the file it overwrites
-        mode = path.stat().st_mode & 0o777 if path.is_file() else 0o666 & ~_umask()
+        mode = path.stat().st_mode & 0o777 if path.is_file() else plain_file_mode()
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     tmp = Path(tmp_name)
     try:
