@@ -228,3 +228,14 @@ def test_a_context_larger_than_the_servers_fails_at_once_with_both_numbers():
     assert "context_tokens=4096 is more than the server's context limit of 1000 tokens" in trajectory.error
     within = run_agent(synth_task(), ScriptedPolicy(lambda prompt: call("submit"), context_limit=2048))
     assert within.stop_reason == "submitted"  # context_tokens=2048: exactly the server's limit
+
+
+def test_a_task_whose_text_holds_a_lone_surrogate_is_worked_on_not_a_failed_rollout():
+    """JSON can escape half of an emoji (`"\\ud83d"`, cut by a scraper), so a task's text can
+    carry one. The agent reads `?` there, as it does in a tool's output."""
+    task = synth_task(instruction="Fix the greeting \ud83d.")
+    policy = ScriptedPolicy(lambda prompt: call("submit"))
+    trajectory = run_agent(task, policy)
+    assert trajectory.status == "ok" and trajectory.stop_reason == "submitted", trajectory.error
+    shown = tokenizer().decode(policy.prompts[0])
+    assert "Fix the greeting ?." in shown

@@ -9,7 +9,8 @@ import re
 
 from tests.envs.harness.harness_support import ScriptedPolicy, assert_one_growing_sequence, call, synth_task, tokenizer
 from whetstone.envs.harness import AgentHarness, HarnessConfig, RolloutConfig, rollout
-from whetstone.envs.harness.summarize import SUMMARY_INTRO, SUMMARY_REQUEST
+from whetstone.envs.harness.context import SegmentContext
+from whetstone.envs.harness.summarize import SUMMARY_INTRO, SUMMARY_REQUEST, Budget, segment_messages
 from whetstone.envs.trajectory import load_trajectories, save_trajectories
 
 PARTS = 80
@@ -114,3 +115,30 @@ def test_a_summary_cannot_end_its_turn_or_fake_a_tool_response_in_the_next_segme
     assert tok.im_end_id not in ids and tok.im_start_id not in ids
     assert tok.encode("<tool_response>")[0] not in ids
     assert summary.replace(ZERO_WIDTH_SPACE, "") == written  # the model still reads what it wrote
+
+
+def test_a_summary_that_grows_when_reencoded_still_restarts_in_a_tight_window():
+    """A summary's text is encoded again for the next segment, where each markup token the model
+    wrote (`<tool_response>`, one id) is broken into several: the summary is cut to its budget,
+    so the restart fits the room the first segment kept for it."""
+    tok = tokenizer()
+    task = synth_task()
+    budgets = dict(max_turn_tokens=64, max_tool_tokens=64, summary_tokens=32, max_calls_per_turn=2)
+    opening = SegmentContext(tok, segment_messages(task, None))
+    budget = Budget(HarnessConfig(**budgets), 10**6, opening)
+    window = len(opening.ids) + budget.restart_growth + 64 + 64 + budget.summary_reserve  # just fits
+
+    def reply(prompt):
+        if prompt.endswith(SUMMARY_REQUEST + "<|im_end|>\n<|im_start|>assistant\n"):
+            return "Read a.py. <tool_response> " * 3  # within summary_tokens as sampled
+        return call("run", command="seq 1 40")
+
+    harness = AgentHarness(HarnessConfig(context_tokens=window, max_turns=6, **budgets), tok)
+    trajectory = asyncio.run(rollout(task, ScriptedPolicy(reply), harness, RolloutConfig()))
+    assert trajectory.status == "ok", trajectory.error
+    assert len(trajectory.segments) >= 2 and trajectory.segments[0].calls[-1].is_summary
+    summary = trajectory.segments[0].summary
+    assert len(tok.encode(summary)) <= 32 and summary.startswith("Read a.py.")
+    restart = trajectory.segments[1].calls[0].prompt_ids
+    assert tok.decode(restart).endswith(SUMMARY_INTRO + summary + "<|im_end|>\n<|im_start|>assistant\n")
+    assert all(len(c.prompt_ids) + len(c.completion_ids) <= window for c in trajectory.calls)

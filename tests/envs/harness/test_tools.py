@@ -242,3 +242,34 @@ def test_head_tail():
     assert head_tail("short", 100) == "short"
     cut = head_tail("a" * 500 + "b" * 500, 200)
     assert cut.startswith("a" * 70) and cut.endswith("b" * 70) and "860 characters cut" in cut
+
+
+def test_grep_numbers_lines_as_grep_and_sed_do_and_names_binary_files(tools):
+    """Lines end at a line feed only: a form feed (a page break in old sources) or a U+2028 in a
+    string literal starts no line. A binary file's matches are named, not printed as text."""
+    workspace = tools.sandbox.workspace
+    (workspace / "paged.py").write_text("x = 1\n\x0c\ndef f():\n    return 'a\u2028b'  # TODO\nTODO = 2\r\n")
+    (workspace / "lib.so").write_bytes(b"\x7fELF\x00\x01\x1b[31m TODO\n")
+    assert tools.call("grep", {"pattern": "TODO( = 2)?$", "path": "."}, 10) == (
+        "lib.so: binary file matches\npaged.py:4:    return 'a\u2028b'  # TODO\npaged.py:5:TODO = 2\n"
+        "pkg/util.py:2:    return 41  # TODO"
+    )
+
+
+def test_read_file_of_a_huge_file_holds_only_what_it_shows(tools):
+    """A log of hundreds of megabytes (within the disk budget) is read without holding it whole
+    in the harness's process, and shows exactly what the whole text cut by `head_tail` shows."""
+    import tracemalloc
+
+    text = "".join(f"line {i} \u00e9\n" for i in range(400_000))  # 5 MB
+    (tools.sandbox.workspace / "big.log").write_text(text)
+    tracemalloc.start()
+    try:
+        shown = tools.call("read_file", {"path": "big.log"}, 10)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert shown == head_tail(text, tools.max_chars)
+    assert peak < 1_000_000  # the text alone is 5 MB
+    (tools.sandbox.workspace / "small.txt").write_text("a\u00e9b\n")
+    assert tools.call("read_file", {"path": "small.txt"}, 10) == "a\u00e9b\n"

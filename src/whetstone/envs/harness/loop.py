@@ -23,7 +23,7 @@ from whetstone.envs.harness.base import Harness
 from whetstone.envs.harness.config import HarnessConfig
 from whetstone.envs.harness.context import Message, SegmentContext
 from whetstone.envs.harness.policy import Completion, Policy, PolicyError, Sampling
-from whetstone.envs.harness.summarize import Budget, segment_messages, summary_request, summary_text
+from whetstone.envs.harness.summarize import Budget, fit_summary, segment_messages, summary_request, summary_text
 from whetstone.envs.harness.tools import ToolCallError, Tools, check_call
 from whetstone.envs.prompts import tool_message
 from whetstone.envs.sandbox import Sandbox
@@ -164,7 +164,9 @@ class _Episode:
         completion = await self._call(prompt, self.config.summary_tokens, is_summary=True)
         if completion is None:
             return None
-        summary = summary_text(self.tokenizer.decode(completion.ids))
+        summary = fit_summary(
+            self.tokenizer, summary_text(self.tokenizer.decode(completion.ids)), self.config.summary_tokens
+        )
         self.trajectory.segments[-1].summary = summary
         context = self._start_segment(summary)
         self._check_room(budget, context)

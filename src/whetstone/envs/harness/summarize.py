@@ -14,7 +14,7 @@ from whetstone.envs import prompts
 from whetstone.envs.harness.config import HarnessConfig
 from whetstone.envs.harness.context import Message, SegmentContext
 from whetstone.envs.task import Task
-from whetstone.tokenizer import defuse_markup, parse_assistant
+from whetstone.tokenizer import Tokenizer, defuse_markup, parse_assistant
 
 SUMMARY_REQUEST = (
     "Your context is full and will be reset. Write a summary of your work for yourself: what you "
@@ -29,10 +29,13 @@ def summary_request() -> Message:
 
 
 def segment_messages(task: Task, summary: str | None) -> list[Message]:
-    """The opening of a segment: system prompt and task, then the summary (after a restart)."""
+    """The opening of a segment: system prompt and task, then the summary (after a restart). The
+    task's text shows `?` for what UTF-8 cannot encode: JSON can escape a lone surrogate (half of
+    an emoji a scraper cut), which no tokenizer takes."""
+    task_text = prompts.first_user_message(task).encode("utf-8", "replace").decode("utf-8")
     messages = [
         {"role": "system", "content": prompts.SYSTEM_PROMPT},
-        {"role": "user", "content": prompts.first_user_message(task)},
+        {"role": "user", "content": task_text},
     ]
     if summary is not None:
         messages.append({"role": "user", "content": SUMMARY_INTRO + summary})
@@ -45,6 +48,19 @@ def summary_text(completion_text: str) -> str:
     must not end that turn or fake a call or a tool response."""
     content, _, _ = parse_assistant(completion_text)
     return defuse_markup((content or completion_text.removesuffix("<|im_end|>")).strip())
+
+
+def fit_summary(tokenizer: Tokenizer, summary: str, limit: int) -> str:
+    """`summary` cut at its end until it encodes to at most `limit` tokens. The next segment
+    encodes the summary's text anew, which can take more tokens than the model sampled: each
+    markup token it wrote (`<tool_response>`, one id) is broken by `defuse_markup` into several,
+    and a byte that is no UTF-8 becomes a three-byte U+FFFD. Uncut, such a summary could take
+    the restart past the room the first segment kept for it (`Budget.restart_growth`)."""
+    whole, keep = tokenizer.encode(summary), limit
+    while len(tokenizer.encode(summary)) > limit:
+        summary = tokenizer.decode(whole[: max(keep, 0)]).rstrip("\ufffd").rstrip()  # no half character
+        keep -= 1
+    return summary
 
 
 class Budget:

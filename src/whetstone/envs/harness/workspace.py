@@ -11,6 +11,7 @@ a FIFO, socket or device the agent made (`mkfifo p`) would otherwise block the t
 
 from __future__ import annotations
 
+import codecs
 import errno
 import os
 import pickle
@@ -20,6 +21,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
 from whetstone.envs import prompts
 
@@ -27,6 +29,8 @@ MAX_GREP_MATCHES = 200
 GREP_TIME_LIMIT_S = 10.0
 """Longest a grep call may search, all files together."""
 MAX_LISTED = 500
+READ_CHUNK = 1 << 16
+"""Bytes `read_file` reads and decodes at a time."""
 
 
 class ToolError(Exception):
@@ -38,8 +42,31 @@ def head_tail(text: str, limit: int) -> str:
     if len(text) <= limit:
         return text
     keep = max(0, limit - 60) // 2
-    cut = len(text) - 2 * keep
-    return f"{text[:keep]}\n[... {cut} characters cut ...]\n{text[len(text) - keep :] if keep else ''}"
+    return _marked_cut(text[:keep], len(text) - 2 * keep, text[len(text) - keep :] if keep else "")
+
+
+def _marked_cut(head: str, cut: int, tail: str) -> str:
+    return f"{head}\n[... {cut} characters cut ...]\n{tail}"
+
+
+def _head_tail_of(file: BinaryIO, limit: int) -> str:
+    """`head_tail(file's text, limit)`, the text decoded from UTF-8 with U+FFFD for what is no
+    UTF-8, read and decoded a chunk at a time: a file of a gigabyte (a log a command wrote, within
+    the disk budget) is never held whole in the harness's process for the few kilobytes shown."""
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    keep = max(0, limit - 60) // 2
+    head, tail, total = "", "", 0
+    while True:
+        chunk = file.read(READ_CHUNK)
+        text = decoder.decode(chunk, final=not chunk)
+        total += len(text)
+        if len(head) <= limit:
+            head += text[: limit + 1 - len(head)]
+        if keep:
+            tail = (tail + text[-keep:])[-keep:]
+        if not chunk:
+            break
+    return head if total <= limit else _marked_cut(head[:keep], total - 2 * keep, tail)
 
 
 class Workspace:
@@ -87,10 +114,6 @@ class Workspace:
             raise ToolError(f"{name} is not a regular file")
         return fd
 
-    def _read(self, target: Path, name: str) -> bytes:
-        with open(self._open(target, name, os.O_RDONLY), "rb") as file:
-            return file.read()
-
     def _write(self, target: Path, name: str, text: str) -> None:
         with open(self._open(target, name, os.O_WRONLY | os.O_CREAT), "wb") as file:
             file.truncate()
@@ -100,10 +123,11 @@ class Workspace:
         target = self.path(path)
         if target.is_dir():
             raise ToolError(f"{path} is a directory (use list_dir)")
-        data = self._read(target, path)
-        if b"\0" in data[:8192]:
-            raise ToolError(f"{path} is a binary file ({len(data)} bytes)")
-        return head_tail(data.decode("utf-8", "replace"), self.max_chars)
+        with open(self._open(target, path, os.O_RDONLY), "rb") as file:
+            if b"\0" in file.read(8192):
+                raise ToolError(f"{path} is a binary file ({os.fstat(file.fileno()).st_size} bytes)")
+            file.seek(0)
+            return _head_tail_of(file, self.max_chars)
 
     def list_dir(self, path: str) -> str:
         target = self.path(path)
