@@ -59,10 +59,11 @@ def first_user_message(task: Task) -> str:
     """The task as the agent first sees it: the instruction and the repository's top-level files,
     with every control and markup string broken (`defuse_markup`). A task's text comes from
     anywhere (an issue on GitHub, a file name), and as the harness does with a tool's output, it
-    must not open a turn or fake a call or a tool response."""
+    must not open a turn or fake a call or a tool response. What UTF-8 cannot encode shows as `?`:
+    JSON can escape a lone surrogate (half of an emoji a scraper cut), which no tokenizer takes."""
     files = sorted({name.split("/")[0] for name in task.repo_files})
     listing = f"\nFiles: {', '.join(files)}" if files else ""
-    return defuse_markup(task.instruction + listing)
+    return defuse_markup(task.instruction + listing).encode("utf-8", "replace").decode("utf-8")
 
 
 # Tool-result texts. The harness's tools return these, so demonstrations can show them verbatim.

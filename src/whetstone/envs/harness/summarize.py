@@ -29,13 +29,10 @@ def summary_request() -> Message:
 
 
 def segment_messages(task: Task, summary: str | None) -> list[Message]:
-    """The opening of a segment: system prompt and task, then the summary (after a restart). The
-    task's text shows `?` for what UTF-8 cannot encode: JSON can escape a lone surrogate (half of
-    an emoji a scraper cut), which no tokenizer takes."""
-    task_text = prompts.first_user_message(task).encode("utf-8", "replace").decode("utf-8")
+    """The opening of a segment: system prompt and task, then the summary (after a restart)."""
     messages = [
         {"role": "system", "content": prompts.SYSTEM_PROMPT},
-        {"role": "user", "content": task_text},
+        {"role": "user", "content": prompts.first_user_message(task)},
     ]
     if summary is not None:
         messages.append({"role": "user", "content": SUMMARY_INTRO + summary})
