@@ -24,6 +24,16 @@ FILE_MAPS = ("repo_files", "hidden_tests", "solution_files")
 """The fields that give files as {relative path: text}; all are written into one workspace."""
 
 
+def _writable(text: str) -> bool:
+    """Whether `text` can be written as a file's name or content: UTF-8, with the bytes of a file
+    read with surrogateescape kept as they were (`sandbox.templates.write_files`)."""
+    try:
+        text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def _check_paths(files: dict[str, str], info: ValidationInfo) -> dict[str, str]:
     """Paths in the file maps must be what a workspace reads back: relative, inside the repository,
     and normalized (`a/b.py`, not `./a/b.py`, `a//b.py` or `a/b.py/`); an untouched file under
@@ -39,6 +49,12 @@ def _check_paths(files: dict[str, str], info: ValidationInfo) -> dict[str, str]:
             raise ValueError(f"{what}: path {name!r} names no file")
         if path.as_posix() != name:
             raise ValueError(f"{what}: path {name!r} is not normalized (write {path.as_posix()!r})")
+        for part, text in (("path", name), ("text", files[name])):
+            if not _writable(text):
+                raise ValueError(
+                    f"{what}: the {part} of {name!r} holds a character no file can hold (a lone surrogate, as "
+                    "JSON can escape half of an emoji): fix the task's text"
+                )
     owners = {name: field for field in FILE_MAPS if field != info.field_name for name in info.data.get(field, {})}
     owners.update(dict.fromkeys(files, info.field_name))
 

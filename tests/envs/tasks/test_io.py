@@ -109,6 +109,19 @@ def test_paths_must_be_written_as_the_workspace_reads_them(tmp_path, field, key,
     assert f"task 'custom/0001': {field}: path {key!r} {problem}" in str(err.value)
 
 
+@pytest.mark.parametrize(
+    ("key", "text", "part"), [("calc/ops.py", "x = '\\ud83d'", "text"), ("\\ud83d.py", "", "path")]
+)
+def test_a_file_no_file_system_can_hold_is_refused_naming_it(tmp_path, key, text, part):
+    """JSON escapes a lone surrogate (half of an emoji a scraper cut): no file can hold it, and
+    the sandbox would fail to write the task's every rollout."""
+    path = tmp_path / "tasks.jsonl"
+    record = json.loads(_task().model_dump_json())
+    path.write_text(json.dumps(record)[:-1] + f', "solution_files": {{"{key}": "{text}"}}}}' + "\n")
+    with pytest.raises(WhetstoneError, match=f"solution_files: the {part} of .* holds a character no file can hold"):
+        read_tasks(path)
+
+
 def test_a_path_cannot_be_a_file_and_a_directory():
     task = json.loads(_task().model_dump_json())
     with pytest.raises(ValidationError, match="repo_files: 'calc' is a file, but 'calc/ops.py' needs it to be a dir"):

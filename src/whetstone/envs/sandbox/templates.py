@@ -41,7 +41,10 @@ def snapshot_key(files: dict[str, str] | Path) -> str:
         digest.update(b"path\0" + str(files.resolve()).encode())
     else:
         for name in sorted(files):
-            digest.update(name.encode() + b"\0" + files[name].encode("utf-8", "surrogateescape") + b"\0")
+            # both as written (`write_files`): a name or text read with surrogateescape is its bytes
+            digest.update(
+                name.encode("utf-8", "surrogateescape") + b"\0" + files[name].encode("utf-8", "surrogateescape") + b"\0"
+            )
     return digest.hexdigest()[:24]
 
 
