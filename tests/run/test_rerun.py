@@ -95,6 +95,23 @@ def test_an_evaluation_is_run_again_when_the_policy_or_its_temperatures_changed(
     assert len(runs) == 6
 
 
+@pytest.mark.parametrize(
+    "changed",
+    [{"harness": {"max_turns": 2}}, {"eval": {"k": [1]}}, {"eval": {"rollout": {"sandbox": {"wall_clock_s": 5}}}}],
+)
+def test_what_an_evaluation_evaluated_names_its_harness_k_and_grading(tmp_path, changed):
+    """A rerun with other harness limits, another k or other sandbox limits measures something
+    else: its record differs, so the evaluation runs again rather than returning the last report."""
+
+    def record(**settings):
+        pipeline = Pipeline(PipelineConfig(output_dir=str(tmp_path), name="r", **settings))
+        pipeline.model_digest = "same model"  # a cached property, set as if read
+        return pipeline.evaluated("before", pipeline.eval_config("before", None))
+
+    assert record() == record()
+    assert record(**changed) != record()
+
+
 def test_the_evaluation_before_rl_is_not_run_against_rl_trained_weights(tmp_path, monkeypatch):
     """Once the weight store the servers follow holds a version past 0, a report before RL without
     a matching record is not evaluated again (it would measure RL-trained weights); one with a

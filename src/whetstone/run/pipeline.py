@@ -571,7 +571,9 @@ class Pipeline:
         """What evaluation `when` with `config` evaluates, recorded beside its report: the
         mid-trained model (the policy before RL, RL's start after it), by the digest of its
         folder; after RL, the trainer's step (the weight version the servers hold) and the digest
-        of that checkpoint's weights; the tasks, samples, seed and temperatures."""
+        of that checkpoint's weights; the tasks, samples, seed and temperatures, the k of its
+        pass@k, and the harness, sandbox and reward settings its rollouts ran and were graded with
+        (not the concurrency, which changes no result)."""
         from whetstone.training.checkpoint import MODEL_FILE, checkpoint_step, read_state
 
         record: dict[str, Any] = {
@@ -581,6 +583,9 @@ class Pipeline:
             "samples": config.samples,
             "seed": config.seed,
             "temperatures": config.evaluated_temperatures,
+            "k": config.k,
+            "harness": config.harness.model_dump(mode="json"),
+            "rollout": config.rollout.model_dump(mode="json", exclude={"concurrency"}),
         }
         if when == "after":
             checkpoint = self.final_checkpoint()
