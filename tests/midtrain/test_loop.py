@@ -390,3 +390,12 @@ def test_resuming_on_another_corpus_build_says_so(make_config, caplog):
     (said,) = [r.getMessage() for r in caplog.records if "corpus build" in r.getMessage()]
     assert said.startswith(f"checkpoint {resumed['resumed_from']} was trained on the corpus build {build}, and this")
     assert said.endswith("rows go on from number 12 of this build, not in the order the run had")
+
+
+def test_resuming_with_other_windows_of_the_corpus_says_so(make_config, caplog):
+    first = train(make_config("run.steps=4"), stop_at_step=2)
+    caplog.set_level("WARNING", logger="whetstone.midtrain")
+    resumed = train(make_config("run.steps=4", "data.demo_weight=0.5"))
+    (said,) = [r.getMessage() for r in caplog.records if "other windows" in r.getMessage()]
+    assert resumed["resumed_from"].endswith("step_00000002") and first["run_dir"] == resumed["run_dir"]
+    assert "(data.demo_weight = " in said and "-> 0.5)" in said

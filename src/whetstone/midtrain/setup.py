@@ -130,6 +130,7 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
             resume_from, recorded["data"], tokenizer, "corpus tokenizer", _tokenizer_advice(config, recorded)
         )
         _say_if_another_corpus(resume_from, recorded["data"], corpus.manifest["key"], next_row)
+        _say_if_other_windows(resume_from, recorded, config, next_row)
     model = shard_model(_build_model(config, model_config, corpus, resuming=resume_from is not None), device)
     model.activation_checkpointing = run.activation_checkpointing
     optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
@@ -257,6 +258,33 @@ def _say_if_another_corpus(checkpoint: Path, data: dict, key: str, next_row: int
             checkpoint,
             recorded,
             key,
+            next_row,
+        )
+
+
+WINDOW_SETTINGS = ("seq_len", "demo_weight")
+"""The data settings that decide which window of the corpus each row is (its length, and how
+rows are dealt between code and demonstrations), beside the corpus build itself."""
+
+
+def _say_if_other_windows(checkpoint: Path, record: dict, config: MidtrainConfig, next_row: int) -> None:
+    """Warn when `checkpoint` was trained with other `WINDOW_SETTINGS`: its data position
+    (`next_row`) counts rows of other windows, so some of the rows it read come again and others
+    are never read. Not refused: a longer sequence or another mix is a way to go on training."""
+    trained = record.get("config", {}).get("data", {})
+    if not isinstance(trained, dict):
+        return
+    changed = [
+        f"data.{key} = {trained[key]!r} -> {getattr(config.data, key)!r}"
+        for key in WINDOW_SETTINGS
+        if key in trained and trained[key] != getattr(config.data, key)
+    ]
+    if changed:
+        log.warning(
+            "checkpoint %s was trained with other windows of the corpus (%s): rows go on from number %d "
+            "of this run's windows, so some windows it read come again and others are not read",
+            checkpoint,
+            "; ".join(changed),
             next_row,
         )
 
