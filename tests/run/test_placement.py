@@ -18,9 +18,9 @@ from whetstone.cli import app
 from whetstone.config import load_config
 from whetstone.errors import ConfigError
 from whetstone.model import Transformer
-from whetstone.run.config import PipelineConfig
+from whetstone.run.config import PipelineConfig, PlacementConfig
 from whetstone.run.pipeline import Pipeline, run_pipeline
-from whetstone.run.placement import split_gpu_memory
+from whetstone.run.placement import gpu_memory_shares, role_device, split_gpu_memory
 from whetstone.utils.processes import memory_cap
 
 GPU_PRESET = Path(__file__).parents[2] / "configs" / "gpu.toml"
@@ -147,3 +147,28 @@ def test_a_role_is_held_to_its_share_of_the_gpu(tmp_path):
 def test_a_server_device_that_means_nothing_is_refused_by_its_field():
     with pytest.raises(ConfigError, match=r"placement.server_devices: .*device must be .* got 'gpu'"):
         load_config(PipelineConfig, overrides=['placement.server_devices=["cpu", "gpu"]'])
+
+
+@pytest.mark.parametrize("name", ["cuda:01", "cuda:128", "cuda:300"])
+def test_a_device_index_torch_reads_otherwise_is_refused_when_the_config_loads(name):
+    # torch refuses "cuda:01" with a RuntimeError (a traceback from the preflight), and reads an
+    # index past 127 as another GPU's ("cuda:300" is cuda:44)
+    with pytest.raises(ConfigError, match=rf"placement.trainer_device.*got '{name}'"):
+        load_config(PipelineConfig, overrides=[f'placement.trainer_device="{name}"'])
+    with pytest.raises(ConfigError, match=rf"placement.server_devices: .*got '{name}'"):
+        load_config(PipelineConfig, overrides=[f'placement.server_devices=["cpu", "{name}"]'])
+
+
+def test_shares_are_of_the_gpu_the_roles_compute_on_not_this_processs_current_one(monkeypatch):
+    # mid-training in the run's process on cuda:1 leaves cuda:1 its current device; a role's new
+    # process resolves "auto" and "cuda" to cuda:0
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    placement = PlacementConfig(trainer_device="auto", server_devices=["cuda", "cuda:1"])
+    assert gpu_memory_shares(placement, 3) == {
+        "trainer": (CUDA0, 0.5),
+        "serve-0": (CUDA0, 0.25),
+        "serve-2": (CUDA0, 0.25),
+    }
+    assert role_device("cuda:1") == CUDA1 and role_device("cpu") == CPU

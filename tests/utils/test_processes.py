@@ -1,5 +1,7 @@
 """Roles as child processes: started with the same interpreter, logged to a file, stopped cleanly."""
 
+import contextlib
+import http.server
 import logging
 import os
 import random
@@ -272,3 +274,65 @@ def test_a_role_asked_to_stop_again_while_it_stops_is_not_signalled_twice(tmp_pa
     assert role.running  # still checkpointing
     assert role.stop(grace_s=30) == 0
     assert marker.read_text() == "checkpointed"
+
+
+def test_a_role_killed_after_its_grace_takes_the_processes_it_started_with_it(tmp_path):
+    # a vLLM server's engine core, an orchestrator's sandboxes (in sessions of their own): left
+    # running, they would hold their GPU memory and cores after the run
+    script = (
+        "import signal, subprocess, sys, time\n"
+        "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+        "sleep = [sys.executable, '-c', 'import time; time.sleep(60)']\n"
+        "children = [subprocess.Popen(sleep), subprocess.Popen(sleep, start_new_session=True)]\n"
+        "print(*(child.pid for child in children), flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    role = RoleProcess("server", [], tmp_path / "s.log", command=[sys.executable, "-c", script]).start()
+    children: list[int] = []
+    try:
+        deadline = time.monotonic() + 30
+        while not children and time.monotonic() < deadline:
+            children = [int(pid) for pid in role.log_path.read_text().split()]
+            time.sleep(0.05)
+        assert len(children) == 2
+        assert role.stop(grace_s=0.5) == -signal.SIGKILL
+        deadline = time.monotonic() + 5
+        while any(map(alive, children)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(alive, children))
+    finally:
+        role.kill()
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+class Healthy(http.server.BaseHTTPRequestHandler):
+    """Whatever already listens on a port: it answers every health check."""
+
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_a_server_whose_port_is_taken_is_not_started_to_be_answered_for_by_another(tmp_path):
+    with http.server.HTTPServer(("127.0.0.1", 0), Healthy) as other:
+        threading.Thread(target=other.serve_forever, daemon=True).start()
+        port = other.server_address[1]
+        role = RoleProcess(
+            "serve-0",
+            [],
+            tmp_path / "serve-0.log",
+            health_url=f"http://127.0.0.1:{port}/health",
+            command=[sys.executable, "-c", "import time; time.sleep(2); raise SystemExit('port in use')"],
+        )
+        try:
+            with pytest.raises(WhetstoneError, match=rf"serve-0: port {port} .* is in use already"):
+                role.start()
+            assert role.process is None
+        finally:
+            role.kill()
+            other.shutdown()

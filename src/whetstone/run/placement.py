@@ -20,13 +20,21 @@ def server_device(placement: PlacementConfig, index: int) -> str:
     return placement.server_devices[index % len(placement.server_devices)]
 
 
+def role_device(name: str) -> torch.device:
+    """The device a role's process computes on for device `name`: `resolve_device` as that new
+    process resolves it, `auto` and `cuda` on its current CUDA device, cuda:0. Not this process's
+    current device, which mid-training here on `cuda:N` left at cuda:N."""
+    device = resolve_device(name)
+    return torch.device("cuda", 0) if device.type == "cuda" and name in ("auto", "cuda") else device
+
+
 def gpu_memory_shares(placement: PlacementConfig, servers: int) -> dict[str, tuple[torch.device, float]]:
-    """`split_gpu_memory` for this machine: the placement's devices resolved here (`auto`: CUDA
-    when present)."""
-    trainer = resolve_device(placement.trainer_device)
+    """`split_gpu_memory` for this machine: the placement's devices as the roles' processes
+    resolve them (`role_device`; `auto`: CUDA when present)."""
+    trainer = role_device(placement.trainer_device)
     return split_gpu_memory(
         trainer,
-        [resolve_device(server_device(placement, index)) for index in range(servers)],
+        [role_device(server_device(placement, index)) for index in range(servers)],
         placement.trainer_memory_fraction,
     )
 

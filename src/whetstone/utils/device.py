@@ -17,9 +17,18 @@ _DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def _check_device_name(name: str) -> str:
-    if not _DEVICE.fullmatch(name):
-        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got {name!r}")
+    """`name` if it is a device name, as torch reads it: torch refuses an index with a leading
+    zero (a RuntimeError), and reads one past its largest (127) as another GPU's."""
+    if not _DEVICE.fullmatch(name) or (name.startswith("cuda:") and not _torch_reads_back(name)):
+        raise ValueError(f"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' (N from 0 to 127), got {name!r}")
     return name
+
+
+def _torch_reads_back(name: str) -> bool:
+    try:
+        return str(torch.device(name)) == name
+    except RuntimeError:
+        return False
 
 
 DeviceName = Annotated[str, AfterValidator(_check_device_name)]

@@ -15,6 +15,7 @@ input). Its output goes to a file, not a pipe: a pipe nobody reads blocks the ch
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import random
@@ -343,6 +344,10 @@ class RoleProcess:
         """When the process must have stopped since its SIGTERM (`terminate`), or None."""
 
     def start(self) -> RoleProcess:
+        """Start the process; with a `health_url` whose port something listens on already, raise
+        instead (`check_port_free`)."""
+        if self.health_url is not None:
+            check_port_free(self.name, self.health_url)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(self.env)
         if threading.current_thread() is threading.main_thread():  # the kernel ties it to the starting thread
@@ -403,7 +408,8 @@ class RoleProcess:
         return self.process.wait(timeout_s)
 
     def stop(self, grace_s: float = 30.0) -> int | None:
-        """SIGTERM (roles checkpoint and exit cleanly on it), then SIGKILL after `grace_s`."""
+        """SIGTERM (roles checkpoint and exit cleanly on it), then SIGKILL after `grace_s`, to it
+        and what it started (`kill`)."""
         if not self.running:
             return self.returncode
         deadline = self.terminate(grace_s)
@@ -423,10 +429,51 @@ class RoleProcess:
         return self._stop_deadline
 
     def kill(self) -> int | None:
-        """SIGKILL, as a crash would."""
+        """SIGKILL, as a crash would, to the process and every process it started (`kill_tree`):
+        a vLLM server's engine core holds its GPU memory, sandboxes their cores, until they end."""
         if self.running:
-            self.process.kill()
+            kill_tree(self.process.pid)
+            if self.own_group:  # what left the tree but not the group (an orphan of a child)
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(self.process.pid, signal.SIGKILL)
         return None if self.process is None else self.process.wait()
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL to process `pid` (a child of this one, not yet waited for) and its descendants,
+    however they left its session or group (a sandbox's). They are stopped (SIGSTOP) first, each
+    as it is found, until none is left to find: a stopped process starts no more, and one killed
+    first would leave its children to init, out of reach. Where /proc cannot be read, `pid` alone."""
+    found: list[int] = []
+    while new := [member for member in [pid, *_descendants(pid)] if member not in found]:
+        for member in new:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(member, signal.SIGSTOP)
+        found += new
+    for member in found:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(member, signal.SIGKILL)
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes below `pid` (children, theirs, ...), by the parent pids in /proc."""
+    children: dict[int, list[int]] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                    parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # ended meanwhile
+                continue
+            children.setdefault(parent, []).append(int(entry.name))
+    below, queue = [], list(children.get(pid, []))
+    while queue:
+        child = queue.pop()
+        below.append(child)
+        queue += children.get(child, [])
+    return below
 
 
 def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:
@@ -488,6 +535,29 @@ def free_ports(count: int) -> list[int]:
 
 def free_port() -> int:
     return free_ports(1)[0]
+
+
+def check_port_free(name: str, url: str) -> None:
+    """Raise naming role `name` if something listens already on the port of `url` (its health
+    URL) at that address: it would answer the role's health checks for it, and the run would
+    talk to it while the role fails to bind. A port whose last connections wait out TIME_WAIT
+    passes (SO_REUSEADDR, as servers bind), and so does an address not of this machine. Only
+    narrows the race with another process binding the port first; does not close it."""
+    parsed = httpx.URL(url)
+    if parsed.port is None:
+        return
+    host = parsed.host or "127.0.0.1"
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, parsed.port))
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise WhetstoneError(
+                    f"{name}: port {parsed.port} of {url} is in use already: what listens there would answer "
+                    f"{name}'s health checks; stop it or choose another port"
+                ) from None
 
 
 @contextlib.contextmanager
