@@ -1,8 +1,9 @@
 """Configs are pydantic models loaded from TOML, with command-line overrides of single fields.
 
-Every config class derives from `Config`: unknown keys are errors, field docstrings become the
-field descriptions (used by `docs/configuration.md`), and `load_config` turns any validation
-failure into a `ConfigError` that names the file, the dotted key and what was wrong.
+Every config class derives from `Config`: unknown keys are errors, numbers are finite, field
+docstrings become the field descriptions (used by `docs/configuration.md`), and `load_config`
+turns any validation failure into a `ConfigError` that names the file, the dotted key and what
+was wrong.
 """
 
 from __future__ import annotations
@@ -24,9 +25,13 @@ from whetstone.utils.atomic import PRIVATE, atomic_write_text, write_errors
 
 
 class Config(BaseModel):
-    """Base of every whetstone config section."""
+    """Base of every whetstone config section. Its numbers are finite: NaN or infinity means
+    nothing in a config ("no limit" is 0 or None, as each field says), and would go on as NaN
+    losses, rewards or weights, or as an OverflowError where a timeout is waited on."""
 
-    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+    model_config = ConfigDict(
+        extra="forbid", use_attribute_docstrings=True, validate_assignment=True, allow_inf_nan=False
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -78,7 +83,13 @@ def parse_override(text: str, cls: type[Config] | None = None) -> tuple[list[str
     as one. A boolean for a number field is refused: validation would take `true` as 1. TOML
     has no null: nothing after the `=` (`sync.endpoint_url=`) sets an optional field of `cls` to
     None (`key=""` is the empty string). A malformed override's error shows a real key of `cls`.
+    Text that is not UTF-8 (the shell passes a Latin-1 name's bytes on as they are) is refused:
+    a config is TOML, which is UTF-8, and the run's config.toml could not hold it.
     """
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        raise ConfigError(f"override {text!r} is not UTF-8 text, which every config value is") from None
     key, sep, raw = text.partition("=")
     if not sep or not key.strip():
         example = example_override(cls) if cls is not None else None

@@ -26,11 +26,12 @@ COMMANDS = [
 
 HEADER = """# Configuration reference
 
-Every command takes an optional TOML file and `--set key.sub=value` overrides; unknown keys and
-wrong types are refused with the key named. An override's value is a TOML literal, or plain text
-where it is not one; TOML has no null, so `--set key=` (nothing after the `=`) sets an optional
-field (a default of None) back to None. Every field has a default that serves the embedded
-default run. Generated from the code: `python -m whetstone.config_reference > docs/configuration.md`.
+Every command takes an optional TOML file and `--set key.sub=value` overrides; unknown keys,
+wrong types and numbers that are not finite (`nan`, `inf`) are refused with the key named. An
+override's value is a TOML literal, or plain text where it is not one; TOML has no null, so
+`--set key=` (nothing after the `=`) sets an optional field (a default of None) back to None.
+Every field has a default that serves the embedded default run. Generated from the code:
+`python -m whetstone.config_reference > docs/configuration.md`.
 
 Paths (model folders, stores, output folders, task files, the feedback store) are expanded as a
 shell would expand them, since a TOML value or a `--set` value never passes through one: `~` is

@@ -49,12 +49,11 @@ from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.run.config import SERVER_TOKEN_ENV, PipelineConfig
 from whetstone.run.local_ranks import LocalRankGroup
 from whetstone.run.monitor import ServerSampler, last_record, read_json_object
-from whetstone.run.placement import gpu_memory_shares, server_device
+from whetstone.run.placement import gpu_memory_shares, role_device, server_device
 from whetstone.run.ray_launch import RayLauncher
 from whetstone.store import open_store
 from whetstone.utils.atomic import atomic_directory, atomic_write_json, write_errors
 from whetstone.utils.cgroups import PERIOD_US, CpuGroup
-from whetstone.utils.device import resolve_device
 from whetstone.utils.metrics import read_metrics
 from whetstone.utils.processes import GPU_MEMORY_ENV, RoleProcess, Stopping, free_ports, stopped_by
 from whetstone.utils.progress import progress_bar
@@ -459,7 +458,7 @@ class Pipeline:
         from whetstone.integrations.vllm import vllm_launch, vllm_python
 
         servers = self.config.servers
-        device = resolve_device(server_device(self.config.placement, index))
+        device = role_device(server_device(self.config.placement, index))  # as vLLM's own process resolves it
         _, share = gpu_memory_shares(self.config.placement, servers.count).get(f"serve-{index}", (device, None))
         python = vllm_python(servers.vllm_python, here=False)  # vllm_launch checks it
         folder = self.run_dir / "servers" / "vllm-path"

@@ -5,6 +5,7 @@ an error naming it (a mistyped path), not a new empty directory."""
 
 from __future__ import annotations
 
+import math
 import time
 from pathlib import Path
 
@@ -106,11 +107,13 @@ def watch(
     """Follow the store like an inference server does, printing each version taken."""
     from safetensors.torch import save_file
 
-    from whetstone.errors import WhetstoneError
+    from whetstone.errors import ConfigError, WhetstoneError
     from whetstone.sync import Subscriber
     from whetstone.utils.atomic import atomic_path
     from whetstone.utils.processes import sigterm_raises
 
+    if timeout is not None and not math.isfinite(timeout):  # NaN is never reached: it would watch forever
+        raise ConfigError(f"--timeout must be a finite number of seconds, got {timeout:g}")
     weights, config = _open(store, endpoint_url, poll_interval=poll_interval)
     subscriber = Subscriber(weights, config, name="watch")
     deadline = None if timeout is None else time.monotonic() + timeout
