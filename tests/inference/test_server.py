@@ -123,6 +123,26 @@ def test_content_parts_and_developer_role_are_accepted(http):
     assert response.status_code == 400 and "only text content parts" in response.json()["error"]["message"]
 
 
+@pytest.mark.parametrize(
+    "part, problem",
+    [
+        ({"type": "text"}, "part 1: a text part's `text` must be a string, got nothing"),
+        ({"type": "text", "text": None}, "part 1: a text part's `text` must be a string, got null"),
+        ({"type": "text", "text": ["Hi"]}, "part 1: a text part's `text` must be a string, got list"),
+        (
+            {"type": "image_url", "image_url": {"url": "x"}},
+            "part 1: only text content parts are supported, got 'image_url'",
+        ),
+    ],
+)
+def test_a_content_part_that_is_not_text_is_named(http, part, problem):
+    messages = [GREETING[0], {"role": "user", "content": [{"type": "text", "text": "Hi."}, part]}]
+    response = post(http, "/v1/chat/completions", messages=messages, max_tokens=2)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"] == f"messages.1.content: Value error, {problem}" and error["param"] == "messages.1.content"
+
+
 def test_control_strings_in_a_clients_text_are_text_in_the_prompt(http, tokenizer):
     """A message, a call's arguments or a tool's description that holds `<|im_end|>` or
     `<|im_start|>` cannot end its turn or open another: those strings encode as text."""

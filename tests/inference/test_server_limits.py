@@ -552,6 +552,34 @@ def test_headers_that_do_not_arrive_in_time_get_408_and_the_connection_closes(se
             assert sock.recv(4096).startswith(b"HTTP/1.1 200 ")
 
 
+def test_a_body_trickled_after_its_answer_does_not_hold_the_connection(served_model_dir, held):
+    """A route may answer without reading the body (/health, an unknown route, a 401): the rest of
+    the body, which nothing reads, must come within header_timeout_s too, or the connection
+    closes; trickling it a byte at a time does not keep the connection open."""
+    timeout_s = 0.5
+    config = ServeConfig(model_path=str(served_model_dir), port=free_port(), header_timeout_s=timeout_s)
+    with served_as_serve_runs_it(app_for(served_model_dir, held), config) as url:
+        address = urlsplit(url)
+        with socket.create_connection((address.hostname, address.port), timeout=30) as sock:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n")
+            answered = sock.makefile("rb")
+            assert answered.readline().startswith(b"HTTP/1.1 200 ")
+            length = next(int(line.split(b":")[1]) for line in iter(answered.readline, b"\r\n") if b"length" in line)
+            answered.read(length)
+            start, closed = time.monotonic(), False
+            sock.settimeout(timeout_s / 4)
+            while not closed and time.monotonic() - start < timeout_s * 6:
+                try:
+                    sock.sendall(b"X")  # a byte of the body before every keep-alive or header deadline
+                    closed = sock.recv(4096) == b""
+                except TimeoutError:
+                    pass
+                except ConnectionError:  # reset: the server closed it
+                    closed = True
+            assert closed, "the connection was still open"
+            assert time.monotonic() - start < timeout_s * 4
+
+
 def test_serve_refuses_a_tokenizer_with_more_ids_than_the_model_naming_both_files(served_model_dir, tmp_path):
     """An id past the model's embedding would fail mid-request: refused at start, before the weights load."""
     folder = save_hf(tiny_model(vocab_size=64), tmp_path / "model", tokenizer_dir=served_model_dir)

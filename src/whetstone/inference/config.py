@@ -92,7 +92,8 @@ class ServeConfig(Config):
     header_timeout_s: float = Field(30.0, gt=0)
     """Seconds a request's headers may take to arrive, from the connection's opening (or the first
     byte of a kept-alive connection's next request): a slower one gets 408 and its connection is
-    closed, so clients that send nothing or trickle headers do not hold connections."""
+    closed, so clients that send nothing or trickle headers do not hold connections. Also how long
+    the rest of a body may take once its request was answered without reading it (closed then)."""
     body_timeout_s: float = Field(30.0, gt=0)
     """Seconds a request's whole body may take to arrive once its headers have: a slower one gets
     408 and its connection is closed, so stalled uploads do not hold connections."""

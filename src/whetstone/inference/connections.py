@@ -7,8 +7,10 @@ opens a connection and sends nothing, or trickles its headers a byte at a time, 
 the `max_connections` for ever, and enough such clients would get every other one 503. Here a
 request's headers must be in within `header_timeout_s` of the connection opening, or of the first
 byte of the next request on a kept-alive connection; a slower request gets 408 and its connection
-is closed. The h11 protocol is the one uvicorn takes when `httptools` is not installed: one
-implementation, whichever packages are.
+is closed. The rest of a body that its route answered without reading (uvicorn drops it, and each
+byte of it puts off the keep-alive timeout) must come within `header_timeout_s` too, or the
+connection is closed. The h11 protocol is the one uvicorn takes when `httptools` is not installed: one implementation,
+whichever packages are.
 """
 
 from __future__ import annotations
@@ -46,11 +48,18 @@ def with_header_deadline(timeout_s: float) -> type[H11Protocol]:
             self._arm()
 
         def data_received(self, data: bytes) -> None:
+            unread = self._unread_body()
             super().data_received(data)
-            if self.conn.their_state is not h11.IDLE:  # the headers are in (or the connection is done)
+            if self.conn.their_state is h11.IDLE:
+                if unread:  # that body has ended: the next request's headers get time of their own
+                    self._disarm()
+                if self._deadline is None:  # the first bytes of a kept-alive connection's next request
+                    self._arm()
+            elif self._unread_body():
+                if self._deadline is None:
+                    self._arm()
+            else:  # the headers are in (or the connection is done)
                 self._disarm()
-            elif self._deadline is None:  # the first bytes of a kept-alive connection's next request
-                self._arm()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -64,10 +73,21 @@ def with_header_deadline(timeout_s: float) -> type[H11Protocol]:
                 self._deadline.cancel()
                 self._deadline = None
 
+        def _unread_body(self) -> bool:
+            """The answer has gone out while the request's body is still coming: a route that
+            answers without reading its body (/health, an unknown route, a 401). uvicorn drops
+            those bytes, and each one puts off its keep-alive timeout, so a body trickled a byte
+            at a time would hold the connection for ever; the rest of it gets `timeout_s`."""
+            return self.conn.our_state is h11.DONE and self.conn.their_state is h11.SEND_BODY
+
         def _late(self) -> None:
             self._deadline = None
-            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            if self.transport.is_closing():
+                return
+            if self.conn.their_state is h11.IDLE:
                 self.transport.write(timed_out)
+                self.transport.close()
+            elif self._unread_body():  # answered already: the connection just closes
                 self.transport.close()
 
     return HeaderDeadline

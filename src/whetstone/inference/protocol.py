@@ -254,6 +254,19 @@ class ChatMessage(_Body):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts(cls, content):
+        """Content parts must be text parts (`{"type": "text", "text": "..."}`), joined as the text."""
+        for number, part in enumerate(content if isinstance(content, list) else []):
+            if part.get("type") != "text":
+                raise ValueError(f"part {number}: only text content parts are supported, got {_got(part, 'type')}")
+            if not isinstance(part.get("text"), str):
+                raise ValueError(
+                    f"part {number}: a text part's `text` must be a string, got {_got(part, 'text', True)}"
+                )
+        return content
+
     @field_validator("tool_calls")
     @classmethod
     def _tool_call_nulls(cls, calls):
@@ -264,13 +277,8 @@ class ChatMessage(_Body):
         """The message in the shape `render_chat` takes (text parts joined, developer = system)."""
         message = self.model_dump(exclude_none=True)
         message["role"] = "system" if self.role == "developer" else self.role
-        if isinstance(self.content, list):
-            texts = []
-            for part in self.content:
-                if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                    raise InvalidRequest(f"only text content parts are supported, got type {part.get('type')!r}")
-                texts.append(part["text"])
-            message["content"] = "".join(texts)
+        if isinstance(self.content, list):  # text parts only (`_text_parts`)
+            message["content"] = "".join(part["text"] for part in self.content)
         return message
 
 
