@@ -217,6 +217,8 @@ def test_a_rerun_that_fails_leaves_no_summary_or_report_of_the_last_run(tmp_path
     pipeline.run_dir.mkdir(parents=True)
     (pipeline.run_dir / "summary.json").write_text(json.dumps({"heldout_pass1_after": 0.9}))
     (pipeline.run_dir / "report.html").write_text("<p>the last run's report</p>")
+    (pipeline.run_dir / "model").mkdir()  # the last run's exported policy
+    (pipeline.run_dir / "model" / "model.safetensors").write_bytes(b"the last run's policy")
 
     def midtrain_fails():
         raise WhetstoneError("mid-training failed")

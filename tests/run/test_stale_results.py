@@ -10,7 +10,6 @@ from typer.testing import CliRunner
 
 from tests.run.run_support import tiny_run, tiny_settings
 from whetstone.cli import app
-from whetstone.errors import WhetstoneError
 from whetstone.rl.batch_store import batch_key
 from whetstone.run.local_ranks import PLACED_RANK_ENV
 from whetstone.run.pipeline import Pipeline
@@ -24,19 +23,6 @@ def last_results(run_dir):
     (run_dir / "report.html").write_text("<p>the last run's report</p>")
     (run_dir / "model").mkdir()
     (run_dir / "model" / "model.safetensors").write_bytes(b"the last run's policy")
-
-
-def test_a_rerun_that_fails_leaves_no_model_of_the_last_run(tmp_path, monkeypatch):
-    pipeline = Pipeline(tiny_run(tmp_path))
-    last_results(pipeline.run_dir)
-
-    def midtrain_fails():
-        raise WhetstoneError("mid-training failed")
-
-    monkeypatch.setattr(pipeline, "midtrain", midtrain_fails)
-    with pytest.raises(WhetstoneError, match="mid-training failed"):
-        pipeline.run()
-    assert sorted(p.name for p in pipeline.run_dir.iterdir()) == ["config.toml"]
 
 
 def test_mid_training_from_the_runs_own_exported_model_is_refused_before_it_is_removed(tmp_path):
