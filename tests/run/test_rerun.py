@@ -207,7 +207,7 @@ def test_a_record_of_what_was_evaluated_that_cannot_be_written_is_named(tmp_path
     assert not record.exists()
 
 
-def test_a_rerun_that_fails_leaves_no_summary_or_report_of_the_last_run(tmp_path, monkeypatch):
+def test_a_rerun_that_fails_leaves_no_summary_report_or_model_of_the_last_run(tmp_path, monkeypatch):
     """summary.json and report.html are written once every stage ran: those of the run before
     are removed when a run starts, so a run that fails does not show that run's results as its own."""
     from tests.run.run_support import tiny_run
