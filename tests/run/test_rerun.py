@@ -110,6 +110,20 @@ def test_what_an_evaluation_evaluated_names_its_harness_k_and_grading(tmp_path, 
 
     assert record() == record()
     assert record(**changed) != record()
+    moved = record(eval={"rollout": {"sandbox": {"root_dir": str(tmp_path / "elsewhere")}, "concurrency": 3}})
+    assert moved == record()  # where workspaces are kept, and how many run at once, change no result
+
+
+def test_a_record_of_an_earlier_whetstone_is_matched_on_what_it_holds():
+    """Records from before they named k, harness and grading: a run resumed across the upgrade is
+    not evaluated again (before RL, past its first step, that would stop the run)."""
+    from whetstone.run.pipeline import LATER_RECORD_KEYS, same_evaluation
+
+    now = {"model_sha256": "m", "samples": 2, "k": [1], "harness": {"max_turns": 4}, "grading": {}}
+    earlier = {key: value for key, value in now.items() if key not in LATER_RECORD_KEYS}
+    assert same_evaluation(earlier, now) and same_evaluation(now, now)
+    assert not same_evaluation({**earlier, "samples": 4}, now)  # what it does hold must match
+    assert not same_evaluation({**now, "k": [1, 2]}, now) and not same_evaluation({}, now)
 
 
 def test_the_evaluation_before_rl_is_not_run_against_rl_trained_weights(tmp_path, monkeypatch):

@@ -477,7 +477,7 @@ class Pipeline:
         folder = Path(config.output_dir)
         report_path, record_path = folder / "report.json", folder / EVALUATED_FILE
         evaluated = json.loads(json.dumps(self.evaluated(when, config)))  # as it reads back
-        if report_path.exists() and read_json_object(record_path) == evaluated:  # it ran: resume past it
+        if report_path.exists() and same_evaluation(read_json_object(record_path), evaluated):  # it ran: resume past it
             return json.loads(report_path.read_text())
         if self.sampler is not None:
             self.sampler.check()  # no evaluation of minutes when the run is to stop
@@ -572,7 +572,9 @@ class Pipeline:
         folder; after RL, the trainer's step (the weight version the servers hold) and the digest
         of that checkpoint's weights; the tasks, samples, seed and temperatures, the k of its
         pass@k, and the harness, sandbox and reward settings its rollouts ran and were graded with
-        (not the concurrency, which changes no result)."""
+        (not those that change no result: concurrency, where workspaces are kept, the judge's
+        timeout and key)."""
+        from whetstone.envs.tasks.validation_cache import SANDBOX_PLUMBING
         from whetstone.training.checkpoint import MODEL_FILE, checkpoint_step, read_state
 
         record: dict[str, Any] = {
@@ -584,7 +586,12 @@ class Pipeline:
             "temperatures": config.evaluated_temperatures,
             "k": config.k,
             "harness": config.harness.model_dump(mode="json"),
-            "rollout": config.rollout.model_dump(mode="json", exclude={"concurrency"}),
+            "grading": {
+                "sandbox": config.rollout.sandbox.model_dump(mode="json", exclude=SANDBOX_PLUMBING),
+                "reward": config.rollout.reward.model_dump(
+                    mode="json", exclude={"sandbox": SANDBOX_PLUMBING, "judge": {"timeout_s", "api_key_env"}}
+                ),
+            },
         }
         if when == "after":
             checkpoint = self.final_checkpoint()
@@ -934,6 +941,21 @@ class Pipeline:
 
 def run_pipeline(config: PipelineConfig) -> dict[str, Any]:
     return Pipeline(config).run()
+
+
+LATER_RECORD_KEYS = ("k", "harness", "grading")
+"""What an evaluation's record (`Pipeline.evaluated`) holds since a later whetstone than its
+first: a record without any of them is matched on the rest, so a run resumed across the upgrade
+is not evaluated again (nor, past RL's first step, stopped for it)."""
+
+
+def same_evaluation(recorded: dict[str, Any], evaluated: dict[str, Any]) -> bool:
+    """Whether the record `recorded` (read from a report's folder) is of the evaluation `evaluated`."""
+    if recorded == evaluated:
+        return True
+    if not recorded or any(key in recorded for key in LATER_RECORD_KEYS):
+        return False
+    return recorded == {key: value for key, value in evaluated.items() if key not in LATER_RECORD_KEYS}
 
 
 def _holds_something(location: str, endpoint_url: str | None) -> bool:
