@@ -83,6 +83,8 @@ def test_a_tokenizer_saved_with_truncation_and_padding_encodes_whole_texts(train
     loaded = Tokenizer.load(tmp_path)
     assert loaded.encode(SAMPLE) == trained.encode(SAMPLE) and len(trained.encode(SAMPLE)) > 8
     assert loaded.encode_plain([SAMPLE, "x"]) == trained.encode_plain([SAMPLE, "x"])
+    loaded.save(tmp_path / "again")  # saved as it came: its padding block names the pad token
+    assert Backend.from_file(str(tmp_path / "again" / "tokenizer.json")).padding["length"] == 8
 
 
 def test_a_tokenizer_folder_with_home_or_a_variable_is_expanded(trained, tmp_path, monkeypatch):

@@ -114,7 +114,8 @@ class Tokenizer:
     def __init__(self, backend: Backend, config: dict[str, Any], source: str = "<trained>"):
         # A tokenizer.json saved after a truncating or padding call keeps those settings, which
         # would cut or pad every text encoded here (documents, prompts): whetstone encodes whole
-        # texts, unpadded.
+        # texts, unpadded, and saves the file as it came (its padding block names a pad token).
+        self._saved = backend.to_str(pretty=True)
         backend.no_truncation()
         backend.no_padding()
         self._backend = backend
@@ -196,7 +197,7 @@ class Tokenizer:
     def save(self, directory: str | Path) -> None:
         """Write tokenizer.json and tokenizer_config.json (each atomically) for AutoTokenizer or `load`."""
         directory = expand_path(directory)
-        atomic_write_text(directory / "tokenizer.json", self._backend.to_str(pretty=True))
+        atomic_write_text(directory / "tokenizer.json", self._saved)
         atomic_write_json(directory / "tokenizer_config.json", self.config)
 
     @cached_property
