@@ -108,7 +108,9 @@ def test_a_step_builds_nothing_on_the_host_and_reads_back_once(static_shapes):
 
 
 def test_bad_device_names_are_refused_with_the_field_named():
-    with pytest.raises(ValidationError, match="device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+    with pytest.raises(
+        ValidationError, match=r"device must be 'auto', 'cpu', 'cuda' or 'cuda:N' \(N from 0 to 127\), got 'gpu'"
+    ):
         EngineConfig(device="gpu")
     result = CliRunner().invoke(app, ["serve", "--set", "model_path=x", "--set", "engine.device=tpu"])
     assert isinstance(result.exception, ConfigError) and "engine.device" in str(result.exception)

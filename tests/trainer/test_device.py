@@ -96,7 +96,10 @@ def test_the_trainer_trains_publishes_and_checkpoints_on_its_device(tmp_path, ti
 
 
 def test_a_device_name_that_means_nothing_is_refused_by_its_field():
-    with pytest.raises(ConfigError, match=r"  device: .*device must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'gpu'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"  device: .*device must be 'auto', 'cpu', 'cuda' or 'cuda:N' \(N from 0 to 127\), got 'gpu'",
+    ):
         load_config(TrainerConfig, overrides=['device="gpu"'])
 
 
