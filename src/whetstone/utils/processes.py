@@ -456,24 +456,25 @@ def kill_tree(pid: int) -> None:
 
 
 def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (children, theirs, ...), by the parent pids in /proc."""
-    children: dict[int, list[int]] = {}
-    with contextlib.suppress(OSError):
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat", "rb") as stat:
-                    parent = int(stat.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):  # ended meanwhile
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    below, queue = [], list(children.get(pid, []))
+    """The processes below `pid` (children, theirs, ...)."""
+    below, queue = [], child_pids(pid)
     while queue:
         child = queue.pop()
         below.append(child)
-        queue += children.get(child, [])
+        queue += child_pids(child)
     return below
+
+
+def child_pids(pid: int) -> list[int]:
+    """The children of process `pid` (of each of its threads: /proc lists them per thread); none
+    once it is gone, or where /proc cannot be read."""
+    children: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            children += map(int, Path(f"/proc/{pid}/task/{task}/children").read_bytes().split())
+    except (OSError, ValueError):
+        pass
+    return children
 
 
 def wait_polling(role: RoleProcess, timeout_s: float | None = None) -> int:

@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from whetstone.utils.processes import child_pids
+
 CHUNK = 65536
 EXIT_POLL_S = 0.05  # without pidfds (Linux < 5.3): how often to check whether the main process is gone
 DRAIN_AFTER_KILL_S = 2.0
@@ -229,10 +231,9 @@ def _cpu_used_up(pid: int, cpu_s: int) -> bool:
             fields = stat[stat.rindex(b")") + 2 :].split()  # from the state on: the name may hold spaces
             if int(fields[11]) + int(fields[12]) >= ticks:  # utime + stime
                 return True
-            for task in os.listdir(f"/proc/{process}/task"):  # each thread's children are listed apart
-                todo += map(int, Path(f"/proc/{process}/task/{task}/children").read_bytes().split())
         except (OSError, ValueError):
             continue
+        todo += child_pids(process)
     return False
 
 
@@ -298,7 +299,7 @@ def kill_process_group(proc: subprocess.Popen) -> None:
         try:
             _signal(proc.pid, signal.SIGSTOP)
             _until_stopped(proc.pid)
-            for child in _children(proc.pid):
+            for child in child_pids(proc.pid):
                 _signal(child, signal.SIGKILL)
         finally:
             try:
@@ -326,14 +327,3 @@ def _until_stopped(pid: int) -> None:
         except ChildProcessError:
             return
         time.sleep(0.001)
-
-
-def _children(pid: int) -> list[int]:
-    """The children of process `pid` (of each of its threads); none once it is gone."""
-    children = []
-    try:
-        for task in os.listdir(f"/proc/{pid}/task"):
-            children += map(int, Path(f"/proc/{pid}/task/{task}/children").read_bytes().split())
-    except (OSError, ValueError):
-        pass
-    return children
