@@ -350,20 +350,19 @@ class Pipeline:
         mid-training has left another one, or failed after replacing it, they are removed, since
         they describe a run of a model the folder no longer holds; a mid-training that changed
         nothing (finished already) leaves them."""
-        before = self.model_dir_digest()
+
+        def digest() -> str | None:  # None: no model; "": one changing as it is read (ranks still stopping)
+            try:
+                return folder_digest(self.model_dir) if self.model_dir.is_dir() else None
+            except OSError:
+                return ""
+
+        before = digest()
         try:
             return self.midtrain()
         finally:
-            if self.model_dir_digest() != before:  # a folder being replaced (ranks still stopping) reads as changed
+            if digest() != before:
                 self.remove_last_results()
-
-    def model_dir_digest(self) -> str | None:
-        """`folder_digest` of the mid-trained model's folder: None where there is none, "" where it
-        changed while being read."""
-        try:
-            return folder_digest(self.model_dir) if self.model_dir.is_dir() else None
-        except OSError:
-            return ""
 
     def follow_midtrain(self, role: RoleProcess) -> None:
         """Wait for mid-training run by `role` (ranks of this machine or of a Ray cluster), its
@@ -511,18 +510,15 @@ class Pipeline:
                 f"with the settings it ran with, or {self.start_rl_over()}"
             )
 
-    def rl_state(self) -> list[str]:
+    def rl_state(self) -> dict[str, str | None]:
         """Everything RL leaves that a later RL in this run folder goes on from: the trainer's
         output_dir (checkpoints, metrics), the weight store (the servers load its newest version,
         the trainer continues its chain), the batch store (the orchestrator puts the batches after
         its newest, and the trainer's step n trains on its batch n, a trainer started afresh too),
         the weight store's mirrors (a Ray run's clusters' servers follow them) and the
         orchestrator's folder (its metrics, appended to). Starting RL over is removing all
-        of them: one left behind has the next RL go on from the last one's."""
-        return list(self._rl_state_endpoints())
-
-    def _rl_state_endpoints(self) -> dict[str, str | None]:
-        """`rl_state`, each location with the S3 endpoint it is reached at."""
+        of them: one left behind has the next RL go on from the last one's. Each location with
+        the S3 endpoint it is reached at (None: a local folder's)."""
         trainer, orchestrator = self.config.rl.trainer, self.config.rl.orchestrator
         stores = [trainer.sync.store, *trainer.sync.mirrors]  # a Ray run's clusters follow the mirrors
         return {
@@ -547,7 +543,7 @@ class Pipeline:
         in it says which model it began from."""
         record_path = self.run_dir / RL_MODEL_FILE
         model = {"model": str(self.model_dir), "model_sha256": self.model_digest}
-        left = [where for where, endpoint in self._rl_state_endpoints().items() if _holds_something(where, endpoint)]
+        left = [where for where, endpoint in self.rl_state().items() if _holds_something(where, endpoint)]
         if not left:
             with write_errors(record_path):
                 atomic_write_json(record_path, model)
