@@ -436,3 +436,28 @@ def test_a_server_that_exited_is_named_while_the_run_waits_for_the_final_version
     ):
         pipeline.wait_for_version(2)
     assert time.monotonic() - started < 8
+
+
+@pytest.mark.timeout(60)
+def test_a_server_that_exits_during_rl_stops_the_run_with_its_log(tmp_path, monkeypatch):
+    # the trainer and the orchestrator wait on (here processes that sleep): the run stops at its
+    # next look with the dead server's log, not once RL's wall time or the final version's wait is up
+    pipeline = Pipeline(tiny_run(tmp_path))
+    pipeline.sampler = SimpleNamespace(latest={}, check=lambda: None)
+    waiting = [sys.executable, "-c", "import time; time.sleep(60)"]
+
+    def start(name, *args, **kwargs):
+        role = RoleProcess(name, [], tmp_path / f"{name}.log", command=waiting).start()
+        pipeline.roles.append(role)
+        return role
+
+    monkeypatch.setattr(pipeline, "start", start)
+    crash = "import sys; print('CUDA out of memory'); sys.exit(1)"
+    dead = RoleProcess("serve-0", [], tmp_path / "serve-0.log", command=[sys.executable, "-c", crash]).start()
+    dead.wait(30)
+    pipeline.roles.append(dead)
+    started = time.monotonic()
+    with pipeline.roles_stopped():
+        with pytest.raises(WhetstoneError, match=r"serve-0 exited \(code 1\) during RL; (?s:.*)CUDA out"):
+            pipeline.rl()
+    assert time.monotonic() - started < 30 and not any(role.running for role in pipeline.roles)

@@ -307,6 +307,34 @@ def test_a_role_killed_after_its_grace_takes_the_processes_it_started_with_it(tm
                 os.kill(pid, signal.SIGKILL)
 
 
+@pytest.mark.parametrize("end", ["stop", "kill"])
+def test_a_role_of_its_own_group_that_exited_leaves_no_orphan_of_its_group(tmp_path, end):
+    # the main process crashed and left a child of its group to init (a vLLM engine core whose
+    # API server died): stopping or killing the role ends it too
+    script = (
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(child.pid, flush=True)\n"
+        "sys.exit(3)\n"
+    )
+    role = RoleProcess("server", [], tmp_path / "s.log", command=[sys.executable, "-c", script], own_group=True)
+    role.start()
+    orphan = None
+    try:
+        assert role.wait(30) == 3
+        orphan = int(role.log_path.read_text().split()[0])
+        assert alive(orphan)
+        assert (role.stop(grace_s=0.5) if end == "stop" else role.kill()) == 3
+        deadline = time.monotonic() + 5
+        while alive(orphan) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not alive(orphan)
+    finally:
+        if orphan is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(orphan, signal.SIGKILL)
+
+
 class Healthy(http.server.BaseHTTPRequestHandler):
     """Whatever already listens on a port: it answers every health check."""
 
@@ -316,6 +344,25 @@ class Healthy(http.server.BaseHTTPRequestHandler):
 
     def log_message(self, *args):
         pass
+
+
+def test_a_port_taken_on_any_address_of_the_health_urls_host_is_found(monkeypatch):
+    # `localhost` names 127.0.0.1 and ::1 (where /etc/hosts says so): a server holding the port on
+    # ::1 alone answers `localhost` health checks too
+    with socket.socket(socket.AF_INET6) as held:
+        held.bind(("::1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        resolved = [
+            (socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port)),
+            (socket.AF_INET6, socket.SOCK_STREAM, 6, "", ("::1", port, 0, 0)),
+        ]
+        monkeypatch.setattr(socket, "getaddrinfo", lambda host, *args, **kwargs: resolved)
+        with pytest.raises(WhetstoneError, match=rf"serve-0: port {port} of http://localhost:{port}/health is in use"):
+            processes.check_port_free("serve-0", f"http://localhost:{port}/health")
+    processes.check_port_free("serve-0", f"http://localhost:{port}/health")  # released
+    monkeypatch.undo()
+    processes.check_port_free("serve-0", "http://no-such-host.invalid:8000/health")  # not this machine's
 
 
 def test_a_server_whose_port_is_taken_is_not_started_to_be_answered_for_by_another(tmp_path):

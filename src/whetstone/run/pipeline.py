@@ -640,6 +640,8 @@ class Pipeline:
                     continue
                 orchestrator.check()  # an orchestrator that failed stops the run with its log
                 self.sampler.check()  # and so does a servers.jsonl that cannot be written
+                if self.launcher is None:  # and a server that exited (servers Ray lost are left out)
+                    self.check_servers_running("during RL")
                 step = last_record(trainer_metrics)
                 batch = last_record(batch_metrics)
                 versions = ",".join(str(int(s.get("weight_version", -1))) for s in self.sampler.latest.values())
@@ -735,7 +737,7 @@ class Pipeline:
             elif len(versions) == len(self.urls) and all(v == version for v in versions):
                 return
             else:  # a server that exited would never get there
-                self.check_servers_running(version)
+                self.check_servers_running(f"before it reached weight version {version}")
             self.sampler.check()
             if time.monotonic() > deadline:
                 raise WhetstoneError(
@@ -744,15 +746,14 @@ class Pipeline:
                 )
             time.sleep(0.5)
 
-    def check_servers_running(self, version: int) -> None:
-        """Raise, with the end of its log, if a server this machine started has exited: it reports
-        no version again, and waiting `rl.sync_timeout_s` for it would only end in a timeout that
-        does not say why."""
+    def check_servers_running(self, when: str) -> None:
+        """Raise, with the end of its log, if a server this machine started has exited (`when`
+        says while what): its rollouts fail from then on and it reports no version again, so
+        waiting on (a timeout, `rl.max_wall_time`) would only end later, without saying why."""
         for role in self.roles:
             if role.name.startswith("serve-") and role.process is not None and not role.running:
                 raise WhetstoneError(
-                    f"{role.name} exited (code {role.returncode}) before it reached weight version {version}; "
-                    f"end of {role.log_path}:\n{role.log_tail()}"
+                    f"{role.name} exited (code {role.returncode}) {when}; end of {role.log_path}:\n{role.log_tail()}"
                 )
 
     def server_sampler(self, interval_s: float = 2.0) -> ServerSampler:

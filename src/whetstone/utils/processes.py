@@ -409,8 +409,9 @@ class RoleProcess:
 
     def stop(self, grace_s: float = 30.0) -> int | None:
         """SIGTERM (roles checkpoint and exit cleanly on it), then SIGKILL after `grace_s`, to it
-        and what it started (`kill`)."""
+        and what it started (`kill`). One that has exited already leaves nothing of its own group."""
         if not self.running:
+            self._kill_group()
             return self.returncode
         deadline = self.terminate(grace_s)
         try:
@@ -432,37 +433,81 @@ class RoleProcess:
         """SIGKILL, as a crash would, to the process and every process it started (`kill_tree`):
         a vLLM server's engine core holds its GPU memory, sandboxes their cores, until they end."""
         if self.running:
-            kill_tree(self.process.pid)
-            if self.own_group:  # what left the tree but not the group (an orphan of a child)
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
+            kill_tree(self.process.pid, group=self.own_group)
+        else:
+            self._kill_group()
         return None if self.process is None else self.process.wait()
 
-
-def kill_tree(pid: int) -> None:
-    """SIGKILL to process `pid` (a child of this one, not yet waited for) and its descendants,
-    however they left its session or group (a sandbox's). They are stopped (SIGSTOP) first, each
-    as it is found, until none is left to find: a stopped process starts no more, and one killed
-    first would leave its children to init, out of reach. Where /proc cannot be read, `pid` alone."""
-    found: list[int] = []
-    while new := [member for member in [pid, *_descendants(pid)] if member not in found]:
-        for member in new:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(member, signal.SIGSTOP)
-        found += new
-    for member in found:
+    def _kill_group(self) -> None:
+        """With `own_group`, SIGKILL what is left in the process group: what left the tree but not
+        the group, an orphan of a child (a vLLM engine core whose API server crashed), also once
+        the main process has exited. The group's id is the main process's pid, which the kernel
+        gives no new process while the group has members; once the main process is reaped, a live
+        process of that pid is another one, whose group is left alone."""
+        if not self.own_group or self.process is None:
+            return
+        if self.process.poll() is not None and Path(f"/proc/{self.process.pid}").exists():
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(member, signal.SIGKILL)
+            os.killpg(self.process.pid, signal.SIGKILL)
 
 
-def _descendants(pid: int) -> list[int]:
-    """The processes below `pid` (children, theirs, ...)."""
-    below, queue = [], child_pids(pid)
+STOP_WAIT_S = 1.0
+"""How long, at most, a kill (`kill_tree`) waits for the processes it stopped to be stopped: a
+SIGSTOP takes hold once a process next leaves the kernel, and one in uninterruptible sleep stays
+in it until its I/O is done."""
+
+
+def kill_tree(pid: int, *, group: bool = False) -> None:
+    """SIGKILL to process `pid` (a child of this one, not yet waited for) and its descendants,
+    however they left its session or group (a sandbox's); with `group`, also to what is left in
+    the process group `pid` leads (an orphan of a child). They are stopped (SIGSTOP) first, each
+    as it is found, and waited for until stopped (`STOP_WAIT_S` in all), until none is left to
+    find: a stopped process is out of the kernel, with no child half made, and starts no more,
+    and one killed first would leave its children to init, out of reach. Where /proc cannot be
+    read, `pid` alone (and its group)."""
+    deadline = time.monotonic() + STOP_WAIT_S
+    found: list[int] = []
+    try:
+        while new := [member for member in [pid, *descendants(pid)] if member not in found]:
+            for member in new:
+                _signal(member, signal.SIGSTOP)
+            found += new
+            for member in new:
+                _until_stopped(member, deadline)
+    finally:  # also when interrupted: what was stopped would wait forever
+        if group:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+        for member in found:
+            _signal(member, signal.SIGKILL)
+
+
+def _signal(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.kill(pid, signum)
+
+
+def _until_stopped(pid: int, deadline: float) -> None:
+    """Wait, until `deadline` at most, for process `pid` to be stopped, a zombie or gone (its
+    state in /proc). Where /proc cannot be read, not at all."""
+    while time.monotonic() < deadline:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_bytes()
+        except OSError:
+            return
+        if stat[stat.rindex(b")") + 2 :][:1] in (b"T", b"t", b"Z", b"X"):
+            return
+        time.sleep(0.001)
+
+
+def descendants(pid: int) -> Iterator[int]:
+    """The processes below `pid` (children, theirs, ...), walked as they are read."""
+    queue = child_pids(pid)
     while queue:
         child = queue.pop()
-        below.append(child)
+        yield child
         queue += child_pids(child)
-    return below
 
 
 def child_pids(pid: int) -> list[int]:
@@ -547,18 +592,21 @@ def check_port_free(name: str, url: str) -> None:
     parsed = httpx.URL(url)
     if parsed.port is None:
         return
-    host = parsed.host or "127.0.0.1"
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, parsed.port))
-        except OSError as err:
-            if err.errno == errno.EADDRINUSE:
-                raise WhetstoneError(
-                    f"{name}: port {parsed.port} of {url} is in use already: what listens there would answer "
-                    f"{name}'s health checks; stop it or choose another port"
-                ) from None
+    try:  # every address of its host: `localhost` is 127.0.0.1 and ::1, and a server may hold either
+        addresses = socket.getaddrinfo(parsed.host or "127.0.0.1", parsed.port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):  # a name this machine cannot resolve is not one of its addresses
+        return
+    for family, kind, protocol, _name, address in addresses:
+        with socket.socket(family, kind, protocol) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                sock.bind(address)
+            except OSError as err:
+                if err.errno == errno.EADDRINUSE:
+                    raise WhetstoneError(
+                        f"{name}: port {parsed.port} of {url} is in use already: what listens there would answer "
+                        f"{name}'s health checks; stop it or choose another port"
+                    ) from None
 
 
 @contextlib.contextmanager

@@ -20,13 +20,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from whetstone.utils.processes import child_pids
+from whetstone.utils.processes import descendants, kill_tree
 
 CHUNK = 65536
 EXIT_POLL_S = 0.05  # without pidfds (Linux < 5.3): how often to check whether the main process is gone
 DRAIN_AFTER_KILL_S = 2.0
-STOP_WAIT_S = 1.0
-"""Longest wait for a main process to stop (SIGSTOP) before its children are listed and killed."""
 CPU_POLL_S = 0.1
 """Time between two looks at the CPU time of a command's processes. One that handles or ignores
 SIGXCPU (Go programs ignore it) lives on for a CPU second past the soft limit, until the hard
@@ -223,9 +221,8 @@ def run_process(
 def _cpu_used_up(pid: int, cpu_s: int) -> bool:
     """Whether a process in the tree under `pid` has used `cpu_s` seconds of CPU time (its
     threads together, as RLIMIT_CPU counts). Processes that end meanwhile are passed over."""
-    ticks, todo = cpu_s * os.sysconf("SC_CLK_TCK"), [pid]
-    while todo:
-        process = todo.pop()
+    ticks = cpu_s * os.sysconf("SC_CLK_TCK")
+    for process in [pid, *descendants(pid)]:
         try:
             stat = Path(f"/proc/{process}/stat").read_bytes()
             fields = stat[stat.rindex(b")") + 2 :].split()  # from the state on: the name may hold spaces
@@ -233,7 +230,6 @@ def _cpu_used_up(pid: int, cpu_s: int) -> bool:
                 return True
         except (OSError, ValueError):
             continue
-        todo += child_pids(process)
     return False
 
 
@@ -266,8 +262,8 @@ def _reaping_lock(proc: subprocess.Popen) -> threading.Lock:
     """Held while a command's main process is reaped (`_reap`) and while it is signalled
     (`kill_process_group`): it is signalled only while unreaped, since once reaped its pid, and
     so its process group's id, may be a new process's (`Sandbox.close` kills from another thread
-    than the one that reaps). One per process: a kill waits up to `STOP_WAIT_S` holding it, and
-    other sandboxes' commands are reaped meanwhile."""
+    than the one that reaps). One per process: a kill waits up to `processes.STOP_WAIT_S`
+    holding it, and other sandboxes' commands are reaped meanwhile."""
     return getattr(proc, "reaping", _reaping)
 
 
@@ -285,45 +281,14 @@ def _reap(proc: subprocess.Popen, wait: bool) -> int | None:
 
 
 def kill_process_group(proc: subprocess.Popen) -> None:
-    """SIGKILL `proc`, its process group and its children (any of them may already be gone).
+    """SIGKILL `proc`, its process group and its descendants (`kill_tree`; any of them may
+    already be gone).
 
-    Children that left the group are killed too: bwrap's child, pid 1 of the sandbox's pid
+    Descendants that left the group are killed too: bwrap's child, pid 1 of the sandbox's pid
     namespace, starts a session of its own (`--new-session`), and when bwrap is killed before
     that child's `--die-with-parent` binds it, it lives on; killed, it takes every process of
-    the namespace with it. `proc` is stopped first, so that it neither starts nor reaps a child
-    while they are listed and killed. Once `proc` is reaped nothing is signalled: its pid may
-    be another process's by then."""
+    the namespace with it. Once `proc` is reaped nothing is signalled: its pid may be another
+    process's by then."""
     with _reaping_lock(proc):
-        if proc.returncode is not None:
-            return
-        try:
-            _signal(proc.pid, signal.SIGSTOP)
-            _until_stopped(proc.pid)
-            for child in child_pids(proc.pid):
-                _signal(child, signal.SIGKILL)
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            _signal(proc.pid, signal.SIGKILL)  # in case it left its group: stopped, it would wait forever
-
-
-def _signal(pid: int, signum: int) -> None:
-    try:
-        os.kill(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _until_stopped(pid: int) -> None:
-    """Wait, at most `STOP_WAIT_S`, until the child `pid` has stopped or exited (a SIGSTOP takes
-    hold once the process next leaves the kernel). Its state is left to be waited for."""
-    deadline = time.monotonic() + STOP_WAIT_S
-    while time.monotonic() < deadline:
-        try:
-            if os.waitid(os.P_PID, pid, os.WSTOPPED | os.WEXITED | os.WNOWAIT | os.WNOHANG) is not None:
-                return
-        except ChildProcessError:
-            return
-        time.sleep(0.001)
+        if proc.returncode is None:
+            kill_tree(proc.pid, group=True)
