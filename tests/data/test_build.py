@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import whetstone.data.build as build
-from whetstone.data import build_corpus
+from whetstone.data import Corpus, build_corpus
 from whetstone.data.build import cache_key, split_documents
 from whetstone.data.sources import Document, list_sources
 from whetstone.errors import WhetstoneError
@@ -206,3 +206,57 @@ def test_a_source_file_whose_name_is_not_utf8_is_built_like_any_other(config, co
         pytest.skip("this file system refuses a name that is not UTF-8")
     names = json.loads((build_corpus(config).path / "documents.json").read_text())
     assert sum(n.endswith("/pkg/caf\udce9.py") for n in names["train"] + names["val"]) == 1
+
+
+def _key_without_encoding_version(config, files) -> str:
+    """The cache key as it was computed before the key named the encoding procedure: the
+    config, the source listing, the demonstrations and the tokenizer files only."""
+    import hashlib
+
+    from whetstone.data.config import LOADER_FIELDS
+    from whetstone.data.loader import MANIFEST_VERSION
+
+    folder = Path(config.tokenizer)
+    recipe = {
+        "format_version": MANIFEST_VERSION,
+        "config": config.model_dump(mode="json", exclude=LOADER_FIELDS),
+        "files": [(f.name, f.size, f.mtime_ns) for f in files],
+        "demos": None,
+        "tokenizer": [build._file_hash(folder / n) for n in ("tokenizer.json", "tokenizer_config.json")],
+    }
+    return hashlib.sha256(json.dumps(recipe, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def test_a_corpus_cut_by_a_truncating_tokenizer_json_is_rebuilt_whole(config, code_dir, tmp_path, monkeypatch):
+    # A tokenizer.json saved with a `truncation` setting cut every document to max_length tokens
+    # when the encoding honoured it; now every text is encoded whole. The tokenizer files are
+    # unchanged, so only a key that names the encoding procedure rebuilds the cut corpus.
+    folder = tmp_path / "truncating"
+    Tokenizer.train(["def f(x):\n    return x + 1\n" * 50], vocab_size=300).save(folder)
+    layout = json.loads((folder / "tokenizer.json").read_text())
+    layout["truncation"] = {"direction": "Right", "max_length": 8, "strategy": "LongestFirst", "stride": 0}
+    (folder / "tokenizer.json").write_text(json.dumps(layout))
+    config = config.model_copy(update={"tokenizer": str(folder)})
+
+    real_encode = build.encode_documents
+    with monkeypatch.context() as patch:  # the build as the truncating encoding made it
+        patch.setattr(build, "encode_documents", lambda *a: [ids[:8] for ids in real_encode(*a)])
+        cut = build_corpus(config)
+    old_key = _key_without_encoding_version(config, list_sources(config))
+    if cut.path.name != old_key:  # file it where the earlier key put it
+        cut.path.rename(cut.path.with_name(old_key))
+    assert max(map(len, documents_of(Corpus.open(cut.path.with_name(old_key)), "train"))) < 100
+
+    corpus = build_corpus(config)
+    assert corpus.path.name != old_key
+    names = json.loads((corpus.path / "documents.json").read_text())["train"]
+    assert documents_of(corpus, "train") == [(code_dir / n.removeprefix(f"{code_dir}/")).read_text() for n in names]
+
+
+def test_a_tokenizer_file_that_cannot_be_read_is_named(config, tmp_path):
+    folder = tmp_path / "external"
+    Tokenizer.train(["def f(x):\n    return x + 1\n" * 50], vocab_size=300).save(folder)
+    (folder / "tokenizer_config.json").unlink()
+    (folder / "tokenizer_config.json").mkdir()  # a copy gone wrong
+    with pytest.raises(WhetstoneError, match=rf"{folder}/tokenizer_config.json cannot be read: Is a directory"):
+        build_corpus(config.model_copy(update={"tokenizer": str(folder)}))

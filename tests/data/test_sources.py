@@ -1,11 +1,12 @@
 import json
 import os
+import tracemalloc
 
 import pytest
 
 from whetstone.config import load_config
 from whetstone.data import CorpusConfig, DirectorySource, JsonlSource
-from whetstone.data.sources import glob_regex, list_sources, read_documents
+from whetstone.data.sources import _read_jsonl, glob_regex, list_sources, read_documents
 from whetstone.errors import ConfigError, WhetstoneError
 
 
@@ -203,3 +204,35 @@ def test_a_source_folder_that_cannot_be_read_is_named_with_its_exclude_setting(t
 
     monkeypatch.setattr(os, "scandir", deleted)
     assert [f.path.name for f in list_sources(config)] == ["good.py"]
+
+
+def test_a_jsonl_file_is_read_line_by_line_as_its_documents_are_taken(tmp_path):
+    # The first document comes before the rest of the file is read: a line past the reader's
+    # buffer, changed on disk after that, is read as it is then (here: no longer JSON).
+    path = tmp_path / "docs.jsonl"
+    late = b'{"text": "late"}\n'
+    path.write_bytes(b'{"text": "first"}\n' + json.dumps({"text": "x" * 8_000_000}).encode() + b"\n" + late)
+    (file,) = list_sources(CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(path))]))
+    documents = _read_jsonl(file)
+    assert next(documents).text == "first"
+    with path.open("r+b") as handle:  # the same file, rewritten in place
+        handle.seek(path.stat().st_size - len(late))
+        handle.write(b"not JSON at all\n".ljust(len(late)))
+    assert len(next(documents).text) == 8_000_000
+    with pytest.raises(WhetstoneError, match=rf"{path}:3: not valid JSON"):
+        next(documents)
+
+
+def test_reading_a_jsonl_file_holds_no_more_than_a_line_of_what_it_leaves_out(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    too_large = json.dumps({"text": "y" * 1_000_000})
+    path.write_text("\n".join([too_large] * 16 + [json.dumps({"text": "def f():\n    return 1\n" * 5})]) + "\n")
+    config = CorpusConfig(stdlib=False, jsonl=[JsonlSource(path=str(path))], max_document_bytes=100_000)
+    tracemalloc.start()
+    try:
+        documents, stats = read_documents(list_sources(config), config)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert [d.name for d in documents] == [f"{path}:17"] and stats["too_large"] == 16
+    assert peak < 8_000_000  # the file is 16 MB: read whole, it would be held at least once

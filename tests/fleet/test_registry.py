@@ -10,6 +10,7 @@ import pytest
 
 from whetstone.envs.harness.config import EndpointConfig
 from whetstone.envs.harness.pool import ServerPool
+from whetstone.errors import WhetstoneError
 from whetstone.fleet import Announcer, FleetConfig, FleetRegistry, ServerRecord
 from whetstone.fleet.registry import advertised_url
 from whetstone.inference.config import ServeConfig
@@ -249,3 +250,110 @@ def test_an_ipv6_address_is_announced_in_brackets():
     url = httpx.URL(advertised_url("fd00::5", 8000))
     assert (url.host, url.port, url.path) == ("fd00::5", 8000, "/v1")
     assert advertised_url("10.0.0.7", 8000) == "http://10.0.0.7:8000/v1"
+
+
+def test_a_second_server_at_a_live_ones_address_is_refused_and_leaves_its_record(registry):
+    """Two servers announcing one URL (a copied `fleet.url`, a restart while the old process
+    still runs): the newcomer must not delete the live one's record, but fail naming the URL."""
+    url = "http://10.0.0.1:8000/v1"
+    live = Announcer(registry, ServerRecord.new(url), heartbeat_s=0.05).start()
+    try:
+        second = Announcer(registry, ServerRecord.new(url), heartbeat_s=0.05, stale_after_s=30)
+        with pytest.raises(WhetstoneError, match=f"cannot announce {url}: another server announces it"):
+            second.start()
+        assert [r.id for r in registry.records()] == [live.record.id]  # its own record removed again
+    finally:
+        live.stop()
+    assert registry.records() == []
+
+
+def test_a_fresh_record_of_a_killed_server_at_the_address_is_replaced_once_it_stays_silent(registry):
+    """A server killed and restarted at once finds its old record still fresh: it is taken for a
+    dead one's (and deleted) when its heartbeat is not rewritten within `stale_after_s`."""
+    url = "http://10.0.0.1:8000/v1"
+    started = time.monotonic()  # before the record's heartbeat, which its age counts from
+    killed = ServerRecord.new(url)
+    registry.announce(killed)
+    successor = ServerRecord.new(url)
+    with Announcer(registry, successor, heartbeat_s=0.05, stale_after_s=0.3):
+        assert time.monotonic() - started >= 0.3
+        assert [r.id for r in registry.records()] == [successor.id]
+
+
+def test_a_record_at_the_address_saved_under_another_name_is_the_one_deleted(registry):
+    dead = ServerRecord("dead", "http://10.0.0.1:8000/v1", "eu", 100.0, 100.0)
+    registry.objects.put("fleet/servers/hand-written.json", json.dumps(dead.__dict__).encode())
+    with Announcer(registry, ServerRecord.new(dead.url), heartbeat_s=60) as announcer:
+        assert registry.objects.list("fleet/servers/") == [announcer.record.key]
+
+
+def test_an_announcer_started_again_after_stop_keeps_its_record(registry):
+    announcer = Announcer(registry, ServerRecord.new("http://10.0.0.1:8000/v1"), heartbeat_s=0.02)
+    with announcer:
+        pass
+    assert registry.records() == []
+    with announcer:
+        time.sleep(0.2)  # heartbeats
+        assert [r.id for r in registry.records()] == [announcer.record.id]
+    assert registry.records() == []
+
+
+def test_an_announcer_is_not_started_twice_nor_while_its_stop_is_still_under_way(registry, monkeypatch):
+    # a second heartbeat thread would outlive `stop`; a thread still stopping would delete the
+    # record of the start after it
+    announcer = Announcer(registry, ServerRecord.new("http://10.0.0.1:8000/v1"), heartbeat_s=0.02)
+    with announcer:
+        with pytest.raises(WhetstoneError, match="announcer of http://10.0.0.1:8000/v1 is started already"):
+            announcer.start()
+    release = threading.Event()
+    forget = registry.forget
+    monkeypatch.setattr(registry, "forget", lambda record: (release.wait(30), forget(record)))
+    announcer.stop_timeout_s = 0.05
+    announcer.start()
+    announcer.stop()  # its final delete hangs: the store does not answer
+    with pytest.raises(WhetstoneError, match="is still stopping"):
+        announcer.start()
+    release.set()
+    announcer._thread.join(5)
+    with announcer:
+        assert [r.id for r in registry.records()] == [announcer.record.id]
+    assert registry.records() == []
+
+
+def test_temporary_files_of_heartbeats_killed_mid_write_are_removed_by_a_reader(registry, caplog):
+    """A server killed during a heartbeat leaves the atomic write's temporary file: readers skip
+    it, and `prune` deletes it once it is as old as a record it would forget."""
+    import logging
+    import os
+
+    caplog.set_level(logging.INFO, "whetstone.fleet")
+    record = ServerRecord.new("http://10.0.0.1:8000/v1")
+    registry.announce(record)
+    folder = registry.objects.root / "fleet" / "servers"
+    killed, writing = folder / ".0123456789abcdef.json.k1ll3d.tmp", folder / f".{record.id}.json.w0rk1n.tmp"
+    killed.write_bytes(b'{"id": "0123'), writing.write_bytes(b"{")
+    os.utime(killed, (time.time() - 301, time.time() - 301))
+    assert registry.live(stale_after_s=10) == [record]
+    assert registry.prune(forget_after_s=300) == []
+    assert sorted(p.name for p in folder.iterdir()) == [writing.name, record.key.rpartition("/")[2]]
+    assert f"fleet/servers/{killed.name}" in caplog.text
+
+
+def test_a_wildcard_host_is_announced_at_an_address_others_reach_not_a_loopback_one(monkeypatch):
+    """Debian's /etc/hosts maps the hostname to 127.0.1.1: a server on 0.0.0.0 must not announce
+    that (other machines would call themselves), but the address its traffic leaves by."""
+    import socket
+
+    from whetstone.fleet import registry as module
+
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    monkeypatch.setattr(module, "_routed_address", lambda: "10.0.0.7")
+    assert advertised_url("0.0.0.0", 8000) == "http://10.0.0.7:8000/v1"
+
+    def unresolvable(name):
+        raise socket.gaierror(-2, "Name or service not known")
+
+    monkeypatch.setattr(socket, "gethostbyname", unresolvable)
+    assert advertised_url("::", 8000) == "http://10.0.0.7:8000/v1"
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "10.0.0.5")
+    assert advertised_url("0.0.0.0", 8000) == "http://10.0.0.5:8000/v1"

@@ -468,3 +468,24 @@ def test_a_huge_top_k_is_served_and_fails_no_one_else(http):
     assert huge.status_code == 200 and beside["response"].status_code == 200
     whole = post(http, "/v1/completions", top_k=10**6, **body).json()
     assert huge.json()["choices"][0]["token_ids"] == whole["choices"][0]["token_ids"]
+
+
+def test_a_server_with_a_token_serves_no_api_description(served_model_dir):
+    """/docs, /redoc and /openapi.json describe every route to whoever asks; a server that takes a
+    token does not serve them (a browser opening /docs could not send the token anyway)."""
+    config = ServeConfig(
+        model_path=str(served_model_dir),
+        threads=1,
+        auth_token="token",
+        engine=EngineConfig(max_batch=1, context_limit=512),
+    )
+    with TestClient(build_app(config)) as client:
+        for route in ("/docs", "/redoc", "/openapi.json", "/docs/oauth2-redirect"):
+            assert client.get(route).status_code == 404, route
+        assert client.get("/v1/models").status_code == 401
+        assert client.get("/health").status_code == 200
+
+
+def test_a_server_without_a_token_describes_its_api(http):
+    assert http.get("/openapi.json").json()["info"]["title"] == "whetstone"
+    assert http.get("/docs").status_code == 200

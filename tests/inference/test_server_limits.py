@@ -31,6 +31,7 @@ from tests.inference.inference_fixtures import GREETING, tiny_model, wait_until
 from tests.online.online_fixtures import running_server
 from whetstone.envs.harness import EndpointConfig, HttpPolicy, Sampling
 from whetstone.errors import ConfigError
+from whetstone.inference import server
 from whetstone.inference.config import EngineConfig, ServeConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.launch import build_app, uvicorn_config
@@ -44,6 +45,8 @@ BODY_TIMEOUT_S = 2.0
 QUEUE_BOUND = 4
 HOLD = "HOLD "
 """Texts starting with this wait in `encode` until the test releases them."""
+CRASH = "CRASH "
+"""Texts holding this make `encode` raise: a handler's unhandled error."""
 
 
 class HeldTokenizer:
@@ -57,6 +60,8 @@ class HeldTokenizer:
 
     def encode(self, text: str) -> list[int]:
         self.encoded.append(text)
+        if CRASH in text:
+            raise RuntimeError("the tokenizer broke")
         if HOLD in text:
             self.holding.set()
             assert self.release.wait(60), "the test never released the held prompt"
@@ -339,6 +344,56 @@ def test_a_client_that_leaves_mid_upload_is_a_quiet_499(url, caplog):
     assert all(" POST /v1/chat/completions 499 " in line for line in lines())
     loud = [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info]
     assert not loud, [r.getMessage() for r in loud]
+
+
+@contextmanager
+def every_log_record(caplog):
+    """caplog's records, uvicorn's own (its logger does not reach the root) among them."""
+    caplog.set_level(logging.INFO, logger="whetstone.requests")
+    uvicorn_log = logging.getLogger("uvicorn")
+    uvicorn_log.addHandler(caplog.handler)
+    try:
+        yield
+    finally:
+        uvicorn_log.removeHandler(caplog.handler)
+
+
+def test_an_unhandled_error_is_logged_once_with_its_traceback(url, caplog):
+    with every_log_record(caplog):
+        response = completion(url, prompt=CRASH + "x")
+        assert response.status_code == 500
+        assert response.json()["error"]["message"] == "internal error: RuntimeError: the tokenizer broke"
+        wait_until(lambda: any(r.name == "whetstone.requests" for r in caplog.records))
+        time.sleep(0.2)  # anything logged after the request line
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1, [r.getMessage() for r in caplog.records]
+    assert "/v1/completions" in tracebacks[0].getMessage() and tracebacks[0].exc_info[0] is RuntimeError
+    [line] = [r.getMessage() for r in caplog.records if r.name == "whetstone.requests"]
+    assert " POST /v1/completions 500 " in line
+
+
+def test_a_stream_that_fails_midway_is_cut_and_logged_once(url, caplog, monkeypatch):
+    async def failing(submission, *args):
+        await submission.wait(lambda: asyncio.sleep(0, False))
+        yield {"choices": []}
+        raise RuntimeError("the stream broke")
+
+    monkeypatch.setattr(server, "completion_stream", failing)
+    with every_log_record(caplog):
+        with pytest.raises(httpx.RemoteProtocolError):  # cut short: no clean end, no [DONE]
+            with httpx.stream(
+                "POST",
+                f"{url}/v1/completions",
+                json={"model": "tiny-chat", "prompt": "x", "max_tokens": 2, "stream": True},
+            ) as response:
+                assert response.status_code == 200
+                for _ in response.iter_lines():
+                    pass
+        wait_until(lambda: any(r.exc_info for r in caplog.records))
+        time.sleep(0.2)
+    tracebacks = [r for r in caplog.records if r.exc_info]
+    assert len(tracebacks) == 1, [r.getMessage() for r in caplog.records]
+    assert str(tracebacks[0].exc_info[1]) == "the stream broke"
 
 
 def test_a_body_that_stalls_past_the_timeout_gets_408_and_its_connection_is_closed(url):

@@ -8,8 +8,9 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from tests.online.online_fixtures import NO_GATE
+from tests.online.online_fixtures import NO_GATE, online_config
 from whetstone.errors import WhetstoneError
 from whetstone.online.loop import OnlineLoop
 from whetstone.store.feedback import FeedbackStore
@@ -59,3 +60,23 @@ def test_a_damaged_state_json_is_refused_saying_what_to_do(world):
         assert "move it away, and the loop starts after the newest feedback event" in message
     path.unlink()  # what the message says to do
     assert OnlineLoop(world.config).state["cursor"] == 16
+
+
+def test_a_batch_of_token_ids_outside_the_vocabulary_is_refused_before_the_step(tmp_path, two_style_dir):
+    # The loop's own check on what it trains, as the RL trainer's on every batch: a clear error
+    # naming the update, not an index error in the embedding (a device-side assert on a GPU),
+    # and the policy left as it was.
+    from whetstone.rl.batch import collate
+    from whetstone.rl.samples import Sample
+
+    loop = OnlineLoop(online_config(tmp_path, two_style_dir))
+    vocab = loop.model.cfg.vocab_size
+    samples = [
+        Sample([1, 2, token, 3], [0, 1, 1], [0.0, -1.0, -1.0], [-1, 0, 0], None, reward=reward, advantage=reward)
+        for token, reward in ((4, 1.0), (vocab + 7, -1.0))
+    ]
+    batch = collate(samples, meta={"index": 3})
+    before = {name: tensor.clone() for name, tensor in loop.model.state_dict().items()}
+    with pytest.raises(WhetstoneError, match=rf"update 3's feedback batch holds token ids in \[1, {vocab + 7}\]"):
+        loop.train_and_gate(batch)
+    assert all(torch.equal(tensor, before[name]) for name, tensor in loop.model.state_dict().items())

@@ -63,6 +63,15 @@ def test_ratio_masking_drops_tokens_outside_the_range():
     assert stats.metrics()["mask_fraction"] == 0.25
 
 
+def test_clipped_and_truncated_count_only_the_tokens_the_mask_keeps():
+    # mask_low 0.7 masks token 3 (r = 0.6, clipped) and token 2 (r = 3, truncated): only token 1
+    # (r = 1.5, clipped) is a kept token the clip or the cap acts on.
+    _, stats = policy_loss(inputs(), LossConfig(mask_ratio=True, mask_low=0.7, mask_high=2.0))
+    metrics = stats.metrics()
+    assert metrics["mask_fraction"] == 0.5
+    assert metrics["clip_fraction"] == 0.25 and metrics["truncated_fraction"] == 0.0
+
+
 def test_kl_to_a_reference_adds_beta_times_k3():
     # One token, A = 0, ref = logπ − ln 2: k3 = 1/2 + ln 2 − 1, d k3 / d logπ = 1 − 1/2.
     logprobs = torch.tensor([[-1.0]], requires_grad=True)

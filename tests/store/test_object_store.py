@@ -109,6 +109,26 @@ def test_temporaries_are_the_temporary_files_of_unfinished_writes_that_list_skip
     assert S3Store("whetstone", f"test-{uuid.uuid4().hex}", endpoint_url=s3_endpoint).temporaries() == []
 
 
+def test_delete_temporaries_removes_the_old_temporary_files_alone(tmp_path, s3_endpoint):
+    import os
+    import time
+
+    from whetstone.store.s3 import S3Store
+
+    store = LocalStore(tmp_path)
+    store.put("v/1/c.bin", b"x")
+    (tmp_path / "v" / "2").mkdir()
+    old = ["v/1/.d.bin.k1ll3d.tmp", "v/2/.m.json.k1ll3d.tmp", ".w.json.k1ll3d.tmp"]
+    for name in [*old, "v/1/.e.bin.w0rk1n.tmp"]:
+        (tmp_path / name).write_bytes(b"half")
+    for name in old:
+        os.utime(tmp_path / name, (time.time() - 60, time.time() - 60))
+    assert store.delete_temporaries("v/", older_than_s=30) == ["v/1/.d.bin.k1ll3d.tmp", "v/2/.m.json.k1ll3d.tmp"]
+    assert store.temporaries() == [".w.json.k1ll3d.tmp", "v/1/.e.bin.w0rk1n.tmp"]
+    assert not (tmp_path / "v" / "2").exists() and store.list() == ["v/1/c.bin"]  # the folder left empty is gone
+    assert S3Store("whetstone", f"test-{uuid.uuid4().hex}", endpoint_url=s3_endpoint).delete_temporaries("", 0) == []
+
+
 @pytest.mark.parametrize("key", ["", "/abs", "a/../b", "a//b", "./a"])
 def test_keys_cannot_escape_the_store(store, key):
     with pytest.raises(WhetstoneError, match="invalid object key"):

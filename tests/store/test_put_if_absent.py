@@ -92,3 +92,35 @@ def test_a_store_without_conditional_writes_is_a_clear_error(s3_endpoint, monkey
     refused = r"cannot create 'versions/1/manifest.json' in s3://whetstone/test-.* does not implement conditional"
     with pytest.raises(WhetstoneError, match=refused):
         store.put_if_absent("versions/1/manifest.json", b"first")
+
+
+@pytest.mark.parametrize("there", [None, b"other", b"batch"], ids=["nothing", "another's", "its own"])
+def test_a_conflict_that_lasts_every_try_is_not_taken_for_an_existing_object(s3_endpoint, monkeypatch, there):
+    # S3 answering 409 to every try says nothing about the key: only what is there decides
+    from botocore.exceptions import ClientError
+
+    from whetstone.store import s3
+    from whetstone.store.s3 import S3Store
+
+    monkeypatch.setattr(s3, "CONFLICT_BACKOFF_S", 0.001)
+    store = S3Store("whetstone", prefix=f"test-{uuid.uuid4().hex}", endpoint_url=s3_endpoint)
+    if there is not None:
+        store.put("batches/0.batch", there)
+    tries = []
+
+    def always_conflict(**kwargs):
+        tries.append(kwargs["Key"])
+        raise ClientError({"Error": {"Code": "ConditionalRequestConflict"}}, "PutObject")
+
+    monkeypatch.setattr(store._client, "put_object", always_conflict)
+    if there is None:
+        refused = r"cannot create 'batches/0.batch' in s3://whetstone/test-.*: .*409 ConditionalRequestConflict"
+        with pytest.raises(ConnectionError, match=refused):
+            store.put_if_absent("batches/0.batch", b"batch")
+        assert not store.exists("batches/0.batch")
+    elif there == b"other":
+        with pytest.raises(ObjectExistsError, match="'batches/0.batch' already exists"):
+            store.put_if_absent("batches/0.batch", b"batch")
+    else:
+        store.put_if_absent("batches/0.batch", b"batch")
+    assert len(tries) == s3.CONFLICT_RETRIES

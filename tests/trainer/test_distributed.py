@@ -15,7 +15,9 @@ from safetensors.torch import load_file
 from tests.gpus import TWO_GPUS
 from tests.trainer.trainer_fixtures import TRANSCRIPTS, make_batches, put_batches, trainer_config
 from whetstone.config import dump_toml
+from whetstone.rl.batch_store import batch_key
 from whetstone.rl.demos import write_demos
+from whetstone.store import LocalStore
 from whetstone.sync import Subscriber, SyncConfig, WeightStore
 from whetstone.trainer.distributed import global_normalizer, rank_rows
 from whetstone.trainer.loop import run_trainer
@@ -282,3 +284,46 @@ def test_every_rank_refuses_a_weight_store_that_is_not_the_runs(tmp_path, tiny_m
     assert done.returncode != 0
     assert done.stderr.count("is at step 2, but the weight store") == 2, done.stderr[-4000:]
     assert list((tmp_path / "elsewhere").iterdir()) == []  # nothing published there
+
+
+@pytest.mark.slow  # a real 2-process torchrun job that stops at its first batch, ~15 s
+def test_every_rank_refuses_a_batch_rank_0_cannot_read(tmp_path, tiny_moe):
+    # Rank 0 reads each batch first and tells the other ranks whether to train it: a batch it
+    # refuses is refused by every rank, each with the same error, rather than rank 0 alone while
+    # rank 1 waits in the collective for a decision that never comes.
+    (tmp_path / "batches").mkdir()
+    LocalStore(tmp_path / "batches").put_if_absent(batch_key(0), b"not a batch")
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=1)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*command, "-m", "whetstone.cli", "trainer", str(config_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode != 0
+    assert done.stderr.count(f"{batch_key(0)} in ") >= 2, done.stderr[-4000:]
+    assert done.stderr.count("is not a whetstone batch") == 2, done.stderr[-4000:]
+
+
+@pytest.mark.slow  # a real 2-process torchrun job that stops at set-up, ~15 s
+def test_every_rank_refuses_a_damaged_checkpoint_rank_0_reads(tmp_path, tiny_moe, batches):
+    # Rank 0 alone reads the checkpoint's record before the ranks load it together: its refusal
+    # is every rank's, rather than rank 0's while rank 1 waits in the load's collective.
+    put_batches(tmp_path / "batches", batches[:2])
+    run_trainer(trainer_config(tmp_path, tiny_moe, max_steps=1, checkpoint_interval=1))
+    (latest_checkpoint(tmp_path / "trainer" / "checkpoints") / "state.json").write_text("{ damaged")
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=2)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    done = subprocess.run(
+        [*command, "-m", "whetstone.cli", "trainer", str(config_file)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    assert done.returncode != 0
+    assert done.stderr.count("state.json is corrupt") == 2, done.stderr[-4000:]

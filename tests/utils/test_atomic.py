@@ -18,6 +18,7 @@ from whetstone.utils.atomic import (
     atomic_path,
     atomic_write_json,
     writable_folder_problem,
+    write_errors,
 )
 
 
@@ -205,3 +206,44 @@ def test_writable_folder_problem_names_a_file_or_a_read_only_folder_and_creates_
     assert writable_folder_problem(tmp_path / "ro" / "checkpoints") == (
         f"{tmp_path / 'ro' / 'checkpoints'} cannot be created: {tmp_path / 'ro'} is not writable"
     )
+
+
+def _open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def test_a_temporary_file_whose_mode_cannot_be_set_is_removed_with_its_descriptor(tmp_path, monkeypatch):
+    """fchmod fails on some mounts (EPERM on a filesystem without Unix permissions): the write
+    fails with that errno and the file's name, and leaves neither the temporary file nor its fd."""
+
+    def refuse(fd: int, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(os, "fchmod", refuse)
+    path = tmp_path / "x.txt"
+    before = _open_fds()
+    with pytest.raises(OSError) as raised:
+        with atomic_path(path) as tmp:
+            tmp.write_text("never")
+    assert list(tmp_path.iterdir()) == []
+    assert _open_fds() == before
+    assert raised.value.errno == 1 and raised.value.filename == str(path)
+    with pytest.raises(WhetstoneError, match=r"Operation not permitted \(giving the new file mode 0o[0-7]+\)"):
+        with write_errors(path):
+            atomic_write_json(path, {})
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("name", ["x" * 236 + ".json", "x" * 245 + ".json", "x" * 250 + ".json", "é" * 125 + ".json"])
+def test_a_name_as_long_as_a_folder_allows_is_written(tmp_path, name):
+    """The temporary sibling adds a dot, a random part and `.tmp` to the name: it is shortened
+    (by whole characters) to fit the 255 bytes a name may have, so any valid name can be
+    written, as a file or a folder."""
+    atomic_write_json(tmp_path / name, {"a": 1})
+    atomic_write_json(tmp_path / name, {"a": 2})
+    assert json.loads((tmp_path / name).read_text()) == {"a": 2}
+    for _ in range(2):  # the second replaces the first: its old copy is set aside meanwhile
+        with atomic_directory(tmp_path / "d" / name) as tmp:
+            (tmp / "f").write_text("1")
+    assert [p.name for p in (tmp_path / "d").iterdir()] == [name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d", name])

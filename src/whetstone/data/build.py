@@ -1,11 +1,12 @@
 """Build the corpus once per cache key: read, deduplicate, split, tokenize, pack, write.
 
 The cache key hashes the config (minus `LOADER_FIELDS`), the listing of every source file (name,
-size, mtime), the tokenizer files when one is given and the demonstrations, so a changed input
-makes a new build and an unchanged one is reused. A build is written into a temporary folder
-that replaces `<cache_dir>/<key>` only once complete, manifest included, and holds the lock
-`<cache_dir>/<key>.lock`: a process that finds the entry missing while another builds it waits,
-then uses that build.
+size, mtime), the tokenizer files when one is given, the version of the tokenizer's encoding
+procedure (`ENCODING_VERSION`: the same files may encode otherwise) and the demonstrations, so a
+changed input makes a new build and an unchanged one is reused. A build is written into a
+temporary folder that replaces `<cache_dir>/<key>` only once complete, manifest included, and
+holds the lock `<cache_dir>/<key>.lock`: a process that finds the entry missing while another
+builds it waits, then uses that build.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ from whetstone.data.mix import DemoSource, collect_demos, pack_demos
 from whetstone.data.packing import pack, token_dtype
 from whetstone.data.sources import Document, SourceFile, list_sources, name_hash, read_documents
 from whetstone.data.stats import unigram_cross_entropy, unigram_entropy
-from whetstone.errors import WhetstoneError
+from whetstone.errors import CheckpointError, WhetstoneError
 from whetstone.tokenizer import Message, Tokenizer
+from whetstone.tokenizer.bpe import ENCODING_VERSION
 from whetstone.utils.atomic import atomic_directory, atomic_write_json, write_errors
 from whetstone.utils.progress import progress_bar
 
@@ -195,6 +197,7 @@ def cache_key(config: CorpusConfig, files: list[SourceFile], demo_hash: str | No
         "config": config.model_dump(mode="json", exclude=LOADER_FIELDS),
         "files": [(f.name, f.size, f.mtime_ns) for f in files],
         "demos": demo_hash,
+        "encoding_version": ENCODING_VERSION,
     }
     if config.tokenizer:
         folder = expand_path(config.tokenizer)
@@ -229,4 +232,11 @@ def encode_documents(tokenizer: Tokenizer, documents: list[Document], descriptio
 
 
 def _file_hash(path: Path) -> str | None:
-    return hashlib.sha256(path.read_bytes()).hexdigest() if path.exists() else None
+    """SHA-256 of the file `path`, None where there is none; one that cannot be read (a folder,
+    another user's file) is named, as `Tokenizer.load` would."""
+    if not path.exists():
+        return None
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as err:
+        raise CheckpointError(f"{path} cannot be read: {err.strerror or err}") from None

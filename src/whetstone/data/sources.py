@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import sysconfig
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from stat import S_ISREG
@@ -137,7 +138,7 @@ def read_documents(files: list[SourceFile], config: CorpusConfig) -> tuple[list[
     with progress_bar(len(files), "read sources", "file") as bar:
         for file in files:
             if file.text_field is not None:
-                candidates = list(_read_jsonl(file))
+                candidates = _read_jsonl(file)  # one line at a time: a JSONL file may be larger than memory
             elif file.size > config.max_document_bytes:
                 candidates, stats["too_large"] = [], stats["too_large"] + 1
             else:
@@ -196,25 +197,27 @@ def _utf8_size(text: str) -> int | None:
         return None
 
 
-def _read_jsonl(file: SourceFile):
-    """The documents of a JSON Lines file (`utils.jsonl`: lines end at a line feed only; a UTF-8
-    byte order mark is skipped, as for the directory sources)."""
+def _read_jsonl(file: SourceFile) -> Iterator[Document]:
+    """The documents of a JSON Lines file, read a line at a time as they are taken (`utils.jsonl`:
+    lines end at a line feed only; a UTF-8 byte order mark is skipped, as for the directory
+    sources)."""
     try:
-        lines = file.path.read_bytes().split(b"\n")
-    except OSError as err:
+        with file.path.open("rb") as handle:
+            for line in json_lines(handle):
+                number, record = line.number, line.value
+                if line.problem:
+                    raise WhetstoneError(f"corpus: {file.path}:{number}: {line.problem}")
+                if not isinstance(record, dict) or file.text_field not in record:
+                    raise WhetstoneError(f"corpus: {file.path}:{number}: no {file.text_field!r} field")
+                text = record[file.text_field]
+                if not isinstance(text, str):
+                    raise WhetstoneError(
+                        f"corpus: {file.path}:{number}: field {file.text_field!r} is {type(text).__name__}, "
+                        "not a string"
+                    )
+                yield Document(f"{file.name}:{number}", text.replace("\r\n", "\n"))
+    except OSError as err:  # opening it, or a read error part way through
         raise WhetstoneError(f"corpus: cannot read JSONL file {file.path}: {err}") from None
-    for line in json_lines(lines):
-        number, record = line.number, line.value
-        if line.problem:
-            raise WhetstoneError(f"corpus: {file.path}:{number}: {line.problem}")
-        if not isinstance(record, dict) or file.text_field not in record:
-            raise WhetstoneError(f"corpus: {file.path}:{number}: no {file.text_field!r} field")
-        text = record[file.text_field]
-        if not isinstance(text, str):
-            raise WhetstoneError(
-                f"corpus: {file.path}:{number}: field {file.text_field!r} is {type(text).__name__}, not a string"
-            )
-        yield Document(f"{file.name}:{number}", text.replace("\r\n", "\n"))
 
 
 def _apply_cap(documents: list[Document], max_total_bytes: int) -> list[Document]:

@@ -10,8 +10,10 @@ Each server writes one small JSON record, `fleet/servers/<id>.json` (its URL, cl
 start and heartbeat times), when it starts and again every heartbeat, and deletes it when it
 stops. A server that dies without deleting it is forgotten once its heartbeat is `stale_after_s`
 old; its record is deleted by a reader once it is much older (`prune`, best-effort: a reader that
-may not delete, or a failed delete, leaves it to be skipped as stale), or at once by a server
-that starts at the same address. Records are written with the store's atomic put: a reader sees a whole record or none.
+may not delete, or a failed delete, leaves it to be skipped as stale), or by a server that starts
+at the same address once it is stale (a live server at the address makes that one's start fail).
+Records are written with the store's atomic put: a reader sees a whole record or none; the
+temporary file of a write whose server was killed mid-write is deleted by `prune` too.
 Heartbeats are the writer's wall-clock times, so the machines' clocks must agree to well within
 `stale_after_s` (NTP does): a record whose heartbeat is that far ahead of the reader's clock is
 not taken either (it would keep a dead server live until the writer's time came), but logged.
@@ -19,6 +21,7 @@ not taken either (it would keep a dead server live until the writer's time came)
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import math
@@ -29,6 +32,7 @@ import uuid
 from dataclasses import asdict, dataclass, fields, replace
 from typing import TYPE_CHECKING
 
+from whetstone.errors import WhetstoneError
 from whetstone.store import MissingObjectError, ObjectStore, open_store
 
 if TYPE_CHECKING:
@@ -103,6 +107,8 @@ class FleetRegistry:
         """Ids of the records `live` found with a heartbeat ahead of the clock (each logged once)."""
         self._undeletable: set[str] = set()
         """Keys `prune` could not delete (each logged once, until a delete of it succeeds)."""
+        self._temporaries_failed = False
+        """Whether deleting the temporary files of killed writes failed at the last `prune` (logged once)."""
 
     def __repr__(self) -> str:
         return f"FleetRegistry({self.objects!r})"
@@ -118,6 +124,10 @@ class FleetRegistry:
         """Every record in the store, fresh or not; one that vanished while listed is skipped, one
         that does not parse is logged and skipped (it names no server that could be used)."""
         return [record for _, record in self._read()[0]]
+
+    def keyed_records(self) -> list[tuple[str, ServerRecord]]:
+        """`records`, each with the key it was read at (a hand-written record's name need not be its id)."""
+        return self._read()[0]
 
     def _read(self) -> tuple[list[tuple[str, ServerRecord]], list[str]]:
         """The records that parse with their keys, and the keys of those that do not (each logged)."""
@@ -162,10 +172,14 @@ class FleetRegistry:
         beyond the staleness they skip records at, so a server cut off for a while can still come
         back.
 
+        The temporary files that servers killed mid-write left (`ObjectStore.delete_temporaries`:
+        a local store's, which no listing shows) are deleted once as old, by the real clock.
+
         Deleting is best-effort: a delete that fails (a store this reader may only read, an
         outage) is logged once per record and tried again at the next call, and the record stays
         (`live` skips it as stale). Only a failure to list or read the records raises."""
         now = time.time() if now is None else now
+        self._delete_temporaries(forget_after_s)
         records, unusable = self._read()
         for key in unusable:
             if self._delete(key):
@@ -185,6 +199,20 @@ class FleetRegistry:
             else:
                 log.info("removed the fleet record of %s (silent for %.0f s)", record.url, now - record.heartbeat)
         return deleted
+
+    def _delete_temporaries(self, older_than_s: float) -> None:
+        """Delete the temporary files of record writes untouched for `older_than_s`; a failure is
+        logged (once until a call succeeds), not raised."""
+        try:
+            deleted = self.objects.delete_temporaries(PREFIX, older_than_s)
+        except Exception as err:  # read-only access, an outage: they are only left
+            if not self._temporaries_failed:
+                self._temporaries_failed = True
+                log.warning("could not delete the temporary files in %s of %r: %s", PREFIX, self.objects, err)
+            return
+        self._temporaries_failed = False
+        for key in deleted:
+            log.info("removed %s: the temporary file of a record write whose server was killed", key)
 
     def _delete(self, key: str) -> bool:
         """Delete the record at `key`; False, logged once per key, if the store refuses or fails."""
@@ -206,6 +234,10 @@ class FleetRegistry:
         return True
 
 
+STALE_HEARTBEATS = 5
+"""Heartbeats a record at its URL may miss before a starting server takes it for a dead one's
+(`Announcer.stale_after_s`): the orchestrator's default timeout (10 s) of the default heartbeat (2 s)."""
+
 STOP_TIMEOUT_S = 5.0
 """Longest `Announcer.stop` waits for the store: ample for a heartbeat write and the final delete
 in a healthy store (milliseconds, a second or two with a retry), and well within the grace a
@@ -219,7 +251,16 @@ class Announcer:
     The final delete runs on the heartbeat thread after its last write, so no heartbeat lands
     after it. `stop` waits for it at most `stop_timeout_s`: in a store outage a write can sit in
     the S3 client's retries for minutes, and a server's shutdown must not; the thread is a daemon,
-    and a record it leaves behind goes stale and is pruned by readers."""
+    and a record it leaves behind goes stale and is pruned by readers.
+
+    `start` deletes the records of other servers at the same URL that are dead ones' (a server
+    killed, or cut off from the store, could not delete its own), and fails if one is live: two
+    servers cannot share a URL (a copied `fleet.url`, a restart while the old process still runs).
+    A record is a dead one's once its heartbeat is `stale_after_s` old, or not rewritten for
+    `stale_after_s` while `start` watches it (a server killed and restarted at once finds its old
+    record fresh, and waits that long); one that is rewritten meanwhile is a live server's. The
+    judgment assumes the servers of a fleet beat alike: a live server whose heartbeat is much
+    slower than `stale_after_s`, or whose writes stall that long, is taken for a dead one."""
 
     def __init__(
         self,
@@ -227,30 +268,69 @@ class Announcer:
         record: ServerRecord,
         heartbeat_s: float = 2.0,
         stop_timeout_s: float = STOP_TIMEOUT_S,
+        stale_after_s: float | None = None,
     ):
         self.registry, self.record, self.heartbeat_s = registry, record, heartbeat_s
         self.stop_timeout_s = stop_timeout_s
+        self.stale_after_s = STALE_HEARTBEATS * heartbeat_s if stale_after_s is None else stale_after_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Announcer:
+        """Write the record and keep it fresh, then take the URL over from dead servers' records
+        (`WhetstoneError`, with this server's record deleted again, if a live server holds it).
+        Refused while its heartbeat thread still runs: started already, or a `stop` that timed out
+        (its thread would delete the record this start writes)."""
+        if self._thread is not None and self._thread.is_alive():
+            state = "still stopping (the store did not answer)" if self._stop.is_set() else "started already"
+            raise WhetstoneError(f"the fleet announcer of {self.record.url} is {state}: it cannot start again now")
         self.registry.announce(self.record)  # the first write fails loudly: a wrong store is a config error
-        for record in self.registry.records():  # a predecessor at this address that could not remove its own
-            if record.url == self.record.url and record.id != self.record.id:
-                self.registry.forget(record)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(self._stop,), name="fleet-heartbeat", daemon=True)
+        self._thread.start()  # beating during the watch below: a server starting at once at the URL sees this one live
+        try:
+            self._take_url()
+        except BaseException:
+            self.stop()
+            raise
         log.info("announced %s (cluster %s) in %r", self.record.url, self.record.cluster, self.registry)
-        self._thread = threading.Thread(target=self._run, name="fleet-heartbeat", daemon=True)
-        self._thread.start()
         return self
+
+    def _take_url(self) -> None:
+        """Delete the records of other servers at this URL once they are dead ones'; raise if one is rewritten."""
+        watched: dict[str, tuple[float, float]] = {}  # key -> heartbeat when first read, monotonic time then
+        while True:
+            waiting = False
+            for key, record in self.registry.keyed_records():
+                if record.url != self.record.url or record.id == self.record.id:
+                    continue
+                heartbeat, since = watched.setdefault(key, (record.heartbeat, time.monotonic()))
+                if record.heartbeat != heartbeat:
+                    raise WhetstoneError(
+                        f"cannot announce {self.record.url}: another server announces it in {self.registry!r} "
+                        f"(its record {key}, cluster {record.cluster}, is rewritten: it is live); give each server "
+                        "its own address (fleet.url, or host and port), or stop the other one first"
+                    )
+                silent = max(time.time() - record.heartbeat, time.monotonic() - since)
+                if silent < self.stale_after_s:
+                    waiting = True
+                    continue
+                self.registry.objects.delete(key)
+                log.info("removed the fleet record %s of a server no longer at %s", key, self.record.url)
+            if not waiting:
+                return
+            time.sleep(min(self.heartbeat_s, self.stale_after_s) / 2)
 
     def stop(self) -> None:
         """Stop the heartbeat and delete the record, waiting at most `stop_timeout_s` for the store."""
         self._stop.set()
-        thread, self._thread = self._thread, None
+        thread = self._thread
         if thread is None:
             return
         thread.join(self.stop_timeout_s)
-        if thread.is_alive():
+        if not thread.is_alive():
+            self._thread = None
+        else:  # kept: a start meanwhile is refused
             log.warning(
                 "the fleet registry %r did not answer within %g s: stopping without removing %s "
                 "(its record goes stale, and orchestrators drop it after their heartbeat timeout)",
@@ -265,8 +345,8 @@ class Announcer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.heartbeat_s):
+    def _run(self, stopping: threading.Event) -> None:
+        while not stopping.wait(self.heartbeat_s):
             self.record = replace(self.record, heartbeat=time.time())
             try:
                 self.registry.announce(self.record)
@@ -299,8 +379,42 @@ def advertised_url(host: str, port: int, url: str = "") -> str:
     if url:
         return url
     if host in ("0.0.0.0", "::", ""):
-        host = socket.gethostbyname(socket.gethostname())
+        host = _this_machines_address()
     return api_root(host, port)
+
+
+def _this_machines_address() -> str:
+    """The address other machines reach this one at: its hostname's, unless that is a loopback
+    one (Debian and Ubuntu map the hostname to 127.0.1.1) or does not resolve; then that of the
+    interface its traffic leaves by. Loopback only where it has no other (logged: only servers
+    and orchestrators on this machine can use it)."""
+    try:
+        named = socket.gethostbyname(socket.gethostname())
+    except OSError:
+        named = None
+    if named is not None and not ipaddress.ip_address(named).is_loopback:
+        return named
+    routed = _routed_address()
+    if routed is not None and not ipaddress.ip_address(routed).is_loopback:
+        return routed
+    address = named or "127.0.0.1"
+    log.warning(
+        "announcing this server at the loopback address %s (this machine has no other): only orchestrators "
+        "on this machine can reach it; set fleet.url to the address others reach it at",
+        address,
+    )
+    return address
+
+
+def _routed_address() -> str | None:
+    """The local address of the interface a packet to another network would leave by (None if
+    there is no route): a UDP socket's connect picks it, and sends nothing."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+            probe.connect(("192.0.2.1", 9))  # TEST-NET-1 (RFC 5737): any address beyond the local networks
+            return probe.getsockname()[0]
+    except OSError:
+        return None
 
 
 def api_root(host: str, port: int) -> str:

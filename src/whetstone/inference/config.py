@@ -78,7 +78,7 @@ class ServeConfig(Config):
     port: int = Field(8000, ge=1, le=65535)
     """TCP port."""
     auth_token: str = ""
-    """If set, /v1/* requests need `Authorization: Bearer <auth_token>`."""
+    """If set, /v1/* requests need `Authorization: Bearer <auth_token>` (and /docs, /openapi.json are not served)."""
     threads: int = Field(0, ge=0)
     """Torch threads for the engine (0 = every core it may run on)."""
     default_max_tokens: int = Field(256, ge=1)

@@ -1,7 +1,7 @@
-"""ASGI middleware of the server: the request-body limit and the one-line request log (499 for a
-client that left).
+"""ASGI middleware of the server: the request-body limit, the 500 answer to an unhandled error,
+and the one-line request log (499 for a client that left).
 
-Both are plain ASGI (no buffering of bodies or responses), so a streamed response streams
+All are plain ASGI (no buffering of bodies or responses), so a streamed response streams
 through them unchanged.
 """
 
@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
+from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+log = logging.getLogger(__name__)
 request_log = logging.getLogger("whetstone.requests")
 """One INFO line per request: id, route, status, prompt/completion tokens, milliseconds."""
 CLIENT_CLOSED = 499
@@ -61,6 +64,40 @@ class BodyLimit:
             f"the request body {size}; this server takes at most {self.max_bytes} bytes (max_request_bytes)",
             headers={"Connection": "close"},
         )
+
+
+class Crashes:
+    """Answers a request whose handler raised an error no handler took with `answer(error)` (a
+    500), and logs the error once, with its traceback and route.
+
+    An app's handler for `Exception` cannot do this: Starlette raises the error again after
+    calling it, so the ASGI server logs it a second time; here it goes no further. An error
+    raised once the answer has started (a stream cut midway) goes on to the server, which closes
+    the connection, so the client cannot take the cut answer for a whole one; the server logs
+    it, so it is not logged here too."""
+
+    def __init__(self, app: ASGIApp, answer: Callable[[Exception], Response]):
+        self.app = app
+        self.answer = answer
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watched(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched)
+        except Exception as err:
+            if started:
+                raise
+            log.exception("unhandled error in %s %s", scope["method"], scope["path"])
+            await self.answer(err)(scope, receive, send)
 
 
 class RequestLog:

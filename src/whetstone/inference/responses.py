@@ -74,8 +74,21 @@ def rl_fields(
     return fields
 
 
+def top_by_text(alternatives: list[tuple[int, float]], decode: Decode) -> dict[str, float]:
+    """A token's alternatives as the completions format has them, text -> logprob. Tokens that
+    decode to one text (parts of different characters are all U+FFFD) share its key, which holds
+    the likeliest one's logprob: the format has room for one, and a lower one must not take the
+    place of the token a client compares with `token_logprobs`."""
+    top: dict[str, float] = {}
+    for token, logprob in alternatives:
+        text = decode([token])
+        if text not in top or logprob > top[text]:
+            top[text] = logprob
+    return top
+
+
 def completion_logprobs(seq: Sequence, start: int, end: int, decode: Decode, offset: int) -> dict[str, Any]:
-    """OpenAI completions shape: tokens, token_logprobs, top_logprobs, text_offset."""
+    """OpenAI completions shape: tokens, token_logprobs, top_logprobs (`top_by_text`), text_offset."""
     tokens = [decode([t]) for t in seq.output_ids[start:end]]
     offsets, position = [], offset
     for text in tokens:
@@ -83,7 +96,7 @@ def completion_logprobs(seq: Sequence, start: int, end: int, decode: Decode, off
         position += len(text)
     top = None
     if seq.params.top_logprobs:
-        top = [{decode([t]): lp for t, lp in alternatives} for alternatives in seq.top_logprobs[start:end]]
+        top = [top_by_text(alternatives, decode) for alternatives in seq.top_logprobs[start:end]]
     return {"tokens": tokens, "token_logprobs": seq.logprobs[start:end], "top_logprobs": top, "text_offset": offsets}
 
 

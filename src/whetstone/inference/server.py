@@ -41,7 +41,7 @@ from whetstone.inference.capture import Capture, Reply
 from whetstone.inference.config import ServeConfig
 from whetstone.inference.engine import Engine
 from whetstone.inference.metrics import render_prometheus
-from whetstone.inference.middleware import BodyLimit, RequestLog
+from whetstone.inference.middleware import BodyLimit, Crashes, RequestLog
 from whetstone.inference.protocol import ChatRequest, CompletionRequest, FeedbackRequest
 from whetstone.inference.responses import chat_choice, completion_choice, header, usage
 from whetstone.inference.sampling import InvalidRequest, SamplingParams
@@ -72,6 +72,11 @@ def error_body(
         kind = "requests"  # OpenAI's type for a refusal by request count
     body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
     return JSONResponse(body, status, headers=headers)
+
+
+def crash_body(err: Exception) -> JSONResponse:
+    """The 500 a request whose handler raised `err` gets (`middleware.Crashes`)."""
+    return error_body(500, f"internal error: {type(err).__name__}: {err}")
 
 
 def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_name: str, follower=None) -> FastAPI:
@@ -105,8 +110,12 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
             if capture is not None:
                 capture.close()
 
-    app = FastAPI(title="whetstone", lifespan=lifespan)
+    # A server that takes a token does not describe its routes to whoever asks (/docs, /redoc,
+    # /openapi.json); a browser opening /docs could not send the token anyway.
+    described = {} if not config.auth_token else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="whetstone", lifespan=lifespan, **described)
     app.add_middleware(BodyLimit, max_bytes=config.max_request_bytes)
+    app.add_middleware(Crashes, answer=crash_body)  # inside the request log: it logs the 500
     if config.log_requests:
         app.add_middleware(RequestLog)  # outermost: it times the whole request
     decode = tokenizer.decode
@@ -142,11 +151,6 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
     @app.exception_handler(HTTPException)
     async def _http(request: Request, err: HTTPException) -> JSONResponse:
         return error_body(err.status_code, str(err.detail), headers=err.headers)
-
-    @app.exception_handler(Exception)
-    async def _crash(request: Request, err: Exception) -> JSONResponse:
-        log.exception("unhandled error in %s", request.url.path)
-        return error_body(500, f"internal error: {type(err).__name__}: {err}")
 
     async def authorize(request: Request) -> None:
         if not config.auth_token:

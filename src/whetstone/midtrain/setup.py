@@ -253,8 +253,9 @@ def _say_if_another_corpus(checkpoint: Path, data: dict, key: str, next_row: int
     recorded = data.get(CORPUS_KEY)
     if recorded is not None and recorded != key:
         log.warning(
-            "checkpoint %s was trained on the corpus build %s, and this run reads %s (its sources or data "
-            "settings changed): rows go on from number %d of this build, not in the order the run had",
+            "checkpoint %s was trained on the corpus build %s, and this run reads %s (its sources, its data "
+            "settings or the tokenizer's encoding version changed): rows go on from number %d of this build, "
+            "not in the order the run had",
             checkpoint,
             recorded,
             key,

@@ -68,14 +68,14 @@ from whetstone.online.config import OnlineConfig
 from whetstone.online.gate import Gate, Verdict
 from whetstone.online.samples import feedback_batch
 from whetstone.online.weights import Lineage, load_version
-from whetstone.rl.batch import Batch
+from whetstone.rl.batch import Batch, check_batch
 from whetstone.rl.logit_scale import LogitScale
 from whetstone.store.base import MissingObjectError
 from whetstone.store.feedback import FeedbackStore, FeedbackStoreError
 from whetstone.sync import Publisher, SyncConfig, WeightStore
 from whetstone.sync.weight_store import VersionExistsError
 from whetstone.tokenizer import Tokenizer
-from whetstone.trainer.step import Learner, StepSettings, train_step
+from whetstone.trainer.step import Learner, StepSettings, check_batch_routes, train_step
 from whetstone.training.checkpoint import (
     TrainState,
     checkpoint_dir,
@@ -619,7 +619,17 @@ class OnlineLoop:
         return fresh, passed
 
     def step(self, batch: Batch) -> dict[str, Any]:
-        """One policy-gradient step of the policy on `batch` (the RL trainer's); its metrics."""
+        """One policy-gradient step of the policy on `batch` (the RL trainer's); its metrics. The
+        batch is checked first as the RL trainer checks each of its batches (`check_batch`,
+        `check_batch_routes`): one the model cannot train on is refused, naming the update and
+        its feedback events, before the weights move, not failed on in the forward (an index
+        error, or on a GPU a device-side assert that ends the process)."""
+        source = f"update {batch.meta.get('index', '?')}'s feedback batch"
+        consuming = self.state.get("consuming")
+        if consuming:
+            source += f" (events {consuming['after'] + 1}..{consuming['through']} of {self.feedback.name})"
+        check_batch(batch, self.model.cfg.vocab_size, source=source)
+        check_batch_routes(batch, self.model.cfg, source=source)
         learner = Learner(self.model, self.optimizer, self.reference, self.logit_scale)
         return train_step(learner, batch, StepSettings.of(self.config), self.config.optimizer.lr)
 

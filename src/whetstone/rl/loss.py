@@ -95,8 +95,10 @@ class LossStats:
 
     tokens: Count = 0
     clipped: Count = 0
+    """Tokens in the loss (trained, not masked) whose ratio the clip stopped."""
     masked: Count = 0
     truncated: Count = 0
+    """Tokens in the loss (trained, not masked) whose importance weight was capped at `is_cap`."""
     forking_dropped: Count = 0
     """Trained tokens left out of the policy-gradient term by `forking_fraction`."""
     mismatch_k3: Count = 0.0
@@ -288,9 +290,9 @@ def policy_loss(
         zero = torch.zeros_like(logprobs32)
         stats = LossStats(
             tokens=trained.sum(),
-            clipped=clipped.sum(),
+            clipped=(clipped & kept).sum(),  # of the tokens in the loss: a masked one is neither
             masked=masked.sum(),
-            truncated=truncated.sum(),
+            truncated=(truncated & kept).sum(),
             forking_dropped=forking_dropped.sum(),
             abs_diff=torch.where(trained, log_ratio.detach().abs(), math.nan).flatten(),
             mismatch_k3=torch.where(trained, k3(behavior, logprobs32.detach()), zero).sum(),

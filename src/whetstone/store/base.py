@@ -57,6 +57,14 @@ class ObjectStore(ABC):
         check_prefix(prefix)
         return []
 
+    def delete_temporaries(self, prefix: str, older_than_s: float) -> list[str]:
+        """Delete what unfinished writes under `prefix` left (`temporaries`) that nothing has
+        written to for `older_than_s` seconds (their writers were killed mid-write: a write in
+        progress touches its file all along), and return their keys, sorted. None in a store whose
+        writes need no temporaries (S3)."""
+        check_prefix(prefix)
+        return []
+
     def delete_folder(self, prefix: str) -> None:
         """Delete every object under `prefix` (a folder: `versions/0000000003/`) and what writers
         that died left there unfinished (a local store's temporary files). Only for a folder that

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -85,6 +86,22 @@ class LocalStore(ObjectStore):
     def temporaries(self, prefix: str = "") -> list[str]:
         """`ObjectStore.temporaries`: the temporary files of atomic writes (`.<name>.*.tmp`)."""
         return self._keys(prefix, _temporary)
+
+    def delete_temporaries(self, prefix: str, older_than_s: float) -> list[str]:
+        """`ObjectStore.delete_temporaries`: the temporary files (`.<name>.*.tmp`) whose
+        modification time is `older_than_s` seconds or more before this machine's clock."""
+        deleted = []
+        for key in self.temporaries(prefix):
+            path = self._path(key)
+            try:
+                if time.time() - path.stat().st_mtime < older_than_s:
+                    continue
+                path.unlink()
+            except FileNotFoundError:  # its write finished, or another process removed it
+                continue
+            deleted.append(key)
+            self._drop_empty_folders(path.parent)
+        return deleted
 
     def _keys(self, prefix: str, wanted: Callable[[str], bool]) -> list[str]:
         """The keys starting with `prefix` of the files whose names are `wanted`, sorted."""

@@ -18,6 +18,8 @@ from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectSt
 
 CONFLICT_RETRIES = 5
 """Tries of a conditional write that S3 answers 409 (another one of the key in flight)."""
+CONFLICT_BACKOFF_S = 0.2
+"""Wait before the second try of a conditional write answered 409, doubling at each further try."""
 READ_RETRIES = 5
 """Tries of a GET whose body breaks off while it is read (a dropped connection, a read timeout):
 boto3 retries requests, but not the reading of a response's body."""
@@ -108,6 +110,9 @@ class S3Store(ObjectStore):
             self._client.put_object(Bucket=self.bucket, Key=self._key(key), Body=data)
 
     def put_if_absent(self, key: str, data: bytes) -> None:
+        """`ObjectStore.put_if_absent`. A 409 (another conditional write of the key in flight) is
+        tried again `CONFLICT_RETRIES` times; one that lasts is a ConnectionError naming the key
+        where the key holds nothing (no object exists to report)."""
         from botocore.exceptions import ClientError
 
         for attempt in range(CONFLICT_RETRIES):
@@ -120,7 +125,7 @@ class S3Store(ObjectStore):
                 # 409: another conditional write of the key is in flight (maybe our own first
                 # attempt, which boto3 timed out and retried): once it settles, 412 or success
                 if code == "ConditionalRequestConflict" and attempt < CONFLICT_RETRIES - 1:
-                    time.sleep(0.2 * 2**attempt)
+                    time.sleep(CONFLICT_BACKOFF_S * 2**attempt)
                     continue
                 if code == "NotImplemented":  # 501: an S3-compatible store without conditional writes
                     raise WhetstoneError(
@@ -131,9 +136,17 @@ class S3Store(ObjectStore):
                     ) from None
                 if code not in ("PreconditionFailed", "ConditionalRequestConflict"):  # 412: the key exists
                     raise
-                with contextlib.suppress(MissingObjectError):  # (a 409 whose other write failed)
+                try:
                     if self.get(key) == data:
                         return  # our own first attempt landed and its response was lost: boto3 retried it
+                except MissingObjectError:
+                    if code == "ConditionalRequestConflict":  # every try met another write in flight
+                        raise ConnectionError(
+                            f"cannot create {key!r} in s3://{self.bucket}/{self.prefix}: the store at "
+                            f"{self.endpoint_url or 'AWS'} answered all {CONFLICT_RETRIES} tries 409 "
+                            "ConditionalRequestConflict (other writes of the key in flight) and the key holds "
+                            "nothing; it was not created, try again"
+                        ) from None
                 raise ObjectExistsError(f"object {key!r} already exists in s3://{self.bucket}/{self.prefix}") from None
 
     def get(self, key: str) -> bytes:

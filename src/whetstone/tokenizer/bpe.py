@@ -30,6 +30,12 @@ SPLIT_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
+ENCODING_VERSION = 2
+"""The version of how `Tokenizer` turns text into ids beyond what its files say (version 2: the
+truncation and padding a tokenizer.json may hold are ignored, every text is encoded whole). It
+changes whenever the same tokenizer files give other ids, so that what was encoded with them and
+cached (a built corpus) is built again."""
+
 ENDOFTEXT = "<|endoftext|>"
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"

@@ -121,19 +121,31 @@ def wait_for_batch(
 
     Under torchrun rank 0 polls and decides, and tells the other ranks after every poll (they
     then read the batch themselves): all ranks stop together, and none sits in one collective
-    for longer than a poll interval, however long the orchestrator takes.
+    for longer than a poll interval, however long the orchestrator takes. A batch rank 0 cannot
+    read (damaged, another batch's, a store that fails) is refused on every rank, each raising
+    the error rank 0 met, rather than by rank 0 alone while the others wait in the collective.
     """
     config = session.config
     started = time.monotonic()
     deadline = started + config.idle_timeout if config.idle_timeout else None
     report_at = started + IDLE_REPORT_S
     while True:
-        batch = decision = None
+        batch = decision = failed = None
         if session.rank == 0:
-            batch = None if stop.is_set() else read_batch(session, index)
+            try:
+                batch = None if stop.is_set() else read_batch(session, index)
+            except Exception as err:  # raised on every rank, once the others know
+                failed = err
             timed_out = deadline is not None and time.monotonic() >= deadline
             decision = "train" if batch is not None else "stop" if stop.is_set() or timed_out else "wait"
+            if failed is not None:
+                known = isinstance(failed, WhetstoneError)
+                decision = ("error", str(failed) if known else f"rank 0 cannot read {batch_key(index)}: {failed!r}")
         decision = broadcast(decision)  # rank 0's, on every rank
+        if isinstance(decision, tuple):
+            if failed is not None:
+                raise failed
+            raise WhetstoneError(decision[1])
         if decision == "stop":
             return None
         if decision == "train":

@@ -173,18 +173,24 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view
     check_max_steps(config, resumed_from)  # before any model work
     tokenizer = tokenizer_identity(expand_path(config.model_path))
+    refused = None
     if resumed_from is not None and rank == 0:
-        with naming_older_checkpoints(resumed_from):
-            recorded = read_state(resumed_from)
-        trained_from = recorded.get("config", {}).get("model_path")
-        check_tokenizer(
-            resumed_from,
-            recorded["data"],
-            tokenizer,
-            f"model_path {config.model_path}",
-            f"Point model_path at the model the run started from (the checkpoint's: {trained_from}), "
-            f"or {start_over(config)}",
-        )
+        try:
+            with naming_older_checkpoints(resumed_from):
+                recorded = read_state(resumed_from)
+            trained_from = recorded.get("config", {}).get("model_path")
+            check_tokenizer(
+                resumed_from,
+                recorded["data"],
+                tokenizer,
+                f"model_path {config.model_path}",
+                f"Point model_path at the model the run started from (the checkpoint's: {trained_from}), "
+                f"or {start_over(config)}",
+            )
+        except WhetstoneError as err:  # raised on every rank: the others would wait in the load's collective
+            refused = err
+    if refused := broadcast(refused):
+        raise refused
     loaded = load_hf(config.model_path)
     tables = autocast_tables(loaded)  # before sharding: a tied head is still the table itself
     model = shard_model(loaded, device)

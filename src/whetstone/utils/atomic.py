@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import hashlib
 import json
 import os
 import re
@@ -137,6 +138,34 @@ def write_errors(path: str | Path) -> Iterator[None]:
         raise WhetstoneError(f"cannot write {path}: {cause}{then}") from None
 
 
+NAME_MAX = 255
+"""The most bytes a file name may have (Linux, on ext4, xfs, btrfs and tmpfs alike)."""
+
+
+def _shortened(name: str, size: int) -> str:
+    """`name` less as many characters at its end as it takes to fit in `size` bytes."""
+    while len(os.fsencode(name)) > size:
+        name = name[:-1]
+    return name
+
+
+def _temporary_prefix(name: str) -> str:
+    """`.<name>.`, the start of the name of the temporary sibling that becomes `name`: `name`
+    shortened so that the whole, with mkstemp's 8 random characters and `.tmp`, is a name the
+    folder accepts (a name of 242 bytes or more would not fit whole)."""
+    return f".{_shortened(name, NAME_MAX - len('..') - 8 - len('.tmp'))}."
+
+
+def _set_aside_name(name: str) -> str:
+    """`.<name>.old`, where `atomic_directory` moves the folder it replaces. A name too long for
+    that gets a shortened one ending in a hash of the whole name: the same name every time (the
+    next call finds what a crash left), and not that of another long name with the same start."""
+    if len(os.fsencode(f".{name}.old")) <= NAME_MAX:
+        return f".{name}.old"
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    return f".{_shortened(name, NAME_MAX - len('..') - len(digest) - len('.old'))}.{digest}.old"
+
+
 @contextmanager
 def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed.
@@ -148,20 +177,26 @@ def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     if mode is None:  # a plain write keeps the mode of the file it overwrites
         mode = path.stat().st_mode & 0o777 if path.is_file() else plain_file_mode()
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    tmp = Path(tmp_name)
+    fd, tmp_name = -1, None  # until the block ends, whatever fails: the fd is closed, the file removed
     try:
-        os.fchmod(fd, mode)
-    finally:
-        os.close(fd)
-    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=_temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
+        try:
+            os.fchmod(fd, mode)
+        except OSError as err:
+            raise OSError(err.errno, f"{err.strerror} (giving the new file mode {mode:#o})", str(path)) from None
+        opened, fd = fd, -1
+        os.close(opened)
+        tmp = Path(tmp_name)
         yield tmp
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
-        tmp.unlink(missing_ok=True)
+        if fd >= 0:
+            os.close(fd)
+        if tmp_name is not None:
+            Path(tmp_name).unlink(missing_ok=True)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
@@ -191,14 +226,14 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     if os.path.lexists(path) and not path.is_dir():
         raise WhetstoneError(f"{path} is a file, not a folder: move it away to have the folder written there")
-    old = path.with_name(f".{path.name}.old")
+    old = path.with_name(_set_aside_name(path.name))
     if os.path.lexists(old):
         if not os.path.lexists(path) and old.is_dir() and not old.is_symlink():
             os.replace(old, path)  # the previous directory, set aside by a write that crashed
         else:
             _remove(old)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=_temporary_prefix(path.name), suffix=".tmp", dir=path.parent))
     try:
         yield tmp
         _plain_modes(tmp)

@@ -597,16 +597,16 @@ def check_port_free(name: str, url: str) -> None:
     except (socket.gaierror, UnicodeError):  # a name this machine cannot resolve is not one of its addresses
         return
     for family, kind, protocol, _name, address in addresses:
-        with socket.socket(family, kind, protocol) as sock:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
+        try:  # an address of a family this machine lacks (::1 with IPv6 off) holds nothing
+            with socket.socket(family, kind, protocol) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 sock.bind(address)
-            except OSError as err:
-                if err.errno == errno.EADDRINUSE:
-                    raise WhetstoneError(
-                        f"{name}: port {parsed.port} of {url} is in use already: what listens there would answer "
-                        f"{name}'s health checks; stop it or choose another port"
-                    ) from None
+        except OSError as err:
+            if err.errno == errno.EADDRINUSE:
+                raise WhetstoneError(
+                    f"{name}: port {parsed.port} of {url} is in use already: what listens there would answer "
+                    f"{name}'s health checks; stop it or choose another port"
+                ) from None
 
 
 @contextlib.contextmanager

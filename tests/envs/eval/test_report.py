@@ -115,3 +115,39 @@ def test_bad_config_and_unreachable_endpoint_are_named(tmp_path):
     )
     assert isinstance(result.exception, PolicyError) and "127.0.0.1:9" in str(result.exception)
     assert not (tmp_path / "report.json").exists()
+
+
+ALL_FAILED = [rollout("a", status="failed"), rollout("b", status="failed")]
+NOT_MEASURED = {"mean": None, "p50": None, "max": None}
+
+
+def test_effort_is_not_measured_when_no_rollout_ran():
+    # A failed rollout has no turns or tokens to count: zeros would read as a model that answers
+    # in no turns, so the figures are absent, and the report says so.
+    report = build_report(ALL_FAILED, [1], RUN)
+    for name in ("turns", "completion_tokens", "segments", "invalid_tool_calls"):
+        assert report[name] == NOT_MEASURED
+    assert report["reward"]["mean"] == 0.0  # the failed rollouts' own reward: it is measured
+    assert build_report([], [1], RUN)["reward"] == {**NOT_MEASURED, "breakdown": {}}
+    text = render_markdown(report)
+    assert "| turns (mean / p50 / max) | not measured (no rollout ran) |" in text
+    assert "| completion_tokens (mean / p50 / max) | not measured (no rollout ran) |" in text
+    assert "| reward (mean / p50 / max) | 0.000 / 0.000 / 0.000 |" in text
+
+
+def test_eval_summary_line_says_when_turns_were_not_measured(monkeypatch):
+    import whetstone.envs.eval.run as run
+
+    monkeypatch.setattr(run, "load_eval_tasks", lambda settings: [])
+    monkeypatch.setattr(run, "evaluate_with_progress", lambda settings, tasks: build_report(ALL_FAILED, [1], RUN))
+    result = CliRunner().invoke(app, ["eval"])
+    assert result.exit_code == 0, result.output
+    assert "m: pass@1 0.000  reward 0.000  turns not measured  failed 2/2" in result.output
+
+
+def test_cheat_flags_count_each_rollout_once_per_kind():
+    # Two conftest.py files in one rollout are one rollout flagged for conftest, not two.
+    twice = rollout("a", flags=["conftest: conftest.py", "conftest: tests/conftest.py", "test_skip: t.py uses skip"])
+    report = build_report([twice, rollout("a", flags=["conftest: conftest.py"]), rollout("b")], [1], RUN)
+    assert report["cheat_flags"] == {"conftest": 2, "test_skip": 1} and report["flagged_rollouts"] == 2
+    assert "| conftest | 2 |" in render_markdown(report)

@@ -38,9 +38,10 @@ def eval_command(
         return
     scores = "  ".join(f"pass@{k} {value:.3f}" for k, value in report["pass_at_k"].items())
     failed = f"{report['failed_rollouts']}/{report['rollouts']}"
+    reward, turns = report["reward"]["mean"], report["turns"]["mean"]  # None: not measured (no rollout ran)
     typer.echo(
-        f"{report['model']}: {scores}  reward {report['reward']['mean']:.3f}  "
-        f"turns {report['turns']['mean']:.1f}  failed {failed}"
+        f"{report['model']}: {scores}  reward {'not measured' if reward is None else f'{reward:.3f}'}  "
+        f"turns {'not measured' if turns is None else f'{turns:.1f}'}  failed {failed}"
     )
     typer.echo(f"report: {Path(settings.output_dir) / 'report.md'}")
 

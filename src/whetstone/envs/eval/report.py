@@ -17,15 +17,19 @@ from whetstone.envs.eval.passk import mean_pass_at_k, pass_at_k
 from whetstone.envs.trajectory import Trajectory
 
 MAX_LISTED_FAILURES = 50
+NOT_MEASURED = "not measured (no rollout ran)"
+"""What report.md shows for a figure of the rollouts that ran when none did."""
 
 
 def solved(trajectory: Trajectory) -> bool:
     return trajectory.status == "ok" and not trajectory.cheat_flags and trajectory.solved
 
 
-def _spread(values: list[float]) -> dict[str, float]:
+def _spread(values: list[float]) -> dict[str, float | None]:
+    """Mean, median and maximum of `values`; each None when there are none (every rollout failed):
+    not measured, which a 0 would hide behind a figure no model reaches."""
     if not values:
-        return {"mean": 0.0, "p50": 0.0, "max": 0.0}
+        return {"mean": None, "p50": None, "max": None}
     return {"mean": statistics.fmean(values), "p50": statistics.median(values), "max": max(values)}
 
 
@@ -64,7 +68,8 @@ def build_report(trajectories: list[Trajectory], ks: list[int], run: dict[str, A
     by_task = _by_task(trajectories)
     counts = _counts(by_task)
     ran = [t for t in trajectories if t.status == "ok"]
-    flags = Counter(flag.split(":")[0] for t in trajectories for flag in t.cheat_flags)
+    # Rollouts flagged, by kind: one rollout may hold several flags of a kind (two conftest.py files).
+    flags = Counter(kind for t in trajectories for kind in {flag.split(":")[0] for flag in t.cheat_flags})
     per_task = [
         {
             "task_id": task_id,
@@ -114,6 +119,7 @@ def render_markdown(report: dict[str, Any]) -> str:
     for name in ("reward", "turns", "completion_tokens", "segments", "invalid_tool_calls"):
         spread = report[name]
         shown = " / ".join(_number(spread[key]) for key in ("mean", "p50", "max"))
+        shown = NOT_MEASURED if spread["mean"] is None else shown
         lines.append(f"| {name} (mean / p50 / max) | {shown} |")
     lines.append(f"| cheat-flagged rollouts | {report['flagged_rollouts']} |")
     if len(sweep) > 1:

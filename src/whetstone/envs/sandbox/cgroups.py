@@ -10,6 +10,7 @@ supported; when neither is writable, `find_cgroup_root` returns None and rlimits
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import signal
@@ -118,17 +119,56 @@ class Cgroup:
         return {"processes": _read_key(self._pids_events, "max"), "memory": _read_key(self._memory_events, "oom_kill")}
 
     def kill_all(self) -> None:
-        """SIGKILL every process still in the group (escaped sessions and daemons included)."""
+        """SIGKILL every process still in the group (escaped sessions and daemons included).
+
+        cgroup v2 (Linux 5.14+) has the kernel kill the whole group (`cgroup.kill`), processes
+        forked meanwhile included. Otherwise each pid read from the group is signalled through a
+        pidfd opened before the group is read again: a pid still listed then is the process the
+        pidfd holds, or that one has exited and the signal goes nowhere. A pid read once may
+        belong, by the time it is signalled, to an unrelated process that took the number of one
+        of the group's that exited; killed by number, that process would die with the sandbox.
+        """
+        kill_file = self.dirs[0] / "cgroup.kill" if self.root.version == 2 and self.dirs else None
         for _ in range(100):  # a fork bomb may add processes while we kill: repeat until empty
-            pids = {int(p) for f in self.procs_files if f.exists() for p in f.read_text().split()}
+            pids = self._listed_pids()
             if not pids:
                 return
+            if kill_file is not None:
+                try:
+                    kill_file.write_text("1")
+                except OSError:  # missing (Linux before 5.14) or refused (a threaded group)
+                    kill_file = None
+            if kill_file is None:
+                self._kill_pids(pids)
+            time.sleep(0.001)
+
+    def _listed_pids(self) -> set[int]:
+        return {int(p) for f in self.procs_files if f.exists() for p in f.read_text().split()}
+
+    def _kill_pids(self, pids: set[int]) -> None:
+        """SIGKILL those of `pids` still in the group, through pidfds where there are any."""
+        pidfds: dict[int, int] = {}
+        try:
             for pid in pids:
                 try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
+                    pidfds[pid] = os.pidfd_open(pid)
+                except ProcessLookupError:  # exited since the read
                     pass
-            time.sleep(0.001)
+                except (AttributeError, OSError) as err:
+                    if pidfds and isinstance(err, OSError) and err.errno in (errno.EMFILE, errno.ENFILE):
+                        break  # out of descriptors: the rest on the next round, once these are closed
+                    _kill_by_number(pid)  # no pidfds in this Python or kernel, or none to be had
+            if pidfds:
+                still = self._listed_pids()
+                for pid, pidfd in pidfds.items():
+                    if pid in still:
+                        try:
+                            signal.pidfd_send_signal(pidfd, signal.SIGKILL)
+                        except ProcessLookupError:
+                            pass
+        finally:
+            for pidfd in pidfds.values():
+                os.close(pidfd)
 
     def close(self) -> None:
         self.kill_all()
@@ -142,6 +182,13 @@ class Cgroup:
 
 
 _reaper = ThreadPoolExecutor(max_workers=1, thread_name_prefix="whetstone-cgroup-reaper")
+
+
+def _kill_by_number(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _remove_when_released(directory: Path) -> None:
