@@ -327,3 +327,37 @@ def test_every_rank_refuses_a_damaged_checkpoint_rank_0_reads(tmp_path, tiny_moe
     )
     assert done.returncode != 0
     assert done.stderr.count("state.json is corrupt") == 2, done.stderr[-4000:]
+
+
+@pytest.mark.slow  # a real 2-process torchrun job that stops at set-up, ~15 s
+def test_every_rank_refuses_a_checkpoint_whose_weights_rank_0_finds_damaged(tmp_path, tiny_moe, batches):
+    # Rank 0 alone reads the checkpoint; the other ranks learn its error before they would wait
+    # for its weights in a collective (an hour, or until torchrun ended them without a word).
+    put_batches(tmp_path / "batches", batches[:2])
+    run_trainer(trainer_config(tmp_path, tiny_moe, max_steps=2, checkpoint_interval=1))
+    newest = latest_checkpoint(tmp_path / "trainer" / "checkpoints")
+    with open(newest / "model.safetensors", "r+b") as handle:  # one byte flipped: its sha256 no longer matches
+        handle.seek(-1, 2)
+        last = handle.read(1)
+        handle.seek(-1, 2)
+        handle.write(bytes([last[0] ^ 0xFF]))
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=3)))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    job = subprocess.Popen(
+        [*command, "-m", "whetstone.cli", "trainer", str(config_file)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    try:
+        _, stderr = job.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        job.terminate()  # torchrun ends its ranks (each in a session of its own) before it exits
+        job.communicate(timeout=60)
+        pytest.fail("the ranks hung: one waited in a collective for a rank that had failed")
+    assert job.returncode != 0
+    damaged = f"checkpoint file {newest / 'model.safetensors'} is corrupt (sha256 mismatch)"
+    assert stderr.count(damaged) == 2, stderr[-4000:]
+    assert stderr.count("Older complete checkpoints in") == 2  # each rank names step_00000001 to resume from

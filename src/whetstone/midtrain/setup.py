@@ -48,7 +48,14 @@ from whetstone.training.checkpoint import (
     remove_stale_temporaries,
     tokenizer_identity,
 )
-from whetstone.training.distributed import barrier, broadcast, load_sharded_checkpoint, shard_model, world
+from whetstone.training.distributed import (
+    barrier,
+    broadcast,
+    load_sharded_checkpoint,
+    on_rank_0,
+    shard_model,
+    world,
+)
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.atomic import writable_folder_problem
 from whetstone.utils.device import resolve_device, use_device
@@ -122,15 +129,20 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     tokenizer = tokenizer_identity(corpus.path / "tokenizer")
     recorded = None  # the checkpoint's state.json, read by rank 0 before any model work
     next_row = 0
-    if resume_from is not None and rank == 0:
-        with naming_older_checkpoints(resume_from):
-            recorded = read_state(resume_from)
-            next_row = _resumed_row(resume_from, recorded)
-        check_tokenizer(
-            resume_from, recorded["data"], tokenizer, "corpus tokenizer", _tokenizer_advice(config, recorded)
-        )
-        _say_if_another_corpus(resume_from, recorded["data"], corpus.manifest["key"], next_row)
-        _say_if_other_windows(resume_from, recorded, config, next_row)
+    if resume_from is not None:  # refused on every rank: the others would wait in the load's collective
+
+        def check_resumable() -> None:
+            nonlocal recorded, next_row
+            with naming_older_checkpoints(resume_from):
+                recorded = read_state(resume_from)
+                next_row = _resumed_row(resume_from, recorded)
+            check_tokenizer(
+                resume_from, recorded["data"], tokenizer, "corpus tokenizer", _tokenizer_advice(config, recorded)
+            )
+            _say_if_another_corpus(resume_from, recorded["data"], corpus.manifest["key"], next_row)
+            _say_if_other_windows(resume_from, recorded, config, next_row)
+
+        on_rank_0(check_resumable, f"read checkpoint {resume_from}")
     model = shard_model(_build_model(config, model_config, corpus, resuming=resume_from is not None), device)
     model.activation_checkpointing = run.activation_checkpointing
     optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA

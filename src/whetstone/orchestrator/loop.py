@@ -372,7 +372,7 @@ class Orchestrator:
         async def one() -> tuple[Trajectory, str]:
             """A rollout, and the cluster of the server that finished it."""
             try:
-                async with self._gate, pool.lease() as policy:
+                async with self._gate, pool.lease(harness.context_tokens) as policy:
                     trajectory = await rollout(task, policy, harness, self.config.rollout, group_id=group_id)
                     return trajectory, policy.server.cluster
             finally:

@@ -46,7 +46,14 @@ from whetstone.training.checkpoint import (
     remove_stale_temporaries,
     tokenizer_identity,
 )
-from whetstone.training.distributed import broadcast, full_state_dict, load_sharded_checkpoint, shard_model, world
+from whetstone.training.distributed import (
+    broadcast,
+    full_state_dict,
+    load_sharded_checkpoint,
+    on_rank_0,
+    shard_model,
+    world,
+)
 from whetstone.training.optim import optimizer_for
 from whetstone.utils.atomic import writable_folder_problem
 from whetstone.utils.device import resolve_device, use_device
@@ -173,9 +180,9 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
     resumed_from = broadcast(latest_checkpoint(run_dir / "checkpoints"))  # rank 0's view
     check_max_steps(config, resumed_from)  # before any model work
     tokenizer = tokenizer_identity(expand_path(config.model_path))
-    refused = None
-    if resumed_from is not None and rank == 0:
-        try:
+    if resumed_from is not None:  # refused on every rank: the others would wait in the load's collective
+
+        def check_resumable() -> None:
             with naming_older_checkpoints(resumed_from):
                 recorded = read_state(resumed_from)
             trained_from = recorded.get("config", {}).get("model_path")
@@ -187,10 +194,8 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
                 f"Point model_path at the model the run started from (the checkpoint's: {trained_from}), "
                 f"or {start_over(config)}",
             )
-        except WhetstoneError as err:  # raised on every rank: the others would wait in the load's collective
-            refused = err
-    if refused := broadcast(refused):
-        raise refused
+
+        on_rank_0(check_resumable, f"read checkpoint {resumed_from}")
     loaded = load_hf(config.model_path)
     tables = autocast_tables(loaded)  # before sharding: a tied head is still the table itself
     model = shard_model(loaded, device)

@@ -33,9 +33,15 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from whetstone.errors import ConfigError
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.model import Transformer
-from whetstone.training.checkpoint import TrainState, implementation, load_checkpoint, save_checkpoint
+from whetstone.training.checkpoint import (
+    TrainState,
+    checkpoint_dir,
+    implementation,
+    load_checkpoint,
+    save_checkpoint,
+)
 from whetstone.training.readback import read_back
 from whetstone.utils.device import resolve_device
 
@@ -172,12 +178,14 @@ def save_sharded_checkpoint(
         return
     weights = get_model_state_dict(model, options=GATHER)
     moments = get_optimizer_state_dict(model, optimizer, options=GATHER)
-    if world()[0] != 0:
-        return
-    plain, plain_optimizer = _plain_copy(model, new_optimizer)
-    plain.load_state_dict(weights)
-    plain_optimizer.load_state_dict(_indexed(moments))
-    save_checkpoint(root, plain, plain_optimizer, state, config, keep)
+
+    def write() -> None:
+        plain, plain_optimizer = _plain_copy(model, new_optimizer)
+        plain.load_state_dict(weights)
+        plain_optimizer.load_state_dict(_indexed(moments))
+        save_checkpoint(root, plain, plain_optimizer, state, config, keep)
+
+    on_rank_0(write, f"write checkpoint {checkpoint_dir(root, state.step)}")
 
 
 def load_sharded_checkpoint(
@@ -190,8 +198,9 @@ def load_sharded_checkpoint(
         return load_checkpoint(path, model, optimizer)
     weights: dict[str, Any] = {}
     moments: dict[str, Any] = {}
-    state = None
-    if world()[0] == 0:
+
+    def read() -> TrainState:
+        nonlocal weights, moments
         plain, plain_optimizer = _plain_copy(model, new_optimizer)
         state = load_checkpoint(path, plain, plain_optimizer)
         weights, moments = plain.state_dict(), _named(plain, plain_optimizer)
@@ -199,9 +208,39 @@ def load_sharded_checkpoint(
         # optimizer would lose its fused AdamW (and its step counts would stay on the host)
         for group, own in zip(moments["param_groups"], optimizer.param_groups):
             group.update(implementation(own))
+        return state
+
+    state = on_rank_0(read, f"read checkpoint {path}")
     set_model_state_dict(model, weights, options=SCATTER)
     set_optimizer_state_dict(model, optimizer, moments, options=SCATTER)
     return broadcast(state)
+
+
+def on_rank_0(work: Callable[[], T], what: str) -> T | None:
+    """`work()` on rank 0 alone (its value there, None on the other ranks), its failure raised on
+    every rank. Every rank must call it: rank 0 broadcasts the outcome. Otherwise the other ranks
+    would go on into the next collective, which rank 0 never joins, and wait there until the
+    group's timeout (`COLLECTIVE_TIMEOUT`) or until torchrun ends them, none of them saying why.
+
+    A `WhetstoneError` is raised on the other ranks as it is on rank 0 (its class and message: a
+    `DamagedCheckpoint` still names the older checkpoints); any other exception as a
+    `WhetstoneError` naming `what` rank 0 could not do, and the error."""
+    value, failure = None, None
+    if world()[0] == 0:
+        try:
+            value = work()
+        except Exception as err:
+            if isinstance(err, WhetstoneError):
+                failure = (type(err), str(err))
+            else:
+                failure = (WhetstoneError, f"rank 0 could not {what}: {type(err).__name__}: {err}")
+            broadcast(failure)
+            raise
+    failure = broadcast(failure)
+    if failure is not None:
+        kind, message = failure
+        raise kind(message)
+    return value
 
 
 def _plain_copy(model: Transformer, new_optimizer: NewOptimizer) -> tuple[Transformer, torch.optim.Optimizer]:

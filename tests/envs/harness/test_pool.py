@@ -9,9 +9,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
+from tests.envs.harness.harness_support import synth_task, tokenizer
 from tests.orchestrator.orchestrator_support import ThreadServer, Trainer, model_folder, thread_servers
-from whetstone.envs.harness import EndpointConfig, PolicyError, Sampling, ServerPool
-from whetstone.errors import WhetstoneError
+from whetstone.envs.harness import (
+    AgentHarness,
+    EndpointConfig,
+    HarnessConfig,
+    PolicyError,
+    RolloutConfig,
+    Sampling,
+    ServerPool,
+    run_rollouts,
+)
+from whetstone.envs.harness.policy import SeededPolicy
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet import FleetRegistry, ServerRecord
 from whetstone.store import LocalStore
 
@@ -609,6 +620,193 @@ def test_a_moved_rollout_prefers_a_server_whose_context_fits_what_it_started_wit
                 await until(lambda: not a.alive)
                 assert (await moved.complete([1] * 3000, SHORT)).ids
                 assert moved.server is c and fakes.completions["small"] == 0
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def windowed(context_tokens: int) -> AgentHarness:
+    """The agent loop with a `context_tokens` window, one call per rollout."""
+    return AgentHarness(HarnessConfig(context_tokens=context_tokens, max_turns=1), tokenizer())
+
+
+def test_rollouts_whose_window_a_small_server_cannot_hold_go_to_the_servers_that_can(fakes):
+    """A mixed fleet with `harness.context_tokens` above the small server's limit: every rollout
+    runs on the large one, none fails on the small one."""
+    fakes.health["small"] = fakes.health["big"] = current()
+    fakes.limits["small"], fakes.limits["big"] = 2048, 8192
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("small"), fakes.url("big")], ENDPOINT, health_interval_s=0.1)
+        try:
+            trajectories = await run_rollouts(
+                [synth_task()], pool, windowed(4096), RolloutConfig(concurrency=2), samples=2
+            )
+            assert [(t.status, t.error) for t in trajectories] == [("ok", None)] * 2
+            assert fakes.completions["small"] == 0 and fakes.completions["big"] == 2
+            async with pool.lease() as small, pool.lease(4096) as big:  # no window asked: least loaded
+                assert (small.server.url, big.server.url) == (fakes.url("small"), fakes.url("big"))
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_window_no_server_holds_is_one_error_naming_the_limits_and_no_call_is_sent(fakes):
+    fakes.health["a"] = fakes.health["b"] = current()
+    fakes.limits["a"], fakes.limits["b"] = 2048, 3072
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("a"), fakes.url("b")], ENDPOINT, no_server_timeout_s=600)
+        try:
+            with pytest.raises(ConfigError) as raised:
+                await asyncio.wait_for(
+                    run_rollouts([synth_task()], pool, windowed(4096), RolloutConfig(concurrency=2), samples=2), 20
+                )
+            message = str(raised.value)
+            assert "harness.context_tokens=4096 is more than the context limit of every inference server" in message
+            assert f"{fakes.url('a')}: 2048 tokens" in message and "set it to 3072 or less" in message
+            assert sum(fakes.completions.values()) == 0 and [s.leases for s in pool.servers] == [0, 0]
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_one_server_too_small_for_the_window_keeps_its_message(fakes):
+    fakes.health["a"] = current()
+    fakes.limits["a"] = 1000
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("a")], ENDPOINT)
+        try:
+            with pytest.raises(
+                ConfigError, match=r"context_tokens=4096 is more than the server's context limit of 1000"
+            ):
+                await run_rollouts([synth_task()], pool, windowed(4096), RolloutConfig())
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_rollout_waits_for_a_server_that_holds_its_window_while_one_is_out(fakes):
+    """The large server is out (restarting): the rollout waits for it rather than run on the
+    small one, and if it does not come back the error names the limits."""
+    fakes.health["small"] = fakes.health["big"] = current()
+    fakes.limits["small"], fakes.limits["big"] = 2048, 8192
+
+    async def scenario():
+        pool = await ServerPool.connect(
+            [fakes.url("small"), fakes.url("big")], ENDPOINT, health_interval_s=0.1, no_server_timeout_s=0.5
+        )
+        small, big = pool.servers
+        try:
+            fakes.health["big"] = 500, {}
+            await until(lambda: not big.alive)
+            with pytest.raises(WhetstoneError, match=r"at least 4096 tokens .* for 0.5 s.*small/v1: 2048 tokens"):
+                async with pool.lease(4096):
+                    pass
+            pool.no_server_timeout_s = 30
+            waiting = asyncio.create_task(pool.pick(context_tokens=4096))
+            await asyncio.sleep(0.2)
+            assert not waiting.done() and small.leases == 0
+            fakes.health["big"] = current()
+            assert await asyncio.wait_for(waiting, 10) is big
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_seeded_rollouts_context_limit_is_its_servers_now(fakes):
+    """Its server restarted with a smaller limit between the lease and the harness's start (the
+    sandbox's setup): the harness sizes its window by the limit the server has now."""
+    fakes.health["a"] = current()
+    fakes.limits["a"] = 8192
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("a")], ENDPOINT, health_interval_s=0.1)
+        try:
+            async with pool.lease() as leased:
+                seeded = SeededPolicy(leased, seed=3)
+                assert seeded.context_limit == 8192
+                await restart(fakes, leased.server, "a", 2048)
+                assert seeded.context_limit == leased.context_limit == 2048
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_the_client_of_a_server_taken_out_is_closed_once_no_call_is_on_it(fakes):
+    """Each take-out and rejoin makes a new client: the old one's connections are closed at a
+    health round once its last call in flight has ended, not held open until the pool closes
+    (a server that flaps through a long run would use up the process's file descriptors)."""
+    fakes.health["a"] = current()
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("a")], ENDPOINT, health_interval_s=0.1)
+        a = pool.servers[0]
+        try:
+            async with pool.lease() as policy:
+                old = a.policy
+                fakes.release.clear()
+                call = asyncio.create_task(policy.complete([1, 2], SHORT))
+                await until(lambda: a.active_calls == 1)
+                pool.take_out(a)
+                await until(lambda: a.alive and a.policy is not old)
+                await asyncio.sleep(0.3)  # health rounds while the call is still in flight on the old client
+                assert not old._client.is_closed
+                fakes.release.set()
+                assert (await call).ids  # answered on the old client
+                await until(lambda: old._client.is_closed)
+                assert (await policy.complete([1, 2], SHORT)).ids and not a.policy._client.is_closed
+        finally:
+            fakes.release.set()
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_moved_rollout_leased_for_a_window_takes_the_least_loaded_server_that_holds_it(fakes):
+    """Any server whose limit holds the window will do, though smaller than the one it started on."""
+    fakes.health["a"] = fakes.health["c"] = fakes.health["d"] = current()
+    fakes.limits["a"], fakes.limits["c"], fakes.limits["d"] = 8192, 4096, 8192
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url(n) for n in "acd"], ENDPOINT, health_interval_s=0.1)
+        a, c, d = pool.servers
+        try:
+            async with pool.lease(4096) as moved:
+                assert moved.server is a
+                d.leases += 1  # another rollout's
+                fakes.health["a"] = 500, {}
+                await until(lambda: not a.alive)
+                assert (await moved.complete([1] * 3000, SHORT)).ids and moved.server is c
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_with_a_registry_a_window_no_server_holds_waits_for_one_then_names_the_limits(fakes, tmp_path):
+    """A server that holds it may yet be announced (one restarting leaves the registry meanwhile)."""
+    fakes.health["small"] = current()
+    fakes.limits["small"] = 2048
+    registry = registry_of(tmp_path)
+    registry.announce(ServerRecord.new(fakes.url("small"), "eu"))
+
+    async def scenario():
+        pool = await ServerPool.connect([], ENDPOINT, registry=registry, no_server_timeout_s=0.5)
+        try:
+            assert [s.context_limit for s in pool.servers if s.alive] == [2048]
+            started = time.monotonic()
+            with pytest.raises(WhetstoneError, match=r"at least 4096 tokens .* for 0.5 s: .*small/v1: 2048 tokens"):
+                async with pool.lease(4096):
+                    pass
+            assert time.monotonic() - started >= 0.5
         finally:
             await pool.close()
 

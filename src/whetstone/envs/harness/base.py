@@ -20,6 +20,10 @@ from whetstone.envs.trajectory import Trajectory
 
 
 class Harness(ABC):
+    context_tokens: int = 0
+    """Context window (prompt + completion) a rollout needs from its server; 0 = whatever the
+    server's limit is. A `ServerPool` leases a rollout only to a server that holds it."""
+
     @abstractmethod
     async def run(self, task: Task, policy: Policy, sandbox: Sandbox) -> Trajectory:
         """Work on `task` in `sandbox` (already set up) until done or out of budget."""

@@ -44,6 +44,10 @@ class AgentHarness(Harness):
         self.config = config
         self.tokenizer = tokenizer
 
+    @property
+    def context_tokens(self) -> int:
+        return self.config.context_tokens
+
     @classmethod
     def from_config(cls, config: HarnessConfig) -> AgentHarness:
         """Load the tokenizer from `config.tokenizer_path` (the served model's folder)."""

@@ -90,7 +90,11 @@ class SeededPolicy(Policy):
 
     def __init__(self, policy: Policy, seed: int):
         self.policy, self.seed, self.calls = policy, seed, 0
-        self.context_limit = policy.context_limit
+
+    @property
+    def context_limit(self) -> int | None:
+        """The other policy's limit as it is now (a pooled policy's follows its server)."""
+        return self.policy.context_limit
 
     async def complete(self, prompt_ids: list[int], sampling: Sampling) -> Completion:
         seed, self.calls = self.seed + self.calls, self.calls + 1

@@ -3,8 +3,8 @@ current servers, a dead server taken out (the call it lost re-run on another), a
 taken back when healthy.
 
     pool = await ServerPool.connect(config.servers, config.endpoint)
-    async with pool.lease() as policy:                 # the least-loaded current live server
-        trajectory = await rollout(task, policy, harness, rollout_config)
+    async with pool.lease(harness.context_tokens) as policy:   # the least-loaded current live server
+        trajectory = await rollout(task, policy, harness, rollout_config)     # that holds the window
     await pool.close()
 
 A rollout sticks to its server (its context stays in that server's cache), and moves only when
@@ -12,6 +12,10 @@ the server dies. The harness keeps the context as token ids, so any server can c
 the lost call is sent again elsewhere, the tokens sampled before stay with their versions, and
 no rollout is lost to a server failure. A call that fails while its server is healthy (a bad
 request) is the rollout's own failure and is not retried.
+
+In a fleet of servers with different context limits, a rollout leased for a window
+(`harness.context_tokens`) goes only to a server whose limit holds it; a window larger than
+every server's limit is one configuration error, not a failure of each rollout.
 
 A server that is up but behind (its /health says "weights stale", or its weight version is older
 than `min_version`) gets new rollouts only while no current server has room: their samples would
@@ -41,7 +45,7 @@ import httpx
 
 from whetstone.envs.harness.config import EndpointConfig
 from whetstone.envs.harness.policy import Completion, HttpPolicy, Policy, PolicyError, Sampling
-from whetstone.errors import WhetstoneError
+from whetstone.errors import ConfigError, WhetstoneError
 from whetstone.fleet import FleetRegistry
 
 log = logging.getLogger("whetstone.pool")
@@ -114,8 +118,10 @@ class ServerPool:
         self._probe = httpx.AsyncClient(timeout=HEALTH_TIMEOUT_S)
         self._watcher: asyncio.Task | None = None
         self._retired: list[HttpPolicy] = []
-        """Clients of servers taken out: closed only at the end, since other rollouts' calls may
-        still be unwinding on them."""
+        """Clients of servers taken out, closed at the first health round after the last call
+        still unwinding on them ends (and at the latest when the pool closes)."""
+        self._calls_on: Counter[HttpPolicy] = Counter()
+        """Calls in flight on each client."""
         self.calls_rerun = 0
         self.registry = registry
         """Where servers announce themselves (None: only the servers given by address)."""
@@ -172,9 +178,12 @@ class ServerPool:
         await self._probe.aclose()
 
     @contextlib.asynccontextmanager
-    async def lease(self) -> AsyncIterator[PooledPolicy]:
-        """A policy for one rollout on the server `pick` chooses (waits while none is alive)."""
-        policy = PooledPolicy(self, await self.pick())
+    async def lease(self, context_tokens: int = 0) -> AsyncIterator[PooledPolicy]:
+        """A policy for one rollout on the server `pick` chooses (waits while none is alive).
+        `context_tokens`: the context window the rollout needs (`harness.context_tokens`), which
+        only a server whose limit is at least that can hold; 0 = any server (the harness then
+        sizes the window by its server's limit)."""
+        policy = PooledPolicy(self, await self.pick(context_tokens=context_tokens), context_tokens)
         try:
             yield policy
             self.rollouts[policy.server.cluster] += 1
@@ -182,33 +191,70 @@ class ServerPool:
             policy.server.leases -= 1
             self._changed.set()  # a slot may have come free
 
-    async def pick(self, context: int | None = None) -> Server:
+    async def pick(self, context: int | None = None, context_tokens: int = 0) -> Server:
         """The live server with the fewest rollouts among those with room for one more
         (`rollout_slots`), its lease counted; a current server before any that is behind
         (`behind`), which gets one only when no current server has room. With `context` (the
-        context limit a moving rollout started with), a server whose limit is at least that is
-        preferred even over a current one. Waits while every live server is full."""
+        context window of a moving rollout), a server whose limit is at least that is preferred
+        even over a current one. Waits while every live server is full.
+
+        With `context_tokens`, only a server whose limit is at least that (or unknown) is taken.
+        While none in the pool holds it but one out of it may (its limit unknown, or large enough
+        when it was last in), this waits as for a server to come back. When every server's limit
+        is known to be smaller, it raises a ConfigError naming them at once; with a registry it
+        waits, since a server that holds the window may be announced yet."""
         waited_since = time.monotonic()
         while True:
             alive = [server for server in self.servers if server.alive]
-            room = [server for server in alive if server.has_room]
+            holding = [server for server in alive if _holds(server, context_tokens)]
+            room = [server for server in holding if server.has_room]
             if room:
                 if context is not None:
-                    room = [s for s in room if s.context_limit is None or s.context_limit >= context] or room
+                    room = [s for s in room if _holds(s, context)] or room
                 current = [server for server in room if not self.behind(server)]
                 server = min(current or room, key=lambda s: s.leases)
                 server.leases += 1
                 return server
-            if alive:  # full, not down
+            if holding:  # full, not down
                 waited_since = time.monotonic()
+            elif alive and self.registry is None and not any(_holds(s, context_tokens) for s in self.servers):
+                raise self._too_small(context_tokens)
             elif time.monotonic() - waited_since > self.no_server_timeout_s:
-                raise WhetstoneError(
-                    f"no inference server has been healthy for {self.no_server_timeout_s:g} s: "
-                    f"{', '.join(s.url for s in self.servers)}"
-                )
+                raise WhetstoneError(self._none_healthy(context_tokens))
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), self.health_interval_s)
+
+    def _too_small(self, context_tokens: int) -> ConfigError:
+        """The error of a window larger than every server's context limit."""
+        if len(self.servers) == 1:
+            limit = self.servers[0].context_limit
+            return ConfigError(
+                f"harness.context_tokens={context_tokens} is more than the server's context limit of {limit} tokens: "
+                f"set it to {limit} or less (0 = the server's limit)"
+            )
+        limits = ", ".join(f"{s.url}: {s.context_limit} tokens" for s in self.servers)
+        largest = max(s.context_limit or 0 for s in self.servers)
+        return ConfigError(
+            f"harness.context_tokens={context_tokens} is more than the context limit of every inference server "
+            f"({limits}): set it to {largest} or less (0 = each server's own limit)"
+        )
+
+    def _none_healthy(self, context_tokens: int) -> str:
+        """Why no server has been leased for `no_server_timeout_s`."""
+        if not context_tokens:
+            return (
+                f"no inference server has been healthy for {self.no_server_timeout_s:g} s: "
+                f"{', '.join(s.url for s in self.servers)}"
+            )
+        servers = ", ".join(
+            f"{s.url}: {s.context_limit} tokens" if s.alive else f"{s.url}: out of the pool ({s.problem or 'down'})"
+            for s in self.servers
+        )
+        return (
+            f"no inference server with a context limit of at least {context_tokens} tokens (harness.context_tokens) "
+            f"has been healthy for {self.no_server_timeout_s:g} s: {servers}"
+        )
 
     async def is_down(self, server: Server) -> bool:
         return await self.health(server) is None
@@ -379,6 +425,18 @@ class ServerPool:
         )
         self._changed.set()
 
+    async def _close_retired(self) -> None:
+        """Close the clients of servers taken out that no call is on any more: each holds its
+        connections open, and a server taken out and back in many times makes a new one each time."""
+        idle = [policy for policy in self._retired if not self._calls_on[policy]]
+        self._retired = [policy for policy in self._retired if self._calls_on[policy]]
+        for policy in idle:
+            del self._calls_on[policy]
+            try:
+                await policy.close()
+            except Exception as err:  # its connections are gone with it all the same
+                log.warning("closing the client of inference server %s failed: %s", policy.config.base_url, err)
+
     async def _watch(self) -> None:
         """Health rounds until the pool closes. A round that fails is logged and the next one
         runs: the watcher ending would leave dead servers out and recovered ones unused for good."""
@@ -388,25 +446,35 @@ class ServerPool:
                 await self.discover()
                 await self._join_each([s for s in self.servers if not s.alive])
                 await self.probe_versions()
+                await self._close_retired()
             except Exception:
                 log.exception(
                     "a health round of the server pool failed; the next one runs in %g s", self.health_interval_s
                 )
 
 
+def _holds(server: Server, context_tokens: int | None) -> bool:
+    """Whether `server` can hold a context window of `context_tokens` (None or 0: any window; a
+    server whose limit is unknown is taken to)."""
+    return not context_tokens or server.context_limit is None or server.context_limit >= context_tokens
+
+
 class PooledPolicy(Policy):
     """One rollout's policy: its server's, moved to another server when that one dies.
 
-    The harness sizes the rollout's context by the limit of the server it starts on
-    (`started_limit`). A move prefers a server whose limit is at least that (`ServerPool.pick`);
+    The harness sizes the rollout's context by `context_tokens` when it is set (the lease took a
+    server that holds it), else by the limit of the server it starts on (`started_limit`). A
+    move prefers a server whose limit is at least that window (`ServerPool.pick`);
     when none has room it takes a smaller one rather than wait, and a call that does not fit
     that server's limit fails naming both limits, before it is sent: the server would refuse it,
     and the calls that do fit (a rollout whose context stayed small) still run there."""
 
-    def __init__(self, pool: ServerPool, server: Server):
+    def __init__(self, pool: ServerPool, server: Server, context_tokens: int = 0):
         self.pool, self.server = pool, server
         self.started_limit = server.context_limit
         """The context limit of the server the rollout was leased on (what the harness planned for)."""
+        self.context_tokens = context_tokens
+        """The context window the rollout was leased for (0: its server's limit)."""
 
     @property
     def context_limit(self) -> int | None:
@@ -420,10 +488,12 @@ class PooledPolicy(Policy):
                 await self._move()
                 continue
             self._check_fits(server, len(prompt_ids) + sampling.max_tokens)
+            client = server.policy
             server.calls += 1
             server.active_calls += 1
+            self.pool._calls_on[client] += 1
             try:
-                return await server.policy.complete(prompt_ids, sampling)
+                return await client.complete(prompt_ids, sampling)
             except PolicyError:
                 if not await self.pool.is_down(server):
                     raise  # the server is fine: the request itself was refused
@@ -431,6 +501,7 @@ class PooledPolicy(Policy):
                 self.pool.calls_rerun += 1
             finally:
                 server.active_calls -= 1
+                self.pool._calls_on[client] -= 1
 
     def _check_fits(self, server: Server, tokens: int) -> None:
         """Raise unless a call of `tokens` (prompt + max_tokens) fits `server`, when its limit is
@@ -444,6 +515,6 @@ class PooledPolicy(Policy):
 
     async def _move(self) -> None:
         # if none comes back this raises, and the lease still counts here
-        new = await self.pool.pick(self.started_limit)
+        new = await self.pool.pick(self.context_tokens or self.started_limit)
         self.server.leases -= 1
         self.server = new

@@ -167,7 +167,8 @@ async def run_rollouts(
 ) -> list[Trajectory]:
     """Each task `samples` times, `config.concurrency` at once. Results come in input order (the
     samples of a task together, sharing the group id `group_prefix + task.id`); `on_done` sees
-    each as it finishes. With a `ServerPool`, each rollout leases the least-loaded live server.
+    each as it finishes. With a `ServerPool`, each rollout leases the least-loaded live server
+    that holds the harness's context window (`Harness.context_tokens`).
     `seed`: sample j of a task samples from seeds derived from (seed, task id, j) (`SeededPolicy`),
     the same under any weights; None = unseeded (RL groups must be: their samples must differ)."""
     gate = asyncio.Semaphore(config.concurrency)
@@ -178,7 +179,7 @@ async def run_rollouts(
     async def one(task: Task, sample: int) -> Trajectory:
         async with gate:
             if isinstance(policy, ServerPool):
-                async with policy.lease() as leased:
+                async with policy.lease(harness.context_tokens) as leased:
                     trajectory = await rollout(
                         task, seeded(task, sample, leased), harness, config, group_id=group_prefix + task.id
                     )
