@@ -121,3 +121,15 @@ def test_two_machines_sharing_a_corpus_cache_build_it_once(make_config, tmp_path
     assert {rank: path.read_text().count("1") for rank, path in counts.items() if path.exists()} == {0: 1}
     assert (tmp_path / "tokens-0").read_text() == (tmp_path / "tokens-1").read_text() != "0"
     assert [entry.name for entry in cache.iterdir() if entry.name.startswith(".")] == []  # no build left half-way
+
+
+@pytest.mark.slow  # a real 2-process torchrun job: ~20 s on 2 cores
+def test_a_summary_rank_0_cannot_write_at_the_end_fails_every_rank(make_config, tmp_path):
+    # rank 0 alone writes the run's results; its failure (here a folder where summary.json goes)
+    # is every rank's error, rather than rank 0's while rank 1 waits in the last collective
+    config = make_config(*SETTINGS, "run.name=blocked", "run.steps=3")
+    summary = tmp_path / "runs" / "blocked" / "summary.json"
+    (summary / "in the way").mkdir(parents=True)
+    done = torchrun_midtrain(config, tmp_path)
+    assert done.returncode != 0
+    assert done.stderr.count(f"cannot write {summary}") == 2, done.stderr[-4000:]  # each rank's error

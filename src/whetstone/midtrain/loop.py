@@ -26,6 +26,7 @@ import logging
 import time
 from contextlib import nullcontext
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 from whetstone.config import write_toml
@@ -37,6 +38,7 @@ from whetstone.model.hf import save_hf
 from whetstone.training.distributed import (
     broadcast,
     gathered_model,
+    on_rank_0,
     save_sharded_checkpoint,
     torchrun_group,
 )
@@ -124,17 +126,22 @@ def _train(session: Session, opened: float, stop_at_step: int | None, stop: Stop
     model_dir = None
     if state.step == run.steps or stopped_early:
         whole = gathered_model(session.model)  # every rank takes part; rank 0 gets the model
-        if lead:
-            model_dir = save_hf(whole, session.run_dir / "model", tokenizer_dir=session.corpus.path / "tokenizer")
+        model_dir = on_rank_0(  # rank 0 writes it; its failure is every rank's (they would wait below)
+            lambda: save_hf(whole, session.run_dir / "model", tokenizer_dir=session.corpus.path / "tokenizer"),
+            f"write the model to {session.run_dir / 'model'}",
+        )
     seconds = time.perf_counter() - started
     summary = summarize(session, val_loss, stopped_early, model_dir, seconds, (state.step - start_step) * step_tokens)
-    if lead:
-        with write_errors(session.run_dir / "summary.json"):
-            atomic_write_json(session.run_dir / "summary.json", summary)
+    on_rank_0(lambda: _write_summary(session.run_dir / "summary.json", summary), "write summary.json")
     signalled = broadcast(stop.signal)  # one that came after the last step: the run is whole, but asked to stop
     if signalled is not None:
         raise stopped_by(signalled)
     return summary
+
+
+def _write_summary(path: Path, summary: dict[str, Any]) -> None:
+    with write_errors(path):
+        atomic_write_json(path, summary)
 
 
 def _checkpoint(session: Session) -> None:
