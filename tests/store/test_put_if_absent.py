@@ -124,3 +124,34 @@ def test_a_conflict_that_lasts_every_try_is_not_taken_for_an_existing_object(s3_
     else:
         store.put_if_absent("batches/0.batch", b"batch")
     assert len(tries) == s3.CONFLICT_RETRIES
+
+
+def test_a_create_whose_mode_cannot_be_set_leaves_no_temporary_file_and_no_descriptor(tmp_path, monkeypatch):
+    """fchmod fails on some mounts (EPERM on a filesystem without Unix permissions): the create
+    fails with that errno, and neither the temporary file nor its descriptor is left."""
+    import os
+
+    def refuse(fd: int, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted")
+
+    store = LocalStore(tmp_path)
+    store.put("a/other.json", b"x")  # the folder stays: what is left in it shows
+    monkeypatch.setattr(os, "fchmod", refuse)
+    before = set(os.listdir("/proc/self/fd"))
+    with pytest.raises(PermissionError):
+        store.put_if_absent("a/b.json", b"x")
+    assert set(os.listdir("/proc/self/fd")) == before
+    assert [p.name for p in (tmp_path / "a").iterdir()] == ["other.json"]
+
+
+@pytest.mark.parametrize("name", ["x" * 236 + ".json", "x" * 245 + ".json", "x" * 250 + ".json", "é" * 125 + ".json"])
+def test_a_key_whose_name_is_as_long_as_a_folder_allows_is_created(tmp_path, name):
+    """The temporary file's name adds a dot, a random part and `.tmp` to the key's last part: it
+    is shortened to fit, so any name `put` takes, `put_if_absent` takes too."""
+    store = LocalStore(tmp_path)
+    store.put_if_absent(f"v/{name}", b"first")
+    store.put_if_absent(f"v/{name}", b"first")
+    with pytest.raises(ObjectExistsError):
+        store.put_if_absent(f"v/{name}", b"second")
+    assert store.get(f"v/{name}") == b"first"
+    assert [p.name for p in (tmp_path / "v").iterdir()] == [name]

@@ -48,3 +48,34 @@ def test_an_object_created_once_gets_the_permissions_of_a_plain_write(tmp_path):
     store.put_if_absent("v/manifest.json", b"x")
     plain = stat.S_IMODE(os.stat(tmp_path / "v" / "chunk.bin").st_mode)
     assert stat.S_IMODE(os.stat(tmp_path / "v" / "manifest.json").st_mode) == plain
+
+
+@pytest.mark.parametrize("operation", ["put", "put_if_absent"])
+@pytest.mark.parametrize(
+    "key, there",
+    [
+        ("a/b.bin/c", "a file where its folder 'a/b.bin' goes"),
+        ("a/b.bin/c/d", "a file where its folder 'a/b.bin' goes"),
+        ("a", "a folder where it goes"),
+    ],
+)
+def test_a_local_write_blocked_by_a_file_or_folder_names_it(tmp_path, operation, key, there):
+    """A local store cannot hold both 'a/b.bin' and 'a/b.bin/c' (nor 'a' and 'a/b.bin'): such a
+    write is an error naming the key and what is in its way, and leaves no temporary file."""
+    store = LocalStore(tmp_path)
+    store.put("a/b.bin", b"x")
+    with pytest.raises(WhetstoneError, match=rf"cannot write {key!r} in {tmp_path}: {there}"):
+        getattr(store, operation)(key, b"y")
+    assert store.list() == ["a/b.bin"] and store.temporaries() == []
+    assert store.get("a/b.bin") == b"x"
+
+
+def test_deleting_a_key_that_names_a_local_folder_deletes_nothing(tmp_path):
+    """A folder is no object ('a' while 'a/b.bin' is stored): deleting it is deleting a missing
+    key, as `get` finds it missing."""
+    store = LocalStore(tmp_path)
+    store.put("a/b.bin", b"x")
+    with pytest.raises(MissingObjectError):
+        store.get("a")
+    store.delete("a")
+    assert store.list() == ["a/b.bin"]

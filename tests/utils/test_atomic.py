@@ -16,6 +16,7 @@ from whetstone.utils.atomic import (
     _umask,
     atomic_directory,
     atomic_path,
+    atomic_write_bytes,
     atomic_write_json,
     writable_folder_problem,
     write_errors,
@@ -247,3 +248,17 @@ def test_a_name_as_long_as_a_folder_allows_is_written(tmp_path, name):
             (tmp / "f").write_text("1")
     assert [p.name for p in (tmp_path / "d").iterdir()] == [name]
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["d", name])
+
+
+def test_an_exclusive_write_creates_the_file_once_with_a_plain_writes_mode(tmp_path):
+    """An exclusive write links its temporary file into place: where the file exists it fails
+    with FileExistsError and leaves that file as it was, and either way no temporary file."""
+    path = tmp_path / ("x" * 250 + ".json")
+    with umask_set(0o027):
+        atomic_write_bytes(path, b"first", exclusive=True)
+    assert path.read_bytes() == b"first" and mode(path) == 0o640
+    path.chmod(0o600)
+    with pytest.raises(FileExistsError):
+        atomic_write_bytes(path, b"second", exclusive=True)
+    assert path.read_bytes() == b"first" and mode(path) == 0o600
+    assert list(tmp_path.iterdir()) == [path]

@@ -97,9 +97,9 @@ def create_app(engine: Engine, tokenizer: Tokenizer, config: ServeConfig, model_
         engine.start()
         if follower is not None:
             follower.start()
-        if announcer is not None:
-            announcer.start()
         try:
+            if announcer is not None:  # off the event loop: it may wait out a dead server's record at its URL
+                await asyncio.to_thread(announcer.start)
             yield
         finally:
             if announcer is not None:

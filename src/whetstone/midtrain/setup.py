@@ -148,8 +148,7 @@ def open_session(config: MidtrainConfig, demos: DemoSource | None = None) -> Ses
     optimizer = new_optimizer(config, model)  # after the move: fused AdamW on CUDA
     state = TrainState(data={NEXT_ROW: 0})
     if resume_from is not None:
-        with naming_older_checkpoints(resume_from):
-            state = load_sharded_checkpoint(resume_from, model, optimizer, partial(new_optimizer, config))
+        state = load_sharded_checkpoint(resume_from, model, optimizer, partial(new_optimizer, config))
         state.data.pop("next_batch", None)  # a position in batches of another size, held as rows now
         state.data[NEXT_ROW] = broadcast(next_row)
     elif not run.resume and rank == 0:  # a fresh start: nothing of an earlier run in this folder mixes in

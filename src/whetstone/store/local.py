@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,7 +10,7 @@ from pathlib import Path
 from whetstone.config import expand_path
 from whetstone.errors import WhetstoneError
 from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key, check_prefix
-from whetstone.utils.atomic import atomic_write_bytes, plain_file_mode
+from whetstone.utils.atomic import atomic_write_bytes
 
 
 class LocalStore(ObjectStore):
@@ -41,37 +40,47 @@ class LocalStore(ObjectStore):
         return self.root / check_key(key)
 
     def put(self, key: str, data: bytes) -> None:
-        _again_if_folder_deleted(lambda: atomic_write_bytes(self._path(key), data))
+        self._write(key, lambda: atomic_write_bytes(self._path(key), data))
 
     def put_if_absent(self, key: str, data: bytes) -> None:
-        _again_if_folder_deleted(lambda: self._put_if_absent(key, data))
+        self._write(key, lambda: self._put_if_absent(key, data))
+
+    def _write(self, key: str, write: Callable[[], None]) -> None:
+        """Run `write`, a write of `key` (again if its folder vanished: `_again_if_folder_deleted`).
+        One that fails because a file is where one of the key's folders goes, or a folder where the
+        key goes, is an error naming it: a directory cannot hold both `a` and `a/b` (an object and
+        one below it, or a stray file of the folder the store is in)."""
+        try:
+            _again_if_folder_deleted(write)
+        except (FileExistsError, NotADirectoryError, IsADirectoryError):
+            if (blocked := self._in_the_way(key)) is None:
+                raise
+            raise WhetstoneError(f"cannot write {key!r} in {self.root}: {blocked}") from None
+
+    def _in_the_way(self, key: str) -> str | None:
+        """What in the store's directory stops `key` from being a file there, or None."""
+        if self._path(key).is_dir():
+            return "a folder where it goes"
+        parts = key.split("/")
+        for end in range(1, len(parts)):
+            folder = "/".join(parts[:end])
+            if os.path.lexists(self.root / folder) and not (self.root / folder).is_dir():
+                return f"a file where its folder {folder!r} goes"
+        return None
 
     def _put_if_absent(self, key: str, data: bytes) -> None:
-        # The whole file is written under a temporary name, then hard-linked to the key: link()
-        # fails if the name exists (unlike rename), so exactly one racing writer creates it, and
-        # a reader never sees part of it. The temporary name is removed either way.
+        # The whole file is written under a temporary name, then hard-linked to the key
+        # (`atomic_write_bytes`, exclusive): a link fails if the name exists, so exactly one
+        # racing writer creates it, and a reader never sees part of it.
         path = self._path(key)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         try:
-            os.fchmod(fd, plain_file_mode())  # a plain write's mode (`put`'s), not mkstemp's 0600
-            with os.fdopen(fd, "wb") as handle:
-                handle.write(data)
-                handle.flush()
-                os.fsync(handle.fileno())
-            try:
-                os.link(tmp, path)
-            except FileExistsError:
-                if path.read_bytes() == data:
-                    return  # a retry of a write that landed
-                raise ObjectExistsError(f"object {key!r} already exists in {self.root}") from None
-            directory = os.open(path.parent, os.O_RDONLY)
-            try:
-                os.fsync(directory)  # the new name is on disk
-            finally:
-                os.close(directory)
-        finally:
-            os.unlink(tmp)
+            atomic_write_bytes(path, data, exclusive=True)
+        except FileExistsError:
+            if not os.path.lexists(path):  # its folder's (removed and made again meanwhile), or the key
+                raise  # deleted since: written again (`_again_if_folder_deleted`)
+            if path.read_bytes() == data:
+                return  # a retry of a write that landed
+            raise ObjectExistsError(f"object {key!r} already exists in {self.root}") from None
 
     def get(self, key: str) -> bytes:
         try:
@@ -123,8 +132,8 @@ class LocalStore(ObjectStore):
         path = self._path(key)
         try:
             path.unlink(missing_ok=True)
-        except NotADirectoryError:  # a key below an object's ('a/b.bin/c'): no object is there
-            return
+        except (NotADirectoryError, IsADirectoryError):  # a key below an object's ('a/b.bin/c'), or a
+            return  # folder's ('a' of 'a/b.bin'): no object is there
         self._drop_empty_folders(path.parent)
 
     def delete_folder(self, prefix: str) -> None:

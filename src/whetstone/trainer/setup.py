@@ -207,8 +207,7 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
 
     state = TrainState(step=0, data={"next_batch": 0})
     if resumed_from is not None:
-        with naming_older_checkpoints(resumed_from):
-            state = load_sharded_checkpoint(resumed_from, model, optimizer, partial(new_optimizer, config))
+        state = load_sharded_checkpoint(resumed_from, model, optimizer, partial(new_optimizer, config))
     if tokenizer is not None:
         state.data[TOKENIZER_KEY] = tokenizer  # recorded in every checkpoint from here on
 

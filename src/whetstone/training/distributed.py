@@ -40,6 +40,7 @@ from whetstone.training.checkpoint import (
     checkpoint_dir,
     implementation,
     load_checkpoint,
+    naming_older_checkpoints,
     save_checkpoint,
 )
 from whetstone.training.readback import read_back
@@ -193,16 +194,19 @@ def load_sharded_checkpoint(
 ) -> TrainState:
     """`training.checkpoint.load_checkpoint` into shards: rank 0 reads `path` (given on rank 0
     only) into a plain copy and every rank takes its shard of it (on one rank, the plain load).
-    Returns the loop's state on every rank."""
+    Returns the loop's state on every rank. A damaged checkpoint is refused on every rank with
+    the older complete ones named (`naming_older_checkpoints`, looked for by rank 0)."""
     if world()[1] == 1:
-        return load_checkpoint(path, model, optimizer)
+        with naming_older_checkpoints(path):
+            return load_checkpoint(path, model, optimizer)
     weights: dict[str, Any] = {}
     moments: dict[str, Any] = {}
 
     def read() -> TrainState:
         nonlocal weights, moments
         plain, plain_optimizer = _plain_copy(model, new_optimizer)
-        state = load_checkpoint(path, plain, plain_optimizer)
+        with naming_older_checkpoints(path):  # rank 0 names them: the other ranks raise its message
+            state = load_checkpoint(path, plain, plain_optimizer)
         weights, moments = plain.state_dict(), _named(plain, plain_optimizer)
         # every rank takes these groups whole: with the plain CPU copy's implementation, a CUDA
         # optimizer would lose its fused AdamW (and its step counts would stay on the host)
@@ -239,7 +243,11 @@ def on_rank_0(work: Callable[[], T], what: str) -> T | None:
     failure = broadcast(failure)
     if failure is not None:
         kind, message = failure
-        raise kind(message)
+        try:
+            error = kind(message)
+        except Exception:  # a class that takes more than a message
+            error = WhetstoneError(message)
+        raise error
     return value
 
 

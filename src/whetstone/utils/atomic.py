@@ -1,6 +1,7 @@
 """Atomic writes: a reader sees the old file or the new one, never half of one.
 
-Write to a temporary sibling, fsync, then `os.replace` (atomic on POSIX within a filesystem).
+Write to a temporary sibling, fsync, then `os.replace` (atomic on POSIX within a filesystem), or
+`os.link` for a file created only once (`exclusive`).
 What they write gets the permissions a plain write gives (`mkstemp` and `mkdtemp` make 0600 and
 0700): a new file 0666 and a folder 0777, less the umask; a replaced file keeps its mode. A file
 holding secrets is written with `mode=PRIVATE` (0600, whatever the umask and the mode of the file
@@ -167,16 +168,19 @@ def _set_aside_name(name: str) -> str:
 
 
 @contextmanager
-def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
+def atomic_path(path: str | Path, mode: int | None = None, exclusive: bool = False) -> Iterator[Path]:
     """Yield a temporary path next to `path`; on success it replaces `path`, on error it is removed.
 
     For writers that insist on a file name (safetensors, torch.save). `mode`: the file's
-    permissions (`PRIVATE` for secrets); None gives those of a plain write.
+    permissions (`PRIVATE` for secrets); None gives those of a plain write. `exclusive`: the
+    file is hard-linked to `path` instead, which fails with FileExistsError where `path` exists
+    (a link, unlike a rename, never takes the place of another name): of writers racing to create
+    `path`, exactly one does. The temporary file is a dot-name, and is gone once the block ends.
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     if mode is None:  # a plain write keeps the mode of the file it overwrites
-        mode = path.stat().st_mode & 0o777 if path.is_file() else plain_file_mode()
+        mode = path.stat().st_mode & 0o777 if path.is_file() and not exclusive else plain_file_mode()
     fd, tmp_name = -1, None  # until the block ends, whatever fails: the fd is closed, the file removed
     try:
         fd, tmp_name = tempfile.mkstemp(prefix=_temporary_prefix(path.name), suffix=".tmp", dir=path.parent)
@@ -190,7 +194,10 @@ def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
         yield tmp
         with open(tmp, "rb+") as handle:
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
+        if exclusive:
+            os.link(tmp, path)
+        else:
+            os.replace(tmp, path)
         _fsync_dir(path.parent)
     finally:
         if fd >= 0:
@@ -199,8 +206,9 @@ def atomic_path(path: str | Path, mode: int | None = None) -> Iterator[Path]:
             Path(tmp_name).unlink(missing_ok=True)
 
 
-def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None) -> None:
-    with atomic_path(path, mode) as tmp:
+def atomic_write_bytes(path: str | Path, data: bytes, mode: int | None = None, exclusive: bool = False) -> None:
+    """Write `data` to `path` atomically (`atomic_path`: `mode`, `exclusive`)."""
+    with atomic_path(path, mode, exclusive) as tmp:
         tmp.write_bytes(data)
 
 

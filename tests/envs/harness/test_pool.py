@@ -1,6 +1,7 @@
 """The server pool against real inference servers (engine + HTTP app in threads of this process)."""
 
 import asyncio
+import contextlib
 import json
 import threading
 import time
@@ -766,6 +767,34 @@ def test_the_client_of_a_server_taken_out_is_closed_once_no_call_is_on_it(fakes)
         finally:
             fakes.release.set()
             await pool.close()
+
+    asyncio.run(scenario())
+
+
+def test_retired_clients_a_cancelled_round_did_not_close_are_closed_with_the_pool(fakes):
+    """The pool closing cancels its watcher, maybe amid a round's closes: the clients that round
+    had not closed yet are closed by the pool's close all the same."""
+    fakes.health["a"] = current()
+
+    class SlowToClose:
+        def __init__(self):
+            self.closed = False
+
+        async def close(self):
+            await asyncio.sleep(0.05)
+            self.closed = True
+
+    async def scenario():
+        pool = await ServerPool.connect([fakes.url("a")], ENDPOINT, health_interval_s=60)
+        retired = [SlowToClose() for _ in range(3)]
+        pool._retired += retired
+        closing = asyncio.create_task(pool._close_retired())
+        await asyncio.sleep(0.07)  # the first closed, the second on its way
+        closing.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await closing
+        await pool.close()
+        assert all(policy.closed for policy in retired)
 
     asyncio.run(scenario())
 

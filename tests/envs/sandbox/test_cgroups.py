@@ -68,7 +68,21 @@ def real_group() -> Iterator[cgroups.Cgroup]:
     group.close()
 
 
-def test_kill_all_kills_no_process_that_took_the_pid_of_one_that_exited(real_group, monkeypatch):
+@pytest.fixture
+def no_cgroup_kill(monkeypatch) -> None:
+    """`cgroup.kill` refused (as before Linux 5.14): `kill_all` signals the pids it reads, on a v2
+    hierarchy too."""
+    write_text = Path.write_text
+
+    def refusing(path: Path, *args, **kwargs):
+        if path.name == "cgroup.kill":
+            raise PermissionError(1, "Operation not permitted", str(path))
+        return write_text(path, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", refusing)
+
+
+def test_kill_all_kills_no_process_that_took_the_pid_of_one_that_exited(real_group, monkeypatch, no_cgroup_kill):
     """A pid read from cgroup.procs may be that of a process that exits before the kill, its
     number then taken by a process outside the group: that one lives. Here the read lists an
     outsider's pid once, as it would have listed the member that held it before."""
@@ -93,7 +107,7 @@ def test_kill_all_kills_no_process_that_took_the_pid_of_one_that_exited(real_gro
             proc.wait()
 
 
-def test_kill_all_without_pidfds_kills_by_pid(real_group, monkeypatch):
+def test_kill_all_without_pidfds_kills_by_pid(real_group, monkeypatch, no_cgroup_kill):
     """Where the kernel or Python has no pidfds, the pids read are killed by number."""
     monkeypatch.delattr(os, "pidfd_open", raising=False)
     member = _sleeper()

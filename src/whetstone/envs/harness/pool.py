@@ -428,14 +428,13 @@ class ServerPool:
     async def _close_retired(self) -> None:
         """Close the clients of servers taken out that no call is on any more: each holds its
         connections open, and a server taken out and back in many times makes a new one each time."""
-        idle = [policy for policy in self._retired if not self._calls_on[policy]]
-        self._retired = [policy for policy in self._retired if self._calls_on[policy]]
-        for policy in idle:
-            del self._calls_on[policy]
-            try:
+        for policy in [policy for policy in self._retired if not self._calls_on[policy]]:
+            try:  # cancelled meanwhile (the pool closes), it stays retired: `close` closes it
                 await policy.close()
             except Exception as err:  # its connections are gone with it all the same
                 log.warning("closing the client of inference server %s failed: %s", policy.config.base_url, err)
+            self._retired.remove(policy)
+            del self._calls_on[policy]
 
     async def _watch(self) -> None:
         """Health rounds until the pool closes. A round that fails is logged and the next one
