@@ -253,9 +253,17 @@ def format_validation_error(err: ValidationError, source: str, names: Mapping[st
             if not key or isinstance(item["input"], (dict, BaseModel)):  # across fields
                 lines.append(f"  {key}: {message}" if key else f"  {message}")
                 continue
-        got = "" if item["type"] == "missing" else f" (got {item['input']!r})"
+        got = "" if item["type"] == "missing" else f" (got {_shown(parts, item['input'])!r})"
         lines.append(f"  {key or 'config'}: {message}{got}")
     return "\n".join(lines)
+
+
+def _shown(parts: list[str], value: Any) -> Any:
+    """A value given for key `parts` as an error shows it: a secret key's as `***`, a URL without
+    its password (`hide_password`); config errors end up in logs."""
+    if parts and SECRET_KEYS.search(parts[-1]):
+        return "***"
+    return hide_password(value) if isinstance(value, str) else value
 
 
 def load_config(cls: type[C], path: str | Path | None = None, overrides: Sequence[str] = ()) -> C:

@@ -300,3 +300,19 @@ def test_an_empty_override_unsets_an_optional_field_and_leaves_others_a_string()
 
 class NamedConfig(Config):
     name: str = "x"
+
+
+def test_a_config_error_shows_no_secret_it_was_given():
+    # config errors end up in logs: a secret key's value is shown as ***, a URL without its password
+    class Secrets(Config):
+        api_token: int = 0
+        """A secret (by its name)."""
+        database: int = 0
+        """A URL, which may hold a password."""
+
+    with pytest.raises(ConfigError) as raised:
+        load_config(Secrets, None, ['api_token="s3cret-value"', 'database="postgresql://u:hunter2@h/db"'])
+    message = str(raised.value)
+    assert "s3cret-value" not in message and "hunter2" not in message
+    assert "api_token: " in message and "(got '***')" in message
+    assert "(got 'postgresql://u:***@h/db')" in message

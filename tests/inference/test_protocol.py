@@ -313,3 +313,38 @@ def test_a_tool_call_without_arguments_is_named():
     messages = [{"role": "user", "content": "x"}, {"role": "assistant", "tool_calls": [{"function": {"name": "h"}}]}]
     with pytest.raises(ValidationError, match=r"messages\[1\]\.tool_calls\[0\]\.function has no 'arguments'"):
         ChatRequest(model="m", messages=messages)
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (5, "must be a string, a list of text parts ({'type': 'text', 'text': ...}), or null"),
+        (
+            {"type": "text", "text": "x"},
+            "must be a string, a list of text parts ({'type': 'text', 'text': ...}), or null",
+        ),
+        ([5], "Value error, part 0: a content part must be an object {'type': 'text', 'text': ...}, got int"),
+        (["x"], "Value error, part 0: a content part must be an object {'type': 'text', 'text': ...}, got str"),
+    ],
+)
+def test_content_of_the_wrong_form_is_one_error_naming_content(content, message):
+    """Not one error per form it is not, under pydantic's names for them (`content.str`)."""
+    body = {"model": "m", "messages": [{"role": "user", "content": content}]}
+    assert problems(ChatRequest, body) == [("messages.0.content", message)]
+
+
+def _plain_unions(schema, where: str = "") -> list[str]:
+    """Where a core schema holds a union that is not tagged: pydantic validates a value against
+    each of its members and names them in the error's location (`content.str`), so each union of
+    a request body has a `Discriminator`, whose error names the field itself."""
+    if isinstance(schema, dict):
+        found = [where] if schema.get("type") == "union" else []
+        return found + [f for key, value in schema.items() for f in _plain_unions(value, f"{where}/{key}")]
+    if isinstance(schema, list):
+        return [f for number, value in enumerate(schema) for f in _plain_unions(value, f"{where}/{number}")]
+    return []
+
+
+@pytest.mark.parametrize("model", [CompletionRequest, ChatRequest, FeedbackRequest])
+def test_every_union_of_a_request_body_is_discriminated(model):
+    assert _plain_unions(model.__pydantic_core_schema__) == []

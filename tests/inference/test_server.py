@@ -143,6 +143,21 @@ def test_a_content_part_that_is_not_text_is_named(http, part, problem):
     assert error["message"] == f"messages.1.content: Value error, {problem}" and error["param"] == "messages.1.content"
 
 
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (5, "must be a string, a list of text parts ({'type': 'text', 'text': ...}), or null"),
+        ([5], "Value error, part 0: a content part must be an object {'type': 'text', 'text': ...}, got int"),
+    ],
+)
+def test_content_that_is_no_text_nor_parts_is_named(http, content, problem):
+    messages = [GREETING[0], {"role": "user", "content": content}]
+    response = post(http, "/v1/chat/completions", messages=messages, max_tokens=2)
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert error["message"] == f"messages.1.content: {problem}" and error["param"] == "messages.1.content"
+
+
 def test_control_strings_in_a_clients_text_are_text_in_the_prompt(http, tokenizer):
     """A message, a call's arguments or a tool's description that holds `<|im_end|>` or
     `<|im_start|>` cannot end its turn or open another: those strings encode as text."""
@@ -489,3 +504,19 @@ def test_a_server_with_a_token_serves_no_api_description(served_model_dir):
 def test_a_server_without_a_token_describes_its_api(http):
     assert http.get("/openapi.json").json()["info"]["title"] == "whetstone"
     assert http.get("/docs").status_code == 200
+
+
+def test_any_token_a_client_can_send_is_taken(served_model_dir):
+    """Every printable ASCII character, inner spaces included, is compared as the client sent it;
+    a token no client can send is refused at load (`test_serve_cli`)."""
+    token = "".join(chr(c) for c in range(ord(" "), ord("~") + 1)).strip()
+    config = ServeConfig(
+        model_path=str(served_model_dir),
+        threads=1,
+        auth_token=token,
+        engine=EngineConfig(max_batch=1, context_limit=512),
+    )
+    with TestClient(build_app(config)) as client:
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {token}"}).status_code == 200
+        assert client.get("/v1/models", headers={"Authorization": f"bearer  {token}"}).status_code == 200
+        assert client.get("/v1/models", headers={"Authorization": f"Bearer {token[:-1]}"}).status_code == 401

@@ -124,7 +124,28 @@ class ServeConfig(Config):
     it while it runs."""
 
     @model_validator(mode="after")
+    def _token_fits_a_header(self) -> ServeConfig:
+        """A token no client can send would lock everyone out. Checked on the whole section, so the
+        error names the field without the value (a field's error shows what it was given)."""
+        problem = _token_problem(self.auth_token)
+        if problem:
+            raise ValueError(f"auth_token {problem} (its value is not shown: it is a secret)")
+        return self
+
+    @model_validator(mode="after")
     def _fleet_needs_a_store(self) -> ServeConfig:
         if self.fleet.announce and self.sync is None:
             raise ValueError("fleet.announce needs a [sync] section: the registry lives in the weight store")
         return self
+
+
+def _token_problem(token: str) -> str | None:
+    """Why `token` cannot be a bearer token clients send, if it cannot: an HTTP header's value is
+    printable ASCII (httpx and the `openai` client refuse other characters, servers refuse control
+    characters, and the server reads a value's bytes as latin-1), and loses the spaces at its ends
+    on the way."""
+    if any(not " " <= char <= "~" for char in token):
+        return "must be printable ASCII (' ' to '~'): an HTTP header cannot carry its other characters"
+    if token != token.strip(" "):
+        return "must not start or end with a space: an HTTP header's value loses those on the way"
+    return None

@@ -81,6 +81,12 @@ def _stop_form(value: Any) -> str | None:
     return "text" if isinstance(value, str) else "texts" if isinstance(value, list) else None
 
 
+def _content_form(value: Any) -> str | None:
+    """Which form a message's `content` has: a string or a list (of parts), validated as that form
+    only, so a bad one gets one error naming `content`, not one per form it is not."""
+    return "text" if isinstance(value, str) else "parts" if isinstance(value, list) else None
+
+
 Prompt = Annotated[
     Annotated[str, Tag("text")]
     | Annotated[TokenIds, Tag("token_ids")]
@@ -101,6 +107,16 @@ Stop = Annotated[
     ),
 ]
 """`stop`: one stop string or a list of them (at most MAX_STOP_STRINGS)."""
+Content = Annotated[
+    Annotated[str, Tag("text")] | Annotated[list[Any], Tag("parts")],
+    Discriminator(
+        _content_form,
+        custom_error_type="content_type",
+        custom_error_message="must be a string, a list of text parts ({'type': 'text', 'text': ...}), or null",
+    ),
+]
+"""A chat message's `content`: its text, or a list of content parts (`ChatMessage._text_parts`
+checks each)."""
 
 
 class _Body(BaseModel):
@@ -250,7 +266,7 @@ class ChatMessage(_Body):
     model_config = ConfigDict(extra="allow", strict=True)  # e.g. `name`, `reasoning_content`: passed on as is
 
     role: Literal["system", "user", "assistant", "tool", "developer"]
-    content: str | list[dict[str, Any]] | None = None
+    content: Content | None = None
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
 
@@ -259,6 +275,11 @@ class ChatMessage(_Body):
     def _text_parts(cls, content):
         """Content parts must be text parts (`{"type": "text", "text": "..."}`), joined as the text."""
         for number, part in enumerate(content if isinstance(content, list) else []):
+            if not isinstance(part, dict):
+                raise ValueError(
+                    f"part {number}: a content part must be an object {{'type': 'text', 'text': ...}}, "
+                    f"got {'null' if part is None else type(part).__name__}"
+                )
             if part.get("type") != "text":
                 raise ValueError(f"part {number}: only text content parts are supported, got {_got(part, 'type')}")
             if not isinstance(part.get("text"), str):
@@ -287,6 +308,7 @@ class ChatRequest(_Request):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["auto", "none"] | None = None
     parallel_tool_calls: bool | None = None
+    """False: a reply carries at most one tool call, the model's first (`responses.assistant_message`)."""
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

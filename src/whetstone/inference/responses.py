@@ -142,13 +142,16 @@ def content_before_calls(answer: str) -> str:
     return answer if cut < 0 else answer[:cut].removesuffix("\n")
 
 
-def assistant_message(text: str, use_tools: bool) -> tuple[dict[str, Any], bool]:
+def assistant_message(text: str, use_tools: bool, parallel_calls: bool = True) -> tuple[dict[str, Any], bool]:
     """The assistant message for `text`, and whether it calls tools.
 
     With tools, the think block the text starts with is dropped, and the calls are parsed from
-    the rest (the answer). A malformed tool call keeps the whole answer as content (nothing of it
-    is lost) and its problems in `tool_call_errors`. Either content starts with what a stream
-    shows while the text grows (`stream.visible_content`), so a stream sends the same content.
+    the rest (the answer); without `parallel_calls` (a request's `parallel_tool_calls: false`)
+    the first call alone is kept: the model may write several, and those after the first are
+    left out (as vLLM does), not sent for the client to run. A malformed tool call keeps the
+    whole answer as content (nothing of it is lost) and its problems in `tool_call_errors`.
+    Either content starts with what a stream shows while the text grows
+    (`stream.visible_content`), so a stream sends the same content.
     """
     if not use_tools:
         return {"role": "assistant", "content": text}, False
@@ -159,7 +162,7 @@ def assistant_message(text: str, use_tools: bool) -> tuple[dict[str, Any], bool]
         "content": (answer if errors else content_before_calls(answer)) or None,
     }
     if calls:
-        message["tool_calls"] = calls
+        message["tool_calls"] = calls if parallel_calls else calls[:1]
     if errors:
         message["tool_call_errors"] = errors
     return message, bool(calls)
@@ -167,7 +170,7 @@ def assistant_message(text: str, use_tools: bool) -> tuple[dict[str, Any], bool]
 
 def chat_choice(seq: Sequence, index: int, request: ChatRequest, tokenizer: Tokenizer) -> dict[str, Any]:
     n = len(seq.output_ids)
-    message, calls_tools = assistant_message(seq.text.text, request.use_tools)
+    message, calls_tools = assistant_message(seq.text.text, request.use_tools, request.parallel_tool_calls is not False)
     finish = "tool_calls" if calls_tools and seq.finish_reason == "stop" else seq.finish_reason
     choice = {"index": index, "message": message, "finish_reason": finish, "logprobs": None}
     if request.logprobs:

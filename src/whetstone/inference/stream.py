@@ -122,7 +122,8 @@ async def chat_stream(
                 started[i] = True
             finish = None
             if event.finished:
-                message, calls_tools = assistant_message(seq.text.text, body.use_tools)
+                parallel = body.parallel_tool_calls is not False
+                message, calls_tools = assistant_message(seq.text.text, body.use_tools, parallel)
                 content = message["content"] or ""
                 finish = "tool_calls" if calls_tools and seq.finish_reason == "stop" else seq.finish_reason
                 if message.get("tool_calls"):
