@@ -3,16 +3,15 @@ what 1 rank does, and a run moves between 1 and 2 ranks through its checkpoints.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
-import sys
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from tests.gpus import TWO_GPUS
+from tests.torchrun_support import torchrun
 from tests.trainer.trainer_fixtures import TRANSCRIPTS, make_batches, put_batches, trainer_config
 from whetstone.config import dump_toml
 from whetstone.rl.batch_store import batch_key
@@ -60,24 +59,10 @@ def without_baseline(batch):
     return batch
 
 
-def torchrun(config_file, nproc=2):
+def torchrun_trainer(config_file, nproc=2, succeeds=True) -> subprocess.CompletedProcess:
     """The documented command line, as a real job: `torchrun --standalone --nproc_per_node 2
-    -m whetstone.cli trainer CONFIG` (gloo on CPU; --standalone picks a free port)."""
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        "-m",
-        "whetstone.cli",
-        "trainer",
-        str(config_file),
-    ]
-    done = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert done.returncode == 0, done.stderr[-4000:]
+    -m whetstone.cli trainer CONFIG` (`tests.torchrun_support.torchrun`)."""
+    return torchrun(["-m", "whetstone.cli", "trainer", str(config_file)], nproc, succeeds)
 
 
 def latest_weights(root) -> dict[str, torch.Tensor]:
@@ -126,7 +111,7 @@ def test_two_ranks_train_publish_and_checkpoint_what_one_rank_does(tmp_path, tin
         root, tiny_moe, max_steps=3, checkpoint_interval=1, activation_checkpointing=checkpointing, **settings
     )
     config_file.write_text(dump_toml(two_ranks))
-    torchrun(config_file)
+    torchrun_trainer(config_file)
     assert latest_checkpoint(root / "trainer" / "checkpoints").name == "step_00000003"
     # ... and one rank resumes from the 2-rank checkpoint for batch 3.
     summary = run_trainer(trainer_config(root, tiny_moe, max_steps=4, **settings))
@@ -189,7 +174,7 @@ def test_two_ranks_anchor_to_the_demonstrations_as_one_rank_does(tmp_path, chat_
     run_trainer(trainer_config(tmp_path / "one", chat_moe, **settings))
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(trainer_config(tmp_path / "two", chat_moe, **settings)))
-    torchrun(config_file)
+    torchrun_trainer(config_file)
     one, two = (read_metrics(tmp_path / run / "trainer" / "metrics.jsonl") for run in ("one", "two"))
     assert len(one) == len(two) == 2
     for expected, record in zip(one, two):
@@ -215,7 +200,7 @@ def test_invariant_ranks_see_exactly_the_engines_logprobs(tmp_path, tiny_moe, de
     config_file = tmp_path / "trainer.toml"
     config = trainer_config(tmp_path, tiny_moe, numerics="invariant", router_replay=False, device=device, dtype=dtype)
     config_file.write_text(dump_toml(config))
-    torchrun(config_file, nproc=2 if device == "cpu" else torch.cuda.device_count())
+    torchrun_trainer(config_file, nproc=2 if device == "cpu" else torch.cuda.device_count())
     (record,) = read_metrics(tmp_path / "trainer" / "metrics.jsonl")
     assert record["logprob_diff_max"] == 0.0 and record["mismatch_kl_k3"] == 0.0
     assert record["routing_disagreement"] == 0.0
@@ -244,7 +229,7 @@ def test_ranks_on_every_gpu_over_nccl_train_what_one_gpu_does_and_checkpoint_for
     run_trainer(trainer_config(tmp_path / "one", tiny_moe, **settings))
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(trainer_config(tmp_path / "ranks", tiny_moe, **settings)))
-    torchrun(config_file, nproc=torch.cuda.device_count())
+    torchrun_trainer(config_file, nproc=torch.cuda.device_count())
     one, ranks = (read_metrics(tmp_path / run / "trainer" / "metrics.jsonl") for run in ("one", "ranks"))
     assert [r["step"] for r in ranks] == [r["step"] for r in one] == [0, 1, 2, 3]
     for expected, record in zip(one, ranks):
@@ -273,15 +258,7 @@ def test_every_rank_refuses_a_weight_store_that_is_not_the_runs(tmp_path, tiny_m
     (tmp_path / "elsewhere").mkdir()  # empty (a missing one is refused as missing: test_loop.py)
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(config))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*command, "-m", "whetstone.cli", "trainer", str(config_file)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode != 0
+    done = torchrun_trainer(config_file, succeeds=False)
     assert done.stderr.count("is at step 2, but the weight store") == 2, done.stderr[-4000:]
     assert list((tmp_path / "elsewhere").iterdir()) == []  # nothing published there
 
@@ -295,15 +272,7 @@ def test_every_rank_refuses_a_batch_rank_0_cannot_read(tmp_path, tiny_moe):
     LocalStore(tmp_path / "batches").put_if_absent(batch_key(0), b"not a batch")
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=1)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*command, "-m", "whetstone.cli", "trainer", str(config_file)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode != 0
+    done = torchrun_trainer(config_file, succeeds=False)
     assert done.stderr.count(f"{batch_key(0)} in ") >= 2, done.stderr[-4000:]
     assert done.stderr.count("is not a whetstone batch") == 2, done.stderr[-4000:]
 
@@ -317,15 +286,7 @@ def test_every_rank_refuses_a_damaged_checkpoint_rank_0_reads(tmp_path, tiny_moe
     (latest_checkpoint(tmp_path / "trainer" / "checkpoints") / "state.json").write_text("{ damaged")
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=2)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    done = subprocess.run(
-        [*command, "-m", "whetstone.cli", "trainer", str(config_file)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    assert done.returncode != 0
+    done = torchrun_trainer(config_file, succeeds=False)
     assert done.stderr.count("state.json is corrupt") == 2, done.stderr[-4000:]
 
 
@@ -343,21 +304,7 @@ def test_every_rank_refuses_a_checkpoint_whose_weights_rank_0_finds_damaged(tmp_
         handle.write(bytes([last[0] ^ 0xFF]))
     config_file = tmp_path / "trainer.toml"
     config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=3)))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    job = subprocess.Popen(
-        [*command, "-m", "whetstone.cli", "trainer", str(config_file)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
-    try:
-        _, stderr = job.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        job.terminate()  # torchrun ends its ranks (each in a session of its own) before it exits
-        job.communicate(timeout=60)
-        pytest.fail("the ranks hung: one waited in a collective for a rank that had failed")
-    assert job.returncode != 0
+    stderr = torchrun_trainer(config_file, succeeds=False).stderr
     damaged = f"checkpoint file {newest / 'model.safetensors'} is corrupt (sha256 mismatch)"
     assert stderr.count(damaged) == 2, stderr[-4000:]
     assert stderr.count("Older complete checkpoints in") == 2  # each rank names step_00000001 to resume from
