@@ -203,6 +203,81 @@ def test_a_registry_the_reader_may_not_delete_from_is_still_read(tmp_path, caplo
     assert "reading the fleet registry" not in caplog.text
 
 
+def deny_reading(registry, monkeypatch, *keys: str, error=PermissionError) -> None:
+    """Make the store fail to read `keys`: by default refuse them, as a local store refuses a
+    record another user wrote with umask 077 (the tests run as root, whom file modes do not stop)."""
+    get = registry.objects.get
+
+    def refusing(key: str) -> bytes:
+        if key in keys:
+            raise error(f"cannot read {key}")
+        return get(key)
+
+    monkeypatch.setattr(registry.objects, "get", refusing)
+
+
+def test_a_record_the_reader_may_not_read_is_skipped_and_logged_once(registry, monkeypatch, caplog):
+    """It names no server this reader could use; the others are still read, listed and pruned,
+    and it is not deleted (it may be a live server's)."""
+    hidden, good = ServerRecord.new("http://10.0.0.9:8000/v1"), ServerRecord.new("http://10.0.0.1:8000/v1")
+    dead = ServerRecord("dead", "http://10.0.0.8:8000/v1", "eu", 0.0, 0.0)
+    for record in (hidden, good, dead):
+        registry.announce(record)
+    deny_reading(registry, monkeypatch, hidden.key)
+    for _ in range(2):
+        assert registry.live(stale_after_s=10) == [good]
+    assert sorted(r.id for r in registry.records()) == sorted([good.id, dead.id])
+    assert registry.prune(forget_after_s=300) == [dead]
+    assert sorted(registry.objects.list("fleet/servers/")) == sorted([hidden.key, good.key])
+    assert caplog.text.count(f"cannot read the fleet record {hidden.key} ") == 1
+
+
+def test_a_registry_whose_listing_or_every_read_fails_raises(registry, monkeypatch):
+    """A store that fails the listing, or every read but by refusing it (an outage), is failing
+    as a whole: the pool keeps its servers as they are rather than read an empty registry. Only
+    records refused to this reader read as none."""
+    record = ServerRecord.new("http://10.0.0.1:8000/v1")
+    registry.announce(record)
+    deny_reading(registry, monkeypatch, record.key)
+    assert registry.live(stale_after_s=10) == [] and registry.prune(forget_after_s=0) == []
+    deny_reading(registry, monkeypatch, record.key, error=ConnectionError)
+    with pytest.raises(ConnectionError, match=f"cannot read {record.key}"):
+        registry.live(stale_after_s=10)
+    monkeypatch.undo()
+    assert registry.live(stale_after_s=10) == [record]
+
+    def refused(prefix: str = "") -> list[str]:
+        raise PermissionError(f"cannot list {prefix}")
+
+    monkeypatch.setattr(registry.objects, "list", refused)
+    with pytest.raises(PermissionError, match="cannot list fleet/servers/"):
+        registry.live(stale_after_s=10)
+
+
+def test_an_unreadable_record_does_not_freeze_the_pools_discovery(registry, monkeypatch):
+    """Servers still join and leave the pool while a record cannot be read, the last one too."""
+
+    async def scenario():
+        first = ServerRecord.new("http://10.0.0.1:8000/v1")
+        registry.announce(first)
+        pool = ServerPool([], EndpointConfig(), registry=registry)
+        await pool.discover()
+        hidden = ServerRecord.new("http://10.0.0.9:8000/v1")
+        registry.announce(hidden)
+        deny_reading(registry, monkeypatch, hidden.key)
+        registry.forget(first)
+        second = ServerRecord.new("http://10.0.0.2:8000/v1")
+        registry.announce(second)
+        await pool.discover()
+        assert [server.url for server in pool.servers] == [second.url]
+        registry.forget(second)  # the unreadable record is the only one left
+        await pool.discover()
+        assert pool.servers == []
+        await pool.close()
+
+    asyncio.run(scenario())
+
+
 class StallingStore(LocalStore):
     """A store whose writes and deletes hang once `stall` is set, until `release` is: a store
     outage as boto3 meets it, retrying for minutes."""

@@ -81,6 +81,24 @@ def test_delete_folder_deletes_what_is_under_the_folder_alone(store):
     assert store.list() == ["v/1.json", "v/10/m.json"]
 
 
+@pytest.mark.parametrize("prefix", ["", "v", "v/1", "v/1/m.json"])
+def test_delete_folder_refuses_a_prefix_that_names_no_folder_before_deleting_anything(store, prefix):
+    """An empty prefix would delete the whole store, and one ending in part of a name (`v/1`) the
+    folders beside it too (`v/10/`): both are a caller's mistake, refused up front."""
+    for key in ["v/1/m.json", "v/10/m.json", "w.bin"]:
+        store.put(key, b"x")
+    with pytest.raises(WhetstoneError, match=f"invalid object folder {prefix!r}"):
+        store.delete_folder(prefix)
+    assert store.list() == ["v/1/m.json", "v/10/m.json", "w.bin"]
+
+
+def test_delete_folder_below_an_object_deletes_nothing(store):
+    store.put("a/b.bin", b"x")
+    assert store.list("a/b.bin/") == []
+    store.delete_folder("a/b.bin/")  # no such folder: not an error
+    assert store.list() == ["a/b.bin"]
+
+
 def test_delete_folder_removes_the_temporary_files_of_killed_writes_in_a_local_store(tmp_path):
     store = LocalStore(tmp_path)
     store.put("v/1/a/c.bin", b"x")
@@ -151,6 +169,33 @@ def test_open_store_picks_the_backend(tmp_path, s3_endpoint):
     remote = open_store("s3://whetstone/some/prefix", endpoint_url=s3_endpoint)
     remote.put("k", b"v")
     assert open_store("s3://whetstone/some", endpoint_url=s3_endpoint).list() == ["prefix/k"]
+
+
+@pytest.mark.parametrize(
+    ("url", "bucket"), [("s3://", ""), ("s3:///weights", ""), ("s3://my bucket/weights", "my bucket")]
+)
+def test_an_s3_url_without_a_valid_bucket_name_is_a_clear_error(url, bucket):
+    """A URL typed by hand (`whetstone sync inspect s3:///weights`) is refused before any request,
+    naming the bucket, not left to botocore's traceback at the first request."""
+    with pytest.raises(WhetstoneError, match=f"invalid bucket name {bucket!r} in s3://"):
+        open_store(url, endpoint_url="http://127.0.0.1:9").list()
+
+
+def test_folder_markers_in_a_bucket_are_not_objects(s3_endpoint):
+    """S3 consoles make a folder as an empty object named like it (`weights/`): no key of the store
+    (keys name no folder), so a store whose folder was made so is empty, and one that holds it can
+    be listed and deleted by folder."""
+    from whetstone.store.s3 import S3Store
+
+    prefix = f"test-{uuid.uuid4().hex}"
+    store = S3Store("whetstone", prefix, endpoint_url=s3_endpoint)
+    for marker in ["", "versions/", "versions/0000000003/"]:
+        store._client.put_object(Bucket="whetstone", Key=f"{prefix}/{marker}", Body=b"")
+    assert store.list() == []
+    store.put("versions/0000000003/m.json", b"x")
+    assert store.list("versions/") == ["versions/0000000003/m.json"]
+    store.delete_folder("versions/0000000003/")
+    assert store.list() == []
 
 
 def test_a_local_store_path_has_home_and_variables_expanded(tmp_path, monkeypatch):

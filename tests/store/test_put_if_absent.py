@@ -155,3 +155,16 @@ def test_a_key_whose_name_is_as_long_as_a_folder_allows_is_created(tmp_path, nam
         store.put_if_absent(f"v/{name}", b"second")
     assert store.get(f"v/{name}") == b"first"
     assert [p.name for p in (tmp_path / "v").iterdir()] == [name]
+
+
+def test_a_local_retry_of_a_create_that_landed_fsyncs_the_folder(tmp_path, monkeypatch):
+    """A writer killed between linking the key and fsyncing its folder leaves a name that may not
+    survive a crash: the retry that finds it reports it created, so it fsyncs the folder as well."""
+    from whetstone.store import local
+
+    store = LocalStore(tmp_path)
+    store.put_if_absent("a/b.json", b"x")
+    synced = []
+    monkeypatch.setattr(local, "fsync_dir", synced.append)
+    store.put_if_absent("a/b.json", b"x")
+    assert synced == [tmp_path / "a"]

@@ -107,6 +107,8 @@ class FleetRegistry:
         """Ids of the records `live` found with a heartbeat ahead of the clock (each logged once)."""
         self._undeletable: set[str] = set()
         """Keys `prune` could not delete (each logged once, until a delete of it succeeds)."""
+        self._unreadable: set[str] = set()
+        """Keys the store refused to read (each logged once, until a read of it succeeds)."""
         self._temporaries_failed = False
         """Whether deleting the temporary files of killed writes failed at the last `prune` (logged once)."""
 
@@ -122,7 +124,8 @@ class FleetRegistry:
 
     def records(self) -> list[ServerRecord]:
         """Every record in the store, fresh or not; one that vanished while listed is skipped, one
-        that does not parse is logged and skipped (it names no server that could be used)."""
+        that does not parse, or that the store refuses to read, is logged and skipped (it names no
+        server that could be used)."""
         return [record for _, record in self._read()[0]]
 
     def keyed_records(self) -> list[tuple[str, ServerRecord]]:
@@ -130,16 +133,37 @@ class FleetRegistry:
         return self._read()[0]
 
     def _read(self) -> tuple[list[tuple[str, ServerRecord]], list[str]]:
-        """The records that parse with their keys, and the keys of those that do not (each logged)."""
-        records, unusable = [], []
-        for key in self.objects.list(PREFIX):
+        """The records that parse with their keys, and the keys of those that do not (each logged).
+
+        A record the store fails to read (`OSError`: another user's file written with umask 077,
+        an object this reader's credentials do not reach, a broken file) names no server this
+        reader could use: it is skipped, logged once until it is read again, and not deleted (it
+        may be a live server's). A failing listing raises, and so does a read failure other than a
+        refusal (`PermissionError`) when no record could be read at all: that is the store failing
+        (an outage), and an empty answer would drop every announced server from the pool."""
+        records, unusable, failed = [], [], None
+        keys = self.objects.list(PREFIX)
+        self._unreadable.intersection_update(keys)  # a record gone is forgotten
+        for key in keys:
             try:
-                records.append((key, ServerRecord.from_json(self.objects.get(key))))
+                raw = self.objects.get(key)
             except MissingObjectError:
                 continue
+            except OSError as err:
+                if not isinstance(err, PermissionError):
+                    failed = failed or err
+                if key not in self._unreadable:
+                    self._unreadable.add(key)
+                    log.warning("cannot read the fleet record %s in %r, skipping it: %s", key, self.objects, err)
+                continue
+            self._unreadable.discard(key)
+            try:
+                records.append((key, ServerRecord.from_json(raw)))
             except (ValueError, TypeError, RecursionError) as err:
                 log.warning("ignoring fleet record %s in %r: %s", key, self.objects, err)
                 unusable.append(key)
+        if failed is not None and not records and not unusable:
+            raise failed
         return records, unusable
 
     def live(self, stale_after_s: float, now: float | None = None) -> list[ServerRecord]:
@@ -177,7 +201,7 @@ class FleetRegistry:
 
         Deleting is best-effort: a delete that fails (a store this reader may only read, an
         outage) is logged once per record and tried again at the next call, and the record stays
-        (`live` skips it as stale). Only a failure to list or read the records raises."""
+        (`live` skips it as stale). Only a failure to list the records, or to read any (`_read`), raises."""
         now = time.time() if now is None else now
         self._delete_temporaries(forget_after_s)
         records, unusable = self._read()

@@ -68,7 +68,9 @@ class ObjectStore(ABC):
     def delete_folder(self, prefix: str) -> None:
         """Delete every object under `prefix` (a folder: `versions/0000000003/`) and what writers
         that died left there unfinished (a local store's temporary files). Only for a folder that
-        no writer uses any more: a write in progress there may lose its temporary file."""
+        no writer uses any more: a write in progress there may lose its temporary file. A prefix
+        that names no folder (`check_folder`) is refused before anything is deleted."""
+        check_folder(prefix)
         for key in self.list(prefix):
             self.delete(key)
 
@@ -87,4 +89,15 @@ def check_prefix(prefix: str) -> str:
     folder = prefix.rpartition("/")[0]
     if prefix.startswith("/") or (folder and any(part in ("", ".", "..") for part in folder.split("/"))):
         raise WhetstoneError(f"invalid object prefix {prefix!r}: use a relative folder like 'versions/'")
+    return prefix
+
+
+def check_folder(prefix: str) -> str:
+    """Reject a prefix that names no folder to delete: a valid key followed by `/`. An empty one
+    would name the whole store, and one ending in part of a name (`versions/1`) the folders and
+    objects beside it as well (`versions/10/`, `versions/1.json`)."""
+    if not prefix.endswith("/") or not prefix[:-1] or any(part in ("", ".", "..") for part in prefix[:-1].split("/")):
+        raise WhetstoneError(
+            f"invalid object folder {prefix!r}: use a relative folder ending in '/' like 'versions/0000000003/'"
+        )
     return prefix

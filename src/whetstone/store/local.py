@@ -10,7 +10,7 @@ from pathlib import Path
 from whetstone.config import expand_path
 from whetstone.errors import WhetstoneError
 from whetstone.store.base import MissingObjectError, ObjectExistsError, ObjectStore, check_key, check_prefix
-from whetstone.utils.atomic import atomic_write_bytes
+from whetstone.utils.atomic import atomic_write_bytes, fsync_dir
 
 
 class LocalStore(ObjectStore):
@@ -79,7 +79,10 @@ class LocalStore(ObjectStore):
             if not os.path.lexists(path):  # its folder's (removed and made again meanwhile), or the key
                 raise  # deleted since: written again (`_again_if_folder_deleted`)
             if path.read_bytes() == data:
-                return  # a retry of a write that landed
+                # A retry of a write that landed, whose writer may have died before it fsynced the
+                # folder: the name is made durable before the write is reported done.
+                fsync_dir(path.parent)
+                return
             raise ObjectExistsError(f"object {key!r} already exists in {self.root}") from None
 
     def get(self, key: str) -> bytes:
@@ -140,7 +143,9 @@ class LocalStore(ObjectStore):
         """`ObjectStore.delete_folder`: the objects, then the temporary files of atomic writes
         (`.<name>.*.tmp`, which `list` skips) that a writer killed mid-write left in the folder."""
         super().delete_folder(prefix)
-        folder = self._path(prefix.rstrip("/"))
+        folder = self._path(prefix.removesuffix("/"))
+        if not folder.is_dir():  # none, or an object ('a/b.bin' of 'a/b.bin/'): nothing is below it
+            return
         for directory, _, names in os.walk(folder, topdown=False, onerror=_unless_deleted):
             for name in names:
                 if _temporary(name):

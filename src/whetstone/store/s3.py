@@ -10,6 +10,7 @@ A missing bucket is a `WhetstoneError` naming it; a request refused for lack of 
 from __future__ import annotations
 
 import contextlib
+import re
 import time
 from collections.abc import Iterator
 
@@ -40,11 +41,20 @@ ACTIONS = {
 """The IAM action each request the store makes needs."""
 
 
+BUCKET_NAME = re.compile(r"[A-Za-z0-9._-]{1,255}\Z")
+"""A bucket's name as botocore takes it (AWS's own rules are narrower; other S3 services differ)."""
+
+
 class S3Store(ObjectStore):
     def __init__(self, bucket: str, prefix: str = "", endpoint_url: str | None = None, region: str | None = None):
         import boto3
         from botocore.config import Config as BotoConfig
 
+        if not BUCKET_NAME.match(bucket) and not bucket.startswith("arn:"):  # what botocore refuses at each request
+            raise WhetstoneError(
+                f"invalid bucket name {bucket!r} in s3://{bucket}/{prefix}: a bucket is named by letters, digits, "
+                "'.', '-' and '_' (or an access point's ARN); write the store as s3://bucket/prefix"
+            )
         self.bucket = bucket
         self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.endpoint_url = endpoint_url
@@ -175,12 +185,18 @@ class S3Store(ObjectStore):
         ) from broken
 
     def list(self, prefix: str = "") -> list[str]:
+        """`ObjectStore.list`, less the folder markers S3 consoles make (an empty object named like
+        a folder: `weights/`), which no key names (`check_key`)."""
         check_prefix(prefix)
         paginator = self._client.get_paginator("list_objects_v2")
         keys = []
         with self._errors_named(self.prefix + prefix):
             for page in paginator.paginate(Bucket=self.bucket, Prefix=self.prefix + prefix):
-                keys.extend(item["Key"][len(self.prefix) :] for item in page.get("Contents", []))
+                keys.extend(
+                    item["Key"][len(self.prefix) :]
+                    for item in page.get("Contents", [])
+                    if not item["Key"].endswith("/")
+                )
         return sorted(keys)
 
     def delete(self, key: str) -> None:

@@ -31,7 +31,8 @@ PRIVATE = 0o600
 """The mode of a file holding secrets (passwords, tokens): readable by its owner only."""
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: Path) -> None:
+    """fsync a folder, so that the names created, renamed or removed in it survive a crash."""
     fd = os.open(directory, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -49,7 +50,7 @@ def _fsync_tree(directory: Path) -> None:
                 continue
             with open(file, "rb") as handle:
                 os.fsync(handle.fileno())
-        _fsync_dir(Path(folder))
+        fsync_dir(Path(folder))
 
 
 def plain_file_mode() -> int:
@@ -198,7 +199,7 @@ def atomic_path(path: str | Path, mode: int | None = None, exclusive: bool = Fal
             os.link(tmp, path)
         else:
             os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         if fd >= 0:
             os.close(fd)
@@ -249,7 +250,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         if os.path.lexists(path):
             os.replace(path, old)
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
         if os.path.lexists(old):
             _remove(old)
     finally:

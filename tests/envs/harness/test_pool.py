@@ -7,6 +7,7 @@ import threading
 import time
 from collections import Counter
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 
 import pytest
 
@@ -509,6 +510,51 @@ def test_a_late_server_takes_rollouts_only_once_caught_up_through_the_weight_sto
         late.stop()
 
 
+def test_a_servers_stats_keep_their_label_when_another_server_leaves(fakes, tmp_path):
+    """Each server's `server<n>_` numbers stay under its label for the pool's life: one leaving
+    the registry shifts no other's onto its label, and one coming back at its address gets its
+    label and its counts again."""
+    for name in "abc":
+        fakes.health[name] = current()
+    registry = registry_of(tmp_path)
+    records = {name: ServerRecord.new(fakes.url(name), "eu") for name in "abc"}
+    for record in records.values():
+        registry.announce(record)
+
+    async def scenario():
+        pool = await ServerPool.connect([], ENDPOINT, registry=registry)
+        try:
+            a, b, c = pool.servers
+            assert [a.url, b.url, c.url] == [fakes.url(name) for name in "abc"]
+            async with pool.lease() as on_a, pool.lease() as on_b, pool.lease() as on_c:
+                assert (on_a.server, on_b.server, on_c.server) == (a, b, c)
+                await on_c.complete([1, 2], SHORT)
+                await on_c.complete([1, 2], SHORT)
+                await on_b.complete([1, 2], SHORT)
+            assert {key: value for key, value in pool.stats().items() if key[6:7].isdigit()} == {
+                "server0_calls": 0,
+                "server0_failures": 0,
+                "server1_calls": 1,
+                "server1_failures": 0,
+                "server2_calls": 2,
+                "server2_failures": 0,
+            }
+            registry.forget(records["b"])
+            await pool.discover()
+            assert pool.servers == [a, c]
+            stats = pool.stats()
+            assert stats["server0_calls"] == 0 and stats["server2_calls"] == 2 and "server1_calls" not in stats
+            registry.announce(records["b"])
+            await pool.discover()
+            stats = pool.stats()
+            assert [s.url for s in pool.servers] == [a.url, c.url, b.url]
+            assert (stats["server1_calls"], stats["server1_failures"], stats["server2_calls"]) == (1, 1, 2)
+        finally:
+            await pool.close()
+
+    asyncio.run(scenario())
+
+
 def test_an_idle_server_that_stops_answering_is_dropped_at_the_next_health_round(world):
     """Its record stays fresh (a heartbeat from a machine whose server hung): the health round
     takes it out, not the heartbeat timeout; a record long silent is deleted from the registry."""
@@ -773,20 +819,23 @@ def test_the_client_of_a_server_taken_out_is_closed_once_no_call_is_on_it(fakes)
 
 def test_retired_clients_a_cancelled_round_did_not_close_are_closed_with_the_pool(fakes):
     """The pool closing cancels its watcher, maybe amid a round's closes: the clients that round
-    had not closed yet are closed by the pool's close all the same."""
+    had not closed yet are closed by the pool's close all the same, also after one that fails."""
     fakes.health["a"] = current()
 
     class SlowToClose:
-        def __init__(self):
-            self.closed = False
+        def __init__(self, fails=False):
+            self.closed, self.fails = False, fails
+            self.config = SimpleNamespace(base_url="http://10.0.0.1:8000/v1")
 
         async def close(self):
             await asyncio.sleep(0.05)
             self.closed = True
+            if self.fails:
+                raise OSError("connection reset")
 
     async def scenario():
         pool = await ServerPool.connect([fakes.url("a")], ENDPOINT, health_interval_s=60)
-        retired = [SlowToClose() for _ in range(3)]
+        retired = [SlowToClose(fails=True), SlowToClose(), SlowToClose(fails=True), SlowToClose()]
         pool._retired += retired
         closing = asyncio.create_task(pool._close_retired())
         await asyncio.sleep(0.07)  # the first closed, the second on its way

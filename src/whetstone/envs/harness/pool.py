@@ -108,7 +108,13 @@ class ServerPool:
         stale_after_s: float = 10.0,
         forget_after_s: float = 300.0,
     ):
-        self.servers = [Server(url) for url in urls]
+        self._numbers: dict[str, int] = {}
+        """Each address's number in the `stats` keys (`server<n>_calls`), given when the pool
+        first sees it and kept for the pool's life: a server leaving shifts no other's numbers."""
+        self._counts_left: dict[str, tuple[int, int]] = {}
+        """The calls and failures of the servers that left the registry, by address: one that
+        comes back goes on counting under its number."""
+        self.servers = [self._server(url) for url in urls]
         self.endpoint = endpoint
         self.health_interval_s = health_interval_s
         self.no_server_timeout_s = no_server_timeout_s
@@ -139,6 +145,12 @@ class ServerPool:
             from whetstone.integrations.vllm import VllmPolicy
 
             self._policy_class = VllmPolicy
+
+    def _server(self, url: str, **fields) -> Server:
+        """A new `Server` at `url`, numbered for `stats` (its old number and counts if it was here before)."""
+        self._numbers.setdefault(url, len(self._numbers))
+        calls, failures = self._counts_left.pop(url, (0, 0))
+        return Server(url, calls=calls, failures=failures, **fields)
 
     @classmethod
     async def connect(cls, urls: list[str], endpoint: EndpointConfig, **options) -> ServerPool:
@@ -174,7 +186,10 @@ class ServerPool:
         for server in self.servers:
             self._take_out(server, failed=False)
         for policy in self._retired:
-            await policy.close()
+            try:  # one that fails leaves the others to close all the same
+                await policy.close()
+            except Exception as err:
+                log.warning("closing the client of inference server %s failed: %s", policy.config.base_url, err)
         await self._probe.aclose()
 
     @contextlib.asynccontextmanager
@@ -278,15 +293,20 @@ class ServerPool:
         return ""
 
     def stats(self) -> dict[str, int]:
+        """Servers in the pool and behind, calls re-run, and each server's calls and failures as
+        `server<n>_calls` and `server<n>_failures`: `n` numbers its address for the pool's life
+        (the servers given by address first, in their order, then the announced ones as they come),
+        so each series stays one server's while others leave; one that left is not reported."""
         alive = [s for s in self.servers if s.alive]
         out = {
             "servers_alive": len(alive),
             "servers_behind": sum(bool(self.behind(s)) for s in alive),
             "calls_rerun": self.calls_rerun,
         }
-        for index, server in enumerate(self.servers):
-            out[f"server{index}_calls"] = server.calls
-            out[f"server{index}_failures"] = server.failures
+        for server in self.servers:
+            number = self._numbers[server.url]
+            out[f"server{number}_calls"] = server.calls
+            out[f"server{number}_failures"] = server.failures
         return out
 
     def cluster_stats(self, latest_version: int | None) -> dict[str, float]:
@@ -342,11 +362,18 @@ class ServerPool:
                 log.warning("inference server %s left the fleet registry: dropped from the pool", server.url)
                 self._take_out(server, failed=True)
                 self.servers.remove(server)
+                self._counts_left[server.url] = server.calls, server.failures
         for record in listed.values():
-            log.info("inference server %s (cluster %s) announced itself", record.url, record.cluster)
-            self.servers.append(
-                Server(record.url, cluster=record.cluster, announced=True, rollout_slots=record.rollout_slots)
+            server = self._server(
+                record.url, cluster=record.cluster, announced=True, rollout_slots=record.rollout_slots
             )
+            log.info(
+                "inference server %s (cluster %s) announced itself: server%d in the metrics",
+                record.url,
+                record.cluster,
+                self._numbers[record.url],
+            )
+            self.servers.append(server)
             self.clusters.add(record.cluster)
 
     def _take_out(self, server: Server, failed: bool) -> None:
