@@ -3,8 +3,10 @@ what 1 rank does, and a run moves between 1 and 2 ranks through its checkpoints.
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
@@ -308,3 +310,88 @@ def test_every_rank_refuses_a_checkpoint_whose_weights_rank_0_finds_damaged(tmp_
     damaged = f"checkpoint file {newest / 'model.safetensors'} is corrupt (sha256 mismatch)"
     assert stderr.count(damaged) == 2, stderr[-4000:]
     assert stderr.count("Older complete checkpoints in") == 2  # each rank names step_00000001 to resume from
+
+
+@pytest.mark.slow  # real 2-process torchrun jobs that stop at their first or second step, ~15 s each
+@pytest.mark.parametrize(
+    ("stored", "max_steps"),
+    [
+        pytest.param(2, 2, id="at-the-next-step"),
+        pytest.param(1, 2, id="going-idle"),
+        pytest.param(1, 1, id="before-the-checkpoint"),
+    ],
+)
+def test_every_rank_raises_what_rank_0_met_publishing(tmp_path, tiny_moe, batches, stored, max_steps):
+    # Rank 0 alone publishes, on a worker thread, and meets a failed publish where it next waits
+    # for it: before the next step's publish, on going idle for want of a batch, or before a
+    # checkpoint. Every rank raises it there, rather than rank 0 alone while the others go on
+    # into the next decision's broadcast or the checkpoint's gather, which rank 0 never joins.
+    put_batches(tmp_path / "batches", batches[:stored])
+    (tmp_path / "weights" / "versions").mkdir(parents=True)
+    (tmp_path / "weights" / "versions" / "0000000001").write_text("in the way of version 1\n")
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=max_steps)))
+    stderr = torchrun_trainer(config_file, succeeds=False).stderr
+    assert stderr.count("a file where its folder 'versions/0000000001' goes") == 2, stderr[-4000:]
+
+
+@pytest.mark.slow  # a real 2-process torchrun job that stops before its first batch, ~15 s
+def test_every_rank_raises_what_rank_0_met_opening_the_metrics(tmp_path, tiny_moe, batches):
+    # Rank 0 alone writes config.toml and metrics.jsonl: a metrics file it cannot open fails
+    # every rank, rather than rank 0 alone while the others wait for its word on batch 0.
+    put_batches(tmp_path / "batches", batches[:1])
+    (tmp_path / "trainer" / "metrics.jsonl").mkdir(parents=True)  # a folder in its place
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=1)))
+    stderr = torchrun_trainer(config_file, succeeds=False).stderr
+    assert stderr.count(f"cannot write {tmp_path / 'trainer' / 'metrics.jsonl'}: Is a directory") == 2, stderr[-4000:]
+
+
+@pytest.mark.slow  # a real 2-process torchrun job that stops at its first batch, ~15 s
+def test_every_rank_refuses_a_batch_another_rank_cannot_read(tmp_path, tiny_moe, batches):
+    # Each rank reads the batch itself once rank 0 said to train it: a rank that cannot (here its
+    # own store, $LOCAL_RANK in the path, holds a damaged batch 0) fails every rank there, rather
+    # than alone while rank 0 goes on into the step's collectives.
+    put_batches(tmp_path / "batches-0", batches[:1])
+    (tmp_path / "batches-1").mkdir()
+    LocalStore(tmp_path / "batches-1").put_if_absent(batch_key(0), b"not a batch")
+    config = trainer_config(tmp_path, tiny_moe, max_steps=1, batch_store=str(tmp_path / "batches-$LOCAL_RANK"))
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(config))
+    stderr = torchrun_trainer(config_file, succeeds=False).stderr
+    assert stderr.count("is not a whetstone batch") == 1, stderr[-4000:]  # rank 1's own error
+    assert stderr.count(f"rank 1 could not read {batch_key(0)}, which rank 0 read") == 1, stderr[-4000:]
+
+
+FAILING_LIST_JOB = Path(__file__).with_name("failing_list_job.py")
+
+
+@pytest.mark.slow  # a real 2-process torchrun job that stops while waiting for its first batch, ~15 s
+def test_every_rank_raises_what_rank_0_met_listing_the_batch_store_while_waiting(tmp_path, tiny_moe):
+    # Rank 0 alone lists the batch store to report a wait (fault injection: its second listing
+    # fails); the other rank raises it too, rather than waiting for rank 0's next word on batch 0.
+    (tmp_path / "batches").mkdir()
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=1, idle_timeout=30.0)))
+    torchrun([str(FAILING_LIST_JOB), str(config_file)], timeout_s=120)
+    ranks = [json.loads((tmp_path / f"rank-{rank}.json").read_text())["raised"] for rank in range(2)]
+    assert ranks[0] == f"OSError: listing LocalStore('{tmp_path / 'batches'}') failed (injected)", ranks
+    assert ranks[1] == (
+        f"WhetstoneError: rank 0 could not list the batch store LocalStore('{tmp_path / 'batches'}'): "
+        f"OSError: listing LocalStore('{tmp_path / 'batches'}') failed (injected)"
+    ), ranks
+
+
+@pytest.mark.slow  # real 2-process torchrun jobs that stop at set-up, ~15 s each
+@pytest.mark.parametrize("blocked", ["weights", "weights/versions/0000000000"], ids=["the-store", "version-0"])
+def test_every_rank_raises_what_rank_0_met_opening_the_weight_store(tmp_path, tiny_moe, batches, blocked):
+    # Rank 0 alone makes the weight store and publishes version 0, the initial weights: a store
+    # it cannot write fails every rank, rather than rank 0 alone while the others go on.
+    put_batches(tmp_path / "batches", batches[:1])
+    (tmp_path / blocked).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / blocked).write_text("a file in the way\n")
+    config_file = tmp_path / "trainer.toml"
+    config_file.write_text(dump_toml(trainer_config(tmp_path, tiny_moe, max_steps=1)))
+    stderr = torchrun_trainer(config_file, succeeds=False).stderr
+    refusal = "a file is in the way" if blocked == "weights" else "a file where its folder 'versions/0000000000' goes"
+    assert stderr.count(refusal) == 2, stderr[-4000:]

@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import Any
 
@@ -33,7 +33,14 @@ from whetstone.trainer.config import TrainerConfig
 from whetstone.trainer.distributed import global_normalizer, rank_rows
 from whetstone.trainer.setup import TrainerSession, new_optimizer, open_trainer
 from whetstone.trainer.step import DemoAnchor, Learner, StepSettings, check_batch_routes, train_step
-from whetstone.training.distributed import broadcast, full_state_dict, save_sharded_checkpoint, torchrun_group
+from whetstone.training.distributed import (
+    broadcast,
+    full_state_dict,
+    on_rank_0,
+    save_sharded_checkpoint,
+    sum_over_ranks,
+    torchrun_group,
+)
 from whetstone.training.schedule import lr_at
 from whetstone.utils.metrics import MetricsWriter
 from whetstone.utils.processes import stop_on_signals
@@ -124,6 +131,8 @@ def wait_for_batch(
     for longer than a poll interval, however long the orchestrator takes. A batch rank 0 cannot
     read (damaged, another batch's, a store that fails) is refused on every rank, each raising
     the error rank 0 met, rather than by rank 0 alone while the others wait in the collective.
+    So is a failure of what rank 0 does while it waits (`before_idle`, listing the store:
+    `on_rank_0`), and a batch another rank cannot read (`read_on_every_rank`).
     """
     config = session.config
     started = time.monotonic()
@@ -149,14 +158,45 @@ def wait_for_batch(
         if decision == "stop":
             return None
         if decision == "train":
-            return batch if batch is not None else read_batch_rank_0_read(session, index)
-        if session.rank == 0:
-            before_idle()
-            before_idle = lambda: None  # noqa: E731
+            return read_on_every_rank(session, index, batch)
+        on_rank_0(before_idle, "finish the weight publish in flight")
+        before_idle = lambda: None  # noqa: E731
+
+        def report() -> None:
+            nonlocal report_at
             if (now := time.monotonic()) >= report_at:
                 report_waiting(session, index, now - started)
                 report_at = now + IDLE_REPORT_S
+
+        on_rank_0(report, f"list the batch store {session.batches!r}")
+        if session.rank == 0:
             stop.wait(config.poll_interval)
+
+
+def read_on_every_rank(session: TrainerSession, index: int, batch: Batch | None) -> Batch:
+    """Batch `index`, which rank 0 has read (`batch` there), as every other rank reads it
+    (`read_batch_rank_0_read`); every rank calls this. Whether each could is shared before any
+    goes on: a rank that cannot raises its error, and every other rank an error naming the ranks
+    that could not, rather than going on into the step's collectives, which those never join."""
+    failed = None
+    if batch is None:
+        try:
+            batch = read_batch_rank_0_read(session, index)
+        except Exception as err:  # raised once the other ranks know
+            failed = err
+    if session.world_size > 1:
+        mine = [float(failed is not None and rank == session.rank) for rank in range(session.world_size)]
+        if failing := [rank for rank, count in enumerate(sum_over_ranks(mine)) if count]:
+            if failed is not None:
+                raise failed
+            ranks = f"rank {failing[0]}" if len(failing) == 1 else f"ranks {', '.join(map(str, failing))}"
+            raise WhetstoneError(
+                f"{ranks} could not read {batch_key(index)}, which rank 0 read from {session.batches!r} "
+                "(their own errors say why): every rank needs the same batch_store"
+            )
+    if failed is not None:
+        raise failed
+    return batch
 
 
 def replay_matches_store(session: TrainerSession, weights: dict[str, torch.Tensor]) -> bool:
@@ -273,9 +313,15 @@ def step_once(session: TrainerSession, batch: Batch) -> tuple[dict[str, Any], di
     weights = None
     if not replaying or state.step == session.replay_until:
         weights = full_state_dict(session.model)  # every rank takes part; rank 0 gets the tensors
-    if replaying and state.step == session.replay_until and session.publisher is not None:
-        record["replay_matches_store"] = replay_matches_store(session, weights)
-        if not record["replay_matches_store"]:
+    if replaying and state.step == session.replay_until:  # rank 0's check, its failure every rank's
+
+        def check_replay() -> bool | None:
+            return None if session.publisher is None else replay_matches_store(session, weights)
+
+        matches = on_rank_0(check_replay, f"compare the replayed weights with the weight store's version {state.step}")
+        if matches is not None:
+            record["replay_matches_store"] = matches
+        if matches is False:
             log.warning(
                 "replayed weights differ from the store's version %d (non-deterministic kernels or "
                 "another thread count?); the next delta carries the difference",
@@ -309,7 +355,7 @@ class Publishing:
 
     def step_done(self, record: dict[str, Any], weights: dict[str, torch.Tensor] | None, version: int) -> None:
         """Publish `weights` as `version` (record `record` once it is out), or write `record` now
-        when there is nothing to publish (a replayed step, a rank other than 0)."""
+        when there is nothing to publish (a replayed step)."""
         self.finish()
         if weights is None or self.publisher is None:
             record.setdefault("publish_s", 0.0)
@@ -372,13 +418,11 @@ def run_trainer(config: TrainerConfig) -> dict[str, Any]:
 
 
 def _run(session: TrainerSession, stop: threading.Event) -> dict[str, Any]:
+    """The loop, on every rank. What rank 0 alone does (its files, publishing, listing the batch
+    store) goes through `on_rank_0` wherever the ranks go on into a collective after it, so that
+    its failure is every rank's there, not rank 0's alone while the others wait for it."""
     config, state = session.config, session.state
     lead = session.rank == 0  # the one rank that writes files and publishes
-    if lead:
-        session.run_dir.mkdir(parents=True, exist_ok=True)
-        write_toml(session.run_dir / "config.toml", config)
-        if not config.max_steps or state.step < config.max_steps:
-            report_waiting(session, state.step)  # an empty batch store is named at the start
     first_step, checkpointed = state.step, state.step
 
     def write(record: dict[str, Any]) -> None:
@@ -392,7 +436,8 @@ def _run(session: TrainerSession, stop: threading.Event) -> dict[str, Any]:
 
     def checkpoint() -> None:
         nonlocal checkpointed
-        publishing.finish()  # the store must not be behind a checkpoint (a restart refuses that)
+        # the store must not be behind a checkpoint (a restart refuses that)
+        on_rank_0(publishing.finish, "finish the weight publish in flight")
         save_sharded_checkpoint(
             session.checkpoints,
             session.model,
@@ -405,45 +450,56 @@ def _run(session: TrainerSession, stop: threading.Event) -> dict[str, Any]:
         checkpointed = state.step
 
     total = config.max_steps - first_step if config.max_steps else None
-    with (
-        # steps below the store's newest version were published: their records stand (their replays
-        # are logged as `replayed`); those from it on are of versions the store no longer holds
-        MetricsWriter(
-            session.run_dir / "metrics.jsonl",
-            config.tracking,
-            role="trainer",
-            run_config=config,
-            resume_at=max(first_step, session.replay_until),
-        )
-        if lead
-        else nullcontext() as metrics,
-        progress_bar(total, "trainer", "step") if lead else nullcontext() as bar,
-        publishing.recording_on_failure(),
-    ):
-        while not config.max_steps or state.step < config.max_steps:
-            waited = time.perf_counter()
-            batch = wait_for_batch(session, state.step, stop, before_idle=partial(publishing.finish, held_up=False))
-            if batch is None:
-                log.info("stopping at batch %d (signal or idle_timeout)", state.step)
-                break
-            wait_s = time.perf_counter() - waited
-            started_cpu = time.process_time()
-            record, weights = step_once(session, batch)
-            record["wait_s"] = wait_s
-            # this process's CPU (every thread: the previous version's background publish too)
-            record["cpu_s"] = time.process_time() - started_cpu
-            publishing.step_done(record, weights, version=state.step)
-            if state.step % config.checkpoint_interval == 0:
+    with ExitStack() as lead_files:  # rank 0's metrics and progress bar
+
+        def start() -> tuple[MetricsWriter, Any]:
+            session.run_dir.mkdir(parents=True, exist_ok=True)
+            write_toml(session.run_dir / "config.toml", config)
+            if not config.max_steps or state.step < config.max_steps:
+                report_waiting(session, state.step)  # an empty batch store is named at the start
+            # steps below the store's newest version were published: their records stand (their replays
+            # are logged as `replayed`); those from it on are of versions the store no longer holds
+            writer = MetricsWriter(
+                session.run_dir / "metrics.jsonl",
+                config.tracking,
+                role="trainer",
+                run_config=config,
+                resume_at=max(first_step, session.replay_until),
+            )
+            return lead_files.enter_context(writer), lead_files.enter_context(progress_bar(total, "trainer", "step"))
+
+        metrics, bar = on_rank_0(start, f"start its record in output_dir {session.run_dir}") or (None, None)
+        with publishing.recording_on_failure():
+            while not config.max_steps or state.step < config.max_steps:
+                waited = time.perf_counter()
+                batch = wait_for_batch(session, state.step, stop, before_idle=partial(publishing.finish, held_up=False))
+                if batch is None:
+                    log.info("stopping at batch %d (signal or idle_timeout)", state.step)
+                    break
+                wait_s = time.perf_counter() - waited
+                started_cpu = time.process_time()
+                record, weights = step_once(session, batch)
+                record["wait_s"] = wait_s
+                # this process's CPU (every thread: the previous version's background publish too)
+                record["cpu_s"] = time.process_time() - started_cpu
+                publish = partial(publishing.step_done, record, weights, version=state.step)
+                on_rank_0(publish, f"publish weight version {state.step}")
+                if state.step % config.checkpoint_interval == 0:
+                    checkpoint()
+            if state.step != checkpointed:
                 checkpoint()
-        if state.step != checkpointed:
-            checkpoint()
-        publishing.finish()
+            on_rank_0(publishing.finish, "finish the weight publish in flight")
+        on_rank_0(lead_files.close, f"close {session.run_dir / 'metrics.jsonl'}")
     if session.publisher is not None:
         session.publisher.close()
+
+    def latest() -> int | None:
+        return session.weights.latest() if session.weights is not None else None
+
     return {
         "output_dir": str(session.run_dir),
         "step": state.step,
-        "version": session.weights.latest() if session.weights is not None else None,
+        "version": on_rank_0(latest, f"read the latest version in the weight store {config.sync.store}"),
         "steps_this_run": state.step - first_step,
         "replayed": max(0, session.replay_until - first_step),
         "resumed_from": str(session.resumed_from) if session.resumed_from else None,

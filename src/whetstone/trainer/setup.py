@@ -223,30 +223,39 @@ def open_trainer(config: TrainerConfig) -> TrainerSession:
             "(logit_scale_lr > 0); resume it with logit_scale_lr set"
         )
 
-    weights, missing = None, ""
-    if rank == 0:
+    def open_weights() -> tuple[WeightStore, int | None]:
         try:  # a resumed run's store exists: a missing one is refused, not created empty
-            weights = WeightStore.open(config.sync, create=resumed_from is None)
+            store = WeightStore.open(config.sync, create=resumed_from is None)
         except WhetstoneError as err:
             if resumed_from is None:
                 raise
-            missing = str(err)
-    if missing := broadcast(missing):  # every rank refuses it together
-        raise CheckpointError(f"checkpoint {resumed_from} is at step {state.step}, but its weight store: {missing}")
-    # the head healing would leave, read without writing (a manifest written before a crash kept the
-    # pointer is this run's newest, and its batches are replayed; a standing withdrawal's versions are
-    # gone): another run's store is refused below untouched; this run's is healed by `publisher.resume`
-    head = weights.healed_head() if weights is not None else None
-    latest = broadcast(None if head is None else head.version)
+            raise CheckpointError(
+                f"checkpoint {resumed_from} is at step {state.step}, but its weight store: {err}"
+            ) from None
+        # the head healing would leave, read without writing (a manifest written before a crash kept the
+        # pointer is this run's newest, and its batches are replayed; a standing withdrawal's versions are
+        # gone): another run's store is refused below untouched; this run's is healed by `publisher.resume`
+        head = store.healed_head()
+        return store, None if head is None else head.version
+
+    # rank 0 alone owns the store; its failure is every rank's (`on_rank_0`)
+    weights, latest = on_rank_0(open_weights, f"open the weight store {config.sync.store}") or (None, None)
+    latest = broadcast(latest)
     check_store_is_the_runs(config, resumed_from, state.step, latest)  # on every rank: all refuse together
     initial = full_state_dict(model) if latest is None else None  # gathered by every rank
-    publisher = None
-    if weights is not None:
+
+    def start_publishing() -> Publisher:
         publisher = Publisher(weights, config.sync, tables)
         if latest is None:
             publisher.publish(initial, full=True)  # version 0: the initial weights
         else:
             publisher.resume()  # continue the delta chain from what the servers hold
+        return publisher
+
+    publishing = (
+        "publish version 0, the initial weights," if latest is None else f"resume publishing after version {latest}"
+    )
+    publisher = on_rank_0(start_publishing, f"{publishing} in the weight store {config.sync.store}")
     batches = open_store(config.batch_store, endpoint_url=config.batch_store_endpoint_url)
     return TrainerSession(
         config,
